@@ -1,0 +1,147 @@
+"""Megatron-style command-line flags and YAML files  <->  ``Config``.
+
+The parser is generated from the dataclass fields of ``config.py``. Precedence: dataclass
+defaults < ``--config FILE.yaml`` < flags given on the command line. Unknown YAML keys are
+errors with a did-you-mean suggestion.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+from typing import Optional, Sequence
+
+import yaml
+
+from megatron_p2r.config import SECTIONS, Config, ConfigError
+
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _field_type(f: dataclasses.Field):
+    hint = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    hint = hint.replace("Optional[", "").replace("]", "")
+    if hint.startswith("List["):
+        hint = hint[len("List["):]
+    return hint
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def all_fields():
+    """(section, field) for every configurable option."""
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            yield section, f
+
+
+def build_parser(description: str = "megatron_p2r pretraining") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", help="YAML file whose keys are flag names (CLI flags win).")
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        for f in dataclasses.fields(cls):
+            kind = _field_type(f)
+            kwargs = dict(dest=f.name, default=argparse.SUPPRESS, help=f.metadata.get("help"))
+            if kind == "bool":
+                kwargs["action"] = "store_true"
+            else:
+                kwargs["type"] = _TYPES[kind]
+                for key in ("choices", "nargs"):
+                    if key in f.metadata:
+                        kwargs[key] = f.metadata[key]
+            group.add_argument(_flag(f.name), **kwargs)
+    return parser
+
+
+def _normalise_yaml(raw: dict, source: str) -> dict:
+    known = {f.name: (section, f) for section, f in all_fields()}
+    out = {}
+    for key, value in raw.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name not in known:
+            hint = difflib.get_close_matches(name, list(known), n=1)
+            suggestion = f"; did you mean '{hint[0].replace('_', '-')}'?" if hint else ""
+            raise ConfigError(f"{source}: unknown key '{key}'{suggestion}")
+        out[name] = _coerce(value, known[name][1], source, key)
+    return out
+
+
+def _coerce(value, f: dataclasses.Field, source: str, key: str):
+    """Check a YAML value against the field's type, so a typo fails here and not mid-run."""
+    kind = _field_type(f)
+    if value is None:
+        return None
+    if "nargs" in f.metadata:
+        values = value if isinstance(value, list) else str(value).split()
+        return [str(v) for v in values]
+    try:
+        if kind == "bool":
+            if not isinstance(value, bool):
+                raise TypeError
+            return value
+        if kind == "int" and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
+            raise TypeError
+        converted = _TYPES[kind](value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: key '{key}' expects {kind}, got {value!r}") from None
+    choices = f.metadata.get("choices")
+    if choices and converted not in choices:
+        raise ConfigError(f"{source}: key '{key}' must be one of {choices}, got {converted!r}")
+    return converted
+
+
+def load_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config: no such file: {path}")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            raw = yaml.safe_load(fh) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of flag names to values, got {type(raw).__name__}")
+    return _normalise_yaml(raw, path)
+
+
+def config_from_values(values: dict) -> Config:
+    """Build a Config from a flat {field_name: value} dict (unknown names are errors)."""
+    values = _normalise_yaml(values, "config") if values else {}
+    sections = {name: {} for name in SECTIONS}
+    for section, f in all_fields():
+        if f.name in values:
+            sections[section][f.name] = values[f.name]
+    return Config(**{name: SECTIONS[name](**kw) for name, kw in sections.items()})
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.ArgumentParser] = None) -> Config:
+    parser = parser or build_parser()
+    ns = parser.parse_args(argv)
+    given = vars(ns)
+    values = load_yaml(given.pop("config")) if given.get("config") else {}
+    given.pop("config", None)
+    values.update(given)
+    return config_from_values(values)
+
+
+def to_argv(cfg: Config) -> list:
+    """The flags that reproduce ``cfg`` (used by tools that launch training)."""
+    argv = []
+    for section, f in all_fields():
+        value = getattr(getattr(cfg, section), f.name)
+        if value == f.default or value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(_flag(f.name))
+        elif isinstance(value, list):
+            argv += [_flag(f.name), *map(str, value)]
+        else:
+            argv += [_flag(f.name), str(value)]
+    return argv
+
+
+__all__ = ["build_parser", "parse_args", "load_yaml", "config_from_values", "to_argv"]

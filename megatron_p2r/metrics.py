@@ -1,0 +1,96 @@
+"""Training metrics: model FLOPs, memory, and the per-interval log line / JSONL / TensorBoard."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from typing import Optional
+
+import torch
+
+from megatron_p2r.config import ModelConfig
+
+
+def model_flops_per_token(m: ModelConfig, recompute: bool = False) -> float:
+    """Training FLOPs per token: 3x forward matmuls (4x with recomputation).
+
+    Forward = 2 x (matmul parameters a token touches: attention, dense or its top-k experts,
+    the output layer) + causal attention scores and values, 2 x 2 x seq x hidden per layer
+    (counted over the full square, as Megatron does).
+    """
+    h, L = m.hidden_size, m.num_layers
+    ffn_mult = 3 if m.swiglu else 2
+    attention = 4 * h * h
+    dense = ffn_mult * h * m.ffn_size
+    expert = ffn_mult * h * m.expert_ffn_size * (m.moe_num_prototypes if m.moe_num_prototypes > 1
+                                                 else m.moe_router_topk)
+    router = h * (m.num_experts or 0)
+    per_layer = [attention + ((expert + router) if m.is_moe_layer(i) else dense) for i in range(L)]
+    vocab = m.padded_vocab_size(1) if m.vocab_size else 0
+    forward = 2 * (sum(per_layer) + h * vocab) + 4 * m.seq_length * h * L
+    return forward * (4 if recompute else 3)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss_kib * (1 if sys.platform == "darwin" else 1024)
+
+
+class TrainingLogger:
+    """Prints a human line and writes the same scalars as JSONL and to TensorBoard."""
+
+    def __init__(self, log_file: Optional[str] = None, tensorboard_dir: Optional[str] = None, enabled: bool = True):
+        self.enabled = enabled
+        self.log_file = log_file if enabled else None
+        self.writer = None
+        if enabled and tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(tensorboard_dir)
+        if self.log_file:
+            os.makedirs(os.path.dirname(os.path.abspath(self.log_file)), exist_ok=True)
+
+    def info(self, message: str) -> None:
+        if self.enabled:
+            print(message, flush=True)
+
+    def log(self, record: dict, line: Optional[str] = None) -> None:
+        if not self.enabled:
+            return
+        if line:
+            print(line, flush=True)
+        if self.log_file:
+            with open(self.log_file, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            step = record.get("iteration", 0)
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "iteration":
+                    self.writer.add_scalar(key, value, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def format_line(r: dict) -> str:
+    parts = [f"iteration {r['iteration']:>6d}/{r['train_iters']:>6d}",
+             f"consumed samples {r['consumed_samples']}",
+             f"ms/iter {r['ms_per_iter']:.1f}",
+             f"lr {r['lr']:.3E}",
+             f"lm loss {r['lm_loss']:.4E}",
+             f"grad norm {r['grad_norm']:.3f}",
+             f"tokens/s {r['tokens_per_s']:.0f}",
+             f"TFLOP/s per rank {r['tflops']:.3f}",
+             f"peak mem {r['peak_memory_gib']:.2f} GiB"]
+    if r.get("loss_scale", 1.0) != 1.0:
+        parts.append(f"loss scale {r['loss_scale']:.1f}")
+    if r.get("skipped"):
+        parts.append(f"skipped {r['skipped']}")
+    for key in ("moe_dropped_fraction", "moe_min_load", "moe_max_load"):
+        if key in r:
+            parts.append(f"{key.replace('_', ' ')} {r[key]:.3f}")
+    return " | ".join(parts)

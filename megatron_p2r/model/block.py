@@ -1,0 +1,40 @@
+"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)) (dense or MoE)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_p2r.config import ModelConfig
+from megatron_p2r.model.attention import Attention
+from megatron_p2r.model.mlp import MLP
+from megatron_p2r.parallel.state import ParallelState
+
+
+def make_norm(cfg: ModelConfig, device=None) -> nn.Module:
+    """torch's LayerNorm / RMSNorm (NVIDIA apex's fused kernels are not needed for these sizes)."""
+    cls = nn.LayerNorm if cfg.normalization == "LayerNorm" else nn.RMSNorm
+    norm = cls(cfg.hidden_size, eps=cfg.norm_epsilon, device=device)
+    for name, p in norm.named_parameters():
+        p.tp_dim, p.expert, p.no_wd = None, False, True
+        p.init = ("ones",) if name == "weight" else ("zeros",)
+    return norm
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, moe: bool, device=None):
+        super().__init__()
+        self.hidden_dropout = cfg.hidden_dropout
+        self.input_norm = make_norm(cfg, device)
+        self.attention = Attention(cfg, ps, device)
+        self.post_attention_norm = make_norm(cfg, device)
+        if moe:
+            from megatron_p2r.moe.layer import MoELayer
+            self.mlp = MoELayer(cfg, ps, device)
+        else:
+            self.mlp = MLP(cfg, ps, device=device)
+
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        p = self.hidden_dropout if self.training else 0.0
+        x = x + F.dropout(self.attention(self.input_norm(x), rope), p)
+        return x + F.dropout(self.mlp(self.post_attention_norm(x)), p)

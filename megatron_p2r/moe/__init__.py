@@ -1,0 +1,1 @@
+"""Mixture of experts: routers, token dispatch over expert parallelism, stacked experts, the MoE layer."""

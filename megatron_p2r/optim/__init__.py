@@ -1,0 +1,1 @@
+"""Optimizer, learning-rate schedule, loss scaling and CPU offload of optimizer state."""

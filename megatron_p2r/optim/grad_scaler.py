@@ -1,0 +1,48 @@
+"""Loss scaling. fp16 needs a dynamic scale; bf16 and fp32 use a constant scale of 1.
+
+The non-finite check is reduced over *all* ranks before anyone decides, so every rank skips
+the same steps (a TP shard with an inf must stop its peers too).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_p2r.config import TrainConfig
+
+
+class LossScaler:
+    def __init__(self, t: TrainConfig):
+        self.dynamic = t.fp16
+        self.scale = float(t.initial_loss_scale) if t.fp16 else 1.0
+        self.min_scale, self.window = float(t.min_loss_scale), int(t.loss_scale_window)
+        self.good_steps = 0
+
+    def update(self, found_inf: bool) -> None:
+        if not self.dynamic:
+            return
+        if found_inf:
+            self.scale = max(self.scale / 2.0, self.min_scale)
+            self.good_steps = 0
+        else:
+            self.good_steps += 1
+            if self.good_steps % self.window == 0:
+                self.scale *= 2.0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+
+
+def found_non_finite(grads, device: torch.device) -> bool:
+    """True on every rank if any rank has an inf/nan gradient."""
+    flag = torch.zeros(1, device=device)
+    for g in grads:
+        if not torch.isfinite(g).all():
+            flag.fill_(1.0)
+            break
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())

@@ -1,0 +1,1 @@
+"""Tensor-parallel building blocks: process groups, collectives, layers, loss, RNG."""

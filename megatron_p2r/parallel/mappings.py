@@ -1,0 +1,115 @@
+"""Autograd-aware collectives for tensor and expert parallelism.
+
+Each function is the identity when its group is None (size 1), so the same model code is
+the single-process reference.
+
+    copy_to_region       fwd: identity     bwd: all-reduce    (enter a TP region)
+    reduce_from_region   fwd: all-reduce   bwd: identity      (leave a TP region)
+    gather_from_region   fwd: all-gather last dim   bwd: split
+    all_to_all           fwd: all-to-all with split sizes   bwd: the reverse all-to-all
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g.clone(), ctx.group), None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return g.chunk(size, dim=-1)[rank].contiguous(), None
+
+
+def copy_to_region(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    return x if group is None else _Copy.apply(x, group)
+
+
+def reduce_from_region(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    return x if group is None else _Reduce.apply(x, group)
+
+
+def gather_from_region(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    return x if group is None else _Gather.apply(x, group)
+
+
+def _all_to_all_single(x: torch.Tensor, out_splits: List[int], in_splits: List[int], group) -> torch.Tensor:
+    """Rows of ``x`` split by ``in_splits`` go to each rank; ``out_splits`` rows come back.
+
+    gloo has no all_to_all, so on CPU it is built from batched isend/irecv (documented in
+    docs/parallelism.md); NCCL uses the native collective.
+    """
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    if dist.get_backend(group) != "gloo":
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+        return out
+    me = dist.get_rank(group)
+    ins, outs = x.split(in_splits), out.split(out_splits)
+    ops = []
+    for peer in range(dist.get_world_size(group)):
+        global_peer = dist.get_global_rank(group, peer)
+        if peer == me:
+            outs[peer].copy_(ins[peer])
+            continue
+        if in_splits[peer]:
+            ops.append(dist.P2POp(dist.isend, ins[peer].contiguous(), global_peer, group))
+        if out_splits[peer]:
+            ops.append(dist.P2POp(dist.irecv, outs[peer], global_peer, group))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _all_to_all_single(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all_single(g, in_splits, out_splits, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: List[int], in_splits: List[int],
+               group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Differentiable all-to-all along dim 0 with per-rank row counts."""
+    return x if group is None else _AllToAll.apply(x, list(out_splits), list(in_splits), group)

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: stage partitioning, point-to-point transfers and schedules."""

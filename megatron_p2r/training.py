@@ -1,0 +1,338 @@
+"""The training loop: set up, step, log, evaluate, save, resume.
+
+``pretrain(cfg)`` is what ``pretrain_m6.py`` runs under torchrun. Its pieces are separate
+functions (``setup``, ``train_step``, ``evaluate``) so tests can drive them in-process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import signal
+import socket
+import time
+from typing import Iterator, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_p2r.config import Config, ConfigError, global_batch_size, num_microbatches, validate
+from megatron_p2r.metrics import TrainingLogger, format_line, model_flops_per_token, peak_memory_bytes
+from megatron_p2r.model.m6 import M6Model, build_model, replica_stage_sets
+from megatron_p2r.moe import aux_loss
+from megatron_p2r.optim.grad_scaler import LossScaler, found_non_finite
+from megatron_p2r.optim.optimizer import build_optimizer
+from megatron_p2r.optim.scheduler import LRScheduler
+from megatron_p2r.parallel.grads import clip_grads, finalize_grads, global_grad_norm
+from megatron_p2r.parallel.random import seed_everything
+from megatron_p2r.parallel.state import Layout, ParallelState, initialize
+from megatron_p2r.pipeline.schedules import get_forward_backward_func
+
+
+class TrainingStopped(RuntimeError):
+    """Training cannot go on (e.g. too many consecutive non-finite steps); a checkpoint was saved."""
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Everything a checkpoint saves and a resume restores."""
+
+    cfg: Config
+    ps: ParallelState
+    model: M6Model
+    optimizer: torch.optim.Optimizer
+    scheduler: LRScheduler
+    scaler: LossScaler
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_in_a_row: int = 0
+
+    @property
+    def params(self) -> List[torch.nn.Parameter]:
+        return list(self.model.parameters())
+
+
+# ----------------------------------------------------------------------------- set-up
+
+def resolve_device(cfg: Config) -> torch.device:
+    kind = cfg.parallel.device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        index = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(cfg: Config, device: torch.device) -> None:
+    """Join the job torchrun started (or a one-rank job when run directly)."""
+    if dist.is_initialized():
+        return
+    backend = cfg.parallel.distributed_backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                rank=0, world_size=1, timeout=timeout)
+
+
+def setup_parallel(cfg: Config, device: torch.device) -> ParallelState:
+    world = dist.get_world_size()
+    validate(cfg, world)
+    p = cfg.parallel
+    layout = Layout.from_world(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                               p.expert_model_parallel_size)
+    ps = initialize(layout, device, stage_sets=tuple(replica_stage_sets(cfg).values()))
+    seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, device)
+    return ps
+
+
+def setup_vocab(cfg: Config):
+    """Take the vocabulary size from the tokenizer when one is configured."""
+    if cfg.data.tokenizer_type is None:
+        return None
+    from megatron_p2r.data.tokenizers import build_tokenizer
+    tokenizer = build_tokenizer(cfg.data)
+    cfg.model.vocab_size = tokenizer.vocab_size
+    return tokenizer
+
+
+def build_train_state(cfg: Config, ps: ParallelState) -> TrainState:
+    model = build_model(cfg, ps)
+    optimizer = build_optimizer(model, cfg.train)
+    return TrainState(cfg=cfg, ps=ps, model=model, optimizer=optimizer,
+                      scheduler=LRScheduler(optimizer, cfg.train), scaler=LossScaler(cfg.train))
+
+
+def compute_dtype(cfg: Config) -> Optional[torch.dtype]:
+    return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else None
+
+
+# ----------------------------------------------------------------------------- data
+
+def build_datasets(cfg: Config, ps: ParallelState):
+    """(train, valid) datasets: every item is int64 tokens of length seq_length + 1."""
+    gbs = global_batch_size(cfg, ps.layout.world_size)
+    eval_samples = cfg.logging.eval_iters * gbs
+    train_samples = cfg.train.train_iters * gbs
+    if cfg.data.mock_data:
+        from megatron_p2r.data.mock import MockGPTDataset
+        m = cfg.model
+        return (MockGPTDataset(train_samples, m.seq_length, m.vocab_size, cfg.train.seed),
+                MockGPTDataset(eval_samples, m.seq_length, m.vocab_size, cfg.train.seed + 1))
+    from megatron_p2r.data.builder import build_train_valid_test_datasets
+    train, valid, _ = build_train_valid_test_datasets(cfg.data, cfg.model.seq_length, cfg.train.seed,
+                                                      (train_samples, eval_samples, 0))
+    return train, valid
+
+
+def microbatch_iterator(dataset, consumed_samples: int, cfg: Config, ps: ParallelState) -> Iterator[dict]:
+    """This data-parallel rank's micro-batches, continuing after ``consumed_samples``."""
+    from megatron_p2r.data.samplers import PretrainingSampler
+    sampler = PretrainingSampler(len(dataset), consumed_samples, cfg.train.micro_batch_size,
+                                 ps.dp_rank, ps.dp_size)
+    for indices in sampler:
+        sample = torch.from_numpy(np.stack([np.asarray(dataset[i], dtype=np.int64) for i in indices]))
+        sample = sample.to(ps.device)
+        yield {"tokens": sample[:, :-1], "labels": sample[:, 1:],
+               "loss_mask": torch.ones_like(sample[:, 1:], dtype=torch.float32)}
+
+
+def _take(iterator: Iterator[dict], n: int, what: str) -> List[dict]:
+    batches = [b for _, b in zip(range(n), iterator)]
+    if len(batches) < n:
+        raise RuntimeError(f"the {what} data ran out: needed {n} micro-batches, got {len(batches)}")
+    return batches
+
+
+# ----------------------------------------------------------------------------- steps
+
+def reduce_loss(loss: Optional[torch.Tensor], ps: ParallelState) -> float:
+    """The last stage's loss averaged over data parallelism, returned on every rank."""
+    value = loss.detach().clone().float().reshape(1) if ps.is_last_stage else torch.zeros(1, device=ps.device)
+    if ps.group("pp") is not None:
+        dist.all_reduce(value, group=ps.group("pp"))
+    if ps.group("dp") is not None:
+        dist.all_reduce(value, group=ps.group("dp"))
+        value /= ps.dp_size
+    return value.item()
+
+
+def train_step(state: TrainState, microbatches: List[dict]) -> dict:
+    """One optimizer step over ``microbatches``; skips the update when a gradient is non-finite."""
+    cfg, ps = state.cfg, state.ps
+    params = state.params
+    for p in params:
+        p.grad = None
+    forward_backward = get_forward_backward_func(ps, cfg.parallel.pipeline_schedule)
+    scale = state.scaler.scale
+    loss = forward_backward(state.model, microbatches, ps, loss_scale=scale, dtype=compute_dtype(cfg))
+    finalize_grads(params, ps)
+    found_inf = found_non_finite([p.grad for p in params], ps.device)
+    state.scaler.update(found_inf)
+    grad_norm = float("nan")
+    if not found_inf:
+        if scale != 1.0:
+            torch._foreach_mul_([p.grad for p in params], 1.0 / scale)
+        grad_norm = global_grad_norm(params, ps)
+        clip_grads(params, cfg.train.clip_grad, grad_norm)
+        state.optimizer.step()
+        state.skipped_in_a_row = 0
+    else:
+        state.skipped_in_a_row += 1
+    state.scheduler.step()
+    state.iteration += 1
+    state.consumed_samples += global_batch_size(cfg, ps.layout.world_size)
+    aux = aux_loss.pop_recorded()
+    return {"lm_loss": reduce_loss(loss, ps), "grad_norm": grad_norm, "skipped": bool(found_inf),
+            "moe_aux_loss": float(torch.stack(aux).sum()) if aux else None}
+
+
+@torch.no_grad()
+def evaluate(state: TrainState, valid_dataset) -> float:
+    """Validation loss on a fixed, deterministic set: the first eval-iters global batches."""
+    cfg, ps = state.cfg, state.ps
+    state.model.eval()
+    n = num_microbatches(cfg, ps.layout.world_size) * cfg.logging.eval_iters
+    batches = _take(microbatch_iterator(valid_dataset, 0, cfg, ps), n, "validation")
+    forward_backward = get_forward_backward_func(ps, cfg.parallel.pipeline_schedule)
+    loss = forward_backward(state.model, batches, ps, dtype=compute_dtype(cfg), forward_only=True)
+    state.model.train()
+    return reduce_loss(loss, ps)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+class _ExitSignal:
+    """Turns SIGTERM into a flag the loop checks after each step (then saves and exits)."""
+
+    def __init__(self, enabled: bool):
+        self.received = False
+        if enabled:
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def any_rank(self, device: torch.device) -> bool:
+        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def log_rank(ps: ParallelState) -> int:
+    """The rank that logs: last stage, tp 0, dp 0 (it holds the loss)."""
+    return ps.layout.rank(0, 0, ps.pp_size - 1)
+
+
+def describe_memory(state: TrainState) -> dict:
+    """Parameter count and bytes of parameters, gradients and optimizer state on this rank."""
+    params = state.params
+    n = sum(p.numel() for p in params)
+    p_bytes = sum(p.numel() * p.element_size() for p in params)
+    optim_elems = 2 * n  # AdamW: exp_avg and exp_avg_sq, fp32
+    return {"rank": state.ps.rank, "parameters": n, "param_bytes": p_bytes, "grad_bytes": p_bytes,
+            "optimizer_bytes": optim_elems * 4}
+
+
+def pretrain(cfg: Config) -> dict:
+    """Train (or with --eval-only, evaluate) and return the final figures of this rank."""
+    device = resolve_device(cfg)
+    init_distributed(cfg, device)
+    setup_vocab(cfg)
+    ps = setup_parallel(cfg, device)
+    state = build_train_state(cfg, ps)
+    logger = TrainingLogger(cfg.logging.log_file, cfg.logging.tensorboard_dir, enabled=ps.rank == log_rank(ps))
+    mem = describe_memory(state)
+    print(f"[rank {ps.rank}] stage {ps.pp_rank} tp {ps.tp_rank} dp {ps.dp_rank} ep {ps.ep_rank}: "
+          f"{mem['parameters']:,} parameters, {mem['param_bytes'] / 2**20:.1f} MiB params, "
+          f"{mem['grad_bytes'] / 2**20:.1f} MiB grads, {mem['optimizer_bytes'] / 2**20:.1f} MiB optimizer",
+          flush=True)
+    if cfg.checkpoint.load:
+        from megatron_p2r.checkpoint.io import load_checkpoint
+        load_checkpoint(cfg.checkpoint.load, state, finetune=cfg.checkpoint.finetune)
+    train_ds, valid_ds = build_datasets(cfg, ps)
+    result = {"rank": ps.rank, "losses": [], "memory": mem}
+    if cfg.logging.eval_only:
+        result["eval_loss"] = evaluate(state, valid_ds)
+        logger.log({"iteration": state.iteration, "eval_loss": result["eval_loss"]},
+                   f"validation loss at iteration {state.iteration}: {result['eval_loss']:.6f}")
+        logger.close()
+        return result
+    result.update(train(state, train_ds, valid_ds, logger))
+    logger.close()
+    return result
+
+
+def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger) -> dict:
+    cfg, ps = state.cfg, state.ps
+    t, ck = cfg.train, cfg.checkpoint
+    n_mb = num_microbatches(cfg, ps.layout.world_size)
+    gbs = global_batch_size(cfg, ps.layout.world_size)
+    data = microbatch_iterator(train_ds, state.consumed_samples, cfg, ps)
+    exit_signal = _ExitSignal(t.exit_signal_handler)
+    flops_per_token = model_flops_per_token(cfg.model, t.recompute_activations)
+    losses, eval_losses = [], []
+    window_start, window_steps = time.perf_counter(), 0
+    state.model.train()
+    while state.iteration < t.train_iters:
+        lr = state.scheduler.lr
+        out = train_step(state, _take(data, n_mb, "training"))
+        losses.append(out["lm_loss"])
+        window_steps += 1
+        # fp16 skips are routine while the scale adapts; they count once it is at its floor.
+        counted = not t.fp16 or state.scaler.scale <= state.scaler.min_scale
+        if out["skipped"] and counted and state.skipped_in_a_row >= t.max_skipped_steps:
+            _save(state, logger, reason="stopping on non-finite values")
+            saved = f"the last good state is saved in {ck.save}" if ck.save else "nothing was saved (no --save)"
+            raise TrainingStopped(f"{state.skipped_in_a_row} consecutive steps had non-finite loss or gradients "
+                                  f"(--max-skipped-steps {t.max_skipped_steps}); {saved}")
+        if state.iteration % cfg.logging.log_interval == 0:
+            elapsed = time.perf_counter() - window_start
+            tokens_per_s = window_steps * gbs * cfg.model.seq_length / elapsed
+            record = {"iteration": state.iteration, "train_iters": t.train_iters,
+                      "consumed_samples": state.consumed_samples, "lm_loss": out["lm_loss"], "lr": lr,
+                      "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_s,
+                      "tflops": tokens_per_s * flops_per_token / ps.layout.world_size / 1e12,
+                      "ms_per_iter": 1000 * elapsed / window_steps,
+                      "peak_memory_gib": peak_memory_bytes(ps.device) / 2**30,
+                      "loss_scale": state.scaler.scale, "skipped": int(out["skipped"])}
+            if out["moe_aux_loss"] is not None:
+                record["moe_aux_loss"] = out["moe_aux_loss"]
+            logger.log(record, format_line(record))
+            window_start, window_steps = time.perf_counter(), 0
+        if cfg.logging.eval_interval and state.iteration % cfg.logging.eval_interval == 0:
+            eval_losses.append(evaluate(state, valid_ds))
+            logger.log({"iteration": state.iteration, "eval_loss": eval_losses[-1]},
+                       f"validation loss at iteration {state.iteration}: {eval_losses[-1]:.6f}")
+        if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
+            _save(state, logger)
+        if (t.exit_interval and state.iteration % t.exit_interval == 0) or exit_signal.any_rank(ps.device):
+            _save(state, logger, reason="exit requested")
+            return {"losses": losses, "eval_losses": eval_losses, "exited_early": True}
+    if ck.save and not (ck.save_interval and state.iteration % ck.save_interval == 0):
+        _save(state, logger)
+    return {"losses": losses, "eval_losses": eval_losses}
+
+
+def _save(state: TrainState, logger: TrainingLogger, reason: str = "") -> None:
+    if not state.cfg.checkpoint.save:
+        return
+    from megatron_p2r.checkpoint.io import save_checkpoint
+    path = save_checkpoint(state.cfg.checkpoint.save, state)
+    logger.info(f"saved checkpoint {path}" + (f" ({reason})" if reason else ""))
+
+
+__all__ = ["pretrain", "train", "train_step", "evaluate", "TrainState", "ConfigError", "TrainingStopped"]
