@@ -1,0 +1,1 @@
+"""Data: tokenizers, Megatron-format indexed datasets, GPT samples, blending, samplers."""
