@@ -1,0 +1,36 @@
+import json
+import sysconfig
+
+from tools import build_demo_corpus
+
+
+def read(path):
+    return [json.loads(line) for line in open(path, encoding="utf-8")]
+
+
+def test_deterministic_sorted_stdlib_documents(tmp_path):
+    assert build_demo_corpus.main(["--output", str(tmp_path / "a.jsonl"), "--max-docs", "12"]) == 0
+    assert build_demo_corpus.main(["--output", str(tmp_path / "b.jsonl"), "--max-docs", "12"]) == 0
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    docs = read(tmp_path / "a.jsonl")
+    assert len(docs) == 12
+    paths = [d["path"] for d in docs]
+    assert paths == sorted(paths) and all(p.endswith(".py") and "site-packages" not in p for p in paths)
+    root = sysconfig.get_paths()["stdlib"]
+    with open(f"{root}/{paths[3]}", encoding="utf-8") as f:
+        assert docs[3]["text"] == f.read()
+
+
+def test_max_bytes_and_no_overwrite(tmp_path, capsys):
+    out = tmp_path / "c.jsonl"
+    build_demo_corpus.main(["--output", str(out), "--max-bytes", "100000"])
+    docs = read(out)
+    total = sum(len(d["text"].encode("utf-8")) for d in docs)
+    assert 0 < total <= 100000 and len(docs) > 1
+    try:
+        build_demo_corpus.main(["--output", str(out), "--max-docs", "1"])
+    except SystemExit as exc:
+        assert "already exists" in str(exc)
+    else:
+        raise AssertionError("an existing corpus was overwritten")
+    assert read(out) == docs

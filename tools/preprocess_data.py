@@ -1,0 +1,216 @@
+"""Tokenise a jsonl corpus into Megatron-LM indexed datasets (``PREFIX_KEY_document.bin/.idx``).
+
+    p2r-preprocess-data --input corpus.jsonl.gz --json-keys text --output-prefix data/corpus \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
+        --workers 8 --append-eod
+
+The input is streamed in chunks of lines; worker processes parse and tokenise them while the
+main process writes the results in input order, so any worker count gives identical files.
+Lines that are not a JSON object with a string under every key are skipped and reported with
+their line numbers (``--strict`` stops at the first). Outputs are written under temporary
+names and renamed when complete; existing outputs are kept unless ``--overwrite``.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import gzip
+import json
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+if __package__ in (None, ""):  # run as `python tools/preprocess_data.py`: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+from tqdm import tqdm
+
+from megatron_p2r.config import ConfigError, DataConfig
+from megatron_p2r.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
+from megatron_p2r.data.tokenizers import build_tokenizer
+
+MAX_REPORTED_BAD_LINES = 10
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--input", required=True, help="jsonl file, optionally .gz; one JSON object per line")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenise; one output per key")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX_KEY_document.bin/.idx")
+    p.add_argument("--tokenizer-type", required=True,
+                   choices=["SentencePieceTokenizer", "GPT2BPETokenizer", "ByteTokenizer"])
+    p.add_argument("--tokenizer-model", help="SentencePiece .model")
+    p.add_argument("--vocab-file", help="GPT-2 BPE vocab.json")
+    p.add_argument("--merge-file", help="GPT-2 BPE merges.txt")
+    p.add_argument("--append-eod", action="store_true", help="end every document with the end-of-document token")
+    p.add_argument("--workers", type=int, default=1, help="tokenising processes (1: in this process)")
+    p.add_argument("--chunk-lines", type=int, default=64, help="lines per task sent to a worker")
+    p.add_argument("--strict", action="store_true", help="fail on the first bad line instead of skipping it")
+    p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    return p
+
+
+@dataclass
+class Stats:
+    documents: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    bad_lines: List[tuple] = field(default_factory=list)  # (line number, reason), at most MAX_REPORTED_BAD_LINES
+    num_bad_lines: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+# Per-process state of the tokenising workers (set once by _init_worker).
+_worker: dict = {}
+
+
+def _init_worker(data_cfg: DataConfig, keys: Sequence[str], append_eod: bool, dtype: str) -> None:
+    tokenizer = build_tokenizer(data_cfg)
+    _worker.update(tokenizer=tokenizer, keys=list(keys), append_eod=append_eod, dtype=np.dtype(dtype))
+
+
+def _encode_line(line: bytes):
+    """(token bytes per key) for a good line, or the reason it is bad."""
+    try:
+        doc = json.loads(line)
+    except UnicodeDecodeError:
+        return "not UTF-8"
+    except ValueError as exc:
+        return f"invalid JSON ({exc})"
+    if not isinstance(doc, dict):
+        return f"expected a JSON object, got {type(doc).__name__}"
+    texts = []
+    for key in _worker["keys"]:
+        if key not in doc:
+            return f"missing key {key!r}"
+        if not isinstance(doc[key], str):
+            return f"key {key!r} holds {type(doc[key]).__name__}, expected a string"
+        texts.append(doc[key])
+    tokenizer = _worker["tokenizer"]
+    out = []
+    for ids in tokenizer.encode_batch(texts):
+        if _worker["append_eod"]:
+            ids = list(ids) + [tokenizer.eod]
+        out.append(np.asarray(ids, dtype=_worker["dtype"]).tobytes())
+    return out
+
+
+def _encode_chunk(chunk):
+    return [(number, _encode_line(line)) for number, line in chunk]
+
+
+def _read_chunks(path: str, chunk_lines: int):
+    """Lists of (line number, line), streamed; whitespace-only lines are dropped."""
+    opener = gzip.open if path.endswith(".gz") else open
+    chunk = []
+    with opener(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                chunk.append((number, line))
+                if len(chunk) == chunk_lines:
+                    yield chunk
+                    chunk = []
+    if chunk:
+        yield chunk
+
+
+def _results(args, data_cfg: DataConfig, dtype: np.dtype):
+    """Encoded chunks in input order; at most a few chunks per worker are in flight (bounded memory)."""
+    chunks = _read_chunks(args.input, args.chunk_lines)
+    init = (data_cfg, args.json_keys, args.append_eod, dtype.str)
+    if args.workers <= 1:
+        _init_worker(*init)
+        for chunk in chunks:
+            yield _encode_chunk(chunk)
+        return
+    with multiprocessing.get_context("spawn").Pool(args.workers, _init_worker, init) as pool:
+        pending = collections.deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+            if len(pending) >= 4 * args.workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def output_paths(prefix: str, key: str) -> tuple[str, str]:
+    return f"{prefix}_{key}_document.bin", f"{prefix}_{key}_document.idx"
+
+
+def preprocess(args) -> Stats:
+    """Run the conversion described by parsed ``args``; errors are SystemExit with a message."""
+    if args.workers < 1 or args.chunk_lines < 1:
+        raise SystemExit("--workers and --chunk-lines must be >= 1")
+    if not os.path.isfile(args.input):
+        raise SystemExit(f"--input {args.input}: no such file")
+    data_cfg = DataConfig(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                          vocab_file=args.vocab_file, merge_file=args.merge_file)
+    try:
+        tokenizer = build_tokenizer(data_cfg)
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
+    outputs = [output_paths(args.output_prefix, key) for key in args.json_keys]
+    existing = [p for pair in outputs for p in pair if os.path.exists(p)]
+    if existing and not args.overwrite:
+        raise SystemExit(f"{existing[0]} already exists; pass --overwrite to replace it")
+    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+    dtype = np.dtype(best_dtype(tokenizer.vocab_size))
+    tmp = [(f"{b}.tmp{os.getpid()}", f"{i}.tmp{os.getpid()}") for b, i in outputs]
+    builders = [IndexedDatasetBuilder(b, dtype) for b, _ in tmp]
+    stats = Stats()
+    start = time.perf_counter()
+    try:
+        with tqdm(unit=" docs", disable=None, desc="tokenising") as bar, \
+                contextlib.closing(_results(args, data_cfg, dtype)) as chunks:
+            for results in chunks:
+                for line_number, result in results:
+                    if isinstance(result, str):
+                        if args.strict:
+                            raise SystemExit(f"{args.input}:{line_number}: {result}")
+                        stats.num_bad_lines += 1
+                        if len(stats.bad_lines) < MAX_REPORTED_BAD_LINES:
+                            stats.bad_lines.append((line_number, result))
+                        continue
+                    for builder, data in zip(builders, result):
+                        tokens = np.frombuffer(data, dtype)
+                        builder.add_document(tokens)
+                        stats.tokens += len(tokens)
+                    stats.documents += 1
+                bar.update(len(results))
+        for builder, (_, idx) in zip(builders, tmp):
+            builder.finalize(idx)
+        for (b_tmp, i_tmp), (b, i) in zip(tmp, outputs):
+            os.replace(b_tmp, b)
+            os.replace(i_tmp, i)
+    finally:
+        for path in (p for pair in tmp for p in pair):
+            if os.path.exists(path):
+                os.unlink(path)
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    stats = preprocess(args)
+    for _, idx in (output_paths(args.output_prefix, key) for key in args.json_keys):
+        print(f"wrote {idx[:-4]}.bin/.idx")
+    print(f"documents: {stats.documents}, tokens: {stats.tokens}, time: {stats.seconds:.2f}s, "
+          f"tokens/s: {stats.tokens_per_second:,.0f} ({args.workers} worker(s))")
+    if stats.num_bad_lines:
+        shown = "; ".join(f"line {n}: {why}" for n, why in stats.bad_lines)
+        more = f" (first {len(stats.bad_lines)} shown)" if stats.num_bad_lines > len(stats.bad_lines) else ""
+        print(f"skipped {stats.num_bad_lines} bad line(s){more}: {shown}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
