@@ -27,7 +27,7 @@ class ModelConfig:
     seq_length: int = opt(256, "Sequence length of a training sample.")
     max_position_embeddings: Optional[int] = opt(None, "Learned positions table size (default seq-length).")
     vocab_size: Optional[int] = opt(None, "Vocabulary size before padding (set by the tokenizer; needed with --mock-data).")
-    make_vocab_size_divisible_by: int = opt(128, "Pad the vocabulary to a multiple of this times TP.")
+    make_vocab_size_divisible_by: int = opt(128, "Pad the vocabulary to a multiple of this (must be divisible by TP).")
     normalization: str = opt("LayerNorm", "Normalisation layer.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = opt(1e-5, "Epsilon of the normalisation layers.")
     swiglu: bool = opt(False, "Use SwiGLU in the MLP instead of GELU.")
@@ -73,8 +73,11 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.num_experts) and (layer + 1) % self.moe_layer_freq == 0
 
-    def padded_vocab_size(self, tp: int) -> int:
-        multiple = self.make_vocab_size_divisible_by * tp
+    @property
+    def padded_vocab_size(self) -> int:
+        """Independent of TP (unlike Megatron's multiple-of-divisor-x-TP), so every layout
+        has the same embedding shape and checkpoints reshard without re-padding."""
+        multiple = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // multiple) * multiple
 
 
@@ -229,6 +232,9 @@ def validate(cfg: Config, world_size: int) -> None:
     if m.ffn_size % tp:
         raise ConfigError(f"--ffn-hidden-size ({m.ffn_size}) must be divisible by "
                           f"--tensor-model-parallel-size ({tp})")
+    if m.make_vocab_size_divisible_by % tp:
+        raise ConfigError(f"--make-vocab-size-divisible-by ({m.make_vocab_size_divisible_by}) must be divisible by "
+                          f"--tensor-model-parallel-size ({tp}) so the padded vocabulary splits evenly")
     if m.position_embedding_type == "rope" and m.head_dim % 2:
         raise ConfigError(f"rotary embeddings need an even head dimension, got {m.head_dim}")
     if m.max_positions < m.seq_length:

@@ -27,7 +27,7 @@ def model_flops_per_token(m: ModelConfig, recompute: bool = False) -> float:
                                                  else m.moe_router_topk)
     router = h * (m.num_experts or 0)
     per_layer = [attention + ((expert + router) if m.is_moe_layer(i) else dense) for i in range(L)]
-    vocab = m.padded_vocab_size(1) if m.vocab_size else 0
+    vocab = m.padded_vocab_size if m.vocab_size else 0
     forward = 2 * (sum(per_layer) + h * vocab) + 4 * m.seq_length * h * L
     return forward * (4 if recompute else 3)
 

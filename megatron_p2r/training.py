@@ -179,7 +179,7 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
     scale = state.scaler.scale
     loss = forward_backward(state.model, microbatches, ps, loss_scale=scale, dtype=compute_dtype(cfg))
     finalize_grads(params, ps)
-    found_inf = found_non_finite([p.grad for p in params], ps.device)
+    found_inf = found_non_finite([p.grad for p in params], ps)
     state.scaler.update(found_inf)
     grad_norm = float("nan")
     if not found_inf:
@@ -225,9 +225,9 @@ class _ExitSignal:
     def _handle(self, signum, frame):
         self.received = True
 
-    def any_rank(self, device: torch.device) -> bool:
-        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
-        if dist.is_initialized():
+    def any_rank(self, ps: ParallelState) -> bool:
+        flag = torch.tensor([1.0 if self.received else 0.0], device=ps.device)
+        if ps.layout.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -319,7 +319,7 @@ def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger) -> dict
                        f"validation loss at iteration {state.iteration}: {eval_losses[-1]:.6f}")
         if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
             _save(state, logger)
-        if (t.exit_interval and state.iteration % t.exit_interval == 0) or exit_signal.any_rank(ps.device):
+        if (t.exit_interval and state.iteration % t.exit_interval == 0) or exit_signal.any_rank(ps):
             _save(state, logger, reason="exit requested")
             return {"losses": losses, "eval_losses": eval_losses, "exited_early": True}
     if ck.save and not (ck.save_interval and state.iteration % ck.save_interval == 0):

@@ -32,7 +32,7 @@ class Embedding(nn.Module):
     def __init__(self, cfg: Config, ps: ParallelState, device=None):
         super().__init__()
         m = cfg.model
-        self.word_embeddings = VocabParallelEmbedding(m.padded_vocab_size(ps.tp_size), m.hidden_size, ps,
+        self.word_embeddings = VocabParallelEmbedding(m.padded_vocab_size, m.hidden_size, ps,
                                                       init_std=m.init_method_std, device=device)
         self.position_embeddings = None
         if m.position_embedding_type == "learned_absolute":
@@ -93,7 +93,7 @@ class M6Model(nn.Module):
         self.output_layer = None
         tied = not m.untie_embeddings_and_output_weights
         if ps.is_last_stage and not (tied and ps.is_first_stage):
-            self.output_layer = ColumnParallelLinear(m.hidden_size, m.padded_vocab_size(ps.tp_size), ps,
+            self.output_layer = ColumnParallelLinear(m.hidden_size, m.padded_vocab_size, ps,
                                                      bias=False, init_std=m.init_method_std, device=device)
             if tied:  # a replica of the first stage's embedding; gradients summed over the embedding group
                 self.output_layer.weight.shared_name = WORD_EMBEDDING

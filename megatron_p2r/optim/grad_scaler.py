@@ -36,13 +36,13 @@ class LossScaler:
         self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
 
 
-def found_non_finite(grads, device: torch.device) -> bool:
-    """True on every rank if any rank has an inf/nan gradient."""
-    flag = torch.zeros(1, device=device)
+def found_non_finite(grads, ps) -> bool:
+    """True on every rank if any rank of the job (``ps.layout``) has an inf/nan gradient."""
+    flag = torch.zeros(1, device=ps.device)
     for g in grads:
         if not torch.isfinite(g).all():
             flag.fill_(1.0)
             break
-    if dist.is_initialized():
+    if ps.layout.world_size > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())

@@ -1,0 +1,75 @@
+"""Shared pieces of the equivalence tests: a tiny config and the single-process reference."""
+from __future__ import annotations
+
+import torch
+
+from megatron_p2r.arguments import config_from_values
+from megatron_p2r.config import Config
+from megatron_p2r.model.m6 import build_model
+from megatron_p2r.parallel.sharding import logical_name, tp_slice
+from megatron_p2r.parallel.state import ParallelState
+from megatron_p2r.pipeline.schedules import forward_backward_no_pipelining
+
+TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=200,
+            make_vocab_size_divisible_by=16, micro_batch_size=2, mock_data=True, lr=1e-2,
+            lr_decay_style="constant", weight_decay=0.0, clip_grad=0.0, seed=7)
+
+
+def tiny_config(**overrides) -> Config:
+    return config_from_values({**TINY, **overrides})
+
+
+def reference_config(cfg: Config) -> Config:
+    """The same model on one process (no TP/PP/EP; same global batch)."""
+    ref = Config.from_dict(cfg.to_dict())
+    ref.parallel.tensor_model_parallel_size = 1
+    ref.parallel.pipeline_model_parallel_size = 1
+    ref.parallel.expert_model_parallel_size = 1
+    ref.parallel.pipeline_layer_split = None
+    return ref
+
+
+def random_microbatches(cfg: Config, n: int, batch: int, seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, cfg.model.vocab_size, (batch, cfg.model.seq_length + 1), generator=g)
+        out.append({"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": torch.ones(batch, cfg.model.seq_length)})
+    return out
+
+
+def reference_grads(cfg: Config, microbatches: list):
+    """Loss and {logical name: full gradient} of the one-process model on ``microbatches``."""
+    model = build_model(reference_config(cfg), ParallelState.single())
+    loss = forward_backward_no_pipelining(model, microbatches, ParallelState.single())
+    return loss.item(), {logical_name(n, p): p.grad.clone() for n, p in model.named_parameters()}
+
+
+def expected_shard(full: torch.Tensor, param, ps: ParallelState) -> torch.Tensor:
+    """This rank's slice of a reference tensor, per the parameter's sharding attributes."""
+    if getattr(param, "expert", False):
+        n = param.shape[0]
+        full = full[ps.ep_rank * n:(ps.ep_rank + 1) * n]
+    return tp_slice(full, getattr(param, "tp_dim", None), ps.tp_rank, ps.tp_size)
+
+
+def max_grad_error(model, ps: ParallelState, ref: dict) -> dict:
+    """{name: max |grad - reference shard|} for every parameter of ``model``."""
+    out = {}
+    for name, p in model.named_parameters():
+        want = expected_shard(ref[logical_name(name, p)], p, ps)
+        assert want.shape == p.grad.shape, f"{name}: shard {tuple(p.grad.shape)} vs reference {tuple(want.shape)}"
+        out[name] = (p.grad - want).abs().max().item()
+    return out
+
+
+def run_steps(cfg: Config, ps: ParallelState, steps: int):
+    """Train ``steps`` optimizer steps on mock data; return (losses, state)."""
+    from megatron_p2r.config import num_microbatches
+    from megatron_p2r.training import build_datasets, build_train_state, microbatch_iterator, train_step
+    state = build_train_state(cfg, ps)
+    train_ds, _ = build_datasets(cfg, ps)
+    data = microbatch_iterator(train_ds, 0, cfg, ps)
+    n = num_microbatches(cfg, ps.layout.world_size)
+    losses = [train_step(state, [next(data) for _ in range(n)])["lm_loss"] for _ in range(steps)]
+    return losses, state

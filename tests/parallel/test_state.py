@@ -1,0 +1,63 @@
+"""Rank arithmetic of parallel/state.py, checked without processes for worlds 1..512."""
+import pytest
+
+from megatron_p2r.parallel.state import GROUP_KINDS, Layout, stage_set_groups
+
+
+@pytest.mark.parametrize("world,tp,pp,ep", [(1, 1, 1, 1), (8, 2, 2, 1), (8, 2, 1, 2), (16, 2, 2, 2),
+                                            (512, 8, 4, 4), (512, 1, 64, 8)])
+def test_groups_partition_the_world_and_match_coordinates(world, tp, pp, ep):
+    layout = Layout.from_world(world, tp, pp, ep)
+    assert layout.world_size == world
+    for rank in range(world):
+        c = layout.coords(rank)
+        assert layout.rank(c.tp, c.dp, c.pp) == rank
+        assert c.ep == c.dp % ep and c.expert_dp == c.dp // ep
+    for kind in GROUP_KINDS:
+        groups = layout.groups(kind)
+        members = sorted(r for g in groups for r in g)
+        if kind == "embedding":
+            assert len(members) == len(set(members))
+            continue
+        assert members == list(range(world)), kind  # a partition of the world
+    expected_sizes = {"tp": tp, "dp": world // (tp * pp), "pp": pp, "ep": ep,
+                      "expert_dp": world // (tp * pp * ep), "model_parallel": tp * pp,
+                      "pp_dp": world // tp}
+    for kind, size in expected_sizes.items():
+        assert {len(g) for g in layout.groups(kind)} == {size}, kind
+
+
+def test_group_members_share_the_documented_coordinates():
+    layout = Layout.from_world(16, tp=2, pp=2, ep=2)  # dp = 4
+    same = {"tp": ("dp", "pp"), "dp": ("tp", "pp"), "pp": ("tp", "dp"), "ep": ("tp", "pp", "expert_dp"),
+            "expert_dp": ("tp", "pp", "ep")}
+    for kind, fields in same.items():
+        for group in layout.groups(kind):
+            coords = [layout.coords(r) for r in group]
+            for f in fields:
+                assert len({getattr(c, f) for c in coords}) == 1, (kind, f, group)
+
+
+def test_tp_neighbours_and_stage_order():
+    layout = Layout.from_world(8, tp=2, pp=2)
+    assert layout.groups("tp")[0] == [0, 1]
+    assert layout.group_of("pp", 0) == [0, 4]
+    assert layout.group_of("embedding", 5) == [1, 5]
+
+
+def test_stage_set_groups():
+    layout = Layout.from_world(16, tp=2, pp=4, ep=1)  # dp = 2
+    groups = stage_set_groups(layout, (0, 3), "dp")
+    assert len(groups) == 2 and all(len(g) == 4 for g in groups)
+    for g in groups:
+        coords = [layout.coords(r) for r in g]
+        assert {c.pp for c in coords} == {0, 3} and len({c.tp for c in coords}) == 1
+
+
+def test_invalid_layouts():
+    with pytest.raises(ValueError, match="not divisible"):
+        Layout.from_world(6, tp=4)
+    with pytest.raises(ValueError, match="EP must divide DP"):
+        Layout(tp=1, pp=1, dp=3, ep=2)
+    with pytest.raises(ValueError, match="outside world"):
+        Layout().coords(1)
