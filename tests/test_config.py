@@ -1,0 +1,63 @@
+"""Every configuration rule fails at start with its own message; YAML and flags agree."""
+import pytest
+
+from megatron_p2r.arguments import config_from_values, load_yaml, parse_args, to_argv
+from megatron_p2r.config import ConfigError, validate
+
+BASE = dict(mock_data=True, vocab_size=100, num_layers=4, hidden_size=64, num_attention_heads=8)
+
+CASES = [
+    (dict(num_attention_heads=6), 1, "--hidden-size (64) must be divisible by --num-attention-heads (6)"),
+    (dict(tensor_model_parallel_size=3), 3, "--num-attention-heads (8) must be divisible by --tensor-model-parallel-size (3)"),
+    (dict(tensor_model_parallel_size=2), 3, "world size 3 must be divisible by --tensor-model-parallel-size (2) x --pipeline-model-parallel-size (1)"),
+    (dict(global_batch_size=6, micro_batch_size=4), 1, "--global-batch-size (6) must be divisible by --micro-batch-size (4) x data-parallel size (1)"),
+    (dict(pipeline_model_parallel_size=8), 8, "--pipeline-model-parallel-size (8) exceeds --num-layers (4)"),
+    (dict(num_experts=6, expert_model_parallel_size=3), 4, "--expert-model-parallel-size (3) must divide the data-parallel size"),
+    (dict(num_experts=6, expert_model_parallel_size=4), 4, "--num-experts (6) must be divisible by --expert-model-parallel-size (4)"),
+    (dict(expert_model_parallel_size=2), 2, "--expert-model-parallel-size > 1 needs --num-experts"),
+    (dict(bf16=True, fp16=True), 1, "--bf16 and --fp16 are mutually exclusive"),
+    (dict(mock_data=False), 1, "no training data"),
+    (dict(vocab_size=None), 1, "--mock-data needs --vocab-size"),
+    (dict(save_interval=5), 1, "--save-interval needs --save DIR"),
+    (dict(share_pattern="block:3", p2r_phase="pseudo"), 1, "K (3) must divide --num-layers (4)"),
+    (dict(pipeline_model_parallel_size=2, pipeline_layer_split="1,2"), 2, "adds up to 3, but --num-layers is 4"),
+    (dict(pipeline_model_parallel_size=2, pipeline_layer_split="4,0"), 2, "every stage needs at least one layer"),
+    (dict(tensor_model_parallel_size=2, make_vocab_size_divisible_by=3, num_attention_heads=8), 2,
+     "--make-vocab-size-divisible-by (3) must be divisible by --tensor-model-parallel-size (2)"),
+    (dict(num_experts=8, moe_num_prototypes=3), 1, "--num-experts (8) must be divisible by --moe-num-prototypes (3)"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,message", CASES)
+def test_each_rule_has_its_message(overrides, world, message):
+    cfg = config_from_values({**BASE, **overrides})
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world)
+    assert message in str(err.value)
+
+
+def test_valid_config_passes():
+    validate(config_from_values(dict(BASE, tensor_model_parallel_size=2, num_experts=4,
+                                     expert_model_parallel_size=2, global_batch_size=8, micro_batch_size=2)), 8)
+
+
+def test_yaml_keys_are_flag_names_and_cli_wins(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("num-layers: 6\nhidden_size: 128\nbf16: true\ndata-path: [0.3, A, 0.7, B]\n")
+    cfg = parse_args(["--config", str(path), "--num-layers", "8"])
+    assert cfg.model.num_layers == 8 and cfg.model.hidden_size == 128 and cfg.train.bf16
+    assert cfg.data.data_path == ["0.3", "A", "0.7", "B"]
+    assert parse_args(to_argv(cfg)).to_dict() == cfg.to_dict()  # flags round-trip
+
+
+def test_yaml_unknown_key_suggests_the_right_one(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("num-layer: 6\n")
+    with pytest.raises(ConfigError, match="unknown key 'num-layer'; did you mean 'num-layers'"):
+        load_yaml(str(path))
+    path.write_text("num-layers: six\n")
+    with pytest.raises(ConfigError, match="key 'num-layers' expects int"):
+        load_yaml(str(path))
+    path.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_yaml(str(path))
