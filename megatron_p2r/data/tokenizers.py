@@ -114,6 +114,7 @@ class GPT2BPETokenizer:
         self.bpe_ranks = {pair: rank for rank, pair in enumerate(merges)}
         self.byte_encoder = bytes_to_unicode()
         self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
+        self._byte_table = {b: ord(c) for b, c in self.byte_encoder.items()}  # latin-1 code point -> vocab char
         self._pattern = regex.compile(GPT2_PATTERN)
         self._cache: dict = {}
         self.vocab_size = len(self.encoder)
@@ -144,22 +145,21 @@ class GPT2BPETokenizer:
             parts = merged
         return parts
 
-    def _encode_word(self, word: str) -> List[int]:
-        ids = self._cache.get(word)
-        if ids is None:
-            try:
-                ids = [self.encoder[piece] for piece in self._bpe(word)]
-            except KeyError as exc:
-                raise ValueError(f"--vocab-file {self.vocab_file}: no entry for BPE piece {exc.args[0]!r}") from None
-            if len(self._cache) < 1_000_000:  # bounded: a long stream of unique words must not exhaust memory
-                self._cache[word] = ids
+    def _encode_token(self, token: str) -> List[int]:
+        """BPE ids of one pre-token, cached by the raw token so repeats skip the byte mapping too."""
+        word = token.encode("utf-8").decode("latin-1").translate(self._byte_table)
+        try:
+            ids = [self.encoder[piece] for piece in self._bpe(word)]
+        except KeyError as exc:
+            raise ValueError(f"--vocab-file {self.vocab_file}: no entry for BPE piece {exc.args[0]!r}") from None
+        if len(self._cache) < 1_000_000:  # bounded: a long stream of unique words must not exhaust memory
+            self._cache[token] = ids
         return ids
 
     def encode(self, text: str) -> List[int]:
         ids: List[int] = []
-        byte_encoder = self.byte_encoder
         for token in self._pattern.findall(text):
-            ids.extend(self._encode_word("".join(byte_encoder[b] for b in token.encode("utf-8"))))
+            ids += self._cache.get(token) or self._encode_token(token)
         return ids
 
     def encode_batch(self, texts: Iterable[str]) -> List[List[int]]:
