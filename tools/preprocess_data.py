@@ -72,9 +72,12 @@ class Stats:
 _worker: dict = {}
 
 
-def _init_worker(data_cfg: DataConfig, keys: Sequence[str], append_eod: bool, dtype: str) -> None:
-    tokenizer = build_tokenizer(data_cfg)
+def _set_worker(tokenizer, keys: Sequence[str], append_eod: bool, dtype: str) -> None:
     _worker.update(tokenizer=tokenizer, keys=list(keys), append_eod=append_eod, dtype=np.dtype(dtype))
+
+
+def _init_worker(data_cfg: DataConfig, *rest) -> None:
+    _set_worker(build_tokenizer(data_cfg), *rest)
 
 
 def _encode_line(line: bytes):
@@ -122,16 +125,16 @@ def _read_chunks(path: str, chunk_lines: int):
         yield chunk
 
 
-def _results(args, data_cfg: DataConfig, dtype: np.dtype):
+def _results(args, data_cfg: DataConfig, tokenizer, dtype: np.dtype):
     """Encoded chunks in input order; at most a few chunks per worker are in flight (bounded memory)."""
     chunks = _read_chunks(args.input, args.chunk_lines)
-    init = (data_cfg, args.json_keys, args.append_eod, dtype.str)
+    settings = (args.json_keys, args.append_eod, dtype.str)
     if args.workers <= 1:
-        _init_worker(*init)
+        _set_worker(tokenizer, *settings)
         for chunk in chunks:
             yield _encode_chunk(chunk)
         return
-    with multiprocessing.get_context("spawn").Pool(args.workers, _init_worker, init) as pool:
+    with multiprocessing.get_context("spawn").Pool(args.workers, _init_worker, (data_cfg, *settings)) as pool:
         pending = collections.deque()
         for chunk in chunks:
             pending.append(pool.apply_async(_encode_chunk, (chunk,)))
@@ -169,7 +172,7 @@ def preprocess(args) -> Stats:
     start = time.perf_counter()
     try:
         with tqdm(unit=" docs", disable=None, desc="tokenising") as bar, \
-                contextlib.closing(_results(args, data_cfg, dtype)) as chunks:
+                contextlib.closing(_results(args, data_cfg, tokenizer, dtype)) as chunks:
             for results in chunks:
                 for line_number, result in results:
                     if isinstance(result, str):

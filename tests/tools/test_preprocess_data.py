@@ -29,6 +29,8 @@ def test_byte_tokenizer_end_to_end_with_bad_lines(tmp_path, capsys):
     rows = [{"text": GOOD[0]}, "{not json", {"text": GOOD[1]}, {"other": "x"}, "", {"text": 7},
             {"text": GOOD[2], "extra": 1}, "[1, 2]", {"text": GOOD[3]}]
     path = write_jsonl(tmp_path / "in.jsonl", rows)
+    with open(path, "ab") as f:
+        f.write(b'{"text": "\xff"}\n')
     run(["--input", path, "--output-prefix", tmp_path / "out", "--tokenizer-type", "ByteTokenizer", "--append-eod"])
     ds = IndexedDataset(str(tmp_path / "out_text_document"))
     assert ds.dtype == np.uint16 and len(ds) == 4
@@ -36,9 +38,9 @@ def test_byte_tokenizer_end_to_end_with_bad_lines(tmp_path, capsys):
         assert ds[i].tolist() == list(text.encode("utf-8")) + [ByteTokenizer.eod]
     out, err = capsys.readouterr()
     assert "documents: 4, tokens: 57," in out and "tokens/s" in out
-    assert "skipped 4 bad line(s)" in err
+    assert "skipped 5 bad line(s)" in err
     for fragment in ["line 2: invalid JSON", "line 4: missing key 'text'", "line 6: key 'text' holds int",
-                     "line 8: expected a JSON object, got list"]:
+                     "line 8: expected a JSON object, got list", "line 10: not UTF-8"]:
         assert fragment in err
 
 
