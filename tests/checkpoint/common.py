@@ -1,0 +1,36 @@
+"""Helpers of the checkpoint tests (importable by spawned ranks)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import List
+
+from megatron_p2r.config import Config
+from tests.helpers import tiny_config
+
+# Exercises everything a resume must restore: LR warm-up + cosine decay, clipping, weight
+# decay, and dropout (RNG streams) on residual branches and attention probabilities.
+RESUME = dict(train_iters=4, lr_warmup_iters=1, lr_decay_style="cosine", clip_grad=1.0, weight_decay=0.01,
+              hidden_dropout=0.1, attention_dropout=0.1, device="cpu", log_interval=100)
+
+
+def cfg_of(**values) -> Config:
+    return tiny_config(**{**RESUME, **values})
+
+
+def shard_files(iter_dir: str) -> List[str]:
+    """Every tensor file of a checkpoint iteration (shards and RNG files), relative paths."""
+    out = []
+    for root, _, files in os.walk(iter_dir):
+        out += [os.path.relpath(os.path.join(root, f), iter_dir) for f in files if f.endswith(".safetensors")]
+    return sorted(out)
+
+
+def same_bytes(a: str, b: str) -> bool:
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        return fa.read() == fb.read()
+
+
+def metadata(iter_dir: str) -> dict:
+    with open(os.path.join(iter_dir, "metadata.json"), encoding="utf-8") as fh:
+        return json.load(fh)

@@ -1,0 +1,122 @@
+"""Inspect, delink (pseudo -> real) and reshard (TP/PP/EP) megatron_p2r checkpoints.
+
+    p2r-convert-checkpoint inspect DIR
+    p2r-convert-checkpoint delink SRC DST [--optimizer-state copy|rescale|reset] [--noise-std S] [--target-* ...]
+    p2r-convert-checkpoint reshard SRC DST [--target-tensor-parallel-size T] [--target-pipeline-parallel-size P]
+                                           [--target-pipeline-layer-split 3,5] [--target-expert-parallel-size E]
+
+SRC is a checkpoint directory (its latest iteration is used) or one ``iter_*`` directory; DST
+becomes a checkpoint directory that ``--load`` accepts. Conversions stream tensor by tensor,
+write to ``DST.tmp`` and rename it when verified; SRC is never modified. See docs/checkpoint.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+from megatron_p2r.checkpoint.format import (
+    CheckpointError, ShardLayout, check_files, kinds_of, metadata_config, metadata_table, read_metadata,
+    resolve_iteration_dir)
+from megatron_p2r.checkpoint.reshard import DelinkOptions, Target, convert
+from megatron_p2r.config import ConfigError
+from megatron_p2r.p2r.delink import OPTIMIZER_STATE_MODES
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError
+
+
+def inspect(path: str) -> str:
+    """The metadata and a table of tensors (name, global shape, split dims, bytes), totals per file."""
+    iter_dir = resolve_iteration_dir(path)
+    meta = read_metadata(iter_dir)
+    readers = check_files(iter_dir, meta)
+    cfg, table = metadata_config(meta), metadata_table(meta)
+    layout = ShardLayout.of(cfg)
+    m, p2r = cfg.model, meta["p2r"]
+    lines = [f"checkpoint   {iter_dir}",
+             f"format       version {meta['format_version']}",
+             f"iteration    {meta['iteration']}   consumed samples {meta['consumed_samples']}",
+             f"model        {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
+             f"ffn {m.ffn_size}, vocab {m.padded_vocab_size} (padded), experts {m.num_experts or 0}",
+             f"phase        {p2r['phase']}   share pattern {p2r['share_pattern']}   "
+             f"layer -> module {p2r['layer_module_keys']}",
+             f"layout       TP={layout.tp} PP={layout.pp} EP={layout.ep}   layers per stage "
+             f"{[b - a for a, b in layout.stage_layers]}",
+             f"optimizer    {'AdamW moments (exp_avg, exp_avg_sq, step)' if meta['optimizer'] else 'none'}",
+             f"rng          {'per rank, world size ' + str(meta['rng']['world_size']) if meta.get('rng') else 'none'}"]
+    for h in meta.get("history", []):
+        lines.append(f"history      {h['op']} from {h['source']} (layout {h['source_layout']})")
+    lines.append("")
+    rows = [("tensor", "global shape", "tp_dim", "expert", "stage", "layers", "bytes")]
+    for key, info in table.items():
+        rows.append((key, "x".join(map(str, info.shape)) or "scalar", "-" if info.tp_dim is None else str(info.tp_dim),
+                     "-" if info.expert is None else str(info.expert), str(info.stage),
+                     ",".join(map(str, info.layers)) or "-", _human(info.nbytes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    params = sum(i.numel for i in table.values())
+    lines.append(f"\n{len(table)} tensors, {params:,} parameters, "
+                 f"{_human(sum(i.nbytes for i in table.values()))} of weights; stored: {', '.join(kinds_of(meta))}")
+    lines.append("\nper file (rank TT_PPP_EEE):")
+    for name, size in meta["files"].items():
+        lines.append(f"  {name}  {len(readers(name).entries):5d} tensors  {_human(size):>10}")
+    lines.append(f"  total {_human(sum(meta['files'].values()))} in {len(meta['files'])} files")
+    return "\n".join(lines)
+
+
+def _add_target_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target-tensor-parallel-size", type=int, help="TP of the result (default: the source's).")
+    p.add_argument("--target-pipeline-parallel-size", type=int, help="PP of the result (default: the source's).")
+    p.add_argument("--target-pipeline-layer-split", help="Layers per stage of the result, e.g. 3,5 (default even).")
+    p.add_argument("--target-expert-parallel-size", type=int, help="EP of the result (default: the source's).")
+    p.add_argument("--force", action="store_true", help="Replace a non-empty DST.")
+    p.add_argument("--no-progress", action="store_true", help="No progress bar.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="p2r-convert-checkpoint", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="Print the metadata and the table of tensors.")
+    p.add_argument("dir")
+    p = sub.add_parser("delink", help="Pseudo -> real: every layer gets a copy of its slot's weights.")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--optimizer-state", choices=OPTIMIZER_STATE_MODES, default="copy",
+                   help="Moments of each layer: copy the slot's, rescale them (/N, /N^2), or reset.")
+    p.add_argument("--noise-std", type=float, default=0.0, help="Add N(0, std^2) noise to the delinked layers.")
+    _add_target_flags(p)
+    p = sub.add_parser("reshard", help="Change TP, PP (and stage split) or EP.")
+    p.add_argument("src")
+    p.add_argument("dst")
+    _add_target_flags(p)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "inspect":
+            print(inspect(args.dir))
+            return 0
+        target = Target(args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
+                        args.target_pipeline_layer_split, args.target_expert_parallel_size)
+        options = DelinkOptions(args.optimizer_state, args.noise_std) if args.command == "delink" else None
+        out = convert(args.src, args.dst, target, options, force=args.force, progress=not args.no_progress)
+        print(f"wrote {out}; load it with --load {os.path.abspath(args.dst)}")
+        return 0
+    except (CheckpointError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
