@@ -1,0 +1,78 @@
+"""Helpers shared by the pipeline tests (importable by spawned ranks).
+
+The pattern (see ``tests/helpers.py``): inside a rank, run a pipelined step and the
+single-process reference (same seed -- initialisation is layout-invariant) on the same
+micro-batches, and measure how far this rank's loss and gradient shards are from it.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from megatron_p2r.model.m6 import build_model
+from megatron_p2r.parallel.grads import finalize_grads
+from megatron_p2r.parallel.sharding import logical_name
+from megatron_p2r.parallel.state import Layout, ParallelState, initialize
+from megatron_p2r.pipeline.schedules import forward_backward_no_pipelining, get_forward_backward_func
+from megatron_p2r.training import reduce_loss
+from tests.helpers import max_grad_error, reference_config, tiny_config
+
+# (batch, sequence) of successive micro-batches: sizes differ on purpose (p2p sends shapes).
+SHAPES = [(2, 16), (1, 12), (3, 16)]
+
+
+def make_cfg(tp: int = 1, pp: int = 1, **overrides):
+    return tiny_config(**{"num_layers": 4, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                          **overrides})
+
+
+def make_microbatches(n: int, vocab: int, seed: int = 0) -> List[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        b, s = SHAPES[i % len(SHAPES)]
+        tokens = torch.randint(0, vocab, (b, s + 1), generator=g)
+        mask = (torch.rand(b, s, generator=g) > 0.2).float()  # masked tokens must not count
+        out.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask})
+    return out
+
+
+def make_state(layout: Layout) -> ParallelState:
+    """Groups for ``layout`` (collective: every rank calls it, in the same order)."""
+    return initialize(layout, torch.device("cpu"), stage_sets=((0, layout.pp - 1),))
+
+
+def reference(cfg, microbatches: List[dict], dtype: Optional[torch.dtype] = None):
+    """Loss and {logical name: gradient} of the one-process model, optionally under autocast."""
+    single = ParallelState.single()
+    model = build_model(reference_config(cfg), single)
+    loss = forward_backward_no_pipelining(model, microbatches, single, dtype=dtype)
+    return loss.item(), {logical_name(n, p): p.grad for n, p in model.named_parameters()}
+
+
+def pipelined_step(cfg, ps: ParallelState, microbatches: List[dict], schedule: str,
+                   dtype: Optional[torch.dtype] = None, stats: Optional[dict] = None):
+    """One forward/backward + finalize_grads on this rank's stage; (model, DP-mean loss)."""
+    model = build_model(cfg, ps)
+    fb = get_forward_backward_func(ps, schedule)
+    loss = fb(model, microbatches, ps, loss_scale=1.0, dtype=dtype, stats=stats)
+    if ps.is_last_stage and loss is None:
+        raise AssertionError("the last stage must return the loss")
+    finalize_grads(list(model.parameters()), ps)
+    return model, reduce_loss(loss, ps)
+
+
+def compare_case(cfg, layout: Layout, ps: ParallelState, schedule: str, n_micro: int,
+                 dtype: Optional[torch.dtype] = None, data_seed: int = 0) -> dict:
+    """One pipelined step (``n_micro`` micro-batches per DP rank) against the reference on
+    all DP ranks' micro-batches: loss error, max gradient error, logical names compared."""
+    all_mb = make_microbatches(n_micro * layout.dp, cfg.model.vocab_size, data_seed)
+    mine = all_mb[ps.dp_rank * n_micro:(ps.dp_rank + 1) * n_micro]
+    model, loss = pipelined_step(cfg, ps, mine, schedule, dtype)
+    ref_loss, ref_grads = reference(cfg, all_mb, dtype)
+    errors = max_grad_error(model, ps, ref_grads)
+    return {"loss_err": abs(loss - ref_loss), "grad_err": max(errors.values()),
+            "names": sorted(logical_name(n, p) for n, p in model.named_parameters()),
+            "ref_names": sorted(ref_grads),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}

@@ -1,0 +1,162 @@
+"""What each spawned rank runs for the pipeline tests: one spawn per world size (4 and 8
+ranks), many cases per spawn, since on this machine a spawn costs far more than a case.
+
+Every case returns plain numbers (errors against the one-process reference, peak counts,
+hashes); the tests in ``test_schedules.py`` / ``test_p2p.py`` assert on them, so each
+property fails under its own test name. No pytest import here: ranks start faster.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from megatron_p2r.model.m6 import WORD_EMBEDDING, build_model
+from megatron_p2r.parallel.sharding import logical_name
+from megatron_p2r.parallel.state import Layout, ParallelState
+from megatron_p2r.pipeline.p2p import StageLink
+from megatron_p2r.pipeline.schedules import forward_backward_1f1b
+from megatron_p2r.training import reduce_loss
+from tests.helpers import expected_shard, reference_config, run_steps
+from tests.pipeline.common import compare_case, make_cfg, make_microbatches, make_state, pipelined_step, reference
+
+P2P_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
+P2P_SHAPES = ((2, 16, 32), (1, 12, 32), (5,), (3, 1, 2, 2))
+
+
+def _payload(kind: str, dp: int, stage: int, i: int) -> torch.Tensor:
+    """A tensor that names its sender, so the receiver can check what and from whom."""
+    shape, dtype = P2P_SHAPES[i % len(P2P_SHAPES)], P2P_DTYPES[i % len(P2P_DTYPES)]
+    base = {"fwd": 1000, "bwd": 2000}[kind] + 100 * dp + 10 * stage + i
+    return (torch.arange(int(torch.tensor(shape).prod())).reshape(shape) % 7 + base).to(dtype)
+
+
+def p2p_checks(ps: ParallelState, rounds: int = 6) -> dict:
+    """Every stage sends ``rounds`` tensors of varying shapes and dtypes forward and backward
+    *before* receiving anything (sends never wait), then checks what arrived."""
+    link = StageLink(ps)
+    s, dp = ps.pp_rank, ps.dp_rank
+    for i in range(rounds):
+        link.send_forward(_payload("fwd", dp, s, i))
+        link.send_backward(_payload("bwd", dp, s, i))
+    ok, grad_leaf = True, True
+    for i in range(rounds):
+        x = link.recv_forward(requires_grad=P2P_DTYPES[i % len(P2P_DTYPES)].is_floating_point)
+        if s > 0:
+            want = _payload("fwd", dp, s - 1, i)
+            ok &= x.dtype == want.dtype and torch.equal(x.detach(), want)
+            grad_leaf &= x.is_leaf and x.requires_grad == want.dtype.is_floating_point
+        else:
+            ok &= x is None
+        g = link.recv_backward()
+        if s < ps.pp_size - 1:
+            want = _payload("bwd", dp, s + 1, i)
+            ok &= g.dtype == want.dtype and torch.equal(g, want)
+        else:
+            ok &= g is None
+    link.wait()
+    return {"ok": bool(ok), "grad_leaf": bool(grad_leaf)}
+
+
+def equivalence_cases(ps: ParallelState, layout: Layout, cases) -> dict:
+    """Run ``cases`` [(label, cfg, schedule, n_micro, dtype)] against the reference; a label
+    ending in /1f1b with a /gpipe twin also records whether their gradients are bitwise equal."""
+    out, grads = {}, {}
+    for label, cfg, schedule, n_micro, dtype in cases:
+        r = compare_case(cfg, layout, ps, schedule, n_micro, dtype)
+        grads[label] = r.pop("grads")
+        out[label] = r
+    for label, mine in grads.items():
+        twin = label.replace("/1f1b", "/gpipe")
+        if label.endswith("/1f1b") and twin in grads:
+            out[label]["same_as_gpipe"] = all(torch.equal(g, grads[twin][n]) for n, g in mine.items())
+    return out
+
+
+def train_replicas(cfg, ps: ParallelState, steps: int = 3) -> dict:
+    """``steps`` train_step calls on mock data, here and on one process: per-step losses, max
+    parameter distance to the one-process run, how far the weights moved, and a hash of this
+    rank's tied-embedding replica."""
+    init = {n: p.detach().clone() for n, p in build_model(cfg, ps).named_parameters()}
+    losses, state = run_steps(cfg, ps, steps)
+    ref_losses, ref_state = run_steps(reference_config(cfg), ParallelState.single(), steps)
+    ref = {n: p.detach() for n, p in ref_state.model.named_parameters()}
+    out = {"losses": losses, "ref_losses": ref_losses, "replica": None, "param_err": 0.0, "moved": 0.0,
+           "stage": ps.pp_rank, "dp": ps.dp_rank}
+    for name, p in state.model.named_parameters():
+        want = expected_shard(ref[logical_name(name, p)], p, ps)
+        out["param_err"] = max(out["param_err"], (p.detach() - want).abs().max().item())
+        out["moved"] = max(out["moved"], (p.detach() - init[name]).abs().max().item())
+        if logical_name(name, p) == WORD_EMBEDDING:
+            out["replica"] = hashlib.sha256(p.detach().numpy().tobytes()).hexdigest()
+    return out
+
+
+def world4(rank: int, world: int) -> dict:
+    """PP=4; TP=2 x PP=2; PP=2 x DP=2 (the PP=2 cases, with data parallelism on top)."""
+    out = {"rank": rank}
+    pp4 = Layout(pp=4)
+    ps = make_state(pp4)
+    out["p2p/pp4"] = p2p_checks(ps)
+    cases = []
+    for tie in ("tied", "untied"):
+        for schedule in ("1f1b", "gpipe"):
+            cfg = make_cfg(pp=4, untie_embeddings_and_output_weights=tie == "untied")
+            cases.append((f"pp4/{tie}/m5/{schedule}", cfg, schedule, 5, None))
+    for schedule in ("1f1b", "gpipe"):  # fewer micro-batches than stages
+        cases.append((f"pp4/tied/m2/{schedule}", make_cfg(pp=4), schedule, 2, None))
+    cases.append(("pp4/split2,1,1,1/1f1b", make_cfg(pp=4, num_layers=5, pipeline_layer_split="2,1,1,1"),
+                  "1f1b", 3, None))
+    out["equiv"] = equivalence_cases(ps, pp4, cases)
+    # In-flight activations on a P=4 pipeline with m=6 micro-batches.
+    cfg = make_cfg(pp=4)
+    mbs = make_microbatches(6, cfg.model.vocab_size)
+    out["peak"] = {"stage": ps.pp_rank}
+    for schedule in ("1f1b", "gpipe"):
+        stats = {}
+        pipelined_step(cfg, ps, mbs, schedule, stats=stats)
+        out["peak"][schedule] = stats["peak_inflight"]
+
+    tp2pp2 = Layout(tp=2, pp=2)
+    ps = make_state(tp2pp2)
+    out["equiv"].update(equivalence_cases(ps, tp2pp2, [
+        ("tp2pp2/tied/1f1b", make_cfg(tp=2, pp=2), "1f1b", 3, None),
+        ("tp2pp2/tied/gpipe", make_cfg(tp=2, pp=2), "gpipe", 3, None),
+        ("tp2pp2/untied/1f1b", make_cfg(tp=2, pp=2, untie_embeddings_and_output_weights=True), "1f1b", 3, None)]))
+
+    pp2dp2 = Layout(pp=2, dp=2)
+    ps = make_state(pp2dp2)
+    out["p2p/pp2dp2"] = p2p_checks(ps)
+    cases = []
+    for tie in ("tied", "untied"):
+        for schedule in ("1f1b", "gpipe"):
+            cfg = make_cfg(pp=2, untie_embeddings_and_output_weights=tie == "untied")
+            cases.append((f"pp2dp2/{tie}/m3/{schedule}", cfg, schedule, 3, None))
+    for schedule in ("1f1b", "gpipe"):  # fewer micro-batches than stages
+        cases.append((f"pp2dp2/tied/m1/{schedule}", make_cfg(pp=2), schedule, 1, None))
+    for split in ("1,3", "3,1"):
+        cases.append((f"pp2dp2/split{split}/1f1b", make_cfg(pp=2, pipeline_layer_split=split), "1f1b", 2, None))
+    cases.append(("pp2dp2/recompute/1f1b", make_cfg(pp=2, recompute_activations=True), "1f1b", 2, None))
+    out["equiv"].update(equivalence_cases(ps, pp2dp2, cases))
+    out["bf16"] = equivalence_cases(ps, pp2dp2, [
+        ("bf16", make_cfg(pp=2, recompute_activations=True), "1f1b", 2, torch.bfloat16)])["bf16"]
+
+    # forward_only (evaluation): the loss, and no gradient anywhere.
+    cfg = make_cfg(pp=2)
+    all_mb = make_microbatches(4, cfg.model.vocab_size, seed=5)
+    model = build_model(cfg, ps)
+    loss = reduce_loss(forward_backward_1f1b(model, all_mb[2 * ps.dp_rank:2 * ps.dp_rank + 2], ps,
+                                             forward_only=True), ps)
+    out["eval"] = {"loss_err": abs(loss - reference(cfg, all_mb)[0]),
+                   "no_grads": all(p.grad is None for p in model.parameters())}
+    out["train"] = train_replicas(make_cfg(pp=2, global_batch_size=8), ps)
+    return out
+
+
+def world8(rank: int, world: int) -> dict:
+    """TP=2 x PP=2 x DP=2."""
+    layout = Layout(tp=2, pp=2, dp=2)
+    ps = make_state(layout)
+    return {"equiv": equivalence_cases(ps, layout, [
+        ("tp2pp2dp2/tied/1f1b", make_cfg(tp=2, pp=2), "1f1b", 2, None),
+        ("tp2pp2dp2/untied/gpipe", make_cfg(tp=2, pp=2, untie_embeddings_and_output_weights=True), "gpipe", 2, None)])}
