@@ -21,10 +21,10 @@ from megatron_p2r.config import Config, ConfigError, global_batch_size, num_micr
 from megatron_p2r.metrics import TrainingLogger, format_line, model_flops_per_token, peak_memory_bytes
 from megatron_p2r.model.m6 import M6Model, build_model, replica_stage_sets
 from megatron_p2r.moe import aux_loss
-from megatron_p2r.optim.grad_scaler import LossScaler, found_non_finite
+from megatron_p2r.optim.grad_scaler import LossScaler
 from megatron_p2r.optim.optimizer import build_optimizer
 from megatron_p2r.optim.scheduler import LRScheduler
-from megatron_p2r.parallel.grads import clip_grads, finalize_grads, global_grad_norm
+from megatron_p2r.parallel.grads import finalize_grads, grad_norm_and_non_finite, unscale_and_clip
 from megatron_p2r.parallel.random import seed_everything
 from megatron_p2r.parallel.state import Layout, ParallelState, initialize
 from megatron_p2r.pipeline.schedules import get_forward_backward_func
@@ -179,14 +179,12 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
     scale = state.scaler.scale
     loss = forward_backward(state.model, microbatches, ps, loss_scale=scale, dtype=compute_dtype(cfg))
     finalize_grads(params, ps)
-    found_inf = found_non_finite([p.grad for p in params], ps)
+    scaled_norm, found_inf = grad_norm_and_non_finite(params, ps)
     state.scaler.update(found_inf)
     grad_norm = float("nan")
     if not found_inf:
-        if scale != 1.0:
-            torch._foreach_mul_([p.grad for p in params], 1.0 / scale)
-        grad_norm = global_grad_norm(params, ps)
-        clip_grads(params, cfg.train.clip_grad, grad_norm)
+        grad_norm = scaled_norm / scale
+        unscale_and_clip(params, scaled_norm, scale, cfg.train.clip_grad)
         state.optimizer.step()
         state.skipped_in_a_row = 0
     else:

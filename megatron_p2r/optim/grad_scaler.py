@@ -1,12 +1,9 @@
 """Loss scaling. fp16 needs a dynamic scale; bf16 and fp32 use a constant scale of 1.
 
-The non-finite check is reduced over *all* ranks before anyone decides, so every rank skips
-the same steps (a TP shard with an inf must stop its peers too).
+The non-finite check (``parallel.grads.grad_norm_and_non_finite``) is reduced over *all*
+ranks before anyone decides, so every rank skips the same steps.
 """
 from __future__ import annotations
-
-import torch
-import torch.distributed as dist
 
 from megatron_p2r.config import TrainConfig
 
@@ -35,14 +32,3 @@ class LossScaler:
     def load_state_dict(self, state: dict) -> None:
         self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
 
-
-def found_non_finite(grads, ps) -> bool:
-    """True on every rank if any rank of the job (``ps.layout``) has an inf/nan gradient."""
-    flag = torch.zeros(1, device=ps.device)
-    for g in grads:
-        if not torch.isfinite(g).all():
-            flag.fill_(1.0)
-            break
-    if ps.layout.world_size > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())

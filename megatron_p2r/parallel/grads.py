@@ -73,18 +73,31 @@ def counts_for_norm(p: nn.Parameter, ps: ParallelState) -> bool:
     return (ps.expert_dp_rank if getattr(p, "expert", False) else ps.dp_rank) == 0
 
 
-def global_grad_norm(params: List[nn.Parameter], ps: ParallelState) -> float:
-    """L2 norm of the whole model's gradient: one scalar all-reduce over the world."""
-    owned = [p.grad for p in params if p.grad is not None and counts_for_norm(p, ps)]
-    sq = torch.zeros(1, device=ps.device, dtype=torch.float32)
-    if owned:
-        sq += torch.stack([g.float().pow(2).sum() for g in owned]).sum()
-    if dist.is_initialized() and ps.layout.world_size > 1:
-        dist.all_reduce(sq)
-    return math.sqrt(sq.item())
+def grad_norm_and_non_finite(params: List[nn.Parameter], ps: ParallelState) -> Tuple[float, bool]:
+    """(global L2 norm of the gradient, whether any rank has an inf/nan in it).
+
+    One ``_foreach_norm`` over local gradients and one all-reduce of two scalars: the sum of
+    squares of the owned gradients and a non-finite flag, so every rank takes the same
+    skip decision. A non-finite value anywhere makes its tensor's norm non-finite.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    stats = torch.zeros(2, device=ps.device, dtype=torch.float32)
+    if grads:
+        norms = torch.stack(torch._foreach_norm(grads)).float()
+        owned = torch.tensor([counts_for_norm(p, ps) for p in params if p.grad is not None], device=norms.device)
+        stats[0] = norms[owned].pow(2).sum()
+        stats[1] = (~torch.isfinite(norms)).any().float()
+    if ps.layout.world_size > 1:
+        dist.all_reduce(stats)
+    norm = math.sqrt(stats[0].item())
+    return norm, bool(stats[1].item() > 0) or not math.isfinite(norm)
 
 
-def clip_grads(params: List[nn.Parameter], max_norm: float, total_norm: float) -> None:
-    if max_norm > 0 and total_norm > max_norm and math.isfinite(total_norm):
-        coeff = max_norm / (total_norm + 1e-6)
+def unscale_and_clip(params: List[nn.Parameter], total_norm: float, loss_scale: float, max_norm: float) -> None:
+    """Divide by the loss scale and clip to ``max_norm`` (of the unscaled norm) in one pass."""
+    coeff = 1.0 / loss_scale
+    norm = total_norm / loss_scale
+    if max_norm > 0 and norm > max_norm:
+        coeff *= max_norm / (norm + 1e-6)
+    if coeff != 1.0:
         torch._foreach_mul_([p.grad for p in params if p.grad is not None], coeff)
