@@ -301,7 +301,10 @@ def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger) -> dict
             elapsed = time.perf_counter() - window_start
             tokens_per_s = window_steps * gbs * cfg.model.seq_length / elapsed
             record = {"iteration": state.iteration, "train_iters": t.train_iters,
-                      "consumed_samples": state.consumed_samples, "lm_loss": out["lm_loss"], "lr": lr,
+                      "consumed_samples": state.consumed_samples, "phase": cfg.p2r.p2r_phase,
+                      "tokens": state.consumed_samples * cfg.model.seq_length,
+                      "flops": state.consumed_samples * cfg.model.seq_length * flops_per_token,
+                      "lm_loss": out["lm_loss"], "lr": lr,
                       "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_s,
                       "tflops": tokens_per_s * flops_per_token / ps.layout.world_size / 1e12,
                       "ms_per_iter": 1000 * elapsed / window_steps,
@@ -313,7 +316,8 @@ def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger) -> dict
             window_start, window_steps = time.perf_counter(), 0
         if cfg.logging.eval_interval and state.iteration % cfg.logging.eval_interval == 0:
             eval_losses.append(evaluate(state, valid_ds))
-            logger.log({"iteration": state.iteration, "eval_loss": eval_losses[-1]},
+            logger.log({"iteration": state.iteration, "eval_loss": eval_losses[-1], "phase": cfg.p2r.p2r_phase,
+                        "tokens": state.consumed_samples * cfg.model.seq_length},
                        f"validation loss at iteration {state.iteration}: {eval_losses[-1]:.6f}")
         if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
             _save(state, logger)
