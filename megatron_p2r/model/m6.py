@@ -8,7 +8,7 @@ layout, and in the pseudo phase several layers call one key.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -98,6 +98,9 @@ class M6Model(nn.Module):
             if tied:  # a replica of the first stage's embedding; gradients summed over the embedding group
                 self.output_layer.weight.shared_name = WORD_EMBEDDING
         self.rope_base = m.rotary_base if m.position_embedding_type == "rope" else None
+        # module key -> callable(position, layer, x, rope) that runs that layer instead of the
+        # default call (set by optim.offload for layers whose weights live on host)
+        self.layer_runners: Dict[int, Callable] = {}
         self._mark_stage_replicas(replica_stage_sets(cfg))
 
     def _mark_stage_replicas(self, shared: Dict[str, tuple]) -> None:
@@ -119,9 +122,12 @@ class M6Model(nn.Module):
                 labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = self.embedding(tokens) if self.embedding is not None else hidden
         rope = self._rope(x.shape[1], x.device)
-        for key in self.layer_keys:
+        for position, key in enumerate(self.layer_keys):
             layer = self.layers[str(key)]
-            if self.recompute and self.training:
+            runner = self.layer_runners.get(key)
+            if runner is not None:  # e.g. optim.offload: fetch host weights, run, release
+                x = runner(position, layer, x, rope)
+            elif self.recompute and self.training:
                 x = tp_random.checkpoint(layer, x, rope, device=self.ps.device)
             else:
                 x = layer(x, rope)
