@@ -1,7 +1,7 @@
 """Megatron-style command-line flags and YAML files  <->  ``Config``.
 
 The parser is generated from the dataclass fields of ``config.py``. Precedence: dataclass
-defaults < ``--config FILE.yaml`` < flags given on the command line. Unknown YAML keys are
+defaults < ``--config A.yaml B.yaml`` (later files win) < flags given on the command line. Unknown YAML keys are
 errors with a did-you-mean suggestion.
 """
 from __future__ import annotations
@@ -41,7 +41,8 @@ def all_fields():
 def build_parser(description: str = "megatron_p2r pretraining") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--config", help="YAML file whose keys are flag names (CLI flags win).")
+    parser.add_argument("--config", nargs="+", metavar="FILE.yaml",
+                        help="YAML files whose keys are flag names; later files win, CLI flags win over all.")
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(cls):
@@ -122,8 +123,9 @@ def parse_args(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.A
     parser = parser or build_parser()
     ns = parser.parse_args(argv)
     given = vars(ns)
-    values = load_yaml(given.pop("config")) if given.get("config") else {}
-    given.pop("config", None)
+    values = {}
+    for path in given.pop("config", None) or []:
+        values.update(load_yaml(path))
     values.update(given)
     return config_from_values(values)
 

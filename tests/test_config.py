@@ -61,3 +61,11 @@ def test_yaml_unknown_key_suggests_the_right_one(tmp_path):
     path.write_text("- a list\n")
     with pytest.raises(ConfigError, match="expected a mapping"):
         load_yaml(str(path))
+
+
+def test_several_config_files_merge_in_order(tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("num-layers: 6\nhidden-size: 128\n")
+    b.write_text("num-layers: 8\n")
+    cfg = parse_args(["--config", str(a), str(b)])
+    assert cfg.model.num_layers == 8 and cfg.model.hidden_size == 128
