@@ -1,0 +1,174 @@
+"""Pipeline bubble of GPipe and 1F1B on 4 CPU processes, against the ideal (P-1)/(m+P-1).
+
+Every stage does the same work per micro-batch and runs the project's real schedules and
+p2p (``megatron_p2r.pipeline``) over gloo. For each schedule and number of micro-batches m it
+reports the step time (slowest rank, median of --repeats steps) against the ideal
+(m+P-1)·(t_f+t_b) and against (m+P-1)·(t_f+t_b+2·p2p) (each time slot waits for one forward
+and one backward transfer, measured by ping-pong), each stage's busy fraction (compute time / step time), the mean bubble
+(1 - mean busy fraction) against (P-1)/(m+P-1), and the peak number of micro-batches whose
+activations a stage holds (1F1B <= P - s, GPipe = m).
+
+``--work sleep`` (default) makes a stage's compute a fixed wait (forward t_f, backward 2·t_f)
+inside autograd: 4 ranks then behave like 4 devices although this machine has 2 cores, so
+the figures show the schedules, not CPU contention. ``--work matmul`` runs real GELU-MLP
+layers instead; with more ranks than cores, stages that should overlap share a core and the
+busy fractions are inflated (useful on a machine with >= 4 free cores).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pipeline_bubble.py
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_p2r.parallel.state import Layout, initialize
+from megatron_p2r.pipeline.p2p import StageLink
+from megatron_p2r.pipeline.schedules import SCHEDULES
+from megatron_p2r.testing import run_distributed
+
+STAGES = 4
+
+
+class _FixedWork(torch.autograd.Function):
+    """Identity that takes ``seconds`` in forward and twice that in backward (a stand-in device)."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class UniformStage(nn.Module):
+    """A pipeline stage with M6Model's calling convention and the same work on every stage."""
+
+    def __init__(self, hidden: int, is_first: bool, is_last: bool, work: str, fwd_seconds: float, layers: int):
+        super().__init__()
+        self.is_first, self.is_last, self.work, self.fwd_seconds = is_first, is_last, work, fwd_seconds
+        n = layers if work == "matmul" else 1
+        self.mlp = nn.Sequential(*[m for _ in range(n) for m in (nn.Linear(hidden, hidden), nn.GELU())])
+        self.hidden = hidden
+
+    def forward(self, tokens=None, hidden=None, labels=None):
+        x = hidden
+        if self.is_first:
+            x = tokens.float().unsqueeze(-1).expand(*tokens.shape, self.hidden) / 1000.0
+        x = self.mlp(x)
+        if self.work == "sleep":
+            x = _FixedWork.apply(x, self.fwd_seconds)
+        if self.is_last:
+            return x.pow(2).mean(-1)  # per-token "loss" [b, s]
+        return x
+
+
+def _p2p_latency(ps, shape, rounds: int = 30) -> float:
+    """One-way time of one activation transfer (header + tensor), from ping-pongs 0 <-> 1."""
+    link, x = StageLink(ps), torch.randn(shape)
+    times = []
+    for _ in range(rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        if ps.pp_rank == 0:
+            link.send_forward(x)
+            link.recv_backward()
+        elif ps.pp_rank == 1:
+            link.send_backward(link.recv_forward(requires_grad=False))
+        times.append((time.perf_counter() - start) / 2)
+        link.wait()
+    return statistics.median(times)
+
+
+def _rank(rank: int, world: int, args: argparse.Namespace) -> list:
+    ps = initialize(Layout(pp=world), torch.device("cpu"))
+    torch.manual_seed(0)
+    model = UniformStage(args.hidden, ps.is_first_stage, ps.is_last_stage, args.work, args.fwd_ms / 1000.0,
+                         args.layers)
+    b, s = args.micro_batch, args.seq
+    rows = [{"p2p_s": _p2p_latency(ps, (b, s, args.hidden))}]
+    for m in args.microbatches:
+        mbs = [{"tokens": torch.randint(0, 1000, (b, s)), "labels": torch.zeros(b, s, dtype=torch.long),
+                "loss_mask": torch.ones(b, s)} for _ in range(m)]
+        for name, schedule in SCHEDULES.items():
+            steps = []
+            for rep in range(args.repeats + 1):  # the first is a warm-up
+                stats = {}
+                dist.barrier()
+                start = time.perf_counter()
+                schedule(model, mbs, ps, stats=stats)
+                elapsed = time.perf_counter() - start
+                if rep:
+                    steps.append((elapsed, stats["busy_s"], stats["peak_inflight"]))
+                model.zero_grad(set_to_none=True)
+            rows.append({"schedule": name, "m": m, "stage": ps.pp_rank, "steps": steps})
+    return rows
+
+
+def _fwd_bwd_seconds(args) -> float:
+    """t_f + t_b of one micro-batch on one stage, measured on one process (same module)."""
+    stage = UniformStage(args.hidden, True, True, args.work, args.fwd_ms / 1000.0, args.layers)
+    tokens = torch.randint(0, 1000, (args.micro_batch, args.seq))
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        stage(tokens=tokens).mean().backward()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--work", choices=["sleep", "matmul"], default="sleep")
+    parser.add_argument("--fwd-ms", type=float, default=10.0, help="sleep work: forward time per micro-batch")
+    parser.add_argument("--layers", type=int, default=4, help="matmul work: MLP layers per stage")
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--microbatches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 4, 8, 16])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+
+    t_mb = _fwd_bwd_seconds(args)
+    per_rank = run_distributed(_rank, STAGES, args, timeout=900)
+    p2p_s = per_rank[0][0]["p2p_s"]
+    results = [row for rank_rows in per_rank for row in rank_rows[1:]]
+    P = STAGES
+    what = (f"forward {args.fwd_ms:.1f} ms + backward {2 * args.fwd_ms:.1f} ms (fixed waits)" if args.work == "sleep"
+            else f"{args.layers}-layer GELU MLP, hidden {args.hidden}, {args.micro_batch}x{args.seq} tokens")
+    print(f"P={P} stages on {P} gloo CPU processes; per micro-batch and stage: {what}; "
+          f"t_f+t_b measured alone = {1000 * t_mb:.1f} ms; one p2p transfer "
+          f"({args.micro_batch}x{args.seq}x{args.hidden} fp32) = {1000 * p2p_s:.2f} ms one way; "
+          f"median of {args.repeats} steps")
+    header = (f"{'schedule':8} {'m':>3} {'step ms':>8} {'ideal ms':>8} {'ratio':>6} {'+p2p ms':>8} "
+              f"{'busy s0   s1   s2   s3':>22} {'bubble':>7} {'ideal':>6} {'peak in-flight s0..s3':>22}")
+    print(header)
+    print("-" * len(header))
+    for m in args.microbatches:
+        for name in SCHEDULES:
+            per_stage = sorted((r for r in results if r["schedule"] == name and r["m"] == m), key=lambda r: r["stage"])
+            # One step's time is that of its slowest rank; busy fractions are against it.
+            step_times = [max(r["steps"][i][0] for r in per_stage) for i in range(args.repeats)]
+            i_med = step_times.index(statistics.median_low(step_times))
+            step = step_times[i_med]
+            busy = [r["steps"][i_med][1] / step for r in per_stage]
+            peaks = [max(x[2] for x in r["steps"]) for r in per_stage]
+            ideal_step = (m + P - 1) * t_mb
+            with_p2p = (m + P - 1) * (t_mb + 2 * p2p_s)  # a forward and a backward hop per slot
+            print(f"{name:8} {m:>3} {1000 * step:>8.1f} {1000 * ideal_step:>8.1f} {step / ideal_step:>6.2f} "
+                  f"{1000 * with_p2p:>8.1f} "
+                  f"{'  ' + ' '.join(f'{b:.2f}' for b in busy):>22} {1 - sum(busy) / P:>7.3f} "
+                  f"{(P - 1) / (m + P - 1):>6.3f} {' '.join(str(p) for p in peaks):>22}")
+
+
+if __name__ == "__main__":
+    main()
