@@ -1,0 +1,479 @@
+"""Granular CPU offloading: chosen transformer layers keep their fp32 master weights,
+gradients and AdamW state in host memory (the M6-10T paper's second technique).
+
+Unlike offloading everything (ZeRO-Offload), only a subset of layers — chosen per stage by
+``--cpu-offload-layers`` — lives on host; the rest of the rank stays on the device. For an
+offloaded layer:
+
+- its ``nn.Parameter`` objects *are* the host tensors (pinned when the device is CUDA), so
+  ``model.named_parameters()`` still returns the master weights with their sharding
+  attributes and checkpoints, gradient sync and the grad norm see the same tensors as
+  without offloading;
+- its forward runs under activation recomputation with weights fetched by ``_Fetch``: a
+  separate device copy is made just before use (``--offload-prefetch N`` layers ahead, on a
+  side stream on CUDA; on CPU the same code path copies synchronously into separate
+  tensors), used through ``torch.func.functional_call`` and released when the layer is done.
+  Backward recomputes the layer, fetching again in reverse order with the same prefetch;
+- ``_Fetch.backward`` sends the weights' gradients to host as soon as the layer's backward has
+  produced them, where autograd accumulates them into the host ``.grad`` over micro-batches;
+- its AdamW step runs on host (torch's AdamW on CPU tensors, a second optimizer), issued
+  after the device step so the two overlap on CUDA; the next fetch picks up the new weights.
+
+Which layers: a count N (the last N layers of each stage), a fraction, a list of global
+layer indices, or ``auto`` with ``--device-memory-budget``: the fewest layers, last ones of
+the stage first, whose offload makes this rank's accounted device bytes fit. A pseudo-phase
+slot is one module and is offloaded (and accounted) once. See docs/offload.md.
+"""
+from __future__ import annotations
+
+import math
+import re
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from megatron_p2r.config import Config, ConfigError, TrainConfig
+from megatron_p2r.optim.optimizer import build_optimizer, param_groups
+from megatron_p2r.parallel import random as tp_random
+from megatron_p2r.parallel.state import ParallelState
+
+WHAT_ITEMS = ("params", "grads", "optimizer")
+CATEGORIES = ("params", "grads", "optimizer")
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+# ----------------------------------------------------------------------------- flags
+
+def parse_memory_size(text: str) -> int:
+    """'30GiB' / '512MiB' / '40GB' / '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text or "")
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"--device-memory-budget {text!r}: expected a size such as 30GiB, 512MiB, 40GB "
+                          "or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_offload_what(text: str) -> frozenset:
+    """--cpu-offload-what: the weights, gradients and optimizer state of a layer move together.
+
+    A gradient is produced where its weight lives and AdamW updates a weight where its state
+    lives, so the only consistent set for host-resident layers is all three.
+    """
+    items = [x.strip() for x in (text or "").split(",") if x.strip()]
+    unknown = sorted(set(items) - set(WHAT_ITEMS))
+    if unknown or not items:
+        raise ConfigError(f"--cpu-offload-what {text!r}: expected a comma-separated subset of "
+                          f"{','.join(WHAT_ITEMS)}, got {unknown or 'nothing'}")
+    if set(items) != set(WHAT_ITEMS):
+        raise ConfigError(f"--cpu-offload-what {text!r}: an offloaded layer keeps its weights, gradients and "
+                          "optimizer state together on host (a gradient is produced where its weight lives and "
+                          "AdamW updates a weight where its state lives); use params,grads,optimizer")
+    return frozenset(items)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """A parsed --cpu-offload-layers: kind is count | fraction | list | auto."""
+
+    kind: str
+    count: int = 0
+    fraction: float = 0.0
+    layers: Tuple[int, ...] = ()
+
+
+def parse_layer_spec(spec: str, num_layers: int) -> LayerSpec:
+    flag = f"--cpu-offload-layers {spec!r}"
+    text = spec.strip()
+    if text == "auto":
+        return LayerSpec("auto")
+    if "," in text:
+        try:
+            layers = tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise ConfigError(f"{flag}: a list holds global layer indices, as in 1,5,7 (one layer: '5,')") from None
+        bad = [i for i in layers if not 0 <= i < num_layers]
+        if not layers or bad:
+            raise ConfigError(f"{flag}: layer indices must be in [0, {num_layers}) (--num-layers), got {list(bad)}")
+        if len(set(layers)) != len(layers):
+            raise ConfigError(f"{flag}: a layer index appears twice")
+        return LayerSpec("list", layers=tuple(sorted(layers)))
+    if "." in text:
+        try:
+            fraction = float(text)
+        except ValueError:
+            fraction = -1.0
+        if not 0.0 <= fraction <= 1.0:
+            raise ConfigError(f"{flag}: a fraction of each stage's layers must be between 0 and 1")
+        return LayerSpec("fraction", fraction=fraction)
+    try:
+        count = int(text)
+    except ValueError:
+        raise ConfigError(f"{flag}: expected a count N (the last N layers of each stage), a fraction such as "
+                          "0.25, a list of layer indices such as 1,5,7, or auto") from None
+    if not 0 <= count <= num_layers:
+        raise ConfigError(f"{flag}: a count must be between 0 and --num-layers ({num_layers})")
+    return LayerSpec("count", count=count)
+
+
+def validate_offload(cfg: Config) -> None:
+    """The offload flags' rules (called from config.validate)."""
+    o = cfg.offload
+    if o.offload_prefetch < 0:
+        raise ConfigError(f"--offload-prefetch must be >= 0, got {o.offload_prefetch}")
+    parse_offload_what(o.cpu_offload_what)
+    if o.cpu_offload_layers is None:
+        if o.device_memory_budget is not None:
+            raise ConfigError("--device-memory-budget is used only with --cpu-offload-layers auto")
+        return
+    spec = parse_layer_spec(o.cpu_offload_layers, cfg.model.num_layers)
+    if spec.kind == "auto" and o.device_memory_budget is None:
+        raise ConfigError("--cpu-offload-layers auto needs --device-memory-budget (e.g. 30GiB)")
+    if spec.kind != "auto" and o.device_memory_budget is not None:
+        raise ConfigError("--device-memory-budget is used only with --cpu-offload-layers auto, "
+                          f"got --cpu-offload-layers {o.cpu_offload_layers!r}")
+    if o.device_memory_budget is not None:
+        parse_memory_size(o.device_memory_budget)
+
+
+# ----------------------------------------------------------------------------- which layers
+
+def state_bytes(params) -> Dict[str, int]:
+    """Bytes of parameters, gradients and AdamW moments (as training.describe_memory counts them)."""
+    params = list(params)
+    b = sum(p.numel() * p.element_size() for p in params)
+    return {"params": b, "grads": b, "optimizer": 8 * sum(p.numel() for p in params)}
+
+
+def last_first(layer_keys: Sequence[int]) -> List[int]:
+    """A stage's module keys, the one used last first (the order ``auto`` offloads in)."""
+    return list(dict.fromkeys(reversed(list(layer_keys))))
+
+
+def select_modules(spec: LayerSpec, layer_keys: Sequence[int], layer_range: range) -> List[int]:
+    """Module keys to offload on a stage for a count / fraction / list spec (in order of use)."""
+    if spec.kind == "count":
+        n = min(spec.count, len(layer_keys))
+    elif spec.kind == "fraction":
+        n = int(math.floor(spec.fraction * len(layer_keys) + 0.5))
+    elif spec.kind == "list":
+        wanted = {layer_keys[i - layer_range.start] for i in spec.layers if i in layer_range}
+        return [k for k in dict.fromkeys(layer_keys) if k in wanted]
+    else:
+        raise ValueError(f"select_modules does not handle {spec.kind!r}")
+    chosen = set(layer_keys[len(layer_keys) - n:]) if n else set()
+    return [k for k in dict.fromkeys(layer_keys) if k in chosen]
+
+
+def memory_plan(total: Dict[str, int], module_bytes: Dict[int, Dict[str, int]], offloaded: Sequence[int],
+                prefetch: int) -> Dict[str, Dict[str, int]]:
+    """Accounted bytes on device and host when ``offloaded`` modules live on host.
+
+    Device: everything else, plus the fetch window — (prefetch + 2) copies of the largest
+    offloaded module's weights: the one in use, ``prefetch`` fetched ahead, and its gradient
+    before it goes to host.
+    """
+    host = {c: sum(module_bytes[k][c] for k in offloaded) for c in CATEGORIES}
+    device = {c: total[c] - host[c] for c in CATEGORIES}
+    largest = max((module_bytes[k]["params"] for k in offloaded), default=0)
+    device["fetch_window"] = (prefetch + 2) * largest if offloaded else 0
+    return {"device": device, "host": host}
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def choose_auto(total: Dict[str, int], module_bytes: Dict[int, Dict[str, int]], candidates: Sequence[int],
+                prefetch: int, budget: int, where: str, budget_text: str) -> List[int]:
+    """The fewest ``candidates`` (taken in order) whose offload makes the device bytes fit ``budget``."""
+    best = None
+    for k in range(len(candidates) + 1):
+        plan = memory_plan(total, module_bytes, candidates[:k], prefetch)
+        need = sum(plan["device"].values())
+        if need <= budget:
+            return list(candidates[:k])
+        best = need if best is None else min(best, need)
+    raise ConfigError(f"--device-memory-budget {budget_text} ({format_bytes(budget)}) cannot be met on {where}: "
+                      f"even with all its {len(candidates)} layer modules offloaded it needs {format_bytes(best)} "
+                      f"of parameters, gradients and optimizer state on the device (embedding, output layer and "
+                      f"final norm stay, plus the fetch window of --offload-prefetch {prefetch} + 2 layers); "
+                      f"raise the budget or use more pipeline/tensor parallelism")
+
+
+def module_bytes_of(model: nn.Module) -> Tuple[Dict[str, int], Dict[int, Dict[str, int]]]:
+    """(whole stage, per layer module key) accounted bytes; works on a meta-device model."""
+    return state_bytes(model.parameters()), {int(k): state_bytes(m.parameters()) for k, m in model.layers.items()}
+
+
+def offload_keys(cfg: Config, ps: ParallelState, model: nn.Module) -> List[int]:
+    """This rank's offloaded module keys, per --cpu-offload-layers (``model`` may be on meta)."""
+    o = cfg.offload
+    spec = parse_layer_spec(o.cpu_offload_layers, cfg.model.num_layers)
+    if spec.kind != "auto":
+        return select_modules(spec, model.layer_keys, model.layer_range)
+    total, per_module = module_bytes_of(model)
+    where = f"rank {ps.rank} (stage {ps.pp_rank}, tp {ps.tp_rank}, ep {ps.ep_rank})"
+    chosen = choose_auto(total, per_module, last_first(model.layer_keys), o.offload_prefetch,
+                         parse_memory_size(o.device_memory_budget), where, o.device_memory_budget)
+    return [k for k in dict.fromkeys(model.layer_keys) if k in chosen]
+
+
+# ----------------------------------------------------------------------------- fetching
+
+class _LiveCopy:
+    """Counts one fetched layer as holding device memory until all its tensors' storages die."""
+
+    def __init__(self, stats: dict, tensors: Sequence[torch.Tensor]):
+        self.stats, self.remaining = stats, len(tensors)
+        stats["live"] += 1
+        stats["peak_live"] = max(stats["peak_live"], stats["live"])
+        for t in tensors:
+            weakref.finalize(t.untyped_storage(), self._release)
+
+    def _release(self) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.stats["live"] -= 1
+
+
+class _Fetch(torch.autograd.Function):
+    """Host weights in, device copies out; backward sends the copies' gradients to host."""
+
+    @staticmethod
+    def forward(ctx, manager, phase, position, *host_params):
+        ctx.manager = manager
+        return manager.acquire(phase, position)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, None) + ctx.manager.to_host(grads)
+
+
+class OffloadManager:
+    """Runs this stage's offloaded layers with fetched weights and owns their host state."""
+
+    def __init__(self, model: nn.Module, keys: Sequence[int], ps: ParallelState, prefetch: int):
+        self.model, self.ps, self.prefetch = model, ps, prefetch
+        self.device = ps.device
+        self.keys = list(keys)
+        self.names = {k: [n for n, _ in model.layers[str(k)].named_parameters()] for k in self.keys}
+        self.host_params = {k: [p for _, p in model.layers[str(k)].named_parameters()] for k in self.keys}
+        positions = [pos for pos, k in enumerate(model.layer_keys) if k in self.host_params]
+        self.order = {"forward": positions, "backward": positions[::-1]}
+        self.index = {phase: {pos: i for i, pos in enumerate(seq)} for phase, seq in self.order.items()}
+        self.pending: "OrderedDict[tuple, tuple]" = OrderedDict()
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.stats = {"live": 0, "peak_live": 0, "fetches": {"forward": 0, "backward": 0}}
+        for k in self.keys:
+            model.layer_runners[k] = self.run_layer
+
+    @property
+    def host_param_set(self) -> set:
+        return {id(p) for ps_ in self.host_params.values() for p in ps_}
+
+    # -- running a layer
+    def run_layer(self, position: int, layer: nn.Module, x: torch.Tensor, rope) -> torch.Tensor:
+        """Forward with fetched weights; under grad, as a recomputed block so that no device copy
+        outlives the layer's forward, and backward fetches again for the recomputation."""
+        if not torch.is_grad_enabled():
+            return self._compute("forward", position, layer, x, rope)
+        calls = []
+
+        def block(x, rope):
+            phase = "backward" if calls else "forward"
+            calls.append(phase)
+            return self._compute(phase, position, layer, x, rope)
+
+        return tp_random.checkpoint(block, x, rope, device=self.device)
+
+    def _compute(self, phase: str, position: int, layer: nn.Module, x: torch.Tensor, rope) -> torch.Tensor:
+        key = self.model.layer_keys[position]
+        weights = _Fetch.apply(self, phase, position, *self.host_params[key])
+        return functional_call(layer, dict(zip(self.names[key], weights)), (x, rope))
+
+    # -- copies
+    def acquire(self, phase: str, position: int) -> Tuple[torch.Tensor, ...]:
+        """This layer's device copy (prefetched or fetched now); queue the next ``prefetch`` of
+        this pass and drop prefetches the pass no longer needs (at most prefetch + 1 live)."""
+        seq, i = self.order[phase], self.index[phase][position]
+        entry = self.pending.pop((phase, position), None) or self._copy(position)
+        ahead = [(phase, q) for q in seq[i + 1:i + 1 + self.prefetch]]
+        for stale in [k for k in self.pending if k not in ahead]:
+            del self.pending[stale]
+        for k in ahead:
+            if k not in self.pending:
+                self.pending[k] = self._copy(k[1])
+        self.stats["fetches"][phase] += 1
+        tensors, event = entry
+        if event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            for t in tensors:
+                t.record_stream(current)
+        return tuple(tensors)
+
+    def _copy(self, position: int) -> tuple:
+        host = self.host_params[self.model.layer_keys[position]]
+        if self.stream is None:
+            tensors = [torch.empty_like(h).copy_(h) for h in host]
+            event = None
+        else:
+            with torch.cuda.stream(self.stream):
+                tensors = [torch.empty_like(h, device=self.device).copy_(h, non_blocking=True) for h in host]
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        _LiveCopy(self.stats, tensors)
+        return tensors, event
+
+    def to_host(self, grads: Sequence[torch.Tensor]) -> tuple:
+        if self.stream is None:
+            return tuple(grads)
+        return tuple(g.to("cpu") for g in grads)
+
+    def synchronize(self) -> None:
+        """Wait for outstanding fetches (before the host step rewrites the weights they read)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    # -- reporting
+    def describe(self) -> dict:
+        """Accounted bytes per category on device and host, and what is offloaded."""
+        total, per_module = module_bytes_of(self.model)
+        plan = memory_plan(total, per_module, self.keys, self.prefetch)
+        first = self.model.layer_range.start
+        layers = [first + pos for pos, k in enumerate(self.model.layer_keys) if k in self.host_params]
+        return {**plan, "modules": list(self.keys), "layers": layers, "stage_layers": len(self.model.layer_keys),
+                "prefetch": self.prefetch}
+
+
+def format_report(rank: int, report: dict) -> str:
+    mib = format_bytes
+    d, h = report["device"], report["host"]
+    return (f"[rank {rank}] offload: {len(report['layers'])} of {report['stage_layers']} layers on host "
+            f"(layers {report['layers']}, modules {report['modules']}, prefetch {report['prefetch']}); "
+            f"device: params {mib(d['params'])}, grads {mib(d['grads'])}, optimizer {mib(d['optimizer'])}, "
+            f"fetch window {mib(d['fetch_window'])}; host: params {mib(h['params'])}, grads {mib(h['grads'])}, "
+            f"optimizer {mib(h['optimizer'])}")
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+class _StateView:
+    """optimizer.state keyed by parameter, routed to whichever optimizer owns it."""
+
+    def __init__(self, owners: Dict[int, torch.optim.Optimizer]):
+        self.owners = owners
+
+    def __getitem__(self, p):
+        return self.owners[id(p)].state[p]
+
+    def get(self, p, default=None):
+        owner = self.owners.get(id(p))
+        return owner.state[p] if owner is not None and p in owner.state else default
+
+    def __contains__(self, p) -> bool:
+        owner = self.owners.get(id(p))
+        return owner is not None and p in owner.state
+
+    def __iter__(self):
+        for owner in dict.fromkeys(self.owners.values()):
+            yield from owner.state
+
+    def __len__(self) -> int:
+        return sum(len(o.state) for o in dict.fromkeys(self.owners.values()))
+
+    def items(self):
+        return ((p, self[p]) for p in self)
+
+
+class OffloadedOptimizer:
+    """AdamW on the device for resident parameters and AdamW on host for offloaded ones, seen
+    as one optimizer: ``param_groups`` (the scheduler sets their lr), ``state[param]``,
+    ``state_dict`` / ``load_state_dict`` over all parameters (what checkpoints use)."""
+
+    def __init__(self, device_opt: Optional[torch.optim.Optimizer], host_opt: Optional[torch.optim.Optimizer],
+                 manager: OffloadManager):
+        self.optimizers = [o for o in (device_opt, host_opt) if o is not None]
+        self.device_opt, self.host_opt, self.manager = device_opt, host_opt, manager
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
+        self.state = _StateView({id(p): o for o in self.optimizers for g in o.param_groups for p in g["params"]})
+
+    def step(self) -> None:
+        if self.device_opt is not None:
+            self.device_opt.step()  # queued on the device; it runs while the host step computes
+        if self.host_opt is not None:
+            self.manager.synchronize()
+            self.host_opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        """torch's format, parameters numbered in ``param_groups`` order across both optimizers."""
+        index, groups = {}, []
+        for g in self.param_groups:
+            ids = [index.setdefault(id(p), len(index)) for p in g["params"]]
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
+        state = {index[id(p)]: s for o in self.optimizers for p, s in o.state.items()}
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, sd: dict) -> None:
+        groups, start = sd["param_groups"], 0
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"optimizer state has {len(groups)} parameter groups, this optimizer {len(self.param_groups)}")
+        for o in self.optimizers:
+            mine = groups[start:start + len(o.param_groups)]
+            start += len(o.param_groups)
+            ids = {i for g in mine for i in g["params"]}
+            o.load_state_dict({"state": {i: s for i, s in sd["state"].items() if i in ids}, "param_groups": mine})
+
+
+def build_split_optimizer(model: nn.Module, t: TrainConfig, manager: OffloadManager) -> OffloadedOptimizer:
+    """The usual AdamW groups (weight decay / none), each split into device and host parameters."""
+    on_host = manager.host_param_set
+    groups = param_groups(model, t.weight_decay)
+
+    def part(host: bool) -> list:
+        out = [{**g, "params": [p for p in g["params"] if (id(p) in on_host) == host]} for g in groups]
+        return [g for g in out if g["params"]]
+
+    device_groups, host_groups = part(False), part(True)
+    device_opt = build_optimizer(model, t, params=device_groups) if device_groups else None
+    host_opt = build_optimizer(model, t, params=host_groups) if host_groups else None
+    return OffloadedOptimizer(device_opt, host_opt, manager)
+
+
+# ----------------------------------------------------------------------------- building
+
+def build_offloaded(cfg: Config, ps: ParallelState):
+    """(model, optimizer, manager) of this rank with its chosen layers on host.
+
+    The stage is built and initialised on host (init is layout- and device-invariant), then
+    everything not offloaded moves to the device and the offloaded weights are pinned, so a
+    stage that does not fit on the device is never materialised there.
+    """
+    from megatron_p2r.model.m6 import M6Model, build_model
+    keys = offload_keys(cfg, ps, build_model(cfg, ps, meta=True))
+    model = M6Model(cfg, ps, device=torch.device("cpu"))
+    model.init_weights(cfg.train.seed)
+    offloaded = {id(p) for k in keys for p in model.layers[str(k)].parameters()}
+    if ps.device.type != "cpu":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.data.pin_memory() if id(p) in offloaded else p.data.to(ps.device)
+            for module in model.modules():
+                for name, b in module.named_buffers(recurse=False):
+                    module._buffers[name] = b.to(ps.device)
+    manager = OffloadManager(model, keys, ps, cfg.offload.offload_prefetch)
+    return model, build_split_optimizer(model, cfg.train, manager), manager
