@@ -47,6 +47,7 @@ class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
     skipped_in_a_row: int = 0
+    offload: Optional[object] = None  # optim.offload.OffloadManager when --cpu-offload-layers is set
 
     @property
     def params(self) -> List[torch.nn.Parameter]:
@@ -109,10 +110,15 @@ def setup_vocab(cfg: Config):
 
 
 def build_train_state(cfg: Config, ps: ParallelState) -> TrainState:
-    model = build_model(cfg, ps)
-    optimizer = build_optimizer(model, cfg.train)
+    offload = None
+    if cfg.offload.cpu_offload_layers is not None:  # chosen layers' weights, grads and AdamW state on host
+        from megatron_p2r.optim.offload import build_offloaded
+        model, optimizer, offload = build_offloaded(cfg, ps)
+    else:
+        model = build_model(cfg, ps)
+        optimizer = build_optimizer(model, cfg.train)
     return TrainState(cfg=cfg, ps=ps, model=model, optimizer=optimizer,
-                      scheduler=LRScheduler(optimizer, cfg.train), scaler=LossScaler(cfg.train))
+                      scheduler=LRScheduler(optimizer, cfg.train), scaler=LossScaler(cfg.train), offload=offload)
 
 
 def compute_dtype(cfg: Config) -> Optional[torch.dtype]:
@@ -258,6 +264,9 @@ def pretrain(cfg: Config) -> dict:
           f"{mem['parameters']:,} parameters, {mem['param_bytes'] / 2**20:.1f} MiB params, "
           f"{mem['grad_bytes'] / 2**20:.1f} MiB grads, {mem['optimizer_bytes'] / 2**20:.1f} MiB optimizer",
           flush=True)
+    if state.offload is not None:
+        from megatron_p2r.optim.offload import format_report
+        print(format_report(ps.rank, state.offload.describe()), flush=True)
     if cfg.checkpoint.load:
         from megatron_p2r.checkpoint.io import load_checkpoint
         load_checkpoint(cfg.checkpoint.load, state, finetune=cfg.checkpoint.finetune)
