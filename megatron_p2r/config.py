@@ -294,3 +294,5 @@ def validate(cfg: Config, world_size: int) -> None:
     from megatron_p2r.pipeline.partition import stage_layer_counts
     parse_share_pattern(cfg.p2r.share_pattern, m.num_layers)
     stage_layer_counts(m.num_layers, pp, p.pipeline_layer_split)
+    from megatron_p2r.optim.offload import validate_offload
+    validate_offload(cfg)
