@@ -39,7 +39,7 @@ class ModelConfig:
     attention_dropout: float = opt(0.0, "Dropout on attention probabilities.")
     init_method_std: float = opt(0.02, "Std of the normal initialisation (output projections are scaled by 1/sqrt(2L)).")
     # Mixture of experts.
-    num_experts: Optional[int] = opt(None, "Number of experts E (MoE MLP); unset means dense.")
+    num_experts: Optional[int] = opt(None, "Number of experts E (MoE MLP); unset or 0 means dense.")
     moe_layer_freq: int = opt(1, "Every k-th layer is MoE (layers k-1, 2k-1, ...; 1 means all).")
     moe_router_topk: int = opt(1, "Experts per token (top-1 Switch, top-2 GShard).")
     moe_ffn_hidden_size: Optional[int] = opt(None, "Expert FFN hidden size (default ffn-hidden-size).")
@@ -248,9 +248,9 @@ def validate(cfg: Config, world_size: int) -> None:
                           f"world {world_size} / (TP {tp} x PP {pp}))")
     if pp > m.num_layers:
         raise ConfigError(f"--pipeline-model-parallel-size ({pp}) exceeds --num-layers ({m.num_layers})")
-    if m.num_experts is not None:
-        if m.num_experts < 1:
-            raise ConfigError(f"--num-experts must be >= 1, got {m.num_experts}")
+    if m.num_experts is not None and m.num_experts < 0:
+        raise ConfigError(f"--num-experts must be >= 0, got {m.num_experts}")
+    if m.num_experts:
         if m.num_experts % ep:
             raise ConfigError(f"--num-experts ({m.num_experts}) must be divisible by "
                               f"--expert-model-parallel-size ({ep})")
