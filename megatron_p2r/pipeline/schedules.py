@@ -3,9 +3,9 @@
 All schedules compute the same gradients: each micro-batch's loss is the masked mean over
 its tokens, scaled by ``loss_scale / num_microbatches`` before backward, so accumulated
 gradients are those of the mean loss (averaged over DP afterwards by ``finalize_grads``,
-which also sums the replicas held by several stages). Micro-batches are back-propagated in
-the order they were run on every schedule, so GPipe and 1F1B accumulate gradients in the
-same order as no-pipelining: with fp32 they give bitwise the same gradients.
+which also sums the replicas held by several stages). Every schedule back-propagates the
+micro-batches in the order it ran them, so GPipe and 1F1B accumulate in the same order and
+give bitwise equal gradients (equal to no-pipelining up to the order of cross-stage sums).
 
 - ``forward_backward_no_pipelining``: gradient accumulation on one stage (PP=1);
 - ``forward_backward_gpipe``: all forwards, then all backwards (holds m activations);
