@@ -69,6 +69,12 @@ def test_tp2_pp2_dp2_on_8_ranks(world8):
     assert check_equivalence(world8, "tp2pp2dp2/") == 2
 
 
+def test_moe_with_expert_parallelism_composes(world4):  # PP=2 x DP=2, EP=2, aux + z losses
+    for r in world4:
+        assert isinstance(r["moe"], dict), f"rank {r['rank']} failed:\n{r['moe']}"
+    assert check_equivalence([{"equiv": r["moe"]} for r in world4], "pp2ep2/moe/") == 2
+
+
 def test_recompute_and_bf16_compose(world4):
     assert check_equivalence(world4, "pp2dp2/recompute/") == 1
     for r in world4:
