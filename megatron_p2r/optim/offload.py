@@ -231,12 +231,12 @@ def offload_keys(cfg: Config, ps: ParallelState, model: nn.Module) -> List[int]:
 # ----------------------------------------------------------------------------- fetching
 
 class _LiveCopy:
-    """Counts one fetched layer as holding device memory until all its tensors' storages die."""
+    """Counts one fetched layer as holding device memory until all its tensors' storages die
+    (a weakref on the storage fires when the last view, saved tensor or alias is gone)."""
 
     def __init__(self, stats: dict, tensors: Sequence[torch.Tensor]):
         self.stats, self.remaining = stats, len(tensors)
         stats["live"] += 1
-        stats["peak_live"] = max(stats["peak_live"], stats["live"])
         for t in tensors:
             weakref.finalize(t.untyped_storage(), self._release)
 
@@ -273,7 +273,8 @@ class OffloadManager:
         self.index = {phase: {pos: i for i, pos in enumerate(seq)} for phase, seq in self.order.items()}
         self.pending: "OrderedDict[tuple, tuple]" = OrderedDict()
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.stats = {"live": 0, "peak_live": 0, "fetches": {"forward": 0, "backward": 0}}
+        # live: fetched layers whose device copies still exist; peak_live per pass (instrumentation)
+        self.stats = {"live": 0, "peak_live": {"forward": 0, "backward": 0}, "fetches": {"forward": 0, "backward": 0}}
         for k in self.keys:
             model.layer_runners[k] = self.run_layer
 
@@ -314,6 +315,7 @@ class OffloadManager:
             if k not in self.pending:
                 self.pending[k] = self._copy(k[1])
         self.stats["fetches"][phase] += 1
+        self.stats["peak_live"][phase] = max(self.stats["peak_live"][phase], self.stats["live"])
         tensors, event = entry
         if event is not None:
             current = torch.cuda.current_stream(self.device)
@@ -405,8 +407,12 @@ class OffloadedOptimizer:
                  manager: OffloadManager):
         self.optimizers = [o for o in (device_opt, host_opt) if o is not None]
         self.device_opt, self.host_opt, self.manager = device_opt, host_opt, manager
-        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
         self.state = _StateView({id(p): o for o in self.optimizers for g in o.param_groups for p in g["params"]})
+
+    @property
+    def param_groups(self) -> list:
+        """The sub-optimizers' own group dicts (torch's load_state_dict replaces them)."""
+        return [g for o in self.optimizers for g in o.param_groups]
 
     def step(self) -> None:
         if self.device_opt is not None:

@@ -1,0 +1,240 @@
+"""Granular CPU offload (optim/offload.py): the flags, which layers are chosen, and that training
+with any offload spec is the training without it.
+
+Numerics: every case trains the same config with and without offload on the same layout and
+compares losses and weights. On CPU the offloaded path runs exactly the same fp32 kernels on
+copies of the weights (recomputation replays the forward bit for bit), so the tolerance is
+tight: 1e-6 relative on losses and 1e-6 absolute on weights (updates are ~1e-2 at lr 1e-2).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_p2r.config import ConfigError, validate
+from megatron_p2r.model.m6 import build_model
+from megatron_p2r.optim import offload as off
+from megatron_p2r.parallel.random import seed_everything
+from megatron_p2r.parallel.state import ParallelState
+from megatron_p2r.testing import run_distributed
+from megatron_p2r.training import build_train_state, setup_parallel
+from tests.helpers import random_microbatches, run_steps, tiny_config
+
+LOSS_REL, WEIGHT_ABS = 1e-6, 1e-6
+BASE = dict(num_layers=4, global_batch_size=4)  # 2 micro-batches of 2 per step (one rank)
+
+
+def _cfg(**kw):
+    return tiny_config(**{**BASE, **kw})
+
+
+def compare(kw: dict, spec: str, ps: ParallelState, steps: int = 2, prefetch: int = 1) -> dict:
+    """Train ``steps`` steps without and with ``--cpu-offload-layers spec``: loss and weight
+    errors, the offload instrumentation, and whether the host optimizer owns exactly the
+    offloaded parameters."""
+    seed = _cfg(**kw).train.seed
+    seed_everything(seed, ps.tp_rank, ps.pp_rank, ps.device)  # both runs start from the same dropout streams
+    ref_losses, ref = run_steps(_cfg(**kw), ps, steps)
+    seed_everything(seed, ps.tp_rank, ps.pp_rank, ps.device)
+    losses, state = run_steps(_cfg(**kw, cpu_offload_layers=spec, offload_prefetch=prefetch), ps, steps)
+    ref_params = dict(ref.model.named_parameters())
+    weight_err = max((p.detach() - ref_params[n].detach()).abs().max().item()
+                     for n, p in state.model.named_parameters())
+    man = state.offload
+    host_opt = state.optimizer.host_opt
+    host_ids = {id(p) for g in host_opt.param_groups for p in g["params"]} if host_opt else set()
+    return {"losses": losses, "ref_losses": ref_losses, "weight_err": weight_err, "keys": man.keys,
+            "peak": dict(man.stats["peak_live"]), "fetches": dict(man.stats["fetches"]),
+            "live_after": man.stats["live"], "host_opt_exact": host_ids == man.host_param_set,
+            "names_same": sorted(n for n, _ in state.model.named_parameters()) == sorted(ref_params)}
+
+
+def check(r: dict, keys=None) -> None:
+    assert r["names_same"]
+    assert r["losses"] == pytest.approx(r["ref_losses"], rel=LOSS_REL)
+    assert r["weight_err"] <= WEIGHT_ABS
+    assert r["host_opt_exact"] and r["live_after"] == 0
+    assert r["fetches"]["forward"] > 0 and r["fetches"]["forward"] == r["fetches"]["backward"]
+    if keys is not None:
+        assert r["keys"] == keys
+
+
+# ----------------------------------------------------------------------------- one process
+
+@pytest.mark.parametrize("spec,keys", [("1", [3]), ("0.5", [2, 3]), ("1.0", [0, 1, 2, 3]), ("0,2", [0, 2]),
+                                       ("3,", [3]), ("4", [0, 1, 2, 3])])
+def test_dense_specs_match_resident_training(spec, keys):
+    check(compare({}, spec, ParallelState.single()), keys)
+
+
+@pytest.mark.parametrize("kw,spec,keys", [
+    (dict(bf16=True, hidden_dropout=0.1, attention_dropout=0.1), "0.5", [2, 3]),  # autocast + replayed dropout
+    (dict(p2r_phase="pseudo", share_pattern="cycle:2"), "1", [1]),  # slot 1 serves layers 1 and 3
+    (dict(p2r_phase="pseudo", share_pattern="all"), "2", [0]),      # one slot, offloaded once
+    (dict(num_experts=4, moe_layer_freq=2, moe_aux_loss_coeff=0.01), "0.5", [2, 3]),  # layer 3 is MoE
+    (dict(recompute_activations=True, untie_embeddings_and_output_weights=True), "0,3", [0, 3]),
+])
+def test_variants_match_resident_training(kw, spec, keys):
+    """bf16 losses are compared with the same tolerance: both runs execute identical kernels."""
+    check(compare(kw, spec, ParallelState.single()), keys)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 5])
+def test_at_most_prefetch_plus_one_layers_on_device(prefetch):
+    """All 4 layers offloaded, 2 micro-batches, 2 steps: in forward and in backward
+    (recomputation) exactly min(prefetch + 1, 4) fetched layers coexist at the peak."""
+    r = compare({}, "4", ParallelState.single(), prefetch=prefetch)
+    check(r)
+    want = min(prefetch + 1, 4)
+    assert r["peak"] == {"forward": want, "backward": want}
+    assert r["fetches"] == {"forward": 4 * 2 * 2, "backward": 4 * 2 * 2}
+
+
+def test_forward_only_releases_copies_and_matches():
+    cfg = _cfg(cpu_offload_layers="0.5", offload_prefetch=1)
+    state = build_train_state(cfg, ParallelState.single())
+    ref = build_model(_cfg(), ParallelState.single())
+    mb = random_microbatches(cfg, 1, 2)[0]
+    with torch.no_grad():
+        got = state.model(tokens=mb["tokens"], labels=mb["labels"])
+        want = ref(tokens=mb["tokens"], labels=mb["labels"])
+    assert torch.equal(got, want)
+    assert state.offload.stats["peak_live"]["forward"] == 2 and state.offload.stats["live"] == 0
+    assert state.offload.stats["fetches"]["backward"] == 0
+
+
+def test_optimizer_state_dict_round_trip_covers_both_optimizers():
+    _, state = run_steps(_cfg(cpu_offload_layers="0.5"), ParallelState.single(), 1)
+    opt = state.optimizer
+    sd = opt.state_dict()
+    n = sum(len(g["params"]) for g in opt.param_groups)
+    assert sorted(sd["state"]) == list(range(n))
+    saved = {"state": {i: {k: v.clone() for k, v in s.items()} for i, s in sd["state"].items()},
+             "param_groups": sd["param_groups"]}
+    before = {id(p): opt.state[p]["exp_avg"].clone() for g in opt.param_groups for p in g["params"]}
+    for g in opt.param_groups:
+        for p in g["params"]:
+            opt.state[p]["exp_avg"].zero_()
+    opt.load_state_dict(saved)
+    assert all(torch.equal(opt.state[p]["exp_avg"], before[id(p)]) for g in opt.param_groups for p in g["params"])
+    for o in opt.optimizers:
+        for g in o.param_groups:
+            g["lr"] = 123.0
+    state.scheduler.step()  # the scheduler still reaches both optimizers' (replaced) groups
+    lrs = {g["lr"] for o in opt.optimizers for g in o.param_groups}
+    assert len(opt.optimizers) == 2 and lrs == {state.scheduler.lr}
+
+
+# ----------------------------------------------------------------------------- choosing layers
+
+def test_auto_offloads_fewest_last_layers_that_fit():
+    cfg = _cfg(cpu_offload_layers="auto", device_memory_budget="1GiB", offload_prefetch=1)
+    meta = build_model(cfg, ParallelState.single(), meta=True)
+    total, per_module = off.module_bytes_of(meta)
+    need_two = sum(off.memory_plan(total, per_module, [3, 2], 1)["device"].values())
+    assert off.choose_auto(total, per_module, [3, 2, 1, 0], 1, need_two, "rank 0", "x") == [3, 2]
+    assert off.choose_auto(total, per_module, [3, 2, 1, 0], 1, need_two - 1, "rank 0", "x") == [3, 2, 1]
+    assert off.choose_auto(total, per_module, [3, 2, 1, 0], 1, sum(total.values()), "rank 0", "x") == []
+    state = build_train_state(_cfg(cpu_offload_layers="auto", device_memory_budget=str(need_two)),
+                              ParallelState.single())
+    assert state.offload.keys == [2, 3]
+    report = state.offload.describe()
+    assert sum(report["device"].values()) <= need_two
+    assert report["host"]["params"] == per_module[2]["params"] + per_module[3]["params"]
+    assert report["host"]["optimizer"] == 2 * report["host"]["params"]  # fp32 moments
+
+
+def test_auto_with_sharing_counts_a_slot_once():
+    assert off.last_first([0, 1, 0, 1]) == [1, 0]
+    assert off.select_modules(off.LayerSpec("count", count=1), [0, 1, 0, 1], range(0, 4)) == [1]
+    assert off.select_modules(off.LayerSpec("list", layers=(5,)), [4, 5, 6], range(4, 7)) == [5]
+    assert off.select_modules(off.LayerSpec("list", layers=(1,)), [4, 5, 6], range(4, 7)) == []
+    assert off.select_modules(off.LayerSpec("fraction", fraction=0.25), [4, 5, 6, 7, 8, 9], range(4, 10)) == [8, 9]
+
+
+def test_impossible_budget_is_a_clear_error():
+    with pytest.raises(ConfigError, match=r"--device-memory-budget 10KiB .* cannot be met on rank 0 \(stage 0"):
+        build_train_state(_cfg(cpu_offload_layers="auto", device_memory_budget="10KiB"), ParallelState.single())
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(cpu_offload_layers="x"), "expected a count N"),
+    (dict(cpu_offload_layers="1.5"), "between 0 and 1"),
+    (dict(cpu_offload_layers="0,9"), r"in \[0, 4\)"),
+    (dict(cpu_offload_layers="1,1"), "appears twice"),
+    (dict(cpu_offload_layers="7"), "between 0 and --num-layers"),
+    (dict(cpu_offload_layers="auto"), "needs --device-memory-budget"),
+    (dict(cpu_offload_layers="1", device_memory_budget="1GiB"), "only with --cpu-offload-layers auto"),
+    (dict(device_memory_budget="1GiB"), "only with --cpu-offload-layers auto"),
+    (dict(cpu_offload_layers="auto", device_memory_budget="lots"), "expected a size"),
+    (dict(cpu_offload_layers="1", cpu_offload_what="params,moments"), "subset of params,grads,optimizer"),
+    (dict(cpu_offload_layers="1", cpu_offload_what="params"), "keeps its weights, gradients and optimizer"),
+    (dict(cpu_offload_layers="1", offload_prefetch=-1), "--offload-prefetch must be >= 0"),
+])
+def test_flag_errors(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(_cfg(**kw), 1)
+
+
+def test_memory_sizes():
+    assert off.parse_memory_size("30GiB") == 30 * 2**30
+    assert off.parse_memory_size("1.5 MiB") == int(1.5 * 2**20)
+    assert off.parse_memory_size("40GB") == 40 * 10**9
+    assert off.parse_memory_size("123") == 123
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def test_checkpoint_does_not_depend_on_offload(tmp_path):
+    """Saved with layers offloaded, resumed without (and the reverse): same weights, moments
+    and next losses as a run that never offloaded."""
+    from megatron_p2r.checkpoint.io import load_checkpoint, save_checkpoint
+    ps = ParallelState.single()
+    _, plain = run_steps(_cfg(), ps, 2)
+    _, offl = run_steps(_cfg(cpu_offload_layers="0.5"), ps, 2)
+    save_checkpoint(str(tmp_path / "off"), offl)
+    save_checkpoint(str(tmp_path / "plain"), plain)
+    for src, target_kw in (("off", {}), ("plain", dict(cpu_offload_layers="1,3"))):
+        target = build_train_state(_cfg(**target_kw), ps)
+        load_checkpoint(str(tmp_path / src), target)
+        want = dict(plain.model.named_parameters())
+        for n, p in target.model.named_parameters():
+            assert torch.equal(p.detach(), want[n].detach()), n
+            for kind in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(target.optimizer.state[p][kind], plain.optimizer.state[want[n]][kind]), (n, kind)
+
+
+# ----------------------------------------------------------------------------- parallel layouts
+
+CASES = [  # label, layout and model flags, offload spec
+    ("tp2", dict(tensor_model_parallel_size=2), "1"),
+    ("pp2", dict(pipeline_model_parallel_size=2, global_batch_size=8), "1"),  # 4 micro-batches of 1F1B
+    ("pp2-pseudo", dict(pipeline_model_parallel_size=2, p2r_phase="pseudo", share_pattern="all"), "1"),
+    ("dp2-ep2-moe", dict(expert_model_parallel_size=2, num_experts=4, moe_layer_freq=2, global_batch_size=8), "0.5"),
+]
+
+
+def _parallel_cases(rank, world):
+    torch.manual_seed(0)
+    out = {}
+    for label, kw, spec in CASES:
+        cfg = _cfg(**kw)
+        ps = setup_parallel(cfg, torch.device("cpu"))
+        r = compare(kw, spec, ps)
+        out[label] = r
+    return out
+
+
+def test_parallel_layouts_match_resident_training():
+    """TP=2, PP=2 (1F1B), PP=2 pseudo phase (a slot shared by both stages), DP=2 x EP=2 MoE."""
+    results = run_distributed(_parallel_cases, 2)
+    for rank, res in enumerate(results):
+        for label, r in res.items():
+            try:
+                check(r)
+            except AssertionError as e:
+                raise AssertionError(f"rank {rank} case {label}: {r}") from e
+            assert r["peak"]["forward"] <= 2 and r["peak"]["backward"] <= 2
+    # PP=2: each stage offloads its own last layer (global layers 1 and 3)
+    assert [r["pp2"]["keys"] for r in results] == [[1], [3]]
+    assert [r["pp2-pseudo"]["keys"] for r in results] == [[0], [0]]
