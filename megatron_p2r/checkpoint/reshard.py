@@ -15,10 +15,11 @@ uses it when delinking). SRC is only read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 from collections import Counter
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 from tqdm import tqdm
@@ -149,20 +150,61 @@ def convert(src: str, dst: str, target: Target, delink: Optional[DelinkOptions] 
     plan = _plan(src_table, dst_table, layer_keys, delink is not None, where)
     reset = delink is not None and delink.optimizer_state == "reset"
     kinds = ("model",) if reset else kinds_of(meta)
-    sizes = dl.slot_sizes(layer_keys)
 
     tmp = _prepare_destination(src, src_iter, dst, force)
-    iteration = int(meta["iteration"])
-    out_iter = os.path.join(tmp, iteration_dir_name(iteration))
-    os.makedirs(out_iter)
+    try:
+        iteration = int(meta["iteration"])
+        out_iter = os.path.join(tmp, iteration_dir_name(iteration))
+        os.makedirs(out_iter)
+        transform = None
+        if delink is not None:
+            transform = functools.partial(_delink_tensor, delink, dl.slot_sizes(layer_keys), src_cfg.train.seed)
+        _write_tensors(out_iter, readers, src_table, src_layout, dst_table, dst_layout, plan, kinds, transform,
+                       progress, "delink" if delink else "reshard")
+        files = {f: os.path.getsize(os.path.join(out_iter, f)) for f in dst_layout.files()}
+        rng = None
+        if delink is None and src_layout == dst_layout and meta.get("rng"):
+            shutil.copytree(os.path.join(src_iter, RNG_DIR), os.path.join(out_iter, RNG_DIR))
+            rng = meta["rng"]
+        step = {"op": "delink" if delink else "reshard", "source": os.path.abspath(src_iter),
+                "source_layout": src_layout.to_json(), **(dataclasses.asdict(delink) if delink else {})}
+        new_meta = build_metadata(dst_cfg, dst_table, iteration=iteration, consumed_samples=meta["consumed_samples"],
+                                  optimizer="exp_avg" in kinds, scheduler=meta.get("scheduler"),
+                                  scaler=meta.get("scaler"), files=files, rng=rng,
+                                  history=list(meta.get("history", [])) + [step])
+        write_metadata(out_iter, new_meta)
+        verify(out_iter, new_meta, expected_params=sum(i.numel * _factor(i, delink is not None)
+                                                       for i in src_table.values()))
+        write_text_atomic(os.path.join(tmp, LATEST_FILE), str(iteration))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.exists(dst):
+        shutil.rmtree(dst)  # only reached with --force (checked before writing)
+    os.rename(tmp, dst)
+    return os.path.join(dst, iteration_dir_name(iteration))
+
+
+def _delink_tensor(options: DelinkOptions, sizes: Dict[int, int], seed: int, kind: str, tensor: torch.Tensor,
+                   dst_key: str, src: TensorInfo) -> torch.Tensor:
+    if src.module_key is None:
+        return tensor
+    if kind == "model":
+        return dl.add_noise(tensor, dst_key, options.noise_std, seed)
+    return dl.delink_moment(kind, tensor, sizes[src.module_key], options.optimizer_state)
+
+
+def _write_tensors(out_iter: str, readers: ReaderCache, src_table: Dict[str, TensorInfo], src_layout: ShardLayout,
+                   dst_table: Dict[str, TensorInfo], dst_layout: ShardLayout, plan: Dict[str, str], kinds,
+                   transform: Optional[Callable], progress: bool, desc: str) -> None:
+    """The streaming loop: one global piece in memory at a time, files of one stage open at a time."""
     entries = file_entries(dst_table, dst_layout, kinds)
     total = sum(info.nbytes * (len(kinds) - ("step" in kinds)) for info in dst_table.values())
-    bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
-               desc=("delink" if delink else "reshard"))
+    bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc=desc)
     writers: Dict[str, ShardWriter] = {}
     stage = -1
     for key, info in dst_table.items():
-        if info.stage != stage:  # files of one stage open at a time
+        if info.stage != stage:
             _close_all(writers)
             stage = info.stage
             for name in dst_layout.stage_files(stage):
@@ -170,11 +212,8 @@ def convert(src: str, dst: str, target: Target, delink: Optional[DelinkOptions] 
         sinfo = src_table[plan[key]]
         for kind in kinds:
             tensor = _read_global(readers, src_layout, sinfo, kind)
-            if delink is not None and sinfo.module_key is not None:
-                if kind == "model":
-                    tensor = dl.add_noise(tensor, key, delink.noise_std, src_cfg.train.seed)
-                else:
-                    tensor = dl.delink_moment(kind, tensor, sizes[sinfo.module_key], delink.optimizer_state)
+            if transform is not None:
+                tensor = transform(kind, tensor, key, sinfo)
             for t, shard in _shards(tensor, info, dst_layout, kind):
                 writers[dst_layout.file_of(info, t)].write(entry_name(kind, key), shard)
             if kind != "step":
@@ -187,26 +226,6 @@ def convert(src: str, dst: str, target: Target, delink: Optional[DelinkOptions] 
         if not os.path.exists(os.path.join(out_iter, name)):
             ShardWriter(os.path.join(out_iter, name), ents, shard_header_metadata(name)).close()
     bar.close()
-
-    files = {f: os.path.getsize(os.path.join(out_iter, f)) for f in dst_layout.files()}
-    rng = None
-    if delink is None and src_layout == dst_layout and meta.get("rng"):
-        shutil.copytree(os.path.join(src_iter, RNG_DIR), os.path.join(out_iter, RNG_DIR))
-        rng = meta["rng"]
-    step = {"op": "delink" if delink else "reshard", "source": os.path.abspath(src_iter),
-            "source_layout": src_layout.to_json(), **(dataclasses.asdict(delink) if delink else {})}
-    new_meta = build_metadata(dst_cfg, dst_table, iteration=iteration, consumed_samples=meta["consumed_samples"],
-                              optimizer="exp_avg" in kinds, scheduler=meta.get("scheduler"),
-                              scaler=meta.get("scaler"), files=files, rng=rng,
-                              history=list(meta.get("history", [])) + [step])
-    write_metadata(out_iter, new_meta)
-    verify(out_iter, new_meta, expected_params=sum(i.numel * _factor(i, delink is not None)
-                                                   for i in src_table.values()))
-    write_text_atomic(os.path.join(tmp, LATEST_FILE), str(iteration))
-    if os.path.exists(dst):
-        shutil.rmtree(dst)  # only reached with --force (checked before writing)
-    os.rename(tmp, dst)
-    return os.path.join(dst, iteration_dir_name(iteration))
 
 
 def _close_all(writers: Dict[str, ShardWriter]) -> None:

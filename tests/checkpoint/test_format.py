@@ -1,0 +1,103 @@
+"""The shard files (streaming safetensors) and the tensor table that places every piece."""
+import json
+import struct
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from megatron_p2r.checkpoint.format import (
+    CheckpointError, ShardLayout, ShardReader, ShardWriter, entry_name, file_entries, tensor_table)
+from megatron_p2r.model.m6 import WORD_EMBEDDING
+from tests.helpers import tiny_config
+
+TENSORS = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64), "c": torch.tensor(2.5),
+           "d": torch.randn(4, 2).to(torch.bfloat16), "e": torch.randint(0, 255, (9,), dtype=torch.uint8)}
+
+
+def _write(path, tensors=TENSORS):
+    w = ShardWriter(str(path), [(k, {torch.float32: "F32", torch.int64: "I64", torch.bfloat16: "BF16",
+                                     torch.uint8: "U8"}[v.dtype], tuple(v.shape)) for k, v in tensors.items()],
+                    {"tp": 0})
+    for k, v in tensors.items():
+        w.write(k, v)
+    w.close()
+
+
+def test_shard_round_trip_and_safetensors_compatible(tmp_path):
+    path = tmp_path / "x.safetensors"
+    _write(path)
+    reader = ShardReader(str(path))
+    for k, v in TENSORS.items():
+        assert torch.equal(reader.read(k), v), k
+    assert reader.metadata == {"tp": "0"}
+    with safe_open(str(path), framework="pt") as f:  # the official reader accepts the file
+        assert set(f.keys()) == set(TENSORS) and f.metadata() == {"tp": "0"}
+        for k, v in TENSORS.items():
+            assert torch.equal(f.get_tensor(k), v), k
+
+
+def test_writer_enforces_announced_order_shape_and_completeness(tmp_path):
+    w = ShardWriter(str(tmp_path / "y"), [("a", "F32", (2,)), ("b", "F32", (3,))])
+    with pytest.raises(CheckpointError, match="expected tensor 'a' F32\\[2\\] next, got 'b'"):
+        w.write("b", torch.zeros(3))
+    with pytest.raises(CheckpointError, match="expected tensor 'a' F32\\[2\\] next, got 'a' F32\\[3\\]"):
+        w.write("a", torch.zeros(3))
+    w.write("a", torch.zeros(2))
+    with pytest.raises(CheckpointError, match="1 announced tensors were never written, first 'b'"):
+        w.close()
+
+
+@pytest.mark.parametrize("keep", [0, 5, 12, 40, -1])
+def test_reader_detects_truncation(tmp_path, keep):
+    path = tmp_path / "x.safetensors"
+    _write(path)
+    data = path.read_bytes()
+    path.write_bytes(data[:keep] if keep >= 0 else data[:-1])
+    with pytest.raises(CheckpointError, match=f"truncated shard {path}"):
+        ShardReader(str(path))
+
+
+def test_reader_names_missing_and_corrupt_files(tmp_path):
+    with pytest.raises(CheckpointError, match="missing shard .*nope.safetensors"):
+        ShardReader(str(tmp_path / "nope.safetensors"))
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(struct.pack("<Q", 4) + b"{{{{")
+    with pytest.raises(CheckpointError, match="header is not valid JSON"):
+        ShardReader(str(bad))
+
+
+def _pieces(cfg):
+    return {k: (v.shape, v.tp_dim, v.expert, v.layers) for k, v in tensor_table(cfg).items()}
+
+
+def test_table_is_layout_invariant_and_stores_replicas_once():
+    """Keys, global shapes and split dims do not depend on TP/PP; the tied output weight and a
+    pseudo slot used on both stages are one piece, held by the first stage that has it."""
+    base = tiny_config(num_layers=4, p2r_phase="pseudo", share_pattern="cycle:2")
+    other = tiny_config(num_layers=4, p2r_phase="pseudo", share_pattern="cycle:2", tensor_model_parallel_size=2,
+                        pipeline_model_parallel_size=2, pipeline_layer_split="1,3")
+    assert _pieces(base) == _pieces(other)
+    table = tensor_table(other)
+    assert "output_layer.weight" not in table and table[WORD_EMBEDDING].stage == 0
+    qkv = table["layers.1.attention.qkv.weight"]
+    assert qkv.layers == (1, 3) and qkv.stage == 1 and qkv.tp_dim == 0 and qkv.shape == (96, 32)
+    assert table["layers.0.attention.qkv.weight"].layers == (0, 2)
+    assert table["layers.0.attention.qkv.weight"].stage == 0
+    assert not [k for k in table if k.startswith(("layers.2.", "layers.3."))]
+
+
+def test_file_entries_place_each_shard_exactly_once():
+    cfg = tiny_config(num_layers=3, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                      untie_embeddings_and_output_weights=True)
+    table, layout = tensor_table(cfg), ShardLayout.of(cfg)
+    entries = file_entries(table, layout, ("model", "exp_avg"))
+    assert sorted(entries) == sorted(layout.files()) and len(entries) == 4
+    names = [e[0] for ents in entries.values() for e in ents]
+    for info in table.values():
+        for kind in ("model", "exp_avg"):
+            assert names.count(entry_name(kind, info.key)) == (2 if info.tp_dim is not None else 1)
+    local = {e[0]: e[2] for e in entries["mp_rank_01_001_000.safetensors"]}
+    assert local["output_layer.weight"] == (table["output_layer.weight"].shape[0] // 2, 32)
+    assert "final_norm.weight" not in local  # not split over TP: stored by TP rank 0 only
+    json.dumps({k: v.to_json() for k, v in table.items()})  # metadata is plain JSON

@@ -1,0 +1,59 @@
+"""The p2r-convert-checkpoint command line: inspect, reshard, delink, and its error exits."""
+import pytest
+
+from megatron_p2r.checkpoint.io import save_checkpoint
+from megatron_p2r.parallel.state import ParallelState
+from tests.checkpoint.common import metadata
+from tests.helpers import run_steps, tiny_config
+from tools.convert_checkpoint import main
+
+
+@pytest.fixture(scope="module")
+def pseudo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli") / "pseudo"
+    cfg = tiny_config(num_layers=4, p2r_phase="pseudo", share_pattern="all")
+    _, state = run_steps(cfg, ParallelState.single(), 1)
+    save_checkpoint(str(root), state)
+    return root
+
+
+def test_inspect_prints_metadata_tensors_and_files(pseudo, capsys):
+    assert main(["inspect", str(pseudo)]) == 0
+    out = capsys.readouterr().out
+    assert "iteration    1   consumed samples 2" in out
+    assert "phase        pseudo   share pattern all   layer -> module [0, 0, 0, 0]" in out
+    assert "layout       TP=1 PP=1 EP=1   layers per stage [4]" in out
+    row = next(line for line in out.splitlines() if line.startswith("layers.0.mlp.fc1.weight"))
+    assert row.split() == ["layers.0.mlp.fc1.weight", "128x32", "0", "-", "0", "0,1,2,3", "16.0", "KiB"]
+    assert "mp_rank_00_000_000.safetensors" in out and "total" in out
+
+
+def test_delink_and_reshard_commands(pseudo, tmp_path, capsys):
+    real = tmp_path / "real"
+    assert main(["delink", str(pseudo), str(real), "--optimizer-state", "rescale",
+                 "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2", "--no-progress"]) == 0
+    assert f"load it with --load {real}" in capsys.readouterr().out
+    meta = metadata(str(real / "iter_0000001"))
+    assert meta["p2r"]["layer_module_keys"] == [0, 1, 2, 3] and meta["layout"]["tp"] == 2
+    assert meta["history"][-1]["optimizer_state"] == "rescale"
+    assert main(["reshard", str(real), str(tmp_path / "split"), "--target-pipeline-layer-split", "3,1",
+                 "--no-progress"]) == 0
+    assert metadata(str(tmp_path / "split" / "iter_0000001"))["layout"]["stage_layers"] == [[0, 3], [3, 4]]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["reshard", "{src}", "{dst}", "--target-tensor-parallel-size", "3"],
+     "--target-tensor-parallel-size 3 does not divide the model's --num-attention-heads (4)"),
+    (["reshard", "{src}", "{dst}", "--target-pipeline-layer-split", "1,1"],
+     "--target-pipeline-layer-split '1,1' adds up to 2, but --num-layers is 4"),
+    (["reshard", "{src}", "{dst}", "--target-expert-parallel-size", "2"],
+     "--target-expert-parallel-size 2 needs an MoE model"),
+    (["reshard", "{missing}", "{dst}"], "the directory does not exist"),
+    (["delink", "{src}", "{src}"], "overlaps SRC"),
+])
+def test_errors_exit_2_with_a_message(pseudo, tmp_path, capsys, argv, message):
+    argv = [a.format(src=pseudo, dst=tmp_path / "out", missing=tmp_path / "none") for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+    assert not (tmp_path / "out").exists()
