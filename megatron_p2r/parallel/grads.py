@@ -43,13 +43,14 @@ def finalize_grads(params: Iterable[nn.Parameter], ps: ParallelState) -> None:
             p.grad = torch.zeros_like(p)
         group, divisor = sync_group(p, ps)
         if group is not None:
-            buckets[(id(group), divisor)].append((group, p))
+            buckets[(id(group), divisor, p.grad.device)].append((group, p))
         elif divisor != 1:
             p.grad.div_(divisor)
-    for (_, divisor), members in buckets.items():
+    for (_, divisor, _), members in buckets.items():
         group = members[0][0]
         grads = [p.grad for _, p in members]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        # host-resident (offloaded) gradients travel through the device: NCCL reduces device tensors
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(ps.device)
         dist.all_reduce(flat, group=group)
         flat.div_(divisor)
         offset = 0
@@ -83,7 +84,7 @@ def grad_norm_and_non_finite(params: List[nn.Parameter], ps: ParallelState) -> T
     grads = [p.grad for p in params if p.grad is not None]
     stats = torch.zeros(2, device=ps.device, dtype=torch.float32)
     if grads:
-        norms = torch.stack(torch._foreach_norm(grads)).float()
+        norms = torch.stack([n.to(stats.device) for n in torch._foreach_norm(grads)]).float()  # host grads too
         owned = torch.tensor([counts_for_norm(p, ps) for p in params if p.grad is not None], device=norms.device)
         stats[0] = norms[owned].pow(2).sum()
         stats[1] = (~torch.isfinite(norms)).any().float()
