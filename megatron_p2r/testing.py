@@ -5,6 +5,11 @@ A rank that raises makes the call fail with that rank's traceback; a stuck colle
 it fail after ``timeout`` seconds (the process group's own timeout is shorter, so the stuck
 rank reports which operation hung). Children use one thread each: the test machine has two
 cores and oversubscribing them makes gloo crawl.
+
+Ranks are forked from a ``forkserver`` that imported torch once, instead of spawned: a spawned
+rank spends seconds importing torch, which dominated every distributed test. Forking from the
+server (not from the caller) keeps the caller's state — an initialised process group, threads —
+out of the ranks.
 """
 from __future__ import annotations
 
@@ -48,7 +53,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "megatron_p2r.training"])
     results = ctx.Queue()
     port = free_port()
     collective_timeout = max(timeout * 0.8, 5.0)
