@@ -101,3 +101,16 @@ def test_file_entries_place_each_shard_exactly_once():
     assert local["output_layer.weight"] == (table["output_layer.weight"].shape[0] // 2, 32)
     assert "final_norm.weight" not in local  # not split over TP: stored by TP rank 0 only
     json.dumps({k: v.to_json() for k, v in table.items()})  # metadata is plain JSON
+
+
+def test_experts_are_pieces_under_their_global_index():
+    cfg = tiny_config(num_layers=2, num_experts=4, moe_ffn_hidden_size=24, tensor_model_parallel_size=2,
+                      expert_model_parallel_size=2)
+    table, layout = tensor_table(cfg), ShardLayout.of(cfg)
+    w1 = [table[f"layers.1.mlp.experts.{e}.weight1"] for e in range(4)]
+    assert [(i.expert, i.shape, i.tp_dim, i.param) for i in w1] == \
+        [(e, (24, 32), 0, "layers.1.mlp.experts.weight1") for e in range(4)]
+    assert table["layers.1.mlp.experts.2.weight2"].tp_dim == 1 and table["layers.1.mlp.experts.2.bias2"].tp_dim is None
+    assert [layout.file_of(i, 1) for i in w1] == ["mp_rank_01_000_000.safetensors"] * 2 + \
+        ["mp_rank_01_000_001.safetensors"] * 2
+    assert tensor_table(tiny_config(num_layers=2, num_experts=4, moe_ffn_hidden_size=24)).keys() == table.keys()

@@ -102,7 +102,8 @@ def test_unknown_version_and_missing_fields(ckpt):
     assert "required field 'tensors' is missing" in _error(ckpt)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("7")
     assert "names iteration 7, but" in _error(ckpt)
-    assert "neither latest_checkpointed_iteration.txt nor metadata.json" in _error(ckpt / "iter_0000002" / "rng_and_data")
+    rng_dir = ckpt / "iter_0000002" / "rng_and_data"
+    assert "neither latest_checkpointed_iteration.txt nor metadata.json" in _error(rng_dir)
 
 
 def test_metadata_and_shard_disagree(ckpt):

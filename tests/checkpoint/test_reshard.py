@@ -20,27 +20,45 @@ from tests.helpers import run_steps, tiny_config
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = dict(num_layers=4, untie_embeddings_and_output_weights=True, global_batch_size=4, eval_iters=2,
              device="cpu", log_interval=100)
+MOE = dict(MODEL, num_experts=4, moe_layer_freq=2, moe_ffn_hidden_size=24)
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reshard") / "a"
-    _, state = run_steps(tiny_config(**MODEL), ParallelState.single(), 2)
+def _save(root, model):
+    _, state = run_steps(tiny_config(**model), ParallelState.single(), 2)
     save_checkpoint(str(root), state)
     return root
 
 
-def test_round_trip_is_bitwise(source, tmp_path):
-    """A (TP1 PP1) -> TP2 PP2 split 1,3 -> TP4 PP1 -> A: every shard byte-identical to the
-    original training save; metadata equal but for the history and the RNG files."""
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return _save(tmp_path_factory.mktemp("reshard") / "a", MODEL)
+
+
+@pytest.fixture(scope="module")
+def moe_source(tmp_path_factory):
+    return _save(tmp_path_factory.mktemp("reshard") / "moe", MOE)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_round_trip_is_bitwise(source, moe_source, tmp_path, moe):
+    """A (TP1 PP1 EP1) -> TP2 PP2 split 1,3 (EP2) -> TP4 PP1 (EP4) -> A: every shard
+    byte-identical to the original training save; metadata equal but for the history and the
+    RNG files. MoE experts move between EP files under their global index."""
+    src = moe_source if moe else source
+    ep = (lambda n: n) if moe else (lambda n: None)
     b, c, a2 = tmp_path / "b", tmp_path / "c", tmp_path / "a2"
-    convert(str(source), str(b), Target(2, 2, "1,3"), progress=False)
-    convert(str(b), str(c), Target(4, 1), progress=False)
-    convert(str(c), str(a2), Target(1, 1), progress=False)
+    convert(str(src), str(b), Target(2, 2, "1,3", ep(2)), progress=False)
+    convert(str(b), str(c), Target(4, 1, None, ep(4)), progress=False)
+    convert(str(c), str(a2), Target(1, 1, None, ep(1)), progress=False)
     mb = metadata(str(b / "iter_0000002"))
-    assert mb["layout"] == {"tp": 2, "pp": 2, "ep": 1, "stage_layers": [[0, 1], [1, 4]]}
-    assert len([f for f in shard_files(str(b / "iter_0000002")) if f.startswith("mp_rank")]) == 4
-    a_iter, a2_iter = source / "iter_0000002", a2 / "iter_0000002"
+    assert mb["layout"] == {"tp": 2, "pp": 2, "ep": 2 if moe else 1, "stage_layers": [[0, 1], [1, 4]]}
+    assert len([f for f in shard_files(str(b / "iter_0000002")) if f.startswith("mp_rank")]) == (8 if moe else 4)
+    if moe:  # expert 3 of layer 3 (stage 1) lives in EP rank 1's files, split over TP
+        from megatron_p2r.checkpoint.format import ShardReader
+        for tp in (0, 1):
+            names = ShardReader(str(b / "iter_0000002" / f"mp_rank_0{tp}_001_001.safetensors")).names()
+            assert "layers.3.mlp.experts.3.weight1" in names and "layers.3.mlp.experts.1.weight1" not in names
+    a_iter, a2_iter = src / "iter_0000002", a2 / "iter_0000002"
     shards = [f for f in shard_files(str(a_iter)) if f.startswith("mp_rank")]
     assert shards == shard_files(str(a2_iter)) == ["mp_rank_00_000_000.safetensors"]
     assert same_bytes(a_iter / shards[0], a2_iter / shards[0])
@@ -52,17 +70,24 @@ def test_round_trip_is_bitwise(source, tmp_path):
 
 def _evaluate(rank, world, cases):
     from megatron_p2r.training import pretrain
-    return {name: pretrain(tiny_config(**MODEL, **layout, load=path, eval_only=True))["eval_loss"]
-            for name, (path, layout) in cases.items()}
+    return {name: pretrain(tiny_config(**model, load=path, eval_only=True))["eval_loss"]
+            for name, (path, model) in cases.items()}
 
 
-def test_reshard_preserves_eval_loss(source, tmp_path):
-    """The same eval set on 2 ranks: TP1 x DP2 from the original, TP2 from the resharded copy
-    (fp32, rel 1e-5: only the order of the TP reductions changes)."""
+def test_reshard_preserves_eval_loss(source, moe_source, tmp_path):
+    """The same eval set on 2 ranks: TP1 x DP2 from the original, TP2 and PP2 from resharded
+    copies; MoE: EP1 vs EP2 (fp32, rel 1e-5: only the order of reductions changes)."""
     convert(str(source), str(tmp_path / "tp2"), Target(tensor_parallel_size=2), progress=False)
-    cases = {"tp1": (str(source), {}), "tp2": (str(tmp_path / "tp2"), dict(tensor_model_parallel_size=2))}
+    convert(str(source), str(tmp_path / "pp2"), Target(pipeline_parallel_size=2), progress=False)
+    convert(str(moe_source), str(tmp_path / "ep2"), Target(expert_parallel_size=2), progress=False)
+    cases = {"tp1": (str(source), MODEL), "tp2": (str(tmp_path / "tp2"), dict(MODEL, tensor_model_parallel_size=2)),
+             "pp2": (str(tmp_path / "pp2"), dict(MODEL, pipeline_model_parallel_size=2)),
+             "moe ep1": (str(moe_source), MOE),
+             "moe ep2": (str(tmp_path / "ep2"), dict(MOE, expert_model_parallel_size=2))}
     losses = run_distributed(_evaluate, 2, cases)[0]
     assert losses["tp2"] == pytest.approx(losses["tp1"], rel=1e-5)
+    assert losses["pp2"] == pytest.approx(losses["tp1"], rel=1e-5)
+    assert losses["moe ep2"] == pytest.approx(losses["moe ep1"], rel=1e-5)
 
 
 def test_destination_rules_and_bad_source(source, tmp_path):

@@ -21,13 +21,16 @@ def _straight_and_resumed(rank, world, root, cases):
 
 
 DENSE = {"tp2": dict(tensor_model_parallel_size=2), "dp2": dict(global_batch_size=8)}
+MOE = dict(num_layers=4, num_experts=4, moe_layer_freq=2, moe_ffn_hidden_size=24, moe_aux_loss_coeff=0.01,
+           moe_input_jitter_eps=0.01, global_batch_size=4)
+MOE_CASES = {"moe_pp2": dict(MOE, pipeline_model_parallel_size=2),
+             "moe_ep2": dict(MOE, expert_model_parallel_size=2)}
 
 
-def test_dense_resume_is_bitwise(tmp_path):
-    """TP=2 and DP=2 (2 ranks): losses of the resumed run equal the straight run's exactly, and
-    the final checkpoints (weights, moments, RNG) are byte-identical."""
-    results = run_distributed(_straight_and_resumed, 2, str(tmp_path), DENSE)
-    for name in DENSE:
+def _check(results, tmp_path, cases) -> dict:
+    """Assert bitwise resume for every case; return {case: shard file names}."""
+    shards = {}
+    for name in cases:
         straight, first, second = results[0][name]
         assert len(first) == 2 and len(second) == 2
         assert first + second == straight, name  # exact float equality
@@ -39,7 +42,24 @@ def test_dense_resume_is_bitwise(tmp_path):
         ma, mb = metadata(str(a)), metadata(str(b))
         for field in ("iteration", "consumed_samples", "scheduler", "scaler", "tensors", "files", "p2r", "layout"):
             assert ma[field] == mb[field], field
-        # DP replicas wrote once: one shard per (tp, pp, ep), one RNG file per rank.
-        expected = ["mp_rank_00_000_000.safetensors"] + (["mp_rank_01_000_000.safetensors"] if name == "tp2" else [])
-        assert [f for f in files if f.startswith("mp_rank")] == expected
-        assert len([f for f in files if f.startswith("rng_and_data")]) == 2
+        assert len([f for f in files if f.startswith("rng_and_data")]) == 2  # one RNG file per rank
+        shards[name] = [f for f in files if f.startswith("mp_rank")]
+    return shards
+
+
+def test_dense_resume_is_bitwise(tmp_path):
+    """TP=2 and DP=2 (2 ranks): losses of the resumed run equal the straight run's exactly, and
+    the final checkpoints (weights, moments, RNG) are byte-identical."""
+    results = run_distributed(_straight_and_resumed, 2, str(tmp_path), DENSE)
+    for name, shards in _check(results, tmp_path, DENSE).items():
+        # DP replicas wrote once: one shard per (tp, pp, ep).
+        assert shards == ["mp_rank_00_000_000.safetensors"] + (["mp_rank_01_000_000.safetensors"]
+                                                               if name == "tp2" else [])
+
+
+def test_moe_resume_is_bitwise(tmp_path):
+    """MoE (aux loss, router jitter, dropout) with PP=2, and with EP=2: bitwise as above."""
+    results = run_distributed(_straight_and_resumed, 2, str(tmp_path), MOE_CASES)
+    layouts = _check(results, tmp_path, MOE_CASES)
+    assert layouts["moe_pp2"] == ["mp_rank_00_000_000.safetensors", "mp_rank_00_001_000.safetensors"]
+    assert layouts["moe_ep2"] == ["mp_rank_00_000_000.safetensors", "mp_rank_00_000_001.safetensors"]

@@ -14,9 +14,9 @@ from megatron_p2r.training import build_datasets, build_train_state, evaluate
 from tests.checkpoint.common import metadata
 from tests.helpers import run_steps, tiny_config
 
-PSEUDO = dict(num_layers=4, p2r_phase="pseudo", share_pattern="cycle:2", train_iters=3, eval_iters=2, global_batch_size=4,
-              lr_warmup_iters=1, lr_decay_style="cosine", weight_decay=0.01, clip_grad=1.0, device="cpu",
-              log_interval=100)
+PSEUDO = dict(num_layers=4, p2r_phase="pseudo", share_pattern="cycle:2", train_iters=3, eval_iters=2,
+              global_batch_size=4, lr_warmup_iters=1, lr_decay_style="cosine", weight_decay=0.01, clip_grad=1.0,
+              device="cpu", log_interval=100)
 
 
 def test_names_and_moment_rules():
@@ -105,9 +105,12 @@ def test_delink_refuses_a_real_checkpoint(pseudo_ckpt, tmp_path):
 
 # ----------------------------------------------------------------------------- across layouts
 
+MOE = dict(num_experts=4, moe_layer_freq=2, moe_ffn_hidden_size=24, moe_aux_loss_coeff=0.01)
 CASES = {
-    # name: (pseudo layout, real layout)
-    "tp2->tp1": (dict(tensor_model_parallel_size=2), dict(tensor_model_parallel_size=1)),
+    # name: (model, pseudo layout, real layout); 2 ranks each
+    "tp2pp1->tp1pp2": ({}, dict(tensor_model_parallel_size=2),
+                       dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)),
+    "moe ep2->ep1": (MOE, dict(expert_model_parallel_size=2), dict(expert_model_parallel_size=1)),
 }
 
 
@@ -115,9 +118,9 @@ def _across_layouts(rank, world, root, cases):
     import torch.distributed as dist
     from megatron_p2r.training import pretrain
     out = {}
-    for name, (src_layout, dst_layout) in cases.items():
+    for name, (model, src_layout, dst_layout) in cases.items():
         src, dst = os.path.join(root, name, "pseudo"), os.path.join(root, name, "real")
-        pseudo = {**PSEUDO, **src_layout}
+        pseudo = {**PSEUDO, **model, **src_layout}
         pretrain(tiny_config(**{**pseudo, "train_iters": 2, "save": src}))
         pseudo_eval = pretrain(tiny_config(**pseudo, load=src, eval_only=True))["eval_loss"]
         pseudo_next = pretrain(tiny_config(**pseudo, load=src))["losses"]
@@ -126,7 +129,7 @@ def _across_layouts(rank, world, root, cases):
                                      dst_layout.get("pipeline_model_parallel_size"), None,
                                      dst_layout.get("expert_model_parallel_size")), DelinkOptions(), progress=False)
         dist.barrier()
-        real = {**PSEUDO, "p2r_phase": "real", **dst_layout}
+        real = {**PSEUDO, **model, "p2r_phase": "real", **dst_layout}
         real_eval = pretrain(tiny_config(**real, load=dst, eval_only=True))["eval_loss"]
         real_next = pretrain(tiny_config(**{**real, "train_iters": 5}, load=dst))["losses"]
         out[name] = (pseudo_eval, real_eval, pseudo_next, real_next)
@@ -134,8 +137,9 @@ def _across_layouts(rank, world, root, cases):
 
 
 def test_delink_preserves_eval_loss_across_layouts(tmp_path):
-    """Pseudo on one layout -> real on another: the eval loss agrees to fp32 rounding of the
-    changed TP reductions (rel 1e-5), the first continued step sees the same loss (before its
+    """Pseudo on one layout -> real on another (TP2 -> TP1 x PP2; MoE with EP2 -> EP1): the
+    eval loss agrees to fp32 rounding of the changed reductions (rel 1e-5), the first
+    continued step sees the same loss (before its
     update), and real training goes on (finite losses)."""
     results = run_distributed(_across_layouts, 2, str(tmp_path), CASES)
     for name in CASES:
