@@ -328,10 +328,12 @@ def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger) -> dict
             logger.log({"iteration": state.iteration, "eval_loss": eval_losses[-1], "phase": cfg.p2r.p2r_phase,
                         "tokens": state.consumed_samples * cfg.model.seq_length},
                        f"validation loss at iteration {state.iteration}: {eval_losses[-1]:.6f}")
-        if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
+        saved = bool(ck.save and ck.save_interval and state.iteration % ck.save_interval == 0)
+        if saved:
             _save(state, logger)
         if (t.exit_interval and state.iteration % t.exit_interval == 0) or exit_signal.any_rank(ps):
-            _save(state, logger, reason="exit requested")
+            if not saved:  # the interval save above is this iteration's checkpoint already
+                _save(state, logger, reason="exit requested")
             return {"losses": losses, "eval_losses": eval_losses, "exited_early": True}
     if ck.save and not (ck.save_interval and state.iteration % ck.save_interval == 0):
         _save(state, logger)
