@@ -195,3 +195,12 @@ def test_sigterm_saves_and_a_kill_while_saving_keeps_latest(tmp_path):
     assert partial, "the kill should have happened while the shard was being written"
     with pytest.raises(CheckpointError):
         ShardReader(str(save / "iter_0000003.tmp" / partial[0])).read("final_norm.weight")
+
+
+def test_exit_interval_on_a_save_interval_saves_once(tmp_path, monkeypatch):
+    from megatron_p2r.checkpoint import io
+    from megatron_p2r.training import pretrain
+    saves = []
+    monkeypatch.setattr(io, "save_checkpoint", lambda d, state: saves.append(state.iteration) or d)
+    result = pretrain(cfg_of(save=str(tmp_path), save_interval=1, exit_interval=2))
+    assert result["exited_early"] and saves == [1, 2]
