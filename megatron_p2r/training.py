@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_p2r import reliability
 from megatron_p2r.config import Config, ConfigError, global_batch_size, num_microbatches, validate
 from megatron_p2r.metrics import TrainingLogger, format_line, model_flops_per_token, peak_memory_bytes
 from megatron_p2r.model.m6 import M6Model, build_model, replica_stage_sets
@@ -185,6 +186,7 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
     scale = state.scaler.scale
     loss = forward_backward(state.model, microbatches, ps, loss_scale=scale, dtype=compute_dtype(cfg))
     finalize_grads(params, ps)
+    reliability.on_gradients(state.iteration + 1, ps.rank, params)
     scaled_norm, found_inf = grad_norm_and_non_finite(params, ps)
     state.scaler.update(found_inf)
     grad_norm = float("nan")
@@ -296,7 +298,9 @@ def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger) -> dict
     state.model.train()
     while state.iteration < t.train_iters:
         lr = state.scheduler.lr
+        reliability.before_step(state.iteration + 1, ps.rank)
         out = train_step(state, _take(data, n_mb, "training"))
+        reliability.after_step(state.iteration, ps.rank)
         losses.append(out["lm_loss"])
         window_steps += 1
         # fp16 skips are routine while the scale adapts; they count once it is at its floor.

@@ -26,6 +26,7 @@ from megatron_p2r.checkpoint.format import (
     ShardWriter, TensorInfo, entry_name, file_entries, fsync_dir, iteration_dir_name, metadata_config,
     metadata_table, read_metadata, resolve_iteration_dir, rng_file, save_tensors, shard_file,
     shard_header_metadata, tensor_table, write_metadata, write_text_atomic)
+from megatron_p2r import reliability
 from megatron_p2r.config import Config
 from megatron_p2r.model.m6 import model_layer_keys
 from megatron_p2r.p2r.sharing import effective_pattern
@@ -137,8 +138,10 @@ def save_checkpoint(save_dir: str, state) -> str:
             param, j, kind = mine[entry]
             writer.write(entry, _piece_tensor(state, param, j, kind))
         writer.close()
+    reliability.save_point("shards", state.iteration, ps.rank)
     _barrier(ps)
     if ps.rank == 0:
+        reliability.save_point("metadata", state.iteration, ps.rank)
         files = {f: os.path.getsize(os.path.join(tmp, f)) for f in layout.files()}
         rng = {"world_size": ps.layout.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size}
         write_metadata(tmp, build_metadata(cfg, table, iteration=state.iteration,
@@ -146,8 +149,11 @@ def save_checkpoint(save_dir: str, state) -> str:
                                            scheduler=state.scheduler.state_dict(), scaler=state.scaler.state_dict(),
                                            files=files, rng=rng, history=[]))
         fsync_dir(tmp)
+        reliability.save_point("publish", state.iteration, ps.rank)
         _publish(tmp, final)
+        reliability.save_point("latest", state.iteration, ps.rank)
         write_text_atomic(os.path.join(save_dir, LATEST_FILE), str(state.iteration))
+        reliability.save_point("prune", state.iteration, ps.rank)
         if cfg.checkpoint.keep_last:
             _prune(save_dir, cfg.checkpoint.keep_last)
     _barrier(ps)
