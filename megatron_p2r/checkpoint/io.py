@@ -174,11 +174,14 @@ def _publish(tmp: str, final: str) -> None:
 
 
 def _prune(save_dir: str, keep: int) -> None:
-    """Delete all but the newest ``keep`` complete checkpoints."""
+    """Delete all but the newest ``keep`` complete checkpoints. Each is first renamed to
+    ``iter_N.del`` so a kill mid-delete never leaves a half-deleted ``iter_N`` that looks loadable."""
     done = sorted(int(m.group(1)) for d in os.listdir(save_dir) if (m := _ITER_DIR.match(d))
                   and os.path.isfile(os.path.join(save_dir, d, "metadata.json")))
     for iteration in done[:-keep]:
-        shutil.rmtree(os.path.join(save_dir, iteration_dir_name(iteration)))
+        path = os.path.join(save_dir, iteration_dir_name(iteration))
+        os.rename(path, path + ".del")
+        shutil.rmtree(path + ".del")
 
 
 # ----------------------------------------------------------------------------- compatibility
