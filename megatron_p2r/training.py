@@ -269,9 +269,7 @@ def pretrain(cfg: Config) -> dict:
     if state.offload is not None:
         from megatron_p2r.optim.offload import format_report
         print(format_report(ps.rank, state.offload.describe()), flush=True)
-    if cfg.checkpoint.load:
-        from megatron_p2r.checkpoint.io import load_checkpoint
-        load_checkpoint(cfg.checkpoint.load, state, finetune=cfg.checkpoint.finetune)
+    resume_checkpoint(state)
     train_ds, valid_ds = build_datasets(cfg, ps)
     result = {"rank": ps.rank, "losses": [], "memory": mem}
     if cfg.logging.eval_only:
@@ -283,6 +281,27 @@ def pretrain(cfg: Config) -> dict:
     result.update(train(state, train_ds, valid_ds, logger))
     logger.close()
     return result
+
+
+def resume_checkpoint(state: TrainState) -> None:
+    """Repair --save after a crash (rank 0, logged), then load --load. ``--save D --load D`` on
+    an empty D starts from scratch, so one command both starts a job and restarts it."""
+    ck, ps = state.cfg.checkpoint, state.ps
+    if ck.save and ps.rank == 0:
+        for line in reliability.recover_save_dir(ck.save):
+            print(f"checkpoint recovery: {line}", flush=True)
+    if ps.layout.world_size > 1:
+        dist.barrier()
+    if not ck.load:
+        return
+    same = ck.save and os.path.realpath(ck.save) == os.path.realpath(ck.load)
+    if same and not reliability.has_checkpoint(ck.load):
+        if ps.rank == 0:
+            print(f"no checkpoint in {ck.load} yet: starting from iteration 0", flush=True)
+        return
+    from megatron_p2r.checkpoint.io import load_checkpoint
+    load_checkpoint(ck.load, state, finetune=ck.finetune)
+    reliability.record("resumed", ps.rank, state.iteration)
 
 
 def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger) -> dict:
