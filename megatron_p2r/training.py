@@ -324,6 +324,9 @@ def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger) -> dict
         window_steps += 1
         # fp16 skips are routine while the scale adapts; they count once it is at its floor.
         counted = not t.fp16 or state.scaler.scale <= state.scaler.min_scale
+        if out["skipped"] and counted:
+            logger.info(f"warning: iteration {state.iteration} skipped: non-finite loss or gradients on at least one "
+                        f"rank ({state.skipped_in_a_row} in a row; --max-skipped-steps {t.max_skipped_steps})")
         if out["skipped"] and counted and state.skipped_in_a_row >= t.max_skipped_steps:
             _save(state, logger, reason="stopping on non-finite values")
             saved = f"the last good state is saved in {ck.save}" if ck.save else "nothing was saved (no --save)"
