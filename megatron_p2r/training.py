@@ -314,6 +314,7 @@ def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger) -> dict
     flops_per_token = model_flops_per_token(cfg.model, t.recompute_activations)
     losses, eval_losses = [], []
     window_start, window_steps = time.perf_counter(), 0
+    first_iteration = state.iteration
     state.model.train()
     while state.iteration < t.train_iters:
         lr = state.scheduler.lr
@@ -361,7 +362,10 @@ def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger) -> dict
             if not saved:  # the interval save above is this iteration's checkpoint already
                 _save(state, logger, reason="exit requested")
             return {"losses": losses, "eval_losses": eval_losses, "exited_early": True}
-    if ck.save and not (ck.save_interval and state.iteration % ck.save_interval == 0):
+    # Nothing new to save when the resumed checkpoint is already at --train-iters (a finished job
+    # relaunched): re-saving would replace that checkpoint with an identical one for nothing.
+    saved_now = ck.save_interval and state.iteration % ck.save_interval == 0
+    if ck.save and state.iteration > first_iteration and not saved_now:
         _save(state, logger)
     return {"losses": losses, "eval_losses": eval_losses}
 
