@@ -36,7 +36,10 @@ class Embedding(nn.Module):
                                                       init_std=m.init_method_std, device=device)
         self.position_embeddings = None
         if m.position_embedding_type == "learned_absolute":
-            self.position_embeddings = nn.Embedding(m.max_positions, m.hidden_size, device=device)
+            # _weight skips nn.Embedding's own normal_ init (init_parameters draws it; on the meta
+            # device that init would import torch._dynamo, seconds per process)
+            self.position_embeddings = nn.Embedding(m.max_positions, m.hidden_size,
+                                                    _weight=torch.empty(m.max_positions, m.hidden_size, device=device))
             p = self.position_embeddings.weight
             p.tp_dim, p.expert, p.no_wd, p.init = None, False, False, ("normal", m.init_method_std)
         self.dropout = m.hidden_dropout
