@@ -4,7 +4,10 @@ Per parameter, after the schedule has accumulated this rank's micro-batch gradie
 - replicas held by several pipeline stages (the tied embedding on the first and last stage,
   a pseudo-phase slot used on several stages; attribute ``shared_stages``) are **summed**
   over those stages;
-- then averaged over the data-parallel group — expert weights over the expert-dp group.
+- then averaged over the data-parallel group — expert weights all-reduced over the expert-dp
+  group but divided by the whole DP size: with EP, an expert's owner already holds the sum of
+  the gradients its EP peers' tokens sent it, so the mean over all DP ranks' losses is
+  (sum over expert-dp) / DP, not / expert-DP (docs/moe.md).
 
 Both reductions are linear, so they are fused where they can be: a replica shared by the
 stages S is reduced with *one* all-reduce over the group S x dp (then divided by dp), and
@@ -28,8 +31,8 @@ def sync_group(p: nn.Parameter, ps: ParallelState) -> Tuple[Optional[dist.Proces
     stages = getattr(p, "shared_stages", None)
     if getattr(p, "expert", False):
         if stages:
-            return ps.stage_subgroup(stages, over="expert_dp"), ps.expert_dp_size
-        return ps.group("expert_dp"), ps.expert_dp_size
+            return ps.stage_subgroup(stages, over="expert_dp"), ps.dp_size
+        return ps.group("expert_dp"), ps.dp_size
     if stages:
         return ps.stage_subgroup(stages, over="dp"), ps.dp_size
     return ps.group("dp"), ps.dp_size
