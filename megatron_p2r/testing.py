@@ -29,6 +29,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Imported once by the forkserver. torch._dynamo is what the first torch.optim optimizer imports
+# (5-13 s on the loaded 2-core machine); without it every rank that builds an optimizer pays that.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megatron_p2r.training"]
+
+
 class DistributedTestError(AssertionError):
     pass
 
@@ -54,7 +59,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "megatron_p2r.training"])
+    ctx.set_forkserver_preload(PRELOAD)
     results = ctx.Queue()
     port = free_port()
     collective_timeout = max(timeout * 0.8, 5.0)
