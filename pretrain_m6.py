@@ -1,9 +1,13 @@
 """Pretrain an M6 language model: ``torchrun --nproc-per-node N pretrain_m6.py [flags]``.
 
 Flags are Megatron-style (``--help`` lists them); ``--config FILE.yaml`` takes the same names.
+Exit status: 0 done, 2 bad input (flags, config, data, tokenizer or checkpoint: the message
+names which), 1 the run failed (stopped on non-finite values, a collective failed or timed
+out, an OS error such as a full disk); the message is one ``error:`` line on stderr.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from megatron_p2r.arguments import parse_args
@@ -11,13 +15,30 @@ from megatron_p2r.config import ConfigError
 
 
 def main(argv=None) -> int:
+    from megatron_p2r.checkpoint.format import CheckpointError
+    from megatron_p2r.reliability import describe_distributed_failure
+    from megatron_p2r.training import TrainingStopped
+    rank = os.environ.get("RANK", "0")
+    cfg = None
     try:
         cfg = parse_args(argv)
         from megatron_p2r.training import pretrain
         pretrain(cfg)
-    except ConfigError as exc:
+    except (ConfigError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except TrainingStopped as exc:
+        print(f"error: rank {rank}: training stopped: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"error: rank {rank}: {exc}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:
+        message = describe_distributed_failure(exc, cfg.parallel.distributed_timeout_minutes if cfg else None)
+        if message is None:
+            raise
+        print(f"error: rank {rank}: {message}", file=sys.stderr)
+        return 1
     finally:
         import torch.distributed as dist
         if dist.is_initialized():
