@@ -47,7 +47,7 @@ OPTIM_KINDS = ("exp_avg", "exp_avg_sq", "step")  # torch AdamW state per paramet
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
            torch.uint8: "U8", torch.bool: "BOOL"}
-_TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
+_TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}  # safetensors dtype string -> torch
 _MAX_HEADER = 1 << 30
 
 
@@ -424,17 +424,23 @@ class ShardReader:
             raise CheckpointError(f"{self.path}: tensor {name!r} has shape {list(entry['shape'])}, expected "
                                   f"{list(shape)} from {METADATA_FILE} ({field})")
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Tensor ``name``, read straight into ``out`` (a contiguous CPU tensor of its shape) if given."""
         entry = self.entries.get(name)
         if entry is None:
             raise CheckpointError(f"{self.path}: no tensor {name!r}")
         start, end = entry["data_offsets"]
-        buf = torch.empty(end - start, dtype=torch.uint8)
+        dtype, shape = _TORCH_DTYPES[entry["dtype"]], tuple(entry["shape"])
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)
+        elif out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous():
+            raise CheckpointError(f"{self.path}: tensor {name!r} is {entry['dtype']}{list(shape)}, cannot read it "
+                                  f"into {out.dtype}{list(out.shape)}")
         with open(self.path, "rb") as fh:
             fh.seek(self.data_start + start)
-            if fh.readinto(memoryview(buf.numpy())) != end - start:
+            if end > start and fh.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy())) != end - start:
                 raise CheckpointError(f"truncated shard {self.path}: tensor {name!r} is cut short")
-        return buf.view(_TORCH_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        return out
 
 
 class ReaderCache:

@@ -25,9 +25,10 @@ import torch
 from tqdm import tqdm
 
 from megatron_p2r.checkpoint.format import (
-    LATEST_FILE, METADATA_FILE, RNG_DIR, CheckpointError, ReaderCache, ShardLayout, ShardWriter, TensorInfo,
-    check_files, entry_name, file_entries, iteration_dir_name, kinds_of, metadata_config, metadata_table,
-    read_metadata, resolve_iteration_dir, shard_header_metadata, tensor_table, write_metadata, write_text_atomic)
+    _TORCH_DTYPES, LATEST_FILE, METADATA_FILE, RNG_DIR, CheckpointError, ReaderCache, ShardLayout, ShardWriter,
+    TensorInfo, check_files, entry_name, file_entries, iteration_dir_name, kinds_of, metadata_config,
+    metadata_table, read_metadata, resolve_iteration_dir, shard_header_metadata, tensor_table, write_metadata,
+    write_text_atomic)
 from megatron_p2r.checkpoint.io import build_metadata
 from megatron_p2r.config import Config, ConfigError
 from megatron_p2r.p2r import delink as dl
@@ -116,10 +117,18 @@ def _factor(info: TensorInfo, delink: bool) -> int:
 
 
 def _read_global(readers: ReaderCache, layout: ShardLayout, info: TensorInfo, kind: str) -> torch.Tensor:
+    """The whole piece: its TP shards read into one tensor (straight into place along dim 0)."""
     entry = entry_name(kind, info.key)
-    if kind == "step" or info.tp_dim is None:
+    if kind == "step" or info.tp_dim is None or layout.tp == 1:
         return readers(layout.file_of(info, 0)).read(entry)
-    return torch.cat([readers(layout.file_of(info, t)).read(entry) for t in range(layout.tp)], dim=info.tp_dim)
+    out = torch.empty(info.shape, dtype=_TORCH_DTYPES[info.dtype])
+    for t, part in enumerate(out.chunk(layout.tp, dim=info.tp_dim)):
+        reader = readers(layout.file_of(info, t))
+        if part.is_contiguous():
+            reader.read(entry, out=part)
+        else:
+            part.copy_(reader.read(entry))
+    return out
 
 
 def _shards(tensor: torch.Tensor, info: TensorInfo, layout: ShardLayout, kind: str):
@@ -209,16 +218,10 @@ def _write_tensors(out_iter: str, readers: ReaderCache, src_table: Dict[str, Ten
             stage = info.stage
             for name in dst_layout.stage_files(stage):
                 writers[name] = ShardWriter(os.path.join(out_iter, name), entries[name], shard_header_metadata(name))
-        sinfo = src_table[plan[key]]
         for kind in kinds:
-            tensor = _read_global(readers, src_layout, sinfo, kind)
-            if transform is not None:
-                tensor = transform(kind, tensor, key, sinfo)
-            for t, shard in _shards(tensor, info, dst_layout, kind):
-                writers[dst_layout.file_of(info, t)].write(entry_name(kind, key), shard)
-            if kind != "step":
-                bar.update(tensor.numel() * tensor.element_size())
-            del tensor
+            nbytes = _copy_piece(readers, src_table[plan[key]], src_layout, info, dst_layout, kind, writers,
+                                 transform)
+            bar.update(nbytes if kind != "step" else 0)
     _close_all(writers)
     # A stage can own no piece (a middle stage that only replays a pseudo slot of an earlier
     # stage); the layout still has its (empty) files.
@@ -226,6 +229,19 @@ def _write_tensors(out_iter: str, readers: ReaderCache, src_table: Dict[str, Ten
         if not os.path.exists(os.path.join(out_iter, name)):
             ShardWriter(os.path.join(out_iter, name), ents, shard_header_metadata(name)).close()
     bar.close()
+
+
+def _copy_piece(readers: ReaderCache, sinfo: TensorInfo, src_layout: ShardLayout, info: TensorInfo,
+                dst_layout: ShardLayout, kind: str, writers: Dict[str, ShardWriter],
+                transform: Optional[Callable]) -> int:
+    """Read one global tensor, transform it, append its target shards; returns its bytes.
+    (A function of its own so that nothing of the piece outlives it.)"""
+    tensor = _read_global(readers, src_layout, sinfo, kind)
+    if transform is not None:
+        tensor = transform(kind, tensor, info.key, sinfo)
+    for t, shard in _shards(tensor, info, dst_layout, kind):
+        writers[dst_layout.file_of(info, t)].write(entry_name(kind, info.key), shard)
+    return tensor.numel() * tensor.element_size()
 
 
 def _close_all(writers: Dict[str, ShardWriter]) -> None:
