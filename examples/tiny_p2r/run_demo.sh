@@ -4,7 +4,8 @@
 #   TP2 x PP2 x DP2, EP2, share-pattern all) -> delink into another layout -> real phase
 #   (4 ranks, TP1 x PP2 x DP2, EP2) -> eval before/after delinking -> loss plot + summary.
 # Re-running reuses every output that exists (delete $DEMO_OUT to start over).
-# DEMO_ITERS_SCALE shortens the run (the integration test uses it).
+# DEMO_PSEUDO_ITERS / DEMO_REAL_ITERS / DEMO_CORPUS_BYTES shorten the run and DEMO_EXTRA_ARGS
+# adds flags to every training launch (the integration test uses them).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 HERE=examples/tiny_p2r
@@ -20,7 +21,8 @@ launch() {  # launch NPROC ARGS...: torchrun on this machine
     local n=$1; shift
     python -m torch.distributed.run --nproc-per-node "$n" --master-port "$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')" pretrain_m6.py "$@"
 }
-COMMON=(--tokenizer-model "$OUT/tokenizer.model" --data-path "$OUT/corpus_text_document")
+read -r -a EXTRA <<< "${DEMO_EXTRA_ARGS:-}"
+COMMON=(--tokenizer-model "$OUT/tokenizer.model" --data-path "$OUT/corpus_text_document" "${EXTRA[@]}")
 
 step "1/8 demo corpus from the Python standard library"
 [ -s "$OUT/corpus.jsonl" ] || python tools/build_demo_corpus.py --output "$OUT/corpus.jsonl" --max-bytes "$CORPUS_BYTES"
