@@ -348,6 +348,8 @@ def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger) -> dict
                       "loss_scale": state.scaler.scale, "skipped": int(out["skipped"])}
             if out["moe_aux_loss"] is not None:
                 record["moe_aux_loss"] = out["moe_aux_loss"]
+            if cfg.model.num_experts:  # collective: the interval's dropped fraction and min/max expert load
+                record.update(aux_loss.pop_routing_stats(ps.device) or {})
             logger.log(record, format_line(record))
             window_start, window_steps = time.perf_counter(), 0
         if cfg.logging.eval_interval and state.iteration % cfg.logging.eval_interval == 0:
