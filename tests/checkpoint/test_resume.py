@@ -1,7 +1,6 @@
 """Resume is bitwise: N steps + save + resume + N steps == 2N steps (CPU, fp32, dropout on)."""
 import os
 
-import pytest
 
 from megatron_p2r.testing import run_distributed
 from tests.checkpoint.common import cfg_of, metadata, same_bytes, shard_files
