@@ -266,10 +266,18 @@ def _check_tables(saved: Dict[str, TensorInfo], run: Dict[str, TensorInfo], wher
 
 # ----------------------------------------------------------------------------- load
 
-def load_checkpoint(load_dir: str, state, finetune: bool = False) -> str:
-    """Restore ``state`` from ``load_dir``; with ``finetune`` only the weights. Returns the directory read."""
+def load_checkpoint(load_dir: str, state, finetune: bool = False) -> Optional[str]:
+    """Restore ``state`` from ``load_dir``; with ``finetune`` only the weights. Returns the directory
+    read, or None when ``--load`` is the ``--save`` directory and holds no checkpoint yet (the
+    first launch of a job that always passes both)."""
     cfg, ps = state.cfg, state.ps
     ck = cfg.checkpoint
+    if (ck.save and os.path.realpath(ck.save) == os.path.realpath(load_dir)
+            and not os.path.exists(os.path.join(load_dir, LATEST_FILE))):
+        if ps.rank == 0:
+            print(f"no checkpoint in {load_dir} yet (--load is the --save directory); starting from scratch",
+                  flush=True)
+        return None
     iter_dir = resolve_iteration_dir(load_dir)
     meta = read_metadata(iter_dir)
     check_compatible(meta, cfg, iter_dir, load_dir)

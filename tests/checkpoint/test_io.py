@@ -204,3 +204,14 @@ def test_exit_interval_on_a_save_interval_saves_once(tmp_path, monkeypatch):
     monkeypatch.setattr(io, "save_checkpoint", lambda d, state: saves.append(state.iteration) or d)
     result = pretrain(cfg_of(save=str(tmp_path), save_interval=1, exit_interval=2))
     assert result["exited_early"] and saves == [1, 2]
+
+
+def test_load_same_as_save_starts_fresh_then_resumes(tmp_path):
+    """A job launched with --save D --load D: the first launch finds nothing and starts from
+    scratch; the relaunch resumes. A --load elsewhere without a checkpoint stays an error."""
+    from megatron_p2r.training import pretrain
+    d = str(tmp_path / "ck")
+    assert len(pretrain(cfg_of(save=d, load=d, train_iters=1))["losses"]) == 1
+    assert len(pretrain(cfg_of(save=d, load=d, train_iters=3))["losses"]) == 2
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert "the directory does not exist" in _error(tmp_path / "elsewhere")
