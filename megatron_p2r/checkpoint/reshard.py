@@ -85,7 +85,8 @@ def target_config(src: Config, target: Target, delink: bool) -> Config:
     try:
         stage_layer_counts(m.num_layers, p.pipeline_model_parallel_size, p.pipeline_layer_split)
     except ConfigError as exc:
-        raise ConfigError(str(exc).replace("--pipeline-", "--target-pipeline-")) from None
+        msg = str(exc).replace("--pipeline-model-parallel-size", "--target-pipeline-parallel-size")
+        raise ConfigError(msg.replace("--pipeline-layer-split", "--target-pipeline-layer-split")) from None
     return cfg
 
 
