@@ -83,7 +83,13 @@ def init_distributed(cfg: Config, device: torch.device) -> None:
         backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
+        # Under torchrun --max-restarts the restarted workers share the launcher's store with the
+        # dead ones, whose keys (gloo/NCCL peer addresses) are still in it: without a prefix per
+        # attempt the new ranks connect to dead processes ("Connection refused" at init, torch 2.13).
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"p2r_attempt_{attempt}/", store), rank=rank,
+                                world_size=world, timeout=timeout)
     else:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
                                 rank=0, world_size=1, timeout=timeout)
