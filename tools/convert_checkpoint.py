@@ -4,10 +4,16 @@
     p2r-convert-checkpoint delink SRC DST [--optimizer-state copy|rescale|reset] [--noise-std S] [--target-* ...]
     p2r-convert-checkpoint reshard SRC DST [--target-tensor-parallel-size T] [--target-pipeline-parallel-size P]
                                            [--target-pipeline-layer-split 3,5] [--target-expert-parallel-size E]
+    p2r-convert-checkpoint export-hf SRC DST [--trim-vocab] [--dtype float32|bfloat16|float16]
+                                             [--max-shard-size 5GB] [--verify]
+    p2r-convert-checkpoint import-hf SRC DST [--target-* ...] [--make-vocab-size-divisible-by N]
+                                             [--allow-approximate-gelu]
 
 SRC is a checkpoint directory (its latest iteration is used) or one ``iter_*`` directory; DST
 becomes a checkpoint directory that ``--load`` accepts. Conversions stream tensor by tensor,
 write to ``DST.tmp`` and rename it when verified; SRC is never modified. See docs/checkpoint.md.
+``export-hf`` writes a Hugging Face transformers model directory (GPT2, Llama or Mixtral, chosen
+by the model's options), ``import-hf`` reads one back into a checkpoint; see docs/hf.md.
 """
 from __future__ import annotations
 
@@ -98,7 +104,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src")
     p.add_argument("dst")
     _add_target_flags(p)
+    p = sub.add_parser("export-hf", help="Write a Hugging Face transformers model directory (see docs/hf.md).")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--trim-vocab", action="store_true",
+                   help="Cut the padded vocabulary to the tokenizer's (default: keep it, the same function).")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="Dtype of the written weights.")
+    p.add_argument("--max-shard-size", default="5GB", help="Split model.safetensors above this size (5GB, 500MiB).")
+    p.add_argument("--verify", action="store_true",
+                   help="Load DST with transformers and compare its logits with ours (needs the [hf] extra).")
+    p.add_argument("--force", action="store_true", help="Replace a non-empty DST.")
+    p.add_argument("--no-progress", action="store_true", help="No progress bar.")
+    p = sub.add_parser("import-hf", help="Read a Hugging Face GPT2/Llama/Mixtral directory into a checkpoint.")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--make-vocab-size-divisible-by", type=int,
+                   help="Our vocabulary padding (default: the largest power of two <= 128 dividing the HF vocabulary).")
+    p.add_argument("--allow-approximate-gelu", action="store_true",
+                   help="Import GPT2 models with tanh-approximate GELU (gelu_new) as exact GELU.")
+    _add_target_flags(p)
     return parser
+
+
+def _hf_command(args) -> int:
+    from megatron_p2r.checkpoint import hf
+    if args.command == "export-hf":
+        result = hf.export_hf(args.src, args.dst, trim_vocab=args.trim_vocab, dtype=args.dtype,
+                              max_shard_size=args.max_shard_size, force=args.force, progress=not args.no_progress)
+        print(f"wrote {result.architecture} to {args.dst} ({len(result.files)} weight file(s), "
+              f"vocab {result.vocab_size})")
+        for note in result.notes:
+            print(f"  {note}")
+        if args.verify:
+            diff = hf.verify_export(args.src, args.dst)
+            if diff > hf.VERIFY_TOLERANCE:
+                print(f"error: transformers' logits differ from ours by {diff:.3g} (> {hf.VERIFY_TOLERANCE})",
+                      file=sys.stderr)
+                return 3
+            print(f"verified: transformers loads {args.dst}; max |logit difference| {diff:.3g}")
+        return 0
+    target = Target(args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
+                    args.target_pipeline_layer_split, args.target_expert_parallel_size)
+    out, notes = hf.import_hf(args.src, args.dst, target,
+                              make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                              allow_approximate_gelu=args.allow_approximate_gelu, force=args.force,
+                              progress=not args.no_progress)
+    print(f"wrote {out}")
+    for note in notes:
+        print(f"  {note}")
+    return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -107,6 +162,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "inspect":
             print(inspect(args.dir))
             return 0
+        if args.command in ("export-hf", "import-hf"):
+            return _hf_command(args)
         target = Target(args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
                         args.target_pipeline_layer_split, args.target_expert_parallel_size)
         options = DelinkOptions(args.optimizer_state, args.noise_std) if args.command == "delink" else None
