@@ -19,6 +19,9 @@ offloaded layer:
 - its AdamW step runs on host (torch's AdamW on CPU tensors, a second optimizer), issued
   after the device step so the two overlap on CUDA; the next fetch picks up the new weights.
 
+With ``--cpu-offload-what optimizer`` only the chosen layers' AdamW moments live on host
+(``StagedAdamW``: the step runs there on host copies of weights and gradients).
+
 Which layers: a count N (the last N layers of each stage), a fraction, a list of global
 layer indices, or ``auto`` with ``--device-memory-budget``: the fewest layers, last ones of
 the stage first, whose offload makes this rank's accounted device bytes fit. A pseudo-phase
@@ -44,6 +47,8 @@ from megatron_p2r.parallel.state import ParallelState
 
 WHAT_ITEMS = ("params", "grads", "optimizer")
 CATEGORIES = ("params", "grads", "optimizer")
+FULL = frozenset(WHAT_ITEMS)
+OPTIMIZER_ONLY = frozenset({"optimizer"})
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -61,21 +66,22 @@ def parse_memory_size(text: str) -> int:
 
 
 def parse_offload_what(text: str) -> frozenset:
-    """--cpu-offload-what: the weights, gradients and optimizer state of a layer move together.
+    """--cpu-offload-what: params,grads,optimizer (the layer lives on host) or optimizer (only
+    its AdamW moments do; ZeRO-Offload for the chosen layers).
 
-    A gradient is produced where its weight lives and AdamW updates a weight where its state
-    lives, so the only consistent set for host-resident layers is all three.
+    A gradient is produced on its weight's device, so weights and gradients move together,
+    and a host-resident weight is updated where it lives, so they bring the optimizer along.
     """
-    items = [x.strip() for x in (text or "").split(",") if x.strip()]
-    unknown = sorted(set(items) - set(WHAT_ITEMS))
+    items = frozenset(x.strip() for x in (text or "").split(",") if x.strip())
+    unknown = sorted(items - FULL)
     if unknown or not items:
         raise ConfigError(f"--cpu-offload-what {text!r}: expected a comma-separated subset of "
                           f"{','.join(WHAT_ITEMS)}, got {unknown or 'nothing'}")
-    if set(items) != set(WHAT_ITEMS):
-        raise ConfigError(f"--cpu-offload-what {text!r}: an offloaded layer keeps its weights, gradients and "
-                          "optimizer state together on host (a gradient is produced where its weight lives and "
-                          "AdamW updates a weight where its state lives); use params,grads,optimizer")
-    return frozenset(items)
+    if items not in (FULL, OPTIMIZER_ONLY):
+        raise ConfigError(f"--cpu-offload-what {text!r}: use params,grads,optimizer (weights, gradients and AdamW "
+                          "state on host: a gradient is produced where its weight lives, and a host weight is "
+                          "updated on host) or optimizer (AdamW state only)")
+    return items
 
 
 @dataclass(frozen=True)
@@ -172,17 +178,18 @@ def select_modules(spec: LayerSpec, layer_keys: Sequence[int], layer_range: rang
 
 
 def memory_plan(total: Dict[str, int], module_bytes: Dict[int, Dict[str, int]], offloaded: Sequence[int],
-                prefetch: int) -> Dict[str, Dict[str, int]]:
-    """Accounted bytes on device and host when ``offloaded`` modules live on host.
+                prefetch: int, what: frozenset = FULL) -> Dict[str, Dict[str, int]]:
+    """Accounted bytes on device and host when the ``what`` categories of ``offloaded`` modules
+    live on host.
 
-    Device: everything else, plus the fetch window — (prefetch + 2) copies of the largest
-    offloaded module's weights: the one in use, ``prefetch`` fetched ahead, and its gradient
-    before it goes to host.
+    With weights on host the device also holds the fetch window: (prefetch + 2) copies of the
+    largest offloaded module's weights — the one in use, ``prefetch`` fetched ahead, and its
+    gradient before it goes to host.
     """
-    host = {c: sum(module_bytes[k][c] for k in offloaded) for c in CATEGORIES}
+    host = {c: sum(module_bytes[k][c] for k in offloaded) if c in what else 0 for c in CATEGORIES}
     device = {c: total[c] - host[c] for c in CATEGORIES}
     largest = max((module_bytes[k]["params"] for k in offloaded), default=0)
-    device["fetch_window"] = (prefetch + 2) * largest if offloaded else 0
+    device["fetch_window"] = (prefetch + 2) * largest if "params" in what else 0
     return {"device": device, "host": host}
 
 
@@ -194,20 +201,21 @@ def format_bytes(n: int) -> str:
 
 
 def choose_auto(total: Dict[str, int], module_bytes: Dict[int, Dict[str, int]], candidates: Sequence[int],
-                prefetch: int, budget: int, where: str, budget_text: str) -> List[int]:
+                prefetch: int, budget: int, where: str, budget_text: str, what: frozenset = FULL) -> List[int]:
     """The fewest ``candidates`` (taken in order) whose offload makes the device bytes fit ``budget``."""
     best = None
     for k in range(len(candidates) + 1):
-        plan = memory_plan(total, module_bytes, candidates[:k], prefetch)
+        plan = memory_plan(total, module_bytes, candidates[:k], prefetch, what)
         need = sum(plan["device"].values())
         if need <= budget:
             return list(candidates[:k])
         best = need if best is None else min(best, need)
     raise ConfigError(f"--device-memory-budget {budget_text} ({format_bytes(budget)}) cannot be met on {where}: "
                       f"even with all its {len(candidates)} layer modules offloaded it needs {format_bytes(best)} "
-                      f"of parameters, gradients and optimizer state on the device (embedding, output layer and "
-                      f"final norm stay, plus the fetch window of --offload-prefetch {prefetch} + 2 layers); "
-                      f"raise the budget or use more pipeline/tensor parallelism")
+                      f"of parameters, gradients and optimizer state on the device (--cpu-offload-what "
+                      f"{','.join(sorted(what))}; embedding, output layer and final norm stay, and with weights on "
+                      f"host the fetch window of --offload-prefetch {prefetch} + 2 layers); raise the budget or use "
+                      f"more pipeline/tensor parallelism")
 
 
 def module_bytes_of(model: nn.Module) -> Tuple[Dict[str, int], Dict[int, Dict[str, int]]]:
@@ -224,7 +232,8 @@ def offload_keys(cfg: Config, ps: ParallelState, model: nn.Module) -> List[int]:
     total, per_module = module_bytes_of(model)
     where = f"rank {ps.rank} (stage {ps.pp_rank}, tp {ps.tp_rank}, ep {ps.ep_rank})"
     chosen = choose_auto(total, per_module, last_first(model.layer_keys), o.offload_prefetch,
-                         parse_memory_size(o.device_memory_budget), where, o.device_memory_budget)
+                         parse_memory_size(o.device_memory_budget), where, o.device_memory_budget,
+                         parse_offload_what(o.cpu_offload_what))
     return [k for k in dict.fromkeys(model.layer_keys) if k in chosen]
 
 
@@ -260,27 +269,30 @@ class _Fetch(torch.autograd.Function):
 
 
 class OffloadManager:
-    """Runs this stage's offloaded layers with fetched weights and owns their host state."""
+    """This stage's offloaded modules: runs them with fetched weights (when their weights live on
+    host) and reports what lives where."""
 
-    def __init__(self, model: nn.Module, keys: Sequence[int], ps: ParallelState, prefetch: int):
-        self.model, self.ps, self.prefetch = model, ps, prefetch
+    def __init__(self, model: nn.Module, keys: Sequence[int], ps: ParallelState, prefetch: int,
+                 what: frozenset = FULL):
+        self.model, self.prefetch, self.what = model, prefetch, what
         self.device = ps.device
         self.keys = list(keys)
         self.names = {k: [n for n, _ in model.layers[str(k)].named_parameters()] for k in self.keys}
-        self.host_params = {k: [p for _, p in model.layers[str(k)].named_parameters()] for k in self.keys}
-        positions = [pos for pos, k in enumerate(model.layer_keys) if k in self.host_params]
+        self.module_params = {k: [p for _, p in model.layers[str(k)].named_parameters()] for k in self.keys}
+        positions = [pos for pos, k in enumerate(model.layer_keys) if k in self.module_params]
         self.order = {"forward": positions, "backward": positions[::-1]}
         self.index = {phase: {pos: i for i, pos in enumerate(seq)} for phase, seq in self.order.items()}
         self.pending: "OrderedDict[tuple, tuple]" = OrderedDict()
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # live: fetched layers whose device copies still exist; peak_live per pass (instrumentation)
         self.stats = {"live": 0, "peak_live": {"forward": 0, "backward": 0}, "fetches": {"forward": 0, "backward": 0}}
-        for k in self.keys:
-            model.layer_runners[k] = self.run_layer
+        if "params" in what:
+            for k in self.keys:
+                model.layer_runners[k] = self.run_layer
 
     @property
-    def host_param_set(self) -> set:
-        return {id(p) for ps_ in self.host_params.values() for p in ps_}
+    def offloaded_param_ids(self) -> set:
+        return {id(p) for params in self.module_params.values() for p in params}
 
     # -- running a layer
     def run_layer(self, position: int, layer: nn.Module, x: torch.Tensor, rope) -> torch.Tensor:
@@ -299,7 +311,7 @@ class OffloadManager:
 
     def _compute(self, phase: str, position: int, layer: nn.Module, x: torch.Tensor, rope) -> torch.Tensor:
         key = self.model.layer_keys[position]
-        weights = _Fetch.apply(self, phase, position, *self.host_params[key])
+        weights = _Fetch.apply(self, phase, position, *self.module_params[key])
         return functional_call(layer, dict(zip(self.names[key], weights)), (x, rope))
 
     # -- copies
@@ -325,7 +337,7 @@ class OffloadManager:
         return tuple(tensors)
 
     def _copy(self, position: int) -> tuple:
-        host = self.host_params[self.model.layer_keys[position]]
+        host = self.module_params[self.model.layer_keys[position]]
         if self.stream is None:
             tensors = [torch.empty_like(h).copy_(h) for h in host]
             event = None
@@ -351,18 +363,17 @@ class OffloadManager:
     def describe(self) -> dict:
         """Accounted bytes per category on device and host, and what is offloaded."""
         total, per_module = module_bytes_of(self.model)
-        plan = memory_plan(total, per_module, self.keys, self.prefetch)
+        plan = memory_plan(total, per_module, self.keys, self.prefetch, self.what)
         first = self.model.layer_range.start
-        layers = [first + pos for pos, k in enumerate(self.model.layer_keys) if k in self.host_params]
+        layers = [first + pos for pos, k in enumerate(self.model.layer_keys) if k in self.module_params]
         return {**plan, "modules": list(self.keys), "layers": layers, "stage_layers": len(self.model.layer_keys),
-                "prefetch": self.prefetch}
+                "prefetch": self.prefetch, "what": ",".join(c for c in WHAT_ITEMS if c in self.what)}
 
 
 def format_report(rank: int, report: dict) -> str:
-    mib = format_bytes
-    d, h = report["device"], report["host"]
-    return (f"[rank {rank}] offload: {len(report['layers'])} of {report['stage_layers']} layers on host "
-            f"(layers {report['layers']}, modules {report['modules']}, prefetch {report['prefetch']}); "
+    mib, d, h = format_bytes, report["device"], report["host"]
+    return (f"[rank {rank}] offload: {report['what']} of {len(report['layers'])} of {report['stage_layers']} "
+            f"layers on host (layers {report['layers']}, modules {report['modules']}, prefetch {report['prefetch']}); "
             f"device: params {mib(d['params'])}, grads {mib(d['grads'])}, optimizer {mib(d['optimizer'])}, "
             f"fetch window {mib(d['fetch_window'])}; host: params {mib(h['params'])}, grads {mib(h['grads'])}, "
             f"optimizer {mib(h['optimizer'])}")
@@ -386,16 +397,6 @@ class _StateView:
     def __contains__(self, p) -> bool:
         owner = self.owners.get(id(p))
         return owner is not None and p in owner.state
-
-    def __iter__(self):
-        for owner in dict.fromkeys(self.owners.values()):
-            yield from owner.state
-
-    def __len__(self) -> int:
-        return sum(len(o.state) for o in dict.fromkeys(self.owners.values()))
-
-    def items(self):
-        return ((p, self[p]) for p in self)
 
 
 class OffloadedOptimizer:
@@ -445,18 +446,75 @@ class OffloadedOptimizer:
             o.load_state_dict({"state": {i: s for i, s in sd["state"].items() if i in ids}, "param_groups": mine})
 
 
+class StagedAdamW:
+    """AdamW whose moments live on host for weights that stay on the device
+    (--cpu-offload-what optimizer, ZeRO-Offload for the chosen layers).
+
+    A torch AdamW keyed by the model's own parameters: around ``step`` (and
+    ``load_state_dict``, so loaded moments land on host) each parameter's ``.data`` and
+    ``.grad`` are swapped for host copies, the host kernel runs, and the updated weights are
+    copied back. Per step that moves the weights and gradients to host and the weights back;
+    the device weights stay the master copy, so checkpoints and resumes see no difference.
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer):
+        self.inner = inner
+
+    @property
+    def param_groups(self) -> list:
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def _params(self) -> list:
+        return [p for g in self.inner.param_groups for p in g["params"]]
+
+    def _on_host(self, fn) -> None:
+        params = self._params()
+        saved = [(p.data, p.grad) for p in params]
+        with torch.no_grad():
+            try:
+                for p, (data, grad) in zip(params, saved):
+                    p.grad = None
+                    p.data = data.to("cpu", copy=True)
+                    if grad is not None:
+                        p.grad = grad.to("cpu", copy=True)
+                fn()
+            finally:
+                for p, (data, grad) in zip(params, saved):
+                    host = p.data
+                    p.grad = None
+                    p.data = data
+                    data.copy_(host)
+                    p.grad = grad
+
+    def step(self) -> None:
+        self._on_host(self.inner.step)
+
+    def load_state_dict(self, sd: dict) -> None:
+        self._on_host(lambda: self.inner.load_state_dict(sd))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+
 def build_split_optimizer(model: nn.Module, t: TrainConfig, manager: OffloadManager) -> OffloadedOptimizer:
-    """The usual AdamW groups (weight decay / none), each split into device and host parameters."""
-    on_host = manager.host_param_set
+    """The usual AdamW groups (weight decay / none), each split into device and offloaded
+    parameters; the offloaded ones get a host AdamW (weights on host) or a StagedAdamW."""
+    offloaded = manager.offloaded_param_ids
     groups = param_groups(model, t.weight_decay)
 
     def part(host: bool) -> list:
-        out = [{**g, "params": [p for p in g["params"] if (id(p) in on_host) == host]} for g in groups]
+        out = [{**g, "params": [p for p in g["params"] if (id(p) in offloaded) == host]} for g in groups]
         return [g for g in out if g["params"]]
 
     device_groups, host_groups = part(False), part(True)
     device_opt = build_optimizer(model, t, params=device_groups) if device_groups else None
     host_opt = build_optimizer(model, t, params=host_groups) if host_groups else None
+    if host_opt is not None and "params" not in manager.what:
+        host_opt = StagedAdamW(host_opt)
     return OffloadedOptimizer(device_opt, host_opt, manager)
 
 
@@ -470,7 +528,12 @@ def build_offloaded(cfg: Config, ps: ParallelState):
     stage that does not fit on the device is never materialised there.
     """
     from megatron_p2r.model.m6 import M6Model, build_model
+    what = parse_offload_what(cfg.offload.cpu_offload_what)
     keys = offload_keys(cfg, ps, build_model(cfg, ps, meta=True))
+    if "params" not in what:  # only the AdamW moments go to host: the model is the usual one
+        model = build_model(cfg, ps)
+        manager = OffloadManager(model, keys, ps, cfg.offload.offload_prefetch, what)
+        return model, build_split_optimizer(model, cfg.train, manager), manager
     model = M6Model(cfg, ps, device=torch.device("cpu"))
     model.init_weights(cfg.train.seed)
     offloaded = {id(p) for k in keys for p in model.layers[str(k)].parameters()}
@@ -481,5 +544,5 @@ def build_offloaded(cfg: Config, ps: ParallelState):
             for module in model.modules():
                 for name, b in module.named_buffers(recurse=False):
                     module._buffers[name] = b.to(ps.device)
-    manager = OffloadManager(model, keys, ps, cfg.offload.offload_prefetch)
+    manager = OffloadManager(model, keys, ps, cfg.offload.offload_prefetch, what)
     return model, build_split_optimizer(model, cfg.train, manager), manager

@@ -28,7 +28,8 @@ def _cfg(**kw):
     return tiny_config(**{**BASE, **kw})
 
 
-def compare(kw: dict, spec: str, ps: ParallelState, steps: int = 2, prefetch: int = 1) -> dict:
+def compare(kw: dict, spec: str, ps: ParallelState, steps: int = 2, prefetch: int = 1,
+            what: str = "params,grads,optimizer") -> dict:
     """Train ``steps`` steps without and with ``--cpu-offload-layers spec``: loss and weight
     errors, the offload instrumentation, and whether the host optimizer owns exactly the
     offloaded parameters."""
@@ -36,16 +37,21 @@ def compare(kw: dict, spec: str, ps: ParallelState, steps: int = 2, prefetch: in
     seed_everything(seed, ps.tp_rank, ps.pp_rank, ps.device)  # both runs start from the same dropout streams
     ref_losses, ref = run_steps(_cfg(**kw), ps, steps)
     seed_everything(seed, ps.tp_rank, ps.pp_rank, ps.device)
-    losses, state = run_steps(_cfg(**kw, cpu_offload_layers=spec, offload_prefetch=prefetch), ps, steps)
+    losses, state = run_steps(_cfg(**kw, cpu_offload_layers=spec, offload_prefetch=prefetch,
+                                   cpu_offload_what=what), ps, steps)
     ref_params = dict(ref.model.named_parameters())
     weight_err = max((p.detach() - ref_params[n].detach()).abs().max().item()
                      for n, p in state.model.named_parameters())
     man = state.offload
     host_opt = state.optimizer.host_opt
     host_ids = {id(p) for g in host_opt.param_groups for p in g["params"]} if host_opt else set()
+    on_device = all(p.device == ps.device for p in state.model.parameters())  # trivially true on CPU
+    moments_apart = all(state.optimizer.state[p]["exp_avg"].untyped_storage().data_ptr()
+                        != p.untyped_storage().data_ptr() for p in state.model.parameters())
     return {"losses": losses, "ref_losses": ref_losses, "weight_err": weight_err, "keys": man.keys,
+            "weights_fetched": bool(man.model.layer_runners), "on_device": on_device, "moments_apart": moments_apart,
             "peak": dict(man.stats["peak_live"]), "fetches": dict(man.stats["fetches"]),
-            "live_after": man.stats["live"], "host_opt_exact": host_ids == man.host_param_set,
+            "live_after": man.stats["live"], "host_opt_exact": host_ids == man.offloaded_param_ids,
             "names_same": sorted(n for n, _ in state.model.named_parameters()) == sorted(ref_params)}
 
 
@@ -53,8 +59,11 @@ def check(r: dict, keys=None) -> None:
     assert r["names_same"]
     assert r["losses"] == pytest.approx(r["ref_losses"], rel=LOSS_REL)
     assert r["weight_err"] <= WEIGHT_ABS
-    assert r["host_opt_exact"] and r["live_after"] == 0
-    assert r["fetches"]["forward"] > 0 and r["fetches"]["forward"] == r["fetches"]["backward"]
+    assert r["host_opt_exact"] and r["live_after"] == 0 and r["moments_apart"]
+    if r["weights_fetched"]:
+        assert r["fetches"]["forward"] > 0 and r["fetches"]["forward"] == r["fetches"]["backward"]
+    else:  # optimizer state only: layers run as usual
+        assert r["fetches"] == {"forward": 0, "backward": 0} and r["on_device"]
     if keys is not None:
         assert r["keys"] == keys
 
@@ -77,6 +86,18 @@ def test_dense_specs_match_resident_training(spec, keys):
 def test_variants_match_resident_training(kw, spec, keys):
     """bf16 losses are compared with the same tolerance: both runs execute identical kernels."""
     check(compare(kw, spec, ParallelState.single()), keys)
+
+
+@pytest.mark.parametrize("kw,spec,keys", [
+    ({}, "0.5", [2, 3]),
+    (dict(num_experts=4, moe_layer_freq=2, moe_aux_loss_coeff=0.01), "1,3", [1, 3]),
+    (dict(p2r_phase="pseudo", share_pattern="cycle:2"), "1", [1]),
+])
+def test_optimizer_only_offload_matches_resident_training(kw, spec, keys):
+    """--cpu-offload-what optimizer: the layers' AdamW moments on host, stepped there."""
+    r = compare(kw, spec, ParallelState.single(), what="optimizer")
+    check(r, keys)
+    assert not r["weights_fetched"]
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2, 5])
@@ -142,6 +163,11 @@ def test_auto_offloads_fewest_last_layers_that_fit():
     assert sum(report["device"].values()) <= need_two
     assert report["host"]["params"] == per_module[2]["params"] + per_module[3]["params"]
     assert report["host"]["optimizer"] == 2 * report["host"]["params"]  # fp32 moments
+    # optimizer state only: no fetch window, only the moments move
+    opt_only = off.OPTIMIZER_ONLY
+    need_opt = sum(off.memory_plan(total, per_module, [3, 2], 1, opt_only)["device"].values())
+    assert need_opt == sum(total.values()) - per_module[3]["optimizer"] - per_module[2]["optimizer"]
+    assert off.choose_auto(total, per_module, [3, 2, 1, 0], 1, need_opt, "rank 0", "x", opt_only) == [3, 2]
 
 
 def test_auto_with_sharing_counts_a_slot_once():
@@ -168,7 +194,8 @@ def test_impossible_budget_is_a_clear_error():
     (dict(device_memory_budget="1GiB"), "only with --cpu-offload-layers auto"),
     (dict(cpu_offload_layers="auto", device_memory_budget="lots"), "expected a size"),
     (dict(cpu_offload_layers="1", cpu_offload_what="params,moments"), "subset of params,grads,optimizer"),
-    (dict(cpu_offload_layers="1", cpu_offload_what="params"), "keeps its weights, gradients and optimizer"),
+    (dict(cpu_offload_layers="1", cpu_offload_what="params"), r"or optimizer \(AdamW state only\)"),
+    (dict(cpu_offload_layers="1", cpu_offload_what="grads,optimizer"), "a gradient is produced where its weight"),
     (dict(cpu_offload_layers="1", offload_prefetch=-1), "--offload-prefetch must be >= 0"),
 ])
 def test_flag_errors(kw, message):
@@ -194,7 +221,10 @@ def test_checkpoint_does_not_depend_on_offload(tmp_path):
     _, offl = run_steps(_cfg(cpu_offload_layers="0.5"), ps, 2)
     save_checkpoint(str(tmp_path / "off"), offl)
     save_checkpoint(str(tmp_path / "plain"), plain)
-    for src, target_kw in (("off", {}), ("plain", dict(cpu_offload_layers="1,3"))):
+    _, staged = run_steps(_cfg(cpu_offload_layers="2", cpu_offload_what="optimizer"), ps, 2)
+    save_checkpoint(str(tmp_path / "staged"), staged)
+    for src, target_kw in (("off", {}), ("plain", dict(cpu_offload_layers="1,3")), ("staged", {}),
+                           ("plain", dict(cpu_offload_layers="0,", cpu_offload_what="optimizer"))):
         target = build_train_state(_cfg(**target_kw), ps)
         load_checkpoint(str(tmp_path / src), target)
         want = dict(plain.model.named_parameters())
@@ -206,27 +236,28 @@ def test_checkpoint_does_not_depend_on_offload(tmp_path):
 
 # ----------------------------------------------------------------------------- parallel layouts
 
-CASES = [  # label, layout and model flags, offload spec
-    ("tp2", dict(tensor_model_parallel_size=2), "1"),
-    ("pp2", dict(pipeline_model_parallel_size=2, global_batch_size=8), "1"),  # 4 micro-batches of 1F1B
-    ("pp2-pseudo", dict(pipeline_model_parallel_size=2, p2r_phase="pseudo", share_pattern="all"), "1"),
-    ("dp2-ep2-moe", dict(expert_model_parallel_size=2, num_experts=4, moe_layer_freq=2, global_batch_size=8), "0.5"),
+FULL = "params,grads,optimizer"
+CASES = [  # label, layout and model flags, offload spec, what is offloaded
+    ("tp2", dict(tensor_model_parallel_size=2), "1", FULL),
+    ("pp2", dict(pipeline_model_parallel_size=2, global_batch_size=8), "1", FULL),  # 4 micro-batches of 1F1B
+    ("pp2-pseudo", dict(pipeline_model_parallel_size=2, p2r_phase="pseudo", share_pattern="all"), "1", FULL),
+    ("dp2-ep2-moe", dict(expert_model_parallel_size=2, num_experts=4, moe_layer_freq=2, global_batch_size=8),
+     "0.5", FULL),
+    ("tp2-optimizer-only", dict(tensor_model_parallel_size=2), "0.5", "optimizer"),
 ]
 
 
 def _parallel_cases(rank, world):
-    torch.manual_seed(0)
     out = {}
-    for label, kw, spec in CASES:
-        cfg = _cfg(**kw)
-        ps = setup_parallel(cfg, torch.device("cpu"))
-        r = compare(kw, spec, ps)
-        out[label] = r
+    for label, kw, spec, what in CASES:
+        ps = setup_parallel(_cfg(**kw), torch.device("cpu"))
+        out[label] = compare(kw, spec, ps, what=what)
     return out
 
 
 def test_parallel_layouts_match_resident_training():
-    """TP=2, PP=2 (1F1B), PP=2 pseudo phase (a slot shared by both stages), DP=2 x EP=2 MoE."""
+    """TP=2, PP=2 (1F1B), PP=2 pseudo phase (a slot shared by both stages), DP=2 x EP=2 MoE,
+    and TP=2 with only the optimizer state offloaded."""
     results = run_distributed(_parallel_cases, 2)
     for rank, res in enumerate(results):
         for label, r in res.items():
@@ -238,3 +269,19 @@ def test_parallel_layouts_match_resident_training():
     # PP=2: each stage offloads its own last layer (global layers 1 and 3)
     assert [r["pp2"]["keys"] for r in results] == [[1], [3]]
     assert [r["pp2-pseudo"]["keys"] for r in results] == [[0], [0]]
+
+
+def test_pretrain_logs_device_and_host_bytes_and_trains_the_same(capsys):
+    """The start-up line per rank, and pretrain (with evaluation) gives the resident run's losses."""
+    from megatron_p2r.training import pretrain
+    kw = dict(train_iters=2, eval_interval=2, eval_iters=1, device="cpu")
+    plain = pretrain(_cfg(**kw))
+    result = pretrain(_cfg(**kw, cpu_offload_layers="2", offload_prefetch=0))
+    out = capsys.readouterr().out
+    line = next(s for s in out.splitlines() if "offload:" in s)
+    assert line.startswith("[rank 0] offload: params,grads,optimizer of 2 of 4 layers on host "
+                           "(layers [2, 3], modules [2, 3], prefetch 0)")
+    for part in ("device: params", "grads", "optimizer", "fetch window", "host: params"):
+        assert part in line
+    assert result["losses"] == pytest.approx(plain["losses"], rel=LOSS_REL)
+    assert result["eval_losses"] == pytest.approx(plain["eval_losses"], rel=LOSS_REL)
