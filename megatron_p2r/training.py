@@ -101,7 +101,8 @@ def setup_parallel(cfg: Config, device: torch.device) -> ParallelState:
     p = cfg.parallel
     layout = Layout.from_world(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                p.expert_model_parallel_size)
-    ps = initialize(layout, device, stage_sets=tuple(replica_stage_sets(cfg).values()))
+    ps = initialize(layout, device, stage_sets=tuple(replica_stage_sets(cfg).values()),
+                    timeout=datetime.timedelta(minutes=p.distributed_timeout_minutes))
     seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, device)
     return ps
 

@@ -10,6 +10,7 @@ are neighbours (same node) and pipeline stages are far apart. EP divides DP:
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -159,12 +160,15 @@ def stage_set_groups(layout: Layout, stages, over: str) -> List[List[int]]:
     return [sorted(layout.rank(t, d, p) for p in stages for d in members) for members in dps for t in range(T)]
 
 
-def initialize(layout: Layout, device: torch.device, stage_sets: tuple = ()) -> ParallelState:
+def initialize(layout: Layout, device: torch.device, stage_sets: tuple = (),
+               timeout: Optional[datetime.timedelta] = None) -> ParallelState:
     """Create every group of ``layout`` (collectively, in the same order on all ranks).
 
     ``stage_sets`` lists the sets of pipeline stages that hold replicas of one tensor (the tied
     embedding's first and last stage, the stages sharing a pseudo-phase slot); each becomes
     groups "those stages x dp" and "those stages x expert-dp" (see ``parallel/grads.py``).
+    ``timeout`` bounds every collective of the groups (torch gives new groups 30 minutes, not
+    the world group's timeout).
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; call init_distributed() first")
@@ -174,13 +178,13 @@ def initialize(layout: Layout, device: torch.device, stage_sets: tuple = ()) -> 
     state = ParallelState(layout=layout, rank=rank, device=device)
     for kind in GROUP_KINDS:
         for ranks in layout.groups(kind):
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if rank in ranks:
                 state.groups[kind] = group
     for stages in sorted({tuple(sorted(s)) for s in stage_sets if len(set(s)) > 1}):
         for over in ("dp", "expert_dp"):
             for ranks in stage_set_groups(layout, stages, over):
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     state._subgroups[(stages, over)] = group
     return state
