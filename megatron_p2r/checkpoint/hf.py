@@ -456,8 +456,7 @@ class ExportResult:
 
 def _single_real_config(cfg: Config) -> Config:
     """The same model, real phase, on one process (its table lists every real piece in model order)."""
-    return target_config(cfg, Target(1, 1, None, 1),
-                         delink=cfg.p2r.p2r_phase == "pseudo")
+    return target_config(cfg, Target(1, 1, None, 1), delink=cfg.p2r.p2r_phase == "pseudo")
 
 
 class SourceCheckpoint:
@@ -512,10 +511,10 @@ def export_hf(src: str, dst: str, *, trim_vocab: bool = False, dtype: str = "flo
     names = [SINGLE_FILE] if len(files) == 1 else \
         [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
 
+    total = sum(_nbytes(d, s) for g in groups for _, d, s in g)
     tmp = _prepare_destination(src, source.iter_dir, dst, force)
     try:
-        bar = tqdm(total=sum(_nbytes(d, s) for g in groups for _, d, s in g), unit="B", unit_scale=True,
-                   disable=not progress, desc="export-hf")
+        bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="export-hf")
         weight_map = {}
         for name, members in zip(names, files):
             entries = [e for i in members for e in groups[i]]
@@ -533,7 +532,6 @@ def export_hf(src: str, dst: str, *, trim_vocab: bool = False, dtype: str = "flo
             writer.close()
         bar.close()
         if len(names) > 1:
-            total = sum(_nbytes(d, s) for g in groups for _, d, s in g)
             _write_json(os.path.join(tmp, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
         note, special = export_tokenizer(source.cfg, tmp)
         config = hf_config(m, arch, hf_vocab, dtype, special)
