@@ -213,6 +213,35 @@ def global_batch_size(cfg: Config, world_size: int) -> int:
     return cfg.train.global_batch_size or cfg.train.micro_batch_size * dp
 
 
+def _check_ranges(cfg: Config) -> None:
+    """Single values outside their range (each crashed deep inside a run, or silently misbehaved)."""
+    m, t, c, lg = cfg.model, cfg.train, cfg.checkpoint, cfg.logging
+    at_least_one = [("--log-interval", lg.log_interval), ("--eval-iters", lg.eval_iters),
+                    ("--max-skipped-steps", t.max_skipped_steps), ("--loss-scale-window", t.loss_scale_window)]
+    disable = [("--save-interval", c.save_interval), ("--keep-last", c.keep_last), ("--exit-interval", t.exit_interval),
+               ("--eval-interval", lg.eval_interval)]
+    for name, value in at_least_one + [("--global-batch-size", t.global_batch_size)] + disable:
+        if value is not None and value < 1:
+            hint = " (leave it unset to disable)" if (name, value) in disable else ""
+            raise ConfigError(f"{name} must be >= 1, got {value}{hint}")
+    if t.train_iters < 0:
+        raise ConfigError(f"--train-iters must be >= 0, got {t.train_iters}")
+    if m.vocab_size is not None and m.vocab_size < 2:
+        raise ConfigError(f"--vocab-size must be >= 2, got {m.vocab_size}")
+    for name, value in [("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)]:
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{name} must be in [0, 1), got {value}")
+    for name, value in [("--norm-epsilon", m.norm_epsilon), ("--initial-loss-scale", t.initial_loss_scale),
+                        ("--min-loss-scale", t.min_loss_scale)] + \
+            ([("--moe-capacity-factor", m.moe_capacity_factor)] if m.moe_capacity_factor is not None else []):
+        if not value > 0:
+            raise ConfigError(f"{name} must be > 0, got {value}")
+    if t.clip_grad < 0:
+        raise ConfigError(f"--clip-grad must be >= 0 (0 disables clipping), got {t.clip_grad}")
+    if cfg.data.mock_data and cfg.data.data_path:
+        raise ConfigError("--mock-data and --data-path are mutually exclusive (--mock-data would ignore the data)")
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """Raise ConfigError for the first inconsistent setting (one message per rule)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -273,6 +302,7 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("--expert-model-parallel-size > 1 needs --num-experts")
     if t.bf16 and t.fp16:
         raise ConfigError("--bf16 and --fp16 are mutually exclusive")
+    _check_ranges(cfg)
     gbs = global_batch_size(cfg, world_size)
     if gbs % (t.micro_batch_size * dp):
         raise ConfigError(f"--global-batch-size ({gbs}) must be divisible by --micro-batch-size "
