@@ -81,6 +81,8 @@ def init_distributed(cfg: Config, device: torch.device) -> None:
     backend = cfg.parallel.distributed_backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
+    if not cfg.parallel.distributed_timeout_minutes > 0:  # checked here: validate() runs after init
+        raise ConfigError(f"--distributed-timeout-minutes must be > 0, got {cfg.parallel.distributed_timeout_minutes}")
     timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     if "RANK" in os.environ:
         # Under torchrun --max-restarts the restarted workers share the launcher's store with the
