@@ -315,7 +315,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if d.mock_data and m.vocab_size is None and d.tokenizer_type is None:
         raise ConfigError("--mock-data needs --vocab-size (or a --tokenizer-type to take it from)")
     c = cfg.checkpoint
-    if c.save_interval is not None and not c.save:
+    if c.save_interval is not None and not c.save and not cfg.logging.eval_only:
         raise ConfigError("--save-interval needs --save DIR")
     if (t.exit_interval or t.exit_signal_handler) and not c.save:
         raise ConfigError("--exit-interval / --exit-signal-handler need --save DIR to save to")
