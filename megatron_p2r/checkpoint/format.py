@@ -89,11 +89,14 @@ def resolve_iteration_dir(path: str) -> str:
         if not os.path.isdir(path):
             raise CheckpointError(f"no checkpoint at {path}: the directory does not exist")
         raise CheckpointError(f"{path} is not a checkpoint: it has neither {LATEST_FILE} nor {METADATA_FILE}")
-    text = open(latest, encoding="utf-8").read().strip()
     try:
+        text = open(latest, encoding="utf-8").read().strip()
         iteration = int(text)
-    except ValueError:
-        raise CheckpointError(f"{latest}: expected an iteration number, found {text!r}") from None
+        if iteration < 0:
+            raise ValueError
+    except ValueError:  # includes UnicodeDecodeError
+        raise CheckpointError(f"{latest}: expected an iteration number, found "
+                              f"{open(latest, 'rb').read(40)!r}") from None
     found = os.path.join(path, iteration_dir_name(iteration))
     if not os.path.isfile(os.path.join(found, METADATA_FILE)):
         raise CheckpointError(f"{latest} names iteration {iteration}, but {found}/{METADATA_FILE} is missing")
@@ -296,15 +299,49 @@ def read_metadata(iter_dir: str) -> dict:
             meta = json.load(fh)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(meta).__name__}")
     version = meta.get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{path}: unknown format_version {version!r}; this code reads version {FORMAT_VERSION}")
     for field in REQUIRED_FIELDS:
         if field not in meta:
             raise CheckpointError(f"{path}: required field {field!r} is missing")
+    _check_field_types(meta, path)
     return meta
+
+
+_FIELD_TYPES = {"iteration": int, "consumed_samples": int, "config": dict, "layout": dict, "p2r": dict,
+                "optimizer": bool, "tensors": dict, "files": dict, "scheduler": dict, "scaler": dict}
+
+
+def _check_field_types(meta: dict, path: str) -> None:
+    """Types of the fields loading relies on, so a hand-edited metadata.json fails here, by name."""
+    def bad(field, expected, value):
+        return CheckpointError(f"{path}: field {field!r} must be {expected}, found {json.dumps(value)[:80]}")
+
+    for field, kind in _FIELD_TYPES.items():
+        value = meta.get(field)
+        if field in meta and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+            raise bad(field, f"a JSON {'integer' if kind is int else kind.__name__.replace('dict', 'object')}", value)
+    for field in ("iteration", "consumed_samples"):
+        if meta[field] < 0:
+            raise bad(field, ">= 0", meta[field])
+    for key, kind in (("phase", str), ("share_pattern", str), ("layer_module_keys", list)):
+        if not isinstance(meta["p2r"].get(key), kind):
+            raise bad(f"p2r.{key}", f"a JSON {kind.__name__.replace('str', 'string')}", meta["p2r"].get(key))
+    for section, values in meta["config"].items():
+        if not isinstance(values, dict):
+            raise bad(f"config.{section}", "a JSON object", values)
+    for name, size in meta["files"].items():
+        if not isinstance(size, int) or size < 0:
+            raise bad(f"files.{name}", "a size in bytes", size)
+    rng = meta.get("rng")
+    if rng is not None and not (isinstance(rng, dict) and all(isinstance(rng.get(k), int) and rng[k] >= 1
+                                                              for k in ("world_size", "tp", "pp", "dp"))):
+        raise bad("rng", "null or an object with integer world_size, tp, pp, dp", rng)
 
 
 def metadata_table(meta: dict) -> Dict[str, TensorInfo]:
@@ -312,7 +349,10 @@ def metadata_table(meta: dict) -> Dict[str, TensorInfo]:
 
 
 def metadata_config(meta: dict) -> Config:
-    return Config.from_dict(meta["config"])
+    try:
+        return Config.from_dict(meta["config"])
+    except (TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{METADATA_FILE}: field 'config' does not describe this code's Config ({exc})") from None
 
 
 def kinds_of(meta: dict) -> Tuple[str, ...]:
@@ -401,7 +441,11 @@ class ShardReader:
                 header = json.loads(fh.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise CheckpointError(f"corrupt shard {path}: header is not valid JSON ({exc})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"corrupt shard {path}: header is a JSON {type(header).__name__}, not an object")
         self.metadata = header.pop("__metadata__", {}) or {}
+        for name, e in header.items():
+            _check_entry(path, name, e)
         self.data_start = 8 + n
         self.entries = header
         end = max((e["data_offsets"][1] for e in header.values()), default=0)
@@ -441,6 +485,17 @@ class ShardReader:
             if end > start and fh.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy())) != end - start:
                 raise CheckpointError(f"truncated shard {self.path}: tensor {name!r} is cut short")
         return out
+
+
+def _check_entry(path: str, name: str, e) -> None:
+    """One header entry is a known dtype, a shape, and offsets spanning exactly its bytes."""
+    ok = (isinstance(e, dict) and e.get("dtype") in _TORCH_DTYPES and isinstance(e.get("shape"), list)
+          and all(isinstance(s, int) and s >= 0 for s in e["shape"]) and isinstance(e.get("data_offsets"), list)
+          and len(e["data_offsets"]) == 2 and all(isinstance(o, int) for o in e["data_offsets"]))
+    if not ok or not 0 <= e["data_offsets"][0] <= e["data_offsets"][1] or \
+            e["data_offsets"][1] - e["data_offsets"][0] != _nbytes(e["dtype"], e["shape"]):
+        raise CheckpointError(f"corrupt shard {path}: header entry {name!r} is not a valid tensor "
+                              f"(dtype, shape, data_offsets): {json.dumps(e)[:120]}")
 
 
 class ReaderCache:

@@ -316,8 +316,12 @@ def load_checkpoint(load_dir: str, state, finetune: bool = False) -> Optional[st
         _load_optimizer(state.optimizer, moments)
     if not finetune:
         state.iteration, state.consumed_samples = int(meta["iteration"]), int(meta["consumed_samples"])
-        state.scheduler.load_state_dict(meta["scheduler"])
-        state.scaler.load_state_dict(meta["scaler"])
+        try:
+            state.scheduler.load_state_dict(meta["scheduler"])
+            state.scaler.load_state_dict(meta["scaler"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{os.path.join(iter_dir, 'metadata.json')}: fields 'scheduler'/'scaler' are "
+                                  f"malformed ({exc!r})") from None
         if not ck.no_load_rng:
             _load_rng(iter_dir, meta, ps)
     if ps.rank == 0:
