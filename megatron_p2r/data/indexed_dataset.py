@@ -49,6 +49,23 @@ def _format_error(path: str, what: str) -> ValueError:
     return ValueError(f"{path}: not a valid Megatron indexed dataset: {what}")
 
 
+def _check_index(idx_path: str, lengths: np.ndarray, pointers: np.ndarray, documents: np.ndarray,
+                 itemsize: int) -> None:
+    """Sequences lie back to back (as every writer lays them out) and documents are ordered: a
+    corrupted length or pointer would otherwise read other sequences' tokens without an error."""
+    if len(lengths) and lengths.min() < 0:
+        raise _format_error(idx_path, f"negative sequence length {int(lengths.min())}")
+    expected = np.zeros(len(lengths), np.int64)
+    np.cumsum(lengths[:-1].astype(np.int64) * itemsize, out=expected[1:])
+    bad = np.flatnonzero(pointers != expected)
+    if len(bad):
+        i = int(bad[0])
+        raise _format_error(idx_path, f"sequence {i} starts at byte {int(pointers[i])}, expected {int(expected[i])} "
+                                      "(sequences must follow each other; corrupted index?)")
+    if len(documents) > 1 and np.any(np.diff(documents) < 0):
+        raise _format_error(idx_path, "document index is not non-decreasing")
+
+
 class IndexedDataset:
     """Random access to the token sequences of ``PREFIX.bin`` through ``PREFIX.idx``.
 
@@ -93,6 +110,8 @@ class IndexedDataset:
             first_last = (self.document_indices[0], self.document_indices[-1]) if doc_count else "empty"
             raise _format_error(idx_path, f"document index must run from 0 to the sequence count "
                                           f"{seq_count}, got {first_last}")
+        _check_index(idx_path, self.sequence_lengths, self.sequence_pointers, self.document_indices,
+                     self.dtype.itemsize)
         bin_size = os.path.getsize(bin_path)
         needed = 0
         if seq_count:
