@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
@@ -88,6 +89,8 @@ def _encode_line(line: bytes):
         return "not UTF-8"
     except ValueError as exc:
         return f"invalid JSON ({exc})"
+    except RecursionError:
+        return "invalid JSON (nested too deeply)"
     if not isinstance(doc, dict):
         return f"expected a JSON object, got {type(doc).__name__}"
     texts = []
@@ -98,8 +101,12 @@ def _encode_line(line: bytes):
             return f"key {key!r} holds {type(doc[key]).__name__}, expected a string"
         texts.append(doc[key])
     tokenizer = _worker["tokenizer"]
+    try:
+        encoded = tokenizer.encode_batch(texts)
+    except UnicodeEncodeError as exc:  # a lone surrogate such as "\ud800" is valid JSON, not text
+        return f"text is not encodable as UTF-8 ({exc.reason} at position {exc.start})"
     out = []
-    for ids in tokenizer.encode_batch(texts):
+    for ids in encoded:
         if _worker["append_eod"]:
             ids = list(ids) + [tokenizer.eod]
         out.append(np.asarray(ids, dtype=_worker["dtype"]).tobytes())
@@ -171,23 +178,26 @@ def preprocess(args) -> Stats:
     stats = Stats()
     start = time.perf_counter()
     try:
-        with tqdm(unit=" docs", disable=None, desc="tokenising") as bar, \
-                contextlib.closing(_results(args, data_cfg, tokenizer, dtype)) as chunks:
-            for results in chunks:
-                for line_number, result in results:
-                    if isinstance(result, str):
-                        if args.strict:
-                            raise SystemExit(f"{args.input}:{line_number}: {result}")
-                        stats.num_bad_lines += 1
-                        if len(stats.bad_lines) < MAX_REPORTED_BAD_LINES:
-                            stats.bad_lines.append((line_number, result))
-                        continue
-                    for builder, data in zip(builders, result):
-                        tokens = np.frombuffer(data, dtype)
-                        builder.add_document(tokens)
-                        stats.tokens += len(tokens)
-                    stats.documents += 1
-                bar.update(len(results))
+        try:
+            with tqdm(unit=" docs", disable=None, desc="tokenising") as bar, \
+                    contextlib.closing(_results(args, data_cfg, tokenizer, dtype)) as chunks:
+                for results in chunks:
+                    for line_number, result in results:
+                        if isinstance(result, str):
+                            if args.strict:
+                                raise SystemExit(f"{args.input}:{line_number}: {result}")
+                            stats.num_bad_lines += 1
+                            if len(stats.bad_lines) < MAX_REPORTED_BAD_LINES:
+                                stats.bad_lines.append((line_number, result))
+                            continue
+                        for builder, data in zip(builders, result):
+                            tokens = np.frombuffer(data, dtype)
+                            builder.add_document(tokens)
+                            stats.tokens += len(tokens)
+                        stats.documents += 1
+                    bar.update(len(results))
+        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:  # a truncated or fake .gz input
+            raise SystemExit(f"--input {args.input}: cannot decompress it ({exc}); nothing was written") from None
         for builder, (_, idx) in zip(builders, tmp):
             builder.finalize(idx)
         for (b_tmp, i_tmp), (b, i) in zip(tmp, outputs):
