@@ -126,7 +126,10 @@ def cached_arrays(cache_dir: Optional[str], stem: str, names: tuple, description
     digest = hashlib.md5(json.dumps(description, sort_keys=True).encode(), usedforsecurity=False).hexdigest()
     paths = [os.path.join(cache_dir, f"{stem}-{digest}-{name}.npy") for name in names]
     if all(os.path.isfile(p) for p in paths):
-        return tuple(np.load(p, mmap_mode="r", allow_pickle=False) for p in paths)
+        try:
+            return tuple(np.load(p, mmap_mode="r", allow_pickle=False) for p in paths)
+        except ValueError as exc:  # truncated, foreign, or an object (pickle) array: never unpickled
+            warnings.warn(f"dataset index cache {paths[0]}... is unreadable ({exc}); rebuilding it")
     arrays = build()
     try:
         os.makedirs(cache_dir, exist_ok=True)
