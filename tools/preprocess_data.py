@@ -155,6 +155,14 @@ def output_paths(prefix: str, key: str) -> tuple[str, str]:
     return f"{prefix}_{key}_document.bin", f"{prefix}_{key}_document.idx"
 
 
+def _create_new(path: str) -> None:
+    """Create ``path`` as a new empty file of this user, never writing through a link or file
+    planted at that (predictable) temporary name: it is removed first, then created exclusively."""
+    if os.path.lexists(path):
+        os.unlink(path)
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666))
+
+
 def preprocess(args) -> Stats:
     """Run the conversion described by parsed ``args``; errors are SystemExit with a message."""
     if args.workers < 1 or args.chunk_lines < 1:
@@ -168,12 +176,14 @@ def preprocess(args) -> Stats:
     except ConfigError as exc:
         raise SystemExit(str(exc)) from None
     outputs = [output_paths(args.output_prefix, key) for key in args.json_keys]
-    existing = [p for pair in outputs for p in pair if os.path.exists(p)]
+    existing = [p for pair in outputs for p in pair if os.path.lexists(p)]  # a dangling link counts
     if existing and not args.overwrite:
         raise SystemExit(f"{existing[0]} already exists; pass --overwrite to replace it")
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     dtype = np.dtype(best_dtype(tokenizer.vocab_size))
     tmp = [(f"{b}.tmp{os.getpid()}", f"{i}.tmp{os.getpid()}") for b, i in outputs]
+    for path in (p for pair in tmp for p in pair):
+        _create_new(path)
     builders = [IndexedDatasetBuilder(b, dtype) for b, _ in tmp]
     stats = Stats()
     start = time.perf_counter()
