@@ -256,10 +256,15 @@ def _prepare_destination(src: str, src_iter: str, dst: str, force: bool) -> str:
     for s in {a, os.path.realpath(src_iter)}:
         if b == s or b.startswith(s + os.sep) or s.startswith(b + os.sep):
             raise CheckpointError(f"DST {dst} overlaps SRC {src}; the converter never writes into its source")
+    if os.path.islink(dst):
+        raise CheckpointError(f"DST {dst} is a symbolic link; pass the directory it points to "
+                              f"({os.path.realpath(dst)}) if that is where the result belongs")
     if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)) and not force:
         raise CheckpointError(f"DST {dst} exists and is not empty; pass --force to replace it")
     tmp = b.rstrip(os.sep) + ".tmp"
-    if os.path.exists(tmp):
+    if os.path.islink(tmp) or os.path.isfile(tmp):  # never write through a link planted at DST.tmp
+        os.unlink(tmp)
+    elif os.path.exists(tmp):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
     return tmp
