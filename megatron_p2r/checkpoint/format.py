@@ -106,7 +106,10 @@ def resolve_iteration_dir(path: str) -> str:
 def write_text_atomic(path: str, text: str) -> None:
     """Write via a temporary file, fsync, then ``os.replace``: readers see old or new, never half."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
+    if os.path.lexists(tmp):  # never write through a link planted at the temporary name
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    with open(fd, "w", encoding="utf-8") as fh:
         fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())
