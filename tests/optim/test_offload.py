@@ -71,7 +71,7 @@ def check(r: dict, keys=None) -> None:
 # ----------------------------------------------------------------------------- one process
 
 @pytest.mark.parametrize("spec,keys", [("1", [3]), ("0.5", [2, 3]), ("1.0", [0, 1, 2, 3]), ("0,2", [0, 2]),
-                                       ("3,", [3]), ("4", [0, 1, 2, 3])])
+                                       ("3,", [3]), ("4", [0, 1, 2, 3]), ("0", [])])
 def test_dense_specs_match_resident_training(spec, keys):
     check(compare({}, spec, ParallelState.single()), keys)
 
