@@ -332,6 +332,7 @@ def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger) -> dict
         reliability.after_step(state.iteration, ps.rank)
         losses.append(out["lm_loss"])
         window_steps += 1
+        window_losses = losses[-window_steps:]
         # fp16 skips are routine while the scale adapts; they count once it is at its floor.
         counted = not t.fp16 or state.scaler.scale <= state.scaler.min_scale
         if out["skipped"] and counted:
@@ -349,7 +350,7 @@ def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger) -> dict
                       "consumed_samples": state.consumed_samples, "phase": cfg.p2r.p2r_phase,
                       "tokens": state.consumed_samples * cfg.model.seq_length,
                       "flops": state.consumed_samples * cfg.model.seq_length * flops_per_token,
-                      "lm_loss": out["lm_loss"], "lr": lr,
+                      "lm_loss": sum(window_losses) / len(window_losses), "lr": lr,
                       "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_s,
                       "tflops": tokens_per_s * flops_per_token / ps.layout.world_size / 1e12,
                       "ms_per_iter": 1000 * elapsed / window_steps,

@@ -38,7 +38,7 @@ def series(records: List[dict], key: str) -> Dict[str, list]:
            "flops": [r.get("flops") for r in rows], key: [r[key] for r in rows], "delink": []}
     for prev, cur in zip(rows, rows[1:]):
         if prev.get("phase") != cur.get("phase"):
-            out["delink"].append(cur)
+            out["delink"].append(prev)  # the last record of the old phase: where it was delinked
     return out
 
 
@@ -56,7 +56,7 @@ def plot(runs: Dict[str, List[dict]], output: str, key: str = "lm_loss") -> None
                 continue
             ax.plot(xs, s[key], label=name)
             for row in s["delink"]:
-                ax.axvline(row[x] if x != "iteration" else row["iteration"], color="gray", linestyle="--")
+                ax.axvline(row[x], color="gray", linestyle="--")
     for ax, x in zip(axes, axes_x):
         ax.set_xlabel({"iteration": "iteration", "tokens": "tokens", "flops": "model FLOPs"}[x])
         ax.set_ylabel(key.replace("_", " "))
