@@ -1,0 +1,161 @@
+"""Helpers of the MoE tests: a tiny MoE layer, its inputs, and references written per token.
+
+The per-token references are deliberately naive (Python loops over tokens, slots and experts,
+reading expert e's weights as ``weight1[e]``) so they share no code with the batched layer.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_p2r.config import ModelConfig
+from megatron_p2r.moe import aux_loss
+from megatron_p2r.moe.layer import MoELayer
+from megatron_p2r.parallel.grads import finalize_grads
+from megatron_p2r.parallel.sharding import global_shape, init_parameters
+from megatron_p2r.parallel.state import ParallelState
+from tests.helpers import expected_shard
+
+HIDDEN = 32
+
+
+def layer_cfg(**overrides) -> ModelConfig:
+    values = dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, num_experts=4, moe_ffn_hidden_size=24,
+                  init_method_std=0.2)  # large init: routing probabilities far from uniform
+    values.update(overrides)
+    return ModelConfig(**values)
+
+
+def build_layer(cfg: ModelConfig, ps: ParallelState, seed: int = 3,
+                modify: Optional[Callable[[MoELayer, ParallelState], None]] = None) -> MoELayer:
+    layer = MoELayer(cfg, ps)
+    init_parameters(layer, seed, ps.tp_rank, ps.tp_size, ps.ep_rank)
+    layer.router.weight.data.mul_(5.0)  # decisive routing: no near-ties between experts
+    if modify is not None:
+        modify(layer, ps)
+    return layer
+
+
+def layer_inputs(n: int, seed: int = 0, shapes=((2, 8), (1, 6), (3, 4), (1, 9))) -> List[tuple]:
+    """(x, upstream gradient) pairs with different token counts (dropless splits vary)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        b, s = shapes[i % len(shapes)]
+        out.append((torch.randn(b, s, HIDDEN, generator=g), torch.randn(b, s, HIDDEN, generator=g)))
+    return out
+
+
+def random_biases(layer: MoELayer, ps: ParallelState) -> None:
+    """Zero-initialised biases would hide bias bugs: give them values (this rank's slice of a
+    layout-independent draw)."""
+    g = torch.Generator().manual_seed(11)
+    for b in (layer.experts.bias1, layer.experts.bias2):
+        if b is not None:
+            full = torch.randn(global_shape(b, ps.tp_size, ps.ep_size), generator=g) * 0.3
+            b.data.copy_(expected_shard(full, b, ps))
+
+
+def force_first_experts(x: torch.Tensor) -> torch.Tensor:
+    """Inputs with a constant feature 0 that ``bias_router_towards`` turns into a router bias."""
+    x = x.clone()
+    x[..., 0] = 4.0
+    return x
+
+
+def bias_router_towards(first: int) -> Callable:
+    """A router bias through feature 0: experts < ``first`` win, the others get nothing."""
+    def modify(layer: MoELayer, ps: ParallelState) -> None:
+        w = layer.router.weight.data
+        w[:, 0] = -20.0
+        w[:first, 0] = 20.0
+    return modify
+
+
+def run_layer(layer: MoELayer, inputs: List[tuple], ps: ParallelState, finalize: bool = True):
+    """Forward + backward of sum(out * g) averaged over ``inputs``; returns outputs (detached)
+    and {name: grad} after ``finalize_grads``."""
+    outs = []
+    aux_loss.set_backward_scale(1.0 / len(inputs))  # as the schedules do: aux grads scale like the loss
+    for x, g in inputs:
+        out = layer(x)
+        (out * g).sum().div(len(inputs)).backward()
+        outs.append(out.detach())
+    if finalize:
+        finalize_grads(list(layer.parameters()), ps)
+    return outs, {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+# ----------------------------------------------------------------------------- references
+
+def reference_routing(layer: MoELayer, x: torch.Tensor):
+    """Per token: [(expert, weight)] in slot order, straight from the router's definition.
+    Weights are float64 tensors differentiable w.r.t. the router weight and ``x``."""
+    cfg_groups, topk = layer.router.groups, layer.router.topk
+    W = layer.router.weight.double()
+    per_group = layer.num_experts // cfg_groups
+    out = []
+    for t in range(x.shape[0]):
+        logits = W @ x[t].double()
+        choices = []
+        for grp in range(cfg_groups):
+            probs = torch.softmax(logits[grp * per_group:(grp + 1) * per_group], 0)
+            ranked = sorted(range(per_group), key=lambda e: -probs[e].item())[:topk]
+            weights = [probs[e] for e in ranked]
+            if layer.router.renormalize:
+                total = sum(weights)
+                weights = [w / total for w in weights]
+            choices += [(grp * per_group + e, w) for e, w in zip(ranked, weights)]
+        out.append(choices)
+    return out
+
+
+def reference_expert(layer: MoELayer, e: int, v: torch.Tensor) -> torch.Tensor:
+    ex = layer.experts
+    y = ex.weight1[e].double() @ v.double()
+    if ex.bias1 is not None:
+        y = y + ex.bias1[e].double()
+    if ex.swiglu:
+        y = F.silu(y[0::2]) * y[1::2]
+    else:
+        y = F.gelu(y)
+    y = ex.weight2[e].double() @ y
+    if ex.bias2 is not None:
+        y = y + ex.bias2[e].double()
+    return y
+
+
+def reference_kept(routing, num_experts: int, capacity: Optional[int]):
+    """Which (token, slot) assignments survive: slots in order, tokens in order within a slot,
+    each expert accepting its first ``capacity``."""
+    taken = [0] * num_experts
+    kept = set()
+    for slot in range(len(routing[0])):
+        for t, choices in enumerate(routing):
+            e = choices[slot][0]
+            if capacity is None or taken[e] < capacity:
+                taken[e] += 1
+                kept.add((t, slot))
+    return kept
+
+
+def reference_layer(layer: MoELayer, x: torch.Tensor, capacity_factor: Optional[float] = None):
+    """(output [T, h] float64, kept set, routing) by the per-token definition; the output is
+    differentiable w.r.t. the layer's parameters and ``x`` (an independent backward)."""
+    x = x.reshape(-1, x.shape[-1])
+    routing = reference_routing(layer, x)
+    slots = len(routing[0])
+    capacity = None if capacity_factor is None else math.ceil(capacity_factor * x.shape[0] * slots / layer.num_experts)
+    kept = reference_kept(routing, layer.num_experts, capacity)
+    rows = []
+    for t, choices in enumerate(routing):
+        row = torch.zeros(x.shape[1], dtype=torch.float64)
+        for slot, (e, w) in enumerate(choices):
+            if (t, slot) in kept:
+                row = row + w * reference_expert(layer, e, x[t])
+        rows.append(row)
+    out = torch.stack(rows)
+    return out, kept, routing

@@ -1,0 +1,248 @@
+"""One-process MoE tests: routers against a per-token reference, capacity drops, aux losses,
+fp32 routing under autocast, jitter, recorded statistics, recomputation.
+
+Tolerances: the layer runs in fp32 and the references in float64, so outputs agree to 1e-5
+(observed ~1e-7); the aux and z losses to 1e-6 relative. Routing decisions are compared exactly.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_p2r.moe import aux_loss
+from megatron_p2r.moe.dispatcher import expert_capacity, plan
+from megatron_p2r.moe.router import load_balancing_loss, z_loss
+from megatron_p2r.parallel.state import ParallelState
+from tests.moe.common import (build_layer, layer_cfg, layer_inputs, random_biases, reference_expert,
+                              reference_layer, reference_routing)
+
+SINGLE = ParallelState.single()
+OUT_TOL = 1e-5
+
+ROUTERS = {
+    "top1": dict(moe_router_topk=1),
+    "top2": dict(moe_router_topk=2),
+    "top2-renorm-swiglu": dict(moe_router_topk=2, moe_renormalize_topk=True, swiglu=True),
+    "top3-of-8-nobias": dict(num_experts=8, moe_router_topk=3, disable_bias_linear=True),
+    "prototypes2x3": dict(num_experts=6, moe_num_prototypes=2),
+    "prototypes4x2-swiglu": dict(num_experts=8, moe_num_prototypes=4, swiglu=True),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+def test_router_and_layer_match_per_token_reference(name):
+    cfg = layer_cfg(**ROUTERS[name])
+    layer = build_layer(cfg, SINGLE)
+    random_biases(layer, SINGLE)
+    for x, _ in layer_inputs(3):
+        x2 = x.reshape(-1, x.shape[-1])
+        routing = layer.router(x2)
+        with torch.no_grad():
+            want = reference_routing(layer, x2)
+        assert routing.indices.tolist() == [[e for e, _ in c] for c in want]
+        assert torch.allclose(routing.weights.double(), torch.tensor([[float(w) for _, w in c] for c in want], dtype=torch.float64), atol=1e-6)
+        with torch.no_grad():
+            ref, kept, _ = reference_layer(layer, x)
+        assert len(kept) == x2.shape[0] * routing.indices.shape[1]  # dropless: all kept
+        out = layer(x)
+        assert out.shape == x.shape
+        assert (out.reshape(ref.shape).double() - ref).abs().max() < OUT_TOL
+
+
+@pytest.mark.parametrize("name,factor", [("top1", None), ("top2-renorm-swiglu", None), ("top3-of-8-nobias", None),
+                                         ("prototypes4x2-swiglu", None), ("top2", 0.5)])
+def test_gradients_match_per_token_reference(name, factor):
+    """Backward of the batched layer (gathers, padding, all of it) against autograd through the
+    float64 per-token reference: every parameter and the input (tolerance 1e-5, observed ~1e-7)."""
+    cfg = layer_cfg(moe_capacity_factor=factor, **ROUTERS[name])
+    layer = build_layer(cfg, SINGLE)
+    random_biases(layer, SINGLE)
+    x, g = layer_inputs(1, seed=12)[0]
+    x.requires_grad_()
+    (layer(x) * g).sum().backward()
+    got = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    got_x = x.grad.clone()
+    layer.zero_grad()
+    x.grad = None
+    ref, kept, _ = reference_layer(layer, x, factor)
+    (ref * g.reshape(ref.shape).double()).sum().backward()
+    if factor is not None:
+        assert len(kept) < x.shape[0] * x.shape[1] * cfg.moe_router_topk
+    for n, p in layer.named_parameters():
+        assert (got[n].double() - p.grad.double()).abs().max() < 1e-5, n
+        assert torch.count_nonzero(p.grad) > 0, n
+    assert (got_x.double() - x.grad.double()).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("routing", ["top1", "top2", "prototypes2x3"])
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.25])
+def test_capacity_drops_exactly_the_reference_tokens(routing, factor):
+    cfg = layer_cfg(moe_capacity_factor=factor, **ROUTERS[routing])
+    layer = build_layer(cfg, SINGLE)
+    random_biases(layer, SINGLE)
+    x = layer_inputs(1, seed=4, shapes=((4, 8),))[0][0]
+    x2 = x.reshape(-1, x.shape[-1])
+    with torch.no_grad():
+        ref, kept, _ = reference_layer(layer, x, factor)
+    r = layer.router(x2)
+    capacity = expert_capacity(x2.shape[0], r.indices.shape[1], cfg.num_experts, factor)
+    p = plan(r.indices, cfg.num_experts, capacity)
+    T = x2.shape[0]
+    got = {(i % T, i // T) for i in p.order.tolist()}
+    assert got == kept
+    assert p.dropped == T * r.indices.shape[1] - len(kept)
+    if factor == 0.5:
+        assert p.dropped > 0  # the case must actually drop
+    assert max(p.counts) <= capacity
+    out = layer(x).reshape(ref.shape).double()
+    assert (out - ref).abs().max() < OUT_TOL
+    fully_dropped = [t for t in range(T) if not any((t, s) in kept for s in range(r.indices.shape[1]))]
+    for t in fully_dropped:  # the residual carries these: the MoE output is exactly zero
+        assert torch.count_nonzero(out[t]) == 0
+
+
+def test_aux_and_z_loss_hand_computed():
+    for overrides in (dict(moe_router_topk=2), dict(num_experts=6, moe_num_prototypes=2)):
+        cfg = layer_cfg(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01, **overrides)
+        layer = build_layer(cfg, SINGLE)
+        x = layer_inputs(1, seed=2)[0][0].reshape(-1, cfg.hidden_size)
+        routing = layer.router(x)
+        with torch.no_grad():
+            ref = reference_routing(layer, x)
+        T, G = x.shape[0], cfg.moe_num_prototypes
+        n = cfg.num_experts // G
+        W = layer.router.weight.detach().double()
+        balance, zsum = 0.0, 0.0
+        for grp in range(G):
+            counts = [0] * n
+            prob_sum = [0.0] * n
+            for t in range(T):
+                logits = W[grp * n:(grp + 1) * n] @ x[t].double()
+                probs = torch.softmax(logits, 0)
+                zsum += torch.logsumexp(logits, 0).item() ** 2
+                for e in range(n):
+                    prob_sum[e] += probs[e].item()
+                for e, _ in ref[t]:
+                    if grp * n <= e < (grp + 1) * n:
+                        counts[e - grp * n] += 1
+            assigned = sum(counts)
+            balance += n * sum((counts[e] / assigned) * (prob_sum[e] / T) for e in range(n))
+        balance /= G
+        z = zsum / (T * G)
+        assert math.isclose(load_balancing_loss(routing.probs, routing.indices).item(), balance, rel_tol=1e-6)
+        assert math.isclose(z_loss(routing.logits).item(), z, rel_tol=1e-6)
+        assert math.isclose(routing.aux_loss.item(), 0.1 * balance + 0.01 * z, rel_tol=1e-6)
+
+
+def test_balanced_routing_has_unit_balancing_loss():
+    probs = torch.full((8, 1, 4), 0.25)
+    indices = torch.arange(8).remainder(4).unsqueeze(1)
+    assert load_balancing_loss(probs, indices).item() == pytest.approx(1.0)
+
+
+def test_aux_loss_gradient_reaches_the_router():
+    """attach() adds d(aux)/d(router) to backward: equal to differentiating out*g + aux directly."""
+    cfg = layer_cfg(moe_router_topk=2, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+    x, g = layer_inputs(1, seed=5)[0]
+    aux_loss.set_backward_scale(1.0)
+    aux_loss.pop_recorded()
+    layer = build_layer(cfg, SINGLE)
+    (layer(x) * g).sum().backward()
+    recorded = aux_loss.pop_recorded()
+    assert len(recorded) == 1
+
+    direct = build_layer(layer_cfg(moe_router_topk=2), SINGLE)  # same weights, no aux losses attached
+    routing = direct.router(x.reshape(-1, cfg.hidden_size))
+    aux = 0.1 * load_balancing_loss(routing.probs, routing.indices) + 0.01 * z_loss(routing.logits)
+    assert routing.aux_loss is None
+    ((direct(x) * g).sum() + aux).backward()
+    assert recorded[0].item() == pytest.approx(aux.item(), rel=1e-6)
+    assert torch.allclose(layer.router.weight.grad, direct.router.weight.grad, atol=1e-6)
+    without = build_layer(layer_cfg(moe_router_topk=2), SINGLE)
+    (without(x) * g).sum().backward()
+    assert not torch.allclose(layer.router.weight.grad, without.router.weight.grad, atol=1e-4)
+
+
+def test_router_is_fp32_under_bf16_autocast():
+    cfg = layer_cfg(moe_router_topk=2)
+    layer = build_layer(cfg, SINGLE)
+    x, g = layer_inputs(1, seed=6)[0]
+    out32 = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        routing = layer.router(x.reshape(-1, cfg.hidden_size))
+        out16 = layer(x)
+    assert routing.logits.dtype == routing.weights.dtype == torch.float32
+    assert routing.indices.tolist() == layer.router(x.reshape(-1, cfg.hidden_size)).indices.tolist()
+    assert out16.dtype == torch.bfloat16
+    assert (out16.float() - out32).abs().max() < 0.05 * out32.abs().max()  # bf16 rounding of the experts
+    (out16.float() * g).sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+def test_jitter_only_in_training():
+    cfg = layer_cfg(moe_router_topk=2, moe_input_jitter_eps=0.5)
+    layer = build_layer(cfg, SINGLE)
+    plain = build_layer(layer_cfg(moe_router_topk=2), SINGLE)
+    x = layer_inputs(1, seed=7)[0][0].reshape(-1, cfg.hidden_size)
+    layer.eval()
+    assert torch.equal(layer.router(x).logits, plain.router(x).logits)
+    layer.train()
+    torch.manual_seed(0)
+    a = layer.router(x).logits
+    torch.manual_seed(0)
+    b = layer.router(x).logits
+    assert torch.equal(a, b)  # drawn from the default generator (identical on TP peers)
+    assert not torch.allclose(a, plain.router(x).logits)
+    ratio = ((a - plain.router(x).logits).abs() / plain.router(x).logits.abs()).max()
+    assert ratio > 0.01
+
+
+def test_routing_stats_recorded_in_training_only():
+    cfg = layer_cfg(moe_router_topk=2, moe_capacity_factor=0.5)
+    layer = build_layer(cfg, SINGLE)
+    x = layer_inputs(1, seed=8, shapes=((4, 8),))[0][0]
+    aux_loss.pop_routing_stats(torch.device("cpu"))
+    layer.eval()
+    layer(x)
+    assert aux_loss.pop_routing_stats(torch.device("cpu")) is None
+    layer.train()
+    layer(x)
+    layer(x)  # recorded twice (as under recomputation): same figures
+    stats = aux_loss.pop_routing_stats(torch.device("cpu"))
+    with torch.no_grad():
+        _, kept, routing = reference_layer(layer, x, 0.5)
+    assigned = 2 * x.shape[0] * x.shape[1]
+    counts = [sum(1 for c in routing for e, _ in c if e == j) for j in range(cfg.num_experts)]
+    share = assigned / cfg.num_experts
+    assert stats["moe_dropped_fraction"] == pytest.approx(1 - len(kept) / assigned)
+    assert stats["moe_min_load"] == pytest.approx(min(counts) / share)
+    assert stats["moe_max_load"] == pytest.approx(max(counts) / share)
+
+
+def test_experts_without_tokens_get_zero_gradients():
+    cfg = layer_cfg(moe_router_topk=1)
+    layer = build_layer(cfg, SINGLE)
+    layer.router.weight.data[:, 0] = torch.tensor([30.0, -30.0, -30.0, -30.0])
+    x, g = layer_inputs(1, seed=9)[0]
+    x = x.clone()
+    x[..., 0] = 3.0
+    (layer(x) * g).sum().backward()
+    assert torch.count_nonzero(layer.experts.weight1.grad[0]) > 0
+    assert torch.count_nonzero(layer.experts.weight1.grad[1:]) == 0
+    assert torch.count_nonzero(layer.experts.weight2.grad[1:]) == 0
+
+
+def test_direct_expert_formula_uses_interleaved_swiglu():
+    """Guard on the reference itself: expert 0 with swiglu equals the dense MLP formula."""
+    cfg = layer_cfg(swiglu=True)
+    layer = build_layer(cfg, SINGLE)
+    random_biases(layer, SINGLE)
+    v = torch.randn(cfg.hidden_size)
+    w1, b1 = layer.experts.weight1[0].detach(), layer.experts.bias1[0].detach()
+    y = w1 @ v + b1
+    gate, up = y.view(-1, 2).unbind(-1)
+    want = layer.experts.weight2[0].detach() @ (torch.nn.functional.silu(gate) * up) + layer.experts.bias2[0].detach()
+    with torch.no_grad():
+        assert torch.allclose(reference_expert(layer, 0, v).float(), want, atol=1e-5)

@@ -1,0 +1,156 @@
+"""What each spawned rank runs for the expert-parallel tests: one spawn per world size (2 and
+4 ranks), many cases per spawn. Every case returns plain numbers (errors against the
+one-process reference computed inside the rank, token counts); ``test_expert_parallel.py``
+asserts on them. No pytest import here: ranks start faster.
+
+Layer cases: each DP rank feeds its own inputs (different token counts) through one MoE layer;
+the reference feeds all ranks' inputs through the one-process layer (same seed: initialisation
+is layout-invariant), loss = mean over all inputs of sum(out * g).
+Model cases: a whole M6 model step (``tests.pipeline.common.compare_case``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_p2r.parallel.grads import finalize_grads
+from megatron_p2r.parallel.state import Layout, ParallelState
+from megatron_p2r.training import pretrain
+from tests.helpers import expected_shard
+from tests.moe.common import (bias_router_towards, build_layer, force_first_experts, layer_cfg, layer_inputs,
+                              random_biases, run_layer)
+from tests.pipeline.common import make_cfg, make_state
+from tests.pipeline.workers import equivalence_cases, train_replicas
+
+PER_RANK = 2  # layer inputs (micro-batches) per DP rank
+
+
+def _both(*modifiers):
+    def modify(layer, ps):
+        for m in modifiers:
+            m(layer, ps)
+    return modify
+
+
+def layer_case(ps: ParallelState, overrides: dict, modify=None, transform=None, seed: int = 0) -> dict:
+    cfg = layer_cfg(**overrides)
+    inputs = layer_inputs(PER_RANK * ps.dp_size, seed)
+    if transform is not None:
+        inputs = [(transform(x), g) for x, g in inputs]
+    mine = inputs[ps.dp_rank * PER_RANK:(ps.dp_rank + 1) * PER_RANK]
+
+    layer = build_layer(cfg, ps, modify=modify)
+    received = []
+    layer.experts.register_forward_pre_hook(lambda mod, args: received.append(sum(args[1])))
+    outs, raw = run_layer(layer, mine, ps, finalize=False)
+    finalize_grads(list(layer.parameters()), ps)
+
+    ref_layer = build_layer(cfg, ParallelState.single(), modify=modify)
+    ref_outs, ref_grads = run_layer(ref_layer, inputs, ParallelState.single(), finalize=False)
+    ref_mine = ref_outs[ps.dp_rank * PER_RANK:(ps.dp_rank + 1) * PER_RANK]
+
+    result = {"out_err": max((o - r).abs().max().item() for o, r in zip(outs, ref_mine)),
+              "grad_err": {}, "received": sum(received),
+              "wrong_group_err": None, "wrong_divisor_err": None}
+    params = dict(layer.named_parameters())
+    for n, p in params.items():
+        want = expected_shard(ref_grads[n], p, ps)
+        result["grad_err"][n] = (p.grad - want).abs().max().item()
+    result["expert_grad_nonzero"] = bool(torch.count_nonzero(params["experts.weight1"].grad) > 0)
+    # The same raw gradients reduced the wrong ways: over the whole dp group (mixing different
+    # experts that share a local slot), and divided by expert-dp instead of dp.
+    w1 = raw["experts.weight1"]
+    want = expected_shard(ref_grads["experts.weight1"], params["experts.weight1"], ps)
+    if ps.group("dp") is not None:
+        wrong = w1.clone()
+        dist.all_reduce(wrong, group=ps.group("dp"))
+        result["wrong_group_err"] = (wrong / ps.dp_size - want).abs().max().item()
+        wrong = w1.clone()
+        if ps.group("expert_dp") is not None:
+            dist.all_reduce(wrong, group=ps.group("expert_dp"))
+        result["wrong_divisor_err"] = (wrong / ps.expert_dp_size - want).abs().max().item()
+    return result
+
+
+LAYER_CASES = {
+    "top2/dropless": (dict(moe_router_topk=2), None, None),
+    "top1/capacity-no-drop": (dict(moe_router_topk=1, moe_capacity_factor=8.0), None, None),
+    "top2/capacity-drops": (dict(moe_router_topk=2, moe_capacity_factor=0.5), None, None),
+    "prototypes": (dict(num_experts=8, moe_num_prototypes=2, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01),
+                   None, None),
+    "swiglu-bias": (dict(moe_router_topk=2, swiglu=True), random_biases, None),
+}
+
+
+def layer_cases(ps: ParallelState, prefix: str, names=None) -> dict:
+    out = {}
+    for name, (overrides, modify, transform) in LAYER_CASES.items():
+        if names is None or name in names:
+            out[f"{prefix}/{name}"] = layer_case(ps, overrides, modify, transform)
+    return out
+
+
+def zero_token_case(ps: ParallelState) -> dict:
+    """Every token prefers the experts of EP rank 0: the other ranks' experts get no rows."""
+    first = 4 // ps.ep_size
+    return layer_case(ps, dict(moe_router_topk=first), _both(random_biases, bias_router_towards(first)),
+                      force_first_experts)
+
+
+def moe_model(tp: int = 1, pp: int = 1, ep: int = 1, **overrides):
+    values = dict(num_experts=4, expert_model_parallel_size=ep, moe_router_topk=2, moe_ffn_hidden_size=48,
+                  moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+    values.update(overrides)
+    return make_cfg(tp=tp, pp=pp, **values)
+
+
+def world2(rank: int, world: int, log_file: str) -> dict:
+    """EP=2 (DP=2); also 3 optimizer steps against one process, and ``pretrain`` writing its log."""
+    layout = Layout(dp=2, ep=2)
+    ps = make_state(layout)
+    out = {"layer": layer_cases(ps, "ep2"), "model": {}}
+    out["layer"]["ep2/zero-tokens"] = zero_token_case(ps)
+    out["model"].update(equivalence_cases(ps, layout, [
+        ("ep2/dropless", moe_model(ep=2), "1f1b", 2, None),
+        ("ep2/capacity-no-drop", moe_model(ep=2, moe_capacity_factor=8.0, moe_router_topk=1), "1f1b", 2, None),
+        ("ep2/capacity-drops", moe_model(ep=2, moe_capacity_factor=0.5, swiglu=True), "1f1b", 1, None),
+        ("ep2/prototypes-recompute", moe_model(ep=2, num_experts=8, moe_num_prototypes=4, moe_router_topk=1,
+                                               recompute_activations=True), "1f1b", 2, None),
+    ]))
+    out["bf16"] = equivalence_cases(ps, layout, [
+        ("ep2/bf16-recompute", moe_model(ep=2, recompute_activations=True), "1f1b", 2, torch.bfloat16)])
+    out["train"] = train_replicas(moe_model(ep=2, global_batch_size=8, moe_capacity_factor=1.0), ps)
+    pretrain(moe_model(ep=2, train_iters=2, moe_capacity_factor=0.5, log_file=log_file))
+    return out
+
+
+def world4(rank: int, world: int) -> dict:
+    """EP=4 (DP=4); EP=2 x expert-DP=2 (DP=4); TP=2 x EP=2; PP=2 x EP=2."""
+    out = {"layer": {}, "model": {}}
+    layout = Layout(dp=4, ep=4)
+    ps = make_state(layout)
+    out["layer"].update(layer_cases(ps, "ep4", names=("top2/dropless", "top1/capacity-no-drop",
+                                                     "top2/capacity-drops")))
+    out["layer"]["ep4/zero-tokens"] = zero_token_case(ps)
+    out["model"].update(equivalence_cases(ps, layout, [
+        ("ep4/dropless", moe_model(ep=4), "1f1b", 1, None),
+        ("ep4/capacity-no-drop", moe_model(ep=4, moe_capacity_factor=8.0), "1f1b", 1, None)]))
+
+    layout = Layout(dp=4, ep=2)
+    ps = make_state(layout)
+    out["layer"].update(layer_cases(ps, "ep2xedp2", names=("top2/dropless", "swiglu-bias")))
+    out["model"].update(equivalence_cases(ps, layout, [("ep2xedp2/dropless", moe_model(ep=2), "1f1b", 1, None)]))
+
+    layout = Layout(tp=2, dp=2, ep=2)
+    ps = make_state(layout)
+    out["layer"].update(layer_cases(ps, "tp2ep2"))
+    out["model"].update(equivalence_cases(ps, layout, [
+        ("tp2ep2/dropless-swiglu", moe_model(tp=2, ep=2, swiglu=True), "1f1b", 1, None),
+        ("tp2ep2/capacity-drops", moe_model(tp=2, ep=2, moe_capacity_factor=0.5), "1f1b", 1, None)]))
+
+    layout = Layout(pp=2, dp=2, ep=2)
+    ps = make_state(layout)
+    out["model"].update(equivalence_cases(ps, layout, [
+        ("pp2ep2/dropless/1f1b", moe_model(pp=2, ep=2, moe_layer_freq=2), "1f1b", 2, None),
+        ("pp2ep2/capacity-drops/1f1b", moe_model(pp=2, ep=2, moe_capacity_factor=0.5), "1f1b", 2, None)]))
+    return out
