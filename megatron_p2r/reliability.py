@@ -215,15 +215,6 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
-def has_checkpoint(path: str) -> bool:
-    """Whether ``path`` holds a checkpoint (or something claiming to be one) to resume from."""
-    from megatron_p2r.checkpoint.format import LATEST_FILE, METADATA_FILE
-    if not os.path.isdir(path):
-        return False
-    names = os.listdir(path)
-    return LATEST_FILE in names or METADATA_FILE in names or any(_COMPLETE.match(n) for n in names)
-
-
 # ----------------------------------------------------------------------------- distributed failures
 
 _DIST_PATTERNS = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer",
@@ -258,5 +249,5 @@ def describe_distributed_failure(exc: BaseException, timeout_minutes: Optional[f
 
 
 __all__ = ["FAULT_ENV", "EVENT_LOG_ENV", "SAVE_POINTS", "Fault", "FaultSpecError", "parse_faults", "record",
-           "before_step", "on_gradients", "after_step", "save_point", "recover_save_dir", "has_checkpoint",
+           "before_step", "on_gradients", "after_step", "save_point", "recover_save_dir",
            "describe_distributed_failure"]

@@ -293,8 +293,8 @@ def pretrain(cfg: Config) -> dict:
 
 
 def resume_checkpoint(state: TrainState) -> None:
-    """Repair --save after a crash (rank 0, logged), then load --load. ``--save D --load D`` on
-    an empty D starts from scratch, so one command both starts a job and restarts it."""
+    """Repair --save after a crash (rank 0, logged), then load --load (``--save D --load D`` on an
+    empty D starts from scratch: see ``load_checkpoint``)."""
     ck, ps = state.cfg.checkpoint, state.ps
     if ck.save and ps.rank == 0:
         for line in reliability.recover_save_dir(ck.save):
@@ -303,14 +303,9 @@ def resume_checkpoint(state: TrainState) -> None:
         dist.barrier()
     if not ck.load:
         return
-    same = ck.save and os.path.realpath(ck.save) == os.path.realpath(ck.load)
-    if same and not reliability.has_checkpoint(ck.load):
-        if ps.rank == 0:
-            print(f"no checkpoint in {ck.load} yet: starting from iteration 0", flush=True)
-        return
     from megatron_p2r.checkpoint.io import load_checkpoint
-    load_checkpoint(ck.load, state, finetune=ck.finetune)
-    reliability.record("resumed", ps.rank, state.iteration)
+    if load_checkpoint(ck.load, state, finetune=ck.finetune) is not None:
+        reliability.record("resumed", ps.rank, state.iteration)
 
 
 def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger) -> dict:
