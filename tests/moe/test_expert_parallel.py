@@ -104,6 +104,12 @@ def test_expert_grads_reduced_over_expert_dp_divided_by_dp(moe_world2, moe_world
             assert r["wrong_divisor_err"] > 100 * LAYER_TOL, f"{label} rank {rank}: expert-dp divisor not detectable"
 
 
+def test_bf16_rows_cross_the_all_to_all_in_bf16(moe_world2):
+    """Dispatch and combine, forward and backward: four row all-to-alls, all bf16 (half the bytes)."""
+    for res in moe_world2:
+        assert res["bf16_rows"] == ["torch.bfloat16"] * 4, res["bf16_rows"]
+
+
 def test_ep2_training_steps_match_single_process(moe_world2):
     """3 optimizer steps (capacity 1.0, so some tokens drop) stay on the one-process run: losses
     (rel 1e-5) and weights (abs 1e-4, as tests/test_training.py: Adam amplifies rounding of

@@ -97,6 +97,30 @@ def zero_token_case(ps: ParallelState) -> dict:
                       force_first_experts)
 
 
+def sent_dtypes_under_bf16(ps: ParallelState) -> list:
+    """dtypes of the row tensors the all-to-alls carry, forward and backward, under bf16
+    autocast (split sizes are int64 and not counted)."""
+    from megatron_p2r.parallel import mappings
+    layer = build_layer(layer_cfg(moe_router_topk=2), ps)
+    x, g = layer_inputs(2)[ps.dp_rank]
+    x.requires_grad_()  # so the dispatch all-to-all has a backward too
+    seen, original = [], mappings._all_to_all_single
+
+    def recording(t, *args):
+        if t.is_floating_point():
+            seen.append(str(t.dtype))
+        return original(t, *args)
+
+    mappings._all_to_all_single = recording
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(x)
+        (out.float() * g).sum().backward()
+    finally:
+        mappings._all_to_all_single = original
+    return seen
+
+
 def moe_model(tp: int = 1, pp: int = 1, ep: int = 1, **overrides):
     values = dict(num_experts=4, expert_model_parallel_size=ep, moe_router_topk=2, moe_ffn_hidden_size=48,
                   moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
@@ -110,6 +134,7 @@ def world2(rank: int, world: int, log_file: str) -> dict:
     ps = make_state(layout)
     out = {"layer": layer_cases(ps, "ep2"), "model": {}}
     out["layer"]["ep2/zero-tokens"] = zero_token_case(ps)
+    out["bf16_rows"] = sent_dtypes_under_bf16(ps)
     out["model"].update(equivalence_cases(ps, layout, [
         ("ep2/dropless", moe_model(ep=2), "1f1b", 2, None),
         ("ep2/capacity-no-drop", moe_model(ep=2, moe_capacity_factor=8.0, moe_router_topk=1), "1f1b", 2, None),
