@@ -1,0 +1,353 @@
+"""Plan a run on paper, and check the plan against the model built on the ``meta`` device.
+
+    p2r-plan --config examples/m6_10t/model.yaml --pseudo-config examples/m6_10t/pseudo.yaml \
+             --real-config examples/m6_10t/real.yaml --world-size 512 --gpu V100-32GB \
+             --token-budget 50e9 [--json] [--verify-rank 0] [--verify-all-ranks]
+
+Takes the same flags and YAML files as ``pretrain_m6.py`` (``--config``; command-line flags
+win) plus the planner's own. With ``--pseudo-config`` / ``--real-config`` each phase is the
+base configuration with that file on top; without them, the configured phase and its
+counterpart (the same settings with the other ``--p2r-phase``) are planned side by side.
+
+``--verify-rank R`` builds rank R's stage with ``model.m6.build_model(meta=True)`` under
+torch's fake process group of the plan's world size and checks that the planner's tensors
+(names, local shapes, TP/EP sharding, stage replicas), parameter count, parameter bytes and
+gradient-sync buckets per group equal the built model's exactly. ``--verify-all-ranks`` does
+it for every rank class (ranks of one pipeline stage hold the same shapes; each stage is
+built once, and two of its ranks with different coordinates are compared) and checks that
+the slices all ranks hold cover the model's logical parameter count exactly once.
+
+Exit status: 0 when every phase fits and every check passes, 1 otherwise, 2 for bad flags.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections import defaultdict
+from typing import Dict, List, Optional, Sequence
+
+from megatron_p2r.arguments import build_parser, parse_args
+from megatron_p2r.config import Config, ConfigError, validate
+from megatron_p2r.planning import GPU_PRESETS, GiB, Plan, make_plan, stage_tensors, state_bytes
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text: str) -> float:
+    """'50e9', '50B', '1.2T' -> a number (for --token-budget)."""
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a count such as 50e9, 50B or 1.2T, got {text!r}")
+    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def parse_bytes(text: str) -> int:
+    from megatron_p2r.optim.offload import parse_memory_size
+    try:
+        return parse_memory_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("--device-memory-budget ", "")) from None
+
+
+def planner_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("planner")
+    g.add_argument("--world-size", type=int, required=True, help="GPUs of the run.")
+    g.add_argument("--gpu", default="V100-32GB", choices=sorted(GPU_PRESETS), help="GPU preset.")
+    g.add_argument("--gpu-memory", type=parse_bytes, help="Override the preset's memory, e.g. 40GiB.")
+    g.add_argument("--gpu-flops", type=float, help="Override the preset's bf16/fp16 FLOP/s.")
+    g.add_argument("--intra-node-bw", type=float, help="Override NVLink bytes/s per GPU.")
+    g.add_argument("--inter-node-bw", type=float, help="Override network bytes/s per GPU.")
+    g.add_argument("--host-bw", type=float, help="Override PCIe host<->device bytes/s per GPU.")
+    g.add_argument("--gpus-per-node", type=int, help="Override GPUs per node.")
+    g.add_argument("--host-memory", type=parse_bytes, help="Host memory per GPU (checks offload fits on host).")
+    g.add_argument("--compute-efficiency", type=float, default=0.4,
+                   help="Fraction of peak FLOP/s the matmuls reach.")
+    g.add_argument("--host-optimizer-bw", type=float, default=10e9,
+                   help="Host memory bytes/s one GPU's host AdamW streams (28 B per parameter).")
+    g.add_argument("--reserve", type=parse_bytes, default=GiB,
+                   help="Per-GPU bytes for the CUDA context, NCCL buffers and allocator slack.")
+    g.add_argument("--token-budget", type=parse_count, help="Tokens to train (for the days estimate).")
+    g.add_argument("--pseudo-config", help="YAML applied on top of --config for the pseudo phase.")
+    g.add_argument("--real-config", help="YAML applied on top of --config for the real phase.")
+    g.add_argument("--json", action="store_true", help="Print the plans as JSON.")
+    g.add_argument("--verify-rank", type=int, action="append", default=[],
+                   help="Build this rank on the meta device and compare with the plan (repeatable).")
+    g.add_argument("--verify-all-ranks", action="store_true",
+                   help="Verify every rank class and the total parameter count.")
+    return p
+
+
+def phase_configs(args: argparse.Namespace, rest: List[str]) -> Dict[str, Config]:
+    """{phase: Config}: the base flags/YAML, with the phase file on top (flags still win)."""
+    base_files = vars(build_parser().parse_args(rest)).get("config") or []
+    overlays = {"pseudo": args.pseudo_config, "real": args.real_config}
+    out = {}
+    if any(overlays.values()):
+        for phase, path in overlays.items():
+            if path:
+                out[phase] = parse_args(rest + ["--config", *base_files, path])
+                out[phase].p2r.p2r_phase = phase
+        return out
+    cfg = parse_args(rest)
+    out[cfg.p2r.p2r_phase] = cfg
+    other = "real" if cfg.p2r.p2r_phase == "pseudo" else "pseudo"
+    out[other] = parse_args(rest + ["--p2r-phase", other])
+    return dict(sorted(out.items(), key=lambda kv: kv[0] != "pseudo"))
+
+
+def check(cfg: Config, world_size: int) -> None:
+    """config.validate, without requiring data (the planner reads none)."""
+    if not cfg.data.data_path and not cfg.data.mock_data:
+        cfg.data.mock_data = True
+    if cfg.model.vocab_size is None:
+        raise ConfigError("the planner needs --vocab-size (the embedding's size)")
+    validate(cfg, world_size)
+
+
+# ----------------------------------------------------------------------------- meta verification
+
+def _spec_of(name, p) -> tuple:
+    return (name, tuple(p.shape), getattr(p, "tp_dim", None), bool(getattr(p, "expert", False)),
+            tuple(getattr(p, "shared_stages", None) or ()), getattr(p, "shared_name", None))
+
+
+def _init_fake(world_size: int, rank: int) -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def build_meta(cfg: Config, world_size: int, rank: int):
+    """(model, ParallelState) of ``rank``, on the meta device under a fake process group."""
+    import torch
+    from megatron_p2r.model.m6 import build_model, replica_stage_sets
+    from megatron_p2r.parallel.state import Layout, initialize
+    p = cfg.parallel
+    layout = Layout.from_world(world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                               p.expert_model_parallel_size)
+    _init_fake(world_size, rank)
+    ps = initialize(layout, torch.device("meta"), stage_sets=tuple(replica_stage_sets(cfg).values()))
+    return build_model(cfg, ps, meta=True), ps
+
+
+def verify_rank(cfg: Config, world_size: int, rank: int) -> dict:
+    """Build ``rank`` on meta and compare it with the planner; returns the figures and a list
+    of mismatches (empty when the plan is exact)."""
+    import torch.distributed as dist
+    from megatron_p2r.parallel.grads import sync_group
+    from megatron_p2r.parallel.sharding import logical_name
+    start = time.perf_counter()
+    try:
+        model, ps = build_meta(cfg, world_size, rank)
+        built = {n: _spec_of(n, p) for n, p in model.named_parameters()}
+        params = list(model.parameters())
+        buckets = defaultdict(int)
+        for name, p in model.named_parameters():
+            group, _ = sync_group(p, ps)   # the group training all-reduces this gradient over
+            if group is not None:
+                buckets[_kind(logical_name(name, p), getattr(p, "shared_stages", None),
+                              getattr(p, "expert", False))] += p.numel() * 4
+        coords = ps.coords
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    seconds = time.perf_counter() - start
+    layout = ps.layout
+    planned = {s.name: (s.name, s.shape, s.tp_dim, s.expert, s.shared_stages, s.shared_name)
+               for s in stage_tensors(cfg, layout.tp, layout.ep, coords.pp)}
+    problems = []
+    for name in sorted(set(built) | set(planned)):
+        if built.get(name) != planned.get(name):
+            problems.append(f"rank {rank} {name}: built {built.get(name)} != planned {planned.get(name)}")
+    n_built = sum(p.numel() for p in params)
+    bytes_built = sum(p.numel() * p.element_size() for p in params)
+    plan_bytes = state_bytes(stage_tensors(cfg, layout.tp, layout.ep, coords.pp))
+    n_planned = plan_bytes["params"] // 4
+    if n_built != n_planned or bytes_built != plan_bytes["params"]:
+        problems.append(f"rank {rank}: built {n_built} parameters / {bytes_built} B, planned {n_planned} / "
+                        f"{plan_bytes['params']} B")
+    planned_buckets = defaultdict(int)
+    for s in stage_tensors(cfg, layout.tp, layout.ep, coords.pp):
+        if _group_size(s, layout) > 1:
+            planned_buckets[_kind(s.logical, s.shared_stages, s.expert)] += s.numel * 4
+    if dict(buckets) != dict(planned_buckets):
+        problems.append(f"rank {rank}: gradient-sync bytes per group built {dict(buckets)} != planned "
+                        f"{dict(planned_buckets)}")
+    return {"rank": rank, "stage": coords.pp, "tp": coords.tp, "dp": coords.dp, "ep": coords.ep,
+            "parameters": n_built, "param_bytes": bytes_built, "grad_sync_bytes": dict(buckets),
+            "build_seconds": seconds, "problems": problems, "specs": built}
+
+
+def _kind(logical: str, shared_stages, expert: bool) -> str:
+    """The planner's name of the group a gradient is reduced over."""
+    from megatron_p2r.model.m6 import WORD_EMBEDDING
+    if shared_stages:
+        return "embedding" if logical == WORD_EMBEDDING else "sharing"
+    return "expert_dp" if expert else "dp"
+
+
+def _group_size(s, layout) -> int:
+    over = layout.expert_dp if s.expert else layout.dp
+    return over * (len(s.shared_stages) if s.shared_stages else 1)
+
+
+def verify_all_ranks(cfg: Config, world_size: int) -> dict:
+    """Verify one rank per pipeline stage (and a second rank of the stage with other TP/DP
+    coordinates: same shapes), then add up the logical slices every rank holds."""
+    from megatron_p2r.parallel.state import Layout
+    from megatron_p2r.planning import logical_parameter_count
+    p = cfg.parallel
+    layout = Layout.from_world(world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                               p.expert_model_parallel_size)
+    results, problems, covered = [], [], {}
+    for stage in range(layout.pp):
+        first = verify_rank(cfg, world_size, layout.rank(0, 0, stage))
+        other = verify_rank(cfg, world_size, layout.rank(layout.tp - 1, layout.dp - 1, stage))
+        problems += first["problems"] + other["problems"]
+        if first["specs"] != other["specs"]:
+            problems.append(f"stage {stage}: ranks {first['rank']} and {other['rank']} hold different shapes")
+        results += [first, other]
+        # every rank of the stage: which slice of which logical tensor it holds
+        for d in range(layout.dp):
+            for t in range(layout.tp):
+                c = layout.coords(layout.rank(t, d, stage))
+                for name, shape, tp_dim, expert, _, shared_name in first["specs"].values():
+                    key = (shared_name or name, t if tp_dim is not None else None, c.ep if expert else None)
+                    numel = 1
+                    for x in shape:
+                        numel *= x
+                    covered[key] = numel
+    total = sum(covered.values())
+    expected = logical_parameter_count(cfg)
+    if total != expected:
+        problems.append(f"all ranks together hold {total} distinct logical parameters, the model has {expected}")
+    per_rank = sum(r["parameters"] for r in results[::2]) * layout.tp * layout.dp
+    return {"ranks_built": len(results), "logical_parameters": total, "expected": expected,
+            "sum_over_ranks_with_replicas": per_rank, "problems": problems,
+            "build_seconds": sum(r["build_seconds"] for r in results)}
+
+
+# ----------------------------------------------------------------------------- output
+
+def _gib(n) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def format_plans(plans: Dict[str, Plan]) -> str:
+    lines = []
+    for phase, pl in plans.items():
+        lay = pl.layout
+        gpu = pl.gpu
+        lines.append(f"== {phase} phase: {pl.world_size} x {gpu['name']} | TP {lay['tp']} PP {lay['pp']} "
+                     f"DP {lay['dp']} EP {lay['ep']} (expert-DP {lay['expert_dp']}) | "
+                     f"{pl.logical_parameters:,} parameters ({pl.logical_parameters:.3e}; experts "
+                     f"{pl.expert_parameters:.3e})")
+        lines.append(f"   global batch {pl.global_batch} sequences = {pl.tokens_per_step:,} tokens, "
+                     f"{pl.microbatches} micro-batches per DP rank")
+        head = (f"   {'stage':>5} {'ranks':>9} {'params/rank':>14} | GiB on device: {'params':>7} {'grads':>7} "
+                f"{'optim':>7} {'fetch':>6} {'16-bit':>6} {'activ':>7} {'trans':>7} {'resv':>5} {'TOTAL':>7} "
+                f"/{gpu['memory'] / GiB:.1f} | host GiB | act. GiB no-rc/rc")
+        lines.append(head)
+        for st in pl.stages:
+            d = st.device
+            host = sum(st.host.values())
+            flag = "" if st.fits else f"  <-- overflows at {st.overflow}"
+            lines.append(f"   {st.stage:>5} {st.ranks:>9} {st.parameters:>14,} |                {_gib(d['params']):>7} "
+                         f"{_gib(d['grads']):>7} {_gib(d['optimizer']):>7} {_gib(d['fetch_window']):>6} "
+                         f"{_gib(d['compute_weights']):>6} {_gib(d['activations']):>7} {_gib(d['transient']):>7} "
+                         f"{_gib(d['reserve']):>5} {_gib(st.device_total):>7}      | {_gib(host):>8} | "
+                         f"{_gib(st.activations_no_recompute)}/{_gib(st.activations_recompute)}{flag}")
+            if st.offloaded_layers:
+                lines.append(f"         offloaded to host: {len(st.offloaded_layers)} layers {st.offloaded_layers}")
+        lines.append("   communication per step per rank (GB sent): " + ", ".join(
+            f"{k} {v / 1e9:.3g}" for k, v in pl.stages[0].comm_bytes.items())
+            + ("" if len(pl.stages) == 1 else " (stage 0)"))
+        b = pl.step_breakdown_s
+        t0 = pl.stages[0].time_s
+        lines.append(f"   step {pl.step_time_s:.2f} s = pipeline {b['pipeline']:.2f} + grad sync {b['grad_sync']:.2f} "
+                     f"+ optimizer {b['optimizer']:.2f} (per micro-batch, stage 0: compute "
+                     f"{t0['compute_per_microbatch']:.3f}, tp {t0['tp_per_microbatch']:.3f}, ep "
+                     f"{t0['ep_per_microbatch']:.3f}, pp {t0['pp_per_microbatch']:.3f}, offload transfer "
+                     f"{t0['offload_transfer_per_microbatch']:.3f}); MFU {pl.mfu:.1%}; "
+                     f"{pl.tokens_per_step / pl.step_time_s:,.0f} tokens/s")
+        if pl.days is not None:
+            lines.append(f"   {pl.token_budget:.3g} tokens: {pl.days:.1f} days")
+        lines.append(f"   host memory per node for offloaded state: {pl.host_per_node / GiB:.1f} GiB")
+        for problem in pl.problems:
+            lines.append(f"   ! {problem}")
+        lines.append("   " + ("FITS" if pl.fits else "DOES NOT FIT"))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        parser = build_parser("Plan a run: per-rank memory, communication and time (see tools/plan.py)")
+        for action in planner_parser()._actions:
+            parser._add_action(action)
+        parser.print_help()
+        return 0
+    args, rest = planner_parser().parse_known_args(argv)
+    try:
+        configs = phase_configs(args, rest)
+        gpu = GPU_PRESETS[args.gpu].replace(memory=args.gpu_memory, flops16=args.gpu_flops,
+                                            intra_node_bw=args.intra_node_bw, inter_node_bw=args.inter_node_bw,
+                                            host_bw=args.host_bw, gpus_per_node=args.gpus_per_node)
+        for cfg in configs.values():
+            check(cfg, args.world_size)
+        plans = {phase: make_plan(cfg, args.world_size, gpu, efficiency=args.compute_efficiency,
+                                  host_optimizer_bw=args.host_optimizer_bw, token_budget=args.token_budget,
+                                  reserve=args.reserve, host_memory_per_gpu=args.host_memory)
+                 for phase, cfg in configs.items()}
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    ok = all(pl.fits for pl in plans.values())
+    verification = {}
+    for phase, cfg in configs.items():
+        checks = []
+        for rank in args.verify_rank:
+            if not 0 <= rank < args.world_size:
+                print(f"error: --verify-rank {rank} outside the world of {args.world_size} ranks", file=sys.stderr)
+                return 2
+            r = verify_rank(cfg, args.world_size, rank)
+            r.pop("specs")
+            checks.append(r)
+        if args.verify_all_ranks:
+            checks.append({"all_ranks": verify_all_ranks(cfg, args.world_size)})
+        if checks:
+            verification[phase] = checks
+            ok &= not any(c.get("problems") or c.get("all_ranks", {}).get("problems") for c in checks)
+    if args.json:
+        print(json.dumps({"plans": {k: v.to_dict() for k, v in plans.items()}, "verification": verification,
+                          "ok": ok}, indent=1))
+        return 0 if ok else 1
+    print(format_plans(plans))
+    for phase, checks in verification.items():
+        for c in checks:
+            if "all_ranks" in c:
+                a = c["all_ranks"]
+                status = "OK" if not a["problems"] else "MISMATCH"
+                print(f"verify {phase} all ranks: {a['ranks_built']} meta builds in {a['build_seconds']:.1f} s; "
+                      f"logical parameters {a['logical_parameters']:,} (model {a['expected']:,}); with replicas "
+                      f"{a['sum_over_ranks_with_replicas']:,}: {status}")
+                for p in a["problems"]:
+                    print(f"   ! {p}")
+            else:
+                status = "OK" if not c["problems"] else "MISMATCH"
+                print(f"verify {phase} rank {c['rank']} (stage {c['stage']}, tp {c['tp']}, dp {c['dp']}, ep {c['ep']}): "
+                      f"{c['parameters']:,} parameters, {c['param_bytes'] / GiB:.3f} GiB, meta build "
+                      f"{c['build_seconds']:.2f} s: {status}")
+                for p in c["problems"]:
+                    print(f"   ! {p}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
