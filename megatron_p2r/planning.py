@@ -399,9 +399,15 @@ def activation_memory(cfg: Config, layout: Layout, stage: int, *, recompute: Opt
 
 def offload_plan(cfg: Config, layout: Layout, stage: int) -> Dict[str, object]:
     """What ``optim.offload`` puts on host for a rank of ``stage``, with its own selection
-    (``select_modules`` / ``choose_auto``) and accounting (``memory_plan``)."""
+    (``select_modules`` / ``choose_auto``) and accounting (``memory_plan``).
+
+    ``recomputed``: modules whose weights live on host (run recomputed with fetched copies,
+    moving 3 x their fp32 weights per micro-batch: fetch forward, fetch backward, gradient
+    back); with --cpu-offload-what optimizer only the moments live on host and each step moves
+    the weights and gradients to host and the weights back (``moved_per_step``).
+    """
     from megatron_p2r.optim.offload import (choose_auto, last_first, memory_plan, parse_layer_spec,
-                                            parse_memory_size, select_modules)
+                                            parse_memory_size, parse_offload_what, select_modules)
     specs = stage_tensors(cfg, layout.tp, layout.ep, stage)
     total = state_bytes(specs)
     keys = model_layer_keys(cfg)
@@ -410,19 +416,25 @@ def offload_plan(cfg: Config, layout: Layout, stage: int) -> Dict[str, object]:
     per_module = {k: state_bytes([s for s in specs if s.name.startswith(f"layers.{k}.")])
                   for k in dict.fromkeys(stage_keys)}
     o = cfg.offload
+    what = parse_offload_what(o.cpu_offload_what)
     chosen: List[int] = []
     if o.cpu_offload_layers is not None:
         spec = parse_layer_spec(o.cpu_offload_layers, cfg.model.num_layers)
         if spec.kind == "auto":
             picked = choose_auto(total, per_module, last_first(stage_keys), o.offload_prefetch,
-                                 parse_memory_size(o.device_memory_budget), f"stage {stage}", o.device_memory_budget)
+                                 parse_memory_size(o.device_memory_budget), f"stage {stage}",
+                                 o.device_memory_budget, what)
             chosen = [k for k in dict.fromkeys(stage_keys) if k in picked]
         else:
             chosen = select_modules(spec, stage_keys, layer_range)
-    plan = memory_plan(total, per_module, chosen, o.offload_prefetch)
+    plan = memory_plan(total, per_module, chosen, o.offload_prefetch, what)
     layers = [layer_range.start + i for i, k in enumerate(stage_keys) if k in chosen]
+    weights = sum(per_module[k]["params"] for k in chosen)
+    on_host = "params" in what
     return {"modules": chosen, "layers": layers, "device": plan["device"], "host": plan["host"],
-            "moved_per_microbatch": 3 * sum(per_module[k]["params"] for k in chosen)}
+            "what": ",".join(sorted(what)), "recomputed": chosen if on_host else [],
+            "host_optimizer_params": weights // PARAM_BYTES,
+            "moved_per_microbatch": 3 * weights if on_host else 0, "moved_per_step": 0 if on_host else 3 * weights}
 
 
 # ----------------------------------------------------------------------------- communication
@@ -562,6 +574,7 @@ class StagePlan:
     device: Dict[str, int]
     host: Dict[str, int]
     offloaded_layers: List[int]
+    offloaded_what: str
     activations_no_recompute: int
     activations_recompute: int
     in_flight: int
@@ -632,9 +645,9 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
     for stage in range(layout.pp):
         specs = stage_tensors(cfg, layout.tp, layout.ep, stage)
         off = offload_plan(cfg, layout, stage)
-        act = activation_memory(cfg, layout, stage, offloaded=off["modules"])
-        act_no = activation_memory(cfg, layout, stage, recompute=False, offloaded=off["modules"])
-        act_rc = activation_memory(cfg, layout, stage, recompute=True, offloaded=off["modules"])
+        act = activation_memory(cfg, layout, stage, offloaded=off["recomputed"])
+        act_no = activation_memory(cfg, layout, stage, recompute=False, offloaded=off["recomputed"])
+        act_rc = activation_memory(cfg, layout, stage, recompute=True, offloaded=off["recomputed"])
         device = {"reserve": reserve, **off["device"],
                   "compute_weights": act["compute_weights"], "activations": act["activations"],
                   "transient": act["transient"]}
@@ -645,21 +658,23 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
             if running > gpu.memory:
                 overflow = cat
                 break
-        comm = communication(cfg, layout, stage, gpu.gpus_per_node, off["modules"])
-        flops = stage_flops_per_microbatch(cfg, layout, stage, off["modules"])
+        comm = communication(cfg, layout, stage, gpu.gpus_per_node, off["recomputed"])
+        flops = stage_flops_per_microbatch(cfg, layout, stage, off["recomputed"])
         compute = flops / (peak * efficiency)
         tp_t, ep_t, pp_t = (_link_time(comm[k], gpu) / mbs for k in ("tp", "ep", "pp"))
         transfer = off["moved_per_microbatch"] / gpu.host_bw
         mb_time = max(compute + tp_t + ep_t, transfer) + pp_t
         sync = sum(_link_time(comm[k], gpu) for k in ("dp", "expert_dp", "embedding", "sharing"))
-        resident = sum(s.numel for s in specs) - off["host"]["params"] // PARAM_BYTES
-        opt = max(28 * resident / gpu.hbm_bw, 28 * off["host"]["params"] / PARAM_BYTES / host_optimizer_bw)
+        hosted = off["host_optimizer_params"]
+        opt = max(28 * (sum(s.numel for s in specs) - hosted) / gpu.hbm_bw,
+                  28 * hosted / host_optimizer_bw + off["moved_per_step"] / gpu.host_bw)
         per_mb_time.append(mb_time)
         grad_sync.append(sync)
         optim_time.append(opt)
         stages.append(StagePlan(
             stage=stage, ranks=_rank_ranges(layout, stage), parameters=sum(s.numel for s in specs),
             tensors=len(specs), device=device, host=off["host"], offloaded_layers=off["layers"],
+            offloaded_what=off["what"],
             activations_no_recompute=act_no["activations"] + act_no["compute_weights"] + act_no["transient"],
             activations_recompute=act_rc["activations"] + act_rc["compute_weights"] + act_rc["transient"],
             in_flight=act["in_flight"], comm_bytes={k: v.bytes for k, v in comm.items()},

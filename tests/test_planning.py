@@ -1,0 +1,311 @@
+"""The planner against the model: tensor-exact parameter counts (meta-device builds under the
+fake process group), activation estimates against what a step really allocates on CPU, the
+10T example's size, the offload and communication accounting, and a plan that does not fit.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from megatron_p2r import planning
+from megatron_p2r.arguments import config_from_values, parse_args
+from megatron_p2r.model.m6 import build_model
+from megatron_p2r.parallel.random import seed_everything
+from megatron_p2r.parallel.state import Layout, ParallelState
+from megatron_p2r.testing import run_distributed
+from tools.plan import verify_all_ranks, verify_rank
+
+SMALL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=250,
+             make_vocab_size_divisible_by=16, micro_batch_size=2, mock_data=True)
+MOE = dict(num_experts=4, moe_ffn_hidden_size=96)
+
+
+def small(**overrides):
+    return config_from_values({**SMALL, **overrides})
+
+
+# ----------------------------------------------------------------------------- 10T
+
+def test_10t_example_is_ten_trillion_parameters():
+    cfg = parse_args(["--config", "examples/m6_10t/model.yaml", "examples/m6_10t/real.yaml"])
+    total = planning.logical_parameter_count(cfg)
+    assert abs(total / 10e12 - 1) < 0.01, total
+    experts = planning.expert_parameter_count(cfg)
+    weights = 2 * 1024 * 9984 * 10240 * 48
+    assert experts == weights + (9984 + 1024) * 10240 * 48          # weights + both expert biases
+    # the pseudo phase holds one layer's worth: a 48th of the experts
+    pseudo = parse_args(["--config", "examples/m6_10t/model.yaml", "examples/m6_10t/pseudo.yaml"])
+    assert planning.expert_parameter_count(pseudo) * 48 == experts
+
+
+def test_10t_layouts_fit_on_512_v100():
+    gpu = planning.GPU_PRESETS["V100-32GB"]
+    for phase in ("pseudo", "real"):
+        cfg = parse_args(["--config", "examples/m6_10t/model.yaml", f"examples/m6_10t/{phase}.yaml"])
+        plan = planning.make_plan(cfg, 512, gpu)
+        assert plan.fits, plan.problems
+        assert all(st.device_total <= gpu.memory for st in plan.stages)
+
+
+# ----------------------------------------------------------------------------- meta builds
+
+LAYOUTS = [
+    ("tp2", dict(tensor_model_parallel_size=2), 4),
+    ("pp2-tied", dict(pipeline_model_parallel_size=2), 4),
+    ("tp2-pp2-ep2-moe", dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                             expert_model_parallel_size=2, moe_layer_freq=2, **MOE), 8),
+    ("pseudo-all-pp2-moe", dict(p2r_phase="pseudo", share_pattern="all", pipeline_model_parallel_size=2,
+                                expert_model_parallel_size=2, moe_layer_freq=2, **MOE), 4),
+    ("pseudo-cycle2-pp4-tp2-untied", dict(p2r_phase="pseudo", share_pattern="cycle:2", pipeline_model_parallel_size=4,
+                                          tensor_model_parallel_size=2, untie_embeddings_and_output_weights=True), 8),
+    ("real-ep4-swiglu-rope-rms-nobias", dict(expert_model_parallel_size=4, swiglu=True, position_embedding_type="rope",
+                                             normalization="RMSNorm", disable_bias_linear=True,
+                                             pipeline_layer_split="3,1", pipeline_model_parallel_size=2, **MOE), 8),
+]
+
+
+@pytest.mark.parametrize("name,overrides,world", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_planner_equals_meta_build(name, overrides, world):
+    cfg = small(**overrides)
+    out = verify_all_ranks(cfg, world)
+    assert out["problems"] == []
+    assert out["logical_parameters"] == out["expected"] == planning.logical_parameter_count(cfg)
+    # the same logical count from the layout-free one-process model
+    parallel = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                "pipeline_layer_split"}
+    ref = small(**{k: v for k, v in overrides.items() if k not in parallel})
+    assert sum(p.numel() for p in build_model(ref, ParallelState.single(), meta=True).parameters()) == \
+        planning.logical_parameter_count(ref) == out["expected"]
+    for rank in (0, world - 1):
+        r = verify_rank(cfg, world, rank)
+        assert r["problems"] == []
+        stage = Layout.from_world(world, cfg.parallel.tensor_model_parallel_size,
+                                  cfg.parallel.pipeline_model_parallel_size).coords(rank).pp
+        specs = planning.stage_tensors(cfg, cfg.parallel.tensor_model_parallel_size,
+                                       cfg.parallel.expert_model_parallel_size, stage)
+        assert r["parameters"] == sum(s.numel for s in specs)
+        assert r["param_bytes"] == planning.state_bytes(specs)["params"]
+
+
+def test_verification_catches_a_wrong_plan(monkeypatch):
+    cfg = small(**MOE, expert_model_parallel_size=2)
+    real = planning.layer_tensors
+
+    def one_expert_too_many(cfg_, key, tp, ep):
+        return [s.__class__(**{**s.__dict__, "shape": (s.shape[0] + 1, *s.shape[1:])}) if s.expert else s
+                for s in real(cfg_, key, tp, ep)]
+
+    monkeypatch.setattr(planning, "layer_tensors", one_expert_too_many)
+    problems = verify_rank(cfg, 2, 1)["problems"]
+    assert any("weight1" in p for p in problems) and any("parameters" in p for p in problems)
+
+
+# ----------------------------------------------------------------------------- activations
+
+class AllocTracker(TorchDispatchMode):
+    """Bytes of tensor storages created by ops and still alive (peak and current): every
+    storage an op returns is counted once, until its last reference dies."""
+
+    def __init__(self, existing=()):
+        super().__init__()
+        self.seen = WeakIdKeyDictionary()
+        self.live = self.peak = 0
+        for t in existing:
+            self.seen[t.untyped_storage()] = 0
+
+    def _free(self, n: int) -> None:
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                st = t.untyped_storage()
+                if st not in self.seen:
+                    n = st.nbytes()
+                    self.seen[st] = n
+                    self.live += n
+                    weakref.finalize(st, self._free, n)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def measure_step(model, cfg, step) -> tuple:
+    """(bytes held at the end of the forward, peak bytes of forward + backward) of ``step``,
+    beyond the parameters and their (already allocated, as from the second step) gradients."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    tracker = AllocTracker([*model.parameters(), *(p.grad for p in model.parameters())])
+    with tracker:
+        held = step(tracker)
+    return held, tracker.peak
+
+
+def one_process_step(cfg):
+    m = cfg.model
+    seed_everything(3, 0, 0, torch.device("cpu"))
+    model = build_model(cfg, ParallelState.single())
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, m.vocab_size, (cfg.train.micro_batch_size, m.seq_length), generator=g)
+    labels = torch.randint(0, m.vocab_size, tokens.shape, generator=g)
+    dtype = torch.bfloat16 if cfg.train.bf16 else None
+
+    def step(tracker):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = model(tokens=tokens, labels=labels).mean()
+        held = tracker.live
+        loss.backward()
+        return held
+
+    return measure_step(model, cfg, step)
+
+
+ACTIVATION_CASES = [
+    dict(),
+    dict(bf16=True),
+    dict(recompute_activations=True),
+    dict(bf16=True, recompute_activations=True),
+    dict(swiglu=True, position_embedding_type="rope", normalization="RMSNorm", untie_embeddings_and_output_weights=True),
+    dict(bf16=True, hidden_dropout=0.1),
+    dict(bf16=True, p2r_phase="pseudo", share_pattern="all"),
+    dict(p2r_phase="pseudo", share_pattern="cycle:2", recompute_activations=True),
+    # MoE with a capacity that every expert fills (equal counts: the planner assumes balance)
+    dict(moe_capacity_factor=0.5, moe_layer_freq=2, **MOE),
+    dict(bf16=True, moe_capacity_factor=0.5, moe_router_topk=2, moe_z_loss_coeff=0.01, **MOE),
+    dict(bf16=True, recompute_activations=True, moe_capacity_factor=0.5, **MOE),
+    dict(bf16=True, p2r_phase="pseudo", share_pattern="all", moe_capacity_factor=0.5, **MOE),
+]
+ACT_SHAPES = dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=64, vocab_size=512,
+                  micro_batch_size=4)
+
+
+@pytest.mark.parametrize("overrides", ACTIVATION_CASES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "fp32")
+def test_activation_estimate_matches_measured_step(overrides):
+    """Held bytes: exact by construction (1% allowed); peak: within 10% (the transient
+    working set of backward is modelled, not replayed)."""
+    cfg = small(**ACT_SHAPES, **overrides)
+    held, peak = one_process_step(cfg)
+    est = planning.activation_memory(cfg, Layout(), 0, device_type="cpu")
+    est_held = est["activations"] + est["compute_weights"]
+    assert abs(est_held / held - 1) < 0.01, (est_held, held)
+    assert abs((est_held + est["transient"]) / peak - 1) < 0.10, (est_held + est["transient"], peak)
+
+
+def distributed_activation_worker(rank, world):
+    """TP=2 (one forward/backward) and PP=2 (1F1B over 3 micro-batches: stage 0 keeps 2 in
+    flight) measured on each rank, with the planner's estimate for that rank."""
+    from megatron_p2r.parallel.state import initialize
+    from megatron_p2r.pipeline.schedules import forward_backward_1f1b
+    from tests.helpers import random_microbatches
+    out = {}
+    for name, overrides in (("tp2", dict(tensor_model_parallel_size=2)),
+                            ("pp2", dict(pipeline_model_parallel_size=2, global_batch_size=12))):
+        cfg = small(**ACT_SHAPES, bf16=True, **overrides)
+        p = cfg.parallel
+        layout = Layout.from_world(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+        from megatron_p2r.model.m6 import replica_stage_sets
+        ps = initialize(layout, torch.device("cpu"), stage_sets=tuple(replica_stage_sets(cfg).values()))
+        seed_everything(3, ps.tp_rank, ps.pp_rank, ps.device)
+        model = build_model(cfg, ps)
+        mbs = random_microbatches(cfg, 3 if name == "pp2" else 1, cfg.train.micro_batch_size)
+
+        def step(tracker, mbs=mbs, model=model, ps=ps):
+            if name == "pp2":
+                forward_backward_1f1b(model, mbs, ps, dtype=torch.bfloat16)
+                return None
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(tokens=mbs[0]["tokens"], labels=mbs[0]["labels"]).mean()
+            held = tracker.live
+            loss.backward()
+            return held
+
+        held, peak = measure_step(model, cfg, step)
+        est = planning.activation_memory(cfg, layout, ps.pp_rank, device_type="cpu")
+        out[name] = dict(held=held, peak=peak, est=est)
+    return out
+
+
+def test_activation_estimate_tp2_and_1f1b_in_flight():
+    results = run_distributed(distributed_activation_worker, 2, timeout=240)
+    for rank, r in enumerate(results):
+        tp = r["tp2"]
+        est_held = tp["est"]["activations"] + tp["est"]["compute_weights"]
+        assert abs(est_held / tp["held"] - 1) < 0.01, (rank, est_held, tp["held"])
+        assert abs((est_held + tp["est"]["transient"]) / tp["peak"] - 1) < 0.10, (rank, tp)
+        pp = r["pp2"]
+        assert pp["est"]["in_flight"] == (2 if rank == 0 else 1)
+        est_peak = pp["est"]["activations"] + pp["est"]["compute_weights"] + pp["est"]["transient"]
+        assert abs(est_peak / pp["peak"] - 1) < 0.10, (rank, est_peak, pp["peak"])
+
+
+# ----------------------------------------------------------------------------- offload, comm, flops
+
+def test_offload_plan_equals_offload_manager():
+    from megatron_p2r.optim.offload import build_offloaded
+    for spec, extra in (("2", {}), ("auto", dict(device_memory_budget="1500KiB")), ("1,3", {}),
+                        ("0.5", dict(cpu_offload_what="optimizer"))):
+        cfg = small(**MOE, moe_layer_freq=2, cpu_offload_layers=spec, **extra)
+        model, _, manager = build_offloaded(cfg, ParallelState.single())
+        got = manager.describe()
+        plan = planning.offload_plan(cfg, Layout(), 0)
+        assert plan["device"] == got["device"] and plan["host"] == got["host"]
+        assert plan["layers"] == got["layers"] and plan["modules"] == got["modules"] and plan["layers"]
+
+
+def test_stage_flops_add_up_to_model_flops():
+    from megatron_p2r.metrics import model_flops_per_token
+    cfg = small(pipeline_model_parallel_size=2, swiglu=True, moe_layer_freq=2, **MOE)
+    layout = Layout.from_world(2, 1, 2)
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+    total = sum(planning.stage_flops_per_microbatch(cfg, layout, s) for s in range(2))
+    assert math.isclose(total, model_flops_per_token(cfg.model) * tokens, rel_tol=1e-12)
+    # recomputation adds one forward of every layer
+    rc = small(pipeline_model_parallel_size=2, swiglu=True, moe_layer_freq=2, recompute_activations=True, **MOE)
+    assert sum(planning.stage_flops_per_microbatch(rc, layout, s) for s in range(2)) > total
+
+
+def test_communication_volumes():
+    cfg = small(**MOE, expert_model_parallel_size=4, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                global_batch_size=16)
+    layout = Layout.from_world(16, 2, 2, 4)
+    c0 = planning.communication(cfg, layout, 0, gpus_per_node=8)
+    c1 = planning.communication(cfg, layout, 1, gpus_per_node=8)
+    m, n = cfg.model, cfg.train.micro_batch_size * cfg.model.seq_length
+    mbs = 16 // (cfg.train.micro_batch_size * layout.dp)
+    # pipeline: stage 0 sends activations forward, stage 1 gradients back, fp32 [b, s, h]
+    assert c0["pp"].bytes == c1["pp"].bytes == mbs * n * m.hidden_size * 4
+    # all-to-all: each MoE layer dispatches and combines forward and backward, 3/4 leaves the rank
+    moe_layers = 2
+    assert c0["ep"].bytes == mbs * moe_layers * 4 * n * m.hidden_size * 4 * 3 / 4
+    # tied embedding gradient: one all-reduce over (first, last stage) x DP 4 = 8 ranks
+    vocab = m.padded_vocab_size // 2 * m.hidden_size * 4
+    assert c0["embedding"].bytes == c1["embedding"].bytes == 2 * 7 / 8 * vocab
+    assert c0["embedding"].size == 8
+    # data-parallel: non-expert gradients of the stage over DP = 4
+    dense = sum(s.numel for s in planning.stage_tensors(cfg, 2, 4, 0) if not s.expert and not s.shared_stages)
+    assert c0["dp"].bytes == 2 * 3 / 4 * dense * 4
+    assert c0["expert_dp"].bytes == 0  # EP = DP: every expert has one replica
+
+
+# ----------------------------------------------------------------------------- not fitting
+
+def test_plan_that_does_not_fit_names_rank_and_category():
+    cfg = parse_args(["--config", "examples/m6_10t/model.yaml", "examples/m6_10t/real.yaml",
+                      "--cpu-offload-layers", "0"])
+    plan = planning.make_plan(cfg, 512, planning.GPU_PRESETS["V100-32GB"])
+    assert not plan.fits and not plan.stages[0].fits
+    assert plan.stages[0].overflow == "params"
+    assert any("rank 0 (stage 0" in p and "overflows at 'params'" in p for p in plan.problems)
+    # only the last pipeline stage overflows: a huge vocabulary's logits
+    cfg = small(pipeline_model_parallel_size=2, vocab_size=200_000, micro_batch_size=16, untie_embeddings_and_output_weights=True)
+    gpu = planning.GPU_PRESETS["H100-80GB"].replace(memory=2 * 2**30)
+    plan = planning.make_plan(cfg, 8, gpu)
+    assert [st.fits for st in plan.stages] == [True, False]
+    assert plan.stages[1].overflow == "transient"
+    assert any("rank 4 (stage 1, ranks 4-7)" in p and "'transient'" in p for p in plan.problems)
