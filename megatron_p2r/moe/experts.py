@@ -25,6 +25,7 @@ import math
 from typing import List
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatron_p2r.config import ModelConfig
@@ -54,6 +55,13 @@ class Experts(nn.Module):
                                     device=device)
             self.bias2 = make_param((self.num_local, h), expert=True, init=("zeros",), no_wd=True, device=device)
 
+    def _fc1(self, x: torch.Tensor, first: int, step: int) -> torch.Tensor:
+        """x @ rows first::step of weight1 (+ bias1): all rows, or SwiGLU's gate or up rows."""
+        w = self.weight1[:, first::step].transpose(1, 2)
+        if self.bias1 is None:
+            return torch.bmm(x, w)
+        return torch.baddbmm(self.bias1[:, first::step].unsqueeze(1), x, w)
+
     def forward(self, x: torch.Tensor, counts: List[int]) -> torch.Tensor:
         """``x`` [N, h] grouped by local expert (``counts`` rows each) -> [N, h] partial over TP."""
         E, h, n = self.num_local, x.shape[-1], x.shape[0]
@@ -66,9 +74,11 @@ class Experts(nn.Module):
             slot = expert_of_row * width + torch.arange(n, device=x.device) - starts[expert_of_row]
             x = x.new_zeros(E * width, h).index_copy(0, slot, x)
         x = x.view(E, width, h)
-        w1, w2 = self.weight1.transpose(1, 2), self.weight2.transpose(1, 2)
-        y = torch.bmm(x, w1) if self.bias1 is None else torch.baddbmm(self.bias1.unsqueeze(1), x, w1)
-        y = torch.bmm(activation(y, self.swiglu), w2).reshape(E * width, h)
+        if self.swiglu:  # gate and up rows (interleaved) as two matmuls: the elementwise part is contiguous
+            y = F.silu(self._fc1(x, 0, 2)) * self._fc1(x, 1, 2)
+        else:
+            y = activation(self._fc1(x, 0, 1), swiglu=False)
+        y = torch.bmm(y, self.weight2.transpose(1, 2)).reshape(E * width, h)
         if padded:
             y = gather_rows(y, slot)
         if self.bias2 is not None:
