@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_p2r.config import Config, ConfigError, global_batch_size, num_microbatches
+from megatron_p2r.config import Config, global_batch_size, num_microbatches
 from megatron_p2r.model.m6 import WORD_EMBEDDING, model_layer_keys, replica_stage_sets, stage_ranges
 from megatron_p2r.parallel.state import Layout
 
