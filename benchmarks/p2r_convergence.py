@@ -1,11 +1,11 @@
 """Does Pseudo-to-Real pay off? Validation loss for one model shape and one token budget:
 
   (a) real from scratch;
-  (b) Pseudo-to-Real, delinking after 10%, 25% and 50% of the budget, with the optimizer
-      state copied, rescaled or reset at the delink;
+  (b) Pseudo-to-Real, delinking after 10%, 25% and 50% of the budget (optimizer state copied),
+      and at 25% with the optimizer state copied, rescaled or reset;
   (c) pseudo only (share-pattern all for the whole budget).
 
-    python benchmarks/p2r_convergence.py [--iters 300] [--layers 8] [--hidden 128] [--out docs]
+    python benchmarks/p2r_convergence.py [--iters 200] [--layers 6] [--hidden 128] [--out docs]
 
 Runs in-process on one CPU rank on the demo corpus (built under --work if missing). Writes
 ``<out>/results.md`` (table: final validation loss; loss at 50% and at the end against tokens,
@@ -99,7 +99,8 @@ def run_all(args) -> dict:
         d = fresh(f"switch{int(frac * 100)}")
         wall_p = run_phase(dict(base, p2r_phase="pseudo", share_pattern="all", train_iters=switch,
                                 save=f"{d}/pseudo"), f"{d}/pseudo.jsonl")
-        for state in args.optimizer_states:
+        states = args.optimizer_states if frac == args.compare_states_at else args.optimizer_states[:1]
+        for state in states:
             convert(["delink", f"{d}/pseudo", f"{d}/real_{state}", "--optimizer-state", state, "--no-progress"])
             wall_r = run_phase(dict(base, load=f"{d}/real_{state}"), f"{d}/real_{state}.jsonl")
             runs[f"P2R at {int(frac * 100)}%, {state}"] = eval_curve([f"{d}/pseudo.jsonl", f"{d}/real_{state}.jsonl"],
@@ -156,18 +157,20 @@ def write_report(runs: dict, args, out: str) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--iters", type=int, default=300)
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--eval-interval", type=int, default=25)
+    p.add_argument("--eval-interval", type=int, default=20)
     p.add_argument("--eval-iters", type=int, default=8)
     p.add_argument("--switch", type=float, nargs="+", default=[0.1, 0.25, 0.5])
     p.add_argument("--optimizer-states", nargs="+", default=["copy", "rescale", "reset"],
-                   choices=["copy", "rescale", "reset"])
+                   choices=["copy", "rescale", "reset"],
+                   help="compared at --compare-states-at; other switch points use the first one")
+    p.add_argument("--compare-states-at", type=float, default=0.25)
     p.add_argument("--corpus-bytes", type=int, default=6_000_000)
     p.add_argument("--work", default=os.path.join(ROOT, "runs", "p2r_convergence"))
     p.add_argument("--out", default=os.path.join(ROOT, "docs"))
