@@ -6,6 +6,7 @@ is equal, and the real phase's training loss decreases.
 import json
 import os
 import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -16,7 +17,8 @@ def _records(path, key):
 
 def test_short_demo_runs_every_stage(tmp_path):
     out = tmp_path / "demo"
-    env = dict(os.environ, DEMO_OUT=str(out), DEMO_PSEUDO_ITERS="6", DEMO_REAL_ITERS="12",
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")  # the venv's python
+    env = dict(os.environ, PATH=path, DEMO_OUT=str(out), DEMO_PSEUDO_ITERS="6", DEMO_REAL_ITERS="12",
                DEMO_CORPUS_BYTES="600000", DEMO_EXTRA_ARGS="--log-interval 1 --eval-iters 2")
     r = subprocess.run(["bash", "examples/tiny_p2r/run_demo.sh"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=900)

@@ -151,8 +151,9 @@ STREAM = textwrap.dedent("""
 
 def test_conversion_memory_is_bounded_by_the_largest_tensor(tmp_path):
     """8 layers of hidden 256 with AdamW moments (~75 MiB): the streaming loop (measured in a
-    subprocess as peak RSS over its starting RSS) stays under 4 MiB + 4x the largest tensor
-    (1 MiB) -- it holds one tensor's shards at a time, not the checkpoint."""
+    subprocess as peak RSS over its starting RSS) stays under 12 MiB + 4x the largest tensor
+    (1 MiB) -- it holds one tensor's shards at a time, not the checkpoint (a loop that kept the
+    tensors grew by ~100 MiB). The constant covers allocator noise (8.1 MiB seen in one CI run)."""
     cfg = tiny_config(num_layers=8, hidden_size=256, vocab_size=1000)
     state = build_train_state(cfg, ParallelState.single())
     for p in state.params:
@@ -163,8 +164,8 @@ def test_conversion_memory_is_bounded_by_the_largest_tensor(tmp_path):
     largest = max(i.nbytes for i in table.values())
     total = sum(os.path.getsize(tmp_path / "big" / "iter_0000000" / f) for f in
                 shard_files(str(tmp_path / "big" / "iter_0000000")))
-    bound = 4 * 2**20 + 4 * largest
-    assert total > 8 * bound  # the checkpoint is many times the bound
+    bound = 12 * 2**20 + 4 * largest
+    assert total > 4 * bound  # the checkpoint is many times the bound
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     proc = subprocess.run([sys.executable, "-c", STREAM, str(tmp_path / "big"), str(tmp_path / "out")], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
