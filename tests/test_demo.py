@@ -19,7 +19,7 @@ def test_short_demo_runs_every_stage(tmp_path):
     out = tmp_path / "demo"
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")  # the venv's python
     env = dict(os.environ, PATH=path, DEMO_OUT=str(out), DEMO_PSEUDO_ITERS="6", DEMO_REAL_ITERS="12",
-               DEMO_CORPUS_BYTES="600000", DEMO_EXTRA_ARGS="--log-interval 1 --eval-iters 2")
+               DEMO_CORPUS_BYTES="600000", DEMO_EXTRA_ARGS="--log-interval 1 --eval-iters 2 --split 80,20,0")  # 22 docs: 2% would be none
     r = subprocess.run(["bash", "examples/tiny_p2r/run_demo.sh"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
