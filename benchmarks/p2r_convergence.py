@@ -20,7 +20,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -56,56 +55,61 @@ def base_values(args, tok: str, data: str) -> dict:
                 eval_iters=args.eval_iters)
 
 
-def run_phase(values: dict, log: str) -> float:
-    """Train one phase in-process; return its wall time in seconds."""
-    start = time.perf_counter()
+def run_phase(values: dict, log: str) -> None:
+    """Train one phase in-process, logging to ``log``."""
     pretrain(config_from_values(dict(values, log_file=log)))
-    return time.perf_counter() - start
 
 
-def eval_curve(logs, walls) -> list:
-    """[(tokens, eval_loss, wall seconds)] over a run's phases in order."""
-    points, offset = [], 0.0
-    for log, wall in zip(logs, walls):
-        rows = [json.loads(line) for line in open(log)]
-        last_iter = max((r["iteration"] for r in rows), default=1)
-        for r in rows:
-            if "eval_loss" in r:
-                points.append((r["tokens"], r["eval_loss"], offset + wall * r["iteration"] / last_iter))
-        offset += wall
+def eval_curve(logs) -> list:
+    """[(tokens, eval_loss, wall seconds)] over a run's phases in order; wall time is the sum of
+    the logged per-iteration times (evaluation and start-up excluded)."""
+    points, wall, last_iter = [], 0.0, 0
+    for log in logs:
+        for r in (json.loads(line) for line in open(log)):
+            if "ms_per_iter" in r:
+                wall += r["ms_per_iter"] / 1000 * (r["iteration"] - last_iter)
+                last_iter = r["iteration"]
+            elif "eval_loss" in r:
+                points.append((r["tokens"], r["eval_loss"], wall))
     return points
+
+
+def plan_runs(args) -> dict:
+    """run name -> its phases as (config overrides, log path, checkpoint to delink or None)."""
+    runs = {"real from scratch": [({}, "real/log.jsonl", None)],
+            "pseudo only": [(dict(p2r_phase="pseudo", share_pattern="all"), "pseudo/log.jsonl", None)]}
+    for frac in args.switch:
+        switch, d = max(int(args.iters * frac), 1), f"switch{int(frac * 100)}"
+        pseudo = (dict(p2r_phase="pseudo", share_pattern="all", train_iters=switch, save=f"{d}/pseudo"),
+                  f"{d}/pseudo.jsonl", None)
+        states = args.optimizer_states if frac == args.compare_states_at else args.optimizer_states[:1]
+        for state in states:
+            real = (dict(load=f"{d}/real_{state}"), f"{d}/real_{state}.jsonl", (f"{d}/pseudo", state))
+            runs[f"P2R at {int(frac * 100)}%, {state}"] = [pseudo, real]
+    return runs
 
 
 def run_all(args) -> dict:
     tok, data = prepare_corpus(args.work, args.corpus_bytes)
     base = base_values(args, tok, data)
-    runs = {}
-    os.makedirs(f"{args.work}/runs", exist_ok=True)
-
-    def fresh(name):
-        path = f"{args.work}/runs/{name}"
-        shutil.rmtree(path, ignore_errors=True)
-        os.makedirs(path)
-        return path
-
-    d = fresh("real")
-    runs["real from scratch"] = eval_curve([f"{d}/log.jsonl"], [run_phase(dict(base), f"{d}/log.jsonl")])
-    d = fresh("pseudo")
-    runs["pseudo only"] = eval_curve([f"{d}/log.jsonl"], [run_phase(dict(base, p2r_phase="pseudo",
-                                                                          share_pattern="all"), f"{d}/log.jsonl")])
-    from tools.convert_checkpoint import main as convert
-    for frac in args.switch:
-        switch = max(int(args.iters * frac), 1)
-        d = fresh(f"switch{int(frac * 100)}")
-        wall_p = run_phase(dict(base, p2r_phase="pseudo", share_pattern="all", train_iters=switch,
-                                save=f"{d}/pseudo"), f"{d}/pseudo.jsonl")
-        states = args.optimizer_states if frac == args.compare_states_at else args.optimizer_states[:1]
-        for state in states:
-            convert(["delink", f"{d}/pseudo", f"{d}/real_{state}", "--optimizer-state", state, "--no-progress"])
-            wall_r = run_phase(dict(base, load=f"{d}/real_{state}"), f"{d}/real_{state}.jsonl")
-            runs[f"P2R at {int(frac * 100)}%, {state}"] = eval_curve([f"{d}/pseudo.jsonl", f"{d}/real_{state}.jsonl"],
-                                                                    [wall_p, wall_r])
-    return runs
+    root = f"{args.work}/runs"
+    runs = plan_runs(args)
+    if not args.report_only:
+        from tools.convert_checkpoint import main as convert
+        shutil.rmtree(root, ignore_errors=True)
+        done = set()
+        for phases in runs.values():
+            for overrides, log, delink in phases:
+                if log in done:  # a pseudo phase shared by several optimizer-state variants
+                    continue
+                os.makedirs(os.path.dirname(f"{root}/{log}"), exist_ok=True)
+                values = {k: f"{root}/{v}" if k in ("save", "load") else v for k, v in overrides.items()}
+                if delink:
+                    convert(["delink", f"{root}/{delink[0]}", f"{root}/{overrides['load']}",
+                             "--optimizer-state", delink[1], "--no-progress"])
+                run_phase(dict(base, **values), f"{root}/{log}")
+                done.add(log)
+    return {name: eval_curve([f"{root}/{log}" for _, log, _ in phases]) for name, phases in runs.items()}
 
 
 def write_report(runs: dict, args, out: str) -> None:
@@ -132,8 +136,12 @@ def write_report(runs: dict, args, out: str) -> None:
         half = min(pts, key=lambda p: abs(p[0] - total_tokens / 2))
         lines.append(f"| {name} | {half[1]:.4f} | {pts[-1][1]:.4f} | {pts[-1][2]:.0f} |")
     best = min(runs, key=lambda k: runs[k][-1][1])
-    lines += ["", f"Lowest final validation loss: **{best}**.", "",
+    lines += ["", f"Lowest final validation loss: **{best}**.", ""]
+    if args.note:
+        lines += [args.note, ""]
+    lines += [
               "![validation loss](p2r_convergence.png)", ""]
+    os.makedirs(out, exist_ok=True)
     with open(f"{out}/results.md", "w", encoding="utf-8") as fh:
         fh.write("\n".join(lines))
     import matplotlib
@@ -171,6 +179,8 @@ def main(argv=None) -> None:
                    choices=["copy", "rescale", "reset"],
                    help="compared at --compare-states-at; other switch points use the first one")
     p.add_argument("--compare-states-at", type=float, default=0.25)
+    p.add_argument("--report-only", action="store_true", help="rebuild the report from the logs of a previous run")
+    p.add_argument("--note", default="", help="a paragraph to add to the report (how it was measured)")
     p.add_argument("--corpus-bytes", type=int, default=6_000_000)
     p.add_argument("--work", default=os.path.join(ROOT, "runs", "p2r_convergence"))
     p.add_argument("--out", default=os.path.join(ROOT, "docs"))

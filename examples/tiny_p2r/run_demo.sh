@@ -46,7 +46,7 @@ fi
 step "5/8 delink pseudo -> real, into TP1 x PP2 x EP2"
 [ -s "$OUT/real_init/latest_checkpointed_iteration.txt" ] || python tools/convert_checkpoint.py delink \
     "$OUT/pseudo" "$OUT/real_init" --target-tensor-parallel-size 1 --target-pipeline-parallel-size 2 \
-    --target-expert-parallel-size 2 --optimizer-state copy
+    --target-expert-parallel-size 2 --optimizer-state rescale
 
 step "6/8 eval-only: the pseudo model (8 ranks) and the delinked real model (4 ranks)"
 launch 8 "${COMMON[@]}" --config "$HERE/model.yaml" "$HERE/pseudo.yaml" --load "$OUT/pseudo" --eval-only \
