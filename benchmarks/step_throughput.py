@@ -10,16 +10,10 @@ shared/MACHINE.md advises, or figures drift by ~20%.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1073741824", "MALLOC_TRIM_THRESHOLD_": "4294967296",
-              "MALLOC_TOP_PAD_": "536870912"}
-if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):  # must be set before the process starts
-    os.environ.update(MALLOC_ENV)
-    os.execv(sys.executable, [sys.executable] + sys.argv)
+import pinned_malloc  # noqa: E402,F401  (re-executes with malloc pinned; must precede torch)
 
 import torch  # noqa: E402
 
