@@ -46,7 +46,8 @@ from megatron_p2r.checkpoint.format import (
     file_entries, iteration_dir_name, metadata_config, metadata_table, read_metadata, resolve_iteration_dir,
     shard_header_metadata, tensor_table, write_metadata, write_text_atomic)
 from megatron_p2r.checkpoint.io import build_metadata
-from megatron_p2r.checkpoint.reshard import Target, _prepare_destination, _read_global, _shards, target_config, verify
+from megatron_p2r.checkpoint.reshard import (Target, _prepare_destination, _read_global, _shards, publish_staged,
+                                             target_config, verify)
 from megatron_p2r.config import Config, ConfigError, ModelConfig
 from megatron_p2r.p2r import delink as dl
 
@@ -539,9 +540,7 @@ def export_hf(src: str, dst: str, *, trim_vocab: bool = False, dtype: str = "flo
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if os.path.exists(dst):
-        shutil.rmtree(dst)  # only reached with --force (checked before writing)
-    os.rename(tmp, dst)
+    publish_staged(tmp, dst)
     notes = [note]
     if source.pseudo:
         notes.append(f"delinked on the fly from the pseudo phase (layer -> module {source.layer_keys})")
@@ -655,9 +654,7 @@ def import_hf(src: str, dst: str, target: Target, *, make_vocab_size_divisible_b
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if os.path.exists(dst):
-        shutil.rmtree(dst)
-    os.rename(tmp, dst)
+    publish_staged(tmp, dst)
     if m.padded_vocab_size != hf_vocab:
         notes.append(f"vocabulary padded from {hf_vocab} to {m.padded_vocab_size} rows with zeros "
                      f"(TP {layout.tp} does not divide {hf_vocab}); their logits (0) enter our softmax")

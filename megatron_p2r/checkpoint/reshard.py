@@ -189,10 +189,16 @@ def convert(src: str, dst: str, target: Target, delink: Optional[DelinkOptions] 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if os.path.exists(dst):
-        shutil.rmtree(dst)  # only reached with --force (checked before writing)
-    os.rename(tmp, dst)
+    publish_staged(tmp, dst)
     return os.path.join(dst, iteration_dir_name(iteration))
+
+
+def publish_staged(tmp: str, dst: str) -> None:
+    """Replace ``dst`` by the completed ``tmp`` (an existing ``dst`` only with --force, checked
+    before anything was written)."""
+    if os.path.exists(dst):
+        shutil.rmtree(dst)
+    os.rename(tmp, dst)
 
 
 def _delink_tensor(options: DelinkOptions, sizes: Dict[int, int], seed: int, kind: str, tensor: torch.Tensor,
