@@ -8,7 +8,6 @@ one MoE module). Tolerance: fp32, 2e-5 absolute on gradients (reduction order on
 """
 import hashlib
 
-import pytest
 import torch
 import torch.distributed as dist
 
