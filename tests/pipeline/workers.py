@@ -93,19 +93,26 @@ def train_replicas(cfg, ps: ParallelState, steps: int = 3) -> dict:
     return out
 
 
+def _tie_schedule_cases(prefix: str, pp: int, n_micro: int) -> list:
+    """Tied and untied embeddings, each with 1F1B and GPipe."""
+    return [(f"{prefix}/{tie}/m{n_micro}/{schedule}",
+             make_cfg(pp=pp, untie_embeddings_and_output_weights=tie == "untied"), schedule, n_micro, None)
+            for tie in ("tied", "untied") for schedule in ("1f1b", "gpipe")]
+
+
+def _fewer_microbatches_cases(prefix: str, pp: int, n_micro: int) -> list:
+    """Fewer micro-batches than stages, with both schedules."""
+    return [(f"{prefix}/tied/m{n_micro}/{schedule}", make_cfg(pp=pp), schedule, n_micro, None)
+            for schedule in ("1f1b", "gpipe")]
+
+
 def world4(rank: int, world: int) -> dict:
     """PP=4; TP=2 x PP=2; PP=2 x DP=2 (the PP=2 cases, with data parallelism on top)."""
     out = {"rank": rank}
     pp4 = Layout(pp=4)
     ps = make_state(pp4)
     out["p2p/pp4"] = p2p_checks(ps)
-    cases = []
-    for tie in ("tied", "untied"):
-        for schedule in ("1f1b", "gpipe"):
-            cfg = make_cfg(pp=4, untie_embeddings_and_output_weights=tie == "untied")
-            cases.append((f"pp4/{tie}/m5/{schedule}", cfg, schedule, 5, None))
-    for schedule in ("1f1b", "gpipe"):  # fewer micro-batches than stages
-        cases.append((f"pp4/tied/m2/{schedule}", make_cfg(pp=4), schedule, 2, None))
+    cases = _tie_schedule_cases("pp4", pp=4, n_micro=5) + _fewer_microbatches_cases("pp4", pp=4, n_micro=2)
     cases.append(("pp4/split2,1,1,1/1f1b", make_cfg(pp=4, num_layers=5, pipeline_layer_split="2,1,1,1"),
                   "1f1b", 3, None))
     out["equiv"] = equivalence_cases(ps, pp4, cases)
@@ -128,13 +135,7 @@ def world4(rank: int, world: int) -> dict:
     pp2dp2 = Layout(pp=2, dp=2)
     ps = make_state(pp2dp2)
     out["p2p/pp2dp2"] = p2p_checks(ps)
-    cases = []
-    for tie in ("tied", "untied"):
-        for schedule in ("1f1b", "gpipe"):
-            cfg = make_cfg(pp=2, untie_embeddings_and_output_weights=tie == "untied")
-            cases.append((f"pp2dp2/{tie}/m3/{schedule}", cfg, schedule, 3, None))
-    for schedule in ("1f1b", "gpipe"):  # fewer micro-batches than stages
-        cases.append((f"pp2dp2/tied/m1/{schedule}", make_cfg(pp=2), schedule, 1, None))
+    cases = _tie_schedule_cases("pp2dp2", pp=2, n_micro=3) + _fewer_microbatches_cases("pp2dp2", pp=2, n_micro=1)
     for split in ("1,3", "3,1"):
         cases.append((f"pp2dp2/split{split}/1f1b", make_cfg(pp=2, pipeline_layer_split=split), "1f1b", 2, None))
     cases.append(("pp2dp2/recompute/1f1b", make_cfg(pp=2, recompute_activations=True), "1f1b", 2, None))
