@@ -337,15 +337,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"verify {phase} all ranks: {a['ranks_built']} meta builds in {a['build_seconds']:.1f} s; "
                       f"logical parameters {a['logical_parameters']:,} (model {a['expected']:,}); with replicas "
                       f"{a['sum_over_ranks_with_replicas']:,}: {status}")
-                for p in a["problems"]:
-                    print(f"   ! {p}")
+                problems = a["problems"]
             else:
                 status = "OK" if not c["problems"] else "MISMATCH"
                 print(f"verify {phase} rank {c['rank']} (stage {c['stage']}, tp {c['tp']}, dp {c['dp']}, ep {c['ep']}): "
                       f"{c['parameters']:,} parameters, {c['param_bytes'] / GiB:.3f} GiB, meta build "
                       f"{c['build_seconds']:.2f} s: {status}")
-                for p in c["problems"]:
-                    print(f"   ! {p}")
+                problems = c["problems"]
+            for p in problems:
+                print(f"   ! {p}")
     return 0 if ok else 1
 
 
