@@ -1,6 +1,6 @@
 """Megatron-style command-line flags and YAML files  <->  ``Config``.
 
-The parser is generated from the dataclass fields of ``config.py``. Precedence: dataclass
+The parser is generated from the dataclass fields of the ``config`` package. Precedence: dataclass
 defaults < ``--config A.yaml B.yaml`` (later files win) < flags given on the command line. Unknown YAML keys are
 errors with a did-you-mean suggestion.
 """
@@ -111,12 +111,7 @@ def load_yaml(path: str) -> dict:
 
 def config_from_values(values: dict) -> Config:
     """Build a Config from a flat {field_name: value} dict (unknown names are errors)."""
-    values = _normalise_yaml(values, "config") if values else {}
-    sections = {name: {} for name in SECTIONS}
-    for section, f in all_fields():
-        if f.name in values:
-            sections[section][f.name] = values[f.name]
-    return Config(**{name: SECTIONS[name](**kw) for name, kw in sections.items()})
+    return Config().replace(**_normalise_yaml(values, "config"))
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.ArgumentParser] = None) -> Config:

@@ -26,7 +26,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_p2r.config import Config, global_batch_size, num_microbatches
+from megatron_p2r.config import (Config, global_batch_size, num_microbatches, parse_layer_spec, parse_memory_size,
+                                 parse_offload_what)
 from megatron_p2r.model.m6 import WORD_EMBEDDING, model_layer_keys, replica_stage_sets, stage_ranges
 from megatron_p2r.parallel.state import Layout
 
@@ -406,8 +407,7 @@ def offload_plan(cfg: Config, layout: Layout, stage: int) -> Dict[str, object]:
     back); with --cpu-offload-what optimizer only the moments live on host and each step moves
     the weights and gradients to host and the weights back (``moved_per_step``).
     """
-    from megatron_p2r.optim.offload import (choose_auto, last_first, memory_plan, parse_layer_spec,
-                                            parse_memory_size, parse_offload_what, select_modules)
+    from megatron_p2r.optim.offload import choose_auto, last_first, memory_plan, select_modules
     specs = stage_tensors(cfg, layout.tp, layout.ep, stage)
     total = state_bytes(specs)
     keys = model_layer_keys(cfg)

@@ -109,14 +109,13 @@ def setup_parallel(cfg: Config, device: torch.device) -> ParallelState:
     return ps
 
 
-def setup_vocab(cfg: Config):
-    """Take the vocabulary size from the tokenizer when one is configured."""
+def resolve_vocab(cfg: Config) -> Config:
+    """The config with the tokenizer's vocabulary size, when one is configured: resolved before
+    ``validate`` so the checked config is the one every module reads."""
     if cfg.data.tokenizer_type is None:
-        return None
+        return cfg
     from megatron_p2r.data.tokenizers import build_tokenizer
-    tokenizer = build_tokenizer(cfg.data)
-    cfg.model.vocab_size = tokenizer.vocab_size
-    return tokenizer
+    return cfg.replace(vocab_size=build_tokenizer(cfg.data).vocab_size)
 
 
 def build_train_state(cfg: Config, ps: ParallelState) -> TrainState:
@@ -266,7 +265,7 @@ def pretrain(cfg: Config) -> dict:
     """Train (or with --eval-only, evaluate) and return the final figures of this rank."""
     device = resolve_device(cfg)
     init_distributed(cfg, device)
-    setup_vocab(cfg)
+    cfg = resolve_vocab(cfg)
     ps = setup_parallel(cfg, device)
     state = build_train_state(cfg, ps)
     logger = TrainingLogger(cfg.logging.log_file, cfg.logging.tensorboard_dir, enabled=ps.rank == log_rank(ps))

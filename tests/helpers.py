@@ -21,12 +21,8 @@ def tiny_config(**overrides) -> Config:
 
 def reference_config(cfg: Config) -> Config:
     """The same model on one process (no TP/PP/EP; same global batch)."""
-    ref = Config.from_dict(cfg.to_dict())
-    ref.parallel.tensor_model_parallel_size = 1
-    ref.parallel.pipeline_model_parallel_size = 1
-    ref.parallel.expert_model_parallel_size = 1
-    ref.parallel.pipeline_layer_split = None
-    return ref
+    return cfg.replace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
+                       pipeline_layer_split=None)
 
 
 def random_microbatches(cfg: Config, n: int, batch: int, seed: int = 0) -> list:

@@ -1,8 +1,18 @@
 """Every configuration rule fails at start with its own message; YAML and flags agree."""
+import ast
+import dataclasses
+import json
+import math
+import os
+
 import pytest
 
+import megatron_p2r.config
+import pretrain_m6
 from megatron_p2r.arguments import config_from_values, load_yaml, parse_args, to_argv
 from megatron_p2r.config import ConfigError, validate
+from megatron_p2r.data.tokenizers import ByteTokenizer
+from megatron_p2r.training import resolve_vocab
 
 BASE = dict(mock_data=True, vocab_size=100, num_layers=4, hidden_size=64, num_attention_heads=8)
 
@@ -69,3 +79,53 @@ def test_several_config_files_merge_in_order(tmp_path):
     b.write_text("num-layers: 8\n")
     cfg = parse_args(["--config", str(a), str(b)])
     assert cfg.model.num_layers == 8 and cfg.model.hidden_size == 128
+
+
+def test_expert_prototypes_must_be_at_least_one():
+    with pytest.raises(ConfigError, match="--moe-num-prototypes must be >= 1, got 0"):
+        validate(config_from_values(dict(BASE, num_experts=4, moe_num_prototypes=0)), 1)
+
+
+def test_config_is_frozen_and_replace_returns_a_new_one():
+    cfg = config_from_values(BASE)
+    for section in (cfg.model, cfg.parallel, cfg.train, cfg.p2r, cfg.data, cfg.checkpoint, cfg.logging, cfg.offload):
+        name = dataclasses.fields(section)[0].name
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(section, name, getattr(section, name))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.model = cfg.model
+    new = cfg.replace(num_layers=8, pipeline_model_parallel_size=2, p2r_phase="pseudo")
+    assert (new.model.num_layers, new.parallel.pipeline_model_parallel_size, new.p2r.p2r_phase) == (8, 2, "pseudo")
+    assert (cfg.model.num_layers, cfg.parallel.pipeline_model_parallel_size, cfg.p2r.p2r_phase) == (4, 1, "real")
+    assert new.model.hidden_size == 64 and new.train == cfg.train
+    with pytest.raises(ConfigError, match="unknown config field 'num_layer'"):
+        cfg.replace(num_layer=8)
+
+
+def test_vocab_size_is_taken_from_the_tokenizer_before_validation(tmp_path):
+    cfg = config_from_values(dict(BASE, vocab_size=None, tokenizer_type="ByteTokenizer"))
+    resolved = resolve_vocab(cfg)
+    assert resolved.model.vocab_size == ByteTokenizer.vocab_size and cfg.model.vocab_size is None
+    validate(resolved, 1)
+    # the whole run: the embedding is built from the tokenizer's size (no --vocab-size given)
+    log = tmp_path / "log.jsonl"
+    flags = ["--mock-data", "--tokenizer-type", "ByteTokenizer", "--make-vocab-size-divisible-by", "64",
+             "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+             "--micro-batch-size", "1", "--train-iters", "1", "--device", "cpu", "--log-file", str(log)]
+    assert pretrain_m6.main(flags) == 0
+    assert math.isfinite(json.loads(log.read_text().splitlines()[-1])["lm_loss"])
+
+
+def test_config_package_imports_nothing_else_of_ours():
+    """Every import, also inside functions: config is the root every other module may import."""
+    folder = os.path.dirname(megatron_p2r.config.__file__)
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py"):
+            continue
+        tree = ast.parse(open(os.path.join(folder, name), encoding="utf-8").read())
+        for node in ast.walk(tree):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for module in modules:
+                assert not (module.startswith("megatron_p2r") and not module.startswith("megatron_p2r.config")), \
+                    f"config/{name} imports {module}"

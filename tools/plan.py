@@ -30,7 +30,7 @@ from collections import defaultdict
 from typing import Dict, List, Optional, Sequence
 
 from megatron_p2r.arguments import build_parser, parse_args
-from megatron_p2r.config import Config, ConfigError, validate
+from megatron_p2r.config import Config, ConfigError, parse_memory_size, validate
 from megatron_p2r.planning import GPU_PRESETS, GiB, Plan, make_plan, stage_tensors, state_bytes
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -45,7 +45,6 @@ def parse_count(text: str) -> float:
 
 
 def parse_bytes(text: str) -> int:
-    from megatron_p2r.optim.offload import parse_memory_size
     try:
         return parse_memory_size(text)
     except ConfigError as exc:
@@ -89,8 +88,7 @@ def phase_configs(args: argparse.Namespace, rest: List[str]) -> Dict[str, Config
     if any(overlays.values()):
         for phase, path in overlays.items():
             if path:
-                out[phase] = parse_args(rest + ["--config", *base_files, path])
-                out[phase].p2r.p2r_phase = phase
+                out[phase] = parse_args(rest + ["--config", *base_files, path]).replace(p2r_phase=phase)
         return out
     cfg = parse_args(rest)
     out[cfg.p2r.p2r_phase] = cfg
@@ -102,7 +100,7 @@ def phase_configs(args: argparse.Namespace, rest: List[str]) -> Dict[str, Config
 def check(cfg: Config, world_size: int) -> None:
     """config.validate, without requiring data (the planner reads none)."""
     if not cfg.data.data_path and not cfg.data.mock_data:
-        cfg.data.mock_data = True
+        cfg = cfg.replace(mock_data=True)
     if cfg.model.vocab_size is None:
         raise ConfigError("the planner needs --vocab-size (the embedding's size)")
     validate(cfg, world_size)

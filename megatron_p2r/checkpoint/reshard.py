@@ -30,9 +30,8 @@ from megatron_p2r.checkpoint.format import (
     metadata_table, read_metadata, resolve_iteration_dir, shard_header_metadata, tensor_table, write_metadata,
     write_text_atomic)
 from megatron_p2r.checkpoint.io import build_metadata
-from megatron_p2r.config import Config, ConfigError
+from megatron_p2r.config import Config, ConfigError, stage_layer_counts
 from megatron_p2r.p2r import delink as dl
-from megatron_p2r.pipeline.partition import stage_layer_counts
 
 
 @dataclasses.dataclass
@@ -53,21 +52,23 @@ class DelinkOptions:
 
 def target_config(src: Config, target: Target, delink: bool) -> Config:
     """The source config with the target layout (and the real phase when delinking), checked."""
-    cfg = Config.from_dict(src.to_dict())
-    p, m = cfg.parallel, cfg.model
+    p, changes = src.parallel, {}
     if target.tensor_parallel_size is not None:
-        p.tensor_model_parallel_size = target.tensor_parallel_size
+        changes["tensor_model_parallel_size"] = target.tensor_parallel_size
     if target.pipeline_layer_split is not None:
-        p.pipeline_layer_split = target.pipeline_layer_split
-        p.pipeline_model_parallel_size = target.pipeline_parallel_size or len(target.pipeline_layer_split.split(","))
+        changes["pipeline_layer_split"] = target.pipeline_layer_split
+        changes["pipeline_model_parallel_size"] = (target.pipeline_parallel_size
+                                                   or len(target.pipeline_layer_split.split(",")))
     elif target.pipeline_parallel_size is not None:
         if target.pipeline_parallel_size != p.pipeline_model_parallel_size:
-            p.pipeline_layer_split = None  # a new stage count starts from the even split
-        p.pipeline_model_parallel_size = target.pipeline_parallel_size
+            changes["pipeline_layer_split"] = None  # a new stage count starts from the even split
+        changes["pipeline_model_parallel_size"] = target.pipeline_parallel_size
     if target.expert_parallel_size is not None:
-        p.expert_model_parallel_size = target.expert_parallel_size
+        changes["expert_model_parallel_size"] = target.expert_parallel_size
     if delink:
-        cfg.p2r.p2r_phase = "real"
+        changes["p2r_phase"] = "real"
+    cfg = src.replace(**changes)
+    p, m = cfg.parallel, cfg.model
     tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
     for value, flag in [(tp, "--target-tensor-parallel-size"), (p.pipeline_model_parallel_size,
                         "--target-pipeline-parallel-size"), (ep, "--target-expert-parallel-size")]:

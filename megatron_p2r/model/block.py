@@ -8,6 +8,7 @@ from torch import nn
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.model.attention import Attention
 from megatron_p2r.model.mlp import MLP
+from megatron_p2r.moe.layer import MoELayer
 from megatron_p2r.parallel.state import ParallelState
 
 
@@ -29,7 +30,6 @@ class TransformerLayer(nn.Module):
         self.attention = Attention(cfg, ps, device)
         self.post_attention_norm = make_norm(cfg, device)
         if moe:
-            from megatron_p2r.moe.layer import MoELayer
             self.mlp = MoELayer(cfg, ps, device)
         else:
             self.mlp = MLP(cfg, ps, device=device)

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_p2r.config import ModelConfig
-from megatron_p2r.model.mlp import activation
 from megatron_p2r.moe.dispatcher import gather_rows
 from megatron_p2r.parallel.mappings import copy_to_region
 from megatron_p2r.parallel.sharding import make_param
@@ -77,7 +76,7 @@ class Experts(nn.Module):
         if self.swiglu:  # gate and up rows (interleaved) as two matmuls: the elementwise part is contiguous
             y = F.silu(self._fc1(x, 0, 2)) * self._fc1(x, 1, 2)
         else:
-            y = activation(self._fc1(x, 0, 1), swiglu=False)
+            y = F.gelu(self._fc1(x, 0, 1))
         y = torch.bmm(y, self.weight2.transpose(1, 2)).reshape(E * width, h)
         if padded:
             y = gather_rows(y, slot)

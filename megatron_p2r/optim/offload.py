@@ -30,122 +30,21 @@ slot is one module and is offloaded (and accounted) once. See docs/offload.md.
 from __future__ import annotations
 
 import math
-import re
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
-from megatron_p2r.config import Config, ConfigError, TrainConfig
+from megatron_p2r.config import (FULL, WHAT_ITEMS, Config, ConfigError, LayerSpec, TrainConfig, parse_layer_spec,
+                                 parse_memory_size, parse_offload_what)
 from megatron_p2r.optim.optimizer import build_optimizer, param_groups
 from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.state import ParallelState
 
-WHAT_ITEMS = ("params", "grads", "optimizer")
 CATEGORIES = ("params", "grads", "optimizer")
-FULL = frozenset(WHAT_ITEMS)
-OPTIMIZER_ONLY = frozenset({"optimizer"})
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-# ----------------------------------------------------------------------------- flags
-
-def parse_memory_size(text: str) -> int:
-    """'30GiB' / '512MiB' / '40GB' / '1000000' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text or "")
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"--device-memory-budget {text!r}: expected a size such as 30GiB, 512MiB, 40GB "
-                          "or a number of bytes")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def parse_offload_what(text: str) -> frozenset:
-    """--cpu-offload-what: params,grads,optimizer (the layer lives on host) or optimizer (only
-    its AdamW moments do; ZeRO-Offload for the chosen layers).
-
-    A gradient is produced on its weight's device, so weights and gradients move together,
-    and a host-resident weight is updated where it lives, so they bring the optimizer along.
-    """
-    items = frozenset(x.strip() for x in (text or "").split(",") if x.strip())
-    unknown = sorted(items - FULL)
-    if unknown or not items:
-        raise ConfigError(f"--cpu-offload-what {text!r}: expected a comma-separated subset of "
-                          f"{','.join(WHAT_ITEMS)}, got {unknown or 'nothing'}")
-    if items not in (FULL, OPTIMIZER_ONLY):
-        raise ConfigError(f"--cpu-offload-what {text!r}: use params,grads,optimizer (weights, gradients and AdamW "
-                          "state on host: a gradient is produced where its weight lives, and a host weight is "
-                          "updated on host) or optimizer (AdamW state only)")
-    return items
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """A parsed --cpu-offload-layers: kind is count | fraction | list | auto."""
-
-    kind: str
-    count: int = 0
-    fraction: float = 0.0
-    layers: Tuple[int, ...] = ()
-
-
-def parse_layer_spec(spec: str, num_layers: int) -> LayerSpec:
-    flag = f"--cpu-offload-layers {spec!r}"
-    text = spec.strip()
-    if text == "auto":
-        return LayerSpec("auto")
-    if "," in text:
-        try:
-            layers = tuple(int(x) for x in text.split(",") if x.strip())
-        except ValueError:
-            raise ConfigError(f"{flag}: a list holds global layer indices, as in 1,5,7 (one layer: '5,')") from None
-        bad = [i for i in layers if not 0 <= i < num_layers]
-        if not layers or bad:
-            raise ConfigError(f"{flag}: layer indices must be in [0, {num_layers}) (--num-layers), got {list(bad)}")
-        if len(set(layers)) != len(layers):
-            raise ConfigError(f"{flag}: a layer index appears twice")
-        return LayerSpec("list", layers=tuple(sorted(layers)))
-    if "." in text:
-        try:
-            fraction = float(text)
-        except ValueError:
-            fraction = -1.0
-        if not 0.0 <= fraction <= 1.0:
-            raise ConfigError(f"{flag}: a fraction of each stage's layers must be between 0 and 1")
-        return LayerSpec("fraction", fraction=fraction)
-    try:
-        count = int(text)
-    except ValueError:
-        raise ConfigError(f"{flag}: expected a count N (the last N layers of each stage), a fraction such as "
-                          "0.25, a list of layer indices such as 1,5,7, or auto") from None
-    if not 0 <= count <= num_layers:
-        raise ConfigError(f"{flag}: a count must be between 0 and --num-layers ({num_layers})")
-    return LayerSpec("count", count=count)
-
-
-def validate_offload(cfg: Config) -> None:
-    """The offload flags' rules (called from config.validate)."""
-    o = cfg.offload
-    if o.offload_prefetch < 0:
-        raise ConfigError(f"--offload-prefetch must be >= 0, got {o.offload_prefetch}")
-    parse_offload_what(o.cpu_offload_what)
-    if o.cpu_offload_layers is None:
-        if o.device_memory_budget is not None:
-            raise ConfigError("--device-memory-budget is used only with --cpu-offload-layers auto")
-        return
-    spec = parse_layer_spec(o.cpu_offload_layers, cfg.model.num_layers)
-    if spec.kind == "auto" and o.device_memory_budget is None:
-        raise ConfigError("--cpu-offload-layers auto needs --device-memory-budget (e.g. 30GiB)")
-    if spec.kind != "auto" and o.device_memory_budget is not None:
-        raise ConfigError("--device-memory-budget is used only with --cpu-offload-layers auto, "
-                          f"got --cpu-offload-layers {o.cpu_offload_layers!r}")
-    if o.device_memory_budget is not None:
-        parse_memory_size(o.device_memory_budget)
 
 
 # ----------------------------------------------------------------------------- which layers

@@ -1,5 +1,5 @@
-"""Granular CPU offload (optim/offload.py): the flags, which layers are chosen, and that training
-with any offload spec is the training without it.
+"""Granular CPU offload (optim/offload.py, flags parsed in config/offload.py): the flags, which
+layers are chosen, and that training with any offload spec is the training without it.
 
 Numerics: every case trains the same config with and without offload on the same layout and
 compares losses and weights. On CPU the offloaded path runs exactly the same fp32 kernels on
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_p2r.config import ConfigError, validate
+from megatron_p2r.config import OPTIMIZER_ONLY, ConfigError, LayerSpec, parse_memory_size, validate
 from megatron_p2r.model.m6 import build_model
 from megatron_p2r.optim import offload as off
 from megatron_p2r.parallel.random import seed_everything
@@ -164,7 +164,7 @@ def test_auto_offloads_fewest_last_layers_that_fit():
     assert report["host"]["params"] == per_module[2]["params"] + per_module[3]["params"]
     assert report["host"]["optimizer"] == 2 * report["host"]["params"]  # fp32 moments
     # optimizer state only: no fetch window, only the moments move
-    opt_only = off.OPTIMIZER_ONLY
+    opt_only = OPTIMIZER_ONLY
     need_opt = sum(off.memory_plan(total, per_module, [3, 2], 1, opt_only)["device"].values())
     assert need_opt == sum(total.values()) - per_module[3]["optimizer"] - per_module[2]["optimizer"]
     assert off.choose_auto(total, per_module, [3, 2, 1, 0], 1, need_opt, "rank 0", "x", opt_only) == [3, 2]
@@ -172,10 +172,10 @@ def test_auto_offloads_fewest_last_layers_that_fit():
 
 def test_auto_with_sharing_counts_a_slot_once():
     assert off.last_first([0, 1, 0, 1]) == [1, 0]
-    assert off.select_modules(off.LayerSpec("count", count=1), [0, 1, 0, 1], range(0, 4)) == [1]
-    assert off.select_modules(off.LayerSpec("list", layers=(5,)), [4, 5, 6], range(4, 7)) == [5]
-    assert off.select_modules(off.LayerSpec("list", layers=(1,)), [4, 5, 6], range(4, 7)) == []
-    assert off.select_modules(off.LayerSpec("fraction", fraction=0.25), [4, 5, 6, 7, 8, 9], range(4, 10)) == [8, 9]
+    assert off.select_modules(LayerSpec("count", count=1), [0, 1, 0, 1], range(0, 4)) == [1]
+    assert off.select_modules(LayerSpec("list", layers=(5,)), [4, 5, 6], range(4, 7)) == [5]
+    assert off.select_modules(LayerSpec("list", layers=(1,)), [4, 5, 6], range(4, 7)) == []
+    assert off.select_modules(LayerSpec("fraction", fraction=0.25), [4, 5, 6, 7, 8, 9], range(4, 10)) == [8, 9]
 
 
 def test_impossible_budget_is_a_clear_error():
@@ -204,10 +204,10 @@ def test_flag_errors(kw, message):
 
 
 def test_memory_sizes():
-    assert off.parse_memory_size("30GiB") == 30 * 2**30
-    assert off.parse_memory_size("1.5 MiB") == int(1.5 * 2**20)
-    assert off.parse_memory_size("40GB") == 40 * 10**9
-    assert off.parse_memory_size("123") == 123
+    assert parse_memory_size("30GiB") == 30 * 2**30
+    assert parse_memory_size("1.5 MiB") == int(1.5 * 2**20)
+    assert parse_memory_size("40GB") == 40 * 10**9
+    assert parse_memory_size("123") == 123
 
 
 # ----------------------------------------------------------------------------- checkpoints

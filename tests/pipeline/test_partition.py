@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from megatron_p2r.arguments import parse_args
-from megatron_p2r.config import ConfigError, validate
+from megatron_p2r.config import ConfigError, stage_layer_counts, validate
 from megatron_p2r.model.m6 import WORD_EMBEDDING, build_model, replica_stage_sets
 from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import Layout, ParallelState
-from megatron_p2r.pipeline.partition import stage_layer_counts, stage_layer_ranges
+from megatron_p2r.pipeline.partition import stage_layer_ranges
 from tests.helpers import tiny_config
 
 
@@ -39,7 +39,7 @@ def test_validate_checks_the_split_flag():
                       "--vocab-size", "200", "--mock-data"])
     with pytest.raises(ConfigError, match="--pipeline-layer-split '3,4' adds up to 7"):
         validate(cfg, world_size=2)
-    cfg.parallel.pipeline_layer_split = "3,5"
+    cfg = cfg.replace(pipeline_layer_split="3,5")
     validate(cfg, world_size=2)
     assert cfg.parallel.pipeline_schedule == "1f1b"  # the default
     with pytest.raises(SystemExit):

@@ -1,0 +1,124 @@
+"""The model section: the transformer's shape, MoE and the rules that need nothing else."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_p2r.config.fields import ConfigError, opt, require_at_least_one, require_positive
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    num_layers: int = opt(4, "Number of transformer layers L.")
+    hidden_size: int = opt(256, "Transformer hidden size.")
+    ffn_hidden_size: Optional[int] = opt(None, "Dense MLP hidden size (default 4*hidden).")
+    num_attention_heads: int = opt(4, "Number of attention heads.")
+    seq_length: int = opt(256, "Sequence length of a training sample.")
+    max_position_embeddings: Optional[int] = opt(None, "Learned positions table size (default seq-length).")
+    vocab_size: Optional[int] = opt(None, "Vocabulary size before padding (set by the tokenizer; needed with --mock-data).")
+    make_vocab_size_divisible_by: int = opt(128, "Pad the vocabulary to a multiple of this (must be divisible by TP).")
+    normalization: str = opt("LayerNorm", "Normalisation layer.", choices=["LayerNorm", "RMSNorm"])
+    norm_epsilon: float = opt(1e-5, "Epsilon of the normalisation layers.")
+    swiglu: bool = opt(False, "Use SwiGLU in the MLP instead of GELU.")
+    position_embedding_type: str = opt("learned_absolute", "Position encoding.", choices=["learned_absolute", "rope"])
+    rotary_base: float = opt(10000.0, "Base of the rotary embedding frequencies.")
+    untie_embeddings_and_output_weights: bool = opt(False, "Use a separate output matrix instead of the input embedding.")
+    disable_bias_linear: bool = opt(False, "No biases in linear layers.")
+    hidden_dropout: float = opt(0.0, "Dropout on the residual branches.")
+    attention_dropout: float = opt(0.0, "Dropout on attention probabilities.")
+    init_method_std: float = opt(0.02, "Std of the normal initialisation (output projections are scaled by 1/sqrt(2L)).")
+    # Mixture of experts.
+    num_experts: Optional[int] = opt(None, "Number of experts E (MoE MLP); unset or 0 means dense.")
+    moe_layer_freq: int = opt(1, "Every k-th layer is MoE (layers k-1, 2k-1, ...; 1 means all).")
+    moe_router_topk: int = opt(1, "Experts per token (top-1 Switch, top-2 GShard).")
+    moe_ffn_hidden_size: Optional[int] = opt(None, "Expert FFN hidden size (default ffn-hidden-size).")
+    moe_num_prototypes: int = opt(1, "Expert prototyping (M6-T): K groups, top-1 in each, outputs summed.")
+    moe_aux_loss_coeff: float = opt(0.0, "Load-balancing loss coefficient (Switch formulation).")
+    moe_z_loss_coeff: float = opt(0.0, "Router z-loss coefficient.")
+    moe_capacity_factor: Optional[float] = opt(None, "Expert capacity factor; unset means dropless.")
+    moe_input_jitter_eps: Optional[float] = opt(None, "Multiplicative router input jitter (training only).")
+    moe_renormalize_topk: bool = opt(False, "Renormalise the top-k routing weights to sum to 1.")
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def expert_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def add_bias(self) -> bool:
+        return not self.disable_bias_linear
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.num_experts) and (layer + 1) % self.moe_layer_freq == 0
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Independent of TP (unlike Megatron's multiple-of-divisor-x-TP), so every layout
+        has the same embedding shape and checkpoints reshard without re-padding."""
+        multiple = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // multiple) * multiple
+
+    def check(self) -> None:
+        """The rules of the model alone (the parallel split is ``check_split``)."""
+        require_at_least_one(("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
+                             ("--num-attention-heads", self.num_attention_heads), ("--seq-length", self.seq_length))
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"--hidden-size ({self.hidden_size}) must be divisible by "
+                              f"--num-attention-heads ({self.num_attention_heads})")
+        if self.position_embedding_type == "rope" and self.head_dim % 2:
+            raise ConfigError(f"rotary embeddings need an even head dimension, got {self.head_dim}")
+        if self.max_positions < self.seq_length:
+            raise ConfigError(f"--max-position-embeddings ({self.max_positions}) must be >= "
+                              f"--seq-length ({self.seq_length})")
+        if self.vocab_size is not None and self.vocab_size < 2:
+            raise ConfigError(f"--vocab-size must be >= 2, got {self.vocab_size}")
+        for name, value in [("--hidden-dropout", self.hidden_dropout), ("--attention-dropout", self.attention_dropout)]:
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"{name} must be in [0, 1), got {value}")
+        require_positive(("--norm-epsilon", self.norm_epsilon), ("--moe-capacity-factor", self.moe_capacity_factor))
+        if self.num_experts is not None and self.num_experts < 0:
+            raise ConfigError(f"--num-experts must be >= 0, got {self.num_experts}")
+        if self.num_experts:
+            self._check_experts()
+
+    def _check_experts(self) -> None:
+        require_at_least_one(("--moe-num-prototypes", self.moe_num_prototypes),
+                             ("--moe-layer-freq", self.moe_layer_freq))
+        if self.num_experts % self.moe_num_prototypes:
+            raise ConfigError(f"--num-experts ({self.num_experts}) must be divisible by "
+                              f"--moe-num-prototypes ({self.moe_num_prototypes})")
+        if self.moe_num_prototypes > 1 and self.moe_router_topk != 1:
+            raise ConfigError("expert prototyping (--moe-num-prototypes > 1) takes top-1 in each group: "
+                              f"--moe-router-topk must be 1, got {self.moe_router_topk}")
+        per_group = self.num_experts // self.moe_num_prototypes
+        if not 1 <= self.moe_router_topk <= per_group:
+            raise ConfigError(f"--moe-router-topk ({self.moe_router_topk}) must be between 1 and "
+                              f"--num-experts ({per_group})")
+
+    def check_split(self, tp: int, ep: int) -> None:
+        """Every matrix TP splits, and the experts EP spreads, divide evenly."""
+        sizes = [("--num-attention-heads", self.num_attention_heads), ("--ffn-hidden-size", self.ffn_size)]
+        if self.num_experts:
+            sizes.append(("--moe-ffn-hidden-size", self.expert_ffn_size))
+        for name, size in sizes:
+            if size % tp:
+                raise ConfigError(f"{name} ({size}) must be divisible by --tensor-model-parallel-size ({tp})")
+        if self.make_vocab_size_divisible_by % tp:
+            raise ConfigError(f"--make-vocab-size-divisible-by ({self.make_vocab_size_divisible_by}) must be "
+                              f"divisible by --tensor-model-parallel-size ({tp}) so the padded vocabulary splits evenly")
+        if self.num_experts and self.num_experts % ep:
+            raise ConfigError(f"--num-experts ({self.num_experts}) must be divisible by "
+                              f"--expert-model-parallel-size ({ep})")
+        if not self.num_experts and ep > 1:
+            raise ConfigError("--expert-model-parallel-size > 1 needs --num-experts")

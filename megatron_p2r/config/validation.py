@@ -1,0 +1,62 @@
+"""``validate``: each section's own rules, then the rules that join sections, each failing
+with one message that names the flag(s)."""
+from __future__ import annotations
+
+from megatron_p2r.config.fields import ConfigError
+from megatron_p2r.config.root import Config, data_parallel_size, global_batch_size
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Raise ConfigError for the first inconsistent setting (one message per rule)."""
+    m, p = cfg.model, cfg.parallel
+    m.check()
+    p.check(m.num_layers)
+    m.check_split(p.tensor_model_parallel_size, p.expert_model_parallel_size)
+    _check_world(cfg, world_size)
+    for section in (cfg.train, cfg.data, cfg.checkpoint, cfg.logging):
+        section.check()
+    _check_batch(cfg, world_size)
+    _check_inputs(cfg)
+    _check_outputs(cfg)
+    cfg.p2r.check(m.num_layers)
+    cfg.offload.check(m.num_layers)
+
+
+def _check_world(cfg: Config, world_size: int) -> None:
+    """The world splits into TP x PP x DP, and EP divides DP."""
+    p = cfg.parallel
+    tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+    if world_size % (tp * pp):
+        raise ConfigError(f"world size {world_size} must be divisible by --tensor-model-parallel-size ({tp}) "
+                          f"x --pipeline-model-parallel-size ({pp}) = {tp * pp}")
+    dp = data_parallel_size(cfg, world_size)
+    if dp % ep:
+        raise ConfigError(f"--expert-model-parallel-size ({ep}) must divide the data-parallel size ({dp} = "
+                          f"world {world_size} / (TP {tp} x PP {pp}))")
+
+
+def _check_batch(cfg: Config, world_size: int) -> None:
+    """A global batch is a whole number of micro-batches on every DP rank."""
+    micro, dp = cfg.train.micro_batch_size, data_parallel_size(cfg, world_size)
+    gbs = global_batch_size(cfg, world_size)
+    if gbs % (micro * dp):
+        raise ConfigError(f"--global-batch-size ({gbs}) must be divisible by --micro-batch-size "
+                          f"({micro}) x data-parallel size ({dp}) = {micro * dp}")
+
+
+def _check_inputs(cfg: Config) -> None:
+    """There is data to train on, and a vocabulary size to build the embedding with."""
+    d = cfg.data
+    if not d.mock_data and not d.data_path and not cfg.logging.eval_only:
+        raise ConfigError("no training data: pass --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
+    if d.mock_data and cfg.model.vocab_size is None and d.tokenizer_type is None:
+        raise ConfigError("--mock-data needs --vocab-size (or a --tokenizer-type to take it from)")
+
+
+def _check_outputs(cfg: Config) -> None:
+    """Whatever asks for a save has a directory to save to."""
+    c, t = cfg.checkpoint, cfg.train
+    if c.save_interval is not None and not c.save and not cfg.logging.eval_only:
+        raise ConfigError("--save-interval needs --save DIR")
+    if (t.exit_interval or t.exit_signal_handler) and not c.save:
+        raise ConfigError("--exit-interval / --exit-signal-handler need --save DIR to save to")
