@@ -9,8 +9,10 @@ the parser from these fields, so a new option is added in exactly one place.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 
 def opt(default, help: str, **kwargs):
@@ -319,10 +321,154 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("--save-interval needs --save DIR")
     if (t.exit_interval or t.exit_signal_handler) and not c.save:
         raise ConfigError("--exit-interval / --exit-signal-handler need --save DIR to save to")
-    # Late imports keep config free of model code; these modules validate their own syntax.
-    from megatron_p2r.p2r.sharing import parse_share_pattern
-    from megatron_p2r.pipeline.partition import stage_layer_counts
     parse_share_pattern(cfg.p2r.share_pattern, m.num_layers)
     stage_layer_counts(m.num_layers, pp, p.pipeline_layer_split)
-    from megatron_p2r.optim.offload import validate_offload
     validate_offload(cfg)
+
+
+# ----------------------------------------------------------------------------- flag syntax
+
+def parse_share_pattern(pattern: str, num_layers: int) -> tuple:
+    """Validate ``pattern`` for ``num_layers`` layers; return (kind, K)."""
+    kind, _, arg = pattern.partition(":")
+    if kind in ("none", "all") and not arg:
+        return kind, num_layers if kind == "none" else 1
+    if kind in ("cycle", "block"):
+        try:
+            k = int(arg)
+        except ValueError:
+            raise ConfigError(f"--share-pattern {pattern!r}: '{kind}' needs an integer K, as in '{kind}:2'") from None
+        if not 1 <= k <= num_layers:
+            raise ConfigError(f"--share-pattern {pattern!r}: K must be between 1 and --num-layers ({num_layers})")
+        if kind == "block" and num_layers % k:
+            raise ConfigError(f"--share-pattern {pattern!r}: K ({k}) must divide --num-layers ({num_layers})")
+        return kind, k
+    raise ConfigError(f"--share-pattern {pattern!r}: expected all, none, cycle:K or block:K")
+
+
+def stage_layer_counts(num_layers: int, pp: int, split: Optional[str] = None) -> List[int]:
+    """Layers per stage: even (earlier stages take the remainder) or an explicit '3,5,5,3'."""
+    if split:
+        try:
+            counts = [int(x) for x in split.split(",")]
+        except ValueError:
+            raise ConfigError(f"--pipeline-layer-split {split!r}: expected comma-separated integers") from None
+        if len(counts) != pp:
+            raise ConfigError(f"--pipeline-layer-split {split!r} has {len(counts)} entries but "
+                              f"--pipeline-model-parallel-size is {pp}")
+        if any(c < 1 for c in counts):
+            raise ConfigError(f"--pipeline-layer-split {split!r}: every stage needs at least one layer")
+        if sum(counts) != num_layers:
+            raise ConfigError(f"--pipeline-layer-split {split!r} adds up to {sum(counts)}, "
+                              f"but --num-layers is {num_layers}")
+        return counts
+    if pp > num_layers:
+        raise ConfigError(f"--pipeline-model-parallel-size ({pp}) exceeds --num-layers ({num_layers}): "
+                          "a stage would be empty")
+    base, extra = divmod(num_layers, pp)
+    return [base + (1 if s < extra else 0) for s in range(pp)]
+
+
+WHAT_ITEMS = ("params", "grads", "optimizer")
+CATEGORIES = ("params", "grads", "optimizer")
+FULL = frozenset(WHAT_ITEMS)
+OPTIMIZER_ONLY = frozenset({"optimizer"})
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+# ----------------------------------------------------------------------------- flags
+
+def parse_memory_size(text: str) -> int:
+    """'30GiB' / '512MiB' / '40GB' / '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text or "")
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"--device-memory-budget {text!r}: expected a size such as 30GiB, 512MiB, 40GB "
+                          "or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_offload_what(text: str) -> frozenset:
+    """--cpu-offload-what: params,grads,optimizer (the layer lives on host) or optimizer (only
+    its AdamW moments do; ZeRO-Offload for the chosen layers).
+
+    A gradient is produced on its weight's device, so weights and gradients move together,
+    and a host-resident weight is updated where it lives, so they bring the optimizer along.
+    """
+    items = frozenset(x.strip() for x in (text or "").split(",") if x.strip())
+    unknown = sorted(items - FULL)
+    if unknown or not items:
+        raise ConfigError(f"--cpu-offload-what {text!r}: expected a comma-separated subset of "
+                          f"{','.join(WHAT_ITEMS)}, got {unknown or 'nothing'}")
+    if items not in (FULL, OPTIMIZER_ONLY):
+        raise ConfigError(f"--cpu-offload-what {text!r}: use params,grads,optimizer (weights, gradients and AdamW "
+                          "state on host: a gradient is produced where its weight lives, and a host weight is "
+                          "updated on host) or optimizer (AdamW state only)")
+    return items
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """A parsed --cpu-offload-layers: kind is count | fraction | list | auto."""
+
+    kind: str
+    count: int = 0
+    fraction: float = 0.0
+    layers: Tuple[int, ...] = ()
+
+
+def parse_layer_spec(spec: str, num_layers: int) -> LayerSpec:
+    flag = f"--cpu-offload-layers {spec!r}"
+    text = spec.strip()
+    if text == "auto":
+        return LayerSpec("auto")
+    if "," in text:
+        try:
+            layers = tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise ConfigError(f"{flag}: a list holds global layer indices, as in 1,5,7 (one layer: '5,')") from None
+        bad = [i for i in layers if not 0 <= i < num_layers]
+        if not layers or bad:
+            raise ConfigError(f"{flag}: layer indices must be in [0, {num_layers}) (--num-layers), got {list(bad)}")
+        if len(set(layers)) != len(layers):
+            raise ConfigError(f"{flag}: a layer index appears twice")
+        return LayerSpec("list", layers=tuple(sorted(layers)))
+    if "." in text:
+        try:
+            fraction = float(text)
+        except ValueError:
+            fraction = -1.0
+        if not 0.0 <= fraction <= 1.0:
+            raise ConfigError(f"{flag}: a fraction of each stage's layers must be between 0 and 1")
+        return LayerSpec("fraction", fraction=fraction)
+    try:
+        count = int(text)
+    except ValueError:
+        raise ConfigError(f"{flag}: expected a count N (the last N layers of each stage), a fraction such as "
+                          "0.25, a list of layer indices such as 1,5,7, or auto") from None
+    if not 0 <= count <= num_layers:
+        raise ConfigError(f"{flag}: a count must be between 0 and --num-layers ({num_layers})")
+    return LayerSpec("count", count=count)
+
+
+def validate_offload(cfg: Config) -> None:
+    """The offload flags' rules (called from config.validate)."""
+    o = cfg.offload
+    if o.offload_prefetch < 0:
+        raise ConfigError(f"--offload-prefetch must be >= 0, got {o.offload_prefetch}")
+    parse_offload_what(o.cpu_offload_what)
+    if o.cpu_offload_layers is None:
+        if o.device_memory_budget is not None:
+            raise ConfigError("--device-memory-budget is used only with --cpu-offload-layers auto")
+        return
+    spec = parse_layer_spec(o.cpu_offload_layers, cfg.model.num_layers)
+    if spec.kind == "auto" and o.device_memory_budget is None:
+        raise ConfigError("--cpu-offload-layers auto needs --device-memory-budget (e.g. 30GiB)")
+    if spec.kind != "auto" and o.device_memory_budget is not None:
+        raise ConfigError("--device-memory-budget is used only with --cpu-offload-layers auto, "
+                          f"got --cpu-offload-layers {o.cpu_offload_layers!r}")
+    if o.device_memory_budget is not None:
+        parse_memory_size(o.device_memory_budget)
+
+

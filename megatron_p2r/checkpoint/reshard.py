@@ -30,9 +30,8 @@ from megatron_p2r.checkpoint.format import (
     metadata_table, read_metadata, resolve_iteration_dir, shard_header_metadata, tensor_table, write_metadata,
     write_text_atomic)
 from megatron_p2r.checkpoint.io import build_metadata
-from megatron_p2r.config import Config, ConfigError
+from megatron_p2r.config import Config, ConfigError, stage_layer_counts
 from megatron_p2r.p2r import delink as dl
-from megatron_p2r.pipeline.partition import stage_layer_counts
 
 
 @dataclasses.dataclass

@@ -12,25 +12,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
-from megatron_p2r.config import ConfigError
-
-
-def parse_share_pattern(pattern: str, num_layers: int) -> tuple:
-    """Validate ``pattern`` for ``num_layers`` layers; return (kind, K)."""
-    kind, _, arg = pattern.partition(":")
-    if kind in ("none", "all") and not arg:
-        return kind, num_layers if kind == "none" else 1
-    if kind in ("cycle", "block"):
-        try:
-            k = int(arg)
-        except ValueError:
-            raise ConfigError(f"--share-pattern {pattern!r}: '{kind}' needs an integer K, as in '{kind}:2'") from None
-        if not 1 <= k <= num_layers:
-            raise ConfigError(f"--share-pattern {pattern!r}: K must be between 1 and --num-layers ({num_layers})")
-        if kind == "block" and num_layers % k:
-            raise ConfigError(f"--share-pattern {pattern!r}: K ({k}) must divide --num-layers ({num_layers})")
-        return kind, k
-    raise ConfigError(f"--share-pattern {pattern!r}: expected all, none, cycle:K or block:K")
+from megatron_p2r.config import parse_share_pattern
 
 
 def layer_to_slot(pattern: str, num_layers: int) -> List[int]:
