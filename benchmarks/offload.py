@@ -25,8 +25,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_p2r.arguments import config_from_values  # noqa: E402
-from megatron_p2r.optim.offload import format_bytes, module_bytes_of, memory_plan  # noqa: E402
+from megatron_p2r.layout.offload import format_bytes, memory_plan  # noqa: E402
 from megatron_p2r.parallel.state import ParallelState  # noqa: E402
+from megatron_p2r.planning.memory import stage_state_bytes  # noqa: E402
 from megatron_p2r.training import build_train_state, train_step  # noqa: E402
 
 SHAPE = dict(vocab_size=2048, make_vocab_size_divisible_by=128, hidden_size=256, num_layers=4,
@@ -65,8 +66,7 @@ def sync(device):
 def accounted(state) -> dict:
     if state.offload is not None:
         return state.offload.describe()
-    total, per_module = module_bytes_of(state.model)
-    return memory_plan(total, per_module, [], 0)
+    return memory_plan(stage_state_bytes(state.plan, 0), {}, [], 0)
 
 
 def main() -> None:

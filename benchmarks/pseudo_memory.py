@@ -46,7 +46,7 @@ def _rank(rank, world, layers, steps):
     states = {}
     for phase in ("real", "pseudo"):
         cfg = _config(phase, layers)
-        ps = setup_parallel(cfg, torch.device("cpu"))
+        ps, _ = setup_parallel(cfg, torch.device("cpu"))
         state = build_train_state(cfg, ps)
         data = microbatch_iterator(build_datasets(cfg, ps)[0], 0, cfg, ps)
         n = num_microbatches(cfg, ps.layout.world_size)

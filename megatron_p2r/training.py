@@ -11,23 +11,26 @@ import os
 import signal
 import socket
 import time
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_p2r import reliability
+from megatron_p2r import offload, reliability
 from megatron_p2r.config import Config, ConfigError, global_batch_size, num_microbatches, validate
+from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.metrics import TrainingLogger, format_line, model_flops_per_token, peak_memory_bytes
-from megatron_p2r.model.m6 import M6Model, build_model, replica_stage_sets
+from megatron_p2r.model.m6 import M6Model, build_model
+from megatron_p2r.offload.optimizer import build_split_optimizer
+from megatron_p2r.offload.runtime import format_report
 from megatron_p2r.moe import aux_loss
 from megatron_p2r.optim.grad_scaler import LossScaler
 from megatron_p2r.optim.optimizer import build_optimizer
 from megatron_p2r.optim.scheduler import LRScheduler
 from megatron_p2r.parallel.grads import finalize_grads, grad_norm_and_non_finite, unscale_and_clip
 from megatron_p2r.parallel.random import seed_everything
-from megatron_p2r.parallel.state import Layout, ParallelState, initialize
+from megatron_p2r.parallel.state import ParallelState, initialize
 from megatron_p2r.pipeline.schedules import get_forward_backward_func
 
 
@@ -41,6 +44,7 @@ class TrainState:
 
     cfg: Config
     ps: ParallelState
+    plan: ParallelPlan
     model: M6Model
     optimizer: torch.optim.Optimizer
     scheduler: LRScheduler
@@ -48,7 +52,7 @@ class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
     skipped_in_a_row: int = 0
-    offload: Optional[object] = None  # optim.offload.OffloadManager when --cpu-offload-layers is set
+    offload: Optional[offload.OffloadManager] = None  # when --cpu-offload-layers is set
 
     @property
     def params(self) -> List[torch.nn.Parameter]:
@@ -97,16 +101,14 @@ def init_distributed(cfg: Config, device: torch.device) -> None:
                                 rank=0, world_size=1, timeout=timeout)
 
 
-def setup_parallel(cfg: Config, device: torch.device) -> ParallelState:
+def setup_parallel(cfg: Config, device: torch.device) -> Tuple[ParallelState, ParallelPlan]:
     world = dist.get_world_size()
     validate(cfg, world)
-    p = cfg.parallel
-    layout = Layout.from_world(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                               p.expert_model_parallel_size)
-    ps = initialize(layout, device, stage_sets=tuple(replica_stage_sets(cfg).values()),
-                    timeout=datetime.timedelta(minutes=p.distributed_timeout_minutes))
+    plan = ParallelPlan.for_world(cfg, world)
+    ps = initialize(plan.layout, device, plan.stage_sets(),
+                    timeout=datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
     seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, device)
-    return ps
+    return ps, plan
 
 
 def resolve_vocab(cfg: Config) -> Config:
@@ -118,16 +120,17 @@ def resolve_vocab(cfg: Config) -> Config:
     return cfg.replace(vocab_size=build_tokenizer(cfg.data).vocab_size)
 
 
-def build_train_state(cfg: Config, ps: ParallelState) -> TrainState:
-    offload = None
+def build_train_state(cfg: Config, ps: ParallelState, plan: Optional[ParallelPlan] = None) -> TrainState:
+    plan = plan or ParallelPlan.build(cfg, ps.layout)
+    model = build_model(cfg, ps, plan, device=offload.build_device(cfg.offload, ps))
+    manager = None
     if cfg.offload.cpu_offload_layers is not None:  # chosen layers' weights, grads and AdamW state on host
-        from megatron_p2r.optim.offload import build_offloaded
-        model, optimizer, offload = build_offloaded(cfg, ps)
+        manager = offload.apply_offload(model, plan.stage(ps.pp_rank).offloaded, cfg.offload, ps)
+        optimizer = build_split_optimizer(model, cfg.train, manager)
     else:
-        model = build_model(cfg, ps)
         optimizer = build_optimizer(model, cfg.train)
-    return TrainState(cfg=cfg, ps=ps, model=model, optimizer=optimizer,
-                      scheduler=LRScheduler(optimizer, cfg.train), scaler=LossScaler(cfg.train), offload=offload)
+    return TrainState(cfg=cfg, ps=ps, plan=plan, model=model, optimizer=optimizer,
+                      scheduler=LRScheduler(optimizer, cfg.train), scaler=LossScaler(cfg.train), offload=manager)
 
 
 def compute_dtype(cfg: Config) -> Optional[torch.dtype]:
@@ -193,9 +196,9 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
     forward_backward = get_forward_backward_func(ps, cfg.parallel.pipeline_schedule)
     scale = state.scaler.scale
     loss = forward_backward(state.model, microbatches, ps, loss_scale=scale, dtype=compute_dtype(cfg))
-    finalize_grads(params, ps)
+    finalize_grads(state.model.named_parameters(), state.plan, ps)
     reliability.on_gradients(state.iteration + 1, ps.rank, params)
-    scaled_norm, found_inf = grad_norm_and_non_finite(params, ps)
+    scaled_norm, found_inf = grad_norm_and_non_finite(state.model.named_parameters(), state.plan, ps)
     state.scaler.update(found_inf)
     grad_norm = float("nan")
     if not found_inf:
@@ -266,8 +269,8 @@ def pretrain(cfg: Config) -> dict:
     device = resolve_device(cfg)
     init_distributed(cfg, device)
     cfg = resolve_vocab(cfg)
-    ps = setup_parallel(cfg, device)
-    state = build_train_state(cfg, ps)
+    ps, plan = setup_parallel(cfg, device)
+    state = build_train_state(cfg, ps, plan)
     logger = TrainingLogger(cfg.logging.log_file, cfg.logging.tensorboard_dir, enabled=ps.rank == log_rank(ps))
     mem = describe_memory(state)
     print(f"[rank {ps.rank}] stage {ps.pp_rank} tp {ps.tp_rank} dp {ps.dp_rank} ep {ps.ep_rank}: "
@@ -275,7 +278,6 @@ def pretrain(cfg: Config) -> dict:
           f"{mem['grad_bytes'] / 2**20:.1f} MiB grads, {mem['optimizer_bytes'] / 2**20:.1f} MiB optimizer",
           flush=True)
     if state.offload is not None:
-        from megatron_p2r.optim.offload import format_report
         print(format_report(ps.rank, state.offload.describe()), flush=True)
     resume_checkpoint(state)
     train_ds, valid_ds = build_datasets(cfg, ps)

@@ -13,7 +13,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from megatron_p2r import planning
+from megatron_p2r.layout import tensors as table
+from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.planning import activations, communication, estimate, hardware, memory, timing
 from megatron_p2r.arguments import config_from_values, parse_args
 from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.random import seed_everything
@@ -34,21 +36,21 @@ def small(**overrides):
 
 def test_10t_example_is_ten_trillion_parameters():
     cfg = parse_args(["--config", "examples/m6_10t/model.yaml", "examples/m6_10t/real.yaml"])
-    total = planning.logical_parameter_count(cfg)
+    total = memory.logical_parameter_count(ParallelPlan.for_world(cfg, 512))
     assert abs(total / 10e12 - 1) < 0.01, total
-    experts = planning.expert_parameter_count(cfg)
+    experts = memory.expert_parameter_count(ParallelPlan.for_world(cfg, 512))
     weights = 2 * 1024 * 9984 * 10240 * 48
     assert experts == weights + (9984 + 1024) * 10240 * 48          # weights + both expert biases
     # the pseudo phase holds one layer's worth: a 48th of the experts
     pseudo = parse_args(["--config", "examples/m6_10t/model.yaml", "examples/m6_10t/pseudo.yaml"])
-    assert planning.expert_parameter_count(pseudo) * 48 == experts
+    assert memory.expert_parameter_count(ParallelPlan.for_world(pseudo, 512)) * 48 == experts
 
 
 def test_10t_layouts_fit_on_512_v100():
-    gpu = planning.GPU_PRESETS["V100-32GB"]
+    gpu = hardware.GPU_PRESETS["V100-32GB"]
     for phase in ("pseudo", "real"):
         cfg = parse_args(["--config", "examples/m6_10t/model.yaml", f"examples/m6_10t/{phase}.yaml"])
-        plan = planning.make_plan(cfg, 512, gpu)
+        plan = estimate.make_plan(cfg, 512, gpu)
         assert plan.fits, plan.problems
         assert all(st.device_total <= gpu.memory for st in plan.stages)
 
@@ -75,33 +77,32 @@ def test_planner_equals_meta_build(name, overrides, world):
     cfg = small(**overrides)
     out = verify_all_ranks(cfg, world)
     assert out["problems"] == []
-    assert out["logical_parameters"] == out["expected"] == planning.logical_parameter_count(cfg)
+    assert out["logical_parameters"] == out["expected"] == memory.logical_parameter_count(
+        ParallelPlan.for_world(cfg, world))
     # the same logical count from the layout-free one-process model
     parallel = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
                 "pipeline_layer_split"}
     ref = small(**{k: v for k, v in overrides.items() if k not in parallel})
     assert sum(p.numel() for p in build_model(ref, ParallelState.single(), meta=True).parameters()) == \
-        planning.logical_parameter_count(ref) == out["expected"]
+        memory.logical_parameter_count(ParallelPlan.for_world(ref, 1)) == out["expected"]
     for rank in (0, world - 1):
         r = verify_rank(cfg, world, rank)
         assert r["problems"] == []
-        stage = Layout.from_world(world, cfg.parallel.tensor_model_parallel_size,
-                                  cfg.parallel.pipeline_model_parallel_size).coords(rank).pp
-        specs = planning.stage_tensors(cfg, cfg.parallel.tensor_model_parallel_size,
-                                       cfg.parallel.expert_model_parallel_size, stage)
-        assert r["parameters"] == sum(s.numel for s in specs)
-        assert r["param_bytes"] == planning.state_bytes(specs)["params"]
+        plan = ParallelPlan.for_world(cfg, world)
+        stage = plan.layout.coords(rank).pp
+        assert r["parameters"] == sum(s.numel for s in plan.tensors(stage))
+        assert r["param_bytes"] == memory.stage_state_bytes(plan, stage)["params"]
 
 
 def test_verification_catches_a_wrong_plan(monkeypatch):
     cfg = small(**MOE, expert_model_parallel_size=2)
-    real = planning.layer_tensors
+    real = table.layer_tensors
 
-    def one_expert_too_many(cfg_, key, tp, ep):
+    def one_expert_too_many(m, key, tp, ep):
         return [s.__class__(**{**s.__dict__, "shape": (s.shape[0] + 1, *s.shape[1:])}) if s.expert else s
-                for s in real(cfg_, key, tp, ep)]
+                for s in real(m, key, tp, ep)]
 
-    monkeypatch.setattr(planning, "layer_tensors", one_expert_too_many)
+    monkeypatch.setattr(table, "layer_tensors", one_expert_too_many)
     problems = verify_rank(cfg, 2, 1)["problems"]
     assert any("weight1" in p for p in problems) and any("parameters" in p for p in problems)
 
@@ -191,7 +192,7 @@ def test_activation_estimate_matches_measured_step(overrides):
     working set of backward is modelled, not replayed)."""
     cfg = small(**ACT_SHAPES, **overrides)
     held, peak = one_process_step(cfg)
-    est = planning.activation_memory(cfg, Layout(), 0, device_type="cpu")
+    est = activations.activation_memory(cfg, ParallelPlan.build(cfg, Layout()), 0, device_type="cpu")
     est_held = est["activations"] + est["compute_weights"]
     assert abs(est_held / held - 1) < 0.01, (est_held, held)
     assert abs((est_held + est["transient"]) / peak - 1) < 0.10, (est_held + est["transient"], peak)
@@ -207,12 +208,10 @@ def distributed_activation_worker(rank, world):
     for name, overrides in (("tp2", dict(tensor_model_parallel_size=2)),
                             ("pp2", dict(pipeline_model_parallel_size=2, global_batch_size=12))):
         cfg = small(**ACT_SHAPES, bf16=True, **overrides)
-        p = cfg.parallel
-        layout = Layout.from_world(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
-        from megatron_p2r.model.m6 import replica_stage_sets
-        ps = initialize(layout, torch.device("cpu"), stage_sets=tuple(replica_stage_sets(cfg).values()))
+        plan = ParallelPlan.for_world(cfg, world)
+        ps = initialize(plan.layout, torch.device("cpu"), plan.stage_sets())
         seed_everything(3, ps.tp_rank, ps.pp_rank, ps.device)
-        model = build_model(cfg, ps)
+        model = build_model(cfg, ps, plan)
         mbs = random_microbatches(cfg, 3 if name == "pp2" else 1, cfg.train.micro_batch_size)
 
         def step(tracker, mbs=mbs, model=model, ps=ps):
@@ -226,7 +225,7 @@ def distributed_activation_worker(rank, world):
             return held
 
         held, peak = measure_step(model, cfg, step)
-        est = planning.activation_memory(cfg, layout, ps.pp_rank, device_type="cpu")
+        est = activations.activation_memory(cfg, plan, ps.pp_rank, device_type="cpu")
         out[name] = dict(held=held, peak=peak, est=est)
     return out
 
@@ -247,13 +246,12 @@ def test_activation_estimate_tp2_and_1f1b_in_flight():
 # ----------------------------------------------------------------------------- offload, comm, flops
 
 def test_offload_plan_equals_offload_manager():
-    from megatron_p2r.optim.offload import build_offloaded
+    from megatron_p2r.training import build_train_state
     for spec, extra in (("2", {}), ("auto", dict(device_memory_budget="1500KiB")), ("1,3", {}),
                         ("0.5", dict(cpu_offload_what="optimizer"))):
         cfg = small(**MOE, moe_layer_freq=2, cpu_offload_layers=spec, **extra)
-        model, _, manager = build_offloaded(cfg, ParallelState.single())
-        got = manager.describe()
-        plan = planning.offload_plan(cfg, Layout(), 0)
+        got = build_train_state(cfg, ParallelState.single()).offload.describe()
+        plan = memory.offload_plan(cfg, ParallelPlan.build(cfg, Layout()), 0)
         assert plan["device"] == got["device"] and plan["host"] == got["host"]
         assert plan["layers"] == got["layers"] and plan["modules"] == got["modules"] and plan["layers"]
 
@@ -261,21 +259,22 @@ def test_offload_plan_equals_offload_manager():
 def test_stage_flops_add_up_to_model_flops():
     from megatron_p2r.metrics import model_flops_per_token
     cfg = small(pipeline_model_parallel_size=2, swiglu=True, moe_layer_freq=2, **MOE)
-    layout = Layout.from_world(2, 1, 2)
+    plan = ParallelPlan.for_world(cfg, 2)
     tokens = cfg.train.micro_batch_size * cfg.model.seq_length
-    total = sum(planning.stage_flops_per_microbatch(cfg, layout, s) for s in range(2))
+    total = sum(timing.stage_flops_per_microbatch(cfg, plan, s) for s in range(2))
     assert math.isclose(total, model_flops_per_token(cfg.model) * tokens, rel_tol=1e-12)
     # recomputation adds one forward of every layer
     rc = small(pipeline_model_parallel_size=2, swiglu=True, moe_layer_freq=2, recompute_activations=True, **MOE)
-    assert sum(planning.stage_flops_per_microbatch(rc, layout, s) for s in range(2)) > total
+    assert sum(timing.stage_flops_per_microbatch(rc, ParallelPlan.for_world(rc, 2), s) for s in range(2)) > total
 
 
 def test_communication_volumes():
     cfg = small(**MOE, expert_model_parallel_size=4, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                 global_batch_size=16)
-    layout = Layout.from_world(16, 2, 2, 4)
-    c0 = planning.communication(cfg, layout, 0, gpus_per_node=8)
-    c1 = planning.communication(cfg, layout, 1, gpus_per_node=8)
+    plan = ParallelPlan.for_world(cfg, 16)
+    layout = plan.layout
+    c0 = communication.communication(cfg, plan, 0, gpus_per_node=8)
+    c1 = communication.communication(cfg, plan, 1, gpus_per_node=8)
     m, n = cfg.model, cfg.train.micro_batch_size * cfg.model.seq_length
     mbs = 16 // (cfg.train.micro_batch_size * layout.dp)
     # pipeline: stage 0 sends activations forward, stage 1 gradients back, fp32 [b, s, h]
@@ -288,7 +287,7 @@ def test_communication_volumes():
     assert c0["embedding"].bytes == c1["embedding"].bytes == 2 * 7 / 8 * vocab
     assert c0["embedding"].size == 8
     # data-parallel: non-expert gradients of the stage over DP = 4
-    dense = sum(s.numel for s in planning.stage_tensors(cfg, 2, 4, 0) if not s.expert and not s.shared_stages)
+    dense = sum(s.numel for s in plan.tensors(0) if not s.expert and not plan.replica_stages(s.logical))
     assert c0["dp"].bytes == 2 * 3 / 4 * dense * 4
     assert c0["expert_dp"].bytes == 0  # EP = DP: every expert has one replica
 
@@ -298,14 +297,14 @@ def test_communication_volumes():
 def test_plan_that_does_not_fit_names_rank_and_category():
     cfg = parse_args(["--config", "examples/m6_10t/model.yaml", "examples/m6_10t/real.yaml",
                       "--cpu-offload-layers", "0"])
-    plan = planning.make_plan(cfg, 512, planning.GPU_PRESETS["V100-32GB"])
+    plan = estimate.make_plan(cfg, 512, hardware.GPU_PRESETS["V100-32GB"])
     assert not plan.fits and not plan.stages[0].fits
     assert plan.stages[0].overflow == "params"
     assert any("rank 0 (stage 0" in p and "overflows at 'params'" in p for p in plan.problems)
     # only the last pipeline stage overflows: a huge vocabulary's logits
     cfg = small(pipeline_model_parallel_size=2, vocab_size=200_000, micro_batch_size=16, untie_embeddings_and_output_weights=True)
-    gpu = planning.GPU_PRESETS["H100-80GB"].replace(memory=2 * 2**30)
-    plan = planning.make_plan(cfg, 8, gpu)
+    gpu = hardware.GPU_PRESETS["H100-80GB"].replace(memory=2 * 2**30)
+    plan = estimate.make_plan(cfg, 8, gpu)
     assert [st.fits for st in plan.stages] == [True, False]
     assert plan.stages[1].overflow == "transient"
     assert any("rank 4 (stage 1, ranks 4-7)" in p and "'transient'" in p for p in plan.problems)

@@ -13,7 +13,7 @@ from tests.helpers import random_microbatches, reference_config, run_steps, tiny
 
 def _data_parallel(rank, world, tp):
     cfg = tiny_config(tensor_model_parallel_size=tp, global_batch_size=8, num_experts=None)
-    ps = setup_parallel(cfg, torch.device("cpu"))
+    ps, _ = setup_parallel(cfg, torch.device("cpu"))
     losses, state = run_steps(cfg, ps, 3)
     ref_losses, ref_state = run_steps(reference_config(cfg), ParallelState.single(), 3)
     ref_params = dict(ref_state.model.named_parameters())

@@ -31,7 +31,10 @@ from typing import Dict, List, Optional, Sequence
 
 from megatron_p2r.arguments import build_parser, parse_args
 from megatron_p2r.config import Config, ConfigError, parse_memory_size, validate
-from megatron_p2r.planning import GPU_PRESETS, GiB, Plan, make_plan, stage_tensors, state_bytes
+from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.planning.estimate import Plan, make_plan
+from megatron_p2r.planning.hardware import GPU_PRESETS, GiB
+from megatron_p2r.planning.memory import logical_parameter_count, stage_state_bytes
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -110,7 +113,7 @@ def check(cfg: Config, world_size: int) -> None:
 
 def _spec_of(name, p) -> tuple:
     return (name, tuple(p.shape), getattr(p, "tp_dim", None), bool(getattr(p, "expert", False)),
-            tuple(getattr(p, "shared_stages", None) or ()), getattr(p, "shared_name", None))
+            getattr(p, "shared_name", None))
 
 
 def _init_fake(world_size: int, rank: int) -> None:
@@ -121,59 +124,56 @@ def _init_fake(world_size: int, rank: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
-def build_meta(cfg: Config, world_size: int, rank: int):
+def build_meta(cfg: Config, plan: ParallelPlan, rank: int):
     """(model, ParallelState) of ``rank``, on the meta device under a fake process group."""
     import torch
-    from megatron_p2r.model.m6 import build_model, replica_stage_sets
-    from megatron_p2r.parallel.state import Layout, initialize
-    p = cfg.parallel
-    layout = Layout.from_world(world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                               p.expert_model_parallel_size)
-    _init_fake(world_size, rank)
-    ps = initialize(layout, torch.device("meta"), stage_sets=tuple(replica_stage_sets(cfg).values()))
-    return build_model(cfg, ps, meta=True), ps
+    from megatron_p2r.model.m6 import build_model
+    from megatron_p2r.parallel.state import initialize
+    _init_fake(plan.layout.world_size, rank)
+    ps = initialize(plan.layout, torch.device("meta"), plan.stage_sets())
+    return build_model(cfg, ps, plan, meta=True), ps
 
 
 def verify_rank(cfg: Config, world_size: int, rank: int) -> dict:
     """Build ``rank`` on meta and compare it with the planner; returns the figures and a list
     of mismatches (empty when the plan is exact)."""
     import torch.distributed as dist
-    from megatron_p2r.parallel.grads import sync_group
-    from megatron_p2r.parallel.sharding import logical_name
+    from megatron_p2r.parallel.grads import reduction_of
+    plan = ParallelPlan.for_world(cfg, world_size)
     start = time.perf_counter()
     try:
-        model, ps = build_meta(cfg, world_size, rank)
+        model, ps = build_meta(cfg, plan, rank)
         built = {n: _spec_of(n, p) for n, p in model.named_parameters()}
         params = list(model.parameters())
         buckets = defaultdict(int)
         for name, p in model.named_parameters():
-            group, _ = sync_group(p, ps)   # the group training all-reduces this gradient over
-            if group is not None:
-                buckets[_kind(logical_name(name, p), getattr(p, "shared_stages", None),
-                              getattr(p, "expert", False))] += p.numel() * 4
+            reduction = reduction_of(plan, name, p)
+            if ps.reduction_group(reduction) is not None:   # the group training all-reduces it over
+                buckets[reduction.kind] += p.numel() * 4
         coords = ps.coords
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     seconds = time.perf_counter() - start
     layout = ps.layout
-    planned = {s.name: (s.name, s.shape, s.tp_dim, s.expert, s.shared_stages, s.shared_name)
-               for s in stage_tensors(cfg, layout.tp, layout.ep, coords.pp)}
+    specs = plan.tensors(coords.pp)
+    planned = {s.name: (s.name, s.shape, s.tp_dim, s.expert, s.shared_name) for s in specs}
     problems = []
     for name in sorted(set(built) | set(planned)):
         if built.get(name) != planned.get(name):
             problems.append(f"rank {rank} {name}: built {built.get(name)} != planned {planned.get(name)}")
     n_built = sum(p.numel() for p in params)
     bytes_built = sum(p.numel() * p.element_size() for p in params)
-    plan_bytes = state_bytes(stage_tensors(cfg, layout.tp, layout.ep, coords.pp))
+    plan_bytes = stage_state_bytes(plan, coords.pp)
     n_planned = plan_bytes["params"] // 4
     if n_built != n_planned or bytes_built != plan_bytes["params"]:
         problems.append(f"rank {rank}: built {n_built} parameters / {bytes_built} B, planned {n_planned} / "
                         f"{plan_bytes['params']} B")
     planned_buckets = defaultdict(int)
-    for s in stage_tensors(cfg, layout.tp, layout.ep, coords.pp):
-        if _group_size(s, layout) > 1:
-            planned_buckets[_kind(s.logical, s.shared_stages, s.expert)] += s.numel * 4
+    for s in specs:
+        reduction = plan.reduction(s.logical, s.expert)
+        if _group_size(reduction, layout) > 1:
+            planned_buckets[reduction.kind] += s.numel * 4
     if dict(buckets) != dict(planned_buckets):
         problems.append(f"rank {rank}: gradient-sync bytes per group built {dict(buckets)} != planned "
                         f"{dict(planned_buckets)}")
@@ -182,27 +182,16 @@ def verify_rank(cfg: Config, world_size: int, rank: int) -> dict:
             "build_seconds": seconds, "problems": problems, "specs": built}
 
 
-def _kind(logical: str, shared_stages, expert: bool) -> str:
-    """The planner's name of the group a gradient is reduced over."""
-    from megatron_p2r.model.m6 import WORD_EMBEDDING
-    if shared_stages:
-        return "embedding" if logical == WORD_EMBEDDING else "sharing"
-    return "expert_dp" if expert else "dp"
-
-
-def _group_size(s, layout) -> int:
-    over = layout.expert_dp if s.expert else layout.dp
-    return over * (len(s.shared_stages) if s.shared_stages else 1)
+def _group_size(reduction, layout) -> int:
+    over = layout.expert_dp if reduction.over == "expert_dp" else layout.dp
+    return over * max(len(reduction.stages), 1)
 
 
 def verify_all_ranks(cfg: Config, world_size: int) -> dict:
     """Verify one rank per pipeline stage (and a second rank of the stage with other TP/DP
     coordinates: same shapes), then add up the logical slices every rank holds."""
-    from megatron_p2r.parallel.state import Layout
-    from megatron_p2r.planning import logical_parameter_count
-    p = cfg.parallel
-    layout = Layout.from_world(world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                               p.expert_model_parallel_size)
+    plan = ParallelPlan.for_world(cfg, world_size)
+    layout = plan.layout
     results, problems, covered = [], [], {}
     for stage in range(layout.pp):
         first = verify_rank(cfg, world_size, layout.rank(0, 0, stage))
@@ -215,14 +204,14 @@ def verify_all_ranks(cfg: Config, world_size: int) -> dict:
         for d in range(layout.dp):
             for t in range(layout.tp):
                 c = layout.coords(layout.rank(t, d, stage))
-                for name, shape, tp_dim, expert, _, shared_name in first["specs"].values():
+                for name, shape, tp_dim, expert, shared_name in first["specs"].values():
                     key = (shared_name or name, t if tp_dim is not None else None, c.ep if expert else None)
                     numel = 1
                     for x in shape:
                         numel *= x
                     covered[key] = numel
     total = sum(covered.values())
-    expected = logical_parameter_count(cfg)
+    expected = logical_parameter_count(plan)
     if total != expected:
         problems.append(f"all ranks together hold {total} distinct logical parameters, the model has {expected}")
     per_rank = sum(r["parameters"] for r in results[::2]) * layout.tp * layout.dp

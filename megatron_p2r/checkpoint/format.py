@@ -28,7 +28,6 @@ Nothing is ever unpickled.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import struct
@@ -37,6 +36,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_p2r.config import Config
+from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.parallel.sharding import expert_key
 
 FORMAT_VERSION = 1
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -180,10 +181,10 @@ class ShardLayout:
 
     @classmethod
     def of(cls, cfg: Config) -> "ShardLayout":
-        from megatron_p2r.model.m6 import stage_ranges
         p = cfg.parallel
         return cls(tp=p.tensor_model_parallel_size, ep=p.expert_model_parallel_size,
-                   stage_layers=tuple((r.start, r.stop) for r in stage_ranges(cfg)),
+                   stage_layers=tuple((st.layers.start, st.layers.stop)
+                                      for st in ParallelPlan.model_parallel(cfg).stages),
                    num_experts=cfg.model.num_experts or 0)
 
     def to_json(self) -> dict:
@@ -218,51 +219,30 @@ def _module_key(name: str) -> Optional[int]:
 
 
 def tensor_table(cfg: Config) -> Dict[str, TensorInfo]:
-    """Every piece of the model ``cfg`` describes, in file order (stage by stage).
-
-    Built from the model code itself (one meta-device build per stage), so the table cannot
-    drift from what training holds.
-    """
-    return dict(_tensor_table(_table_fingerprint(cfg)))
-
-
-def _table_fingerprint(cfg: Config) -> str:
-    return json.dumps({"model": dataclasses.asdict(cfg.model), "parallel": dataclasses.asdict(cfg.parallel),
-                       "p2r": dataclasses.asdict(cfg.p2r)}, sort_keys=True)
-
-
-@functools.lru_cache(maxsize=16)
-def _tensor_table(fingerprint: str) -> Tuple[Tuple[str, TensorInfo], ...]:
-    from megatron_p2r.model.m6 import build_model, model_layer_keys
-    from megatron_p2r.parallel.sharding import expert_key, global_shape, logical_name
-    from megatron_p2r.parallel.state import Layout, ParallelState
-    cfg = Config.from_dict(json.loads(fingerprint))
-    p = cfg.parallel
-    tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
-    layout = Layout(tp=tp, pp=pp, dp=ep, ep=ep)
-    keys = model_layer_keys(cfg)
-    users: Dict[int, List[int]] = {}
-    for layer, k in enumerate(keys):
-        users.setdefault(k, []).append(layer)
+    """Every piece of the model ``cfg`` describes, in file order (stage by stage), from the
+    ParallelPlan's tensor table (checked against meta-device builds of the model)."""
+    plan = ParallelPlan.model_parallel(cfg)
+    tp, ep = plan.layout.tp, plan.layout.ep
+    users = plan.slot_users()
     table: Dict[str, TensorInfo] = {}
-    for stage in range(pp):
-        model = build_model(cfg, ParallelState(layout=layout, rank=layout.rank(0, 0, stage)), meta=True)
-        for name, param in model.named_parameters():
-            logical = logical_name(name, param)
+    for stage in range(len(plan.stages)):
+        for spec in plan.tensors(stage):
+            logical = spec.logical
             mk = _module_key(logical)
-            common = dict(param=logical, dtype=_DTYPES[param.dtype], stage=stage, module_key=mk,
-                          layers=tuple(users.get(mk, ())) if mk is not None else ())
-            shape = global_shape(param, tp, ep)
-            tp_dim = getattr(param, "tp_dim", None)
-            if getattr(param, "expert", False):
-                for e in range(shape[0]):
+            common = dict(param=logical, dtype="F32", stage=stage, module_key=mk,
+                          layers=users.get(mk, ()) if mk is not None else ())
+            shape = list(spec.shape)
+            if spec.tp_dim is not None:
+                shape[spec.tp_dim] *= tp
+            if spec.expert:
+                for e in range(shape[0] * ep):
                     key = expert_key(logical, e)
                     if key not in table:
                         table[key] = TensorInfo(key=key, shape=tuple(shape[1:]), expert=e,
-                                                tp_dim=None if tp_dim is None else tp_dim - 1, **common)
+                                                tp_dim=None if spec.tp_dim is None else spec.tp_dim - 1, **common)
             elif logical not in table:
-                table[logical] = TensorInfo(key=logical, shape=tuple(shape), expert=None, tp_dim=tp_dim, **common)
-    return tuple(table.items())
+                table[logical] = TensorInfo(key=logical, shape=tuple(shape), expert=None, tp_dim=spec.tp_dim, **common)
+    return table
 
 
 def file_entries(table: Dict[str, TensorInfo], layout: ShardLayout, kinds: Sequence[str]) -> Dict[str, list]:

@@ -28,8 +28,7 @@ from megatron_p2r.checkpoint.format import (
     shard_header_metadata, tensor_table, write_metadata, write_text_atomic)
 from megatron_p2r import reliability
 from megatron_p2r.config import Config
-from megatron_p2r.model.m6 import model_layer_keys
-from megatron_p2r.p2r.sharing import effective_pattern
+from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.sharding import expert_key, local_experts, logical_name
 from megatron_p2r.parallel.state import Layout, ParallelState
@@ -57,8 +56,8 @@ def rank_pieces(model: torch.nn.Module, ps: ParallelState,
 
 
 def _p2r_json(cfg: Config) -> dict:
-    return {"phase": cfg.p2r.p2r_phase, "share_pattern": effective_pattern(cfg.p2r.p2r_phase, cfg.p2r.share_pattern),
-            "layer_module_keys": model_layer_keys(cfg)}
+    plan = ParallelPlan.model_parallel(cfg)
+    return {"phase": plan.phase, "share_pattern": plan.share_pattern, "layer_module_keys": list(plan.layer_keys)}
 
 
 def build_metadata(cfg: Config, table: Dict[str, TensorInfo], *, iteration: int, consumed_samples: int,
@@ -240,7 +239,7 @@ def check_compatible(meta: dict, cfg: Config, iter_dir: str, load_dir: str) -> N
     if phase != run_phase:
         raise CheckpointError(f"{where}: p2r.phase is {phase!r}, this run is --p2r-phase {run_phase}; "
                               "a real checkpoint cannot be loaded into a pseudo-phase run")
-    if meta["p2r"]["layer_module_keys"] != model_layer_keys(cfg):
+    if tuple(meta["p2r"]["layer_module_keys"]) != ParallelPlan.model_parallel(cfg).layer_keys:
         raise CheckpointError(f"{where}: p2r.share_pattern is {meta['p2r']['share_pattern']!r}, this run has "
                               f"--share-pattern {cfg.p2r.share_pattern!r}; the layer->slot maps differ")
     if saved_layout.to_json() != run_layout.to_json():

@@ -1,6 +1,6 @@
 """The offload section and its flags' syntax: --cpu-offload-layers, --cpu-offload-what and
 --device-memory-budget are parsed here, so a bad value fails at validation and
-``optim/offload.py`` (selection, accounting, the runtime) reads the parsed forms."""
+``layout/offload.py`` (selection, accounting) and ``megatron_p2r/offload`` (the runtime) read the parsed forms."""
 from __future__ import annotations
 
 import re

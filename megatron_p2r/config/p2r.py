@@ -1,6 +1,6 @@
 """The Pseudo-to-Real section: the phase and the share pattern's syntax.
 
-Which slot each layer uses is ``p2r/sharing.py``; the pattern is parsed here so a bad one
+Which slot each layer uses is ``layout/sharing.py``; the pattern is parsed here so a bad one
 fails at validation, before any model code runs.
 """
 from __future__ import annotations

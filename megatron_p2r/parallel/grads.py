@@ -1,9 +1,9 @@
 """Gradient synchronisation after backward, and the global gradient norm.
 
-Per parameter, after the schedule has accumulated this rank's micro-batch gradients:
+Per parameter, after the schedule has accumulated this rank's micro-batch gradients, as the
+``ParallelPlan``'s ``Reduction`` of the parameter says:
 - replicas held by several pipeline stages (the tied embedding on the first and last stage,
-  a pseudo-phase slot used on several stages; attribute ``shared_stages``) are **summed**
-  over those stages;
+  a pseudo-phase slot used on several stages) are **summed** over those stages;
 - then averaged over the data-parallel group — expert weights all-reduced over the expert-dp
   group but divided by the whole DP size: with EP, an expert's owner already holds the sum of
   the gradients its EP peers' tokens sent it, so the mean over all DP ranks' losses is
@@ -17,39 +17,37 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, List, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_p2r.layout.plan import ParallelPlan, Reduction
+from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import ParallelState
 
-
-def sync_group(p: nn.Parameter, ps: ParallelState) -> Tuple[Optional[dist.ProcessGroup], int]:
-    """(group to all-reduce over, divisor) for one parameter."""
-    stages = getattr(p, "shared_stages", None)
-    if getattr(p, "expert", False):
-        if stages:
-            return ps.stage_subgroup(stages, over="expert_dp"), ps.dp_size
-        return ps.group("expert_dp"), ps.dp_size
-    if stages:
-        return ps.stage_subgroup(stages, over="dp"), ps.dp_size
-    return ps.group("dp"), ps.dp_size
+NamedParams = Iterable[Tuple[str, nn.Parameter]]
 
 
-def finalize_grads(params: Iterable[nn.Parameter], ps: ParallelState) -> None:
+def reduction_of(plan: ParallelPlan, name: str, p: nn.Parameter) -> Reduction:
+    """The plan's reduction of parameter ``name`` (its module path)."""
+    return plan.reduction(logical_name(name, p), getattr(p, "expert", False))
+
+
+def finalize_grads(named_params: NamedParams, plan: ParallelPlan, ps: ParallelState) -> None:
     """Sum replicas over stages and average over data parallelism, one bucket per group."""
     buckets = defaultdict(list)
-    for p in params:
+    divisor = ps.dp_size
+    for name, p in named_params:
         if p.grad is None:  # e.g. an expert that received no token: still join the collective
             p.grad = torch.zeros_like(p)
-        group, divisor = sync_group(p, ps)
+        group = ps.reduction_group(reduction_of(plan, name, p))
         if group is not None:
-            buckets[(id(group), divisor, p.grad.device)].append((group, p))
+            buckets[(id(group), p.grad.device)].append((group, p))
         elif divisor != 1:
             p.grad.div_(divisor)
-    for (_, divisor, _), members in buckets.items():
+    for members in buckets.values():
         group = members[0][0]
         grads = [p.grad for _, p in members]
         # host-resident (offloaded) gradients travel through the device: NCCL reduces device tensors
@@ -62,33 +60,20 @@ def finalize_grads(params: Iterable[nn.Parameter], ps: ParallelState) -> None:
             offset += g.numel()
 
 
-def counts_for_norm(p: nn.Parameter, ps: ParallelState) -> bool:
-    """Whether this rank's copy of ``p`` is the one that counts in the global norm.
-
-    Every logical element must be counted exactly once: replicated-over-TP tensors on TP rank
-    0 only, stage replicas on their first stage only, data-parallel replicas on dp (or
-    expert-dp) rank 0 only.
-    """
-    if getattr(p, "tp_dim", None) is None and ps.tp_rank != 0:
-        return False
-    stages = getattr(p, "shared_stages", None)
-    if stages and ps.pp_rank != min(stages):
-        return False
-    return (ps.expert_dp_rank if getattr(p, "expert", False) else ps.dp_rank) == 0
-
-
-def grad_norm_and_non_finite(params: List[nn.Parameter], ps: ParallelState) -> Tuple[float, bool]:
+def grad_norm_and_non_finite(named_params: NamedParams, plan: ParallelPlan, ps: ParallelState) -> Tuple[float, bool]:
     """(global L2 norm of the gradient, whether any rank has an inf/nan in it).
 
     One ``_foreach_norm`` over local gradients and one all-reduce of two scalars: the sum of
     squares of the owned gradients and a non-finite flag, so every rank takes the same
     skip decision. A non-finite value anywhere makes its tensor's norm non-finite.
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    with_grad = [(name, p) for name, p in named_params if p.grad is not None]
     stats = torch.zeros(2, device=ps.device, dtype=torch.float32)
-    if grads:
-        norms = torch.stack([n.to(stats.device) for n in torch._foreach_norm(grads)]).float()  # host grads too
-        owned = torch.tensor([counts_for_norm(p, ps) for p in params if p.grad is not None], device=norms.device)
+    if with_grad:
+        norms = torch.stack([n.to(stats.device) for n in torch._foreach_norm([p.grad for _, p in with_grad])]).float()
+        owned = torch.tensor([plan.counts_in_norm(logical_name(name, p), getattr(p, "tp_dim", None),
+                                                  getattr(p, "expert", False), ps.coords)
+                              for name, p in with_grad], device=norms.device)
         stats[0] = norms[owned].pow(2).sum()
         stats[1] = (~torch.isfinite(norms)).any().float()
     if ps.layout.world_size > 1:

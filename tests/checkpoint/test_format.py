@@ -8,7 +8,7 @@ from safetensors import safe_open
 
 from megatron_p2r.checkpoint.format import (
     CheckpointError, ShardLayout, ShardReader, ShardWriter, entry_name, file_entries, tensor_table)
-from megatron_p2r.model.m6 import WORD_EMBEDDING
+from megatron_p2r.layout.tensors import WORD_EMBEDDING
 from tests.helpers import tiny_config
 
 TENSORS = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64), "c": torch.tensor(2.5),

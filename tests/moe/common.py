@@ -12,12 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron_p2r.config import ModelConfig
+from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.moe import aux_loss
 from megatron_p2r.moe.layer import MoELayer
 from megatron_p2r.parallel.grads import finalize_grads
 from megatron_p2r.parallel.sharding import global_shape, init_parameters
 from megatron_p2r.parallel.state import ParallelState
-from tests.helpers import expected_shard
+from tests.helpers import expected_shard, tiny_config
 
 HIDDEN = 32
 
@@ -85,8 +86,14 @@ def run_layer(layer: MoELayer, inputs: List[tuple], ps: ParallelState, finalize:
         (out * g).sum().div(len(inputs)).backward()
         outs.append(out.detach())
     if finalize:
-        finalize_grads(list(layer.parameters()), ps)
+        finalize_layer_grads(layer, ps)
     return outs, {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+def finalize_layer_grads(layer: MoELayer, ps: ParallelState) -> None:
+    """``finalize_grads`` for a bare layer: no stage holds a replica of it, so every parameter
+    reduces over DP or expert-DP, as any plan of ``ps.layout`` says."""
+    finalize_grads(layer.named_parameters(), ParallelPlan.build(tiny_config(), ps.layout), ps)
 
 
 # ----------------------------------------------------------------------------- references

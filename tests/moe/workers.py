@@ -13,12 +13,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_p2r.parallel.grads import finalize_grads
 from megatron_p2r.parallel.state import Layout, ParallelState
 from megatron_p2r.training import pretrain
 from tests.helpers import expected_shard
-from tests.moe.common import (bias_router_towards, build_layer, force_first_experts, layer_cfg, layer_inputs,
-                              random_biases, run_layer)
+from tests.moe.common import (bias_router_towards, build_layer, finalize_layer_grads, force_first_experts, layer_cfg,
+                              layer_inputs, random_biases, run_layer)
 from tests.pipeline.common import make_cfg, make_state
 from tests.pipeline.workers import equivalence_cases, train_replicas
 
@@ -43,7 +42,7 @@ def layer_case(ps: ParallelState, overrides: dict, modify=None, transform=None, 
     received = []
     layer.experts.register_forward_pre_hook(lambda mod, args: received.append(sum(args[1])))
     outs, raw = run_layer(layer, mine, ps, finalize=False)
-    finalize_grads(list(layer.parameters()), ps)
+    finalize_layer_grads(layer, ps)
 
     ref_layer = build_layer(cfg, ParallelState.single(), modify=modify)
     ref_outs, ref_grads = run_layer(ref_layer, inputs, ParallelState.single(), finalize=False)

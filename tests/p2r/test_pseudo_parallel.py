@@ -28,24 +28,24 @@ CASES = {  # name: (tp, pp, pattern, schedule, overrides) on 4 ranks (DP fills t
 }
 
 
-def _checksums(model) -> dict:
+def _checksums(model, plan) -> dict:
     return {logical_name(n, p): hashlib.sha256(p.detach().numpy().tobytes()).hexdigest()
-            for n, p in model.named_parameters() if getattr(p, "shared_stages", None)}
+            for n, p in model.named_parameters() if plan.replica_stages(logical_name(n, p))}
 
 
 def _pseudo_rank(rank, world):
     out = {}
     for name, (tp, pp, pattern, schedule, overrides) in CASES.items():
         cfg = make_cfg(tp=tp, pp=pp, p2r_phase="pseudo", share_pattern=pattern, **overrides)
-        ps = setup_parallel(cfg, torch.device("cpu"))
+        ps, _ = setup_parallel(cfg, torch.device("cpu"))
         case = compare_case(cfg, ps.layout, ps, schedule, n_micro=3)
         out[name] = {"loss_err": case["loss_err"], "grad_err": case["grad_err"], "names": case["names"]}
     # Replicas after 5 optimizer steps: gather every rank's checksums of stage-shared tensors.
     cfg = make_cfg(tp=1, pp=2, p2r_phase="pseudo", share_pattern="all", global_batch_size=8)
-    ps = setup_parallel(cfg, torch.device("cpu"))
+    ps, plan = setup_parallel(cfg, torch.device("cpu"))
     _, state = run_steps(cfg, ps, 5)
     sums = [None] * world
-    dist.all_gather_object(sums, (ps.pp_rank, ps.dp_rank, _checksums(state.model)))
+    dist.all_gather_object(sums, (ps.pp_rank, ps.dp_rank, _checksums(state.model, plan)))
     out["replicas"] = sums
     return out
 

@@ -27,7 +27,7 @@ def _tp_equivalence(rank, world):
     out = {}
     for variant, overrides in VARIANTS.items():
         cfg = tiny_config(tensor_model_parallel_size=world, global_batch_size=4, **overrides)
-        ps = setup_parallel(cfg, torch.device("cpu"))
+        ps, _ = setup_parallel(cfg, torch.device("cpu"))
         mbs = random_microbatches(cfg, 2, 2)
         ref_loss, ref_grads = reference_grads(cfg, mbs)
         model = build_model(cfg, ps)
@@ -43,7 +43,7 @@ def _tp_equivalence(rank, world):
 def _dropout_consistency(world):
     """Replicated activations get identical dropout masks on TP peers; split ones do not."""
     cfg = tiny_config(tensor_model_parallel_size=world, hidden_dropout=0.3, attention_dropout=0.3)
-    ps = setup_parallel(cfg, torch.device("cpu"))
+    ps, _ = setup_parallel(cfg, torch.device("cpu"))
     model = build_model(cfg, ps)
     captured = {}
     model.final_norm.register_forward_hook(lambda m, inp, out: captured.setdefault("x", inp[0].detach()))

@@ -10,6 +10,7 @@ from typing import List, Optional
 
 import torch
 
+from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.grads import finalize_grads
 from megatron_p2r.parallel.sharding import logical_name
@@ -54,12 +55,13 @@ def reference(cfg, microbatches: List[dict], dtype: Optional[torch.dtype] = None
 def pipelined_step(cfg, ps: ParallelState, microbatches: List[dict], schedule: str,
                    dtype: Optional[torch.dtype] = None, stats: Optional[dict] = None):
     """One forward/backward + finalize_grads on this rank's stage; (model, DP-mean loss)."""
-    model = build_model(cfg, ps)
+    plan = ParallelPlan.build(cfg, ps.layout)
+    model = build_model(cfg, ps, plan)
     fb = get_forward_backward_func(ps, schedule)
     loss = fb(model, microbatches, ps, loss_scale=1.0, dtype=dtype, stats=stats)
     if ps.is_last_stage and loss is None:
         raise AssertionError("the last stage must return the loss")
-    finalize_grads(list(model.parameters()), ps)
+    finalize_grads(model.named_parameters(), plan, ps)
     return model, reduce_loss(loss, ps)
 
 

@@ -12,7 +12,8 @@ import traceback
 
 import torch
 
-from megatron_p2r.model.m6 import WORD_EMBEDDING, build_model
+from megatron_p2r.layout.tensors import WORD_EMBEDDING
+from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import Layout, ParallelState
 from megatron_p2r.pipeline.p2p import StageLink

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from megatron_p2r.config import ConfigError, parse_share_pattern
+from megatron_p2r.layout.sharing import layer_module_keys, layer_to_slot, slot_to_layers, stages_using_slot
 from megatron_p2r.model.m6 import build_model
-from megatron_p2r.p2r.sharing import layer_module_keys, layer_to_slot, slot_to_layers, stages_using_slot
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.pipeline.schedules import forward_backward_no_pipelining
 from tests.helpers import random_microbatches, tiny_config

@@ -1,5 +1,5 @@
-"""Granular CPU offload (optim/offload.py, flags parsed in config/offload.py): the flags, which
-layers are chosen, and that training with any offload spec is the training without it.
+"""Granular CPU offload (megatron_p2r/offload, layout/offload.py): the flags, which layers are
+chosen, where the tensors live, and that training with any offload spec is the training without it.
 
 Numerics: every case trains the same config with and without offload on the same layout and
 compares losses and weights. On CPU the offloaded path runs exactly the same fp32 kernels on
@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from megatron_p2r.config import OPTIMIZER_ONLY, ConfigError, LayerSpec, parse_memory_size, validate
+from megatron_p2r.layout import offload as off
+from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.layout.ranks import Layout
 from megatron_p2r.model.m6 import build_model
-from megatron_p2r.optim import offload as off
 from megatron_p2r.parallel.random import seed_everything
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.testing import run_distributed
@@ -49,7 +51,8 @@ def compare(kw: dict, spec: str, ps: ParallelState, steps: int = 2, prefetch: in
     moments_apart = all(state.optimizer.state[p]["exp_avg"].untyped_storage().data_ptr()
                         != p.untyped_storage().data_ptr() for p in state.model.parameters())
     return {"losses": losses, "ref_losses": ref_losses, "weight_err": weight_err, "keys": man.keys,
-            "weights_fetched": bool(man.model.layer_runners), "on_device": on_device, "moments_apart": moments_apart,
+            "weights_fetched": any(getattr(c, "func", None) == man.run_layer for c in man.model.layer_calls),
+            "on_device": on_device, "moments_apart": moments_apart,
             "peak": dict(man.stats["peak_live"]), "fetches": dict(man.stats["fetches"]),
             "live_after": man.stats["live"], "host_opt_exact": host_ids == man.offloaded_param_ids,
             "names_same": sorted(n for n, _ in state.model.named_parameters()) == sorted(ref_params)}
@@ -124,6 +127,55 @@ def test_forward_only_releases_copies_and_matches():
     assert state.offload.stats["fetches"]["backward"] == 0
 
 
+class _LinearWeights(torch.overrides.TorchFunctionMode):
+    """Records the storage and size of every weight a linear layer computes with."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            w = args[1] if len(args) > 1 else kwargs["weight"]
+            self.used.append((w.untyped_storage().data_ptr(), w.numel()))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("what", ["params,grads,optimizer", "optimizer"])
+def test_offloaded_layers_compute_on_separate_copies_and_keep_host_moments(what):
+    """Where tensors live, checked on CPU where "host" and "device" are one memory: an offloaded
+    layer's parameters (the host masters) are never what its matmuls read — the forward reads
+    separate copies of the same sizes and backward fetches again to recompute — while resident
+    layers compute on their parameters in place. With only the optimizer offloaded, the layers
+    compute on their parameters. Either way the host optimizer owns exactly the offloaded layers."""
+    state = build_train_state(_cfg(cpu_offload_layers="2", offload_prefetch=0, cpu_offload_what=what),
+                              ParallelState.single())
+    model = state.model
+    params = {k: {p.untyped_storage().data_ptr(): p.numel() for n, p in model.layers[str(k)].named_parameters()
+                  if n.endswith(".weight") and p.dim() == 2} for k in (0, 1, 2, 3)}
+    mode = _LinearWeights()
+    with mode:  # the forward (autograd's backward runs outside a thread-local mode)
+        loss = model(**{k: v for k, v in random_microbatches(state.cfg, 1, 2)[0].items() if k != "loss_mask"})
+    loss.mean().backward()
+    all_params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    used = {ptr for ptr, _ in mode.used}
+    copies = sorted(n for ptr, n in mode.used if ptr not in all_params)
+    for k in (0, 1):  # resident: the parameters themselves
+        assert set(params[k]) <= used, k
+    offloaded_sizes = sorted(n for k in (2, 3) for n in params[k].values())
+    if "params" in what:  # the forward reads its own copy of every weight, of the weight's size
+        assert not set(params[2]) & used and not set(params[3]) & used
+        assert copies == offloaded_sizes
+        assert state.offload.stats["fetches"] == {"forward": 2, "backward": 2}  # recomputation fetched again
+    else:                  # only the moments live on host: the layers compute on their parameters
+        assert set(params[2]) | set(params[3]) <= used and copies == []
+    host = state.optimizer.host_opt
+    owned = {id(p) for g in host.param_groups for p in g["params"]}
+    assert owned == {id(p) for k in (2, 3) for p in model.layers[str(k)].parameters()}
+    assert state.offload.stats["live"] == 0  # no copy outlives the step
+
+
 def test_optimizer_state_dict_round_trip_covers_both_optimizers():
     _, state = run_steps(_cfg(cpu_offload_layers="0.5"), ParallelState.single(), 1)
     opt = state.optimizer
@@ -150,8 +202,9 @@ def test_optimizer_state_dict_round_trip_covers_both_optimizers():
 
 def test_auto_offloads_fewest_last_layers_that_fit():
     cfg = _cfg(cpu_offload_layers="auto", device_memory_budget="1GiB", offload_prefetch=1)
-    meta = build_model(cfg, ParallelState.single(), meta=True)
-    total, per_module = off.module_bytes_of(meta)
+    plan = ParallelPlan.build(cfg, Layout())
+    total = off.state_bytes(sum(s.numel for s in plan.tensors(0)))
+    per_module = {k: off.state_bytes(n) for k, n in plan.module_numel(0).items()}
     need_two = sum(off.memory_plan(total, per_module, [3, 2], 1)["device"].values())
     assert off.choose_auto(total, per_module, [3, 2, 1, 0], 1, need_two, "rank 0", "x") == [3, 2]
     assert off.choose_auto(total, per_module, [3, 2, 1, 0], 1, need_two - 1, "rank 0", "x") == [3, 2, 1]
@@ -179,7 +232,7 @@ def test_auto_with_sharing_counts_a_slot_once():
 
 
 def test_impossible_budget_is_a_clear_error():
-    with pytest.raises(ConfigError, match=r"--device-memory-budget 10KiB .* cannot be met on rank 0 \(stage 0"):
+    with pytest.raises(ConfigError, match=r"--device-memory-budget 10KiB .* cannot be met on stage 0"):
         build_train_state(_cfg(cpu_offload_layers="auto", device_memory_budget="10KiB"), ParallelState.single())
 
 
@@ -250,7 +303,7 @@ CASES = [  # label, layout and model flags, offload spec, what is offloaded
 def _parallel_cases(rank, world):
     out = {}
     for label, kw, spec, what in CASES:
-        ps = setup_parallel(_cfg(**kw), torch.device("cpu"))
+        ps, _ = setup_parallel(_cfg(**kw), torch.device("cpu"))
         out[label] = compare(kw, spec, ps, what=what)
     return out
 

@@ -1,7 +1,7 @@
-"""Rank arithmetic of parallel/state.py, checked without processes for worlds 1..512."""
+"""Rank arithmetic of layout/ranks.py, checked without processes for worlds 1..512."""
 import pytest
 
-from megatron_p2r.parallel.state import GROUP_KINDS, Layout, stage_set_groups
+from megatron_p2r.layout.ranks import GROUP_KINDS, Layout, stage_set_groups
 
 
 @pytest.mark.parametrize("world,tp,pp,ep", [(1, 1, 1, 1), (8, 2, 2, 1), (8, 2, 1, 2), (16, 2, 2, 2),

@@ -1,0 +1,99 @@
+"""Granular CPU offload: which layer modules of a stage live on host, and the bytes that moves.
+
+Pure selection and accounting over the tensor table, so the ParallelPlan decides once and the
+runtime (``megatron_p2r.offload``), the planner and the logs all report the same choice. Which
+layers, per ``--cpu-offload-layers``: a count N (the last N layers of each stage), a fraction,
+a list of global layer indices, or ``auto`` with ``--device-memory-budget`` (the fewest
+layers, last ones of the stage first, whose offload makes the stage's accounted device bytes
+fit). A pseudo-phase slot is one module and is offloaded (and accounted) once.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Sequence
+
+from megatron_p2r.config import (FULL, WHAT_ITEMS, ConfigError, LayerSpec, OffloadConfig, parse_layer_spec,
+                                 parse_memory_size, parse_offload_what)
+
+PARAM_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8   # fp32 master weight, fp32 grad, exp_avg + exp_avg_sq
+CATEGORIES = WHAT_ITEMS                          # the accounted categories are what can be offloaded
+
+
+def state_bytes(numel: int) -> Dict[str, int]:
+    """Bytes of parameters, gradients and AdamW moments of ``numel`` parameters."""
+    return {"params": PARAM_BYTES * numel, "grads": GRAD_BYTES * numel, "optimizer": ADAM_BYTES * numel}
+
+
+def last_first(layer_keys: Sequence[int]) -> List[int]:
+    """A stage's module keys, the one used last first (the order ``auto`` offloads in)."""
+    return list(dict.fromkeys(reversed(list(layer_keys))))
+
+
+def select_modules(spec: LayerSpec, layer_keys: Sequence[int], layer_range: range) -> List[int]:
+    """Module keys to offload on a stage for a count / fraction / list spec (in order of use)."""
+    if spec.kind == "count":
+        n = min(spec.count, len(layer_keys))
+    elif spec.kind == "fraction":
+        n = int(math.floor(spec.fraction * len(layer_keys) + 0.5))
+    elif spec.kind == "list":
+        wanted = {layer_keys[i - layer_range.start] for i in spec.layers if i in layer_range}
+        return [k for k in dict.fromkeys(layer_keys) if k in wanted]
+    else:
+        raise ValueError(f"select_modules does not handle {spec.kind!r}")
+    chosen = set(layer_keys[len(layer_keys) - n:]) if n else set()
+    return [k for k in dict.fromkeys(layer_keys) if k in chosen]
+
+
+def memory_plan(total: Dict[str, int], module_bytes: Dict[int, Dict[str, int]], offloaded: Sequence[int],
+                prefetch: int, what: frozenset = FULL) -> Dict[str, Dict[str, int]]:
+    """Accounted bytes on device and host when the ``what`` categories of ``offloaded`` modules
+    live on host.
+
+    With weights on host the device also holds the fetch window: (prefetch + 2) copies of the
+    largest offloaded module's weights — the one in use, ``prefetch`` fetched ahead, and its
+    gradient before it goes to host.
+    """
+    host = {c: sum(module_bytes[k][c] for k in offloaded) if c in what else 0 for c in CATEGORIES}
+    device = {c: total[c] - host[c] for c in CATEGORIES}
+    largest = max((module_bytes[k]["params"] for k in offloaded), default=0)
+    device["fetch_window"] = (prefetch + 2) * largest if "params" in what else 0
+    return {"device": device, "host": host}
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def choose_auto(total: Dict[str, int], module_bytes: Dict[int, Dict[str, int]], candidates: Sequence[int],
+                prefetch: int, budget: int, where: str, budget_text: str, what: frozenset = FULL) -> List[int]:
+    """The fewest ``candidates`` (taken in order) whose offload makes the device bytes fit ``budget``."""
+    best = None
+    for k in range(len(candidates) + 1):
+        plan = memory_plan(total, module_bytes, candidates[:k], prefetch, what)
+        need = sum(plan["device"].values())
+        if need <= budget:
+            return list(candidates[:k])
+        best = need if best is None else min(best, need)
+    raise ConfigError(f"--device-memory-budget {budget_text} ({format_bytes(budget)}) cannot be met on {where}: "
+                      f"even with all its {len(candidates)} layer modules offloaded it needs {format_bytes(best)} "
+                      f"of parameters, gradients and optimizer state on the device (--cpu-offload-what "
+                      f"{','.join(sorted(what))}; embedding, output layer and final norm stay, and with weights on "
+                      f"host the fetch window of --offload-prefetch {prefetch} + 2 layers); raise the budget or use "
+                      f"more pipeline/tensor parallelism")
+
+
+def choose_offloaded(o: OffloadConfig, num_layers: int, layer_keys: Sequence[int], layer_range: range,
+                     total: Dict[str, int], module_bytes: Dict[int, Dict[str, int]], where: str) -> List[int]:
+    """The module keys of one stage that ``--cpu-offload-layers`` puts on host (in order of use)."""
+    if o.cpu_offload_layers is None:
+        return []
+    spec = parse_layer_spec(o.cpu_offload_layers, num_layers)
+    if spec.kind != "auto":
+        return select_modules(spec, layer_keys, layer_range)
+    picked = choose_auto(total, module_bytes, last_first(layer_keys), o.offload_prefetch,
+                         parse_memory_size(o.device_memory_budget), where, o.device_memory_budget,
+                         parse_offload_what(o.cpu_offload_what))
+    return [k for k in dict.fromkeys(layer_keys) if k in picked]

@@ -1,0 +1,195 @@
+"""The planner's estimate of a whole run: per-stage memory, communication and time, whether it
+fits, and days for a token budget (``tools/plan.py`` prints it)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from megatron_p2r.config import Config, global_batch_size, num_microbatches
+from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.layout.ranks import Layout
+from megatron_p2r.metrics import model_flops_per_token
+from megatron_p2r.planning.activations import activation_memory
+from megatron_p2r.planning.communication import communication
+from megatron_p2r.planning.hardware import GiB, GPUSpec
+from megatron_p2r.planning.memory import expert_parameter_count, logical_parameter_count, offload_plan
+from megatron_p2r.planning.timing import link_time, stage_flops_per_microbatch
+
+DEVICE_ORDER = ("reserve", "params", "optimizer", "grads", "fetch_window", "compute_weights", "activations",
+                "transient")
+
+
+@dataclass
+class StageEstimate:
+    stage: int
+    ranks: str
+    parameters: int
+    tensors: int
+    device: Dict[str, int]
+    host: Dict[str, int]
+    offloaded_layers: List[int]
+    offloaded_what: str
+    activations_no_recompute: int
+    activations_recompute: int
+    in_flight: int
+    comm_bytes: Dict[str, float]
+    time_s: Dict[str, float]
+    device_total: int = 0
+    fits: bool = True
+    overflow: Optional[str] = None
+
+
+@dataclass
+class Plan:
+    phase: str
+    world_size: int
+    layout: Dict[str, int]
+    gpu: Dict[str, object]
+    logical_parameters: int
+    expert_parameters: int
+    microbatches: int
+    global_batch: int
+    tokens_per_step: int
+    stages: List[StageEstimate]
+    step_time_s: float
+    step_breakdown_s: Dict[str, float]
+    model_flops_per_step: float
+    mfu: float
+    days: Optional[float]
+    token_budget: Optional[float]
+    host_per_node: int
+    host_capacity_per_node: Optional[int]
+    fits: bool
+    problems: List[str]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _rank_ranges(layout: Layout, stage: int) -> str:
+    ranks = [layout.rank(t, d, stage) for d in range(layout.dp) for t in range(layout.tp)]
+    lo, hi = min(ranks), max(ranks)
+    return f"{lo}-{hi}" if hi - lo + 1 == len(ranks) else ",".join(map(str, sorted(ranks)))
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """What the estimate assumes beyond the config: see ``make_plan``."""
+
+    gpu: GPUSpec
+    efficiency: float = 0.4
+    host_optimizer_bw: float = 10e9
+    reserve: int = GiB
+
+
+def _peak_flops(cfg: Config, gpu: GPUSpec, problems: List[str]) -> float:
+    t = cfg.train
+    if not (t.bf16 or t.fp16):
+        return gpu.flops32
+    if t.bf16 and not gpu.bf16:
+        problems.append(f"{gpu.name} has no bf16 tensor cores: use --fp16 (the estimate assumes fp16 speed)")
+    return gpu.flops16
+
+
+def _overflow(device: Dict[str, int], memory: int) -> Optional[str]:
+    """The first category (in allocation order) at which the device's memory runs out."""
+    running = 0
+    for cat in DEVICE_ORDER:
+        running += device[cat]
+        if running > memory:
+            return cat
+    return None
+
+
+def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
+                    peak: float) -> Tuple[StageEstimate, float]:
+    """(the stage's estimate, its time per micro-batch)."""
+    gpu, layout = a.gpu, plan.layout
+    mbs = num_microbatches(cfg, layout.world_size)
+    specs = plan.tensors(stage)
+    off = offload_plan(cfg, plan, stage)
+    act = activation_memory(cfg, plan, stage, offloaded=off["recomputed"])
+    act_no = activation_memory(cfg, plan, stage, recompute=False, offloaded=off["recomputed"])
+    act_rc = activation_memory(cfg, plan, stage, recompute=True, offloaded=off["recomputed"])
+    device = {"reserve": a.reserve, **off["device"], "compute_weights": act["compute_weights"],
+              "activations": act["activations"], "transient": act["transient"]}
+    overflow = _overflow(device, gpu.memory)
+    comm = communication(cfg, plan, stage, gpu.gpus_per_node, off["recomputed"])
+    compute = stage_flops_per_microbatch(cfg, plan, stage, off["recomputed"]) / (peak * a.efficiency)
+    tp_t, ep_t, pp_t = (link_time(comm[k], gpu) / mbs for k in ("tp", "ep", "pp"))
+    transfer = off["moved_per_microbatch"] / gpu.host_bw
+    mb_time = max(compute + tp_t + ep_t, transfer) + pp_t
+    sync = sum(link_time(comm[k], gpu) for k in ("dp", "expert_dp", "embedding", "sharing"))
+    hosted = off["host_optimizer_params"]
+    opt = max(28 * (sum(s.numel for s in specs) - hosted) / gpu.hbm_bw,
+              28 * hosted / a.host_optimizer_bw + off["moved_per_step"] / gpu.host_bw)
+    est = StageEstimate(
+        stage=stage, ranks=_rank_ranges(layout, stage), parameters=sum(s.numel for s in specs),
+        tensors=len(specs), device=device, host=off["host"], offloaded_layers=off["layers"],
+        offloaded_what=off["what"],
+        activations_no_recompute=act_no["activations"] + act_no["compute_weights"] + act_no["transient"],
+        activations_recompute=act_rc["activations"] + act_rc["compute_weights"] + act_rc["transient"],
+        in_flight=act["in_flight"], comm_bytes={k: v.bytes for k, v in comm.items()},
+        time_s={"compute_per_microbatch": compute, "tp_per_microbatch": tp_t, "ep_per_microbatch": ep_t,
+                "pp_per_microbatch": pp_t, "offload_transfer_per_microbatch": transfer,
+                "grad_sync": sync, "optimizer": opt},
+        device_total=sum(device.values()), fits=overflow is None, overflow=overflow)
+    return est, mb_time
+
+
+def _overflow_problem(est: StageEstimate, layout: Layout, gpu: GPUSpec) -> str:
+    worst = max(est.device, key=est.device.get)
+    return (f"does not fit: rank {layout.rank(0, 0, est.stage)} (stage {est.stage}, ranks {est.ranks}) needs "
+            f"{est.device_total / GiB:.2f} GiB of {gpu.memory / GiB:.2f} GiB on {gpu.name}; it overflows at "
+            f"'{est.overflow}' (largest category: '{worst}', {est.device[worst] / GiB:.2f} GiB)")
+
+
+def _host_per_node(stages: List[StageEstimate], layout: Layout, gpus_per_node: int) -> int:
+    """The most offloaded bytes any node's GPUs keep in its host memory."""
+    worst = 0
+    for node in range(0, layout.world_size, gpus_per_node):
+        ranks = range(node, min(node + gpus_per_node, layout.world_size))
+        worst = max(worst, sum(sum(stages[layout.coords(r).pp].host.values()) for r in ranks))
+    return worst
+
+
+def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float = 0.4,
+              host_optimizer_bw: float = 10e9, token_budget: Optional[float] = None,
+              reserve: int = GiB, host_memory_per_gpu: Optional[int] = None) -> Plan:
+    """Plan every rank of ``cfg`` on ``world_size`` GPUs of kind ``gpu``.
+
+    ``efficiency``: fraction of the GPU's peak FLOP/s the matmuls reach; ``host_optimizer_bw``:
+    bytes/s of host memory one GPU's host-side AdamW streams (28 B per parameter);
+    ``reserve``: CUDA context, NCCL buffers and allocator slack per GPU.
+    """
+    plan = ParallelPlan.for_world(cfg, world_size)
+    layout, m = plan.layout, cfg.model
+    a = Assumptions(gpu=gpu, efficiency=efficiency, host_optimizer_bw=host_optimizer_bw, reserve=reserve)
+    problems: List[str] = []
+    peak = _peak_flops(cfg, gpu, problems)
+    estimates = [_stage_estimate(cfg, plan, stage, a, peak) for stage in range(layout.pp)]
+    stages = [est for est, _ in estimates]
+    problems += [_overflow_problem(est, layout, gpu) for est in stages if est.overflow]
+    mbs, gbs = num_microbatches(cfg, world_size), global_batch_size(cfg, world_size)
+    breakdown = {"pipeline": (mbs + layout.pp - 1) * max(t for _, t in estimates),
+                 "grad_sync": max(s.time_s["grad_sync"] for s in stages),
+                 "optimizer": max(s.time_s["optimizer"] for s in stages)}
+    step = sum(breakdown.values())
+    tokens = gbs * m.seq_length
+    model_flops = model_flops_per_token(m) * tokens
+    host_per_node = _host_per_node(stages, layout, gpu.gpus_per_node)
+    host_cap = host_memory_per_gpu * gpu.gpus_per_node if host_memory_per_gpu else None
+    if host_cap is not None and host_per_node > host_cap:
+        problems.append(f"does not fit on host: a node holds {host_per_node / GiB:.1f} GiB of offloaded state, "
+                        f"more than {host_cap / GiB:.1f} GiB ({gpu.gpus_per_node} x --host-memory)")
+    return Plan(phase=cfg.p2r.p2r_phase, world_size=world_size,
+                layout={"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "ep": layout.ep,
+                        "expert_dp": layout.expert_dp},
+                gpu=dataclasses.asdict(gpu), logical_parameters=logical_parameter_count(plan),
+                expert_parameters=expert_parameter_count(plan), microbatches=mbs, global_batch=gbs,
+                tokens_per_step=tokens, stages=stages, step_time_s=step, step_breakdown_s=breakdown,
+                model_flops_per_step=model_flops, mfu=model_flops / (step * world_size * peak),
+                days=token_budget / tokens * step / 86400 if token_budget else None, token_budget=token_budget,
+                host_per_node=host_per_node, host_capacity_per_node=host_cap,
+                fits=not any(p_.startswith("does not fit") for p_ in problems), problems=problems)

@@ -1,0 +1,40 @@
+"""Time on paper: FLOPs per micro-batch of a stage and the time a link takes for a volume."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from megatron_p2r.config import Config
+from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.planning.activations import moe_rows
+from megatron_p2r.planning.communication import GroupTraffic
+from megatron_p2r.planning.hardware import GPUSpec
+
+
+def stage_flops_per_microbatch(cfg: Config, plan: ParallelPlan, stage: int, offloaded: Sequence[int] = ()) -> float:
+    """Training FLOPs one rank of ``stage`` computes per micro-batch: 3x the forward matmuls
+    (one more forward for recomputed layers), the same convention as ``metrics.model_flops_per_token``."""
+    m, t = cfg.model, cfg.train
+    n, h, T = t.micro_batch_size * m.seq_length, m.hidden_size, plan.layout.tp
+    st = plan.stage(stage)
+    glu = 2 if m.swiglu else 1
+    total = 0.0
+    for key in st.layer_keys:
+        fwd = 2 * n * 4 * h * h / T + 4 * n * m.seq_length * h / T
+        if m.is_moe_layer(key):
+            _, rows = moe_rows(cfg, n)
+            fwd += 2 * n * m.num_experts * h + 2 * rows * (glu + 1) * m.expert_ffn_size * h / T
+        else:
+            fwd += 2 * n * (glu + 1) * m.ffn_size * h / T
+        total += fwd * (4 if (t.recompute_activations or key in offloaded) else 3)
+    if st.last:
+        total += 3 * 2 * n * m.padded_vocab_size * h / T
+    return total
+
+
+def link_time(traffic: GroupTraffic, gpu: GPUSpec) -> float:
+    if traffic.bytes == 0:
+        return 0.0
+    if traffic.offnode_fraction:
+        return traffic.bytes * (traffic.offnode_fraction / gpu.inter_node_bw
+                                + (1 - traffic.offnode_fraction) / gpu.intra_node_bw)
+    return traffic.bytes / (gpu.inter_node_bw if traffic.nodes > 1 else gpu.intra_node_bw)

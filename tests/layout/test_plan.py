@@ -1,0 +1,130 @@
+"""The ParallelPlan, checked without processes: stage ranges, module keys, replicas, reductions,
+the norm's owners, the offload choice, and that the model built from it is what it says."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_p2r.arguments import parse_args
+from megatron_p2r.config import ConfigError, stage_layer_counts, validate
+from megatron_p2r.layout.plan import ParallelPlan, Reduction, stage_layer_ranges
+from megatron_p2r.layout.ranks import Layout
+from megatron_p2r.layout.tensors import WORD_EMBEDDING
+from megatron_p2r.model.m6 import build_model
+from megatron_p2r.parallel.sharding import logical_name
+from megatron_p2r.parallel.state import ParallelState
+from tests.helpers import tiny_config
+
+
+@pytest.mark.parametrize("layers,pp,split,counts", [
+    (4, 1, None, [4]), (4, 4, None, [1, 1, 1, 1]), (10, 4, None, [3, 3, 2, 2]), (7, 2, None, [4, 3]),
+    (16, 4, "3,5,5,3", [3, 5, 5, 3]), (4, 2, "1,3", [1, 3])])
+def test_stage_layer_counts(layers, pp, split, counts):
+    assert stage_layer_counts(layers, pp, split) == counts
+    ranges = stage_layer_ranges(layers, pp, split)
+    assert [len(r) for r in ranges] == counts
+    assert [i for r in ranges for i in r] == list(range(layers))  # contiguous, in order, complete
+
+
+@pytest.mark.parametrize("layers,pp,split,message", [
+    (16, 4, "3,5,5", "has 3 entries but --pipeline-model-parallel-size is 4"),
+    (16, 4, "3,5,5,4", "adds up to 17, but --num-layers is 16"),
+    (16, 4, "3,0,8,5", "every stage needs at least one layer"),
+    (16, 4, "3,5,x,3", "expected comma-separated integers"),
+    (3, 4, None, r"--pipeline-model-parallel-size \(4\) exceeds --num-layers \(3\)")])
+def test_bad_splits_are_clear_errors(layers, pp, split, message):
+    with pytest.raises(ConfigError, match=message):
+        stage_layer_counts(layers, pp, split)
+
+
+def test_validate_checks_the_split_flag():
+    cfg = parse_args(["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--pipeline-layer-split", "3,4",
+                      "--vocab-size", "200", "--mock-data"])
+    with pytest.raises(ConfigError, match="--pipeline-layer-split '3,4' adds up to 7"):
+        validate(cfg, world_size=2)
+    with pytest.raises(SystemExit):
+        parse_args(["--pipeline-schedule", "interleaved"])
+
+
+def _plan(world: int = 1, **kw) -> ParallelPlan:
+    return ParallelPlan.for_world(tiny_config(**kw), world)
+
+
+def test_pseudo_slots_on_several_stages_are_replicas_reduced_over_those_stages_and_dp():
+    plan = _plan(8, num_layers=8, pipeline_model_parallel_size=4, p2r_phase="pseudo", share_pattern="cycle:2")
+    assert [st.layer_keys for st in plan.stages] == [(0, 1)] * 4
+    assert [st.modules for st in plan.stages] == [(0, 1)] * 4
+    assert plan.replica_stages("layers.1.mlp.fc1.weight") == (0, 1, 2, 3)
+    assert plan.reduction("layers.1.mlp.fc1.weight", False) == Reduction("sharing", "dp", (0, 1, 2, 3))
+    assert plan.reduction(WORD_EMBEDDING, False) == Reduction("embedding", "dp", (0, 3))
+    assert plan.reduction("final_norm.weight", False) == Reduction("dp", "dp")
+    assert plan.stage_sets() == ((0, 1, 2, 3), (0, 3))
+
+
+def test_block_sharing_keeps_each_slot_on_one_stage_and_real_phase_shares_nothing():
+    block = _plan(2, num_layers=4, pipeline_model_parallel_size=2, p2r_phase="pseudo", share_pattern="block:2",
+                  untie_embeddings_and_output_weights=True)
+    assert [st.layer_keys for st in block.stages] == [(0, 0), (2, 2)]
+    assert block.replicas == () and block.stage_sets() == ()
+    real = _plan(2, num_layers=4, pipeline_model_parallel_size=2, p2r_phase="real", share_pattern="all")
+    assert real.share_pattern == "none" and real.layer_keys == (0, 1, 2, 3)
+    assert real.replicas == ((WORD_EMBEDDING, (0, 1)),)
+
+
+def test_experts_reduce_over_expert_dp():
+    plan = _plan(4, num_experts=4, expert_model_parallel_size=2, global_batch_size=8)
+    assert plan.reduction("layers.1.mlp.experts.weight1", True) == Reduction("expert_dp", "expert_dp")
+
+
+def test_each_logical_element_counts_once_in_the_norm():
+    """Over every rank of a TP2 x PP2 x DP2 layout, each (tensor, TP slice) is counted once."""
+    cfg = tiny_config(num_layers=4, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                      global_batch_size=8, num_experts=4, moe_layer_freq=2, expert_model_parallel_size=2)
+    plan = ParallelPlan.for_world(cfg, 8)
+    counted = {}
+    for rank in range(8):
+        c = plan.layout.coords(rank)
+        for s in plan.tensors(c.pp):
+            if plan.counts_in_norm(s.logical, s.tp_dim, s.expert, c):
+                key = (s.logical, c.tp if s.tp_dim is not None else None, c.ep if s.expert else None)
+                counted[key] = counted.get(key, 0) + 1
+    assert set(counted.values()) == {1}
+    logical = {s.logical for st in range(2) for s in plan.tensors(st)}
+    assert {k[0] for k in counted} == logical
+
+
+def test_offload_choice_is_made_per_stage_in_the_plan():
+    plan = _plan(2, num_layers=6, pipeline_model_parallel_size=2, cpu_offload_layers="1")
+    assert [st.offloaded for st in plan.stages] == [(2,), (5,)]
+    listed = _plan(2, num_layers=6, pipeline_model_parallel_size=2, cpu_offload_layers="0,4")
+    assert [st.offloaded for st in listed.stages] == [(0,), (4,)]
+    pseudo = _plan(1, num_layers=4, p2r_phase="pseudo", share_pattern="cycle:2", cpu_offload_layers="1")
+    assert pseudo.stage(0).offloaded == (1,)   # slot 1 serves layers 1 and 3: offloaded once
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_stages_hold_what_the_plan_says(tied):
+    cfg = tiny_config(num_layers=5, pipeline_model_parallel_size=3, pipeline_layer_split="2,2,1",
+                      untie_embeddings_and_output_weights=not tied)
+    plan = ParallelPlan.build(cfg, Layout(pp=3))
+    stages = [build_model(cfg, ParallelState(layout=Layout(pp=3), rank=s), plan, meta=True) for s in range(3)]
+    first, middle, last = stages
+    assert [m.layer_keys for m in stages] == [[0, 1], [2, 3], [4]]
+    assert first.embedding is not None and first.final_norm is None and first.output_layer is None
+    assert middle.embedding is None and middle.final_norm is None and middle.output_layer is None
+    assert last.embedding is None and last.final_norm is not None and last.output_layer is not None
+    for s, model in enumerate(stages):  # names, local shapes and sharding: the plan's tensor table
+        built = [(n, tuple(p.shape), getattr(p, "tp_dim", None), getattr(p, "shared_name", None))
+                 for n, p in model.named_parameters()]
+        assert built == [(t.name, t.shape, t.tp_dim, t.shared_name) for t in plan.tensors(s)]
+    out_w = last.output_layer.weight
+    if tied:  # one logical tensor, held by stages 0 and 2, gradients summed there
+        assert plan.replicas == ((WORD_EMBEDDING, (0, 2)),)
+        assert logical_name("output_layer.weight", out_w) == WORD_EMBEDDING
+    else:
+        assert plan.replicas == ()
+    # Together the stages hold exactly the one-stage model's logical tensors.
+    single = build_model(tiny_config(num_layers=5, untie_embeddings_and_output_weights=not tied),
+                         ParallelState.single(), meta=True)
+    held = [logical_name(n, p) for m in stages for n, p in m.named_parameters()]
+    assert len(held) == len(set(held)) + (1 if tied else 0)
+    assert set(held) == {n for n, _ in single.named_parameters()}
