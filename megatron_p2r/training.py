@@ -114,7 +114,7 @@ def setup_vocab(cfg: Config):
     if cfg.data.tokenizer_type is None:
         return None
     from megatron_p2r.data.tokenizers import build_tokenizer
-    tokenizer = build_tokenizer(cfg.data)
+    tokenizer = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)  # NullTokenizer's size
     cfg.model.vocab_size = tokenizer.vocab_size
     return tokenizer
 
