@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 @dataclass
 class Stats:
     documents: int = 0
-    empty_documents: int = 0  # (key, line) texts of no tokens: documents without a sequence
+    empty_documents: int = 0  # texts of no tokens, counted per key: documents without a sequence
     tokens: int = 0
     seconds: float = 0.0
     bad_lines: List[tuple] = field(default_factory=list)  # (line number, reason), at most MAX_REPORTED_BAD_LINES
