@@ -117,7 +117,8 @@ def resolve_vocab(cfg: Config) -> Config:
     if cfg.data.tokenizer_type is None:
         return cfg
     from megatron_p2r.data.tokenizers import build_tokenizer
-    return cfg.replace(vocab_size=build_tokenizer(cfg.data).vocab_size)
+    tokenizer = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)  # NullTokenizer's size
+    return cfg.replace(vocab_size=tokenizer.vocab_size)
 
 
 def build_train_state(cfg: Config, ps: ParallelState, plan: Optional[ParallelPlan] = None) -> TrainState:

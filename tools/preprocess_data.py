@@ -7,8 +7,10 @@
 The input is streamed in chunks of lines; worker processes parse and tokenise them while the
 main process writes the results in input order, so any worker count gives identical files.
 Lines that are not a JSON object with a string under every key are skipped and reported with
-their line numbers (``--strict`` stops at the first). Outputs are written under temporary
-names and renamed when complete; existing outputs are kept unless ``--overwrite``.
+their line numbers (``--strict`` stops at the first). A text of no tokens is, as in
+Megatron-LM, a document with no sequence (and no eod), so later samples are not shifted.
+Outputs are written under temporary names and renamed when complete; existing outputs are
+kept unless ``--overwrite``.
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ from tqdm import tqdm
 
 from megatron_p2r.config import ConfigError, DataConfig
 from megatron_p2r.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
-from megatron_p2r.data.tokenizers import build_tokenizer
+from megatron_p2r.data.tokenizers import (SPECIAL_TOKENS_IN_TEXT, TOKENIZER_TYPES, TextEncodingError,
+                                          build_tokenizer)
 
 MAX_REPORTED_BAD_LINES = 10
 
@@ -43,12 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="jsonl file, optionally .gz; one JSON object per line")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenise; one output per key")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX_KEY_document.bin/.idx")
-    p.add_argument("--tokenizer-type", required=True,
-                   choices=["SentencePieceTokenizer", "GPT2BPETokenizer", "ByteTokenizer"])
-    p.add_argument("--tokenizer-model", help="SentencePiece .model")
+    p.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    p.add_argument("--tokenizer-model", help="SentencePiece .model; HuggingFaceTokenizer: a directory with "
+                                             "tokenizer.json, or that file")
     p.add_argument("--vocab-file", help="GPT-2 BPE vocab.json")
     p.add_argument("--merge-file", help="GPT-2 BPE merges.txt")
-    p.add_argument("--append-eod", action="store_true", help="end every document with the end-of-document token")
+    p.add_argument("--vocab-size", type=int, help="NullTokenizer: number of ids (eod is the last)")
+    p.add_argument("--special-tokens-in-text", choices=SPECIAL_TOKENS_IN_TEXT,
+                   help="a special token written in the text (<|endoftext|>, </s>) becomes its id, or is "
+                        "encoded as text; default: Megatron-LM's behaviour for the tokenizer type (docs/data.md)")
+    p.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
+                   help="HuggingFaceTokenizer: leave out the post-processor's special tokens (e.g. a bos)")
+    p.add_argument("--append-eod", action="store_true",
+                   help="end every document that has tokens with the end-of-document token")
     p.add_argument("--workers", type=int, default=1, help="tokenising processes (1: in this process)")
     p.add_argument("--chunk-lines", type=int, default=64, help="lines per task sent to a worker")
     p.add_argument("--strict", action="store_true", help="fail on the first bad line instead of skipping it")
@@ -59,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 @dataclass
 class Stats:
     documents: int = 0
+    empty_documents: int = 0  # texts of no tokens, counted per key: documents without a sequence
     tokens: int = 0
     seconds: float = 0.0
     bad_lines: List[tuple] = field(default_factory=list)  # (line number, reason), at most MAX_REPORTED_BAD_LINES
@@ -77,8 +88,8 @@ def _set_worker(tokenizer, keys: Sequence[str], append_eod: bool, dtype: str) ->
     _worker.update(tokenizer=tokenizer, keys=list(keys), append_eod=append_eod, dtype=np.dtype(dtype))
 
 
-def _init_worker(data_cfg: DataConfig, *rest) -> None:
-    _set_worker(build_tokenizer(data_cfg), *rest)
+def _init_worker(data_cfg: DataConfig, tokenizer_options: dict, *rest) -> None:
+    _set_worker(build_tokenizer(data_cfg, **tokenizer_options), *rest)
 
 
 def _encode_line(line: bytes):
@@ -105,9 +116,11 @@ def _encode_line(line: bytes):
         encoded = tokenizer.encode_batch(texts)
     except UnicodeEncodeError as exc:  # a lone surrogate such as "\ud800" is valid JSON, not text
         return f"text is not encodable as UTF-8 ({exc.reason} at position {exc.start})"
+    except TextEncodingError as exc:
+        return str(exc)
     out = []
     for ids in encoded:
-        if _worker["append_eod"]:
+        if _worker["append_eod"] and len(ids):  # Megatron-LM: an empty document gets no eod either
             ids = list(ids) + [tokenizer.eod]
         out.append(np.asarray(ids, dtype=_worker["dtype"]).tobytes())
     return out
@@ -132,7 +145,7 @@ def _read_chunks(path: str, chunk_lines: int):
         yield chunk
 
 
-def _results(args, data_cfg: DataConfig, tokenizer, dtype: np.dtype):
+def _results(args, data_cfg: DataConfig, tokenizer_options: dict, tokenizer, dtype: np.dtype):
     """Encoded chunks in input order; at most a few chunks per worker are in flight (bounded memory)."""
     chunks = _read_chunks(args.input, args.chunk_lines)
     settings = (args.json_keys, args.append_eod, dtype.str)
@@ -141,7 +154,8 @@ def _results(args, data_cfg: DataConfig, tokenizer, dtype: np.dtype):
         for chunk in chunks:
             yield _encode_chunk(chunk)
         return
-    with multiprocessing.get_context("spawn").Pool(args.workers, _init_worker, (data_cfg, *settings)) as pool:
+    initargs = (data_cfg, tokenizer_options, *settings)
+    with multiprocessing.get_context("spawn").Pool(args.workers, _init_worker, initargs) as pool:
         pending = collections.deque()
         for chunk in chunks:
             pending.append(pool.apply_async(_encode_chunk, (chunk,)))
@@ -171,10 +185,15 @@ def preprocess(args) -> Stats:
         raise SystemExit(f"--input {args.input}: no such file")
     data_cfg = DataConfig(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
                           vocab_file=args.vocab_file, merge_file=args.merge_file)
+    tokenizer_options = dict(vocab_size=args.vocab_size, special_tokens_in_text=args.special_tokens_in_text,
+                             hf_add_special_tokens=not args.tokenizer_hf_no_include_special_tokens)
     try:
-        tokenizer = build_tokenizer(data_cfg)
+        tokenizer = build_tokenizer(data_cfg, **tokenizer_options)
     except ConfigError as exc:
         raise SystemExit(str(exc)) from None
+    if args.append_eod and tokenizer.eod is None:
+        raise SystemExit(f"--append-eod: --tokenizer-model {args.tokenizer_model} names no eos token; add "
+                         "\"eos_token\" to the tokenizer_config.json beside its tokenizer.json")
     outputs = [output_paths(args.output_prefix, key) for key in args.json_keys]
     existing = [p for pair in outputs for p in pair if os.path.lexists(p)]  # a dangling link counts
     if existing and not args.overwrite:
@@ -190,7 +209,7 @@ def preprocess(args) -> Stats:
     try:
         try:
             with tqdm(unit=" docs", disable=None, desc="tokenising") as bar, \
-                    contextlib.closing(_results(args, data_cfg, tokenizer, dtype)) as chunks:
+                    contextlib.closing(_results(args, data_cfg, tokenizer_options, tokenizer, dtype)) as chunks:
                 for results in chunks:
                     for line_number, result in results:
                         if isinstance(result, str):
@@ -202,7 +221,11 @@ def preprocess(args) -> Stats:
                             continue
                         for builder, data in zip(builders, result):
                             tokens = np.frombuffer(data, dtype)
-                            builder.add_document(tokens)
+                            if len(tokens):
+                                builder.add_item(tokens)
+                            else:  # as Megatron-LM's add_document(tokens, lengths=[]): no sequence
+                                stats.empty_documents += 1
+                            builder.end_document()
                             stats.tokens += len(tokens)
                         stats.documents += 1
                     bar.update(len(results))
@@ -228,6 +251,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"wrote {idx[:-4]}.bin/.idx")
     print(f"documents: {stats.documents}, tokens: {stats.tokens}, time: {stats.seconds:.2f}s, "
           f"tokens/s: {stats.tokens_per_second:,.0f} ({args.workers} worker(s))")
+    if stats.empty_documents:
+        print(f"empty texts: {stats.empty_documents}, written as documents with no sequence (as Megatron-LM does)")
     if stats.num_bad_lines:
         shown = "; ".join(f"line {n}: {why}" for n, why in stats.bad_lines)
         more = f" (first {len(stats.bad_lines)} shown)" if stats.num_bad_lines > len(stats.bad_lines) else ""

@@ -13,8 +13,11 @@ class DataConfig:
     split: str = opt("969,30,1", "Train,valid,test proportions.")
     mock_data: bool = opt(False, "Deterministic synthetic data (no files).")
     data_cache_path: Optional[str] = opt(None, "Where index caches go (default beside the data).")
-    tokenizer_type: Optional[str] = opt(None, "Tokenizer.", choices=["SentencePieceTokenizer", "GPT2BPETokenizer", "ByteTokenizer"])
-    tokenizer_model: Optional[str] = opt(None, "SentencePiece model file.")
+    tokenizer_type: Optional[str] = opt(None, "Tokenizer (docs/data.md).", choices=[
+        "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "GPT2BPETokenizer",
+        "HuggingFaceTokenizer", "NullTokenizer", "ByteTokenizer"])
+    tokenizer_model: Optional[str] = opt(None, "SentencePiece .model; HuggingFaceTokenizer: a directory with "
+                                         "tokenizer.json, or that file.")
     vocab_file: Optional[str] = opt(None, "GPT-2 BPE vocab.json.")
     merge_file: Optional[str] = opt(None, "GPT-2 BPE merges.txt.")
 

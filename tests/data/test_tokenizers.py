@@ -1,9 +1,12 @@
+import dataclasses
 import json
 
 import pytest
 
 from megatron_p2r.config import ConfigError, DataConfig
-from megatron_p2r.data.tokenizers import ByteTokenizer, GPT2BPETokenizer, SentencePieceTokenizer, build_tokenizer
+from megatron_p2r.data.tokenizers import (TOKENIZER_TYPES, ByteTokenizer, GPT2BPETokenizer, Llama2Tokenizer,
+                                          NullTokenizer, SentencePieceTokenizer, SpecialTokens, TextEncodingError,
+                                          build_tokenizer)
 
 SAMPLES = {
     "ascii": "The quick brown fox jumps over the lazy dog. def f(x): return x + 1",
@@ -54,6 +57,29 @@ def test_gpt2_bpe_specials_and_batch(bpe_files):
     texts = list(SAMPLES.values())
     assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
     assert tok.encode("") == []
+
+
+EOD_TEXTS = ["a<|endoftext|>b", "<|endoftext|>", " hello<|endoftext|> world", "x <|endoftext|><|endoftext|>y",
+             "<|endoftext|<|endoftext|>>", "no special token here"]
+
+
+def test_gpt2_bpe_special_token_in_text(bpe_files):
+    """Default: a literal <|endoftext|> is the eod id, as in Megatron-LM main (HF GPT2TokenizerFast
+    from the same files); "text": encoded like other text, as GPT-2 and Megatron-LM <= core_v0.14."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import GPT2TokenizerFast
+
+    directory = bpe_files[0].rsplit("/", 1)[0]
+    megatron_main = GPT2TokenizerFast.from_pretrained(directory, local_files_only=True)
+    as_text = ByteLevelBPETokenizer(*bpe_files)
+    ours = build_tokenizer(DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=bpe_files[0],
+                                      merge_file=bpe_files[1]))
+    plain = GPT2BPETokenizer(*bpe_files, special_tokens_in_text="text")
+    for text in EOD_TEXTS:
+        assert ours.encode(text) == megatron_main(text).input_ids
+        assert plain.encode(text) == as_text.encode(text).ids
+    assert ours.encode("a<|endoftext|>b")[1] == ours.eod
+    assert ours.eod not in plain.encode("a<|endoftext|>b")
 
 
 def test_gpt2_bpe_file_errors_name_flag_and_file(bpe_files, tmp_path):
@@ -125,6 +151,105 @@ def test_sentencepiece_errors(tmp_path):
         build_tokenizer(DataConfig(tokenizer_type="SentencePieceTokenizer"))
 
 
+def test_special_tokens_split_as_hugging_face_does():
+    """Overlapping special tokens: leftmost match, longest there, as `tokenizers` splits added tokens."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    chars, specials = "xy<>abc", ["<a>", "<a><b>", "b><c"]
+    reference = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="x"))
+    reference.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")  # one id per character
+    reference.add_special_tokens(specials)
+    ours = SpecialTokens({t: reference.token_to_id(t) for t in specials})
+    for text in ["x<a><b>y", "x<a>y", "<a><b><c", "<a>b><c", "", "<a><a><b>b><c<", "plain"]:
+        assert ours.encode(text, lambda s: [chars.index(c) if c in chars else 0 for c in s]) == reference.encode(text).ids
+
+
+def test_sentencepiece_special_tokens_in_text(sp_model):
+    """Default (Megatron-LM main: plain encode_as_ids): "</s>" in text is text; "id": the control
+    pieces and <unk> written in text become their ids, the rest is encoded piece by piece."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=sp_model)
+    cfg = DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=sp_model)
+    default, as_id = build_tokenizer(cfg), build_tokenizer(cfg, special_tokens_in_text="id")
+    text = "the cat</s>sat <s><unk>"
+    assert default.encode(text) == sp.encode_as_ids(text)
+    assert 2 not in default.encode(text)
+    assert as_id.encode(text) == sp.encode_as_ids("the cat") + [2] + sp.encode_as_ids("sat ") + [1, 0]
+    assert as_id.encode_batch([text, "x"]) == [as_id.encode(text), as_id.encode("x")]
+
+
+def test_llama2_tokenizer_conventions(sp_model, tmp_path):
+    """Megatron-LM's _Llama2Tokenizer: tokenize(s) = [bos] + sp.encode(s) (no eos), eod = eos,
+    vocab = the model's pieces."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=sp_model)
+
+    def megatron_tokenize(s, bos=True, eos=False):  # transcribed from _Llama2Tokenizer.tokenize
+        t = sp.encode(s)
+        if bos:
+            t = [sp.bos_id()] + t
+        if eos:
+            t = t + [sp.eos_id()]
+        return t
+
+    tok = build_tokenizer(DataConfig(tokenizer_type="Llama2Tokenizer", tokenizer_model=sp_model))
+    assert isinstance(tok, Llama2Tokenizer)
+    assert (tok.vocab_size, tok.bos, tok.eod) == (sp.get_piece_size(), sp.bos_id(), sp.eos_id()) == (400, 1, 2)
+    texts = list(SAMPLES.values()) + ["", "the cat</s>"]
+    for text in texts:
+        assert tok.encode(text) == megatron_tokenize(text)
+    assert tok.encode_batch(texts) == [megatron_tokenize(t) for t in texts]
+    assert tok.decode(tok.encode("the cat")) == "the cat"
+    lines = [line for text in TRAIN_TEXTS for line in text.split("\n") if line.strip()]
+    sentencepiece.SentencePieceTrainer.Train(
+        sentence_iterator=iter(lines), model_prefix=str(tmp_path / "nobos"), vocab_size=100, bos_id=-1,
+        minloglevel=2, num_threads=1)
+    with pytest.raises(ConfigError, match=r"--tokenizer-model .*nobos\.model: Llama2Tokenizer needs .*<s>"):
+        Llama2Tokenizer(str(tmp_path / "nobos.model"))
+
+
+def test_null_tokenizer():
+    """Megatron-LM main's NullTokenizer: [int(x) for x in text.split(' ')], vocab = --vocab-size,
+    eod = vocab - 1. An empty text is no tokens (Megatron would fail on int(''))."""
+    tok = build_tokenizer(DataConfig(tokenizer_type="NullTokenizer"), vocab_size=100)
+    assert isinstance(tok, NullTokenizer)
+    assert (tok.vocab_size, tok.eod) == (100, 99)
+    assert tok.encode("5 0 99 17") == [5, 0, 99, 17]
+    assert tok.encode("") == []
+    assert tok.decode([5, 0, 99]) == "5 0 99"
+    assert tok.encode_batch(["1 2", "3"]) == [[1, 2], [3]]
+    for bad, message in [("1  2", "single spaces"), ("1 x", "single spaces"), ("1 100", r"100 is outside \[0, 100\)"),
+                         ("-1", "outside")]:
+        with pytest.raises(TextEncodingError, match=message):
+            tok.encode(bad)
+    with pytest.raises(ConfigError, match="NullTokenizer needs --vocab-size"):
+        build_tokenizer(DataConfig(tokenizer_type="NullTokenizer"))
+
+
+def test_tokenizer_types_are_the_config_choices():
+    choices = {f.name: f for f in dataclasses.fields(DataConfig)}["tokenizer_type"].metadata["choices"]
+    assert sorted(TOKENIZER_TYPES) == sorted(choices)
+
+
+def test_megatron_names_for_our_tokenizers(sp_model):
+    tok = build_tokenizer(DataConfig(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sp_model))
+    assert type(tok) is SentencePieceTokenizer and tok.eod == 2
+    assert tok.encode("the cat") == SentencePieceTokenizer(sp_model).encode("the cat")
+
+
 def test_unknown_tokenizer_type():
     with pytest.raises(ConfigError, match="--tokenizer-type"):
         build_tokenizer(DataConfig())
+    with pytest.raises(ConfigError, match="--special-tokens-in-text"):
+        build_tokenizer(DataConfig(tokenizer_type="ByteTokenizer"), special_tokens_in_text="both")
+
+
+def test_training_takes_null_tokenizer_size_from_vocab_size_flag():
+    from megatron_p2r.arguments import config_from_values
+    from megatron_p2r.training import setup_vocab
+
+    cfg = config_from_values({"tokenizer_type": "NullTokenizer", "vocab_size": 100, "mock_data": True})
+    tok = setup_vocab(cfg)
+    assert (cfg.model.vocab_size, tok.eod) == (100, 99)

@@ -1,6 +1,7 @@
 import gzip
 import json
 import os
+import struct
 import subprocess
 import sys
 
@@ -33,11 +34,12 @@ def test_byte_tokenizer_end_to_end_with_bad_lines(tmp_path, capsys):
         f.write(b'{"text": "\xff"}\n')
     run(["--input", path, "--output-prefix", tmp_path / "out", "--tokenizer-type", "ByteTokenizer", "--append-eod"])
     ds = IndexedDataset(str(tmp_path / "out_text_document"))
-    assert ds.dtype == np.uint16 and len(ds) == 4
-    for i, text in enumerate(GOOD):
+    # the empty text is a document without a sequence (and without an eod), as in Megatron-LM
+    assert ds.dtype == np.uint16 and len(ds) == 3 and ds.document_indices.tolist() == [0, 1, 1, 2, 3]
+    for i, text in enumerate(t for t in GOOD if t):
         assert ds[i].tolist() == list(text.encode("utf-8")) + [ByteTokenizer.eod]
     out, err = capsys.readouterr()
-    assert "documents: 4, tokens: 57," in out and "tokens/s" in out
+    assert "documents: 4, tokens: 56," in out and "tokens/s" in out and "empty texts: 1" in out
     assert "skipped 5 bad line(s)" in err
     for fragment in ["line 2: invalid JSON", "line 4: missing key 'text'", "line 6: key 'text' holds int",
                      "line 8: expected a JSON object, got list", "line 10: not UTF-8"]:
@@ -71,7 +73,8 @@ def test_gzip_input_and_several_keys(tmp_path):
          "--tokenizer-type", "ByteTokenizer"])
     titles, bodies = IndexedDataset(str(tmp_path / "o_title_document")), IndexedDataset(str(tmp_path / "o_body_document"))
     assert [bytes(titles[i].tolist()).decode() for i in range(5)] == [r["title"] for r in rows]
-    assert bodies.sequence_lengths.tolist() == [0, 1, 2, 3, 4]
+    assert bodies.sequence_lengths.tolist() == [1, 2, 3, 4]
+    assert bodies.document_indices.tolist() == [0, 0, 1, 2, 3, 4]
 
 
 def test_missing_tokenizer_file_names_flag(tmp_path):
@@ -124,3 +127,141 @@ def test_runs_as_a_script(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "documents: 1, tokens: 3," in proc.stdout
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron-LM's behaviour (main d98e8a64: tools/preprocess_data.py, core/datasets/indexed_dataset.py)
+
+def megatron_preprocess(texts, tokenize, eod, append_eod, dtype):
+    """The .bin and .idx bytes Megatron-LM writes for one json key, transcribed from
+    Encoder.encode, IndexedDatasetBuilder.add_document and _IndexWriter.write."""
+    data, sequence_lengths, document_indices = b"", [], [0]
+    for text in texts:
+        doc_ids, sentence_lens = [], []
+        for sentence in [text]:
+            sentence_ids = tokenize(sentence)
+            if len(sentence_ids) > 0:
+                doc_ids.extend(sentence_ids)
+                sentence_lens.append(len(sentence_ids))
+        if len(doc_ids) > 0 and append_eod:
+            doc_ids.append(eod)
+            sentence_lens[-1] += 1
+        data += np.array(doc_ids, dtype=dtype).tobytes(order="C")  # add_document(doc_ids, sentence_lens)
+        sequence_lengths.extend(sentence_lens)
+        document_indices.append(len(sequence_lengths))
+    pointers, pointer = [], 0
+    for length in sequence_lengths:
+        pointers.append(pointer)
+        pointer += length * np.dtype(dtype).itemsize
+    code = {np.dtype(np.uint16): 8, np.dtype(np.int32): 4}[np.dtype(dtype)]
+    index = (b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", code)
+             + struct.pack("<Q", len(sequence_lengths)) + struct.pack("<Q", len(document_indices))
+             + np.array(sequence_lengths, np.int32).tobytes() + np.array(pointers, np.int64).tobytes()
+             + np.array(document_indices, np.int64).tobytes())
+    return data, index
+
+
+EDGE_TEXTS = ["hello world", "", "a<|endoftext|>b", "  ", "<|endoftext|>", "", "the end"]
+
+
+def test_empty_text_and_special_token_match_megatron(demo_bpe, tmp_path):
+    """Byte-identical .bin/.idx to Megatron-LM main with GPT2BPETokenizer (HF GPT2TokenizerFast
+    there): empty texts are documents without a sequence or eod; <|endoftext|> in text is eod."""
+    from transformers import GPT2TokenizerFast
+
+    _, _, vocab, merges = demo_bpe
+    path = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in EDGE_TEXTS])
+    run(["--input", path, "--output-prefix", tmp_path / "o", "--tokenizer-type", "GPT2BPETokenizer",
+         "--vocab-file", vocab, "--merge-file", merges, "--append-eod"])
+    hf = GPT2TokenizerFast.from_pretrained(str(vocab.parent), local_files_only=True)
+    data, index = megatron_preprocess(EDGE_TEXTS, lambda t: hf(t).input_ids, hf.eos_token_id, True, np.uint16)
+    assert (tmp_path / "o_text_document.bin").read_bytes() == data
+    assert (tmp_path / "o_text_document.idx").read_bytes() == index
+    ds = IndexedDataset(str(tmp_path / "o_text_document"))
+    assert ds.num_documents == len(EDGE_TEXTS) and len(ds) == len(EDGE_TEXTS) - 2
+    assert ds[1].tolist().count(hf.eos_token_id) == 2  # a<eod>b<eod>
+
+
+def hf_tokenizer_dir(root):
+    from tests.data.test_hf_tokenizer import LLAMA3_CONFIG, write_tokenizer
+
+    return write_tokenizer(root / "hf", LLAMA3_CONFIG)
+
+
+def test_hugging_face_tokenizer_equals_tokenizers_plus_eod(tmp_path):
+    """--tokenizer-type HuggingFaceTokenizer: each document is `tokenizers`' own encoding of the
+    text (bos from the post-processor, special tokens split out) + eod (the eos token)."""
+    from tokenizers import Tokenizer
+
+    from tests.data.test_hf_tokenizer import EOS, SAMPLES
+
+    directory = hf_tokenizer_dir(tmp_path)
+    reference = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    texts = [t for t in SAMPLES if "pad" not in t] + ["the mat"] * 5
+    path = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    run(["--input", path, "--output-prefix", tmp_path / "o", "--tokenizer-type", "HuggingFaceTokenizer",
+         "--tokenizer-model", directory, "--append-eod"])
+    ds = IndexedDataset(str(tmp_path / "o_text_document"))
+    eod = reference.token_to_id(EOS)
+    assert [ds[i].tolist() for i in range(len(ds))] == [reference.encode(t).ids + [eod] for t in texts]
+
+
+def test_hugging_face_options_reach_the_workers(tmp_path):
+    """--special-tokens-in-text text and --tokenizer-hf-no-include-special-tokens, with 2 workers:
+    no bos, <|end_of_text|> encoded as text, so the empty text is an empty document."""
+    from tokenizers import Tokenizer
+
+    from tests.data.test_hf_tokenizer import EOS
+
+    directory = hf_tokenizer_dir(tmp_path)
+    reference = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    reference.encode_special_tokens = True
+    texts = [f"a{EOS}b", "", "the cat"] * 3
+    path = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    run(["--input", path, "--output-prefix", tmp_path / "o", "--tokenizer-type", "HuggingFaceTokenizer",
+         "--tokenizer-model", directory, "--special-tokens-in-text", "text",
+         "--tokenizer-hf-no-include-special-tokens", "--workers", "2", "--chunk-lines", "2"])
+    ds = IndexedDataset(str(tmp_path / "o_text_document"))
+    expected = [reference.encode(t, add_special_tokens=False).ids for t in texts if t]
+    assert [ds[i].tolist() for i in range(len(ds))] == expected
+    assert ds.num_documents == len(texts) and len(ds) == 6
+
+
+def test_hugging_face_append_eod_needs_an_eos(tmp_path):
+    from tests.data.test_hf_tokenizer import write_tokenizer
+
+    directory = write_tokenizer(tmp_path / "hf")  # no tokenizer_config.json: no eos token named
+    path = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
+    with pytest.raises(SystemExit, match=r"--append-eod: --tokenizer-model .*hf names no eos token"):
+        run(["--input", path, "--output-prefix", tmp_path / "o", "--tokenizer-type", "HuggingFaceTokenizer",
+             "--tokenizer-model", directory, "--append-eod"])
+
+
+def test_null_tokenizer_preprocess(tmp_path, capsys):
+    rows = [{"text": "1 2 3"}, {"text": ""}, {"text": "7 x"}, {"text": "0 9"}, {"text": "10"}]
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    run(["--input", path, "--output-prefix", tmp_path / "o", "--tokenizer-type", "NullTokenizer",
+         "--vocab-size", "10", "--append-eod"])
+    ds = IndexedDataset(str(tmp_path / "o_text_document"))
+    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 3, 9], [0, 9, 9]]
+    assert ds.document_indices.tolist() == [0, 1, 1, 2]
+    err = capsys.readouterr().err
+    assert "line 3: NullTokenizer expects integers" in err and "line 5: token id 10 is outside [0, 10)" in err
+
+
+def test_llama2_tokenizer_preprocess(tmp_path):
+    """bos starts every document, eos (eod) ends it; an empty text is [bos, eos], as Megatron's
+    _Llama2Tokenizer gives it a token."""
+    import sentencepiece
+
+    lines = ["the cat sat on the mat", "a dog and a log"] * 50
+    sentencepiece.SentencePieceTrainer.Train(sentence_iterator=iter(lines), model_prefix=str(tmp_path / "sp"),
+                                             vocab_size=40, hard_vocab_limit=False, minloglevel=2,
+                                             num_threads=1)
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    texts = ["the cat", "", "a log"]
+    path = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    run(["--input", path, "--output-prefix", tmp_path / "o", "--tokenizer-type", "Llama2Tokenizer",
+         "--tokenizer-model", tmp_path / "sp.model", "--append-eod"])
+    ds = IndexedDataset(str(tmp_path / "o_text_document"))
+    assert [ds[i].tolist() for i in range(len(ds))] == [[sp.bos_id()] + sp.encode(t) + [sp.eos_id()] for t in texts]
