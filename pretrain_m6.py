@@ -15,7 +15,7 @@ from megatron_p2r.config import ConfigError
 
 
 def main(argv=None) -> int:
-    from megatron_p2r.checkpoint.format import CheckpointError
+    from megatron_p2r.checkpoint.errors import CheckpointError
     from megatron_p2r.reliability import describe_distributed_failure
     from megatron_p2r.training import TrainingStopped
     rank = os.environ.get("RANK", "0")

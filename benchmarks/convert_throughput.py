@@ -92,7 +92,8 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=16000)
     p.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary directory)")
     args = p.parse_args(argv)
-    from megatron_p2r.checkpoint.format import metadata_table, read_metadata, resolve_iteration_dir
+    from megatron_p2r.checkpoint.metadata import metadata_table, read_metadata
+    from megatron_p2r.checkpoint.naming import resolve_iteration_dir
 
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         src = os.path.join(tmp, "pseudo")

@@ -1,5 +1,5 @@
-"""Fault injection for drills and tests, crash recovery of a save directory, and clear messages
-for distributed failures (see docs/reliability.md).
+"""Fault injection for drills and tests, and clear messages for distributed failures (see
+docs/reliability.md; the repair of a save directory after a crash is ``checkpoint/recovery.py``).
 
 Faults are injected only when the environment asks for it, so a drill on a real cluster needs
 no code change::
@@ -26,11 +26,10 @@ import functools
 import json
 import os
 import re
-import shutil
 import signal
 import time
 import traceback
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 from megatron_p2r.config import ConfigError
 
@@ -158,63 +157,6 @@ def save_point(point: str, iteration: int, rank: int) -> None:
         _kill(f"while saving iteration {iteration} (point '{point}')", rank, iteration)
 
 
-# ----------------------------------------------------------------------------- recovery
-
-_LEFTOVER = re.compile(r"^iter_(\d{7})\.(tmp|old|del)$")
-_COMPLETE = re.compile(r"^iter_(\d{7})$")
-
-
-def recover_save_dir(save_dir: str) -> List[str]:
-    """Repair what a process killed while saving (or pruning) left in ``save_dir``; returns one
-    log line per action. Run by one rank before any rank reads the directory.
-
-    * ``iter_N.tmp`` (a save that never finished) and ``iter_N.del`` (a prune that never
-      finished) are removed; ``latest`` never names them.
-    * ``iter_N.old`` is the previous copy of a checkpoint that was being replaced by a new save
-      of the same iteration: it is moved back when the kill struck between the two renames
-      (``iter_N`` missing), removed otherwise.
-    * stray ``latest_checkpointed_iteration.txt.tmp.*`` files are removed;
-    * without a ``latest`` file, it is written for the newest complete checkpoint (a kill after
-      the first checkpoint was published but before ``latest`` was written).
-    """
-    from megatron_p2r.checkpoint.format import LATEST_FILE, METADATA_FILE, write_text_atomic
-    if not os.path.isdir(save_dir):
-        return []
-    actions = []
-    for name in sorted(os.listdir(save_dir)):
-        path = os.path.join(save_dir, name)
-        m = _LEFTOVER.match(name)
-        if m:
-            final = os.path.join(save_dir, f"iter_{m.group(1)}")
-            if m.group(2) == "old" and not os.path.lexists(final) and os.path.isfile(os.path.join(path, METADATA_FILE)):
-                os.rename(path, final)
-                actions.append(f"restored {final} from {name} (a save of the same iteration was interrupted)")
-                continue
-            _remove(path)
-            why = {"tmp": "an interrupted save", "old": "a replaced checkpoint", "del": "an interrupted prune"}
-            actions.append(f"removed {path} (left by {why[m.group(2)]})")
-        elif name.startswith(LATEST_FILE + ".tmp."):
-            _remove(path)
-            actions.append(f"removed {path} (left by an interrupted update of {LATEST_FILE})")
-    latest = os.path.join(save_dir, LATEST_FILE)
-    if not os.path.lexists(latest):
-        done = sorted(int(m.group(1)) for n in os.listdir(save_dir) if (m := _COMPLETE.match(n))
-                      and os.path.isfile(os.path.join(save_dir, n, METADATA_FILE)))
-        if done:
-            write_text_atomic(latest, str(done[-1]))
-            actions.append(f"wrote {latest} = {done[-1]} (the newest complete checkpoint; "
-                           "a save was interrupted before it was recorded)")
-    return actions
-
-
-def _remove(path: str) -> None:
-    """Delete a file, directory or link without following links."""
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
-
-
 # ----------------------------------------------------------------------------- distributed failures
 
 _DIST_PATTERNS = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer",
@@ -249,5 +191,4 @@ def describe_distributed_failure(exc: BaseException, timeout_minutes: Optional[f
 
 
 __all__ = ["FAULT_ENV", "EVENT_LOG_ENV", "SAVE_POINTS", "Fault", "FaultSpecError", "parse_faults", "record",
-           "before_step", "on_gradients", "after_step", "save_point", "recover_save_dir",
-           "describe_distributed_failure"]
+           "before_step", "on_gradients", "after_step", "save_point", "describe_distributed_failure"]

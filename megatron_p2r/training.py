@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_p2r import offload, reliability
+from megatron_p2r.checkpoint.recovery import recover_save_dir
 from megatron_p2r.config import Config, ConfigError, global_batch_size, num_microbatches, validate
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.metrics import TrainingLogger, format_line, model_flops_per_token, peak_memory_bytes
@@ -299,7 +300,7 @@ def resume_checkpoint(state: TrainState) -> None:
     empty D starts from scratch: see ``load_checkpoint``)."""
     ck, ps = state.cfg.checkpoint, state.ps
     if ck.save and ps.rank == 0:
-        for line in reliability.recover_save_dir(ck.save):
+        for line in recover_save_dir(ck.save):
             print(f"checkpoint recovery: {line}", flush=True)
     if ps.layout.world_size > 1:
         dist.barrier()

@@ -22,10 +22,15 @@ import os
 import sys
 from typing import List, Optional
 
-from megatron_p2r.checkpoint.format import (
-    CheckpointError, ShardLayout, check_files, kinds_of, metadata_config, metadata_table, read_metadata,
-    resolve_iteration_dir)
+from megatron_p2r.checkpoint.errors import CheckpointError
+from megatron_p2r.checkpoint.hf.exporter import export_hf
+from megatron_p2r.checkpoint.hf.importer import import_hf
+from megatron_p2r.checkpoint.hf.verify import VERIFY_TOLERANCE, verify_export
+from megatron_p2r.checkpoint.integrity import check_files
+from megatron_p2r.checkpoint.metadata import kinds_of, metadata_config, metadata_table, read_metadata
+from megatron_p2r.checkpoint.naming import resolve_iteration_dir
 from megatron_p2r.checkpoint.reshard import DelinkOptions, Target, convert
+from megatron_p2r.checkpoint.tensor_table import ShardLayout
 from megatron_p2r.config import ConfigError
 from megatron_p2r.p2r.delink import OPTIMIZER_STATE_MODES
 
@@ -128,28 +133,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _hf_command(args) -> int:
-    from megatron_p2r.checkpoint import hf
     if args.command == "export-hf":
-        result = hf.export_hf(args.src, args.dst, trim_vocab=args.trim_vocab, dtype=args.dtype,
-                              max_shard_size=args.max_shard_size, force=args.force, progress=not args.no_progress)
+        result = export_hf(args.src, args.dst, trim_vocab=args.trim_vocab, dtype=args.dtype,
+                           max_shard_size=args.max_shard_size, force=args.force, progress=not args.no_progress)
         print(f"wrote {result.architecture} to {args.dst} ({len(result.files)} weight file(s), "
               f"vocab {result.vocab_size})")
         for note in result.notes:
             print(f"  {note}")
         if args.verify:
-            diff = hf.verify_export(args.src, args.dst)
-            if diff > hf.VERIFY_TOLERANCE:
-                print(f"error: transformers' logits differ from ours by {diff:.3g} (> {hf.VERIFY_TOLERANCE})",
+            diff = verify_export(args.src, args.dst)
+            if diff > VERIFY_TOLERANCE:
+                print(f"error: transformers' logits differ from ours by {diff:.3g} (> {VERIFY_TOLERANCE})",
                       file=sys.stderr)
                 return 3
             print(f"verified: transformers loads {args.dst}; max |logit difference| {diff:.3g}")
         return 0
     target = Target(args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
                     args.target_pipeline_layer_split, args.target_expert_parallel_size)
-    out, notes = hf.import_hf(args.src, args.dst, target,
-                              make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                              allow_approximate_gelu=args.allow_approximate_gelu, force=args.force,
-                              progress=not args.no_progress)
+    out, notes = import_hf(args.src, args.dst, target, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                           allow_approximate_gelu=args.allow_approximate_gelu, force=args.force,
+                           progress=not args.no_progress)
     print(f"wrote {out}")
     for note in notes:
         print(f"  {note}")

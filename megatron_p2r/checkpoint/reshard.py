@@ -22,14 +22,18 @@ from collections import Counter
 from typing import Callable, Dict, Optional
 
 import torch
-from tqdm import tqdm
 
-from megatron_p2r.checkpoint.format import (
-    _TORCH_DTYPES, LATEST_FILE, METADATA_FILE, RNG_DIR, CheckpointError, ReaderCache, ShardLayout, ShardWriter,
-    TensorInfo, check_files, entry_name, file_entries, iteration_dir_name, kinds_of, metadata_config,
-    metadata_table, read_metadata, resolve_iteration_dir, shard_header_metadata, tensor_table, write_metadata,
-    write_text_atomic)
-from megatron_p2r.checkpoint.io import build_metadata
+from megatron_p2r.checkpoint.atomic import write_text_atomic
+from megatron_p2r.checkpoint.errors import CheckpointError
+from megatron_p2r.checkpoint.integrity import check_files, verify
+from megatron_p2r.checkpoint.metadata import (build_metadata, kinds_of, metadata_config, metadata_table, read_metadata,
+                                              write_metadata)
+from megatron_p2r.checkpoint.naming import (LATEST_FILE, METADATA_FILE, RNG_DIR, iteration_dir_name,
+                                            resolve_iteration_dir)
+from megatron_p2r.checkpoint.pieces import read_global, write_pieces
+from megatron_p2r.checkpoint.safetensors_io import ReaderCache
+from megatron_p2r.checkpoint.staging import staged_output
+from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo, tensor_table
 from megatron_p2r.config import Config, ConfigError, stage_layer_counts
 from megatron_p2r.p2r import delink as dl
 
@@ -118,27 +122,6 @@ def _factor(info: TensorInfo, delink: bool) -> int:
     return len(info.layers) if delink and info.module_key is not None else 1
 
 
-def _read_global(readers: ReaderCache, layout: ShardLayout, info: TensorInfo, kind: str) -> torch.Tensor:
-    """The whole piece: its TP shards read into one tensor (straight into place along dim 0)."""
-    entry = entry_name(kind, info.key)
-    if kind == "step" or info.tp_dim is None or layout.tp == 1:
-        return readers(layout.file_of(info, 0)).read(entry)
-    out = torch.empty(info.shape, dtype=_TORCH_DTYPES[info.dtype])
-    for t, part in enumerate(out.chunk(layout.tp, dim=info.tp_dim)):
-        reader = readers(layout.file_of(info, t))
-        if part.is_contiguous():
-            reader.read(entry, out=part)
-        else:
-            part.copy_(reader.read(entry))
-    return out
-
-
-def _shards(tensor: torch.Tensor, info: TensorInfo, layout: ShardLayout, kind: str):
-    if kind == "step" or info.tp_dim is None:
-        return [(t, tensor) for t in layout.tp_ranks_of(info)]
-    return list(enumerate(tensor.chunk(layout.tp, dim=info.tp_dim)))
-
-
 def convert(src: str, dst: str, target: Target, delink: Optional[DelinkOptions] = None, *,
             force: bool = False, progress: bool = True) -> str:
     """Reshard (``delink`` None) or delink SRC into DST; returns DST's iteration directory."""
@@ -162,9 +145,8 @@ def convert(src: str, dst: str, target: Target, delink: Optional[DelinkOptions] 
     reset = delink is not None and delink.optimizer_state == "reset"
     kinds = ("model",) if reset else kinds_of(meta)
 
-    tmp = _prepare_destination(src, src_iter, dst, force)
-    try:
-        iteration = int(meta["iteration"])
+    iteration = int(meta["iteration"])
+    with staged_output(src, src_iter, dst, force) as tmp:
         out_iter = os.path.join(tmp, iteration_dir_name(iteration))
         os.makedirs(out_iter)
         transform = None
@@ -187,19 +169,7 @@ def convert(src: str, dst: str, target: Target, delink: Optional[DelinkOptions] 
         verify(out_iter, new_meta, expected_params=sum(i.numel * _factor(i, delink is not None)
                                                        for i in src_table.values()))
         write_text_atomic(os.path.join(tmp, LATEST_FILE), str(iteration))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    publish_staged(tmp, dst)
     return os.path.join(dst, iteration_dir_name(iteration))
-
-
-def publish_staged(tmp: str, dst: str) -> None:
-    """Replace ``dst`` by the completed ``tmp`` (an existing ``dst`` only with --force, checked
-    before anything was written)."""
-    if os.path.exists(dst):
-        shutil.rmtree(dst)
-    os.rename(tmp, dst)
 
 
 def _delink_tensor(options: DelinkOptions, sizes: Dict[int, int], seed: int, kind: str, tensor: torch.Tensor,
@@ -214,92 +184,10 @@ def _delink_tensor(options: DelinkOptions, sizes: Dict[int, int], seed: int, kin
 def _write_tensors(out_iter: str, readers: ReaderCache, src_table: Dict[str, TensorInfo], src_layout: ShardLayout,
                    dst_table: Dict[str, TensorInfo], dst_layout: ShardLayout, plan: Dict[str, str], kinds,
                    transform: Optional[Callable], progress: bool, desc: str) -> None:
-    """The streaming loop: one global piece in memory at a time, files of one stage open at a time."""
-    entries = file_entries(dst_table, dst_layout, kinds)
-    total = sum(info.nbytes * (len(kinds) - ("step" in kinds)) for info in dst_table.values())
-    bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc=desc)
-    writers: Dict[str, ShardWriter] = {}
-    stage = -1
-    for key, info in dst_table.items():
-        if info.stage != stage:
-            _close_all(writers)
-            stage = info.stage
-            for name in dst_layout.stage_files(stage):
-                writers[name] = ShardWriter(os.path.join(out_iter, name), entries[name], shard_header_metadata(name))
-        for kind in kinds:
-            nbytes = _copy_piece(readers, src_table[plan[key]], src_layout, info, dst_layout, kind, writers,
-                                 transform)
-            bar.update(nbytes if kind != "step" else 0)
-    _close_all(writers)
-    # A stage can own no piece (a middle stage that only replays a pseudo slot of an earlier
-    # stage); the layout still has its (empty) files.
-    for name, ents in entries.items():
-        if not os.path.exists(os.path.join(out_iter, name)):
-            ShardWriter(os.path.join(out_iter, name), ents, shard_header_metadata(name)).close()
-    bar.close()
+    """Each target piece and kind: the source piece read whole, transformed, cut into the target's shards."""
+    def produce(info: TensorInfo, kind: str) -> torch.Tensor:
+        sinfo = src_table[plan[info.key]]
+        tensor = read_global(readers, src_layout, sinfo, kind)
+        return tensor if transform is None else transform(kind, tensor, info.key, sinfo)
 
-
-def _copy_piece(readers: ReaderCache, sinfo: TensorInfo, src_layout: ShardLayout, info: TensorInfo,
-                dst_layout: ShardLayout, kind: str, writers: Dict[str, ShardWriter],
-                transform: Optional[Callable]) -> int:
-    """Read one global tensor, transform it, append its target shards; returns its bytes.
-    (A function of its own so that nothing of the piece outlives it.)"""
-    tensor = _read_global(readers, src_layout, sinfo, kind)
-    if transform is not None:
-        tensor = transform(kind, tensor, info.key, sinfo)
-    for t, shard in _shards(tensor, info, dst_layout, kind):
-        writers[dst_layout.file_of(info, t)].write(entry_name(kind, info.key), shard)
-    return tensor.numel() * tensor.element_size()
-
-
-def _close_all(writers: Dict[str, ShardWriter]) -> None:
-    for w in writers.values():
-        w.close()
-    writers.clear()
-
-
-def _prepare_destination(src: str, src_iter: str, dst: str, force: bool) -> str:
-    a, b = os.path.realpath(src), os.path.realpath(dst)
-    for s in {a, os.path.realpath(src_iter)}:
-        if b == s or b.startswith(s + os.sep) or s.startswith(b + os.sep):
-            raise CheckpointError(f"DST {dst} overlaps SRC {src}; the converter never writes into its source")
-    if os.path.islink(dst):
-        raise CheckpointError(f"DST {dst} is a symbolic link; pass the directory it points to "
-                              f"({os.path.realpath(dst)}) if that is where the result belongs")
-    if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)) and not force:
-        raise CheckpointError(f"DST {dst} exists and is not empty; pass --force to replace it")
-    tmp = b.rstrip(os.sep) + ".tmp"
-    if os.path.islink(tmp) or os.path.isfile(tmp):  # never write through a link planted at DST.tmp
-        os.unlink(tmp)
-    elif os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
-    return tmp
-
-
-def verify(iter_dir: str, meta: dict, expected_params: int) -> None:
-    """Re-read every header: each needed tensor present exactly once, right shape, nothing extra;
-    the parameter count (and each moment's element count) equals ``expected_params``."""
-    readers = check_files(iter_dir, meta)  # exact per-file entry sets, shapes, sizes
-    seen = Counter()
-    totals = Counter()
-    for name in meta["files"]:
-        for entry, e in readers(name).entries.items():
-            seen[entry] += 1
-            kind = entry.split(".")[1] if entry.startswith("optimizer.") else "model"
-            n = 1
-            for s in e["shape"]:
-                n *= s
-            totals[kind] += n
-    table = metadata_table(meta)
-    layout = ShardLayout.of(metadata_config(meta))
-    for info in table.values():
-        for kind in kinds_of(meta):
-            name = entry_name(kind, info.key)
-            if seen[name] != len(layout.tp_ranks_of(info)):
-                raise CheckpointError(f"{iter_dir}: {name!r} written {seen[name]} times, "
-                                      f"expected {len(layout.tp_ranks_of(info))} (one per TP shard)")
-    for kind in [k for k in kinds_of(meta) if k != "step"]:
-        if totals[kind] != expected_params:
-            raise CheckpointError(f"{iter_dir}: {kind} holds {totals[kind]:,} elements, the source implies "
-                                  f"{expected_params:,}; refusing to publish an incomplete conversion")
+    write_pieces(out_iter, dst_table, dst_layout, kinds, produce, progress=progress, desc=desc)

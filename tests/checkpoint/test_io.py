@@ -9,9 +9,10 @@ import textwrap
 import pytest
 import torch
 
-from megatron_p2r.checkpoint.format import CheckpointError, ShardReader
+from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.io import load_checkpoint, save_checkpoint
 from megatron_p2r.checkpoint.reshard import Target, convert
+from megatron_p2r.checkpoint.safetensors_io import ShardReader
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.training import build_train_state
 from tests.checkpoint.common import cfg_of
@@ -150,7 +151,7 @@ def test_pseudo_checkpoint_into_real_run_says_delink(tmp_path):
 KILLED_RUN = textwrap.dedent("""
     import os, signal, sys
     import megatron_p2r.training as training
-    from megatron_p2r.checkpoint import format as fmt
+    from megatron_p2r.checkpoint import safetensors_io
     import pretrain_m6
 
     steps = {"n": 0}
@@ -165,12 +166,12 @@ KILLED_RUN = textwrap.dedent("""
     rc = pretrain_m6.main(sys.argv[1:] + ["--exit-signal-handler"])
     print("SIGTERM run returned", rc, flush=True)
 
-    write = fmt.ShardWriter.write
+    write = safetensors_io.ShardWriter.write
     def dying_write(self, name, tensor):  # SIGKILL in the middle of writing iteration 3
         if "iter_0000003" in self.path and self.next == 7:
             os.kill(os.getpid(), signal.SIGKILL)
         return write(self, name, tensor)
-    fmt.ShardWriter.write = dying_write
+    safetensors_io.ShardWriter.write = dying_write
     pretrain_m6.main(sys.argv[1:] + ["--load", sys.argv[sys.argv.index("--save") + 1], "--save-interval", "1"])
 """)
 

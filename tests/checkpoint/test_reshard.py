@@ -8,9 +8,11 @@ import textwrap
 import pytest
 import torch
 
-from megatron_p2r.checkpoint.format import CheckpointError, metadata_table, read_metadata
+from megatron_p2r.checkpoint.errors import CheckpointError
+from megatron_p2r.checkpoint.integrity import verify
+from megatron_p2r.checkpoint.metadata import metadata_table, read_metadata
 from megatron_p2r.checkpoint.io import save_checkpoint
-from megatron_p2r.checkpoint.reshard import Target, _plan, convert, verify
+from megatron_p2r.checkpoint.reshard import Target, _plan, convert
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.testing import run_distributed
 from megatron_p2r.training import build_train_state
@@ -54,7 +56,7 @@ def test_round_trip_is_bitwise(source, moe_source, tmp_path, moe):
     assert mb["layout"] == {"tp": 2, "pp": 2, "ep": 2 if moe else 1, "stage_layers": [[0, 1], [1, 4]]}
     assert len([f for f in shard_files(str(b / "iter_0000002")) if f.startswith("mp_rank")]) == (8 if moe else 4)
     if moe:  # expert 3 of layer 3 (stage 1) lives in EP rank 1's files, split over TP
-        from megatron_p2r.checkpoint.format import ShardReader
+        from megatron_p2r.checkpoint.safetensors_io import ShardReader
         for tp in (0, 1):
             names = ShardReader(str(b / "iter_0000002" / f"mp_rank_0{tp}_001_001.safetensors")).names()
             assert "layers.3.mlp.experts.3.weight1" in names and "layers.3.mlp.experts.1.weight1" not in names

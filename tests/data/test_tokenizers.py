@@ -248,8 +248,7 @@ def test_unknown_tokenizer_type():
 
 def test_training_takes_null_tokenizer_size_from_vocab_size_flag():
     from megatron_p2r.arguments import config_from_values
-    from megatron_p2r.training import setup_vocab
+    from megatron_p2r.training import resolve_vocab
 
-    cfg = config_from_values({"tokenizer_type": "NullTokenizer", "vocab_size": 100, "mock_data": True})
-    tok = setup_vocab(cfg)
-    assert (cfg.model.vocab_size, tok.eod) == (100, 99)
+    cfg = resolve_vocab(config_from_values({"tokenizer_type": "NullTokenizer", "vocab_size": 100, "mock_data": True}))
+    assert cfg.model.vocab_size == 100 and build_tokenizer(cfg.data, vocab_size=100).eod == 99

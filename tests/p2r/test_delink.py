@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from megatron_p2r.checkpoint.format import CheckpointError
+from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.io import load_checkpoint, save_checkpoint
 from megatron_p2r.checkpoint.reshard import DelinkOptions, Target, convert
 from megatron_p2r.p2r import delink as dl

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from megatron_p2r.arguments import parse_args
-from megatron_p2r.checkpoint.format import CheckpointError
+from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.io import load_checkpoint
 from megatron_p2r.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megatron_p2r.parallel.state import ParallelState

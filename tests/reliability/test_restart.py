@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from megatron_p2r.checkpoint.format import check_files, read_metadata, resolve_iteration_dir
+from megatron_p2r.checkpoint.integrity import check_files
+from megatron_p2r.checkpoint.metadata import read_metadata
+from megatron_p2r.checkpoint.naming import resolve_iteration_dir
 from megatron_p2r.reliability import SAVE_POINTS
 from megatron_p2r.testing import free_port
 from tests.reliability.common import FLAGS, ROOT, checkpoint_tensor_files, launch

@@ -6,7 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from megatron_p2r.checkpoint.format import CheckpointError, write_text_atomic
+from megatron_p2r.checkpoint.atomic import write_text_atomic
+from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.io import load_checkpoint, save_checkpoint
 from megatron_p2r.checkpoint.reshard import Target, convert
 from megatron_p2r.data.indexed_dataset import IndexedDataset

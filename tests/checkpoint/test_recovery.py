@@ -1,8 +1,7 @@
-"""Unit tests of the recovery helpers: what a kill leaves in a save directory, and how a
-failed collective is explained."""
+"""Crash recovery of a save directory: what a kill while saving or pruning leaves, repaired."""
 import os
 
-from megatron_p2r.reliability import describe_distributed_failure, recover_save_dir
+from megatron_p2r.checkpoint.recovery import recover_save_dir
 
 
 def _iteration(root, name, complete=True):
@@ -34,16 +33,3 @@ def test_missing_latest_is_rewritten_for_the_newest_complete_checkpoint(tmp_path
     _iteration(tmp_path, "iter_0000003", complete=False)
     assert "= 2 (the newest complete checkpoint" in recover_save_dir(str(tmp_path))[0]
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "2"
-
-
-def test_describe_distributed_failure_recognises_backend_errors_only():
-    """(The collective's and caller's names, read off a real traceback, are checked by the
-    stalled-rank test in test_faults.py.)"""
-    try:
-        raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv "
-                           "operation to complete")
-    except RuntimeError as exc:
-        message = describe_distributed_failure(exc, 0.05)
-    assert message.startswith("collective operation timed out after 0.05 min (--distributed-timeout-minutes)")
-    assert "Backend said: [gloo" in message
-    assert describe_distributed_failure(ValueError("unrelated"), 1.0) is None

@@ -1,0 +1,123 @@
+"""import-hf: write an HF model directory as a checkpoint of ours (real phase, iteration 0, no
+optimizer state) in any layout, every needed tensor checked before anything is written."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import yaml
+
+from megatron_p2r.checkpoint.atomic import write_text_atomic
+from megatron_p2r.checkpoint.hf.architecture import HFConversionError
+from megatron_p2r.checkpoint.hf.config_json import import_vocab_divisor, model_values_from_hf, required_field
+from megatron_p2r.checkpoint.hf.directory import HFDirectory, read_hf_config
+from megatron_p2r.checkpoint.hf.rules import Rule, rules
+from megatron_p2r.checkpoint.hf.tokenizer import import_tokenizer
+from megatron_p2r.checkpoint.integrity import verify
+from megatron_p2r.checkpoint.metadata import build_metadata, write_metadata
+from megatron_p2r.checkpoint.naming import LATEST_FILE, iteration_dir_name
+from megatron_p2r.checkpoint.pieces import write_pieces
+from megatron_p2r.checkpoint.reshard import Target, target_config
+from megatron_p2r.checkpoint.staging import staged_output
+from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo, tensor_table
+from megatron_p2r.config import Config, ModelConfig
+from megatron_p2r.optim.grad_scaler import LossScaler
+
+# HF tensors that are buffers, not weights (older GPT2 / Llama files carry them).
+_IGNORED = re.compile(r"(\.attn\.(masked_)?bias$|rotary_emb\.inv_freq$)")
+
+
+def import_hf(src: str, dst: str, target: Target, *, make_vocab_size_divisible_by: Optional[int] = None,
+              allow_approximate_gelu: bool = False, force: bool = False,
+              progress: bool = True) -> Tuple[str, List[str]]:
+    """Write the HF model SRC as a checkpoint of ours (real phase, iteration 0, no optimizer
+    state) in the ``target`` layout. Returns (iteration directory, notes)."""
+    hf_cfg = read_hf_config(src)
+    where = os.path.join(src, "config.json")
+    arch, values = model_values_from_hf(hf_cfg, where, allow_approximate_gelu)
+    hf_vocab = required_field(hf_cfg, "vocab_size", where)
+    hf = HFDirectory(src)
+    cfg = _imported_config(values, hf_vocab, target, make_vocab_size_divisible_by)
+    m = cfg.model
+    plan = {r.ours: r for r in rules(m, arch, hf_vocab)}
+    table = tensor_table(cfg)
+    _check_hf_tensors(src, hf, plan, table, m)
+    layout = ShardLayout.of(cfg)
+    with staged_output(src, src, dst, force) as tmp:
+        out_iter = os.path.join(tmp, iteration_dir_name(0))
+        os.makedirs(out_iter)
+        write_pieces(out_iter, table, layout, ("model",), lambda info, kind: _read_piece(hf, plan[info.key]),
+                     progress=progress, desc="import-hf")
+        files = {f: os.path.getsize(os.path.join(out_iter, f)) for f in layout.files()}
+        meta = build_metadata(cfg, table, iteration=0, consumed_samples=0, optimizer=False,
+                              scheduler={"step_count": 0}, scaler=LossScaler(cfg.train).state_dict(), files=files,
+                              rng=None, history=[{"op": "import-hf", "source": os.path.abspath(src),
+                                                  "source_layout": f"hf:{arch}"}])
+        write_metadata(out_iter, meta)
+        verify(out_iter, meta, expected_params=sum(i.numel for i in table.values()))
+        note, flags = import_tokenizer(src, tmp, dst)
+        _write_model_yaml(os.path.join(tmp, "model.yaml"), cfg, flags)
+        write_text_atomic(os.path.join(tmp, LATEST_FILE), "0")
+    notes = [note]
+    if m.padded_vocab_size != hf_vocab:
+        notes.append(f"vocabulary padded from {hf_vocab} to {m.padded_vocab_size} rows with zeros "
+                     f"(TP {layout.tp} does not divide {hf_vocab}); their logits (0) enter our softmax")
+    yaml_path = os.path.join(dst, "model.yaml")
+    notes.append(f"model and layout flags in {yaml_path}: train with --config {yaml_path} --load {dst} "
+                 "--finetune plus data and training flags")
+    return os.path.join(dst, iteration_dir_name(0)), notes
+
+
+def _imported_config(values: dict, hf_vocab: int, target: Target, divisible_by: Optional[int]) -> Config:
+    """Our config for the HF model's ``values`` in the ``target`` layout (unset sizes: 1)."""
+    tp = target.tensor_parallel_size or 1
+    divisor = import_vocab_divisor(hf_vocab, tp, divisible_by)
+    values.update(vocab_size=hf_vocab, make_vocab_size_divisible_by=divisor,
+                  seq_length=min(values["max_position_embeddings"], 4096))
+    base = Config.from_dict({"model": values})
+    return target_config(base, Target(target.tensor_parallel_size or 1, target.pipeline_parallel_size or 1,
+                                      target.pipeline_layer_split, target.expert_parallel_size), delink=False)
+
+
+def _check_hf_tensors(src: str, hf: HFDirectory, plan: Dict[str, Rule], table: Dict[str, TensorInfo],
+                      m: ModelConfig) -> None:
+    """Every tensor our model needs is there with the shape config.json implies, and every HF
+    weight has a place in our model (none is silently dropped)."""
+    used = set()
+    for key, info in table.items():
+        r = plan[key]
+        shapes = [tuple(t.shape) for t in r.to_hf(torch.empty(info.shape, device="meta"))]
+        for name, shape in zip(r.hf, shapes):
+            stored = hf.resolve(name)
+            if stored is None:
+                raise HFConversionError(f"{src}: the weights have no tensor {name!r} (needed for our {key!r})")
+            if tuple(hf.entry(stored)["shape"]) != shape:
+                raise HFConversionError(f"{src}: tensor {stored!r} has shape {hf.entry(stored)['shape']}, "
+                                        f"config.json implies {list(shape)}")
+            used.add(stored)
+    unused = sorted(n for n in hf.weight_map if n not in used and not _IGNORED.search(n)
+                    and not (n == "lm_head.weight" and not m.untie_embeddings_and_output_weights))
+    if unused:
+        raise HFConversionError(f"{src}: {len(unused)} tensors have no place in our model, e.g. {unused[0]!r}; "
+                                "refusing to drop weights")
+
+
+def _read_piece(hf: HFDirectory, rule: Rule) -> torch.Tensor:
+    """Our global piece, made from its HF tensors (fp32, contiguous)."""
+    return rule.from_hf([hf.read(hf.resolve(n)).float() for n in rule.hf]).to(torch.float32).contiguous()
+
+
+def _write_model_yaml(path: str, cfg: Config, data_flags: dict) -> None:
+    """The model and layout flags of the imported checkpoint, for ``--config`` (flat, dashed keys)."""
+    values = {k: v for k, v in dataclasses.asdict(cfg.model).items() if v is not None}
+    p = cfg.parallel
+    values.update(tensor_model_parallel_size=p.tensor_model_parallel_size,
+                  pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+                  expert_model_parallel_size=p.expert_model_parallel_size, **data_flags)
+    if p.pipeline_layer_split:
+        values["pipeline_layer_split"] = p.pipeline_layer_split
+    with open(path, "w", encoding="utf-8") as fh:
+        yaml.safe_dump({k.replace("_", "-"): v for k, v in values.items()}, fh, sort_keys=False)

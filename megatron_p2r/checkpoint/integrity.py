@@ -1,0 +1,72 @@
+"""Does a checkpoint directory hold what its metadata.json says? Checked from the shard headers
+alone (no tensor data is read), before a load or a conversion trusts the files, and after a
+conversion, before its result is published."""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import Optional
+
+from megatron_p2r.checkpoint.errors import CheckpointError
+from megatron_p2r.checkpoint.metadata import kinds_of, metadata_config, metadata_table
+from megatron_p2r.checkpoint.naming import METADATA_FILE, entry_name
+from megatron_p2r.checkpoint.safetensors_io import ReaderCache, ShardReader
+from megatron_p2r.checkpoint.tensor_table import ShardLayout, file_entries
+
+
+def check_recorded_size(reader: ShardReader, name: str, recorded: Optional[int]) -> None:
+    """Fail unless shard ``name`` has the size metadata.json records for it."""
+    if reader.size != recorded:
+        raise CheckpointError(f"{reader.path}: {reader.size} bytes, but {METADATA_FILE} files[{name!r}] "
+                              f"records {recorded} (truncated or replaced?)")
+
+
+def check_files(iter_dir: str, meta: dict, readers: Optional[ReaderCache] = None) -> ReaderCache:
+    """Every shard ``meta`` lists exists, has its recorded size and holds exactly the expected
+    tensors with the expected shapes (headers only; no tensor data is read)."""
+    readers = readers or ReaderCache(iter_dir)
+    cfg = metadata_config(meta)
+    layout = ShardLayout.of(cfg)
+    expected = file_entries(metadata_table(meta), layout, kinds_of(meta))
+    for name, entries in expected.items():
+        recorded = meta["files"].get(name)
+        if recorded is None:
+            raise CheckpointError(f"{os.path.join(iter_dir, METADATA_FILE)}: files has no entry for {name}, "
+                                  f"which the layout {layout.to_json()} needs")
+        reader = readers(name)
+        check_recorded_size(reader, name, recorded)
+        for entry, dtype, shape in entries:
+            reader.check(entry, dtype, shape)
+        extra = set(reader.names()) - {e[0] for e in entries}
+        if extra:
+            raise CheckpointError(f"{reader.path}: holds tensors {METADATA_FILE} does not list, "
+                                  f"e.g. {sorted(extra)[0]!r}")
+    return readers
+
+
+def verify(iter_dir: str, meta: dict, expected_params: int) -> None:
+    """Re-read every header: each needed tensor present exactly once, right shape, nothing extra;
+    the parameter count (and each moment's element count) equals ``expected_params``."""
+    readers = check_files(iter_dir, meta)  # exact per-file entry sets, shapes, sizes
+    seen = Counter()
+    totals = Counter()
+    for name in meta["files"]:
+        for entry, e in readers(name).entries.items():
+            seen[entry] += 1
+            kind = entry.split(".")[1] if entry.startswith("optimizer.") else "model"
+            n = 1
+            for s in e["shape"]:
+                n *= s
+            totals[kind] += n
+    table = metadata_table(meta)
+    layout = ShardLayout.of(metadata_config(meta))
+    for info in table.values():
+        for kind in kinds_of(meta):
+            name = entry_name(kind, info.key)
+            if seen[name] != len(layout.tp_ranks_of(info)):
+                raise CheckpointError(f"{iter_dir}: {name!r} written {seen[name]} times, "
+                                      f"expected {len(layout.tp_ranks_of(info))} (one per TP shard)")
+    for kind in [k for k in kinds_of(meta) if k != "step"]:
+        if totals[kind] != expected_params:
+            raise CheckpointError(f"{iter_dir}: {kind} holds {totals[kind]:,} elements, the source implies "
+                                  f"{expected_params:,}; refusing to publish an incomplete conversion")

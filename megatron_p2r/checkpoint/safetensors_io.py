@@ -1,0 +1,175 @@
+"""Streaming safetensors files: write one tensor at a time, read exactly the bytes of one tensor.
+
+Shards are real safetensors files (any safetensors reader opens them), but the header of a
+file is known before its tensors are, so a converter writes one tensor at a time and reads
+exactly the bytes of the tensor it needs. Nothing is ever unpickled.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+from megatron_p2r.checkpoint.errors import CheckpointError
+from megatron_p2r.checkpoint.naming import METADATA_FILE
+
+# torch dtype -> safetensors dtype string, and back
+SAFETENSORS_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                     torch.uint8: "U8", torch.bool: "BOOL"}
+TORCH_DTYPE = {v: k for k, v in SAFETENSORS_DTYPE.items()}
+_MAX_HEADER = 1 << 30
+
+
+def nbytes(dtype: str, shape: Iterable[int]) -> int:
+    """Size of a tensor of safetensors ``dtype`` and ``shape``."""
+    n = torch.empty((), dtype=TORCH_DTYPE[dtype]).element_size()
+    for s in shape:
+        n *= s
+    return n
+
+
+class ShardWriter:
+    """Writes one safetensors file tensor by tensor, in the order its header announces.
+
+    The header (names, dtypes, shapes, offsets) is written first, so memory never holds more
+    than the tensor being written; ``close`` fails if any announced tensor is missing.
+    """
+
+    def __init__(self, path: str, entries: Sequence[tuple], metadata: Optional[Dict[str, str]] = None):
+        self.path, self.entries, self.next = path, list(entries), 0
+        header, offset = {}, 0
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        for name, dtype, shape in self.entries:
+            size = nbytes(dtype, shape)
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self.fh = open(path, "wb")
+        self.fh.write(struct.pack("<Q", len(blob)) + blob)
+        self.bytes_written = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self.next >= len(self.entries):
+            raise CheckpointError(f"{self.path}: tensor {name!r} is not announced in the header")
+        want, dtype, shape = self.entries[self.next]
+        if name != want or SAFETENSORS_DTYPE[tensor.dtype] != dtype or tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(f"{self.path}: expected tensor {want!r} {dtype}{list(shape)} next, "
+                                  f"got {name!r} {SAFETENSORS_DTYPE.get(tensor.dtype)}{list(tensor.shape)}")
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self.fh.write(memoryview(data.numpy()))
+        self.bytes_written += data.numel()
+        self.next += 1
+
+    def close(self) -> None:
+        missing = [e[0] for e in self.entries[self.next:]]
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+        self.fh.close()
+        if missing:
+            raise CheckpointError(f"{self.path}: {len(missing)} announced tensors were never written, "
+                                  f"first {missing[0]!r}")
+
+
+def save_tensors(path: str, tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]] = None) -> None:
+    """A whole small dict (RNG states) as one safetensors file."""
+    writer = ShardWriter(path, [(k, SAFETENSORS_DTYPE[v.dtype], tuple(v.shape)) for k, v in tensors.items()],
+                         metadata)
+    for k, v in tensors.items():
+        writer.write(k, v)
+    writer.close()
+
+
+class ShardReader:
+    """The header of one safetensors file, checked against the file size; reads single tensors."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            size = os.path.getsize(path)
+        except FileNotFoundError:
+            raise CheckpointError(f"missing shard {path}") from None
+        self.size = size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"truncated shard {path}: {size} bytes, shorter than the 8-byte header length")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise CheckpointError(f"truncated shard {path}: header of {n} bytes announced, file has {size} bytes")
+            try:
+                header = json.loads(fh.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise CheckpointError(f"corrupt shard {path}: header is not valid JSON ({exc})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"corrupt shard {path}: header is a JSON {type(header).__name__}, not an object")
+        self.metadata = header.pop("__metadata__", {}) or {}
+        for name, e in header.items():
+            _check_entry(path, name, e)
+        self.data_start = 8 + n
+        self.entries = header
+        end = max((e["data_offsets"][1] for e in header.values()), default=0)
+        if self.data_start + end > size:
+            raise CheckpointError(f"truncated shard {path}: its tensors need {self.data_start + end} bytes, "
+                                  f"the file has {size}")
+
+    def names(self) -> List[str]:
+        return list(self.entries)
+
+    def check(self, name: str, dtype: str, shape: Sequence[int], field: str = "shape") -> None:
+        """Fail, naming file and tensor, unless ``name`` is stored with ``dtype`` and ``shape``."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} listed in {METADATA_FILE} is not in the shard")
+        if entry["dtype"] != dtype:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has dtype {entry['dtype']}, "
+                                  f"{METADATA_FILE} says {dtype}")
+        if tuple(entry["shape"]) != tuple(shape):
+            raise CheckpointError(f"{self.path}: tensor {name!r} has shape {list(entry['shape'])}, expected "
+                                  f"{list(shape)} from {METADATA_FILE} ({field})")
+
+    def read(self, name: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Tensor ``name``, read straight into ``out`` (a contiguous CPU tensor of its shape) if given."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise CheckpointError(f"{self.path}: no tensor {name!r}")
+        start, end = entry["data_offsets"]
+        dtype, shape = TORCH_DTYPE[entry["dtype"]], tuple(entry["shape"])
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)
+        elif out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous():
+            raise CheckpointError(f"{self.path}: tensor {name!r} is {entry['dtype']}{list(shape)}, cannot read it "
+                                  f"into {out.dtype}{list(out.shape)}")
+        with open(self.path, "rb") as fh:
+            fh.seek(self.data_start + start)
+            if end > start and fh.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy())) != end - start:
+                raise CheckpointError(f"truncated shard {self.path}: tensor {name!r} is cut short")
+        return out
+
+
+def _check_entry(path: str, name: str, e) -> None:
+    """One header entry is a known dtype, a shape, and offsets spanning exactly its bytes."""
+    ok = (isinstance(e, dict) and e.get("dtype") in TORCH_DTYPE and isinstance(e.get("shape"), list)
+          and all(isinstance(s, int) and s >= 0 for s in e["shape"]) and isinstance(e.get("data_offsets"), list)
+          and len(e["data_offsets"]) == 2 and all(isinstance(o, int) for o in e["data_offsets"]))
+    if not ok or not 0 <= e["data_offsets"][0] <= e["data_offsets"][1] or \
+            e["data_offsets"][1] - e["data_offsets"][0] != nbytes(e["dtype"], e["shape"]):
+        raise CheckpointError(f"corrupt shard {path}: header entry {name!r} is not a valid tensor "
+                              f"(dtype, shape, data_offsets): {json.dumps(e)[:120]}")
+
+
+class ReaderCache:
+    """Parsed headers by path (a converter touches each file many times)."""
+
+    def __init__(self, root: str):
+        self.root, self._readers = root, {}
+
+    def __call__(self, name: str) -> ShardReader:
+        if name not in self._readers:
+            self._readers[name] = ShardReader(os.path.join(self.root, name))
+        return self._readers[name]

@@ -1,0 +1,156 @@
+"""The tensor table: which pieces a model has, their global shapes and split dims, and which
+shard file holds each of them for a given layout.
+
+The unit of storage is a *piece*: one logical tensor (``layers.3.attention.qkv.weight``), or
+one expert of a stacked expert parameter under its **global** index
+(``layers.3.mlp.experts.7.weight1``). Each piece is stored exactly once per TP shard: in the
+file of its first pipeline stage (replicas on later stages — the tied output weight, a pseudo
+slot used by several stages — are not written again), of TP rank 0 when it is not split over
+TP, and of the EP rank that holds it. Data-parallel replicas therefore write once, and the
+same table says where every piece is for any layout, which is what lets ``reshard`` and
+``delink`` stream tensor by tensor.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from megatron_p2r.checkpoint.errors import CheckpointError
+from megatron_p2r.checkpoint.naming import METADATA_FILE, entry_name, shard_file
+from megatron_p2r.checkpoint.safetensors_io import SAFETENSORS_DTYPE, nbytes
+from megatron_p2r.config import Config
+from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.parallel.sharding import expert_key
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One piece: where it comes from, its global shape and how it is split."""
+
+    key: str                    # name of the piece (expert pieces: expert_key(param, e))
+    param: str                  # logical parameter name (the stacked name for experts)
+    shape: Tuple[int, ...]      # global shape of the piece (one expert's shape for experts)
+    dtype: str                  # safetensors dtype string
+    tp_dim: Optional[int]       # dimension of ``shape`` split over TP, or None (stored by TP rank 0)
+    expert: Optional[int]       # global expert index; the stacked parameter's dim 0 is split over EP
+    stage: int                  # pipeline stage whose file holds the piece
+    module_key: Optional[int]   # K for pieces under ``layers.K.``
+    layers: Tuple[int, ...]     # global layers that call module K (several in the pseudo phase)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.dtype, self.shape)
+
+    def to_json(self) -> dict:
+        return {"param": self.param, "shape": list(self.shape), "dtype": self.dtype, "tp_dim": self.tp_dim,
+                "ep_dim": 0 if self.expert is not None else None, "expert": self.expert,
+                "stage": self.stage, "module_key": self.module_key, "layers": list(self.layers)}
+
+    @classmethod
+    def from_json(cls, key: str, d: dict) -> "TensorInfo":
+        try:
+            return cls(key=key, param=d["param"], shape=tuple(d["shape"]), dtype=d["dtype"], tp_dim=d["tp_dim"],
+                       expert=d["expert"], stage=d["stage"], module_key=d["module_key"], layers=tuple(d["layers"]))
+        except (KeyError, TypeError) as exc:
+            raise CheckpointError(f"{METADATA_FILE}: tensors[{key!r}] is malformed ({exc!r})") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """What decides file placement: TP, EP and the layers of each pipeline stage."""
+
+    tp: int
+    ep: int
+    stage_layers: Tuple[Tuple[int, int], ...]   # [start, stop) of each stage
+    num_experts: int = 0
+
+    @property
+    def pp(self) -> int:
+        return len(self.stage_layers)
+
+    @classmethod
+    def of(cls, cfg: Config) -> "ShardLayout":
+        p = cfg.parallel
+        return cls(tp=p.tensor_model_parallel_size, ep=p.expert_model_parallel_size,
+                   stage_layers=tuple((st.layers.start, st.layers.stop)
+                                      for st in ParallelPlan.model_parallel(cfg).stages),
+                   num_experts=cfg.model.num_experts or 0)
+
+    def to_json(self) -> dict:
+        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "stage_layers": [list(r) for r in self.stage_layers]}
+
+    def ep_rank_of(self, info: TensorInfo) -> int:
+        return 0 if info.expert is None else info.expert // (self.num_experts // self.ep)
+
+    def tp_ranks_of(self, info: TensorInfo) -> range:
+        return range(self.tp) if info.tp_dim is not None else range(1)
+
+    def file_of(self, info: TensorInfo, tp_rank: int) -> str:
+        """The file holding TP shard ``tp_rank`` of ``info`` (shard 0 for unsplit pieces)."""
+        return shard_file(tp_rank if info.tp_dim is not None else 0, info.stage, self.ep_rank_of(info))
+
+    def local_shape(self, info: TensorInfo) -> Tuple[int, ...]:
+        shape = list(info.shape)
+        if info.tp_dim is not None:
+            shape[info.tp_dim] //= self.tp
+        return tuple(shape)
+
+    def stage_files(self, stage: int) -> List[str]:
+        return [shard_file(t, stage, e) for e in range(self.ep) for t in range(self.tp)]
+
+    def files(self) -> List[str]:
+        return [f for s in range(self.pp) for f in self.stage_files(s)]
+
+
+def _module_key(name: str) -> Optional[int]:
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "layers" else None
+
+
+def tensor_table(cfg: Config) -> Dict[str, TensorInfo]:
+    """Every piece of the model ``cfg`` describes, in file order (stage by stage), from the
+    ParallelPlan's tensor table (checked against meta-device builds of the model)."""
+    plan = ParallelPlan.model_parallel(cfg)
+    tp, ep = plan.layout.tp, plan.layout.ep
+    users = plan.slot_users()
+    table: Dict[str, TensorInfo] = {}
+    for stage in range(len(plan.stages)):
+        for spec in plan.tensors(stage):
+            logical = spec.logical
+            mk = _module_key(logical)
+            common = dict(param=logical, dtype="F32", stage=stage, module_key=mk,
+                          layers=users.get(mk, ()) if mk is not None else ())
+            shape = list(spec.shape)
+            if spec.tp_dim is not None:
+                shape[spec.tp_dim] *= tp
+            if spec.expert:
+                for e in range(shape[0] * ep):
+                    key = expert_key(logical, e)
+                    if key not in table:
+                        table[key] = TensorInfo(key=key, shape=tuple(shape[1:]), expert=e,
+                                                tp_dim=None if spec.tp_dim is None else spec.tp_dim - 1, **common)
+            elif logical not in table:
+                table[logical] = TensorInfo(key=logical, shape=tuple(shape), expert=None, tp_dim=spec.tp_dim, **common)
+    return table
+
+
+def file_entries(table: Dict[str, TensorInfo], layout: ShardLayout, kinds: Sequence[str]) -> Dict[str, list]:
+    """file -> [(entry name, dtype, local shape)] in write order, for every file of ``layout``."""
+    out: Dict[str, list] = {f: [] for f in layout.files()}
+    for info in table.values():
+        local = layout.local_shape(info)
+        for t in layout.tp_ranks_of(info):
+            entries = out[layout.file_of(info, t)]
+            for kind in kinds:
+                if kind == "step":
+                    entries.append((entry_name(kind, info.key), "F32", ()))
+                else:
+                    entries.append((entry_name(kind, info.key), info.dtype, local))
+    return out
