@@ -175,13 +175,13 @@ def _take(iterator: Iterator[dict], n: int, what: str) -> List[dict]:
 # ----------------------------------------------------------------------------- steps
 
 def reduce_loss(loss: Optional[torch.Tensor], ps: ParallelState) -> float:
-    """The last stage's loss averaged over data parallelism, returned on every rank."""
+    """The global batch's token-mean loss on every rank: the schedules return each DP rank's
+    share of it on the last stage (None elsewhere), so it is their sum over PP and DP."""
     value = loss.detach().clone().float().reshape(1) if ps.is_last_stage else torch.zeros(1, device=ps.device)
     if ps.group("pp") is not None:
         dist.all_reduce(value, group=ps.group("pp"))
     if ps.group("dp") is not None:
         dist.all_reduce(value, group=ps.group("dp"))
-        value /= ps.dp_size
     return value.item()
 
 
@@ -193,7 +193,8 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
         p.grad = None
     forward_backward = get_forward_backward_func(ps, cfg.parallel.pipeline_schedule)
     scale = state.scaler.scale
-    loss = forward_backward(state.model, microbatches, ps, loss_scale=scale, dtype=compute_dtype(cfg))
+    loss = forward_backward(state.model, microbatches, ps, loss_scale=scale, dtype=compute_dtype(cfg),
+                            on_backward_scale=aux_loss.set_backward_scale)
     finalize_grads(params, ps)
     reliability.on_gradients(state.iteration + 1, ps.rank, params)
     scaled_norm, found_inf = grad_norm_and_non_finite(params, ps)
@@ -216,7 +217,8 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
 
 @torch.no_grad()
 def evaluate(state: TrainState, valid_dataset) -> float:
-    """Validation loss on a fixed, deterministic set: the first eval-iters global batches."""
+    """Validation loss on a fixed, deterministic set: the first eval-iters global batches,
+    averaged over their valid tokens as the training loss is."""
     cfg, ps = state.cfg, state.ps
     state.model.eval()
     n = num_microbatches(cfg, ps.layout.world_size) * cfg.logging.eval_iters
