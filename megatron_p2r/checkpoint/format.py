@@ -1,4 +1,4 @@
-"""The checkpoint format (DESIGN §7): which tensors exist, where each lives, how files are read.
+"""The checkpoint format (docs/checkpoint.md): which tensors exist, where each lives, how files are read.
 
 A checkpoint of iteration N is ``<dir>/iter_000000N/`` with
 
