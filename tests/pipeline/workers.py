@@ -114,9 +114,9 @@ def _first_step_grads(into: dict) -> Callable:
 
 def train_replicas(cfg, ps: ParallelState, steps: int = 3) -> dict:
     """``steps`` train_step calls on mock data, here and on one process: per-step losses, the
-    first step's largest gradient error, every parameter's distance to the one-process run
-    after the last step, how far the weights moved, and a hash of this rank's tied-embedding
-    replica."""
+    first step's largest gradient error, every parameter element's distance to the one-process
+    run after the last step (and the largest), how far the weights moved, and a hash of this
+    rank's tied-embedding replica."""
     init = {n: p.detach().clone() for n, p in build_model(cfg, ps).named_parameters()}
     grads, ref_grads = {}, {}
     losses, state = run_steps(cfg, ps, steps, after_step=_first_step_grads(grads))
@@ -133,6 +133,7 @@ def train_replicas(cfg, ps: ParallelState, steps: int = 3) -> dict:
         out["moved"] = max(out["moved"], (p.detach() - init[name]).abs().max().item())
         if logical == WORD_EMBEDDING:
             out["replica"] = hashlib.sha256(p.detach().numpy().tobytes()).hexdigest()
+    out["param_err"] = max(out["param_errs"])
     return out
 
 
