@@ -59,6 +59,9 @@ class UniformStage(nn.Module):
         self.mlp = nn.Sequential(*[m for _ in range(n) for m in (nn.Linear(hidden, hidden), nn.GELU())])
         self.hidden = hidden
 
+    def hidden_spec(self, tokens_shape):
+        return (*tokens_shape, self.hidden), torch.float32
+
     def forward(self, tokens=None, hidden=None, labels=None):
         x = hidden
         if self.is_first:
@@ -72,17 +75,18 @@ class UniformStage(nn.Module):
 
 
 def _p2p_latency(ps, shape, rounds: int = 30) -> float:
-    """One-way time of one activation transfer (header + tensor), from ping-pongs 0 <-> 1."""
+    """One-way time of one activation transfer, from ping-pongs 0 <-> 1."""
     link, x = StageLink(ps), torch.randn(shape)
+    spec = (tuple(shape), x.dtype)
     times = []
     for _ in range(rounds):
         dist.barrier()
         start = time.perf_counter()
         if ps.pp_rank == 0:
-            link.send_forward(x)
-            link.recv_backward()
+            link.send_forward(x, spec)
+            link.recv_backward(spec)
         elif ps.pp_rank == 1:
-            link.send_backward(link.recv_forward(requires_grad=False))
+            link.send_backward(link.recv_forward(spec, requires_grad=False), spec)
         times.append((time.perf_counter() - start) / 2)
         link.wait()
     return statistics.median(times)

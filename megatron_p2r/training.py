@@ -179,13 +179,13 @@ def _take(iterator: Iterator[dict], n: int, what: str) -> List[dict]:
 # ----------------------------------------------------------------------------- steps
 
 def reduce_loss(loss: Optional[torch.Tensor], ps: ParallelState) -> float:
-    """The last stage's loss averaged over data parallelism, returned on every rank."""
+    """The global batch's token-mean loss on every rank: the schedules return each DP rank's
+    share of it on the last stage (None elsewhere), so it is their sum over PP and DP."""
     value = loss.detach().clone().float().reshape(1) if ps.is_last_stage else torch.zeros(1, device=ps.device)
     if ps.group("pp") is not None:
         dist.all_reduce(value, group=ps.group("pp"))
     if ps.group("dp") is not None:
         dist.all_reduce(value, group=ps.group("dp"))
-        value /= ps.dp_size
     return value.item()
 
 
@@ -197,7 +197,8 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
         p.grad = None
     forward_backward = get_forward_backward_func(ps, cfg.parallel.pipeline_schedule)
     scale = state.scaler.scale
-    loss = forward_backward(state.model, microbatches, ps, loss_scale=scale, dtype=compute_dtype(cfg))
+    loss = forward_backward(state.model, microbatches, ps, loss_scale=scale, dtype=compute_dtype(cfg),
+                            on_backward_scale=aux_loss.set_backward_scale)
     finalize_grads(state.model.named_parameters(), state.plan, ps)
     reliability.on_gradients(state.iteration + 1, ps.rank, params)
     scaled_norm, found_inf = grad_norm_and_non_finite(state.model.named_parameters(), state.plan, ps)
@@ -220,7 +221,8 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
 
 @torch.no_grad()
 def evaluate(state: TrainState, valid_dataset) -> float:
-    """Validation loss on a fixed, deterministic set: the first eval-iters global batches."""
+    """Validation loss on a fixed, deterministic set: the first eval-iters global batches,
+    averaged over their valid tokens as the training loss is."""
     cfg, ps = state.cfg, state.ps
     state.model.eval()
     n = num_microbatches(cfg, ps.layout.world_size) * cfg.logging.eval_iters
@@ -233,11 +235,11 @@ def evaluate(state: TrainState, valid_dataset) -> float:
 
 # ----------------------------------------------------------------------------- the loop
 
-class _ExitSignal:
+class ExitSignal:
     """Turns SIGTERM into a flag the loop checks after each step (then saves and exits)."""
 
     def __init__(self, enabled: bool):
-        self.received = False
+        self.enabled, self.received = enabled, False
         if enabled:
             signal.signal(signal.SIGTERM, self._handle)
 
@@ -245,6 +247,10 @@ class _ExitSignal:
         self.received = True
 
     def any_rank(self, ps: ParallelState) -> bool:
+        """Whether any rank received the signal: a collective over the world and a host sync,
+        so only with --exit-signal-handler (every rank then calls it after every step)."""
+        if not self.enabled:
+            return False
         flag = torch.tensor([1.0 if self.received else 0.0], device=ps.device)
         if ps.layout.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -311,16 +317,25 @@ def resume_checkpoint(state: TrainState) -> None:
         reliability.record("resumed", ps.rank, state.iteration)
 
 
+class _LogWindow:
+    """The steps since the last training log line: a record averages its interval."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.start, self.steps = time.perf_counter(), 0
+
+
 def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger) -> dict:
-    cfg, ps = state.cfg, state.ps
-    t, ck = cfg.train, cfg.checkpoint
+    """Step until --train-iters; after each step, on their intervals: a log record, an
+    evaluation, a checkpoint, an exit."""
+    cfg, ps, t = state.cfg, state.ps, state.cfg.train
     n_mb = num_microbatches(cfg, ps.layout.world_size)
-    gbs = global_batch_size(cfg, ps.layout.world_size)
     data = microbatch_iterator(train_ds, state.consumed_samples, cfg, ps)
-    exit_signal = _ExitSignal(t.exit_signal_handler)
-    flops_per_token = model_flops_per_token(cfg.model, t.recompute_activations)
+    exit_signal = ExitSignal(t.exit_signal_handler)
     losses, eval_losses = [], []
-    window_start, window_steps = time.perf_counter(), 0
+    window = _LogWindow()
     first_iteration = state.iteration
     state.model.train()
     while state.iteration < t.train_iters:
@@ -329,55 +344,90 @@ def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger) -> dict
         out = train_step(state, _take(data, n_mb, "training"))
         reliability.after_step(state.iteration, ps.rank)
         losses.append(out["lm_loss"])
-        window_steps += 1
-        window_losses = losses[-window_steps:]
-        # fp16 skips are routine while the scale adapts; they count once it is at its floor.
-        counted = not t.fp16 or state.scaler.scale <= state.scaler.min_scale
-        if out["skipped"] and counted:
-            logger.info(f"warning: iteration {state.iteration} skipped: non-finite loss or gradients on at least one "
-                        f"rank ({state.skipped_in_a_row} in a row; --max-skipped-steps {t.max_skipped_steps})")
-        if out["skipped"] and counted and state.skipped_in_a_row >= t.max_skipped_steps:
-            _save(state, logger, reason="stopping on non-finite values")
-            saved = f"the last good state is saved in {ck.save}" if ck.save else "nothing was saved (no --save)"
-            raise TrainingStopped(f"{state.skipped_in_a_row} consecutive steps had non-finite loss or gradients "
-                                  f"(--max-skipped-steps {t.max_skipped_steps}); {saved}")
+        window.steps += 1
+        _stop_after_skipped_steps(state, out, logger)
         if state.iteration % cfg.logging.log_interval == 0:
-            elapsed = time.perf_counter() - window_start
-            tokens_per_s = window_steps * gbs * cfg.model.seq_length / elapsed
-            record = {"iteration": state.iteration, "train_iters": t.train_iters,
-                      "consumed_samples": state.consumed_samples, "phase": cfg.p2r.p2r_phase,
-                      "tokens": state.consumed_samples * cfg.model.seq_length,
-                      "flops": state.consumed_samples * cfg.model.seq_length * flops_per_token,
-                      "lm_loss": sum(window_losses) / len(window_losses), "lr": lr,
-                      "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_s,
-                      "tflops": tokens_per_s * flops_per_token / ps.layout.world_size / 1e12,
-                      "ms_per_iter": 1000 * elapsed / window_steps,
-                      "peak_memory_gib": peak_memory_bytes(ps.device) / 2**30,
-                      "loss_scale": state.scaler.scale, "skipped": int(out["skipped"])}
-            if out["moe_aux_loss"] is not None:
-                record["moe_aux_loss"] = out["moe_aux_loss"]
-            if cfg.model.num_experts:  # collective: the interval's dropped fraction and min/max expert load
-                record.update(aux_loss.pop_routing_stats(ps.device) or {})
+            record = _training_record(state, out, lr, losses[-window.steps:], window)
             logger.log(record, format_line(record))
-            window_start, window_steps = time.perf_counter(), 0
+            window.reset()
         if cfg.logging.eval_interval and state.iteration % cfg.logging.eval_interval == 0:
-            eval_losses.append(evaluate(state, valid_ds))
-            logger.log({"iteration": state.iteration, "eval_loss": eval_losses[-1], "phase": cfg.p2r.p2r_phase,
-                        "tokens": state.consumed_samples * cfg.model.seq_length},
-                       f"validation loss at iteration {state.iteration}: {eval_losses[-1]:.6f}")
-        saved = bool(ck.save and ck.save_interval and state.iteration % ck.save_interval == 0)
-        if saved:
-            _save(state, logger)
-        if (t.exit_interval and state.iteration % t.exit_interval == 0) or exit_signal.any_rank(ps):
-            if not saved:  # the interval save above is this iteration's checkpoint already
-                _save(state, logger, reason="exit requested")
+            eval_losses.append(_evaluate_and_log(state, valid_ds, logger))
+        if _save_and_check_exit(state, logger, exit_signal):
             return {"losses": losses, "eval_losses": eval_losses, "exited_early": True}
-    # Nothing new to save when the resumed checkpoint is already at --train-iters (a finished job
-    # relaunched): re-saving would replace that checkpoint with an identical one for nothing.
+    _save_at_end(state, logger, first_iteration)
+    return {"losses": losses, "eval_losses": eval_losses}
+
+
+def _stop_after_skipped_steps(state: TrainState, out: dict, logger: TrainingLogger) -> None:
+    """Warn about a skipped step; save and raise TrainingStopped after --max-skipped-steps in a row."""
+    t, ck = state.cfg.train, state.cfg.checkpoint
+    # fp16 skips are routine while the scale adapts; they count once it is at its floor.
+    counted = not t.fp16 or state.scaler.scale <= state.scaler.min_scale
+    if not (out["skipped"] and counted):
+        return
+    logger.info(f"warning: iteration {state.iteration} skipped: non-finite loss or gradients on at least one "
+                f"rank ({state.skipped_in_a_row} in a row; --max-skipped-steps {t.max_skipped_steps})")
+    if state.skipped_in_a_row >= t.max_skipped_steps:
+        _save(state, logger, reason="stopping on non-finite values")
+        saved = f"the last good state is saved in {ck.save}" if ck.save else "nothing was saved (no --save)"
+        raise TrainingStopped(f"{state.skipped_in_a_row} consecutive steps had non-finite loss or gradients "
+                              f"(--max-skipped-steps {t.max_skipped_steps}); {saved}")
+
+
+def _training_record(state: TrainState, out: dict, lr: float, window_losses: List[float],
+                     window: _LogWindow) -> dict:
+    """The log record of an interval (Megatron's log line): mean loss, throughput, memory.
+    With MoE this is a collective (the interval's dropped fraction and min/max expert load)."""
+    cfg, ps = state.cfg, state.ps
+    seq, world = cfg.model.seq_length, ps.layout.world_size
+    flops_per_token = model_flops_per_token(cfg.model, cfg.train.recompute_activations)
+    elapsed = time.perf_counter() - window.start
+    tokens_per_s = window.steps * global_batch_size(cfg, world) * seq / elapsed
+    record = {"iteration": state.iteration, "train_iters": cfg.train.train_iters,
+              "consumed_samples": state.consumed_samples, "phase": cfg.p2r.p2r_phase,
+              "tokens": state.consumed_samples * seq, "flops": state.consumed_samples * seq * flops_per_token,
+              "lm_loss": sum(window_losses) / len(window_losses), "lr": lr,
+              "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_s,
+              "tflops": tokens_per_s * flops_per_token / world / 1e12,
+              "ms_per_iter": 1000 * elapsed / window.steps,
+              "peak_memory_gib": peak_memory_bytes(ps.device) / 2**30,
+              "loss_scale": state.scaler.scale, "skipped": int(out["skipped"])}
+    if out["moe_aux_loss"] is not None:
+        record["moe_aux_loss"] = out["moe_aux_loss"]
+    if cfg.model.num_experts:
+        record.update(aux_loss.pop_routing_stats(ps.device) or {})
+    return record
+
+
+def _evaluate_and_log(state: TrainState, valid_ds, logger: TrainingLogger) -> float:
+    cfg = state.cfg
+    loss = evaluate(state, valid_ds)
+    logger.log({"iteration": state.iteration, "eval_loss": loss, "phase": cfg.p2r.p2r_phase,
+                "tokens": state.consumed_samples * cfg.model.seq_length},
+               f"validation loss at iteration {state.iteration}: {loss:.6f}")
+    return loss
+
+
+def _save_and_check_exit(state: TrainState, logger: TrainingLogger, exit_signal: ExitSignal) -> bool:
+    """Save on --save-interval; on --exit-interval or a signal, save (once) and return True."""
+    t, ck = state.cfg.train, state.cfg.checkpoint
+    saved = bool(ck.save and ck.save_interval and state.iteration % ck.save_interval == 0)
+    if saved:
+        _save(state, logger)
+    if (t.exit_interval and state.iteration % t.exit_interval == 0) or exit_signal.any_rank(state.ps):
+        if not saved:  # the interval save above is this iteration's checkpoint already
+            _save(state, logger, reason="exit requested")
+        return True
+    return False
+
+
+def _save_at_end(state: TrainState, logger: TrainingLogger, first_iteration: int) -> None:
+    """Nothing new to save when the resumed checkpoint is already at --train-iters (a finished
+    job relaunched): re-saving would replace that checkpoint with an identical one for nothing."""
+    ck = state.cfg.checkpoint
     saved_now = ck.save_interval and state.iteration % ck.save_interval == 0
     if ck.save and state.iteration > first_iteration and not saved_now:
         _save(state, logger)
-    return {"losses": losses, "eval_losses": eval_losses}
 
 
 def _save(state: TrainState, logger: TrainingLogger, reason: str = "") -> None:

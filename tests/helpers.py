@@ -1,6 +1,8 @@
 """Shared pieces of the equivalence tests: a tiny config and the single-process reference."""
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
 from megatron_p2r.arguments import config_from_values
@@ -59,13 +61,22 @@ def max_grad_error(model, ps: ParallelState, ref: dict) -> dict:
     return out
 
 
-def run_steps(cfg: Config, ps: ParallelState, steps: int):
-    """Train ``steps`` optimizer steps on mock data; return (losses, state)."""
+def run_steps(cfg: Config, ps: ParallelState, steps: int, *, load: Optional[str] = None,
+              after_step: Optional[Callable] = None):
+    """Train ``steps`` optimizer steps on mock data, from scratch or from the checkpoint ``load``
+    (continuing its data); ``after_step(state)`` runs after each. Returns (losses, state)."""
+    from megatron_p2r.checkpoint.io import load_checkpoint
     from megatron_p2r.config import num_microbatches
     from megatron_p2r.training import build_datasets, build_train_state, microbatch_iterator, train_step
     state = build_train_state(cfg, ps)
+    if load is not None:
+        load_checkpoint(load, state)
     train_ds, _ = build_datasets(cfg, ps)
-    data = microbatch_iterator(train_ds, 0, cfg, ps)
+    data = microbatch_iterator(train_ds, state.consumed_samples, cfg, ps)
     n = num_microbatches(cfg, ps.layout.world_size)
-    losses = [train_step(state, [next(data) for _ in range(n)])["lm_loss"] for _ in range(steps)]
+    losses = []
+    for _ in range(steps):
+        losses.append(train_step(state, [next(data) for _ in range(n)])["lm_loss"])
+        if after_step is not None:
+            after_step(state)
     return losses, state

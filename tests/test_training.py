@@ -4,10 +4,11 @@ import json
 import pytest
 import torch
 
+from megatron_p2r.moe import aux_loss
 from megatron_p2r.optim.grad_scaler import LossScaler
-from megatron_p2r.parallel.state import ParallelState
+from megatron_p2r.parallel.state import Layout, ParallelState
 from megatron_p2r.testing import run_distributed
-from megatron_p2r.training import build_train_state, setup_parallel, train_step
+from megatron_p2r.training import ExitSignal, build_train_state, setup_parallel, train_step
 from tests.helpers import random_microbatches, reference_config, run_steps, tiny_config
 
 
@@ -33,8 +34,6 @@ def test_data_parallel_reproduces_single_process(world, tp):
 
 
 def test_fp16_scaler_skips_non_finite_step_and_lowers_scale():
-    torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1) \
-        if not torch.distributed.is_initialized() else None
     cfg = tiny_config(fp16=True, initial_loss_scale=1024.0)
     state = build_train_state(cfg, ParallelState.single())
     before = {n: p.detach().clone() for n, p in state.model.named_parameters()}
@@ -43,6 +42,24 @@ def test_fp16_scaler_skips_non_finite_step_and_lowers_scale():
     out = train_step(state, mbs)
     assert out["skipped"] and state.scaler.scale == 512.0 and state.skipped_in_a_row == 1
     assert all(torch.equal(before[n], p) for n, p in state.model.named_parameters())  # no update
+
+
+def test_train_step_gives_moe_router_losses_the_schedules_backward_scale(monkeypatch):
+    """The schedules know nothing of MoE; train_step hands them moe.aux_loss's setter, which
+    must receive loss scale / micro-batches (router losses averaged over micro-batches)."""
+    calls = []
+    monkeypatch.setattr(aux_loss, "set_backward_scale", calls.append)
+    cfg = tiny_config(fp16=True, initial_loss_scale=1024.0, num_experts=4, moe_ffn_hidden_size=24,
+                      moe_aux_loss_coeff=0.01)
+    train_step(build_train_state(cfg, ParallelState.single()), random_microbatches(cfg, 4, 2))
+    assert calls == [1024.0 / 4]
+
+
+def test_exit_signal_check_is_no_collective_without_the_handler():
+    """Without --exit-signal-handler nothing can set the flag, so the per-step check must not
+    all-reduce over the world (a collective and a host sync every step): here no process
+    group exists, and a collective would raise."""
+    assert not ExitSignal(False).any_rank(ParallelState(layout=Layout(dp=2), rank=0))
 
 
 def test_loss_scaler_grows_after_window():

@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("delink", help="Pseudo -> real: every layer gets a copy of its slot's weights.")
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--optimizer-state", choices=OPTIMIZER_STATE_MODES, default="rescale",
+    p.add_argument("--optimizer-state", choices=OPTIMIZER_STATE_MODES, default=DelinkOptions.optimizer_state,
                    help="Moments of each layer: copy the slot's, rescale them (/N, /N^2), or reset.")
     p.add_argument("--noise-std", type=float, default=0.0, help="Add N(0, std^2) noise to the delinked layers.")
     _add_target_flags(p)

@@ -50,7 +50,7 @@ class Target:
 
 @dataclasses.dataclass
 class DelinkOptions:
-    optimizer_state: str = "copy"
+    optimizer_state: str = "rescale"
     noise_std: float = 0.0
 
 

@@ -9,7 +9,7 @@ every layout, and in the pseudo phase several layers call one key.
 from __future__ import annotations
 
 import functools
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -89,6 +89,12 @@ class M6Model(nn.Module):
         if self.rope_base is None:
             return None
         return rotary_tables(seq_len, self.cfg.model.head_dim, self.rope_base, device)
+
+    def hidden_spec(self, tokens_shape: Tuple[int, ...]) -> Tuple[Tuple[int, ...], torch.dtype]:
+        """(shape, dtype) of the hidden states between stages for a micro-batch of
+        ``tokens_shape``: the pipeline receiver allocates this instead of receiving a header.
+        The residual stream keeps the parameters' dtype (autocast computes inside the layers)."""
+        return (*tokens_shape, self.cfg.model.hidden_size), next(self.parameters()).dtype
 
     def forward(self, tokens: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -2,8 +2,9 @@
 statistics for the training log.
 
 ``attach(output, aux_loss)`` returns ``output`` unchanged; its backward gives ``aux_loss`` the
-gradient ``backward_scale`` (the same factor the schedule applies to the LM loss: loss scale /
-micro-batches), so the aux loss is optimised on whatever stage its layer lives.
+gradient ``backward_scale`` (loss scale / micro-batches: aux losses are averaged over
+micro-batches, as in Megatron-LM; training passes ``set_backward_scale`` to the schedules as
+their ``on_backward_scale`` hook), so the aux loss is optimised on whatever stage its layer lives.
 Aux-loss values are recorded when their backward runs: once per layer and micro-batch, also
 under activation recomputation (which runs the forward twice).
 

@@ -1,19 +1,28 @@
 """Forward/backward schedules over the micro-batches of one optimizer step.
 
-All schedules compute the same gradients: each micro-batch's loss is the masked mean over
-its tokens, scaled by ``loss_scale / num_microbatches`` before backward, so accumulated
-gradients are those of the mean loss (averaged over DP afterwards by ``finalize_grads``,
-which also sums the replicas held by several stages). Every schedule back-propagates the
-micro-batches in the order it ran them, so GPipe and 1F1B accumulate in the same order and
-give bitwise equal gradients (equal to no-pipelining up to the order of cross-stage sums).
+The loss is the mean over the global batch's valid tokens, as Megatron-LM and torchtitan
+normalise it: sum over every micro-batch of every DP rank of (token loss x loss mask),
+divided by the sum of the loss masks over that whole global batch. The stage that computes
+the loss counts the valid tokens of its micro-batches before the first forward (the masks
+are known up front) and all-reduces that one number over DP (a device tensor: no host
+sync). Each micro-batch's backward runs on ``masked sum x loss_scale x DP / valid tokens``:
+``finalize_grads`` then averages over DP (and sums the replicas held by several stages), so
+the gradient is that of the global token mean whatever the masks and micro-batch shapes.
+Every schedule back-propagates the micro-batches in the order it ran them, so GPipe and 1F1B
+accumulate in the same order and give bitwise equal gradients (equal to no-pipelining up to
+the order of cross-stage sums).
 
 - ``forward_backward_no_pipelining``: gradient accumulation on one stage (PP=1);
 - ``forward_backward_gpipe``: all forwards, then all backwards (holds m activations);
 - ``forward_backward_1f1b``: PipeDream-flush — stage s runs P-s-1 warm-up forwards, then
   alternates one forward and one backward, then drains (holds at most P-s activations).
 
-The pipelined schedules return the mean loss on the last stage and None elsewhere
-(``training.reduce_loss`` takes it from there). ``get_forward_backward_func`` picks one.
+They return, on the last stage, this DP rank's share of the global token mean (its masked
+sum / the global count: the DP ranks' shares add up to the mean, which
+``training.reduce_loss`` takes to every rank) and None elsewhere. ``on_backward_scale``, when
+given, is called with ``loss_scale / m`` before the first backward: losses that enter
+backward inside the model (MoE router losses) are averaged over micro-batches with it, as in
+Megatron-LM. ``get_forward_backward_func`` picks a schedule.
 """
 from __future__ import annotations
 
@@ -23,15 +32,50 @@ from collections import deque
 from typing import Callable, List, Optional
 
 import torch
+import torch.distributed as dist
 
-from megatron_p2r.moe import aux_loss
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.pipeline.p2p import StageLink
 
+BackwardScaleHook = Optional[Callable[[float], None]]
 
-def masked_mean(token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    mask = loss_mask.to(token_loss.dtype)
-    return (token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+def masked_sum(token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    return (token_loss * loss_mask.to(token_loss.dtype)).sum()
+
+
+def global_valid_tokens(microbatches: List[dict], ps: ParallelState) -> torch.Tensor:
+    """Sum of the loss masks of this step's micro-batches over all DP ranks (float64: exact
+    counts), at least 1. One all-reduce of a scalar on the device, no host synchronisation."""
+    count = torch.zeros((), dtype=torch.float64, device=ps.device)
+    for mb in microbatches:
+        count += mb["loss_mask"].sum(dtype=torch.float64)
+    if ps.group("dp") is not None:
+        dist.all_reduce(count, group=ps.group("dp"))
+    return count.clamp(min=1.0)
+
+
+class TokenMeanLoss:
+    """The loss side of a step on the stage that computes it: masked sums in, backward on
+    their share of the global token mean, this rank's share of the mean out."""
+
+    def __init__(self, microbatches: List[dict], ps: ParallelState, loss_scale: float):
+        self.tokens = global_valid_tokens(microbatches, ps)
+        # x DP: finalize_grads divides the DP sum of the gradients by DP
+        self.grad_factor = (loss_scale * ps.dp_size / self.tokens).float()
+        self.total = torch.zeros((), device=ps.device)
+
+    def add(self, token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's masked sum (kept in the graph for ``backward``)."""
+        loss_sum = masked_sum(token_loss, loss_mask)
+        self.total.add_(loss_sum.detach().float())
+        return loss_sum
+
+    def backward(self, loss_sum: torch.Tensor) -> None:
+        (loss_sum * self.grad_factor).backward()
+
+    def share(self) -> torch.Tensor:
+        return (self.total / self.tokens).float()
 
 
 def autocast_context(ps: ParallelState, dtype: Optional[torch.dtype]):
@@ -68,64 +112,67 @@ class _BusyTimer:
             self.stats["peak_inflight"] = max(self.stats["peak_inflight"], count)
 
 
+def _announce_backward_scale(hook: BackwardScaleHook, loss_scale: float, n: int, forward_only: bool) -> None:
+    if hook is not None and not forward_only and n:
+        hook(loss_scale / n)
+
+
 def forward_backward_no_pipelining(model, microbatches: List[dict], ps: ParallelState, *,
                                    loss_scale: float = 1.0, dtype: Optional[torch.dtype] = None,
-                                   forward_only: bool = False, stats: Optional[dict] = None) -> torch.Tensor:
-    """Gradient accumulation on one stage; returns the mean loss over micro-batches (detached).
-    ``stats`` (optional dict, every schedule) receives busy_s and peak_inflight."""
-    n = len(microbatches)
-    aux_loss.set_backward_scale(loss_scale / n)
+                                   forward_only: bool = False, stats: Optional[dict] = None,
+                                   on_backward_scale: BackwardScaleHook = None) -> torch.Tensor:
+    """Gradient accumulation on one stage; returns this DP rank's share of the token mean
+    (detached). ``stats`` (optional dict, every schedule) receives busy_s and peak_inflight."""
+    _announce_backward_scale(on_backward_scale, loss_scale, len(microbatches), forward_only)
     timer = _BusyTimer(stats, ps.device)
-    total = torch.zeros((), device=ps.device)
+    loss = TokenMeanLoss(microbatches, ps, loss_scale)
     for mb in microbatches:
         with timer.busy():
             with autocast_context(ps, dtype), (torch.no_grad() if forward_only else contextlib.nullcontext()):
-                loss = masked_mean(model(tokens=mb["tokens"], labels=mb["labels"]), mb["loss_mask"])
+                loss_sum = loss.add(model(tokens=mb["tokens"], labels=mb["labels"]), mb["loss_mask"])
             if not forward_only:
-                (loss * (loss_scale / n)).backward()
+                loss.backward(loss_sum)
         timer.inflight(0 if forward_only else 1)
-        total += loss.detach().float()
-    return total / n
+    return loss.share()
 
 
 def _pipelined(model, microbatches: List[dict], ps: ParallelState, *, loss_scale: float,
                dtype: Optional[torch.dtype], forward_only: bool, warmup_forwards: int,
-               stats: Optional[dict]) -> Optional[torch.Tensor]:
+               stats: Optional[dict], on_backward_scale: BackwardScaleHook) -> Optional[torch.Tensor]:
     """Run ``warmup_forwards`` forwards, then one forward + one backward per remaining
     micro-batch, then the outstanding backwards. GPipe is warm-up = m, 1F1B warm-up = P-s-1."""
     n = len(microbatches)
     if n == 0:
         raise ValueError("a pipelined step needs at least one micro-batch")
-    aux_loss.set_backward_scale(loss_scale / n)
+    _announce_backward_scale(on_backward_scale, loss_scale, n, forward_only)
     link, timer = StageLink(ps), _BusyTimer(stats, ps.device)
-    inflight = deque()  # (received input, output) of micro-batches awaiting backward
-    total = torch.zeros((), device=ps.device) if ps.is_last_stage else None
+    loss = TokenMeanLoss(microbatches, ps, loss_scale) if ps.is_last_stage else None
+    inflight = deque()  # (hidden spec, received input, output) of micro-batches awaiting backward
     grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
 
     def forward(mb: dict) -> None:
-        x = link.recv_forward(requires_grad=not forward_only)
+        spec = model.hidden_spec(tuple(mb["tokens"].shape))
+        x = link.recv_forward(spec, requires_grad=not forward_only)
         with timer.busy(), grad_mode, autocast_context(ps, dtype):
             labels = mb["labels"] if ps.is_last_stage else None
             out = model(tokens=mb["tokens"], labels=labels) if x is None else model(hidden=x, labels=labels)
-            if ps.is_last_stage:
-                out = masked_mean(out, mb["loss_mask"])
-        if ps.is_last_stage:
-            total.add_(out.detach().float())
-        else:
-            link.send_forward(out)
+            if loss is not None:
+                out = loss.add(out, mb["loss_mask"])
+        if loss is None:
+            link.send_forward(out, spec)
         if not forward_only:
-            inflight.append((x, out))
+            inflight.append((spec, x, out))
             timer.inflight(len(inflight))
 
     def backward() -> None:
-        x, out = inflight.popleft()
-        grad = link.recv_backward()
+        spec, x, out = inflight.popleft()
+        grad = link.recv_backward(spec)
         with timer.busy():
             if grad is None:  # last stage: the loss itself
-                (out * (loss_scale / n)).backward()
+                loss.backward(out)
             else:
                 torch.autograd.backward(out, grad_tensors=grad)
-        link.send_backward(None if x is None else x.grad)
+        link.send_backward(None if x is None else x.grad, spec)
 
     warmup = n if forward_only else min(warmup_forwards, n)
     for mb in microbatches[:warmup]:
@@ -136,23 +183,25 @@ def _pipelined(model, microbatches: List[dict], ps: ParallelState, *, loss_scale
     while inflight:
         backward()
     link.wait()
-    return None if total is None else total / n
+    return None if loss is None else loss.share()
 
 
 def forward_backward_gpipe(model, microbatches: List[dict], ps: ParallelState, *,
                            loss_scale: float = 1.0, dtype: Optional[torch.dtype] = None,
-                           forward_only: bool = False, stats: Optional[dict] = None) -> Optional[torch.Tensor]:
+                           forward_only: bool = False, stats: Optional[dict] = None,
+                           on_backward_scale: BackwardScaleHook = None) -> Optional[torch.Tensor]:
     """All forwards, then all backwards."""
     return _pipelined(model, microbatches, ps, loss_scale=loss_scale, dtype=dtype, forward_only=forward_only,
-                      warmup_forwards=len(microbatches), stats=stats)
+                      warmup_forwards=len(microbatches), stats=stats, on_backward_scale=on_backward_scale)
 
 
 def forward_backward_1f1b(model, microbatches: List[dict], ps: ParallelState, *,
                           loss_scale: float = 1.0, dtype: Optional[torch.dtype] = None,
-                          forward_only: bool = False, stats: Optional[dict] = None) -> Optional[torch.Tensor]:
+                          forward_only: bool = False, stats: Optional[dict] = None,
+                          on_backward_scale: BackwardScaleHook = None) -> Optional[torch.Tensor]:
     """One-forward-one-backward (PipeDream-flush); works with fewer micro-batches than stages."""
     return _pipelined(model, microbatches, ps, loss_scale=loss_scale, dtype=dtype, forward_only=forward_only,
-                      warmup_forwards=ps.pp_size - ps.pp_rank - 1, stats=stats)
+                      warmup_forwards=ps.pp_size - ps.pp_rank - 1, stats=stats, on_backward_scale=on_backward_scale)
 
 
 SCHEDULES = {"1f1b": forward_backward_1f1b, "gpipe": forward_backward_gpipe}

@@ -7,13 +7,17 @@ import textwrap
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.integrity import verify
 from megatron_p2r.checkpoint.metadata import metadata_table, read_metadata
 from megatron_p2r.checkpoint.io import save_checkpoint
+from megatron_p2r.checkpoint.integrity import verify
 from megatron_p2r.checkpoint.reshard import Target, _plan, convert
-from megatron_p2r.parallel.state import ParallelState
+from megatron_p2r.model.m6 import build_model
+from megatron_p2r.parallel.sharding import expert_key, logical_name
+from megatron_p2r.parallel.state import Layout, ParallelState
 from megatron_p2r.testing import run_distributed
 from megatron_p2r.training import build_train_state
 from tests.checkpoint.common import metadata, same_bytes, shard_files
@@ -41,17 +45,70 @@ def moe_source(tmp_path_factory):
     return _save(tmp_path_factory.mktemp("reshard") / "moe", MOE)
 
 
+def _expected_entries(global_tensors: dict, model: dict, layout: Layout, split, t: int, s: int, e: int) -> dict:
+    """Entry name -> what file (tp t, stage s, ep e) of ``layout`` may hold: cut here from the
+    one-file source's global tensors, along each parameter's tp_dim as the model built for
+    that rank declares it (not the checkpoint's own table), with ``narrow``."""
+    cfg = tiny_config(**model, tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                      pipeline_layer_split=split, expert_model_parallel_size=layout.ep)
+    stage = build_model(cfg, ParallelState(layout=layout, rank=layout.rank(t, e, s)), meta=True)
+    out = {}
+    for name, param in stage.named_parameters():
+        logical, tp_dim = logical_name(name, param), getattr(param, "tp_dim", None)
+        if getattr(param, "expert", False):  # stacked [local experts, ...]: pieces per global expert
+            n = param.shape[0]
+            pieces = {expert_key(logical, x): None if tp_dim is None else tp_dim - 1 for x in range(e * n, (e + 1) * n)}
+        else:
+            pieces = {logical: tp_dim}
+        for key, dim in pieces.items():
+            for entry in [key] + [f"optimizer.{kind}.{key}" for kind in ("exp_avg", "exp_avg_sq", "step")]:
+                full = global_tensors[entry]
+                if dim is None or entry.startswith("optimizer.step."):
+                    out[entry] = full
+                else:
+                    size = full.shape[dim] // layout.tp
+                    out[entry] = full.narrow(dim, t * size, size)
+    return out
+
+
+def _check_shards_against_global(src_iter, out_iter, model: dict, layout: Layout, split) -> set:
+    """Every tensor of every shard of ``out_iter`` equals its independently cut slice of the
+    source's global tensor; returns the split dims met (so the check cannot be vacuous)."""
+    global_tensors = load_file(os.path.join(src_iter, "mp_rank_00_000_000.safetensors"))
+    dims = set()
+    for name in shard_files(str(out_iter)):
+        if not name.startswith("mp_rank"):
+            continue
+        t, s, e = (int(x) for x in name.split(".")[0].split("_")[2:])
+        expected = _expected_entries(global_tensors, model, layout, split, t, s, e)
+        for entry, tensor in load_file(os.path.join(out_iter, name)).items():
+            assert entry in expected, f"{name}: {entry} is not a tensor of tp {t} stage {s} ep {e}"
+            same = torch.equal(tensor, expected[entry])
+            assert same, f"{name}: {entry} is not its slice of the global tensor"
+            full = global_tensors[entry]
+            dims.update(d for d in range(full.dim()) if tensor.shape[d] != full.shape[d])
+    return dims
+
+
 @pytest.mark.parametrize("moe", [False, True])
 def test_round_trip_is_bitwise(source, moe_source, tmp_path, moe):
     """A (TP1 PP1 EP1) -> TP2 PP2 split 1,3 (EP2) -> TP4 PP1 (EP4) -> A: every shard
     byte-identical to the original training save; metadata equal but for the history and the
-    RNG files. MoE experts move between EP files under their global index."""
+    RNG files. MoE experts move between EP files under their global index. On the way, every
+    tensor of B and C equals its slice of the global tensor cut independently (a split along
+    the wrong dimension both ways would still round-trip)."""
     src = moe_source if moe else source
     ep = (lambda n: n) if moe else (lambda n: None)
     b, c, a2 = tmp_path / "b", tmp_path / "c", tmp_path / "a2"
     convert(str(src), str(b), Target(2, 2, "1,3", ep(2)), progress=False)
     convert(str(b), str(c), Target(4, 1, None, ep(4)), progress=False)
     convert(str(c), str(a2), Target(1, 1, None, ep(1)), progress=False)
+    model = MOE if moe else MODEL
+    dims = _check_shards_against_global(src / "iter_0000002", b / "iter_0000002", model,
+                                        Layout(tp=2, pp=2, dp=ep(2) or 1, ep=ep(2) or 1), "1,3")
+    dims |= _check_shards_against_global(src / "iter_0000002", c / "iter_0000002", model,
+                                         Layout(tp=4, dp=ep(4) or 1, ep=ep(4) or 1), None)
+    assert dims == {0, 1}  # column- and row-parallel splits both met
     mb = metadata(str(b / "iter_0000002"))
     assert mb["layout"] == {"tp": 2, "pp": 2, "ep": 2 if moe else 1, "stage_layers": [[0, 1], [1, 4]]}
     assert len([f for f in shard_files(str(b / "iter_0000002")) if f.startswith("mp_rank")]) == (8 if moe else 4)

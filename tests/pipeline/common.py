@@ -6,12 +6,14 @@ micro-batches, and measure how far this rank's loss and gradient shards are from
 """
 from __future__ import annotations
 
-from typing import List, Optional
+import contextlib
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.model.m6 import build_model
+from megatron_p2r.moe import aux_loss
 from megatron_p2r.parallel.grads import finalize_grads
 from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import Layout, ParallelState, initialize
@@ -19,7 +21,8 @@ from megatron_p2r.pipeline.schedules import forward_backward_no_pipelining, get_
 from megatron_p2r.training import reduce_loss
 from tests.helpers import max_grad_error, reference_config, tiny_config
 
-# (batch, sequence) of successive micro-batches: sizes differ on purpose (p2p sends shapes).
+# (batch, sequence) of successive micro-batches: sizes differ on purpose (each stage allocates
+# what it receives from the micro-batch's shape).
 SHAPES = [(2, 16), (1, 12), (3, 16)]
 
 
@@ -28,13 +31,20 @@ def make_cfg(tp: int = 1, pp: int = 1, **overrides):
                           **overrides})
 
 
-def make_microbatches(n: int, vocab: int, seed: int = 0) -> List[dict]:
+# Fraction of valid tokens of successive micro-batches in the token-weighting cases: far
+# apart, so a mean of per-micro-batch means differs clearly from the global token mean.
+UNEVEN_KEEP = (0.05, 0.9, 0.5, 1.0, 0.3, 0.7, 0.15, 0.6)
+
+
+def make_microbatches(n: int, vocab: int, seed: int = 0, keep: Sequence[float] = (0.8,)) -> List[dict]:
+    """``n`` micro-batches of the shapes in SHAPES; micro-batch i keeps about keep[i % len]
+    of its tokens in the loss (masked tokens must not count)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
         b, s = SHAPES[i % len(SHAPES)]
         tokens = torch.randint(0, vocab, (b, s + 1), generator=g)
-        mask = (torch.rand(b, s, generator=g) > 0.2).float()  # masked tokens must not count
+        mask = (torch.rand(b, s, generator=g) > 1 - keep[i % len(keep)]).float()
         out.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask})
     return out
 
@@ -48,7 +58,24 @@ def reference(cfg, microbatches: List[dict], dtype: Optional[torch.dtype] = None
     """Loss and {logical name: gradient} of the one-process model, optionally under autocast."""
     single = ParallelState.single()
     model = build_model(reference_config(cfg), single)
-    loss = forward_backward_no_pipelining(model, microbatches, single, dtype=dtype)
+    loss = forward_backward_no_pipelining(model, microbatches, single, dtype=dtype,
+                                          on_backward_scale=aux_loss.set_backward_scale)
+    return loss.item(), {logical_name(n, p): p.grad for n, p in model.named_parameters()}
+
+
+def token_mean_reference(cfg, microbatches: List[dict], dtype: Optional[torch.dtype] = None, *,
+                         forward_only: bool = False):
+    """Loss and {logical name: gradient} of sum(token loss x mask) / sum(mask) over all the
+    micro-batches, written out on the one-process model without the schedules: the
+    definition every layout must reproduce. (No MoE: router losses follow the schedules'
+    per-micro-batch averaging, checked against ``reference``.)"""
+    model = build_model(reference_config(cfg), ParallelState.single())
+    autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    with autocast, torch.no_grad() if forward_only else contextlib.nullcontext():
+        sums = [(model(tokens=mb["tokens"], labels=mb["labels"]) * mb["loss_mask"]).sum() for mb in microbatches]
+        loss = torch.stack(sums).sum() / sum(mb["loss_mask"].sum() for mb in microbatches)
+    if not forward_only:
+        loss.backward()
     return loss.item(), {logical_name(n, p): p.grad for n, p in model.named_parameters()}
 
 
@@ -58,7 +85,8 @@ def pipelined_step(cfg, ps: ParallelState, microbatches: List[dict], schedule: s
     plan = ParallelPlan.build(cfg, ps.layout)
     model = build_model(cfg, ps, plan)
     fb = get_forward_backward_func(ps, schedule)
-    loss = fb(model, microbatches, ps, loss_scale=1.0, dtype=dtype, stats=stats)
+    loss = fb(model, microbatches, ps, loss_scale=1.0, dtype=dtype, stats=stats,
+              on_backward_scale=aux_loss.set_backward_scale)
     if ps.is_last_stage and loss is None:
         raise AssertionError("the last stage must return the loss")
     finalize_grads(model.named_parameters(), plan, ps)
@@ -66,13 +94,14 @@ def pipelined_step(cfg, ps: ParallelState, microbatches: List[dict], schedule: s
 
 
 def compare_case(cfg, layout: Layout, ps: ParallelState, schedule: str, n_micro: int,
-                 dtype: Optional[torch.dtype] = None, data_seed: int = 0) -> dict:
-    """One pipelined step (``n_micro`` micro-batches per DP rank) against the reference on
+                 dtype: Optional[torch.dtype] = None, data_seed: int = 0, keep: Sequence[float] = (0.8,),
+                 reference_fn: Callable = reference) -> dict:
+    """One pipelined step (``n_micro`` micro-batches per DP rank) against ``reference_fn`` on
     all DP ranks' micro-batches: loss error, max gradient error, logical names compared."""
-    all_mb = make_microbatches(n_micro * layout.dp, cfg.model.vocab_size, data_seed)
+    all_mb = make_microbatches(n_micro * layout.dp, cfg.model.vocab_size, data_seed, keep)
     mine = all_mb[ps.dp_rank * n_micro:(ps.dp_rank + 1) * n_micro]
     model, loss = pipelined_step(cfg, ps, mine, schedule, dtype)
-    ref_loss, ref_grads = reference(cfg, all_mb, dtype)
+    ref_loss, ref_grads = reference_fn(cfg, all_mb, dtype)
     errors = max_grad_error(model, ps, ref_grads)
     return {"loss_err": abs(loss - ref_loss), "grad_err": max(errors.values()),
             "names": sorted(logical_name(n, p) for n, p in model.named_parameters()),

@@ -1,27 +1,28 @@
-"""Point-to-point between stages: shapes and dtypes travel with the tensor, both directions,
-right peers under data parallelism, and sends never wait for the receiver."""
+"""Point-to-point between stages: one message per tensor (the receiver allocates from the
+shape both ends know), both directions, right peers under data parallelism, and sends never
+wait for the receiver."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_p2r.pipeline.p2p import DTYPES, MAX_DIMS, decode_header, encode_header
+from megatron_p2r.parallel.state import Layout, ParallelState
+from megatron_p2r.pipeline.p2p import StageLink
+from tests.pipeline.common import SHAPES
+
+HIDDEN = 32  # tests.helpers.TINY
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_header_round_trip(dtype):
-    for shape in [(), (3,), (2, 16, 32), (1, 2, 3, 4, 5, 6, 7, 8)]:
-        t = torch.zeros(shape, dtype=dtype)
-        assert decode_header(encode_header(t)) == (dtype, shape)
-
-
-def test_header_errors():
-    with pytest.raises(TypeError, match="cannot send dtype torch.complex64"):
-        encode_header(torch.zeros(2, dtype=torch.complex64))
-    with pytest.raises(ValueError, match=f"at most {MAX_DIMS} dimensions"):
-        encode_header(torch.zeros([1] * (MAX_DIMS + 1)))
-    with pytest.raises(RuntimeError, match="corrupt pipeline p2p header"):
-        decode_header(torch.tensor([99, 1] + [0] * MAX_DIMS))
+def test_send_checks_the_spec():
+    """A stage that produced something other than what its peer allocates fails before sending."""
+    link = StageLink(ParallelState(layout=Layout(pp=2), rank=0))
+    with pytest.raises(RuntimeError, match=r"activation to send forward is torch.float32 \(2, 3\), but the peer "
+                                           r"stage allocates torch.bfloat16 \(2, 3\)"):
+        link.send_forward(torch.zeros(2, 3), ((2, 3), torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"gradient to send backward is torch.float32 \(2, 3\), but the peer "
+                                           r"stage allocates torch.float32 \(3, 2\)"):
+        StageLink(ParallelState(layout=Layout(pp=2), rank=1)).send_backward(torch.zeros(2, 3),
+                                                                            ((3, 2), torch.float32))
 
 
 def test_send_recv_between_stages(world4):
@@ -31,3 +32,19 @@ def test_send_recv_between_stages(world4):
     for r in world4:
         for key in ("p2p/pp4", "p2p/pp2dp2"):
             assert r[key] == {"ok": True, "grad_leaf": True}, (r["rank"], key, r[key])
+
+
+@pytest.mark.parametrize("shapes", ["fixed", "varying"])
+def test_one_message_per_activation_and_gradient(world4, shapes):
+    """A 1F1B step of 3 micro-batches on PP=4, every isend/recv counted: stage s sends each
+    micro-batch's activation forward (s < 3) and its gradient backward (s > 0) and receives
+    the same from its peers -- nothing else, with fixed or varying micro-batch shapes (a shape
+    header per tensor would double the count)."""
+    batch_shapes = [SHAPES[0]] * 3 if shapes == "fixed" else SHAPES
+    for r in world4:
+        m = r["messages"][shapes]
+        s = m["stage"]
+        hidden = [(b, t, HIDDEN) for b, t in batch_shapes]
+        want = sorted(hidden * ((s < 3) + (s > 0)))
+        assert sorted(m["sent"]) == want, (s, m)
+        assert sorted(m["received"]) == want, (s, m)

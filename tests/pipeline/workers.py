@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import traceback
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from megatron_p2r.layout.tensors import WORD_EMBEDDING
 from megatron_p2r.model.m6 import build_model
@@ -20,7 +22,8 @@ from megatron_p2r.pipeline.p2p import StageLink
 from megatron_p2r.pipeline.schedules import forward_backward_1f1b
 from megatron_p2r.training import reduce_loss
 from tests.helpers import expected_shard, reference_config, run_steps
-from tests.pipeline.common import compare_case, make_cfg, make_microbatches, make_state, pipelined_step, reference
+from tests.pipeline.common import (UNEVEN_KEEP, compare_case, make_cfg, make_microbatches, make_state, pipelined_step,
+                                   token_mean_reference)
 
 P2P_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
 P2P_SHAPES = ((2, 16, 32), (1, 12, 32), (5,), (3, 1, 2, 2))
@@ -33,24 +36,28 @@ def _payload(kind: str, dp: int, stage: int, i: int) -> torch.Tensor:
     return (torch.arange(int(torch.tensor(shape).prod())).reshape(shape) % 7 + base).to(dtype)
 
 
+def _spec(i: int) -> tuple:
+    return P2P_SHAPES[i % len(P2P_SHAPES)], P2P_DTYPES[i % len(P2P_DTYPES)]
+
+
 def p2p_checks(ps: ParallelState, rounds: int = 6) -> dict:
     """Every stage sends ``rounds`` tensors of varying shapes and dtypes forward and backward
     *before* receiving anything (sends never wait), then checks what arrived."""
     link = StageLink(ps)
     s, dp = ps.pp_rank, ps.dp_rank
     for i in range(rounds):
-        link.send_forward(_payload("fwd", dp, s, i))
-        link.send_backward(_payload("bwd", dp, s, i))
+        link.send_forward(_payload("fwd", dp, s, i), _spec(i))
+        link.send_backward(_payload("bwd", dp, s, i), _spec(i))
     ok, grad_leaf = True, True
     for i in range(rounds):
-        x = link.recv_forward(requires_grad=P2P_DTYPES[i % len(P2P_DTYPES)].is_floating_point)
+        x = link.recv_forward(_spec(i), requires_grad=P2P_DTYPES[i % len(P2P_DTYPES)].is_floating_point)
         if s > 0:
             want = _payload("fwd", dp, s - 1, i)
             ok &= x.dtype == want.dtype and torch.equal(x.detach(), want)
             grad_leaf &= x.is_leaf and x.requires_grad == want.dtype.is_floating_point
         else:
             ok &= x is None
-        g = link.recv_backward()
+        g = link.recv_backward(_spec(i))
         if s < ps.pp_size - 1:
             want = _payload("bwd", dp, s + 1, i)
             ok &= g.dtype == want.dtype and torch.equal(g, want)
@@ -60,12 +67,35 @@ def p2p_checks(ps: ParallelState, rounds: int = 6) -> dict:
     return {"ok": bool(ok), "grad_leaf": bool(grad_leaf)}
 
 
-def equivalence_cases(ps: ParallelState, layout: Layout, cases) -> dict:
-    """Run ``cases`` [(label, cfg, schedule, n_micro, dtype)] against the reference; a label
-    ending in /1f1b with a /gpipe twin also records whether their gradients are bitwise equal."""
+def count_messages(cfg, ps: ParallelState, microbatches, schedule: str) -> dict:
+    """One pipelined step with every point-to-point send and receive counted: what a stage
+    sends is the micro-batches' activations and gradients and nothing else (no headers)."""
+    sent, received = [], []
+    isend, recv = dist.isend, dist.recv
+
+    def counted_isend(t, dst, *args, **kwargs):
+        sent.append(tuple(t.shape))
+        return isend(t, dst, *args, **kwargs)
+
+    def counted_recv(t, src, *args, **kwargs):
+        received.append(tuple(t.shape))
+        return recv(t, src, *args, **kwargs)
+
+    dist.isend, dist.recv = counted_isend, counted_recv
+    try:
+        pipelined_step(cfg, ps, microbatches, schedule)
+    finally:
+        dist.isend, dist.recv = isend, recv
+    return {"stage": ps.pp_rank, "sent": sent, "received": received}
+
+
+def equivalence_cases(ps: ParallelState, layout: Layout, cases, **data) -> dict:
+    """Run ``cases`` [(label, cfg, schedule, n_micro, dtype)] against the reference (``data``:
+    compare_case's keep and reference_fn); a label ending in /1f1b with a /gpipe twin also
+    records whether their gradients are bitwise equal."""
     out, grads = {}, {}
     for label, cfg, schedule, n_micro, dtype in cases:
-        r = compare_case(cfg, layout, ps, schedule, n_micro, dtype)
+        r = compare_case(cfg, layout, ps, schedule, n_micro, dtype, **data)
         grads[label] = r.pop("grads")
         out[label] = r
     for label, mine in grads.items():
@@ -75,22 +105,36 @@ def equivalence_cases(ps: ParallelState, layout: Layout, cases) -> dict:
     return out
 
 
+def _first_step_grads(into: dict) -> Callable:
+    """An ``after_step`` callback that keeps the gradients of the first step."""
+    def keep(state) -> None:
+        if not into:
+            into.update({n: p.grad.clone() for n, p in state.model.named_parameters()})
+    return keep
+
+
 def train_replicas(cfg, ps: ParallelState, steps: int = 3) -> dict:
-    """``steps`` train_step calls on mock data, here and on one process: per-step losses, max
-    parameter distance to the one-process run, how far the weights moved, and a hash of this
+    """``steps`` train_step calls on mock data, here and on one process: per-step losses, the
+    first step's largest gradient error, every parameter element's distance to the one-process
+    run after the last step (and the largest), how far the weights moved, and a hash of this
     rank's tied-embedding replica."""
     init = {n: p.detach().clone() for n, p in build_model(cfg, ps).named_parameters()}
-    losses, state = run_steps(cfg, ps, steps)
-    ref_losses, ref_state = run_steps(reference_config(cfg), ParallelState.single(), steps)
+    grads, ref_grads = {}, {}
+    losses, state = run_steps(cfg, ps, steps, after_step=_first_step_grads(grads))
+    ref_losses, ref_state = run_steps(reference_config(cfg), ParallelState.single(), steps,
+                                      after_step=_first_step_grads(ref_grads))
     ref = {n: p.detach() for n, p in ref_state.model.named_parameters()}
-    out = {"losses": losses, "ref_losses": ref_losses, "replica": None, "param_err": 0.0, "moved": 0.0,
-           "stage": ps.pp_rank, "dp": ps.dp_rank}
+    out = {"losses": losses, "ref_losses": ref_losses, "replica": None, "grad_err": 0.0, "param_errs": [],
+           "moved": 0.0, "stage": ps.pp_rank, "dp": ps.dp_rank}
     for name, p in state.model.named_parameters():
-        want = expected_shard(ref[logical_name(name, p)], p, ps)
-        out["param_err"] = max(out["param_err"], (p.detach() - want).abs().max().item())
+        logical = logical_name(name, p)
+        want = expected_shard(ref[logical], p, ps)
+        out["param_errs"] += (p.detach() - want).abs().flatten().tolist()
+        out["grad_err"] = max(out["grad_err"], (grads[name] - expected_shard(ref_grads[logical], p, ps)).abs().max().item())
         out["moved"] = max(out["moved"], (p.detach() - init[name]).abs().max().item())
-        if logical_name(name, p) == WORD_EMBEDDING:
+        if logical == WORD_EMBEDDING:
             out["replica"] = hashlib.sha256(p.detach().numpy().tobytes()).hexdigest()
+    out["param_err"] = max(out["param_errs"])
     return out
 
 
@@ -125,6 +169,9 @@ def world4(rank: int, world: int) -> dict:
         stats = {}
         pipelined_step(cfg, ps, mbs, schedule, stats=stats)
         out["peak"][schedule] = stats["peak_inflight"]
+    out["messages"] = {"fixed": count_messages(cfg, ps, [make_microbatches(1, cfg.model.vocab_size, seed=i)[0]
+                                                         for i in range(3)], "1f1b"),
+                       "varying": count_messages(cfg, ps, mbs[:3], "1f1b")}
 
     tp2pp2 = Layout(tp=2, pp=2)
     ps = make_state(tp2pp2)
@@ -144,15 +191,23 @@ def world4(rank: int, world: int) -> dict:
     out["bf16"] = equivalence_cases(ps, pp2dp2, [
         ("bf16", make_cfg(pp=2, recompute_activations=True), "1f1b", 2, torch.bfloat16)])["bf16"]
 
-    # forward_only (evaluation): the loss, and no gradient anywhere.
+    out["tokens"] = equivalence_cases(ps, pp2dp2, [("pp2dp2/tokens/1f1b", make_cfg(pp=2), "1f1b", 3, None)],
+                                      keep=UNEVEN_KEEP, reference_fn=token_mean_reference)
+
+    # forward_only (evaluation): the token-mean loss, and no gradient anywhere.
     cfg = make_cfg(pp=2)
-    all_mb = make_microbatches(4, cfg.model.vocab_size, seed=5)
+    all_mb = make_microbatches(4, cfg.model.vocab_size, seed=5, keep=UNEVEN_KEEP)
     model = build_model(cfg, ps)
     loss = reduce_loss(forward_backward_1f1b(model, all_mb[2 * ps.dp_rank:2 * ps.dp_rank + 2], ps,
                                              forward_only=True), ps)
-    out["eval"] = {"loss_err": abs(loss - reference(cfg, all_mb)[0]),
+    out["eval"] = {"loss_err": abs(loss - token_mean_reference(cfg, all_mb, forward_only=True)[0]),
                    "no_grads": all(p.grad is None for p in model.parameters())}
     out["train"] = train_replicas(make_cfg(pp=2, global_batch_size=8), ps)
+
+    dp4 = Layout(dp=4)
+    ps = make_state(dp4)
+    out["tokens"].update(equivalence_cases(ps, dp4, [("dp4/tokens", make_cfg(), "1f1b", 2, None)],
+                                           keep=UNEVEN_KEEP, reference_fn=token_mean_reference))
 
     # MoE layers with experts over EP=2, router aux and z losses (their backward scale is set
     # by the schedule); errors are reported, not raised, so they fail only test_moe_*.
