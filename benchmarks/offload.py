@@ -51,8 +51,8 @@ SETTINGS = [  # label, --cpu-offload-layers, --recompute-activations, --cpu-offl
 
 def build(setting, args, device):
     _, spec, recompute, what = setting
-    values = {**COMMON, **SHAPES[args.shape], "bf16": args.bf16, "recompute_activations": recompute, "device": device.type,
-              "offload_prefetch": args.prefetch, "cpu_offload_what": what}
+    values = {**COMMON, **SHAPES[args.shape], "bf16": args.bf16, "recompute_activations": recompute,
+              "device": device.type, "offload_prefetch": args.prefetch, "cpu_offload_what": what}
     if spec is not None:
         values["cpu_offload_layers"] = spec
     cfg = config_from_values(values)
@@ -112,8 +112,9 @@ def main() -> None:
     shape = SHAPES[args.shape]
     n_mb = shape["global_batch_size"] // shape["micro_batch_size"]
     mbs = random_microbatches(shape["vocab_size"], shape["seq_length"], shape["micro_batch_size"], device, n=n_mb)
-    print(f"shape {args.shape}: {shape['num_layers']} layers, hidden {shape['hidden_size']}, vocab {shape['vocab_size']}, "
-          f"seq {shape['seq_length']}, {n_mb} micro-batches of {shape['micro_batch_size']}, "
+    print(f"shape {args.shape}: {shape['num_layers']} layers, hidden {shape['hidden_size']}, "
+          f"vocab {shape['vocab_size']}, seq {shape['seq_length']}, {n_mb} micro-batches of "
+          f"{shape['micro_batch_size']}, "
           f"{'bf16' if args.bf16 else 'fp32'}, prefetch {args.prefetch}, device {device}, "
           f"torch threads {torch.get_num_threads()}")
 

@@ -98,7 +98,8 @@ def main(argv=None) -> None:
           f"= {flops / ceiling:.0%} of it")
     write_json(args.json, {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "shape": SHAPE,
                            "tokens_per_s": med, "rounds": rates, "ratio_ours_over_hf": ratio,
-                           "matmul_ceiling_flops": ceiling, "ours_flops": flops, "fraction_of_ceiling": flops / ceiling})
+                           "matmul_ceiling_flops": ceiling, "ours_flops": flops,
+                           "fraction_of_ceiling": flops / ceiling})
 
 
 if __name__ == "__main__":
