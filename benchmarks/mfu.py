@@ -16,7 +16,7 @@ FLOPs per token are ``metrics.model_flops_per_token`` (what the training log's T
 over the full s x s square (Megatron's convention; a causal kernel does about half of that
 attention work, so the figure without attention FLOPs is printed beside it).
 MFU = FLOPs per step / step time / peak, where peak is the dense bf16 datasheet rate of the
-GPU (``planning.GPU_PRESETS`` by device name, or --peak-tflops); the fraction of the matmul
+GPU (``planning.hardware.GPU_PRESETS`` by device name, or --peak-tflops); the fraction of the matmul
 ceiling (an 8192^3 bf16 product on random data, measured here) is printed beside it.
 ``--tiny`` is a CPU-sized shape that checks the script without a GPU.
 """
@@ -35,7 +35,6 @@ from measure import matmul_ceiling, random_microbatches, timed, write_json  # no
 from megatron_p2r.arguments import config_from_values  # noqa: E402
 from megatron_p2r.metrics import model_flops_per_token  # noqa: E402
 from megatron_p2r.parallel.state import ParallelState  # noqa: E402
-from megatron_p2r.planning import GPU_PRESETS  # noqa: E402
 from megatron_p2r.training import build_train_state, train_step  # noqa: E402
 
 TINY = dict(layers=2, hidden=128, heads=4, seq=256, micro_batch=2, microbatches=1, steps=2, vocab=1024)
@@ -45,6 +44,7 @@ def datasheet_peak(device: torch.device) -> Optional[float]:
     """Dense bf16 FLOP/s of the GPU by its name (None on CPU or for an unknown GPU)."""
     if device.type != "cuda":
         return None
+    from megatron_p2r.planning.hardware import GPU_PRESETS  # the planner's presets (planning/ package)
     name = torch.cuda.get_device_name(device)
     return next((g.flops16 for g in GPU_PRESETS.values() if g.name.split("-")[0] in name), None)
 
@@ -89,7 +89,9 @@ def main(argv=None) -> None:
     step = statistics.median(times)
     tokens = args.micro_batch * args.microbatches * args.seq
     flops = model_flops_per_token(cfg.model) * tokens
-    no_attention = model_flops_per_token(dataclasses.replace(cfg.model, seq_length=0)) * tokens
+    # the attention term is linear in the sequence length: f(s) = a + b*s, so a = 2 f(s) - f(2s)
+    no_attention = (2 * model_flops_per_token(cfg.model)
+                    - model_flops_per_token(dataclasses.replace(cfg.model, seq_length=2 * args.seq))) * tokens
     ceiling = matmul_ceiling(device, torch.bfloat16)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else datasheet_peak(device)
     achieved = flops / step

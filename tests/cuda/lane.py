@@ -8,6 +8,8 @@ tests' CPU sizes; what only CUDA can measure skips there (``needs_cuda``).
 from __future__ import annotations
 
 import contextlib
+import io
+import json
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -15,12 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_p2r.arguments import config_from_values
-from megatron_p2r.config import Config
+from megatron_p2r.arguments import config_from_values, to_argv
+from megatron_p2r.parallel.random import seed_everything
 from megatron_p2r.parallel.state import ParallelState
-from megatron_p2r.training import init_distributed, resolve_device, setup_parallel
+from megatron_p2r.training import init_distributed, resolve_device
 from tests.cuda.probe import dry_run
 from tests.helpers import TINY
+from tools import plan as plan_tool
 
 
 @dataclass
@@ -32,14 +35,15 @@ class Lane:
     def cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def config(self, values: dict, gpu: Optional[dict] = None, cpu: Optional[dict] = None) -> Config:
+    def config(self, values: dict, gpu: Optional[dict] = None, cpu: Optional[dict] = None):
         """``tests.helpers.TINY`` + ``values`` + the sizes for this device, on this device."""
         sizes = (cpu if self.dry_run else gpu) or {}
         return config_from_values({**TINY, **values, **sizes, "device": self.device.type})
 
-    def parallel(self, cfg: Config) -> ParallelState:
-        """This rank's ParallelState and seeds, as ``pretrain`` sets them up (world size 1)."""
-        return setup_parallel(cfg, self.device)
+    def parallel(self, cfg) -> ParallelState:
+        """This rank's ParallelState (world size 1: no groups), seeded as ``pretrain`` seeds it."""
+        seed_everything(cfg.train.seed, 0, 0, self.device)
+        return ParallelState.single(self.device)
 
     def needs_cuda(self, what: str) -> None:
         if not self.cuda:
@@ -67,6 +71,18 @@ class Lane:
         gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()
+
+
+def planned_stage(cfg) -> dict:
+    """What ``tools/plan.py --world-size 1 --gpu H200-141GB --json`` plans for ``cfg``'s one
+    stage: ``device`` bytes by category (params, grads, optimizer, fetch_window,
+    compute_weights, activations, transient, reserve), ``device_total`` and ``host``."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = plan_tool.main(to_argv(cfg) + ["--world-size", "1", "--gpu", "H200-141GB", "--json"])
+    if status != 0:
+        raise RuntimeError(f"tools/plan.py exited {status}: {out.getvalue()[-2000:]}")
+    return json.loads(out.getvalue())["plans"][cfg.p2r.p2r_phase]["stages"][0]
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """Granular CPU offload on CUDA (pinned host weights, side-stream prefetch, host AdamW):
 half of the layers on host give the resident run's losses, device memory drops by the
-planner's figures, and the prefetch copies run while compute kernels do.
+planner's figures (``tools/plan.py --json``), and the prefetch copies run while compute kernels do.
 
 Memory is measured with the allocator's statistics, one configuration at a time, from a mark
 taken before the state is built: ``peak`` over building and 3 steps, ``resident`` after them
@@ -22,8 +22,8 @@ import shutil  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from megatron_p2r.planning import GPU_PRESETS, make_plan  # noqa: E402
 from megatron_p2r.training import train_step  # noqa: E402
+from tests.cuda.lane import planned_stage  # noqa: E402
 from tests.cuda.trace import stream_overlap  # noqa: E402
 from tests.helpers import random_microbatches, run_steps  # noqa: E402
 
@@ -63,10 +63,9 @@ def test_offload_half_the_layers_same_losses_and_planned_memory_drop(lane, recor
     assert off_losses == pytest.approx(plain_losses, rel=1e-5)  # host AdamW vs fused device AdamW: rounding
     host_params = [p for p in off.model.parameters() if p.device.type == "cpu"]
     assert host_params and all(p.grad is None or p.grad.device.type == "cpu" for p in host_params)
-    gpu = GPU_PRESETS["H200-141GB"]
-    plain_plan, off_plan = (make_plan(cfg, 1, gpu).stages[0] for cfg in (plain_cfg, off_cfg))
-    planned_drop = plain_plan.device_total - off_plan.device_total
-    planned_state = sum(off_plan.host.values())  # params + grads + AdamW moments that moved to host
+    plain_plan, off_plan = planned_stage(plain_cfg), planned_stage(off_cfg)
+    planned_drop = plain_plan["device_total"] - off_plan["device_total"]
+    planned_state = sum(off_plan["host"].values())  # params + grads + AdamW moments that moved to host
     lane.needs_cuda("CUDA allocator statistics and pinned host memory")
     assert all(p.is_pinned() for p in host_params)
     measured_drop = plain_mem["peak"] - off_mem["peak"]

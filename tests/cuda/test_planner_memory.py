@@ -1,5 +1,6 @@
-"""The planner's activation model (planning.activation_memory, device_type="cuda") against the
-CUDA caching allocator, for 6 shapes: one forward + backward of one micro-batch.
+"""The planner's activation model (its CUDA variant, as ``tools/plan.py --json`` reports it for
+one stage with one micro-batch in flight) against the CUDA caching allocator, for 6 shapes:
+one forward + backward of one micro-batch.
 
 Measured after a warm-up step, so the gradients already exist (backward accumulates into them)
 and cuBLAS workspaces and kernel choices are settled; ``held`` is what is allocated at the end
@@ -15,8 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from megatron_p2r.model.m6 import build_model  # noqa: E402
-from megatron_p2r.parallel.state import Layout  # noqa: E402
-from megatron_p2r.planning import activation_memory  # noqa: E402
+from tests.cuda.lane import planned_stage  # noqa: E402
 from tests.helpers import random_microbatches  # noqa: E402
 
 pytestmark = pytest.mark.cuda
@@ -51,7 +51,7 @@ def test_activation_estimate_matches_cuda_allocator(lane, record_property, case)
         loss.backward()
 
     forward_backward()  # warm-up
-    est = activation_memory(cfg, Layout(), 0, device_type="cuda")
+    est = planned_stage(cfg)["device"]
     est_held = est["activations"] + est["compute_weights"]
     est_peak = est_held + est["transient"]
     mark = lane.mark()
