@@ -150,27 +150,35 @@ def junit_results(path: str) -> List[dict]:
 
 # ----------------------------------------------------------------------------- environment
 
-def describe_environment(path: str) -> None:
-    """The ``environment`` step (run in its own process: importing torch may fail or hang)."""
-    info = {"python": sys.version.split()[0], "host": platform.node(), "machine": platform.machine()}
-    try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,"
-                              "power.limit,temperature.gpu", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-        info["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
-    except (OSError, subprocess.SubprocessError) as exc:
-        info["nvidia_smi"] = f"unavailable: {exc}"
-    import torch
-    info.update(torch=torch.__version__, cuda_build=torch.version.cuda, cuda_available=torch.cuda.is_available(),
-                threads=torch.get_num_threads())
-    if info["cuda_available"]:
-        props = torch.cuda.get_device_properties(0)
-        info.update(device=props.name, capability=f"{props.major}.{props.minor}",
-                    memory_gib=round(props.total_memory / 2**30, 1), multiprocessors=props.multi_processor_count,
-                    nccl=".".join(map(str, torch.cuda.nccl.version())))
-    print(json.dumps(info, indent=1))
+def _write_json(path: str, info: dict) -> None:
     with open(path, "w", encoding="utf-8") as fh:
-        json.dump(info, fh, indent=1)
+        json.dump(info, fh, indent=1, default=str)
+
+
+def describe_environment(path: str) -> None:
+    """The ``environment`` step (its own process: importing torch may fail or hang). Whether CUDA
+    is there is written first: the lane's mode depends on it, the details must not."""
+    import torch
+    info = {"python": sys.version.split()[0], "host": platform.node(), "machine": platform.machine(),
+            "torch": torch.__version__, "cuda_build": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+            "threads": torch.get_num_threads()}
+    _write_json(path, info)
+    try:
+        if info["cuda_available"]:
+            props = torch.cuda.get_device_properties(0)
+            info.update(device=props.name, capability=f"{props.major}.{props.minor}",
+                        memory_gib=round(props.total_memory / 2**30, 1), multiprocessors=props.multi_processor_count)
+            nccl = torch.cuda.nccl.version()
+            info["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+        if shutil.which("nvidia-smi"):
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,"
+                                  "clocks.max.sm,power.limit,temperature.gpu", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            info["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+    except Exception as exc:  # noqa: BLE001 — a detail that cannot be read is reported, not fatal
+        info["environment_error"] = repr(exc)
+    print(json.dumps(info, indent=1, default=str))
+    _write_json(path, info)
 
 
 # ----------------------------------------------------------------------------- report
@@ -256,8 +264,7 @@ def render_markdown(report: dict, logs: bool = True) -> str:
 
 
 def write_report(report: dict, out: str) -> None:
-    with open(os.path.join(out, "report.json"), "w", encoding="utf-8") as fh:
-        json.dump(report, fh, indent=1, default=str)
+    _write_json(os.path.join(out, "report.json"), report)
     with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as fh:
         fh.write(render_markdown(report))
     with open(os.path.join(out, "gpu_check.log"), "w", encoding="utf-8") as log:

@@ -107,6 +107,31 @@ def test_a_failing_step_does_not_stop_the_others_and_the_report_says_which(tmp_p
     assert "===== broken: failed" in (copy / "gpu_check.log").read_text()
 
 
+@pytest.mark.parametrize("env_exit", [0, 1])
+@pytest.mark.parametrize("cuda", [True, False])
+def test_the_environment_step_decides_the_mode_even_when_it_fails(tmp_path, monkeypatch, cuda, env_exit):
+    """A failing detail of the environment step (nvidia-smi, NCCL version) must not turn a GPU
+    run into a CPU trial; on a GPU a skipped tests step is not ok, on CPU it is expected."""
+    gpu_check = load_gpu_check()
+    out = tmp_path / "report"
+    env_file = str(out / "env.json")
+    describe = f"import json, sys; json.dump({{'cuda_available': {cuda}}}, open({env_file!r}, 'w')); sys.exit({env_exit})"
+    monkeypatch.setattr(gpu_check, "environment_step",
+                        lambda o: python_step(gpu_check, "environment", describe, 30, o, env_file))
+    seen = []
+
+    def steps(o, cuda, dry_run_tests):
+        seen.append(cuda)
+        return [python_step(gpu_check, "tests", "import sys; sys.exit(5)", 30, o)]
+
+    monkeypatch.setattr(gpu_check, "plan_steps", steps)
+    monkeypatch.delenv("OUT", raising=False)
+    report = gpu_check.run_lane(str(out), None, False)
+    assert seen == [cuda] and report["mode"].startswith("cuda" if cuda else "cpu-trial")
+    assert [s["status"] for s in report["steps"]] == ["passed" if env_exit == 0 else "failed", "skipped"]
+    assert report["ok"] is (env_exit == 0 and not cuda)
+
+
 def test_junit_results_carry_outcomes_and_recorded_figures(tmp_path):
     gpu_check = load_gpu_check()
     path = tmp_path / "junit.xml"
