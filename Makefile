@@ -27,3 +27,36 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) demo_out
+
+# The GPU lane (docs/gpu.md): tests/cuda, then the GPU benchmarks, one report in $(GPU_REPORT)
+# (and in $OUT when that is set), within 8 minutes on an H200. The interpreter: GPU_PYTHON when
+# given; else $(PYTHON) when its torch is a CUDA build (a cluster image, a lent GPU machine:
+# nothing is installed); else $(GPU_VENV), made offline from the wheels in $(GPU_WHEELS) when
+# there are any (torch, its dependencies, the package's and setuptools), otherwise from
+# $(GPU_TORCH_SPEC) — PyPI's Linux torch 2.13.0 is the CUDA 13.0 build; for an older driver use
+# e.g. GPU_TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128".
+# Without a CUDA device the same command is a trial on CPU (CUDA tests skip, CPU-sized benchmarks).
+GPU_PYTHON ?=
+GPU_VENV ?= .venv-gpu
+GPU_TORCH_SPEC ?= torch==2.13.0
+GPU_WHEELS ?= .whl
+GPU_REPORT ?= gpu_report
+GPU_CHECK_ARGS ?=
+
+.PHONY: gpu-check
+
+$(GPU_VENV)/.installed: setup.py
+	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	if ls $(GPU_WHEELS)/*.whl >/dev/null 2>&1; then source="--no-index --find-links $(GPU_WHEELS)"; \
+	  $(GPU_VENV)/bin/python -m pip install -q $$source $(GPU_WHEELS)/*.whl; \
+	else source=""; $(GPU_VENV)/bin/python -m pip install -q $(GPU_TORCH_SPEC); fi; \
+	$(GPU_VENV)/bin/python -m pip install -q $$source -e ".[test,bench]"
+	touch $@
+
+gpu-check:
+	@py="$(GPU_PYTHON)"; \
+	if [ -z "$$py" ] && $(PYTHON) -c 'import sys, torch; sys.exit(torch.version.cuda is None)' 2>/dev/null; then \
+	  py="$(PYTHON)"; fi; \
+	if [ -z "$$py" ]; then $(MAKE) --no-print-directory $(GPU_VENV)/.installed && py=$(GPU_VENV)/bin/python; fi; \
+	echo "gpu-check: $$py"; \
+	$$py benchmarks/gpu_check.py --out $(GPU_REPORT) $(GPU_CHECK_ARGS)

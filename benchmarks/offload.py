@@ -1,7 +1,8 @@
 """Granular CPU offload: step time and device-resident bytes with 0, 25, 50 and 100% of the
 layers offloaded, side by side in one run.
 
-    python benchmarks/offload.py [--steps 6] [--bf16] [--device cpu|cuda] [--prefetch 1] [--threads N]
+    python benchmarks/offload.py [--steps 6] [--bf16] [--device cpu|cuda] [--shape tiny|gpu] [--prefetch 1]
+                                 [--threads N] [--json PATH]
 
 Offloaded layers always run under activation recomputation, so besides plain 0% the run
 includes "0% + recompute" — the fair baseline for the fetch/copy bookkeeping itself — and
@@ -11,28 +12,38 @@ extra recompute forward, the split optimizer. On CUDA the script also measures r
 peak device memory per setting (one setting at a time) and the step time with the H2D
 fetches, D2H gradients and host AdamW. Timing: interleaved rounds, medians. Pins glibc malloc
 thresholds as shared/MACHINE.md advises.
+
+Shapes: ``tiny`` (the default; 4 layers of hidden 256) measures the bookkeeping; ``gpu`` (8
+layers of hidden 2048, 4 micro-batches of 4 x 2048 tokens) is sized for one large GPU, where
+a layer's compute is long enough for its prefetch to hide behind — the GPU lane
+(benchmarks/gpu_check.py) runs it with ``--bf16``. ``--json`` writes every figure.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import statistics
-import time
 
 import pinned_malloc  # noqa: E402,F401  (re-executes with malloc pinned; must precede torch)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from measure import random_microbatches, synchronize, timed, write_json  # noqa: E402
 from megatron_p2r.arguments import config_from_values  # noqa: E402
 from megatron_p2r.layout.offload import format_bytes, memory_plan  # noqa: E402
 from megatron_p2r.parallel.state import ParallelState  # noqa: E402
 from megatron_p2r.planning.memory import stage_state_bytes  # noqa: E402
 from megatron_p2r.training import build_train_state, train_step  # noqa: E402
 
-SHAPE = dict(vocab_size=2048, make_vocab_size_divisible_by=128, hidden_size=256, num_layers=4,
-             num_attention_heads=4, seq_length=128, micro_batch_size=4, global_batch_size=8, mock_data=True,
-             clip_grad=1.0, weight_decay=0.01, lr_decay_style="constant")
+COMMON = dict(make_vocab_size_divisible_by=128, mock_data=True, clip_grad=1.0, weight_decay=0.01,
+              lr_decay_style="constant")
+SHAPES = {
+    "tiny": dict(vocab_size=2048, hidden_size=256, num_layers=4, num_attention_heads=4, seq_length=128,
+                 micro_batch_size=4, global_batch_size=8),
+    "gpu": dict(vocab_size=32000, hidden_size=2048, num_layers=8, num_attention_heads=16, seq_length=2048,
+                micro_batch_size=4, global_batch_size=16),
+}
 FULL = "params,grads,optimizer"
 SETTINGS = [  # label, --cpu-offload-layers, --recompute-activations, --cpu-offload-what
     ("0%", None, False, FULL), ("0% + recompute", None, True, FULL), ("25%", "0.25", False, FULL),
@@ -41,32 +52,43 @@ SETTINGS = [  # label, --cpu-offload-layers, --recompute-activations, --cpu-offl
 
 def build(setting, args, device):
     _, spec, recompute, what = setting
-    values = {**SHAPE, "bf16": args.bf16, "recompute_activations": recompute, "device": device.type,
-              "offload_prefetch": args.prefetch, "cpu_offload_what": what}
+    values = {**COMMON, **SHAPES[args.shape], "bf16": args.bf16, "recompute_activations": recompute,
+              "device": device.type, "offload_prefetch": args.prefetch, "cpu_offload_what": what}
     if spec is not None:
         values["cpu_offload_layers"] = spec
     cfg = config_from_values(values)
     return build_train_state(cfg, ParallelState.single(device))
 
 
-def microbatches(device, n=2, b=SHAPE["micro_batch_size"], seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randint(0, SHAPE["vocab_size"], (b, SHAPE["seq_length"] + 1), generator=g).to(device)
-        out.append({"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": torch.ones(b, SHAPE["seq_length"], device=device)})
-    return out
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def accounted(state) -> dict:
     if state.offload is not None:
         return state.offload.describe()
     return memory_plan(stage_state_bytes(state.plan, 0), {}, [], 0)
+
+
+def allocated(device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def build_and_warm_up(args, device, mbs):
+    """({label: state}, {label: (CUDA resident, CUDA peak)}) — settings built one at a time and
+    warmed up with 2 steps (AdamW state, allocator, autotuning), so on CUDA each one's memory
+    is its own (beyond what the settings before it hold)."""
+    states, memory = {}, {}
+    for setting in SETTINGS:
+        gc.collect()
+        base = allocated(device)
+        state = build(setting, args, device)
+        resident = allocated(device) - base
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(2):
+            train_step(state, mbs)
+        synchronize(device)
+        if device.type == "cuda":
+            memory[setting[0]] = (resident, torch.cuda.max_memory_allocated(device) - base)
+        states[setting[0]] = state
+    return states, memory
 
 
 def main() -> None:
@@ -76,6 +98,8 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, default=1)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -85,39 +109,20 @@ def main() -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl", init_method="tcp://127.0.0.1:29561",
                                 rank=0, world_size=1)
-    mbs = microbatches(device)
-    print(f"shape: {SHAPE['num_layers']} layers, hidden {SHAPE['hidden_size']}, vocab {SHAPE['vocab_size']}, "
-          f"seq {SHAPE['seq_length']}, 2 micro-batches of {SHAPE['micro_batch_size']}, "
+    shape = SHAPES[args.shape]
+    n_mb = shape["global_batch_size"] // shape["micro_batch_size"]
+    mbs = random_microbatches(shape["vocab_size"], shape["seq_length"], shape["micro_batch_size"], device, n=n_mb)
+    print(f"shape {args.shape}: {shape['num_layers']} layers, hidden {shape['hidden_size']}, "
+          f"vocab {shape['vocab_size']}, seq {shape['seq_length']}, {n_mb} micro-batches of "
+          f"{shape['micro_batch_size']}, "
           f"{'bf16' if args.bf16 else 'fp32'}, prefetch {args.prefetch}, device {device}, "
           f"torch threads {torch.get_num_threads()}")
 
-    memory = {}
-    if device.type == "cuda":  # one setting at a time so the figures are its own
-        for setting in SETTINGS:
-            gc.collect()
-            torch.cuda.empty_cache()
-            base = torch.cuda.memory_allocated(device)
-            state = build(setting, args, device)
-            resident = torch.cuda.memory_allocated(device) - base
-            torch.cuda.reset_peak_memory_stats(device)
-            for _ in range(2):
-                train_step(state, mbs)
-            sync(device)
-            memory[setting[0]] = (resident, torch.cuda.max_memory_allocated(device) - base)
-            del state
-
-    states = {s[0]: build(s, args, device) for s in SETTINGS}
-    for state in states.values():  # warm-up (AdamW state, allocator, autotuning)
-        train_step(state, mbs)
-        train_step(state, mbs)
+    states, memory = build_and_warm_up(args, device, mbs)
     times = {label: [] for label in states}
     for _ in range(args.steps):
         for label, state in states.items():
-            sync(device)
-            start = time.perf_counter()
-            train_step(state, mbs)
-            sync(device)
-            times[label].append(time.perf_counter() - start)
+            times[label].append(timed(lambda: train_step(state, mbs), device))
 
     base, base_rc = statistics.median(times["0%"]), statistics.median(times["0% + recompute"])
     header = (f"{'setting':>16} {'layers':>6} {'ms/step':>8} {'vs 0%':>6} {'vs 0%+rc':>8} "
@@ -125,18 +130,26 @@ def main() -> None:
     if memory:
         header += f" {'cuda resident':>13} {'cuda peak':>11}"
     print(header)
+    rows = {}
     for label, state in states.items():
         t = statistics.median(times[label])
         plan = accounted(state)
         man = state.offload
-        layers = len(man.keys) if man else 0
-        peak = max(man.stats["peak_live"].values()) if man else 0
-        line = (f"{label:>16} {layers:>6} {1000 * t:8.1f} {t / base:6.2f} {t / base_rc:8.2f} "
-                f"{format_bytes(sum(plan['device'].values())):>19} {format_bytes(sum(plan['host'].values())):>11} "
-                f"{format_bytes(plan['device']['fetch_window']):>12} {peak:>9}")
+        row = {"layers": len(man.keys) if man else 0, "ms_per_step": 1000 * t, "vs_0": t / base,
+               "vs_0_recompute": t / base_rc, "device_accounted": sum(plan["device"].values()),
+               "host": sum(plan["host"].values()), "fetch_window": plan["device"]["fetch_window"],
+               "peak_live_copies": max(man.stats["peak_live"].values()) if man else 0,
+               "step_times_ms": [1000 * x for x in times[label]]}
+        line = (f"{label:>16} {row['layers']:>6} {row['ms_per_step']:8.1f} {row['vs_0']:6.2f} "
+                f"{row['vs_0_recompute']:8.2f} {format_bytes(row['device_accounted']):>19} "
+                f"{format_bytes(row['host']):>11} {format_bytes(row['fetch_window']):>12} {row['peak_live_copies']:>9}")
         if memory:
-            line += f" {format_bytes(memory[label][0]):>13} {format_bytes(memory[label][1]):>11}"
+            row["cuda_resident"], row["cuda_peak"] = memory[label]
+            line += f" {format_bytes(row['cuda_resident']):>13} {format_bytes(row['cuda_peak']):>11}"
+        rows[label] = row
         print(line)
+    write_json(args.json, {"device": str(device), "shape": args.shape, "shape_values": shape, "bf16": args.bf16,
+                           "prefetch": args.prefetch, "steps": args.steps, "settings": rows})
 
 
 if __name__ == "__main__":

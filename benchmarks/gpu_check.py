@@ -1,0 +1,338 @@
+"""The GPU lane in one command: the CUDA tests, then the GPU benchmarks, one report.
+
+    python benchmarks/gpu_check.py [--out gpu_report] [--only STEP,...] [--dry-run-tests]
+
+What ``make gpu-check`` runs (docs/gpu.md). Steps, each a subprocess with its own time limit
+(on expiry its whole process group is killed and the step is reported as ``timeout``); a step
+that fails does not stop the next:
+
+    environment       torch, CUDA, the device, nvidia-smi                           30 s
+    tests             pytest tests/cuda (marker ``cuda``), junit figures           180 s
+    step_throughput   benchmarks/step_throughput.py --bf16                           60 s
+    offload           benchmarks/offload.py --shape gpu --bf16                      120 s
+    mfu               benchmarks/mfu.py (1B-class, bf16, seq 4096)                   90 s
+
+480 s in all at worst, which fits the 8 minutes the lane is given. The report — ``report.json``
+(every figure) and ``report.md`` — is rewritten after every step in ``--out`` and, when the
+variable OUT is set, copied there with the combined log and the offload profiler trace, so a
+run cut short still leaves what it measured. Without a CUDA device this is a trial on CPU: the
+CUDA tests skip (``--dry-run-tests`` runs their CPU parts instead) and the benchmarks run
+CPU-sized shapes, which checks everything but the GPU. Exit status 0 when every step passed.
+
+Standard library only: it must start on any Python, whatever its torch.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT_FILES = ("report.json", "report.md", "gpu_check.log", "offload_trace.json")  # what goes to $OUT (<= 8)
+TARGETS = {"mfu": 0.45, "offload_50": 0.15}
+
+
+@dataclass
+class Step:
+    name: str
+    argv: List[str]
+    timeout: float
+    figures_file: Optional[str] = None  # the JSON the step writes
+    env: Dict[str, str] = field(default_factory=dict)
+
+
+def environment_step(out: str) -> Step:
+    path = os.path.join(out, "environment.json")
+    return Step("environment", [sys.executable, os.path.abspath(__file__), "--environment", path], 30, path)
+
+
+def plan_steps(out: str, cuda: bool, dry_run_tests: bool) -> List[Step]:
+    """The steps after ``environment``: for a CUDA machine, or their CPU-sized trial."""
+    py = sys.executable
+    bench = os.path.join(ROOT, "benchmarks")
+    figures = {name: os.path.join(out, f"{name}.json") for name in ("step_throughput", "offload", "mfu")}
+    tests_env = {"P2R_GPU_ARTIFACTS": out, **({"P2R_CUDA_DRY_RUN": "1"} if dry_run_tests else {})}
+    device = ["--device", "cuda" if cuda else "cpu"]
+    return [
+        Step("tests", [py, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
+                       "-o", "timeout=150", "--junitxml", os.path.join(out, "junit.xml"), "tests/cuda"], 180,
+             env=tests_env),
+        Step("step_throughput", [py, os.path.join(bench, "step_throughput.py"), "--bf16", *device,
+                                 *([] if cuda else ["--steps", "1", "--rounds", "1"]),
+                                 "--json", figures["step_throughput"]], 60, figures["step_throughput"]),
+        Step("offload", [py, os.path.join(bench, "offload.py"), *device,
+                         *(["--shape", "gpu", "--bf16", "--steps", "2"] if cuda else ["--steps", "1"]),
+                         "--json", figures["offload"]], 120, figures["offload"]),
+        Step("mfu", [py, os.path.join(bench, "mfu.py"), *device, *([] if cuda else ["--tiny"]),
+                     "--json", figures["mfu"]], 90, figures["mfu"]),
+    ]
+
+
+# ----------------------------------------------------------------------------- running
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_step(step: Step, out: str) -> dict:
+    """Run one step in its own process group with its time limit; its result for the report."""
+    log_path = os.path.join(out, f"{step.name}.log")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **step.env}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    start = time.monotonic()
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(step.argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=step.timeout)
+            # pytest's 5: nothing collected — every module of tests/cuda skipped itself (no GPU)
+            status = {0: "passed", 5: "skipped"}.get(returncode, "failed") if step.name == "tests" else (
+                "passed" if returncode == 0 else "failed")
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            returncode, status = None, "timeout"
+    with open(log_path, encoding="utf-8", errors="replace") as fh:
+        log_text = fh.read()
+    figures = None
+    if step.figures_file and os.path.exists(step.figures_file):
+        with open(step.figures_file, encoding="utf-8") as fh:
+            figures = json.load(fh)
+    return {"name": step.name, "status": status, "returncode": returncode,
+            "seconds": round(time.monotonic() - start, 1), "timeout": step.timeout, "command": " ".join(step.argv),
+            "figures": figures, "log_tail": "\n".join(log_text.splitlines()[-40:])}
+
+
+def junit_results(path: str) -> List[dict]:
+    """Every test case of a junit XML file: outcome, seconds, first line of the message, and the
+    figures it recorded with ``record_property`` (Python literals where they parse)."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    for case in ET.parse(path).iter("testcase"):
+        outcome, message = "passed", ""
+        for tag, name in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
+            node = case.find(tag)
+            if node is not None:
+                text = (node.get("message") or node.text or "").strip()
+                outcome, message = name, text.splitlines()[0][:300] if text else ""
+                break
+        figures = {}
+        for prop in case.iter("property"):
+            try:
+                figures[prop.get("name")] = ast.literal_eval(prop.get("value"))
+            except (ValueError, SyntaxError):
+                figures[prop.get("name")] = prop.get("value")
+        name = "::".join(x for x in (case.get("classname"), case.get("name")) if x)
+        out.append({"test": name, "outcome": outcome, "seconds": float(case.get("time") or 0), "message": message,
+                    "figures": figures})
+    return out
+
+
+# ----------------------------------------------------------------------------- environment
+
+def _write_json(path: str, info: dict) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(info, fh, indent=1, default=str)
+
+
+def describe_environment(path: str) -> None:
+    """The ``environment`` step (its own process: importing torch may fail or hang). Whether CUDA
+    is there is written first: the lane's mode depends on it, the details must not."""
+    import torch
+    info = {"python": sys.version.split()[0], "host": platform.node(), "machine": platform.machine(),
+            "torch": torch.__version__, "cuda_build": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+            "threads": torch.get_num_threads()}
+    _write_json(path, info)
+    try:
+        if info["cuda_available"]:
+            props = torch.cuda.get_device_properties(0)
+            info.update(device=props.name, capability=f"{props.major}.{props.minor}",
+                        memory_gib=round(props.total_memory / 2**30, 1), multiprocessors=props.multi_processor_count)
+            nccl = torch.cuda.nccl.version()
+            info["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+        if shutil.which("nvidia-smi"):
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,"
+                                  "clocks.max.sm,power.limit,temperature.gpu", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            info["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+    except Exception as exc:  # noqa: BLE001 — a detail that cannot be read is reported, not fatal
+        info["environment_error"] = repr(exc)
+    print(json.dumps(info, indent=1, default=str))
+    _write_json(path, info)
+
+
+# ----------------------------------------------------------------------------- report
+
+def targets(steps: Dict[str, dict], cuda: bool) -> List[dict]:
+    """The lane's two performance targets, met or not (None when not measured on a GPU)."""
+    mfu = (steps.get("mfu", {}).get("figures") or {}).get("mfu")
+    offload = (steps.get("offload", {}).get("figures") or {}).get("settings", {}).get("50%", {})
+    cost = offload["vs_0"] - 1 if offload else None
+    cost_rc = offload["vs_0_recompute"] - 1 if offload else None
+    return [
+        {"target": "MFU, bf16, 1B-class stack, seq 4096", "goal": f">= {TARGETS['mfu']:.0%}", "value": mfu,
+         "met": (mfu >= TARGETS["mfu"]) if cuda and mfu is not None else None},
+        {"target": "offload of 50% of layers: step time cost at prefetch 1 (vs 0%)",
+         "goal": f"<= {TARGETS['offload_50']:.0%}", "value": cost, "vs_recompute_baseline": cost_rc,
+         "met": (cost <= TARGETS["offload_50"]) if cuda and cost is not None else None},
+    ]
+
+
+def _percent(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def figure_lines(steps: Dict[str, dict]) -> List[str]:
+    """The benchmarks' headline figures (report.json holds all of them)."""
+    lines = []
+    mfu = steps.get("mfu", {}).get("figures")
+    if mfu:
+        lines += ["", "## MFU (benchmarks/mfu.py)", "",
+                  f"{mfu['parameters'] / 1e9:.2f}B parameters, {mfu['layers']} layers of hidden {mfu['hidden']}, "
+                  f"seq {mfu['seq']}, {mfu['tokens_per_step']} tokens per step: step {1000 * mfu['step_s']:.1f} ms, "
+                  f"{mfu['tokens_per_s']:,.0f} tokens/s, {mfu['achieved_flops'] / 1e12:.1f} model TFLOP/s; "
+                  f"MFU {_percent(mfu['mfu'])} ({_percent(mfu['mfu_without_attention_flops'])} without attention "
+                  f"FLOPs); {_percent(mfu['fraction_of_ceiling'])} of the measured matmul ceiling "
+                  f"({mfu['matmul_ceiling_flops'] / 1e12:.1f} TFLOP/s)."]
+    offload = steps.get("offload", {}).get("figures")
+    if offload:
+        title = f"Offload (benchmarks/offload.py, shape {offload['shape']}, prefetch {offload['prefetch']})"
+        lines += ["", f"## {title}", "",
+                  "| setting | layers on host | ms/step | vs 0% | vs 0% + recompute | CUDA peak GiB |",
+                  "|---|---|---|---|---|---|"]
+        for label, r in offload["settings"].items():
+            peak = f"{r['cuda_peak'] / 2**30:.2f}" if "cuda_peak" in r else "-"
+            lines.append(f"| {label} | {r['layers']} | {r['ms_per_step']:.1f} | {r['vs_0']:.2f} | "
+                         f"{r['vs_0_recompute']:.2f} | {peak} |")
+    throughput = steps.get("step_throughput", {}).get("figures")
+    if throughput:
+        rates = ", ".join(f"{k} {v:,.0f}" for k, v in throughput["tokens_per_s"].items())
+        ratio = throughput["ratio_ours_over_hf"]
+        lines += ["", "## Step throughput (benchmarks/step_throughput.py)", "",
+                  f"{throughput['dtype']} on {throughput['device']}: tokens/s {rates}"
+                  + (f"; ours / HF {ratio:.2f}x" if ratio else "")
+                  + f"; ours at {_percent(throughput['fraction_of_ceiling'])} of the matmul ceiling."]
+    return lines
+
+
+def render_markdown(report: dict, logs: bool = True) -> str:
+    """The report as Markdown; ``logs`` adds the log tails of the steps that did not pass."""
+    env = report.get("environment") or {}
+    lines = [f"# GPU lane report ({report['mode']})", "",
+             f"Started {report['started']}, finished {report.get('finished', '(running)')}; "
+             f"{env.get('device', 'no CUDA device')}, torch {env.get('torch', '?')} (CUDA {env.get('cuda_build')}), "
+             f"NCCL {env.get('nccl', '-')}, host {env.get('host', '?')}.", "",
+             "| step | status | seconds | limit |", "|---|---|---|---|"]
+    lines += [f"| {s['name']} | {s['status']} | {s['seconds']} | {s['timeout']:.0f} |" for s in report["steps"]]
+    if report.get("tests"):
+        lines += ["", "## Tests (tests/cuda)", "", "| test | outcome | s | figures / message |", "|---|---|---|---|"]
+        for t in report["tests"]:
+            detail = " — ".join(x for x in (json.dumps(t["figures"], default=str) if t["figures"] else "",
+                                            t["message"]) if x).replace("|", "\\|")
+            lines.append(f"| {t['test']} | {t['outcome']} | {t['seconds']:.1f} | {detail} |")
+    lines += ["", "## Targets", "", "| target | goal | measured | met |", "|---|---|---|---|"]
+    for t in report["targets"]:
+        value = _percent(t["value"])
+        if t.get("vs_recompute_baseline") is not None:
+            value += f" ({_percent(t['vs_recompute_baseline'])} vs 0% + recompute)"
+        lines.append(f"| {t['target']} | {t['goal']} | {value} | {({True: 'yes', False: 'NO'}).get(t['met'], 'n/a')} |")
+    lines += figure_lines({s["name"]: s for s in report["steps"]})
+    for s in report["steps"] if logs else []:
+        if s["status"] != "passed":
+            lines += ["", f"## {s['name']}: {s['status']} (log tail)", "", "```", s["log_tail"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict, out: str) -> None:
+    _write_json(os.path.join(out, "report.json"), report)
+    with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as fh:
+        fh.write(render_markdown(report))
+    with open(os.path.join(out, "gpu_check.log"), "w", encoding="utf-8") as log:
+        for s in report["steps"]:
+            path = os.path.join(out, f"{s['name']}.log")
+            if os.path.exists(path):
+                with open(path, encoding="utf-8", errors="replace") as fh:
+                    log.write(f"===== {s['name']}: {s['status']} ({s['seconds']} s)\n{fh.read()}\n")
+    copy_to = os.environ.get("OUT")
+    if copy_to and os.path.abspath(copy_to) != os.path.abspath(out):
+        os.makedirs(copy_to, exist_ok=True)
+        for name in OUT_FILES:
+            if os.path.exists(os.path.join(out, name)):
+                shutil.copy(os.path.join(out, name), os.path.join(copy_to, name))
+
+
+# ----------------------------------------------------------------------------- main
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def run_lane(out: str, only: Optional[List[str]], dry_run_tests: bool) -> dict:
+    os.makedirs(out, exist_ok=True)
+    report = {"lane": "megatron_p2r make gpu-check", "started": _now(), "mode": "detecting", "environment": None,
+              "steps": [], "tests": [], "targets": []}
+    env_result = run_step(environment_step(out), out)
+    report["steps"].append(env_result)
+    report["environment"] = env_result["figures"]
+    cuda = bool(env_result["figures"] and env_result["figures"].get("cuda_available"))
+    report["mode"] = "cuda" if cuda else "cpu-trial (no CUDA device: CUDA tests skip, CPU-sized benchmarks)"
+    write_report(report, out)
+    for step in plan_steps(out, cuda=cuda, dry_run_tests=dry_run_tests):
+        if only and step.name not in only:
+            continue
+        print(f"gpu-check: {step.name} (limit {step.timeout:.0f} s) ...", flush=True)
+        result = run_step(step, out)
+        report["steps"].append(result)
+        if step.name == "tests":
+            report["tests"] = junit_results(os.path.join(out, "junit.xml"))
+        report["targets"] = targets({s["name"]: s for s in report["steps"]}, cuda)
+        write_report(report, out)
+        print(f"gpu-check: {step.name} {result['status']} in {result['seconds']} s\n{result['log_tail']}\n", flush=True)
+    report["finished"] = _now()
+    expected = {"passed"} if cuda else {"passed", "skipped"}  # on CPU the CUDA tests skip
+    report["ok"] = all(s["status"] in expected for s in report["steps"])
+    write_report(report, out)
+    return report
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="gpu_report", help="report directory (also copied to $OUT when set)")
+    parser.add_argument("--only", help="comma-separated steps to run (environment always runs), e.g. tests,mfu")
+    parser.add_argument("--dry-run-tests", action="store_true",
+                        help="run the CUDA tests' CPU parts (P2R_CUDA_DRY_RUN=1) instead of skipping them")
+    parser.add_argument("--environment", metavar="PATH", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.environment:
+        describe_environment(args.environment)
+        return 0
+    report = run_lane(os.path.abspath(args.out), args.only.split(",") if args.only else None, args.dry_run_tests)
+    print(render_markdown(report, logs=False))
+    others = [f"{s['name']} {s['status']}" for s in report["steps"] if s["status"] != "passed"]
+    print(f"gpu-check: {'ok' if report['ok'] else 'NOT OK'} ({', '.join(others) or 'every step passed'}); "
+          f"report in {os.path.abspath(args.out)}")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""The GPU lane's machinery on CPU: the trace analysis the overlap test relies on, and the
+runner behind ``make gpu-check`` (time limits that kill a whole process group, a failing step
+that does not stop the next, the report written after each step and copied to $OUT)."""
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from tests.cuda.trace import stream_overlap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "benchmarks", "gpu_check.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def event(cat, name, stream, ts, dur):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def test_overlap_counts_kernels_on_other_streams_only():
+    trace = {"traceEvents": [
+        event("kernel", "gemm", 7, 0, 100), event("kernel", "gemm", 7, 150, 100),   # compute stream
+        event("kernel", "fill", 20, 300, 50),                                       # a kernel on the copy stream
+        event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 20, 50, 150),         # [50, 200): 50 + 50 covered
+        event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 20, 280, 100),        # [280, 380): only its own stream
+        event("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", 7, 0, 500),         # not host-to-device
+        event("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 7, 400, 10),        # on the compute stream: 0
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 0, "args": {"stream": 7}},
+    ]}
+    stats = stream_overlap(trace)
+    assert stats["h2d_copies"] == 3 and stats["h2d_us"] == 260
+    assert stats["overlap_us"] == 100
+    assert stats["overlap_fraction"] == pytest.approx(100 / 260)
+    assert stats["copy_streams"] == [7, 20] and stats["kernel_streams"] == [7, 20]
+
+
+def test_overlapping_kernels_on_several_streams_count_once():
+    trace = {"traceEvents": [event("kernel", "a", 7, 0, 100), event("kernel", "b", 8, 50, 100),
+                             event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 20, 0, 200)]}
+    assert stream_overlap(trace)["overlap_us"] == 150
+
+
+def test_no_copies_is_no_overlap():
+    assert stream_overlap({"traceEvents": [event("kernel", "a", 7, 0, 100)]})["overlap_fraction"] == 0.0
+
+
+# ----------------------------------------------------------------------------- the runner
+
+def python_step(gpu_check, name, code, timeout, out, figures=None):
+    return gpu_check.Step(name, [sys.executable, "-c", code], timeout, figures)
+
+
+def test_timeout_kills_the_step_and_its_children(tmp_path):
+    gpu_check = load_gpu_check()
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time; "
+            f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    start = time.monotonic()
+    result = gpu_check.run_step(python_step(gpu_check, "hang", code, 3, tmp_path), str(tmp_path))
+    assert result["status"] == "timeout" and result["returncode"] is None
+    assert time.monotonic() - start < 20
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the grandchild got SIGTERM with the group; give it a moment to go
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, 9)
+        pytest.fail("the step's child process outlived the step's time limit")
+
+
+def test_a_failing_step_does_not_stop_the_others_and_the_report_says_which(tmp_path, monkeypatch):
+    gpu_check = load_gpu_check()
+    out, copy = tmp_path / "report", tmp_path / "OUT"
+    figures = out / "ok.json"
+    steps = [python_step(gpu_check, "broken", "import sys; print('boom'); sys.exit(3)", 30, out),
+             python_step(gpu_check, "ok", f"import json; json.dump({{'x': 1}}, open({str(figures)!r}, 'w'))", 30, out,
+                         str(figures))]
+    env_file = str(out / "env.json")
+    describe = f"import json; json.dump({{'cuda_available': False}}, open({env_file!r}, 'w'))"
+    monkeypatch.setattr(gpu_check, "environment_step",
+                        lambda o: python_step(gpu_check, "environment", describe, 30, o, env_file))
+    monkeypatch.setattr(gpu_check, "plan_steps", lambda o, cuda, dry_run_tests: steps)
+    monkeypatch.setenv("OUT", str(copy))
+    report = gpu_check.run_lane(str(out), None, False)
+    assert [(s["name"], s["status"]) for s in report["steps"]] == [("environment", "passed"), ("broken", "failed"),
+                                                                    ("ok", "passed")]
+    assert report["ok"] is False and report["mode"].startswith("cpu-trial")
+    assert report["steps"][1]["returncode"] == 3 and "boom" in report["steps"][1]["log_tail"]
+    assert report["steps"][2]["figures"] == {"x": 1}
+    saved = json.loads((copy / "report.json").read_text())
+    assert saved["steps"][1]["status"] == "failed"
+    markdown = (copy / "report.md").read_text()
+    assert "| broken | failed |" in markdown and "boom" in markdown
+    assert "===== broken: failed" in (copy / "gpu_check.log").read_text()
+
+
+@pytest.mark.parametrize("env_exit", [0, 1])
+@pytest.mark.parametrize("cuda", [True, False])
+def test_the_environment_step_decides_the_mode_even_when_it_fails(tmp_path, monkeypatch, cuda, env_exit):
+    """A failing detail of the environment step (nvidia-smi, NCCL version) must not turn a GPU
+    run into a CPU trial; on a GPU a skipped tests step is not ok, on CPU it is expected."""
+    gpu_check = load_gpu_check()
+    out = tmp_path / "report"
+    env_file = str(out / "env.json")
+    describe = f"import json, sys; json.dump({{'cuda_available': {cuda}}}, open({env_file!r}, 'w')); sys.exit({env_exit})"
+    monkeypatch.setattr(gpu_check, "environment_step",
+                        lambda o: python_step(gpu_check, "environment", describe, 30, o, env_file))
+    seen = []
+
+    def steps(o, cuda, dry_run_tests):
+        seen.append(cuda)
+        return [python_step(gpu_check, "tests", "import sys; sys.exit(5)", 30, o)]
+
+    monkeypatch.setattr(gpu_check, "plan_steps", steps)
+    monkeypatch.delenv("OUT", raising=False)
+    report = gpu_check.run_lane(str(out), None, False)
+    assert seen == [cuda] and report["mode"].startswith("cuda" if cuda else "cpu-trial")
+    assert [s["status"] for s in report["steps"]] == ["passed" if env_exit == 0 else "failed", "skipped"]
+    assert report["ok"] is (env_exit == 0 and not cuda)
+
+
+def test_junit_results_carry_outcomes_and_recorded_figures(tmp_path):
+    gpu_check = load_gpu_check()
+    path = tmp_path / "junit.xml"
+    path.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.cuda.test_x" name="test_a" time="1.5"><properties>'
+        '<property name="ratio" value="{\'measured\': 10, \'planned\': 11}"/>'
+        '<property name="device" value="NVIDIA H200"/></properties></testcase>'
+        '<testcase classname="tests.cuda.test_x" name="test_b" time="0.1">'
+        '<failure message="AssertionError: 0.3 &lt; 0.25">long traceback</failure></testcase>'
+        '<testcase classname="tests.cuda.test_x" name="test_c" time="0"><skipped message="dry run"/></testcase>'
+        '</testsuite></testsuites>')
+    results = gpu_check.junit_results(str(path))
+    assert [(r["test"], r["outcome"]) for r in results] == [
+        ("tests.cuda.test_x::test_a", "passed"), ("tests.cuda.test_x::test_b", "failed"),
+        ("tests.cuda.test_x::test_c", "skipped")]
+    assert results[0]["figures"] == {"ratio": {"measured": 10, "planned": 11}, "device": "NVIDIA H200"}
+    assert results[1]["message"] == "AssertionError: 0.3 < 0.25"
+
+
+def test_targets_are_judged_only_on_a_gpu():
+    gpu_check = load_gpu_check()
+    steps = {"mfu": {"figures": {"mfu": 0.5}},
+             "offload": {"figures": {"settings": {"50%": {"vs_0": 1.2, "vs_0_recompute": 1.05}}}}}
+    on_gpu = gpu_check.targets(steps, cuda=True)
+    assert [t["met"] for t in on_gpu] == [True, False]
+    assert on_gpu[1]["value"] == pytest.approx(0.2) and on_gpu[1]["vs_recompute_baseline"] == pytest.approx(0.05)
+    assert [t["met"] for t in gpu_check.targets(steps, cuda=False)] == [None, None]
+    assert [t["value"] for t in gpu_check.targets({}, cuda=True)] == [None, None]
