@@ -192,3 +192,15 @@ def test_accepted_attention_options():
     validate(tiny_config(**GQA, num_query_groups=2, num_attention_heads=8, tensor_model_parallel_size=8,
                          global_batch_size=8), 8)
     validate(tiny_config(**ROPE, num_attention_heads=6, kv_channels=8, rotary_percent=0.5), 1)
+
+
+def test_megatron_flag_names_and_defaults():
+    """The flags parse under Megatron-LM's names; the defaults are Megatron-LM's (no GQA,
+    --num-query-groups 1 ignored without it, head dim hidden/heads, whole-head rotary)."""
+    from megatron_p2r.arguments import parse_args
+    m = parse_args(["--group-query-attention", "--num-query-groups", "2", "--kv-channels", "16", "--qk-layernorm",
+                    "--rotary-percent", "0.5", "--add-qkv-bias", "--hidden-size", "32"]).model
+    assert (m.query_groups, m.head_dim, m.qk_layernorm, m.rotary_dim, m.add_qkv_bias) == (2, 16, True, 8, True)
+    d = parse_args(["--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2"]).model
+    assert (d.group_query_attention, d.query_groups, d.kv_channels, d.head_dim, d.rotary_percent) == \
+        (False, 4, None, 8, 1.0)
