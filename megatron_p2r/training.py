@@ -107,7 +107,8 @@ def setup_parallel(cfg: Config, device: torch.device) -> Tuple[ParallelState, Pa
     validate(cfg, world)
     plan = ParallelPlan.for_world(cfg, world)
     ps = initialize(plan.layout, device, plan.stage_sets(),
-                    timeout=datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
+                    timeout=datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
+                    tp_blocks=plan.tp_block_sets())
     seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, device)
     return ps, plan
 

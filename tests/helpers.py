@@ -48,7 +48,7 @@ def expected_shard(full: torch.Tensor, param, ps: ParallelState) -> torch.Tensor
     if getattr(param, "expert", False):
         n = param.shape[0]
         full = full[ps.ep_rank * n:(ps.ep_rank + 1) * n]
-    return tp_slice(full, getattr(param, "tp_dim", None), ps.tp_rank, ps.tp_size)
+    return tp_slice(full, getattr(param, "tp_dim", None), ps.tp_rank, ps.tp_size, getattr(param, "tp_replicas", 1))
 
 
 def max_grad_error(model, ps: ParallelState, ref: dict) -> dict:
