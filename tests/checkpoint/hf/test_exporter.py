@@ -49,7 +49,7 @@ CASES = {
                   make_vocab_size_divisible_by=128),
     # top-2 MoE in every layer -> MixtralForCausalLM
     "mixtral": dict(ROPE, tensor_model_parallel_size=2, expert_model_parallel_size=2, num_experts=4,
-                    moe_router_topk=2, moe_renormalize_topk=True, moe_ffn_hidden_size=24,
+                    moe_router_topk=2, moe_router_pre_softmax=False, moe_ffn_hidden_size=24,
                     disable_bias_linear=True, moe_aux_loss_coeff=0.01),
 }
 # Import each export into a different layout (4 ranks each).
