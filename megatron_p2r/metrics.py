@@ -80,6 +80,7 @@ class TrainingLogger:
 def format_line(r: dict) -> str:
     parts = [f"iteration {r['iteration']:>6d}/{r['train_iters']:>6d}",
              f"consumed samples {r['consumed_samples']}",
+             f"global batch size {r['global_batch_size']}",
              f"ms/iter {r['ms_per_iter']:.1f}",
              f"lr {r['lr']:.3E}",
              f"lm loss {r['lm_loss']:.4E}",

@@ -24,7 +24,8 @@ from megatron_p2r.testing import run_distributed
 from tools.plan import verify_all_ranks, verify_rank
 
 SMALL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=250,
-             make_vocab_size_divisible_by=16, micro_batch_size=2, mock_data=True)
+             make_vocab_size_divisible_by=16, micro_batch_size=2, mock_data=True, hidden_dropout=0.0,
+             attention_dropout=0.0, moe_router_topk=1, moe_router_pre_softmax=True)
 MOE = dict(num_experts=4, moe_ffn_hidden_size=96)
 
 

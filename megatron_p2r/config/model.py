@@ -35,20 +35,22 @@ class ModelConfig:
                                 "pass through unchanged).")
     untie_embeddings_and_output_weights: bool = opt(False, "Use a separate output matrix instead of the input embedding.")
     disable_bias_linear: bool = opt(False, "No biases in linear layers.")
-    hidden_dropout: float = opt(0.0, "Dropout on the residual branches.")
-    attention_dropout: float = opt(0.0, "Dropout on attention probabilities.")
+    hidden_dropout: float = opt(0.1, "Dropout on the residual branches.")
+    attention_dropout: float = opt(0.1, "Dropout on attention probabilities.")
     init_method_std: float = opt(0.02, "Std of the normal initialisation (output projections are scaled by 1/sqrt(2L)).")
     # Mixture of experts.
     num_experts: Optional[int] = opt(None, "Number of experts E (MoE MLP); unset or 0 means dense.")
     moe_layer_freq: int = opt(1, "Every k-th layer is MoE (layers k-1, 2k-1, ...; 1 means all).")
-    moe_router_topk: int = opt(1, "Experts per token (top-1 Switch, top-2 GShard).")
+    moe_router_topk: int = opt(2, "Experts per token (top-1 Switch, top-2 GShard).")
+    moe_router_pre_softmax: bool = opt(False, "Softmax over all experts, then top-k: the weights are the router "
+                                       "probabilities (Switch, M6; needed for top-1). Unset: top-k of the logits, "
+                                       "then softmax over the k, so the weights sum to 1 (Mixtral).")
     moe_ffn_hidden_size: Optional[int] = opt(None, "Expert FFN hidden size (default ffn-hidden-size).")
     moe_num_prototypes: int = opt(1, "Expert prototyping (M6-T): K groups, top-1 in each, outputs summed.")
     moe_aux_loss_coeff: float = opt(0.0, "Load-balancing loss coefficient (Switch formulation).")
     moe_z_loss_coeff: float = opt(0.0, "Router z-loss coefficient.")
     moe_capacity_factor: Optional[float] = opt(None, "Expert capacity factor; unset means dropless.")
     moe_input_jitter_eps: Optional[float] = opt(None, "Multiplicative router input jitter (training only).")
-    moe_renormalize_topk: bool = opt(False, "Renormalise the top-k routing weights to sum to 1.")
 
     @property
     def ffn_size(self) -> int:
@@ -137,6 +139,9 @@ class ModelConfig:
         if self.moe_num_prototypes > 1 and self.moe_router_topk != 1:
             raise ConfigError("expert prototyping (--moe-num-prototypes > 1) takes top-1 in each group: "
                               f"--moe-router-topk must be 1, got {self.moe_router_topk}")
+        if self.moe_router_topk == 1 and not self.moe_router_pre_softmax:
+            raise ConfigError("top-1 routing needs --moe-router-pre-softmax (a softmax over one selected logit is 1: "
+                              "the router would get no gradient), as in Megatron-LM")
         per_group = self.num_experts // self.moe_num_prototypes
         if not 1 <= self.moe_router_topk <= per_group:
             raise ConfigError(f"--moe-router-topk ({self.moe_router_topk}) must be between 1 and "

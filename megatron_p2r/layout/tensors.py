@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from megatron_p2r.config import ModelConfig
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT_WEIGHT = "output_layer.weight"
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,6 @@ def stage_tensors(m: ModelConfig, tp: int, ep: int, module_keys: Sequence[int], 
         specs += _norm("final_norm", m)
         tied = not m.untie_embeddings_and_output_weights
         if not (tied and first):
-            specs.append(TensorSpec("output_layer.weight", (m.padded_vocab_size // tp, m.hidden_size), tp_dim=0,
+            specs.append(TensorSpec(OUTPUT_WEIGHT, (m.padded_vocab_size // tp, m.hidden_size), tp_dim=0,
                                     shared_name=WORD_EMBEDDING if tied else None))
     return specs

@@ -73,8 +73,8 @@ def _blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
                                     "dense layers in between have no HF equivalent)"),
             (m.moe_num_prototypes != 1, f"--moe-num-prototypes {m.moe_num_prototypes} (Mixtral routes top-k "
                                         "over all experts, not top-1 per prototype group)"),
-            (bool(m.num_experts) and not m.moe_renormalize_topk, "no --moe-renormalize-topk (Mixtral always "
-                                                                 "renormalises the top-k routing weights to sum to 1)"),
+            (m.moe_router_pre_softmax, "--moe-router-pre-softmax (Mixtral always renormalises the top-k "
+                                       "routing weights to sum to 1)"),
             (m.moe_capacity_factor is not None, f"--moe-capacity-factor {m.moe_capacity_factor} (Mixtral is "
                                                 "dropless; ours drops tokens over capacity)"),
         ]

@@ -145,12 +145,13 @@ def _rotary_values(hf: dict, where: str, arch: str) -> dict:
                   normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True,
                   position_embedding_type="rope", max_position_embeddings=min(max_pos, window or max_pos),
                   untie_embeddings_and_output_weights=not tied,
-                  attention_dropout=hf.get("attention_dropout", 0.0), init_method_std=hf.get("initializer_range", 0.02))
+                  hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0),
+                  init_method_std=hf.get("initializer_range", 0.02))
     values.update(_attention_values(hf, where, h, heads), **_bias_values(hf, where, arch))
     if arch == MIXTRAL:
         values.update(num_experts=required_field(hf, "num_local_experts", where),
                       moe_router_topk=required_field(hf, "num_experts_per_tok", where), moe_layer_freq=1,
-                      moe_ffn_hidden_size=values["ffn_hidden_size"], moe_renormalize_topk=True,
+                      moe_ffn_hidden_size=values["ffn_hidden_size"], moe_router_pre_softmax=False,
                       moe_aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0),
                       moe_input_jitter_eps=hf.get("router_jitter_noise") or None)
     return values

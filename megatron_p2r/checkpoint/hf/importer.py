@@ -55,7 +55,7 @@ def import_hf(src: str, dst: str, target: Target, *, make_vocab_size_divisible_b
                      progress=progress, desc="import-hf")
         files = {f: os.path.getsize(os.path.join(out_iter, f)) for f in layout.files()}
         meta = build_metadata(cfg, table, iteration=0, consumed_samples=0, optimizer=False,
-                              scheduler={"step_count": 0}, scaler=LossScaler(cfg.train).state_dict(), files=files,
+                              scheduler={"num_steps": 0}, scaler=LossScaler(cfg.train).state_dict(), files=files,
                               rng=None, history=[{"op": "import-hf", "source": os.path.abspath(src),
                                                   "source_layout": f"hf:{arch}"}])
         write_metadata(out_iter, meta)

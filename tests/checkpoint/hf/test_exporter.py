@@ -54,7 +54,7 @@ CASES = {
     "mistral": dict(ROPE, **GQA, num_query_groups=1, tensor_model_parallel_size=2, disable_bias_linear=True),
     # top-2 MoE in every layer, 2 key/value groups -> MixtralForCausalLM
     "mixtral": dict(ROPE, **GQA, num_query_groups=2, tensor_model_parallel_size=2, expert_model_parallel_size=2,
-                    num_experts=4, moe_router_topk=2, moe_renormalize_topk=True, moe_ffn_hidden_size=24,
+                    num_experts=4, moe_router_topk=2, moe_router_pre_softmax=False, moe_ffn_hidden_size=24,
                     disable_bias_linear=True, moe_aux_loss_coeff=0.01),
     # biases on the query/key/value projections only, heads of 16 in hidden 32 -> Qwen2ForCausalLM
     "qwen2": dict(ROPE, **GQA, num_query_groups=2, kv_channels=16, tensor_model_parallel_size=2,
