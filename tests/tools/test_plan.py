@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from tools.plan import main
+import pytest
+
+from tools.plan import main, parse_count
 
 TEN_T = ["--config", "examples/m6_10t/model.yaml", "--pseudo-config", "examples/m6_10t/pseudo.yaml",
          "--real-config", "examples/m6_10t/real.yaml", "--world-size", "512", "--gpu", "V100-32GB"]
@@ -62,3 +64,9 @@ def test_bad_input(capsys):
     assert "--num-attention-heads (16) must be divisible by --tensor-model-parallel-size (3)" in capsys.readouterr().err
     assert main(TEN_T + ["--verify-rank", "512"]) == 2
     assert "outside the world of 512 ranks" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,value", [("50e9", 5e10), ("5E10", 5e10), ("1.5e+10", 1.5e10), ("2.5E-3T", 2.5e9),
+                                        ("50B", 5e10), ("1.2T", 1.2e12), (".5k", 500.0)])
+def test_token_budget_formats(text, value):
+    assert parse_count(text) == pytest.approx(value)
