@@ -69,7 +69,8 @@ def _rank(rank, world, hidden, steps):
         cfg = _config(hidden, bf16=True, use_distributed_optimizer=True, overlap_grad_reduce=overlap,
                       overlap_param_gather=overlap, ddp_bucket_size=hidden * hidden * 4)
         ps, plan = setup_parallel(cfg, torch.device("cpu"))
-        runs[label] = (cfg, build_train_state(cfg, ps, plan), microbatch_iterator(build_datasets(cfg, ps)[0], 0, cfg, ps))
+        data = microbatch_iterator(build_datasets(cfg, ps)[0], 0, cfg, ps)
+        runs[label] = (cfg, build_train_state(cfg, ps, plan), data)
     for step in range(steps + 1):   # alternate so machine noise hits both alike; the first is warm-up
         for label, (cfg, state, data) in runs.items():
             batch = [next(data) for _ in range(num_microbatches(cfg, world))]

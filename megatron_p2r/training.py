@@ -33,6 +33,7 @@ from megatron_p2r.parallel.ddp import DistributedDataParallel
 from megatron_p2r.parallel.grads import grad_norm_and_non_finite, unscale_and_clip
 from megatron_p2r.parallel.random import seed_everything
 from megatron_p2r.parallel.state import ParallelState, initialize
+from megatron_p2r.planning.memory import stage_state_bytes
 from megatron_p2r.pipeline.schedules import get_forward_backward_func
 
 
@@ -301,10 +302,10 @@ def pretrain(cfg: Config) -> dict:
     state = build_train_state(cfg, ps, plan)
     logger = TrainingLogger(cfg.logging.log_file, cfg.logging.tensorboard_dir, enabled=ps.rank == log_rank(ps))
     mem = describe_memory(state)
+    optimizer_bytes = stage_state_bytes(plan, ps.pp_rank, ps.coords)["optimizer"]   # AdamW allocates at step 1
     print(f"[rank {ps.rank}] stage {ps.pp_rank} tp {ps.tp_rank} dp {ps.dp_rank} ep {ps.ep_rank}: "
           f"{mem['parameters']:,} parameters, {mem['param_bytes'] / 2**20:.1f} MiB params, "
-          f"{mem['grad_bytes'] / 2**20:.1f} MiB grads, {mem['optimizer_bytes'] / 2**20:.1f} MiB optimizer",
-          flush=True)
+          f"{mem['grad_bytes'] / 2**20:.1f} MiB grads, {optimizer_bytes / 2**20:.1f} MiB optimizer", flush=True)
     if state.offload is not None:
         print(format_report(ps.rank, state.offload.describe()), flush=True)
     resume_checkpoint(state)

@@ -105,9 +105,9 @@ class MixedPrecisionOptimizer:
         self.inner: Dict[str, object] = {}
         for placement in PLACEMENTS:
             mine = [pc for pc in pieces if pc.placement == placement]
-            groups = [g for g in ({"params": [pc.main for pc in mine if pc.weight_decay], "weight_decay": t.weight_decay},
-                                  {"params": [pc.main for pc in mine if not pc.weight_decay], "weight_decay": 0.0})
-                      if g["params"]]
+            decay = {"params": [pc.main for pc in mine if pc.weight_decay], "weight_decay": t.weight_decay}
+            no_decay = {"params": [pc.main for pc in mine if not pc.weight_decay], "weight_decay": 0.0}
+            groups = [g for g in (decay, no_decay) if g["params"]]
             if groups:
                 self.inner[placement] = StagedAdamW(adamw(groups, t)) if placement == "staged" else adamw(groups, t)
         self.whole_pieces = {id(pc.param): pc for pc in pieces if pc.whole}

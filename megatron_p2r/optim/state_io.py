@@ -24,7 +24,8 @@ def _value(opt: MixedPrecisionOptimizer, pc: MainPiece, kind: str) -> torch.Tens
     return pc.main.detach() if kind == "model" else opt.inner[pc.placement].state[pc.main][kind]
 
 
-def gather_state(opt: MixedPrecisionOptimizer, keep: Callable[[nn.Parameter], bool]) -> Dict[int, Dict[str, torch.Tensor]]:
+def gather_state(opt: MixedPrecisionOptimizer,
+                 keep: Callable[[nn.Parameter], bool]) -> Dict[int, Dict[str, torch.Tensor]]:
     """Collective over the gradient buffers' groups: {id(param): {"model", "exp_avg", "exp_avg_sq":
     fp32 tensors of the parameter's shape}} for every parameter ``keep`` accepts (moments only
     after a step)."""

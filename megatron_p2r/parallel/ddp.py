@@ -95,8 +95,8 @@ class DistributedDataParallel:
     def backward_started(self) -> None:
         self._backwards += 1
         if self._expected is not None and self._backwards > self._expected:
-            raise RuntimeError(f"backward pass {self._backwards} of a step prepared for {self._expected} micro-batches: "
-                               "call zero_grad_buffer(num_microbatches) before each step")
+            raise RuntimeError(f"backward pass {self._backwards} of a step prepared for {self._expected} "
+                               "micro-batches: call zero_grad_buffer(num_microbatches) before each step")
         self._last_microbatch = self._backwards == self._expected
 
     def _accumulate(self, p: nn.Parameter) -> None:
@@ -165,4 +165,5 @@ class DistributedDataParallel:
 
     def buffer_tensors(self, kind: str) -> List[torch.Tensor]:
         """The storage of the gradient ("grads") or distributed-optimizer parameter ("params") buffers."""
-        return [t for buf in self.buffers for t in ((buf.grad_data if kind == "grads" else buf.param_data) or {}).values()]
+        storage = [buf.grad_data if kind == "grads" else buf.param_data for buf in self.buffers]
+        return [t for tensors in storage for t in (tensors or {}).values()]

@@ -22,6 +22,8 @@ from torch import nn
 from megatron_p2r.layout.buckets import GradBuffer
 
 STAGING_NUMEL = 1 << 24     # elements of the device staging buffer (64 MiB of fp32)
+# reduce_scatter_tensor / all_gather_into_tensor: the names every torch >= 2.4 (setup.py) has
+# (recent torch prefers the *_single aliases and warns once per call site).
 
 
 class BucketState:
@@ -120,8 +122,8 @@ class ParamAndGradBuffer:
             else:
                 staged_all_reduce(bucket.grad, staging, self.group)
         elif self.layout.sharded:
-            bucket.grad_handle = dist.reduce_scatter_single(bucket.shard(bucket.grad), bucket.grad, group=self.group,
-                                                            async_op=async_op)
+            bucket.grad_handle = dist.reduce_scatter_tensor(bucket.shard(bucket.grad), bucket.grad,
+                                                            group=self.group, async_op=async_op)
         else:
             bucket.grad_handle = dist.all_reduce(bucket.grad, group=self.group, async_op=async_op)
 
@@ -143,8 +145,8 @@ class ParamAndGradBuffer:
             staging = self.staging(bucket.param.dtype, self.staging_numel)
             staged_all_gather(bucket.param, self.member, self.layout.members, staging, self.group)
         else:
-            bucket.param_handle = dist.all_gather_single(bucket.param, bucket.shard(bucket.param), group=self.group,
-                                                         async_op=async_op)
+            bucket.param_handle = dist.all_gather_into_tensor(bucket.param, bucket.shard(bucket.param),
+                                                              group=self.group, async_op=async_op)
 
     def finish_param_gather(self, bucket: BucketState) -> None:
         if bucket.param_handle is not None:
@@ -176,7 +178,7 @@ def staged_reduce_scatter(data: torch.Tensor, shard: torch.Tensor, members: int,
         n = hi - lo
         block, out = staging[:members * n].view(members, n), staging[members * n:(members + 1) * n]
         block.copy_(rows[:, lo:hi])
-        dist.reduce_scatter_single(out, block.reshape(-1), group=group)
+        dist.reduce_scatter_tensor(out, block.reshape(-1), group=group)
         shard[lo:hi].copy_(out)
 
 
@@ -188,7 +190,7 @@ def all_gather_chunks(shard: torch.Tensor, members: int, staging: torch.Tensor, 
         n = hi - lo
         block, mine = staging[:members * n].view(members, n), staging[members * n:(members + 1) * n]
         mine.copy_(shard[lo:hi])
-        dist.all_gather_single(block.reshape(-1), mine, group=group)
+        dist.all_gather_into_tensor(block.reshape(-1), mine, group=group)
         yield lo, hi, block
 
 

@@ -62,7 +62,8 @@ def finalize_grads(named_params: NamedParams, plan: ParallelPlan, ps: ParallelSt
             offset += g.numel()
 
 
-def grad_norm_and_non_finite(grads: Sequence[torch.Tensor], owned: Sequence[bool], ps: ParallelState) -> Tuple[float, bool]:
+def grad_norm_and_non_finite(grads: Sequence[torch.Tensor], owned: Sequence[bool],
+                             ps: ParallelState) -> Tuple[float, bool]:
     """(global L2 norm of the gradient, whether any rank has an inf/nan in it).
 
     ``grads`` are the gradients this rank's optimizer steps (whole tensors, or shards under the

@@ -83,6 +83,12 @@ def test_staged_collectives_equal_the_plain_ones(two_rank_run):
         assert r["staged"] == {"all_reduce": True, "reduce_scatter": True, "all_gather": True}
 
 
+def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_all(two_rank_run):
+    """fp16: a NaN in one rank's gradient shard makes every rank skip, halve the loss scale and
+    keep its weights (the non-finite flag is reduced over the world before anyone steps)."""
+    assert [r["skip"] for r in two_rank_run[2]] == [{"skipped": True, "scale": 512.0, "unchanged": True}] * 2
+
+
 def test_resume_with_the_distributed_optimizer_is_bitwise(two_rank_run):
     for r in (x["checkpoints"] for x in two_rank_run[2]):
         assert r["sharded"] and r["resumed"] == r["whole"][2:] and r["resumed_hash"] == r["whole_hash"]

@@ -9,6 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from megatron_p2r import reliability
 from megatron_p2r.checkpoint.io import save_checkpoint
 from megatron_p2r.config import num_microbatches
 from megatron_p2r.parallel import grad_buffer
@@ -56,12 +57,12 @@ def staged_collectives(staging_numel: int = 7) -> dict:
     dist.all_reduce(want)
     shard, want_shard = torch.empty(40), torch.empty(40)
     grad_buffer.staged_reduce_scatter(data.clone(), shard, members, staging, None)
-    dist.reduce_scatter_single(want_shard, data.clone())
+    dist.reduce_scatter_tensor(want_shard, data.clone())
     gathered = data.clone()
     gathered.view(members, -1)[1 - r] = -1.0   # the other member's shard, to be filled in
     grad_buffer.staged_all_gather(gathered, r, members, staging, None)
     want_gather = torch.empty_like(data)
-    dist.all_gather_single(want_gather, data.view(members, -1)[r].clone())
+    dist.all_gather_into_tensor(want_gather, data.view(members, -1)[r].clone())
     return {"all_reduce": torch.equal(reduced, want), "reduce_scatter": torch.equal(shard, want_shard),
             "all_gather": torch.equal(gathered, want_gather)}
 
@@ -98,6 +99,23 @@ def checkpoints(rank: int, world: int, root: str, flags: dict, pseudo: dict) -> 
             "sharded": all(b.layout.sharded for b in state.ddp.buffers)}
 
 
+def non_finite_skip(flags: dict) -> dict:
+    """fp16 with the distributed optimizer, a NaN in rank 1's reduced gradient shard only (the
+    ``nan_grad`` fault, after the reduction): whether this rank skipped, its loss scale after
+    the step, and whether its weights stayed the same."""
+    c = cfg(fp16=True, initial_loss_scale=1024.0, **flags)
+    ps, _ = setup_parallel(c, torch.device("cpu"))
+    state = build_train_state(c, ps)
+    before = _hash(state)
+    data = microbatch_iterator(build_datasets(c, ps)[0], 0, c, ps)
+    os.environ[reliability.FAULT_ENV] = "nan_grad:1@rank1"
+    try:
+        out = train_step(state, [next(data) for _ in range(num_microbatches(c, ps.layout.world_size))])
+    finally:
+        del os.environ[reliability.FAULT_ENV]
+    return {"skipped": out["skipped"], "scale": state.scaler.scale, "unchanged": _hash(state) == before}
+
+
 def two_ranks(rank: int, world: int, cases: dict, root: str, flags: dict, pseudo: dict) -> dict:
     return {"cases": equivalence_cases(rank, world, cases), "staged": staged_collectives(),
-            "checkpoints": checkpoints(rank, world, root, flags, pseudo)}
+            "checkpoints": checkpoints(rank, world, root, flags, pseudo), "skip": non_finite_skip(flags)}
