@@ -27,7 +27,7 @@ from megatron_p2r.offload.optimizer import optimizer_placement
 from megatron_p2r.offload.runtime import format_report
 from megatron_p2r.moe import aux_loss
 from megatron_p2r.optim.grad_scaler import LossScaler
-from megatron_p2r.optim.mixed_precision import MixedPrecisionOptimizer, build_optimizer
+from megatron_p2r.optim.mixed_precision import MixedPrecisionOptimizer, build_mixed_precision_optimizer
 from megatron_p2r.optim.scheduler import LRScheduler
 from megatron_p2r.parallel.ddp import DistributedDataParallel
 from megatron_p2r.parallel.grads import grad_norm_and_non_finite, unscale_and_clip
@@ -137,8 +137,9 @@ def build_train_state(cfg: Config, ps: ParallelState, plan: Optional[ParallelPla
     ddp = DistributedDataParallel(model, plan, ps, overlap_grad_reduce=p.overlap_grad_reduce,
                                   overlap_param_gather=p.overlap_param_gather,
                                   fetched=manager.fetched_param_ids if manager else ())
-    optimizer = build_optimizer(ddp, plan, ps, cfg.train, optimizer_placement(manager) if manager else None,
-                                manager.synchronize if manager else None)
+    optimizer = build_mixed_precision_optimizer(ddp, plan, ps, cfg.train,
+                                                optimizer_placement(manager) if manager else None,
+                                                manager.synchronize if manager else None)
     return TrainState(cfg=cfg, ps=ps, plan=plan, model=model, ddp=ddp, optimizer=optimizer,
                       scheduler=LRScheduler(optimizer, cfg.train), scaler=LossScaler(cfg.train), offload=manager)
 

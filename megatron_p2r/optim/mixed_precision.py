@@ -24,7 +24,7 @@ from torch import nn
 
 from megatron_p2r.config import TrainConfig
 from megatron_p2r.layout.plan import ParallelPlan
-from megatron_p2r.optim.optimizer import StagedAdamW, adamw
+from megatron_p2r.optim.optimizer import StagedAdamW, adamw, param_groups
 from megatron_p2r.parallel.ddp import DistributedDataParallel
 from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import ParallelState
@@ -44,7 +44,6 @@ class MainPiece:
     grad: torch.Tensor         # its range of ``param.main_grad``
     placement: str
     in_norm: bool              # counts in the global gradient norm (each logical element once)
-    weight_decay: bool
     buffer: int                # the DDP buffer, bucket and position (in the buffer) of ``start``
     bucket: int
     position: int
@@ -97,19 +96,20 @@ class ParamStates:
 
 
 class MixedPrecisionOptimizer:
-    """AdamW over ``pieces``: ``zero_grad`` before a step's backward, ``prepare_grads`` then ``step``."""
+    """AdamW over ``pieces``: ``zero_grad`` before a step's backward, ``prepare_grads`` then ``step``.
+    Each piece joins the AdamW group (``optim.optimizer.param_groups``: weight decay or not) of its
+    weight, in the AdamW of its placement."""
 
     def __init__(self, pieces: List[MainPiece], t: TrainConfig, ddp: DistributedDataParallel,
                  before_host_step: Optional[Callable[[], None]] = None):
         self.pieces, self.ddp, self.before_host_step = pieces, ddp, before_host_step
         self.inner: Dict[str, object] = {}
+        groups = param_groups(ddp.model, t.weight_decay)
         for placement in PLACEMENTS:
-            mine = [pc for pc in pieces if pc.placement == placement]
-            decay = {"params": [pc.main for pc in mine if pc.weight_decay], "weight_decay": t.weight_decay}
-            no_decay = {"params": [pc.main for pc in mine if not pc.weight_decay], "weight_decay": 0.0}
-            groups = [g for g in (decay, no_decay) if g["params"]]
-            if groups:
-                self.inner[placement] = StagedAdamW(adamw(groups, t)) if placement == "staged" else adamw(groups, t)
+            mine = [g for g in (_group_of(g, [pc for pc in pieces if pc.placement == placement]) for g in groups)
+                    if g["params"]]
+            if mine:
+                self.inner[placement] = StagedAdamW(adamw(mine, t)) if placement == "staged" else adamw(mine, t)
         self.whole_pieces = {id(pc.param): pc for pc in pieces if pc.whole}
         self.pieces_of: Dict[int, List[MainPiece]] = {}
         for pc in pieces:
@@ -158,9 +158,16 @@ class MixedPrecisionOptimizer:
         self.ddp.start_param_sync()
 
 
-def build_optimizer(ddp: DistributedDataParallel, plan: ParallelPlan, ps: ParallelState, t: TrainConfig,
-                    placement: Optional[Dict[int, str]] = None,
-                    before_host_step: Optional[Callable[[], None]] = None) -> MixedPrecisionOptimizer:
+def _group_of(group: dict, pieces: List[MainPiece]) -> dict:
+    """``group``'s hyperparameters over the mains of those ``pieces`` whose weight is in it."""
+    members = {id(p) for p in group["params"]}
+    return {**{k: v for k, v in group.items() if k != "params"},
+            "params": [pc.main for pc in pieces if id(pc.param) in members]}
+
+
+def build_mixed_precision_optimizer(ddp: DistributedDataParallel, plan: ParallelPlan, ps: ParallelState,
+                                    t: TrainConfig, placement: Optional[Dict[int, str]] = None,
+                                    before_host_step: Optional[Callable[[], None]] = None) -> MixedPrecisionOptimizer:
     """The optimizer of this rank's pieces of ``ddp``'s buffers (all of them without the
     distributed optimizer); ``placement``: id(param) -> "host" | "staged" for offloaded layers."""
     placement = placement or {}
@@ -174,7 +181,6 @@ def build_optimizer(ddp: DistributedDataParallel, plan: ParallelPlan, ps: Parall
                                           getattr(p, "expert", False), ps.coords, sharded=layout.sharded)
             pieces.append(MainPiece(param=p, name=name, start=start, end=end, main=_main_of(p, start, end),
                                     grad=p.main_grad if whole else p.main_grad.view(-1)[start:end],
-                                    placement=placement.get(id(p), "device"), in_norm=in_norm,
-                                    weight_decay=not getattr(p, "no_wd", False), buffer=b,
+                                    placement=placement.get(id(p), "device"), in_norm=in_norm, buffer=b,
                                     bucket=layout.bucket_of(index), position=layout.ranges[index][0] + start))
     return MixedPrecisionOptimizer(pieces, t, ddp, before_host_step)

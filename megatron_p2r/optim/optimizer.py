@@ -1,17 +1,27 @@
-"""AdamW over fp32 main parameters, and the optimizer that keeps host-resident AdamW moments for
-weights that stay on the device (``--cpu-offload-what optimizer``).
+"""AdamW's parameter groups and torch's AdamW, and the optimizer that keeps host-resident AdamW
+moments for weights that stay on the device (``--cpu-offload-what optimizer``).
 
-Norms and biases (``no_wd``) get no weight decay. What the main parameters are — the model's own
-fp32 weights, fp32 copies of 16-bit weights, or shards of either under the distributed
-optimizer — is ``mixed_precision.py``'s concern.
+Norms and biases (``no_wd``) get no weight decay. What AdamW steps — the model's own fp32
+weights, fp32 copies of 16-bit weights, or shards of either under the distributed optimizer —
+is ``mixed_precision.py``'s concern: it steps, in each group, the main parameters of the
+group's weights.
 """
 from __future__ import annotations
 
 from typing import List
 
 import torch
+from torch import nn
 
 from megatron_p2r.config import TrainConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list:
+    decay, no_decay = [], []
+    for p in model.parameters():
+        (no_decay if getattr(p, "no_wd", False) else decay).append(p)
+    return [g for g in ({"params": decay, "weight_decay": weight_decay},
+                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
 
 
 def adamw(groups: List[dict], t: TrainConfig) -> torch.optim.AdamW:
