@@ -172,6 +172,7 @@ ACTIVATION_CASES = [
     dict(bf16=True, recompute_activations=True),
     dict(swiglu=True, position_embedding_type="rope", normalization="RMSNorm", untie_embeddings_and_output_weights=True),
     dict(bf16=True, hidden_dropout=0.1),
+    dict(bf16=True, normalization="RMSNorm", swiglu=True, position_embedding_type="rope"),
     dict(bf16=True, p2r_phase="pseudo", share_pattern="all"),
     dict(p2r_phase="pseudo", share_pattern="cycle:2", recompute_activations=True),
     # MoE with a capacity that every expert fills (equal counts: the planner assumes balance)

@@ -54,6 +54,15 @@ def moe_rows(cfg: Config, tokens: int) -> Tuple[int, int]:
     return slots, rows
 
 
+def norm_held(m, rows: int, width: int, a: int) -> int:
+    """What one norm over [rows, width] in ``a``-byte elements keeps for backward: LayerNorm its
+    input and fp32 mean and rstd; torch's RMSNorm its input upcast to fp32 (the input itself
+    when fp32), the fp32 rstd and x * rstd (measured, tests/test_planning.py)."""
+    if m.normalization == "LayerNorm":
+        return rows * width * a + rows * 8
+    return 2 * rows * width * 4 + rows * 4
+
+
 def layer_activations(cfg: Config, key: int, tp: int, ep: int, *, device_type: str = "cuda") -> LayerActivations:
     """What one transformer layer (module ``key``) saves for backward, per micro-batch.
 
@@ -68,9 +77,7 @@ def layer_activations(cfg: Config, key: int, tp: int, ep: int, *, device_type: s
     b, s, h = t.micro_batch_size, m.seq_length, m.hidden_size
     n = b * s
     specs = layer_tensors(cfg.model, key, tp, ep)
-    norm = n * h * a + n * 4 * (2 if m.normalization == "LayerNorm" else 1) + \
-        (n * h * 4 if m.normalization == "RMSNorm" else 0)   # torch's RMSNorm also keeps x * rstd
-    held = 2 * norm
+    held = 2 * norm_held(m, n, h, a)
     held += n * h * a + n * 3 * h // tp * a + n * h // tp * a + b * (m.num_attention_heads // tp) * s * 4
     if m.position_embedding_type == "rope":
         held += 2 * n * h // tp * a                              # rotated q and k
@@ -151,8 +158,7 @@ def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, *, device_typ
     head = head_casts = head_fwd = head_bwd = 0
     v = m.padded_vocab_size // tp
     if last:
-        head = n * h * a + n * 4 * (2 if m.normalization == "LayerNorm" else 1) + \
-            (n * h * 4 if m.normalization == "RMSNorm" else 0)
+        head = norm_held(m, n, h, a)
         head += n * h * a + n * v * 4 + (n * 9 if tp > 1 else 0)
         head_casts = v * h * a if autocast else 0
         head_fwd = n * v * a + (n * v * 4 if a != 4 else 0)     # 16-bit logits and their fp32 copy
