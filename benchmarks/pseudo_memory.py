@@ -53,8 +53,7 @@ def _rank(rank, world, layers, steps):
         n = num_microbatches(cfg, ps.layout.world_size)
         train_step(state, [next(data) for _ in range(n)])  # warm-up, creates optimizer state
         mem = describe_memory(state)
-        optim_bytes = sum(t.numel() * t.element_size() for s in state.optimizer.state.values()
-                          for t in s.values() if torch.is_tensor(t))
+        optim_bytes = mem["optimizer_bytes"]
         states[phase] = (state, data, n)
         out[phase] = {"params": mem["parameters"], "param_bytes": mem["param_bytes"],
                       "optimizer_bytes": optim_bytes, "layer_bytes": _layer_bytes(state.model),

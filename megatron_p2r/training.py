@@ -24,15 +24,17 @@ from megatron_p2r.config import (Config, ConfigError, global_batch_size, num_mic
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.metrics import TrainingLogger, format_line, model_flops_per_token, peak_memory_bytes
 from megatron_p2r.model.m6 import M6Model, build_model
-from megatron_p2r.offload.optimizer import build_split_optimizer
+from megatron_p2r.offload.optimizer import optimizer_placement
 from megatron_p2r.offload.runtime import format_report
 from megatron_p2r.moe import aux_loss
 from megatron_p2r.optim.grad_scaler import LossScaler
-from megatron_p2r.optim.optimizer import build_optimizer
+from megatron_p2r.optim.mixed_precision import MixedPrecisionOptimizer, build_mixed_precision_optimizer
 from megatron_p2r.optim.scheduler import LRScheduler
-from megatron_p2r.parallel.grads import finalize_grads, grad_norm_and_non_finite, unscale_and_clip
+from megatron_p2r.parallel.ddp import DistributedDataParallel
+from megatron_p2r.parallel.grads import grad_norm_and_non_finite, unscale_and_clip
 from megatron_p2r.parallel.random import seed_everything
 from megatron_p2r.parallel.state import ParallelState, initialize
+from megatron_p2r.planning.memory import stage_state_bytes
 from megatron_p2r.pipeline.schedules import get_forward_backward_func
 
 
@@ -48,7 +50,8 @@ class TrainState:
     ps: ParallelState
     plan: ParallelPlan
     model: M6Model
-    optimizer: torch.optim.Optimizer
+    ddp: DistributedDataParallel        # gradient buffers and their reduction
+    optimizer: MixedPrecisionOptimizer
     scheduler: LRScheduler
     scaler: LossScaler
     iteration: int = 0
@@ -125,21 +128,23 @@ def resolve_vocab(cfg: Config) -> Config:
 
 
 def build_train_state(cfg: Config, ps: ParallelState, plan: Optional[ParallelPlan] = None) -> TrainState:
+    """The model (16-bit weights with --bf16/--fp16), its offload, gradient buffers and optimizer."""
     plan = plan or ParallelPlan.build(cfg, ps.layout)
     model = build_model(cfg, ps, plan, device=offload.build_device(cfg.offload, ps))
     manager = None
-    if cfg.offload.cpu_offload_layers is not None:  # chosen layers' weights, grads and AdamW state on host
-        manager = offload.apply_offload(model, plan.stage(ps.pp_rank).offloaded, cfg.offload, ps)
-        optimizer = build_split_optimizer(model, cfg.train, manager)
-    else:
-        optimizer = build_optimizer(model, cfg.train)
-    return TrainState(cfg=cfg, ps=ps, plan=plan, model=model, optimizer=optimizer,
-                      scheduler=LRScheduler(optimizer, cfg, ps.layout.world_size), scaler=LossScaler(cfg.train),
-                      offload=manager)
-
-
-def compute_dtype(cfg: Config) -> Optional[torch.dtype]:
-    return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else None
+    if cfg.offload.cpu_offload_layers is not None:  # chosen layers' weights, grads and optimizer state on host
+        manager = offload.apply_offload(model, plan.stage(ps.pp_rank).offloaded, cfg.offload, ps,
+                                        plan.module_state_bytes(ps.pp_rank, ps.coords))
+    p = cfg.parallel
+    ddp = DistributedDataParallel(model, plan, ps, overlap_grad_reduce=p.overlap_grad_reduce,
+                                  overlap_param_gather=p.overlap_param_gather,
+                                  fetched=manager.fetched_param_ids if manager else ())
+    optimizer = build_mixed_precision_optimizer(ddp, plan, ps, cfg.train,
+                                                optimizer_placement(manager) if manager else None,
+                                                manager.synchronize if manager else None)
+    return TrainState(cfg=cfg, ps=ps, plan=plan, model=model, ddp=ddp, optimizer=optimizer,
+                      scheduler=LRScheduler(optimizer, cfg, ps.layout.world_size),
+                      scaler=LossScaler(cfg.train), offload=manager)
 
 
 # ----------------------------------------------------------------------------- data
@@ -193,26 +198,31 @@ def reduce_loss(loss: Optional[torch.Tensor], ps: ParallelState) -> float:
 
 
 def train_step(state: TrainState, microbatches: List[dict]) -> dict:
-    """One optimizer step over ``microbatches`` (the global batch that follows the consumed
-    samples); skips the update, and the LR schedule's advance, when a gradient is non-finite."""
-    cfg, ps = state.cfg, state.ps
+    """One optimizer step over ``microbatches``; skips the update, and the LR schedule's advance, when a
+    gradient is non-finite.
+
+    The model computes in its weights' dtype; gradients accumulate in fp32 ``main_grad``
+    buffers and are reduced by the DDP (in backward with --overlap-grad-reduce); norm, clipping
+    and AdamW act on the fp32 main parameters (this rank's shards with the distributed optimizer).
+    """
+    cfg, ps, optimizer = state.cfg, state.ps, state.optimizer
     samples = global_batch_size(cfg, ps.layout.world_size, state.consumed_samples)
-    params = state.params
-    for p in params:
-        p.grad = None
+    optimizer.zero_grad()
+    state.ddp.zero_grad_buffer(len(microbatches))
     forward_backward = get_forward_backward_func(ps, cfg.parallel.pipeline_schedule)
     scale = state.scaler.scale
-    loss = forward_backward(state.model, microbatches, ps, loss_scale=scale, dtype=compute_dtype(cfg),
+    loss = forward_backward(state.model, microbatches, ps, loss_scale=scale,
                             on_backward_scale=aux_loss.set_backward_scale)
-    finalize_grads(state.model.named_parameters(), state.plan, ps)
-    reliability.on_gradients(state.iteration + 1, ps.rank, params)
-    scaled_norm, found_inf = grad_norm_and_non_finite(state.model.named_parameters(), state.plan, ps)
+    state.ddp.finish_grad_sync()
+    optimizer.prepare_grads()
+    reliability.on_gradients(state.iteration + 1, ps.rank, [pc.main for pc in optimizer.pieces])
+    scaled_norm, found_inf = grad_norm_and_non_finite(optimizer.main_grads, optimizer.norm_mask, ps)
     state.scaler.update(found_inf)
     grad_norm = float("nan")
     if not found_inf:
         grad_norm = scaled_norm / scale
-        unscale_and_clip(params, scaled_norm, scale, cfg.train.clip_grad)
-        state.optimizer.step()
+        unscale_and_clip(optimizer.main_grads, scaled_norm, scale, cfg.train.clip_grad)
+        optimizer.step()
         state.scheduler.step(samples)
         state.skipped_in_a_row = 0
     else:
@@ -233,7 +243,7 @@ def evaluate(state: TrainState, valid_dataset) -> float:
     n = num_microbatches(cfg, ps.layout.world_size) * cfg.logging.eval_iters
     batches = _take(microbatch_iterator(valid_dataset, 0, cfg, ps), n, "validation")
     forward_backward = get_forward_backward_func(ps, cfg.parallel.pipeline_schedule)
-    loss = forward_backward(state.model, batches, ps, dtype=compute_dtype(cfg), forward_only=True)
+    loss = forward_backward(state.model, batches, ps, forward_only=True)
     state.model.train()
     return reduce_loss(loss, ps)
 
@@ -271,14 +281,26 @@ def log_rank(ps: ParallelState) -> int:
     return ps.layout.rank(0, 0, ps.pp_size - 1)
 
 
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[(st.data_ptr(), t.device)] = st.nbytes()
+    return sum(seen.values())
+
+
 def describe_memory(state: TrainState) -> dict:
-    """Parameter count and bytes of parameters, gradients and optimizer state on this rank."""
+    """Parameter count and the bytes this rank holds, measured from the tensors (tensor
+    accounting): weights, gradient buffers, optimizer state (fp32 mains that are copies of
+    16-bit weights, AdamW moments; empty until the first step)."""
     params = state.params
-    n = sum(p.numel() for p in params)
-    p_bytes = sum(p.numel() * p.element_size() for p in params)
-    optim_elems = 2 * n  # AdamW: exp_avg and exp_avg_sq, fp32
-    return {"rank": state.ps.rank, "parameters": n, "param_bytes": p_bytes, "grad_bytes": p_bytes,
-            "optimizer_bytes": optim_elems * 4}
+    opt = state.optimizer
+    mains = [pc.main for pc in opt.pieces if not pc.aliases_param]
+    moments = [s[k] for inner in opt.inner.values() for s in inner.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    return {"rank": state.ps.rank, "parameters": sum(p.numel() for p in params),
+            "param_bytes": _storage_bytes(params), "grad_bytes": _storage_bytes(state.ddp.buffer_tensors("grads")),
+            "optimizer_bytes": _storage_bytes(mains) + _storage_bytes(moments)}
 
 
 def pretrain(cfg: Config) -> dict:
@@ -293,10 +315,10 @@ def pretrain(cfg: Config) -> dict:
     state = build_train_state(cfg, ps, plan)
     logger = TrainingLogger(cfg.logging.log_file, cfg.logging.tensorboard_dir, enabled=ps.rank == log_rank(ps))
     mem = describe_memory(state)
+    optimizer_bytes = stage_state_bytes(plan, ps.pp_rank, ps.coords)["optimizer"]   # AdamW allocates at step 1
     print(f"[rank {ps.rank}] stage {ps.pp_rank} tp {ps.tp_rank} dp {ps.dp_rank} ep {ps.ep_rank}: "
           f"{mem['parameters']:,} parameters, {mem['param_bytes'] / 2**20:.1f} MiB params, "
-          f"{mem['grad_bytes'] / 2**20:.1f} MiB grads, {mem['optimizer_bytes'] / 2**20:.1f} MiB optimizer",
-          flush=True)
+          f"{mem['grad_bytes'] / 2**20:.1f} MiB grads, {optimizer_bytes / 2**20:.1f} MiB optimizer", flush=True)
     if state.offload is not None:
         print(format_report(ps.rank, state.offload.describe()), flush=True)
     resume_checkpoint(state)

@@ -32,6 +32,9 @@ CASES = [
     (dict(tensor_model_parallel_size=2, make_vocab_size_divisible_by=3, num_attention_heads=8), 2,
      "--make-vocab-size-divisible-by (3) must be divisible by --tensor-model-parallel-size (2)"),
     (dict(num_experts=8, moe_num_prototypes=3), 1, "--num-experts (8) must be divisible by --moe-num-prototypes (3)"),
+    (dict(overlap_param_gather=True, use_distributed_optimizer=True), 1,
+     "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"),
+    (dict(ddp_bucket_size=0), 1, "--ddp-bucket-size must be >= 1"),
 ]
 
 

@@ -34,16 +34,16 @@ from megatron_p2r.config import Config, ConfigError, parse_memory_size, validate
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.planning.estimate import Plan, make_plan
 from megatron_p2r.planning.hardware import GPU_PRESETS, GiB
-from megatron_p2r.planning.memory import logical_parameter_count, stage_state_bytes
+from megatron_p2r.planning.memory import logical_parameter_count
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
 
 def parse_count(text: str) -> float:
-    """'50e9', '50B', '1.2T' -> a number (for --token-budget)."""
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", text)
+    """'50e9', '5E10', '1.5e+10', '50B', '1.2T' -> a number (for --token-budget)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", text)
     if not m:
-        raise argparse.ArgumentTypeError(f"expected a count such as 50e9, 50B or 1.2T, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a count such as 50e9, 5E10, 1.5e+10, 50B or 1.2T, got {text!r}")
     return float(m.group(1)) * _UNITS[m.group(2).lower()]
 
 
@@ -164,11 +164,11 @@ def verify_rank(cfg: Config, world_size: int, rank: int) -> dict:
             problems.append(f"rank {rank} {name}: built {built.get(name)} != planned {planned.get(name)}")
     n_built = sum(p.numel() for p in params)
     bytes_built = sum(p.numel() * p.element_size() for p in params)
-    plan_bytes = stage_state_bytes(plan, coords.pp)
-    n_planned = plan_bytes["params"] // 4
-    if n_built != n_planned or bytes_built != plan_bytes["params"]:
+    n_planned = sum(s.numel for s in specs)
+    bytes_planned = n_planned * plan.buffers.param_bytes   # the weights alone (the DDP adds bucket padding)
+    if n_built != n_planned or bytes_built != bytes_planned:
         problems.append(f"rank {rank}: built {n_built} parameters / {bytes_built} B, planned {n_planned} / "
-                        f"{plan_bytes['params']} B")
+                        f"{bytes_planned} B")
     planned_buckets = defaultdict(int)
     for s in specs:
         reduction = plan.reduction(s.logical, s.expert)

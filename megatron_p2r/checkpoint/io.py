@@ -11,6 +11,12 @@ replaces ``latest_checkpointed_iteration.txt``, so a run killed while saving lea
 ``load_checkpoint`` checks the checkpoint against the run (format version, model shape,
 P2R phase, parallel layout, every shard's header) and fails with a message naming the file
 and the field, and the command to convert it when that is the fix.
+
+Weights are stored in fp32 — the optimizer's main parameters, not a 16-bit rounding — and the
+optimizer state whole per logical tensor: with the distributed optimizer the writer gathers each
+tensor's state from the ranks that step its pieces (``optim/state_io.py``) and every rank keeps
+its own pieces on load, so a checkpoint does not depend on DP size, the distributed optimizer,
+16-bit weights or offload.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ from megatron_p2r.checkpoint.naming import (
     resolve_iteration_dir, rng_file, shard_file, shard_header_metadata)
 from megatron_p2r.checkpoint.safetensors_io import ReaderCache, ShardReader, ShardWriter, save_tensors
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo, file_entries, tensor_table
+from megatron_p2r.optim.state_io import StateLoader, gather_state
 from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.sharding import expert_key, local_experts, logical_name
 from megatron_p2r.parallel.state import Layout, ParallelState
@@ -80,13 +87,8 @@ def save_checkpoint(save_dir: str, state) -> str:
 
 
 def _has_optimizer_state(state) -> bool:
-    """True when every parameter has AdamW state (False before the first step), on every rank."""
-    params = state.params
-    have = sum(1 for p in params if all(k in state.optimizer.state.get(p, {}) for k in OPTIM_KINDS))
-    if 0 < have < len(params):
-        raise CheckpointError(f"rank {state.ps.rank}: {have} of {len(params)} parameters have optimizer state; "
-                              "a checkpoint needs all or none")
-    flag = torch.tensor([1.0 if have else 0.0], device=state.ps.device)
+    """True once the optimizer has stepped (it has AdamW state), on every rank."""
+    flag = torch.tensor([1.0 if state.optimizer.step_count else 0.0], device=state.ps.device)
     if state.ps.layout.world_size > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
@@ -94,25 +96,29 @@ def _has_optimizer_state(state) -> bool:
 
 def _write_rank_files(tmp: str, state, table: Dict[str, TensorInfo], layout: ShardLayout,
                       kinds: Sequence[str]) -> None:
-    """This rank's RNG file, and its shard when it is the data-parallel replica that writes it."""
+    """This rank's RNG file, and its shard when it is the data-parallel replica that writes it.
+    Every rank takes part in gathering the weights and optimizer state (a collective)."""
     ps, c = state.ps, state.ps.coords
     save_tensors(os.path.join(tmp, rng_file(ps.rank)), _rng_tensors(ps.device),
                  {"rank": ps.rank, "tp": c.tp, "dp": c.dp, "pp": c.pp, "consumed_samples": state.consumed_samples})
-    if c.expert_dp != 0:
-        return
     name = shard_file(c.tp, c.pp, c.ep)
     mine = {}
     for info, param, j in rank_pieces(state.model, ps, table):
-        if info.stage == c.pp and layout.file_of(info, c.tp) == name:
+        if c.expert_dp == 0 and info.stage == c.pp and layout.file_of(info, c.tp) == name:
             for kind in kinds:
                 mine[entry_name(kind, info.key)] = (param, j, kind)
+    written = {id(param) for param, _, _ in mine.values()}
+    state.ddp.finish_param_sync()
+    gathered = gather_state(state.optimizer, lambda p: id(p) in written)
+    if c.expert_dp != 0:
+        return
     entries = file_entries(table, layout, kinds)[name]
     writer = ShardWriter(os.path.join(tmp, name), entries, shard_header_metadata(name))
     for entry, _, _ in entries:
         if entry not in mine:
             raise CheckpointError(f"rank {ps.rank}: {name} needs {entry!r}, which this rank does not hold")
         param, j, kind = mine[entry]
-        writer.write(entry, _piece_tensor(state, param, j, kind))
+        writer.write(entry, _piece_tensor(state, gathered[id(param)], j, kind))
     writer.close()
 
 
@@ -124,13 +130,11 @@ def _rng_tensors(device: torch.device) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _piece_tensor(state, param, j: Optional[int], kind: str) -> torch.Tensor:
-    if kind == "model":
-        t = param.detach()
-    elif kind == "step":
-        return torch.as_tensor(state.optimizer.state[param]["step"], dtype=torch.float32).reshape(())
-    else:
-        t = state.optimizer.state[param][kind]
+def _piece_tensor(state, gathered: Dict[str, torch.Tensor], j: Optional[int], kind: str) -> torch.Tensor:
+    """One entry: the fp32 weight or a moment of a parameter (expert ``j`` of it), or the step count."""
+    if kind == "step":
+        return torch.tensor(float(state.optimizer.step_count), dtype=torch.float32).reshape(())
+    t = gathered[kind]
     return t if j is None else t[j]
 
 
@@ -196,9 +200,9 @@ def load_checkpoint(load_dir: str, state, finetune: bool = False) -> Optional[st
     table = metadata_table(meta)
     check_tables(table, tensor_table(cfg), os.path.join(iter_dir, METADATA_FILE))
     load_optim = meta["optimizer"] and not finetune and not ck.no_load_optim
-    moments = _load_pieces(iter_dir, meta, table, state, ("model",) + (OPTIM_KINDS if load_optim else ()))
-    if load_optim:
-        _load_optimizer(state.optimizer, moments)
+    loader = StateLoader(state.optimizer)
+    _load_pieces(iter_dir, meta, table, state, ("model",) + (OPTIM_KINDS if load_optim else ()), loader)
+    loader.finish(moments=load_optim)
     if not finetune:
         _load_progress(iter_dir, meta, state)
         if not ck.no_load_rng:
@@ -216,14 +220,13 @@ def _first_launch(load_dir: str, save_dir: Optional[str]) -> bool:
                 and not os.path.exists(os.path.join(load_dir, LATEST_FILE)))
 
 
-def _load_pieces(iter_dir: str, meta: dict, table: Dict[str, TensorInfo], state,
-                 kinds: Sequence[str]) -> Dict[torch.nn.Parameter, dict]:
-    """Copy this rank's shard of every piece into the model; returns the optimizer state read,
-    by parameter (empty unless ``kinds`` has the moments)."""
+def _load_pieces(iter_dir: str, meta: dict, table: Dict[str, TensorInfo], state, kinds: Sequence[str],
+                 loader: StateLoader) -> None:
+    """Hand this rank's shard of every piece (each of ``kinds``) to ``loader``: the weights go
+    into the model and the optimizer's mains, the moments into the optimizer's pieces."""
     ps = state.ps
     layout = ShardLayout.of(state.cfg)
     readers = ReaderCache(iter_dir)
-    moments: Dict[torch.nn.Parameter, dict] = {}
     checked = set()
     with torch.no_grad():
         for info, param, j in rank_pieces(state.model, ps, table):
@@ -237,28 +240,8 @@ def _load_pieces(iter_dir: str, meta: dict, table: Dict[str, TensorInfo], state,
                 entry = entry_name(kind, info.key)
                 shape = () if kind == "step" else local
                 reader.check(entry, "F32" if kind == "step" else info.dtype, shape)
-                _place(param, j, kind, reader.read(entry), moments)
-    return moments
-
-
-def _place(param: torch.nn.Parameter, j: Optional[int], kind: str, value: torch.Tensor,
-           moments: Dict[torch.nn.Parameter, dict]) -> None:
-    """Put one read tensor where it belongs: the parameter (expert ``j`` of it), or its moments."""
-    if kind == "model":
-        (param if j is None else param[j]).copy_(value)
-    elif kind == "step":
-        moments.setdefault(param, {})["step"] = value.clone()
-    else:
-        buf = moments.setdefault(param, {}).setdefault(kind, torch.empty_like(param))
-        (buf if j is None else buf[j]).copy_(value)
-
-
-def _load_optimizer(optimizer: torch.optim.Optimizer, moments: Dict[torch.nn.Parameter, dict]) -> None:
-    """Hand the moments to torch's own ``load_state_dict`` (it places ``step`` as AdamW expects)."""
-    sd = optimizer.state_dict()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    sd["state"] = {i: moments[p] for i, p in enumerate(params)}
-    optimizer.load_state_dict(sd)
+                offset = 0 if j is None else j * param[0].numel()   # expert j of a stacked parameter
+                loader.put(param, offset, kind, reader.read(entry))
 
 
 def _load_progress(iter_dir: str, meta: dict, state) -> None:

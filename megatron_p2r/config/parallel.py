@@ -1,4 +1,5 @@
-"""The parallel section: TP/PP/EP sizes, the pipeline split, backend and device."""
+"""The parallel section: TP/PP/EP sizes, the pipeline split, data-parallel gradient reduction and
+the distributed optimizer (Megatron-LM's flags and defaults), backend and device."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,13 +19,24 @@ class ParallelConfig:
                                    choices=["auto", "gloo", "nccl"])
     distributed_timeout_minutes: float = opt(10.0, "Timeout of every collective.")
     device: str = opt("auto", "Compute device (auto: cuda when available, else cpu).", choices=["auto", "cpu", "cuda"])
+    use_distributed_optimizer: bool = opt(False, "Shard fp32 master weights and Adam moments over data parallelism "
+                                                 "(ZeRO-1): reduce-scatter gradients, all-gather weights.")
+    overlap_grad_reduce: bool = opt(False, "Reduce gradient buckets asynchronously as they become final in backward.")
+    overlap_param_gather: bool = opt(False, "With the distributed optimizer: all-gather updated weights "
+                                            "asynchronously, waited on by the next forward.")
+    ddp_bucket_size: Optional[int] = opt(None, "Elements per gradient bucket (default with --overlap-grad-reduce: "
+                                               "max(4e7, 1e6 x DP); without it one bucket per buffer).")
 
     def check(self, num_layers: int) -> None:
-        """Sizes >= 1 and a pipeline split that gives every stage a layer."""
+        """Sizes >= 1, a pipeline split that gives every stage a layer, overlap flags that can work."""
         require_at_least_one(("--tensor-model-parallel-size", self.tensor_model_parallel_size),
                              ("--pipeline-model-parallel-size", self.pipeline_model_parallel_size),
-                             ("--expert-model-parallel-size", self.expert_model_parallel_size))
+                             ("--expert-model-parallel-size", self.expert_model_parallel_size),
+                             ("--ddp-bucket-size", self.ddp_bucket_size))
         stage_layer_counts(num_layers, self.pipeline_model_parallel_size, self.pipeline_layer_split)
+        if self.overlap_param_gather and not (self.use_distributed_optimizer and self.overlap_grad_reduce):
+            raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce "
+                              "(as in Megatron-LM)")
 
 
 def stage_layer_counts(num_layers: int, pp: int, split: Optional[str] = None) -> List[int]:

@@ -10,18 +10,27 @@ fit). A pseudo-phase slot is one module and is offloaded (and accounted) once.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from megatron_p2r.config import (FULL, WHAT_ITEMS, ConfigError, LayerSpec, OffloadConfig, parse_layer_spec,
                                  parse_memory_size, parse_offload_what)
 
-PARAM_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8   # fp32 master weight, fp32 grad, exp_avg + exp_avg_sq
+PARAM_BYTES, GRAD_BYTES, ADAM_BYTES, MASTER_BYTES = 4, 4, 8, 4   # fp32 weight, fp32 grad, 2 moments, fp32 main
 CATEGORIES = WHAT_ITEMS                          # the accounted categories are what can be offloaded
 
 
-def state_bytes(numel: int) -> Dict[str, int]:
-    """Bytes of parameters, gradients and AdamW moments of ``numel`` parameters."""
-    return {"params": PARAM_BYTES * numel, "grads": GRAD_BYTES * numel, "optimizer": ADAM_BYTES * numel}
+def state_bytes(numel: int, param_bytes: int = PARAM_BYTES, owned: Optional[int] = None) -> Dict[str, int]:
+    """Bytes of ``numel`` buffer elements: weights of ``param_bytes`` each, fp32 gradients, and
+    the optimizer state of the ``owned`` (default all) of them this rank steps: AdamW moments,
+    plus fp32 main copies ("masters", part of "optimizer") when the weights are 16-bit."""
+    owned = numel if owned is None else owned
+    masters = MASTER_BYTES * owned if param_bytes != PARAM_BYTES else 0
+    return {"params": param_bytes * numel, "grads": GRAD_BYTES * numel, "optimizer": ADAM_BYTES * owned + masters,
+            "masters": masters}
+
+
+def add_bytes(total: Dict[str, int], more: Dict[str, int]) -> Dict[str, int]:
+    return {k: total.get(k, 0) + v for k, v in more.items()}
 
 
 def last_first(layer_keys: Sequence[int]) -> List[int]:
@@ -47,13 +56,16 @@ def select_modules(spec: LayerSpec, layer_keys: Sequence[int], layer_range: rang
 def memory_plan(total: Dict[str, int], module_bytes: Dict[int, Dict[str, int]], offloaded: Sequence[int],
                 prefetch: int, what: frozenset = FULL) -> Dict[str, Dict[str, int]]:
     """Accounted bytes on device and host when the ``what`` categories of ``offloaded`` modules
-    live on host.
+    live on host (with only the optimizer offloaded, the fp32 masters of 16-bit weights stay
+    with the weights on the device: ``StagedAdamW`` moves the moments).
 
     With weights on host the device also holds the fetch window: (prefetch + 2) copies of the
     largest offloaded module's weights — the one in use, ``prefetch`` fetched ahead, and its
     gradient before it goes to host.
     """
     host = {c: sum(module_bytes[k][c] for k in offloaded) if c in what else 0 for c in CATEGORIES}
+    if "params" not in what:
+        host["optimizer"] -= sum(module_bytes[k].get("masters", 0) for k in offloaded)
     device = {c: total[c] - host[c] for c in CATEGORIES}
     largest = max((module_bytes[k]["params"] for k in offloaded), default=0)
     device["fetch_window"] = (prefetch + 2) * largest if "params" in what else 0

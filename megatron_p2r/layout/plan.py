@@ -12,6 +12,8 @@ rank of a 512-GPU layout is planned in one process. It holds:
   over the TP ranks whose copies hold partial gradients (grouped-query attention's replicated
   key/value heads, --qk-layernorm weights): "TP block x stages x DP";
 - which rank's copy of each logical element counts in the global gradient norm;
+- each stage's gradient buffers and buckets, and under the distributed optimizer the owner of
+  every range of every parameter (``layout.buckets``);
 - the offload choice of each stage;
 - the tensor table of each stage (``layout.tensors``).
 
@@ -27,6 +29,7 @@ from typing import Dict, List, Optional, Tuple
 
 from megatron_p2r.config import Config, ModelConfig, stage_layer_counts
 from megatron_p2r.layout import offload as offload_choice
+from megatron_p2r.layout.buckets import GradBuffer, default_bucket_size, layout_buffer
 from megatron_p2r.layout.ranks import Coords, Layout
 from megatron_p2r.layout.sharing import effective_pattern, layer_module_keys, stages_using_slot
 from megatron_p2r.layout.tensors import WORD_EMBEDDING, TensorSpec, stage_tensors
@@ -67,6 +70,18 @@ class StagePlan:
         return tuple(dict.fromkeys(self.layer_keys))
 
 
+@dataclass(frozen=True)
+class BufferSettings:
+    """What shapes the gradient buffers and the state a rank holds: Megatron's bucket size rule,
+    whether the distributed optimizer shards them, whether buckets break at layer modules
+    (offload configured), and the bytes of a weight (2 with --bf16/--fp16: 16-bit weights)."""
+
+    bucket_size: Optional[int] = None
+    distributed: bool = False
+    break_at_modules: bool = False
+    param_bytes: int = offload_choice.PARAM_BYTES
+
+
 def stage_layer_ranges(num_layers: int, pp: int, split: Optional[str] = None) -> List[range]:
     """Global layer indices of each pipeline stage (even, or ``--pipeline-layer-split``)."""
     ranges, start = [], 0
@@ -85,6 +100,7 @@ class ParallelPlan:
     layer_keys: Tuple[int, ...]    # module key of every global layer
     stages: Tuple[StagePlan, ...]
     replicas: Tuple[Tuple[str, Tuple[int, ...]], ...]   # (logical name prefix, stages holding it)
+    buffers: BufferSettings = BufferSettings()
     tp_blocks: Tuple[Tuple[str, int], ...] = ()   # (logical name, TP ranks summing its partial gradients)
 
     @classmethod
@@ -100,8 +116,12 @@ class ParallelPlan:
         last = len(ranges) - 1
         stages = tuple(StagePlan(index=s, layers=r, layer_keys=tuple(keys[i] for i in r), first=s == 0,
                                  last=s == last) for s, r in enumerate(ranges))
+        buffers = BufferSettings(bucket_size=default_bucket_size(layout.dp, p.overlap_grad_reduce, p.ddp_bucket_size),
+                                 distributed=p.use_distributed_optimizer,
+                                 break_at_modules=cfg.offload.cpu_offload_layers is not None,
+                                 param_bytes=2 if (cfg.train.bf16 or cfg.train.fp16) else offload_choice.PARAM_BYTES)
         plan = cls(layout=layout, model=m, phase=cfg.p2r.p2r_phase, share_pattern=pattern, layer_keys=keys,
-                   stages=stages, replicas=tuple(replicas))
+                   stages=stages, replicas=tuple(replicas), buffers=buffers)
         plan = dataclasses.replace(plan, tp_blocks=_tp_blocks(plan))
         if cfg.offload.cpu_offload_layers is None:
             return plan
@@ -173,19 +193,78 @@ class ParallelPlan:
         "TP block x those stages (empty: each stage alone) x DP / expert-DP"."""
         return tuple(sorted({(self.replica_stages(name), block) for name, block in self.tp_blocks}))
 
-    def counts_in_norm(self, logical: str, tp_dim, expert: bool, coords: Coords) -> bool:
-        """Whether this rank's copy of a tensor counts in the global gradient norm.
+    def counts_in_norm(self, logical: str, tp_dim, expert: bool, coords: Coords, sharded: bool = False) -> bool:
+        """Whether this rank's copy of a tensor (its shard, when ``sharded``) counts in the global
+        gradient norm.
 
-        Each logical element counts exactly once: TP-replicated tensors on TP rank 0 (key/value
-        heads replicated over a TP block on its first rank), stage replicas on their first
-        stage, data-parallel replicas on DP (or expert-DP) rank 0.
+        Each logical element counts exactly once: TP-replicated tensors on TP rank 0, stage
+        replicas on their first stage, data-parallel replicas on DP (or expert-DP) rank 0; a
+        distributed-optimizer shard is owned by one member of its reduction group already.
         """
+        if sharded:   # one member of the reduction group (TP block x stages x DP) owns each element
+            return tp_dim is not None or coords.tp == 0 or self.tp_block(logical) > 1
         if (tp_dim is None and coords.tp != 0) or coords.tp % self.tp_block(logical):
             return False
         stages = self.replica_stages(logical)
         if stages and coords.pp != min(stages):
             return False
         return (coords.expert_dp if expert else coords.dp) == 0
+
+    # -- gradient buffers and optimizer shards
+    def group_members(self, over: str, stages: Tuple[int, ...], tp_block: int = 1) -> int:
+        """Ranks in the reduction group "TP block x stages x over" (one stage when ``stages`` is empty)."""
+        size = self.layout.expert_dp if over == "expert_dp" else self.layout.dp
+        return size * max(len(stages), 1) * tp_block
+
+    def grad_buffers(self, stage: int) -> Tuple[GradBuffer, ...]:
+        """The gradient buffers of a rank of ``stage``: one per reduction group, parameters in
+        reverse order — for a cross-stage group in the reverse order of its first stage, so
+        every member lays the group out identically (its collectives line up element by element)."""
+        specs = self.tensors(stage)
+        groups: Dict[Tuple[str, Tuple[int, ...], int], list] = {}
+        for s in specs:
+            red = self.reduction(s.logical, s.expert)
+            groups.setdefault((red.over, red.stages, red.tp_block), []).append(s)
+        out = []
+        for (over, stages, block), members in sorted(groups.items()):
+            reference = [s.logical for s in self.tensors(min(stages))] if stages else [s.logical for s in specs]
+            ordered = sorted(members, key=lambda s: reference.index(s.logical), reverse=True)
+            size = self.group_members(over, stages, block)
+            out.append(layout_buffer(over, stages, block, size, self.buffers.distributed and size > 1,
+                                     [s.name for s in ordered], [s.numel for s in ordered],
+                                     [int(s.name.split(".")[1]) if s.name.startswith("layers.") else None
+                                      for s in ordered],
+                                     self.buffers.bucket_size, self.buffers.break_at_modules))
+        return tuple(out)
+
+    def buffer_member(self, buffer: GradBuffer, coords: Coords) -> int:
+        """This rank's index in ``buffer``'s reduction group (its process-group rank: ranks in order)."""
+        expert = buffer.over == "expert_dp"
+        index, size = (coords.expert_dp, self.layout.expert_dp) if expert else (coords.dp, self.layout.dp)
+        stage = sorted(buffer.stages).index(coords.pp) if buffer.stages else 0
+        return (stage * size + index) * buffer.tp_block + coords.tp % buffer.tp_block
+
+    def optimizer_shards(self, stage: int, name: str) -> List[Tuple[int, int, int]]:
+        """Under the distributed optimizer, who steps which part of parameter ``name`` of ``stage``:
+        (member of its reduction group, start, end) in the parameter's flat coordinates."""
+        for buf in self.grad_buffers(stage):
+            if name in buf.names:
+                return buf.param_shards(buf.names.index(name))
+        raise KeyError(f"stage {stage} holds no parameter {name!r}")
+
+    def module_state_bytes(self, stage: int, coords: Optional[Coords] = None) -> Dict[Optional[int], Dict[str, int]]:
+        """Bytes of weights, gradient buffers and optimizer state a rank of ``stage`` holds, per
+        layer module (key K; None for the embedding, final norm and output layer): exact, the
+        buffers' padding included; ``coords`` picks the rank (default: the first of each group,
+        which owns the most under the distributed optimizer)."""
+        out: Dict[Optional[int], Dict[str, int]] = {}
+        for buf in self.grad_buffers(stage):
+            member = 0 if coords is None else self.buffer_member(buf, coords)
+            owned = {i: end - start for i, start, end in buf.owned(member)}
+            for i, footprint in enumerate(buf.footprints()):
+                add = offload_choice.state_bytes(footprint, self.buffers.param_bytes, owned.get(i, 0))
+                out[buf.modules[i]] = offload_choice.add_bytes(out.get(buf.modules[i], {}), add)
+        return out
 
     def slot_users(self) -> Dict[int, Tuple[int, ...]]:
         """module key -> the global layers that call it."""
@@ -203,9 +282,11 @@ def _tp_blocks(plan: ParallelPlan) -> Tuple[Tuple[str, int], ...]:
 
 
 def _with_offload(plan: ParallelPlan, st: StagePlan, cfg: Config) -> StagePlan:
-    numel = plan.module_numel(st.index)
-    total = offload_choice.state_bytes(sum(s.numel for s in plan.tensors(st.index)))
-    per_module = {k: offload_choice.state_bytes(n) for k, n in numel.items()}
+    per_module = plan.module_state_bytes(st.index)
+    total: Dict[str, int] = {}
+    for part in per_module.values():
+        total = offload_choice.add_bytes(total, part)
+    per_module.pop(None, None)
     chosen = offload_choice.choose_offloaded(cfg.offload, cfg.model.num_layers, st.layer_keys, st.layers, total,
                                              per_module, f"stage {st.index}")
     return dataclasses.replace(st, offloaded=tuple(chosen))

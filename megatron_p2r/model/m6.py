@@ -123,14 +123,20 @@ def _recomputed(layer: nn.Module, device: torch.device, x: torch.Tensor, rope) -
     return tp_random.checkpoint(layer, x, rope, device=device)
 
 
+def params_dtype(cfg: Config) -> torch.dtype:
+    """The dtype of the weights: 16-bit with --bf16/--fp16 (the optimizer keeps fp32 mains), else fp32."""
+    return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32
+
+
 def build_model(cfg: Config, ps: ParallelState, plan: Optional[ParallelPlan] = None, *,
                 meta: bool = False, device: Optional[torch.device] = None) -> M6Model:
     """Build this rank's stage of ``plan`` (default: the plan of ``cfg`` on ``ps.layout``) on
-    ``device`` (default ``ps.device``); on ``meta`` nothing is allocated or initialised."""
+    ``device`` (default ``ps.device``), weights in ``params_dtype(cfg)`` (initialised in fp32,
+    then rounded); on ``meta`` nothing is allocated or initialised."""
     plan = plan or ParallelPlan.build(cfg, ps.layout)
     device = torch.device("meta") if meta else (device or ps.device)
     model = M6Model(cfg, ps, plan, device=device)
     if not meta:
         model.init_weights(cfg.train.seed)
-    return model
+    return model.to(params_dtype(cfg))
 

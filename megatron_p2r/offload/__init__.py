@@ -1,16 +1,16 @@
 """Granular CPU offloading (the M6-10T paper's second technique): chosen transformer layers keep
-their fp32 master weights, gradients and AdamW state in host memory.
+their weights, gradients and optimizer state (fp32 mains and AdamW moments) in host memory.
 
 Unlike offloading everything (ZeRO-Offload), only a subset of layers — chosen per stage by the
 ``ParallelPlan`` (``layout.offload``) — lives on host; the rest of the rank stays on the
 device. Applied to a built model, as each parallelism is: ``apply_offload`` moves the resident
 part to the device, pins the offloaded weights and makes the model call offloaded layers
-through the fetch runtime (``runtime``); ``optimizer.build_split_optimizer`` gives the
-offloaded parameters a host AdamW. See docs/offload.md.
+through the fetch runtime (``runtime``); ``optimizer.optimizer_placement`` tells the optimizer
+to step the offloaded parameters on host. See docs/offload.md.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 
@@ -27,8 +27,10 @@ def build_device(o: OffloadConfig, ps: ParallelState) -> torch.device:
     return ps.device
 
 
-def apply_offload(model: torch.nn.Module, keys: Sequence[int], o: OffloadConfig, ps: ParallelState) -> OffloadManager:
-    """Put the modules ``keys`` of ``model`` (built on ``build_device``) on host, the rest on the device."""
+def apply_offload(model: torch.nn.Module, keys: Sequence[int], o: OffloadConfig, ps: ParallelState,
+                  module_bytes: Dict[Optional[int], Dict[str, int]]) -> OffloadManager:
+    """Put the modules ``keys`` of ``model`` (built on ``build_device``) on host, the rest on the
+    device; ``module_bytes`` is this rank's accounting (``ParallelPlan.module_state_bytes``)."""
     what = parse_offload_what(o.cpu_offload_what)
     if "params" in what and ps.device.type != "cpu":
         offloaded = {id(p) for k in keys for p in model.layers[str(k)].parameters()}
@@ -38,4 +40,4 @@ def apply_offload(model: torch.nn.Module, keys: Sequence[int], o: OffloadConfig,
             for module in model.modules():
                 for name, b in module.named_buffers(recurse=False):
                     module._buffers[name] = b.to(ps.device)
-    return OffloadManager(model, keys, ps, o.offload_prefetch, what)
+    return OffloadManager(model, keys, ps, o.offload_prefetch, what, module_bytes)

@@ -19,14 +19,14 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import OrderedDict
-from typing import Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
-from megatron_p2r.config import FULL, WHAT_ITEMS
-from megatron_p2r.layout.offload import format_bytes, memory_plan, state_bytes
+from megatron_p2r.config import WHAT_ITEMS
+from megatron_p2r.layout.offload import add_bytes, format_bytes, memory_plan
 from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.state import ParallelState
 
@@ -65,8 +65,8 @@ class OffloadManager:
     host) and reports what lives where."""
 
     def __init__(self, model: nn.Module, keys: Sequence[int], ps: ParallelState, prefetch: int,
-                 what: frozenset = FULL):
-        self.model, self.prefetch, self.what = model, prefetch, what
+                 what: frozenset, module_bytes: Dict[Optional[int], Dict[str, int]]):
+        self.model, self.prefetch, self.what, self.module_bytes = model, prefetch, what, module_bytes
         self.device = ps.device
         self.keys = list(keys)
         self.names = {k: [n for n, _ in model.layers[str(k)].named_parameters()] for k in self.keys}
@@ -153,10 +153,18 @@ class OffloadManager:
             self.stream.synchronize()
 
     # -- reporting
+    @property
+    def fetched_param_ids(self) -> set:
+        """Parameters whose layers run on device copies fetched from host (weights on host)."""
+        return self.offloaded_param_ids if "params" in self.what else set()
+
     def describe(self) -> dict:
-        """Accounted bytes per category on device and host, and what is offloaded."""
-        total = state_bytes(sum(p.numel() for p in self.model.parameters()))
-        per_module = {int(k): state_bytes(sum(p.numel() for p in m.parameters())) for k, m in self.model.layers.items()}
+        """Accounted bytes per category on device and host (the plan's ``module_state_bytes`` of
+        this rank), and what is offloaded."""
+        total: Dict[str, int] = {}
+        for part in self.module_bytes.values():
+            total = add_bytes(total, part)
+        per_module = {k: v for k, v in self.module_bytes.items() if k is not None}
         plan = memory_plan(total, per_module, self.keys, self.prefetch, self.what)
         first = self.model.stage.layers.start
         layers = [first + pos for pos, k in enumerate(self.model.layer_keys) if k in self.module_params]

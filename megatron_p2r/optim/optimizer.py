@@ -1,13 +1,14 @@
-"""AdamW over the model's fp32 parameters, which are the master weights.
+"""AdamW's parameter groups and torch's AdamW, and the optimizer that keeps host-resident AdamW
+moments for weights that stay on the device (``--cpu-offload-what optimizer``).
 
-Mixed precision (--bf16/--fp16) runs the forward under ``torch.autocast``: parameters stay
-fp32 (4 bytes) and are cast per layer for compute, as torchtitan's FSDP mixed precision does,
-instead of keeping bf16 parameters plus a separate fp32 copy. See docs/architecture.md.
-Norms and biases (``no_wd``) get no weight decay. With ``--decoupled-lr`` the input embedding
-and the output layer get their own peak and final LR (group keys ``max_lr`` / ``min_lr``, which
-the scheduler reads), as Megatron-LM's ``is_embedding_or_output_parameter``.
+Norms and biases (``no_wd``) get no weight decay. What AdamW steps — the model's own fp32
+weights, fp32 copies of 16-bit weights, or shards of either under the distributed optimizer —
+is ``mixed_precision.py``'s concern: it steps, in each group, the main parameters of the
+group's weights.
 """
 from __future__ import annotations
+
+from typing import List
 
 import torch
 from torch import nn
@@ -31,11 +32,64 @@ def param_groups(model: nn.Module, t: TrainConfig) -> list:
     return [groups[key] for key in sorted(groups)]
 
 
-def build_optimizer(model: nn.Module, t: TrainConfig, params=None) -> torch.optim.AdamW:
-    """torch's fused AdamW (foreach where fused is unavailable)."""
-    groups = param_groups(model, t) if params is None else params
+def adamw(groups: List[dict], t: TrainConfig) -> torch.optim.AdamW:
+    """torch's fused AdamW (foreach where fused is unavailable) over ``groups``."""
     kwargs = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
     try:
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     except (RuntimeError, TypeError):
         return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+class StagedAdamW:
+    """AdamW whose moments live on host for weights that stay on the device (ZeRO-Offload for
+    the chosen layers).
+
+    A torch AdamW keyed by the (device) main parameters: around ``step`` (and
+    ``load_state_dict``, so loaded moments land on host) each main parameter's ``.data`` and
+    ``.grad`` are swapped for host copies, the host kernel runs, and the updated values are
+    copied back. Per step that moves the main parameters and gradients to host and the
+    parameters back; the device copy stays the one the rest of the code reads.
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer):
+        self.inner = inner
+
+    @property
+    def param_groups(self) -> list:
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def _params(self) -> list:
+        return [p for g in self.inner.param_groups for p in g["params"]]
+
+    def _on_host(self, fn) -> None:
+        params = self._params()
+        saved = [(p.data, p.grad) for p in params]
+        with torch.no_grad():
+            try:
+                for p, (data, grad) in zip(params, saved):
+                    p.grad = None
+                    p.data = data.to("cpu", copy=True)
+                    if grad is not None:
+                        p.grad = grad.to("cpu", copy=True)
+                fn()
+            finally:
+                for p, (data, grad) in zip(params, saved):
+                    host = p.data
+                    p.grad = None
+                    p.data = data
+                    data.copy_(host)
+                    p.grad = grad
+
+    def step(self) -> None:
+        self._on_host(self.inner.step)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self._on_host(lambda: self.inner.load_state_dict(sd))

@@ -1,6 +1,8 @@
-"""Gradient synchronisation after backward, and the global gradient norm.
+"""The reduction each gradient needs, the global gradient norm and clipping.
 
-Per parameter, after the schedule has accumulated this rank's micro-batch gradients, as the
+Training reduces gradients through ``parallel/ddp.py`` (buffers, buckets, overlap);
+``finalize_grads`` does the same reduction for a module's plain ``.grad`` tensors (a bare layer
+or a model without gradient buffers, as the equivalence tests use). Per parameter, as the
 ``ParallelPlan``'s ``Reduction`` of the parameter says:
 - replicas held by several pipeline stages (the tied embedding on the first and last stage,
   a pseudo-phase slot used on several stages) are **summed** over those stages;
@@ -11,13 +13,13 @@ Per parameter, after the schedule has accumulated this rank's micro-batch gradie
 
 Both reductions are linear, so they are fused where they can be: a replica shared by the
 stages S is reduced with *one* all-reduce over the group S x dp (then divided by dp), and
-every parameter with the same group goes into one flat bucket (one collective per group).
+every parameter with the same group goes into one collective.
 """
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Iterable, List, Tuple
+from typing import Iterable, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -60,21 +62,21 @@ def finalize_grads(named_params: NamedParams, plan: ParallelPlan, ps: ParallelSt
             offset += g.numel()
 
 
-def grad_norm_and_non_finite(named_params: NamedParams, plan: ParallelPlan, ps: ParallelState) -> Tuple[float, bool]:
+def grad_norm_and_non_finite(grads: Sequence[torch.Tensor], owned: Sequence[bool],
+                             ps: ParallelState) -> Tuple[float, bool]:
     """(global L2 norm of the gradient, whether any rank has an inf/nan in it).
 
-    One ``_foreach_norm`` over local gradients and one all-reduce of two scalars: the sum of
-    squares of the owned gradients and a non-finite flag, so every rank takes the same
-    skip decision. A non-finite value anywhere makes its tensor's norm non-finite.
+    ``grads`` are the gradients this rank's optimizer steps (whole tensors, or shards under the
+    distributed optimizer), ``owned`` whether each counts in the norm (the plan's
+    ``counts_in_norm``: each logical element exactly once). One ``_foreach_norm`` and one
+    all-reduce of two scalars — the sum of squares of the owned gradients and a non-finite flag
+    — so every rank takes the same skip decision. A non-finite value anywhere makes its
+    tensor's norm non-finite.
     """
-    with_grad = [(name, p) for name, p in named_params if p.grad is not None]
     stats = torch.zeros(2, device=ps.device, dtype=torch.float32)
-    if with_grad:
-        norms = torch.stack([n.to(stats.device) for n in torch._foreach_norm([p.grad for _, p in with_grad])]).float()
-        owned = torch.tensor([plan.counts_in_norm(logical_name(name, p), getattr(p, "tp_dim", None),
-                                                  getattr(p, "expert", False), ps.coords)
-                              for name, p in with_grad], device=norms.device)
-        stats[0] = norms[owned].pow(2).sum()
+    if len(grads):
+        norms = torch.stack([n.to(stats.device) for n in torch._foreach_norm(list(grads))]).float()
+        stats[0] = norms[torch.tensor(list(owned), device=norms.device)].pow(2).sum()
         stats[1] = (~torch.isfinite(norms)).any().float()
     if ps.layout.world_size > 1:
         dist.all_reduce(stats)
@@ -82,11 +84,11 @@ def grad_norm_and_non_finite(named_params: NamedParams, plan: ParallelPlan, ps: 
     return norm, bool(stats[1].item() > 0) or not math.isfinite(norm)
 
 
-def unscale_and_clip(params: List[nn.Parameter], total_norm: float, loss_scale: float, max_norm: float) -> None:
+def unscale_and_clip(grads: Sequence[torch.Tensor], total_norm: float, loss_scale: float, max_norm: float) -> None:
     """Divide by the loss scale and clip to ``max_norm`` (of the unscaled norm) in one pass."""
     coeff = 1.0 / loss_scale
     norm = total_norm / loss_scale
     if max_norm > 0 and norm > max_norm:
         coeff *= max_norm / (norm + 1e-6)
-    if coeff != 1.0:
-        torch._foreach_mul_([p.grad for p in params if p.grad is not None], coeff)
+    if coeff != 1.0 and len(grads):
+        torch._foreach_mul_(list(grads), coeff)

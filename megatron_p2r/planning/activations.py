@@ -79,34 +79,42 @@ def _qk_norm_held(m, q: int, kv: int, d: int, a: int, autocast: bool) -> int:
         if m.normalization == "LayerNorm":
             held += 2 * rows * 4
         else:
-            held += rows * 4 + elements * 4 + (elements * 4 if autocast else 0)
+            held += rows * 4 + elements * 4 + (elements * 4 if a != 4 else 0)   # 16-bit input upcast
         if m.position_embedding_type != "rope":
             held += elements * a
     return held
 
 
+def norm_held(m, rows: int, width: int, a: int) -> int:
+    """What one norm over [rows, width] in ``a``-byte elements keeps for backward: LayerNorm its
+    input and fp32 mean and rstd; torch's RMSNorm its input upcast to fp32 (the input itself
+    when fp32), the fp32 rstd and x * rstd (measured, tests/test_planning.py)."""
+    if m.normalization == "LayerNorm":
+        return rows * width * a + rows * 8
+    return 2 * rows * width * 4 + rows * 4
+
+
 def layer_activations(cfg: Config, key: int, tp: int, ep: int, *, device_type: str = "cuda") -> LayerActivations:
     """What one transformer layer (module ``key``) saves for backward, per micro-batch.
 
-    Counted from the ops of model/block.py: the residual stream is fp32 (parameters are fp32),
-    norms run in fp32 under autocast and each linear saves its (16-bit) input; attention saves
-    q, k, v (views of the QKV output, or the rotated q, k), its output and log-sum-exp.
+    Counted from the ops of model/block.py: everything computes in the weights' dtype (``a``:
+    fp32, or 16-bit with --bf16/--fp16 — no autocast, no weight casts), norms keep their input
+    and fp32 statistics, each linear saves its input; attention saves q, k, v (views of the QKV
+    output, or the rotated q, k), its output and log-sum-exp.
     """
     m, t = cfg.model, cfg.train
     a = 2 if (t.bf16 or t.fp16) else 4
-    autocast = a == 2
+    autocast = False   # training computes in the weights' dtype (16-bit weights, fp32 mains in the optimizer)
     b, s, h = t.micro_batch_size, m.seq_length, m.hidden_size
     n = b * s
     specs = layer_tensors(cfg.model, key, tp, ep)
-    norm = n * h * 4 + n * 4 * (2 if m.normalization == "LayerNorm" else 1) + \
-        (n * h * 4 if m.normalization == "RMSNorm" else 0)   # torch's RMSNorm also keeps x * rstd
-    held = 2 * norm
+    held = 2 * norm_held(m, n, h, a)
     held += _attention_held(m, n, b, tp, a, autocast)
     if m.attention_dropout and device_type != "cuda":
         raise ValueError("attention dropout on CPU runs the math attention kernel with s x s tensors, "
                          "which the planner does not model; plan with device_type='cuda'")
     if m.hidden_dropout:
-        branch = 4 if (m.add_bias or not autocast) else a        # a bias add promotes to fp32
+        branch = a
         held += 2 * n * h * (1 if device_type == "cuda" else branch)
     glu = 2 if m.swiglu else 1
     act_saved = 1 + (1 if m.swiglu else 0)                        # GELU out / SiLU out and product
@@ -156,7 +164,7 @@ def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, *, device_typ
     m, t = cfg.model, cfg.train
     tp, ep = plan.layout.tp, plan.layout.ep
     a = 2 if (t.bf16 or t.fp16) else 4
-    autocast = a == 2
+    autocast = False   # see layer_activations
     b, s, h = t.micro_batch_size, m.seq_length, m.hidden_size
     n = b * s
     st = plan.stage(stage)
@@ -166,7 +174,7 @@ def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, *, device_typ
     # Always kept: the stage's output (on the last stage it is the final norm's saved input,
     # elsewhere the schedule keeps it for the backward from the next stage), rope tables,
     # the embedding's indices.
-    common = 0 if last else n * h * 4
+    common = 0 if last else n * h * a
     if m.position_embedding_type == "rope":
         common += 2 * s * m.head_dim * 4
     if first:
@@ -175,24 +183,23 @@ def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, *, device_typ
         if tp > 1:
             common += n * 9                                   # masked local ids (int64) + mask
         if m.hidden_dropout:
-            common += n * h * (1 if device_type == "cuda" else 4)
+            common += n * h * (1 if device_type == "cuda" else a)
     head = head_casts = head_fwd = head_bwd = 0
     v = m.padded_vocab_size // tp
     if last:
-        head = n * h * 4 + n * 4 * (2 if m.normalization == "LayerNorm" else 1) + \
-            (n * h * 4 if m.normalization == "RMSNorm" else 0)
+        head = norm_held(m, n, h, a)
         head += n * h * a + n * v * 4 + (n * 9 if tp > 1 else 0)
         head_casts = v * h * a if autocast else 0
-        head_fwd = n * v * a + (n * v * 4 + n * h * 4 if autocast else 0)
+        head_fwd = n * v * a + (n * v * 4 if a != 4 else 0)     # 16-bit logits and their fp32 copy
         head_bwd = 2 * n * v * 4 if tp == 1 else n * v * 4
     specs = plan.tensors(stage)
     # A weight called several times in one forward gets one gradient buffer that autograd
     # accumulates into until its last use's backward: at the 16-bit cast autocast caches, or
     # in fp32 (the tied embedding: looked up in fp32, projected through its cast).
-    shared = sum(s_.numel * (a if _cached_cast(s_) else 4) for s_ in specs
+    shared = sum(s_.numel * a for s_ in specs
                  if s_.name.startswith("layers.") and calls[int(s_.name.split(".")[1])] > 1)
     if first and last and not m.untie_embeddings_and_output_weights:
-        shared += 4 * (m.padded_vocab_size // tp) * h
+        shared += a * (m.padded_vocab_size // tp) * h
     return StageActivations(
         held=common + head + sum(per[k].held * c for k, c in calls.items()),
         head=head,
@@ -230,7 +237,8 @@ def activation_memory(cfg: Config, plan: ParallelPlan, stage: int, *, recompute:
     st = stage_activations(cfg, plan, stage, device_type=device_type)
     recompute = cfg.train.recompute_activations if recompute is None else recompute
     k = in_flight(cfg, plan, stage)
-    n_h4 = cfg.train.micro_batch_size * cfg.model.seq_length * cfg.model.hidden_size * 4
+    n_h4 = cfg.train.micro_batch_size * cfg.model.seq_length * cfg.model.hidden_size * \
+        (2 if (cfg.train.bf16 or cfg.train.fp16) else 4)    # a layer's input, in the weights' dtype
     light = set(st.calls) if recompute else set(offloaded) & set(st.calls)
     held = st.held - sum((st.layers[key].held - n_h4) * st.calls[key] for key in light)
     casts = st.casts - sum(p.cached_casts + (p.casts - p.cached_casts) * st.calls[key]

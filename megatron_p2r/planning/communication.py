@@ -1,5 +1,9 @@
 """Communication volume per step of each group a rank is in (tp, ep, pp, dp, expert_dp,
-embedding, sharing, tp_partial), following the collectives the code issues (see docs/scale.md)."""
+embedding, sharing, tp_partial), following the collectives the code issues (see docs/scale.md).
+
+Activations travel in the weights' dtype (fp32, or 16-bit with --bf16/--fp16: the model computes
+in its weights' dtype); gradients are reduced in fp32 — one all-reduce, or under the distributed
+optimizer a reduce-scatter of the fp32 gradients plus an all-gather of the updated weights."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,10 +29,19 @@ class GroupTraffic:
     size: int = 1
     nodes: int = 1          # nodes the group spans (1: NVLink only)
     offnode_fraction: float = 0.0   # of the bytes, the part that leaves the node (all-to-all)
+    per_node: int = 1       # members of the group on one node (ring collectives share the node's network)
 
 
 def _nodes(ranks: Sequence[int], per_node: int) -> int:
     return len({r // per_node for r in ranks})
+
+
+def _per_node(ranks: Sequence[int], per_node: int) -> int:
+    """The fewest members of the group any of its nodes holds."""
+    counts: Dict[int, int] = {}
+    for r in ranks:
+        counts[r // per_node] = counts.get(r // per_node, 0) + 1
+    return min(counts.values())
 
 
 def communication(cfg: Config, plan: ParallelPlan, stage: int, gpus_per_node: int = 8,
@@ -36,7 +49,7 @@ def communication(cfg: Config, plan: ParallelPlan, stage: int, gpus_per_node: in
     """Per-step bytes a rank of ``stage`` sends over each group (tp, ep, pp, dp, expert_dp,
     embedding, sharing), following the collectives the code issues (see docs/scale.md)."""
     m, t, layout = cfg.model, cfg.train, plan.layout
-    a = 2 if (t.bf16 or t.fp16) else 4
+    a = plan.buffers.param_bytes          # activations and their gradients: the weights' dtype
     n, h = t.micro_batch_size * m.seq_length, m.hidden_size
     mbs = num_microbatches(cfg, layout.world_size)
     st = plan.stage(stage)
@@ -51,17 +64,17 @@ def communication(cfg: Config, plan: ParallelPlan, stage: int, gpus_per_node: in
         forwards = 2 if (t.recompute_activations or key in offloaded) else 1
         moe = m.is_moe_layer(key)
         tp_bytes += forwards * 2 * _ring(n * h * a, T)                 # attention proj + MLP reduce
-        tp_bytes += _ring(n * h * 4, T) + _ring(n * h * (a if moe else 4), T)   # backward of the copies
+        tp_bytes += 2 * _ring(n * h * a, T)                              # backward of the copies
         if moe:
             _, rows = moe_rows(cfg, n)
-            tp_bytes += _ring(rows * 4, T)                               # combine weights' copy
+            tp_bytes += _ring(rows * 4, T)                               # combine weights' copy (fp32)
             if m.add_bias:
-                tp_bytes += _ring(m.num_experts // E * h * 4, T)          # bias2's copy
+                tp_bytes += _ring(m.num_experts // E * h * a, T)          # bias2's copy
             ep_bytes += (forwards + 1) * 2 * rows * h * a * (E - 1) / E   # dispatch + combine
     if first:
-        tp_bytes += _ring(n * h * 4, T)                                  # vocab-parallel embedding
+        tp_bytes += _ring(n * h * a, T)                                  # vocab-parallel embedding
     if last:
-        tp_bytes += _ring(n * h * 4, T) + 3 * _ring(n * 4, T)            # output copy, cross entropy
+        tp_bytes += _ring(n * h * a, T) + 3 * _ring(n * 4, T)            # output copy, cross entropy
     tp_ranks = layout.group_of("tp", rank)
     out["tp"] = GroupTraffic(mbs * tp_bytes, T, _nodes(tp_ranks, gpus_per_node))
     ep_ranks = layout.group_of("ep", rank)
@@ -73,31 +86,33 @@ def communication(cfg: Config, plan: ParallelPlan, stage: int, gpus_per_node: in
     if layout.pp > 1:
         neighbours = [layout.rank(0, 0, s_) for s_ in (stage - 1, stage + 1) if 0 <= s_ < layout.pp]
         pp_nodes = max(_nodes([rank, r], gpus_per_node) for r in neighbours)
-    out["pp"] = GroupTraffic(mbs * sends * n * h * 4, layout.pp, pp_nodes)
+    out["pp"] = GroupTraffic(mbs * sends * n * h * a, layout.pp, pp_nodes)
 
     out.update(gradient_traffic(plan, stage, gpus_per_node))
     return out
 
 
 def gradient_traffic(plan: ParallelPlan, stage: int, gpus_per_node: int = 8) -> Dict[str, GroupTraffic]:
-    """Per-step bytes a rank of ``stage`` sends reducing gradients, per kind of reduction
-    (dp, expert_dp, embedding, sharing, tp_partial: the plan's ``Reduction`` of each parameter)."""
+    """Per-step bytes a rank of ``stage`` sends reducing gradients, per kind of reduction (dp,
+    expert_dp, embedding, sharing, tp_partial: the plan's ``Reduction`` of each parameter): a
+    ring all-reduce of the fp32 gradients, or under the distributed optimizer a reduce-scatter of
+    them and an all-gather of the weights (each (n-1)/n of the data)."""
     layout = plan.layout
     rank = layout.rank(0, 0, stage)
-    grads: Dict[str, List[float]] = {"dp": [0, layout.dp, 0], "expert_dp": [0, layout.expert_dp, 0],
-                                      "embedding": [0, 1, 1], "sharing": [0, 1, 1], "tp_partial": [0, 1, 1]}
-    grads["dp"][2] = _nodes(layout.group_of("dp", rank), gpus_per_node)
-    grads["expert_dp"][2] = _nodes(layout.group_of("expert_dp", rank), gpus_per_node)
+    out = {kind: GroupTraffic() for kind in ("dp", "expert_dp", "embedding", "sharing", "tp_partial")}
     for s_ in plan.tensors(stage):
         red = plan.reduction(s_.logical, s_.expert)
-        if red.stages or red.tp_block > 1:   # fused with the sum over stages and/or TP ranks
-            stages = red.stages or (stage,)
-            size = len(stages) * red.tp_block * (layout.expert_dp if s_.expert else layout.dp)
-            group = next(g for g in stage_set_groups(layout, stages, red.over, red.tp_block) if rank in g)
-            entry = grads[red.kind]
-            entry[0] += _ring(s_.numel * GRAD_BYTES, size)
-            entry[1] = max(entry[1], size)
-            entry[2] = max(entry[2], _nodes(group, gpus_per_node))
+        size = plan.group_members(red.over, red.stages, red.tp_block)
+        if size == 1:
+            continue
+        group = next(g for g in stage_set_groups(layout, red.stages or (stage,), red.over, red.tp_block) if rank in g)
+        if plan.buffers.distributed:
+            sent = (size - 1) / size * s_.numel * (GRAD_BYTES + plan.buffers.param_bytes)
         else:
-            grads[red.over][0] += _ring(s_.numel * GRAD_BYTES, grads[red.over][1])
-    return {kind: GroupTraffic(nbytes, int(size), int(nodes)) for kind, (nbytes, size, nodes) in grads.items()}
+            sent = _ring(s_.numel * GRAD_BYTES, size)
+        t = out[red.kind]
+        t.bytes += sent
+        t.size = max(t.size, size)
+        t.nodes = max(t.nodes, _nodes(group, gpus_per_node))
+        t.per_node = max(t.per_node, _per_node(group, gpus_per_node))
+    return out

@@ -13,7 +13,8 @@ from megatron_p2r.metrics import model_flops_per_token
 from megatron_p2r.planning.activations import activation_memory
 from megatron_p2r.planning.communication import communication
 from megatron_p2r.planning.hardware import GiB, GPUSpec
-from megatron_p2r.planning.memory import expert_parameter_count, logical_parameter_count, offload_plan
+from megatron_p2r.planning.memory import (expert_parameter_count, logical_parameter_count, offload_plan,
+                                          stage_state_bytes, stepped_elements)
 from megatron_p2r.planning.timing import link_time, stage_flops_per_microbatch
 
 DEVICE_ORDER = ("reserve", "params", "optimizer", "grads", "fetch_window", "compute_weights", "activations",
@@ -102,6 +103,19 @@ def _overflow(device: Dict[str, int], memory: int) -> Optional[str]:
     return None
 
 
+def _exposed_sync(cfg: Config, plan: ParallelPlan, stage: int, sync: float, compute: float) -> float:
+    """The part of the gradient reduction (and weight all-gather) a step waits for: all of it,
+    or with --overlap-grad-reduce what does not fit under the last micro-batch's backward (2/3
+    of its compute; with --overlap-param-gather also the next forward's 1/3), and at least the
+    share of each buffer's last bucket, which is only final when backward ends."""
+    p = cfg.parallel
+    if not p.overlap_grad_reduce or sync == 0:
+        return sync
+    window = compute * (2 / 3 + (1 / 3 if p.overlap_param_gather else 0))
+    last = max((b.buckets[-1].end - b.buckets[-1].start) / b.numel for b in plan.grad_buffers(stage) if b.numel)
+    return max(sync - window, sync * last)
+
+
 def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
                     peak: float) -> Tuple[StageEstimate, float]:
     """(the stage's estimate, its time per micro-batch)."""
@@ -120,10 +134,15 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     tp_t, ep_t, pp_t = (link_time(comm[k], gpu) / mbs for k in ("tp", "ep", "pp"))
     transfer = off["moved_per_microbatch"] / gpu.host_bw
     mb_time = max(compute + tp_t + ep_t, transfer) + pp_t
-    sync = sum(link_time(comm[k], gpu) for k in ("dp", "expert_dp", "embedding", "sharing", "tp_partial"))
+    sync = _exposed_sync(cfg, plan, stage, sum(link_time(comm[k], gpu) for k in ("dp", "expert_dp", "embedding",
+                                                                                  "sharing", "tp_partial")), compute)
     hosted = off["host_optimizer_params"]
-    opt = max(28 * (sum(s.numel for s in specs) - hosted) / gpu.hbm_bw,
-              28 * hosted / a.host_optimizer_bw + off["moved_per_step"] / gpu.host_bw)
+    # AdamW streams 28 B per stepped element (main, grad, 2 moments read; main, moments written),
+    # 2 more writing a 16-bit weight
+    per_element = 28 + (plan.buffers.param_bytes if plan.buffers.param_bytes != 4 else 0)
+    stepped = stepped_elements(stage_state_bytes(plan, stage))
+    opt = max(per_element * (stepped - hosted) / gpu.hbm_bw,
+              per_element * hosted / a.host_optimizer_bw + off["moved_per_step"] / gpu.host_bw)
     est = StageEstimate(
         stage=stage, ranks=_rank_ranges(layout, stage), parameters=sum(s.numel for s in specs),
         tensors=len(specs), device=device, host=off["host"], offloaded_layers=off["layers"],

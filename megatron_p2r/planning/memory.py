@@ -1,15 +1,18 @@
 """Bytes a rank holds: parameters, gradients and optimizer state, and what offload moves to host.
 
-As this project stores them: fp32 parameters that are the master weights (4 B), fp32
-gradients (4 B), AdamW moments (8 B); the tensors come from the ParallelPlan's tensor table.
+As the training code stores them (the ParallelPlan's ``module_state_bytes``, exact): weights in
+their dtype (4 B, or 2 B with --bf16/--fp16), fp32 gradient buffers (4 B, bucket padding
+included), and the optimizer state of what the rank steps — AdamW moments (8 B) plus fp32 mains
+of 16-bit weights (4 B); under the distributed optimizer only the rank's shard of each buffer.
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 from megatron_p2r.config import Config, parse_offload_what
-from megatron_p2r.layout.offload import PARAM_BYTES, memory_plan, state_bytes
+from megatron_p2r.layout.offload import ADAM_BYTES, CATEGORIES, MASTER_BYTES, add_bytes, memory_plan
 from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.layout.ranks import Coords
 
 
 def logical_parameter_count(plan: ParallelPlan) -> int:
@@ -33,9 +36,18 @@ def expert_parameter_count(plan: ParallelPlan) -> int:
     return sum(seen.values())
 
 
-def stage_state_bytes(plan: ParallelPlan, stage: int) -> Dict[str, int]:
-    """Bytes of parameters, gradients and AdamW moments a rank of ``stage`` holds."""
-    return state_bytes(sum(s.numel for s in plan.tensors(stage)))
+def stage_state_bytes(plan: ParallelPlan, stage: int, coords: Optional[Coords] = None) -> Dict[str, int]:
+    """Bytes of weights, gradients and optimizer state a rank of ``stage`` holds (``coords``: which
+    rank; default the first of each reduction group, which owns the most)."""
+    total: Dict[str, int] = {}
+    for part in plan.module_state_bytes(stage, coords).values():
+        total = add_bytes(total, part)
+    return {c: total.get(c, 0) for c in CATEGORIES + ("masters",)}
+
+
+def stepped_elements(state: Dict[str, int]) -> int:
+    """Elements the optimizer steps, from their optimizer bytes (moments, and masters when 16-bit)."""
+    return (state["optimizer"] - state["masters"]) // ADAM_BYTES
 
 
 def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, object]:
@@ -43,20 +55,23 @@ def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, objec
     accounting as the runtime (``layout.offload.memory_plan``).
 
     ``recomputed``: modules whose weights live on host (run recomputed with fetched copies,
-    moving 3 x their fp32 weights per micro-batch: fetch forward, fetch backward, gradient
-    back); with --cpu-offload-what optimizer only the moments live on host and each step moves
-    the weights and gradients to host and the weights back (``moved_per_step``).
+    moving 3 x their weights per micro-batch: fetch forward, fetch backward, gradient back);
+    with --cpu-offload-what optimizer only the moments live on host and each step moves the
+    fp32 mains and gradients to host and the mains back (``moved_per_step``).
     """
     st = plan.stage(stage)
     o = cfg.offload
     what = parse_offload_what(o.cpu_offload_what)
-    per_module = {k: state_bytes(n) for k, n in plan.module_numel(stage).items()}
+    modules = plan.module_state_bytes(stage)
+    per_module = {k: v for k, v in modules.items() if k is not None}
     chosen = list(st.offloaded)
     placed = memory_plan(stage_state_bytes(plan, stage), per_module, chosen, o.offload_prefetch, what)
     layers = [i for i, k in zip(st.layers, st.layer_keys) if k in chosen]
     weights = sum(per_module[k]["params"] for k in chosen)
+    stepped = sum(stepped_elements(per_module[k]) for k in chosen)
     on_host = "params" in what
     return {"modules": chosen, "layers": layers, "device": placed["device"], "host": placed["host"],
             "what": ",".join(sorted(what)), "recomputed": chosen if on_host else [],
-            "host_optimizer_params": weights // PARAM_BYTES,
-            "moved_per_microbatch": 3 * weights if on_host else 0, "moved_per_step": 0 if on_host else 3 * weights}
+            "host_optimizer_params": stepped,
+            "moved_per_microbatch": 3 * weights if on_host else 0,
+            "moved_per_step": 0 if on_host else 3 * MASTER_BYTES * stepped}

@@ -35,9 +35,15 @@ def stage_flops_per_microbatch(cfg: Config, plan: ParallelPlan, stage: int, offl
 
 
 def link_time(traffic: GroupTraffic, gpu: GPUSpec) -> float:
+    """Seconds to send ``traffic``: an all-to-all's off-node part over the rank's share of the
+    network; a ring collective over G members per node across nodes crosses each node's network
+    once per channel — the node sends what one member sends, over the network of all G members
+    (the other groups on the node use the rest) — and NVLink carries every member's bytes."""
     if traffic.bytes == 0:
         return 0.0
     if traffic.offnode_fraction:
         return traffic.bytes * (traffic.offnode_fraction / gpu.inter_node_bw
                                 + (1 - traffic.offnode_fraction) / gpu.intra_node_bw)
-    return traffic.bytes / (gpu.inter_node_bw if traffic.nodes > 1 else gpu.intra_node_bw)
+    if traffic.nodes == 1:
+        return traffic.bytes / gpu.intra_node_bw
+    return traffic.bytes / min(gpu.intra_node_bw, traffic.per_node * gpu.inter_node_bw)

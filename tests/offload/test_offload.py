@@ -45,8 +45,7 @@ def compare(kw: dict, spec: str, ps: ParallelState, steps: int = 2, prefetch: in
     weight_err = max((p.detach() - ref_params[n].detach()).abs().max().item()
                      for n, p in state.model.named_parameters())
     man = state.offload
-    host_opt = state.optimizer.host_opt
-    host_ids = {id(p) for g in host_opt.param_groups for p in g["params"]} if host_opt else set()
+    host_ids = {id(pc.param) for pc in state.optimizer.pieces if pc.placement != "device"}
     on_device = all(p.device == ps.device for p in state.model.parameters())  # trivially true on CPU
     moments_apart = all(state.optimizer.state[p]["exp_avg"].untyped_storage().data_ptr()
                         != p.untyped_storage().data_ptr() for p in state.model.parameters())
@@ -170,32 +169,20 @@ def test_offloaded_layers_compute_on_separate_copies_and_keep_host_moments(what)
         assert state.offload.stats["fetches"] == {"forward": 2, "backward": 2}  # recomputation fetched again
     else:                  # only the moments live on host: the layers compute on their parameters
         assert set(params[2]) | set(params[3]) <= used and copies == []
-    host = state.optimizer.host_opt
-    owned = {id(p) for g in host.param_groups for p in g["params"]}
+    host = state.optimizer.inner["host" if "params" in what else "staged"]
+    owned = {id(p) for g in host.param_groups for p in g["params"]}   # fp32: the parameters are the mains
     assert owned == {id(p) for k in (2, 3) for p in model.layers[str(k)].parameters()}
     assert state.offload.stats["live"] == 0  # no copy outlives the step
 
 
-def test_optimizer_state_dict_round_trip_covers_both_optimizers():
+def test_scheduler_reaches_device_and_host_optimizers():
     _, state = run_steps(_cfg(cpu_offload_layers="0.5"), ParallelState.single(), 1)
     opt = state.optimizer
-    sd = opt.state_dict()
-    n = sum(len(g["params"]) for g in opt.param_groups)
-    assert sorted(sd["state"]) == list(range(n))
-    saved = {"state": {i: {k: v.clone() for k, v in s.items()} for i, s in sd["state"].items()},
-             "param_groups": sd["param_groups"]}
-    before = {id(p): opt.state[p]["exp_avg"].clone() for g in opt.param_groups for p in g["params"]}
+    assert sorted(opt.inner) == ["device", "host"]
     for g in opt.param_groups:
-        for p in g["params"]:
-            opt.state[p]["exp_avg"].zero_()
-    opt.load_state_dict(saved)
-    assert all(torch.equal(opt.state[p]["exp_avg"], before[id(p)]) for g in opt.param_groups for p in g["params"])
-    for o in opt.optimizers:
-        for g in o.param_groups:
-            g["lr"] = 123.0
-    state.scheduler.step(4)  # the scheduler still reaches both optimizers' (replaced) groups
-    lrs = {g["lr"] for o in opt.optimizers for g in o.param_groups}
-    assert len(opt.optimizers) == 2 and lrs == {state.scheduler.lr}
+        g["lr"] = 123.0
+    state.scheduler.step(4)
+    assert {g["lr"] for o in opt.inner.values() for g in o.param_groups} == {state.scheduler.lr}
 
 
 # ----------------------------------------------------------------------------- choosing layers

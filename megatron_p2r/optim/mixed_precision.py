@@ -1,0 +1,186 @@
+"""The optimizer over fp32 main parameters — megatron-core's FP32Optimizer,
+Float16OptimizerWithFloat16Params and DistributedOptimizer semantics in one class.
+
+- fp32 weights are their own main parameters (AdamW steps the model's tensors, as before);
+- 16-bit weights (``--bf16``/``--fp16``) get fp32 main copies held here; after each step the
+  updated mains are rounded into the weights, so the forward never casts a weight;
+- under ``--use-distributed-optimizer`` a rank's mains are its shards of the gradient buffers'
+  buckets (contiguous ranges: a parameter may be split between ranks, ``layout/buckets.py``),
+  stepped on the reduce-scattered gradient shards; the updated weights are then all-gathered
+  (``DistributedDataParallel.start_param_sync``).
+
+Every main parameter's gradient is a view into ``main_grad``: nothing is copied. Granular
+offload places each piece: "device"; "host" (weights on host: mains, moments and step there);
+"staged" (weights on the device, AdamW moments on host: ``StagedAdamW``). Checkpoints see
+global tensors only (``optim/state_io.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from megatron_p2r.config import TrainConfig
+from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.optim.optimizer import StagedAdamW, adamw, param_groups
+from megatron_p2r.parallel.ddp import DistributedDataParallel
+from megatron_p2r.parallel.sharding import logical_name
+from megatron_p2r.parallel.state import ParallelState
+
+PLACEMENTS = ("device", "staged", "host")   # the order of their steps: the host step waits for fetches
+
+
+@dataclass
+class MainPiece:
+    """The flat range [start, end) of ``param`` that this rank's optimizer steps."""
+
+    param: nn.Parameter
+    name: str
+    start: int
+    end: int
+    main: torch.Tensor         # fp32: the parameter itself, a view of it, or an fp32 copy
+    grad: torch.Tensor         # its range of ``param.main_grad``
+    placement: str
+    in_norm: bool              # counts in the global gradient norm (each logical element once)
+    buffer: int                # the DDP buffer, bucket and position (in the buffer) of ``start``
+    bucket: int
+    position: int
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.end == self.param.numel()
+
+    @property
+    def aliases_param(self) -> bool:
+        """The main parameter is (a view of) the weight itself: fp32 training."""
+        return self.param.dtype == torch.float32
+
+
+def _main_of(p: nn.Parameter, start: int, end: int) -> torch.Tensor:
+    whole = start == 0 and end == p.numel()
+    if p.dtype == torch.float32:
+        return p if whole else p.data.view(-1)[start:end]
+    return (p.detach() if whole else p.detach().view(-1)[start:end]).float()
+
+
+class ParamStates:
+    """``optimizer.state[param]``: AdamW's state of a parameter the optimizer steps whole."""
+
+    def __init__(self, optimizer: "MixedPrecisionOptimizer"):
+        self.optimizer = optimizer
+
+    def _inner_state(self, p):
+        piece = self.optimizer.whole_pieces.get(id(p))
+        if piece is None:
+            raise KeyError("this rank steps no whole copy of that parameter (distributed optimizer shard?)")
+        return self.optimizer.inner[piece.placement].state, piece.main
+
+    def __getitem__(self, p) -> dict:
+        state, main = self._inner_state(p)
+        return state[main]
+
+    def get(self, p, default=None):
+        try:
+            state, main = self._inner_state(p)
+        except KeyError:
+            return default
+        return state.get(main, default)
+
+    def __contains__(self, p) -> bool:
+        return self.get(p) is not None
+
+    def __len__(self) -> int:
+        return sum(len(o.state) for o in self.optimizer.inner.values())
+
+
+class MixedPrecisionOptimizer:
+    """AdamW over ``pieces``: ``zero_grad`` before a step's backward, ``prepare_grads`` then ``step``.
+    Each piece joins the AdamW group (``optim.optimizer.param_groups``: weight decay or not) of its
+    weight, in the AdamW of its placement."""
+
+    def __init__(self, pieces: List[MainPiece], t: TrainConfig, ddp: DistributedDataParallel,
+                 before_host_step: Optional[Callable[[], None]] = None):
+        self.pieces, self.ddp, self.before_host_step = pieces, ddp, before_host_step
+        self.inner: Dict[str, object] = {}
+        groups = param_groups(ddp.model, t)
+        for placement in PLACEMENTS:
+            mine = [g for g in (_group_of(g, [pc for pc in pieces if pc.placement == placement]) for g in groups)
+                    if g["params"]]
+            if mine:
+                self.inner[placement] = StagedAdamW(adamw(mine, t)) if placement == "staged" else adamw(mine, t)
+        self.whole_pieces = {id(pc.param): pc for pc in pieces if pc.whole}
+        self.pieces_of: Dict[int, List[MainPiece]] = {}
+        for pc in pieces:
+            self.pieces_of.setdefault(id(pc.param), []).append(pc)
+        self.state = ParamStates(self)
+        self.step_count = 0   # optimizer steps taken (skipped steps excluded): AdamW's ``step``
+
+    @property
+    def param_groups(self) -> list:
+        """The inner optimizers' own group dicts (the LR scheduler sets their ``lr``)."""
+        return [g for o in self.inner.values() for g in o.param_groups]
+
+    @property
+    def main_grads(self) -> List[torch.Tensor]:
+        return [pc.grad for pc in self.pieces]
+
+    @property
+    def norm_mask(self) -> List[bool]:
+        return [pc.in_norm for pc in self.pieces]
+
+    def prepare_grads(self) -> None:
+        """Point each main parameter's ``.grad`` at its (reduced) range of ``main_grad``."""
+        for pc in self.pieces:
+            pc.main.grad = pc.grad
+
+    def zero_grad(self) -> None:
+        """Drop those ``.grad`` views before a step's backward: an fp32 weight that is its own
+        main must enter it without ``.grad`` (its gradient goes to ``main_grad`` through the DDP
+        hook). Until then the last step's reduced gradients stay readable, as in Megatron-LM."""
+        for pc in self.pieces:
+            pc.main.grad = None
+
+    def step(self) -> None:
+        """Step every placement's AdamW, round the mains into 16-bit weights, start the
+        all-gather of updated shards (distributed optimizer)."""
+        for placement in PLACEMENTS:
+            if placement in self.inner:
+                if placement == "host" and self.before_host_step is not None:
+                    self.before_host_step()
+                self.inner[placement].step()
+        self.step_count += 1
+        with torch.no_grad():
+            for pc in self.pieces:
+                if not pc.aliases_param:
+                    pc.param.data.view(-1)[pc.start:pc.end].copy_(pc.main.reshape(-1))
+        self.ddp.start_param_sync()
+
+
+def _group_of(group: dict, pieces: List[MainPiece]) -> dict:
+    """``group``'s hyperparameters over the mains of those ``pieces`` whose weight is in it."""
+    members = {id(p) for p in group["params"]}
+    return {**{k: v for k, v in group.items() if k != "params"},
+            "params": [pc.main for pc in pieces if id(pc.param) in members]}
+
+
+def build_mixed_precision_optimizer(ddp: DistributedDataParallel, plan: ParallelPlan, ps: ParallelState,
+                                    t: TrainConfig, placement: Optional[Dict[int, str]] = None,
+                                    before_host_step: Optional[Callable[[], None]] = None) -> MixedPrecisionOptimizer:
+    """The optimizer of this rank's pieces of ``ddp``'s buffers (all of them without the
+    distributed optimizer); ``placement``: id(param) -> "host" | "staged" for offloaded layers."""
+    placement = placement or {}
+    pieces = []
+    for b, buf in enumerate(ddp.buffers):
+        layout = buf.layout
+        for index, start, end in layout.owned(buf.member):
+            p, name = buf.params[index], layout.names[index]
+            whole = start == 0 and end == p.numel()
+            in_norm = plan.counts_in_norm(logical_name(name, p), getattr(p, "tp_dim", None),
+                                          getattr(p, "expert", False), ps.coords, sharded=layout.sharded)
+            pieces.append(MainPiece(param=p, name=name, start=start, end=end, main=_main_of(p, start, end),
+                                    grad=p.main_grad if whole else p.main_grad.view(-1)[start:end],
+                                    placement=placement.get(id(p), "device"), in_norm=in_norm, buffer=b,
+                                    bucket=layout.bucket_of(index), position=layout.ranges[index][0] + start))
+    return MixedPrecisionOptimizer(pieces, t, ddp, before_host_step)

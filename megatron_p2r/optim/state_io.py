@@ -1,0 +1,115 @@
+"""Global optimizer state out of and into a ``MixedPrecisionOptimizer``, for checkpoints.
+
+A checkpoint holds each parameter's fp32 weight (the main parameter, not its 16-bit rounding)
+and AdamW moments whole, whatever part of them this rank steps: ``gather_state`` returns them
+(under the distributed optimizer all-gathered bucket by bucket, in chunks bounded by the DDP
+staging buffer, copied to host only on the ranks that write), ``StateLoader`` takes any piece
+of them and keeps what this rank steps. So a checkpoint never depends on the DP size or on
+whether the distributed optimizer, 16-bit parameters or offload were on.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from megatron_p2r.optim.mixed_precision import MainPiece, MixedPrecisionOptimizer
+from megatron_p2r.parallel.grad_buffer import ParamAndGradBuffer, all_gather_chunks
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _value(opt: MixedPrecisionOptimizer, pc: MainPiece, kind: str) -> torch.Tensor:
+    return pc.main.detach() if kind == "model" else opt.inner[pc.placement].state[pc.main][kind]
+
+
+def gather_state(opt: MixedPrecisionOptimizer,
+                 keep: Callable[[nn.Parameter], bool]) -> Dict[int, Dict[str, torch.Tensor]]:
+    """Collective over the gradient buffers' groups: {id(param): {"model", "exp_avg", "exp_avg_sq":
+    fp32 tensors of the parameter's shape}} for every parameter ``keep`` accepts (moments only
+    after a step)."""
+    kinds = ("model",) + (MOMENTS if opt.step_count else ())
+    out: Dict[int, Dict[str, torch.Tensor]] = {}
+    with torch.no_grad():
+        for b, buf in enumerate(opt.ddp.buffers):
+            if buf.layout.sharded:
+                _gather_sharded(opt, b, buf, kinds, keep, out)
+                continue
+            for p in buf.params:
+                if keep(p):
+                    pc = opt.whole_pieces[id(p)]
+                    out[id(p)] = {kind: _value(opt, pc, kind).view(p.shape) for kind in kinds}
+    return out
+
+
+def _gather_sharded(opt: MixedPrecisionOptimizer, b: int, buf: ParamAndGradBuffer, kinds, keep, out) -> None:
+    layout, members = buf.layout, buf.layout.members
+    staging = opt.ddp.staging(torch.float32, buf.staging_numel)
+    for i, bucket in enumerate(layout.buckets):
+        kept = [j for j in bucket.params if keep(buf.params[j])]
+        lo, hi = layout.shard(i, buf.member)
+        pieces = [pc for pc in opt.pieces if pc.buffer == b and pc.bucket == i]
+        for kind in kinds:
+            shard = torch.zeros(hi - lo, dtype=torch.float32, device=opt.ddp.ps.device)
+            for pc in pieces:
+                shard[pc.position - lo:pc.position - lo + pc.end - pc.start].copy_(_value(opt, pc, kind).reshape(-1))
+            full = torch.empty(bucket.end - bucket.start, dtype=torch.float32) if kept else None
+            for start, end, block in all_gather_chunks(shard, members, staging, buf.group):
+                if full is not None:
+                    full.view(members, -1)[:, start:end].copy_(block)
+            for j in kept:
+                p, (a, z) = buf.params[j], layout.ranges[j]
+                out.setdefault(id(p), {})[kind] = full[a - bucket.start:z - bucket.start].view(p.shape)
+
+
+class StateLoader:
+    """Takes pieces of global state (any flat range of a parameter) and keeps this rank's part;
+    ``finish`` installs the moments in AdamW's own state (torch places them and ``step``)."""
+
+    def __init__(self, opt: MixedPrecisionOptimizer):
+        self.opt = opt
+        self.moments: Dict[int, Dict[str, torch.Tensor]] = {}
+        self.step: Optional[int] = None
+
+    def _overlaps(self, p: nn.Parameter, offset: int, n: int):
+        for pc in self.opt.pieces_of.get(id(p), []):
+            lo, hi = max(pc.start, offset), min(pc.end, offset + n)
+            if lo < hi:
+                yield pc, lo, hi
+
+    def put(self, p: nn.Parameter, offset: int, kind: str, value: torch.Tensor) -> None:
+        """``value`` holds the flat elements [offset, offset + value.numel()) of ``p``'s ``kind``
+        (model, exp_avg, exp_avg_sq) or, for ``step``, the steps taken."""
+        if kind == "step":
+            self.step = int(value.item())
+            return
+        flat = value.reshape(-1)
+        with torch.no_grad():
+            if kind == "model":   # every rank holds the whole weight, in its own dtype
+                p.data.view(-1)[offset:offset + flat.numel()].copy_(flat)
+            for pc, lo, hi in self._overlaps(p, offset, flat.numel()):
+                src = flat[lo - offset:hi - offset]
+                if kind == "model":
+                    if not pc.aliases_param:
+                        pc.main.view(-1)[lo - pc.start:hi - pc.start].copy_(src)
+                    continue
+                kept = self.moments.setdefault(id(pc.main), {})
+                if kind not in kept:
+                    kept[kind] = torch.zeros(pc.end - pc.start, dtype=torch.float32)
+                kept[kind][lo - pc.start:hi - pc.start].copy_(src)
+
+    def finish(self, moments: bool) -> None:
+        """Install the moments read (when ``moments``) with the step count read."""
+        if not moments:
+            return
+        if self.step is None:
+            raise ValueError("optimizer state without a step count")
+        for inner in self.opt.inner.values():
+            sd = inner.state_dict()
+            mains: List[torch.Tensor] = [m for g in inner.param_groups for m in g["params"]]
+            sd["state"] = {i: {"step": torch.tensor(float(self.step)),
+                               **{k: self.moments[id(m)][k].view(m.shape) for k in MOMENTS}}
+                           for i, m in enumerate(mains)}
+            inner.load_state_dict(sd)
+        self.opt.step_count = self.step

@@ -1,0 +1,170 @@
+"""Data-parallel gradient reduction with megatron-core's semantics (``DistributedDataParallel``),
+attached to a built stage without wrapping its forward.
+
+- Every parameter's gradient accumulates, micro-batch after micro-batch, into
+  ``param.main_grad``: an fp32 view into its reduction group's buffer (``grad_buffer.py``, laid
+  out by the plan), added by a hook that runs once autograd has produced ``param.grad``, which
+  is then dropped. So 16-bit compute accumulates in fp32, no gradient is copied at reduction
+  time, and no ``.grad`` outlives its layer's backward.
+- ``--overlap-grad-reduce``: in the last micro-batch's backward (the stage's output marks where
+  each backward starts), a bucket's collective starts as soon as every gradient in it is final.
+  Buckets of one group start in bucket order on every member — their collectives must line up
+  — so a bucket that is not ready holds back those after it; staged buckets (host-resident, see
+  ``grad_buffer.py``) are reduced after backward. ``finish_grad_sync`` starts what is left,
+  waits, and divides by the DP size (expert gradients too: docs/moe.md).
+- Under the distributed optimizer ``start_param_sync`` all-gathers the updated shards; with
+  ``--overlap-param-gather`` asynchronously, each module's forward waiting for its own buckets
+  (buckets of layers whose weights are fetched from host are gathered before returning).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Dict, Iterable, List, Optional
+
+import torch
+from torch import nn
+
+from megatron_p2r.layout.plan import ParallelPlan, Reduction
+from megatron_p2r.parallel.grad_buffer import BucketState, ParamAndGradBuffer
+from megatron_p2r.parallel.state import ParallelState
+
+
+class _BackwardStart(torch.autograd.Function):
+    """Identity on the stage's output; its backward runs first in each micro-batch's backward."""
+
+    @staticmethod
+    def forward(ctx, ddp, output):
+        ctx.ddp = ddp
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.ddp.backward_started()
+        return None, grad
+
+
+class DistributedDataParallel:
+    """The gradient buffers of ``model`` (this rank's stage of ``plan``) and their reduction."""
+
+    def __init__(self, model: nn.Module, plan: ParallelPlan, ps: ParallelState, *, overlap_grad_reduce: bool = False,
+                 overlap_param_gather: bool = False, fetched: Iterable[int] = ()):
+        self.model, self.ps = model, ps
+        self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
+        self._staging: Dict[torch.dtype, torch.Tensor] = {}
+        named = dict(model.named_parameters())
+        self.buffers: List[ParamAndGradBuffer] = []
+        for layout in plan.grad_buffers(ps.pp_rank):
+            missing = [n for n in layout.names if n not in named]
+            if missing:
+                raise ValueError(f"stage {ps.pp_rank} has no parameter {missing[0]!r} of the plan's gradient buffers")
+            group = ps.reduction_group(Reduction(kind=layout.over, over=layout.over, stages=layout.stages,
+                                                 tp_block=layout.tp_block))
+            self.buffers.append(ParamAndGradBuffer(
+                layout, [named.pop(n) for n in layout.names], member=plan.buffer_member(layout, ps.coords),
+                group=group, divisor=ps.dp_size, device=ps.device,
+                staged_everywhere=bool(layout.stages) and plan.buffers.break_at_modules, staging=self.staging))
+        if named:
+            raise ValueError(f"parameters outside the plan's gradient buffers: {sorted(named)}")
+        self.bucket_of = {id(p): b for buf in self.buffers for b in buf.buckets for p in b.params}
+        self._fetched = set(fetched)   # ids of parameters whose layers copy them from host before forward
+        self._issued = [0] * len(self.buffers)
+        self._expected: Optional[int] = None
+        self._backwards, self._last_microbatch = 0, False
+        for p in self.model.parameters():
+            p.register_post_accumulate_grad_hook(self._accumulate)
+        model.register_forward_hook(self._mark_output)
+        if overlap_param_gather:
+            for module in model.modules():
+                own = [self.bucket_of[id(p)] for p in module.parameters(recurse=False)]
+                if own:
+                    module.register_forward_pre_hook(functools.partial(self._wait_for, own))
+        self.zero_grad_buffer()
+
+    # -- micro-batches
+    def zero_grad_buffer(self, num_microbatches: Optional[int] = None) -> None:
+        """Zero the gradients before a step of ``num_microbatches`` backward passes (None: no overlap)."""
+        for buf in self.buffers:
+            buf.zero()
+        self._issued = [0] * len(self.buffers)
+        self._expected, self._backwards, self._last_microbatch = num_microbatches, 0, False
+
+    def _mark_output(self, module, inputs, output):
+        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+            return _BackwardStart.apply(self, output)
+        return output
+
+    def backward_started(self) -> None:
+        self._backwards += 1
+        if self._expected is not None and self._backwards > self._expected:
+            raise RuntimeError(f"backward pass {self._backwards} of a step prepared for {self._expected} "
+                               "micro-batches: call zero_grad_buffer(num_microbatches) before each step")
+        self._last_microbatch = self._backwards == self._expected
+
+    def _accumulate(self, p: nn.Parameter) -> None:
+        p.main_grad.add_(p.grad)
+        p.grad = None
+        if not (self._last_microbatch and self.overlap_grad_reduce):
+            return
+        bucket = self.bucket_of[id(p)]
+        if id(p) not in bucket.pending:
+            raise RuntimeError("a gradient was accumulated twice in the last micro-batch's backward, after its "
+                               "bucket's reduction may have started")
+        bucket.pending.discard(id(p))
+        if not bucket.pending:
+            self._start_ready(self.buffers.index(bucket.buffer))
+
+    def _start_ready(self, index: int) -> None:
+        """Start the ready buckets of buffer ``index`` in bucket order (staged ones wait for the end)."""
+        buf, i = self.buffers[index], self._issued[index]
+        while i < len(buf.buckets) and (buf.buckets[i].staged or not buf.buckets[i].pending):
+            if not buf.buckets[i].staged:
+                buf.start_grad_reduce(buf.buckets[i], async_op=True)
+            i += 1
+        self._issued[index] = i
+
+    def finish_grad_sync(self) -> None:
+        """Start every reduction not started yet (in order; staged buckets last), wait, average."""
+        for buf in self.buffers:
+            for bucket in buf.buckets:
+                if not bucket.started and not bucket.staged:
+                    buf.start_grad_reduce(bucket, async_op=True)
+            for bucket in buf.buckets:
+                if not bucket.started:
+                    buf.start_grad_reduce(bucket, async_op=False)
+        for buf in self.buffers:
+            for bucket in buf.buckets:
+                buf.finish_grad_reduce(bucket)
+
+    # -- distributed optimizer: updated weights back to every member
+    def start_param_sync(self) -> None:
+        """All-gather the updated shards, the buckets of the first layers first."""
+        self.finish_param_sync()
+        for buf in self.buffers:
+            if not buf.layout.sharded:
+                continue
+            for bucket in reversed(buf.buckets):
+                overlap = self.overlap_param_gather and not bucket.staged and \
+                    not any(id(p) in self._fetched for p in bucket.params)
+                buf.start_param_gather(bucket, async_op=overlap)
+
+    def finish_param_sync(self) -> None:
+        for buf in self.buffers:
+            for bucket in buf.buckets:
+                buf.finish_param_gather(bucket)
+
+    def _wait_for(self, buckets: List[BucketState], module, inputs) -> None:
+        for bucket in buckets:
+            bucket.buffer.finish_param_gather(bucket)
+
+    # -- bookkeeping
+    def staging(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The shared device staging buffer of ``dtype``, at least ``numel`` elements."""
+        t = self._staging.get(dtype)
+        if t is None or t.numel() < numel:
+            t = self._staging[dtype] = torch.empty(numel, dtype=dtype, device=self.ps.device)
+        return t[:numel]
+
+    def buffer_tensors(self, kind: str) -> List[torch.Tensor]:
+        """The storage of the gradient ("grads") or distributed-optimizer parameter ("params") buffers."""
+        storage = [buf.grad_data if kind == "grads" else buf.param_data for buf in self.buffers]
+        return [t for tensors in storage for t in (tensors or {}).values()]
