@@ -112,13 +112,15 @@ def plot(records: List[dict], timing: dict, models: List[str], order: Dict[str, 
                                 color=line.get_color(), alpha=0.2, lw=0)
                 ax.set_xlabel(label)
         axes[row][0].set_ylabel(f"{model}: validation loss")
-        axes[row][0].legend(fontsize=6.5)
+        axes[row][0].legend(fontsize=7.5, loc="upper right")
         for ax in axes[row]:
             ax.grid(alpha=0.3)
             low = min(min(p[1] for p in r["points"]) for r in records if r["model"] == model)
             ax.set_ylim(low - 0.1, low + 1.6)
     fig.tight_layout()
     fig.savefig(path, dpi=60)
+    from PIL import Image  # matplotlib's own dependency: a 128-colour palette keeps the committed PNG small
+    Image.open(path).convert("RGB").quantize(colors=128).save(path, optimize=True)
 
 
 def write(records: List[dict], timing: dict, args, arms: dict, models: dict, out: str) -> None:
