@@ -1,7 +1,10 @@
-"""Inspect, delink (pseudo -> real) and reshard (TP/PP/EP) megatron_p2r checkpoints.
+"""Inspect, delink (pseudo -> real), grow (deeper) and reshard (TP/PP/EP) megatron_p2r checkpoints.
 
     p2r-convert-checkpoint inspect DIR
-    p2r-convert-checkpoint delink SRC DST [--optimizer-state copy|rescale|reset] [--noise-std S] [--target-* ...]
+    p2r-convert-checkpoint delink SRC DST [--optimizer-state copy|rescale|reset] [--noise-std S [--noise-relative]]
+                                          [--lr-rewarmup-iters N] [--target-share-pattern none|cycle:K|...]
+                                          [--target-* ...]
+    p2r-convert-checkpoint grow SRC DST --num-layers L [--method stack|interleave] [same options as delink]
     p2r-convert-checkpoint reshard SRC DST [--target-tensor-parallel-size T] [--target-pipeline-parallel-size P]
                                            [--target-pipeline-layer-split 3,5] [--target-expert-parallel-size E]
     p2r-convert-checkpoint export-hf SRC DST [--trim-vocab] [--dtype float32|bfloat16|float16]
@@ -11,7 +14,8 @@
 
 SRC is a checkpoint directory (its latest iteration is used) or one ``iter_*`` directory; DST
 becomes a checkpoint directory that ``--load`` accepts. Conversions stream tensor by tensor,
-write to ``DST.tmp`` and rename it when verified; SRC is never modified. See docs/checkpoint.md.
+write to ``DST.tmp`` and rename it when verified; SRC is never modified. See docs/checkpoint.md;
+delink and grow: docs/p2r.md.
 ``export-hf`` writes a Hugging Face transformers model directory (GPT2, Llama, Qwen2 or Mixtral,
 chosen by the model's options, or Mistral on request), ``import-hf`` reads one back into a
 checkpoint; see docs/hf.md.
@@ -31,10 +35,15 @@ from megatron_p2r.checkpoint.hf.verify import VERIFY_TOLERANCE, verify_export
 from megatron_p2r.checkpoint.integrity import check_files
 from megatron_p2r.checkpoint.metadata import kinds_of, metadata_config, metadata_table, read_metadata
 from megatron_p2r.checkpoint.naming import resolve_iteration_dir
-from megatron_p2r.checkpoint.reshard import DelinkOptions, Target, convert
+from megatron_p2r.checkpoint.reshard import DelinkOptions, GrowOptions, Target, convert
 from megatron_p2r.checkpoint.tensor_table import ShardLayout
 from megatron_p2r.config import ConfigError
 from megatron_p2r.p2r.delink import OPTIMIZER_STATE_MODES
+from megatron_p2r.p2r.grow import GROW_METHODS
+
+GROW_NOTE = ("note: growth is not function-preserving: the grown model applies each source layer k times, "
+             "so its loss after the switch differs from the source's (expect a jump, then faster progress "
+             "than a model of the source's depth)")
 
 
 def _human(n: float) -> str:
@@ -64,6 +73,7 @@ def inspect(path: str) -> str:
              f"layout       TP={layout.tp} PP={layout.pp} EP={layout.ep}   layers per stage "
              f"{[b - a for a, b in layout.stage_layers]}",
              f"optimizer    {'AdamW moments (exp_avg, exp_avg_sq, step)' if meta['optimizer'] else 'none'}",
+             f"scheduler    {meta.get('scheduler')}",
              f"rng          {'per rank, world size ' + str(meta['rng']['world_size']) if meta.get('rng') else 'none'}"]
     for h in meta.get("history", []):
         lines.append(f"history      {h['op']} from {h['source']} (layout {h['source_layout']})")
@@ -95,19 +105,46 @@ def _add_target_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="No progress bar.")
 
 
+def _add_copy_flags(p: argparse.ArgumentParser) -> None:
+    """The flags delink and grow share: what each copied module gets, and the target."""
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--optimizer-state", choices=OPTIMIZER_STATE_MODES, default=DelinkOptions.optimizer_state,
+                   help="Moments of each copy: the source module's, rescaled by its share of the uses "
+                        "(M/N, (M/N)^2), or reset.")
+    p.add_argument("--noise-std", type=float, default=0.0, help="Add N(0, std^2) noise to every copied layer weight.")
+    p.add_argument("--noise-relative", action="store_true",
+                   help="--noise-std is a fraction of each tensor's own std (0.01: 1%% of it).")
+    p.add_argument("--lr-rewarmup-iters", type=int, default=0,
+                   help="Ramp the LR linearly back to the schedule's over this many steps after the conversion "
+                        "(recorded in the checkpoint's scheduler state).")
+    p.add_argument("--target-share-pattern", default=DelinkOptions.share_pattern,
+                   help="none (the real model) or a pseudo pattern the source's refines, e.g. cycle:4 "
+                        "(progressive delinking: all -> cycle:K -> none).")
+    _add_target_flags(p)
+
+
+def _copy_options(args) -> DelinkOptions:
+    common = dict(optimizer_state=args.optimizer_state, noise_std=args.noise_std, noise_relative=args.noise_relative,
+                  lr_rewarmup_iters=args.lr_rewarmup_iters, share_pattern=args.target_share_pattern)
+    if args.command == "grow":
+        return GrowOptions(**common, num_layers=args.num_layers, method=args.method)
+    return DelinkOptions(**common)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="p2r-convert-checkpoint", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="Print the metadata and the table of tensors.")
     p.add_argument("dir")
-    p = sub.add_parser("delink", help="Pseudo -> real: every layer gets a copy of its slot's weights.")
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--optimizer-state", choices=OPTIMIZER_STATE_MODES, default=DelinkOptions.optimizer_state,
-                   help="Moments of each layer: copy the slot's, rescale them (/N, /N^2), or reset.")
-    p.add_argument("--noise-std", type=float, default=0.0, help="Add N(0, std^2) noise to the delinked layers.")
-    _add_target_flags(p)
+    p = sub.add_parser("delink", help="Pseudo -> real (or a finer pattern): each layer gets its slot's weights.")
+    _add_copy_flags(p)
+    p = sub.add_parser("grow", help="L/k layers -> L layers by stacking or interleaving (not function-preserving).")
+    p.add_argument("--num-layers", type=int, required=True, help="Layers of the grown model (a multiple k >= 2).")
+    p.add_argument("--method", choices=GROW_METHODS, default=GrowOptions.method,
+                   help="stack: layers 0..n-1 repeated k times (G_stack); interleave: each layer k times in place.")
+    _add_copy_flags(p)
     p = sub.add_parser("reshard", help="Change TP, PP (and stage split) or EP.")
     p.add_argument("src")
     p.add_argument("dst")
@@ -177,9 +214,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             return _hf_command(args)
         target = Target(args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
                         args.target_pipeline_layer_split, args.target_expert_parallel_size)
-        options = DelinkOptions(args.optimizer_state, args.noise_std) if args.command == "delink" else None
+        options = _copy_options(args) if args.command in ("delink", "grow") else None
         out = convert(args.src, args.dst, target, options, force=args.force, progress=not args.no_progress)
         print(f"wrote {out}; load it with --load {os.path.abspath(args.dst)}")
+        if args.command == "grow":
+            print(GROW_NOTE)
         return 0
     except (CheckpointError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -17,6 +17,13 @@ it for every rank class (ranks of one pipeline stage hold the same shapes; each 
 built once, and two of its ranks with different coordinates are compared) and checks that
 the slices all ranks hold cover the model's logical parameter count exactly once.
 
+With both phases planned it also reports whether Pseudo-to-Real can pay in time: r, the real
+phase's step time over the pseudo phase's (offload, recomputation, gradient and optimizer
+traffic the pseudo model avoids), and the break-even ``s * (1 - 1/r)``: how many more steps than
+real-from-scratch a run that delinks after s steps (``--p2r-switch-iters``, default 10% of the
+run) may need to reach a loss and still finish no later (``planning/breakeven.py``). The
+convergence study (docs/results.md) measures how many it actually needs at small scale.
+
 Exit status: 0 when every phase fits and every check passes, 1 otherwise, 2 for bad flags.
 """
 from __future__ import annotations
@@ -31,7 +38,9 @@ from typing import Dict, List, Optional, Sequence
 
 from megatron_p2r.arguments import build_parser, parse_args
 from megatron_p2r.config import Config, ConfigError, parse_memory_size, validate
+from megatron_p2r.config.batch import train_iters
 from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.planning.breakeven import p2r_break_even
 from megatron_p2r.planning.estimate import Plan, make_plan
 from megatron_p2r.planning.hardware import GPU_PRESETS, GiB
 from megatron_p2r.planning.memory import logical_parameter_count
@@ -73,6 +82,9 @@ def planner_parser() -> argparse.ArgumentParser:
     g.add_argument("--reserve", type=parse_bytes, default=GiB,
                    help="Per-GPU bytes for the CUDA context, NCCL buffers and allocator slack.")
     g.add_argument("--token-budget", type=parse_count, help="Tokens to train (for the days estimate).")
+    g.add_argument("--p2r-switch-iters", type=int,
+                   help="Pseudo-phase steps for the break-even (default 10%% of the run: --token-budget / tokens "
+                        "per step, else --train-iters).")
     g.add_argument("--pseudo-config", help="YAML applied on top of --config for the pseudo phase.")
     g.add_argument("--real-config", help="YAML applied on top of --config for the real phase.")
     g.add_argument("--json", action="store_true", help="Print the plans as JSON.")
@@ -272,6 +284,40 @@ def format_plans(plans: Dict[str, Plan]) -> str:
     return "\n".join(lines)
 
 
+def p2r_summary(plans: Dict[str, Plan], configs: Dict[str, Config], switch_iters: Optional[int]) -> Optional[dict]:
+    """r and the break-even of the planned pseudo/real pair (None unless both are planned and the
+    run's length is known: --token-budget, else --train-iters / --train-samples)."""
+    if set(plans) != {"pseudo", "real"}:
+        return None
+    real = plans["real"]
+    total = (round(real.token_budget / real.tokens_per_step) if real.token_budget
+             else train_iters(configs["real"], real.world_size))
+    if not total:
+        return None
+    switch = switch_iters if switch_iters is not None else max(total // 10, 1)
+    if switch > total:
+        raise ConfigError(f"--p2r-switch-iters {switch} is beyond the run's {total} steps (--token-budget / tokens "
+                          "per step, else --train-iters)")
+    return p2r_break_even(real.step_time_s, plans["pseudo"].step_time_s, switch, total)
+
+
+def format_p2r(summary: dict) -> str:
+    r, extra = summary["r"], summary["break_even_extra_steps"]
+    lines = [f"== Pseudo-to-Real: step time real {summary['real_step_s']:.3g} s / pseudo "
+             f"{summary['pseudo_step_s']:.3g} s: r = {r:.3f}",
+             f"   delinking after {summary['switch_iters']:,} of {summary['total_iters']:,} steps "
+             f"(--p2r-switch-iters): break-even s(1 - 1/r) = {extra:,.0f} steps "
+             f"({summary['break_even_fraction']:.2%} of the run)"]
+    if extra > 0:
+        lines.append("   P2R finishes no later than real-from-scratch if, after delinking, it reaches the same loss "
+                     f"with at most {extra:,.0f} more steps in total")
+    else:
+        lines.append("   r <= 1: the pseudo phase is not cheaper per step here, so P2R pays in time only if it "
+                     "reaches the loss in fewer steps than real-from-scratch (docs/results.md: at small scale it "
+                     "needed more)")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -295,6 +341,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.p2r_switch_iters is not None and args.p2r_switch_iters < 1:
+        print(f"error: --p2r-switch-iters must be >= 1, got {args.p2r_switch_iters}", file=sys.stderr)
+        return 2
+    try:
+        p2r = p2r_summary(plans, configs, args.p2r_switch_iters)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     ok = all(pl.fits for pl in plans.values())
     verification = {}
     for phase, cfg in configs.items():
@@ -312,10 +366,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             verification[phase] = checks
             ok &= not any(c.get("problems") or c.get("all_ranks", {}).get("problems") for c in checks)
     if args.json:
-        print(json.dumps({"plans": {k: v.to_dict() for k, v in plans.items()}, "verification": verification,
-                          "ok": ok}, indent=1))
+        print(json.dumps({"plans": {k: v.to_dict() for k, v in plans.items()}, "p2r": p2r,
+                          "verification": verification, "ok": ok}, indent=1))
         return 0 if ok else 1
     print(format_plans(plans))
+    if p2r is not None:
+        print(format_p2r(p2r))
     for phase, checks in verification.items():
         for c in checks:
             if "all_ranks" in c:

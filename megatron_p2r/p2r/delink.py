@@ -1,19 +1,26 @@
-"""Delinking (pseudo -> real) as pure functions on names and tensors.
+"""Delinking (pseudo -> real, or pseudo -> a finer pseudo pattern) as pure functions on names
+and tensors.
 
 In the pseudo phase layer i calls module ``key(i)`` (``sharing.layer_module_keys``), so its
-parameters are named ``layers.{key(i)}.*``. The real model names them ``layers.{i}.*``.
-Delinking gives real layer i a copy of ``key(i)``'s tensors; since every real layer then
-computes what the pseudo layer computed, the real model is the same function.
+parameters are named ``layers.{key(i)}.*``; a module is named by the first layer that calls
+it, and the real model names layer i's parameters ``layers.{i}.*``. A conversion gives every
+target module a copy of the source module its layers called: ``layer_sources[i]`` is the
+source module of target layer i (the source's own map when delinking; ``grow.py`` builds it
+for depth growth). Delinking to a *finer* pattern (``all -> cycle:K -> none``, each a chain
+link) preserves the function as long as every target module's layers called one source
+module (``check_refinement``).
 
 Optimizer moments, by ``--optimizer-state``:
-- ``copy``: each layer inherits its slot's moments as they are;
-- ``rescale``: a shared slot's gradient is the *sum* of its N layers' gradients, so one
-  layer's share is about 1/N of it: first moment / N, second moment / N^2;
+- ``copy``: each target module inherits its source module's moments as they are;
+- ``rescale``: a module's gradient is the *sum* over the layers that call it, so a target
+  module called by M of the source module's N layers gets about M/N of it: first moment
+  times M/N, second moment times (M/N)^2 (M = 1 for the real model: /N and /N^2);
 - ``reset``: no moments (AdamW starts fresh; iteration and LR schedule carry over).
 
-``--noise-std`` adds N(0, std^2) noise to every delinked layer weight (to break the symmetry
-between copies of one slot), drawn per *global* tensor from a generator seeded by
-(seed, name), so it does not depend on the target layout.
+``--noise-std`` adds N(0, std^2) noise to every copied layer weight (to break the symmetry
+between copies of one module), drawn per *global* tensor from a generator seeded by
+(seed, name), so it does not depend on the target layout. With ``--noise-relative`` the std
+is that fraction of each tensor's own std (a norm weight of ones gets none).
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from megatron_p2r.config import ConfigError
 from megatron_p2r.parallel.sharding import draw
 
 OPTIMIZER_STATE_MODES = ("copy", "rescale", "reset")
@@ -33,12 +41,13 @@ def layer_of(key: str) -> Optional[int]:
     return int(parts[1]) if parts[0] == "layers" and len(parts) > 2 else None
 
 
-def source_key(real_key: str, layer_keys: Sequence[int]) -> str:
-    """The pseudo piece that real piece ``real_key`` is copied from: ``layers.i.X <- layers.{key(i)}.X``."""
-    layer = layer_of(real_key)
+def source_key(target_key: str, layer_sources: Sequence[int]) -> str:
+    """The source piece that target piece ``target_key`` is copied from:
+    ``layers.t.X <- layers.{layer_sources[t]}.X`` (t: the first target layer calling the module)."""
+    layer = layer_of(target_key)
     if layer is None:
-        return real_key
-    return f"layers.{layer_keys[layer]}.{real_key.split('.', 2)[2]}"
+        return target_key
+    return f"layers.{layer_sources[layer]}.{target_key.split('.', 2)[2]}"
 
 
 def slot_sizes(layer_keys: Sequence[int]) -> Dict[int, int]:
@@ -46,21 +55,41 @@ def slot_sizes(layer_keys: Sequence[int]) -> Dict[int, int]:
     return dict(Counter(layer_keys))
 
 
-def delink_moment(kind: str, tensor: torch.Tensor, n: int, mode: str) -> torch.Tensor:
-    """One optimizer tensor of a layer copied from a slot shared by ``n`` layers."""
+def check_refinement(layer_sources: Sequence[int], target_keys: Sequence[int], source: str, target: str) -> None:
+    """Every target module must be called only by layers whose source module is one and the same,
+    else a target module would have two candidate weights (e.g. ``cycle:4 -> cycle:2``)."""
+    origin: Dict[int, int] = {}
+    for layer, (src, dst) in enumerate(zip(layer_sources, target_keys)):
+        if origin.setdefault(dst, src) != src:
+            raise ConfigError(f"--target-share-pattern {target}: layers {dst} and {layer} share a module in the "
+                              f"target but come from different modules of the source ({source}); the target "
+                              "pattern must refine the source's (all -> cycle:K -> none)")
+
+
+def target_uses(layer_sources: Sequence[int], target_keys: Sequence[int]) -> Dict[int, int]:
+    """source module -> how many target modules are copied from it (what a conversion must write)."""
+    return dict(Counter(src for src, _ in dict.fromkeys(zip(layer_sources, target_keys))))
+
+
+def delink_moment(kind: str, tensor: torch.Tensor, source_uses: int, target_uses: int, mode: str) -> torch.Tensor:
+    """One optimizer tensor of a target module called by ``target_uses`` layers, copied from a
+    source module called by ``source_uses`` layers."""
     if mode not in OPTIMIZER_STATE_MODES or mode == "reset":
         raise ValueError(f"delink_moment: mode must be copy or rescale, got {mode!r}")
-    if mode == "copy" or kind == "step" or n == 1:
+    if mode == "copy" or kind == "step" or source_uses == target_uses:
         return tensor
     if kind == "exp_avg":
-        return tensor / n
+        return tensor * target_uses / source_uses
     if kind == "exp_avg_sq":
-        return tensor / (n * n)
+        return tensor * (target_uses * target_uses) / (source_uses * source_uses)
     raise ValueError(f"unknown optimizer state {kind!r}")
 
 
-def add_noise(tensor: torch.Tensor, real_key: str, std: float, seed: int) -> torch.Tensor:
-    """``tensor`` (a whole global piece) plus N(0, std^2) noise seeded by (seed, real_key)."""
+def add_noise(tensor: torch.Tensor, target_key: str, std: float, seed: int, relative: bool = False) -> torch.Tensor:
+    """``tensor`` (a whole global piece) plus N(0, s^2) noise seeded by (seed, target_key), where
+    s = ``std``, or ``std`` times the tensor's own std when ``relative``."""
+    if relative:
+        std = std * tensor.float().std().item() if tensor.numel() > 1 else 0.0
     if std <= 0:
         return tensor
-    return tensor + draw(f"delink-noise:{real_key}", tuple(tensor.shape), ("normal", std), seed).to(tensor.dtype)
+    return tensor + draw(f"delink-noise:{target_key}", tuple(tensor.shape), ("normal", std), seed).to(tensor.dtype)

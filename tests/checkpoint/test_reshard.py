@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.integrity import verify
-from megatron_p2r.checkpoint.metadata import metadata_table, read_metadata
+from megatron_p2r.checkpoint.metadata import metadata_config, metadata_table, read_metadata
 from megatron_p2r.checkpoint.io import save_checkpoint
 from megatron_p2r.checkpoint.integrity import verify
-from megatron_p2r.checkpoint.reshard import Target, _plan, convert
+from megatron_p2r.checkpoint.reshard import Target, _layer_map, _plan, convert
 from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.sharding import expert_key, logical_name
 from megatron_p2r.parallel.state import Layout, ParallelState
@@ -174,14 +174,14 @@ def test_never_drops_or_invents_a_tensor(source, tmp_path):
     it = str(source / "iter_0000002")
     meta = read_metadata(it)
     table = metadata_table(meta)
-    keys = meta["p2r"]["layer_module_keys"]
+    layer_map = _layer_map(meta, metadata_config(meta), metadata_config(meta), None)  # reshard: identity
     extra = dict(table)  # a source piece the target would not write (an expert lost by a converter)
     extra["layers.0.mlp.experts.9.weight1"] = table["layers.0.mlp.fc1.weight"]
     with pytest.raises(CheckpointError, match="'layers.0.mlp.experts.9.weight1' would be written 0 times"):
-        _plan(extra, table, keys, False, it)
+        _plan(extra, table, layer_map, it)
     missing = {k: v for k, v in table.items() if k != "final_norm.weight"}
     with pytest.raises(CheckpointError, match="needs 'final_norm.weight' from source tensor 'final_norm.weight'"):
-        _plan(missing, table, keys, False, it)
+        _plan(missing, table, layer_map, it)
     verify(it, meta, sum(i.numel for i in table.values()))  # a training save passes the same check
     with pytest.raises(CheckpointError, match="refusing to publish"):
         verify(it, meta, sum(i.numel for i in table.values()) + 1)

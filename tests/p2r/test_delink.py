@@ -27,11 +27,13 @@ def test_names_and_moment_rules():
     assert dl.source_key("embedding.word_embeddings.weight", keys) == "embedding.word_embeddings.weight"
     assert dl.slot_sizes(keys) == {0: 3, 1: 2}
     m = torch.full((3,), 6.0)
-    assert torch.equal(dl.delink_moment("exp_avg", m, 3, "rescale"), torch.full((3,), 2.0))
-    assert torch.equal(dl.delink_moment("exp_avg_sq", m, 3, "rescale"), torch.full((3,), 6.0 / 9))
-    assert dl.delink_moment("step", m, 3, "rescale") is m and dl.delink_moment("exp_avg", m, 3, "copy") is m
+    assert torch.equal(dl.delink_moment("exp_avg", m, 3, 1, "rescale"), torch.full((3,), 2.0))
+    assert torch.equal(dl.delink_moment("exp_avg_sq", m, 3, 1, "rescale"), torch.full((3,), 6.0 / 9))
+    assert torch.equal(dl.delink_moment("exp_avg", m, 6, 2, "rescale"), torch.full((3,), 2.0))  # all -> cycle
+    assert torch.equal(dl.delink_moment("exp_avg_sq", m, 6, 2, "rescale"), torch.full((3,), 6.0 / 9))
+    assert dl.delink_moment("step", m, 3, 1, "rescale") is m and dl.delink_moment("exp_avg", m, 3, 1, "copy") is m
     with pytest.raises(ValueError):
-        dl.delink_moment("exp_avg", m, 3, "reset")
+        dl.delink_moment("exp_avg", m, 3, 1, "reset")
     noisy = dl.add_noise(torch.zeros(200, 200), "layers.2.mlp.fc1.weight", 0.1, seed=3)
     assert torch.equal(noisy, dl.add_noise(torch.zeros(200, 200), "layers.2.mlp.fc1.weight", 0.1, seed=3))
     assert abs(noisy.std().item() - 0.1) < 0.005 and abs(noisy.mean().item()) < 0.005

@@ -70,3 +70,23 @@ def test_bad_input(capsys):
                                         ("50B", 5e10), ("1.2T", 1.2e12), (".5k", 500.0)])
 def test_token_budget_formats(text, value):
     assert parse_count(text) == pytest.approx(value)
+
+
+def test_p2r_cost_ratio_and_break_even(capsys):
+    """r is the real plan's step time over the pseudo plan's; the break-even is s(1 - 1/r) with
+    s = 10% of the run (--token-budget / tokens per step) unless --p2r-switch-iters says."""
+    assert main(TEN_T + ["--token-budget", "50B", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    real, pseudo, p2r = data["plans"]["real"], data["plans"]["pseudo"], data["p2r"]
+    assert p2r["r"] == real["step_time_s"] / pseudo["step_time_s"] > 1  # the 10T real phase offloads
+    assert p2r["total_iters"] == round(50e9 / real["tokens_per_step"]) and p2r["switch_iters"] == p2r["total_iters"] // 10
+    assert p2r["break_even_extra_steps"] == p2r["switch_iters"] * (1 - 1 / p2r["r"])
+    assert main(TEN_T + ["--token-budget", "50B", "--p2r-switch-iters", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert f"r = {p2r['r']:.3f}" in out
+    assert f"delinking after 1,000 of {p2r['total_iters']:,} steps (--p2r-switch-iters): break-even s(1 - 1/r) = " \
+           f"{1000 * (1 - 1 / p2r['r']):,.0f} steps" in out
+    assert main(TEN_T + ["--p2r-switch-iters", "0"]) == 2
+    assert "--p2r-switch-iters must be >= 1" in capsys.readouterr().err
+    assert main(TEN_T + ["--train-iters", "1000", "--p2r-switch-iters", "1001"]) == 2
+    assert "--p2r-switch-iters 1001 is beyond the run's 1000 steps" in capsys.readouterr().err

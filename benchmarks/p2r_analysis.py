@@ -1,0 +1,114 @@
+"""The analysis of the Pseudo-to-Real convergence study, as pure functions of saved records, so
+the report can be rebuilt from the logs (``p2r_convergence.py --report-only``) and checked on
+synthetic curves with a known answer (tests/benchmarks/test_p2r_analysis.py).
+
+A *run* is one arm trained with one seed:
+``{"model", "arm", "seed", "phases": [{"kind", "start", "end", "flops_per_token"}], "points": [[step, loss]]}``
+(points in training order; a conversion adds a second point at its step). Costs are piecewise
+linear in steps: a phase's steps cost its FLOPs per token times the tokens per step, and its
+measured step time (``timing[kind]`` in seconds, from a separate interleaved timing run).
+
+Comparisons are *paired*: each seed's target is the final validation loss of real-from-scratch
+with that seed (same initialisation seed, same data order, same held-out set), and an arm's
+cost to reach it is divided by that scratch run's own cost to reach it.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Dict, List, Optional, Sequence
+
+from megatron_p2r.planning.breakeven import break_even_extra_steps
+
+BUDGET = "@budget"   # a kind's suffix: the same phase run under --device-memory-budget
+
+
+def crossing_step(points: Sequence[Sequence[float]], target: float) -> Optional[float]:
+    """The first step at which the curve reaches ``target`` (linear between evaluations), or None."""
+    for i, (step, loss) in enumerate(points):
+        if loss <= target:
+            if i == 0:
+                return float(step)
+            s0, l0 = points[i - 1]
+            return s0 + (step - s0) * (l0 - target) / (l0 - loss) if l0 != loss else float(step)
+    return None
+
+
+def cost_until(step: float, phases: Sequence[dict], per_step: Callable[[dict], float]) -> float:
+    """The summed cost of every phase's steps up to ``step``."""
+    return sum(max(0.0, min(step, p["end"]) - p["start"]) * per_step(p) for p in phases)
+
+
+def costs_to(step: float, phases: Sequence[dict], tokens_per_step: int, timing: Dict[str, float]) -> dict:
+    """Steps, training FLOPs and wall seconds (real model fits; real model under the memory
+    budget) that a run spends up to ``step``."""
+    return {"steps": step,
+            "flops": cost_until(step, phases, lambda p: p["flops_per_token"] * tokens_per_step),
+            "wall": cost_until(step, phases, lambda p: timing[p["kind"]]),
+            "wall_budget": cost_until(step, phases, lambda p: timing[p["kind"] + BUDGET])}
+
+
+def mean_std(values: Sequence[float]) -> tuple:
+    """(mean, sample std) — std 0 for a single value."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def fmt(values: Sequence[float], digits: int = 3) -> str:
+    if not values:
+        return "-"
+    m, s = mean_std(values)
+    return f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
+def early_phases(run: dict, timing: Dict[str, float], real_kind: str, suffix: str = BUDGET) -> List[tuple]:
+    """(steps, r) of each phase before the last (the real model), r = real step time / its step time."""
+    real = timing[real_kind + suffix]
+    return [(p["end"] - p["start"], real / timing[p["kind"] + suffix]) for p in run["phases"][:-1]]
+
+
+def paired(runs: Sequence[dict], timing: Dict[str, float], tokens_per_step: Dict[str, int],
+           scratch_arm: str) -> Dict[tuple, dict]:
+    """(model, arm) -> per-seed figures against that seed's scratch run: final loss and its
+    difference, cost-to-target ratios (None where the target is not reached), and the break-even
+    under the memory budget (allowed extra steps, measured extra steps)."""
+    scratch = {(r["model"], r["seed"]): r for r in runs if r["arm"] == scratch_arm}
+    out: Dict[tuple, dict] = {}
+    for run in runs:
+        base = scratch[(run["model"], run["seed"])]
+        target = base["points"][-1][1]
+        tps = tokens_per_step[run["model"]]
+        base_cost = costs_to(crossing_step(base["points"], target), base["phases"], tps, timing)
+        step = crossing_step(run["points"], target)
+        cost = costs_to(step, run["phases"], tps, timing) if step is not None else None
+        entry = out.setdefault((run["model"], run["arm"]), {"seeds": [], "final": [], "delta": [], "ratios": {},
+                                                             "allowed": [], "extra": []})
+        entry["seeds"].append(run["seed"])
+        entry["final"].append(run["points"][-1][1])
+        entry["delta"].append(run["points"][-1][1] - target)
+        for key in ("steps", "flops", "wall", "wall_budget"):
+            entry["ratios"].setdefault(key, []).append(None if cost is None else cost[key] / base_cost[key])
+        real_kind = base["phases"][-1]["kind"]
+        entry["allowed"].append(break_even_extra_steps(early_phases(run, timing, real_kind)))
+        entry["extra"].append(None if step is None else step - base_cost["steps"])
+    return out
+
+
+def wins(ratios: Sequence[Optional[float]], threshold: float) -> bool:
+    """Every seed reached the target at no more than ``threshold`` of scratch's cost."""
+    return bool(ratios) and all(r is not None and r <= threshold for r in ratios)
+
+
+def ratio_cell(ratios: Sequence[Optional[float]]) -> str:
+    reached = [r for r in ratios if r is not None]
+    cell = fmt(reached, 2)
+    missing = len(ratios) - len(reached)
+    return cell + (f" ({missing}/{len(ratios)} seeds never reach it)" if missing else "")
+
+
+def band(runs: Sequence[dict]) -> tuple:
+    """(steps, mean loss, std loss) over the seeds of one arm (their evaluation grids are equal)."""
+    grids = [[p[0] for p in r["points"]] for r in runs]
+    if any(g != grids[0] for g in grids):
+        raise ValueError(f"arm {runs[0]['arm']!r}: seeds were evaluated at different steps")
+    losses = list(zip(*[[p[1] for p in r["points"]] for r in runs]))
+    stats = [mean_std(column) for column in losses]
+    return grids[0], [m for m, _ in stats], [s for _, s in stats]

@@ -1,0 +1,85 @@
+"""The convergence study's analysis on synthetic curves whose answers are known by hand."""
+import pytest
+
+from benchmarks import p2r_analysis as an
+from benchmarks.p2r_report import verdicts
+from megatron_p2r.planning.breakeven import break_even_extra_steps, cost_ratio
+
+TPS = {"m": 100}
+F = 1000.0  # FLOPs per token of the real model
+TIMING = {"m/real": 1.0, "m/real@budget": 2.0, "m/small": 0.25, "m/small@budget": 0.25,
+          "m/pseudo": 1.0, "m/pseudo@budget": 1.0}
+REAL = {"kind": "m/real", "start": 0, "end": 400, "flops_per_token": F}
+
+
+def _run(arm, seed, phases, points):
+    return {"model": "m", "arm": arm, "seed": seed, "phases": phases, "points": points, "tokens_per_step": 100}
+
+
+def _grow(seed, points):
+    return _run("grow", seed, [{"kind": "m/small", "start": 0, "end": 100, "flops_per_token": F / 4},
+                               dict(REAL, start=100)], points)
+
+
+def _p2r(seed, points, end=400):
+    return _run("p2r", seed, [{"kind": "m/pseudo", "start": 0, "end": 100, "flops_per_token": F},
+                              dict(REAL, start=100, end=end)], points)
+
+
+SCRATCH = [(0, 10.0), (100, 6.0), (200, 5.0), (300, 4.5), (400, 4.0)]
+
+
+def test_crossing_and_costs():
+    assert an.crossing_step(SCRATCH, 4.0) == 400
+    assert an.crossing_step(SCRATCH, 5.5) == pytest.approx(150)
+    assert an.crossing_step(SCRATCH, 12) == 0 and an.crossing_step(SCRATCH, 3.9) is None
+    # a conversion adds a second point at its step: the jump is vertical, no step passes
+    assert an.crossing_step([(100, 7.0), (100, 5.0), (200, 4.0)], 6.0) == 100
+    phases = _grow(1, [])["phases"]
+    c = an.costs_to(300, phases, 100, TIMING)
+    assert c == {"steps": 300, "flops": 100 * 100 * F / 4 + 200 * 100 * F, "wall": 100 * 0.25 + 200 * 1.0,
+                 "wall_budget": 100 * 0.25 + 200 * 2.0}
+
+
+def test_paired_ratios_break_even_and_verdict():
+    """Scratch reaches its final 4.0 at step 400 (FLOPs 400*100*F, wall 400 s, 800 s under the
+    budget). Grow (seed 1) reaches 4.0 at step 300: FLOPs (25 + 200)/400 = 0.5625, wall
+    (25 + 200)/400, under the budget (25 + 400)/800. P2R (seed 1) reaches it at 450 of a
+    longer curve: 50 extra steps, where 100 pseudo steps at r = 2 allow 100*(1 - 1/2) = 50."""
+    runs = [_run("real from scratch", 1, [REAL], SCRATCH),
+            _run("real from scratch", 2, [REAL], [(0, 10.0), (200, 5.0), (400, 4.2)]),
+            _grow(1, [(100, 7.0), (100, 6.5), (200, 4.5), (300, 4.0), (400, 3.8)]),
+            _grow(2, [(100, 7.0), (100, 6.5), (200, 4.6), (300, 4.2), (400, 4.0)]),
+            _p2r(1, [(100, 6.5), (300, 4.3), (500, 3.9)], end=500),
+            _p2r(2, [(100, 6.5), (300, 4.5), (400, 4.3)])]
+    stats = an.paired(runs, TIMING, TPS, "real from scratch")
+    g = stats[("m", "grow")]
+    assert g["ratios"]["flops"] == pytest.approx([0.5625, 0.5625])
+    assert g["ratios"]["wall"] == pytest.approx([225 / 400, 225 / 400])
+    assert g["ratios"]["wall_budget"] == pytest.approx([425 / 800, 425 / 800])
+    assert g["delta"] == pytest.approx([-0.2, -0.2]) and g["extra"] == pytest.approx([-100, -100])
+    assert g["allowed"] == pytest.approx([100 * (1 - 0.25 / 2)] * 2)
+    p = stats[("m", "p2r")]
+    assert p["allowed"] == pytest.approx([50, 50])
+    assert p["extra"][0] == pytest.approx(50) and p["extra"][1] is None
+    assert p["ratios"]["wall_budget"][0] == pytest.approx((100 * 1 + 350 * 2) / 800)
+    assert an.wins(g["ratios"]["flops"], 0.8) and not an.wins(p["ratios"]["flops"], 0.8)
+    lines = verdicts(stats, ["m"], {"m": ["real from scratch", "p2r", "grow"]})
+    assert lines[0].startswith("- **m, training FLOPs: target met** by grow")
+    lines = verdicts(stats, ["m"], {"m": ["real from scratch", "p2r"]})
+    assert lines[0] == ("- m, training FLOPs: target **not met**; the best arm, p2r, never reaches the target in 1 of "
+                        "2 seeds; where it does, it needs up to 1.12x of scratch's cost.")
+    assert an.ratio_cell(p["ratios"]["steps"]) == "1.12 ± 0.00 (1/2 seeds never reach it)"
+
+
+def test_break_even_formula_and_bands():
+    assert cost_ratio(3.0, 2.0) == 1.5
+    assert break_even_extra_steps([(100, 2.0)]) == 50
+    assert break_even_extra_steps([(20, 2.0), (40, 4.0)]) == 10 + 30
+    assert break_even_extra_steps([(100, 0.5)]) == -100  # a slower early phase must save steps
+    with pytest.raises(ValueError):
+        cost_ratio(1.0, 0.0)
+    steps, mean, std = an.band([_run("a", 1, [], [(1, 2.0), (2, 4.0)]), _run("a", 2, [], [(1, 4.0), (2, 4.0)])])
+    assert steps == [1, 2] and mean == [3.0, 4.0] and std[1] == 0 and std[0] == pytest.approx(2 ** 0.5)
+    with pytest.raises(ValueError, match="evaluated at different steps"):
+        an.band([_run("a", 1, [], [(1, 2.0)]), _run("a", 2, [], [(2, 2.0)])])
