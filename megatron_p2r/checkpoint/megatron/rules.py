@@ -1,0 +1,55 @@
+"""Our pieces <- Megatron-LM's canonical tensors (names.py): which tensor each piece is made
+from, and the function that makes it.
+
+Megatron's fused ``linear_qkv`` rows are ``[groups, (q x heads/groups, k, v), head_dim]``; with
+one group per head that is exactly our ``attention.qkv`` layout ``[heads, (q, k, v), head_dim]``.
+SwiGLU ``linear_fc1`` is [gate; up], ours interleaves the rows (gate_j, up_j). The vocabulary
+matrices keep Megatron's padded rows (zero rows are added when our padding needs more).
+``--apply-layernorm-1p`` stores norm weights as gamma - 1; ours hold gamma.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import torch
+
+from megatron_p2r.checkpoint.hf.rules import merge_glu, resize_rows
+from megatron_p2r.checkpoint.megatron.names import (FINAL_NORM, OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS,
+                                                    expert_rest, layer_name)
+from megatron_p2r.config import ModelConfig
+
+_TOP = {"embedding.word_embeddings.weight": WORD_EMBEDDINGS, "embedding.position_embeddings.weight": POSITION_EMBEDDINGS,
+        "final_norm.weight": FINAL_NORM + "weight", "final_norm.bias": FINAL_NORM + "bias",
+        "output_layer.weight": OUTPUT_LAYER}
+_LAYER_MODULES = {"input_norm": "input_layernorm", "attention.qkv": "self_attention.linear_qkv",
+                  "attention.proj": "self_attention.linear_proj", "post_attention_norm": "pre_mlp_layernorm",
+                  "mlp.fc1": "mlp.linear_fc1", "mlp.fc2": "mlp.linear_fc2", "mlp.router": "mlp.router"}
+_EXPERT_LEAVES = {"weight1": "linear_fc1.weight", "bias1": "linear_fc1.bias", "weight2": "linear_fc2.weight",
+                  "bias2": "linear_fc2.bias"}
+_EXPERT_KEY = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)")
+_LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
+_NORM_WEIGHT = re.compile(r"(layers\.\d+\.(input_norm|post_attention_norm)|final_norm)\.weight")
+_GLU = re.compile(r"layers\.\d+\.mlp\.(fc1\.(weight|bias)|experts\.\d+\.(weight1|bias1))")
+
+
+def megatron_name(key: str) -> str:
+    """The canonical Megatron tensor our piece ``key`` is made from."""
+    if key in _TOP:
+        return _TOP[key]
+    m = _EXPERT_KEY.fullmatch(key)
+    if m:
+        return layer_name(int(m.group(1)), expert_rest(int(m.group(2)), _EXPERT_LEAVES[m.group(3)]))
+    m = _LAYER_KEY.fullmatch(key)
+    return layer_name(int(m.group(1)), f"{_LAYER_MODULES[m.group(2)]}.{m.group(3)}")
+
+
+def transform(key: str, m: ModelConfig, zero_centered_gamma: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Megatron's global tensor -> our piece ``key`` (pure: also run on meta tensors to check shapes)."""
+    if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return lambda w: resize_rows(w, m.padded_vocab_size)
+    if m.swiglu and _GLU.fullmatch(key):
+        return lambda w: merge_glu(*w.chunk(2))
+    if zero_centered_gamma and _NORM_WEIGHT.fullmatch(key):
+        return lambda w: w + 1
+    return lambda w: w

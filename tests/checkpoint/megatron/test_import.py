@@ -1,0 +1,93 @@
+"""import-megatron: Megatron-LM checkpoints saved under TP=2 x PP=2 (x EP=2 for Mixtral), in the
+legacy and the torch_dist layout, import into TP=1 and TP=4 as the same function: the eval loss
+of our model equals the fixture model's own forward (reference.py, fp32, rel 1e-5)."""
+import os
+
+import pytest
+import torch
+
+from megatron_p2r.arguments import config_from_values, load_yaml
+from megatron_p2r.checkpoint.io import load_checkpoint
+from megatron_p2r.checkpoint.megatron.importer import import_megatron
+from megatron_p2r.checkpoint.metadata import read_metadata
+from megatron_p2r.checkpoint.reshard import Target
+from megatron_p2r.testing import run_distributed
+from tests.checkpoint.megatron.fixtures import (GPT, LLAMA, MIXTRAL, make_weights, megatron_args, write_legacy,
+                                                write_torch_dist)
+from tests.checkpoint.megatron.reference import megatron_loss
+
+SPECS = {"gpt": GPT, "llama": LLAMA, "mixtral": MIXTRAL}
+WRITERS = {"legacy": write_legacy, "torch_dist": write_torch_dist}
+CASES = [(family, fmt) for family in SPECS for fmt in WRITERS]
+
+
+def source_layout(spec):
+    return (2, 2, 2 if spec.experts else 1)
+
+
+def batch(spec, seed=1):
+    ids = torch.randint(0, spec.vocab, (2, spec.seq + 1), generator=torch.Generator().manual_seed(seed))
+    return ids[:, :-1], ids[:, 1:]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """{(family, format): (checkpoint dir, Megatron's own loss on ``batch``)}."""
+    root = tmp_path_factory.mktemp("megatron")
+    out = {}
+    for family, spec in SPECS.items():
+        layout = source_layout(spec)
+        weights = make_weights(spec, layout[0])
+        loss = megatron_loss(spec, weights, *batch(spec))
+        for fmt, write in WRITERS.items():
+            path = str(root / f"{family}_{fmt}")
+            write(path, spec, weights, megatron_args(spec, *layout), layout)
+            out[(family, fmt)] = path, loss
+    return out
+
+
+def our_loss(ckpt, tokens, labels, world=None):
+    """Eval loss of the imported checkpoint, built from its model.yaml (one process, or this rank
+    of ``world`` gloo ranks)."""
+    from megatron_p2r.layout.plan import ParallelPlan
+    from megatron_p2r.parallel.state import ParallelState, initialize
+    from megatron_p2r.training import build_train_state
+    values = load_yaml(os.path.join(ckpt, "model.yaml"))
+    cfg = config_from_values({**values, "mock_data": True, "micro_batch_size": 2, "global_batch_size": 2,
+                              "device": "cpu"})
+    plan, ps = None, ParallelState.single()
+    if world is not None:
+        plan = ParallelPlan.for_world(cfg, world)
+        ps = initialize(plan.layout, torch.device("cpu"), plan.stage_sets())
+    state = build_train_state(cfg, ps, plan)
+    load_checkpoint(ckpt, state, finetune=True)
+    with torch.no_grad():
+        return state.model.eval()(tokens=tokens, labels=labels).mean().item()
+
+
+@pytest.mark.parametrize("family,fmt", CASES)
+def test_import_into_tp1_is_megatrons_function(sources, family, fmt, tmp_path):
+    src, want = sources[(family, fmt)]
+    out, notes = import_megatron(src, str(tmp_path / "ours"), Target(1), progress=False)
+    meta = read_metadata(out)
+    assert meta["layout"]["tp"] == 1 and meta["optimizer"] is False and meta["iteration"] == 0
+    assert meta["history"][0]["source_layout"].endswith(f"TP=2 PP=2 EP={source_layout(SPECS[family])[2]}")
+    assert any("weights only" in n for n in notes)
+    assert our_loss(str(tmp_path / "ours"), *batch(SPECS[family])) == pytest.approx(want, rel=1e-5)
+
+
+def _tp4_losses(rank, world, runs):
+    return {name: our_loss(ckpt, *batch(SPECS[name[0]]), world=world) for name, ckpt in runs.items()}
+
+
+def test_import_into_tp4_is_megatrons_function(sources, tmp_path):
+    """TP=4 targets evaluated on 4 gloo ranks (each rank holds a quarter of every split matrix)."""
+    runs = {}
+    for case in CASES:
+        dst = str(tmp_path / "_".join(case))
+        import_megatron(sources[case][0], dst, Target(4), progress=False)
+        assert read_metadata(os.path.join(dst, "iter_0000000"))["layout"]["tp"] == 4
+        runs[case] = dst
+    for rank_losses in run_distributed(_tp4_losses, 4, runs, timeout=300):
+        for case in CASES:
+            assert rank_losses[case] == pytest.approx(sources[case][1], rel=1e-5), case
