@@ -16,8 +16,8 @@ int, float, bool and None without any class):
   they return a ``LazyTensor`` (where the bytes are), nothing is read until asked.
 - ``MEGATRON`` (``model_optim_rng.pt``, ``common.pt``): ``TENSORS`` plus ``argparse.Namespace``
   (the saved args, which give the model config), torch dtype names (``args.params_dtype``),
-  ``torch.Size`` (read as a tuple), ``_codecs.encode`` for latin-1 text only (how protocol 2
-  writes ``bytes``), and three kinds of values we never use, read as inert ``Opaque`` records
+  ``torch.Size`` (read as a tuple), ``_codecs.encode`` for latin-1 text only and ``bytes()``
+  without arguments (how protocol 2 writes ``bytes`` and empty ``bytes``), and three kinds of values we never use, read as inert ``Opaque`` records
   (class name, arguments, state; no code of theirs is imported or run): numpy arrays and dtypes
   (the RNG state), ``megatron.*`` classes (enum values in the args such as ``AttnBackend``) and
   ``io.BytesIO`` (Transformer Engine's ``_extra_state``).
@@ -155,11 +155,18 @@ def _latin1_bytes(text: str, encoding: str = "utf-8") -> bytes:
     return text.encode("latin1")
 
 
+def _empty_bytes(*args) -> bytes:
+    if args:
+        raise pickle.UnpicklingError("bytes() is admitted only without arguments (protocol 2's empty bytes)")
+    return b""
+
+
 _TENSOR_GLOBALS: Dict[Tuple[str, str], Callable] = {
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor, ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
     ("collections", "OrderedDict"): collections.OrderedDict}
 _MEGATRON_GLOBALS = {**_TENSOR_GLOBALS, ("argparse", "Namespace"): argparse.Namespace, ("torch", "Size"): tuple,
-                     ("_codecs", "encode"): _latin1_bytes}
+                     ("_codecs", "encode"): _latin1_bytes, ("__builtin__", "bytes"): _empty_bytes,
+                     ("builtins", "bytes"): _empty_bytes}
 _DCP_GLOBALS = {("collections", "OrderedDict"): collections.OrderedDict, ("torch", "Size"): tuple}
 
 
