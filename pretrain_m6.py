@@ -1,6 +1,8 @@
 """Pretrain an M6 language model: ``torchrun --nproc-per-node N pretrain_m6.py [flags]``.
 
 Flags are Megatron-style (``--help`` lists them); ``--config FILE.yaml`` takes the same names.
+Megatron-LM's launch scripts run unchanged (docs/megatron.md): a Megatron-LM flag that only picks
+a kernel or an integration we do not have is reported once, on rank 0, as "no effect here: ...".
 Exit status: 0 done, 2 bad input (flags, config, data, tokenizer or checkpoint: the message
 names which), 1 the run failed (stopped on non-finite values, a collective failed or timed
 out, an OS error such as a full disk); the message is one ``error:`` line on stderr.
@@ -10,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from megatron_p2r.arguments import parse_args
+from megatron_p2r.arguments import parse_launch
 from megatron_p2r.config import ConfigError
 
 
@@ -21,7 +23,9 @@ def main(argv=None) -> int:
     rank = os.environ.get("RANK", "0")
     cfg = None
     try:
-        cfg = parse_args(argv)
+        cfg, no_effect = parse_launch(argv)
+        if no_effect and rank == "0":
+            print("no effect here: " + "; ".join(no_effect), flush=True)
         from megatron_p2r.training import pretrain
         pretrain(cfg)
     except (ConfigError, CheckpointError) as exc:

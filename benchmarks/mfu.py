@@ -79,7 +79,8 @@ def main(argv=None) -> None:
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, seq_length=args.seq,
         vocab_size=args.vocab, micro_batch_size=args.micro_batch,
         global_batch_size=args.micro_batch * args.microbatches,
-        bf16=True, mock_data=True, device=args.device, clip_grad=1.0, weight_decay=0.01, lr=1e-4))
+        bf16=True, mock_data=True, device=args.device, clip_grad=1.0, weight_decay=0.01, lr=1e-4,
+        hidden_dropout=0.0, attention_dropout=0.0))  # as measured before Megatron's dropout 0.1 became the default
     state = build_train_state(cfg, ParallelState.single(device))
     parameters = sum(p.numel() for p in state.model.parameters())
     batches = random_microbatches(args.vocab, args.seq, args.micro_batch, device, n=args.microbatches)

@@ -41,7 +41,7 @@ HIDDEN, FFN, EXPERTS, TOPK, TOKENS = 256, 512, 8, 2, 2048
 
 def model_config() -> ModelConfig:
     return ModelConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, num_experts=EXPERTS,
-                       moe_ffn_hidden_size=FFN, moe_router_topk=TOPK, moe_renormalize_topk=True, swiglu=True,
+                       moe_ffn_hidden_size=FFN, moe_router_topk=TOPK, moe_router_pre_softmax=False, swiglu=True,
                        disable_bias_linear=True)
 
 

@@ -37,7 +37,7 @@ from megatron_p2r.planning.memory import stage_state_bytes  # noqa: E402
 from megatron_p2r.training import build_train_state, train_step  # noqa: E402
 
 COMMON = dict(make_vocab_size_divisible_by=128, mock_data=True, clip_grad=1.0, weight_decay=0.01,
-              lr_decay_style="constant")
+              lr_decay_style="constant", hidden_dropout=0.0, attention_dropout=0.0)
 SHAPES = {
     "tiny": dict(vocab_size=2048, hidden_size=256, num_layers=4, num_attention_heads=4, seq_length=128,
                  micro_batch_size=4, global_batch_size=8),

@@ -52,7 +52,7 @@ def base_values(args, tok: str, data: str) -> dict:
                 min_lr=args.lr / 10, lr_warmup_iters=max(args.iters // 30, 1), lr_decay_style="cosine",
                 lr_decay_iters=args.iters, train_iters=args.iters, weight_decay=0.01, clip_grad=1.0,
                 seed=args.seed, log_interval=args.eval_interval, eval_interval=args.eval_interval,
-                eval_iters=args.eval_iters)
+                eval_iters=args.eval_iters, hidden_dropout=0.0, attention_dropout=0.0, adam_beta2=0.95)
 
 
 def run_phase(values: dict, log: str) -> None:

@@ -31,7 +31,8 @@ from megatron_p2r.training import (build_datasets, build_train_state, describe_m
 def _config(phase: str, layers: int):
     return config_from_values(dict(
         num_layers=layers, hidden_size=128, num_attention_heads=4, seq_length=64, vocab_size=1000,
-        num_experts=4, moe_layer_freq=2, moe_router_topk=2, moe_ffn_hidden_size=256,
+        num_experts=4, moe_layer_freq=2, moe_router_topk=2, moe_router_pre_softmax=True, moe_ffn_hidden_size=256,
+        hidden_dropout=0.0, attention_dropout=0.0,
         pipeline_model_parallel_size=2, micro_batch_size=4, global_batch_size=16, mock_data=True,
         train_iters=100, p2r_phase=phase, share_pattern="all"))
 

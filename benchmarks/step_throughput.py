@@ -27,7 +27,7 @@ from megatron_p2r.training import build_train_state, train_step  # noqa: E402
 
 SHAPE = dict(vocab_size=8192, make_vocab_size_divisible_by=128, hidden_size=256, num_layers=4,
              num_attention_heads=4, seq_length=256, micro_batch_size=8, mock_data=True,
-             clip_grad=1.0, weight_decay=0.01)
+             clip_grad=1.0, weight_decay=0.01, hidden_dropout=0.0, attention_dropout=0.0)
 
 
 def ours(cfg, batch, device):

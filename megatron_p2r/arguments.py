@@ -1,8 +1,10 @@
 """Megatron-style command-line flags and YAML files  <->  ``Config``.
 
-The parser is generated from the dataclass fields of the ``config`` package. Precedence: dataclass
-defaults < ``--config A.yaml B.yaml`` (later files win) < flags given on the command line. Unknown YAML keys are
-errors with a did-you-mean suggestion.
+The parser is generated from the dataclass fields of the ``config`` package, plus Megatron-LM's
+flags that are not fields (``config/megatron.py``: accepted with no effect, reported once at
+start, or refused with an error naming them). Precedence: dataclass defaults < ``--config A.yaml
+B.yaml`` (later files win) < flags given on the command line. Unknown YAML keys are errors with a
+did-you-mean suggestion.
 """
 from __future__ import annotations
 
@@ -10,11 +12,12 @@ import argparse
 import dataclasses
 import difflib
 import os
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import yaml
 
 from megatron_p2r.config import SECTIONS, Config, ConfigError
+from megatron_p2r.config.megatron import MEANING, MEGATRON_FLAGS, check_flags, implied_values, parsed_flags
 
 _TYPES = {"int": int, "float": float, "str": str}
 
@@ -56,11 +59,24 @@ def build_parser(description: str = "megatron_p2r pretraining") -> argparse.Argu
                     if key in f.metadata:
                         kwargs[key] = f.metadata[key]
             group.add_argument(_flag(f.name), **kwargs)
+    fields = {_flag(f.name) for _, f in all_fields()}
+    group = parser.add_argument_group("Megatron-LM flags that are not config fields (docs/megatron.md)")
+    for flag, entry in parsed_flags().items():
+        if flag not in fields:
+            metavar = None if entry.parse.get("action") or "choices" in entry.parse else flag[2:].upper()
+            other = f"; other values: {entry.otherwise[0]}: {entry.otherwise[1]}" if entry.keeps else ""
+            help_text = f"{entry.status}: {entry.reason}{other}"
+            group.add_argument(flag, dest=flag, default=argparse.SUPPRESS, help=help_text, **entry.parse,
+                               **({"metavar": metavar} if metavar else {}))
     return parser
 
 
 def _normalise_yaml(raw: dict, source: str) -> dict:
-    known = {f.name: (section, f) for section, f in all_fields()}
+    """{field name: value}, and {"--flag": value} for the Megatron-LM flags that are not fields."""
+    known = {f.name: (_field_type(f), f.metadata) for _, f in all_fields()}
+    known.update({flag.lstrip("-").replace("-", "_"): (_flag_type(entry.parse), entry.parse)
+                  for flag, entry in parsed_flags().items()})
+    fields = {f.name for _, f in all_fields()}
     out = {}
     for key, value in raw.items():
         name = str(key).lstrip("-").replace("-", "_")
@@ -68,18 +84,25 @@ def _normalise_yaml(raw: dict, source: str) -> dict:
             hint = difflib.get_close_matches(name, list(known), n=1)
             suggestion = f"; did you mean '{hint[0].replace('_', '-')}'?" if hint else ""
             raise ConfigError(f"{source}: unknown key '{key}'{suggestion}")
-        out[name] = _coerce(value, known[name][1], source, key)
+        value = _coerce(value, *known[name], source, key)
+        if name in fields:
+            out[name] = value
+        elif value is not None and value is not False:  # a switch set to false is a switch not given
+            out[_flag(name)] = value
     return out
 
 
-def _coerce(value, f: dataclasses.Field, source: str, key: str):
+def _flag_type(parse: dict) -> str:
+    return "bool" if parse.get("action") == "store_true" else parse["type"].__name__
+
+
+def _coerce(value, kind: str, metadata: dict, source: str, key: str):
     """Check a YAML value against the field's type, so a typo fails here and not mid-run."""
-    kind = _field_type(f)
     if value is None:
         return None
-    if "nargs" in f.metadata:
+    if "nargs" in metadata:
         values = value if isinstance(value, list) else str(value).split()
-        return [str(v) for v in values]
+        return [_coerce(v, kind, {"choices": metadata.get("choices")}, source, key) for v in values]
     try:
         if kind == "bool":
             if not isinstance(value, bool):
@@ -90,9 +113,9 @@ def _coerce(value, f: dataclasses.Field, source: str, key: str):
         converted = _TYPES[kind](value)
     except (TypeError, ValueError):
         raise ConfigError(f"{source}: key '{key}' expects {kind}, got {value!r}") from None
-    choices = f.metadata.get("choices")
+    choices = metadata.get("choices")
     if choices and converted not in choices:
-        raise ConfigError(f"{source}: key '{key}' must be one of {choices}, got {converted!r}")
+        raise ConfigError(f"{source}: key '{key}' must be one of {list(choices)}, got {converted!r}")
     return converted
 
 
@@ -111,18 +134,66 @@ def load_yaml(path: str) -> dict:
 
 def config_from_values(values: dict) -> Config:
     """Build a Config from a flat {field_name: value} dict (unknown names are errors)."""
-    return Config().replace(**_normalise_yaml(values, "config"))
+    return resolve_values(values)[0]
 
 
-def parse_args(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.ArgumentParser] = None) -> Config:
+def resolve_values(values: dict) -> Tuple[Config, List[str]]:
+    """(the Config, the "FLAG (reason)" of each given Megatron-LM flag that has no effect here);
+    a refused flag raises ConfigError."""
+    values = _normalise_yaml(values, "config")
+    megatron = {name: values.pop(name) for name in list(values) if name.startswith("--")}
+    cfg = Config().replace(**implied_values(values))
+    return cfg, check_flags(megatron, cfg)
+
+
+def parse_launch(argv: Optional[Sequence[str]] = None,
+                 parser: Optional[argparse.ArgumentParser] = None) -> Tuple[Config, List[str]]:
+    """The command line of ``pretrain_m6.py``: (Config, flags with no effect here)."""
     parser = parser or build_parser()
-    ns = parser.parse_args(argv)
-    given = vars(ns)
+    given = vars(parser.parse_args(argv))
     values = {}
     for path in given.pop("config", None) or []:
         values.update(load_yaml(path))
     values.update(given)
-    return config_from_values(values)
+    return resolve_values(values)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, parser: Optional[argparse.ArgumentParser] = None) -> Config:
+    return parse_launch(argv, parser)[0]
+
+
+def flag_statuses(argv: Sequence[str]) -> List[Tuple[str, str, str, str]]:
+    """(flag, value as written, status, why) of every flag of a Megatron-LM command line, the
+    last occurrence winning as in argparse: config fields have Megatron-LM's meaning, the others
+    what ``config/megatron.py`` says; a flag neither knows is "unknown"."""
+    given = {}
+    for token in argv:
+        if token.startswith("--"):
+            values_of_flag = given.setdefault(token, [])
+            values_of_flag.clear()
+        elif given:
+            values_of_flag.append(token)
+    fields = {_flag(f.name): f for _, f in all_fields()}
+    cfg = parse_args([token for name, values in given.items() if name in fields for token in (name, *values)])
+    out = []
+    for name, values in given.items():
+        entry = MEGATRON_FLAGS.get(name)
+        if entry is not None:
+            status, why = entry.resolve(_typed(values, entry.parse), cfg)
+            why = f"{why} ({entry.owner})" if entry.owner else why
+        elif name in fields:
+            status, why = MEANING, "config field"
+        else:
+            status, why = "unknown", ""
+        out.append((name, " ".join(values), status, why))
+    return out
+
+
+def _typed(values: List[str], parse: dict):
+    if not parse or parse.get("action") == "store_true":
+        return True if not values else values
+    typed = [parse["type"](v) for v in values]
+    return typed if "nargs" in parse else typed[0]
 
 
 def to_argv(cfg: Config) -> list:
@@ -141,4 +212,5 @@ def to_argv(cfg: Config) -> list:
     return argv
 
 
-__all__ = ["build_parser", "parse_args", "load_yaml", "config_from_values", "to_argv"]
+__all__ = ["build_parser", "parse_args", "parse_launch", "load_yaml", "config_from_values", "resolve_values",
+           "flag_statuses", "to_argv"]

@@ -15,20 +15,21 @@ from megatron_p2r.config import ModelConfig
 def model_flops_per_token(m: ModelConfig, recompute: bool = False) -> float:
     """Training FLOPs per token: 3x forward matmuls (4x with recomputation).
 
-    Forward = 2 x (matmul parameters a token touches: attention, dense or its top-k experts,
-    the output layer) + causal attention scores and values, 2 x 2 x seq x hidden per layer
-    (counted over the full square, as Megatron does).
+    Forward = 2 x (matmul parameters a token touches: attention -- query, key/value (heads
+    and query groups of --kv-channels each) and output projections --, dense or its top-k
+    experts, the output layer) + causal attention scores and values, 2 x 2 x seq x (heads x
+    kv-channels) per layer (counted over the full square, as Megatron does).
     """
     h, L = m.hidden_size, m.num_layers
     ffn_mult = 3 if m.swiglu else 2
-    attention = 4 * h * h
+    attention = 2 * h * (m.num_attention_heads + m.query_groups) * m.head_dim
     dense = ffn_mult * h * m.ffn_size
     expert = ffn_mult * h * m.expert_ffn_size * (m.moe_num_prototypes if m.moe_num_prototypes > 1
                                                  else m.moe_router_topk)
     router = h * (m.num_experts or 0)
     per_layer = [attention + ((expert + router) if m.is_moe_layer(i) else dense) for i in range(L)]
     vocab = m.padded_vocab_size if m.vocab_size else 0
-    forward = 2 * (sum(per_layer) + h * vocab) + 4 * m.seq_length * h * L
+    forward = 2 * (sum(per_layer) + h * vocab) + 4 * m.seq_length * m.num_attention_heads * m.head_dim * L
     return forward * (4 if recompute else 3)
 
 
@@ -79,6 +80,7 @@ class TrainingLogger:
 def format_line(r: dict) -> str:
     parts = [f"iteration {r['iteration']:>6d}/{r['train_iters']:>6d}",
              f"consumed samples {r['consumed_samples']}",
+             f"global batch size {r['global_batch_size']}",
              f"ms/iter {r['ms_per_iter']:.1f}",
              f"lr {r['lr']:.3E}",
              f"lm loss {r['lm_loss']:.4E}",

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from megatron_p2r import offload, reliability
 from megatron_p2r.checkpoint.recovery import recover_save_dir
-from megatron_p2r.config import Config, ConfigError, global_batch_size, num_microbatches, validate
+from megatron_p2r.config import (Config, ConfigError, global_batch_size, num_microbatches, train_iters, train_samples,
+                                  validate)
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.metrics import TrainingLogger, format_line, model_flops_per_token, peak_memory_bytes
 from megatron_p2r.model.m6 import M6Model, build_model
@@ -107,7 +108,8 @@ def setup_parallel(cfg: Config, device: torch.device) -> Tuple[ParallelState, Pa
     validate(cfg, world)
     plan = ParallelPlan.for_world(cfg, world)
     ps = initialize(plan.layout, device, plan.stage_sets(),
-                    timeout=datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
+                    timeout=datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
+                    tp_blocks=plan.tp_block_sets())
     seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, device)
     return ps, plan
 
@@ -132,7 +134,8 @@ def build_train_state(cfg: Config, ps: ParallelState, plan: Optional[ParallelPla
     else:
         optimizer = build_optimizer(model, cfg.train)
     return TrainState(cfg=cfg, ps=ps, plan=plan, model=model, optimizer=optimizer,
-                      scheduler=LRScheduler(optimizer, cfg.train), scaler=LossScaler(cfg.train), offload=manager)
+                      scheduler=LRScheduler(optimizer, cfg, ps.layout.world_size), scaler=LossScaler(cfg.train),
+                      offload=manager)
 
 
 def compute_dtype(cfg: Config) -> Optional[torch.dtype]:
@@ -142,18 +145,18 @@ def compute_dtype(cfg: Config) -> Optional[torch.dtype]:
 # ----------------------------------------------------------------------------- data
 
 def build_datasets(cfg: Config, ps: ParallelState):
-    """(train, valid) datasets: every item is int64 tokens of length seq_length + 1."""
-    gbs = global_batch_size(cfg, ps.layout.world_size)
-    eval_samples = cfg.logging.eval_iters * gbs
-    train_samples = cfg.train.train_iters * gbs
+    """(train, valid) datasets: every item is int64 tokens of length seq_length + 1; no training
+    set for a run that trains nothing (--eval-only without a length)."""
+    eval_samples = cfg.logging.eval_iters * global_batch_size(cfg, ps.layout.world_size)
+    samples = train_samples(cfg, ps.layout.world_size)
     if cfg.data.mock_data:
         from megatron_p2r.data.mock import MockGPTDataset
         m = cfg.model
-        return (MockGPTDataset(train_samples, m.seq_length, m.vocab_size, cfg.train.seed),
+        return (MockGPTDataset(samples, m.seq_length, m.vocab_size, cfg.train.seed) if samples else None,
                 MockGPTDataset(eval_samples, m.seq_length, m.vocab_size, cfg.train.seed + 1))
     from megatron_p2r.data.builder import build_train_valid_test_datasets
     train, valid, _ = build_train_valid_test_datasets(cfg.data, cfg.model.seq_length, cfg.train.seed,
-                                                      (train_samples, eval_samples, 0))
+                                                      (samples, eval_samples, 0))
     return train, valid
 
 
@@ -190,8 +193,10 @@ def reduce_loss(loss: Optional[torch.Tensor], ps: ParallelState) -> float:
 
 
 def train_step(state: TrainState, microbatches: List[dict]) -> dict:
-    """One optimizer step over ``microbatches``; skips the update when a gradient is non-finite."""
+    """One optimizer step over ``microbatches`` (the global batch that follows the consumed
+    samples); skips the update, and the LR schedule's advance, when a gradient is non-finite."""
     cfg, ps = state.cfg, state.ps
+    samples = global_batch_size(cfg, ps.layout.world_size, state.consumed_samples)
     params = state.params
     for p in params:
         p.grad = None
@@ -208,15 +213,15 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
         grad_norm = scaled_norm / scale
         unscale_and_clip(params, scaled_norm, scale, cfg.train.clip_grad)
         state.optimizer.step()
+        state.scheduler.step(samples)
         state.skipped_in_a_row = 0
     else:
         state.skipped_in_a_row += 1
-    state.scheduler.step()
     state.iteration += 1
-    state.consumed_samples += global_batch_size(cfg, ps.layout.world_size)
+    state.consumed_samples += samples
     aux = aux_loss.pop_recorded()
     return {"lm_loss": reduce_loss(loss, ps), "grad_norm": grad_norm, "skipped": bool(found_inf),
-            "moe_aux_loss": float(torch.stack(aux).sum()) if aux else None}
+            "global_batch_size": samples, "moe_aux_loss": float(torch.stack(aux).sum()) if aux else None}
 
 
 @torch.no_grad()
@@ -236,10 +241,13 @@ def evaluate(state: TrainState, valid_dataset) -> float:
 # ----------------------------------------------------------------------------- the loop
 
 class ExitSignal:
-    """Turns SIGTERM into a flag the loop checks after each step (then saves and exits)."""
+    """Turns SIGTERM (--exit-signal-handler) and the end of --exit-duration-in-mins, counted from
+    ``started``, into a flag the loop checks after each step (then saves and exits)."""
 
-    def __init__(self, enabled: bool):
-        self.enabled, self.received = enabled, False
+    def __init__(self, enabled: bool, duration_mins: Optional[int] = None, started: Optional[float] = None):
+        self.enabled, self.received = enabled or duration_mins is not None, False
+        started = time.monotonic() if started is None else started
+        self.deadline = None if duration_mins is None else started + 60.0 * duration_mins
         if enabled:
             signal.signal(signal.SIGTERM, self._handle)
 
@@ -247,11 +255,12 @@ class ExitSignal:
         self.received = True
 
     def any_rank(self, ps: ParallelState) -> bool:
-        """Whether any rank received the signal: a collective over the world and a host sync,
-        so only with --exit-signal-handler (every rank then calls it after every step)."""
+        """Whether any rank received the signal or ran out of time: a collective over the world
+        and a host sync, so only with one of the flags (every rank then calls it after every step)."""
         if not self.enabled:
             return False
-        flag = torch.tensor([1.0 if self.received else 0.0], device=ps.device)
+        expired = self.deadline is not None and time.monotonic() >= self.deadline
+        flag = torch.tensor([1.0 if self.received or expired else 0.0], device=ps.device)
         if ps.layout.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
@@ -274,6 +283,9 @@ def describe_memory(state: TrainState) -> dict:
 
 def pretrain(cfg: Config) -> dict:
     """Train (or with --eval-only, evaluate) and return the final figures of this rank."""
+    started = time.monotonic()  # --exit-duration-in-mins counts from here, as Megatron-LM's from its start
+    if not cfg.logging.eval_only and cfg.train.train_iters is None and cfg.train.train_samples is None:
+        raise ConfigError("either --train-iters or --train-samples is needed (or --eval-only)")
     device = resolve_device(cfg)
     init_distributed(cfg, device)
     cfg = resolve_vocab(cfg)
@@ -296,7 +308,7 @@ def pretrain(cfg: Config) -> dict:
                    f"validation loss at iteration {state.iteration}: {result['eval_loss']:.6f}")
         logger.close()
         return result
-    result.update(train(state, train_ds, valid_ds, logger))
+    result.update(train(state, train_ds, valid_ds, logger, started))
     logger.close()
     return result
 
@@ -320,27 +332,29 @@ def resume_checkpoint(state: TrainState) -> None:
 class _LogWindow:
     """The steps since the last training log line: a record averages its interval."""
 
-    def __init__(self):
-        self.reset()
+    def __init__(self, consumed_samples: int):
+        self.reset(consumed_samples)
 
-    def reset(self) -> None:
-        self.start, self.steps = time.perf_counter(), 0
+    def reset(self, consumed_samples: int) -> None:
+        self.start, self.steps, self.consumed_samples = time.perf_counter(), 0, consumed_samples
 
 
-def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger) -> dict:
-    """Step until --train-iters; after each step, on their intervals: a log record, an
-    evaluation, a checkpoint, an exit."""
+def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger, started: Optional[float] = None) -> dict:
+    """Step until --train-iters (or the steps of --train-samples); after each step, on their
+    intervals: a log record, an evaluation, a checkpoint, an exit. The number of micro-batches
+    follows the batch-size schedule of the consumed samples."""
     cfg, ps, t = state.cfg, state.ps, state.cfg.train
-    n_mb = num_microbatches(cfg, ps.layout.world_size)
+    world = ps.layout.world_size
     data = microbatch_iterator(train_ds, state.consumed_samples, cfg, ps)
-    exit_signal = ExitSignal(t.exit_signal_handler)
+    exit_signal = ExitSignal(t.exit_signal_handler, t.exit_duration_in_mins, started)
     losses, eval_losses = [], []
-    window = _LogWindow()
-    first_iteration = state.iteration
+    window = _LogWindow(state.consumed_samples)
+    first_iteration, last_iteration = state.iteration, train_iters(cfg, world)
     state.model.train()
-    while state.iteration < t.train_iters:
+    while state.iteration < last_iteration:
         lr = state.scheduler.lr
         reliability.before_step(state.iteration + 1, ps.rank)
+        n_mb = num_microbatches(cfg, world, state.consumed_samples)
         out = train_step(state, _take(data, n_mb, "training"))
         reliability.after_step(state.iteration, ps.rank)
         losses.append(out["lm_loss"])
@@ -349,7 +363,7 @@ def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger) -> dict
         if state.iteration % cfg.logging.log_interval == 0:
             record = _training_record(state, out, lr, losses[-window.steps:], window)
             logger.log(record, format_line(record))
-            window.reset()
+            window.reset(state.consumed_samples)
         if cfg.logging.eval_interval and state.iteration % cfg.logging.eval_interval == 0:
             eval_losses.append(_evaluate_and_log(state, valid_ds, logger))
         if _save_and_check_exit(state, logger, exit_signal):
@@ -382,9 +396,10 @@ def _training_record(state: TrainState, out: dict, lr: float, window_losses: Lis
     seq, world = cfg.model.seq_length, ps.layout.world_size
     flops_per_token = model_flops_per_token(cfg.model, cfg.train.recompute_activations)
     elapsed = time.perf_counter() - window.start
-    tokens_per_s = window.steps * global_batch_size(cfg, world) * seq / elapsed
-    record = {"iteration": state.iteration, "train_iters": cfg.train.train_iters,
-              "consumed_samples": state.consumed_samples, "phase": cfg.p2r.p2r_phase,
+    tokens_per_s = (state.consumed_samples - window.consumed_samples) * seq / elapsed
+    record = {"iteration": state.iteration, "train_iters": train_iters(cfg, world),
+              "consumed_samples": state.consumed_samples, "global_batch_size": out["global_batch_size"],
+              "phase": cfg.p2r.p2r_phase,
               "tokens": state.consumed_samples * seq, "flops": state.consumed_samples * seq * flops_per_token,
               "lm_loss": sum(window_losses) / len(window_losses), "lr": lr,
               "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_s,

@@ -12,9 +12,14 @@ from megatron_p2r.parallel.sharding import logical_name, tp_slice
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.pipeline.schedules import forward_backward_no_pipelining
 
+# Explicit where Megatron-LM's defaults (which are ours) would change what the tests were written for:
+# no dropout, top-1 routing on the softmax probabilities, AdamW beta2 0.95, fp16's scale 2^16 halved on
+# each overflow, a log line and a short evaluation per step.
 TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=200,
             make_vocab_size_divisible_by=16, micro_batch_size=2, mock_data=True, lr=1e-2,
-            lr_decay_style="constant", weight_decay=0.0, clip_grad=0.0, seed=7)
+            lr_decay_style="constant", weight_decay=0.0, clip_grad=0.0, seed=7, train_iters=10,
+            hidden_dropout=0.0, attention_dropout=0.0, moe_router_topk=1, moe_router_pre_softmax=True,
+            adam_beta2=0.95, initial_loss_scale=2.0 ** 16, hysteresis=1, log_interval=1, eval_iters=2)
 
 
 def tiny_config(**overrides) -> Config:
@@ -48,7 +53,7 @@ def expected_shard(full: torch.Tensor, param, ps: ParallelState) -> torch.Tensor
     if getattr(param, "expert", False):
         n = param.shape[0]
         full = full[ps.ep_rank * n:(ps.ep_rank + 1) * n]
-    return tp_slice(full, getattr(param, "tp_dim", None), ps.tp_rank, ps.tp_size)
+    return tp_slice(full, getattr(param, "tp_dim", None), ps.tp_rank, ps.tp_size, getattr(param, "tp_replicas", 1))
 
 
 def max_grad_error(model, ps: ParallelState, ref: dict) -> dict:

@@ -108,6 +108,7 @@ def test_vocab_size_is_taken_from_the_tokenizer_before_validation(tmp_path):
     log = tmp_path / "log.jsonl"
     flags = ["--mock-data", "--tokenizer-type", "ByteTokenizer", "--make-vocab-size-divisible-by", "64",
              "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
-             "--micro-batch-size", "1", "--train-iters", "1", "--device", "cpu", "--log-file", str(log)]
+             "--micro-batch-size", "1", "--train-iters", "1", "--log-interval", "1", "--device", "cpu",
+             "--log-file", str(log)]
     assert pretrain_m6.main(flags) == 0
     assert math.isfinite(json.loads(log.read_text().splitlines()[-1])["lm_loss"])

@@ -24,7 +24,8 @@ from megatron_p2r.testing import run_distributed
 from tools.plan import verify_all_ranks, verify_rank
 
 SMALL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=250,
-             make_vocab_size_divisible_by=16, micro_batch_size=2, mock_data=True)
+             make_vocab_size_divisible_by=16, micro_batch_size=2, mock_data=True, hidden_dropout=0.0,
+             attention_dropout=0.0, moe_router_topk=1, moe_router_pre_softmax=True)
 MOE = dict(num_experts=4, moe_ffn_hidden_size=96)
 
 
@@ -69,6 +70,10 @@ LAYOUTS = [
     ("real-ep4-swiglu-rope-rms-nobias", dict(expert_model_parallel_size=4, swiglu=True, position_embedding_type="rope",
                                              normalization="RMSNorm", disable_bias_linear=True,
                                              pipeline_layer_split="3,1", pipeline_model_parallel_size=2, **MOE), 8),
+    # key/value heads replicated over TP 4 (2 groups), q/k norms summed over TP, a pseudo slot on both stages
+    ("gqa-tp4-g2-pseudo-pp2", dict(group_query_attention=True, num_query_groups=2, qk_layernorm=True, kv_channels=8,
+                                   tensor_model_parallel_size=4, pipeline_model_parallel_size=2,
+                                   p2r_phase="pseudo", share_pattern="all"), 8),
 ]
 
 
@@ -181,6 +186,12 @@ ACTIVATION_CASES = [
     dict(bf16=True, moe_capacity_factor=0.5, moe_router_topk=2, moe_z_loss_coeff=0.01, **MOE),
     dict(bf16=True, recompute_activations=True, moe_capacity_factor=0.5, **MOE),
     dict(bf16=True, p2r_phase="pseudo", share_pattern="all", moe_capacity_factor=0.5, **MOE),
+    # grouped-query attention, its norms and head sizes
+    dict(group_query_attention=True, num_query_groups=2, kv_channels=16, qk_layernorm=True),
+    dict(bf16=True, group_query_attention=True, num_query_groups=1, qk_layernorm=True, normalization="RMSNorm",
+         position_embedding_type="rope", rotary_percent=0.5),
+    dict(group_query_attention=True, num_query_groups=2, qk_layernorm=True, normalization="RMSNorm"),
+    dict(bf16=True, group_query_attention=True, num_query_groups=2, position_embedding_type="rope"),
 ]
 ACT_SHAPES = dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=64, vocab_size=512,
                   micro_batch_size=4)
@@ -308,3 +319,30 @@ def test_plan_that_does_not_fit_names_rank_and_category():
     assert [st.fits for st in plan.stages] == [True, False]
     assert plan.stages[1].overflow == "transient"
     assert any("rank 4 (stage 1, ranks 4-7)" in p and "'transient'" in p for p in plan.problems)
+
+
+def test_grouped_query_attention_flops_and_gradient_traffic():
+    """Attention FLOPs count the query/output rows (heads x kv-channels) and the key/value rows
+    (groups x kv-channels); with TP > groups each rank also computes its replicated key/value
+    head. The replicas' and q/k norms' partial gradients are all-reduced over (TP block) x DP."""
+    from megatron_p2r.metrics import model_flops_per_token
+    gqa = dict(group_query_attention=True, num_query_groups=2, kv_channels=8, qk_layernorm=True,
+               tensor_model_parallel_size=4, global_batch_size=8, disable_bias_linear=True)
+    cfg = small(**gqa)
+    m, (heads, groups, d, h, s) = cfg.model, (4, 2, 8, 64, 32)
+    dense = small(**{**gqa, "num_query_groups": 4})
+    per_layer = 2 * h * (heads * d + 2 * groups * d + heads * d)     # query, key/value, output projections
+    delta = 3 * m.num_layers * 2 * h * 2 * (4 - groups) * d          # 2 fewer key/value heads, training
+    assert model_flops_per_token(dense.model) - model_flops_per_token(m) == delta
+    # doubling d doubles every attention term: projections and scores
+    assert model_flops_per_token(small(**{**gqa, "kv_channels": 16}).model) - model_flops_per_token(m) == \
+        3 * m.num_layers * (per_layer + 4 * s * heads * d)
+    plan = ParallelPlan.for_world(cfg, 8)   # TP 4 x DP 2: each key/value head on 2 TP ranks
+    n = cfg.train.micro_batch_size * s
+    ranks_total = 4 * timing.stage_flops_per_microbatch(cfg, plan, 0)
+    assert math.isclose(ranks_total - model_flops_per_token(m) * n, 3 * m.num_layers * 2 * n * h * 2 * groups * d,
+                        rel_tol=1e-12)   # the replicated key/value projection, computed twice
+    traffic = communication.gradient_traffic(plan, 0)["tp_partial"]
+    kv, norms = 2 * groups * d * h // 2, 4 * d      # per rank and layer: kv shard; q and k norms (LayerNorm weight, bias)
+    assert traffic.size == 8 and traffic.bytes == pytest.approx(
+        m.num_layers * (2 * 3 / 4 * kv * 4 + 2 * 7 / 8 * norms * 4))

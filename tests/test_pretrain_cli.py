@@ -11,7 +11,8 @@ from megatron_p2r.testing import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["--mock-data", "--vocab-size", "300", "--make-vocab-size-divisible-by", "32", "--num-layers", "2",
          "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-2", "--seed", "3"]
+         "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-2", "--seed", "3", "--log-interval", "1",
+         "--hidden-dropout", "0", "--attention-dropout", "0"]  # TP draws attention dropout per rank
 
 
 def _run(cmd, env_extra=None):

@@ -5,7 +5,7 @@
     p2r-convert-checkpoint reshard SRC DST [--target-tensor-parallel-size T] [--target-pipeline-parallel-size P]
                                            [--target-pipeline-layer-split 3,5] [--target-expert-parallel-size E]
     p2r-convert-checkpoint export-hf SRC DST [--trim-vocab] [--dtype float32|bfloat16|float16]
-                                             [--max-shard-size 5GB] [--verify]
+                                             [--max-shard-size 5GB] [--hf-architecture CLASS] [--verify]
     p2r-convert-checkpoint import-hf SRC DST [--target-* ...] [--make-vocab-size-divisible-by N]
                                              [--allow-approximate-gelu]
     p2r-convert-checkpoint import-megatron MEGATRON_DIR DST [--target-* ...] [--allow-approximate-gelu]
@@ -14,8 +14,9 @@
 SRC is a checkpoint directory (its latest iteration is used) or one ``iter_*`` directory; DST
 becomes a checkpoint directory that ``--load`` accepts. Conversions stream tensor by tensor,
 write to ``DST.tmp`` and rename it when verified; SRC is never modified. See docs/checkpoint.md.
-``export-hf`` writes a Hugging Face transformers model directory (GPT2, Llama or Mixtral, chosen
-by the model's options), ``import-hf`` reads one back into a checkpoint; see docs/hf.md.
+``export-hf`` writes a Hugging Face transformers model directory (GPT2, Llama, Qwen2 or Mixtral,
+chosen by the model's options, or Mistral on request), ``import-hf`` reads one back into a
+checkpoint; see docs/hf.md.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import sys
 from typing import List, Optional
 
 from megatron_p2r.checkpoint.errors import CheckpointError
+from megatron_p2r.checkpoint.hf.architecture import MODEL_TYPES
 from megatron_p2r.checkpoint.hf.exporter import export_hf
 from megatron_p2r.checkpoint.hf.importer import import_hf
 from megatron_p2r.checkpoint.hf.verify import VERIFY_TOLERANCE, verify_export
@@ -57,7 +59,8 @@ def inspect(path: str) -> str:
     lines = [f"checkpoint   {iter_dir}",
              f"format       version {meta['format_version']}",
              f"iteration    {meta['iteration']}   consumed samples {meta['consumed_samples']}",
-             f"model        {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
+             f"model        {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads} "
+             f"(key/value {m.query_groups}, dim {m.head_dim}), "
              f"ffn {m.ffn_size}, vocab {m.padded_vocab_size} (padded), experts {m.num_experts or 0}",
              f"phase        {p2r['phase']}   share pattern {p2r['share_pattern']}   "
              f"layer -> module {p2r['layer_module_keys']}",
@@ -120,11 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="Dtype of the written weights.")
     p.add_argument("--max-shard-size", default="5GB", help="Split model.safetensors above this size (5GB, 500MiB).")
+    p.add_argument("--hf-architecture", choices=sorted(MODEL_TYPES),
+                   help="The HF class to write (default: the one the model's options point to; "
+                        "MistralForCausalLM only on request, since LlamaForCausalLM expresses the same models).")
     p.add_argument("--verify", action="store_true",
                    help="Load DST with transformers and compare its logits with ours (needs the [hf] extra).")
     p.add_argument("--force", action="store_true", help="Replace a non-empty DST.")
     p.add_argument("--no-progress", action="store_true", help="No progress bar.")
-    p = sub.add_parser("import-hf", help="Read a Hugging Face GPT2/Llama/Mixtral directory into a checkpoint.")
+    p = sub.add_parser("import-hf", help="Read a Hugging Face GPT2/Llama/Mistral/Mixtral/Qwen2 directory into a "
+                                         "checkpoint.")
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--make-vocab-size-divisible-by", type=int,
@@ -146,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _hf_command(args) -> int:
     if args.command == "export-hf":
         result = export_hf(args.src, args.dst, trim_vocab=args.trim_vocab, dtype=args.dtype,
-                           max_shard_size=args.max_shard_size, force=args.force, progress=not args.no_progress)
+                           max_shard_size=args.max_shard_size, architecture=args.hf_architecture, force=args.force,
+                           progress=not args.no_progress)
         print(f"wrote {result.architecture} to {args.dst} ({len(result.files)} weight file(s), "
               f"vocab {result.vocab_size})")
         for note in result.notes:

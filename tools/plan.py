@@ -113,7 +113,7 @@ def check(cfg: Config, world_size: int) -> None:
 
 def _spec_of(name, p) -> tuple:
     return (name, tuple(p.shape), getattr(p, "tp_dim", None), bool(getattr(p, "expert", False)),
-            getattr(p, "shared_name", None))
+            getattr(p, "shared_name", None), getattr(p, "tp_replicas", 1))
 
 
 def _init_fake(world_size: int, rank: int) -> None:
@@ -130,7 +130,7 @@ def build_meta(cfg: Config, plan: ParallelPlan, rank: int):
     from megatron_p2r.model.m6 import build_model
     from megatron_p2r.parallel.state import initialize
     _init_fake(plan.layout.world_size, rank)
-    ps = initialize(plan.layout, torch.device("meta"), plan.stage_sets())
+    ps = initialize(plan.layout, torch.device("meta"), plan.stage_sets(), tp_blocks=plan.tp_block_sets())
     return build_model(cfg, ps, plan, meta=True), ps
 
 
@@ -157,7 +157,7 @@ def verify_rank(cfg: Config, world_size: int, rank: int) -> dict:
     seconds = time.perf_counter() - start
     layout = ps.layout
     specs = plan.tensors(coords.pp)
-    planned = {s.name: (s.name, s.shape, s.tp_dim, s.expert, s.shared_name) for s in specs}
+    planned = {s.name: (s.name, s.shape, s.tp_dim, s.expert, s.shared_name, s.tp_replicas) for s in specs}
     problems = []
     for name in sorted(set(built) | set(planned)):
         if built.get(name) != planned.get(name):
@@ -184,7 +184,7 @@ def verify_rank(cfg: Config, world_size: int, rank: int) -> dict:
 
 def _group_size(reduction, layout) -> int:
     over = layout.expert_dp if reduction.over == "expert_dp" else layout.dp
-    return over * max(len(reduction.stages), 1)
+    return over * max(len(reduction.stages), 1) * reduction.tp_block
 
 
 def verify_all_ranks(cfg: Config, world_size: int) -> dict:
@@ -204,8 +204,8 @@ def verify_all_ranks(cfg: Config, world_size: int) -> dict:
         for d in range(layout.dp):
             for t in range(layout.tp):
                 c = layout.coords(layout.rank(t, d, stage))
-                for name, shape, tp_dim, expert, shared_name in first["specs"].values():
-                    key = (shared_name or name, t if tp_dim is not None else None, c.ep if expert else None)
+                for name, shape, tp_dim, expert, shared_name, replicas in first["specs"].values():
+                    key = (shared_name or name, t // replicas if tp_dim is not None else None, c.ep if expert else None)
                     numel = 1
                     for x in shape:
                         numel *= x

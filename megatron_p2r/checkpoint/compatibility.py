@@ -19,6 +19,11 @@ _STRUCTURE = [
     ("hidden_size", "--hidden-size", lambda m: m.hidden_size),
     ("ffn_hidden_size", "--ffn-hidden-size", lambda m: m.ffn_size),
     ("num_attention_heads", "--num-attention-heads", lambda m: m.num_attention_heads),
+    ("group_query_attention", "--group-query-attention", lambda m: m.group_query_attention),
+    ("num_query_groups", "--num-query-groups", lambda m: m.query_groups),
+    ("kv_channels", "--kv-channels", lambda m: m.head_dim),
+    ("qk_layernorm", "--qk-layernorm", lambda m: m.qk_layernorm),
+    ("add_qkv_bias", "--add-qkv-bias", lambda m: m.qkv_bias),
     ("padded_vocab_size", "--vocab-size/--make-vocab-size-divisible-by", lambda m: m.padded_vocab_size),
     ("normalization", "--normalization", lambda m: m.normalization),
     ("swiglu", "--swiglu", lambda m: m.swiglu),
@@ -78,6 +83,10 @@ def check_compatible(meta: dict, cfg: Config, iter_dir: str, load_dir: str) -> N
             f"{load_dir.rstrip('/')}_{suffix} {target_flags(run_layout)}\nthen pass --load with the new directory")
 
 
+def _rows(info: TensorInfo):
+    return None if info.rows is None else info.rows.to_json()
+
+
 def check_tables(saved: Dict[str, TensorInfo], run: Dict[str, TensorInfo], where: str) -> None:
     """Fail unless the checkpoint lists exactly the run's pieces, with the run's shapes and dtypes."""
     for key, info in run.items():
@@ -86,6 +95,9 @@ def check_tables(saved: Dict[str, TensorInfo], run: Dict[str, TensorInfo], where
         if saved[key].shape != info.shape or saved[key].dtype != info.dtype:
             raise CheckpointError(f"{where}: tensors[{key!r}] is {saved[key].dtype}{list(saved[key].shape)}, "
                                   f"this run's model needs {info.dtype}{list(info.shape)}")
+        if saved[key].rows != info.rows:
+            raise CheckpointError(f"{where}: tensors[{key!r}].rows is {_rows(saved[key])}, this run's model "
+                                  f"lays its rows out as {_rows(info)}")
     extra = set(saved) - set(run)
     if extra:
         raise CheckpointError(f"{where}: tensors lists {len(extra)} tensors this run's model does not have, "

@@ -23,10 +23,10 @@ Producer = Callable[[TensorInfo, str], torch.Tensor]
 def read_global(readers: ReaderCache, layout: ShardLayout, info: TensorInfo, kind: str) -> torch.Tensor:
     """The whole piece: its TP shards read into one tensor (straight into place along dim 0)."""
     entry = entry_name(kind, info.key)
-    if kind == "step" or info.tp_dim is None or layout.tp == 1:
+    if kind == "step" or layout.tp_shards(info) == 1:
         return readers(layout.file_of(info, 0)).read(entry)
     out = torch.empty(info.shape, dtype=TORCH_DTYPE[info.dtype])
-    for t, part in enumerate(out.chunk(layout.tp, dim=info.tp_dim)):
+    for t, part in zip(layout.tp_ranks_of(info), out.chunk(layout.tp_shards(info), dim=info.tp_dim)):
         reader = readers(layout.file_of(info, t))
         if part.is_contiguous():
             reader.read(entry, out=part)
@@ -39,7 +39,7 @@ def tp_shards(tensor: torch.Tensor, info: TensorInfo, layout: ShardLayout, kind:
     """(TP rank, its shard of the global ``tensor``) for every TP rank that stores the piece."""
     if kind == "step" or info.tp_dim is None:
         return [(t, tensor) for t in layout.tp_ranks_of(info)]
-    return list(enumerate(tensor.chunk(layout.tp, dim=info.tp_dim)))
+    return list(zip(layout.tp_ranks_of(info), tensor.chunk(layout.tp_shards(info), dim=info.tp_dim)))
 
 
 def write_pieces(out_iter: str, table: Dict[str, TensorInfo], layout: ShardLayout, kinds: Sequence[str],

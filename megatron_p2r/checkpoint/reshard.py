@@ -83,6 +83,9 @@ def target_config(src: Config, target: Target, delink: bool) -> Config:
             ([("expert ffn hidden size", m.expert_ffn_size)] if m.num_experts else []):
         if size % tp:
             raise ConfigError(f"--target-tensor-parallel-size {tp} does not divide the model's {what} ({size})")
+    if m.query_groups % tp and tp % m.query_groups:
+        raise ConfigError(f"--target-tensor-parallel-size {tp} and the model's --num-query-groups "
+                          f"({m.query_groups}) must divide one another")
     if ep > 1 and not m.num_experts:
         raise ConfigError(f"--target-expert-parallel-size {ep} needs an MoE model; this one has no experts")
     if m.num_experts and m.num_experts % ep:
@@ -107,6 +110,9 @@ def _plan(src: Dict[str, TensorInfo], dst: Dict[str, TensorInfo], layer_keys, de
         if src[skey].shape != info.shape or src[skey].dtype != info.dtype:
             raise CheckpointError(f"{where}: tensors[{skey!r}] is {src[skey].dtype}{list(src[skey].shape)}, "
                                   f"the target's {key!r} needs {info.dtype}{list(info.shape)}")
+        if src[skey].rows != info.rows:
+            raise CheckpointError(f"{where}: tensors[{skey!r}].rows is {src[skey].rows}, the target's {key!r} "
+                                  f"needs {info.rows}")
         plan[key] = skey
         uses[skey] += 1
     for skey, info in src.items():

@@ -9,6 +9,11 @@ slot used by several stages — are not written again), of TP rank 0 when it is 
 TP, and of the EP rank that holds it. Data-parallel replicas therefore write once, and the
 same table says where every piece is for any layout, which is what lets ``reshard`` and
 ``delink`` stream tensor by tensor.
+
+Attention projections record the layout of their rows (``rows``, ``layout.tensors.HeadRows``):
+``groups`` blocks of heads. A TP split of such a piece cuts ``min(TP, groups)`` shards of whole
+blocks; when TP exceeds the groups (grouped-query attention's key/value heads), TP/groups
+consecutive ranks hold the same shard and only the first of them stores it.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from megatron_p2r.checkpoint.naming import METADATA_FILE, entry_name, shard_file
 from megatron_p2r.checkpoint.safetensors_io import SAFETENSORS_DTYPE, nbytes
 from megatron_p2r.config import Config
 from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.layout.tensors import HeadRows
 from megatron_p2r.parallel.sharding import expert_key
 
 
@@ -36,6 +42,7 @@ class TensorInfo:
     stage: int                  # pipeline stage whose file holds the piece
     module_key: Optional[int]   # K for pieces under ``layers.K.``
     layers: Tuple[int, ...]     # global layers that call module K (several in the pseudo phase)
+    rows: Optional[HeadRows] = None   # attention projections: dim 0 as blocks of heads
 
     @property
     def numel(self) -> int:
@@ -49,16 +56,21 @@ class TensorInfo:
         return nbytes(self.dtype, self.shape)
 
     def to_json(self) -> dict:
-        return {"param": self.param, "shape": list(self.shape), "dtype": self.dtype, "tp_dim": self.tp_dim,
-                "ep_dim": 0 if self.expert is not None else None, "expert": self.expert,
-                "stage": self.stage, "module_key": self.module_key, "layers": list(self.layers)}
+        out = {"param": self.param, "shape": list(self.shape), "dtype": self.dtype, "tp_dim": self.tp_dim,
+               "ep_dim": 0 if self.expert is not None else None, "expert": self.expert,
+               "stage": self.stage, "module_key": self.module_key, "layers": list(self.layers)}
+        if self.rows is not None:
+            out["rows"] = self.rows.to_json()
+        return out
 
     @classmethod
     def from_json(cls, key: str, d: dict) -> "TensorInfo":
         try:
+            rows = HeadRows.from_json(d["rows"]) if d.get("rows") is not None else None
             return cls(key=key, param=d["param"], shape=tuple(d["shape"]), dtype=d["dtype"], tp_dim=d["tp_dim"],
-                       expert=d["expert"], stage=d["stage"], module_key=d["module_key"], layers=tuple(d["layers"]))
-        except (KeyError, TypeError) as exc:
+                       expert=d["expert"], stage=d["stage"], module_key=d["module_key"], layers=tuple(d["layers"]),
+                       rows=rows)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointError(f"{METADATA_FILE}: tensors[{key!r}] is malformed ({exc!r})") from None
 
 
@@ -89,17 +101,27 @@ class ShardLayout:
     def ep_rank_of(self, info: TensorInfo) -> int:
         return 0 if info.expert is None else info.expert // (self.num_experts // self.ep)
 
+    def tp_shards(self, info: TensorInfo) -> int:
+        """Distinct TP shards of the piece (fewer than TP for key/value heads replicated over TP)."""
+        if info.tp_dim is None:
+            return 1
+        return info.rows.tp_shards(self.tp) if info.rows is not None else self.tp
+
     def tp_ranks_of(self, info: TensorInfo) -> range:
-        return range(self.tp) if info.tp_dim is not None else range(1)
+        """The TP ranks whose files store the piece: the first rank of each shard's replicas."""
+        return range(0, self.tp, self.tp // self.tp_shards(info)) if info.tp_dim is not None else range(1)
 
     def file_of(self, info: TensorInfo, tp_rank: int) -> str:
-        """The file holding TP shard ``tp_rank`` of ``info`` (shard 0 for unsplit pieces)."""
-        return shard_file(tp_rank if info.tp_dim is not None else 0, info.stage, self.ep_rank_of(info))
+        """The file holding the shard TP rank ``tp_rank`` uses (shard 0 for unsplit pieces)."""
+        if info.tp_dim is None:
+            return shard_file(0, info.stage, self.ep_rank_of(info))
+        replicas = self.tp // self.tp_shards(info)
+        return shard_file(tp_rank - tp_rank % replicas, info.stage, self.ep_rank_of(info))
 
     def local_shape(self, info: TensorInfo) -> Tuple[int, ...]:
         shape = list(info.shape)
         if info.tp_dim is not None:
-            shape[info.tp_dim] //= self.tp
+            shape[info.tp_dim] //= self.tp_shards(info)
         return tuple(shape)
 
     def stage_files(self, stage: int) -> List[str]:
@@ -137,7 +159,10 @@ def tensor_table(cfg: Config) -> Dict[str, TensorInfo]:
                         table[key] = TensorInfo(key=key, shape=tuple(shape[1:]), expert=e,
                                                 tp_dim=None if spec.tp_dim is None else spec.tp_dim - 1, **common)
             elif logical not in table:
-                table[logical] = TensorInfo(key=logical, shape=tuple(shape), expert=None, tp_dim=spec.tp_dim, **common)
+                if spec.tp_dim is not None:
+                    shape[spec.tp_dim] //= spec.tp_replicas
+                table[logical] = TensorInfo(key=logical, shape=tuple(shape), expert=None, tp_dim=spec.tp_dim,
+                                            rows=spec.rows, **common)
     return table
 
 

@@ -15,13 +15,14 @@ from megatron_p2r.config.offload import (FULL, OPTIMIZER_ONLY, WHAT_ITEMS, Layer
                                          parse_memory_size, parse_offload_what)
 from megatron_p2r.config.p2r import P2RConfig, parse_share_pattern
 from megatron_p2r.config.parallel import ParallelConfig, stage_layer_counts
-from megatron_p2r.config.root import (SECTIONS, Config, data_parallel_size, global_batch_size,
-                                      num_microbatches)
+from megatron_p2r.config.batch import (data_parallel_size, global_batch_size, num_microbatches, train_iters,
+                                       train_samples)
+from megatron_p2r.config.root import SECTIONS, Config
 from megatron_p2r.config.train import TrainConfig
 from megatron_p2r.config.validation import validate
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "P2RConfig", "DataConfig",
            "CheckpointConfig", "LoggingConfig", "OffloadConfig", "SECTIONS", "validate",
-           "data_parallel_size", "num_microbatches", "global_batch_size", "parse_share_pattern",
-           "stage_layer_counts", "parse_memory_size", "parse_offload_what", "LayerSpec", "parse_layer_spec",
-           "WHAT_ITEMS", "FULL", "OPTIMIZER_ONLY"]
+           "data_parallel_size", "num_microbatches", "global_batch_size", "train_iters", "train_samples",
+           "parse_share_pattern", "stage_layer_counts", "parse_memory_size", "parse_offload_what", "LayerSpec",
+           "parse_layer_spec", "WHAT_ITEMS", "FULL", "OPTIMIZER_ONLY"]

@@ -9,11 +9,11 @@ from megatron_p2r.config.fields import opt, require_at_least_one
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    log_interval: int = opt(1, "Log every N iterations.")
+    log_interval: int = opt(100, "Log every N iterations.")
     log_file: Optional[str] = opt(None, "Append one JSON object per logged iteration here.")
     tensorboard_dir: Optional[str] = opt(None, "Write the logged scalars for TensorBoard here.")
     eval_interval: Optional[int] = opt(None, "Evaluate every N iterations.")
-    eval_iters: int = opt(2, "Batches per evaluation (a fixed, deterministic set).")
+    eval_iters: int = opt(100, "Batches per evaluation (a fixed, deterministic set).")
     eval_only: bool = opt(False, "Load, evaluate the validation loss, exit.")
 
     def check(self) -> None:

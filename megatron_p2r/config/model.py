@@ -13,6 +13,15 @@ class ModelConfig:
     hidden_size: int = opt(256, "Transformer hidden size.")
     ffn_hidden_size: Optional[int] = opt(None, "Dense MLP hidden size (default 4*hidden).")
     num_attention_heads: int = opt(4, "Number of attention heads.")
+    group_query_attention: bool = opt(False, "Grouped-query attention: keys and values have --num-query-groups "
+                                      "heads, each shared by num-attention-heads/num-query-groups query heads.")
+    num_query_groups: int = opt(1, "Key/value heads under --group-query-attention (ignored without it, as in "
+                                "Megatron-LM).")
+    kv_channels: Optional[int] = opt(None, "Dimension of each attention head (default hidden-size / "
+                                     "num-attention-heads).")
+    qk_layernorm: bool = opt(False, "Normalise every query and key head (--normalization over the head dimension) "
+                             "before rotary embeddings.")
+    add_qkv_bias: bool = opt(False, "Bias in the query/key/value projection even with --disable-bias-linear (Qwen2).")
     seq_length: int = opt(256, "Sequence length of a training sample.")
     max_position_embeddings: Optional[int] = opt(None, "Learned positions table size (default seq-length).")
     vocab_size: Optional[int] = opt(None, "Vocabulary size before padding (set by the tokenizer; needed with --mock-data).")
@@ -22,22 +31,26 @@ class ModelConfig:
     swiglu: bool = opt(False, "Use SwiGLU in the MLP instead of GELU.")
     position_embedding_type: str = opt("learned_absolute", "Position encoding.", choices=["learned_absolute", "rope"])
     rotary_base: float = opt(10000.0, "Base of the rotary embedding frequencies.")
+    rotary_percent: float = opt(1.0, "Fraction of each head's dimensions that rotary embeddings rotate (the rest "
+                                "pass through unchanged).")
     untie_embeddings_and_output_weights: bool = opt(False, "Use a separate output matrix instead of the input embedding.")
     disable_bias_linear: bool = opt(False, "No biases in linear layers.")
-    hidden_dropout: float = opt(0.0, "Dropout on the residual branches.")
-    attention_dropout: float = opt(0.0, "Dropout on attention probabilities.")
+    hidden_dropout: float = opt(0.1, "Dropout on the residual branches.")
+    attention_dropout: float = opt(0.1, "Dropout on attention probabilities.")
     init_method_std: float = opt(0.02, "Std of the normal initialisation (output projections are scaled by 1/sqrt(2L)).")
     # Mixture of experts.
     num_experts: Optional[int] = opt(None, "Number of experts E (MoE MLP); unset or 0 means dense.")
     moe_layer_freq: int = opt(1, "Every k-th layer is MoE (layers k-1, 2k-1, ...; 1 means all).")
-    moe_router_topk: int = opt(1, "Experts per token (top-1 Switch, top-2 GShard).")
+    moe_router_topk: int = opt(2, "Experts per token (top-1 Switch, top-2 GShard).")
+    moe_router_pre_softmax: bool = opt(False, "Softmax over all experts, then top-k: the weights are the router "
+                                       "probabilities (Switch, M6; needed for top-1). Unset: top-k of the logits, "
+                                       "then softmax over the k, so the weights sum to 1 (Mixtral).")
     moe_ffn_hidden_size: Optional[int] = opt(None, "Expert FFN hidden size (default ffn-hidden-size).")
     moe_num_prototypes: int = opt(1, "Expert prototyping (M6-T): K groups, top-1 in each, outputs summed.")
     moe_aux_loss_coeff: float = opt(0.0, "Load-balancing loss coefficient (Switch formulation).")
     moe_z_loss_coeff: float = opt(0.0, "Router z-loss coefficient.")
     moe_capacity_factor: Optional[float] = opt(None, "Expert capacity factor; unset means dropless.")
     moe_input_jitter_eps: Optional[float] = opt(None, "Multiplicative router input jitter (training only).")
-    moe_renormalize_topk: bool = opt(False, "Renormalise the top-k routing weights to sum to 1.")
 
     @property
     def ffn_size(self) -> int:
@@ -53,7 +66,21 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: --num-query-groups under --group-query-attention, else one per query head."""
+        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dimensions of each head that rotary embeddings rotate (Megatron-LM's rounding)."""
+        return int(self.head_dim * self.rotary_percent)
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.add_bias or self.add_qkv_bias
 
     @property
     def add_bias(self) -> bool:
@@ -73,11 +100,7 @@ class ModelConfig:
         """The rules of the model alone (the parallel split is ``check_split``)."""
         require_at_least_one(("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
                              ("--num-attention-heads", self.num_attention_heads), ("--seq-length", self.seq_length))
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(f"--hidden-size ({self.hidden_size}) must be divisible by "
-                              f"--num-attention-heads ({self.num_attention_heads})")
-        if self.position_embedding_type == "rope" and self.head_dim % 2:
-            raise ConfigError(f"rotary embeddings need an even head dimension, got {self.head_dim}")
+        self._check_attention()
         if self.max_positions < self.seq_length:
             raise ConfigError(f"--max-position-embeddings ({self.max_positions}) must be >= "
                               f"--seq-length ({self.seq_length})")
@@ -92,6 +115,21 @@ class ModelConfig:
         if self.num_experts:
             self._check_experts()
 
+    def _check_attention(self) -> None:
+        require_at_least_one(("--kv-channels", self.kv_channels), ("--num-query-groups", self.num_query_groups))
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"--hidden-size ({self.hidden_size}) must be divisible by "
+                              f"--num-attention-heads ({self.num_attention_heads}) (or set --kv-channels)")
+        if self.num_attention_heads % self.query_groups:
+            raise ConfigError(f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
+                              f"--num-query-groups ({self.num_query_groups})")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ConfigError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+        if self.position_embedding_type == "rope" and (self.rotary_dim % 2 or not self.rotary_dim):
+            raise ConfigError(f"rotary embeddings need an even, non-zero number of rotated dimensions: "
+                              f"--rotary-percent {self.rotary_percent} of head dimension {self.head_dim} "
+                              f"gives {self.rotary_dim}")
+
     def _check_experts(self) -> None:
         require_at_least_one(("--moe-num-prototypes", self.moe_num_prototypes),
                              ("--moe-layer-freq", self.moe_layer_freq))
@@ -101,6 +139,9 @@ class ModelConfig:
         if self.moe_num_prototypes > 1 and self.moe_router_topk != 1:
             raise ConfigError("expert prototyping (--moe-num-prototypes > 1) takes top-1 in each group: "
                               f"--moe-router-topk must be 1, got {self.moe_router_topk}")
+        if self.moe_router_topk == 1 and not self.moe_router_pre_softmax:
+            raise ConfigError("top-1 routing needs --moe-router-pre-softmax (a softmax over one selected logit is 1: "
+                              "the router would get no gradient), as in Megatron-LM")
         per_group = self.num_experts // self.moe_num_prototypes
         if not 1 <= self.moe_router_topk <= per_group:
             raise ConfigError(f"--moe-router-topk ({self.moe_router_topk}) must be between 1 and "
@@ -114,6 +155,10 @@ class ModelConfig:
         for name, size in sizes:
             if size % tp:
                 raise ConfigError(f"{name} ({size}) must be divisible by --tensor-model-parallel-size ({tp})")
+        groups = self.query_groups
+        if groups % tp and tp % groups:
+            raise ConfigError(f"--num-query-groups ({groups}) and --tensor-model-parallel-size ({tp}) must divide "
+                              "one another (TP splits the key/value heads, or replicates each over TP/groups ranks)")
         if self.make_vocab_size_divisible_by % tp:
             raise ConfigError(f"--make-vocab-size-divisible-by ({self.make_vocab_size_divisible_by}) must be "
                               f"divisible by --tensor-model-parallel-size ({tp}) so the padded vocabulary splits evenly")

@@ -1,4 +1,4 @@
-"""``Config``: the eight sections together, frozen once built, and the batch arithmetic.
+"""``Config``: the eight sections together, frozen once built (the batch arithmetic is ``batch.py``).
 
 A config is never changed in place: ``cfg.replace(vocab_size=..., p2r_phase=...)`` returns a
 new one, so a value checked by ``validate`` is the value every module reads.
@@ -51,17 +51,3 @@ class Config:
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 _SECTION_OF_FIELD = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 
-
-def data_parallel_size(cfg: Config, world_size: int) -> int:
-    p = cfg.parallel
-    return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
-
-
-def num_microbatches(cfg: Config, world_size: int) -> int:
-    dp = data_parallel_size(cfg, world_size)
-    return global_batch_size(cfg, world_size) // (cfg.train.micro_batch_size * dp)
-
-
-def global_batch_size(cfg: Config, world_size: int) -> int:
-    dp = data_parallel_size(cfg, world_size)
-    return cfg.train.global_batch_size or cfg.train.micro_batch_size * dp

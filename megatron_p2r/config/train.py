@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 from megatron_p2r.config.fields import ConfigError, opt, require_at_least_one, require_positive
 
@@ -10,27 +10,40 @@ from megatron_p2r.config.fields import ConfigError, opt, require_at_least_one, r
 @dataclass(frozen=True)
 class TrainConfig:
     micro_batch_size: int = opt(4, "Samples per micro-batch per data-parallel rank.")
-    global_batch_size: Optional[int] = opt(None, "Samples per optimizer step (default micro-batch x DP).")
-    train_iters: int = opt(10, "Optimizer steps to train.")
+    global_batch_size: Optional[int] = opt(None, "Samples per optimizer step (default micro-batch x DP; the "
+                                           "final one with a batch-size schedule).")
+    rampup_batch_size: Optional[List[int]] = opt(None, "START INCR SAMPLES: grow the global batch from START by "
+                                                 "INCR over SAMPLES samples (Megatron core_v0.17).", nargs=3)
+    step_batch_size_schedule: Optional[List[str]] = opt(None, "Global batch by consumed tokens: THRESHOLD:SIZE ..., "
+                                                        "e.g. 0:16 2.4B:320 (suffixes K M B T).", nargs="+")
+    train_iters: Optional[int] = opt(None, "Optimizer steps to train (or --train-samples).")
+    train_samples: Optional[int] = opt(None, "Samples to train on (or --train-iters).")
     lr: float = opt(3e-4, "Peak learning rate.")
     min_lr: float = opt(0.0, "Learning rate at the end of decay.")
-    lr_warmup_iters: int = opt(0, "Linear warm-up steps.")
+    decoupled_lr: Optional[float] = opt(None, "Peak learning rate of the input embedding and output layer.")
+    decoupled_min_lr: Optional[float] = opt(None, "Their learning rate at the end of decay (default --min-lr).")
+    lr_warmup_iters: int = opt(0, "Linear warm-up steps (from 0).")
+    lr_warmup_samples: int = opt(0, "Linear warm-up samples (with --train-samples).")
+    lr_warmup_fraction: Optional[float] = opt(None, "Warm-up as a fraction of the decay length.")
     lr_decay_iters: Optional[int] = opt(None, "Steps over which to decay (default train-iters).")
-    lr_decay_style: str = opt("cosine", "Decay after warm-up.", choices=["cosine", "linear", "constant"])
+    lr_decay_samples: Optional[int] = opt(None, "Samples over which to decay (default train-samples).")
+    lr_decay_style: str = opt("linear", "Decay after warm-up.", choices=["cosine", "linear", "constant"])
     weight_decay: float = opt(0.01, "AdamW weight decay (not applied to norms and biases).")
     adam_beta1: float = opt(0.9, "AdamW beta1.")
-    adam_beta2: float = opt(0.95, "AdamW beta2.")
+    adam_beta2: float = opt(0.999, "AdamW beta2.")
     adam_eps: float = opt(1e-8, "AdamW epsilon.")
     clip_grad: float = opt(1.0, "Clip the global gradient norm to this (0 disables).")
     seed: int = opt(1234, "Seed of initialisation, data order and dropout.")
     bf16: bool = opt(False, "bfloat16 compute (fp32 master weights).")
     fp16: bool = opt(False, "float16 compute with dynamic loss scaling (fp32 master weights).")
-    initial_loss_scale: float = opt(2.0 ** 16, "fp16: starting loss scale.")
+    initial_loss_scale: float = opt(2.0 ** 32, "fp16: starting loss scale.")
     min_loss_scale: float = opt(1.0, "fp16: smallest loss scale.")
     loss_scale_window: int = opt(1000, "fp16: grow the scale after this many finite steps.")
+    hysteresis: int = opt(2, "fp16: halve the scale after this many non-finite steps in a row.")
     recompute_activations: bool = opt(False, "Recompute each layer's activations in backward.")
     max_skipped_steps: int = opt(10, "Stop after this many consecutive steps skipped for non-finite values.")
     exit_interval: Optional[int] = opt(None, "Save and exit when the iteration is a multiple of this.")
+    exit_duration_in_mins: Optional[int] = opt(None, "Save and exit after this many minutes.")
     exit_signal_handler: bool = opt(False, "Save and exit cleanly on SIGTERM.")
 
     def check(self) -> None:
@@ -38,14 +51,55 @@ class TrainConfig:
         require_at_least_one(("--micro-batch-size", self.micro_batch_size),
                              ("--global-batch-size", self.global_batch_size),
                              ("--max-skipped-steps", self.max_skipped_steps),
-                             ("--loss-scale-window", self.loss_scale_window))
-        require_at_least_one(("--exit-interval", self.exit_interval), unset_disables=True)
-        if self.train_iters < 0:
-            raise ConfigError(f"--train-iters must be >= 0, got {self.train_iters}")
+                             ("--loss-scale-window", self.loss_scale_window), ("--hysteresis", self.hysteresis))
+        require_at_least_one(("--exit-interval", self.exit_interval),
+                             ("--exit-duration-in-mins", self.exit_duration_in_mins), unset_disables=True)
+        for name, value in [("--train-iters", self.train_iters), ("--train-samples", self.train_samples),
+                            ("--lr-warmup-iters", self.lr_warmup_iters),
+                            ("--lr-warmup-samples", self.lr_warmup_samples),
+                            ("--lr-decay-iters", self.lr_decay_iters), ("--lr-decay-samples", self.lr_decay_samples)]:
+            if value is not None and value < 0:
+                raise ConfigError(f"{name} must be >= 0, got {value}")
         require_positive(("--initial-loss-scale", self.initial_loss_scale), ("--min-loss-scale", self.min_loss_scale))
         if self.clip_grad < 0:
             raise ConfigError(f"--clip-grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
         if self.bf16 and self.fp16:
             raise ConfigError("--bf16 and --fp16 are mutually exclusive")
-        if self.lr_warmup_iters < 0 or self.min_lr > self.lr:
-            raise ConfigError(f"need --lr-warmup-iters >= 0 and --min-lr ({self.min_lr}) <= --lr ({self.lr})")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"need --min-lr ({self.min_lr}) <= --lr ({self.lr})")
+        self._check_schedule_units()
+        self._check_batch_schedule()
+        self._check_decoupled_lr()
+
+    def _check_schedule_units(self) -> None:
+        """Iterations or samples, not both (Megatron-LM's rules)."""
+        if self.train_iters is not None and self.train_samples is not None:
+            raise ConfigError("--train-iters and --train-samples are mutually exclusive")
+        units = "iters" if self.train_samples is None else "samples"
+        other = {"iters": "samples", "samples": "iters"}[units]
+        if getattr(self, f"lr_decay_{other}") is not None or getattr(self, f"lr_warmup_{other}"):
+            raise ConfigError(f"--lr-decay-{other} / --lr-warmup-{other} need --train-{other}; this run counts in "
+                              f"{units} (--train-{units}): use --lr-decay-{units} / --lr-warmup-{units}")
+        if self.lr_warmup_fraction is not None:
+            if getattr(self, f"lr_warmup_{units}"):
+                raise ConfigError(f"--lr-warmup-fraction and --lr-warmup-{units} are mutually exclusive")
+            if not 0.0 <= self.lr_warmup_fraction < 1.0:
+                raise ConfigError(f"--lr-warmup-fraction must be in [0, 1), got {self.lr_warmup_fraction}")
+
+    def _check_batch_schedule(self) -> None:
+        if self.rampup_batch_size is None:
+            return
+        if self.step_batch_size_schedule is not None:
+            raise ConfigError("--rampup-batch-size and --step-batch-size-schedule are mutually exclusive")
+        if self.train_samples is None:
+            raise ConfigError("--rampup-batch-size needs sample-based training (--train-samples), as in "
+                              "Megatron-LM")
+
+    def _check_decoupled_lr(self) -> None:
+        if self.decoupled_min_lr is None:
+            return
+        if self.decoupled_lr is None:
+            raise ConfigError("--decoupled-min-lr needs --decoupled-lr")
+        if self.decoupled_min_lr > self.decoupled_lr:
+            raise ConfigError(f"need --decoupled-min-lr ({self.decoupled_min_lr}) <= --decoupled-lr "
+                              f"({self.decoupled_lr})")

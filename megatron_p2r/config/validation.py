@@ -2,8 +2,10 @@
 with one message that names the flag(s)."""
 from __future__ import annotations
 
+from megatron_p2r.config.batch import (data_parallel_size, global_batch_size, lr_lengths, parse_step_schedule,
+                                       train_iters)
 from megatron_p2r.config.fields import ConfigError
-from megatron_p2r.config.root import Config, data_parallel_size, global_batch_size
+from megatron_p2r.config.root import Config
 
 
 def validate(cfg: Config, world_size: int) -> None:
@@ -16,6 +18,7 @@ def validate(cfg: Config, world_size: int) -> None:
     for section in (cfg.train, cfg.data, cfg.checkpoint, cfg.logging):
         section.check()
     _check_batch(cfg, world_size)
+    _check_length(cfg, world_size)
     _check_inputs(cfg)
     _check_outputs(cfg)
     cfg.p2r.check(m.num_layers)
@@ -36,12 +39,31 @@ def _check_world(cfg: Config, world_size: int) -> None:
 
 
 def _check_batch(cfg: Config, world_size: int) -> None:
-    """A global batch is a whole number of micro-batches on every DP rank."""
-    micro, dp = cfg.train.micro_batch_size, data_parallel_size(cfg, world_size)
+    """A global batch is a whole number of micro-batches on every DP rank (the final one here,
+    a scheduled one when the step reaches it, as Megatron checks it); a step schedule ends at
+    --global-batch-size when both are given."""
+    t = cfg.train
+    micro, dp = t.micro_batch_size, data_parallel_size(cfg, world_size)
     gbs = global_batch_size(cfg, world_size)
     if gbs % (micro * dp):
         raise ConfigError(f"--global-batch-size ({gbs}) must be divisible by --micro-batch-size "
                           f"({micro}) x data-parallel size ({dp}) = {micro * dp}")
+    if t.step_batch_size_schedule is not None and t.global_batch_size is not None:
+        final = parse_step_schedule(t.step_batch_size_schedule, cfg.model.seq_length)[-1][1]
+        if final != t.global_batch_size:
+            raise ConfigError(f"--global-batch-size ({t.global_batch_size}) differs from the last batch size of "
+                              f"--step-batch-size-schedule ({final}); give one of them, or the same size")
+
+
+def _check_length(cfg: Config, world_size: int) -> None:
+    """The LR warm-up ends before its decay does (a run without a length is refused when it
+    starts to train: ``training.pretrain``; the planner needs none)."""
+    if cfg.logging.eval_only or not train_iters(cfg, world_size):
+        return
+    warmup, decay = lr_lengths(cfg, world_size)
+    if not warmup < decay:
+        raise ConfigError(f"the LR warm-up ({warmup:g} samples) must end before the decay length ({decay} samples: "
+                          "--lr-decay-iters/--lr-decay-samples, default the run's length)")
 
 
 def _check_inputs(cfg: Config) -> None:

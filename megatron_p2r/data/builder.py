@@ -43,9 +43,11 @@ def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], List[float]]:
 
 
 def parse_split(split: str) -> List[float]:
-    """``"969,30,1"`` (or ``969/30/1``) -> normalised [train, valid, test] fractions."""
+    """``"969,30,1"`` (or ``969/30/1``) -> normalised [train, valid, test] fractions. Quotes
+    around it are ignored, as Megatron-LM reads only the numbers: a launch script that writes
+    ``"--split '99,1,0'"`` in a bash array passes them on literally."""
     try:
-        parts = [float(s) for s in split.replace("/", ",").split(",")]
+        parts = [float(s) for s in split.strip().strip("'\"").replace("/", ",").split(",")]
     except ValueError:
         raise ConfigError(f"--split must be comma-separated numbers like 969,30,1, got {split!r}") from None
     if len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:

@@ -8,7 +8,9 @@ rank of a 512-GPU layout is planned in one process. It holds:
 - the tensors held by several stages — the tied word embedding on the first and last stage, a
   pseudo-phase module called on several stages — and the stages holding them;
 - each parameter's gradient reduction: over DP or expert-DP, fused with the sum over the
-  stages that hold replicas of it (one all-reduce over "those stages x DP");
+  stages that hold replicas of it (one all-reduce over "those stages x DP"), and with the sum
+  over the TP ranks whose copies hold partial gradients (grouped-query attention's replicated
+  key/value heads, --qk-layernorm weights): "TP block x stages x DP";
 - which rank's copy of each logical element counts in the global gradient norm;
 - the offload choice of each stage;
 - the tensor table of each stage (``layout.tensors``).
@@ -19,6 +21,7 @@ read it; none of them derives these facts again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -34,14 +37,17 @@ class Reduction:
     """Where one parameter's gradient is reduced after backward.
 
     One all-reduce over ``over`` (``dp`` or ``expert_dp``) of the pipeline stages ``stages``
-    (empty: this stage alone) sums the replicas of those stages and the data-parallel copies
-    together; the result is divided by the DP size (expert gradients too: docs/moe.md).
-    ``kind`` is the name logs and the planner use: dp, expert_dp, embedding or sharing.
+    (empty: this stage alone) and of the ``tp_block`` consecutive TP ranks holding this rank's
+    copy (1: this TP rank alone) sums the replicas of those stages, the partial gradients of
+    those TP ranks and the data-parallel copies together; the result is divided by the DP size
+    (expert gradients too: docs/moe.md). ``kind`` is the name logs and the planner use: dp,
+    expert_dp, embedding, sharing, or tp_partial (summed over TP ranks, on one stage).
     """
 
     kind: str
     over: str
     stages: Tuple[int, ...] = ()
+    tp_block: int = 1
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,7 @@ class ParallelPlan:
     layer_keys: Tuple[int, ...]    # module key of every global layer
     stages: Tuple[StagePlan, ...]
     replicas: Tuple[Tuple[str, Tuple[int, ...]], ...]   # (logical name prefix, stages holding it)
+    tp_blocks: Tuple[Tuple[str, int], ...] = ()   # (logical name, TP ranks summing its partial gradients)
 
     @classmethod
     def build(cls, cfg: Config, layout: Layout) -> "ParallelPlan":
@@ -95,6 +102,7 @@ class ParallelPlan:
                                  last=s == last) for s, r in enumerate(ranges))
         plan = cls(layout=layout, model=m, phase=cfg.p2r.p2r_phase, share_pattern=pattern, layer_keys=keys,
                    stages=stages, replicas=tuple(replicas))
+        plan = dataclasses.replace(plan, tp_blocks=_tp_blocks(plan))
         if cfg.offload.cpu_offload_layers is None:
             return plan
         return dataclasses.replace(plan, stages=tuple(_with_offload(plan, st, cfg) for st in stages))
@@ -139,24 +147,40 @@ class ParallelPlan:
                 return stages
         return ()
 
+    @functools.cached_property
+    def _tp_block_of(self) -> Dict[str, int]:
+        return dict(self.tp_blocks)
+
+    def tp_block(self, logical: str) -> int:
+        """Consecutive TP ranks whose copies of ``logical`` hold partial gradients (1: none)."""
+        return self._tp_block_of.get(logical, 1)
+
     def reduction(self, logical: str, expert: bool) -> Reduction:
         over = "expert_dp" if expert else "dp"
-        stages = self.replica_stages(logical)
-        if not stages:
-            return Reduction(kind=over, over=over)
-        return Reduction(kind="embedding" if logical == WORD_EMBEDDING else "sharing", over=over, stages=stages)
+        stages, block = self.replica_stages(logical), self.tp_block(logical)
+        if stages:
+            kind = "embedding" if logical == WORD_EMBEDDING else "sharing"
+        else:
+            kind = "tp_partial" if block > 1 else over
+        return Reduction(kind=kind, over=over, stages=stages, tp_block=block)
 
     def stage_sets(self) -> Tuple[Tuple[int, ...], ...]:
         """The sets of stages that need a cross-stage reduction group (each also x DP / expert-DP)."""
         return tuple(sorted({stages for _, stages in self.replicas}))
 
+    def tp_block_sets(self) -> Tuple[Tuple[Tuple[int, ...], int], ...]:
+        """(stages, TP block) of every reduction summing over TP ranks: each needs groups
+        "TP block x those stages (empty: each stage alone) x DP / expert-DP"."""
+        return tuple(sorted({(self.replica_stages(name), block) for name, block in self.tp_blocks}))
+
     def counts_in_norm(self, logical: str, tp_dim, expert: bool, coords: Coords) -> bool:
         """Whether this rank's copy of a tensor counts in the global gradient norm.
 
-        Each logical element counts exactly once: TP-replicated tensors on TP rank 0, stage
-        replicas on their first stage, data-parallel replicas on DP (or expert-DP) rank 0.
+        Each logical element counts exactly once: TP-replicated tensors on TP rank 0 (key/value
+        heads replicated over a TP block on its first rank), stage replicas on their first
+        stage, data-parallel replicas on DP (or expert-DP) rank 0.
         """
-        if tp_dim is None and coords.tp != 0:
+        if (tp_dim is None and coords.tp != 0) or coords.tp % self.tp_block(logical):
             return False
         stages = self.replica_stages(logical)
         if stages and coords.pp != min(stages):
@@ -169,6 +193,13 @@ class ParallelPlan:
         for layer, key in enumerate(self.layer_keys):
             out.setdefault(key, []).append(layer)
         return {k: tuple(v) for k, v in out.items()}
+
+
+def _tp_blocks(plan: ParallelPlan) -> Tuple[Tuple[str, int], ...]:
+    """(logical name, TP block) of every tensor whose TP copies hold partial gradients."""
+    tp = plan.layout.tp
+    blocks = {s.logical: s.tp_sum_block(tp) for stage in range(len(plan.stages)) for s in plan.tensors(stage)}
+    return tuple((name, block) for name, block in blocks.items() if block > 1)
 
 
 def _with_offload(plan: ParallelPlan, st: StagePlan, cfg: Config) -> StagePlan:

@@ -90,8 +90,9 @@ class Layout:
 
 
 
-def stage_set_groups(layout: Layout, stages, over: str) -> List[List[int]]:
-    """All groups "pipeline stages ``stages`` x ``over`` (dp | expert_dp)" of ``layout``."""
+def stage_set_groups(layout: Layout, stages, over: str, tp_block: int = 1) -> List[List[int]]:
+    """All groups "``tp_block`` consecutive TP ranks x pipeline stages ``stages`` x ``over``
+    (dp | expert_dp)" of ``layout``."""
     T, D, E = layout.tp, layout.dp, layout.ep
     if over == "dp":
         dps = [list(range(D))]
@@ -99,4 +100,6 @@ def stage_set_groups(layout: Layout, stages, over: str) -> List[List[int]]:
         dps = [[x * E + e for x in range(D // E)] for e in range(E)]
     else:
         raise ValueError(f"unknown reduction {over!r}")
-    return [sorted(layout.rank(t, d, p) for p in stages for d in members) for members in dps for t in range(T)]
+    blocks = [range(b, b + tp_block) for b in range(0, T, tp_block)]
+    return [sorted(layout.rank(t, d, p) for p in stages for d in members for t in block)
+            for members in dps for block in blocks]

@@ -9,11 +9,52 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_p2r.config import ModelConfig
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT_WEIGHT = "output_layer.weight"
+
+
+@dataclass(frozen=True)
+class HeadRows:
+    """The layout of dim 0 of an attention projection (weight or bias): ``groups`` blocks, each
+    the heads ``per_group`` names in order, each head ``head_dim`` rows.
+
+    ``attention.qkv`` (no --group-query-attention): heads x (q, k, v) — Megatron-LM's fused
+    ``linear_qkv`` with one group per head. Under --group-query-attention: ``attention.query``,
+    heads x (q,), and ``attention.key_value``, groups x (k, v). A TP split cuts whole blocks:
+    ``min(TP, groups)`` distinct shards; with TP > groups, TP/groups consecutive ranks hold
+    the same block (replicas of a key/value head).
+    """
+
+    groups: int
+    per_group: Tuple[str, ...]
+    head_dim: int
+
+    def tp_shards(self, tp: int) -> int:
+        return min(tp, self.groups)
+
+    def tp_replicas(self, tp: int) -> int:
+        return tp // self.tp_shards(tp)
+
+    def to_json(self) -> dict:
+        return {"groups": self.groups, "per_group": list(self.per_group), "head_dim": self.head_dim}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "HeadRows":
+        return cls(groups=int(d["groups"]), per_group=tuple(str(x) for x in d["per_group"]),
+                   head_dim=int(d["head_dim"]))
+
+
+def attention_rows(m: ModelConfig) -> Dict[str, HeadRows]:
+    """Module name under ``attention.`` -> the row layout of its weight and bias."""
+    d = m.head_dim
+    if not m.group_query_attention:
+        return {"qkv": HeadRows(m.num_attention_heads, ("q", "k", "v"), d)}
+    return {"query": HeadRows(m.num_attention_heads, ("q",), d), "key_value": HeadRows(m.query_groups, ("k", "v"), d)}
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -24,6 +65,9 @@ class TensorSpec:
     tp_dim: Optional[int] = None
     expert: bool = False
     shared_name: Optional[str] = None   # the logical tensor this one replicates (tied output layer)
+    tp_replicas: int = 1            # consecutive TP ranks holding the same shard (key/value heads, TP > groups)
+    tp_partial: bool = False        # each TP copy gets a partial gradient, summed over the copies (plan.py)
+    rows: Optional[HeadRows] = None     # dim 0 of an attention projection
 
     @property
     def numel(self) -> int:
@@ -34,13 +78,20 @@ class TensorSpec:
         return self.shared_name or self.name
 
     def global_numel(self, tp: int, ep: int) -> int:
-        return self.numel * (tp if self.tp_dim is not None else 1) * (ep if self.expert else 1)
+        return self.numel * (tp // self.tp_replicas if self.tp_dim is not None else 1) * (ep if self.expert else 1)
+
+    def tp_sum_block(self, tp: int) -> int:
+        """Consecutive TP ranks whose gradients of this tensor are partial and summed (1: none)."""
+        if not self.tp_partial:
+            return 1
+        return tp if self.tp_dim is None else self.tp_replicas
 
 
-def _norm(prefix: str, m) -> List[TensorSpec]:
-    out = [TensorSpec(f"{prefix}.weight", (m.hidden_size,))]
+def _norm(prefix: str, m, size: Optional[int] = None, tp_partial: bool = False) -> List[TensorSpec]:
+    size = size or m.hidden_size
+    out = [TensorSpec(f"{prefix}.weight", (size,), tp_partial=tp_partial)]
     if m.normalization == "LayerNorm":
-        out.append(TensorSpec(f"{prefix}.bias", (m.hidden_size,)))
+        out.append(TensorSpec(f"{prefix}.bias", (size,), tp_partial=tp_partial))
     return out
 
 
@@ -58,12 +109,35 @@ def _row(prefix: str, out_features: int, in_features: int, tp: int, bias: bool) 
     return specs
 
 
+def _heads(prefix: str, rows: HeadRows, in_features: int, tp: int, bias: bool) -> List[TensorSpec]:
+    """A column-parallel projection onto heads: whole row blocks per TP shard; key/value heads
+    replicated (with partial gradients) when TP exceeds their number."""
+    local = rows.groups * len(rows.per_group) * rows.head_dim // rows.tp_shards(tp)
+    common = dict(tp_dim=0, tp_replicas=rows.tp_replicas(tp), tp_partial=rows.tp_replicas(tp) > 1, rows=rows)
+    specs = [TensorSpec(f"{prefix}.weight", (local, in_features), **common)]
+    if bias:
+        specs.append(TensorSpec(f"{prefix}.bias", (local,), **common))
+    return specs
+
+
+def attention_tensors(m: ModelConfig, prefix: str, tp: int) -> List[TensorSpec]:
+    """The parameters of one ``model/attention.py`` module."""
+    h = m.hidden_size
+    specs: List[TensorSpec] = []
+    for name, rows in attention_rows(m).items():
+        specs += _heads(f"{prefix}.{name}", rows, h, tp, m.qkv_bias)
+    if m.qk_layernorm:  # one norm over head_dim, applied to each rank's own heads: partial gradients
+        specs += _norm(f"{prefix}.q_layernorm", m, m.head_dim, tp_partial=True)
+        specs += _norm(f"{prefix}.k_layernorm", m, m.head_dim, tp_partial=True)
+    return specs + _row(f"{prefix}.proj", h, m.num_attention_heads * m.head_dim, tp, m.add_bias)
+
+
 def layer_tensors(m: ModelConfig, key: int, tp: int, ep: int) -> List[TensorSpec]:
     """The parameters of transformer module ``layers.{key}`` (model/block.py, attention.py,
     mlp.py, moe/router.py, moe/experts.py)."""
     h, bias, p = m.hidden_size, m.add_bias, f"layers.{key}"
     specs = _norm(f"{p}.input_norm", m)
-    specs += _column(f"{p}.attention.qkv", 3 * h, h, tp, bias) + _row(f"{p}.attention.proj", h, h, tp, bias)
+    specs += attention_tensors(m, f"{p}.attention", tp)
     specs += _norm(f"{p}.post_attention_norm", m)
     glu = 2 if m.swiglu else 1
     if m.is_moe_layer(key):
@@ -94,6 +168,6 @@ def stage_tensors(m: ModelConfig, tp: int, ep: int, module_keys: Sequence[int], 
         specs += _norm("final_norm", m)
         tied = not m.untie_embeddings_and_output_weights
         if not (tied and first):
-            specs.append(TensorSpec("output_layer.weight", (m.padded_vocab_size // tp, m.hidden_size), tp_dim=0,
+            specs.append(TensorSpec(OUTPUT_WEIGHT, (m.padded_vocab_size // tp, m.hidden_size), tp_dim=0,
                                     shared_name=WORD_EMBEDDING if tied else None))
     return specs

@@ -9,14 +9,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_p2r.config import ModelConfig
+from megatron_p2r.model.norm import make_norm
 from megatron_p2r.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_p2r.parallel.random import get_rng_tracker
 from megatron_p2r.parallel.state import ParallelState
 
 
-def rotary_tables(seq_len: int, head_dim: int, base: float, device) -> tuple:
-    """cos, sin [seq, head_dim] in the rotate-half convention (as Llama in transformers)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+def rotary_tables(seq_len: int, rotary_dim: int, base: float, device) -> tuple:
+    """cos, sin [seq, rotary_dim] in the rotate-half convention (as Llama in transformers)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim))
     freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -28,29 +29,64 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, heads, s, d]."""
-    return (x * cos + _rotate_half(x) * sin).to(x.dtype)
+    """x [b, heads, s, d]: its first ``cos.shape[-1]`` dimensions rotated, the rest (--rotary-percent
+    below 1) passed through, as Megatron-LM and transformers' partial rotary do."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return (x * cos + _rotate_half(x) * sin).to(x.dtype)
+    x_rot = x[..., :rot]
+    return torch.cat([(x_rot * cos + _rotate_half(x_rot) * sin).to(x.dtype), x[..., rot:]], dim=-1)
 
 
 class Attention(nn.Module):
-    """QKV is one column-parallel matrix laid out per head as [heads, (q, k, v), head_dim],
-    so a contiguous TP split gives each rank whole heads; the output is row-parallel."""
+    """Query, key and value projections split over TP by whole heads; the output is row-parallel.
+
+    Without --group-query-attention QKV is one column-parallel matrix with rows
+    ``[heads, (q, k, v), head_dim]`` (Megatron-LM's fused layout, one group per head). With it,
+    ``query`` ``[heads, head_dim]`` and ``key_value`` ``[groups, (k, v), head_dim]`` are separate
+    matrices, so that when TP exceeds the groups each rank can hold the one key/value head its
+    query heads use: TP/groups consecutive ranks hold replicas of it, whose partial gradients
+    the ParallelPlan sums over those ranks (``layout.tensors.HeadRows``, docs/architecture.md).
+    """
 
     def __init__(self, cfg: ModelConfig, ps: ParallelState, device=None):
         super().__init__()
-        h = cfg.hidden_size
-        self.head_dim = cfg.head_dim
-        self.local_heads = cfg.num_attention_heads // ps.tp_size
+        h, d, tp = cfg.hidden_size, cfg.head_dim, ps.tp_size
+        heads, groups = cfg.num_attention_heads, cfg.query_groups
+        self.head_dim = d
+        self.local_heads = heads // tp
+        self.local_groups = max(groups // tp, 1)
         self.dropout = cfg.attention_dropout
         self.device = ps.device
-        self.qkv = ColumnParallelLinear(h, 3 * h, ps, bias=cfg.add_bias, init_std=cfg.init_method_std, device=device)
-        self.proj = RowParallelLinear(h, h, ps, bias=cfg.add_bias,
+        projection = dict(bias=cfg.qkv_bias, init_std=cfg.init_method_std, device=device)
+        self.qkv = self.query = self.key_value = None
+        if cfg.group_query_attention:
+            self.query = ColumnParallelLinear(h, heads * d, ps, **projection)
+            self.key_value = ColumnParallelLinear(h, 2 * groups * d, ps, tp_replicas=max(tp // groups, 1),
+                                                  **projection)
+        else:
+            self.qkv = ColumnParallelLinear(h, 3 * heads * d, ps, **projection)
+        self.q_layernorm = make_norm(cfg, device, d) if cfg.qk_layernorm else None
+        self.k_layernorm = make_norm(cfg, device, d) if cfg.qk_layernorm else None
+        self.proj = RowParallelLinear(heads * d, h, ps, bias=cfg.add_bias,
                                       init_std=cfg.init_method_std / math.sqrt(2 * cfg.num_layers), device=device)
+
+    def _project(self, x: torch.Tensor) -> tuple:
+        """q [b, local heads, s, d]; k, v [b, local key/value heads, s, d]."""
+        b, s, _ = x.shape
+        if self.qkv is not None:
+            qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.head_dim)
+            return tuple(t.transpose(1, 2) for t in qkv.unbind(dim=3))
+        q = self.query(x).view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        kv = self.key_value(x).view(b, s, self.local_groups, 2, self.head_dim)
+        k, v = (t.transpose(1, 2) for t in kv.unbind(dim=3))
+        return q, k, v
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         b, s, _ = x.shape
-        qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.head_dim)
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))
+        q, k, v = self._project(x)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None:
             cos, sin = rope
             q, k = apply_rotary(q, cos[:s], sin[:s]), apply_rotary(k, cos[:s], sin[:s])
@@ -58,5 +94,6 @@ class Attention(nn.Module):
         # Heads are split over TP, so their dropout masks must differ between TP ranks.
         rng = get_rng_tracker(self.device).fork() if p > 0 else contextlib.nullcontext()
         with rng:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                               enable_gqa=self.local_groups != self.local_heads)
         return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))

@@ -8,18 +8,9 @@ from torch import nn
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.model.attention import Attention
 from megatron_p2r.model.mlp import MLP
+from megatron_p2r.model.norm import make_norm
 from megatron_p2r.moe.layer import MoELayer
 from megatron_p2r.parallel.state import ParallelState
-
-
-def make_norm(cfg: ModelConfig, device=None) -> nn.Module:
-    """torch's LayerNorm / RMSNorm (NVIDIA apex's fused kernels are not needed for these sizes)."""
-    cls = nn.LayerNorm if cfg.normalization == "LayerNorm" else nn.RMSNorm
-    norm = cls(cfg.hidden_size, eps=cfg.norm_epsilon, device=device)
-    for name, p in norm.named_parameters():
-        p.tp_dim, p.expert, p.no_wd = None, False, True
-        p.init = ("ones",) if name == "weight" else ("zeros",)
-    return norm
 
 
 class TransformerLayer(nn.Module):

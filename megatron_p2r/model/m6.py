@@ -18,7 +18,8 @@ from megatron_p2r.config import Config
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.tensors import WORD_EMBEDDING
 from megatron_p2r.model.attention import rotary_tables
-from megatron_p2r.model.block import TransformerLayer, make_norm
+from megatron_p2r.model.block import TransformerLayer
+from megatron_p2r.model.norm import make_norm
 from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_p2r.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
@@ -88,7 +89,7 @@ class M6Model(nn.Module):
     def _rope(self, seq_len: int, device) -> Optional[tuple]:
         if self.rope_base is None:
             return None
-        return rotary_tables(seq_len, self.cfg.model.head_dim, self.rope_base, device)
+        return rotary_tables(seq_len, self.cfg.model.rotary_dim, self.rope_base, device)
 
     def hidden_spec(self, tokens_shape: Tuple[int, ...]) -> Tuple[Tuple[int, ...], torch.dtype]:
         """(shape, dtype) of the hidden states between stages for a micro-batch of

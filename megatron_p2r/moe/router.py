@@ -4,7 +4,8 @@ Everything here runs in fp32, also under autocast: routing decisions and the sof
 sensitive to rounding, and the router is a tiny fraction of the FLOPs.
 
 - top-k (``--moe-router-topk``; 1 is Switch, 2 is GShard): softmax over the E experts, the k
-  largest probabilities are the weights (``--moe-renormalize-topk`` rescales them to sum 1);
+  largest probabilities are the weights with ``--moe-router-pre-softmax``; without it they are
+  rescaled to sum 1 (Megatron-LM's default: a softmax over the k selected logits is the same);
 - expert prototyping (M6-T, ``--moe-num-prototypes K``): the E experts form K groups of E/K,
   each group has its own softmax and each token takes top-1 in every group: K slots per token.
 
@@ -61,7 +62,7 @@ class Router(nn.Module):
         self.num_experts = cfg.num_experts
         self.groups = cfg.moe_num_prototypes
         self.topk = 1 if self.groups > 1 else cfg.moe_router_topk
-        self.renormalize = cfg.moe_renormalize_topk
+        self.renormalize = not cfg.moe_router_pre_softmax
         self.jitter = cfg.moe_input_jitter_eps
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
         self.weight = make_param((cfg.num_experts, cfg.hidden_size), init=("normal", cfg.init_method_std),

@@ -141,7 +141,7 @@ def build_split_optimizer(model: nn.Module, t: TrainConfig, manager: OffloadMana
     """The usual AdamW groups (weight decay / none), each split into device and offloaded
     parameters; the offloaded ones get a host AdamW (weights on host) or a StagedAdamW."""
     offloaded = manager.offloaded_param_ids
-    groups = param_groups(model, t.weight_decay)
+    groups = param_groups(model, t)
 
     def part(host: bool) -> list:
         out = [{**g, "params": [p for p in g["params"] if (id(p) in offloaded) == host]} for g in groups]

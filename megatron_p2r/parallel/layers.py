@@ -17,17 +17,22 @@ from megatron_p2r.parallel.state import ParallelState
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x A^T + b with A split along its output rows: weight [out/TP, in]."""
+    """y = x A^T + b with A split along its output rows: weight [out/TP, in]. With ``tp_replicas``
+    k, A splits into TP/k shards, each held by k consecutive TP ranks (grouped-query attention's
+    key/value heads when TP exceeds their number)."""
 
     def __init__(self, in_features: int, out_features: int, ps: ParallelState, *, bias: bool = True,
-                 init_std: float = 0.02, gather_output: bool = False, device=None):
+                 init_std: float = 0.02, gather_output: bool = False, tp_replicas: int = 1, device=None):
         super().__init__()
-        if out_features % ps.tp_size:
-            raise ValueError(f"output size {out_features} not divisible by TP={ps.tp_size}")
+        shards = ps.tp_size // tp_replicas
+        if out_features % shards:
+            raise ValueError(f"output size {out_features} not divisible into {shards} TP shards")
         self.group, self.gather_output = ps.group("tp"), gather_output
-        local = out_features // ps.tp_size
-        self.weight = make_param((local, in_features), tp_dim=0, init=("normal", init_std), device=device)
-        self.bias = make_param((local,), tp_dim=0, init=("zeros",), no_wd=True, device=device) if bias else None
+        local = out_features // shards
+        self.weight = make_param((local, in_features), tp_dim=0, init=("normal", init_std), tp_replicas=tp_replicas,
+                                 device=device)
+        self.bias = make_param((local,), tp_dim=0, init=("zeros",), no_wd=True, tp_replicas=tp_replicas,
+                               device=device) if bias else None
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         x = copy_to_region(x, self.group)

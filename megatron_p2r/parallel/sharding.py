@@ -3,6 +3,8 @@
 Every parameter carries a few attributes set where it is created:
 
     tp_dim      dimension split over TP ranks, or None when replicated
+    tp_replicas consecutive TP ranks holding the same shard (key/value heads when TP > groups):
+                the tensor splits into TP/tp_replicas shards, rank t holds shard t // tp_replicas
     expert      True for stacked expert weights ``[E_local, ...]`` (dim 0 split over EP)
     init        ("normal", std) | ("zeros",) | ("ones",)
     no_wd       True for norms and biases (no weight decay)
@@ -24,9 +26,9 @@ from torch import nn
 
 
 def make_param(shape, *, tp_dim: Optional[int] = None, init=("normal", 0.02), expert: bool = False,
-               no_wd: bool = False, device=None, dtype=torch.float32) -> nn.Parameter:
+               no_wd: bool = False, tp_replicas: int = 1, device=None, dtype=torch.float32) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-    p.tp_dim, p.init, p.expert, p.no_wd = tp_dim, init, expert, no_wd
+    p.tp_dim, p.init, p.expert, p.no_wd, p.tp_replicas = tp_dim, init, expert, no_wd, tp_replicas
     return p
 
 
@@ -45,16 +47,19 @@ def global_shape(param: torch.Tensor, tp_size: int, ep_size: int = 1) -> Tuple[i
     shape = list(param.shape)
     tp_dim = getattr(param, "tp_dim", None)
     if tp_dim is not None:
-        shape[tp_dim] *= tp_size
+        shape[tp_dim] *= tp_size // getattr(param, "tp_replicas", 1)
     if getattr(param, "expert", False):
         shape[0] *= ep_size
     return tuple(shape)
 
 
-def tp_slice(full: torch.Tensor, tp_dim: Optional[int], tp_rank: int, tp_size: int) -> torch.Tensor:
-    if tp_dim is None or tp_size == 1:
+def tp_slice(full: torch.Tensor, tp_dim: Optional[int], tp_rank: int, tp_size: int,
+             tp_replicas: int = 1) -> torch.Tensor:
+    """TP rank ``tp_rank``'s shard of ``full``: one of TP/tp_replicas chunks along ``tp_dim``."""
+    shards = tp_size // tp_replicas
+    if tp_dim is None or shards == 1:
         return full
-    return full.chunk(tp_size, dim=tp_dim)[tp_rank]
+    return full.chunk(shards, dim=tp_dim)[tp_rank // tp_replicas]
 
 
 def local_experts(param: nn.Parameter, ep_rank: int) -> range:
@@ -95,5 +100,5 @@ def init_parameters(module: nn.Module, seed: int, tp_rank: int, tp_size: int, ep
                     param[j].copy_(tp_slice(full, sub_dim, tp_rank, tp_size))
             else:
                 full = draw(key, global_shape(param, tp_size), param.init, seed)
-                param.copy_(tp_slice(full, tp_dim, tp_rank, tp_size))
+                param.copy_(tp_slice(full, tp_dim, tp_rank, tp_size, getattr(param, "tp_replicas", 1)))
 

@@ -64,19 +64,22 @@ class ParallelState:
 
     def reduction_group(self, reduction: Reduction) -> Optional[dist.ProcessGroup]:
         """The group a gradient with ``reduction`` is all-reduced over (None: nothing to reduce)."""
-        if not reduction.stages:
+        if not reduction.stages and reduction.tp_block == 1:
             return self.group(reduction.over)
-        return self._subgroups[(reduction.stages, reduction.over)]
+        return self._subgroups[(reduction.stages, reduction.over, reduction.tp_block)]
 
 
 def initialize(layout: Layout, device: torch.device, stage_sets: Sequence[Tuple[int, ...]] = (),
-               timeout: Optional[datetime.timedelta] = None) -> ParallelState:
+               timeout: Optional[datetime.timedelta] = None,
+               tp_blocks: Sequence[Tuple[Tuple[int, ...], int]] = ()) -> ParallelState:
     """Create every group of ``layout`` (collectively, in the same order on all ranks).
 
     Each set in ``stage_sets`` — the pipeline stages holding replicas of one tensor, as
     ``ParallelPlan.stage_sets()`` lists them — becomes groups "those stages x dp" and "those
-    stages x expert-dp" (see ``parallel/grads.py``). ``timeout`` bounds every collective of the
-    groups (torch gives new groups 30 minutes, not the world group's timeout).
+    stages x expert-dp"; each (stages, k) of ``tp_blocks`` (``ParallelPlan.tp_block_sets()``)
+    groups "k consecutive TP ranks x those stages (none: each stage alone) x dp / expert-dp"
+    (see ``parallel/grads.py``). ``timeout`` bounds every collective of the groups (torch gives
+    new groups 30 minutes, not the world group's timeout).
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; call init_distributed() first")
@@ -89,10 +92,12 @@ def initialize(layout: Layout, device: torch.device, stage_sets: Sequence[Tuple[
             group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if rank in ranks:
                 state.groups[kind] = group
-    for stages in sorted({tuple(sorted(s)) for s in stage_sets if len(set(s)) > 1}):
+    keys = [(tuple(sorted(s)), 1) for s in stage_sets if len(set(s)) > 1] + [(tuple(s), k) for s, k in tp_blocks]
+    for stages, block in sorted(set(keys)):
         for over in ("dp", "expert_dp"):
-            for ranks in stage_set_groups(layout, stages, over):
-                group = dist.new_group(ranks, timeout=timeout)
-                if rank in ranks:
-                    state._subgroups[(stages, over)] = group
+            for one_stage in ([stages] if stages else [(p,) for p in range(layout.pp)]):
+                for ranks in stage_set_groups(layout, one_stage, over, block):
+                    group = dist.new_group(ranks, timeout=timeout)
+                    if rank in ranks:
+                        state._subgroups[(stages, over, block)] = group
     return state

@@ -54,6 +54,37 @@ def moe_rows(cfg: Config, tokens: int) -> Tuple[int, int]:
     return slots, rows
 
 
+def _attention_held(m, n: int, b: int, tp: int, a: int, autocast: bool) -> int:
+    """What attention saves: the projections' input (one 16-bit copy under autocast, shared by
+    the query and key/value projections), q and the key/value heads this rank holds (one
+    replica when TP > groups), the q/k norms', the rotated q and k, the output and the log-sum-exp."""
+    heads, d = m.num_attention_heads // tp, m.head_dim
+    q, kv = n * heads * d, n * max(m.query_groups // tp, 1) * d
+    held = n * m.hidden_size * a + (q + 2 * kv) * a + q * a + b * heads * m.seq_length * 4
+    if m.qk_layernorm:
+        held += _qk_norm_held(m, q, kv, d, a, autocast)
+    if m.position_embedding_type == "rope":
+        held += (q + kv) * a                                      # rotated q and k
+    return held
+
+
+def _qk_norm_held(m, q: int, kv: int, d: int, a: int, autocast: bool) -> int:
+    """--qk-layernorm over q (``q`` elements) and the local keys (``kv``): each norm keeps its
+    statistics (LayerNorm mean and rstd, RMSNorm rstd and x * rstd in fp32, and under autocast
+    its fp32 copy of the input) and, unless rotary replaces it, its output; its output is
+    contiguous per head, so the attention output needs a copy for the output projection."""
+    held = q * a                                                  # the output projection's input copy
+    for elements in (q, kv):
+        rows = elements // d
+        if m.normalization == "LayerNorm":
+            held += 2 * rows * 4
+        else:
+            held += rows * 4 + elements * 4 + (elements * 4 if autocast else 0)
+        if m.position_embedding_type != "rope":
+            held += elements * a
+    return held
+
+
 def layer_activations(cfg: Config, key: int, tp: int, ep: int, *, device_type: str = "cuda") -> LayerActivations:
     """What one transformer layer (module ``key``) saves for backward, per micro-batch.
 
@@ -70,9 +101,7 @@ def layer_activations(cfg: Config, key: int, tp: int, ep: int, *, device_type: s
     norm = n * h * 4 + n * 4 * (2 if m.normalization == "LayerNorm" else 1) + \
         (n * h * 4 if m.normalization == "RMSNorm" else 0)   # torch's RMSNorm also keeps x * rstd
     held = 2 * norm
-    held += n * h * a + n * 3 * h // tp * a + n * h // tp * a + b * (m.num_attention_heads // tp) * s * 4
-    if m.position_embedding_type == "rope":
-        held += 2 * n * h // tp * a                              # rotated q and k
+    held += _attention_held(m, n, b, tp, a, autocast)
     if m.attention_dropout and device_type != "cuda":
         raise ValueError("attention dropout on CPU runs the math attention kernel with s x s tensors, "
                          "which the planner does not model; plan with device_type='cuda'")

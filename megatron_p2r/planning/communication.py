@@ -1,5 +1,5 @@
 """Communication volume per step of each group a rank is in (tp, ep, pp, dp, expert_dp,
-embedding, sharing), following the collectives the code issues (see docs/scale.md)."""
+embedding, sharing, tp_partial), following the collectives the code issues (see docs/scale.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -81,18 +81,19 @@ def communication(cfg: Config, plan: ParallelPlan, stage: int, gpus_per_node: in
 
 def gradient_traffic(plan: ParallelPlan, stage: int, gpus_per_node: int = 8) -> Dict[str, GroupTraffic]:
     """Per-step bytes a rank of ``stage`` sends reducing gradients, per kind of reduction
-    (dp, expert_dp, embedding, sharing: the plan's ``Reduction`` of each parameter)."""
+    (dp, expert_dp, embedding, sharing, tp_partial: the plan's ``Reduction`` of each parameter)."""
     layout = plan.layout
     rank = layout.rank(0, 0, stage)
     grads: Dict[str, List[float]] = {"dp": [0, layout.dp, 0], "expert_dp": [0, layout.expert_dp, 0],
-                                      "embedding": [0, 1, 1], "sharing": [0, 1, 1]}
+                                      "embedding": [0, 1, 1], "sharing": [0, 1, 1], "tp_partial": [0, 1, 1]}
     grads["dp"][2] = _nodes(layout.group_of("dp", rank), gpus_per_node)
     grads["expert_dp"][2] = _nodes(layout.group_of("expert_dp", rank), gpus_per_node)
     for s_ in plan.tensors(stage):
         red = plan.reduction(s_.logical, s_.expert)
-        if red.stages:
-            size = len(red.stages) * (layout.expert_dp if s_.expert else layout.dp)
-            group = next(g for g in stage_set_groups(layout, red.stages, red.over) if rank in g)
+        if red.stages or red.tp_block > 1:   # fused with the sum over stages and/or TP ranks
+            stages = red.stages or (stage,)
+            size = len(stages) * red.tp_block * (layout.expert_dp if s_.expert else layout.dp)
+            group = next(g for g in stage_set_groups(layout, stages, red.over, red.tp_block) if rank in g)
             entry = grads[red.kind]
             entry[0] += _ring(s_.numel * GRAD_BYTES, size)
             entry[1] = max(entry[1], size)

@@ -120,7 +120,7 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     tp_t, ep_t, pp_t = (link_time(comm[k], gpu) / mbs for k in ("tp", "ep", "pp"))
     transfer = off["moved_per_microbatch"] / gpu.host_bw
     mb_time = max(compute + tp_t + ep_t, transfer) + pp_t
-    sync = sum(link_time(comm[k], gpu) for k in ("dp", "expert_dp", "embedding", "sharing"))
+    sync = sum(link_time(comm[k], gpu) for k in ("dp", "expert_dp", "embedding", "sharing", "tp_partial"))
     hosted = off["host_optimizer_params"]
     opt = max(28 * (sum(s.numel for s in specs) - hosted) / gpu.hbm_bw,
               28 * hosted / a.host_optimizer_bw + off["moved_per_step"] / gpu.host_bw)

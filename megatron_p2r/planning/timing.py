@@ -12,14 +12,17 @@ from megatron_p2r.planning.hardware import GPUSpec
 
 def stage_flops_per_microbatch(cfg: Config, plan: ParallelPlan, stage: int, offloaded: Sequence[int] = ()) -> float:
     """Training FLOPs one rank of ``stage`` computes per micro-batch: 3x the forward matmuls
-    (one more forward for recomputed layers), the same convention as ``metrics.model_flops_per_token``."""
+    (one more forward for recomputed layers), the same convention as ``metrics.model_flops_per_token``.
+    Key/value heads replicated over TP (TP > query groups) are computed on every replica."""
     m, t = cfg.model, cfg.train
     n, h, T = t.micro_batch_size * m.seq_length, m.hidden_size, plan.layout.tp
     st = plan.stage(stage)
     glu = 2 if m.swiglu else 1
+    heads = m.num_attention_heads * m.head_dim / T               # query (and output) rows on a rank
+    kv = 2 * m.query_groups * m.head_dim / min(T, m.query_groups)   # key/value rows on a rank
     total = 0.0
     for key in st.layer_keys:
-        fwd = 2 * n * 4 * h * h / T + 4 * n * m.seq_length * h / T
+        fwd = 2 * n * h * (2 * heads + kv) + 4 * n * m.seq_length * heads
         if m.is_moe_layer(key):
             _, rows = moe_rows(cfg, n)
             fwd += 2 * n * m.num_experts * h + 2 * rows * (glu + 1) * m.expert_ffn_size * h / T

@@ -212,7 +212,7 @@ def test_load_same_as_save_starts_fresh_then_resumes(tmp_path):
     scratch; the relaunch resumes. A --load elsewhere without a checkpoint stays an error."""
     from megatron_p2r.training import pretrain
     d = str(tmp_path / "ck")
-    assert len(pretrain(cfg_of(save=d, load=d, train_iters=1))["losses"]) == 1
+    assert len(pretrain(cfg_of(save=d, load=d, train_iters=1, lr_decay_iters=3))["losses"]) == 1  # warm-up 1 < 3
     assert len(pretrain(cfg_of(save=d, load=d, train_iters=3))["losses"]) == 2
     assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text() == "3"
     assert "the directory does not exist" in _error(tmp_path / "elsewhere")

@@ -24,6 +24,7 @@ def test_parsers():
     assert parse_data_path(["0.3", "A", "0.7", "B"]) == (["A", "B"], [0.3, 0.7])
     assert parse_split("8,1,1") == pytest.approx([0.8, 0.1, 0.1])
     assert parse_split("1") == [1.0, 0.0, 0.0]
+    assert parse_split("'99,1,0'") == parse_split("99,1,0")  # quotes a bash array leaves in argv
     assert split_ranges(parse_split("969,30,1"), 1000) == [(0, 969), (969, 999), (999, 1000)]
     for bad, message in [(["A", "B"], "expected a weight before B"), (["0.3", "A", "B"], "weight/prefix pairs"),
                          (["0", "A", "1", "B"], "must be positive")]:

@@ -25,7 +25,8 @@ HIDDEN = 32
 
 def layer_cfg(**overrides) -> ModelConfig:
     values = dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, num_experts=4, moe_ffn_hidden_size=24,
-                  init_method_std=0.2)  # large init: routing probabilities far from uniform
+                  init_method_std=0.2,  # large init: routing probabilities far from uniform
+                  moe_router_topk=1, moe_router_pre_softmax=True)
     values.update(overrides)
     return ModelConfig(**values)
 

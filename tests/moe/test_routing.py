@@ -24,7 +24,7 @@ OUT_TOL = 1e-5
 ROUTERS = {
     "top1": dict(moe_router_topk=1),
     "top2": dict(moe_router_topk=2),
-    "top2-renorm-swiglu": dict(moe_router_topk=2, moe_renormalize_topk=True, swiglu=True),
+    "top2-renorm-swiglu": dict(moe_router_topk=2, moe_router_pre_softmax=False, swiglu=True),
     "top3-of-8-nobias": dict(num_experts=8, moe_router_topk=3, disable_bias_linear=True),
     "prototypes2x3": dict(num_experts=6, moe_num_prototypes=2),
     "prototypes4x2-swiglu": dict(num_experts=8, moe_num_prototypes=4, swiglu=True),

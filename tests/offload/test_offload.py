@@ -193,7 +193,7 @@ def test_optimizer_state_dict_round_trip_covers_both_optimizers():
     for o in opt.optimizers:
         for g in o.param_groups:
             g["lr"] = 123.0
-    state.scheduler.step()  # the scheduler still reaches both optimizers' (replaced) groups
+    state.scheduler.step(4)  # the scheduler still reaches both optimizers' (replaced) groups
     lrs = {g["lr"] for o in opt.optimizers for g in o.param_groups}
     assert len(opt.optimizers) == 2 and lrs == {state.scheduler.lr}
 

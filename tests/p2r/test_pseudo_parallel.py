@@ -4,7 +4,7 @@ A slot used on several stages exists once per stage; its gradient is summed over
 stages (and averaged over DP) by one all-reduce, so a PP pseudo run reproduces the PP=1
 pseudo run, and replicas stay bitwise identical step after step.
 Covers dense and MoE layers (experts under EP=2 and TP=2, share-pattern all giving one dense and
-one MoE module). Tolerance: fp32, 2e-5 absolute on gradients (reduction order only), 1e-5 on the loss.
+one MoE module), and grouped-query attention with its one key/value head replicated over TP=2. Tolerance: fp32, 2e-5 absolute on gradients (reduction order only), 1e-5 on the loss.
 """
 import hashlib
 
@@ -25,6 +25,9 @@ CASES = {  # name: (tp, pp, pattern, schedule, overrides) on 4 ranks (DP fills t
     "pp2_dp2_block2_1f1b": (1, 2, "block:2", "1f1b", {}),
     "moe_pp2_dp2_ep2_all": (1, 2, "all", "1f1b", dict(MOE, expert_model_parallel_size=2)),
     "moe_tp2_pp2_all": (2, 2, "all", "1f1b", MOE),
+    # one key/value head replicated on both TP ranks of a slot held by both stages: its
+    # gradient is summed over "TP block x stages x DP" in one all-reduce
+    "gqa_tp2_pp2_all": (2, 2, "all", "1f1b", dict(group_query_attention=True, num_query_groups=1, qk_layernorm=True)),
 }
 
 

@@ -24,7 +24,7 @@ TRACEBACK = 99
 FLAGS = ["--mock-data", "--vocab-size", "200", "--make-vocab-size-divisible-by", "16", "--num-layers", "2",
          "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
          "--lr", "1e-2", "--lr-warmup-iters", "1", "--hidden-dropout", "0.1", "--seed", "7", "--device", "cpu",
-         "--log-interval", "100"]
+         "--log-interval", "100", "--lr-decay-iters", "16"]  # a warm-up ends before the decay, also in 1-step runs
 
 
 def _rank_main(argv: Sequence[str], env: Dict[str, str], out_path: str) -> None:

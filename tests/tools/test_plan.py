@@ -29,7 +29,7 @@ def test_json_has_both_phases_and_every_category(capsys):
     assert set(real["device"]) == {"reserve", "params", "grads", "optimizer", "fetch_window", "compute_weights",
                                    "activations", "transient"}
     assert real["host"]["optimizer"] == 2 * real["host"]["params"] > 0
-    assert set(real["comm_bytes"]) == {"tp", "dp", "ep", "expert_dp", "pp", "embedding", "sharing"}
+    assert set(real["comm_bytes"]) == {"tp", "dp", "ep", "expert_dp", "pp", "embedding", "sharing", "tp_partial"}
     check = data["verification"]["real"][0]
     assert check["rank"] == 3 and check["problems"] == [] and check["parameters"] == real["parameters"]
 

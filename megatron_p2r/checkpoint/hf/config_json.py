@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
-from megatron_p2r.checkpoint.hf.architecture import GPT2, LLAMA, MIXTRAL, MODEL_TYPES, HFConversionError
+from megatron_p2r.checkpoint.hf.architecture import GPT2, LLAMA, MISTRAL, MIXTRAL, MODEL_TYPES, QWEN2, HFConversionError
 from megatron_p2r.config import ModelConfig
 
 
@@ -22,7 +22,7 @@ def hf_config(m: ModelConfig, arch: str, hf_vocab: int, dtype: str, special: Dic
                 "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout, "scale_attn_weights": True,
                 "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
     cfg = {**common, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
-           "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_attention_heads,
+           "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.query_groups,
            "head_dim": m.head_dim, "hidden_act": "silu", "max_position_embeddings": m.max_positions,
            "rms_norm_eps": m.norm_epsilon, "attention_dropout": m.attention_dropout,
            # transformers 5 reads rope_parameters; 4.x reads rope_theta
@@ -30,6 +30,11 @@ def hf_config(m: ModelConfig, arch: str, hf_vocab: int, dtype: str, special: Dic
     if arch == LLAMA:
         return {**cfg, "intermediate_size": m.ffn_size, "attention_bias": m.add_bias, "mlp_bias": m.add_bias,
                 "pretraining_tp": 1}
+    if arch == MISTRAL:
+        return {**cfg, "intermediate_size": m.ffn_size, "sliding_window": None}
+    if arch == QWEN2:
+        return {**cfg, "intermediate_size": m.ffn_size, "use_sliding_window": False, "sliding_window": None,
+                "max_window_layers": m.num_layers}
     return {**cfg, "intermediate_size": m.expert_ffn_size, "num_local_experts": m.num_experts,
             "num_experts_per_tok": m.moe_router_topk, "router_aux_loss_coef": m.moe_aux_loss_coeff,
             "router_jitter_noise": m.moe_input_jitter_eps or 0.0, "output_router_logits": False,
@@ -78,55 +83,99 @@ def _gpt2_values(hf: dict, where: str, allow_approximate_gelu: bool) -> dict:
         init_method_std=hf.get("initializer_range", 0.02))
 
 
-def _rotary_values(hf: dict, where: str, arch: str) -> dict:
-    """Llama and Mixtral: rotary, RMSNorm, SwiGLU (Mixtral: in top-k experts)."""
-    tied = bool(hf.get("tie_word_embeddings", True))
-    h, heads = required_field(hf, "hidden_size", where), required_field(hf, "num_attention_heads", where)
+def sliding_window(hf: dict) -> Optional[int]:
+    """The attention window of a Mistral, Mixtral or Qwen2 config.json, or None (full causal)."""
+    if hf.get("model_type") == "qwen2" and not hf.get("use_sliding_window", False):
+        return None
+    if "sliding_attention" not in hf.get("layer_types", ["sliding_attention"]):
+        return None
+    return hf.get("sliding_window")
+
+
+def _attention_values(hf: dict, where: str, h: int, heads: int) -> dict:
+    """Heads, key/value groups, head dimension and rotary of a rotary config.json."""
     kv = hf.get("num_key_value_heads") or heads
+    if heads % kv:
+        raise HFConversionError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    values = dict(num_attention_heads=heads)
     if kv != heads:
-        raise HFConversionError(f"{where}: num_key_value_heads {kv} != num_attention_heads {heads}; grouped-query "
-                                "attention has no equivalent here")
-    if hf.get("head_dim") not in (None, h // heads):
-        raise HFConversionError(f"{where}: head_dim {hf['head_dim']} != hidden_size/num_attention_heads "
-                                f"({h // heads})")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise HFConversionError(f"{where}: hidden_act {hf['hidden_act']!r}; only SwiGLU (silu) is supported")
+        values.update(group_query_attention=True, num_query_groups=kv)
+    if hf.get("head_dim") not in (None, h // heads) or h % heads:
+        values["kv_channels"] = required_field(hf, "head_dim", where)
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":
         raise HFConversionError(f"{where}: rope type {kind!r} (rope scaling) has no equivalent here")
-    if hf.get("sliding_window") is not None:
-        raise HFConversionError(f"{where}: sliding_window {hf['sliding_window']} has no equivalent here")
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise HFConversionError(f"{where}: partial_rotary_factor {partial}: {hf.get('model_type')} in transformers "
+                                "rotates whole heads, so such a config does not run there")
+    values["rotary_base"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return values
+
+
+def _bias_values(hf: dict, where: str, arch: str) -> dict:
+    """--disable-bias-linear / --add-qkv-bias: Llama's attention_bias and mlp_bias, Qwen2's
+    query/key/value biases; Mistral and Mixtral have none."""
+    if arch == QWEN2:
+        return dict(disable_bias_linear=True, add_qkv_bias=True)
+    if arch != LLAMA:
+        return dict(disable_bias_linear=True)
     bias = bool(hf.get("attention_bias", False))
-    if arch == LLAMA and bool(hf.get("mlp_bias", False)) != bias:
+    if bool(hf.get("mlp_bias", False)) != bias:
         raise HFConversionError(f"{where}: attention_bias {bias} with mlp_bias {hf.get('mlp_bias')}; "
                                 "--disable-bias-linear removes both or neither")
+    return dict(disable_bias_linear=not bias)
+
+
+def _rotary_values(hf: dict, where: str, arch: str) -> dict:
+    """Llama, Mistral, Qwen2 and Mixtral: rotary, RMSNorm, SwiGLU (Mixtral: in top-k experts),
+    grouped-query attention when there are fewer key/value heads than query heads.
+
+    A sliding window of W tokens is full causal attention on sequences of up to W tokens, so it
+    becomes --max-position-embeddings W: exact on every sequence our config then accepts."""
+    tied = bool(hf.get("tie_word_embeddings", True))
+    h, heads = required_field(hf, "hidden_size", where), required_field(hf, "num_attention_heads", where)
+    if hf.get("hidden_act", "silu") != "silu":
+        raise HFConversionError(f"{where}: hidden_act {hf['hidden_act']!r}; only SwiGLU (silu) is supported")
     max_pos = hf.get("max_position_embeddings", 4096)
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    window = sliding_window(hf)
     values = dict(num_layers=required_field(hf, "num_hidden_layers", where), hidden_size=h,
-                  num_attention_heads=heads, ffn_hidden_size=required_field(hf, "intermediate_size", where),
+                  ffn_hidden_size=required_field(hf, "intermediate_size", where),
                   normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True,
-                  position_embedding_type="rope", rotary_base=float(theta), max_position_embeddings=max_pos,
-                  untie_embeddings_and_output_weights=not tied, disable_bias_linear=not bias,
-                  attention_dropout=hf.get("attention_dropout", 0.0), init_method_std=hf.get("initializer_range", 0.02))
+                  position_embedding_type="rope", max_position_embeddings=min(max_pos, window or max_pos),
+                  untie_embeddings_and_output_weights=not tied,
+                  hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0),
+                  init_method_std=hf.get("initializer_range", 0.02))
+    values.update(_attention_values(hf, where, h, heads), **_bias_values(hf, where, arch))
     if arch == MIXTRAL:
         values.update(num_experts=required_field(hf, "num_local_experts", where),
                       moe_router_topk=required_field(hf, "num_experts_per_tok", where), moe_layer_freq=1,
-                      moe_ffn_hidden_size=values["ffn_hidden_size"], moe_renormalize_topk=True,
+                      moe_ffn_hidden_size=values["ffn_hidden_size"], moe_router_pre_softmax=False,
                       moe_aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0),
                       moe_input_jitter_eps=hf.get("router_jitter_noise") or None)
     return values
 
 
-def import_vocab_divisor(vocab: int, tp: int, requested: Optional[int] = None) -> int:
-    """``--make-vocab-size-divisible-by`` for an imported vocabulary: the largest power of two
-    (<= 128) that divides it and is a multiple of TP, so nothing is padded; else 128 (or TP)."""
+def import_vocab_divisor(rows: int, tp: int, requested: Optional[int] = None,
+                         tokens: Optional[int] = None) -> Optional[int]:
+    """``--make-vocab-size-divisible-by`` for an imported embedding of ``rows`` rows: the largest
+    power of two (<= 128) that divides it and is a multiple of TP, so nothing is padded; else
+    128 (or TP). With ``tokens`` (a tokenizer's vocabulary, from which training takes
+    --vocab-size) the divisor must pad ``tokens`` to exactly ``rows``: the first such multiple of
+    TP (powers of two first), or None when there is none."""
     if requested is not None:
         if requested < 1 or requested % tp:
             raise HFConversionError(f"--make-vocab-size-divisible-by {requested} must be >= 1 and divisible "
                                     f"by the target TP ({tp})")
-        return requested
-    for d in (128, 64, 32, 16, 8, 4, 2, 1):
-        if d % tp == 0 and vocab % d == 0:
+        return requested if tokens is None or -(-tokens // requested) * requested == rows else None
+    if tokens is None:
+        tokens = rows
+        fallback: Optional[int] = 128 if 128 % tp == 0 else tp
+    else:
+        fallback = None
+    powers = (128, 64, 32, 16, 8, 4, 2, 1)
+    for d in [*powers, *range(tp, rows + 1, tp)]:
+        if d % tp == 0 and rows % d == 0 and rows - d < tokens <= rows:
             return d
-    return 128 if 128 % tp == 0 else tp
+    return fallback

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from tqdm import tqdm
 
-from megatron_p2r.checkpoint.hf.architecture import HFConversionError, hf_architecture
+from megatron_p2r.checkpoint.hf.architecture import QWEN2, HFConversionError, hf_architecture
 from megatron_p2r.checkpoint.hf.config_json import hf_config
 from megatron_p2r.checkpoint.hf.directory import INDEX_FILE, parse_size, plan_shards, weight_file_names, write_json
 from megatron_p2r.checkpoint.hf.rules import Rule, rules
@@ -33,13 +33,15 @@ class ExportResult:
 
 
 def export_hf(src: str, dst: str, *, trim_vocab: bool = False, dtype: str = "float32",
-              max_shard_size: str = "5GB", force: bool = False, progress: bool = True) -> ExportResult:
-    """Write SRC (any layout, real or pseudo) as an HF model directory DST, streaming."""
+              max_shard_size: str = "5GB", architecture: Optional[str] = None, force: bool = False,
+              progress: bool = True) -> ExportResult:
+    """Write SRC (any layout, real or pseudo) as an HF model directory DST, streaming; as
+    ``architecture`` (an HF class name) when given, else the one the model's options point to."""
     if dtype not in EXPORT_DTYPES:
         raise HFConversionError(f"--dtype must be one of {sorted(EXPORT_DTYPES)}, got {dtype!r}")
     source = SourceCheckpoint(src)
     m = source.real_cfg.model
-    arch = hf_architecture(m)
+    arch = hf_architecture(m, architecture)
     limit = parse_size(max_shard_size)
     hf_vocab = m.vocab_size if trim_vocab else m.padded_vocab_size
     torch_dtype = EXPORT_DTYPES[dtype]
@@ -52,7 +54,11 @@ def export_hf(src: str, dst: str, *, trim_vocab: bool = False, dtype: str = "flo
         _write_weights(tmp, source, plan, groups, dict(zip(names, files)), torch_dtype, progress)
         note, special = export_tokenizer(source.cfg, tmp)
         write_json(os.path.join(tmp, "config.json"), hf_config(m, arch, hf_vocab, dtype, special))
-    return ExportResult(dst, arch, names, hf_vocab, _notes(note, source, m, hf_vocab))
+    notes = _notes(note, source, m, hf_vocab)
+    if arch == QWEN2 and source.cfg.data.tokenizer_type == "HuggingFaceTokenizer":
+        notes.append("transformers 5 loads a Qwen2 directory's tokenizer.json with Qwen2Tokenizer, which imposes "
+                     "Qwen2's pre-tokenizer: a tokenizer.json with another one encodes differently there")
+    return ExportResult(dst, arch, names, hf_vocab, notes)
 
 
 def _output_groups(plan: List[Rule], table: Dict[str, TensorInfo], st_dtype: str, arch: str) -> List[list]:

@@ -12,10 +12,11 @@ import yaml
 
 from megatron_p2r.checkpoint.atomic import write_text_atomic
 from megatron_p2r.checkpoint.hf.architecture import HFConversionError
-from megatron_p2r.checkpoint.hf.config_json import import_vocab_divisor, model_values_from_hf, required_field
+from megatron_p2r.checkpoint.hf.config_json import (import_vocab_divisor, model_values_from_hf, required_field,
+                                                    sliding_window)
 from megatron_p2r.checkpoint.hf.directory import HFDirectory, read_hf_config
 from megatron_p2r.checkpoint.hf.rules import Rule, rules
-from megatron_p2r.checkpoint.hf.tokenizer import import_tokenizer
+from megatron_p2r.checkpoint.hf.tokenizer import HFTokenizerFiles, copy_tokenizer, find_tokenizer
 from megatron_p2r.checkpoint.integrity import verify
 from megatron_p2r.checkpoint.metadata import build_metadata, write_metadata
 from megatron_p2r.checkpoint.naming import LATEST_FILE, iteration_dir_name
@@ -40,7 +41,8 @@ def import_hf(src: str, dst: str, target: Target, *, make_vocab_size_divisible_b
     arch, values = model_values_from_hf(hf_cfg, where, allow_approximate_gelu)
     hf_vocab = required_field(hf_cfg, "vocab_size", where)
     hf = HFDirectory(src)
-    cfg = _imported_config(values, hf_vocab, target, make_vocab_size_divisible_by)
+    found, note = find_tokenizer(src)
+    cfg, tokenizer_note = _imported_config(values, hf_vocab, target, make_vocab_size_divisible_by, found)
     m = cfg.model
     plan = {r.ours: r for r in rules(m, arch, hf_vocab)}
     table = tensor_table(cfg)
@@ -53,33 +55,59 @@ def import_hf(src: str, dst: str, target: Target, *, make_vocab_size_divisible_b
                      progress=progress, desc="import-hf")
         files = {f: os.path.getsize(os.path.join(out_iter, f)) for f in layout.files()}
         meta = build_metadata(cfg, table, iteration=0, consumed_samples=0, optimizer=False,
-                              scheduler={"step_count": 0}, scaler=LossScaler(cfg.train).state_dict(), files=files,
+                              scheduler={"num_steps": 0}, scaler=LossScaler(cfg.train).state_dict(), files=files,
                               rng=None, history=[{"op": "import-hf", "source": os.path.abspath(src),
                                                   "source_layout": f"hf:{arch}"}])
         write_metadata(out_iter, meta)
         verify(out_iter, meta, expected_params=sum(i.numel for i in table.values()))
-        note, flags = import_tokenizer(src, tmp, dst)
+        flags = {}
+        if found is not None and not tokenizer_note:
+            note, flags = copy_tokenizer(found, src, tmp, dst)
         _write_model_yaml(os.path.join(tmp, "model.yaml"), cfg, flags)
         write_text_atomic(os.path.join(tmp, LATEST_FILE), "0")
-    notes = [note]
+    return os.path.join(dst, iteration_dir_name(0)), _notes(note or tokenizer_note, cfg, hf_cfg, hf_vocab, dst)
+
+
+def _notes(tokenizer_note: str, cfg: Config, hf_cfg: dict, hf_vocab: int, dst: str) -> List[str]:
+    m = cfg.model
+    notes = [tokenizer_note]
     if m.padded_vocab_size != hf_vocab:
         notes.append(f"vocabulary padded from {hf_vocab} to {m.padded_vocab_size} rows with zeros "
-                     f"(TP {layout.tp} does not divide {hf_vocab}); their logits (0) enter our softmax")
+                     f"(TP {cfg.parallel.tensor_model_parallel_size} does not divide {hf_vocab}); their logits (0) "
+                     "enter our softmax")
+    window = sliding_window(hf_cfg)
+    if window is not None:
+        notes.append(f"sliding_window {window}: full causal attention on sequences of up to {window} tokens, so "
+                     f"--max-position-embeddings is {m.max_positions}; longer sequences are refused")
     yaml_path = os.path.join(dst, "model.yaml")
     notes.append(f"model and layout flags in {yaml_path}: train with --config {yaml_path} --load {dst} "
                  "--finetune plus data and training flags")
-    return os.path.join(dst, iteration_dir_name(0)), notes
+    return notes
 
 
-def _imported_config(values: dict, hf_vocab: int, target: Target, divisible_by: Optional[int]) -> Config:
-    """Our config for the HF model's ``values`` in the ``target`` layout (unset sizes: 1)."""
+def _imported_config(values: dict, hf_vocab: int, target: Target, divisible_by: Optional[int],
+                     tokenizer: Optional[HFTokenizerFiles]) -> Tuple[Config, str]:
+    """Our config for the HF model's ``values`` in the ``target`` layout (unset sizes: 1), and why
+    the tokenizer is not configured (empty when it is).
+
+    Training takes --vocab-size from the tokenizer, so with a tokenizer of fewer tokens than
+    the embedding has rows the divisor must pad its vocabulary back to exactly those rows."""
     tp = target.tensor_parallel_size or 1
-    divisor = import_vocab_divisor(hf_vocab, tp, divisible_by)
-    values.update(vocab_size=hf_vocab, make_vocab_size_divisible_by=divisor,
+    vocab, divisor, why = hf_vocab, import_vocab_divisor(hf_vocab, tp, divisible_by), ""
+    if tokenizer is not None and tokenizer.vocab_size != hf_vocab:
+        fitted = import_vocab_divisor(hf_vocab, tp, divisible_by, tokenizer.vocab_size)
+        if fitted is None:
+            why = (f"tokenizer not copied: its {tokenizer.vocab_size} tokens cannot be padded to the model's "
+                   f"{hf_vocab} embedding rows under TP {tp} (--make-vocab-size-divisible-by); pass a tokenizer "
+                   "with --tokenizer-type yourself")
+        else:
+            vocab, divisor = tokenizer.vocab_size, fitted
+    values.update(vocab_size=vocab, make_vocab_size_divisible_by=divisor,
                   seq_length=min(values["max_position_embeddings"], 4096))
     base = Config.from_dict({"model": values})
-    return target_config(base, Target(target.tensor_parallel_size or 1, target.pipeline_parallel_size or 1,
-                                      target.pipeline_layer_split, target.expert_parallel_size), delink=False)
+    cfg = target_config(base, Target(target.tensor_parallel_size or 1, target.pipeline_parallel_size or 1,
+                                     target.pipeline_layer_split, target.expert_parallel_size), delink=False)
+    return cfg, why
 
 
 def _check_hf_tensors(src: str, hf: HFDirectory, plan: Dict[str, Rule], table: Dict[str, TensorInfo],

@@ -6,13 +6,14 @@ import os
 
 import torch
 
+from megatron_p2r.checkpoint.compatibility import check_tables
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.integrity import check_files
 from megatron_p2r.checkpoint.metadata import metadata_config, metadata_table, read_metadata
 from megatron_p2r.checkpoint.naming import METADATA_FILE, resolve_iteration_dir
 from megatron_p2r.checkpoint.pieces import read_global
 from megatron_p2r.checkpoint.reshard import Target, target_config
-from megatron_p2r.checkpoint.tensor_table import ShardLayout
+from megatron_p2r.checkpoint.tensor_table import ShardLayout, tensor_table
 from megatron_p2r.config import Config
 from megatron_p2r.p2r import delink as dl
 
@@ -32,6 +33,8 @@ class SourceCheckpoint:
         self.readers = check_files(self.iter_dir, self.meta)
         self.cfg = metadata_config(self.meta)
         self.table = metadata_table(self.meta)
+        # names, shapes and QKV row layouts as this code lays the checkpoint's model out
+        check_tables(self.table, tensor_table(self.cfg), os.path.join(self.iter_dir, METADATA_FILE))
         self.layout = ShardLayout.of(self.cfg)
         self.pseudo = self.meta["p2r"]["phase"] == "pseudo"
         self.layer_keys = self.meta["p2r"]["layer_module_keys"]

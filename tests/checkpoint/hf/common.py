@@ -11,6 +11,7 @@ from megatron_p2r.parallel.state import ParallelState
 
 TOL = dict(rtol=1e-5, atol=1e-5)   # fp32 logits, same weights: reduction order only
 ROPE = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope")
+GQA = dict(group_query_attention=True)
 
 
 def reference_model(src, tmp):

@@ -1,8 +1,10 @@
 """Export to Hugging Face transformers and import back (megatron_p2r/checkpoint/hf/, docs/hf.md).
 
 The end-to-end test trains one tiny model per HF target on 4 gloo ranks — GPT2 under TP=2 x
-PP=2, Llama in the pseudo phase under TP=2 x PP=2 (so export delinks on the fly), Mixtral under
-TP=2 x EP=2 — saves it with --save, exports it, loads it with
+PP=2, Llama with grouped-query attention in the pseudo phase under TP=2 x PP=2 (so export
+delinks on the fly), Mistral with one key/value head replicated over TP=2 and a tokenizer.json, Mixtral (GQA, top-2)
+under TP=2 x EP=2, Qwen2 (QKV biases only, --kv-channels) under TP=2 — saves
+it with --save, exports it, loads it with
 ``AutoModelForCausalLM.from_pretrained`` and compares with our one-process model built from
 the same checkpoint by the checkpoint engineer's converter and loader (independent of checkpoint/hf/):
 
@@ -20,7 +22,7 @@ import pytest
 import torch
 
 from megatron_p2r.arguments import config_from_values, load_yaml
-from megatron_p2r.checkpoint.hf.architecture import GPT2, LLAMA, MIXTRAL
+from megatron_p2r.checkpoint.hf.architecture import GPT2, LLAMA, MISTRAL, MIXTRAL, QWEN2
 from megatron_p2r.checkpoint.hf.directory import INDEX_FILE, SINGLE_FILE
 from megatron_p2r.checkpoint.hf.exporter import export_hf
 from megatron_p2r.checkpoint.hf.importer import import_hf
@@ -31,7 +33,8 @@ from megatron_p2r.checkpoint.naming import resolve_iteration_dir
 from megatron_p2r.checkpoint.reshard import Target
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.testing import run_distributed
-from tests.checkpoint.hf.common import ROPE, check_same_function, load_hf, reference_model
+from tests.checkpoint.hf.common import GQA, ROPE, check_same_function, load_hf, reference_model
+from tests.data.test_hf_tokenizer import LLAMA3_CONFIG, write_tokenizer
 from tests.data.test_tokenizers import SAMPLES, TRAIN_TEXTS
 from tests.helpers import TINY, run_steps, tiny_config
 from tests.reliability.common import ROOT
@@ -43,17 +46,24 @@ COMMON = dict(train_iters=3, global_batch_size=4, eval_interval=3, eval_iters=2,
 CASES = {
     # learned positions + LayerNorm + GELU, tied, biases -> GPT2LMHeadModel
     "gpt2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
-    # rotary + RMSNorm + SwiGLU, untied, biases, pseudo phase (share all) -> LlamaForCausalLM
-    "llama": dict(ROPE, tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_layers=4,
-                  p2r_phase="pseudo", share_pattern="all", untie_embeddings_and_output_weights=True,
+    # rotary + RMSNorm + SwiGLU, untied, biases, 2 key/value groups, pseudo phase (share all) -> LlamaForCausalLM
+    "llama": dict(ROPE, **GQA, num_query_groups=2, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                  num_layers=4, p2r_phase="pseudo", share_pattern="all", untie_embeddings_and_output_weights=True,
                   make_vocab_size_divisible_by=128),
-    # top-2 MoE in every layer -> MixtralForCausalLM
-    "mixtral": dict(ROPE, tensor_model_parallel_size=2, expert_model_parallel_size=2, num_experts=4,
-                    moe_router_topk=2, moe_renormalize_topk=True, moe_ffn_hidden_size=24,
+    # one key/value head (replicated over TP 2), no biases -> MistralForCausalLM (on request)
+    "mistral": dict(ROPE, **GQA, num_query_groups=1, tensor_model_parallel_size=2, disable_bias_linear=True),
+    # top-2 MoE in every layer, 2 key/value groups -> MixtralForCausalLM
+    "mixtral": dict(ROPE, **GQA, num_query_groups=2, tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                    num_experts=4, moe_router_topk=2, moe_router_pre_softmax=False, moe_ffn_hidden_size=24,
                     disable_bias_linear=True, moe_aux_loss_coeff=0.01),
+    # biases on the query/key/value projections only, heads of 16 in hidden 32 -> Qwen2ForCausalLM
+    "qwen2": dict(ROPE, **GQA, num_query_groups=2, kv_channels=16, tensor_model_parallel_size=2,
+                  disable_bias_linear=True, add_qkv_bias=True),
 }
-# Import each export into a different layout (4 ranks each).
-IMPORT_LAYOUTS = {"gpt2": Target(4, 1), "llama": Target(1, 2, "3,1"), "mixtral": Target(1, 2, None, 2)}
+ARCHITECTURES = {"gpt2": GPT2, "llama": LLAMA, "mistral": MISTRAL, "mixtral": MIXTRAL, "qwen2": QWEN2}
+# Import each export into a different layout (4 ranks each); Mistral's key/value head on 4 TP ranks.
+IMPORT_LAYOUTS = {"gpt2": Target(4, 1), "llama": Target(1, 2, "3,1"), "mistral": Target(4),
+                  "mixtral": Target(1, 2, None, 2), "qwen2": Target(2, 2)}
 
 
 def _bpe_files(directory):
@@ -89,13 +99,17 @@ def _eval_losses(rank, world, runs):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """The three cases trained 3 steps on 4 ranks and saved; tokenizers for GPT2 and Llama."""
+    """The cases trained 3 steps on 4 ranks and saved; tokenizers for GPT2, Llama and Mistral (a
+    tokenizer.json: transformers 5 would load it with Qwen2's own pre-tokenizer in a Qwen2
+    directory, docs/hf.md)."""
     root = tmp_path_factory.mktemp("hf")
     (root / "bpe").mkdir()
     vocab, merges = _bpe_files(root / "bpe")
     cases = {k: dict(v) for k, v in CASES.items()}
     cases["gpt2"].update(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
     cases["llama"].update(tokenizer_type="SentencePieceTokenizer", tokenizer_model=_sp_model(root))
+    cases["mistral"].update(tokenizer_type="HuggingFaceTokenizer",
+                          tokenizer_model=str(write_tokenizer(root / "hf_tok", LLAMA3_CONFIG)))
     losses = run_distributed(_train, 4, str(root), cases, timeout=300)[0]
     return root, cases, losses
 
@@ -108,8 +122,9 @@ def test_export_load_generate_import_eval(trained):
     for name, values in cases.items():
         src, dst = str(root / name), str(root / f"{name}_hf")
         # Llama is written in several files with an index (the sharded path through transformers).
-        result = export_hf(src, dst, progress=False, max_shard_size="64KB" if name == "llama" else "5GB")
-        assert result.architecture == {"gpt2": GPT2, "llama": LLAMA, "mixtral": MIXTRAL}[name]
+        result = export_hf(src, dst, progress=False, max_shard_size="64KB" if name == "llama" else "5GB",
+                           architecture=MISTRAL if name == "mistral" else None)
+        assert result.architecture == ARCHITECTURES[name]
         assert (len(result.files) > 1) == (name == "llama") == os.path.isfile(os.path.join(dst, INDEX_FILE))
         ours, cfg = reference_model(src, str(root / f"{name}_single"))
         theirs = load_hf(dst)
@@ -119,8 +134,9 @@ def test_export_load_generate_import_eval(trained):
         if cfg.data.tokenizer_type:
             from megatron_p2r.data.tokenizers import build_tokenizer
             tok, ref = transformers.AutoTokenizer.from_pretrained(dst), build_tokenizer(cfg.data)
+            hf_specials = cfg.data.tokenizer_type == "HuggingFaceTokenizer"   # bos from tokenizer.json's template
             for text in SAMPLES.values():
-                assert tok.encode(text, add_special_tokens=False) == ref.encode(text), text
+                assert tok.encode(text, add_special_tokens=hf_specials) == ref.encode(text), text
         else:
             assert "tokenizer not copied" in result.notes[0]
 
@@ -130,6 +146,7 @@ def test_export_load_generate_import_eval(trained):
                       eval_iters=2, device="cpu", log_interval=100)
         yaml_values = load_yaml(os.path.join(back, "model.yaml"))
         assert yaml_values["tensor_model_parallel_size"] == IMPORT_LAYOUTS[name].tensor_parallel_size
+        assert yaml_values.get("tokenizer_type") == cfg.data.tokenizer_type  # the copied tokenizer is configured
         if not cfg.data.tokenizer_type:
             yaml_values["vocab_size"] = cfg.model.vocab_size  # the mock data's token range
         import_runs[name] = {**yaml_values, "load": back, **common}

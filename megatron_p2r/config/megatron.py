@@ -1,0 +1,192 @@
+"""Megatron-LM's flags that are not config fields, and what each does here.
+
+``pretrain_m6.py`` accepts every flag of Megatron-LM's example launch scripts (docs/megatron.md
+lists them with their status; ``tests/test_megatron_scripts.py`` checks that list against this
+table). A flag named like a config field has Megatron-LM's meaning and default there. The others:
+
+- ``MEANING``: what the flag asks for is how this framework always works (``--calculate-per-token-loss``),
+  or another issue's config field implements it (``owner``);
+- ``NO_EFFECT``: it only picks a kernel, a communication pattern or an integration we do not have;
+  accepted, and reported once at start ("no effect here: ...");
+- ``REFUSED``: it would change the math and is not implemented; the parser accepts it only to stop
+  with an error that names it.
+
+Some depend on the value: ``--context-parallel-size 1`` means what it says; 2 is refused. The
+package imports nothing else of megatron_p2r, so the table can be read without building anything.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
+
+from megatron_p2r.config.fields import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_p2r.config.root import Config
+
+MEANING, NO_EFFECT, REFUSED = "meaning", "no effect", "refused"
+STATUSES = (MEANING, NO_EFFECT, REFUSED)
+
+
+@dataclass(frozen=True)
+class MegatronFlag:
+    status: str
+    reason: str
+    parse: dict = field(default_factory=dict)  # argparse keywords as Megatron-LM parses it; none when owned
+    owner: Optional[str] = None                # the issue whose config field implements the flag
+    keeps: Optional[Callable[[object, "Config"], bool]] = None  # the values that have ``status``
+    otherwise: Tuple[str, str] = (REFUSED, "")  # (status, reason) of the other values
+
+    def resolve(self, value, cfg: "Config") -> Tuple[str, str]:
+        """(status, reason) of this flag given ``value``."""
+        if self.keeps is None or self.keeps(value, cfg):
+            return self.status, self.reason
+        return self.otherwise
+
+
+def _switch() -> dict:
+    return {"action": "store_true"}
+
+
+def _value(kind, choices=None, nargs=None) -> dict:
+    return {key: value for key, value in (("type", kind), ("choices", choices), ("nargs", nargs)) if value}
+
+
+def _kernel(what: str, parse: Optional[dict] = None) -> MegatronFlag:
+    return MegatronFlag(NO_EFFECT, f"{what}: a kernel choice, the same math", parse or _switch())
+
+
+def _owned(owner: str) -> MegatronFlag:
+    return MegatronFlag(MEANING, "has Megatron-LM's meaning", owner=owner)
+
+
+_FP8 = "fp8 needs Transformer Engine: the compute stays in --bf16/--fp16/fp32"
+_PROFILER = "Megatron-LM's profiler hook is not integrated"
+_WANDB = "Weights & Biases is not integrated: use --tensorboard-dir or --log-file"
+
+MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
+    # Kernels and implementations.
+    "--use-mcore-models": MegatronFlag(NO_EFFECT, "picks Megatron's model code (Megatron-LM ignores it too)",
+                                       _switch()),
+    "--transformer-impl": _kernel("Transformer Engine or local layers",
+                                  _value(str, ["local", "transformer_engine", "inference_optimized"])),
+    "--attention-backend": _kernel("attention kernel", _value(str, ["flash", "fused", "unfused", "local", "auto"])),
+    "--use-flash-attn": _kernel("FlashAttention"),
+    "--no-masked-softmax-fusion": _kernel("fused masked softmax"),
+    "--no-bias-gelu-fusion": _kernel("fused bias+GELU"),
+    "--no-bias-swiglu-fusion": _kernel("fused bias+SwiGLU"),
+    "--no-bias-dropout-fusion": _kernel("fused bias+dropout+add"),
+    "--no-rope-fusion": _kernel("fused rotary embedding"),
+    "--no-gradient-accumulation-fusion": _kernel("fused weight-gradient accumulation"),
+    "--cross-entropy-loss-fusion": _kernel("fused cross entropy"),
+    "--moe-grouped-gemm": _kernel("grouped expert GEMM"),
+    "--moe-permute-fusion": _kernel("fused token permutation"),
+    "--no-persist-layer-norm": _kernel("persistent LayerNorm"),
+    # Reduced precision for speed: computed at the higher precision here.
+    "--fp8-format": MegatronFlag(NO_EFFECT, _FP8, _value(str, ["e4m3", "hybrid"])),
+    "--fp8-recipe": MegatronFlag(NO_EFFECT, _FP8, _value(str, ["tensorwise", "delayed", "mxfp8", "blockwise",
+                                                               "custom"])),
+    "--fp8-amax-history-len": MegatronFlag(NO_EFFECT, _FP8, _value(int)),
+    "--fp8-amax-compute-algo": MegatronFlag(NO_EFFECT, _FP8, _value(str, ["most_recent", "max"])),
+    "--fp8-param-gather": MegatronFlag(NO_EFFECT, _FP8, _switch()),
+    "--grad-reduce-in-bf16": MegatronFlag(NO_EFFECT, "gradients are accumulated and reduced in fp32 (Megatron's "
+                                          "default with --bf16): only bf16 rounding differs", _switch()),
+    "--apply-layernorm-1p": MegatronFlag(NO_EFFECT, "stores norm weights as 1+w for bf16 storage: with fp32 master "
+                                         "weights and no weight decay on norms it trains the same", _switch()),
+    # Memory, processes, I/O and integrations.
+    "--manual-gc": MegatronFlag(NO_EFFECT, "Python garbage-collection timing", _switch()),
+    "--empty-unused-memory-level": MegatronFlag(NO_EFFECT, "CUDA cache release", _value(int, [0, 1, 2])),
+    "--num-workers": MegatronFlag(NO_EFFECT, "data-loader worker processes (samples are read in the training "
+                                  "process)", _value(int)),
+    "--no-mmap-bin-files": MegatronFlag(NO_EFFECT, ".bin files are memory-mapped here: the same data", _switch()),
+    "--tiktoken-pattern": MegatronFlag(NO_EFFECT, "used by TikTokenizer only, which is not available here",
+                                       _value(str, ["v1", "v2"])),
+    "--ckpt-format": MegatronFlag(NO_EFFECT, "checkpoints are in this framework's format (docs/checkpoint.md)",
+                                  _value(str, ["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"])),
+    "--profile": MegatronFlag(NO_EFFECT, _PROFILER, _switch()),
+    "--profile-step-start": MegatronFlag(NO_EFFECT, _PROFILER, _value(int)),
+    "--profile-step-end": MegatronFlag(NO_EFFECT, _PROFILER, _value(int)),
+    "--wandb-project": MegatronFlag(NO_EFFECT, _WANDB, _value(str)),
+    "--wandb-exp-name": MegatronFlag(NO_EFFECT, _WANDB, _value(str)),
+    "--wandb-save-dir": MegatronFlag(NO_EFFECT, _WANDB, _value(str)),
+    # How this framework always works.
+    "--calculate-per-token-loss": MegatronFlag(MEANING, "the loss is always the mean over the global batch's "
+                                               "loss tokens", _switch()),
+    "--log-throughput": MegatronFlag(MEANING, "tokens/s and TFLOP/s per rank are always logged", _switch()),
+    "--no-create-attention-mask-in-dataloader": MegatronFlag(MEANING, "the causal mask is made in the model, "
+                                                             "never by the data loader", _switch()),
+    "--no-position-embedding": MegatronFlag(
+        MEANING, "rotary positions have no learned table", _switch(),
+        keeps=lambda value, cfg: cfg.model.position_embedding_type == "rope",
+        otherwise=(REFUSED, "without --position-embedding-type rope (Megatron-LM refuses it too)")),
+    "--context-parallel-size": MegatronFlag(MEANING, "no context parallelism", _value(int),
+                                            keeps=lambda value, cfg: value == 1,
+                                            otherwise=(REFUSED, "context parallelism is not implemented")),
+    "--moe-token-dispatcher-type": MegatronFlag(
+        MEANING, "tokens go to their experts by all-to-all over the EP group", _value(str, ["allgather", "alltoall",
+                                                                                            "flex"]),
+        keeps=lambda value, cfg: value == "alltoall",
+        otherwise=(NO_EFFECT, "a communication pattern: tokens go by all-to-all here, with the same result")),
+    "--moe-router-load-balancing-type": MegatronFlag(
+        MEANING, "the Switch/GShard loss, weighted by --moe-aux-loss-coeff",
+        _value(str, ["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none"],
+               nargs="+"),
+        keeps=lambda value, cfg: list(value) == ["aux_loss"],
+        otherwise=(REFUSED, "only aux_loss is implemented")),
+    "--moe-router-score-function": MegatronFlag(MEANING, "softmax router", _value(str, ["softmax", "sigmoid",
+                                                                                      "sqrtsoftplus"]),
+                                                keeps=lambda value, cfg: value == "softmax",
+                                                otherwise=(REFUSED, "only the softmax router is implemented")),
+    "--lr-warmup-init": MegatronFlag(MEANING, "warm-up starts from 0", _value(float),
+                                     keeps=lambda value, cfg: value == 0.0,
+                                     otherwise=(REFUSED, "the warm-up always starts from 0 here")),
+    # Math we do not implement.
+    "--rotary-interleaved": MegatronFlag(REFUSED, "interleaved (RoFormer) rotary pairs are not implemented",
+                                         _switch()),
+    "--use-rope-scaling": MegatronFlag(REFUSED, "Llama-3.1 rotary scaling is not implemented", _switch()),
+    "--squared-relu": MegatronFlag(REFUSED, "squared-ReLU MLPs are not implemented", _switch()),
+    "--openai-gelu": MegatronFlag(REFUSED, "the tanh GELU approximation is not implemented", _switch()),
+    "--apply-residual-connection-post-layernorm": MegatronFlag(REFUSED, "post-norm residuals are not implemented",
+                                                               _switch()),
+    "--init-method-xavier-uniform": MegatronFlag(REFUSED, "Xavier initialisation is not implemented", _switch()),
+    "--loss-scale": MegatronFlag(REFUSED, "a static loss scale is not implemented (--fp16 scales dynamically)",
+                                 _value(float)),
+    "--decrease-batch-size-if-needed": MegatronFlag(REFUSED, "the global batch is never shrunk to fit", _switch()),
+    # Implemented by other issues' config fields.
+    **{flag: _owned("#18 (GQA)") for flag in ("--group-query-attention", "--num-query-groups", "--kv-channels",
+                                               "--qk-layernorm", "--rotary-percent")},
+    **{flag: _owned("#17 (sequence parallelism, recomputation)")
+       for flag in ("--sequence-parallel", "--recompute-granularity", "--recompute-method", "--recompute-num-layers")},
+    "--num-layers-per-virtual-pipeline-stage": _owned("#17 (interleaved pipeline)"),
+    **{flag: _owned("#16 (distributed optimizer, overlap)")
+       for flag in ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                    "--ddp-bucket-size")},
+}
+
+
+def parsed_flags() -> Dict[str, MegatronFlag]:
+    """The table's flags the parser adds itself (owned flags come with their config fields)."""
+    return {flag: entry for flag, entry in MEGATRON_FLAGS.items() if entry.owner is None}
+
+
+def check_flags(given: Dict[str, object], cfg: "Config") -> List[str]:
+    """Raise one ConfigError naming every refused flag; return "FLAG (reason)" of those with no effect."""
+    refused, no_effect = [], []
+    for flag, value in given.items():
+        status, reason = MEGATRON_FLAGS[flag].resolve(value, cfg)
+        shown = flag if value is True else f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+        if status == REFUSED:
+            refused.append(f"{shown}: {reason}")
+        elif status == NO_EFFECT:
+            no_effect.append(f"{flag} ({reason})")
+    if refused:
+        raise ConfigError("not supported here (docs/megatron.md): " + "; ".join(refused))
+    return no_effect
+
+
+def implied_values(values: dict) -> dict:
+    """Megatron-LM's ``pretrain_gpt.py`` defaults --tokenizer-type to GPT2BPETokenizer: here when
+    --vocab-file is given without a type (with neither, --vocab-size sizes a run without one)."""
+    if values.get("tokenizer_type") is None and values.get("vocab_file"):
+        return {**values, "tokenizer_type": "GPT2BPETokenizer"}
+    return values

@@ -1,0 +1,86 @@
+"""Megatron-LM's flags: same names, same defaults; the others accepted, reported or refused
+(config/megatron.py, arguments.py)."""
+import time
+
+import pytest
+
+from megatron_p2r.arguments import parse_launch
+from megatron_p2r.config import Config, ConfigError
+from megatron_p2r.parallel.state import ParallelState
+from megatron_p2r.training import ExitSignal
+
+BASE = ["--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
+
+# megatron/training/arguments.py at d98e8a64 (with its dataclass-generated flags): the default of
+# every flag whose name is one of our fields and that has a default there. Ours must be the same.
+MEGATRON_DEFAULTS = {
+    "make_vocab_size_divisible_by": 128, "normalization": "LayerNorm", "norm_epsilon": 1e-5, "swiglu": False,
+    "position_embedding_type": "learned_absolute", "rotary_base": 10000, "untie_embeddings_and_output_weights": False,
+    "disable_bias_linear": False, "hidden_dropout": 0.1, "attention_dropout": 0.1, "init_method_std": 0.02,
+    "moe_layer_freq": 1, "moe_router_topk": 2, "moe_router_pre_softmax": False, "moe_aux_loss_coeff": 0.0,
+    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1,
+    "distributed_timeout_minutes": 10, "min_lr": 0.0, "lr_warmup_iters": 0, "lr_warmup_samples": 0,
+    "lr_decay_style": "linear", "weight_decay": 0.01, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-8,
+    "clip_grad": 1.0, "seed": 1234, "bf16": False, "fp16": False, "initial_loss_scale": 2.0 ** 32,
+    "min_loss_scale": 1.0, "loss_scale_window": 1000, "hysteresis": 2, "recompute_activations": False,
+    "exit_signal_handler": False, "mock_data": False, "finetune": False, "log_interval": 100, "eval_iters": 100,
+    # None there and here: unset
+    "train_iters": None, "train_samples": None, "lr_decay_iters": None, "lr_decay_samples": None,
+    "lr_warmup_fraction": None, "decoupled_lr": None, "decoupled_min_lr": None, "rampup_batch_size": None,
+    "step_batch_size_schedule": None, "global_batch_size": None, "exit_interval": None,
+    "exit_duration_in_mins": None, "eval_interval": None, "num_experts": None, "moe_ffn_hidden_size": None,
+    "ffn_hidden_size": None, "max_position_embeddings": None, "vocab_size": None, "tokenizer_type": None,
+}
+
+
+def test_defaults_are_megatrons():
+    flat = {name: value for section in Config().to_dict().values() for name, value in section.items()}
+    assert {name: flat[name] for name in MEGATRON_DEFAULTS} == MEGATRON_DEFAULTS
+
+
+def test_no_effect_flags_are_reported_and_refused_flags_named():
+    cfg, no_effect = parse_launch(BASE + ["--use-flash-attn", "--attention-backend", "flash",
+                                          "--context-parallel-size", "1", "--moe-token-dispatcher-type", "allgather",
+                                          "--calculate-per-token-loss"])
+    assert [item.split(" (")[0] for item in no_effect] == ["--use-flash-attn", "--attention-backend",
+                                                           "--moe-token-dispatcher-type"]
+    assert cfg == parse_launch(BASE)[0]  # none of them changes the config
+    with pytest.raises(ConfigError) as err:
+        parse_launch(BASE + ["--context-parallel-size", "2", "--rotary-interleaved", "--use-flash-attn"])
+    assert "--context-parallel-size 2: context parallelism is not implemented" in str(err.value)
+    assert "--rotary-interleaved: interleaved" in str(err.value) and "--use-flash-attn" not in str(err.value)
+
+
+def test_value_dependent_statuses():
+    with pytest.raises(ConfigError, match="--no-position-embedding: without --position-embedding-type rope"):
+        parse_launch(BASE + ["--no-position-embedding"])
+    assert parse_launch(BASE + ["--no-position-embedding", "--position-embedding-type", "rope"])[1] == []
+    with pytest.raises(ConfigError, match="--moe-router-load-balancing-type aux_loss sinkhorn: only aux_loss"):
+        parse_launch(BASE + ["--moe-router-load-balancing-type", "aux_loss", "sinkhorn"])
+
+
+def test_yaml_takes_the_same_flags(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("use-mcore-models: true\nmanual-gc: false\nempty-unused-memory-level: 1\n"
+                    "step-batch-size-schedule: 0:16 1K:32\nrampup-batch-size: [2, 2, 8]\n")
+    cfg, no_effect = parse_launch(BASE + ["--config", str(path)])
+    assert [item.split(" (")[0] for item in no_effect] == ["--use-mcore-models", "--empty-unused-memory-level"]
+    assert cfg.train.step_batch_size_schedule == ["0:16", "1K:32"] and cfg.train.rampup_batch_size == [2, 2, 8]
+    path.write_text("empty-unused-memory-level: 3\n")
+    with pytest.raises(ConfigError, match=r"key 'empty-unused-memory-level' must be one of \[0, 1, 2\], got 3"):
+        parse_launch(BASE + ["--config", str(path)])
+
+
+def test_vocab_file_implies_gpt2_bpe_as_pretrain_gpt():
+    cfg, _ = parse_launch(BASE + ["--vocab-file", "v.json", "--merge-file", "m.txt"])
+    assert cfg.data.tokenizer_type == "GPT2BPETokenizer"
+    cfg, _ = parse_launch(BASE + ["--vocab-file", "v.json", "--tokenizer-type", "HuggingFaceTokenizer"])
+    assert cfg.data.tokenizer_type == "HuggingFaceTokenizer"
+    assert parse_launch(BASE)[0].data.tokenizer_type is None
+
+
+def test_exit_duration_counts_from_the_start():
+    single = ParallelState.single()
+    assert not ExitSignal(False, 1, started=time.monotonic() - 50).any_rank(single)
+    assert ExitSignal(False, 1, started=time.monotonic() - 61).any_rank(single)
+    assert not ExitSignal(False).any_rank(single)
