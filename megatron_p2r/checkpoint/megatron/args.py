@@ -53,7 +53,6 @@ _NEUTRAL = [
     ("moe_latent_size", None, "latent MoE projections"),
     ("moe_apply_probs_on_input", False, "routing weights applied to expert inputs"),
     ("use_mup", False, "muP scaling"),
-    ("qk_layernorm", False, "query/key layer norms"),
 ]
 
 
@@ -110,26 +109,24 @@ def _single(value, name: str, blockers: List[str]):
 
 def _attention_values(a: SavedArgs, blockers: List[str]) -> dict:
     h, heads = a.required("hidden_size"), a.required("num_attention_heads")
-    kv = a.get("kv_channels") or h // heads
-    groups = (a.get("num_query_groups") or 1) if a.get("group_query_attention") else heads
-    if groups != heads:
-        blockers.append(f"--group-query-attention --num-query-groups {groups} (grouped-query attention)")
-    if kv * heads != h:
-        blockers.append(f"--kv-channels {kv} (heads x kv-channels must equal --hidden-size {h})")
-    if a.get("add_qkv_bias") and not a.get("add_bias_linear", default=True):
-        blockers.append("--add-qkv-bias without linear biases")
     position = a.get("position_embedding_type", default="learned_absolute")
     if a.get("use_rotary_position_embeddings"):  # Megatron before the option had a type
         position = "rope"
     if position not in ("learned_absolute", "rope"):
         blockers.append(f"--position-embedding-type {position}")
-    if position == "rope" and a.get("rotary_percent", default=1.0) != 1.0:
-        blockers.append(f"--rotary-percent {a.get('rotary_percent')} (rotary on part of each head)")
     max_pos = a.get("max_position_embeddings") or a.required("seq_length")
-    return dict(hidden_size=h, num_attention_heads=heads, position_embedding_type=position,
-                rotary_base=float(a.get("rotary_base", default=10000)), max_position_embeddings=max_pos,
-                seq_length=min(a.get("seq_length") or max_pos, max_pos),
-                attention_dropout=a.get("attention_dropout", default=0.1))
+    values = dict(hidden_size=h, num_attention_heads=heads, position_embedding_type=position,
+                  rotary_base=float(a.get("rotary_base", default=10000)),
+                  rotary_percent=float(a.get("rotary_percent", default=1.0)), max_position_embeddings=max_pos,
+                  seq_length=min(a.get("seq_length") or max_pos, max_pos),
+                  attention_dropout=a.get("attention_dropout", default=0.1),
+                  qk_layernorm=bool(a.get("qk_layernorm")),
+                  add_qkv_bias=bool(a.get("add_qkv_bias")) and not a.get("add_bias_linear", default=True))
+    if a.get("kv_channels") not in (None, h // heads):
+        values["kv_channels"] = a.get("kv_channels")
+    if a.get("group_query_attention"):
+        values.update(group_query_attention=True, num_query_groups=a.get("num_query_groups") or 1)
+    return values
 
 
 def _mlp_values(a: SavedArgs, allow_approximate_gelu: bool, blockers: List[str], notes: List[str]) -> dict:
@@ -163,7 +160,7 @@ def _moe_values(a: SavedArgs, blockers: List[str]) -> dict:
     coeff = _single(a.get("moe_aux_loss_coeff", default=0.0), "--moe-aux-loss-coeff", blockers)
     return dict(num_experts=experts, moe_router_topk=a.get("moe_router_topk", default=2), moe_layer_freq=1,
                 moe_ffn_hidden_size=a.get("moe_ffn_hidden_size"),
-                moe_renormalize_topk=not a.get("moe_router_pre_softmax", default=False),
+                moe_router_pre_softmax=bool(a.get("moe_router_pre_softmax")),
                 moe_aux_loss_coeff=float(coeff or 0.0) if balancing == "aux_loss" else 0.0,
                 moe_z_loss_coeff=float(a.get("moe_z_loss_coeff") or 0.0),
                 moe_input_jitter_eps=a.get("moe_input_jitter_eps"))

@@ -10,22 +10,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron_p2r.checkpoint.atomic import write_text_atomic
 from megatron_p2r.checkpoint.errors import CheckpointError
-from megatron_p2r.checkpoint.hf.importer import _write_model_yaml
-from megatron_p2r.checkpoint.integrity import verify
+from megatron_p2r.checkpoint.imported import MODEL_YAML, write_imported
 from megatron_p2r.checkpoint.megatron.args import SavedArgs, model_values, vocab_values
 from megatron_p2r.checkpoint.megatron.names import OUTPUT_LAYER
 from megatron_p2r.checkpoint.megatron.rules import megatron_name, transform
 from megatron_p2r.checkpoint.megatron.source import MegatronCheckpoint, open_megatron
-from megatron_p2r.checkpoint.metadata import build_metadata, write_metadata
-from megatron_p2r.checkpoint.naming import LATEST_FILE, iteration_dir_name
-from megatron_p2r.checkpoint.pieces import write_pieces
 from megatron_p2r.checkpoint.reshard import Target, target_config
-from megatron_p2r.checkpoint.staging import staged_output
-from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo, tensor_table
+from megatron_p2r.checkpoint.tensor_table import TensorInfo, tensor_table
 from megatron_p2r.config import Config, DataConfig, ModelConfig
-from megatron_p2r.optim.grad_scaler import LossScaler
 
 Plan = Dict[str, Tuple[str, Callable[[torch.Tensor], torch.Tensor]]]
 
@@ -40,30 +33,18 @@ def import_megatron(src: str, dst: str, target: Target, *, allow_approximate_gel
     cfg, vocab_note = _imported_config(values, a, target)
     table = tensor_table(cfg)
     plan = _plan(source, table, cfg.model, zero_centered)
-    layout = ShardLayout.of(cfg)
-    with staged_output(src, source.iter_dir, dst, force) as tmp:
-        out_iter = os.path.join(tmp, iteration_dir_name(0))
-        os.makedirs(out_iter)
-        write_pieces(out_iter, table, layout, ("model",), lambda info, kind: _piece(source, *plan[info.key]),
-                     progress=progress, desc="import-megatron")
-        files = {f: os.path.getsize(os.path.join(out_iter, f)) for f in layout.files()}
-        history = {"op": "import-megatron", "source": os.path.abspath(source.iter_dir),
-                   "source_layout": f"megatron {source.format}: TP={a.tp} PP={a.pp} EP={a.ep}"}
-        meta = build_metadata(cfg, table, iteration=0, consumed_samples=0, optimizer=False,
-                              scheduler={"step_count": 0}, scaler=LossScaler(cfg.train).state_dict(), files=files,
-                              rng=None, history=[history])
-        write_metadata(out_iter, meta)
-        verify(out_iter, meta, expected_params=sum(i.numel for i in table.values()))
-        flags, tokenizer_note = _tokenizer_flags(a)
-        _write_model_yaml(os.path.join(tmp, "model.yaml"), cfg, flags)
-        write_text_atomic(os.path.join(tmp, LATEST_FILE), "0")
-    yaml_path = os.path.join(dst, "model.yaml")
+    flags, tokenizer_note = _tokenizer_flags(a)
+    history = {"op": "import-megatron", "source": os.path.abspath(source.iter_dir),
+               "source_layout": f"megatron {source.format}: TP={a.tp} PP={a.pp} EP={a.ep}"}
+    out = write_imported(src, source.iter_dir, dst, cfg, table, lambda info, kind: _piece(source, *plan[info.key]),
+                         history=history, force=force, progress=progress, extras=lambda staging: flags)
+    yaml_path = os.path.join(dst, MODEL_YAML)
     notes += [n for n in (vocab_note, tokenizer_note) if n]
     notes.append("weights only: Megatron's optimizer state, iteration and RNG states are not imported (a fresh "
                  "optimizer starts, as with --finetune)")
     notes.append(f"model and layout flags in {yaml_path}: train with --config {yaml_path} --load {dst} "
                  "--finetune plus data and training flags")
-    return os.path.join(dst, iteration_dir_name(0)), notes
+    return out, notes
 
 
 def _imported_config(values: dict, a: SavedArgs, target: Target) -> Tuple[Config, Optional[str]]:

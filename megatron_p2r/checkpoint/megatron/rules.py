@@ -1,8 +1,11 @@
 """Our pieces <- Megatron-LM's canonical tensors (names.py): which tensor each piece is made
 from, and the function that makes it.
 
-Megatron's fused ``linear_qkv`` rows are ``[groups, (q x heads/groups, k, v), head_dim]``; with
-one group per head that is exactly our ``attention.qkv`` layout ``[heads, (q, k, v), head_dim]``.
+Megatron's fused ``linear_qkv`` rows are ``[groups, (q x heads/groups, k, v), head_dim]``: one
+group per head is exactly our ``attention.qkv`` layout ``[heads, (q, k, v), head_dim]``; under
+--group-query-attention our ``attention.query`` ``[heads, head_dim]`` and
+``attention.key_value`` ``[groups, (k, v), head_dim]`` are both regrouped from it (query head i
+is in group i // (heads/groups) in both).
 SwiGLU ``linear_fc1`` is [gate; up], ours interleaves the rows (gate_j, up_j). The vocabulary
 matrices keep Megatron's padded rows (zero rows are added when our padding needs more).
 ``--apply-layernorm-1p`` stores norm weights as gamma - 1; ours hold gamma.
@@ -14,22 +17,27 @@ from typing import Callable
 
 import torch
 
-from megatron_p2r.checkpoint.hf.rules import merge_glu, resize_rows
+from megatron_p2r.checkpoint.hf.rules import merge_glu, merge_heads, resize_rows, split_heads
 from megatron_p2r.checkpoint.megatron.names import (FINAL_NORM, OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS,
                                                     expert_rest, layer_name)
 from megatron_p2r.config import ModelConfig
+from megatron_p2r.layout.tensors import HeadRows, attention_rows
 
 _TOP = {"embedding.word_embeddings.weight": WORD_EMBEDDINGS, "embedding.position_embeddings.weight": POSITION_EMBEDDINGS,
         "final_norm.weight": FINAL_NORM + "weight", "final_norm.bias": FINAL_NORM + "bias",
         "output_layer.weight": OUTPUT_LAYER}
 _LAYER_MODULES = {"input_norm": "input_layernorm", "attention.qkv": "self_attention.linear_qkv",
+                  "attention.query": "self_attention.linear_qkv", "attention.key_value": "self_attention.linear_qkv",
+                  "attention.q_layernorm": "self_attention.q_layernorm",
+                  "attention.k_layernorm": "self_attention.k_layernorm",
                   "attention.proj": "self_attention.linear_proj", "post_attention_norm": "pre_mlp_layernorm",
                   "mlp.fc1": "mlp.linear_fc1", "mlp.fc2": "mlp.linear_fc2", "mlp.router": "mlp.router"}
 _EXPERT_LEAVES = {"weight1": "linear_fc1.weight", "bias1": "linear_fc1.bias", "weight2": "linear_fc2.weight",
                   "bias2": "linear_fc2.bias"}
 _EXPERT_KEY = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)")
 _LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
-_NORM_WEIGHT = re.compile(r"(layers\.\d+\.(input_norm|post_attention_norm)|final_norm)\.weight")
+_NORM_WEIGHT = re.compile(r"(layers\.\d+\.(input_norm|post_attention_norm|attention\.[qk]_layernorm)|final_norm)\.weight")
+_ATTENTION = re.compile(r"layers\.\d+\.attention\.(qkv|query|key_value)\.(weight|bias)")
 _GLU = re.compile(r"layers\.\d+\.mlp\.(fc1\.(weight|bias)|experts\.\d+\.(weight1|bias1))")
 
 
@@ -48,8 +56,25 @@ def transform(key: str, m: ModelConfig, zero_centered_gamma: bool) -> Callable[[
     """Megatron's global tensor -> our piece ``key`` (pure: also run on meta tensors to check shapes)."""
     if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return lambda w: resize_rows(w, m.padded_vocab_size)
+    attention = _ATTENTION.fullmatch(key)
+    if attention:
+        return _regroup(attention_rows(m)[attention.group(1)], m)
     if m.swiglu and _GLU.fullmatch(key):
         return lambda w: merge_glu(*w.chunk(2))
     if zero_centered_gamma and _NORM_WEIGHT.fullmatch(key):
         return lambda w: w + 1
     return lambda w: w
+
+
+def _regroup(ours: HeadRows, m: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Megatron's fused QKV rows -> the rows of one of our attention pieces."""
+    groups = m.query_groups
+    theirs = HeadRows(groups, ("q",) * (m.num_attention_heads // groups) + ("k", "v"), m.head_dim)
+    if theirs == ours:
+        return lambda w: w
+    kinds = list(dict.fromkeys(ours.per_group))
+
+    def regroup(w: torch.Tensor) -> torch.Tensor:
+        parts = dict(zip("qkv", split_heads(w, theirs)))
+        return merge_heads([parts[kind] for kind in kinds], ours)
+    return regroup

@@ -52,6 +52,10 @@ class Spec:
     layers: int = 4
     hidden: int = 32
     heads: int = 4
+    groups: int = 0          # key/value heads under --group-query-attention (0: one per query head)
+    kv_channels: int = 8     # head dimension
+    rotary_percent: float = 1.0
+    qk_layernorm: bool = False
     ffn: int = 48
     vocab: int = 200
     divisible_by: int = 16
@@ -61,6 +65,10 @@ class Spec:
     untied: bool = True
     layernorm_1p: bool = False
     dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def query_groups(self) -> int:
+        return self.groups or self.heads
 
     @property
     def glu(self) -> bool:
@@ -76,20 +84,24 @@ class Spec:
 
 
 GPT = Spec("gpt", ffn=64, untied=False, dtype=torch.float32)
-LLAMA = Spec("llama", layernorm_1p=True)
-MIXTRAL = Spec("mixtral", ffn=24, experts=4)
+# grouped-query attention with 2 key/value heads of dimension 16 (not hidden/heads), half of each
+# head rotated, query/key norms, norm weights stored as gamma - 1 (--apply-layernorm-1p)
+LLAMA = Spec("llama", groups=2, kv_channels=16, rotary_percent=0.5, qk_layernorm=True, layernorm_1p=True)
+# one key/value head: fewer groups than the source TP (Megatron cuts through the group)
+MIXTRAL = Spec("mixtral", ffn=24, experts=4, groups=1)
 
 
 def megatron_args(spec: Spec, tp: int, pp: int, ep: int, **overrides) -> argparse.Namespace:
     """The args Megatron saves (its own names; a few Megatron-only options for realism)."""
     values = dict(num_layers=spec.layers, hidden_size=spec.hidden, ffn_hidden_size=spec.ffn,
-                  num_attention_heads=spec.heads, kv_channels=spec.hidden // spec.heads, group_query_attention=False,
-                  num_query_groups=1, seq_length=spec.seq, max_position_embeddings=spec.seq,
+                  num_attention_heads=spec.heads, kv_channels=spec.kv_channels,
+                  group_query_attention=bool(spec.groups), num_query_groups=spec.groups or 1, seq_length=spec.seq,
+                  max_position_embeddings=spec.seq,
                   position_embedding_type="learned_absolute" if spec.family == "gpt" else "rope",
-                  rotary_base=10000, rotary_percent=1.0, rotary_interleaved=False,
+                  rotary_base=10000, rotary_percent=spec.rotary_percent, rotary_interleaved=False,
                   normalization="LayerNorm" if spec.family == "gpt" else "RMSNorm", layernorm_epsilon=1e-5,
                   layernorm_zero_centered_gamma=spec.layernorm_1p, swiglu=spec.glu, add_bias_linear=spec.bias,
-                  add_qkv_bias=spec.bias, bias_gelu_fusion=False, openai_gelu=False, qk_layernorm=False,
+                  add_qkv_bias=spec.bias, bias_gelu_fusion=False, openai_gelu=False, qk_layernorm=spec.qk_layernorm,
                   untie_embeddings_and_output_weights=spec.untied, hidden_dropout=0.0, attention_dropout=0.0,
                   init_method_std=0.02, apply_residual_connection_post_layernorm=False,
                   tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
@@ -116,11 +128,11 @@ def make_weights(spec: Spec, tp: int, seed: int = 0) -> Dict[str, torch.Tensor]:
     def normal(*shape, std=0.15):
         return (torch.randn(shape, generator=g) * std).to(spec.dtype)
 
-    def norm(prefix: str) -> Dict[str, torch.Tensor]:
-        gamma = torch.rand(h, generator=g) + 0.5
+    def norm(prefix: str, size: int = h) -> Dict[str, torch.Tensor]:
+        gamma = torch.rand(size, generator=g) + 0.5
         out = {prefix + "weight": (gamma - 1 if spec.layernorm_1p else gamma).to(spec.dtype)}
         if spec.family == "gpt":
-            out[prefix + "bias"] = normal(h, std=0.1)
+            out[prefix + "bias"] = normal(size, std=0.1)
         return out
 
     def linear(prefix: str, out_dim: int, in_dim: int) -> Dict[str, torch.Tensor]:
@@ -136,8 +148,12 @@ def make_weights(spec: Spec, tp: int, seed: int = 0) -> Dict[str, torch.Tensor]:
     for i in range(spec.layers):
         p = f"decoder.layers.{i}."
         w.update(norm(p + "input_layernorm."))
-        w.update(linear(p + "self_attention.linear_qkv.", 3 * h, h))
-        w.update(linear(p + "self_attention.linear_proj.", h, h))
+        d = spec.kv_channels
+        w.update(linear(p + "self_attention.linear_qkv.", (spec.heads + 2 * spec.query_groups) * d, h))
+        if spec.qk_layernorm:
+            w.update(norm(p + "self_attention.q_layernorm.", d))
+            w.update(norm(p + "self_attention.k_layernorm.", d))
+        w.update(linear(p + "self_attention.linear_proj.", h, spec.heads * d))
         w.update(norm(p + "pre_mlp_layernorm."))
         if spec.experts:
             w[p + "mlp.router.weight"] = normal(spec.experts, h, std=0.5)

@@ -19,6 +19,7 @@ from tests.checkpoint.megatron.fixtures import Spec
 
 
 def _norm(x, w, prefix, spec: Spec):
+    """LayerNorm or RMSNorm over the last dimension (the hidden size, or a head for q/k norms)."""
     gamma = w[prefix + "weight"].float() + (1.0 if spec.layernorm_1p else 0.0)
     if spec.family == "gpt":
         return F.layer_norm(x, (x.shape[-1],), gamma, w[prefix + "bias"].float(), eps=1e-5)
@@ -30,23 +31,30 @@ def _linear(x, w, prefix):
     return F.linear(x, w[prefix + "weight"].float(), None if bias is None else bias.float())
 
 
-def _rope(t, base=10000.0):
-    """t [s, b, heads, d]: Megatron's RotaryEmbedding with rotate-half."""
-    s, d = t.shape[0], t.shape[-1]
+def _rope(t, percent, base=10000.0):
+    """t [s, b, heads, d]: Megatron's RotaryEmbedding (rotate-half) on the first d x percent
+    dimensions, the rest passed through (rope_utils.py ``_apply_rotary_pos_emb_bshd``)."""
+    s, d = t.shape[0], int(t.shape[-1] * percent)
     inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     freqs = torch.outer(torch.arange(s, dtype=torch.float32), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+    t, t_pass = t[..., :d], t[..., d:]
     x1, x2 = t.chunk(2, dim=-1)
-    return t * emb.cos() + torch.cat([-x2, x1], dim=-1) * emb.sin()
+    return torch.cat([t * emb.cos() + torch.cat([-x2, x1], dim=-1) * emb.sin(), t_pass], dim=-1)
 
 
 def _attention(x, w, p, spec: Spec):
     s, b, _ = x.shape
-    heads, d = spec.heads, spec.hidden // spec.heads
-    mixed = _linear(x, w, p + "self_attention.linear_qkv.").view(s, b, heads, 3 * d)  # one group per head
-    q, k, v = torch.split(mixed, [d, d, d], dim=3)
+    heads, groups, d = spec.heads, spec.query_groups, spec.kv_channels
+    per_group = heads // groups
+    mixed = _linear(x, w, p + "self_attention.linear_qkv.").view(s, b, groups, (per_group + 2) * d)
+    q, k, v = torch.split(mixed, [per_group * d, d, d], dim=3)
+    q = q.reshape(s, b, heads, d)
+    if spec.qk_layernorm:
+        q, k = _norm(q, w, p + "self_attention.q_layernorm.", spec), _norm(k, w, p + "self_attention.k_layernorm.", spec)
     if spec.family != "gpt":
-        q, k = _rope(q), _rope(k)
+        q, k = _rope(q, spec.rotary_percent), _rope(k, spec.rotary_percent)
+    k, v = k.repeat_interleave(per_group, dim=2), v.repeat_interleave(per_group, dim=2)  # query head i: group i // n
     scores = torch.einsum("sbhd,tbhd->bhst", q, k) / math.sqrt(d)
     causal = torch.ones(s, s, dtype=torch.bool).triu(1)
     probs = scores.masked_fill(causal, float("-inf")).softmax(-1)

@@ -14,18 +14,24 @@ def test_families_map_to_our_options():
     gpt, _, _ = model_values(saved(GPT))
     assert gpt == dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, normalization="LayerNorm",
                        norm_epsilon=1e-5, swiglu=False, disable_bias_linear=False,
-                       position_embedding_type="learned_absolute", rotary_base=10000.0, max_position_embeddings=16,
-                       seq_length=16, untie_embeddings_and_output_weights=False, hidden_dropout=0.0,
-                       attention_dropout=0.0, init_method_std=0.02)
+                       position_embedding_type="learned_absolute", rotary_base=10000.0, rotary_percent=1.0,
+                       max_position_embeddings=16, seq_length=16, untie_embeddings_and_output_weights=False,
+                       hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, qk_layernorm=False,
+                       add_qkv_bias=False)
     llama, one_p, notes = model_values(saved(LLAMA))
-    assert (llama["normalization"], llama["swiglu"], llama["position_embedding_type"], llama["disable_bias_linear"],
-            one_p) == ("RMSNorm", True, "rope", True, True)
+    assert {k: llama[k] for k in ("normalization", "swiglu", "position_embedding_type", "disable_bias_linear",
+                                  "group_query_attention", "num_query_groups", "kv_channels", "rotary_percent",
+                                  "qk_layernorm", "add_qkv_bias")} == \
+        dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", disable_bias_linear=True,
+             group_query_attention=True, num_query_groups=2, kv_channels=16, rotary_percent=0.5, qk_layernorm=True,
+             add_qkv_bias=False)
+    assert one_p
     assert "gamma - 1" in notes[0]
     moe, _, _ = model_values(saved(MIXTRAL, ep=2))
-    assert {k: moe[k] for k in ("num_experts", "moe_router_topk", "moe_renormalize_topk", "moe_aux_loss_coeff")} == \
-        dict(num_experts=4, moe_router_topk=2, moe_renormalize_topk=True, moe_aux_loss_coeff=1e-2)
+    assert {k: moe[k] for k in ("num_experts", "moe_router_topk", "moe_router_pre_softmax", "moe_aux_loss_coeff")} == \
+        dict(num_experts=4, moe_router_topk=2, moe_router_pre_softmax=False, moe_aux_loss_coeff=1e-2)
     pre_softmax, _, _ = model_values(saved(MIXTRAL, moe_router_pre_softmax=True, moe_layer_freq=[1, 1, 1, 1]))
-    assert pre_softmax["moe_renormalize_topk"] is False  # softmax over all experts, then top-k: not renormalised
+    assert pre_softmax["moe_router_pre_softmax"] is True
 
 
 def test_older_names_and_megatron_defaults():
@@ -40,13 +46,13 @@ def test_older_names_and_megatron_defaults():
 
 
 def test_every_blocking_option_is_named():
-    a = saved(LLAMA, group_query_attention=True, num_query_groups=2, rotary_percent=0.5,
+    a = saved(LLAMA, rotary_interleaved=True, position_embedding_type="yarn",
               apply_residual_connection_post_layernorm=True, moe_router_score_function="sigmoid")
     with pytest.raises(MegatronConversionError) as err:
         model_values(a)
     message = str(err.value)
     assert message.startswith("common.pt: cannot express this Megatron-LM model here: ")
-    for part in ("--group-query-attention --num-query-groups 2", "--rotary-percent 0.5",
+    for part in ("--rotary-interleaved True (interleaved rotary embeddings", "--position-embedding-type yarn",
                  "--apply-residual-connection-post-layernorm True", "--moe-router-score-function 'sigmoid'"):
         assert part in message
     with pytest.raises(MegatronConversionError, match=r"--moe-layer-freq 2 \(Megatron's MoE layers \[1, 0, 1, 0\]"):

@@ -118,12 +118,12 @@ def test_torch_dist_chunk_contents(dist):
     iter_dir = dist / "iter_0000007"
     with open(iter_dir / ".metadata", "rb") as fh:
         metadata = pickle.load(fh)   # the test's own trusted file
-    key, missing = "decoder.layers.self_attention.linear_qkv.weight", (0, 48, 0)  # layer 0, TP rank 1
+    key, missing = "decoder.layers.self_attention.linear_qkv.weight", (0, 24, 0)  # layer 0, TP rank 1
     entry = metadata.state_dict_metadata[key]
     entry.chunks = [c for c in entry.chunks if tuple(c.offsets) != missing]
     metadata.storage_data = {i: s for i, s in metadata.storage_data.items()
                              if not (i.fqn == key and tuple(i.offset) == missing)}
     with open(iter_dir / ".metadata", "wb") as fh:
         pickle.dump(metadata, fh)
-    fails(dist, r"\.metadata: the chunks of 'decoder.layers.self_attention.linear_qkv.weight' cover 1536 elements "
-                r"of decoder.layers.0.self_attention.linear_qkv.weight \[96, 32\]")
+    fails(dist, r"\.metadata: the chunks of 'decoder.layers.self_attention.linear_qkv.weight' cover 768 elements "
+                r"of decoder.layers.0.self_attention.linear_qkv.weight \[48, 32\]")

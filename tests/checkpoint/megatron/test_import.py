@@ -14,6 +14,7 @@ from megatron_p2r.checkpoint.reshard import Target
 from megatron_p2r.testing import run_distributed
 from tests.checkpoint.megatron.fixtures import (GPT, LLAMA, MIXTRAL, make_weights, megatron_args, write_legacy,
                                                 write_torch_dist)
+from tests.checkpoint.common import streaming_rss_growth
 from tests.checkpoint.megatron.reference import megatron_loss
 
 SPECS = {"gpt": GPT, "llama": LLAMA, "mixtral": MIXTRAL}
@@ -132,35 +133,11 @@ def test_cli(sources, tmp_path, capsys):
     assert "error: no checkpoint at" in capsys.readouterr().err
 
 
-STREAM = """
-import sys
-from megatron_p2r.checkpoint.megatron import importer
-from megatron_p2r.checkpoint.reshard import Target
-
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-
-inner = importer.write_pieces
-def measured(*args, **kwargs):
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")  # reset this process's peak RSS (VmHWM)
-    before = status("VmRSS")
-    inner(*args, **kwargs)
-    print("STREAM", before, status("VmHWM"), flush=True)
-importer.write_pieces = measured
-importer.import_megatron(sys.argv[1], sys.argv[2], Target(2), progress=False)
-"""
-
-
 @pytest.mark.parametrize("fmt", WRITERS)
 def test_import_memory_is_bounded_by_the_largest_tensor(fmt, tmp_path):
     """32 layers of hidden 256 (52 MB of bf16 weights, 104 MB imported in fp32): the streaming
     loop (a subprocess, peak RSS over its starting RSS) stays under 12 MiB + 4x the largest
     imported tensor (1.4 MiB): it holds one tensor's shards at a time, not the model."""
-    import subprocess
-    import sys
     from dataclasses import replace
     spec = replace(LLAMA, layers=32, hidden=256, heads=8, ffn=704, vocab=1000, divisible_by=64)
     layout = (2, 2, 1)
@@ -169,10 +146,9 @@ def test_import_memory_is_bounded_by_the_largest_tensor(fmt, tmp_path):
     imported = 4 * spec.layers * (4 * spec.hidden ** 2 + 3 * spec.ffn * spec.hidden)
     bound = 12 * 2**20 + 4 * largest
     assert imported > 4 * bound  # a loop that kept the model would exceed the bound many times
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    proc = subprocess.run([sys.executable, "-c", STREAM, str(tmp_path / "src"), str(tmp_path / "out")], cwd=root,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    before, peak = map(int, proc.stdout.split("STREAM")[1].split())
-    assert peak - before < bound, f"streaming grew RSS by {(peak - before) / 2**20:.1f} MiB"
+    growth = streaming_rss_growth("megatron_p2r.checkpoint.imported", "write_pieces",
+                                  "from megatron_p2r.checkpoint.megatron.importer import import_megatron; "
+                                  "from megatron_p2r.checkpoint.reshard import Target; "
+                                  f"import_megatron({str(tmp_path / 'src')!r}, {str(tmp_path / 'out')!r}, Target(2), "
+                                  "progress=False)")
+    assert growth < bound, f"streaming grew RSS by {growth / 2**20:.1f} MiB"
