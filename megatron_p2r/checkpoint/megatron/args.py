@@ -133,7 +133,8 @@ def _mlp_values(a: SavedArgs, allow_approximate_gelu: bool, blockers: List[str],
     swiglu, bias = bool(a.get("swiglu")), bool(a.get("add_bias_linear", default=True))
     tanh = a.get("openai_gelu") or (bias and a.get("bias_gelu_fusion", default=True))
     if not swiglu and tanh:
-        why = "--openai-gelu" if a.get("openai_gelu") else "the bias-GELU fusion (--bias-gelu-fusion, Megatron's default)"
+        why = ("--openai-gelu" if a.get("openai_gelu")
+               else "the bias-GELU fusion (--bias-gelu-fusion, Megatron's default)")
         if not allow_approximate_gelu:
             blockers.append(f"tanh-approximate GELU from {why}; ours is exact (erf) GELU: pass "
                             "--allow-approximate-gelu to import anyway (outputs then differ slightly)")

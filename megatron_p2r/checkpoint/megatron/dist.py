@@ -176,6 +176,7 @@ class DistCheckpoint:
         if not isinstance(tensor, LazyTensor):
             raise CheckpointError(f"{where}: holds {type(tensor).__name__}, expected a tensor")
         if torch.Size(tensor.shape).numel() != torch.Size(chunk.sizes).numel():
-            raise CheckpointError(f"{where}: holds a tensor of shape {list(tensor.shape)}, expected {list(chunk.sizes)}")
+            raise CheckpointError(f"{where}: holds a tensor of shape {list(tensor.shape)}, expected "
+                                  f"{list(chunk.sizes)}")
         data = tensor.read()
         return data.reshape(chunk.sizes)

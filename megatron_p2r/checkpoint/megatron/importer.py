@@ -14,7 +14,7 @@ from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.imported import MODEL_YAML, write_imported
 from megatron_p2r.checkpoint.megatron.args import SavedArgs, model_values, vocab_values
 from megatron_p2r.checkpoint.megatron.names import OUTPUT_LAYER
-from megatron_p2r.checkpoint.megatron.rules import megatron_name, transform
+from megatron_p2r.checkpoint.megatron.rules import megatron_name, megatron_shape, transform
 from megatron_p2r.checkpoint.megatron.source import MegatronCheckpoint, open_megatron
 from megatron_p2r.checkpoint.reshard import Target, target_config
 from megatron_p2r.checkpoint.tensor_table import TensorInfo, tensor_table
@@ -32,7 +32,7 @@ def import_megatron(src: str, dst: str, target: Target, *, allow_approximate_gel
     values, zero_centered, notes = model_values(a, allow_approximate_gelu)
     cfg, vocab_note = _imported_config(values, a, target)
     table = tensor_table(cfg)
-    plan = _plan(source, table, cfg.model, zero_centered)
+    plan = _plan(source, table, cfg.model, zero_centered, a.required("padded_vocab_size"))
     flags, tokenizer_note = _tokenizer_flags(a)
     history = {"op": "import-megatron", "source": os.path.abspath(source.iter_dir),
                "source_layout": f"megatron {source.format}: TP={a.tp} PP={a.pp} EP={a.ep}"}
@@ -59,19 +59,20 @@ def _imported_config(values: dict, a: SavedArgs, target: Target) -> Tuple[Config
     return cfg, note
 
 
-def _plan(source: MegatronCheckpoint, table: Dict[str, TensorInfo], m: ModelConfig, zero_centered: bool) -> Plan:
-    """Our piece -> (Megatron tensor, transform), every shape checked (on meta tensors), and every
-    Megatron tensor used: none is silently dropped."""
+def _plan(source: MegatronCheckpoint, table: Dict[str, TensorInfo], m: ModelConfig, zero_centered: bool,
+          vocab_rows: int) -> Plan:
+    """Our piece -> (Megatron tensor, transform), every shape checked, and every Megatron tensor
+    used: none is silently dropped."""
     plan: Plan = {}
     for key, info in table.items():
-        name, fn = megatron_name(key), transform(key, m, zero_centered)
+        name = megatron_name(key)
         if name not in source.names:
             raise CheckpointError(f"{source.iter_dir}: the checkpoint has no tensor {name} (needed for our {key})")
-        shape = tuple(fn(torch.empty(source.shape(name), device="meta")).shape)
-        if shape != info.shape:
-            raise CheckpointError(f"{source.location(name)}: {name} has shape {list(source.shape(name))}, which does "
-                                  f"not fit the model the saved args describe (our {key} needs {list(info.shape)})")
-        plan[key] = (name, fn)
+        want = megatron_shape(key, info.shape, m, vocab_rows)
+        if source.shape(name) != want:
+            raise CheckpointError(f"{source.location(name)}: {name} has shape {list(source.shape(name))}, the saved "
+                                  f"args imply {list(want)}")
+        plan[key] = (name, transform(key, m, zero_centered))
     used = {name for name, _ in plan.values()}
     if not m.untie_embeddings_and_output_weights:
         used.add(OUTPUT_LAYER)  # the last stage's replica of the tied embedding (legacy layout, PP > 1)

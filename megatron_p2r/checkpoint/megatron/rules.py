@@ -13,7 +13,7 @@ matrices keep Megatron's padded rows (zero rows are added when our padding needs
 from __future__ import annotations
 
 import re
-from typing import Callable
+from typing import Callable, Tuple
 
 import torch
 
@@ -23,7 +23,8 @@ from megatron_p2r.checkpoint.megatron.names import (FINAL_NORM, OUTPUT_LAYER, PO
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.layout.tensors import HeadRows, attention_rows
 
-_TOP = {"embedding.word_embeddings.weight": WORD_EMBEDDINGS, "embedding.position_embeddings.weight": POSITION_EMBEDDINGS,
+_TOP = {"embedding.word_embeddings.weight": WORD_EMBEDDINGS,
+        "embedding.position_embeddings.weight": POSITION_EMBEDDINGS,
         "final_norm.weight": FINAL_NORM + "weight", "final_norm.bias": FINAL_NORM + "bias",
         "output_layer.weight": OUTPUT_LAYER}
 _LAYER_MODULES = {"input_norm": "input_layernorm", "attention.qkv": "self_attention.linear_qkv",
@@ -34,9 +35,11 @@ _LAYER_MODULES = {"input_norm": "input_layernorm", "attention.qkv": "self_attent
                   "mlp.fc1": "mlp.linear_fc1", "mlp.fc2": "mlp.linear_fc2", "mlp.router": "mlp.router"}
 _EXPERT_LEAVES = {"weight1": "linear_fc1.weight", "bias1": "linear_fc1.bias", "weight2": "linear_fc2.weight",
                   "bias2": "linear_fc2.bias"}
+_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _EXPERT_KEY = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)")
 _LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
-_NORM_WEIGHT = re.compile(r"(layers\.\d+\.(input_norm|post_attention_norm|attention\.[qk]_layernorm)|final_norm)\.weight")
+_NORM_WEIGHT = re.compile(r"(layers\.\d+\.(input_norm|post_attention_norm|attention\.[qk]_layernorm)"
+                          r"|final_norm)\.weight")
 _ATTENTION = re.compile(r"layers\.\d+\.attention\.(qkv|query|key_value)\.(weight|bias)")
 _GLU = re.compile(r"layers\.\d+\.mlp\.(fc1\.(weight|bias)|experts\.\d+\.(weight1|bias1))")
 
@@ -52,9 +55,21 @@ def megatron_name(key: str) -> str:
     return layer_name(int(m.group(1)), f"{_LAYER_MODULES[m.group(2)]}.{m.group(3)}")
 
 
+def megatron_shape(key: str, ours: Tuple[int, ...], m: ModelConfig, vocab_rows: int) -> Tuple[int, ...]:
+    """The shape of the Megatron tensor our piece ``key`` (of shape ``ours``) is made from, as the
+    saved args imply it: ``vocab_rows`` (their padded vocabulary) for the vocabulary matrices,
+    Megatron's fused rows for attention, our own shape otherwise. (Computed, not traced on meta
+    tensors: meta cat/stack import torch._dynamo, seconds per run.)"""
+    if key in _VOCAB:
+        return (vocab_rows,) + ours[1:]
+    if _ATTENTION.fullmatch(key):
+        return ((m.num_attention_heads + 2 * m.query_groups) * m.head_dim,) + ours[1:]
+    return ours
+
+
 def transform(key: str, m: ModelConfig, zero_centered_gamma: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Megatron's global tensor -> our piece ``key`` (pure: also run on meta tensors to check shapes)."""
-    if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+    """Megatron's global tensor (of ``megatron_shape``) -> our piece ``key``."""
+    if key in _VOCAB:
         return lambda w: resize_rows(w, m.padded_vocab_size)
     attention = _ATTENTION.fullmatch(key)
     if attention:

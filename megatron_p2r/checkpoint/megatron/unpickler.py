@@ -17,10 +17,11 @@ int, float, bool and None without any class):
 - ``MEGATRON`` (``model_optim_rng.pt``, ``common.pt``): ``TENSORS`` plus ``argparse.Namespace``
   (the saved args, which give the model config), torch dtype names (``args.params_dtype``),
   ``torch.Size`` (read as a tuple), ``_codecs.encode`` for latin-1 text only and ``bytes()``
-  without arguments (how protocol 2 writes ``bytes`` and empty ``bytes``), and three kinds of values we never use, read as inert ``Opaque`` records
-  (class name, arguments, state; no code of theirs is imported or run): numpy arrays and dtypes
-  (the RNG state), ``megatron.*`` classes (enum values in the args such as ``AttnBackend``) and
-  ``io.BytesIO`` (Transformer Engine's ``_extra_state``).
+  without arguments (how protocol 2 writes ``bytes`` and empty ``bytes``), and three kinds of
+  values we never use, read as inert ``Opaque`` records (class name, arguments, state; no code
+  of theirs is imported or run): numpy arrays and dtypes (the RNG state), ``megatron.*``
+  classes (enum values in the args such as ``AttnBackend``) and ``io.BytesIO`` (Transformer
+  Engine's ``_extra_state``).
 - ``DCP_METADATA`` (``.metadata``): ``torch.Size``, torch dtype/layout/memory-format names,
   ``collections.OrderedDict``, and as ``Opaque`` records the ``torch.distributed.checkpoint.*``
   dataclasses, ``torch.serialization._get_layout``, ``pathlib`` paths and ``megatron.*``

@@ -110,7 +110,8 @@ def megatron_args(spec: Spec, tp: int, pp: int, ep: int, **overrides) -> argpars
                   params_dtype=spec.dtype, bf16=spec.dtype == torch.bfloat16, transformer_impl="transformer_engine",
                   moe_grouped_gemm=False, ckpt_format="torch_dist", use_distributed_optimizer=True)
     if spec.experts:
-        values.update(num_experts=spec.experts, moe_router_topk=spec.topk, moe_layer_freq=1, moe_ffn_hidden_size=spec.ffn,
+        values.update(num_experts=spec.experts, moe_router_topk=spec.topk, moe_layer_freq=1,
+                      moe_ffn_hidden_size=spec.ffn,
                       moe_router_pre_softmax=False, moe_router_score_function="softmax",
                       moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
                       moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=None)

@@ -51,7 +51,8 @@ def _attention(x, w, p, spec: Spec):
     q, k, v = torch.split(mixed, [per_group * d, d, d], dim=3)
     q = q.reshape(s, b, heads, d)
     if spec.qk_layernorm:
-        q, k = _norm(q, w, p + "self_attention.q_layernorm.", spec), _norm(k, w, p + "self_attention.k_layernorm.", spec)
+        q = _norm(q, w, p + "self_attention.q_layernorm.", spec)
+        k = _norm(k, w, p + "self_attention.k_layernorm.", spec)
     if spec.family != "gpt":
         q, k = _rope(q, spec.rotary_percent), _rope(k, spec.rotary_percent)
     k, v = k.repeat_interleave(per_group, dim=2), v.repeat_interleave(per_group, dim=2)  # query head i: group i // n

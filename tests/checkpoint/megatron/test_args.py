@@ -12,8 +12,8 @@ def saved(spec, tp=2, pp=1, ep=1, **overrides):
 
 def test_families_map_to_our_options():
     gpt, _, _ = model_values(saved(GPT))
-    assert gpt == dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, normalization="LayerNorm",
-                       norm_epsilon=1e-5, swiglu=False, disable_bias_linear=False,
+    assert gpt == dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                       normalization="LayerNorm", norm_epsilon=1e-5, swiglu=False, disable_bias_linear=False,
                        position_embedding_type="learned_absolute", rotary_base=10000.0, rotary_percent=1.0,
                        max_position_embeddings=16, seq_length=16, untie_embeddings_and_output_weights=False,
                        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, qk_layernorm=False,

@@ -53,6 +53,7 @@ def edit_rank_file(path, change):
 
 
 def test_where_the_checkpoint_is(tmp_path, legacy):
+    """SRC, the tracker file and the iteration it names."""
     fails(tmp_path / "nowhere", "no checkpoint at .*nowhere: the directory does not exist")
     os.makedirs(tmp_path / "empty")
     fails(tmp_path / "empty", "empty is not a Megatron-LM checkpoint: it has no latest_checkpointed_iteration.txt")
@@ -61,6 +62,11 @@ def test_where_the_checkpoint_is(tmp_path, legacy):
     fails(legacy, "latest_checkpointed_iteration.txt: expected an iteration number or 'release', found 'seven'")
     tracker.write_text("8")
     fails(legacy, r"latest_checkpointed_iteration.txt names iter_0000008, but .*iter_0000008 holds no mp_rank_")
+    # what Megatron reads: a release directory, or the iteration directory itself
+    os.rename(legacy / "iter_0000007", legacy / "release")
+    tracker.write_text("release\n")
+    import_megatron(str(legacy), str(tmp_path / "a"), Target(), progress=False)
+    import_megatron(str(legacy / "release"), str(tmp_path / "b"), Target(), progress=False)
 
 
 def test_legacy_files(legacy):
@@ -86,7 +92,11 @@ def test_legacy_contents(legacy):
     fails(legacy, r"mp_rank_00_000/model_optim_rng.pt: args.num_layers is missing")
     edit_rank_file(first, lambda s: s.update(args=megatron_args(GPT, *LEGACY_LAYOUT, ffn_hidden_size=32)))
     fails(legacy, r"mp_rank_00_000/model_optim_rng.pt: decoder.layers.0.mlp.linear_fc1.weight has shape \[64, 32\], "
-                  r"which does not fit the model the saved args describe \(our layers.0.mlp.fc1.weight needs \[32, 32\]")
+                  r"the saved args imply \[32, 32\]")
+    edit_rank_file(first, lambda s: s.update(args=megatron_args(GPT, *LEGACY_LAYOUT, group_query_attention=True,
+                                                                num_query_groups=2)))
+    fails(legacy, r"decoder.layers.0.self_attention.linear_qkv.weight has shape \[96, 32\], the saved args imply "
+                  r"\[64, 32\]")
     edit_rank_file(first, lambda s: s.update(args=megatron_args(GPT, *LEGACY_LAYOUT)))
     edit_rank_file(other, lambda s: s["model"].pop("decoder.layers.1.mlp.linear_fc2.weight"))
     fails(legacy, r"decoder.layers.3.mlp.linear_fc2.weight is stored by TP ranks \[0\], expected 0..1")

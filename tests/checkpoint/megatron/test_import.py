@@ -48,8 +48,9 @@ def sources(tmp_path_factory):
 
 
 def our_loss(ckpt, tokens, labels, world=None):
-    """Eval loss of the imported checkpoint, built from its model.yaml (one process, or this rank
-    of ``world`` gloo ranks)."""
+    """Eval loss of the imported checkpoint, built from its model.yaml and loaded with --load alone
+    (a fresh optimizer and LR schedule are part of the import), on one process or this rank of
+    ``world`` gloo ranks."""
     from megatron_p2r.layout.plan import ParallelPlan
     from megatron_p2r.parallel.state import ParallelState, initialize
     from megatron_p2r.training import build_train_state
@@ -61,7 +62,7 @@ def our_loss(ckpt, tokens, labels, world=None):
         plan = ParallelPlan.for_world(cfg, world)
         ps = initialize(plan.layout, torch.device("cpu"), plan.stage_sets())
     state = build_train_state(cfg, ps, plan)
-    load_checkpoint(ckpt, state, finetune=True)
+    load_checkpoint(ckpt, state)
     with torch.no_grad():
         return state.model.eval()(tokens=tokens, labels=labels).mean().item()
 
