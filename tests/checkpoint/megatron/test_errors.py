@@ -86,7 +86,9 @@ def test_legacy_contents(legacy):
     other = legacy / "iter_0000007" / "mp_rank_01_001" / "model_optim_rng.pt"
     edit_rank_file(first, lambda s: s.update(checkpoint_version=2.0))
     fails(legacy, r"mp_rank_00_000/model_optim_rng.pt: checkpoint_version 2.0; .* before version 3.0")
-    edit_rank_file(first, lambda s: s.update(checkpoint_version=3.0, args=None))
+    edit_rank_file(first, lambda s: s.update(checkpoint_version=3.0, model0=s.pop("model")))
+    fails(legacy, r"mp_rank_00_000/model_optim_rng.pt: no 'model' in the saved dict .* virtual pipeline stages")
+    edit_rank_file(first, lambda s: s.update(model=s.pop("model0"), args=None))
     fails(legacy, r"mp_rank_00_000/model_optim_rng.pt: 'args' is NoneType, expected Megatron's saved argparse")
     edit_rank_file(first, lambda s: s.update(args=megatron_args(GPT, *LEGACY_LAYOUT, num_layers=None)))
     fails(legacy, r"mp_rank_00_000/model_optim_rng.pt: args.num_layers is missing")
