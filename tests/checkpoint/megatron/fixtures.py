@@ -251,10 +251,10 @@ def legacy_state(spec: Spec, weights: Dict[str, torch.Tensor], t: int, p: int, e
             elif te:
                 rest = _fused_norm_name(rest, bool(spec.experts))
             key = f"decoder.layers.{i - stages[p].start}.{rest}"
-        elif name.startswith("embedding.") and p != 0 or not name.startswith("embedding.") and p != pp - 1:
-            continue
-        else:
+        elif p == (0 if name.startswith("embedding.") else pp - 1):  # embeddings first, final norm/output last
             key = name
+        else:
+            continue
         sd[key] = tp_local(name, tensor, t, tp, spec.glu).clone()
     if p == pp - 1 and not spec.untied and pp > 1:  # the last stage's replica of the tied embedding
         sd["output_layer.weight"] = tp_local("output_layer.weight", weights["embedding.word_embeddings.weight"],
