@@ -15,42 +15,17 @@ the loop started with, next to the size of the largest tensor.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-CHILD = r"""
-import json, sys, time
-from megatron_p2r.checkpoint import reshard
-
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-
-growth = {}
-inner = reshard._write_tensors
-def measured(*args, **kwargs):
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")  # peak RSS from here on
-    before = status("VmRSS")
-    inner(*args, **kwargs)
-    growth["stream"] = status("VmHWM") - before
-reshard._write_tensors = measured
-src, dst, tp, pp, delink = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
-start_rss = status("VmRSS")
-t = time.perf_counter()
-reshard.convert(src, dst, reshard.Target(tp, pp), reshard.DelinkOptions() if delink else None, progress=False)
-print(json.dumps({"seconds": time.perf_counter() - t, "start": start_rss, **growth}))
-"""
-
+from measure import run_streaming  # noqa: E402
 
 def tree_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs
@@ -104,13 +79,13 @@ def main(argv=None) -> int:
               f"vocab {args.vocab}: {src_bytes / 1e6:.0f} MB in shards; largest tensor {largest / 1e6:.1f} MB")
         seconds = plain_copy(src, os.path.join(tmp, "copy"))
         rows = [("plain copy (copyfile + fsync)", src_bytes, seconds, None)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
         for name, tp, pp, delink in [("reshard -> TP2 PP2", 2, 2, False), ("delink -> real, same layout", 1, 1, True),
                                      ("delink -> real TP2 PP2", 2, 2, True)]:
             dst = os.path.join(tmp, name.replace(" ", "_").replace(">", ""))
-            proc = subprocess.run([sys.executable, "-c", CHILD, src, dst, str(tp), str(pp), "1" if delink else "0"],
-                                  env=env, capture_output=True, text=True, check=True)
-            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            options = "reshard.DelinkOptions()" if delink else "None"
+            r = run_streaming("megatron_p2r.checkpoint.reshard", "_write_tensors",
+                              f"from megatron_p2r.checkpoint import reshard; reshard.convert({src!r}, {dst!r}, "
+                              f"reshard.Target({tp}, {pp}), {options}, progress=False)", ROOT)
             rows.append((name, tree_bytes(dst), r["seconds"], r))
             shutil.rmtree(dst)
         print(f"\n{'':32s} {'MB written':>10s} {'s':>7s} {'MB/s':>7s} {'vs copy':>7s} {'stream +RSS':>11s}")

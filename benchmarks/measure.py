@@ -1,11 +1,14 @@
 """What the benchmark scripts share to measure on CPU or CUDA alike: synchronising before a
-host clock is read, the matmul ceiling of the machine, micro-batches on the device, and the
-``--json`` output the GPU lane (benchmarks/gpu_check.py) collects into its report."""
+host clock is read, the matmul ceiling of the machine, micro-batches on the device, the
+``--json`` output the GPU lane (benchmarks/gpu_check.py) collects into its report, and the time
+and memory of a checkpoint converter's streaming loop in a process of its own."""
 from __future__ import annotations
 
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from typing import Optional
 
@@ -65,3 +68,37 @@ def write_json(path: Optional[str], figures: dict) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(figures, fh, indent=1)
+
+
+_STREAMING_CHILD = r"""
+import importlib, json, sys, time
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+module = importlib.import_module(sys.argv[1])
+inner, growth = getattr(module, sys.argv[2]), {}
+def measured(*args, **kwargs):
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # peak RSS from here on
+    before = status("VmRSS")
+    inner(*args, **kwargs)
+    growth["stream"] = status("VmHWM") - before
+setattr(module, sys.argv[2], measured)
+start = status("VmRSS")
+t = time.perf_counter()
+exec(sys.argv[3])
+print(json.dumps({"seconds": time.perf_counter() - t, "start": start, "peak": status("VmHWM"), **growth}))
+"""
+
+
+def run_streaming(module: str, function: str, statement: str, root: str) -> dict:
+    """Run the Python ``statement`` (a conversion) in a fresh process with ``module.function`` (its
+    streaming loop) wrapped: {seconds of the statement (imports excluded), RSS at start, peak RSS,
+    "stream": the RSS growth while the loop ran}."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
+    proc = subprocess.run([sys.executable, "-c", _STREAMING_CHILD, module, function, statement], env=env,
+                          capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])

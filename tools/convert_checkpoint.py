@@ -11,6 +11,8 @@
                                              [--max-shard-size 5GB] [--hf-architecture CLASS] [--verify]
     p2r-convert-checkpoint import-hf SRC DST [--target-* ...] [--make-vocab-size-divisible-by N]
                                              [--allow-approximate-gelu]
+    p2r-convert-checkpoint import-megatron MEGATRON_DIR DST [--target-* ...] [--allow-approximate-gelu]
+                                            (a Megatron-LM torch_dist or legacy checkpoint; docs/megatron.md)
 
 SRC is a checkpoint directory (its latest iteration is used) or one ``iter_*`` directory; DST
 becomes a checkpoint directory that ``--load`` accepts. Conversions stream tensor by tensor,
@@ -33,6 +35,7 @@ from megatron_p2r.checkpoint.hf.exporter import export_hf
 from megatron_p2r.checkpoint.hf.importer import import_hf
 from megatron_p2r.checkpoint.hf.verify import VERIFY_TOLERANCE, verify_export
 from megatron_p2r.checkpoint.integrity import check_files
+from megatron_p2r.checkpoint.megatron.importer import import_megatron
 from megatron_p2r.checkpoint.metadata import kinds_of, metadata_config, metadata_table, read_metadata
 from megatron_p2r.checkpoint.naming import resolve_iteration_dir
 from megatron_p2r.checkpoint.reshard import DelinkOptions, GrowOptions, Target, convert
@@ -173,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-approximate-gelu", action="store_true",
                    help="Import GPT2 models with tanh-approximate GELU (gelu_new) as exact GELU.")
     _add_target_flags(p)
+    p = sub.add_parser("import-megatron", help="Read a Megatron-LM GPT/Llama/Mixtral checkpoint (torch_dist or "
+                                               "legacy) into a checkpoint (see docs/megatron.md).")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--allow-approximate-gelu", action="store_true",
+                   help="Import GELU models trained with Megatron's tanh approximation (bias-GELU fusion, "
+                        "--openai-gelu) as exact GELU.")
+    _add_target_flags(p)
     return parser
 
 
@@ -204,6 +215,17 @@ def _hf_command(args) -> int:
     return 0
 
 
+def _megatron_command(args) -> int:
+    target = Target(args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
+                    args.target_pipeline_layer_split, args.target_expert_parallel_size)
+    out, notes = import_megatron(args.src, args.dst, target, allow_approximate_gelu=args.allow_approximate_gelu,
+                                 force=args.force, progress=not args.no_progress)
+    print(f"wrote {out}")
+    for note in notes:
+        print(f"  {note}")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -212,6 +234,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 0
         if args.command in ("export-hf", "import-hf"):
             return _hf_command(args)
+        if args.command == "import-megatron":
+            return _megatron_command(args)
         target = Target(args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
                         args.target_pipeline_layer_split, args.target_expert_parallel_size)
         options = _copy_options(args) if args.command in ("delink", "grow") else None

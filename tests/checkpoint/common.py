@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import textwrap
 from typing import List
 
 from megatron_p2r.config import Config
@@ -34,3 +37,36 @@ def same_bytes(a: str, b: str) -> bool:
 def metadata(iter_dir: str) -> dict:
     with open(os.path.join(iter_dir, "metadata.json"), encoding="utf-8") as fh:
         return json.load(fh)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_PEAK_RSS = textwrap.dedent("""
+    import importlib, sys
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+    module = importlib.import_module(sys.argv[1])
+    inner = getattr(module, sys.argv[2])
+    def measured(*args, **kwargs):
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # reset this process's peak RSS (VmHWM)
+        before = status("VmRSS")
+        inner(*args, **kwargs)
+        print("STREAM", before, status("VmHWM"), flush=True)
+    setattr(module, sys.argv[2], measured)
+    exec(sys.argv[3])
+""")
+
+
+def streaming_rss_growth(module: str, function: str, statement: str) -> int:
+    """How many bytes the peak RSS of a fresh process grows by while ``module.function`` runs,
+    when the Python ``statement`` calls it (the converters' streaming loops)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-c", _PEAK_RSS, module, function, statement], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    before, peak = map(int, proc.stdout.split("STREAM")[1].split())
+    return peak - before

@@ -1,9 +1,6 @@
 """Resharding: bitwise round trips, eval-loss preservation, safety checks, bounded memory."""
 import os
 import shutil
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -20,10 +17,9 @@ from megatron_p2r.parallel.sharding import expert_key, logical_name
 from megatron_p2r.parallel.state import Layout, ParallelState
 from megatron_p2r.testing import run_distributed
 from megatron_p2r.training import build_train_state
-from tests.checkpoint.common import metadata, same_bytes, shard_files
+from tests.checkpoint.common import metadata, same_bytes, shard_files, streaming_rss_growth
 from tests.helpers import run_steps, tiny_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = dict(num_layers=4, untie_embeddings_and_output_weights=True, global_batch_size=4, eval_iters=2,
              device="cpu", log_interval=100)
 MOE = dict(MODEL, num_experts=4, moe_layer_freq=2, moe_ffn_hidden_size=24)
@@ -187,27 +183,6 @@ def test_never_drops_or_invents_a_tensor(source, tmp_path):
         verify(it, meta, sum(i.numel for i in table.values()) + 1)
 
 
-STREAM = textwrap.dedent("""
-    import sys
-    from megatron_p2r.checkpoint import reshard
-
-    def status(key):
-        for line in open("/proc/self/status"):
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-
-    inner = reshard._write_tensors
-    def measured(*args, **kwargs):
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")  # reset this process's peak RSS (VmHWM)
-        before = status("VmRSS")
-        inner(*args, **kwargs)
-        print("STREAM", before, status("VmHWM"), flush=True)
-    reshard._write_tensors = measured
-    reshard.convert(sys.argv[1], sys.argv[2], reshard.Target(2, 2), progress=False)
-""")
-
-
 def test_conversion_memory_is_bounded_by_the_largest_tensor(tmp_path):
     """8 layers of hidden 256 with AdamW moments (~75 MiB): the streaming loop (measured in a
     subprocess as peak RSS over its starting RSS) stays under 12 MiB + 4x the largest tensor
@@ -225,9 +200,8 @@ def test_conversion_memory_is_bounded_by_the_largest_tensor(tmp_path):
                 shard_files(str(tmp_path / "big" / "iter_0000000")))
     bound = 12 * 2**20 + 4 * largest
     assert total > 4 * bound  # the checkpoint is many times the bound
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, "-c", STREAM, str(tmp_path / "big"), str(tmp_path / "out")], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    before, peak = map(int, proc.stdout.split("STREAM")[1].split())
-    assert peak - before < bound, f"streaming grew RSS by {(peak - before) / 2**20:.1f} MiB"
+    growth = streaming_rss_growth("megatron_p2r.checkpoint.reshard", "_write_tensors",
+                                  f"from megatron_p2r.checkpoint import reshard; reshard.convert("
+                                  f"{str(tmp_path / 'big')!r}, {str(tmp_path / 'out')!r}, reshard.Target(2, 2), "
+                                  "progress=False)")
+    assert growth < bound, f"streaming grew RSS by {growth / 2**20:.1f} MiB"

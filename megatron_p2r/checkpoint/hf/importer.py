@@ -2,30 +2,22 @@
 optimizer state) in any layout, every needed tensor checked before anything is written."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import yaml
 
-from megatron_p2r.checkpoint.atomic import write_text_atomic
 from megatron_p2r.checkpoint.hf.architecture import HFConversionError
 from megatron_p2r.checkpoint.hf.config_json import (import_vocab_divisor, model_values_from_hf, required_field,
                                                     sliding_window)
 from megatron_p2r.checkpoint.hf.directory import HFDirectory, read_hf_config
 from megatron_p2r.checkpoint.hf.rules import Rule, rules
 from megatron_p2r.checkpoint.hf.tokenizer import HFTokenizerFiles, copy_tokenizer, find_tokenizer
-from megatron_p2r.checkpoint.integrity import verify
-from megatron_p2r.checkpoint.metadata import build_metadata, write_metadata
-from megatron_p2r.checkpoint.naming import LATEST_FILE, iteration_dir_name
-from megatron_p2r.checkpoint.pieces import write_pieces
+from megatron_p2r.checkpoint.imported import write_imported
 from megatron_p2r.checkpoint.reshard import Target, target_config
-from megatron_p2r.checkpoint.staging import staged_output
-from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo, tensor_table
+from megatron_p2r.checkpoint.tensor_table import TensorInfo, tensor_table
 from megatron_p2r.config import Config, ModelConfig
-from megatron_p2r.optim.grad_scaler import LossScaler
 
 # HF tensors that are buffers, not weights (older GPT2 / Llama files carry them).
 _IGNORED = re.compile(r"(\.attn\.(masked_)?bias$|rotary_emb\.inv_freq$)")
@@ -47,25 +39,18 @@ def import_hf(src: str, dst: str, target: Target, *, make_vocab_size_divisible_b
     plan = {r.ours: r for r in rules(m, arch, hf_vocab)}
     table = tensor_table(cfg)
     _check_hf_tensors(src, hf, plan, table, m)
-    layout = ShardLayout.of(cfg)
-    with staged_output(src, src, dst, force) as tmp:
-        out_iter = os.path.join(tmp, iteration_dir_name(0))
-        os.makedirs(out_iter)
-        write_pieces(out_iter, table, layout, ("model",), lambda info, kind: _read_piece(hf, plan[info.key]),
-                     progress=progress, desc="import-hf")
-        files = {f: os.path.getsize(os.path.join(out_iter, f)) for f in layout.files()}
-        meta = build_metadata(cfg, table, iteration=0, consumed_samples=0, optimizer=False,
-                              scheduler={"num_steps": 0}, scaler=LossScaler(cfg.train).state_dict(), files=files,
-                              rng=None, history=[{"op": "import-hf", "source": os.path.abspath(src),
-                                                  "source_layout": f"hf:{arch}"}])
-        write_metadata(out_iter, meta)
-        verify(out_iter, meta, expected_params=sum(i.numel for i in table.values()))
-        flags = {}
-        if found is not None and not tokenizer_note:
-            note, flags = copy_tokenizer(found, src, tmp, dst)
-        _write_model_yaml(os.path.join(tmp, "model.yaml"), cfg, flags)
-        write_text_atomic(os.path.join(tmp, LATEST_FILE), "0")
-    return os.path.join(dst, iteration_dir_name(0)), _notes(note or tokenizer_note, cfg, hf_cfg, hf_vocab, dst)
+    notes = {"tokenizer": note or tokenizer_note}
+
+    def copy_tokenizer_files(staging: str) -> dict:
+        if found is None or tokenizer_note:
+            return {}
+        notes["tokenizer"], flags = copy_tokenizer(found, src, staging, dst)
+        return flags
+
+    out = write_imported(src, src, dst, cfg, table, lambda info, kind: _read_piece(hf, plan[info.key]),
+                         history={"op": "import-hf", "source": os.path.abspath(src), "source_layout": f"hf:{arch}"},
+                         force=force, progress=progress, extras=copy_tokenizer_files)
+    return out, _notes(notes["tokenizer"], cfg, hf_cfg, hf_vocab, dst)
 
 
 def _notes(tokenizer_note: str, cfg: Config, hf_cfg: dict, hf_vocab: int, dst: str) -> List[str]:
@@ -136,16 +121,3 @@ def _check_hf_tensors(src: str, hf: HFDirectory, plan: Dict[str, Rule], table: D
 def _read_piece(hf: HFDirectory, rule: Rule) -> torch.Tensor:
     """Our global piece, made from its HF tensors (fp32, contiguous)."""
     return rule.from_hf([hf.read(hf.resolve(n)).float() for n in rule.hf]).to(torch.float32).contiguous()
-
-
-def _write_model_yaml(path: str, cfg: Config, data_flags: dict) -> None:
-    """The model and layout flags of the imported checkpoint, for ``--config`` (flat, dashed keys)."""
-    values = {k: v for k, v in dataclasses.asdict(cfg.model).items() if v is not None}
-    p = cfg.parallel
-    values.update(tensor_model_parallel_size=p.tensor_model_parallel_size,
-                  pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-                  expert_model_parallel_size=p.expert_model_parallel_size, **data_flags)
-    if p.pipeline_layer_split:
-        values["pipeline_layer_split"] = p.pipeline_layer_split
-    with open(path, "w", encoding="utf-8") as fh:
-        yaml.safe_dump({k.replace("_", "-"): v for k, v in values.items()}, fh, sort_keys=False)

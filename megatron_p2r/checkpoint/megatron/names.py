@@ -1,0 +1,82 @@
+"""Megatron-LM's tensor names and TP splits (megatron/core/models/gpt/gpt_model.py,
+gpt_layer_specs.py, tensor_parallel/layers.py), reduced to one *canonical* name per global
+tensor: per layer with its global index, per expert with its global index.
+
+    embedding.word_embeddings.weight             [padded vocab, h]      split over TP on dim 0
+    embedding.position_embeddings.weight         [max positions, h]     (learned_absolute)
+    decoder.layers.N.input_layernorm.{weight,bias}                      TE: self_attention.linear_qkv.layer_norm_*
+    decoder.layers.N.self_attention.linear_qkv.{weight,bias}            column-parallel (dim 0)
+    decoder.layers.N.self_attention.linear_proj.{weight,bias}           row-parallel (weight dim 1)
+    decoder.layers.N.pre_mlp_layernorm.{weight,bias}                    TE: mlp.linear_fc1.layer_norm_*
+    decoder.layers.N.mlp.linear_fc1.{weight,bias}                       column-parallel; SwiGLU: [gate; up]
+    decoder.layers.N.mlp.linear_fc2.{weight,bias}                       row-parallel
+    decoder.layers.N.mlp.router.weight           [experts, h]
+    decoder.layers.N.mlp.experts.E.linear_fc{1,2}.{weight,bias}        as the dense MLP, per expert
+    decoder.final_layernorm.{weight,bias}
+    output_layer.weight                          [padded vocab, h]      (untied only)
+
+A canonical SwiGLU ``linear_fc1`` is the global [gate rows; up rows] that torch_dist stores
+(``mlp.apply_swiglu_sharded_factory``); each TP shard of a legacy file is [its gate; its up].
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional, Tuple
+
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
+OUTPUT_LAYER = "output_layer.weight"
+FINAL_NORM = "decoder.final_layernorm."
+LAYERS = "decoder.layers."
+
+# Transformer Engine fuses the norms into the next linear layer; the local spec keeps them apart
+# (torch_dist renames both to the TE names: gpt_layer_specs' sharded_state_dict_keys_map).
+_NORM_ALIASES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                 "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+                 "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+                 "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
+# Entries that are not weights: Transformer Engine's FP8 metadata, rotary frequency buffers.
+IGNORED = re.compile(r"(\._extra_state$|\.inv_freq$)")
+_LEGACY_EXPERT = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))"
+                            r"|(linear_fc[12]\.(?:weight|bias))(\d+))")
+_LAYER_KEY = re.compile(r"decoder\.layers\.(?:(\d+)\.)?(.+)")
+
+
+def layer_name(layer: int, rest: str) -> str:
+    return f"{LAYERS}{layer}.{_NORM_ALIASES.get(rest, rest)}"
+
+
+def expert_rest(expert: int, leaf: str) -> str:
+    return f"mlp.experts.{expert}.{leaf}"
+
+
+def split_layer_key(key: str) -> Optional[Tuple[Optional[int], str]]:
+    """``decoder.layers.N.rest`` -> (N, rest); torch_dist's stacked ``decoder.layers.rest`` ->
+    (None, rest); other keys -> None."""
+    m = _LAYER_KEY.fullmatch(key)
+    return None if m is None else (None if m.group(1) is None else int(m.group(1)), m.group(2))
+
+
+def split_local_expert(rest: str) -> Optional[Tuple[int, str]]:
+    """A legacy file's expert name -> (local expert index, ``linear_fc1.weight`` etc.):
+    SequentialMLP ``mlp.experts.local_experts.E.linear_fc1.weight`` or TEGroupedMLP
+    ``mlp.experts.linear_fc1.weightE``."""
+    m = _LEGACY_EXPERT.fullmatch(rest)
+    if m is None:
+        return None
+    return (int(m.group(1)), m.group(2)) if m.group(1) is not None else (int(m.group(4)), m.group(3))
+
+
+def tp_dim(name: str) -> Optional[int]:
+    """The dimension Megatron splits ``name`` over TP (column-parallel 0, row-parallel weight 1)."""
+    if name in (WORD_EMBEDDINGS, OUTPUT_LAYER):
+        return 0
+    module, _, kind = name.rpartition(".")
+    module = module.rpartition(".")[2]
+    if module in ("linear_qkv", "linear_fc1"):
+        return 0
+    return 1 if module in ("linear_proj", "linear_fc2") and kind == "weight" else None
+
+
+def is_glu_fc1(name: str) -> bool:
+    return name.rpartition(".")[0].endswith("linear_fc1")
