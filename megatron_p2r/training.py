@@ -33,7 +33,7 @@ from megatron_p2r.optim.scheduler import LRScheduler
 from megatron_p2r.parallel.ddp import DistributedDataParallel
 from megatron_p2r.parallel.grads import grad_norm_and_non_finite, unscale_and_clip
 from megatron_p2r.parallel.random import seed_everything
-from megatron_p2r.parallel.state import ParallelState, initialize
+from megatron_p2r.parallel.state import ParallelState, initialize_plan
 from megatron_p2r.planning.memory import stage_state_bytes
 from megatron_p2r.pipeline.schedules import get_forward_backward_func
 
@@ -110,9 +110,7 @@ def setup_parallel(cfg: Config, device: torch.device) -> Tuple[ParallelState, Pa
     world = dist.get_world_size()
     validate(cfg, world)
     plan = ParallelPlan.for_world(cfg, world)
-    ps = initialize(plan.layout, device, plan.stage_sets(),
-                    timeout=datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
-                    tp_blocks=plan.tp_block_sets())
+    ps = initialize_plan(plan, device, timeout=datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
     seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, device)
     return ps, plan
 

@@ -211,7 +211,7 @@ def test_activation_estimate_matches_measured_step(overrides):
 def distributed_activation_worker(rank, world):
     """TP=2 (one forward/backward) and PP=2 (1F1B over 3 micro-batches: stage 0 keeps 2 in
     flight) measured on each rank, with the planner's estimate for that rank."""
-    from megatron_p2r.parallel.state import initialize
+    from megatron_p2r.parallel.state import initialize_plan
     from megatron_p2r.pipeline.schedules import forward_backward_1f1b
     from tests.helpers import random_microbatches
     out = {}
@@ -219,7 +219,7 @@ def distributed_activation_worker(rank, world):
                             ("pp2", dict(pipeline_model_parallel_size=2, global_batch_size=12))):
         cfg = small(**ACT_SHAPES, bf16=True, **overrides)
         plan = ParallelPlan.for_world(cfg, world)
-        ps = initialize(plan.layout, torch.device("cpu"), plan.stage_sets())
+        ps = initialize_plan(plan, torch.device("cpu"))
         seed_everything(3, ps.tp_rank, ps.pp_rank, ps.device)
         model = build_model(cfg, ps, plan)
         mbs = random_microbatches(cfg, 3 if name == "pp2" else 1, cfg.train.micro_batch_size)

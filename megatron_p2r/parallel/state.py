@@ -13,7 +13,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_p2r.layout.plan import Reduction
+from megatron_p2r.layout.plan import ParallelPlan, Reduction
 from megatron_p2r.layout.ranks import GROUP_KINDS, Coords, Layout, stage_set_groups
 
 @dataclass
@@ -101,3 +101,10 @@ def initialize(layout: Layout, device: torch.device, stage_sets: Sequence[Tuple[
                     if rank in ranks:
                         state._subgroups[(stages, over, block)] = group
     return state
+
+
+def initialize_plan(plan: ParallelPlan, device: torch.device,
+                    timeout: Optional[datetime.timedelta] = None) -> ParallelState:
+    """Every group ``plan``'s parameters reduce over (its stage sets and TP blocks), so a caller
+    cannot forget one."""
+    return initialize(plan.layout, device, plan.stage_sets(), timeout=timeout, tp_blocks=plan.tp_block_sets())

@@ -52,7 +52,7 @@ def our_loss(ckpt, tokens, labels, world=None):
     (a fresh optimizer and LR schedule are part of the import), on one process or this rank of
     ``world`` gloo ranks."""
     from megatron_p2r.layout.plan import ParallelPlan
-    from megatron_p2r.parallel.state import ParallelState, initialize
+    from megatron_p2r.parallel.state import ParallelState, initialize_plan
     from megatron_p2r.training import build_train_state
     values = load_yaml(os.path.join(ckpt, "model.yaml"))
     cfg = config_from_values({**values, "mock_data": True, "micro_batch_size": 2, "global_batch_size": 2,
@@ -60,7 +60,7 @@ def our_loss(ckpt, tokens, labels, world=None):
     plan, ps = None, ParallelState.single()
     if world is not None:
         plan = ParallelPlan.for_world(cfg, world)
-        ps = initialize(plan.layout, torch.device("cpu"), plan.stage_sets())
+        ps = initialize_plan(plan, torch.device("cpu"))
     state = build_train_state(cfg, ps, plan)
     load_checkpoint(ckpt, state)
     with torch.no_grad():
