@@ -140,9 +140,9 @@ def build_meta(cfg: Config, plan: ParallelPlan, rank: int):
     """(model, ParallelState) of ``rank``, on the meta device under a fake process group."""
     import torch
     from megatron_p2r.model.m6 import build_model
-    from megatron_p2r.parallel.state import initialize
+    from megatron_p2r.parallel.state import initialize_plan
     _init_fake(plan.layout.world_size, rank)
-    ps = initialize(plan.layout, torch.device("meta"), plan.stage_sets(), tp_blocks=plan.tp_block_sets())
+    ps = initialize_plan(plan, torch.device("meta"))
     return build_model(cfg, ps, plan, meta=True), ps
 
 
