@@ -18,10 +18,10 @@ from megatron_p2r.config.parallel import ParallelConfig, stage_layer_counts
 from megatron_p2r.config.root import (SECTIONS, Config, data_parallel_size, global_batch_size,
                                       num_microbatches)
 from megatron_p2r.config.train import TrainConfig
-from megatron_p2r.config.validation import validate
+from megatron_p2r.config.validation import check_values, validate
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "P2RConfig", "DataConfig",
-           "CheckpointConfig", "LoggingConfig", "OffloadConfig", "SECTIONS", "validate",
+           "CheckpointConfig", "LoggingConfig", "OffloadConfig", "SECTIONS", "validate", "check_values",
            "data_parallel_size", "num_microbatches", "global_batch_size", "parse_share_pattern",
            "stage_layer_counts", "parse_memory_size", "parse_offload_what", "LayerSpec", "parse_layer_spec",
            "WHAT_ITEMS", "FULL", "OPTIMIZER_ONLY"]

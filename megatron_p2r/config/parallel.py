@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
-from megatron_p2r.config.fields import ConfigError, opt, require_at_least_one
+from megatron_p2r.config.fields import ConfigError, opt
+from megatron_p2r.config.ranges import at_least, positive
 
 
 @dataclass(frozen=True)
@@ -20,10 +21,7 @@ class ParallelConfig:
     device: str = opt("auto", "Compute device (auto: cuda when available, else cpu).", choices=["auto", "cpu", "cuda"])
 
     def check(self, num_layers: int) -> None:
-        """Sizes >= 1 and a pipeline split that gives every stage a layer."""
-        require_at_least_one(("--tensor-model-parallel-size", self.tensor_model_parallel_size),
-                             ("--pipeline-model-parallel-size", self.pipeline_model_parallel_size),
-                             ("--expert-model-parallel-size", self.expert_model_parallel_size))
+        """A pipeline split that gives every stage a layer (each size's range: ``RANGES``)."""
         stage_layer_counts(num_layers, self.pipeline_model_parallel_size, self.pipeline_layer_split)
 
 
@@ -48,3 +46,11 @@ def stage_layer_counts(num_layers: int, pp: int, split: Optional[str] = None) ->
                           "a stage would be empty")
     base, extra = divmod(num_layers, pp)
     return [base + (1 if s < extra else 0) for s in range(pp)]
+
+
+# Type and range of every numeric field (config/ranges.py); the rules between fields are in ``check``.
+RANGES = {
+    "tensor_model_parallel_size": at_least(1, 2 ** 13), "pipeline_model_parallel_size": at_least(1, 2 ** 13),
+    "expert_model_parallel_size": at_least(1, 2 ** 13),
+    "distributed_timeout_minutes": positive(10 ** 6),  # a datetime.timedelta overflows near 10^12
+}

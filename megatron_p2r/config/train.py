@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_p2r.config.fields import ConfigError, opt, require_at_least_one, require_positive
+from megatron_p2r.config.fields import ConfigError, opt
+from megatron_p2r.config.ranges import Range, at_least, fraction, positive
 
 
 @dataclass(frozen=True)
@@ -34,18 +35,22 @@ class TrainConfig:
     exit_signal_handler: bool = opt(False, "Save and exit cleanly on SIGTERM.")
 
     def check(self) -> None:
-        """Values outside their range (each crashed deep inside a run, or silently misbehaved)."""
-        require_at_least_one(("--micro-batch-size", self.micro_batch_size),
-                             ("--global-batch-size", self.global_batch_size),
-                             ("--max-skipped-steps", self.max_skipped_steps),
-                             ("--loss-scale-window", self.loss_scale_window))
-        require_at_least_one(("--exit-interval", self.exit_interval), unset_disables=True)
-        if self.train_iters < 0:
-            raise ConfigError(f"--train-iters must be >= 0, got {self.train_iters}")
-        require_positive(("--initial-loss-scale", self.initial_loss_scale), ("--min-loss-scale", self.min_loss_scale))
-        if self.clip_grad < 0:
-            raise ConfigError(f"--clip-grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
+        """The rules between the section's fields (each field's range: ``RANGES``)."""
         if self.bf16 and self.fp16:
             raise ConfigError("--bf16 and --fp16 are mutually exclusive")
-        if self.lr_warmup_iters < 0 or self.min_lr > self.lr:
-            raise ConfigError(f"need --lr-warmup-iters >= 0 and --min-lr ({self.min_lr}) <= --lr ({self.lr})")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"--min-lr ({self.min_lr}) must be <= --lr ({self.lr})")
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise ConfigError(f"--min-loss-scale ({self.min_loss_scale}) must be <= --initial-loss-scale "
+                              f"({self.initial_loss_scale})")
+
+
+# Type and range of every numeric field (config/ranges.py); the rules between fields are in ``check``.
+RANGES = {
+    "micro_batch_size": at_least(1, 2 ** 24), "global_batch_size": at_least(1, 2 ** 30), "train_iters": at_least(0),
+    "lr": Range(0.0), "min_lr": Range(0.0), "lr_warmup_iters": at_least(0), "lr_decay_iters": at_least(1),
+    "weight_decay": Range(0.0), "adam_beta1": fraction(), "adam_beta2": fraction(), "adam_eps": positive(),
+    "clip_grad": Range(0.0), "seed": at_least(0, 2 ** 31 - 1),  # numpy's RandomState takes < 2^32, offsets added
+    "initial_loss_scale": positive(), "min_loss_scale": positive(), "loss_scale_window": at_least(1),
+    "max_skipped_steps": at_least(1), "exit_interval": at_least(1),
+}

@@ -2,19 +2,33 @@
 with one message that names the flag(s)."""
 from __future__ import annotations
 
+from megatron_p2r.config import checkpoint, data, logging, model, offload, p2r, parallel, train
 from megatron_p2r.config.fields import ConfigError
-from megatron_p2r.config.root import Config, data_parallel_size, global_batch_size
+from megatron_p2r.config.ranges import check_fields
+from megatron_p2r.config.root import SECTIONS, Config, data_parallel_size, global_batch_size
+
+# The table of each section's ranges, beside its dataclass.
+RANGE_TABLES = {"model": model.RANGES, "parallel": parallel.RANGES, "train": train.RANGES, "p2r": p2r.RANGES,
+                "data": data.RANGES, "checkpoint": checkpoint.RANGES, "logging": logging.RANGES,
+                "offload": offload.RANGES}
+
+
+def check_values(cfg: Config) -> None:
+    """Type and range of every value (config/ranges.py), before any rule reads them."""
+    for name in SECTIONS:
+        check_fields(getattr(cfg, name), RANGE_TABLES[name])
 
 
 def validate(cfg: Config, world_size: int) -> None:
     """Raise ConfigError for the first inconsistent setting (one message per rule)."""
+    check_values(cfg)
     m, p = cfg.model, cfg.parallel
     m.check()
     p.check(m.num_layers)
     m.check_split(p.tensor_model_parallel_size, p.expert_model_parallel_size)
     _check_world(cfg, world_size)
-    for section in (cfg.train, cfg.data, cfg.checkpoint, cfg.logging):
-        section.check()
+    cfg.train.check()
+    cfg.data.check()
     _check_batch(cfg, world_size)
     _check_inputs(cfg)
     _check_outputs(cfg)
