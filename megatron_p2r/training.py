@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from megatron_p2r import offload, reliability
 from megatron_p2r.checkpoint.recovery import recover_save_dir
-from megatron_p2r.config import Config, ConfigError, global_batch_size, num_microbatches, validate
+from megatron_p2r.config import Config, ConfigError, check_values, global_batch_size, num_microbatches, validate
 from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.lifecycle import lock_save_dir
 from megatron_p2r.metrics import TrainingLogger, format_line, model_flops_per_token, peak_memory_bytes
 from megatron_p2r.model.m6 import M6Model, build_model
 from megatron_p2r.offload.optimizer import build_split_optimizer
@@ -86,8 +87,6 @@ def init_distributed(cfg: Config, device: torch.device) -> None:
     backend = cfg.parallel.distributed_backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    if not cfg.parallel.distributed_timeout_minutes > 0:  # checked here: validate() runs after init
-        raise ConfigError(f"--distributed-timeout-minutes must be > 0, got {cfg.parallel.distributed_timeout_minutes}")
     timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     if "RANK" in os.environ:
         # Under torchrun --max-restarts the restarted workers share the launcher's store with the
@@ -274,10 +273,20 @@ def describe_memory(state: TrainState) -> dict:
 
 def pretrain(cfg: Config) -> dict:
     """Train (or with --eval-only, evaluate) and return the final figures of this rank."""
+    check_values(cfg)
     device = resolve_device(cfg)
     init_distributed(cfg, device)
     cfg = resolve_vocab(cfg)
     ps, plan = setup_parallel(cfg, device)
+    lock = lock_save_dir(cfg, ps)
+    try:
+        return _run(cfg, ps, plan)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(cfg: Config, ps: ParallelState, plan: ParallelPlan) -> dict:
     state = build_train_state(cfg, ps, plan)
     logger = TrainingLogger(cfg.logging.log_file, cfg.logging.tensorboard_dir, enabled=ps.rank == log_rank(ps))
     mem = describe_memory(state)

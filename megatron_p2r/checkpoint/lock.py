@@ -97,9 +97,12 @@ class DirectoryLock:
                 raise DirectoryLocked(f"{self.directory} is in use by {_describe(holder)}; one directory takes one "
                                       "writer at a time: wait for it to finish, or use another directory") from None
             except OSError as exc:
-                os.close(fd)
                 if exc.errno not in _NO_FLOCK:
+                    os.close(fd)
                     raise
+                if os.fstat(fd).st_size == 0 and self._same_file(fd):
+                    os.unlink(self.path)  # created by the open above: not a holder's record
+                os.close(fd)
                 return self._acquire_exclusive_file()
             if self._same_file(fd):
                 return self._take(fd)
