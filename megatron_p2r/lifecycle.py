@@ -1,5 +1,9 @@
-"""What a run takes at its start and gives back at its end: the lock on ``--save`` and the
-process groups.
+"""What a run takes at its start and gives back at its end: the memory it needs, the lock on
+``--save`` and the process groups.
+
+``check_run_fits``: the planner's memory estimate against this host (``planning/preflight.py``)
+before a model is built; every rank learns whether any rank failed, so none is left waiting in
+a collective for a rank that stopped.
 
 ``lock_save_dir``: rank 0 locks ``--save`` (``checkpoint/lock.py``) before anything reads or
 repairs it, and every rank learns the outcome, so a second run on the same directory stops at
@@ -18,8 +22,35 @@ import torch.distributed as dist
 
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.lock import DirectoryLock
-from megatron_p2r.config import Config
+from megatron_p2r.config import Config, ConfigError
+from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.parallel.state import ParallelState
+from megatron_p2r.planning.preflight import check_memory
+
+
+def _stop_together(failure: Optional[Exception], device: torch.device, others: Exception) -> None:
+    """Raise ``failure`` on the rank that has one and ``others`` on every other rank, when any rank
+    failed (a collective over the world: every rank calls it)."""
+    flag = torch.tensor([1.0 if failure else 0.0], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if failure is not None:
+        raise failure
+    if flag.item():
+        raise others
+
+
+def check_run_fits(cfg: Config, plan: ParallelPlan, device: torch.device) -> None:
+    """The planner's memory estimate of this host's ranks against its memory, on every rank."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    failure = None
+    try:
+        check_memory(cfg, plan, rank, device.type, device_free=free)
+    except ConfigError as exc:
+        failure = exc
+    _stop_together(failure, device, ConfigError("this run does not fit in memory on another rank's host "
+                                                "(that rank says how much it needs)"))
 
 
 def lock_save_dir(cfg: Config, ps: ParallelState) -> Optional[DirectoryLock]:
@@ -38,11 +69,5 @@ def lock_save_dir(cfg: Config, ps: ParallelState) -> Optional[DirectoryLock]:
             failure = exc
         for note in lock.notes:
             print(f"--save {save}: {note}", flush=True)
-    refused = torch.tensor([1.0 if failure else 0.0], device=ps.device)
-    if ps.layout.world_size > 1:
-        dist.all_reduce(refused, op=dist.ReduceOp.MAX)
-    if failure is not None:
-        raise failure
-    if refused.item():
-        raise CheckpointError(f"--save {save} is in use by another run (rank 0 says which)")
+    _stop_together(failure, ps.device, CheckpointError(f"--save {save} is in use by another run (rank 0 says which)"))
     return lock

@@ -21,7 +21,7 @@ from megatron_p2r import offload, reliability
 from megatron_p2r.checkpoint.recovery import recover_save_dir
 from megatron_p2r.config import Config, ConfigError, check_values, global_batch_size, num_microbatches, validate
 from megatron_p2r.layout.plan import ParallelPlan
-from megatron_p2r.lifecycle import lock_save_dir
+from megatron_p2r.lifecycle import check_run_fits, lock_save_dir
 from megatron_p2r.metrics import TrainingLogger, format_line, model_flops_per_token, peak_memory_bytes
 from megatron_p2r.model.m6 import M6Model, build_model
 from megatron_p2r.offload.optimizer import build_split_optimizer
@@ -105,6 +105,7 @@ def setup_parallel(cfg: Config, device: torch.device) -> Tuple[ParallelState, Pa
     world = dist.get_world_size()
     validate(cfg, world)
     plan = ParallelPlan.for_world(cfg, world)
+    check_run_fits(cfg, plan, device)
     ps = initialize(plan.layout, device, plan.stage_sets(),
                     timeout=datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
     seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, device)
