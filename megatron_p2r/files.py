@@ -89,11 +89,14 @@ def unique_keys(error: Type[Exception], where: str) -> Callable:
 
 
 def read_json(path: str, error: Type[Exception], limit: int = JSON_LIMIT):
-    """Parse the JSON file ``path`` (regular, at most ``limit`` bytes, unique keys, bounded nesting).
-    FileNotFoundError propagates."""
+    """Parse the JSON file ``path`` (regular, at most ``limit`` bytes, unique keys, bounded nesting,
+    no NaN or Infinity, which are not JSON). FileNotFoundError propagates."""
     data = read_bounded(path, error, limit)
+
+    def no_constant(name):
+        raise error(f"{path}: {name} is not a JSON number")
     try:
-        return json.loads(data, object_pairs_hook=unique_keys(error, path))
+        return json.loads(data, object_pairs_hook=unique_keys(error, path), parse_constant=no_constant)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         if isinstance(exc, error):
             raise

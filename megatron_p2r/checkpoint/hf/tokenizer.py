@@ -7,9 +7,11 @@ import os
 import shutil
 from typing import Dict, Optional, Tuple
 
+from megatron_p2r.checkpoint.hf.architecture import HFConversionError
 from megatron_p2r.checkpoint.hf.directory import write_json
 from megatron_p2r.config import Config
 from megatron_p2r.data.tokenizers import GPT2_EOD
+from megatron_p2r.files import confined
 
 
 def export_tokenizer(cfg: Config, dst: str) -> Tuple[str, Dict[str, Optional[int]]]:
@@ -59,7 +61,7 @@ def import_tokenizer(src: str, out: str, final: str) -> Tuple[str, dict]:
     """Copy an HF tokenizer we can read into ``out/tokenizer``; (a line, our data flags naming the
     files under ``final``, where ``out`` is renamed to when complete)."""
     for files, kind, fields in _HF_TOKENIZERS:
-        if all(os.path.isfile(os.path.join(src, f)) for f in files):
+        if all(os.path.isfile(confined(src, f, HFConversionError, "tokenizer file")) for f in files):
             os.makedirs(os.path.join(out, "tokenizer"), exist_ok=True)
             flags = {"tokenizer_type": kind}
             for f, field in zip(files, fields):
