@@ -8,9 +8,13 @@ a collective for a rank that stopped.
 ``lock_save_dir``: rank 0 locks ``--save`` (``checkpoint/lock.py``) before anything reads or
 repairs it, and every rank learns the outcome, so a second run on the same directory stops at
 once on every rank (rank 0 says who holds it) instead of two runs overwriting each other's
-iterations. ``shutdown`` ends a run cleanly on every path: the lock released, pending
-point-to-point work waited for, and every process group destroyed in order while all ranks are
-still alive (see docs/reliability.md for the abort at exit this prevents).
+iterations. ``release_groups`` ends a run cleanly: after a completed run every rank waits for
+the others (no rank tears down its connections while a peer still sends to it), then the groups
+the run created are shut down and dropped here, while the interpreter is fully alive. A process
+group still referenced when the interpreter exits is destroyed during finalization, where gloo's
+threads abort the process (``terminate called without an active exception``, SIGABRT after the
+last iteration): the model keeps the ParallelState, and with offload the model and its offload
+manager reference each other, so without this the groups lived until then (docs/reliability.md).
 """
 from __future__ import annotations
 
@@ -71,3 +75,13 @@ def lock_save_dir(cfg: Config, ps: ParallelState) -> Optional[DirectoryLock]:
             print(f"--save {save}: {note}", flush=True)
     _stop_together(failure, ps.device, CheckpointError(f"--save {save} is in use by another run (rank 0 says which)"))
     return lock
+
+
+def release_groups(ps: ParallelState, completed: bool) -> None:
+    """Shut down and forget the groups of ``ps`` (the world group is its creator's to destroy);
+    after a completed run, first a barrier so every rank has finished its last transfer."""
+    if completed and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    for group in ps.drop_groups():
+        if dist.is_initialized() and group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)

@@ -21,7 +21,7 @@ from megatron_p2r import offload, reliability
 from megatron_p2r.checkpoint.recovery import recover_save_dir
 from megatron_p2r.config import Config, ConfigError, check_values, global_batch_size, num_microbatches, validate
 from megatron_p2r.layout.plan import ParallelPlan
-from megatron_p2r.lifecycle import check_run_fits, lock_save_dir
+from megatron_p2r.lifecycle import check_run_fits, lock_save_dir, release_groups
 from megatron_p2r.metrics import TrainingLogger, format_line, model_flops_per_token, peak_memory_bytes
 from megatron_p2r.model.m6 import M6Model, build_model
 from megatron_p2r.offload.optimizer import build_split_optimizer
@@ -279,12 +279,18 @@ def pretrain(cfg: Config) -> dict:
     init_distributed(cfg, device)
     cfg = resolve_vocab(cfg)
     ps, plan = setup_parallel(cfg, device)
-    lock = lock_save_dir(cfg, ps)
+    completed = False
     try:
-        return _run(cfg, ps, plan)
+        lock = lock_save_dir(cfg, ps)
+        try:
+            result = _run(cfg, ps, plan)
+            completed = True
+            return result
+        finally:
+            if lock is not None:
+                lock.release()
     finally:
-        if lock is not None:
-            lock.release()
+        release_groups(ps, completed)
 
 
 def _run(cfg: Config, ps: ParallelState, plan: ParallelPlan) -> dict:

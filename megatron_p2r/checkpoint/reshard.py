@@ -34,7 +34,7 @@ from megatron_p2r.checkpoint.pieces import read_global, write_pieces
 from megatron_p2r.checkpoint.safetensors_io import ReaderCache
 from megatron_p2r.checkpoint.staging import staged_output
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo, tensor_table
-from megatron_p2r.config import Config, ConfigError, stage_layer_counts
+from megatron_p2r.config import Config, ConfigError, check_values, stage_layer_counts
 from megatron_p2r.p2r import delink as dl
 
 
@@ -72,12 +72,12 @@ def target_config(src: Config, target: Target, delink: bool) -> Config:
     if delink:
         changes["p2r_phase"] = "real"
     cfg = src.replace(**changes)
+    try:
+        check_values(cfg)
+    except ConfigError as exc:
+        raise ConfigError(_target_flags(str(exc))) from None
     p, m = cfg.parallel, cfg.model
     tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
-    for value, flag in [(tp, "--target-tensor-parallel-size"), (p.pipeline_model_parallel_size,
-                        "--target-pipeline-parallel-size"), (ep, "--target-expert-parallel-size")]:
-        if value < 1:
-            raise ConfigError(f"{flag} must be >= 1, got {value}")
     for what, size in [("--num-attention-heads", m.num_attention_heads), ("ffn hidden size", m.ffn_size),
                        ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)] + \
             ([("expert ffn hidden size", m.expert_ffn_size)] if m.num_experts else []):
@@ -90,9 +90,18 @@ def target_config(src: Config, target: Target, delink: bool) -> Config:
     try:
         stage_layer_counts(m.num_layers, p.pipeline_model_parallel_size, p.pipeline_layer_split)
     except ConfigError as exc:
-        msg = str(exc).replace("--pipeline-model-parallel-size", "--target-pipeline-parallel-size")
-        raise ConfigError(msg.replace("--pipeline-layer-split", "--target-pipeline-layer-split")) from None
+        raise ConfigError(_target_flags(str(exc))) from None
     return cfg
+
+
+def _target_flags(message: str) -> str:
+    """A config error about the layout, in the converter's flag names."""
+    for flag, target in (("--tensor-model-parallel-size", "--target-tensor-parallel-size"),
+                         ("--pipeline-model-parallel-size", "--target-pipeline-parallel-size"),
+                         ("--expert-model-parallel-size", "--target-expert-parallel-size"),
+                         ("--pipeline-layer-split", "--target-pipeline-layer-split")):
+        message = message.replace(flag, target)
+    return message
 
 
 def _plan(src: Dict[str, TensorInfo], dst: Dict[str, TensorInfo], layer_keys, delink: bool,
@@ -137,6 +146,8 @@ def convert(src: str, dst: str, target: Target, delink: Optional[DelinkOptions] 
         if delink.optimizer_state not in dl.OPTIMIZER_STATE_MODES:
             raise ConfigError(f"--optimizer-state must be one of {dl.OPTIMIZER_STATE_MODES}, "
                               f"got {delink.optimizer_state!r}")
+        if not (isinstance(delink.noise_std, (int, float)) and 0.0 <= delink.noise_std < float("inf")):
+            raise ConfigError(f"--noise-std must be a finite number >= 0, got {delink.noise_std}")
     dst_cfg = target_config(src_cfg, target, delink is not None)
     src_table, dst_table = metadata_table(meta), tensor_table(dst_cfg)
     src_layout, dst_layout = ShardLayout.of(src_cfg), ShardLayout.of(dst_cfg)

@@ -24,6 +24,8 @@ def parse_size(text: str) -> int:
     number, unit = float(match.group(1)), (match.group(2) or "B").upper()
     scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    if not 1 <= number * scale <= 2 ** 50:
+        raise HFConversionError(f"--max-shard-size {text!r}: expected a size between 1 byte and 1 PiB")
     return int(number * scale)
 
 
