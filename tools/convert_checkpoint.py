@@ -22,7 +22,6 @@ import os
 import sys
 from typing import List, Optional
 
-from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.hf.exporter import export_hf
 from megatron_p2r.checkpoint.hf.importer import import_hf
 from megatron_p2r.checkpoint.hf.verify import VERIFY_TOLERANCE, verify_export
@@ -31,7 +30,7 @@ from megatron_p2r.checkpoint.metadata import kinds_of, metadata_config, metadata
 from megatron_p2r.checkpoint.naming import resolve_iteration_dir
 from megatron_p2r.checkpoint.reshard import DelinkOptions, Target, convert
 from megatron_p2r.checkpoint.tensor_table import ShardLayout
-from megatron_p2r.config import ConfigError
+from megatron_p2r.cli import run_tool
 from megatron_p2r.p2r.delink import OPTIMIZER_STATE_MODES
 
 
@@ -159,23 +158,24 @@ def _hf_command(args) -> int:
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        if args.command == "inspect":
-            print(inspect(args.dir))
-            return 0
-        if args.command in ("export-hf", "import-hf"):
-            return _hf_command(args)
-        target = Target(args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
-                        args.target_pipeline_layer_split, args.target_expert_parallel_size)
-        options = DelinkOptions(args.optimizer_state, args.noise_std) if args.command == "delink" else None
-        out = convert(args.src, args.dst, target, options, force=args.force, progress=not args.no_progress)
-        print(f"wrote {out}; load it with --load {os.path.abspath(args.dst)}")
+def _run(args) -> int:
+    if args.command == "inspect":
+        print(inspect(args.dir))
         return 0
-    except (CheckpointError, ConfigError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if args.command in ("export-hf", "import-hf"):
+        return _hf_command(args)
+    target = Target(args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
+                    args.target_pipeline_layer_split, args.target_expert_parallel_size)
+    options = DelinkOptions(args.optimizer_state, args.noise_std) if args.command == "delink" else None
+    out = convert(args.src, args.dst, target, options, force=args.force, progress=not args.no_progress)
+    print(f"wrote {out}; load it with --load {os.path.abspath(args.dst)}")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Exit status: 0 done, 2 bad input (one ``error:`` line), 1 an OS error, 3 --verify found a difference."""
+    args = build_parser().parse_args(argv)
+    return run_tool(lambda: _run(args))
 
 
 if __name__ == "__main__":

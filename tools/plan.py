@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 import time
@@ -31,6 +32,7 @@ from typing import Dict, List, Optional, Sequence
 
 from megatron_p2r.arguments import build_parser, parse_args
 from megatron_p2r.config import Config, ConfigError, parse_memory_size, validate
+from megatron_p2r.config.ranges import Range, at_least, positive
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.planning.estimate import Plan, make_plan
 from megatron_p2r.planning.hardware import GPU_PRESETS, GiB
@@ -81,6 +83,22 @@ def planner_parser() -> argparse.ArgumentParser:
     g.add_argument("--verify-all-ranks", action="store_true",
                    help="Verify every rank class and the total parameter count.")
     return p
+
+
+# The planner's own numbers: (flag, range); unset overrides keep the preset's value.
+_PLANNER_RANGES = [("world_size", at_least(1, 2 ** 20)), ("gpus_per_node", at_least(1, 2 ** 10)),
+                   ("compute_efficiency", Range(0.0, 1.0, low_open=True)), ("gpu_flops", positive()),
+                   ("intra_node_bw", positive()), ("inter_node_bw", positive()), ("host_bw", positive()),
+                   ("host_optimizer_bw", positive()), ("token_budget", Range(0.0)), ("gpu_memory", at_least(1, 2 ** 60)),
+                   ("host_memory", at_least(1, 2 ** 60)), ("reserve", at_least(0, 2 ** 60))]
+
+
+def check_planner_args(args: argparse.Namespace) -> None:
+    """Each planner number finite and in its range (a zero efficiency or bandwidth divides by zero)."""
+    for name, limits in _PLANNER_RANGES:
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and limits.contains(value)):
+            raise ConfigError(f"--{name.replace('_', '-')} must be in {limits.describe()}, got {value}")
 
 
 def phase_configs(args: argparse.Namespace, rest: List[str]) -> Dict[str, Config]:
@@ -282,6 +300,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     args, rest = planner_parser().parse_known_args(argv)
     try:
+        check_planner_args(args)
         configs = phase_configs(args, rest)
         gpu = GPU_PRESETS[args.gpu].replace(memory=args.gpu_memory, flops16=args.gpu_flops,
                                             intra_node_bw=args.intra_node_bw, inter_node_bw=args.inter_node_bw,

@@ -22,6 +22,11 @@ COUNT = 2 ** 40     # iterations, samples: any run, with room
 LAYERS = 2 ** 12    # layers, heads: 85x the 48 layers of M6-10T (the planner's estimate is linear in them)
 
 
+def _number(x: float) -> str:
+    """16384, 0.5, inf (not 1.6384e+04)."""
+    return str(int(x)) if math.isfinite(x) and float(x).is_integer() else f"{x:g}"
+
+
 @dataclass(frozen=True)
 class Range:
     """``low <= value <= high`` (``low_open``: ``low < value``; None: unbounded); floats must be finite."""
@@ -33,16 +38,16 @@ class Range:
 
     def describe(self) -> str:
         """'[1, 16384]', '(0, inf)', '[0, 1)'."""
-        lo = "-inf" if self.low is None else f"{self.low:g}"
-        hi = "inf" if self.high is None else f"{self.high:g}"
+        lo = "-inf" if self.low is None else _number(self.low)
+        hi = "inf" if self.high is None else _number(self.high)
         closed_high = not self.high_open and self.high is not None and math.isfinite(self.high)
         return f"{'(' if self.low_open or self.low is None else '['}{lo}, {hi}{']' if closed_high else ')'}"
 
     def violated(self, value) -> str:
         """The bound ``value`` breaks, as the message says it: '>= 1', '< 1'."""
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return f"{'>' if self.low_open else '>='} {self.low:g}"
-        return f"{'<' if self.high_open else '<='} {self.high:g}"
+            return f"{'>' if self.low_open else '>='} {_number(self.low)}"
+        return f"{'<' if self.high_open else '<='} {_number(self.high)}"
 
     def contains(self, value) -> bool:
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
