@@ -141,11 +141,16 @@ def compute_dtype(cfg: Config) -> Optional[torch.dtype]:
 
 # ----------------------------------------------------------------------------- data
 
-def build_datasets(cfg: Config, ps: ParallelState):
-    """(train, valid) datasets: every item is int64 tokens of length seq_length + 1."""
+def build_datasets(cfg: Config, ps: ParallelState, iteration: int = 0, consumed_samples: int = 0):
+    """(train, valid) datasets: every item is int64 tokens of length seq_length + 1.
+
+    The training set holds the samples consumed so far plus those of the remaining iterations
+    (Megatron-LM's rule with --train-iters, consumed samples carried over from the checkpoint):
+    the same size as before when the global batch size is unchanged, and enough when a resumed
+    run changes it."""
     gbs = global_batch_size(cfg, ps.layout.world_size)
     eval_samples = cfg.logging.eval_iters * gbs
-    train_samples = cfg.train.train_iters * gbs
+    train_samples = max(consumed_samples + max(cfg.train.train_iters - iteration, 0) * gbs, 1)
     if cfg.data.mock_data:
         from megatron_p2r.data.mock import MockGPTDataset
         m = cfg.model
@@ -153,7 +158,7 @@ def build_datasets(cfg: Config, ps: ParallelState):
                 MockGPTDataset(eval_samples, m.seq_length, m.vocab_size, cfg.train.seed + 1))
     from megatron_p2r.data.builder import build_train_valid_test_datasets
     train, valid, _ = build_train_valid_test_datasets(cfg.data, cfg.model.seq_length, cfg.train.seed,
-                                                      (train_samples, eval_samples, 0))
+                                                      (train_samples, eval_samples, 0), cfg.model.vocab_size)
     return train, valid
 
 
@@ -304,7 +309,7 @@ def _run(cfg: Config, ps: ParallelState, plan: ParallelPlan) -> dict:
     if state.offload is not None:
         print(format_report(ps.rank, state.offload.describe()), flush=True)
     resume_checkpoint(state)
-    train_ds, valid_ds = build_datasets(cfg, ps)
+    train_ds, valid_ds = build_datasets(cfg, ps, state.iteration, state.consumed_samples)
     result = {"rank": ps.rank, "losses": [], "memory": mem}
     if cfg.logging.eval_only:
         result["eval_loss"] = evaluate(state, valid_ds)
@@ -331,6 +336,11 @@ def resume_checkpoint(state: TrainState) -> None:
     from megatron_p2r.checkpoint.io import load_checkpoint
     if load_checkpoint(ck.load, state, finetune=ck.finetune) is not None:
         reliability.record("resumed", ps.rank, state.iteration)
+        gbs = global_batch_size(state.cfg, ps.layout.world_size)
+        if ps.rank == 0 and state.consumed_samples != state.iteration * gbs:
+            print(f"resuming at iteration {state.iteration} with --global-batch-size {gbs}: the "
+                  f"{state.consumed_samples} consumed samples carry over (as in Megatron-LM); the learning-rate "
+                  "schedule counts iterations", flush=True)
 
 
 class _LogWindow:
