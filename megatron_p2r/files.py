@@ -71,7 +71,7 @@ def read_bounded(path: str, error: Type[Exception], limit: int, what: str = "") 
     with open_regular(path, error, what) as fh:
         data = fh.read(limit + 1)
     if len(data) > limit:
-        raise error(f"{what + ': ' if what else ''}{path} is larger than {limit // MiB} MiB; "
+        raise error(f"{what + ': ' if what else ''}{path} is larger than {limit:,} bytes; "
                     "this is not a file this project writes")
     return data
 

@@ -166,6 +166,10 @@ def _check_size(cfg: Config, meta: dict) -> None:
     if files != len(meta["files"]):
         raise CheckpointError(f"{METADATA_FILE}: the config's layout has {files} shard files, field 'files' lists "
                               f"{len(meta['files'])}")
+    unexpected = sorted(set(meta["files"]) - set(ShardLayout.of(cfg).files()))
+    if unexpected:
+        raise CheckpointError(f"{METADATA_FILE}: field 'files' lists {unexpected[0]!r}, which is not a shard file of "
+                              "the config's layout")
     keys = meta["p2r"]["layer_module_keys"]
     if len(keys) != m.num_layers:
         raise CheckpointError(f"{METADATA_FILE}: p2r.layer_module_keys has {len(keys)} entries for "

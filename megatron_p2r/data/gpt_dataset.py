@@ -120,7 +120,7 @@ def _write_atomically(path: str, write) -> None:
 def _load_cached(paths, valid: Optional[Callable]) -> Optional[tuple]:
     """The cached arrays when every file is a regular file numpy reads without unpickling and
     ``valid`` accepts them; None (with a warning) when they must be rebuilt."""
-    if not all(os.path.isfile(p) for p in paths):  # (a FIFO or a dangling link is not a file)
+    if not all(os.path.isfile(p) and not os.path.islink(p) for p in paths):  # FIFOs and links: rebuilt
         return None
     try:
         arrays = tuple(np.load(p, mmap_mode="r", allow_pickle=False) for p in paths)
