@@ -68,6 +68,8 @@ def resolve_device(cfg: Config) -> torch.device:
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA device is available here (torch.cuda.is_available() is False)")
         index = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
@@ -87,6 +89,8 @@ def init_distributed(cfg: Config, device: torch.device) -> None:
     backend = cfg.parallel.distributed_backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("--distributed-backend nccl needs --device cuda (NCCL moves CUDA tensors only)")
     timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     if "RANK" in os.environ:
         # Under torchrun --max-restarts the restarted workers share the launcher's store with the

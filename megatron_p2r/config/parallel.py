@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from megatron_p2r.config.fields import ConfigError, opt
-from megatron_p2r.config.ranges import at_least, positive
+from megatron_p2r.config.ranges import at_least
 
 
 @dataclass(frozen=True)
@@ -52,5 +52,6 @@ def stage_layer_counts(num_layers: int, pp: int, split: Optional[str] = None) ->
 RANGES = {
     "tensor_model_parallel_size": at_least(1, 2 ** 13), "pipeline_model_parallel_size": at_least(1, 2 ** 13),
     "expert_model_parallel_size": at_least(1, 2 ** 13),
-    "distributed_timeout_minutes": positive(10 ** 6),  # a datetime.timedelta overflows near 10^12
+    # below a second nothing completes (even the rendezvous); a datetime.timedelta overflows near 10^12
+    "distributed_timeout_minutes": at_least(0.01, 10 ** 6),
 }

@@ -2,6 +2,8 @@
 with one message that names the flag(s)."""
 from __future__ import annotations
 
+import os
+
 from megatron_p2r.config import checkpoint, data, logging, model, offload, p2r, parallel, train
 from megatron_p2r.config.fields import ConfigError
 from megatron_p2r.config.ranges import check_fields
@@ -32,6 +34,7 @@ def validate(cfg: Config, world_size: int) -> None:
     _check_batch(cfg, world_size)
     _check_inputs(cfg)
     _check_outputs(cfg)
+    _check_paths(cfg)
     cfg.p2r.check(m.num_layers)
     cfg.offload.check(m.num_layers)
 
@@ -74,3 +77,21 @@ def _check_outputs(cfg: Config) -> None:
         raise ConfigError("--save-interval needs --save DIR")
     if (t.exit_interval or t.exit_signal_handler) and not c.save:
         raise ConfigError("--exit-interval / --exit-signal-handler need --save DIR to save to")
+
+
+def _check_paths(cfg: Config) -> None:
+    """A path that exists as the wrong kind fails here, before anything opens it: a FIFO as
+    --log-file would block the first log line forever, a file as --save fails deep in a save."""
+    c, g, d = cfg.checkpoint, cfg.logging, cfg.data
+    for flag, path, directory in (("--save", c.save, True), ("--tensorboard-dir", g.tensorboard_dir, True),
+                                  ("--data-cache-path", d.data_cache_path, True), ("--log-file", g.log_file, False)):
+        if not path:
+            continue
+        if os.path.exists(path) and (not os.path.isdir(path) if directory else not os.path.isfile(path)):
+            kind = "a directory" if directory else "a regular file"
+            raise ConfigError(f"{flag} {path} exists and is not {kind}")
+        parent = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise ConfigError(f"{flag} {path}: {parent} is not a directory")

@@ -1,8 +1,8 @@
 """Before a model is built: does the run fit in the memory this machine has?
 
 The planner's own accounting (parameters, gradients, AdamW moments, what offload keeps on host,
-the activations of the micro-batches the schedule keeps in flight, the dataset's sample
-indices) is summed over the ranks that share this host and compared with the memory the host
+the activations of the micro-batches the schedule keeps in flight, the micro-batches of a step
+or an evaluation, the dataset's sample indices) is summed over the ranks that share this host and compared with the memory the host
 has available (``MemAvailable``, or a container's cgroup limit when lower); on CUDA each rank's
 device part is also compared with its device's free memory. An absurd size (``--seq-length
 10000000``, ``--hidden-size 100000``) then fails at once with one line, "needs 38.0 GiB of host
@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import Dict, Optional
 
-from megatron_p2r.config import Config, ConfigError, global_batch_size
+from megatron_p2r.config import Config, ConfigError, global_batch_size, num_microbatches
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.planning.activations import activation_memory
 from megatron_p2r.planning.hardware import GiB
@@ -24,6 +24,16 @@ from megatron_p2r.planning.memory import offload_plan
 
 SKIP_ENV = "P2R_SKIP_MEMORY_CHECK"
 INDEX_BYTES_PER_SAMPLE = 20  # sample_idx (2 x int32 or int64) + shuffle_idx + a share of doc_idx
+BATCH_BYTES_PER_TOKEN = 12   # int64 token (inputs and labels are views of it) + fp32 loss mask
+
+
+def batch_bytes(cfg: Config, world_size: int) -> int:
+    """The micro-batches a rank holds at once: a step's (the schedules take them all), or an
+    evaluation's (``--eval-iters`` steps' worth) when the run evaluates."""
+    m, t = cfg.model, cfg.train
+    steps = cfg.logging.eval_iters if (cfg.logging.eval_interval or cfg.logging.eval_only) else 1
+    return num_microbatches(cfg, world_size) * t.micro_batch_size * (m.seq_length + 1) * BATCH_BYTES_PER_TOKEN * \
+        max(steps, 1)
 
 
 def rank_memory(cfg: Config, plan: ParallelPlan, stage: int, device_type: str) -> Dict[str, int]:
@@ -32,7 +42,8 @@ def rank_memory(cfg: Config, plan: ParallelPlan, stage: int, device_type: str) -
     # The CPU estimate models no attention dropout (math kernel, s x s); the CUDA one is a lower bound.
     kind = "cuda" if device_type == "cuda" or cfg.model.attention_dropout else "cpu"
     act = activation_memory(cfg, plan, stage, offloaded=off["recomputed"], device_type=kind)
-    device = sum(off["device"].values()) + act["activations"] + act["compute_weights"] + act["transient"]
+    device = sum(off["device"].values()) + act["activations"] + act["compute_weights"] + act["transient"] + \
+        batch_bytes(cfg, plan.layout.world_size)
     host = sum(off["host"].values())
     if not cfg.data.mock_data:
         gbs = global_batch_size(cfg, plan.layout.world_size)
@@ -83,8 +94,8 @@ def check_memory(cfg: Config, plan: ParallelPlan, rank: int, device_type: str,
     if available is not None and host_need > available:
         who = f"its {len(host_ranks)} ranks on this host need" if len(host_ranks) > 1 else "it needs"
         raise ConfigError(f"this run does not fit in memory: {who} at least {_gib(host_need)} of host memory "
-                          f"(parameters, gradients, optimizer state, activations, data indices), the machine has "
-                          f"{_gib(available)} available; reduce the model, --seq-length or --micro-batch-size, or "
+                          f"(parameters, gradients, optimizer state, activations, micro-batches, data indices), the machine has "
+                          f"{_gib(available)} available; reduce the model, --seq-length, --micro-batch-size or --global-batch-size, or "
                           f"use more ranks{hint}")
     device_need = needs[layout.coords(rank).pp]["device"]
     if device_free is not None and device_need > device_free:
