@@ -94,9 +94,9 @@ def check_memory(cfg: Config, plan: ParallelPlan, rank: int, device_type: str,
     if available is not None and host_need > available:
         who = f"its {len(host_ranks)} ranks on this host need" if len(host_ranks) > 1 else "it needs"
         raise ConfigError(f"this run does not fit in memory: {who} at least {_gib(host_need)} of host memory "
-                          f"(parameters, gradients, optimizer state, activations, micro-batches, data indices), the machine has "
-                          f"{_gib(available)} available; reduce the model, --seq-length, --micro-batch-size or --global-batch-size, or "
-                          f"use more ranks{hint}")
+                          "(parameters, gradients, optimizer state, activations, micro-batches, data indices), the "
+                          f"machine has {_gib(available)} available; reduce the model, --seq-length, --micro-batch-size "
+                          f"or --global-batch-size, or use more ranks{hint}")
     device_need = needs[layout.coords(rank).pp]["device"]
     if device_free is not None and device_need > device_free:
         raise ConfigError(f"this run does not fit on the device: rank {rank} needs at least {_gib(device_need)}, "
