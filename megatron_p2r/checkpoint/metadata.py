@@ -112,7 +112,7 @@ _SCHEMA = {
 _TENSOR_FIELDS = {
     "param": lambda v: isinstance(v, str),
     "shape": lambda v: _int_list(v) and len(v) <= 8,
-    "dtype": lambda v: v in TORCH_DTYPE,
+    "dtype": lambda v: isinstance(v, str) and v in TORCH_DTYPE,
     "tp_dim": _optional(_int(0, 7)), "ep_dim": _optional(_int(0, 0)), "expert": _optional(_int()),
     "stage": _int(), "module_key": _optional(_int()), "layers": _int_list,
 }

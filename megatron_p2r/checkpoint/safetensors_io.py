@@ -181,7 +181,8 @@ def _check_with_library(path: str) -> None:
 
 def _check_entry(path: str, name: str, e) -> None:
     """One header entry is a known dtype, a shape, and offsets spanning exactly its bytes."""
-    ok = (isinstance(e, dict) and e.get("dtype") in TORCH_DTYPE and isinstance(e.get("shape"), list)
+    ok = (isinstance(e, dict) and isinstance(e.get("dtype"), str) and e["dtype"] in TORCH_DTYPE
+          and isinstance(e.get("shape"), list)
           and all(isinstance(s, int) and s >= 0 for s in e["shape"]) and isinstance(e.get("data_offsets"), list)
           and len(e["data_offsets"]) == 2 and all(isinstance(o, int) for o in e["data_offsets"]))
     if not ok or not 0 <= e["data_offsets"][0] <= e["data_offsets"][1] or \
