@@ -65,10 +65,12 @@ def lock_save_dir(cfg: Config, ps: ParallelState) -> Optional[DirectoryLock]:
         return None
     lock, failure = None, None
     if ps.rank == 0:
-        os.makedirs(save, exist_ok=True)
         lock = DirectoryLock(save, "training run")
         try:
+            os.makedirs(save, exist_ok=True)
             lock.acquire()
+        except OSError as exc:
+            failure = CheckpointError(f"--save {save}: cannot create or lock it ({exc.strerror})")
         except CheckpointError as exc:
             failure = exc
         for note in lock.notes:
