@@ -36,7 +36,7 @@ def confined(root: str, name, error: Type[Exception], what: str) -> str:
         raise error(f"{what}: {name!r} is not a file name relative to {root}")
     base = os.path.realpath(root)
     resolved = os.path.realpath(os.path.join(base, name))
-    if not resolved.startswith(base + os.sep):
+    if not resolved.startswith(base.rstrip(os.sep) + os.sep):
         raise error(f"{what}: {name!r} resolves to {resolved}, outside {root}; "
                     "files named by a file must lie in its directory")
     return os.path.join(root, name)

@@ -89,8 +89,9 @@ def planner_parser() -> argparse.ArgumentParser:
 _PLANNER_RANGES = [("world_size", at_least(1, 2 ** 20)), ("gpus_per_node", at_least(1, 2 ** 10)),
                    ("compute_efficiency", Range(0.0, 1.0, low_open=True)), ("gpu_flops", positive()),
                    ("intra_node_bw", positive()), ("inter_node_bw", positive()), ("host_bw", positive()),
-                   ("host_optimizer_bw", positive()), ("token_budget", Range(0.0)), ("gpu_memory", at_least(1, 2 ** 60)),
-                   ("host_memory", at_least(1, 2 ** 60)), ("reserve", at_least(0, 2 ** 60))]
+                   ("host_optimizer_bw", positive()), ("token_budget", Range(0.0)),
+                   ("gpu_memory", at_least(1, 2 ** 60)), ("host_memory", at_least(1, 2 ** 60)),
+                   ("reserve", at_least(0, 2 ** 60))]
 
 
 def check_planner_args(args: argparse.Namespace) -> None:

@@ -116,7 +116,8 @@ class DirectoryLock:
                          0o644)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise DirectoryLocked(f"{self.path} is a symbolic link; remove it (rm {shlex.quote(self.path)})") from None
+                raise DirectoryLocked(f"{self.path} is a symbolic link; remove it "
+                                      f"(rm {shlex.quote(self.path)})") from None
             raise CheckpointError(f"cannot lock {self.directory}: {exc.strerror} ({self.path})") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)

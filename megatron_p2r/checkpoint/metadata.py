@@ -150,6 +150,7 @@ def metadata_config(meta: dict) -> Config:
         p.check(m.num_layers)
         m.check_split(p.tensor_model_parallel_size, p.expert_model_parallel_size)
         cfg.p2r.check(m.num_layers)
+        cfg.offload.check(m.num_layers)
     except (TypeError, AttributeError) as exc:
         raise CheckpointError(f"{METADATA_FILE}: field 'config' does not describe this code's Config ({exc})") from None
     except ConfigError as exc:

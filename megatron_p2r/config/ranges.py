@@ -130,4 +130,5 @@ def check_fields(section, ranges: Dict[str, Range]) -> None:
 
 def numeric_fields_without_range(section_cls, ranges: Dict[str, Range]) -> list:
     """The int/float fields a section's table forgets (a test keeps this empty)."""
-    return [f.name for f in dataclasses.fields(section_cls) if field_kind(f)[0] in ("int", "float") and f.name not in ranges]
+    return [f.name for f in dataclasses.fields(section_cls)
+            if field_kind(f)[0] in ("int", "float") and f.name not in ranges]

@@ -2,14 +2,15 @@
 
 The planner's own accounting (parameters, gradients, AdamW moments, what offload keeps on host,
 the activations of the micro-batches the schedule keeps in flight, the micro-batches of a step
-or an evaluation, the dataset's sample indices) is summed over the ranks that share this host and compared with the memory the host
-has available (``MemAvailable``, or a container's cgroup limit when lower); on CUDA each rank's
-device part is also compared with its device's free memory. An absurd size (``--seq-length
-10000000``, ``--hidden-size 100000``) then fails at once with one line, "needs 38.0 GiB of host
-memory, the machine has 24.0 GiB available", instead of tens of seconds of allocation and an
-out-of-memory kill. The estimate leaves out the Python and torch runtime (a few hundred MiB a
-process), so it is a lower bound: a refused run would not have fit. ``P2R_SKIP_MEMORY_CHECK=1``
-skips the check (an estimate that is wrong for some model should never block a run).
+or an evaluation, the dataset's sample indices) is summed over the ranks that share this host
+and compared with the memory the host has available (``MemAvailable``, or a container's cgroup
+limit when lower); on CUDA each rank's device part is also compared with its device's free
+memory. An absurd size (``--seq-length 10000000``, ``--hidden-size 100000``) then fails at once
+with one line, "needs at least 38.0 GiB of host memory, the machine has 24.0 GiB available",
+instead of tens of seconds of allocation and an out-of-memory kill. The estimate leaves out the
+Python and torch runtime (a few hundred MiB a process), so it is a lower bound: a refused run
+would not have fit. ``P2R_SKIP_MEMORY_CHECK=1`` skips the check (an estimate that is wrong for
+some model should never block a run).
 """
 from __future__ import annotations
 
@@ -95,8 +96,8 @@ def check_memory(cfg: Config, plan: ParallelPlan, rank: int, device_type: str,
         who = f"its {len(host_ranks)} ranks on this host need" if len(host_ranks) > 1 else "it needs"
         raise ConfigError(f"this run does not fit in memory: {who} at least {_gib(host_need)} of host memory "
                           "(parameters, gradients, optimizer state, activations, micro-batches, data indices), the "
-                          f"machine has {_gib(available)} available; reduce the model, --seq-length, --micro-batch-size "
-                          f"or --global-batch-size, or use more ranks{hint}")
+                          f"machine has {_gib(available)} available; reduce the model, --seq-length, "
+                          f"--micro-batch-size or --global-batch-size, or use more ranks{hint}")
     device_need = needs[layout.coords(rank).pp]["device"]
     if device_free is not None and device_need > device_free:
         raise ConfigError(f"this run does not fit on the device: rank {rank} needs at least {_gib(device_need)}, "

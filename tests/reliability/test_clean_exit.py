@@ -34,5 +34,6 @@ def test_consecutive_pp2_offload_runs_exit_cleanly(tmp_path):
                str(free_port()), "pretrain_m6.py", *PP2_OFFLOAD]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         out = proc.stdout + proc.stderr
-        assert proc.returncode == 0 and "terminate called" not in out, f"run {run}: exit {proc.returncode}\n{out[-3000:]}"
+        assert proc.returncode == 0 and "terminate called" not in out, \
+            f"run {run}: exit {proc.returncode}\n{out[-3000:]}"
         assert "iteration      3/     3" in out

@@ -1,6 +1,5 @@
 import json
 
-import pytest
 
 from tests.helpers import bad_input_error
 from tools.plot_logs import main, series

@@ -80,9 +80,9 @@ def test_gzip_input_and_several_keys(tmp_path):
 
 def test_missing_tokenizer_file_names_flag(tmp_path, capsys):
     path = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
-    line = bad_input_error(preprocess_data.main, ["--input", path, "--output-prefix", tmp_path / "o", "--tokenizer-type",
-                                                  "GPT2BPETokenizer", "--vocab-file", tmp_path / "nope.json",
-                                                  "--merge-file", tmp_path / "m.txt"], capsys)
+    line = bad_input_error(preprocess_data.main, ["--input", path, "--output-prefix", tmp_path / "o",
+                                                  "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                                                  tmp_path / "nope.json", "--merge-file", tmp_path / "m.txt"], capsys)
     assert re.search(r"--vocab-file .*nope\.json: no such file", line)
 
 
@@ -233,9 +233,9 @@ def test_hugging_face_append_eod_needs_an_eos(tmp_path, capsys):
 
     directory = write_tokenizer(tmp_path / "hf")  # no tokenizer_config.json: no eos token named
     path = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
-    line = bad_input_error(preprocess_data.main, ["--input", path, "--output-prefix", tmp_path / "o", "--tokenizer-type",
-                                                  "HuggingFaceTokenizer", "--tokenizer-model", directory,
-                                                  "--append-eod"], capsys)
+    line = bad_input_error(preprocess_data.main, ["--input", path, "--output-prefix", tmp_path / "o",
+                                                  "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                                  directory, "--append-eod"], capsys)
     assert re.search(r"--append-eod: --tokenizer-model .*hf names no eos token", line)
 
 

@@ -52,6 +52,6 @@ def test_refuses_to_overwrite(corpus, tmp_path, capsys):
     (tmp_path / "m.model").write_bytes(b"keep me")
     assert "m.model already exists" in bad_input_error(train_tokenizer.main, argv, capsys)
     assert (tmp_path / "m.model").read_bytes() == b"keep me"
-    line = bad_input_error(train_tokenizer.main, ["--input", tmp_path / "missing.txt", "--model-prefix", tmp_path / "x"],
-                           capsys)
+    line = bad_input_error(train_tokenizer.main,
+                           ["--input", tmp_path / "missing.txt", "--model-prefix", tmp_path / "x"], capsys)
     assert re.search(r"--input .*missing\.txt: no such file", line)

@@ -18,7 +18,8 @@ HF_FIELDS: Dict[str, Tuple[str, object]] = {
     "model_type": (_STR, None), "architectures": (_LIST, None), "vocab_size": (_INT, at_least(2, 2 ** 31 - 1)),
     "tie_word_embeddings": (_BOOL, None), "initializer_range": (_FLOAT, positive()),
     # GPT2
-    "n_embd": (_INT, at_least(1, 2 ** 18)), "n_layer": (_INT, at_least(1, LAYERS)), "n_head": (_INT, at_least(1, LAYERS)),
+    "n_embd": (_INT, at_least(1, 2 ** 18)), "n_layer": (_INT, at_least(1, LAYERS)),
+    "n_head": (_INT, at_least(1, LAYERS)),
     "n_inner": (_INT, _SIZE), "n_positions": (_INT, at_least(1, 2 ** 24)), "activation_function": (_STR, None),
     "layer_norm_epsilon": (_FLOAT, positive(1.0)), "resid_pdrop": (_FLOAT, fraction()),
     "embd_pdrop": (_FLOAT, fraction()), "attn_pdrop": (_FLOAT, fraction()),
