@@ -60,7 +60,7 @@ def our_loss(ckpt, tokens, labels, world=None):
     plan, ps = None, ParallelState.single()
     if world is not None:
         plan = ParallelPlan.for_world(cfg, world)
-        ps = initialize(plan.layout, torch.device("cpu"), plan.stage_sets())
+        ps = initialize(plan.layout, torch.device("cpu"), plan.stage_sets(), tp_blocks=plan.tp_block_sets())
     state = build_train_state(cfg, ps, plan)
     load_checkpoint(ckpt, state)
     with torch.no_grad():
