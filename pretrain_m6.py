@@ -13,11 +13,10 @@ import os
 import sys
 
 from megatron_p2r.arguments import parse_launch
-from megatron_p2r.config import ConfigError
 
 
 def main(argv=None) -> int:
-    from megatron_p2r.checkpoint.errors import CheckpointError
+    from megatron_p2r.cli import BAD_INPUT, INPUT_ERRORS, RUN_FAILED, fail
     from megatron_p2r.reliability import describe_distributed_failure
     from megatron_p2r.training import TrainingStopped
     rank = os.environ.get("RANK", "0")
@@ -28,21 +27,17 @@ def main(argv=None) -> int:
             print("no effect here: " + "; ".join(no_effect), flush=True)
         from megatron_p2r.training import pretrain
         pretrain(cfg)
-    except (ConfigError, CheckpointError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except INPUT_ERRORS as exc:
+        return fail(str(exc), BAD_INPUT)
     except TrainingStopped as exc:
-        print(f"error: rank {rank}: training stopped: {exc}", file=sys.stderr)
-        return 1
+        return fail(f"rank {rank}: training stopped: {exc}", RUN_FAILED)
     except OSError as exc:
-        print(f"error: rank {rank}: {exc}", file=sys.stderr)
-        return 1
+        return fail(f"rank {rank}: {exc}", RUN_FAILED)
     except RuntimeError as exc:
         message = describe_distributed_failure(exc, cfg.parallel.distributed_timeout_minutes if cfg else None)
         if message is None:
             raise
-        print(f"error: rank {rank}: {message}", file=sys.stderr)
-        return 1
+        return fail(f"rank {rank}: {message}", RUN_FAILED)
     finally:
         import torch.distributed as dist
         if dist.is_initialized():

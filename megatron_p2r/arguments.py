@@ -4,30 +4,62 @@ The parser is generated from the dataclass fields of the ``config`` package, plu
 flags that are not fields (``config/megatron.py``: accepted with no effect, reported once at
 start, or refused with an error naming them). Precedence: dataclass defaults < ``--config A.yaml
 B.yaml`` (later files win) < flags given on the command line. Unknown YAML keys are errors with a
-did-you-mean suggestion.
+did-you-mean suggestion. A YAML file is read by a strict safe loader: no aliases (``*name``: an
+alias bomb expands a few lines into gigabytes), no key given twice in one mapping (the second
+silently won), bounded nesting and size. The config built is checked for the type and range of
+every value (``config.check_values``) before it is returned.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import difflib
-import os
 from typing import List, Optional, Sequence, Tuple
 
 import yaml
 
-from megatron_p2r.config import SECTIONS, Config, ConfigError
+from megatron_p2r.config import SECTIONS, Config, ConfigError, check_values
 from megatron_p2r.config.megatron import MEANING, MEGATRON_FLAGS, check_flags, implied_values, parsed_flags
+from megatron_p2r.config.ranges import field_kind
+from megatron_p2r.files import MiB, read_bounded
 
 _TYPES = {"int": int, "float": float, "str": str}
+YAML_LIMIT = 16 * MiB   # a config file is a few KiB
+YAML_DEPTH = 32         # flag values are scalars or lists of them
 
 
-def _field_type(f: dataclasses.Field):
-    hint = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    hint = hint.replace("Optional[", "").replace("]", "")
-    if hint.startswith("List["):
-        hint = hint[len("List["):]
-    return hint
+def _field_type(f: dataclasses.Field) -> str:
+    return field_kind(f)[0]
+
+
+class _StrictSafeLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses aliases, keys given twice and deep nesting."""
+
+    depth = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise ConfigError(f"{mark.name}:{mark.line + 1}: YAML aliases (*name) are not allowed in a config file; "
+                              "write the value out")
+        self.depth += 1
+        try:
+            if self.depth > YAML_DEPTH:
+                mark = self.peek_event().start_mark
+                raise ConfigError(f"{mark.name}:{mark.line + 1}: nested deeper than {YAML_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                mark = key_node.start_mark
+                raise ConfigError(f"{mark.name}:{mark.line + 1}: key {key!r} is given twice")
+            seen.add(key if isinstance(key, (str, int, float, bool)) else id(key_node))
+        return super().construct_mapping(node, deep=deep)
 
 
 def _flag(name: str) -> str:
@@ -120,29 +152,41 @@ def _coerce(value, kind: str, metadata: dict, source: str, key: str):
 
 
 def load_yaml(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise ConfigError(f"--config: no such file: {path}")
     try:
-        with open(path, encoding="utf-8") as fh:
-            raw = yaml.safe_load(fh) or {}
+        data = read_bounded(path, ConfigError, YAML_LIMIT, "--config")
+    except FileNotFoundError:
+        raise ConfigError(f"--config: no such file: {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    try:
+        loader = _StrictSafeLoader(data.decode("utf-8"))
+        loader.name = path
+        try:
+            raw = loader.get_single_data() or {}
+        finally:
+            loader.dispose()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of flag names to values, got {type(raw).__name__}")
     return _normalise_yaml(raw, path)
 
 
 def config_from_values(values: dict) -> Config:
-    """Build a Config from a flat {field_name: value} dict (unknown names are errors)."""
+    """Build a Config from a flat {field_name: value} dict (unknown names are errors), every value
+    of its type and in its range."""
     return resolve_values(values)[0]
 
 
 def resolve_values(values: dict) -> Tuple[Config, List[str]]:
-    """(the Config, the "FLAG (reason)" of each given Megatron-LM flag that has no effect here);
-    a refused flag raises ConfigError."""
+    """(the Config, every value of its type and in its range; the "FLAG (reason)" of each given
+    Megatron-LM flag that has no effect here); a refused flag raises ConfigError."""
     values = _normalise_yaml(values, "config")
     megatron = {name: values.pop(name) for name in list(values) if name.startswith("--")}
     cfg = Config().replace(**implied_values(values))
+    check_values(cfg)
     return cfg, check_flags(megatron, cfg)
 
 

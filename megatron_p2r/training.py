@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_p2r import offload, reliability
-from megatron_p2r.checkpoint.recovery import recover_save_dir
-from megatron_p2r.config import (Config, ConfigError, global_batch_size, num_microbatches, train_iters, train_samples,
-                                  validate)
+from megatron_p2r.config import (Config, ConfigError, check_values, global_batch_size, num_microbatches, train_iters,
+                                  train_samples, validate)
 from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.lifecycle import check_run_fits, lock_save_dir, release_groups, resume_checkpoint
 from megatron_p2r.metrics import TrainingLogger, format_line, model_flops_per_token, peak_memory_bytes
 from megatron_p2r.model.m6 import M6Model, build_model
 from megatron_p2r.offload.optimizer import optimizer_placement
@@ -71,6 +71,8 @@ def resolve_device(cfg: Config) -> torch.device:
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA device is available here (torch.cuda.is_available() is False)")
         index = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
@@ -90,8 +92,8 @@ def init_distributed(cfg: Config, device: torch.device) -> None:
     backend = cfg.parallel.distributed_backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    if not cfg.parallel.distributed_timeout_minutes > 0:  # checked here: validate() runs after init
-        raise ConfigError(f"--distributed-timeout-minutes must be > 0, got {cfg.parallel.distributed_timeout_minutes}")
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("--distributed-backend nccl needs --device cuda (NCCL moves CUDA tensors only)")
     timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     if "RANK" in os.environ:
         # Under torchrun --max-restarts the restarted workers share the launcher's store with the
@@ -110,6 +112,7 @@ def setup_parallel(cfg: Config, device: torch.device) -> Tuple[ParallelState, Pa
     world = dist.get_world_size()
     validate(cfg, world)
     plan = ParallelPlan.for_world(cfg, world)
+    check_run_fits(cfg, plan, device)
     ps = initialize_plan(plan, device, timeout=datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
     seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, device)
     return ps, plan
@@ -147,11 +150,15 @@ def build_train_state(cfg: Config, ps: ParallelState, plan: Optional[ParallelPla
 
 # ----------------------------------------------------------------------------- data
 
-def build_datasets(cfg: Config, ps: ParallelState):
+def build_datasets(cfg: Config, ps: ParallelState, iteration: int = 0, consumed_samples: int = 0):
     """(train, valid) datasets: every item is int64 tokens of length seq_length + 1; no training
-    set for a run that trains nothing (--eval-only without a length)."""
+    set for a run that trains nothing (--eval-only).
+
+    A resumed run's training set holds the samples consumed so far plus those of its remaining
+    iterations (``config.batch.train_samples``): the same size as before when the global batch
+    size is unchanged, and enough when a resumed run changes it."""
     eval_samples = cfg.logging.eval_iters * global_batch_size(cfg, ps.layout.world_size)
-    samples = train_samples(cfg, ps.layout.world_size)
+    samples = 0 if cfg.logging.eval_only else train_samples(cfg, ps.layout.world_size, iteration, consumed_samples)
     if cfg.data.mock_data:
         from megatron_p2r.data.mock import MockGPTDataset
         m = cfg.model
@@ -159,7 +166,7 @@ def build_datasets(cfg: Config, ps: ParallelState):
                 MockGPTDataset(eval_samples, m.seq_length, m.vocab_size, cfg.train.seed + 1))
     from megatron_p2r.data.builder import build_train_valid_test_datasets
     train, valid, _ = build_train_valid_test_datasets(cfg.data, cfg.model.seq_length, cfg.train.seed,
-                                                      (samples, eval_samples, 0))
+                                                      (samples, eval_samples, 0), cfg.model.vocab_size)
     return train, valid
 
 
@@ -304,12 +311,28 @@ def describe_memory(state: TrainState) -> dict:
 def pretrain(cfg: Config) -> dict:
     """Train (or with --eval-only, evaluate) and return the final figures of this rank."""
     started = time.monotonic()  # --exit-duration-in-mins counts from here, as Megatron-LM's from its start
+    check_values(cfg)
     if not cfg.logging.eval_only and cfg.train.train_iters is None and cfg.train.train_samples is None:
         raise ConfigError("either --train-iters or --train-samples is needed (or --eval-only)")
     device = resolve_device(cfg)
     init_distributed(cfg, device)
     cfg = resolve_vocab(cfg)
     ps, plan = setup_parallel(cfg, device)
+    completed = False
+    try:
+        lock = lock_save_dir(cfg, ps)
+        try:
+            result = _run(cfg, ps, plan, started)
+            completed = True
+            return result
+        finally:
+            if lock is not None:
+                lock.release()
+    finally:
+        release_groups(ps, completed)
+
+
+def _run(cfg: Config, ps: ParallelState, plan: ParallelPlan, started: float) -> dict:
     state = build_train_state(cfg, ps, plan)
     logger = TrainingLogger(cfg.logging.log_file, cfg.logging.tensorboard_dir, enabled=ps.rank == log_rank(ps))
     mem = describe_memory(state)
@@ -320,7 +343,7 @@ def pretrain(cfg: Config) -> dict:
     if state.offload is not None:
         print(format_report(ps.rank, state.offload.describe()), flush=True)
     resume_checkpoint(state)
-    train_ds, valid_ds = build_datasets(cfg, ps)
+    train_ds, valid_ds = build_datasets(cfg, ps, state.iteration, state.consumed_samples)
     result = {"rank": ps.rank, "losses": [], "memory": mem}
     if cfg.logging.eval_only:
         result["eval_loss"] = evaluate(state, valid_ds)
@@ -329,24 +352,9 @@ def pretrain(cfg: Config) -> dict:
         logger.close()
         return result
     result.update(train(state, train_ds, valid_ds, logger, started))
+    state.ddp.finish_param_sync()  # the last step's overlapped all-gather is not left pending at shutdown
     logger.close()
     return result
-
-
-def resume_checkpoint(state: TrainState) -> None:
-    """Repair --save after a crash (rank 0, logged), then load --load (``--save D --load D`` on an
-    empty D starts from scratch: see ``load_checkpoint``)."""
-    ck, ps = state.cfg.checkpoint, state.ps
-    if ck.save and ps.rank == 0:
-        for line in recover_save_dir(ck.save):
-            print(f"checkpoint recovery: {line}", flush=True)
-    if ps.layout.world_size > 1:
-        dist.barrier()
-    if not ck.load:
-        return
-    from megatron_p2r.checkpoint.io import load_checkpoint
-    if load_checkpoint(ck.load, state, finetune=ck.finetune) is not None:
-        reliability.record("resumed", ps.rank, state.iteration)
 
 
 class _LogWindow:

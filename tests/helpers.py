@@ -85,3 +85,11 @@ def run_steps(cfg: Config, ps: ParallelState, steps: int, *, load: Optional[str]
         if after_step is not None:
             after_step(state)
     return losses, state
+
+
+def bad_input_error(main, argv, capsys) -> str:
+    """The one ``error:`` line an entry point prints for a bad input, after checking it exits 2."""
+    assert main([str(a) for a in argv]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(lines) == 1, lines
+    return lines[0]

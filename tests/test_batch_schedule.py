@@ -75,6 +75,18 @@ def test_constant_batch_sample_counts():
     assert (train_iters(cfg, 1), train_samples(cfg, 1)) == (5, 20)
 
 
+def test_a_resumed_run_needs_its_consumed_samples_plus_what_its_remaining_steps_consume():
+    """A checkpoint from a run with another batch size: its consumed samples differ from what this
+    run's schedule would have consumed by then (Megatron-LM carries them over)."""
+    cfg = tiny_config(train_iters=4, global_batch_size=8)
+    assert train_samples(cfg, 1) == train_samples(cfg, 1, 0, 0) == 32
+    assert train_samples(cfg, 1, 2, 32) == 32 + 2 * 8  # two steps of 16 before, two of 8 now
+    cfg = tiny_config(train_iters=6, step_batch_size_schedule=["0:2", "160:4"], seq_length=16)  # 4 from sample 10
+    assert train_samples(cfg, 1) == 5 * 2 + 4
+    assert train_samples(cfg, 1, 3, 12) == 12 + 3 * 4  # past the threshold already
+    assert train_samples(cfg, 1, 3, 4) == 4 + 3 * 2  # 4, 6, 8 consumed before each: all below it
+
+
 def test_lr_lengths_in_samples():
     iters = tiny_config(train_iters=10, lr_decay_iters=8, lr_warmup_iters=2, global_batch_size=4)
     assert lr_lengths(iters, 1) == (8, 32)

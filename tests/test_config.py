@@ -34,7 +34,6 @@ CASES = [
     (dict(num_experts=8, moe_num_prototypes=3), 1, "--num-experts (8) must be divisible by --moe-num-prototypes (3)"),
     (dict(overlap_param_gather=True, use_distributed_optimizer=True), 1,
      "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"),
-    (dict(ddp_bucket_size=0), 1, "--ddp-bucket-size must be >= 1"),
 ]
 
 

@@ -16,6 +16,9 @@ import sys
 import sysconfig
 from typing import Iterator, Optional, Sequence
 
+from megatron_p2r.cli import run_tool
+from megatron_p2r.config import ConfigError
+
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
@@ -40,8 +43,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--max-bytes", type=int, help="stop before the text exceeds this many UTF-8 bytes")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     args = p.parse_args(argv)
+    return run_tool(lambda: build(args))
+
+
+def build(args) -> int:
     if os.path.exists(args.output) and not args.overwrite:
-        raise SystemExit(f"{args.output} already exists; pass --overwrite to replace it")
+        raise ConfigError(f"{args.output} already exists; pass --overwrite to replace it")
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     root = sysconfig.get_paths()["stdlib"]
     docs = total = 0

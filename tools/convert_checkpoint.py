@@ -15,8 +15,9 @@
                                             (a Megatron-LM torch_dist or legacy checkpoint; docs/megatron.md)
 
 SRC is a checkpoint directory (its latest iteration is used) or one ``iter_*`` directory; DST
-becomes a checkpoint directory that ``--load`` accepts. Conversions stream tensor by tensor,
-write to ``DST.tmp`` and rename it when verified; SRC is never modified. See docs/checkpoint.md;
+becomes a checkpoint directory that ``--load`` accepts. Conversions stream tensor by tensor into
+a locked staging directory of their own beside DST and rename it to DST when verified; SRC is never
+modified, DST is locked while it is written and replaced only with ``--force``. See docs/checkpoint.md;
 delink and grow: docs/p2r.md.
 ``export-hf`` writes a Hugging Face transformers model directory (GPT2, Llama, Qwen2 or Mixtral,
 chosen by the model's options, or Mistral on request), ``import-hf`` reads one back into a
@@ -29,7 +30,6 @@ import os
 import sys
 from typing import List, Optional
 
-from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.hf.architecture import MODEL_TYPES
 from megatron_p2r.checkpoint.hf.exporter import export_hf
 from megatron_p2r.checkpoint.hf.importer import import_hf
@@ -40,7 +40,7 @@ from megatron_p2r.checkpoint.metadata import kinds_of, metadata_config, metadata
 from megatron_p2r.checkpoint.naming import resolve_iteration_dir
 from megatron_p2r.checkpoint.reshard import DelinkOptions, GrowOptions, Target, convert
 from megatron_p2r.checkpoint.tensor_table import ShardLayout
-from megatron_p2r.config import ConfigError
+from megatron_p2r.cli import run_tool
 from megatron_p2r.p2r.delink import OPTIMIZER_STATE_MODES
 from megatron_p2r.p2r.grow import GROW_METHODS
 
@@ -226,27 +226,28 @@ def _megatron_command(args) -> int:
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        if args.command == "inspect":
-            print(inspect(args.dir))
-            return 0
-        if args.command in ("export-hf", "import-hf"):
-            return _hf_command(args)
-        if args.command == "import-megatron":
-            return _megatron_command(args)
-        target = Target(args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
-                        args.target_pipeline_layer_split, args.target_expert_parallel_size)
-        options = _copy_options(args) if args.command in ("delink", "grow") else None
-        out = convert(args.src, args.dst, target, options, force=args.force, progress=not args.no_progress)
-        print(f"wrote {out}; load it with --load {os.path.abspath(args.dst)}")
-        if args.command == "grow":
-            print(GROW_NOTE)
+def _run(args) -> int:
+    if args.command == "inspect":
+        print(inspect(args.dir))
         return 0
-    except (CheckpointError, ConfigError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if args.command in ("export-hf", "import-hf"):
+        return _hf_command(args)
+    if args.command == "import-megatron":
+        return _megatron_command(args)
+    target = Target(args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
+                    args.target_pipeline_layer_split, args.target_expert_parallel_size)
+    options = _copy_options(args) if args.command in ("delink", "grow") else None
+    out = convert(args.src, args.dst, target, options, force=args.force, progress=not args.no_progress)
+    print(f"wrote {out}; load it with --load {os.path.abspath(args.dst)}")
+    if args.command == "grow":
+        print(GROW_NOTE)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Exit status: 0 done, 2 bad input (one ``error:`` line), 1 an OS error, 3 --verify found a difference."""
+    args = build_parser().parse_args(argv)
+    return run_tool(lambda: _run(args))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 import time
@@ -39,6 +40,7 @@ from typing import Dict, List, Optional, Sequence
 from megatron_p2r.arguments import build_parser, parse_args
 from megatron_p2r.config import Config, ConfigError, parse_memory_size, validate
 from megatron_p2r.config.batch import train_iters
+from megatron_p2r.config.ranges import Range, at_least, positive
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.planning.breakeven import p2r_break_even
 from megatron_p2r.planning.estimate import Plan, make_plan
@@ -93,6 +95,26 @@ def planner_parser() -> argparse.ArgumentParser:
     g.add_argument("--verify-all-ranks", action="store_true",
                    help="Verify every rank class and the total parameter count.")
     return p
+
+
+# The planner's own numbers: (flag, range); unset overrides keep the preset's value.
+_PLANNER_RANGES = [("world_size", at_least(1, 2 ** 20)), ("gpus_per_node", at_least(1, 2 ** 10)),
+                   ("compute_efficiency", Range(0.0, 1.0, low_open=True)), ("gpu_flops", positive()),
+                   ("intra_node_bw", positive()), ("inter_node_bw", positive()), ("host_bw", positive()),
+                   ("host_optimizer_bw", positive()), ("token_budget", Range(0.0)),
+                   ("gpu_memory", at_least(1, 2 ** 60)), ("host_memory", at_least(1, 2 ** 60)),
+                   ("reserve", at_least(0, 2 ** 60)), ("p2r_switch_iters", at_least(1))]
+
+
+def check_planner_args(args: argparse.Namespace) -> None:
+    """Each planner number finite and in its range (a zero efficiency or bandwidth divides by zero)."""
+    for name, limits in _PLANNER_RANGES:
+        value = getattr(args, name)
+        if value is not None and not math.isfinite(value):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+        if value is not None and not limits.contains(value):
+            raise ConfigError(f"--{name.replace('_', '-')} must be {limits.violated(value)}, got {value} "
+                              f"(range {limits.describe()})")
 
 
 def phase_configs(args: argparse.Namespace, rest: List[str]) -> Dict[str, Config]:
@@ -328,6 +350,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     args, rest = planner_parser().parse_known_args(argv)
     try:
+        check_planner_args(args)
         configs = phase_configs(args, rest)
         gpu = GPU_PRESETS[args.gpu].replace(memory=args.gpu_memory, flops16=args.gpu_flops,
                                             intra_node_bw=args.intra_node_bw, inter_node_bw=args.inter_node_bw,
@@ -340,9 +363,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  for phase, cfg in configs.items()}
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.p2r_switch_iters is not None and args.p2r_switch_iters < 1:
-        print(f"error: --p2r-switch-iters must be >= 1, got {args.p2r_switch_iters}", file=sys.stderr)
         return 2
     try:
         p2r = p2r_summary(plans, configs, args.p2r_switch_iters)

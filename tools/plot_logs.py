@@ -13,22 +13,34 @@ import json
 import sys
 from typing import Dict, List
 
+from megatron_p2r.cli import run_tool
+from megatron_p2r.config import ConfigError
+
 
 def read_records(paths: List[str]) -> List[dict]:
+    """The JSON objects of the logs, in order; each has a numeric iteration (what the plots need)."""
     records = []
     for path in paths:
         try:
             with open(path, encoding="utf-8") as fh:
                 for number, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError as exc:
-                        raise SystemExit(f"error: {path}:{number}: not a JSON line ({exc.msg})") from None
+                    if line.strip():
+                        records.append(_record(path, number, line))
         except FileNotFoundError:
-            raise SystemExit(f"error: --log-file {path}: no such file") from None
+            raise ConfigError(f"--log-file {path}: no such file") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--log-file {path}: not UTF-8 text (a training log is JSONL)") from None
     return records
+
+
+def _record(path: str, number: int, line: str) -> dict:
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ConfigError(f"{path}:{number}: not a JSON line ({getattr(exc, 'msg', 'nested too deeply')})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("iteration"), (int, float)):
+        raise ConfigError(f"{path}:{number}: expected a JSON object with a numeric 'iteration' (a --log-file record)")
+    return record
 
 
 def series(records: List[dict], key: str) -> Dict[str, list]:
@@ -75,6 +87,10 @@ def main(argv=None) -> int:
     parser.add_argument("--key", default="lm_loss", help="value to plot (lm_loss or eval_loss)")
     parser.add_argument("--output", required=True, help="PNG file to write")
     args = parser.parse_args(argv)
+    return run_tool(lambda: _plot_runs(parser, args))
+
+
+def _plot_runs(parser: argparse.ArgumentParser, args) -> int:
     runs = {}
     if args.log_file:
         runs["run"] = read_records(args.log_file)
@@ -86,7 +102,7 @@ def main(argv=None) -> int:
     if not runs:
         parser.error("give --log-file or --run")
     if not any(key_rows for key_rows in (series(r, args.key)[args.key] for r in runs.values())):
-        raise SystemExit(f"error: no record has the key {args.key!r}")
+        raise ConfigError(f"no record has the key {args.key!r}")
     plot(runs, args.output, args.key)
     print(f"wrote {args.output}")
     return 0

@@ -10,7 +10,10 @@ Lines that are not a JSON object with a string under every key are skipped and r
 their line numbers (``--strict`` stops at the first). A text of no tokens is, as in
 Megatron-LM, a document with no sequence (and no eod), so later samples are not shifted.
 Outputs are written under temporary names and renamed when complete; existing outputs are
-kept unless ``--overwrite``.
+kept unless ``--overwrite``. An input that yields no document at all (empty, binary, or not
+jsonl) is an error and writes nothing; a line longer than ``--max-line-bytes`` is a bad line,
+read past in bounded pieces, never held whole. Exit status: 0 done, 2 bad input (one
+``error:`` line), 1 an OS error.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ if __package__ in (None, ""):  # run as `python tools/preprocess_data.py`: make 
 import numpy as np
 from tqdm import tqdm
 
+from megatron_p2r.cli import run_tool
 from megatron_p2r.config import ConfigError, DataConfig
 from megatron_p2r.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megatron_p2r.data.tokenizers import (SPECIAL_TOKENS_IN_TEXT, TOKENIZER_TYPES, TextEncodingError,
@@ -63,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-lines", type=int, default=64, help="lines per task sent to a worker")
     p.add_argument("--strict", action="store_true", help="fail on the first bad line instead of skipping it")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    p.add_argument("--max-line-bytes", type=int, default=64 * 2**20,
+                   help="longer lines are bad lines, skipped without being read whole")
     return p
 
 
@@ -94,6 +100,8 @@ def _init_worker(data_cfg: DataConfig, tokenizer_options: dict, *rest) -> None:
 
 def _encode_line(line: bytes):
     """(token bytes per key) for a good line, or the reason it is bad."""
+    if line == TOO_LONG:
+        return "longer than --max-line-bytes"
     try:
         doc = json.loads(line)
     except UnicodeDecodeError:
@@ -130,12 +138,29 @@ def _encode_chunk(chunk):
     return [(number, _encode_line(line)) for number, line in chunk]
 
 
-def _read_chunks(path: str, chunk_lines: int):
+def _lines(f, limit: int):
+    """The lines of ``f``; a line longer than ``limit`` bytes is read past in pieces and yielded as
+    TOO_LONG, so memory never holds more than ``limit`` bytes of one line."""
+    while True:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        if len(line) > limit and not line.endswith(b"\n"):
+            while (rest := f.readline(limit)) and not rest.endswith(b"\n"):
+                pass
+            line = TOO_LONG
+        yield line
+
+
+TOO_LONG = b"\x00too long"  # never a valid JSON line
+
+
+def _read_chunks(path: str, chunk_lines: int, max_line_bytes: int):
     """Lists of (line number, line), streamed; whitespace-only lines are dropped."""
     opener = gzip.open if path.endswith(".gz") else open
     chunk = []
     with opener(path, "rb") as f:
-        for number, line in enumerate(f, 1):
+        for number, line in enumerate(_lines(f, max_line_bytes), 1):
             if line.strip():
                 chunk.append((number, line))
                 if len(chunk) == chunk_lines:
@@ -147,7 +172,7 @@ def _read_chunks(path: str, chunk_lines: int):
 
 def _results(args, data_cfg: DataConfig, tokenizer_options: dict, tokenizer, dtype: np.dtype):
     """Encoded chunks in input order; at most a few chunks per worker are in flight (bounded memory)."""
-    chunks = _read_chunks(args.input, args.chunk_lines)
+    chunks = _read_chunks(args.input, args.chunk_lines, args.max_line_bytes)
     settings = (args.json_keys, args.append_eod, dtype.str)
     if args.workers <= 1:
         _set_worker(tokenizer, *settings)
@@ -178,26 +203,23 @@ def _create_new(path: str) -> None:
 
 
 def preprocess(args) -> Stats:
-    """Run the conversion described by parsed ``args``; errors are SystemExit with a message."""
-    if args.workers < 1 or args.chunk_lines < 1:
-        raise SystemExit("--workers and --chunk-lines must be >= 1")
+    """Run the conversion described by parsed ``args``; bad input is a ConfigError naming it."""
+    if args.workers < 1 or args.chunk_lines < 1 or args.max_line_bytes < 1:
+        raise ConfigError("--workers, --chunk-lines and --max-line-bytes must be >= 1")
     if not os.path.isfile(args.input):
-        raise SystemExit(f"--input {args.input}: no such file")
+        raise ConfigError(f"--input {args.input}: no such file")
     data_cfg = DataConfig(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
                           vocab_file=args.vocab_file, merge_file=args.merge_file)
     tokenizer_options = dict(vocab_size=args.vocab_size, special_tokens_in_text=args.special_tokens_in_text,
                              hf_add_special_tokens=not args.tokenizer_hf_no_include_special_tokens)
-    try:
-        tokenizer = build_tokenizer(data_cfg, **tokenizer_options)
-    except ConfigError as exc:
-        raise SystemExit(str(exc)) from None
+    tokenizer = build_tokenizer(data_cfg, **tokenizer_options)
     if args.append_eod and tokenizer.eod is None:
-        raise SystemExit(f"--append-eod: --tokenizer-model {args.tokenizer_model} names no eos token; add "
+        raise ConfigError(f"--append-eod: --tokenizer-model {args.tokenizer_model} names no eos token; add "
                          "\"eos_token\" to the tokenizer_config.json beside its tokenizer.json")
     outputs = [output_paths(args.output_prefix, key) for key in args.json_keys]
     existing = [p for pair in outputs for p in pair if os.path.lexists(p)]  # a dangling link counts
     if existing and not args.overwrite:
-        raise SystemExit(f"{existing[0]} already exists; pass --overwrite to replace it")
+        raise ConfigError(f"{existing[0]} already exists; pass --overwrite to replace it")
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     dtype = np.dtype(best_dtype(tokenizer.vocab_size))
     tmp = [(f"{b}.tmp{os.getpid()}", f"{i}.tmp{os.getpid()}") for b, i in outputs]
@@ -214,7 +236,7 @@ def preprocess(args) -> Stats:
                     for line_number, result in results:
                         if isinstance(result, str):
                             if args.strict:
-                                raise SystemExit(f"{args.input}:{line_number}: {result}")
+                                raise ConfigError(f"{args.input}:{line_number}: {result}")
                             stats.num_bad_lines += 1
                             if len(stats.bad_lines) < MAX_REPORTED_BAD_LINES:
                                 stats.bad_lines.append((line_number, result))
@@ -230,7 +252,9 @@ def preprocess(args) -> Stats:
                         stats.documents += 1
                     bar.update(len(results))
         except (EOFError, zlib.error, gzip.BadGzipFile) as exc:  # a truncated or fake .gz input
-            raise SystemExit(f"--input {args.input}: cannot decompress it ({exc}); nothing was written") from None
+            raise ConfigError(f"--input {args.input}: cannot decompress it ({exc}); nothing was written") from None
+        if stats.documents == 0:
+            raise ConfigError(_no_document(args.input, stats))
         for builder, (_, idx) in zip(builders, tmp):
             builder.finalize(idx)
         for (b_tmp, i_tmp), (b, i) in zip(tmp, outputs):
@@ -244,9 +268,21 @@ def preprocess(args) -> Stats:
     return stats
 
 
+def _no_document(path: str, stats: Stats) -> str:
+    """Why an input gave no document: empty, or every line bad (binary, not jsonl, wrong keys)."""
+    if not stats.num_bad_lines:
+        return f"--input {path}: no text in it (empty, or only blank lines); nothing was written"
+    shown = "; ".join(f"line {n}: {why}" for n, why in stats.bad_lines[:3])
+    return (f"--input {path}: none of its {stats.num_bad_lines} non-blank lines is a JSON object with the "
+            f"--json-keys as strings ({shown}); is it jsonl? nothing was written")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    stats = preprocess(args)
+    return run_tool(lambda: _report(args, preprocess(args)))
+
+
+def _report(args, stats: Stats) -> int:
     for _, idx in (output_paths(args.output_prefix, key) for key in args.json_keys):
         print(f"wrote {idx[:-4]}.bin/.idx")
     print(f"documents: {stats.documents}, tokens: {stats.tokens}, time: {stats.seconds:.2f}s, "

@@ -20,6 +20,9 @@ from typing import Iterator, Optional, Sequence
 
 from tqdm import tqdm
 
+from megatron_p2r.cli import run_tool
+from megatron_p2r.config import ConfigError
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
@@ -74,15 +77,20 @@ def iter_lines(paths: Sequence[str], json_keys: Sequence[str], skipped: list) ->
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Exit status: 0 done, 2 bad input (one ``error:`` line), 1 an OS error."""
+    args = build_parser().parse_args(argv)
+    return run_tool(lambda: train(args))
+
+
+def train(args) -> int:
     import sentencepiece
 
-    args = build_parser().parse_args(argv)
     for path in args.input:
         if not os.path.isfile(path):
-            raise SystemExit(f"--input {path}: no such file")
+            raise ConfigError(f"--input {path}: no such file")
     model = args.model_prefix + ".model"
     if os.path.exists(model) and not args.overwrite:
-        raise SystemExit(f"{model} already exists; pass --overwrite to replace it")
+        raise ConfigError(f"{model} already exists; pass --overwrite to replace it")
     os.makedirs(os.path.dirname(os.path.abspath(model)), exist_ok=True)
     skipped: list = []
     lines = tqdm(iter_lines(args.input, args.json_keys, skipped), unit=" lines", disable=None, desc="reading")
@@ -96,7 +104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             max_sentence_length=args.max_sentence_length, num_threads=args.num_threads,
             unk_id=0, bos_id=1, eos_id=2, pad_id=3, minloglevel=2)
     except RuntimeError as exc:
-        raise SystemExit(f"SentencePiece training failed: {exc}") from None
+        raise ConfigError(f"SentencePiece training failed: {exc}") from None
     if skipped:
         print(f"skipped {len(skipped)} bad jsonl line(s), first: {', '.join(skipped[:10])}", file=sys.stderr)
     print(f"wrote {model} and {args.model_prefix}.vocab ({args.model_type}, {args.vocab_size} pieces)")

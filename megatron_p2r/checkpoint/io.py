@@ -36,7 +36,7 @@ from megatron_p2r.checkpoint.metadata import build_metadata, metadata_table, rea
 from megatron_p2r.checkpoint.naming import (
     LATEST_FILE, METADATA_FILE, OPTIM_KINDS, RNG_DIR, complete_iterations, entry_name, iteration_dir_name,
     resolve_iteration_dir, rng_file, shard_file, shard_header_metadata)
-from megatron_p2r.checkpoint.safetensors_io import ReaderCache, ShardReader, ShardWriter, save_tensors
+from megatron_p2r.checkpoint.safetensors_io import ReaderCache, ShardWriter, save_tensors
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo, file_entries, tensor_table
 from megatron_p2r.optim.state_io import StateLoader, gather_state
 from megatron_p2r.parallel import random as tp_random
@@ -266,7 +266,7 @@ def _load_rng(iter_dir: str, meta: dict, ps: ParallelState) -> None:
     saved = Layout(tp=info["tp"], pp=info["pp"], dp=info["dp"])
     c = ps.coords
     rank = saved.rank(c.tp, c.dp if saved.dp == ps.dp_size else 0, c.pp)
-    reader = ShardReader(os.path.join(iter_dir, rng_file(rank)))
+    reader = ReaderCache(iter_dir)(rng_file(rank))
     torch.set_rng_state(reader.read("cpu_rng_state").clone())
     tp_random.get_rng_tracker(ps.device).state = reader.read("model_parallel_rng_state").clone()
     if ps.device.type == "cuda":

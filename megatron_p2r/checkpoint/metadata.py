@@ -1,5 +1,7 @@
-"""metadata.json: what it holds, written once per checkpoint, and checked field by field on read
-so that a hand-edited or foreign file fails here, naming the field."""
+"""metadata.json: what it holds, written once per checkpoint, and checked against a schema on read
+(every field's type and range, the config's values through the config's own range tables, and a
+config no bigger than the tensors and files listed) so that a hand-edited, foreign or crafted
+file fails here, naming the field, instead of deep inside a loader or in a runaway allocation."""
 from __future__ import annotations
 
 import json
@@ -8,14 +10,14 @@ from typing import Dict, List, Optional, Tuple
 
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.naming import FORMAT_VERSION, METADATA_FILE, OPTIM_KINDS
+from megatron_p2r.checkpoint.safetensors_io import TORCH_DTYPE
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo
-from megatron_p2r.config import Config
+from megatron_p2r.config import Config, ConfigError, check_values
+from megatron_p2r.files import read_json
 from megatron_p2r.layout.plan import ParallelPlan
 
 REQUIRED_FIELDS = ("format_version", "iteration", "consumed_samples", "config", "layout", "p2r", "optimizer",
                    "tensors", "files")
-_FIELD_TYPES = {"iteration": int, "consumed_samples": int, "config": dict, "layout": dict, "p2r": dict,
-                "optimizer": bool, "tensors": dict, "files": dict, "scheduler": dict, "scaler": dict}
 
 
 def _p2r_json(cfg: Config) -> dict:
@@ -43,15 +45,13 @@ def write_metadata(iter_dir: str, metadata: dict) -> None:
 
 
 def read_metadata(iter_dir: str) -> dict:
-    """Parse and check ``metadata.json``: version, required fields, a table consistent with its config."""
+    """Parse ``metadata.json`` and check it against its schema (``_SCHEMA``): version, required
+    fields, the type and range of every field loading or converting reads."""
     path = os.path.join(iter_dir, METADATA_FILE)
     try:
-        with open(path, encoding="utf-8") as fh:
-            meta = json.load(fh)
+        meta = read_json(path, CheckpointError)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{path}: expected a JSON object, found {type(meta).__name__}")
     version = meta.get("format_version")
@@ -60,35 +60,84 @@ def read_metadata(iter_dir: str) -> dict:
     for field in REQUIRED_FIELDS:
         if field not in meta:
             raise CheckpointError(f"{path}: required field {field!r} is missing")
-    _check_field_types(meta, path)
+    _check_schema(meta, path)
     return meta
 
 
-def _check_field_types(meta: dict, path: str) -> None:
-    """Types of the fields loading relies on, so a hand-edited metadata.json fails here, by name."""
-    def bad(field, expected, value):
-        return CheckpointError(f"{path}: field {field!r} must be {expected}, found {json.dumps(value)[:80]}")
+_BIG = 2 ** 62
 
-    for field, kind in _FIELD_TYPES.items():
-        value = meta.get(field)
-        if field in meta and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
-            raise bad(field, f"a JSON {'integer' if kind is int else kind.__name__.replace('dict', 'object')}", value)
-    for field in ("iteration", "consumed_samples"):
-        if meta[field] < 0:
-            raise bad(field, ">= 0", meta[field])
-    for key, kind in (("phase", str), ("share_pattern", str), ("layer_module_keys", list)):
-        if not isinstance(meta["p2r"].get(key), kind):
-            raise bad(f"p2r.{key}", f"a JSON {kind.__name__.replace('str', 'string')}", meta["p2r"].get(key))
-    for section, values in meta["config"].items():
-        if not isinstance(values, dict):
-            raise bad(f"config.{section}", "a JSON object", values)
-    for name, size in meta["files"].items():
-        if not isinstance(size, int) or size < 0:
-            raise bad(f"files.{name}", "a size in bytes", size)
+
+def _int(low: int = 0, high: int = _BIG):
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
+
+
+def _int_list(v) -> bool:
+    return isinstance(v, list) and all(_int()(x) for x in v)
+
+
+def _optional(check):
+    return lambda v: v is None or check(v)
+
+
+def _object(**fields):
+    """An object whose listed fields pass their checks (other fields are allowed)."""
+    return lambda v: isinstance(v, dict) and all(k in v and ok(v[k]) for k, ok in fields.items())
+
+
+# field -> (check, what it must be): everything loading, converting or inspecting reads.
+_SCHEMA = {
+    "iteration": (_int(), "an integer >= 0"),
+    "consumed_samples": (_int(), "an integer >= 0"),
+    "config": (lambda v: isinstance(v, dict) and all(isinstance(x, dict) for x in v.values()),
+               "an object of config sections (objects)"),
+    "layout": (lambda v: isinstance(v, dict), "a JSON object"),
+    "p2r": (_object(phase=lambda v: v in ("pseudo", "real"), share_pattern=lambda v: isinstance(v, str),
+                    layer_module_keys=_int_list),
+            "an object with phase pseudo|real, a share_pattern string and layer_module_keys integers"),
+    "optimizer": (lambda v: isinstance(v, bool), "true or false"),
+    "optimizer_kinds": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+    "tensors": (lambda v: isinstance(v, dict), "a JSON object"),
+    "files": (lambda v: isinstance(v, dict) and all(_int()(x) for x in v.values()),
+              "an object of file names to sizes in bytes"),
+    "scheduler": (lambda v: _object(num_steps=_int())(v) and _optional(_int())(v.get("updates"))
+                  and _optional(_object(start=_int(), iters=_int(1)))(v.get("rewarmup")),
+                  "an object with an integer num_steps >= 0 (samples), optional integer updates >= 0 and "
+                  "rewarmup null or {start >= 0, iters >= 1}"),
+    "scaler": (_object(scale=lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+                       good_steps=_int()), "an object with a positive scale and an integer good_steps >= 0"),
+    "rng": (_optional(_object(world_size=_int(1, 2 ** 24), tp=_int(1, 2 ** 24), pp=_int(1, 2 ** 24),
+                              dp=_int(1, 2 ** 24))),
+            "null or an object with integer world_size, tp, pp, dp >= 1"),
+    "history": (lambda v: isinstance(v, list) and all(_object(op=lambda x: isinstance(x, str),
+                                                              source=lambda x: isinstance(x, str))(h) for h in v),
+                "a list of objects with op and source strings"),
+}
+_TENSOR_FIELDS = {
+    "param": lambda v: isinstance(v, str),
+    "shape": lambda v: _int_list(v) and len(v) <= 8,
+    "dtype": lambda v: isinstance(v, str) and v in TORCH_DTYPE,
+    "tp_dim": _optional(_int(0, 7)), "ep_dim": _optional(_int(0, 0)), "expert": _optional(_int()),
+    "stage": _int(), "module_key": _optional(_int()), "layers": _int_list,
+}
+# attention projections only: dim 0 as blocks of heads (layout.tensors.HeadRows)
+_ROWS = _optional(_object(groups=_int(1, 2 ** 24), head_dim=_int(1, 2 ** 24),
+                          per_group=lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)))
+
+
+def _check_schema(meta: dict, path: str) -> None:
+    """Each field of ``_SCHEMA`` present in ``meta`` is what it must be; each tensors entry too."""
+    for field, (ok, what) in _SCHEMA.items():
+        if field in meta and not ok(meta[field]):
+            raise CheckpointError(f"{path}: field {field!r} must be {what}, found {json.dumps(meta[field])[:80]}")
     rng = meta.get("rng")
-    if rng is not None and not (isinstance(rng, dict) and all(isinstance(rng.get(k), int) and rng[k] >= 1
-                                                              for k in ("world_size", "tp", "pp", "dp"))):
-        raise bad("rng", "null or an object with integer world_size, tp, pp, dp", rng)
+    if rng and rng["world_size"] != rng["tp"] * rng["pp"] * rng["dp"]:
+        raise CheckpointError(f"{path}: field 'rng' has world_size {rng['world_size']} != tp x pp x dp")
+    for key, entry in meta["tensors"].items():
+        bad = [f for f, ok in _TENSOR_FIELDS.items() if not isinstance(entry, dict) or f not in entry
+               or not ok(entry[f])] or ([] if _ROWS(entry.get("rows")) else ["rows"])
+        if bad or (entry["tp_dim"] is not None and entry["tp_dim"] >= len(entry["shape"])):
+            raise CheckpointError(f"{path}: tensors[{key!r}] has no valid {(bad or ['tp_dim'])[0]!r}: "
+                                  f"{json.dumps(entry)[:120]}")
 
 
 def metadata_table(meta: dict) -> Dict[str, TensorInfo]:
@@ -96,10 +145,50 @@ def metadata_table(meta: dict) -> Dict[str, TensorInfo]:
 
 
 def metadata_config(meta: dict) -> Config:
+    """The checkpoint's Config: every value of its type and range, the model and its split
+    consistent, and no bigger than the tensors and files the metadata lists (so an edited config
+    cannot make a reader build a table of a billion files)."""
     try:
-        return Config.from_dict(meta["config"])
+        cfg = Config.from_dict(meta["config"])
+        check_values(cfg)
+        m, p = cfg.model, cfg.parallel
+        m.check()
+        p.check(m.num_layers)
+        m.check_split(p.tensor_model_parallel_size, p.expert_model_parallel_size)
+        cfg.p2r.check(m.num_layers)
+        cfg.offload.check(m.num_layers)
     except (TypeError, AttributeError) as exc:
         raise CheckpointError(f"{METADATA_FILE}: field 'config' does not describe this code's Config ({exc})") from None
+    except ConfigError as exc:
+        raise CheckpointError(f"{METADATA_FILE}: field 'config' is not a valid configuration: {exc}") from None
+    if m.vocab_size is None:
+        raise CheckpointError(f"{METADATA_FILE}: field 'config' has no model.vocab_size")
+    _check_size(cfg, meta)
+    return cfg
+
+
+def _check_size(cfg: Config, meta: dict) -> None:
+    m, p = cfg.model, cfg.parallel
+    files = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.expert_model_parallel_size
+    if files != len(meta["files"]):
+        raise CheckpointError(f"{METADATA_FILE}: the config's layout has {files} shard files, field 'files' lists "
+                              f"{len(meta['files'])}")
+    unexpected = sorted(set(meta["files"]) - set(ShardLayout.of(cfg).files()))
+    if unexpected:
+        raise CheckpointError(f"{METADATA_FILE}: field 'files' lists {unexpected[0]!r}, which is not a shard file of "
+                              "the config's layout")
+    keys = meta["p2r"]["layer_module_keys"]
+    if len(keys) != m.num_layers:
+        raise CheckpointError(f"{METADATA_FILE}: p2r.layer_module_keys has {len(keys)} entries for "
+                              f"{m.num_layers} layers")
+    modules = set(keys)
+    implied = 4 * len(modules) + 2 * (m.num_experts or 0) * sum(1 for k in modules if m.is_moe_layer(k))
+    if implied > len(meta["tensors"]):
+        raise CheckpointError(f"{METADATA_FILE}: the config implies at least {implied} tensors, field 'tensors' "
+                              f"lists {len(meta['tensors'])}")
+    if tuple(keys) != ParallelPlan.model_parallel(cfg).layer_keys:
+        raise CheckpointError(f"{METADATA_FILE}: p2r.layer_module_keys does not follow the config's share pattern "
+                              f"{cfg.p2r.share_pattern!r}")
 
 
 def kinds_of(meta: dict) -> Tuple[str, ...]:

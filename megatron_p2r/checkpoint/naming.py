@@ -18,6 +18,7 @@ import re
 from typing import Dict, List
 
 from megatron_p2r.checkpoint.errors import CheckpointError
+from megatron_p2r.files import confined, read_bounded
 
 FORMAT_VERSION = 1
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -58,23 +59,23 @@ def complete_iterations(save_dir: str) -> List[int]:
 
 
 def resolve_iteration_dir(path: str) -> str:
-    """``path`` is a checkpoint directory (with the latest file) or one ``iter_*`` directory."""
-    if os.path.isfile(os.path.join(path, METADATA_FILE)):
+    """``path`` is a checkpoint directory (with the latest file) or one ``iter_*`` directory; the
+    iteration directory ``latest`` names must lie inside ``path`` (not be a link out of it)."""
+    if os.path.lexists(os.path.join(path, METADATA_FILE)):
         return path
     latest = os.path.join(path, LATEST_FILE)
-    if not os.path.isfile(latest):
+    if not os.path.lexists(latest):
         if not os.path.isdir(path):
             raise CheckpointError(f"no checkpoint at {path}: the directory does not exist")
         raise CheckpointError(f"{path} is not a checkpoint: it has neither {LATEST_FILE} nor {METADATA_FILE}")
+    data = read_bounded(latest, CheckpointError, 64)
     try:
-        text = open(latest, encoding="utf-8").read().strip()
-        iteration = int(text)
-        if iteration < 0:
+        iteration = int(data.decode("utf-8").strip())
+        if not 0 <= iteration < 10 ** 7:
             raise ValueError
     except ValueError:  # includes UnicodeDecodeError
-        raise CheckpointError(f"{latest}: expected an iteration number, found "
-                              f"{open(latest, 'rb').read(40)!r}") from None
-    found = os.path.join(path, iteration_dir_name(iteration))
-    if not os.path.isfile(os.path.join(found, METADATA_FILE)):
+        raise CheckpointError(f"{latest}: expected an iteration number, found {data[:40]!r}") from None
+    found = confined(path, iteration_dir_name(iteration), CheckpointError, LATEST_FILE)
+    if not os.path.lexists(os.path.join(found, METADATA_FILE)):
         raise CheckpointError(f"{latest} names iteration {iteration}, but {found}/{METADATA_FILE} is missing")
     return found

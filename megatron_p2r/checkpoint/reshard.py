@@ -10,7 +10,8 @@ target piece is copied from is a layer map: target layer i reads the source modu
 ``ShardWriter`` (headers first), so memory holds one piece at a time: the peak is bounded by
 the largest tensor, not the model.
 
-The output goes to ``DST.tmp`` and is renamed to DST only after a verification that re-reads
+The output goes to a staging directory of the converter's own (``staging.py``: unique, locked,
+beside DST) and is renamed to DST only after a verification that re-reads
 every written header: each tensor the target layout needs was written exactly once with its
 shape, and the parameter count equals the source's (each slot counted once per layer that
 uses it when delinking). SRC is only read. ``--lr-rewarmup-iters`` is recorded in the
@@ -38,7 +39,7 @@ from megatron_p2r.checkpoint.pieces import read_global, write_pieces
 from megatron_p2r.checkpoint.safetensors_io import ReaderCache
 from megatron_p2r.checkpoint.staging import staged_output
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo, tensor_table
-from megatron_p2r.config import Config, ConfigError, stage_layer_counts
+from megatron_p2r.config import Config, ConfigError, check_values, stage_layer_counts
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.optim.scheduler import with_rewarmup
 from megatron_p2r.p2r import delink as dl
@@ -100,15 +101,12 @@ def target_config(src: Config, target: Target, delink: bool, share_pattern: str 
         changes["share_pattern"] = share_pattern if share_pattern != "none" else src.p2r.share_pattern
     cfg = src.replace(**changes)
     try:
+        check_values(cfg)
         cfg.p2r.check(cfg.model.num_layers)
     except ConfigError as exc:
-        raise ConfigError(str(exc).replace("--share-pattern", "--target-share-pattern")) from None
+        raise ConfigError(_target_flags(str(exc))) from None
     p, m = cfg.parallel, cfg.model
     tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
-    for value, flag in [(tp, "--target-tensor-parallel-size"), (p.pipeline_model_parallel_size,
-                        "--target-pipeline-parallel-size"), (ep, "--target-expert-parallel-size")]:
-        if value < 1:
-            raise ConfigError(f"{flag} must be >= 1, got {value}")
     for what, size in [("--num-attention-heads", m.num_attention_heads), ("ffn hidden size", m.ffn_size),
                        ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)] + \
             ([("expert ffn hidden size", m.expert_ffn_size)] if m.num_experts else []):
@@ -124,8 +122,7 @@ def target_config(src: Config, target: Target, delink: bool, share_pattern: str 
     try:
         stage_layer_counts(m.num_layers, p.pipeline_model_parallel_size, p.pipeline_layer_split)
     except ConfigError as exc:
-        msg = str(exc).replace("--pipeline-model-parallel-size", "--target-pipeline-parallel-size")
-        raise ConfigError(msg.replace("--pipeline-layer-split", "--target-pipeline-layer-split")) from None
+        raise ConfigError(_target_flags(str(exc))) from None
     return cfg
 
 
@@ -162,6 +159,17 @@ def _layer_map(meta: dict, src_cfg: Config, dst_cfg: Config, options: Optional[D
                      dl.target_uses(sources, dst_keys))
 
 
+def _target_flags(message: str) -> str:
+    """A config error about the target, in the converter's flag names."""
+    for flag, target in (("--tensor-model-parallel-size", "--target-tensor-parallel-size"),
+                         ("--pipeline-model-parallel-size", "--target-pipeline-parallel-size"),
+                         ("--expert-model-parallel-size", "--target-expert-parallel-size"),
+                         ("--pipeline-layer-split", "--target-pipeline-layer-split"),
+                         ("--share-pattern", "--target-share-pattern")):
+        message = message.replace(flag, target)
+    return message
+
+
 def _plan(src: Dict[str, TensorInfo], dst: Dict[str, TensorInfo], layer_map: _LayerMap,
           where: str) -> Dict[str, str]:
     """target key -> source key; every source piece must be used exactly as often as expected."""
@@ -196,9 +204,10 @@ def _check_options(meta: dict, options: Optional[DelinkOptions], where: str) -> 
     if options.optimizer_state not in dl.OPTIMIZER_STATE_MODES:
         raise ConfigError(f"--optimizer-state must be one of {dl.OPTIMIZER_STATE_MODES}, "
                           f"got {options.optimizer_state!r}")
-    if options.noise_std < 0 or options.lr_rewarmup_iters < 0:
-        raise ConfigError(f"--noise-std ({options.noise_std}) and --lr-rewarmup-iters "
-                          f"({options.lr_rewarmup_iters}) must be >= 0")
+    if not (isinstance(options.noise_std, (int, float)) and 0.0 <= options.noise_std < float("inf")):
+        raise ConfigError(f"--noise-std must be a finite number >= 0, got {options.noise_std}")
+    if options.lr_rewarmup_iters < 0:
+        raise ConfigError(f"--lr-rewarmup-iters must be >= 0, got {options.lr_rewarmup_iters}")
     if options.lr_rewarmup_iters and not isinstance(meta.get("scheduler"), dict):
         raise CheckpointError(f"{where}: --lr-rewarmup-iters needs the checkpoint's field 'scheduler', "
                               "which it does not have")

@@ -3,6 +3,11 @@
 Shards are real safetensors files (any safetensors reader opens them), but the header of a
 file is known before its tensors are, so a converter writes one tensor at a time and reads
 exactly the bytes of the tensor it needs. Nothing is ever unpickled.
+
+Every file is checked by the ``safetensors`` library itself before its header is trusted
+(bounded header, unique names, offsets that tile the data region exactly, with no overlap or
+gap), so this reader accepts exactly the files the official one does: a duplicated or
+overlapping entry would otherwise read another tensor's bytes back.
 """
 from __future__ import annotations
 
@@ -11,17 +16,19 @@ import os
 import struct
 from typing import Dict, Iterable, List, Optional, Sequence
 
+import safetensors
 import torch
 
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.naming import METADATA_FILE
+from megatron_p2r.files import check_regular, confined, open_regular
 
 # torch dtype -> safetensors dtype string, and back
 SAFETENSORS_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
                      torch.uint8: "U8", torch.bool: "BOOL"}
 TORCH_DTYPE = {v: k for k, v in SAFETENSORS_DTYPE.items()}
-_MAX_HEADER = 1 << 30
+_MAX_HEADER = 100_000_000  # the safetensors library's own limit
 
 
 def nbytes(dtype: str, shape: Iterable[int]) -> int:
@@ -86,37 +93,25 @@ def save_tensors(path: str, tensors: Dict[str, torch.Tensor], metadata: Optional
 
 
 class ShardReader:
-    """The header of one safetensors file, checked against the file size; reads single tensors."""
+    """The header of one safetensors file, validated by the safetensors library; reads single tensors."""
 
     def __init__(self, path: str):
         self.path = path
         try:
-            size = os.path.getsize(path)
+            self.size = check_regular(path, CheckpointError, "shard")
         except FileNotFoundError:
             raise CheckpointError(f"missing shard {path}") from None
-        self.size = size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"truncated shard {path}: {size} bytes, shorter than the 8-byte header length")
-            (n,) = struct.unpack("<Q", head)
-            if n > _MAX_HEADER or 8 + n > size:
-                raise CheckpointError(f"truncated shard {path}: header of {n} bytes announced, file has {size} bytes")
-            try:
-                header = json.loads(fh.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise CheckpointError(f"corrupt shard {path}: header is not valid JSON ({exc})") from None
-        if not isinstance(header, dict):
-            raise CheckpointError(f"corrupt shard {path}: header is a JSON {type(header).__name__}, not an object")
+        n, header = _read_header(path, self.size)
         self.metadata = header.pop("__metadata__", {}) or {}
         for name, e in header.items():
             _check_entry(path, name, e)
         self.data_start = 8 + n
         self.entries = header
         end = max((e["data_offsets"][1] for e in header.values()), default=0)
-        if self.data_start + end > size:
+        if self.data_start + end > self.size:
             raise CheckpointError(f"truncated shard {path}: its tensors need {self.data_start + end} bytes, "
-                                  f"the file has {size}")
+                                  f"the file has {self.size}")
+        _check_with_library(path)
 
     def names(self) -> List[str]:
         return list(self.entries)
@@ -145,16 +140,49 @@ class ShardReader:
         elif out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous():
             raise CheckpointError(f"{self.path}: tensor {name!r} is {entry['dtype']}{list(shape)}, cannot read it "
                                   f"into {out.dtype}{list(out.shape)}")
-        with open(self.path, "rb") as fh:
+        with open_regular(self.path, CheckpointError, "shard") as fh:
             fh.seek(self.data_start + start)
             if end > start and fh.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy())) != end - start:
                 raise CheckpointError(f"truncated shard {self.path}: tensor {name!r} is cut short")
         return out
 
 
+def _read_header(path: str, size: int) -> tuple:
+    """(header length, header) of a file the safetensors library accepts; an error naming the
+    file otherwise. The header is read only when its announced length is plausible."""
+    with open_regular(path, CheckpointError, "shard") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"truncated shard {path}: {size} bytes, shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise CheckpointError(f"truncated shard {path}: header of {n} bytes announced, file has {size} bytes"
+                                  if n <= _MAX_HEADER else f"corrupt shard {path}: header of {n} bytes announced "
+                                  f"(safetensors allows {_MAX_HEADER})")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"corrupt shard {path}: header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"corrupt shard {path}: header is a JSON {type(header).__name__}, not an object")
+    return n, header
+
+
+def _check_with_library(path: str) -> None:
+    """Let the safetensors library validate the whole layout of ``path`` (it maps, never reads, the data)."""
+    try:
+        with safetensors.safe_open(path, framework="pt"):
+            pass
+    except Exception as exc:  # SafetensorError, its only exception type, is not exported by every version
+        raise CheckpointError(f"corrupt shard {path}: the safetensors library refuses it "
+                              f"({str(exc).splitlines()[0][:200]})") from None
+
+
 def _check_entry(path: str, name: str, e) -> None:
     """One header entry is a known dtype, a shape, and offsets spanning exactly its bytes."""
-    ok = (isinstance(e, dict) and e.get("dtype") in TORCH_DTYPE and isinstance(e.get("shape"), list)
+    ok = (isinstance(e, dict) and isinstance(e.get("dtype"), str) and e["dtype"] in TORCH_DTYPE
+          and isinstance(e.get("shape"), list)
           and all(isinstance(s, int) and s >= 0 for s in e["shape"]) and isinstance(e.get("data_offsets"), list)
           and len(e["data_offsets"]) == 2 and all(isinstance(o, int) for o in e["data_offsets"]))
     if not ok or not 0 <= e["data_offsets"][0] <= e["data_offsets"][1] or \
@@ -170,6 +198,7 @@ class ReaderCache:
         self.root, self._readers = root, {}
 
     def __call__(self, name: str) -> ShardReader:
+        """The reader of file ``name`` (a name read from metadata.json or an index: confined to the root)."""
         if name not in self._readers:
-            self._readers[name] = ShardReader(os.path.join(self.root, name))
+            self._readers[name] = ShardReader(confined(self.root, name, CheckpointError, "file name"))
         return self._readers[name]

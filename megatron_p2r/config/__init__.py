@@ -19,10 +19,10 @@ from megatron_p2r.config.batch import (data_parallel_size, global_batch_size, nu
                                        train_samples)
 from megatron_p2r.config.root import SECTIONS, Config
 from megatron_p2r.config.train import TrainConfig
-from megatron_p2r.config.validation import validate
+from megatron_p2r.config.validation import check_values, validate
 
 __all__ = ["Config", "ConfigError", "ModelConfig", "ParallelConfig", "TrainConfig", "P2RConfig", "DataConfig",
-           "CheckpointConfig", "LoggingConfig", "OffloadConfig", "SECTIONS", "validate",
+           "CheckpointConfig", "LoggingConfig", "OffloadConfig", "SECTIONS", "validate", "check_values",
            "data_parallel_size", "num_microbatches", "global_batch_size", "train_iters", "train_samples",
            "parse_share_pattern", "stage_layer_counts", "parse_memory_size", "parse_offload_what", "LayerSpec",
            "parse_layer_spec", "WHAT_ITEMS", "FULL", "OPTIMIZER_ONLY"]

@@ -142,11 +142,22 @@ def train_iters(cfg: "Config", world_size: int) -> int:
     return consume(steps, until=t.train_samples)[0]
 
 
-def train_samples(cfg: "Config", world_size: int) -> int:
+def train_samples(cfg: "Config", world_size: int, iteration: int = 0, consumed_samples: int = 0) -> int:
     """Samples the training set must hold: --train-samples (Megatron's request) or what the
-    steps consume, whichever is larger (a last step may go past --train-samples)."""
-    consumed = consume(batch_steps(cfg, world_size), iterations=train_iters(cfg, world_size))[1]
-    return max(consumed, cfg.train.train_samples or 0)
+    steps consume, whichever is larger (a last step may go past --train-samples). A run resumed
+    at ``iteration`` continues after its ``consumed_samples`` (Megatron-LM carries them over
+    when the global batch size changed): those plus what its remaining steps consume from there."""
+    steps = batch_steps(cfg, world_size)
+    ahead = [(0, _size_at(steps, consumed_samples))] + [(first - consumed_samples, size) for first, size in steps
+                                                         if first > consumed_samples]
+    remaining = max(train_iters(cfg, world_size) - iteration, 0)
+    return max(consumed_samples + consume(ahead, iterations=remaining)[1], cfg.train.train_samples or 0)
+
+
+def scheduled_samples(cfg: "Config", world_size: int, iterations: int) -> int:
+    """Samples the run's batch sizes consume in their first ``iterations`` steps (what a resumed
+    run has consumed unless its batch size changed)."""
+    return consume(batch_steps(cfg, world_size), iterations=iterations)[1]
 
 
 def lr_lengths(cfg: "Config", world_size: int) -> Tuple[float, int]:

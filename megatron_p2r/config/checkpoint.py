@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_p2r.config.fields import opt, require_at_least_one
+from megatron_p2r.config.fields import opt
+from megatron_p2r.config.ranges import at_least
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,6 @@ class CheckpointConfig:
     no_load_rng: bool = opt(False, "Do not load RNG state.")
     keep_last: Optional[int] = opt(None, "Keep only the newest N complete checkpoints.")
 
-    def check(self) -> None:
-        require_at_least_one(("--save-interval", self.save_interval), ("--keep-last", self.keep_last),
-                             unset_disables=True)
+
+# Type and range of every numeric field (config/ranges.py).
+RANGES = {"save_interval": at_least(1), "keep_last": at_least(1, 2 ** 20)}

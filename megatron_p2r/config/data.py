@@ -24,3 +24,7 @@ class DataConfig:
     def check(self) -> None:
         if self.mock_data and self.data_path:
             raise ConfigError("--mock-data and --data-path are mutually exclusive (--mock-data would ignore the data)")
+
+
+# No numeric fields: the type checks of config/ranges.py cover the section.
+RANGES: dict = {}

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_p2r.config.fields import opt, require_at_least_one
+from megatron_p2r.config.fields import opt
+from megatron_p2r.config.ranges import at_least
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,6 @@ class LoggingConfig:
     eval_iters: int = opt(100, "Batches per evaluation (a fixed, deterministic set).")
     eval_only: bool = opt(False, "Load, evaluate the validation loss, exit.")
 
-    def check(self) -> None:
-        require_at_least_one(("--log-interval", self.log_interval), ("--eval-iters", self.eval_iters))
-        require_at_least_one(("--eval-interval", self.eval_interval), unset_disables=True)
+
+# Type and range of every numeric field (config/ranges.py).
+RANGES = {"log_interval": at_least(1), "eval_interval": at_least(1), "eval_iters": at_least(1, 2 ** 24)}

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_p2r.config.fields import ConfigError, opt, require_at_least_one, require_positive
+from megatron_p2r.config.fields import ConfigError, opt
+from megatron_p2r.config.ranges import LAYERS, Range, at_least, fraction, positive
 
 
 @dataclass(frozen=True)
@@ -97,42 +98,28 @@ class ModelConfig:
         return -(-self.vocab_size // multiple) * multiple
 
     def check(self) -> None:
-        """The rules of the model alone (the parallel split is ``check_split``)."""
-        require_at_least_one(("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
-                             ("--num-attention-heads", self.num_attention_heads), ("--seq-length", self.seq_length))
+        """The rules between the model's fields (each field's range: ``RANGES``; the parallel split:
+        ``check_split``)."""
         self._check_attention()
         if self.max_positions < self.seq_length:
             raise ConfigError(f"--max-position-embeddings ({self.max_positions}) must be >= "
                               f"--seq-length ({self.seq_length})")
-        if self.vocab_size is not None and self.vocab_size < 2:
-            raise ConfigError(f"--vocab-size must be >= 2, got {self.vocab_size}")
-        for name, value in [("--hidden-dropout", self.hidden_dropout), ("--attention-dropout", self.attention_dropout)]:
-            if not 0.0 <= value < 1.0:
-                raise ConfigError(f"{name} must be in [0, 1), got {value}")
-        require_positive(("--norm-epsilon", self.norm_epsilon), ("--moe-capacity-factor", self.moe_capacity_factor))
-        if self.num_experts is not None and self.num_experts < 0:
-            raise ConfigError(f"--num-experts must be >= 0, got {self.num_experts}")
         if self.num_experts:
             self._check_experts()
 
     def _check_attention(self) -> None:
-        require_at_least_one(("--kv-channels", self.kv_channels), ("--num-query-groups", self.num_query_groups))
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ConfigError(f"--hidden-size ({self.hidden_size}) must be divisible by "
                               f"--num-attention-heads ({self.num_attention_heads}) (or set --kv-channels)")
         if self.num_attention_heads % self.query_groups:
             raise ConfigError(f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
                               f"--num-query-groups ({self.num_query_groups})")
-        if not 0.0 < self.rotary_percent <= 1.0:
-            raise ConfigError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
         if self.position_embedding_type == "rope" and (self.rotary_dim % 2 or not self.rotary_dim):
             raise ConfigError(f"rotary embeddings need an even, non-zero number of rotated dimensions: "
                               f"--rotary-percent {self.rotary_percent} of head dimension {self.head_dim} "
                               f"gives {self.rotary_dim}")
 
     def _check_experts(self) -> None:
-        require_at_least_one(("--moe-num-prototypes", self.moe_num_prototypes),
-                             ("--moe-layer-freq", self.moe_layer_freq))
         if self.num_experts % self.moe_num_prototypes:
             raise ConfigError(f"--num-experts ({self.num_experts}) must be divisible by "
                               f"--moe-num-prototypes ({self.moe_num_prototypes})")
@@ -167,3 +154,19 @@ class ModelConfig:
                               f"--expert-model-parallel-size ({ep})")
         if not self.num_experts and ep > 1:
             raise ConfigError("--expert-model-parallel-size > 1 needs --num-experts")
+
+
+# Type and range of every numeric field (config/ranges.py); the rules between fields are in ``check``.
+RANGES = {
+    "num_layers": at_least(1, LAYERS), "hidden_size": at_least(1, 2 ** 18), "ffn_hidden_size": at_least(1, 2 ** 20),
+    "num_attention_heads": at_least(1, LAYERS), "num_query_groups": at_least(1, LAYERS),
+    "kv_channels": at_least(1, 2 ** 18), "seq_length": at_least(1, 2 ** 24),
+    "max_position_embeddings": at_least(1, 2 ** 24), "vocab_size": at_least(2, 2 ** 31 - 1),
+    "make_vocab_size_divisible_by": at_least(1, 2 ** 16), "norm_epsilon": positive(1.0), "rotary_base": positive(),
+    "rotary_percent": Range(0.0, 1.0, low_open=True),
+    "hidden_dropout": fraction(), "attention_dropout": fraction(), "init_method_std": positive(),
+    "num_experts": at_least(0, 2 ** 16), "moe_layer_freq": at_least(1, LAYERS), "moe_router_topk": at_least(1, 2 ** 16),
+    "moe_ffn_hidden_size": at_least(1, 2 ** 20), "moe_num_prototypes": at_least(1, 2 ** 16),
+    "moe_aux_loss_coeff": Range(0.0), "moe_z_loss_coeff": Range(0.0), "moe_capacity_factor": positive(),
+    "moe_input_jitter_eps": fraction(),
+}

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from megatron_p2r.config.fields import ConfigError, opt
+from megatron_p2r.config.ranges import LAYERS, at_least
 
 WHAT_ITEMS = ("params", "grads", "optimizer")
 FULL = frozenset(WHAT_ITEMS)
@@ -26,8 +27,6 @@ class OffloadConfig:
 
     def check(self, num_layers: int) -> None:
         """Each flag parses, and the budget comes with ``auto`` and only with it."""
-        if self.offload_prefetch < 0:
-            raise ConfigError(f"--offload-prefetch must be >= 0, got {self.offload_prefetch}")
         parse_offload_what(self.cpu_offload_what)
         if self.cpu_offload_layers is None:
             if self.device_memory_budget is not None:
@@ -113,3 +112,7 @@ def parse_layer_spec(spec: str, num_layers: int) -> LayerSpec:
     if not 0 <= count <= num_layers:
         raise ConfigError(f"{flag}: a count must be between 0 and --num-layers ({num_layers})")
     return LayerSpec("count", count=count)
+
+
+# Type and range of every numeric field (config/ranges.py).
+RANGES = {"offload_prefetch": at_least(0, LAYERS)}

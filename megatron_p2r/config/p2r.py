@@ -36,3 +36,7 @@ def parse_share_pattern(pattern: str, num_layers: int) -> Tuple[str, int]:
             raise ConfigError(f"--share-pattern {pattern!r}: K ({k}) must divide --num-layers ({num_layers})")
         return kind, k
     raise ConfigError(f"--share-pattern {pattern!r}: expected all, none, cycle:K or block:K")
+
+
+# No numeric fields: the type checks of config/ranges.py cover the section.
+RANGES: dict = {}

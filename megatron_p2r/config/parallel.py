@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
-from megatron_p2r.config.fields import ConfigError, opt, require_at_least_one
+from megatron_p2r.config.fields import ConfigError, opt
+from megatron_p2r.config.ranges import at_least
 
 
 @dataclass(frozen=True)
@@ -28,11 +29,8 @@ class ParallelConfig:
                                                "max(4e7, 1e6 x DP); without it one bucket per buffer).")
 
     def check(self, num_layers: int) -> None:
-        """Sizes >= 1, a pipeline split that gives every stage a layer, overlap flags that can work."""
-        require_at_least_one(("--tensor-model-parallel-size", self.tensor_model_parallel_size),
-                             ("--pipeline-model-parallel-size", self.pipeline_model_parallel_size),
-                             ("--expert-model-parallel-size", self.expert_model_parallel_size),
-                             ("--ddp-bucket-size", self.ddp_bucket_size))
+        """A pipeline split that gives every stage a layer, overlap flags that can work (each size's
+        range: ``RANGES``)."""
         stage_layer_counts(num_layers, self.pipeline_model_parallel_size, self.pipeline_layer_split)
         if self.overlap_param_gather and not (self.use_distributed_optimizer and self.overlap_grad_reduce):
             raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce "
@@ -60,3 +58,13 @@ def stage_layer_counts(num_layers: int, pp: int, split: Optional[str] = None) ->
                           "a stage would be empty")
     base, extra = divmod(num_layers, pp)
     return [base + (1 if s < extra else 0) for s in range(pp)]
+
+
+# Type and range of every numeric field (config/ranges.py); the rules between fields are in ``check``.
+RANGES = {
+    "tensor_model_parallel_size": at_least(1, 2 ** 13), "pipeline_model_parallel_size": at_least(1, 2 ** 13),
+    "expert_model_parallel_size": at_least(1, 2 ** 13),
+    "ddp_bucket_size": at_least(1),  # elements: a threshold where a bucket closes, never allocated as such
+    # below a second nothing completes (even the rendezvous); a datetime.timedelta overflows near 10^12
+    "distributed_timeout_minutes": at_least(0.01, 10 ** 6),
+}

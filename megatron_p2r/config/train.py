@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
-from megatron_p2r.config.fields import ConfigError, opt, require_at_least_one, require_positive
+from megatron_p2r.config.fields import ConfigError, opt
+from megatron_p2r.config.ranges import Range, at_least, fraction, positive
 
 
 @dataclass(frozen=True)
@@ -47,26 +48,14 @@ class TrainConfig:
     exit_signal_handler: bool = opt(False, "Save and exit cleanly on SIGTERM.")
 
     def check(self) -> None:
-        """Values outside their range (each crashed deep inside a run, or silently misbehaved)."""
-        require_at_least_one(("--micro-batch-size", self.micro_batch_size),
-                             ("--global-batch-size", self.global_batch_size),
-                             ("--max-skipped-steps", self.max_skipped_steps),
-                             ("--loss-scale-window", self.loss_scale_window), ("--hysteresis", self.hysteresis))
-        require_at_least_one(("--exit-interval", self.exit_interval),
-                             ("--exit-duration-in-mins", self.exit_duration_in_mins), unset_disables=True)
-        for name, value in [("--train-iters", self.train_iters), ("--train-samples", self.train_samples),
-                            ("--lr-warmup-iters", self.lr_warmup_iters),
-                            ("--lr-warmup-samples", self.lr_warmup_samples),
-                            ("--lr-decay-iters", self.lr_decay_iters), ("--lr-decay-samples", self.lr_decay_samples)]:
-            if value is not None and value < 0:
-                raise ConfigError(f"{name} must be >= 0, got {value}")
-        require_positive(("--initial-loss-scale", self.initial_loss_scale), ("--min-loss-scale", self.min_loss_scale))
-        if self.clip_grad < 0:
-            raise ConfigError(f"--clip-grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
+        """The rules between the section's fields (each field's range: ``RANGES``)."""
         if self.bf16 and self.fp16:
             raise ConfigError("--bf16 and --fp16 are mutually exclusive")
         if self.min_lr > self.lr:
-            raise ConfigError(f"need --min-lr ({self.min_lr}) <= --lr ({self.lr})")
+            raise ConfigError(f"--min-lr ({self.min_lr}) must be <= --lr ({self.lr})")
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise ConfigError(f"--min-loss-scale ({self.min_loss_scale}) must be <= --initial-loss-scale "
+                              f"({self.initial_loss_scale})")
         self._check_schedule_units()
         self._check_batch_schedule()
         self._check_decoupled_lr()
@@ -80,11 +69,8 @@ class TrainConfig:
         if getattr(self, f"lr_decay_{other}") is not None or getattr(self, f"lr_warmup_{other}"):
             raise ConfigError(f"--lr-decay-{other} / --lr-warmup-{other} need --train-{other}; this run counts in "
                               f"{units} (--train-{units}): use --lr-decay-{units} / --lr-warmup-{units}")
-        if self.lr_warmup_fraction is not None:
-            if getattr(self, f"lr_warmup_{units}"):
-                raise ConfigError(f"--lr-warmup-fraction and --lr-warmup-{units} are mutually exclusive")
-            if not 0.0 <= self.lr_warmup_fraction < 1.0:
-                raise ConfigError(f"--lr-warmup-fraction must be in [0, 1), got {self.lr_warmup_fraction}")
+        if self.lr_warmup_fraction is not None and getattr(self, f"lr_warmup_{units}"):
+            raise ConfigError(f"--lr-warmup-fraction and --lr-warmup-{units} are mutually exclusive")
 
     def _check_batch_schedule(self) -> None:
         if self.rampup_batch_size is None:
@@ -103,3 +89,20 @@ class TrainConfig:
         if self.decoupled_min_lr > self.decoupled_lr:
             raise ConfigError(f"need --decoupled-min-lr ({self.decoupled_min_lr}) <= --decoupled-lr "
                               f"({self.decoupled_lr})")
+
+
+# Type and range of every numeric field (config/ranges.py); the rules between fields are in ``check``.
+RANGES = {
+    "micro_batch_size": at_least(1, 2 ** 24), "global_batch_size": at_least(1, 2 ** 30),
+    # each of START INCR SAMPLES (the rules between them and --global-batch-size: batch.rampup_steps)
+    "rampup_batch_size": at_least(0),
+    "train_iters": at_least(0), "train_samples": at_least(0),
+    "lr": Range(0.0), "min_lr": Range(0.0), "decoupled_lr": Range(0.0), "decoupled_min_lr": Range(0.0),
+    "lr_warmup_iters": at_least(0), "lr_warmup_samples": at_least(0), "lr_warmup_fraction": fraction(),
+    "lr_decay_iters": at_least(1), "lr_decay_samples": at_least(1),  # Megatron asserts a decay of > 0 steps
+    "weight_decay": Range(0.0), "adam_beta1": fraction(), "adam_beta2": fraction(), "adam_eps": positive(),
+    "clip_grad": Range(0.0), "seed": at_least(0, 2 ** 31 - 1),  # numpy's RandomState takes < 2^32, offsets added
+    "initial_loss_scale": positive(), "min_loss_scale": positive(), "loss_scale_window": at_least(1),
+    "hysteresis": at_least(1), "max_skipped_steps": at_least(1), "exit_interval": at_least(1),
+    "exit_duration_in_mins": at_least(1),
+}

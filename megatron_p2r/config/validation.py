@@ -2,25 +2,42 @@
 with one message that names the flag(s)."""
 from __future__ import annotations
 
+import os
+
+from megatron_p2r.config import checkpoint, data, logging, model, offload, p2r, parallel, train
 from megatron_p2r.config.batch import (data_parallel_size, global_batch_size, lr_lengths, parse_step_schedule,
                                        train_iters)
 from megatron_p2r.config.fields import ConfigError
-from megatron_p2r.config.root import Config
+from megatron_p2r.config.ranges import check_fields
+from megatron_p2r.config.root import SECTIONS, Config
+
+# The table of each section's ranges, beside its dataclass.
+RANGE_TABLES = {"model": model.RANGES, "parallel": parallel.RANGES, "train": train.RANGES, "p2r": p2r.RANGES,
+                "data": data.RANGES, "checkpoint": checkpoint.RANGES, "logging": logging.RANGES,
+                "offload": offload.RANGES}
+
+
+def check_values(cfg: Config) -> None:
+    """Type and range of every value (config/ranges.py), before any rule reads them."""
+    for name in SECTIONS:
+        check_fields(getattr(cfg, name), RANGE_TABLES[name])
 
 
 def validate(cfg: Config, world_size: int) -> None:
     """Raise ConfigError for the first inconsistent setting (one message per rule)."""
+    check_values(cfg)
     m, p = cfg.model, cfg.parallel
     m.check()
     p.check(m.num_layers)
     m.check_split(p.tensor_model_parallel_size, p.expert_model_parallel_size)
     _check_world(cfg, world_size)
-    for section in (cfg.train, cfg.data, cfg.checkpoint, cfg.logging):
-        section.check()
+    cfg.train.check()
+    cfg.data.check()
     _check_batch(cfg, world_size)
     _check_length(cfg, world_size)
     _check_inputs(cfg)
     _check_outputs(cfg)
+    _check_paths(cfg)
     cfg.p2r.check(m.num_layers)
     cfg.offload.check(m.num_layers)
 
@@ -82,3 +99,21 @@ def _check_outputs(cfg: Config) -> None:
         raise ConfigError("--save-interval needs --save DIR")
     if (t.exit_interval or t.exit_signal_handler) and not c.save:
         raise ConfigError("--exit-interval / --exit-signal-handler need --save DIR to save to")
+
+
+def _check_paths(cfg: Config) -> None:
+    """A path that exists as the wrong kind fails here, before anything opens it: a FIFO as
+    --log-file would block the first log line forever, a file as --save fails deep in a save."""
+    c, g, d = cfg.checkpoint, cfg.logging, cfg.data
+    for flag, path, directory in (("--save", c.save, True), ("--tensorboard-dir", g.tensorboard_dir, True),
+                                  ("--data-cache-path", d.data_cache_path, True), ("--log-file", g.log_file, False)):
+        if not path:
+            continue
+        if os.path.exists(path) and (not os.path.isdir(path) if directory else not os.path.isfile(path)):
+            kind = "a directory" if directory else "a regular file"
+            raise ConfigError(f"{flag} {path} exists and is not {kind}")
+        parent = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise ConfigError(f"{flag} {path}: {parent} is not a directory")

@@ -14,7 +14,7 @@ import numpy as np
 
 from megatron_p2r.config import ConfigError, DataConfig
 from megatron_p2r.data.blended import BlendedDataset, blending_indices
-from megatron_p2r.data.gpt_dataset import GPTDataset
+from megatron_p2r.data.gpt_dataset import GPTDataset, token_range
 from megatron_p2r.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -63,14 +63,25 @@ def split_ranges(fractions: Sequence[float], count: int) -> List[Tuple[int, int]
     return list(zip(edges[:-1], edges[1:]))
 
 
-def _open_indexed(prefix: str) -> IndexedDataset:
+def _open_indexed(prefix: str, data_cfg: DataConfig, vocab_size: Optional[int]) -> IndexedDataset:
+    """The dataset at ``prefix``, its token ids checked against the vocabulary: an id past it would
+    crash the embedding lookup (TP1) or train on another rank's rows (TP>1)."""
     for path in (index_file_path(prefix), data_file_path(prefix)):
         if not os.path.isfile(path):
             raise ConfigError(f"--data-path {prefix}: {path} not found (make it with tools/preprocess_data.py)")
     try:
-        return IndexedDataset(prefix)
+        ds = IndexedDataset(prefix)
     except ValueError as exc:
         raise ConfigError(f"--data-path {prefix}: {exc}") from None
+    if ds.dtype.kind not in "iu":
+        raise ConfigError(f"--data-path {prefix}: tokens are stored as {ds.dtype.name}; token ids are integers")
+    if vocab_size is not None:
+        lo, hi = token_range(ds, _cache_dir(data_cfg, prefix))
+        if lo < 0 or hi >= vocab_size:
+            raise ConfigError(f"--data-path {prefix}: token ids run from {lo} to {hi}, but the vocabulary has "
+                              f"{vocab_size} ids (--vocab-size or the tokenizer's); was it preprocessed with "
+                              "another tokenizer?")
+    return ds
 
 
 def _cache_dir(data_cfg: DataConfig, prefix: str) -> str:
@@ -80,11 +91,12 @@ def _cache_dir(data_cfg: DataConfig, prefix: str) -> str:
 
 
 def build_train_valid_test_datasets(data_cfg: DataConfig, seq_length: int, seed: int,
-                                    num_samples: Tuple[int, int, int]):
-    """(train, valid, test); a split asked for 0 samples is None."""
+                                    num_samples: Tuple[int, int, int], vocab_size: Optional[int] = None):
+    """(train, valid, test); a split asked for 0 samples is None. With ``vocab_size`` every
+    dataset's token ids must lie in [0, vocab_size)."""
     prefixes, weights = parse_data_path(data_cfg.data_path)
     fractions = parse_split(data_cfg.split)
-    indexed = [_open_indexed(p) for p in prefixes]
+    indexed = [_open_indexed(p, data_cfg, vocab_size) for p in prefixes]
     ranges = [split_ranges(fractions, len(ds)) for ds in indexed]
     result: List[Optional[object]] = []
     for s, (name, count) in enumerate(zip(SPLIT_NAMES, num_samples)):

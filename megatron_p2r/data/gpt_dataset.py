@@ -25,11 +25,11 @@ import os
 import tempfile
 import time
 import warnings
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 import numpy as np
 
-from megatron_p2r.data.indexed_dataset import IndexedDataset
+from megatron_p2r.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
 
 logger = logging.getLogger(__name__)
 
@@ -103,43 +103,90 @@ def build_indices(sizes: np.ndarray, documents: np.ndarray, num_samples: int, se
     return doc_idx, sample_idx, shuffle_idx
 
 
-def _save_npy_atomically(path: str, array: np.ndarray) -> None:
-    """Write to a temporary name and rename, so concurrent ranks never read a partial file."""
+def _write_atomically(path: str, write) -> None:
+    """``write(file)`` into a new temporary file (O_EXCL: never through a link planted anywhere),
+    then rename it over ``path`` (replacing a link there, not writing through it), so concurrent
+    ranks never read a partial file."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            np.save(f, array, allow_pickle=False)
+            write(f)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
 
 
-def cached_arrays(cache_dir: Optional[str], stem: str, names: tuple, description: dict, build):
+def _load_cached(paths, valid: Optional[Callable]) -> Optional[tuple]:
+    """The cached arrays when every file is a regular file numpy reads without unpickling and
+    ``valid`` accepts them; None (with a warning) when they must be rebuilt."""
+    if not all(os.path.isfile(p) and not os.path.islink(p) for p in paths):  # FIFOs and links: rebuilt
+        return None
+    try:
+        arrays = tuple(np.load(p, mmap_mode="r", allow_pickle=False) for p in paths)
+    except ValueError as exc:  # truncated, foreign, or an object (pickle) array: never unpickled
+        warnings.warn(f"dataset index cache {paths[0]}... is unreadable ({exc}); rebuilding it")
+        return None
+    if valid is not None and not valid(arrays):
+        warnings.warn(f"dataset index cache {paths[0]}... does not fit its dataset; rebuilding it")
+        return None
+    return arrays
+
+
+def cached_arrays(cache_dir: Optional[str], stem: str, names: tuple, description: dict, build,
+                  valid: Optional[Callable] = None):
     """Load ``names`` arrays from ``cache_dir/stem-<hash>-<name>.npy``, or ``build()`` and save them.
 
-    The hash covers ``description`` (every input of ``build``, as JSON). Without a cache_dir,
-    or when it cannot be written, the arrays are built and kept in memory.
+    The hash covers ``description`` (every input of ``build``, as JSON); ``valid(arrays)`` checks
+    loaded arrays against what they index. Without a cache_dir, or when it cannot be written, the
+    arrays are built and kept in memory.
     """
     if cache_dir is None:
         return build()
     digest = hashlib.md5(json.dumps(description, sort_keys=True).encode(), usedforsecurity=False).hexdigest()
     paths = [os.path.join(cache_dir, f"{stem}-{digest}-{name}.npy") for name in names]
-    if all(os.path.isfile(p) for p in paths):
-        try:
-            return tuple(np.load(p, mmap_mode="r", allow_pickle=False) for p in paths)
-        except ValueError as exc:  # truncated, foreign, or an object (pickle) array: never unpickled
-            warnings.warn(f"dataset index cache {paths[0]}... is unreadable ({exc}); rebuilding it")
+    loaded = _load_cached(paths, valid)
+    if loaded is not None:
+        return loaded
     arrays = build()
     try:
         os.makedirs(cache_dir, exist_ok=True)
         for path, array in zip(paths, arrays):
-            _save_npy_atomically(path, array)
-        with open(os.path.join(cache_dir, f"{stem}-{digest}-description.json"), "w") as f:
-            json.dump(description, f, indent=1, sort_keys=True)
+            _write_atomically(path, lambda f, a=array: np.save(f, a, allow_pickle=False))
+        text = json.dumps(description, indent=1, sort_keys=True).encode()
+        _write_atomically(os.path.join(cache_dir, f"{stem}-{digest}-description.json"), lambda f: f.write(text))
     except OSError as exc:
         warnings.warn(f"cannot cache dataset indices in {cache_dir} ({exc}); they are rebuilt on every run")
     return arrays
+
+
+def _indices_fit(num_documents: int):
+    """Whether loaded (doc_idx, sample_idx, shuffle_idx) index a dataset of ``num_documents``:
+    shapes that belong together and every index in range, so a stale or foreign cache is rebuilt
+    instead of reading out of range mid-run."""
+    def check(arrays) -> bool:
+        doc_idx, sample_idx, shuffle_idx = arrays
+        if doc_idx.ndim != 1 or sample_idx.ndim != 2 or sample_idx.shape[1:] != (2,) or shuffle_idx.ndim != 1:
+            return False
+        if not all(a.dtype.kind in "iu" for a in arrays) or len(sample_idx) < 2 or not len(doc_idx):
+            return False
+        return (len(shuffle_idx) == len(sample_idx) - 1 and 0 <= doc_idx.min() and doc_idx.max() < num_documents
+                and 0 <= sample_idx.min() and sample_idx[:, 0].max() < len(doc_idx)
+                and 0 <= shuffle_idx.min() and shuffle_idx.max() < len(shuffle_idx))
+    return check
+
+
+def token_range(dataset: IndexedDataset, cache_dir: Optional[str]) -> Tuple[int, int]:
+    """(smallest, largest) token id of ``dataset``: one pass over its ``.bin`` the first time,
+    cached beside the sample indices (keyed by the files' sizes and modification times)."""
+    prefix = dataset.path_prefix
+    b, i = os.stat(data_file_path(prefix)), os.stat(index_file_path(prefix))
+    description = {"class": "TokenRange", "version": INDEX_VERSION, "dtype": dataset.dtype.str,
+                   "bin": [b.st_size, b.st_mtime_ns], "idx": [i.st_size, i.st_mtime_ns]}
+    (found,) = cached_arrays(cache_dir, f"{os.path.basename(prefix)}-tokens", ("range",), description,
+                             lambda: (dataset.token_range(),),
+                             lambda arrays: arrays[0].shape == (2,) and arrays[0].dtype == np.int64)
+    return int(found[0]), int(found[1])
 
 
 class GPTDataset:
@@ -176,7 +223,8 @@ class GPTDataset:
 
         stem = f"{os.path.basename(indexed_dataset.path_prefix)}-{name}"
         self.doc_idx, self.sample_idx, self.shuffle_idx = cached_arrays(
-            cache_dir, stem, ("doc_idx", "sample_idx", "shuffle_idx"), description, build)
+            cache_dir, stem, ("doc_idx", "sample_idx", "shuffle_idx"), description, build,
+            _indices_fit(len(indexed_dataset)))
 
     def __len__(self) -> int:
         return len(self.sample_idx) - 1

@@ -131,6 +131,18 @@ class IndexedDataset:
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
 
+    def token_range(self, chunk: int = 1 << 26) -> np.ndarray:
+        """[smallest, largest] token id of the whole ``.bin`` (int64; [0, -1] when it holds none),
+        in one streaming pass of ``chunk`` tokens at a time."""
+        tokens = np.frombuffer(self._bin, self.dtype, len(self._bin) // self.dtype.itemsize)
+        if not len(tokens):
+            return np.array([0, -1], np.int64)
+        lo, hi = tokens[0], tokens[0]
+        for start in range(0, len(tokens), chunk):
+            part = tokens[start:start + chunk]
+            lo, hi = min(lo, part.min()), max(hi, part.max())
+        return np.array([lo, hi], np.int64)
+
     def get(self, i: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
         """Tokens [offset, offset+length) of sequence i (a read-only view of the memory map)."""
         n = len(self)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,13 @@ class ParallelState:
         """Global rank of the stage ``pp_rank`` with this rank's tp and dp coordinates."""
         c = self.coords
         return self.layout.rank(c.tp, c.dp, pp_rank)
+
+    def drop_groups(self) -> List[dist.ProcessGroup]:
+        """Forget every group of this state and return them, each once (to be destroyed)."""
+        groups = [g for g in list(self.groups.values()) + list(self._subgroups.values()) if g is not None]
+        self.groups.clear()
+        self._subgroups.clear()
+        return list(dict.fromkeys(groups))
 
     def reduction_group(self, reduction: Reduction) -> Optional[dist.ProcessGroup]:
         """The group a gradient with ``reduction`` is all-reduced over (None: nothing to reduce)."""

@@ -9,6 +9,7 @@ gives the CPU variant the tests measure against. See docs/scale.md for the assum
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -169,7 +170,8 @@ def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, *, device_typ
     n = b * s
     st = plan.stage(stage)
     first, last = st.first, st.last
-    calls = {k: st.layer_keys.count(k) for k in st.modules}
+    uses = Counter(st.layer_keys)  # (not tuple.count per module: quadratic in the layers)
+    calls = {k: uses[k] for k in st.modules}
     per = {k: layer_activations(cfg, k, tp, ep, device_type=device_type) for k in calls}
     # Always kept: the stage's output (on the last stage it is the final norm's saved input,
     # elsewhere the schedule keeps it for the backward from the next stage), rope tables,

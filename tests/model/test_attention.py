@@ -178,7 +178,7 @@ def test_plan_sums_partial_gradients_over_tp_blocks():
           make_vocab_size_divisible_by=48), 6,
      "--num-query-groups (4) and --tensor-model-parallel-size (6) must divide one another"),
     (dict(ROPE, rotary_percent=0.2), 1, "--rotary-percent 0.2 of head dimension 8 gives 1"),
-    (dict(rotary_percent=1.5), 1, "--rotary-percent must be in (0, 1]"),
+    (dict(rotary_percent=1.5), 1, "--rotary-percent must be <= 1, got 1.5 (range (0, 1])"),
     (dict(num_attention_heads=6), 1, "(or set --kv-channels)"),
 ])
 def test_attention_options_are_checked(options, world, message):

@@ -90,7 +90,7 @@ def _outside(tmp_path):
     return target
 
 
-def test_preprocess_never_writes_through_a_planted_link(tmp_path):
+def test_preprocess_never_writes_through_a_planted_link(tmp_path, capsys):
     """Links planted at the temporary names (predictable: pid) and at a final output name."""
     target = _outside(tmp_path)
     out = tmp_path / "out"
@@ -103,8 +103,8 @@ def test_preprocess_never_writes_through_a_planted_link(tmp_path):
         os.symlink(target, out / name)
     os.symlink(tmp_path / "outside" / "dangling", out / "corpus_text_document.idx")
     argv = ["--input", str(inp), "--output-prefix", str(prefix), "--tokenizer-type", "ByteTokenizer"]
-    with pytest.raises(SystemExit, match="already exists; pass --overwrite"):  # a dangling link is an output
-        preprocess_data.main(argv)
+    assert preprocess_data.main(argv) == 2  # a dangling link is an output
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
     assert preprocess_data.main(argv + ["--overwrite"]) == 0
     assert target.read_text() == "keep me" and not (tmp_path / "outside" / "dangling").exists()
     assert not (out / "corpus_text_document.idx").is_symlink()
@@ -117,9 +117,9 @@ def test_converter_and_checkpoint_writes_never_follow_a_planted_link(checkpoint,
     outside_dir = target.parent
     before = tree_digest(str(outside_dir))
     dst = tmp_path / "dst"
-    os.symlink(outside_dir, tmp_path / "dst.tmp")  # the converter's working directory
+    os.symlink(outside_dir, tmp_path / "dst.tmp")  # the old staging name: neither used nor removed
     convert(str(checkpoint), str(dst), Target(tensor_parallel_size=2), progress=False)
-    assert not (tmp_path / "dst.tmp").exists() and (dst / "latest_checkpointed_iteration.txt").is_file()
+    assert os.path.islink(tmp_path / "dst.tmp") and (dst / "latest_checkpointed_iteration.txt").is_file()
     link = tmp_path / "link"
     os.symlink(outside_dir, link)
     with pytest.raises(CheckpointError, match="is a symbolic link"):

@@ -1,6 +1,7 @@
 import json
 import sysconfig
 
+from tests.helpers import bad_input_error
 from tools import build_demo_corpus
 
 
@@ -27,10 +28,5 @@ def test_max_bytes_and_no_overwrite(tmp_path, capsys):
     docs = read(out)
     total = sum(len(d["text"].encode("utf-8")) for d in docs)
     assert 0 < total <= 100000 and len(docs) > 1
-    try:
-        build_demo_corpus.main(["--output", str(out), "--max-docs", "1"])
-    except SystemExit as exc:
-        assert "already exists" in str(exc)
-    else:
-        raise AssertionError("an existing corpus was overwritten")
+    assert "already exists" in bad_input_error(build_demo_corpus.main, ["--output", out, "--max-docs", "1"], capsys)
     assert read(out) == docs

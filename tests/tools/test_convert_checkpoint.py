@@ -57,3 +57,23 @@ def test_errors_exit_2_with_a_message(pseudo, tmp_path, capsys, argv, message):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("relation", ["src is dst.tmp", "src inside dst", "dst inside src", "same"])
+def test_the_converter_never_touches_its_source(pseudo, tmp_path, capsys, relation):
+    """``reshard X.tmp X`` used to delete its own source (the staging directory was DST.tmp), and
+    --force on a DST holding SRC would have deleted it."""
+    import shutil
+    from tests.reliability.common import tree_digest
+    src = {"src is dst.tmp": tmp_path / "x.tmp", "src inside dst": tmp_path / "outer" / "src",
+           "dst inside src": tmp_path / "src", "same": tmp_path / "src"}[relation]
+    dst = {"src is dst.tmp": tmp_path / "x", "src inside dst": tmp_path / "outer", "dst inside src": src / "dst",
+           "same": src}[relation]
+    shutil.copytree(pseudo, src)
+    before = tree_digest(str(src))
+    rc = main(["reshard", str(src), str(dst), "--target-tensor-parallel-size", "2", "--no-progress", "--force"])
+    assert tree_digest(str(src)) == before
+    if relation == "src is dst.tmp":
+        assert rc == 0 and (dst / "latest_checkpointed_iteration.txt").is_file()
+    else:
+        assert rc == 2 and "overlaps SRC" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 import json
 
-import pytest
 
+from tests.helpers import bad_input_error
 from tools.plot_logs import main, series
 
 
@@ -23,8 +23,11 @@ def test_plot_marks_the_phase_change(tmp_path):
     assert out.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_bad_log_line_is_named(tmp_path):
+def test_bad_log_line_is_named(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"iteration": 1}\nnot json\n')
-    with pytest.raises(SystemExit, match="bad.jsonl:2: not a JSON line"):
-        main(["--log-file", str(bad), "--output", str(tmp_path / "x.png")])
+    assert "bad.jsonl:2: not a JSON line" in bad_input_error(main, ["--log-file", bad, "--output", tmp_path / "x.png"],
+                                                             capsys)
+    bad.write_text('{"iteration": 1}\n[1, 2]\n')
+    assert "bad.jsonl:2: expected a JSON object" in bad_input_error(main, ["--log-file", bad, "--output",
+                                                                          tmp_path / "x.png"], capsys)

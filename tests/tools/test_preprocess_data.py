@@ -1,6 +1,7 @@
 import gzip
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import pytest
 
 from megatron_p2r.data.indexed_dataset import IndexedDataset
 from megatron_p2r.data.tokenizers import ByteTokenizer, GPT2BPETokenizer
+from tests.helpers import bad_input_error
 from tools import build_demo_corpus, preprocess_data
 
 GOOD = ["hello world", "", "café 日本 👍", "line one\nline two\n\ttabbed"]
@@ -46,20 +48,19 @@ def test_byte_tokenizer_end_to_end_with_bad_lines(tmp_path, capsys):
         assert fragment in err
 
 
-def test_strict_stops_at_first_bad_line(tmp_path):
+def test_strict_stops_at_first_bad_line(tmp_path, capsys):
     path = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}, {"text": "b"}, {"txt": "c"}])
-    with pytest.raises(SystemExit, match=r"in\.jsonl:3: missing key 'text'"):
-        preprocess_data.main(["--input", path, "--output-prefix", str(tmp_path / "o"),
-                              "--tokenizer-type", "ByteTokenizer", "--strict"])
+    assert "in.jsonl:3: missing key 'text'" in bad_input_error(
+        preprocess_data.main, ["--input", path, "--output-prefix", tmp_path / "o", "--tokenizer-type", "ByteTokenizer",
+                               "--strict"], capsys)
     assert list(tmp_path.iterdir()) == [tmp_path / "in.jsonl"]  # no partial output left behind
 
 
-def test_existing_output_is_not_overwritten(tmp_path):
+def test_existing_output_is_not_overwritten(tmp_path, capsys):
     path = write_jsonl(tmp_path / "in.jsonl", [{"text": "abc"}])
     argv = ["--input", path, "--output-prefix", tmp_path / "o", "--tokenizer-type", "ByteTokenizer"]
     run(argv)
-    with pytest.raises(SystemExit, match=r"o_text_document\.bin already exists; pass --overwrite"):
-        run(argv)
+    assert "o_text_document.bin already exists; pass --overwrite" in bad_input_error(preprocess_data.main, argv, capsys)
     write_jsonl(tmp_path / "in.jsonl", [{"text": "abcd"}])
     run(argv + ["--overwrite"])
     assert IndexedDataset(str(tmp_path / "o_text_document"))[0].tolist() == list(b"abcd")
@@ -77,12 +78,12 @@ def test_gzip_input_and_several_keys(tmp_path):
     assert bodies.document_indices.tolist() == [0, 0, 1, 2, 3, 4]
 
 
-def test_missing_tokenizer_file_names_flag(tmp_path):
+def test_missing_tokenizer_file_names_flag(tmp_path, capsys):
     path = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
-    with pytest.raises(SystemExit, match=r"--vocab-file .*nope\.json: no such file"):
-        preprocess_data.main(["--input", path, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
-                              "GPT2BPETokenizer", "--vocab-file", str(tmp_path / "nope.json"),
-                              "--merge-file", str(tmp_path / "m.txt")])
+    line = bad_input_error(preprocess_data.main, ["--input", path, "--output-prefix", tmp_path / "o",
+                                                  "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                                                  tmp_path / "nope.json", "--merge-file", tmp_path / "m.txt"], capsys)
+    assert re.search(r"--vocab-file .*nope\.json: no such file", line)
 
 
 @pytest.fixture(scope="module")
@@ -227,14 +228,15 @@ def test_hugging_face_options_reach_the_workers(tmp_path):
     assert ds.num_documents == len(texts) and len(ds) == 6
 
 
-def test_hugging_face_append_eod_needs_an_eos(tmp_path):
+def test_hugging_face_append_eod_needs_an_eos(tmp_path, capsys):
     from tests.data.test_hf_tokenizer import write_tokenizer
 
     directory = write_tokenizer(tmp_path / "hf")  # no tokenizer_config.json: no eos token named
     path = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
-    with pytest.raises(SystemExit, match=r"--append-eod: --tokenizer-model .*hf names no eos token"):
-        run(["--input", path, "--output-prefix", tmp_path / "o", "--tokenizer-type", "HuggingFaceTokenizer",
-             "--tokenizer-model", directory, "--append-eod"])
+    line = bad_input_error(preprocess_data.main, ["--input", path, "--output-prefix", tmp_path / "o",
+                                                  "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                                  directory, "--append-eod"], capsys)
+    assert re.search(r"--append-eod: --tokenizer-model .*hf names no eos token", line)
 
 
 def test_null_tokenizer_preprocess(tmp_path, capsys):
@@ -265,3 +267,24 @@ def test_llama2_tokenizer_preprocess(tmp_path):
          "--tokenizer-model", tmp_path / "sp.model", "--append-eod"])
     ds = IndexedDataset(str(tmp_path / "o_text_document"))
     assert [ds[i].tolist() for i in range(len(ds))] == [[sp.bos_id()] + sp.encode(t) + [sp.eos_id()] for t in texts]
+
+
+@pytest.mark.parametrize("content, reason", [(b"", "no text in it"), (b"\n  \n", "no text in it"),
+                                             (bytes(range(256)) * 64, "none of its"),
+                                             (b'{"txt": "a"}\n[1]\n', "none of its 2 non-blank lines")])
+def test_an_input_without_a_document_is_an_error_and_writes_nothing(tmp_path, capsys, content, reason):
+    (tmp_path / "in.jsonl").write_bytes(content)
+    line = bad_input_error(preprocess_data.main, ["--input", tmp_path / "in.jsonl", "--output-prefix",
+                                                  tmp_path / "out" / "c", "--tokenizer-type", "ByteTokenizer"], capsys)
+    assert reason in line and "nothing was written" in line
+    assert not os.listdir(tmp_path / "out")
+
+
+def test_an_over_long_line_is_a_bad_line_read_in_bounded_pieces(tmp_path, capsys):
+    long = json.dumps({"text": "x" * 5000}).encode()
+    (tmp_path / "in.jsonl").write_bytes(b'{"text": "short"}\n' + long + b'\n{"text": "after"}\n')
+    run(["--input", tmp_path / "in.jsonl", "--output-prefix", tmp_path / "c", "--tokenizer-type", "ByteTokenizer",
+         "--max-line-bytes", "1000"])
+    assert "line 2: longer than --max-line-bytes" in capsys.readouterr().err
+    ds = IndexedDataset(str(tmp_path / "c_text_document"))
+    assert [bytes(ds[i].tolist()).decode() for i in range(len(ds))] == ["short", "after"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 from megatron_p2r.checkpoint.hf.architecture import GPT2, LLAMA, MISTRAL, MIXTRAL, MODEL_TYPES, QWEN2, HFConversionError
+from megatron_p2r.checkpoint.hf.config_schema import check_hf_config
 from megatron_p2r.config import ModelConfig
 
 
@@ -50,6 +51,7 @@ def required_field(hf: dict, key: str, where: str):
 
 def model_values_from_hf(hf: dict, where: str, allow_approximate_gelu: bool = False) -> Tuple[str, dict]:
     """(architecture, {ModelConfig field: value}) for an HF config.json, or an error naming the field."""
+    check_hf_config(hf, where)
     model_type = hf.get("model_type")
     arch = {v: k for k, v in MODEL_TYPES.items()}.get(model_type)
     if arch is None:

@@ -11,6 +11,7 @@ import torch
 
 from megatron_p2r.checkpoint.hf.architecture import HFConversionError
 from megatron_p2r.checkpoint.safetensors_io import ReaderCache, nbytes
+from megatron_p2r.files import MiB, read_json
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 
@@ -23,6 +24,8 @@ def parse_size(text: str) -> int:
     number, unit = float(match.group(1)), (match.group(2) or "B").upper()
     scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    if not 1 <= number * scale <= 2 ** 50:
+        raise HFConversionError(f"--max-shard-size {text!r}: expected a size between 1 byte and 1 PiB")
     return int(number * scale)
 
 
@@ -55,11 +58,24 @@ def write_json(path: str, obj) -> None:
 
 
 def read_hf_config(path: str) -> dict:
+    """config.json of an HF directory (a regular file, bounded, unique keys; its fields: ``config_schema``)."""
     config = os.path.join(path, "config.json")
-    if not os.path.isfile(config):
-        raise HFConversionError(f"{path}: no config.json (not a Hugging Face model directory)")
-    with open(config, encoding="utf-8") as fh:
-        return json.load(fh)
+    try:
+        return read_json(config, HFConversionError, limit=16 * MiB)
+    except FileNotFoundError:
+        raise HFConversionError(f"{path}: no config.json (not a Hugging Face model directory)") from None
+
+
+def _read_weight_map(index: str) -> dict:
+    """The index's weight_map: tensor name -> file name (each opened later only inside the directory)."""
+    try:
+        data = read_json(index, HFConversionError)
+    except OSError as exc:
+        raise HFConversionError(f"{index}: cannot read it ({exc.strerror})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise HFConversionError(f"{index}: expected an object with a 'weight_map' of tensor names to file names")
+    return weight_map
 
 
 class HFDirectory:
@@ -69,10 +85,9 @@ class HFDirectory:
         self.path = path
         self.readers = ReaderCache(path)
         index = os.path.join(path, INDEX_FILE)
-        if os.path.isfile(index):
-            with open(index, encoding="utf-8") as fh:
-                self.weight_map = json.load(fh)["weight_map"]
-        elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
+        if os.path.lexists(index):
+            self.weight_map = _read_weight_map(index)
+        elif os.path.lexists(os.path.join(path, SINGLE_FILE)):
             self.weight_map = {n: SINGLE_FILE for n in self.readers(SINGLE_FILE).names()}
         else:
             found = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth"))]
@@ -88,7 +103,11 @@ class HFDirectory:
         return short if short in self.weight_map else None
 
     def entry(self, stored: str) -> dict:
-        return self.readers(self.weight_map[stored]).entries[stored]
+        reader = self.readers(self.weight_map[stored])
+        if stored not in reader.entries:
+            raise HFConversionError(f"{self.path}: {INDEX_FILE} puts {stored!r} in {self.weight_map[stored]}, "
+                                    "which has no such tensor")
+        return reader.entries[stored]
 
     def read(self, stored: str) -> torch.Tensor:
         return self.readers(self.weight_map[stored]).read(stored)

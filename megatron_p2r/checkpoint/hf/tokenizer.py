@@ -8,10 +8,12 @@ import os
 import shutil
 from typing import Dict, Optional, Tuple
 
+from megatron_p2r.checkpoint.hf.architecture import HFConversionError
 from megatron_p2r.checkpoint.hf.directory import write_json
 from megatron_p2r.config import Config, ConfigError, DataConfig
-from megatron_p2r.data.hf_tokenizer import HuggingFaceTokenizer, tokenizer_json_path
+from megatron_p2r.data.hf_tokenizer import HuggingFaceTokenizer
 from megatron_p2r.data.tokenizers import GPT2_EOD, build_tokenizer
+from megatron_p2r.files import confined
 
 # What transformers' AutoTokenizer reads beside tokenizer.json (the special tokens' roles).
 HF_TOKENIZER_CONFIGS = ("tokenizer_config.json", "special_tokens_map.json")
@@ -106,14 +108,17 @@ _HF_TOKENIZERS = [(("tokenizer.json",), HF_TOKENIZER_CONFIGS, "HuggingFaceTokeni
 
 def find_tokenizer(src: str) -> Tuple[Optional[HFTokenizerFiles], str]:
     """The tokenizer of the HF directory SRC our data tools read (None and why when there is none)."""
+    def present(name: str) -> bool:  # a regular file inside SRC (a link out of it is an error)
+        return os.path.isfile(confined(src, name, HFConversionError, "tokenizer file"))
+
     for required, optional, kind, flags in _HF_TOKENIZERS:
-        if all(os.path.isfile(os.path.join(src, f)) for f in required):
+        if all(present(f) for f in required):
             values = {field: os.path.join(src, name) for field, name in flags}
             try:
                 tokenizer = build_tokenizer(DataConfig(tokenizer_type=kind, **values))
             except ConfigError as exc:
                 return None, f"tokenizer not copied: {exc}"
-            files = required + tuple(f for f in optional if os.path.isfile(os.path.join(src, f)))
+            files = required + tuple(f for f in optional if present(f))
             return HFTokenizerFiles(kind, files, flags, tokenizer.vocab_size), ""
     return None, ("tokenizer not copied: no tokenizer.json, vocab.json+merges.txt or tokenizer.model in the "
                   "source")

@@ -19,7 +19,6 @@ TEGroupedMLP alike). Optimizer state (``optimizer.*``) and byte objects (RNG sta
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Dict, List, Tuple
 
@@ -29,6 +28,7 @@ from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.megatron.args import SavedArgs
 from megatron_p2r.checkpoint.megatron.names import expert_rest, layer_name, split_layer_key
 from megatron_p2r.checkpoint.megatron.unpickler import Kind, LazyTensor, Opaque, TorchArchive, load_pickle
+from megatron_p2r.files import MiB, confined, read_json
 
 CONFIG_FILE, COMMON_FILE, DCP_METADATA = "metadata.json", "common.pt", ".metadata"
 _NOT_MODEL = ("optimizer.", "chained_", "rng_state", "rerun_state_machine")
@@ -47,9 +47,8 @@ def read_backend(iter_dir: str) -> str:
     """``sharded_backend`` of a dist_checkpointing ``metadata.json``."""
     path = os.path.join(iter_dir, CONFIG_FILE)
     try:
-        with open(path, encoding="utf-8") as fh:
-            backend = json.load(fh).get("sharded_backend")
-    except (ValueError, AttributeError) as exc:
+        backend = read_json(path, CheckpointError, limit=16 * MiB).get("sharded_backend")
+    except AttributeError as exc:
         raise CheckpointError(f"{path}: not a dist_checkpointing metadata.json ({exc})") from None
     if not isinstance(backend, str):
         raise CheckpointError(f"{path}: field sharded_backend is missing")
@@ -111,8 +110,9 @@ class DistCheckpoint:
             if (key, offsets) not in sizes:
                 raise CheckpointError(f"{self.where}: storage_data has a chunk at {offsets} of {key!r} that "
                                       "state_dict_metadata does not list")
-            self.chunks[key].append(_Chunk(offsets, sizes[(key, offsets)],
-                                           os.path.join(self.iter_dir, _field(info, "relative_path", self.where)),
+            path = confined(self.iter_dir, _field(info, "relative_path", self.where), CheckpointError,
+                            f"{self.where}: relative_path of {key!r}")  # a name read from a file stays inside
+            self.chunks[key].append(_Chunk(offsets, sizes[(key, offsets)], path,
                                            int(info.field("offset") or 0), int(_field(info, "length", self.where))))
 
     def _check_files(self) -> None:

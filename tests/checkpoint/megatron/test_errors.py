@@ -139,3 +139,18 @@ def test_torch_dist_chunk_contents(dist):
         pickle.dump(metadata, fh)
     fails(dist, r"\.metadata: the chunks of 'decoder.layers.self_attention.linear_qkv.weight' cover 768 elements "
                 r"of decoder.layers.0.self_attention.linear_qkv.weight \[48, 32\]")
+
+
+@pytest.mark.parametrize("name", ["../outside.distcp", "ABSOLUTE"])
+def test_torch_dist_chunk_files_stay_in_the_iteration_directory(dist, name):
+    """A relative_path in .metadata that leads out of the iteration directory is refused, not read."""
+    iter_dir = dist / "iter_0000007"
+    with open(iter_dir / ".metadata", "rb") as fh:
+        metadata = pickle.load(fh)   # the test's own trusted file
+    info = next(s for i, s in metadata.storage_data.items() if i.fqn == "decoder.layers.mlp.router.weight")
+    shutil.copy(iter_dir / info.relative_path, dist / "outside.distcp")  # a valid file: only its place is wrong
+    info.relative_path = str(dist / "outside.distcp") if name == "ABSOLUTE" else name
+    with open(iter_dir / ".metadata", "wb") as fh:
+        pickle.dump(metadata, fh)
+    fails(dist, r"relative_path of 'decoder.layers.mlp.router.weight': .*outside.distcp.* (is not a file name "
+                r"relative to|resolves to .*, outside)")
