@@ -14,6 +14,8 @@ class ParallelConfig:
     expert_model_parallel_size: int = opt(1, "EP: ranks the experts are spread over (divides DP).")
     pipeline_layer_split: Optional[str] = opt(None, "Layers per stage, e.g. 3,5,5,3 (default even).")
     pipeline_schedule: str = opt("1f1b", "Pipeline schedule.", choices=["1f1b", "gpipe"])
+    sequence_parallel: bool = opt(False, "Megatron sequence parallelism: norms, dropouts and residuals hold "
+                                         "1/TP of the sequence (needs TP > 1).")
     distributed_backend: str = opt("auto", "torch.distributed backend (auto: nccl on CUDA, gloo on CPU).",
                                    choices=["auto", "gloo", "nccl"])
     distributed_timeout_minutes: float = opt(10.0, "Timeout of every collective.")
@@ -25,6 +27,9 @@ class ParallelConfig:
                              ("--pipeline-model-parallel-size", self.pipeline_model_parallel_size),
                              ("--expert-model-parallel-size", self.expert_model_parallel_size))
         stage_layer_counts(num_layers, self.pipeline_model_parallel_size, self.pipeline_layer_split)
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the "
+                              "sequence over the TP ranks)")
 
 
 def stage_layer_counts(num_layers: int, pp: int, split: Optional[str] = None) -> List[int]:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Tuple
 
 from megatron_p2r.config.fields import ConfigError, opt, require_at_least_one, require_positive
 
@@ -28,7 +28,17 @@ class TrainConfig:
     initial_loss_scale: float = opt(2.0 ** 16, "fp16: starting loss scale.")
     min_loss_scale: float = opt(1.0, "fp16: smallest loss scale.")
     loss_scale_window: int = opt(1000, "fp16: grow the scale after this many finite steps.")
-    recompute_activations: bool = opt(False, "Recompute each layer's activations in backward.")
+    recompute_activations: bool = opt(False, "Selective recomputation (--recompute-granularity selective): "
+                                             "the attention core is recomputed in backward.")
+    recompute_granularity: Optional[str] = opt(None, "full: recompute whole layers (with --recompute-method); "
+                                                     "selective: the attention core only.",
+                                               choices=["full", "selective"])
+    recompute_method: Optional[str] = opt(None, "full recomputation: uniform (every chunk of "
+                                                "--recompute-num-layers layers) or block (the first "
+                                                "--recompute-num-layers layers of each stage).",
+                                          choices=["uniform", "block"])
+    recompute_num_layers: Optional[int] = opt(None, "Layers per recomputed chunk (uniform) or recomputed "
+                                                    "layers per pipeline stage (block).")
     max_skipped_steps: int = opt(10, "Stop after this many consecutive steps skipped for non-finite values.")
     exit_interval: Optional[int] = opt(None, "Save and exit when the iteration is a multiple of this.")
     exit_signal_handler: bool = opt(False, "Save and exit cleanly on SIGTERM.")
@@ -47,5 +57,36 @@ class TrainConfig:
             raise ConfigError(f"--clip-grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
         if self.bf16 and self.fp16:
             raise ConfigError("--bf16 and --fp16 are mutually exclusive")
+        self._check_recompute()
         if self.lr_warmup_iters < 0 or self.min_lr > self.lr:
             raise ConfigError(f"need --lr-warmup-iters >= 0 and --min-lr ({self.min_lr}) <= --lr ({self.lr})")
+
+    @property
+    def recompute(self) -> Optional[str]:
+        """The recomputation granularity in effect: --recompute-activations means selective (as in
+        Megatron-LM); None when nothing is recomputed."""
+        return "selective" if self.recompute_activations else self.recompute_granularity
+
+    def _check_recompute(self) -> None:
+        """Megatron-LM's rules: full needs a method and a layer count, selective takes neither."""
+        if self.recompute_activations and self.recompute_granularity == "full":
+            raise ConfigError("--recompute-activations means --recompute-granularity selective; "
+                              "it conflicts with --recompute-granularity full")
+        if self.recompute == "full" and (self.recompute_method is None or self.recompute_num_layers is None):
+            raise ConfigError("--recompute-granularity full needs --recompute-method (uniform|block) and "
+                              "--recompute-num-layers N")
+        if self.recompute != "full" and (self.recompute_method is not None or self.recompute_num_layers is not None):
+            raise ConfigError("--recompute-method and --recompute-num-layers apply to --recompute-granularity "
+                              f"full only (granularity: {self.recompute})")
+        require_at_least_one(("--recompute-num-layers", self.recompute_num_layers))
+
+    def recompute_units(self, num_layers: int) -> List[Tuple[range, bool]]:
+        """A stage's ``num_layers`` layers (positions) as consecutive units run together, and
+        whether each unit is recomputed in full: uniform makes every chunk of N layers one
+        recomputed unit; block recomputes the first N layers one by one and keeps the rest."""
+        if self.recompute != "full":
+            return [(range(i, i + 1), False) for i in range(num_layers)]
+        n = self.recompute_num_layers
+        if self.recompute_method == "uniform":
+            return [(range(i, min(i + n, num_layers)), True) for i in range(0, num_layers, n)]
+        return [(range(i, i + 1), i < n) for i in range(num_layers)]

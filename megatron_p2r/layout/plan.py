@@ -9,6 +9,9 @@ rank of a 512-GPU layout is planned in one process. It holds:
   pseudo-phase module called on several stages — and the stages holding them;
 - each parameter's gradient reduction: over DP or expert-DP, fused with the sum over the
   stages that hold replicas of it (one all-reduce over "those stages x DP");
+- the parameters whose gradients are partial over TP under sequence parallelism (used on
+  sequence shards: norms, biases added after a reduce-scatter, the MoE router, the position
+  embedding), summed over TP before the data-parallel reduction;
 - which rank's copy of each logical element counts in the global gradient norm;
 - the offload choice of each stage;
 - the tensor table of each stage (``layout.tensors``).
@@ -37,11 +40,22 @@ class Reduction:
     (empty: this stage alone) sums the replicas of those stages and the data-parallel copies
     together; the result is divided by the DP size (expert gradients too: docs/moe.md).
     ``kind`` is the name logs and the planner use: dp, expert_dp, embedding or sharing.
+    ``tp_partial``: each TP rank holds a partial gradient (sequence parallelism), summed over
+    the TP group first.
     """
 
     kind: str
     over: str
     stages: Tuple[int, ...] = ()
+    tp_partial: bool = False
+
+
+# Parameters a sequence-parallel rank applies to its sequence shard only (model/block.py,
+# attention.py's and mlp.py's row-parallel biases, moe/router.py, m6.py's embedding).
+SEQUENCE_PARALLEL_PARTIAL = ("input_norm.weight", "input_norm.bias", "post_attention_norm.weight",
+                             "post_attention_norm.bias", "final_norm.weight", "final_norm.bias",
+                             "attention.proj.bias", "mlp.fc2.bias", "mlp.router.weight",
+                             "embedding.position_embeddings.weight")
 
 
 @dataclass(frozen=True)
@@ -79,6 +93,7 @@ class ParallelPlan:
     layer_keys: Tuple[int, ...]    # module key of every global layer
     stages: Tuple[StagePlan, ...]
     replicas: Tuple[Tuple[str, Tuple[int, ...]], ...]   # (logical name prefix, stages holding it)
+    sequence_parallel: bool = False  # --sequence-parallel with TP > 1
 
     @classmethod
     def build(cls, cfg: Config, layout: Layout) -> "ParallelPlan":
@@ -94,7 +109,8 @@ class ParallelPlan:
         stages = tuple(StagePlan(index=s, layers=r, layer_keys=tuple(keys[i] for i in r), first=s == 0,
                                  last=s == last) for s, r in enumerate(ranges))
         plan = cls(layout=layout, model=m, phase=cfg.p2r.p2r_phase, share_pattern=pattern, layer_keys=keys,
-                   stages=stages, replicas=tuple(replicas))
+                   stages=stages, replicas=tuple(replicas),
+                   sequence_parallel=p.sequence_parallel and layout.tp > 1)
         if cfg.offload.cpu_offload_layers is None:
             return plan
         return dataclasses.replace(plan, stages=tuple(_with_offload(plan, st, cfg) for st in stages))
@@ -142,9 +158,11 @@ class ParallelPlan:
     def reduction(self, logical: str, expert: bool) -> Reduction:
         over = "expert_dp" if expert else "dp"
         stages = self.replica_stages(logical)
+        tp_partial = self.sequence_parallel and logical.endswith(SEQUENCE_PARALLEL_PARTIAL)
         if not stages:
-            return Reduction(kind=over, over=over)
-        return Reduction(kind="embedding" if logical == WORD_EMBEDDING else "sharing", over=over, stages=stages)
+            return Reduction(kind=over, over=over, tp_partial=tp_partial)
+        return Reduction(kind="embedding" if logical == WORD_EMBEDDING else "sharing", over=over, stages=stages,
+                         tp_partial=tp_partial)
 
     def stage_sets(self) -> Tuple[Tuple[int, ...], ...]:
         """The sets of stages that need a cross-stage reduction group (each also x DP / expert-DP)."""

@@ -9,6 +9,9 @@ Per parameter, after the schedule has accumulated this rank's micro-batch gradie
   the gradients its EP peers' tokens sent it, so the mean over all DP ranks' losses is
   (sum over expert-dp) / DP, not / expert-DP (docs/moe.md).
 
+Under sequence parallelism the plan marks the parameters applied to sequence shards
+(``Reduction.tp_partial``): their gradients are first summed over the TP group, one bucket.
+
 Both reductions are linear, so they are fused where they can be: a replica shared by the
 stages S is reduced with *one* all-reduce over the group S x dp (then divided by dp), and
 every parameter with the same group goes into one flat bucket (one collective per group).
@@ -36,28 +39,38 @@ def reduction_of(plan: ParallelPlan, name: str, p: nn.Parameter) -> Reduction:
 
 
 def finalize_grads(named_params: NamedParams, plan: ParallelPlan, ps: ParallelState) -> None:
-    """Sum replicas over stages and average over data parallelism, one bucket per group."""
-    buckets = defaultdict(list)
+    """Sum sequence-parallel partial gradients over TP, sum replicas over stages and average
+    over data parallelism, one bucket per group."""
+    buckets, tp_partial = defaultdict(list), []
     divisor = ps.dp_size
     for name, p in named_params:
         if p.grad is None:  # e.g. an expert that received no token: still join the collective
             p.grad = torch.zeros_like(p)
-        group = ps.reduction_group(reduction_of(plan, name, p))
+        reduction = reduction_of(plan, name, p)
+        if reduction.tp_partial:
+            tp_partial.append(p.grad)
+        group = ps.reduction_group(reduction)
         if group is not None:
-            buckets[(id(group), p.grad.device)].append((group, p))
+            buckets[(id(group), p.grad.device)].append((group, p.grad))
         elif divisor != 1:
             p.grad.div_(divisor)
+    if tp_partial:
+        _all_reduce_bucket(tp_partial, ps.group("tp"), 1, ps.device)
     for members in buckets.values():
-        group = members[0][0]
-        grads = [p.grad for _, p in members]
-        # host-resident (offloaded) gradients travel through the device: NCCL reduces device tensors
-        flat = torch.cat([g.reshape(-1) for g in grads]).to(ps.device)
-        dist.all_reduce(flat, group=group)
+        _all_reduce_bucket([g for _, g in members], members[0][0], divisor, ps.device)
+
+
+def _all_reduce_bucket(grads: List[torch.Tensor], group, divisor: int, device: torch.device) -> None:
+    """One all-reduce of the flattened ``grads``, divided by ``divisor``, copied back."""
+    # host-resident (offloaded) gradients travel through the device: NCCL reduces device tensors
+    flat = torch.cat([g.reshape(-1) for g in grads]).to(device)
+    dist.all_reduce(flat, group=group)
+    if divisor != 1:
         flat.div_(divisor)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def grad_norm_and_non_finite(named_params: NamedParams, plan: ParallelPlan, ps: ParallelState) -> Tuple[float, bool]:
