@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 from megatron_p2r.config.fields import ConfigError, opt, require_at_least_one, require_positive
 
@@ -80,13 +80,26 @@ class TrainConfig:
                               f"full only (granularity: {self.recompute})")
         require_at_least_one(("--recompute-num-layers", self.recompute_num_layers))
 
-    def recompute_units(self, num_layers: int) -> List[Tuple[range, bool]]:
+    def recompute_units(self, num_layers: int, standalone: Iterable[int] = ()) -> List[Tuple[List[int], bool]]:
         """A stage's ``num_layers`` layers (positions) as consecutive units run together, and
         whether each unit is recomputed in full: uniform makes every chunk of N layers one
-        recomputed unit; block recomputes the first N layers one by one and keeps the rest."""
+        recomputed unit; block recomputes the first N layers one by one and keeps the rest.
+        ``standalone`` layers recompute themselves (offloaded): they run alone, and the layers
+        of their chunk around them stay recomputed."""
         if self.recompute != "full":
-            return [(range(i, i + 1), False) for i in range(num_layers)]
-        n = self.recompute_num_layers
-        if self.recompute_method == "uniform":
-            return [(range(i, min(i + n, num_layers)), True) for i in range(0, num_layers, n)]
-        return [(range(i, i + 1), i < n) for i in range(num_layers)]
+            return [([i], False) for i in range(num_layers)]
+        n, alone = self.recompute_num_layers, set(standalone)
+        if self.recompute_method == "block":
+            return [([i], i < n and i not in alone) for i in range(num_layers)]
+        units = []
+        for start in range(0, num_layers, n):
+            run: List[int] = []
+            for i in range(start, min(start + n, num_layers)):
+                if i in alone:
+                    units += [(run, True)] if run else []
+                    units.append(([i], False))
+                    run = []
+                else:
+                    run.append(i)
+            units += [(run, True)] if run else []
+        return units

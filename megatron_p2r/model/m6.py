@@ -17,7 +17,7 @@ themselves and stay outside the units.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -97,13 +97,15 @@ class M6Model(nn.Module):
                 self.output_layer.weight.shared_name = WORD_EMBEDDING
         self.rope_base = m.rotary_base if m.position_embedding_type == "rope" else None
         self.layer_calls: List[Callable] = [self.layers[str(k)] for k in self.layer_keys]
+        self.standalone: Set[int] = set()   # layers whose calls recompute themselves
         self.recompute_units = cfg.train.recompute_units(len(self.layer_keys))
 
     def replace_layer_call(self, position: int, call: Callable) -> None:
         """Run the stage's layer ``position`` with ``call``, which recomputes itself in backward
         (offload): it leaves the recomputed units."""
         self.layer_calls[position] = call
-        self.recompute_units = _units_without(self.recompute_units, position)
+        self.standalone.add(position)
+        self.recompute_units = self.cfg.train.recompute_units(len(self.layer_keys), self.standalone)
 
     def init_weights(self, seed: int) -> None:
         init_parameters(self, seed, self.ps.tp_rank, self.ps.tp_size, self.ps.ep_rank)
@@ -148,17 +150,6 @@ class M6Model(nn.Module):
             x = self.layer_calls[position](x, rope)
         return x
 
-
-def _units_without(units: Sequence[Tuple[Sequence[int], bool]], position: int) -> List[Tuple[Sequence[int], bool]]:
-    """``units`` with layer ``position`` run on its own, not recomputed by the unit around it."""
-    out = []
-    for positions, recomputed in units:
-        if position not in positions or not recomputed:
-            out.append((positions, recomputed))
-            continue
-        before, after = [p for p in positions if p < position], [p for p in positions if p > position]
-        out += [(part, flag) for part, flag in ((before, True), ([position], False), (after, True)) if part]
-    return out
 
 
 def build_model(cfg: Config, ps: ParallelState, plan: Optional[ParallelPlan] = None, *,

@@ -1,5 +1,7 @@
 """Communication volume per step of each group a rank is in (tp, ep, pp, dp, expert_dp,
-embedding, sharing), following the collectives the code issues (see docs/scale.md)."""
+embedding, sharing), following the collectives the code issues (see docs/scale.md): with
+sequence parallelism, all-gathers and reduce-scatters along the sequence instead of TP
+all-reduces, the TP sum of partial gradients, 1/TP of the activation between stages."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +11,7 @@ from megatron_p2r.config import Config, num_microbatches
 from megatron_p2r.layout.offload import GRAD_BYTES
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import stage_set_groups
-from megatron_p2r.planning.activations import moe_rows
+from megatron_p2r.planning.activations import compute_bytes, moe_rows, recomputed_positions
 
 
 def _ring(nbytes: float, n: int) -> float:
@@ -31,39 +33,63 @@ def _nodes(ranks: Sequence[int], per_node: int) -> int:
     return len({r // per_node for r in ranks})
 
 
+def _gather(nbytes: float, n: int) -> float:
+    """Bytes one rank sends in a ring all-gather (or reduce-scatter) of a ``nbytes`` tensor."""
+    return (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def _tp_layer_bytes(cfg: Config, moe: bool, forwards: int, n: int, T: int, sp: bool) -> float:
+    """TP bytes one layer sends per micro-batch: ``forwards`` forward passes and one backward."""
+    m, a, h = cfg.model, compute_bytes(cfg), cfg.model.hidden_size
+    if not sp:
+        out = forwards * 2 * _ring(n * h * a, T)                          # attention proj + MLP reduce
+        out += _ring(n * h * 4, T) + _ring(n * h * (a if moe else 4), T)  # backward of the copies
+        if moe:
+            out += _ring(moe_rows(cfg, n)[1] * 4, T)                      # combine weights' copy
+        return out
+    # all-gather before QKV and fc1 (again in backward for the weight gradients), reduce-scatter
+    # after proj and fc2; backward: reduce-scatter of the input gradients, all-gather of the output's
+    out = forwards * 4 * _gather(n * h * a, T) + 6 * _gather(n * h * a, T)
+    if moe:   # routing ids and combine weights gathered too, their gradient reduce-scattered; the
+        # tokens are not gathered again in backward (the experts keep their rows)
+        slots = moe_rows(cfg, n)[0]
+        out += forwards * _gather(n * slots * 12, T) + _gather(n * slots * 4, T) - _gather(n * h * a, T)
+    return out
+
+
 def communication(cfg: Config, plan: ParallelPlan, stage: int, gpus_per_node: int = 8,
                   offloaded: Sequence[int] = ()) -> Dict[str, GroupTraffic]:
     """Per-step bytes a rank of ``stage`` sends over each group (tp, ep, pp, dp, expert_dp,
     embedding, sharing), following the collectives the code issues (see docs/scale.md)."""
     m, t, layout = cfg.model, cfg.train, plan.layout
-    a = 2 if (t.bf16 or t.fp16) else 4
+    a = compute_bytes(cfg)
     n, h = t.micro_batch_size * m.seq_length, m.hidden_size
     mbs = num_microbatches(cfg, layout.world_size)
     st = plan.stage(stage)
     first, last = st.first, st.last
-    stage_keys = st.layer_keys
     rank = layout.rank(0, 0, stage)
-    T, E = layout.tp, layout.ep
+    T, E, sp = layout.tp, layout.ep, plan.sequence_parallel
     out: Dict[str, GroupTraffic] = {}
 
+    twice = recomputed_positions(cfg, st.layer_keys, offloaded)
     tp_bytes = ep_bytes = 0.0
-    for key in stage_keys:
-        forwards = 2 if (t.recompute_activations or key in offloaded) else 1
+    for position, key in enumerate(st.layer_keys):
+        forwards = 2 if position in twice else 1
         moe = m.is_moe_layer(key)
-        tp_bytes += forwards * 2 * _ring(n * h * a, T)                 # attention proj + MLP reduce
-        tp_bytes += _ring(n * h * 4, T) + _ring(n * h * (a if moe else 4), T)   # backward of the copies
+        tp_bytes += _tp_layer_bytes(cfg, moe, forwards, n, T, sp)
         if moe:
             _, rows = moe_rows(cfg, n)
-            tp_bytes += _ring(rows * 4, T)                               # combine weights' copy
             if m.add_bias:
                 tp_bytes += _ring(m.num_experts // E * h * 4, T)          # bias2's copy
             ep_bytes += (forwards + 1) * 2 * rows * h * a * (E - 1) / E   # dispatch + combine
-    if first:
-        tp_bytes += _ring(n * h * 4, T)                                  # vocab-parallel embedding
-    if last:
-        tp_bytes += _ring(n * h * 4, T) + 3 * _ring(n * 4, T)            # output copy, cross entropy
+    if first:   # vocab-parallel embedding: all-reduce, or reduce-scatter (and all-gather back)
+        tp_bytes += 2 * _gather(n * h * 4, T) if sp else _ring(n * h * 4, T)
+    if last:    # the output layer's input (gathered twice and its gradient reduce-scattered under SP, or
+        # the copy's all-reduce), and the cross entropy's all-gather of two fp32 numbers per token
+        tp_bytes += (3 * _gather(n * h * a, T) if sp else _ring(n * h * 4, T)) + _gather(T * n * 8, T)
     tp_ranks = layout.group_of("tp", rank)
-    out["tp"] = GroupTraffic(mbs * tp_bytes, T, _nodes(tp_ranks, gpus_per_node))
+    partial = sum(s_.numel for s_ in plan.tensors(stage) if plan.reduction(s_.logical, s_.expert).tp_partial)
+    out["tp"] = GroupTraffic(mbs * tp_bytes + _ring(partial * GRAD_BYTES, T), T, _nodes(tp_ranks, gpus_per_node))
     ep_ranks = layout.group_of("ep", rank)
     same_node = sum(1 for r in ep_ranks if r // gpus_per_node == rank // gpus_per_node) - 1
     out["ep"] = GroupTraffic(mbs * ep_bytes, E, _nodes(ep_ranks, gpus_per_node),
@@ -73,7 +99,7 @@ def communication(cfg: Config, plan: ParallelPlan, stage: int, gpus_per_node: in
     if layout.pp > 1:
         neighbours = [layout.rank(0, 0, s_) for s_ in (stage - 1, stage + 1) if 0 <= s_ < layout.pp]
         pp_nodes = max(_nodes([rank, r], gpus_per_node) for r in neighbours)
-    out["pp"] = GroupTraffic(mbs * sends * n * h * 4, layout.pp, pp_nodes)
+    out["pp"] = GroupTraffic(mbs * sends * n // (T if sp else 1) * h * 4, layout.pp, pp_nodes)
 
     out.update(gradient_traffic(plan, stage, gpus_per_node))
     return out

@@ -82,12 +82,15 @@ def test_recomputation_keeps_fewer_activations():
 def test_recompute_units_follow_megatron_methods():
     def units(**flags):
         cfg = tiny_config(num_layers=5, **flags)
-        return [(list(r), on) for r, on in cfg.train.recompute_units(5)]
+        return cfg.train.recompute_units(5)
 
     plain = [([i], False) for i in range(5)]
     assert units() == units(recompute_activations=True) == plain     # selective: no whole layers
     assert units(**RECOMPUTE["full-uniform-3"]) == [([0, 1, 2], True), ([3, 4], True)]
     assert units(**RECOMPUTE["full-block-2"]) == [([0], True), ([1], True), ([2], False), ([3], False), ([4], False)]
+    # offloaded layers (1, 3) recompute themselves: they leave their units
+    standalone = tiny_config(num_layers=5, **RECOMPUTE["full-uniform-3"]).train.recompute_units(5, standalone=(1, 3))
+    assert standalone == [([0], True), ([1], False), ([2], True), ([3], False), ([4], True)]
     assert tiny_config(recompute_activations=True).train.recompute == "selective"
 
 

@@ -50,7 +50,7 @@ def test_does_not_fit_exit_status_and_message(capsys):
     assert main(TEN_T + ["--gpu-memory", "12GiB"]) == 1
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out
-    assert "rank 0 (stage 0, ranks 0-511) needs 15.85 GiB of 12.00 GiB" in out and "overflows at 'transient'" in out
+    assert "rank 0 (stage 0, ranks 0-511) needs 15.81 GiB of 12.00 GiB" in out and "overflows at 'transient'" in out
     # host memory is checked when given: 10T real needs ~2.3 TiB of host memory per node
     assert main(TEN_T + ["--host-memory", "128GiB"]) == 1
     assert "does not fit on host" in capsys.readouterr().out
