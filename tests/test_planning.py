@@ -4,6 +4,7 @@ fake process group), activation estimates against what a step really allocates o
 """
 from __future__ import annotations
 
+import gc
 import importlib.util
 import math
 import os
@@ -140,6 +141,12 @@ class AllocTracker(TorchDispatchMode):
         self.peak = max(self.peak, self.live)
         return out
 
+    def held(self) -> int:
+        """Bytes alive now, once cyclic garbage is collected (its release would depend on when
+        the collector runs)."""
+        gc.collect()
+        return self.live
+
 
 def measure_step(model, cfg, step) -> tuple:
     """(bytes held at the end of the forward, peak bytes of forward + backward) of ``step``,
@@ -162,9 +169,9 @@ def one_process_step(cfg):
     dtype = torch.bfloat16 if cfg.train.bf16 else None
 
     def step(tracker):
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-            loss = model(tokens=tokens, labels=labels).mean()
-        held = tracker.live
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):   # the loss as the schedules run it
+            loss = model(tokens=tokens, labels=labels, loss_mask=torch.ones(tokens.shape))
+        held = tracker.held()
         loss.backward()
         return held
 
@@ -236,8 +243,8 @@ def distributed_activation_worker(rank, world):
                 forward_backward_1f1b(model, mbs, ps, dtype=torch.bfloat16)
                 return None
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(tokens=mbs[0]["tokens"], labels=mbs[0]["labels"]).mean()
-            held = tracker.live
+                loss = model(tokens=mbs[0]["tokens"], labels=mbs[0]["labels"], loss_mask=mbs[0]["loss_mask"])
+            held = tracker.held()
             loss.backward()
             return held
 

@@ -125,9 +125,11 @@ class M6Model(nn.Module):
         return (b, s, self.cfg.model.hidden_size), next(self.parameters()).dtype
 
     def forward(self, tokens: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Hidden states of this stage; on the last stage logits ``[b, s, V/TP]``, or per-token
-        losses ``[b, s]`` when ``labels`` are given (the output layer fused with the loss)."""
+                labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Hidden states of this stage; on the last stage logits ``[b, s, V/TP]``, or with
+        ``labels`` per-token losses ``[b, s]`` — with ``loss_mask`` too, the scalar sum of loss x
+        mask (the schedules' objective; its gradient computed with the loss: the output layer
+        and the loss are fused, parallel/cross_entropy.py)."""
         x = self.embedding(tokens) if self.embedding is not None else hidden
         seq_length = x.shape[1] * (self.ps.tp_size if self.sequence_parallel else 1)
         rope = self._rope(seq_length, x.device)
@@ -143,7 +145,7 @@ class M6Model(nn.Module):
         weight = (self.output_layer if self.output_layer is not None else self.embedding.word_embeddings).weight
         if labels is None:
             return column_parallel_linear(x, weight, None, self.ps.group("tp"), self.sequence_parallel)
-        return output_cross_entropy(x, weight, labels, self.ps.group("tp"), self.sequence_parallel)
+        return output_cross_entropy(x, weight, labels, self.ps.group("tp"), self.sequence_parallel, loss_mask)
 
     def _run_layers(self, positions: Iterable[int], x: torch.Tensor, rope) -> torch.Tensor:
         for position in positions:

@@ -1,34 +1,41 @@
 """The output layer and the cross entropy, fused and chunked over tokens, vocabulary split over TP.
 
-Full logits never exist: neither the whole vocabulary on one rank (each rank holds its
-``[V/TP, h]`` slice of the output weight) nor all tokens at once. ``output_cross_entropy``
-walks the tokens in chunks of about ``CHUNK_ELEMENTS / (V/TP)``: per chunk it computes the
-logits ``x_c W^T`` (in the compute dtype: bf16 logits under bf16 autocast), takes their
-log-sum-exp and target logit in fp32, and frees them. The TP ranks' partial log-sum-exps and
-target logits are combined with one all-gather of ``[N, 2]`` per micro-batch. Backward walks
-the chunks again: it recomputes the chunk's logits (one more ``N x h x V/TP`` matmul, the
-price of never holding them), forms ``softmax - onehot`` times the incoming per-token gradient
-and accumulates the gradients of the input and the weight. Saved for backward: the input
-(a sequence shard under sequence parallelism, gathered again in backward), the per-token
-log-sum-exp and the targets -- O(N) besides the input, O(chunk x V/TP) at any moment.
+Full logits never exist: each rank holds its ``[V/TP, h]`` slice of the output weight, and
+``output_cross_entropy`` walks the tokens in chunks of about ``CHUNK_ELEMENTS / (V/TP)``: per
+chunk it computes the logits ``x_c W^T`` (in the compute dtype: bf16 logits under bf16
+autocast), takes their log-sum-exp and target logit in fp32 (the TP ranks' shares combined by
+one all-gather of ``[chunk, 2]``), and frees them. At any moment O(chunk x V/TP) logits exist.
 
-Per-token losses come out, so any loss mask or reduction applies downstream (the schedules
-sum ``loss x mask``). fp32 throughout without autocast (``tests/parallel/test_cross_entropy.py``
-compares with a float64 reference on a padded vocabulary, TP 1/2/4).
+Two ways to get the gradient, by what the caller asks for:
+
+- with a ``loss_mask`` it returns the masked *sum* of the token losses (what the schedules
+  optimise, ``pipeline/schedules.py``). Its gradient then differs from the one computed here
+  by a scalar only, so the backward is **fused into the forward**: each chunk's
+  ``(softmax - onehot) x mask`` goes straight into the input's gradient rows and the weight's
+  gradient, and backward multiplies both by the incoming scalar. Kept in between: those two
+  gradients (``[tokens, h]`` -- this rank's sequence shard under sequence parallelism -- and
+  ``[V/TP, h]``, fp32), no logits and no input;
+- without, it returns per-token losses ``[b, s]`` for any downstream reduction, keeps the
+  input, each token's log-sum-exp and target, and backward recomputes each chunk's logits (one
+  more ``tokens x h x V/TP`` matmul) to weight ``softmax - onehot`` by the per-token gradient.
+
+fp32 throughout without autocast (``tests/parallel/test_cross_entropy.py`` compares both with
+a float64 reference on a padded vocabulary, TP 1/2/4, with and without sequence parallelism).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron_p2r.parallel.mappings import all_gather_sequence, copy_to_region, reduce_scatter_sequence
 
-CHUNK_ELEMENTS = 1 << 20   # logits per chunk (4 MiB in fp32): fits a core's cache with its inputs
+CHUNK_ELEMENTS = 1 << 21   # logits per chunk (8 MiB in fp32)
 
 
-def _chunk_tokens(local_vocab: int) -> int:
+def chunk_tokens(local_vocab: int) -> int:
+    """Tokens per chunk: about CHUNK_ELEMENTS logits of this rank's vocabulary slice."""
     return max(1, CHUNK_ELEMENTS // local_vocab)
 
 
@@ -37,65 +44,120 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-def _target_logit(logits: torch.Tensor, local_target: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+def _softmax_statistics(logits: torch.Tensor, local_target: torch.Tensor, group) -> Tuple[torch.Tensor, ...]:
+    """Each token's log-sum-exp and target logit over the whole vocabulary (every TP rank's
+    slice), and its shift: the fp32 ``logits`` become ``exp(logits - shift)`` in place, so the
+    softmax is ``logits x exp(shift - lse)`` (one exponential per logit for the loss and its
+    gradient)."""
+    inside = (local_target >= 0) & (local_target < logits.shape[-1])
     picked = logits.gather(-1, local_target.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    return picked.masked_fill(~inside, 0.0)
+    shift = logits.amax(dim=-1)
+    local_lse = shift + logits.sub_(shift.unsqueeze(-1)).exp_().sum(dim=-1).log_()
+    stats = torch.stack([local_lse, picked.masked_fill_(~inside, 0.0)], dim=-1)
+    if group is not None:   # the shards' log-sum-exps combine by a log-sum-exp, their target logits by a sum
+        parts = stats.new_empty((dist.get_world_size(group) * stats.shape[0], 2))
+        dist.all_gather_single(parts, stats, group=group)
+        parts = parts.view(-1, *stats.shape)
+        return torch.logsumexp(parts[..., 0], dim=0), parts[..., 1].sum(0), shift
+    return stats[:, 0], stats[:, 1], shift
+
+
+def _accumulate_gradients(exp: torch.Tensor, softmax_scale: torch.Tensor, weights: torch.Tensor,
+                          local_target: torch.Tensor, w: torch.Tensor, inputs: torch.Tensor,
+                          grad_inputs: torch.Tensor, grad_w: torch.Tensor) -> None:
+    """One chunk: ``(softmax - onehot) x weights`` per token (the softmax is ``exp x
+    softmax_scale``; formed in place on the fp32 ``exp``, then in the compute dtype), into the
+    chunk's input-gradient rows and added to the weight gradient."""
+    d = exp.mul_((softmax_scale * weights).unsqueeze(-1))
+    rows = ((local_target >= 0) & (local_target < d.shape[-1])).nonzero().squeeze(-1)
+    d[rows, local_target[rows]] -= weights[rows]
+    d = d.to(w.dtype)
+    grad_inputs.copy_(d @ w)
+    grad_w.add_(d.t() @ inputs)
+
+
+def _forward_chunk(inputs: torch.Tensor, w: torch.Tensor, local_target: torch.Tensor, group,
+                   gradients: Optional[tuple]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A chunk of tokens' log-sum-exp and target logit; with ``gradients`` (per-token weights,
+    the chunk's input-gradient rows, the weight gradient) their gradients too. Its logits die
+    on return, before the next chunk's exist."""
+    exp = (inputs @ w.t()).float()
+    lse, target, shift = _softmax_statistics(exp, local_target, group)
+    if gradients is not None:
+        weights, grad_inputs, grad_w = gradients
+        _accumulate_gradients(exp, (shift - lse).exp_(), weights, local_target, w, inputs, grad_inputs, grad_w)
+    return lse, target
+
+
+def _backward_chunk(inputs: torch.Tensor, w: torch.Tensor, lse: torch.Tensor, local_target: torch.Tensor,
+                    grad_loss: torch.Tensor, grad_inputs: torch.Tensor, grad_w: torch.Tensor) -> None:
+    """A chunk's gradients from its recomputed logits and the saved log-sum-exp."""
+    softmax = (inputs @ w.t()).float().sub_(lse.unsqueeze(-1)).exp_()
+    _accumulate_gradients(softmax, torch.ones_like(lse), grad_loss, local_target, w, inputs, grad_inputs, grad_w)
 
 
 class _OutputCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, target, group, gather_sequence):
+    def forward(ctx, x, weight, target, loss_mask, group, gather_sequence, gradients):
         ctx.x_dtype, dtype = x.dtype, _compute_dtype(x)
-        x = x.to(dtype)   # what is gathered and saved: the compute dtype's bytes
+        ctx.group, ctx.gather_sequence, ctx.fused = group, gather_sequence, loss_mask is not None
+        x = x.to(dtype)   # what is gathered (and, per token, saved): the compute dtype's bytes
         with torch.autocast(x.device.type, enabled=False):
             full = all_gather_sequence(x, group) if gather_sequence else x
             inputs, w = full.reshape(-1, full.shape[-1]), weight.to(dtype)
             local_target = target.reshape(-1) - (dist.get_rank(group) * w.shape[0] if group is not None else 0)
-            inside = (local_target >= 0) & (local_target < w.shape[0])
-            stats = inputs.new_empty((inputs.shape[0], 2), dtype=torch.float32)   # log-sum-exp, target logit
-            step = _chunk_tokens(w.shape[0])
+            losses = inputs.new_empty(inputs.shape[0], dtype=torch.float32)
+            lse = None if ctx.fused else torch.empty_like(losses)
+            gradients = gradients and ctx.fused
+            if gradients:
+                grad_inputs = torch.empty(inputs.shape, dtype=torch.float32, device=x.device)
+                grad_w, mask = torch.zeros_like(weight), loss_mask.reshape(-1).float()
+            step = chunk_tokens(w.shape[0])
             for start in range(0, inputs.shape[0], step):
                 rows = slice(start, start + step)
-                logits = (inputs[rows] @ w.t()).float()
-                stats[rows, 0] = torch.logsumexp(logits, dim=-1)
-                stats[rows, 1] = _target_logit(logits, local_target[rows], inside[rows])
-            if group is not None:   # combine the vocabulary shards: logsumexp of the parts, sum of the targets
-                parts = stats.new_empty((dist.get_world_size(group) * stats.shape[0], 2))
-                dist.all_gather_single(parts, stats, group=group)
-                parts = parts.view(-1, *stats.shape)
-                stats = torch.stack([torch.logsumexp(parts[..., 0], dim=0), parts[..., 1].sum(0)], dim=-1)
-        ctx.save_for_backward(x, weight, local_target, inside, stats[:, 0].contiguous())
-        ctx.group, ctx.gather_sequence, ctx.dtype = group, gather_sequence, dtype
-        return (stats[:, 0] - stats[:, 1]).view(target.shape)
+                chunk_lse, chunk_target = _forward_chunk(inputs[rows], w, local_target[rows], group,
+                                                         (mask[rows], grad_inputs[rows], grad_w) if gradients else None)
+                losses[rows] = chunk_lse - chunk_target
+                if lse is not None:
+                    lse[rows] = chunk_lse
+        if not ctx.fused:
+            ctx.save_for_backward(x, weight, local_target, lse)
+            return losses.view(target.shape)
+        if gradients:
+            grad_x = grad_inputs.view(full.shape)
+            ctx.save_for_backward(reduce_scatter_sequence(grad_x, group) if gather_sequence else grad_x, grad_w)
+        return (losses * loss_mask.reshape(-1).to(losses.dtype)).sum()
 
     @staticmethod
     def backward(ctx, grad_loss):
-        x, weight, local_target, inside, lse = ctx.saved_tensors
+        if ctx.fused:   # d(sum)/d(inputs) was computed in forward: scale it
+            grad_x, grad_w = ctx.saved_tensors
+            return (grad_x * grad_loss).to(ctx.x_dtype), grad_w * grad_loss, None, None, None, None, None
+        x, weight, local_target, lse = ctx.saved_tensors
         full = all_gather_sequence(x, ctx.group) if ctx.gather_sequence else x
-        inputs, w = full.reshape(-1, full.shape[-1]), weight.to(ctx.dtype)
+        inputs, w = full.reshape(-1, full.shape[-1]), weight.to(x.dtype)
         grad_loss = grad_loss.reshape(-1).float()
-        grad_inputs = torch.empty_like(inputs)
+        grad_inputs = torch.empty(inputs.shape, dtype=torch.float32, device=x.device)
         grad_w = torch.zeros_like(weight)
-        step = _chunk_tokens(w.shape[0])
+        step = chunk_tokens(w.shape[0])
         for start in range(0, inputs.shape[0], step):
             rows = slice(start, start + step)
-            probs = (inputs[rows] @ w.t()).float().sub_(lse[rows].unsqueeze(-1)).exp_()
-            hit = inside[rows].nonzero().squeeze(-1)
-            probs[hit, local_target[rows][hit]] -= 1.0
-            d = probs.mul_(grad_loss[rows].unsqueeze(-1)).to(ctx.dtype)
-            torch.mm(d, w, out=grad_inputs[rows])
-            grad_w.add_(d.t() @ inputs[rows])
+            _backward_chunk(inputs[rows], w, lse[rows], local_target[rows], grad_loss[rows], grad_inputs[rows], grad_w)
         grad_x = grad_inputs.view(full.shape)
         if ctx.gather_sequence:
             grad_x = reduce_scatter_sequence(grad_x, ctx.group)
-        return grad_x.to(ctx.x_dtype), grad_w, None, None, None
+        return grad_x.to(ctx.x_dtype), grad_w, None, None, None, None, None
 
 
 def output_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                         group: Optional[dist.ProcessGroup], sequence_parallel: bool = False) -> torch.Tensor:
-    """Per-token loss ``[b, s]`` of hidden states ``x`` (``[b, s, h]``, or this rank's sequence
-    shard ``[b, s/TP, h]`` under sequence parallelism) through the vocabulary-parallel output
-    weight ``[V/TP, h]`` against int targets ``[b, s]`` (global vocabulary ids)."""
+                         group: Optional[dist.ProcessGroup], sequence_parallel: bool = False,
+                         loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Cross entropy of hidden states ``x`` (``[b, s, h]``, or this rank's sequence shard
+    ``[b, s/TP, h]`` under sequence parallelism) through the vocabulary-parallel output weight
+    ``[V/TP, h]`` against int targets ``[b, s]`` (global vocabulary ids): per-token losses
+    ``[b, s]``, or with ``loss_mask`` ``[b, s]`` the scalar sum of loss x mask (the gradient
+    then computed in the forward pass)."""
+    gradients = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if group is None or not sequence_parallel:
-        return _OutputCrossEntropy.apply(copy_to_region(x, group), weight, target, group, False)
-    return _OutputCrossEntropy.apply(x, weight, target, group, True)
+        return _OutputCrossEntropy.apply(copy_to_region(x, group), weight, target, loss_mask, group, False, gradients)
+    return _OutputCrossEntropy.apply(x, weight, target, loss_mask, group, True, gradients)

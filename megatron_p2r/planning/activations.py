@@ -19,7 +19,7 @@ from typing import Dict, Optional, Sequence, Tuple
 from megatron_p2r.config import Config, num_microbatches
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.tensors import TensorSpec, layer_tensors
-from megatron_p2r.parallel.cross_entropy import CHUNK_ELEMENTS
+from megatron_p2r.parallel.cross_entropy import chunk_tokens
 
 
 def _cached_cast(s: TensorSpec) -> bool:
@@ -184,26 +184,25 @@ def _embedding_bytes(cfg: Config, tp: int, ns: int, device_type: str) -> int:
 
 def _head(cfg: Config, tp: int, ns: int, sequence_parallel: bool) -> Tuple[int, int, int]:
     """(held, forward transient, backward transient) of the final norm and the fused output
-    layer + cross entropy (parallel/cross_entropy.py): it keeps its input in the compute dtype,
-    each token's log-sum-exp, local target and mask, and works one chunk of logits at a time."""
+    layer + loss as the schedules run it (``parallel/cross_entropy.py`` with the loss mask): the
+    loss's forward computes its gradients, so it keeps the input's (``n' x h``, fp32) and the
+    output weight's (``V/t x h``, fp32) -- no input, no logits -- and works one chunk of tokens'
+    logits at a time."""
     m = cfg.model
     a = compute_bytes(cfg)
     autocast = a == 2
     h, n = m.hidden_size, cfg.train.micro_batch_size * m.seq_length
     v = m.padded_vocab_size // tp
-    chunk = min(n, max(1, CHUNK_ELEMENTS // v))
+    chunk = min(n, chunk_tokens(v))
     held = ns * h * 4 + ns * 4 * (2 if m.normalization == "LayerNorm" else 1) + \
         (ns * h * 4 if m.normalization == "RMSNorm" else 0)
-    held += ns * h * a + n * 13
-    gathered = n * h * a if sequence_parallel else 0
-    weight16 = v * h * a if autocast else 0
-    # forward: a chunk's fp32 logits and log-sum-exp's exp(x - max); backward: its fp32
-    # probabilities and their 16-bit copy, the weight gradient (fp32) and one chunk's share,
-    # the input's gradient (and its fp32 copy at the end)
-    fwd = weight16 + gathered + chunk * v * 8 + n * 8 * tp
-    bwd = weight16 + gathered + n * h * a + v * h * 4 + chunk * v * (4 + (a if autocast else 0)) + \
-        max(v * h * a, n * h * 4 if autocast else 0)
-    return held, fwd, bwd
+    held += ns * h * 4 + v * h * 4
+    inputs = (ns * h * a if autocast else 0) + (n * h * a if sequence_parallel else 0)   # cast, gathered
+    # a chunk's fp32 logits (and their 16-bit matmul output / gradient), one chunk's weight
+    # gradient before it is added, the full input gradient before its reduce-scatter (SP)
+    fwd = inputs + (v * h * a if autocast else 0) + chunk * v * (4 + (a if autocast else 0)) + v * h * a + \
+        (n - ns) * h * 4 + n * 16
+    return held, fwd, ns * h * 4 + v * h * 4
 
 
 def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, *, device_type: str = "cuda") -> StageActivations:

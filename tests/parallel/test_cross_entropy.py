@@ -3,8 +3,10 @@
 Hidden states x, an output weight over a padded vocabulary (targets only in the real
 vocabulary, logits over the padded one) and a loss mask: the masked sum of the per-token
 losses and its gradients for x and the weight equal float64 ``F.cross_entropy`` of ``x W^T``,
+both ways the function offers it — per-token losses multiplied by the mask outside (gradients
+by recomputation in backward), and the masked sum itself (gradients computed in the forward) —
 for TP 1, 2 and 4, with x replicated or (sequence parallelism) a sequence shard, and with
-chunks small enough that the tokens span several of them (the last one ragged).
+chunks of 5 tokens, so the 24 tokens span 5 of them (the last one ragged).
 
 Tolerances: fp32 inputs against the float64 reference, 1e-5 relative on the loss and 5e-6
 on the gradients (fp32 rounding of sums over 24 tokens or 64 logits) (largest deviation over largest entry); bf16 autocast against float64 CE of the bf16 logits
@@ -38,7 +40,7 @@ def _reference(x, weight, target, mask):
     return total.detach(), x64.grad, w64.grad
 
 
-def _errors(ps: ParallelState, sequence_parallel: bool) -> dict:
+def _errors(ps: ParallelState, sequence_parallel: bool, fused: bool) -> dict:
     """Relative errors (of the loss; of this rank's gradient slices, their largest deviation
     over their largest entry) in fp32, and of the bf16 loss."""
     x, weight, target, mask = _inputs()
@@ -46,26 +48,34 @@ def _errors(ps: ParallelState, sequence_parallel: bool) -> dict:
     group, tp, rank = ps.group("tp"), ps.tp_size, ps.tp_rank
     local_x = (tp_slice(x, 1, rank, tp) if sequence_parallel else x).clone().requires_grad_()
     local_w = tp_slice(weight, 0, rank, tp).clone().requires_grad_()
-    loss = cross_entropy.output_cross_entropy(local_x, local_w, target, group, sequence_parallel)
-    total = (loss * mask).sum()
-    total.backward()
-    want_gx = tp_slice(ref_gx, 1, rank, tp) if sequence_parallel else ref_gx
+
+    def masked_sum():
+        if fused:
+            return cross_entropy.output_cross_entropy(local_x, local_w, target, group, sequence_parallel, mask)
+        return (cross_entropy.output_cross_entropy(local_x, local_w, target, group, sequence_parallel) * mask).sum()
+
+    total = masked_sum()
+    (total * 3.0).backward()   # a scalar gradient other than 1
+    want_gx = 3.0 * (tp_slice(ref_gx, 1, rank, tp) if sequence_parallel else ref_gx)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        bf16 = (cross_entropy.output_cross_entropy(local_x, local_w, target, group, sequence_parallel) * mask).sum()
+        bf16 = masked_sum()
     logits16 = (x.bfloat16() @ weight.bfloat16().t()).double()
     ref16 = (F.cross_entropy(logits16.reshape(-1, PADDED), target.reshape(-1), reduction="none")
              * mask.reshape(-1).double()).sum()
-    want_gw = tp_slice(ref_gw, 0, rank, tp)
+    want_gw = 3.0 * tp_slice(ref_gw, 0, rank, tp)
     return {"loss": abs(total.item() / ref_total.item() - 1),
             "grad_x": ((local_x.grad.double() - want_gx).abs().max() / want_gx.abs().max()).item(),
             "grad_w": ((local_w.grad.double() - want_gw).abs().max() / want_gw.abs().max()).item(),
             "bf16_loss": abs(bf16.item() / ref16.item() - 1), "loss_dtype": str(bf16.dtype)}
 
 
-def _check_ranks(rank, world, chunk_elements):
-    cross_entropy.CHUNK_ELEMENTS = chunk_elements
-    ps = initialize(Layout.from_world(world, tp=world), torch.device("cpu"))
-    return {sp: _errors(ps, sp) for sp in (False, True)}
+def _cases(ps: ParallelState, modes=(False, True)) -> dict:
+    return {(sp, fused): _errors(ps, sp, fused) for sp in modes for fused in (False, True)}
+
+
+def _check_ranks(rank, world):
+    cross_entropy.CHUNK_ELEMENTS = 5 * PADDED // world   # 5 tokens per chunk of this rank's vocabulary
+    return _cases(initialize(Layout.from_world(world, tp=world), torch.device("cpu")))
 
 
 def _assert_close(errors: dict, case) -> None:
@@ -75,10 +85,12 @@ def _assert_close(errors: dict, case) -> None:
 
 
 def test_chunked_cross_entropy_matches_float64_on_padded_vocab(monkeypatch):
-    # 5 tokens per chunk on TP1 (64 logits each): 24 tokens in 5 chunks, the last one ragged
     monkeypatch.setattr(cross_entropy, "CHUNK_ELEMENTS", 5 * PADDED)
-    _assert_close(_errors(ParallelState.single(), sequence_parallel=False), "tp1")
-    for world in (2, 4):   # 5 tokens per chunk of the local vocabulary as well
-        for rank, by_mode in enumerate(run_distributed(_check_ranks, world, 5 * PADDED // world)):
-            for sp, errors in by_mode.items():
-                _assert_close(errors, (f"tp{world}", rank, "sequence-parallel" if sp else "replicated"))
+    assert cross_entropy.chunk_tokens(PADDED) == 5
+    for case, errors in _cases(ParallelState.single(), modes=(False,)).items():
+        _assert_close(errors, ("tp1", case))
+    for world in (2, 4):
+        for rank, by_case in enumerate(run_distributed(_check_ranks, world)):
+            for (sp, fused), errors in by_case.items():
+                _assert_close(errors, (f"tp{world}", rank, "sequence-parallel" if sp else "replicated",
+                                       "masked sum" if fused else "per token"))
