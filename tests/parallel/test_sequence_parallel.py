@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_p2r.config import ConfigError, validate
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.grads import finalize_grads
@@ -177,3 +178,12 @@ def test_sequence_parallel_tp4_pp2_and_moe_ep2_reproduce_one_process():
             _assert_equivalent(case, [out[case] for out in results])
     # stages exchange 1/TP of the sequence: [b, s/TP, h]
     assert results[0]["hidden_spec"] == ((2, 8, 32), torch.float32)
+
+
+@pytest.mark.parametrize("overrides,world,message", [
+    (dict(), 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (dict(tensor_model_parallel_size=4, seq_length=18), 4, r"--seq-length \(18\) must be divisible by"),
+])
+def test_sequence_parallel_flags_are_checked(overrides, world, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(make_cfg(sequence_parallel=True, **overrides), world)
