@@ -27,7 +27,7 @@ CPU = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, v
 CASES = {
     "fp32": dict(),
     "bf16": dict(bf16=True),
-    "bf16_recompute": dict(bf16=True, recompute_activations=True),
+    "bf16_recompute": dict(bf16=True, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
     "bf16_swiglu_rope_rmsnorm_untied": dict(bf16=True, swiglu=True, position_embedding_type="rope",
                                             normalization="RMSNorm", untie_embeddings_and_output_weights=True),
     "bf16_dropout": dict(bf16=True, hidden_dropout=0.1, attention_dropout=0.1),
@@ -46,7 +46,7 @@ def test_activation_estimate_matches_cuda_allocator(lane, record_property, case)
 
     def forward_backward(after_forward=lambda: None):
         with torch.autocast(lane.device.type, dtype=dtype, enabled=dtype is not None):
-            loss = model(tokens=batch["tokens"], labels=batch["labels"]).mean()
+            loss = model(tokens=batch["tokens"], labels=batch["labels"], loss_mask=batch["loss_mask"])
             after_forward()
         loss.backward()
 

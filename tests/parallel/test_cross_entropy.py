@@ -8,9 +8,10 @@ by recomputation in backward), and the masked sum itself (gradients computed in 
 for TP 1, 2 and 4, with x replicated or (sequence parallelism) a sequence shard, and with
 chunks of 5 tokens, so the 24 tokens span 5 of them (the last one ragged).
 
-Tolerances: fp32 inputs against the float64 reference, 1e-5 relative on the loss and 5e-6
-on the gradients (fp32 rounding of sums over 24 tokens or 64 logits) (largest deviation over largest entry); bf16 autocast against float64 CE of the bf16 logits
-(the loss is taken in fp32 from bf16 logits), 2e-3 relative.
+Tolerances: fp32 inputs against the float64 reference, 1e-5 relative on the loss and 5e-6 on
+the gradients (largest deviation over largest entry: fp32 rounding of sums over 24 tokens or
+64 logits); bf16 autocast against float64 CE of the bf16 logits (the loss is taken in fp32
+from bf16 logits), 2e-3 relative.
 """
 import torch
 import torch.nn.functional as F
