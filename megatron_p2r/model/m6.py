@@ -68,7 +68,8 @@ class Embedding(nn.Module):
 
 class M6Model(nn.Module):
     """One pipeline stage. ``forward`` takes token ids (first stage) or the previous stage's
-    hidden states and returns hidden states, or per-token losses on the last stage.
+    hidden states and returns hidden states, or on the last stage the loss (per token, or
+    the masked sum the schedules optimise).
 
     ``layer_calls[i]`` runs the stage's i-th layer: the layer module itself;
     ``offload.apply_offload`` replaces the entries of offloaded layers (``replace_layer_call``)
@@ -151,7 +152,6 @@ class M6Model(nn.Module):
         for position in positions:
             x = self.layer_calls[position](x, rope)
         return x
-
 
 
 def build_model(cfg: Config, ps: ParallelState, plan: Optional[ParallelPlan] = None, *,
