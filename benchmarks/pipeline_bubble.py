@@ -62,7 +62,7 @@ class UniformStage(nn.Module):
     def hidden_spec(self, tokens_shape):
         return (*tokens_shape, self.hidden), torch.float32
 
-    def forward(self, tokens=None, hidden=None, labels=None):
+    def forward(self, tokens=None, hidden=None, labels=None, loss_mask=None):
         x = hidden
         if self.is_first:
             x = tokens.float().unsqueeze(-1).expand(*tokens.shape, self.hidden) / 1000.0
@@ -70,7 +70,7 @@ class UniformStage(nn.Module):
         if self.work == "sleep":
             x = _FixedWork.apply(x, self.fwd_seconds)
         if self.is_last:
-            return x.pow(2).mean(-1)  # per-token "loss" [b, s]
+            return (x.pow(2).mean(-1) * loss_mask).sum()  # the masked sum of a per-token "loss"
         return x
 
 

@@ -416,7 +416,7 @@ def _training_record(state: TrainState, out: dict, lr: float, window_losses: Lis
     With MoE this is a collective (the interval's dropped fraction and min/max expert load)."""
     cfg, ps = state.cfg, state.ps
     seq, world = cfg.model.seq_length, ps.layout.world_size
-    flops_per_token = model_flops_per_token(cfg.model, cfg.train.recompute_activations)
+    flops_per_token = model_flops_per_token(cfg.model, cfg.train.recompute == "full")
     elapsed = time.perf_counter() - window.start
     tokens_per_s = (state.consumed_samples - window.consumed_samples) * seq / elapsed
     record = {"iteration": state.iteration, "train_iters": train_iters(cfg, world),

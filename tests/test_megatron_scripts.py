@@ -127,14 +127,12 @@ def test_gpt3_175b_script(tmp_path, corpus, bpe_files):  # noqa: F811
     reported_no_effect("gpt3_175b", output)
 
 
-@NEEDS_OTHER_ISSUES
 def test_llama3_8b_script(tmp_path):
     records, output = run_script("llama3_8b", tmp_path, {})
     assert [r["consumed_samples"] for r in records] == [4, 8]  # --train-samples 8 in batches of 4
     reported_no_effect("llama3_8b", output)
 
 
-@NEEDS_OTHER_ISSUES
 def test_mixtral_8x7b_script(tmp_path, corpus, sp_model):  # noqa: F811
     data = preprocessed(corpus, str(tmp_path / "mix"), "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model",
                         sp_model)

@@ -15,6 +15,8 @@ class ParallelConfig:
     expert_model_parallel_size: int = opt(1, "EP: ranks the experts are spread over (divides DP).")
     pipeline_layer_split: Optional[str] = opt(None, "Layers per stage, e.g. 3,5,5,3 (default even).")
     pipeline_schedule: str = opt("1f1b", "Pipeline schedule.", choices=["1f1b", "gpipe"])
+    sequence_parallel: bool = opt(False, "Megatron sequence parallelism: norms, dropouts and residuals hold "
+                                         "1/TP of the sequence (no effect with TP 1, as in Megatron-LM).")
     distributed_backend: str = opt("auto", "torch.distributed backend (auto: nccl on CUDA, gloo on CPU).",
                                    choices=["auto", "gloo", "nccl"])
     distributed_timeout_minutes: float = opt(10.0, "Timeout of every collective.")

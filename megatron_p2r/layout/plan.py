@@ -10,7 +10,9 @@ rank of a 512-GPU layout is planned in one process. It holds:
 - each parameter's gradient reduction: over DP or expert-DP, fused with the sum over the
   stages that hold replicas of it (one all-reduce over "those stages x DP"), and with the sum
   over the TP ranks whose copies hold partial gradients (grouped-query attention's replicated
-  key/value heads, --qk-layernorm weights): "TP block x stages x DP";
+  key/value heads, --qk-layernorm weights, and under sequence parallelism the parameters
+  applied to sequence shards: norms, biases added after a reduce-scatter, the MoE router, the
+  position embedding): "TP block x stages x DP";
 - which rank's copy of each logical element counts in the global gradient norm;
 - each stage's gradient buffers and buckets, and under the distributed optimizer the owner of
   every range of every parameter (``layout.buckets``);
@@ -102,6 +104,7 @@ class ParallelPlan:
     replicas: Tuple[Tuple[str, Tuple[int, ...]], ...]   # (logical name prefix, stages holding it)
     buffers: BufferSettings = BufferSettings()
     tp_blocks: Tuple[Tuple[str, int], ...] = ()   # (logical name, TP ranks summing its partial gradients)
+    sequence_parallel: bool = False  # --sequence-parallel with TP > 1
 
     @classmethod
     def build(cls, cfg: Config, layout: Layout) -> "ParallelPlan":
@@ -121,7 +124,8 @@ class ParallelPlan:
                                  break_at_modules=cfg.offload.cpu_offload_layers is not None,
                                  param_bytes=2 if (cfg.train.bf16 or cfg.train.fp16) else offload_choice.PARAM_BYTES)
         plan = cls(layout=layout, model=m, phase=cfg.p2r.p2r_phase, share_pattern=pattern, layer_keys=keys,
-                   stages=stages, replicas=tuple(replicas), buffers=buffers)
+                   stages=stages, replicas=tuple(replicas), buffers=buffers,
+                   sequence_parallel=p.sequence_parallel and layout.tp > 1)
         plan = dataclasses.replace(plan, tp_blocks=_tp_blocks(plan))
         if cfg.offload.cpu_offload_layers is None:
             return plan
@@ -149,7 +153,8 @@ class ParallelPlan:
     def tensors(self, stage: int) -> List[TensorSpec]:
         """Every parameter a rank of ``stage`` holds (local shapes), in the model's order."""
         st = self.stages[stage]
-        return stage_tensors(self.model, self.layout.tp, self.layout.ep, st.modules, st.first, st.last)
+        return stage_tensors(self.model, self.layout.tp, self.layout.ep, st.modules, st.first, st.last,
+                             self.sequence_parallel)
 
     def module_numel(self, stage: int) -> Dict[int, int]:
         """Parameters per module key of ``stage`` on one rank."""

@@ -81,7 +81,7 @@ class OffloadManager:
         if "params" in what:  # the model calls these layers through the manager from now on
             for pos in positions:
                 layer = model.layers[str(model.layer_keys[pos])]
-                model.layer_calls[pos] = functools.partial(self.run_layer, pos, layer)
+                model.replace_layer_call(pos, functools.partial(self.run_layer, pos, layer))
 
     @property
     def offloaded_param_ids(self) -> set:

@@ -5,7 +5,9 @@ normalise it: sum over every micro-batch of every DP rank of (token loss x loss 
 divided by the sum of the loss masks over that whole global batch. The stage that computes
 the loss counts the valid tokens of its micro-batches before the first forward (the masks
 are known up front) and all-reduces that one number over DP (a device tensor: no host
-sync). Each micro-batch's backward runs on ``masked sum x loss_scale x DP / valid tokens``:
+sync). The model returns a micro-batch's masked sum itself when given the loss mask (its
+fused loss computes the gradient along: parallel/cross_entropy.py). Each micro-batch's
+backward runs on ``masked sum x loss_scale x DP / valid tokens``:
 ``finalize_grads`` then averages over DP (and sums the replicas held by several stages), so
 the gradient is that of the global token mean whatever the masks and micro-batch shapes.
 Every schedule back-propagates the micro-batches in the order it ran them, so GPipe and 1F1B
@@ -40,10 +42,6 @@ from megatron_p2r.pipeline.p2p import StageLink
 BackwardScaleHook = Optional[Callable[[float], None]]
 
 
-def masked_sum(token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    return (token_loss * loss_mask.to(token_loss.dtype)).sum()
-
-
 def global_valid_tokens(microbatches: List[dict], ps: ParallelState) -> torch.Tensor:
     """Sum of the loss masks of this step's micro-batches over all DP ranks (float64: exact
     counts), at least 1. One all-reduce of a scalar on the device, no host synchronisation."""
@@ -65,9 +63,9 @@ class TokenMeanLoss:
         self.grad_factor = (loss_scale * ps.dp_size / self.tokens).float()
         self.total = torch.zeros((), device=ps.device)
 
-    def add(self, token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-        """This micro-batch's masked sum (kept in the graph for ``backward``)."""
-        loss_sum = masked_sum(token_loss, loss_mask)
+    def add(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's masked sum (the model's output given the loss mask; kept in the
+        graph for ``backward``)."""
         self.total.add_(loss_sum.detach().float())
         return loss_sum
 
@@ -129,7 +127,7 @@ def forward_backward_no_pipelining(model, microbatches: List[dict], ps: Parallel
     for mb in microbatches:
         with timer.busy():
             with autocast_context(ps, dtype), (torch.no_grad() if forward_only else contextlib.nullcontext()):
-                loss_sum = loss.add(model(tokens=mb["tokens"], labels=mb["labels"]), mb["loss_mask"])
+                loss_sum = loss.add(model(tokens=mb["tokens"], labels=mb["labels"], loss_mask=mb["loss_mask"]))
             if not forward_only:
                 loss.backward(loss_sum)
         timer.inflight(0 if forward_only else 1)
@@ -154,10 +152,10 @@ def _pipelined(model, microbatches: List[dict], ps: ParallelState, *, loss_scale
         spec = model.hidden_spec(tuple(mb["tokens"].shape))
         x = link.recv_forward(spec, requires_grad=not forward_only)
         with timer.busy(), grad_mode, autocast_context(ps, dtype):
-            labels = mb["labels"] if ps.is_last_stage else None
-            out = model(tokens=mb["tokens"], labels=labels) if x is None else model(hidden=x, labels=labels)
+            last = {"labels": mb["labels"], "loss_mask": mb["loss_mask"]} if ps.is_last_stage else {}
+            out = model(tokens=mb["tokens"], **last) if x is None else model(hidden=x, **last)
             if loss is not None:
-                out = loss.add(out, mb["loss_mask"])
+                out = loss.add(out)
         if loss is None:
             link.send_forward(out, spec)
         if not forward_only:

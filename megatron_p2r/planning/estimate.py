@@ -10,7 +10,7 @@ from megatron_p2r.config import Config, global_batch_size, num_microbatches
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Layout
 from megatron_p2r.metrics import model_flops_per_token
-from megatron_p2r.planning.activations import activation_memory
+from megatron_p2r.planning.activations import activation_memory, with_recompute
 from megatron_p2r.planning.communication import communication
 from megatron_p2r.planning.hardware import GiB, GPUSpec
 from megatron_p2r.planning.memory import (expert_parameter_count, logical_parameter_count, offload_plan,
@@ -124,8 +124,8 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     specs = plan.tensors(stage)
     off = offload_plan(cfg, plan, stage)
     act = activation_memory(cfg, plan, stage, offloaded=off["recomputed"])
-    act_no = activation_memory(cfg, plan, stage, recompute=False, offloaded=off["recomputed"])
-    act_rc = activation_memory(cfg, plan, stage, recompute=True, offloaded=off["recomputed"])
+    act_no = activation_memory(with_recompute(cfg, None), plan, stage, offloaded=off["recomputed"])
+    act_rc = activation_memory(with_recompute(cfg, "full"), plan, stage, offloaded=off["recomputed"])
     device = {"reserve": a.reserve, **off["device"], "compute_weights": act["compute_weights"],
               "activations": act["activations"], "transient": act["transient"]}
     overflow = _overflow(device, gpu.memory)

@@ -50,8 +50,10 @@ def make_microbatches(n: int, vocab: int, seed: int = 0, keep: Sequence[float] =
 
 
 def make_state(layout: Layout) -> ParallelState:
-    """Groups for ``layout`` (collective: every rank calls it, in the same order)."""
-    return initialize(layout, torch.device("cpu"), stage_sets=((0, layout.pp - 1),))
+    """Groups for ``layout`` (collective: every rank calls it, in the same order), with those of
+    gradients partial over the whole TP group (sequence parallelism's norms and biases)."""
+    tp_blocks = (((), layout.tp),) if layout.tp > 1 else ()
+    return initialize(layout, torch.device("cpu"), stage_sets=((0, layout.pp - 1),), tp_blocks=tp_blocks)
 
 
 def reference(cfg, microbatches: List[dict], dtype: Optional[torch.dtype] = None):
