@@ -195,7 +195,8 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
     params = state.params
     for p in params:
         p.grad = None
-    forward_backward = get_forward_backward_func(ps, cfg.parallel.pipeline_schedule)
+    forward_backward = get_forward_backward_func(ps, cfg.parallel.pipeline_schedule,
+                                                num_model_chunks=state.plan.num_model_chunks)
     scale = state.scaler.scale
     loss = forward_backward(state.model, microbatches, ps, loss_scale=scale, dtype=compute_dtype(cfg),
                             on_backward_scale=aux_loss.set_backward_scale)
@@ -227,7 +228,8 @@ def evaluate(state: TrainState, valid_dataset) -> float:
     state.model.eval()
     n = num_microbatches(cfg, ps.layout.world_size) * cfg.logging.eval_iters
     batches = _take(microbatch_iterator(valid_dataset, 0, cfg, ps), n, "validation")
-    forward_backward = get_forward_backward_func(ps, cfg.parallel.pipeline_schedule)
+    forward_backward = get_forward_backward_func(ps, cfg.parallel.pipeline_schedule,
+                                                num_model_chunks=state.plan.num_model_chunks)
     loss = forward_backward(state.model, batches, ps, dtype=compute_dtype(cfg), forward_only=True)
     state.model.train()
     return reduce_loss(loss, ps)

@@ -1,10 +1,13 @@
 """The M6 language model, one pipeline stage of it.
 
-A stage holds the layers of its global range (from the ``ParallelPlan``); the first stage
-adds the embedding, the last the final norm, the output layer and the loss. Layers are kept in
+A stage holds the layers of its model chunks (from the ``ParallelPlan``: one chunk, or v with
+interleaving, each a virtual stage with a global layer range); the first chunk of the first
+stage adds the embedding, the last chunk of the last stage the final norm, the output layer
+and the loss. ``forward(..., chunk=c)`` runs chunk c. Layers are kept in
 ``self.layers`` keyed by the global index of the module they call (``layout.sharing``), so
 module paths are global names: ``layers.5.attention.qkv.weight`` means the same tensor on
-every layout, and in the pseudo phase several layers call one key.
+every layout, and in the pseudo phase several layers call one key — also across the chunks of
+a stage, which then share one module and accumulate its gradient locally.
 """
 from __future__ import annotations
 
@@ -51,10 +54,10 @@ class Embedding(nn.Module):
 
 
 class M6Model(nn.Module):
-    """One pipeline stage. ``forward`` takes token ids (first stage) or the previous stage's
-    hidden states and returns hidden states, or per-token losses on the last stage.
+    """One pipeline stage. ``forward`` takes token ids (first virtual stage) or the previous
+    virtual stage's hidden states and returns hidden states, or per-token losses on the last.
 
-    ``layer_calls[i]`` runs the stage's i-th layer: the layer module itself, wrapped for
+    ``layer_calls[i]`` runs the stage's i-th layer (chunk by chunk): the layer module itself, wrapped for
     activation recomputation when asked; ``offload.apply_offload`` replaces the entries of
     offloaded layers with calls that fetch their weights from host.
     """
@@ -65,6 +68,11 @@ class M6Model(nn.Module):
         self.cfg, self.ps = cfg, ps
         self.stage = stage = plan.stage(ps.pp_rank)
         self.layer_keys = list(stage.layer_keys)
+        self.num_model_chunks = len(stage.chunks)
+        starts = [0]
+        for chunk in stage.chunks:
+            starts.append(starts[-1] + len(chunk.layer_keys))
+        self._chunk_calls = [range(a, b) for a, b in zip(starts, starts[1:])]   # positions in layer_calls
         self.layers = nn.ModuleDict({str(k): TransformerLayer(m, ps, m.is_moe_layer(k), device)
                                      for k in stage.modules})
         self.embedding = Embedding(cfg, ps, device) if stage.first else None
@@ -97,12 +105,13 @@ class M6Model(nn.Module):
         return (*tokens_shape, self.cfg.model.hidden_size), next(self.parameters()).dtype
 
     def forward(self, tokens: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = self.embedding(tokens) if self.embedding is not None else hidden
+                labels: Optional[torch.Tensor] = None, chunk: int = 0) -> torch.Tensor:
+        spec = self.stage.chunks[chunk]
+        x = self.embedding(tokens) if spec.first else hidden
         rope = self._rope(x.shape[1], x.device)
-        for call in self.layer_calls:
-            x = call(x, rope)
-        if self.final_norm is None:
+        for position in self._chunk_calls[chunk]:
+            x = self.layer_calls[position](x, rope)
+        if not spec.last:
             return x
         x = self.final_norm(x)
         if self.output_layer is not None:

@@ -158,8 +158,7 @@ class OffloadManager:
         total = state_bytes(sum(p.numel() for p in self.model.parameters()))
         per_module = {int(k): state_bytes(sum(p.numel() for p in m.parameters())) for k, m in self.model.layers.items()}
         plan = memory_plan(total, per_module, self.keys, self.prefetch, self.what)
-        first = self.model.stage.layers.start
-        layers = [first + pos for pos, k in enumerate(self.model.layer_keys) if k in self.module_params]
+        layers = [i for i, k in zip(self.model.stage.layers, self.model.layer_keys) if k in self.module_params]
         return {**plan, "modules": list(self.keys), "layers": layers, "stage_layers": len(self.model.layer_keys),
                 "prefetch": self.prefetch, "what": ",".join(c for c in WHAT_ITEMS if c in self.what)}
 
