@@ -25,7 +25,7 @@ accumulates its gradient in the same order under all of them.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, NamedTuple, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 FORWARD, BACKWARD = "F", "B"
 SCHEDULE_NAMES = ("1f1b", "gpipe")
@@ -131,12 +131,49 @@ def transfers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int) 
     return Transfers(incoming, acknowledges)
 
 
-def max_outstanding(ops: Sequence[Op], weight: Callable[[int], float] = lambda chunk: 1) -> float:
-    """The most forwards awaiting their backward at once, each counted ``weight(chunk)``."""
+def _input_of(op: Op, pp: int, chunks: int, rank: int):
+    """(message, sender's pipeline rank) an op waits for, or None (the first or last virtual stage)."""
+    stage = op.chunk * pp + rank
+    if op.kind == FORWARD and stage > 0:
+        return Message(FORWARD, op.microbatch, stage), (stage - 1) % pp
+    if op.kind == BACKWARD and stage < pp * chunks - 1:
+        return Message(BACKWARD, op.microbatch, stage), (stage + 1) % pp
+    return None
+
+
+def link_buffers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int) -> List[int]:
+    """Transfer buffers ``p2p.StageLink`` holds while each op of ``rank`` runs: its sends not
+    yet acknowledged (``transfers``) and messages that arrived before they were needed."""
+    t = transfers(all_ops, pp, chunks, rank)
+    queues = {q: list(reversed(msgs)) for q, msgs in t.incoming.items()}
+    pending, early, out = set(), set(), []
+    for op in all_ops[rank]:
+        wanted = _input_of(op, pp, chunks, rank)
+        if wanted is not None and wanted[0] in early:
+            early.remove(wanted[0])
+        elif wanted is not None:
+            while True:
+                arrived = queues[wanted[1]].pop()
+                pending.difference_update(t.acknowledges.get(arrived, ()))
+                if arrived == wanted[0]:
+                    break
+                early.add(arrived)
+        out.append(len(pending) + len(early))
+        pending.update(msg for _, msg in _sent_by(op, pp, chunks, rank))
+    return out
+
+
+def max_outstanding(ops: Sequence[Op], weight: Callable[[int], float] = lambda chunk: 1,
+                    extra: Optional[Sequence[float]] = None) -> float:
+    """The most forwards awaiting their backward at once, each counted ``weight(chunk)``, plus
+    ``extra[i]`` while op i runs."""
     held = peak = 0
-    for op in ops:
-        held += weight(op.chunk) if op.kind == FORWARD else -weight(op.chunk)
-        peak = max(peak, held)
+    for i, op in enumerate(ops):
+        if op.kind == FORWARD:
+            held += weight(op.chunk)
+        peak = max(peak, held + (extra[i] if extra is not None else 0))
+        if op.kind == BACKWARD:
+            held -= weight(op.chunk)
     return peak
 
 
@@ -149,7 +186,6 @@ def simulate(schedule: str, pp: int, chunks: int, microbatches: int, forward_tim
     Raises RuntimeError naming the ranks that wait forever when the schedule deadlocks.
     """
     all_ops = [pipeline_ops(schedule, pp, chunks, microbatches, r) for r in range(pp)]
-    last = pp * chunks - 1
     ready: Dict[Message, float] = {}
     done: List[List[Tuple[Op, float, float]]] = [[] for _ in range(pp)]
     free = [0.0] * pp
@@ -160,16 +196,14 @@ def simulate(schedule: str, pp: int, chunks: int, microbatches: int, forward_tim
         for r in range(pp):
             while len(done[r]) < len(all_ops[r]):
                 op = all_ops[r][len(done[r])]
-                stage = op.chunk * pp + r
                 if op.kind == BACKWARD and Op(FORWARD, op.microbatch, op.chunk) not in ran[r]:
                     break  # never runs: the rank's own forward of it comes later
-                needs = ((op.kind == FORWARD and stage > 0) or (op.kind == BACKWARD and stage < last))
+                wanted = _input_of(op, pp, chunks, r)
                 start = free[r]
-                if needs:
-                    msg = Message(op.kind, op.microbatch, stage)
-                    if msg not in ready:
+                if wanted is not None:
+                    if wanted[0] not in ready:
                         break
-                    start = max(start, ready[msg])
+                    start = max(start, ready[wanted[0]])
                 end = start + (forward_time if op.kind == FORWARD else backward_time) / chunks
                 done[r].append((op, start, end))
                 ran[r].add(op)

@@ -1,7 +1,8 @@
 """Activation memory: what autograd keeps per micro-batch, counted op by op from this code.
 
-Activations held per in-flight micro-batch (with and without recomputation), times the
-micro-batches the schedule keeps in flight, plus the largest transient working set; with
+Activations held per in-flight micro-batch (with and without recomputation), at the point of
+the schedule (``pipeline.order``) where the most are in flight, plus the largest transient
+working set; with
 --bf16/--fp16 the 16-bit weight copies autocast makes for the matmuls. Sizes are in bytes for
 CUDA kernels (bool dropout masks, fused attention without s x s tensors); ``device_type="cpu"``
 gives the CPU variant the tests measure against. See docs/scale.md for the assumptions.
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_p2r.config import Config, num_microbatches
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.tensors import TensorSpec, layer_tensors
+from megatron_p2r.pipeline.order import Op, link_buffers, max_outstanding, pipeline_ops
 
 
 def _cached_cast(s: TensorSpec) -> bool:
@@ -123,21 +125,23 @@ class StageActivations:
     shared_grads: int = 0  # gradient buffers of weights used several times in one forward
 
 
-def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, *, device_type: str = "cuda") -> StageActivations:
+def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, chunk: int = 0, *,
+                      device_type: str = "cuda") -> StageActivations:
+    """Per micro-batch, for model chunk ``chunk`` of ``stage`` (the whole stage without interleaving)."""
     m, t = cfg.model, cfg.train
     tp, ep = plan.layout.tp, plan.layout.ep
     a = 2 if (t.bf16 or t.fp16) else 4
     autocast = a == 2
     b, s, h = t.micro_batch_size, m.seq_length, m.hidden_size
     n = b * s
-    st = plan.stage(stage)
-    first, last = st.first, st.last
-    calls = {k: st.layer_keys.count(k) for k in st.modules}
+    part = plan.stage(stage).chunks[chunk]
+    first, last = part.first, part.last
+    calls = {k: part.layer_keys.count(k) for k in dict.fromkeys(part.layer_keys)}
     per = {k: layer_activations(cfg, k, tp, ep, device_type=device_type) for k in calls}
-    # Always kept: the stage's output (on the last stage it is the final norm's saved input,
-    # elsewhere the schedule keeps it for the backward from the next stage), rope tables,
-    # the embedding's indices.
-    common = 0 if last else n * h * 4
+    # Always kept: rope tables, the embedding's indices. Not the chunk's output: the schedule
+    # frees it once sent (pipeline.schedules.deallocate_output); on the last stage it is the
+    # final norm's saved input, counted in ``head``.
+    common = 0
     if m.position_embedding_type == "rope":
         common += 2 * s * m.head_dim * 4
     if first:
@@ -161,7 +165,7 @@ def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, *, device_typ
     # accumulates into until its last use's backward: at the 16-bit cast autocast caches, or
     # in fp32 (the tied embedding: looked up in fp32, projected through its cast).
     shared = sum(s_.numel * (a if _cached_cast(s_) else 4) for s_ in specs
-                 if s_.name.startswith("layers.") and calls[int(s_.name.split(".")[1])] > 1)
+                 if s_.name.startswith("layers.") and calls.get(int(s_.name.split(".")[1]), 0) > 1)
     if first and last and not m.untie_embeddings_and_output_weights:
         shared += 4 * (m.padded_vocab_size // tp) * h
     return StageActivations(
@@ -174,34 +178,18 @@ def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, *, device_typ
         shared_grads=shared)
 
 
-def in_flight(cfg: Config, plan: ParallelPlan, stage: int) -> int:
-    """Micro-batches whose activations a stage holds at once under the configured schedule."""
+def stage_schedule(cfg: Config, plan: ParallelPlan, stage: int) -> Tuple[List[Op], List[int]]:
+    """The forwards and backwards a rank of ``stage`` runs in one step, and the p2p buffers its
+    link holds during each (``pipeline.order``)."""
     layout = plan.layout
-    m = num_microbatches(cfg, layout.world_size)
-    if layout.pp == 1:
-        return 1
-    if cfg.parallel.pipeline_schedule == "gpipe":
-        return m
-    return min(layout.pp - stage, m)
+    m, v = num_microbatches(cfg, layout.world_size), plan.num_model_chunks
+    schedule = cfg.parallel.pipeline_schedule if layout.pp > 1 else "1f1b"
+    all_ops = [pipeline_ops(schedule, layout.pp, v, m, r) for r in range(layout.pp)]
+    return all_ops[stage], link_buffers(all_ops, layout.pp, v, stage)
 
 
-def activation_memory(cfg: Config, plan: ParallelPlan, stage: int, *, recompute: Optional[bool] = None,
-                      offloaded: Sequence[int] = (), device_type: str = "cuda") -> Dict[str, int]:
-    """Peak activation bytes of a rank of ``stage``.
-
-    ``activations``: what ``in_flight`` micro-batches keep for backward; ``compute_weights``:
-    their 16-bit weight copies; ``transient``: the largest working set on top, the worst of
-    (a) the forward of the loss (logits, their fp32 copy) and, under recomputation, the
-    autocast cache of the stage's weights plus one layer's no-grad forward; (b) the backward
-    of the loss (logit gradients); (c) the backward of the largest layer: recomputed in full
-    when recomputing, plus its widest activation gradient, its largest weight gradient and
-    the gradient buffers of weights called more than once (pseudo slots, tied embedding).
-    Offloaded modules (``megatron_p2r.offload``) always run recomputed with fetched weights.
-    """
-    st = stage_activations(cfg, plan, stage, device_type=device_type)
-    recompute = cfg.train.recompute_activations if recompute is None else recompute
-    k = in_flight(cfg, plan, stage)
-    n_h4 = cfg.train.micro_batch_size * cfg.model.seq_length * cfg.model.hidden_size * 4
+def _chunk_memory(st: StageActivations, recompute: bool, offloaded: Sequence[int], n_h4: int) -> Tuple[int, int, int]:
+    """(held, 16-bit weight copies) per micro-batch and the transient working set of one chunk."""
     light = set(st.calls) if recompute else set(offloaded) & set(st.calls)
     held = st.held - sum((st.layers[key].held - n_h4) * st.calls[key] for key in light)
     casts = st.casts - sum(p.cached_casts + (p.casts - p.cached_casts) * st.calls[key]
@@ -215,6 +203,33 @@ def activation_memory(cfg: Config, plan: ParallelPlan, stage: int, *, recompute:
     # light, plus the residual gradient and the MLP backward's working set
     bwd_layer = max((p.backward + n_h4 + (p.held - n_h4 + p.casts if key in light else 0)
                      for key, p in st.layers.items()), default=0) - st.head + st.shared_grads
-    transient = max(fwd, st.head_bwd, bwd_layer)
-    return {"held_per_microbatch": held + casts, "in_flight": k, "activations": k * held,
-            "compute_weights": k * casts, "transient": transient}
+    return held, casts, max(fwd, st.head_bwd, bwd_layer)
+
+
+def activation_memory(cfg: Config, plan: ParallelPlan, stage: int, *, recompute: Optional[bool] = None,
+                      offloaded: Sequence[int] = (), device_type: str = "cuda") -> Dict[str, int]:
+    """Peak activation bytes of a rank of ``stage``.
+
+    ``activations``: what the micro-batches in flight keep for backward, at the point of the
+    schedule where the most are (``pipeline.order``: with interleaving, (micro-batch, chunk)
+    forwards, each weighted by its chunk), with the hidden-state buffers of sends not yet
+    known received and of messages that arrived early (``order.link_buffers``); ``compute_weights``: their 16-bit weight copies;
+    ``in_flight``: the most forwards awaiting their backward (chunk forwards with
+    interleaving); ``transient``: the largest working set on top, the worst over the chunks of
+    (a) the forward of the loss (logits, their fp32 copy) and, under recomputation, the
+    autocast cache of the chunk's weights plus one layer's no-grad forward; (b) the backward
+    of the loss (logit gradients); (c) the backward of the largest layer: recomputed in full
+    when recomputing, plus its widest activation gradient, its largest weight gradient and
+    the gradient buffers of weights called more than once (pseudo slots, tied embedding).
+    Offloaded modules (``megatron_p2r.offload``) always run recomputed with fetched weights.
+    """
+    recompute = cfg.train.recompute_activations if recompute is None else recompute
+    n_h4 = cfg.train.micro_batch_size * cfg.model.seq_length * cfg.model.hidden_size * 4
+    chunks = [_chunk_memory(stage_activations(cfg, plan, stage, c, device_type=device_type), recompute, offloaded,
+                            n_h4) for c in range(plan.num_model_chunks)]
+    ops, buffers = stage_schedule(cfg, plan, stage)
+    return {"held_per_microbatch": sum(held + casts for held, casts, _ in chunks),
+            "in_flight": int(max_outstanding(ops)),
+            "activations": int(max_outstanding(ops, lambda c: chunks[c][0], [n_h4 * b for b in buffers])),
+            "compute_weights": int(max_outstanding(ops, lambda c: chunks[c][1])),
+            "transient": max(transient for _, _, transient in chunks)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_p2r.pipeline.order import (BACKWARD, FORWARD, Message, Op, forward_table, max_outstanding,
+from megatron_p2r.pipeline.order import (BACKWARD, FORWARD, Message, Op, forward_table, link_buffers, max_outstanding,
                                          pipeline_ops, simulate, step_slots, transfers, warmup_forwards)
 
 GRID = [(pp, v, m) for pp in (2, 3, 4, 8) for v in (1, 2, 3) for m in range(1, 3 * pp + 2)]
@@ -97,3 +97,13 @@ def test_interleaving_needs_1f1b():
         pipeline_ops("gpipe", 2, 2, 4, 0)
     with pytest.raises(ValueError, match="--pipeline-schedule 'zb'"):
         pipeline_ops("zb", 2, 1, 4, 0)
+
+
+def test_link_buffers_are_bounded_by_the_schedule():
+    """What p2p holds (sends not yet acknowledged, early arrivals) does not grow with m."""
+    for pp, v in ((2, 1), (4, 1), (2, 2), (4, 2)):
+        peaks = []
+        for m in (2 * pp, 4 * pp, 8 * pp):
+            all_ops = [pipeline_ops("1f1b", pp, v, m, r) for r in range(pp)]
+            peaks.append([max(link_buffers(all_ops, pp, v, r)) for r in range(pp)])
+        assert peaks[0] == peaks[1] == peaks[2], (pp, v, peaks)
