@@ -32,6 +32,7 @@ from torch import nn
 from megatron_p2r.parallel.state import Layout, initialize
 from megatron_p2r.pipeline.order import BACKWARD, FORWARD, Message, step_slots
 from megatron_p2r.pipeline.p2p import StageLink
+from megatron_p2r.pipeline.transfers import Transfers
 from megatron_p2r.pipeline.schedules import (forward_backward_1f1b, forward_backward_gpipe,
                                              forward_backward_pipelining_with_interleaving)
 from megatron_p2r.testing import run_distributed
@@ -85,7 +86,7 @@ def _p2p_latency(ps, shape, rounds: int = 30) -> float:
     """One-way time of one activation transfer, from ping-pongs 0 <-> 1."""
     x = torch.randn(shape)
     there, back = Message(FORWARD, 0, 1), Message(BACKWARD, 0, 0)
-    incoming = {0: {1: [back]}, 1: {0: [there]}}.get(ps.pp_rank, {})
+    incoming = Transfers({0: {1: [back]}, 1: {0: [there]}}.get(ps.pp_rank, {}), {}, frozenset())
     times = []
     for _ in range(rounds):
         link = StageLink(ps, incoming, lambda msg: (tuple(shape), x.dtype))

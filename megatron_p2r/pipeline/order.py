@@ -87,14 +87,8 @@ def pipeline_ops(schedule: str, pp: int, chunks: int, microbatches: int, rank: i
     return ops + backwards[len(table) - warmup:]
 
 
-class Transfers(NamedTuple):
-    """What one rank's p2p link needs to know of a step's schedule."""
-
-    incoming: Dict[int, List[Message]]          # neighbour -> the messages it sends here, in its order
-    acknowledges: Dict[Message, List[Message]]  # a received message -> this rank's sends it proves received
-
-
-def _sent_by(op: Op, pp: int, chunks: int, rank: int) -> List[Tuple[int, Message]]:
+def sent_by(op: Op, pp: int, chunks: int, rank: int) -> List[Tuple[int, Message]]:
+    """(destination pipeline rank, message) of what ``op`` of ``rank`` sends."""
     stage = op.chunk * pp + rank
     if op.kind == FORWARD and stage < pp * chunks - 1:
         return [((stage + 1) % pp, Message(FORWARD, op.microbatch, stage + 1))]
@@ -103,36 +97,8 @@ def _sent_by(op: Op, pp: int, chunks: int, rank: int) -> List[Tuple[int, Message
     return []
 
 
-def sends(ops: Sequence[Op], pp: int, chunks: int, rank: int) -> List[Tuple[int, int, Message]]:
-    """(index of the sending op, destination pipeline rank, message) of every transfer ``rank``
-    sends, in order."""
-    return [(i, dst, msg) for i, op in enumerate(ops) for dst, msg in _sent_by(op, pp, chunks, rank)]
-
-
-def transfers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int) -> Transfers:
-    """The messages each neighbour sends ``rank`` (``all_ops[q]`` is rank q's order), and for
-    each of them the sends of ``rank`` that the neighbour had consumed before sending it: a
-    neighbour runs its ops in order, so a message from an op after the one that used ours proves
-    that ours arrived (gloo reports a send's completion only through a blocking ``wait``)."""
-    incoming: Dict[int, List[Message]] = {}
-    acknowledges: Dict[Message, List[Message]] = {}
-    mine = sends(all_ops[rank], pp, chunks, rank)
-    for peer in sorted({(rank - 1) % pp, (rank + 1) % pp} - {rank}):
-        position = {op: i for i, op in enumerate(all_ops[peer])}
-        used_at = sorted((position[Op(msg.kind, msg.microbatch, msg.stage // pp)], msg)
-                         for _, dst, msg in mine if dst == peer)
-        incoming[peer] = []
-        for sent_at, dst, msg in sends(all_ops[peer], pp, chunks, peer):
-            if dst != rank:
-                continue
-            incoming[peer].append(msg)
-            while used_at and used_at[0][0] < sent_at:
-                acknowledges.setdefault(msg, []).append(used_at.pop(0)[1])
-    return Transfers(incoming, acknowledges)
-
-
-def _input_of(op: Op, pp: int, chunks: int, rank: int):
-    """(message, sender's pipeline rank) an op waits for, or None (the first or last virtual stage)."""
+def input_of(op: Op, pp: int, chunks: int, rank: int) -> Optional[Tuple[Message, int]]:
+    """(message, sender's pipeline rank) ``op`` waits for, or None (first or last virtual stage)."""
     stage = op.chunk * pp + rank
     if op.kind == FORWARD and stage > 0:
         return Message(FORWARD, op.microbatch, stage), (stage - 1) % pp
@@ -141,26 +107,34 @@ def _input_of(op: Op, pp: int, chunks: int, rank: int):
     return None
 
 
-def link_buffers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int) -> List[int]:
-    """Transfer buffers ``p2p.StageLink`` holds while each op of ``rank`` runs: its sends not
-    yet acknowledged (``transfers``) and messages that arrived before they were needed."""
-    t = transfers(all_ops, pp, chunks, rank)
-    queues = {q: list(reversed(msgs)) for q, msgs in t.incoming.items()}
-    pending, early, out = set(), set(), []
-    for op in all_ops[rank]:
-        wanted = _input_of(op, pp, chunks, rank)
-        if wanted is not None and wanted[0] in early:
-            early.remove(wanted[0])
-        elif wanted is not None:
-            while True:
-                arrived = queues[wanted[1]].pop()
-                pending.difference_update(t.acknowledges.get(arrived, ()))
-                if arrived == wanted[0]:
+def causal_order(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int) -> List[Tuple[int, int]]:
+    """(rank, op index) of every op, each after the rank's earlier ops and after the op that
+    sends its input (a backward also after the rank's own forward of it). Raises RuntimeError
+    naming the ranks that would wait forever when the schedule deadlocks."""
+    done = [0] * pp
+    ran: List[set] = [set() for _ in range(pp)]
+    sent: set = set()
+    order: List[Tuple[int, int]] = []
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(pp):
+            while done[r] < len(all_ops[r]):
+                op = all_ops[r][done[r]]
+                wanted = input_of(op, pp, chunks, r)
+                if (op.kind == BACKWARD and Op(FORWARD, op.microbatch, op.chunk) not in ran[r]) or \
+                        (wanted is not None and wanted[0] not in sent):
                     break
-                early.add(arrived)
-        out.append(len(pending) + len(early))
-        pending.update(msg for _, msg in _sent_by(op, pp, chunks, rank))
-    return out
+                order.append((r, done[r]))
+                ran[r].add(op)
+                sent.update(msg for _, msg in sent_by(op, pp, chunks, r))
+                done[r] += 1
+                progressed = True
+    stuck = [r for r in range(pp) if done[r] < len(all_ops[r])]
+    if stuck:
+        raise RuntimeError(f"the schedule with P={pp}, v={chunks} deadlocks: ranks {stuck} wait at ops "
+                           f"{[all_ops[r][done[r]] for r in stuck]}")
+    return order
 
 
 def max_outstanding(ops: Sequence[Op], weight: Callable[[int], float] = lambda chunk: 1,
@@ -180,41 +154,19 @@ def max_outstanding(ops: Sequence[Op], weight: Callable[[int], float] = lambda c
 def simulate(schedule: str, pp: int, chunks: int, microbatches: int, forward_time: float = 1.0,
              backward_time: float = 2.0) -> List[List[Tuple[Op, float, float]]]:
     """(op, start, end) of every op of every rank when each op waits only for its input
-    (transfers take no time; a backward also for the rank's own forward of it) and a chunk's
-    forward takes ``forward_time / chunks``.
-
-    Raises RuntimeError naming the ranks that wait forever when the schedule deadlocks.
-    """
+    (transfers take no time) and a chunk's forward takes ``forward_time / chunks``.
+    Raises RuntimeError when the schedule deadlocks (``causal_order``)."""
     all_ops = [pipeline_ops(schedule, pp, chunks, microbatches, r) for r in range(pp)]
     ready: Dict[Message, float] = {}
     done: List[List[Tuple[Op, float, float]]] = [[] for _ in range(pp)]
-    free = [0.0] * pp
-    ran: List[set] = [set() for _ in range(pp)]
-    progressed = True
-    while progressed:
-        progressed = False
-        for r in range(pp):
-            while len(done[r]) < len(all_ops[r]):
-                op = all_ops[r][len(done[r])]
-                if op.kind == BACKWARD and Op(FORWARD, op.microbatch, op.chunk) not in ran[r]:
-                    break  # never runs: the rank's own forward of it comes later
-                wanted = _input_of(op, pp, chunks, r)
-                start = free[r]
-                if wanted is not None:
-                    if wanted[0] not in ready:
-                        break
-                    start = max(start, ready[wanted[0]])
-                end = start + (forward_time if op.kind == FORWARD else backward_time) / chunks
-                done[r].append((op, start, end))
-                ran[r].add(op)
-                free[r] = end
-                for _, msg in _sent_by(op, pp, chunks, r):
-                    ready[msg] = end
-                progressed = True
-    stuck = [r for r in range(pp) if len(done[r]) < len(all_ops[r])]
-    if stuck:
-        raise RuntimeError(f"{schedule} with P={pp}, v={chunks}, m={microbatches} deadlocks: ranks {stuck} "
-                           f"wait at ops {[all_ops[r][len(done[r])] for r in stuck]}")
+    for r, i in causal_order(all_ops, pp, chunks):
+        op = all_ops[r][i]
+        wanted = input_of(op, pp, chunks, r)
+        start = max(done[r][-1][2] if done[r] else 0.0, ready[wanted[0]] if wanted else 0.0)
+        end = start + (forward_time if op.kind == FORWARD else backward_time) / chunks
+        done[r].append((op, start, end))
+        for _, msg in sent_by(op, pp, chunks, r):
+            ready[msg] = end
     return done
 
 

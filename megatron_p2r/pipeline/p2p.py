@@ -11,33 +11,36 @@ peer would misread.
 
 Messages are named (``order.Message``: activation or gradient, micro-batch, receiving virtual
 stage), and each rank knows, for each neighbour, the order in which that neighbour sends it
-messages (``order.transfers``: every rank computes every rank's schedule). A receive takes the
+messages (``transfers.py``: every rank computes every rank's schedule). A receive takes the
 neighbour's messages in exactly that order and keeps any that arrive before they are needed.
 So the receiver never depends on how a backend matches messages (NCCL matches in issue order
 and has no tags): with interleaving on P = 2 the activations and gradients between the two
-ranks share one direction, in an order the receiver's schedule does not follow. Receiving an
-earlier message first never waits longer than the wanted one, which was sent after it.
+ranks share one direction, in an order the receiver's schedule does not always follow.
+Receiving an earlier message first never waits longer than the wanted one, sent after it.
 
 Sends are non-blocking (``isend``) and a sent buffer is released as soon as the send is known
 to be complete. gloo tells that only through a blocking ``wait()`` (``is_completed`` stays
-False until then), so the link uses the schedule: a message from a neighbour that the
-neighbour sent after the op that used one of ours proves ours arrived (``order.transfers``),
-and that send's ``wait()`` returns at once and its buffer goes. ``wait()`` completes the rest
-at the end of the step. Receives block. With sends that never wait on the receiver and receives in the sender's order,
-a schedule that is deadlock-free on its data dependencies (``order.simulate``) is deadlock-free
-here, which is why no call pairs a send with a receive in one batched operation
-(``batch_isend_irecv`` has hung on gloo). Peers are pipeline ranks with this rank's tp and dp
-coordinates (``ps.peer``). Works with gloo (CPU tensors) and NCCL (device tensors).
+False until then), so the link uses the schedule: an arriving message that the sender sent
+after (transitively) the receiver of one of our sends used it proves that send arrived
+(``transfers.py``), and that send's ``wait()`` returns at once and its buffer goes; sends to a
+neighbour that never sends back (evaluation without interleaving) are waited for one at a
+time. ``wait()`` completes the rest at the end of the step. Receives block. With sends that
+never wait on a rank that waits on them and receives in the sender's order, a schedule that is
+deadlock-free on its data dependencies (``order.causal_order``) is deadlock-free here, which is
+why no call pairs a send with a receive in one batched operation (``batch_isend_irecv`` has
+hung on gloo). Peers are pipeline ranks with this rank's tp and dp coordinates (``ps.peer``).
+Works with gloo (CPU tensors) and NCCL (device tensors).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.pipeline.order import FORWARD, Message
+from megatron_p2r.pipeline.transfers import Transfers
 
 # (shape, dtype) of one transfer, known to both ends.
 Spec = Tuple[Tuple[int, ...], torch.dtype]
@@ -58,23 +61,24 @@ def _what(message: Message) -> str:
 class StageLink:
     """The named transfers of one step between this rank and its pipeline neighbours.
 
-    ``incoming[q]``: the messages pipeline rank q sends this rank, in the order it sends them;
-    ``spec_of(message)``: the (shape, dtype) both ends use for a message;
-    ``acknowledges[m]``: this rank's sends that the arrival of message m proves received.
+    ``schedule``: what the step's order tells the link (``transfers.transfers``): each
+    neighbour's messages in its order, which arrivals prove which sends received, and the
+    neighbours that never send back; ``spec_of(message)``: the (shape, dtype) both ends use.
     """
 
-    def __init__(self, ps: ParallelState, incoming: Mapping[int, Sequence[Message]],
-                 spec_of: Callable[[Message], Spec], acknowledges: Optional[Mapping[Message, Sequence[Message]]] = None):
-        self.ps, self.spec_of, self.acknowledges = ps, spec_of, acknowledges or {}
-        self._queues: Dict[int, Iterator[Message]] = {q: iter(msgs) for q, msgs in incoming.items()}
+    def __init__(self, ps: ParallelState, schedule: Transfers, spec_of: Callable[[Message], Spec]):
+        self.ps, self.spec_of, self.schedule = ps, spec_of, schedule
+        self._queues: Dict[int, Iterator[Message]] = {q: iter(msgs) for q, msgs in schedule.incoming.items()}
         self._early: Dict[Message, torch.Tensor] = {}
-        self._pending: Dict[Message, Tuple[dist.Work, torch.Tensor]] = {}
+        self._pending: Dict[Message, Tuple[dist.Work, torch.Tensor, int]] = {}
 
     def send(self, message: Message, tensor: torch.Tensor, dst: int) -> None:
         """Send ``tensor`` as ``message`` to pipeline rank ``dst`` without waiting."""
         check_spec(tensor, self.spec_of(message), _what(message))
+        if dst in self.schedule.downstream:  # nothing will prove them received: one in flight at a time
+            self._release([m for m, (_, _, to) in self._pending.items() if to == dst])
         t = tensor.detach().contiguous()
-        self._pending[message] = (dist.isend(t, self.ps.peer(dst)), t)  # t lives until the send is done
+        self._pending[message] = (dist.isend(t, self.ps.peer(dst)), t, dst)  # t lives until the send is done
 
     def recv(self, message: Message, src: int) -> torch.Tensor:
         """``message`` from pipeline rank ``src``: receives ``src``'s messages in its order until it comes."""
@@ -85,7 +89,7 @@ class StageLink:
             shape, dtype = self.spec_of(arrived)
             t = torch.empty(shape, dtype=dtype, device=self.ps.device)
             dist.recv(t, self.ps.peer(src))
-            self._release(self.acknowledges.get(arrived, ()))
+            self._release(self.schedule.acknowledges.get(arrived, ()))
             if arrived == message:
                 return t
             self._early[arrived] = t
@@ -95,7 +99,7 @@ class StageLink:
     def _release(self, received: Sequence[Message]) -> None:
         """Complete the sends the peer has received and drop their buffers (their memory is free)."""
         for message in received:
-            work, _ = self._pending.pop(message)
+            work, _, _ = self._pending.pop(message)
             work.wait()
 
     def wait(self) -> None:

@@ -42,8 +42,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_p2r.parallel.state import ParallelState
-from megatron_p2r.pipeline.order import BACKWARD, FORWARD, Message, pipeline_ops, transfers
+from megatron_p2r.pipeline.order import FORWARD, Op, input_of, pipeline_ops, sent_by
 from megatron_p2r.pipeline.p2p import StageLink
+from megatron_p2r.pipeline.transfers import transfers
 
 BackwardScaleHook = Optional[Callable[[float], None]]
 
@@ -163,54 +164,49 @@ def backward_from(out: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 class _StageSteps:
-    """Forward and backward of one (micro-batch, model chunk) on this rank, with its transfers."""
+    """Runs one op — the forward or backward of a (micro-batch, model chunk) — on this rank,
+    with the transfers ``order.input_of`` and ``order.sent_by`` name for it."""
 
     def __init__(self, model, microbatches: List[dict], ps: ParallelState, chunks: int, link: StageLink,
                  loss: Optional[TokenMeanLoss], timer: _BusyTimer, dtype: Optional[torch.dtype], forward_only: bool):
         self.model, self.microbatches, self.ps, self.link, self.loss = model, microbatches, ps, link, loss
-        self.timer, self.dtype, self.forward_only = timer, dtype, forward_only
-        self.last_stage = ps.pp_size * chunks - 1
+        self.timer, self.dtype, self.forward_only, self.chunks = timer, dtype, forward_only, chunks
         self.inflight = {}  # (micro-batch, chunk) -> (received input, output) awaiting backward
 
-    def _stage(self, chunk: int) -> int:
-        return chunk * self.ps.pp_size + self.ps.pp_rank
+    def run(self, op: Op) -> None:
+        wanted = input_of(op, self.ps.pp_size, self.chunks, self.ps.pp_rank)
+        received = None if wanted is None else self.link.recv(*wanted)
+        result = (self._forward if op.kind == FORWARD else self._backward)(op, received)
+        for dst, message in sent_by(op, self.ps.pp_size, self.chunks, self.ps.pp_rank):
+            self.link.send(message, result, dst)
+            if op.kind == FORWARD and not self.forward_only:
+                deallocate_output(result)
 
-    def _rank(self, stage: int) -> int:
-        return stage % self.ps.pp_size
-
-    def forward(self, i: int, chunk: int) -> None:
-        mb, stage = self.microbatches[i], self._stage(chunk)
-        x = None
-        if stage > 0:
-            x = self.link.recv(Message(FORWARD, i, stage), self._rank(stage - 1)).requires_grad_(not self.forward_only)
-        last = stage == self.last_stage
+    def _forward(self, op: Op, x: Optional[torch.Tensor]) -> torch.Tensor:
+        """The chunk's output (its loss's masked sum on the last virtual stage)."""
+        mb, last = self.microbatches[op.microbatch], self.loss is not None and op.chunk == self.chunks - 1
+        if x is not None:
+            x.requires_grad_(not self.forward_only)
         grad_mode = torch.no_grad() if self.forward_only else contextlib.nullcontext()
         with self.timer.busy(), grad_mode, autocast_context(self.ps, self.dtype):
-            labels = mb["labels"] if last else None
             inputs = dict(tokens=mb["tokens"]) if x is None else dict(hidden=x)
-            out = self.model(**inputs, labels=labels, chunk=chunk)
+            out = self.model(**inputs, labels=mb["labels"] if last else None, chunk=op.chunk)
             if last:
                 out = self.loss.add(out, mb["loss_mask"])
-        if not last:
-            self.link.send(Message(FORWARD, i, stage + 1), out, self._rank(stage + 1))
-            if not self.forward_only:
-                deallocate_output(out)
         if not self.forward_only:
-            self.inflight[(i, chunk)] = (x, out)
+            self.inflight[(op.microbatch, op.chunk)] = (x, out)
             self.timer.inflight(len(self.inflight))
+        return out
 
-    def backward(self, i: int, chunk: int) -> None:
-        x, out = self.inflight.pop((i, chunk))
-        stage = self._stage(chunk)
-        if stage == self.last_stage:
-            with self.timer.busy():
+    def _backward(self, op: Op, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The gradient of the chunk's input (None on the first virtual stage)."""
+        x, out = self.inflight.pop((op.microbatch, op.chunk))
+        with self.timer.busy():
+            if grad is None:  # the last virtual stage: the loss itself
                 self.loss.backward(out)
-        else:
-            grad = self.link.recv(Message(BACKWARD, i, stage), self._rank(stage + 1))
-            with self.timer.busy():
+            else:
                 backward_from(out, grad)
-        if stage > 0:
-            self.link.send(Message(BACKWARD, i, stage - 1), x.grad, self._rank(stage - 1))
+        return None if x is None else x.grad
 
 
 def _pipelined(model, microbatches: List[dict], ps: ParallelState, *, schedule: str, chunks: int,
@@ -228,13 +224,12 @@ def _pipelined(model, microbatches: List[dict], ps: ParallelState, *, schedule: 
     pp, rank = ps.pp_size, ps.pp_rank
     all_ops = [pipeline_ops(schedule, pp, chunks, n, r, forward_only) for r in range(pp)]
     specs = [model.hidden_spec(tuple(mb["tokens"].shape)) for mb in microbatches]
-    plan = transfers(all_ops, pp, chunks, rank)
-    link = StageLink(ps, plan.incoming, lambda msg: specs[msg.microbatch], plan.acknowledges)
+    link = StageLink(ps, transfers(all_ops, pp, chunks, rank), lambda msg: specs[msg.microbatch])
     loss = TokenMeanLoss(microbatches, ps, loss_scale) if ps.is_last_stage else None
     steps = _StageSteps(model, microbatches, ps, chunks, link, loss, _BusyTimer(stats, ps.device), dtype,
                         forward_only)
     for op in all_ops[rank]:
-        (steps.forward if op.kind == FORWARD else steps.backward)(op.microbatch, op.chunk)
+        steps.run(op)
     link.wait()
     return None if loss is None else loss.share()
 

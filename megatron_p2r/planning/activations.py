@@ -16,7 +16,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from megatron_p2r.config import Config, num_microbatches
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.tensors import TensorSpec, layer_tensors
-from megatron_p2r.pipeline.order import Op, link_buffers, max_outstanding, pipeline_ops
+from megatron_p2r.pipeline.order import Op, max_outstanding, pipeline_ops
+from megatron_p2r.pipeline.transfers import link_buffers
 
 
 def _cached_cast(s: TensorSpec) -> bool:
@@ -213,7 +214,7 @@ def activation_memory(cfg: Config, plan: ParallelPlan, stage: int, *, recompute:
     ``activations``: what the micro-batches in flight keep for backward, at the point of the
     schedule where the most are (``pipeline.order``: with interleaving, (micro-batch, chunk)
     forwards, each weighted by its chunk), with the hidden-state buffers of sends not yet
-    known received and of messages that arrived early (``order.link_buffers``); ``compute_weights``: their 16-bit weight copies;
+    known received and of messages that arrived early (``pipeline.transfers.link_buffers``); ``compute_weights``: their 16-bit weight copies;
     ``in_flight``: the most forwards awaiting their backward (chunk forwards with
     interleaving); ``transient``: the largest working set on top, the worst over the chunks of
     (a) the forward of the loss (logits, their fp32 copy) and, under recomputation, the

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_p2r.pipeline.order import (BACKWARD, FORWARD, Message, Op, forward_table, link_buffers, max_outstanding,
-                                         pipeline_ops, simulate, step_slots, transfers, warmup_forwards)
+from megatron_p2r.pipeline.order import (BACKWARD, FORWARD, Message, Op, forward_table, max_outstanding, pipeline_ops,
+                                         simulate, step_slots, warmup_forwards)
+from megatron_p2r.pipeline.transfers import link_buffers, transfers
 
 GRID = [(pp, v, m) for pp in (2, 3, 4, 8) for v in (1, 2, 3) for m in range(1, 3 * pp + 2)]
 
@@ -65,7 +66,7 @@ def test_receives_follow_each_senders_order_and_sends_are_acknowledged():
     direction, one stream) in another order than rank 1 sends them (why p2p receives in the
     sender's order and keeps early arrivals; with m a multiple of P the orders agree);
     every send is acknowledged at most once, and only by a message its receiver sent after
-    consuming it."""
+    using it (or from the op that used it: an op sends after it has received)."""
     pp, v, m = 2, 2, 5
     all_ops = [pipeline_ops("1f1b", pp, v, m, r) for r in range(pp)]
     reordered = False
@@ -82,7 +83,7 @@ def test_receives_follow_each_senders_order_and_sends_are_acknowledged():
         for arrival, msgs in t.acknowledges.items():
             sent_at = next(i for i, op in enumerate(peer_ops) if _sends(op, pp, 1 - rank, arrival))
             for msg in msgs:
-                assert peer_ops.index(Op(msg.kind, msg.microbatch, msg.stage // pp)) < sent_at
+                assert peer_ops.index(Op(msg.kind, msg.microbatch, msg.stage // pp)) <= sent_at
     assert reordered
 
 
@@ -99,11 +100,24 @@ def test_interleaving_needs_1f1b():
         pipeline_ops("zb", 2, 1, 4, 0)
 
 
-def test_link_buffers_are_bounded_by_the_schedule():
-    """What p2p holds (sends not yet acknowledged, early arrivals) does not grow with m."""
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_link_buffers_are_bounded_by_the_schedule(forward_only):
+    """What p2p holds (sends not yet known received, early arrivals) does not grow with m, in
+    training and in evaluation (forward only: without interleaving nothing comes back, so
+    sends downstream go one at a time; with it the proof comes around the ring of stages)."""
     for pp, v in ((2, 1), (4, 1), (2, 2), (4, 2)):
         peaks = []
         for m in (2 * pp, 4 * pp, 8 * pp):
-            all_ops = [pipeline_ops("1f1b", pp, v, m, r) for r in range(pp)]
+            all_ops = [pipeline_ops("1f1b", pp, v, m, r, forward_only) for r in range(pp)]
             peaks.append([max(link_buffers(all_ops, pp, v, r)) for r in range(pp)])
         assert peaks[0] == peaks[1] == peaks[2], (pp, v, peaks)
+        assert max(peaks[0]) <= 2 * pp, (pp, v, peaks)
+
+
+def test_evaluation_without_interleaving_waits_downstream_only():
+    all_ops = [pipeline_ops("1f1b", 4, 1, 8, r, forward_only=True) for r in range(4)]
+    assert [transfers(all_ops, 4, 1, r).downstream for r in range(4)] == [{1}, {2}, {3}, set()]
+    ring = [pipeline_ops("1f1b", 4, 2, 8, r, forward_only=True) for r in range(4)]
+    assert all(not transfers(ring, 4, 2, r).downstream and transfers(ring, 4, 2, r).acknowledges for r in range(4))
+    training = [pipeline_ops("1f1b", 4, 1, 8, r) for r in range(4)]
+    assert all(not transfers(training, 4, 1, r).downstream for r in range(4))

@@ -20,6 +20,7 @@ from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import Layout, ParallelState
 from megatron_p2r.pipeline.order import BACKWARD, FORWARD, Message
 from megatron_p2r.pipeline.p2p import StageLink
+from megatron_p2r.pipeline.transfers import Transfers
 from megatron_p2r.pipeline import schedules
 from megatron_p2r.pipeline.schedules import forward_backward_1f1b
 from megatron_p2r.training import reduce_loss
@@ -53,7 +54,7 @@ def p2p_checks(ps: ParallelState, rounds: int = 6) -> dict:
         incoming[s - 1] = [Message(FORWARD, i, s) for i in range(rounds)]
     if s < last:
         incoming[s + 1] = [Message(BACKWARD, i, s) for i in range(rounds)]
-    link = StageLink(ps, incoming, lambda msg: _spec(msg.microbatch))
+    link = StageLink(ps, Transfers(incoming, {}, frozenset()), lambda msg: _spec(msg.microbatch))
     for i in range(rounds):
         if s < last:
             link.send(Message(FORWARD, i, s + 1), _payload("fwd", dp, s, i), s + 1)
@@ -141,20 +142,27 @@ def train_replicas(cfg, ps: ParallelState, steps: int = 3) -> dict:
     return out
 
 
-def stage_peak_bytes(ps: ParallelState, counts=(4, 8, 16)) -> dict:
-    """Peak live bytes of this rank's 1F1B step (beyond parameters and gradients, which are
-    allocated before) with ``counts`` micro-batches of one shape, and one hidden tensor's bytes."""
+def stage_peak_bytes(ps: ParallelState) -> dict:
+    """Peak live bytes of this rank's step (beyond parameters and gradients, which are allocated
+    before) with m micro-batches of one shape: 1F1B training and evaluation for m = 4, 8, 16,
+    interleaved 1F1B training (8 layers, v = 2) for m = 8, 16, 24 (from m = 2P on, the warm-up is
+    not cut short by m); one hidden tensor's bytes; 1F1B with sent outputs kept (m = 16)."""
     from tests.test_planning import measure_step  # the planner tests' allocation tracker
     cfg = make_cfg(pp=ps.pp_size)
-    model = build_model(cfg, ps)
     b = cfg.train.micro_batch_size
     out = {"stage": ps.pp_rank, "hidden_bytes": b * cfg.model.seq_length * cfg.model.hidden_size * 4}
-    for m in counts:
-        mbs = random_microbatches(cfg, m, b, seed=m)
-        _, out[m] = measure_step(model, cfg, lambda tracker, mbs=mbs: forward_backward_1f1b(model, mbs, ps))
+    runs = {"1f1b": (cfg, {}, (4, 8, 16)), "eval": (cfg, dict(forward_only=True), (4, 8, 16)),
+            "interleaved": (cfg.replace(num_layers=8, num_layers_per_virtual_pipeline_stage=1), {}, (8, 16, 24))}
+    for name, (run_cfg, kwargs, counts) in runs.items():
+        model, out[name] = build_model(run_cfg, ps), {}
+        step = schedules.get_forward_backward_func(ps, num_model_chunks=model.num_model_chunks)
+        for m in counts:
+            mbs = random_microbatches(run_cfg, m, b, seed=m)
+            _, out[name][m] = measure_step(model, run_cfg, lambda tracker: step(model, mbs, ps, **kwargs))
     keep = schedules.deallocate_output
     schedules.deallocate_output = lambda output: None   # sent outputs kept until their backward
     try:
+        model, mbs = build_model(cfg, ps), random_microbatches(cfg, 16, b, seed=16)
         _, out["outputs_kept"] = measure_step(model, cfg, lambda tracker: forward_backward_1f1b(model, mbs, ps))
     finally:
         schedules.deallocate_output = keep
