@@ -64,8 +64,9 @@ class UniformStage(nn.Module):
         self.rank, self.stages, self.num_model_chunks = rank, stages, chunks
         self.work, self.fwd_seconds, self.hidden = work, fwd_seconds / chunks, hidden
         n = layers // chunks if work == "matmul" else 1
-        self.chunks = nn.ModuleList(nn.Sequential(*[m for _ in range(n) for m in (nn.Linear(hidden, hidden), nn.GELU())])
-                                    for _ in range(chunks))
+        mlp = [(nn.Linear(hidden, hidden), nn.GELU()) for _ in range(n * chunks)]
+        self.chunks = nn.ModuleList(nn.Sequential(*[m for pair in mlp[c * n:(c + 1) * n] for m in pair])
+                                    for c in range(chunks))
 
     def hidden_spec(self, tokens_shape):
         return (*tokens_shape, self.hidden), torch.float32

@@ -125,8 +125,8 @@ class ParallelPlan:
         chunks = [ChunkPlan(index=v, chunk=v // pp, layers=r, layer_keys=tuple(keys[i] for i in r), first=v == 0,
                             last=v == len(ranges) - 1) for v, r in enumerate(ranges)]
         stages = tuple(StagePlan(index=s, chunks=tuple(chunks[s::pp])) for s in range(pp))
-        replicas = [(f"layers.{k}", tuple(st)) for k, st in stages_using_slot(keys, [st.layers for st in stages]).items()
-                    if len(st) > 1]
+        users = stages_using_slot(keys, [st.layers for st in stages])   # in pipeline ranks
+        replicas = [(f"layers.{k}", tuple(st)) for k, st in users.items() if len(st) > 1]
         if not m.untie_embeddings_and_output_weights and pp > 1:
             replicas.append((WORD_EMBEDDING, (0, pp - 1)))
         plan = cls(layout=layout, model=m, phase=cfg.p2r.p2r_phase, share_pattern=pattern, layer_keys=keys,

@@ -27,16 +27,20 @@ class Transfers(NamedTuple):
     downstream: FrozenSet[int]                  # neighbours sent to that never send here, even through others
 
 
-def _send_clocks(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int) -> Dict[Message, Tuple[int, ...]]:
-    """For every message: per rank, the index of its last op that happened before the send."""
-    clock = [[-1] * pp for _ in range(pp)]
+def _send_clocks(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int,
+                 watched: Sequence[int]) -> Dict[Message, Tuple[int, ...]]:
+    """For every message: per rank in ``watched``, the index of its last op that happened
+    before the send (a vector clock; each entry propagates on its own, so only those kept)."""
+    slot = {q: j for j, q in enumerate(watched)}
+    clock = [[-1] * len(watched) for _ in range(pp)]
     stamps: Dict[Message, Tuple[int, ...]] = {}
     for r, i in causal_order(all_ops, pp, chunks):
         op = all_ops[r][i]
         wanted = input_of(op, pp, chunks, r)
         if wanted is not None:
             clock[r] = [max(a, b) for a, b in zip(clock[r], stamps[wanted[0]])]
-        clock[r][r] = i
+        if r in slot:
+            clock[r][slot[r]] = i
         for _, msg in sent_by(op, pp, chunks, r):
             stamps[msg] = tuple(clock[r])
     return stamps
@@ -77,17 +81,22 @@ def transfers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int) 
             for q, ops in enumerate(all_ops)]
     neighbours = sorted({(rank - 1) % pp, (rank + 1) % pp} - {rank})
     incoming = {q: [msg for _, dst, msg in sent[q] if dst == rank] for q in neighbours}
-    position = [{op: i for i, op in enumerate(ops)} for ops in all_ops]
-    # this rank's sends, with the receiver and the index of the receiver's op that uses each
-    unproven = [(dst, position[dst][Op(msg.kind, msg.microbatch, msg.stage // pp)], msg) for _, dst, msg in sent[rank]]
-    stamps = _send_clocks(all_ops, pp, chunks)
+    # this rank's sends to each destination, ordered by the index of the receiver's op that uses them
+    unproven: Dict[int, List[Tuple[int, Message]]] = {}
+    for dst in sorted({dst for _, dst, _ in sent[rank]}):
+        position = {op: i for i, op in enumerate(all_ops[dst])}
+        unproven[dst] = sorted(((position[Op(msg.kind, msg.microbatch, msg.stage // pp)], msg)
+                                for _, to, msg in sent[rank] if to == dst), reverse=True)
+    watched = sorted(unproven)
+    stamps = _send_clocks(all_ops, pp, chunks, watched)
     acknowledges: Dict[Message, List[Message]] = {}
     for arrived in (msg for taken in pulls(all_ops[rank], pp, chunks, rank, incoming) for msg in taken):
-        clock = stamps[arrived]
-        proven = [s for s in unproven if clock[s[0]] >= s[1]]
+        proven = []
+        for dst, ran_up_to in zip(watched, stamps[arrived]):
+            while unproven[dst] and unproven[dst][-1][0] <= ran_up_to:
+                proven.append(unproven[dst].pop()[1])
         if proven:
-            acknowledges[arrived] = [msg for _, _, msg in proven]
-            unproven = [s for s in unproven if clock[s[0]] < s[1]]
+            acknowledges[arrived] = proven
     edges: Dict[int, set] = {}
     for q in range(pp):
         edges.setdefault(q, set()).update(dst for _, dst, _ in sent[q])

@@ -9,9 +9,10 @@ gives the CPU variant the tests measure against. See docs/scale.md for the assum
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from megatron_p2r.config import Config, num_microbatches
 from megatron_p2r.layout.plan import ParallelPlan
@@ -179,14 +180,19 @@ def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, chunk: int = 
         shared_grads=shared)
 
 
-def stage_schedule(cfg: Config, plan: ParallelPlan, stage: int) -> Tuple[List[Op], List[int]]:
+def stage_schedule(cfg: Config, plan: ParallelPlan, stage: int) -> Tuple[Tuple[Op, ...], Tuple[int, ...]]:
     """The forwards and backwards a rank of ``stage`` runs in one step, and the p2p buffers its
-    link holds during each (``pipeline.order``)."""
+    link holds during each (``pipeline.order``, ``pipeline.transfers``)."""
     layout = plan.layout
-    m, v = num_microbatches(cfg, layout.world_size), plan.num_model_chunks
     schedule = cfg.parallel.pipeline_schedule if layout.pp > 1 else "1f1b"
-    all_ops = [pipeline_ops(schedule, layout.pp, v, m, r) for r in range(layout.pp)]
-    return all_ops[stage], link_buffers(all_ops, layout.pp, v, stage)
+    return _schedule(schedule, layout.pp, plan.num_model_chunks, num_microbatches(cfg, layout.world_size), stage)
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(schedule: str, pp: int, chunks: int, microbatches: int,
+              stage: int) -> Tuple[Tuple[Op, ...], Tuple[int, ...]]:
+    all_ops = [pipeline_ops(schedule, pp, chunks, microbatches, r) for r in range(pp)]
+    return tuple(all_ops[stage]), tuple(link_buffers(all_ops, pp, chunks, stage))
 
 
 def _chunk_memory(st: StageActivations, recompute: bool, offloaded: Sequence[int], n_h4: int) -> Tuple[int, int, int]:
@@ -214,7 +220,8 @@ def activation_memory(cfg: Config, plan: ParallelPlan, stage: int, *, recompute:
     ``activations``: what the micro-batches in flight keep for backward, at the point of the
     schedule where the most are (``pipeline.order``: with interleaving, (micro-batch, chunk)
     forwards, each weighted by its chunk), with the hidden-state buffers of sends not yet
-    known received and of messages that arrived early (``pipeline.transfers.link_buffers``); ``compute_weights``: their 16-bit weight copies;
+    known received and of messages that arrived early (``pipeline.transfers.link_buffers``);
+    ``compute_weights``: their 16-bit weight copies;
     ``in_flight``: the most forwards awaiting their backward (chunk forwards with
     interleaving); ``transient``: the largest working set on top, the worst over the chunks of
     (a) the forward of the loss (logits, their fp32 copy) and, under recomputation, the

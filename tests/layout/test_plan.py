@@ -161,7 +161,8 @@ def test_virtual_stage_replicas_are_pipeline_ranks():
     assert [st.modules for st in cycle.stages] == [(0,), (1,)]
     assert cycle.replicas == ((WORD_EMBEDDING, (0, 1)),)
     every = _plan(2, share_pattern="all", **vpp)
-    assert [st.layer_keys for st in every.stages] == [(0, 0), (0, 0)] and [st.modules for st in every.stages] == [(0,), (0,)]
+    assert [st.layer_keys for st in every.stages] == [(0, 0), (0, 0)]
+    assert [st.modules for st in every.stages] == [(0,), (0,)]
     assert every.reduction("layers.0.mlp.fc1.weight", False) == Reduction("sharing", "dp", (0, 1))
     assert every.stage_sets() == ((0, 1),)
 
@@ -171,9 +172,11 @@ def test_virtual_stage_replicas_are_pipeline_ranks():
     (dict(num_layers_per_virtual_pipeline_stage=3), "must divide the 4 layers of each pipeline stage"),
     (dict(num_virtual_stages_per_pipeline_rank=3), "must divide the 4 layers of each pipeline stage"),
     (dict(num_layers_per_virtual_pipeline_stage=0), "must be >= 1"),
-    (dict(num_layers_per_virtual_pipeline_stage=1, pipeline_layer_split="3,5"), "cannot be combined with --pipeline-layer-split"),
+    (dict(num_layers_per_virtual_pipeline_stage=1, pipeline_layer_split="3,5"),
+     "cannot be combined with --pipeline-layer-split"),
     (dict(num_layers_per_virtual_pipeline_stage=1, pipeline_schedule="gpipe"), "interleaving is a 1F1B schedule"),
-    (dict(num_layers_per_virtual_pipeline_stage=1, pipeline_model_parallel_size=1), "needs --pipeline-model-parallel-size > 1"),
+    (dict(num_layers_per_virtual_pipeline_stage=1, pipeline_model_parallel_size=1),
+     "needs --pipeline-model-parallel-size > 1"),
     (dict(num_virtual_stages_per_pipeline_rank=2, num_layers=6), "must divide the 3 layers of each pipeline stage"),
     (dict(num_virtual_stages_per_pipeline_rank=2, num_layers=7), r"needs --num-layers \(7\) divisible by"),
 ])

@@ -24,7 +24,8 @@ def test_send_checks_the_spec():
         link.send(Message(FORWARD, 0, 1), torch.zeros(2, 3), 1)
     link = StageLink(ParallelState(layout=Layout(pp=2), rank=1), NOTHING, lambda msg: ((3, 2), torch.float32))
     with pytest.raises(RuntimeError, match=r"gradient to send backward \(micro-batch 4, virtual stage 0\) is "
-                                           r"torch.float32 \(2, 3\), but the peer stage allocates torch.float32 \(3, 2\)"):
+                                           r"torch.float32 \(2, 3\), but the peer stage allocates "
+                                           r"torch.float32 \(3, 2\)"):
         link.send(Message(BACKWARD, 4, 0), torch.zeros(2, 3), 0)
 
 
