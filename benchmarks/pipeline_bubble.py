@@ -147,13 +147,13 @@ def _fwd_bwd_seconds(args) -> float:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", choices=["sleep", "matmul"], default="sleep")
-    parser.add_argument("--fwd-ms", type=float, default=10.0, help="sleep work: forward time per micro-batch")
+    parser.add_argument("--fwd-ms", type=float, default=40.0, help="sleep work: forward time per micro-batch")
     parser.add_argument("--layers", type=int, default=4, help="matmul work: MLP layers per stage")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--microbatches", type=lambda v: [int(x) for x in v.split(",")], default=[2, 4, 6, 8, 16])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
