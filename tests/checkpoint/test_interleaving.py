@@ -2,6 +2,7 @@
 run with the same TP, PP and EP reads each piece from the file the checkpoint's table names."""
 import os
 
+from megatron_p2r.checkpoint.reshard import Target, convert
 from megatron_p2r.testing import run_distributed
 from tests.checkpoint.common import cfg_of, metadata
 
@@ -40,3 +41,11 @@ def test_save_interleaved_load_plain_and_back(tmp_path):
     saved_v1 = metadata(str(tmp_path / "v2_then_v1" / "iter_0000004"))
     assert saved_v1["layout"]["stage_layers"] == [[0, 2], [2, 4]]
     assert saved_v1["tensors"]["layers.2.input_norm.weight"]["stage"] == 1
+    # the converter reads interleaved files too; to another PP it writes the plain split
+    # (convert verifies every written tensor against the source before publishing)
+    out = convert(str(tmp_path / "v2_then_v1" / "iter_0000002"), str(tmp_path / "pp1"),
+                  Target(pipeline_parallel_size=1), progress=False)
+    assert metadata(out)["layout"] == {"tp": 1, "pp": 1, "ep": 1, "stage_layers": [[0, 4]]}
+    tp2 = convert(str(tmp_path / "v2_then_v1" / "iter_0000002"), str(tmp_path / "tp2"),
+                  Target(tensor_parallel_size=2), progress=False)
+    assert metadata(tp2)["layout"]["stage_layers"] == [[0, 1], [1, 2], [2, 3], [3, 4]]   # PP kept: so is v
