@@ -72,6 +72,10 @@ LAYOUTS = [
                                           tensor_model_parallel_size=2, untie_embeddings_and_output_weights=True), 8),
     ("tp2-sp-pp2-ep2-moe", dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2,
                                 expert_model_parallel_size=2, moe_layer_freq=2, **MOE), 8),
+    # SP with grouped-query attention (a key/value head replicated on both TP ranks), interleaved 1F1B
+    ("tp2-sp-gqa-pp2-v2", dict(tensor_model_parallel_size=2, sequence_parallel=True, group_query_attention=True,
+                               num_query_groups=1, pipeline_model_parallel_size=2,
+                               num_layers_per_virtual_pipeline_stage=1), 4),
     ("real-ep4-swiglu-rope-rms-nobias", dict(expert_model_parallel_size=4, swiglu=True, position_embedding_type="rope",
                                              normalization="RMSNorm", disable_bias_linear=True,
                                              pipeline_layer_split="3,1", pipeline_model_parallel_size=2, **MOE), 8),
@@ -91,7 +95,7 @@ def test_planner_equals_meta_build(name, overrides, world):
         ParallelPlan.for_world(cfg, world))
     # the same logical count from the layout-free one-process model
     parallel = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-                "pipeline_layer_split"}
+                "pipeline_layer_split", "num_layers_per_virtual_pipeline_stage"}
     ref = small(**{k: v for k, v in overrides.items() if k not in parallel})
     assert sum(p.numel() for p in build_model(ref, ParallelState.single(), meta=True).parameters()) == \
         memory.logical_parameter_count(ParallelPlan.for_world(ref, 1)) == out["expected"]
@@ -153,12 +157,14 @@ class AllocTracker(TorchDispatchMode):
         return self.live
 
 
-def measure_step(model, cfg, step) -> tuple:
+def measure_step(model, cfg, step, microbatches=()) -> tuple:
     """(bytes held at the end of the forward, peak bytes of forward + backward) of ``step``,
-    beyond the parameters and their (already allocated, as from the second step) gradients."""
+    beyond the parameters and their (already allocated, as from the second step) gradients, and
+    beyond the ``microbatches`` it reads (a view of their tensors is not an allocation)."""
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    tracker = AllocTracker([*model.parameters(), *(p.grad for p in model.parameters())])
+    inputs = [t for mb in microbatches for t in mb.values()]
+    tracker = AllocTracker([*model.parameters(), *(p.grad for p in model.parameters()), *inputs])
     with tracker:
         held = step(tracker)
     return held, tracker.peak

@@ -1,18 +1,22 @@
 """The M6 language model, one pipeline stage of it.
 
-A stage holds the layers of its global range (from the ``ParallelPlan``); the first stage
-adds the embedding, the last the final norm, the output layer and the loss. Layers are kept in
+A stage holds the layers of its model chunks (from the ``ParallelPlan``: one chunk, or v with
+interleaving, each a virtual stage with a global layer range); the first chunk of the first
+stage adds the embedding, the last chunk of the last stage the final norm, the output layer
+and the loss. ``forward(..., chunk=c)`` runs chunk c. Layers are kept in
 ``self.layers`` keyed by the global index of the module they call (``layout.sharing``), so
 module paths are global names: ``layers.5.attention.qkv.weight`` means the same tensor on
-every layout, and in the pseudo phase several layers call one key.
+every layout, and in the pseudo phase several layers call one key — also across the chunks of
+a stage, which then share one module and accumulate its gradient locally.
 
 Sequence parallelism (``plan.sequence_parallel``): the embedding reduce-scatters into this
 rank's sequence shard ``[b, s/TP, h]``, the layers and the final norm run on the shard,
 stages exchange the shard, and the output layer gathers the sequence again.
 
 Recomputation (Megatron-LM's flags): ``selective`` recomputes each layer's attention core
-(``Attention.core``); ``full`` recomputes units of layers (``TrainConfig.recompute_units``:
-uniform chunks of N layers, or the first N layers of the stage). Offloaded layers recompute
+(``Attention.core``); ``full`` recomputes units of layers of each model chunk
+(``TrainConfig.recompute_units``: uniform chunks of N layers, or the first N layers of the
+chunk, as Megatron-LM applies them to each virtual stage's block). Offloaded layers recompute
 themselves and stay outside the units.
 """
 from __future__ import annotations
@@ -68,11 +72,12 @@ class Embedding(nn.Module):
 
 
 class M6Model(nn.Module):
-    """One pipeline stage. ``forward`` takes token ids (first stage) or the previous stage's
-    hidden states and returns hidden states, or on the last stage the loss (per token, or
-    the masked sum the schedules optimise).
+    """One pipeline stage: its model chunks (virtual stages; one without interleaving).
+    ``forward(..., chunk=c)`` takes token ids (first virtual stage) or the previous virtual
+    stage's hidden states and returns hidden states, or on the last virtual stage the loss (per
+    token, or the masked sum the schedules optimise).
 
-    ``layer_calls[i]`` runs the stage's i-th layer: the layer module itself;
+    ``layer_calls[i]`` runs the stage's i-th layer (chunk by chunk): the layer module itself;
     ``offload.apply_offload`` replaces the entries of offloaded layers (``replace_layer_call``)
     with calls that fetch their weights from host.
     """
@@ -84,6 +89,11 @@ class M6Model(nn.Module):
         self.sequence_parallel = sp = plan.sequence_parallel
         self.stage = stage = plan.stage(ps.pp_rank)
         self.layer_keys = list(stage.layer_keys)
+        self.num_model_chunks = len(stage.chunks)
+        starts = [0]
+        for chunk in stage.chunks:
+            starts.append(starts[-1] + len(chunk.layer_keys))
+        self._chunk_calls = [range(a, b) for a, b in zip(starts, starts[1:])]   # positions in layer_calls
         selective = cfg.train.recompute == "selective"
         self.layers = nn.ModuleDict({str(k): TransformerLayer(m, ps, m.is_moe_layer(k), device, sequence_parallel=sp,
                                                               recompute_core=selective)
@@ -100,14 +110,23 @@ class M6Model(nn.Module):
         self.rope_base = m.rotary_base if m.position_embedding_type == "rope" else None
         self.layer_calls: List[Callable] = [self.layers[str(k)] for k in self.layer_keys]
         self.standalone: Set[int] = set()   # layers whose calls recompute themselves
-        self.recompute_units = cfg.train.recompute_units(len(self.layer_keys))
+        self.recompute_units = self._recompute_units()
+
+    def _recompute_units(self) -> List[List[Tuple[List[int], bool]]]:
+        """Per model chunk, ``TrainConfig.recompute_units`` of its layers, as positions in
+        ``layer_calls``."""
+        out = []
+        for calls in self._chunk_calls:
+            units = self.cfg.train.recompute_units(len(calls), [p - calls.start for p in self.standalone if p in calls])
+            out.append([([calls.start + i for i in unit], recomputed) for unit, recomputed in units])
+        return out
 
     def replace_layer_call(self, position: int, call: Callable) -> None:
         """Run the stage's layer ``position`` with ``call``, which recomputes itself in backward
         (offload): it leaves the recomputed units."""
         self.layer_calls[position] = call
         self.standalone.add(position)
-        self.recompute_units = self.cfg.train.recompute_units(len(self.layer_keys), self.standalone)
+        self.recompute_units = self._recompute_units()
 
     def init_weights(self, seed: int) -> None:
         init_parameters(self, seed, self.ps.tp_rank, self.ps.tp_size, self.ps.ep_rank)
@@ -127,20 +146,22 @@ class M6Model(nn.Module):
         return (b, s, self.cfg.model.hidden_size), next(self.parameters()).dtype
 
     def forward(self, tokens: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Hidden states of this stage; on the last stage logits ``[b, s, V/TP]``, or with
-        ``labels`` per-token losses ``[b, s]`` — with ``loss_mask`` too, the scalar sum of loss x
-        mask (the schedules' objective; its gradient computed with the loss: the output layer
-        and the loss are fused, parallel/cross_entropy.py)."""
-        x = self.embedding(tokens) if self.embedding is not None else hidden
+                labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None,
+                chunk: int = 0) -> torch.Tensor:
+        """Hidden states of model chunk ``chunk``; on the last virtual stage logits ``[b, s, V/TP]``,
+        or with ``labels`` per-token losses ``[b, s]`` — with ``loss_mask`` too, the scalar sum of
+        loss x mask (the schedules' objective; its gradient computed with the loss: the output
+        layer and the loss are fused, parallel/cross_entropy.py)."""
+        spec = self.stage.chunks[chunk]
+        x = self.embedding(tokens) if spec.first else hidden
         seq_length = x.shape[1] * (self.ps.tp_size if self.sequence_parallel else 1)
         rope = self._rope(seq_length, x.device)
-        for positions, recomputed in self.recompute_units:
+        for positions, recomputed in self.recompute_units[chunk]:
             if recomputed and torch.is_grad_enabled():
                 x = tp_random.checkpoint(self._run_layers, positions, x, rope, device=self.ps.device)
             else:
                 x = self._run_layers(positions, x, rope)
-        if self.final_norm is None:
+        if not spec.last:
             return x
         x = self.final_norm(x)
         # the output layer, or with tied weights on a single stage the input embedding

@@ -2,25 +2,29 @@
 
 Activations held per in-flight micro-batch — with sequence parallelism (the regions outside
 the TP matmuls hold 1/TP of the tokens), selective recomputation (the attention core) or full
-recomputation (units of layers, ``TrainConfig.recompute_units``) — times the micro-batches
-the schedule keeps in flight, plus the largest transient working set. Everything computes in
-the weights' dtype (fp32, or 16-bit with --bf16/--fp16: the model holds 16-bit weights, no
-autocast, so no 16-bit weight copies: ``compute_weights`` is 0). Sizes are in bytes for CUDA kernels
-(bool dropout masks, fused attention without s x s tensors); ``device_type="cpu"`` gives the
-CPU variant the tests measure against. See docs/scale.md for the assumptions and for the
-comparison with Korthikanti et al. 2022 (``korthikanti_layer_bytes``).
+recomputation (units of layers of each model chunk, ``TrainConfig.recompute_units``) — at the
+point of the schedule (``pipeline.order``) where the most are in flight, plus the largest
+transient working set. Everything computes in the weights' dtype (fp32, or 16-bit with
+--bf16/--fp16: the model holds 16-bit weights, no autocast, so no 16-bit weight copies:
+``compute_weights`` is 0). Sizes are in bytes for CUDA kernels (bool dropout masks, fused
+attention without s x s tensors); ``device_type="cpu"`` gives the CPU variant the tests
+measure against. See docs/scale.md for the assumptions and for the comparison with
+Korthikanti et al. 2022 (``korthikanti_layer_bytes``).
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple
 
 from megatron_p2r.config import Config, num_microbatches
-from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.layout.plan import ParallelPlan, StagePlan
 from megatron_p2r.layout.tensors import TensorSpec, layer_tensors
 from megatron_p2r.parallel.cross_entropy import chunk_tokens
+from megatron_p2r.pipeline.order import Op, max_outstanding, pipeline_ops
+from megatron_p2r.pipeline.transfers import link_buffers
 
 
 def _cached_cast(s: TensorSpec) -> bool:
@@ -209,7 +213,7 @@ def layer_activations(cfg: Config, key: int, tp: int, ep: int, *, device_type: s
 
 @dataclass
 class StageActivations:
-    """Per micro-batch, for one pipeline stage."""
+    """Per micro-batch, for one model chunk of a pipeline stage (the whole stage without interleaving)."""
 
     held: int              # no recomputation: everything autograd saves (without weight copies)
     head: int              # of which the final norm, output layer and loss (last stage)
@@ -252,45 +256,51 @@ def _head(cfg: Config, tp: int, ns: int, sequence_parallel: bool) -> Tuple[int, 
     return held, fwd, ns * h * 4 + v * h * 4
 
 
-def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, *, device_type: str = "cuda") -> StageActivations:
+def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, chunk: int = 0, *,
+                      device_type: str = "cuda") -> StageActivations:
+    """Per micro-batch, for model chunk ``chunk`` of ``stage`` (the whole stage without interleaving)."""
     m, t = cfg.model, cfg.train
     tp, ep, sp = plan.layout.tp, plan.layout.ep, plan.sequence_parallel
     a = compute_bytes(cfg)
     n = t.micro_batch_size * m.seq_length
     ns = n // tp if sp else n
-    st = plan.stage(stage)
-    per = {k: layer_activations(cfg, k, tp, ep, device_type=device_type, sequence_parallel=sp) for k in st.modules}
-    # Always kept: the stage's output (on the last stage it is the final norm's saved input,
-    # elsewhere the schedule keeps it for the backward from the next stage), rope tables,
-    # the embedding's indices.
-    common = 0 if st.last else ns * token_bytes(cfg)
+    part = plan.stage(stage).chunks[chunk]
+    calls = Counter(part.layer_keys)
+    per = {k: layer_activations(cfg, k, tp, ep, device_type=device_type, sequence_parallel=sp) for k in calls}
+    # Always kept: rope tables, the embedding's indices. Not the chunk's output: the schedule
+    # frees it once sent (pipeline.schedules.deallocate_output); on the last stage it is the
+    # final norm's saved input, counted in ``head``.
+    common = 0
     if m.position_embedding_type == "rope":
         common += 2 * m.seq_length * m.head_dim * 4
-    if st.first:
+    if part.first:
         common += _embedding_bytes(cfg, tp, ns, device_type)
     head = head_fwd = head_bwd = 0
-    if st.last:
+    if part.last:
         head, head_fwd, head_bwd = _head(cfg, tp, ns, sp)
-    calls = Counter(st.layer_keys)
     # A weight called several times in one forward gets one gradient buffer (its dtype) that
     # autograd accumulates into until its last use's backward (the tied embedding too).
     shared = sum(s_.numel * a for s_ in plan.tensors(stage)
                  if s_.name.startswith("layers.") and calls[int(s_.name.split(".")[1])] > 1)
-    if st.first and st.last and not m.untie_embeddings_and_output_weights:
+    if part.first and part.last and not m.untie_embeddings_and_output_weights:
         shared += a * (m.padded_vocab_size // tp) * m.hidden_size
     return StageActivations(held=common + head + sum(per[k].held * c for k, c in calls.items()), head=head,
                             layers=per, head_fwd=head_fwd, head_bwd=head_bwd, shared_grads=shared)
 
 
-def in_flight(cfg: Config, plan: ParallelPlan, stage: int) -> int:
-    """Micro-batches whose activations a stage holds at once under the configured schedule."""
+def stage_schedule(cfg: Config, plan: ParallelPlan, stage: int) -> Tuple[Tuple[Op, ...], Tuple[int, ...]]:
+    """The forwards and backwards a rank of ``stage`` runs in one step, and the p2p buffers its
+    link holds during each (``pipeline.order``, ``pipeline.transfers``)."""
     layout = plan.layout
-    m = num_microbatches(cfg, layout.world_size)
-    if layout.pp == 1:
-        return 1
-    if cfg.parallel.pipeline_schedule == "gpipe":
-        return m
-    return min(layout.pp - stage, m)
+    schedule = cfg.parallel.pipeline_schedule if layout.pp > 1 else "1f1b"
+    return _schedule(schedule, layout.pp, plan.num_model_chunks, num_microbatches(cfg, layout.world_size), stage)
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(schedule: str, pp: int, chunks: int, microbatches: int,
+              stage: int) -> Tuple[Tuple[Op, ...], Tuple[int, ...]]:
+    all_ops = [pipeline_ops(schedule, pp, chunks, microbatches, r) for r in range(pp)]
+    return tuple(all_ops[stage]), tuple(link_buffers(all_ops, pp, chunks, stage))
 
 
 def with_recompute(cfg: Config, granularity: Optional[str]) -> Config:
@@ -300,14 +310,18 @@ def with_recompute(cfg: Config, granularity: Optional[str]) -> Config:
                        recompute_method="uniform" if full else None, recompute_num_layers=1 if full else None)
 
 
-def recomputed_positions(cfg: Config, keys: Sequence[int], offloaded: Sequence[int] = ()) -> set:
-    """Positions of a stage's layers that run their forward twice: in a recomputed unit, or
-    offloaded (they recompute themselves)."""
-    return _units(cfg, keys, offloaded)[2]
+def recomputed_positions(cfg: Config, stage: StagePlan, offloaded: Sequence[int] = ()) -> set:
+    """Positions (in ``stage.layer_keys``) of the layers that run their forward twice: in a
+    recomputed unit of their model chunk, or offloaded (they recompute themselves)."""
+    out, start = set(), 0
+    for part in stage.chunks:
+        out |= {start + p for p in _units(cfg, part.layer_keys, offloaded)[2]}
+        start += len(part.layer_keys)
+    return out
 
 
 def _units(cfg: Config, keys: Sequence[int], offloaded: Sequence[int]):
-    """The stage's recompute units (positions), offloaded layers standing alone (they
+    """A model chunk's recompute units (positions), offloaded layers standing alone (they
     recompute themselves), and the set of positions that keep only their input."""
     standalone = [p for p, key in enumerate(keys) if key in set(offloaded)]
     units = cfg.train.recompute_units(len(keys), standalone)
@@ -334,34 +348,19 @@ def _backward_peak(st: StageActivations, keys: Sequence[int], units, standalone:
 def _embedding_backward(cfg: Config, plan: ParallelPlan, stage: int) -> int:
     """The word embedding's dense gradient at the end of the first stage's backward; tied on a
     single stage, autograd then adds it to the output layer's (held until then): three
-    vocabulary-sized fp32 tensors at once."""
+    vocabulary-sized tensors at once."""
     st = plan.stage(stage)
     if not st.first:
         return 0
-    table = cfg.model.padded_vocab_size // plan.layout.tp * cfg.model.hidden_size * 4
+    table = cfg.model.padded_vocab_size // plan.layout.tp * cfg.model.hidden_size * compute_bytes(cfg)
     return table * (3 if st.last and not cfg.model.untie_embeddings_and_output_weights else 1)
 
 
-def activation_memory(cfg: Config, plan: ParallelPlan, stage: int, *, offloaded: Sequence[int] = (),
-                      device_type: str = "cuda") -> Dict[str, int]:
-    """Peak activation bytes of a rank of ``stage`` under ``cfg``'s recomputation.
-
-    ``activations``: what ``in_flight`` micro-batches keep for backward (a recomputed unit or an
-    offloaded layer keeps its input); ``compute_weights``: their 16-bit weight copies;
-    ``transient``: the largest working set on top, the worst of (a) the forward of the loss
-    (a chunk of logits, the 16-bit output weight) plus the autocast cache of weights that are
-    not saved (recomputed layers; column-parallel weights under sequence parallelism) and,
-    with recomputation, one layer's no-grad forward; (b) the backward of the loss; (c) the
-    backward of a layer: recomputed in full (its whole unit) when recomputing, plus its
-    widest activation gradient, its largest weight gradient and the gradient buffers of
-    weights called more than once (pseudo slots, tied embedding). Offloaded modules
-    (``megatron_p2r.offload``) always run recomputed with fetched weights.
-    """
-    st = stage_activations(cfg, plan, stage, device_type=device_type)
-    keys = plan.stage(stage).layer_keys
-    k = in_flight(cfg, plan, stage)
-    ns = cfg.train.micro_batch_size * cfg.model.seq_length // (plan.layout.tp if plan.sequence_parallel else 1)
-    n_h4 = ns * token_bytes(cfg)     # a layer's input
+def _chunk_memory(cfg: Config, plan: ParallelPlan, stage: int, chunk: int, offloaded: Sequence[int],
+                  n_h4: int, device_type: str) -> Tuple[int, int, int]:
+    """(held, 16-bit weight copies) per micro-batch and the transient working set of one model chunk."""
+    st = stage_activations(cfg, plan, stage, chunk, device_type=device_type)
+    keys = plan.stage(stage).chunks[chunk].layer_keys
     units, standalone, light = _units(cfg, keys, offloaded)
     kept_inputs = sum(1 for unit, recomputed in units if recomputed) + len(standalone)
     held = st.held - sum(st.layers[keys[p]].held for p in light) + kept_inputs * n_h4
@@ -374,10 +373,38 @@ def activation_memory(cfg: Config, plan: ParallelPlan, stage: int, *, offloaded:
     fwd = st.head_fwd + cache
     if light:
         fwd = max(fwd, cache + 2 * max(st.layers[keys[p]].work for p in light))
-    transient = max(fwd, st.head_bwd, _backward_peak(st, keys, units, standalone, n_h4),
-                    _embedding_backward(cfg, plan, stage) - held)
-    return {"held_per_microbatch": held + casts, "in_flight": k, "activations": k * held,
-            "compute_weights": k * casts, "transient": transient}
+    embedding = _embedding_backward(cfg, plan, stage) if plan.stage(stage).chunks[chunk].first else 0
+    return held, casts, max(fwd, st.head_bwd, _backward_peak(st, keys, units, standalone, n_h4), embedding - held)
+
+
+def activation_memory(cfg: Config, plan: ParallelPlan, stage: int, *, offloaded: Sequence[int] = (),
+                      device_type: str = "cuda") -> Dict[str, int]:
+    """Peak activation bytes of a rank of ``stage`` under ``cfg``'s recomputation.
+
+    ``activations``: what the micro-batches in flight keep for backward (a recomputed unit or an
+    offloaded layer keeps its input), at the point of the schedule where the most are
+    (``pipeline.order``: with interleaving, (micro-batch, chunk) forwards, each weighted by its
+    chunk), with the hidden-state buffers (``[b, s/TP, h]`` under sequence parallelism) of sends
+    not yet known received and of messages that arrived early
+    (``pipeline.transfers.link_buffers``); ``compute_weights``: their 16-bit weight copies;
+    ``in_flight``: the most forwards awaiting their backward (chunk forwards with interleaving);
+    ``transient``: the largest working set on top, the worst over the chunks of (a) the forward
+    of the loss (a chunk of logits) plus the autocast cache of weights that are not saved and,
+    with recomputation, one layer's no-grad forward; (b) the backward of the loss; (c) the
+    backward of a layer: recomputed in full (its whole unit) when recomputing, plus its widest
+    activation gradient, its largest weight gradient and the gradient buffers of weights called
+    more than once (pseudo slots, tied embedding); (d) the word embedding's gradient. Offloaded
+    modules (``megatron_p2r.offload``) always run recomputed with fetched weights.
+    """
+    ns = cfg.train.micro_batch_size * cfg.model.seq_length // (plan.layout.tp if plan.sequence_parallel else 1)
+    n_h4 = ns * token_bytes(cfg)     # a chunk's input, a hidden-state message
+    chunks = [_chunk_memory(cfg, plan, stage, c, offloaded, n_h4, device_type) for c in range(plan.num_model_chunks)]
+    ops, buffers = stage_schedule(cfg, plan, stage)
+    return {"held_per_microbatch": sum(held + casts for held, casts, _ in chunks),
+            "in_flight": int(max_outstanding(ops)),
+            "activations": int(max_outstanding(ops, lambda c: chunks[c][0], [n_h4 * b for b in buffers])),
+            "compute_weights": int(max_outstanding(ops, lambda c: chunks[c][1])),
+            "transient": max(transient for _, _, transient in chunks)}
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, heads: int, t: int = 1, *, sequence_parallel: bool = False,

@@ -91,7 +91,7 @@ def communication(cfg: Config, plan: ParallelPlan, stage: int, gpus_per_node: in
     T, E, sp = layout.tp, layout.ep, plan.sequence_parallel
     out: Dict[str, GroupTraffic] = {}
 
-    twice = recomputed_positions(cfg, st.layer_keys, offloaded)
+    twice = recomputed_positions(cfg, st, offloaded)
     tp_bytes = ep_bytes = 0.0
     for position, key in enumerate(st.layer_keys):
         forwards = 2 if position in twice else 1
@@ -113,7 +113,8 @@ def communication(cfg: Config, plan: ParallelPlan, stage: int, gpus_per_node: in
     same_node = sum(1 for r in ep_ranks if r // gpus_per_node == rank // gpus_per_node) - 1
     out["ep"] = GroupTraffic(mbs * ep_bytes, E, _nodes(ep_ranks, gpus_per_node),
                              1.0 - same_node / (E - 1) if E > 1 else 0.0)
-    sends = (0 if last else 1) + (0 if first else 1)
+    chunks = plan.num_model_chunks   # every chunk boundary is a transfer each way
+    sends = (chunks - (1 if last else 0)) + (chunks - (1 if first else 0))
     pp_nodes = 1
     if layout.pp > 1:
         neighbours = [layout.rank(0, 0, s_) for s_ in (stage - 1, stage + 1) if 0 <= s_ < layout.pp]

@@ -22,7 +22,7 @@ def stage_flops_per_microbatch(cfg: Config, plan: ParallelPlan, stage: int, offl
     glu = 2 if m.swiglu else 1
     heads = m.num_attention_heads * m.head_dim / T               # query (and output) rows on a rank
     kv = 2 * m.query_groups * m.head_dim / min(T, m.query_groups)   # key/value rows on a rank
-    twice = recomputed_positions(cfg, st.layer_keys, offloaded)
+    twice = recomputed_positions(cfg, st, offloaded)
     core = 4 * n * m.seq_length * heads
     total = 0.0
     for position, key in enumerate(st.layer_keys):

@@ -94,6 +94,20 @@ def test_recompute_units_follow_megatron_methods():
     assert tiny_config(recompute_activations=True).train.recompute == "selective"
 
 
+def test_recompute_units_are_per_model_chunk_with_interleaving():
+    """Megatron-LM applies the method to each virtual stage's block: block 1 recomputes the first
+    layer of every model chunk of a rank (the model's and the planner's units alike)."""
+    from megatron_p2r.layout.plan import ParallelPlan
+    from megatron_p2r.parallel.state import Layout
+    from megatron_p2r.planning.activations import recomputed_positions
+    cfg = tiny_config(num_layers=8, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2,
+                      recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
+    plan = ParallelPlan.build(cfg, Layout(pp=2))
+    model = build_model(cfg, ParallelState(layout=Layout(pp=2), rank=0, device=torch.device("cpu")), plan, meta=True)
+    assert model.recompute_units == [[([0], True), ([1], False)], [([2], True), ([3], False)]]
+    assert recomputed_positions(cfg, plan.stage(0)) == {0, 2}
+
+
 @pytest.mark.parametrize("flags,message", [
     (dict(recompute_granularity="full"), "needs --recompute-method"),
     (dict(recompute_granularity="full", recompute_method="block"), "needs --recompute-method"),
