@@ -20,16 +20,18 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device: torch.device) -> float:
-    """Seconds one call of ``fn`` takes, device work included."""
+def timed(fn, device: torch.device, clock=time.perf_counter) -> float:
+    """Seconds one call of ``fn`` takes, device work included (``clock=time.process_time``: this
+    process's CPU time, which other load on a shared CPU machine does not inflate)."""
     synchronize(device)
-    start = time.perf_counter()
+    start = clock()
     fn()
     synchronize(device)
-    return time.perf_counter() - start
+    return clock() - start
 
 
-def matmul_ceiling(device: torch.device, dtype: torch.dtype, n: Optional[int] = None, reps: int = 10) -> float:
+def matmul_ceiling(device: torch.device, dtype: torch.dtype, n: Optional[int] = None, reps: int = 10,
+                   clock=time.perf_counter) -> float:
     """FLOP/s of one large square matmul on random data (median of ``reps`` after 3 warm-ups):
     the ceiling a model's matmuls are held against. 8192 on CUDA (operands several times the
     L2), 2048 on CPU; timed with CUDA events on CUDA."""
@@ -47,7 +49,7 @@ def matmul_ceiling(device: torch.device, dtype: torch.dtype, n: Optional[int] = 
             end.synchronize()
             times.append(start.elapsed_time(end) / 1000)
         else:
-            times.append(timed(lambda: a @ b, device))
+            times.append(timed(lambda: a @ b, device, clock))
     return 2 * n ** 3 / statistics.median(times)
 
 

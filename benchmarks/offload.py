@@ -45,15 +45,17 @@ SHAPES = {
                 micro_batch_size=4, global_batch_size=16),
 }
 FULL = "params,grads,optimizer"
-SETTINGS = [  # label, --cpu-offload-layers, --recompute-activations, --cpu-offload-what
+SETTINGS = [  # label, --cpu-offload-layers, full recomputation of every layer, --cpu-offload-what
     ("0%", None, False, FULL), ("0% + recompute", None, True, FULL), ("25%", "0.25", False, FULL),
     ("50%", "0.5", False, FULL), ("100%", "1.0", False, FULL), ("50% optim only", "0.5", False, "optimizer")]
 
 
 def build(setting, args, device):
     _, spec, recompute, what = setting
-    values = {**COMMON, **SHAPES[args.shape], "bf16": args.bf16, "recompute_activations": recompute,
+    values = {**COMMON, **SHAPES[args.shape], "bf16": args.bf16,
               "device": device.type, "offload_prefetch": args.prefetch, "cpu_offload_what": what}
+    if recompute:  # as offloaded layers run: every layer recomputed in full
+        values.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if spec is not None:
         values["cpu_offload_layers"] = spec
     cfg = config_from_values(values)

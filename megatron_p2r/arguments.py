@@ -182,12 +182,15 @@ def config_from_values(values: dict) -> Config:
 
 def resolve_values(values: dict) -> Tuple[Config, List[str]]:
     """(the Config, every value of its type and in its range; the "FLAG (reason)" of each given
-    Megatron-LM flag that has no effect here); a refused flag raises ConfigError."""
+    Megatron-LM flag that has no effect here, config fields the flag table qualifies by value
+    included); a refused flag raises ConfigError."""
     values = _normalise_yaml(values, "config")
     megatron = {name: values.pop(name) for name in list(values) if name.startswith("--")}
     cfg = Config().replace(**implied_values(values))
     check_values(cfg)
-    return cfg, check_flags(megatron, cfg)
+    owned = {_flag(name): value for name, value in values.items()
+             if _flag(name) in MEGATRON_FLAGS and value is not None and value is not False}
+    return cfg, check_flags({**megatron, **owned}, cfg)
 
 
 def parse_launch(argv: Optional[Sequence[str]] = None,

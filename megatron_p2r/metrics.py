@@ -13,7 +13,7 @@ from megatron_p2r.config import ModelConfig
 
 
 def model_flops_per_token(m: ModelConfig, recompute: bool = False) -> float:
-    """Training FLOPs per token: 3x forward matmuls (4x with recomputation).
+    """Training FLOPs per token: 3x forward matmuls (4x with full recomputation).
 
     Forward = 2 x (matmul parameters a token touches: attention -- query, key/value (heads
     and query groups of --kv-channels each) and output projections --, dense or its top-k

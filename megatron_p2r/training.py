@@ -214,7 +214,8 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
     samples = global_batch_size(cfg, ps.layout.world_size, state.consumed_samples)
     optimizer.zero_grad()
     state.ddp.zero_grad_buffer(len(microbatches))
-    forward_backward = get_forward_backward_func(ps, cfg.parallel.pipeline_schedule)
+    forward_backward = get_forward_backward_func(ps, cfg.parallel.pipeline_schedule,
+                                                num_model_chunks=state.plan.num_model_chunks)
     scale = state.scaler.scale
     loss = forward_backward(state.model, microbatches, ps, loss_scale=scale,
                             on_backward_scale=aux_loss.set_backward_scale)
@@ -247,7 +248,8 @@ def evaluate(state: TrainState, valid_dataset) -> float:
     state.model.eval()
     n = num_microbatches(cfg, ps.layout.world_size) * cfg.logging.eval_iters
     batches = _take(microbatch_iterator(valid_dataset, 0, cfg, ps), n, "validation")
-    forward_backward = get_forward_backward_func(ps, cfg.parallel.pipeline_schedule)
+    forward_backward = get_forward_backward_func(ps, cfg.parallel.pipeline_schedule,
+                                                num_model_chunks=state.plan.num_model_chunks)
     loss = forward_backward(state.model, batches, ps, forward_only=True)
     state.model.train()
     return reduce_loss(loss, ps)
@@ -422,7 +424,7 @@ def _training_record(state: TrainState, out: dict, lr: float, window_losses: Lis
     With MoE this is a collective (the interval's dropped fraction and min/max expert load)."""
     cfg, ps = state.cfg, state.ps
     seq, world = cfg.model.seq_length, ps.layout.world_size
-    flops_per_token = model_flops_per_token(cfg.model, cfg.train.recompute_activations)
+    flops_per_token = model_flops_per_token(cfg.model, cfg.train.recompute == "full")
     elapsed = time.perf_counter() - window.start
     tokens_per_s = (state.consumed_samples - window.consumed_samples) * seq / elapsed
     record = {"iteration": state.iteration, "train_iters": train_iters(cfg, world),

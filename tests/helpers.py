@@ -27,9 +27,10 @@ def tiny_config(**overrides) -> Config:
 
 
 def reference_config(cfg: Config) -> Config:
-    """The same model on one process (no TP/PP/EP; same global batch)."""
+    """The same model on one process (no TP/PP/EP, no interleaving; same global batch)."""
     return cfg.replace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
-                       pipeline_layer_split=None)
+                       pipeline_layer_split=None, num_layers_per_virtual_pipeline_stage=None,
+                       num_virtual_stages_per_pipeline_rank=None)
 
 
 def random_microbatches(cfg: Config, n: int, batch: int, seed: int = 0) -> list:

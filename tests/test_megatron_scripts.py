@@ -20,7 +20,6 @@ from tools import megatron_flags, preprocess_data
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "megatron_scripts")
 SCRIPTS = ["gpt3_175b", "llama3_8b", "llama3_8b_data", "mixtral_8x7b"]
-NEEDS_OTHER_ISSUES = pytest.mark.xfail(strict=True, reason="needs flags from #16/#17/#18 GQA")
 # The same flags again, small: 2 iterations of a model of hidden 32-64 on CPU.
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--eval-iters", "1", "--log-interval", "1"]
@@ -58,7 +57,6 @@ def test_table_flags_are_not_config_fields_unless_owned():
     assert [flag for flag, entry in MEGATRON_FLAGS.items() if entry.owner is None and flag in fields] == []
 
 
-@NEEDS_OTHER_ISSUES
 def test_flags_of_other_issues_have_landed():
     fields = config_fields()
     assert [flag for flag, entry in MEGATRON_FLAGS.items() if entry.owner and flag not in fields] == []
@@ -127,14 +125,12 @@ def test_gpt3_175b_script(tmp_path, corpus, bpe_files):  # noqa: F811
     reported_no_effect("gpt3_175b", output)
 
 
-@NEEDS_OTHER_ISSUES
 def test_llama3_8b_script(tmp_path):
     records, output = run_script("llama3_8b", tmp_path, {})
     assert [r["consumed_samples"] for r in records] == [4, 8]  # --train-samples 8 in batches of 4
     reported_no_effect("llama3_8b", output)
 
 
-@NEEDS_OTHER_ISSUES
 def test_mixtral_8x7b_script(tmp_path, corpus, sp_model):  # noqa: F811
     data = preprocessed(corpus, str(tmp_path / "mix"), "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model",
                         sp_model)

@@ -50,12 +50,16 @@ def target_flags(layout: ShardLayout) -> str:
 
 
 def _describe(layout: ShardLayout) -> str:
-    return (f"TP={layout.tp}, PP={layout.pp} (layers per stage "
-            f"{[b - a for a, b in layout.stage_layers]}), EP={layout.ep}")
+    counts = [b - a for a, b in layout.stage_layers]
+    chunks = len(counts) // layout.pp
+    split = "layers per stage" if chunks == 1 else f"{chunks} model chunks per stage, layers per virtual stage"
+    return f"TP={layout.tp}, PP={layout.pp} ({split} {counts}), EP={layout.ep}"
 
 
 def check_compatible(meta: dict, cfg: Config, iter_dir: str, load_dir: str) -> None:
-    """Fail unless the checkpoint's model, phase and layout are the run's."""
+    """Fail unless the checkpoint's model, phase and TP/PP/EP are the run's. Which layers each
+    pipeline stage holds (the split, the interleaving) may differ: a rank reads each piece from
+    the file the checkpoint's table names, and the shard shapes depend on TP and EP only."""
     where = os.path.join(iter_dir, METADATA_FILE)
     saved = metadata_config(meta)
     for name, flag, get in _STRUCTURE:
@@ -75,7 +79,7 @@ def check_compatible(meta: dict, cfg: Config, iter_dir: str, load_dir: str) -> N
     if tuple(meta["p2r"]["layer_module_keys"]) != ParallelPlan.model_parallel(cfg).layer_keys:
         raise CheckpointError(f"{where}: p2r.share_pattern is {meta['p2r']['share_pattern']!r}, this run has "
                               f"--share-pattern {cfg.p2r.share_pattern!r}; the layer->slot maps differ")
-    if saved_layout.to_json() != run_layout.to_json():
+    if (saved_layout.tp, saved_layout.pp, saved_layout.ep) != (run_layout.tp, run_layout.pp, run_layout.ep):
         suffix = f"tp{run_layout.tp}_pp{run_layout.pp}_ep{run_layout.ep}"
         raise CheckpointError(
             f"{where}: the checkpoint was saved with {_describe(saved_layout)}; this run uses "

@@ -94,6 +94,8 @@ def target_config(src: Config, target: Target, delink: bool, share_pattern: str 
         if target.pipeline_parallel_size != p.pipeline_model_parallel_size:
             changes["pipeline_layer_split"] = None  # a new stage count starts from the even split
         changes["pipeline_model_parallel_size"] = target.pipeline_parallel_size
+    if "pipeline_model_parallel_size" in changes:  # loads take any interleaving: write the plain split
+        changes.update(num_layers_per_virtual_pipeline_stage=None, num_virtual_stages_per_pipeline_rank=None)
     if target.expert_parallel_size is not None:
         changes["expert_model_parallel_size"] = target.expert_parallel_size
     if delink:

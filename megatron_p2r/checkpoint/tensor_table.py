@@ -4,7 +4,8 @@ shard file holds each of them for a given layout.
 The unit of storage is a *piece*: one logical tensor (``layers.3.attention.qkv.weight``), or
 one expert of a stacked expert parameter under its **global** index
 (``layers.3.mlp.experts.7.weight1``). Each piece is stored exactly once per TP shard: in the
-file of its first pipeline stage (replicas on later stages — the tied output weight, a pseudo
+file of its first pipeline stage (a pipeline rank: with interleaving, the stage whose model
+chunk holds the layer) (replicas on later stages — the tied output weight, a pseudo
 slot used by several stages — are not written again), of TP rank 0 when it is not split over
 TP, and of the EP rank that holds it. Data-parallel replicas therefore write once, and the
 same table says where every piece is for any layout, which is what lets ``reshard`` and
@@ -76,23 +77,27 @@ class TensorInfo:
 
 @dataclasses.dataclass(frozen=True)
 class ShardLayout:
-    """What decides file placement: TP, EP and the layers of each pipeline stage."""
+    """What decides file placement: TP, PP, EP and the layers each pipeline stage holds.
+
+    Files follow the physical pipeline stages (``PPP`` is the pipeline rank). ``stage_layers``
+    lists the [start, stop) of each virtual stage in pipeline order: one per stage without
+    interleaving; with v model chunks per rank, P x v of them, virtual stage i held by pipeline
+    stage i mod P. So the JSON has the same fields whatever the interleaving.
+    """
 
     tp: int
+    pp: int
     ep: int
-    stage_layers: Tuple[Tuple[int, int], ...]   # [start, stop) of each stage
+    stage_layers: Tuple[Tuple[int, int], ...]   # [start, stop) of each virtual stage
     num_experts: int = 0
-
-    @property
-    def pp(self) -> int:
-        return len(self.stage_layers)
 
     @classmethod
     def of(cls, cfg: Config) -> "ShardLayout":
         p = cfg.parallel
-        return cls(tp=p.tensor_model_parallel_size, ep=p.expert_model_parallel_size,
-                   stage_layers=tuple((st.layers.start, st.layers.stop)
-                                      for st in ParallelPlan.model_parallel(cfg).stages),
+        return cls(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                   ep=p.expert_model_parallel_size,
+                   stage_layers=tuple((c.layers.start, c.layers.stop)
+                                      for c in ParallelPlan.model_parallel(cfg).virtual_stages),
                    num_experts=cfg.model.num_experts or 0)
 
     def to_json(self) -> dict:

@@ -155,8 +155,12 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
     # Implemented by other issues' config fields.
     **{flag: _owned("#18 (GQA)") for flag in ("--group-query-attention", "--num-query-groups", "--kv-channels",
                                                "--qk-layernorm", "--rotary-percent")},
+    "--sequence-parallel": MegatronFlag(
+        MEANING, "has Megatron-LM's meaning", owner="#17 (sequence parallelism, recomputation)",
+        keeps=lambda value, cfg: cfg.parallel.tensor_model_parallel_size > 1,
+        otherwise=(NO_EFFECT, "with --tensor-model-parallel-size 1 (Megatron-LM turns it off too)")),
     **{flag: _owned("#17 (sequence parallelism, recomputation)")
-       for flag in ("--sequence-parallel", "--recompute-granularity", "--recompute-method", "--recompute-num-layers")},
+       for flag in ("--recompute-granularity", "--recompute-method", "--recompute-num-layers")},
     "--num-layers-per-virtual-pipeline-stage": _owned("#17 (interleaved pipeline)"),
     **{flag: _owned("#16 (distributed optimizer, overlap)")
        for flag in ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from megatron_p2r.config.fields import ConfigError, opt
-from megatron_p2r.config.ranges import at_least
+from megatron_p2r.config.ranges import LAYERS, at_least
 
 
 @dataclass(frozen=True)
@@ -16,6 +16,13 @@ class ParallelConfig:
     expert_model_parallel_size: int = opt(1, "EP: ranks the experts are spread over (divides DP).")
     pipeline_layer_split: Optional[str] = opt(None, "Layers per stage, e.g. 3,5,5,3 (default even).")
     pipeline_schedule: str = opt("1f1b", "Pipeline schedule.", choices=["1f1b", "gpipe"])
+    sequence_parallel: bool = opt(False, "Megatron sequence parallelism: norms, dropouts and residuals hold "
+                                         "1/TP of the sequence (no effect with TP 1, as in Megatron-LM).")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = opt(
+        None, "Layers per virtual pipeline stage: interleaved 1F1B with (L/P)/N model chunks per rank.")
+    num_virtual_stages_per_pipeline_rank: Optional[int] = opt(
+        None, "Model chunks per pipeline rank (interleaved 1F1B); the alternative to "
+              "--num-layers-per-virtual-pipeline-stage.")
     distributed_backend: str = opt("auto", "torch.distributed backend (auto: nccl on CUDA, gloo on CPU).",
                                    choices=["auto", "gloo", "nccl"])
     distributed_timeout_minutes: float = opt(10.0, "Timeout of every collective.")
@@ -35,6 +42,41 @@ class ParallelConfig:
         if self.overlap_param_gather and not (self.use_distributed_optimizer and self.overlap_grad_reduce):
             raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce "
                               "(as in Megatron-LM)")
+        self.num_model_chunks(num_layers)
+
+    def num_model_chunks(self, num_layers: int) -> int:
+        """Model chunks (virtual stages) per pipeline rank: Megatron-LM's
+        virtual_pipeline_model_parallel_size, 1 without interleaving. Checked as Megatron checks it:
+        every virtual stage holds L / (P x v) layers."""
+        per_stage, chunks = self.num_layers_per_virtual_pipeline_stage, self.num_virtual_stages_per_pipeline_rank
+        if per_stage is None and chunks is None:
+            return 1
+        if per_stage is not None and chunks is not None:
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
+                              "are two ways to ask for interleaving: pass at most one")
+        pp, flag = self.pipeline_model_parallel_size, ("--num-layers-per-virtual-pipeline-stage" if per_stage
+                                                       else "--num-virtual-stages-per-pipeline-rank")
+        if num_layers % pp:
+            raise ConfigError(f"{flag} needs --num-layers ({num_layers}) divisible by "
+                              f"--pipeline-model-parallel-size ({pp})")
+        if per_stage is not None:
+            if (num_layers // pp) % per_stage:
+                raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per_stage} must divide the "
+                                  f"{num_layers // pp} layers of each pipeline stage (--num-layers / "
+                                  f"--pipeline-model-parallel-size)")
+            chunks = num_layers // pp // per_stage
+        elif (num_layers // pp) % chunks:
+            raise ConfigError(f"--num-virtual-stages-per-pipeline-rank {chunks} must divide the {num_layers // pp} "
+                              f"layers of each pipeline stage (--num-layers / --pipeline-model-parallel-size)")
+        if chunks > 1 and pp == 1:
+            raise ConfigError(f"{flag}: interleaving needs --pipeline-model-parallel-size > 1")
+        if chunks > 1 and self.pipeline_layer_split:
+            raise ConfigError(f"{flag} splits the layers evenly over the virtual stages; it cannot be combined "
+                              "with --pipeline-layer-split")
+        if chunks > 1 and self.pipeline_schedule != "1f1b":
+            raise ConfigError(f"{flag}: interleaving is a 1F1B schedule; --pipeline-schedule is "
+                              f"{self.pipeline_schedule!r}")
+        return chunks
 
 
 def stage_layer_counts(num_layers: int, pp: int, split: Optional[str] = None) -> List[int]:
@@ -67,4 +109,5 @@ RANGES = {
     "ddp_bucket_size": at_least(1),  # elements: a threshold where a bucket closes, never allocated as such
     # below a second nothing completes (even the rendezvous); a datetime.timedelta overflows near 10^12
     "distributed_timeout_minutes": at_least(0.01, 10 ** 6),
+    "num_layers_per_virtual_pipeline_stage": at_least(1, LAYERS), "num_virtual_stages_per_pipeline_rank": at_least(1, LAYERS),
 }

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Iterable, List, Optional, Tuple
 
 from megatron_p2r.config.fields import ConfigError, opt
-from megatron_p2r.config.ranges import Range, at_least, fraction, positive
+from megatron_p2r.config.ranges import LAYERS, Range, at_least, fraction, positive
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,17 @@ class TrainConfig:
     min_loss_scale: float = opt(1.0, "fp16: smallest loss scale.")
     loss_scale_window: int = opt(1000, "fp16: grow the scale after this many finite steps.")
     hysteresis: int = opt(2, "fp16: halve the scale after this many non-finite steps in a row.")
-    recompute_activations: bool = opt(False, "Recompute each layer's activations in backward.")
+    recompute_activations: bool = opt(False, "Selective recomputation (--recompute-granularity selective): "
+                                             "the attention core is recomputed in backward.")
+    recompute_granularity: Optional[str] = opt(None, "full: recompute whole layers (with --recompute-method); "
+                                                     "selective: the attention core only.",
+                                               choices=["full", "selective"])
+    recompute_method: Optional[str] = opt(None, "full recomputation: uniform (every chunk of "
+                                                "--recompute-num-layers layers) or block (the first "
+                                                "--recompute-num-layers layers of each stage).",
+                                          choices=["uniform", "block"])
+    recompute_num_layers: Optional[int] = opt(None, "Layers per recomputed chunk (uniform) or recomputed "
+                                                    "layers per pipeline stage (block).")
     max_skipped_steps: int = opt(10, "Stop after this many consecutive steps skipped for non-finite values.")
     exit_interval: Optional[int] = opt(None, "Save and exit when the iteration is a multiple of this.")
     exit_duration_in_mins: Optional[int] = opt(None, "Save and exit after this many minutes.")
@@ -59,6 +69,7 @@ class TrainConfig:
         self._check_schedule_units()
         self._check_batch_schedule()
         self._check_decoupled_lr()
+        self._check_recompute()
 
     def _check_schedule_units(self) -> None:
         """Iterations or samples, not both (Megatron-LM's rules)."""
@@ -90,6 +101,48 @@ class TrainConfig:
             raise ConfigError(f"need --decoupled-min-lr ({self.decoupled_min_lr}) <= --decoupled-lr "
                               f"({self.decoupled_lr})")
 
+    @property
+    def recompute(self) -> Optional[str]:
+        """The recomputation granularity in effect: --recompute-activations means selective (as in
+        Megatron-LM); None when nothing is recomputed."""
+        return "selective" if self.recompute_activations else self.recompute_granularity
+
+    def _check_recompute(self) -> None:
+        """Megatron-LM's rules: full needs a method and a layer count, selective takes neither."""
+        if self.recompute_activations and self.recompute_granularity == "full":
+            raise ConfigError("--recompute-activations means --recompute-granularity selective; "
+                              "it conflicts with --recompute-granularity full")
+        if self.recompute == "full" and (self.recompute_method is None or self.recompute_num_layers is None):
+            raise ConfigError("--recompute-granularity full needs --recompute-method (uniform|block) and "
+                              "--recompute-num-layers N")
+        if self.recompute != "full" and (self.recompute_method is not None or self.recompute_num_layers is not None):
+            raise ConfigError("--recompute-method and --recompute-num-layers apply to --recompute-granularity "
+                              f"full only (granularity: {self.recompute})")
+
+    def recompute_units(self, num_layers: int, standalone: Iterable[int] = ()) -> List[Tuple[List[int], bool]]:
+        """A stage's ``num_layers`` layers (positions) as consecutive units run together, and
+        whether each unit is recomputed in full: uniform makes every chunk of N layers one
+        recomputed unit; block recomputes the first N layers one by one and keeps the rest.
+        ``standalone`` layers recompute themselves (offloaded): they run alone, and the layers
+        of their chunk around them stay recomputed."""
+        if self.recompute != "full":
+            return [([i], False) for i in range(num_layers)]
+        n, alone = self.recompute_num_layers, set(standalone)
+        if self.recompute_method == "block":
+            return [([i], i < n and i not in alone) for i in range(num_layers)]
+        units = []
+        for start in range(0, num_layers, n):
+            run: List[int] = []
+            for i in range(start, min(start + n, num_layers)):
+                if i in alone:
+                    units += [(run, True)] if run else []
+                    units.append(([i], False))
+                    run = []
+                else:
+                    run.append(i)
+            units += [(run, True)] if run else []
+        return units
+
 
 # Type and range of every numeric field (config/ranges.py); the rules between fields are in ``check``.
 RANGES = {
@@ -104,5 +157,5 @@ RANGES = {
     "clip_grad": Range(0.0), "seed": at_least(0, 2 ** 31 - 1),  # numpy's RandomState takes < 2^32, offsets added
     "initial_loss_scale": positive(), "min_loss_scale": positive(), "loss_scale_window": at_least(1),
     "hysteresis": at_least(1), "max_skipped_steps": at_least(1), "exit_interval": at_least(1),
-    "exit_duration_in_mins": at_least(1),
+    "exit_duration_in_mins": at_least(1), "recompute_num_layers": at_least(1, LAYERS),
 }

@@ -31,6 +31,7 @@ def validate(cfg: Config, world_size: int) -> None:
     p.check(m.num_layers)
     m.check_split(p.tensor_model_parallel_size, p.expert_model_parallel_size)
     _check_world(cfg, world_size)
+    _check_sequence_parallel(cfg)
     cfg.train.check()
     cfg.data.check()
     _check_batch(cfg, world_size)
@@ -53,6 +54,14 @@ def _check_world(cfg: Config, world_size: int) -> None:
     if dp % ep:
         raise ConfigError(f"--expert-model-parallel-size ({ep}) must divide the data-parallel size ({dp} = "
                           f"world {world_size} / (TP {tp} x PP {pp}))")
+
+
+def _check_sequence_parallel(cfg: Config) -> None:
+    """Sequence parallelism splits every sample's sequence evenly over the TP ranks."""
+    p, seq = cfg.parallel, cfg.model.seq_length
+    if p.sequence_parallel and seq % p.tensor_model_parallel_size:
+        raise ConfigError(f"--sequence-parallel: --seq-length ({seq}) must be divisible by "
+                          f"--tensor-model-parallel-size ({p.tensor_model_parallel_size})")
 
 
 def _check_batch(cfg: Config, world_size: int) -> None:

@@ -38,14 +38,14 @@ def last_first(layer_keys: Sequence[int]) -> List[int]:
     return list(dict.fromkeys(reversed(list(layer_keys))))
 
 
-def select_modules(spec: LayerSpec, layer_keys: Sequence[int], layer_range: range) -> List[int]:
+def select_modules(spec: LayerSpec, layer_keys: Sequence[int], layer_range: Sequence[int]) -> List[int]:
     """Module keys to offload on a stage for a count / fraction / list spec (in order of use)."""
     if spec.kind == "count":
         n = min(spec.count, len(layer_keys))
     elif spec.kind == "fraction":
         n = int(math.floor(spec.fraction * len(layer_keys) + 0.5))
     elif spec.kind == "list":
-        wanted = {layer_keys[i - layer_range.start] for i in spec.layers if i in layer_range}
+        wanted = {layer_keys[layer_range.index(i)] for i in spec.layers if i in layer_range}
         return [k for k in dict.fromkeys(layer_keys) if k in wanted]
     else:
         raise ValueError(f"select_modules does not handle {spec.kind!r}")
@@ -97,7 +97,7 @@ def choose_auto(total: Dict[str, int], module_bytes: Dict[int, Dict[str, int]], 
                       f"more pipeline/tensor parallelism")
 
 
-def choose_offloaded(o: OffloadConfig, num_layers: int, layer_keys: Sequence[int], layer_range: range,
+def choose_offloaded(o: OffloadConfig, num_layers: int, layer_keys: Sequence[int], layer_range: Sequence[int],
                      total: Dict[str, int], module_bytes: Dict[int, Dict[str, int]], where: str) -> List[int]:
     """The module keys of one stage that ``--cpu-offload-layers`` puts on host (in order of use)."""
     if o.cpu_offload_layers is None:

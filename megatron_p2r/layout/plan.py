@@ -3,14 +3,20 @@
 A pure object built from a ``Config`` and a ``Layout`` (no process groups, no tensors), so any
 rank of a 512-GPU layout is planned in one process. It holds:
 
-- each pipeline stage's global layer range, the module key each of its layers calls (in the
-  pseudo phase several layers call one key) and the modules the stage builds;
-- the tensors held by several stages — the tied word embedding on the first and last stage, a
-  pseudo-phase module called on several stages — and the stages holding them;
+- each pipeline stage's model chunks (one; v with interleaving: chunk c of stage p is virtual
+  stage c*P + p, and each is a stage of its own with its global layer range), the module key
+  each layer calls (in the pseudo phase several layers call one key) and the modules the stage
+  builds — one per key, however many of its chunks call it;
+- the tensors held by several pipeline stages — the tied word embedding on the first and last
+  stage, a pseudo-phase module called on several stages — and the stages holding them. These
+  are pipeline ranks: a module two chunks of one rank call is one module there, which
+  accumulates both gradients locally before the cross-stage reduction;
 - each parameter's gradient reduction: over DP or expert-DP, fused with the sum over the
   stages that hold replicas of it (one all-reduce over "those stages x DP"), and with the sum
   over the TP ranks whose copies hold partial gradients (grouped-query attention's replicated
-  key/value heads, --qk-layernorm weights): "TP block x stages x DP";
+  key/value heads, --qk-layernorm weights, and under sequence parallelism the parameters
+  applied to sequence shards: norms, biases added after a reduce-scatter, the MoE router, the
+  position embedding): "TP block x stages x DP";
 - which rank's copy of each logical element counts in the global gradient norm;
 - each stage's gradient buffers and buckets, and under the distributed optimizer the owner of
   every range of every parameter (``layout.buckets``);
@@ -54,15 +60,43 @@ class Reduction:
 
 
 @dataclass(frozen=True)
-class StagePlan:
-    """One pipeline stage: its layers, the module each calls, what it builds and offloads."""
+class ChunkPlan:
+    """One virtual pipeline stage: model chunk ``chunk`` of its pipeline stage."""
 
-    index: int
+    index: int                     # virtual stage: chunk * P + pipeline stage
+    chunk: int
     layers: range                  # global layer indices
     layer_keys: Tuple[int, ...]    # the module key each of those layers calls
-    first: bool
-    last: bool
+    first: bool                    # virtual stage 0: the embedding
+    last: bool                     # the last virtual stage: final norm, output layer, loss
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage (rank): its model chunks, the modules they call, what it offloads."""
+
+    index: int
+    chunks: Tuple[ChunkPlan, ...]
     offloaded: Tuple[int, ...] = ()   # module keys whose weights (or moments) live on host
+
+    @property
+    def layers(self) -> Tuple[int, ...]:
+        """Global layer indices, chunk by chunk (the order ``layer_keys`` and the model use)."""
+        return tuple(i for c in self.chunks for i in c.layers)
+
+    @property
+    def layer_keys(self) -> Tuple[int, ...]:
+        return tuple(k for c in self.chunks for k in c.layer_keys)
+
+    @property
+    def first(self) -> bool:
+        """Holds the embedding (chunk 0 of stage 0)."""
+        return self.chunks[0].first
+
+    @property
+    def last(self) -> bool:
+        """Holds the final norm, output layer and loss (the last chunk of stage P-1)."""
+        return self.chunks[-1].last
 
     @property
     def modules(self) -> Tuple[int, ...]:
@@ -82,10 +116,12 @@ class BufferSettings:
     param_bytes: int = offload_choice.PARAM_BYTES
 
 
-def stage_layer_ranges(num_layers: int, pp: int, split: Optional[str] = None) -> List[range]:
-    """Global layer indices of each pipeline stage (even, or ``--pipeline-layer-split``)."""
+def stage_layer_ranges(num_layers: int, pp: int, split: Optional[str] = None, chunks: int = 1) -> List[range]:
+    """Global layer indices of each virtual stage: of each pipeline stage (even, or
+    ``--pipeline-layer-split``) when ``chunks`` is 1, else L / (P x chunks) layers each."""
+    counts = stage_layer_counts(num_layers, pp, split) if chunks == 1 else [num_layers // (pp * chunks)] * (pp * chunks)
     ranges, start = [], 0
-    for count in stage_layer_counts(num_layers, pp, split):
+    for count in counts:
         ranges.append(range(start, start + count))
         start += count
     return ranges
@@ -98,10 +134,11 @@ class ParallelPlan:
     phase: str
     share_pattern: str             # effective pattern: ``none`` in the real phase
     layer_keys: Tuple[int, ...]    # module key of every global layer
-    stages: Tuple[StagePlan, ...]
+    stages: Tuple[StagePlan, ...]  # one per pipeline rank
     replicas: Tuple[Tuple[str, Tuple[int, ...]], ...]   # (logical name prefix, stages holding it)
     buffers: BufferSettings = BufferSettings()
     tp_blocks: Tuple[Tuple[str, int], ...] = ()   # (logical name, TP ranks summing its partial gradients)
+    sequence_parallel: bool = False  # --sequence-parallel with TP > 1
 
     @classmethod
     def build(cls, cfg: Config, layout: Layout) -> "ParallelPlan":
@@ -109,19 +146,22 @@ class ParallelPlan:
         m, p = cfg.model, cfg.parallel
         pattern = effective_pattern(cfg.p2r.p2r_phase, cfg.p2r.share_pattern)
         keys = tuple(layer_module_keys(pattern, m.num_layers, [m.is_moe_layer(i) for i in range(m.num_layers)]))
-        ranges = stage_layer_ranges(m.num_layers, p.pipeline_model_parallel_size, p.pipeline_layer_split)
-        replicas = [(f"layers.{k}", tuple(st)) for k, st in stages_using_slot(keys, ranges).items() if len(st) > 1]
-        if not m.untie_embeddings_and_output_weights and len(ranges) > 1:
-            replicas.append((WORD_EMBEDDING, (0, len(ranges) - 1)))
-        last = len(ranges) - 1
-        stages = tuple(StagePlan(index=s, layers=r, layer_keys=tuple(keys[i] for i in r), first=s == 0,
-                                 last=s == last) for s, r in enumerate(ranges))
+        pp = p.pipeline_model_parallel_size
+        ranges = stage_layer_ranges(m.num_layers, pp, p.pipeline_layer_split, p.num_model_chunks(m.num_layers))
+        chunks = [ChunkPlan(index=v, chunk=v // pp, layers=r, layer_keys=tuple(keys[i] for i in r), first=v == 0,
+                            last=v == len(ranges) - 1) for v, r in enumerate(ranges)]
+        stages = tuple(StagePlan(index=s, chunks=tuple(chunks[s::pp])) for s in range(pp))
+        users = stages_using_slot(keys, [st.layers for st in stages])   # in pipeline ranks
+        replicas = [(f"layers.{k}", tuple(st)) for k, st in users.items() if len(st) > 1]
+        if not m.untie_embeddings_and_output_weights and pp > 1:
+            replicas.append((WORD_EMBEDDING, (0, pp - 1)))
         buffers = BufferSettings(bucket_size=default_bucket_size(layout.dp, p.overlap_grad_reduce, p.ddp_bucket_size),
                                  distributed=p.use_distributed_optimizer,
                                  break_at_modules=cfg.offload.cpu_offload_layers is not None,
                                  param_bytes=2 if (cfg.train.bf16 or cfg.train.fp16) else offload_choice.PARAM_BYTES)
         plan = cls(layout=layout, model=m, phase=cfg.p2r.p2r_phase, share_pattern=pattern, layer_keys=keys,
-                   stages=stages, replicas=tuple(replicas), buffers=buffers)
+                   stages=stages, replicas=tuple(replicas), buffers=buffers,
+                   sequence_parallel=p.sequence_parallel and layout.tp > 1)
         plan = dataclasses.replace(plan, tp_blocks=_tp_blocks(plan))
         if cfg.offload.cpu_offload_layers is None:
             return plan
@@ -146,10 +186,21 @@ class ParallelPlan:
     def stage(self, pp_rank: int) -> StagePlan:
         return self.stages[pp_rank]
 
+    @property
+    def num_model_chunks(self) -> int:
+        """Model chunks per pipeline rank (Megatron's virtual pipeline size; 1: no interleaving)."""
+        return len(self.stages[0].chunks)
+
+    @property
+    def virtual_stages(self) -> Tuple[ChunkPlan, ...]:
+        """Every virtual stage, in pipeline order (the stages themselves without interleaving)."""
+        return tuple(sorted((c for st in self.stages for c in st.chunks), key=lambda c: c.index))
+
     def tensors(self, stage: int) -> List[TensorSpec]:
         """Every parameter a rank of ``stage`` holds (local shapes), in the model's order."""
         st = self.stages[stage]
-        return stage_tensors(self.model, self.layout.tp, self.layout.ep, st.modules, st.first, st.last)
+        return stage_tensors(self.model, self.layout.tp, self.layout.ep, st.modules, st.first, st.last,
+                             self.sequence_parallel)
 
     def module_numel(self, stage: int) -> Dict[int, int]:
         """Parameters per module key of ``stage`` on one rank."""

@@ -40,8 +40,9 @@ def slot_to_layers(slots: Sequence[int]) -> Dict[int, List[int]]:
     return out
 
 
-def stages_using_slot(slots: Sequence[int], stage_ranges: Sequence[range]) -> Dict[int, List[int]]:
-    """slot -> the pipeline stages holding a replica of it (each stage builds one module per slot)."""
+def stages_using_slot(slots: Sequence[int], stage_ranges: Sequence[Sequence[int]]) -> Dict[int, List[int]]:
+    """slot -> the pipeline stages holding a replica of it (each stage builds one module per slot,
+    whichever of its layers use it)."""
     out: Dict[int, List[int]] = {}
     for stage, layers in enumerate(stage_ranges):
         for slot in sorted({slots[i] for i in layers}):

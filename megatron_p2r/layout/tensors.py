@@ -7,6 +7,7 @@ read shapes from here, so none of them needs a model to reason about memory or f
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -15,6 +16,13 @@ from megatron_p2r.config import ModelConfig
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_WEIGHT = "output_layer.weight"
+# Parameters a sequence-parallel rank applies to its sequence shard only, so each TP rank holds a
+# partial gradient (model/block.py, attention.py's and mlp.py's row-parallel biases,
+# moe/router.py, m6.py's embedding).
+SEQUENCE_PARALLEL_PARTIAL = ("input_norm.weight", "input_norm.bias", "post_attention_norm.weight",
+                             "post_attention_norm.bias", "final_norm.weight", "final_norm.bias",
+                             "attention.proj.bias", "mlp.fc2.bias", "mlp.router.weight",
+                             "embedding.position_embeddings.weight")
 
 
 @dataclass(frozen=True)
@@ -155,8 +163,9 @@ def layer_tensors(m: ModelConfig, key: int, tp: int, ep: int) -> List[TensorSpec
 
 
 def stage_tensors(m: ModelConfig, tp: int, ep: int, module_keys: Sequence[int], first: bool,
-                  last: bool) -> List[TensorSpec]:
-    """Every parameter of a stage that builds ``module_keys``, in ``named_parameters`` order."""
+                  last: bool, sequence_parallel: bool = False) -> List[TensorSpec]:
+    """Every parameter of a stage that builds ``module_keys``, in ``named_parameters`` order;
+    under ``sequence_parallel`` those applied to sequence shards hold partial gradients."""
     specs: List[TensorSpec] = []
     for key in module_keys:
         specs += layer_tensors(m, key, tp, ep)
@@ -170,4 +179,7 @@ def stage_tensors(m: ModelConfig, tp: int, ep: int, module_keys: Sequence[int], 
         if not (tied and first):
             specs.append(TensorSpec(OUTPUT_WEIGHT, (m.padded_vocab_size // tp, m.hidden_size), tp_dim=0,
                                     shared_name=WORD_EMBEDDING if tied else None))
+    if sequence_parallel:
+        specs = [dataclasses.replace(s, tp_partial=True) if s.name.endswith(SEQUENCE_PARALLEL_PARTIAL) else s
+                 for s in specs]
     return specs

@@ -11,7 +11,7 @@ from torch import nn
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.model.norm import make_norm
 from megatron_p2r.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron_p2r.parallel.random import get_rng_tracker
+from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.state import ParallelState
 
 
@@ -49,7 +49,8 @@ class Attention(nn.Module):
     the ParallelPlan sums over those ranks (``layout.tensors.HeadRows``, docs/architecture.md).
     """
 
-    def __init__(self, cfg: ModelConfig, ps: ParallelState, device=None):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, device=None, *, sequence_parallel: bool = False,
+                 recompute_core: bool = False):
         super().__init__()
         h, d, tp = cfg.hidden_size, cfg.head_dim, ps.tp_size
         heads, groups = cfg.num_attention_heads, cfg.query_groups
@@ -58,7 +59,9 @@ class Attention(nn.Module):
         self.local_groups = max(groups // tp, 1)
         self.dropout = cfg.attention_dropout
         self.device = ps.device
-        projection = dict(bias=cfg.qkv_bias, init_std=cfg.init_method_std, device=device)
+        self.recompute_core = recompute_core
+        projection = dict(bias=cfg.qkv_bias, init_std=cfg.init_method_std, sequence_parallel=sequence_parallel,
+                          device=device)
         self.qkv = self.query = self.key_value = None
         if cfg.group_query_attention:
             self.query = ColumnParallelLinear(h, heads * d, ps, **projection)
@@ -69,31 +72,42 @@ class Attention(nn.Module):
         self.q_layernorm = make_norm(cfg, device, d) if cfg.qk_layernorm else None
         self.k_layernorm = make_norm(cfg, device, d) if cfg.qk_layernorm else None
         self.proj = RowParallelLinear(heads * d, h, ps, bias=cfg.add_bias,
-                                      init_std=cfg.init_method_std / math.sqrt(2 * cfg.num_layers), device=device)
+                                      init_std=cfg.init_method_std / math.sqrt(2 * cfg.num_layers),
+                                      sequence_parallel=sequence_parallel, device=device)
 
     def _project(self, x: torch.Tensor) -> tuple:
-        """q [b, local heads, s, d]; k, v [b, local key/value heads, s, d]."""
-        b, s, _ = x.shape
+        """q [b, local heads, s, d]; k, v [b, local key/value heads, s, d], s the whole sequence
+        (the projections all-gather a sequence shard)."""
         if self.qkv is not None:
-            qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.head_dim)
+            qkv = self.qkv(x)
+            qkv = qkv.view(*qkv.shape[:2], self.local_heads, 3, self.head_dim)
             return tuple(t.transpose(1, 2) for t in qkv.unbind(dim=3))
-        q = self.query(x).view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        q = self.query(x)
+        b, s = q.shape[:2]
+        q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
         kv = self.key_value(x).view(b, s, self.local_groups, 2, self.head_dim)
         k, v = (t.transpose(1, 2) for t in kv.unbind(dim=3))
         return q, k, v
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = self._project(x)
+        q, k, v = self._project(x)   # the whole sequence, also when x is a sequence shard
+        b, s = q.shape[0], q.shape[2]
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None:
             cos, sin = rope
             q, k = apply_rotary(q, cos[:s], sin[:s]), apply_rotary(k, cos[:s], sin[:s])
+        if self.recompute_core and torch.is_grad_enabled():
+            y = tp_random.checkpoint(self.core, q, k, v, device=self.device)
+        else:
+            y = self.core(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(QK^T / sqrt(d)) V with attention dropout: what selective recomputation
+        (``recompute_core``, Megatron's "core_attn") recomputes in backward."""
         p = self.dropout if self.training else 0.0
         # Heads are split over TP, so their dropout masks must differ between TP ranks.
-        rng = get_rng_tracker(self.device).fork() if p > 0 else contextlib.nullcontext()
-        with rng:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                               enable_gqa=self.local_groups != self.local_heads)
-        return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+        with tp_random.get_rng_tracker(self.device).fork() if p > 0 else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                  enable_gqa=self.local_groups != self.local_heads)

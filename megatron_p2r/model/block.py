@@ -1,4 +1,8 @@
-"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)) (dense or MoE)."""
+"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)) (dense or MoE).
+
+Under sequence parallelism ``x`` is this rank's sequence shard: the norms, dropouts and
+residual adds run on 1/TP of the tokens, and the residual dropout draws from the
+model-parallel RNG stream (``random.dropout_rng``)."""
 from __future__ import annotations
 
 import torch
@@ -10,22 +14,31 @@ from megatron_p2r.model.attention import Attention
 from megatron_p2r.model.mlp import MLP
 from megatron_p2r.model.norm import make_norm
 from megatron_p2r.moe.layer import MoELayer
+from megatron_p2r.parallel.random import dropout_rng
 from megatron_p2r.parallel.state import ParallelState
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ps: ParallelState, moe: bool, device=None):
+    """``recompute_core``: selective recomputation of the attention core (model/attention.py)."""
+
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, moe: bool, device=None, *,
+                 sequence_parallel: bool = False, recompute_core: bool = False):
         super().__init__()
         self.hidden_dropout = cfg.hidden_dropout
+        self.device, self.sequence_parallel = ps.device, sequence_parallel
         self.input_norm = make_norm(cfg, device)
-        self.attention = Attention(cfg, ps, device)
+        self.attention = Attention(cfg, ps, device, sequence_parallel=sequence_parallel, recompute_core=recompute_core)
         self.post_attention_norm = make_norm(cfg, device)
         if moe:
-            self.mlp = MoELayer(cfg, ps, device)
+            self.mlp = MoELayer(cfg, ps, device, sequence_parallel=sequence_parallel)
         else:
-            self.mlp = MLP(cfg, ps, device=device)
+            self.mlp = MLP(cfg, ps, device=device, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         p = self.hidden_dropout if self.training else 0.0
-        x = x + F.dropout(self.attention(self.input_norm(x), rope), p)
-        return x + F.dropout(self.mlp(self.post_attention_norm(x)), p)
+        attention = self.attention(self.input_norm(x), rope)
+        with dropout_rng(self.device, self.sequence_parallel and p > 0):
+            x = x + F.dropout(attention, p)
+        mlp = self.mlp(self.post_attention_norm(x))
+        with dropout_rng(self.device, self.sequence_parallel and p > 0):
+            return x + F.dropout(mlp, p)

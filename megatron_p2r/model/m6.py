@@ -1,15 +1,27 @@
 """The M6 language model, one pipeline stage of it.
 
-A stage holds the layers of its global range (from the ``ParallelPlan``); the first stage
-adds the embedding, the last the final norm, the output layer and the loss. Layers are kept in
+A stage holds the layers of its model chunks (from the ``ParallelPlan``: one chunk, or v with
+interleaving, each a virtual stage with a global layer range); the first chunk of the first
+stage adds the embedding, the last chunk of the last stage the final norm, the output layer
+and the loss. ``forward(..., chunk=c)`` runs chunk c. Layers are kept in
 ``self.layers`` keyed by the global index of the module they call (``layout.sharing``), so
 module paths are global names: ``layers.5.attention.qkv.weight`` means the same tensor on
-every layout, and in the pseudo phase several layers call one key.
+every layout, and in the pseudo phase several layers call one key — also across the chunks of
+a stage, which then share one module and accumulate its gradient locally.
+
+Sequence parallelism (``plan.sequence_parallel``): the embedding reduce-scatters into this
+rank's sequence shard ``[b, s/TP, h]``, the layers and the final norm run on the shard,
+stages exchange the shard, and the output layer gathers the sequence again.
+
+Recomputation (Megatron-LM's flags): ``selective`` recomputes each layer's attention core
+(``Attention.core``); ``full`` recomputes units of layers of each model chunk
+(``TrainConfig.recompute_units``: uniform chunks of N layers, or the first N layers of the
+chunk, as Megatron-LM applies them to each virtual stage's block). Offloaded layers recompute
+themselves and stay outside the units.
 """
 from __future__ import annotations
 
-import functools
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -21,19 +33,24 @@ from megatron_p2r.model.attention import rotary_tables
 from megatron_p2r.model.block import TransformerLayer
 from megatron_p2r.model.norm import make_norm
 from megatron_p2r.parallel import random as tp_random
-from megatron_p2r.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_p2r.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
-from megatron_p2r.parallel.mappings import copy_to_region
+from megatron_p2r.parallel.cross_entropy import output_cross_entropy
+from megatron_p2r.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear
+from megatron_p2r.parallel.random import dropout_rng
 from megatron_p2r.parallel.sharding import init_parameters
 from megatron_p2r.parallel.state import ParallelState
 
 
 class Embedding(nn.Module):
-    def __init__(self, cfg: Config, ps: ParallelState, device=None):
+    """Word (+ learned position) embeddings and dropout; under sequence parallelism the output is
+    this rank's sequence shard, its positions those of the shard."""
+
+    def __init__(self, cfg: Config, ps: ParallelState, device=None, *, sequence_parallel: bool = False):
         super().__init__()
         m = cfg.model
         self.word_embeddings = VocabParallelEmbedding(m.padded_vocab_size, m.hidden_size, ps,
-                                                      init_std=m.init_method_std, device=device)
+                                                      init_std=m.init_method_std,
+                                                      sequence_parallel=sequence_parallel, device=device)
+        self.sequence_parallel, self.tp_rank, self.device = sequence_parallel, ps.tp_rank, ps.device
         self.position_embeddings = None
         if m.position_embedding_type == "learned_absolute":
             # _weight skips nn.Embedding's own normal_ init (init_parameters draws it; on the meta
@@ -47,28 +64,41 @@ class Embedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
-        return nn.functional.dropout(x, self.dropout if self.training else 0.0)
+            start = self.tp_rank * x.shape[1] if self.sequence_parallel else 0
+            x = x + self.position_embeddings(torch.arange(start, start + x.shape[1], device=tokens.device))
+        p = self.dropout if self.training else 0.0
+        with dropout_rng(self.device, self.sequence_parallel and p > 0):
+            return nn.functional.dropout(x, p)
 
 
 class M6Model(nn.Module):
-    """One pipeline stage. ``forward`` takes token ids (first stage) or the previous stage's
-    hidden states and returns hidden states, or per-token losses on the last stage.
+    """One pipeline stage: its model chunks (virtual stages; one without interleaving).
+    ``forward(..., chunk=c)`` takes token ids (first virtual stage) or the previous virtual
+    stage's hidden states and returns hidden states, or on the last virtual stage the loss (per
+    token, or the masked sum the schedules optimise).
 
-    ``layer_calls[i]`` runs the stage's i-th layer: the layer module itself, wrapped for
-    activation recomputation when asked; ``offload.apply_offload`` replaces the entries of
-    offloaded layers with calls that fetch their weights from host.
+    ``layer_calls[i]`` runs the stage's i-th layer (chunk by chunk): the layer module itself;
+    ``offload.apply_offload`` replaces the entries of offloaded layers (``replace_layer_call``)
+    with calls that fetch their weights from host.
     """
 
     def __init__(self, cfg: Config, ps: ParallelState, plan: ParallelPlan, device=None):
         super().__init__()
         m = cfg.model
         self.cfg, self.ps = cfg, ps
+        self.sequence_parallel = sp = plan.sequence_parallel
         self.stage = stage = plan.stage(ps.pp_rank)
         self.layer_keys = list(stage.layer_keys)
-        self.layers = nn.ModuleDict({str(k): TransformerLayer(m, ps, m.is_moe_layer(k), device)
+        self.num_model_chunks = len(stage.chunks)
+        starts = [0]
+        for chunk in stage.chunks:
+            starts.append(starts[-1] + len(chunk.layer_keys))
+        self._chunk_calls = [range(a, b) for a, b in zip(starts, starts[1:])]   # positions in layer_calls
+        selective = cfg.train.recompute == "selective"
+        self.layers = nn.ModuleDict({str(k): TransformerLayer(m, ps, m.is_moe_layer(k), device, sequence_parallel=sp,
+                                                              recompute_core=selective)
                                      for k in stage.modules})
-        self.embedding = Embedding(cfg, ps, device) if stage.first else None
+        self.embedding = Embedding(cfg, ps, device, sequence_parallel=sp) if stage.first else None
         self.final_norm = make_norm(m, device) if stage.last else None
         self.output_layer = None
         tied = not m.untie_embeddings_and_output_weights
@@ -78,10 +108,25 @@ class M6Model(nn.Module):
             if tied:  # a replica of the first stage's embedding; gradients summed over the embedding group
                 self.output_layer.weight.shared_name = WORD_EMBEDDING
         self.rope_base = m.rotary_base if m.position_embedding_type == "rope" else None
-        layers = [self.layers[str(k)] for k in self.layer_keys]
-        if cfg.train.recompute_activations:
-            layers = [functools.partial(_recomputed, layer, ps.device) for layer in layers]
-        self.layer_calls: List[Callable] = layers
+        self.layer_calls: List[Callable] = [self.layers[str(k)] for k in self.layer_keys]
+        self.standalone: Set[int] = set()   # layers whose calls recompute themselves
+        self.recompute_units = self._recompute_units()
+
+    def _recompute_units(self) -> List[List[Tuple[List[int], bool]]]:
+        """Per model chunk, ``TrainConfig.recompute_units`` of its layers, as positions in
+        ``layer_calls``."""
+        out = []
+        for calls in self._chunk_calls:
+            units = self.cfg.train.recompute_units(len(calls), [p - calls.start for p in self.standalone if p in calls])
+            out.append([([calls.start + i for i in unit], recomputed) for unit, recomputed in units])
+        return out
+
+    def replace_layer_call(self, position: int, call: Callable) -> None:
+        """Run the stage's layer ``position`` with ``call``, which recomputes itself in backward
+        (offload): it leaves the recomputed units."""
+        self.layer_calls[position] = call
+        self.standalone.add(position)
+        self.recompute_units = self._recompute_units()
 
     def init_weights(self, seed: int) -> None:
         init_parameters(self, seed, self.ps.tp_rank, self.ps.tp_size, self.ps.ep_rank)
@@ -94,33 +139,41 @@ class M6Model(nn.Module):
     def hidden_spec(self, tokens_shape: Tuple[int, ...]) -> Tuple[Tuple[int, ...], torch.dtype]:
         """(shape, dtype) of the hidden states between stages for a micro-batch of
         ``tokens_shape``: the pipeline receiver allocates this instead of receiving a header.
+        Under sequence parallelism it is this rank's sequence shard (1/TP of the tokens).
         The residual stream keeps the parameters' dtype (autocast computes inside the layers)."""
-        return (*tokens_shape, self.cfg.model.hidden_size), next(self.parameters()).dtype
+        b, s = tokens_shape
+        s = s // self.ps.tp_size if self.sequence_parallel else s
+        return (b, s, self.cfg.model.hidden_size), next(self.parameters()).dtype
 
     def forward(self, tokens: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = self.embedding(tokens) if self.embedding is not None else hidden
-        rope = self._rope(x.shape[1], x.device)
-        for call in self.layer_calls:
-            x = call(x, rope)
-        if self.final_norm is None:
+                labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None,
+                chunk: int = 0) -> torch.Tensor:
+        """Hidden states of model chunk ``chunk``; on the last virtual stage logits ``[b, s, V/TP]``,
+        or with ``labels`` per-token losses ``[b, s]`` — with ``loss_mask`` too, the scalar sum of
+        loss x mask (the schedules' objective; its gradient computed with the loss: the output
+        layer and the loss are fused, parallel/cross_entropy.py)."""
+        spec = self.stage.chunks[chunk]
+        x = self.embedding(tokens) if spec.first else hidden
+        seq_length = x.shape[1] * (self.ps.tp_size if self.sequence_parallel else 1)
+        rope = self._rope(seq_length, x.device)
+        for positions, recomputed in self.recompute_units[chunk]:
+            if recomputed and torch.is_grad_enabled():
+                x = tp_random.checkpoint(self._run_layers, positions, x, rope, device=self.ps.device)
+            else:
+                x = self._run_layers(positions, x, rope)
+        if not spec.last:
             return x
         x = self.final_norm(x)
-        if self.output_layer is not None:
-            logits = self.output_layer(x)
-        else:  # tied weights on a single stage: project through the input embedding
-            logits = nn.functional.linear(copy_to_region(x, self.ps.group("tp")),
-                                          self.embedding.word_embeddings.weight)
+        # the output layer, or with tied weights on a single stage the input embedding
+        weight = (self.output_layer if self.output_layer is not None else self.embedding.word_embeddings).weight
         if labels is None:
-            return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.ps.group("tp"))
+            return column_parallel_linear(x, weight, None, self.ps.group("tp"), self.sequence_parallel)
+        return output_cross_entropy(x, weight, labels, self.ps.group("tp"), self.sequence_parallel, loss_mask)
 
-
-def _recomputed(layer: nn.Module, device: torch.device, x: torch.Tensor, rope) -> torch.Tensor:
-    """``layer(x, rope)``, its activations recomputed in backward when gradients are on."""
-    if not torch.is_grad_enabled():
-        return layer(x, rope)
-    return tp_random.checkpoint(layer, x, rope, device=device)
+    def _run_layers(self, positions: Iterable[int], x: torch.Tensor, rope) -> torch.Tensor:
+        for position in positions:
+            x = self.layer_calls[position](x, rope)
+        return x
 
 
 def params_dtype(cfg: Config) -> torch.dtype:

@@ -21,14 +21,17 @@ def activation(y: torch.Tensor, swiglu: bool) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ps: ParallelState, ffn_size: int | None = None, device=None):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, ffn_size: int | None = None, device=None, *,
+                 sequence_parallel: bool = False):
         super().__init__()
         h, ffn = cfg.hidden_size, ffn_size or cfg.ffn_size
         self.swiglu = cfg.swiglu
         self.fc1 = ColumnParallelLinear(h, ffn * (2 if cfg.swiglu else 1), ps, bias=cfg.add_bias,
-                                        init_std=cfg.init_method_std, device=device)
+                                        init_std=cfg.init_method_std, sequence_parallel=sequence_parallel,
+                                        device=device)
         self.fc2 = RowParallelLinear(ffn, h, ps, bias=cfg.add_bias,
-                                     init_std=cfg.init_method_std / math.sqrt(2 * cfg.num_layers), device=device)
+                                     init_std=cfg.init_method_std / math.sqrt(2 * cfg.num_layers),
+                                     sequence_parallel=sequence_parallel, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(activation(self.fc1(x), self.swiglu))

@@ -13,6 +13,13 @@ With TP the expert path must not double-count: ``x`` enters it through ``copy_to
 gradient is the sum of the TP ranks' partial gradients) and so do the combine weights (their
 gradient <g, partial row> is summed over TP too); the router path itself is replicated and
 its gradients are already whole on every rank. See docs/moe.md.
+
+Under sequence parallelism ``x`` is this rank's sequence shard: the router runs on it (its
+weight's gradient is then partial, summed over TP after backward), the aux losses combine the
+statistics of the TP ranks' shards, and the tokens, their routing and combine weights are
+all-gathered along the sequence into the TP region (backward: reduce-scatter, which sums the
+partial gradients as ``copy_to_region`` does); capacity is decided on the gathered sequence,
+exactly as without sequence parallelism. The output is reduce-scattered back to the shard.
 """
 from __future__ import annotations
 
@@ -24,41 +31,52 @@ from megatron_p2r.moe import aux_loss
 from megatron_p2r.moe.dispatcher import Dispatcher, expert_capacity, gather_rows, plan
 from megatron_p2r.moe.experts import Experts
 from megatron_p2r.moe.router import Router
-from megatron_p2r.parallel.mappings import copy_to_region, reduce_from_region
+from megatron_p2r.parallel.layers import to_compute_dtype
+from megatron_p2r.parallel.mappings import (all_gather_sequence, copy_to_region, gather_from_sequence_region,
+                                            reduce_from_region, reduce_scatter_to_sequence_region)
 from megatron_p2r.parallel.state import ParallelState
 
 
 class MoELayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ps: ParallelState, device=None):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, device=None, *, sequence_parallel: bool = False):
         super().__init__()
         self.num_experts = cfg.num_experts
         self.capacity_factor = cfg.moe_capacity_factor
         self.tp_group = ps.group("tp")
-        self.router = Router(cfg, device)
+        self.sequence_group = self.tp_group if sequence_parallel else None
+        self.router = Router(cfg, device, sequence_group=self.sequence_group)
         self.experts = Experts(cfg, ps, device)
         self.dispatcher = Dispatcher(cfg.num_experts, ps.ep_size, ps.group("ep"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routing = self.router(x.reshape(-1, x.shape[-1]))
+        x, indices, weights = to_compute_dtype(x), routing.indices, routing.weights   # send and compute in it
+        if self.sequence_group is not None:  # the TP ranks' shards: the whole sequence, as without SP
+            b, group = x.shape[0], self.sequence_group
+            x = gather_from_sequence_region(x, group)
+            indices = all_gather_sequence(indices.view(b, -1, indices.shape[-1]), group).flatten(0, 1)
+            weights = gather_from_sequence_region(weights.view(b, -1, weights.shape[-1]), group).flatten(0, 1)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        routing = self.router(x)
         capacity = expert_capacity(x.shape[0], self.router.slots, self.num_experts, self.capacity_factor)
-        p = plan(routing.indices, self.num_experts, capacity)
+        p = plan(indices, self.num_experts, capacity)
         if self.training:
             aux_loss.record_routing(p.dropped, p.routed)
-        if torch.is_autocast_enabled(x.device.type):  # send and compute in the autocast dtype
-            x = x.to(torch.get_autocast_dtype(x.device.type))
-        slots, tokens = routing.indices.shape[1], x.shape[0]
+        slots, tokens = indices.shape[1], x.shape[0]
+        tp_region = (lambda t: t) if self.sequence_group is not None else (lambda t: copy_to_region(t, self.tp_group))
         # p.order indexes the slot-major assignment list [slots * T]: token = order % T
-        rows = gather_rows(copy_to_region(x, self.tp_group), p.order, repeats=slots)
+        rows = gather_rows(tp_region(x), p.order, repeats=slots)
         rows, local_counts, handle = self.dispatcher.dispatch(rows, p.counts)
         rows = self.dispatcher.combine(self.experts(rows, local_counts), handle)
-        weights = copy_to_region(routing.weights.t().reshape(-1).index_select(0, p.order), self.tp_group)
+        weights = tp_region(weights.t().reshape(-1).index_select(0, p.order))
         # each assignment to its own row (dropped ones stay zero), then the sum over slots
         per_slot = x.new_zeros((slots * tokens, x.shape[1]), dtype=torch.float32)
         per_slot = per_slot.index_copy(0, p.order, rows.float() * weights.unsqueeze(-1))
-        out = per_slot.view(slots, tokens, -1).sum(0)
-        out = reduce_from_region(out.to(rows.dtype), self.tp_group).view(shape)
+        out = per_slot.view(slots, tokens, -1).sum(0).to(rows.dtype).view(shape)
+        if self.sequence_group is not None:
+            out = reduce_scatter_to_sequence_region(out, self.sequence_group)
+        else:
+            out = reduce_from_region(out, self.tp_group)
         if routing.aux_loss is not None:
             out = aux_loss.attach(out, routing.aux_loss)
         return out

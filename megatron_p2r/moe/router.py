@@ -18,6 +18,11 @@ Auxiliary losses, on the groups:
   fraction of the group's assignments routed to e (before capacity drops) and P_e the mean
   router probability of e; averaged over groups. 1.0 when perfectly balanced.
 - z-loss (ST-MoE): mean over tokens and groups of ``logsumexp(logits)**2``.
+
+Under sequence parallelism each TP rank routes its sequence shard; both losses are taken over
+the tokens of all the shards (``sequence_group``): counts and probability sums are all-reduced
+(the sums with ``reduce_from_region``, whose identity backward gives each rank's probabilities
+their own gradient), so the loss equals the one without sequence parallelism.
 """
 from __future__ import annotations
 
@@ -25,10 +30,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from megatron_p2r.config import ModelConfig
+from megatron_p2r.parallel.mappings import reduce_from_region
 from megatron_p2r.parallel.sharding import make_param
 
 
@@ -41,24 +48,33 @@ class Routing:
     aux_loss: Optional[torch.Tensor] = None   # coefficient-weighted sum of both losses
 
 
-def load_balancing_loss(probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """Switch loss averaged over groups; ``probs`` [T, G, n], ``indices`` [T, slots] global ids."""
+def load_balancing_loss(probs: torch.Tensor, indices: torch.Tensor, sequence_group=None) -> torch.Tensor:
+    """Switch loss averaged over groups; ``probs`` [T, G, n], ``indices`` [T, slots] global ids
+    (of this rank's tokens: a sequence shard when ``sequence_group`` is set)."""
     tokens, groups, n = probs.shape
     counts = torch.bincount(indices.reshape(-1), minlength=groups * n).view(groups, n).to(probs.dtype)
+    if sequence_group is None:
+        mean_prob = probs.mean(0)                              # P_e, [G, n]
+    else:
+        dist.all_reduce(counts, group=sequence_group)
+        mean_prob = reduce_from_region(probs.sum(0), sequence_group) / (tokens * dist.get_world_size(sequence_group))
     fraction = counts / counts.sum(-1, keepdim=True)          # f_e per group
-    mean_prob = probs.mean(0)                                  # P_e, [G, n]
     return (n * (fraction * mean_prob).sum(-1)).mean()
 
 
-def z_loss(logits: torch.Tensor) -> torch.Tensor:
-    return torch.logsumexp(logits, dim=-1).square().mean()
+def z_loss(logits: torch.Tensor, sequence_group=None) -> torch.Tensor:
+    squares = torch.logsumexp(logits, dim=-1).square()
+    if sequence_group is None:
+        return squares.mean()
+    return reduce_from_region(squares.sum(), sequence_group) / (squares.numel() * dist.get_world_size(sequence_group))
 
 
 class Router(nn.Module):
     """Linear router ``[E, h]``, replicated on every rank (a non-expert parameter)."""
 
-    def __init__(self, cfg: ModelConfig, device=None):
+    def __init__(self, cfg: ModelConfig, device=None, *, sequence_group=None):
         super().__init__()
+        self.sequence_group = sequence_group
         self.num_experts = cfg.num_experts
         self.groups = cfg.moe_num_prototypes
         self.topk = 1 if self.groups > 1 else cfg.moe_router_topk
@@ -90,8 +106,8 @@ class Router(nn.Module):
             if torch.is_grad_enabled() and (self.aux_coeff or self.z_coeff):
                 aux = logits.new_zeros(())
                 if self.aux_coeff:
-                    aux = aux + self.aux_coeff * load_balancing_loss(probs, indices)
+                    aux = aux + self.aux_coeff * load_balancing_loss(probs, indices, self.sequence_group)
                 if self.z_coeff:
-                    aux = aux + self.z_coeff * z_loss(logits)
+                    aux = aux + self.z_coeff * z_loss(logits, self.sequence_group)
                 routing.aux_loss = aux
         return routing

@@ -81,7 +81,7 @@ class OffloadManager:
         if "params" in what:  # the model calls these layers through the manager from now on
             for pos in positions:
                 layer = model.layers[str(model.layer_keys[pos])]
-                model.layer_calls[pos] = functools.partial(self.run_layer, pos, layer)
+                model.replace_layer_call(pos, functools.partial(self.run_layer, pos, layer))
 
     @property
     def offloaded_param_ids(self) -> set:
@@ -166,8 +166,7 @@ class OffloadManager:
             total = add_bytes(total, part)
         per_module = {k: v for k, v in self.module_bytes.items() if k is not None}
         plan = memory_plan(total, per_module, self.keys, self.prefetch, self.what)
-        first = self.model.stage.layers.start
-        layers = [first + pos for pos, k in enumerate(self.model.layer_keys) if k in self.module_params]
+        layers = [i for i, k in zip(self.model.stage.layers, self.model.layer_keys) if k in self.module_params]
         return {**plan, "modules": list(self.keys), "layers": layers, "stage_layers": len(self.model.layer_keys),
                 "prefetch": self.prefetch, "what": ",".join(c for c in WHAT_ITEMS if c in self.what)}
 

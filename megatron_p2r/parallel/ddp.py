@@ -8,6 +8,9 @@ attached to a built stage without wrapping its forward.
   time, and no ``.grad`` outlives its layer's backward.
 - ``--overlap-grad-reduce``: in the last micro-batch's backward (the stage's output marks where
   each backward starts), a bucket's collective starts as soon as every gradient in it is final.
+  With interleaving each model chunk has its last micro-batch's backward, chunk v-1's first and
+  chunk 0's last (``pipeline.order``); a parameter is final in the last of those among the chunks
+  that use it (a pseudo slot may serve several chunks of a rank).
   Buckets of one group start in bucket order on every member — their collectives must line up
   — so a bucket that is not ready holds back those after it; staged buckets (host-resident, see
   ``grad_buffer.py``) are reduced after backward. ``finish_grad_sync`` starts what is left,
@@ -24,23 +27,9 @@ from typing import Dict, Iterable, List, Optional
 import torch
 from torch import nn
 
-from megatron_p2r.layout.plan import ParallelPlan, Reduction
+from megatron_p2r.layout.plan import ParallelPlan, Reduction, StagePlan
 from megatron_p2r.parallel.grad_buffer import BucketState, ParamAndGradBuffer
 from megatron_p2r.parallel.state import ParallelState
-
-
-class _BackwardStart(torch.autograd.Function):
-    """Identity on the stage's output; its backward runs first in each micro-batch's backward."""
-
-    @staticmethod
-    def forward(ctx, ddp, output):
-        ctx.ddp = ddp
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.ddp.backward_started()
-        return None, grad
 
 
 class DistributedDataParallel:
@@ -52,6 +41,7 @@ class DistributedDataParallel:
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         self._staging: Dict[torch.dtype, torch.Tensor] = {}
         named = dict(model.named_parameters())
+        self._final_chunk = {id(p): _final_chunk(name, plan.stage(ps.pp_rank)) for name, p in named.items()}
         self.buffers: List[ParamAndGradBuffer] = []
         for layout in plan.grad_buffers(ps.pp_rank):
             missing = [n for n in layout.names if n not in named]
@@ -69,10 +59,11 @@ class DistributedDataParallel:
         self._fetched = set(fetched)   # ids of parameters whose layers copy them from host before forward
         self._issued = [0] * len(self.buffers)
         self._expected: Optional[int] = None
-        self._backwards, self._last_microbatch = 0, False
+        self._backwards: Dict[int, int] = {}
+        self._chunk, self._last_microbatch = 0, False
         for p in self.model.parameters():
             p.register_post_accumulate_grad_hook(self._accumulate)
-        model.register_forward_hook(self._mark_output)
+        model.register_forward_hook(self._mark_output, with_kwargs=True)
         if overlap_param_gather:
             for module in model.modules():
                 own = [self.bucket_of[id(p)] for p in module.parameters(recurse=False)]
@@ -82,28 +73,35 @@ class DistributedDataParallel:
 
     # -- micro-batches
     def zero_grad_buffer(self, num_microbatches: Optional[int] = None) -> None:
-        """Zero the gradients before a step of ``num_microbatches`` backward passes (None: no overlap)."""
+        """Zero the gradients before a step of ``num_microbatches`` micro-batches, each run
+        through every model chunk (None: no overlap)."""
         for buf in self.buffers:
             buf.zero()
         self._issued = [0] * len(self.buffers)
-        self._expected, self._backwards, self._last_microbatch = num_microbatches, 0, False
+        self._expected, self._backwards, self._last_microbatch = num_microbatches, {}, False
 
-    def _mark_output(self, module, inputs, output):
+    def _mark_output(self, module, args, kwargs, output) -> None:
+        """A hook on the output of a model chunk, the first thing each of its backwards reaches.
+        A hook and not a wrapper: the output stays the tensor the model made, so the pipeline can
+        free its data once sent (``schedules.deallocate_output`` refuses views)."""
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
-            return _BackwardStart.apply(self, output)
-        return output
+            output.register_hook(functools.partial(self._output_grad, kwargs.get("chunk", 0)))
 
-    def backward_started(self) -> None:
-        self._backwards += 1
-        if self._expected is not None and self._backwards > self._expected:
-            raise RuntimeError(f"backward pass {self._backwards} of a step prepared for {self._expected} "
-                               "micro-batches: call zero_grad_buffer(num_microbatches) before each step")
-        self._last_microbatch = self._backwards == self._expected
+    def _output_grad(self, chunk: int, grad: torch.Tensor) -> None:
+        self.backward_started(chunk)
+
+    def backward_started(self, chunk: int = 0) -> None:
+        count = self._backwards[chunk] = self._backwards.get(chunk, 0) + 1
+        if self._expected is not None and count > self._expected:
+            raise RuntimeError(f"backward pass {count} of model chunk {chunk} in a step prepared for "
+                               f"{self._expected} micro-batches: call zero_grad_buffer(num_microbatches) before "
+                               "each step")
+        self._chunk, self._last_microbatch = chunk, count == self._expected
 
     def _accumulate(self, p: nn.Parameter) -> None:
         p.main_grad.add_(p.grad)
         p.grad = None
-        if not (self._last_microbatch and self.overlap_grad_reduce):
+        if not (self._last_microbatch and self.overlap_grad_reduce and self._final_chunk[id(p)] == self._chunk):
             return
         bucket = self.bucket_of[id(p)]
         if id(p) not in bucket.pending:
@@ -168,3 +166,12 @@ class DistributedDataParallel:
         """The storage of the gradient ("grads") or distributed-optimizer parameter ("params") buffers."""
         storage = [buf.grad_data if kind == "grads" else buf.param_data for buf in self.buffers]
         return [t for tensors in storage for t in (tensors or {}).values()]
+
+
+def _final_chunk(name: str, stage: StagePlan) -> int:
+    """The model chunk in whose last backward parameter ``name`` of ``stage`` is final: the
+    lowest chunk that uses it (the embedding is chunk 0's, the head the last chunk's)."""
+    if name.startswith("layers."):
+        key = int(name.split(".")[1])
+        return min(part.chunk for part in stage.chunks if key in part.layer_keys)
+    return 0 if name.startswith("embedding.") else len(stage.chunks) - 1

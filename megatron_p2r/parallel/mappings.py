@@ -7,6 +7,12 @@ the single-process reference.
     reduce_from_region   fwd: all-reduce   bwd: identity      (leave a TP region)
     gather_from_region   fwd: all-gather last dim   bwd: split
     all_to_all           fwd: all-to-all with split sizes   bwd: the reverse all-to-all
+
+Sequence parallelism (Megatron's ``*_sequence_parallel_region``) splits dimension 1, the
+sequence of our batch-first ``[b, s, ...]`` tensors (docs/parallelism.md says why batch-first):
+
+    gather_from_sequence_region        fwd: all-gather along s   bwd: reduce-scatter along s
+    reduce_scatter_to_sequence_region  fwd: reduce-scatter along s   bwd: all-gather along s
 """
 from __future__ import annotations
 
@@ -67,6 +73,54 @@ def reduce_from_region(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> t
 
 def gather_from_region(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     return x if group is None else _Gather.apply(x, group)
+
+
+SEQUENCE_DIM = 1
+
+
+def all_gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """``[b, s/TP, ...]`` shards of the TP ranks -> ``[b, s, ...]`` (rank order along s).
+    One collective into a ``[TP x b, s/TP, ...]`` buffer; the reorder is a view when b == 1."""
+    size = dist.get_world_size(group)
+    out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
+    dist.all_gather_single(out, x.contiguous(), group=group)
+    return out.unflatten(0, (size, -1)).movedim(0, SEQUENCE_DIM).flatten(SEQUENCE_DIM, SEQUENCE_DIM + 1)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """``[b, s, ...]`` partial sums on each TP rank -> this rank's ``[b, s/TP, ...]`` of their sum."""
+    size = dist.get_world_size(group)
+    if x.shape[SEQUENCE_DIM] % size:
+        raise ValueError(f"sequence parallelism: sequence length {x.shape[SEQUENCE_DIM]} not divisible by TP={size}")
+    parts = x.unflatten(SEQUENCE_DIM, (size, -1)).movedim(SEQUENCE_DIM, 0).contiguous()
+    out = x.new_empty(parts.shape[1:])
+    dist.reduce_scatter_single(out, parts.flatten(0, 1), group=group)
+    return out
+
+
+class _SequenceCollective(torch.autograd.Function):
+    """``op`` forward, its adjoint ``adjoint`` on the gradient (all-gather <-> reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group, op, adjoint):
+        ctx.group, ctx.adjoint = group, adjoint
+        return op(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.adjoint(g, ctx.group), None, None, None
+
+
+def gather_from_sequence_region(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Enter a TP region from a sequence shard; each rank's gradient of the full tensor is partial."""
+    return x if group is None else _SequenceCollective.apply(x, group, all_gather_sequence, reduce_scatter_sequence)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Leave a TP region: sum the ranks' partial outputs, keep this rank's sequence shard."""
+    if group is None:
+        return x
+    return _SequenceCollective.apply(x, group, reduce_scatter_sequence, all_gather_sequence)
 
 
 def _all_to_all_single(x: torch.Tensor, out_splits: List[int], in_splits: List[int], group) -> torch.Tensor:

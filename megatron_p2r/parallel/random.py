@@ -6,6 +6,10 @@ Two streams, as in Megatron:
 - the ``model-parallel`` stream, seeded with ``seed + 2718 + tp_rank``, drives dropout on
   *split* activations (attention probabilities of this rank's heads), so peers differ.
 
+Under sequence parallelism the "replicated" regions hold a different sequence shard on each
+TP rank, so their dropout (embedding, residual branches) draws from the model-parallel stream
+too, as in Megatron-LM: ``dropout_rng(device, sequence_parallel)`` picks the stream.
+
 Activation recomputation must replay the same masks: ``checkpoint`` records both streams at
 forward time and restores them during recomputation.
 """
@@ -55,6 +59,13 @@ class RNGStatesTracker:
         finally:
             self.state = self._get()
             self._set(saved)
+
+
+def dropout_rng(device: torch.device, sequence_parallel: bool):
+    """The RNG context of dropout outside the TP matmuls: the default stream (the same masks
+    on every TP rank of a replicated activation), or the model-parallel stream when the
+    activation is a sequence shard."""
+    return get_rng_tracker(device).fork() if sequence_parallel else contextlib.nullcontext()
 
 
 def gen_seed(device: torch.device, seed: int) -> None:

@@ -1,4 +1,4 @@
-"""Point-to-point transfers between neighbouring pipeline stages.
+"""Point-to-point transfers between pipeline ranks for one step.
 
 Every transfer is one message: the tensor. Both ends know its shape and dtype beforehand —
 every stage holds all micro-batches of the step, and a stage's hidden states for a micro-batch
@@ -9,21 +9,38 @@ different shapes in one step cost nothing extra). The sender checks its tensor a
 same spec, so a stage that produced something else fails loudly instead of sending bytes the
 peer would misread.
 
-Sends are non-blocking (``isend``) and their handles are kept until ``wait()`` at the end of
-the step; receives block. With sends that never wait on the receiver, any schedule whose
-receives follow the order of the peer's sends is deadlock-free, which is why no call here
-pairs a send with a receive in one batched operation (``batch_isend_irecv`` has hung on gloo).
-Peers are global ranks (``ps.peer``): stage s of this rank's tp and dp coordinates. Works
-with gloo (CPU tensors) and NCCL (device tensors).
+Messages are named (``order.Message``: activation or gradient, micro-batch, receiving virtual
+stage), and each rank knows, for each neighbour, the order in which that neighbour sends it
+messages (``transfers.py``: every rank computes every rank's schedule). A receive takes the
+neighbour's messages in exactly that order and keeps any that arrive before they are needed.
+So the receiver never depends on how a backend matches messages (NCCL matches in issue order
+and has no tags): with interleaving on P = 2 the activations and gradients between the two
+ranks share one direction, in an order the receiver's schedule does not always follow.
+Receiving an earlier message first never waits longer than the wanted one, sent after it.
+
+Sends are non-blocking (``isend``) and a sent buffer is released as soon as the send is known
+to be complete. gloo tells that only through a blocking ``wait()`` (``is_completed`` stays
+False until then), so the link uses the schedule: an arriving message that the sender sent
+after (transitively) the receiver of one of our sends used it proves that send arrived
+(``transfers.py``), and that send's ``wait()`` returns at once and its buffer goes; sends to a
+neighbour that never sends back (evaluation without interleaving) are waited for one at a
+time. ``wait()`` completes the rest at the end of the step. Receives block. With sends that
+never wait on a rank that waits on them and receives in the sender's order, a schedule that is
+deadlock-free on its data dependencies (``order.causal_order``) is deadlock-free here, which is
+why no call pairs a send with a receive in one batched operation (``batch_isend_irecv`` has
+hung on gloo). Peers are pipeline ranks with this rank's tp and dp coordinates (``ps.peer``).
+Works with gloo (CPU tensors) and NCCL (device tensors).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, Dict, Iterator, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron_p2r.parallel.state import ParallelState
+from megatron_p2r.pipeline.order import FORWARD, Message
+from megatron_p2r.pipeline.transfers import Transfers
 
 # (shape, dtype) of one transfer, known to both ends.
 Spec = Tuple[Tuple[int, ...], torch.dtype]
@@ -36,46 +53,55 @@ def check_spec(t: torch.Tensor, spec: Spec, what: str) -> None:
                            f"allocates {dtype} {tuple(shape)} (model.hidden_spec) to receive it")
 
 
+def _what(message: Message) -> str:
+    kind = "activation to send forward" if message.kind == FORWARD else "gradient to send backward"
+    return f"{kind} (micro-batch {message.microbatch}, virtual stage {message.stage})"
+
+
 class StageLink:
-    """Activations to the next stage and gradients to the previous one, for one step."""
+    """The named transfers of one step between this rank and its pipeline neighbours.
 
-    def __init__(self, ps: ParallelState):
-        self.ps = ps
-        self._pending: List[Tuple[dist.Work, torch.Tensor]] = []
-        self.next_rank = ps.peer(ps.pp_rank + 1) if not ps.is_last_stage else None
-        self.prev_rank = ps.peer(ps.pp_rank - 1) if not ps.is_first_stage else None
+    ``schedule``: what the step's order tells the link (``transfers.transfers``): each
+    neighbour's messages in its order, which arrivals prove which sends received, and the
+    neighbours that never send back; ``spec_of(message)``: the (shape, dtype) both ends use.
+    """
 
-    def _send(self, t: torch.Tensor, spec: Spec, dst: int, what: str) -> None:
-        check_spec(t, spec, what)
-        t = t.detach().contiguous()
-        self._pending.append((dist.isend(t, dst), t))  # keep the tensor alive until the send is done
+    def __init__(self, ps: ParallelState, schedule: Transfers, spec_of: Callable[[Message], Spec]):
+        self.ps, self.spec_of, self.schedule = ps, spec_of, schedule
+        self._queues: Dict[int, Iterator[Message]] = {q: iter(msgs) for q, msgs in schedule.incoming.items()}
+        self._early: Dict[Message, torch.Tensor] = {}
+        self._pending: Dict[Message, Tuple[dist.Work, torch.Tensor, int]] = {}
 
-    def _recv(self, spec: Spec, src: int) -> torch.Tensor:
-        shape, dtype = spec
-        t = torch.empty(shape, dtype=dtype, device=self.ps.device)
-        dist.recv(t, src)
-        return t
+    def send(self, message: Message, tensor: torch.Tensor, dst: int) -> None:
+        """Send ``tensor`` as ``message`` to pipeline rank ``dst`` without waiting."""
+        check_spec(tensor, self.spec_of(message), _what(message))
+        if dst in self.schedule.downstream:  # nothing will prove them received: one in flight at a time
+            self._release([m for m, (_, _, to) in self._pending.items() if to == dst])
+        t = tensor.detach().contiguous()
+        self._pending[message] = (dist.isend(t, self.ps.peer(dst)), t, dst)  # t lives until the send is done
 
-    # At the ends of the pipeline these are no-ops (sends) or return None (receives).
-    def send_forward(self, activation: torch.Tensor, spec: Spec) -> None:
-        if self.next_rank is not None:
-            self._send(activation, spec, self.next_rank, "activation to send forward")
+    def recv(self, message: Message, src: int) -> torch.Tensor:
+        """``message`` from pipeline rank ``src``: receives ``src``'s messages in its order until it comes."""
+        if message in self._early:
+            return self._early.pop(message)
+        queue = self._queues.get(src)
+        for arrived in queue if queue is not None else ():
+            shape, dtype = self.spec_of(arrived)
+            t = torch.empty(shape, dtype=dtype, device=self.ps.device)
+            dist.recv(t, self.ps.peer(src))
+            self._release(self.schedule.acknowledges.get(arrived, ()))
+            if arrived == message:
+                return t
+            self._early[arrived] = t
+        raise RuntimeError(f"pipeline p2p: pipeline rank {self.ps.pp_rank} waits for {message} from pipeline "
+                           f"rank {src}, whose schedule does not send it")
 
-    def recv_forward(self, spec: Spec, requires_grad: bool) -> Optional[torch.Tensor]:
-        """The previous stage's output, as a leaf whose ``.grad`` backward fills."""
-        if self.prev_rank is None:
-            return None
-        return self._recv(spec, self.prev_rank).requires_grad_(requires_grad)
-
-    def send_backward(self, grad: Optional[torch.Tensor], spec: Spec) -> None:
-        if self.prev_rank is not None:
-            self._send(grad, spec, self.prev_rank, "gradient to send backward")
-
-    def recv_backward(self, spec: Spec) -> Optional[torch.Tensor]:
-        return None if self.next_rank is None else self._recv(spec, self.next_rank)
+    def _release(self, received: Sequence[Message]) -> None:
+        """Complete the sends the peer has received and drop their buffers (their memory is free)."""
+        for message in received:
+            work, _, _ = self._pending.pop(message)
+            work.wait()
 
     def wait(self) -> None:
         """Complete every send issued so far (call before the tensors may be reused)."""
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+        self._release(list(self._pending))

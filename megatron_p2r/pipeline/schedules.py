@@ -5,17 +5,27 @@ normalise it: sum over every micro-batch of every DP rank of (token loss x loss 
 divided by the sum of the loss masks over that whole global batch. The stage that computes
 the loss counts the valid tokens of its micro-batches before the first forward (the masks
 are known up front) and all-reduces that one number over DP (a device tensor: no host
-sync). Each micro-batch's backward runs on ``masked sum x loss_scale x DP / valid tokens``:
+sync). The model returns a micro-batch's masked sum itself when given the loss mask (its
+fused loss computes the gradient along: parallel/cross_entropy.py). Each micro-batch's
+backward runs on ``masked sum x loss_scale x DP / valid tokens``:
 ``finalize_grads`` then averages over DP (and sums the replicas held by several stages), so
 the gradient is that of the global token mean whatever the masks and micro-batch shapes.
-Every schedule back-propagates the micro-batches in the order it ran them, so GPipe and 1F1B
-accumulate in the same order and give bitwise equal gradients (equal to no-pipelining up to
-the order of cross-stage sums).
+Every schedule back-propagates each model chunk's micro-batches in the order it ran them, so
+GPipe, 1F1B and interleaved 1F1B accumulate every parameter's gradient in the same order and
+give bitwise equal gradients (equal to no-pipelining up to the order of cross-stage sums; a
+pseudo slot called by two chunks of a rank accumulates their contributions in schedule order).
 
 - ``forward_backward_no_pipelining``: gradient accumulation on one stage (PP=1);
 - ``forward_backward_gpipe``: all forwards, then all backwards (holds m activations);
 - ``forward_backward_1f1b``: PipeDream-flush — stage s runs P-s-1 warm-up forwards, then
-  alternates one forward and one backward, then drains (holds at most P-s activations).
+  alternates one forward and one backward, then drains (holds at most P-s activations);
+- ``forward_backward_pipelining_with_interleaving``: Megatron-LM's interleaved 1F1B over the
+  v model chunks of each rank (``order.py`` has the order of every schedule).
+
+Memory is bounded by the schedule, not by m: a stage output is freed as soon as it is sent
+(``deallocate_output``, its graph kept for the backward, which ``backward_from`` runs from the
+output's grad_fn), sent buffers are released when their send completes (``p2p.py``), and a
+received activation and its gradient go with the micro-batch's backward.
 
 They return, on the last stage, this DP rank's share of the global token mean (its masked
 sum / the global count: the DP ranks' shares add up to the mean, which
@@ -27,21 +37,19 @@ Megatron-LM. ``get_forward_backward_func`` picks a schedule.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from collections import deque
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron_p2r.parallel.state import ParallelState
+from megatron_p2r.pipeline.order import FORWARD, Op, input_of, pipeline_ops, sent_by
 from megatron_p2r.pipeline.p2p import StageLink
+from megatron_p2r.pipeline.transfers import Transfers, transfers
 
 BackwardScaleHook = Optional[Callable[[float], None]]
-
-
-def masked_sum(token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    return (token_loss * loss_mask.to(token_loss.dtype)).sum()
 
 
 def global_valid_tokens(microbatches: List[dict], ps: ParallelState) -> torch.Tensor:
@@ -65,9 +73,9 @@ class TokenMeanLoss:
         self.grad_factor = (loss_scale * ps.dp_size / self.tokens).float()
         self.total = torch.zeros((), device=ps.device)
 
-    def add(self, token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-        """This micro-batch's masked sum (kept in the graph for ``backward``)."""
-        loss_sum = masked_sum(token_loss, loss_mask)
+    def add(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's masked sum (the model's output given the loss mask; kept in the
+        graph for ``backward``)."""
         self.total.add_(loss_sum.detach().float())
         return loss_sum
 
@@ -129,59 +137,108 @@ def forward_backward_no_pipelining(model, microbatches: List[dict], ps: Parallel
     for mb in microbatches:
         with timer.busy():
             with autocast_context(ps, dtype), (torch.no_grad() if forward_only else contextlib.nullcontext()):
-                loss_sum = loss.add(model(tokens=mb["tokens"], labels=mb["labels"]), mb["loss_mask"])
+                loss_sum = loss.add(model(tokens=mb["tokens"], labels=mb["labels"], loss_mask=mb["loss_mask"]))
             if not forward_only:
                 loss.backward(loss_sum)
         timer.inflight(0 if forward_only else 1)
     return loss.share()
 
 
-def _pipelined(model, microbatches: List[dict], ps: ParallelState, *, loss_scale: float,
-               dtype: Optional[torch.dtype], forward_only: bool, warmup_forwards: int,
+def deallocate_output(out: torch.Tensor) -> None:
+    """Free the data of a stage output that was sent to the next stage, keeping its autograd
+    graph for the backward (Megatron-LM's ``deallocate_output_tensor``): the storage itself is
+    released with the send's buffer (``p2p.py``)."""
+    if out._base is not None:
+        raise RuntimeError("pipeline: a stage's output is a view of another tensor; freeing it would free nothing")
+    out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
+
+
+def backward_from(out: torch.Tensor, grad: torch.Tensor) -> None:
+    """Back-propagate ``grad`` from ``out``, whose data ``deallocate_output`` freed: the autograd
+    engine is called on the output's grad_fn directly, as ``torch.autograd.backward`` would
+    after checking ``grad``'s shape against the (now one-element) data."""
+    torch.autograd.Variable._execution_engine.run_backward(  # the engine behind torch.autograd.backward
+        tensors=(out,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=(),
+        allow_unreachable=True, accumulate_grad=True)
+
+
+class _StageSteps:
+    """Runs one op — the forward or backward of a (micro-batch, model chunk) — on this rank,
+    with the transfers ``order.input_of`` and ``order.sent_by`` name for it."""
+
+    def __init__(self, model, microbatches: List[dict], ps: ParallelState, chunks: int, link: StageLink,
+                 loss: Optional[TokenMeanLoss], timer: _BusyTimer, dtype: Optional[torch.dtype], forward_only: bool):
+        self.model, self.microbatches, self.ps, self.link, self.loss = model, microbatches, ps, link, loss
+        self.timer, self.dtype, self.forward_only, self.chunks = timer, dtype, forward_only, chunks
+        self.inflight = {}  # (micro-batch, chunk) -> (received input, output) awaiting backward
+
+    def run(self, op: Op) -> None:
+        wanted = input_of(op, self.ps.pp_size, self.chunks, self.ps.pp_rank)
+        received = None if wanted is None else self.link.recv(*wanted)
+        result = (self._forward if op.kind == FORWARD else self._backward)(op, received)
+        for dst, message in sent_by(op, self.ps.pp_size, self.chunks, self.ps.pp_rank):
+            self.link.send(message, result, dst)
+            if op.kind == FORWARD and not self.forward_only:
+                deallocate_output(result)
+
+    def _forward(self, op: Op, x: Optional[torch.Tensor]) -> torch.Tensor:
+        """The chunk's output (its loss's masked sum on the last virtual stage)."""
+        mb, last = self.microbatches[op.microbatch], self.loss is not None and op.chunk == self.chunks - 1
+        if x is not None:
+            x.requires_grad_(not self.forward_only)
+        grad_mode = torch.no_grad() if self.forward_only else contextlib.nullcontext()
+        with self.timer.busy(), grad_mode, autocast_context(self.ps, self.dtype):
+            inputs = dict(tokens=mb["tokens"]) if x is None else dict(hidden=x)
+            if last:
+                inputs.update(labels=mb["labels"], loss_mask=mb["loss_mask"])
+            out = self.model(**inputs, chunk=op.chunk)
+            if last:
+                out = self.loss.add(out)
+        if not self.forward_only:
+            self.inflight[(op.microbatch, op.chunk)] = (x, out)
+            self.timer.inflight(len(self.inflight))
+        return out
+
+    def _backward(self, op: Op, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The gradient of the chunk's input (None on the first virtual stage)."""
+        x, out = self.inflight.pop((op.microbatch, op.chunk))
+        with self.timer.busy():
+            if grad is None:  # the last virtual stage: the loss itself
+                self.loss.backward(out)
+            else:
+                backward_from(out, grad)
+        return None if x is None else x.grad
+
+
+@functools.lru_cache(maxsize=8)
+def _rank_schedule(schedule: str, pp: int, chunks: int, microbatches: int, rank: int,
+                   forward_only: bool) -> Tuple[Tuple[Op, ...], Transfers]:
+    """This rank's ops and what its link knows of the step; every step of a run (and every
+    evaluation) has the same, so it is worked out once (seconds at P=16, v=4, m=256)."""
+    all_ops = [pipeline_ops(schedule, pp, chunks, microbatches, r, forward_only) for r in range(pp)]
+    return tuple(all_ops[rank]), transfers(all_ops, pp, chunks, rank)
+
+
+def _pipelined(model, microbatches: List[dict], ps: ParallelState, *, schedule: str, chunks: int,
+               loss_scale: float, dtype: Optional[torch.dtype], forward_only: bool,
                stats: Optional[dict], on_backward_scale: BackwardScaleHook) -> Optional[torch.Tensor]:
-    """Run ``warmup_forwards`` forwards, then one forward + one backward per remaining
-    micro-batch, then the outstanding backwards. GPipe is warm-up = m, 1F1B warm-up = P-s-1."""
+    """Run this rank's ops of ``schedule`` (``order.pipeline_ops``) over ``chunks`` model chunks."""
     n = len(microbatches)
     if n == 0:
         raise ValueError("a pipelined step needs at least one micro-batch")
+    held = getattr(model, "num_model_chunks", 1)
+    if held != chunks:
+        raise ValueError(f"the model holds {held} model chunks per pipeline rank, the schedule runs {chunks}: "
+                         "pass num_model_chunks=plan.num_model_chunks to get_forward_backward_func")
     _announce_backward_scale(on_backward_scale, loss_scale, n, forward_only)
-    link, timer = StageLink(ps), _BusyTimer(stats, ps.device)
+    ops, known = _rank_schedule(schedule, ps.pp_size, chunks, n, ps.pp_rank, forward_only)
+    specs = [model.hidden_spec(tuple(mb["tokens"].shape)) for mb in microbatches]
+    link = StageLink(ps, known, lambda msg: specs[msg.microbatch])
     loss = TokenMeanLoss(microbatches, ps, loss_scale) if ps.is_last_stage else None
-    inflight = deque()  # (hidden spec, received input, output) of micro-batches awaiting backward
-    grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
-
-    def forward(mb: dict) -> None:
-        spec = model.hidden_spec(tuple(mb["tokens"].shape))
-        x = link.recv_forward(spec, requires_grad=not forward_only)
-        with timer.busy(), grad_mode, autocast_context(ps, dtype):
-            labels = mb["labels"] if ps.is_last_stage else None
-            out = model(tokens=mb["tokens"], labels=labels) if x is None else model(hidden=x, labels=labels)
-            if loss is not None:
-                out = loss.add(out, mb["loss_mask"])
-        if loss is None:
-            link.send_forward(out, spec)
-        if not forward_only:
-            inflight.append((spec, x, out))
-            timer.inflight(len(inflight))
-
-    def backward() -> None:
-        spec, x, out = inflight.popleft()
-        grad = link.recv_backward(spec)
-        with timer.busy():
-            if grad is None:  # last stage: the loss itself
-                loss.backward(out)
-            else:
-                torch.autograd.backward(out, grad_tensors=grad)
-        link.send_backward(None if x is None else x.grad, spec)
-
-    warmup = n if forward_only else min(warmup_forwards, n)
-    for mb in microbatches[:warmup]:
-        forward(mb)
-    for mb in microbatches[warmup:]:
-        forward(mb)
-        backward()
-    while inflight:
-        backward()
+    steps = _StageSteps(model, microbatches, ps, chunks, link, loss, _BusyTimer(stats, ps.device), dtype,
+                        forward_only)
+    for op in ops:
+        steps.run(op)
     link.wait()
     return None if loss is None else loss.share()
 
@@ -191,8 +248,8 @@ def forward_backward_gpipe(model, microbatches: List[dict], ps: ParallelState, *
                            forward_only: bool = False, stats: Optional[dict] = None,
                            on_backward_scale: BackwardScaleHook = None) -> Optional[torch.Tensor]:
     """All forwards, then all backwards."""
-    return _pipelined(model, microbatches, ps, loss_scale=loss_scale, dtype=dtype, forward_only=forward_only,
-                      warmup_forwards=len(microbatches), stats=stats, on_backward_scale=on_backward_scale)
+    return _pipelined(model, microbatches, ps, schedule="gpipe", chunks=1, loss_scale=loss_scale, dtype=dtype,
+                      forward_only=forward_only, stats=stats, on_backward_scale=on_backward_scale)
 
 
 def forward_backward_1f1b(model, microbatches: List[dict], ps: ParallelState, *,
@@ -200,16 +257,36 @@ def forward_backward_1f1b(model, microbatches: List[dict], ps: ParallelState, *,
                           forward_only: bool = False, stats: Optional[dict] = None,
                           on_backward_scale: BackwardScaleHook = None) -> Optional[torch.Tensor]:
     """One-forward-one-backward (PipeDream-flush); works with fewer micro-batches than stages."""
-    return _pipelined(model, microbatches, ps, loss_scale=loss_scale, dtype=dtype, forward_only=forward_only,
-                      warmup_forwards=ps.pp_size - ps.pp_rank - 1, stats=stats, on_backward_scale=on_backward_scale)
+    return _pipelined(model, microbatches, ps, schedule="1f1b", chunks=1, loss_scale=loss_scale, dtype=dtype,
+                      forward_only=forward_only, stats=stats, on_backward_scale=on_backward_scale)
+
+
+def forward_backward_pipelining_with_interleaving(model, microbatches: List[dict], ps: ParallelState, *,
+                                                  loss_scale: float = 1.0, dtype: Optional[torch.dtype] = None,
+                                                  forward_only: bool = False, stats: Optional[dict] = None,
+                                                  on_backward_scale: BackwardScaleHook = None
+                                                  ) -> Optional[torch.Tensor]:
+    """Interleaved 1F1B over the model's ``num_model_chunks`` chunks (``order.py``); any number
+    of micro-batches."""
+    return _pipelined(model, microbatches, ps, schedule="1f1b", chunks=model.num_model_chunks,
+                      loss_scale=loss_scale, dtype=dtype, forward_only=forward_only, stats=stats,
+                      on_backward_scale=on_backward_scale)
 
 
 SCHEDULES = {"1f1b": forward_backward_1f1b, "gpipe": forward_backward_gpipe}
 
 
-def get_forward_backward_func(ps: ParallelState, schedule: str = "1f1b") -> Callable:
-    if ps.pp_size == 1:
-        return forward_backward_no_pipelining
+def get_forward_backward_func(ps: ParallelState, schedule: str = "1f1b", *, num_model_chunks: int = 1) -> Callable:
+    """The schedule of ``--pipeline-schedule`` for this layout; with ``num_model_chunks`` > 1
+    (``ParallelPlan.num_model_chunks``: interleaving) the interleaved 1F1B schedule."""
     if schedule not in SCHEDULES:
         raise ValueError(f"--pipeline-schedule {schedule!r}: expected one of {sorted(SCHEDULES)}")
+    if num_model_chunks > 1:
+        if ps.pp_size == 1 or schedule != "1f1b":
+            raise ValueError(f"{num_model_chunks} model chunks per rank need the interleaved 1F1B schedule: "
+                             f"--pipeline-schedule 1f1b and --pipeline-model-parallel-size > 1 (have "
+                             f"{schedule}, {ps.pp_size})")
+        return forward_backward_pipelining_with_interleaving
+    if ps.pp_size == 1:
+        return forward_backward_no_pipelining
     return SCHEDULES[schedule]

@@ -1,21 +1,30 @@
 """Activation memory: what autograd keeps per micro-batch, counted op by op from this code.
 
-Activations held per in-flight micro-batch (with and without recomputation), times the
-micro-batches the schedule keeps in flight, plus the largest transient working set; with
---bf16/--fp16 the 16-bit weight copies autocast makes for the matmuls. Sizes are in bytes for
-CUDA kernels (bool dropout masks, fused attention without s x s tensors); ``device_type="cpu"``
-gives the CPU variant the tests measure against. See docs/scale.md for the assumptions.
+Activations held per in-flight micro-batch — with sequence parallelism (the regions outside
+the TP matmuls hold 1/TP of the tokens), selective recomputation (the attention core) or full
+recomputation (units of layers of each model chunk, ``TrainConfig.recompute_units``) — at the
+point of the schedule (``pipeline.order``) where the most are in flight, plus the largest
+transient working set. Everything computes in the weights' dtype (fp32, or 16-bit with
+--bf16/--fp16: the model holds 16-bit weights, no autocast, so no 16-bit weight copies:
+``compute_weights`` is 0). Sizes are in bytes for CUDA kernels (bool dropout masks, fused
+attention without s x s tensors); ``device_type="cpu"`` gives the CPU variant the tests
+measure against. See docs/scale.md for the assumptions and for the comparison with
+Korthikanti et al. 2022 (``korthikanti_layer_bytes``).
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple
 
 from megatron_p2r.config import Config, num_microbatches
-from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.layout.plan import ParallelPlan, StagePlan
 from megatron_p2r.layout.tensors import TensorSpec, layer_tensors
+from megatron_p2r.parallel.cross_entropy import chunk_tokens
+from megatron_p2r.pipeline.order import Op, max_outstanding, pipeline_ops
+from megatron_p2r.pipeline.transfers import link_buffers
 
 
 def _cached_cast(s: TensorSpec) -> bool:
@@ -27,11 +36,18 @@ def _cached_cast(s: TensorSpec) -> bool:
             and not s.name.endswith("router.weight") and leaf[-1] in ("weight", "bias"))
 
 
-def _matmul_weight_numel(specs: Sequence[TensorSpec]) -> int:
-    """Weights autocast casts for a matmul and a saves for backward (linear weights and
+def _gathered_column(s: TensorSpec) -> bool:
+    """Column-parallel weights whose input is a sequence shard under sequence parallelism:
+    their backward casts the weight again instead of keeping autocast's copy."""
+    return s.name.endswith((".attention.qkv.weight", ".attention.query.weight", ".attention.key_value.weight",
+                            ".mlp.fc1.weight"))
+
+
+def _matmul_weight_numel(specs: Sequence[TensorSpec], sequence_parallel: bool = False) -> int:
+    """Weights autocast casts for a matmul and saves for backward (linear weights and
     stacked expert matrices; not biases, norms, embeddings or the fp32 router)."""
     return sum(s.numel for s in specs
-               if (_cached_cast(s) and s.name.endswith(".weight"))
+               if (_cached_cast(s) and s.name.endswith(".weight") and not (sequence_parallel and _gathered_column(s)))
                or (s.expert and s.name.endswith((".weight1", ".weight2"))))
 
 
@@ -42,6 +58,17 @@ class LayerActivations:
     cached_casts: int   # of which leaf weights: cast once per forward, held by autocast's cache
     work: int           # activation gradients alive at once in the MLP's backward
     backward: int = 0   # the MLP backward's peak on top of ``held`` (gradients minus what it freed)
+    forward_cache: int = 0   # leaf casts in autocast's cache during a forward (saved or not)
+
+
+# Training computes in the weights' dtype (16-bit weights with fp32 mains in the optimizer):
+# autocast's weight copies and cache, which the accounting below still distinguishes, are absent.
+AUTOCAST = False
+
+
+def compute_bytes(cfg: Config) -> int:
+    """Bytes of an activation element: the weights' dtype."""
+    return 2 if (cfg.train.bf16 or cfg.train.fp16) else 4
 
 
 def moe_rows(cfg: Config, tokens: int) -> Tuple[int, int]:
@@ -55,24 +82,36 @@ def moe_rows(cfg: Config, tokens: int) -> Tuple[int, int]:
     return slots, rows
 
 
-def _attention_held(m, n: int, b: int, tp: int, a: int, autocast: bool) -> int:
-    """What attention saves: the projections' input (one 16-bit copy under autocast, shared by
-    the query and key/value projections), q and the key/value heads this rank holds (one
-    replica when TP > groups), the q/k norms', the rotated q and k, the output and the log-sum-exp."""
+def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int) -> int:
+    """What attention saves: the projections' input (this rank's sequence shard under sequence
+    parallelism; one tensor shared by the query and key/value projections), q and the key/value
+    heads this rank holds (one replica when TP > groups), the q/k norms', the rotated q and k,
+    the output and, unless selective recomputation recomputes the core, its log-sum-exp."""
+    m = cfg.model
     heads, d = m.num_attention_heads // tp, m.head_dim
     q, kv = n * heads * d, n * max(m.query_groups // tp, 1) * d
-    held = n * m.hidden_size * a + (q + 2 * kv) * a + q * a + b * heads * m.seq_length * 4
+    # the projections' outputs: all of q, k, v when fused (v keeps the QKV tensor alive); a
+    # separate query's only while an op saves it: the q norm (not a 16-bit RMSNorm, which saves
+    # its fp32 upcast), or attention itself when neither the norm nor rotary replaces it
     if m.qk_layernorm:
-        held += _qk_norm_held(m, q, kv, d, a, autocast)
+        query_saved = not (m.normalization == "RMSNorm" and a != 4)
+    else:
+        query_saved = m.position_embedding_type != "rope"
+    projected = q + 2 * kv if query_saved or not m.group_query_attention else 2 * kv
+    held = ns * m.hidden_size * a + projected * a + q * a
+    if cfg.train.recompute != "selective":
+        held += attention_core_bytes(cfg, tp)
+    if m.qk_layernorm:
+        held += _qk_norm_held(m, q, kv, d, a)
     if m.position_embedding_type == "rope":
         held += (q + kv) * a                                      # rotated q and k
     return held
 
 
-def _qk_norm_held(m, q: int, kv: int, d: int, a: int, autocast: bool) -> int:
+def _qk_norm_held(m, q: int, kv: int, d: int, a: int) -> int:
     """--qk-layernorm over q (``q`` elements) and the local keys (``kv``): each norm keeps its
-    statistics (LayerNorm mean and rstd, RMSNorm rstd and x * rstd in fp32, and under autocast
-    its fp32 copy of the input) and, unless rotary replaces it, its output; its output is
+    statistics (LayerNorm mean and rstd, RMSNorm rstd and x * rstd in fp32, and with 16-bit
+    weights its fp32 copy of the input) and, unless rotary replaces it, its output; its output is
     contiguous per head, so the attention output needs a copy for the output projection."""
     held = q * a                                                  # the output projection's input copy
     for elements in (q, kv):
@@ -95,165 +134,286 @@ def norm_held(m, rows: int, width: int, a: int) -> int:
     return 2 * rows * width * 4 + rows * 4
 
 
-def layer_activations(cfg: Config, key: int, tp: int, ep: int, *, device_type: str = "cuda") -> LayerActivations:
+def attention_core_bytes(cfg: Config, tp: int) -> int:
+    """What the fused attention core keeps besides its inputs and output: the log-sum-exp
+    (what selective recomputation saves with fused kernels)."""
+    m, t = cfg.model, cfg.train
+    return t.micro_batch_size * (m.num_attention_heads // tp) * m.seq_length * 4
+
+
+def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[int, int, int, int]:
+    """(held, expert casts, work, backward) of the MoE MLP: the router on the ``ns`` tokens of
+    this rank (a sequence shard under sequence parallelism), experts on the ``n`` tokens of the
+    TP region."""
+    m = cfg.model
+    slots, rows = moe_rows(cfg, n)
+    glu = 2 if m.swiglu else 1
+    act_saved = 1 + (1 if m.swiglu else 0)
+    f, e_local = m.expert_ffn_size // tp, m.num_experts // ep
+    held = ns * m.hidden_size * 4 + ns * m.num_experts * 4 + ns * slots * 8   # fp32 router input, probs, top-k ids
+    if m.moe_z_loss_coeff:
+        held += ns * m.num_experts * 4 + 2 * ns * m.moe_num_prototypes * 4
+    held += rows * 8 * (2 + (ep > 1) + m.add_bias)          # token ids, order, [perm], [expert ids]
+    held += rows * m.hidden_size * a                         # expert input rows
+    held += rows * glu * f * a + rows * act_saved * f * a    # fc1 out, activation outputs
+    held += 2 * rows * m.hidden_size * 4 + rows * 4          # combined rows (fp32), their weights, weighted rows
+    expert_casts = e_local * (glu + 1) * f * m.hidden_size * a if AUTOCAST else 0
+    work = rows * f * a * glu
+    # at the expert matmuls' backward the combine side is freed; both stacked weight
+    # gradients are alive (autograd accumulates them after the expert block)
+    backward = work + e_local * (glu + 1) * f * m.hidden_size * a - (2 * rows * m.hidden_size * 4 + rows * 4)
+    return held, expert_casts, work, backward
+
+
+def token_bytes(cfg: Config) -> int:
+    """Bytes of one token of the residual stream (the weights' dtype)."""
+    return cfg.model.hidden_size * compute_bytes(cfg)
+
+
+def layer_activations(cfg: Config, key: int, tp: int, ep: int, *, device_type: str = "cuda",
+                      sequence_parallel: bool = False) -> LayerActivations:
     """What one transformer layer (module ``key``) saves for backward, per micro-batch.
 
     Counted from the ops of model/block.py: everything computes in the weights' dtype (``a``:
-    fp32, or 16-bit with --bf16/--fp16 — no autocast, no weight casts), norms keep their input
-    and fp32 statistics, each linear saves its input; attention saves q, k, v (views of the QKV
-    output, or the rotated q, k), its output and log-sum-exp.
+    fp32, or 16-bit with --bf16/--fp16), norms keep their input and fp32 statistics, each
+    linear saves its input — the sequence shard under sequence parallelism, gathered again in
+    backward; attention saves q, k, v (views of the QKV output, or the rotated q, k), its output
+    and log-sum-exp (not under selective recomputation).
     """
     m, t = cfg.model, cfg.train
-    a = 2 if (t.bf16 or t.fp16) else 4
-    autocast = False   # training computes in the weights' dtype (16-bit weights, fp32 mains in the optimizer)
-    b, s, h = t.micro_batch_size, m.seq_length, m.hidden_size
-    n = b * s
+    a, autocast = compute_bytes(cfg), AUTOCAST
+    n, h = t.micro_batch_size * m.seq_length, m.hidden_size
+    ns = n // tp if sequence_parallel else n    # tokens outside the TP regions
     specs = layer_tensors(cfg.model, key, tp, ep)
-    held = 2 * norm_held(m, n, h, a)
-    held += _attention_held(m, n, b, tp, a, autocast)
+    held = 2 * norm_held(m, ns, h, a) + _attention_held(cfg, n, ns, tp, a)
     if m.attention_dropout and device_type != "cuda":
         raise ValueError("attention dropout on CPU runs the math attention kernel with s x s tensors, "
                          "which the planner does not model; plan with device_type='cuda'")
     if m.hidden_dropout:
-        branch = a
-        held += 2 * n * h * (1 if device_type == "cuda" else branch)
+        held += 2 * ns * h * (1 if device_type == "cuda" else a)
     glu = 2 if m.swiglu else 1
     act_saved = 1 + (1 if m.swiglu else 0)                        # GELU out / SiLU out and product
-    casts = _matmul_weight_numel(specs) * a if autocast else 0   # per call for experts, see below
+    casts = _matmul_weight_numel(specs, sequence_parallel) * a if autocast else 0   # per call for experts
+    cache = _matmul_weight_numel(specs) * a if autocast else 0
     if m.is_moe_layer(key):
-        slots, rows = moe_rows(cfg, n)
-        f, e_local = m.expert_ffn_size // tp, m.num_experts // ep
-        held += n * h * 4 + n * m.num_experts * 4 + n * slots * 8    # router input, probs, top-k ids
-        if m.moe_z_loss_coeff:
-            held += n * m.num_experts * 4 + 2 * n * m.moe_num_prototypes * 4
-        held += rows * 8 * (2 + (ep > 1) + m.add_bias)          # token ids, order, [perm], [expert ids]
-        held += rows * h * a                                     # expert input rows
-        held += rows * glu * f * a + rows * act_saved * f * a    # fc1 out, activation outputs
-        held += 2 * rows * h * 4 + rows * 4     # combined rows (fp32), their weights, weighted rows (index_add)
-        expert_casts = e_local * (glu + 1) * f * h * a if autocast else 0
-        cached = casts - expert_casts
-        work = rows * f * a * glu
-        # at the expert matmuls' backward the combine side is freed; both stacked weight
-        # gradients are alive (autograd accumulates them after the expert block)
-        backward = work + e_local * (glu + 1) * f * h * a - (2 * rows * h * 4 + rows * 4)
+        moe_held, expert_casts, work, backward = _moe_layer(cfg, ns, n, tp, ep, a)
+        held += moe_held
+        cached, cache = casts - expert_casts, cache - expert_casts
     else:
         f = m.ffn_size // tp
-        held += n * h * a + n * glu * f * a + n * act_saved * f * a
+        held += ns * h * a + n * glu * f * a + n * act_saved * f * a
         cached = casts
         work = n * f * a * glu
         backward = work + h * f * a                              # fc2's weight gradient
-    return LayerActivations(held=held, casts=casts, cached_casts=cached, work=work, backward=backward)
+        if sequence_parallel:   # fc1's backward: its input gathered again, the input's gradient
+            backward = max(backward, work + 2 * n * h * a + (glu * f * h * a if autocast else 0))
+    return LayerActivations(held=held, casts=casts, cached_casts=cached, work=work, backward=backward,
+                            forward_cache=cache)
 
 
 @dataclass
 class StageActivations:
-    """Per micro-batch, for one pipeline stage."""
+    """Per micro-batch, for one model chunk of a pipeline stage (the whole stage without interleaving)."""
 
     held: int              # no recomputation: everything autograd saves (without weight copies)
     head: int              # of which the final norm, output layer and loss (last stage)
-    casts: int             # 16-bit weight copies saved for backward (autocast, no recomputation)
-    cache: int             # autocast cache of leaf weights during one forward (recomputation)
-    head_casts: int        # the output layer's 16-bit copy (not recomputed)
     layers: Dict[int, LayerActivations] = field(default_factory=dict)   # per module key, per call
-    calls: Dict[int, int] = field(default_factory=dict)                 # calls per module key
-    head_fwd: int = 0      # logits (and their fp32 copy) while the loss is computed
-    head_bwd: int = 0      # gradients of the logits
+    head_fwd: int = 0      # the loss's forward: a chunk of logits, the 16-bit output weight
+    head_bwd: int = 0      # the loss's backward: a chunk of logit gradients, input and weight gradients
     shared_grads: int = 0  # gradient buffers of weights used several times in one forward
 
 
-def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, *, device_type: str = "cuda") -> StageActivations:
-    m, t = cfg.model, cfg.train
-    tp, ep = plan.layout.tp, plan.layout.ep
-    a = 2 if (t.bf16 or t.fp16) else 4
-    autocast = False   # see layer_activations
-    b, s, h = t.micro_batch_size, m.seq_length, m.hidden_size
-    n = b * s
-    st = plan.stage(stage)
-    first, last = st.first, st.last
-    uses = Counter(st.layer_keys)  # (not tuple.count per module: quadratic in the layers)
-    calls = {k: uses[k] for k in st.modules}
-    per = {k: layer_activations(cfg, k, tp, ep, device_type=device_type) for k in calls}
-    # Always kept: the stage's output (on the last stage it is the final norm's saved input,
-    # elsewhere the schedule keeps it for the backward from the next stage), rope tables,
-    # the embedding's indices.
-    common = 0 if last else n * h * a
-    if m.position_embedding_type == "rope":
-        common += 2 * s * m.head_dim * 4
-    if first:
-        if m.position_embedding_type == "learned_absolute":
-            common += s * 8
-        if tp > 1:
-            common += n * 9                                   # masked local ids (int64) + mask
-        if m.hidden_dropout:
-            common += n * h * (1 if device_type == "cuda" else a)
-    head = head_casts = head_fwd = head_bwd = 0
+def _embedding_bytes(cfg: Config, tp: int, ns: int, device_type: str) -> int:
+    """What the first stage's embedding keeps: position ids, TP masks, the dropout mask."""
+    m, s = cfg.model, cfg.model.seq_length
+    out = 0
+    if m.position_embedding_type == "learned_absolute":
+        out += ns // cfg.train.micro_batch_size * 8
+    if tp > 1:
+        out += cfg.train.micro_batch_size * s * 9                 # masked local ids (int64) + mask
+    if m.hidden_dropout:
+        out += ns * m.hidden_size * (1 if device_type == "cuda" else compute_bytes(cfg))
+    return out
+
+
+def _head(cfg: Config, tp: int, ns: int, sequence_parallel: bool) -> Tuple[int, int, int]:
+    """(held, forward transient, backward transient) of the final norm and the fused output
+    layer + loss as the schedules run it (``parallel/cross_entropy.py`` with the loss mask): the
+    loss's forward computes its gradients, so it keeps the input's (``n' x h``, fp32) and the
+    output weight's (``V/t x h``, fp32) -- no input, no logits -- and works one chunk of tokens'
+    logits at a time."""
+    m = cfg.model
+    a, autocast = compute_bytes(cfg), AUTOCAST
+    h, n = m.hidden_size, cfg.train.micro_batch_size * m.seq_length
     v = m.padded_vocab_size // tp
-    if last:
-        head = norm_held(m, n, h, a)
-        head += n * h * a + n * v * 4 + (n * 9 if tp > 1 else 0)
-        head_casts = v * h * a if autocast else 0
-        head_fwd = n * v * a + (n * v * 4 if a != 4 else 0)     # 16-bit logits and their fp32 copy
-        head_bwd = 2 * n * v * 4 if tp == 1 else n * v * 4
-    specs = plan.tensors(stage)
-    # A weight called several times in one forward gets one gradient buffer that autograd
-    # accumulates into until its last use's backward: at the 16-bit cast autocast caches, or
-    # in fp32 (the tied embedding: looked up in fp32, projected through its cast).
-    shared = sum(s_.numel * a for s_ in specs
+    chunk = min(n, chunk_tokens(v))
+    held = norm_held(m, ns, h, a) + ns * h * 4 + v * h * 4
+    inputs = (ns * h * a if autocast else 0) + (n * h * a if sequence_parallel else 0)   # cast, gathered
+    # a chunk's fp32 logits (and their 16-bit matmul output / gradient), one chunk's weight
+    # gradient before it is added, the full input gradient before its reduce-scatter (SP)
+    fwd = inputs + (v * h * a if autocast else 0) + chunk * v * (4 + (a if a != 4 else 0)) + v * h * a + \
+        (n - ns) * h * 4 + n * 16
+    return held, fwd, ns * h * 4 + v * h * 4
+
+
+def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, chunk: int = 0, *,
+                      device_type: str = "cuda") -> StageActivations:
+    """Per micro-batch, for model chunk ``chunk`` of ``stage`` (the whole stage without interleaving)."""
+    m, t = cfg.model, cfg.train
+    tp, ep, sp = plan.layout.tp, plan.layout.ep, plan.sequence_parallel
+    a = compute_bytes(cfg)
+    n = t.micro_batch_size * m.seq_length
+    ns = n // tp if sp else n
+    part = plan.stage(stage).chunks[chunk]
+    calls = Counter(part.layer_keys)
+    per = {k: layer_activations(cfg, k, tp, ep, device_type=device_type, sequence_parallel=sp) for k in calls}
+    # Always kept: rope tables, the embedding's indices. Not the chunk's output: the schedule
+    # frees it once sent (pipeline.schedules.deallocate_output); on the last stage it is the
+    # final norm's saved input, counted in ``head``.
+    common = 0
+    if m.position_embedding_type == "rope":
+        common += 2 * m.seq_length * m.head_dim * 4
+    if part.first:
+        common += _embedding_bytes(cfg, tp, ns, device_type)
+    head = head_fwd = head_bwd = 0
+    if part.last:
+        head, head_fwd, head_bwd = _head(cfg, tp, ns, sp)
+    # A weight called several times in one forward gets one gradient buffer (its dtype) that
+    # autograd accumulates into until its last use's backward (the tied embedding too).
+    shared = sum(s_.numel * a for s_ in plan.tensors(stage)
                  if s_.name.startswith("layers.") and calls[int(s_.name.split(".")[1])] > 1)
-    if first and last and not m.untie_embeddings_and_output_weights:
-        shared += a * (m.padded_vocab_size // tp) * h
-    return StageActivations(
-        held=common + head + sum(per[k].held * c for k, c in calls.items()),
-        head=head,
-        # leaf weights are cast once per forward (autocast's cache); expert stacks per call
-        casts=sum(p.cached_casts + (p.casts - p.cached_casts) * calls[k] for k, p in per.items()) + head_casts,
-        cache=sum(p.cached_casts for p in per.values()) + head_casts, head_casts=head_casts,
-        layers=per, calls=calls, head_fwd=head_fwd, head_bwd=head_bwd,
-        shared_grads=shared)
+    if part.first and part.last and not m.untie_embeddings_and_output_weights:
+        shared += a * (m.padded_vocab_size // tp) * m.hidden_size
+    return StageActivations(held=common + head + sum(per[k].held * c for k, c in calls.items()), head=head,
+                            layers=per, head_fwd=head_fwd, head_bwd=head_bwd, shared_grads=shared)
 
 
-def in_flight(cfg: Config, plan: ParallelPlan, stage: int) -> int:
-    """Micro-batches whose activations a stage holds at once under the configured schedule."""
+def stage_schedule(cfg: Config, plan: ParallelPlan, stage: int) -> Tuple[Tuple[Op, ...], Tuple[int, ...]]:
+    """The forwards and backwards a rank of ``stage`` runs in one step, and the p2p buffers its
+    link holds during each (``pipeline.order``, ``pipeline.transfers``)."""
     layout = plan.layout
-    m = num_microbatches(cfg, layout.world_size)
-    if layout.pp == 1:
-        return 1
-    if cfg.parallel.pipeline_schedule == "gpipe":
-        return m
-    return min(layout.pp - stage, m)
+    schedule = cfg.parallel.pipeline_schedule if layout.pp > 1 else "1f1b"
+    return _schedule(schedule, layout.pp, plan.num_model_chunks, num_microbatches(cfg, layout.world_size), stage)
 
 
-def activation_memory(cfg: Config, plan: ParallelPlan, stage: int, *, recompute: Optional[bool] = None,
-                      offloaded: Sequence[int] = (), device_type: str = "cuda") -> Dict[str, int]:
-    """Peak activation bytes of a rank of ``stage``.
+@functools.lru_cache(maxsize=64)
+def _schedule(schedule: str, pp: int, chunks: int, microbatches: int,
+              stage: int) -> Tuple[Tuple[Op, ...], Tuple[int, ...]]:
+    all_ops = [pipeline_ops(schedule, pp, chunks, microbatches, r) for r in range(pp)]
+    return tuple(all_ops[stage]), tuple(link_buffers(all_ops, pp, chunks, stage))
 
-    ``activations``: what ``in_flight`` micro-batches keep for backward; ``compute_weights``:
-    their 16-bit weight copies; ``transient``: the largest working set on top, the worst of
-    (a) the forward of the loss (logits, their fp32 copy) and, under recomputation, the
-    autocast cache of the stage's weights plus one layer's no-grad forward; (b) the backward
-    of the loss (logit gradients); (c) the backward of the largest layer: recomputed in full
-    when recomputing, plus its widest activation gradient, its largest weight gradient and
-    the gradient buffers of weights called more than once (pseudo slots, tied embedding).
-    Offloaded modules (``megatron_p2r.offload``) always run recomputed with fetched weights.
-    """
-    st = stage_activations(cfg, plan, stage, device_type=device_type)
-    recompute = cfg.train.recompute_activations if recompute is None else recompute
-    k = in_flight(cfg, plan, stage)
-    n_h4 = cfg.train.micro_batch_size * cfg.model.seq_length * cfg.model.hidden_size * \
-        (2 if (cfg.train.bf16 or cfg.train.fp16) else 4)    # a layer's input, in the weights' dtype
-    light = set(st.calls) if recompute else set(offloaded) & set(st.calls)
-    held = st.held - sum((st.layers[key].held - n_h4) * st.calls[key] for key in light)
-    casts = st.casts - sum(p.cached_casts + (p.casts - p.cached_casts) * st.calls[key]
-                           for key, p in st.layers.items() if key in light)
-    off = set(offloaded) & set(st.calls)
-    cache = st.cache - sum(st.layers[key].cached_casts for key in off)   # fetched copies are not cached
-    fwd = st.head_fwd + (cache if light else 0)
+
+def with_recompute(cfg: Config, granularity: Optional[str]) -> Config:
+    """``cfg`` without recomputation (None), with selective, or with every layer recomputed."""
+    full = granularity == "full"
+    return cfg.replace(recompute_activations=False, recompute_granularity=granularity,
+                       recompute_method="uniform" if full else None, recompute_num_layers=1 if full else None)
+
+
+def recomputed_positions(cfg: Config, stage: StagePlan, offloaded: Sequence[int] = ()) -> set:
+    """Positions (in ``stage.layer_keys``) of the layers that run their forward twice: in a
+    recomputed unit of their model chunk, or offloaded (they recompute themselves)."""
+    out, start = set(), 0
+    for part in stage.chunks:
+        out |= {start + p for p in _units(cfg, part.layer_keys, offloaded)[2]}
+        start += len(part.layer_keys)
+    return out
+
+
+def _units(cfg: Config, keys: Sequence[int], offloaded: Sequence[int]):
+    """A model chunk's recompute units (positions), offloaded layers standing alone (they
+    recompute themselves), and the set of positions that keep only their input."""
+    standalone = [p for p, key in enumerate(keys) if key in set(offloaded)]
+    units = cfg.train.recompute_units(len(keys), standalone)
+    light = {p for unit, recomputed in units if recomputed for p in unit} | set(standalone)
+    return units, set(standalone), light
+
+
+def _backward_peak(st: StageActivations, keys: Sequence[int], units, standalone: set, n_h4: int) -> int:
+    """The largest working set of one layer's backward: a recomputed unit re-creates all its
+    layers' activations (and 16-bit copies) and frees them from the last layer down."""
+    peak = 0
+    for unit, recomputed in units:
+        alive = 0
+        for p in unit:
+            layer = st.layers[keys[p]]
+            if recomputed or p in standalone:
+                alive += layer.held + layer.casts
+                peak = max(peak, alive + layer.backward)
+            else:
+                peak = max(peak, layer.backward + n_h4)
+    return peak - st.head + st.shared_grads
+
+
+def _embedding_backward(cfg: Config, plan: ParallelPlan, stage: int) -> int:
+    """The word embedding's dense gradient at the end of the first stage's backward; tied on a
+    single stage, autograd then adds it to the output layer's (held until then): three
+    vocabulary-sized tensors at once."""
+    st = plan.stage(stage)
+    if not st.first:
+        return 0
+    table = cfg.model.padded_vocab_size // plan.layout.tp * cfg.model.hidden_size * compute_bytes(cfg)
+    return table * (3 if st.last and not cfg.model.untie_embeddings_and_output_weights else 1)
+
+
+def _chunk_memory(cfg: Config, plan: ParallelPlan, stage: int, chunk: int, offloaded: Sequence[int],
+                  n_h4: int, device_type: str) -> Tuple[int, int, int]:
+    """(held, 16-bit weight copies) per micro-batch and the transient working set of one model chunk."""
+    st = stage_activations(cfg, plan, stage, chunk, device_type=device_type)
+    keys = plan.stage(stage).chunks[chunk].layer_keys
+    units, standalone, light = _units(cfg, keys, offloaded)
+    kept_inputs = sum(1 for unit, recomputed in units if recomputed) + len(standalone)
+    held = st.held - sum(st.layers[keys[p]].held for p in light) + kept_inputs * n_h4
+    heavy = Counter(keys[p] for p in range(len(keys)) if p not in light)
+    casts = sum((layer.cached_casts if heavy[key] else 0) + (layer.casts - layer.cached_casts) * heavy[key]
+                for key, layer in st.layers.items())
+    fetched = {keys[p] for p in standalone}   # fetched copies are not leaves: not cached
+    cache = sum(layer.forward_cache - (layer.cached_casts if heavy[key] else 0)
+                for key, layer in st.layers.items() if key not in fetched)
+    fwd = st.head_fwd + cache
     if light:
-        fwd = max(fwd, cache + 2 * max(st.layers[key].work for key in light))
-    # the backward of one layer: recomputed in full (without its input, the checkpoint) when
-    # light, plus the residual gradient and the MLP backward's working set
-    bwd_layer = max((p.backward + n_h4 + (p.held - n_h4 + p.casts if key in light else 0)
-                     for key, p in st.layers.items()), default=0) - st.head + st.shared_grads
-    transient = max(fwd, st.head_bwd, bwd_layer)
-    return {"held_per_microbatch": held + casts, "in_flight": k, "activations": k * held,
-            "compute_weights": k * casts, "transient": transient}
+        fwd = max(fwd, cache + 2 * max(st.layers[keys[p]].work for p in light))
+    embedding = _embedding_backward(cfg, plan, stage) if plan.stage(stage).chunks[chunk].first else 0
+    return held, casts, max(fwd, st.head_bwd, _backward_peak(st, keys, units, standalone, n_h4), embedding - held)
+
+
+def activation_memory(cfg: Config, plan: ParallelPlan, stage: int, *, offloaded: Sequence[int] = (),
+                      device_type: str = "cuda") -> Dict[str, int]:
+    """Peak activation bytes of a rank of ``stage`` under ``cfg``'s recomputation.
+
+    ``activations``: what the micro-batches in flight keep for backward (a recomputed unit or an
+    offloaded layer keeps its input), at the point of the schedule where the most are
+    (``pipeline.order``: with interleaving, (micro-batch, chunk) forwards, each weighted by its
+    chunk), with the hidden-state buffers (``[b, s/TP, h]`` under sequence parallelism) of sends
+    not yet known received and of messages that arrived early
+    (``pipeline.transfers.link_buffers``); ``compute_weights``: their 16-bit weight copies;
+    ``in_flight``: the most forwards awaiting their backward (chunk forwards with interleaving);
+    ``transient``: the largest working set on top, the worst over the chunks of (a) the forward
+    of the loss (a chunk of logits) plus the autocast cache of weights that are not saved and,
+    with recomputation, one layer's no-grad forward; (b) the backward of the loss; (c) the
+    backward of a layer: recomputed in full (its whole unit) when recomputing, plus its widest
+    activation gradient, its largest weight gradient and the gradient buffers of weights called
+    more than once (pseudo slots, tied embedding); (d) the word embedding's gradient. Offloaded
+    modules (``megatron_p2r.offload``) always run recomputed with fetched weights.
+    """
+    ns = cfg.train.micro_batch_size * cfg.model.seq_length // (plan.layout.tp if plan.sequence_parallel else 1)
+    n_h4 = ns * token_bytes(cfg)     # a chunk's input, a hidden-state message
+    chunks = [_chunk_memory(cfg, plan, stage, c, offloaded, n_h4, device_type) for c in range(plan.num_model_chunks)]
+    ops, buffers = stage_schedule(cfg, plan, stage)
+    return {"held_per_microbatch": sum(held + casts for held, casts, _ in chunks),
+            "in_flight": int(max_outstanding(ops)),
+            "activations": int(max_outstanding(ops, lambda c: chunks[c][0], [n_h4 * b for b in buffers])),
+            "compute_weights": int(max_outstanding(ops, lambda c: chunks[c][1])),
+            "transient": max(transient for _, _, transient in chunks)}
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, heads: int, t: int = 1, *, sequence_parallel: bool = False,
+                            selective: bool = False) -> int:
+    """Activation bytes per transformer layer by Korthikanti et al. 2022, Table 2 (16-bit
+    activations, 1-byte dropout masks, unfused attention): 34sbh + 5as^2b without parallelism;
+    with TP t: sbh(10 + 24/t + 5as/(ht)); with sequence parallelism everything / t; selective
+    recomputation drops the 5as^2b terms."""
+    attention = 0 if selective else 5 * heads * s * s * b
+    if sequence_parallel:
+        return (34 * s * b * h + attention) // t
+    return 10 * s * b * h + (24 * s * b * h + attention) // t

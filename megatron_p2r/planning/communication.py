@@ -1,19 +1,23 @@
 """Communication volume per step of each group a rank is in (tp, ep, pp, dp, expert_dp,
-embedding, sharing, tp_partial), following the collectives the code issues (see docs/scale.md).
+embedding, sharing, tp_partial), following the collectives the code issues (see docs/scale.md):
+with sequence parallelism, all-gathers and reduce-scatters along the sequence instead of TP
+all-reduces, 1/TP of the activation between stages.
 
 Activations travel in the weights' dtype (fp32, or 16-bit with --bf16/--fp16: the model computes
 in its weights' dtype); gradients are reduced in fp32 — one all-reduce, or under the distributed
-optimizer a reduce-scatter of the fp32 gradients plus an all-gather of the updated weights."""
+optimizer a reduce-scatter of the fp32 gradients plus an all-gather of the updated weights.
+Partial gradients over TP (sequence parallelism's norms and biases, replicated key/value heads)
+are reduced with their data-parallel copies (``tp_partial``: TP block x DP)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, Sequence
 
 from megatron_p2r.config import Config, num_microbatches
 from megatron_p2r.layout.offload import GRAD_BYTES
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import stage_set_groups
-from megatron_p2r.planning.activations import moe_rows
+from megatron_p2r.planning.activations import compute_bytes, moe_rows, recomputed_positions
 
 
 def _ring(nbytes: float, n: int) -> float:
@@ -44,49 +48,78 @@ def _per_node(ranks: Sequence[int], per_node: int) -> int:
     return min(counts.values())
 
 
+def _gather(nbytes: float, n: int) -> float:
+    """Bytes one rank sends in a ring all-gather (or reduce-scatter) of a ``nbytes`` tensor."""
+    return (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def _tp_layer_bytes(cfg: Config, moe: bool, forwards: int, n: int, T: int, sp: bool) -> float:
+    """TP bytes one layer sends per micro-batch: ``forwards`` forward passes and one backward.
+    Each column-parallel input (the attention's: one, or query and key/value under
+    --group-query-attention; fc1 or the experts') enters the TP region by its own copy (or
+    all-gather under SP)."""
+    m, a, h = cfg.model, compute_bytes(cfg), cfg.model.hidden_size
+    columns = (2 if m.group_query_attention else 1) + 1
+    if not sp:
+        out = forwards * 2 * _ring(n * h * a, T)                          # attention proj + MLP reduce
+        out += columns * _ring(n * h * a, T)                              # backward of the copies
+        if moe:
+            out += _ring(moe_rows(cfg, n)[1] * 4, T)                      # combine weights' copy (fp32)
+        return out
+    # all-gather before each column-parallel projection (again in backward for the weight
+    # gradients), reduce-scatter after proj and fc2; backward: reduce-scatter of the input
+    # gradients, all-gather of the output's
+    out = forwards * (columns + 2) * _gather(n * h * a, T) + (2 * columns + 2) * _gather(n * h * a, T)
+    if moe:   # routing ids and combine weights gathered too, their gradient reduce-scattered; the
+        # tokens are not gathered again in backward (the experts keep their rows)
+        slots = moe_rows(cfg, n)[0]
+        out += forwards * _gather(n * slots * 12, T) + _gather(n * slots * 4, T) - _gather(n * h * a, T)
+    return out
+
+
 def communication(cfg: Config, plan: ParallelPlan, stage: int, gpus_per_node: int = 8,
                   offloaded: Sequence[int] = ()) -> Dict[str, GroupTraffic]:
     """Per-step bytes a rank of ``stage`` sends over each group (tp, ep, pp, dp, expert_dp,
-    embedding, sharing), following the collectives the code issues (see docs/scale.md)."""
+    embedding, sharing, tp_partial), following the collectives the code issues (see docs/scale.md)."""
     m, t, layout = cfg.model, cfg.train, plan.layout
-    a = plan.buffers.param_bytes          # activations and their gradients: the weights' dtype
+    a = compute_bytes(cfg)
     n, h = t.micro_batch_size * m.seq_length, m.hidden_size
     mbs = num_microbatches(cfg, layout.world_size)
     st = plan.stage(stage)
     first, last = st.first, st.last
-    stage_keys = st.layer_keys
     rank = layout.rank(0, 0, stage)
-    T, E = layout.tp, layout.ep
+    T, E, sp = layout.tp, layout.ep, plan.sequence_parallel
     out: Dict[str, GroupTraffic] = {}
 
+    twice = recomputed_positions(cfg, st, offloaded)
     tp_bytes = ep_bytes = 0.0
-    for key in stage_keys:
-        forwards = 2 if (t.recompute_activations or key in offloaded) else 1
+    for position, key in enumerate(st.layer_keys):
+        forwards = 2 if position in twice else 1
         moe = m.is_moe_layer(key)
-        tp_bytes += forwards * 2 * _ring(n * h * a, T)                 # attention proj + MLP reduce
-        tp_bytes += 2 * _ring(n * h * a, T)                              # backward of the copies
+        tp_bytes += _tp_layer_bytes(cfg, moe, forwards, n, T, sp)
         if moe:
             _, rows = moe_rows(cfg, n)
-            tp_bytes += _ring(rows * 4, T)                               # combine weights' copy (fp32)
             if m.add_bias:
                 tp_bytes += _ring(m.num_experts // E * h * a, T)          # bias2's copy
             ep_bytes += (forwards + 1) * 2 * rows * h * a * (E - 1) / E   # dispatch + combine
-    if first:
-        tp_bytes += _ring(n * h * a, T)                                  # vocab-parallel embedding
-    if last:
-        tp_bytes += _ring(n * h * a, T) + 3 * _ring(n * 4, T)            # output copy, cross entropy
+    if first:   # vocab-parallel embedding: all-reduce, or reduce-scatter (and all-gather back)
+        tp_bytes += 2 * _gather(n * h * a, T) if sp else _ring(n * h * a, T)
+    if last:    # the output layer's input (gathered twice and its gradient reduce-scattered under SP, or
+        # the copy's all-reduce), and the cross entropy's all-gather of two fp32 numbers per token
+        tp_bytes += (3 * _gather(n * h * a, T) if sp else _ring(n * h * a, T)) + _gather(T * n * 8, T)
     tp_ranks = layout.group_of("tp", rank)
     out["tp"] = GroupTraffic(mbs * tp_bytes, T, _nodes(tp_ranks, gpus_per_node))
     ep_ranks = layout.group_of("ep", rank)
     same_node = sum(1 for r in ep_ranks if r // gpus_per_node == rank // gpus_per_node) - 1
     out["ep"] = GroupTraffic(mbs * ep_bytes, E, _nodes(ep_ranks, gpus_per_node),
                              1.0 - same_node / (E - 1) if E > 1 else 0.0)
-    sends = (0 if last else 1) + (0 if first else 1)
+    chunks = plan.num_model_chunks   # every chunk boundary is a transfer each way
+    sends = (chunks - (1 if last else 0)) + (chunks - (1 if first else 0))
     pp_nodes = 1
     if layout.pp > 1:
         neighbours = [layout.rank(0, 0, s_) for s_ in (stage - 1, stage + 1) if 0 <= s_ < layout.pp]
         pp_nodes = max(_nodes([rank, r], gpus_per_node) for r in neighbours)
-    out["pp"] = GroupTraffic(mbs * sends * n * h * a, layout.pp, pp_nodes)
+    out["pp"] = GroupTraffic(mbs * sends * n // (T if sp else 1) * h * a, layout.pp, pp_nodes)
 
     out.update(gradient_traffic(plan, stage, gpus_per_node))
     return out

@@ -10,7 +10,8 @@ from megatron_p2r.config import Config, global_batch_size, num_microbatches
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Layout
 from megatron_p2r.metrics import model_flops_per_token
-from megatron_p2r.planning.activations import activation_memory
+from megatron_p2r.pipeline.order import step_slots
+from megatron_p2r.planning.activations import activation_memory, with_recompute
 from megatron_p2r.planning.communication import communication
 from megatron_p2r.planning.hardware import GiB, GPUSpec
 from megatron_p2r.planning.memory import (expert_parameter_count, logical_parameter_count, offload_plan,
@@ -55,6 +56,7 @@ class Plan:
     stages: List[StageEstimate]
     step_time_s: float
     step_breakdown_s: Dict[str, float]
+    pipeline_bubble: float      # idle time of the pipeline over its busy time: (P-1)/m, (P-1)/(v m) interleaved
     model_flops_per_step: float
     mfu: float
     days: Optional[float]
@@ -124,8 +126,8 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     specs = plan.tensors(stage)
     off = offload_plan(cfg, plan, stage)
     act = activation_memory(cfg, plan, stage, offloaded=off["recomputed"])
-    act_no = activation_memory(cfg, plan, stage, recompute=False, offloaded=off["recomputed"])
-    act_rc = activation_memory(cfg, plan, stage, recompute=True, offloaded=off["recomputed"])
+    act_no = activation_memory(with_recompute(cfg, None), plan, stage, offloaded=off["recomputed"])
+    act_rc = activation_memory(with_recompute(cfg, "full"), plan, stage, offloaded=off["recomputed"])
     device = {"reserve": a.reserve, **off["device"], "compute_weights": act["compute_weights"],
               "activations": act["activations"], "transient": act["transient"]}
     overflow = _overflow(device, gpu.memory)
@@ -191,7 +193,9 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
     stages = [est for est, _ in estimates]
     problems += [_overflow_problem(est, layout, gpu) for est in stages if est.overflow]
     mbs, gbs = num_microbatches(cfg, world_size), global_batch_size(cfg, world_size)
-    breakdown = {"pipeline": (mbs + layout.pp - 1) * max(t for _, t in estimates),
+    schedule = cfg.parallel.pipeline_schedule if layout.pp > 1 else "1f1b"
+    slots = step_slots(schedule, layout.pp, plan.num_model_chunks, mbs)
+    breakdown = {"pipeline": slots * max(t for _, t in estimates),
                  "grad_sync": max(s.time_s["grad_sync"] for s in stages),
                  "optimizer": max(s.time_s["optimizer"] for s in stages)}
     step = sum(breakdown.values())
@@ -208,7 +212,8 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
                 gpu=dataclasses.asdict(gpu), logical_parameters=logical_parameter_count(plan),
                 expert_parameters=expert_parameter_count(plan), microbatches=mbs, global_batch=gbs,
                 tokens_per_step=tokens, stages=stages, step_time_s=step, step_breakdown_s=breakdown,
-                model_flops_per_step=model_flops, mfu=model_flops / (step * world_size * peak),
+                pipeline_bubble=slots / mbs - 1, model_flops_per_step=model_flops,
+                mfu=model_flops / (step * world_size * peak),
                 days=token_budget / tokens * step / 86400 if token_budget else None, token_budget=token_budget,
                 host_per_node=host_per_node, host_capacity_per_node=host_cap,
                 fits=not any(p_.startswith("does not fit") for p_ in problems), problems=problems)

@@ -5,14 +5,16 @@ from typing import Sequence
 
 from megatron_p2r.config import Config
 from megatron_p2r.layout.plan import ParallelPlan
-from megatron_p2r.planning.activations import moe_rows
+from megatron_p2r.planning.activations import moe_rows, recomputed_positions
 from megatron_p2r.planning.communication import GroupTraffic
 from megatron_p2r.planning.hardware import GPUSpec
 
 
 def stage_flops_per_microbatch(cfg: Config, plan: ParallelPlan, stage: int, offloaded: Sequence[int] = ()) -> float:
     """Training FLOPs one rank of ``stage`` computes per micro-batch: 3x the forward matmuls
-    (one more forward for recomputed layers), the same convention as ``metrics.model_flops_per_token``.
+    (one more forward for layers recomputed in full, one more attention core under selective
+    recomputation), the same convention as ``metrics.model_flops_per_token``; the loss
+    recomputes its logits in backward (``parallel/cross_entropy.py``): 4x the output layer.
     Key/value heads replicated over TP (TP > query groups) are computed on every replica."""
     m, t = cfg.model, cfg.train
     n, h, T = t.micro_batch_size * m.seq_length, m.hidden_size, plan.layout.tp
@@ -20,17 +22,20 @@ def stage_flops_per_microbatch(cfg: Config, plan: ParallelPlan, stage: int, offl
     glu = 2 if m.swiglu else 1
     heads = m.num_attention_heads * m.head_dim / T               # query (and output) rows on a rank
     kv = 2 * m.query_groups * m.head_dim / min(T, m.query_groups)   # key/value rows on a rank
+    twice = recomputed_positions(cfg, st, offloaded)
+    core = 4 * n * m.seq_length * heads
     total = 0.0
-    for key in st.layer_keys:
-        fwd = 2 * n * h * (2 * heads + kv) + 4 * n * m.seq_length * heads
+    for position, key in enumerate(st.layer_keys):
+        fwd = 2 * n * h * (2 * heads + kv) + core
         if m.is_moe_layer(key):
             _, rows = moe_rows(cfg, n)
-            fwd += 2 * n * m.num_experts * h + 2 * rows * (glu + 1) * m.expert_ffn_size * h / T
+            router = 2 * n * m.num_experts * h / (T if plan.sequence_parallel else 1)
+            fwd += router + 2 * rows * (glu + 1) * m.expert_ffn_size * h / T
         else:
             fwd += 2 * n * (glu + 1) * m.ffn_size * h / T
-        total += fwd * (4 if (t.recompute_activations or key in offloaded) else 3)
+        total += fwd * (4 if position in twice else 3) + (core if t.recompute == "selective" else 0)
     if st.last:
-        total += 3 * 2 * n * m.padded_vocab_size * h / T
+        total += 4 * 2 * n * m.padded_vocab_size * h / T
     return total
 
 

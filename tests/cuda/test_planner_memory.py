@@ -4,7 +4,7 @@ one forward + backward of one micro-batch.
 
 Measured after a warm-up step, so the gradients already exist (backward accumulates into them)
 and cuBLAS workspaces and kernel choices are settled; ``held`` is what is allocated at the end
-of the forward (inside autocast, whose cache of cast weights is alive then), ``peak`` the
+of the forward (run as training runs it: in the weights' dtype, no autocast), ``peak`` the
 maximum over forward and backward, both beyond the mark. Both within 10% of the planner's
 ``activations + compute_weights`` and that plus ``transient``.
 """
@@ -13,7 +13,6 @@ from tests.cuda.probe import skip_without_cuda
 skip_without_cuda()
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from megatron_p2r.model.m6 import build_model  # noqa: E402
 from tests.cuda.lane import planned_stage  # noqa: E402
@@ -27,7 +26,7 @@ CPU = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, v
 CASES = {
     "fp32": dict(),
     "bf16": dict(bf16=True),
-    "bf16_recompute": dict(bf16=True, recompute_activations=True),
+    "bf16_recompute": dict(bf16=True, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
     "bf16_swiglu_rope_rmsnorm_untied": dict(bf16=True, swiglu=True, position_embedding_type="rope",
                                             normalization="RMSNorm", untie_embeddings_and_output_weights=True),
     "bf16_dropout": dict(bf16=True, hidden_dropout=0.1, attention_dropout=0.1),
@@ -42,12 +41,10 @@ def test_activation_estimate_matches_cuda_allocator(lane, record_property, case)
     cfg = lane.config(CASES[case], gpu=GPU, cpu=CPU)
     model = build_model(cfg, lane.parallel(cfg))
     batch = {k: v.to(lane.device) for k, v in random_microbatches(cfg, 1, cfg.train.micro_batch_size)[0].items()}
-    dtype = torch.bfloat16 if cfg.train.bf16 else None
 
     def forward_backward(after_forward=lambda: None):
-        with torch.autocast(lane.device.type, dtype=dtype, enabled=dtype is not None):
-            loss = model(tokens=batch["tokens"], labels=batch["labels"]).mean()
-            after_forward()
+        loss = model(tokens=batch["tokens"], labels=batch["labels"], loss_mask=batch["loss_mask"])
+        after_forward()
         loss.backward()
 
     forward_backward()  # warm-up

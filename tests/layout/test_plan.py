@@ -128,3 +128,70 @@ def test_model_stages_hold_what_the_plan_says(tied):
     held = [logical_name(n, p) for m in stages for n, p in m.named_parameters()]
     assert len(held) == len(set(held)) + (1 if tied else 0)
     assert set(held) == {n for n, _ in single.named_parameters()}
+
+
+# ----------------------------------------------------------------------------- virtual stages
+
+def test_virtual_stages_follow_megatron():
+    """--num-layers-per-virtual-pipeline-stage N: v = (L/P)/N chunks per rank, chunk c of rank p
+    is virtual stage c*P + p with layers [(cP+p)N, (cP+p+1)N); --num-virtual-stages-per-pipeline-rank
+    gives the same plan; N = L/P is no interleaving."""
+    plan = _plan(2, num_layers=8, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2)
+    assert plan.num_model_chunks == 2
+    assert [[list(c.layers) for c in st.chunks] for st in plan.stages] == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+    assert [[c.index for c in st.chunks] for st in plan.stages] == [[0, 2], [1, 3]]
+    assert [c.index for c in plan.virtual_stages] == [0, 1, 2, 3]
+    assert plan.stages[0].layers == (0, 1, 4, 5) and plan.stages[1].layer_keys == (2, 3, 6, 7)
+    assert [(st.first, st.last) for st in plan.stages] == [(True, False), (False, True)]
+    assert [(c.first, c.last) for c in plan.virtual_stages] == [(True, False), (False, False), (False, False),
+                                                                 (False, True)]
+    same = _plan(2, num_layers=8, pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2)
+    assert same.stages == plan.stages
+    assert _plan(2, num_layers=8, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=4
+                 ).num_model_chunks == 1
+
+
+def test_virtual_stage_replicas_are_pipeline_ranks():
+    """A slot called by two chunks of one rank is one module there (no replica); across ranks it
+    joins the cross-stage group of those pipeline ranks; the tied embedding joins rank 0's first
+    chunk and rank P-1's last."""
+    vpp = dict(num_layers=4, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1,
+               p2r_phase="pseudo")
+    cycle = _plan(2, share_pattern="cycle:2", **vpp)   # layers 0, 2 (slot 0) on rank 0; 1, 3 on rank 1
+    assert [st.modules for st in cycle.stages] == [(0,), (1,)]
+    assert cycle.replicas == ((WORD_EMBEDDING, (0, 1)),)
+    every = _plan(2, share_pattern="all", **vpp)
+    assert [st.layer_keys for st in every.stages] == [(0, 0), (0, 0)]
+    assert [st.modules for st in every.stages] == [(0,), (0,)]
+    assert every.reduction("layers.0.mlp.fc1.weight", False) == Reduction("sharing", "dp", (0, 1))
+    assert every.stage_sets() == ((0, 1),)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(num_layers_per_virtual_pipeline_stage=1, num_virtual_stages_per_pipeline_rank=2), "pass at most one"),
+    (dict(num_layers_per_virtual_pipeline_stage=3), "must divide the 4 layers of each pipeline stage"),
+    (dict(num_virtual_stages_per_pipeline_rank=3), "must divide the 4 layers of each pipeline stage"),
+    (dict(num_layers_per_virtual_pipeline_stage=0), "must be >= 1"),
+    (dict(num_layers_per_virtual_pipeline_stage=1, pipeline_layer_split="3,5"),
+     "cannot be combined with --pipeline-layer-split"),
+    (dict(num_layers_per_virtual_pipeline_stage=1, pipeline_schedule="gpipe"), "interleaving is a 1F1B schedule"),
+    (dict(num_layers_per_virtual_pipeline_stage=1, pipeline_model_parallel_size=1),
+     "needs --pipeline-model-parallel-size > 1"),
+    (dict(num_virtual_stages_per_pipeline_rank=2, num_layers=6), "must divide the 3 layers of each pipeline stage"),
+    (dict(num_virtual_stages_per_pipeline_rank=2, num_layers=7), r"needs --num-layers \(7\) divisible by"),
+])
+def test_bad_interleaving_flags_are_clear_errors(flags, message):
+    cfg = tiny_config(**{"num_layers": 8, "pipeline_model_parallel_size": 2, **flags})
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, world_size=cfg.parallel.pipeline_model_parallel_size)
+
+
+def test_interleaved_model_holds_what_the_plan_says():
+    """Each rank builds one module per key its chunks call, names and shapes from the plan's table."""
+    cfg = tiny_config(num_layers=4, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)
+    plan = ParallelPlan.build(cfg, Layout(pp=2))
+    for s in range(2):
+        model = build_model(cfg, ParallelState(layout=Layout(pp=2), rank=s), plan, meta=True)
+        assert model.num_model_chunks == 2 and model.layer_keys == [s, s + 2]
+        built = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        assert built == [(t.name, t.shape) for t in plan.tensors(s)]

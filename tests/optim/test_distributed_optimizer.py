@@ -1,6 +1,7 @@
 """The distributed optimizer and overlapped reduction on gloo ranks against one process: DP2/DP4
-with and without overlap, TP2 x DP2, PP2 x DP2 in the pseudo phase, MoE EP2 x expert-DP2,
-offload, 4 micro-batches; checkpoints across DP sizes and optimizers, bitwise resume, delinking.
+with and without overlap, TP2 x DP2 (also with sequence parallelism), PP2 x DP2 in the pseudo
+phase (also interleaved), MoE EP2 x expert-DP2, offload, 4 micro-batches; checkpoints across
+DP sizes and optimizers, bitwise resume, delinking.
 
 Tolerances are the existing DP tests' (tests/test_training.py): losses 1e-5 relative, weights
 1e-4 absolute after 3 steps at lr 1e-2 (the order of the reductions differs from one process;
@@ -30,7 +31,12 @@ FOUR_RANKS = {
     "dp4-overlap": OVERLAP,
     "dp4-overlap-4-microbatches": dict(global_batch_size=32, **OVERLAP),
     "tp2-dp2": dict(tensor_model_parallel_size=2, **OVERLAP),
+    # norms and biases on sequence shards: partial over TP, in their own "TP x DP" buffer
+    "tp2-sp-dp2": dict(tensor_model_parallel_size=2, sequence_parallel=True, **OVERLAP),
     "pp2-dp2-pseudo-cycle2": dict(pipeline_model_parallel_size=2, **PSEUDO, **OVERLAP),   # slots + tied embedding
+    # interleaved 1F1B: each rank's two chunks call one pseudo slot, final in chunk 0's last backward
+    "pp2-dp2-interleaved-pseudo-cycle2": dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1,
+                                              **PSEUDO, **OVERLAP),
     "ep2-expert-dp2-moe": dict(expert_model_parallel_size=2, **MOE, **OVERLAP),
     "dp4-offload": dict(cpu_offload_layers="1", **OVERLAP),
     "pp2-dp2-pseudo-offload": dict(pipeline_model_parallel_size=2, cpu_offload_layers="1", **PSEUDO, **OVERLAP),

@@ -130,7 +130,7 @@ def _launches(c, monkeypatch, after_backward=False, rank=0, world=2):
     started, phase = [], {"finishing": False}
     original_start, original_finish = ParamAndGradBuffer.start_grad_reduce, DistributedDataParallel.finish_grad_sync
     if after_backward:
-        monkeypatch.setattr(DistributedDataParallel, "backward_started", lambda ddp: None)
+        monkeypatch.setattr(DistributedDataParallel, "backward_started", lambda ddp, chunk=0: None)
 
     def start(buf, bucket, async_op):
         started.append(((buf.layout.over, buf.layout.stages, bucket.index), bucket.grad.clone(), phase["finishing"]))

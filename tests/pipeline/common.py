@@ -7,6 +7,7 @@ micro-batches, and measure how far this rank's loss and gradient shards are from
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -50,8 +51,12 @@ def make_microbatches(n: int, vocab: int, seed: int = 0, keep: Sequence[float] =
 
 
 def make_state(layout: Layout) -> ParallelState:
-    """Groups for ``layout`` (collective: every rank calls it, in the same order)."""
-    return initialize(layout, torch.device("cpu"), stage_sets=((0, layout.pp - 1),))
+    """Groups for ``layout`` (collective: every rank calls it, in the same order): the cross-stage
+    groups of the tied embedding and of a pseudo slot on every stage, and those of gradients
+    partial over the whole TP group (sequence parallelism's norms and biases)."""
+    tp_blocks = (((), layout.tp),) if layout.tp > 1 else ()
+    return initialize(layout, torch.device("cpu"), stage_sets=((0, layout.pp - 1), tuple(range(layout.pp))),
+                      tp_blocks=tp_blocks)
 
 
 def reference(cfg, microbatches: List[dict], dtype: Optional[torch.dtype] = None):
@@ -84,7 +89,7 @@ def pipelined_step(cfg, ps: ParallelState, microbatches: List[dict], schedule: s
     """One forward/backward + finalize_grads on this rank's stage; (model, DP-mean loss)."""
     plan = ParallelPlan.build(cfg, ps.layout)
     model = build_model(cfg, ps, plan)
-    fb = get_forward_backward_func(ps, schedule)
+    fb = get_forward_backward_func(ps, schedule, num_model_chunks=plan.num_model_chunks)
     loss = fb(model, microbatches, ps, loss_scale=1.0, dtype=dtype, stats=stats,
               on_backward_scale=aux_loss.set_backward_scale)
     if ps.is_last_stage and loss is None:
@@ -97,7 +102,8 @@ def compare_case(cfg, layout: Layout, ps: ParallelState, schedule: str, n_micro:
                  dtype: Optional[torch.dtype] = None, data_seed: int = 0, keep: Sequence[float] = (0.8,),
                  reference_fn: Callable = reference) -> dict:
     """One pipelined step (``n_micro`` micro-batches per DP rank) against ``reference_fn`` on
-    all DP ranks' micro-batches: loss error, max gradient error, logical names compared."""
+    all DP ranks' micro-batches: loss error, max gradient error, logical names compared,
+    gradient hashes."""
     all_mb = make_microbatches(n_micro * layout.dp, cfg.model.vocab_size, data_seed, keep)
     mine = all_mb[ps.dp_rank * n_micro:(ps.dp_rank + 1) * n_micro]
     model, loss = pipelined_step(cfg, ps, mine, schedule, dtype)
@@ -106,4 +112,12 @@ def compare_case(cfg, layout: Layout, ps: ParallelState, schedule: str, n_micro:
     return {"loss_err": abs(loss - ref_loss), "grad_err": max(errors.values()),
             "names": sorted(logical_name(n, p) for n, p in model.named_parameters()),
             "ref_names": sorted(ref_grads),
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+            "hashes": gradient_hashes(model, ps)}
+
+
+def gradient_hashes(model, ps: ParallelState) -> dict:
+    """{logical name @ tp rank, ep rank: sha256 of this rank's gradient}: merged over ranks, two
+    layouts of one model can be compared bitwise whichever ranks hold which layers."""
+    return {f"{logical_name(n, p)}@{ps.tp_rank},{ps.ep_rank}": hashlib.sha256(p.grad.numpy().tobytes()).hexdigest()
+            for n, p in model.named_parameters()}

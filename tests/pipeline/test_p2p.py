@@ -7,31 +7,43 @@ import pytest
 import torch
 
 from megatron_p2r.parallel.state import Layout, ParallelState
+from megatron_p2r.pipeline.order import BACKWARD, FORWARD, Message
 from megatron_p2r.pipeline.p2p import StageLink
+from megatron_p2r.pipeline.transfers import Transfers
 from tests.pipeline.common import SHAPES
 
 HIDDEN = 32  # tests.helpers.TINY
+NOTHING = Transfers({}, {}, frozenset())
 
 
 def test_send_checks_the_spec():
     """A stage that produced something other than what its peer allocates fails before sending."""
-    link = StageLink(ParallelState(layout=Layout(pp=2), rank=0))
-    with pytest.raises(RuntimeError, match=r"activation to send forward is torch.float32 \(2, 3\), but the peer "
-                                           r"stage allocates torch.bfloat16 \(2, 3\)"):
-        link.send_forward(torch.zeros(2, 3), ((2, 3), torch.bfloat16))
-    with pytest.raises(RuntimeError, match=r"gradient to send backward is torch.float32 \(2, 3\), but the peer "
-                                           r"stage allocates torch.float32 \(3, 2\)"):
-        StageLink(ParallelState(layout=Layout(pp=2), rank=1)).send_backward(torch.zeros(2, 3),
-                                                                            ((3, 2), torch.float32))
+    link = StageLink(ParallelState(layout=Layout(pp=2), rank=0), NOTHING, lambda msg: ((2, 3), torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"activation to send forward \(micro-batch 0, virtual stage 1\) is "
+                                           r"torch.float32 \(2, 3\), but the peer stage allocates torch.bfloat16"):
+        link.send(Message(FORWARD, 0, 1), torch.zeros(2, 3), 1)
+    link = StageLink(ParallelState(layout=Layout(pp=2), rank=1), NOTHING, lambda msg: ((3, 2), torch.float32))
+    with pytest.raises(RuntimeError, match=r"gradient to send backward \(micro-batch 4, virtual stage 0\) is "
+                                           r"torch.float32 \(2, 3\), but the peer stage allocates "
+                                           r"torch.float32 \(3, 2\)"):
+        link.send(Message(BACKWARD, 4, 0), torch.zeros(2, 3), 0)
+
+
+def test_a_message_the_peer_never_sends_fails_instead_of_hanging():
+    link = StageLink(ParallelState(layout=Layout(pp=2), rank=1), Transfers({0: []}, {}, frozenset()),
+                     lambda msg: ((2,), torch.float32))
+    with pytest.raises(RuntimeError, match=r"pipeline rank 1 waits for .* from pipeline rank 0, whose schedule "
+                                           r"does not send it"):
+        link.recv(Message(FORWARD, 0, 1), 0)
 
 
 def test_send_recv_between_stages(world4):
     """PP=4 (middle stages send and receive both ways) and PP=2 x DP=2 (peers keep their dp):
     every stage first sends 6 tensors of varying shape and dtype forward and backward, then
-    receives; each must arrive intact from the right peer, as a leaf requiring grad if float."""
+    receives (the forward ones last first); each must arrive intact from the right peer."""
     for r in world4:
         for key in ("p2p/pp4", "p2p/pp2dp2"):
-            assert r[key] == {"ok": True, "grad_leaf": True}, (r["rank"], key, r[key])
+            assert r[key] == {"ok": True}, (r["rank"], key, r[key])
 
 
 @pytest.mark.parametrize("shapes", ["fixed", "varying"])

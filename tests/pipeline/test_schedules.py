@@ -17,7 +17,8 @@ import pytest
 from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.state import Layout, ParallelState
 from megatron_p2r.pipeline.schedules import (forward_backward_1f1b, forward_backward_gpipe,
-                                             forward_backward_no_pipelining, get_forward_backward_func)
+                                             forward_backward_no_pipelining,
+                                             forward_backward_pipelining_with_interleaving, get_forward_backward_func)
 from tests.pipeline.common import make_cfg, make_microbatches
 
 FP32_TOL = 1e-6
@@ -69,6 +70,42 @@ def test_tp2_pp2_on_4_ranks(world4):
 
 def test_tp2_pp2_dp2_on_8_ranks(world8):
     assert check_equivalence(world8, "tp2pp2dp2/") == 2
+
+
+def same_as_twin(results: list, label: str) -> bool:
+    """Whether the gradients of interleaved case ``label``, merged over all ranks, are bitwise
+    those of its plain 1F1B twin (which holds each layer on another rank)."""
+    def merged(case):
+        return {k: h for r in results for k, h in r["equiv"][case]["hashes"].items()}
+    return merged(label) == merged(label.replace("/interleaved", "/1f1b"))
+
+
+def test_interleaved_reproduces_one_process_and_1f1b_bitwise(world4):
+    """Two chunks per rank, P=4 (8 layers) and P=2 x DP=2 (4 layers), tied and untied, m a
+    multiple of P, not one (P=2 m=5 and m=3: the remainder joins the last group; on P=2, m=5
+    the receiver needs rank 1's messages in another order than it sends them) and below P
+    (P=4 m=3): loss and every gradient as one process, and bitwise as 1F1B."""
+    assert check_equivalence(world4, "pp4v2/tied/m5/") == 2 and check_equivalence(world4, "pp4v2/untied/m3/") == 2
+    assert check_equivalence(world4, "pp2dp2v2/tied/m3/") == 2
+    assert check_equivalence(world4, "pp2dp2v2/untied/m5/") == 2
+    for label in ("pp4v2/tied/m5", "pp4v2/untied/m3", "pp2dp2v2/tied/m3", "pp2dp2v2/untied/m5"):
+        assert same_as_twin(world4, f"{label}/interleaved"), label
+
+
+def test_interleaved_pseudo_phase_share_all(world4):
+    """Every layer calls slot 0: two chunks of each rank call one module (local accumulation),
+    whose gradient is then summed over all pipeline stages x DP."""
+    assert check_equivalence(world4, "pp4v2/pseudo-all/") == 1
+    assert check_equivalence(world4, "pp2dp2v2/pseudo-all/") == 1
+
+
+def test_interleaved_composes_with_tp_and_moe_ep(world4):
+    assert check_equivalence(world4, "tp2pp2v2/") == 2
+    assert same_as_twin(world4, "tp2pp2v2/tied/m3/interleaved")
+    assert all(isinstance(r["moe"], dict) for r in world4), [r["moe"] for r in world4]
+    moe = [{"equiv": r["moe"]} for r in world4]
+    assert check_equivalence(moe, "pp2ep2v2/moe/") == 2
+    assert same_as_twin(moe, "pp2ep2v2/moe/m3/interleaved")
 
 
 def test_moe_with_expert_parallelism_composes(world4):  # PP=2 x DP=2, EP=2, aux + z losses
@@ -153,5 +190,18 @@ def test_get_forward_backward_func():
     pp2 = ParallelState(layout=Layout(pp=2))
     assert get_forward_backward_func(pp2, "1f1b") is forward_backward_1f1b
     assert get_forward_backward_func(pp2, "gpipe") is forward_backward_gpipe
+    assert get_forward_backward_func(pp2, "1f1b", num_model_chunks=2) is forward_backward_pipelining_with_interleaving
     with pytest.raises(ValueError, match="--pipeline-schedule 'zb'"):
         get_forward_backward_func(pp2, "zb")
+    with pytest.raises(ValueError, match="2 model chunks per rank need the interleaved 1F1B schedule"):
+        get_forward_backward_func(pp2, "gpipe", num_model_chunks=2)
+
+
+def test_a_chunked_model_under_a_plain_schedule_fails():
+    """A model built with interleaving (2 chunks per rank) run by the plain 1F1B driver would
+    skip half its layers: the driver refuses it."""
+    cfg = make_cfg(pp=2, num_layers_per_virtual_pipeline_stage=1)
+    pp2 = ParallelState(layout=Layout(pp=2), rank=0)
+    model = build_model(cfg, pp2, meta=True)
+    with pytest.raises(ValueError, match="holds 2 model chunks per pipeline rank, the schedule runs 1"):
+        forward_backward_1f1b(model, make_microbatches(2, cfg.model.vocab_size), pp2)

@@ -18,10 +18,13 @@ from megatron_p2r.layout.tensors import WORD_EMBEDDING
 from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import Layout, ParallelState
+from megatron_p2r.pipeline.order import BACKWARD, FORWARD, Message
 from megatron_p2r.pipeline.p2p import StageLink
+from megatron_p2r.pipeline.transfers import Transfers
+from megatron_p2r.pipeline import schedules
 from megatron_p2r.pipeline.schedules import forward_backward_1f1b
 from megatron_p2r.training import reduce_loss
-from tests.helpers import expected_shard, reference_config, run_steps
+from tests.helpers import expected_shard, random_microbatches, reference_config, run_steps
 from tests.pipeline.common import (UNEVEN_KEEP, compare_case, make_cfg, make_microbatches, make_state, pipelined_step,
                                    token_mean_reference)
 
@@ -41,30 +44,31 @@ def _spec(i: int) -> tuple:
 
 
 def p2p_checks(ps: ParallelState, rounds: int = 6) -> dict:
-    """Every stage sends ``rounds`` tensors of varying shapes and dtypes forward and backward
-    *before* receiving anything (sends never wait), then checks what arrived."""
-    link = StageLink(ps)
-    s, dp = ps.pp_rank, ps.dp_rank
+    """Every stage sends ``rounds`` named messages of varying shapes and dtypes forward and
+    backward *before* receiving anything (sends never wait), then receives the forward ones
+    last first (the link keeps those that arrive before they are asked for) and the backward
+    ones in order, and checks what arrived and from whom."""
+    s, dp, last = ps.pp_rank, ps.dp_rank, ps.pp_size - 1
+    incoming = {}
+    if s > 0:
+        incoming[s - 1] = [Message(FORWARD, i, s) for i in range(rounds)]
+    if s < last:
+        incoming[s + 1] = [Message(BACKWARD, i, s) for i in range(rounds)]
+    link = StageLink(ps, Transfers(incoming, {}, frozenset()), lambda msg: _spec(msg.microbatch))
     for i in range(rounds):
-        link.send_forward(_payload("fwd", dp, s, i), _spec(i))
-        link.send_backward(_payload("bwd", dp, s, i), _spec(i))
-    ok, grad_leaf = True, True
-    for i in range(rounds):
-        x = link.recv_forward(_spec(i), requires_grad=P2P_DTYPES[i % len(P2P_DTYPES)].is_floating_point)
+        if s < last:
+            link.send(Message(FORWARD, i, s + 1), _payload("fwd", dp, s, i), s + 1)
         if s > 0:
-            want = _payload("fwd", dp, s - 1, i)
-            ok &= x.dtype == want.dtype and torch.equal(x.detach(), want)
-            grad_leaf &= x.is_leaf and x.requires_grad == want.dtype.is_floating_point
-        else:
-            ok &= x is None
-        g = link.recv_backward(_spec(i))
-        if s < ps.pp_size - 1:
-            want = _payload("bwd", dp, s + 1, i)
-            ok &= g.dtype == want.dtype and torch.equal(g, want)
-        else:
-            ok &= g is None
+            link.send(Message(BACKWARD, i, s - 1), _payload("bwd", dp, s, i), s - 1)
+    ok = True
+    for i in reversed(range(rounds)) if s > 0 else ():
+        x, want = link.recv(Message(FORWARD, i, s), s - 1), _payload("fwd", dp, s - 1, i)
+        ok &= x.dtype == want.dtype and torch.equal(x, want)
+    for i in range(rounds) if s < last else ():
+        g, want = link.recv(Message(BACKWARD, i, s), s + 1), _payload("bwd", dp, s + 1, i)
+        ok &= g.dtype == want.dtype and torch.equal(g, want)
     link.wait()
-    return {"ok": bool(ok), "grad_leaf": bool(grad_leaf)}
+    return {"ok": bool(ok)}
 
 
 def count_messages(cfg, ps: ParallelState, microbatches, schedule: str) -> dict:
@@ -138,6 +142,33 @@ def train_replicas(cfg, ps: ParallelState, steps: int = 3) -> dict:
     return out
 
 
+def stage_peak_bytes(ps: ParallelState) -> dict:
+    """Peak live bytes of this rank's step (beyond parameters and gradients, which are allocated
+    before) with m micro-batches of one shape: 1F1B training and evaluation for m = 4, 8, 16,
+    interleaved 1F1B training (8 layers, v = 2) for m = 8, 16, 24 (from m = 2P on, the warm-up is
+    not cut short by m); one hidden tensor's bytes; 1F1B with sent outputs kept (m = 16)."""
+    from tests.test_planning import measure_step  # the planner tests' allocation tracker
+    cfg = make_cfg(pp=ps.pp_size)
+    b = cfg.train.micro_batch_size
+    out = {"stage": ps.pp_rank, "hidden_bytes": b * cfg.model.seq_length * cfg.model.hidden_size * 4}
+    runs = {"1f1b": (cfg, {}, (4, 8, 16)), "eval": (cfg, dict(forward_only=True), (4, 8, 16)),
+            "interleaved": (cfg.replace(num_layers=8, num_layers_per_virtual_pipeline_stage=1), {}, (8, 16, 24))}
+    for name, (run_cfg, kwargs, counts) in runs.items():
+        model, out[name] = build_model(run_cfg, ps), {}
+        step = schedules.get_forward_backward_func(ps, num_model_chunks=model.num_model_chunks)
+        for m in counts:
+            mbs = random_microbatches(run_cfg, m, b, seed=m)
+            _, out[name][m] = measure_step(model, run_cfg, lambda tracker: step(model, mbs, ps, **kwargs), mbs)
+    keep = schedules.deallocate_output
+    schedules.deallocate_output = lambda output: None   # sent outputs kept until their backward
+    try:
+        model, mbs = build_model(cfg, ps), random_microbatches(cfg, 16, b, seed=16)
+        _, out["outputs_kept"] = measure_step(model, cfg, lambda tracker: forward_backward_1f1b(model, mbs, ps), mbs)
+    finally:
+        schedules.deallocate_output = keep
+    return out
+
+
 def _tie_schedule_cases(prefix: str, pp: int, n_micro: int) -> list:
     """Tied and untied embeddings, each with 1F1B and GPipe."""
     return [(f"{prefix}/{tie}/m{n_micro}/{schedule}",
@@ -151,6 +182,15 @@ def _fewer_microbatches_cases(prefix: str, pp: int, n_micro: int) -> list:
             for schedule in ("1f1b", "gpipe")]
 
 
+def _interleaved_cases(prefix: str, pp: int, n_micro: int, twin: bool = True, **overrides) -> list:
+    """Interleaved 1F1B with two chunks per rank (one layer each) and, with ``twin``, the same
+    model under plain 1F1B (label ``.../1f1b``: its gradients must be bitwise the same)."""
+    cfg = make_cfg(pp=pp, num_layers=2 * pp, **overrides)
+    cases = [(f"{prefix}/m{n_micro}/interleaved", cfg.replace(num_layers_per_virtual_pipeline_stage=1), "1f1b",
+              n_micro, None)]
+    return cases + ([(f"{prefix}/m{n_micro}/1f1b", cfg, "1f1b", n_micro, None)] if twin else [])
+
+
 def world4(rank: int, world: int) -> dict:
     """PP=4; TP=2 x PP=2; PP=2 x DP=2 (the PP=2 cases, with data parallelism on top)."""
     out = {"rank": rank}
@@ -160,6 +200,10 @@ def world4(rank: int, world: int) -> dict:
     cases = _tie_schedule_cases("pp4", pp=4, n_micro=5) + _fewer_microbatches_cases("pp4", pp=4, n_micro=2)
     cases.append(("pp4/split2,1,1,1/1f1b", make_cfg(pp=4, num_layers=5, pipeline_layer_split="2,1,1,1"),
                   "1f1b", 3, None))
+    cases += _interleaved_cases("pp4v2/tied", pp=4, n_micro=5)
+    cases += _interleaved_cases("pp4v2/untied", pp=4, n_micro=3, untie_embeddings_and_output_weights=True)
+    cases += _interleaved_cases("pp4v2/pseudo-all", pp=4, n_micro=4, twin=False, p2r_phase="pseudo",
+                                share_pattern="all")
     out["equiv"] = equivalence_cases(ps, pp4, cases)
     # In-flight activations on a P=4 pipeline with m=6 micro-batches.
     cfg = make_cfg(pp=4)
@@ -169,6 +213,7 @@ def world4(rank: int, world: int) -> dict:
         stats = {}
         pipelined_step(cfg, ps, mbs, schedule, stats=stats)
         out["peak"][schedule] = stats["peak_inflight"]
+    out["peak_bytes"] = stage_peak_bytes(ps)
     out["messages"] = {"fixed": count_messages(cfg, ps, [make_microbatches(1, cfg.model.vocab_size, seed=i)[0]
                                                          for i in range(3)], "1f1b"),
                        "varying": count_messages(cfg, ps, mbs[:3], "1f1b")}
@@ -178,7 +223,8 @@ def world4(rank: int, world: int) -> dict:
     out["equiv"].update(equivalence_cases(ps, tp2pp2, [
         ("tp2pp2/tied/1f1b", make_cfg(tp=2, pp=2), "1f1b", 3, None),
         ("tp2pp2/tied/gpipe", make_cfg(tp=2, pp=2), "gpipe", 3, None),
-        ("tp2pp2/untied/1f1b", make_cfg(tp=2, pp=2, untie_embeddings_and_output_weights=True), "1f1b", 3, None)]))
+        ("tp2pp2/untied/1f1b", make_cfg(tp=2, pp=2, untie_embeddings_and_output_weights=True), "1f1b", 3, None)]
+        + _interleaved_cases("tp2pp2v2/tied", pp=2, n_micro=3, tp=2)))
 
     pp2dp2 = Layout(pp=2, dp=2)
     ps = make_state(pp2dp2)
@@ -187,6 +233,10 @@ def world4(rank: int, world: int) -> dict:
     for split in ("1,3", "3,1"):
         cases.append((f"pp2dp2/split{split}/1f1b", make_cfg(pp=2, pipeline_layer_split=split), "1f1b", 2, None))
     cases.append(("pp2dp2/recompute/1f1b", make_cfg(pp=2, recompute_activations=True), "1f1b", 2, None))
+    cases += _interleaved_cases("pp2dp2v2/tied", pp=2, n_micro=3)
+    cases += _interleaved_cases("pp2dp2v2/untied", pp=2, n_micro=5, untie_embeddings_and_output_weights=True)
+    cases += _interleaved_cases("pp2dp2v2/pseudo-all", pp=2, n_micro=3, twin=False, p2r_phase="pseudo",
+                                share_pattern="all")
     out["equiv"].update(equivalence_cases(ps, pp2dp2, cases))
     out["bf16"] = equivalence_cases(ps, pp2dp2, [
         ("bf16", make_cfg(pp=2, recompute_activations=True), "1f1b", 2, torch.bfloat16)])["bf16"]
@@ -216,7 +266,8 @@ def world4(rank: int, world: int) -> dict:
     moe = dict(pp=2, num_experts=4, moe_ffn_hidden_size=24, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
     try:
         out["moe"] = equivalence_cases(ps, pp2ep2, [("pp2ep2/moe/1f1b", make_cfg(**moe), "1f1b", 2, None),
-                                                    ("pp2ep2/moe/gpipe", make_cfg(**moe), "gpipe", 2, None)])
+                                                    ("pp2ep2/moe/gpipe", make_cfg(**moe), "gpipe", 2, None)]
+                                       + _interleaved_cases("pp2ep2v2/moe", n_micro=3, **moe))
     except Exception:  # noqa: BLE001 -- reported to the test as the traceback
         out["moe"] = traceback.format_exc()
     return out

@@ -1,0 +1,178 @@
+"""Which forwards and backwards each pipeline rank runs, in which order.
+
+Pure functions of (schedule, P, v, m, rank): every rank computes its neighbours' order too (the
+p2p receives follow it, ``p2p.py``), and the planner, the benchmark and the tests reason about
+a schedule without processes. An ``Op`` is the forward or backward of one micro-batch on one
+model chunk; chunk c of pipeline rank p is virtual stage c*P + p (v = 1: chunk 0 is the stage).
+
+- ``gpipe``: all forwards, then all backwards;
+- ``1f1b`` (PipeDream-flush): P-p-1 warm-up forwards, then one forward and one backward per
+  remaining micro-batch, then the outstanding backwards;
+- ``1f1b`` with v > 1 chunks: Megatron-LM's interleaved 1F1B
+  (``forward_backward_pipelining_with_interleaving``). Micro-batches run through the chunks in
+  groups of P (Megatron's ``microbatch_group_size_per_vp_stage``, default P): forward order is
+  group by group, within a group chunk 0 of each of its micro-batches, then chunk 1, ...; the
+  k-th backward takes the k-th entry of that table with the chunk mirrored (v-1-c). Rank p runs
+  2(P-p-1) + (v-1)P warm-up forwards, then alternates, then drains.
+  Megatron requires m to be a multiple of the group size (its last group must hold at least
+  P micro-batches, and it asserts P <= group <= m). Here the remainder m mod P joins the last
+  group instead, so any m works (m < P is one group of m), and the warm-up counts the largest
+  group instead of P (for m a multiple of P: Megatron's schedule exactly). ``simulate`` checks
+  such schedules for deadlocks in the tests, and the bubble it leaves is what the planner reports.
+
+Every schedule back-propagates each chunk's micro-batches in micro-batch order, so a parameter
+accumulates its gradient in the same order under all of them.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+FORWARD, BACKWARD = "F", "B"
+SCHEDULE_NAMES = ("1f1b", "gpipe")
+
+
+class Op(NamedTuple):
+    kind: str          # FORWARD or BACKWARD
+    microbatch: int
+    chunk: int = 0
+
+
+class Message(NamedTuple):
+    """One p2p transfer of a step: an activation (FORWARD) or a gradient (BACKWARD) of
+    ``microbatch`` for virtual stage ``stage``, the receiver."""
+
+    kind: str
+    microbatch: int
+    stage: int
+
+
+def microbatch_groups(microbatches: int, pp: int) -> List[range]:
+    """Groups of P consecutive micro-batches; the remainder joins the last group."""
+    count = max(1, microbatches // pp)
+    return [range(g * pp, (g + 1) * pp) for g in range(count - 1)] + [range((count - 1) * pp, microbatches)]
+
+
+def forward_table(microbatches: int, pp: int, chunks: int) -> List[Tuple[int, int]]:
+    """(micro-batch, chunk) of every forward in the order each rank runs them."""
+    return [(mb, c) for group in microbatch_groups(microbatches, pp) for c in range(chunks) for mb in group]
+
+
+def warmup_forwards(schedule: str, pp: int, chunks: int, microbatches: int, rank: int) -> int:
+    """Forwards a rank runs before its first backward."""
+    if schedule == "gpipe":
+        return microbatches
+    if chunks == 1:
+        return min(pp - rank - 1, microbatches)
+    group = max(len(g) for g in microbatch_groups(microbatches, pp))   # P unless the remainder joined
+    return min(2 * (pp - rank - 1) + (chunks - 1) * group, microbatches * chunks)
+
+
+def pipeline_ops(schedule: str, pp: int, chunks: int, microbatches: int, rank: int,
+                 forward_only: bool = False) -> List[Op]:
+    """Every op of ``rank`` for one step, in order."""
+    if schedule not in SCHEDULE_NAMES:
+        raise ValueError(f"--pipeline-schedule {schedule!r}: expected one of {sorted(SCHEDULE_NAMES)}")
+    if chunks > 1 and schedule != "1f1b":
+        raise ValueError(f"--pipeline-schedule {schedule}: interleaving (v = {chunks} model chunks per rank) "
+                         "runs the interleaved 1F1B schedule only")
+    table = forward_table(microbatches, pp, chunks)
+    forwards = [Op(FORWARD, mb, c) for mb, c in table]
+    if forward_only:
+        return forwards
+    backwards = [Op(BACKWARD, mb, chunks - 1 - c) for mb, c in table]
+    warmup = warmup_forwards(schedule, pp, chunks, microbatches, rank)
+    ops = forwards[:warmup]
+    for k in range(warmup, len(table)):
+        ops += [forwards[k], backwards[k - warmup]]
+    return ops + backwards[len(table) - warmup:]
+
+
+def sent_by(op: Op, pp: int, chunks: int, rank: int) -> List[Tuple[int, Message]]:
+    """(destination pipeline rank, message) of what ``op`` of ``rank`` sends."""
+    stage = op.chunk * pp + rank
+    if op.kind == FORWARD and stage < pp * chunks - 1:
+        return [((stage + 1) % pp, Message(FORWARD, op.microbatch, stage + 1))]
+    if op.kind == BACKWARD and stage > 0:
+        return [((stage - 1) % pp, Message(BACKWARD, op.microbatch, stage - 1))]
+    return []
+
+
+def input_of(op: Op, pp: int, chunks: int, rank: int) -> Optional[Tuple[Message, int]]:
+    """(message, sender's pipeline rank) ``op`` waits for, or None (first or last virtual stage)."""
+    stage = op.chunk * pp + rank
+    if op.kind == FORWARD and stage > 0:
+        return Message(FORWARD, op.microbatch, stage), (stage - 1) % pp
+    if op.kind == BACKWARD and stage < pp * chunks - 1:
+        return Message(BACKWARD, op.microbatch, stage), (stage + 1) % pp
+    return None
+
+
+def causal_order(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int) -> List[Tuple[int, int]]:
+    """(rank, op index) of every op, each after the rank's earlier ops and after the op that
+    sends its input (a backward also after the rank's own forward of it). Raises RuntimeError
+    naming the ranks that would wait forever when the schedule deadlocks."""
+    done = [0] * pp
+    ran: List[set] = [set() for _ in range(pp)]
+    sent: set = set()
+    order: List[Tuple[int, int]] = []
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(pp):
+            while done[r] < len(all_ops[r]):
+                op = all_ops[r][done[r]]
+                wanted = input_of(op, pp, chunks, r)
+                if (op.kind == BACKWARD and Op(FORWARD, op.microbatch, op.chunk) not in ran[r]) or \
+                        (wanted is not None and wanted[0] not in sent):
+                    break
+                order.append((r, done[r]))
+                ran[r].add(op)
+                sent.update(msg for _, msg in sent_by(op, pp, chunks, r))
+                done[r] += 1
+                progressed = True
+    stuck = [r for r in range(pp) if done[r] < len(all_ops[r])]
+    if stuck:
+        raise RuntimeError(f"the schedule with P={pp}, v={chunks} deadlocks: ranks {stuck} wait at ops "
+                           f"{[all_ops[r][done[r]] for r in stuck]}")
+    return order
+
+
+def max_outstanding(ops: Sequence[Op], weight: Callable[[int], float] = lambda chunk: 1,
+                    extra: Optional[Sequence[float]] = None) -> float:
+    """The most forwards awaiting their backward at once, each counted ``weight(chunk)``, plus
+    ``extra[i]`` while op i runs."""
+    held = peak = 0
+    for i, op in enumerate(ops):
+        if op.kind == FORWARD:
+            held += weight(op.chunk)
+        peak = max(peak, held + (extra[i] if extra is not None else 0))
+        if op.kind == BACKWARD:
+            held -= weight(op.chunk)
+    return peak
+
+
+def simulate(schedule: str, pp: int, chunks: int, microbatches: int, forward_time: float = 1.0,
+             backward_time: float = 2.0) -> List[List[Tuple[Op, float, float]]]:
+    """(op, start, end) of every op of every rank when each op waits only for its input
+    (transfers take no time) and a chunk's forward takes ``forward_time / chunks``.
+    Raises RuntimeError when the schedule deadlocks (``causal_order``)."""
+    all_ops = [pipeline_ops(schedule, pp, chunks, microbatches, r) for r in range(pp)]
+    ready: Dict[Message, float] = {}
+    done: List[List[Tuple[Op, float, float]]] = [[] for _ in range(pp)]
+    for r, i in causal_order(all_ops, pp, chunks):
+        op = all_ops[r][i]
+        wanted = input_of(op, pp, chunks, r)
+        start = max(done[r][-1][2] if done[r] else 0.0, ready[wanted[0]] if wanted else 0.0)
+        end = start + (forward_time if op.kind == FORWARD else backward_time) / chunks
+        done[r].append((op, start, end))
+        for _, msg in sent_by(op, pp, chunks, r):
+            ready[msg] = end
+    return done
+
+
+def step_slots(schedule: str, pp: int, chunks: int, microbatches: int) -> float:
+    """A step's time in units of one micro-batch's forward + backward on one rank (uniform
+    stages, backward = 2 x forward, free transfers): m + P - 1 for GPipe and 1F1B,
+    m + (P-1)/v for interleaved 1F1B with m a multiple of P. The bubble is this minus m."""
+    timeline = simulate(schedule, pp, chunks, microbatches, 1.0 / 3, 2.0 / 3)
+    return max(end for rank in timeline for _, _, end in rank)
