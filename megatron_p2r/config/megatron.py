@@ -69,8 +69,8 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
     "--use-mcore-models": MegatronFlag(NO_EFFECT, "picks Megatron's model code (Megatron-LM ignores it too)",
                                        _switch()),
     "--openai-gelu": MegatronFlag(NO_EFFECT, "megatron-core never reads it (only the legacy models Megatron-LM "
-                                  "removed did): GELU is tanh-approximate through the bias-GELU fusion, here as "
-                                  "there (--no-bias-gelu-fusion)", _switch()),
+                                  "removed did): GELU is the tanh approximation only through the bias-GELU fusion "
+                                  "(off with --no-bias-gelu-fusion), here as there", _switch()),
     "--transformer-impl": _kernel("Transformer Engine or local layers",
                                   _value(str, ["local", "transformer_engine", "inference_optimized"])),
     "--attention-backend": _kernel("attention kernel", _value(str, ["flash", "fused", "unfused", "local", "auto"])),
