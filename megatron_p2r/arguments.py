@@ -66,6 +66,12 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def field_flag(f: dataclasses.Field) -> str:
+    """A field's flag: a switch that is on by default is turned off by --no-NAME (Megatron-LM's
+    --no-bias-gelu-fusion sets bias_gelu_fusion False)."""
+    return _flag(("no_" if f.default is True else "") + f.name)
+
+
 def all_fields():
     """(section, field) for every configurable option."""
     for section, cls in SECTIONS.items():
@@ -84,14 +90,14 @@ def build_parser(description: str = "megatron_p2r pretraining") -> argparse.Argu
             kind = _field_type(f)
             kwargs = dict(dest=f.name, default=argparse.SUPPRESS, help=f.metadata.get("help"))
             if kind == "bool":
-                kwargs["action"] = "store_true"
+                kwargs["action"] = "store_false" if f.default is True else "store_true"
             else:
                 kwargs["type"] = _TYPES[kind]
                 for key in ("choices", "nargs"):
                     if key in f.metadata:
                         kwargs[key] = f.metadata[key]
-            group.add_argument(_flag(f.name), **kwargs)
-    fields = {_flag(f.name) for _, f in all_fields()}
+            group.add_argument(field_flag(f), **kwargs)
+    fields = {field_flag(f) for _, f in all_fields()}
     group = parser.add_argument_group("Megatron-LM flags that are not config fields (docs/megatron.md)")
     for flag, entry in parsed_flags().items():
         if flag not in fields:
@@ -104,8 +110,11 @@ def build_parser(description: str = "megatron_p2r pretraining") -> argparse.Argu
 
 
 def _normalise_yaml(raw: dict, source: str) -> dict:
-    """{field name: value}, and {"--flag": value} for the Megatron-LM flags that are not fields."""
+    """{field name: value}, and {"--flag": value} for the Megatron-LM flags that are not fields.
+    A switch on by default is a key under its field name or its flag (``no-bias-gelu-fusion: true``)."""
     known = {f.name: (_field_type(f), f.metadata) for _, f in all_fields()}
+    negated = {field_flag(f)[2:].replace("-", "_"): f.name for _, f in all_fields() if f.default is True}
+    known.update({name: ("bool", {}) for name in negated})
     known.update({flag.lstrip("-").replace("-", "_"): (_flag_type(entry.parse), entry.parse)
                   for flag, entry in parsed_flags().items()})
     fields = {f.name for _, f in all_fields()}
@@ -117,7 +126,10 @@ def _normalise_yaml(raw: dict, source: str) -> dict:
             suggestion = f"; did you mean '{hint[0].replace('_', '-')}'?" if hint else ""
             raise ConfigError(f"{source}: unknown key '{key}'{suggestion}")
         value = _coerce(value, *known[name], source, key)
-        if name in fields:
+        if name in negated:
+            if value is not None:
+                out[negated[name]] = not value
+        elif name in fields:
             out[name] = value
         elif value is not None and value is not False:  # a switch set to false is a switch not given
             out[_flag(name)] = value
@@ -220,7 +232,7 @@ def flag_statuses(argv: Sequence[str]) -> List[Tuple[str, str, str, str]]:
             values_of_flag.clear()
         elif given:
             values_of_flag.append(token)
-    fields = {_flag(f.name): f for _, f in all_fields()}
+    fields = {field_flag(f): f for _, f in all_fields()}
     cfg = parse_args([token for name, values in given.items() if name in fields for token in (name, *values)])
     out = []
     for name, values in given.items():
@@ -251,7 +263,7 @@ def to_argv(cfg: Config) -> list:
         if value == f.default or value is None:
             continue
         if isinstance(value, bool):
-            argv.append(_flag(f.name))
+            argv.append(field_flag(f))
         elif isinstance(value, list):
             argv += [_flag(f.name), *map(str, value)]
         else:
@@ -260,4 +272,4 @@ def to_argv(cfg: Config) -> list:
 
 
 __all__ = ["build_parser", "parse_args", "parse_launch", "load_yaml", "config_from_values", "resolve_values",
-           "flag_statuses", "to_argv"]
+           "flag_statuses", "field_flag", "to_argv"]

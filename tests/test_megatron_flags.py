@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from megatron_p2r.arguments import parse_launch
+from megatron_p2r.arguments import parse_launch, to_argv
 from megatron_p2r.config import Config, ConfigError
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.training import ExitSignal
@@ -15,6 +15,7 @@ BASE = ["--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-siz
 # every flag whose name is one of our fields and that has a default there. Ours must be the same.
 MEGATRON_DEFAULTS = {
     "make_vocab_size_divisible_by": 128, "normalization": "LayerNorm", "norm_epsilon": 1e-5, "swiglu": False,
+    "bias_gelu_fusion": True,
     "position_embedding_type": "learned_absolute", "rotary_base": 10000, "untie_embeddings_and_output_weights": False,
     "disable_bias_linear": False, "hidden_dropout": 0.1, "attention_dropout": 0.1, "init_method_std": 0.02,
     "moe_layer_freq": 1, "moe_router_topk": 2, "moe_router_pre_softmax": False, "moe_aux_loss_coeff": 0.0,
@@ -69,6 +70,26 @@ def test_yaml_takes_the_same_flags(tmp_path):
     path.write_text("empty-unused-memory-level: 3\n")
     with pytest.raises(ConfigError, match=r"key 'empty-unused-memory-level' must be one of \[0, 1, 2\], got 3"):
         parse_launch(BASE + ["--config", str(path)])
+
+
+def test_gelu_flags_have_megatrons_meaning(tmp_path):
+    """Megatron's default GELU MLP with biases computes tanh GELU (its fused bias-GELU kernel);
+    --no-bias-gelu-fusion gives exact GELU, on the command line, in YAML under the flag or the
+    field name, and back from to_argv; --openai-gelu, which megatron-core never reads, is
+    reported and changes nothing."""
+    cfg, no_effect = parse_launch(BASE)
+    assert (cfg.model.bias_gelu_fusion, cfg.model.gelu_approximation, no_effect) == (True, "tanh", [])
+    exact, no_effect = parse_launch(BASE + ["--no-bias-gelu-fusion"])
+    assert (exact.model.bias_gelu_fusion, exact.model.gelu_approximation, no_effect) == (False, "none", [])
+    assert "--no-bias-gelu-fusion" in to_argv(exact) and parse_launch(to_argv(exact))[0] == exact
+    for line in ("no-bias-gelu-fusion: true", "bias-gelu-fusion: false"):
+        (tmp_path / "c.yaml").write_text(line + "\n")
+        assert parse_launch(BASE + ["--config", str(tmp_path / "c.yaml")])[0] == exact, line
+    (tmp_path / "c.yaml").write_text("no-bias-gelu-fusion: false\n")
+    assert parse_launch(BASE + ["--config", str(tmp_path / "c.yaml")])[0] == cfg
+    openai, no_effect = parse_launch(BASE + ["--openai-gelu"])
+    assert openai == cfg and [item.split(" (")[0] for item in no_effect] == ["--openai-gelu"]
+    assert parse_launch(BASE + ["--openai-gelu", "--no-bias-gelu-fusion"])[0] == exact
 
 
 def test_vocab_file_implies_gpt2_bpe_as_pretrain_gpt():

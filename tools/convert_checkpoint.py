@@ -10,8 +10,7 @@
     p2r-convert-checkpoint export-hf SRC DST [--trim-vocab] [--dtype float32|bfloat16|float16]
                                              [--max-shard-size 5GB] [--hf-architecture CLASS] [--verify]
     p2r-convert-checkpoint import-hf SRC DST [--target-* ...] [--make-vocab-size-divisible-by N]
-                                             [--allow-approximate-gelu]
-    p2r-convert-checkpoint import-megatron MEGATRON_DIR DST [--target-* ...] [--allow-approximate-gelu]
+    p2r-convert-checkpoint import-megatron MEGATRON_DIR DST [--target-* ...]
                                             (a Megatron-LM torch_dist or legacy checkpoint; docs/megatron.md)
 
 SRC is a checkpoint directory (its latest iteration is used) or one ``iter_*`` directory; DST
@@ -173,16 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst")
     p.add_argument("--make-vocab-size-divisible-by", type=int,
                    help="Our vocabulary padding (default: the largest power of two <= 128 dividing the HF vocabulary).")
-    p.add_argument("--allow-approximate-gelu", action="store_true",
-                   help="Import GPT2 models with tanh-approximate GELU (gelu_new) as exact GELU.")
     _add_target_flags(p)
     p = sub.add_parser("import-megatron", help="Read a Megatron-LM GPT/Llama/Mixtral checkpoint (torch_dist or "
                                                "legacy) into a checkpoint (see docs/megatron.md).")
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--allow-approximate-gelu", action="store_true",
-                   help="Import GELU models trained with Megatron's tanh approximation (bias-GELU fusion, "
-                        "--openai-gelu) as exact GELU.")
     _add_target_flags(p)
     return parser
 
@@ -207,8 +201,7 @@ def _hf_command(args) -> int:
     target = Target(args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
                     args.target_pipeline_layer_split, args.target_expert_parallel_size)
     out, notes = import_hf(args.src, args.dst, target, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                           allow_approximate_gelu=args.allow_approximate_gelu, force=args.force,
-                           progress=not args.no_progress)
+                           force=args.force, progress=not args.no_progress)
     print(f"wrote {out}")
     for note in notes:
         print(f"  {note}")
@@ -218,8 +211,7 @@ def _hf_command(args) -> int:
 def _megatron_command(args) -> int:
     target = Target(args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
                     args.target_pipeline_layer_split, args.target_expert_parallel_size)
-    out, notes = import_megatron(args.src, args.dst, target, allow_approximate_gelu=args.allow_approximate_gelu,
-                                 force=args.force, progress=not args.no_progress)
+    out, notes = import_megatron(args.src, args.dst, target, force=args.force, progress=not args.no_progress)
     print(f"wrote {out}")
     for note in notes:
         print(f"  {note}")

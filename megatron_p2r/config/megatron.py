@@ -68,12 +68,14 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
     # Kernels and implementations.
     "--use-mcore-models": MegatronFlag(NO_EFFECT, "picks Megatron's model code (Megatron-LM ignores it too)",
                                        _switch()),
+    "--openai-gelu": MegatronFlag(NO_EFFECT, "megatron-core never reads it (only the legacy models Megatron-LM "
+                                  "removed did): GELU is the tanh approximation only through the bias-GELU fusion "
+                                  "(off with --no-bias-gelu-fusion), here as there", _switch()),
     "--transformer-impl": _kernel("Transformer Engine or local layers",
                                   _value(str, ["local", "transformer_engine", "inference_optimized"])),
     "--attention-backend": _kernel("attention kernel", _value(str, ["flash", "fused", "unfused", "local", "auto"])),
     "--use-flash-attn": _kernel("FlashAttention"),
     "--no-masked-softmax-fusion": _kernel("fused masked softmax"),
-    "--no-bias-gelu-fusion": _kernel("fused bias+GELU"),
     "--no-bias-swiglu-fusion": _kernel("fused bias+SwiGLU"),
     "--no-bias-dropout-fusion": _kernel("fused bias+dropout+add"),
     "--no-rope-fusion": _kernel("fused rotary embedding"),
@@ -91,8 +93,10 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
     "--fp8-param-gather": MegatronFlag(NO_EFFECT, _FP8, _switch()),
     "--grad-reduce-in-bf16": MegatronFlag(NO_EFFECT, "gradients are accumulated and reduced in fp32 (Megatron's "
                                           "default with --bf16): only bf16 rounding differs", _switch()),
-    "--apply-layernorm-1p": MegatronFlag(NO_EFFECT, "stores norm weights as 1+w for bf16 storage: with fp32 master "
-                                         "weights and no weight decay on norms it trains the same", _switch()),
+    "--apply-layernorm-1p": MegatronFlag(NO_EFFECT, "Megatron keeps each norm weight as w = gamma - 1: the fp32 "
+                                         "mains (gamma = 1 + w here) and AdamW's steps (no weight decay on norms) "
+                                         "agree up to fp32 rounding; with --bf16/--fp16 the 16-bit copy the forward "
+                                         "reads is rounded at gamma here, at w there", _switch()),
     # Memory, processes, I/O and integrations.
     "--manual-gc": MegatronFlag(NO_EFFECT, "Python garbage-collection timing", _switch()),
     "--empty-unused-memory-level": MegatronFlag(NO_EFFECT, "CUDA cache release", _value(int, [0, 1, 2])),
@@ -145,7 +149,6 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
                                          _switch()),
     "--use-rope-scaling": MegatronFlag(REFUSED, "Llama-3.1 rotary scaling is not implemented", _switch()),
     "--squared-relu": MegatronFlag(REFUSED, "squared-ReLU MLPs are not implemented", _switch()),
-    "--openai-gelu": MegatronFlag(REFUSED, "the tanh GELU approximation is not implemented", _switch()),
     "--apply-residual-connection-post-layernorm": MegatronFlag(REFUSED, "post-norm residuals are not implemented",
                                                                _switch()),
     "--init-method-xavier-uniform": MegatronFlag(REFUSED, "Xavier initialisation is not implemented", _switch()),

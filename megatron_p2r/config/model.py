@@ -30,6 +30,9 @@ class ModelConfig:
     normalization: str = opt("LayerNorm", "Normalisation layer.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = opt(1e-5, "Epsilon of the normalisation layers.")
     swiglu: bool = opt(False, "Use SwiGLU in the MLP instead of GELU.")
+    bias_gelu_fusion: bool = opt(True, "Megatron-LM's fused bias+GELU, which computes GELU's tanh approximation: a "
+                                 "GELU MLP with biases computes tanh GELU unless --no-bias-gelu-fusion (then "
+                                 "exact erf GELU, as without biases).")
     position_embedding_type: str = opt("learned_absolute", "Position encoding.", choices=["learned_absolute", "rope"])
     rotary_base: float = opt(10000.0, "Base of the rotary embedding frequencies.")
     rotary_percent: float = opt(1.0, "Fraction of each head's dimensions that rotary embeddings rotate (the rest "
@@ -86,6 +89,13 @@ class ModelConfig:
     @property
     def add_bias(self) -> bool:
         return not self.disable_bias_linear
+
+    @property
+    def gelu_approximation(self) -> str:
+        """``approximate`` of the MLP's (and experts') GELU. Megatron-LM adds fc1's bias in its fused
+        ``bias_gelu`` kernel, the tanh formula, whenever it can (biases, GELU, --bias-gelu-fusion);
+        otherwise it calls exact ``F.gelu``. ``--openai-gelu`` is not read by megatron-core."""
+        return "tanh" if self.add_bias and self.bias_gelu_fusion and not self.swiglu else "none"
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.num_experts) and (layer + 1) % self.moe_layer_freq == 0

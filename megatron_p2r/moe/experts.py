@@ -39,7 +39,7 @@ class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, ps: ParallelState, device=None):
         super().__init__()
         self.num_local = cfg.num_experts // ps.ep_size
-        self.swiglu = cfg.swiglu
+        self.swiglu, self.gelu_approximation = cfg.swiglu, cfg.gelu_approximation
         self.tp_group, self.tp_size = ps.group("tp"), ps.tp_size
         h, ffn = cfg.hidden_size, cfg.expert_ffn_size // ps.tp_size
         fc1 = ffn * (2 if cfg.swiglu else 1)
@@ -76,7 +76,7 @@ class Experts(nn.Module):
         if self.swiglu:  # gate and up rows (interleaved) as two matmuls: the elementwise part is contiguous
             y = F.silu(self._fc1(x, 0, 2)) * self._fc1(x, 1, 2)
         else:
-            y = F.gelu(self._fc1(x, 0, 1))
+            y = F.gelu(self._fc1(x, 0, 1), approximate=self.gelu_approximation)
         y = torch.bmm(y, self.weight2.transpose(1, 2)).reshape(E * width, h)
         if padded:
             y = gather_rows(y, slot)

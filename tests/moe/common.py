@@ -129,7 +129,7 @@ def reference_expert(layer: MoELayer, e: int, v: torch.Tensor) -> torch.Tensor:
     if ex.swiglu:
         y = F.silu(y[0::2]) * y[1::2]
     else:
-        y = F.gelu(y)
+        y = F.gelu(y, approximate=ex.gelu_approximation)  # which GELU: tests/model/test_mlp.py
     y = ex.weight2[e].double() @ y
     if ex.bias2 is not None:
         y = y + ex.bias2[e].double()

@@ -8,6 +8,11 @@ from megatron_p2r.checkpoint.hf.architecture import GPT2, LLAMA, MISTRAL, MIXTRA
 from megatron_p2r.checkpoint.hf.config_schema import check_hf_config
 from megatron_p2r.config import ModelConfig
 
+# GPT2's activation_function: transformers' names for GELU's tanh formula and for exact (erf) GELU,
+# as ModelConfig.gelu_approximation. Export writes gelu_new (GPT-2's own) or gelu.
+_GPT2_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu_accurate": "tanh",
+              "gelu_python_tanh": "tanh", "gelu": "none", "gelu_python": "none"}
+
 
 def hf_config(m: ModelConfig, arch: str, hf_vocab: int, dtype: str, special: Dict[str, Optional[int]]) -> dict:
     """config.json for ``m`` (a plain dict: writing it needs no transformers)."""
@@ -18,7 +23,8 @@ def hf_config(m: ModelConfig, arch: str, hf_vocab: int, dtype: str, special: Dic
               "pad_token_id": special.get("pad")}
     if arch == GPT2:
         return {**common, "n_embd": m.hidden_size, "n_layer": m.num_layers, "n_head": m.num_attention_heads,
-                "n_inner": m.ffn_size, "n_positions": m.max_positions, "activation_function": "gelu",
+                "n_inner": m.ffn_size, "n_positions": m.max_positions,
+                "activation_function": "gelu_new" if m.gelu_approximation == "tanh" else "gelu",
                 "layer_norm_epsilon": m.norm_epsilon, "resid_pdrop": m.hidden_dropout,
                 "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout, "scale_attn_weights": True,
                 "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
@@ -49,7 +55,7 @@ def required_field(hf: dict, key: str, where: str):
     raise HFConversionError(f"{where}: required field {key!r} is missing")
 
 
-def model_values_from_hf(hf: dict, where: str, allow_approximate_gelu: bool = False) -> Tuple[str, dict]:
+def model_values_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
     """(architecture, {ModelConfig field: value}) for an HF config.json, or an error naming the field."""
     check_hf_config(hf, where)
     model_type = hf.get("model_type")
@@ -58,18 +64,17 @@ def model_values_from_hf(hf: dict, where: str, allow_approximate_gelu: bool = Fa
         raise HFConversionError(f"{where}: model_type {model_type!r} is not supported; "
                                 f"import reads {sorted(MODEL_TYPES.values())}")
     if arch == GPT2:
-        return arch, _gpt2_values(hf, where, allow_approximate_gelu)
+        return arch, _gpt2_values(hf, where)
     return arch, _rotary_values(hf, where, arch)
 
 
-def _gpt2_values(hf: dict, where: str, allow_approximate_gelu: bool) -> dict:
+def _gpt2_values(hf: dict, where: str) -> dict:
+    """GPT2 always has biases, so its GELU is tanh exactly when --bias-gelu-fusion (Megatron's rule)."""
     tied = bool(hf.get("tie_word_embeddings", True))
     act = hf.get("activation_function", "gelu_new")
-    if act != "gelu" and not (allow_approximate_gelu and act in ("gelu_new", "gelu_pytorch_tanh")):
-        raise HFConversionError(
-            f"{where}: activation_function {act!r}; our GPT model uses exact (erf) GELU. "
-            + ("Pass --allow-approximate-gelu to import anyway (outputs then differ slightly)."
-               if act in ("gelu_new", "gelu_pytorch_tanh") else "It cannot be imported."))
+    if act not in _GPT2_GELU:
+        raise HFConversionError(f"{where}: activation_function {act!r} has no equivalent here "
+                                f"(GELU: one of {sorted(_GPT2_GELU)})")
     for key, want in [("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False),
                       ("scale_attn_weights", True), ("add_cross_attention", False)]:
         if hf.get(key, want) != want:
@@ -81,6 +86,7 @@ def _gpt2_values(hf: dict, where: str, allow_approximate_gelu: bool) -> dict:
         max_position_embeddings=required_field(hf, "n_positions", where), normalization="LayerNorm",
         norm_epsilon=hf.get("layer_norm_epsilon", 1e-5), swiglu=False, position_embedding_type="learned_absolute",
         untie_embeddings_and_output_weights=not tied, disable_bias_linear=False,
+        bias_gelu_fusion=_GPT2_GELU[act] == "tanh",
         hidden_dropout=hf.get("resid_pdrop", 0.0), attention_dropout=hf.get("attn_pdrop", 0.0),
         init_method_std=hf.get("initializer_range", 0.02))
 

@@ -24,13 +24,12 @@ _IGNORED = re.compile(r"(\.attn\.(masked_)?bias$|rotary_emb\.inv_freq$)")
 
 
 def import_hf(src: str, dst: str, target: Target, *, make_vocab_size_divisible_by: Optional[int] = None,
-              allow_approximate_gelu: bool = False, force: bool = False,
-              progress: bool = True) -> Tuple[str, List[str]]:
+              force: bool = False, progress: bool = True) -> Tuple[str, List[str]]:
     """Write the HF model SRC as a checkpoint of ours (real phase, iteration 0, no optimizer
     state) in the ``target`` layout. Returns (iteration directory, notes)."""
     hf_cfg = read_hf_config(src)
     where = os.path.join(src, "config.json")
-    arch, values = model_values_from_hf(hf_cfg, where, allow_approximate_gelu)
+    arch, values = model_values_from_hf(hf_cfg, where)
     hf_vocab = required_field(hf_cfg, "vocab_size", where)
     hf = HFDirectory(src)
     found, note = find_tokenizer(src)

@@ -4,7 +4,8 @@ equivalent here.
 Names and defaults are Megatron-LM's (``megatron/training/arguments.py`` and the
 ``TransformerConfig`` fields it exposes); an arg missing from an older checkpoint takes its
 Megatron default. Options that only pick kernels or change training but not the function
-(fusions other than bias-GELU, dispatcher, recompute, dtypes) are not read.
+(fusions other than bias-GELU, dispatcher, recompute, dtypes) are not read, nor is
+``openai_gelu``, which megatron-core never reads.
 """
 from __future__ import annotations
 
@@ -129,19 +130,12 @@ def _attention_values(a: SavedArgs, blockers: List[str]) -> dict:
     return values
 
 
-def _mlp_values(a: SavedArgs, allow_approximate_gelu: bool, blockers: List[str], notes: List[str]) -> dict:
-    swiglu, bias = bool(a.get("swiglu")), bool(a.get("add_bias_linear", default=True))
-    tanh = a.get("openai_gelu") or (bias and a.get("bias_gelu_fusion", default=True))
-    if not swiglu and tanh:
-        why = ("--openai-gelu" if a.get("openai_gelu")
-               else "the bias-GELU fusion (--bias-gelu-fusion, Megatron's default)")
-        if not allow_approximate_gelu:
-            blockers.append(f"tanh-approximate GELU from {why}; ours is exact (erf) GELU: pass "
-                            "--allow-approximate-gelu to import anyway (outputs then differ slightly)")
-        else:
-            notes.append(f"the model was trained with tanh-approximate GELU ({why}); it runs here with exact "
-                         "GELU, so its outputs differ slightly")
-    return dict(ffn_hidden_size=a.get("ffn_hidden_size"), swiglu=swiglu, disable_bias_linear=not bias)
+def _mlp_values(a: SavedArgs) -> dict:
+    """The MLP, its GELU included: ``ModelConfig.gelu_approximation`` applies Megatron's rule to
+    the same three args (tanh with biases and the bias-GELU fusion, Megatron's default)."""
+    return dict(ffn_hidden_size=a.get("ffn_hidden_size"), swiglu=bool(a.get("swiglu")),
+                disable_bias_linear=not a.get("add_bias_linear", default=True),
+                bias_gelu_fusion=bool(a.get("bias_gelu_fusion", default=True)))
 
 
 def _moe_values(a: SavedArgs, blockers: List[str]) -> dict:
@@ -167,7 +161,7 @@ def _moe_values(a: SavedArgs, blockers: List[str]) -> dict:
                 moe_input_jitter_eps=a.get("moe_input_jitter_eps"))
 
 
-def model_values(a: SavedArgs, allow_approximate_gelu: bool = False) -> Tuple[dict, bool, List[str]]:
+def model_values(a: SavedArgs) -> Tuple[dict, bool, List[str]]:
     """({ModelConfig field: value}, zero_centered_gamma, notes) for Megatron's saved args; a
     ``MegatronConversionError`` lists every option that blocks the import."""
     blockers: List[str] = []
@@ -185,7 +179,7 @@ def model_values(a: SavedArgs, allow_approximate_gelu: bool = False) -> Tuple[di
                   hidden_dropout=a.get("hidden_dropout", default=0.1),
                   init_method_std=a.get("init_method_std", default=0.02))
     values.update(_attention_values(a, blockers))
-    values.update(_mlp_values(a, allow_approximate_gelu, blockers, notes))
+    values.update(_mlp_values(a))
     values.update(_moe_values(a, blockers))
     if blockers:
         raise MegatronConversionError(f"{a.where}: cannot express this Megatron-LM model here: " + "; ".join(blockers))

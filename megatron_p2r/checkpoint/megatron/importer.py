@@ -23,13 +23,13 @@ from megatron_p2r.config import Config, DataConfig, ModelConfig
 Plan = Dict[str, Tuple[str, Callable[[torch.Tensor], torch.Tensor]]]
 
 
-def import_megatron(src: str, dst: str, target: Target, *, allow_approximate_gelu: bool = False,
-                    force: bool = False, progress: bool = True) -> Tuple[str, List[str]]:
+def import_megatron(src: str, dst: str, target: Target, *, force: bool = False,
+                    progress: bool = True) -> Tuple[str, List[str]]:
     """Write the Megatron-LM checkpoint SRC as a checkpoint of ours in the ``target`` layout (unset
     sizes: 1). Returns (iteration directory, notes)."""
     source = open_megatron(src)
     a = source.args
-    values, zero_centered, notes = model_values(a, allow_approximate_gelu)
+    values, zero_centered, notes = model_values(a)
     cfg, vocab_note = _imported_config(values, a, target)
     table = tensor_table(cfg)
     plan = _plan(source, table, cfg.model, zero_centered, a.required("padded_vocab_size"))

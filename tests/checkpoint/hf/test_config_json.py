@@ -1,9 +1,11 @@
-"""Reading HF config.json: the vocabulary padding chosen on import, and the schema of the fields
-import reads (a wrong type or range names the field instead of failing deep in the conversion)."""
+"""Reading HF config.json: the vocabulary padding chosen on import, the schema of the fields
+import reads (a wrong type or range names the field instead of failing deep in the conversion),
+and GPT2's GELU both ways."""
 import pytest
 
-from megatron_p2r.checkpoint.hf.architecture import HFConversionError
-from megatron_p2r.checkpoint.hf.config_json import import_vocab_divisor, model_values_from_hf
+from megatron_p2r.checkpoint.hf.architecture import GPT2, HFConversionError
+from megatron_p2r.checkpoint.hf.config_json import hf_config, import_vocab_divisor, model_values_from_hf
+from megatron_p2r.config import ModelConfig
 
 MISTRAL = {"model_type": "mistral", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
            "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 64, "vocab_size": 128}
@@ -33,3 +35,17 @@ def test_a_valid_mistral_config_reads():
     arch, values = model_values_from_hf({**MISTRAL, "sliding_window": 32, "partial_rotary_factor": 1.0},
                                         "config.json")
     assert values["num_query_groups"] == 2 and values["max_position_embeddings"] == 32
+
+
+@pytest.mark.parametrize("options,activation", [
+    ({}, "gelu_new"),                                  # biases + bias-GELU fusion (the default): tanh
+    ({"bias_gelu_fusion": False}, "gelu"),             # --no-bias-gelu-fusion: exact
+    ({"disable_bias_linear": True}, "gelu"),           # no biases: exact (GPT2 gets zero biases)
+])
+def test_gpt2_activation_round_trips(options, activation):
+    """Export names our GELU in transformers' terms; import reads it back as the same GELU."""
+    ours = ModelConfig(vocab_size=200, **options)
+    hf = hf_config(ours, GPT2, 256, "float32", {})
+    assert hf["activation_function"] == activation
+    _, values = model_values_from_hf(hf, "config.json")
+    assert ModelConfig(**values).gelu_approximation == ours.gelu_approximation

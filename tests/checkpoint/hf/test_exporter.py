@@ -192,6 +192,24 @@ def test_cli_export_verify_and_import(small, tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "c")]) == 0
 
 
+@pytest.mark.parametrize("options,activation", [({}, "gelu_new"), ({"bias_gelu_fusion": False}, "gelu")])
+def test_gpt2_gelu_exports_as_itself(options, activation, tmp_path):
+    """Tanh GELU (biases + the default bias-GELU fusion) exports as gelu_new, exact GELU as gelu:
+    transformers computes our logits. Weights of std 0.3 put GELU's inputs where the two
+    formulas differ (the trained tiny models' are too small to tell them apart)."""
+    _, state = run_steps(tiny_config(**options), ParallelState.single(), 0)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in state.model.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    save_checkpoint(str(tmp_path / "ckpt"), state)
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), progress=False)
+    theirs = load_hf(str(tmp_path / "hf"))
+    assert theirs.config.activation_function == activation
+    ours, cfg = reference_model(str(tmp_path / "ckpt"), str(tmp_path / "single"))
+    check_same_function(ours, theirs, cfg.model.vocab_size, cfg.model.seq_length, generate=False)
+
+
 def test_inexpressible_checkpoint_fails_in_cli(tmp_path, capsys):
     """LayerNorm + SwiGLU + rotary: export-hf exits 2 naming --normalization, writes nothing."""
     _, state = run_steps(tiny_config(**dict(ROPE, normalization="LayerNorm")), ParallelState.single(), 1)

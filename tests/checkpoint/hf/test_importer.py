@@ -17,9 +17,9 @@ from tests.checkpoint.hf.common import check_same_function, reference_model
 def _hf_config(kind, vocab_size=201, **extra):
     t, common = transformers, dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2,
                                    num_attention_heads=4, max_position_embeddings=16)
-    if kind == "gpt2":
+    if kind.startswith("gpt2"):  # gpt2: exact GELU; gpt2_tanh: GPT-2's own tanh approximation
         return t.GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=16,
-                            activation_function="gelu", **extra)
+                            activation_function="gelu" if kind == "gpt2" else "gelu_new", **extra)
     if kind == "llama":
         return t.LlamaConfig(**common, intermediate_size=48, attention_bias=True, mlp_bias=True,
                              tie_word_embeddings=False, **extra)
@@ -44,7 +44,7 @@ def _hf_born(kind, directory, **extra):
     return model.eval()
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "llama_gqa", "mistral", "qwen2", "mixtral"])
+@pytest.mark.parametrize("kind", ["gpt2", "gpt2_tanh", "llama", "llama_gqa", "mistral", "qwen2", "mixtral"])
 def test_import_models_made_by_transformers(kind, tmp_path):
     """A model transformers made (vocab 201, not a multiple of 8) imports as the same function:
     requested padding to 208 adds zero rows; logits on the 201 ids equal HF's. Grouped-query
@@ -58,7 +58,8 @@ def test_import_models_made_by_transformers(kind, tmp_path):
     m = cfg.model
     assert (m.vocab_size, m.padded_vocab_size) == (201, 208)
     expected = {"llama_gqa": (2, 16), "mistral": (1, 8), "qwen2": (2, 8), "mixtral": (2, 8)}.get(kind, (4, 8))
-    assert (m.query_groups, m.head_dim) == expected and m.group_query_attention == (kind not in ("gpt2", "llama"))
+    assert (m.query_groups, m.head_dim) == expected and m.group_query_attention == (kind not in ("gpt2", "gpt2_tanh", "llama"))
+    assert m.gelu_approximation == ("tanh" if kind == "gpt2_tanh" else "none")
     assert m.max_positions == (8 if kind == "mistral" else 16)
     if kind == "mistral":
         assert any("sliding_window 8" in n for n in notes)
@@ -69,7 +70,7 @@ def test_import_models_made_by_transformers(kind, tmp_path):
 
 def test_import_original_gpt2_layout_and_refusals(tmp_path):
     """Files without the ``transformer.`` prefix and with attention-mask buffers (as openai's
-    gpt2) import; gelu_new needs --allow-approximate-gelu; GQA and unknown tensors are refused."""
+    gpt2) import; an activation other than GELU and unknown tensors are refused."""
     from safetensors.torch import load_file, save_file
     _hf_born("gpt2", tmp_path / "g")
     path = tmp_path / "g" / SINGLE_FILE
@@ -79,14 +80,15 @@ def test_import_original_gpt2_layout_and_refusals(tmp_path):
     import_hf(str(tmp_path / "g"), str(tmp_path / "a"), Target(), progress=False)
     assert import_vocab_divisor(201, 1) == 1  # nothing padded when TP allows
     config = json.load(open(tmp_path / "g" / "config.json"))
-    json.dump({**config, "activation_function": "gelu_new"}, open(tmp_path / "g" / "config.json", "w"))
-    with pytest.raises(HFConversionError, match="--allow-approximate-gelu"):
+    json.dump({**config, "activation_function": "relu"}, open(tmp_path / "g" / "config.json", "w"))
+    with pytest.raises(HFConversionError, match=r"config.json: activation_function 'relu' has no equivalent here "
+                                                r"\(GELU: one of \['gelu', 'gelu_accurate'"):
         import_hf(str(tmp_path / "g"), str(tmp_path / "b"), Target(), progress=False)
-    import_hf(str(tmp_path / "g"), str(tmp_path / "b"), Target(), allow_approximate_gelu=True, progress=False)
+    json.dump(config, open(tmp_path / "g" / "config.json", "w"))
     tensors["h.0.mlp.extra.weight"] = torch.ones(2)
     save_file(tensors, str(path), metadata={"format": "pt"})
     with pytest.raises(HFConversionError, match="no place in our model, e.g. 'h.0.mlp.extra.weight'"):
-        import_hf(str(tmp_path / "g"), str(tmp_path / "c"), Target(), allow_approximate_gelu=True, progress=False)
+        import_hf(str(tmp_path / "g"), str(tmp_path / "c"), Target(), progress=False)
     _hf_born("llama", tmp_path / "partial", rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                               "partial_rotary_factor": 0.5})
     with pytest.raises(HFConversionError, match="partial_rotary_factor 0.5"):

@@ -45,7 +45,8 @@ ITERATION = 7
 
 @dataclasses.dataclass
 class Spec:
-    """A tiny Megatron model: family gpt (learned positions, LayerNorm, GELU, biases), llama
+    """A tiny Megatron model: family gpt (learned positions, LayerNorm, GELU, biases: the
+    tanh GELU of Megatron's default bias-GELU fusion), llama
     (rope, RMSNorm, SwiGLU, no biases) or mixtral (llama with top-k MoE in every layer)."""
 
     family: str
@@ -101,7 +102,7 @@ def megatron_args(spec: Spec, tp: int, pp: int, ep: int, **overrides) -> argpars
                   rotary_base=10000, rotary_percent=spec.rotary_percent, rotary_interleaved=False,
                   normalization="LayerNorm" if spec.family == "gpt" else "RMSNorm", layernorm_epsilon=1e-5,
                   layernorm_zero_centered_gamma=spec.layernorm_1p, swiglu=spec.glu, add_bias_linear=spec.bias,
-                  add_qkv_bias=spec.bias, bias_gelu_fusion=False, openai_gelu=False, qk_layernorm=spec.qk_layernorm,
+                  add_qkv_bias=spec.bias, bias_gelu_fusion=spec.bias, openai_gelu=False, qk_layernorm=spec.qk_layernorm,
                   untie_embeddings_and_output_weights=spec.untied, hidden_dropout=0.0, attention_dropout=0.0,
                   init_method_std=0.02, apply_residual_connection_post_layernorm=False,
                   tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,

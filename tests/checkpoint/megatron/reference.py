@@ -4,9 +4,11 @@ Megatron-LM's modules (no code of megatron_p2r): the independent reference of th
 [s, b, h] activations as Megatron keeps them; fused QKV viewed as [s, b, groups, (q, k, v) x
 head_dim] (transformer/attention.py ``get_query_key_value_tensors``); rotary embeddings rotate
 halves (models/common/embeddings/rope_utils.py, ``rotary_interleaved`` off); SwiGLU chunks fc1's
-output into gate and up (transformer/mlp.py); the router takes the top-k logits and a softmax
-over them (moe/moe_utils.py ``topk_softmax_with_capacity``, pre-softmax off) and weights each
-expert's output; the loss is the mean cross entropy over the padded vocabulary.
+output into gate and up (transformer/mlp.py); GELU with biases is the fused ``bias_gelu`` of the
+default --bias-gelu-fusion (fusions/fused_bias_gelu.py: the tanh formula); the router takes the
+top-k logits and a softmax over them (moe/moe_utils.py ``topk_softmax_with_capacity``, pre-softmax
+off) and weights each expert's output; the loss is the mean cross entropy over the padded
+vocabulary.
 """
 from __future__ import annotations
 
@@ -68,6 +70,8 @@ def _mlp(x, w, prefix, spec: Spec):
     if spec.glu:
         gate, up = torch.chunk(y, 2, dim=-1)
         y = F.silu(gate) * up
+    elif spec.bias:  # fused_bias_gelu.bias_gelu, Megatron's default with biases
+        y = y * 0.5 * (1.0 + torch.tanh(0.79788456 * y * (1 + 0.044715 * y * y)))
     else:
         y = F.gelu(y)
     return _linear(y, w, prefix + "linear_fc2.")

@@ -3,6 +3,7 @@ inexpressible option named in one message, and the vocabulary padding kept."""
 import pytest
 
 from megatron_p2r.checkpoint.megatron.args import MegatronConversionError, SavedArgs, model_values, vocab_values
+from megatron_p2r.config import ModelConfig
 from tests.checkpoint.megatron.fixtures import GPT, LLAMA, MIXTRAL, megatron_args
 
 
@@ -17,7 +18,7 @@ def test_families_map_to_our_options():
                        position_embedding_type="learned_absolute", rotary_base=10000.0, rotary_percent=1.0,
                        max_position_embeddings=16, seq_length=16, untie_embeddings_and_output_weights=False,
                        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, qk_layernorm=False,
-                       add_qkv_bias=False)
+                       add_qkv_bias=False, bias_gelu_fusion=True)
     llama, one_p, notes = model_values(saved(LLAMA))
     assert {k: llama[k] for k in ("normalization", "swiglu", "position_embedding_type", "disable_bias_linear",
                                   "group_query_attention", "num_query_groups", "kv_channels", "rotary_percent",
@@ -61,17 +62,23 @@ def test_every_blocking_option_is_named():
         model_values(saved(MIXTRAL, moe_router_load_balancing_type="sinkhorn"))
 
 
-def test_tanh_gelu_needs_the_flag():
-    """GPT with biases and Megatron's default bias-GELU fusion ran tanh-approximate GELU."""
-    fused = saved(GPT, bias_gelu_fusion=True)
-    with pytest.raises(MegatronConversionError, match=r"tanh-approximate GELU from the bias-GELU fusion .*"
-                                                      "--allow-approximate-gelu"):
-        model_values(fused)
-    _, _, notes = model_values(fused, allow_approximate_gelu=True)
-    assert "runs here with exact GELU" in notes[0]
-    model_values(saved(GPT, bias_gelu_fusion=True, add_bias_linear=False, add_qkv_bias=False))  # fusion needs a bias
-    with pytest.raises(MegatronConversionError, match="--openai-gelu"):
-        model_values(saved(GPT, openai_gelu=True))
+@pytest.mark.parametrize("overrides,gelu", [
+    ({}, "tanh"),                                    # biases + Megatron's default bias-GELU fusion
+    ({"bias_gelu_fusion": False}, "none"),           # --no-bias-gelu-fusion: F.gelu
+    ({"add_bias_linear": False, "add_qkv_bias": False, "bias_gelu_fusion": False}, "none"),  # as arguments.py saves it
+    ({"openai_gelu": True, "bias_gelu_fusion": False}, "none"),  # megatron-core never reads --openai-gelu
+])
+def test_gelu_is_megatrons(overrides, gelu):
+    """The args Megatron's MLP reads map to the fields that give the same GELU, with no option
+    or note: every Megatron GELU is expressible."""
+    values, _, notes = model_values(saved(GPT, **overrides))
+    assert (ModelConfig(**values).gelu_approximation, notes) == (gelu, [])
+
+
+def test_bias_gelu_fusion_missing_from_args_is_megatrons_default():
+    a = saved(GPT)
+    del a.values["bias_gelu_fusion"]
+    assert model_values(a)[0]["bias_gelu_fusion"] is True
 
 
 @pytest.mark.parametrize("saved_vocab,target_tp,want", [

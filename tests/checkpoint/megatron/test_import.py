@@ -75,7 +75,8 @@ def test_import_into_tp1_is_megatrons_function(sources, family, fmt, tmp_path):
     assert meta["layout"]["tp"] == 1 and meta["optimizer"] is False and meta["iteration"] == 0
     assert meta["history"][0]["source_layout"].endswith(f"TP=2 PP=2 EP={source_layout(SPECS[family])[2]}")
     assert any("weights only" in n for n in notes)
-    assert our_loss(str(tmp_path / "ours"), *batch(SPECS[family])) == pytest.approx(want, rel=1e-5)
+    # observed: equal for GPT and Llama, 1.3e-7 for Mixtral; exact GELU for the GPT's tanh would be 4e-6
+    assert our_loss(str(tmp_path / "ours"), *batch(SPECS[family])) == pytest.approx(want, rel=1e-6)
 
 
 def _tp4_losses(rank, world, runs):
