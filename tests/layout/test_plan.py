@@ -171,7 +171,6 @@ def test_virtual_stage_replicas_are_pipeline_ranks():
     (dict(num_layers_per_virtual_pipeline_stage=1, num_virtual_stages_per_pipeline_rank=2), "pass at most one"),
     (dict(num_layers_per_virtual_pipeline_stage=3), "must divide the 4 layers of each pipeline stage"),
     (dict(num_virtual_stages_per_pipeline_rank=3), "must divide the 4 layers of each pipeline stage"),
-    (dict(num_layers_per_virtual_pipeline_stage=0), "must be >= 1"),
     (dict(num_layers_per_virtual_pipeline_stage=1, pipeline_layer_split="3,5"),
      "cannot be combined with --pipeline-layer-split"),
     (dict(num_layers_per_virtual_pipeline_stage=1, pipeline_schedule="gpipe"), "interleaving is a 1F1B schedule"),
