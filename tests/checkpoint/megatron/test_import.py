@@ -146,7 +146,7 @@ def test_import_memory_is_bounded_by_the_largest_tensor(fmt, tmp_path):
     WRITERS[fmt](str(tmp_path / "src"), spec, make_weights(spec, 2), megatron_args(spec, *layout), layout)
     largest = 2 * spec.ffn * spec.hidden * 4
     imported = 4 * spec.layers * (4 * spec.hidden ** 2 + 3 * spec.ffn * spec.hidden)
-    bound = 12 * 2**20 + 4 * largest
+    bound = 16 * 2**20 + 4 * largest  # fixed part: allocator arenas of a fresh venv measured up to 14 MiB
     assert imported > 4 * bound  # a loop that kept the model would exceed the bound many times
     growth = streaming_rss_growth("megatron_p2r.checkpoint.imported", "write_pieces",
                                   "from megatron_p2r.checkpoint.megatron.importer import import_megatron; "
