@@ -220,6 +220,15 @@ def megatron_enums():
             del sys.modules[n]
 
 
+def fixture_globals(backend) -> list:
+    """What a legacy fixture file pickles besides tensors (its args, the enum, numpy's RNG state),
+    for re-reading the tests' own files with ``torch.load(weights_only=True)``."""
+    import argparse
+    import numpy as np
+    return [argparse.Namespace, backend, np._core.multiarray._reconstruct, np.ndarray, np.dtype,
+            type(np.dtype(np.uint32))]
+
+
 _TE_NORMS = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
              ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
 

@@ -10,7 +10,7 @@ import torch
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.megatron.importer import import_megatron
 from megatron_p2r.checkpoint.reshard import Target
-from tests.checkpoint.megatron.fixtures import (GPT, MIXTRAL, make_weights, megatron_args, megatron_enums,
+from tests.checkpoint.megatron.fixtures import (GPT, MIXTRAL, fixture_globals, make_weights, megatron_args, megatron_enums,
                                                 write_legacy, write_torch_dist)
 
 LEGACY_LAYOUT, DIST_LAYOUT = (2, 2, 1), (2, 1, 2)
@@ -46,8 +46,8 @@ def fails(src, match):
 
 def edit_rank_file(path, change):
     """Rewrite one legacy rank file (the test's own trusted file) after ``change(state)``."""
-    with megatron_enums():
-        state = torch.load(path, weights_only=False)
+    with megatron_enums() as backend, torch.serialization.safe_globals(fixture_globals(backend)):
+        state = torch.load(path, weights_only=True)
         change(state)
         torch.save(state, path)
 

@@ -16,7 +16,7 @@ from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.megatron.importer import import_megatron
 from megatron_p2r.checkpoint.megatron.unpickler import Kind, TorchArchive, UnpicklingRefused, load_pickle
 from megatron_p2r.checkpoint.reshard import Target
-from tests.checkpoint.megatron.fixtures import (GPT, LLAMA, make_weights, megatron_args, megatron_enums, write_legacy,
+from tests.checkpoint.megatron.fixtures import (GPT, LLAMA, fixture_globals, make_weights, megatron_args, megatron_enums, write_legacy,
                                                 write_torch_dist)
 
 
@@ -48,8 +48,8 @@ def _dist(root):
 
 def _plant_in_legacy(root, payload):
     path = _legacy(root)
-    with megatron_enums():  # the test's own trusted file (torch.load imports the classes it names)
-        state = torch.load(path, weights_only=False)
+    with megatron_enums() as backend, torch.serialization.safe_globals(fixture_globals(backend)):  # the test's own trusted file (torch.load imports the classes it names)
+        state = torch.load(path, weights_only=True)
         state["model"]["decoder.layers.0.self_attention.linear_qkv.weight"] = payload
         torch.save(state, path)
     return path
