@@ -1,5 +1,5 @@
 """Depth growth: a model of L/k layers (real or pseudo) becomes one of L layers, as pure
-functions on layer maps; the converter (``checkpoint/reshard.py``) streams the tensors.
+functions on layer maps; the converter (``convert/reshard.py``) streams the tensors.
 
 Two orders, as in the literature:
 

@@ -2,7 +2,7 @@
 run with the same TP, PP and EP reads each piece from the file the checkpoint's table names."""
 import os
 
-from megatron_p2r.checkpoint.reshard import Target, convert
+from megatron_p2r.convert.reshard import Target, convert
 from megatron_p2r.testing import run_distributed
 from tests.checkpoint.common import cfg_of, metadata
 

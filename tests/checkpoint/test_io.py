@@ -11,7 +11,7 @@ import torch
 
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.io import load_checkpoint, save_checkpoint
-from megatron_p2r.checkpoint.reshard import Target, convert
+from megatron_p2r.convert.reshard import Target, convert
 from megatron_p2r.checkpoint.safetensors_io import ShardReader
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.training import build_train_state

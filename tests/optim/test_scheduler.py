@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_p2r.checkpoint.io import save_checkpoint
-from megatron_p2r.checkpoint.reshard import DelinkOptions, Target, convert
+from megatron_p2r.convert.reshard import DelinkOptions, Target, convert
 from megatron_p2r.config.batch import lr_lengths
 from megatron_p2r.optim.grad_scaler import LossScaler
 from megatron_p2r.optim.scheduler import LRScheduler, check_rewarmup, learning_rate, rewarmup_factor, with_rewarmup
