@@ -1,14 +1,17 @@
-"""The docs name only what exists. Every repository path that README.md, docs/*.md and
+"""The docs name only what exists, and print what their commands print. Every repository path that README.md, docs/*.md and
 examples/**/README.md mention (``megatron_p2r/...``, ``tools/...``, ``tests/...``,
 ``benchmarks/...``, ``examples/...``, ``docs/...``, and a package module written from its
 subpackage, ``layout/sharing.py``) is in the tree; every ``path.py::test`` and ``path.py:name``
 is defined in that file; every dotted name of ours (``parallel.ddp.DistributedDataParallel``,
 ``ParallelPlan.for_world``) resolves. Names are looked up in the sources' syntax trees, so
-nothing is imported and the test takes well under a second."""
+nothing is imported. Where a command takes seconds, the table a doc prints beside it is
+compared with the command's output."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import glob
+import io
 import os
 import re
 from collections import defaultdict
@@ -187,3 +190,23 @@ def test_the_check_sees_a_bad_path_and_a_bad_name(index, tmp_path):
         f"{doc}: parallel.ddp.NoSuchClass: no megatron_p2r.parallel.ddp.NoSuchClass",
         f"{doc}: tests/parallel/test_state.py does not exist",
     ]
+
+
+# (doc, the command written beside a table in it, as a main(argv) to call)
+def _korthikanti_table(argv):
+    from benchmarks import korthikanti_table
+    korthikanti_table.main(argv)
+
+
+DOCUMENTED_OUTPUTS = [("docs/scale.md", "python benchmarks/korthikanti_table.py", _korthikanti_table, [])]
+
+
+@pytest.mark.parametrize("doc, command, main, argv", DOCUMENTED_OUTPUTS, ids=[c for _, c, _, _ in DOCUMENTED_OUTPUTS])
+def test_documented_output_is_the_commands(doc, command, main, argv):
+    with open(os.path.join(ROOT, doc), encoding="utf-8") as fh:
+        text = fh.read()
+    assert f"`{command}`" in text
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(argv)
+    assert out.getvalue().strip() in text
