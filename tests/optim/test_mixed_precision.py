@@ -37,7 +37,8 @@ def _old_path(c, batches, dtype=None):
     for mbs in batches:
         for p in model.parameters():
             p.grad = None
-        losses.append(forward_backward_no_pipelining(model, mbs, single, dtype=dtype).item())
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            losses.append(forward_backward_no_pipelining(model, mbs, single).item())
         opt.step()
     return losses, model
 
