@@ -49,7 +49,7 @@ def layer_case(ps: ParallelState, overrides: dict, modify=None, transform=None, 
     ref_grads = layer_grads(ref_layer)
     ref_mine = ref_outs[ps.dp_rank * PER_RANK:(ps.dp_rank + 1) * PER_RANK]
 
-    result = {"out_err": max((o - r).abs().max().item() for o, r in zip(outs, ref_mine)),
+    result = {"out_err": max((o - r).abs().max().item() for o, r in zip(outs, ref_mine, strict=True)),
               "grad_err": {}, "received": sum(received),
               "wrong_group_err": None, "wrong_divisor_err": None}
     params = dict(layer.named_parameters())
