@@ -177,7 +177,7 @@ def test_router_is_fp32_with_bf16_weights():
     layer = build_layer(cfg, SINGLE).to(torch.bfloat16)
     fp32 = build_layer(cfg, SINGLE)
     with torch.no_grad():
-        for p32, p16 in zip(fp32.parameters(), layer.parameters()):
+        for p32, p16 in zip(fp32.parameters(), layer.parameters(), strict=True):
             p32.copy_(p16)
     x, g = layer_inputs(1, seed=6)[0]
     x = x.to(torch.bfloat16)
@@ -190,7 +190,7 @@ def test_router_is_fp32_with_bf16_weights():
     (out16.float() * g).sum().backward()
     (out32 * g).sum().backward()
     errors = {n: _relative_error(p16.grad, p32.grad)
-              for (n, p16), p32 in zip(layer.named_parameters(), fp32.parameters())}
+              for (n, p16), p32 in zip(layer.named_parameters(), fp32.parameters(), strict=True)}
     assert max(errors.values()) <= BF16_REL, errors
 
 
