@@ -99,6 +99,16 @@ def test_interleaved_reproduces_one_process_and_1f1b_bitwise(world4):
         assert same_as_twin(world4, f"{label}/interleaved"), label
 
 
+def test_overlapped_reduction_inside_the_pipelined_backward(world4):
+    """--overlap-grad-reduce with small buckets (interleaved 1F1B, P=2 x DP=2, tied): each
+    bucket's all-reduce starts in the last micro-batch's backward of the chunk it belongs to;
+    the gradients are the one-process ones and bitwise those reduced after the backward."""
+    assert check_equivalence(world4, "pp2dp2v2/overlap/") == 1
+    merged = {label: {k: h for r in world4 for k, h in r["equiv"][label]["hashes"].items()}
+              for label in ("pp2dp2v2/overlap/m3/interleaved", "pp2dp2v2/tied/m3/interleaved")}
+    assert merged["pp2dp2v2/overlap/m3/interleaved"] == merged["pp2dp2v2/tied/m3/interleaved"]
+
+
 def test_interleaved_pseudo_phase_share_all(world4):
     """Every layer calls slot 0: two chunks of each rank call one module (local accumulation),
     whose gradient is then summed over all pipeline stages x DP."""

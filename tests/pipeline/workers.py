@@ -226,6 +226,9 @@ def world4(rank: int, world: int) -> dict:
     cases.append(("pp2dp2/recompute/1f1b", make_cfg(pp=2, recompute_activations=True), "1f1b", 2))
     cases += _interleaved_cases("pp2dp2v2/tied", pp=2, n_micro=3)
     cases += _interleaved_cases("pp2dp2v2/untied", pp=2, n_micro=5, untie_embeddings_and_output_weights=True)
+    # the same with --overlap-grad-reduce and small buckets: reductions start inside the backward
+    cases += _interleaved_cases("pp2dp2v2/overlap", pp=2, n_micro=3, twin=False, overlap_grad_reduce=True,
+                                ddp_bucket_size=1500)
     cases += _interleaved_cases("pp2dp2v2/pseudo-all", pp=2, n_micro=3, twin=False, p2r_phase="pseudo",
                                 share_pattern="all")
     out["equiv"].update(equivalence_cases(ps, pp2dp2, cases))
