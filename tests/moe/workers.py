@@ -5,7 +5,8 @@ asserts on them. No pytest import here: ranks start faster.
 
 Layer cases: each DP rank feeds its own inputs (different token counts) through one MoE layer;
 the reference feeds all ranks' inputs through the one-process layer (same seed: initialisation
-is layout-invariant), loss = mean over all inputs of sum(out * g).
+is layout-invariant), loss = mean over all inputs of sum(out * g). The layer is layer 0's MLP
+of a model built as training builds it, so its gradients are those the DDP reduces.
 Model cases: a whole M6 model step (``tests.pipeline.common.compare_case``).
 """
 from __future__ import annotations
