@@ -136,11 +136,6 @@ class ShardLayout:
         return [f for s in range(self.pp) for f in self.stage_files(s)]
 
 
-def _module_key(name: str) -> Optional[int]:
-    parts = name.split(".")
-    return int(parts[1]) if parts[0] == "layers" else None
-
-
 def tensor_table(cfg: Config) -> Dict[str, TensorInfo]:
     """Every piece of the model ``cfg`` describes, in file order (stage by stage), from the
     ParallelPlan's tensor table (checked against meta-device builds of the model)."""
@@ -151,7 +146,7 @@ def tensor_table(cfg: Config) -> Dict[str, TensorInfo]:
     for stage in range(len(plan.stages)):
         for spec in plan.tensors(stage):
             logical = spec.logical
-            mk = _module_key(logical)
+            mk = spec.module_key
             common = dict(param=logical, dtype="F32", stage=stage, module_key=mk,
                           layers=users.get(mk, ()) if mk is not None else ())
             shape = list(spec.shape)

@@ -206,8 +206,8 @@ class ParallelPlan:
         """Parameters per module key of ``stage`` on one rank."""
         out = {k: 0 for k in self.stages[stage].modules}
         for s in self.tensors(stage):
-            if s.name.startswith("layers."):
-                out[int(s.name.split(".")[1])] += s.numel
+            if s.module_key is not None:
+                out[s.module_key] += s.numel
         return out
 
     # -- replicas and reductions
@@ -283,8 +283,7 @@ class ParallelPlan:
             size = self.group_members(over, stages, block)
             out.append(layout_buffer(over, stages, block, size, self.buffers.distributed and size > 1,
                                      [s.name for s in ordered], [s.numel for s in ordered],
-                                     [int(s.name.split(".")[1]) if s.name.startswith("layers.") else None
-                                      for s in ordered],
+                                     [s.module_key for s in ordered],
                                      self.buffers.bucket_size, self.buffers.break_at_modules))
         return tuple(out)
 

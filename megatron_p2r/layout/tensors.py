@@ -76,6 +76,7 @@ class TensorSpec:
     tp_replicas: int = 1            # consecutive TP ranks holding the same shard (key/value heads, TP > groups)
     tp_partial: bool = False        # each TP copy gets a partial gradient, summed over the copies (plan.py)
     rows: Optional[HeadRows] = None     # dim 0 of an attention projection
+    module_key: Optional[int] = None    # K of a parameter of transformer module ``layers.K`` (else None)
 
     @property
     def numel(self) -> int:
@@ -159,7 +160,7 @@ def layer_tensors(m: ModelConfig, key: int, tp: int, ep: int) -> List[TensorSpec
             specs.append(TensorSpec(f"{x}.bias2", (e, h), expert=True))
     else:
         specs += _column(f"{p}.mlp.fc1", glu * m.ffn_size, h, tp, bias) + _row(f"{p}.mlp.fc2", h, m.ffn_size, tp, bias)
-    return specs
+    return [dataclasses.replace(s, module_key=key) for s in specs]
 
 
 def stage_tensors(m: ModelConfig, tp: int, ep: int, module_keys: Sequence[int], first: bool,
