@@ -11,7 +11,7 @@ TP, and of the EP rank that holds it. Data-parallel replicas therefore write onc
 same table says where every piece is for any layout, which is what lets ``reshard`` and
 ``delink`` stream tensor by tensor.
 
-Attention projections record the layout of their rows (``rows``, ``layout.tensors.HeadRows``):
+Attention projections record the layout of their rows (``rows``, ``layout.tensor_specs.HeadRows``):
 ``groups`` blocks of heads. A TP split of such a piece cuts ``min(TP, groups)`` shards of whole
 blocks; when TP exceeds the groups (grouped-query attention's key/value heads), TP/groups
 consecutive ranks hold the same shard and only the first of them stores it.
@@ -26,7 +26,7 @@ from megatron_p2r.checkpoint.naming import METADATA_FILE, entry_name, shard_file
 from megatron_p2r.checkpoint.safetensors_io import SAFETENSORS_DTYPE, nbytes
 from megatron_p2r.config import Config
 from megatron_p2r.layout.plan import ParallelPlan
-from megatron_p2r.layout.tensors import HeadRows
+from megatron_p2r.layout.tensor_specs import HeadRows
 from megatron_p2r.parallel.sharding import expert_key
 
 

@@ -21,7 +21,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 from megatron_p2r.config import Config, num_microbatches
 from megatron_p2r.layout.plan import ParallelPlan, StagePlan
-from megatron_p2r.layout.tensors import TensorSpec, layer_tensors
+from megatron_p2r.layout.tensor_specs import TensorSpec, layer_tensors
 from megatron_p2r.parallel.cross_entropy import chunk_tokens
 from megatron_p2r.pipeline.order import Op, max_outstanding, pipeline_ops
 from megatron_p2r.pipeline.transfers import link_buffers

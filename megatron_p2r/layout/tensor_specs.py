@@ -1,9 +1,11 @@
-"""The tensor table: every parameter a rank of a stage holds, without building the model.
+"""Tensor specs: every parameter a rank of a stage holds (local shape, sharding, module), without
+building the model.
 
 Names, local shapes and sharding attributes exactly as ``model.m6.build_model`` creates them
-(``tests/layout/test_tensors.py`` and ``tools/plan.py --verify-rank`` compare with meta-device
-builds). The ParallelPlan, the checkpoint's tensor table, the offload choice and the planner
-read shapes from here, so none of them needs a model to reason about memory or files.
+(``tests/layout/test_plan.py``, ``tests/layout/test_tensor_specs.py`` and ``tools/plan.py
+--verify-rank`` compare with meta-device builds). The ParallelPlan, the checkpoint's tensor table
+(global pieces and the files holding them), the offload choice and the planner read shapes from
+here, so none of them needs a model to reason about memory or files.
 """
 from __future__ import annotations
 
