@@ -87,7 +87,8 @@ def inspect(path: str) -> str:
                      ",".join(map(str, info.layers)) or "-", _human(info.nbytes)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        cells = enumerate(zip(r, widths, strict=True))
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in cells))
     params = sum(i.numel for i in table.values())
     lines.append(f"\n{len(table)} tensors, {params:,} parameters, "
                  f"{_human(sum(i.nbytes for i in table.values()))} of weights; stored: {', '.join(kinds_of(meta))}")

@@ -26,7 +26,7 @@ def read_global(readers: ReaderCache, layout: ShardLayout, info: TensorInfo, kin
     if kind == "step" or layout.tp_shards(info) == 1:
         return readers(layout.file_of(info, 0)).read(entry)
     out = torch.empty(info.shape, dtype=TORCH_DTYPE[info.dtype])
-    for t, part in zip(layout.tp_ranks_of(info), out.chunk(layout.tp_shards(info), dim=info.tp_dim)):
+    for t, part in zip(layout.tp_ranks_of(info), out.chunk(layout.tp_shards(info), dim=info.tp_dim), strict=True):
         reader = readers(layout.file_of(info, t))
         if part.is_contiguous():
             reader.read(entry, out=part)
@@ -39,7 +39,7 @@ def tp_shards(tensor: torch.Tensor, info: TensorInfo, layout: ShardLayout, kind:
     """(TP rank, its shard of the global ``tensor``) for every TP rank that stores the piece."""
     if kind == "step" or info.tp_dim is None:
         return [(t, tensor) for t in layout.tp_ranks_of(info)]
-    return list(zip(layout.tp_ranks_of(info), tensor.chunk(layout.tp_shards(info), dim=info.tp_dim)))
+    return list(zip(layout.tp_ranks_of(info), tensor.chunk(layout.tp_shards(info), dim=info.tp_dim), strict=True))
 
 
 def write_pieces(out_iter: str, table: Dict[str, TensorInfo], layout: ShardLayout, kinds: Sequence[str],

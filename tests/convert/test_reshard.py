@@ -10,7 +10,6 @@ from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.integrity import verify
 from megatron_p2r.checkpoint.metadata import metadata_config, metadata_table, read_metadata
 from megatron_p2r.checkpoint.io import save_checkpoint
-from megatron_p2r.checkpoint.integrity import verify
 from megatron_p2r.convert.reshard import Target, _layer_map, _plan, convert
 from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.sharding import expert_key, logical_name

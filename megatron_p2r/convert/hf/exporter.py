@@ -51,7 +51,7 @@ def export_hf(src: str, dst: str, *, trim_vocab: bool = False, dtype: str = "flo
     files = plan_shards(groups, limit)
     names = weight_file_names(len(files))
     with staged_output(src, source.iter_dir, dst, force) as tmp:
-        _write_weights(tmp, source, plan, groups, dict(zip(names, files)), torch_dtype, progress)
+        _write_weights(tmp, source, plan, groups, dict(zip(names, files, strict=True)), torch_dtype, progress)
         note, special = export_tokenizer(source.cfg, tmp)
         write_json(os.path.join(tmp, "config.json"), hf_config(m, arch, hf_vocab, dtype, special))
     notes = _notes(note, source, m, hf_vocab)
@@ -73,7 +73,7 @@ def _output_groups(plan: List[Rule], table: Dict[str, TensorInfo], st_dtype: str
             shapes = [r.zero_shape]
         else:
             shapes = [tuple(t.shape) for t in r.to_hf(torch.empty(table[r.ours].shape, device="meta"))]
-        groups.append([(name, st_dtype, s) for name, s in zip(r.hf, shapes)])
+        groups.append([(name, st_dtype, s) for name, s in zip(r.hf, shapes, strict=True)])
     return groups
 
 
@@ -93,7 +93,7 @@ def _write_weights(out: str, source: SourceCheckpoint, plan: List[Rule], groups:
                 outs = [torch.zeros(r.zero_shape, dtype=torch_dtype)]
             else:
                 outs = r.to_hf(source.read(r.ours).to(torch_dtype))
-            for (hf_name, _, _), t in zip(groups[i], outs):
+            for (hf_name, _, _), t in zip(groups[i], outs, strict=True):
                 writer.write(hf_name, t)
                 weight_map[hf_name] = name
                 bar.update(t.numel() * t.element_size())

@@ -102,7 +102,7 @@ def _check_hf_tensors(src: str, hf: HFDirectory, plan: Dict[str, Rule], table: D
     for key, info in table.items():
         r = plan[key]
         shapes = [tuple(t.shape) for t in r.to_hf(torch.empty(info.shape, device="meta"))]
-        for name, shape in zip(r.hf, shapes):
+        for name, shape in zip(r.hf, shapes, strict=True):
             stored = hf.resolve(name)
             if stored is None:
                 raise HFConversionError(f"{src}: the weights have no tensor {name!r} (needed for our {key!r})")

@@ -39,7 +39,7 @@ def split_heads(w: torch.Tensor, rows: HeadRows) -> List[torch.Tensor]:
 def merge_heads(parts: Sequence[torch.Tensor], rows: HeadRows) -> torch.Tensor:
     """The inverse of ``split_heads``."""
     blocks: List[Optional[torch.Tensor]] = [None] * len(rows.per_group)
-    for part, idx in zip(parts, _indices(rows).values()):
+    for part, idx in zip(parts, _indices(rows).values(), strict=True):
         heads = part.unflatten(0, (rows.groups, len(idx), rows.head_dim))
         for j, i in enumerate(idx):
             blocks[i] = heads[:, j]

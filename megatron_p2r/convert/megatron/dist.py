@@ -156,14 +156,14 @@ class DistCheckpoint:
         key, prefix = self.names[name]
         out, filled = None, 0
         for chunk in self.chunks[key]:
-            if not all(o <= i < o + s for i, o, s in zip(prefix, chunk.offsets, chunk.sizes)):
+            if not all(o <= i < o + s for i, o, s in zip(prefix, chunk.offsets, chunk.sizes, strict=False)):
                 continue
             data = self._read_chunk(key, chunk)
-            data = data[tuple(i - o for i, o in zip(prefix, chunk.offsets))]
+            data = data[tuple(i - o for i, o in zip(prefix, chunk.offsets, strict=False))]
             if out is None:
                 out = torch.empty(self.shape(name), dtype=data.dtype)
             rest = chunk.offsets[len(prefix):]
-            out[tuple(slice(o, o + s) for o, s in zip(rest, data.shape))] = data
+            out[tuple(slice(o, o + s) for o, s in zip(rest, data.shape, strict=True))] = data
             filled += data.numel()
         if out is None or filled != out.numel():
             raise CheckpointError(f"{self.where}: the chunks of {key!r} cover {filled} elements of {name} "

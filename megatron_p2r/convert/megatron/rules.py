@@ -90,6 +90,6 @@ def _regroup(ours: HeadRows, m: ModelConfig) -> Callable[[torch.Tensor], torch.T
     kinds = list(dict.fromkeys(ours.per_group))
 
     def regroup(w: torch.Tensor) -> torch.Tensor:
-        parts = dict(zip("qkv", split_heads(w, theirs)))
+        parts = dict(zip("qkv", split_heads(w, theirs), strict=True))
         return merge_heads([parts[kind] for kind in kinds], ours)
     return regroup

@@ -131,7 +131,7 @@ class LazyTensor:
 
     def read(self) -> torch.Tensor:
         """The tensor, read from the file into fresh memory (only the bytes of its view)."""
-        span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride)) if all(self.shape) else 0
+        span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True)) if all(self.shape) else 0
         if self.offset < 0 or self.offset + span > self.storage.numel:
             raise CheckpointError(f"{self.storage.archive.where}: a tensor view of shape {list(self.shape)} reaches "
                                   f"past its storage record data/{self.storage.key} ({self.storage.numel} elements)")

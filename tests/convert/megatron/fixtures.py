@@ -194,7 +194,7 @@ def tp_local(name: str, tensor: torch.Tensor, t: int, tp: int, glu: bool) -> tor
 def stage_ranges(layers: int, pp: int, split: Optional[List[int]] = None) -> List[range]:
     counts = split or [layers // pp] * pp
     starts = [sum(counts[:p]) for p in range(pp)]
-    return [range(s, s + c) for s, c in zip(starts, counts)]
+    return [range(s, s + c) for s, c in zip(starts, counts, strict=True)]
 
 
 # --- legacy layout ------------------------------------------------------------------------------
