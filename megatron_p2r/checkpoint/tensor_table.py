@@ -138,7 +138,7 @@ class ShardLayout:
 
 def tensor_table(cfg: Config) -> Dict[str, TensorInfo]:
     """Every piece of the model ``cfg`` describes, in file order (stage by stage), from the
-    ParallelPlan's tensor table (checked against meta-device builds of the model)."""
+    ParallelPlan's tensor specs (checked against meta-device builds of the model)."""
     plan = ParallelPlan.model_parallel(cfg)
     tp, ep = plan.layout.tp, plan.layout.ep
     users = plan.slot_users()
