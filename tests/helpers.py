@@ -1,4 +1,4 @@
-"""Shared pieces of the equivalence tests: a tiny config and the single-process reference."""
+"""Shared parts of the equivalence tests: a tiny config and the single-process reference."""
 from __future__ import annotations
 
 from typing import Callable, Optional

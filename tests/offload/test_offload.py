@@ -53,7 +53,7 @@ def compare(kw: dict, spec: str, ps: ParallelState, steps: int = 2, prefetch: in
                      for n, p in state.model.named_parameters())
     grad_err = max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads)
     man = state.offload
-    host_ids = {id(pc.param) for pc in state.optimizer.pieces if pc.placement != "device"}
+    host_ids = {id(ms.param) for ms in state.optimizer.shards if ms.placement != "device"}
     on_device = all(p.device == ps.device for p in state.model.parameters())  # trivially true on CPU
     moments_apart = all(state.optimizer.state[p]["exp_avg"].untyped_storage().data_ptr()
                         != p.untyped_storage().data_ptr() for p in state.model.parameters())

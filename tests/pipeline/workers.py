@@ -13,7 +13,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from megatron_p2r.layout.tensors import WORD_EMBEDDING
+from megatron_p2r.layout.tensor_specs import WORD_EMBEDDING
 from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import Layout, ParallelState
