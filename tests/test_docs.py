@@ -1,7 +1,9 @@
-"""The docs name only what exists, and print what their commands print. Every repository path that README.md, docs/*.md and
-examples/**/README.md mention (``megatron_p2r/...``, ``tools/...``, ``tests/...``,
-``benchmarks/...``, ``examples/...``, ``docs/...``, and a package module written from its
-subpackage, ``layout/sharing.py``) is in the tree; every ``path.py::test`` and ``path.py:name``
+"""The docs name only what exists, and print what their commands print.
+
+Every repository path that README.md, docs/*.md and examples/**/README.md mention
+(``megatron_p2r/...``, ``tools/...``, ``tests/...``, ``benchmarks/...``, ``examples/...``,
+``docs/...``, and a package module written from its subpackage, ``layout/sharing.py``) is in
+the tree; every ``path.py::test`` and ``path.py:name``
 is defined in that file; every dotted name of ours (``parallel.ddp.DistributedDataParallel``,
 ``ParallelPlan.for_world``) resolves. Names are looked up in the sources' syntax trees, so
 nothing is imported. Where a command takes seconds, the table a doc prints beside it is
@@ -192,12 +194,12 @@ def test_the_check_sees_a_bad_path_and_a_bad_name(index, tmp_path):
     ]
 
 
-# (doc, the command written beside a table in it, as a main(argv) to call)
 def _korthikanti_table(argv):
     from benchmarks import korthikanti_table
     korthikanti_table.main(argv)
 
 
+# (doc, the command written beside a table in it, its main, its arguments): commands of seconds
 DOCUMENTED_OUTPUTS = [("docs/scale.md", "python benchmarks/korthikanti_table.py", _korthikanti_table, [])]
 
 
