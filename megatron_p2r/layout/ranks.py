@@ -77,10 +77,20 @@ class Layout:
         raise ValueError(f"unknown group kind {kind!r}; known: {GROUP_KINDS}")
 
     def group_of(self, kind: str, rank: int) -> List[int]:
-        for ranks in self.groups(kind):
-            if rank in ranks:
-                return ranks
-        raise ValueError(f"rank {rank} is in no {kind} group")
+        """The group of ``kind`` holding ``rank``: the member of ``groups(kind)``, computed from
+        the rank's coordinates (the planner asks for it per stage of a 3,072-rank layout)."""
+        c, r, E = self.coords(rank), self.rank, self.ep
+        if kind == "tp":
+            return [r(t, c.dp, c.pp) for t in range(self.tp)]
+        if kind == "dp":
+            return [r(c.tp, d, c.pp) for d in range(self.dp)]
+        if kind == "pp":
+            return [r(c.tp, c.dp, p) for p in range(self.pp)]
+        if kind == "ep":
+            return [r(c.tp, c.expert_dp * E + e, c.pp) for e in range(E)]
+        if kind == "expert_dp":
+            return [r(c.tp, x * E + c.ep, c.pp) for x in range(self.expert_dp)]
+        raise ValueError(f"unknown group kind {kind!r}; known: {GROUP_KINDS}")
 
 
 

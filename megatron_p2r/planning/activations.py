@@ -23,7 +23,7 @@ from megatron_p2r.config import Config, num_microbatches
 from megatron_p2r.layout.plan import ParallelPlan, StagePlan
 from megatron_p2r.parallel.cross_entropy import chunk_tokens
 from megatron_p2r.pipeline.order import Op, max_outstanding, pipeline_ops
-from megatron_p2r.pipeline.transfers import link_buffers
+from megatron_p2r.pipeline.transfers import every_link_buffers
 
 
 @dataclass
@@ -253,14 +253,16 @@ def stage_schedule(cfg: Config, plan: ParallelPlan, stage: int) -> Tuple[Tuple[O
     link holds during each (``pipeline.order``, ``pipeline.transfers``)."""
     layout = plan.layout
     schedule = cfg.parallel.pipeline_schedule if layout.pp > 1 else "1f1b"
-    return _schedule(schedule, layout.pp, plan.num_model_chunks, num_microbatches(cfg, layout.world_size), stage)
+    return _schedules(schedule, layout.pp, plan.num_model_chunks, num_microbatches(cfg, layout.world_size))[stage]
 
 
-@functools.lru_cache(maxsize=64)
-def _schedule(schedule: str, pp: int, chunks: int, microbatches: int,
-              stage: int) -> Tuple[Tuple[Op, ...], Tuple[int, ...]]:
+@functools.lru_cache(maxsize=8)
+def _schedules(schedule: str, pp: int, chunks: int,
+               microbatches: int) -> Tuple[Tuple[Tuple[Op, ...], Tuple[int, ...]], ...]:
+    """Every stage's ops and link buffers, computed together (each stage's depends on all)."""
     all_ops = [pipeline_ops(schedule, pp, chunks, microbatches, r) for r in range(pp)]
-    return tuple(all_ops[stage]), tuple(link_buffers(all_ops, pp, chunks, stage))
+    buffers = every_link_buffers(all_ops, pp, chunks)
+    return tuple((tuple(ops), tuple(b)) for ops, b in zip(all_ops, buffers, strict=True))
 
 
 def with_recompute(cfg: Config, granularity: Optional[str]) -> Config:

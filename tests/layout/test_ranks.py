@@ -21,6 +21,10 @@ def test_groups_partition_the_world_and_match_coordinates(world, tp, pp, ep):
                       "expert_dp": world // (tp * pp * ep)}
     for kind, size in expected_sizes.items():
         assert {len(g) for g in layout.groups(kind)} == {size}, kind
+    for kind in GROUP_KINDS:   # group_of computes from coordinates what a search of groups finds
+        for group in layout.groups(kind):
+            for rank in group[:: max(1, len(group) // 3)]:
+                assert layout.group_of(kind, rank) == group, (kind, rank)
 
 
 def test_group_members_share_the_documented_coordinates():
