@@ -35,7 +35,7 @@ def differences(got, want, path: str = "") -> list:
                 out += differences(got[k], want[k], f"{path}.{k}")
         return out
     if isinstance(want, list) and isinstance(got, list) and len(got) == len(want):
-        return [d for i, (g, w) in enumerate(zip(got, want)) for d in differences(g, w, f"{path}[{i}]")]
+        return [d for i, (g, w) in enumerate(zip(got, want, strict=True)) for d in differences(g, w, f"{path}[{i}]")]
     return [] if got == want else [f"{path}: {got!r} != {want!r}"]
 
 
