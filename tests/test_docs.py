@@ -199,8 +199,17 @@ def _korthikanti_table(argv):
     korthikanti_table.main(argv)
 
 
+def _memory_per_rank(argv):
+    from benchmarks import memory_per_rank
+    memory_per_rank.main(argv)
+
+
 # (doc, the command written beside a table in it, its main, its arguments): commands of seconds
-DOCUMENTED_OUTPUTS = [("docs/scale.md", "python benchmarks/korthikanti_table.py", _korthikanti_table, [])]
+DOCUMENTED_OUTPUTS = [
+    ("docs/scale.md", "python benchmarks/korthikanti_table.py", _korthikanti_table, []),
+    ("docs/scale.md", "python benchmarks/korthikanti_table.py --fits", _korthikanti_table, ["--fits"]),
+    ("docs/scale.md", "python benchmarks/memory_per_rank.py --tables", _memory_per_rank, ["--tables"]),
+]
 
 
 @pytest.mark.parametrize("doc, command, main, argv", DOCUMENTED_OUTPUTS, ids=[c for _, c, _, _ in DOCUMENTED_OUTPUTS])
