@@ -54,7 +54,7 @@ def grad_errors(grads: dict, reference: dict) -> dict:
 
 
 def relative(a: list, b: list) -> list:
-    return [abs(x - y) / abs(y) for x, y in zip(a, b)]
+    return [abs(x - y) / abs(y) for x, y in zip(a, b, strict=True)]
 
 
 def worst(errors: dict) -> tuple:
