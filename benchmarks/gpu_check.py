@@ -17,9 +17,9 @@ that fails does not stop the next:
 variable OUT is set, copied there with the combined log and the offload profiler trace, so a
 run cut short still leaves what it measured. Without a CUDA device this is a trial on CPU: the
 CUDA tests skip (``--dry-run-tests`` runs their CPU parts instead), the benchmarks run their
-smallest shapes (``--tiny``, ``--shape micro``) and every limit is 5 times longer; it checks
-everything but the GPU (the suite runs it: tests/test_gpu_lane.py). Exit status 0 when every
-step passed.
+smallest shapes (``--tiny``, ``--shape micro``), each step on one thread with 5 times its
+limit; it checks everything but the GPU (the suite runs it: tests/test_gpu_lane.py). Exit
+status 0 when every step passed.
 
 Standard library only: it must start on any Python, whatever its torch.
 """
@@ -65,11 +65,14 @@ def environment_step(out: str) -> Step:
 
 def plan_steps(out: str, cuda: bool, dry_run_tests: bool) -> List[Step]:
     """The steps after ``environment``: for a CUDA machine, or their CPU-sized trial. A trial's
-    limits are ``CPU_TRIAL_SLACK`` times longer: they stop a hang, not a slow shared CPU."""
+    limits are ``CPU_TRIAL_SLACK`` times longer (they stop a hang, not a slow shared CPU), and
+    its steps run one thread each unless OMP_NUM_THREADS says otherwise: its figures check the
+    code, not the CPU, and idle threads spinning against other load cost it minutes."""
     py, bench = sys.executable, os.path.join(ROOT, "benchmarks")
     limit = {name: seconds * (1 if cuda else CPU_TRIAL_SLACK) for name, seconds in LIMITS.items()}
     figures = {name: os.path.join(out, f"{name}.json") for name in ("step_throughput", "offload", "mfu")}
-    tests_env = {"P2R_GPU_ARTIFACTS": out, **({"P2R_CUDA_DRY_RUN": "1"} if dry_run_tests else {})}
+    threads = {} if cuda or "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}
+    tests_env = {"P2R_GPU_ARTIFACTS": out, **threads, **({"P2R_CUDA_DRY_RUN": "1"} if dry_run_tests else {})}
     device = ["--device", "cuda" if cuda else "cpu"]
     return [
         Step("tests", [py, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
@@ -78,13 +81,13 @@ def plan_steps(out: str, cuda: bool, dry_run_tests: bool) -> List[Step]:
         Step("step_throughput", [py, os.path.join(bench, "step_throughput.py"), "--bf16", *device,
                                  *([] if cuda else ["--tiny", "--steps", "1", "--rounds", "1"]),
                                  "--json", figures["step_throughput"]], limit["step_throughput"],
-             figures["step_throughput"]),
+             figures["step_throughput"], threads),
         Step("offload", [py, os.path.join(bench, "offload.py"), *device,
                          *(["--shape", "gpu", "--bf16", "--steps", "2"] if cuda else
                            ["--shape", "micro", "--steps", "1"]),
-                         "--json", figures["offload"]], limit["offload"], figures["offload"]),
+                         "--json", figures["offload"]], limit["offload"], figures["offload"], threads),
         Step("mfu", [py, os.path.join(bench, "mfu.py"), *device, *([] if cuda else ["--tiny"]),
-                     "--json", figures["mfu"]], limit["mfu"], figures["mfu"]),
+                     "--json", figures["mfu"]], limit["mfu"], figures["mfu"], threads),
     ]
 
 

@@ -8,8 +8,9 @@ the GPU's peak, with the matmul ceiling measured in the same run.
 The model is this project's M6 (GELU MLP of 4h, LayerNorm, learned positions, tied embedding,
 vocab 32000): at the defaults 24 layers x 12 h^2 = 1.21e9 layer parameters plus a 65.5e6
 embedding. A step is ``training.train_step`` over --microbatches micro-batches: forward and
-backward under bf16 autocast, gradient norm and clipping, fused AdamW over the fp32 master
-weights. Timed after 2 warm-up steps; the median of --steps.
+backward in bf16 (bf16 weights, as ``--bf16`` trains, with fp32 main gradients), gradient
+norm and clipping, fused AdamW over the fp32 main weights. Timed after 2 warm-up steps; the
+median of --steps.
 
 FLOPs per token are ``metrics.model_flops_per_token`` (what the training log's TFLOP/s uses):
 3 x forward, forward = 2 x the matmul parameters a token touches + attention scores and values
