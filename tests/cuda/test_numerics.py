@@ -71,8 +71,8 @@ def test_training_step_matches_cpu_fp32_reference(lane, record_property, bf16):
     grad_err, loss_err = grad_errors(grads, ref_grads), relative(losses, ref_losses)
     record_property("loss_rel_err", [round(e, 8) for e in loss_err])
     record_property("grad_rel_err_worst", worst(grad_err))
-    if lane.cuda:  # the device optimizer is torch's fused AdamW (optim.optimizer.adamw's first choice)
-        assert state.optimizer.inner["device"].defaults.get("fused"), state.optimizer.inner["device"].defaults
+    # the device optimizer is torch's fused AdamW (optim.optimizer.adamw's first choice)
+    assert state.optimizer.inner["device"].defaults.get("fused"), state.optimizer.inner["device"].defaults
     if bf16:
         _, cpu_bf16_grads, _ = cpu_run(values, 1, bf16=True)
         cpu_err = grad_errors(cpu_bf16_grads, ref_grads)
