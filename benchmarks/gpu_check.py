@@ -82,9 +82,8 @@ def plan_steps(out: str, cuda: bool, dry_run_tests: bool) -> List[Step]:
                                  *([] if cuda else ["--tiny", "--steps", "1", "--rounds", "1"]),
                                  "--json", figures["step_throughput"]], limit["step_throughput"],
              figures["step_throughput"], threads),
-        Step("offload", [py, os.path.join(bench, "offload.py"), *device,
-                         *(["--shape", "gpu", "--bf16", "--steps", "2"] if cuda else
-                           ["--shape", "micro", "--steps", "1"]),
+        Step("offload", [py, os.path.join(bench, "offload.py"), "--bf16", *device,
+                         *(["--shape", "gpu", "--steps", "2"] if cuda else ["--shape", "micro", "--steps", "1"]),
                          "--json", figures["offload"]], limit["offload"], figures["offload"], threads),
         Step("mfu", [py, os.path.join(bench, "mfu.py"), *device, *([] if cuda else ["--tiny"]),
                      "--json", figures["mfu"]], limit["mfu"], figures["mfu"], threads),
