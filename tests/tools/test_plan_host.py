@@ -87,3 +87,15 @@ def test_host_flags_are_exclusive(capsys):
         main(SMALL + ["--host-memory", "96GiB", "--host-memory-per-node", "768GiB"])
     assert exc.value.code == 2
     assert "--host-memory-per-node: not allowed with argument --host-memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("example,status", [("m6_10t", 1), ("m6_1t", 0)])
+def test_example_readmes_show_the_verdicts_their_command_prints(example, status, capsys):
+    with open(f"examples/{example}/README.md", encoding="utf-8") as fh:
+        shown = [line for line in fh.read().splitlines() if line.strip().startswith(("FITS: ", "DOES NOT FIT: "))]
+    argv = ["--config", f"examples/{example}/model.yaml", "--pseudo-config", f"examples/{example}/pseudo.yaml",
+            "--real-config", f"examples/{example}/real.yaml", "--world-size", "512", "--gpu", "V100-32GB",
+            "--token-budget", "50B"]
+    assert main(argv) == status
+    printed = [line for line in capsys.readouterr().out.splitlines() if "FIT" in line and not line.startswith("   !")]
+    assert shown == printed
