@@ -164,6 +164,7 @@ def metadata_config(meta: dict) -> Config:
     if m.vocab_size is None:
         raise CheckpointError(f"{METADATA_FILE}: field 'config' has no model.vocab_size")
     _check_size(cfg, meta)
+    _check_placement(cfg, meta)
     return cfg
 
 
@@ -189,6 +190,22 @@ def _check_size(cfg: Config, meta: dict) -> None:
     if tuple(keys) != ParallelPlan.model_parallel(cfg).layer_keys:
         raise CheckpointError(f"{METADATA_FILE}: p2r.layer_module_keys does not follow the config's share pattern "
                               f"{cfg.p2r.share_pattern!r}")
+
+
+def _check_placement(cfg: Config, meta: dict) -> None:
+    """Every tensor's stage and expert index exist in the config's layout: they name its file."""
+    stages, experts = cfg.parallel.pipeline_model_parallel_size, cfg.model.num_experts or 0
+    for key, entry in meta["tensors"].items():
+        if entry["stage"] >= stages:
+            raise CheckpointError(f"{METADATA_FILE}: tensors[{key!r}] has stage {entry['stage']}, but the config has "
+                                  f"{stages} pipeline stage(s) (0..{stages - 1})")
+        expert = entry["expert"]
+        if expert is not None and expert >= experts:
+            raise CheckpointError(f"{METADATA_FILE}: tensors[{key!r}] has expert {expert}, but the config has "
+                                  + (f"{experts} experts (0..{experts - 1})" if experts else "no experts"))
+        if (expert is None) != (entry["ep_dim"] is None):
+            raise CheckpointError(f"{METADATA_FILE}: tensors[{key!r}] has expert {expert} and ep_dim "
+                                  f"{entry['ep_dim']}: an expert piece has both, a dense one neither")
 
 
 def kinds_of(meta: dict) -> Tuple[str, ...]:

@@ -60,7 +60,7 @@ def complete_iterations(save_dir: str) -> List[int]:
 
 def resolve_iteration_dir(path: str) -> str:
     """``path`` is a checkpoint directory (with the latest file) or one ``iter_*`` directory; the
-    iteration directory ``latest`` names must lie inside ``path`` (not be a link out of it)."""
+    latest file and the iteration directory it names must lie inside ``path`` (not be links out of it)."""
     if os.path.lexists(os.path.join(path, METADATA_FILE)):
         return path
     latest = os.path.join(path, LATEST_FILE)
@@ -68,6 +68,10 @@ def resolve_iteration_dir(path: str) -> str:
         if not os.path.isdir(path):
             raise CheckpointError(f"no checkpoint at {path}: the directory does not exist")
         raise CheckpointError(f"{path} is not a checkpoint: it has neither {LATEST_FILE} nor {METADATA_FILE}")
+    real, root = os.path.realpath(latest), os.path.realpath(path)
+    if not real.startswith(root.rstrip(os.sep) + os.sep):
+        raise CheckpointError(f"{latest} is a link to {real}, outside {path}; a checkpoint's {LATEST_FILE} "
+                              "must be its own file (write the iteration number into it)")
     data = read_bounded(latest, CheckpointError, 64)
     try:
         iteration = int(data.decode("utf-8").strip())
