@@ -15,8 +15,8 @@
 
 SRC is a checkpoint directory (its latest iteration is used) or one ``iter_*`` directory; DST
 becomes a checkpoint directory that ``--load`` accepts. Conversions stream tensor by tensor into
-a locked staging directory of their own beside DST and rename it to DST when verified; SRC is never
-modified, DST is locked while it is written and replaced only with ``--force``. See docs/checkpoint.md;
+a staging directory of their own inside DST and move it in when verified; SRC is never modified,
+DST is locked from the start and replaced only with ``--force``, never while a live run writes in it. See docs/checkpoint.md;
 delink and grow: docs/p2r.md.
 ``export-hf`` writes a Hugging Face transformers model directory (GPT2, Llama, Qwen2 or Mixtral,
 chosen by the model's options, or Mistral on request), ``import-hf`` reads one back into a

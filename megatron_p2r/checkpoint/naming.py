@@ -25,6 +25,9 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 METADATA_FILE = "metadata.json"
 RNG_DIR = "rng_and_data"
 OPTIM_KINDS = ("exp_avg", "exp_avg_sq", "step")  # torch AdamW state per parameter
+# A converter's own entries inside its DST (``publish.py``): its output being written, complete and
+# waiting to move in, moving in, and DST's previous entries moved aside.
+STAGING_TAG, PUBLISH_TAG, INSTALL_TAG, REPLACED_TAG = ".p2r-staging-", ".p2r-publish-", ".p2r-install-", ".p2r-replaced-"
 
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 
@@ -67,6 +70,9 @@ def resolve_iteration_dir(path: str) -> str:
     if not os.path.lexists(latest):
         if not os.path.isdir(path):
             raise CheckpointError(f"no checkpoint at {path}: the directory does not exist")
+        if any(name.startswith((PUBLISH_TAG, INSTALL_TAG)) for name in os.listdir(path)):
+            raise CheckpointError(f"{path}: a conversion into it was killed while moving its result in; rerun that "
+                                  "conversion (or a training run with --save on it) to complete the move")
         raise CheckpointError(f"{path} is not a checkpoint: it has neither {LATEST_FILE} nor {METADATA_FILE}")
     real, root = os.path.realpath(latest), os.path.realpath(path)
     if not real.startswith(root.rstrip(os.sep) + os.sep):

@@ -10,8 +10,8 @@ target piece is copied from is a layer map: target layer i reads the source modu
 ``ShardWriter`` (headers first), so memory holds one piece at a time: the peak is bounded by
 the largest tensor, not the model.
 
-The output goes to a staging directory of the converter's own (``staging.py``: unique, locked,
-beside DST) and is renamed to DST only after a verification that re-reads
+The output goes to a staging directory of the converter's own (``staging.py``: unique, inside
+the locked DST) and is moved into DST only after a verification that re-reads
 every written header: each tensor the target layout needs was written exactly once with its
 shape, and the parameter count equals the source's (each slot counted once per layer that
 uses it when delinking). SRC is only read. ``--lr-rewarmup-iters`` is recorded in the
