@@ -39,6 +39,20 @@ def nbytes(dtype: str, shape: Iterable[int]) -> int:
     return n
 
 
+class SourceVanished(OSError):
+    """A file whose checkpoint was complete when reading began is gone (deleted or renamed
+    meanwhile): the input was good, so this is a failed run (exit 1), not bad input."""
+
+    def __init__(self, path: str):
+        super().__init__(f"{path} disappeared while it was being read: it was deleted or renamed meanwhile (a "
+                         "training run pruning that checkpoint with --keep-last?); read one it keeps")
+
+
+def _gone(path: str) -> bool:
+    """The directory of ``path`` is gone too: the checkpoint it was listed in went away."""
+    return not os.path.isdir(os.path.dirname(path) or ".")
+
+
 class ShardWriter:
     """Writes one safetensors file tensor by tensor, in the order its header announces.
 
@@ -100,7 +114,7 @@ class ShardReader:
         try:
             self.size = check_regular(path, CheckpointError, "shard")
         except FileNotFoundError:
-            raise CheckpointError(f"missing shard {path}") from None
+            raise (SourceVanished(path) if _gone(path) else CheckpointError(f"missing shard {path}")) from None
         n, header = _read_header(path, self.size)
         self.metadata = header.pop("__metadata__", {}) or {}
         for name, e in header.items():
@@ -140,7 +154,11 @@ class ShardReader:
         elif out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous():
             raise CheckpointError(f"{self.path}: tensor {name!r} is {entry['dtype']}{list(shape)}, cannot read it "
                                   f"into {out.dtype}{list(out.shape)}")
-        with open_regular(self.path, CheckpointError, "shard") as fh:
+        try:
+            fh = open_regular(self.path, CheckpointError, "shard")
+        except FileNotFoundError:
+            raise SourceVanished(self.path) from None  # its header was read: it was there
+        with fh:
             fh.seek(self.data_start + start)
             if end > start and fh.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy())) != end - start:
                 raise CheckpointError(f"truncated shard {self.path}: tensor {name!r} is cut short")
@@ -150,7 +168,11 @@ class ShardReader:
 def _read_header(path: str, size: int) -> tuple:
     """(header length, header) of a file the safetensors library accepts; an error naming the
     file otherwise. The header is read only when its announced length is plausible."""
-    with open_regular(path, CheckpointError, "shard") as fh:
+    try:
+        fh = open_regular(path, CheckpointError, "shard")
+    except FileNotFoundError:
+        raise (SourceVanished(path) if _gone(path) else CheckpointError(f"missing shard {path}")) from None
+    with fh:
         head = fh.read(8)
         if len(head) < 8:
             raise CheckpointError(f"truncated shard {path}: {size} bytes, shorter than the 8-byte header length")
@@ -175,6 +197,8 @@ def _check_with_library(path: str) -> None:
         with safetensors.safe_open(path, framework="pt"):
             pass
     except Exception as exc:  # SafetensorError, its only exception type, is not exported by every version
+        if not os.path.exists(path):
+            raise SourceVanished(path) from None
         raise CheckpointError(f"corrupt shard {path}: the safetensors library refuses it "
                               f"({str(exc).splitlines()[0][:200]})") from None
 

@@ -1,4 +1,6 @@
 """The p2r-convert-checkpoint command line: inspect, reshard, delink, and its error exits."""
+import os
+
 import pytest
 
 from megatron_p2r.checkpoint.io import save_checkpoint
@@ -113,3 +115,28 @@ def test_a_run_cannot_start_on_a_dst_being_converted_into(pseudo, tmp_path, monk
     monkeypatch.setattr(reshard, "verify", start_a_run_meanwhile)
     assert main(["reshard", str(pseudo), str(dst), "--no-progress"]) == 0
     assert refused and (dst / "latest_checkpointed_iteration.txt").is_file()
+
+
+@pytest.mark.parametrize("when", ["checking headers", "copying tensors"])
+def test_a_source_pruned_underneath_the_converter_is_said_so(pseudo, tmp_path, capsys, monkeypatch, when):
+    """A run's --keep-last prunes SRC while it is converted: the input was good, so exit 1 with the
+    file that disappeared (it said 'corrupt shard' and exit 2)."""
+    import shutil
+    from megatron_p2r.checkpoint import safetensors_io
+    src = tmp_path / "src"
+    shutil.copytree(pseudo, src)
+    target = (safetensors_io.ShardReader, "__init__" if when == "checking headers" else "read")
+    inner = getattr(*target)
+
+    def pruning(*args, **kwargs):
+        if (src / "iter_0000001").exists():  # the way io._prune deletes a checkpoint
+            os.rename(src / "iter_0000001", src / "iter_0000001.del")
+            shutil.rmtree(src / "iter_0000001.del")
+        return inner(*args, **kwargs)
+    monkeypatch.setattr(*target, pruning)
+    assert main(["reshard", str(src), str(tmp_path / "out"), "--target-tensor-parallel-size", "2",
+                 "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {src / 'iter_0000001'}/mp_rank_00_000_000.safetensors disappeared while it was "
+                          "being read") and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists()
