@@ -27,7 +27,8 @@ RNG_DIR = "rng_and_data"
 OPTIM_KINDS = ("exp_avg", "exp_avg_sq", "step")  # torch AdamW state per parameter
 # A converter's own entries inside its DST (``publish.py``): its output being written, complete and
 # waiting to move in, moving in, and DST's previous entries moved aside.
-STAGING_TAG, PUBLISH_TAG, INSTALL_TAG, REPLACED_TAG = ".p2r-staging-", ".p2r-publish-", ".p2r-install-", ".p2r-replaced-"
+STAGING_TAG, PUBLISH_TAG = ".p2r-staging-", ".p2r-publish-"
+INSTALL_TAG, REPLACED_TAG = ".p2r-install-", ".p2r-replaced-"
 
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 

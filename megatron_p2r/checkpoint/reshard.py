@@ -242,8 +242,8 @@ def convert(src: str, dst: str, target: Target, options: Optional[DelinkOptions]
         transform = None
         if options is not None:
             transform = functools.partial(_copy_tensor, options, layer_map, src_cfg.train.seed)
-        _write_tensors(out_iter, readers, src_table, src_layout, dst_table, dst_layout, plan, kinds, transform,
-                       progress, op)
+        checksums = _write_tensors(out_iter, readers, src_table, src_layout, dst_table, dst_layout, plan, kinds,
+                                   transform, progress, op)
         files = {f: os.path.getsize(os.path.join(out_iter, f)) for f in dst_layout.files()}
         rng = None
         if options is None and src_layout == dst_layout and meta.get("rng"):
@@ -257,7 +257,7 @@ def convert(src: str, dst: str, target: Target, options: Optional[DelinkOptions]
         new_meta = build_metadata(dst_cfg, dst_table, iteration=iteration, consumed_samples=meta["consumed_samples"],
                                   optimizer="exp_avg" in kinds, scheduler=scheduler,
                                   scaler=meta.get("scaler"), files=files, rng=rng,
-                                  history=list(meta.get("history", [])) + [step])
+                                  history=list(meta.get("history", [])) + [step], checksums=checksums)
         write_metadata(out_iter, new_meta)
         verify(out_iter, new_meta, expected_params=sum(i.numel * layer_map.expected_writes(i)
                                                        for i in src_table.values()))
@@ -279,11 +279,11 @@ def _copy_tensor(options: DelinkOptions, layer_map: _LayerMap, seed: int, kind: 
 
 def _write_tensors(out_iter: str, readers: ReaderCache, src_table: Dict[str, TensorInfo], src_layout: ShardLayout,
                    dst_table: Dict[str, TensorInfo], dst_layout: ShardLayout, plan: Dict[str, str], kinds,
-                   transform: Optional[Callable], progress: bool, desc: str) -> None:
+                   transform: Optional[Callable], progress: bool, desc: str) -> Dict[str, Dict[str, int]]:
     """Each target piece and kind: the source piece read whole, transformed, cut into the target's shards."""
     def produce(info: TensorInfo, kind: str) -> torch.Tensor:
         sinfo = src_table[plan[info.key]]
         tensor = read_global(readers, src_layout, sinfo, kind)
         return tensor if transform is None else transform(kind, tensor, info.key, sinfo)
 
-    write_pieces(out_iter, dst_table, dst_layout, kinds, produce, progress=progress, desc=desc)
+    return write_pieces(out_iter, dst_table, dst_layout, kinds, produce, progress=progress, desc=desc)
