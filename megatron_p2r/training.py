@@ -183,7 +183,7 @@ def microbatch_iterator(dataset, consumed_samples: int, cfg: Config, ps: Paralle
 
 
 def _take(iterator: Iterator[dict], n: int, what: str) -> List[dict]:
-    batches = [b for _, b in zip(range(n), iterator)]
+    batches = [b for _, b in zip(range(n), iterator, strict=False)]
     if len(batches) < n:
         raise RuntimeError(f"the {what} data ran out: needed {n} micro-batches, got {len(batches)}")
     return batches

@@ -241,7 +241,7 @@ def preprocess(args) -> Stats:
                             if len(stats.bad_lines) < MAX_REPORTED_BAD_LINES:
                                 stats.bad_lines.append((line_number, result))
                             continue
-                        for builder, data in zip(builders, result):
+                        for builder, data in zip(builders, result, strict=True):
                             tokens = np.frombuffer(data, dtype)
                             if len(tokens):
                                 builder.add_item(tokens)
@@ -255,9 +255,9 @@ def preprocess(args) -> Stats:
             raise ConfigError(f"--input {args.input}: cannot decompress it ({exc}); nothing was written") from None
         if stats.documents == 0:
             raise ConfigError(_no_document(args.input, stats))
-        for builder, (_, idx) in zip(builders, tmp):
+        for builder, (_, idx) in zip(builders, tmp, strict=True):
             builder.finalize(idx)
-        for (b_tmp, i_tmp), (b, i) in zip(tmp, outputs):
+        for (b_tmp, i_tmp), (b, i) in zip(tmp, outputs, strict=True):
             os.replace(b_tmp, b)
             os.replace(i_tmp, i)
     finally:

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.naming import METADATA_FILE, entry_name, shard_file
-from megatron_p2r.checkpoint.safetensors_io import SAFETENSORS_DTYPE, nbytes
+from megatron_p2r.checkpoint.safetensors_io import nbytes
 from megatron_p2r.config import Config
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.tensors import HeadRows

@@ -151,7 +151,7 @@ def cached_arrays(cache_dir: Optional[str], stem: str, names: tuple, description
     arrays = build()
     try:
         os.makedirs(cache_dir, exist_ok=True)
-        for path, array in zip(paths, arrays):
+        for path, array in zip(paths, arrays, strict=True):
             _write_atomically(path, lambda f, a=array: np.save(f, a, allow_pickle=False))
         text = json.dumps(description, indent=1, sort_keys=True).encode()
         _write_atomically(os.path.join(cache_dir, f"{stem}-{digest}-description.json"), lambda f: f.write(text))

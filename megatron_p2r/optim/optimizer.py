@@ -71,14 +71,14 @@ class StagedAdamW:
         saved = [(p.data, p.grad) for p in params]
         with torch.no_grad():
             try:
-                for p, (data, grad) in zip(params, saved):
+                for p, (data, grad) in zip(params, saved, strict=True):
                     p.grad = None
                     p.data = data.to("cpu", copy=True)
                     if grad is not None:
                         p.grad = grad.to("cpu", copy=True)
                 fn()
             finally:
-                for p, (data, grad) in zip(params, saved):
+                for p, (data, grad) in zip(params, saved, strict=True):
                     host = p.data
                     p.grad = None
                     p.data = data

@@ -116,7 +116,7 @@ def reference_routing(layer: MoELayer, x: torch.Tensor):
             if layer.router.renormalize:
                 total = sum(weights)
                 weights = [w / total for w in weights]
-            choices += [(grp * per_group + e, w) for e, w in zip(ranked, weights)]
+            choices += [(grp * per_group + e, w) for e, w in zip(ranked, weights, strict=True)]
         out.append(choices)
     return out
 

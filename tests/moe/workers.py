@@ -48,7 +48,7 @@ def layer_case(ps: ParallelState, overrides: dict, modify=None, transform=None, 
     ref_outs, ref_grads = run_layer(ref_layer, inputs, ParallelState.single(), finalize=False)
     ref_mine = ref_outs[ps.dp_rank * PER_RANK:(ps.dp_rank + 1) * PER_RANK]
 
-    result = {"out_err": max((o - r).abs().max().item() for o, r in zip(outs, ref_mine)),
+    result = {"out_err": max((o - r).abs().max().item() for o, r in zip(outs, ref_mine, strict=True)),
               "grad_err": {}, "received": sum(received),
               "wrong_group_err": None, "wrong_divisor_err": None}
     params = dict(layer.named_parameters())

@@ -100,7 +100,7 @@ def _dropout_case() -> dict:
     errors = max_grad_error(model, ps, {logical_name(n, p): p.grad for n, p in reference.named_parameters()})
     return {"calls": len(recorder.masks), "replayed": len(replay.masks), "loss_err": abs(loss - ref_loss),
             "grad_err": max(errors.values()),
-            "from_stream": all(torch.equal(m, d) for m, d in zip(recorder.masks, drawn)),
+            "from_stream": all(torch.equal(m, d) for m, d in zip(recorder.masks, drawn, strict=True)),
             "shards_differ": all(not torch.equal(a, b) for a, b in halves)}
 
 

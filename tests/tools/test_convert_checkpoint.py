@@ -100,7 +100,7 @@ def test_force_into_the_parent_of_a_live_runs_save_is_refused(pseudo, tmp_path, 
 def test_a_run_cannot_start_on_a_dst_being_converted_into(pseudo, tmp_path, monkeypatch):
     """DST did not exist before the conversion, so it had no lock until the converter published
     it: a run could start on it and then be replaced by --force."""
-    from megatron_p2r.checkpoint import reshard
+    from megatron_p2r.convert import reshard
     from megatron_p2r.checkpoint.errors import CheckpointError
     from megatron_p2r.lifecycle import lock_save_dir
     dst, refused = tmp_path / "new", []
