@@ -40,18 +40,18 @@ class LiveRun(CheckpointError):
     """A directory that would be replaced or removed is held by a live run."""
 
 
-def refuse_live_runs(root: str, skip: str = "") -> None:
-    """Fail, naming the run, when a live process holds the lock of ``root`` (unless ``root`` is
-    ``skip``, the caller's own) or of any directory under it: replacing it would pull the
-    directory from under a run that keeps writing into a deleted inode."""
+def refuse_live_runs(root: str, dst: str) -> None:
+    """Fail, naming the run, when a live process holds the lock of ``root`` or of any directory
+    under it (``root`` is in ``dst``, the conversion's DST): removing it would pull the directory
+    from under a run that keeps writing into a deleted inode."""
     for directory, subdirs, files in os.walk(root):
         subdirs[:] = [d for d in subdirs if not os.path.islink(os.path.join(directory, d))]
-        if LOCK_FILE in files and directory != skip:
+        if LOCK_FILE in files:
             holder = live_holder(directory)
             if holder is not None:
-                raise LiveRun(f"{directory} is in use by {describe(holder)}; it lies in {root}, which a "
-                                      "--force conversion would replace: the converter never removes a directory a "
-                                      "live run writes into (wait for the run to finish, or choose another DST)")
+                raise LiveRun(f"{directory} is in use by {describe(holder)}; a --force conversion into {dst} would "
+                              "remove it, and the converter never removes a directory a live run writes into "
+                              "(wait for the run to finish, or choose another DST)")
 
 
 def publish(staging: str, dst: str) -> None:
@@ -76,7 +76,7 @@ def _finish(dst: str, suffix: str) -> None:
     if os.path.isdir(marked):
         old = user_entries(dst)
         for name in old:
-            refuse_live_runs(os.path.join(dst, name))
+            refuse_live_runs(os.path.join(dst, name), dst)
         os.makedirs(replaced, exist_ok=True)
         for name in old:
             os.rename(os.path.join(dst, name), os.path.join(replaced, name))
@@ -92,7 +92,7 @@ def _finish(dst: str, suffix: str) -> None:
     fsync_dir(dst)
     os.rmdir(install)
     if os.path.isdir(replaced):
-        refuse_live_runs(replaced)  # a run started in DST since the check: its directory is kept
+        refuse_live_runs(replaced, dst)  # a run started in DST since the check: its directory is kept
         shutil.rmtree(replaced)
 
 
@@ -112,7 +112,7 @@ def finish_interrupted(dst: str) -> List[str]:
             shutil.rmtree(path)
             actions.append(f"removed {path}: the incomplete output of a conversion into {dst} that was killed")
         elif name.startswith(REPLACED_TAG) and os.path.isdir(path) and not os.path.islink(path):
-            refuse_live_runs(path)
+            refuse_live_runs(path, dst)
             shutil.rmtree(path)
             actions.append(f"removed {path}: the previous contents of {dst}, replaced by a --force conversion "
                            "that was killed before removing them")

@@ -91,7 +91,7 @@ def _check_contents(dst: str, force: bool) -> None:
         if not force:
             raise CheckpointError(f"DST {dst} exists and is not empty; pass --force to replace it")
         for name in user_entries(dst):
-            refuse_live_runs(os.path.join(dst, name))
+            refuse_live_runs(os.path.join(dst, name), dst)
 
 
 def _report_earlier_leftovers(dst: str) -> None:

@@ -90,8 +90,8 @@ def test_force_never_replaces_a_directory_a_live_run_writes_into(tmp_path):
     src, dst = _dirs(tmp_path)
     (dst / "run" / "iter_0000005").mkdir(parents=True)
     with DirectoryLock(str(dst / "run"), "training run"):
-        with pytest.raises(CheckpointError, match=rf"{dst / 'run'} is in use by training run .*--force conversion "
-                                                  "would replace"):
+        with pytest.raises(CheckpointError, match=rf"{dst / 'run'} is in use by training run .*a --force "
+                                                  rf"conversion into {dst} would remove it"):
             with staged_output(str(src), str(src), str(dst), force=True):
                 raise AssertionError("nothing may be written")
         assert sorted(os.listdir(dst / "run")) == [LOCK_FILE, "iter_0000005"]
