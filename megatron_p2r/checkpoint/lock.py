@@ -11,8 +11,8 @@ alive; the error gives the command that clears it once the user knows it is gone
 Where the filesystem has no ``flock`` at all (Lustre ``-o noflock``), the file's existence is the
 lock (``O_EXCL``) and its holder refreshes the file's modification time every ``HEARTBEAT_S``
 seconds, since nothing releases the file when the holder dies: a lock whose holder on this host is
-no longer running, or whose heartbeat is older than ``STALE_AFTER_S``, is taken over (and said
-so), which is what ``torchrun --max-restarts`` needs when rank 0 dies.
+no longer running, or whose holder elsewhere has a heartbeat older than ``STALE_AFTER_S``, is
+taken over (and said so), which is what ``torchrun --max-restarts`` needs when rank 0 dies.
 
 The file is removed when the lock is released, so a finished run leaves nothing behind.
 ``live_holder`` asks, without taking anything, whether a live process holds a directory: a
@@ -81,9 +81,11 @@ def _alive(pid) -> bool:
 
 
 def _stale_without_flock(holder: Optional[dict], mtime: float) -> Optional[str]:
-    """Why a lock file on a filesystem without flock no longer stands for a live holder, or None."""
-    if holder and holder.get("host") == socket.gethostname() and not _alive(holder.get("pid")):
-        return "which is no longer running"
+    """Why a lock file on a filesystem without flock no longer stands for a live holder, or None.
+    A holder on this host is judged by its pid (a stopped process keeps its lock); one elsewhere, or
+    one that left no record, by its heartbeat."""
+    if holder and holder.get("host") == socket.gethostname():
+        return None if _alive(holder.get("pid")) else "which is no longer running"
     age = time.time() - mtime
     if age > STALE_AFTER_S:
         return f"whose heartbeat stopped {age:.0f} s ago (a holder refreshes it every {HEARTBEAT_S:.0f} s)"
@@ -233,8 +235,8 @@ class DirectoryLock:
         if why is None:
             raise DirectoryLocked(f"{self.directory} is in use by {describe(holder)}, whose heartbeat is "
                                   f"{time.time() - st.st_mtime:.0f} s old (this filesystem has no flock: a lock is "
-                                  f"stale once its holder on this host has exited, or after {STALE_AFTER_S:.0f} s "
-                                  "without a heartbeat)")
+                                  "stale once its holder on this host has exited, or once a holder elsewhere has "
+                                  f"gone {STALE_AFTER_S:.0f} s without a heartbeat)")
         aside = f"{self.path}.stale-{os.getpid()}"
         try:
             os.rename(self.path, aside)

@@ -96,6 +96,15 @@ def test_without_flock_another_hosts_lock_is_taken_over_once_its_heartbeat_is_st
         assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
 
 
+def test_without_flock_a_live_holder_on_this_host_keeps_its_lock_whatever_its_heartbeat(tmp_path, no_flock):
+    """A stopped process (Ctrl-Z) beats no heart but is alive: its directory stays its own."""
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid()}))
+    os.utime(tmp_path / LOCK_FILE, (1, 1))
+    with pytest.raises(DirectoryLocked, match="in use by"):
+        DirectoryLock(str(tmp_path), "training run").acquire()
+    assert lock_module.live_holder(str(tmp_path))["pid"] == os.getppid()
+
+
 def test_without_flock_the_holder_keeps_its_heartbeat_fresh(tmp_path, no_flock, monkeypatch):
     monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.01)
     with DirectoryLock(str(tmp_path), "training run"):
