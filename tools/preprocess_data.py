@@ -12,7 +12,7 @@ Megatron-LM, a document with no sequence (and no eod), so later samples are not 
 Outputs are written under temporary names and renamed when complete; existing outputs are
 kept unless ``--overwrite``. An input that yields no document at all (empty, binary, or not
 jsonl) is an error and writes nothing; a line longer than ``--max-line-bytes`` is a bad line,
-read past in bounded pieces, never held whole. Exit status: 0 done, 2 bad input (one
+read past in bounded blocks, never held whole. Exit status: 0 done, 2 bad input (one
 ``error:`` line), 1 an OS error.
 """
 from __future__ import annotations
@@ -139,7 +139,7 @@ def _encode_chunk(chunk):
 
 
 def _lines(f, limit: int):
-    """The lines of ``f``; a line longer than ``limit`` bytes is read past in pieces and yielded as
+    """The lines of ``f``; a line longer than ``limit`` bytes is read past in blocks and yielded as
     TOO_LONG, so memory never holds more than ``limit`` bytes of one line."""
     while True:
         line = f.readline(limit + 1)

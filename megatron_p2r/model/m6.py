@@ -28,7 +28,7 @@ from torch import nn
 
 from megatron_p2r.config import Config
 from megatron_p2r.layout.plan import ParallelPlan
-from megatron_p2r.layout.tensors import WORD_EMBEDDING
+from megatron_p2r.layout.tensor_specs import WORD_EMBEDDING
 from megatron_p2r.model.attention import rotary_tables
 from megatron_p2r.model.block import TransformerLayer
 from megatron_p2r.model.norm import make_norm

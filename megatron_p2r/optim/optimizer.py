@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from megatron_p2r.config import TrainConfig
-from megatron_p2r.layout.tensors import OUTPUT_WEIGHT, WORD_EMBEDDING
+from megatron_p2r.layout.tensor_specs import OUTPUT_WEIGHT, WORD_EMBEDDING
 from megatron_p2r.parallel.sharding import logical_name
 
 

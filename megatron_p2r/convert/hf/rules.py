@@ -18,7 +18,7 @@ import torch
 
 from megatron_p2r.convert.hf.architecture import GPT2, MIXTRAL
 from megatron_p2r.config import ModelConfig
-from megatron_p2r.layout.tensors import HeadRows, attention_rows
+from megatron_p2r.layout.tensor_specs import HeadRows, attention_rows
 
 
 def _indices(rows: HeadRows) -> dict:

@@ -21,7 +21,7 @@ from megatron_p2r.convert.hf.rules import merge_glu, merge_heads, resize_rows, s
 from megatron_p2r.convert.megatron.names import (FINAL_NORM, OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS,
                                                     expert_rest, layer_name)
 from megatron_p2r.config import ModelConfig
-from megatron_p2r.layout.tensors import HeadRows, attention_rows
+from megatron_p2r.layout.tensor_specs import HeadRows, attention_rows
 
 _TOP = {"embedding.word_embeddings.weight": WORD_EMBEDDINGS,
         "embedding.position_embeddings.weight": POSITION_EMBEDDINGS,

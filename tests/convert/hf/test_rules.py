@@ -2,7 +2,7 @@
 import torch
 
 from megatron_p2r.convert.hf.rules import merge_glu, merge_heads, split_glu, split_heads
-from megatron_p2r.layout.tensors import HeadRows
+from megatron_p2r.layout.tensor_specs import HeadRows
 
 
 def test_pure_mappings_round_trip():

@@ -1,9 +1,11 @@
-"""The tensor table: every parameter a rank of a stage holds, without building the model.
+"""Tensor specs: every parameter a rank of a stage holds (local shape, sharding, module), without
+building the model.
 
 Names, local shapes and sharding attributes exactly as ``model.m6.build_model`` creates them
-(``tests/layout/test_tensors.py`` and ``tools/plan.py --verify-rank`` compare with meta-device
-builds). The ParallelPlan, the checkpoint's tensor table, the offload choice and the planner
-read shapes from here, so none of them needs a model to reason about memory or files.
+(``tests/layout/test_plan.py``, ``tests/layout/test_tensor_specs.py`` and ``tools/plan.py
+--verify-rank`` compare with meta-device builds). The ParallelPlan, the checkpoint's tensor table
+(global pieces and the files holding them), the offload choice and the planner read shapes from
+here, so none of them needs a model to reason about memory or files.
 """
 from __future__ import annotations
 
@@ -76,6 +78,7 @@ class TensorSpec:
     tp_replicas: int = 1            # consecutive TP ranks holding the same shard (key/value heads, TP > groups)
     tp_partial: bool = False        # each TP copy gets a partial gradient, summed over the copies (plan.py)
     rows: Optional[HeadRows] = None     # dim 0 of an attention projection
+    module_key: Optional[int] = None    # K of a parameter of transformer module ``layers.K`` (else None)
 
     @property
     def numel(self) -> int:
@@ -159,7 +162,7 @@ def layer_tensors(m: ModelConfig, key: int, tp: int, ep: int) -> List[TensorSpec
             specs.append(TensorSpec(f"{x}.bias2", (e, h), expert=True))
     else:
         specs += _column(f"{p}.mlp.fc1", glu * m.ffn_size, h, tp, bias) + _row(f"{p}.mlp.fc2", h, m.ffn_size, tp, bias)
-    return specs
+    return [dataclasses.replace(s, module_key=key) for s in specs]
 
 
 def stage_tensors(m: ModelConfig, tp: int, ep: int, module_keys: Sequence[int], first: bool,
