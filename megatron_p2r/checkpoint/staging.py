@@ -16,16 +16,15 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import shlex
 import shutil
 import tempfile
 from typing import Iterator
 
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.lock import DirectoryLock
-from megatron_p2r.checkpoint.naming import STAGING_TAG
+from megatron_p2r.checkpoint.naming import REPLACED_TAG, STAGING_TAG
 from megatron_p2r.checkpoint.publish import finish_interrupted, publish, refuse_live_runs, user_entries
-
-_OLD_STAGING, _OLD_REPLACED = ".p2r-staging-", ".p2r-replaced-"  # beside DST, as earlier versions staged
 
 
 def _inside(path: str, root: str) -> bool:
@@ -99,15 +98,16 @@ def _report_earlier_leftovers(dst: str) -> None:
     left DST missing and the old one in ``.DST.p2r-replaced-*/old``, restored here; a staging
     directory of theirs may hold a complete result, so it is reported, never removed."""
     parent, base = os.path.split(os.path.abspath(dst))
-    for path in sorted(glob.glob(os.path.join(glob.escape(parent), glob.escape("." + base + _OLD_REPLACED) + "*"))):
+    for path in sorted(glob.glob(os.path.join(glob.escape(parent), glob.escape("." + base + REPLACED_TAG) + "*"))):
         old = os.path.join(path, "old")
         if not os.path.lexists(dst) and os.path.isdir(old) and not os.path.islink(old):
             os.rename(old, dst)
-            os.rmdir(path)
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
             print(f"restored {dst} from {old} (a --force conversion was killed while replacing it)", flush=True)
         else:
             print(f"note: {path} holds the previous {dst}, replaced by an earlier --force conversion; remove it "
-                  f"once {dst} is checked: rm -r {path}", flush=True)
-    for path in sorted(glob.glob(os.path.join(glob.escape(parent), glob.escape("." + base + _OLD_STAGING) + "*"))):
+                  f"once {dst} is checked: rm -r {shlex.quote(path)}", flush=True)
+    for path in sorted(glob.glob(os.path.join(glob.escape(parent), glob.escape("." + base + STAGING_TAG) + "*"))):
         print(f"note: {path} is the output of an earlier conversion into {dst} that was killed, possibly complete; "
-              f"check it with inspect, then use it or remove it: rm -r {path}", flush=True)
+              f"check it with inspect, then use it or remove it: rm -r {shlex.quote(path)}", flush=True)
