@@ -87,10 +87,10 @@ def verify(iter_dir: str, meta: dict, expected_params: int) -> None:
 
 
 def check_data(meta: dict, readers: ReaderCache) -> int:
-    """Read every tensor of every shard, one at a time, each checked against its CRC-32 when
-    metadata.json records them; returns how many were read."""
+    """Read every tensor of every shard (and of every RNG file with checksums), one at a time,
+    each checked against its CRC-32 when metadata.json records them; returns how many were read."""
     count = 0
-    for name in meta["files"]:
+    for name in list(meta["files"]) + [f for f in meta.get("crc32") or {} if f not in meta["files"]]:
         reader = readers(name)
         for entry in reader.names():
             reader.read(entry)

@@ -107,8 +107,9 @@ def _write_rank_files(tmp: str, state, table: Dict[str, TensorInfo], layout: Sha
     """This rank's RNG file, and its shard when it is the data-parallel replica that writes it.
     Every rank takes part in gathering the weights and optimizer state (a collective)."""
     ps, c = state.ps, state.ps.coords
-    save_tensors(os.path.join(tmp, rng_file(ps.rank)), _rng_tensors(ps.device),
-                 {"rank": ps.rank, "tp": c.tp, "dp": c.dp, "pp": c.pp, "consumed_samples": state.consumed_samples})
+    _leave_checksums(tmp, rng_file(ps.rank), save_tensors(
+        os.path.join(tmp, rng_file(ps.rank)), _rng_tensors(ps.device),
+        {"rank": ps.rank, "tp": c.tp, "dp": c.dp, "pp": c.pp, "consumed_samples": state.consumed_samples}))
     name = shard_file(c.tp, c.pp, c.ep)
     mine = {}
     for info, param, j in rank_pieces(state.model, ps, table):
@@ -128,8 +129,13 @@ def _write_rank_files(tmp: str, state, table: Dict[str, TensorInfo], layout: Sha
         param, j, kind = mine[entry]
         writer.write(entry, _piece_tensor(state, gathered[id(param)], j, kind))
     writer.close()
+    _leave_checksums(tmp, name, writer.checksums)
+
+
+def _leave_checksums(tmp: str, name: str, checksums: Dict[str, int]) -> None:
+    """File ``name``'s checksums beside it, for rank 0 to put into metadata.json."""
     with open(os.path.join(tmp, name + CHECKSUMS_SUFFIX), "w", encoding="utf-8") as fh:
-        json.dump(writer.checksums, fh)
+        json.dump(checksums, fh)
 
 
 def _rng_tensors(device: torch.device) -> Dict[str, torch.Tensor]:
@@ -158,7 +164,9 @@ def _publish_checkpoint(save_dir: str, tmp: str, final: str, state, table: Dict[
     write_metadata(tmp, build_metadata(state.cfg, table, iteration=iteration,
                                        consumed_samples=state.consumed_samples, optimizer=optimizer,
                                        scheduler=state.scheduler.state_dict(), scaler=state.scaler.state_dict(),
-                                       files=files, rng=rng, history=[], checksums=_collect_checksums(tmp, files)))
+                                       files=files, rng=rng, history=[],
+                                       checksums=_collect_checksums(tmp, list(files) + [
+                                           rng_file(r) for r in range(ps.layout.world_size)])))
     fsync_dir(tmp)
     reliability.save_point("publish", iteration, ps.rank)
     _rename_into_place(tmp, final)
@@ -170,8 +178,8 @@ def _publish_checkpoint(save_dir: str, tmp: str, final: str, state, table: Dict[
 
 
 def _collect_checksums(tmp: str, files: Sequence[str]) -> Dict[str, Dict[str, int]]:
-    """Each shard's checksums, which its writer left beside it, for metadata.json (and the files
-    that held them removed)."""
+    """Each file's checksums (shards and RNG files), which its writer left beside it, for
+    metadata.json (and the files that held them removed)."""
     out = {}
     for name in files:
         path = os.path.join(tmp, name + CHECKSUMS_SUFFIX)
@@ -287,7 +295,7 @@ def _load_rng(iter_dir: str, meta: dict, ps: ParallelState) -> None:
     saved = Layout(tp=info["tp"], pp=info["pp"], dp=info["dp"])
     c = ps.coords
     rank = saved.rank(c.tp, c.dp if saved.dp == ps.dp_size else 0, c.pp)
-    reader = ReaderCache(iter_dir)(rng_file(rank))
+    reader = ReaderCache(iter_dir, meta.get("crc32"))(rng_file(rank))
     torch.set_rng_state(reader.read("cpu_rng_state").clone())
     tp_random.get_rng_tracker(ps.device).state = reader.read("model_parallel_rng_state").clone()
     if ps.device.type == "cuda":

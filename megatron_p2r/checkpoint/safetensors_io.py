@@ -106,13 +106,15 @@ class ShardWriter:
                                   f"first {missing[0]!r}")
 
 
-def save_tensors(path: str, tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]] = None) -> None:
-    """A whole small dict (RNG states) as one safetensors file."""
+def save_tensors(path: str, tensors: Dict[str, torch.Tensor],
+                 metadata: Optional[Dict[str, str]] = None) -> Dict[str, int]:
+    """A whole small dict (RNG states) as one safetensors file; returns its checksums."""
     writer = ShardWriter(path, [(k, SAFETENSORS_DTYPE[v.dtype], tuple(v.shape)) for k, v in tensors.items()],
                          metadata)
     for k, v in tensors.items():
         writer.write(k, v)
     writer.close()
+    return writer.checksums
 
 
 class ShardReader:

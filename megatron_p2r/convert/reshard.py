@@ -249,6 +249,7 @@ def convert(src: str, dst: str, target: Target, options: Optional[DelinkOptions]
         if options is None and src_layout == dst_layout and meta.get("rng"):
             shutil.copytree(os.path.join(src_iter, RNG_DIR), os.path.join(out_iter, RNG_DIR))
             rng = meta["rng"]
+            checksums.update((k, v) for k, v in (meta.get("crc32") or {}).items() if k.startswith(RNG_DIR + "/"))
         scheduler = meta.get("scheduler")
         if options is not None and options.lr_rewarmup_iters:
             scheduler = with_rewarmup(scheduler, options.lr_rewarmup_iters)

@@ -19,6 +19,7 @@ from tests.helpers import run_steps
 from tools.convert_checkpoint import main
 
 SHARD = "mp_rank_00_000_000.safetensors"
+RNG = "rng_and_data/rank_00000.safetensors"
 TENSOR = "layers.0.mlp.fc1.weight"
 
 
@@ -36,8 +37,8 @@ def ckpt(saved, tmp_path):
     return tmp_path / "ck"
 
 
-def _flip_a_bit(ckpt, entry: str = TENSOR) -> None:
-    path = ckpt / "iter_0000002" / SHARD
+def _flip_a_bit(ckpt, entry: str = TENSOR, name: str = SHARD) -> None:
+    path = ckpt / "iter_0000002" / name
     with open(path, "rb") as fh:
         (n,) = struct.unpack("<Q", fh.read(8))
         start, end = json.loads(fh.read(n))[entry]["data_offsets"]
@@ -51,8 +52,11 @@ def _flip_a_bit(ckpt, entry: str = TENSOR) -> None:
 def test_every_tensor_of_every_shard_has_its_checksum(saved):
     iter_dir = saved / "iter_0000002"
     crc = metadata(str(iter_dir))["crc32"]
-    assert set(crc) == {SHARD} and set(crc[SHARD]) == set(ShardReader(str(iter_dir / SHARD)).names())
+    assert set(crc) == {SHARD, RNG}
+    for name in crc:
+        assert set(crc[name]) == set(ShardReader(str(iter_dir / name)).names())
     assert sorted(os.listdir(iter_dir)) == ["metadata.json", SHARD, "rng_and_data"]  # nothing else left beside
+    assert os.listdir(iter_dir / "rng_and_data") == ["rank_00000.safetensors"]
 
 
 def test_a_flipped_bit_fails_the_load_naming_file_and_tensor(ckpt):
@@ -60,6 +64,13 @@ def test_a_flipped_bit_fails_the_load_naming_file_and_tensor(ckpt):
     with pytest.raises(CheckpointError, match=rf"corrupt shard .*{SHARD}: tensor '{TENSOR}' has CRC-32 [0-9a-f]{{8}}, "
                                               "metadata.json records"):
         load_checkpoint(str(ckpt), build_train_state(cfg_of(), ParallelState.single()))
+
+
+def test_a_flipped_bit_in_an_rng_file_fails_the_load_unless_rng_is_not_loaded(ckpt):
+    _flip_a_bit(ckpt, "cpu_rng_state", RNG)
+    with pytest.raises(CheckpointError, match=rf"corrupt shard .*{RNG}: tensor 'cpu_rng_state' has CRC-32"):
+        load_checkpoint(str(ckpt), build_train_state(cfg_of(), ParallelState.single()))
+    load_checkpoint(str(ckpt), build_train_state(cfg_of(no_load_rng=True), ParallelState.single()))
 
 
 @pytest.mark.parametrize("argv", [["inspect", "{ck}", "--verify"], ["reshard", "{ck}", "{out}", "--no-progress",
@@ -75,12 +86,15 @@ def test_a_flipped_bit_is_found_by_inspect_verify_and_the_converter(ckpt, tmp_pa
 
 
 def test_converters_record_checksums_that_verify(saved, tmp_path, capsys):
-    out = tmp_path / "out"
+    out, same = tmp_path / "out", tmp_path / "same"
     assert main(["reshard", str(saved), str(out), "--target-tensor-parallel-size", "2", "--no-progress"]) == 0
     assert set(metadata(str(out / "iter_0000002"))["crc32"]) == {"mp_rank_00_000_000.safetensors",
                                                                  "mp_rank_01_000_000.safetensors"}
-    assert main(["inspect", str(out), "--verify"]) == 0
-    assert "every CRC-32 matches metadata.json" in capsys.readouterr().out
+    assert main(["reshard", str(saved), str(same), "--no-progress"]) == 0  # the RNG files are copied, and theirs
+    assert set(metadata(str(same / "iter_0000002"))["crc32"]) == {SHARD, RNG}
+    for converted in (out, same):
+        assert main(["inspect", str(converted), "--verify"]) == 0
+        assert "every CRC-32 matches metadata.json" in capsys.readouterr().out
 
 
 def test_a_checkpoint_without_checksums_still_loads(ckpt, capsys):
