@@ -24,6 +24,10 @@ real-from-scratch a run that delinks after s steps (``--p2r-switch-iters``, defa
 run) may need to reach a loss and still finish no later (``planning/breakeven.py``). The
 convergence study (docs/results.md) measures how many it actually needs at small scale.
 
+Each phase's verdict checks two memory tiers and names the one that overflows, and by how much:
+the GPU (the rank needing the most) and the host (the node whose GPUs offload the most, against
+the preset's node memory, or --host-memory per GPU / --host-memory-per-node).
+
 Exit status: 0 when every phase fits and every check passes, 1 otherwise, 2 for bad flags.
 """
 from __future__ import annotations
