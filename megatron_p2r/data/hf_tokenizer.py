@@ -12,6 +12,7 @@ the config's ``add_bos_token``/``add_eos_token`` when a tokenizer.json exists).
 from __future__ import annotations
 
 import os
+import reprlib
 from typing import Dict, Iterable, List
 
 from megatron_p2r.config import ConfigError
@@ -51,21 +52,12 @@ def _read_json(path: str) -> dict:
     return data
 
 
-def _brief(value) -> str:
-    """A value for an error message: its repr, cut short (a crafted file can nest or grow it)."""
-    try:
-        text = repr(value)
-    except RecursionError:
-        return f"a {type(value).__name__} nested too deeply"
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _token_text(value, path: str, role: str) -> str:
     """A role's token as written by transformers: a string or an AddedToken dict with "content"."""
     text = value.get("content") if isinstance(value, dict) else value
     if not isinstance(text, str) or not text:
         raise ConfigError(f"--tokenizer-model: {path}: {role} must be a token string or an object with "
-                          f"\"content\", got {_brief(value)}")
+                          f"\"content\", got {reprlib.repr(value)}")
     return text
 
 
