@@ -216,6 +216,16 @@ ACTIVATION_CASES = [
     # a vocabulary the loss walks in 4 chunks (tied: the embedding's gradient meets the output layer's)
     dict(vocab_size=16384, **FULL1),
     dict(bf16=True, vocab_size=16384, untie_embeddings_and_output_weights=True),
+    # attention dropout: CPU runs SDPA's math kernel (s x s probabilities, mask, dropped, in fp32)
+    dict(attention_dropout=0.1),
+    dict(bf16=True, attention_dropout=0.1, hidden_dropout=0.1),
+    dict(attention_dropout=0.1, recompute_activations=True),
+    dict(bf16=True, attention_dropout=0.1, **FULL1),
+    dict(attention_dropout=0.1, group_query_attention=True, num_query_groups=2, qk_layernorm=True),
+    dict(bf16=True, attention_dropout=0.1, group_query_attention=True, num_query_groups=1, qk_layernorm=True,
+         normalization="RMSNorm", position_embedding_type="rope"),
+    dict(attention_dropout=0.1, qk_layernorm=True, normalization="RMSNorm", position_embedding_type="rope"),
+    dict(bf16=True, attention_dropout=0.1, seq_length=256, micro_batch_size=1),
 ]
 ACT_SHAPES = dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=64, vocab_size=512,
                   micro_batch_size=4)

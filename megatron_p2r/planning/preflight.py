@@ -41,9 +41,7 @@ def batch_bytes(cfg: Config, world_size: int) -> int:
 def rank_memory(cfg: Config, plan: ParallelPlan, stage: int, device_type: str) -> Dict[str, int]:
     """Bytes a rank of ``stage`` needs on its device and on the host (on CPU: all on the host)."""
     off = offload_plan(cfg, plan, stage)
-    # The CPU estimate models no attention dropout (math kernel, s x s); the CUDA one is a lower bound.
-    kind = "cuda" if device_type == "cuda" or cfg.model.attention_dropout else "cpu"
-    act = activation_memory(cfg, plan, stage, offloaded=off["recomputed"], device_type=kind)
+    act = activation_memory(cfg, plan, stage, offloaded=off["recomputed"], device_type=device_type)
     device = sum(off["device"].values()) + act["activations"] + act["compute_weights"] + act["transient"] + \
         batch_bytes(cfg, plan.layout.world_size)
     host = sum(off["host"].values())
