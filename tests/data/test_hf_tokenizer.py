@@ -125,7 +125,7 @@ def test_deeply_nested_side_files_are_an_error_not_a_recursion(tmp_path, capsys,
     """Both side files go through the bounded JSON reader: in the tokenizer, in import-hf's
     tokenizer search (a note; the weights still import) and in pretrain_m6.py (an error: line)."""
     import pretrain_m6
-    from megatron_p2r.checkpoint.hf.tokenizer import find_tokenizer
+    from megatron_p2r.convert.hf.tokenizer import find_tokenizer
 
     directory = write_tokenizer(tmp_path / "tok")
     (directory / name).write_text('{"eos_token": ' + DEEP + "}")
