@@ -171,6 +171,19 @@ def attention_core_bytes(cfg: Config, tp: int, device_type: str = "cuda") -> int
     return rows * 4
 
 
+def _math_attention_backward(cfg: Config, tp: int, device_type: str) -> int:
+    """The math kernel's backward on top of what the layer holds: one [b, heads, s, s] gradient
+    beside the saved three and the fp32 gradients of q, k, v; under selective recomputation
+    also the core it first recomputes. The layer's MLP half is freed by then (the caller
+    subtracts it)."""
+    m, t = cfg.model, cfg.train
+    rows = t.micro_batch_size * (m.num_attention_heads // tp) * m.seq_length
+    extra = rows * m.seq_length * 4 + 3 * rows * m.head_dim * 4
+    if t.recompute == "selective":
+        extra += attention_core_bytes(cfg, tp, device_type)
+    return extra
+
+
 def _math_value_is_view(cfg: Config, tp: int, a: int) -> bool:
     """Whether the math kernel saves v as a view of the projection's output instead of a copy:
     fp32 (no upcast), no key/value heads repeated to the query heads, and one sample per
@@ -232,19 +245,20 @@ def layer_activations(cfg: Config, key: int, tp: int, ep: int, *, device_type: s
     casts = _matmul_weight_numel(specs, sequence_parallel) * a if autocast else 0   # per call for experts
     cache = _matmul_weight_numel(specs) * a if autocast else 0
     if m.is_moe_layer(key):
-        moe_held, expert_casts, work, backward = _moe_layer(cfg, ns, n, tp, ep, a)
-        held += moe_held
+        mlp_held, expert_casts, work, backward = _moe_layer(cfg, ns, n, tp, ep, a)
+        held += mlp_held
         cached, cache = casts - expert_casts, cache - expert_casts
     else:
         f = m.ffn_size // tp
-        held += ns * h * a + n * glu * f * a + n * act_saved * f * a
+        mlp_held = ns * h * a + n * glu * f * a + n * act_saved * f * a
+        held += mlp_held
         cached = casts
         work = n * f * a * glu
         backward = work + h * f * a                              # fc2's weight gradient
         if sequence_parallel:   # fc1's backward: its input gathered again, the input's gradient
             backward = max(backward, work + 2 * n * h * a + (glu * f * h * a if autocast else 0))
-    if t.recompute == "selective" and math_attention(cfg, device_type):
-        backward = max(backward, attention_core_bytes(cfg, tp, device_type))   # the core recomputed in backward
+    if math_attention(cfg, device_type):
+        backward = max(backward, _math_attention_backward(cfg, tp, device_type) - mlp_held - norm_held(m, ns, h, a))
     return LayerActivations(held=held, casts=casts, cached_casts=cached, work=work, backward=backward,
                             forward_cache=cache)
 

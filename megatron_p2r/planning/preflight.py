@@ -1,16 +1,19 @@
 """Before a model is built: does the run fit in the memory this machine has?
 
 The planner's own accounting (parameters, gradients, AdamW moments, what offload keeps on host,
-the activations of the micro-batches the schedule keeps in flight, the micro-batches of a step
-or an evaluation, the dataset's sample indices) is summed over the ranks that share this host
-and compared with the memory the host has available (``MemAvailable``, or the headroom of the
-tightest memory cgroup above the process when lower: ``planning.host_memory``); on CUDA each rank's device part is also compared with its device's free
-memory. An absurd size (``--seq-length 10000000``, ``--hidden-size 100000``) then fails at once
-with one line, "needs at least 38.0 GiB of host memory, the machine has 24.0 GiB available",
-instead of tens of seconds of allocation and an out-of-memory kill. The estimate leaves out the
-Python and torch runtime (a few hundred MiB a process), so it is a lower bound: a refused run
-would not have fit. ``P2R_SKIP_MEMORY_CHECK=1`` skips the check (an estimate that is wrong for
-some model should never block a run).
+the activations of the micro-batches the schedule keeps in flight -- for the attention kernel
+that will run: on CPU with attention dropout SDPA's math kernel and its s x s tensors --, the
+micro-batches of a step or an evaluation, the dataset's sample indices, and the runtime a
+process still loads after the check) is summed over the ranks that share this host and
+compared with the memory the host has available (``MemAvailable``, or the headroom of the
+tightest memory cgroup above the process when lower: ``planning.host_memory``); on CUDA each
+rank's device part is also compared with its device's free memory. An absurd size
+(``--seq-length 10000000``, ``--hidden-size 100000``) then fails at once with one line, "needs
+at least 38.0 GiB of host memory, the machine has 24.0 GiB available", instead of tens of
+seconds of allocation and an out-of-memory kill. On CPU the estimate is within 25% of the
+anonymous memory a run takes after the check (docs/reliability.md has the table and the
+command). ``P2R_SKIP_MEMORY_CHECK=1`` skips the check (an estimate that is wrong for some model
+should never block a run).
 """
 from __future__ import annotations
 
@@ -27,6 +30,11 @@ from megatron_p2r.planning.memory import offload_plan
 SKIP_ENV = "P2R_SKIP_MEMORY_CHECK"
 INDEX_BYTES_PER_SAMPLE = 20  # sample_idx (2 x int32 or int64) + shuffle_idx + a share of doc_idx
 BATCH_BYTES_PER_TOKEN = 12   # int64 token (inputs and labels are views of it) + fp32 loss mask
+# What a process still allocates after the check whatever the model: torch 2.13's first AdamW
+# imports torch._dynamo (~70 MiB of Python objects), and kernels set up buffers on first use.
+# Measured as the anonymous memory a seq-64 run grows by beyond its estimate
+# (benchmarks/preflight_memory.py --seq 64: 70-76 MiB).
+RUNTIME_BYTES = 80 * 2 ** 20
 
 
 def batch_bytes(cfg: Config, world_size: int) -> int:
@@ -44,7 +52,7 @@ def rank_memory(cfg: Config, plan: ParallelPlan, stage: int, device_type: str) -
     act = activation_memory(cfg, plan, stage, offloaded=off["recomputed"], device_type=device_type)
     device = sum(off["device"].values()) + act["activations"] + act["compute_weights"] + act["transient"] + \
         batch_bytes(cfg, plan.layout.world_size)
-    host = sum(off["host"].values())
+    host = sum(off["host"].values()) + RUNTIME_BYTES
     if not cfg.data.mock_data:
         world = plan.layout.world_size
         host += INDEX_BYTES_PER_SAMPLE * (train_samples(cfg, world) + global_batch_size(cfg, world) *
@@ -73,7 +81,7 @@ def check_memory(cfg: Config, plan: ParallelPlan, rank: int, device_type: str,
     if available is not None and host_need > available:
         who = f"its {len(host_ranks)} ranks on this host need" if len(host_ranks) > 1 else "it needs"
         raise ConfigError(f"this run does not fit in memory: {who} at least {_size(host_need)} of host memory "
-                          "(parameters, gradients, optimizer state, activations, micro-batches, data indices), the "
+                          "(parameters, gradients, optimizer state, activations, micro-batches, data indices, runtime), the "
                           f"machine has {_size(available)} available; reduce the model, --seq-length, "
                           f"--micro-batch-size or --global-batch-size, or use more ranks{hint}")
     device_need = needs[layout.coords(rank).pp]["device"]
