@@ -243,6 +243,19 @@ def test_activation_estimate_matches_measured_step(overrides):
     assert abs((est_held + est["transient"]) / peak - 1) < 0.10, (est_held + est["transient"], peak)
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_math_attention_is_the_kernel_torch_picks_on_cpu(dropout, dtype):
+    """The planner's rule (math kernel with dropout, the fused CPU flash kernel without) against
+    the backward node SDPA records when called as model/attention.py calls it."""
+    cfg = small(attention_dropout=dropout)
+    q = torch.randn(1, 2, 16, 8, dtype=dtype, requires_grad=True)
+    y = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=dropout, is_causal=True)
+    fused = "FlashAttentionForCpu" in y.grad_fn.name()
+    assert fused != activations.math_attention(cfg, "cpu"), y.grad_fn.name()
+    assert not activations.math_attention(cfg, "cuda")
+
+
 def distributed_activation_worker(rank, world):
     """TP=2 (one forward/backward; also with sequence parallelism, alone and with full
     recomputation) and PP=2 (1F1B over 3 micro-batches: stage 0 keeps 2 in flight) measured
