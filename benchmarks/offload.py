@@ -11,7 +11,7 @@ includes "0% + recompute" — the fair baseline for the fetch/copy bookkeeping i
 extra recompute forward, the split optimizer. On CUDA the script also measures resident and
 peak device memory per setting (one setting at a time) and the step time with the H2D
 fetches, D2H gradients and host AdamW. Timing: interleaved rounds, medians. Pins glibc malloc
-thresholds as shared/MACHINE.md advises.
+thresholds (docs/machine.md).
 
 Shapes: ``tiny`` (the default; 4 layers of hidden 256) measures the bookkeeping; ``gpu`` (8
 layers of hidden 2048, 4 micro-batches of 4 x 2048 tokens) is sized for one large GPU, where

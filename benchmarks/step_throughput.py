@@ -4,7 +4,7 @@ same shape and precision, one run; and the loss's share of our step.
     python benchmarks/step_throughput.py [--steps 10] [--rounds 3] [--bf16] [--device cpu|cuda] [--cpu-time]
                                          [--json PATH]
 
-Shape (issue #2): vocab 8192, hidden 256, 4 layers, 4 heads, seq 256, micro-batch 8, AdamW,
+Shape: vocab 8192, hidden 256, 4 layers, 4 heads, seq 256, micro-batch 8, AdamW,
 gradient clipping. ``--bf16``: ours as training runs it (bf16 weights, fp32 mains in the
 optimizer, no autocast), the other two under bf16 autocast over fp32 weights. The
 plain GPT is what one writes with torch alone: fused QKV, SDPA, GELU, tied embeddings,
@@ -16,8 +16,7 @@ matmuls, which are the three any output layer needs (logits, input and weight gr
 what remains is the log-sum-exp, the softmax gradient and their bookkeeping. ``--json`` writes the same figures (the
 GPU lane's report reads them). ``--cpu-time`` (CPU only) counts this process's CPU time
 instead of wall time: on a shared machine other sessions' load then does not move the figures
-(run with one thread). Pins glibc malloc thresholds the way shared/MACHINE.md advises, or
-figures drift by ~20%.
+(run with one thread). Pins glibc malloc thresholds (docs/machine.md), or figures drift.
 """
 from __future__ import annotations
 

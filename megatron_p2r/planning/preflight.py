@@ -50,7 +50,7 @@ def rank_memory(cfg: Config, plan: ParallelPlan, stage: int, device_type: str) -
     """Bytes a rank of ``stage`` needs on its device and on the host (on CPU: all on the host)."""
     off = offload_plan(cfg, plan, stage)
     act = activation_memory(cfg, plan, stage, offloaded=off["recomputed"], device_type=device_type)
-    device = sum(off["device"].values()) + act["activations"] + act["compute_weights"] + act["transient"] + \
+    device = sum(off["device"].values()) + act["activations"] + act["transient"] + \
         batch_bytes(cfg, plan.layout.world_size)
     host = sum(off["host"].values()) + RUNTIME_BYTES
     if not cfg.data.mock_data:
