@@ -32,8 +32,8 @@ INDEX_BYTES_PER_SAMPLE = 20  # sample_idx (2 x int32 or int64) + shuffle_idx + a
 BATCH_BYTES_PER_TOKEN = 12   # int64 token (inputs and labels are views of it) + fp32 loss mask
 # What a process still allocates after the check whatever the model: torch 2.13's first AdamW
 # imports torch._dynamo (~70 MiB of Python objects), and kernels set up buffers on first use.
-# Measured as the anonymous memory a seq-64 run grows by beyond its estimate
-# (benchmarks/preflight_memory.py --seq 64: 70-76 MiB).
+# Measured: the peak of ``benchmarks/preflight_memory.py --seq 64`` exceeds the rest of the
+# estimate by 70-76 MiB.
 RUNTIME_BYTES = 80 * 2 ** 20
 
 
