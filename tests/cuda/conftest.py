@@ -9,16 +9,12 @@ import pytest
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def lane():
+    """The one-rank job, joined for one test and left after it: the suite's guard
+    (``tests/conftest.py``) requires that no process group outlives a test, and the groups a
+    test makes (the MoE test's ep group) go with the job."""
     from tests.cuda.lane import open_lane
     with open_lane() as opened:
         yield opened
 
-
-@pytest.fixture(autouse=True)
-def no_process_group_outlives_its_test():
-    """Replaces the root rule (tests/conftest.py) here: the lane's tests share one one-rank job
-    that ``lane`` opens for the session and closes at its end, so a group is open by design
-    when each of them starts."""
-    yield
