@@ -122,7 +122,8 @@ def _add_copy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer-state", choices=OPTIMIZER_STATE_MODES, default=DelinkOptions.optimizer_state,
                    help="Moments of each copy: the source module's, rescaled by its share of the uses "
                         "(M/N, (M/N)^2), or reset.")
-    p.add_argument("--noise-std", type=float, default=0.0, help="Add N(0, std^2) noise to every copied layer weight.")
+    p.add_argument("--noise-std", type=float, default=0.0,
+                   help="Add N(0, std^2) noise to every copied layer weight (std at most 1).")
     p.add_argument("--noise-relative", action="store_true",
                    help="--noise-std is a fraction of each tensor's own std (0.01: 1%% of it).")
     p.add_argument("--lr-rewarmup-iters", type=int, default=0,

@@ -65,10 +65,12 @@ def read_metadata(iter_dir: str) -> dict:
     return meta
 
 
-_BIG = 2 ** 62
+# The largest count (iteration, samples, steps) a checkpoint's metadata accepts; the converter
+# refuses options that would write a larger one.
+MAX_COUNT = 2 ** 62
 
 
-def _int(low: int = 0, high: int = _BIG):
+def _int(low: int = 0, high: int = MAX_COUNT):
     return lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
 
 

@@ -31,8 +31,8 @@ import torch
 from megatron_p2r.checkpoint.atomic import write_text_atomic
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.integrity import check_files, verify
-from megatron_p2r.checkpoint.metadata import (build_metadata, kinds_of, metadata_config, metadata_table, read_metadata,
-                                              write_metadata)
+from megatron_p2r.checkpoint.metadata import (MAX_COUNT, build_metadata, kinds_of, metadata_config, metadata_table,
+                                              read_metadata, write_metadata)
 from megatron_p2r.checkpoint.naming import (LATEST_FILE, METADATA_FILE, RNG_DIR, iteration_dir_name,
                                             resolve_iteration_dir)
 from megatron_p2r.convert.pieces import read_global, write_pieces
@@ -206,10 +206,13 @@ def _check_options(meta: dict, options: Optional[DelinkOptions], where: str) -> 
     if options.optimizer_state not in dl.OPTIMIZER_STATE_MODES:
         raise ConfigError(f"--optimizer-state must be one of {dl.OPTIMIZER_STATE_MODES}, "
                           f"got {options.optimizer_state!r}")
-    if not (isinstance(options.noise_std, (int, float)) and 0.0 <= options.noise_std < float("inf")):
-        raise ConfigError(f"--noise-std must be a finite number >= 0, got {options.noise_std}")
-    if options.lr_rewarmup_iters < 0:
-        raise ConfigError(f"--lr-rewarmup-iters must be >= 0, got {options.lr_rewarmup_iters}")
+    if not (isinstance(options.noise_std, (int, float)) and 0.0 <= options.noise_std <= dl.MAX_NOISE_STD):
+        scale = "of each tensor's own std" if options.noise_relative else "(initialised weights have std ~0.02)"
+        raise ConfigError(f"--noise-std must be a number in [0, {dl.MAX_NOISE_STD:g}] {scale}, "
+                          f"got {options.noise_std}")
+    if not 0 <= options.lr_rewarmup_iters <= MAX_COUNT:
+        raise ConfigError(f"--lr-rewarmup-iters must be in [0, {MAX_COUNT}] (what a checkpoint records), "
+                          f"got {options.lr_rewarmup_iters}")
     if options.lr_rewarmup_iters and not isinstance(meta.get("scheduler"), dict):
         raise CheckpointError(f"{where}: --lr-rewarmup-iters needs the checkpoint's field 'scheduler', "
                               "which it does not have")
