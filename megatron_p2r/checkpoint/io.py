@@ -24,7 +24,6 @@ its own pieces on load, so a checkpoint does not depend on DP size, the distribu
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple

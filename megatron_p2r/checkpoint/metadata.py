@@ -181,7 +181,7 @@ def metadata_config(meta: dict) -> Config:
 
 
 def _check_size(cfg: Config, meta: dict) -> None:
-    m, p = cfg.model, cfg.parallel
+    m = cfg.model
     _check_files_field(cfg, meta)
     keys = meta["p2r"]["layer_module_keys"]
     if len(keys) != m.num_layers:

@@ -91,7 +91,7 @@ def test_parallel_save_loads_on_one_process_and_into_the_converter(dp2_run, tmp_
     _, root, _ = dp2_run
     _, from_par = run_steps(cfg_of(), ParallelState.single(), 0, load=os.path.join(root, "par"))
     _, from_single = run_steps(cfg_of(), ParallelState.single(), 0, load=os.path.join(root, "single"))
-    for (n, a), (_, b) in zip(from_par.model.named_parameters(), from_single.model.named_parameters()):
+    for (n, a), (_, b) in zip(from_par.model.named_parameters(), from_single.model.named_parameters(), strict=True):
         assert torch.equal(a, b), n
         for kind in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(from_par.optimizer.state[a][kind], from_single.optimizer.state[b][kind]), (n, kind)
