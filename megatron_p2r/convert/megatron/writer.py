@@ -5,8 +5,8 @@ torch_dist (Megatron's default): ``metadata.json`` (sharded_backend torch_dist),
 (args, iteration, ...) and the sharded keys saved through ``torch.distributed.checkpoint``
 (``.metadata`` + ``__0_0.distcp``), each key one global chunk, which Megatron reads into any
 TP/PP/EP. Beside the weights, megatron-core's linear layers ask for an ``_extra_state`` object
-per layer (and expert): written as megatron-core writes them for the local layer spec, a
-``torch.save([None])``.
+per layer (and expert): written as megatron-core writes them for the local layer spec, the
+bytes of ``torch.save([None])``.
 
 Legacy (``--ckpt-format torch``): one ``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` per rank of
 the layout, that rank's state dict under local names (layers from 0 on every stage, experts
@@ -15,7 +15,6 @@ linear layer's ``_extra_state`` None, as ``load_state_dict(strict=True)`` expect
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -37,13 +36,6 @@ _LINEAR_WEIGHT = re.compile(r"(.*\.(?:linear_qkv|linear_proj|linear_fc1|linear_f
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(.+)")
 
 
-def _empty_extra_state() -> io.BytesIO:
-    data = io.BytesIO()
-    torch.save([None], data)
-    data.seek(0)
-    return data
-
-
 def write_dist(iter_dir: str, tensors: Dict[str, torch.Tensor], common: dict) -> None:
     """The torch_dist iteration directory of ``tensors`` (canonical name -> global tensor)."""
     stacks: Dict[str, Dict[Tuple[int, ...], torch.Tensor]] = {}
@@ -61,7 +53,7 @@ def write_dist(iter_dir: str, tensors: Dict[str, torch.Tensor], common: dict) ->
         if module:
             for index in sorted(parts):
                 shard = f"{'.'.join(map(str, index))}_{'.'.join(map(str, shape))}"
-                state[f"{module.group(1)}._extra_state/shard_{shard}"] = _empty_extra_state()
+                state[f"{module.group(1)}._extra_state/shard_{shard}"] = [None]  # DCP torch.saves an object
     with warnings.catch_warnings():  # one writer by design, not a missing process group
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(iter_dir), no_dist=True)
