@@ -140,3 +140,18 @@ def test_inexpressible_model_is_refused(tmp_path, capsys, options, argv, message
     assert main(["export-megatron", str(tmp_path / "ckpt"), str(tmp_path / "m"), "--no-progress", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and message in err
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_export(sources, tmp_path, fmt):
+    """--dtype bfloat16 writes bf16 weights (args.bf16), which import back as our weights rounded."""
+    src = sources[("llama", 1)]
+    export_megatron(src, str(tmp_path / "m"), ckpt_format=fmt, dtype="bfloat16", progress=False)
+    iter_dir = tmp_path / "m" / "iter_0000000"
+    header = TorchArchive(str(iter_dir / ("common.pt" if fmt == "torch_dist" else "mp_rank_00/model_optim_rng.pt")),
+                          Kind.MEGATRON).obj
+    assert header["args"].bf16 and not header["args"].fp16
+    import_megatron(str(tmp_path / "m"), str(tmp_path / "back"), Target(1, 1, None, 1), progress=False)
+    ours, back = SourceCheckpoint(src), SourceCheckpoint(str(tmp_path / "back"))
+    for key in tensor_table(ours.real_cfg):
+        assert torch.equal(back.read(key), ours.read(key).bfloat16().float()), key
