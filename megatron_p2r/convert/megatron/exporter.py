@@ -51,7 +51,8 @@ def _megatron_tensors(source: SourceCheckpoint, cfg: Config, dtype: torch.dtype,
 def export_megatron(src: str, dst: str, *, ckpt_format: str = "torch_dist", tp: Optional[int] = None,
                     pp: Optional[int] = None, ep: Optional[int] = None, dtype: str = "float32",
                     force: bool = False, progress: bool = True) -> Tuple[str, List[str]]:
-    """Write SRC as Megatron-LM's ``--save`` directory DST. Returns (iteration directory, notes)."""
+    """Write SRC as Megatron-LM's ``--save`` directory DST (the weights are held in memory while
+    written: DCP saves one state dict). Returns (iteration directory, notes)."""
     if ckpt_format not in CKPT_FORMATS:
         raise ConfigError(f"--ckpt-format must be one of {list(CKPT_FORMATS)}, got {ckpt_format!r}")
     if dtype not in EXPORT_DTYPES:

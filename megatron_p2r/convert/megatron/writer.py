@@ -37,21 +37,22 @@ _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(.+)")
 
 
 def write_dist(iter_dir: str, tensors: Dict[str, torch.Tensor], common: dict) -> None:
-    """The torch_dist iteration directory of ``tensors`` (canonical name -> global tensor)."""
-    stacks: Dict[str, Dict[Tuple[int, ...], torch.Tensor]] = {}
-    for name, tensor in tensors.items():
+    """The torch_dist iteration directory of ``tensors`` (canonical name -> global tensor), which
+    it empties as it stacks them: at most one stacked key more than the model is held."""
+    keys: Dict[str, Dict[Tuple[int, ...], str]] = {}
+    for name in list(tensors):
         key, index = dist_key(name)
-        stacks.setdefault(key, {})[index] = tensor
+        keys.setdefault(key, {})[index] = name
     state: dict = {}
-    for key, parts in stacks.items():
-        if list(parts) == [()]:
-            state[key] = parts[()]
+    for key, names in keys.items():
+        if list(names) == [()]:
+            state[key] = tensors.pop(names[()])
             continue
-        shape = tuple(max(i[d] for i in parts) + 1 for d in range(len(next(iter(parts)))))
-        state[key] = torch.stack([parts[i] for i in sorted(parts)]).unflatten(0, shape)
+        shape = tuple(max(i[d] for i in names) + 1 for d in range(len(next(iter(names)))))
+        state[key] = torch.stack([tensors.pop(names[i]) for i in sorted(names)]).unflatten(0, shape)
         module = _LINEAR_WEIGHT.fullmatch(key)
         if module:
-            for index in sorted(parts):
+            for index in sorted(names):
                 shard = f"{'.'.join(map(str, index))}_{'.'.join(map(str, shape))}"
                 state[f"{module.group(1)}._extra_state/shard_{shard}"] = [None]  # DCP torch.saves an object
     with warnings.catch_warnings():  # one writer by design, not a missing process group

@@ -155,3 +155,19 @@ def test_bf16_export(sources, tmp_path, fmt):
     ours, back = SourceCheckpoint(src), SourceCheckpoint(str(tmp_path / "back"))
     for key in tensor_table(ours.real_cfg):
         assert torch.equal(back.read(key), ours.read(key).bfloat16().float()), key
+
+
+def test_pseudo_phase_exports_delinked(tmp_path):
+    """A pseudo-phase checkpoint (every layer calls one module) exports as the real model."""
+    ours = str(tmp_path / "ours")
+    save_checkpoint(ours, _perturbed_state(dict(num_layers=4, p2r_phase="pseudo", share_pattern="all")))
+    _, notes = export_megatron(ours, str(tmp_path / "m"), progress=False)
+    assert any("delinked" in n for n in notes)
+    import_megatron(str(tmp_path / "m"), str(tmp_path / "back"), Target(1, 1, None, 1), progress=False)
+    _same_weights(ours, str(tmp_path / "back"))
+
+
+def test_missing_source_is_an_error_line(tmp_path, capsys):
+    assert main(["export-megatron", str(tmp_path / "nothing"), str(tmp_path / "m"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "nothing" in err and "Traceback" not in err
