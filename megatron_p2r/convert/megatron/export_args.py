@@ -89,6 +89,26 @@ def _moe_args(m: ModelConfig) -> dict:
                 moe_router_topk_scaling_factor=None)
 
 
+def flags_to_pass(args: argparse.Namespace) -> List[str]:
+    """The Megatron flags of the exported model that ``--use-checkpoint-args`` does not take from
+    the checkpoint (``load_args_from_checkpoint`` restores only its list), where they differ from
+    Megatron's defaults: pass them with it."""
+    flags = []
+    if args.make_vocab_size_divisible_by != 128:
+        flags += ["--make-vocab-size-divisible-by", str(args.make_vocab_size_divisible_by)]
+    if args.norm_epsilon != 1e-5:
+        flags += ["--norm-epsilon", repr(args.norm_epsilon)]
+    if args.qk_layernorm:
+        flags.append("--qk-layernorm")
+    if not args.bias_gelu_fusion and args.add_bias_linear and not args.swiglu:
+        flags.append("--no-bias-gelu-fusion")
+    if args.num_experts and args.moe_aux_loss_coeff:
+        flags += ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", repr(args.moe_aux_loss_coeff)]
+    if args.num_experts and args.moe_z_loss_coeff:
+        flags += ["--moe-z-loss-coeff", repr(args.moe_z_loss_coeff)]
+    return flags
+
+
 def megatron_args(cfg: Config, layout: MegatronLayout, *, iteration: int, consumed_samples: int,
                   dtype: str) -> argparse.Namespace:
     """The args of a checkpoint of the real model ``cfg`` written for ``layout``, checked by

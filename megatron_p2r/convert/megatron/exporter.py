@@ -15,7 +15,7 @@ from megatron_p2r.checkpoint.tensor_table import tensor_table
 from megatron_p2r.config import Config, ConfigError
 from megatron_p2r.convert.hf.source import SourceCheckpoint
 from megatron_p2r.convert.megatron.export_args import (CHECKPOINT_VERSION, CONTENT_METADATA, MegatronLayout,
-                                                          megatron_args)
+                                                          flags_to_pass, megatron_args)
 from megatron_p2r.convert.megatron.rules import to_megatron
 from megatron_p2r.convert.megatron.source import TRACKER_FILE
 from megatron_p2r.convert.megatron.writer import write_dist, write_legacy
@@ -76,15 +76,18 @@ def export_megatron(src: str, dst: str, *, ckpt_format: str = "torch_dist", tp: 
             m = cfg.model
             write_legacy(iter_dir, tensors, header, layout, m.num_layers, m.num_experts or 0, m.swiglu)
         write_text_atomic(os.path.join(tmp, TRACKER_FILE), str(iteration))
-    return os.path.join(dst, name), _notes(source, layout)
+    return os.path.join(dst, name), _notes(source, layout, args)
 
 
-def _notes(source: SourceCheckpoint, layout: MegatronLayout) -> List[str]:
+def _notes(source: SourceCheckpoint, layout: MegatronLayout, args) -> List[str]:
     m = source.real_cfg.model
     notes = [f"for Megatron-LM with --tensor-model-parallel-size {layout.tp} --pipeline-model-parallel-size "
              f"{layout.pp}" + (f" --expert-model-parallel-size {layout.ep}" if m.num_experts else "")
              + f" --ckpt-format {layout.ckpt_format} (the model flags are in the checkpoint's args: "
              "--use-checkpoint-args reads them)"]
+    extra = flags_to_pass(args)
+    if extra:
+        notes.append(f"with --use-checkpoint-args also pass {' '.join(extra)} (flags it does not restore)")
     if source.pseudo:
         notes.append(f"delinked on the fly from the pseudo phase (layer -> module {source.layer_keys})")
     if layout.ckpt_format == "torch":

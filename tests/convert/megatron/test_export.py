@@ -171,3 +171,14 @@ def test_missing_source_is_an_error_line(tmp_path, capsys):
     assert main(["export-megatron", str(tmp_path / "nothing"), str(tmp_path / "m"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "nothing" in err and "Traceback" not in err
+
+
+def test_note_lists_the_flags_checkpoint_args_do_not_restore(tmp_path, capsys):
+    """Megatron's --use-checkpoint-args leaves these to the command line: the note names them."""
+    save_checkpoint(str(tmp_path / "ckpt"), _perturbed_state(dict(qk_layernorm=True, norm_epsilon=1e-6,
+                                                                   bias_gelu_fusion=False)))
+    assert main(["export-megatron", str(tmp_path / "ckpt"), str(tmp_path / "m"), "--no-progress",
+                 "--target-tensor-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert ("also pass --make-vocab-size-divisible-by 8 --norm-epsilon 1e-06 --qk-layernorm --no-bias-gelu-fusion "
+            "(flags it does not restore)") in out

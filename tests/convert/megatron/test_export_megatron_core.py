@@ -19,15 +19,23 @@ import pytest
 import torch
 
 from megatron_p2r.checkpoint.io import save_checkpoint
+from megatron_p2r.convert.megatron.export_args import flags_to_pass
 from megatron_p2r.convert.megatron.exporter import export_megatron
-from tests.convert.hf.common import reference_model
+from megatron_p2r.convert.megatron.unpickler import Kind, TorchArchive
+from tests.convert.hf.common import GQA, ROPE, reference_model
 from tests.convert.megatron.test_export import MODELS, _perturbed_state
+
+# Options that --use-checkpoint-args does not restore (passed as the export's note says), Megatron's
+# partial rotary, head dimension and QKV-only biases
+QWEN_LIKE = dict(ROPE, **GQA, num_query_groups=2, kv_channels=16, rotary_percent=0.5, qk_layernorm=True,
+                 norm_epsilon=1e-6, disable_bias_linear=True, add_qkv_bias=True,
+                 untie_embeddings_and_output_weights=True)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYTHON = os.environ.get("P2R_MEGATRON_PYTHON", sys.executable)
 # (model, format, Megatron's TP, EP): the export written for that layout, loaded by that many ranks
 CASES = [("gpt", "torch_dist", 1, 1), ("gpt", "torch", 2, 1), ("llama", "torch_dist", 2, 1),
-         ("llama", "torch", 1, 1), ("moe", "torch_dist", 1, 2), ("moe", "torch", 2, 1)]
+         ("llama", "torch", 1, 1), ("moe", "torch_dist", 1, 2), ("moe", "torch", 2, 1), ("qwen", "torch_dist", 2, 1)]
 
 
 def _env():
@@ -48,14 +56,15 @@ def test_megatron_loads_export_with_our_logits(model, fmt, tp, ep, tmp_path):
         pytest.skip("megatron-core and Megatron-LM's training code are not importable (P2R_MEGATRON_PYTHON, "
                     "P2R_MEGATRON_LM)")
     ours = str(tmp_path / "ours")
-    save_checkpoint(ours, _perturbed_state(MODELS[model]))
-    export_megatron(ours, str(tmp_path / "megatron"), ckpt_format=fmt, tp=tp, ep=ep, progress=False)
+    save_checkpoint(ours, _perturbed_state(MODELS.get(model, QWEN_LIKE)))
+    out, _ = export_megatron(ours, str(tmp_path / "megatron"), ckpt_format=fmt, tp=tp, ep=ep, progress=False)
     reference, cfg = reference_model(ours, str(tmp_path / "single"))
     m = cfg.model
     tokens = torch.randint(0, m.vocab_size, (2, m.seq_length), generator=torch.Generator().manual_seed(0))
     torch.save(tokens, tmp_path / "tokens.pt")
-    flags = ["--vocab-size", str(m.vocab_size), "--make-vocab-size-divisible-by",
-             str(m.make_vocab_size_divisible_by // tp)]
+    saved = TorchArchive(os.path.join(out, "common.pt") if fmt == "torch_dist" else
+                         os.path.join(out, "mp_rank_00", "model_optim_rng.pt"), Kind.MEGATRON).obj["args"]
+    flags = ["--vocab-size", str(m.vocab_size), *flags_to_pass(saved)]
     if fmt == "torch":
         flags += ["--no-load-optim", "--no-load-rng"]
     run = subprocess.run([PYTHON, os.path.join(HERE, "megatron_core_load.py"), str(tmp_path / "megatron"),
