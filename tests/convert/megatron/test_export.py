@@ -16,7 +16,9 @@ from megatron_p2r.checkpoint.metadata import metadata_config, read_metadata
 from megatron_p2r.checkpoint.naming import resolve_iteration_dir
 from megatron_p2r.checkpoint.tensor_table import tensor_table
 from megatron_p2r.convert.hf.source import SourceCheckpoint
-from megatron_p2r.convert.megatron.export_args import model_differences
+from megatron_p2r.config import ModelConfig
+from megatron_p2r.convert.megatron.args import MegatronConversionError
+from megatron_p2r.convert.megatron.export_args import megatron_vocab, model_differences
 from megatron_p2r.convert.megatron.exporter import export_megatron
 from megatron_p2r.convert.megatron.importer import import_megatron
 from megatron_p2r.convert.megatron.unpickler import Kind, TorchArchive
@@ -182,3 +184,13 @@ def test_note_lists_the_flags_checkpoint_args_do_not_restore(tmp_path, capsys):
     out = capsys.readouterr().out
     assert ("also pass --make-vocab-size-divisible-by 8 --norm-epsilon 1e-06 --qk-layernorm --no-bias-gelu-fusion "
             "(flags it does not restore)") in out
+
+
+def test_megatron_vocabulary_pads_to_our_rows():
+    """Megatron pads to a multiple of divisor x TP: the divisor written gives our padded rows."""
+    m = ModelConfig(vocab_size=200, make_vocab_size_divisible_by=16)   # 208 rows
+    for tp, divisor in [(1, 16), (2, 8), (16, 1), (13, 16)]:
+        assert megatron_vocab(m, tp) == (200, divisor)
+        assert -(-200 // (divisor * tp)) * divisor * tp == m.padded_vocab_size
+    with pytest.raises(MegatronConversionError, match="208 rows"):
+        megatron_vocab(m, 3)
