@@ -5,6 +5,9 @@ Run by test_export_megatron_core.py with an interpreter that has megatron-core a
 
     python megatron_core_load.py CHECKPOINT TOKENS.pt OUT.pt TP EP [extra Megatron flags...]
 
+With OUT.json instead, it writes the keys megatron-core's model asks a torch_dist checkpoint for
+(``sharded_state_dict`` with its factories applied): {key: global shape, or null for an object}.
+
 Megatron takes the model from the checkpoint (``--use-checkpoint-args``, so the exported args
 are what builds it), builds GPTModel with the local (non-Transformer-Engine) layer spec on CPU
 ranks over gloo, loads the checkpoint with ``megatron.training.checkpointing.load_checkpoint``
@@ -18,6 +21,7 @@ the same file); the RNG tracker's ``fork`` is a no-op (eval mode, no dropout dra
 (undefined without Transformer Engine) is None so the router takes its ``torch.mm`` path.
 """
 import contextlib
+import json
 import os
 import socket
 import sys
@@ -84,6 +88,21 @@ def _model(args):
                     rotary_base=args.rotary_base)
 
 
+def _sharded_keys(model, args) -> dict:
+    """{sharded key: global shape or None (an object)} of what load_checkpoint asks for."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+    state = model.sharded_state_dict(metadata={"singleton_local_shards": False, "chained_optim_avoid_prefix": True})
+    apply_factories(state)
+    keys = {}
+    for value in nested_values(state):
+        if isinstance(value, ShardedTensor):
+            keys[value.key] = list(value.global_shape)
+        elif isinstance(value, ShardedObject):
+            keys[value.unique_key] = None
+    return keys
+
+
 def _rank(rank: int, world: int, port: int, ckpt: str, tokens_path: str, out: str, tp: int, ep: int, extra) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -96,6 +115,12 @@ def _rank(rank: int, world: int, port: int, ckpt: str, tokens_path: str, out: st
     args = _args(ckpt, tp, ep, extra)
     mpu.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
     model = _model(args)
+    if out.endswith(".json"):
+        if rank == 0:
+            with open(out, "w") as fh:
+                json.dump(_sharded_keys(model, args), fh, indent=1, sort_keys=True)
+        dist.destroy_process_group()
+        return
     load_checkpoint([model], None, None, strict=True)
     tokens = torch.load(tokens_path, weights_only=True)
     seq = tokens.shape[1]

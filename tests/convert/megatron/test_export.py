@@ -1,7 +1,9 @@
 """export-megatron: ours -> Megatron-LM's format -> ours (import-megatron) gives back every weight
 bit for bit, for a GPT (learned positions, LayerNorm, GELU, biases, tied), a Llama with
-grouped-query attention (rope, RMSNorm, SwiGLU, untied) and a Mixtral-style MoE, from TP=1 and
-TP=2 checkpoints (EP=2 for the MoE), in torch_dist and in legacy files. The written files are
+grouped-query attention (rope, RMSNorm, SwiGLU, untied), a Mixtral-style MoE and a Qwen-like
+model, from TP=1 and TP=2 checkpoints (EP=2 for the MoE), in torch_dist and in legacy files; the
+torch_dist keys and shapes are exactly those megatron-core 0.16.1's GPTModel asks for
+(megatron_core_keys.json, written by megatron-core itself). The written files are
 read back with the importer's allow-listed reader (no code is unpickled); the args are checked
 to load with ``torch.load(weights_only=True)``, as Megatron loads them under its allow-list."""
 import argparse
@@ -21,7 +23,7 @@ from megatron_p2r.convert.megatron.args import MegatronConversionError
 from megatron_p2r.convert.megatron.export_args import megatron_vocab, model_differences
 from megatron_p2r.convert.megatron.exporter import export_megatron
 from megatron_p2r.convert.megatron.importer import import_megatron
-from megatron_p2r.convert.megatron.unpickler import Kind, TorchArchive
+from megatron_p2r.convert.megatron.unpickler import Kind, TorchArchive, load_pickle
 from megatron_p2r.convert.reshard import Target, convert
 from megatron_p2r.parallel.state import ParallelState
 from tests.convert.hf.common import GQA, ROPE
@@ -34,8 +36,14 @@ MODELS = {
                   disable_bias_linear=True),
     "moe": dict(ROPE, **GQA, num_query_groups=2, untie_embeddings_and_output_weights=True, disable_bias_linear=True,
                 num_experts=4, moe_router_topk=2, moe_router_pre_softmax=False, moe_ffn_hidden_size=24),
+    # head dim 16 in hidden 32, rotary on half of it, q/k norms, QKV-only biases, norm epsilon 1e-6
+    "qwen": dict(ROPE, **GQA, num_query_groups=2, kv_channels=16, rotary_percent=0.5, qk_layernorm=True,
+                 norm_epsilon=1e-6, disable_bias_linear=True, add_qkv_bias=True,
+                 untie_embeddings_and_output_weights=True),
 }
 FORMATS = ("torch_dist", "torch")
+# per model: {sharded key: global shape, or null for an object} that megatron-core asks for
+EXPECTED_KEYS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_core_keys.json")
 
 
 def _perturbed_state(options):
@@ -82,6 +90,18 @@ def test_round_trip_is_bitwise(sources, model, tp, fmt, tmp_path):
     import_megatron(str(tmp_path / "megatron"), str(tmp_path / "back"),
                     Target(par.tensor_model_parallel_size, 1, None, par.expert_model_parallel_size), progress=False)
     _same_weights(src, str(tmp_path / "back"))
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_torch_dist_keys_are_megatron_cores(sources, model, tmp_path):
+    """Every key and global shape of the export's .metadata (read with the importer's
+    allow-listed reader) is one megatron-core's model asks for, and none is missing."""
+    out, _ = export_megatron(sources[(model, 1)], str(tmp_path / "m"), progress=False)
+    metadata = load_pickle(os.path.join(out, ".metadata"), Kind.DCP_METADATA)
+    written = {key: list(entry.field("size")) if entry.qualname.endswith("TensorStorageMetadata") else None
+               for key, entry in metadata.field("state_dict_metadata").items()}
+    with open(EXPECTED_KEYS) as fh:
+        assert written == json.load(fh)[model]
 
 
 def test_torch_dist_files_and_args(sources, tmp_path):
