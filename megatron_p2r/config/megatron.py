@@ -78,7 +78,6 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
     "--no-rope-fusion": _kernel("fused rotary embedding"),
     "--no-gradient-accumulation-fusion": _kernel("fused weight-gradient accumulation"),
     "--cross-entropy-loss-fusion": _kernel("fused cross entropy"),
-    "--moe-grouped-gemm": _kernel("grouped expert GEMM"),
     "--moe-permute-fusion": _kernel("fused token permutation"),
     "--no-persist-layer-norm": _kernel("persistent LayerNorm"),
     # Reduced precision for speed: computed at the higher precision here.
