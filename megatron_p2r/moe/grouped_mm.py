@@ -2,7 +2,7 @@
 
 ``torch.nn.functional.grouped_mm`` multiplies jagged groups of rows by one weight each, with no
 padding. What it supports depends on the device, the dtype and the torch build (torch 2.13:
-fp32, bf16 and fp16 on CPU; bf16 on CUDA SM80+), and on the layout: every stride must be a
+fp32, bf16 and fp16 on CPU; on CUDA bf16 on SM80+, by its documentation), and on the layout: every stride must be a
 multiple of 16 bytes, and its backward rejects a gradient that is not dense (the zero strides of
 ``sum()``'s gradient). So each (device, dtype, widths) is tried once on a small problem laid out
 as the experts lay theirs out, forward and backward, and the answer is kept; the experts fall
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+
 import torch
 import torch.nn.functional as F
 
