@@ -1,12 +1,12 @@
 """torch's ``grouped_mm`` for the experts: where it runs, and a gradient it accepts.
 
 ``torch.nn.functional.grouped_mm`` multiplies jagged groups of rows by one weight each, with no
-padding. What it supports depends on the device, the dtype and the torch build (torch 2.13:
-fp32, bf16 and fp16 on CPU; on CUDA bf16 on SM80+, by its documentation), and on the layout: every stride must be a
-multiple of 16 bytes, and its backward rejects a gradient that is not dense (the zero strides of
-``sum()``'s gradient). So each (device, dtype, widths) is tried once on a small problem laid out
-as the experts lay theirs out, forward and backward, and the answer is kept; the experts fall
-back to padded ``bmm`` where it fails, saying why once.
+padding. What it supports depends on the device, the dtype and the torch build (torch 2.13: fp32,
+bf16 and fp16 on CPU; bf16 on CUDA SM80+, by its documentation), and on the layout: every stride
+must be a multiple of 16 bytes, and its backward rejects a gradient that is not dense (the zero
+strides of ``sum()``'s gradient). So each (device, dtype, widths) is tried once on a small problem
+laid out as the experts lay theirs out, forward and backward, and the answer is kept; the
+experts fall back to padded ``bmm`` where it fails, saying why once.
 """
 from __future__ import annotations
 
