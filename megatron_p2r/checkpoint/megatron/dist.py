@@ -12,8 +12,8 @@ saving run (TP, PP, EP, virtual stages) does not matter. Layers are stacked on a
 dimension (``decoder.layers.self_attention.linear_qkv.weight`` is [L, 3h, h]) unless the model
 had non-homogeneous layers, whose keys carry the global layer index
 (``decoder.layers.3.self_attention...``); experts are a further leading dimension
-(``decoder.layers.mlp.experts.linear_fc1.weight`` is [L, E, ffn, h], for SequentialMLP and
-TEGroupedMLP alike). Optimizer state (``optimizer.*``) and byte objects (RNG state,
+(``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is [L, E, ffn, h], for SequentialMLP
+and TEGroupedMLP alike, as megatron-core 0.16 writes it; a single ``experts.`` is read too). Optimizer state (``optimizer.*``) and byte objects (RNG state,
 ``_extra_state``) are not read.
 """
 from __future__ import annotations
@@ -139,6 +139,7 @@ class DistCheckpoint:
         for (i,), prefix in layers:
             if rest.startswith("mlp.experts.") and not rest.split(".")[2].isdigit():
                 leaf = rest[len("mlp.experts."):]
+                leaf = leaf[len("experts."):] if leaf.startswith("experts.") else leaf
                 out += [(layer_name(i, expert_rest(e, leaf)), prefix + (e,)) for e in range(size[len(prefix)])]
             else:
                 out.append((layer_name(i, rest), prefix))

@@ -1,0 +1,51 @@
+"""The Megatron-written fixtures (tests/fixtures/megatron) and our logits of an imported one."""
+import os
+from functools import lru_cache
+from typing import Optional, Tuple
+
+import torch
+
+from megatron_p2r.arguments import config_from_values, load_yaml
+from megatron_p2r.checkpoint.io import load_checkpoint
+
+ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "megatron"))
+FIXTURES = sorted(d for d in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, d, "logits.pt")))
+
+
+@lru_cache(maxsize=None)
+def fixture_logits(name: str) -> Tuple[str, torch.Tensor, torch.Tensor]:
+    """(Megatron's --save directory, the tokens [b, s], Megatron's fp32 logits [b, s, padded vocab])."""
+    saved = torch.load(os.path.join(ROOT, name, "logits.pt"), weights_only=True)
+    return os.path.join(ROOT, name, "checkpoint"), saved["tokens"], saved["logits"]
+
+
+def our_logits(ckpt: str, tokens: torch.Tensor, world: Optional[int] = None) -> torch.Tensor:
+    """Logits [b, s, our padded vocab] of our imported checkpoint, built from its model.yaml and
+    loaded with --load alone, on one process or on this rank of ``world`` gloo ranks (the vocabulary
+    shards gathered)."""
+    from megatron_p2r.layout.plan import ParallelPlan
+    from megatron_p2r.parallel.state import ParallelState, initialize_plan
+    from megatron_p2r.training import build_train_state
+    values = load_yaml(os.path.join(ckpt, "model.yaml"))
+    cfg = config_from_values({**values, "mock_data": True, "micro_batch_size": tokens.shape[0],
+                              "global_batch_size": tokens.shape[0], "device": "cpu"})
+    plan, ps = None, ParallelState.single()
+    if world is not None:
+        plan = ParallelPlan.for_world(cfg, world)
+        ps = initialize_plan(plan, torch.device("cpu"))
+    state = build_train_state(cfg, ps, plan)
+    load_checkpoint(ckpt, state)
+    with torch.no_grad():
+        logits = state.model.eval()(tokens=tokens).float()
+    if world is None or ps.tp_size == 1:
+        return logits
+    shards = [torch.empty_like(logits) for _ in range(ps.tp_size)]
+    torch.distributed.all_gather(shards, logits.contiguous(), group=ps.group("tp"))
+    return torch.cat(shards, dim=-1)
+
+
+def logits_error(ours: torch.Tensor, megatron: torch.Tensor) -> Tuple[float, float]:
+    """(max |ours - Megatron's|, that over max |Megatron's|) on Megatron's padded vocabulary (ours
+    may pad further with zero rows)."""
+    diff = (ours[..., :megatron.shape[-1]] - megatron).abs().max().item()
+    return diff, diff / megatron.abs().max().item()
