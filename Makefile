@@ -23,6 +23,7 @@ demo: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/tiny_p2r/run_demo.sh
 
 test: $(STAMP)
+	$(PY) -m ruff check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 clean:

@@ -26,7 +26,7 @@ setup(
         "tensorboard",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "tokenizers", "transformers", "matplotlib", "hypothesis"],
+        "test": ["pytest", "pytest-timeout", "ruff", "tokenizers", "transformers", "matplotlib", "hypothesis"],
         "plot": ["matplotlib"],
         "hf": ["transformers"],
         "bench": ["transformers", "tokenizers"],

@@ -83,8 +83,8 @@ def main(argv=None) -> int:
                                      ("delink -> real TP2 PP2", 2, 2, True)]:
             dst = os.path.join(tmp, name.replace(" ", "_").replace(">", ""))
             options = "reshard.DelinkOptions()" if delink else "None"
-            r = run_streaming("megatron_p2r.checkpoint.reshard", "_write_tensors",
-                              f"from megatron_p2r.checkpoint import reshard; reshard.convert({src!r}, {dst!r}, "
+            r = run_streaming("megatron_p2r.convert.reshard", "_write_tensors",
+                              f"from megatron_p2r.convert import reshard; reshard.convert({src!r}, {dst!r}, "
                               f"reshard.Target({tp}, {pp}), {options}, progress=False)", ROOT)
             rows.append((name, tree_bytes(dst), r["seconds"], r))
             shutil.rmtree(dst)

@@ -5,7 +5,7 @@ torch_dist, next to a plain copy of the same bytes.
 
 Writes a Llama-shaped Megatron checkpoint (bf16, grouped-query attention, SwiGLU, untied
 embeddings) saved under TP=2 x PP=2 in both layouts with the test suite's Megatron writers
-(tests/checkpoint/megatron/fixtures.py), then, side by side in one run:
+(tests/convert/megatron/fixtures.py), then, side by side in one run:
 - plain copy of the source files (copyfile + fsync);
 - import-megatron of each layout into TP=1 and into TP=2 x PP=2 (fp32 output: twice the bytes).
 Each import runs in its own process: its time (imports excluded), MB/s of source bytes read
@@ -33,7 +33,7 @@ def tree_bytes(path: str, suffixes) -> int:
 
 
 def make_sources(tmp: str, args) -> dict:
-    from tests.checkpoint.megatron.fixtures import LLAMA, make_weights, megatron_args, write_legacy, write_torch_dist
+    from tests.convert.megatron.fixtures import LLAMA, make_weights, megatron_args, write_legacy, write_torch_dist
     spec = dataclasses.replace(LLAMA, layers=args.layers, hidden=args.hidden, heads=16, groups=4,
                                kv_channels=args.hidden // 16, rotary_percent=1.0, qk_layernorm=False,
                                ffn=args.ffn, vocab=args.vocab, divisible_by=128, seq=4096)
@@ -48,9 +48,9 @@ def make_sources(tmp: str, args) -> dict:
 
 
 def run_import(src: str, dst: str, tp: int, pp: int) -> dict:
-    return run_streaming("megatron_p2r.checkpoint.imported", "write_pieces",
-                         "from megatron_p2r.checkpoint.megatron.importer import import_megatron; "
-                         "from megatron_p2r.checkpoint.reshard import Target; "
+    return run_streaming("megatron_p2r.convert.imported", "write_pieces",
+                         "from megatron_p2r.convert.megatron.importer import import_megatron; "
+                         "from megatron_p2r.convert.reshard import Target; "
                          f"import_megatron({src!r}, {dst!r}, Target({tp}, {pp}), progress=False)", ROOT)
 
 

@@ -109,6 +109,6 @@ def band(runs: Sequence[dict]) -> tuple:
     grids = [[p[0] for p in r["points"]] for r in runs]
     if any(g != grids[0] for g in grids):
         raise ValueError(f"arm {runs[0]['arm']!r}: seeds were evaluated at different steps")
-    losses = list(zip(*[[p[1] for p in r["points"]] for r in runs]))
+    losses = list(zip(*[[p[1] for p in r["points"]] for r in runs], strict=True))
     stats = [mean_std(column) for column in losses]
     return grids[0], [m for m, _ in stats], [s for _, s in stats]

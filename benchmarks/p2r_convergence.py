@@ -148,7 +148,7 @@ def train_phase(args, values: dict, phase_dir: str, load: str, start: int) -> Li
         for d in dirs[:-1]:
             shutil.rmtree(d)
         with open(done, "w") as fh:
-            json.dump([[s, v] for s, v in zip(steps, losses) if s > start], fh)
+            json.dump([[s, v] for s, v in zip(steps, losses, strict=True) if s > start], fh)
     with open(done) as fh:
         return json.load(fh)
 

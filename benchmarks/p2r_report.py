@@ -52,7 +52,7 @@ def _break_even_table(stats: Dict[tuple, dict], model: str, order: List[str]) ->
             continue
         e = stats[(model, arm)]
         reached = [d for d in e["extra"] if d is not None]
-        pays = len(reached) == len(e["extra"]) and all(d <= a for d, a in zip(e["extra"], e["allowed"]))
+        pays = len(reached) == len(e["extra"]) and all(d <= a for d, a in zip(e["extra"], e["allowed"], strict=True))
         missing = len(e["extra"]) - len(reached)
         note = f" ({missing}/{len(e['extra'])} seeds never reach the target)" if missing else ""
         lines.append(f"| {arm} | {fmt(e['allowed'], 1)} | {fmt(reached, 1)}{note} | {'yes' if pays else 'no'} |")
@@ -108,8 +108,9 @@ def plot(records: List[dict], timing: dict, models: List[str], order: Dict[str, 
                 x = [cost_until(s, phases, lambda p: per_step(p, tps)) for s in steps]
                 ax = axes[row][col]
                 line, = ax.plot(x, mean, label=f"{arm} ({len(runs)} seeds)", lw=1.2)
-                ax.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
-                                color=line.get_color(), alpha=0.2, lw=0)
+                low = [m - s for m, s in zip(mean, std, strict=True)]
+                high = [m + s for m, s in zip(mean, std, strict=True)]
+                ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2, lw=0)
                 ax.set_xlabel(label)
         axes[row][0].set_ylabel(f"{model}: validation loss")
         axes[row][0].legend(fontsize=7.5, loc="upper right")

@@ -1,6 +1,6 @@
 """The training loop: set up, step, log, evaluate, save, resume.
 
-``pretrain(cfg)`` is what ``pretrain_m6.py`` runs under torchrun. Its pieces are separate
+``pretrain(cfg)`` is what ``pretrain_m6.py`` runs under torchrun. Its parts are separate
 functions (``setup``, ``train_step``, ``evaluate``) so tests can drive them in-process.
 """
 from __future__ import annotations
@@ -183,7 +183,7 @@ def microbatch_iterator(dataset, consumed_samples: int, cfg: Config, ps: Paralle
 
 
 def _take(iterator: Iterator[dict], n: int, what: str) -> List[dict]:
-    batches = [b for _, b in zip(range(n), iterator)]
+    batches = [b for _, b in zip(range(n), iterator, strict=False)]
     if len(batches) < n:
         raise RuntimeError(f"the {what} data ran out: needed {n} micro-batches, got {len(batches)}")
     return batches
@@ -221,7 +221,7 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
                             on_backward_scale=aux_loss.set_backward_scale)
     state.ddp.finish_grad_sync()
     optimizer.prepare_grads()
-    reliability.on_gradients(state.iteration + 1, ps.rank, [pc.main for pc in optimizer.pieces])
+    reliability.on_gradients(state.iteration + 1, ps.rank, [ms.main for ms in optimizer.shards])
     scaled_norm, found_inf = grad_norm_and_non_finite(optimizer.main_grads, optimizer.norm_mask, ps)
     state.scaler.update(found_inf)
     grad_norm = float("nan")
@@ -303,7 +303,7 @@ def describe_memory(state: TrainState) -> dict:
     16-bit weights, AdamW moments; empty until the first step)."""
     params = state.params
     opt = state.optimizer
-    mains = [pc.main for pc in opt.pieces if not pc.aliases_param]
+    mains = [ms.main for ms in opt.shards if not ms.aliases_param]
     moments = [s[k] for inner in opt.inner.values() for s in inner.state.values() for k in ("exp_avg", "exp_avg_sq")]
     return {"rank": state.ps.rank, "parameters": sum(p.numel() for p in params),
             "param_bytes": _storage_bytes(params), "grad_bytes": _storage_bytes(state.ddp.buffer_tensors("grads")),

@@ -1,4 +1,4 @@
-"""Shared pieces of the equivalence tests: a tiny config and the single-process reference."""
+"""Shared parts of the equivalence tests: a tiny config and the single-process reference."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -57,20 +57,26 @@ def expected_shard(full: torch.Tensor, param, ps: ParallelState) -> torch.Tensor
     return tp_slice(full, getattr(param, "tp_dim", None), ps.tp_rank, ps.tp_size, getattr(param, "tp_replicas", 1))
 
 
-def max_grad_error(model, ps: ParallelState, ref: dict) -> dict:
-    """{name: max |grad - reference shard|} for every parameter of ``model``."""
+def max_grad_error(model, ps: ParallelState, ref: dict, relative: bool = False) -> dict:
+    """{name: max |gradient - reference shard|} for every parameter of ``model``; with
+    ``relative``, divided by the shard's largest reference magnitude. The gradient is the
+    reduced ``main_grad`` of a model with gradient buffers (built as training builds it), else
+    ``.grad``."""
     out = {}
     for name, p in model.named_parameters():
-        want = expected_shard(ref[logical_name(name, p)], p, ps)
-        assert want.shape == p.grad.shape, f"{name}: shard {tuple(p.grad.shape)} vs reference {tuple(want.shape)}"
-        out[name] = (p.grad - want).abs().max().item()
+        grad = getattr(p, "main_grad", p.grad)
+        want = expected_shard(ref[logical_name(name, p)], p, ps).float()
+        assert want.shape == grad.shape, f"{name}: shard {tuple(grad.shape)} vs reference {tuple(want.shape)}"
+        err = (grad - want).abs().max().item()
+        out[name] = err / max(want.abs().max().item(), 1e-30) if relative else err
     return out
 
 
 def run_steps(cfg: Config, ps: ParallelState, steps: int, *, load: Optional[str] = None,
-              after_step: Optional[Callable] = None):
+              after_step: Optional[Callable] = None, outputs: Optional[list] = None):
     """Train ``steps`` optimizer steps on mock data, from scratch or from the checkpoint ``load``
-    (continuing its data); ``after_step(state)`` runs after each. Returns (losses, state)."""
+    (continuing its data); ``after_step(state)`` runs after each, ``outputs`` receives each
+    step's ``train_step`` record (its ``grad_norm``...). Returns (losses, state)."""
     from megatron_p2r.checkpoint.io import load_checkpoint
     from megatron_p2r.config import num_microbatches
     from megatron_p2r.training import build_datasets, build_train_state, microbatch_iterator, train_step
@@ -82,10 +88,22 @@ def run_steps(cfg: Config, ps: ParallelState, steps: int, *, load: Optional[str]
     n = num_microbatches(cfg, ps.layout.world_size)
     losses = []
     for _ in range(steps):
-        losses.append(train_step(state, [next(data) for _ in range(n)])["lm_loss"])
+        out = train_step(state, [next(data) for _ in range(n)])
+        losses.append(out["lm_loss"])
+        if outputs is not None:
+            outputs.append(out)
         if after_step is not None:
             after_step(state)
     return losses, state
+
+
+def keep_first_step_grads(into: dict) -> Callable:
+    """An ``after_step`` callback that keeps the gradients of the first step: the reduced
+    ``main_grad`` the optimizer stepped on (unscaled and clipped), by parameter name."""
+    def keep(state) -> None:
+        if not into:
+            into.update({n: p.main_grad.clone() for n, p in state.model.named_parameters()})
+    return keep
 
 
 def bad_input_error(main, argv, capsys) -> str:

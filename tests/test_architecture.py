@@ -104,6 +104,20 @@ def test_config_and_layout_stay_at_the_bottom():
     assert edges[f"{PKG}.layout"] <= {f"{PKG}.config"}
 
 
+def test_the_checkpoint_format_sits_below_conversion():
+    """checkpoint (the on-disk format, save and load) imports no conversion and no training policy
+    that conversion applies (delinking, growth, the LR re-warm-up); convert builds on it."""
+    imported = set()
+    for folder, _, files in os.walk(os.path.join(ROOT, PKG, "checkpoint")):
+        for name in (n for n in files if n.endswith(".py")):
+            path = os.path.join(folder, name)
+            module = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+            imported |= _imports(path, module)
+    policy = (f"{PKG}.convert", f"{PKG}.p2r", f"{PKG}.optim.scheduler", f"{PKG}.training")
+    assert [m for m in sorted(imported) if m.startswith(policy)] == []
+    assert f"{PKG}.checkpoint" in import_graph()[f"{PKG}.convert"]
+
+
 SUBPACKAGES = sorted({_unit(os.path.relpath(os.path.join(folder, name), ROOT)[:-3].replace(os.sep, "."))
                       for folder, _, files in os.walk(os.path.join(ROOT, PKG)) for name in files
                       if name.endswith(".py")} - {PKG + ".__init__"})

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from megatron_p2r.config import ConfigError, global_batch_size, num_microbatches, train_iters, train_samples, validate
-from megatron_p2r.config.batch import lr_lengths, parse_step_schedule, rampup_steps
+from megatron_p2r.config.batch import lr_lengths, parse_step_schedule
 from megatron_p2r.training import pretrain
 from tests.helpers import tiny_config
 

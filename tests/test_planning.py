@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from megatron_p2r.layout import tensors as table
+from megatron_p2r.layout import tensor_specs
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.planning import activations, communication, estimate, hardware, memory, timing
 from megatron_p2r.arguments import config_from_values, parse_args
@@ -110,13 +110,13 @@ def test_planner_equals_meta_build(name, overrides, world):
 
 def test_verification_catches_a_wrong_plan(monkeypatch):
     cfg = small(**MOE, expert_model_parallel_size=2)
-    real = table.layer_tensors
+    real = tensor_specs.layer_tensors
 
     def one_expert_too_many(m, key, tp, ep):
         return [s.__class__(**{**s.__dict__, "shape": (s.shape[0] + 1, *s.shape[1:])}) if s.expert else s
                 for s in real(m, key, tp, ep)]
 
-    monkeypatch.setattr(table, "layer_tensors", one_expert_too_many)
+    monkeypatch.setattr(tensor_specs, "layer_tensors", one_expert_too_many)
     problems = verify_rank(cfg, 2, 1)["problems"]
     assert any("weight1" in p for p in problems) and any("parameters" in p for p in problems)
 

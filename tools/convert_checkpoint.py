@@ -29,15 +29,15 @@ import os
 import sys
 from typing import List, Optional
 
-from megatron_p2r.checkpoint.hf.architecture import MODEL_TYPES
-from megatron_p2r.checkpoint.hf.exporter import export_hf
-from megatron_p2r.checkpoint.hf.importer import import_hf
-from megatron_p2r.checkpoint.hf.verify import VERIFY_TOLERANCE, verify_export
+from megatron_p2r.convert.hf.architecture import MODEL_TYPES
+from megatron_p2r.convert.hf.exporter import export_hf
+from megatron_p2r.convert.hf.importer import import_hf
+from megatron_p2r.convert.hf.verify import VERIFY_TOLERANCE, verify_export
 from megatron_p2r.checkpoint.integrity import check_files
-from megatron_p2r.checkpoint.megatron.importer import import_megatron
+from megatron_p2r.convert.megatron.importer import import_megatron
 from megatron_p2r.checkpoint.metadata import kinds_of, metadata_config, metadata_table, read_metadata
 from megatron_p2r.checkpoint.naming import resolve_iteration_dir
-from megatron_p2r.checkpoint.reshard import DelinkOptions, GrowOptions, Target, convert
+from megatron_p2r.convert.reshard import DelinkOptions, GrowOptions, Target, convert
 from megatron_p2r.checkpoint.tensor_table import ShardLayout
 from megatron_p2r.cli import run_tool
 from megatron_p2r.p2r.delink import OPTIMIZER_STATE_MODES
@@ -87,7 +87,8 @@ def inspect(path: str) -> str:
                      ",".join(map(str, info.layers)) or "-", _human(info.nbytes)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        cells = enumerate(zip(r, widths, strict=True))
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in cells))
     params = sum(i.numel for i in table.values())
     lines.append(f"\n{len(table)} tensors, {params:,} parameters, "
                  f"{_human(sum(i.nbytes for i in table.values()))} of weights; stored: {', '.join(kinds_of(meta))}")

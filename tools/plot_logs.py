@@ -48,7 +48,7 @@ def series(records: List[dict], key: str) -> Dict[str, list]:
     rows = [r for r in records if key in r]
     out = {"iteration": [r["iteration"] for r in rows], "tokens": [r.get("tokens") for r in rows],
            "flops": [r.get("flops") for r in rows], key: [r[key] for r in rows], "delink": []}
-    for prev, cur in zip(rows, rows[1:]):
+    for prev, cur in zip(rows, rows[1:], strict=False):
         if prev.get("phase") != cur.get("phase"):
             out["delink"].append(prev)  # the last record of the old phase: where it was delinked
     return out
@@ -62,14 +62,14 @@ def plot(runs: Dict[str, List[dict]], output: str, key: str = "lm_loss") -> None
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for name, records in runs.items():
         s = series(records, key)
-        for ax, x in zip(axes, axes_x):
+        for ax, x in zip(axes, axes_x, strict=True):
             xs = s[x]
             if not xs or any(v is None for v in xs):
                 continue
             ax.plot(xs, s[key], label=name)
             for row in s["delink"]:
                 ax.axvline(row[x], color="gray", linestyle="--")
-    for ax, x in zip(axes, axes_x):
+    for ax, x in zip(axes, axes_x, strict=True):
         ax.set_xlabel({"iteration": "iteration", "tokens": "tokens", "flops": "model FLOPs"}[x])
         ax.set_ylabel(key.replace("_", " "))
         ax.grid(alpha=0.3)

@@ -12,7 +12,7 @@ Megatron-LM, a document with no sequence (and no eod), so later samples are not 
 Outputs are written under temporary names and renamed when complete; existing outputs are
 kept unless ``--overwrite``. An input that yields no document at all (empty, binary, or not
 jsonl) is an error and writes nothing; a line longer than ``--max-line-bytes`` is a bad line,
-read past in bounded pieces, never held whole. Exit status: 0 done, 2 bad input (one
+read past in bounded blocks, never held whole. Exit status: 0 done, 2 bad input (one
 ``error:`` line), 1 an OS error.
 """
 from __future__ import annotations
@@ -139,7 +139,7 @@ def _encode_chunk(chunk):
 
 
 def _lines(f, limit: int):
-    """The lines of ``f``; a line longer than ``limit`` bytes is read past in pieces and yielded as
+    """The lines of ``f``; a line longer than ``limit`` bytes is read past in blocks and yielded as
     TOO_LONG, so memory never holds more than ``limit`` bytes of one line."""
     while True:
         line = f.readline(limit + 1)
@@ -241,7 +241,7 @@ def preprocess(args) -> Stats:
                             if len(stats.bad_lines) < MAX_REPORTED_BAD_LINES:
                                 stats.bad_lines.append((line_number, result))
                             continue
-                        for builder, data in zip(builders, result):
+                        for builder, data in zip(builders, result, strict=True):
                             tokens = np.frombuffer(data, dtype)
                             if len(tokens):
                                 builder.add_item(tokens)
@@ -255,9 +255,9 @@ def preprocess(args) -> Stats:
             raise ConfigError(f"--input {args.input}: cannot decompress it ({exc}); nothing was written") from None
         if stats.documents == 0:
             raise ConfigError(_no_document(args.input, stats))
-        for builder, (_, idx) in zip(builders, tmp):
+        for builder, (_, idx) in zip(builders, tmp, strict=True):
             builder.finalize(idx)
-        for (b_tmp, i_tmp), (b, i) in zip(tmp, outputs):
+        for (b_tmp, i_tmp), (b, i) in zip(tmp, outputs, strict=True):
             os.replace(b_tmp, b)
             os.replace(i_tmp, i)
     finally:

@@ -71,9 +71,9 @@ def iter_lines(paths: Sequence[str], json_keys: Sequence[str], skipped: list) ->
                         skipped.append(f"{path}:{number}")
                         continue
                 for text in texts:
-                    for piece in text.split("\n"):
-                        if piece.strip():
-                            yield piece
+                    for sentence in text.split("\n"):
+                        if sentence.strip():
+                            yield sentence
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

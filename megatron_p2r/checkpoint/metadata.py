@@ -119,7 +119,7 @@ _TENSOR_FIELDS = {
     "tp_dim": _optional(_int(0, 7)), "ep_dim": _optional(_int(0, 0)), "expert": _optional(_int()),
     "stage": _int(), "module_key": _optional(_int()), "layers": _int_list,
 }
-# attention projections only: dim 0 as blocks of heads (layout.tensors.HeadRows)
+# attention projections only: dim 0 as blocks of heads (layout.tensor_specs.HeadRows)
 _ROWS = _optional(_object(groups=_int(1, 2 ** 24), head_dim=_int(1, 2 ** 24),
                           per_group=lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)))
 

@@ -11,7 +11,7 @@ TP, and of the EP rank that holds it. Data-parallel replicas therefore write onc
 same table says where every piece is for any layout, which is what lets ``reshard`` and
 ``delink`` stream tensor by tensor.
 
-Attention projections record the layout of their rows (``rows``, ``layout.tensors.HeadRows``):
+Attention projections record the layout of their rows (``rows``, ``layout.tensor_specs.HeadRows``):
 ``groups`` blocks of heads. A TP split of such a piece cuts ``min(TP, groups)`` shards of whole
 blocks; when TP exceeds the groups (grouped-query attention's key/value heads), TP/groups
 consecutive ranks hold the same shard and only the first of them stores it.
@@ -23,10 +23,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.naming import METADATA_FILE, entry_name, shard_file
-from megatron_p2r.checkpoint.safetensors_io import SAFETENSORS_DTYPE, nbytes
+from megatron_p2r.checkpoint.safetensors_io import nbytes
 from megatron_p2r.config import Config
 from megatron_p2r.layout.plan import ParallelPlan
-from megatron_p2r.layout.tensors import HeadRows
+from megatron_p2r.layout.tensor_specs import HeadRows
 from megatron_p2r.parallel.sharding import expert_key
 
 
@@ -136,14 +136,9 @@ class ShardLayout:
         return [f for s in range(self.pp) for f in self.stage_files(s)]
 
 
-def _module_key(name: str) -> Optional[int]:
-    parts = name.split(".")
-    return int(parts[1]) if parts[0] == "layers" else None
-
-
 def tensor_table(cfg: Config) -> Dict[str, TensorInfo]:
     """Every piece of the model ``cfg`` describes, in file order (stage by stage), from the
-    ParallelPlan's tensor table (checked against meta-device builds of the model)."""
+    ParallelPlan's tensor specs (checked against meta-device builds of the model)."""
     plan = ParallelPlan.model_parallel(cfg)
     tp, ep = plan.layout.tp, plan.layout.ep
     users = plan.slot_users()
@@ -151,7 +146,7 @@ def tensor_table(cfg: Config) -> Dict[str, TensorInfo]:
     for stage in range(len(plan.stages)):
         for spec in plan.tensors(stage):
             logical = spec.logical
-            mk = _module_key(logical)
+            mk = spec.module_key
             common = dict(param=logical, dtype="F32", stage=stage, module_key=mk,
                           layers=users.get(mk, ()) if mk is not None else ())
             shape = list(spec.shape)

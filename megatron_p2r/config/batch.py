@@ -38,7 +38,7 @@ def parse_step_schedule(entries: Sequence[str], seq_length: int) -> BatchSteps:
     steps.sort()
     if not steps or steps[0][0] != 0:
         raise ConfigError(f"{flag}: the first entry must have threshold 0")
-    for (before, _), (after, _) in zip(steps, steps[1:]):
+    for (before, _), (after, _) in zip(steps, steps[1:], strict=False):
         if after <= before:
             raise ConfigError(f"{flag}: thresholds must be strictly increasing (in samples of "
                               f"--seq-length {seq_length}), got {before} then {after}")

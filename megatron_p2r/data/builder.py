@@ -30,7 +30,7 @@ def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], List[float]]:
         raise ConfigError(f"--data-path with several datasets takes weight/prefix pairs "
                           f"(0.3 A 0.7 B), got {len(data_path)} items: {' '.join(data_path)}")
     weights, prefixes = [], []
-    for weight, prefix in zip(data_path[0::2], data_path[1::2]):
+    for weight, prefix in zip(data_path[0::2], data_path[1::2], strict=True):
         try:
             value = float(weight)
         except ValueError:
@@ -60,7 +60,7 @@ def split_ranges(fractions: Sequence[float], count: int) -> List[Tuple[int, int]
     bounds = np.concatenate(([0.0], np.cumsum(fractions)))
     edges = [int(round(b * count)) for b in bounds]
     edges[-1] = count
-    return list(zip(edges[:-1], edges[1:]))
+    return list(zip(edges[:-1], edges[1:], strict=False))
 
 
 def _open_indexed(prefix: str, data_cfg: DataConfig, vocab_size: Optional[int]) -> IndexedDataset:
@@ -99,7 +99,7 @@ def build_train_valid_test_datasets(data_cfg: DataConfig, seq_length: int, seed:
     indexed = [_open_indexed(p, data_cfg, vocab_size) for p in prefixes]
     ranges = [split_ranges(fractions, len(ds)) for ds in indexed]
     result: List[Optional[object]] = []
-    for s, (name, count) in enumerate(zip(SPLIT_NAMES, num_samples)):
+    for s, (name, count) in enumerate(zip(SPLIT_NAMES, num_samples, strict=True)):
         if count <= 0:
             result.append(None)
             continue
@@ -110,7 +110,7 @@ def build_train_valid_test_datasets(data_cfg: DataConfig, seq_length: int, seed:
             dataset_index, _ = blending_indices(weights, count, blend_cache)
             per_dataset = np.bincount(dataset_index, minlength=len(prefixes)).tolist()
         parts = []
-        for prefix, ds, r, n in zip(prefixes, indexed, ranges, per_dataset):
+        for prefix, ds, r, n in zip(prefixes, indexed, ranges, per_dataset, strict=True):
             begin, end = r[s]
             if n == 0:  # a small blend may take nothing from a light dataset; keep the position
                 parts.append(None)

@@ -151,7 +151,7 @@ def cached_arrays(cache_dir: Optional[str], stem: str, names: tuple, description
     arrays = build()
     try:
         os.makedirs(cache_dir, exist_ok=True)
-        for path, array in zip(paths, arrays):
+        for path, array in zip(paths, arrays, strict=True):
             _write_atomically(path, lambda f, a=array: np.save(f, a, allow_pickle=False))
         text = json.dumps(description, indent=1, sort_keys=True).encode()
         _write_atomically(os.path.join(cache_dir, f"{stem}-{digest}-description.json"), lambda f: f.write(text))
@@ -237,9 +237,9 @@ class GPTDataset:
         last, last_offset = (int(x) for x in self.sample_idx[i + 1])
         get = self.dataset.get
         if first == last:
-            pieces = [get(int(self.doc_idx[first]), first_offset, last_offset - first_offset + 1)]
+            parts = [get(int(self.doc_idx[first]), first_offset, last_offset - first_offset + 1)]
         else:
-            pieces = [get(int(self.doc_idx[first]), first_offset)]
-            pieces += [get(int(d)) for d in self.doc_idx[first + 1:last]]
-            pieces.append(get(int(self.doc_idx[last]), 0, last_offset + 1))
-        return np.concatenate(pieces).astype(np.int64)
+            parts = [get(int(self.doc_idx[first]), first_offset)]
+            parts += [get(int(d)) for d in self.doc_idx[first + 1:last]]
+            parts.append(get(int(self.doc_idx[last]), 0, last_offset + 1))
+        return np.concatenate(parts).astype(np.int64)

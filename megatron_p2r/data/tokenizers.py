@@ -172,7 +172,7 @@ def bytes_to_unicode() -> dict:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return dict(zip(bs, map(chr, cs)))
+    return dict(zip(bs, map(chr, cs), strict=True))
 
 
 class GPT2BPETokenizer:
@@ -223,7 +223,7 @@ class GPT2BPETokenizer:
         ranks = self.bpe_ranks
         while len(parts) > 1:
             best, best_rank = None, None
-            for pair in zip(parts, parts[1:]):
+            for pair in zip(parts, parts[1:], strict=False):
                 rank = ranks.get(pair)
                 if rank is not None and (best_rank is None or rank < best_rank):
                     best, best_rank = pair, rank

@@ -75,7 +75,7 @@ class GradBuffer:
         return b.start + member * size, b.start + (member + 1) * size
 
     def param_shards(self, index: int) -> List[Tuple[int, int, int]]:
-        """(member, start, end) of each piece of parameter ``index`` a member owns, in
+        """(member, start, end) of each shard of parameter ``index`` a member owns, in
         parameter-local flat coordinates (every member owns it whole when not sharded)."""
         lo, hi = self.ranges[index]
         if not self.sharded:
@@ -89,7 +89,7 @@ class GradBuffer:
         return out
 
     def owned(self, member: int) -> List[Tuple[int, int, int]]:
-        """(parameter index, start, end) of every piece ``member`` owns (at most one per
+        """(parameter index, start, end) of every shard ``member`` owns (at most one per
         parameter: a shard is one range of one bucket), in buffer order."""
         out = []
         for b, bucket in enumerate(self.buckets):

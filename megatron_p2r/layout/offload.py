@@ -1,6 +1,6 @@
 """Granular CPU offload: which layer modules of a stage live on host, and the bytes that moves.
 
-Pure selection and accounting over the tensor table, so the ParallelPlan decides once and the
+Pure selection and accounting over the tensor specs, so the ParallelPlan decides once and the
 runtime (``megatron_p2r.offload``), the planner and the logs all report the same choice. Which
 layers, per ``--cpu-offload-layers``: a count N (the last N layers of each stage), a fraction,
 a list of global layer indices, or ``auto`` with ``--device-memory-budget`` (the fewest

@@ -21,7 +21,7 @@ rank of a 512-GPU layout is planned in one process. It holds:
 - each stage's gradient buffers and buckets, and under the distributed optimizer the owner of
   every range of every parameter (``layout.buckets``);
 - the offload choice of each stage;
-- the tensor table of each stage (``layout.tensors``).
+- the tensor specs of each stage (``layout.tensor_specs``).
 
 The model, initialisation, process-group creation, gradient sync, checkpoints and the planner
 read it; none of them derives these facts again.
@@ -38,7 +38,7 @@ from megatron_p2r.layout import offload as offload_choice
 from megatron_p2r.layout.buckets import GradBuffer, default_bucket_size, layout_buffer
 from megatron_p2r.layout.ranks import Coords, Layout
 from megatron_p2r.layout.sharing import effective_pattern, layer_module_keys, stages_using_slot
-from megatron_p2r.layout.tensors import WORD_EMBEDDING, TensorSpec, stage_tensors
+from megatron_p2r.layout.tensor_specs import WORD_EMBEDDING, TensorSpec, stage_tensors
 
 
 @dataclass(frozen=True)
@@ -206,8 +206,8 @@ class ParallelPlan:
         """Parameters per module key of ``stage`` on one rank."""
         out = {k: 0 for k in self.stages[stage].modules}
         for s in self.tensors(stage):
-            if s.name.startswith("layers."):
-                out[int(s.name.split(".")[1])] += s.numel
+            if s.module_key is not None:
+                out[s.module_key] += s.numel
         return out
 
     # -- replicas and reductions
@@ -283,8 +283,7 @@ class ParallelPlan:
             size = self.group_members(over, stages, block)
             out.append(layout_buffer(over, stages, block, size, self.buffers.distributed and size > 1,
                                      [s.name for s in ordered], [s.numel for s in ordered],
-                                     [int(s.name.split(".")[1]) if s.name.startswith("layers.") else None
-                                      for s in ordered],
+                                     [s.module_key for s in ordered],
                                      self.buffers.bucket_size, self.buffers.break_at_modules))
         return tuple(out)
 

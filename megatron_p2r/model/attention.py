@@ -46,7 +46,7 @@ class Attention(nn.Module):
     ``query`` ``[heads, head_dim]`` and ``key_value`` ``[groups, (k, v), head_dim]`` are separate
     matrices, so that when TP exceeds the groups each rank can hold the one key/value head its
     query heads use: TP/groups consecutive ranks hold replicas of it, whose partial gradients
-    the ParallelPlan sums over those ranks (``layout.tensors.HeadRows``, docs/architecture.md).
+    the ParallelPlan sums over those ranks (``layout.tensor_specs.HeadRows``, docs/architecture.md).
     """
 
     def __init__(self, cfg: ModelConfig, ps: ParallelState, device=None, *, sequence_parallel: bool = False,

@@ -28,7 +28,7 @@ from torch import nn
 
 from megatron_p2r.config import Config
 from megatron_p2r.layout.plan import ParallelPlan
-from megatron_p2r.layout.tensors import WORD_EMBEDDING
+from megatron_p2r.layout.tensor_specs import WORD_EMBEDDING
 from megatron_p2r.model.attention import rotary_tables
 from megatron_p2r.model.block import TransformerLayer
 from megatron_p2r.model.norm import make_norm
@@ -93,7 +93,7 @@ class M6Model(nn.Module):
         starts = [0]
         for chunk in stage.chunks:
             starts.append(starts[-1] + len(chunk.layer_keys))
-        self._chunk_calls = [range(a, b) for a, b in zip(starts, starts[1:])]   # positions in layer_calls
+        self._chunk_calls = [range(a, b) for a, b in zip(starts, starts[1:], strict=False)]   # positions in layer_calls
         selective = cfg.train.recompute == "selective"
         self.layers = nn.ModuleDict({str(k): TransformerLayer(m, ps, m.is_moe_layer(k), device, sequence_parallel=sp,
                                                               recompute_core=selective)

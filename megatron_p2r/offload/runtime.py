@@ -105,7 +105,7 @@ class OffloadManager:
     def _compute(self, phase: str, position: int, layer: nn.Module, x: torch.Tensor, rope) -> torch.Tensor:
         key = self.model.layer_keys[position]
         weights = _Fetch.apply(self, phase, position, *self.module_params[key])
-        return functional_call(layer, dict(zip(self.names[key], weights)), (x, rope))
+        return functional_call(layer, dict(zip(self.names[key], weights, strict=True)), (x, rope))
 
     # -- copies
     def acquire(self, phase: str, position: int) -> Tuple[torch.Tensor, ...]:
@@ -166,7 +166,7 @@ class OffloadManager:
             total = add_bytes(total, part)
         per_module = {k: v for k, v in self.module_bytes.items() if k is not None}
         plan = memory_plan(total, per_module, self.keys, self.prefetch, self.what)
-        layers = [i for i, k in zip(self.model.stage.layers, self.model.layer_keys) if k in self.module_params]
+        layers = [i for i, k in zip(self.model.stage.layers, self.model.layer_keys, strict=True) if k in self.module_params]
         return {**plan, "modules": list(self.keys), "layers": layers, "stage_layers": len(self.model.layer_keys),
                 "prefetch": self.prefetch, "what": ",".join(c for c in WHAT_ITEMS if c in self.what)}
 

@@ -10,7 +10,7 @@ Float16OptimizerWithFloat16Params and DistributedOptimizer semantics in one clas
   (``DistributedDataParallel.start_param_sync``).
 
 Every main parameter's gradient is a view into ``main_grad``: nothing is copied. Granular
-offload places each piece: "device"; "host" (weights on host: mains, moments and step there);
+offload places each shard: "device"; "host" (weights on host: mains, moments and step there);
 "staged" (weights on the device, AdamW moments on host: ``StagedAdamW``). Checkpoints see
 global tensors only (``optim/state_io.py``).
 """
@@ -33,8 +33,9 @@ PLACEMENTS = ("device", "staged", "host")   # the order of their steps: the host
 
 
 @dataclass
-class MainPiece:
-    """The flat range [start, end) of ``param`` that this rank's optimizer steps."""
+class MainShard:
+    """The flat range [start, end) of ``param`` that this rank's optimizer steps (the whole
+    parameter without the distributed optimizer)."""
 
     param: nn.Parameter
     name: str
@@ -72,10 +73,10 @@ class ParamStates:
         self.optimizer = optimizer
 
     def _inner_state(self, p):
-        piece = self.optimizer.whole_pieces.get(id(p))
-        if piece is None:
+        shard = self.optimizer.whole_shards.get(id(p))
+        if shard is None:
             raise KeyError("this rank steps no whole copy of that parameter (distributed optimizer shard?)")
-        return self.optimizer.inner[piece.placement].state, piece.main
+        return self.optimizer.inner[shard.placement].state, shard.main
 
     def __getitem__(self, p) -> dict:
         state, main = self._inner_state(p)
@@ -96,24 +97,24 @@ class ParamStates:
 
 
 class MixedPrecisionOptimizer:
-    """AdamW over ``pieces``: ``zero_grad`` before a step's backward, ``prepare_grads`` then ``step``.
-    Each piece joins the AdamW group (``optim.optimizer.param_groups``: weight decay or not) of its
+    """AdamW over ``shards``: ``zero_grad`` before a step's backward, ``prepare_grads`` then ``step``.
+    Each shard joins the AdamW group (``optim.optimizer.param_groups``: weight decay or not) of its
     weight, in the AdamW of its placement."""
 
-    def __init__(self, pieces: List[MainPiece], t: TrainConfig, ddp: DistributedDataParallel,
+    def __init__(self, shards: List[MainShard], t: TrainConfig, ddp: DistributedDataParallel,
                  before_host_step: Optional[Callable[[], None]] = None):
-        self.pieces, self.ddp, self.before_host_step = pieces, ddp, before_host_step
+        self.shards, self.ddp, self.before_host_step = shards, ddp, before_host_step
         self.inner: Dict[str, object] = {}
         groups = param_groups(ddp.model, t)
         for placement in PLACEMENTS:
-            mine = [g for g in (_group_of(g, [pc for pc in pieces if pc.placement == placement]) for g in groups)
+            mine = [g for g in (_group_of(g, [ms for ms in shards if ms.placement == placement]) for g in groups)
                     if g["params"]]
             if mine:
                 self.inner[placement] = StagedAdamW(adamw(mine, t)) if placement == "staged" else adamw(mine, t)
-        self.whole_pieces = {id(pc.param): pc for pc in pieces if pc.whole}
-        self.pieces_of: Dict[int, List[MainPiece]] = {}
-        for pc in pieces:
-            self.pieces_of.setdefault(id(pc.param), []).append(pc)
+        self.whole_shards = {id(ms.param): ms for ms in shards if ms.whole}
+        self.shards_of: Dict[int, List[MainShard]] = {}
+        for ms in shards:
+            self.shards_of.setdefault(id(ms.param), []).append(ms)
         self.state = ParamStates(self)
         self.step_count = 0   # optimizer steps taken (skipped steps excluded): AdamW's ``step``
 
@@ -124,23 +125,23 @@ class MixedPrecisionOptimizer:
 
     @property
     def main_grads(self) -> List[torch.Tensor]:
-        return [pc.grad for pc in self.pieces]
+        return [ms.grad for ms in self.shards]
 
     @property
     def norm_mask(self) -> List[bool]:
-        return [pc.in_norm for pc in self.pieces]
+        return [ms.in_norm for ms in self.shards]
 
     def prepare_grads(self) -> None:
         """Point each main parameter's ``.grad`` at its (reduced) range of ``main_grad``."""
-        for pc in self.pieces:
-            pc.main.grad = pc.grad
+        for ms in self.shards:
+            ms.main.grad = ms.grad
 
     def zero_grad(self) -> None:
         """Drop those ``.grad`` views before a step's backward: an fp32 weight that is its own
         main must enter it without ``.grad`` (its gradient goes to ``main_grad`` through the DDP
         hook). Until then the last step's reduced gradients stay readable, as in Megatron-LM."""
-        for pc in self.pieces:
-            pc.main.grad = None
+        for ms in self.shards:
+            ms.main.grad = None
 
     def step(self) -> None:
         """Step every placement's AdamW, round the mains into 16-bit weights, start the
@@ -152,26 +153,26 @@ class MixedPrecisionOptimizer:
                 self.inner[placement].step()
         self.step_count += 1
         with torch.no_grad():
-            for pc in self.pieces:
-                if not pc.aliases_param:
-                    pc.param.data.view(-1)[pc.start:pc.end].copy_(pc.main.reshape(-1))
+            for ms in self.shards:
+                if not ms.aliases_param:
+                    ms.param.data.view(-1)[ms.start:ms.end].copy_(ms.main.reshape(-1))
         self.ddp.start_param_sync()
 
 
-def _group_of(group: dict, pieces: List[MainPiece]) -> dict:
-    """``group``'s hyperparameters over the mains of those ``pieces`` whose weight is in it."""
+def _group_of(group: dict, shards: List[MainShard]) -> dict:
+    """``group``'s hyperparameters over the mains of those ``shards`` whose weight is in it."""
     members = {id(p) for p in group["params"]}
     return {**{k: v for k, v in group.items() if k != "params"},
-            "params": [pc.main for pc in pieces if id(pc.param) in members]}
+            "params": [ms.main for ms in shards if id(ms.param) in members]}
 
 
 def build_mixed_precision_optimizer(ddp: DistributedDataParallel, plan: ParallelPlan, ps: ParallelState,
                                     t: TrainConfig, placement: Optional[Dict[int, str]] = None,
                                     before_host_step: Optional[Callable[[], None]] = None) -> MixedPrecisionOptimizer:
-    """The optimizer of this rank's pieces of ``ddp``'s buffers (all of them without the
+    """The optimizer of this rank's shards of ``ddp``'s buffers (all of them without the
     distributed optimizer); ``placement``: id(param) -> "host" | "staged" for offloaded layers."""
     placement = placement or {}
-    pieces = []
+    shards = []
     for b, buf in enumerate(ddp.buffers):
         layout = buf.layout
         for index, start, end in layout.owned(buf.member):
@@ -179,8 +180,8 @@ def build_mixed_precision_optimizer(ddp: DistributedDataParallel, plan: Parallel
             whole = start == 0 and end == p.numel()
             in_norm = plan.counts_in_norm(logical_name(name, p), getattr(p, "tp_dim", None),
                                           getattr(p, "expert", False), ps.coords, sharded=layout.sharded)
-            pieces.append(MainPiece(param=p, name=name, start=start, end=end, main=_main_of(p, start, end),
+            shards.append(MainShard(param=p, name=name, start=start, end=end, main=_main_of(p, start, end),
                                     grad=p.main_grad if whole else p.main_grad.view(-1)[start:end],
                                     placement=placement.get(id(p), "device"), in_norm=in_norm, buffer=b,
                                     bucket=layout.bucket_of(index), position=layout.ranges[index][0] + start))
-    return MixedPrecisionOptimizer(pieces, t, ddp, before_host_step)
+    return MixedPrecisionOptimizer(shards, t, ddp, before_host_step)

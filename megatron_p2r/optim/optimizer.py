@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from megatron_p2r.config import TrainConfig
-from megatron_p2r.layout.tensors import OUTPUT_WEIGHT, WORD_EMBEDDING
+from megatron_p2r.layout.tensor_specs import OUTPUT_WEIGHT, WORD_EMBEDDING
 from megatron_p2r.parallel.sharding import logical_name
 
 
@@ -71,14 +71,14 @@ class StagedAdamW:
         saved = [(p.data, p.grad) for p in params]
         with torch.no_grad():
             try:
-                for p, (data, grad) in zip(params, saved):
+                for p, (data, grad) in zip(params, saved, strict=True):
                     p.grad = None
                     p.data = data.to("cpu", copy=True)
                     if grad is not None:
                         p.grad = grad.to("cpu", copy=True)
                 fn()
             finally:
-                for p, (data, grad) in zip(params, saved):
+                for p, (data, grad) in zip(params, saved, strict=True):
                     host = p.data
                     p.grad = None
                     p.data = data

@@ -7,7 +7,7 @@ advance it, as in Megatron-LM); the warm-up and decay lengths come from the iter
 sample flags (``config.batch.lr_lengths``). A parameter group may carry its own ``max_lr`` /
 ``min_lr`` (``--decoupled-lr`` for the embedding and output layer).
 
-The re-warm-up is a separate piece of the scheduler's state, ``{"start": u, "iters": n}`` in
+The re-warm-up is a separate part of the scheduler's state, ``{"start": u, "iters": n}`` in
 applied updates: the scheduled LR is multiplied by ``(u' - u + 1) / n`` for the n updates from u,
 so a model whose layers were just copied does not take full-size steps while its optimizer state
 is re-forming. The converter records it in the checkpoint (``with_rewarmup``); a resume restores

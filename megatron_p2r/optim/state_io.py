@@ -3,7 +3,7 @@
 A checkpoint holds each parameter's fp32 weight (the main parameter, not its 16-bit rounding)
 and AdamW moments whole, whatever part of them this rank steps: ``gather_state`` returns them
 (under the distributed optimizer all-gathered bucket by bucket, in chunks bounded by the DDP
-staging buffer, copied to host only on the ranks that write), ``StateLoader`` takes any piece
+staging buffer, copied to host only on the ranks that write), ``StateLoader`` takes any range
 of them and keeps what this rank steps. So a checkpoint never depends on the DP size or on
 whether the distributed optimizer, 16-bit parameters or offload were on.
 """
@@ -14,14 +14,14 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from megatron_p2r.optim.mixed_precision import MainPiece, MixedPrecisionOptimizer
+from megatron_p2r.optim.mixed_precision import MainShard, MixedPrecisionOptimizer
 from megatron_p2r.parallel.grad_buffer import ParamAndGradBuffer, all_gather_chunks
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _value(opt: MixedPrecisionOptimizer, pc: MainPiece, kind: str) -> torch.Tensor:
-    return pc.main.detach() if kind == "model" else opt.inner[pc.placement].state[pc.main][kind]
+def _value(opt: MixedPrecisionOptimizer, ms: MainShard, kind: str) -> torch.Tensor:
+    return ms.main.detach() if kind == "model" else opt.inner[ms.placement].state[ms.main][kind]
 
 
 def gather_state(opt: MixedPrecisionOptimizer,
@@ -38,8 +38,8 @@ def gather_state(opt: MixedPrecisionOptimizer,
                 continue
             for p in buf.params:
                 if keep(p):
-                    pc = opt.whole_pieces[id(p)]
-                    out[id(p)] = {kind: _value(opt, pc, kind).view(p.shape) for kind in kinds}
+                    ms = opt.whole_shards[id(p)]
+                    out[id(p)] = {kind: _value(opt, ms, kind).view(p.shape) for kind in kinds}
     return out
 
 
@@ -49,11 +49,11 @@ def _gather_sharded(opt: MixedPrecisionOptimizer, b: int, buf: ParamAndGradBuffe
     for i, bucket in enumerate(layout.buckets):
         kept = [j for j in bucket.params if keep(buf.params[j])]
         lo, hi = layout.shard(i, buf.member)
-        pieces = [pc for pc in opt.pieces if pc.buffer == b and pc.bucket == i]
+        owned = [ms for ms in opt.shards if ms.buffer == b and ms.bucket == i]
         for kind in kinds:
             shard = torch.zeros(hi - lo, dtype=torch.float32, device=opt.ddp.ps.device)
-            for pc in pieces:
-                shard[pc.position - lo:pc.position - lo + pc.end - pc.start].copy_(_value(opt, pc, kind).reshape(-1))
+            for ms in owned:
+                shard[ms.position - lo:ms.position - lo + ms.end - ms.start].copy_(_value(opt, ms, kind).reshape(-1))
             full = torch.empty(bucket.end - bucket.start, dtype=torch.float32) if kept else None
             for start, end, block in all_gather_chunks(shard, members, staging, buf.group):
                 if full is not None:
@@ -64,7 +64,7 @@ def _gather_sharded(opt: MixedPrecisionOptimizer, b: int, buf: ParamAndGradBuffe
 
 
 class StateLoader:
-    """Takes pieces of global state (any flat range of a parameter) and keeps this rank's part;
+    """Takes any flat range of a parameter's global state and keeps this rank's part;
     ``finish`` installs the moments in AdamW's own state (torch places them and ``step``)."""
 
     def __init__(self, opt: MixedPrecisionOptimizer):
@@ -73,10 +73,10 @@ class StateLoader:
         self.step: Optional[int] = None
 
     def _overlaps(self, p: nn.Parameter, offset: int, n: int):
-        for pc in self.opt.pieces_of.get(id(p), []):
-            lo, hi = max(pc.start, offset), min(pc.end, offset + n)
+        for ms in self.opt.shards_of.get(id(p), []):
+            lo, hi = max(ms.start, offset), min(ms.end, offset + n)
             if lo < hi:
-                yield pc, lo, hi
+                yield ms, lo, hi
 
     def put(self, p: nn.Parameter, offset: int, kind: str, value: torch.Tensor) -> None:
         """``value`` holds the flat elements [offset, offset + value.numel()) of ``p``'s ``kind``
@@ -88,16 +88,16 @@ class StateLoader:
         with torch.no_grad():
             if kind == "model":   # every rank holds the whole weight, in its own dtype
                 p.data.view(-1)[offset:offset + flat.numel()].copy_(flat)
-            for pc, lo, hi in self._overlaps(p, offset, flat.numel()):
+            for ms, lo, hi in self._overlaps(p, offset, flat.numel()):
                 src = flat[lo - offset:hi - offset]
                 if kind == "model":
-                    if not pc.aliases_param:
-                        pc.main.view(-1)[lo - pc.start:hi - pc.start].copy_(src)
+                    if not ms.aliases_param:
+                        ms.main.view(-1)[lo - ms.start:hi - ms.start].copy_(src)
                     continue
-                kept = self.moments.setdefault(id(pc.main), {})
+                kept = self.moments.setdefault(id(ms.main), {})
                 if kind not in kept:
-                    kept[kind] = torch.zeros(pc.end - pc.start, dtype=torch.float32)
-                kept[kind][lo - pc.start:hi - pc.start].copy_(src)
+                    kept[kind] = torch.zeros(ms.end - ms.start, dtype=torch.float32)
+                kept[kind][lo - ms.start:hi - ms.start].copy_(src)
 
     def finish(self, moments: bool) -> None:
         """Install the moments read (when ``moments``) with the step count read."""

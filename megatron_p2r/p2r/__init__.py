@@ -1,1 +1,3 @@
-"""Pseudo-to-Real: layer->slot sharing maps (pseudo phase) and delinking (pseudo -> real)."""
+"""Pseudo-to-Real transforms of a trained model, as pure rules on layers and tensors: delinking
+(pseudo -> real) and depth growth. ``megatron_p2r.convert`` applies them to checkpoints; the
+share patterns themselves are layout facts (``layout.sharing``)."""

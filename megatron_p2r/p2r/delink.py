@@ -59,7 +59,7 @@ def check_refinement(layer_sources: Sequence[int], target_keys: Sequence[int], s
     """Every target module must be called only by layers whose source module is one and the same,
     else a target module would have two candidate weights (e.g. ``cycle:4 -> cycle:2``)."""
     origin: Dict[int, int] = {}
-    for layer, (src, dst) in enumerate(zip(layer_sources, target_keys)):
+    for layer, (src, dst) in enumerate(zip(layer_sources, target_keys, strict=True)):
         if origin.setdefault(dst, src) != src:
             raise ConfigError(f"--target-share-pattern {target}: layers {dst} and {layer} share a module in the "
                               f"target but come from different modules of the source ({source}); the target "
@@ -68,7 +68,7 @@ def check_refinement(layer_sources: Sequence[int], target_keys: Sequence[int], s
 
 def target_uses(layer_sources: Sequence[int], target_keys: Sequence[int]) -> Dict[int, int]:
     """source module -> how many target modules are copied from it (what a conversion must write)."""
-    return dict(Counter(src for src, _ in dict.fromkeys(zip(layer_sources, target_keys))))
+    return dict(Counter(src for src, _ in dict.fromkeys(zip(layer_sources, target_keys, strict=True))))
 
 
 def delink_moment(kind: str, tensor: torch.Tensor, source_uses: int, target_uses: int, mode: str) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Depth growth: a model of L/k layers (real or pseudo) becomes one of L layers, as pure
-functions on layer maps; the converter (``checkpoint/reshard.py``) streams the tensors.
+functions on layer maps; the converter (``convert/reshard.py``) streams the tensors.
 
 Two orders, as in the literature:
 
@@ -38,7 +38,7 @@ def check_layer_kinds(source_layers: Sequence[int], source_moe: Sequence[bool], 
     """A target layer must be of its source layer's kind (dense or MoE): with MoE in every
     other layer, ``interleave`` would put a dense layer's weights into an MoE layer."""
     kinds = ("dense", "MoE")
-    for j, (src, moe) in enumerate(zip(source_layers, target_moe)):
+    for j, (src, moe) in enumerate(zip(source_layers, target_moe, strict=True)):
         if source_moe[src] != moe:
             raise ConfigError(f"grow --method {method}: target layer {j} is {kinds[moe]} but its source layer "
                               f"{src} is {kinds[source_moe[src]]}; choose a method or --num-layers that keeps "

@@ -41,7 +41,9 @@ class DistributedDataParallel:
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         self._staging: Dict[torch.dtype, torch.Tensor] = {}
         named = dict(model.named_parameters())
-        self._final_chunk = {id(p): _final_chunk(name, plan.stage(ps.pp_rank)) for name, p in named.items()}
+        module_keys = {s.name: s.module_key for s in plan.tensors(ps.pp_rank)}
+        self._final_chunk = {id(p): _final_chunk(name, module_keys.get(name), plan.stage(ps.pp_rank))
+                             for name, p in named.items()}
         self.buffers: List[ParamAndGradBuffer] = []
         for layout in plan.grad_buffers(ps.pp_rank):
             missing = [n for n in layout.names if n not in named]
@@ -168,10 +170,10 @@ class DistributedDataParallel:
         return [t for tensors in storage for t in (tensors or {}).values()]
 
 
-def _final_chunk(name: str, stage: StagePlan) -> int:
+def _final_chunk(name: str, module_key: Optional[int], stage: StagePlan) -> int:
     """The model chunk in whose last backward parameter ``name`` of ``stage`` is final: the
-    lowest chunk that uses it (the embedding is chunk 0's, the head the last chunk's)."""
-    if name.startswith("layers."):
-        key = int(name.split(".")[1])
-        return min(part.chunk for part in stage.chunks if key in part.layer_keys)
+    lowest chunk that uses its layer module ``module_key`` (the embedding is chunk 0's, the head
+    the last chunk's)."""
+    if module_key is not None:
+        return min(part.chunk for part in stage.chunks if module_key in part.layer_keys)
     return 0 if name.startswith("embedding.") else len(stage.chunks) - 1

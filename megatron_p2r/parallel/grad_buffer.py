@@ -53,18 +53,18 @@ class ParamAndGradBuffer:
                  staging: Callable[[torch.dtype, int], torch.Tensor]):
         self.layout, self.member, self.group, self.divisor, self.device = layout, member, group, divisor, device
         self.params, self.staging = params, staging
-        for name, p, (lo, hi) in zip(layout.names, params, layout.ranges):
+        for name, p, (lo, hi) in zip(layout.names, params, layout.ranges, strict=True):
             if p.numel() != hi - lo:
                 raise ValueError(f"{name}: the plan's gradient buffer holds {hi - lo} elements, the model {p.numel()}")
         locations = [self._location(b.params) for b in layout.buckets]
         offsets, sizes = [], {}
-        for b, where in zip(layout.buckets, locations):
+        for b, where in zip(layout.buckets, locations, strict=True):
             offsets.append(sizes.get(where, 0))
             sizes[where] = offsets[-1] + b.end - b.start
         self.grad_data = self._allocate(sizes, torch.float32)
         self.param_data = self._allocate(sizes, params[0].dtype) if layout.sharded else None
         self.buckets: List[BucketState] = []
-        for i, (b, where, offset) in enumerate(zip(layout.buckets, locations, offsets)):
+        for i, (b, where, offset) in enumerate(zip(layout.buckets, locations, offsets, strict=True)):
             grad = self.grad_data[where][offset:offset + b.end - b.start]
             param = self.param_data[where][offset:offset + b.end - b.start] if self.param_data else None
             staged = group is not None and (where != device or staged_everywhere)

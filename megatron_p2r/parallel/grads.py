@@ -1,25 +1,18 @@
-"""The reduction each gradient needs, the global gradient norm and clipping.
+"""The global gradient norm, clipping, and the reduction each gradient needs.
 
-Training reduces gradients through ``parallel/ddp.py`` (buffers, buckets, overlap);
-``finalize_grads`` does the same reduction for a module's plain ``.grad`` tensors (a bare layer
-or a model without gradient buffers, as the equivalence tests use). Per parameter, as the
-``ParallelPlan``'s ``Reduction`` of the parameter says:
+Training reduces gradients through ``parallel/ddp.py`` (buffers, buckets, overlap), as the
+``ParallelPlan``'s ``Reduction`` of each parameter says (``reduction_of``):
 - replicas held by several pipeline stages (the tied embedding on the first and last stage,
   a pseudo-phase slot used on several stages) are **summed** over those stages;
 - then averaged over the data-parallel group — expert weights all-reduced over the expert-dp
   group but divided by the whole DP size: with EP, an expert's owner already holds the sum of
   the gradients its EP peers' tokens sent it, so the mean over all DP ranks' losses is
   (sum over expert-dp) / DP, not / expert-DP (docs/moe.md).
-
-Both reductions are linear, so they are fused where they can be: a replica shared by the
-stages S is reduced with *one* all-reduce over the group S x dp (then divided by dp), and
-every parameter with the same group goes into one collective.
 """
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from typing import Iterable, List, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,37 +22,10 @@ from megatron_p2r.layout.plan import ParallelPlan, Reduction
 from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import ParallelState
 
-NamedParams = Iterable[Tuple[str, nn.Parameter]]
-
 
 def reduction_of(plan: ParallelPlan, name: str, p: nn.Parameter) -> Reduction:
     """The plan's reduction of parameter ``name`` (its module path)."""
     return plan.reduction(logical_name(name, p), getattr(p, "expert", False))
-
-
-def finalize_grads(named_params: NamedParams, plan: ParallelPlan, ps: ParallelState) -> None:
-    """Sum replicas over stages and average over data parallelism, one bucket per group."""
-    buckets = defaultdict(list)
-    divisor = ps.dp_size
-    for name, p in named_params:
-        if p.grad is None:  # e.g. an expert that received no token: still join the collective
-            p.grad = torch.zeros_like(p)
-        group = ps.reduction_group(reduction_of(plan, name, p))
-        if group is not None:
-            buckets[(id(group), p.grad.device)].append((group, p))
-        elif divisor != 1:
-            p.grad.div_(divisor)
-    for members in buckets.values():
-        group = members[0][0]
-        grads = [p.grad for _, p in members]
-        # host-resident (offloaded) gradients travel through the device: NCCL reduces device tensors
-        flat = torch.cat([g.reshape(-1) for g in grads]).to(ps.device)
-        dist.all_reduce(flat, group=group)
-        flat.div_(divisor)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
 
 
 def grad_norm_and_non_finite(grads: Sequence[torch.Tensor], owned: Sequence[bool],

@@ -11,7 +11,7 @@ sequence (keeping only the shard for backward, as Megatron does, and gathering i
 there), a row-parallel linear and the embedding reduce-scatter their output instead of
 all-reducing it. The biases added after the reduce-scatter then see 1/TP of the tokens: their
 gradients are partial and are summed over TP with their data-parallel reduction
-(``layout.tensors.SEQUENCE_PARALLEL_PARTIAL``, the plan's ``Reduction.tp_block``).
+(``layout.tensor_specs.SEQUENCE_PARALLEL_PARTIAL``, the plan's ``Reduction.tp_block``).
 """
 from __future__ import annotations
 

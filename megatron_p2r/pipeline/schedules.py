@@ -8,8 +8,9 @@ are known up front) and all-reduces that one number over DP (a device tensor: no
 sync). The model returns a micro-batch's masked sum itself when given the loss mask (its
 fused loss computes the gradient along: parallel/cross_entropy.py). Each micro-batch's
 backward runs on ``masked sum x loss_scale x DP / valid tokens``:
-``finalize_grads`` then averages over DP (and sums the replicas held by several stages), so
-the gradient is that of the global token mean whatever the masks and micro-batch shapes.
+the data-parallel reduction (``parallel/ddp.py``) then averages over DP (and sums the replicas
+held by several stages), so the gradient is that of the global token mean whatever the masks
+and micro-batch shapes.
 Every schedule back-propagates each model chunk's micro-batches in the order it ran them, so
 GPipe, 1F1B and interleaved 1F1B accumulate every parameter's gradient in the same order and
 give bitwise equal gradients (equal to no-pipelining up to the order of cross-stage sums; a
@@ -69,7 +70,7 @@ class TokenMeanLoss:
 
     def __init__(self, microbatches: List[dict], ps: ParallelState, loss_scale: float):
         self.tokens = global_valid_tokens(microbatches, ps)
-        # x DP: finalize_grads divides the DP sum of the gradients by DP
+        # x DP: the data-parallel reduction divides the DP sum of the gradients by DP
         self.grad_factor = (loss_scale * ps.dp_size / self.tokens).float()
         self.total = torch.zeros((), device=ps.device)
 
@@ -84,12 +85,6 @@ class TokenMeanLoss:
 
     def share(self) -> torch.Tensor:
         return (self.total / self.tokens).float()
-
-
-def autocast_context(ps: ParallelState, dtype: Optional[torch.dtype]):
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=ps.device.type, dtype=dtype)
 
 
 class _BusyTimer:
@@ -126,7 +121,7 @@ def _announce_backward_scale(hook: BackwardScaleHook, loss_scale: float, n: int,
 
 
 def forward_backward_no_pipelining(model, microbatches: List[dict], ps: ParallelState, *,
-                                   loss_scale: float = 1.0, dtype: Optional[torch.dtype] = None,
+                                   loss_scale: float = 1.0,
                                    forward_only: bool = False, stats: Optional[dict] = None,
                                    on_backward_scale: BackwardScaleHook = None) -> torch.Tensor:
     """Gradient accumulation on one stage; returns this DP rank's share of the token mean
@@ -136,7 +131,7 @@ def forward_backward_no_pipelining(model, microbatches: List[dict], ps: Parallel
     loss = TokenMeanLoss(microbatches, ps, loss_scale)
     for mb in microbatches:
         with timer.busy():
-            with autocast_context(ps, dtype), (torch.no_grad() if forward_only else contextlib.nullcontext()):
+            with torch.no_grad() if forward_only else contextlib.nullcontext():
                 loss_sum = loss.add(model(tokens=mb["tokens"], labels=mb["labels"], loss_mask=mb["loss_mask"]))
             if not forward_only:
                 loss.backward(loss_sum)
@@ -167,9 +162,9 @@ class _StageSteps:
     with the transfers ``order.input_of`` and ``order.sent_by`` name for it."""
 
     def __init__(self, model, microbatches: List[dict], ps: ParallelState, chunks: int, link: StageLink,
-                 loss: Optional[TokenMeanLoss], timer: _BusyTimer, dtype: Optional[torch.dtype], forward_only: bool):
+                 loss: Optional[TokenMeanLoss], timer: _BusyTimer, forward_only: bool):
         self.model, self.microbatches, self.ps, self.link, self.loss = model, microbatches, ps, link, loss
-        self.timer, self.dtype, self.forward_only, self.chunks = timer, dtype, forward_only, chunks
+        self.timer, self.forward_only, self.chunks = timer, forward_only, chunks
         self.inflight = {}  # (micro-batch, chunk) -> (received input, output) awaiting backward
 
     def run(self, op: Op) -> None:
@@ -187,7 +182,7 @@ class _StageSteps:
         if x is not None:
             x.requires_grad_(not self.forward_only)
         grad_mode = torch.no_grad() if self.forward_only else contextlib.nullcontext()
-        with self.timer.busy(), grad_mode, autocast_context(self.ps, self.dtype):
+        with self.timer.busy(), grad_mode:
             inputs = dict(tokens=mb["tokens"]) if x is None else dict(hidden=x)
             if last:
                 inputs.update(labels=mb["labels"], loss_mask=mb["loss_mask"])
@@ -220,7 +215,7 @@ def _rank_schedule(schedule: str, pp: int, chunks: int, microbatches: int, rank:
 
 
 def _pipelined(model, microbatches: List[dict], ps: ParallelState, *, schedule: str, chunks: int,
-               loss_scale: float, dtype: Optional[torch.dtype], forward_only: bool,
+               loss_scale: float, forward_only: bool,
                stats: Optional[dict], on_backward_scale: BackwardScaleHook) -> Optional[torch.Tensor]:
     """Run this rank's ops of ``schedule`` (``order.pipeline_ops``) over ``chunks`` model chunks."""
     n = len(microbatches)
@@ -235,8 +230,7 @@ def _pipelined(model, microbatches: List[dict], ps: ParallelState, *, schedule: 
     specs = [model.hidden_spec(tuple(mb["tokens"].shape)) for mb in microbatches]
     link = StageLink(ps, known, lambda msg: specs[msg.microbatch])
     loss = TokenMeanLoss(microbatches, ps, loss_scale) if ps.is_last_stage else None
-    steps = _StageSteps(model, microbatches, ps, chunks, link, loss, _BusyTimer(stats, ps.device), dtype,
-                        forward_only)
+    steps = _StageSteps(model, microbatches, ps, chunks, link, loss, _BusyTimer(stats, ps.device), forward_only)
     for op in ops:
         steps.run(op)
     link.wait()
@@ -244,32 +238,32 @@ def _pipelined(model, microbatches: List[dict], ps: ParallelState, *, schedule: 
 
 
 def forward_backward_gpipe(model, microbatches: List[dict], ps: ParallelState, *,
-                           loss_scale: float = 1.0, dtype: Optional[torch.dtype] = None,
+                           loss_scale: float = 1.0,
                            forward_only: bool = False, stats: Optional[dict] = None,
                            on_backward_scale: BackwardScaleHook = None) -> Optional[torch.Tensor]:
     """All forwards, then all backwards."""
-    return _pipelined(model, microbatches, ps, schedule="gpipe", chunks=1, loss_scale=loss_scale, dtype=dtype,
+    return _pipelined(model, microbatches, ps, schedule="gpipe", chunks=1, loss_scale=loss_scale,
                       forward_only=forward_only, stats=stats, on_backward_scale=on_backward_scale)
 
 
 def forward_backward_1f1b(model, microbatches: List[dict], ps: ParallelState, *,
-                          loss_scale: float = 1.0, dtype: Optional[torch.dtype] = None,
+                          loss_scale: float = 1.0,
                           forward_only: bool = False, stats: Optional[dict] = None,
                           on_backward_scale: BackwardScaleHook = None) -> Optional[torch.Tensor]:
     """One-forward-one-backward (PipeDream-flush); works with fewer micro-batches than stages."""
-    return _pipelined(model, microbatches, ps, schedule="1f1b", chunks=1, loss_scale=loss_scale, dtype=dtype,
+    return _pipelined(model, microbatches, ps, schedule="1f1b", chunks=1, loss_scale=loss_scale,
                       forward_only=forward_only, stats=stats, on_backward_scale=on_backward_scale)
 
 
 def forward_backward_pipelining_with_interleaving(model, microbatches: List[dict], ps: ParallelState, *,
-                                                  loss_scale: float = 1.0, dtype: Optional[torch.dtype] = None,
+                                                  loss_scale: float = 1.0,
                                                   forward_only: bool = False, stats: Optional[dict] = None,
                                                   on_backward_scale: BackwardScaleHook = None
                                                   ) -> Optional[torch.Tensor]:
     """Interleaved 1F1B over the model's ``num_model_chunks`` chunks (``order.py``); any number
     of micro-batches."""
     return _pipelined(model, microbatches, ps, schedule="1f1b", chunks=model.num_model_chunks,
-                      loss_scale=loss_scale, dtype=dtype, forward_only=forward_only, stats=stats,
+                      loss_scale=loss_scale, forward_only=forward_only, stats=stats,
                       on_backward_scale=on_backward_scale)
 
 

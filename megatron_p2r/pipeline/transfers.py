@@ -38,7 +38,7 @@ def _send_clocks(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int,
         op = all_ops[r][i]
         wanted = input_of(op, pp, chunks, r)
         if wanted is not None:
-            clock[r] = [max(a, b) for a, b in zip(clock[r], stamps[wanted[0]])]
+            clock[r] = [max(a, b) for a, b in zip(clock[r], stamps[wanted[0]], strict=True)]
         if r in slot:
             clock[r][slot[r]] = i
         for _, msg in sent_by(op, pp, chunks, r):
@@ -92,7 +92,7 @@ def transfers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int) 
     acknowledges: Dict[Message, List[Message]] = {}
     for arrived in (msg for taken in pulls(all_ops[rank], pp, chunks, rank, incoming) for msg in taken):
         proven = []
-        for dst, ran_up_to in zip(watched, stamps[arrived]):
+        for dst, ran_up_to in zip(watched, stamps[arrived], strict=True):
             while unproven[dst] and unproven[dst][-1][0] <= ran_up_to:
                 proven.append(unproven[dst].pop()[1])
         if proven:
@@ -111,7 +111,7 @@ def link_buffers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: in
     pending: Dict[Message, int] = {}   # send -> its destination
     early: set = set()
     out = []
-    for op, taken in zip(all_ops[rank], pulls(all_ops[rank], pp, chunks, rank, t.incoming)):
+    for op, taken in zip(all_ops[rank], pulls(all_ops[rank], pp, chunks, rank, t.incoming), strict=True):
         wanted = input_of(op, pp, chunks, rank)
         early.update(taken)
         early.discard(wanted[0] if wanted is not None else None)

@@ -1,7 +1,7 @@
 """Scale on paper: what every rank of a layout holds, sends and computes, without building it.
 
 Pure accounting over a ``Config`` and a world size, reading the ``ParallelPlan`` (which stages
-hold which modules, replicas, reductions, the offload choice) and its tensor table, which
+hold which modules, replicas, reductions, the offload choice) and its tensor specs, which
 ``tools/plan.py --verify-rank`` checks against a meta-device build of any rank. One module per
 concern: ``hardware`` (GPU presets), ``memory`` (parameter, gradient, optimizer and offloaded
 bytes), ``activations``, ``communication``, ``timing`` and ``estimate`` (``make_plan``: the whole

@@ -21,7 +21,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 from megatron_p2r.config import Config, num_microbatches
 from megatron_p2r.layout.plan import ParallelPlan, StagePlan
-from megatron_p2r.layout.tensors import TensorSpec, layer_tensors
+from megatron_p2r.layout.tensor_specs import TensorSpec, layer_tensors
 from megatron_p2r.parallel.cross_entropy import chunk_tokens
 from megatron_p2r.pipeline.order import Op, max_outstanding, pipeline_ops
 from megatron_p2r.pipeline.transfers import link_buffers
@@ -281,7 +281,7 @@ def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, chunk: int = 
     # A weight called several times in one forward gets one gradient buffer (its dtype) that
     # autograd accumulates into until its last use's backward (the tied embedding too).
     shared = sum(s_.numel * a for s_ in plan.tensors(stage)
-                 if s_.name.startswith("layers.") and calls[int(s_.name.split(".")[1])] > 1)
+                 if s_.module_key is not None and calls[s_.module_key] > 1)
     if part.first and part.last and not m.untie_embeddings_and_output_weights:
         shared += a * (m.padded_vocab_size // tp) * m.hidden_size
     return StageActivations(held=common + head + sum(per[k].held * c for k, c in calls.items()), head=head,

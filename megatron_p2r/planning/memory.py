@@ -66,7 +66,7 @@ def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, objec
     per_module = {k: v for k, v in modules.items() if k is not None}
     chosen = list(st.offloaded)
     placed = memory_plan(stage_state_bytes(plan, stage), per_module, chosen, o.offload_prefetch, what)
-    layers = [i for i, k in zip(st.layers, st.layer_keys) if k in chosen]
+    layers = [i for i, k in zip(st.layers, st.layer_keys, strict=True) if k in chosen]
     weights = sum(per_module[k]["params"] for k in chosen)
     stepped = sum(stepped_elements(per_module[k]) for k in chosen)
     on_host = "params" in what

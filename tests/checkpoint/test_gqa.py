@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.io import save_checkpoint
-from megatron_p2r.checkpoint.reshard import DelinkOptions, Target, convert, target_config
+from megatron_p2r.convert.reshard import DelinkOptions, Target, convert, target_config
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, tensor_table
 from megatron_p2r.config import ConfigError
 from megatron_p2r.parallel.state import ParallelState

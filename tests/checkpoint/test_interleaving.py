@@ -2,7 +2,7 @@
 run with the same TP, PP and EP reads each piece from the file the checkpoint's table names."""
 import os
 
-from megatron_p2r.checkpoint.reshard import Target, convert
+from megatron_p2r.convert.reshard import Target, convert
 from megatron_p2r.testing import run_distributed
 from tests.checkpoint.common import cfg_of, metadata
 
@@ -36,7 +36,7 @@ def test_save_interleaved_load_plain_and_back(tmp_path):
     straight = results["straight"]
     for name in ("v2_then_v1", "v1_then_v2", "v2_then_v1_distopt"):
         assert len(results[name]) == 4
-        for got, want in zip(results[name], straight):
+        for got, want in zip(results[name], straight, strict=True):
             assert abs(got - want) <= 1e-6 * abs(want), (name, results[name], straight)
     saved_v2 = metadata(str(tmp_path / "v2_then_v1" / "iter_0000002"))
     assert saved_v2["layout"] == {"tp": 1, "pp": 2, "ep": 1, "stage_layers": [[0, 1], [1, 2], [2, 3], [3, 4]]}

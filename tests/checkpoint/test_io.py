@@ -11,7 +11,7 @@ import torch
 
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.io import load_checkpoint, save_checkpoint
-from megatron_p2r.checkpoint.reshard import Target, convert
+from megatron_p2r.convert.reshard import Target, convert
 from megatron_p2r.checkpoint.safetensors_io import ShardReader
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.training import build_train_state
@@ -48,7 +48,7 @@ def test_load_restores_everything_exactly(saved):
     root, state = saved
     new = _fresh()
     load_checkpoint(str(root), new)
-    for (name, p), (_, q) in zip(state.model.named_parameters(), new.model.named_parameters()):
+    for (name, p), (_, q) in zip(state.model.named_parameters(), new.model.named_parameters(), strict=True):
         assert torch.equal(p, q), name
         for k in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(state.optimizer.state[p][k], new.optimizer.state[q][k]), (name, k)

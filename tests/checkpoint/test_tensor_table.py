@@ -3,7 +3,7 @@ import json
 
 from megatron_p2r.checkpoint.naming import entry_name
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, file_entries, tensor_table
-from megatron_p2r.layout.tensors import WORD_EMBEDDING
+from megatron_p2r.layout.tensor_specs import WORD_EMBEDDING
 from tests.helpers import tiny_config
 
 

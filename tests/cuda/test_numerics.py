@@ -43,7 +43,7 @@ def grad_errors(state, ref_state) -> dict:
 
 
 def relative(a: list, b: list) -> list:
-    return [abs(x - y) / abs(y) for x, y in zip(a, b)]
+    return [abs(x - y) / abs(y) for x, y in zip(a, b, strict=True)]
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
@@ -94,7 +94,7 @@ def test_moe_forward_backward_through_nccl_all_to_all(lane, record_property, mon
     record_property("all_to_all_single_calls", len(calls))
     record_property("loss_rel_err_vs_cpu", [round(e, 9) for e in relative(losses, ref_losses)])
     assert losses == plain_losses
-    for (name, p), q in zip(state.model.named_parameters(), plain.model.parameters()):
+    for (name, p), q in zip(state.model.named_parameters(), plain.model.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
     assert max(relative(losses, ref_losses)) < 1e-5, (losses, ref_losses)
     assert max(grad_errors(state, ref_state).values()) < 1e-4

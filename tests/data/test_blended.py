@@ -11,7 +11,7 @@ def reference_blending(weights, size):
     dataset_index, sample_index = [], []
     for i in range(size):
         step = max(float(i), 1.0)
-        errors = [w * step - c for w, c in zip(weights, current)]
+        errors = [w * step - c for w, c in zip(weights, current, strict=True)]
         best = errors.index(max(errors))
         dataset_index.append(best)
         sample_index.append(current[best])

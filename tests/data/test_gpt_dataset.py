@@ -76,7 +76,7 @@ def test_indices_equal_naive_reference(case):
     num_samples = int(rng.integers(1, 4 * tokens // seq_length + 3))  # often several epochs
     ours = gpt_dataset.build_indices(sizes, documents, num_samples, seq_length, seed=case)
     ref = reference_indices(sizes, documents, num_samples, seq_length, seed=case)
-    for a, b, name in zip(ours, ref, ("doc_idx", "sample_idx", "shuffle_idx")):
+    for a, b, name in zip(ours, ref, ("doc_idx", "sample_idx", "shuffle_idx"), strict=True):
         np.testing.assert_array_equal(a, b, err_msg=name)
     assert len(ours[1]) - 1 >= num_samples
 
@@ -87,7 +87,7 @@ def test_separate_last_epoch_is_exercised():
     for num_samples, separate in [(30, True), (45, False)]:
         ours = gpt_dataset.build_indices(sizes, documents, num_samples, 4, seed=3)
         ref = reference_indices(sizes, documents, num_samples, 4, seed=3)
-        for a, b in zip(ours, ref):
+        for a, b in zip(ours, ref, strict=True):
             np.testing.assert_array_equal(a, b)
         # A separately shuffled last epoch keeps the first epoch's documents in its first half.
         assert (sorted(ours[0][:10].tolist()) == list(range(10))) == separate

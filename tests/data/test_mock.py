@@ -9,7 +9,7 @@ def test_deterministic_and_order_independent():
     b = MockGPTDataset(100, 16, 1000, seed=3)
     forward = [a[i] for i in range(100)]
     backward = [b[i] for i in reversed(range(100))][::-1]
-    assert all(np.array_equal(x, y) for x, y in zip(forward, backward))
+    assert all(np.array_equal(x, y) for x, y in zip(forward, backward, strict=True))
     other = MockGPTDataset(100, 16, 1000, seed=4)
     assert not all(np.array_equal(a[i], other[i]) for i in range(100))
     assert len({tuple(x[:2]) for x in forward}) > 90  # samples differ from each other

@@ -32,7 +32,7 @@ def test_matches_megatron(total, consumed, mb, dp, drop_last):
 def test_ranks_split_each_step():
     mb, dp = 3, 4
     per_rank = [list(PretrainingSampler(120, 0, mb, r, dp)) for r in range(dp)]
-    for step, batches in enumerate(zip(*per_rank)):
+    for step, batches in enumerate(zip(*per_rank, strict=True)):
         flat = [i for b in batches for i in b]
         assert flat == list(range(step * mb * dp, (step + 1) * mb * dp))
         assert all(len(b) == mb for b in batches)
@@ -46,8 +46,8 @@ def test_resume_continues_exactly():
         for steps_done in (1, 4, 9):
             resumed = list(PretrainingSampler(total, steps_done * mb * dp, mb, rank, dp))
             assert resumed == full[steps_done:]
-            for a, b in zip(resumed, full[steps_done:]):
-                assert all(np.array_equal(data[i], data[j]) for i, j in zip(a, b))
+            for a, b in zip(resumed, full[steps_done:], strict=True):
+                assert all(np.array_equal(data[i], data[j]) for i, j in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("args,message", [

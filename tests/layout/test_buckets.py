@@ -49,15 +49,15 @@ def test_buckets_hold_whole_parameters_and_shards_partition_them(members, sharde
             assert shards[0][0] == bucket.start and shards[-1][1] == bucket.end
             assert all(shards[m][1] == shards[m + 1][0] for m in range(members - 1))
     for i in range(len(NUMELS)):
-        pieces = buf.param_shards(i)
-        owners = [m for m, _, _ in pieces]
+        shards = buf.param_shards(i)
+        owners = [m for m, _, _ in shards]
         if sharded:   # every element of the parameter has exactly one owner
             assert sorted(owners) == owners and len(set(owners)) == len(owners)
-            assert [p[1] for p in pieces][0] == 0 and pieces[-1][2] == NUMELS[i]
-            assert all(pieces[k][2] == pieces[k + 1][1] for k in range(len(pieces) - 1))
+            assert [p[1] for p in shards][0] == 0 and shards[-1][2] == NUMELS[i]
+            assert all(shards[k][2] == shards[k + 1][1] for k in range(len(shards) - 1))
         else:         # replicated optimizer: every member owns it whole
-            assert pieces == [(m, 0, NUMELS[i]) for m in range(members)]
-        for m, start, end in pieces:
+            assert shards == [(m, 0, NUMELS[i]) for m in range(members)]
+        for m, start, end in shards:
             covered[i] += end - start
     assert covered == [n * (1 if sharded else members) for n in NUMELS]
     for m in range(members):
@@ -130,10 +130,10 @@ def test_plan_names_the_owner_of_every_range():
     cfg = _cfg(use_distributed_optimizer=True)
     plan = ParallelPlan.for_world(cfg, 4)
     name = "layers.0.mlp.fc1.weight"
-    pieces = plan.optimizer_shards(0, name)
+    shards = plan.optimizer_shards(0, name)
     numel = next(s.numel for s in plan.tensors(0) if s.name == name)
-    assert pieces[0][1] == 0 and pieces[-1][2] == numel and all(0 <= m < 4 for m, _, _ in pieces)
-    assert sum(e - s for _, s, e in pieces) == numel
+    assert shards[0][1] == 0 and shards[-1][2] == numel and all(0 <= m < 4 for m, _, _ in shards)
+    assert sum(e - s for _, s, e in shards) == numel
     replicated = ParallelPlan.for_world(_cfg(), 4).optimizer_shards(0, name)
     assert replicated == [(m, 0, numel) for m in range(4)]
     with pytest.raises(KeyError):

@@ -8,7 +8,7 @@ from megatron_p2r.arguments import parse_args
 from megatron_p2r.config import ConfigError, stage_layer_counts, validate
 from megatron_p2r.layout.plan import ParallelPlan, Reduction, stage_layer_ranges
 from megatron_p2r.layout.ranks import Layout
-from megatron_p2r.layout.tensors import WORD_EMBEDDING
+from megatron_p2r.layout.tensor_specs import WORD_EMBEDDING
 from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import ParallelState
@@ -112,7 +112,7 @@ def test_model_stages_hold_what_the_plan_says(tied):
     assert first.embedding is not None and first.final_norm is None and first.output_layer is None
     assert middle.embedding is None and middle.final_norm is None and middle.output_layer is None
     assert last.embedding is None and last.final_norm is not None and last.output_layer is not None
-    for s, model in enumerate(stages):  # names, local shapes and sharding: the plan's tensor table
+    for s, model in enumerate(stages):  # names, local shapes and sharding: the plan's tensor specs
         built = [(n, tuple(p.shape), getattr(p, "tp_dim", None), getattr(p, "shared_name", None))
                  for n, p in model.named_parameters()]
         assert built == [(t.name, t.shape, t.tp_dim, t.shared_name) for t in plan.tensors(s)]

@@ -3,7 +3,7 @@
 One process: the attention module equals attention written out by hand (keys and values
 repeated over each group's query heads, q/k norms over the head dimension, rotary on the first
 fraction of each head); --group-query-attention with as many groups as heads is the fused
-multi-head model with its rows regrouped (the layouts of layout.tensors.HeadRows).
+multi-head model with its rows regrouped (the layouts of layout.tensor_specs.HeadRows).
 
 TP: TP2 x DP2 and TP4 with G = 1, 2 and heads (TP > G replicates key/value heads over TP/G
 ranks) reproduce the one-process model -- loss and every gradient shard after one step (with

@@ -12,10 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_p2r.config import ModelConfig
-from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.moe import aux_loss
 from megatron_p2r.moe.layer import MoELayer
-from megatron_p2r.parallel.grads import finalize_grads
 from megatron_p2r.parallel.sharding import global_shape, init_parameters
 from megatron_p2r.parallel.state import ParallelState
 from tests.helpers import expected_shard, tiny_config
@@ -23,17 +21,25 @@ from tests.helpers import expected_shard, tiny_config
 HIDDEN = 32
 
 
-def layer_cfg(**overrides) -> ModelConfig:
+def layer_values(**overrides) -> dict:
+    """The model fields of the tiny MoE layer."""
     values = dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, num_experts=4, moe_ffn_hidden_size=24,
                   init_method_std=0.2,  # large init: routing probabilities far from uniform
                   moe_router_topk=1, moe_router_pre_softmax=True)
-    values.update(overrides)
-    return ModelConfig(**values)
+    return {**values, **overrides}
+
+
+def layer_cfg(**overrides) -> ModelConfig:
+    return ModelConfig(**layer_values(**overrides))
 
 
 def build_layer(cfg: ModelConfig, ps: ParallelState, seed: int = 3,
                 modify: Optional[Callable[[MoELayer, ParallelState], None]] = None) -> MoELayer:
-    layer = MoELayer(cfg, ps)
+    return init_layer(MoELayer(cfg, ps), ps, seed, modify)
+
+
+def init_layer(layer: MoELayer, ps: ParallelState, seed: int = 3,
+               modify: Optional[Callable[[MoELayer, ParallelState], None]] = None) -> MoELayer:
     init_parameters(layer, seed, ps.tp_rank, ps.tp_size, ps.ep_rank)
     layer.router.weight.data.mul_(5.0)  # decisive routing: no near-ties between experts
     if modify is not None:
@@ -77,24 +83,33 @@ def bias_router_towards(first: int) -> Callable:
     return modify
 
 
-def run_layer(layer: MoELayer, inputs: List[tuple], ps: ParallelState, finalize: bool = True):
-    """Forward + backward of sum(out * g) averaged over ``inputs``; returns outputs (detached)
-    and {name: grad} after ``finalize_grads``."""
+def layer_with_grad_buffers(overrides: dict, ps: ParallelState,
+                            modify: Optional[Callable[[MoELayer, ParallelState], None]] = None):
+    """(layer, ddp, model config): the MoE layer of ``layer_values(**overrides)`` with the gradient buffers
+    training gives it — layer 0's MLP of a whole model built by ``build_train_state``, whose
+    DDP reduces the layer's gradients with the rest of the stage — initialised as
+    ``build_layer`` initialises a bare one."""
+    from megatron_p2r.training import build_train_state
+    cfg = tiny_config(**layer_values(**overrides), tensor_model_parallel_size=ps.tp_size,
+                      expert_model_parallel_size=ps.ep_size)
+    state = build_train_state(cfg, ps)
+    return init_layer(state.model.layers["0"].mlp, ps, modify=modify), state.ddp, cfg.model
+
+
+def run_layer(layer: MoELayer, inputs: List[tuple]) -> List[torch.Tensor]:
+    """Forward + backward of sum(out * g) averaged over ``inputs``; the outputs (detached)."""
     outs = []
     aux_loss.set_backward_scale(1.0 / len(inputs))  # as the schedules do: aux grads scale like the loss
     for x, g in inputs:
         out = layer(x)
         (out * g).sum().div(len(inputs)).backward()
         outs.append(out.detach())
-    if finalize:
-        finalize_layer_grads(layer, ps)
-    return outs, {n: p.grad.clone() for n, p in layer.named_parameters()}
+    return outs
 
 
-def finalize_layer_grads(layer: MoELayer, ps: ParallelState) -> None:
-    """``finalize_grads`` for a bare layer: no stage holds a replica of it, so every parameter
-    reduces over DP or expert-DP, as any plan of ``ps.layout`` says."""
-    finalize_grads(layer.named_parameters(), ParallelPlan.build(tiny_config(), ps.layout), ps)
+def layer_grads(layer: MoELayer) -> dict:
+    """{name: gradient}: ``main_grad`` where the layer has gradient buffers, else ``.grad``."""
+    return {n: getattr(p, "main_grad", p.grad).clone() for n, p in layer.named_parameters()}
 
 
 # ----------------------------------------------------------------------------- references
@@ -116,7 +131,7 @@ def reference_routing(layer: MoELayer, x: torch.Tensor):
             if layer.router.renormalize:
                 total = sum(weights)
                 weights = [w / total for w in weights]
-            choices += [(grp * per_group + e, w) for e, w in zip(ranked, weights)]
+            choices += [(grp * per_group + e, w) for e, w in zip(ranked, weights, strict=True)]
         out.append(choices)
     return out
 

@@ -6,19 +6,27 @@ all ranks' inputs; these tests assert on the errors they report.
 
 Tolerances (fp32). Layer cases (init std 0.2, router x5: outputs and gradients of order 1-10):
 1e-5 absolute (observed <= 1.5e-6; rows are summed in another order). Model cases: loss and
-gradients within 1e-6 of the reference (observed <= 5e-7 loss, 6e-8 gradients). bf16
-autocast + recompute: 2e-3 (observed 1.5e-4). Capacity drops are decided on each source rank
-from its own tokens, so even with drops EP must match the reference exactly as above.
+gradients within 1e-6 of the reference (observed <= 5e-7 loss, 6e-8 gradients). Capacity drops
+are decided on each source rank from its own tokens, so even with drops EP must match the
+reference exactly as above. Gradients are those training reduces: layer cases take the layer
+from a model built as training builds it and compare the DDP-reduced ``main_grad``
+(``tests/moe/common.layer_with_grad_buffers``), model cases as ``tests/pipeline/common``.
+
+16-bit weights (--bf16) + recompute, against the one-process bf16 model with fp32 gradient sums:
+loss within 1e-5 (observed 4.8e-7), gradients within BF16_REL of each tensor's largest
+reference element (observed 5.1e-3; the largest errors are all in expert weights: after the
+all-to-all the experts' bf16 matmuls see their rows in other groupings, so they round differently).
 """
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import pytest
 
 LAYER_TOL = 1e-5
 MODEL_TOL = 1e-6
-BF16_TOL = 2e-3
+BF16_REL = 2e-2
 
 
 def check_layer(results, label: str) -> None:
@@ -30,12 +38,16 @@ def check_layer(results, label: str) -> None:
                                                   f"{r['grad_err'][worst]}"
 
 
-def check_model(results, label: str, section: str = "model", tol: float = MODEL_TOL) -> None:
+def check_model(results, label: str, section: str = "model", tol: float = MODEL_TOL,
+                rel_tol: Optional[float] = None) -> None:
+    """Loss and gradients within ``tol``; with ``rel_tol``, gradients within it relative to each
+    tensor's largest reference element instead."""
     held = set()
     for rank, res in enumerate(results):
         r = res[section][label]
         assert r["loss_err"] <= tol, f"{label} rank {rank}: loss differs by {r['loss_err']}"
-        assert r["grad_err"] <= tol, f"{label} rank {rank}: gradient differs by {r['grad_err']}"
+        err, limit = (r["grad_err"], tol) if rel_tol is None else (r["grad_rel_err"], rel_tol)
+        assert err <= limit, f"{label} rank {rank}: gradient differs by {err}"
         held.update(r["names"])
     ref_names = set(results[0][section][label]["ref_names"])
     assert ref_names == held, f"{label}: gradients not compared: {ref_names ^ held}"
@@ -57,7 +69,7 @@ def test_ep4_layer_matches_single_process(moe_world4):
 def test_ep2_model_step_matches_single_process(moe_world2):
     for case in ("dropless", "capacity-no-drop", "capacity-drops", "prototypes-recompute"):
         check_model(moe_world2, f"ep2/{case}")
-    check_model(moe_world2, "ep2/bf16-recompute", section="bf16", tol=BF16_TOL)
+    check_model(moe_world2, "ep2/bf16-recompute", section="bf16", tol=1e-5, rel_tol=BF16_REL)
 
 
 def test_ep4_model_step_matches_single_process(moe_world4):

@@ -5,7 +5,8 @@ asserts on them. No pytest import here: ranks start faster.
 
 Layer cases: each DP rank feeds its own inputs (different token counts) through one MoE layer;
 the reference feeds all ranks' inputs through the one-process layer (same seed: initialisation
-is layout-invariant), loss = mean over all inputs of sum(out * g).
+is layout-invariant), loss = mean over all inputs of sum(out * g). The layer is layer 0's MLP
+of a model built as training builds it, so its gradients are those the DDP reduces.
 Model cases: a whole M6 model step (``tests.pipeline.common.compare_case``).
 """
 from __future__ import annotations
@@ -16,8 +17,8 @@ import torch.distributed as dist
 from megatron_p2r.parallel.state import Layout, ParallelState
 from megatron_p2r.training import pretrain
 from tests.helpers import expected_shard
-from tests.moe.common import (bias_router_towards, build_layer, finalize_layer_grads, force_first_experts, layer_cfg,
-                              layer_inputs, random_biases, run_layer)
+from tests.moe.common import (bias_router_towards, build_layer, force_first_experts, layer_cfg, layer_grads,
+                              layer_inputs, layer_with_grad_buffers, random_biases, run_layer)
 from tests.pipeline.common import make_cfg, make_state
 from tests.pipeline.workers import equivalence_cases, train_replicas
 
@@ -32,30 +33,31 @@ def _both(*modifiers):
 
 
 def layer_case(ps: ParallelState, overrides: dict, modify=None, transform=None, seed: int = 0) -> dict:
-    cfg = layer_cfg(**overrides)
     inputs = layer_inputs(PER_RANK * ps.dp_size, seed)
     if transform is not None:
         inputs = [(transform(x), g) for x, g in inputs]
     mine = inputs[ps.dp_rank * PER_RANK:(ps.dp_rank + 1) * PER_RANK]
 
-    layer = build_layer(cfg, ps, modify=modify)
+    layer, ddp, cfg = layer_with_grad_buffers(overrides, ps, modify)
     received = []
     layer.experts.register_forward_pre_hook(lambda mod, args: received.append(sum(args[1])))
-    outs, raw = run_layer(layer, mine, ps, finalize=False)
-    finalize_layer_grads(layer, ps)
+    outs = run_layer(layer, mine)
+    raw = layer_grads(layer)   # this rank's own sums, before the DDP reduces them
+    ddp.finish_grad_sync()
 
     ref_layer = build_layer(cfg, ParallelState.single(), modify=modify)
-    ref_outs, ref_grads = run_layer(ref_layer, inputs, ParallelState.single(), finalize=False)
+    ref_outs = run_layer(ref_layer, inputs)
+    ref_grads = layer_grads(ref_layer)
     ref_mine = ref_outs[ps.dp_rank * PER_RANK:(ps.dp_rank + 1) * PER_RANK]
 
-    result = {"out_err": max((o - r).abs().max().item() for o, r in zip(outs, ref_mine)),
+    result = {"out_err": max((o - r).abs().max().item() for o, r in zip(outs, ref_mine, strict=True)),
               "grad_err": {}, "received": sum(received),
               "wrong_group_err": None, "wrong_divisor_err": None}
     params = dict(layer.named_parameters())
     for n, p in params.items():
         want = expected_shard(ref_grads[n], p, ps)
-        result["grad_err"][n] = (p.grad - want).abs().max().item()
-    result["expert_grad_nonzero"] = bool(torch.count_nonzero(params["experts.weight1"].grad) > 0)
+        result["grad_err"][n] = (p.main_grad - want).abs().max().item()
+    result["expert_grad_nonzero"] = bool(torch.count_nonzero(params["experts.weight1"].main_grad) > 0)
     # The same raw gradients reduced the wrong ways: over the whole dp group (mixing different
     # experts that share a local slot), and divided by expert-dp instead of dp.
     w1 = raw["experts.weight1"]
@@ -97,12 +99,12 @@ def zero_token_case(ps: ParallelState) -> dict:
 
 
 def sent_dtypes_under_bf16(ps: ParallelState) -> list:
-    """dtypes of the row tensors the all-to-alls carry, forward and backward, under bf16
-    autocast (split sizes are int64 and not counted)."""
+    """dtypes of the row tensors the all-to-alls carry, forward and backward, with bf16 weights
+    and activations as --bf16 trains (split sizes are int64 and not counted)."""
     from megatron_p2r.parallel import mappings
-    layer = build_layer(layer_cfg(moe_router_topk=2), ps)
+    layer = build_layer(layer_cfg(moe_router_topk=2), ps).to(torch.bfloat16)
     x, g = layer_inputs(2)[ps.dp_rank]
-    x.requires_grad_()  # so the dispatch all-to-all has a backward too
+    x = x.to(torch.bfloat16).requires_grad_()  # so the dispatch all-to-all has a backward too
     seen, original = [], mappings._all_to_all_single
 
     def recording(t, *args):
@@ -112,9 +114,7 @@ def sent_dtypes_under_bf16(ps: ParallelState) -> list:
 
     mappings._all_to_all_single = recording
     try:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = layer(x)
-        (out.float() * g).sum().backward()
+        (layer(x).float() * g).sum().backward()
     finally:
         mappings._all_to_all_single = original
     return seen
@@ -135,14 +135,14 @@ def world2(rank: int, world: int, log_file: str) -> dict:
     out["layer"]["ep2/zero-tokens"] = zero_token_case(ps)
     out["bf16_rows"] = sent_dtypes_under_bf16(ps)
     out["model"].update(equivalence_cases(ps, layout, [
-        ("ep2/dropless", moe_model(ep=2), "1f1b", 2, None),
-        ("ep2/capacity-no-drop", moe_model(ep=2, moe_capacity_factor=8.0, moe_router_topk=1), "1f1b", 2, None),
-        ("ep2/capacity-drops", moe_model(ep=2, moe_capacity_factor=0.5, swiglu=True), "1f1b", 1, None),
+        ("ep2/dropless", moe_model(ep=2), "1f1b", 2),
+        ("ep2/capacity-no-drop", moe_model(ep=2, moe_capacity_factor=8.0, moe_router_topk=1), "1f1b", 2),
+        ("ep2/capacity-drops", moe_model(ep=2, moe_capacity_factor=0.5, swiglu=True), "1f1b", 1),
         ("ep2/prototypes-recompute", moe_model(ep=2, num_experts=8, moe_num_prototypes=4, moe_router_topk=1,
-                                               recompute_activations=True), "1f1b", 2, None),
+                                               recompute_activations=True), "1f1b", 2),
     ]))
     out["bf16"] = equivalence_cases(ps, layout, [
-        ("ep2/bf16-recompute", moe_model(ep=2, recompute_activations=True), "1f1b", 2, torch.bfloat16)])
+        ("ep2/bf16-recompute", moe_model(ep=2, recompute_activations=True, bf16=True), "1f1b", 2)])
     out["train"] = train_replicas(moe_model(ep=2, global_batch_size=8, moe_capacity_factor=1.0), ps)
     pretrain(moe_model(ep=2, train_iters=2, moe_capacity_factor=0.5, log_file=log_file))
     return out
@@ -157,24 +157,24 @@ def world4(rank: int, world: int) -> dict:
                                                      "top2/capacity-drops")))
     out["layer"]["ep4/zero-tokens"] = zero_token_case(ps)
     out["model"].update(equivalence_cases(ps, layout, [
-        ("ep4/dropless", moe_model(ep=4), "1f1b", 1, None),
-        ("ep4/capacity-no-drop", moe_model(ep=4, moe_capacity_factor=8.0), "1f1b", 1, None)]))
+        ("ep4/dropless", moe_model(ep=4), "1f1b", 1),
+        ("ep4/capacity-no-drop", moe_model(ep=4, moe_capacity_factor=8.0), "1f1b", 1)]))
 
     layout = Layout(dp=4, ep=2)
     ps = make_state(layout)
     out["layer"].update(layer_cases(ps, "ep2xedp2", names=("top2/dropless", "swiglu-bias")))
-    out["model"].update(equivalence_cases(ps, layout, [("ep2xedp2/dropless", moe_model(ep=2), "1f1b", 1, None)]))
+    out["model"].update(equivalence_cases(ps, layout, [("ep2xedp2/dropless", moe_model(ep=2), "1f1b", 1)]))
 
     layout = Layout(tp=2, dp=2, ep=2)
     ps = make_state(layout)
     out["layer"].update(layer_cases(ps, "tp2ep2"))
     out["model"].update(equivalence_cases(ps, layout, [
-        ("tp2ep2/dropless-swiglu", moe_model(tp=2, ep=2, swiglu=True), "1f1b", 1, None),
-        ("tp2ep2/capacity-drops", moe_model(tp=2, ep=2, moe_capacity_factor=0.5), "1f1b", 1, None)]))
+        ("tp2ep2/dropless-swiglu", moe_model(tp=2, ep=2, swiglu=True), "1f1b", 1),
+        ("tp2ep2/capacity-drops", moe_model(tp=2, ep=2, moe_capacity_factor=0.5), "1f1b", 1)]))
 
     layout = Layout(pp=2, dp=2, ep=2)
     ps = make_state(layout)
     out["model"].update(equivalence_cases(ps, layout, [
-        ("pp2ep2/dropless/1f1b", moe_model(pp=2, ep=2, moe_layer_freq=2), "1f1b", 2, None),
-        ("pp2ep2/capacity-drops/1f1b", moe_model(pp=2, ep=2, moe_capacity_factor=0.5), "1f1b", 2, None)]))
+        ("pp2ep2/dropless/1f1b", moe_model(pp=2, ep=2, moe_layer_freq=2), "1f1b", 2),
+        ("pp2ep2/capacity-drops/1f1b", moe_model(pp=2, ep=2, moe_capacity_factor=0.5), "1f1b", 2)]))
     return out

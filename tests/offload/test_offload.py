@@ -2,9 +2,13 @@
 chosen, where the tensors live, and that training with any offload spec is the training without it.
 
 Numerics: every case trains the same config with and without offload on the same layout and
-compares losses and weights. On CPU the offloaded path runs exactly the same fp32 kernels on
-copies of the weights (recomputation replays the forward bit for bit), so the tolerance is
-tight: 1e-6 relative on losses and 1e-6 absolute on weights (updates are ~1e-2 at lr 1e-2).
+compares losses, weights, each step's gradient norm and the first step's gradients (clipped:
+every step's norm is above CLIP). AdamW is blind to a gradient's scale, so a gradient added
+twice in an offloaded layer shows in the norms and in the clipped gradients' direction, not in
+the losses or weights. On CPU the offloaded path runs exactly the same fp32 kernels on copies of
+the weights (recomputation replays the forward bit for bit), so the tolerance is tight: 1e-6
+relative on losses and norms, 1e-6 absolute on weights (updates are ~1e-2 at lr 1e-2) and
+gradients.
 """
 from __future__ import annotations
 
@@ -20,10 +24,11 @@ from megatron_p2r.parallel.random import seed_everything
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.testing import run_distributed
 from megatron_p2r.training import build_train_state, setup_parallel
-from tests.helpers import random_microbatches, run_steps, tiny_config
+from tests.helpers import keep_first_step_grads, random_microbatches, run_steps, tiny_config
 
 LOSS_REL, WEIGHT_ABS = 1e-6, 1e-6
-BASE = dict(num_layers=4, global_batch_size=4)  # 2 micro-batches of 2 per step (one rank)
+CLIP = 0.5   # below every step's gradient norm (one process: 1.7, 1.2, 1.0)
+BASE = dict(num_layers=4, global_batch_size=4, clip_grad=CLIP)  # 2 micro-batches of 2 per step (one rank)
 
 
 def _cfg(**kw):
@@ -36,20 +41,25 @@ def compare(kw: dict, spec: str, ps: ParallelState, steps: int = 2, prefetch: in
     errors, the offload instrumentation, and whether the host optimizer owns exactly the
     offloaded parameters."""
     seed = _cfg(**kw).train.seed
+    grads, ref_grads, outs, ref_outs = {}, {}, [], []
     seed_everything(seed, ps.tp_rank, ps.pp_rank, ps.device)  # both runs start from the same dropout streams
-    ref_losses, ref = run_steps(_cfg(**kw), ps, steps)
+    ref_losses, ref = run_steps(_cfg(**kw), ps, steps, after_step=keep_first_step_grads(ref_grads), outputs=ref_outs)
     seed_everything(seed, ps.tp_rank, ps.pp_rank, ps.device)
     losses, state = run_steps(_cfg(**kw, cpu_offload_layers=spec, offload_prefetch=prefetch,
-                                   cpu_offload_what=what), ps, steps)
+                                   cpu_offload_what=what), ps, steps,
+                              after_step=keep_first_step_grads(grads), outputs=outs)
     ref_params = dict(ref.model.named_parameters())
     weight_err = max((p.detach() - ref_params[n].detach()).abs().max().item()
                      for n, p in state.model.named_parameters())
+    grad_err = max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads)
     man = state.offload
-    host_ids = {id(pc.param) for pc in state.optimizer.pieces if pc.placement != "device"}
+    host_ids = {id(ms.param) for ms in state.optimizer.shards if ms.placement != "device"}
     on_device = all(p.device == ps.device for p in state.model.parameters())  # trivially true on CPU
     moments_apart = all(state.optimizer.state[p]["exp_avg"].untyped_storage().data_ptr()
                         != p.untyped_storage().data_ptr() for p in state.model.parameters())
-    return {"losses": losses, "ref_losses": ref_losses, "weight_err": weight_err, "keys": man.keys,
+    return {"losses": losses, "ref_losses": ref_losses, "weight_err": weight_err, "grad_err": grad_err,
+            "norms": [o["grad_norm"] for o in outs], "ref_norms": [o["grad_norm"] for o in ref_outs],
+            "keys": man.keys,
             "weights_fetched": any(getattr(c, "func", None) == man.run_layer for c in man.model.layer_calls),
             "on_device": on_device, "moments_apart": moments_apart,
             "peak": dict(man.stats["peak_live"]), "fetches": dict(man.stats["fetches"]),
@@ -60,6 +70,8 @@ def compare(kw: dict, spec: str, ps: ParallelState, steps: int = 2, prefetch: in
 def check(r: dict, keys=None) -> None:
     assert r["names_same"]
     assert r["losses"] == pytest.approx(r["ref_losses"], rel=LOSS_REL)
+    assert r["norms"] == pytest.approx(r["ref_norms"], rel=LOSS_REL) and min(r["ref_norms"]) > CLIP
+    assert r["grad_err"] <= WEIGHT_ABS
     assert r["weight_err"] <= WEIGHT_ABS
     assert r["host_opt_exact"] and r["live_after"] == 0 and r["moments_apart"]
     if r["weights_fetched"]:
@@ -79,7 +91,7 @@ def test_dense_specs_match_resident_training(spec, keys):
 
 
 @pytest.mark.parametrize("kw,spec,keys", [
-    (dict(bf16=True, hidden_dropout=0.1, attention_dropout=0.1), "0.5", [2, 3]),  # autocast + replayed dropout
+    (dict(bf16=True, hidden_dropout=0.1, attention_dropout=0.1), "0.5", [2, 3]),  # 16-bit weights + replayed dropout
     (dict(p2r_phase="pseudo", share_pattern="cycle:2"), "1", [1]),  # slot 1 serves layers 1 and 3
     (dict(p2r_phase="pseudo", share_pattern="all"), "2", [0]),      # one slot, offloaded once
     (dict(num_experts=4, moe_layer_freq=2, moe_aux_loss_coeff=0.01), "0.5", [2, 3]),  # layer 3 is MoE

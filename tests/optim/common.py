@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 import torch.distributed as dist
 
 from megatron_p2r.parallel.sharding import logical_name

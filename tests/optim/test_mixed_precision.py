@@ -37,7 +37,8 @@ def _old_path(c, batches, dtype=None):
     for mbs in batches:
         for p in model.parameters():
             p.grad = None
-        losses.append(forward_backward_no_pipelining(model, mbs, single, dtype=dtype).item())
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            losses.append(forward_backward_no_pipelining(model, mbs, single).item())
         opt.step()
     return losses, model
 
@@ -83,9 +84,9 @@ def test_bf16_weights_with_fp32_mains_track_fp32_and_the_autocast_path():
     autocast, old = _old_path(c32, batches, dtype=torch.bfloat16)
     bf16, state = _train(c16, batches)
     assert all(p.dtype == torch.bfloat16 for p in state.model.parameters())
-    assert all(pc.main.dtype == torch.float32 and pc.grad.dtype == torch.float32 for pc in state.optimizer.pieces)
+    assert all(ms.main.dtype == torch.float32 and ms.grad.dtype == torch.float32 for ms in state.optimizer.shards)
     assert bf16 == pytest.approx(fp32, rel=1e-3) and bf16 == pytest.approx(autocast, rel=1e-3)
-    mains = {pc.name: pc.main for pc in state.optimizer.pieces}
+    mains = {ms.name: ms.main for ms in state.optimizer.shards}
     for n, main in mains.items():   # the weights are the rounded mains
         assert torch.equal(state.model.get_parameter(n), main.to(torch.bfloat16)), n
     want = dict(ref.model.named_parameters())

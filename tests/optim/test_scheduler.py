@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_p2r.checkpoint.io import save_checkpoint
-from megatron_p2r.checkpoint.reshard import DelinkOptions, Target, convert
+from megatron_p2r.convert.reshard import DelinkOptions, Target, convert
 from megatron_p2r.config.batch import lr_lengths
 from megatron_p2r.optim.grad_scaler import LossScaler
 from megatron_p2r.optim.scheduler import LRScheduler, check_rewarmup, learning_rate, rewarmup_factor, with_rewarmup
@@ -55,7 +55,7 @@ def test_cosine_and_warmup_fraction():
     assert got[1] == pytest.approx(0.4) and got[2] == pytest.approx(0.8)
     midpoint = 10 + (40 - 10) / 2  # samples
     assert lrs(cfg, int(midpoint) + 1, samples=1)[-1] == pytest.approx(0.55)
-    assert got[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(got[3:], got[4:]))
+    assert got[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(got[3:], got[4:], strict=False))
     assert math.isclose(lrs(cfg, 11)[5], 0.1 + 0.45 * (1 + math.cos(math.pi * (20 - 10) / 30)))
 
 
@@ -159,13 +159,13 @@ def test_rewarmup_resumes_bitwise_across_a_save_in_its_middle(tmp_path):
     seed_everything(cfg.train.seed, 0, 0, torch.device("cpu"))  # the converted checkpoint has no RNG: a fresh run's
     straight, full = run_steps(cfg, ParallelState.single(), 4, load=str(tmp_path / "real"),
                                after_step=lambda s: lrs.append(s.optimizer.param_groups[0]["lr"]))
-    assert lrs == [scheduled(cfg, 4 * s) * f for s, f in zip(range(3, 7), (0.5, 0.75, 1.0, 1.0))]
+    assert lrs == [scheduled(cfg, 4 * s) * f for s, f in zip(range(3, 7), (0.5, 0.75, 1.0, 1.0), strict=True)]
     seed_everything(cfg.train.seed, 0, 0, torch.device("cpu"))
     first, half = run_steps(cfg, ParallelState.single(), 2, load=str(tmp_path / "real"))
     save_checkpoint(str(tmp_path / "half"), half)
     assert metadata(str(tmp_path / "half" / "iter_0000004"))["scheduler"]["rewarmup"] == {"start": 2, "iters": 4}
     second, resumed = run_steps(cfg, ParallelState.single(), 2, load=str(tmp_path / "half"))
     assert first + second == straight
-    for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
+    for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b), name
     assert resumed.scheduler.state_dict() == full.scheduler.state_dict()

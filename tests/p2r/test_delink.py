@@ -6,7 +6,7 @@ import torch
 
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.io import load_checkpoint, save_checkpoint
-from megatron_p2r.checkpoint.reshard import DelinkOptions, Target, convert
+from megatron_p2r.convert.reshard import DelinkOptions, Target, convert
 from megatron_p2r.p2r import delink as dl
 from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import ParallelState

@@ -8,8 +8,8 @@ import torch
 from megatron_p2r.checkpoint.io import load_checkpoint, save_checkpoint
 from megatron_p2r.checkpoint.metadata import metadata_config, metadata_table, read_metadata
 from megatron_p2r.checkpoint.naming import resolve_iteration_dir
-from megatron_p2r.checkpoint.pieces import read_global
-from megatron_p2r.checkpoint.reshard import GrowOptions, Target, convert
+from megatron_p2r.convert.pieces import read_global
+from megatron_p2r.convert.reshard import GrowOptions, Target, convert
 from megatron_p2r.checkpoint.safetensors_io import ReaderCache
 from megatron_p2r.checkpoint.tensor_table import ShardLayout
 from megatron_p2r.config import ConfigError

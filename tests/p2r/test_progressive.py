@@ -4,7 +4,7 @@ import torch
 
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.io import save_checkpoint
-from megatron_p2r.checkpoint.reshard import DelinkOptions, Target, convert
+from megatron_p2r.convert.reshard import DelinkOptions, Target, convert
 from megatron_p2r.config import ConfigError
 from megatron_p2r.p2r import delink as dl
 from megatron_p2r.parallel.state import ParallelState

@@ -97,7 +97,7 @@ def _dropout_streams(world):
     first = [torch.empty_like(masks[0]) for _ in range(world)]
     dist.all_gather(first, masks[0], group=ps.group("tp"))
     return {"same_hidden": all(torch.equal(hidden[0], h) for h in hidden[1:]), "kernel_err": kernel_err,
-            "calls": len(calls), "from_stream": all(torch.equal(m, r) for m, r in zip(masks, stream)),
+            "calls": len(calls), "from_stream": all(torch.equal(m, r) for m, r in zip(masks, stream, strict=True)),
             "differ_over_tp": all(not torch.equal(first[i], first[j]) for i in range(world) for j in range(i))}
 
 

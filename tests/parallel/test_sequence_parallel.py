@@ -3,11 +3,12 @@ learned positions, LayerNorm, biases) and a Llama-style (untied, RoPE, RMSNorm, 
 biases) model; with PP=2 (1F1B, stages exchange the sequence shard); with MoE and EP=2
 (aux and z losses on); with dropout (each rank's masks come from its model-parallel stream).
 
-Every case compares the loss and *every* gradient after ``finalize_grads`` (the norms, the
-biases added after a reduce-scatter, the router and the position embedding get partial
-gradients on each TP rank: without their TP all-reduce the comparison fails), on micro-batches
-of different shapes with a loss mask (``tests.pipeline.common``). Tolerance: fp32, the order
-of reductions changes, 2e-5 absolute on gradients (as the TP tests), 1e-5 on the loss.
+Every case compares the loss and *every* gradient as training reduces it (the DDP's gradient
+buffers, ``main_grad``: the norms, the biases added after a reduce-scatter, the router and the
+position embedding get partial gradients on each TP rank: without their TP all-reduce the
+comparison fails), on micro-batches of different shapes with a loss mask
+(``tests.pipeline.common``). Tolerance: fp32, the order of reductions changes, 2e-5 absolute
+on gradients (as the TP tests), 1e-5 on the loss.
 Recomputation with dropout under sequence parallelism is compared bitwise.
 """
 import pytest
@@ -18,7 +19,6 @@ from megatron_p2r.arguments import resolve_values
 from megatron_p2r.config import ConfigError, validate
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.model.m6 import build_model
-from megatron_p2r.parallel.grads import finalize_grads
 from megatron_p2r.parallel.mappings import all_gather_sequence
 from megatron_p2r.parallel.random import get_rng_tracker, seed_everything
 from megatron_p2r.parallel.sharding import logical_name
@@ -27,7 +27,7 @@ from megatron_p2r.pipeline.schedules import forward_backward_no_pipelining
 from megatron_p2r.testing import run_distributed
 from tests.helpers import max_grad_error, random_microbatches, reference_config
 from tests.moe.workers import moe_model
-from tests.pipeline.common import compare_case, make_cfg, make_state
+from tests.pipeline.common import compare_case, make_cfg, make_state, pipelined_step
 
 VARIANTS = {
     "gpt": {},
@@ -84,10 +84,8 @@ def _dropout_case() -> dict:
     ps = make_state(plan.layout)
     seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, ps.device)
     mbs = random_microbatches(cfg, 1, 2)
-    model = build_model(cfg, ps, plan)
     recorder = _Dropout()
-    loss = recorder.run(lambda: forward_backward_no_pipelining(model, mbs, ps).item())
-    finalize_grads(model.named_parameters(), plan, ps)
+    model, loss = recorder.run(lambda: pipelined_step(cfg, ps, mbs, "1f1b"))
     seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, ps.device)   # the streams as training starts them
     with get_rng_tracker(ps.device).fork():
         drawn = [torch.empty(m.shape).bernoulli_(1 - DROPOUT) != 0 for m in recorder.masks]
@@ -100,7 +98,7 @@ def _dropout_case() -> dict:
     errors = max_grad_error(model, ps, {logical_name(n, p): p.grad for n, p in reference.named_parameters()})
     return {"calls": len(recorder.masks), "replayed": len(replay.masks), "loss_err": abs(loss - ref_loss),
             "grad_err": max(errors.values()),
-            "from_stream": all(torch.equal(m, d) for m, d in zip(recorder.masks, drawn)),
+            "from_stream": all(torch.equal(m, d) for m, d in zip(recorder.masks, drawn, strict=True)),
             "shards_differ": all(not torch.equal(a, b) for a, b in halves)}
 
 

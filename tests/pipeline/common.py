@@ -7,19 +7,18 @@ micro-batches, and measure how far this rank's loss and gradient shards are from
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.model.m6 import build_model
 from megatron_p2r.moe import aux_loss
-from megatron_p2r.parallel.grads import finalize_grads
 from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import Layout, ParallelState, initialize
 from megatron_p2r.pipeline.schedules import forward_backward_no_pipelining, get_forward_backward_func
-from megatron_p2r.training import reduce_loss
+from megatron_p2r.training import build_train_state, reduce_loss
 from tests.helpers import max_grad_error, reference_config, tiny_config
 
 # (batch, sequence) of successive micro-batches: sizes differ on purpose (each stage allocates
@@ -59,24 +58,31 @@ def make_state(layout: Layout) -> ParallelState:
                       tp_blocks=tp_blocks)
 
 
-def reference(cfg, microbatches: List[dict], dtype: Optional[torch.dtype] = None):
-    """Loss and {logical name: gradient} of the one-process model, optionally under autocast."""
+def reference(cfg, microbatches: List[dict]):
+    """Loss and {logical name: gradient} of the one-process model, a plain module in the
+    weights' dtype of ``cfg``: each micro-batch's gradient summed in fp32 by a hook of its own
+    (no gradient buffer), as training sums 16-bit gradients."""
     single = ParallelState.single()
     model = build_model(reference_config(cfg), single)
-    loss = forward_backward_no_pipelining(model, microbatches, single, dtype=dtype,
-                                          on_backward_scale=aux_loss.set_backward_scale)
-    return loss.item(), {logical_name(n, p): p.grad for n, p in model.named_parameters()}
+    sums = {}
+
+    def accumulate(name: str, p) -> None:
+        sums[name] = p.grad.float() if name not in sums else sums[name] + p.grad.float()
+        p.grad = None
+
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(functools.partial(accumulate, logical_name(name, p)))
+    loss = forward_backward_no_pipelining(model, microbatches, single, on_backward_scale=aux_loss.set_backward_scale)
+    return loss.item(), sums
 
 
-def token_mean_reference(cfg, microbatches: List[dict], dtype: Optional[torch.dtype] = None, *,
-                         forward_only: bool = False):
+def token_mean_reference(cfg, microbatches: List[dict], *, forward_only: bool = False):
     """Loss and {logical name: gradient} of sum(token loss x mask) / sum(mask) over all the
     micro-batches, written out on the one-process model without the schedules: the
     definition every layout must reproduce. (No MoE: router losses follow the schedules'
     per-micro-batch averaging, checked against ``reference``.)"""
     model = build_model(reference_config(cfg), ParallelState.single())
-    autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
-    with autocast, torch.no_grad() if forward_only else contextlib.nullcontext():
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
         sums = [(model(tokens=mb["tokens"], labels=mb["labels"]) * mb["loss_mask"]).sum() for mb in microbatches]
         loss = torch.stack(sums).sum() / sum(mb["loss_mask"].sum() for mb in microbatches)
     if not forward_only:
@@ -84,40 +90,42 @@ def token_mean_reference(cfg, microbatches: List[dict], dtype: Optional[torch.dt
     return loss.item(), {logical_name(n, p): p.grad for n, p in model.named_parameters()}
 
 
-def pipelined_step(cfg, ps: ParallelState, microbatches: List[dict], schedule: str,
-                   dtype: Optional[torch.dtype] = None, stats: Optional[dict] = None):
-    """One forward/backward + finalize_grads on this rank's stage; (model, DP-mean loss)."""
-    plan = ParallelPlan.build(cfg, ps.layout)
-    model = build_model(cfg, ps, plan)
-    fb = get_forward_backward_func(ps, schedule, num_model_chunks=plan.num_model_chunks)
-    loss = fb(model, microbatches, ps, loss_scale=1.0, dtype=dtype, stats=stats,
+def pipelined_step(cfg, ps: ParallelState, microbatches: List[dict], schedule: str, stats: Optional[dict] = None):
+    """One forward/backward on this rank's stage, built and reduced as training does it
+    (``build_train_state``: the model, its gradient buffers and optimizer; the DDP's reduction
+    after the schedule); (model, DP-mean loss). The reduced gradients are the parameters'
+    ``main_grad``, what the optimizer steps on."""
+    state = build_train_state(cfg, ps)
+    state.ddp.zero_grad_buffer(len(microbatches))
+    fb = get_forward_backward_func(ps, schedule, num_model_chunks=state.plan.num_model_chunks)
+    loss = fb(state.model, microbatches, ps, loss_scale=1.0, stats=stats,
               on_backward_scale=aux_loss.set_backward_scale)
     if ps.is_last_stage and loss is None:
         raise AssertionError("the last stage must return the loss")
-    finalize_grads(model.named_parameters(), plan, ps)
-    return model, reduce_loss(loss, ps)
+    state.ddp.finish_grad_sync()
+    return state.model, reduce_loss(loss, ps)
 
 
-def compare_case(cfg, layout: Layout, ps: ParallelState, schedule: str, n_micro: int,
-                 dtype: Optional[torch.dtype] = None, data_seed: int = 0, keep: Sequence[float] = (0.8,),
-                 reference_fn: Callable = reference) -> dict:
+def compare_case(cfg, layout: Layout, ps: ParallelState, schedule: str, n_micro: int, data_seed: int = 0,
+                 keep: Sequence[float] = (0.8,), reference_fn: Callable = reference) -> dict:
     """One pipelined step (``n_micro`` micro-batches per DP rank) against ``reference_fn`` on
-    all DP ranks' micro-batches: loss error, max gradient error, logical names compared,
-    gradient hashes."""
+    all DP ranks' micro-batches: loss error, max gradient error (absolute, and relative to the
+    largest reference element of each tensor), logical names compared, gradient hashes."""
     all_mb = make_microbatches(n_micro * layout.dp, cfg.model.vocab_size, data_seed, keep)
     mine = all_mb[ps.dp_rank * n_micro:(ps.dp_rank + 1) * n_micro]
-    model, loss = pipelined_step(cfg, ps, mine, schedule, dtype)
-    ref_loss, ref_grads = reference_fn(cfg, all_mb, dtype)
+    model, loss = pipelined_step(cfg, ps, mine, schedule)
+    ref_loss, ref_grads = reference_fn(cfg, all_mb)
     errors = max_grad_error(model, ps, ref_grads)
-    return {"loss_err": abs(loss - ref_loss), "grad_err": max(errors.values()),
+    relative = max_grad_error(model, ps, ref_grads, relative=True)
+    return {"loss_err": abs(loss - ref_loss), "grad_err": max(errors.values()), "grad_rel_err": max(relative.values()),
             "names": sorted(logical_name(n, p) for n, p in model.named_parameters()),
             "ref_names": sorted(ref_grads),
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+            "grads": {n: p.main_grad.clone() for n, p in model.named_parameters()},
             "hashes": gradient_hashes(model, ps)}
 
 
 def gradient_hashes(model, ps: ParallelState) -> dict:
     """{logical name @ tp rank, ep rank: sha256 of this rank's gradient}: merged over ranks, two
     layouts of one model can be compared bitwise whichever ranks hold which layers."""
-    return {f"{logical_name(n, p)}@{ps.tp_rank},{ps.ep_rank}": hashlib.sha256(p.grad.numpy().tobytes()).hexdigest()
+    return {f"{logical_name(n, p)}@{ps.tp_rank},{ps.ep_rank}": hashlib.sha256(p.main_grad.numpy().tobytes()).hexdigest()
             for n, p in model.named_parameters()}

@@ -7,8 +7,15 @@ tokens); these tests assert on the errors they report.
 Tolerances (fp32): loss and gradients within 1e-6 absolute of the reference (observed: 0 for
 untied models, ~1.5e-8 where the tied embedding's two contributions are summed in another
 order). GPipe and 1F1B back-propagate micro-batches in the same order, so their gradients
-must be bitwise equal. bf16 autocast + recompute: within 2e-3 of the reference under the same
-autocast (observed ~1e-9: the pipelined side sends the autocast activations as they are).
+must be bitwise equal. The gradients compared are those training reduces and steps on: the
+``main_grad`` of the DDP's gradient buffers (``pipeline/common.pipelined_step``).
+
+16-bit weights (--bf16) + recompute, against the one-process model in bf16 whose micro-batch
+gradients are summed in fp32 as the buffers sum them; errors relative to each tensor's largest
+reference element. Untied: within FP32_TOL (observed 0: every micro-batch's gradient is computed
+as on one process, only the fp32 sums are ordered differently). Tied: within BF16_REL (observed
+2.9e-3 on the embedding only: one process adds the embedding's two uses in bf16 inside autograd,
+PP=2 adds the two stages' fp32 gradients; every other tensor within 3e-8).
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ from megatron_p2r.pipeline.schedules import (forward_backward_1f1b, forward_back
 from tests.pipeline.common import make_cfg, make_microbatches
 
 FP32_TOL = 1e-6
-BF16_TOL = 2e-3
+BF16_REL = 1e-2
 
 
 def check_equivalence(results: list, prefix: str, tol: float = FP32_TOL) -> int:
@@ -92,6 +99,16 @@ def test_interleaved_reproduces_one_process_and_1f1b_bitwise(world4):
         assert same_as_twin(world4, f"{label}/interleaved"), label
 
 
+def test_overlapped_reduction_inside_the_pipelined_backward(world4):
+    """--overlap-grad-reduce with small buckets (interleaved 1F1B, P=2 x DP=2, tied): each
+    bucket's all-reduce starts in the last micro-batch's backward of the chunk it belongs to;
+    the gradients are the one-process ones and bitwise those reduced after the backward."""
+    assert check_equivalence(world4, "pp2dp2v2/overlap/") == 1
+    merged = {label: {k: h for r in world4 for k, h in r["equiv"][label]["hashes"].items()}
+              for label in ("pp2dp2v2/overlap/m3/interleaved", "pp2dp2v2/tied/m3/interleaved")}
+    assert merged["pp2dp2v2/overlap/m3/interleaved"] == merged["pp2dp2v2/tied/m3/interleaved"]
+
+
 def test_interleaved_pseudo_phase_share_all(world4):
     """Every layer calls slot 0: two chunks of each rank call one module (local accumulation),
     whose gradient is then summed over all pipeline stages x DP."""
@@ -117,7 +134,9 @@ def test_moe_with_expert_parallelism_composes(world4):  # PP=2 x DP=2, EP=2, aux
 def test_recompute_and_bf16_compose(world4):
     assert check_equivalence(world4, "pp2dp2/recompute/") == 1
     for r in world4:
-        assert r["bf16"]["loss_err"] <= BF16_TOL and r["bf16"]["grad_err"] <= BF16_TOL, r["bf16"]
+        untied, tied = r["bf16"]["bf16/untied"], r["bf16"]["bf16/tied"]
+        assert untied["loss_err"] <= 1e-5 and untied["grad_rel_err"] <= FP32_TOL, untied
+        assert tied["loss_err"] <= 1e-5 and tied["grad_rel_err"] <= BF16_REL, tied
 
 
 def test_forward_only_gives_the_loss_and_no_gradients(world4):

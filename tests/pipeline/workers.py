@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import traceback
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from megatron_p2r.layout.tensors import WORD_EMBEDDING
+from megatron_p2r.layout.tensor_specs import WORD_EMBEDDING
 from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import Layout, ParallelState
@@ -24,7 +23,7 @@ from megatron_p2r.pipeline.transfers import Transfers
 from megatron_p2r.pipeline import schedules
 from megatron_p2r.pipeline.schedules import forward_backward_1f1b
 from megatron_p2r.training import reduce_loss
-from tests.helpers import expected_shard, random_microbatches, reference_config, run_steps
+from tests.helpers import expected_shard, keep_first_step_grads, random_microbatches, reference_config, run_steps
 from tests.pipeline.common import (UNEVEN_KEEP, compare_case, make_cfg, make_microbatches, make_state, pipelined_step,
                                    token_mean_reference)
 
@@ -94,12 +93,12 @@ def count_messages(cfg, ps: ParallelState, microbatches, schedule: str) -> dict:
 
 
 def equivalence_cases(ps: ParallelState, layout: Layout, cases, **data) -> dict:
-    """Run ``cases`` [(label, cfg, schedule, n_micro, dtype)] against the reference (``data``:
+    """Run ``cases`` [(label, cfg, schedule, n_micro)] against the reference (``data``:
     compare_case's keep and reference_fn); a label ending in /1f1b with a /gpipe twin also
     records whether their gradients are bitwise equal."""
     out, grads = {}, {}
-    for label, cfg, schedule, n_micro, dtype in cases:
-        r = compare_case(cfg, layout, ps, schedule, n_micro, dtype, **data)
+    for label, cfg, schedule, n_micro in cases:
+        r = compare_case(cfg, layout, ps, schedule, n_micro, **data)
         grads[label] = r.pop("grads")
         out[label] = r
     for label, mine in grads.items():
@@ -109,14 +108,6 @@ def equivalence_cases(ps: ParallelState, layout: Layout, cases, **data) -> dict:
     return out
 
 
-def _first_step_grads(into: dict) -> Callable:
-    """An ``after_step`` callback that keeps the gradients of the first step."""
-    def keep(state) -> None:
-        if not into:
-            into.update({n: p.grad.clone() for n, p in state.model.named_parameters()})
-    return keep
-
-
 def train_replicas(cfg, ps: ParallelState, steps: int = 3) -> dict:
     """``steps`` train_step calls on mock data, here and on one process: per-step losses, the
     first step's largest gradient error, every parameter element's distance to the one-process
@@ -124,9 +115,9 @@ def train_replicas(cfg, ps: ParallelState, steps: int = 3) -> dict:
     rank's tied-embedding replica."""
     init = {n: p.detach().clone() for n, p in build_model(cfg, ps).named_parameters()}
     grads, ref_grads = {}, {}
-    losses, state = run_steps(cfg, ps, steps, after_step=_first_step_grads(grads))
+    losses, state = run_steps(cfg, ps, steps, after_step=keep_first_step_grads(grads))
     ref_losses, ref_state = run_steps(reference_config(cfg), ParallelState.single(), steps,
-                                      after_step=_first_step_grads(ref_grads))
+                                      after_step=keep_first_step_grads(ref_grads))
     ref = {n: p.detach() for n, p in ref_state.model.named_parameters()}
     out = {"losses": losses, "ref_losses": ref_losses, "replica": None, "grad_err": 0.0, "param_errs": [],
            "moved": 0.0, "stage": ps.pp_rank, "dp": ps.dp_rank}
@@ -172,13 +163,13 @@ def stage_peak_bytes(ps: ParallelState) -> dict:
 def _tie_schedule_cases(prefix: str, pp: int, n_micro: int) -> list:
     """Tied and untied embeddings, each with 1F1B and GPipe."""
     return [(f"{prefix}/{tie}/m{n_micro}/{schedule}",
-             make_cfg(pp=pp, untie_embeddings_and_output_weights=tie == "untied"), schedule, n_micro, None)
+             make_cfg(pp=pp, untie_embeddings_and_output_weights=tie == "untied"), schedule, n_micro)
             for tie in ("tied", "untied") for schedule in ("1f1b", "gpipe")]
 
 
 def _fewer_microbatches_cases(prefix: str, pp: int, n_micro: int) -> list:
     """Fewer micro-batches than stages, with both schedules."""
-    return [(f"{prefix}/tied/m{n_micro}/{schedule}", make_cfg(pp=pp), schedule, n_micro, None)
+    return [(f"{prefix}/tied/m{n_micro}/{schedule}", make_cfg(pp=pp), schedule, n_micro)
             for schedule in ("1f1b", "gpipe")]
 
 
@@ -187,8 +178,8 @@ def _interleaved_cases(prefix: str, pp: int, n_micro: int, twin: bool = True, **
     model under plain 1F1B (label ``.../1f1b``: its gradients must be bitwise the same)."""
     cfg = make_cfg(pp=pp, num_layers=2 * pp, **overrides)
     cases = [(f"{prefix}/m{n_micro}/interleaved", cfg.replace(num_layers_per_virtual_pipeline_stage=1), "1f1b",
-              n_micro, None)]
-    return cases + ([(f"{prefix}/m{n_micro}/1f1b", cfg, "1f1b", n_micro, None)] if twin else [])
+              n_micro)]
+    return cases + ([(f"{prefix}/m{n_micro}/1f1b", cfg, "1f1b", n_micro)] if twin else [])
 
 
 def world4(rank: int, world: int) -> dict:
@@ -199,7 +190,7 @@ def world4(rank: int, world: int) -> dict:
     out["p2p/pp4"] = p2p_checks(ps)
     cases = _tie_schedule_cases("pp4", pp=4, n_micro=5) + _fewer_microbatches_cases("pp4", pp=4, n_micro=2)
     cases.append(("pp4/split2,1,1,1/1f1b", make_cfg(pp=4, num_layers=5, pipeline_layer_split="2,1,1,1"),
-                  "1f1b", 3, None))
+                  "1f1b", 3))
     cases += _interleaved_cases("pp4v2/tied", pp=4, n_micro=5)
     cases += _interleaved_cases("pp4v2/untied", pp=4, n_micro=3, untie_embeddings_and_output_weights=True)
     cases += _interleaved_cases("pp4v2/pseudo-all", pp=4, n_micro=4, twin=False, p2r_phase="pseudo",
@@ -221,9 +212,9 @@ def world4(rank: int, world: int) -> dict:
     tp2pp2 = Layout(tp=2, pp=2)
     ps = make_state(tp2pp2)
     out["equiv"].update(equivalence_cases(ps, tp2pp2, [
-        ("tp2pp2/tied/1f1b", make_cfg(tp=2, pp=2), "1f1b", 3, None),
-        ("tp2pp2/tied/gpipe", make_cfg(tp=2, pp=2), "gpipe", 3, None),
-        ("tp2pp2/untied/1f1b", make_cfg(tp=2, pp=2, untie_embeddings_and_output_weights=True), "1f1b", 3, None)]
+        ("tp2pp2/tied/1f1b", make_cfg(tp=2, pp=2), "1f1b", 3),
+        ("tp2pp2/tied/gpipe", make_cfg(tp=2, pp=2), "gpipe", 3),
+        ("tp2pp2/untied/1f1b", make_cfg(tp=2, pp=2, untie_embeddings_and_output_weights=True), "1f1b", 3)]
         + _interleaved_cases("tp2pp2v2/tied", pp=2, n_micro=3, tp=2)))
 
     pp2dp2 = Layout(pp=2, dp=2)
@@ -231,17 +222,22 @@ def world4(rank: int, world: int) -> dict:
     out["p2p/pp2dp2"] = p2p_checks(ps)
     cases = _tie_schedule_cases("pp2dp2", pp=2, n_micro=3) + _fewer_microbatches_cases("pp2dp2", pp=2, n_micro=1)
     for split in ("1,3", "3,1"):
-        cases.append((f"pp2dp2/split{split}/1f1b", make_cfg(pp=2, pipeline_layer_split=split), "1f1b", 2, None))
-    cases.append(("pp2dp2/recompute/1f1b", make_cfg(pp=2, recompute_activations=True), "1f1b", 2, None))
+        cases.append((f"pp2dp2/split{split}/1f1b", make_cfg(pp=2, pipeline_layer_split=split), "1f1b", 2))
+    cases.append(("pp2dp2/recompute/1f1b", make_cfg(pp=2, recompute_activations=True), "1f1b", 2))
     cases += _interleaved_cases("pp2dp2v2/tied", pp=2, n_micro=3)
     cases += _interleaved_cases("pp2dp2v2/untied", pp=2, n_micro=5, untie_embeddings_and_output_weights=True)
+    # the same with --overlap-grad-reduce and small buckets: reductions start inside the backward
+    cases += _interleaved_cases("pp2dp2v2/overlap", pp=2, n_micro=3, twin=False, overlap_grad_reduce=True,
+                                ddp_bucket_size=1500)
     cases += _interleaved_cases("pp2dp2v2/pseudo-all", pp=2, n_micro=3, twin=False, p2r_phase="pseudo",
                                 share_pattern="all")
     out["equiv"].update(equivalence_cases(ps, pp2dp2, cases))
+    bf16 = dict(pp=2, recompute_activations=True, bf16=True)
     out["bf16"] = equivalence_cases(ps, pp2dp2, [
-        ("bf16", make_cfg(pp=2, recompute_activations=True), "1f1b", 2, torch.bfloat16)])["bf16"]
+        ("bf16/untied", make_cfg(**bf16, untie_embeddings_and_output_weights=True), "1f1b", 2),
+        ("bf16/tied", make_cfg(**bf16), "1f1b", 2)])
 
-    out["tokens"] = equivalence_cases(ps, pp2dp2, [("pp2dp2/tokens/1f1b", make_cfg(pp=2), "1f1b", 3, None)],
+    out["tokens"] = equivalence_cases(ps, pp2dp2, [("pp2dp2/tokens/1f1b", make_cfg(pp=2), "1f1b", 3)],
                                       keep=UNEVEN_KEEP, reference_fn=token_mean_reference)
 
     # forward_only (evaluation): the token-mean loss, and no gradient anywhere.
@@ -256,7 +252,7 @@ def world4(rank: int, world: int) -> dict:
 
     dp4 = Layout(dp=4)
     ps = make_state(dp4)
-    out["tokens"].update(equivalence_cases(ps, dp4, [("dp4/tokens", make_cfg(), "1f1b", 2, None)],
+    out["tokens"].update(equivalence_cases(ps, dp4, [("dp4/tokens", make_cfg(), "1f1b", 2)],
                                            keep=UNEVEN_KEEP, reference_fn=token_mean_reference))
 
     # MoE layers with experts over EP=2, router aux and z losses (their backward scale is set
@@ -265,8 +261,8 @@ def world4(rank: int, world: int) -> dict:
     ps = make_state(pp2ep2)
     moe = dict(pp=2, num_experts=4, moe_ffn_hidden_size=24, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
     try:
-        out["moe"] = equivalence_cases(ps, pp2ep2, [("pp2ep2/moe/1f1b", make_cfg(**moe), "1f1b", 2, None),
-                                                    ("pp2ep2/moe/gpipe", make_cfg(**moe), "gpipe", 2, None)]
+        out["moe"] = equivalence_cases(ps, pp2ep2, [("pp2ep2/moe/1f1b", make_cfg(**moe), "1f1b", 2),
+                                                    ("pp2ep2/moe/gpipe", make_cfg(**moe), "gpipe", 2)]
                                        + _interleaved_cases("pp2ep2v2/moe", n_micro=3, **moe))
     except Exception:  # noqa: BLE001 -- reported to the test as the traceback
         out["moe"] = traceback.format_exc()
@@ -278,5 +274,5 @@ def world8(rank: int, world: int) -> dict:
     layout = Layout(tp=2, pp=2, dp=2)
     ps = make_state(layout)
     return {"equiv": equivalence_cases(ps, layout, [
-        ("tp2pp2dp2/tied/1f1b", make_cfg(tp=2, pp=2), "1f1b", 2, None),
-        ("tp2pp2dp2/untied/gpipe", make_cfg(tp=2, pp=2, untie_embeddings_and_output_weights=True), "gpipe", 2, None)])}
+        ("tp2pp2dp2/tied/1f1b", make_cfg(tp=2, pp=2), "1f1b", 2),
+        ("tp2pp2dp2/untied/gpipe", make_cfg(tp=2, pp=2, untie_embeddings_and_output_weights=True), "gpipe", 2)])}

@@ -70,7 +70,7 @@ def launch(argv: Sequence[str], nproc: int = 1, env: Optional[Dict[str, str]] = 
         if p.is_alive():
             p.kill()
             p.join()
-    results = [(p.exitcode, open(o, encoding="utf-8", errors="replace").read()) for p, o in zip(procs, outs)]
+    results = [(p.exitcode, open(o, encoding="utf-8", errors="replace").read()) for p, o in zip(procs, outs, strict=True)]
     for o in outs:
         os.unlink(o)
     assert not alive, f"ranks {alive} still running after {timeout}s (hang): {results}"

@@ -26,7 +26,15 @@ from tools import preprocess_data
 
 import pretrain_m6
 
-TALLY = {}  # kind -> cases tried (printed at the end of the module with -s)
+TALLY = {}  # kind -> cases tried
+
+
+@pytest.fixture(scope="module", autouse=True)
+def print_tally():
+    """With -s, how many bad inputs the module tried, printed after its last test whichever
+    tests ran and in whatever order."""
+    yield
+    print("\nbad inputs tried:", ", ".join(f"{k}: {v}" for k, v in TALLY.items()), f"(total {sum(TALLY.values())})")
 
 
 def _count(kind, n=1):
@@ -299,7 +307,3 @@ def test_malformed_jsonl_is_reported_and_never_half_written(tmp_path):
         assert "cannot decompress it" in err.getvalue()
         assert not out.exists() or not os.listdir(out)  # no output, no temporary files
         _count("malformed jsonl files")
-
-
-def test_zz_print_tally():
-    print("\nbad inputs tried:", ", ".join(f"{k}: {v}" for k, v in TALLY.items()), f"(total {sum(TALLY.values())})")

@@ -12,10 +12,10 @@ import sys
 import pytest
 
 from megatron_p2r.checkpoint.errors import CheckpointError
-from megatron_p2r.checkpoint.hf.exporter import export_hf
-from megatron_p2r.checkpoint.hf.importer import import_hf
+from megatron_p2r.convert.hf.exporter import export_hf
+from megatron_p2r.convert.hf.importer import import_hf
 from megatron_p2r.checkpoint.io import load_checkpoint, save_checkpoint
-from megatron_p2r.checkpoint.reshard import Target
+from megatron_p2r.convert.reshard import Target
 from megatron_p2r.config import ConfigError
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.training import build_train_state

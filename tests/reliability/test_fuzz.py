@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import pretrain_m6
 from megatron_p2r.arguments import all_fields
-from megatron_p2r.checkpoint.hf.exporter import export_hf
+from megatron_p2r.convert.hf.exporter import export_hf
 from megatron_p2r.config.ranges import field_kind
 from megatron_p2r.data.indexed_dataset import IndexedDatasetBuilder
 from megatron_p2r.planning import preflight

@@ -9,7 +9,7 @@ import pytest
 from megatron_p2r.checkpoint.atomic import write_text_atomic
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.io import load_checkpoint, save_checkpoint
-from megatron_p2r.checkpoint.reshard import Target, convert
+from megatron_p2r.convert.reshard import Target, convert
 from megatron_p2r.data.indexed_dataset import IndexedDataset
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.training import build_train_state

@@ -1,0 +1,189 @@
+"""config.json: written for an exported model of ours, read back into our model options on import
+(every HF option without an equivalent here is an error naming the field)."""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+from megatron_p2r.convert.hf.architecture import GPT2, LLAMA, MISTRAL, MIXTRAL, MODEL_TYPES, QWEN2, HFConversionError
+from megatron_p2r.convert.hf.config_schema import check_hf_config
+from megatron_p2r.config import ModelConfig
+
+# GPT2's activation_function: transformers' names for GELU's tanh formula and for exact (erf) GELU,
+# as ModelConfig.gelu_approximation. Export writes gelu_new (GPT-2's own) or gelu.
+_GPT2_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu_accurate": "tanh",
+              "gelu_python_tanh": "tanh", "gelu": "none", "gelu_python": "none"}
+
+
+def hf_config(m: ModelConfig, arch: str, hf_vocab: int, dtype: str, special: Dict[str, Optional[int]]) -> dict:
+    """config.json for ``m`` (a plain dict: writing it needs no transformers)."""
+    common = {"architectures": [arch], "model_type": MODEL_TYPES[arch], "vocab_size": hf_vocab,
+              "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
+              "initializer_range": m.init_method_std, "use_cache": True, "dtype": dtype,
+              "bos_token_id": special.get("bos"), "eos_token_id": special.get("eos"),
+              "pad_token_id": special.get("pad")}
+    if arch == GPT2:
+        return {**common, "n_embd": m.hidden_size, "n_layer": m.num_layers, "n_head": m.num_attention_heads,
+                "n_inner": m.ffn_size, "n_positions": m.max_positions,
+                "activation_function": "gelu_new" if m.gelu_approximation == "tanh" else "gelu",
+                "layer_norm_epsilon": m.norm_epsilon, "resid_pdrop": m.hidden_dropout,
+                "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout, "scale_attn_weights": True,
+                "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
+    cfg = {**common, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
+           "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.query_groups,
+           "head_dim": m.head_dim, "hidden_act": "silu", "max_position_embeddings": m.max_positions,
+           "rms_norm_eps": m.norm_epsilon, "attention_dropout": m.attention_dropout,
+           # transformers 5 reads rope_parameters; 4.x reads rope_theta
+           "rope_parameters": {"rope_type": "default", "rope_theta": m.rotary_base}, "rope_theta": m.rotary_base}
+    if arch == LLAMA:
+        return {**cfg, "intermediate_size": m.ffn_size, "attention_bias": m.add_bias, "mlp_bias": m.add_bias,
+                "pretraining_tp": 1}
+    if arch == MISTRAL:
+        return {**cfg, "intermediate_size": m.ffn_size, "sliding_window": None}
+    if arch == QWEN2:
+        return {**cfg, "intermediate_size": m.ffn_size, "use_sliding_window": False, "sliding_window": None,
+                "max_window_layers": m.num_layers}
+    return {**cfg, "intermediate_size": m.expert_ffn_size, "num_local_experts": m.num_experts,
+            "num_experts_per_tok": m.moe_router_topk, "router_aux_loss_coef": m.moe_aux_loss_coeff,
+            "router_jitter_noise": m.moe_input_jitter_eps or 0.0, "output_router_logits": False,
+            "sliding_window": None}
+
+
+def required_field(hf: dict, key: str, where: str):
+    """``hf[key]``, or an error naming the field of ``where`` (a config.json path)."""
+    if key in hf and hf[key] is not None:
+        return hf[key]
+    raise HFConversionError(f"{where}: required field {key!r} is missing")
+
+
+def model_values_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
+    """(architecture, {ModelConfig field: value}) for an HF config.json, or an error naming the field."""
+    check_hf_config(hf, where)
+    model_type = hf.get("model_type")
+    arch = {v: k for k, v in MODEL_TYPES.items()}.get(model_type)
+    if arch is None:
+        raise HFConversionError(f"{where}: model_type {model_type!r} is not supported; "
+                                f"import reads {sorted(MODEL_TYPES.values())}")
+    if arch == GPT2:
+        return arch, _gpt2_values(hf, where)
+    return arch, _rotary_values(hf, where, arch)
+
+
+def _gpt2_values(hf: dict, where: str) -> dict:
+    """GPT2 always has biases, so its GELU is tanh exactly when --bias-gelu-fusion (Megatron's rule)."""
+    tied = bool(hf.get("tie_word_embeddings", True))
+    act = hf.get("activation_function", "gelu_new")
+    if act not in _GPT2_GELU:
+        raise HFConversionError(f"{where}: activation_function {act!r} has no equivalent here "
+                                f"(GELU: one of {sorted(_GPT2_GELU)})")
+    for key, want in [("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False),
+                      ("scale_attn_weights", True), ("add_cross_attention", False)]:
+        if hf.get(key, want) != want:
+            raise HFConversionError(f"{where}: {key} = {hf[key]!r} has no equivalent here (need {want})")
+    h = required_field(hf, "n_embd", where)
+    return dict(
+        num_layers=required_field(hf, "n_layer", where), hidden_size=h,
+        num_attention_heads=required_field(hf, "n_head", where), ffn_hidden_size=hf.get("n_inner") or 4 * h,
+        max_position_embeddings=required_field(hf, "n_positions", where), normalization="LayerNorm",
+        norm_epsilon=hf.get("layer_norm_epsilon", 1e-5), swiglu=False, position_embedding_type="learned_absolute",
+        untie_embeddings_and_output_weights=not tied, disable_bias_linear=False,
+        bias_gelu_fusion=_GPT2_GELU[act] == "tanh",
+        hidden_dropout=hf.get("resid_pdrop", 0.0), attention_dropout=hf.get("attn_pdrop", 0.0),
+        init_method_std=hf.get("initializer_range", 0.02))
+
+
+def sliding_window(hf: dict) -> Optional[int]:
+    """The attention window of a Mistral, Mixtral or Qwen2 config.json, or None (full causal)."""
+    if hf.get("model_type") == "qwen2" and not hf.get("use_sliding_window", False):
+        return None
+    if "sliding_attention" not in hf.get("layer_types", ["sliding_attention"]):
+        return None
+    return hf.get("sliding_window")
+
+
+def _attention_values(hf: dict, where: str, h: int, heads: int) -> dict:
+    """Heads, key/value groups, head dimension and rotary of a rotary config.json."""
+    kv = hf.get("num_key_value_heads") or heads
+    if heads % kv:
+        raise HFConversionError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    values = dict(num_attention_heads=heads)
+    if kv != heads:
+        values.update(group_query_attention=True, num_query_groups=kv)
+    if hf.get("head_dim") not in (None, h // heads) or h % heads:
+        values["kv_channels"] = required_field(hf, "head_dim", where)
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise HFConversionError(f"{where}: rope type {kind!r} (rope scaling) has no equivalent here")
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise HFConversionError(f"{where}: partial_rotary_factor {partial}: {hf.get('model_type')} in transformers "
+                                "rotates whole heads, so such a config does not run there")
+    values["rotary_base"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return values
+
+
+def _bias_values(hf: dict, where: str, arch: str) -> dict:
+    """--disable-bias-linear / --add-qkv-bias: Llama's attention_bias and mlp_bias, Qwen2's
+    query/key/value biases; Mistral and Mixtral have none."""
+    if arch == QWEN2:
+        return dict(disable_bias_linear=True, add_qkv_bias=True)
+    if arch != LLAMA:
+        return dict(disable_bias_linear=True)
+    bias = bool(hf.get("attention_bias", False))
+    if bool(hf.get("mlp_bias", False)) != bias:
+        raise HFConversionError(f"{where}: attention_bias {bias} with mlp_bias {hf.get('mlp_bias')}; "
+                                "--disable-bias-linear removes both or neither")
+    return dict(disable_bias_linear=not bias)
+
+
+def _rotary_values(hf: dict, where: str, arch: str) -> dict:
+    """Llama, Mistral, Qwen2 and Mixtral: rotary, RMSNorm, SwiGLU (Mixtral: in top-k experts),
+    grouped-query attention when there are fewer key/value heads than query heads.
+
+    A sliding window of W tokens is full causal attention on sequences of up to W tokens, so it
+    becomes --max-position-embeddings W: exact on every sequence our config then accepts."""
+    tied = bool(hf.get("tie_word_embeddings", True))
+    h, heads = required_field(hf, "hidden_size", where), required_field(hf, "num_attention_heads", where)
+    if hf.get("hidden_act", "silu") != "silu":
+        raise HFConversionError(f"{where}: hidden_act {hf['hidden_act']!r}; only SwiGLU (silu) is supported")
+    max_pos = hf.get("max_position_embeddings", 4096)
+    window = sliding_window(hf)
+    values = dict(num_layers=required_field(hf, "num_hidden_layers", where), hidden_size=h,
+                  ffn_hidden_size=required_field(hf, "intermediate_size", where),
+                  normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True,
+                  position_embedding_type="rope", max_position_embeddings=min(max_pos, window or max_pos),
+                  untie_embeddings_and_output_weights=not tied,
+                  hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0),
+                  init_method_std=hf.get("initializer_range", 0.02))
+    values.update(_attention_values(hf, where, h, heads), **_bias_values(hf, where, arch))
+    if arch == MIXTRAL:
+        values.update(num_experts=required_field(hf, "num_local_experts", where),
+                      moe_router_topk=required_field(hf, "num_experts_per_tok", where), moe_layer_freq=1,
+                      moe_ffn_hidden_size=values["ffn_hidden_size"], moe_router_pre_softmax=False,
+                      moe_aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0),
+                      moe_input_jitter_eps=hf.get("router_jitter_noise") or None)
+    return values
+
+
+def import_vocab_divisor(rows: int, tp: int, requested: Optional[int] = None,
+                         tokens: Optional[int] = None) -> Optional[int]:
+    """``--make-vocab-size-divisible-by`` for an imported embedding of ``rows`` rows: the largest
+    power of two (<= 128) that divides it and is a multiple of TP, so nothing is padded; else
+    128 (or TP). With ``tokens`` (a tokenizer's vocabulary, from which training takes
+    --vocab-size) the divisor must pad ``tokens`` to exactly ``rows``: the first such multiple of
+    TP (powers of two first), or None when there is none."""
+    if requested is not None:
+        if requested < 1 or requested % tp:
+            raise HFConversionError(f"--make-vocab-size-divisible-by {requested} must be >= 1 and divisible "
+                                    f"by the target TP ({tp})")
+        return requested if tokens is None or -(-tokens // requested) * requested == rows else None
+    if tokens is None:
+        tokens = rows
+        fallback: Optional[int] = 128 if 128 % tp == 0 else tp
+    else:
+        fallback = None
+    powers = (128, 64, 32, 16, 8, 4, 2, 1)
+    for d in [*powers, *range(tp, rows + 1, tp)]:
+        if d % tp == 0 and rows % d == 0 and rows - d < tokens <= rows:
+            return d
+    return fallback

@@ -1,0 +1,73 @@
+"""The schema of an HF config.json as import reads it: the type and range of every field
+``config_json.model_values_from_hf`` uses, so a hand-edited or crafted file fails naming the
+field (``n_embd: expected an integer in [1, 262144], got "abc"``) instead of deep inside the
+conversion or in a runaway allocation. Absent fields and nulls take transformers' defaults."""
+from __future__ import annotations
+
+import math
+from typing import Dict, Tuple
+
+from megatron_p2r.convert.hf.architecture import HFConversionError
+from megatron_p2r.config.ranges import LAYERS, Range, at_least, fraction, positive
+
+_INT, _FLOAT, _BOOL, _STR, _DICT, _LIST = "an integer", "a number", "true or false", "a string", "an object", "a list"
+_SIZE = at_least(1, 2 ** 20)
+_ROTARY_FRACTION = Range(0.0, 1.0, low_open=True)
+
+# field -> (kind, range or None); every field is optional here (``required_field`` asks for the needed ones).
+HF_FIELDS: Dict[str, Tuple[str, object]] = {
+    "model_type": (_STR, None), "architectures": (_LIST, None), "vocab_size": (_INT, at_least(2, 2 ** 31 - 1)),
+    "tie_word_embeddings": (_BOOL, None), "initializer_range": (_FLOAT, positive()),
+    # GPT2
+    "n_embd": (_INT, at_least(1, 2 ** 18)), "n_layer": (_INT, at_least(1, LAYERS)),
+    "n_head": (_INT, at_least(1, LAYERS)),
+    "n_inner": (_INT, _SIZE), "n_positions": (_INT, at_least(1, 2 ** 24)), "activation_function": (_STR, None),
+    "layer_norm_epsilon": (_FLOAT, positive(1.0)), "resid_pdrop": (_FLOAT, fraction()),
+    "embd_pdrop": (_FLOAT, fraction()), "attn_pdrop": (_FLOAT, fraction()),
+    "scale_attn_by_inverse_layer_idx": (_BOOL, None), "reorder_and_upcast_attn": (_BOOL, None),
+    "scale_attn_weights": (_BOOL, None), "add_cross_attention": (_BOOL, None),
+    # Llama / Mixtral
+    "hidden_size": (_INT, at_least(1, 2 ** 18)), "num_hidden_layers": (_INT, at_least(1, LAYERS)),
+    "num_attention_heads": (_INT, at_least(1, LAYERS)), "num_key_value_heads": (_INT, at_least(1, LAYERS)),
+    "head_dim": (_INT, at_least(1, 2 ** 18)), "intermediate_size": (_INT, _SIZE), "hidden_act": (_STR, None),
+    "max_position_embeddings": (_INT, at_least(1, 2 ** 24)), "rms_norm_eps": (_FLOAT, positive(1.0)),
+    "attention_dropout": (_FLOAT, fraction()), "rope_theta": (_FLOAT, positive()),
+    "rope_parameters": (_DICT, None), "rope_scaling": (_DICT, None), "attention_bias": (_BOOL, None),
+    "mlp_bias": (_BOOL, None), "num_local_experts": (_INT, at_least(1, 2 ** 16)),
+    "num_experts_per_tok": (_INT, at_least(1, 2 ** 16)), "router_aux_loss_coef": (_FLOAT, Range(0.0)),
+    "router_jitter_noise": (_FLOAT, fraction()), "partial_rotary_factor": (_FLOAT, _ROTARY_FRACTION),
+    # Mistral / Mixtral / Qwen2 sliding-window attention
+    "sliding_window": (_INT, at_least(1, 2 ** 24)), "use_sliding_window": (_BOOL, None), "layer_types": (_LIST, None),
+}
+_ROPE_FIELDS = {"rope_type": (_STR, None), "type": (_STR, None), "rope_theta": (_FLOAT, positive()),
+                "partial_rotary_factor": (_FLOAT, _ROTARY_FRACTION)}
+
+
+def _matches(kind: str, value) -> bool:
+    if kind == _BOOL:
+        return isinstance(value, bool)
+    if kind == _INT:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == _FLOAT:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, {_STR: str, _DICT: dict, _LIST: list}[kind])
+
+
+def _check(fields: Dict[str, Tuple[str, object]], values: dict, where: str, prefix: str = "") -> None:
+    for name, (kind, limits) in fields.items():
+        value = values.get(name)
+        if value is None:
+            continue
+        if not _matches(kind, value) or (limits is not None and not limits.contains(value)):
+            expected = kind + (f" in {limits.describe()}" if limits is not None else "")
+            raise HFConversionError(f"{where}: {prefix}{name} must be {expected}, got {str(value)[:60]!r}")
+
+
+def check_hf_config(hf, where: str) -> None:
+    """Raise HFConversionError naming the first field of config.json that is not what import reads."""
+    if not isinstance(hf, dict):
+        raise HFConversionError(f"{where}: expected a JSON object, found {type(hf).__name__}")
+    _check(HF_FIELDS, hf, where)
+    for key in ("rope_parameters", "rope_scaling"):
+        if isinstance(hf.get(key), dict):
+            _check(_ROPE_FIELDS, hf[key], where, f"{key}.")

@@ -1,0 +1,171 @@
+"""The tensor mapping between our pieces and HF tensors: one ``Rule`` per piece, with pure
+functions both ways.
+
+Our attention rows, laid out as the checkpoint's ``HeadRows`` say (fused ``[heads, (q, k, v),
+head_dim]``, or under --group-query-attention ``query`` ``[heads, head_dim]`` and
+``key_value`` ``[groups, (k, v), head_dim]``) <-> GPT2's transposed Conv1D ``c_attn``
+``[h, q|k|v]`` or ``q_proj/k_proj/v_proj`` (Llama, Mistral, Mixtral, Qwen2: head i of q uses
+key/value head i // (heads/groups), as ours); our interleaved SwiGLU rows ``(gate_j, up_j)``
+<-> ``gate_proj/up_proj`` (Mixtral: ``w1/w3``); GPT2's Conv1D weights are our Linear weights
+transposed. Rotary embeddings need no permutation: ours are rotate-half, as HF Llama's.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_p2r.convert.hf.architecture import GPT2, MIXTRAL
+from megatron_p2r.config import ModelConfig
+from megatron_p2r.layout.tensor_specs import HeadRows, attention_rows
+
+
+def _indices(rows: HeadRows) -> dict:
+    """head kind -> its positions inside a group, kinds in order of first appearance (q, k, v)."""
+    out: dict = {}
+    for i, kind in enumerate(rows.per_group):
+        out.setdefault(kind, []).append(i)
+    return out
+
+
+def split_heads(w: torch.Tensor, rows: HeadRows) -> List[torch.Tensor]:
+    """Rows laid out as ``rows`` (weight or bias) -> one tensor per head kind (q, k, v), each
+    its heads in order, ``[heads of that kind x head_dim, ...]``."""
+    blocks = w.unflatten(0, (rows.groups, len(rows.per_group), rows.head_dim))
+    return [blocks[:, idx].flatten(0, 2) for idx in _indices(rows).values()]
+
+
+def merge_heads(parts: Sequence[torch.Tensor], rows: HeadRows) -> torch.Tensor:
+    """The inverse of ``split_heads``."""
+    blocks: List[Optional[torch.Tensor]] = [None] * len(rows.per_group)
+    for part, idx in zip(parts, _indices(rows).values(), strict=True):
+        heads = part.unflatten(0, (rows.groups, len(idx), rows.head_dim))
+        for j, i in enumerate(idx):
+            blocks[i] = heads[:, j]
+    return torch.stack(blocks, dim=1).flatten(0, 2)
+
+
+def split_glu(w: torch.Tensor) -> List[torch.Tensor]:
+    """Our interleaved SwiGLU rows ``(gate_j, up_j)`` -> [gate, up]."""
+    return [w[0::2], w[1::2]]
+
+
+def merge_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.stack([gate, up], dim=1).flatten(0, 1)
+
+
+def resize_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """Cut a vocabulary matrix to ``rows``, or pad it with zero rows."""
+    if w.shape[0] >= rows:
+        return w[:rows]
+    return torch.cat([w, w.new_zeros((rows - w.shape[0],) + tuple(w.shape[1:]))])
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One piece of ours <-> the HF tensors it becomes. ``ours`` None: an HF tensor we do not have
+    (GPT2 biases of a bias-free model), exported as zeros of ``zero_shape``."""
+
+    ours: Optional[str]
+    hf: Tuple[str, ...]
+    to_hf: Callable[[torch.Tensor], List[torch.Tensor]]
+    from_hf: Callable[[List[torch.Tensor]], torch.Tensor]
+    zero_shape: Tuple[int, ...] = ()
+
+
+def _same(ours: str, hf: str) -> Rule:
+    return Rule(ours, (hf,), lambda w: [w], lambda t: t[0])
+
+
+def _transposed(ours: str, hf: str) -> Rule:
+    return Rule(ours, (hf,), lambda w: [w.t()], lambda t: t[0].t())
+
+
+def _vocab(ours: str, hf: str, hf_rows: int, padded_rows: int) -> Rule:
+    return Rule(ours, (hf,), lambda w: [resize_rows(w, hf_rows)], lambda t: resize_rows(t[0], padded_rows))
+
+
+def _heads(ours: str, hf: Sequence[str], rows: HeadRows) -> Rule:
+    return Rule(ours, tuple(hf), lambda w: split_heads(w, rows), lambda t: merge_heads(t, rows))
+
+
+def _glu(ours: str, gate: str, up: str) -> Rule:
+    return Rule(ours, (gate, up), split_glu, lambda t: merge_glu(*t))
+
+
+def _gpt2_layer(m: ModelConfig, o: str, t: str) -> List[Rule]:
+    rows = attention_rows(m)["qkv"]
+    out = [_same(o + "input_norm.weight", t + "ln_1.weight"), _same(o + "input_norm.bias", t + "ln_1.bias"),
+           Rule(o + "attention.qkv.weight", (t + "attn.c_attn.weight",),
+                lambda w: [torch.cat(split_heads(w, rows)).t()], lambda x: merge_heads(x[0].t().chunk(3), rows)),
+           _transposed(o + "attention.proj.weight", t + "attn.c_proj.weight"),
+           _same(o + "post_attention_norm.weight", t + "ln_2.weight"),
+           _same(o + "post_attention_norm.bias", t + "ln_2.bias"),
+           _transposed(o + "mlp.fc1.weight", t + "mlp.c_fc.weight"),
+           _transposed(o + "mlp.fc2.weight", t + "mlp.c_proj.weight")]
+    h = m.hidden_size
+    if m.qkv_bias:
+        out.append(Rule(o + "attention.qkv.bias", (t + "attn.c_attn.bias",), lambda b: [torch.cat(split_heads(b, rows))],
+                        lambda x: merge_heads(x[0].chunk(3), rows)))
+    else:  # GPT2 always has biases: a bias-free model exports zeros
+        out.append(Rule(None, (t + "attn.c_attn.bias",), None, None, (3 * h,)))
+    for ours, hf, size in [(o + "attention.proj.bias", t + "attn.c_proj.bias", h),
+                           (o + "mlp.fc1.bias", t + "mlp.c_fc.bias", m.ffn_size),
+                           (o + "mlp.fc2.bias", t + "mlp.c_proj.bias", h)]:
+        out.append(_same(ours, hf) if m.add_bias else Rule(None, (hf,), None, None, (size,)))
+    return out
+
+
+def _attention(m: ModelConfig, o: str, a: str) -> List[Rule]:
+    """Our query/key/value rows <-> q_proj, k_proj, v_proj; the output projection <-> o_proj."""
+    proj = {"q": a + "q_proj", "k": a + "k_proj", "v": a + "v_proj"}
+    out = []
+    for name, rows in attention_rows(m).items():
+        for leaf in ("weight", "bias") if m.qkv_bias else ("weight",):
+            out.append(_heads(f"{o}attention.{name}.{leaf}", [f"{proj[k]}.{leaf}" for k in _indices(rows)], rows))
+    out.append(_same(o + "attention.proj.weight", a + "o_proj.weight"))
+    if m.add_bias:
+        out.append(_same(o + "attention.proj.bias", a + "o_proj.bias"))
+    return out
+
+
+def _rotary_layer(m: ModelConfig, arch: str, o: str, t: str) -> List[Rule]:
+    out = [_same(o + "input_norm.weight", t + "input_layernorm.weight")] + _attention(m, o, t + "self_attn.")
+    out.append(_same(o + "post_attention_norm.weight", t + "post_attention_layernorm.weight"))
+    if arch != MIXTRAL:
+        out += [_glu(o + "mlp.fc1.weight", t + "mlp.gate_proj.weight", t + "mlp.up_proj.weight"),
+                _same(o + "mlp.fc2.weight", t + "mlp.down_proj.weight")]
+        if m.add_bias:
+            out += [_glu(o + "mlp.fc1.bias", t + "mlp.gate_proj.bias", t + "mlp.up_proj.bias"),
+                    _same(o + "mlp.fc2.bias", t + "mlp.down_proj.bias")]
+        return out
+    moe = t + "block_sparse_moe."
+    out.append(_same(o + "mlp.router.weight", moe + "gate.weight"))
+    for e in range(m.num_experts):
+        x = f"{moe}experts.{e}."
+        out += [_glu(f"{o}mlp.experts.{e}.weight1", x + "w1.weight", x + "w3.weight"),
+                _same(f"{o}mlp.experts.{e}.weight2", x + "w2.weight")]
+    return out
+
+
+def rules(m: ModelConfig, arch: str, hf_vocab: int) -> List[Rule]:
+    """Every piece of the real model ``m`` and the HF tensors it maps to, in model order."""
+    out: List[Rule] = []
+    if arch == GPT2:
+        p = "transformer."
+        out += [_vocab("embedding.word_embeddings.weight", p + "wte.weight", hf_vocab, m.padded_vocab_size),
+                _same("embedding.position_embeddings.weight", p + "wpe.weight")]
+        for i in range(m.num_layers):
+            out += _gpt2_layer(m, f"layers.{i}.", f"{p}h.{i}.")
+        out += [_same("final_norm.weight", p + "ln_f.weight"), _same("final_norm.bias", p + "ln_f.bias")]
+    else:
+        p = "model."
+        out.append(_vocab("embedding.word_embeddings.weight", p + "embed_tokens.weight", hf_vocab,
+                          m.padded_vocab_size))
+        for i in range(m.num_layers):
+            out += _rotary_layer(m, arch, f"layers.{i}.", f"{p}layers.{i}.")
+        out.append(_same("final_norm.weight", p + "norm.weight"))
+    if not m.untie_embeddings_and_output_weights:
+        return out
+    return out + [_vocab("output_layer.weight", "lm_head.weight", hf_vocab, m.padded_vocab_size)]

@@ -1,0 +1,48 @@
+"""A checkpoint of ours, in any layout and either phase, read as the global pieces of the real
+model: what export and the reference model for verification both read."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megatron_p2r.checkpoint.compatibility import check_tables
+from megatron_p2r.checkpoint.errors import CheckpointError
+from megatron_p2r.checkpoint.integrity import check_files
+from megatron_p2r.checkpoint.metadata import metadata_config, metadata_table, read_metadata
+from megatron_p2r.checkpoint.naming import METADATA_FILE, resolve_iteration_dir
+from megatron_p2r.convert.pieces import read_global
+from megatron_p2r.convert.reshard import Target, target_config
+from megatron_p2r.checkpoint.tensor_table import ShardLayout, tensor_table
+from megatron_p2r.config import Config
+from megatron_p2r.p2r import delink as dl
+
+
+def _single_real_config(cfg: Config) -> Config:
+    """The same model, real phase, on one process (its table lists every real piece in model order)."""
+    return target_config(cfg, Target(1, 1, None, 1), delink=cfg.p2r.p2r_phase == "pseudo")
+
+
+class SourceCheckpoint:
+    """Global real-model pieces of a checkpoint of ours in any layout; a pseudo one is delinked
+    on the fly (real layer i reads the module its pseudo layer called)."""
+
+    def __init__(self, path: str):
+        self.iter_dir = resolve_iteration_dir(path)
+        self.meta = read_metadata(self.iter_dir)
+        self.readers = check_files(self.iter_dir, self.meta)
+        self.cfg = metadata_config(self.meta)
+        self.table = metadata_table(self.meta)
+        # names, shapes and QKV row layouts as this code lays the checkpoint's model out
+        check_tables(self.table, tensor_table(self.cfg), os.path.join(self.iter_dir, METADATA_FILE))
+        self.layout = ShardLayout.of(self.cfg)
+        self.pseudo = self.meta["p2r"]["phase"] == "pseudo"
+        self.layer_keys = self.meta["p2r"]["layer_module_keys"]
+        self.real_cfg = _single_real_config(self.cfg)
+
+    def read(self, key: str) -> torch.Tensor:
+        skey = dl.source_key(key, self.layer_keys) if self.pseudo else key
+        info = self.table.get(skey)
+        if info is None:
+            raise CheckpointError(f"{os.path.join(self.iter_dir, METADATA_FILE)}: tensors has no {skey!r}")
+        return read_global(self.readers, self.layout, info, "model")

@@ -1,0 +1,211 @@
+"""Megatron-LM's saved args -> our model options, or an error naming every option that has no
+equivalent here.
+
+Names and defaults are Megatron-LM's (``megatron/training/arguments.py`` and the
+``TransformerConfig`` fields it exposes); an arg missing from an older checkpoint takes its
+Megatron default. Options that only pick kernels or change training but not the function
+(fusions other than bias-GELU, dispatcher, recompute, dtypes) are not read, nor is
+``openai_gelu``, which megatron-core never reads.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from typing import Any, List, Optional, Tuple
+
+from megatron_p2r.checkpoint.errors import CheckpointError
+from megatron_p2r.convert.hf.config_json import import_vocab_divisor
+from megatron_p2r.config import ConfigError
+
+_MISSING = object()
+
+
+class MegatronConversionError(ConfigError):
+    """A Megatron model that cannot be expressed here; the message names every blocking option."""
+
+
+# Options that change the forward pass and have no equivalent here: (arg, its neutral value, why).
+_NEUTRAL = [
+    ("apply_residual_connection_post_layernorm", False, "post-norm residuals (ours are pre-norm)"),
+    ("multi_latent_attention", False, "multi-latent attention"),
+    ("mtp_num_layers", None, "multi-token prediction layers"),
+    ("window_size", None, "sliding-window attention"),
+    ("softmax_scale", None, "a custom attention softmax scale"),
+    ("attention_output_gate", False, "gated attention output"),
+    ("qk_l2_norm", False, "L2-normalised queries and keys"),
+    ("no_rope_freq", None, "layers without rotary embeddings"),
+    ("experimental_attention_variant", None, "an experimental attention variant"),
+    ("linear_attention_freq", None, "linear-attention layers"),
+    ("heterogeneous_layers_config_path", None, "heterogeneous layers"),
+    ("rotary_interleaved", False, "interleaved rotary embeddings (ours rotate halves)"),
+    ("use_rope_scaling", False, "Llama-3.1 rope scaling"),
+    ("rotary_seq_len_interpolation_factor", None, "rotary position interpolation"),
+    ("squared_relu", False, "squared-ReLU MLP"),
+    ("quick_geglu", False, "quick-GeGLU MLP"),
+    ("glu_linear_offset", 0.0, "an offset on the GLU's linear half"),
+    ("activation_func_clamp_value", None, "clamped activations"),
+    ("moe_shared_expert_intermediate_size", None, "shared experts"),
+    ("moe_router_score_function", "softmax", "a router score function other than softmax"),
+    ("moe_router_topk_scaling_factor", None, "scaled top-k routing weights"),
+    ("moe_router_num_groups", None, "group-limited routing"),
+    ("moe_router_enable_expert_bias", False, "expert-bias (aux-loss-free) routing"),
+    ("moe_expert_capacity_factor", None, "Megatron's capacity dropping (ours drops by position)"),
+    ("moe_latent_size", None, "latent MoE projections"),
+    ("moe_apply_probs_on_input", False, "routing weights applied to expert inputs"),
+    ("use_mup", False, "muP scaling"),
+]
+
+
+@dataclasses.dataclass
+class SavedArgs:
+    """The ``args`` Megatron saved (an argparse.Namespace), and the file it came from."""
+
+    values: dict
+    where: str
+
+    @classmethod
+    def of(cls, namespace: Any, where: str) -> "SavedArgs":
+        if not isinstance(namespace, argparse.Namespace):
+            raise CheckpointError(f"{where}: 'args' is {type(namespace).__name__}, expected Megatron's saved "
+                                  "argparse.Namespace")
+        return cls(vars(namespace), where)
+
+    def get(self, *names: str, default=None):
+        """The first of ``names`` the args hold (newer Megatron renamed some), else ``default``."""
+        for name in names:
+            value = self.values.get(name, _MISSING)
+            if value is not _MISSING:
+                return value
+        return default
+
+    def required(self, name: str):
+        value = self.values.get(name)
+        if value is None:
+            raise CheckpointError(f"{self.where}: args.{name} is missing")
+        return value
+
+    @property
+    def tp(self) -> int:
+        return int(self.get("tensor_model_parallel_size", default=1) or 1)
+
+    @property
+    def pp(self) -> int:
+        return int(self.get("pipeline_model_parallel_size", default=1) or 1)
+
+    @property
+    def ep(self) -> int:
+        return int(self.get("expert_model_parallel_size", default=1) or 1)
+
+
+def _single(value, name: str, blockers: List[str]):
+    """Megatron accepts a list for some per-layer options; one value is all we can express."""
+    if isinstance(value, (list, tuple)):
+        if len(set(value)) != 1:
+            blockers.append(f"{name} {list(value)} (one value for every layer here)")
+            return value[0] if value else None
+        return value[0]
+    return value
+
+
+def _attention_values(a: SavedArgs, blockers: List[str]) -> dict:
+    h, heads = a.required("hidden_size"), a.required("num_attention_heads")
+    position = a.get("position_embedding_type", default="learned_absolute")
+    if a.get("use_rotary_position_embeddings"):  # Megatron before the option had a type
+        position = "rope"
+    if position not in ("learned_absolute", "rope"):
+        blockers.append(f"--position-embedding-type {position}")
+    max_pos = a.get("max_position_embeddings") or a.required("seq_length")
+    values = dict(hidden_size=h, num_attention_heads=heads, position_embedding_type=position,
+                  rotary_base=float(a.get("rotary_base", default=10000)),
+                  rotary_percent=float(a.get("rotary_percent", default=1.0)), max_position_embeddings=max_pos,
+                  seq_length=min(a.get("seq_length") or max_pos, max_pos),
+                  attention_dropout=a.get("attention_dropout", default=0.1),
+                  qk_layernorm=bool(a.get("qk_layernorm")),
+                  add_qkv_bias=bool(a.get("add_qkv_bias")) and not a.get("add_bias_linear", default=True))
+    if a.get("kv_channels") not in (None, h // heads):
+        values["kv_channels"] = a.get("kv_channels")
+    if a.get("group_query_attention"):
+        values.update(group_query_attention=True, num_query_groups=a.get("num_query_groups") or 1)
+    return values
+
+
+def _mlp_values(a: SavedArgs) -> dict:
+    """The MLP, its GELU included: ``ModelConfig.gelu_approximation`` applies Megatron's rule to
+    the same three args (tanh with biases and the bias-GELU fusion, Megatron's default)."""
+    return dict(ffn_hidden_size=a.get("ffn_hidden_size"), swiglu=bool(a.get("swiglu")),
+                disable_bias_linear=not a.get("add_bias_linear", default=True),
+                bias_gelu_fusion=bool(a.get("bias_gelu_fusion", default=True)))
+
+
+def _moe_values(a: SavedArgs, blockers: List[str]) -> dict:
+    experts = a.get("num_experts", "num_moe_experts")
+    if not experts:
+        return {}
+    freq = a.get("moe_layer_freq", default=1)
+    layers = a.required("num_layers")
+    pattern = list(freq) if isinstance(freq, (list, tuple)) else [int(i % freq == 0) for i in range(layers)]
+    if not all(pattern):
+        blockers.append(f"--moe-layer-freq {freq} (Megatron's MoE layers {pattern}; here MoE layers are every "
+                        "k-th from layer k-1, so only an MoE in every layer maps)")
+    balancing = _single(a.get("moe_router_load_balancing_type", default="aux_loss"),
+                        "--moe-router-load-balancing-type", blockers)
+    if balancing not in ("aux_loss", "none"):
+        blockers.append(f"--moe-router-load-balancing-type {balancing} (ours is the Switch aux loss)")
+    coeff = _single(a.get("moe_aux_loss_coeff", default=0.0), "--moe-aux-loss-coeff", blockers)
+    return dict(num_experts=experts, moe_router_topk=a.get("moe_router_topk", default=2), moe_layer_freq=1,
+                moe_ffn_hidden_size=a.get("moe_ffn_hidden_size"),
+                moe_router_pre_softmax=bool(a.get("moe_router_pre_softmax")),
+                moe_aux_loss_coeff=float(coeff or 0.0) if balancing == "aux_loss" else 0.0,
+                moe_z_loss_coeff=float(a.get("moe_z_loss_coeff") or 0.0),
+                moe_input_jitter_eps=a.get("moe_input_jitter_eps"))
+
+
+def model_values(a: SavedArgs) -> Tuple[dict, bool, List[str]]:
+    """({ModelConfig field: value}, zero_centered_gamma, notes) for Megatron's saved args; a
+    ``MegatronConversionError`` lists every option that blocks the import."""
+    blockers: List[str] = []
+    notes: List[str] = []
+    for name, neutral, why in _NEUTRAL:
+        value = a.get(name, default=neutral)
+        if value not in (neutral, None, 0, False):
+            blockers.append(f"--{name.replace('_', '-')} {value!r} ({why})")
+    normalization = a.get("normalization", default="LayerNorm")
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        blockers.append(f"--normalization {normalization}")
+    values = dict(num_layers=a.required("num_layers"), normalization=normalization,
+                  norm_epsilon=float(a.get("layernorm_epsilon", "norm_epsilon", default=1e-5)),
+                  untie_embeddings_and_output_weights=bool(a.get("untie_embeddings_and_output_weights")),
+                  hidden_dropout=a.get("hidden_dropout", default=0.1),
+                  init_method_std=a.get("init_method_std", default=0.02))
+    values.update(_attention_values(a, blockers))
+    values.update(_mlp_values(a))
+    values.update(_moe_values(a, blockers))
+    if blockers:
+        raise MegatronConversionError(f"{a.where}: cannot express this Megatron-LM model here: " + "; ".join(blockers))
+    zero_centered = bool(a.get("layernorm_zero_centered_gamma", "apply_layernorm_1p"))
+    if zero_centered:
+        notes.append("--apply-layernorm-1p: Megatron stores norm weights as gamma - 1; imported as gamma")
+    return {k: v for k, v in values.items() if v is not None}, zero_centered, notes
+
+
+def vocab_values(a: SavedArgs, target_tp: int) -> Tuple[int, int, Optional[str]]:
+    """(vocab_size, make_vocab_size_divisible_by, note) so that our padded vocabulary has
+    Megatron's ``padded_vocab_size`` rows P whenever the target TP allows.
+
+    Megatron pads the tokenizer's vocabulary V to a multiple of divisor x TP; V itself is saved
+    only with --vocab-size. Our divisor divisor x source TP pads the same V to the same P, so
+    training with the tokenizer again (which sets --vocab-size V) gives P rows too."""
+    rows = a.required("padded_vocab_size")
+    divisor = int(a.get("make_vocab_size_divisible_by", default=128)) * a.tp
+    vocab = a.get("vocab_size") or rows
+    if -(-vocab // divisor) * divisor != rows:
+        vocab, divisor = rows, import_vocab_divisor(rows, target_tp)
+    if divisor % target_tp:
+        divisor = divisor * target_tp // math.gcd(divisor, target_tp)
+    padded = -(-vocab // divisor) * divisor
+    note = None
+    if padded != rows:
+        note = (f"vocabulary padded from Megatron's {rows} rows to {padded} with zeros (TP {target_tp} needs "
+                f"--make-vocab-size-divisible-by {divisor}); their logits (0) enter our softmax")
+    return vocab, divisor, note

@@ -1,0 +1,183 @@
+"""Megatron-LM's ``torch_dist`` checkpoints (megatron-core dist_checkpointing on PyTorch
+Distributed Checkpoint), as global canonical tensors.
+
+    iter_0000100/metadata.json      {"sharded_backend": "torch_dist", ...}
+    iter_0000100/common.pt          torch.save of what is not sharded: args, iteration, ...
+    iter_0000100/.metadata          pickled DCP Metadata: every key's global shape and chunks,
+                                    and where each chunk is (file, byte offset, length)
+    iter_0000100/__R_I.distcp       the chunks rank R wrote, each a torch.save at an offset
+
+Keys are megatron-core's sharded keys with global shapes and offsets, so the layout of the
+saving run (TP, PP, EP, virtual stages) does not matter. Layers are stacked on a leading
+dimension (``decoder.layers.self_attention.linear_qkv.weight`` is [L, 3h, h]) unless the model
+had non-homogeneous layers, whose keys carry the global layer index
+(``decoder.layers.3.self_attention...``); experts are a further leading dimension
+(``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is [L, E, ffn, h], for SequentialMLP
+and TEGroupedMLP alike, as megatron-core 0.16 writes it; a single ``experts.`` is read too). Optimizer state (``optimizer.*``) and byte objects (RNG state,
+``_extra_state``) are not read.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Dict, List, Tuple
+
+import torch
+
+from megatron_p2r.checkpoint.errors import CheckpointError
+from megatron_p2r.convert.megatron.args import SavedArgs
+from megatron_p2r.convert.megatron.names import expert_rest, layer_name, split_layer_key
+from megatron_p2r.convert.megatron.unpickler import Kind, LazyTensor, Opaque, TorchArchive, load_pickle
+from megatron_p2r.files import MiB, confined, read_json
+
+CONFIG_FILE, COMMON_FILE, DCP_METADATA = "metadata.json", "common.pt", ".metadata"
+_NOT_MODEL = ("optimizer.", "chained_", "rng_state", "rerun_state_machine")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+    offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+    file: str
+    start: int
+    length: int
+
+
+def read_backend(iter_dir: str) -> str:
+    """``sharded_backend`` of a dist_checkpointing ``metadata.json``."""
+    path = os.path.join(iter_dir, CONFIG_FILE)
+    try:
+        backend = read_json(path, CheckpointError, limit=16 * MiB).get("sharded_backend")
+    except AttributeError as exc:
+        raise CheckpointError(f"{path}: not a dist_checkpointing metadata.json ({exc})") from None
+    if not isinstance(backend, str):
+        raise CheckpointError(f"{path}: field sharded_backend is missing")
+    return backend
+
+
+def _field(record, name: str, where: str):
+    value = record.field(name) if isinstance(record, Opaque) else None
+    if value is None:
+        raise CheckpointError(f"{where}: field {name} is missing ({record!r})")
+    return value
+
+
+class DistCheckpoint:
+    """The model tensors of a torch_dist iteration directory; a canonical tensor is read from the
+    chunks of its key that cover its index on the leading (layer, expert) dimensions."""
+
+    format = "torch_dist"
+
+    def __init__(self, iter_dir: str):
+        self.iter_dir = iter_dir
+        backend = read_backend(iter_dir)
+        if backend != "torch_dist":
+            raise CheckpointError(f"{os.path.join(iter_dir, CONFIG_FILE)}: sharded_backend {backend!r}; only "
+                                  "torch_dist is read (convert others with Megatron's dist_checkpointing first)")
+        common = TorchArchive(os.path.join(iter_dir, COMMON_FILE), Kind.MEGATRON).obj
+        if not isinstance(common, dict) or "args" not in common:
+            raise CheckpointError(f"{os.path.join(iter_dir, COMMON_FILE)}: no 'args' in the saved dict")
+        self.args = SavedArgs.of(common["args"], os.path.join(iter_dir, COMMON_FILE))
+        self.where = os.path.join(iter_dir, DCP_METADATA)
+        metadata = load_pickle(self.where, Kind.DCP_METADATA)
+        self.sizes: Dict[str, Tuple[int, ...]] = {}
+        self.chunks: Dict[str, List[_Chunk]] = {}
+        self._index(_field(metadata, "state_dict_metadata", self.where), _field(metadata, "storage_data", self.where))
+        self._check_files()
+        self.names: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
+        for key, size in self.sizes.items():
+            if not key.startswith(_NOT_MODEL):
+                for name, prefix in self._canonical(key, size):
+                    self.names[name] = (key, prefix)
+
+    def _index(self, state_dict_metadata: dict, storage_data: dict) -> None:
+        """Global shapes and chunk locations of every tensor key."""
+        for key, entry in state_dict_metadata.items():
+            if isinstance(entry, Opaque) and entry.qualname.endswith("TensorStorageMetadata"):
+                self.sizes[key] = tuple(_field(entry, "size", self.where))
+                self.chunks[key] = []
+        sizes = {(key, tuple(_field(c, "offsets", self.where))): tuple(_field(c, "sizes", self.where))
+                 for key, entry in state_dict_metadata.items() if key in self.sizes
+                 for c in _field(entry, "chunks", self.where)}
+        for index, info in storage_data.items():
+            key = _field(index, "fqn", self.where)
+            if key not in self.sizes:
+                continue
+            offsets = tuple(_field(index, "offset", self.where))
+            if info.field("transform_descriptors"):
+                raise CheckpointError(f"{self.where}: chunk {offsets} of {key!r} is stored with transforms "
+                                      f"{info.field('transform_descriptors')}; only plain torch.save chunks are read")
+            if (key, offsets) not in sizes:
+                raise CheckpointError(f"{self.where}: storage_data has a chunk at {offsets} of {key!r} that "
+                                      "state_dict_metadata does not list")
+            path = confined(self.iter_dir, _field(info, "relative_path", self.where), CheckpointError,
+                            f"{self.where}: relative_path of {key!r}")  # a name read from a file stays inside
+            self.chunks[key].append(_Chunk(offsets, sizes[(key, offsets)], path,
+                                           int(info.field("offset") or 0), int(_field(info, "length", self.where))))
+
+    def _check_files(self) -> None:
+        """Every chunk's file exists and is long enough (before anything is read or written)."""
+        ends: Dict[str, Tuple[int, str]] = {}
+        for key, chunks in self.chunks.items():
+            for c in chunks:
+                ends[c.file] = max(ends.get(c.file, (0, key)), (c.start + c.length, key))
+        for path, (end, key) in sorted(ends.items()):
+            if not os.path.isfile(path):
+                raise CheckpointError(f"missing file {path} ({self.where} places chunks of {key!r} there)")
+            if os.path.getsize(path) < end:
+                raise CheckpointError(f"{path}: truncated: {os.path.getsize(path)} bytes, {self.where} places a "
+                                      f"chunk of {key!r} up to byte {end}")
+
+    def _canonical(self, key: str, size: Tuple[int, ...]) -> List[Tuple[str, Tuple[int, ...]]]:
+        """(canonical name, index on the key's leading dimensions) of every tensor in ``key``."""
+        split = split_layer_key(key)
+        if split is None:
+            return [(key, ())]
+        layer, rest = split
+        layers = [((layer,), ())] if layer is not None else [((i,), (i,)) for i in range(size[0])]
+        out = []
+        for (i,), prefix in layers:
+            if rest.startswith("mlp.experts.") and not rest.split(".")[2].isdigit():
+                leaf = rest[len("mlp.experts."):]
+                leaf = leaf[len("experts."):] if leaf.startswith("experts.") else leaf
+                out += [(layer_name(i, expert_rest(e, leaf)), prefix + (e,)) for e in range(size[len(prefix)])]
+            else:
+                out.append((layer_name(i, rest), prefix))
+        return out
+
+    def location(self, name: str) -> str:
+        return self.where
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        key, prefix = self.names[name]
+        return self.sizes[key][len(prefix):]
+
+    def read(self, name: str) -> torch.Tensor:
+        """The global tensor, assembled from the chunks of its key that hold its index."""
+        key, prefix = self.names[name]
+        out, filled = None, 0
+        for chunk in self.chunks[key]:
+            if not all(o <= i < o + s for i, o, s in zip(prefix, chunk.offsets, chunk.sizes, strict=False)):
+                continue
+            data = self._read_chunk(key, chunk)
+            data = data[tuple(i - o for i, o in zip(prefix, chunk.offsets, strict=False))]
+            if out is None:
+                out = torch.empty(self.shape(name), dtype=data.dtype)
+            rest = chunk.offsets[len(prefix):]
+            out[tuple(slice(o, o + s) for o, s in zip(rest, data.shape, strict=True))] = data
+            filled += data.numel()
+        if out is None or filled != out.numel():
+            raise CheckpointError(f"{self.where}: the chunks of {key!r} cover {filled} elements of {name} "
+                                  f"{list(self.shape(name))}")
+        return out
+
+    def _read_chunk(self, key: str, chunk: _Chunk) -> torch.Tensor:
+        where = f"{chunk.file} (bytes {chunk.start}..{chunk.start + chunk.length}, chunk {chunk.offsets} of {key!r})"
+        tensor = TorchArchive(chunk.file, Kind.TENSORS, chunk.start, chunk.length, where=where).obj
+        if not isinstance(tensor, LazyTensor):
+            raise CheckpointError(f"{where}: holds {type(tensor).__name__}, expected a tensor")
+        if torch.Size(tensor.shape).numel() != torch.Size(chunk.sizes).numel():
+            raise CheckpointError(f"{where}: holds a tensor of shape {list(tensor.shape)}, expected "
+                                  f"{list(chunk.sizes)}")
+        data = tensor.read()
+        return data.reshape(chunk.sizes)

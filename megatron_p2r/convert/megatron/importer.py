@@ -1,0 +1,104 @@
+"""import-megatron: a Megatron-LM GPT / Llama / Mixtral checkpoint (torch_dist or legacy, any
+TP/PP/EP) as a checkpoint of ours (real phase, iteration 0, weights only) in any layout; every
+tensor is planned and its shape checked before anything is written, then streamed one piece
+at a time."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from megatron_p2r.checkpoint.errors import CheckpointError
+from megatron_p2r.convert.imported import MODEL_YAML, write_imported
+from megatron_p2r.convert.megatron.args import SavedArgs, model_values, vocab_values
+from megatron_p2r.convert.megatron.names import OUTPUT_LAYER
+from megatron_p2r.convert.megatron.rules import megatron_name, megatron_shape, transform
+from megatron_p2r.convert.megatron.source import MegatronCheckpoint, open_megatron
+from megatron_p2r.convert.reshard import Target, target_config
+from megatron_p2r.checkpoint.tensor_table import TensorInfo, tensor_table
+from megatron_p2r.config import Config, DataConfig, ModelConfig
+
+Plan = Dict[str, Tuple[str, Callable[[torch.Tensor], torch.Tensor]]]
+
+
+def import_megatron(src: str, dst: str, target: Target, *, force: bool = False,
+                    progress: bool = True) -> Tuple[str, List[str]]:
+    """Write the Megatron-LM checkpoint SRC as a checkpoint of ours in the ``target`` layout (unset
+    sizes: 1). Returns (iteration directory, notes)."""
+    source = open_megatron(src)
+    a = source.args
+    values, zero_centered, notes = model_values(a)
+    cfg, vocab_note = _imported_config(values, a, target)
+    table = tensor_table(cfg)
+    plan = _plan(source, table, cfg.model, zero_centered, a.required("padded_vocab_size"))
+    flags, tokenizer_note = _tokenizer_flags(a)
+    history = {"op": "import-megatron", "source": os.path.abspath(source.iter_dir),
+               "source_layout": f"megatron {source.format}: TP={a.tp} PP={a.pp} EP={a.ep}"}
+    out = write_imported(src, source.iter_dir, dst, cfg, table, lambda info, kind: _piece(source, *plan[info.key]),
+                         history=history, force=force, progress=progress, extras=lambda staging: flags)
+    yaml_path = os.path.join(dst, MODEL_YAML)
+    notes += [n for n in (vocab_note, tokenizer_note) if n]
+    notes.append("weights only: Megatron's optimizer state, iteration and RNG states are not imported (a fresh "
+                 "optimizer starts, as with --finetune)")
+    notes.append(f"model and layout flags in {yaml_path}: train with --config {yaml_path} --load {dst} "
+                 "--finetune plus data and training flags")
+    return out, notes
+
+
+def _imported_config(values: dict, a: SavedArgs, target: Target) -> Tuple[Config, Optional[str]]:
+    """Our config for the Megatron model in the ``target`` layout, and a note if the vocabulary
+    gets more padding rows than Megatron's."""
+    tp = target.tensor_parallel_size or 1
+    vocab, divisor, note = vocab_values(a, tp)
+    values.update(vocab_size=vocab, make_vocab_size_divisible_by=divisor)
+    base = Config.from_dict({"model": values})
+    cfg = target_config(base, Target(tp, target.pipeline_parallel_size or 1, target.pipeline_layer_split,
+                                     target.expert_parallel_size), delink=False)
+    return cfg, note
+
+
+def _plan(source: MegatronCheckpoint, table: Dict[str, TensorInfo], m: ModelConfig, zero_centered: bool,
+          vocab_rows: int) -> Plan:
+    """Our piece -> (Megatron tensor, transform), every shape checked, and every Megatron tensor
+    used: none is silently dropped."""
+    plan: Plan = {}
+    for key, info in table.items():
+        name = megatron_name(key)
+        if name not in source.names:
+            raise CheckpointError(f"{source.iter_dir}: the checkpoint has no tensor {name} (needed for our {key})")
+        want = megatron_shape(key, info.shape, m, vocab_rows)
+        if source.shape(name) != want:
+            raise CheckpointError(f"{source.location(name)}: {name} has shape {list(source.shape(name))}, the saved "
+                                  f"args imply {list(want)}")
+        plan[key] = (name, transform(key, m, zero_centered))
+    used = {name for name, _ in plan.values()}
+    if not m.untie_embeddings_and_output_weights:
+        used.add(OUTPUT_LAYER)  # the last stage's replica of the tied embedding (legacy layout, PP > 1)
+    unused = sorted(set(source.names) - used)
+    if unused:
+        raise CheckpointError(f"{source.location(unused[0])}: {len(unused)} tensors have no place in our model, "
+                              f"e.g. {unused[0]}; refusing to drop weights")
+    return plan
+
+
+def _piece(source: MegatronCheckpoint, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    return fn(source.read(name).to(torch.float32)).contiguous()
+
+
+def _tokenizer_flags(a: SavedArgs) -> Tuple[dict, str]:
+    """Megatron's tokenizer flags for model.yaml when this package has that tokenizer and its files
+    are here; otherwise empty, and a note saying what to pass."""
+    kind = a.get("tokenizer_type")
+    if kind is None:
+        return {}, ""
+    paths = {k: a.get(k) for k in ("tokenizer_model", "vocab_file", "merge_file") if a.get(k)}
+    given = " ".join([f"--tokenizer-type {kind}"] + [f"--{k.replace('_', '-')} {v}" for k, v in paths.items()])
+    choices = {f.name: f for f in dataclasses.fields(DataConfig)}["tokenizer_type"].metadata["choices"]
+    if kind not in choices:
+        return {}, f"tokenizer: Megatron's {given} has no equivalent here; pass one with the same vocabulary"
+    missing = [p for p in paths.values() if not os.path.exists(p)]
+    if missing:
+        return {}, f"tokenizer: Megatron's {given}; {missing[0]} is not here, pass the files with your data flags"
+    return {"tokenizer_type": kind, **paths}, f"tokenizer: {given} (in model.yaml)"

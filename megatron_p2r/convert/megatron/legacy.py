@@ -1,0 +1,156 @@
+"""Megatron-LM's legacy checkpoint layout (``--ckpt-format torch``), as global canonical tensors.
+
+    iter_0000100/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt
+
+one ``torch.save`` per TP rank TT, pipeline stage PPP (present when PP > 1) and expert-parallel
+rank EEE (present when EP > 1), as ``megatron/training/checkpointing.py: get_checkpoint_name``
+names them. Each holds ``args``, ``checkpoint_version``, ``iteration`` and ``model``: the state
+dict of that rank's modules, TP shards under local names -- layers numbered from 0 on every
+stage, experts numbered from 0 on every EP rank. A stage's first global layer is the number of
+layers the stages before it hold (so uneven splits read as they were saved); expert ``l`` of EP
+rank ``r`` is global expert ``r * E / EP + l``. Dense tensors are replicated on every EP rank
+and TP-unsplit ones on every TP rank: the copy of EP rank 0 / TP rank 0 is read.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Dict, Tuple
+
+import torch
+
+from megatron_p2r.checkpoint.errors import CheckpointError
+from megatron_p2r.convert.megatron.args import SavedArgs
+from megatron_p2r.convert.megatron.names import (IGNORED, expert_rest, is_glu_fc1, layer_name, split_layer_key,
+                                                    split_local_expert, tp_dim)
+from megatron_p2r.convert.megatron.unpickler import Kind, LazyTensor, TorchArchive
+
+MODEL_FILE = "model_optim_rng.pt"
+RANK_DIR = re.compile(r"mp_rank_\d{2}(_\d{3}){0,2}")
+
+
+def rank_dir(tp: int, pp: int, ep: int, layout: Tuple[int, int, int]) -> str:
+    """Megatron's directory name of rank (tp, pp, ep) in a (TP, PP, EP) layout."""
+    return f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if layout[1] > 1 else "") + (f"_{ep:03d}" if layout[2] > 1 else "")
+
+
+class LegacyCheckpoint:
+    """The tensors of a legacy iteration directory: shapes from the pickles alone, data on ``read``."""
+
+    format = "legacy (torch)"
+
+    def __init__(self, iter_dir: str):
+        self.iter_dir = iter_dir
+        dirs = sorted(d for d in os.listdir(iter_dir) if RANK_DIR.fullmatch(d))
+        first = self._archive(dirs[0])
+        self.args = SavedArgs.of(first.obj.get("args"), first.path)
+        self._check_header(first)
+        a = self.args
+        self.layout = (a.tp, a.pp, a.ep)
+        expected = {(t, p, e): rank_dir(t, p, e, self.layout) for p in range(a.pp) for e in range(a.ep)
+                    for t in range(a.tp)}
+        unexpected = sorted(set(dirs) - set(expected.values()))
+        if unexpected:
+            raise CheckpointError(f"{os.path.join(iter_dir, unexpected[0])}: not a rank of the saved layout "
+                                  f"(args: TP={a.tp}, PP={a.pp}, EP={a.ep}, so {len(expected)} mp_rank directories)")
+        self.glu = bool(a.get("swiglu"))
+        self.local_experts = (a.get("num_experts") or 0) // a.ep
+        self.names: Dict[str, Dict[int, LazyTensor]] = {}
+        self.files: Dict[str, str] = {}
+        offset = 0
+        for p in range(a.pp):
+            counts = {self._add(first if (t, p, e) == (0, 0, 0) else self._archive(expected[(t, p, e)]), t, e, offset)
+                      for e in range(a.ep) for t in range(a.tp)}
+            if len(counts) != 1:
+                raise CheckpointError(f"{iter_dir}: the files of stage {p} hold different numbers of layers {counts}")
+            offset += counts.pop()
+        if offset != a.required("num_layers"):
+            raise CheckpointError(f"{iter_dir}: the stages hold {offset} layers, args.num_layers is "
+                                  f"{a.values['num_layers']}")
+
+    def _archive(self, directory: str) -> TorchArchive:
+        path = os.path.join(self.iter_dir, directory, MODEL_FILE)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"missing file {path} (each mp_rank directory holds a {MODEL_FILE})")
+        return TorchArchive(path, Kind.MEGATRON)
+
+    def _check_header(self, first: TorchArchive) -> None:
+        version = first.obj.get("checkpoint_version", 0)
+        if not isinstance(version, (int, float)) or version < 3.0:
+            raise CheckpointError(f"{first.path}: checkpoint_version {version!r}; Megatron-LM checkpoints before "
+                                  "version 3.0 order QKV differently and are not read")
+        if "model" not in first.obj:
+            keys = sorted(k for k in first.obj if isinstance(k, str))
+            why = (" (model0, model1, ...: virtual pipeline stages, not read from the legacy layout; save with "
+                   "--ckpt-format torch_dist)" if "model0" in keys else "")
+            raise CheckpointError(f"{first.path}: no 'model' in the saved dict (keys {keys}){why}")
+        experts, etp = self.args.get("num_experts"), self.args.get("expert_tensor_parallel_size")
+        if experts and etp not in (None, self.args.tp):
+            raise CheckpointError(f"{first.path}: args.expert_tensor_parallel_size {etp} differs from "
+                                  f"args.tensor_model_parallel_size {self.args.tp}; the legacy layout of such "
+                                  "experts is not read (save with --ckpt-format torch_dist)")
+
+    def _add(self, archive: TorchArchive, t: int, e: int, offset: int) -> int:
+        """Record the tensors of one rank file; returns how many layers it holds."""
+        model = archive.obj.get("model")
+        if not isinstance(model, dict):
+            raise CheckpointError(f"{archive.path}: 'model' is {type(model).__name__}, expected a state dict")
+        layers = set()
+        for key, value in model.items():
+            if IGNORED.search(key):
+                continue
+            if not isinstance(value, LazyTensor):
+                raise CheckpointError(f"{archive.path}: model[{key!r}] is {type(value).__name__}, expected a tensor")
+            name = self._canonical(key, e, offset, layers, archive.path)
+            if name is None:
+                continue
+            if t in self.names.setdefault(name, {}):
+                raise CheckpointError(f"{archive.path}: {key!r} names the same tensor as another entry ({name})")
+            self.names[name][t] = value
+            self.files.setdefault(name, archive.path)
+        if layers != set(range(len(layers))):
+            raise CheckpointError(f"{archive.path}: local layers {sorted(layers)} are not numbered 0..n-1")
+        return len(layers)
+
+    def _canonical(self, key: str, e: int, offset: int, layers: set, path: str):
+        """The canonical name of a local key of EP rank ``e`` (None: a replica of EP rank 0's)."""
+        if key.startswith("language_model."):
+            raise CheckpointError(f"{path}: {key!r} is the naming of Megatron's legacy (non-core) models; "
+                                  "only megatron-core GPT models (decoder.layers.*) are read")
+        split = split_layer_key(key)
+        if split is None or split[0] is None:
+            return key if e == 0 else None
+        layers.add(split[0])
+        expert = split_local_expert(split[1])
+        if expert is None:
+            return layer_name(offset + split[0], split[1]) if e == 0 else None
+        return layer_name(offset + split[0], expert_rest(e * self.local_experts + expert[0], expert[1]))
+
+    def location(self, name: str) -> str:
+        return self.files[name]
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        """The global shape, from the TP shards' shapes (no data read)."""
+        shards, dim = self.names[name], tp_dim(name)
+        if sorted(shards) != list(range(self.layout[0])):
+            raise CheckpointError(f"{self.files[name]}: {name} is stored by TP ranks {sorted(shards)}, "
+                                  f"expected 0..{self.layout[0] - 1}")
+        shapes = [shards[t].shape for t in range(self.layout[0])]
+        rest = {s[:dim] + s[dim + 1:] if dim is not None else s for s in shapes}
+        if len(rest) != 1:
+            raise CheckpointError(f"{self.files[name]}: the TP shards of {name} have shapes {shapes}")
+        if dim is None:
+            return shapes[0]
+        return shapes[0][:dim] + (sum(s[dim] for s in shapes),) + shapes[0][dim + 1:]
+
+    def read(self, name: str) -> torch.Tensor:
+        """The global tensor: TP shards joined along Megatron's split dim (SwiGLU fc1: the gate
+        halves of every shard, then the up halves)."""
+        shards, dim = self.names[name], tp_dim(name)
+        if dim is None:
+            return shards[0].read()
+        parts = [shards[t].read() for t in range(self.layout[0])]
+        if self.glu and is_glu_fc1(name):
+            halves = [p.chunk(2) for p in parts]
+            parts = [h[0] for h in halves] + [h[1] for h in halves]
+        return torch.cat(parts, dim)

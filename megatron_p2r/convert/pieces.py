@@ -1,0 +1,85 @@
+"""Global pieces <-> their TP shards, streamed: read a piece whole from any layout's files, and
+write a table's pieces into another layout's files, one piece in memory at a time.
+
+Files are safetensors written by ``ShardWriter`` (headers first), so memory holds one piece at
+a time: the peak is bounded by the largest tensor, not the model.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import torch
+from tqdm import tqdm
+
+from megatron_p2r.checkpoint.naming import entry_name, shard_header_metadata
+from megatron_p2r.checkpoint.safetensors_io import TORCH_DTYPE, ReaderCache, ShardWriter
+from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo, file_entries
+
+# (target piece, kind) -> the global tensor to store
+Producer = Callable[[TensorInfo, str], torch.Tensor]
+
+
+def read_global(readers: ReaderCache, layout: ShardLayout, info: TensorInfo, kind: str) -> torch.Tensor:
+    """The whole piece: its TP shards read into one tensor (straight into place along dim 0)."""
+    entry = entry_name(kind, info.key)
+    if kind == "step" or layout.tp_shards(info) == 1:
+        return readers(layout.file_of(info, 0)).read(entry)
+    out = torch.empty(info.shape, dtype=TORCH_DTYPE[info.dtype])
+    for t, part in zip(layout.tp_ranks_of(info), out.chunk(layout.tp_shards(info), dim=info.tp_dim), strict=True):
+        reader = readers(layout.file_of(info, t))
+        if part.is_contiguous():
+            reader.read(entry, out=part)
+        else:
+            part.copy_(reader.read(entry))
+    return out
+
+
+def tp_shards(tensor: torch.Tensor, info: TensorInfo, layout: ShardLayout, kind: str) -> List[Tuple[int, torch.Tensor]]:
+    """(TP rank, its shard of the global ``tensor``) for every TP rank that stores the piece."""
+    if kind == "step" or info.tp_dim is None:
+        return [(t, tensor) for t in layout.tp_ranks_of(info)]
+    return list(zip(layout.tp_ranks_of(info), tensor.chunk(layout.tp_shards(info), dim=info.tp_dim), strict=True))
+
+
+def write_pieces(out_iter: str, table: Dict[str, TensorInfo], layout: ShardLayout, kinds: Sequence[str],
+                 produce: Producer, *, progress: bool, desc: str) -> None:
+    """Write every piece of ``table`` (each of ``kinds``, as ``produce`` makes it) into ``layout``'s
+    shard files under ``out_iter``: one global piece in memory at a time, the files of one stage
+    open at a time (the table is in stage order)."""
+    entries = file_entries(table, layout, kinds)
+    total = sum(info.nbytes * (len(kinds) - ("step" in kinds)) for info in table.values())
+    bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc=desc)
+    writers: Dict[str, ShardWriter] = {}
+    stage = -1
+    for info in table.values():
+        if info.stage != stage:
+            _close_all(writers)
+            stage = info.stage
+            for name in layout.stage_files(stage):
+                writers[name] = ShardWriter(os.path.join(out_iter, name), entries[name], shard_header_metadata(name))
+        for kind in kinds:
+            bar.update(_write_piece(writers, layout, info, kind, produce))
+    _close_all(writers)
+    # A stage can own no piece (a middle stage that only replays a pseudo slot of an earlier
+    # stage); the layout still has its (empty) files.
+    for name, ents in entries.items():
+        if not os.path.exists(os.path.join(out_iter, name)):
+            ShardWriter(os.path.join(out_iter, name), ents, shard_header_metadata(name)).close()
+    bar.close()
+
+
+def _write_piece(writers: Dict[str, ShardWriter], layout: ShardLayout, info: TensorInfo, kind: str,
+                 produce: Producer) -> int:
+    """Make one global tensor and append its TP shards; returns its bytes (0 for ``step``).
+    (A function of its own so that nothing of the piece outlives it.)"""
+    tensor = produce(info, kind)
+    for t, shard in tp_shards(tensor, info, layout, kind):
+        writers[layout.file_of(info, t)].write(entry_name(kind, info.key), shard)
+    return 0 if kind == "step" else tensor.numel() * tensor.element_size()
+
+
+def _close_all(writers: Dict[str, ShardWriter]) -> None:
+    for w in writers.values():
+        w.close()
+    writers.clear()

@@ -1,0 +1,94 @@
+"""Megatron's saved args -> our model options: Megatron's names (old and new) and defaults, every
+inexpressible option named in one message, and the vocabulary padding kept."""
+import pytest
+
+from megatron_p2r.convert.megatron.args import MegatronConversionError, SavedArgs, model_values, vocab_values
+from megatron_p2r.config import ModelConfig
+from tests.convert.megatron.fixtures import GPT, LLAMA, MIXTRAL, megatron_args
+
+
+def saved(spec, tp=2, pp=1, ep=1, **overrides):
+    return SavedArgs.of(megatron_args(spec, tp, pp, ep, **overrides), "common.pt")
+
+
+def test_families_map_to_our_options():
+    gpt, _, _ = model_values(saved(GPT))
+    assert gpt == dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                       normalization="LayerNorm", norm_epsilon=1e-5, swiglu=False, disable_bias_linear=False,
+                       position_embedding_type="learned_absolute", rotary_base=10000.0, rotary_percent=1.0,
+                       max_position_embeddings=16, seq_length=16, untie_embeddings_and_output_weights=False,
+                       hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, qk_layernorm=False,
+                       add_qkv_bias=False, bias_gelu_fusion=True)
+    llama, one_p, notes = model_values(saved(LLAMA))
+    assert {k: llama[k] for k in ("normalization", "swiglu", "position_embedding_type", "disable_bias_linear",
+                                  "group_query_attention", "num_query_groups", "kv_channels", "rotary_percent",
+                                  "qk_layernorm", "add_qkv_bias")} == \
+        dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", disable_bias_linear=True,
+             group_query_attention=True, num_query_groups=2, kv_channels=16, rotary_percent=0.5, qk_layernorm=True,
+             add_qkv_bias=False)
+    assert one_p
+    assert "gamma - 1" in notes[0]
+    moe, _, _ = model_values(saved(MIXTRAL, ep=2))
+    assert {k: moe[k] for k in ("num_experts", "moe_router_topk", "moe_router_pre_softmax", "moe_aux_loss_coeff")} == \
+        dict(num_experts=4, moe_router_topk=2, moe_router_pre_softmax=False, moe_aux_loss_coeff=1e-2)
+    pre_softmax, _, _ = model_values(saved(MIXTRAL, moe_router_pre_softmax=True, moe_layer_freq=[1, 1, 1, 1]))
+    assert pre_softmax["moe_router_pre_softmax"] is True
+
+
+def test_older_names_and_megatron_defaults():
+    """Older Megatron: norm_epsilon / apply_layernorm_1p / use_rotary_position_embeddings; an
+    arg missing from the checkpoint takes Megatron's default (dropout 0.1, biases on)."""
+    a = SavedArgs({"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 8,
+                   "max_position_embeddings": 8, "norm_epsilon": 1e-6, "apply_layernorm_1p": True,
+                   "use_rotary_position_embeddings": True, "swiglu": True, "bias_swiglu_fusion": True}, "x.pt")
+    values, one_p, _ = model_values(a)
+    assert (values["norm_epsilon"], values["position_embedding_type"], values["hidden_dropout"],
+            values["disable_bias_linear"], one_p) == (1e-6, "rope", 0.1, False, True)
+
+
+def test_every_blocking_option_is_named():
+    a = saved(LLAMA, rotary_interleaved=True, position_embedding_type="yarn",
+              apply_residual_connection_post_layernorm=True, moe_router_score_function="sigmoid")
+    with pytest.raises(MegatronConversionError) as err:
+        model_values(a)
+    message = str(err.value)
+    assert message.startswith("common.pt: cannot express this Megatron-LM model here: ")
+    for part in ("--rotary-interleaved True (interleaved rotary embeddings", "--position-embedding-type yarn",
+                 "--apply-residual-connection-post-layernorm True", "--moe-router-score-function 'sigmoid'"):
+        assert part in message
+    with pytest.raises(MegatronConversionError, match=r"--moe-layer-freq 2 \(Megatron's MoE layers \[1, 0, 1, 0\]"):
+        model_values(saved(MIXTRAL, moe_layer_freq=2))
+    with pytest.raises(MegatronConversionError, match="--moe-router-load-balancing-type sinkhorn"):
+        model_values(saved(MIXTRAL, moe_router_load_balancing_type="sinkhorn"))
+
+
+@pytest.mark.parametrize("overrides,gelu", [
+    ({}, "tanh"),                                    # biases + Megatron's default bias-GELU fusion
+    ({"bias_gelu_fusion": False}, "none"),           # --no-bias-gelu-fusion: F.gelu
+    ({"add_bias_linear": False, "add_qkv_bias": False, "bias_gelu_fusion": False}, "none"),  # as arguments.py saves it
+    ({"openai_gelu": True, "bias_gelu_fusion": False}, "none"),  # megatron-core never reads --openai-gelu
+])
+def test_gelu_is_megatrons(overrides, gelu):
+    """The args Megatron's MLP reads map to the fields that give the same GELU, with no option
+    or note: every Megatron GELU is expressible."""
+    values, _, notes = model_values(saved(GPT, **overrides))
+    assert (ModelConfig(**values).gelu_approximation, notes) == (gelu, [])
+
+
+def test_bias_gelu_fusion_missing_from_args_is_megatrons_default():
+    a = saved(GPT)
+    del a.values["bias_gelu_fusion"]
+    assert model_values(a)[0]["bias_gelu_fusion"] is True
+
+
+@pytest.mark.parametrize("saved_vocab,target_tp,want", [
+    (200, 1, (200, 32, None)), (200, 4, (200, 32, None)),   # 200 padded by 16 x TP2 = 224: same rows
+    (None, 2, (224, 32, None)),                              # vocabulary not saved: the padded rows themselves
+    (200, 64, (200, 64, "224 rows to 256")),                 # TP 64 needs a divisor of 64: more rows
+    (150, 1, (224, 32, None)),                               # inconsistent with the rows: keep the rows
+])
+def test_vocabulary_keeps_megatrons_rows(saved_vocab, target_tp, want):
+    vocab, divisor, note = vocab_values(saved(GPT, vocab_size=saved_vocab), target_tp)
+    assert (vocab, divisor) == want[:2]
+    assert (note is None) == (want[2] is None) and (want[2] is None or want[2] in note)
+    assert -(-vocab // divisor) * divisor == (224 if want[2] is None else 256)

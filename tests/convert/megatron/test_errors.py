@@ -1,0 +1,156 @@
+"""Bad Megatron checkpoints fail before anything is written, with one message naming the file
+and the field (or tensor) and what was expected."""
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from megatron_p2r.checkpoint.errors import CheckpointError
+from megatron_p2r.convert.megatron.importer import import_megatron
+from megatron_p2r.convert.reshard import Target
+from tests.convert.megatron.fixtures import (GPT, MIXTRAL, fixture_globals, make_weights, megatron_args, megatron_enums,
+                                                write_legacy, write_torch_dist)
+
+LEGACY_LAYOUT, DIST_LAYOUT = (2, 2, 1), (2, 1, 2)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pristine")
+    write_legacy(str(root / "legacy"), GPT, make_weights(GPT, 2), megatron_args(GPT, *LEGACY_LAYOUT), LEGACY_LAYOUT)
+    write_torch_dist(str(root / "dist"), MIXTRAL, make_weights(MIXTRAL, 2), megatron_args(MIXTRAL, *DIST_LAYOUT),
+                     DIST_LAYOUT)
+    return root
+
+
+@pytest.fixture
+def legacy(pristine, tmp_path):
+    shutil.copytree(pristine / "legacy", tmp_path / "src")
+    return tmp_path / "src"
+
+
+@pytest.fixture
+def dist(pristine, tmp_path):
+    shutil.copytree(pristine / "dist", tmp_path / "src")
+    return tmp_path / "src"
+
+
+def fails(src, match):
+    dst = os.path.join(os.path.dirname(src), "dst")
+    with pytest.raises(CheckpointError, match=match):
+        import_megatron(str(src), dst, Target(), progress=False)
+    assert not os.path.exists(dst) and not os.path.exists(dst + ".tmp")
+
+
+def edit_rank_file(path, change):
+    """Rewrite one legacy rank file (the test's own trusted file) after ``change(state)``."""
+    with megatron_enums() as backend, torch.serialization.safe_globals(fixture_globals(backend)):
+        state = torch.load(path, weights_only=True)
+        change(state)
+        torch.save(state, path)
+
+
+def test_where_the_checkpoint_is(tmp_path, legacy):
+    """SRC, the tracker file and the iteration it names."""
+    fails(tmp_path / "nowhere", "no checkpoint at .*nowhere: the directory does not exist")
+    os.makedirs(tmp_path / "empty")
+    fails(tmp_path / "empty", "empty is not a Megatron-LM checkpoint: it has no latest_checkpointed_iteration.txt")
+    tracker = legacy / "latest_checkpointed_iteration.txt"
+    tracker.write_text("seven")
+    fails(legacy, "latest_checkpointed_iteration.txt: expected an iteration number or 'release', found 'seven'")
+    tracker.write_text("8")
+    fails(legacy, r"latest_checkpointed_iteration.txt names iter_0000008, but .*iter_0000008 holds no mp_rank_")
+    # what Megatron reads: a release directory, or the iteration directory itself
+    os.rename(legacy / "iter_0000007", legacy / "release")
+    tracker.write_text("release\n")
+    import_megatron(str(legacy), str(tmp_path / "a"), Target(), progress=False)
+    import_megatron(str(legacy / "release"), str(tmp_path / "b"), Target(), progress=False)
+
+
+def test_legacy_files(legacy):
+    iter_dir = legacy / "iter_0000007"
+    last = iter_dir / "mp_rank_01_001" / "model_optim_rng.pt"
+    data = last.read_bytes()
+    last.write_bytes(data[:len(data) // 2])
+    fails(legacy, r"mp_rank_01_001/model_optim_rng.pt: not a zip archive written by torch.save .* or truncated")
+    last.unlink()
+    fails(legacy, r"missing file .*mp_rank_01_001/model_optim_rng.pt \(each mp_rank directory holds")
+    os.makedirs(iter_dir / "mp_rank_02_000")
+    fails(legacy, r"mp_rank_02_000: not a rank of the saved layout \(args: TP=2, PP=2, EP=1, so 4 mp_rank")
+
+
+def test_legacy_contents(legacy):
+    first = legacy / "iter_0000007" / "mp_rank_00_000" / "model_optim_rng.pt"
+    other = legacy / "iter_0000007" / "mp_rank_01_001" / "model_optim_rng.pt"
+    edit_rank_file(first, lambda s: s.update(checkpoint_version=2.0))
+    fails(legacy, r"mp_rank_00_000/model_optim_rng.pt: checkpoint_version 2.0; .* before version 3.0")
+    edit_rank_file(first, lambda s: s.update(checkpoint_version=3.0, model0=s.pop("model")))
+    fails(legacy, r"mp_rank_00_000/model_optim_rng.pt: no 'model' in the saved dict .* virtual pipeline stages")
+    edit_rank_file(first, lambda s: s.update(model=s.pop("model0"), args=None))
+    fails(legacy, r"mp_rank_00_000/model_optim_rng.pt: 'args' is NoneType, expected Megatron's saved argparse")
+    edit_rank_file(first, lambda s: s.update(args=megatron_args(GPT, *LEGACY_LAYOUT, num_layers=None)))
+    fails(legacy, r"mp_rank_00_000/model_optim_rng.pt: args.num_layers is missing")
+    edit_rank_file(first, lambda s: s.update(args=megatron_args(GPT, *LEGACY_LAYOUT, ffn_hidden_size=32)))
+    fails(legacy, r"mp_rank_00_000/model_optim_rng.pt: decoder.layers.0.mlp.linear_fc1.weight has shape \[64, 32\], "
+                  r"the saved args imply \[32, 32\]")
+    edit_rank_file(first, lambda s: s.update(args=megatron_args(GPT, *LEGACY_LAYOUT, group_query_attention=True,
+                                                                num_query_groups=2)))
+    fails(legacy, r"decoder.layers.0.self_attention.linear_qkv.weight has shape \[96, 32\], the saved args imply "
+                  r"\[64, 32\]")
+    edit_rank_file(first, lambda s: s.update(args=megatron_args(GPT, *LEGACY_LAYOUT)))
+    edit_rank_file(other, lambda s: s["model"].pop("decoder.layers.1.mlp.linear_fc2.weight"))
+    fails(legacy, r"decoder.layers.3.mlp.linear_fc2.weight is stored by TP ranks \[0\], expected 0..1")
+    edit_rank_file(other, lambda s: s["model"].update({"decoder.layers.1.mlp.linear_fc2.weight": torch.zeros(32, 32),
+                                                      "decoder.layers.1.mlp.extra.weight": torch.zeros(2)}))
+    fails(legacy, r"mp_rank_01_001/model_optim_rng.pt: 1 tensors have no place in our model, e.g. "
+                  r"decoder.layers.3.mlp.extra.weight; refusing to drop weights")
+
+
+def test_torch_dist_files(dist):
+    iter_dir = dist / "iter_0000007"
+    (iter_dir / "metadata.json").write_text('{"sharded_backend": "zarr"}')
+    fails(dist, r"metadata.json: sharded_backend 'zarr'; only torch_dist is read")
+    (iter_dir / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    chunk = sorted(iter_dir.glob("*.distcp"))[-1]
+    data = chunk.read_bytes()
+    chunk.write_bytes(data[:-100])
+    fails(dist, rf"{chunk.name}: truncated: {len(data) - 100} bytes, .*\.metadata places a chunk of '.*' up to byte")
+    chunk.unlink()
+    fails(dist, rf"missing file .*{chunk.name} \(.*\.metadata places chunks of '.*' there\)")
+    (iter_dir / ".metadata").write_bytes(b"\x80\x04garbage")
+    fails(dist, r"\.metadata: not a readable pickle")
+    (iter_dir / "common.pt").unlink()
+    fails(dist, r"missing file .*iter_0000007/common.pt")
+
+
+def test_torch_dist_chunk_contents(dist):
+    """A .metadata that misses one TP shard's chunk of a tensor."""
+    iter_dir = dist / "iter_0000007"
+    with open(iter_dir / ".metadata", "rb") as fh:
+        metadata = pickle.load(fh)   # the test's own trusted file
+    key, missing = "decoder.layers.self_attention.linear_qkv.weight", (0, 24, 0)  # layer 0, TP rank 1
+    entry = metadata.state_dict_metadata[key]
+    entry.chunks = [c for c in entry.chunks if tuple(c.offsets) != missing]
+    metadata.storage_data = {i: s for i, s in metadata.storage_data.items()
+                             if not (i.fqn == key and tuple(i.offset) == missing)}
+    with open(iter_dir / ".metadata", "wb") as fh:
+        pickle.dump(metadata, fh)
+    fails(dist, r"\.metadata: the chunks of 'decoder.layers.self_attention.linear_qkv.weight' cover 768 elements "
+                r"of decoder.layers.0.self_attention.linear_qkv.weight \[48, 32\]")
+
+
+@pytest.mark.parametrize("name", ["../outside.distcp", "ABSOLUTE"])
+def test_torch_dist_chunk_files_stay_in_the_iteration_directory(dist, name):
+    """A relative_path in .metadata that leads out of the iteration directory is refused, not read."""
+    iter_dir = dist / "iter_0000007"
+    with open(iter_dir / ".metadata", "rb") as fh:
+        metadata = pickle.load(fh)   # the test's own trusted file
+    info = next(s for i, s in metadata.storage_data.items() if i.fqn == "decoder.layers.mlp.router.weight")
+    shutil.copy(iter_dir / info.relative_path, dist / "outside.distcp")  # a valid file: only its place is wrong
+    info.relative_path = str(dist / "outside.distcp") if name == "ABSOLUTE" else name
+    with open(iter_dir / ".metadata", "wb") as fh:
+        pickle.dump(metadata, fh)
+    fails(dist, r"relative_path of 'decoder.layers.mlp.router.weight': .*outside.distcp.* (is not a file name "
+                r"relative to|resolves to .*, outside)")
