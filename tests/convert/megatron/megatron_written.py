@@ -1,7 +1,7 @@
 """The Megatron-written fixtures (tests/fixtures/megatron) and our logits of an imported one."""
 import os
 from functools import lru_cache
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -49,3 +49,41 @@ def logits_error(ours: torch.Tensor, megatron: torch.Tensor) -> Tuple[float, flo
     may pad further with zero rows)."""
     diff = (ours[..., :megatron.shape[-1]] - megatron).abs().max().item()
     return diff, diff / megatron.abs().max().item()
+
+
+def _tp2_errors(rank: int, world: int, runs: dict) -> dict:
+    """(max abs, rel) per fixture on this rank: numbers, not tensors, cross the process boundary."""
+    return {name: logits_error(our_logits(ckpt, fixture_logits(name)[1], world=world), fixture_logits(name)[2])
+            for name, ckpt in runs.items()}
+
+
+def imported_errors(root: str) -> Dict[Tuple[str, int], Tuple[float, float]]:
+    """{(fixture, target TP): (max abs, rel)}: every fixture imported with the CLI into TP1 and TP2
+    under ``root``; TP2 evaluated on 2 gloo ranks (one launch for all)."""
+    from megatron_p2r.testing import run_distributed
+    from tools.convert_checkpoint import main
+    out, runs = {}, {}
+    for name in FIXTURES:
+        for tp in (1, 2):
+            dst = os.path.join(root, f"{name}_tp{tp}")
+            if main(["import-megatron", fixture_logits(name)[0], dst, "--target-tensor-parallel-size", str(tp),
+                     "--no-progress"]) != 0:
+                raise RuntimeError(f"import-megatron failed on {name} (target TP{tp})")
+        out[(name, 1)] = logits_error(our_logits(os.path.join(root, f"{name}_tp1"), fixture_logits(name)[1]),
+                                      fixture_logits(name)[2])
+        runs[name] = os.path.join(root, f"{name}_tp2")
+    rank0 = run_distributed(_tp2_errors, 2, runs, timeout=300)[0]
+    out.update({(name, 2): err for name, err in rank0.items()})
+    return out
+
+
+if __name__ == "__main__":
+    import contextlib
+    import io
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        with contextlib.redirect_stdout(io.StringIO()):
+            errors = imported_errors(tmp)
+    print("| fixture | into | max abs | rel (max abs / max abs of Megatron's logits) |\n|---|---|---|---|")
+    for (name, tp), (abs_err, rel_err) in sorted(errors.items()):
+        print(f"| {name} | TP{tp} | {abs_err:.1e} | {rel_err:.1e} |")

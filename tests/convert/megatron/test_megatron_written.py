@@ -7,55 +7,25 @@ import os
 import pytest
 import torch
 
-from megatron_p2r.testing import run_distributed
-from tests.convert.megatron.megatron_written import FIXTURES, fixture_logits, logits_error, our_logits
-from tools.convert_checkpoint import main
-
-TARGETS = (1, 2)
+from tests.convert.megatron.megatron_written import FIXTURES, fixture_logits, imported_errors
 
 
 @pytest.fixture(scope="module")
-def imported(tmp_path_factory):
-    """{(fixture, target TP): our checkpoint}, each written by the CLI."""
-    root = tmp_path_factory.mktemp("imported")
-    out = {}
-    for name in FIXTURES:
-        for tp in TARGETS:
-            dst = str(root / f"{name}_tp{tp}")
-            assert main(["import-megatron", fixture_logits(name)[0], dst, "--target-tensor-parallel-size", str(tp),
-                         "--no-progress"]) == 0, name
-            out[(name, tp)] = dst
-    return out
+def errors(tmp_path_factory):
+    return imported_errors(str(tmp_path_factory.mktemp("imported")))
 
 
+@pytest.mark.parametrize("tp", (1, 2))
 @pytest.mark.parametrize("name", FIXTURES)
-def test_tp1_gives_megatrons_logits(imported, name):
-    _, tokens, want = fixture_logits(name)
-    abs_err, rel_err = logits_error(our_logits(imported[(name, 1)], tokens), want)
-    assert rel_err <= 1e-5, (name, abs_err, rel_err)
-
-
-def _tp2_errors(rank, world, runs):
-    """(max abs, rel) per fixture: numbers, not tensors, cross the process boundary."""
-    return {name: logits_error(our_logits(ckpt, fixture_logits(name)[1], world=world), fixture_logits(name)[2])
-            for name, ckpt in runs.items()}
-
-
-def test_tp2_gives_megatrons_logits(imported):
-    """Every fixture's TP=2 import on 2 gloo ranks (one launch for all)."""
-    runs = {name: imported[(name, 2)] for name in FIXTURES}
-    for rank_errors in run_distributed(_tp2_errors, 2, runs, timeout=300):
-        for name in FIXTURES:
-            assert rank_errors[name][1] <= 1e-5, (name, rank_errors[name])
+def test_import_gives_megatrons_logits(errors, name, tp):
+    assert errors[(name, tp)][1] <= 1e-5, errors[(name, tp)]
 
 
 def test_the_fixtures_cover_megatrons_layouts():
-    """Both formats, TP > 1, EP > 1, bf16 and MoE are among the committed fixtures."""
-    kinds = {name: os.listdir(os.path.join(fixture_logits(name)[0], "iter_0000003")) for name in FIXTURES}
-    assert any("common.pt" in files for files in kinds.values())
-    assert any("mp_rank_01" in files for files in kinds.values())
-    assert any("mp_rank_00_001" in files for files in kinds.values())
+    """Both formats, TP > 1, EP > 1, bf16 and the three model kinds are among the fixtures."""
+    files = {name: os.listdir(os.path.join(fixture_logits(name)[0], "iter_0000003")) for name in FIXTURES}
+    assert any("common.pt" in f for f in files.values()) and any("mp_rank_01" in f for f in files.values())
+    assert any("mp_rank_00_001" in f for f in files.values())
     assert {"gpt", "llama", "mixtral"} == {name.split("_")[0] for name in FIXTURES}
     assert any("bf16" in name for name in FIXTURES)
-    assert torch.load(os.path.join(os.path.dirname(fixture_logits(FIXTURES[0])[0]), "logits.pt"),
-                      weights_only=True)["logits"].dtype == torch.float32
+    assert fixture_logits(FIXTURES[0])[2].dtype == torch.float32
