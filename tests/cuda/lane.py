@@ -75,8 +75,8 @@ class Lane:
 
 def planned_stage(cfg) -> dict:
     """What ``tools/plan.py --world-size 1 --gpu H200-141GB --json`` plans for ``cfg``'s one
-    stage: ``device`` bytes by category (params, grads, optimizer, fetch_window,
-    compute_weights, activations, transient, reserve), ``device_total`` and ``host``."""
+    stage: ``device`` bytes by category (params, grads, optimizer, fetch_window, activations,
+    transient, reserve), ``device_total`` and ``host``."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         status = plan_tool.main(to_argv(cfg) + ["--world-size", "1", "--gpu", "H200-141GB", "--json"])
