@@ -29,3 +29,22 @@ def test_the_fixtures_cover_megatrons_layouts():
     assert {"gpt", "llama", "mixtral"} == {name.split("_")[0] for name in FIXTURES}
     assert any("bf16" in name for name in FIXTURES)
     assert fixture_logits(FIXTURES[0])[2].dtype == torch.float32
+
+
+def test_adam_state_is_megatrons(tmp_path):
+    """A torch_dist checkpoint saved after 3 Adam steps: the imported moments and step are the
+    ones Megatron's optimizer held when it saved (adam_state.pt), tensor by tensor."""
+    from safetensors.torch import load_file
+
+    from megatron_p2r.convert.megatron.rules import megatron_name
+    from tools.convert_checkpoint import main
+    name = "gpt_dist_tp1_adam"
+    assert main(["import-megatron", fixture_logits(name)[0], str(tmp_path / "ours"), "--no-progress"]) == 0
+    ours = load_file(str(tmp_path / "ours" / "iter_0000000" / "mp_rank_00_000_000.safetensors"))
+    megatron = torch.load(os.path.join(os.path.dirname(fixture_logits(name)[0]), "adam_state.pt"), weights_only=True)
+    keys = [k for k in ours if not k.startswith("optimizer.")]
+    assert sorted(megatron_name(k) for k in keys) == sorted(n for n in megatron if n != "step")
+    for key in keys:
+        for kind in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ours[f"optimizer.{kind}.{key}"], megatron[megatron_name(key)][kind]), (kind, key)
+        assert ours[f"optimizer.step.{key}"].item() == megatron["step"].item() == 3
