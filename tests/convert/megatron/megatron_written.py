@@ -19,22 +19,40 @@ def fixture_logits(name: str) -> Tuple[str, torch.Tensor, torch.Tensor]:
     return os.path.join(ROOT, name, "checkpoint"), saved["tokens"], saved["logits"]
 
 
-def our_logits(ckpt: str, tokens: torch.Tensor, world: Optional[int] = None) -> torch.Tensor:
-    """Logits [b, s, our padded vocab] of our imported checkpoint, built from its model.yaml and
-    loaded with --load alone, on one process or on this rank of ``world`` gloo ranks (the vocabulary
-    shards gathered)."""
+def _loaded(ckpt: str, batch: int, world: Optional[int], **flags):
+    """Our train state from the imported checkpoint's model.yaml and ``flags``, loaded with --load
+    alone, on one process or on this rank of ``world`` gloo ranks."""
     from megatron_p2r.layout.plan import ParallelPlan
     from megatron_p2r.parallel.state import ParallelState, initialize_plan
     from megatron_p2r.training import build_train_state
     values = load_yaml(os.path.join(ckpt, "model.yaml"))
-    cfg = config_from_values({**values, "mock_data": True, "micro_batch_size": tokens.shape[0],
-                              "global_batch_size": tokens.shape[0], "device": "cpu"})
+    cfg = config_from_values({**values, "mock_data": True, "micro_batch_size": batch, "global_batch_size": batch,
+                              "device": "cpu", **flags})
     plan, ps = None, ParallelState.single()
     if world is not None:
         plan = ParallelPlan.for_world(cfg, world)
         ps = initialize_plan(plan, torch.device("cpu"))
     state = build_train_state(cfg, ps, plan)
     load_checkpoint(ckpt, state)
+    return state
+
+
+def continued_logits(ckpt: str, batch: torch.Tensor, tokens: torch.Tensor, **flags) -> torch.Tensor:
+    """Logits on ``tokens`` after one training step of ours on ``batch`` [b, s + 1] from the imported
+    checkpoint (one process)."""
+    from megatron_p2r.training import train_step
+    state = _loaded(ckpt, batch.shape[0], None, **flags)
+    train_step(state, [{"tokens": batch[:, :-1], "labels": batch[:, 1:],
+                        "loss_mask": torch.ones(batch[:, 1:].shape, dtype=torch.float32)}])
+    with torch.no_grad():
+        return state.model.eval()(tokens=tokens).float()
+
+
+def our_logits(ckpt: str, tokens: torch.Tensor, world: Optional[int] = None) -> torch.Tensor:
+    """Logits [b, s, our padded vocab] of our imported checkpoint on one process or on this rank
+    of ``world`` gloo ranks (the vocabulary shards gathered)."""
+    state = _loaded(ckpt, tokens.shape[0], world)
+    ps = state.ps
     with torch.no_grad():
         logits = state.model.eval()(tokens=tokens).float()
     if world is None or ps.tp_size == 1:

@@ -50,3 +50,20 @@ def test_adam_state_is_megatrons(tmp_path):
         for kind in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(ours[f"optimizer.{kind}.{key}"], megatron[megatron_name(key)][kind]), (kind, key)
         assert ours[f"optimizer.step.{key}"].item() == megatron["step"].item() == 3
+
+
+def test_a_megatron_run_continues_here(tmp_path):
+    """From the imported step-3 checkpoint, one training step of ours on Megatron's 4th batch (same
+    constant LR, AdamW, weight decay, no clipping) gives the logits Megatron's own 4th step gave;
+    the weights alone, with a fresh AdamW, do not."""
+    from megatron_p2r.convert.megatron.importer import import_megatron
+    from megatron_p2r.convert.reshard import Target
+    from tests.convert.megatron.megatron_written import continued_logits, logits_error
+    name = "gpt_dist_tp1_adam"
+    import_megatron(fixture_logits(name)[0], str(tmp_path / "ours"), Target(1), progress=False)
+    megatron = torch.load(os.path.join(ROOT, name, "continued.pt"), weights_only=True)
+    flags = dict(lr=1e-3, lr_decay_style="constant", clip_grad=0.0, weight_decay=0.01, train_iters=10)
+    ours = continued_logits(str(tmp_path / "ours"), megatron["batch"], megatron["tokens"], **flags)
+    assert logits_error(ours, megatron["logits"])[1] <= 1e-5, logits_error(ours, megatron["logits"])
+    fresh = continued_logits(str(tmp_path / "ours"), megatron["batch"], megatron["tokens"], no_load_optim=True, **flags)
+    assert logits_error(fresh, megatron["logits"])[1] > 1e-3
