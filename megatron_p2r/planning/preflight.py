@@ -32,7 +32,7 @@ def batch_bytes(cfg: Config, world_size: int) -> int:
     """The micro-batches a rank holds at once: a step's (the schedules take them all), or an
     evaluation's (``--eval-iters`` steps' worth) when the run evaluates."""
     m, t = cfg.model, cfg.train
-    steps = cfg.logging.eval_iters if (cfg.logging.eval_interval or cfg.logging.eval_only) else 1
+    steps = cfg.logging.eval_iters if (cfg.logging.evaluates or cfg.logging.eval_only) else 1
     return num_microbatches(cfg, world_size) * t.micro_batch_size * (m.seq_length + 1) * BATCH_BYTES_PER_TOKEN * \
         max(steps, 1)
 
