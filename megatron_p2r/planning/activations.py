@@ -101,6 +101,8 @@ def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int) -> int:
     held = ns * m.hidden_size * a + projected * a + q * a
     if cfg.train.recompute != "selective":
         held += attention_core_bytes(cfg, tp)
+        if m.softmax_type != "vanilla":   # k and v with the sink slot, the float mask (CUDA's kernel keeps them)
+            held += (2 * (kv + kv // m.seq_length) + heads * m.seq_length * (m.seq_length + 1)) * a
     if m.qk_layernorm:
         held += _qk_norm_held(m, q, kv, d, a)
     if m.position_embedding_type == "rope":
@@ -147,8 +149,8 @@ def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[
     TP region."""
     m = cfg.model
     slots, rows = moe_rows(cfg, n)
-    glu = 2 if m.swiglu else 1
-    act_saved = 1 + (1 if m.swiglu else 0)
+    glu = 2 if m.gated_linear_unit else 1
+    act_saved = activation_saved(m)
     f, e_local = m.expert_ffn_size // tp, m.num_experts // ep
     held = ns * m.hidden_size * 4 + ns * m.num_experts * 4 + ns * slots * 8   # fp32 router input, probs, top-k ids
     if m.moe_z_loss_coeff:
@@ -163,6 +165,24 @@ def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[
     # gradients are alive (autograd accumulates them after the expert block)
     backward = work + e_local * (glu + 1) * f * m.hidden_size * a - (2 * rows * m.hidden_size * 4 + rows * 4)
     return held, expert_casts, work, backward
+
+
+def math_attention_on_cpu(m) -> bool:
+    """Whether SDPA falls back to its math kernel on CPU: attention dropout, or the float mask of
+    --softmax-type off-by-one/learnable (model/attention.py)."""
+    return bool(m.attention_dropout) or m.softmax_type != "vanilla"
+
+
+def activation_saved(m) -> int:
+    """Tensors of fc2's width the activation (model/mlp.py ``Activation``) saves besides fc1's
+    output: GELU its output; SwiGLU SiLU's output and the product; quick-GeGLU the sigmoid, the
+    gate's quick-GELU and the product; a clamp the clamped gate and, as an offset does, a new
+    linear half in place of a view of fc1's output."""
+    if not m.gated_linear_unit:
+        return 1
+    saved = 3 if m.quick_geglu else 2
+    clamped = m.activation_func_clamp_value is not None
+    return saved + clamped + (clamped or m.glu_linear_offset != 0.0)
 
 
 def token_bytes(cfg: Config) -> int:
@@ -186,13 +206,13 @@ def layer_activations(cfg: Config, key: int, tp: int, ep: int, *, device_type: s
     ns = n // tp if sequence_parallel else n    # tokens outside the TP regions
     specs = layer_tensors(cfg.model, key, tp, ep)
     held = 2 * norm_held(m, ns, h, a) + _attention_held(cfg, n, ns, tp, a)
-    if m.attention_dropout and device_type != "cuda":
-        raise ValueError("attention dropout on CPU runs the math attention kernel with s x s tensors, "
-                         "which the planner does not model; plan with device_type='cuda'")
+    if math_attention_on_cpu(m) and device_type != "cuda":
+        raise ValueError("attention dropout or softmax offsets on CPU run the math attention kernel with s x s "
+                         "tensors, which the planner does not model; plan with device_type='cuda'")
     if m.hidden_dropout:
         held += 2 * ns * h * (1 if device_type == "cuda" else a)
-    glu = 2 if m.swiglu else 1
-    act_saved = 1 + (1 if m.swiglu else 0)                        # GELU out / SiLU out and product
+    glu = 2 if m.gated_linear_unit else 1
+    act_saved = activation_saved(m)
     casts = _matmul_weight_numel(specs, sequence_parallel) * a if autocast else 0   # per call for experts
     cache = _matmul_weight_numel(specs) * a if autocast else 0
     if m.is_moe_layer(key):

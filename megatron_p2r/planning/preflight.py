@@ -19,7 +19,7 @@ from typing import Dict, Optional
 
 from megatron_p2r.config import Config, ConfigError, global_batch_size, num_microbatches, train_samples
 from megatron_p2r.layout.plan import ParallelPlan
-from megatron_p2r.planning.activations import activation_memory
+from megatron_p2r.planning.activations import activation_memory, math_attention_on_cpu
 from megatron_p2r.planning.hardware import GiB
 from megatron_p2r.planning.memory import offload_plan
 
@@ -40,8 +40,8 @@ def batch_bytes(cfg: Config, world_size: int) -> int:
 def rank_memory(cfg: Config, plan: ParallelPlan, stage: int, device_type: str) -> Dict[str, int]:
     """Bytes a rank of ``stage`` needs on its device and on the host (on CPU: all on the host)."""
     off = offload_plan(cfg, plan, stage)
-    # The CPU estimate models no attention dropout (math kernel, s x s); the CUDA one is a lower bound.
-    kind = "cuda" if device_type == "cuda" or cfg.model.attention_dropout else "cpu"
+    # The CPU estimate models no math attention kernel (dropout, softmax offsets: s x s); the CUDA one is a lower bound.
+    kind = "cuda" if device_type == "cuda" or math_attention_on_cpu(cfg.model) else "cpu"
     act = activation_memory(cfg, plan, stage, offloaded=off["recomputed"], device_type=kind)
     device = sum(off["device"].values()) + act["activations"] + act["compute_weights"] + act["transient"] + \
         batch_bytes(cfg, plan.layout.world_size)
