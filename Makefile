@@ -36,7 +36,8 @@ clean:
 # there are any (torch, its dependencies, the package's and setuptools), otherwise from
 # $(GPU_TORCH_SPEC) — PyPI's Linux torch 2.13.0 is the CUDA 13.0 build; for an older driver use
 # e.g. GPU_TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128".
-# Without a CUDA device the same command is a trial on CPU (CUDA tests skip, CPU-sized benchmarks).
+# Without a CUDA device the same command is a trial on CPU (CUDA tests skip, or run their CPU parts
+# with GPU_CHECK_ARGS=--dry-run-tests; the smallest benchmark shapes): `make test` runs that trial.
 GPU_PYTHON ?=
 GPU_VENV ?= .venv-gpu
 GPU_TORCH_SPEC ?= torch==2.13.0

@@ -16,8 +16,10 @@ that fails does not stop the next:
 (every figure) and ``report.md`` — is rewritten after every step in ``--out`` and, when the
 variable OUT is set, copied there with the combined log and the offload profiler trace, so a
 run cut short still leaves what it measured. Without a CUDA device this is a trial on CPU: the
-CUDA tests skip (``--dry-run-tests`` runs their CPU parts instead) and the benchmarks run
-CPU-sized shapes, which checks everything but the GPU. Exit status 0 when every step passed.
+CUDA tests skip (``--dry-run-tests`` runs their CPU parts instead), the benchmarks run their
+smallest shapes (``--tiny``, ``--shape micro``), each step on one thread with 5 times its
+limit; it checks everything but the GPU (the suite runs it: tests/test_gpu_lane.py). Exit
+status 0 when every step passed.
 
 Standard library only: it must start on any Python, whatever its torch.
 """
@@ -41,6 +43,9 @@ from typing import Dict, List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_FILES = ("report.json", "report.md", "gpu_check.log", "offload_trace.json")  # what goes to $OUT (<= 8)
 TARGETS = {"mfu": 0.45, "offload_50": 0.15}
+ENVIRONMENT_LIMIT = 30
+LIMITS = {"tests": 180, "step_throughput": 60, "offload": 120, "mfu": 90}  # seconds on a GPU: 480 with the above
+CPU_TRIAL_SLACK = 5
 
 
 @dataclass
@@ -54,28 +59,34 @@ class Step:
 
 def environment_step(out: str) -> Step:
     path = os.path.join(out, "environment.json")
-    return Step("environment", [sys.executable, os.path.abspath(__file__), "--environment", path], 30, path)
+    return Step("environment", [sys.executable, os.path.abspath(__file__), "--environment", path], ENVIRONMENT_LIMIT,
+                path)
 
 
 def plan_steps(out: str, cuda: bool, dry_run_tests: bool) -> List[Step]:
-    """The steps after ``environment``: for a CUDA machine, or their CPU-sized trial."""
-    py = sys.executable
-    bench = os.path.join(ROOT, "benchmarks")
+    """The steps after ``environment``: for a CUDA machine, or their CPU-sized trial. A trial's
+    limits are ``CPU_TRIAL_SLACK`` times longer (they stop a hang, not a slow shared CPU), and
+    its steps run one thread each unless OMP_NUM_THREADS says otherwise: its figures check the
+    code, not the CPU, and idle threads spinning against other load cost it minutes."""
+    py, bench = sys.executable, os.path.join(ROOT, "benchmarks")
+    limit = {name: seconds * (1 if cuda else CPU_TRIAL_SLACK) for name, seconds in LIMITS.items()}
     figures = {name: os.path.join(out, f"{name}.json") for name in ("step_throughput", "offload", "mfu")}
-    tests_env = {"P2R_GPU_ARTIFACTS": out, **({"P2R_CUDA_DRY_RUN": "1"} if dry_run_tests else {})}
+    threads = {} if cuda or "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}
+    tests_env = {"P2R_GPU_ARTIFACTS": out, **threads, **({"P2R_CUDA_DRY_RUN": "1"} if dry_run_tests else {})}
     device = ["--device", "cuda" if cuda else "cpu"]
     return [
         Step("tests", [py, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
-                       "-o", "timeout=150", "--junitxml", os.path.join(out, "junit.xml"), "tests/cuda"], 180,
-             env=tests_env),
+                       "-o", "timeout=150", "--junitxml", os.path.join(out, "junit.xml"), "tests/cuda"],
+             limit["tests"], env=tests_env),
         Step("step_throughput", [py, os.path.join(bench, "step_throughput.py"), "--bf16", *device,
-                                 *([] if cuda else ["--steps", "1", "--rounds", "1"]),
-                                 "--json", figures["step_throughput"]], 60, figures["step_throughput"]),
-        Step("offload", [py, os.path.join(bench, "offload.py"), *device,
-                         *(["--shape", "gpu", "--bf16", "--steps", "2"] if cuda else ["--steps", "1"]),
-                         "--json", figures["offload"]], 120, figures["offload"]),
+                                 *([] if cuda else ["--tiny", "--steps", "1", "--rounds", "1"]),
+                                 "--json", figures["step_throughput"]], limit["step_throughput"],
+             figures["step_throughput"], threads),
+        Step("offload", [py, os.path.join(bench, "offload.py"), "--bf16", *device,
+                         *(["--shape", "gpu", "--steps", "2"] if cuda else ["--shape", "micro", "--steps", "1"]),
+                         "--json", figures["offload"]], limit["offload"], figures["offload"], threads),
         Step("mfu", [py, os.path.join(bench, "mfu.py"), *device, *([] if cuda else ["--tiny"]),
-                     "--json", figures["mfu"]], 90, figures["mfu"]),
+                     "--json", figures["mfu"]], limit["mfu"], figures["mfu"], threads),
     ]
 
 
@@ -202,18 +213,27 @@ def _percent(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.1%}"
 
 
+def _flops(x: float) -> str:
+    """FLOP/s in TFLOP/s on a GPU, GFLOP/s in the CPU trial (where TFLOP/s would print 0.0)."""
+    return f"{x / 1e12:.1f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.1f} GFLOP/s"
+
+
+def _parameters(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
 def figure_lines(steps: Dict[str, dict]) -> List[str]:
     """The benchmarks' headline figures (report.json holds all of them)."""
     lines = []
     mfu = steps.get("mfu", {}).get("figures")
     if mfu:
         lines += ["", "## MFU (benchmarks/mfu.py)", "",
-                  f"{mfu['parameters'] / 1e9:.2f}B parameters, {mfu['layers']} layers of hidden {mfu['hidden']}, "
+                  f"{_parameters(mfu['parameters'])} parameters, {mfu['layers']} layers of hidden {mfu['hidden']}, "
                   f"seq {mfu['seq']}, {mfu['tokens_per_step']} tokens per step: step {1000 * mfu['step_s']:.1f} ms, "
-                  f"{mfu['tokens_per_s']:,.0f} tokens/s, {mfu['achieved_flops'] / 1e12:.1f} model TFLOP/s; "
+                  f"{mfu['tokens_per_s']:,.0f} tokens/s, {_flops(mfu['achieved_flops'])} of model FLOPs; "
                   f"MFU {_percent(mfu['mfu'])} ({_percent(mfu['mfu_without_attention_flops'])} without attention "
                   f"FLOPs); {_percent(mfu['fraction_of_ceiling'])} of the measured matmul ceiling "
-                  f"({mfu['matmul_ceiling_flops'] / 1e12:.1f} TFLOP/s)."]
+                  f"({_flops(mfu['matmul_ceiling_flops'])})."]
     offload = steps.get("offload", {}).get("figures")
     if offload:
         title = f"Offload (benchmarks/offload.py, shape {offload['shape']}, prefetch {offload['prefetch']})"
@@ -295,7 +315,9 @@ def run_lane(out: str, only: Optional[List[str]], dry_run_tests: bool) -> dict:
     report["steps"].append(env_result)
     report["environment"] = env_result["figures"]
     cuda = bool(env_result["figures"] and env_result["figures"].get("cuda_available"))
-    report["mode"] = "cuda" if cuda else "cpu-trial (no CUDA device: CUDA tests skip, CPU-sized benchmarks)"
+    report["mode"] = "cuda" if cuda else (
+        f"cpu-trial (no CUDA device: {'the CUDA tests dry-run on CPU' if dry_run_tests else 'the CUDA tests skip'}, "
+        "CPU-sized benchmarks)")
     write_report(report, out)
     for step in plan_steps(out, cuda=cuda, dry_run_tests=dry_run_tests):
         if only and step.name not in only:

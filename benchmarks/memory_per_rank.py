@@ -13,7 +13,11 @@ alternating steps in the same processes (gloo: the collectives run on gloo's thr
 
 Tables: the configurations of Narayanan et al. 2021 (Table 1, A100-80GB: vocab 51200, seq 2048)
 and of Megatron-LM's README (H100-80GB weak scaling: vocab 131072, seq 4096, DP 48), micro-batch
-1, bf16, full recomputation: per GPU the planner's model + optimizer bytes (most loaded stage,
+1, bf16, each with the activation memory its authors used: Narayanan et al. recompute every layer
+in full; the README's runs overlap TP communication (``--tp-comm-overlap``, which Megatron-LM
+allows only with ``--sequence-parallel``) and are planned with Korthikanti et al.'s recipe,
+sequence parallelism and selective recomputation (the README does not name its recomputation).
+Per GPU the planner's model + optimizer bytes (most loaded stage,
 with and without --use-distributed-optimizer) against Megatron-LM's
 ``compute_weight_and_optimizer_memory`` (megatron/training/theoretical_memory_usage.py: 18 B per
 parameter, 6 + 12/DP with its distributed optimizer, on its count of the most loaded shard),
@@ -119,8 +123,14 @@ MEGATRON_README_H100 = [("1.7B", 16, 2048, 24, 1, 1, 48, 192), ("7.1B", 32, 4096
                         ("70B", 64, 8192, 84, 8, 2, 768, 384), ("119B", 80, 10240, 92, 8, 4, 1536, 768),
                         ("177B", 96, 12288, 96, 8, 6, 2304, 1152), ("314B", 128, 16384, 96, 8, 8, 3072, 1536),
                         ("462B", 144, 18432, 112, 8, 16, 6144, 3072)]
-TABLES = {"Narayanan et al. 2021, Table 1 (A100-80GB)": (NARAYANAN_2021, 51200, 2048, "A100-80GB"),
-          "Megatron-LM README, weak scaling (H100-80GB)": (MEGATRON_README_H100, 131072, 4096, "H100-80GB")}
+FULL_RECOMPUTATION = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+SELECTIVE_AND_SP = dict(recompute_activations=True, sequence_parallel=True)
+# title: (rows, vocab, seq, GPU, activation flags, as the header says them)
+TABLES = {"Narayanan et al. 2021, Table 1 (A100-80GB)":
+          (NARAYANAN_2021, 51200, 2048, "A100-80GB", FULL_RECOMPUTATION, "full recomputation"),
+          "Megatron-LM README, weak scaling (H100-80GB)":
+          (MEGATRON_README_H100, 131072, 4096, "H100-80GB", SELECTIVE_AND_SP,
+           "sequence parallelism + selective recomputation")}
 
 
 def megatron_weight_and_optimizer_bytes(h: int, layers: int, vocab: int, tp: int, pp: int, dp: int,
@@ -136,12 +146,12 @@ def megatron_weight_and_optimizer_bytes(h: int, layers: int, vocab: int, tp: int
     return shard * ((6 + 12 / dp) if distributed else 18)
 
 
-def _gpt(name, heads, hidden, layers, tp, pp, gpus, gbs, vocab, seq, distributed, gpt3):
+def _gpt(name, heads, hidden, layers, tp, pp, gpus, gbs, vocab, seq, activations, distributed, gpt3):
     style = {} if gpt3 else dict(position_embedding_type="rope", disable_bias_linear=True)
     return config_from_values(dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, **style,
                                    seq_length=seq, vocab_size=vocab, tensor_model_parallel_size=tp,
                                    pipeline_model_parallel_size=pp, micro_batch_size=1, global_batch_size=gbs,
-                                   bf16=True, recompute_activations=True, mock_data=True,
+                                   bf16=True, **activations, mock_data=True,
                                    use_distributed_optimizer=distributed, overlap_grad_reduce=distributed,
                                    overlap_param_gather=distributed))
 
@@ -151,9 +161,9 @@ def tables_mode(gpt3: bool) -> None:
     from megatron_p2r.planning.estimate import make_plan
     from megatron_p2r.planning.hardware import GPU_PRESETS
     from megatron_p2r.planning.memory import stage_state_bytes
-    for title, (rows, vocab, seq, gpu_name) in TABLES.items():
+    for title, (rows, vocab, seq, gpu_name, activations, activations_said) in TABLES.items():
         gpu = GPU_PRESETS[gpu_name]
-        print(f"== {title}: vocab {vocab}, seq {seq}, micro-batch 1, bf16, full recomputation\n"
+        print(f"== {title}: vocab {vocab}, seq {seq}, micro-batch 1, bf16, {activations_said}\n"
               f"   GiB per GPU of weights + gradients + optimizer (most loaded stage); total = the planner's "
               f"whole rank (+ activations, 1 GiB reserve) of {gpu.memory / GiB:.0f}")
         print(f"   {'model':>6} {'TPxPPxDP':>10} | {'Megatron 18B':>12} {'ours':>7} {'ratio':>6} | "
@@ -163,14 +173,14 @@ def tables_mode(gpt3: bool) -> None:
             dp = gpus // (tp * pp)
             figures = []
             for distributed in (False, True):
-                cfg = _gpt(*row, vocab, seq, distributed, gpt3)
-                est = make_plan(cfg, gpus, gpu)
+                cfg = _gpt(*row, vocab, seq, activations, distributed, gpt3)
                 plan = ParallelPlan.for_world(cfg, gpus)
                 ours = max(sum(stage_state_bytes(plan, s)[c] for c in ("params", "grads", "optimizer"))
                            for s in range(pp))
                 meg = megatron_weight_and_optimizer_bytes(hidden, layers, vocab, tp, pp, dp, distributed)
-                figures.append((meg, ours, est))
-            (m18, o18, _), (mdo, odo, est) = figures
+                figures.append((meg, ours, cfg))
+            (m18, o18, _), (mdo, odo, cfg) = figures
+            est = make_plan(cfg, gpus, gpu)   # the whole rank, as run: with the distributed optimizer
             total = max(st.device_total for st in est.stages)
             print(f"   {name:>6} {f'{tp}x{pp}x{dp}':>10} | {m18 / GiB:12.2f} {o18 / GiB:7.2f} {o18 / m18:6.4f} | "
                   f"{mdo / GiB:16.2f} {odo / GiB:7.2f} {odo / mdo:6.4f} | {total / GiB:18.2f} "

@@ -8,8 +8,9 @@ the GPU's peak, with the matmul ceiling measured in the same run.
 The model is this project's M6 (GELU MLP of 4h, LayerNorm, learned positions, tied embedding,
 vocab 32000): at the defaults 24 layers x 12 h^2 = 1.21e9 layer parameters plus a 65.5e6
 embedding. A step is ``training.train_step`` over --microbatches micro-batches: forward and
-backward under bf16 autocast, gradient norm and clipping, fused AdamW over the fp32 master
-weights. Timed after 2 warm-up steps; the median of --steps.
+backward in bf16 (bf16 weights, as ``--bf16`` trains, with fp32 main gradients), gradient
+norm and clipping, fused AdamW over the fp32 main weights. Timed after 2 warm-up steps; the
+median of --steps.
 
 FLOPs per token are ``metrics.model_flops_per_token`` (what the training log's TFLOP/s uses):
 3 x forward, forward = 2 x the matmul parameters a token touches + attention scores and values
@@ -18,7 +19,8 @@ attention work, so the figure without attention FLOPs is printed beside it).
 MFU = FLOPs per step / step time / peak, where peak is the dense bf16 datasheet rate of the
 GPU (``planning.hardware.GPU_PRESETS`` by device name, or --peak-tflops); the fraction of the matmul
 ceiling (an 8192^3 bf16 product on random data, measured here) is printed beside it.
-``--tiny`` is a CPU-sized shape that checks the script without a GPU.
+``--tiny`` is a CPU-sized shape (the ceiling from a 1024^3 product) that checks the script
+without a GPU.
 """
 from __future__ import annotations
 
@@ -91,7 +93,7 @@ def main(argv=None) -> None:
     tokens = args.micro_batch * args.microbatches * args.seq
     flops = model_flops_per_token(cfg.model) * tokens
     no_attention = model_flops_per_token(dataclasses.replace(cfg.model, seq_length=0)) * tokens
-    ceiling = matmul_ceiling(device, torch.bfloat16)
+    ceiling = matmul_ceiling(device, torch.bfloat16, n=1024 if args.tiny else None)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else datasheet_peak(device)
     achieved = flops / step
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

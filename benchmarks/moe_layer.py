@@ -12,7 +12,7 @@
    tokens x hidden x dtype bytes x 2 (there and back) x fraction of assignments routed off-rank
    (with top-2 a token counts once per assignment: rows are not deduplicated).
 
-Pins glibc malloc thresholds as shared/MACHINE.md advises (figures drift ~20% otherwise).
+Pins glibc malloc thresholds (docs/machine.md: figures drift otherwise).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Granular CPU offload: step time and device-resident bytes with 0, 25, 50 and 100% of the
 layers offloaded, side by side in one run.
 
-    python benchmarks/offload.py [--steps 6] [--bf16] [--device cpu|cuda] [--shape tiny|gpu] [--prefetch 1]
+    python benchmarks/offload.py [--steps 6] [--bf16] [--device cpu|cuda] [--shape tiny|gpu|micro] [--prefetch 1]
                                  [--threads N] [--json PATH]
 
 Offloaded layers always run under activation recomputation, so besides plain 0% the run
@@ -11,12 +11,13 @@ includes "0% + recompute" — the fair baseline for the fetch/copy bookkeeping i
 extra recompute forward, the split optimizer. On CUDA the script also measures resident and
 peak device memory per setting (one setting at a time) and the step time with the H2D
 fetches, D2H gradients and host AdamW. Timing: interleaved rounds, medians. Pins glibc malloc
-thresholds as shared/MACHINE.md advises.
+thresholds (docs/machine.md).
 
 Shapes: ``tiny`` (the default; 4 layers of hidden 256) measures the bookkeeping; ``gpu`` (8
 layers of hidden 2048, 4 micro-batches of 4 x 2048 tokens) is sized for one large GPU, where
 a layer's compute is long enough for its prefetch to hide behind — the GPU lane
-(benchmarks/gpu_check.py) runs it with ``--bf16``. ``--json`` writes every figure.
+(benchmarks/gpu_check.py) runs it with ``--bf16``; ``micro`` (4 layers of hidden 64) checks
+the script in seconds, as the lane's trial on CPU runs it. ``--json`` writes every figure.
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ SHAPES = {
                  micro_batch_size=4, global_batch_size=8),
     "gpu": dict(vocab_size=32000, hidden_size=2048, num_layers=8, num_attention_heads=16, seq_length=2048,
                 micro_batch_size=4, global_batch_size=16),
+    "micro": dict(vocab_size=512, hidden_size=64, num_layers=4, num_attention_heads=2, seq_length=32,
+                  micro_batch_size=2, global_batch_size=4),
 }
 FULL = "params,grads,optimizer"
 SETTINGS = [  # label, --cpu-offload-layers, full recomputation of every layer, --cpu-offload-what
@@ -108,8 +111,8 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo" if device.type == "cpu" else "nccl", init_method="tcp://127.0.0.1:29561",
+    if not dist.is_initialized():  # a one-rank job on an in-memory store: no port for runs side by side to share
+        dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=dist.HashStore(),
                                 rank=0, world_size=1)
     shape = SHAPES[args.shape]
     n_mb = shape["global_batch_size"] // shape["micro_batch_size"]

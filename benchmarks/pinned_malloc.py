@@ -1,5 +1,5 @@
-"""Pin glibc malloc thresholds before a benchmark imports torch (shared/MACHINE.md: without it,
-returning the large logits buffers to the OS every step costs 18-22% and figures drift).
+"""Pin glibc malloc thresholds before a benchmark imports torch (docs/machine.md: without it,
+returning the large logits buffers to the OS every step costs a share of the step and figures drift).
 
 ``import pinned_malloc`` first thing in a benchmark script: it re-executes the script once
 with the environment set, since glibc reads it only at process start.

@@ -2,9 +2,9 @@
 same shape and precision, one run; and the loss's share of our step.
 
     python benchmarks/step_throughput.py [--steps 10] [--rounds 3] [--bf16] [--device cpu|cuda] [--cpu-time]
-                                         [--json PATH]
+                                         [--tiny] [--json PATH]
 
-Shape (issue #2): vocab 8192, hidden 256, 4 layers, 4 heads, seq 256, micro-batch 8, AdamW,
+Shape: vocab 8192, hidden 256, 4 layers, 4 heads, seq 256, micro-batch 8, AdamW,
 gradient clipping. ``--bf16``: ours as training runs it (bf16 weights, fp32 mains in the
 optimizer, no autocast), the other two under bf16 autocast over fp32 weights. The
 plain GPT is what one writes with torch alone: fused QKV, SDPA, GELU, tied embeddings,
@@ -16,8 +16,9 @@ matmuls, which are the three any output layer needs (logits, input and weight gr
 what remains is the log-sum-exp, the softmax gradient and their bookkeeping. ``--json`` writes the same figures (the
 GPU lane's report reads them). ``--cpu-time`` (CPU only) counts this process's CPU time
 instead of wall time: on a shared machine other sessions' load then does not move the figures
-(run with one thread). Pins glibc malloc thresholds the way shared/MACHINE.md advises, or
-figures drift by ~20%.
+(run with one thread). Pins glibc malloc thresholds (docs/machine.md), or figures
+drift by ~20%. ``--tiny`` (2 layers of hidden 64, seq 64; the ceiling
+from a 1024^3 product) checks the script in seconds: the GPU lane's trial on CPU runs it.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from megatron_p2r.training import build_train_state, train_step  # noqa: E402
 SHAPE = dict(vocab_size=8192, make_vocab_size_divisible_by=128, hidden_size=256, num_layers=4,
              num_attention_heads=4, seq_length=256, micro_batch_size=8, mock_data=True,
              clip_grad=1.0, weight_decay=0.01, hidden_dropout=0.0, attention_dropout=0.0)
+TINY = dict(vocab_size=512, hidden_size=64, num_layers=2, num_attention_heads=2, seq_length=64, micro_batch_size=2)
 LOSS_FORWARD, LOSS_BACKWARD = "_OutputCrossEntropy", "_OutputCrossEntropyBackward"
 
 
@@ -157,21 +159,23 @@ def main(argv=None) -> None:
     parser.add_argument("--bf16", action="store_true", help="bf16: ours with bf16 weights, the others under autocast")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--cpu-time", action="store_true", help="on CPU: time by this process's CPU time")
+    parser.add_argument("--tiny", action="store_true", help="a CPU-sized shape (checks the script)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    shape = {**SHAPE, **TINY} if args.tiny else SHAPE
     if args.cpu_time and device.type != "cpu":
         parser.error("--cpu-time measures CPU runs only")
     clock = time.process_time if args.cpu_time else time.perf_counter
     torch.manual_seed(0)
-    cfg = config_from_values(dict(SHAPE, bf16=args.bf16, device=args.device))
-    batch = random_microbatches(SHAPE["vocab_size"], SHAPE["seq_length"], SHAPE["micro_batch_size"], device)[0]
+    cfg = config_from_values(dict(shape, bf16=args.bf16, device=args.device))
+    batch = random_microbatches(shape["vocab_size"], shape["seq_length"], shape["micro_batch_size"], device)[0]
     runners = {"megatron_p2r": ours(cfg, batch, device), "plain_gpt": plain(cfg, batch, device)}
     try:
         runners["hf_gpt2"] = huggingface(cfg, batch, device)
     except ImportError:
         print("transformers not installed (pip install -e .[bench]): no Hugging Face figure")
-    tokens = SHAPE["micro_batch_size"] * SHAPE["seq_length"]
+    tokens = shape["micro_batch_size"] * shape["seq_length"]
     rates = {k: [] for k in runners}
     for name, fn in runners.items():  # warm-up
         for _ in range(2):
@@ -180,7 +184,7 @@ def main(argv=None) -> None:
         for name, fn in runners.items():
             rates[name].append(args.steps * tokens / timed(lambda: [fn() for _ in range(args.steps)], device, clock))
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    ceiling = matmul_ceiling(device, dtype, clock=clock)
+    ceiling = matmul_ceiling(device, dtype, n=1024 if args.tiny else None, clock=clock)
     share = loss_share(runners["megatron_p2r"], args.steps, device)
     med = {k: statistics.median(v) for k, v in rates.items()}
     flops = model_flops_per_token(cfg.model) * med["megatron_p2r"]
@@ -195,7 +199,7 @@ def main(argv=None) -> None:
           f"= {flops / ceiling:.0%} of it")
     print(f"{'loss share':>14}: {share['loss']:.1%} of our step (output layer + loss: "
           f"{share['output_layer_and_loss']:.1%})")
-    write_json(args.json, {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "shape": SHAPE,
+    write_json(args.json, {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "shape": shape,
                            "tokens_per_s": med, "rounds": rates, "ratio_ours_over_hf": ratios.get("ours_over_hf_gpt2"),
                            "ratio_ours_over_plain": ratios["ours_over_plain_gpt"], "matmul_ceiling_flops": ceiling,
                            "ours_flops": flops, "fraction_of_ceiling": flops / ceiling, "loss_share": share,

@@ -200,9 +200,9 @@ def resolve_values(values: dict) -> Tuple[Config, List[str]]:
     megatron = {name: values.pop(name) for name in list(values) if name.startswith("--")}
     cfg = Config().replace(**implied_values(values))
     check_values(cfg)
-    owned = {_flag(name): value for name, value in values.items()
-             if _flag(name) in MEGATRON_FLAGS and value is not None and value is not False}
-    return cfg, check_flags({**megatron, **owned}, cfg)
+    qualified_fields = {_flag(name): value for name, value in values.items()
+                        if _flag(name) in MEGATRON_FLAGS and value is not None and value is not False}
+    return cfg, check_flags({**megatron, **qualified_fields}, cfg)
 
 
 def parse_launch(argv: Optional[Sequence[str]] = None,
@@ -239,7 +239,6 @@ def flag_statuses(argv: Sequence[str]) -> List[Tuple[str, str, str, str]]:
         entry = MEGATRON_FLAGS.get(name)
         if entry is not None:
             status, why = entry.resolve(_typed(values, entry.parse), cfg)
-            why = f"{why} ({entry.owner})" if entry.owner else why
         elif name in fields:
             status, why = MEANING, "config field"
         else:

@@ -1,6 +1,6 @@
 """The demo, shortened: every stage of the Pseudo-to-Real recipe runs end to end.
 
-Checks what the issue asks: the eval loss before and after delinking (into another layout)
+Checks what the demo promises: the eval loss before and after delinking (into another layout)
 is equal, and the real phase's training loss decreases.
 """
 import json

@@ -1,9 +1,12 @@
-"""The GPU lane's machinery on CPU: the trace analysis the overlap test relies on, and the
-runner behind ``make gpu-check`` (time limits that kill a whole process group, a failing step
-that does not stop the next, the report written after each step and copied to $OUT)."""
+"""The GPU lane's machinery on CPU: the lane's whole trial on CPU (the CUDA tests' dry run and
+every benchmark in its smallest shape, so a change that breaks the lane fails here), the trace
+analysis the overlap test relies on, and the runner behind ``make gpu-check`` (time limits that
+kill a whole process group, a failing step that does not stop the next, the report written
+after each step and copied to $OUT)."""
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -20,6 +23,32 @@ def load_gpu_check():
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def test_the_lane_passes_its_trial_on_cpu(tmp_path):
+    """``make gpu-check GPU_CHECK_ARGS=--dry-run-tests`` on CPU: every step passes, every CUDA
+    test runs up to the point where it needs CUDA (its skip says so; none skips whole), and
+    every benchmark's figures reach the report and the printed summary."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "P2R_CUDA_DRY_RUN")}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU trial even on a GPU machine
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--out", str(out),
+                           "--dry-run-tests"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=580)  # a hang is killed with its process before pytest's 600 s limit
+    report = json.loads((out / "report.json").read_text())
+    not_passed = {s["name"]: s["log_tail"] for s in report["steps"] if s["status"] != "passed"}
+    assert not not_passed and proc.returncode == 0, (not_passed, proc.stdout[-3000:], proc.stderr[-3000:])
+    assert [s["name"] for s in report["steps"]] == ["environment", "tests", "step_throughput", "offload", "mfu"]
+    assert report["ok"] and report["mode"].startswith("cpu-trial")
+    outcomes = {t["test"]: (t["outcome"], t["message"]) for t in report["tests"]}
+    assert {m.split(".")[-1] for m in (t.split("::")[0] for t in outcomes)} == {
+        "test_numerics", "test_offload", "test_planner_memory", "test_resume"}, sorted(outcomes)
+    assert not [(t, o) for t, o in outcomes.items() if o[0] != "passed" and not o[1].startswith("dry run on CPU: ")]
+    assert sum(outcome == "passed" for outcome, _ in outcomes.values()) >= 3, outcomes
+    for title in ("## MFU (benchmarks/mfu.py)", "## Offload (benchmarks/offload.py, shape micro",
+                  "## Step throughput (benchmarks/step_throughput.py)"):
+        assert title in proc.stdout, proc.stdout[-3000:]
+    assert "gpu-check: ok (every step passed)" in proc.stdout
 
 
 def event(cat, name, stream, ts, dur):

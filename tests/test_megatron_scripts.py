@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from megatron_p2r.arguments import all_fields, field_flag, flag_statuses
+from megatron_p2r.arguments import all_fields, field_flag, flag_statuses, parse_launch
 from megatron_p2r.config.megatron import MEGATRON_FLAGS, NO_EFFECT
 from tests.data.test_tokenizers import TRAIN_TEXTS, bpe_files, sp_model  # noqa: F401 (fixtures)
 from tests.reliability.common import launch
@@ -58,14 +58,20 @@ def test_every_flag_of_the_scripts_has_a_status(name):
     assert unknown == []
 
 
-def test_table_flags_are_not_config_fields_unless_owned():
+def test_table_flags_are_config_fields_exactly_when_marked():
     fields = config_fields()
-    assert [flag for flag, entry in MEGATRON_FLAGS.items() if entry.owner is None and flag in fields] == []
+    assert [flag for flag, entry in MEGATRON_FLAGS.items() if entry.config_field != (flag in fields)] == []
 
 
-def test_flags_of_other_issues_have_landed():
-    fields = config_fields()
-    assert [flag for flag, entry in MEGATRON_FLAGS.items() if entry.owner and flag not in fields] == []
+@pytest.mark.parametrize("tp, reported", [(1, True), (2, False)])
+def test_sequence_parallel_has_no_effect_with_one_tensor_parallel_rank(tp, reported):
+    argv = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--tensor-model-parallel-size", str(tp), "--sequence-parallel"]
+    cfg, no_effect = parse_launch(argv)
+    assert cfg.parallel.sequence_parallel
+    assert any(line.startswith("--sequence-parallel (") for line in no_effect) == reported
+    assert [status for flag, _, status, _ in flag_statuses(argv) if flag == "--sequence-parallel"] == \
+        [NO_EFFECT if reported else "meaning"]
 
 
 def test_docs_table_and_counts_are_the_tables():

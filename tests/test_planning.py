@@ -236,7 +236,7 @@ def test_activation_estimate_matches_measured_step(overrides):
     cfg = small(**{**ACT_SHAPES, **overrides})
     held, peak = one_process_step(cfg)
     est = activations.activation_memory(cfg, ParallelPlan.build(cfg, Layout()), 0, device_type="cpu")
-    est_held = est["activations"] + est["compute_weights"]
+    est_held = est["activations"]
     assert abs(est_held / held - 1) < 0.01, (est_held, held)
     assert abs((est_held + est["transient"]) / peak - 1) < 0.10, (est_held + est["transient"], peak)
 
@@ -283,14 +283,14 @@ def test_activation_estimate_tp2_and_1f1b_in_flight():
     for rank, r in enumerate(results):
         for case in ("tp2", "tp2-sp", "tp2-sp-full", "tp2-sp-moe"):
             tp = r[case]
-            est_held = tp["est"]["activations"] + tp["est"]["compute_weights"]
+            est_held = tp["est"]["activations"]
             assert abs(est_held / tp["held"] - 1) < 0.01, (case, rank, est_held, tp["held"])
             assert abs((est_held + tp["est"]["transient"]) / tp["peak"] - 1) < 0.10, (case, rank, tp)
         # sequence parallelism: 1/TP of the activations outside the TP regions
         assert r["tp2-sp"]["held"] < 0.8 * r["tp2"]["held"], r
         pp = r["pp2"]
         assert pp["est"]["in_flight"] == (2 if rank == 0 else 1)
-        est_peak = pp["est"]["activations"] + pp["est"]["compute_weights"] + pp["est"]["transient"]
+        est_peak = pp["est"]["activations"] + pp["est"]["transient"]
         assert abs(est_peak / pp["peak"] - 1) < 0.10, (rank, est_peak, pp["peak"])
 
 

@@ -89,11 +89,11 @@ def test_rank_bytes_match_megatrons_formula_on_its_configurations(table, row):
     6 + 12/DP with the distributed optimizer (the tied embedding's state is sharded over both of
     its stages x DP here)."""
     bench = _benchmark()
-    rows, vocab, seq, _ = next(v for k, v in bench.TABLES.items() if k.startswith(table))
+    rows, vocab, seq, _, activations, _ = next(v for k, v in bench.TABLES.items() if k.startswith(table))
     spec = next(r for r in rows if r[0] == row)
     _, _, hidden, layers, tp, pp, gpus, _ = spec
     for distributed in (False, True):
-        plan = ParallelPlan.for_world(bench._gpt(*spec, vocab, seq, distributed, False), gpus)
+        plan = ParallelPlan.for_world(bench._gpt(*spec, vocab, seq, activations, distributed, False), gpus)
         ours = max(sum(memory.stage_state_bytes(plan, s)[c] for c in ("params", "grads", "optimizer"))
                    for s in range(pp))
         theirs = bench.megatron_weight_and_optimizer_bytes(hidden, layers, vocab, tp, pp, gpus // (tp * pp),

@@ -272,7 +272,7 @@ def format_plans(plans: Dict[str, Plan]) -> str:
         lines.append(f"   global batch {pl.global_batch} sequences = {pl.tokens_per_step:,} tokens, "
                      f"{pl.microbatches} micro-batches per DP rank")
         head = (f"   {'stage':>5} {'ranks':>9} {'params/rank':>14} | GiB on device: {'params':>7} {'grads':>7} "
-                f"{'optim':>7} {'fetch':>6} {'16-bit':>6} {'activ':>7} {'trans':>7} {'resv':>5} {'TOTAL':>7} "
+                f"{'optim':>7} {'fetch':>6} {'activ':>7} {'trans':>7} {'resv':>5} {'TOTAL':>7} "
                 f"/{gpu['memory'] / GiB:.1f} | host GiB | act. GiB no-rc/rc")
         lines.append(head)
         for st in pl.stages:
@@ -281,7 +281,7 @@ def format_plans(plans: Dict[str, Plan]) -> str:
             flag = "" if st.fits else f"  <-- overflows at {st.overflow}"
             lines.append(f"   {st.stage:>5} {st.ranks:>9} {st.parameters:>14,} |                {_gib(d['params']):>7} "
                          f"{_gib(d['grads']):>7} {_gib(d['optimizer']):>7} {_gib(d['fetch_window']):>6} "
-                         f"{_gib(d['compute_weights']):>6} {_gib(d['activations']):>7} {_gib(d['transient']):>7} "
+                         f"{_gib(d['activations']):>7} {_gib(d['transient']):>7} "
                          f"{_gib(d['reserve']):>5} {_gib(st.device_total):>7}      | {_gib(host):>8} | "
                          f"{_gib(st.activations_no_recompute)}/{_gib(st.activations_recompute)}{flag}")
             if st.offloaded_layers:

@@ -4,15 +4,16 @@
 lists them with their status; ``tests/test_megatron_scripts.py`` checks that list against this
 table). A flag named like a config field has Megatron-LM's meaning and default there. The others:
 
-- ``MEANING``: what the flag asks for is how this framework always works (``--calculate-per-token-loss``),
-  or another issue's config field implements it (``owner``);
+- ``MEANING``: what the flag asks for is how this framework always works (``--calculate-per-token-loss``);
 - ``NO_EFFECT``: it only picks a kernel, a communication pattern or an integration we do not have;
   accepted, and reported once at start ("no effect here: ...");
 - ``REFUSED``: it would change the math and is not implemented; the parser accepts it only to stop
   with an error that names it.
 
-Some depend on the value: ``--context-parallel-size 1`` means what it says; 2 is refused. The
-package imports nothing else of megatron_p2r, so the table can be read without building anything.
+Some depend on the value: ``--context-parallel-size 1`` means what it says; 2 is refused. A config
+field is here only when some of its values need saying (``config_field``): ``--sequence-parallel``
+with one tensor-parallel rank has no effect, as in Megatron-LM. The module imports nothing else of
+megatron_p2r, so the table can be read without building anything.
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ STATUSES = (MEANING, NO_EFFECT, REFUSED)
 class MegatronFlag:
     status: str
     reason: str
-    parse: dict = field(default_factory=dict)  # argparse keywords as Megatron-LM parses it; none when owned
-    owner: Optional[str] = None                # the issue whose config field implements the flag
+    parse: dict = field(default_factory=dict)  # argparse keywords as Megatron-LM parses it; none for a field
+    config_field: bool = False                 # a config field parses it; the entry qualifies its values
     keeps: Optional[Callable[[object, "Config"], bool]] = None  # the values that have ``status``
     otherwise: Tuple[str, str] = (REFUSED, "")  # (status, reason) of the other values
 
@@ -54,10 +55,6 @@ def _value(kind, choices=None, nargs=None) -> dict:
 
 def _kernel(what: str, parse: Optional[dict] = None) -> MegatronFlag:
     return MegatronFlag(NO_EFFECT, f"{what}: a kernel choice, the same math", parse or _switch())
-
-
-def _owned(owner: str) -> MegatronFlag:
-    return MegatronFlag(MEANING, "has Megatron-LM's meaning", owner=owner)
 
 
 _FP8 = "fp8 needs Transformer Engine: the compute stays in --bf16/--fp16/fp32"
@@ -200,25 +197,17 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
     "--loss-scale": MegatronFlag(REFUSED, "a static loss scale is not implemented (--fp16 scales dynamically)",
                                  _value(float)),
     "--decrease-batch-size-if-needed": MegatronFlag(REFUSED, "the global batch is never shrunk to fit", _switch()),
-    # Implemented by other issues' config fields.
-    **{flag: _owned("#18 (GQA)") for flag in ("--group-query-attention", "--num-query-groups", "--kv-channels",
-                                               "--qk-layernorm", "--rotary-percent")},
+    # Config fields with a value that has no effect.
     "--sequence-parallel": MegatronFlag(
-        MEANING, "has Megatron-LM's meaning", owner="#17 (sequence parallelism, recomputation)",
+        MEANING, "config field", config_field=True,
         keeps=lambda value, cfg: cfg.parallel.tensor_model_parallel_size > 1,
         otherwise=(NO_EFFECT, "with --tensor-model-parallel-size 1 (Megatron-LM turns it off too)")),
-    **{flag: _owned("#17 (sequence parallelism, recomputation)")
-       for flag in ("--recompute-granularity", "--recompute-method", "--recompute-num-layers")},
-    "--num-layers-per-virtual-pipeline-stage": _owned("#17 (interleaved pipeline)"),
-    **{flag: _owned("#16 (distributed optimizer, overlap)")
-       for flag in ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-                    "--ddp-bucket-size")},
 }
 
 
 def parsed_flags() -> Dict[str, MegatronFlag]:
-    """The table's flags the parser adds itself (owned flags come with their config fields)."""
-    return {flag: entry for flag, entry in MEGATRON_FLAGS.items() if entry.owner is None}
+    """The table's flags the parser adds itself (the others come with their config fields)."""
+    return {flag: entry for flag, entry in MEGATRON_FLAGS.items() if not entry.config_field}
 
 
 def check_flags(given: Dict[str, object], cfg: "Config") -> List[str]:

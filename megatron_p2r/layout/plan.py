@@ -103,6 +103,15 @@ class StagePlan:
         """The distinct module keys, in order of first use (the order the stage builds them)."""
         return tuple(dict.fromkeys(self.layer_keys))
 
+    def final_chunk(self, name: str, module_key: Optional[int]) -> int:
+        """The model chunk in whose backward parameter ``name`` (of layer module ``module_key``,
+        None outside the layers) receives its last gradient contribution: backward runs the chunks
+        in reverse, so that is the lowest chunk that uses the module (the embedding is chunk 0's,
+        the final norm and output layer the last chunk's)."""
+        if module_key is not None:
+            return min(part.chunk for part in self.chunks if module_key in part.layer_keys)
+        return 0 if name.startswith("embedding.") else len(self.chunks) - 1
+
 
 @dataclass(frozen=True)
 class BufferSettings:

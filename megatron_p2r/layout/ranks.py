@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
-GROUP_KINDS = ("tp", "dp", "pp", "ep", "expert_dp", "embedding", "model_parallel", "pp_dp")
+# The groups every rank joins; replicated tensors reduce over the stage-set groups below.
+GROUP_KINDS = ("tp", "dp", "pp", "ep", "expert_dp")
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class Layout:
         return Coords(tp=tp, dp=dp, pp=pp, ep=dp % self.ep, expert_dp=dp // self.ep)
 
     def groups(self, kind: str) -> List[List[int]]:
-        """Every group of ``kind`` as sorted rank lists (disjoint; embedding groups may be absent)."""
+        """Every group of ``kind`` as sorted rank lists (disjoint, together the whole world)."""
         T, D, P, E = self.tp, self.dp, self.pp, self.ep
         r = self.rank
         if kind == "tp":
@@ -73,20 +74,23 @@ class Layout:
         if kind == "expert_dp":
             return [[r(t, x * E + e, p) for x in range(D // E)]
                     for p in range(P) for e in range(E) for t in range(T)]
-        if kind == "embedding":
-            stages = sorted({0, P - 1})
-            return [[r(t, d, p) for p in stages] for d in range(D) for t in range(T)]
-        if kind == "model_parallel":
-            return [sorted(r(t, d, p) for p in range(P) for t in range(T)) for d in range(D)]
-        if kind == "pp_dp":
-            return [sorted(r(t, d, p) for p in range(P) for d in range(D)) for t in range(T)]
         raise ValueError(f"unknown group kind {kind!r}; known: {GROUP_KINDS}")
 
     def group_of(self, kind: str, rank: int) -> List[int]:
-        for ranks in self.groups(kind):
-            if rank in ranks:
-                return ranks
-        raise ValueError(f"rank {rank} is in no {kind} group")
+        """The group of ``kind`` holding ``rank``: the member of ``groups(kind)``, computed from
+        the rank's coordinates (the planner asks for it per stage of a 3,072-rank layout)."""
+        c, r, E = self.coords(rank), self.rank, self.ep
+        if kind == "tp":
+            return [r(t, c.dp, c.pp) for t in range(self.tp)]
+        if kind == "dp":
+            return [r(c.tp, d, c.pp) for d in range(self.dp)]
+        if kind == "pp":
+            return [r(c.tp, c.dp, p) for p in range(self.pp)]
+        if kind == "ep":
+            return [r(c.tp, c.expert_dp * E + e, c.pp) for e in range(E)]
+        if kind == "expert_dp":
+            return [r(c.tp, x * E + c.ep, c.pp) for x in range(self.expert_dp)]
+        raise ValueError(f"unknown group kind {kind!r}; known: {GROUP_KINDS}")
 
 
 

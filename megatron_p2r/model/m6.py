@@ -140,7 +140,7 @@ class M6Model(nn.Module):
         """(shape, dtype) of the hidden states between stages for a micro-batch of
         ``tokens_shape``: the pipeline receiver allocates this instead of receiving a header.
         Under sequence parallelism it is this rank's sequence shard (1/TP of the tokens).
-        The residual stream keeps the parameters' dtype (autocast computes inside the layers)."""
+        The residual stream is in the parameters' dtype (16-bit with --bf16/--fp16)."""
         b, s = tokens_shape
         s = s // self.ps.tp_size if self.sequence_parallel else s
         return (b, s, self.cfg.model.hidden_size), next(self.parameters()).dtype

@@ -27,7 +27,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 from torch import nn
 
-from megatron_p2r.layout.plan import ParallelPlan, Reduction, StagePlan
+from megatron_p2r.layout.plan import ParallelPlan, Reduction
 from megatron_p2r.parallel.grad_buffer import BucketState, ParamAndGradBuffer
 from megatron_p2r.parallel.state import ParallelState
 
@@ -42,7 +42,8 @@ class DistributedDataParallel:
         self._staging: Dict[torch.dtype, torch.Tensor] = {}
         named = dict(model.named_parameters())
         module_keys = {s.name: s.module_key for s in plan.tensors(ps.pp_rank)}
-        self._final_chunk = {id(p): _final_chunk(name, module_keys.get(name), plan.stage(ps.pp_rank))
+        stage = plan.stage(ps.pp_rank)
+        self._final_chunk = {id(p): stage.final_chunk(name, module_keys.get(name))
                              for name, p in named.items()}
         self.buffers: List[ParamAndGradBuffer] = []
         for layout in plan.grad_buffers(ps.pp_rank):
@@ -168,12 +169,3 @@ class DistributedDataParallel:
         """The storage of the gradient ("grads") or distributed-optimizer parameter ("params") buffers."""
         storage = [buf.grad_data if kind == "grads" else buf.param_data for buf in self.buffers]
         return [t for tensors in storage for t in (tensors or {}).values()]
-
-
-def _final_chunk(name: str, module_key: Optional[int], stage: StagePlan) -> int:
-    """The model chunk in whose last backward parameter ``name`` of ``stage`` is final: the
-    lowest chunk that uses its layer module ``module_key`` (the embedding is chunk 0's, the head
-    the last chunk's)."""
-    if module_key is not None:
-        return min(part.chunk for part in stage.chunks if module_key in part.layer_keys)
-    return 0 if name.startswith("embedding.") else len(stage.chunks) - 1

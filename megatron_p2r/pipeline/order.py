@@ -25,6 +25,7 @@ accumulates its gradient in the same order under all of them.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 FORWARD, BACKWARD = "F", "B"
@@ -170,6 +171,7 @@ def simulate(schedule: str, pp: int, chunks: int, microbatches: int, forward_tim
     return done
 
 
+@functools.lru_cache(maxsize=8)   # the planner's phases share it; P=64 x m=512 walks 65,536 ops
 def step_slots(schedule: str, pp: int, chunks: int, microbatches: int) -> float:
     """A step's time in units of one micro-batch's forward + backward on one rank (uniform
     stages, backward = 2 x forward, free transfers): m + P - 1 for GPipe and 1F1B,

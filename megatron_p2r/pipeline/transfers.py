@@ -38,7 +38,7 @@ def _send_clocks(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int,
         op = all_ops[r][i]
         wanted = input_of(op, pp, chunks, r)
         if wanted is not None:
-            clock[r] = [max(a, b) for a, b in zip(clock[r], stamps[wanted[0]], strict=True)]
+            clock[r] = list(map(max, clock[r], stamps[wanted[0]]))
         if r in slot:
             clock[r][slot[r]] = i
         for _, msg in sent_by(op, pp, chunks, r):
@@ -75,10 +75,36 @@ def _reaches(edges: Dict[int, set], start: int) -> set:
     return seen
 
 
+class _Step(NamedTuple):
+    """What every rank's link knowledge derives from: computed once when all ranks' are wanted."""
+
+    sent: List[List[Tuple[int, int, Message]]]      # per rank: (op index, destination, message)
+    stamps: Dict[Message, Tuple[int, ...]]          # per message: clock entries of ``watched``
+    watched: Dict[int, int]                         # rank -> its entry in the clocks
+    edges: Dict[int, set]                           # rank -> the ranks it sends to
+
+
+def _sent(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int) -> List[List[Tuple[int, int, Message]]]:
+    return [[(i, dst, msg) for i, op in enumerate(ops) for dst, msg in sent_by(op, pp, chunks, q)]
+            for q, ops in enumerate(all_ops)]
+
+
+def _step(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, sent, watched: Sequence[int]) -> _Step:
+    edges: Dict[int, set] = {}
+    for q in range(pp):
+        edges.setdefault(q, set()).update(dst for _, dst, _ in sent[q])
+    return _Step(sent, _send_clocks(all_ops, pp, chunks, watched), {q: j for j, q in enumerate(watched)}, edges)
+
+
 def transfers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int) -> Transfers:
     """The link's knowledge for ``rank`` (``all_ops[q]`` is rank q's order)."""
-    sent = [[(i, dst, msg) for i, op in enumerate(ops) for dst, msg in sent_by(op, pp, chunks, q)]
-            for q, ops in enumerate(all_ops)]
+    sent = _sent(all_ops, pp, chunks)
+    destinations = sorted({dst for _, dst, _ in sent[rank]})   # the clock entries this rank needs
+    return _transfers(all_ops, pp, chunks, rank, _step(all_ops, pp, chunks, sent, destinations))
+
+
+def _transfers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int, step: _Step) -> Transfers:
+    sent = step.sent
     neighbours = sorted({(rank - 1) % pp, (rank + 1) % pp} - {rank})
     incoming = {q: [msg for _, dst, msg in sent[q] if dst == rank] for q in neighbours}
     # this rank's sends to each destination, ordered by the index of the receiver's op that uses them
@@ -87,27 +113,35 @@ def transfers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int) 
         position = {op: i for i, op in enumerate(all_ops[dst])}
         unproven[dst] = sorted(((position[Op(msg.kind, msg.microbatch, msg.stage // pp)], msg)
                                 for _, to, msg in sent[rank] if to == dst), reverse=True)
-    watched = sorted(unproven)
-    stamps = _send_clocks(all_ops, pp, chunks, watched)
     acknowledges: Dict[Message, List[Message]] = {}
     for arrived in (msg for taken in pulls(all_ops[rank], pp, chunks, rank, incoming) for msg in taken):
         proven = []
-        for dst, ran_up_to in zip(watched, stamps[arrived], strict=True):
+        for dst in sorted(unproven):
+            ran_up_to = step.stamps[arrived][step.watched[dst]]
             while unproven[dst] and unproven[dst][-1][0] <= ran_up_to:
                 proven.append(unproven[dst].pop()[1])
         if proven:
             acknowledges[arrived] = proven
-    edges: Dict[int, set] = {}
-    for q in range(pp):
-        edges.setdefault(q, set()).update(dst for _, dst, _ in sent[q])
-    downstream = frozenset(q for q in edges[rank] if rank not in _reaches(edges, q))
+    downstream = frozenset(q for q in step.edges[rank] if rank not in _reaches(step.edges, q))
     return Transfers(incoming, acknowledges, downstream)
 
 
 def link_buffers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int) -> List[int]:
     """Transfer buffers the link of ``rank`` holds while each of its ops runs: its sends not yet
     known received and messages that arrived before they were needed."""
-    t = transfers(all_ops, pp, chunks, rank)
+    return _buffers(all_ops, pp, chunks, rank, transfers(all_ops, pp, chunks, rank))
+
+
+def every_link_buffers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int) -> List[List[int]]:
+    """``link_buffers`` of every rank, walking the step's causal order once for all of them
+    (full vector clocks) instead of once per rank: the planner asks for every stage, and
+    per rank the walk costs as much as the whole step (P x 2m ops)."""
+    sent = _sent(all_ops, pp, chunks)
+    step = _step(all_ops, pp, chunks, sent, range(pp))
+    return [_buffers(all_ops, pp, chunks, r, _transfers(all_ops, pp, chunks, r, step)) for r in range(pp)]
+
+
+def _buffers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int, t: Transfers) -> List[int]:
     pending: Dict[Message, int] = {}   # send -> its destination
     early: set = set()
     out = []

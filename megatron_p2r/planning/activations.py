@@ -5,8 +5,8 @@ the TP matmuls hold 1/TP of the tokens), selective recomputation (the attention 
 recomputation (units of layers of each model chunk, ``TrainConfig.recompute_units``) — at the
 point of the schedule (``pipeline.order``) where the most are in flight, plus the largest
 transient working set. Everything computes in the weights' dtype (fp32, or 16-bit with
---bf16/--fp16: the model holds 16-bit weights, no autocast, so no 16-bit weight copies:
-``compute_weights`` is 0). Sizes are in bytes for CUDA kernels (bool dropout masks, fused
+--bf16/--fp16: the model holds 16-bit weights and fp32 main gradients, no autocast, so there
+are no weight copies to count). Sizes are in bytes for CUDA kernels (bool dropout masks, fused
 attention without s x s tensors); ``device_type="cpu"`` gives the CPU variant the tests
 measure against. See docs/scale.md for the assumptions and for the comparison with
 Korthikanti et al. 2022 (``korthikanti_layer_bytes``).
@@ -21,49 +21,16 @@ from typing import Dict, Optional, Sequence, Tuple
 
 from megatron_p2r.config import Config, num_microbatches
 from megatron_p2r.layout.plan import ParallelPlan, StagePlan
-from megatron_p2r.layout.tensor_specs import TensorSpec, layer_tensors
 from megatron_p2r.parallel.cross_entropy import chunk_tokens
 from megatron_p2r.pipeline.order import Op, max_outstanding, pipeline_ops
-from megatron_p2r.pipeline.transfers import link_buffers
-
-
-def _cached_cast(s: TensorSpec) -> bool:
-    """Whether autocast casts this parameter itself (a leaf, so cached per forward): linear
-    weights and biases. Norms, embeddings and the fp32 router are not cast; stacked experts
-    are cast through a transposed view, which autocast does not cache."""
-    leaf = s.name.rsplit(".", 2)
-    return (not s.expert and not s.name.startswith("embedding.") and "norm" not in s.name
-            and not s.name.endswith("router.weight") and leaf[-1] in ("weight", "bias"))
-
-
-def _gathered_column(s: TensorSpec) -> bool:
-    """Column-parallel weights whose input is a sequence shard under sequence parallelism:
-    their backward casts the weight again instead of keeping autocast's copy."""
-    return s.name.endswith((".attention.qkv.weight", ".attention.query.weight", ".attention.key_value.weight",
-                            ".mlp.fc1.weight"))
-
-
-def _matmul_weight_numel(specs: Sequence[TensorSpec], sequence_parallel: bool = False) -> int:
-    """Weights autocast casts for a matmul and saves for backward (linear weights and
-    stacked expert matrices; not biases, norms, embeddings or the fp32 router)."""
-    return sum(s.numel for s in specs
-               if (_cached_cast(s) and s.name.endswith(".weight") and not (sequence_parallel and _gathered_column(s)))
-               or (s.expert and s.name.endswith((".weight1", ".weight2"))))
+from megatron_p2r.pipeline.transfers import every_link_buffers
 
 
 @dataclass
 class LayerActivations:
-    held: int           # bytes autograd keeps for backward (without the 16-bit weight copies)
-    casts: int          # 16-bit weight copies one call saves (autocast, no recomputation)
-    cached_casts: int   # of which leaf weights: cast once per forward, held by autocast's cache
+    held: int           # bytes autograd keeps for backward
     work: int           # activation gradients alive at once in the MLP's backward
     backward: int = 0   # the MLP backward's peak on top of ``held`` (gradients minus what it freed)
-    forward_cache: int = 0   # leaf casts in autocast's cache during a forward (saved or not)
-
-
-# Training computes in the weights' dtype (16-bit weights with fp32 mains in the optimizer):
-# autocast's weight copies and cache, which the accounting below still distinguishes, are absent.
-AUTOCAST = False
 
 
 def compute_bytes(cfg: Config) -> int:
@@ -143,8 +110,8 @@ def attention_core_bytes(cfg: Config, tp: int) -> int:
     return t.micro_batch_size * (m.num_attention_heads // tp) * m.seq_length * 4
 
 
-def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[int, int, int, int]:
-    """(held, expert casts, work, backward) of the MoE MLP: the router on the ``ns`` tokens of
+def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[int, int, int]:
+    """(held, work, backward) of the MoE MLP: the router on the ``ns`` tokens of
     this rank (a sequence shard under sequence parallelism), experts on the ``n`` tokens of the
     TP region."""
     m = cfg.model
@@ -159,12 +126,11 @@ def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[
     held += rows * m.hidden_size * a                         # expert input rows
     held += rows * glu * f * a + rows * act_saved * f * a    # fc1 out, activation outputs
     held += 2 * rows * m.hidden_size * 4 + rows * 4          # combined rows (fp32), their weights, weighted rows
-    expert_casts = e_local * (glu + 1) * f * m.hidden_size * a if AUTOCAST else 0
     work = rows * f * a * glu
     # at the expert matmuls' backward the combine side is freed; both stacked weight
     # gradients are alive (autograd accumulates them after the expert block)
     backward = work + e_local * (glu + 1) * f * m.hidden_size * a - (2 * rows * m.hidden_size * 4 + rows * 4)
-    return held, expert_casts, work, backward
+    return held, work, backward
 
 
 def math_attention_on_cpu(m) -> bool:
@@ -201,10 +167,9 @@ def layer_activations(cfg: Config, key: int, tp: int, ep: int, *, device_type: s
     and log-sum-exp (not under selective recomputation).
     """
     m, t = cfg.model, cfg.train
-    a, autocast = compute_bytes(cfg), AUTOCAST
+    a = compute_bytes(cfg)
     n, h = t.micro_batch_size * m.seq_length, m.hidden_size
     ns = n // tp if sequence_parallel else n    # tokens outside the TP regions
-    specs = layer_tensors(cfg.model, key, tp, ep)
     held = 2 * norm_held(m, ns, h, a) + _attention_held(cfg, n, ns, tp, a)
     if math_attention_on_cpu(m) and device_type != "cuda":
         raise ValueError("attention dropout or softmax offsets on CPU run the math attention kernel with s x s "
@@ -213,32 +178,27 @@ def layer_activations(cfg: Config, key: int, tp: int, ep: int, *, device_type: s
         held += 2 * ns * h * (1 if device_type == "cuda" else a)
     glu = 2 if m.gated_linear_unit else 1
     act_saved = activation_saved(m)
-    casts = _matmul_weight_numel(specs, sequence_parallel) * a if autocast else 0   # per call for experts
-    cache = _matmul_weight_numel(specs) * a if autocast else 0
     if m.is_moe_layer(key):
-        moe_held, expert_casts, work, backward = _moe_layer(cfg, ns, n, tp, ep, a)
+        moe_held, work, backward = _moe_layer(cfg, ns, n, tp, ep, a)
         held += moe_held
-        cached, cache = casts - expert_casts, cache - expert_casts
     else:
         f = m.ffn_size // tp
         held += ns * h * a + n * glu * f * a + n * act_saved * f * a
-        cached = casts
         work = n * f * a * glu
         backward = work + h * f * a                              # fc2's weight gradient
         if sequence_parallel:   # fc1's backward: its input gathered again, the input's gradient
-            backward = max(backward, work + 2 * n * h * a + (glu * f * h * a if autocast else 0))
-    return LayerActivations(held=held, casts=casts, cached_casts=cached, work=work, backward=backward,
-                            forward_cache=cache)
+            backward = max(backward, work + 2 * n * h * a)
+    return LayerActivations(held=held, work=work, backward=backward)
 
 
 @dataclass
 class StageActivations:
     """Per micro-batch, for one model chunk of a pipeline stage (the whole stage without interleaving)."""
 
-    held: int              # no recomputation: everything autograd saves (without weight copies)
+    held: int              # no recomputation: everything autograd saves
     head: int              # of which the final norm, output layer and loss (last stage)
     layers: Dict[int, LayerActivations] = field(default_factory=dict)   # per module key, per call
-    head_fwd: int = 0      # the loss's forward: a chunk of logits, the 16-bit output weight
+    head_fwd: int = 0      # the loss's forward: a chunk of logits and its gradients
     head_bwd: int = 0      # the loss's backward: a chunk of logit gradients, input and weight gradients
     shared_grads: int = 0  # gradient buffers of weights used several times in one forward
 
@@ -263,16 +223,16 @@ def _head(cfg: Config, tp: int, ns: int, sequence_parallel: bool) -> Tuple[int, 
     output weight's (``V/t x h``, fp32) -- no input, no logits -- and works one chunk of tokens'
     logits at a time."""
     m = cfg.model
-    a, autocast = compute_bytes(cfg), AUTOCAST
+    a = compute_bytes(cfg)
     h, n = m.hidden_size, cfg.train.micro_batch_size * m.seq_length
     v = m.padded_vocab_size // tp
     chunk = min(n, chunk_tokens(v))
     held = norm_held(m, ns, h, a) + ns * h * 4 + v * h * 4
-    inputs = (ns * h * a if autocast else 0) + (n * h * a if sequence_parallel else 0)   # cast, gathered
-    # a chunk's fp32 logits (and their 16-bit matmul output / gradient), one chunk's weight
-    # gradient before it is added, the full input gradient before its reduce-scatter (SP)
-    fwd = inputs + (v * h * a if autocast else 0) + chunk * v * (4 + (a if a != 4 else 0)) + v * h * a + \
-        (n - ns) * h * 4 + n * 16
+    gathered = n * h * a if sequence_parallel else 0
+    # the gathered input (SP), a chunk's fp32 logits (and their 16-bit matmul output / gradient),
+    # one chunk's weight gradient before it is added, the full input gradient before its
+    # reduce-scatter (SP)
+    fwd = gathered + chunk * v * (4 + (a if a != 4 else 0)) + v * h * a + (n - ns) * h * 4 + n * 16
     return held, fwd, ns * h * 4 + v * h * 4
 
 
@@ -313,14 +273,16 @@ def stage_schedule(cfg: Config, plan: ParallelPlan, stage: int) -> Tuple[Tuple[O
     link holds during each (``pipeline.order``, ``pipeline.transfers``)."""
     layout = plan.layout
     schedule = cfg.parallel.pipeline_schedule if layout.pp > 1 else "1f1b"
-    return _schedule(schedule, layout.pp, plan.num_model_chunks, num_microbatches(cfg, layout.world_size), stage)
+    return _schedules(schedule, layout.pp, plan.num_model_chunks, num_microbatches(cfg, layout.world_size))[stage]
 
 
-@functools.lru_cache(maxsize=64)
-def _schedule(schedule: str, pp: int, chunks: int, microbatches: int,
-              stage: int) -> Tuple[Tuple[Op, ...], Tuple[int, ...]]:
+@functools.lru_cache(maxsize=8)
+def _schedules(schedule: str, pp: int, chunks: int,
+               microbatches: int) -> Tuple[Tuple[Tuple[Op, ...], Tuple[int, ...]], ...]:
+    """Every stage's ops and link buffers, computed together (each stage's depends on all)."""
     all_ops = [pipeline_ops(schedule, pp, chunks, microbatches, r) for r in range(pp)]
-    return tuple(all_ops[stage]), tuple(link_buffers(all_ops, pp, chunks, stage))
+    buffers = every_link_buffers(all_ops, pp, chunks)
+    return tuple((tuple(ops), tuple(b)) for ops, b in zip(all_ops, buffers, strict=True))
 
 
 def with_recompute(cfg: Config, granularity: Optional[str]) -> Config:
@@ -349,19 +311,20 @@ def _units(cfg: Config, keys: Sequence[int], offloaded: Sequence[int]):
     return units, set(standalone), light
 
 
-def _backward_peak(st: StageActivations, keys: Sequence[int], units, standalone: set, n_h4: int) -> int:
+def _backward_peak(st: StageActivations, keys: Sequence[int], units, standalone: set, hidden_bytes: int) -> int:
     """The largest working set of one layer's backward: a recomputed unit re-creates all its
-    layers' activations (and 16-bit copies) and frees them from the last layer down."""
+    layers' activations and frees them from the last layer down; a layer that was not
+    recomputed has its output's gradient (``hidden_bytes``) on top."""
     peak = 0
     for unit, recomputed in units:
         alive = 0
         for p in unit:
             layer = st.layers[keys[p]]
             if recomputed or p in standalone:
-                alive += layer.held + layer.casts
+                alive += layer.held
                 peak = max(peak, alive + layer.backward)
             else:
-                peak = max(peak, layer.backward + n_h4)
+                peak = max(peak, layer.backward + hidden_bytes)
     return peak - st.head + st.shared_grads
 
 
@@ -377,24 +340,18 @@ def _embedding_backward(cfg: Config, plan: ParallelPlan, stage: int) -> int:
 
 
 def _chunk_memory(cfg: Config, plan: ParallelPlan, stage: int, chunk: int, offloaded: Sequence[int],
-                  n_h4: int, device_type: str) -> Tuple[int, int, int]:
-    """(held, 16-bit weight copies) per micro-batch and the transient working set of one model chunk."""
+                  hidden_bytes: int, device_type: str) -> Tuple[int, int]:
+    """(held per micro-batch, the transient working set) of one model chunk."""
     st = stage_activations(cfg, plan, stage, chunk, device_type=device_type)
     keys = plan.stage(stage).chunks[chunk].layer_keys
     units, standalone, light = _units(cfg, keys, offloaded)
     kept_inputs = sum(1 for unit, recomputed in units if recomputed) + len(standalone)
-    held = st.held - sum(st.layers[keys[p]].held for p in light) + kept_inputs * n_h4
-    heavy = Counter(keys[p] for p in range(len(keys)) if p not in light)
-    casts = sum((layer.cached_casts if heavy[key] else 0) + (layer.casts - layer.cached_casts) * heavy[key]
-                for key, layer in st.layers.items())
-    fetched = {keys[p] for p in standalone}   # fetched copies are not leaves: not cached
-    cache = sum(layer.forward_cache - (layer.cached_casts if heavy[key] else 0)
-                for key, layer in st.layers.items() if key not in fetched)
-    fwd = st.head_fwd + cache
-    if light:
-        fwd = max(fwd, cache + 2 * max(st.layers[keys[p]].work for p in light))
+    held = st.held - sum(st.layers[keys[p]].held for p in light) + kept_inputs * hidden_bytes
+    fwd = st.head_fwd
+    if light:   # a recomputed layer's no-grad forward
+        fwd = max(fwd, 2 * max(st.layers[keys[p]].work for p in light))
     embedding = _embedding_backward(cfg, plan, stage) if plan.stage(stage).chunks[chunk].first else 0
-    return held, casts, max(fwd, st.head_bwd, _backward_peak(st, keys, units, standalone, n_h4), embedding - held)
+    return held, max(fwd, st.head_bwd, _backward_peak(st, keys, units, standalone, hidden_bytes), embedding - held)
 
 
 def activation_memory(cfg: Config, plan: ParallelPlan, stage: int, *, offloaded: Sequence[int] = (),
@@ -406,25 +363,24 @@ def activation_memory(cfg: Config, plan: ParallelPlan, stage: int, *, offloaded:
     (``pipeline.order``: with interleaving, (micro-batch, chunk) forwards, each weighted by its
     chunk), with the hidden-state buffers (``[b, s/TP, h]`` under sequence parallelism) of sends
     not yet known received and of messages that arrived early
-    (``pipeline.transfers.link_buffers``); ``compute_weights``: their 16-bit weight copies;
-    ``in_flight``: the most forwards awaiting their backward (chunk forwards with interleaving);
-    ``transient``: the largest working set on top, the worst over the chunks of (a) the forward
-    of the loss (a chunk of logits) plus the autocast cache of weights that are not saved and,
-    with recomputation, one layer's no-grad forward; (b) the backward of the loss; (c) the
-    backward of a layer: recomputed in full (its whole unit) when recomputing, plus its widest
-    activation gradient, its largest weight gradient and the gradient buffers of weights called
-    more than once (pseudo slots, tied embedding); (d) the word embedding's gradient. Offloaded
-    modules (``megatron_p2r.offload``) always run recomputed with fetched weights.
+    (``pipeline.transfers.link_buffers``); ``in_flight``: the most forwards awaiting their
+    backward (chunk forwards with interleaving); ``transient``: the largest working set on top,
+    the worst over the chunks of (a) the forward of the loss (a chunk of logits) or, with
+    recomputation, one layer's no-grad forward; (b) the backward of the loss; (c) the backward
+    of a layer: recomputed in full (its whole unit) when recomputing, plus its widest activation
+    gradient, its largest weight gradient and the gradient buffers of weights called more than
+    once (pseudo slots, tied embedding); (d) the word embedding's gradient. Offloaded modules
+    (``megatron_p2r.offload``) always run recomputed with fetched weights.
     """
     ns = cfg.train.micro_batch_size * cfg.model.seq_length // (plan.layout.tp if plan.sequence_parallel else 1)
-    n_h4 = ns * token_bytes(cfg)     # a chunk's input, a hidden-state message
-    chunks = [_chunk_memory(cfg, plan, stage, c, offloaded, n_h4, device_type) for c in range(plan.num_model_chunks)]
+    hidden_bytes = ns * token_bytes(cfg)     # one micro-batch's hidden state: a chunk's input, a p2p message
+    chunks = [_chunk_memory(cfg, plan, stage, c, offloaded, hidden_bytes, device_type)
+              for c in range(plan.num_model_chunks)]
     ops, buffers = stage_schedule(cfg, plan, stage)
-    return {"held_per_microbatch": sum(held + casts for held, casts, _ in chunks),
+    return {"held_per_microbatch": sum(held for held, _ in chunks),
             "in_flight": int(max_outstanding(ops)),
-            "activations": int(max_outstanding(ops, lambda c: chunks[c][0], [n_h4 * b for b in buffers])),
-            "compute_weights": int(max_outstanding(ops, lambda c: chunks[c][1])),
-            "transient": max(transient for _, _, transient in chunks)}
+            "activations": int(max_outstanding(ops, lambda c: chunks[c][0], [hidden_bytes * b for b in buffers])),
+            "transient": max(transient for _, transient in chunks)}
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, heads: int, t: int = 1, *, sequence_parallel: bool = False,

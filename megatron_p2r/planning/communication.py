@@ -11,7 +11,7 @@ are reduced with their data-parallel copies (``tp_partial``: TP block x DP)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 from megatron_p2r.config import Config, num_microbatches
 from megatron_p2r.layout.offload import GRAD_BYTES
@@ -133,12 +133,16 @@ def gradient_traffic(plan: ParallelPlan, stage: int, gpus_per_node: int = 8) -> 
     layout = plan.layout
     rank = layout.rank(0, 0, stage)
     out = {kind: GroupTraffic() for kind in ("dp", "expert_dp", "embedding", "sharing", "tp_partial")}
+    groups: Dict[Tuple[Tuple[int, ...], str, int], List[int]] = {}   # a stage's tensors share a few groups
     for s_ in plan.tensors(stage):
         red = plan.reduction(s_.logical, s_.expert)
         size = plan.group_members(red.over, red.stages, red.tp_block)
         if size == 1:
             continue
-        group = next(g for g in stage_set_groups(layout, red.stages or (stage,), red.over, red.tp_block) if rank in g)
+        key = (red.stages or (stage,), red.over, red.tp_block)
+        if key not in groups:
+            groups[key] = next(g for g in stage_set_groups(layout, *key) if rank in g)
+        group = groups[key]
         if plan.buffers.distributed:
             sent = (size - 1) / size * s_.numel * (GRAD_BYTES + plan.buffers.param_bytes)
         else:

@@ -18,8 +18,7 @@ from megatron_p2r.planning.memory import (expert_parameter_count, logical_parame
                                           stage_state_bytes, stepped_elements)
 from megatron_p2r.planning.timing import link_time, stage_flops_per_microbatch
 
-DEVICE_ORDER = ("reserve", "params", "optimizer", "grads", "fetch_window", "compute_weights", "activations",
-                "transient")
+DEVICE_ORDER = ("reserve", "params", "optimizer", "grads", "fetch_window", "activations", "transient")
 
 
 @dataclass
@@ -128,8 +127,7 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     act = activation_memory(cfg, plan, stage, offloaded=off["recomputed"])
     act_no = activation_memory(with_recompute(cfg, None), plan, stage, offloaded=off["recomputed"])
     act_rc = activation_memory(with_recompute(cfg, "full"), plan, stage, offloaded=off["recomputed"])
-    device = {"reserve": a.reserve, **off["device"], "compute_weights": act["compute_weights"],
-              "activations": act["activations"], "transient": act["transient"]}
+    device = {"reserve": a.reserve, **off["device"], "activations": act["activations"], "transient": act["transient"]}
     overflow = _overflow(device, gpu.memory)
     comm = communication(cfg, plan, stage, gpu.gpus_per_node, off["recomputed"])
     compute = stage_flops_per_microbatch(cfg, plan, stage, off["recomputed"]) / (peak * a.efficiency)
@@ -149,8 +147,8 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
         stage=stage, ranks=_rank_ranges(layout, stage), parameters=sum(s.numel for s in specs),
         tensors=len(specs), device=device, host=off["host"], offloaded_layers=off["layers"],
         offloaded_what=off["what"],
-        activations_no_recompute=act_no["activations"] + act_no["compute_weights"] + act_no["transient"],
-        activations_recompute=act_rc["activations"] + act_rc["compute_weights"] + act_rc["transient"],
+        activations_no_recompute=act_no["activations"] + act_no["transient"],
+        activations_recompute=act_rc["activations"] + act_rc["transient"],
         in_flight=act["in_flight"], comm_bytes={k: v.bytes for k, v in comm.items()},
         time_s={"compute_per_microbatch": compute, "tp_per_microbatch": tp_t, "ep_per_microbatch": ep_t,
                 "pp_per_microbatch": pp_t, "offload_transfer_per_microbatch": transfer,

@@ -43,7 +43,7 @@ def rank_memory(cfg: Config, plan: ParallelPlan, stage: int, device_type: str) -
     # The CPU estimate models no math attention kernel (dropout, softmax offsets: s x s); the CUDA one is a lower bound.
     kind = "cuda" if device_type == "cuda" or math_attention_on_cpu(cfg.model) else "cpu"
     act = activation_memory(cfg, plan, stage, offloaded=off["recomputed"], device_type=kind)
-    device = sum(off["device"].values()) + act["activations"] + act["compute_weights"] + act["transient"] + \
+    device = sum(off["device"].values()) + act["activations"] + act["transient"] + \
         batch_bytes(cfg, plan.layout.world_size)
     host = sum(off["host"].values())
     if not cfg.data.mock_data:

@@ -9,8 +9,12 @@ import pytest
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def lane():
+    """The one-rank job, joined for one test and left after it: the suite's guard
+    (``tests/conftest.py``) requires that no process group outlives a test, and the groups a
+    test makes (the MoE test's ep group) go with the job."""
     from tests.cuda.lane import open_lane
     with open_lane() as opened:
         yield opened
+

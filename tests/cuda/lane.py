@@ -75,8 +75,8 @@ class Lane:
 
 def planned_stage(cfg) -> dict:
     """What ``tools/plan.py --world-size 1 --gpu H200-141GB --json`` plans for ``cfg``'s one
-    stage: ``device`` bytes by category (params, grads, optimizer, fetch_window,
-    compute_weights, activations, transient, reserve), ``device_total`` and ``host``."""
+    stage: ``device`` bytes by category (params, grads, optimizer, fetch_window, activations,
+    transient, reserve), ``device_total`` and ``host``."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         status = plan_tool.main(to_argv(cfg) + ["--world-size", "1", "--gpu", "H200-141GB", "--json"])
@@ -87,13 +87,14 @@ def planned_stage(cfg) -> dict:
 
 @contextlib.contextmanager
 def open_lane() -> Iterator[Lane]:
-    """Join the one-rank job (NCCL on CUDA, gloo in a dry run) for the session, then leave it."""
+    """Join the one-rank job (NCCL on CUDA, gloo in a dry run), then leave it with every group
+    made in it. No group may be open before (``init_distributed`` would join that one)."""
     cpu = dry_run()
     cfg = config_from_values({"device": "cpu" if cpu else "cuda"})
     device = resolve_device(cfg)
     expected = "gloo" if cpu else "nccl"
-    if dist.is_initialized() and dist.get_backend() != expected:
-        dist.destroy_process_group()  # e.g. the gloo group in-process CPU tests leave behind in `make test`
+    if dist.is_initialized():
+        raise RuntimeError(f"a {dist.get_backend()!r} process group is already open; the lane joins its own")
     init_distributed(cfg, device)
     backend = dist.get_backend()
     if backend != expected:

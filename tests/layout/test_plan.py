@@ -194,3 +194,21 @@ def test_interleaved_model_holds_what_the_plan_says():
         assert model.num_model_chunks == 2 and model.layer_keys == [s, s + 2]
         built = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
         assert built == [(t.name, t.shape) for t in plan.tensors(s)]
+
+
+def test_a_parameter_is_final_in_the_lowest_chunk_that_uses_it():
+    """Overlapped reduction starts a bucket when its parameters are final: backward runs the
+    chunks in reverse, so a module is final in the lowest chunk that calls it — a pseudo slot
+    called by both chunks of a rank in chunk 0, not in the chunk that runs first."""
+    vpp = dict(num_layers=8, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2)
+    real = _plan(2, **vpp)
+    first, last = real.stage(0), real.stage(1)
+    keys = {k: c.chunk for c in first.chunks for k in c.layer_keys}
+    assert {k: first.final_chunk("layers.%d.mlp.fc1.weight" % k, k) for k in keys} == keys == {0: 0, 1: 0, 4: 1, 5: 1}
+    assert first.final_chunk("embedding.word_embeddings.weight", None) == 0
+    assert last.final_chunk("final_norm.weight", None) == 1
+    pseudo = _plan(2, p2r_phase="pseudo", share_pattern="all", **vpp).stage(0)
+    assert [c.layer_keys for c in pseudo.chunks] == [(0, 0), (0, 0)]
+    assert pseudo.final_chunk("layers.0.mlp.fc1.weight", 0) == 0
+    cycle = _plan(2, p2r_phase="pseudo", share_pattern="cycle:4", **vpp).stage(1)
+    assert [c.layer_keys for c in cycle.chunks] == [(2, 3), (2, 3)] and cycle.final_chunk("x", 3) == 0

@@ -16,15 +16,15 @@ def test_groups_partition_the_world_and_match_coordinates(world, tp, pp, ep):
     for kind in GROUP_KINDS:
         groups = layout.groups(kind)
         members = sorted(r for g in groups for r in g)
-        if kind == "embedding":
-            assert len(members) == len(set(members))
-            continue
         assert members == list(range(world)), kind  # a partition of the world
     expected_sizes = {"tp": tp, "dp": world // (tp * pp), "pp": pp, "ep": ep,
-                      "expert_dp": world // (tp * pp * ep), "model_parallel": tp * pp,
-                      "pp_dp": world // tp}
+                      "expert_dp": world // (tp * pp * ep)}
     for kind, size in expected_sizes.items():
         assert {len(g) for g in layout.groups(kind)} == {size}, kind
+    for kind in GROUP_KINDS:   # group_of computes from coordinates what a search of groups finds
+        for group in layout.groups(kind):
+            for rank in group[:: max(1, len(group) // 3)]:
+                assert layout.group_of(kind, rank) == group, (kind, rank)
 
 
 def test_group_members_share_the_documented_coordinates():
@@ -42,7 +42,7 @@ def test_tp_neighbours_and_stage_order():
     layout = Layout.from_world(8, tp=2, pp=2)
     assert layout.groups("tp")[0] == [0, 1]
     assert layout.group_of("pp", 0) == [0, 4]
-    assert layout.group_of("embedding", 5) == [1, 5]
+    assert layout.group_of("dp", 5) == [5, 7]
 
 
 def test_stage_set_groups():

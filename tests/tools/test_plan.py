@@ -28,8 +28,8 @@ def test_json_has_both_phases_and_every_category(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] is True and set(data["plans"]) == {"pseudo", "real"}
     real = data["plans"]["real"]["stages"][0]
-    assert set(real["device"]) == {"reserve", "params", "grads", "optimizer", "fetch_window", "compute_weights",
-                                   "activations", "transient"}
+    assert set(real["device"]) == {"reserve", "params", "grads", "optimizer", "fetch_window", "activations",
+                                   "transient"}
     # fp16 weights (2 B) on host with their fp32 mains and moments (12 B)
     assert real["host"]["optimizer"] == 6 * real["host"]["params"] > 0
     assert set(real["comm_bytes"]) == {"tp", "dp", "ep", "expert_dp", "pp", "embedding", "sharing", "tp_partial"}
