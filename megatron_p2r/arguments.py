@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import difflib
 from typing import List, Optional, Sequence, Tuple
 
@@ -154,13 +155,30 @@ def _coerce(value, kind: str, metadata: dict, source: str, key: str):
             return value
         if kind == "int" and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
             raise TypeError
+        if kind == "str" and (isinstance(value, bool) or not isinstance(value, (str, int, float))):
+            raise TypeError   # a set, bytes, a date, a mapping: str() of it would be a path or a name nobody wrote
         converted = _TYPES[kind](value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{source}: key '{key}' expects {kind}, got {value!r}") from None
+        quote = "; quote it to give text" if kind == "str" and not isinstance(value, (dict, list, set)) else ""
+        raise ConfigError(f"{source}: key '{key}' expects {kind}, got {_short(value)} ({_yaml_kind(value)})"
+                          f"{quote}") from None
     choices = metadata.get("choices")
     if choices and converted not in choices:
         raise ConfigError(f"{source}: key '{key}' must be one of {list(choices)}, got {converted!r}")
     return converted
+
+
+def _short(value) -> str:
+    text = repr(value)   # YAML_DEPTH bounds the nesting
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _yaml_kind(value) -> str:
+    """What YAML made of a value, in its words (a timestamp, a set, binary, ...)."""
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "text", bytes: "!!binary",
+             set: "a !!set", dict: "a mapping", list: "a list", datetime.date: "a date",
+             datetime.datetime: "a timestamp"}
+    return names.get(type(value), type(value).__name__)
 
 
 def load_yaml(path: str) -> dict:

@@ -34,6 +34,9 @@ CASES = [
     (dict(num_experts=8, moe_num_prototypes=3), 1, "--num-experts (8) must be divisible by --moe-num-prototypes (3)"),
     (dict(overlap_param_gather=True, use_distributed_optimizer=True), 1,
      "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"),
+    # checked with --mock-data too (BASE), which never splits anything
+    (dict(split="80,20,x"), 1, "--split must be comma-separated numbers like 969,30,1, got '80,20,x'"),
+    (dict(split="1,nan"), 1, "--split takes up to 3 finite non-negative numbers"),
 ]
 
 
@@ -70,6 +73,31 @@ def test_yaml_unknown_key_suggests_the_right_one(tmp_path):
     path.write_text("- a list\n")
     with pytest.raises(ConfigError, match="expected a mapping"):
         load_yaml(str(path))
+
+
+@pytest.mark.parametrize("text, what", [
+    ("split: !!set {969: null}", r"got \{969\} \(a !!set\)"),
+    ("tokenizer-model: !!binary aGVsbG8=", r"got b'hello' \(!!binary\); quote it to give text"),
+    ("data-cache-path: 2024-01-02", r"got datetime.date\(2024, 1, 2\) \(a date\); quote it"),
+    ("data-cache-path: 2024-01-02 10:00:00", r"got datetime.datetime\(.*\) \(a timestamp\); quote it"),
+    ("split: yes", r"got True \(a boolean\); quote it"),
+    ("share-pattern: {all: 1}", r"got \{'all': 1\} \(a mapping\)"),
+    ("data-path: [A, [B]]", r"got \['B'\] \(a list\)"),
+])
+def test_yaml_value_of_another_type_for_a_text_flag_is_refused(tmp_path, text, what):
+    """str() of a set, bytes or a date would become a split, a path or a pattern nobody wrote."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text + "\n")
+    key = text.split(":")[0]
+    with pytest.raises(ConfigError, match=rf"key '{key}' expects str, {what}"):
+        load_yaml(str(path))
+
+
+def test_yaml_numbers_are_text_where_text_is_expected(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("split: 100\ndata-path: [0.5, A, 1, B]\n")
+    values = load_yaml(str(path))
+    assert values["split"] == "100" and values["data_path"] == ["0.5", "A", "1", "B"]
 
 
 def test_several_config_files_merge_in_order(tmp_path):

@@ -224,6 +224,16 @@ ACTIVATION_CASES = [
          window_attn_skip_freq=2, position_embedding_type="rope", normalization="RMSNorm"),
     dict(bf16=True, swiglu=True, activation_func_clamp_value=0.1),
     dict(bf16=True, quick_geglu=True, moe_capacity_factor=0.5, **MOE),
+    # attention dropout: CPU runs SDPA's math kernel (s x s probabilities, mask, dropped, in fp32)
+    dict(attention_dropout=0.1),
+    dict(bf16=True, attention_dropout=0.1, hidden_dropout=0.1),
+    dict(attention_dropout=0.1, recompute_activations=True),
+    dict(bf16=True, attention_dropout=0.1, **FULL1),
+    dict(attention_dropout=0.1, group_query_attention=True, num_query_groups=2, qk_layernorm=True),
+    dict(bf16=True, attention_dropout=0.1, group_query_attention=True, num_query_groups=1, qk_layernorm=True,
+         normalization="RMSNorm", position_embedding_type="rope"),
+    dict(attention_dropout=0.1, qk_layernorm=True, normalization="RMSNorm", position_embedding_type="rope"),
+    dict(bf16=True, attention_dropout=0.1, seq_length=256, micro_batch_size=1),
 ]
 ACT_SHAPES = dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=64, vocab_size=512,
                   micro_batch_size=4)
@@ -239,6 +249,19 @@ def test_activation_estimate_matches_measured_step(overrides):
     est_held = est["activations"]
     assert abs(est_held / held - 1) < 0.01, (est_held, held)
     assert abs((est_held + est["transient"]) / peak - 1) < 0.10, (est_held + est["transient"], peak)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_math_attention_is_the_kernel_torch_picks_on_cpu(dropout, dtype):
+    """The planner's rule (math kernel with dropout, the fused CPU flash kernel without) against
+    the backward node SDPA records when called as model/attention.py calls it."""
+    cfg = small(attention_dropout=dropout)
+    q = torch.randn(1, 2, 16, 8, dtype=dtype, requires_grad=True)
+    y = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=dropout, is_causal=True)
+    fused = "FlashAttentionForCpu" in y.grad_fn.name()
+    assert fused != activations.math_attention(cfg, "cpu"), y.grad_fn.name()
+    assert not activations.math_attention(cfg, "cuda")
 
 
 def distributed_activation_worker(rank, world):

@@ -1,6 +1,6 @@
 """Inspect, delink (pseudo -> real), grow (deeper) and reshard (TP/PP/EP) megatron_p2r checkpoints.
 
-    p2r-convert-checkpoint inspect DIR
+    p2r-convert-checkpoint inspect DIR [--verify]
     p2r-convert-checkpoint delink SRC DST [--optimizer-state copy|rescale|reset] [--noise-std S [--noise-relative]]
                                           [--lr-rewarmup-iters N] [--target-share-pattern none|cycle:K|...]
                                           [--target-* ...]
@@ -15,9 +15,10 @@
 
 SRC is a checkpoint directory (its latest iteration is used) or one ``iter_*`` directory; DST
 becomes a checkpoint directory that ``--load`` accepts. Conversions stream tensor by tensor into
-a locked staging directory of their own beside DST and rename it to DST when verified; SRC is never
-modified, DST is locked while it is written and replaced only with ``--force``. See docs/checkpoint.md;
-delink and grow: docs/p2r.md.
+a staging directory of their own inside DST and move it in when verified; SRC is never modified,
+DST is locked from the start and replaced only with ``--force``, never while a live run writes in
+it. ``inspect --verify`` reads every tensor against its checksum. See docs/checkpoint.md; delink
+and grow: docs/p2r.md.
 ``export-hf`` writes a Hugging Face transformers model directory (GPT2, Llama, Qwen2 or Mixtral,
 chosen by the model's options, or Mistral on request), ``import-hf`` reads one back into a
 checkpoint; see docs/hf.md.
@@ -33,7 +34,7 @@ from megatron_p2r.convert.hf.architecture import MODEL_TYPES
 from megatron_p2r.convert.hf.exporter import export_hf
 from megatron_p2r.convert.hf.importer import import_hf
 from megatron_p2r.convert.hf.verify import VERIFY_TOLERANCE, verify_export
-from megatron_p2r.checkpoint.integrity import check_files
+from megatron_p2r.checkpoint.integrity import check_data, check_files
 from megatron_p2r.convert.megatron.importer import import_megatron
 from megatron_p2r.checkpoint.metadata import kinds_of, metadata_config, metadata_table, read_metadata
 from megatron_p2r.checkpoint.naming import resolve_iteration_dir
@@ -56,8 +57,9 @@ def _human(n: float) -> str:
     raise AssertionError
 
 
-def inspect(path: str) -> str:
-    """The metadata and a table of tensors (name, global shape, split dims, bytes), totals per file."""
+def inspect(path: str, verify: bool = False) -> str:
+    """The metadata and a table of tensors (name, global shape, split dims, bytes), totals per file;
+    with ``verify`` every tensor is read and checked against its checksum."""
     iter_dir = resolve_iteration_dir(path)
     meta = read_metadata(iter_dir)
     readers = check_files(iter_dir, meta)
@@ -96,6 +98,11 @@ def inspect(path: str) -> str:
     for name, size in meta["files"].items():
         lines.append(f"  {name}  {len(readers(name).entries):5d} tensors  {_human(size):>10}")
     lines.append(f"  total {_human(sum(meta['files'].values()))} in {len(meta['files'])} files")
+    if verify:
+        read = check_data(meta, readers)
+        lines.append(f"\nverified: {read} tensors read, " + ("every CRC-32 matches metadata.json" if meta.get("crc32")
+                                                            is not None else "no checksums recorded (a checkpoint "
+                                                            "written before they were): sizes and headers checked"))
     return "\n".join(lines)
 
 
@@ -115,7 +122,8 @@ def _add_copy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer-state", choices=OPTIMIZER_STATE_MODES, default=DelinkOptions.optimizer_state,
                    help="Moments of each copy: the source module's, rescaled by its share of the uses "
                         "(M/N, (M/N)^2), or reset.")
-    p.add_argument("--noise-std", type=float, default=0.0, help="Add N(0, std^2) noise to every copied layer weight.")
+    p.add_argument("--noise-std", type=float, default=0.0,
+                   help="Add N(0, std^2) noise to every copied layer weight (std at most 1).")
     p.add_argument("--noise-relative", action="store_true",
                    help="--noise-std is a fraction of each tensor's own std (0.01: 1%% of it).")
     p.add_argument("--lr-rewarmup-iters", type=int, default=0,
@@ -141,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="Print the metadata and the table of tensors.")
     p.add_argument("dir")
+    p.add_argument("--verify", action="store_true",
+                   help="Also read every tensor and check it against its checksum in metadata.json.")
     p = sub.add_parser("delink", help="Pseudo -> real (or a finer pattern): each layer gets its slot's weights.")
     _add_copy_flags(p)
     p = sub.add_parser("grow", help="L/k layers -> L layers by stacking or interleaving (not function-preserving).")
@@ -221,7 +231,7 @@ def _megatron_command(args) -> int:
 
 def _run(args) -> int:
     if args.command == "inspect":
-        print(inspect(args.dir))
+        print(inspect(args.dir, verify=args.verify))
         return 0
     if args.command in ("export-hf", "import-hf"):
         return _hf_command(args)

@@ -1,6 +1,7 @@
 """Does a checkpoint directory hold what its metadata.json says? Checked from the shard headers
 alone (no tensor data is read), before a load or a conversion trusts the files, and after a
-conversion, before its result is published."""
+conversion, before its result is published; ``check_data`` reads every tensor against its
+checksum (``inspect --verify``)."""
 from __future__ import annotations
 
 import os
@@ -24,7 +25,7 @@ def check_recorded_size(reader: ShardReader, name: str, recorded: Optional[int])
 def check_files(iter_dir: str, meta: dict, readers: Optional[ReaderCache] = None) -> ReaderCache:
     """Every shard ``meta`` lists exists, has its recorded size and holds exactly the expected
     tensors with the expected shapes (headers only; no tensor data is read)."""
-    readers = readers or ReaderCache(iter_dir)
+    readers = readers or ReaderCache(iter_dir, meta.get("crc32"))
     cfg = metadata_config(meta)
     layout = ShardLayout.of(cfg)
     expected = file_entries(metadata_table(meta), layout, kinds_of(meta))
@@ -41,7 +42,20 @@ def check_files(iter_dir: str, meta: dict, readers: Optional[ReaderCache] = None
         if extra:
             raise CheckpointError(f"{reader.path}: holds tensors {METADATA_FILE} does not list, "
                                   f"e.g. {sorted(extra)[0]!r}")
+        _check_checksums_cover(meta, name, entries, iter_dir)
     return readers
+
+
+def _check_checksums_cover(meta: dict, name: str, entries: list, iter_dir: str) -> None:
+    """metadata.json's crc32 (when recorded: older checkpoints have none) has one value for each
+    tensor of the file, so that no tensor escapes the check."""
+    if meta.get("crc32") is None:
+        return
+    recorded, needed = set(meta["crc32"].get(name, {})), {e[0] for e in entries}
+    if recorded != needed:
+        odd = sorted(needed - recorded) or sorted(recorded - needed)
+        raise CheckpointError(f"{os.path.join(iter_dir, METADATA_FILE)}: crc32[{name!r}] "
+                              f"{'has no value for' if needed - recorded else 'lists'} tensor {odd[0]!r}")
 
 
 def verify(iter_dir: str, meta: dict, expected_params: int) -> None:
@@ -70,3 +84,15 @@ def verify(iter_dir: str, meta: dict, expected_params: int) -> None:
         if totals[kind] != expected_params:
             raise CheckpointError(f"{iter_dir}: {kind} holds {totals[kind]:,} elements, the source implies "
                                   f"{expected_params:,}; refusing to publish an incomplete conversion")
+
+
+def check_data(meta: dict, readers: ReaderCache) -> int:
+    """Read every tensor of every shard (and of every RNG file with checksums), one at a time,
+    each checked against its CRC-32 when metadata.json records them; returns how many were read."""
+    count = 0
+    for name in list(meta["files"]) + [f for f in meta.get("crc32") or {} if f not in meta["files"]]:
+        reader = readers(name)
+        for entry in reader.names():
+            reader.read(entry)
+            count += 1
+    return count

@@ -12,6 +12,10 @@ replaces ``latest_checkpointed_iteration.txt``, so a run killed while saving lea
 P2R phase, parallel layout, every shard's header) and fails with a message naming the file
 and the field, and the command to convert it when that is the fix.
 
+Each writing rank leaves its shard's checksums (CRC-32 per tensor) beside it for rank 0 to put
+into metadata.json; a load checks every tensor it reads against them (older checkpoints have
+none and load unchecked).
+
 Weights are stored in fp32 — the optimizer's main parameters, not a 16-bit rounding — and the
 optimizer state whole per logical tensor: with the distributed optimizer the writer gathers each
 tensor's state from the ranks that step its pieces (``optim/state_io.py``) and every rank keeps
@@ -20,6 +24,7 @@ its own pieces on load, so a checkpoint does not depend on DP size, the distribu
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from typing import Dict, Iterator, Optional, Sequence, Tuple
@@ -38,6 +43,7 @@ from megatron_p2r.checkpoint.naming import (
     resolve_iteration_dir, rng_file, shard_file, shard_header_metadata)
 from megatron_p2r.checkpoint.safetensors_io import ReaderCache, ShardWriter, save_tensors
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo, file_entries, tensor_table
+from megatron_p2r.files import read_json
 from megatron_p2r.optim.state_io import StateLoader, gather_state
 from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.sharding import expert_key, local_experts, logical_name
@@ -60,6 +66,8 @@ def rank_pieces(model: torch.nn.Module, ps: ParallelState,
         else:
             yield table[logical], param, None
 
+
+CHECKSUMS_SUFFIX = ".crc32.json"  # a shard's checksums, beside it until metadata.json holds them
 
 # ----------------------------------------------------------------------------- save
 
@@ -99,8 +107,9 @@ def _write_rank_files(tmp: str, state, table: Dict[str, TensorInfo], layout: Sha
     """This rank's RNG file, and its shard when it is the data-parallel replica that writes it.
     Every rank takes part in gathering the weights and optimizer state (a collective)."""
     ps, c = state.ps, state.ps.coords
-    save_tensors(os.path.join(tmp, rng_file(ps.rank)), _rng_tensors(ps.device),
-                 {"rank": ps.rank, "tp": c.tp, "dp": c.dp, "pp": c.pp, "consumed_samples": state.consumed_samples})
+    _leave_checksums(tmp, rng_file(ps.rank), save_tensors(
+        os.path.join(tmp, rng_file(ps.rank)), _rng_tensors(ps.device),
+        {"rank": ps.rank, "tp": c.tp, "dp": c.dp, "pp": c.pp, "consumed_samples": state.consumed_samples}))
     name = shard_file(c.tp, c.pp, c.ep)
     mine = {}
     for info, param, j in rank_pieces(state.model, ps, table):
@@ -120,6 +129,13 @@ def _write_rank_files(tmp: str, state, table: Dict[str, TensorInfo], layout: Sha
         param, j, kind = mine[entry]
         writer.write(entry, _piece_tensor(state, gathered[id(param)], j, kind))
     writer.close()
+    _leave_checksums(tmp, name, writer.checksums)
+
+
+def _leave_checksums(tmp: str, name: str, checksums: Dict[str, int]) -> None:
+    """File ``name``'s checksums beside it, for rank 0 to put into metadata.json."""
+    with open(os.path.join(tmp, name + CHECKSUMS_SUFFIX), "w", encoding="utf-8") as fh:
+        json.dump(checksums, fh)
 
 
 def _rng_tensors(device: torch.device) -> Dict[str, torch.Tensor]:
@@ -148,7 +164,9 @@ def _publish_checkpoint(save_dir: str, tmp: str, final: str, state, table: Dict[
     write_metadata(tmp, build_metadata(state.cfg, table, iteration=iteration,
                                        consumed_samples=state.consumed_samples, optimizer=optimizer,
                                        scheduler=state.scheduler.state_dict(), scaler=state.scaler.state_dict(),
-                                       files=files, rng=rng, history=[]))
+                                       files=files, rng=rng, history=[],
+                                       checksums=_collect_checksums(tmp, list(files) + [
+                                           rng_file(r) for r in range(ps.layout.world_size)])))
     fsync_dir(tmp)
     reliability.save_point("publish", iteration, ps.rank)
     _rename_into_place(tmp, final)
@@ -157,6 +175,17 @@ def _publish_checkpoint(save_dir: str, tmp: str, final: str, state, table: Dict[
     reliability.save_point("prune", iteration, ps.rank)
     if state.cfg.checkpoint.keep_last:
         _prune(save_dir, state.cfg.checkpoint.keep_last)
+
+
+def _collect_checksums(tmp: str, files: Sequence[str]) -> Dict[str, Dict[str, int]]:
+    """Each file's checksums (shards and RNG files), which its writer left beside it, for
+    metadata.json (and the files that held them removed)."""
+    out = {}
+    for name in files:
+        path = os.path.join(tmp, name + CHECKSUMS_SUFFIX)
+        out[name] = read_json(path, CheckpointError)
+        os.unlink(path)
+    return out
 
 
 def _rename_into_place(tmp: str, final: str) -> None:
@@ -226,7 +255,7 @@ def _load_pieces(iter_dir: str, meta: dict, table: Dict[str, TensorInfo], state,
     into the model and the optimizer's mains, the moments into the optimizer's pieces."""
     ps = state.ps
     layout = ShardLayout.of(state.cfg)
-    readers = ReaderCache(iter_dir)
+    readers = ReaderCache(iter_dir, meta.get("crc32"))
     checked = set()
     with torch.no_grad():
         for info, param, j in rank_pieces(state.model, ps, table):
@@ -266,7 +295,7 @@ def _load_rng(iter_dir: str, meta: dict, ps: ParallelState) -> None:
     saved = Layout(tp=info["tp"], pp=info["pp"], dp=info["dp"])
     c = ps.coords
     rank = saved.rank(c.tp, c.dp if saved.dp == ps.dp_size else 0, c.pp)
-    reader = ReaderCache(iter_dir)(rng_file(rank))
+    reader = ReaderCache(iter_dir, meta.get("crc32"))(rng_file(rank))
     torch.set_rng_state(reader.read("cpu_rng_state").clone())
     tp_random.get_rng_tracker(ps.device).state = reader.read("model_parallel_rng_state").clone()
     if ps.device.type == "cuda":

@@ -27,13 +27,14 @@ def _p2r_json(cfg: Config) -> dict:
 
 def build_metadata(cfg: Config, table: Dict[str, TensorInfo], *, iteration: int, consumed_samples: int,
                    optimizer: bool, scheduler: dict, scaler: dict, files: Dict[str, int],
-                   rng: Optional[dict], history: List[dict]) -> dict:
-    """The metadata.json contents (shared by training saves and the converters)."""
+                   rng: Optional[dict], history: List[dict], checksums: Dict[str, Dict[str, int]]) -> dict:
+    """The metadata.json contents (shared by training saves and the converters); ``checksums``:
+    file -> tensor entry -> CRC-32 of its bytes (``ShardWriter.checksums``)."""
     return {"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
             "config": cfg.to_dict(), "layout": ShardLayout.of(cfg).to_json(), "p2r": _p2r_json(cfg),
             "optimizer": optimizer, "optimizer_kinds": list(OPTIM_KINDS) if optimizer else [],
             "scheduler": scheduler, "scaler": scaler, "rng": rng, "history": history,
-            "files": files, "tensors": {k: v.to_json() for k, v in table.items()}}
+            "files": files, "crc32": checksums, "tensors": {k: v.to_json() for k, v in table.items()}}
 
 
 def write_metadata(iter_dir: str, metadata: dict) -> None:
@@ -64,10 +65,12 @@ def read_metadata(iter_dir: str) -> dict:
     return meta
 
 
-_BIG = 2 ** 62
+# The largest count (iteration, samples, steps) a checkpoint's metadata accepts; the converter
+# refuses options that would write a larger one.
+MAX_COUNT = 2 ** 62
 
 
-def _int(low: int = 0, high: int = _BIG):
+def _int(low: int = 0, high: int = MAX_COUNT):
     return lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
 
 
@@ -108,6 +111,10 @@ _SCHEMA = {
     "rng": (_optional(_object(world_size=_int(1, 2 ** 24), tp=_int(1, 2 ** 24), pp=_int(1, 2 ** 24),
                               dp=_int(1, 2 ** 24))),
             "null or an object with integer world_size, tp, pp, dp >= 1"),
+    "crc32": (lambda v: isinstance(v, dict) and all(isinstance(f, dict) and all(_int(0, 2 ** 32 - 1)(c)
+                                                                                 for c in f.values())
+                                                    for f in v.values()),
+              "an object of file names to objects of tensor names to CRC-32 values (0 <= c < 2^32)"),
     "history": (lambda v: isinstance(v, list) and all(_object(op=lambda x: isinstance(x, str),
                                                               source=lambda x: isinstance(x, str))(h) for h in v),
                 "a list of objects with op and source strings"),
@@ -164,6 +171,7 @@ def metadata_config(meta: dict) -> Config:
     if m.vocab_size is None:
         raise CheckpointError(f"{METADATA_FILE}: field 'config' has no model.vocab_size")
     _check_size(cfg, meta)
+    _check_placement(cfg, meta)
     return cfg
 
 
@@ -189,6 +197,22 @@ def _check_size(cfg: Config, meta: dict) -> None:
     if tuple(keys) != ParallelPlan.model_parallel(cfg).layer_keys:
         raise CheckpointError(f"{METADATA_FILE}: p2r.layer_module_keys does not follow the config's share pattern "
                               f"{cfg.p2r.share_pattern!r}")
+
+
+def _check_placement(cfg: Config, meta: dict) -> None:
+    """Every tensor's stage and expert index exist in the config's layout: they name its file."""
+    stages, experts = cfg.parallel.pipeline_model_parallel_size, cfg.model.num_experts or 0
+    for key, entry in meta["tensors"].items():
+        if entry["stage"] >= stages:
+            raise CheckpointError(f"{METADATA_FILE}: tensors[{key!r}] has stage {entry['stage']}, but the config has "
+                                  f"{stages} pipeline stage(s) (0..{stages - 1})")
+        expert = entry["expert"]
+        if expert is not None and expert >= experts:
+            raise CheckpointError(f"{METADATA_FILE}: tensors[{key!r}] has expert {expert}, but the config has "
+                                  + (f"{experts} experts (0..{experts - 1})" if experts else "no experts"))
+        if (expert is None) != (entry["ep_dim"] is None):
+            raise CheckpointError(f"{METADATA_FILE}: tensors[{key!r}] has expert {expert} and ep_dim "
+                                  f"{entry['ep_dim']}: an expert piece has both, a dense one neither")
 
 
 def kinds_of(meta: dict) -> Tuple[str, ...]:

@@ -25,6 +25,10 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 METADATA_FILE = "metadata.json"
 RNG_DIR = "rng_and_data"
 OPTIM_KINDS = ("exp_avg", "exp_avg_sq", "step")  # torch AdamW state per parameter
+# A converter's own entries inside its DST (``publish.py``): its output being written, complete and
+# waiting to move in, moving in, and DST's previous entries moved aside.
+STAGING_TAG, PUBLISH_TAG = ".p2r-staging-", ".p2r-publish-"
+INSTALL_TAG, REPLACED_TAG = ".p2r-install-", ".p2r-replaced-"
 
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 
@@ -60,14 +64,21 @@ def complete_iterations(save_dir: str) -> List[int]:
 
 def resolve_iteration_dir(path: str) -> str:
     """``path`` is a checkpoint directory (with the latest file) or one ``iter_*`` directory; the
-    iteration directory ``latest`` names must lie inside ``path`` (not be a link out of it)."""
+    latest file and the iteration directory it names must lie inside ``path`` (not be links out of it)."""
     if os.path.lexists(os.path.join(path, METADATA_FILE)):
         return path
     latest = os.path.join(path, LATEST_FILE)
     if not os.path.lexists(latest):
         if not os.path.isdir(path):
             raise CheckpointError(f"no checkpoint at {path}: the directory does not exist")
+        if any(name.startswith((PUBLISH_TAG, INSTALL_TAG)) for name in os.listdir(path)):
+            raise CheckpointError(f"{path}: a conversion into it was killed while moving its result in; rerun that "
+                                  "conversion (or a training run with --save on it) to complete the move")
         raise CheckpointError(f"{path} is not a checkpoint: it has neither {LATEST_FILE} nor {METADATA_FILE}")
+    real, root = os.path.realpath(latest), os.path.realpath(path)
+    if not real.startswith(root.rstrip(os.sep) + os.sep):
+        raise CheckpointError(f"{latest} is a link to {real}, outside {path}; a checkpoint's {LATEST_FILE} "
+                              "must be its own file (write the iteration number into it)")
     data = read_bounded(latest, CheckpointError, 64)
     try:
         iteration = int(data.decode("utf-8").strip())

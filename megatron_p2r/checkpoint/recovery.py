@@ -13,6 +13,7 @@ from typing import List
 
 from megatron_p2r.checkpoint.atomic import write_text_atomic
 from megatron_p2r.checkpoint.naming import LATEST_FILE, METADATA_FILE, complete_iterations
+from megatron_p2r.checkpoint.publish import finish_interrupted
 
 _LEFTOVER = re.compile(r"^iter_(\d{7})\.(tmp|old|del)$")
 
@@ -27,12 +28,14 @@ def recover_save_dir(save_dir: str) -> List[str]:
       of the same iteration: it is moved back when the kill struck between the two renames
       (``iter_N`` missing), removed otherwise.
     * stray ``latest_checkpointed_iteration.txt.tmp.*`` files are removed;
+    * the output of a conversion into the directory that was killed while moving it in is moved
+      in, one killed while writing it removed (``publish.finish_interrupted``);
     * without a ``latest`` file, it is written for the newest complete checkpoint (a kill after
       the first checkpoint was published but before ``latest`` was written).
     """
     if not os.path.isdir(save_dir):
         return []
-    actions = []
+    actions = finish_interrupted(save_dir)
     for name in sorted(os.listdir(save_dir)):
         path = os.path.join(save_dir, name)
         m = _LEFTOVER.match(name)

@@ -4,6 +4,11 @@ Shards are real safetensors files (any safetensors reader opens them), but the h
 file is known before its tensors are, so a converter writes one tensor at a time and reads
 exactly the bytes of the tensor it needs. Nothing is ever unpickled.
 
+Every tensor written gets a CRC-32 of its bytes (``ShardWriter.checksums``; safetensors has no
+checksum of its own), which metadata.json records and ``ShardReader.read`` checks against the
+bytes it reads anyway, so a flipped bit in a data region is an error naming the file and the
+tensor rather than a silently different weight.
+
 Every file is checked by the ``safetensors`` library itself before its header is trusted
 (bounded header, unique names, offsets that tile the data region exactly, with no overlap or
 gap), so this reader accepts exactly the files the official one does: a duplicated or
@@ -14,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import zlib
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import safetensors
@@ -39,11 +45,26 @@ def nbytes(dtype: str, shape: Iterable[int]) -> int:
     return n
 
 
+class SourceVanished(OSError):
+    """A file whose checkpoint was complete when reading began is gone (deleted or renamed
+    meanwhile): the input was good, so this is a failed run (exit 1), not bad input."""
+
+    def __init__(self, path: str):
+        super().__init__(f"{path} disappeared while it was being read: it was deleted or renamed meanwhile (a "
+                         "training run pruning that checkpoint with --keep-last?); read one it keeps")
+
+
+def _gone(path: str) -> bool:
+    """The directory of ``path`` is gone too: the checkpoint it was listed in went away."""
+    return not os.path.isdir(os.path.dirname(path) or ".")
+
+
 class ShardWriter:
     """Writes one safetensors file tensor by tensor, in the order its header announces.
 
     The header (names, dtypes, shapes, offsets) is written first, so memory never holds more
     than the tensor being written; ``close`` fails if any announced tensor is missing.
+    ``checksums`` maps each tensor written to the CRC-32 of its bytes.
     """
 
     def __init__(self, path: str, entries: Sequence[tuple], metadata: Optional[Dict[str, str]] = None):
@@ -60,6 +81,7 @@ class ShardWriter:
         self.fh = open(path, "wb")
         self.fh.write(struct.pack("<Q", len(blob)) + blob)
         self.bytes_written = 0
+        self.checksums: Dict[str, int] = {}
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if self.next >= len(self.entries):
@@ -68,9 +90,10 @@ class ShardWriter:
         if name != want or SAFETENSORS_DTYPE[tensor.dtype] != dtype or tuple(tensor.shape) != tuple(shape):
             raise CheckpointError(f"{self.path}: expected tensor {want!r} {dtype}{list(shape)} next, "
                                   f"got {name!r} {SAFETENSORS_DTYPE.get(tensor.dtype)}{list(tensor.shape)}")
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        self.fh.write(memoryview(data.numpy()))
-        self.bytes_written += data.numel()
+        data = memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+        self.checksums[name] = zlib.crc32(data)
+        self.fh.write(data)
+        self.bytes_written += data.nbytes
         self.next += 1
 
     def close(self) -> None:
@@ -83,24 +106,27 @@ class ShardWriter:
                                   f"first {missing[0]!r}")
 
 
-def save_tensors(path: str, tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]] = None) -> None:
-    """A whole small dict (RNG states) as one safetensors file."""
+def save_tensors(path: str, tensors: Dict[str, torch.Tensor],
+                 metadata: Optional[Dict[str, str]] = None) -> Dict[str, int]:
+    """A whole small dict (RNG states) as one safetensors file; returns its checksums."""
     writer = ShardWriter(path, [(k, SAFETENSORS_DTYPE[v.dtype], tuple(v.shape)) for k, v in tensors.items()],
                          metadata)
     for k, v in tensors.items():
         writer.write(k, v)
     writer.close()
+    return writer.checksums
 
 
 class ShardReader:
-    """The header of one safetensors file, validated by the safetensors library; reads single tensors."""
+    """The header of one safetensors file, validated by the safetensors library; reads single
+    tensors, each checked against its CRC-32 in ``checksums`` (entry -> CRC) when given."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, checksums: Optional[Dict[str, int]] = None):
+        self.path, self.checksums = path, checksums
         try:
             self.size = check_regular(path, CheckpointError, "shard")
         except FileNotFoundError:
-            raise CheckpointError(f"missing shard {path}") from None
+            raise (SourceVanished(path) if _gone(path) else CheckpointError(f"missing shard {path}")) from None
         n, header = _read_header(path, self.size)
         self.metadata = header.pop("__metadata__", {}) or {}
         for name, e in header.items():
@@ -140,17 +166,37 @@ class ShardReader:
         elif out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous():
             raise CheckpointError(f"{self.path}: tensor {name!r} is {entry['dtype']}{list(shape)}, cannot read it "
                                   f"into {out.dtype}{list(out.shape)}")
-        with open_regular(self.path, CheckpointError, "shard") as fh:
+        try:
+            fh = open_regular(self.path, CheckpointError, "shard")
+        except FileNotFoundError:
+            raise SourceVanished(self.path) from None  # its header was read: it was there
+        with fh:
             fh.seek(self.data_start + start)
-            if end > start and fh.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy())) != end - start:
+            data = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+            if end > start and fh.readinto(data) != end - start:
                 raise CheckpointError(f"truncated shard {self.path}: tensor {name!r} is cut short")
+        if self.checksums is not None:
+            self._check_sum(name, data)
         return out
+
+    def _check_sum(self, name: str, data: memoryview) -> None:
+        expected, found = self.checksums.get(name), zlib.crc32(data)
+        if expected is None:
+            raise CheckpointError(f"{self.path}: {METADATA_FILE} records no checksum for tensor {name!r}")
+        if found != expected:
+            raise CheckpointError(f"corrupt shard {self.path}: tensor {name!r} has CRC-32 {found:08x}, "
+                                  f"{METADATA_FILE} records {expected:08x} (its bytes changed after it was written: "
+                                  "a bad disk, memory or copy); restore the file from a good copy")
 
 
 def _read_header(path: str, size: int) -> tuple:
     """(header length, header) of a file the safetensors library accepts; an error naming the
     file otherwise. The header is read only when its announced length is plausible."""
-    with open_regular(path, CheckpointError, "shard") as fh:
+    try:
+        fh = open_regular(path, CheckpointError, "shard")
+    except FileNotFoundError:
+        raise (SourceVanished(path) if _gone(path) else CheckpointError(f"missing shard {path}")) from None
+    with fh:
         head = fh.read(8)
         if len(head) < 8:
             raise CheckpointError(f"truncated shard {path}: {size} bytes, shorter than the 8-byte header length")
@@ -175,6 +221,8 @@ def _check_with_library(path: str) -> None:
         with safetensors.safe_open(path, framework="pt"):
             pass
     except Exception as exc:  # SafetensorError, its only exception type, is not exported by every version
+        if not os.path.exists(path):
+            raise SourceVanished(path) from None
         raise CheckpointError(f"corrupt shard {path}: the safetensors library refuses it "
                               f"({str(exc).splitlines()[0][:200]})") from None
 
@@ -192,13 +240,15 @@ def _check_entry(path: str, name: str, e) -> None:
 
 
 class ReaderCache:
-    """Parsed headers by path (a converter touches each file many times)."""
+    """Parsed headers by path (a converter touches each file many times); with ``checksums``
+    (file name -> entry -> CRC-32, metadata.json's ``crc32``) every tensor read is checked."""
 
-    def __init__(self, root: str):
-        self.root, self._readers = root, {}
+    def __init__(self, root: str, checksums: Optional[Dict[str, Dict[str, int]]] = None):
+        self.root, self._readers, self.checksums = root, {}, checksums
 
     def __call__(self, name: str) -> ShardReader:
         """The reader of file ``name`` (a name read from metadata.json or an index: confined to the root)."""
         if name not in self._readers:
-            self._readers[name] = ShardReader(confined(self.root, name, CheckpointError, "file name"))
+            sums = None if self.checksums is None else self.checksums.get(name, {})
+            self._readers[name] = ShardReader(confined(self.root, name, CheckpointError, "file name"), sums)
         return self._readers[name]

@@ -1,6 +1,7 @@
 """The data section: dataset prefixes or mock data, and the tokenizer."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -24,6 +25,21 @@ class DataConfig:
     def check(self) -> None:
         if self.mock_data and self.data_path:
             raise ConfigError("--mock-data and --data-path are mutually exclusive (--mock-data would ignore the data)")
+        parse_split(self.split)   # also with --mock-data: a typo fails now, not when data files are added
+
+
+def parse_split(split: str) -> List[float]:
+    """``"969,30,1"`` (or ``969/30/1``) -> normalised [train, valid, test] fractions. Quotes
+    around it are ignored, as Megatron-LM reads only the numbers: a launch script that writes
+    ``"--split '99,1,0'"`` in a bash array passes them on literally."""
+    try:
+        parts = [float(s) for s in split.strip().strip("'\"").replace("/", ",").split(",")]
+    except ValueError:
+        raise ConfigError(f"--split must be comma-separated numbers like 969,30,1, got {split!r}") from None
+    if len(parts) > 3 or not all(0 <= p < math.inf for p in parts) or not 0 < sum(parts) < math.inf:
+        raise ConfigError(f"--split takes up to 3 finite non-negative numbers with a positive sum, got {split!r}")
+    parts += [0.0] * (3 - len(parts))
+    return [p / sum(parts) for p in parts]
 
 
 # No numeric fields: the type checks of config/ranges.py cover the section.

@@ -33,11 +33,12 @@ def write_imported(src: str, src_iter: str, dst: str, cfg: Config, table: Dict[s
     with staged_output(src, src_iter, dst, force) as tmp:
         out_iter = os.path.join(tmp, iteration_dir_name(0))
         os.makedirs(out_iter)
-        write_pieces(out_iter, table, layout, ("model",), produce, progress=progress, desc=history["op"])
+        checksums = write_pieces(out_iter, table, layout, ("model",), produce, progress=progress,
+                                 desc=history["op"])
         files = {f: os.path.getsize(os.path.join(out_iter, f)) for f in layout.files()}
         meta = build_metadata(cfg, table, iteration=0, consumed_samples=0, optimizer=False,
                               scheduler={"num_steps": 0}, scaler=LossScaler(cfg.train).state_dict(), files=files,
-                              rng=None, history=[history])
+                              rng=None, history=[history], checksums=checksums)
         write_metadata(out_iter, meta)
         verify(out_iter, meta, expected_params=sum(i.numel for i in table.values()))
         write_model_yaml(os.path.join(tmp, MODEL_YAML), cfg, extras(tmp))

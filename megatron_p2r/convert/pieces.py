@@ -43,30 +43,34 @@ def tp_shards(tensor: torch.Tensor, info: TensorInfo, layout: ShardLayout, kind:
 
 
 def write_pieces(out_iter: str, table: Dict[str, TensorInfo], layout: ShardLayout, kinds: Sequence[str],
-                 produce: Producer, *, progress: bool, desc: str) -> None:
+                 produce: Producer, *, progress: bool, desc: str) -> Dict[str, Dict[str, int]]:
     """Write every piece of ``table`` (each of ``kinds``, as ``produce`` makes it) into ``layout``'s
     shard files under ``out_iter``: one global piece in memory at a time, the files of one stage
-    open at a time (the table is in stage order)."""
+    open at a time (the table is in stage order). Returns each file's checksums (metadata.json's
+    crc32)."""
     entries = file_entries(table, layout, kinds)
     total = sum(info.nbytes * (len(kinds) - ("step" in kinds)) for info in table.values())
     bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc=desc)
     writers: Dict[str, ShardWriter] = {}
+    checksums: Dict[str, Dict[str, int]] = {}
     stage = -1
     for info in table.values():
         if info.stage != stage:
-            _close_all(writers)
+            _close_all(writers, checksums)
             stage = info.stage
             for name in layout.stage_files(stage):
                 writers[name] = ShardWriter(os.path.join(out_iter, name), entries[name], shard_header_metadata(name))
         for kind in kinds:
             bar.update(_write_piece(writers, layout, info, kind, produce))
-    _close_all(writers)
+    _close_all(writers, checksums)
     # A stage can own no piece (a middle stage that only replays a pseudo slot of an earlier
     # stage); the layout still has its (empty) files.
     for name, ents in entries.items():
         if not os.path.exists(os.path.join(out_iter, name)):
-            ShardWriter(os.path.join(out_iter, name), ents, shard_header_metadata(name)).close()
+            _close_all({name: ShardWriter(os.path.join(out_iter, name), ents, shard_header_metadata(name))},
+                       checksums)
     bar.close()
+    return checksums
 
 
 def _write_piece(writers: Dict[str, ShardWriter], layout: ShardLayout, info: TensorInfo, kind: str,
@@ -79,7 +83,8 @@ def _write_piece(writers: Dict[str, ShardWriter], layout: ShardLayout, info: Ten
     return 0 if kind == "step" else tensor.numel() * tensor.element_size()
 
 
-def _close_all(writers: Dict[str, ShardWriter]) -> None:
-    for w in writers.values():
+def _close_all(writers: Dict[str, ShardWriter], checksums: Dict[str, Dict[str, int]]) -> None:
+    for name, w in writers.items():
         w.close()
+        checksums[name] = w.checksums
     writers.clear()

@@ -10,8 +10,8 @@ target piece is copied from is a layer map: target layer i reads the source modu
 ``ShardWriter`` (headers first), so memory holds one piece at a time: the peak is bounded by
 the largest tensor, not the model.
 
-The output goes to a staging directory of the converter's own (``staging.py``: unique, locked,
-beside DST) and is renamed to DST only after a verification that re-reads
+The output goes to a staging directory of the converter's own (``staging.py``: unique, inside
+the locked DST) and is moved into DST only after a verification that re-reads
 every written header: each tensor the target layout needs was written exactly once with its
 shape, and the parameter count equals the source's (each slot counted once per layer that
 uses it when delinking). SRC is only read. ``--lr-rewarmup-iters`` is recorded in the
@@ -31,8 +31,8 @@ import torch
 from megatron_p2r.checkpoint.atomic import write_text_atomic
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.integrity import check_files, verify
-from megatron_p2r.checkpoint.metadata import (build_metadata, kinds_of, metadata_config, metadata_table, read_metadata,
-                                              write_metadata)
+from megatron_p2r.checkpoint.metadata import (MAX_COUNT, build_metadata, kinds_of, metadata_config, metadata_table,
+                                              read_metadata, write_metadata)
 from megatron_p2r.checkpoint.naming import (LATEST_FILE, METADATA_FILE, RNG_DIR, iteration_dir_name,
                                             resolve_iteration_dir)
 from megatron_p2r.convert.pieces import read_global, write_pieces
@@ -206,10 +206,13 @@ def _check_options(meta: dict, options: Optional[DelinkOptions], where: str) -> 
     if options.optimizer_state not in dl.OPTIMIZER_STATE_MODES:
         raise ConfigError(f"--optimizer-state must be one of {dl.OPTIMIZER_STATE_MODES}, "
                           f"got {options.optimizer_state!r}")
-    if not (isinstance(options.noise_std, (int, float)) and 0.0 <= options.noise_std < float("inf")):
-        raise ConfigError(f"--noise-std must be a finite number >= 0, got {options.noise_std}")
-    if options.lr_rewarmup_iters < 0:
-        raise ConfigError(f"--lr-rewarmup-iters must be >= 0, got {options.lr_rewarmup_iters}")
+    if not (isinstance(options.noise_std, (int, float)) and 0.0 <= options.noise_std <= dl.MAX_NOISE_STD):
+        scale = "of each tensor's own std" if options.noise_relative else "(initialised weights have std ~0.02)"
+        raise ConfigError(f"--noise-std must be a number in [0, {dl.MAX_NOISE_STD:g}] {scale}, "
+                          f"got {options.noise_std}")
+    if not 0 <= options.lr_rewarmup_iters <= MAX_COUNT:
+        raise ConfigError(f"--lr-rewarmup-iters must be in [0, {MAX_COUNT}] (what a checkpoint records), "
+                          f"got {options.lr_rewarmup_iters}")
     if options.lr_rewarmup_iters and not isinstance(meta.get("scheduler"), dict):
         raise CheckpointError(f"{where}: --lr-rewarmup-iters needs the checkpoint's field 'scheduler', "
                               "which it does not have")
@@ -242,13 +245,14 @@ def convert(src: str, dst: str, target: Target, options: Optional[DelinkOptions]
         transform = None
         if options is not None:
             transform = functools.partial(_copy_tensor, options, layer_map, src_cfg.train.seed)
-        _write_tensors(out_iter, readers, src_table, src_layout, dst_table, dst_layout, plan, kinds, transform,
-                       progress, op)
+        checksums = _write_tensors(out_iter, readers, src_table, src_layout, dst_table, dst_layout, plan, kinds,
+                                   transform, progress, op)
         files = {f: os.path.getsize(os.path.join(out_iter, f)) for f in dst_layout.files()}
         rng = None
         if options is None and src_layout == dst_layout and meta.get("rng"):
             shutil.copytree(os.path.join(src_iter, RNG_DIR), os.path.join(out_iter, RNG_DIR))
             rng = meta["rng"]
+            checksums.update((k, v) for k, v in (meta.get("crc32") or {}).items() if k.startswith(RNG_DIR + "/"))
         scheduler = meta.get("scheduler")
         if options is not None and options.lr_rewarmup_iters:
             scheduler = with_rewarmup(scheduler, options.lr_rewarmup_iters)
@@ -257,7 +261,7 @@ def convert(src: str, dst: str, target: Target, options: Optional[DelinkOptions]
         new_meta = build_metadata(dst_cfg, dst_table, iteration=iteration, consumed_samples=meta["consumed_samples"],
                                   optimizer="exp_avg" in kinds, scheduler=scheduler,
                                   scaler=meta.get("scaler"), files=files, rng=rng,
-                                  history=list(meta.get("history", [])) + [step])
+                                  history=list(meta.get("history", [])) + [step], checksums=checksums)
         write_metadata(out_iter, new_meta)
         verify(out_iter, new_meta, expected_params=sum(i.numel * layer_map.expected_writes(i)
                                                        for i in src_table.values()))
@@ -279,11 +283,11 @@ def _copy_tensor(options: DelinkOptions, layer_map: _LayerMap, seed: int, kind: 
 
 def _write_tensors(out_iter: str, readers: ReaderCache, src_table: Dict[str, TensorInfo], src_layout: ShardLayout,
                    dst_table: Dict[str, TensorInfo], dst_layout: ShardLayout, plan: Dict[str, str], kinds,
-                   transform: Optional[Callable], progress: bool, desc: str) -> None:
+                   transform: Optional[Callable], progress: bool, desc: str) -> Dict[str, Dict[str, int]]:
     """Each target piece and kind: the source piece read whole, transformed, cut into the target's shards."""
     def produce(info: TensorInfo, kind: str) -> torch.Tensor:
         sinfo = src_table[plan[info.key]]
         tensor = read_global(readers, src_layout, sinfo, kind)
         return tensor if transform is None else transform(kind, tensor, info.key, sinfo)
 
-    write_pieces(out_iter, dst_table, dst_layout, kinds, produce, progress=progress, desc=desc)
+    return write_pieces(out_iter, dst_table, dst_layout, kinds, produce, progress=progress, desc=desc)

@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron_p2r.config import ConfigError, DataConfig
+from megatron_p2r.config.data import parse_split
 from megatron_p2r.data.blended import BlendedDataset, blending_indices
 from megatron_p2r.data.gpt_dataset import GPTDataset, token_range
 from megatron_p2r.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
@@ -40,20 +41,6 @@ def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], List[float]]:
         weights.append(value)
         prefixes.append(prefix)
     return prefixes, weights
-
-
-def parse_split(split: str) -> List[float]:
-    """``"969,30,1"`` (or ``969/30/1``) -> normalised [train, valid, test] fractions. Quotes
-    around it are ignored, as Megatron-LM reads only the numbers: a launch script that writes
-    ``"--split '99,1,0'"`` in a bash array passes them on literally."""
-    try:
-        parts = [float(s) for s in split.strip().strip("'\"").replace("/", ",").split(",")]
-    except ValueError:
-        raise ConfigError(f"--split must be comma-separated numbers like 969,30,1, got {split!r}") from None
-    if len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
-        raise ConfigError(f"--split takes up to 3 non-negative numbers with a positive sum, got {split!r}")
-    parts += [0.0] * (3 - len(parts))
-    return [p / sum(parts) for p in parts]
 
 
 def split_ranges(fractions: Sequence[float], count: int) -> List[Tuple[int, int]]:

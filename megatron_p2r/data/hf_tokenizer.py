@@ -11,11 +11,12 @@ the config's ``add_bos_token``/``add_eos_token`` when a tokenizer.json exists).
 """
 from __future__ import annotations
 
-import json
 import os
+import reprlib
 from typing import Dict, Iterable, List
 
 from megatron_p2r.config import ConfigError
+from megatron_p2r.files import read_json
 
 ROLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -36,13 +37,16 @@ def tokenizer_json_path(path: str) -> str:
 
 
 def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
+    """A JSON object beside tokenizer.json ({} when absent), read through the project's bounded
+    reader: size, nesting depth and duplicate keys are checked, so a crafted file is an error."""
+    if not os.path.exists(path):
         return {}
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--tokenizer-model: cannot read {path} ({exc})") from None
+        data = read_json(path, ConfigError)
+    except OSError as exc:
+        raise ConfigError(f"--tokenizer-model: cannot read {path} ({exc.strerror})") from None
+    except ConfigError as exc:
+        raise ConfigError(f"--tokenizer-model: cannot read {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--tokenizer-model: {path} is not a JSON object")
     return data
@@ -53,7 +57,7 @@ def _token_text(value, path: str, role: str) -> str:
     text = value.get("content") if isinstance(value, dict) else value
     if not isinstance(text, str) or not text:
         raise ConfigError(f"--tokenizer-model: {path}: {role} must be a token string or an object with "
-                          f"\"content\", got {value!r}")
+                          f"\"content\", got {reprlib.repr(value)}")
     return text
 
 

@@ -16,7 +16,6 @@ Megatron-LM's names mean what they mean in Megatron-LM (docs/data.md says which 
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from functools import lru_cache
@@ -24,6 +23,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 from megatron_p2r.config import ConfigError, DataConfig
 from megatron_p2r.data.hf_tokenizer import HuggingFaceTokenizer
+from megatron_p2r.files import read_json
 
 SPECIAL_TOKENS_IN_TEXT = ("id", "text")
 
@@ -184,10 +184,12 @@ class GPT2BPETokenizer:
 
         self.vocab_file, self.merge_file = vocab_file, merge_file
         try:
-            with open(vocab_file, encoding="utf-8") as f:
-                self.encoder = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"--vocab-file {vocab_file}: cannot read a JSON vocabulary ({exc})") from None
+            self.encoder = read_json(vocab_file, ConfigError)
+        except OSError as exc:
+            raise ConfigError(f"--vocab-file {vocab_file}: cannot read a JSON vocabulary ({exc.strerror})") from None
+        except ConfigError as exc:
+            reason = str(exc).removeprefix(f"{vocab_file}: ")
+            raise ConfigError(f"--vocab-file {vocab_file}: cannot read a JSON vocabulary ({reason})") from None
         if not isinstance(self.encoder, dict) or not all(isinstance(v, int) for v in self.encoder.values()):
             raise ConfigError(f"--vocab-file {vocab_file}: expected a JSON object of token -> id")
         try:

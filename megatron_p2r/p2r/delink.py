@@ -20,7 +20,10 @@ Optimizer moments, by ``--optimizer-state``:
 ``--noise-std`` adds N(0, std^2) noise to every copied layer weight (to break the symmetry
 between copies of one module), drawn per *global* tensor from a generator seeded by
 (seed, name), so it does not depend on the target layout. With ``--noise-relative`` the std
-is that fraction of each tensor's own std (a norm weight of ones gets none).
+is that fraction of each tensor's own std (a norm weight of ones gets none). The std is at
+most ``MAX_NOISE_STD``: 1 is already 50 times the scale of initialised weights (std 0.02), or
+noise as large as the tensor itself; more only destroys the model (and overflows in float32
+well before float64 notices).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from megatron_p2r.config import ConfigError
 from megatron_p2r.parallel.sharding import draw
 
 OPTIMIZER_STATE_MODES = ("copy", "rescale", "reset")
+MAX_NOISE_STD = 1.0
 
 
 def layer_of(key: str) -> Optional[int]:
@@ -92,4 +96,8 @@ def add_noise(tensor: torch.Tensor, target_key: str, std: float, seed: int, rela
         std = std * tensor.float().std().item() if tensor.numel() > 1 else 0.0
     if std <= 0:
         return tensor
-    return tensor + draw(f"delink-noise:{target_key}", tuple(tensor.shape), ("normal", std), seed).to(tensor.dtype)
+    noisy = tensor + draw(f"delink-noise:{target_key}", tuple(tensor.shape), ("normal", std), seed).to(tensor.dtype)
+    if not torch.isfinite(noisy).all():
+        raise ConfigError(f"--noise-std {std:g} makes {target_key} non-finite in {tensor.dtype}; "
+                          "nothing was written")
+    return noisy

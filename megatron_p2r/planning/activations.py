@@ -49,47 +49,70 @@ def moe_rows(cfg: Config, tokens: int) -> Tuple[int, int]:
     return slots, rows
 
 
-def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int) -> int:
+def math_attention(cfg: Config, device_type: str) -> bool:
+    """Whether the attention kernel that will run keeps the s x s probabilities. The model calls
+    torch's SDPA with ``is_causal`` and no mask; CUDA's flash and memory-efficient kernels keep
+    only a log-sum-exp (dropout replays its RNG), and so does the CPU flash kernel, which torch
+    picks only without dropout: with --attention-dropout in training CPU runs the math kernel,
+    which keeps the probabilities, the dropout mask and the dropped probabilities in fp32 (also
+    for 16-bit inputs) and fp32 copies of q, k and v."""
+    return device_type != "cuda" and cfg.model.attention_dropout > 0
+
+
+def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int, device_type: str = "cuda") -> int:
     """What attention saves: the projections' input (this rank's sequence shard under sequence
     parallelism; one tensor shared by the query and key/value projections), q and the key/value
     heads this rank holds (one replica when TP > groups), the q/k norms', the rotated q and k,
-    the output and, unless selective recomputation recomputes the core, its log-sum-exp."""
+    the output and, unless selective recomputation recomputes the core, its log-sum-exp; or, with
+    the math kernel (``math_attention``), what it keeps instead of q, k, v and the log-sum-exp."""
     m = cfg.model
     heads, d = m.num_attention_heads // tp, m.head_dim
     q, kv = n * heads * d, n * max(m.query_groups // tp, 1) * d
+    selective = cfg.train.recompute == "selective"   # the recompute checkpoint saves q, k, v as a kernel would
+    unfused = math_attention(cfg, device_type) and not selective
+    norm_keeps_input = m.qk_layernorm and not (m.normalization == "RMSNorm" and a != 4)
     # the projections' outputs: all of q, k, v when fused (v keeps the QKV tensor alive); a
     # separate query's only while an op saves it: the q norm (not a 16-bit RMSNorm, which saves
-    # its fp32 upcast), or attention itself when neither the norm nor rotary replaces it
-    if m.qk_layernorm:
-        query_saved = not (m.normalization == "RMSNorm" and a != 4)
+    # its fp32 upcast), or attention itself when neither the norm nor rotary replaces it; the math
+    # kernel copies what it saves, so only a norm's input keeps them
+    if unfused:
+        if norm_keeps_input:
+            projected = q + 2 * kv
+        elif _math_value_is_view(cfg, tp, a):   # v's tensor: the fused QKV, or the separate key/value
+            projected = 2 * kv if m.group_query_attention else q + 2 * kv
+        else:
+            projected = 0
+    elif m.qk_layernorm:
+        projected = q + 2 * kv if norm_keeps_input or not m.group_query_attention else 2 * kv
     else:
         query_saved = m.position_embedding_type != "rope"
-    projected = q + 2 * kv if query_saved or not m.group_query_attention else 2 * kv
+        projected = q + 2 * kv if query_saved or not m.group_query_attention else 2 * kv
     held = ns * m.hidden_size * a + projected * a + q * a
-    if cfg.train.recompute != "selective":
-        held += attention_core_bytes(cfg, tp)
+    if not selective:
+        held += attention_core_bytes(cfg, tp, device_type)
         if m.softmax_type != "vanilla":   # k and v with the sink slot, the float mask (CUDA's kernel keeps them)
             held += (2 * (kv + kv // m.seq_length) + heads * m.seq_length * (m.seq_length + 1)) * a
     if m.qk_layernorm:
-        held += _qk_norm_held(m, q, kv, d, a)
-    if m.position_embedding_type == "rope":
+        held += _qk_norm_held(m, q, kv, d, a, kernel_saves_outputs=not unfused)
+    if m.position_embedding_type == "rope" and not unfused:
         held += (q + kv) * a                                      # rotated q and k
     return held
 
 
-def _qk_norm_held(m, q: int, kv: int, d: int, a: int) -> int:
+def _qk_norm_held(m, q: int, kv: int, d: int, a: int, kernel_saves_outputs: bool = True) -> int:
     """--qk-layernorm over q (``q`` elements) and the local keys (``kv``): each norm keeps its
     statistics (LayerNorm mean and rstd, RMSNorm rstd and x * rstd in fp32, and with 16-bit
-    weights its fp32 copy of the input) and, unless rotary replaces it, its output; its output is
-    contiguous per head, so the attention output needs a copy for the output projection."""
-    held = q * a                                                  # the output projection's input copy
+    weights its fp32 copy of the input) and, when a fused kernel saves it and rotary does not
+    replace it, its output; that output is contiguous per head, so the fused kernel's output
+    (saved) needs a copy for the output projection."""
+    held = q * a if kernel_saves_outputs else 0                   # the kernel's output beside the copy
     for elements in (q, kv):
         rows = elements // d
         if m.normalization == "LayerNorm":
             held += 2 * rows * 4
         else:
             held += rows * 4 + elements * 4 + (elements * 4 if a != 4 else 0)   # 16-bit input upcast
-        if m.position_embedding_type != "rope":
+        if m.position_embedding_type != "rope" and kernel_saves_outputs:
             held += elements * a
     return held
 
@@ -103,11 +126,40 @@ def norm_held(m, rows: int, width: int, a: int) -> int:
     return 2 * rows * width * 4 + rows * 4
 
 
-def attention_core_bytes(cfg: Config, tp: int) -> int:
-    """What the fused attention core keeps besides its inputs and output: the log-sum-exp
-    (what selective recomputation saves with fused kernels)."""
+def attention_core_bytes(cfg: Config, tp: int, device_type: str = "cuda") -> int:
+    """What the attention core keeps besides its inputs and output: a fused kernel its
+    log-sum-exp (what selective recomputation saves with fused kernels); the math kernel
+    (``math_attention``) fp32 copies of q, k, v (key/value heads repeated to the query heads)
+    and three fp32 [b, heads, s, s] tensors: the probabilities, the dropout mask, the dropped
+    probabilities."""
     m, t = cfg.model, cfg.train
-    return t.micro_batch_size * (m.num_attention_heads // tp) * m.seq_length * 4
+    rows = t.micro_batch_size * (m.num_attention_heads // tp) * m.seq_length
+    if math_attention(cfg, device_type):
+        copies = 2 if _math_value_is_view(cfg, tp, compute_bytes(cfg)) else 3
+        return copies * rows * m.head_dim * 4 + 3 * rows * m.seq_length * 4
+    return rows * 4
+
+
+def _math_attention_backward(cfg: Config, tp: int, device_type: str) -> int:
+    """The math kernel's backward on top of what the layer holds: one [b, heads, s, s] gradient
+    beside the saved three and the fp32 gradients of q, k, v; under selective recomputation
+    also the core it first recomputes. The layer's MLP half is freed by then (the caller
+    subtracts it)."""
+    m, t = cfg.model, cfg.train
+    rows = t.micro_batch_size * (m.num_attention_heads // tp) * m.seq_length
+    extra = rows * m.seq_length * 4 + 3 * rows * m.head_dim * 4
+    if t.recompute == "selective":
+        extra += attention_core_bytes(cfg, tp, device_type)
+    return extra
+
+
+def _math_value_is_view(cfg: Config, tp: int, a: int) -> bool:
+    """Whether the math kernel saves v as a view of the projection's output instead of a copy:
+    fp32 (no upcast), no key/value heads repeated to the query heads, and one sample per
+    micro-batch (torch's matmul can fold [1, heads] of the strided v without copying)."""
+    m = cfg.model
+    local_groups = max(m.query_groups // tp, 1)
+    return a == 4 and local_groups == m.num_attention_heads // tp and cfg.train.micro_batch_size == 1
 
 
 def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[int, int, int]:
@@ -133,10 +185,11 @@ def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[
     return held, work, backward
 
 
-def math_attention_on_cpu(m) -> bool:
-    """Whether SDPA falls back to its math kernel on CPU: attention dropout, or the float mask of
-    --softmax-type off-by-one/learnable (model/attention.py)."""
-    return bool(m.attention_dropout) or m.softmax_type != "vanilla"
+def sinks_unmodelled(m, device_type: str) -> bool:
+    """Whether this estimate cannot model the attention: the float mask of --softmax-type
+    off-by-one/learnable (model/attention.py) makes SDPA run its math kernel on CPU, whose
+    tensors with the sink slot are not counted here (the CUDA estimate is a lower bound)."""
+    return device_type != "cuda" and m.softmax_type != "vanilla"
 
 
 def activation_saved(m) -> int:
@@ -170,24 +223,27 @@ def layer_activations(cfg: Config, key: int, tp: int, ep: int, *, device_type: s
     a = compute_bytes(cfg)
     n, h = t.micro_batch_size * m.seq_length, m.hidden_size
     ns = n // tp if sequence_parallel else n    # tokens outside the TP regions
-    held = 2 * norm_held(m, ns, h, a) + _attention_held(cfg, n, ns, tp, a)
-    if math_attention_on_cpu(m) and device_type != "cuda":
-        raise ValueError("attention dropout or softmax offsets on CPU run the math attention kernel with s x s "
-                         "tensors, which the planner does not model; plan with device_type='cuda'")
+    held = 2 * norm_held(m, ns, h, a) + _attention_held(cfg, n, ns, tp, a, device_type)
+    if sinks_unmodelled(m, device_type):
+        raise ValueError("softmax offsets (--softmax-type) on CPU run the math attention kernel with a float mask, "
+                         "which the planner does not model; plan with device_type='cuda'")
     if m.hidden_dropout:
         held += 2 * ns * h * (1 if device_type == "cuda" else a)
     glu = 2 if m.gated_linear_unit else 1
     act_saved = activation_saved(m)
     if m.is_moe_layer(key):
-        moe_held, work, backward = _moe_layer(cfg, ns, n, tp, ep, a)
-        held += moe_held
+        mlp_held, work, backward = _moe_layer(cfg, ns, n, tp, ep, a)
+        held += mlp_held
     else:
         f = m.ffn_size // tp
-        held += ns * h * a + n * glu * f * a + n * act_saved * f * a
+        mlp_held = ns * h * a + n * glu * f * a + n * act_saved * f * a
+        held += mlp_held
         work = n * f * a * glu
         backward = work + h * f * a                              # fc2's weight gradient
         if sequence_parallel:   # fc1's backward: its input gathered again, the input's gradient
             backward = max(backward, work + 2 * n * h * a)
+    if math_attention(cfg, device_type):
+        backward = max(backward, _math_attention_backward(cfg, tp, device_type) - mlp_held - norm_held(m, ns, h, a))
     return LayerActivations(held=held, work=work, backward=backward)
 
 

@@ -3,6 +3,7 @@ import errno
 import json
 import os
 import socket
+import time
 
 import pytest
 
@@ -49,16 +50,79 @@ def test_a_free_lock_naming_another_host_is_reported_with_the_command_that_clear
     assert (tmp_path / LOCK_FILE).exists()
 
 
-def test_without_flock_a_stale_lock_is_reported_with_the_command_that_clears_it(tmp_path, monkeypatch):
-    def no_flock(fd, op):
+@pytest.fixture
+def no_flock(monkeypatch):
+    """A filesystem without flock (Lustre -o noflock): flock fails with ENOLCK."""
+    def flock(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
-    monkeypatch.setattr(lock_module.fcntl, "flock", no_flock)
+    monkeypatch.setattr(lock_module.fcntl, "flock", flock)
+
+
+def _die_holding(directory) -> None:
+    """A child process takes the lock and dies without releasing it (SIGKILL, OOM kill)."""
+    pid = os.fork()
+    if pid == 0:
+        DirectoryLock(str(directory), "training run").acquire()
+        os._exit(9)
+    os.waitpid(pid, 0)
+
+
+def test_without_flock_a_held_lock_refuses_and_a_dead_holders_is_taken_over(tmp_path, no_flock):
+    """torchrun --max-restarts could not recover when rank 0 died: the stale lock was refused on
+    every restart."""
     with DirectoryLock(str(tmp_path), "training run"):
-        with pytest.raises(DirectoryLocked, match="in use by training run"):
+        assert lock_module.live_holder(str(tmp_path))["pid"] == os.getpid()
+        with pytest.raises(DirectoryLocked, match=r"in use by training run .* heartbeat is \d+ s old .*no flock"):
             DirectoryLock(str(tmp_path), "training run").acquire()
-    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": _dead_pid()}))
-    with pytest.raises(DirectoryLocked, match=rf"no longer running \(stale lock\).*\n  rm {tmp_path / LOCK_FILE}"):
+    _die_holding(tmp_path)
+    assert (tmp_path / LOCK_FILE).exists() and lock_module.live_holder(str(tmp_path)) is None
+    lock = DirectoryLock(str(tmp_path), "training run")
+    lock.acquire()
+    assert lock.notes[0].startswith("took over the lock of training run") and "no longer running" in lock.notes[0]
+    lock.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_without_flock_another_hosts_lock_is_taken_over_once_its_heartbeat_is_stale(tmp_path, no_flock):
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "other-node", "pid": 123, "purpose": "training run"}))
+    with pytest.raises(DirectoryLocked, match="in use by training run \\(pid 123 on host other-node"):
         DirectoryLock(str(tmp_path), "training run").acquire()
+    assert lock_module.live_holder(str(tmp_path))["host"] == "other-node"
+    old = os.stat(tmp_path / LOCK_FILE).st_mtime - lock_module.STALE_AFTER_S - 1
+    os.utime(tmp_path / LOCK_FILE, (old, old))
+    assert lock_module.live_holder(str(tmp_path)) is None
+    with DirectoryLock(str(tmp_path), "training run") as lock:
+        assert "heartbeat stopped" in lock.notes[0]
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+
+
+def test_without_flock_a_live_holder_on_this_host_keeps_its_lock_whatever_its_heartbeat(tmp_path, no_flock):
+    """A stopped process (Ctrl-Z) beats no heart but is alive: its directory stays its own."""
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid()}))
+    os.utime(tmp_path / LOCK_FILE, (1, 1))
+    with pytest.raises(DirectoryLocked, match="in use by"):
+        DirectoryLock(str(tmp_path), "training run").acquire()
+    assert lock_module.live_holder(str(tmp_path))["pid"] == os.getppid()
+
+
+def test_without_flock_the_holder_keeps_its_heartbeat_fresh(tmp_path, no_flock, monkeypatch):
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.01)
+    with DirectoryLock(str(tmp_path), "training run"):
+        os.utime(tmp_path / LOCK_FILE, (1, 1))
+        for _ in range(1000):
+            if os.stat(tmp_path / LOCK_FILE).st_mtime > 1:
+                break
+            time.sleep(0.01)
+        assert os.stat(tmp_path / LOCK_FILE).st_mtime > 1
+
+
+def test_live_holder_takes_nothing(tmp_path):
+    assert lock_module.live_holder(str(tmp_path)) is None
+    with DirectoryLock(str(tmp_path), "training run"):
+        assert lock_module.live_holder(str(tmp_path))["purpose"] == "training run"
+        assert lock_module.live_holder(str(tmp_path))["purpose"] == "training run"
+    _die_holding(tmp_path)
+    assert lock_module.live_holder(str(tmp_path)) is None and (tmp_path / LOCK_FILE).exists()
 
 
 def test_a_link_planted_at_the_lock_name_is_not_followed(tmp_path):

@@ -17,7 +17,7 @@ def _write(tmp_path, **changes):
     cfg = tiny_config(group_query_attention=True, num_query_groups=2)
     meta = build_metadata(cfg, tensor_table(cfg), iteration=2, consumed_samples=16, optimizer=False,
                           scheduler=SCHEDULER, scaler=LossScaler(cfg.train).state_dict(), files={}, rng=None,
-                          history=[])
+                          history=[], checksums={})
     rows = next(key for key, entry in meta["tensors"].items() if "rows" in entry)
     for field, value in changes.items():
         if field == "rows":

@@ -119,6 +119,7 @@ def test_round_trip_is_bitwise(source, moe_source, tmp_path, moe):
     ma, ma2 = metadata(str(a_iter)), metadata(str(a2_iter))
     assert [h["op"] for h in ma2.pop("history")] == ["reshard"] * 3 and ma.pop("history") == []
     assert ma2.pop("rng") is None and ma.pop("rng")["world_size"] == 1
+    ma["crc32"] = {f: sums for f, sums in ma["crc32"].items() if not f.startswith("rng_and_data/")}
     assert ma == ma2
 
 

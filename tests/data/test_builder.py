@@ -30,7 +30,7 @@ def test_parsers():
                          (["0", "A", "1", "B"], "must be positive")]:
         with pytest.raises(ConfigError, match=message):
             parse_data_path(bad)
-    for bad in ["a,b", "1,2,3,4", "0,0,0", "-1,2"]:
+    for bad in ["a,b", "1,2,3,4", "0,0,0", "-1,2", "nan,1", "inf,1,0", "1e308,1e308"]:
         with pytest.raises(ConfigError, match="--split"):
             parse_split(bad)
 

@@ -115,3 +115,35 @@ def test_lone_surrogate_is_a_unicode_error(tmp_path):
     tok = HuggingFaceTokenizer(str(write_tokenizer(tmp_path / "tok", LLAMA3_CONFIG)))
     with pytest.raises(UnicodeEncodeError):
         tok.encode_batch(["fine", "bad \ud800"])
+
+
+DEEP = "[" * 100_000 + "]" * 100_000   # json's recursive decoder gives up long before this depth
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "special_tokens_map.json"])
+def test_deeply_nested_side_files_are_an_error_not_a_recursion(tmp_path, capsys, name):
+    """Both side files go through the bounded JSON reader: in the tokenizer, in import-hf's
+    tokenizer search (a note; the weights still import) and in pretrain_m6.py (an error: line)."""
+    import pretrain_m6
+    from megatron_p2r.convert.hf.tokenizer import find_tokenizer
+
+    directory = write_tokenizer(tmp_path / "tok")
+    (directory / name).write_text('{"eos_token": ' + DEEP + "}")
+    message = rf"--tokenizer-model: cannot read .*{name}: not valid JSON \(nested too deeply\)"
+    with pytest.raises(ConfigError, match=message):
+        HuggingFaceTokenizer(str(directory))
+    found, note = find_tokenizer(str(directory))
+    assert found is None and "nested too deeply" in note, note
+    rc = pretrain_m6.main(["--mock-data", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+                           "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1", "--device", "cpu",
+                           "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(directory)])
+    err = capsys.readouterr().err
+    assert rc in (1, 2) and "error:" in err and "nested too deeply" in err and "Traceback" not in err, err
+
+
+def test_deeply_nested_gpt2_vocabulary_is_an_error(tmp_path):
+    (tmp_path / "vocab.json").write_text(DEEP)
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    with pytest.raises(ConfigError, match=r"--vocab-file .*vocab\.json: cannot read a JSON vocabulary \(not valid JSON \(nested too deeply"):
+        build_tokenizer(DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"),
+                                   merge_file=str(tmp_path / "merges.txt")))

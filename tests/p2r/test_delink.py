@@ -7,6 +7,7 @@ import torch
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.io import load_checkpoint, save_checkpoint
 from megatron_p2r.convert.reshard import DelinkOptions, Target, convert
+from megatron_p2r.config import ConfigError
 from megatron_p2r.p2r import delink as dl
 from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import ParallelState
@@ -98,6 +99,30 @@ def test_rescale_reset_and_noise(pseudo_ckpt, tmp_path):
     d2 = q["layers.2.mlp.fc1.weight"] - p["layers.0.mlp.fc1.weight"]
     assert 0.009 < d0.std().item() < 0.011 and 0.009 < d2.std().item() < 0.011 and not torch.equal(d0, d2)
     assert torch.equal(q["embedding.word_embeddings.weight"], p["embedding.word_embeddings.weight"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--noise-std", "1e39"], "--noise-std must be a number in [0, 1]"),
+    (["--noise-std", "1e30"], "--noise-std must be a number in [0, 1]"),
+    (["--noise-std", "2", "--noise-relative"], "--noise-std must be a number in [0, 1] of each tensor's own std"),
+    (["--noise-std", "nan"], "--noise-std must be a number in [0, 1]"),
+    (["--lr-rewarmup-iters", str(10 ** 21)], "--lr-rewarmup-iters must be in [0, 4611686018427387904]"),
+])
+def test_absurd_noise_or_rewarmup_is_refused_before_converting(pseudo_ckpt, tmp_path, capsys, flags, message):
+    """Each would otherwise write a checkpoint that is inf (noise in float32) or that its own
+    loader refuses (a re-warm-up longer than the metadata schema's counts)."""
+    from tools import convert_checkpoint
+    rc = convert_checkpoint.main(["delink", str(pseudo_ckpt[0]), str(tmp_path / "out"), "--no-progress", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err, err
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_noise_that_overflows_the_dtype_is_refused():
+    """Relative noise on a tensor of huge weights: its own std is already beyond float32."""
+    big = torch.tensor([[3e38, -3e38], [3e38, -3e38]])
+    with pytest.raises(ConfigError, match="makes layers.0.mlp.fc1.weight non-finite in torch.float32"):
+        dl.add_noise(big, "layers.0.mlp.fc1.weight", 1.0, seed=0, relative=True)
 
 
 def test_delink_refuses_a_real_checkpoint(pseudo_ckpt, tmp_path):

@@ -150,8 +150,8 @@ def test_random_bad_flag_combinations(workspace):
 # ----------------------------------------------------------------------------- checkpoints
 
 def _corruptions(rng):
-    """Seeded corruption functions of a checkpoint directory (headers and metadata; the tensor data
-    region carries no checksum, so a flipped weight bit there is not detectable -- see docs)."""
+    """Seeded corruption functions of a checkpoint directory: headers and metadata (a flipped bit in
+    a tensor data region fails its checksum: tests/checkpoint/test_checksums.py)."""
     it = "iter_0000001"
     shard, rngf, meta = f"{it}/mp_rank_00_000_000.safetensors", f"{it}/rng_and_data/rank_00000.safetensors", \
         f"{it}/metadata.json"

@@ -1,4 +1,6 @@
 """The p2r-convert-checkpoint command line: inspect, reshard, delink, and its error exits."""
+import os
+
 import pytest
 
 from megatron_p2r.checkpoint.io import save_checkpoint
@@ -77,3 +79,64 @@ def test_the_converter_never_touches_its_source(pseudo, tmp_path, capsys, relati
         assert rc == 0 and (dst / "latest_checkpointed_iteration.txt").is_file()
     else:
         assert rc == 2 and "overlaps SRC" in capsys.readouterr().err
+
+
+def test_force_into_the_parent_of_a_live_runs_save_is_refused(pseudo, tmp_path, capsys):
+    """convert --force into the parent of a live run's --save deleted the run's checkpoints and
+    its lock, and the run kept saving into a deleted directory."""
+    import shutil
+    from megatron_p2r.checkpoint.lock import DirectoryLock
+    from tests.reliability.common import tree_digest
+    parent = tmp_path / "p"
+    shutil.copytree(pseudo, parent / "run")
+    with DirectoryLock(str(parent / "run"), "training run"):  # the live run's lock on its --save
+        before = tree_digest(str(parent))
+        assert main(["reshard", str(pseudo), str(parent), "--force", "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {parent / 'run'} is in use by training run (pid ") and len(err.splitlines()) == 1
+        assert tree_digest(str(parent)) == before
+
+
+def test_a_run_cannot_start_on_a_dst_being_converted_into(pseudo, tmp_path, monkeypatch):
+    """DST did not exist before the conversion, so it had no lock until the converter published
+    it: a run could start on it and then be replaced by --force."""
+    from megatron_p2r.convert import reshard
+    from megatron_p2r.checkpoint.errors import CheckpointError
+    from megatron_p2r.lifecycle import lock_save_dir
+    dst, refused = tmp_path / "new", []
+    verify = reshard.verify
+
+    def start_a_run_meanwhile(*args, **kwargs):
+        cfg = tiny_config(num_layers=4, save=str(dst))
+        with pytest.raises(CheckpointError, match=f"{dst} is in use by conversion"):
+            lock_save_dir(cfg, ParallelState.single())
+        refused.append(True)
+        return verify(*args, **kwargs)
+    monkeypatch.setattr(reshard, "verify", start_a_run_meanwhile)
+    assert main(["reshard", str(pseudo), str(dst), "--no-progress"]) == 0
+    assert refused and (dst / "latest_checkpointed_iteration.txt").is_file()
+
+
+@pytest.mark.parametrize("when", ["checking headers", "copying tensors"])
+def test_a_source_pruned_underneath_the_converter_is_said_so(pseudo, tmp_path, capsys, monkeypatch, when):
+    """A run's --keep-last prunes SRC while it is converted: the input was good, so exit 1 with the
+    file that disappeared (it said 'corrupt shard' and exit 2)."""
+    import shutil
+    from megatron_p2r.checkpoint import safetensors_io
+    src = tmp_path / "src"
+    shutil.copytree(pseudo, src)
+    target = (safetensors_io.ShardReader, "__init__" if when == "checking headers" else "read")
+    inner = getattr(*target)
+
+    def pruning(*args, **kwargs):
+        if (src / "iter_0000001").exists():  # the way io._prune deletes a checkpoint
+            os.rename(src / "iter_0000001", src / "iter_0000001.del")
+            shutil.rmtree(src / "iter_0000001.del")
+        return inner(*args, **kwargs)
+    monkeypatch.setattr(*target, pruning)
+    assert main(["reshard", str(src), str(tmp_path / "out"), "--target-tensor-parallel-size", "2",
+                 "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {src / 'iter_0000001'}/mp_rank_00_000_000.safetensors disappeared while it was "
+                          "being read") and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists()

@@ -72,7 +72,11 @@ class LegacyCheckpoint:
         path = os.path.join(self.iter_dir, directory, MODEL_FILE)
         if not os.path.isfile(path):
             raise CheckpointError(f"missing file {path} (each mp_rank directory holds a {MODEL_FILE})")
-        return TorchArchive(path, Kind.MEGATRON)
+        archive = TorchArchive(path, Kind.MEGATRON)
+        if not isinstance(archive.obj, dict):
+            raise CheckpointError(f"{path}: holds a {type(archive.obj).__name__}, expected Megatron's saved dict "
+                                  "(args, checkpoint_version, model, ...)")
+        return archive
 
     def _check_header(self, first: TorchArchive) -> None:
         version = first.obj.get("checkpoint_version", 0)

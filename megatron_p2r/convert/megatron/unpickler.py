@@ -39,6 +39,7 @@ import collections
 import dataclasses
 import enum
 import io
+import math
 import os
 import pickle
 import struct
@@ -130,13 +131,24 @@ class LazyTensor:
         return self.storage.dtype
 
     def read(self) -> torch.Tensor:
-        """The tensor, read from the file into fresh memory (only the bytes of its view)."""
-        span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True)) if all(self.shape) else 0
-        if self.offset < 0 or self.offset + span > self.storage.numel:
-            raise CheckpointError(f"{self.storage.archive.where}: a tensor view of shape {list(self.shape)} reaches "
-                                  f"past its storage record data/{self.storage.key} ({self.storage.numel} elements)")
+        """The tensor, read from the file into fresh memory (only the bytes of its view).
+
+        The view (offset, shape, strides: numbers from the pickle) is checked against the bytes
+        its record really has before anything is allocated, so a forged stride or element count
+        is an error, not a terabyte allocation."""
+        where, key = self.storage.archive.where, self.storage.key
+        dims = (self.offset, *self.shape, *self.stride)
+        if len(self.shape) != len(self.stride) or not all(isinstance(n, int) and n >= 0 for n in dims):
+            raise CheckpointError(f"{where}: a tensor view of data/{key} has offset {self.offset}, shape "
+                                  f"{list(self.shape)}, strides {list(self.stride)}; expected integers >= 0")
+        held = min(self.storage.numel, self.storage.archive.record_size(key) // self.dtype.itemsize)
+        numel = math.prod(self.shape)
+        span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True)) if numel else 0
+        if self.offset + span > held or numel > held:
+            raise CheckpointError(f"{where}: a tensor view of shape {list(self.shape)}, strides {list(self.stride)} "
+                                  f"reaches past its storage record data/{key} ({held} elements of {self.dtype})")
         flat = torch.empty(span, dtype=self.dtype)
-        self.storage.archive.read_record(self.storage.key, self.offset * flat.element_size(), flat)
+        self.storage.archive.read_record(key, self.offset * flat.element_size(), flat)
         return flat.as_strided(self.shape, self.stride).contiguous()
 
 
@@ -273,6 +285,7 @@ class TorchArchive:
             with open(path, "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size if length is None else length
                 with zipfile.ZipFile(_Window(fh, start, size)) as zf:
+                    self._refuse_compressed(zf)
                     pickle_name = self._pickle_name(zf)
                     prefix = pickle_name[:-len("data.pkl")]
                     self.records = {i.filename[len(prefix) + 5:]: self._data_span(fh, i)
@@ -294,10 +307,17 @@ class TorchArchive:
             raise CheckpointError(f"{self.where}: expected one <archive>/data.pkl record, found {names}")
         return names[0]
 
+    def _refuse_compressed(self, zf: zipfile.ZipFile) -> None:
+        """torch.save stores every record uncompressed; a compressed one (a deflated data.pkl of
+        a few MiB can inflate to GiB) is refused before anything is inflated."""
+        for info in zf.infolist():
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise CheckpointError(f"{self.where}: record {info.filename} is compressed ({info.file_size:,} bytes "
+                                      f"inflated from {info.compress_size:,}); torch.save stores its records "
+                                      "uncompressed, so this is not a file it wrote")
+
     def _data_span(self, fh, info: zipfile.ZipInfo) -> Tuple[int, int]:
         """(absolute file offset, size) of a stored record's bytes, from its local header."""
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise CheckpointError(f"{self.where}: record {info.filename} is compressed; torch.save stores records")
         fh.seek(self.start + info.header_offset)
         header = fh.read(_LOCAL_HEADER.size)
         if len(header) < _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
@@ -305,11 +325,16 @@ class TorchArchive:
         fields = _LOCAL_HEADER.unpack(header)
         return self.start + info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1], info.file_size
 
-    def read_record(self, key: str, byte_offset: int, out: torch.Tensor) -> None:
-        """Fill ``out`` with the bytes of storage record ``key`` from ``byte_offset`` on."""
+    def record_size(self, key: str) -> int:
+        """The bytes storage record ``key`` really has (its zip entry, not the pickle's claim)."""
         if key not in self.records:
             raise CheckpointError(f"{self.where}: storage record data/{key} is missing")
-        start, size = self.records[key]
+        return self.records[key][1]
+
+    def read_record(self, key: str, byte_offset: int, out: torch.Tensor) -> None:
+        """Fill ``out`` with the bytes of storage record ``key`` from ``byte_offset`` on."""
+        size = self.record_size(key)
+        start = self.records[key][0]
         raw = out.view(-1).view(torch.uint8)
         if byte_offset + raw.numel() > size:
             raise CheckpointError(f"{self.where}: storage record data/{key} has {size} bytes, a tensor needs "

@@ -1,8 +1,12 @@
 """Bad Megatron checkpoints fail before anything is written, with one message naming the file
 and the field (or tensor) and what was expected."""
+import collections
+import io
 import os
 import pickle
+import re
 import shutil
+import zipfile
 
 import pytest
 import torch
@@ -154,3 +158,110 @@ def test_torch_dist_chunk_files_stay_in_the_iteration_directory(dist, name):
         pickle.dump(metadata, fh)
     fails(dist, r"relative_path of 'decoder.layers.mlp.router.weight': .*outside.distcp.* (is not a file name "
                 r"relative to|resolves to .*, outside)")
+
+
+# ----------------------------------------------------------------------------- hostile rank files
+
+class _Record:
+    """A storage record of a hand-written torch.save zip: its bytes and the element count its
+    pickle claims (a forger's number, not necessarily the bytes')."""
+
+    def __init__(self, data: bytes, claimed_numel: int, storage: str = "FloatStorage"):
+        self.data, self.claimed_numel, self.storage = data, claimed_numel, storage
+
+
+class _View:
+    """A tensor as torch.save pickles it: a rebuild call over a storage record."""
+
+    def __init__(self, record, offset, shape, stride):
+        self.args = (record, offset, tuple(shape), tuple(stride), False, collections.OrderedDict())
+
+    def __reduce__(self):
+        return torch._utils._rebuild_tensor_v2, self.args
+
+
+class _TorchZipPickler(pickle.Pickler):
+    """Pickles as torch.save does (tensors as storage records), but writes whatever views and
+    element counts it is given."""
+
+    def __init__(self, fh, records):
+        super().__init__(fh, protocol=2)
+        self.records = records
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().contiguous()
+            return _View(_Record(t.view(-1).view(torch.uint8).numpy().tobytes(), t.numel(),
+                                 _STORAGE[t.dtype]),
+                         0, t.shape, t.stride()).__reduce__()
+        return NotImplemented
+
+    def persistent_id(self, obj):
+        if isinstance(obj, _Record):
+            key = str(len(self.records))
+            self.records[key] = obj.data
+            return "storage", getattr(torch, obj.storage), key, "cpu", obj.claimed_numel
+        return None
+
+
+_STORAGE = {torch.float32: "FloatStorage", torch.bfloat16: "BFloat16Storage", torch.float16: "HalfStorage",
+            torch.int64: "LongStorage", torch.uint8: "ByteStorage", torch.int32: "IntStorage"}
+
+
+def write_torch_zip(path, obj, deflate=False):
+    """``obj`` as a torch.save zip (archive/data.pkl + one record per storage), data.pkl deflated
+    when asked (torch.save never compresses)."""
+    records, pkl = {}, io.BytesIO()
+    _TorchZipPickler(pkl, records).dump(obj)
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("archive/data.pkl", pkl.getvalue(),
+                    compress_type=zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED)
+        zf.writestr("archive/byteorder", b"little")
+        for key, data in records.items():
+            zf.writestr(f"archive/data/{key}", data)
+
+
+def rewrite_rank_file(path, change, deflate=False):
+    with megatron_enums() as backend, torch.serialization.safe_globals(fixture_globals(backend)):
+        state = torch.load(path, weights_only=True)
+        write_torch_zip(path, change(state), deflate=deflate)
+
+
+def _forge_view(state):
+    """One weight replaced by a view of its shape with stride 1e11 over a 64-byte record that
+    claims 10^13 elements: reading it as the numbers say would allocate 12.4 TB."""
+    state["model"]["decoder.layers.0.mlp.linear_fc2.weight"] = _View(_Record(bytes(64), 10 ** 13), 0, (32, 32),
+                                                                    (10 ** 11, 1))
+    return state
+
+
+def _padded_args(state):
+    """Megatron's state with 64 MiB of zeros in a field nobody reads: deflated, a few hundred KiB."""
+    state["padding"] = bytes(64 * 2 ** 20)
+    return state
+
+
+@pytest.mark.parametrize("change, deflate, match", [
+    (lambda s: s, False, None),   # the writer itself writes what import-megatron reads
+    (_padded_args, True, r"record archive/data.pkl is compressed \(67,1\d\d,\d\d\d bytes inflated from .*"
+                         r"torch.save stores its records uncompressed"),
+    (_forge_view, False, r"a tensor view of shape \[32, 32\], strides \[100000000000, 1\] reaches past its storage "
+                         r"record data/\d+ \(16 elements of torch.float32\)"),
+    (lambda s: [s["model"]], False, r"holds a list, expected Megatron's saved dict"),
+    (lambda s: "model", False, r"holds a str, expected Megatron's saved dict"),
+], ids=["honest", "deflated", "forged-view", "list", "str"])
+def test_hostile_rank_files_are_refused_naming_the_file(legacy, tmp_path, capsys, change, deflate, match):
+    """Through the CLI: one error: line naming the rank file, no traceback, nothing written."""
+    from tools.convert_checkpoint import main
+    target = legacy / "iter_0000007" / "mp_rank_01_000" / "model_optim_rng.pt"
+    rewrite_rank_file(target, change, deflate)
+    dst = tmp_path / "dst"
+    rc = main(["import-megatron", str(legacy), str(dst), "--no-progress"])
+    err = capsys.readouterr().err
+    if match is None:
+        assert rc == 0, err
+        return
+    assert os.path.getsize(target) < 2 ** 20
+    assert rc == 2 and "Traceback" not in err and re.search(r"error: .*mp_rank_01_000/model_optim_rng.pt: " + match,
+                                                            err), err
+    assert not os.path.exists(dst)
