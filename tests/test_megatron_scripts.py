@@ -175,3 +175,16 @@ def test_megatron_fsdp_script_is_refused_by_name(tmp_path):
         parse_launch(argv)
     assert str(refused.value).startswith("not supported here (docs/megatron.md): --use-megatron-fsdp: Megatron-FSDP "
                                          "shards gradients and 16-bit weights")
+
+
+def test_extract_stands_in_for_both_launchers(tmp_path):
+    """``extract`` records what follows the training script under ``torchrun`` and ``python -m
+    torch.distributed.run`` (gpt-oss, FSDP), makes the directories a script insists on, and
+    writes the directory it runs in as {WORKDIR}."""
+    script = tmp_path / "train.sh"
+    script.write_text('#!/bin/bash\n[ -d "$1" ] || exit 1\nARGS=(--num-layers 2 "--split \'99,1,0\'")\n'
+                      'python -c "pass"\n'   # any other python runs as itself
+                      '$LAUNCH pretrain_gpt.py ${ARGS[@]} --save $1 --data-cache-path ${PWD}/cache\n')
+    want = ["--num-layers", "2", "--split", "'99,1,0'", "--save", "ckpt", "--data-cache-path", "{WORKDIR}/cache"]
+    for launcher in ("torchrun --nproc_per_node 8", "python -m torch.distributed.run --nproc_per_node 8"):
+        assert megatron_flags.extract(str(script), ["ckpt"], {"LAUNCH": launcher}, dirs=["ckpt"]) == want
