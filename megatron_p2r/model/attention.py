@@ -94,12 +94,11 @@ class Attention(nn.Module):
         self.recompute_core = recompute_core
         self.window = window   # keys before the query this layer sees (ModelConfig.attention_window)
         # Megatron-LM's softmax offsets: learned per head (normal init, no weight decay), or 0 for off-by-one.
+        self.softmax_type = cfg.softmax_type
         self.softmax_offset = None
         if cfg.softmax_type == "learnable":
             self.softmax_offset = make_param((self.local_heads,), tp_dim=0, init=("normal", cfg.init_method_std),
                                              no_wd=True, device=device)
-        elif cfg.softmax_type == "off-by-one":
-            self.register_buffer("softmax_offset", torch.zeros(self.local_heads, device=device), persistent=False)
         projection = dict(bias=cfg.qkv_bias, init_std=cfg.init_method_std, sequence_parallel=sequence_parallel,
                           device=device)
         self.qkv = self.query = self.key_value = None
@@ -147,12 +146,14 @@ class Attention(nn.Module):
         """softmax(QK^T / sqrt(d)) V with attention dropout: what selective recomputation
         (``recompute_core``, Megatron's "core_attn") recomputes in backward."""
         p = self.dropout if self.training else 0.0
+        sinks = self.softmax_type != "vanilla"
         mask = None
-        if self.window is not None or self.softmax_offset is not None:
+        if self.window is not None or sinks:
             s = q.shape[2]
             mask = window_mask(s, s if self.window is None else self.window, q.device)
-        if self.softmax_offset is not None:
-            k, v, mask = with_sink(k, v, mask, self.softmax_offset)
+        if sinks:
+            offsets = self.softmax_offset if self.softmax_offset is not None else q.new_zeros(self.local_heads)
+            k, v, mask = with_sink(k, v, mask, offsets)
         # Heads are split over TP, so their dropout masks must differ between TP ranks.
         with tp_random.get_rng_tracker(self.device).fork() if p > 0 else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,

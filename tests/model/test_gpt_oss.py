@@ -128,3 +128,18 @@ def test_window_layers_follow_megatron_and_transformers():
     m = tiny_config(num_layers=6, window_size="(127,0)", window_attn_skip_freq=3).model
     assert [m.attention_window(i) for i in range(6)] == [127, 127, None, 127, 127, None]
     assert [tiny_config(window_size="4,0").model.attention_window(i) for i in range(2)] == [4, 4]
+
+
+def test_off_by_one_is_a_sink_logit_of_zero():
+    """--softmax-type off-by-one adds exp(0) to each denominator: learnable offsets of 0."""
+    tokens = torch.randint(0, 208, (2, 12), generator=torch.Generator().manual_seed(1))
+    learnable = build_model(tiny_config(**OURS), ParallelState.single())
+    off_by_one = build_model(tiny_config(**{**OURS, "softmax_type": "off-by-one"}), ParallelState.single())
+    off_by_one.load_state_dict(learnable.state_dict(), strict=False)
+    with torch.no_grad():
+        for layer in learnable.layers.values():
+            layer.attention.softmax_offset.zero_()
+    vanilla = build_model(tiny_config(**{**OURS, "softmax_type": "vanilla"}), ParallelState.single())
+    vanilla.load_state_dict(learnable.state_dict(), strict=False)
+    assert torch.equal(off_by_one(tokens=tokens), learnable(tokens=tokens))
+    assert not torch.allclose(vanilla(tokens=tokens), learnable(tokens=tokens))
