@@ -3,9 +3,9 @@
 Parameters (global names ``...experts.weight1`` etc.; ``sharding.expert_key`` names expert
 e's slice ``...experts.{e}.weight1``):
 
-    weight1 [E_local, ffn*(2 if swiglu) / TP, h]   tp_dim 1   (SwiGLU rows interleaved gate/up)
+    weight1 [E_local, ffn*(2 if gated) / TP, h]    tp_dim 1   (gated: rows interleaved gate/up)
     weight2 [E_local, h, ffn / TP]                 tp_dim 2   (init std / sqrt(2L))
-    bias1   [E_local, ffn*(2 if swiglu) / TP]      tp_dim 1
+    bias1   [E_local, ffn*(2 if gated) / TP]       tp_dim 1
     bias2   [E_local, h]                           replicated over TP
 
 Experts are TP-sharded like the dense MLP (column-parallel fc1, row-parallel fc2): every TP
@@ -30,10 +30,10 @@ import math
 from typing import List
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_p2r.config import ModelConfig
+from megatron_p2r.moe.activation import Activation
 from megatron_p2r.moe.dispatcher import gather_rows
 from megatron_p2r.moe.grouped_mm import expert_weight_view, grouped_matmul, grouped_mm_runs
 from megatron_p2r.parallel.mappings import copy_to_region
@@ -45,11 +45,11 @@ class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, ps: ParallelState, device=None):
         super().__init__()
         self.num_local = cfg.num_experts // ps.ep_size
-        self.swiglu, self.gelu_approximation = cfg.swiglu, cfg.gelu_approximation
+        self.activation = Activation(cfg)
         self.grouped_gemm = cfg.moe_grouped_gemm
         self.tp_group, self.tp_size = ps.group("tp"), ps.tp_size
         h, ffn = cfg.hidden_size, cfg.expert_ffn_size // ps.tp_size
-        fc1 = ffn * (2 if cfg.swiglu else 1)
+        fc1 = ffn * (2 if cfg.gated_linear_unit else 1)
         std = cfg.init_method_std
         self.weight1 = make_param((self.num_local, fc1, h), tp_dim=1, expert=True, init=("normal", std),
                                   device=device)
@@ -63,11 +63,11 @@ class Experts(nn.Module):
 
     def _activation(self, fc1) -> torch.Tensor:
         """The activation of fc1's output; ``fc1(first, step)`` multiplies by rows first::step of
-        weight1: SwiGLU's gate and up rows (interleaved) as two matmuls, so the elementwise part
-        is contiguous."""
-        if self.swiglu:
-            return F.silu(fc1(0, 2)) * fc1(1, 2)
-        return F.gelu(fc1(0, 1), approximate=self.gelu_approximation)
+        weight1: a gated unit's gate and up rows (interleaved) as two matmuls, so the elementwise
+        part is contiguous."""
+        if self.activation.gated:
+            return self.activation.gated_unit(fc1(0, 2), fc1(1, 2))
+        return self.activation(fc1(0, 1))
 
     def _padded(self, x: torch.Tensor, counts: List[int], counts_t: torch.Tensor,
                 expert_of_row: torch.Tensor) -> torch.Tensor:
@@ -104,7 +104,7 @@ class Experts(nn.Module):
 
     def _use_grouped(self, x: torch.Tensor) -> bool:
         return self.grouped_gemm and grouped_mm_runs(x.device, x.dtype, x.shape[-1], self.weight2.shape[-1],
-                                                     2 if self.swiglu else 1)
+                                                     2 if self.activation.gated else 1)
 
     def forward(self, x: torch.Tensor, counts: List[int]) -> torch.Tensor:
         """``x`` [N, h] grouped by local expert (``counts`` rows each) -> [N, h] partial over TP."""

@@ -29,8 +29,8 @@ from tests.moe.common import HIDDEN, layer_cfg
 FP32_REL = 1e-5
 BF16_REL = 2e-2
 COUNTS = {"jagged": [5, 0, 9, 2], "one-expert": [0, 0, 16, 0], "equal": [4, 4, 4, 4], "none": [0, 0, 0, 0]}
-VARIANTS = {"gelu": dict(disable_bias_linear=True), "gelu-bias": dict(), "swiglu": dict(swiglu=True, disable_bias_linear=True),
-            "swiglu-bias": dict(swiglu=True)}
+VARIANTS = {"gelu": dict(disable_bias_linear=True), "gelu-bias": dict(),
+            "swiglu": dict(swiglu=True, disable_bias_linear=True), "swiglu-bias": dict(swiglu=True)}
 
 
 def expert_pair(dtype=torch.float32, **overrides):
@@ -98,7 +98,7 @@ def test_grouped_equals_padded_fp32(variant, counts, grouped_calls):
     run(grouped, x, g, COUNTS[counts])   # the probe runs first
     grouped_calls.clear()
     out, grads = run(grouped, x, g, COUNTS[counts])
-    assert grouped_calls == [sum(COUNTS[counts])] * (3 if grouped.swiglu else 2)   # fc1 (gate, up), fc2
+    assert grouped_calls == [sum(COUNTS[counts])] * (3 if grouped.activation.gated else 2)   # fc1 (gate, up), fc2
     assert out.shape == want.shape and worst(out, want) <= FP32_REL
     for name, want_grad in want_grads.items():
         assert worst(grads[name], want_grad) <= FP32_REL, name
