@@ -1,7 +1,7 @@
 """--moe-grouped-gemm in one process: the experts through torch's grouped_mm give the padded bmm
 path's outputs and gradients (input and every parameter) on jagged counts — an empty expert, one
-expert with every row, equal counts, no rows at all — fp32 and bf16, GELU and SwiGLU, with and
-without biases; under autocast and recomputation; and they fall back to padded bmm, saying so
+expert with every row, equal counts, no rows at all — fp32 and bf16, GELU, SwiGLU and gpt-oss's
+clamped quick-GeGLU, with and without biases; under autocast and recomputation; and they fall back to padded bmm, saying so
 once, where grouped_mm does not run. Under EP and TP: the grouped/ cases of
 test_expert_parallel.py.
 
@@ -30,7 +30,9 @@ FP32_REL = 1e-5
 BF16_REL = 2e-2
 COUNTS = {"jagged": [5, 0, 9, 2], "one-expert": [0, 0, 16, 0], "equal": [4, 4, 4, 4], "none": [0, 0, 0, 0]}
 VARIANTS = {"gelu": dict(disable_bias_linear=True), "gelu-bias": dict(),
-            "swiglu": dict(swiglu=True, disable_bias_linear=True), "swiglu-bias": dict(swiglu=True)}
+            "swiglu": dict(swiglu=True, disable_bias_linear=True), "swiglu-bias": dict(swiglu=True),
+            # gpt-oss's gate: quick-GELU, offset, clamp (clamped at 0.5: weights of std 0.3 reach it)
+            "geglu-clamp-bias": dict(quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=0.5)}
 
 
 def expert_pair(dtype=torch.float32, **overrides):
