@@ -5,17 +5,29 @@ per stage structure. Exact equality: caching must not change a single byte or se
 The golden file also holds Narayanan et al.'s 1T configuration (TP 8, PP 64, 3,072 GPUs) and
 ``benchmarks/memory_per_rank.py --tables``; those take seconds, not milliseconds, so
 ``benchmarks/planner_speed.py`` checks them, not this test.
+
+When the planner's JSON gains keys or its verdict changes (what fits where: ``fits``,
+``problems``, ``tiers``, the host capacity, the exit status), refresh the file with
+
+    python -m tests.test_planner_golden --update
+
+which reruns every case and refuses to write if any other value changed: the numbers stay pinned.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import sys
 
 import pytest
 
 from tools.plan import main
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "fixtures", "planner_golden.json")
+# What --update may change in a case: the verdict, not the numbers behind it.
+VERDICT = ("exit", "fits", "problems", "tiers", "host_capacity_per_node", "host_memory_per_node")
 CHEAP = ["pseudo_pp4_fp32_full_recompute", "moe_gqa_tp2_pp2_ep2_sp_interleaved_offload", "m6_10t", "m6_1t",
          "dense_175b_interleaved_sp"]
 
@@ -58,3 +70,39 @@ def test_golden_covers_what_it_claims():
                  "--sequence-parallel", "--bf16", "--recompute-granularity full", "--share-pattern cycle:2"):
         assert flag in argv, flag
     assert all(set(cases[n]["plans"]) == {"pseudo", "real"} for n in cases)
+
+
+def _run(argv: list) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(argv + ["--json"])
+    data = json.loads(out.getvalue())
+    return {"argv": argv, "exit": status, "plans": data["plans"], "p2r": data["p2r"]}
+
+
+def _is_verdict(path: str) -> bool:
+    return any(path.endswith(f".{k}") or f".{k}." in path or f".{k}[" in path for k in VERDICT)
+
+
+def update() -> int:
+    """Rerun every case; write the file only if the values that are not verdict keys are unchanged."""
+    data = golden()
+    changed = []
+    for name, case in data["cases"].items():
+        fresh = _run(case["argv"])
+        changed += [f"{name}{d}" for d in differences(fresh, case)
+                    if not d.endswith(": unexpected") and not _is_verdict(d.split(": ")[0])]
+        data["cases"][name] = fresh
+    if changed:
+        print("error: numbers differ from the golden file, not written:\n" + "\n".join(changed[:40]), file=sys.stderr)
+        return 1
+    with open(GOLDEN, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, separators=(",", ":"))
+    print(f"updated {GOLDEN}")
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--update"]:
+        sys.exit("usage: python -m tests.test_planner_golden --update")
+    sys.exit(update())

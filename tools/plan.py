@@ -24,6 +24,10 @@ real-from-scratch a run that delinks after s steps (``--p2r-switch-iters``, defa
 run) may need to reach a loss and still finish no later (``planning/breakeven.py``). The
 convergence study (docs/results.md) measures how many it actually needs at small scale.
 
+Each phase's verdict checks two memory tiers and names the one that overflows, and by how much:
+the GPU (the rank needing the most) and the host (the node whose GPUs offload the most, against
+the preset's node memory, or --host-memory per GPU / --host-memory-per-node).
+
 Exit status: 0 when every phase fits and every check passes, 1 otherwise, 2 for bad flags.
 """
 from __future__ import annotations
@@ -46,6 +50,7 @@ from megatron_p2r.planning.breakeven import p2r_break_even
 from megatron_p2r.planning.estimate import Plan, make_plan
 from megatron_p2r.planning.hardware import GPU_PRESETS, GiB
 from megatron_p2r.planning.memory import logical_parameter_count
+from megatron_p2r.planning.verdict import verdict_line
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -76,7 +81,12 @@ def planner_parser() -> argparse.ArgumentParser:
     g.add_argument("--inter-node-bw", type=float, help="Override network bytes/s per GPU.")
     g.add_argument("--host-bw", type=float, help="Override PCIe host<->device bytes/s per GPU.")
     g.add_argument("--gpus-per-node", type=int, help="Override GPUs per node.")
-    g.add_argument("--host-memory", type=parse_bytes, help="Host memory per GPU (checks offload fits on host).")
+    host = g.add_mutually_exclusive_group()
+    host.add_argument("--host-memory", type=parse_bytes,
+                      help="Host memory per GPU, e.g. 192GiB (a node has --gpus-per-node times it; default: the "
+                           "preset's node).")
+    host.add_argument("--host-memory-per-node", type=parse_bytes,
+                      help="Host memory per node, e.g. 1.5TiB (default: the preset's node).")
     g.add_argument("--compute-efficiency", type=float, default=0.4,
                    help="Fraction of peak FLOP/s the matmuls reach.")
     g.add_argument("--host-optimizer-bw", type=float, default=10e9,
@@ -103,6 +113,7 @@ _PLANNER_RANGES = [("world_size", at_least(1, 2 ** 20)), ("gpus_per_node", at_le
                    ("intra_node_bw", positive()), ("inter_node_bw", positive()), ("host_bw", positive()),
                    ("host_optimizer_bw", positive()), ("token_budget", Range(0.0)),
                    ("gpu_memory", at_least(1, 2 ** 60)), ("host_memory", at_least(1, 2 ** 60)),
+                   ("host_memory_per_node", at_least(1, 2 ** 60)),
                    ("reserve", at_least(0, 2 ** 60)), ("p2r_switch_iters", at_least(1))]
 
 
@@ -300,10 +311,9 @@ def format_plans(plans: Dict[str, Plan]) -> str:
                      f"{pl.tokens_per_step / pl.step_time_s:,.0f} tokens/s")
         if pl.days is not None:
             lines.append(f"   {pl.token_budget:.3g} tokens: {pl.days:.1f} days")
-        lines.append(f"   host memory per node for offloaded state: {pl.host_per_node / GiB:.1f} GiB")
         for problem in pl.problems:
             lines.append(f"   ! {problem}")
-        lines.append("   " + ("FITS" if pl.fits else "DOES NOT FIT"))
+        lines.append("   " + verdict_line(pl.tiers))
     return "\n".join(lines)
 
 
@@ -355,12 +365,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         configs = phase_configs(args, rest)
         gpu = GPU_PRESETS[args.gpu].replace(memory=args.gpu_memory, flops16=args.gpu_flops,
                                             intra_node_bw=args.intra_node_bw, inter_node_bw=args.inter_node_bw,
-                                            host_bw=args.host_bw, gpus_per_node=args.gpus_per_node)
+                                            host_bw=args.host_bw).with_node(
+            args.gpus_per_node, host_memory_per_gpu=args.host_memory, host_memory_per_node=args.host_memory_per_node)
         for cfg in configs.values():
             check(cfg, args.world_size)
         plans = {phase: make_plan(cfg, args.world_size, gpu, efficiency=args.compute_efficiency,
                                   host_optimizer_bw=args.host_optimizer_bw, token_budget=args.token_budget,
-                                  reserve=args.reserve, host_memory_per_gpu=args.host_memory)
+                                  reserve=args.reserve)
                  for phase, cfg in configs.items()}
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -17,6 +17,7 @@ from megatron_p2r.planning.hardware import GiB, GPUSpec
 from megatron_p2r.planning.memory import (expert_parameter_count, logical_parameter_count, offload_plan,
                                           stage_state_bytes, stepped_elements)
 from megatron_p2r.planning.timing import link_time, stage_flops_per_microbatch
+from megatron_p2r.planning.verdict import TierVerdict, gpu_tier, host_problem, host_tier
 
 DEVICE_ORDER = ("reserve", "params", "optimizer", "grads", "fetch_window", "activations", "transient")
 
@@ -61,7 +62,8 @@ class Plan:
     days: Optional[float]
     token_budget: Optional[float]
     host_per_node: int
-    host_capacity_per_node: Optional[int]
+    host_capacity_per_node: int
+    tiers: Dict[str, TierVerdict]   # "gpu", "host": need, capacity and overflow of each memory tier
     fits: bool
     problems: List[str]
 
@@ -164,23 +166,15 @@ def _overflow_problem(est: StageEstimate, layout: Layout, gpu: GPUSpec) -> str:
             f"'{est.overflow}' (largest category: '{worst}', {est.device[worst] / GiB:.2f} GiB)")
 
 
-def _host_per_node(stages: List[StageEstimate], layout: Layout, gpus_per_node: int) -> int:
-    """The most offloaded bytes any node's GPUs keep in its host memory."""
-    worst = 0
-    for node in range(0, layout.world_size, gpus_per_node):
-        ranks = range(node, min(node + gpus_per_node, layout.world_size))
-        worst = max(worst, sum(sum(stages[layout.coords(r).pp].host.values()) for r in ranks))
-    return worst
-
-
 def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float = 0.4,
               host_optimizer_bw: float = 10e9, token_budget: Optional[float] = None,
-              reserve: int = GiB, host_memory_per_gpu: Optional[int] = None) -> Plan:
+              reserve: int = GiB) -> Plan:
     """Plan every rank of ``cfg`` on ``world_size`` GPUs of kind ``gpu``.
 
     ``efficiency``: fraction of the GPU's peak FLOP/s the matmuls reach; ``host_optimizer_bw``:
     bytes/s of host memory one GPU's host-side AdamW streams (28 B per parameter);
-    ``reserve``: CUDA context, NCCL buffers and allocator slack per GPU.
+    ``reserve``: CUDA context, NCCL buffers and allocator slack per GPU. Host memory is
+    ``gpu``'s node's (``GPUSpec.with_node`` overrides it).
     """
     plan = ParallelPlan.for_world(cfg, world_size)
     layout, m = plan.layout, cfg.model
@@ -199,11 +193,10 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
     step = sum(breakdown.values())
     tokens = gbs * m.seq_length
     model_flops = model_flops_per_token(m) * tokens
-    host_per_node = _host_per_node(stages, layout, gpu.gpus_per_node)
-    host_cap = host_memory_per_gpu * gpu.gpus_per_node if host_memory_per_gpu else None
-    if host_cap is not None and host_per_node > host_cap:
-        problems.append(f"does not fit on host: a node holds {host_per_node / GiB:.1f} GiB of offloaded state, "
-                        f"more than {host_cap / GiB:.1f} GiB ({gpu.gpus_per_node} x --host-memory)")
+    tiers = {"gpu": gpu_tier([s.device_total for s in stages], layout, gpu),
+             "host": host_tier([sum(s.host.values()) for s in stages], layout, gpu)}
+    if not tiers["host"].fits:
+        problems.append(host_problem(tiers["host"]))
     return Plan(phase=cfg.p2r.p2r_phase, world_size=world_size,
                 layout={"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "ep": layout.ep,
                         "expert_dp": layout.expert_dp},
@@ -213,5 +206,5 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
                 pipeline_bubble=slots / mbs - 1, model_flops_per_step=model_flops,
                 mfu=model_flops / (step * world_size * peak),
                 days=token_budget / tokens * step / 86400 if token_budget else None, token_budget=token_budget,
-                host_per_node=host_per_node, host_capacity_per_node=host_cap,
-                fits=not any(p_.startswith("does not fit") for p_ in problems), problems=problems)
+                host_per_node=tiers["host"].need, host_capacity_per_node=tiers["host"].capacity, tiers=tiers,
+                fits=all(t.fits for t in tiers.values()), problems=problems)

@@ -1,16 +1,18 @@
-"""The accelerators the planner knows: memory, peak FLOP/s and link bandwidths of each preset."""
+"""The accelerators the planner knows: memory, peak FLOP/s and link bandwidths of each preset,
+and the node it sits in (GPUs per node, host memory per node: offloaded state lives there)."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 GiB = 2 ** 30
+TiB = 2 ** 40
 
 
 @dataclass(frozen=True)
 class GPUSpec:
-    """One accelerator and its links. Bandwidths are per GPU and per direction, in bytes/s."""
+    """One accelerator, its links and its node. Bandwidths are per GPU and per direction, in bytes/s."""
 
     name: str
     memory: int              # bytes usable by the process (as nvidia-smi reports the total)
@@ -20,19 +22,42 @@ class GPUSpec:
     intra_node_bw: float     # NVLink, per GPU
     inter_node_bw: float     # network, per GPU (node NIC bandwidth / GPUs per node)
     host_bw: float           # PCIe host <-> device, per GPU
+    host_memory_per_node: int  # host DRAM of one node, shared by its GPUs' offloaded state
     gpus_per_node: int = 8
     bf16: bool = True        # V100 has fp16 tensor cores but no bf16
 
     def replace(self, **changes) -> "GPUSpec":
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
+    def with_node(self, gpus_per_node: Optional[int] = None, host_memory_per_gpu: Optional[int] = None,
+                  host_memory_per_node: Optional[int] = None) -> "GPUSpec":
+        """This GPU in another node. Host memory given per node is taken as is, per GPU times the
+        GPUs per node; given neither, each GPU keeps the preset's share (a 16-GPU V100 node then
+        has twice the 8-GPU node's memory, as a DGX-2 has)."""
+        if host_memory_per_gpu is not None and host_memory_per_node is not None:
+            raise ValueError("give the host memory per GPU or per node, not both")
+        gpus = gpus_per_node or self.gpus_per_node
+        if host_memory_per_node is None:
+            per_gpu = host_memory_per_gpu or self.host_memory_per_node // self.gpus_per_node
+            host_memory_per_node = per_gpu * gpus
+        return dataclasses.replace(self, gpus_per_node=gpus, host_memory_per_node=host_memory_per_node)
 
+
+# Host memory per node, from NVIDIA's DGX datasheets (DIMM capacities, so binary units):
+# V100: a DGX-1 has 512 GiB for 8 GPUs, a DGX-2 1.5 TiB for 16; the preset takes the DGX-2's
+# share, 96 GiB per GPU = 768 GiB per 8 (between the two: a mid-range 8 x V100-32GB server).
+# A100: a DGX A100 with 40 GB GPUs has 1 TiB, the 80 GB model 2 TiB; the preset takes the lower
+# figure, which most 8 x A100 servers reach. H100 and H200: DGX H100 and DGX H200 have 2 TiB.
 GPU_PRESETS: Dict[str, GPUSpec] = {
     # DGX-1V: NVLink2 6 x 25 GB/s, 4 x 100 Gb/s IB per 8 GPUs, PCIe gen3 x16.
-    "V100-32GB": GPUSpec("V100-32GB", 32510 * 2**20, 125e12, 15.7e12, 900e9, 150e9, 6.25e9, 12e9, bf16=False),
+    "V100-32GB": GPUSpec("V100-32GB", 32510 * 2**20, 125e12, 15.7e12, 900e9, 150e9, 6.25e9, 12e9,
+                         host_memory_per_node=768 * GiB, bf16=False),
     # DGX A100: NVLink3 300 GB/s, 8 x 200 Gb/s HDR, PCIe gen4.
-    "A100-80GB": GPUSpec("A100-80GB", 81920 * 2**20, 312e12, 19.5e12, 2039e9, 300e9, 25e9, 25e9),
+    "A100-80GB": GPUSpec("A100-80GB", 81920 * 2**20, 312e12, 19.5e12, 2039e9, 300e9, 25e9, 25e9,
+                         host_memory_per_node=TiB),
     # DGX H100: NVLink4 450 GB/s, 8 x 400 Gb/s NDR, PCIe gen5.
-    "H100-80GB": GPUSpec("H100-80GB", 81559 * 2**20, 989e12, 67e12, 3350e9, 450e9, 50e9, 50e9),
-    "H200-141GB": GPUSpec("H200-141GB", 143771 * 2**20, 989e12, 67e12, 4800e9, 450e9, 50e9, 50e9),
+    "H100-80GB": GPUSpec("H100-80GB", 81559 * 2**20, 989e12, 67e12, 3350e9, 450e9, 50e9, 50e9,
+                         host_memory_per_node=2 * TiB),
+    "H200-141GB": GPUSpec("H200-141GB", 143771 * 2**20, 989e12, 67e12, 4800e9, 450e9, 50e9, 50e9,
+                          host_memory_per_node=2 * TiB),
 }

@@ -13,20 +13,22 @@ TEN_T = ["--config", "examples/m6_10t/model.yaml", "--pseudo-config", "examples/
 
 
 def test_10t_plan_table_and_verification(capsys):
+    # exit 1: the real phase's offloaded state does not fit the V100 node's host memory
     assert main(TEN_T + ["--token-budget", "50B", "--verify-rank", "0", "--verify-rank", "511",
-                         "--verify-all-ranks"]) == 0
+                         "--verify-all-ranks"]) == 1
     out = capsys.readouterr().out
     assert "== pseudo phase: 512 x V100-32GB" in out and "== real phase: 512 x V100-32GB" in out
     assert "10,056,361,445,376 parameters" in out and "offloaded to host: 47 layers" in out
-    assert "5e+10 tokens:" in out and out.count("FITS") == 2
+    assert "5e+10 tokens:" in out and out.count("FITS: ") == 1 and out.count("DOES NOT FIT: host overflows") == 1
     assert out.count(": OK") == 6 and "MISMATCH" not in out
     assert "logical parameters 10,056,361,445,376 (model 10,056,361,445,376)" in out
 
 
 def test_json_has_both_phases_and_every_category(capsys):
-    assert main(TEN_T + ["--json", "--verify-rank", "3"]) == 0
+    assert main(TEN_T + ["--json", "--verify-rank", "3"]) == 1
     data = json.loads(capsys.readouterr().out)
-    assert data["ok"] is True and set(data["plans"]) == {"pseudo", "real"}
+    assert data["ok"] is False and set(data["plans"]) == {"pseudo", "real"}
+    assert data["plans"]["pseudo"]["fits"] and not data["plans"]["real"]["fits"]
     real = data["plans"]["real"]["stages"][0]
     assert set(real["device"]) == {"reserve", "params", "grads", "optimizer", "fetch_window", "activations",
                                    "transient"}
@@ -54,9 +56,7 @@ def test_does_not_fit_exit_status_and_message(capsys):
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out
     assert "rank 0 (stage 0, ranks 0-511) needs 14.95 GiB of 12.00 GiB" in out and "overflows at 'transient'" in out
-    # host memory is checked when given: 10T real needs ~2.3 TiB of host memory per node
-    assert main(TEN_T + ["--host-memory", "128GiB"]) == 1
-    assert "does not fit on host" in capsys.readouterr().out
+    assert "DOES NOT FIT: GPU overflows by 2.95 GiB: rank 0 (stage 0) needs 14.95 of 12.00 GiB; host fits" in out
 
 
 def test_bad_input(capsys):
@@ -75,13 +75,13 @@ def test_token_budget_formats(text, value):
 def test_p2r_cost_ratio_and_break_even(capsys):
     """r is the real plan's step time over the pseudo plan's; the break-even is s(1 - 1/r) with
     s = 10% of the run (--token-budget / tokens per step) unless --p2r-switch-iters says."""
-    assert main(TEN_T + ["--token-budget", "50B", "--json"]) == 0
+    assert main(TEN_T + ["--token-budget", "50B", "--json"]) == 1   # the real phase overflows the host
     data = json.loads(capsys.readouterr().out)
     real, pseudo, p2r = data["plans"]["real"], data["plans"]["pseudo"], data["p2r"]
     assert p2r["r"] == real["step_time_s"] / pseudo["step_time_s"] > 1  # the 10T real phase offloads
     assert p2r["total_iters"] == round(50e9 / real["tokens_per_step"]) and p2r["switch_iters"] == p2r["total_iters"] // 10
     assert p2r["break_even_extra_steps"] == p2r["switch_iters"] * (1 - 1 / p2r["r"])
-    assert main(TEN_T + ["--token-budget", "50B", "--p2r-switch-iters", "1000"]) == 0
+    assert main(TEN_T + ["--token-budget", "50B", "--p2r-switch-iters", "1000"]) == 1
     out = capsys.readouterr().out
     assert f"r = {p2r['r']:.3f}" in out
     assert f"delinking after 1,000 of {p2r['total_iters']:,} steps (--p2r-switch-iters): break-even s(1 - 1/r) = " \
