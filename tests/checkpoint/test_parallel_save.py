@@ -6,13 +6,14 @@ written twice or never is refused."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
 
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.integrity import check_data, check_files, layout_files
-from megatron_p2r.checkpoint.metadata import read_metadata
+from megatron_p2r.checkpoint.metadata import metadata_config, read_metadata
 from megatron_p2r.checkpoint.naming import entry_name, resolve_iteration_dir
 from megatron_p2r.checkpoint.parts import PartedShard
 from megatron_p2r.checkpoint.safetensors_io import ShardReader, save_tensors
@@ -122,3 +123,29 @@ def test_a_fragment_written_twice_or_never_is_refused(tmp_path):
     never = _parts(tmp_path, {"c.rank_00000": {"w@0": w[:4]}})
     with pytest.raises(CheckpointError, match="4 of its 6 elements"):
         PartedShard("c", never, expected)
+
+
+def test_the_megatron_flags():
+    from megatron_p2r.arguments import parse_args
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--micro-batch-size", "1", "--vocab-size", "64"]
+    default = parse_args(base).checkpoint
+    assert default.ckpt_fully_parallel_save and not default.ckpt_fully_parallel_load   # Megatron-LM's defaults
+    flipped = parse_args(base + ["--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-load"]).checkpoint
+    assert not flipped.ckpt_fully_parallel_save and flipped.ckpt_fully_parallel_load
+
+
+def test_bad_parts_are_named(dp2_run, tmp_path):
+    """metadata.json's parts naming a file of no shard, or a part that is missing: an error
+    naming the field or the file."""
+    _, root, _ = dp2_run
+    src = resolve_iteration_dir(os.path.join(root, "par"))
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    meta = read_metadata(str(bad))
+    meta["parts"]["mp_rank_00_000_000.safetensors"][1] = "../elsewhere.safetensors"
+    with pytest.raises(CheckpointError, match=r"parts\['mp_rank_00_000_000.safetensors'\] must list files named"):
+        metadata_config(meta)
+    os.unlink(bad / "mp_rank_00_000_000.rank_00001.safetensors")
+    with pytest.raises(CheckpointError, match="missing shard .*mp_rank_00_000_000.rank_00001.safetensors"):
+        check_files(str(bad), read_metadata(str(bad)))
