@@ -142,7 +142,7 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     # AdamW streams 28 B per stepped element (main, grad, 2 moments read; main, moments written),
     # 2 more writing a 16-bit weight
     per_element = 28 + (plan.buffers.param_bytes if plan.buffers.param_bytes != 4 else 0)
-    stepped = stepped_elements(stage_state_bytes(plan, stage))
+    stepped = stepped_elements(plan, stage_state_bytes(plan, stage))
     opt = max(per_element * (stepped - hosted) / gpu.hbm_bw,
               per_element * hosted / a.host_optimizer_bw + off["moved_per_step"] / gpu.host_bw)
     est = StageEstimate(
