@@ -84,6 +84,9 @@ LAYOUTS = [
     ("gqa-tp4-g2-pseudo-pp2", dict(group_query_attention=True, num_query_groups=2, qk_layernorm=True, kv_channels=8,
                                    tensor_model_parallel_size=4, pipeline_model_parallel_size=2,
                                    p2r_phase="pseudo", share_pattern="all"), 8),
+    # gpt-oss: learned sink logits split with the heads, quick-GeGLU's fc1 as wide as SwiGLU's
+    ("gpt-oss-tp2-pp2", dict(softmax_type="learnable", quick_geglu=True, tensor_model_parallel_size=2,
+                             pipeline_model_parallel_size=2, moe_layer_freq=2, **MOE), 4),
 ]
 
 
@@ -217,6 +220,11 @@ ACTIVATION_CASES = [
     # a vocabulary the loss walks in 4 chunks (tied: the embedding's gradient meets the output layer's)
     dict(vocab_size=16384, **FULL1),
     dict(bf16=True, vocab_size=16384, untie_embeddings_and_output_weights=True),
+    # gpt-oss's activation (a clamp and an offset make new tensors of fc2's width) and sliding windows
+    dict(quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=0.1, window_size="15,0",
+         window_attn_skip_freq=2, position_embedding_type="rope", normalization="RMSNorm"),
+    dict(bf16=True, swiglu=True, activation_func_clamp_value=0.1),
+    dict(bf16=True, quick_geglu=True, moe_capacity_factor=0.5, **MOE),
     # attention dropout: CPU runs SDPA's math kernel (s x s probabilities, mask, dropped, in fp32)
     dict(attention_dropout=0.1),
     dict(bf16=True, attention_dropout=0.1, hidden_dropout=0.1),

@@ -3,9 +3,9 @@
 Parameters (global names ``...experts.weight1`` etc.; ``sharding.expert_key`` names expert
 e's slice ``...experts.{e}.weight1``):
 
-    weight1 [E_local, ffn*(2 if swiglu) / TP, h]   tp_dim 1   (SwiGLU rows interleaved gate/up)
+    weight1 [E_local, ffn*(2 if gated) / TP, h]    tp_dim 1   (gated: rows interleaved gate/up)
     weight2 [E_local, h, ffn / TP]                 tp_dim 2   (init std / sqrt(2L))
-    bias1   [E_local, ffn*(2 if swiglu) / TP]      tp_dim 1
+    bias1   [E_local, ffn*(2 if gated) / TP]       tp_dim 1
     bias2   [E_local, h]                           replicated over TP
 
 Experts are TP-sharded like the dense MLP (column-parallel fc1, row-parallel fc2): every TP
@@ -25,10 +25,10 @@ import math
 from typing import List
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_p2r.config import ModelConfig
+from megatron_p2r.moe.activation import Activation
 from megatron_p2r.moe.dispatcher import gather_rows
 from megatron_p2r.parallel.mappings import copy_to_region
 from megatron_p2r.parallel.sharding import make_param
@@ -39,10 +39,10 @@ class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, ps: ParallelState, device=None):
         super().__init__()
         self.num_local = cfg.num_experts // ps.ep_size
-        self.swiglu, self.gelu_approximation = cfg.swiglu, cfg.gelu_approximation
+        self.activation = Activation(cfg)
         self.tp_group, self.tp_size = ps.group("tp"), ps.tp_size
         h, ffn = cfg.hidden_size, cfg.expert_ffn_size // ps.tp_size
-        fc1 = ffn * (2 if cfg.swiglu else 1)
+        fc1 = ffn * (2 if cfg.gated_linear_unit else 1)
         std = cfg.init_method_std
         self.weight1 = make_param((self.num_local, fc1, h), tp_dim=1, expert=True, init=("normal", std),
                                   device=device)
@@ -73,10 +73,10 @@ class Experts(nn.Module):
             slot = expert_of_row * width + torch.arange(n, device=x.device) - starts[expert_of_row]
             x = x.new_zeros(E * width, h).index_copy(0, slot, x)
         x = x.view(E, width, h)
-        if self.swiglu:  # gate and up rows (interleaved) as two matmuls: the elementwise part is contiguous
-            y = F.silu(self._fc1(x, 0, 2)) * self._fc1(x, 1, 2)
+        if self.activation.gated:  # gate and up rows (interleaved) as two matmuls: the elementwise part is contiguous
+            y = self.activation.gated_unit(self._fc1(x, 0, 2), self._fc1(x, 1, 2))
         else:
-            y = F.gelu(self._fc1(x, 0, 1), approximate=self.gelu_approximation)
+            y = self.activation(self._fc1(x, 0, 1))
         y = torch.bmm(y, self.weight2.transpose(1, 2)).reshape(E * width, h)
         if padded:
             y = gather_rows(y, slot)

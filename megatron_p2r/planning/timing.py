@@ -19,7 +19,7 @@ def stage_flops_per_microbatch(cfg: Config, plan: ParallelPlan, stage: int, offl
     m, t = cfg.model, cfg.train
     n, h, T = t.micro_batch_size * m.seq_length, m.hidden_size, plan.layout.tp
     st = plan.stage(stage)
-    glu = 2 if m.swiglu else 1
+    glu = 2 if m.gated_linear_unit else 1
     heads = m.num_attention_heads * m.head_dim / T               # query (and output) rows on a rank
     kv = 2 * m.query_groups * m.head_dim / min(T, m.query_groups)   # key/value rows on a rank
     twice = recomputed_positions(cfg, st, offloaded)
