@@ -8,7 +8,8 @@ What a rank owns of a piece (weights and AdamW state of one logical tensor's TP 
   data-parallel (expert-data-parallel for experts) replicas names this rank.
 
 ``owned_fragments`` lists (part file, fragment name, tensor) as views of the rank's state —
-no copy, so the only extra memory while writing is the one tensor a writer stages;
+no copy, so the only extra memory while writing is the one tensor a writer stages (on the
+device, or a 16-bit moment widened to fp32);
 ``write_parts`` writes such a list, so an asynchronous writer can run it on host copies.
 """
 from __future__ import annotations
@@ -21,9 +22,9 @@ import torch
 
 from megatron_p2r.checkpoint.naming import entry_name, shard_header_metadata
 from megatron_p2r.checkpoint.parts import fragment_name, part_file
-from megatron_p2r.checkpoint.safetensors_io import SAFETENSORS_DTYPE, ShardWriter
+from megatron_p2r.checkpoint.safetensors_io import ShardWriter
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo
-from megatron_p2r.optim.state_io import state_value
+from megatron_p2r.optim.state_io import stored_state
 
 CHECKSUMS_SUFFIX = ".crc32.json"  # a file's checksums, beside it until metadata.json holds them
 
@@ -82,7 +83,7 @@ def _fragment(state, ms, info: TensorInfo, layout: ShardLayout, name: str, kind:
     if kind == "step":
         step = torch.tensor(float(state.optimizer.step_count), dtype=torch.float32).reshape(())
         return [(name, entry, step)] if lo == 0 else []
-    value = state_value(state.optimizer, ms, kind).reshape(-1)[lo + base - ms.start:hi + base - ms.start]
+    value = stored_state(state.optimizer, ms, kind).reshape(-1)[lo + base - ms.start:hi + base - ms.start]
     shape = layout.local_shape(info)
     whole = lo == 0 and value.numel() == _numel(shape)
     return [(name, fragment_name(entry, lo, whole), value.view(shape) if whole else value)]
@@ -96,17 +97,18 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def write_parts(tmp: str, fragments: List[Fragment]) -> None:
-    """Write ``fragments`` into their part files under ``tmp``, one tensor staged at a time, and
-    leave each file's checksums beside it for the rank that writes metadata.json."""
+    """Write ``fragments`` into their part files under ``tmp`` in fp32 (the checkpoint's dtype),
+    one tensor staged (copied to host, widened from 16-bit moments) at a time, and leave each
+    file's checksums beside it for the rank that writes metadata.json."""
     by_file: Dict[str, List[Tuple[str, torch.Tensor]]] = {}
     for name, stored, tensor in fragments:
         by_file.setdefault(name, []).append((stored, tensor))
     for name, items in by_file.items():
         writer = ShardWriter(os.path.join(tmp, name),
-                             [(s, SAFETENSORS_DTYPE[t.dtype], tuple(t.shape)) for s, t in items],
+                             [(s, "F32", tuple(t.shape)) for s, t in items],
                              shard_header_metadata(name))
         for stored, tensor in items:
-            writer.write(stored, tensor)
+            writer.write(stored, tensor.float())
         writer.close()
         leave_checksums(tmp, name, writer.checksums)
 
