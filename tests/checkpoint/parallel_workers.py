@@ -3,6 +3,7 @@ faster). DP2 with dropout on, with and without the distributed optimizer."""
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -16,12 +17,16 @@ from tests.helpers import run_steps
 
 
 class MaterialisedBytes(TorchDispatchMode):
-    """Sums the bytes of every new storage an operator creates (views and in-place results
-    reuse their input's storage and count nothing): an upper bound of what a save allocates."""
+    """The peak bytes of new storages operators created and that are still alive (views and
+    in-place results reuse their input's storage and count nothing): what a save holds beyond
+    the state it had."""
 
     def __init__(self):
         super().__init__()
-        self.total = 0
+        self.live = self.total = 0
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -29,14 +34,18 @@ class MaterialisedBytes(TorchDispatchMode):
                   if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                self.total += t.untyped_storage().nbytes()
+                nbytes = t.untyped_storage().nbytes()
+                self.live += nbytes
+                self.total = max(self.total, self.live)
+                weakref.finalize(t, self._freed, nbytes)
         return out
 
 
 def _own_state(state) -> tuple:
-    """(bytes, largest tensor's bytes) of this rank's fp32 mains and moments."""
+    """(bytes, largest fp32 tensor's bytes) of this rank's mains and moments."""
     sizes = [4 * (ms.end - ms.start) for ms in state.optimizer.shards]
-    return 3 * sum(sizes), max(sizes)
+    moments = [state.optimizer.inner[ms.placement].state[ms.main] for ms in state.optimizer.shards]
+    return sum(sizes) + sum(m[k].numel() * m[k].element_size() for m in moments for k in m if k != "step"), max(sizes)
 
 
 def _reads(into: list):

@@ -24,7 +24,10 @@ from tests.checkpoint.common import cfg_of
 from tests.checkpoint.parallel_workers import save_and_resume
 from tests.helpers import run_steps
 
-CASES = {"distopt": dict(use_distributed_optimizer=True), "replicated": {}}
+CASES = {"distopt": dict(use_distributed_optimizer=True), "replicated": {},
+         # 16-bit moments, widened to the checkpoint's fp32 one tensor at a time
+         "lean-moments": dict(use_distributed_optimizer=True, use_precision_aware_optimizer=True,
+                              exp_avg_dtype="fp16", exp_avg_sq_dtype="bf16")}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -71,20 +74,20 @@ def test_resume_from_a_parallel_save_is_bitwise(dp2_run):
 
 def test_parallel_load_reads_only_the_moments_a_rank_steps(dp2_run):
     name, _, results = dp2_run
-    if name != "distopt":
+    if name == "replicated":
         pytest.skip("without the distributed optimizer every rank steps every moment")
     for rank, r in enumerate(results):
         assert r["moment_reads"] == [f"mp_rank_00_000_000.rank_{rank:05d}.safetensors"]
 
 
 def test_saving_materialises_a_bounded_buffer_only(dp2_run):
-    """Tensor accounting: a parallel save allocates at most 2x the rank's largest tensor (the
-    single-writer save gathers the whole shard's state on rank 0: more than its own state)."""
+    """Tensor accounting: a parallel save holds at most 2x the rank's largest tensor at a time
+    (the single-writer save gathers the whole shard's state on rank 0: more than its own)."""
     name, _, results = dp2_run
     for r in results:
         assert r["parallel_bytes"] <= 2 * r["largest"] + 64 * 1024, r
-        assert r["parallel_bytes"] <= 0.2 * r["own_bytes"], r
-    if name == "distopt":
+        assert r["parallel_bytes"] <= 0.25 * r["own_bytes"], r
+    if name != "replicated":
         assert results[0]["single_bytes"] > results[0]["own_bytes"]
 
 
