@@ -95,3 +95,8 @@ def save_and_resume(rank: int, world: int, root: str, flags: dict) -> dict:
         safetensors_io.ShardReader.read = original
     out["moment_reads"] = sorted({f for f, name in reads if name.startswith("optimizer.exp_avg")})
     return out
+
+
+def each_case(rank: int, world: int, root: str, cases: dict) -> dict:
+    """``save_and_resume`` for every case, under ``root/<case>`` (one spawn)."""
+    return {name: save_and_resume(rank, world, os.path.join(root, name), flags) for name, flags in cases.items()}

@@ -21,7 +21,7 @@ from megatron_p2r.convert.reshard import Target, convert
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.testing import run_distributed
 from tests.checkpoint.common import cfg_of
-from tests.checkpoint.parallel_workers import save_and_resume
+from tests.checkpoint.parallel_workers import each_case, save_and_resume
 from tests.helpers import run_steps
 
 CASES = {"distopt": dict(use_distributed_optimizer=True), "replicated": {},
@@ -152,3 +152,28 @@ def test_bad_parts_are_named(dp2_run, tmp_path):
     os.unlink(bad / "mp_rank_00_000_000.rank_00001.safetensors")
     with pytest.raises(CheckpointError, match="missing shard .*mp_rank_00_000_000.rank_00001.safetensors"):
         check_files(str(bad), read_metadata(str(bad)))
+
+
+FOUR_RANKS = {   # the distributed optimizer on 4 ranks: sharding groups across stages, experts and TP
+    "pp2-dp2-pseudo": dict(use_distributed_optimizer=True, pipeline_model_parallel_size=2, num_layers=4,
+                           p2r_phase="pseudo", share_pattern="cycle:2"),   # pseudo slots + tied embedding
+    "ep2-expert-dp2-moe": dict(use_distributed_optimizer=True, expert_model_parallel_size=2, num_layers=4,
+                               num_experts=4, moe_layer_freq=2, moe_ffn_hidden_size=24),
+    "tp2-dp2": dict(use_distributed_optimizer=True, tensor_model_parallel_size=2),   # norms: one copy per TP rank
+    "tp2-dp2-sp": dict(use_distributed_optimizer=True, tensor_model_parallel_size=2, sequence_parallel=True),
+}
+
+
+def test_four_rank_layouts_save_in_parallel(tmp_path):
+    """PP2 x DP2 (pseudo slots and the tied embedding in cross-stage groups), EP2 x expert-DP2,
+    TP2 x DP2 without and with sequence parallelism: the parallel save holds the single writer's tensors,
+    resumes bitwise (also with parallel load) and stays within the memory bound."""
+    results = run_distributed(each_case, 4, str(tmp_path), FOUR_RANKS, timeout=600)
+    for name in FOUR_RANKS:
+        par, single = _tensors(str(tmp_path / name / "par")), _tensors(str(tmp_path / name / "single"))
+        assert par.keys() == single.keys(), name
+        for key, value in single.items():
+            assert torch.equal(par[key], value), (name, key)
+        for r in (res[name] for res in results):
+            assert r["resumed"] == r["straight"][2:] and r["parallel_load"] == r["straight"][2:], name
+            assert r["parallel_bytes"] <= 2 * r["largest"] + 64 * 1024, (name, r)
