@@ -215,7 +215,8 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
     optimizer.zero_grad()
     state.ddp.zero_grad_buffer(len(microbatches))
     forward_backward = get_forward_backward_func(ps, cfg.parallel.pipeline_schedule,
-                                                num_model_chunks=state.plan.num_model_chunks)
+                                                num_model_chunks=state.plan.num_model_chunks,
+                                                overlap_p2p_comm=cfg.parallel.overlap_p2p_communication)
     scale = state.scaler.scale
     loss = forward_backward(state.model, microbatches, ps, loss_scale=scale,
                             on_backward_scale=aux_loss.set_backward_scale)
@@ -249,7 +250,8 @@ def evaluate(state: TrainState, valid_dataset) -> float:
     n = num_microbatches(cfg, ps.layout.world_size) * cfg.logging.eval_iters
     batches = _take(microbatch_iterator(valid_dataset, 0, cfg, ps), n, "validation")
     forward_backward = get_forward_backward_func(ps, cfg.parallel.pipeline_schedule,
-                                                num_model_chunks=state.plan.num_model_chunks)
+                                                num_model_chunks=state.plan.num_model_chunks,
+                                                overlap_p2p_comm=cfg.parallel.overlap_p2p_communication)
     loss = forward_backward(state.model, batches, ps, forward_only=True)
     state.model.train()
     return reduce_loss(loss, ps)

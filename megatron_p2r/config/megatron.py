@@ -197,7 +197,14 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
     "--loss-scale": MegatronFlag(REFUSED, "a static loss scale is not implemented (--fp16 scales dynamically)",
                                  _value(float)),
     "--decrease-batch-size-if-needed": MegatronFlag(REFUSED, "the global batch is never shrunk to fit", _switch()),
+    "--no-overlap-p2p-communication": MegatronFlag(
+        MEANING, "pipeline transfers are not overlapped with compute: the default here (Megatron-LM main "
+        "overlaps them by default under interleaving; --overlap-p2p-communication turns it on)", _switch()),
     # Config fields with a value that has no effect.
+    "--overlap-p2p-communication": MegatronFlag(
+        MEANING, "config field", config_field=True,
+        keeps=lambda value, cfg: cfg.parallel.num_model_chunks(cfg.model.num_layers) > 1,
+        otherwise=(NO_EFFECT, "without interleaved 1F1B (Megatron-LM turns it off too)")),
     "--sequence-parallel": MegatronFlag(
         MEANING, "config field", config_field=True,
         keeps=lambda value, cfg: cfg.parallel.tensor_model_parallel_size > 1,
