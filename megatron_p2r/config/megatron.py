@@ -79,7 +79,6 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
     "--no-rope-fusion": _kernel("fused rotary embedding"),
     "--no-gradient-accumulation-fusion": _kernel("fused weight-gradient accumulation"),
     "--cross-entropy-loss-fusion": _kernel("fused cross entropy"),
-    "--moe-grouped-gemm": _kernel("grouped expert GEMM"),
     "--moe-permute-fusion": _kernel("fused token permutation"),
     "--export-force-local-attention": MegatronFlag(
         NO_EFFECT, f"{_MODELOPT}: picks Megatron's local attention kernel over Transformer Engine's", _switch()),

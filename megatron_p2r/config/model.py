@@ -67,6 +67,8 @@ class ModelConfig:
     moe_z_loss_coeff: float = opt(0.0, "Router z-loss coefficient.")
     moe_capacity_factor: Optional[float] = opt(None, "Expert capacity factor; unset means dropless.")
     moe_input_jitter_eps: Optional[float] = opt(None, "Multiplicative router input jitter (training only).")
+    moe_grouped_gemm: bool = opt(False, "Experts through torch's grouped_mm, one jagged group of rows per expert, "
+                                 "no padded rows (where the device and dtype support it; else padded bmm, logged).")
 
     @property
     def ffn_size(self) -> int:

@@ -39,7 +39,10 @@ def compute_bytes(cfg: Config) -> int:
 
 
 def moe_rows(cfg: Config, tokens: int) -> Tuple[int, int]:
-    """(slots per token, kept assignments) for ``tokens`` tokens, with balanced routing."""
+    """(slots per token, kept assignments) for ``tokens`` tokens, with balanced routing. The
+    experts compute and keep exactly these rows with --moe-grouped-gemm, and dropless whatever
+    the routing; the padded experts (the default) pad every local expert to the fullest one's
+    count, which balanced routing does not have and imbalanced routing adds on top."""
     m = cfg.model
     slots = m.moe_num_prototypes if m.moe_num_prototypes > 1 else m.moe_router_topk
     rows = tokens * slots
