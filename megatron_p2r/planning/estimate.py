@@ -119,6 +119,14 @@ def _exposed_sync(cfg: Config, plan: ParallelPlan, stage: int, sync: float, comp
     return max(sync - window, sync * last)
 
 
+def exposed_p2p(p2p: float, compute: float) -> float:
+    """The part of a micro-batch's pipeline transfers (``p2p`` seconds) a rank waits for when
+    each op's receives are posted while the op before it computes (--overlap-p2p-communication):
+    in 1F1B's steady state half of them travel during a forward (1/3 of ``compute``), half
+    during a backward (2/3), and only what outlasts that op is exposed."""
+    return max(p2p / 2 - compute / 3, 0.0) + max(p2p / 2 - 2 * compute / 3, 0.0)
+
+
 def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
                     peak: float) -> Tuple[StageEstimate, float]:
     """(the stage's estimate, its time per micro-batch)."""
@@ -135,7 +143,9 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     compute = stage_flops_per_microbatch(cfg, plan, stage, off["recomputed"]) / (peak * a.efficiency)
     tp_t, ep_t, pp_t = (link_time(comm[k], gpu) / mbs for k in ("tp", "ep", "pp"))
     transfer = off["moved_per_microbatch"] / gpu.host_bw
-    mb_time = max(compute + tp_t + ep_t, transfer) + pp_t
+    overlap_p2p = cfg.parallel.overlap_p2p_communication and plan.num_model_chunks > 1   # as in Megatron-LM
+    pp_exposed = exposed_p2p(pp_t, compute + tp_t + ep_t) if overlap_p2p else pp_t
+    mb_time = max(compute + tp_t + ep_t, transfer) + pp_exposed
     sync = _exposed_sync(cfg, plan, stage, sum(link_time(comm[k], gpu) for k in ("dp", "expert_dp", "embedding",
                                                                                   "sharing", "tp_partial")), compute)
     hosted = off["host_optimizer_params"]
@@ -154,7 +164,8 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
         in_flight=act["in_flight"], comm_bytes={k: v.bytes for k, v in comm.items()},
         time_s={"compute_per_microbatch": compute, "tp_per_microbatch": tp_t, "ep_per_microbatch": ep_t,
                 "pp_per_microbatch": pp_t, "offload_transfer_per_microbatch": transfer,
-                "grad_sync": sync, "optimizer": opt},
+                "grad_sync": sync, "optimizer": opt, **({"pp_hidden_per_microbatch": pp_t - pp_exposed}
+                                                        if overlap_p2p else {})},
         device_total=sum(device.values()), fits=overflow is None, overflow=overflow)
     return est, mb_time
 
