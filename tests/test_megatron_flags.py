@@ -82,6 +82,10 @@ def test_overlap_p2p_communication_acts_only_with_interleaving():
     assert parse_launch(pipeline + ["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"])[1] == []
     cfg, no_effect = parse_launch(BASE + ["--no-overlap-p2p-communication"])
     assert not cfg.parallel.overlap_p2p_communication and no_effect == []
+    assert parse_launch(pipeline + ["--overlap-p2p-communication-warmup-flush"])[0] == cfg.replace(
+        pipeline_model_parallel_size=2, overlap_p2p_communication=True)
+    with pytest.raises(ConfigError, match="--overlap-p2p-communication-warmup-flush: needs --overlap-p2p-comm"):
+        parse_launch(BASE + ["--overlap-p2p-communication-warmup-flush"])
 
 
 def test_yaml_takes_the_same_flags(tmp_path):

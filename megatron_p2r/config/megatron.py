@@ -199,6 +199,11 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
     "--no-overlap-p2p-communication": MegatronFlag(
         MEANING, "pipeline transfers are not overlapped with compute: the default here (Megatron-LM main "
         "overlaps them by default under interleaving; --overlap-p2p-communication turns it on)", _switch()),
+    "--overlap-p2p-communication-warmup-flush": MegatronFlag(
+        MEANING, "receives are posted ahead in every op of the step, warm-up and flush included", _switch(),
+        keeps=lambda value, cfg: cfg.parallel.overlap_p2p_communication,
+        otherwise=(REFUSED, "needs --overlap-p2p-communication, on by default in Megatron-LM main and off here: "
+                            "add it")),
     # Config fields with a value that has no effect.
     "--overlap-p2p-communication": MegatronFlag(
         MEANING, "config field", config_field=True,
