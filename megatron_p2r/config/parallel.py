@@ -47,6 +47,10 @@ class ParallelConfig:
                               "(as in Megatron-LM)")
         self.num_model_chunks(num_layers)
 
+    def overlaps_p2p(self, num_layers: int) -> bool:
+        """Whether --overlap-p2p-communication acts: only under interleaving, as in Megatron-LM."""
+        return self.overlap_p2p_communication and self.num_model_chunks(num_layers) > 1
+
     def num_model_chunks(self, num_layers: int) -> int:
         """Model chunks (virtual stages) per pipeline rank: Megatron-LM's
         virtual_pipeline_model_parallel_size, 1 without interleaving. Checked as Megatron checks it:

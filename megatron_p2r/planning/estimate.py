@@ -143,7 +143,7 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     compute = stage_flops_per_microbatch(cfg, plan, stage, off["recomputed"]) / (peak * a.efficiency)
     tp_t, ep_t, pp_t = (link_time(comm[k], gpu) / mbs for k in ("tp", "ep", "pp"))
     transfer = off["moved_per_microbatch"] / gpu.host_bw
-    overlap_p2p = cfg.parallel.overlap_p2p_communication and plan.num_model_chunks > 1   # as in Megatron-LM
+    overlap_p2p = cfg.parallel.overlaps_p2p(cfg.model.num_layers)
     pp_exposed = exposed_p2p(pp_t, compute + tp_t + ep_t) if overlap_p2p else pp_t
     mb_time = max(compute + tp_t + ep_t, transfer) + pp_exposed
     sync = _exposed_sync(cfg, plan, stage, sum(link_time(comm[k], gpu) for k in ("dp", "expert_dp", "embedding",
