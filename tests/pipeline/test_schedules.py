@@ -133,6 +133,16 @@ def test_overlapped_p2p_reproduces_the_serial_schedules_bitwise(world4):
     assert _same_as_serial(moe, "pp2ep2v2/moe-p2p-overlap/m3/interleaved", "pp2ep2v2/moe/m3/interleaved")
 
 
+def test_train_step_with_overlapped_p2p_trains_as_without(world4):
+    """--overlap-p2p-communication through train_step (interleaved, PP=2 x DP=2, 3 AdamW steps):
+    receives are posted ahead, and the losses and the weights after the steps are bitwise those
+    of the run without it."""
+    for r in world4:
+        serial, overlapped = r["train_overlap"]["serial"], r["train_overlap"]["overlapped"]
+        assert serial["posted"] == 0 and overlapped["posted"] > 0, r["train_overlap"]
+        assert overlapped["losses"] == serial["losses"] and overlapped["weights"] == serial["weights"]
+
+
 def test_interleaved_pseudo_phase_share_all(world4):
     """Every layer calls slot 0: two chunks of each rank call one module (local accumulation),
     whose gradient is then summed over all pipeline stages x DP."""

@@ -132,6 +132,29 @@ def train_replicas(cfg, ps: ParallelState, steps: int = 3) -> dict:
     return out
 
 
+def train_overlapped(ps: ParallelState, steps: int = 3) -> dict:
+    """``steps`` train_step calls of an interleaved model with and without
+    --overlap-p2p-communication: per-step losses, a hash of this rank's weights after them, and
+    how many receives were posted ahead (dist.irecv calls)."""
+    cfg = make_cfg(pp=ps.pp_size, num_layers=4, num_layers_per_virtual_pipeline_stage=1, global_batch_size=8)
+    out = {}
+    for name, run_cfg in (("serial", cfg), ("overlapped", cfg.replace(overlap_p2p_communication=True))):
+        posted, irecv = [], dist.irecv
+
+        def counted_irecv(t, src, *args, **kwargs):
+            posted.append(tuple(t.shape))
+            return irecv(t, src, *args, **kwargs)
+
+        dist.irecv = counted_irecv
+        try:
+            losses, state = run_steps(run_cfg, ps, steps)
+        finally:
+            dist.irecv = irecv
+        weights = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in state.model.parameters()))
+        out[name] = {"losses": losses, "weights": weights.hexdigest(), "posted": len(posted)}
+    return out
+
+
 def stage_peak_bytes(ps: ParallelState) -> dict:
     """Peak live bytes of this rank's step (beyond parameters and gradients, which are allocated
     before) with m micro-batches of one shape: 1F1B training and evaluation for m = 4, 8, 16,
@@ -259,6 +282,7 @@ def world4(rank: int, world: int) -> dict:
     out["eval"] = {"loss_err": abs(loss - token_mean_reference(cfg, all_mb, forward_only=True)[0]),
                    "no_grads": all(p.grad is None for p in model.parameters())}
     out["train"] = train_replicas(make_cfg(pp=2, global_batch_size=8), ps)
+    out["train_overlap"] = train_overlapped(ps)
 
     dp4 = Layout(dp=4)
     ps = make_state(dp4)
