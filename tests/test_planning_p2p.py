@@ -32,7 +32,7 @@ def test_overlap_hides_the_transfers_of_the_interleaved_schedule():
     off, on = plans(num_layers_per_virtual_pipeline_stage=1)
     slots = off.microbatches * (1 + off.pipeline_bubble)
     hidden = []
-    for before, after in zip(off.stages, on.stages):
+    for before, after in zip(off.stages, on.stages, strict=True):
         t = before.time_s
         assert "pp_hidden_per_microbatch" not in t and t["pp_per_microbatch"] > 0
         window = t["compute_per_microbatch"] + t["tp_per_microbatch"] + t["ep_per_microbatch"]
@@ -48,7 +48,7 @@ def test_overlap_hides_the_transfers_of_the_interleaved_schedule():
 def test_overlap_holds_the_posted_receive_buffers_one_op_longer():
     """The planner's device memory counts the receives posted ahead (``transfers.link_buffers``)."""
     off, on = plans(num_layers_per_virtual_pipeline_stage=1)
-    grown = [after.device_total - before.device_total for before, after in zip(off.stages, on.stages)]
+    grown = [after.device_total - before.device_total for before, after in zip(off.stages, on.stages, strict=True)]
     assert min(grown) >= 0 and max(grown) > 0, grown
 
 

@@ -125,7 +125,7 @@ def test_receives_posted_ahead_are_held_one_op_longer():
             serial, ahead = link_buffers(all_ops, pp, v, r), link_buffers(all_ops, pp, v, r, posted_ahead=True)
             received = sum(len(msgs) for msgs in transfers(all_ops, pp, v, r).incoming.values())
             first_op_takes = 1 if r > 0 else 0   # rank 0's first op reads tokens, the others' an activation
-            assert all(a >= s for a, s in zip(ahead, serial)) and ahead[-1] == serial[-1], (pp, v, r)
+            assert all(a >= s for a, s in zip(ahead, serial, strict=True)) and ahead[-1] == serial[-1], (pp, v, r)
             assert sum(ahead) - sum(serial) == received - first_op_takes, (pp, v, r)
 
 
