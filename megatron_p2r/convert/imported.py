@@ -1,12 +1,13 @@
 """A checkpoint of ours made from another format (import-hf, import-megatron): real phase,
-iteration 0, weights only (a fresh optimizer, LR schedule and loss scale), streamed piece by
+iteration 0, weights (and Adam's moments and step where the source has them; a fresh LR schedule
+and loss scale), streamed piece by
 piece into the staging directory, verified, with ``model.yaml`` (the model and layout flags,
 for ``--config``) and the latest file; published only when complete."""
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, Dict
+from typing import Callable, Dict, Sequence
 
 import yaml
 
@@ -25,18 +26,17 @@ MODEL_YAML = "model.yaml"
 
 def write_imported(src: str, src_iter: str, dst: str, cfg: Config, table: Dict[str, TensorInfo], produce: Producer,
                    *, history: dict, force: bool, progress: bool,
-                   extras: Callable[[str], dict] = lambda staging: {}) -> str:
-    """Write every piece of ``table`` (as ``produce`` makes it) as DST; ``extras(staging)`` may add
-    files beside the checkpoint and returns the data flags model.yaml gets. Returns the
-    iteration directory."""
+                   extras: Callable[[str], dict] = lambda staging: {}, kinds: Sequence[str] = ("model",)) -> str:
+    """Write every piece of ``table`` (each of ``kinds``, as ``produce`` makes it) as DST;
+    ``extras(staging)`` may add files beside the checkpoint and returns the data flags model.yaml
+    gets. Returns the iteration directory."""
     layout = ShardLayout.of(cfg)
     with staged_output(src, src_iter, dst, force) as tmp:
         out_iter = os.path.join(tmp, iteration_dir_name(0))
         os.makedirs(out_iter)
-        checksums = write_pieces(out_iter, table, layout, ("model",), produce, progress=progress,
-                                 desc=history["op"])
+        checksums = write_pieces(out_iter, table, layout, kinds, produce, progress=progress, desc=history["op"])
         files = {f: os.path.getsize(os.path.join(out_iter, f)) for f in layout.files()}
-        meta = build_metadata(cfg, table, iteration=0, consumed_samples=0, optimizer=False,
+        meta = build_metadata(cfg, table, iteration=0, consumed_samples=0, optimizer=len(kinds) > 1,
                               scheduler={"num_steps": 0}, scaler=LossScaler(cfg.train).state_dict(), files=files,
                               rng=None, history=[history], checksums=checksums)
         write_metadata(out_iter, meta)

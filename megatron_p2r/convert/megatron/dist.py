@@ -12,8 +12,8 @@ saving run (TP, PP, EP, virtual stages) does not matter. Layers are stacked on a
 dimension (``decoder.layers.self_attention.linear_qkv.weight`` is [L, 3h, h]) unless the model
 had non-homogeneous layers, whose keys carry the global layer index
 (``decoder.layers.3.self_attention...``); experts are a further leading dimension
-(``decoder.layers.mlp.experts.linear_fc1.weight`` is [L, E, ffn, h], for SequentialMLP and
-TEGroupedMLP alike). Optimizer state (``optimizer.*``) and byte objects (RNG state,
+(``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is [L, E, ffn, h], for SequentialMLP
+and TEGroupedMLP alike, as megatron-core 0.16 writes it; a single ``experts.`` is read too). Optimizer state (``optimizer.*``) and byte objects (RNG state,
 ``_extra_state``) are not read.
 """
 from __future__ import annotations
@@ -32,6 +32,10 @@ from megatron_p2r.files import MiB, confined, read_json
 
 CONFIG_FILE, COMMON_FILE, DCP_METADATA = "metadata.json", "common.pt", ".metadata"
 _NOT_MODEL = ("optimizer.", "chained_", "rng_state", "rerun_state_machine")
+# The non-distributed optimizer's state, keyed like the model (``optim_state_to_sharding_state``):
+# Adam's moments, and under --bf16/--fp16 the fp32 main copy of each weight.
+OPTIMIZER_KEYS = {"exp_avg": "optimizer.state.exp_avg.", "exp_avg_sq": "optimizer.state.exp_avg_sq.",
+                  "main": "optimizer.state.fp32_param."}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +66,17 @@ def _field(record, name: str, where: str):
     return value
 
 
+def _adam_step(optimizer, where: str):
+    """Adam's step count from common.pt's ``optimizer`` (``state.common_step``), or None."""
+    state = optimizer.get("state") if isinstance(optimizer, dict) else None
+    step = state.get("common_step") if isinstance(state, dict) else None
+    if step is None:
+        return None
+    if not isinstance(step, LazyTensor) or step.shape not in ((), (1,)):
+        raise CheckpointError(f"{where}: optimizer.state.common_step is {step!r}, expected a scalar tensor")
+    return float(step.read().reshape(()))
+
+
 class DistCheckpoint:
     """The model tensors of a torch_dist iteration directory; a canonical tensor is read from the
     chunks of its key that cover its index on the leading (layer, expert) dimensions."""
@@ -85,10 +100,15 @@ class DistCheckpoint:
         self._index(_field(metadata, "state_dict_metadata", self.where), _field(metadata, "storage_data", self.where))
         self._check_files()
         self.names: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
+        self.optimizer: Dict[str, Dict[str, Tuple[str, Tuple[int, ...]]]] = {kind: {} for kind in OPTIMIZER_KEYS}
         for key, size in self.sizes.items():
-            if not key.startswith(_NOT_MODEL):
-                for name, prefix in self._canonical(key, size):
-                    self.names[name] = (key, prefix)
+            kind = next((k for k, p in OPTIMIZER_KEYS.items() if key.startswith(p)), None)
+            if kind is None and key.startswith(_NOT_MODEL):
+                continue
+            names = self.names if kind is None else self.optimizer[kind]
+            for name, prefix in self._canonical(key if kind is None else key[len(OPTIMIZER_KEYS[kind]):], size):
+                names[name] = (key, prefix)
+        self.adam_step = _adam_step(common.get("optimizer"), os.path.join(iter_dir, COMMON_FILE))
 
     def _index(self, state_dict_metadata: dict, storage_data: dict) -> None:
         """Global shapes and chunk locations of every tensor key."""
@@ -139,6 +159,7 @@ class DistCheckpoint:
         for (i,), prefix in layers:
             if rest.startswith("mlp.experts.") and not rest.split(".")[2].isdigit():
                 leaf = rest[len("mlp.experts."):]
+                leaf = leaf[len("experts."):] if leaf.startswith("experts.") else leaf
                 out += [(layer_name(i, expert_rest(e, leaf)), prefix + (e,)) for e in range(size[len(prefix)])]
             else:
                 out.append((layer_name(i, rest), prefix))
@@ -147,13 +168,14 @@ class DistCheckpoint:
     def location(self, name: str) -> str:
         return self.where
 
-    def shape(self, name: str) -> Tuple[int, ...]:
-        key, prefix = self.names[name]
+    def shape(self, name: str, kind: str = "model") -> Tuple[int, ...]:
+        key, prefix = (self.names if kind == "model" else self.optimizer[kind])[name]
         return self.sizes[key][len(prefix):]
 
-    def read(self, name: str) -> torch.Tensor:
-        """The global tensor, assembled from the chunks of its key that hold its index."""
-        key, prefix = self.names[name]
+    def read(self, name: str, kind: str = "model") -> torch.Tensor:
+        """The global tensor (or its optimizer state ``kind``), assembled from the chunks of its key
+        that hold its index."""
+        key, prefix = (self.names if kind == "model" else self.optimizer[kind])[name]
         out, filled = None, 0
         for chunk in self.chunks[key]:
             if not all(o <= i < o + s for i, o, s in zip(prefix, chunk.offsets, chunk.sizes, strict=False)):
@@ -161,13 +183,13 @@ class DistCheckpoint:
             data = self._read_chunk(key, chunk)
             data = data[tuple(i - o for i, o in zip(prefix, chunk.offsets, strict=False))]
             if out is None:
-                out = torch.empty(self.shape(name), dtype=data.dtype)
+                out = torch.empty(self.shape(name, kind), dtype=data.dtype)
             rest = chunk.offsets[len(prefix):]
             out[tuple(slice(o, o + s) for o, s in zip(rest, data.shape, strict=True))] = data
             filled += data.numel()
         if out is None or filled != out.numel():
             raise CheckpointError(f"{self.where}: the chunks of {key!r} cover {filled} elements of {name} "
-                                  f"{list(self.shape(name))}")
+                                  f"{list(self.shape(name, kind))}")
         return out
 
     def _read_chunk(self, key: str, chunk: _Chunk) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """import-megatron: a Megatron-LM GPT / Llama / Mixtral checkpoint (torch_dist or legacy, any
-TP/PP/EP) as a checkpoint of ours (real phase, iteration 0, weights only) in any layout; every
+TP/PP/EP) as a checkpoint of ours (real phase, iteration 0) in any layout: the weights, and
+where a torch_dist checkpoint holds Adam's state, its moments, step and fp32 main weights; every
 tensor is planned and its shape checked before anything is written, then streamed one piece
 at a time."""
 from __future__ import annotations
@@ -21,6 +22,7 @@ from megatron_p2r.checkpoint.tensor_table import TensorInfo, tensor_table
 from megatron_p2r.config import Config, DataConfig, ModelConfig
 
 Plan = Dict[str, Tuple[str, Callable[[torch.Tensor], torch.Tensor]]]
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def import_megatron(src: str, dst: str, target: Target, *, force: bool = False,
@@ -36,14 +38,22 @@ def import_megatron(src: str, dst: str, target: Target, *, force: bool = False,
     flags, tokenizer_note = _tokenizer_flags(a)
     history = {"op": "import-megatron", "source": os.path.abspath(source.iter_dir),
                "source_layout": f"megatron {source.format}: TP={a.tp} PP={a.pp} EP={a.ep}"}
-    out = write_imported(src, source.iter_dir, dst, cfg, table, lambda info, kind: _piece(source, *plan[info.key]),
-                         history=history, force=force, progress=progress, extras=lambda staging: flags)
+    moments = _moments_plan(source, plan, cfg.model)
+    kinds = ("model",) + (MOMENTS + ("step",) if moments else ())
+    out = write_imported(src, source.iter_dir, dst, cfg, table, _producer(source, plan, moments), history=history,
+                         force=force, progress=progress, extras=lambda staging: flags, kinds=kinds)
     yaml_path = os.path.join(dst, MODEL_YAML)
     notes += [n for n in (vocab_note, tokenizer_note) if n]
-    notes.append("weights only: Megatron's optimizer state, iteration and RNG states are not imported (a fresh "
-                 "optimizer starts, as with --finetune)")
-    notes.append(f"model and layout flags in {yaml_path}: train with --config {yaml_path} --load {dst} "
-                 "--finetune plus data and training flags")
+    if moments:
+        mains = "its fp32 main weights, " if source.optimizer["main"] else ""
+        notes.append(f"optimizer: Adam's moments, {mains}step {source.adam_step:g} imported (--load continues them); "
+                     "Megatron's iteration, LR schedule and RNG states are not")
+    else:
+        notes.append("weights only: Megatron's optimizer state, iteration and RNG states are not imported (a fresh "
+                     "optimizer starts, as with --finetune)")
+    finetune = "" if moments else " --finetune"
+    notes.append(f"model and layout flags in {yaml_path}: train with --config {yaml_path} --load {dst}"
+                 f"{finetune} plus data and training flags")
     return out, notes
 
 
@@ -83,8 +93,34 @@ def _plan(source: MegatronCheckpoint, table: Dict[str, TensorInfo], m: ModelConf
     return plan
 
 
-def _piece(source: MegatronCheckpoint, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    return fn(source.read(name).to(torch.float32)).contiguous()
+def _moments_plan(source: MegatronCheckpoint, plan: Plan, m: ModelConfig) -> Optional[Plan]:
+    """Our piece -> (Megatron tensor, transform of its Adam moments) when the checkpoint holds
+    Adam's state (every weight's moments, each of its weight's shape); None: weights only. The
+    moments take the weight's reordering, not its value shifts (``--apply-layernorm-1p``)."""
+    if source.adam_step is None or not any(source.optimizer[k] for k in MOMENTS):
+        return None
+    for name, _ in plan.values():
+        for kind in MOMENTS + (("main",) if source.optimizer["main"] else ()):
+            if name not in source.optimizer[kind]:
+                raise CheckpointError(f"{source.location(name)}: the optimizer state has no {kind} of {name}")
+            if source.shape(name, kind) != source.shape(name):
+                raise CheckpointError(f"{source.location(name)}: the {kind} of {name} has shape "
+                                      f"{list(source.shape(name, kind))}, the weight {list(source.shape(name))}")
+    return {key: (name, transform(key, m, False)) for key, (name, _) in plan.items()}
+
+
+def _producer(source: MegatronCheckpoint, plan: Plan, moments: Optional[Plan]):
+    """(our piece, kind) -> its tensor: the weight (the fp32 main when saved), a moment, or the step."""
+    def produce(info: TensorInfo, kind: str) -> torch.Tensor:
+        if kind == "step":
+            return torch.tensor(source.adam_step, dtype=torch.float32).reshape(())
+        name, fn = (plan if kind == "model" else moments)[info.key]
+        if kind == "model" and not (moments and source.optimizer["main"]):
+            tensor = source.read(name)
+        else:  # only a torch_dist source has optimizer state
+            tensor = source.read(name, "main" if kind == "model" else kind)
+        return fn(tensor.to(torch.float32)).contiguous()
+    return produce
 
 
 def _tokenizer_flags(a: SavedArgs) -> Tuple[dict, str]:

@@ -41,6 +41,9 @@ class LegacyCheckpoint:
 
     def __init__(self, iter_dir: str):
         self.iter_dir = iter_dir
+        # Optimizer state is not read from this layout: lists in parameter order, or distrib_optim.pt
+        self.optimizer: Dict[str, dict] = {}
+        self.adam_step = None
         dirs = sorted(d for d in os.listdir(iter_dir) if RANK_DIR.fullmatch(d))
         first = self._archive(dirs[0])
         self.args = SavedArgs.of(first.obj.get("args"), first.path)

@@ -20,8 +20,9 @@ int, float, bool and None without any class):
   without arguments (how protocol 2 writes ``bytes`` and empty ``bytes``), and three kinds of
   values we never use, read as inert ``Opaque`` records (class name, arguments, state; no code
   of theirs is imported or run): numpy arrays and dtypes (the RNG state), ``megatron.*``
-  classes (enum values in the args such as ``AttnBackend``) and ``io.BytesIO`` (Transformer
-  Engine's ``_extra_state``).
+  classes (enum values in the args such as ``AttnBackend``), ``signal.Signals`` (Megatron-LM
+  saves ``args.exit_signal = signal.SIGTERM``) and ``io.BytesIO`` (Transformer Engine's
+  ``_extra_state``).
 - ``DCP_METADATA`` (``.metadata``): ``torch.Size``, torch dtype/layout/memory-format names,
   ``collections.OrderedDict``, and as ``Opaque`` records the ``torch.distributed.checkpoint.*``
   dataclasses, ``torch.serialization._get_layout``, ``pathlib`` paths and ``megatron.*``
@@ -66,6 +67,7 @@ _STORAGE_DTYPES = {"FloatStorage": torch.float32, "DoubleStorage": torch.float64
                    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
                    "BoolStorage": torch.bool}
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
+_SIGNALS = {("signal", "Signals"), ("signal", "Handlers")}  # args.exit_signal (signal.SIGTERM by default)
 _NUMPY = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
           ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
           ("numpy._core.multiarray", "scalar")}
@@ -194,7 +196,8 @@ def _admitted(kind: Kind, module: str, name: str) -> Optional[Any]:
         return getattr(torch, name)
     inert = module.split(".")[0] == "megatron"
     if kind == Kind.MEGATRON:
-        inert = inert or (module, name) in _NUMPY or (module in ("_io", "io") and name == "BytesIO")
+        inert = (inert or (module, name) in _NUMPY or (module in ("_io", "io") and name == "BytesIO")
+                 or (module, name) in _SIGNALS)
     elif kind == Kind.DCP_METADATA:
         inert = (inert or module.startswith("torch.distributed.checkpoint") or module == "pathlib"
                  or (module, name) == ("torch.serialization", "_get_layout"))

@@ -1,0 +1,69 @@
+"""import-megatron on checkpoints written by Megatron-LM's own code (tests/fixtures/megatron,
+made by make_fixtures.py with megatron-core 0.16.1): each imports with the CLI into TP=1 and
+TP=2 and gives the logits Megatron computed on the same tokens (rel 1e-5). megatron-core is not
+needed: the checkpoints and Megatron's logits are committed files."""
+import os
+
+import pytest
+import torch
+
+from tests.convert.megatron.megatron_written import FIXTURES, ROOT, fixture_logits, imported_errors
+
+
+@pytest.fixture(scope="module")
+def errors(tmp_path_factory):
+    return imported_errors(str(tmp_path_factory.mktemp("imported")))
+
+
+@pytest.mark.parametrize("tp", (1, 2))
+@pytest.mark.parametrize("name", FIXTURES)
+def test_import_gives_megatrons_logits(errors, name, tp):
+    assert errors[(name, tp)][1] <= 1e-5, errors[(name, tp)]
+
+
+def test_the_fixtures_cover_megatrons_layouts():
+    """Both formats, TP > 1, PP > 1, EP > 1, bf16, optimizer state and the three model kinds are
+    among the fixtures."""
+    files = {name: os.listdir(os.path.join(fixture_logits(name)[0], "iter_0000003")) for name in FIXTURES}
+    assert any("common.pt" in f for f in files.values()) and any("mp_rank_01" in f for f in files.values())
+    assert any("mp_rank_00_001" in f for f in files.values())
+    assert {"gpt", "llama", "mixtral"} == {name.split("_")[0] for name in FIXTURES}
+    assert any("bf16" in name for name in FIXTURES) and any("_pp2" in name for name in FIXTURES)
+    assert any(os.path.isfile(os.path.join(ROOT, name, "adam_state.pt")) for name in FIXTURES)
+    assert fixture_logits(FIXTURES[0])[2].dtype == torch.float32
+
+
+def test_adam_state_is_megatrons(tmp_path):
+    """A torch_dist checkpoint saved after 3 Adam steps: the imported moments and step are the
+    ones Megatron's optimizer held when it saved (adam_state.pt), tensor by tensor."""
+    from safetensors.torch import load_file
+
+    from megatron_p2r.convert.megatron.rules import megatron_name
+    from tools.convert_checkpoint import main
+    name = "gpt_dist_tp1_adam"
+    assert main(["import-megatron", fixture_logits(name)[0], str(tmp_path / "ours"), "--no-progress"]) == 0
+    ours = load_file(str(tmp_path / "ours" / "iter_0000000" / "mp_rank_00_000_000.safetensors"))
+    megatron = torch.load(os.path.join(os.path.dirname(fixture_logits(name)[0]), "adam_state.pt"), weights_only=True)
+    keys = [k for k in ours if not k.startswith("optimizer.")]
+    assert sorted(megatron_name(k) for k in keys) == sorted(n for n in megatron if n != "step")
+    for key in keys:
+        for kind in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ours[f"optimizer.{kind}.{key}"], megatron[megatron_name(key)][kind]), (kind, key)
+        assert ours[f"optimizer.step.{key}"].item() == megatron["step"].item() == 3
+
+
+def test_a_megatron_run_continues_here(tmp_path):
+    """From the imported step-3 checkpoint, one training step of ours on Megatron's 4th batch (same
+    constant LR, AdamW, weight decay, no clipping) gives the logits Megatron's own 4th step gave;
+    the weights alone, with a fresh AdamW, do not."""
+    from megatron_p2r.convert.megatron.importer import import_megatron
+    from megatron_p2r.convert.reshard import Target
+    from tests.convert.megatron.megatron_written import continued_logits, logits_error
+    name = "gpt_dist_tp1_adam"
+    import_megatron(fixture_logits(name)[0], str(tmp_path / "ours"), Target(1), progress=False)
+    megatron = torch.load(os.path.join(ROOT, name, "continued.pt"), weights_only=True)
+    flags = dict(lr=1e-3, lr_decay_style="constant", clip_grad=0.0, weight_decay=0.01, train_iters=10)
+    ours = continued_logits(str(tmp_path / "ours"), megatron["batch"], megatron["tokens"], **flags)
+    assert logits_error(ours, megatron["logits"])[1] <= 1e-5, logits_error(ours, megatron["logits"])
+    fresh = continued_logits(str(tmp_path / "ours"), megatron["batch"], megatron["tokens"], no_load_optim=True, **flags)
+    assert logits_error(fresh, megatron["logits"])[1] > 1e-3
