@@ -22,7 +22,10 @@ from megatron_p2r.training import setup_parallel
 from tests.helpers import run_steps, tiny_config
 
 CLIP = 0.5   # below every step's gradient norm
-BASE = dict(num_layers=4, global_batch_size=4, clip_grad=CLIP, cpu_offload_layers="0,2")
+# The learning rate changes every step (warm-up, then cosine) and weight decay is on: the worker
+# must step with the rate of its step, not the one the scheduler sets while it runs.
+BASE = dict(num_layers=4, global_batch_size=4, clip_grad=CLIP, cpu_offload_layers="0,2", lr_warmup_iters=2,
+            lr_decay_style="cosine", weight_decay=0.1)
 
 
 def _train(ps: ParallelState, overlap: bool, steps: int = 3, slow: float = 0.0, **kw):
