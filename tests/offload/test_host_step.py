@@ -62,8 +62,10 @@ def _bitwise(a: dict, b: dict) -> None:
             assert torch.equal(m, b["moments"][n][k]), (n, k)
 
 
-@pytest.mark.parametrize("kw", [{}, dict(bf16=True), dict(fp16=True, initial_loss_scale=2.0**19, hysteresis=1, loss_scale_window=1)],
-                         ids=["fp32", "bf16", "fp16-skips"])
+@pytest.mark.parametrize("kw", [
+    {}, dict(bf16=True), dict(fp16=True, initial_loss_scale=2.0**19, hysteresis=1, loss_scale_window=1),
+    dict(bf16=True, use_precision_aware_optimizer=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
+], ids=["fp32", "bf16", "fp16-skips", "bf16-moments"])
 def test_overlapped_host_step_is_bitwise_the_serial_one(kw):
     """fp16: the scale overflows, halves, grows back after each finite step and overflows again,
     so steps are skipped (no host step submitted) after taken ones: the DDP must zero the host
