@@ -74,6 +74,7 @@ CHECKSUMS_SUFFIX = ".crc32.json"  # a shard's checksums, beside it until metadat
 def save_checkpoint(save_dir: str, state) -> str:
     """Collective save of ``state`` (a ``training.TrainState``); returns the iteration directory."""
     cfg, ps = state.cfg, state.ps
+    state.optimizer.finish_host_step()   # the offloaded layers' weights and moments are final
     final = os.path.join(save_dir, iteration_dir_name(state.iteration))
     tmp = final + ".tmp"
     if ps.rank == 0:
@@ -217,6 +218,7 @@ def load_checkpoint(load_dir: str, state, finetune: bool = False) -> Optional[st
     read, or None when ``--load`` is the ``--save`` directory and holds no checkpoint yet (the
     first launch of a job that always passes both)."""
     cfg, ps = state.cfg, state.ps
+    state.optimizer.finish_host_step()   # no step of the old state writes into the loaded one
     ck = cfg.checkpoint
     if _first_launch(load_dir, ck.save):
         if ps.rank == 0:
