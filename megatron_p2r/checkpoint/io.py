@@ -73,6 +73,7 @@ def rank_pieces(model: torch.nn.Module, ps: ParallelState,
 def save_checkpoint(save_dir: str, state) -> str:
     """Collective save of ``state`` (a ``training.TrainState``); returns the iteration directory."""
     cfg, ps = state.cfg, state.ps
+    state.optimizer.finish_host_step()   # the offloaded layers' weights and moments are final
     final = os.path.join(save_dir, iteration_dir_name(state.iteration))
     tmp = final + ".tmp"
     if ps.rank == 0:
@@ -243,6 +244,7 @@ def load_checkpoint(load_dir: str, state, finetune: bool = False) -> Optional[st
     read, or None when ``--load`` is the ``--save`` directory and holds no checkpoint yet (the
     first launch of a job that always passes both)."""
     cfg, ps = state.cfg, state.ps
+    state.optimizer.finish_host_step()   # no step of the old state writes into the loaded one
     ck = cfg.checkpoint
     if _first_launch(load_dir, ck.save):
         if ps.rank == 0:

@@ -4,7 +4,6 @@ moments reproducing one process, checkpoints across settings, bitwise resume, an
 planner's bytes equal to what a rank allocates."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
