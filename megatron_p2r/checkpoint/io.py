@@ -1,9 +1,11 @@
 """Save and resume distributed checkpoints (the format: ``naming.py``, ``tensor_table.py``,
 ``metadata.py``).
 
-``save_checkpoint`` is collective: every rank writes its RNG file; rank (tp, pp, ep) with
-expert-dp rank 0 writes the shard ``mp_rank_TT_PPP_EEE`` with the pieces it owns (see
-``tensor_table.py``), so data-parallel replicas write once. Everything goes to ``iter_N.tmp``;
+``save_checkpoint`` is collective: every rank writes its RNG file; with several data-parallel
+ranks every rank writes what it owns of each shard into part files of its own
+(``parallel_save.py``, ``parts.py``); otherwise, or with ``--no-ckpt-fully-parallel-save``, rank
+(tp, pp, ep) with expert-dp rank 0 writes the shard ``mp_rank_TT_PPP_EEE`` whole with the pieces
+it owns (see ``tensor_table.py``). Either way each element is written once. Everything goes to ``iter_N.tmp``;
 after a barrier rank 0 writes ``metadata.json``, renames the directory and only then
 replaces ``latest_checkpointed_iteration.txt``, so a run killed while saving leaves
 ``latest`` on the previous complete checkpoint (``recovery.py`` clears what it left).
@@ -17,9 +19,9 @@ into metadata.json; a load checks every tensor it reads against them (older chec
 none and load unchecked).
 
 Weights are stored in fp32 — the optimizer's main parameters, not a 16-bit rounding — and the
-optimizer state whole per logical tensor: with the distributed optimizer the writer gathers each
-tensor's state from the ranks that step its pieces (``optim/state_io.py``) and every rank keeps
-its own pieces on load, so a checkpoint does not depend on DP size, the distributed optimizer,
+optimizer state whole per logical tensor (in fragments when written in parts): with the
+distributed optimizer a single writer gathers each tensor's state from the ranks that step its
+pieces (``optim/state_io.py``), and every rank keeps its own pieces on load, so a checkpoint does not depend on DP size, the distributed optimizer,
 16-bit weights or offload.
 """
 from __future__ import annotations
