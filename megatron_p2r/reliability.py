@@ -38,6 +38,7 @@ EVENT_LOG_ENV = "P2R_EVENT_LOG"
 KINDS = ("kill_after_iter", "nan_grad", "stall", "kill_in_save")
 # The moments of ``checkpoint.io.save_checkpoint`` where ``kill_in_save`` can strike, in order.
 SAVE_POINTS = ("shards",     # this rank's files are written, the others may not be: only iter_N.tmp exists
+               #             (with --async-save: in the background writer, while training goes on)
                "metadata",   # every shard written, metadata.json not yet
                "publish",    # metadata.json written, iter_N.tmp not yet renamed to iter_N
                "latest",     # iter_N in place, latest_checkpointed_iteration.txt still names the previous one

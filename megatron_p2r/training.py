@@ -360,6 +360,8 @@ def _run(cfg: Config, ps: ParallelState, plan: ParallelPlan, started: float) -> 
         logger.close()
         return result
     result.update(train(state, train_ds, valid_ds, logger, started))
+    from megatron_p2r.checkpoint.async_save import finish_pending
+    finish_pending(ps)   # the last asynchronous save is written and published before exit
     state.optimizer.finish_host_step()
     state.ddp.finish_param_sync()  # the last step's overlapped all-gather is not left pending at shutdown
     logger.close()
@@ -485,8 +487,8 @@ def _save_at_end(state: TrainState, logger: TrainingLogger, first_iteration: int
 def _save(state: TrainState, logger: TrainingLogger, reason: str = "") -> None:
     if not state.cfg.checkpoint.save:
         return
-    from megatron_p2r.checkpoint.io import save_checkpoint
-    path = save_checkpoint(state.cfg.checkpoint.save, state)
+    from megatron_p2r.checkpoint.async_save import save_checkpoint
+    path = save_checkpoint(state.cfg.checkpoint.save, state, wait=bool(reason))   # an exit waits for it
     logger.info(f"saved checkpoint {path}" + (f" ({reason})" if reason else ""))
 
 

@@ -26,6 +26,8 @@ pieces (``optim/state_io.py``), and every rank keeps its own pieces on load, so 
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import shutil
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -74,29 +76,57 @@ def rank_pieces(model: torch.nn.Module, ps: ParallelState,
 
 def save_checkpoint(save_dir: str, state) -> str:
     """Collective save of ``state`` (a ``training.TrainState``); returns the iteration directory."""
-    cfg, ps = state.cfg, state.ps
+    tmp, final = prepare_save(save_dir, state)
+    table, layout = tensor_table(state.cfg), ShardLayout.of(state.cfg)
+    optimizer = has_optimizer_state(state)
+    write_rng_file(tmp, state)
+    _write_shards(tmp, state, table, layout, ("model",) + (OPTIM_KINDS if optimizer else ()))
+    reliability.save_point("shards", state.iteration, state.ps.rank)
+    finish_save(save_dir, tmp, final, state.cfg, state.ps, SavedProgress.of(state), optimizer)
+    return final
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedProgress:
+    """What metadata.json records of the training progress, taken when the save starts (an
+    asynchronous save publishes later, when training has moved on)."""
+
+    iteration: int
+    consumed_samples: int
+    scheduler: dict
+    scaler: dict
+
+    @classmethod
+    def of(cls, state) -> "SavedProgress":
+        return cls(state.iteration, state.consumed_samples, copy.deepcopy(state.scheduler.state_dict()),
+                   copy.deepcopy(state.scaler.state_dict()))
+
+
+def prepare_save(save_dir: str, state) -> Tuple[str, str]:
+    """Collective: the offloaded state made final and an empty ``iter_N.tmp``; returns (tmp, final)."""
     state.optimizer.finish_host_step()   # the offloaded layers' weights and moments are final
     final = os.path.join(save_dir, iteration_dir_name(state.iteration))
     tmp = final + ".tmp"
-    if ps.rank == 0:
+    if state.ps.rank == 0:
         os.makedirs(save_dir, exist_ok=True)
         if os.path.exists(tmp):  # left by a run killed while saving this iteration
             shutil.rmtree(tmp)
         os.makedirs(os.path.join(tmp, RNG_DIR))
-    _barrier(ps)
-    table = tensor_table(cfg)
-    layout = ShardLayout.of(cfg)
-    optimizer = _has_optimizer_state(state)
-    _write_rank_files(tmp, state, table, layout, ("model",) + (OPTIM_KINDS if optimizer else ()))
-    reliability.save_point("shards", state.iteration, ps.rank)
+    _barrier(state.ps)
+    state.ddp.finish_param_sync()
+    return tmp, final
+
+
+def finish_save(save_dir: str, tmp: str, final: str, cfg, ps: ParallelState, progress: SavedProgress,
+                optimizer: bool) -> None:
+    """Collective, once every rank has written its files: rank 0 publishes the checkpoint."""
     _barrier(ps)
     if ps.rank == 0:
-        _publish_checkpoint(save_dir, tmp, final, state, table, layout, optimizer)
+        _publish_checkpoint(save_dir, tmp, final, cfg, ps, progress, optimizer)
     _barrier(ps)
-    return final
 
 
-def _has_optimizer_state(state) -> bool:
+def has_optimizer_state(state) -> bool:
     """True once the optimizer has stepped (it has AdamW state), on every rank."""
     flag = torch.tensor([1.0 if state.optimizer.step_count else 0.0], device=state.ps.device)
     if state.ps.layout.world_size > 1:
@@ -104,17 +134,19 @@ def _has_optimizer_state(state) -> bool:
     return bool(flag.item())
 
 
-def _write_rank_files(tmp: str, state, table: Dict[str, TensorInfo], layout: ShardLayout,
-                      kinds: Sequence[str]) -> None:
-    """This rank's RNG file, and what it writes of the shards: its own fragments (fully parallel
-    save), or its whole shard when it is the one data-parallel replica that writes it."""
+def write_rng_file(tmp: str, state) -> None:
+    """This rank's RNG streams and data position (small: written synchronously by every save)."""
     ps, c = state.ps, state.ps.coords
     leave_checksums(tmp, rng_file(ps.rank), save_tensors(
         os.path.join(tmp, rng_file(ps.rank)), _rng_tensors(ps.device),
         {"rank": ps.rank, "tp": c.tp, "dp": c.dp, "pp": c.pp, "consumed_samples": state.consumed_samples}))
-    state.ddp.finish_param_sync()
-    pieces = list(rank_pieces(state.model, ps, table))
-    if state.cfg.checkpoint.ckpt_fully_parallel_save and ps.dp_size > 1:   # with DP 1, one writer anyway
+
+
+def _write_shards(tmp: str, state, table: Dict[str, TensorInfo], layout: ShardLayout, kinds: Sequence[str]) -> None:
+    """What this rank writes of the shards: its own fragments (fully parallel save), or its whole
+    shard when it is the one data-parallel replica that writes it."""
+    pieces = list(rank_pieces(state.model, state.ps, table))
+    if state.cfg.checkpoint.ckpt_fully_parallel_save and state.ps.dp_size > 1:   # with DP 1, one writer anyway
         write_parts(tmp, owned_fragments(state, table, pieces, layout, kinds))
     else:
         _write_whole_shard(tmp, state, table, layout, kinds, pieces)
@@ -162,16 +194,17 @@ def _piece_tensor(state, gathered: Dict[str, torch.Tensor], j: Optional[int], ki
     return t if j is None else t[j]
 
 
-def _publish_checkpoint(save_dir: str, tmp: str, final: str, state, table: Dict[str, TensorInfo],
-                        layout: ShardLayout, optimizer: bool) -> None:
+def _publish_checkpoint(save_dir: str, tmp: str, final: str, cfg, ps: ParallelState, progress: SavedProgress,
+                        optimizer: bool) -> None:
     """Rank 0, every shard written: metadata.json, rename into place, record as latest, prune."""
-    ps, iteration = state.ps, state.iteration
+    iteration = progress.iteration
+    table, layout = tensor_table(cfg), ShardLayout.of(cfg)
     reliability.save_point("metadata", iteration, ps.rank)
     files, parts = _stored_files(tmp, table, layout, optimizer)
     rng = {"world_size": ps.layout.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size}
-    write_metadata(tmp, build_metadata(state.cfg, table, iteration=iteration,
-                                       consumed_samples=state.consumed_samples, optimizer=optimizer,
-                                       scheduler=state.scheduler.state_dict(), scaler=state.scaler.state_dict(),
+    write_metadata(tmp, build_metadata(cfg, table, iteration=iteration,
+                                       consumed_samples=progress.consumed_samples, optimizer=optimizer,
+                                       scheduler=progress.scheduler, scaler=progress.scaler,
                                        files=files, parts=parts, rng=rng, history=[],
                                        checksums=_collect_checksums(tmp, list(files) + [
                                            rng_file(r) for r in range(ps.layout.world_size)])))
@@ -181,8 +214,8 @@ def _publish_checkpoint(save_dir: str, tmp: str, final: str, state, table: Dict[
     reliability.save_point("latest", iteration, ps.rank)
     write_text_atomic(os.path.join(save_dir, LATEST_FILE), str(iteration))
     reliability.save_point("prune", iteration, ps.rank)
-    if state.cfg.checkpoint.keep_last:
-        _prune(save_dir, state.cfg.checkpoint.keep_last)
+    if cfg.checkpoint.keep_last:
+        _prune(save_dir, cfg.checkpoint.keep_last)
 
 
 def _stored_files(tmp: str, table: Dict[str, TensorInfo], layout: ShardLayout,

@@ -21,6 +21,10 @@ class CheckpointConfig:
                                          "distributed optimizer's state, or its share of the tensors) into files of "
                                          "its own; --no-ckpt-fully-parallel-save keeps one writer per model-parallel "
                                          "shard.")
+    async_save: bool = opt(False, "Write checkpoints in the background: each rank copies what it writes to host "
+                           "memory and a writer thread writes it while training continues; the checkpoint is "
+                           "published at the next save or at exit (needs the fully parallel save, as Megatron-LM's "
+                           "needs its torch_dist format).")
     ckpt_fully_parallel_load: bool = opt(False, "Each rank reads only the optimizer-state fragments it steps, not "
                                          "whole tensors (the weights are read whole: every rank holds them).")
 
