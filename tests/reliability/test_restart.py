@@ -95,3 +95,20 @@ def test_sigkill_during_save_keeps_a_loadable_latest(reference, tmp_path, point)
     assert f"loaded checkpoint {ck / f'iter_{latest:07d}'}" in second[0][1]
     assert sorted(os.listdir(ck)) == ["iter_0000006", "latest_checkpointed_iteration.txt"]
     _same_final_state(ck, reference)
+
+
+def test_sigkill_during_an_async_write_resumes_from_the_previous_checkpoint(reference, tmp_path):
+    """--async-save: rank 1 is SIGKILLed in its background writer of iteration 4 (its files
+    written, training already on iteration 5, nothing published): latest still names 2 (published
+    at the save of 4), and the relaunch resumes from it and ends bitwise the uninterrupted run."""
+    ck = tmp_path / "ck"
+    argv = ARGV + ["--save", str(ck), "--load", str(ck), "--async-save", "--distributed-timeout-minutes", "0.5"]
+    first = launch(argv, 2, env={"P2R_FAULT": "kill_in_save:4:shards@rank1"}, out_dir=str(tmp_path))
+    assert first[1][0] == -9 and "Traceback" not in first[0][1], first
+    assert (ck / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert "iter_0000004.tmp" in os.listdir(ck)
+    check_files(str(ck / "iter_0000002"), read_metadata(str(ck / "iter_0000002")))
+    second = launch(argv, 2, out_dir=str(tmp_path))
+    assert [rc for rc, _ in second] == [0, 0], second
+    assert f"loaded checkpoint {ck / 'iter_0000002'}" in second[0][1]
+    _same_final_state(ck, reference)
