@@ -1,6 +1,7 @@
 """import-megatron: a Megatron-LM GPT / Llama / Mixtral checkpoint (torch_dist or legacy, any
 TP/PP/EP) as a checkpoint of ours (real phase, iteration 0) in any layout: the weights, and
-where a torch_dist checkpoint holds Adam's state, its moments, step and fp32 main weights; every
+where the checkpoint holds Adam's state (torch_dist optimizer keys, or the legacy layout's
+distrib_optim.pt), its moments, step and fp32 main weights; every
 tensor is planned and its shape checked before anything is written, then streamed one piece
 at a time."""
 from __future__ import annotations
@@ -117,7 +118,7 @@ def _producer(source: MegatronCheckpoint, plan: Plan, moments: Optional[Plan]):
         name, fn = (plan if kind == "model" else moments)[info.key]
         if kind == "model" and not (moments and source.optimizer["main"]):
             tensor = source.read(name)
-        else:  # only a torch_dist source has optimizer state
+        else:
             tensor = source.read(name, "main" if kind == "model" else kind)
         return fn(tensor.to(torch.float32)).contiguous()
     return produce

@@ -33,14 +33,20 @@ def test_the_fixtures_cover_megatrons_layouts():
     assert fixture_logits(FIXTURES[0])[2].dtype == torch.float32
 
 
-def test_adam_state_is_megatrons(tmp_path):
-    """A torch_dist checkpoint saved after 3 Adam steps: the imported moments and step are the
-    ones Megatron's optimizer held when it saved (adam_state.pt), tensor by tensor."""
+# Saved after 3 Adam steps: torch_dist with the non-distributed optimizer; legacy with the
+# distributed optimizer over 2 DP ranks (distrib_optim.pt: flat buffers gathered on DP rank 0)
+WITH_OPTIMIZER = ("gpt_dist_tp1_adam", "gpt_legacy_dp2_distopt")
+
+
+@pytest.mark.parametrize("name", WITH_OPTIMIZER)
+def test_adam_state_is_megatrons(tmp_path, name):
+    """The imported moments, step and fp32 mains (where saved apart from the weights) are the ones
+    Megatron's optimizer held when it saved (adam_state.pt; the distributed optimizer's gathered
+    from each rank's slices of each parameter, not from the flat buffer), tensor by tensor."""
     from safetensors.torch import load_file
 
     from megatron_p2r.convert.megatron.rules import megatron_name
     from tools.convert_checkpoint import main
-    name = "gpt_dist_tp1_adam"
     assert main(["import-megatron", fixture_logits(name)[0], str(tmp_path / "ours"), "--no-progress"]) == 0
     ours = load_file(str(tmp_path / "ours" / "iter_0000000" / "mp_rank_00_000_000.safetensors"))
     megatron = torch.load(os.path.join(os.path.dirname(fixture_logits(name)[0]), "adam_state.pt"), weights_only=True)
@@ -50,16 +56,18 @@ def test_adam_state_is_megatrons(tmp_path):
         for kind in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(ours[f"optimizer.{kind}.{key}"], megatron[megatron_name(key)][kind]), (kind, key)
         assert ours[f"optimizer.step.{key}"].item() == megatron["step"].item() == 3
+        if "main" in megatron[megatron_name(key)]:
+            assert torch.equal(ours[key], megatron[megatron_name(key)]["main"]), key
 
 
-def test_a_megatron_run_continues_here(tmp_path):
+@pytest.mark.parametrize("name", WITH_OPTIMIZER)
+def test_a_megatron_run_continues_here(tmp_path, name):
     """From the imported step-3 checkpoint, one training step of ours on Megatron's 4th batch (same
     constant LR, AdamW, weight decay, no clipping) gives the logits Megatron's own 4th step gave;
     the weights alone, with a fresh AdamW, do not."""
     from megatron_p2r.convert.megatron.importer import import_megatron
     from megatron_p2r.convert.reshard import Target
     from tests.convert.megatron.megatron_written import continued_logits, logits_error
-    name = "gpt_dist_tp1_adam"
     import_megatron(fixture_logits(name)[0], str(tmp_path / "ours"), Target(1), progress=False)
     megatron = torch.load(os.path.join(ROOT, name, "continued.pt"), weights_only=True)
     flags = dict(lr=1e-3, lr_decay_style="constant", clip_grad=0.0, weight_decay=0.01, train_iters=10)
