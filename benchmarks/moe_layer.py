@@ -1,12 +1,17 @@
 """MoE layer: speed against Hugging Face Mixtral's block, and all-to-all bytes against the minimum.
 
-    python benchmarks/moe_layer.py [--rounds 5] [--iters 3] [--bf16] [--skip-ep]
+    python benchmarks/moe_layer.py [--rounds 5] [--iters 3] [--bf16] [--cpu-time] [--skip-ep] [--skew 0.25]
 
 1. One process: hidden 256, expert FFN 512, 8 SwiGLU experts, top-2 (renormalised, as
-   Mixtral), 2048 tokens. Forward + backward of ``moe.layer.MoELayer`` against
-   ``transformers`` ``MixtralSparseMoeBlock`` holding the *same weights* (the outputs are
-   compared first), under its experts implementations: the eager loop over experts (the
-   default) and grouped_mm (batched_mm on request). Interleaved rounds, medians; ratio = their time / ours (>= 1: we are faster).
+   Mixtral), 2048 tokens, at balanced routing (a random router) and imbalanced routing (a
+   router bias falling from +skew on expert 0 to -skew on the last). Forward + backward of
+   ``moe.layer.MoELayer`` with the padded experts (the default) and with ``--moe-grouped-gemm``
+   side by side, against ``transformers`` ``MixtralSparseMoeBlock`` holding the *same weights*
+   (the outputs are compared first), under its experts implementations: the eager loop over
+   experts (the default) and grouped_mm (batched_mm on request). Interleaved rounds, medians;
+   each time is also given as a multiple of ours/padded's and ours/grouped's (> 1: slower than
+   ours), and the experts' matmul FLOP/s on the routed rows as a fraction of the matmul ceiling
+   measured in the same run (benchmarks/measure.py).
 2. Two gloo processes, EP=2, 2048 tokens per rank: bytes this rank's all-to-alls send to the
    other rank per forward (and per forward + backward) against the minimum
    tokens x hidden x dtype bytes x 2 (there and back) x fraction of assignments routed off-rank
@@ -31,6 +36,7 @@ if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):  # must be set be
 
 import torch  # noqa: E402
 
+from measure import matmul_ceiling, timed  # noqa: E402
 from megatron_p2r.config import ModelConfig  # noqa: E402
 from megatron_p2r.moe.layer import MoELayer  # noqa: E402
 from megatron_p2r.parallel.sharding import init_parameters  # noqa: E402
@@ -39,14 +45,14 @@ from megatron_p2r.parallel.state import ParallelState  # noqa: E402
 HIDDEN, FFN, EXPERTS, TOPK, TOKENS = 256, 512, 8, 2, 2048
 
 
-def model_config() -> ModelConfig:
+def model_config(grouped: bool = False) -> ModelConfig:
     return ModelConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, num_experts=EXPERTS,
                        moe_ffn_hidden_size=FFN, moe_router_topk=TOPK, moe_router_pre_softmax=False, swiglu=True,
-                       disable_bias_linear=True)
+                       disable_bias_linear=True, moe_grouped_gemm=grouped)
 
 
-def our_layer(ps: ParallelState) -> MoELayer:
-    layer = MoELayer(model_config(), ps)
+def our_layer(ps: ParallelState, grouped: bool = False) -> MoELayer:
+    layer = MoELayer(model_config(grouped), ps)
     init_parameters(layer, seed=1, tp_rank=0, tp_size=1, ep_rank=ps.ep_rank)
     return layer
 
@@ -67,46 +73,87 @@ def mixtral_block(ours: MoELayer, implementation: str):
     return block
 
 
-def speed(rounds: int, iters: int, bf16: bool, implementations) -> None:
-    torch.set_num_threads(2)
-    torch.manual_seed(0)
-    ours = our_layer(ParallelState.single())
-    x = torch.randn(8, TOKENS // 8, HIDDEN)
-    g = torch.randn_like(x)
-    contenders = {"ours": ours}
-    for impl in implementations:
-        contenders[f"mixtral/{impl}"] = mixtral_block(ours, impl)
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+def routed_inputs(layer: MoELayer, skew: float):
+    """(x, upstream gradient) of TOKENS tokens. ``skew`` > 0 makes routing imbalanced: feature 0
+    is a constant 1 and the router reads it as a bias falling linearly from +skew (expert 0) to
+    -skew (the last expert)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, TOKENS // 8, HIDDEN, generator=g)
+    if skew:
+        x[..., 0] = 1.0
+        with torch.no_grad():
+            layer.router.weight[:, 0] = torch.linspace(skew, -skew, EXPERTS)
+    return x, torch.randn(x.shape, generator=g)
 
+
+def expert_loads(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """Assignments per expert over the balanced share (1.0 = even)."""
+    with torch.no_grad():
+        indices = layer.router(x.reshape(-1, HIDDEN)).indices
+    return torch.bincount(indices.reshape(-1), minlength=EXPERTS) * EXPERTS / indices.numel()
+
+
+def contenders(skew: float, implementations):
+    """(x, g, loads, {name: module}): our layer with the padded and the grouped experts and
+    Mixtral's blocks, all holding the same weights."""
+    padded = our_layer(ParallelState.single())
+    x, g = routed_inputs(padded, skew)
+    grouped = our_layer(ParallelState.single(), grouped=True)
+    grouped.load_state_dict(padded.state_dict())
+    modules = {"ours/padded": padded, "ours/grouped": grouped}
+    for impl in implementations:
+        modules[f"mixtral/{impl}"] = mixtral_block(padded, impl)
+    return x, g, expert_loads(padded, x), modules
+
+
+def time_contenders(modules: dict, x, g, rounds: int, iters: int, autocast, clock) -> dict:
+    """{name: seconds per forward+backward}: medians of interleaved rounds after a warm-up; the
+    outputs are compared with ours/padded first."""
     def step(module):
         xx = x.clone().requires_grad_()
         with autocast():
             out = module(xx)
         (out.float() * g).sum().backward()
         module.zero_grad(set_to_none=True)
-        return out
 
-    with torch.no_grad():
-        reference = ours(x)
-        for name, module in contenders.items():
-            err = (module(x) - reference).abs().max().item()
-            print(f"{name:22s} max |output - ours| = {err:.2e}")
-    times = {name: [] for name in contenders}
-    for name, module in contenders.items():  # warm-up
+    with torch.no_grad(), autocast():
+        reference = modules["ours/padded"](x).float()
+        for name, module in modules.items():
+            print(f"  {name:18s} max |output - ours/padded| = {(module(x).float() - reference).abs().max().item():.2e}")
+    times = {name: [] for name in modules}
+    for module in modules.values():
         step(module)
     for _ in range(rounds):
-        for name, module in contenders.items():
-            start = time.perf_counter()
-            for _ in range(iters):
-                step(module)
-            times[name].append((time.perf_counter() - start) / iters)
-    ours_t = statistics.median(times["ours"])
-    print(f"\nforward+backward, {TOKENS} tokens, hidden {HIDDEN}, expert FFN {FFN}, {EXPERTS} SwiGLU experts, "
-          f"top-{TOPK}, {'bf16 autocast' if bf16 else 'fp32'}, 2 threads; medians of {rounds} rounds x {iters}")
-    for name, t in times.items():
-        med = statistics.median(t)
-        ratio = "" if name == "ours" else f"   ratio (theirs / ours) {med / ours_t:.2f}"
-        print(f"{name:22s} {1000 * med:8.1f} ms  (min {1000 * min(t):.1f}){ratio}")
+        for name, module in modules.items():
+            times[name].append(timed(lambda m=module: [step(m) for _ in range(iters)], torch.device("cpu"), clock) / iters)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def speed(rounds: int, iters: int, bf16: bool, implementations, skew: float, cpu_time: bool) -> None:
+    threads, clock = (1, time.process_time) if cpu_time else (2, time.perf_counter)
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+    ceiling = matmul_ceiling(torch.device("cpu"), dtype, clock=clock)
+    # expert matmuls of a forward + backward (3x the forward's), on the routed rows only
+    expert_flops = 3 * 2 * TOKENS * TOPK * 3 * FFN * HIDDEN
+    print(f"forward+backward, {TOKENS} tokens, hidden {HIDDEN}, expert FFN {FFN}, {EXPERTS} SwiGLU experts, "
+          f"top-{TOPK}, {'bf16 autocast' if bf16 else 'fp32'}, {threads} thread(s), "
+          f"{'CPU' if cpu_time else 'wall'} time; medians of {rounds} rounds x {iters}")
+    print(f"matmul ceiling ({dtype}, 2048^3): {ceiling / 1e9:.0f} GFLOP/s; "
+          f"the experts' matmuls: {expert_flops / 1e9:.2f} GFLOP per step on the routed rows")
+    for routing, s in (("balanced", 0.0), ("imbalanced", skew)):
+        x, g, loads, modules = contenders(s, implementations)
+        padding = loads.max().item() * EXPERTS / loads.sum().item() - 1
+        print(f"\n{routing} routing: expert loads {', '.join(f'{v:.2f}' for v in loads.tolist())} of the even share; "
+              f"the padded experts multiply {100 * padding:.0f}% padding rows on top")
+        times = time_contenders(modules, x, g, rounds, iters, autocast, clock)
+        print(f"  {'':18s} {'time':>8s}     {'/ padded':>8s} {'/ grouped':>9s}   expert FLOP/s / ceiling")
+        for name, t in times.items():
+            print(f"  {name:18s} {1000 * t:8.1f} ms  {t / times['ours/padded']:8.2f} {t / times['ours/grouped']:9.2f}"
+                  f"   {expert_flops / t / ceiling:.0%}")
+        print(f"  grouped vs padded: {times['ours/padded'] / times['ours/grouped']:.2f}x as fast")
 
 
 # ----------------------------------------------------------------------------- all-to-all bytes
@@ -166,12 +213,17 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (needs a CPU with a bf16 matmul path)")
     parser.add_argument("--skip-ep", action="store_true", help="only the one-process comparison")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="one thread, this process's CPU time instead of wall time: other load on a shared "
+                             "machine does not move the figures")
+    parser.add_argument("--skew", type=float, default=0.25,
+                        help="router bias of the imbalanced case, from +SKEW (expert 0) down to -SKEW")
     parser.add_argument("--mixtral-impls", nargs="+", default=["eager", "grouped_mm"],
                         choices=["eager", "batched_mm", "grouped_mm"],
                         help="transformers experts implementations to time (batched_mm copies every token's "
                              "expert weights: ~50x slower here, so not by default)")
     args = parser.parse_args(argv)
-    speed(args.rounds, args.iters, args.bf16, args.mixtral_impls)
+    speed(args.rounds, args.iters, args.bf16, args.mixtral_impls, args.skew, args.cpu_time)
     if not args.skip_ep:
         all_to_all_bytes(args.bf16)
 

@@ -21,7 +21,7 @@ def model_flops_per_token(m: ModelConfig, recompute: bool = False) -> float:
     kv-channels) per layer (counted over the full square, as Megatron does).
     """
     h, L = m.hidden_size, m.num_layers
-    ffn_mult = 3 if m.swiglu else 2
+    ffn_mult = 3 if m.gated_linear_unit else 2
     attention = 2 * h * (m.num_attention_heads + m.query_groups) * m.head_dim
     dense = ffn_mult * h * m.ffn_size
     expert = ffn_mult * h * m.expert_ffn_size * (m.moe_num_prototypes if m.moe_num_prototypes > 1

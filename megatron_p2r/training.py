@@ -152,7 +152,7 @@ def build_train_state(cfg: Config, ps: ParallelState, plan: Optional[ParallelPla
 
 def build_datasets(cfg: Config, ps: ParallelState, iteration: int = 0, consumed_samples: int = 0):
     """(train, valid) datasets: every item is int64 tokens of length seq_length + 1; no training
-    set for a run that trains nothing (--eval-only).
+    set for a run that trains nothing (--eval-only), no validation set with --eval-iters 0.
 
     A resumed run's training set holds the samples consumed so far plus those of its remaining
     iterations (``config.batch.train_samples``): the same size as before when the global batch
@@ -163,7 +163,7 @@ def build_datasets(cfg: Config, ps: ParallelState, iteration: int = 0, consumed_
         from megatron_p2r.data.mock import MockGPTDataset
         m = cfg.model
         return (MockGPTDataset(samples, m.seq_length, m.vocab_size, cfg.train.seed) if samples else None,
-                MockGPTDataset(eval_samples, m.seq_length, m.vocab_size, cfg.train.seed + 1))
+                MockGPTDataset(eval_samples, m.seq_length, m.vocab_size, cfg.train.seed + 1) if eval_samples else None)
     from megatron_p2r.data.builder import build_train_valid_test_datasets
     train, valid, _ = build_train_valid_test_datasets(cfg.data, cfg.model.seq_length, cfg.train.seed,
                                                       (samples, eval_samples, 0), cfg.model.vocab_size)
@@ -394,7 +394,7 @@ def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger, started
             record = _training_record(state, out, lr, losses[-window.steps:], window)
             logger.log(record, format_line(record))
             window.reset(state.consumed_samples)
-        if cfg.logging.eval_interval and state.iteration % cfg.logging.eval_interval == 0:
+        if cfg.logging.evaluates and state.iteration % cfg.logging.eval_interval == 0:
             eval_losses.append(_evaluate_and_log(state, valid_ds, logger))
         if _save_and_check_exit(state, logger, exit_signal):
             return {"losses": losses, "eval_losses": eval_losses, "exited_early": True}

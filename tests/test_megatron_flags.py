@@ -31,6 +31,9 @@ MEGATRON_DEFAULTS = {
     "step_batch_size_schedule": None, "global_batch_size": None, "exit_interval": None,
     "exit_duration_in_mins": None, "eval_interval": None, "num_experts": None, "moe_ffn_hidden_size": None,
     "ffn_hidden_size": None, "max_position_embeddings": None, "vocab_size": None, "tokenizer_type": None,
+    # gpt-oss's options (megatron-core's TransformerConfig)
+    "softmax_type": "vanilla", "quick_geglu": False, "glu_linear_offset": 0.0, "window_size": None,
+    "window_attn_skip_freq": None, "activation_func_clamp_value": None,
 }
 
 
@@ -58,6 +61,15 @@ def test_value_dependent_statuses():
     assert parse_launch(BASE + ["--no-position-embedding", "--position-embedding-type", "rope"])[1] == []
     with pytest.raises(ConfigError, match="--moe-router-load-balancing-type aux_loss sinkhorn: only aux_loss"):
         parse_launch(BASE + ["--moe-router-load-balancing-type", "aux_loss", "sinkhorn"])
+    # the gpt-oss script's: plain rope and fp32 routing are ours; ModelOpt's YaRN switch only acts on a load
+    assert parse_launch(BASE + ["--rope-type", "rope", "--moe-router-dtype", "fp32"])[1] == []
+    assert parse_launch(BASE + ["--enable-gpt-oss"])[1][0].startswith("--enable-gpt-oss (a ModelOpt flag")
+    with pytest.raises(ConfigError) as err:
+        parse_launch(BASE + ["--rope-type", "yarn", "--moe-router-dtype", "fp64", "--enable-gpt-oss", "--load", "x"])
+    for refused in ("--rope-type yarn: YaRN rotary scaling is not implemented",
+                    "--moe-router-dtype fp64: fp64 routing is not implemented",
+                    "--enable-gpt-oss: with a loaded ModelOpt checkpoint"):
+        assert refused in str(err.value)
 
 
 def test_yaml_takes_the_same_flags(tmp_path):

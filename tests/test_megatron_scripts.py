@@ -19,7 +19,7 @@ from tools import megatron_flags, preprocess_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "megatron_scripts")
-SCRIPTS = ["gpt3_175b", "llama3_8b", "llama3_8b_data", "mixtral_8x7b"]
+SCRIPTS = ["gpt3_175b", "gptoss", "llama3_8b", "llama3_8b_data", "llama3_8b_fsdp", "mixtral_8x7b"]  # as the shell globs them
 # The same flags again, small: 2 iterations of a model of hidden 32-64 on CPU.
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--eval-iters", "1", "--log-interval", "1"]
@@ -33,8 +33,14 @@ SHRINK = {
                              "--num-experts", "4", "--pipeline-model-parallel-size", "1",
                              "--expert-model-parallel-size", "2", "--global-batch-size", "4", "--train-iters", "2",
                              "--split", "90,8,2"],  # 99990,8,2 gives no document of the tiny corpus to validation
+    # its own --eval-iters 0 kept; a window shorter than the sequence; 2 ranks of EP 2 instead of PP 8
+    "gptoss": ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--moe-ffn-hidden-size", "128",
+               "--num-attention-heads", "4", "--num-query-groups", "2", "--kv-channels", "16", "--seq-length", "32",
+               "--max-position-embeddings", "32", "--vocab-size", "256", "--window-size", "7,0",
+               "--pipeline-model-parallel-size", "1", "--expert-model-parallel-size", "2", "--global-batch-size", "4",
+               "--train-samples", "8", "--lr-decay-samples", "8", "--log-interval", "1"],
 }
-RANKS = {"gpt3_175b": 2, "llama3_8b": 1, "mixtral_8x7b": 2}
+RANKS = {"gpt3_175b": 2, "llama3_8b": 1, "mixtral_8x7b": 2, "gptoss": 2}
 
 
 def fixture(name: str) -> dict:
@@ -90,18 +96,23 @@ def preprocessed(corpus: str, out: str, *tokenizer: str) -> str:
     return out + "_text_document"
 
 
+def script_argv(name: str, paths: dict) -> list:
+    """The fixture's argv with its placeholders filled in."""
+    argv = []
+    for arg in fixture(name)["argv"]:
+        for key, value in paths.items():
+            arg = arg.replace("{" + key + "}", value)
+        argv.append(arg)
+    return argv
+
+
 def run_script(name: str, tmp_path, paths: dict):
     """Launch the script's argv (placeholders filled in) plus its shrink flags; return (log records,
     output of rank 0)."""
     log = tmp_path / "log.jsonl"
     paths = {"CHECKPOINT_PATH": str(tmp_path / "ckpt"), "TENSORBOARD_LOGS_PATH": str(tmp_path / "tb"),
              "WORKDIR": str(tmp_path), **paths}
-    argv = []
-    for arg in fixture(name)["argv"]:
-        for key, value in paths.items():
-            arg = arg.replace("{" + key + "}", value)
-        argv.append(arg)
-    results = launch(argv + SHRINK[name] + ["--log-file", str(log), "--device", "cpu"], RANKS[name],
+    results = launch(script_argv(name, paths) + SHRINK[name] + ["--log-file", str(log), "--device", "cpu"], RANKS[name],
                      out_dir=str(tmp_path), timeout=300)
     assert [code for code, _ in results] == [0] * RANKS[name], results[0][1][-3000:]
     records = [json.loads(line) for line in open(log, encoding="utf-8") if "lm_loss" in line]
@@ -143,3 +154,37 @@ def test_mixtral_8x7b_script(tmp_path, corpus, sp_model):  # noqa: F811
     records, output = run_script("mixtral_8x7b", tmp_path, {"TOKENIZER_MODEL": sp_model, "DATA_PATH": data})
     assert all(r["moe_aux_loss"] > 0 for r in records)
     reported_no_effect("mixtral_8x7b", output)
+
+
+def test_gptoss_script(tmp_path):
+    """Sliding windows on every other layer, learned sinks, clamped quick-GeGLU experts, and
+    --eval-iters 0: no validation at all (its --eval-interval would never come anyway)."""
+    records, output = run_script("gptoss", tmp_path, {})
+    assert [r["consumed_samples"] for r in records] == [4, 8]
+    assert "validation" not in output
+    reported_no_effect("gptoss", output)
+
+
+def test_megatron_fsdp_script_is_refused_by_name(tmp_path):
+    """Every flag is known; --use-megatron-fsdp alone is refused, with why and what to do."""
+    from megatron_p2r.arguments import parse_launch
+    from megatron_p2r.config import ConfigError
+    argv = script_argv("llama3_8b_fsdp", {"CHECKPOINT_PATH": str(tmp_path / "ckpt"), "WORKDIR": str(tmp_path),
+                                          "TENSORBOARD_LOGS_PATH": str(tmp_path / "tb")})
+    with pytest.raises(ConfigError) as refused:
+        parse_launch(argv)
+    assert str(refused.value).startswith("not supported here (docs/megatron.md): --use-megatron-fsdp: Megatron-FSDP "
+                                         "shards gradients and 16-bit weights")
+
+
+def test_extract_stands_in_for_both_launchers(tmp_path):
+    """``extract`` records what follows the training script under ``torchrun`` and ``python -m
+    torch.distributed.run`` (gpt-oss, FSDP), makes the directories a script insists on, and
+    writes the directory it runs in as {WORKDIR}."""
+    script = tmp_path / "train.sh"
+    script.write_text('#!/bin/bash\n[ -d "$1" ] || exit 1\nARGS=(--num-layers 2 "--split \'99,1,0\'")\n'
+                      'python -c "pass"\n'   # any other python runs as itself
+                      '$LAUNCH pretrain_gpt.py ${ARGS[@]} --save $1 --data-cache-path ${PWD}/cache\n')
+    want = ["--num-layers", "2", "--split", "'99,1,0'", "--save", "ckpt", "--data-cache-path", "{WORKDIR}/cache"]
+    for launcher in ("torchrun --nproc_per_node 8", "python -m torch.distributed.run --nproc_per_node 8"):
+        assert megatron_flags.extract(str(script), ["ckpt"], {"LAUNCH": launcher}, dirs=["ckpt"]) == want

@@ -102,3 +102,24 @@ def test_single_process_pretrain_logs_jsonl(tmp_path):
                                                                    (losses[2] + losses[3]) / 2])
     assert any("eval_loss" in r for r in records)
     assert list((tmp_path / "tb").iterdir())  # TensorBoard event file written
+
+
+@pytest.mark.parametrize("data", ["mock", "indexed"])
+def test_eval_iters_0_trains_without_validation(tmp_path, data):
+    """Megatron-LM's --eval-iters 0: no validation set is built and --eval-interval evaluates nothing."""
+    from megatron_p2r.training import build_datasets, pretrain
+    cfg = tiny_config(train_iters=2, eval_interval=1, eval_iters=0, global_batch_size=2)
+    if data == "indexed":
+        from tests.data.test_gpt_dataset import make_dataset
+        make_dataset(tmp_path / "corpus", [40] * 20)
+        cfg = cfg.replace(mock_data=False, data_path=[str(tmp_path / "corpus")], split="90,10,0", vocab_size=1000)
+    assert build_datasets(cfg, ParallelState.single())[1] is None
+    result = pretrain(cfg)
+    assert len(result["losses"]) == 2 and result["eval_losses"] == []
+
+
+def test_eval_only_with_eval_iters_0_is_refused():
+    from megatron_p2r.config import ConfigError
+    from megatron_p2r.config.validation import validate
+    with pytest.raises(ConfigError, match="--eval-only evaluates --eval-iters batches: 0 evaluates nothing"):
+        validate(tiny_config(eval_only=True, eval_iters=0), 1)

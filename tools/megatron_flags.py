@@ -1,14 +1,16 @@
 """Megatron-LM launch scripts against this framework's flags (docs/megatron.md).
 
-    python tools/megatron_flags.py extract SCRIPT --arg NAME=VALUE ... [--env K=V] --output FIXTURE.json
+    python tools/megatron_flags.py extract SCRIPT --arg NAME=VALUE ... [--env K=V] [--dir DIR] --output FIXTURE.json
     python tools/megatron_flags.py count FIXTURE.json ...     # accepted with meaning / no effect / refused
     python tools/megatron_flags.py table FIXTURE.json ...     # the flag table of docs/megatron.md
 
-``extract`` runs the script with bash as it is, except that ``torchrun`` is a stand-in that
-writes the arguments after the training script: exactly the argv Megatron-LM's
-``pretrain_gpt.py`` would get, with bash's own expansion (quotes left inside an array element
-stay in the argument). Positional parameters are given as ``--arg NAME=VALUE`` in order; the
-temporary directory the script runs in is written as ``{WORKDIR}``. The fixtures in
+``extract`` runs the script with bash as it is, except that ``torchrun`` (and ``python -m
+torch.distributed.run``) is a stand-in that writes the arguments after the training script:
+exactly the argv Megatron-LM's ``pretrain_gpt.py`` would get, with bash's own expansion (quotes
+left inside an array element stay in the argument). The script's parameters are given as
+``--arg NAME=VALUE`` in order (only VALUE is passed; NAME documents it); ``--dir`` makes a
+directory the script insists exists; the temporary directory the script runs in is written as
+``{WORKDIR}``. The fixtures in
 ``tests/fixtures/megatron_scripts/`` were made this way.
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -35,16 +37,28 @@ args = sys.argv[1:]
 script = next(i for i, a in enumerate(args) if a.endswith(".py"))
 print(json.dumps(args[script + 1:]))
 """
+# python's stand-in: ``python -m torch.distributed.run ...`` is torchrun; anything else runs python.
+_PYTHON = """#!/bin/sh
+if [ "$1" = "-m" ] && [ "$2" = "torch.distributed.run" ]; then shift 2; exec torchrun "$@"; fi
+exec {python} "$@"
+"""
 
 
-def extract(script: str, args: List[str], env: Dict[str, str]) -> List[str]:
+def _stand_in(bin_dir: str, name: str, text: str) -> None:
+    with open(os.path.join(bin_dir, name), "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.chmod(os.path.join(bin_dir, name), 0o755)
+
+
+def extract(script: str, args: List[str], env: Dict[str, str], dirs: Sequence[str] = ()) -> List[str]:
     """The argv the script hands to its training script."""
     with tempfile.TemporaryDirectory() as work:
         bin_dir = os.path.join(work, "bin")
         os.mkdir(bin_dir)
-        with open(os.path.join(bin_dir, "torchrun"), "w", encoding="utf-8") as fh:
-            fh.write(_TORCHRUN)
-        os.chmod(os.path.join(bin_dir, "torchrun"), 0o755)
+        _stand_in(bin_dir, "torchrun", _TORCHRUN)
+        _stand_in(bin_dir, "python", _PYTHON.format(python=sys.executable))
+        for name in dirs:
+            os.makedirs(os.path.join(work, name), exist_ok=True)
         open(os.path.join(work, "pretrain_gpt.py"), "w").close()  # scripts that check it is there
         run_env = {"PATH": bin_dir + os.pathsep + os.environ["PATH"], "HOME": work, **env}
         out = subprocess.run(["bash", os.path.abspath(script), *args], cwd=work, env=run_env,
@@ -104,6 +118,8 @@ def main(argv=None) -> int:
     ex.add_argument("--source", default="", help="where the script comes from (repository, commit, path)")
     ex.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE", help="positional parameters")
     ex.add_argument("--env", action="append", default=[], metavar="K=V")
+    ex.add_argument("--dir", action="append", default=[], help="a directory the script checks exists (relative to "
+                    "the directory it runs in)")
     ex.add_argument("--output", required=True)
     for name in ("count", "table"):
         sub.add_parser(name).add_argument("fixtures", nargs="+")
@@ -112,7 +128,7 @@ def main(argv=None) -> int:
         positional = [a.partition("=")[2] for a in args.arg]
         env = dict(e.partition("=")[::2] for e in args.env)
         fixture = {"name": args.name, "source": args.source, "args": args.arg, "env": env,
-                   "argv": extract(args.script, positional, env)}
+                   "argv": extract(args.script, positional, env, args.dir)}
         with open(args.output, "w", encoding="utf-8") as fh:
             json.dump(fixture, fh, indent=1)
             fh.write("\n")

@@ -24,6 +24,7 @@ _STRUCTURE = [
     ("kv_channels", "--kv-channels", lambda m: m.head_dim),
     ("qk_layernorm", "--qk-layernorm", lambda m: m.qk_layernorm),
     ("add_qkv_bias", "--add-qkv-bias", lambda m: m.qkv_bias),
+    ("softmax_type", "--softmax-type", lambda m: m.softmax_type),
     ("padded_vocab_size", "--vocab-size/--make-vocab-size-divisible-by", lambda m: m.padded_vocab_size),
     ("normalization", "--normalization", lambda m: m.normalization),
     ("swiglu", "--swiglu", lambda m: m.swiglu),

@@ -60,6 +60,7 @@ def _kernel(what: str, parse: Optional[dict] = None) -> MegatronFlag:
 _FP8 = "fp8 needs Transformer Engine: the compute stays in --bf16/--fp16/fp32"
 _PROFILER = "Megatron-LM's profiler hook is not integrated"
 _WANDB = "Weights & Biases is not integrated: use --tensorboard-dir or --log-file"
+_MODELOPT = "a ModelOpt flag (pretrain_gpt.py parses it only with nvidia-modelopt installed)"
 
 MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
     # Kernels and implementations.
@@ -78,8 +79,15 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
     "--no-rope-fusion": _kernel("fused rotary embedding"),
     "--no-gradient-accumulation-fusion": _kernel("fused weight-gradient accumulation"),
     "--cross-entropy-loss-fusion": _kernel("fused cross entropy"),
-    "--moe-grouped-gemm": _kernel("grouped expert GEMM"),
     "--moe-permute-fusion": _kernel("fused token permutation"),
+    "--export-force-local-attention": MegatronFlag(
+        NO_EFFECT, f"{_MODELOPT}: picks Megatron's local attention kernel over Transformer Engine's", _switch()),
+    "--attention-softmax-in-fp32": MegatronFlag(NO_EFFECT, "the unfused kernel's softmax precision: SDPA's fused "
+                                                "kernels accumulate the softmax in fp32 with 16-bit inputs",
+                                                _switch()),
+    "--disable-bf16-reduced-precision-matmul": MegatronFlag(
+        NO_EFFECT, "a cuBLAS rounding setting for bf16 GEMMs (reduced-precision reductions): torch's default "
+        "is kept", _switch()),
     "--no-persist-layer-norm": _kernel("persistent LayerNorm"),
     # Reduced precision for speed: computed at the higher precision here.
     "--fp8-format": MegatronFlag(NO_EFFECT, _FP8, _value(str, ["e4m3", "hybrid"])),
@@ -110,6 +118,20 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
     "--wandb-project": MegatronFlag(NO_EFFECT, _WANDB, _value(str)),
     "--wandb-exp-name": MegatronFlag(NO_EFFECT, _WANDB, _value(str)),
     "--wandb-save-dir": MegatronFlag(NO_EFFECT, _WANDB, _value(str)),
+    "--logging-level": MegatronFlag(NO_EFFECT, "the level of Megatron-LM's Python loggers: this framework prints "
+                                    "its log lines and errors at any level", _value(int)),
+    "--moe-per-layer-logging": MegatronFlag(NO_EFFECT, "per-layer MoE losses in the log: the log line has their "
+                                            "total (moe_aux_loss)", _switch()),
+    "--init-model-with-meta-device": MegatronFlag(NO_EFFECT, "where the model is first built (Megatron-FSDP "
+                                                  "materialises it shard by shard): the same initial weights",
+                                                  _switch()),
+    **{flag: MegatronFlag(NO_EFFECT, f"{what}: Megatron-FSDP's communication buffers (refused here)", _switch())
+       for flag, what in (("--use-nccl-ub", "NCCL user-buffer registration"),
+                          ("--fsdp-double-buffer", "double-buffered all-gathers"),
+                          ("--fsdp-manual-registration", "manual NCCL buffer registration"))},
+    "--data-parallel-sharding-strategy": MegatronFlag(
+        NO_EFFECT, "read by Megatron-FSDP only (refused here)",
+        _value(str, ["no_shard", "optim", "optim_grads", "optim_grads_params"])),
     # How this framework always works.
     "--calculate-per-token-loss": MegatronFlag(MEANING, "the loss is always the mean over the global batch's "
                                                "loss tokens", _switch()),
@@ -138,6 +160,28 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
                                                                                       "sqrtsoftplus"]),
                                                 keeps=lambda value, cfg: value == "softmax",
                                                 otherwise=(REFUSED, "only the softmax router is implemented")),
+    "--accumulate-allreduce-grads-in-fp32": MegatronFlag(MEANING, "gradients are always accumulated and reduced in "
+                                                         "fp32", _switch()),
+    "--no-check-for-nan-in-loss-and-grad": MegatronFlag(
+        NO_EFFECT, "the check is always on here: a step with a non-finite loss or gradient is skipped on every rank "
+        "(--max-skipped-steps in a row stop the run)", _switch()),
+    "--rope-type": MegatronFlag(MEANING, "rotary embeddings as --position-embedding-type rope",
+                                _value(str, ["rope", "yarn"]), keeps=lambda value, cfg: value == "rope",
+                                otherwise=(REFUSED, "YaRN rotary scaling is not implemented")),
+    "--moe-router-dtype": MegatronFlag(MEANING, "the router's softmax and the weighted sum of expert outputs are "
+                                      "fp32 here", _value(str, ["fp32", "fp64"]),
+                                      keeps=lambda value, cfg: value == "fp32",
+                                      otherwise=(REFUSED, "fp64 routing is not implemented (fp32 here)")),
+    "--enable-gpt-oss": MegatronFlag(
+        NO_EFFECT, f"{_MODELOPT}, read only when a ModelOpt checkpoint is loaded: a run without --load keeps plain "
+        "rotary embeddings, there and here", _switch(), keeps=lambda value, cfg: cfg.checkpoint.load is None,
+        otherwise=(REFUSED, "with a loaded ModelOpt checkpoint Megatron-LM switches to gpt-oss's YaRN rotary "
+                   "scaling, which is not implemented")),
+    "--use-megatron-fsdp": MegatronFlag(
+        REFUSED, "Megatron-FSDP shards gradients and 16-bit weights over the data-parallel ranks as well "
+        "(--data-parallel-sharding-strategy optim_grads_params, its default), which is not implemented: "
+        "--use-distributed-optimizer shards the fp32 main weights and Adam moments only (ZeRO-1), the same math "
+        "with whole weights and fp32 gradients on every rank; drop this flag to train that way", _switch()),
     "--lr-warmup-init": MegatronFlag(MEANING, "warm-up starts from 0", _value(float),
                                      keeps=lambda value, cfg: value == 0.0,
                                      otherwise=(REFUSED, "the warm-up always starts from 0 here")),

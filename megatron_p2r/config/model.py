@@ -23,6 +23,14 @@ class ModelConfig:
     qk_layernorm: bool = opt(False, "Normalise every query and key head (--normalization over the head dimension) "
                              "before rotary embeddings.")
     add_qkv_bias: bool = opt(False, "Bias in the query/key/value projection even with --disable-bias-linear (Qwen2).")
+    window_size: Optional[str] = opt(None, "Sliding-window attention 'L,0': a query sees itself and the L keys before "
+                                     "it (Megatron-LM's form; Hugging Face's sliding_window is L+1). Unset: full "
+                                     "causal attention.")
+    window_attn_skip_freq: Optional[int] = opt(None, "With --window-size, every N-th layer (layers N-1, 2N-1, ... "
+                                               "counting from 0) has full attention; unset: every layer is windowed.")
+    softmax_type: str = opt("vanilla", "Attention softmax: 'off-by-one' adds exp(0) to each denominator, 'learnable' "
+                            "exp(a_h) with a learned logit a_h per head (attention sinks, gpt-oss).",
+                            choices=["vanilla", "off-by-one", "learnable"])
     seq_length: int = opt(256, "Sequence length of a training sample.")
     max_position_embeddings: Optional[int] = opt(None, "Learned positions table size (default seq-length).")
     vocab_size: Optional[int] = opt(None, "Vocabulary size before padding (set by the tokenizer; needed with --mock-data).")
@@ -33,6 +41,10 @@ class ModelConfig:
     bias_gelu_fusion: bool = opt(True, "Megatron-LM's fused bias+GELU, which computes GELU's tanh approximation: a "
                                  "GELU MLP with biases computes tanh GELU unless --no-bias-gelu-fusion (then "
                                  "exact erf GELU, as without biases).")
+    quick_geglu: bool = opt(False, "Gated MLP with quick-GELU, x * sigmoid(1.702 x), on the gate (gpt-oss).")
+    glu_linear_offset: float = opt(0.0, "Gated MLPs compute act(gate) * (up + offset) (gpt-oss: 1).")
+    activation_func_clamp_value: Optional[float] = opt(None, "Gated MLPs clamp the gate to at most C and the linear "
+                                                       "half to [-C, C] before the activation (gpt-oss: 7).")
     position_embedding_type: str = opt("learned_absolute", "Position encoding.", choices=["learned_absolute", "rope"])
     rotary_base: float = opt(10000.0, "Base of the rotary embedding frequencies.")
     rotary_percent: float = opt(1.0, "Fraction of each head's dimensions that rotary embeddings rotate (the rest "
@@ -55,6 +67,8 @@ class ModelConfig:
     moe_z_loss_coeff: float = opt(0.0, "Router z-loss coefficient.")
     moe_capacity_factor: Optional[float] = opt(None, "Expert capacity factor; unset means dropless.")
     moe_input_jitter_eps: Optional[float] = opt(None, "Multiplicative router input jitter (training only).")
+    moe_grouped_gemm: bool = opt(False, "Experts through torch's grouped_mm, one jagged group of rows per expert, "
+                                 "no padded rows (where the device and dtype support it; else padded bmm, logged).")
 
     @property
     def ffn_size(self) -> int:
@@ -87,6 +101,20 @@ class ModelConfig:
         return self.add_bias or self.add_qkv_bias
 
     @property
+    def gated_linear_unit(self) -> bool:
+        """fc1 has a gate and a linear half (rows interleaved as (gate_j, up_j)): SwiGLU or quick-GeGLU."""
+        return self.swiglu or self.quick_geglu
+
+    def attention_window(self, layer: int) -> Optional[int]:
+        """Keys before the query that layer ``layer`` (from 0) attends to; None: all of them.
+        Megatron-LM's rule (``is_layer_window_attention``, layers counted from 1 there)."""
+        if self.window_size is None:
+            return None
+        if self.window_attn_skip_freq and (layer + 1) % self.window_attn_skip_freq == 0:
+            return None
+        return _window(self.window_size)[0]
+
+    @property
     def add_bias(self) -> bool:
         return not self.disable_bias_linear
 
@@ -95,7 +123,7 @@ class ModelConfig:
         """``approximate`` of the MLP's (and experts') GELU. Megatron-LM adds fc1's bias in its fused
         ``bias_gelu`` kernel, the tanh formula, whenever it can (biases, GELU, --bias-gelu-fusion);
         otherwise it calls exact ``F.gelu``. ``--openai-gelu`` is not read by megatron-core."""
-        return "tanh" if self.add_bias and self.bias_gelu_fusion and not self.swiglu else "none"
+        return "tanh" if self.add_bias and self.bias_gelu_fusion and not self.gated_linear_unit else "none"
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.num_experts) and (layer + 1) % self.moe_layer_freq == 0
@@ -116,6 +144,15 @@ class ModelConfig:
                               f"--seq-length ({self.seq_length})")
         if self.num_experts:
             self._check_experts()
+        self._check_activation()
+
+    def _check_activation(self) -> None:
+        if self.swiglu and self.quick_geglu:
+            raise ConfigError("--swiglu and --quick-geglu are two activations: give one")
+        for flag, given in (("--glu-linear-offset", self.glu_linear_offset != 0.0),
+                            ("--activation-func-clamp-value", self.activation_func_clamp_value is not None)):
+            if given and not self.gated_linear_unit:
+                raise ConfigError(f"{flag} applies to a gated MLP: add --swiglu or --quick-geglu")
 
     def _check_attention(self) -> None:
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
@@ -124,6 +161,10 @@ class ModelConfig:
         if self.num_attention_heads % self.query_groups:
             raise ConfigError(f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
                               f"--num-query-groups ({self.num_query_groups})")
+        if self.window_size is not None:
+            _window(self.window_size)
+        elif self.window_attn_skip_freq is not None:
+            raise ConfigError("--window-attn-skip-freq needs --window-size")
         if self.position_embedding_type == "rope" and (self.rotary_dim % 2 or not self.rotary_dim):
             raise ConfigError(f"rotary embeddings need an even, non-zero number of rotated dimensions: "
                               f"--rotary-percent {self.rotary_percent} of head dimension {self.head_dim} "
@@ -166,6 +207,18 @@ class ModelConfig:
             raise ConfigError("--expert-model-parallel-size > 1 needs --num-experts")
 
 
+def _window(text: str) -> tuple:
+    """(left, right) of --window-size "L,R" (or "(L,R)"), Megatron-LM's form; the model is causal, so R is 0."""
+    try:
+        left, right = (int(part) for part in text.strip().strip("()").split(","))
+    except ValueError:
+        raise ConfigError(f"--window-size must be two integers 'L,0' (L keys before the query), got {text!r}") \
+            from None
+    if left < 0 or right != 0:
+        raise ConfigError(f"--window-size {text}: a causal model takes 'L,0' with L >= 0 (no keys after the query)")
+    return left, right
+
+
 # Type and range of every numeric field (config/ranges.py); the rules between fields are in ``check``.
 RANGES = {
     "num_layers": at_least(1, LAYERS), "hidden_size": at_least(1, 2 ** 18), "ffn_hidden_size": at_least(1, 2 ** 20),
@@ -178,5 +231,6 @@ RANGES = {
     "num_experts": at_least(0, 2 ** 16), "moe_layer_freq": at_least(1, LAYERS), "moe_router_topk": at_least(1, 2 ** 16),
     "moe_ffn_hidden_size": at_least(1, 2 ** 20), "moe_num_prototypes": at_least(1, 2 ** 16),
     "moe_aux_loss_coeff": Range(0.0), "moe_z_loss_coeff": Range(0.0), "moe_capacity_factor": positive(),
-    "moe_input_jitter_eps": fraction(),
+    "moe_input_jitter_eps": fraction(), "window_attn_skip_freq": at_least(1, LAYERS),
+    "glu_linear_offset": Range(-1e6, 1e6), "activation_func_clamp_value": positive(),
 }

@@ -95,6 +95,8 @@ def _check_length(cfg: Config, world_size: int) -> None:
 def _check_inputs(cfg: Config) -> None:
     """There is data to train on, and a vocabulary size to build the embedding with."""
     d = cfg.data
+    if cfg.logging.eval_only and not cfg.logging.eval_iters:
+        raise ConfigError("--eval-only evaluates --eval-iters batches: 0 evaluates nothing")
     if not d.mock_data and not d.data_path and not cfg.logging.eval_only:
         raise ConfigError("no training data: pass --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
     if d.mock_data and cfg.model.vocab_size is None and d.tokenizer_type is None:

@@ -135,6 +135,8 @@ def attention_tensors(m: ModelConfig, prefix: str, tp: int) -> List[TensorSpec]:
     """The parameters of one ``model/attention.py`` module."""
     h = m.hidden_size
     specs: List[TensorSpec] = []
+    if m.softmax_type == "learnable":   # the module's own parameter comes before its submodules'
+        specs.append(TensorSpec(f"{prefix}.softmax_offset", (m.num_attention_heads // tp,), tp_dim=0))
     for name, rows in attention_rows(m).items():
         specs += _heads(f"{prefix}.{name}", rows, h, tp, m.qkv_bias)
     if m.qk_layernorm:  # one norm over head_dim, applied to each rank's own heads: partial gradients
@@ -150,7 +152,7 @@ def layer_tensors(m: ModelConfig, key: int, tp: int, ep: int) -> List[TensorSpec
     specs = _norm(f"{p}.input_norm", m)
     specs += attention_tensors(m, f"{p}.attention", tp)
     specs += _norm(f"{p}.post_attention_norm", m)
-    glu = 2 if m.swiglu else 1
+    glu = 2 if m.gated_linear_unit else 1
     if m.is_moe_layer(key):
         e, f = m.num_experts // ep, m.expert_ffn_size // tp
         x = f"{p}.mlp.experts"

@@ -1,8 +1,18 @@
-"""Causal self-attention with heads split over TP; the kernel is torch's SDPA."""
+"""Causal self-attention with heads split over TP; the kernel is torch's SDPA.
+
+Plain causal attention passes ``is_causal`` (fused kernels, no s x s tensor). A sliding window
+passes a boolean mask (on CPU torch's fused flash kernel still runs; the masked blocks are
+computed all the same). Attention sinks (--softmax-type learnable / off-by-one) add one key per
+head whose value is 0 and whose logit is the head's offset, given as an additive float mask:
+SDPA has no sink argument, and with a float mask torch runs its math kernel on CPU (s x s
+tensors) and the memory-efficient one on CUDA.
+"""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +22,7 @@ from megatron_p2r.config import ModelConfig
 from megatron_p2r.model.norm import make_norm
 from megatron_p2r.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_p2r.parallel import random as tp_random
+from megatron_p2r.parallel.sharding import make_param
 from megatron_p2r.parallel.state import ParallelState
 
 
@@ -38,6 +49,27 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([(x_rot * cos + _rotate_half(x_rot) * sin).to(x.dtype), x[..., rot:]], dim=-1)
 
 
+@functools.lru_cache(maxsize=8)
+def window_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """[s, s] bool, True where query i sees key j: i - window <= j <= i (Megatron-LM's
+    ``get_sliding_window_causal_mask``, negated). Cached: the windowed layers of a run share one."""
+    i = torch.arange(seq_len, device=device)
+    behind = i[:, None] - i[None, :]
+    return (behind >= 0) & (behind <= window)
+
+
+def with_sink(k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, logits: torch.Tensor) -> tuple:
+    """k, v with one more key per head, whose logit is ``logits[h]`` for every query and whose value
+    is 0, and the additive mask [heads, s, s + 1] that says so: exp(logit) joins each softmax
+    denominator and nothing joins the output (Megatron-LM's ``SoftmaxOne``, gpt-oss's sinks)."""
+    zeros = k.new_zeros(*k.shape[:2], 1, k.shape[3])
+    k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros], dim=2)
+    blocked = torch.zeros(allowed.shape, dtype=k.dtype, device=k.device).masked_fill(~allowed, float("-inf"))
+    heads, s = logits.shape[0], allowed.shape[0]
+    sink = logits.to(k.dtype).view(heads, 1, 1).expand(heads, s, 1)
+    return k, v, torch.cat([blocked.expand(heads, s, s), sink], dim=-1)
+
+
 class Attention(nn.Module):
     """Query, key and value projections split over TP by whole heads; the output is row-parallel.
 
@@ -50,7 +82,7 @@ class Attention(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, ps: ParallelState, device=None, *, sequence_parallel: bool = False,
-                 recompute_core: bool = False):
+                 recompute_core: bool = False, window: Optional[int] = None):
         super().__init__()
         h, d, tp = cfg.hidden_size, cfg.head_dim, ps.tp_size
         heads, groups = cfg.num_attention_heads, cfg.query_groups
@@ -60,6 +92,13 @@ class Attention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.device = ps.device
         self.recompute_core = recompute_core
+        self.window = window   # keys before the query this layer sees (ModelConfig.attention_window)
+        # Megatron-LM's softmax offsets: learned per head (normal init, no weight decay), or 0 for off-by-one.
+        self.softmax_type = cfg.softmax_type
+        self.softmax_offset = None
+        if cfg.softmax_type == "learnable":
+            self.softmax_offset = make_param((self.local_heads,), tp_dim=0, init=("normal", cfg.init_method_std),
+                                             no_wd=True, device=device)
         projection = dict(bias=cfg.qkv_bias, init_std=cfg.init_method_std, sequence_parallel=sequence_parallel,
                           device=device)
         self.qkv = self.query = self.key_value = None
@@ -107,7 +146,15 @@ class Attention(nn.Module):
         """softmax(QK^T / sqrt(d)) V with attention dropout: what selective recomputation
         (``recompute_core``, Megatron's "core_attn") recomputes in backward."""
         p = self.dropout if self.training else 0.0
+        sinks = self.softmax_type != "vanilla"
+        mask = None
+        if self.window is not None or sinks:
+            s = q.shape[2]
+            mask = window_mask(s, s if self.window is None else self.window, q.device)
+        if sinks:
+            offsets = self.softmax_offset if self.softmax_offset is not None else q.new_zeros(self.local_heads)
+            k, v, mask = with_sink(k, v, mask, offsets)
         # Heads are split over TP, so their dropout masks must differ between TP ranks.
         with tp_random.get_rng_tracker(self.device).fork() if p > 0 else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
                                                   enable_gqa=self.local_groups != self.local_heads)

@@ -5,6 +5,8 @@ residual adds run on 1/TP of the tokens, and the residual dropout draws from the
 model-parallel RNG stream (``random.dropout_rng``)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,15 +21,17 @@ from megatron_p2r.parallel.state import ParallelState
 
 
 class TransformerLayer(nn.Module):
-    """``recompute_core``: selective recomputation of the attention core (model/attention.py)."""
+    """``recompute_core``: selective recomputation of the attention core (model/attention.py);
+    ``window``: this layer's sliding window (``ModelConfig.attention_window``)."""
 
     def __init__(self, cfg: ModelConfig, ps: ParallelState, moe: bool, device=None, *,
-                 sequence_parallel: bool = False, recompute_core: bool = False):
+                 sequence_parallel: bool = False, recompute_core: bool = False, window: Optional[int] = None):
         super().__init__()
         self.hidden_dropout = cfg.hidden_dropout
         self.device, self.sequence_parallel = ps.device, sequence_parallel
         self.input_norm = make_norm(cfg, device)
-        self.attention = Attention(cfg, ps, device, sequence_parallel=sequence_parallel, recompute_core=recompute_core)
+        self.attention = Attention(cfg, ps, device, sequence_parallel=sequence_parallel, recompute_core=recompute_core,
+                                   window=window)
         self.post_attention_norm = make_norm(cfg, device)
         if moe:
             self.mlp = MoELayer(cfg, ps, device, sequence_parallel=sequence_parallel)

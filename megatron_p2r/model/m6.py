@@ -96,7 +96,7 @@ class M6Model(nn.Module):
         self._chunk_calls = [range(a, b) for a, b in zip(starts, starts[1:], strict=False)]   # positions in layer_calls
         selective = cfg.train.recompute == "selective"
         self.layers = nn.ModuleDict({str(k): TransformerLayer(m, ps, m.is_moe_layer(k), device, sequence_parallel=sp,
-                                                              recompute_core=selective)
+                                                              recompute_core=selective, window=m.attention_window(k))
                                      for k in stage.modules})
         self.embedding = Embedding(cfg, ps, device, sequence_parallel=sp) if stage.first else None
         self.final_norm = make_norm(m, device) if stage.last else None

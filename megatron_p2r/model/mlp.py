@@ -1,24 +1,15 @@
-"""The dense MLP: column-parallel up-projection, GELU or SwiGLU, row-parallel down-projection."""
+"""The dense MLP: column-parallel up-projection, GELU or a gated unit, row-parallel down-projection."""
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_p2r.config import ModelConfig
+from megatron_p2r.moe.activation import Activation
 from megatron_p2r.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_p2r.parallel.state import ParallelState
-
-
-def activation(y: torch.Tensor, swiglu: bool, gelu_approximation: str) -> torch.Tensor:
-    """GELU (exact or tanh: ``ModelConfig.gelu_approximation``), or SwiGLU on rows interleaved as
-    (gate_j, up_j): a contiguous TP split keeps pairs."""
-    if not swiglu:
-        return F.gelu(y, approximate=gelu_approximation)
-    gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)
-    return F.silu(gate) * up
 
 
 class MLP(nn.Module):
@@ -26,8 +17,8 @@ class MLP(nn.Module):
                  sequence_parallel: bool = False):
         super().__init__()
         h, ffn = cfg.hidden_size, ffn_size or cfg.ffn_size
-        self.swiglu, self.gelu_approximation = cfg.swiglu, cfg.gelu_approximation
-        self.fc1 = ColumnParallelLinear(h, ffn * (2 if cfg.swiglu else 1), ps, bias=cfg.add_bias,
+        self.activation = Activation(cfg)
+        self.fc1 = ColumnParallelLinear(h, ffn * (2 if cfg.gated_linear_unit else 1), ps, bias=cfg.add_bias,
                                         init_std=cfg.init_method_std, sequence_parallel=sequence_parallel,
                                         device=device)
         self.fc2 = RowParallelLinear(ffn, h, ps, bias=cfg.add_bias,
@@ -35,4 +26,4 @@ class MLP(nn.Module):
                                      sequence_parallel=sequence_parallel, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(activation(self.fc1(x), self.swiglu, self.gelu_approximation))
+        return self.fc2(self.activation(self.fc1(x)))

@@ -3,9 +3,9 @@
 Parameters (global names ``...experts.weight1`` etc.; ``sharding.expert_key`` names expert
 e's slice ``...experts.{e}.weight1``):
 
-    weight1 [E_local, ffn*(2 if swiglu) / TP, h]   tp_dim 1   (SwiGLU rows interleaved gate/up)
+    weight1 [E_local, ffn*(2 if gated) / TP, h]    tp_dim 1   (gated: rows interleaved gate/up)
     weight2 [E_local, h, ffn / TP]                 tp_dim 2   (init std / sqrt(2L))
-    bias1   [E_local, ffn*(2 if swiglu) / TP]      tp_dim 1
+    bias1   [E_local, ffn*(2 if gated) / TP]       tp_dim 1
     bias2   [E_local, h]                           replicated over TP
 
 Experts are TP-sharded like the dense MLP (column-parallel fc1, row-parallel fc2): every TP
@@ -14,10 +14,15 @@ over TP. The MoE layer reduces them over TP once, after combining the expert out
 (fewer bytes than reducing every routed row). bias2 must then enter that sum exactly once: each
 TP rank adds bias2/TP, and bias2 passes ``copy_to_region`` so its gradient is summed over TP.
 
-Rows arrive grouped by local expert with their counts. They are scattered into a zero-padded
-``[E_local, max_count, h]`` buffer (skipped when the counts are all equal, e.g. capacity-full
-experts) and multiplied with ``torch.bmm`` / ``torch.baddbmm`` — no loop over tokens or experts,
-and autocast applies as to any matmul.
+Rows arrive grouped by local expert with their counts. With ``--moe-grouped-gemm`` (as in
+Megatron-LM) they are multiplied as they are, one jagged group per expert, by torch's
+``grouped_mm`` where the device and dtype support it (``moe.grouped_mm``): no padded rows, so
+FLOPs and saved activations are those of the routed rows whatever the imbalance. Otherwise (the
+default) they are scattered into a zero-padded ``[E_local, max_count, h]`` buffer (skipped when
+the counts are all equal, e.g. capacity-full experts) and multiplied with ``torch.bmm`` /
+``torch.baddbmm``. Neither loops over tokens or experts; both read the same parameters, so a
+checkpoint does not depend on the flag. grouped_mm is not an autocast op: its weights are cast to
+the rows' dtype, which is what autocast does for ``bmm``.
 """
 from __future__ import annotations
 
@@ -25,11 +30,12 @@ import math
 from typing import List
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_p2r.config import ModelConfig
+from megatron_p2r.moe.activation import Activation
 from megatron_p2r.moe.dispatcher import gather_rows
+from megatron_p2r.moe.grouped_mm import expert_weight_view, grouped_matmul, grouped_mm_runs
 from megatron_p2r.parallel.mappings import copy_to_region
 from megatron_p2r.parallel.sharding import make_param
 from megatron_p2r.parallel.state import ParallelState
@@ -39,10 +45,11 @@ class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, ps: ParallelState, device=None):
         super().__init__()
         self.num_local = cfg.num_experts // ps.ep_size
-        self.swiglu, self.gelu_approximation = cfg.swiglu, cfg.gelu_approximation
+        self.activation = Activation(cfg)
+        self.grouped_gemm = cfg.moe_grouped_gemm
         self.tp_group, self.tp_size = ps.group("tp"), ps.tp_size
         h, ffn = cfg.hidden_size, cfg.expert_ffn_size // ps.tp_size
-        fc1 = ffn * (2 if cfg.swiglu else 1)
+        fc1 = ffn * (2 if cfg.gated_linear_unit else 1)
         std = cfg.init_method_std
         self.weight1 = make_param((self.num_local, fc1, h), tp_dim=1, expert=True, init=("normal", std),
                                   device=device)
@@ -54,32 +61,60 @@ class Experts(nn.Module):
                                     device=device)
             self.bias2 = make_param((self.num_local, h), expert=True, init=("zeros",), no_wd=True, device=device)
 
-    def _fc1(self, x: torch.Tensor, first: int, step: int) -> torch.Tensor:
-        """x @ rows first::step of weight1 (+ bias1): all rows, or SwiGLU's gate or up rows."""
-        w = self.weight1[:, first::step].transpose(1, 2)
-        if self.bias1 is None:
-            return torch.bmm(x, w)
-        return torch.baddbmm(self.bias1[:, first::step].unsqueeze(1), x, w)
+    def _activation(self, fc1) -> torch.Tensor:
+        """The activation of fc1's output; ``fc1(first, step)`` multiplies by rows first::step of
+        weight1: a gated unit's gate and up rows (interleaved) as two matmuls, so the elementwise
+        part is contiguous."""
+        if self.activation.gated:
+            return self.activation.gated_unit(fc1(0, 2), fc1(1, 2))
+        return self.activation(fc1(0, 1))
 
-    def forward(self, x: torch.Tensor, counts: List[int]) -> torch.Tensor:
-        """``x`` [N, h] grouped by local expert (``counts`` rows each) -> [N, h] partial over TP."""
+    def _padded(self, x: torch.Tensor, counts: List[int], counts_t: torch.Tensor,
+                expert_of_row: torch.Tensor) -> torch.Tensor:
+        """Rows padded to the busiest expert's count, batched matmuls, padding rows dropped."""
         E, h, n = self.num_local, x.shape[-1], x.shape[0]
         width = max(counts)
-        counts_t = torch.tensor(counts, device=x.device)
-        expert_of_row = torch.repeat_interleave(torch.arange(E, device=x.device), counts_t, output_size=n)
         padded = width * E != n
         if padded:
             starts = torch.cumsum(counts_t, 0) - counts_t
             slot = expert_of_row * width + torch.arange(n, device=x.device) - starts[expert_of_row]
             x = x.new_zeros(E * width, h).index_copy(0, slot, x)
         x = x.view(E, width, h)
-        if self.swiglu:  # gate and up rows (interleaved) as two matmuls: the elementwise part is contiguous
-            y = F.silu(self._fc1(x, 0, 2)) * self._fc1(x, 1, 2)
+
+        def fc1(first: int, step: int) -> torch.Tensor:
+            w = self.weight1[:, first::step].transpose(1, 2)
+            if self.bias1 is None:
+                return torch.bmm(x, w)
+            return torch.baddbmm(self.bias1[:, first::step].unsqueeze(1), x, w)
+
+        y = torch.bmm(self._activation(fc1), self.weight2.transpose(1, 2)).reshape(E * width, h)
+        return gather_rows(y, slot) if padded else y
+
+    def _grouped(self, x: torch.Tensor, counts_t: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+        """Each expert's rows, as they are, through grouped_mm."""
+        ends = torch.cumsum(counts_t, 0, dtype=torch.int32)
+
+        def fc1(first: int, step: int) -> torch.Tensor:
+            y = grouped_matmul(x, expert_weight_view(self.weight1, first, step, x.dtype), ends)
+            if self.bias1 is None:
+                return y
+            return y + self.bias1[:, first::step].to(y.dtype).index_select(0, expert_of_row)
+
+        return grouped_matmul(self._activation(fc1), expert_weight_view(self.weight2, 0, 1, x.dtype), ends)
+
+    def _use_grouped(self, x: torch.Tensor) -> bool:
+        return self.grouped_gemm and grouped_mm_runs(x.device, x.dtype, x.shape[-1], self.weight2.shape[-1],
+                                                     2 if self.activation.gated else 1)
+
+    def forward(self, x: torch.Tensor, counts: List[int]) -> torch.Tensor:
+        """``x`` [N, h] grouped by local expert (``counts`` rows each) -> [N, h] partial over TP."""
+        counts_t = torch.tensor(counts, device=x.device)
+        expert_of_row = torch.repeat_interleave(torch.arange(self.num_local, device=x.device), counts_t,
+                                                output_size=x.shape[0])
+        if self._use_grouped(x):
+            y = self._grouped(x, counts_t, expert_of_row)
         else:
-            y = F.gelu(self._fc1(x, 0, 1), approximate=self.gelu_approximation)
-        y = torch.bmm(y, self.weight2.transpose(1, 2)).reshape(E * width, h)
-        if padded:
-            y = gather_rows(y, slot)
+            y = self._padded(x, counts, counts_t, expert_of_row)
         if self.bias2 is not None:
             bias2 = copy_to_region(self.bias2, self.tp_group) / self.tp_size
             y = y + bias2.to(y.dtype).index_select(0, expert_of_row)

@@ -39,7 +39,10 @@ def compute_bytes(cfg: Config) -> int:
 
 
 def moe_rows(cfg: Config, tokens: int) -> Tuple[int, int]:
-    """(slots per token, kept assignments) for ``tokens`` tokens, with balanced routing."""
+    """(slots per token, kept assignments) for ``tokens`` tokens, with balanced routing. The
+    experts compute and keep exactly these rows with --moe-grouped-gemm, and dropless whatever
+    the routing; the padded experts (the default) pad every local expert to the fullest one's
+    count, which balanced routing does not have and imbalanced routing adds on top."""
     m = cfg.model
     slots = m.moe_num_prototypes if m.moe_num_prototypes > 1 else m.moe_router_topk
     rows = tokens * slots
@@ -90,6 +93,8 @@ def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int, device_type: 
     held = ns * m.hidden_size * a + projected * a + q * a
     if not selective:
         held += attention_core_bytes(cfg, tp, device_type)
+        if m.softmax_type != "vanilla":   # k and v with the sink slot, the float mask (CUDA's kernel keeps them)
+            held += (2 * (kv + kv // m.seq_length) + heads * m.seq_length * (m.seq_length + 1)) * a
     if m.qk_layernorm:
         held += _qk_norm_held(m, q, kv, d, a, kernel_saves_outputs=not unfused)
     if m.position_embedding_type == "rope" and not unfused:
@@ -166,8 +171,8 @@ def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[
     TP region."""
     m = cfg.model
     slots, rows = moe_rows(cfg, n)
-    glu = 2 if m.swiglu else 1
-    act_saved = 1 + (1 if m.swiglu else 0)
+    glu = 2 if m.gated_linear_unit else 1
+    act_saved = activation_saved(m)
     f, e_local = m.expert_ffn_size // tp, m.num_experts // ep
     held = ns * m.hidden_size * 4 + ns * m.num_experts * 4 + ns * slots * 8   # fp32 router input, probs, top-k ids
     if m.moe_z_loss_coeff:
@@ -181,6 +186,25 @@ def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[
     # gradients are alive (autograd accumulates them after the expert block)
     backward = work + e_local * (glu + 1) * f * m.hidden_size * a - (2 * rows * m.hidden_size * 4 + rows * 4)
     return held, work, backward
+
+
+def sinks_unmodelled(m, device_type: str) -> bool:
+    """Whether this estimate cannot model the attention: the float mask of --softmax-type
+    off-by-one/learnable (model/attention.py) makes SDPA run its math kernel on CPU, whose
+    tensors with the sink slot are not counted here (the CUDA estimate is a lower bound)."""
+    return device_type != "cuda" and m.softmax_type != "vanilla"
+
+
+def activation_saved(m) -> int:
+    """Tensors of fc2's width the activation (model/mlp.py ``Activation``) saves besides fc1's
+    output: GELU its output; SwiGLU SiLU's output and the product; quick-GeGLU the sigmoid, the
+    gate's quick-GELU and the product; a clamp the clamped gate and, as an offset does, a new
+    linear half in place of a view of fc1's output."""
+    if not m.gated_linear_unit:
+        return 1
+    saved = 3 if m.quick_geglu else 2
+    clamped = m.activation_func_clamp_value is not None
+    return saved + clamped + (clamped or m.glu_linear_offset != 0.0)
 
 
 def token_bytes(cfg: Config) -> int:
@@ -203,10 +227,13 @@ def layer_activations(cfg: Config, key: int, tp: int, ep: int, *, device_type: s
     n, h = t.micro_batch_size * m.seq_length, m.hidden_size
     ns = n // tp if sequence_parallel else n    # tokens outside the TP regions
     held = 2 * norm_held(m, ns, h, a) + _attention_held(cfg, n, ns, tp, a, device_type)
+    if sinks_unmodelled(m, device_type):
+        raise ValueError("softmax offsets (--softmax-type) on CPU run the math attention kernel with a float mask, "
+                         "which the planner does not model; plan with device_type='cuda'")
     if m.hidden_dropout:
         held += 2 * ns * h * (1 if device_type == "cuda" else a)
-    glu = 2 if m.swiglu else 1
-    act_saved = 1 + (1 if m.swiglu else 0)                        # GELU out / SiLU out and product
+    glu = 2 if m.gated_linear_unit else 1
+    act_saved = activation_saved(m)
     if m.is_moe_layer(key):
         mlp_held, work, backward = _moe_layer(cfg, ns, n, tp, ep, a)
         held += mlp_held

@@ -22,7 +22,7 @@ from typing import Dict, Optional
 
 from megatron_p2r.config import Config, ConfigError, global_batch_size, num_microbatches, train_samples
 from megatron_p2r.layout.plan import ParallelPlan
-from megatron_p2r.planning.activations import activation_memory
+from megatron_p2r.planning.activations import activation_memory, sinks_unmodelled
 from megatron_p2r.planning.hardware import GiB
 from megatron_p2r.planning.host_memory import available_host_memory
 from megatron_p2r.planning.memory import offload_plan
@@ -41,7 +41,7 @@ def batch_bytes(cfg: Config, world_size: int) -> int:
     """The micro-batches a rank holds at once: a step's (the schedules take them all), or an
     evaluation's (``--eval-iters`` steps' worth) when the run evaluates."""
     m, t = cfg.model, cfg.train
-    steps = cfg.logging.eval_iters if (cfg.logging.eval_interval or cfg.logging.eval_only) else 1
+    steps = cfg.logging.eval_iters if (cfg.logging.evaluates or cfg.logging.eval_only) else 1
     return num_microbatches(cfg, world_size) * t.micro_batch_size * (m.seq_length + 1) * BATCH_BYTES_PER_TOKEN * \
         max(steps, 1)
 
@@ -49,7 +49,9 @@ def batch_bytes(cfg: Config, world_size: int) -> int:
 def rank_memory(cfg: Config, plan: ParallelPlan, stage: int, device_type: str) -> Dict[str, int]:
     """Bytes a rank of ``stage`` needs on its device and on the host (on CPU: all on the host)."""
     off = offload_plan(cfg, plan, stage)
-    act = activation_memory(cfg, plan, stage, offloaded=off["recomputed"], device_type=device_type)
+    # The CPU estimate does not model attention sinks' math kernel; the CUDA one is a lower bound.
+    kind = "cuda" if sinks_unmodelled(cfg.model, device_type) else device_type
+    act = activation_memory(cfg, plan, stage, offloaded=off["recomputed"], device_type=kind)
     device = sum(off["device"].values()) + act["activations"] + act["transient"] + \
         batch_bytes(cfg, plan.layout.world_size)
     host = sum(off["host"].values()) + RUNTIME_BYTES

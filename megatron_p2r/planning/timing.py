@@ -15,11 +15,13 @@ def stage_flops_per_microbatch(cfg: Config, plan: ParallelPlan, stage: int, offl
     (one more forward for layers recomputed in full, one more attention core under selective
     recomputation), the same convention as ``metrics.model_flops_per_token``; the loss
     recomputes its logits in backward (``parallel/cross_entropy.py``): 4x the output layer.
-    Key/value heads replicated over TP (TP > query groups) are computed on every replica."""
+    Key/value heads replicated over TP (TP > query groups) are computed on every replica. Experts
+    multiply the kept rows of balanced routing (``moe_rows``: exact with --moe-grouped-gemm,
+    dropless; the padded experts multiply padding rows too when routing is imbalanced)."""
     m, t = cfg.model, cfg.train
     n, h, T = t.micro_batch_size * m.seq_length, m.hidden_size, plan.layout.tp
     st = plan.stage(stage)
-    glu = 2 if m.swiglu else 1
+    glu = 2 if m.gated_linear_unit else 1
     heads = m.num_attention_heads * m.head_dim / T               # query (and output) rows on a rank
     kv = 2 * m.query_groups * m.head_dim / min(T, m.query_groups)   # key/value rows on a rank
     twice = recomputed_positions(cfg, st, offloaded)

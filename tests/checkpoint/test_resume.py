@@ -1,6 +1,8 @@
-"""Resume is bitwise: N steps + save + resume + N steps == 2N steps (CPU, fp32, dropout on)."""
+"""Resume is bitwise: N steps + save + resume + N steps == 2N steps (CPU, fp32, dropout on); a
+checkpoint resumes with or without --moe-grouped-gemm whichever it was saved with."""
 import os
 
+import pytest
 
 from megatron_p2r.testing import run_distributed
 from tests.checkpoint.common import cfg_of, metadata, same_bytes, shard_files
@@ -62,3 +64,25 @@ def test_moe_resume_is_bitwise(tmp_path):
     layouts = _check(results, tmp_path, MOE_CASES)
     assert layouts["moe_pp2"] == ["mp_rank_00_000_000.safetensors", "mp_rank_00_001_000.safetensors"]
     assert layouts["moe_ep2"] == ["mp_rank_00_000_000.safetensors", "mp_rank_00_000_001.safetensors"]
+
+
+def _across_grouped_gemm(rank, world, root):
+    """4 steps with the padded experts; 2 steps + save with grouped_mm experts, resumed without
+    them for 2 more; and the other way round."""
+    from megatron_p2r.training import pretrain
+    out = {"straight": pretrain(cfg_of(**MOE))["losses"]}
+    for saved_grouped in (True, False):
+        path = os.path.join(root, f"saved_grouped_{saved_grouped}")
+        first = pretrain(cfg_of(save=path, exit_interval=2, moe_grouped_gemm=saved_grouped, **MOE))["losses"]
+        second = pretrain(cfg_of(load=path, save=path, moe_grouped_gemm=not saved_grouped, **MOE))["losses"]
+        out[saved_grouped] = first + second
+    return out
+
+
+def test_checkpoint_does_not_depend_on_grouped_gemm(tmp_path):
+    """The experts' parameters are the same with and without --moe-grouped-gemm: a checkpoint
+    saved with it resumes without it and vice versa, on the losses of a run that never switched
+    (rel 1e-5: grouped_mm sums the same products in another order)."""
+    results = run_distributed(_across_grouped_gemm, 1, str(tmp_path))[0]
+    for saved_grouped in (True, False):
+        assert results[saved_grouped] == pytest.approx(results["straight"], rel=1e-5), saved_grouped

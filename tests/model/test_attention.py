@@ -1,4 +1,6 @@
-"""Grouped-query attention, --kv-channels, --qk-layernorm and --rotary-percent.
+"""Grouped-query attention, --kv-channels, --qk-layernorm and --rotary-percent (and under TP,
+gpt-oss's window, sinks and clamped quick-GeGLU: tests/model/test_gpt_oss.py compares them with
+transformers on one process).
 
 One process: the attention module equals attention written out by hand (keys and values
 repeated over each group's query heads, q/k norms over the head dimension, rotary on the first
@@ -38,6 +40,11 @@ CASES = {
     "tp2_g1": (2, 1, dict(qk_layernorm=True)),   # LayerNorm q/k norms: weight and bias
     "tp2_g2": (2, 2, dict(ROPE, rotary_percent=0.5)),
     "tp2_g4": (2, 4, dict(ROPE, kv_channels=16)),
+    # gpt-oss: a window on layer 0, sinks split with the heads, quick-GeGLU clamped in the dense and expert MLPs
+    "tp2_g2_gpt_oss": (2, 2, dict(position_embedding_type="rope", normalization="RMSNorm", window_size="5,0",
+                                  window_attn_skip_freq=2, softmax_type="learnable", quick_geglu=True,
+                                  glu_linear_offset=1.0, activation_func_clamp_value=0.1, num_experts=4,
+                                  moe_layer_freq=2)),
 }
 STEPPED = ("tp4_g1", "tp4_g2", "tp2_g1")   # key/value heads replicated: 3 optimizer steps
 

@@ -28,6 +28,9 @@ MODELS = {
     "moe": dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_layer_freq=2,
                 moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001),
     "pseudo-all": dict(p2r_phase="pseudo", share_pattern="all"),
+    # a window on every other layer, learned sinks (recomputed with the core), clamped quick-GeGLU
+    "gpt-oss": dict(window_size="5,0", window_attn_skip_freq=2, softmax_type="learnable", quick_geglu=True,
+                    glu_linear_offset=1.0, activation_func_clamp_value=0.1),
 }
 
 

@@ -141,10 +141,11 @@ def reference_expert(layer: MoELayer, e: int, v: torch.Tensor) -> torch.Tensor:
     y = ex.weight1[e].double() @ v.double()
     if ex.bias1 is not None:
         y = y + ex.bias1[e].double()
-    if ex.swiglu:
+    if ex.activation.gated:   # SwiGLU (gpt-oss's quick-GeGLU: tests/model/test_gpt_oss.py)
+        assert ex.activation.gate_function is F.silu
         y = F.silu(y[0::2]) * y[1::2]
     else:
-        y = F.gelu(y, approximate=ex.gelu_approximation)  # which GELU: tests/model/test_mlp.py
+        y = F.gelu(y, approximate=ex.activation.gelu_approximation)  # which GELU: tests/model/test_mlp.py
     y = ex.weight2[e].double() @ y
     if ex.bias2 is not None:
         y = y + ex.bias2[e].double()

@@ -1,5 +1,7 @@
 """Expert parallelism reproduces the one-process run: EP=2, EP=4, EP=2 x expert-DP=2,
-TP=2 x EP=2, PP=2 x EP=2; dropless, capacity without drops, capacity with drops.
+TP=2 x EP=2, PP=2 x EP=2; dropless, capacity without drops, capacity with drops. The grouped/
+cases run the experts through grouped_mm (--moe-grouped-gemm) under EP=2 and TP=2 x EP=2 against
+the one-process run with the padded experts, at the same tolerances.
 
 The ranks (``workers.py``) run each case and, in the same rank, the one-process reference on
 all ranks' inputs; these tests assert on the errors they report.
@@ -54,8 +56,12 @@ def check_model(results, label: str, section: str = "model", tol: float = MODEL_
     assert any(".mlp.experts." in n for n in held) and any(".mlp.router." in n for n in held)
 
 
+LAYER_CASES = ("top2/dropless", "top1/capacity-no-drop", "top2/capacity-drops", "prototypes", "swiglu-bias")
+GROUPED_LAYER_CASES = ("grouped/top2/dropless", "grouped/top2/capacity-drops", "grouped/swiglu-bias")
+
+
 def test_ep2_layer_matches_single_process(moe_world2):
-    for case in ("top2/dropless", "top1/capacity-no-drop", "top2/capacity-drops", "prototypes", "swiglu-bias"):
+    for case in LAYER_CASES:
         check_layer(moe_world2, f"ep2/{case}")
     # every rank's experts did receive rows from the all-to-all
     assert all(res["layer"]["ep2/top2/dropless"]["received"] > 0 for res in moe_world2)
@@ -78,7 +84,7 @@ def test_ep4_model_step_matches_single_process(moe_world4):
 
 
 def test_tp2_ep2_matches_single_process(moe_world4):
-    for case in ("top2/dropless", "top1/capacity-no-drop", "top2/capacity-drops", "prototypes", "swiglu-bias"):
+    for case in LAYER_CASES:
         check_layer(moe_world4, f"tp2ep2/{case}")
     check_model(moe_world4, "tp2ep2/dropless-swiglu")
     check_model(moe_world4, "tp2ep2/capacity-drops")
@@ -89,10 +95,29 @@ def test_pp2_ep2_matches_single_process(moe_world4):
     check_model(moe_world4, "pp2ep2/capacity-drops/1f1b")
 
 
+def test_grouped_gemm_under_ep_and_tp_matches_padded_single_process(moe_world2, moe_world4):
+    """grouped_mm experts against the padded experts on one process: layer cases under EP=2 and
+    TP=2 x EP=2 (dropless, capacity drops, SwiGLU with biases), model steps (EP=2 capacity
+    drops, TP=2 x EP=2 dropless SwiGLU, EP=2 bf16 + recompute); grouped_mm did run, and only there."""
+    for results, prefix in ((moe_world2, "ep2"), (moe_world4, "tp2ep2")):
+        for case in GROUPED_LAYER_CASES:
+            check_layer(results, f"{prefix}/{case}")
+        for rank, res in enumerate(results):
+            for label, r in res["layer"].items():
+                if label.startswith(prefix + "/"):
+                    grouped = "/grouped/" in label
+                    assert (r["grouped_mm_calls"] > 0) == grouped, f"{label} rank {rank}: {r['grouped_mm_calls']}"
+            assert res["grouped_model_calls"] > 0, f"{prefix} rank {rank}: the model cases did not run grouped_mm"
+    check_model(moe_world2, "ep2/grouped/capacity-drops")
+    check_model(moe_world4, "tp2ep2/grouped/dropless-swiglu")
+    check_model(moe_world2, "ep2/grouped/bf16-recompute", section="bf16", tol=1e-5, rel_tol=BF16_REL)
+
+
 def test_rank_whose_experts_get_no_tokens(moe_world2, moe_world4):
     """A router bias sends every token to EP rank 0's experts: the other ranks run forward and
     backward on zero rows, join every collective, and end with exactly zero expert gradients."""
-    for results, label in ((moe_world2, "ep2/zero-tokens"), (moe_world4, "ep4/zero-tokens")):
+    for results, label in ((moe_world2, "ep2/zero-tokens"), (moe_world2, "ep2/grouped/zero-tokens"),
+                           (moe_world4, "ep4/zero-tokens")):
         check_layer(results, label)
         assert results[0]["layer"][label]["received"] > 0
         for rank, res in enumerate(results[1:], start=1):

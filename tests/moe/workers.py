@@ -11,7 +11,11 @@ Model cases: a whole M6 model step (``tests.pipeline.common.compare_case``).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import torch
+import torch.nn.functional as F
 import torch.distributed as dist
 
 from megatron_p2r.parallel.state import Layout, ParallelState
@@ -19,7 +23,7 @@ from megatron_p2r.training import pretrain
 from tests.helpers import expected_shard
 from tests.moe.common import (bias_router_towards, build_layer, force_first_experts, layer_cfg, layer_grads,
                               layer_inputs, layer_with_grad_buffers, random_biases, run_layer)
-from tests.pipeline.common import make_cfg, make_state
+from tests.pipeline.common import make_cfg, make_state, reference
 from tests.pipeline.workers import equivalence_cases, train_replicas
 
 PER_RANK = 2  # layer inputs (micro-batches) per DP rank
@@ -32,7 +36,37 @@ def _both(*modifiers):
     return modify
 
 
+@contextlib.contextmanager
+def counting_grouped_mm():
+    """The number of grouped_mm calls inside the block."""
+    calls, original = [], F.grouped_mm
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    F.grouped_mm = counting
+    try:
+        yield calls
+    finally:
+        F.grouped_mm = original
+
+
+def padded_reference(cfg, microbatches):
+    """The one-process model with the padded experts."""
+    return reference(cfg.replace(moe_grouped_gemm=False), microbatches)
+
+
+def grouped_model_cases(ps: ParallelState, layout: Layout, cases) -> dict:
+    """Model steps [(label, cfg, micro-batches)] with --moe-grouped-gemm against the one-process
+    model with the padded experts."""
+    return equivalence_cases(ps, layout, [(label, cfg.replace(moe_grouped_gemm=True), "1f1b", n)
+                                          for label, cfg, n in cases], reference_fn=padded_reference)
+
+
 def layer_case(ps: ParallelState, overrides: dict, modify=None, transform=None, seed: int = 0) -> dict:
+    """The reference layer always has the padded experts: the grouped/ cases compare grouped_mm
+    under EP/TP with padded bmm on one process."""
     inputs = layer_inputs(PER_RANK * ps.dp_size, seed)
     if transform is not None:
         inputs = [(transform(x), g) for x, g in inputs]
@@ -41,17 +75,18 @@ def layer_case(ps: ParallelState, overrides: dict, modify=None, transform=None, 
     layer, ddp, cfg = layer_with_grad_buffers(overrides, ps, modify)
     received = []
     layer.experts.register_forward_pre_hook(lambda mod, args: received.append(sum(args[1])))
-    outs = run_layer(layer, mine)
+    with counting_grouped_mm() as grouped_calls:
+        outs = run_layer(layer, mine)
     raw = layer_grads(layer)   # this rank's own sums, before the DDP reduces them
     ddp.finish_grad_sync()
 
-    ref_layer = build_layer(cfg, ParallelState.single(), modify=modify)
+    ref_layer = build_layer(dataclasses.replace(cfg, moe_grouped_gemm=False), ParallelState.single(), modify=modify)
     ref_outs = run_layer(ref_layer, inputs)
     ref_grads = layer_grads(ref_layer)
     ref_mine = ref_outs[ps.dp_rank * PER_RANK:(ps.dp_rank + 1) * PER_RANK]
 
     result = {"out_err": max((o - r).abs().max().item() for o, r in zip(outs, ref_mine, strict=True)),
-              "grad_err": {}, "received": sum(received),
+              "grad_err": {}, "received": sum(received), "grouped_mm_calls": len(grouped_calls),
               "wrong_group_err": None, "wrong_divisor_err": None}
     params = dict(layer.named_parameters())
     for n, p in params.items():
@@ -80,6 +115,10 @@ LAYER_CASES = {
     "prototypes": (dict(num_experts=8, moe_num_prototypes=2, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01),
                    None, None),
     "swiglu-bias": (dict(moe_router_topk=2, swiglu=True), random_biases, None),
+    "grouped/top2/dropless": (dict(moe_router_topk=2, moe_grouped_gemm=True), None, None),
+    "grouped/top2/capacity-drops": (dict(moe_router_topk=2, moe_capacity_factor=0.5, moe_grouped_gemm=True), None,
+                                    None),
+    "grouped/swiglu-bias": (dict(moe_router_topk=2, swiglu=True, moe_grouped_gemm=True), random_biases, None),
 }
 
 
@@ -91,10 +130,10 @@ def layer_cases(ps: ParallelState, prefix: str, names=None) -> dict:
     return out
 
 
-def zero_token_case(ps: ParallelState) -> dict:
+def zero_token_case(ps: ParallelState, **overrides) -> dict:
     """Every token prefers the experts of EP rank 0: the other ranks' experts get no rows."""
     first = 4 // ps.ep_size
-    return layer_case(ps, dict(moe_router_topk=first), _both(random_biases, bias_router_towards(first)),
+    return layer_case(ps, dict(moe_router_topk=first, **overrides), _both(random_biases, bias_router_towards(first)),
                       force_first_experts)
 
 
@@ -133,6 +172,7 @@ def world2(rank: int, world: int, log_file: str) -> dict:
     ps = make_state(layout)
     out = {"layer": layer_cases(ps, "ep2"), "model": {}}
     out["layer"]["ep2/zero-tokens"] = zero_token_case(ps)
+    out["layer"]["ep2/grouped/zero-tokens"] = zero_token_case(ps, moe_grouped_gemm=True)
     out["bf16_rows"] = sent_dtypes_under_bf16(ps)
     out["model"].update(equivalence_cases(ps, layout, [
         ("ep2/dropless", moe_model(ep=2), "1f1b", 2),
@@ -143,6 +183,12 @@ def world2(rank: int, world: int, log_file: str) -> dict:
     ]))
     out["bf16"] = equivalence_cases(ps, layout, [
         ("ep2/bf16-recompute", moe_model(ep=2, recompute_activations=True, bf16=True), "1f1b", 2)])
+    with counting_grouped_mm() as calls:
+        out["model"].update(grouped_model_cases(ps, layout, [
+            ("ep2/grouped/capacity-drops", moe_model(ep=2, moe_capacity_factor=0.5, swiglu=True), 1)]))
+        out["bf16"].update(grouped_model_cases(ps, layout, [
+            ("ep2/grouped/bf16-recompute", moe_model(ep=2, recompute_activations=True, bf16=True), 2)]))
+    out["grouped_model_calls"] = len(calls)
     out["train"] = train_replicas(moe_model(ep=2, global_batch_size=8, moe_capacity_factor=1.0), ps)
     pretrain(moe_model(ep=2, train_iters=2, moe_capacity_factor=0.5, log_file=log_file))
     return out
@@ -171,6 +217,10 @@ def world4(rank: int, world: int) -> dict:
     out["model"].update(equivalence_cases(ps, layout, [
         ("tp2ep2/dropless-swiglu", moe_model(tp=2, ep=2, swiglu=True), "1f1b", 1),
         ("tp2ep2/capacity-drops", moe_model(tp=2, ep=2, moe_capacity_factor=0.5), "1f1b", 1)]))
+    with counting_grouped_mm() as calls:
+        out["model"].update(grouped_model_cases(ps, layout, [
+            ("tp2ep2/grouped/dropless-swiglu", moe_model(tp=2, ep=2, swiglu=True), 1)]))
+    out["grouped_model_calls"] = len(calls)
 
     layout = Layout(pp=2, dp=2, ep=2)
     ps = make_state(layout)

@@ -23,6 +23,8 @@ def _default(m: ModelConfig) -> Tuple[str, str]:
         return GPT2, "--position-embedding-type learned_absolute"
     if m.add_qkv_bias and not m.add_bias:
         return QWEN2, "--add-qkv-bias with --disable-bias-linear"
+    if m.window_size is not None:
+        return MISTRAL, "--window-size (Llama has no sliding window)"
     return LLAMA, "--position-embedding-type rope"
 
 
@@ -39,6 +41,29 @@ def _rotary_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
     ]
 
 
+def _nowhere(m: ModelConfig) -> List[Tuple[bool, str]]:
+    """gpt-oss's options, which none of the exported architectures has."""
+    return [
+        (m.softmax_type != "vanilla", f"--softmax-type {m.softmax_type} (attention sinks)"),
+        (m.quick_geglu, "--quick-geglu"),
+        (m.glu_linear_offset != 0.0, f"--glu-linear-offset {m.glu_linear_offset}"),
+        (m.activation_func_clamp_value is not None, f"--activation-func-clamp-value {m.activation_func_clamp_value}"),
+    ]
+
+
+def _windows(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
+    """Mistral and Mixtral window every layer; Qwen2 takes any pattern (layer_types)."""
+    name = arch.replace("ForCausalLM", "")
+    if arch in (GPT2, LLAMA):
+        return [(m.window_size is not None, f"--window-size {m.window_size} ({name} has no sliding window; "
+                                            "Mistral and Qwen2 have one)")]
+    if arch in (MISTRAL, MIXTRAL):
+        return [(m.window_size is not None and m.window_attn_skip_freq is not None,
+                 f"--window-attn-skip-freq {m.window_attn_skip_freq} ({name} windows every layer; Qwen2 "
+                 "expresses this)")]
+    return []
+
+
 def _biases(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
     if arch == LLAMA:   # attention_bias: q, k, v and o; mlp_bias: the MLP
         return [(m.add_qkv_bias and not m.add_bias, "--add-qkv-bias without the other biases (Llama's "
@@ -53,6 +78,10 @@ def _biases(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
 
 
 def _blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
+    return _nowhere(m) + _windows(m, arch) + _architecture_blockers(m, arch)
+
+
+def _architecture_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
     if arch == GPT2:
         return [
             (m.position_embedding_type != "learned_absolute", f"--position-embedding-type "

@@ -2,7 +2,7 @@
 (every HF option without an equivalent here is an error naming the field)."""
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from megatron_p2r.convert.hf.architecture import GPT2, LLAMA, MISTRAL, MIXTRAL, MODEL_TYPES, QWEN2, HFConversionError
 from megatron_p2r.convert.hf.config_schema import check_hf_config
@@ -37,15 +37,25 @@ def hf_config(m: ModelConfig, arch: str, hf_vocab: int, dtype: str, special: Dic
     if arch == LLAMA:
         return {**cfg, "intermediate_size": m.ffn_size, "attention_bias": m.add_bias, "mlp_bias": m.add_bias,
                 "pretraining_tp": 1}
+    window = _hf_window(m)
     if arch == MISTRAL:
-        return {**cfg, "intermediate_size": m.ffn_size, "sliding_window": None}
+        return {**cfg, "intermediate_size": m.ffn_size, "sliding_window": window}
     if arch == QWEN2:
-        return {**cfg, "intermediate_size": m.ffn_size, "use_sliding_window": False, "sliding_window": None,
-                "max_window_layers": m.num_layers}
+        types = ["full_attention" if m.attention_window(i) is None else "sliding_attention"
+                 for i in range(m.num_layers)]
+        return {**cfg, "intermediate_size": m.ffn_size, "use_sliding_window": window is not None,
+                "sliding_window": window, "max_window_layers": m.num_layers if window is None else 0,
+                "layer_types": types}
     return {**cfg, "intermediate_size": m.expert_ffn_size, "num_local_experts": m.num_experts,
             "num_experts_per_tok": m.moe_router_topk, "router_aux_loss_coef": m.moe_aux_loss_coeff,
             "router_jitter_noise": m.moe_input_jitter_eps or 0.0, "output_router_logits": False,
-            "sliding_window": None}
+            "sliding_window": window}
+
+
+def _hf_window(m: ModelConfig) -> Optional[int]:
+    """transformers' sliding_window (tokens a query sees, itself included) for --window-size L,0."""
+    windows = {m.attention_window(i) for i in range(m.num_layers)} - {None}
+    return windows.pop() + 1 if windows else None
 
 
 def required_field(hf: dict, key: str, where: str):
@@ -92,12 +102,41 @@ def _gpt2_values(hf: dict, where: str) -> dict:
 
 
 def sliding_window(hf: dict) -> Optional[int]:
-    """The attention window of a Mistral, Mixtral or Qwen2 config.json, or None (full causal)."""
+    """The attention window of a Mistral, Mixtral or Qwen2 config.json (tokens a query sees,
+    itself included), or None (full causal)."""
     if hf.get("model_type") == "qwen2" and not hf.get("use_sliding_window", False):
         return None
-    if "sliding_attention" not in hf.get("layer_types", ["sliding_attention"]):
-        return None
     return hf.get("sliding_window")
+
+
+def _windowed_layers(hf: dict, where: str, layers: int) -> List[bool]:
+    """Which layers transformers gives the window: Qwen2 those of ``layer_types`` (default: from
+    layer max_window_layers on), Mistral and Mixtral every layer."""
+    if hf.get("model_type") != "qwen2":
+        return [True] * layers
+    kinds = ("sliding_attention", "full_attention")
+    types = hf.get("layer_types") or [kinds[i < hf.get("max_window_layers", 28)] for i in range(layers)]
+    if len(types) != layers or any(t not in kinds for t in types):
+        raise HFConversionError(f"{where}: layer_types must be {layers} entries of {list(kinds)}, got {types}")
+    return [t == "sliding_attention" for t in types]
+
+
+def _window_values(hf: dict, where: str, layers: int) -> dict:
+    """--window-size W-1,0 for transformers' sliding_window W, and --window-attn-skip-freq N when
+    layers N-1, 2N-1, ... are the full ones; other patterns have no equivalent here."""
+    window = sliding_window(hf)
+    windowed = _windowed_layers(hf, where, layers) if window is not None else []
+    if not any(windowed):
+        return {}
+    values = {"window_size": f"{window - 1},0"}
+    if all(windowed):
+        return values
+    for n in range(2, layers + 1):
+        if windowed == [(i + 1) % n != 0 for i in range(layers)]:
+            return {**values, "window_attn_skip_freq": n}
+    shown = "".join("s" if w else "f" for w in windowed)
+    raise HFConversionError(f"{where}: sliding-window layers {shown} (s: sliding, f: full) have no equivalent here: "
+                            "every layer windowed, or every N-th full (--window-attn-skip-freq N)")
 
 
 def _attention_values(hf: dict, where: str, h: int, heads: int) -> dict:
@@ -140,22 +179,22 @@ def _rotary_values(hf: dict, where: str, arch: str) -> dict:
     """Llama, Mistral, Qwen2 and Mixtral: rotary, RMSNorm, SwiGLU (Mixtral: in top-k experts),
     grouped-query attention when there are fewer key/value heads than query heads.
 
-    A sliding window of W tokens is full causal attention on sequences of up to W tokens, so it
-    becomes --max-position-embeddings W: exact on every sequence our config then accepts."""
+    A sliding window of W tokens (the query itself included) is --window-size W-1,0."""
     tied = bool(hf.get("tie_word_embeddings", True))
     h, heads = required_field(hf, "hidden_size", where), required_field(hf, "num_attention_heads", where)
     if hf.get("hidden_act", "silu") != "silu":
         raise HFConversionError(f"{where}: hidden_act {hf['hidden_act']!r}; only SwiGLU (silu) is supported")
     max_pos = hf.get("max_position_embeddings", 4096)
-    window = sliding_window(hf)
-    values = dict(num_layers=required_field(hf, "num_hidden_layers", where), hidden_size=h,
+    layers = required_field(hf, "num_hidden_layers", where)
+    values = dict(num_layers=layers, hidden_size=h,
                   ffn_hidden_size=required_field(hf, "intermediate_size", where),
                   normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True,
-                  position_embedding_type="rope", max_position_embeddings=min(max_pos, window or max_pos),
+                  position_embedding_type="rope", max_position_embeddings=max_pos,
                   untie_embeddings_and_output_weights=not tied,
                   hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0),
                   init_method_std=hf.get("initializer_range", 0.02))
-    values.update(_attention_values(hf, where, h, heads), **_bias_values(hf, where, arch))
+    values.update(_attention_values(hf, where, h, heads), **_bias_values(hf, where, arch),
+                  **_window_values(hf, where, layers))
     if arch == MIXTRAL:
         values.update(num_experts=required_field(hf, "num_local_experts", where),
                       moe_router_topk=required_field(hf, "num_experts_per_tok", where), moe_layer_freq=1,

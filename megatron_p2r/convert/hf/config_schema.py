@@ -38,6 +38,7 @@ HF_FIELDS: Dict[str, Tuple[str, object]] = {
     "router_jitter_noise": (_FLOAT, fraction()), "partial_rotary_factor": (_FLOAT, _ROTARY_FRACTION),
     # Mistral / Mixtral / Qwen2 sliding-window attention
     "sliding_window": (_INT, at_least(1, 2 ** 24)), "use_sliding_window": (_BOOL, None), "layer_types": (_LIST, None),
+    "max_window_layers": (_INT, at_least(0, 2 ** 24)),
 }
 _ROPE_FIELDS = {"rope_type": (_STR, None), "type": (_STR, None), "rope_theta": (_FLOAT, positive()),
                 "partial_rotary_factor": (_FLOAT, _ROTARY_FRACTION)}

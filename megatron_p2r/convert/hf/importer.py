@@ -59,10 +59,9 @@ def _notes(tokenizer_note: str, cfg: Config, hf_cfg: dict, hf_vocab: int, dst: s
         notes.append(f"vocabulary padded from {hf_vocab} to {m.padded_vocab_size} rows with zeros "
                      f"(TP {cfg.parallel.tensor_model_parallel_size} does not divide {hf_vocab}); their logits (0) "
                      "enter our softmax")
-    window = sliding_window(hf_cfg)
-    if window is not None:
-        notes.append(f"sliding_window {window}: full causal attention on sequences of up to {window} tokens, so "
-                     f"--max-position-embeddings is {m.max_positions}; longer sequences are refused")
+    if m.window_size is not None:
+        skip = f", every {m.window_attn_skip_freq}th layer full" if m.window_attn_skip_freq else ""
+        notes.append(f"sliding_window {sliding_window(hf_cfg)}: --window-size {m.window_size}{skip}")
     yaml_path = os.path.join(dst, "model.yaml")
     notes.append(f"model and layout flags in {yaml_path}: train with --config {yaml_path} --load {dst} "
                  "--finetune plus data and training flags")

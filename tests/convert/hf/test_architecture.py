@@ -43,6 +43,15 @@ GQA = dict(group_query_attention=True, num_query_groups=2)
     (dict(ROPE, add_qkv_bias=True, disable_bias_linear=True), "LlamaForCausalLM", "LlamaForCausalLM",
      "--add-qkv-bias without the other biases"),
     (dict(ROPE, disable_bias_linear=True), "MixtralForCausalLM", "MixtralForCausalLM", "no --num-experts"),
+    # gpt-oss's options have no exported architecture; Llama has no window, Mistral windows every layer
+    (dict(ROPE, disable_bias_linear=True, softmax_type="learnable"), None, "LlamaForCausalLM",
+     "--softmax-type learnable (attention sinks)"),
+    (dict(ROPE, swiglu=False, quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=7.0), None,
+     "LlamaForCausalLM", "--quick-geglu; --glu-linear-offset 1.0; --activation-func-clamp-value 7.0"),
+    (dict(ROPE, disable_bias_linear=True, window_size="7,0"), "LlamaForCausalLM", "LlamaForCausalLM",
+     "--window-size 7,0 (Llama has no sliding window; Mistral and Qwen2 have one)"),
+    (dict(ROPE, disable_bias_linear=True, window_size="7,0", window_attn_skip_freq=2), None, "MistralForCausalLM",
+     "--window-attn-skip-freq 2 (Mistral windows every layer; Qwen2 expresses this)"),
 ])
 def test_attention_options_and_requested_architectures(values, requested, arch, blocked):
     with pytest.raises(HFConversionError, match="cannot express") as exc:
@@ -56,5 +65,6 @@ def test_architecture_choice():
     assert hf_architecture(ModelConfig(**rope)) == "LlamaForCausalLM"
     assert hf_architecture(ModelConfig(**rope), "MistralForCausalLM") == "MistralForCausalLM"
     assert hf_architecture(ModelConfig(**rope, add_qkv_bias=True)) == "Qwen2ForCausalLM"
+    assert hf_architecture(ModelConfig(**rope, window_size="7,0")) == "MistralForCausalLM"   # Llama has no window
     with pytest.raises(HFConversionError, match="--hf-architecture must be one of"):
         hf_architecture(ModelConfig(**rope), "Qwen3ForCausalLM")

@@ -34,7 +34,7 @@ def test_the_fields_of_grouped_query_and_sliding_window_models_are_checked(edit,
 def test_a_valid_mistral_config_reads():
     arch, values = model_values_from_hf({**MISTRAL, "sliding_window": 32, "partial_rotary_factor": 1.0},
                                         "config.json")
-    assert values["num_query_groups"] == 2 and values["max_position_embeddings"] == 32
+    assert values["num_query_groups"] == 2 and values["window_size"] == "31,0"
 
 
 @pytest.mark.parametrize("options,activation", [

@@ -50,15 +50,17 @@ CASES = {
     "llama": dict(ROPE, **GQA, num_query_groups=2, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                   num_layers=4, p2r_phase="pseudo", share_pattern="all", untie_embeddings_and_output_weights=True,
                   make_vocab_size_divisible_by=128),
-    # one key/value head (replicated over TP 2), no biases -> MistralForCausalLM (on request)
-    "mistral": dict(ROPE, **GQA, num_query_groups=1, tensor_model_parallel_size=2, disable_bias_linear=True),
+    # one key/value head (replicated over TP 2), no biases, a 6-token window -> MistralForCausalLM (sliding_window 6)
+    "mistral": dict(ROPE, **GQA, num_query_groups=1, tensor_model_parallel_size=2, disable_bias_linear=True,
+                    window_size="5,0"),
     # top-2 MoE in every layer, 2 key/value groups -> MixtralForCausalLM
     "mixtral": dict(ROPE, **GQA, num_query_groups=2, tensor_model_parallel_size=2, expert_model_parallel_size=2,
                     num_experts=4, moe_router_topk=2, moe_router_pre_softmax=False, moe_ffn_hidden_size=24,
                     disable_bias_linear=True, moe_aux_loss_coeff=0.01),
-    # biases on the query/key/value projections only, heads of 16 in hidden 32 -> Qwen2ForCausalLM
+    # biases on the query/key/value projections only, heads of 16 in hidden 32, a window on layer 0 only
+    # -> Qwen2ForCausalLM (layer_types sliding, full)
     "qwen2": dict(ROPE, **GQA, num_query_groups=2, kv_channels=16, tensor_model_parallel_size=2,
-                  disable_bias_linear=True, add_qkv_bias=True),
+                  disable_bias_linear=True, add_qkv_bias=True, window_size="3,0", window_attn_skip_freq=2),
 }
 ARCHITECTURES = {"gpt2": GPT2, "llama": LLAMA, "mistral": MISTRAL, "mixtral": MIXTRAL, "qwen2": QWEN2}
 # Import each export into a different layout (4 ranks each); Mistral's key/value head on 4 TP ranks.
@@ -130,6 +132,7 @@ def test_export_load_generate_import_eval(trained):
         theirs = load_hf(dst)
         assert type(theirs).__name__ == result.architecture
         assert theirs.config.vocab_size == cfg.model.padded_vocab_size  # padding kept by default
+        assert getattr(theirs.config, "sliding_window", None) == {"mistral": 6, "qwen2": 4}.get(name)
         check_same_function(ours, theirs, cfg.model.vocab_size, cfg.model.seq_length)
         if cfg.data.tokenizer_type:
             from megatron_p2r.data.tokenizers import build_tokenizer

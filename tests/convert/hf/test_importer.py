@@ -29,6 +29,9 @@ def _hf_config(kind, vocab_size=201, **extra):
         return t.MistralConfig(**common, intermediate_size=48, num_key_value_heads=1, sliding_window=8, **extra)
     if kind == "qwen2":       # query/key/value biases only
         return t.Qwen2Config(**common, intermediate_size=48, num_key_value_heads=2, tie_word_embeddings=True, **extra)
+    if kind == "qwen2_window":   # a window of 5 on layer 0, layer 1 full
+        return t.Qwen2Config(**common, intermediate_size=48, num_key_value_heads=2, use_sliding_window=True,
+                             sliding_window=5, layer_types=["sliding_attention", "full_attention"], **extra)
     return t.MixtralConfig(**common, intermediate_size=24, num_key_value_heads=2, num_local_experts=4,
                            num_experts_per_tok=2, **extra)
 
@@ -44,12 +47,14 @@ def _hf_born(kind, directory, **extra):
     return model.eval()
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "gpt2_tanh", "llama", "llama_gqa", "mistral", "qwen2", "mixtral"])
+@pytest.mark.parametrize("kind", ["gpt2", "gpt2_tanh", "llama", "llama_gqa", "mistral", "qwen2", "qwen2_window",
+                                  "mixtral"])
 def test_import_models_made_by_transformers(kind, tmp_path):
     """A model transformers made (vocab 201, not a multiple of 8) imports as the same function:
     requested padding to 208 adds zero rows; logits on the 201 ids equal HF's. Grouped-query
-    models import under TP 2 (Mistral's one key/value head on both ranks); Mistral's sliding
-    window of 8 becomes --max-position-embeddings 8, on which the functions are equal."""
+    models import under TP 2 (Mistral's one key/value head on both ranks). Sliding windows
+    shorter than the 16 positions compared: Mistral's 8 on every layer becomes --window-size 7,0,
+    Qwen2's 5 on layer 0 (layer 1 full) --window-size 4,0 --window-attn-skip-freq 2."""
     theirs = _hf_born(kind, tmp_path / "hf")
     _, notes = import_hf(str(tmp_path / "hf"), str(tmp_path / "ours"), Target(2), make_vocab_size_divisible_by=8,
                          progress=False)
@@ -57,13 +62,16 @@ def test_import_models_made_by_transformers(kind, tmp_path):
     ours, cfg = reference_model(str(tmp_path / "ours"), str(tmp_path / "single"))
     m = cfg.model
     assert (m.vocab_size, m.padded_vocab_size) == (201, 208)
-    expected = {"llama_gqa": (2, 16), "mistral": (1, 8), "qwen2": (2, 8), "mixtral": (2, 8)}.get(kind, (4, 8))
+    expected = {"llama_gqa": (2, 16), "mistral": (1, 8), "qwen2": (2, 8), "qwen2_window": (2, 8),
+                "mixtral": (2, 8)}.get(kind, (4, 8))
     assert (m.query_groups, m.head_dim) == expected and m.group_query_attention == (kind not in ("gpt2", "gpt2_tanh", "llama"))
     assert m.gelu_approximation == ("tanh" if kind == "gpt2_tanh" else "none")
-    assert m.max_positions == (8 if kind == "mistral" else 16)
+    assert m.max_positions == 16
+    window = {"mistral": ("7,0", None), "qwen2_window": ("4,0", 2)}.get(kind, (None, None))
+    assert (m.window_size, m.window_attn_skip_freq) == window
     if kind == "mistral":
-        assert any("sliding_window 8" in n for n in notes)
-    if kind == "qwen2":
+        assert any("sliding_window 8: --window-size 7,0" in n for n in notes)
+    if kind.startswith("qwen2"):
         assert m.add_qkv_bias and m.disable_bias_linear
     check_same_function(ours, theirs, 201, m.max_positions, generate=False)  # (generation: see the export test)
 
