@@ -47,6 +47,7 @@ class LegacyCheckpoint:
         self.optimizer: Dict[str, Dict[str, Dict[int, LazyTensor]]] = {kind: {} for kind in distrib_optim.STATES}
         dirs = sorted(d for d in os.listdir(iter_dir) if RANK_DIR.fullmatch(d))
         first = self._archive(dirs[0])
+        self.saved, self.saved_path = first.obj, first.path  # iteration, opt_param_scheduler, ...
         self.args = SavedArgs.of(first.obj.get("args"), first.path)
         self._check_header(first)
         a = self.args
