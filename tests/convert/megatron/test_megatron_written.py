@@ -34,8 +34,12 @@ def test_the_fixtures_cover_megatrons_layouts():
 
 
 # Saved after 3 Adam steps: torch_dist with the non-distributed optimizer; legacy with the
-# distributed optimizer over 2 DP ranks (distrib_optim.pt: flat buffers gathered on DP rank 0)
-WITH_OPTIMIZER = ("gpt_dist_tp1_adam", "gpt_legacy_dp2_distopt")
+# distributed optimizer over 2 DP ranks (distrib_optim.pt: flat buffers gathered on DP rank 0),
+# in fp32 and in --bf16 (bf16 weights, fp32 mains)
+WITH_OPTIMIZER = ("gpt_dist_tp1_adam", "gpt_legacy_dp2_distopt", "gpt_legacy_dp2_distopt_bf16")
+# Megatron's 4th step of the --bf16 run computed in bf16: an fp32 step of ours differs by bf16's
+# rounding (rel 1e-2), so the continued step is compared on the fp32 runs
+CONTINUED_IN_FP32 = WITH_OPTIMIZER[:2]
 
 
 @pytest.mark.parametrize("name", WITH_OPTIMIZER)
@@ -79,7 +83,7 @@ def test_the_import_continues_at_megatrons_iteration(tmp_path, name):
     assert state.scheduler.lr == pytest.approx(megatron["lr"], rel=1e-6) and megatron["lr"] > 0
 
 
-@pytest.mark.parametrize("name", WITH_OPTIMIZER)
+@pytest.mark.parametrize("name", CONTINUED_IN_FP32)
 def test_a_megatron_run_continues_here(tmp_path, name):
     """From the imported step-3 checkpoint, one training step of ours on Megatron's 4th global
     batch (each DP rank of Megatron had the same batch; the same LR schedule, AdamW, weight decay,
