@@ -34,6 +34,9 @@ MEGATRON_DEFAULTS = {
     # gpt-oss's options (megatron-core's TransformerConfig)
     "softmax_type": "vanilla", "quick_geglu": False, "glu_linear_offset": 0.0, "window_size": None,
     "window_attn_skip_freq": None, "activation_func_clamp_value": None,
+    # the precision-aware optimizer (megatron-core's OptimizerConfig)
+    "use_precision_aware_optimizer": False, "main_grads_dtype": "fp32", "main_params_dtype": "fp32",
+    "exp_avg_dtype": "fp32", "exp_avg_sq_dtype": "fp32",
 }
 
 

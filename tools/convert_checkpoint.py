@@ -12,6 +12,9 @@
     p2r-convert-checkpoint import-hf SRC DST [--target-* ...] [--make-vocab-size-divisible-by N]
     p2r-convert-checkpoint import-megatron MEGATRON_DIR DST [--target-* ...]
                                             (a Megatron-LM torch_dist or legacy checkpoint; docs/megatron.md)
+    p2r-convert-checkpoint export-megatron SRC MEGATRON_DIR [--ckpt-format torch_dist|torch]
+                                            [--target-tensor-parallel-size T] [--target-pipeline-parallel-size P]
+                                            [--target-expert-parallel-size E] [--dtype float32|bfloat16|float16]
 
 SRC is a checkpoint directory (its latest iteration is used) or one ``iter_*`` directory; DST
 becomes a checkpoint directory that ``--load`` accepts. Conversions stream tensor by tensor into
@@ -21,7 +24,8 @@ it. ``inspect --verify`` reads every tensor against its checksum. See docs/check
 and grow: docs/p2r.md.
 ``export-hf`` writes a Hugging Face transformers model directory (GPT2, Llama, Qwen2 or Mixtral,
 chosen by the model's options, or Mistral on request), ``import-hf`` reads one back into a
-checkpoint; see docs/hf.md.
+checkpoint; see docs/hf.md. ``export-megatron`` writes a ``--save`` directory Megatron-LM loads;
+see docs/megatron.md.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from megatron_p2r.convert.hf.exporter import export_hf
 from megatron_p2r.convert.hf.importer import import_hf
 from megatron_p2r.convert.hf.verify import VERIFY_TOLERANCE, verify_export
 from megatron_p2r.checkpoint.integrity import check_data, check_files
+from megatron_p2r.convert.megatron.exporter import CKPT_FORMATS, EXPORT_DTYPES, export_megatron
 from megatron_p2r.convert.megatron.importer import import_megatron
 from megatron_p2r.checkpoint.metadata import kinds_of, metadata_config, metadata_table, read_metadata
 from megatron_p2r.checkpoint.naming import resolve_iteration_dir
@@ -189,7 +194,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src")
     p.add_argument("dst")
     _add_target_flags(p)
+    _add_export_megatron(sub)
     return parser
+
+
+def _add_export_megatron(sub) -> None:
+    p = sub.add_parser("export-megatron", help="Write a Megatron-LM checkpoint (torch_dist or legacy) of a "
+                                               "checkpoint (see docs/megatron.md).")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--ckpt-format", choices=CKPT_FORMATS, default="torch_dist",
+                   help="Megatron's format: torch_dist (its default; loads into any TP/PP/EP) or torch (legacy "
+                        "mp_rank_* files for one layout).")
+    p.add_argument("--target-tensor-parallel-size", type=int, help="Megatron's TP (default: the source's).")
+    p.add_argument("--target-pipeline-parallel-size", type=int,
+                   help="Megatron's PP, layers split evenly (default: the source's).")
+    p.add_argument("--target-expert-parallel-size", type=int, help="Megatron's EP (default: the source's).")
+    p.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default="float32", help="Dtype of the written weights.")
+    p.add_argument("--force", action="store_true", help="Replace a non-empty DST.")
+    p.add_argument("--no-progress", action="store_true", help="No progress bar.")
 
 
 def _hf_command(args) -> int:
@@ -220,6 +243,15 @@ def _hf_command(args) -> int:
 
 
 def _megatron_command(args) -> int:
+    if args.command == "export-megatron":
+        out, notes = export_megatron(args.src, args.dst, ckpt_format=args.ckpt_format,
+                                     tp=args.target_tensor_parallel_size, pp=args.target_pipeline_parallel_size,
+                                     ep=args.target_expert_parallel_size, dtype=args.dtype, force=args.force,
+                                     progress=not args.no_progress)
+        print(f"wrote {out}")
+        for note in notes:
+            print(f"  {note}")
+        return 0
     target = Target(args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
                     args.target_pipeline_layer_split, args.target_expert_parallel_size)
     out, notes = import_megatron(args.src, args.dst, target, force=args.force, progress=not args.no_progress)
@@ -235,7 +267,7 @@ def _run(args) -> int:
         return 0
     if args.command in ("export-hf", "import-hf"):
         return _hf_command(args)
-    if args.command == "import-megatron":
+    if args.command in ("import-megatron", "export-megatron"):
         return _megatron_command(args)
     target = Target(args.target_tensor_parallel_size, args.target_pipeline_parallel_size,
                     args.target_pipeline_layer_split, args.target_expert_parallel_size)

@@ -33,6 +33,16 @@ class TrainConfig:
     adam_beta1: float = opt(0.9, "AdamW beta1.")
     adam_beta2: float = opt(0.999, "AdamW beta2.")
     adam_eps: float = opt(1e-8, "AdamW epsilon.")
+    use_precision_aware_optimizer: bool = opt(False, "Allow optimizer state below fp32 (the dtype flags "
+                                                     "that follow; Megatron-LM's name).")
+    main_grads_dtype: str = opt("fp32", "Dtype of the main gradients (precision-aware optimizer; only fp32 "
+                                "is built here).", choices=["fp32", "bf16"])
+    main_params_dtype: str = opt("fp32", "Dtype of the main parameters (precision-aware optimizer; only "
+                                 "fp32 is built here).", choices=["fp32", "fp16"])
+    exp_avg_dtype: str = opt("fp32", "Dtype AdamW's first moment is stored in (precision-aware optimizer).",
+                             choices=["fp32", "fp16", "bf16", "fp8"])
+    exp_avg_sq_dtype: str = opt("fp32", "Dtype AdamW's second moment is stored in (precision-aware "
+                                "optimizer).", choices=["fp32", "fp16", "bf16", "fp8"])
     clip_grad: float = opt(1.0, "Clip the global gradient norm to this (0 disables).")
     seed: int = opt(1234, "Seed of initialisation, data order and dropout.")
     bf16: bool = opt(False, "bfloat16 parameters and compute; fp32 gradients and fp32 master weights in the optimizer.")
@@ -70,6 +80,7 @@ class TrainConfig:
         self._check_batch_schedule()
         self._check_decoupled_lr()
         self._check_recompute()
+        self._check_precision_aware()
 
     def _check_schedule_units(self) -> None:
         """Iterations or samples, not both (Megatron-LM's rules)."""
@@ -100,6 +111,25 @@ class TrainConfig:
         if self.decoupled_min_lr > self.decoupled_lr:
             raise ConfigError(f"need --decoupled-min-lr ({self.decoupled_min_lr}) <= --decoupled-lr "
                               f"({self.decoupled_lr})")
+
+    def _check_precision_aware(self) -> None:
+        """Megatron-LM's rule: state dtypes other than fp32 need --use-precision-aware-optimizer.
+        Of those, 16-bit moments are built; the rest are refused by name."""
+        dtypes = {"--main-grads-dtype": self.main_grads_dtype, "--main-params-dtype": self.main_params_dtype,
+                  "--exp-avg-dtype": self.exp_avg_dtype, "--exp-avg-sq-dtype": self.exp_avg_sq_dtype}
+        lowered = [f"{flag} {dtype}" for flag, dtype in dtypes.items() if dtype != "fp32"]
+        if lowered and not self.use_precision_aware_optimizer:
+            raise ConfigError(f"{', '.join(lowered)} needs --use-precision-aware-optimizer (without it every "
+                              "optimizer state dtype is fp32, as in Megatron-LM)")
+        for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype"):
+            if dtypes[flag] == "fp8":
+                raise ConfigError(f"{flag} fp8 is not built (it needs per-tensor scaled fp8 moments); "
+                                  "choose fp32, fp16 or bf16")
+        for flag, built in (("--main-grads-dtype", "fp32"), ("--main-params-dtype", "fp32")):
+            if dtypes[flag] != built:
+                raise ConfigError(f"{flag} {dtypes[flag]} is not built: the main gradients and main "
+                                  "parameters are fp32 here; lower the moments with --exp-avg-dtype and "
+                                  "--exp-avg-sq-dtype")
 
     @property
     def recompute(self) -> Optional[str]:

@@ -16,16 +16,19 @@ from megatron_p2r.config import (FULL, WHAT_ITEMS, ConfigError, LayerSpec, Offlo
                                  parse_memory_size, parse_offload_what)
 
 PARAM_BYTES, GRAD_BYTES, ADAM_BYTES, MASTER_BYTES = 4, 4, 8, 4   # fp32 weight, fp32 grad, 2 moments, fp32 main
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}   # of a moment, per --exp-avg-dtype / --exp-avg-sq-dtype
 CATEGORIES = WHAT_ITEMS                          # the accounted categories are what can be offloaded
 
 
-def state_bytes(numel: int, param_bytes: int = PARAM_BYTES, owned: Optional[int] = None) -> Dict[str, int]:
+def state_bytes(numel: int, param_bytes: int = PARAM_BYTES, owned: Optional[int] = None,
+                moment_bytes: int = ADAM_BYTES) -> Dict[str, int]:
     """Bytes of ``numel`` buffer elements: weights of ``param_bytes`` each, fp32 gradients, and
-    the optimizer state of the ``owned`` (default all) of them this rank steps: AdamW moments,
-    plus fp32 main copies ("masters", part of "optimizer") when the weights are 16-bit."""
+    the optimizer state of the ``owned`` (default all) of them this rank steps: AdamW moments
+    (``moment_bytes`` for the two), plus fp32 main copies ("masters", part of "optimizer") when
+    the weights are 16-bit."""
     owned = numel if owned is None else owned
     masters = MASTER_BYTES * owned if param_bytes != PARAM_BYTES else 0
-    return {"params": param_bytes * numel, "grads": GRAD_BYTES * numel, "optimizer": ADAM_BYTES * owned + masters,
+    return {"params": param_bytes * numel, "grads": GRAD_BYTES * numel, "optimizer": moment_bytes * owned + masters,
             "masters": masters}
 
 

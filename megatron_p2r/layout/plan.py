@@ -117,12 +117,14 @@ class StagePlan:
 class BufferSettings:
     """What shapes the gradient buffers and the state a rank holds: Megatron's bucket size rule,
     whether the distributed optimizer shards them, whether buckets break at layer modules
-    (offload configured), and the bytes of a weight (2 with --bf16/--fp16: 16-bit weights)."""
+    (offload configured), the bytes of a weight (2 with --bf16/--fp16: 16-bit weights) and of an
+    element's two AdamW moments (``--exp-avg-dtype`` + ``--exp-avg-sq-dtype``)."""
 
     bucket_size: Optional[int] = None
     distributed: bool = False
     break_at_modules: bool = False
     param_bytes: int = offload_choice.PARAM_BYTES
+    moment_bytes: int = offload_choice.ADAM_BYTES
 
 
 def stage_layer_ranges(num_layers: int, pp: int, split: Optional[str] = None, chunks: int = 1) -> List[range]:
@@ -167,7 +169,9 @@ class ParallelPlan:
         buffers = BufferSettings(bucket_size=default_bucket_size(layout.dp, p.overlap_grad_reduce, p.ddp_bucket_size),
                                  distributed=p.use_distributed_optimizer,
                                  break_at_modules=cfg.offload.cpu_offload_layers is not None,
-                                 param_bytes=2 if (cfg.train.bf16 or cfg.train.fp16) else offload_choice.PARAM_BYTES)
+                                 param_bytes=2 if (cfg.train.bf16 or cfg.train.fp16) else offload_choice.PARAM_BYTES,
+                                 moment_bytes=offload_choice.DTYPE_BYTES[cfg.train.exp_avg_dtype]
+                                 + offload_choice.DTYPE_BYTES[cfg.train.exp_avg_sq_dtype])
         plan = cls(layout=layout, model=m, phase=cfg.p2r.p2r_phase, share_pattern=pattern, layer_keys=keys,
                    stages=stages, replicas=tuple(replicas), buffers=buffers,
                    sequence_parallel=p.sequence_parallel and layout.tp > 1)
@@ -321,7 +325,8 @@ class ParallelPlan:
             member = 0 if coords is None else self.buffer_member(buf, coords)
             owned = {i: end - start for i, start, end in buf.owned(member)}
             for i, footprint in enumerate(buf.footprints()):
-                add = offload_choice.state_bytes(footprint, self.buffers.param_bytes, owned.get(i, 0))
+                add = offload_choice.state_bytes(footprint, self.buffers.param_bytes, owned.get(i, 0),
+                                                 self.buffers.moment_bytes)
                 out[buf.modules[i]] = offload_choice.add_bytes(out.get(buf.modules[i], {}), add)
         return out
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from megatron_p2r.config import TrainConfig
 from megatron_p2r.layout.tensor_specs import OUTPUT_WEIGHT, WORD_EMBEDDING
+from megatron_p2r.optim.precision_aware import PrecisionAwareAdamW, moment_dtypes
 from megatron_p2r.parallel.sharding import logical_name
 
 
@@ -33,8 +34,12 @@ def param_groups(model: nn.Module, t: TrainConfig) -> list:
 
 
 def adamw(groups: List[dict], t: TrainConfig) -> torch.optim.AdamW:
-    """torch's fused AdamW (foreach where fused is unavailable) over ``groups``."""
+    """torch's fused AdamW (foreach where fused is unavailable) over ``groups``; with moments
+    below fp32, ``PrecisionAwareAdamW``."""
     kwargs = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+    dtypes = moment_dtypes(t)
+    if any(d != torch.float32 for d in dtypes.values()):
+        return PrecisionAwareAdamW(groups, dtypes, **kwargs)
     try:
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     except (RuntimeError, TypeError):

@@ -1,7 +1,8 @@
 """Global optimizer state out of and into a ``MixedPrecisionOptimizer``, for checkpoints.
 
 A checkpoint holds each parameter's fp32 weight (the main parameter, not its 16-bit rounding)
-and AdamW moments whole, whatever part of them this rank steps: ``gather_state`` returns them
+and AdamW moments whole, in fp32 whatever dtype they are stored in (``--exp-avg-dtype``: the
+upcast is exact, and the loading optimizer rounds them to its own dtypes), whatever part of them this rank steps: ``gather_state`` returns them
 (under the distributed optimizer all-gathered bucket by bucket, in chunks bounded by the DDP
 staging buffer, copied to host only on the ranks that write), ``StateLoader`` takes any range
 of them and keeps what this rank steps. So a checkpoint never depends on the DP size or on
@@ -21,7 +22,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _value(opt: MixedPrecisionOptimizer, ms: MainShard, kind: str) -> torch.Tensor:
-    return ms.main.detach() if kind == "model" else opt.inner[ms.placement].state[ms.main][kind]
+    return ms.main.detach() if kind == "model" else opt.inner[ms.placement].state[ms.main][kind].float()
 
 
 def gather_state(opt: MixedPrecisionOptimizer,

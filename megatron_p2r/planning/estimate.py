@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from megatron_p2r.config import Config, global_batch_size, num_microbatches
+from megatron_p2r.layout import offload as offload_choice
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Layout
 from megatron_p2r.metrics import model_flops_per_token
@@ -140,9 +141,11 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
                                                                                   "sharing", "tp_partial")), compute)
     hosted = off["host_optimizer_params"]
     # AdamW streams 28 B per stepped element (main, grad, 2 moments read; main, moments written),
-    # 2 more writing a 16-bit weight
-    per_element = 28 + (plan.buffers.param_bytes if plan.buffers.param_bytes != 4 else 0)
-    stepped = stepped_elements(stage_state_bytes(plan, stage))
+    # 2 more writing a 16-bit weight, and costs as much as 12 more per 16-bit moment (the upcast
+    # into fp32 scratch and the rounding back: optim/precision_aware.py; benchmarks/precision_aware_step.py)
+    sixteen_bit_moments = (offload_choice.ADAM_BYTES - plan.buffers.moment_bytes) // 2
+    per_element = 28 + 12 * sixteen_bit_moments + (plan.buffers.param_bytes if plan.buffers.param_bytes != 4 else 0)
+    stepped = stepped_elements(plan, stage_state_bytes(plan, stage))
     opt = max(per_element * (stepped - hosted) / gpu.hbm_bw,
               per_element * hosted / a.host_optimizer_bw + off["moved_per_step"] / gpu.host_bw)
     est = StageEstimate(

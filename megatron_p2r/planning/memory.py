@@ -2,7 +2,8 @@
 
 As the training code stores them (the ParallelPlan's ``module_state_bytes``, exact): weights in
 their dtype (4 B, or 2 B with --bf16/--fp16), fp32 gradient buffers (4 B, bucket padding
-included), and the optimizer state of what the rank steps — AdamW moments (8 B) plus fp32 mains
+included), and the optimizer state of what the rank steps — AdamW moments (8 B; 4–6 B with
+16-bit moments under --use-precision-aware-optimizer) plus fp32 mains
 of 16-bit weights (4 B); under the distributed optimizer only the rank's shard of each buffer.
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from megatron_p2r.config import Config, parse_offload_what
-from megatron_p2r.layout.offload import ADAM_BYTES, CATEGORIES, MASTER_BYTES, add_bytes, memory_plan
+from megatron_p2r.layout.offload import CATEGORIES, MASTER_BYTES, add_bytes, memory_plan
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Coords
 
@@ -45,9 +46,9 @@ def stage_state_bytes(plan: ParallelPlan, stage: int, coords: Optional[Coords] =
     return {c: total.get(c, 0) for c in CATEGORIES + ("masters",)}
 
 
-def stepped_elements(state: Dict[str, int]) -> int:
+def stepped_elements(plan: ParallelPlan, state: Dict[str, int]) -> int:
     """Elements the optimizer steps, from their optimizer bytes (moments, and masters when 16-bit)."""
-    return (state["optimizer"] - state["masters"]) // ADAM_BYTES
+    return (state["optimizer"] - state["masters"]) // plan.buffers.moment_bytes
 
 
 def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, object]:
@@ -68,7 +69,7 @@ def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, objec
     placed = memory_plan(stage_state_bytes(plan, stage), per_module, chosen, o.offload_prefetch, what)
     layers = [i for i, k in zip(st.layers, st.layer_keys, strict=True) if k in chosen]
     weights = sum(per_module[k]["params"] for k in chosen)
-    stepped = sum(stepped_elements(per_module[k]) for k in chosen)
+    stepped = sum(stepped_elements(plan, per_module[k]) for k in chosen)
     on_host = "params" in what
     return {"modules": chosen, "layers": layers, "device": placed["device"], "host": placed["host"],
             "what": ",".join(sorted(what)), "recomputed": chosen if on_host else [],

@@ -50,6 +50,24 @@ def expert_rest(expert: int, leaf: str) -> str:
     return f"mlp.experts.{expert}.{leaf}"
 
 
+_TE_NAMES = {local: te for te, local in _NORM_ALIASES.items()}
+_EXPERT_REST = re.compile(r"mlp\.experts\.(\d+)\.(.+)")
+
+
+def dist_key(name: str) -> Tuple[str, Tuple[int, ...]]:
+    """A canonical name -> (its torch_dist key, its index on the key's leading dimensions):
+    layers stacked as ``decoder.layers.rest`` [L, ...] under the TE norm names, experts as
+    ``decoder.layers.mlp.experts.experts.leaf`` [L, E, ...] (megatron-core's sharded keys)."""
+    split = split_layer_key(name)
+    if split is None or split[0] is None:
+        return name, ()
+    layer, rest = split
+    expert = _EXPERT_REST.fullmatch(rest)
+    if expert:
+        return f"{LAYERS}mlp.experts.experts.{expert.group(2)}", (layer, int(expert.group(1)))
+    return LAYERS + _TE_NAMES.get(rest, rest), (layer,)
+
+
 def split_layer_key(key: str) -> Optional[Tuple[Optional[int], str]]:
     """``decoder.layers.N.rest`` -> (N, rest); torch_dist's stacked ``decoder.layers.rest`` ->
     (None, rest); other keys -> None."""

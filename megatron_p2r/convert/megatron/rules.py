@@ -1,5 +1,5 @@
 """Our pieces <- Megatron-LM's canonical tensors (names.py): which tensor each piece is made
-from, and the function that makes it.
+from, and the function that makes it; ``to_megatron`` is the inverse (export-megatron).
 
 Megatron's fused ``linear_qkv`` rows are ``[groups, (q x heads/groups, k, v), head_dim]``: one
 group per head is exactly our ``attention.qkv`` layout ``[heads, (q, k, v), head_dim]``; under
@@ -13,11 +13,11 @@ matrices keep Megatron's padded rows (zero rows are added when our padding needs
 from __future__ import annotations
 
 import re
-from typing import Callable, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from megatron_p2r.convert.hf.rules import merge_glu, merge_heads, resize_rows, split_heads
+from megatron_p2r.convert.hf.rules import merge_glu, merge_heads, resize_rows, split_glu, split_heads
 from megatron_p2r.convert.megatron.names import (FINAL_NORM, OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS,
                                                     expert_rest, layer_name)
 from megatron_p2r.config import ModelConfig
@@ -83,8 +83,7 @@ def transform(key: str, m: ModelConfig, zero_centered_gamma: bool) -> Callable[[
 
 def _regroup(ours: HeadRows, m: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     """Megatron's fused QKV rows -> the rows of one of our attention pieces."""
-    groups = m.query_groups
-    theirs = HeadRows(groups, ("q",) * (m.num_attention_heads // groups) + ("k", "v"), m.head_dim)
+    theirs = _theirs(m)
     if theirs == ours:
         return lambda w: w
     kinds = list(dict.fromkeys(ours.per_group))
@@ -93,3 +92,38 @@ def _regroup(ours: HeadRows, m: ModelConfig) -> Callable[[torch.Tensor], torch.T
         parts = dict(zip("qkv", split_heads(w, theirs), strict=True))
         return merge_heads([parts[kind] for kind in kinds], ours)
     return regroup
+
+
+def _theirs(m: ModelConfig) -> HeadRows:
+    """Megatron's fused QKV rows: per group, its query heads, then one key and one value head."""
+    groups = m.query_groups
+    return HeadRows(groups, ("q",) * (m.num_attention_heads // groups) + ("k", "v"), m.head_dim)
+
+
+Inverse = Tuple[List[str], Callable[[List[torch.Tensor]], torch.Tensor]]
+
+
+def to_megatron(keys: Sequence[str], m: ModelConfig) -> Dict[str, Inverse]:
+    """Canonical Megatron tensor -> (our pieces it is made from, the function that makes it from
+    them): the inverse of ``transform`` for a model exported with Megatron's defaults (norm
+    weights as gamma, our padded vocabulary)."""
+    groups: Dict[str, List[str]] = {}
+    for key in keys:
+        groups.setdefault(megatron_name(key), []).append(key)
+    return {name: (members, _inverse(members, m)) for name, members in groups.items()}
+
+
+def _inverse(keys: List[str], m: ModelConfig) -> Callable[[List[torch.Tensor]], torch.Tensor]:
+    attention = _ATTENTION.fullmatch(keys[0])
+    if attention:
+        rows = [attention_rows(m)[_ATTENTION.fullmatch(k).group(1)] for k in keys]
+
+        def fuse(pieces: List[torch.Tensor]) -> torch.Tensor:
+            parts = {}
+            for w, ours in zip(pieces, rows, strict=True):
+                parts.update(zip(dict.fromkeys(ours.per_group), split_heads(w, ours), strict=True))
+            return merge_heads([parts[kind] for kind in "qkv"], _theirs(m))
+        return fuse
+    if m.swiglu and _GLU.fullmatch(keys[0]):
+        return lambda pieces: torch.cat(split_glu(pieces[0]))
+    return lambda pieces: pieces[0]

@@ -1,0 +1,161 @@
+"""Our model options -> the ``args`` Megatron-LM saves with a checkpoint, as plain data.
+
+Megatron reads these back when it loads: ``check_checkpoint_args`` compares num_layers,
+hidden_size, num_attention_heads, add_position_embedding (and the vocabulary options with a
+vocab file); ``--use-checkpoint-args`` takes the whole model from them; torch_dist loading
+reads the TP/PP sizes and ``no_save_optim`` / ``no_save_rng``, which say there is no optimizer
+or RNG state to load. Only str, int, float, bool, None and lists are written, so the
+``argparse.Namespace`` loads with ``torch.load(weights_only=True)`` under megatron-core's
+allow-list (and ours). The args are checked by reading them back with the importer's own
+reader (args.py): an option it would not map back to ours exactly is refused by name.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import List, Tuple
+
+from megatron_p2r.config import Config, ModelConfig
+from megatron_p2r.convert.megatron.args import MegatronConversionError, SavedArgs, model_values
+
+CHECKPOINT_VERSION = 3.0
+# What megatron-core 0.16 records in common.pt about how the sharded state dict was built.
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronLayout:
+    """The Megatron run the checkpoint is written for: its TP, PP and EP sizes and format."""
+
+    tp: int
+    pp: int
+    ep: int
+    ckpt_format: str  # "torch_dist" or "torch" (legacy)
+
+
+def check_expressible(m: ModelConfig) -> None:
+    """Refuse, naming each, the options of ours that Megatron-LM's GPT model cannot express."""
+    blockers = []
+    if m.num_experts and m.moe_layer_freq != 1:
+        blockers.append(f"--moe-layer-freq {m.moe_layer_freq} (ours puts MoE in layers k-1, 2k-1, ...; Megatron's "
+                        "integer frequency in layers 0, k, ...)")
+    if m.num_experts and m.moe_num_prototypes != 1:
+        blockers.append(f"--moe-num-prototypes {m.moe_num_prototypes} (expert prototyping)")
+    if m.num_experts and m.moe_capacity_factor is not None:
+        blockers.append(f"--moe-capacity-factor {m.moe_capacity_factor} (ours drops tokens by position, Megatron's "
+                        "capacity factor differently)")
+    if blockers:
+        raise MegatronConversionError("cannot express this model in Megatron-LM: " + "; ".join(blockers))
+
+
+def megatron_vocab(m: ModelConfig, tp: int) -> Tuple[int, int]:
+    """(vocab_size, make_vocab_size_divisible_by) whose Megatron padding at TP ``tp`` gives our
+    padded rows: Megatron pads to a multiple of divisor x TP, ours to a multiple of divisor."""
+    rows, divisor = m.padded_vocab_size, m.make_vocab_size_divisible_by
+    if divisor % tp == 0:
+        return m.vocab_size, divisor // tp
+    if rows % tp:
+        raise MegatronConversionError(f"the padded vocabulary ({rows} rows) does not split over Megatron's "
+                                      f"tensor-parallel size {tp}")
+    return m.vocab_size, rows // tp
+
+
+def _model_args(m: ModelConfig) -> dict:
+    return dict(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_size,
+        num_attention_heads=m.num_attention_heads, kv_channels=m.head_dim,
+        group_query_attention=m.group_query_attention, num_query_groups=m.query_groups,
+        seq_length=m.seq_length, max_position_embeddings=m.max_positions,
+        position_embedding_type=m.position_embedding_type, add_position_embedding=True,
+        use_rotary_position_embeddings=False, rotary_base=m.rotary_base, rotary_percent=m.rotary_percent,
+        rotary_interleaved=False, normalization=m.normalization, norm_epsilon=m.norm_epsilon,
+        apply_layernorm_1p=False, swiglu=m.swiglu, squared_relu=False, add_bias_linear=m.add_bias,
+        add_qkv_bias=m.add_qkv_bias, bias_gelu_fusion=m.bias_gelu_fusion, qk_layernorm=m.qk_layernorm,
+        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
+        apply_residual_connection_post_layernorm=False, hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout, init_method_std=m.init_method_std)
+
+
+def _moe_args(m: ModelConfig) -> dict:
+    if not m.num_experts:
+        return dict(num_experts=None)
+    return dict(num_experts=m.num_experts, moe_layer_freq=1, moe_router_topk=m.moe_router_topk,
+                moe_ffn_hidden_size=m.expert_ffn_size, moe_router_pre_softmax=m.moe_router_pre_softmax,
+                moe_router_load_balancing_type="aux_loss" if m.moe_aux_loss_coeff else "none",
+                moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_z_loss_coeff=m.moe_z_loss_coeff or None,
+                moe_input_jitter_eps=m.moe_input_jitter_eps, moe_grouped_gemm=False,
+                moe_router_score_function="softmax", moe_token_dispatcher_type="allgather",
+                moe_shared_expert_intermediate_size=None, moe_router_enable_expert_bias=False,
+                moe_router_topk_scaling_factor=None)
+
+
+def flags_to_pass(args: argparse.Namespace) -> List[str]:
+    """The Megatron flags of the exported model that ``--use-checkpoint-args`` does not take from
+    the checkpoint (``load_args_from_checkpoint`` restores only its list), where they differ from
+    Megatron's defaults: pass them with it."""
+    flags = []
+    if args.make_vocab_size_divisible_by != 128:
+        flags += ["--make-vocab-size-divisible-by", str(args.make_vocab_size_divisible_by)]
+    if args.norm_epsilon != 1e-5:
+        flags += ["--norm-epsilon", repr(args.norm_epsilon)]
+    if args.qk_layernorm:
+        flags.append("--qk-layernorm")
+    if not args.bias_gelu_fusion and args.add_bias_linear and not args.swiglu:
+        flags.append("--no-bias-gelu-fusion")
+    if args.num_experts and args.moe_aux_loss_coeff:
+        flags += ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", repr(args.moe_aux_loss_coeff)]
+    if args.num_experts and args.moe_z_loss_coeff:
+        flags += ["--moe-z-loss-coeff", repr(args.moe_z_loss_coeff)]
+    return flags
+
+
+def megatron_args(cfg: Config, layout: MegatronLayout, *, iteration: int, consumed_samples: int,
+                  dtype: str) -> argparse.Namespace:
+    """The args of a checkpoint of the real model ``cfg`` written for ``layout``, checked by
+    reading them back."""
+    m = cfg.model
+    check_expressible(m)
+    vocab, divisor = megatron_vocab(m, layout.tp)
+    values = _model_args(m)
+    values.update(_moe_args(m))
+    values.update(
+        vocab_size=vocab, make_vocab_size_divisible_by=divisor, padded_vocab_size=m.padded_vocab_size,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.tp,
+        virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
+        ckpt_format=layout.ckpt_format, use_dist_ckpt=layout.ckpt_format != "torch",
+        no_save_optim=True, no_save_rng=True, iteration=iteration, consumed_train_samples=consumed_samples,
+        consumed_valid_samples=0, skipped_train_samples=0, bf16=dtype == "bfloat16", fp16=dtype == "float16",
+        tokenizer_type=cfg.data.tokenizer_type, tokenizer_model=cfg.data.tokenizer_model,
+        vocab_file=cfg.data.vocab_file, merge_file=cfg.data.merge_file)
+    args = argparse.Namespace(**values)
+    _check_round_trip(args, m)
+    return args
+
+
+# Fields whose unset value means a default: compared through the value the model uses.
+_DERIVED = {"ffn_hidden_size": "ffn_size", "moe_ffn_hidden_size": "expert_ffn_size", "kv_channels": "head_dim",
+            "max_position_embeddings": "max_positions", "num_query_groups": "query_groups"}
+
+
+def _effective(m: ModelConfig, name: str):
+    value = getattr(m, _DERIVED.get(name, name))
+    return value or None if name == "num_experts" else value
+
+
+def model_differences(ours: ModelConfig, theirs: ModelConfig) -> List[str]:
+    """The options on which two models differ as functions (an unset default equals its value;
+    MoE options count only in an MoE model), each as ``--option ours (theirs)``."""
+    names = [f.name for f in dataclasses.fields(ModelConfig) if ours.num_experts or not f.name.startswith("moe_")]
+    return [f"--{name.replace('_', '-')} {_effective(ours, name)!r} (reads back as {_effective(theirs, name)!r})"
+            for name in names if _effective(theirs, name) != _effective(ours, name)]
+
+
+def _check_round_trip(args: argparse.Namespace, m: ModelConfig) -> None:
+    """The importer reads ``args`` back as exactly our model, or the export is refused."""
+    read, zero_centered, _ = model_values(SavedArgs.of(args, "the exported args"))
+    theirs = Config.from_dict({"model": {**read, "vocab_size": m.vocab_size,
+                                         "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by}}).model
+    differ = model_differences(m, theirs)
+    if differ or zero_centered:
+        raise MegatronConversionError("cannot express this model in Megatron-LM's args: " + "; ".join(differ))

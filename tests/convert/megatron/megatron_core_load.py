@@ -1,0 +1,149 @@
+"""Load an exported checkpoint with Megatron-LM's own code and write its logits on given tokens.
+
+Run by test_export_megatron_core.py with an interpreter that has megatron-core and Megatron-LM's
+``megatron/training`` on its path (nothing of megatron_p2r is imported here):
+
+    python megatron_core_load.py CHECKPOINT TOKENS.pt OUT.pt TP EP [extra Megatron flags...]
+
+With OUT.json instead, it writes the keys megatron-core's model asks a torch_dist checkpoint for
+(``sharded_state_dict`` with its factories applied): {key: global shape, or null for an object}.
+
+Megatron takes the model from the checkpoint (``--use-checkpoint-args``, so the exported args
+are what builds it), builds GPTModel with the local (non-Transformer-Engine) layer spec on CPU
+ranks over gloo, loads the checkpoint with ``megatron.training.checkpointing.load_checkpoint``
+(strict) and runs the forward pass in eval mode; rank 0 saves the logits, gathered over TP.
+
+CUDA-only calls on that path, answered on CPU without touching Megatron's math:
+``get_device_arch_version`` (a warning under TP > 1) answers 10; ``read_metadata`` all-reduces
+the tracker's iteration in a CUDA tensor across ranks, so it runs as if alone (every rank reads
+the same file); the RNG tracker's ``fork`` is a no-op (eval mode, no dropout drawn);
+``torch.cuda.current_device`` answers "cpu", ``device_count`` 1; ``moe_utils.te_general_gemm``
+(undefined without Transformer Engine) is None so the router takes its ``torch.mm`` path.
+"""
+import contextlib
+import json
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+CPU_FLAGS = ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+             "--use-cpu-initialization", "--distributed-backend", "gloo", "--transformer-impl", "local",
+             "--tokenizer-type", "NullTokenizer", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+             "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm"]
+
+
+def _work_around_cuda() -> None:
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.training import arguments, checkpointing
+    arguments.get_device_arch_version = lambda: 10
+    moe_utils.te_general_gemm = None
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.device_count = lambda: 1
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    read_metadata = checkpointing.read_metadata
+
+    def read_alone(tracker):
+        initialized = dist.is_initialized
+        dist.is_initialized = lambda: False
+        try:
+            return read_metadata(tracker)
+        finally:
+            dist.is_initialized = initialized
+    checkpointing.read_metadata = read_alone
+
+
+def _args(ckpt: str, tp: int, ep: int, extra):
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.checkpointing import load_args_from_checkpoint
+    from megatron.training.global_vars import set_global_variables
+    from megatron.training.tokenizer.tokenizer import _vocab_size_with_padding
+    sys.argv = ["pretrain_gpt.py", "--use-checkpoint-args", "--load", ckpt, "--tensor-model-parallel-size", str(tp),
+                "--expert-model-parallel-size", str(ep), *CPU_FLAGS, "--global-batch-size", str(ep), *extra]
+    args = parse_args()
+    args, _ = load_args_from_checkpoint(args)
+    validate_args(args)
+    saved_rows = args.padded_vocab_size
+    args.padded_vocab_size = _vocab_size_with_padding(args.vocab_size, args, logging_enabled=False)
+    assert args.padded_vocab_size == saved_rows, (args.padded_vocab_size, saved_rows)
+    set_global_variables(args, build_tokenizer=False)
+    return args
+
+
+def _model(args):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.training.arguments import core_transformer_config_from_args
+    config = core_transformer_config_from_args(args)
+    spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
+                                    normalization=args.normalization)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+                    rotary_base=args.rotary_base)
+
+
+def _sharded_keys(model, args) -> dict:
+    """{sharded key: global shape or None (an object)} of what load_checkpoint asks for."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+    state = model.sharded_state_dict(metadata={"singleton_local_shards": False, "chained_optim_avoid_prefix": True})
+    apply_factories(state)
+    keys = {}
+    for value in nested_values(state):
+        if isinstance(value, ShardedTensor):
+            keys[value.key] = list(value.global_shape)
+        elif isinstance(value, ShardedObject):
+            keys[value.unique_key] = None
+    return keys
+
+
+def _rank(rank: int, world: int, port: int, ckpt: str, tokens_path: str, out: str, tp: int, ep: int, extra) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    from megatron.training.checkpointing import load_checkpoint
+    _work_around_cuda()
+    args = _args(ckpt, tp, ep, extra)
+    mpu.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
+    model = _model(args)
+    if out.endswith(".json"):
+        if rank == 0:
+            with open(out, "w") as fh:
+                json.dump(_sharded_keys(model, args), fh, indent=1, sort_keys=True)
+        dist.destroy_process_group()
+        return
+    load_checkpoint([model], None, None, strict=True)
+    tokens = torch.load(tokens_path, weights_only=True)
+    seq = tokens.shape[1]
+    positions = torch.arange(seq).unsqueeze(0).expand_as(tokens)
+    mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)  # True: masked out
+    model.eval()
+    with torch.no_grad():
+        logits = gather_from_tensor_model_parallel_region(model(tokens, positions, mask)).float()
+    if rank == 0:
+        torch.save(logits, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv) -> None:
+    ckpt, tokens, out, tp, ep, *extra = argv
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world = int(tp) * int(ep)
+    mp.start_processes(_rank, args=(world, port, ckpt, tokens, out, int(tp), int(ep), extra), nprocs=world,
+                       start_method="spawn")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,109 @@
+"""An exported checkpoint loads in Megatron-LM and computes our logits (optional: needs megatron-core).
+
+megatron_core_load.py runs with the interpreter named by ``P2R_MEGATRON_PYTHON`` (default: this
+one), with ``P2R_MEGATRON_LM`` (a checkout of Megatron-LM, for ``megatron.training``, which the
+megatron-core wheel lacks) on its path; the test is skipped when that interpreter cannot import
+megatron-core and Megatron-LM's training code. Megatron builds the model from the exported args
+alone (``--use-checkpoint-args``), loads the checkpoint with its own ``load_checkpoint`` (strict,
+torch_dist without any --no-load-* flag: the args say there is nothing else to load; legacy with
+--no-load-optim --no-load-rng), on 1 or 2 CPU ranks; its fp32 logits on random tokens are compared
+with our one-process model's (the two differ only in reduction order). ``-s`` prints the figures
+that docs/megatron.md quotes. Run as a module, it rewrites megatron_core_keys.json, which
+test_export.py compares the torch_dist keys with in every run.
+"""
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_p2r.checkpoint.io import save_checkpoint
+from megatron_p2r.convert.megatron.export_args import flags_to_pass
+from megatron_p2r.convert.megatron.exporter import export_megatron
+from megatron_p2r.convert.megatron.unpickler import Kind, TorchArchive
+from tests.convert.hf.common import reference_model
+from tests.convert.megatron.test_export import EXPECTED_KEYS, MODELS, _perturbed_state
+from tests.helpers import tiny_config
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYTHON = os.environ.get("P2R_MEGATRON_PYTHON", sys.executable)
+# (model, format, Megatron's TP, EP): the export written for that layout, loaded by that many ranks
+CASES = [("gpt", "torch_dist", 1, 1), ("gpt", "torch", 2, 1), ("llama", "torch_dist", 2, 1),
+         ("llama", "torch", 1, 1), ("moe", "torch_dist", 1, 2), ("moe", "torch", 2, 1), ("moe", "torch", 1, 2),
+         ("qwen", "torch_dist", 2, 1)]
+
+
+def _env():
+    path = [p for p in (os.environ.get("P2R_MEGATRON_LM"), os.environ.get("PYTHONPATH")) if p]
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _megatron_missing():
+    probe = subprocess.run([PYTHON, "-c", "import megatron.core, megatron.training.checkpointing"], env=_env(),
+                           capture_output=True, text=True)
+    return probe.returncode != 0
+
+
+@pytest.mark.parametrize("model, fmt, tp, ep", CASES)
+def test_megatron_loads_export_with_our_logits(model, fmt, tp, ep, tmp_path):
+    if _megatron_missing():
+        pytest.skip("megatron-core and Megatron-LM's training code are not importable (P2R_MEGATRON_PYTHON, "
+                    "P2R_MEGATRON_LM)")
+    ours = str(tmp_path / "ours")
+    save_checkpoint(ours, _perturbed_state(MODELS[model]))
+    out, _ = export_megatron(ours, str(tmp_path / "megatron"), ckpt_format=fmt, tp=tp, ep=ep, progress=False)
+    reference, cfg = reference_model(ours, str(tmp_path / "single"))
+    m = cfg.model
+    tokens = torch.randint(0, m.vocab_size, (2, m.seq_length), generator=torch.Generator().manual_seed(0))
+    torch.save(tokens, tmp_path / "tokens.pt")
+    assert "successfully loaded checkpoint" in _run_megatron(out, tmp_path / "tokens.pt", tmp_path / "logits.pt",
+                                                             fmt, tp, ep, m.vocab_size)
+    theirs = torch.load(tmp_path / "logits.pt", weights_only=True)
+    with torch.no_grad():
+        logits = reference(tokens=tokens)
+    diff = (theirs - logits).abs().max().item()
+    print(f"\n{model} {fmt} TP={tp} EP={ep}: max |logit difference| {diff:.2g} (logits up to "
+          f"{logits.abs().max().item():.2g}), argmax agreement {(theirs.argmax(-1) == logits.argmax(-1)).float().mean():.0%}")
+    torch.testing.assert_close(theirs, logits, rtol=1e-5, atol=1e-5)
+
+
+def _run_megatron(iter_dir, tokens, out, fmt, tp, ep, vocab):
+    """megatron_core_load.py on the export (flags: what the export's note says to pass)."""
+    header = (os.path.join(iter_dir, "common.pt") if fmt == "torch_dist" else
+              os.path.join(iter_dir, sorted(os.listdir(iter_dir))[0], "model_optim_rng.pt"))
+    flags = ["--vocab-size", str(vocab), *flags_to_pass(TorchArchive(header, Kind.MEGATRON).obj["args"])]
+    if fmt == "torch":
+        flags += ["--no-load-optim", "--no-load-rng"]
+    run = subprocess.run([PYTHON, os.path.join(HERE, "megatron_core_load.py"), os.path.dirname(iter_dir),
+                          str(tokens), str(out), str(tp), str(ep), *flags],
+                         env=_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout
+
+
+def write_expected_keys(tmp):
+    """EXPECTED_KEYS: for each model of test_export.py, the sharded keys megatron-core's GPTModel
+    (built from the export's args) asks a torch_dist checkpoint for."""
+    expected = {}
+    for model, options in MODELS.items():
+        ours = os.path.join(tmp, model)
+        save_checkpoint(ours, _perturbed_state(options))
+        out, _ = export_megatron(ours, os.path.join(tmp, model + "_megatron"), progress=False)
+        keys = os.path.join(tmp, model + ".json")
+        _run_megatron(out, keys, keys, "torch_dist", 1, 1, tiny_config(**options).model.vocab_size)
+        with open(keys) as fh:
+            expected[model] = json.load(fh)
+    with open(EXPECTED_KEYS, "w") as fh:
+        json.dump(expected, fh, indent=1, sort_keys=True)
+        fh.write("\n")
+
+
+if __name__ == "__main__":  # python -m tests.convert.megatron.test_export_megatron_core (with P2R_MEGATRON_*)
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        write_expected_keys(tmp)
+    print(f"wrote {EXPECTED_KEYS}")
