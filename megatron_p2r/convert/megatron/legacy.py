@@ -20,7 +20,7 @@ from typing import Dict, Tuple
 import torch
 
 from megatron_p2r.checkpoint.errors import CheckpointError
-from megatron_p2r.convert.megatron import distrib_optim
+from megatron_p2r.convert.megatron import distrib_optim, optim_lists
 from megatron_p2r.convert.megatron.args import SavedArgs
 from megatron_p2r.convert.megatron.names import (IGNORED, expert_rest, is_glu_fc1, layer_name, split_layer_key,
                                                     split_local_expert, tp_dim)
@@ -42,9 +42,10 @@ class LegacyCheckpoint:
 
     def __init__(self, iter_dir: str):
         self.iter_dir = iter_dir
-        # The distributed optimizer's state (distrib_optim.pt), by kind, name and TP rank like ``names``;
-        # the non-distributed optimizer's lists in parameter order are not read
+        # Adam's state by kind, name and TP rank like ``names``: the distributed optimizer's
+        # (distrib_optim.pt), or the fp32 non-distributed optimizer's lists in model_optim_rng.pt
         self.optimizer: Dict[str, Dict[str, Dict[int, LazyTensor]]] = {kind: {} for kind in distrib_optim.STATES}
+        self._steps: set = set()
         dirs = sorted(d for d in os.listdir(iter_dir) if RANK_DIR.fullmatch(d))
         first = self._archive(dirs[0])
         self.saved, self.saved_path = first.obj, first.path  # iteration, opt_param_scheduler, ...
@@ -72,7 +73,9 @@ class LegacyCheckpoint:
         if offset != a.required("num_layers"):
             raise CheckpointError(f"{iter_dir}: the stages hold {offset} layers, args.num_layers is "
                                   f"{a.values['num_layers']}")
-        self.adam_step = _adam_step(first) if self.optimizer["exp_avg"] else None
+        if len(self._steps) > 1:
+            raise CheckpointError(f"{iter_dir}: the rank files' optimizer states give Adam steps {sorted(self._steps)}")
+        self.adam_step = self._steps.pop() if self._steps and self.optimizer["exp_avg"] else None
 
     def _archive(self, directory: str) -> TorchArchive:
         path = os.path.join(self.iter_dir, directory, MODEL_FILE)
@@ -129,13 +132,22 @@ class LegacyCheckpoint:
         """The views of distrib_optim.pt beside ``archive`` (if saved) into each tensor's state."""
         path = os.path.join(os.path.dirname(archive.path), distrib_optim.FILE)
         if not os.path.isfile(path):
-            return
-        tied = not self.args.get("untie_embeddings_and_output_weights") and self.layout[1] > 1
-        params = [distrib_optim.Param(key, tuple(model[key].shape), _is_expert(key),
-                                      tied and key in ("embedding.word_embeddings.weight", "output_layer.weight"))
-                  for key in canonical]
-        state = TorchArchive(path, Kind.MEGATRON).obj
-        views = distrib_optim.state_views(state, params, distrib_optim.bucket_size(self.args, stage), path)
+            if self.args.get("use_distributed_optimizer"):  # its parameter state is distrib_optim.pt alone
+                return
+            found = optim_lists.state_views(archive.obj.get("optimizer"), [(key, tuple(model[key].shape), _is_expert(key))
+                                                                           for key in canonical], archive.path)
+            if found is None:
+                return
+            views, step = found
+            self._steps.add(step)
+        else:
+            tied = not self.args.get("untie_embeddings_and_output_weights") and self.layout[1] > 1
+            params = [distrib_optim.Param(key, tuple(model[key].shape), _is_expert(key),
+                                          tied and key in ("embedding.word_embeddings.weight", "output_layer.weight"))
+                      for key in canonical]
+            state = TorchArchive(path, Kind.MEGATRON).obj
+            views = distrib_optim.state_views(state, params, distrib_optim.bucket_size(self.args, stage), path)
+            self._steps.add(_adam_step(archive))
         for kind, by_key in views.items():
             for key, view in by_key.items():
                 if canonical[key] is not None:

@@ -304,3 +304,22 @@ def test_a_distributed_optimizer_file_that_does_not_fit_the_model(tmp_path):
     with torch.serialization.safe_globals([signal.Signals]):
         edit_rank_file(model_file, no_iteration)
     fails(tmp_path / "src", re.escape(model_file) + r": iteration is -1, expected an integer >= 0")
+
+
+def test_optimizer_state_lists_that_do_not_fit_the_model(tmp_path):
+    """The non-distributed optimizer's lists in model_optim_rng.pt (Megatron-written fixture): a
+    moment of another shape than its parameter's, or a param group of another size than the
+    model's, is refused naming the file and the entry."""
+    from tests.convert.megatron.megatron_written import ROOT
+    shutil.copytree(os.path.join(ROOT, "gpt_legacy_tp1_adam", "checkpoint"), tmp_path / "src")
+    path = str(tmp_path / "src" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")
+    with torch.serialization.safe_globals([signal.Signals]):
+        edit_rank_file(path, lambda state: state["optimizer"]["state"][1].update(exp_avg=torch.zeros(3)))
+    fails(tmp_path / "src", re.escape(path) + r": optimizer.state\[1\]\['exp_avg'\] is of shape \[3\], expected a "
+                            r"tensor of embedding.position_embeddings.weight's shape \[32, 32\]")
+    shutil.copy(os.path.join(ROOT, "gpt_legacy_tp1_adam", "checkpoint", "iter_0000003", "mp_rank_00",
+                             "model_optim_rng.pt"), path)
+    with torch.serialization.safe_globals([signal.Signals]):
+        edit_rank_file(path, lambda state: state["optimizer"]["param_groups"][1]["params"].pop())
+    fails(tmp_path / "src", re.escape(path) + r": optimizer.param_groups\[1\] holds 17 parameters, the model's "
+                            "no-weight-decay group has 18")

@@ -33,13 +33,13 @@ def test_the_fixtures_cover_megatrons_layouts():
     assert fixture_logits(FIXTURES[0])[2].dtype == torch.float32
 
 
-# Saved after 3 Adam steps: torch_dist with the non-distributed optimizer; legacy with the
-# distributed optimizer over 2 DP ranks (distrib_optim.pt: flat buffers gathered on DP rank 0),
-# in fp32 and in --bf16 (bf16 weights, fp32 mains)
-WITH_OPTIMIZER = ("gpt_dist_tp1_adam", "gpt_legacy_dp2_distopt", "gpt_legacy_dp2_distopt_bf16")
+# Saved after 3 Adam steps: the non-distributed optimizer in torch_dist and in legacy (its state
+# lists); the distributed optimizer over 2 DP ranks in legacy (distrib_optim.pt: flat buffers
+# gathered on DP rank 0), in fp32 and in --bf16 (bf16 weights, fp32 mains)
+WITH_OPTIMIZER = ("gpt_dist_tp1_adam", "gpt_legacy_tp1_adam", "gpt_legacy_dp2_distopt", "gpt_legacy_dp2_distopt_bf16")
 # Megatron's 4th step of the --bf16 run computed in bf16: an fp32 step of ours differs by bf16's
 # rounding (rel 1e-2), so the continued step is compared on the fp32 runs
-CONTINUED_IN_FP32 = WITH_OPTIMIZER[:2]
+CONTINUED_IN_FP32 = WITH_OPTIMIZER[:3]
 
 
 @pytest.mark.parametrize("name", WITH_OPTIMIZER)
