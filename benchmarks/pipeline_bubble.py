@@ -6,7 +6,8 @@ reports the step time (slowest rank, median of --repeats steps) against the idea
 slots·(t_f+t_b) — slots = m+P-1 for GPipe and 1F1B, m+(P-1)/v for interleaved 1F1B with v
 model chunks per rank (``order.step_slots``: the schedule run on uniform stages; more when
 m < P) — and against slots·(t_f+t_b+2·v·p2p) (each slot also waits for a forward and a
-backward transfer per chunk, measured by ping-pong); the bubble, measured as the mean over
+backward transfer per chunk, measured by ping-pong; with --overlap-p2p-communication
+("v=2 overlap") only what ``planning.estimate.exposed_p2p`` says outlasts compute); the bubble, measured as the mean over
 stages of idle time / busy time, against the ideal (P-1)/m, or (P-1)/(v·m) interleaved; and
 the peak number of (micro-batch, chunk) forwards a stage holds.
 
@@ -22,6 +23,7 @@ cores).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -30,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_p2r.parallel.state import Layout, initialize
+from megatron_p2r.planning.estimate import exposed_p2p
 from megatron_p2r.pipeline.order import BACKWARD, FORWARD, Message, step_slots
 from megatron_p2r.pipeline.p2p import StageLink
 from megatron_p2r.pipeline.transfers import Transfers
@@ -105,7 +108,8 @@ def _p2p_latency(ps, shape, rounds: int = 30) -> float:
 
 # (label, model chunks per rank, schedule)
 RUNS = (("gpipe", 1, forward_backward_gpipe), ("1f1b", 1, forward_backward_1f1b),
-        ("1f1b v=2", 2, forward_backward_pipelining_with_interleaving))
+        ("1f1b v=2", 2, forward_backward_pipelining_with_interleaving),
+        ("v=2 overlap", 2, functools.partial(forward_backward_pipelining_with_interleaving, overlap_p2p_comm=True)))
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> list:
@@ -139,7 +143,7 @@ def _fwd_bwd_seconds(args) -> float:
     times = []
     for _ in range(5):
         start = time.perf_counter()
-        stage(tokens=tokens).mean().backward()
+        stage(tokens=tokens, loss_mask=torch.ones(tokens.shape)).backward()
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
@@ -168,7 +172,7 @@ def main(argv=None) -> None:
           f"t_f+t_b measured alone = {1000 * t_mb:.1f} ms; one p2p transfer "
           f"({args.micro_batch}x{args.seq}x{args.hidden} fp32) = {1000 * p2p_s:.2f} ms one way; "
           f"median of {args.repeats} steps")
-    header = (f"{'schedule':9} {'m':>3} {'step ms':>8} {'ideal ms':>8} {'ratio':>6} {'+p2p ms':>8} "
+    header = (f"{'schedule':11} {'m':>3} {'step ms':>8} {'ideal ms':>8} {'ratio':>6} {'+p2p ms':>8} "
               f"{'busy s0   s1   s2   s3':>22} {'bubble':>7} {'ideal':>6} {'peak in-flight s0..s3':>22}")
     print(header)
     print("-" * len(header))
@@ -183,8 +187,10 @@ def main(argv=None) -> None:
             peaks = [max(x[2] for x in r["steps"]) for r in per_stage]
             slots = step_slots("gpipe" if name == "gpipe" else "1f1b", P, chunks, m)
             bubble = sum((1 - f) / f for f in busy) / P          # idle / busy, mean over stages
-            print(f"{name:9} {m:>3} {1000 * step:>8.1f} {1000 * slots * t_mb:>8.1f} {step / (slots * t_mb):>6.2f} "
-                  f"{1000 * slots * (t_mb + 2 * chunks * p2p_s):>8.1f} "
+            waited = 2 * chunks * p2p_s    # a slot's transfers; overlapped, what the planner says outlasts compute
+            waited = exposed_p2p(waited, t_mb) if "overlap" in name else waited
+            print(f"{name:11} {m:>3} {1000 * step:>8.1f} {1000 * slots * t_mb:>8.1f} {step / (slots * t_mb):>6.2f} "
+                  f"{1000 * slots * (t_mb + waited):>8.1f} "
                   f"{'  ' + ' '.join(f'{b:.2f}' for b in busy):>22} {bubble:>7.3f} {slots / m - 1:>6.3f} "
                   f"{' '.join(str(p) for p in peaks):>22}")
 

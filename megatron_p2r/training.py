@@ -31,7 +31,7 @@ from megatron_p2r.optim.grad_scaler import LossScaler
 from megatron_p2r.optim.mixed_precision import MixedPrecisionOptimizer, build_mixed_precision_optimizer
 from megatron_p2r.optim.scheduler import LRScheduler
 from megatron_p2r.parallel.ddp import DistributedDataParallel
-from megatron_p2r.parallel.grads import grad_norm_and_non_finite, unscale_and_clip
+from megatron_p2r.parallel.grads import clip_coefficient, grad_norm_and_non_finite, unscale_and_clip
 from megatron_p2r.parallel.random import seed_everything
 from megatron_p2r.parallel.state import ParallelState, initialize_plan
 from megatron_p2r.planning.memory import stage_state_bytes
@@ -140,9 +140,13 @@ def build_train_state(cfg: Config, ps: ParallelState, plan: Optional[ParallelPla
     ddp = DistributedDataParallel(model, plan, ps, overlap_grad_reduce=p.overlap_grad_reduce,
                                   overlap_param_gather=p.overlap_param_gather,
                                   fetched=manager.fetched_param_ids if manager else ())
+    overlap = manager is not None and cfg.offload.overlap_cpu_optimizer_d2h_h2d
     optimizer = build_mixed_precision_optimizer(ddp, plan, ps, cfg.train,
                                                 optimizer_placement(manager) if manager else None,
-                                                manager.synchronize if manager else None)
+                                                manager.synchronize if manager else None,
+                                                manager.forward_layers if overlap else None)
+    if overlap and "host" in optimizer.inner:  # each layer's fetch waits for that layer's step
+        manager.step_done = optimizer.inner["host"].wait
     return TrainState(cfg=cfg, ps=ps, plan=plan, model=model, ddp=ddp, optimizer=optimizer,
                       scheduler=LRScheduler(optimizer, cfg, ps.layout.world_size),
                       scaler=LossScaler(cfg.train), offload=manager)
@@ -213,9 +217,10 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
     cfg, ps, optimizer = state.cfg, state.ps, state.optimizer
     samples = global_batch_size(cfg, ps.layout.world_size, state.consumed_samples)
     optimizer.zero_grad()
-    state.ddp.zero_grad_buffer(len(microbatches))
+    state.ddp.zero_grad_buffer(len(microbatches), keep=optimizer.grads_zeroed_by_host_step())
     forward_backward = get_forward_backward_func(ps, cfg.parallel.pipeline_schedule,
-                                                num_model_chunks=state.plan.num_model_chunks)
+                                                num_model_chunks=state.plan.num_model_chunks,
+                                                overlap_p2p_comm=cfg.parallel.overlap_p2p_communication)
     scale = state.scaler.scale
     loss = forward_backward(state.model, microbatches, ps, loss_scale=scale,
                             on_backward_scale=aux_loss.set_backward_scale)
@@ -227,8 +232,8 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
     grad_norm = float("nan")
     if not found_inf:
         grad_norm = scaled_norm / scale
-        unscale_and_clip(optimizer.main_grads, scaled_norm, scale, cfg.train.clip_grad)
-        optimizer.step()
+        unscale_and_clip(optimizer.grads_to_unscale, scaled_norm, scale, cfg.train.clip_grad)
+        optimizer.step(clip_coefficient(scaled_norm, scale, cfg.train.clip_grad))
         state.scheduler.step(samples)
         state.skipped_in_a_row = 0
     else:
@@ -249,7 +254,8 @@ def evaluate(state: TrainState, valid_dataset) -> float:
     n = num_microbatches(cfg, ps.layout.world_size) * cfg.logging.eval_iters
     batches = _take(microbatch_iterator(valid_dataset, 0, cfg, ps), n, "validation")
     forward_backward = get_forward_backward_func(ps, cfg.parallel.pipeline_schedule,
-                                                num_model_chunks=state.plan.num_model_chunks)
+                                                num_model_chunks=state.plan.num_model_chunks,
+                                                overlap_p2p_comm=cfg.parallel.overlap_p2p_communication)
     loss = forward_backward(state.model, batches, ps, forward_only=True)
     state.model.train()
     return reduce_loss(loss, ps)
@@ -354,6 +360,7 @@ def _run(cfg: Config, ps: ParallelState, plan: ParallelPlan, started: float) -> 
         logger.close()
         return result
     result.update(train(state, train_ds, valid_ds, logger, started))
+    state.optimizer.finish_host_step()
     state.ddp.finish_param_sync()  # the last step's overlapped all-gather is not left pending at shutdown
     logger.close()
     return result

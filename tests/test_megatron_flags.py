@@ -75,6 +75,22 @@ def test_value_dependent_statuses():
         assert refused in str(err.value)
 
 
+def test_overlap_p2p_communication_acts_only_with_interleaving():
+    """Megatron-LM turns overlap_p2p_comm off without interleaving; --no-overlap-p2p-communication
+    (Megatron-LM main's switch, overlap on by default there) asks for this framework's default."""
+    pipeline = BASE + ["--pipeline-model-parallel-size", "2", "--overlap-p2p-communication"]
+    cfg, no_effect = parse_launch(pipeline)
+    assert cfg.parallel.overlap_p2p_communication and no_effect == [
+        "--overlap-p2p-communication (without interleaved 1F1B (Megatron-LM turns it off too))"]
+    assert parse_launch(pipeline + ["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"])[1] == []
+    cfg, no_effect = parse_launch(BASE + ["--no-overlap-p2p-communication"])
+    assert not cfg.parallel.overlap_p2p_communication and no_effect == []
+    assert parse_launch(pipeline + ["--overlap-p2p-communication-warmup-flush"])[0] == cfg.replace(
+        pipeline_model_parallel_size=2, overlap_p2p_communication=True)
+    with pytest.raises(ConfigError, match="--overlap-p2p-communication-warmup-flush: needs --overlap-p2p-comm"):
+        parse_launch(BASE + ["--overlap-p2p-communication-warmup-flush"])
+
+
 def test_yaml_takes_the_same_flags(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("use-mcore-models: true\nmanual-gc: false\nempty-unused-memory-level: 1\n"

@@ -302,11 +302,13 @@ def format_plans(plans: Dict[str, Plan]) -> str:
             + ("" if len(pl.stages) == 1 else " (stage 0)"))
         b = pl.step_breakdown_s
         t0 = pl.stages[0].time_s
+        hidden = (f" ({t0['pp_hidden_per_microbatch']:.3f} hidden under compute)"
+                  if "pp_hidden_per_microbatch" in t0 else "")
         lines.append(f"   step {pl.step_time_s:.2f} s = pipeline {b['pipeline']:.2f} (bubble {pl.pipeline_bubble:.1%}) "
                      f"+ grad sync {b['grad_sync']:.2f} "
                      f"+ optimizer {b['optimizer']:.2f} (per micro-batch, stage 0: compute "
                      f"{t0['compute_per_microbatch']:.3f}, tp {t0['tp_per_microbatch']:.3f}, ep "
-                     f"{t0['ep_per_microbatch']:.3f}, pp {t0['pp_per_microbatch']:.3f}, offload transfer "
+                     f"{t0['ep_per_microbatch']:.3f}, pp {t0['pp_per_microbatch']:.3f}{hidden}, offload transfer "
                      f"{t0['offload_transfer_per_microbatch']:.3f}); MFU {pl.mfu:.1%}; "
                      f"{pl.tokens_per_step / pl.step_time_s:,.0f} tokens/s")
         if pl.days is not None:

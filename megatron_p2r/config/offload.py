@@ -24,10 +24,16 @@ class OffloadConfig:
     cpu_offload_what: str = opt("params,grads,optimizer", "What of the offloaded layers lives on host.")
     offload_prefetch: int = opt(1, "Offloaded layers fetched ahead of use.")
     device_memory_budget: Optional[str] = opt(None, "With --cpu-offload-layers auto, e.g. 30GiB.")
+    overlap_cpu_optimizer_d2h_h2d: bool = opt(False, "Step the host-resident layers' optimizer on a worker thread, "
+                                                     "overlapped with the resident step and the next forward "
+                                                     "(each layer's fetch waits for its own step).")
 
     def check(self, num_layers: int) -> None:
         """Each flag parses, and the budget comes with ``auto`` and only with it."""
-        parse_offload_what(self.cpu_offload_what)
+        what = parse_offload_what(self.cpu_offload_what)
+        if self.overlap_cpu_optimizer_d2h_h2d and (self.cpu_offload_layers is None or "params" not in what):
+            raise ConfigError("--overlap-cpu-optimizer-d2h-h2d overlaps the step of layers whose weights live on "
+                              "host: it needs --cpu-offload-layers with --cpu-offload-what params,grads,optimizer")
         if self.cpu_offload_layers is None:
             if self.device_memory_budget is not None:
                 raise ConfigError("--device-memory-budget is used only with --cpu-offload-layers auto")

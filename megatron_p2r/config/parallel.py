@@ -32,6 +32,9 @@ class ParallelConfig:
     overlap_grad_reduce: bool = opt(False, "Reduce gradient buckets asynchronously as they become final in backward.")
     overlap_param_gather: bool = opt(False, "With the distributed optimizer: all-gather updated weights "
                                             "asynchronously, waited on by the next forward.")
+    overlap_p2p_communication: bool = opt(
+        False, "Interleaved 1F1B: post each op's pipeline receives while the op before it computes, so the "
+               "transfers overlap compute (Megatron-LM: no effect without interleaving).")
     ddp_bucket_size: Optional[int] = opt(None, "Elements per gradient bucket (default with --overlap-grad-reduce: "
                                                "max(4e7, 1e6 x DP); without it one bucket per buffer).")
 
@@ -43,6 +46,10 @@ class ParallelConfig:
             raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce "
                               "(as in Megatron-LM)")
         self.num_model_chunks(num_layers)
+
+    def overlaps_p2p(self, num_layers: int) -> bool:
+        """Whether --overlap-p2p-communication acts: only under interleaving, as in Megatron-LM."""
+        return self.overlap_p2p_communication and self.num_model_chunks(num_layers) > 1
 
     def num_model_chunks(self, num_layers: int) -> int:
         """Model chunks (virtual stages) per pipeline rank: Megatron-LM's

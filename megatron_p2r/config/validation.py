@@ -41,6 +41,9 @@ def validate(cfg: Config, world_size: int) -> None:
     _check_paths(cfg)
     cfg.p2r.check(m.num_layers)
     cfg.offload.check(m.num_layers)
+    if cfg.offload.overlap_cpu_optimizer_d2h_h2d and p.use_distributed_optimizer:
+        raise ConfigError("--overlap-cpu-optimizer-d2h-h2d is not supported with --use-distributed-optimizer: the "
+                          "all-gather of updated shards reads every weight right after the step")
 
 
 def _check_world(cfg: Config, world_size: int) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import OrderedDict
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -75,6 +75,7 @@ class OffloadManager:
         self.order = {"forward": positions, "backward": positions[::-1]}
         self.index = {phase: {pos: i for i, pos in enumerate(seq)} for phase, seq in self.order.items()}
         self.pending: "OrderedDict[tuple, tuple]" = OrderedDict()
+        self.step_done: Callable[[int], None] = lambda key: None   # waits for a layer's overlapped host step
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # live: fetched layers whose device copies still exist; peak_live per pass (instrumentation)
         self.stats = {"live": 0, "peak_live": {"forward": 0, "backward": 0}, "fetches": {"forward": 0, "backward": 0}}
@@ -82,6 +83,12 @@ class OffloadManager:
             for pos in positions:
                 layer = model.layers[str(model.layer_keys[pos])]
                 model.replace_layer_call(pos, functools.partial(self.run_layer, pos, layer))
+
+    @property
+    def forward_layers(self) -> Dict[int, set]:
+        """Layer key -> its parameters' ids, in the order the forward fetches them."""
+        keys = [self.model.layer_keys[pos] for pos in self.order["forward"]]
+        return {k: {id(p) for p in self.module_params[k]} for k in keys}
 
     @property
     def offloaded_param_ids(self) -> set:
@@ -130,7 +137,9 @@ class OffloadManager:
         return tuple(tensors)
 
     def _copy(self, position: int) -> tuple:
-        host = self.module_params[self.model.layer_keys[position]]
+        key = self.model.layer_keys[position]
+        self.step_done(key)
+        host = self.module_params[key]
         if self.stream is None:
             tensors = [torch.empty_like(h).copy_(h) for h in host]
             event = None

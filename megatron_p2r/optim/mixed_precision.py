@@ -24,6 +24,7 @@ from torch import nn
 
 from megatron_p2r.config import TrainConfig
 from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.optim.host_step import HostStep
 from megatron_p2r.optim.optimizer import StagedAdamW, adamw, param_groups
 from megatron_p2r.parallel.ddp import DistributedDataParallel
 from megatron_p2r.parallel.sharding import logical_name
@@ -102,7 +103,8 @@ class MixedPrecisionOptimizer:
     weight, in the AdamW of its placement."""
 
     def __init__(self, shards: List[MainShard], t: TrainConfig, ddp: DistributedDataParallel,
-                 before_host_step: Optional[Callable[[], None]] = None):
+                 before_host_step: Optional[Callable[[], None]] = None,
+                 host_layers: Optional[Dict[int, set]] = None):
         self.shards, self.ddp, self.before_host_step = shards, ddp, before_host_step
         self.inner: Dict[str, object] = {}
         groups = param_groups(ddp.model, t)
@@ -111,6 +113,13 @@ class MixedPrecisionOptimizer:
                     if g["params"]]
             if mine:
                 self.inner[placement] = StagedAdamW(adamw(mine, t)) if placement == "staged" else adamw(mine, t)
+        if host_layers is not None and "host" in self.inner:
+            self.inner["host"] = HostStep(self.inner["host"], {
+                key: [ms for ms in shards if ms.placement == "host" and id(ms.param) in ids]
+                for key, ids in host_layers.items()})
+        deferred = self.inner["host"].param_ids if isinstance(self.inner.get("host"), HostStep) else set()
+        self.deferred = [id(ms.param) in deferred for ms in shards]   # stepped, clipped, zeroed by the host step
+        self._host_submitted = False
         self.whole_shards = {id(ms.param): ms for ms in shards if ms.whole}
         self.shards_of: Dict[int, List[MainShard]] = {}
         for ms in shards:
@@ -131,30 +140,55 @@ class MixedPrecisionOptimizer:
     def norm_mask(self) -> List[bool]:
         return [ms.in_norm for ms in self.shards]
 
+    @property
+    def grads_to_unscale(self) -> List[torch.Tensor]:
+        """The gradients the caller unscales and clips before ``step``: all but the overlapped
+        host step's, which that step multiplies by the coefficient it is given."""
+        return [ms.grad for ms, deferred in zip(self.shards, self.deferred, strict=True) if not deferred]
+
     def prepare_grads(self) -> None:
-        """Point each main parameter's ``.grad`` at its (reduced) range of ``main_grad``."""
-        for ms in self.shards:
-            ms.main.grad = ms.grad
+        """Point each main parameter's ``.grad`` at its (reduced) range of ``main_grad`` (the
+        overlapped host step points its own, one layer at a time)."""
+        for ms, deferred in zip(self.shards, self.deferred, strict=True):
+            if not deferred:
+                ms.main.grad = ms.grad
 
     def zero_grad(self) -> None:
         """Drop those ``.grad`` views before a step's backward: an fp32 weight that is its own
         main must enter it without ``.grad`` (its gradient goes to ``main_grad`` through the DDP
         hook). Until then the last step's reduced gradients stay readable, as in Megatron-LM."""
-        for ms in self.shards:
-            ms.main.grad = None
+        for ms, deferred in zip(self.shards, self.deferred, strict=True):
+            if not deferred:
+                ms.main.grad = None
 
-    def step(self) -> None:
+    def grads_zeroed_by_host_step(self) -> set:
+        """Weights whose gradients the last submitted host step zeroes (the DDP must not zero
+        them while that step may still read them); empty when no step was submitted since."""
+        submitted, self._host_submitted = self._host_submitted, False
+        return self.inner["host"].param_ids if submitted else set()
+
+    def finish_host_step(self) -> None:
+        """Wait for the overlapped host step (before reading the offloaded layers' weights or state)."""
+        if isinstance(self.inner.get("host"), HostStep):
+            self.inner["host"].wait()
+
+    def step(self, host_coeff: float = 1.0) -> None:
         """Step every placement's AdamW, round the mains into 16-bit weights, start the
-        all-gather of updated shards (distributed optimizer)."""
+        all-gather of updated shards (distributed optimizer). The overlapped host step is only
+        started, its gradients multiplied by ``host_coeff`` first."""
         for placement in PLACEMENTS:
             if placement in self.inner:
                 if placement == "host" and self.before_host_step is not None:
                     self.before_host_step()
-                self.inner[placement].step()
+                if isinstance(self.inner[placement], HostStep):
+                    self.inner[placement].submit(host_coeff)
+                    self._host_submitted = True
+                else:
+                    self.inner[placement].step()
         self.step_count += 1
         with torch.no_grad():
-            for ms in self.shards:
-                if not ms.aliases_param:
+            for ms, deferred in zip(self.shards, self.deferred, strict=True):
+                if not ms.aliases_param and not deferred:
                     ms.param.data.view(-1)[ms.start:ms.end].copy_(ms.main.reshape(-1))
         self.ddp.start_param_sync()
 
@@ -168,9 +202,11 @@ def _group_of(group: dict, shards: List[MainShard]) -> dict:
 
 def build_mixed_precision_optimizer(ddp: DistributedDataParallel, plan: ParallelPlan, ps: ParallelState,
                                     t: TrainConfig, placement: Optional[Dict[int, str]] = None,
-                                    before_host_step: Optional[Callable[[], None]] = None) -> MixedPrecisionOptimizer:
+                                    before_host_step: Optional[Callable[[], None]] = None,
+                                    host_layers: Optional[Dict[int, set]] = None) -> MixedPrecisionOptimizer:
     """The optimizer of this rank's shards of ``ddp``'s buffers (all of them without the
-    distributed optimizer); ``placement``: id(param) -> "host" | "staged" for offloaded layers."""
+    distributed optimizer); ``placement``: id(param) -> "host" | "staged" for offloaded layers;
+    ``host_layers``: layer key -> its parameters' ids in forward order, to overlap the host step."""
     placement = placement or {}
     shards = []
     for b, buf in enumerate(ddp.buffers):
@@ -184,4 +220,4 @@ def build_mixed_precision_optimizer(ddp: DistributedDataParallel, plan: Parallel
                                     grad=p.main_grad if whole else p.main_grad.view(-1)[start:end],
                                     placement=placement.get(id(p), "device"), in_norm=in_norm, buffer=b,
                                     bucket=layout.bucket_of(index), position=layout.ranges[index][0] + start))
-    return MixedPrecisionOptimizer(shards, t, ddp, before_host_step)
+    return MixedPrecisionOptimizer(shards, t, ddp, before_host_step, host_layers)

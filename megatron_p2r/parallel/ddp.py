@@ -75,11 +75,13 @@ class DistributedDataParallel:
         self.zero_grad_buffer()
 
     # -- micro-batches
-    def zero_grad_buffer(self, num_microbatches: Optional[int] = None) -> None:
+    def zero_grad_buffer(self, num_microbatches: Optional[int] = None, keep: Iterable[int] = ()) -> None:
         """Zero the gradients before a step of ``num_microbatches`` micro-batches, each run
-        through every model chunk (None: no overlap)."""
+        through every model chunk (None: no overlap), but those of the parameters ``keep`` (ids:
+        an overlapped host step still reads them and zeroes them itself)."""
+        keep = set(keep)
         for buf in self.buffers:
-            buf.zero()
+            buf.zero(keep)
         self._issued = [0] * len(self.buffers)
         self._expected, self._backwards, self._last_microbatch = num_microbatches, {}, False
 

@@ -103,9 +103,16 @@ class ParamAndGradBuffer:
                         p.data = view
 
     # -- gradients
-    def zero(self) -> None:
-        for t in self.grad_data.values():
-            t.zero_()
+    def zero(self, keep: set = frozenset()) -> None:
+        """Zero the buffer, or with ``keep`` every gradient but those parameters' (padding is
+        never written, so it stays zero)."""
+        if any(id(p) in keep for p in self.params):
+            for p in self.params:
+                if id(p) not in keep:
+                    p.main_grad.zero_()
+        else:
+            for t in self.grad_data.values():
+                t.zero_()
         for bucket in self.buckets:
             bucket.pending = {id(p) for p in bucket.params}
             bucket.started = False

@@ -50,11 +50,17 @@ def grad_norm_and_non_finite(grads: Sequence[torch.Tensor], owned: Sequence[bool
     return norm, bool(stats[1].item() > 0) or not math.isfinite(norm)
 
 
-def unscale_and_clip(grads: Sequence[torch.Tensor], total_norm: float, loss_scale: float, max_norm: float) -> None:
-    """Divide by the loss scale and clip to ``max_norm`` (of the unscaled norm) in one pass."""
+def clip_coefficient(total_norm: float, loss_scale: float, max_norm: float) -> float:
+    """What to multiply the gradients by to unscale them and clip them to ``max_norm`` (of the unscaled norm)."""
     coeff = 1.0 / loss_scale
     norm = total_norm / loss_scale
     if max_norm > 0 and norm > max_norm:
         coeff *= max_norm / (norm + 1e-6)
+    return coeff
+
+
+def unscale_and_clip(grads: Sequence[torch.Tensor], total_norm: float, loss_scale: float, max_norm: float) -> None:
+    """Divide by the loss scale and clip to ``max_norm`` (of the unscaled norm) in one pass."""
+    coeff = clip_coefficient(total_norm, loss_scale, max_norm)
     if coeff != 1.0 and len(grads):
         torch._foreach_mul_(list(grads), coeff)

@@ -24,16 +24,20 @@ False until then), so the link uses the schedule: an arriving message that the s
 after (transitively) the receiver of one of our sends used it proves that send arrived
 (``transfers.py``), and that send's ``wait()`` returns at once and its buffer goes; sends to a
 neighbour that never sends back (evaluation without interleaving) are waited for one at a
-time. ``wait()`` completes the rest at the end of the step. Receives block. With sends that
-never wait on a rank that waits on them and receives in the sender's order, a schedule that is
-deadlock-free on its data dependencies (``order.causal_order``) is deadlock-free here, which is
-why no call pairs a send with a receive in one batched operation (``batch_isend_irecv`` has
-hung on gloo). Peers are pipeline ranks with this rank's tp and dp coordinates (``ps.peer``).
+time. ``wait()`` completes the rest at the end of the step. Receives block, unless posted
+ahead (``post``, ``--overlap-p2p-communication``): the schedule posts the next op's receives
+(``irecv``, in the sender's order) before it computes the current op, so they travel while it
+computes, and ``recv`` waits on them where it would have received them. With sends that never
+wait on a rank that waits on them and receives in the sender's order, waited on where the
+schedule needs them, a schedule that is deadlock-free on its data dependencies
+(``order.causal_order``) is deadlock-free here, posted ahead or not, which is why no call pairs
+a send with a receive in one batched operation (``batch_isend_irecv`` has hung on gloo). Peers are pipeline ranks with this rank's tp and dp coordinates (``ps.peer``).
 Works with gloo (CPU tensors) and NCCL (device tensors).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterator, Sequence, Tuple
+from collections import deque
+from typing import Callable, Deque, Dict, Iterator, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -71,6 +75,8 @@ class StageLink:
         self._queues: Dict[int, Iterator[Message]] = {q: iter(msgs) for q, msgs in schedule.incoming.items()}
         self._early: Dict[Message, torch.Tensor] = {}
         self._pending: Dict[Message, Tuple[dist.Work, torch.Tensor, int]] = {}
+        # per neighbour: receives posted ahead, in its order (a buffer is read only after its wait)
+        self._posted: Dict[int, Deque[Tuple[Message, dist.Work, torch.Tensor]]] = {q: deque() for q in self._queues}
 
     def send(self, message: Message, tensor: torch.Tensor, dst: int) -> None:
         """Send ``tensor`` as ``message`` to pipeline rank ``dst`` without waiting."""
@@ -80,21 +86,49 @@ class StageLink:
         t = tensor.detach().contiguous()
         self._pending[message] = (dist.isend(t, self.ps.peer(dst)), t, dst)  # t lives until the send is done
 
+    def post(self, message: Message, src: int) -> None:
+        """Post, without waiting, the receives of ``src``'s messages up to ``message`` (those
+        ``recv(message, src)`` would take): they arrive while this rank computes."""
+        posted = self._posted.get(src, ())
+        if message in self._early or any(m == message for m, _, _ in posted):
+            return
+        for arrived in self._queues.get(src, ()):
+            t = self._buffer(arrived)
+            posted.append((arrived, dist.irecv(t, self.ps.peer(src)), t))
+            if arrived == message:
+                return
+        raise self._never_sent(message, src)
+
     def recv(self, message: Message, src: int) -> torch.Tensor:
         """``message`` from pipeline rank ``src``: receives ``src``'s messages in its order until it comes."""
         if message in self._early:
             return self._early.pop(message)
-        queue = self._queues.get(src)
-        for arrived in queue if queue is not None else ():
-            shape, dtype = self.spec_of(arrived)
-            t = torch.empty(shape, dtype=dtype, device=self.ps.device)
-            dist.recv(t, self.ps.peer(src))
+        for arrived, t in self._arrivals(src):
             self._release(self.schedule.acknowledges.get(arrived, ()))
             if arrived == message:
                 return t
             self._early[arrived] = t
-        raise RuntimeError(f"pipeline p2p: pipeline rank {self.ps.pp_rank} waits for {message} from pipeline "
-                           f"rank {src}, whose schedule does not send it")
+        raise self._never_sent(message, src)
+
+    def _arrivals(self, src: int) -> Iterator[Tuple[Message, torch.Tensor]]:
+        """``src``'s next messages, received: first those posted ahead, then the rest of its queue."""
+        posted = self._posted.get(src, deque())
+        while posted:
+            arrived, work, t = posted.popleft()
+            work.wait()
+            yield arrived, t
+        for arrived in self._queues.get(src, ()):
+            t = self._buffer(arrived)
+            dist.recv(t, self.ps.peer(src))
+            yield arrived, t
+
+    def _buffer(self, message: Message) -> torch.Tensor:
+        shape, dtype = self.spec_of(message)
+        return torch.empty(shape, dtype=dtype, device=self.ps.device)
+
+    def _never_sent(self, message: Message, src: int) -> RuntimeError:
+        return RuntimeError(f"pipeline p2p: pipeline rank {self.ps.pp_rank} waits for {message} from pipeline "
+                            f"rank {src}, whose schedule does not send it")
 
     def _release(self, received: Sequence[Message]) -> None:
         """Complete the sends the peer has received and drop their buffers (their memory is free)."""

@@ -167,9 +167,14 @@ class _StageSteps:
         self.timer, self.forward_only, self.chunks = timer, forward_only, chunks
         self.inflight = {}  # (micro-batch, chunk) -> (received input, output) awaiting backward
 
-    def run(self, op: Op) -> None:
+    def run(self, op: Op, post_ahead: Optional[Op] = None) -> None:
+        """Run ``op``; with ``post_ahead`` (the next op, when p2p overlaps compute), post that
+        op's receives before computing this one."""
         wanted = input_of(op, self.ps.pp_size, self.chunks, self.ps.pp_rank)
         received = None if wanted is None else self.link.recv(*wanted)
+        ahead = None if post_ahead is None else input_of(post_ahead, self.ps.pp_size, self.chunks, self.ps.pp_rank)
+        if ahead is not None:
+            self.link.post(*ahead)
         result = (self._forward if op.kind == FORWARD else self._backward)(op, received)
         for dst, message in sent_by(op, self.ps.pp_size, self.chunks, self.ps.pp_rank):
             self.link.send(message, result, dst)
@@ -215,9 +220,10 @@ def _rank_schedule(schedule: str, pp: int, chunks: int, microbatches: int, rank:
 
 
 def _pipelined(model, microbatches: List[dict], ps: ParallelState, *, schedule: str, chunks: int,
-               loss_scale: float, forward_only: bool,
-               stats: Optional[dict], on_backward_scale: BackwardScaleHook) -> Optional[torch.Tensor]:
-    """Run this rank's ops of ``schedule`` (``order.pipeline_ops``) over ``chunks`` model chunks."""
+               loss_scale: float, forward_only: bool, stats: Optional[dict],
+               on_backward_scale: BackwardScaleHook, overlap_p2p_comm: bool) -> Optional[torch.Tensor]:
+    """Run this rank's ops of ``schedule`` (``order.pipeline_ops``) over ``chunks`` model chunks;
+    with ``overlap_p2p_comm`` each op's receives are posted while the op before it computes."""
     n = len(microbatches)
     if n == 0:
         raise ValueError("a pipelined step needs at least one micro-batch")
@@ -231,8 +237,8 @@ def _pipelined(model, microbatches: List[dict], ps: ParallelState, *, schedule: 
     link = StageLink(ps, known, lambda msg: specs[msg.microbatch])
     loss = TokenMeanLoss(microbatches, ps, loss_scale) if ps.is_last_stage else None
     steps = _StageSteps(model, microbatches, ps, chunks, link, loss, _BusyTimer(stats, ps.device), forward_only)
-    for op in ops:
-        steps.run(op)
+    for i, op in enumerate(ops):
+        steps.run(op, ops[i + 1] if overlap_p2p_comm and i + 1 < len(ops) else None)
     link.wait()
     return None if loss is None else loss.share()
 
@@ -240,39 +246,46 @@ def _pipelined(model, microbatches: List[dict], ps: ParallelState, *, schedule: 
 def forward_backward_gpipe(model, microbatches: List[dict], ps: ParallelState, *,
                            loss_scale: float = 1.0,
                            forward_only: bool = False, stats: Optional[dict] = None,
-                           on_backward_scale: BackwardScaleHook = None) -> Optional[torch.Tensor]:
+                           on_backward_scale: BackwardScaleHook = None,
+                           overlap_p2p_comm: bool = False) -> Optional[torch.Tensor]:
     """All forwards, then all backwards."""
     return _pipelined(model, microbatches, ps, schedule="gpipe", chunks=1, loss_scale=loss_scale,
-                      forward_only=forward_only, stats=stats, on_backward_scale=on_backward_scale)
+                      forward_only=forward_only, stats=stats, on_backward_scale=on_backward_scale,
+                      overlap_p2p_comm=overlap_p2p_comm)
 
 
 def forward_backward_1f1b(model, microbatches: List[dict], ps: ParallelState, *,
                           loss_scale: float = 1.0,
                           forward_only: bool = False, stats: Optional[dict] = None,
-                          on_backward_scale: BackwardScaleHook = None) -> Optional[torch.Tensor]:
+                          on_backward_scale: BackwardScaleHook = None,
+                          overlap_p2p_comm: bool = False) -> Optional[torch.Tensor]:
     """One-forward-one-backward (PipeDream-flush); works with fewer micro-batches than stages."""
     return _pipelined(model, microbatches, ps, schedule="1f1b", chunks=1, loss_scale=loss_scale,
-                      forward_only=forward_only, stats=stats, on_backward_scale=on_backward_scale)
+                      forward_only=forward_only, stats=stats, on_backward_scale=on_backward_scale,
+                      overlap_p2p_comm=overlap_p2p_comm)
 
 
 def forward_backward_pipelining_with_interleaving(model, microbatches: List[dict], ps: ParallelState, *,
                                                   loss_scale: float = 1.0,
                                                   forward_only: bool = False, stats: Optional[dict] = None,
-                                                  on_backward_scale: BackwardScaleHook = None
-                                                  ) -> Optional[torch.Tensor]:
+                                                  on_backward_scale: BackwardScaleHook = None,
+                                                  overlap_p2p_comm: bool = False) -> Optional[torch.Tensor]:
     """Interleaved 1F1B over the model's ``num_model_chunks`` chunks (``order.py``); any number
     of micro-batches."""
     return _pipelined(model, microbatches, ps, schedule="1f1b", chunks=model.num_model_chunks,
                       loss_scale=loss_scale, forward_only=forward_only, stats=stats,
-                      on_backward_scale=on_backward_scale)
+                      on_backward_scale=on_backward_scale, overlap_p2p_comm=overlap_p2p_comm)
 
 
 SCHEDULES = {"1f1b": forward_backward_1f1b, "gpipe": forward_backward_gpipe}
 
 
-def get_forward_backward_func(ps: ParallelState, schedule: str = "1f1b", *, num_model_chunks: int = 1) -> Callable:
+def get_forward_backward_func(ps: ParallelState, schedule: str = "1f1b", *, num_model_chunks: int = 1,
+                              overlap_p2p_comm: bool = False) -> Callable:
     """The schedule of ``--pipeline-schedule`` for this layout; with ``num_model_chunks`` > 1
-    (``ParallelPlan.num_model_chunks``: interleaving) the interleaved 1F1B schedule."""
+    (``ParallelPlan.num_model_chunks``: interleaving) the interleaved 1F1B schedule, whose
+    receives ``overlap_p2p_comm`` (``--overlap-p2p-communication``) posts one op ahead: as in
+    Megatron-LM, only the interleaved schedule overlaps."""
     if schedule not in SCHEDULES:
         raise ValueError(f"--pipeline-schedule {schedule!r}: expected one of {sorted(SCHEDULES)}")
     if num_model_chunks > 1:
@@ -280,7 +293,8 @@ def get_forward_backward_func(ps: ParallelState, schedule: str = "1f1b", *, num_
             raise ValueError(f"{num_model_chunks} model chunks per rank need the interleaved 1F1B schedule: "
                              f"--pipeline-schedule 1f1b and --pipeline-model-parallel-size > 1 (have "
                              f"{schedule}, {ps.pp_size})")
-        return forward_backward_pipelining_with_interleaving
+        interleaved = forward_backward_pipelining_with_interleaving
+        return functools.partial(interleaved, overlap_p2p_comm=True) if overlap_p2p_comm else interleaved
     if ps.pp_size == 1:
         return forward_backward_no_pipelining
     return SCHEDULES[schedule]

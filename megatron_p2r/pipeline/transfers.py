@@ -126,33 +126,40 @@ def _transfers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int,
     return Transfers(incoming, acknowledges, downstream)
 
 
-def link_buffers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int) -> List[int]:
+def link_buffers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int,
+                 posted_ahead: bool = False) -> List[int]:
     """Transfer buffers the link of ``rank`` holds while each of its ops runs: its sends not yet
-    known received and messages that arrived before they were needed."""
-    return _buffers(all_ops, pp, chunks, rank, transfers(all_ops, pp, chunks, rank))
+    known received, messages that arrived before they were needed and, with ``posted_ahead``
+    (--overlap-p2p-communication), the next op's receives, posted before this op computes."""
+    return _buffers(all_ops, pp, chunks, rank, transfers(all_ops, pp, chunks, rank), posted_ahead)
 
 
-def every_link_buffers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int) -> List[List[int]]:
+def every_link_buffers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int,
+                       posted_ahead: bool = False) -> List[List[int]]:
     """``link_buffers`` of every rank, walking the step's causal order once for all of them
     (full vector clocks) instead of once per rank: the planner asks for every stage, and
     per rank the walk costs as much as the whole step (P x 2m ops)."""
     sent = _sent(all_ops, pp, chunks)
     step = _step(all_ops, pp, chunks, sent, range(pp))
-    return [_buffers(all_ops, pp, chunks, r, _transfers(all_ops, pp, chunks, r, step)) for r in range(pp)]
+    return [_buffers(all_ops, pp, chunks, r, _transfers(all_ops, pp, chunks, r, step), posted_ahead)
+            for r in range(pp)]
 
 
-def _buffers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int, t: Transfers) -> List[int]:
+def _buffers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int, t: Transfers,
+             posted_ahead: bool) -> List[int]:
     pending: Dict[Message, int] = {}   # send -> its destination
     early: set = set()
     out = []
-    for op, taken in zip(all_ops[rank], pulls(all_ops[rank], pp, chunks, rank, t.incoming), strict=True):
+    taken_by = pulls(all_ops[rank], pp, chunks, rank, t.incoming)
+    ahead = [len(taken) if posted_ahead else 0 for taken in taken_by[1:]] + [0]
+    for op, taken, posted in zip(all_ops[rank], taken_by, ahead, strict=True):
         wanted = input_of(op, pp, chunks, rank)
         early.update(taken)
         early.discard(wanted[0] if wanted is not None else None)
         for msg in taken:
             for done in t.acknowledges.get(msg, ()):
                 pending.pop(done)
-        out.append(len(pending) + len(early))
+        out.append(len(pending) + len(early) + posted)
         for dst, msg in sent_by(op, pp, chunks, rank):
             if dst in t.downstream:
                 pending = {m: d for m, d in pending.items() if d != dst}

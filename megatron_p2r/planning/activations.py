@@ -329,18 +329,20 @@ def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, chunk: int = 
 
 def stage_schedule(cfg: Config, plan: ParallelPlan, stage: int) -> Tuple[Tuple[Op, ...], Tuple[int, ...]]:
     """The forwards and backwards a rank of ``stage`` runs in one step, and the p2p buffers its
-    link holds during each (``pipeline.order``, ``pipeline.transfers``)."""
+    link holds during each (``pipeline.order``, ``pipeline.transfers``; with receives posted one
+    op ahead under --overlap-p2p-communication)."""
     layout = plan.layout
     schedule = cfg.parallel.pipeline_schedule if layout.pp > 1 else "1f1b"
-    return _schedules(schedule, layout.pp, plan.num_model_chunks, num_microbatches(cfg, layout.world_size))[stage]
+    return _schedules(schedule, layout.pp, plan.num_model_chunks, num_microbatches(cfg, layout.world_size),
+                      cfg.parallel.overlaps_p2p(cfg.model.num_layers))[stage]
 
 
 @functools.lru_cache(maxsize=8)
-def _schedules(schedule: str, pp: int, chunks: int,
-               microbatches: int) -> Tuple[Tuple[Tuple[Op, ...], Tuple[int, ...]], ...]:
+def _schedules(schedule: str, pp: int, chunks: int, microbatches: int,
+               posted_ahead: bool) -> Tuple[Tuple[Tuple[Op, ...], Tuple[int, ...]], ...]:
     """Every stage's ops and link buffers, computed together (each stage's depends on all)."""
     all_ops = [pipeline_ops(schedule, pp, chunks, microbatches, r) for r in range(pp)]
-    buffers = every_link_buffers(all_ops, pp, chunks)
+    buffers = every_link_buffers(all_ops, pp, chunks, posted_ahead)
     return tuple((tuple(ops), tuple(b)) for ops, b in zip(all_ops, buffers, strict=True))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_p2r.config import Config, global_batch_size, num_microbatches
 from megatron_p2r.layout import offload as offload_choice
@@ -120,6 +120,36 @@ def _exposed_sync(cfg: Config, plan: ParallelPlan, stage: int, sync: float, comp
     return max(sync - window, sync * last)
 
 
+def exposed_p2p(p2p: float, compute: float) -> float:
+    """The part of a micro-batch's pipeline transfers (``p2p`` seconds) a rank waits for when
+    each op's receives are posted while the op before it computes (--overlap-p2p-communication):
+    in 1F1B's steady state half of them travel during a forward (1/3 of ``compute``), half
+    during a backward (2/3), and only what outlasts that op is exposed."""
+    return max(p2p / 2 - compute / 3, 0.0) + max(p2p / 2 - 2 * compute / 3, 0.0)
+
+
+def overlapped_optimizer_time(device_step: float, host_step: float, layer_keys: Sequence[int],
+                              offloaded: Sequence[int], layer_forward: float) -> float:
+    """The optimizer's share of a step when the host step overlaps the next forward
+    (--overlap-cpu-optimizer-d2h-h2d): by how long the first micro-batch's forward ends later
+    than it would with no optimizer at all.
+
+    The resident step runs first on the device; meanwhile a host thread steps the offloaded
+    layers in forward order (``host_step`` split evenly), and the forward, one ``layer_forward``
+    per layer, reaches each offloaded layer no earlier than that layer's step ends. Only that
+    micro-batch's forward can hide the host step: the step needs the global gradient norm, known
+    after the last backward, and the next micro-batch's forward needs every layer stepped."""
+    per_layer = host_step / len(set(offloaded))
+    waiting, stepped, now = set(offloaded), 0.0, device_step
+    for key in layer_keys:   # a pseudo slot serving several layers is stepped once, before its first use
+        if key in waiting:
+            waiting.discard(key)
+            stepped += per_layer
+            now = max(now, stepped)
+        now += layer_forward
+    return now - layer_forward * len(layer_keys)
+
+
 def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
                     peak: float) -> Tuple[StageEstimate, float]:
     """(the stage's estimate, its time per micro-batch)."""
@@ -136,7 +166,9 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     compute = stage_flops_per_microbatch(cfg, plan, stage, off["recomputed"]) / (peak * a.efficiency)
     tp_t, ep_t, pp_t = (link_time(comm[k], gpu) / mbs for k in ("tp", "ep", "pp"))
     transfer = off["moved_per_microbatch"] / gpu.host_bw
-    mb_time = max(compute + tp_t + ep_t, transfer) + pp_t
+    overlap_p2p = cfg.parallel.overlaps_p2p(cfg.model.num_layers)
+    pp_exposed = exposed_p2p(pp_t, compute + tp_t + ep_t) if overlap_p2p else pp_t
+    mb_time = max(compute + tp_t + ep_t, transfer) + pp_exposed
     sync = _exposed_sync(cfg, plan, stage, sum(link_time(comm[k], gpu) for k in ("dp", "expert_dp", "embedding",
                                                                                   "sharing", "tp_partial")), compute)
     hosted = off["host_optimizer_params"]
@@ -146,8 +178,15 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     sixteen_bit_moments = (offload_choice.ADAM_BYTES - plan.buffers.moment_bytes) // 2
     per_element = 28 + 12 * sixteen_bit_moments + (plan.buffers.param_bytes if plan.buffers.param_bytes != 4 else 0)
     stepped = stepped_elements(plan, stage_state_bytes(plan, stage))
-    opt = max(per_element * (stepped - hosted) / gpu.hbm_bw,
-              per_element * hosted / a.host_optimizer_bw + off["moved_per_step"] / gpu.host_bw)
+    device_step = per_element * (stepped - hosted) / gpu.hbm_bw
+    host_step = per_element * hosted / a.host_optimizer_bw + off["moved_per_step"] / gpu.host_bw
+    opt = max(device_step, host_step)
+    times = {}
+    if cfg.offload.overlap_cpu_optimizer_d2h_h2d and off["recomputed"]:
+        layer_forward = (compute + tp_t + ep_t) / (3 * len(plan.stage(stage).layer_keys) + len(off["recomputed"]))
+        opt = overlapped_optimizer_time(device_step, host_step, plan.stage(stage).layer_keys, off["recomputed"],
+                                        layer_forward)
+        times["host_optimizer_hidden"] = max(device_step, host_step) - opt
     est = StageEstimate(
         stage=stage, ranks=_rank_ranges(layout, stage), parameters=sum(s.numel for s in specs),
         tensors=len(specs), device=device, host=off["host"], offloaded_layers=off["layers"],
@@ -157,7 +196,8 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
         in_flight=act["in_flight"], comm_bytes={k: v.bytes for k, v in comm.items()},
         time_s={"compute_per_microbatch": compute, "tp_per_microbatch": tp_t, "ep_per_microbatch": ep_t,
                 "pp_per_microbatch": pp_t, "offload_transfer_per_microbatch": transfer,
-                "grad_sync": sync, "optimizer": opt},
+                "grad_sync": sync, "optimizer": opt, **times,
+                **({"pp_hidden_per_microbatch": pp_t - pp_exposed} if overlap_p2p else {})},
         device_total=sum(device.values()), fits=overflow is None, overflow=overflow)
     return est, mb_time
 

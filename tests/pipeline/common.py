@@ -98,8 +98,10 @@ def pipelined_step(cfg, ps: ParallelState, microbatches: List[dict], schedule: s
     state = build_train_state(cfg, ps)
     state.ddp.zero_grad_buffer(len(microbatches))
     fb = get_forward_backward_func(ps, schedule, num_model_chunks=state.plan.num_model_chunks)
+    # the schedules take overlap_p2p_comm whether interleaved or not (the flag reaches only interleaving)
+    overlap = {"overlap_p2p_comm": True} if cfg.parallel.overlap_p2p_communication else {}
     loss = fb(state.model, microbatches, ps, loss_scale=1.0, stats=stats,
-              on_backward_scale=aux_loss.set_backward_scale)
+              on_backward_scale=aux_loss.set_backward_scale, **overlap)
     if ps.is_last_stage and loss is None:
         raise AssertionError("the last stage must return the loss")
     state.ddp.finish_grad_sync()
@@ -117,7 +119,7 @@ def compare_case(cfg, layout: Layout, ps: ParallelState, schedule: str, n_micro:
     ref_loss, ref_grads = reference_fn(cfg, all_mb)
     errors = max_grad_error(model, ps, ref_grads)
     relative = max_grad_error(model, ps, ref_grads, relative=True)
-    return {"loss_err": abs(loss - ref_loss), "grad_err": max(errors.values()), "grad_rel_err": max(relative.values()),
+    return {"loss": loss, "loss_err": abs(loss - ref_loss), "grad_err": max(errors.values()), "grad_rel_err": max(relative.values()),
             "names": sorted(logical_name(n, p) for n, p in model.named_parameters()),
             "ref_names": sorted(ref_grads),
             "grads": {n: p.main_grad.clone() for n, p in model.named_parameters()},

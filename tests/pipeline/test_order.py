@@ -100,18 +100,33 @@ def test_interleaving_needs_1f1b():
         pipeline_ops("zb", 2, 1, 4, 0)
 
 
+@pytest.mark.parametrize("posted_ahead", [False, True])
 @pytest.mark.parametrize("forward_only", [False, True])
-def test_link_buffers_are_bounded_by_the_schedule(forward_only):
-    """What p2p holds (sends not yet known received, early arrivals) does not grow with m, in
-    training and in evaluation (forward only: without interleaving nothing comes back, so
-    sends downstream go one at a time; with it the proof comes around the ring of stages)."""
+def test_link_buffers_are_bounded_by_the_schedule(forward_only, posted_ahead):
+    """What p2p holds (sends not yet known received, early arrivals, receives posted ahead)
+    does not grow with m, in training and in evaluation (forward only: without interleaving
+    nothing comes back, so sends downstream go one at a time; with it the proof comes around
+    the ring of stages)."""
     for pp, v in ((2, 1), (4, 1), (2, 2), (4, 2)):
         peaks = []
         for m in (2 * pp, 4 * pp, 8 * pp):
             all_ops = [pipeline_ops("1f1b", pp, v, m, r, forward_only) for r in range(pp)]
-            peaks.append([max(link_buffers(all_ops, pp, v, r)) for r in range(pp)])
+            peaks.append([max(link_buffers(all_ops, pp, v, r, posted_ahead)) for r in range(pp)])
         assert peaks[0] == peaks[1] == peaks[2], (pp, v, peaks)
-        assert max(peaks[0]) <= 2 * pp, (pp, v, peaks)
+        assert max(peaks[0]) <= 2 * pp + posted_ahead, (pp, v, peaks)
+
+
+def test_receives_posted_ahead_are_held_one_op_longer():
+    """With --overlap-p2p-communication every message a rank receives, but those of its first
+    op, is held during one more op (the one before the op that uses it, while it travels)."""
+    for pp, v, m in ((2, 2, 5), (4, 2, 8), (4, 1, 6)):
+        all_ops = [pipeline_ops("1f1b", pp, v, m, r) for r in range(pp)]
+        for r in range(pp):
+            serial, ahead = link_buffers(all_ops, pp, v, r), link_buffers(all_ops, pp, v, r, posted_ahead=True)
+            received = sum(len(msgs) for msgs in transfers(all_ops, pp, v, r).incoming.values())
+            first_op_takes = 1 if r > 0 else 0   # rank 0's first op reads tokens, the others' an activation
+            assert all(a >= s for a, s in zip(ahead, serial, strict=True)) and ahead[-1] == serial[-1], (pp, v, r)
+            assert sum(ahead) - sum(serial) == received - first_op_takes, (pp, v, r)
 
 
 def test_evaluation_without_interleaving_waits_downstream_only():

@@ -60,3 +60,14 @@ def test_one_message_per_activation_and_gradient(world4, shapes):
         want = sorted(hidden * ((s < 3) + (s > 0)))
         assert sorted(m["sent"]) == want, (s, m)
         assert sorted(m["received"]) == want, (s, m)
+
+
+def test_overlapped_p2p_posts_every_receive_but_the_first_ahead(world4):
+    """Interleaved 1F1B on PP=4, m=6, with --overlap-p2p-communication: the same messages as
+    without it, but each op's receives are posted (irecv) while the op before it computes, so
+    only a stage's first op may receive blocking."""
+    for r in world4:
+        serial, overlapped = r["messages"]["interleaved"], r["messages"]["overlapped"]
+        assert serial["posted"] == [] and sorted(overlapped["sent"]) == sorted(serial["sent"]), overlapped
+        assert sorted(overlapped["received"] + overlapped["posted"]) == sorted(serial["received"]), overlapped
+        assert len(overlapped["received"]) == (1 if overlapped["stage"] > 0 else 0), overlapped

@@ -109,6 +109,40 @@ def test_overlapped_reduction_inside_the_pipelined_backward(world4):
     assert merged["pp2dp2v2/overlap/m3/interleaved"] == merged["pp2dp2v2/tied/m3/interleaved"]
 
 
+def _same_as_serial(results: list, overlapped: str, serial: str) -> bool:
+    """Whether case ``overlapped`` has, on every rank, the loss and the main_grads of ``serial``, bitwise."""
+    def merged(case):
+        return {k: h for r in results for k, h in r["equiv"][case]["hashes"].items()}
+    same_loss = all(r["equiv"][overlapped]["loss"] == r["equiv"][serial]["loss"] for r in results)
+    return same_loss and merged(overlapped) == merged(serial)
+
+
+def test_overlapped_p2p_reproduces_the_serial_schedules_bitwise(world4):
+    """--overlap-p2p-communication posts each op's receives before the op ahead of it computes:
+    interleaved P=2 x DP=2 with m=5 (rank 0 takes rank 1's messages out of the order it needs
+    them), the same model under plain 1F1B and GPipe, and P=2 x EP=2 MoE interleaved: the loss
+    and every main_grad bitwise those of the schedule that receives when it needs the input."""
+    assert check_equivalence(world4, "pp2dp2v2/p2p-overlap/") == 2 and check_equivalence(world4, "pp2dp2/p2p-overlap/") == 1
+    for overlapped, serial in (("pp2dp2v2/p2p-overlap/m5/interleaved", "pp2dp2v2/untied/m5/interleaved"),
+                               ("pp2dp2v2/p2p-overlap/m5/1f1b", "pp2dp2v2/untied/m5/1f1b"),
+                               ("pp2dp2/p2p-overlap/m3/gpipe", "pp2dp2/tied/m3/gpipe")):
+        assert _same_as_serial(world4, overlapped, serial), (overlapped, serial)
+    assert all(isinstance(r["moe"], dict) for r in world4), [r["moe"] for r in world4]
+    moe = [{"equiv": r["moe"]} for r in world4]
+    assert check_equivalence(moe, "pp2ep2v2/moe-p2p-overlap/") == 1
+    assert _same_as_serial(moe, "pp2ep2v2/moe-p2p-overlap/m3/interleaved", "pp2ep2v2/moe/m3/interleaved")
+
+
+def test_train_step_with_overlapped_p2p_trains_as_without(world4):
+    """--overlap-p2p-communication through train_step (interleaved, PP=2 x DP=2, 3 AdamW steps):
+    receives are posted ahead, and the losses and the weights after the steps are bitwise those
+    of the run without it."""
+    for r in world4:
+        serial, overlapped = r["train_overlap"]["serial"], r["train_overlap"]["overlapped"]
+        assert serial["posted"] == 0 and overlapped["posted"] > 0, r["train_overlap"]
+        assert overlapped["losses"] == serial["losses"] and overlapped["weights"] == serial["weights"]
+
+
 def test_interleaved_pseudo_phase_share_all(world4):
     """Every layer calls slot 0: two chunks of each rank call one module (local accumulation),
     whose gradient is then summed over all pipeline stages x DP."""
@@ -210,6 +244,11 @@ def test_get_forward_backward_func():
     assert get_forward_backward_func(pp2, "1f1b") is forward_backward_1f1b
     assert get_forward_backward_func(pp2, "gpipe") is forward_backward_gpipe
     assert get_forward_backward_func(pp2, "1f1b", num_model_chunks=2) is forward_backward_pipelining_with_interleaving
+    overlapped = get_forward_backward_func(pp2, "1f1b", num_model_chunks=2, overlap_p2p_comm=True)
+    assert overlapped.func is forward_backward_pipelining_with_interleaving and overlapped.keywords == {
+        "overlap_p2p_comm": True}
+    # as in Megatron-LM, only the interleaved schedule overlaps
+    assert get_forward_backward_func(pp2, "1f1b", overlap_p2p_comm=True) is forward_backward_1f1b
     with pytest.raises(ValueError, match="--pipeline-schedule 'zb'"):
         get_forward_backward_func(pp2, "zb")
     with pytest.raises(ValueError, match="2 model chunks per rank need the interleaved 1F1B schedule"):

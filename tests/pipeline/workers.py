@@ -72,24 +72,23 @@ def p2p_checks(ps: ParallelState, rounds: int = 6) -> dict:
 
 def count_messages(cfg, ps: ParallelState, microbatches, schedule: str) -> dict:
     """One pipelined step with every point-to-point send and receive counted: what a stage
-    sends is the micro-batches' activations and gradients and nothing else (no headers)."""
-    sent, received = [], []
-    isend, recv = dist.isend, dist.recv
+    sends is the micro-batches' activations and gradients and nothing else (no headers);
+    receives posted ahead (``irecv``) are counted apart from blocking ones."""
+    sent, received, posted = [], [], []
+    isend, recv, irecv = dist.isend, dist.recv, dist.irecv
 
-    def counted_isend(t, dst, *args, **kwargs):
-        sent.append(tuple(t.shape))
-        return isend(t, dst, *args, **kwargs)
+    def counted(calls, call):
+        def wrapper(t, peer, *args, **kwargs):
+            calls.append(tuple(t.shape))
+            return call(t, peer, *args, **kwargs)
+        return wrapper
 
-    def counted_recv(t, src, *args, **kwargs):
-        received.append(tuple(t.shape))
-        return recv(t, src, *args, **kwargs)
-
-    dist.isend, dist.recv = counted_isend, counted_recv
+    dist.isend, dist.recv, dist.irecv = counted(sent, isend), counted(received, recv), counted(posted, irecv)
     try:
         pipelined_step(cfg, ps, microbatches, schedule)
     finally:
-        dist.isend, dist.recv = isend, recv
-    return {"stage": ps.pp_rank, "sent": sent, "received": received}
+        dist.isend, dist.recv, dist.irecv = isend, recv, irecv
+    return {"stage": ps.pp_rank, "sent": sent, "received": received, "posted": posted}
 
 
 def equivalence_cases(ps: ParallelState, layout: Layout, cases, **data) -> dict:
@@ -133,6 +132,29 @@ def train_replicas(cfg, ps: ParallelState, steps: int = 3) -> dict:
     return out
 
 
+def train_overlapped(ps: ParallelState, steps: int = 3) -> dict:
+    """``steps`` train_step calls of an interleaved model with and without
+    --overlap-p2p-communication: per-step losses, a hash of this rank's weights after them, and
+    how many receives were posted ahead (dist.irecv calls)."""
+    cfg = make_cfg(pp=ps.pp_size, num_layers=4, num_layers_per_virtual_pipeline_stage=1, global_batch_size=8)
+    out = {}
+    for name, run_cfg in (("serial", cfg), ("overlapped", cfg.replace(overlap_p2p_communication=True))):
+        posted, irecv = [], dist.irecv
+
+        def counted_irecv(t, src, *args, **kwargs):
+            posted.append(tuple(t.shape))
+            return irecv(t, src, *args, **kwargs)
+
+        dist.irecv = counted_irecv
+        try:
+            losses, state = run_steps(run_cfg, ps, steps)
+        finally:
+            dist.irecv = irecv
+        weights = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in state.model.parameters()))
+        out[name] = {"losses": losses, "weights": weights.hexdigest(), "posted": len(posted)}
+    return out
+
+
 def stage_peak_bytes(ps: ParallelState) -> dict:
     """Peak live bytes of this rank's step (beyond parameters and gradients, which are allocated
     before) with m micro-batches of one shape: 1F1B training and evaluation for m = 4, 8, 16,
@@ -143,10 +165,13 @@ def stage_peak_bytes(ps: ParallelState) -> dict:
     b = cfg.train.micro_batch_size
     out = {"stage": ps.pp_rank, "hidden_bytes": b * cfg.model.seq_length * cfg.model.hidden_size * 4}
     runs = {"1f1b": (cfg, {}, (4, 8, 16)), "eval": (cfg, dict(forward_only=True), (4, 8, 16)),
-            "interleaved": (cfg.replace(num_layers=8, num_layers_per_virtual_pipeline_stage=1), {}, (8, 16, 24))}
+            "interleaved": (cfg.replace(num_layers=8, num_layers_per_virtual_pipeline_stage=1), {}, (8, 16, 24)),
+            "overlapped": (cfg.replace(num_layers=8, num_layers_per_virtual_pipeline_stage=1,
+                                       overlap_p2p_communication=True), {}, (8, 16, 24))}
     for name, (run_cfg, kwargs, counts) in runs.items():
         model, out[name] = build_model(run_cfg, ps), {}
-        step = schedules.get_forward_backward_func(ps, num_model_chunks=model.num_model_chunks)
+        step = schedules.get_forward_backward_func(ps, num_model_chunks=model.num_model_chunks,
+                                                   overlap_p2p_comm=run_cfg.parallel.overlap_p2p_communication)
         for m in counts:
             mbs = random_microbatches(run_cfg, m, b, seed=m)
             _, out[name][m] = measure_step(model, run_cfg, lambda tracker: step(model, mbs, ps, **kwargs), mbs)
@@ -208,6 +233,10 @@ def world4(rank: int, world: int) -> dict:
     out["messages"] = {"fixed": count_messages(cfg, ps, [make_microbatches(1, cfg.model.vocab_size, seed=i)[0]
                                                          for i in range(3)], "1f1b"),
                        "varying": count_messages(cfg, ps, mbs[:3], "1f1b")}
+    interleaved = make_cfg(pp=4, num_layers=8, num_layers_per_virtual_pipeline_stage=1)
+    out["messages"]["interleaved"] = count_messages(interleaved, ps, mbs, "1f1b")
+    out["messages"]["overlapped"] = count_messages(interleaved.replace(overlap_p2p_communication=True), ps, mbs,
+                                                   "1f1b")
 
     tp2pp2 = Layout(tp=2, pp=2)
     ps = make_state(tp2pp2)
@@ -226,6 +255,10 @@ def world4(rank: int, world: int) -> dict:
     cases.append(("pp2dp2/recompute/1f1b", make_cfg(pp=2, recompute_activations=True), "1f1b", 2))
     cases += _interleaved_cases("pp2dp2v2/tied", pp=2, n_micro=3)
     cases += _interleaved_cases("pp2dp2v2/untied", pp=2, n_micro=5, untie_embeddings_and_output_weights=True)
+    # receives posted one op ahead (--overlap-p2p-communication), interleaved and plain 1F1B
+    cases += _interleaved_cases("pp2dp2v2/p2p-overlap", pp=2, n_micro=5, untie_embeddings_and_output_weights=True,
+                                overlap_p2p_communication=True)
+    cases.append(("pp2dp2/p2p-overlap/m3/gpipe", make_cfg(pp=2, overlap_p2p_communication=True), "gpipe", 3))
     # the same with --overlap-grad-reduce and small buckets: reductions start inside the backward
     cases += _interleaved_cases("pp2dp2v2/overlap", pp=2, n_micro=3, twin=False, overlap_grad_reduce=True,
                                 ddp_bucket_size=1500)
@@ -249,6 +282,7 @@ def world4(rank: int, world: int) -> dict:
     out["eval"] = {"loss_err": abs(loss - token_mean_reference(cfg, all_mb, forward_only=True)[0]),
                    "no_grads": all(p.grad is None for p in model.parameters())}
     out["train"] = train_replicas(make_cfg(pp=2, global_batch_size=8), ps)
+    out["train_overlap"] = train_overlapped(ps)
 
     dp4 = Layout(dp=4)
     ps = make_state(dp4)
@@ -263,7 +297,9 @@ def world4(rank: int, world: int) -> dict:
     try:
         out["moe"] = equivalence_cases(ps, pp2ep2, [("pp2ep2/moe/1f1b", make_cfg(**moe), "1f1b", 2),
                                                     ("pp2ep2/moe/gpipe", make_cfg(**moe), "gpipe", 2)]
-                                       + _interleaved_cases("pp2ep2v2/moe", n_micro=3, **moe))
+                                       + _interleaved_cases("pp2ep2v2/moe", n_micro=3, **moe)
+                                       + _interleaved_cases("pp2ep2v2/moe-p2p-overlap", n_micro=3, twin=False,
+                                                            overlap_p2p_communication=True, **moe))
     except Exception:  # noqa: BLE001 -- reported to the test as the traceback
         out["moe"] = traceback.format_exc()
     return out

@@ -1,0 +1,60 @@
+"""The planner's model of the overlapped host step (--overlap-cpu-optimizer-d2h-h2d): what of
+the host AdamW the next forward hides, by hand on small cases, and in the 10T real phase."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_p2r.planning.estimate import overlapped_optimizer_time
+from tools.plan import main
+
+TEN_T = ["--config", "examples/m6_10t/model.yaml", "--pseudo-config", "examples/m6_10t/pseudo.yaml",
+         "--real-config", "examples/m6_10t/real.yaml", "--world-size", "512", "--gpu", "V100-32GB",
+         "--token-budget", "50B", "--json"]
+
+
+@pytest.mark.parametrize("device,host,keys,offloaded,forward,want", [
+    # last 2 of 4 layers on host, 1 s each; forward 0.5 s a layer reaches layer 2 at 1.0, layer 3 at 2.0:
+    # layer 2 waits for its step (1.0, free), layer 3 until 2.0 (it would be there at 1.5): 0.5 s late
+    (0.0, 2.0, [0, 1, 2, 3], [2, 3], 0.5, 0.5),
+    # the first layer on host waits for its whole step: nothing before it to hide under
+    (0.0, 2.0, [0, 1, 2, 3], [0, 1], 0.5, 1.5),
+    # a host step shorter than the resident step costs nothing more
+    (3.0, 2.0, [0, 1, 2, 3], [2, 3], 0.5, 3.0),
+    # the resident step runs first: layer 0's step is done when the forward starts, layer 1 waits until 2.0
+    (1.0, 2.0, [0, 1, 2, 3], [0, 1], 0.1, 1.9),
+    # a pseudo slot serving layers 0 and 2 is stepped once, before its first use
+    (0.0, 2.0, [0, 1, 0, 1], [0, 1], 0.5, 1.5),
+])
+def test_overlapped_optimizer_time_by_hand(device, host, keys, offloaded, forward, want):
+    assert overlapped_optimizer_time(device, host, keys, offloaded, forward) == pytest.approx(want)
+
+
+def test_never_worse_than_serial_and_hides_at_most_one_forward():
+    for host in (0.1, 1.0, 10.0):
+        got = overlapped_optimizer_time(0.2, host, list(range(8)), [4, 5, 6, 7], 0.3)
+        assert max(0.2, host - 8 * 0.3) - 1e-12 <= got <= max(0.2, host) + 1e-12
+
+
+def _real(argv, capsys) -> dict:
+    main(argv)
+    return json.loads(capsys.readouterr().out)["plans"]["real"]
+
+
+def test_10t_real_phase_hides_part_of_the_host_step(tmp_path, capsys):
+    """The example turns the overlap on; without it the same plan's optimizer is the serial
+    max(resident, host) step and everything else is the same."""
+    with open("examples/m6_10t/real.yaml", encoding="utf-8") as fh:
+        serial_yaml = fh.read().replace("overlap-cpu-optimizer-d2h-h2d: true", "")
+    (tmp_path / "real.yaml").write_text(serial_yaml)
+    overlapped = _real(TEN_T, capsys)
+    serial = _real([str(tmp_path / "real.yaml") if a == "examples/m6_10t/real.yaml" else a for a in TEN_T], capsys)
+    t, s = overlapped["stages"][0]["time_s"], serial["stages"][0]["time_s"]
+    assert "host_optimizer_hidden" not in s
+    assert 0 < t["host_optimizer_hidden"] == pytest.approx(s["optimizer"] - t["optimizer"])
+    # at most the first micro-batch's forward: compute and all-to-all, a forward's share of them
+    assert t["host_optimizer_hidden"] < (t["compute_per_microbatch"] + t["ep_per_microbatch"]) / 2
+    assert overlapped["step_time_s"] == pytest.approx(serial["step_time_s"] - t["host_optimizer_hidden"])
+    assert {k: v for k, v in t.items() if k not in ("optimizer", "host_optimizer_hidden")} == \
+        {k: v for k, v in s.items() if k != "optimizer"}
