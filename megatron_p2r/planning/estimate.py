@@ -15,8 +15,8 @@ from megatron_p2r.pipeline.order import step_slots
 from megatron_p2r.planning.activations import activation_memory, with_recompute
 from megatron_p2r.planning.communication import communication
 from megatron_p2r.planning.hardware import GiB, GPUSpec
-from megatron_p2r.planning.memory import (expert_parameter_count, logical_parameter_count, offload_plan,
-                                          stage_state_bytes, stepped_elements)
+from megatron_p2r.planning.memory import (async_save_host_bytes, expert_parameter_count, logical_parameter_count,
+                                          offload_plan, stage_state_bytes, stepped_elements)
 from megatron_p2r.planning.timing import link_time, stage_flops_per_microbatch
 from megatron_p2r.planning.verdict import TierVerdict, gpu_tier, host_problem, host_tier
 
@@ -177,7 +177,9 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     # into fp32 scratch and the rounding back: optim/precision_aware.py; benchmarks/precision_aware_step.py)
     sixteen_bit_moments = (offload_choice.ADAM_BYTES - plan.buffers.moment_bytes) // 2
     per_element = 28 + 12 * sixteen_bit_moments + (plan.buffers.param_bytes if plan.buffers.param_bytes != 4 else 0)
-    stepped = stepped_elements(plan, stage_state_bytes(plan, stage))
+    state = stage_state_bytes(plan, stage)
+    stepped = stepped_elements(plan, state)
+    save_copy = async_save_host_bytes(cfg, plan, state)
     device_step = per_element * (stepped - hosted) / gpu.hbm_bw
     host_step = per_element * hosted / a.host_optimizer_bw + off["moved_per_step"] / gpu.host_bw
     opt = max(device_step, host_step)
@@ -189,7 +191,8 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
         times["host_optimizer_hidden"] = max(device_step, host_step) - opt
     est = StageEstimate(
         stage=stage, ranks=_rank_ranges(layout, stage), parameters=sum(s.numel for s in specs),
-        tensors=len(specs), device=device, host=off["host"], offloaded_layers=off["layers"],
+        tensors=len(specs), device=device,
+        host={**off["host"], **({"async_save_copy": save_copy} if save_copy else {})}, offloaded_layers=off["layers"],
         offloaded_what=off["what"],
         activations_no_recompute=act_no["activations"] + act_no["transient"],
         activations_recompute=act_rc["activations"] + act_rc["transient"],

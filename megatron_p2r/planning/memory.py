@@ -76,3 +76,14 @@ def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, objec
             "host_optimizer_params": stepped,
             "moved_per_microbatch": 3 * weights if on_host else 0,
             "moved_per_step": 0 if on_host else 3 * MASTER_BYTES * stepped}
+
+
+def async_save_host_bytes(cfg: Config, plan: ParallelPlan, state: Dict[str, int]) -> int:
+    """Host memory of ``--async-save``'s copy of what a rank writes (``state``: its bytes,
+    ``stage_state_bytes``): the fp32 mains and the moments (in their own dtype) of the elements it
+    owns — those it steps under the distributed optimizer, else its 1/DP share of its stage's."""
+    if not cfg.checkpoint.async_save:
+        return 0
+    stepped = stepped_elements(plan, state)
+    owned = stepped if cfg.parallel.use_distributed_optimizer else -(-stepped // plan.layout.dp)
+    return owned * (MASTER_BYTES + plan.buffers.moment_bytes)

@@ -39,6 +39,13 @@ def async_save_and_resume(rank: int, world: int, root: str) -> dict:
     started, release = threading.Event(), threading.Event()
     async_save.write_parts = slow_writer(started, release)
     out: dict = {}
+    copy = async_save.host_copy
+
+    def counted_copy(fragments):
+        host = copy(fragments)
+        out["host_copy_bytes"] = sum(t.numel() * t.element_size() for _, _, t in host)
+        return host
+    async_save.host_copy = counted_copy
 
     def save_after_2(state) -> None:
         if state.iteration == 2:

@@ -15,7 +15,7 @@ from megatron_p2r.checkpoint.naming import resolve_iteration_dir
 from megatron_p2r.config import ConfigError
 from megatron_p2r.config.validation import validate
 from megatron_p2r.testing import run_distributed
-from tests.checkpoint.async_workers import async_save_and_resume, slow_writer
+from tests.checkpoint.async_workers import FLAGS, async_save_and_resume, slow_writer
 from tests.checkpoint.common import cfg_of
 
 
@@ -36,6 +36,23 @@ def test_async_save_resumes_bitwise_dp2_distributed_optimizer(tmp_path):
     assert got.keys() == want.keys() and any("exp_avg_sq" in e for _, e in got)
     for key, value in want.items():
         assert got[key].equal(value), key
+
+
+def test_the_planner_counts_the_host_copy(tmp_path):
+    """The planner's host bytes of --async-save are the bytes the DP2 ranks copied (the larger;
+    within 1%: the per-piece step counts are not counted), and nothing without it."""
+    from megatron_p2r.layout.plan import ParallelPlan
+    from megatron_p2r.planning.estimate import make_plan
+    from megatron_p2r.planning.hardware import GPU_PRESETS
+    from megatron_p2r.planning.memory import async_save_host_bytes, stage_state_bytes
+    copied = [r["host_copy_bytes"] for r in run_distributed(async_save_and_resume, 2, str(tmp_path))]
+    c = cfg_of(async_save=True, **FLAGS)
+    plan = ParallelPlan.for_world(c, 2)
+    planned = async_save_host_bytes(c, plan, stage_state_bytes(plan, 0))
+    assert abs(planned - max(copied)) <= 0.01 * max(copied), (copied, planned)
+    assert async_save_host_bytes(cfg_of(**FLAGS), plan, stage_state_bytes(plan, 0)) == 0
+    with_copy, without = (make_plan(cfg, 2, GPU_PRESETS["V100-32GB"]).stages[0].host for cfg in (c, cfg_of(**FLAGS)))
+    assert with_copy == {**without, "async_save_copy": planned}
 
 
 def test_exit_right_after_an_async_save_waits_and_publishes(tmp_path, monkeypatch):
