@@ -11,7 +11,8 @@ from typing import Optional
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.metadata import kinds_of, metadata_config, metadata_table
 from megatron_p2r.checkpoint.naming import METADATA_FILE, entry_name
-from megatron_p2r.checkpoint.safetensors_io import ReaderCache, ShardReader
+from megatron_p2r.checkpoint.parts import StoredShards
+from megatron_p2r.checkpoint.safetensors_io import ShardReader
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, file_entries
 
 
@@ -22,36 +23,38 @@ def check_recorded_size(reader: ShardReader, name: str, recorded: Optional[int])
                               f"records {recorded} (truncated or replaced?)")
 
 
-def check_files(iter_dir: str, meta: dict, readers: Optional[ReaderCache] = None) -> ReaderCache:
-    """Every shard ``meta`` lists exists, has its recorded size and holds exactly the expected
-    tensors with the expected shapes (headers only; no tensor data is read)."""
-    readers = readers or ReaderCache(iter_dir, meta.get("crc32"))
+def check_files(iter_dir: str, meta: dict) -> StoredShards:
+    """Every shard ``meta`` lists exists (whole or in parts), has its recorded size and holds
+    exactly the expected tensors with the expected shapes, each once (headers only; no tensor
+    data is read). Returns the shards, to read them."""
     cfg = metadata_config(meta)
     layout = ShardLayout.of(cfg)
     expected = file_entries(metadata_table(meta), layout, kinds_of(meta))
+    readers = StoredShards(iter_dir, meta, expected)
     for name, entries in expected.items():
-        recorded = meta["files"].get(name)
-        if recorded is None:
-            raise CheckpointError(f"{os.path.join(iter_dir, METADATA_FILE)}: files has no entry for {name}, "
-                                  f"which the layout {layout.to_json()} needs")
+        for file, part in readers.physical(name):
+            recorded = meta["files"].get(file)
+            if recorded is None:
+                raise CheckpointError(f"{os.path.join(iter_dir, METADATA_FILE)}: files has no entry for {file}, "
+                                      f"which the layout {layout.to_json()} needs")
+            check_recorded_size(part, file, recorded)
+            _check_checksums_cover(meta, file, part.names(), iter_dir)
         reader = readers(name)
-        check_recorded_size(reader, name, recorded)
         for entry, dtype, shape in entries:
             reader.check(entry, dtype, shape)
         extra = set(reader.names()) - {e[0] for e in entries}
         if extra:
             raise CheckpointError(f"{reader.path}: holds tensors {METADATA_FILE} does not list, "
                                   f"e.g. {sorted(extra)[0]!r}")
-        _check_checksums_cover(meta, name, entries, iter_dir)
     return readers
 
 
-def _check_checksums_cover(meta: dict, name: str, entries: list, iter_dir: str) -> None:
+def _check_checksums_cover(meta: dict, name: str, stored: list, iter_dir: str) -> None:
     """metadata.json's crc32 (when recorded: older checkpoints have none) has one value for each
-    tensor of the file, so that no tensor escapes the check."""
+    tensor stored in the file, so that no tensor escapes the check."""
     if meta.get("crc32") is None:
         return
-    recorded, needed = set(meta["crc32"].get(name, {})), {e[0] for e in entries}
+    recorded, needed = set(meta["crc32"].get(name, {})), set(stored)
     if recorded != needed:
         odd = sorted(needed - recorded) or sorted(recorded - needed)
         raise CheckpointError(f"{os.path.join(iter_dir, METADATA_FILE)}: crc32[{name!r}] "
@@ -64,7 +67,7 @@ def verify(iter_dir: str, meta: dict, expected_params: int) -> None:
     readers = check_files(iter_dir, meta)  # exact per-file entry sets, shapes, sizes
     seen = Counter()
     totals = Counter()
-    for name in meta["files"]:
+    for name in layout_files(meta):
         for entry, e in readers(name).entries.items():
             seen[entry] += 1
             kind = entry.split(".")[1] if entry.startswith("optimizer.") else "model"
@@ -86,12 +89,18 @@ def verify(iter_dir: str, meta: dict, expected_params: int) -> None:
                                   f"{expected_params:,}; refusing to publish an incomplete conversion")
 
 
-def check_data(meta: dict, readers: ReaderCache) -> int:
+def layout_files(meta: dict) -> list:
+    """The layout's shard files (each whole, or in the parts ``files`` lists)."""
+    parts = meta.get("parts") or {}
+    return [f for f in meta["files"] if not any(f in p for p in parts.values())] + list(parts)
+
+
+def check_data(meta: dict, readers: StoredShards) -> int:
     """Read every tensor of every shard (and of every RNG file with checksums), one at a time,
     each checked against its CRC-32 when metadata.json records them; returns how many were read."""
     count = 0
     for name in list(meta["files"]) + [f for f in meta.get("crc32") or {} if f not in meta["files"]]:
-        reader = readers(name)
+        reader = readers.files(name)
         for entry in reader.names():
             reader.read(entry)
             count += 1

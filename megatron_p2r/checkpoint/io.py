@@ -1,9 +1,11 @@
 """Save and resume distributed checkpoints (the format: ``naming.py``, ``tensor_table.py``,
 ``metadata.py``).
 
-``save_checkpoint`` is collective: every rank writes its RNG file; rank (tp, pp, ep) with
-expert-dp rank 0 writes the shard ``mp_rank_TT_PPP_EEE`` with the pieces it owns (see
-``tensor_table.py``), so data-parallel replicas write once. Everything goes to ``iter_N.tmp``;
+``save_checkpoint`` is collective: every rank writes its RNG file; with several data-parallel
+ranks every rank writes what it owns of each shard into part files of its own
+(``parallel_save.py``, ``parts.py``); otherwise, or with ``--no-ckpt-fully-parallel-save``, rank
+(tp, pp, ep) with expert-dp rank 0 writes the shard ``mp_rank_TT_PPP_EEE`` whole with the pieces
+it owns (see ``tensor_table.py``). Either way each element is written once. Everything goes to ``iter_N.tmp``;
 after a barrier rank 0 writes ``metadata.json``, renames the directory and only then
 replaces ``latest_checkpointed_iteration.txt``, so a run killed while saving leaves
 ``latest`` on the previous complete checkpoint (``recovery.py`` clears what it left).
@@ -17,17 +19,16 @@ into metadata.json; a load checks every tensor it reads against them (older chec
 none and load unchecked).
 
 Weights are stored in fp32 — the optimizer's main parameters, not a 16-bit rounding — and the
-optimizer state whole per logical tensor: with the distributed optimizer the writer gathers each
-tensor's state from the ranks that step its pieces (``optim/state_io.py``) and every rank keeps
-its own pieces on load, so a checkpoint does not depend on DP size, the distributed optimizer,
+optimizer state whole per logical tensor (in fragments when written in parts): with the
+distributed optimizer a single writer gathers each tensor's state from the ranks that step its
+pieces (``optim/state_io.py``), and every rank keeps its own pieces on load, so a checkpoint does not depend on DP size, the distributed optimizer,
 16-bit weights or offload.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
-from typing import Dict, Iterator, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,14 +38,16 @@ from megatron_p2r.checkpoint.atomic import fsync_dir, write_text_atomic
 from megatron_p2r.checkpoint.compatibility import check_compatible, check_tables
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.integrity import check_recorded_size
-from megatron_p2r.checkpoint.metadata import build_metadata, metadata_table, read_metadata, write_metadata
+from megatron_p2r.checkpoint.metadata import build_metadata, kinds_of, metadata_table, read_metadata, write_metadata
 from megatron_p2r.checkpoint.naming import (
     LATEST_FILE, METADATA_FILE, OPTIM_KINDS, RNG_DIR, complete_iterations, entry_name, iteration_dir_name,
     resolve_iteration_dir, rng_file, shard_file, shard_header_metadata)
+from megatron_p2r.checkpoint.parallel_save import CHECKSUMS_SUFFIX, leave_checksums, owned_fragments, write_parts
+from megatron_p2r.checkpoint.parts import PartedShard, StoredShards
 from megatron_p2r.checkpoint.safetensors_io import ReaderCache, ShardWriter, save_tensors
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo, file_entries, tensor_table
 from megatron_p2r.files import read_json
-from megatron_p2r.optim.state_io import StateLoader, gather_state
+from megatron_p2r.optim.state_io import MOMENTS, StateLoader, gather_state
 from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.sharding import expert_key, local_experts, logical_name
 from megatron_p2r.parallel.state import Layout, ParallelState
@@ -66,8 +69,6 @@ def rank_pieces(model: torch.nn.Module, ps: ParallelState,
         else:
             yield table[logical], param, None
 
-
-CHECKSUMS_SUFFIX = ".crc32.json"  # a shard's checksums, beside it until metadata.json holds them
 
 # ----------------------------------------------------------------------------- save
 
@@ -105,20 +106,32 @@ def _has_optimizer_state(state) -> bool:
 
 def _write_rank_files(tmp: str, state, table: Dict[str, TensorInfo], layout: ShardLayout,
                       kinds: Sequence[str]) -> None:
-    """This rank's RNG file, and its shard when it is the data-parallel replica that writes it.
-    Every rank takes part in gathering the weights and optimizer state (a collective)."""
+    """This rank's RNG file, and what it writes of the shards: its own fragments (fully parallel
+    save), or its whole shard when it is the one data-parallel replica that writes it."""
     ps, c = state.ps, state.ps.coords
-    _leave_checksums(tmp, rng_file(ps.rank), save_tensors(
+    leave_checksums(tmp, rng_file(ps.rank), save_tensors(
         os.path.join(tmp, rng_file(ps.rank)), _rng_tensors(ps.device),
         {"rank": ps.rank, "tp": c.tp, "dp": c.dp, "pp": c.pp, "consumed_samples": state.consumed_samples}))
+    state.ddp.finish_param_sync()
+    pieces = list(rank_pieces(state.model, ps, table))
+    if state.cfg.checkpoint.ckpt_fully_parallel_save and ps.dp_size > 1:   # with DP 1, one writer anyway
+        write_parts(tmp, owned_fragments(state, table, pieces, layout, kinds))
+    else:
+        _write_whole_shard(tmp, state, table, layout, kinds, pieces)
+
+
+def _write_whole_shard(tmp: str, state, table: Dict[str, TensorInfo], layout: ShardLayout, kinds: Sequence[str],
+                       pieces: list) -> None:
+    """One writer per shard (expert-dp rank 0), which gathers the distributed optimizer's state
+    of its shard from the others (every rank takes part: a collective)."""
+    ps, c = state.ps, state.ps.coords
     name = shard_file(c.tp, c.pp, c.ep)
     mine = {}
-    for info, param, j in rank_pieces(state.model, ps, table):
+    for info, param, j in pieces:
         if c.expert_dp == 0 and info.stage == c.pp and layout.file_of(info, c.tp) == name:
             for kind in kinds:
                 mine[entry_name(kind, info.key)] = (param, j, kind)
     written = {id(param) for param, _, _ in mine.values()}
-    state.ddp.finish_param_sync()
     gathered = gather_state(state.optimizer, lambda p: id(p) in written)
     if c.expert_dp != 0:
         return
@@ -130,13 +143,7 @@ def _write_rank_files(tmp: str, state, table: Dict[str, TensorInfo], layout: Sha
         param, j, kind = mine[entry]
         writer.write(entry, _piece_tensor(state, gathered[id(param)], j, kind))
     writer.close()
-    _leave_checksums(tmp, name, writer.checksums)
-
-
-def _leave_checksums(tmp: str, name: str, checksums: Dict[str, int]) -> None:
-    """File ``name``'s checksums beside it, for rank 0 to put into metadata.json."""
-    with open(os.path.join(tmp, name + CHECKSUMS_SUFFIX), "w", encoding="utf-8") as fh:
-        json.dump(checksums, fh)
+    leave_checksums(tmp, name, writer.checksums)
 
 
 def _rng_tensors(device: torch.device) -> Dict[str, torch.Tensor]:
@@ -160,12 +167,12 @@ def _publish_checkpoint(save_dir: str, tmp: str, final: str, state, table: Dict[
     """Rank 0, every shard written: metadata.json, rename into place, record as latest, prune."""
     ps, iteration = state.ps, state.iteration
     reliability.save_point("metadata", iteration, ps.rank)
-    files = {f: os.path.getsize(os.path.join(tmp, f)) for f in layout.files()}
+    files, parts = _stored_files(tmp, table, layout, optimizer)
     rng = {"world_size": ps.layout.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size}
     write_metadata(tmp, build_metadata(state.cfg, table, iteration=iteration,
                                        consumed_samples=state.consumed_samples, optimizer=optimizer,
                                        scheduler=state.scheduler.state_dict(), scaler=state.scaler.state_dict(),
-                                       files=files, rng=rng, history=[],
+                                       files=files, parts=parts, rng=rng, history=[],
                                        checksums=_collect_checksums(tmp, list(files) + [
                                            rng_file(r) for r in range(ps.layout.world_size)])))
     fsync_dir(tmp)
@@ -176,6 +183,27 @@ def _publish_checkpoint(save_dir: str, tmp: str, final: str, state, table: Dict[
     reliability.save_point("prune", iteration, ps.rank)
     if state.cfg.checkpoint.keep_last:
         _prune(save_dir, state.cfg.checkpoint.keep_last)
+
+
+def _stored_files(tmp: str, table: Dict[str, TensorInfo], layout: ShardLayout,
+                  optimizer: bool) -> Tuple[Dict[str, int], Dict[str, List[str]]]:
+    """Every shard file's size, and the part files of each shard written in parts — checked to
+    hold each of its entries exactly once (headers only) before anything is published."""
+    files, parts = {}, {}
+    names = sorted(os.listdir(tmp))
+    for shard in layout.files():
+        if os.path.exists(os.path.join(tmp, shard)):
+            files[shard] = os.path.getsize(os.path.join(tmp, shard))
+            continue
+        parts[shard] = [n for n in names if n.startswith(shard.split(".")[0] + ".rank_")
+                        and n.endswith(".safetensors")]
+        files.update({n: os.path.getsize(os.path.join(tmp, n)) for n in parts[shard]})
+    if parts:
+        stored = StoredShards(tmp, {"parts": parts},
+                              file_entries(table, layout, ("model",) + (OPTIM_KINDS if optimizer else ())))
+        for shard in parts:
+            stored(shard)
+    return files, parts
 
 
 def _collect_checksums(tmp: str, files: Sequence[str]) -> Dict[str, Dict[str, int]]:
@@ -257,22 +285,35 @@ def _load_pieces(iter_dir: str, meta: dict, table: Dict[str, TensorInfo], state,
     into the model and the optimizer's mains, the moments into the optimizer's pieces."""
     ps = state.ps
     layout = ShardLayout.of(state.cfg)
-    readers = ReaderCache(iter_dir, meta.get("crc32"))
+    readers = StoredShards(iter_dir, meta, file_entries(table, layout, kinds_of(meta)))
     checked = set()
     with torch.no_grad():
         for info, param, j in rank_pieces(state.model, ps, table):
             name = layout.file_of(info, ps.tp_rank)
-            reader = readers(name)
             if name not in checked:
-                check_recorded_size(reader, name, meta["files"].get(name))
+                for file, reader in readers.physical(name):
+                    check_recorded_size(reader, file, meta["files"].get(file))
                 checked.add(name)
+            reader = readers(name)
             local = layout.local_shape(info)
             for kind in kinds:
                 entry = entry_name(kind, info.key)
                 shape = () if kind == "step" else local
                 reader.check(entry, "F32" if kind == "step" else info.dtype, shape)
                 offset = 0 if j is None else j * param[0].numel()   # expert j of a stacked parameter
-                loader.put(param, offset, kind, reader.read(entry))
+                if kind in MOMENTS and state.cfg.checkpoint.ckpt_fully_parallel_load and \
+                        isinstance(reader, PartedShard):
+                    _load_owned_fragments(reader, entry, param, offset, kind, loader)
+                else:
+                    loader.put(param, offset, kind, reader.read(entry))
+
+
+def _load_owned_fragments(reader: PartedShard, entry: str, param: torch.nn.Parameter, offset: int, kind: str,
+                          loader: StateLoader) -> None:
+    """Read only the fragments of a moment that overlap what this rank's optimizer steps."""
+    for f in reader.fragments(entry):
+        if loader.steps_any(param, offset + f.offset, f.numel):
+            loader.put(param, offset + f.offset, kind, f.reader.read(f.stored))
 
 
 def _load_progress(iter_dir: str, meta: dict, state) -> None:

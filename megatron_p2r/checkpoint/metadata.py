@@ -27,10 +27,12 @@ def _p2r_json(cfg: Config) -> dict:
 
 def build_metadata(cfg: Config, table: Dict[str, TensorInfo], *, iteration: int, consumed_samples: int,
                    optimizer: bool, scheduler: dict, scaler: dict, files: Dict[str, int],
-                   rng: Optional[dict], history: List[dict], checksums: Dict[str, Dict[str, int]]) -> dict:
+                   rng: Optional[dict], history: List[dict], checksums: Dict[str, Dict[str, int]],
+                   parts: Optional[Dict[str, List[str]]] = None) -> dict:
     """The metadata.json contents (shared by training saves and the converters); ``checksums``:
-    file -> tensor entry -> CRC-32 of its bytes (``ShardWriter.checksums``)."""
-    return {"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
+    file -> tensor entry -> CRC-32 of its bytes (``ShardWriter.checksums``); ``parts``: the part
+    files of each shard written in parts (``parts.py``), whose names ``files`` lists instead."""
+    return {**({"parts": parts} if parts else {}),"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
             "config": cfg.to_dict(), "layout": ShardLayout.of(cfg).to_json(), "p2r": _p2r_json(cfg),
             "optimizer": optimizer, "optimizer_kinds": list(OPTIM_KINDS) if optimizer else [],
             "scheduler": scheduler, "scaler": scaler, "rng": rng, "history": history,
@@ -102,6 +104,9 @@ _SCHEMA = {
     "tensors": (lambda v: isinstance(v, dict), "a JSON object"),
     "files": (lambda v: isinstance(v, dict) and all(_int()(x) for x in v.values()),
               "an object of file names to sizes in bytes"),
+    "parts": (lambda v: isinstance(v, dict) and all(isinstance(p, list) and all(isinstance(x, str) for x in p)
+                                                    for p in v.values()),
+              "an object of shard file names to lists of part file names"),
     "scheduler": (lambda v: _object(num_steps=_int())(v) and _optional(_int())(v.get("updates"))
                   and _optional(_object(start=_int(), iters=_int(1)))(v.get("rewarmup")),
                   "an object with an integer num_steps >= 0 (samples), optional integer updates >= 0 and "
@@ -176,15 +181,8 @@ def metadata_config(meta: dict) -> Config:
 
 
 def _check_size(cfg: Config, meta: dict) -> None:
-    m, p = cfg.model, cfg.parallel
-    files = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.expert_model_parallel_size
-    if files != len(meta["files"]):
-        raise CheckpointError(f"{METADATA_FILE}: the config's layout has {files} shard files, field 'files' lists "
-                              f"{len(meta['files'])}")
-    unexpected = sorted(set(meta["files"]) - set(ShardLayout.of(cfg).files()))
-    if unexpected:
-        raise CheckpointError(f"{METADATA_FILE}: field 'files' lists {unexpected[0]!r}, which is not a shard file of "
-                              "the config's layout")
+    m = cfg.model
+    _check_files_field(cfg, meta)
     keys = meta["p2r"]["layer_module_keys"]
     if len(keys) != m.num_layers:
         raise CheckpointError(f"{METADATA_FILE}: p2r.layer_module_keys has {len(keys)} entries for "
@@ -197,6 +195,24 @@ def _check_size(cfg: Config, meta: dict) -> None:
     if tuple(keys) != ParallelPlan.model_parallel(cfg).layer_keys:
         raise CheckpointError(f"{METADATA_FILE}: p2r.layer_module_keys does not follow the config's share pattern "
                               f"{cfg.p2r.share_pattern!r}")
+
+
+def _check_files_field(cfg: Config, meta: dict) -> None:
+    """'files' lists each shard of the config's layout, or instead the part files 'parts' gives it."""
+    shards, parts = ShardLayout.of(cfg).files(), meta.get("parts") or {}
+    odd = sorted(set(parts) - set(shards))
+    if odd:
+        raise CheckpointError(f"{METADATA_FILE}: field 'parts' names {odd[0]!r}, which is not a shard file of the "
+                              "config's layout")
+    for shard, names in parts.items():
+        stem = shard.split(".")[0] + "."
+        if any(not n.startswith(stem) or "/" in n or os.sep in n for n in names):
+            raise CheckpointError(f"{METADATA_FILE}: parts[{shard!r}] must list files named {stem}*, found {names}")
+    expected = {f for s in shards for f in parts.get(s, [s])}
+    if len(expected) != sum(len(parts.get(s, [s])) for s in shards) or set(meta["files"]) != expected:
+        unexpected = sorted(set(meta["files"]) ^ expected) or ["a part listed twice"]
+        raise CheckpointError(f"{METADATA_FILE}: field 'files' does not list the config's layout's "
+                              f"{len(shards)} shard files (or their parts): {unexpected[0]!r}")
 
 
 def _check_placement(cfg: Config, meta: dict) -> None:

@@ -13,14 +13,15 @@ import torch
 from tqdm import tqdm
 
 from megatron_p2r.checkpoint.naming import entry_name, shard_header_metadata
-from megatron_p2r.checkpoint.safetensors_io import TORCH_DTYPE, ReaderCache, ShardWriter
+from megatron_p2r.checkpoint.parts import StoredShards
+from megatron_p2r.checkpoint.safetensors_io import TORCH_DTYPE, ShardWriter
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo, file_entries
 
 # (target piece, kind) -> the global tensor to store
 Producer = Callable[[TensorInfo, str], torch.Tensor]
 
 
-def read_global(readers: ReaderCache, layout: ShardLayout, info: TensorInfo, kind: str) -> torch.Tensor:
+def read_global(readers: StoredShards, layout: ShardLayout, info: TensorInfo, kind: str) -> torch.Tensor:
     """The whole piece: its TP shards read into one tensor (straight into place along dim 0)."""
     entry = entry_name(kind, info.key)
     if kind == "step" or layout.tp_shards(info) == 1:

@@ -36,7 +36,7 @@ from megatron_p2r.checkpoint.metadata import (MAX_COUNT, build_metadata, kinds_o
 from megatron_p2r.checkpoint.naming import (LATEST_FILE, METADATA_FILE, RNG_DIR, iteration_dir_name,
                                             resolve_iteration_dir)
 from megatron_p2r.convert.pieces import read_global, write_pieces
-from megatron_p2r.checkpoint.safetensors_io import ReaderCache
+from megatron_p2r.checkpoint.parts import StoredShards
 from megatron_p2r.checkpoint.staging import staged_output
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo, tensor_table
 from megatron_p2r.config import Config, ConfigError, check_values, stage_layer_counts
@@ -281,7 +281,7 @@ def _copy_tensor(options: DelinkOptions, layer_map: _LayerMap, seed: int, kind: 
                             options.optimizer_state)
 
 
-def _write_tensors(out_iter: str, readers: ReaderCache, src_table: Dict[str, TensorInfo], src_layout: ShardLayout,
+def _write_tensors(out_iter: str, readers: StoredShards, src_table: Dict[str, TensorInfo], src_layout: ShardLayout,
                    dst_table: Dict[str, TensorInfo], dst_layout: ShardLayout, plan: Dict[str, str], kinds,
                    transform: Optional[Callable], progress: bool, desc: str) -> Dict[str, Dict[str, int]]:
     """Each target piece and kind: the source piece read whole, transformed, cut into the target's shards."""

@@ -21,8 +21,15 @@ from megatron_p2r.parallel.grad_buffer import ParamAndGradBuffer, all_gather_chu
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _value(opt: MixedPrecisionOptimizer, ms: MainShard, kind: str) -> torch.Tensor:
-    return ms.main.detach() if kind == "model" else opt.inner[ms.placement].state[ms.main][kind].float()
+def stored_state(opt: MixedPrecisionOptimizer, ms: MainShard, kind: str) -> torch.Tensor:
+    """The fp32 main weights ("model") or a moment of the range ``ms`` this rank steps, as the
+    optimizer keeps it (16-bit moments with the precision-aware optimizer)."""
+    return ms.main.detach() if kind == "model" else opt.inner[ms.placement].state[ms.main][kind]
+
+
+def state_value(opt: MixedPrecisionOptimizer, ms: MainShard, kind: str) -> torch.Tensor:
+    """``stored_state`` in fp32, the checkpoint's dtype."""
+    return stored_state(opt, ms, kind).float()
 
 
 def gather_state(opt: MixedPrecisionOptimizer,
@@ -40,7 +47,7 @@ def gather_state(opt: MixedPrecisionOptimizer,
             for p in buf.params:
                 if keep(p):
                     ms = opt.whole_shards[id(p)]
-                    out[id(p)] = {kind: _value(opt, ms, kind).view(p.shape) for kind in kinds}
+                    out[id(p)] = {kind: state_value(opt, ms, kind).view(p.shape) for kind in kinds}
     return out
 
 
@@ -54,7 +61,7 @@ def _gather_sharded(opt: MixedPrecisionOptimizer, b: int, buf: ParamAndGradBuffe
         for kind in kinds:
             shard = torch.zeros(hi - lo, dtype=torch.float32, device=opt.ddp.ps.device)
             for ms in owned:
-                shard[ms.position - lo:ms.position - lo + ms.end - ms.start].copy_(_value(opt, ms, kind).reshape(-1))
+                shard[ms.position - lo:ms.position - lo + ms.end - ms.start].copy_(state_value(opt, ms, kind).reshape(-1))
             full = torch.empty(bucket.end - bucket.start, dtype=torch.float32) if kept else None
             for start, end, block in all_gather_chunks(shard, members, staging, buf.group):
                 if full is not None:
@@ -78,6 +85,10 @@ class StateLoader:
             lo, hi = max(ms.start, offset), min(ms.end, offset + n)
             if lo < hi:
                 yield ms, lo, hi
+
+    def steps_any(self, p: nn.Parameter, offset: int, n: int) -> bool:
+        """Whether this rank steps any of the flat elements [offset, offset + n) of ``p``."""
+        return any(True for _ in self._overlaps(p, offset, n))
 
     def put(self, p: nn.Parameter, offset: int, kind: str, value: torch.Tensor) -> None:
         """``value`` holds the flat elements [offset, offset + value.numel()) of ``p``'s ``kind``

@@ -52,10 +52,10 @@ def test_dense_resume_is_bitwise(tmp_path):
     """TP=2 and DP=2 (2 ranks): losses of the resumed run equal the straight run's exactly, and
     the final checkpoints (weights, moments, RNG) are byte-identical."""
     results = run_distributed(_straight_and_resumed, 2, str(tmp_path), DENSE)
-    for name, shards in _check(results, tmp_path, DENSE).items():
-        # DP replicas wrote once: one shard per (tp, pp, ep).
-        assert shards == ["mp_rank_00_000_000.safetensors"] + (["mp_rank_01_000_000.safetensors"]
-                                                               if name == "tp2" else [])
+    shards = _check(results, tmp_path, DENSE)
+    # one shard per (tp, pp, ep); the DP replicas split it into a part each (fully parallel save)
+    assert shards["tp2"] == ["mp_rank_00_000_000.safetensors", "mp_rank_01_000_000.safetensors"]
+    assert shards["dp2"] == ["mp_rank_00_000_000.rank_00000.safetensors", "mp_rank_00_000_000.rank_00001.safetensors"]
 
 
 def test_moe_resume_is_bitwise(tmp_path):
@@ -63,7 +63,10 @@ def test_moe_resume_is_bitwise(tmp_path):
     results = run_distributed(_straight_and_resumed, 2, str(tmp_path), MOE_CASES)
     layouts = _check(results, tmp_path, MOE_CASES)
     assert layouts["moe_pp2"] == ["mp_rank_00_000_000.safetensors", "mp_rank_00_001_000.safetensors"]
-    assert layouts["moe_ep2"] == ["mp_rank_00_000_000.safetensors", "mp_rank_00_000_001.safetensors"]
+    # DP2: the dense pieces of shard 000 split between both ranks; the experts of EP rank 1 on rank 1
+    assert layouts["moe_ep2"] == ["mp_rank_00_000_000.rank_00000.safetensors",
+                                  "mp_rank_00_000_000.rank_00001.safetensors",
+                                  "mp_rank_00_000_001.rank_00001.safetensors"]
 
 
 def _across_grouped_gemm(rank, world, root):
