@@ -22,13 +22,14 @@ def test_import_gives_megatrons_logits(errors, name, tp):
 
 
 def test_the_fixtures_cover_megatrons_layouts():
-    """Both formats, TP > 1, PP > 1, EP > 1, bf16, optimizer state and the three model kinds are
-    among the fixtures."""
+    """Both formats, TP > 1, PP > 1 (also with virtual pipeline chunks), EP > 1, bf16, optimizer
+    state and the three model kinds are among the fixtures."""
     files = {name: os.listdir(os.path.join(fixture_logits(name)[0], "iter_0000003")) for name in FIXTURES}
     assert any("common.pt" in f for f in files.values()) and any("mp_rank_01" in f for f in files.values())
     assert any("mp_rank_00_001" in f for f in files.values())
     assert {"gpt", "llama", "mixtral"} == {name.split("_")[0] for name in FIXTURES}
     assert any("bf16" in name for name in FIXTURES) and any("_pp2" in name for name in FIXTURES)
+    assert any("_vp2" in name for name in FIXTURES)
     assert any(os.path.isfile(os.path.join(ROOT, name, "adam_state.pt")) for name in FIXTURES)
     assert fixture_logits(FIXTURES[0])[2].dtype == torch.float32
 
