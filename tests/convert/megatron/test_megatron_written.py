@@ -104,3 +104,21 @@ def test_a_megatron_run_continues_here(tmp_path, name):
     assert logits_error(ours, megatron["logits"])[1] <= 1e-5, logits_error(ours, megatron["logits"])
     fresh = continued_logits(str(tmp_path / "ours"), batch, megatron["tokens"], no_load_optim=True, **flags)
     assert logits_error(fresh, megatron["logits"])[1] > 1e-3
+
+
+def test_virtual_pipeline_optimizer_state_is_named_as_not_read(tmp_path):
+    """A virtual-pipeline checkpoint whose rank files come with the distributed optimizer's
+    distrib_optim.pt imports its weights only, and the note says the optimizer state was there
+    and why it is not read; without one the note does not claim it."""
+    import shutil
+    from megatron_p2r.convert.megatron.importer import import_megatron
+    from megatron_p2r.convert.reshard import Target
+    src = shutil.copytree(fixture_logits("gpt_legacy_pp2_vp2")[0], tmp_path / "src")
+    _, notes = import_megatron(str(src), str(tmp_path / "plain"), Target(1), progress=False)
+    assert not any("virtual pipeline" in n for n in notes)
+    for rank in ("mp_rank_00_000", "mp_rank_00_001"):
+        (src / "iter_0000003" / rank / "distrib_optim.pt").write_bytes(b"")
+    out, notes = import_megatron(str(src), str(tmp_path / "ours"), Target(1), progress=False)
+    note = next(n for n in notes if n.startswith("weights only"))
+    assert "optimizer state of virtual pipeline model chunks is not read" in note, note
+    assert os.path.isdir(out)
