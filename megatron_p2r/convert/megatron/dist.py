@@ -92,7 +92,8 @@ class DistCheckpoint:
         common = TorchArchive(os.path.join(iter_dir, COMMON_FILE), Kind.MEGATRON).obj
         if not isinstance(common, dict) or "args" not in common:
             raise CheckpointError(f"{os.path.join(iter_dir, COMMON_FILE)}: no 'args' in the saved dict")
-        self.args = SavedArgs.of(common["args"], os.path.join(iter_dir, COMMON_FILE))
+        self.saved, self.saved_path = common, os.path.join(iter_dir, COMMON_FILE)  # iteration, opt_param_scheduler
+        self.args = SavedArgs.of(common["args"], self.saved_path)
         self.where = os.path.join(iter_dir, DCP_METADATA)
         metadata = load_pickle(self.where, Kind.DCP_METADATA)
         self.sizes: Dict[str, Tuple[int, ...]] = {}

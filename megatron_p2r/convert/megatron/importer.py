@@ -1,6 +1,7 @@
 """import-megatron: a Megatron-LM GPT / Llama / Mixtral checkpoint (torch_dist or legacy, any
 TP/PP/EP) as a checkpoint of ours (real phase, iteration 0) in any layout: the weights, and
-where a torch_dist checkpoint holds Adam's state, its moments, step and fp32 main weights; every
+where the checkpoint holds Adam's state (torch_dist optimizer keys, or the legacy layout's
+distrib_optim.pt), its moments, step and fp32 main weights; every
 tensor is planned and its shape checked before anything is written, then streamed one piece
 at a time."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from megatron_p2r.checkpoint.errors import CheckpointError
-from megatron_p2r.convert.imported import MODEL_YAML, write_imported
+from megatron_p2r.convert.imported import MODEL_YAML, RunPosition, write_imported
 from megatron_p2r.convert.megatron.args import SavedArgs, model_values, vocab_values
 from megatron_p2r.convert.megatron.names import OUTPUT_LAYER
 from megatron_p2r.convert.megatron.rules import megatron_name, megatron_shape, transform
@@ -40,14 +41,17 @@ def import_megatron(src: str, dst: str, target: Target, *, force: bool = False,
                "source_layout": f"megatron {source.format}: TP={a.tp} PP={a.pp} EP={a.ep}"}
     moments = _moments_plan(source, plan, cfg.model)
     kinds = ("model",) + (MOMENTS + ("step",) if moments else ())
+    where = _run_position(source) if moments else RunPosition()
     out = write_imported(src, source.iter_dir, dst, cfg, table, _producer(source, plan, moments), history=history,
-                         force=force, progress=progress, extras=lambda staging: flags, kinds=kinds)
+                         force=force, progress=progress, extras=lambda staging: flags, kinds=kinds, position=where)
     yaml_path = os.path.join(dst, MODEL_YAML)
     notes += [n for n in (vocab_note, tokenizer_note) if n]
     if moments:
         mains = "its fp32 main weights, " if source.optimizer["main"] else ""
-        notes.append(f"optimizer: Adam's moments, {mains}step {source.adam_step:g} imported (--load continues them); "
-                     "Megatron's iteration, LR schedule and RNG states are not")
+        notes.append(f"optimizer: Adam's moments, {mains}step {source.adam_step:g} imported, and Megatron's iteration "
+                     f"{where.iteration}, {where.consumed_samples} consumed samples and LR-schedule position "
+                     f"{where.scheduler_steps} (--load continues them with your --lr and schedule flags); "
+                     "Megatron's RNG states are not")
     else:
         notes.append("weights only: Megatron's optimizer state, iteration and RNG states are not imported (a fresh "
                      "optimizer starts, as with --finetune)")
@@ -55,6 +59,20 @@ def import_megatron(src: str, dst: str, target: Target, *, force: bool = False,
     notes.append(f"model and layout flags in {yaml_path}: train with --config {yaml_path} --load {dst}"
                  f"{finetune} plus data and training flags")
     return out, notes
+
+
+def _run_position(source: MegatronCheckpoint) -> RunPosition:
+    """Megatron's iteration, ``args.consumed_train_samples`` and ``opt_param_scheduler.num_steps``
+    (samples, as its train loop counts them) from the file that holds the args."""
+    saved, where = source.saved, source.saved_path
+    scheduler = saved.get("opt_param_scheduler")
+    values = {"iteration": saved.get("iteration"), "consumed_train_samples": source.args.get("consumed_train_samples"),
+              "opt_param_scheduler.num_steps": scheduler.get("num_steps") if isinstance(scheduler, dict) else None}
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise CheckpointError(f"{where}: {name} is {value!r}, expected an integer >= 0 (the saved run's position, "
+                                  "needed to continue it with its optimizer state)")
+    return RunPosition(*values.values())
 
 
 def _imported_config(values: dict, a: SavedArgs, target: Target) -> Tuple[Config, Optional[str]]:
@@ -117,7 +135,7 @@ def _producer(source: MegatronCheckpoint, plan: Plan, moments: Optional[Plan]):
         name, fn = (plan if kind == "model" else moments)[info.key]
         if kind == "model" and not (moments and source.optimizer["main"]):
             tensor = source.read(name)
-        else:  # only a torch_dist source has optimizer state
+        else:
             tensor = source.read(name, "main" if kind == "model" else kind)
         return fn(tensor.to(torch.float32)).contiguous()
     return produce

@@ -20,6 +20,7 @@ from typing import Dict, Tuple
 import torch
 
 from megatron_p2r.checkpoint.errors import CheckpointError
+from megatron_p2r.convert.megatron import distrib_optim, optim_lists
 from megatron_p2r.convert.megatron.args import SavedArgs
 from megatron_p2r.convert.megatron.names import (IGNORED, expert_rest, is_glu_fc1, layer_name, split_layer_key,
                                                     split_local_expert, tp_dim)
@@ -41,11 +42,13 @@ class LegacyCheckpoint:
 
     def __init__(self, iter_dir: str):
         self.iter_dir = iter_dir
-        # Optimizer state is not read from this layout: lists in parameter order, or distrib_optim.pt
-        self.optimizer: Dict[str, dict] = {}
-        self.adam_step = None
+        # Adam's state by kind, name and TP rank like ``names``: the distributed optimizer's
+        # (distrib_optim.pt), or the fp32 non-distributed optimizer's lists in model_optim_rng.pt
+        self.optimizer: Dict[str, Dict[str, Dict[int, LazyTensor]]] = {kind: {} for kind in distrib_optim.STATES}
+        self._steps: set = set()
         dirs = sorted(d for d in os.listdir(iter_dir) if RANK_DIR.fullmatch(d))
         first = self._archive(dirs[0])
+        self.saved, self.saved_path = first.obj, first.path  # iteration, opt_param_scheduler, ...
         self.args = SavedArgs.of(first.obj.get("args"), first.path)
         self._check_header(first)
         a = self.args
@@ -62,7 +65,7 @@ class LegacyCheckpoint:
         self.files: Dict[str, str] = {}
         offset = 0
         for p in range(a.pp):
-            counts = {self._add(first if (t, p, e) == (0, 0, 0) else self._archive(expected[(t, p, e)]), t, e, offset)
+            counts = {self._add(first if (t, p, e) == (0, 0, 0) else self._archive(expected[(t, p, e)]), t, e, p, offset)
                       for e in range(a.ep) for t in range(a.tp)}
             if len(counts) != 1:
                 raise CheckpointError(f"{iter_dir}: the files of stage {p} hold different numbers of layers {counts}")
@@ -70,6 +73,9 @@ class LegacyCheckpoint:
         if offset != a.required("num_layers"):
             raise CheckpointError(f"{iter_dir}: the stages hold {offset} layers, args.num_layers is "
                                   f"{a.values['num_layers']}")
+        if len(self._steps) > 1:
+            raise CheckpointError(f"{iter_dir}: the rank files' optimizer states give Adam steps {sorted(self._steps)}")
+        self.adam_step = self._steps.pop() if self._steps and self.optimizer["exp_avg"] else None
 
     def _archive(self, directory: str) -> TorchArchive:
         path = os.path.join(self.iter_dir, directory, MODEL_FILE)
@@ -97,18 +103,19 @@ class LegacyCheckpoint:
                                   f"args.tensor_model_parallel_size {self.args.tp}; the legacy layout of such "
                                   "experts is not read (save with --ckpt-format torch_dist)")
 
-    def _add(self, archive: TorchArchive, t: int, e: int, offset: int) -> int:
-        """Record the tensors of one rank file; returns how many layers it holds."""
+    def _add(self, archive: TorchArchive, t: int, e: int, stage: int, offset: int) -> int:
+        """Record the tensors of one rank file (and its optimizer state); returns how many layers
+        it holds."""
         model = archive.obj.get("model")
         if not isinstance(model, dict):
             raise CheckpointError(f"{archive.path}: 'model' is {type(model).__name__}, expected a state dict")
-        layers = set()
+        layers, canonical = set(), {}
         for key, value in model.items():
             if IGNORED.search(key):
                 continue
             if not isinstance(value, LazyTensor):
                 raise CheckpointError(f"{archive.path}: model[{key!r}] is {type(value).__name__}, expected a tensor")
-            name = self._canonical(key, e, offset, layers, archive.path)
+            name = canonical[key] = self._canonical(key, e, offset, layers, archive.path)
             if name is None:
                 continue
             if t in self.names.setdefault(name, {}):
@@ -117,7 +124,34 @@ class LegacyCheckpoint:
             self.files.setdefault(name, archive.path)
         if layers != set(range(len(layers))):
             raise CheckpointError(f"{archive.path}: local layers {sorted(layers)} are not numbered 0..n-1")
+        self._add_optimizer_state(archive, model, canonical, t, stage)
         return len(layers)
+
+    def _add_optimizer_state(self, archive: TorchArchive, model: dict, canonical: Dict[str, str], t: int,
+                             stage: int) -> None:
+        """The views of distrib_optim.pt beside ``archive`` (if saved) into each tensor's state."""
+        path = os.path.join(os.path.dirname(archive.path), distrib_optim.FILE)
+        if not os.path.isfile(path):
+            if self.args.get("use_distributed_optimizer"):  # its parameter state is distrib_optim.pt alone
+                return
+            found = optim_lists.state_views(archive.obj.get("optimizer"), [(key, tuple(model[key].shape), _is_expert(key))
+                                                                           for key in canonical], archive.path)
+            if found is None:
+                return
+            views, step = found
+            self._steps.add(step)
+        else:
+            tied = not self.args.get("untie_embeddings_and_output_weights") and self.layout[1] > 1
+            params = [distrib_optim.Param(key, tuple(model[key].shape), _is_expert(key),
+                                          tied and key in ("embedding.word_embeddings.weight", "output_layer.weight"))
+                      for key in canonical]
+            state = TorchArchive(path, Kind.MEGATRON).obj
+            views = distrib_optim.state_views(state, params, distrib_optim.bucket_size(self.args, stage), path)
+            self._steps.add(_adam_step(archive))
+        for kind, by_key in views.items():
+            for key, view in by_key.items():
+                if canonical[key] is not None:
+                    self.optimizer[kind].setdefault(canonical[key], {})[t] = view
 
     def _canonical(self, key: str, e: int, offset: int, layers: set, path: str):
         """The canonical name of a local key of EP rank ``e`` (None: a replica of EP rank 0's)."""
@@ -136,9 +170,13 @@ class LegacyCheckpoint:
     def location(self, name: str) -> str:
         return self.files[name]
 
-    def shape(self, name: str) -> Tuple[int, ...]:
-        """The global shape, from the TP shards' shapes (no data read)."""
-        shards, dim = self.names[name], tp_dim(name)
+    def _shards(self, name: str, kind: str) -> Dict[int, LazyTensor]:
+        return self.names[name] if kind == "model" else self.optimizer[kind][name]
+
+    def shape(self, name: str, kind: str = "model") -> Tuple[int, ...]:
+        """The global shape of a weight or its optimizer state ``kind``, from the TP shards' shapes
+        (no data read)."""
+        shards, dim = self._shards(name, kind), tp_dim(name)
         if sorted(shards) != list(range(self.layout[0])):
             raise CheckpointError(f"{self.files[name]}: {name} is stored by TP ranks {sorted(shards)}, "
                                   f"expected 0..{self.layout[0] - 1}")
@@ -150,10 +188,10 @@ class LegacyCheckpoint:
             return shapes[0]
         return shapes[0][:dim] + (sum(s[dim] for s in shapes),) + shapes[0][dim + 1:]
 
-    def read(self, name: str) -> torch.Tensor:
-        """The global tensor: TP shards joined along Megatron's split dim (SwiGLU fc1: the gate
-        halves of every shard, then the up halves)."""
-        shards, dim = self.names[name], tp_dim(name)
+    def read(self, name: str, kind: str = "model") -> torch.Tensor:
+        """The global tensor (or its optimizer state ``kind``): TP shards joined along Megatron's
+        split dim (SwiGLU fc1: the gate halves of every shard, then the up halves)."""
+        shards, dim = self._shards(name, kind), tp_dim(name)
         if dim is None:
             return shards[0].read()
         parts = [shards[t].read() for t in range(self.layout[0])]
@@ -161,3 +199,20 @@ class LegacyCheckpoint:
             halves = [p.chunk(2) for p in parts]
             parts = [h[0] for h in halves] + [h[1] for h in halves]
         return torch.cat(parts, dim)
+
+
+def _is_expert(key: str) -> bool:
+    split = split_layer_key(key)
+    return split is not None and split_local_expert(split[1]) is not None
+
+
+def _adam_step(archive: TorchArchive) -> float:
+    """Adam's step count: the distributed optimizer keeps it in each param group of
+    ``model_optim_rng.pt``'s ``optimizer.optimizer.param_groups`` (all equal)."""
+    optimizer = archive.obj.get("optimizer")
+    groups = optimizer.get("optimizer", {}).get("param_groups") if isinstance(optimizer, dict) else None
+    steps = {g.get("step") for g in groups or () if isinstance(g, dict)}
+    if len(steps) != 1 or not isinstance(next(iter(steps)), (int, float)):
+        raise CheckpointError(f"{archive.path}: optimizer.optimizer.param_groups give Adam steps {sorted(steps, key=str)}, "
+                              "expected one number (distrib_optim.pt is beside it)")
+    return float(steps.pop())

@@ -19,7 +19,7 @@ def fixture_logits(name: str) -> Tuple[str, torch.Tensor, torch.Tensor]:
     return os.path.join(ROOT, name, "checkpoint"), saved["tokens"], saved["logits"]
 
 
-def _loaded(ckpt: str, batch: int, world: Optional[int], **flags):
+def loaded(ckpt: str, batch: int, world: Optional[int], **flags):
     """Our train state from the imported checkpoint's model.yaml and ``flags``, loaded with --load
     alone, on one process or on this rank of ``world`` gloo ranks."""
     from megatron_p2r.layout.plan import ParallelPlan
@@ -41,7 +41,7 @@ def continued_logits(ckpt: str, batch: torch.Tensor, tokens: torch.Tensor, **fla
     """Logits on ``tokens`` after one training step of ours on ``batch`` [b, s + 1] from the imported
     checkpoint (one process)."""
     from megatron_p2r.training import train_step
-    state = _loaded(ckpt, batch.shape[0], None, **flags)
+    state = loaded(ckpt, batch.shape[0], None, **flags)
     train_step(state, [{"tokens": batch[:, :-1], "labels": batch[:, 1:],
                         "loss_mask": torch.ones(batch[:, 1:].shape, dtype=torch.float32)}])
     with torch.no_grad():
@@ -51,7 +51,7 @@ def continued_logits(ckpt: str, batch: torch.Tensor, tokens: torch.Tensor, **fla
 def our_logits(ckpt: str, tokens: torch.Tensor, world: Optional[int] = None) -> torch.Tensor:
     """Logits [b, s, our padded vocab] of our imported checkpoint on one process or on this rank
     of ``world`` gloo ranks (the vocabulary shards gathered)."""
-    state = _loaded(ckpt, tokens.shape[0], world)
+    state = loaded(ckpt, tokens.shape[0], world)
     ps = state.ps
     with torch.no_grad():
         logits = state.model.eval()(tokens=tokens).float()

@@ -6,6 +6,7 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import zipfile
 
 import pytest
@@ -265,3 +266,60 @@ def test_hostile_rank_files_are_refused_naming_the_file(legacy, tmp_path, capsys
     assert rc == 2 and "Traceback" not in err and re.search(r"error: .*mp_rank_01_000/model_optim_rng.pt: " + match,
                                                             err), err
     assert not os.path.exists(dst)
+
+
+def test_a_distributed_optimizer_file_that_does_not_fit_the_model(tmp_path):
+    """distrib_optim.pt (Megatron-written, legacy DP2 fixture) whose flat buffer is not the length
+    Megatron's buffer layout of the model gives, or that lacks a state; a model_optim_rng.pt beside
+    it without one Adam step or without a valid iteration: refused naming the file and what was
+    expected, nothing written."""
+    from tests.convert.megatron.megatron_written import ROOT
+    shutil.copytree(os.path.join(ROOT, "gpt_legacy_dp2_distopt", "checkpoint"), tmp_path / "src")
+    rank_dir = tmp_path / "src" / "iter_0000003" / "mp_rank_00"
+    path = str(rank_dir / "distrib_optim.pt")
+    pristine = torch.load(path, weights_only=True)
+
+    def rewrite(change):
+        state = torch.load(path, weights_only=True)
+        change(next(iter(state[0].values())))
+        torch.save(state, path)
+
+    rewrite(lambda flat: flat.update(numel_unpadded=flat["numel_unpadded"] - 64))
+    fails(tmp_path / "src", re.escape(path) + r": buffer 0 holds \d+ elements, the layout of the model's 28 "
+                            r"parameters in Megatron's buffer has \d+")
+    torch.save(pristine, path)
+    rewrite(lambda flat: flat.pop("exp_avg_sq"))
+    fails(tmp_path / "src", re.escape(path) + r": buffer 0\['exp_avg_sq'\] is None, expected a flat tensor")
+    torch.save({"buckets_coalesced": False}, path)
+    fails(tmp_path / "src", re.escape(path) + ": not the distributed optimizer state Megatron-LM writes")
+    torch.save(pristine, path)
+    model_file = str(rank_dir / "model_optim_rng.pt")
+    with torch.serialization.safe_globals([signal.Signals]):  # Megatron's args.exit_signal
+        edit_rank_file(model_file, lambda state: state["optimizer"]["optimizer"]["param_groups"][1].update(step=2.0))
+    fails(tmp_path / "src", re.escape(model_file) + r": optimizer.optimizer.param_groups give Adam steps \[2.0, 3.0\]")
+
+    def no_iteration(state):
+        state["optimizer"]["optimizer"]["param_groups"][1].update(step=3.0)
+        state["iteration"] = -1
+    with torch.serialization.safe_globals([signal.Signals]):
+        edit_rank_file(model_file, no_iteration)
+    fails(tmp_path / "src", re.escape(model_file) + r": iteration is -1, expected an integer >= 0")
+
+
+def test_optimizer_state_lists_that_do_not_fit_the_model(tmp_path):
+    """The non-distributed optimizer's lists in model_optim_rng.pt (Megatron-written fixture): a
+    moment of another shape than its parameter's, or a param group of another size than the
+    model's, is refused naming the file and the entry."""
+    from tests.convert.megatron.megatron_written import ROOT
+    shutil.copytree(os.path.join(ROOT, "gpt_legacy_tp1_adam", "checkpoint"), tmp_path / "src")
+    path = str(tmp_path / "src" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")
+    with torch.serialization.safe_globals([signal.Signals]):
+        edit_rank_file(path, lambda state: state["optimizer"]["state"][1].update(exp_avg=torch.zeros(3)))
+    fails(tmp_path / "src", re.escape(path) + r": optimizer.state\[1\]\['exp_avg'\] is of shape \[3\], expected a "
+                            r"tensor of embedding.position_embeddings.weight's shape \[32, 32\]")
+    shutil.copy(os.path.join(ROOT, "gpt_legacy_tp1_adam", "checkpoint", "iter_0000003", "mp_rank_00",
+                             "model_optim_rng.pt"), path)
+    with torch.serialization.safe_globals([signal.Signals]):
+        edit_rank_file(path, lambda state: state["optimizer"]["param_groups"][1]["params"].pop())
+    fails(tmp_path / "src", re.escape(path) + r": optimizer.param_groups\[1\] holds 17 parameters, the model's "
+                            "no-weight-decay group has 18")

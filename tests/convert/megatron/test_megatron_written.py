@@ -33,16 +33,26 @@ def test_the_fixtures_cover_megatrons_layouts():
     assert fixture_logits(FIXTURES[0])[2].dtype == torch.float32
 
 
-def test_adam_state_is_megatrons(tmp_path):
-    """A torch_dist checkpoint saved after 3 Adam steps: the imported moments and step are the
-    ones Megatron's optimizer held when it saved (adam_state.pt), tensor by tensor."""
+# Saved after 3 Adam steps: the non-distributed optimizer in torch_dist and in legacy (its state
+# lists); the distributed optimizer over 2 DP ranks in legacy (distrib_optim.pt: flat buffers
+# gathered on DP rank 0), in fp32 and in --bf16 (bf16 weights, fp32 mains)
+WITH_OPTIMIZER = ("gpt_dist_tp1_adam", "gpt_legacy_tp1_adam", "gpt_legacy_dp2_distopt", "gpt_legacy_dp2_distopt_bf16")
+# Megatron's 4th step of the --bf16 run computed in bf16: an fp32 step of ours differs by bf16's
+# rounding (rel 1e-2), so the continued step is compared on the fp32 runs
+CONTINUED_IN_FP32 = WITH_OPTIMIZER[:3]
+
+
+@pytest.mark.parametrize("name", WITH_OPTIMIZER)
+def test_adam_state_is_megatrons(tmp_path, name):
+    """The imported moments, step and fp32 mains (where saved apart from the weights) are the ones
+    Megatron's optimizer held when it saved (adam_state.pt; the distributed optimizer's gathered
+    from each rank's slices of each parameter, not from the flat buffer), tensor by tensor."""
     from safetensors.torch import load_file
 
     from megatron_p2r.convert.megatron.rules import megatron_name
     from tools.convert_checkpoint import main
-    name = "gpt_dist_tp1_adam"
     assert main(["import-megatron", fixture_logits(name)[0], str(tmp_path / "ours"), "--no-progress"]) == 0
-    ours = load_file(str(tmp_path / "ours" / "iter_0000000" / "mp_rank_00_000_000.safetensors"))
+    ours = load_file(str(tmp_path / "ours" / "iter_0000003" / "mp_rank_00_000_000.safetensors"))
     megatron = torch.load(os.path.join(os.path.dirname(fixture_logits(name)[0]), "adam_state.pt"), weights_only=True)
     keys = [k for k in ours if not k.startswith("optimizer.")]
     assert sorted(megatron_name(k) for k in keys) == sorted(n for n in megatron if n != "step")
@@ -50,20 +60,46 @@ def test_adam_state_is_megatrons(tmp_path):
         for kind in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(ours[f"optimizer.{kind}.{key}"], megatron[megatron_name(key)][kind]), (kind, key)
         assert ours[f"optimizer.step.{key}"].item() == megatron["step"].item() == 3
+        if "main" in megatron[megatron_name(key)]:
+            assert torch.equal(ours[key], megatron[megatron_name(key)]["main"]), key
 
 
-def test_a_megatron_run_continues_here(tmp_path):
-    """From the imported step-3 checkpoint, one training step of ours on Megatron's 4th batch (same
-    constant LR, AdamW, weight decay, no clipping) gives the logits Megatron's own 4th step gave;
-    the weights alone, with a fresh AdamW, do not."""
+@pytest.mark.parametrize("name", WITH_OPTIMIZER)
+def test_the_import_continues_at_megatrons_iteration(tmp_path, name):
+    """--load of the import resumes where Megatron stopped: its iteration, consumed samples and
+    LR-schedule position, so the next step takes the LR Megatron's 4th step took (3 steps into a
+    5-iteration warm-up: 0 with a fresh schedule)."""
+    from megatron_p2r.convert.megatron.importer import import_megatron
+    from megatron_p2r.convert.reshard import Target
+    from tests.convert.megatron.megatron_written import loaded
+    out, _ = import_megatron(fixture_logits(name)[0], str(tmp_path / "ours"), Target(1), progress=False)
+    megatron = torch.load(os.path.join(ROOT, name, "continued.pt"), weights_only=True)["position"]
+    assert os.path.basename(out) == "iter_0000003"
+    batch = megatron["consumed_train_samples"] // megatron["iteration"]
+    state = loaded(str(tmp_path / "ours"), batch, None, lr=1e-3, lr_warmup_iters=5, lr_decay_style="constant",
+                   train_iters=10)
+    assert (state.iteration, state.consumed_samples) == (3, megatron["consumed_train_samples"])
+    assert state.scheduler.num_steps == megatron["scheduler_steps"]
+    assert state.scheduler.lr == pytest.approx(megatron["lr"], rel=1e-6) and megatron["lr"] > 0
+
+
+@pytest.mark.parametrize("name", CONTINUED_IN_FP32)
+def test_a_megatron_run_continues_here(tmp_path, name):
+    """From the imported step-3 checkpoint, one training step of ours on Megatron's 4th global
+    batch (each DP rank of Megatron had the same batch; the same LR schedule, AdamW, weight decay,
+    no clipping) gives the logits Megatron's own 4th step gave; the weights alone, with a fresh
+    AdamW, do not."""
     from megatron_p2r.convert.megatron.importer import import_megatron
     from megatron_p2r.convert.reshard import Target
     from tests.convert.megatron.megatron_written import continued_logits, logits_error
-    name = "gpt_dist_tp1_adam"
     import_megatron(fixture_logits(name)[0], str(tmp_path / "ours"), Target(1), progress=False)
     megatron = torch.load(os.path.join(ROOT, name, "continued.pt"), weights_only=True)
-    flags = dict(lr=1e-3, lr_decay_style="constant", clip_grad=0.0, weight_decay=0.01, train_iters=10)
-    ours = continued_logits(str(tmp_path / "ours"), megatron["batch"], megatron["tokens"], **flags)
+    position, batch = megatron["position"], megatron["batch"]
+    replicas = position["consumed_train_samples"] // position["iteration"] // batch.shape[0]
+    batch = torch.cat([batch] * replicas)
+    flags = dict(lr=1e-3, lr_warmup_iters=5, lr_decay_style="constant", clip_grad=0.0, weight_decay=0.01,
+                 train_iters=10)
+    ours = continued_logits(str(tmp_path / "ours"), batch, megatron["tokens"], **flags)
     assert logits_error(ours, megatron["logits"])[1] <= 1e-5, logits_error(ours, megatron["logits"])
-    fresh = continued_logits(str(tmp_path / "ours"), megatron["batch"], megatron["tokens"], no_load_optim=True, **flags)
+    fresh = continued_logits(str(tmp_path / "ours"), batch, megatron["tokens"], no_load_optim=True, **flags)
     assert logits_error(fresh, megatron["logits"])[1] > 1e-3
