@@ -3,6 +3,7 @@ EP2), fully parallel and with one writer, with and without the distributed optim
 without their safetensors headers; the RNG files are not counted)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import struct
@@ -15,6 +16,7 @@ from megatron_p2r.planning.checkpoint_cost import rank_bytes
 from megatron_p2r.testing import run_distributed
 from tests.checkpoint.common import cfg_of
 from tests.checkpoint.cost_workers import save_both_ways
+from tools.plan import main
 
 MOE = dict(num_layers=4, num_experts=4, moe_layer_freq=2, moe_ffn_hidden_size=24, expert_model_parallel_size=2)
 CASES = {"distopt": dict(use_distributed_optimizer=True), "replicated": {},
@@ -67,3 +69,40 @@ def test_fully_parallel_bytes_equal_the_planners(saved, case):
     else:                      # 1/DP of the shard each: off by bucket padding and the step counts only
         for r, b in written.items():
             assert abs(b - planned[r]) <= 0.02 * planned[r], (r, b, planned[r])
+
+
+SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--vocab-size", "256", "--p2r-phase", "real", "--world-size", "16", "--gpus-per-node", "4",
+         "--use-distributed-optimizer", "--gpu", "H100-80GB"]
+
+
+def _checkpoint(capsys, argv) -> dict:
+    assert main(SMALL + argv + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)["plans"]["real"]["checkpoint"]
+
+
+def test_write_time_follows_the_bandwidth_that_binds(capsys):
+    wide = _checkpoint(capsys, ["--fs-write-bw", "1e6", "--fs-node-write-bw", "1e12"])
+    assert wide["write_s"] == wide["total_bytes"] / 1e6 == wide["stall_s"]["sync"]
+    narrow = _checkpoint(capsys, ["--fs-write-bw", "1e12", "--fs-node-write-bw", "1e3"])
+    assert narrow["write_s"] == narrow["node_bytes_max"] / 1e3
+    # 16 ranks, 4 per node, every rank writes 1/16: a node writes 4 ranks' share
+    assert narrow["writing_ranks"] == 16 and narrow["nodes"] == 4
+    assert narrow["node_bytes_max"] == pytest.approx(narrow["total_bytes"] / 4, rel=1e-6)
+    single = _checkpoint(capsys, ["--no-ckpt-fully-parallel-save"])
+    assert single["writers"] == "single_writer" and single["writing_ranks"] == 1
+    assert single["host_bytes_during_save"]["sync"] == single["rank_bytes_max"] == single["total_bytes"]
+
+
+def test_async_stall_is_the_copy_to_host(capsys):
+    c = _checkpoint(capsys, ["--host-bw", "1e9"])
+    assert c["stall_s"]["async"] == c["rank_bytes_max"] / 1e9
+    assert c["host_bytes_during_save"]["async"] == c["host_bytes_during_save"]["sync"] + c["rank_bytes_max"]
+
+
+def test_text_output_and_bad_bandwidth(capsys):
+    assert main(SMALL) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint " in out and "every rank writes what it owns, 16 ranks" in out and "--async-save" in out
+    assert main(SMALL + ["--fs-write-bw", "0"]) == 2
+    assert "error: --fs-write-bw must be" in capsys.readouterr().err

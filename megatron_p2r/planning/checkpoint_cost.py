@@ -52,6 +52,11 @@ def piece_bytes(info: TensorInfo, layout: ShardLayout) -> int:
     return 3 * FP32 * numel + FP32
 
 
+def _tensor(piece: int) -> int:
+    """Bytes of one fp32 tensor (weight or a moment) of a piece of ``piece`` bytes."""
+    return (piece - FP32) // 3
+
+
 def _owners(layout: Layout, mode: str, e: int, expert: bool, writer: int = 0) -> List[int]:
     """The data-parallel indices of the ranks writing a piece of EP file ``e``: the single
     writer (expert-data-parallel index 0), every replica (``distributed``: each its 1/DP), or
@@ -61,7 +66,7 @@ def _owners(layout: Layout, mode: str, e: int, expert: bool, writer: int = 0) ->
 
 
 class _Tally:
-    """Bytes each rank writes, and the largest piece's shard it writes."""
+    """Bytes each rank writes, and the largest fp32 tensor it writes (what a parallel writer stages)."""
 
     def __init__(self, layout: Layout):
         self.layout = layout
@@ -76,7 +81,7 @@ class _Tally:
 
 
 def rank_bytes(cfg: Config, layout: Layout) -> Dict[int, Tuple[float, int]]:
-    """rank -> (bytes it writes, bytes of its largest piece's shard) for one checkpoint of ``cfg``
+    """rank -> (bytes it writes, bytes of the largest tensor it writes) for one checkpoint of ``cfg``
     on ``layout``; ranks that write nothing are absent."""
     table, shards = tensor_table(cfg, experts=False), ShardLayout.of(cfg)
     parallel = cfg.checkpoint.ckpt_fully_parallel_save and layout.dp > 1
@@ -87,7 +92,7 @@ def rank_bytes(cfg: Config, layout: Layout) -> Dict[int, Tuple[float, int]]:
         size = piece_bytes(info, shards)
         dps = _owners(layout, mode, 0, False, writers.get(info.key, 0))
         for t in shards.tp_ranks_of(info):
-            tally.add(t, info.stage, dps, size / len(dps), size)
+            tally.add(t, info.stage, dps, size / len(dps), _tensor(size))
     _add_experts(cfg, layout, mode, tally)
     return {r: (b, tally.largest[r]) for r, b in tally.bytes.items()}
 
@@ -105,7 +110,7 @@ def _add_experts(cfg: Config, layout: Layout, mode: str, tally: _Tally) -> None:
             for e in range(layout.ep):
                 dps = _owners(layout, "distributed" if mode != "single" else mode, e, True)
                 for t in range(layout.tp) if spec.tp_dim is not None else range(1):
-                    tally.add(t, stage, dps, one * spec.shape[0] / len(dps), one)
+                    tally.add(t, stage, dps, one * spec.shape[0] / len(dps), _tensor(one))
 
 
 def checkpoint_cost(cfg: Config, layout: Layout, gpus_per_node: int, bw: Bandwidths) -> dict:
@@ -119,13 +124,16 @@ def checkpoint_cost(cfg: Config, layout: Layout, gpus_per_node: int, bw: Bandwid
     node_max = round(max(per_node.values()))
     write = max(total / bw.fs_write, node_max / bw.fs_node_write)
     parallel = cfg.checkpoint.ckpt_fully_parallel_save and layout.dp > 1
-    # a single writer holds its whole shard; a parallel one stages one tensor at a time
-    staged = rank_max if not parallel else max(big for _, big in per_rank.values())
+    # A single writer gathers its whole shard into host memory (with --async-save that gathered
+    # copy is what the background writer writes); a parallel writer stages one tensor at a time,
+    # and with --async-save also holds the host copy of everything it writes.
+    staged = max(big for _, big in per_rank.values())
+    host = {"sync": staged, "async": staged + rank_max} if parallel else {"sync": rank_max, "async": rank_max}
     async_save: Optional[bool] = getattr(cfg.checkpoint, "async_save", None)
     return {"writers": "fully_parallel" if parallel else "single_writer",
             "total_bytes": total, "writing_ranks": len(per_rank), "rank_bytes_max": rank_max,
             "nodes": -(-layout.world_size // gpus_per_node), "node_bytes_max": node_max,
             "fs_write_bw": bw.fs_write, "fs_node_write_bw": bw.fs_node_write, "write_s": write,
             "stall_s": {"sync": write, "async": rank_max / bw.host},
-            "host_bytes_during_save": {"sync": staged, "async": staged + rank_max},
+            "host_bytes_during_save": host,
             "async_save": async_save}
