@@ -28,6 +28,10 @@ Each phase's verdict checks two memory tiers and names the one that overflows, a
 the GPU (the rank needing the most) and the host (the node whose GPUs offload the most, against
 the preset's node memory, or --host-memory per GPU / --host-memory-per-node).
 
+Each phase also reports what one checkpoint costs (``planning/checkpoint_cost.py``, docs/checkpoint.md):
+bytes per rank and per node, the write time at --fs-write-bw / --fs-node-write-bw, the training
+stall per save with and without --async-save, and host memory during the save.
+
 Exit status: 0 when every phase fits and every check passes, 1 otherwise, 2 for bad flags.
 """
 from __future__ import annotations
@@ -327,6 +331,13 @@ def format_plans(plans: Dict[str, Plan]) -> str:
     return "\n".join(lines)
 
 
+def _configured(async_save) -> str:
+    """Which of the two stalls this configuration gets (nothing when the config has no --async-save)."""
+    if async_save is None:
+        return ""
+    return " (this run: async)" if async_save else " (this run: synchronous)"
+
+
 def _checkpoint_lines(c: dict) -> List[str]:
     writers = "every rank writes what it owns" if c["writers"] == "fully_parallel" else "one writer per shard"
     stall, host = c["stall_s"], c["host_bytes_during_save"]
@@ -334,7 +345,8 @@ def _checkpoint_lines(c: dict) -> List[str]:
             f"{c['rank_bytes_max'] / GiB:.2f} GiB per rank, {c['node_bytes_max'] / GiB:.1f} GiB per node (max); "
             f"write {c['write_s']:.1f} s at {c['fs_write_bw'] / 1e9:.3g} GB/s, {c['fs_node_write_bw'] / 1e9:.3g} GB/s "
             f"per node",
-            f"   stall per save: {stall['sync']:.1f} s, with --async-save {stall['async']:.2f} s (device to host); "
+            f"   stall per save: {stall['sync']:.1f} s, with --async-save {stall['async']:.2f} s (device to host)"
+            f"{_configured(c['async_save'])}; "
             f"host memory during save per rank {host['sync'] / GiB:.2f} GiB, async {host['async'] / GiB:.2f} GiB"]
 
 
