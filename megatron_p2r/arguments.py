@@ -73,6 +73,13 @@ def field_flag(f: dataclasses.Field) -> str:
     return _flag(("no_" if f.default is True else "") + f.name)
 
 
+def field_flags(f: dataclasses.Field) -> List[str]:
+    """Every flag that sets a field: ``field_flag``, and for a switch on by default marked
+    ``on_flag`` also --NAME, which turns it back on (Megatron-LM versions that had the switch off
+    by default spell it so: --overlap-p2p-communication)."""
+    return [field_flag(f)] + ([_flag(f.name)] if f.default is True and f.metadata.get("on_flag") else [])
+
+
 def all_fields():
     """(section, field) for every configurable option."""
     for section, cls in SECTIONS.items():
@@ -98,7 +105,11 @@ def build_parser(description: str = "megatron_p2r pretraining") -> argparse.Argu
                     if key in f.metadata:
                         kwargs[key] = f.metadata[key]
             group.add_argument(field_flag(f), **kwargs)
-    fields = {field_flag(f) for _, f in all_fields()}
+            for flag in field_flags(f)[1:]:
+                group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, action="store_true",
+                                   help=f"The default, spelled out: undoes {field_flag(f)} given earlier or in a "
+                                        "--config file.")
+    fields = {flag for _, f in all_fields() for flag in field_flags(f)}
     group = parser.add_argument_group("Megatron-LM flags that are not config fields (docs/megatron.md)")
     for flag, entry in parsed_flags().items():
         if flag not in fields:
@@ -250,7 +261,7 @@ def flag_statuses(argv: Sequence[str]) -> List[Tuple[str, str, str, str]]:
             values_of_flag.clear()
         elif given:
             values_of_flag.append(token)
-    fields = {field_flag(f): f for _, f in all_fields()}
+    fields = {flag: f for _, f in all_fields() for flag in field_flags(f)}
     cfg = parse_args([token for name, values in given.items() if name in fields for token in (name, *values)])
     out = []
     for name, values in given.items():
@@ -289,4 +300,4 @@ def to_argv(cfg: Config) -> list:
 
 
 __all__ = ["build_parser", "parse_args", "parse_launch", "load_yaml", "config_from_values", "resolve_values",
-           "flag_statuses", "field_flag", "to_argv"]
+           "flag_statuses", "field_flag", "field_flags", "to_argv"]

@@ -75,20 +75,38 @@ def test_value_dependent_statuses():
         assert refused in str(err.value)
 
 
+def test_overlap_p2p_communication_is_on_by_default_as_in_megatron(tmp_path):
+    """Megatron-LM (core_v0.16.1) has only --no-overlap-p2p-communication (store_false, dest
+    overlap_p2p_comm): the overlap is on unless turned off. --overlap-p2p-communication, as older
+    versions spell it, turns it back on; the last flag wins, and the command line wins over YAML."""
+    interleaved = BASE + ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                          "--num-layers-per-virtual-pipeline-stage", "1"]
+    cfg, no_effect = parse_launch(interleaved)
+    assert cfg.parallel.overlap_p2p_communication and cfg.parallel.overlaps_p2p(cfg.model.num_layers)
+    assert no_effect == []
+    off, no_effect = parse_launch(interleaved + ["--no-overlap-p2p-communication"])
+    assert not off.parallel.overlaps_p2p(off.model.num_layers) and no_effect == []
+    assert parse_launch(to_argv(off))[0] == off
+    assert parse_launch(interleaved + ["--no-overlap-p2p-communication", "--overlap-p2p-communication"])[0] == cfg
+    assert parse_launch(interleaved + ["--overlap-p2p-communication", "--no-overlap-p2p-communication"])[0] == off
+    path = tmp_path / "off.yaml"
+    path.write_text("no-overlap-p2p-communication: true\n")
+    assert parse_launch(interleaved + ["--config", str(path)])[0] == off
+    assert parse_launch(interleaved + ["--config", str(path), "--overlap-p2p-communication"])[0] == cfg
+
+
 def test_overlap_p2p_communication_acts_only_with_interleaving():
-    """Megatron-LM turns overlap_p2p_comm off without interleaving; --no-overlap-p2p-communication
-    (Megatron-LM main's switch, overlap on by default there) asks for this framework's default."""
-    pipeline = BASE + ["--pipeline-model-parallel-size", "2", "--overlap-p2p-communication"]
-    cfg, no_effect = parse_launch(pipeline)
-    assert cfg.parallel.overlap_p2p_communication and no_effect == [
-        "--overlap-p2p-communication (without interleaved 1F1B (Megatron-LM turns it off too))"]
-    assert parse_launch(pipeline + ["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"])[1] == []
-    cfg, no_effect = parse_launch(BASE + ["--no-overlap-p2p-communication"])
-    assert not cfg.parallel.overlap_p2p_communication and no_effect == []
-    assert parse_launch(pipeline + ["--overlap-p2p-communication-warmup-flush"])[0] == cfg.replace(
-        pipeline_model_parallel_size=2, overlap_p2p_communication=True)
-    with pytest.raises(ConfigError, match="--overlap-p2p-communication-warmup-flush: needs --overlap-p2p-comm"):
-        parse_launch(BASE + ["--overlap-p2p-communication-warmup-flush"])
+    """Megatron-LM turns overlap_p2p_comm off without interleaving: asking for it there is
+    reported as having no effect; turning it off is what happens anyway."""
+    pipeline = BASE + ["--pipeline-model-parallel-size", "2"]
+    cfg, no_effect = parse_launch(pipeline + ["--overlap-p2p-communication"])
+    assert cfg == parse_launch(pipeline)[0] and not cfg.parallel.overlaps_p2p(cfg.model.num_layers)
+    assert no_effect == ["--overlap-p2p-communication (without interleaved 1F1B (Megatron-LM turns it off too))"]
+    assert parse_launch(pipeline + ["--no-overlap-p2p-communication"])[1] == []
+    assert parse_launch(pipeline + ["--overlap-p2p-communication-warmup-flush"])[0] == cfg
+    with pytest.raises(ConfigError, match="--overlap-p2p-communication-warmup-flush: needs the p2p overlap, which "
+                                          "--no-overlap-p2p-communication turns off"):
+        parse_launch(pipeline + ["--no-overlap-p2p-communication", "--overlap-p2p-communication-warmup-flush"])
 
 
 def test_yaml_takes_the_same_flags(tmp_path):

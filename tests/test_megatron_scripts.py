@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from megatron_p2r.arguments import all_fields, field_flag, flag_statuses, parse_launch
+from megatron_p2r.arguments import all_fields, field_flags, flag_statuses, parse_launch
 from megatron_p2r.config.megatron import MEGATRON_FLAGS, NO_EFFECT
 from tests.data.test_tokenizers import TRAIN_TEXTS, bpe_files, sp_model  # noqa: F401 (fixtures)
 from tests.reliability.common import launch
@@ -49,7 +49,7 @@ def fixture(name: str) -> dict:
 
 
 def config_fields() -> set:
-    return {field_flag(f) for _, f in all_fields()}
+    return {flag for _, f in all_fields() for flag in field_flags(f)}
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

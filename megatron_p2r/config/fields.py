@@ -6,7 +6,8 @@ from dataclasses import field
 
 
 def opt(default, help: str, **kwargs):
-    """A dataclass field that is also a CLI flag (``choices``, ``nargs`` go to argparse)."""
+    """A dataclass field that is also a CLI flag (``choices``, ``nargs`` go to argparse; ``on_flag``:
+    a switch on by default also takes --NAME, see ``arguments.field_flags``)."""
     return field(default=default, metadata={"help": help, **kwargs})
 
 

@@ -196,14 +196,11 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
     "--loss-scale": MegatronFlag(REFUSED, "a static loss scale is not implemented (--fp16 scales dynamically)",
                                  _value(float)),
     "--decrease-batch-size-if-needed": MegatronFlag(REFUSED, "the global batch is never shrunk to fit", _switch()),
-    "--no-overlap-p2p-communication": MegatronFlag(
-        MEANING, "pipeline transfers are not overlapped with compute: the default here (Megatron-LM main "
-        "overlaps them by default under interleaving; --overlap-p2p-communication turns it on)", _switch()),
     "--overlap-p2p-communication-warmup-flush": MegatronFlag(
         MEANING, "receives are posted ahead in every op of the step, warm-up and flush included", _switch(),
         keeps=lambda value, cfg: cfg.parallel.overlap_p2p_communication,
-        otherwise=(REFUSED, "needs --overlap-p2p-communication, on by default in Megatron-LM main and off here: "
-                            "add it")),
+        otherwise=(REFUSED, "needs the p2p overlap, which --no-overlap-p2p-communication turns off (Megatron-LM "
+                            "asks the same): drop one of the two")),
     # Config fields with a value that has no effect.
     "--overlap-p2p-communication": MegatronFlag(
         MEANING, "config field", config_field=True,

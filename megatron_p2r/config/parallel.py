@@ -33,8 +33,9 @@ class ParallelConfig:
     overlap_param_gather: bool = opt(False, "With the distributed optimizer: all-gather updated weights "
                                             "asynchronously, waited on by the next forward.")
     overlap_p2p_communication: bool = opt(
-        False, "Interleaved 1F1B: post each op's pipeline receives while the op before it computes, so the "
-               "transfers overlap compute (Megatron-LM: no effect without interleaving).")
+        True, "Interleaved 1F1B: post each op's pipeline receives while the op before it computes, so the "
+              "transfers overlap compute (Megatron-LM's default; no effect without interleaving, as there).",
+        on_flag=True)
     ddp_bucket_size: Optional[int] = opt(None, "Elements per gradient bucket (default with --overlap-grad-reduce: "
                                                "max(4e7, 1e6 x DP); without it one bucket per buffer).")
 

@@ -27,8 +27,10 @@ SHAPES = [(2, 16), (1, 12), (3, 16)]
 
 
 def make_cfg(tp: int = 1, pp: int = 1, **overrides):
+    """A tiny pipeline config whose transfers are serial unless a case asks for
+    --overlap-p2p-communication (on by default): the overlapped cases are compared with these."""
     return tiny_config(**{"num_layers": 4, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                          **overrides})
+                          "overlap_p2p_communication": False, **overrides})
 
 
 # Fraction of valid tokens of successive micro-batches in the token-weighting cases: far

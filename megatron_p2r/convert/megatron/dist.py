@@ -82,6 +82,7 @@ class DistCheckpoint:
     chunks of its key that cover its index on the leading (layer, expert) dimensions."""
 
     format = "torch_dist"
+    optimizer_not_read = None  # why the optimizer state is skipped (the legacy layout may say)
 
     def __init__(self, iter_dir: str):
         self.iter_dir = iter_dir

@@ -53,8 +53,9 @@ def import_megatron(src: str, dst: str, target: Target, *, force: bool = False,
                      f"{where.scheduler_steps} (--load continues them with your --lr and schedule flags); "
                      "Megatron's RNG states are not")
     else:
-        notes.append("weights only: Megatron's optimizer state, iteration and RNG states are not imported (a fresh "
-                     "optimizer starts, as with --finetune)")
+        why = f" ({source.optimizer_not_read})" if source.optimizer_not_read else ""
+        notes.append(f"weights only: Megatron's optimizer state, iteration and RNG states are not imported{why} (a "
+                     "fresh optimizer starts, as with --finetune)")
     finetune = "" if moments else " --finetune"
     notes.append(f"model and layout flags in {yaml_path}: train with --config {yaml_path} --load {dst}"
                  f"{finetune} plus data and training flags")

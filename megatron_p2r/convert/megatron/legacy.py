@@ -6,8 +6,12 @@ one ``torch.save`` per TP rank TT, pipeline stage PPP (present when PP > 1) and 
 rank EEE (present when EP > 1), as ``megatron/training/checkpointing.py: get_checkpoint_name``
 names them. Each holds ``args``, ``checkpoint_version``, ``iteration`` and ``model``: the state
 dict of that rank's modules, TP shards under local names -- layers numbered from 0 on every
-stage, experts numbered from 0 on every EP rank. A stage's first global layer is the number of
-layers the stages before it hold (so uneven splits read as they were saved); expert ``l`` of EP
+stage, experts numbered from 0 on every EP rank. Under a virtual pipeline (interleaved 1F1B,
+``args.virtual_pipeline_model_parallel_size`` V) it holds ``model0`` .. ``model{V-1}`` instead,
+one per model chunk, each numbering its layers from 0: chunk c of pipeline rank p is virtual
+stage ``c * PP + p``, and the virtual stages hold the layers in that order. A (virtual) stage's
+first global layer is the number of layers the stages before it hold (so uneven splits read as
+they were saved); expert ``l`` of EP
 rank ``r`` is global expert ``r * E / EP + l``. Dense tensors are replicated on every EP rank
 and TP-unsplit ones on every TP rank: the copy of EP rank 0 / TP rank 0 is read.
 """
@@ -59,16 +63,24 @@ class LegacyCheckpoint:
         if unexpected:
             raise CheckpointError(f"{os.path.join(iter_dir, unexpected[0])}: not a rank of the saved layout "
                                   f"(args: TP={a.tp}, PP={a.pp}, EP={a.ep}, so {len(expected)} mp_rank directories)")
+        self.chunks = int(a.get("virtual_pipeline_model_parallel_size") or 1) if a.pp > 1 else 1
+        # the optimizer's state lists follow the parameters of all chunks at once; not mapped yet
+        saved_optimizer = "optimizer" in first.obj or os.path.isfile(os.path.join(os.path.dirname(first.path),
+                                                                                  distrib_optim.FILE))
+        self.optimizer_not_read = ("its optimizer state of virtual pipeline model chunks is not read yet"
+                                   if self.chunks > 1 and saved_optimizer else None)
         self.glu = bool(a.get("swiglu"))
         self.local_experts = (a.get("num_experts") or 0) // a.ep
         self.names: Dict[str, Dict[int, LazyTensor]] = {}
         self.files: Dict[str, str] = {}
+        archives = {rank: first if rank == (0, 0, 0) else self._archive(d) for rank, d in expected.items()}
         offset = 0
-        for p in range(a.pp):
-            counts = {self._add(first if (t, p, e) == (0, 0, 0) else self._archive(expected[(t, p, e)]), t, e, p, offset)
-                      for e in range(a.ep) for t in range(a.tp)}
+        for virtual in range(a.pp * self.chunks):  # in the order of the layers
+            c, p = divmod(virtual, a.pp)
+            counts = {self._add(archives[(t, p, e)], c, t, e, p, offset) for e in range(a.ep) for t in range(a.tp)}
             if len(counts) != 1:
-                raise CheckpointError(f"{iter_dir}: the files of stage {p} hold different numbers of layers {counts}")
+                stage = f"stage {p}" + (f" model{c}" if self.chunks > 1 else "")
+                raise CheckpointError(f"{iter_dir}: the files of {stage} hold different numbers of layers {counts}")
             offset += counts.pop()
         if offset != a.required("num_layers"):
             raise CheckpointError(f"{iter_dir}: the stages hold {offset} layers, args.num_layers is "
@@ -92,23 +104,30 @@ class LegacyCheckpoint:
         if not isinstance(version, (int, float)) or version < 3.0:
             raise CheckpointError(f"{first.path}: checkpoint_version {version!r}; Megatron-LM checkpoints before "
                                   "version 3.0 order QKV differently and are not read")
-        if "model" not in first.obj:
-            keys = sorted(k for k in first.obj if isinstance(k, str))
-            why = (" (model0, model1, ...: virtual pipeline stages, not read from the legacy layout; save with "
-                   "--ckpt-format torch_dist)" if "model0" in keys else "")
-            raise CheckpointError(f"{first.path}: no 'model' in the saved dict (keys {keys}){why}")
         experts, etp = self.args.get("num_experts"), self.args.get("expert_tensor_parallel_size")
         if experts and etp not in (None, self.args.tp):
             raise CheckpointError(f"{first.path}: args.expert_tensor_parallel_size {etp} differs from "
                                   f"args.tensor_model_parallel_size {self.args.tp}; the legacy layout of such "
                                   "experts is not read (save with --ckpt-format torch_dist)")
 
-    def _add(self, archive: TorchArchive, t: int, e: int, stage: int, offset: int) -> int:
-        """Record the tensors of one rank file (and its optimizer state); returns how many layers
-        it holds."""
-        model = archive.obj.get("model")
+    def _model(self, archive: TorchArchive, chunk: int) -> dict:
+        """The state dict of model chunk ``chunk`` of a rank file (``model``, or ``model{chunk}``
+        under a virtual pipeline)."""
+        key = f"model{chunk}" if self.chunks > 1 else "model"
+        if key not in archive.obj:
+            keys = sorted(k for k in archive.obj if isinstance(k, str))
+            saved = (f"args.virtual_pipeline_model_parallel_size is {self.chunks}, so model0..model{self.chunks - 1}"
+                     if self.chunks > 1 else "args.virtual_pipeline_model_parallel_size is not set, so 'model'")
+            raise CheckpointError(f"{archive.path}: no {key!r} in the saved dict (keys {keys}; {saved})")
+        model = archive.obj[key]
         if not isinstance(model, dict):
-            raise CheckpointError(f"{archive.path}: 'model' is {type(model).__name__}, expected a state dict")
+            raise CheckpointError(f"{archive.path}: {key!r} is {type(model).__name__}, expected a state dict")
+        return model
+
+    def _add(self, archive: TorchArchive, chunk: int, t: int, e: int, stage: int, offset: int) -> int:
+        """Record the tensors of one model chunk of a rank file (and its optimizer state); returns
+        how many layers it holds."""
+        model = self._model(archive, chunk)
         layers, canonical = set(), {}
         for key, value in model.items():
             if IGNORED.search(key):
@@ -124,7 +143,8 @@ class LegacyCheckpoint:
             self.files.setdefault(name, archive.path)
         if layers != set(range(len(layers))):
             raise CheckpointError(f"{archive.path}: local layers {sorted(layers)} are not numbered 0..n-1")
-        self._add_optimizer_state(archive, model, canonical, t, stage)
+        if self.optimizer_not_read is None:
+            self._add_optimizer_state(archive, model, canonical, t, stage)
         return len(layers)
 
     def _add_optimizer_state(self, archive: TorchArchive, model: dict, canonical: Dict[str, str], t: int,

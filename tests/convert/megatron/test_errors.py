@@ -92,8 +92,12 @@ def test_legacy_contents(legacy):
     edit_rank_file(first, lambda s: s.update(checkpoint_version=2.0))
     fails(legacy, r"mp_rank_00_000/model_optim_rng.pt: checkpoint_version 2.0; .* before version 3.0")
     edit_rank_file(first, lambda s: s.update(checkpoint_version=3.0, model0=s.pop("model")))
-    fails(legacy, r"mp_rank_00_000/model_optim_rng.pt: no 'model' in the saved dict .* virtual pipeline stages")
-    edit_rank_file(first, lambda s: s.update(model=s.pop("model0"), args=None))
+    fails(legacy, r"mp_rank_00_000/model_optim_rng.pt: no 'model' in the saved dict \(keys .*'model0'.*; "
+                  r"args.virtual_pipeline_model_parallel_size is not set, so 'model'\)")
+    edit_rank_file(first, lambda s: s.update(model=s.pop("model0"),
+                                             args=megatron_args(GPT, *LEGACY_LAYOUT, virtual_pipeline_model_parallel_size=2)))
+    fails(legacy, r"mp_rank_00_000/model_optim_rng.pt: no 'model0' in the saved dict .* so model0..model1\)")
+    edit_rank_file(first, lambda s: s.update(args=None))
     fails(legacy, r"mp_rank_00_000/model_optim_rng.pt: 'args' is NoneType, expected Megatron's saved argparse")
     edit_rank_file(first, lambda s: s.update(args=megatron_args(GPT, *LEGACY_LAYOUT, num_layers=None)))
     fails(legacy, r"mp_rank_00_000/model_optim_rng.pt: args.num_layers is missing")

@@ -22,13 +22,14 @@ def test_import_gives_megatrons_logits(errors, name, tp):
 
 
 def test_the_fixtures_cover_megatrons_layouts():
-    """Both formats, TP > 1, PP > 1, EP > 1, bf16, optimizer state and the three model kinds are
-    among the fixtures."""
+    """Both formats, TP > 1, PP > 1 (also with virtual pipeline chunks), EP > 1, bf16, optimizer
+    state and the three model kinds are among the fixtures."""
     files = {name: os.listdir(os.path.join(fixture_logits(name)[0], "iter_0000003")) for name in FIXTURES}
     assert any("common.pt" in f for f in files.values()) and any("mp_rank_01" in f for f in files.values())
     assert any("mp_rank_00_001" in f for f in files.values())
     assert {"gpt", "llama", "mixtral"} == {name.split("_")[0] for name in FIXTURES}
     assert any("bf16" in name for name in FIXTURES) and any("_pp2" in name for name in FIXTURES)
+    assert any("_vp2" in name for name in FIXTURES)
     assert any(os.path.isfile(os.path.join(ROOT, name, "adam_state.pt")) for name in FIXTURES)
     assert fixture_logits(FIXTURES[0])[2].dtype == torch.float32
 
@@ -103,3 +104,21 @@ def test_a_megatron_run_continues_here(tmp_path, name):
     assert logits_error(ours, megatron["logits"])[1] <= 1e-5, logits_error(ours, megatron["logits"])
     fresh = continued_logits(str(tmp_path / "ours"), batch, megatron["tokens"], no_load_optim=True, **flags)
     assert logits_error(fresh, megatron["logits"])[1] > 1e-3
+
+
+def test_virtual_pipeline_optimizer_state_is_named_as_not_read(tmp_path):
+    """A virtual-pipeline checkpoint whose rank files come with the distributed optimizer's
+    distrib_optim.pt imports its weights only, and the note says the optimizer state was there
+    and why it is not read; without one the note does not claim it."""
+    import shutil
+    from megatron_p2r.convert.megatron.importer import import_megatron
+    from megatron_p2r.convert.reshard import Target
+    src = shutil.copytree(fixture_logits("gpt_legacy_pp2_vp2")[0], tmp_path / "src")
+    _, notes = import_megatron(str(src), str(tmp_path / "plain"), Target(1), progress=False)
+    assert not any("virtual pipeline" in n for n in notes)
+    for rank in ("mp_rank_00_000", "mp_rank_00_001"):
+        (src / "iter_0000003" / rank / "distrib_optim.pt").write_bytes(b"")
+    out, notes = import_megatron(str(src), str(tmp_path / "ours"), Target(1), progress=False)
+    note = next(n for n in notes if n.startswith("weights only"))
+    assert "optimizer state of virtual pipeline model chunks is not read" in note, note
+    assert os.path.isdir(out)
