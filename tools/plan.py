@@ -100,7 +100,7 @@ def planner_parser() -> argparse.ArgumentParser:
                    help="Per-GPU bytes for the CUDA context, NCCL buffers and allocator slack.")
     g.add_argument("--fs-write-bw", type=float, default=FS_WRITE_BW,
                    help="Filesystem write bytes/s, all nodes together, for the checkpoint's write time (default "
-                        "1e11: a mid-size parallel filesystem).")
+                        "1e11: an assumed mid-size parallel filesystem; give your cluster's).")
     g.add_argument("--fs-node-write-bw", type=float,
                    help="Filesystem write bytes/s one node reaches (default: the node's network, --inter-node-bw "
                         "times --gpus-per-node).")

@@ -18,7 +18,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from megatron_p2r.checkpoint.naming import OPTIM_KINDS
 from megatron_p2r.checkpoint.parallel_save import assign_writers
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo, tensor_table
 from megatron_p2r.config import Config
@@ -26,11 +25,10 @@ from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Layout
 
 FP32 = 4
-KINDS = ("model",) + OPTIM_KINDS   # weight, exp_avg, exp_avg_sq, step
 
-# Default bandwidths, bytes/s. Aggregate: a mid-size parallel filesystem (Lustre or GPFS appliances
-# are sold by the 10-100 GB/s; the planner takes 100 GB/s). Per node: none beyond the node's
-# network (its GPUs' --inter-node-bw together), over which the writes leave the node.
+# Default bandwidths, bytes/s. Aggregate: an assumed mid-size parallel filesystem (Lustre, GPFS)
+# of 100 GB/s, not a measurement: set the cluster's own with --fs-write-bw. Per node: nothing
+# below the node's network (its GPUs' --inter-node-bw together), over which the writes leave it.
 FS_WRITE_BW = 100e9
 
 
