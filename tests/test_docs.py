@@ -199,6 +199,11 @@ def _korthikanti_table(argv):
     korthikanti_table.main(argv)
 
 
+def _checkpoint_cost(argv):
+    from benchmarks import checkpoint_cost
+    checkpoint_cost.main(argv)
+
+
 def _memory_per_rank(argv):
     from benchmarks import memory_per_rank
     memory_per_rank.main(argv)
@@ -209,6 +214,7 @@ DOCUMENTED_OUTPUTS = [
     ("docs/scale.md", "python benchmarks/korthikanti_table.py", _korthikanti_table, []),
     ("docs/scale.md", "python benchmarks/korthikanti_table.py --fits", _korthikanti_table, ["--fits"]),
     ("docs/scale.md", "python benchmarks/memory_per_rank.py --tables", _memory_per_rank, ["--tables"]),
+    ("docs/checkpoint.md", "python benchmarks/checkpoint_cost.py", _checkpoint_cost, []),
 ]
 
 

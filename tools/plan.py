@@ -28,6 +28,10 @@ Each phase's verdict checks two memory tiers and names the one that overflows, a
 the GPU (the rank needing the most) and the host (the node whose GPUs offload the most, against
 the preset's node memory, or --host-memory per GPU / --host-memory-per-node).
 
+Each phase also reports what one checkpoint costs (``planning/checkpoint_cost.py``, docs/checkpoint.md):
+bytes per rank and per node, the write time at --fs-write-bw / --fs-node-write-bw, the training
+stall per save with and without --async-save, and host memory during the save.
+
 Exit status: 0 when every phase fits and every check passes, 1 otherwise, 2 for bad flags.
 """
 from __future__ import annotations
@@ -47,6 +51,7 @@ from megatron_p2r.config.batch import train_iters
 from megatron_p2r.config.ranges import Range, at_least, positive
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.planning.breakeven import p2r_break_even
+from megatron_p2r.planning.checkpoint_cost import FS_WRITE_BW
 from megatron_p2r.planning.estimate import Plan, make_plan
 from megatron_p2r.planning.hardware import GPU_PRESETS, GiB
 from megatron_p2r.planning.memory import logical_parameter_count
@@ -93,6 +98,12 @@ def planner_parser() -> argparse.ArgumentParser:
                    help="Host memory bytes/s one GPU's host AdamW streams (28 B per parameter).")
     g.add_argument("--reserve", type=parse_bytes, default=GiB,
                    help="Per-GPU bytes for the CUDA context, NCCL buffers and allocator slack.")
+    g.add_argument("--fs-write-bw", type=float, default=FS_WRITE_BW,
+                   help="Filesystem write bytes/s, all nodes together, for the checkpoint's write time (default "
+                        "1e11: an assumed mid-size parallel filesystem; give your cluster's).")
+    g.add_argument("--fs-node-write-bw", type=float,
+                   help="Filesystem write bytes/s one node reaches (default: the node's network, --inter-node-bw "
+                        "times --gpus-per-node).")
     g.add_argument("--token-budget", type=parse_count, help="Tokens to train (for the days estimate).")
     g.add_argument("--p2r-switch-iters", type=int,
                    help="Pseudo-phase steps for the break-even (default 10%% of the run: --token-budget / tokens "
@@ -111,7 +122,7 @@ def planner_parser() -> argparse.ArgumentParser:
 _PLANNER_RANGES = [("world_size", at_least(1, 2 ** 20)), ("gpus_per_node", at_least(1, 2 ** 10)),
                    ("compute_efficiency", Range(0.0, 1.0, low_open=True)), ("gpu_flops", positive()),
                    ("intra_node_bw", positive()), ("inter_node_bw", positive()), ("host_bw", positive()),
-                   ("host_optimizer_bw", positive()), ("token_budget", Range(0.0)),
+                   ("host_optimizer_bw", positive()), ("fs_write_bw", positive()), ("fs_node_write_bw", positive()), ("token_budget", Range(0.0)),
                    ("gpu_memory", at_least(1, 2 ** 60)), ("host_memory", at_least(1, 2 ** 60)),
                    ("host_memory_per_node", at_least(1, 2 ** 60)),
                    ("reserve", at_least(0, 2 ** 60)), ("p2r_switch_iters", at_least(1))]
@@ -313,10 +324,30 @@ def format_plans(plans: Dict[str, Plan]) -> str:
                      f"{pl.tokens_per_step / pl.step_time_s:,.0f} tokens/s")
         if pl.days is not None:
             lines.append(f"   {pl.token_budget:.3g} tokens: {pl.days:.1f} days")
+        lines += _checkpoint_lines(pl.checkpoint)
         for problem in pl.problems:
             lines.append(f"   ! {problem}")
         lines.append("   " + verdict_line(pl.tiers))
     return "\n".join(lines)
+
+
+def _configured(async_save) -> str:
+    """Which of the two stalls this configuration gets (nothing when the config has no --async-save)."""
+    if async_save is None:
+        return ""
+    return " (this run: async)" if async_save else " (this run: synchronous)"
+
+
+def _checkpoint_lines(c: dict) -> List[str]:
+    writers = "every rank writes what it owns" if c["writers"] == "fully_parallel" else "one writer per shard"
+    stall, host = c["stall_s"], c["host_bytes_during_save"]
+    return [f"   checkpoint {c['total_bytes'] / 1e12:.3g} TB ({writers}, {c['writing_ranks']} ranks): "
+            f"{c['rank_bytes_max'] / GiB:.2f} GiB per rank, {c['node_bytes_max'] / GiB:.1f} GiB per node (max); "
+            f"write {c['write_s']:.1f} s at {c['fs_write_bw'] / 1e9:.3g} GB/s, {c['fs_node_write_bw'] / 1e9:.3g} GB/s "
+            f"per node",
+            f"   stall per save: {stall['sync']:.1f} s, with --async-save {stall['async']:.2f} s (device to host)"
+            f"{_configured(c['async_save'])}; "
+            f"host memory during save per rank {host['sync'] / GiB:.2f} GiB, async {host['async'] / GiB:.2f} GiB"]
 
 
 def p2r_summary(plans: Dict[str, Plan], configs: Dict[str, Config], switch_iters: Optional[int]) -> Optional[dict]:
@@ -373,7 +404,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             check(cfg, args.world_size)
         plans = {phase: make_plan(cfg, args.world_size, gpu, efficiency=args.compute_efficiency,
                                   host_optimizer_bw=args.host_optimizer_bw, token_budget=args.token_budget,
-                                  reserve=args.reserve)
+                                  reserve=args.reserve, fs_write_bw=args.fs_write_bw,
+                                  fs_node_write_bw=args.fs_node_write_bw)
                  for phase, cfg in configs.items()}
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -136,9 +136,11 @@ class ShardLayout:
         return [f for s in range(self.pp) for f in self.stage_files(s)]
 
 
-def tensor_table(cfg: Config) -> Dict[str, TensorInfo]:
+def tensor_table(cfg: Config, experts: bool = True) -> Dict[str, TensorInfo]:
     """Every piece of the model ``cfg`` describes, in file order (stage by stage), from the
-    ParallelPlan's tensor specs (checked against meta-device builds of the model)."""
+    ParallelPlan's tensor specs (checked against meta-device builds of the model). Without
+    ``experts``, the expert pieces are left out (a 10T model has millions of them, which the
+    planner counts per stacked parameter instead)."""
     plan = ParallelPlan.model_parallel(cfg)
     tp, ep = plan.layout.tp, plan.layout.ep
     users = plan.slot_users()
@@ -152,6 +154,8 @@ def tensor_table(cfg: Config) -> Dict[str, TensorInfo]:
             shape = list(spec.shape)
             if spec.tp_dim is not None:
                 shape[spec.tp_dim] *= tp
+            if spec.expert and not experts:
+                continue
             if spec.expert:
                 for e in range(shape[0] * ep):
                     key = expert_key(logical, e)

@@ -13,6 +13,7 @@ from megatron_p2r.layout.ranks import Layout
 from megatron_p2r.metrics import model_flops_per_token
 from megatron_p2r.pipeline.order import step_slots
 from megatron_p2r.planning.activations import activation_memory, with_recompute
+from megatron_p2r.planning.checkpoint_cost import FS_WRITE_BW, Bandwidths, checkpoint_cost
 from megatron_p2r.planning.communication import communication
 from megatron_p2r.planning.hardware import GiB, GPUSpec
 from megatron_p2r.planning.memory import (async_save_host_bytes, expert_parameter_count, logical_parameter_count,
@@ -67,6 +68,7 @@ class Plan:
     tiers: Dict[str, TierVerdict]   # "gpu", "host": need, capacity and overflow of each memory tier
     fits: bool
     problems: List[str]
+    checkpoint: Optional[dict] = None   # planning/checkpoint_cost.py
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -214,13 +216,15 @@ def _overflow_problem(est: StageEstimate, layout: Layout, gpu: GPUSpec) -> str:
 
 def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float = 0.4,
               host_optimizer_bw: float = 10e9, token_budget: Optional[float] = None,
-              reserve: int = GiB) -> Plan:
+              reserve: int = GiB, fs_write_bw: float = FS_WRITE_BW,
+              fs_node_write_bw: Optional[float] = None) -> Plan:
     """Plan every rank of ``cfg`` on ``world_size`` GPUs of kind ``gpu``.
 
     ``efficiency``: fraction of the GPU's peak FLOP/s the matmuls reach; ``host_optimizer_bw``:
     bytes/s of host memory one GPU's host-side AdamW streams (28 B per parameter);
     ``reserve``: CUDA context, NCCL buffers and allocator slack per GPU. Host memory is
-    ``gpu``'s node's (``GPUSpec.with_node`` overrides it).
+    ``gpu``'s node's (``GPUSpec.with_node`` overrides it). ``fs_write_bw`` / ``fs_node_write_bw``:
+    the filesystem's write bytes/s, aggregate and per node (default: the node's network).
     """
     plan = ParallelPlan.for_world(cfg, world_size)
     layout, m = plan.layout, cfg.model
@@ -253,4 +257,7 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
                 mfu=model_flops / (step * world_size * peak),
                 days=token_budget / tokens * step / 86400 if token_budget else None, token_budget=token_budget,
                 host_per_node=tiers["host"].need, host_capacity_per_node=tiers["host"].capacity, tiers=tiers,
-                fits=all(t.fits for t in tiers.values()), problems=problems)
+                fits=all(t.fits for t in tiers.values()), problems=problems,
+                checkpoint=checkpoint_cost(cfg, layout, gpu.gpus_per_node, Bandwidths(
+                    fs_write=fs_write_bw, fs_node_write=fs_node_write_bw or gpu.inter_node_bw * gpu.gpus_per_node,
+                    host=gpu.host_bw)))
