@@ -100,8 +100,9 @@ def pipelined_step(cfg, ps: ParallelState, microbatches: List[dict], schedule: s
     state = build_train_state(cfg, ps)
     state.ddp.zero_grad_buffer(len(microbatches))
     fb = get_forward_backward_func(ps, schedule, num_model_chunks=state.plan.num_model_chunks)
-    # the schedules take overlap_p2p_comm whether interleaved or not (the flag reaches only interleaving)
-    overlap = {"overlap_p2p_comm": True} if cfg.parallel.overlap_p2p_communication else {}
+    # the pipelined schedules take overlap_p2p_comm whether interleaved or not (training passes it
+    # to interleaving only); one stage has nothing to receive
+    overlap = {"overlap_p2p_comm": True} if cfg.parallel.overlap_p2p_communication and ps.pp_size > 1 else {}
     loss = fb(state.model, microbatches, ps, loss_scale=1.0, stats=stats,
               on_backward_scale=aux_loss.set_backward_scale, **overlap)
     if ps.is_last_stage and loss is None:

@@ -91,8 +91,8 @@ CHECKPOINT_CASES = {
     "rng file is a FIFO": (lambda ck, out: _fifo(ck, f"{RNG}/rank_00000.safetensors"), "is a FIFO"),
     "metadata.json is a FIFO": (lambda ck, out: _fifo(ck, f"{IT}/metadata.json"), "is a FIFO"),
     "latest is a FIFO": (lambda ck, out: _fifo(ck, "latest_checkpointed_iteration.txt"), "is a FIFO"),
-    "files names ../": (lambda ck, out: _rename_file_entry(ck, "../../outside/" + SHARD), "not a shard file"),
-    "files names an absolute path": (lambda ck, out: _rename_file_entry(ck, str(out / SHARD)), "not a shard file"),
+    "files names ../": (lambda ck, out: _rename_file_entry(ck, "../../outside/" + SHARD), "does not list the config.s layout.s 1 shard files"),
+    "files names an absolute path": (lambda ck, out: _rename_file_entry(ck, str(out / SHARD)), "does not list the config.s layout.s 1 shard files"),
 }
 
 
