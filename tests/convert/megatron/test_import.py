@@ -12,8 +12,6 @@ import os
 import pytest
 import torch
 
-from megatron_p2r.arguments import config_from_values, load_yaml
-from megatron_p2r.checkpoint.io import load_checkpoint
 from megatron_p2r.convert.megatron.importer import import_megatron
 from megatron_p2r.checkpoint.metadata import read_metadata
 from megatron_p2r.convert.reshard import Target
@@ -21,6 +19,7 @@ from megatron_p2r.testing import run_distributed
 from tests.convert.megatron.fixtures import (GPT, LLAMA, MIXTRAL, make_weights, megatron_args, write_legacy,
                                                 write_torch_dist)
 from tests.checkpoint.common import streaming_rss_growth
+from tests.convert.megatron.megatron_written import loaded
 from tests.convert.megatron.reference import megatron_loss
 
 SPECS = {"llama": LLAMA, "mixtral": MIXTRAL}
@@ -57,18 +56,7 @@ def our_loss(ckpt, tokens, labels, world=None):
     """Eval loss of the imported checkpoint, built from its model.yaml and loaded with --load alone
     (a fresh optimizer and LR schedule are part of the import), on one process or this rank of
     ``world`` gloo ranks."""
-    from megatron_p2r.layout.plan import ParallelPlan
-    from megatron_p2r.parallel.state import ParallelState, initialize_plan
-    from megatron_p2r.training import build_train_state
-    values = load_yaml(os.path.join(ckpt, "model.yaml"))
-    cfg = config_from_values({**values, "mock_data": True, "micro_batch_size": 2, "global_batch_size": 2,
-                              "device": "cpu"})
-    plan, ps = None, ParallelState.single()
-    if world is not None:
-        plan = ParallelPlan.for_world(cfg, world)
-        ps = initialize_plan(plan, torch.device("cpu"))
-    state = build_train_state(cfg, ps, plan)
-    load_checkpoint(ckpt, state)
+    state = loaded(ckpt, 2, world)
     with torch.no_grad():
         return state.model.eval()(tokens=tokens, labels=labels).mean().item()
 
