@@ -156,8 +156,12 @@ class AllocTracker(TorchDispatchMode):
 
     def held(self) -> int:
         """Bytes alive now, once cyclic garbage is collected (its release would depend on when
-        the collector runs)."""
+        the collector runs) and, on several ranks, once the collectives already waited on have
+        released their buffers (gloo's threads drop them a moment after the wait returns)."""
         gc.collect()
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            gc.collect()
         return self.live
 
 
