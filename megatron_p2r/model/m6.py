@@ -71,6 +71,24 @@ class Embedding(nn.Module):
             return nn.functional.dropout(x, p)
 
 
+def logits_or_loss(x: torch.Tensor, weight: torch.Tensor, labels: Optional[torch.Tensor],
+                   loss_mask: Optional[torch.Tensor], group, sequence_parallel: bool) -> torch.Tensor:
+    """Logits ``[b, s, V/TP]``, or with ``labels`` the loss fused with the output layer."""
+    if labels is None:
+        return column_parallel_linear(x, weight, None, group, sequence_parallel)
+    return output_cross_entropy(x, weight, labels, group, sequence_parallel, loss_mask)
+
+
+class OutputLayer(ColumnParallelLinear):
+    """The last stage's output layer, fused with the loss. Its weight is read inside its own
+    forward, never directly by the model: module hooks run before it is read (the overlapped
+    parameter all-gather waits in one, ``parallel/ddp.py``)."""
+
+    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return logits_or_loss(x, self.weight, labels, loss_mask, self.group, self.sequence_parallel)
+
+
 class M6Model(nn.Module):
     """One pipeline stage: its model chunks (virtual stages; one without interleaving).
     ``forward(..., chunk=c)`` takes token ids (first virtual stage) or the previous virtual
@@ -103,8 +121,8 @@ class M6Model(nn.Module):
         self.output_layer = None
         tied = not m.untie_embeddings_and_output_weights
         if stage.last and not (tied and stage.first):
-            self.output_layer = ColumnParallelLinear(m.hidden_size, m.padded_vocab_size, ps,
-                                                     bias=False, init_std=m.init_method_std, device=device)
+            self.output_layer = OutputLayer(m.hidden_size, m.padded_vocab_size, ps, bias=False,
+                                            init_std=m.init_method_std, sequence_parallel=sp, device=device)
             if tied:  # a replica of the first stage's embedding; gradients summed over the embedding group
                 self.output_layer.weight.shared_name = WORD_EMBEDDING
         self.rope_base = m.rotary_base if m.position_embedding_type == "rope" else None
@@ -164,11 +182,11 @@ class M6Model(nn.Module):
         if not spec.last:
             return x
         x = self.final_norm(x)
-        # the output layer, or with tied weights on a single stage the input embedding
-        weight = (self.output_layer if self.output_layer is not None else self.embedding.word_embeddings).weight
-        if labels is None:
-            return column_parallel_linear(x, weight, None, self.ps.group("tp"), self.sequence_parallel)
-        return output_cross_entropy(x, weight, labels, self.ps.group("tp"), self.sequence_parallel, loss_mask)
+        if self.output_layer is not None:
+            return self.output_layer(x, labels, loss_mask)
+        # tied weights on a single stage: the input embedding's, already gathered by its forward
+        return logits_or_loss(x, self.embedding.word_embeddings.weight, labels, loss_mask, self.ps.group("tp"),
+                              self.sequence_parallel)
 
     def _run_layers(self, positions: Iterable[int], x: torch.Tensor, rope) -> torch.Tensor:
         for position in positions:
