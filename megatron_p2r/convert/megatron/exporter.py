@@ -74,7 +74,7 @@ def export_megatron(src: str, dst: str, *, ckpt_format: str = "torch_dist", tp: 
             write_dist(iter_dir, tensors, {**header, "content_metadata": dict(CONTENT_METADATA)})
         else:
             m = cfg.model
-            write_legacy(iter_dir, tensors, header, layout, m.num_layers, m.num_experts or 0, m.swiglu)
+            write_legacy(iter_dir, tensors, header, layout, m.num_layers, m.num_experts or 0, m.gated_linear_unit)
         write_text_atomic(os.path.join(tmp, TRACKER_FILE), str(iteration))
     return os.path.join(dst, name), _notes(source, layout, args)
 

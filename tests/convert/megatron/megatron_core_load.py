@@ -17,7 +17,8 @@ CUDA-only calls on that path, answered on CPU without touching Megatron's math:
 ``get_device_arch_version`` (a warning under TP > 1) answers 10; ``read_metadata`` all-reduces
 the tracker's iteration in a CUDA tensor across ranks, so it runs as if alone (every rank reads
 the same file); the RNG tracker's ``fork`` is a no-op (eval mode, no dropout drawn);
-``torch.cuda.current_device`` answers "cpu", ``device_count`` 1; ``moe_utils.te_general_gemm``
+``torch.cuda.current_device`` answers "cpu", ``device_count`` 1; ``torch.ones`` (asked for
+``device="cuda"`` by ``get_sliding_window_causal_mask``) places on CPU; ``moe_utils.te_general_gemm``
 (undefined without Transformer Engine) is None so the router takes its ``torch.mm`` path.
 """
 import contextlib
@@ -44,6 +45,8 @@ def _work_around_cuda() -> None:
     moe_utils.te_general_gemm = None
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.device_count = lambda: 1
+    ones = torch.ones
+    torch.ones = lambda *a, device=None, **k: ones(*a, **k)  # every tensor is on CPU here
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     read_metadata = checkpointing.read_metadata
 

@@ -33,7 +33,7 @@ PYTHON = os.environ.get("P2R_MEGATRON_PYTHON", sys.executable)
 # (model, format, Megatron's TP, EP): the export written for that layout, loaded by that many ranks
 CASES = [("gpt", "torch_dist", 1, 1), ("gpt", "torch", 2, 1), ("llama", "torch_dist", 2, 1),
          ("llama", "torch", 1, 1), ("moe", "torch_dist", 1, 2), ("moe", "torch", 2, 1), ("moe", "torch", 1, 2),
-         ("qwen", "torch_dist", 2, 1)]
+         ("qwen", "torch_dist", 2, 1), ("gptoss", "torch_dist", 2, 1), ("gptoss", "torch", 1, 2)]
 
 
 def _env():
