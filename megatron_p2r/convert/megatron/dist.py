@@ -67,7 +67,10 @@ def _field(record, name: str, where: str):
 
 
 def _adam_step(optimizer, where: str):
-    """Adam's step count from common.pt's ``optimizer`` (``state.common_step``), or None."""
+    """Adam's step count from common.pt's ``optimizer`` (``state.common_step``; under --bf16/--fp16
+    the Float16 optimizer nests torch's state dict in ``optimizer``), or None."""
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("optimizer"), dict):
+        optimizer = optimizer["optimizer"]
     state = optimizer.get("state") if isinstance(optimizer, dict) else None
     step = state.get("common_step") if isinstance(state, dict) else None
     if step is None:

@@ -138,9 +138,9 @@ def _gpt_oss_flags(args: argparse.Namespace) -> List[str]:
 
 
 def megatron_args(cfg: Config, layout: MegatronLayout, *, iteration: int, consumed_samples: int,
-                  dtype: str) -> argparse.Namespace:
-    """The args of a checkpoint of the real model ``cfg`` written for ``layout``, checked by
-    reading them back."""
+                  dtype: str, optimizer: bool = False) -> argparse.Namespace:
+    """The args of a checkpoint of the real model ``cfg`` written for ``layout`` (with the
+    optimizer state or not), checked by reading them back."""
     m = cfg.model
     check_expressible(m)
     vocab, divisor = megatron_vocab(m, layout.tp)
@@ -152,7 +152,7 @@ def megatron_args(cfg: Config, layout: MegatronLayout, *, iteration: int, consum
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.tp,
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
         ckpt_format=layout.ckpt_format, use_dist_ckpt=layout.ckpt_format != "torch",
-        no_save_optim=True, no_save_rng=True, iteration=iteration, consumed_train_samples=consumed_samples,
+        no_save_optim=not optimizer, no_save_rng=True, iteration=iteration, consumed_train_samples=consumed_samples,
         consumed_valid_samples=0, skipped_train_samples=0, bf16=dtype == "bfloat16", fp16=dtype == "float16",
         tokenizer_type=cfg.data.tokenizer_type, tokenizer_model=cfg.data.tokenizer_model,
         vocab_file=cfg.data.vocab_file, merge_file=cfg.data.merge_file)

@@ -5,6 +5,10 @@ Run by test_export_megatron_core.py with an interpreter that has megatron-core a
 
     python megatron_core_load.py CHECKPOINT TOKENS.pt OUT.pt TP EP [extra Megatron flags...]
 
+With TOKENS.pt holding {"tokens", "batch"}, Megatron also builds its DDP, non-distributed
+optimizer and LR scheduler from the args, loads them with the model (``load_checkpoint``,
+strict) and takes one training step on the batch before the forward on the tokens.
+
 With OUT.json instead, it writes the keys megatron-core's model asks a torch_dist checkpoint for
 (``sharded_state_dict`` with its factories applied): {key: global shape, or null for an object}.
 
@@ -17,11 +21,13 @@ CUDA-only calls on that path, answered on CPU without touching Megatron's math:
 ``get_device_arch_version`` (a warning under TP > 1) answers 10; ``read_metadata`` all-reduces
 the tracker's iteration in a CUDA tensor across ranks, so it runs as if alone (every rank reads
 the same file); the RNG tracker's ``fork`` is a no-op (eval mode, no dropout drawn);
-``torch.cuda.current_device`` answers "cpu", ``device_count`` 1; ``torch.ones`` (asked for
-``device="cuda"`` by ``get_sliding_window_causal_mask``) places on CPU; ``moe_utils.te_general_gemm``
+``torch.cuda.current_device`` answers "cpu", ``device_count`` 1; ``torch.ones``, ``tensor``,
+``zeros`` and ``empty`` (asked for ``device="cuda"`` by ``get_sliding_window_causal_mask`` and
+for the optimizer's scalars) place on CPU; ``moe_utils.te_general_gemm``
 (undefined without Transformer Engine) is None so the router takes its ``torch.mm`` path.
 """
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -45,8 +51,8 @@ def _work_around_cuda() -> None:
     moe_utils.te_general_gemm = None
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.device_count = lambda: 1
-    ones = torch.ones
-    torch.ones = lambda *a, device=None, **k: ones(*a, **k)  # every tensor is on CPU here
+    for name in ("ones", "tensor", "zeros", "empty"):  # the sliding-window mask, the optimizer's scalars
+        setattr(torch, name, functools.partial(_anywhere, getattr(torch, name)))
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     read_metadata = checkpointing.read_metadata
 
@@ -58,6 +64,11 @@ def _work_around_cuda() -> None:
         finally:
             dist.is_initialized = initialized
     checkpointing.read_metadata = read_alone
+
+
+def _anywhere(factory, *args, device=None, **kwargs):
+    """``factory`` with a CUDA ``device`` placed on CPU (the default device)."""
+    return factory(*args, device=None if "cuda" in str(device) else device, **kwargs)
 
 
 def _args(ckpt: str, tp: int, ep: int, extra):
@@ -106,6 +117,32 @@ def _sharded_keys(model, args) -> dict:
     return keys
 
 
+def _resume(model, args, batch) -> None:
+    """Megatron's DDP, optimizer and LR scheduler, built from the args as
+    ``setup_model_and_optimizer`` builds them and loaded with the model by ``load_checkpoint``,
+    then one training step on ``batch`` [b, s + 1]: the mean token loss, as ``pretrain_gpt``'s
+    loss, and the scheduler stepped by the global batch, as its train loop steps it."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.training.checkpointing import load_checkpoint
+    from megatron.training.training import get_megatron_optimizer_config, get_optimizer_param_scheduler
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    config, overrides = get_megatron_optimizer_config(args)
+    optimizer = get_megatron_optimizer(config, [ddp], config_overrides=overrides)
+    scheduler = get_optimizer_param_scheduler(optimizer)
+    load_checkpoint([ddp], optimizer, scheduler, strict=True)
+    seq = batch.shape[1] - 1
+    positions = torch.arange(seq).unsqueeze(0).expand(batch.shape[0], seq)
+    mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)
+    ddp.train()
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    ddp(batch[:, :-1], positions, mask, labels=batch[:, 1:]).float().mean().backward()
+    finalize_model_grads([ddp])
+    assert optimizer.step()[0], "Megatron's step was skipped"
+    scheduler.step(increment=args.global_batch_size)
+
+
 def _rank(rank: int, world: int, port: int, ckpt: str, tokens_path: str, out: str, tp: int, ep: int, extra) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -124,8 +161,12 @@ def _rank(rank: int, world: int, port: int, ckpt: str, tokens_path: str, out: st
                 json.dump(_sharded_keys(model, args), fh, indent=1, sort_keys=True)
         dist.destroy_process_group()
         return
-    load_checkpoint([model], None, None, strict=True)
-    tokens = torch.load(tokens_path, weights_only=True)
+    inputs = torch.load(tokens_path, weights_only=True)
+    tokens = inputs["tokens"] if isinstance(inputs, dict) else inputs
+    if isinstance(inputs, dict):
+        _resume(model, args, inputs["batch"])
+    else:
+        load_checkpoint([model], None, None, strict=True)
     seq = tokens.shape[1]
     positions = torch.arange(seq).unsqueeze(0).expand_as(tokens)
     mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)  # True: masked out
