@@ -68,7 +68,13 @@ def _field(record, name: str, where: str):
 
 def _adam_step(optimizer, where: str):
     """Adam's step count from common.pt's ``optimizer`` (``state.common_step``; under --bf16/--fp16
-    the Float16 optimizer nests torch's state dict in ``optimizer``), or None."""
+    the Float16 optimizer nests torch's state dict in ``optimizer``; a ChainedOptimizer, as with
+    experts, saves one per index), or None."""
+    if isinstance(optimizer, dict) and optimizer and all(isinstance(k, int) for k in optimizer):
+        steps = {_adam_step(chained, where) for chained in optimizer.values()}
+        if len(steps) != 1:
+            raise CheckpointError(f"{where}: the chained optimizers' steps differ: {sorted(steps, key=str)}")
+        return steps.pop()
     if isinstance(optimizer, dict) and isinstance(optimizer.get("optimizer"), dict):
         optimizer = optimizer["optimizer"]
     state = optimizer.get("state") if isinstance(optimizer, dict) else None

@@ -7,11 +7,12 @@ builds them from the model's sharded keys with ``optim_state_to_sharding_state``
                                         weight's own key, global shape and stacking
     optimizer.state.fp32_param.KEY      --bf16 (``Float16OptimizerWithFloat16Params``): the fp32 mains
     common.pt "optimizer"               {"state": {"common_step": step}, "param_groups": [...]};
-                                        under --bf16 nested in {"optimizer": ...}
+                                        under --bf16 nested in {"optimizer": ...}; with experts
+                                        under EP > 1 {0: the dense parameters', 1: the experts'}
     common.pt "opt_param_scheduler"     ``OptimizerParamScheduler.state_dict()``, in samples
 
 The groups are Megatron's ``_get_param_groups`` for our model: weight decay, then no weight
-decay (biases and 1-D parameters, ``wd_mult`` 0), with AdamW's hyper-parameters (Megatron takes
+decay (biases and 1-D parameters, ``wd_mult`` 0), the experts' apart under EP > 1, with AdamW's hyper-parameters (Megatron takes
 ``betas`` and ``eps`` from the checkpoint; its scheduler sets ``lr`` and ``weight_decay``). Their
 ``params`` are not saved: megatron-core keeps the loading run's (``LocalNonpersistentObject``),
 matching the saved groups by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr), so the
@@ -54,8 +55,6 @@ def not_exported(source: SourceCheckpoint, ckpt_format: str, dtype: str) -> Opti
     reasons = [(not source.meta["optimizer"], "the checkpoint has no optimizer state"),
                (ckpt_format != "torch_dist", "the optimizer state is written in torch_dist only"),
                (source.pseudo, "a pseudo-phase checkpoint's optimizer state is not delinked"),
-               (bool(source.real_cfg.model.num_experts), "megatron-core keeps the experts' state in a second "
-                                                         "(chained) optimizer, not written yet"),
                (dtype == "float16", "--dtype float16 needs Megatron's loss scaler state, not written"),
                (t.decoupled_lr is not None, "--decoupled-lr gives Megatron other parameter groups")]
     return next((why for failed, why in reasons if failed), None)
@@ -80,19 +79,33 @@ def scheduler_state(cfg: Config, num_steps: int, world_size: int) -> dict:
             "wd_incr_style": "constant", "wd_incr_steps": samples}
 
 
-def param_groups(cfg: Config, lr: float) -> List[dict]:
-    """Megatron's two parameter groups (without ``params``) for a dense model: weight decay, then
-    none (``wd_mult`` 0)."""
+def param_groups(cfg: Config, lr: float, experts: bool) -> List[dict]:
+    """Megatron's parameter groups (without ``params``) of the dense parameters or of the
+    experts: weight decay, then none (``wd_mult`` 0: norms and biases; experts have it only with
+    biases)."""
     t = cfg.train
-    return [{"is_expert_parallel": False, "default_config": True, "wd_mult": wd_mult, "lr_mult": 1.0,
+    wd_mults = (1.0, 0.0) if not experts or cfg.model.add_bias else (1.0,)
+    return [{"is_expert_parallel": experts, "default_config": True, "wd_mult": wd_mult, "lr_mult": 1.0,
              "is_decoupled_lr": False, "max_lr": t.lr, "min_lr": t.min_lr, "lr": lr,
              "betas": (t.adam_beta1, t.adam_beta2), "eps": t.adam_eps, "weight_decay": t.weight_decay * wd_mult,
-             **_ADAM_OPTIONS} for wd_mult in (1.0, 0.0)]
+             **_ADAM_OPTIONS} for wd_mult in wd_mults]
 
 
-def optimizer_export(source: SourceCheckpoint, plan: Inverses, dtype: str) -> OptimizerExport:
+def _common_state(cfg: Config, step: float, lr: float, dtype: str, expert_parallel: bool) -> dict:
+    """common.pt's ``optimizer``: megatron-core's optimizer of the dense parameters, and under
+    expert parallelism (EP > 1: only then are the experts' parameters ``allreduce=False``) a
+    ``ChainedOptimizer`` of it and the experts' ({0: dense, 1: experts})."""
+    optimizers = []
+    for experts in (False, True)[:1 + expert_parallel]:
+        state = {"state": {"common_step": torch.tensor(step)}, "param_groups": param_groups(cfg, lr, experts)}
+        # Float16OptimizerWithFloat16Params nests torch's state dict
+        optimizers.append({"optimizer": state} if dtype == "bfloat16" else state)
+    return optimizers[0] if len(optimizers) == 1 else dict(enumerate(optimizers))
+
+
+def optimizer_export(source: SourceCheckpoint, plan: Inverses, dtype: str, ep: int) -> OptimizerExport:
     """Every canonical Megatron tensor's moments (and fp32 main under --bf16), made from our
-    pieces' by the weights' own reordering, with the common state."""
+    pieces' by the weights' own reordering, with the common state of a Megatron run of EP ``ep``."""
     cfg = source.real_cfg
     kinds = MOMENTS + (("main",) if dtype == "bfloat16" else ())
     tensors: Dict[str, Dict[str, torch.Tensor]] = {kind: {} for kind in kinds}
@@ -104,11 +117,9 @@ def optimizer_export(source: SourceCheckpoint, plan: Inverses, dtype: str) -> Op
         steps.update(float(source.read(k, "step")) for k in keys)
     if len(steps) != 1:
         raise CheckpointError(f"{source.iter_dir}: Adam steps {sorted(steps)} differ between parameters; Megatron keeps "
-                         "one common step")
+                              "one common step")
     scheduler = scheduler_state(cfg, int(source.meta["scheduler"]["num_steps"]), _world_size(source))
     lr = learning_rate(scheduler["num_steps"], scheduler["lr_warmup_steps"], scheduler["lr_decay_steps"],
                        cfg.train.lr_decay_style, cfg.train.lr, cfg.train.min_lr)
-    optimizer = {"state": {"common_step": torch.tensor(steps.pop())}, "param_groups": param_groups(cfg, lr)}
-    if dtype == "bfloat16":  # Float16OptimizerWithFloat16Params nests torch's state dict
-        optimizer = {"optimizer": optimizer}
-    return OptimizerExport(tensors, optimizer, scheduler)
+    expert_parallel = bool(cfg.model.num_experts) and ep > 1
+    return OptimizerExport(tensors, _common_state(cfg, steps.pop(), lr, dtype, expert_parallel), scheduler)

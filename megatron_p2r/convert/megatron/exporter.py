@@ -66,7 +66,7 @@ def export_megatron(src: str, dst: str, *, ckpt_format: str = "torch_dist", tp: 
     args = megatron_args(cfg, layout, iteration=iteration, consumed_samples=int(source.meta["consumed_samples"]),
                          dtype=dtype, optimizer=skipped is None)
     plan = to_megatron(list(tensor_table(cfg)), cfg.model)
-    optim = None if skipped else optimizer_export(source, plan, dtype)
+    optim = None if skipped else optimizer_export(source, plan, dtype, layout.ep)
     tensors = _megatron_tensors(source, plan, EXPORT_DTYPES[dtype], progress)
     header = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
               "num_floating_point_operations_so_far": 0}

@@ -120,8 +120,9 @@ def _sharded_keys(model, args) -> dict:
 def _resume(model, args, batch) -> None:
     """Megatron's DDP, optimizer and LR scheduler, built from the args as
     ``setup_model_and_optimizer`` builds them and loaded with the model by ``load_checkpoint``,
-    then one training step on ``batch`` [b, s + 1]: the mean token loss, as ``pretrain_gpt``'s
-    loss, and the scheduler stepped by the global batch, as its train loop steps it."""
+    then one training step on ``batch`` [b, s + 1], each data-parallel rank on its micro-batch:
+    the mean token loss, as ``pretrain_gpt``'s loss, and the scheduler stepped by the global batch,
+    as its train loop steps it."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.training.checkpointing import load_checkpoint
@@ -131,6 +132,9 @@ def _resume(model, args, batch) -> None:
     optimizer = get_megatron_optimizer(config, [ddp], config_overrides=overrides)
     scheduler = get_optimizer_param_scheduler(optimizer)
     load_checkpoint([ddp], optimizer, scheduler, strict=True)
+    from megatron.core import parallel_state as mpu
+    micro = args.micro_batch_size  # each data-parallel rank takes its own micro-batch of the batch
+    batch = batch[mpu.get_data_parallel_rank() * micro:][:micro]
     seq = batch.shape[1] - 1
     positions = torch.arange(seq).unsqueeze(0).expand(batch.shape[0], seq)
     mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)

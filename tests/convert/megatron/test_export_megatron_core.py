@@ -72,32 +72,38 @@ def test_megatron_loads_export_with_our_logits(model, fmt, tp, ep, tmp_path):
     torch.testing.assert_close(theirs, logits, rtol=1e-5, atol=1e-5)
 
 
-def test_megatron_resumes_from_export_with_our_next_step(tmp_path):
+@pytest.mark.parametrize("model, ep", [("gpt", 1), ("gptoss", 1), ("gptoss", 2)])
+def test_megatron_resumes_from_export_with_our_next_step(tmp_path, model, ep):
     """Our run after 3 AdamW steps (cosine warm-up, weight decay, beta2 0.95) exported with its
     optimizer state: Megatron loads model, optimizer and scheduler with its own load_checkpoint
     (strict, its non-distributed optimizer, its flags' schedule checked against the checkpoint's;
     beta2 is the checkpoint's, as Megatron takes it from the saved groups) and takes one step on a
     batch; ours from our checkpoint on the same batch gives the same logits, and from the weights
-    alone with a fresh AdamW it does not."""
+    alone with a fresh AdamW it does not. The gpt-oss-like MoE (windows, sinks, clamped
+    quick-GeGLU experts) resumes under EP 1 (one optimizer) and EP 2 (megatron-core's chained
+    optimizer of the dense parameters and the experts; 2 ranks of one sample each)."""
     if _megatron_missing():
         pytest.skip("megatron-core and Megatron-LM's training code are not importable (P2R_MEGATRON_PYTHON, "
                     "P2R_MEGATRON_LM)")
-    ours = trained(str(tmp_path / "ours"), {})
-    out, _ = export_megatron(ours, str(tmp_path / "megatron"), progress=False)
+    options = {} if model == "gpt" else MODELS[model]
+    ours = trained(str(tmp_path / "ours"), options)
+    out, _ = export_megatron(ours, str(tmp_path / "megatron"), ep=ep, progress=False)
     g = torch.Generator().manual_seed(0)
     inputs = {"tokens": torch.randint(0, 200, (2, 16), generator=g), "batch": torch.randint(0, 200, (2, 17), generator=g)}
     torch.save(inputs, tmp_path / "inputs.pt")
-    schedule = ["--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "0.01", "--lr-warmup-iters", "5",
-                "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--train-iters", "10", "--clip-grad", "0"]
+    schedule = ["--lr", "0.01", "--lr-warmup-iters", "5", "--lr-decay-style", "cosine", "--weight-decay", "0.1",
+                "--train-iters", "10", "--clip-grad", "0"]
+    if ep == 1:  # one rank takes the batch of 2 (under EP 2: 2 data-parallel ranks of 1, the harness's)
+        schedule += ["--micro-batch-size", "2", "--global-batch-size", "2"]
     assert "successfully loaded checkpoint" in _run_megatron(out, tmp_path / "inputs.pt", tmp_path / "logits.pt",
-                                                             "torch_dist", 1, 1, 200, schedule)
+                                                             "torch_dist", 1, ep, 200, schedule)
     theirs = torch.load(tmp_path / "logits.pt", weights_only=True)
-    continued = _our_next_logits(ours, inputs)
+    continued = _our_next_logits(ours, inputs, **options)
     diff = (theirs - continued).abs().max().item()
-    print(f"\nresumed in Megatron: max |logit difference| after its next step {diff:.2g} (logits up to "
+    print(f"\n{model} EP={ep} resumed in Megatron: max |logit difference| after its next step {diff:.2g} (logits up to "
           f"{continued.abs().max().item():.2g})")
     torch.testing.assert_close(theirs, continued, rtol=1e-5, atol=1e-5)
-    assert (theirs - _our_next_logits(ours, inputs, no_load_optim=True)).abs().max() > 1e-3
+    assert (theirs - _our_next_logits(ours, inputs, no_load_optim=True, **options)).abs().max() > 1e-3
 
 
 def _our_next_logits(ours, inputs, **flags):

@@ -43,16 +43,16 @@ def _same_state(a: str, b: str) -> None:
             assert torch.equal(back.read(key, kind), ours.read(key, kind)), (key, kind)
 
 
-@pytest.mark.parametrize("model, dtype, tp", [("gpt", "float32", 1), ("llama", "bfloat16", 1),
-                                              ("gpt_oss_dense", "float32", 2)])
-def test_optimizer_state_round_trip_is_bitwise(tmp_path, model, dtype, tp):
+@pytest.mark.parametrize("model, dtype, tp, ep", [("gpt", "float32", 1, 1), ("llama", "bfloat16", 1, 1),
+                                                  ("gpt_oss_dense", "float32", 2, 1), ("gptoss", "float32", 1, 2)])
+def test_optimizer_state_round_trip_is_bitwise(tmp_path, model, dtype, tp, ep):
     options = DENSE_GPT_OSS if model == "gpt_oss_dense" else MODELS[model]
     src = trained(str(tmp_path / "ours"), dict(options, bf16=dtype == "bfloat16"))
     if tp > 1:
         src = os.path.dirname(convert(src, str(tmp_path / "tp2"), Target(tp), progress=False))
-    _, notes = export_megatron(src, str(tmp_path / "m"), dtype=dtype, progress=False)
+    _, notes = export_megatron(src, str(tmp_path / "m"), dtype=dtype, ep=ep, progress=False)
     assert any(n.startswith("optimizer: Adam's moments") for n in notes), notes
-    import_megatron(str(tmp_path / "m"), str(tmp_path / "back"), Target(tp), progress=False)
+    import_megatron(str(tmp_path / "m"), str(tmp_path / "back"), Target(tp, 1, None, ep), progress=False)
     _same_state(src, str(tmp_path / "back"))
 
 
@@ -78,10 +78,29 @@ def test_common_state_is_megatrons(tmp_path):
     assert (args.no_save_optim, args.no_save_rng, args.iteration, args.consumed_train_samples) == (False, True, 3, 6)
 
 
+@pytest.mark.parametrize("biases, expert_groups", [(False, [1.0]), (True, [1.0, 0.0])])
+def test_experts_have_their_own_chained_optimizer(tmp_path, biases, expert_groups):
+    """Under EP > 1 megatron-core chains a second optimizer for the experts: common.pt's optimizer
+    is {0: dense, 1: experts}, the experts' no-weight-decay group only with expert biases; under
+    EP 1 the experts are dense parameters, in one optimizer."""
+    src = trained(str(tmp_path / "ours"), dict(num_experts=4, moe_router_topk=2, moe_router_pre_softmax=False,
+                                               disable_bias_linear=not biases), steps=1)
+    out, _ = export_megatron(src, str(tmp_path / "ep1"), progress=False)
+    single = TorchArchive(os.path.join(out, "common.pt"), Kind.MEGATRON).obj["optimizer"]
+    assert [g["wd_mult"] for g in single["param_groups"]] == [1.0, 0.0]
+    out, _ = export_megatron(src, str(tmp_path / "m"), ep=2, progress=False)
+    optimizer = TorchArchive(os.path.join(out, "common.pt"), Kind.MEGATRON).obj["optimizer"]
+    assert sorted(optimizer) == [0, 1]
+    assert [(g["is_expert_parallel"], g["wd_mult"]) for g in optimizer[0]["param_groups"]] == [(False, 1.0),
+                                                                                             (False, 0.0)]
+    assert [(g["is_expert_parallel"], g["wd_mult"]) for g in optimizer[1]["param_groups"]] == \
+        [(True, wd) for wd in expert_groups]
+    assert optimizer[0]["state"]["common_step"].read().item() == optimizer[1]["state"]["common_step"].read().item() == 1
+
+
 @pytest.mark.parametrize("options, argv, why", [
     ({}, ["--no-save-optim"], "--no-save-optim"),
     ({}, ["--ckpt-format", "torch"], "the optimizer state is written in torch_dist only"),
-    (dict(num_experts=4, moe_router_topk=2, moe_router_pre_softmax=False), [], "chained"),
     ({}, ["--dtype", "float16"], "loss scaler"),
 ])
 def test_weights_only_says_why(tmp_path, capsys, options, argv, why):
