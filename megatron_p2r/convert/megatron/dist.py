@@ -143,7 +143,7 @@ class DistCheckpoint:
             self.buckets = dp_reshardable.DpReshardable(self.args, {n: self.shape(n) for n in self.names},
                                                         self.sizes, self._read_range, self.where)
         except dp_reshardable.NotReplayed as why:
-            self.optimizer_not_read = f"{self.where}: {why}"
+            self.optimizer_not_read = f"{self.where}: the distributed optimizer's state of sharding type {sharding!r}: {why}"
             return None
         self.optimizer = self.buckets.names
         steps = {self._param_groups_step(index) for index in range(self.args.tp * self.args.pp)}

@@ -68,7 +68,7 @@ class LegacyCheckpoint:
         # the optimizer's state lists follow the parameters of all chunks at once; not mapped yet
         saved_optimizer = "optimizer" in first.obj or os.path.isfile(os.path.join(os.path.dirname(first.path),
                                                                                   distrib_optim.FILE))
-        self.optimizer_not_read = ("its optimizer state of virtual pipeline model chunks is not read yet"
+        self.optimizer_not_read = (f"{first.path}: the optimizer state of virtual pipeline model chunks is not read yet"
                                    if self.chunks > 1 and saved_optimizer else None)
         self.glu = bool(a.get("swiglu"))
         self.local_experts = (a.get("num_experts") or 0) // a.ep
@@ -153,18 +153,24 @@ class LegacyCheckpoint:
         """The views of distrib_optim.pt beside ``archive`` (if saved) into each tensor's state."""
         path = os.path.join(os.path.dirname(archive.path), distrib_optim.FILE)
         if not os.path.isfile(path):
+            saved = archive.obj.get("optimizer")
             if self.args.get("use_distributed_optimizer"):  # its parameter state is distrib_optim.pt alone
+                if saved is not None:
+                    self.optimizer_not_read = f"{archive.path}: the distributed optimizer's {distrib_optim.FILE} is " \
+                                              "not beside it"
                 return
-            found = optim_lists.state_views(archive.obj.get("optimizer"), [(key, tuple(model[key].shape), _is_expert(key))
-                                                                           for key in canonical], archive.path)
+            found = optim_lists.state_views(saved, [(key, tuple(model[key].shape), _is_expert(key))
+                                                    for key in canonical], archive.path)
             if found is None:
+                if saved is not None:
+                    self.optimizer_not_read = optim_lists.not_read(saved, archive.path)
                 return
             views, step = found
             self._steps.add(step)
         else:
             tied = not self.args.get("untie_embeddings_and_output_weights") and self.layout[1] > 1
             params = [Param(key, tuple(model[key].shape), _is_expert(key),
-                                          tied and key in ("embedding.word_embeddings.weight", "output_layer.weight"))
+                            tied and key in ("embedding.word_embeddings.weight", "output_layer.weight"))
                       for key in canonical]
             state = TorchArchive(path, Kind.MEGATRON).obj
             views = distrib_optim.state_views(state, params, bucket_size(self.args, stage), path)

@@ -355,10 +355,34 @@ def test_distributed_optimizer_buckets_that_do_not_fit_the_model(tmp_path):
                          re.escape(common) + ": the distributed optimizer's state is saved with sharding type "
                          "'fully_sharded_model_space'; only dp_reshardable and fully_reshardable are read"),
                         (lambda state: vars(state["args"]).update(transformer_impl="transformer_engine"),
-                         re.escape(str(iter_dir / ".metadata")) + ": the order of Transformer Engine's modules")):
+                         re.escape(str(iter_dir / ".metadata")) + ": the distributed optimizer's state of sharding "
+                         "type 'dp_reshardable': the order of Transformer Engine's modules")):
         edit(change)
         out, notes = import_megatron(str(tmp_path / "src"), str(tmp_path / "dst"), Target(), progress=False,
                                      force=True)
         assert re.search(r"weights only: Megatron's optimizer state, iteration and RNG states are not imported \("
                          + why, " ".join(notes)), notes
         assert os.path.isdir(out)
+
+
+def test_a_legacy_optimizer_state_that_is_not_read_is_named(tmp_path):
+    """A legacy rank file whose optimizer is not torch Adam's plain state dict (the --bf16/--fp16
+    optimizer's nested one), or a distributed optimizer's rank file without its distrib_optim.pt:
+    the weights import, and the note names the file and why the optimizer state is left out."""
+    from tests.convert.megatron.megatron_written import ROOT
+    shutil.copytree(os.path.join(ROOT, "gpt_legacy_tp1_adam", "checkpoint"), tmp_path / "lists")
+    path = str(tmp_path / "lists" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")
+    with torch.serialization.safe_globals([signal.Signals]):
+        edit_rank_file(path, lambda state: state.update(optimizer={"optimizer": state["optimizer"],
+                                                                   "fp32_from_fp16_params": [[torch.zeros(2)]]}))
+    shutil.copytree(os.path.join(ROOT, "gpt_legacy_dp2_distopt", "checkpoint"), tmp_path / "distopt")
+    rank_dir = tmp_path / "distopt" / "iter_0000003" / "mp_rank_00"
+    (rank_dir / "distrib_optim.pt").unlink()
+    for src, why in ((tmp_path / "lists", re.escape(path) + r": optimizer is a dict of \['fp32_from_fp16_params', "
+                      r"'optimizer'\], not torch Adam's state dict"),
+                     (tmp_path / "distopt", re.escape(str(rank_dir / "model_optim_rng.pt")) + ": the distributed "
+                      "optimizer's distrib_optim.pt is not beside it")):
+        out, notes = import_megatron(str(src), str(tmp_path / "dst"), Target(), progress=False, force=True)
+        assert re.search(r"weights only: Megatron's optimizer state, iteration and RNG states are not imported \("
+                         + why, " ".join(notes)), notes
+        assert os.path.basename(out) == "iter_0000000"
