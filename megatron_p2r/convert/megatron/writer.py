@@ -62,11 +62,12 @@ def _stacked(tensors: Dict[str, torch.Tensor], prefix: str = "") -> dict:
 def write_dist(iter_dir: str, tensors: Dict[str, torch.Tensor], common: dict,
                optimizer: Optional[Dict[str, Dict[str, torch.Tensor]]] = None) -> None:
     """The torch_dist iteration directory of ``tensors`` (canonical name -> global tensor) and
-    the ``optimizer`` state (kind -> canonical name -> tensor, under ``OPTIMIZER_KEYS``' prefixes),
+    the ``optimizer`` state (kind -> canonical name -> tensor, under the non-distributed
+    optimizer's prefix of ``OPTIMIZER_KEYS``, the first),
     emptied as they are stacked: at most one stacked key more than they hold is in memory."""
     state = _stacked(tensors)
     for kind, kind_tensors in (optimizer or {}).items():
-        state.update(_stacked(kind_tensors, OPTIMIZER_KEYS[kind]))
+        state.update(_stacked(kind_tensors, OPTIMIZER_KEYS[kind][0]))
     with warnings.catch_warnings():  # one writer by design, not a missing process group
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(iter_dir), no_dist=True)
