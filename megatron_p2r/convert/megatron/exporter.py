@@ -104,7 +104,7 @@ def _notes(source: SourceCheckpoint, layout: MegatronLayout, args, skipped: Opti
                      "optimizer or RNG state")
     else:
         t = source.real_cfg.train
-        notes.append(f"optimizer: Adam's moments and step {'and fp32 mains ' if args.bf16 else ''}for megatron-core's "
+        notes.append(f"optimizer: Adam's moments and step {'and fp32 mains (a --bf16 run) ' if args.bf16 else ''}for megatron-core's "
                      f"non-distributed optimizer (no --use-distributed-optimizer), iteration {args.iteration}, "
                      f"{args.consumed_train_samples} consumed samples; the LR schedule is ours (--lr {t.lr} --min-lr "
                      f"{t.min_lr} --lr-decay-style {t.lr_decay_style} --weight-decay {t.weight_decay}, lengths in "

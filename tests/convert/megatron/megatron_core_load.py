@@ -7,7 +7,8 @@ Run by test_export_megatron_core.py with an interpreter that has megatron-core a
 
 With TOKENS.pt holding {"tokens", "batch"}, Megatron also builds its DDP, non-distributed
 optimizer and LR scheduler from the args, loads them with the model (``load_checkpoint``,
-strict) and takes one training step on the batch before the forward on the tokens.
+strict) and takes one training step on the batch before the forward on the tokens; with
+"state_out" too, rank 0 saves the loaded optimizer state there by parameter name first.
 
 With OUT.json instead, it writes the keys megatron-core's model asks a torch_dist checkpoint for
 (``sharded_state_dict`` with its factories applied): {key: global shape, or null for an object}.
@@ -21,15 +22,18 @@ CUDA-only calls on that path, answered on CPU without touching Megatron's math:
 ``get_device_arch_version`` (a warning under TP > 1) answers 10; ``read_metadata`` all-reduces
 the tracker's iteration in a CUDA tensor across ranks, so it runs as if alone (every rank reads
 the same file); the RNG tracker's ``fork`` is a no-op (eval mode, no dropout drawn);
-``torch.cuda.current_device`` answers "cpu", ``device_count`` 1; ``torch.ones``, ``tensor``,
+``torch.cuda.current_device`` answers "cpu", ``device_count`` 1; ``Tensor.type()`` answers the
+CUDA type name while the optimizer sorts parameters into fp32 / fp16 / bf16 by it; ``torch.ones``, ``tensor``,
 ``zeros`` and ``empty`` (asked for ``device="cuda"`` by ``get_sliding_window_causal_mask`` and
 for the optimizer's scalars) place on CPU; ``moe_utils.te_general_gemm``
 (undefined without Transformer Engine) is None so the router takes its ``torch.mm`` path.
 """
 import contextlib
 import functools
+import itertools
 import json
 import os
+import re
 import socket
 import sys
 
@@ -117,22 +121,34 @@ def _sharded_keys(model, args) -> dict:
     return keys
 
 
-def _resume(model, args, batch) -> None:
+def _resume(model, args, batch, state_out=None) -> None:
     """Megatron's DDP, optimizer and LR scheduler, built from the args as
-    ``setup_model_and_optimizer`` builds them and loaded with the model by ``load_checkpoint``,
-    then one training step on ``batch`` [b, s + 1], each data-parallel rank on its micro-batch:
-    the mean token loss, as ``pretrain_gpt``'s loss, and the scheduler stepped by the global batch,
-    as its train loop steps it."""
+    ``setup_model_and_optimizer`` builds them (under --bf16 the model in a Float16Module) and
+    loaded with the model by ``load_checkpoint``, the loaded optimizer state saved to
+    ``state_out`` if given, then one training step on ``batch`` [b, s + 1], each data-parallel
+    rank on its micro-batch: the mean token loss, as ``pretrain_gpt``'s loss, and the scheduler
+    stepped by the global batch, as its train loop steps it."""
+    from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
     from megatron.training.checkpointing import load_checkpoint
     from megatron.training.training import get_megatron_optimizer_config, get_optimizer_param_scheduler
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    module = Float16Module(model.config, model) if args.bf16 else model
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32)
+    ddp = DistributedDataParallel(model.config, ddp_config, module)
     config, overrides = get_megatron_optimizer_config(args)
-    optimizer = get_megatron_optimizer(config, [ddp], config_overrides=overrides)
+    cpu_type = torch.Tensor.type  # the optimizer sorts parameters by their CUDA type name
+    torch.Tensor.type = lambda self, *a, **k: (cpu_type(self, *a, **k) if a or k
+                                               else cpu_type(self).replace("torch.", "torch.cuda.", 1))
+    try:
+        optimizer = get_megatron_optimizer(config, [ddp], config_overrides=overrides)
+    finally:
+        torch.Tensor.type = cpu_type
     scheduler = get_optimizer_param_scheduler(optimizer)
     load_checkpoint([ddp], optimizer, scheduler, strict=True)
-    from megatron.core import parallel_state as mpu
+    if state_out and dist.get_rank() == 0:
+        torch.save(_loaded_state(optimizer, ddp), state_out)
     micro = args.micro_batch_size  # each data-parallel rank takes its own micro-batch of the batch
     batch = batch[mpu.get_data_parallel_rank() * micro:][:micro]
     seq = batch.shape[1] - 1
@@ -145,6 +161,23 @@ def _resume(model, args, batch) -> None:
     finalize_model_grads([ddp])
     assert optimizer.step()[0], "Megatron's step was skipped"
     scheduler.step(increment=args.global_batch_size)
+
+
+def _loaded_state(optimizer, ddp) -> dict:
+    """{parameter name: {"main", "exp_avg", "exp_avg_sq"}} as the loaded optimizer holds them:
+    the fp32 main (the parameter itself in fp32) and its Adam moments (one rank, TP1)."""
+    names = {id(p): re.sub(r"^(module\.)+", "", n) for n, p in ddp.named_parameters()}
+    out = {}
+    for chained in optimizer.chained_optimizers:
+        pairs = [(p, p) for group in chained.optimizer.param_groups for p in group["params"]]
+        if hasattr(chained, "float16_groups"):  # Float16OptimizerWithFloat16Params: (bf16 param, fp32 main)
+            pairs = list(zip(itertools.chain(*chained.float16_groups), itertools.chain(*chained.fp32_from_float16_groups),
+                             strict=True)) + [(p, p) for p in itertools.chain(*chained.fp32_from_fp32_groups)]
+        for param, main in pairs:
+            state = chained.optimizer.state[main]
+            out[names[id(param)]] = {"main": main.detach().clone(), "exp_avg": state["exp_avg"].clone(),
+                                     "exp_avg_sq": state["exp_avg_sq"].clone()}
+    return out
 
 
 def _rank(rank: int, world: int, port: int, ckpt: str, tokens_path: str, out: str, tp: int, ep: int, extra) -> None:
@@ -168,7 +201,7 @@ def _rank(rank: int, world: int, port: int, ckpt: str, tokens_path: str, out: st
     inputs = torch.load(tokens_path, weights_only=True)
     tokens = inputs["tokens"] if isinstance(inputs, dict) else inputs
     if isinstance(inputs, dict):
-        _resume(model, args, inputs["batch"])
+        _resume(model, args, inputs["batch"], inputs.get("state_out"))
     else:
         load_checkpoint([model], None, None, strict=True)
     seq = tokens.shape[1]
