@@ -134,9 +134,9 @@ class DpReshardable:
         prefix, lengths = buckets[index]
         starts, replayed = bucket_layout(params, bucket_size(self.args, stage))
         if replayed != lengths:
-            raise CheckpointError(f"{self.where}: the buckets of {prefix.partition('.gbuf_idx')[0]} ({rank}) hold "
-                                  f"{lengths} elements, the layout of its {len(params)} parameters in Megatron's "
-                                  f"buffer has {replayed}")
+            group = prefix.partition(".gbuf_idx")[0].replace("optimizer.distributed.", "")
+            raise CheckpointError(f"{self.where}: the buckets of {group} ({rank}) hold {lengths} elements, the layout "
+                                  f"of the stage's {len(params)} parameters in Megatron's buffer has {replayed}")
         return (lambda b: f"{prefix}.bucket_idx_{b}"), starts
 
     def _place_experts(self, buckets: Dict[int, Tuple[str, List[int]]], stage: int, ep: int, t: int) -> None:
