@@ -8,10 +8,14 @@ goes through the compiled forward: the model's ``layer_calls``, full recomputati
 the compiled forward in backward) and offloading (``functional_call`` on the layer, with fetched
 weights as the graph's inputs).
 
-A layer first tries one graph (``fullgraph=True``). What dynamo cannot trace whole -- the MoE
-layer's data-dependent routing (token counts per expert become shapes), selective recomputation's
-checkpoint of the attention core with its RNG replay -- breaks the graph; that layer is then
-compiled in pieces around the breaks, and the fallback and its reason are logged once per layer.
+A layer first tries one graph (``fullgraph=True``); what dynamo cannot hold in one graph breaks
+it: the MoE layer's routing (token counts per expert read into Python), dropout drawn from the
+model-parallel RNG stream (attention dropout, residual dropout under sequence parallelism: the
+stream is forked with ``get_rng_state``), ``--overlap-param-gather``'s waits in module hooks. That
+layer, and the layers whose code traces the same way, are then compiled in pieces around the
+breaks; the fallback and where it broke are logged once. Dropout inside an inductor graph draws
+with inductor's generator, seeded from torch's default one: the masks differ from eager ones
+(same distribution; TP peers still drop replicated activations alike).
 """
 from __future__ import annotations
 
