@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch._dynamo.exc
@@ -30,7 +30,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 logger = logging.getLogger(__name__)
 
-BACKEND = "inductor"   # torch.compile's default
+BACKEND = "inductor"   # torch.compile's default (the tests swap in aot_eager where codegen adds only time)
 
 # What one graph cannot hold: a graph break, or a Python value read from a tensor (``.tolist()``).
 _GRAPH_BREAKS = (torch._dynamo.exc.Unsupported, GuardOnDataDependentSymNode)
@@ -66,9 +66,8 @@ def graph_break_reason(exc: Exception) -> str:
     return text.splitlines()[0] + where
 
 
-def compile_layers(layers: nn.ModuleDict, backend: Optional[str] = None) -> None:
+def compile_layers(layers: nn.ModuleDict) -> None:
     """Compile the forward of every layer in ``layers`` (``M6Model.layers``), in place; parameter
     names are unchanged."""
-    backend = backend or BACKEND
     for name, layer in layers.items():
-        layer.forward = CompiledForward(name, layer.forward, backend)
+        layer.forward = CompiledForward(name, layer.forward, BACKEND)
