@@ -142,7 +142,8 @@ def build_train_state(cfg: Config, ps: ParallelState, plan: Optional[ParallelPla
     p = cfg.parallel
     ddp = DistributedDataParallel(model, plan, ps, overlap_grad_reduce=p.overlap_grad_reduce,
                                   overlap_param_gather=p.overlap_param_gather,
-                                  fetched=manager.fetched_param_ids if manager else ())
+                                  fetched=manager.fetched_param_ids if manager else (),
+                                  waits_whole=model.layers.values() if cfg.train.compile else ())
     overlap = manager is not None and cfg.offload.overlap_cpu_optimizer_d2h_h2d
     optimizer = build_mixed_precision_optimizer(ddp, plan, ps, cfg.train,
                                                 optimizer_placement(manager) if manager else None,

@@ -11,9 +11,9 @@ weights as the graph's inputs).
 A layer first tries one graph (``fullgraph=True``); what dynamo cannot hold in one graph breaks
 it: the MoE layer's routing (token counts per expert read into Python), dropout drawn from the
 model-parallel RNG stream (attention dropout, residual dropout under sequence parallelism: the
-stream is forked with ``get_rng_state``), ``--overlap-param-gather``'s waits in module hooks. That
-layer, and the layers whose code traces the same way, are then compiled in pieces around the
-breaks; the fallback and where it broke are logged once. Dropout inside an inductor graph draws
+stream is forked with ``get_rng_state``). That layer, and the layers whose code traces the same
+way, are then compiled in pieces around the breaks; the fallback and where it broke are logged
+once. (``--overlap-param-gather`` waits before a compiled layer, outside its graph: parallel/ddp.py.) Dropout inside an inductor graph draws
 with inductor's generator, seeded from torch's default one: the masks differ from eager ones
 (same distribution; TP peers still drop replicated activations alike).
 """

@@ -3,14 +3,16 @@ tolerance: inductor fuses and reorders the arithmetic), and change no parameter 
 
 One process: selective recomputation (the attention core's checkpoint traced into the layer's
 graph); an offloaded layer (run through ``functional_call`` with fetched weights) beside a MoE
-layer (its routing breaks the graph: compiled in pieces, logged). Two ranks: TP=2 with sequence
-parallelism and full recomputation, the gradients as training reduces them. Compilation is slow
-on a small CPU, so the models are the tiniest and the cases few.
+layer (its routing breaks the graph: compiled in pieces, logged); recomputed dropout. Two ranks:
+TP=2 with sequence parallelism and full recomputation, the gradients as training reduces them;
+DP=2 with --overlap-param-gather (layers still one graph each). Compilation is slow on a small
+CPU, so the models are the tiniest and the cases few.
 """
 from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 from megatron_p2r.layout.ranks import Layout
@@ -20,7 +22,7 @@ from megatron_p2r.parallel.random import seed_everything
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.pipeline.schedules import forward_backward_no_pipelining
 from megatron_p2r.testing import run_distributed
-from tests.helpers import max_grad_error, random_microbatches, reference_grads, tiny_config
+from tests.helpers import max_grad_error, random_microbatches, reference_grads, run_steps, tiny_config
 from tests.pipeline.common import make_state, pipelined_step
 
 TOL = 2e-5   # fp32, as the TP tests
@@ -76,6 +78,27 @@ def test_selective_recompute_with_dropout_replays_the_masks(monkeypatch):
     (eager_loss, eager), (loss, grads) = results
     assert loss == eager_loss
     assert all(torch.equal(grads[n], g) for n, g in eager.items())
+
+
+def _overlapped_param_gather(rank, world):
+    compiled.BACKEND = "aot_eager"   # a spawned rank: the test process's monkeypatch does not reach it
+    ps = make_state(Layout(dp=2))
+    runs = {}
+    for compile_layers in (False, True):
+        cfg = tiny_config(compile=compile_layers, use_distributed_optimizer=True, overlap_param_gather=True,
+                          overlap_grad_reduce=True, ddp_bucket_size=1000, global_batch_size=8)
+        seed_everything(cfg.train.seed, 0, 0, ps.device)
+        runs[compile_layers] = run_steps(cfg, ps, 2)   # the second forward finds gathers pending
+    (eager, _), (losses, state) = runs[False], runs[True]
+    return {"losses": losses, "eager": eager, "whole": [layer.forward.pieces is None for layer in state.model.layers.values()]}
+
+
+def test_overlapped_param_gather_waits_before_each_compiled_layer():
+    """--overlap-param-gather: a compiled layer waits for all its buckets before its forward (a
+    wait in a submodule's hook would break its graph); small buckets, so the gathers of later
+    layers are still pending when a layer starts. aot_eager: what is checked is the tracing."""
+    for r in run_distributed(_overlapped_param_gather, 2, timeout=400):
+        assert r["losses"] == pytest.approx(r["eager"], rel=1e-6) and all(r["whole"]), r
 
 
 def _tp2(rank, world):
