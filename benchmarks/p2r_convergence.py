@@ -96,19 +96,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_arms(args) -> None:
-    """args.shapes, args.models and args.arms ({model: {arm: phases}}) from the options."""
-    shapes = dict(p2r_arms.parse_shape(text) for text in (args.model or p2r_arms.DEFAULT_SHAPES))
-    args.shapes = shapes
-    args.models = args.models or list(shapes)
-    unknown = [m for m in args.models if m not in shapes]
+def resolve_shapes(args) -> None:
+    """args.shapes and args.models from the options, and the counts checked (before any data is
+    prepared, so a typo fails at once)."""
+    args.shapes = dict(p2r_arms.parse_shape(text) for text in (args.model or p2r_arms.DEFAULT_SHAPES))
+    args.models = args.models or list(args.shapes)
+    unknown = [m for m in args.models if m not in args.shapes]
     if unknown:
-        raise StudyError(f"--models {' '.join(unknown)}: no such shape; the shapes are {', '.join(shapes)}")
+        raise StudyError(f"--models {' '.join(unknown)}: no such shape; the shapes are {', '.join(args.shapes)}")
     for name, value in (("--iters", args.iters), ("--eval-interval", args.eval_interval), ("--seq", args.seq),
                         ("--micro-batch", args.micro_batch), ("--eval-samples", args.eval_samples),
                         ("--jobs", args.jobs)):
         if value < 1:
             raise StudyError(f"{name} must be at least 1, got {value}")
+
+
+def resolve_arms(args) -> None:
+    """args.arms, {model: {arm: phases}}, from the options (a control's length needs the
+    corpus's vocabulary: it matches FLOPs)."""
+    shapes = args.shapes
     args.arms = {}
     for model in args.models:
         kinds = args.arm_kinds or p2r_arms.DEFAULT_ARMS.get(model, p2r_arms.DEFAULT_ARMS["wide"])
@@ -191,6 +197,7 @@ def run_study(args, argv) -> None:
     if "--note" in args.passthrough:
         i = args.passthrough.index("--note")
         del args.passthrough[i:i + 2]
+    resolve_shapes(args)
     args.corpus = p2r_corpus.prepare(args, os.path.join(args.work, "corpus"))
     args.vocab_size = _vocab_size(args.corpus)
     resolve_arms(args)
