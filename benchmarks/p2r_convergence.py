@@ -6,8 +6,9 @@
         [--arms p2r p2r-noise progressive grow matched] [--p2r-at 0.1] [--grow-at 0.1 0.25 0.5]
         [--grow-factors 2 4] [--jobs 2] [--work /tmp/p2r_study] [--out docs] [--name p2r_convergence] [--report-only]
 
-Without ``--data-path`` the study runs on the demo corpus (the Python standard library's source,
-built under ``--work``, with a 4000-piece SentencePiece BPE trained on it); a jsonl is
+Without ``--data-path`` the study runs on a demo corpus built under ``--work`` (the Python standard
+library's source, or with ``--demo-source docs`` its English documentation), with a 4000-piece
+SentencePiece BPE trained on it; a jsonl is
 tokenised with ``tools/preprocess_data.py`` (and, without ``--tokenizer-type``, that BPE). Model
 shapes default to ``deep`` (24 layers x hidden 64) and ``wide`` (8 x 128), each trained for the
 same number of steps by several arms (``p2r_arms``): real from scratch, Pseudo-to-Real with and
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--eval-samples", type=int, default=256,
                       help="held-out samples every checkpoint is evaluated on (sets the standard error)")
     data.add_argument("--corpus-bytes", type=int, default=6_000_000, help="size of the demo corpus")
+    data.add_argument("--demo-source", choices=sorted(p2r_corpus.DEMO_NAMES), default="code",
+                      help="the demo corpus without --data-path: the stdlib's code, or its documentation in English "
+                           "(tools/build_demo_corpus.py --source)")
     arms = p.add_argument_group("arms")
     arms.add_argument("--model", action="append", metavar="NAME=LAYERSxHIDDEN[@BUDGET]",
                       help=f"a model shape, repeatable (default {' '.join(p2r_arms.DEFAULT_SHAPES)}); @BUDGET "

@@ -28,7 +28,7 @@ class CorpusError(ValueError):
 class Corpus:
     """Where the study trains and evaluates, and with which tokenizer."""
 
-    name: str                      # for the report: "demo" or the --data-path given
+    name: str                      # for the report: the demo corpus's description or the --data-path given
     tokenizer_type: str
     tokenizer_model: Optional[str]
     train_prefix: str
@@ -69,10 +69,15 @@ def _indexed(path: str, out_prefix: str, tokenizer_type: str, tokenizer_model: O
     return prefix
 
 
-def demo_jsonl(work: str, max_bytes: int) -> str:
-    corpus = os.path.join(work, "demo.jsonl")
+DEMO_NAMES = {"code": "the Python standard library's source code",
+              "docs": "the Python reference topics and standard-library docstrings (English prose)"}
+
+
+def demo_jsonl(work: str, max_bytes: int, source: str) -> str:
+    """The demo corpus of ``source`` (``tools/build_demo_corpus.py --source``)."""
+    corpus = os.path.join(work, f"demo_{source}.jsonl")
     if not os.path.exists(corpus):
-        _run_tool("tools/build_demo_corpus.py", "--output", corpus, "--max-bytes", str(max_bytes))
+        _run_tool("tools/build_demo_corpus.py", "--output", corpus, "--max-bytes", str(max_bytes), "--source", source)
     return corpus
 
 
@@ -81,7 +86,7 @@ def prepare(args, work: str) -> Corpus:
     os.makedirs(work, exist_ok=True)
     data, name = args.data_path, args.data_path
     if data is None:
-        data, name = demo_jsonl(work, args.corpus_bytes), "demo"
+        data, name = demo_jsonl(work, args.corpus_bytes, args.demo_source), DEMO_NAMES[args.demo_source]
     tok_type, tok_model = args.tokenizer_type, args.tokenizer_model
     if tok_type is None:
         if not data.endswith(JSONL_SUFFIXES):

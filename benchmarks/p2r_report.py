@@ -151,12 +151,24 @@ def plot(records: List[dict], timing: dict, models: List[str], order: Dict[str, 
     Image.open(path).convert("RGB").quantize(colors=128).save(path, optimize=True)
 
 
+def _reproducing(argv: List[str]) -> List[str]:
+    """The study's options less where it keeps its files and how many runs share the machine:
+    the command that reproduces its figures anywhere."""
+    out, skip = [], False
+    for a in argv:
+        if skip or a in ("--work", "--out", "--jobs", "--name"):
+            skip = not skip
+            continue
+        out.append(a)
+    return out
+
+
 def _header(args, timing: Optional[dict], present: List[str], seeds: List[int]) -> List[str]:
     c, shapes = args.corpus, args.shapes
     held_out = (f"documents {c.valid_docs[0]}..{c.valid_docs[1] - 1} of `{os.path.basename(c.valid_prefix)}`, "
                 + ("the --valid-data-path" if c.valid_prefix != c.train_prefix else "held out from training"))
     lines = [
-        "Measured by `python benchmarks/p2r_convergence.py " + " ".join(args.passthrough) + "` "
+        "Measured by `python benchmarks/p2r_convergence.py " + " ".join(_reproducing(args.passthrough)) + "` "
         f"(seeds {' '.join(map(str, seeds))}). Corpus: **{c.name}**, tokenizer {c.tokenizer_type} "
         f"(vocabulary {args.vocab_size}); seq {args.seq}, micro-batch {args.micro_batch} "
         f"({args.seq * args.micro_batch} tokens per step), SwiGLU/RMSNorm/rotary, AdamW, LR {args.lr:g} cosine to "

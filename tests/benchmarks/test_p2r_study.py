@@ -25,7 +25,7 @@ def _jsonl(path, docs=40, words=60):
 
 def _corpus_args(**values):
     base = dict(data_path=None, tokenizer_type="ByteTokenizer", tokenizer_model=None, valid_data_path=None,
-                valid_fraction=0.1, corpus_bytes=0)
+                valid_fraction=0.1, corpus_bytes=0, demo_source="code")
     return argparse.Namespace(**dict(base, **values))
 
 
@@ -126,6 +126,9 @@ def test_tiny_study_resumes_without_retraining(tmp_path, capsys):
     report = open(os.path.join(out, "p2r_convergence.md")).read()
     assert "| grow ×2 (stack) at 50% | 1 |" in report and "FLOPs of a last-step crossing" in report
     assert "8 samples of 16 tokens from documents 32..39" in report
+    command = report.split("`")[1]   # reproducible anywhere: no --work, --out or --jobs of this machine
+    assert command.startswith("python benchmarks/p2r_convergence.py --data-path ") and "--iters 8" in command
+    assert not any(flag in command for flag in ("--work", "--out", "--jobs"))
     # the same --work with other training settings is refused, naming what changed
     assert p2r_convergence.main(study + ["--lr", "0.01"]) == 2
     assert "holds a study with other settings (lr 0.002 -> 0.01)" in capsys.readouterr().err
