@@ -96,6 +96,10 @@ def verdicts(stats: Dict[tuple, dict], models: List[str], order: Dict[str, List[
                 lines.append(f"- **{model}, {what}: target met** by {', '.join(winners)} "
                              f"(≤ {TARGET_RATIO}x of scratch's cost in every seed).")
                 continue
+            if all(r is None for a in candidates for r in stats[(model, a)]["ratios"][key]):
+                lines.append(f"- {model}, {what}: target **not met**; no arm reaches real-from-scratch's final loss "
+                             "in any seed.")
+                continue
             best = min(candidates, key=lambda a: _rank(stats[(model, a)]["ratios"][key]))
             lines.append(f"- {model}, {what}: target **not met**; the best arm, {best}, "
                          f"{_describe(stats[(model, best)]['ratios'][key])}.")

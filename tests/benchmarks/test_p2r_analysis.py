@@ -77,6 +77,9 @@ def test_paired_ratios_break_even_and_verdict():
     assert lines[0] == ("- m, training FLOPs: target **not met**; the best arm, p2r, never reaches the target in 1 of "
                         "2 seeds; where it does, it needs up to 1.12x of scratch's cost.")
     assert an.ratio_cell(p["ratios"]["steps"]) == "1.12 ± 0.00 (1/2 seeds never reach it)"
+    stats = an.paired([r for r in runs if r["seed"] == 2], TIMING, TPS, "real from scratch")
+    assert verdicts(stats, ["m"], {"m": ["real from scratch", "p2r"]})[0] == (
+        "- m, training FLOPs: target **not met**; no arm reaches real-from-scratch's final loss in any seed.")
 
 
 def test_break_even_formula_and_bands():
