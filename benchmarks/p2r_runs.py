@@ -7,6 +7,7 @@ and trains nothing twice.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -62,7 +63,10 @@ def model_values(values: dict, vocab_size: int) -> dict:
                 mock_data=True)
 
 
-_held_out = {}
+@functools.lru_cache(maxsize=1)
+def _held_out_set(prefix: str, docs: tuple, samples: int, seq_length: int, cache_dir: str):
+    """One held-out set per process: every run a worker trains is evaluated on it."""
+    return p2r_heldout.held_out_set(prefix, docs, samples, seq_length, cache_dir)
 
 
 def evaluate_dirs(args, values: dict, iter_dirs: List[str]) -> List[List[float]]:
@@ -71,15 +75,14 @@ def evaluate_dirs(args, values: dict, iter_dirs: List[str]) -> List[List[float]]
     from megatron_p2r.checkpoint.io import load_checkpoint
     from megatron_p2r.parallel.state import ParallelState
     from megatron_p2r.training import build_train_state, resolve_vocab
-    if "set" not in _held_out:
-        c = args.corpus
-        _held_out["set"] = p2r_heldout.held_out_set(c.valid_prefix, c.valid_docs, args.eval_samples, args.seq,
-                                                    p2r_heldout.cache_dir(args.work))
+    c = args.corpus
+    held_out = _held_out_set(c.valid_prefix, c.valid_docs, args.eval_samples, args.seq,
+                             p2r_heldout.cache_dir(args.work))
     state = build_train_state(resolve_vocab(config_from_values(values)), ParallelState.single())
     out = []
     for d in iter_dirs:
         load_checkpoint(d, state, finetune=True)
-        out.append(p2r_heldout.per_sample_losses(state.model, _held_out["set"], args.eval_samples, args.micro_batch))
+        out.append(p2r_heldout.per_sample_losses(state.model, held_out, args.eval_samples, args.micro_batch))
     return out
 
 
