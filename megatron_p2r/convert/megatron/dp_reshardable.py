@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -103,48 +103,64 @@ class DpReshardable:
         # weight -> TP rank -> where its TP shard's state lies
         self.places: Dict[str, Dict[int, _Place]] = {}
         self.param_group_keys: List[str] = []  # the pickled param groups of every optimizer and rank
-        layers = args.required("num_layers")
+        self._chunks = _model_chunks(args)
         dense = self._buckets(DENSE if chained else "", args.tp * args.pp)
         experts = self._buckets(EXPERTS, args.tp * args.ep * args.pp) if chained else {}
-        for stage in range(args.pp):
-            names = [n for n in shapes if _on_stage(n, stage, args.pp, layers) and not is_expert(n)]
-            for t in range(args.tp):
-                params = self._stage_params(names, stage)
-                bucket, starts = self._replay(dense, stage * args.tp + t, params, stage, f"TP rank {t}, stage {stage}")
-                for p in params:
-                    if p.key in shapes:
-                        self.places.setdefault(p.key, {})[t] = _Place(bucket(starts[p.key][0]), starts[p.key][1],
-                                                                      self._local_shape(p.key))
-                for e in range(args.ep if chained else 0):
-                    self._place_experts(experts, stage, e, t)
+        for chunk in range(self._chunks):
+            for stage in range(args.pp):
+                for t in range(args.tp):
+                    self._place_dense(dense, chunk, stage, t)
+                    for e in range(args.ep if chained else 0):
+                        self._place_experts(experts, chunk, stage, e, t)
         self.names = {kind: dict.fromkeys(self.places) for kind in STATES}
 
-    def _buckets(self, prefix: str, ranks: int) -> Dict[int, Tuple[str, List[int]]]:
-        """dp_group_idx -> (its buffer's key prefix, its buckets' lengths) of one optimizer."""
+    def _buckets(self, prefix: str, ranks: int) -> Dict[Tuple[int, int], Tuple[str, List[int]]]:
+        """(dp_group_idx, gbuf_idx: the model chunk) -> (its buffer's key prefix, its buckets'
+        lengths) of one optimizer."""
         found = _bucket_keys({k[len(prefix):]: v for k, v in self._sizes.items() if k.startswith(prefix)}, ranks,
-                             f"{self.where} ({prefix[:-1] or 'the optimizer'})")
-        self.param_group_keys += [f"{prefix}optimizer.distributed.dp_group_idx_{i}.optimizer" for i in sorted(found)]
-        return {i: (f"{prefix}optimizer.distributed.dp_group_idx_{i}.gbuf_idx_0.dtype_{dtype}", lengths)
-                for i, (dtype, lengths) in found.items()}
+                             self._chunks, f"{self.where} ({prefix[:-1] or 'the optimizer'})")
+        self.param_group_keys += [f"{prefix}optimizer.distributed.dp_group_idx_{i}.optimizer" for i in range(ranks)]
+        return {(i, g): (f"{prefix}optimizer.distributed.dp_group_idx_{i}.gbuf_idx_{g}.dtype_{dtype}", lengths)
+                for (i, g), (dtype, lengths) in found.items()}
 
-    def _replay(self, buckets: Dict[int, Tuple[str, List[int]]], index: int, params: List[Param], stage: int,
-                rank: str) -> Tuple[Callable[[int], str], Dict[str, Tuple[int, int]]]:
-        """The layout of one rank's buffer of ``params``, checked against its saved buckets: (bucket
-        number -> its key without the state, each parameter's (bucket, start))."""
+    def _virtual_stage(self, chunk: int, stage: int) -> Tuple[int, int]:
+        """(virtual stage, their count) of model chunk ``chunk`` of pipeline rank ``stage``."""
+        return chunk * self.args.pp + stage, self._chunks * self.args.pp
+
+    def _place_dense(self, buckets, chunk: int, stage: int, t: int) -> None:
+        """Where TP rank ``t`` of pipeline rank ``stage`` keeps the dense state of model chunk ``chunk``."""
+        virtual, count = self._virtual_stage(chunk, stage)
+        names = [n for n in self._shapes
+                 if _on_stage(n, virtual, count, self.args.required("num_layers")) and not is_expert(n)]
+        params = self._stage_params(names, virtual == count - 1)
+        where = f"TP rank {t}, stage {stage}" + (f", model chunk {chunk}" if self._chunks > 1 else "")
+        bucket, starts = self._replay(buckets, (stage * self.args.tp + t, chunk), params,
+                                      bucket_size(self.args, stage) if chunk == 0 else None, where)
+        for p in params:
+            if p.key in self._shapes:
+                self.places.setdefault(p.key, {})[t] = _Place(bucket(starts[p.key][0]), starts[p.key][1],
+                                                              self._local_shape(p.key))
+
+    def _replay(self, buckets: Dict[Tuple[int, int], Tuple[str, List[int]]], index: Tuple[int, int],
+                params: List[Param], size: Optional[int], rank: str) -> Tuple[Callable[[int], str], Dict[str, Tuple[int, int]]]:
+        """The layout of one rank's buffer of ``params`` (buckets of ``size``), checked against its
+        saved buckets: (bucket number -> its key without the state, each parameter's (bucket, start))."""
         prefix, lengths = buckets[index]
-        starts, replayed = bucket_layout(params, bucket_size(self.args, stage))
+        starts, replayed = bucket_layout(params, size)
         if replayed != lengths:
-            group = prefix.partition(".gbuf_idx")[0].replace("optimizer.distributed.", "")
+            group = prefix.partition(".dtype_")[0].replace("optimizer.distributed.", "")
+            group = group if self._chunks > 1 else group.partition(".gbuf_idx")[0]
             raise CheckpointError(f"{self.where}: the buckets of {group} ({rank}) hold {lengths} elements, the layout "
                                   f"of the stage's {len(params)} parameters in Megatron's buffer has {replayed}")
         return (lambda b: f"{prefix}.bucket_idx_{b}"), starts
 
-    def _place_experts(self, buckets: Dict[int, Tuple[str, List[int]]], stage: int, ep: int, t: int) -> None:
+    def _place_experts(self, buckets, chunk: int, stage: int, ep: int, t: int) -> None:
         """Where TP rank ``t`` of EP rank ``ep`` keeps its experts' state: GroupedMLP's ``weight1``
-        and ``weight2`` of each MoE layer of the stage, each local expert's block of them."""
+        and ``weight2`` of each MoE layer of the (virtual) stage, each local expert's block of them."""
         args, local = self.args, self.args.required("num_experts") // self.args.ep
+        virtual, count = self._virtual_stage(chunk, stage)
         moe_layers = sorted({split_layer_key(n)[0] for n in self._shapes if is_expert(n)
-                             and _on_stage(n, stage, args.pp, args.required("num_layers"))})
+                             and _on_stage(n, virtual, count, args.required("num_layers"))})
         params, blocks = [], []
         for layer in moe_layers:
             for fc, weight in (("linear_fc1", "weight1"), ("linear_fc2", "weight2")):
@@ -157,17 +173,19 @@ class DpReshardable:
                 blocks += [(key, f"{LAYERS}{layer}.mlp.experts.{ep * local + i}.{fc}.weight", i, block)
                            for i in range(local)]
         index = (stage * args.ep + ep) * args.tp + t
-        bucket, starts = self._replay(buckets, index, params, stage, f"TP rank {t}, EP rank {ep}, stage {stage}")
+        where = f"TP rank {t}, EP rank {ep}, stage {stage}" + (f", model chunk {chunk}" if self._chunks > 1 else "")
+        bucket, starts = self._replay(buckets, (index, chunk), params,
+                                      bucket_size(args, stage) if chunk == 0 else None, where)
         for key, name, i, block in blocks:
             b, start = starts[key]
             self.places.setdefault(name, {})[t] = _Place(bucket(b), start + i * math.prod(block), block, True)
 
-    def _stage_params(self, names: List[str], stage: int) -> List[Param]:
-        """The stage's dense parameters (TP shards) in ``named_parameters`` order; with a tied
-        embedding under PP > 1, the last stage's copy (``output_layer.weight``) and the first
+    def _stage_params(self, names: List[str], last: bool) -> List[Param]:
+        """The (virtual) stage's dense parameters (TP shards) in ``named_parameters`` order; with a
+        tied embedding under PP > 1, the last stage's copy (``output_layer.weight``) and the first
         stage's embedding are each a bucket of their own."""
         tied = not self.args.get("untie_embeddings_and_output_weights") and self.args.pp > 1
-        names = names + ([OUTPUT_LAYER] if tied and stage == self.args.pp - 1 else [])
+        names = names + ([OUTPUT_LAYER] if tied and last else [])
         return [Param(n, self._local_shape(n), False, tied and n in (WORD_EMBEDDINGS, OUTPUT_LAYER))
                 for n in sorted(names, key=module_order)]
 
@@ -213,17 +231,21 @@ def _check_replayable(args: SavedArgs, shapes: Dict[str, Tuple[int, ...]], sizes
     if experts and (args.get("expert_tensor_parallel_size") not in (None, args.tp)
                     or any(not _EXPERT.fullmatch(split_layer_key(n)[1]) for n in experts)):
         raise NotReplayed("the buffers of experts with their own TP size or with biases are not replayed yet")
-    if args.pp > 1 and args.get("virtual_pipeline_model_parallel_size"):
-        raise NotReplayed("the buffers of virtual pipeline model chunks are not replayed yet")
     uneven = [f"--{a.replace('_', '-')}" for a in _UNEVEN_SPLITS if args.get(a)]
-    if uneven or args.required("num_layers") % args.pp:
+    if uneven or args.required("num_layers") % (args.pp * _model_chunks(args)):
         raise NotReplayed(f"the buffers of an uneven pipeline split ({', '.join(uneven) or 'num_layers % PP'}) "
                           "are not replayed yet")
     return chained
 
 
-def _bucket_keys(sizes: Dict[str, Tuple[int, ...]], ranks: int, where: str) -> Dict[int, Tuple[str, List[int]]]:
-    """dp_group_idx -> (its buffer's dtype pair, its buckets' lengths), from the saved keys."""
+def _model_chunks(args: SavedArgs) -> int:
+    """Model chunks per pipeline rank (virtual pipeline stages), each with its own buffer."""
+    return int(args.get("virtual_pipeline_model_parallel_size") or 1) if args.pp > 1 else 1
+
+
+def _bucket_keys(sizes: Dict[str, Tuple[int, ...]], ranks: int, chunks: int,
+                 where: str) -> Dict[Tuple[int, int], Tuple[str, List[int]]]:
+    """(dp_group_idx, gbuf_idx) -> (its buffer's dtype pair, its buckets' lengths), from the saved keys."""
     found: Dict[int, Dict[Tuple[int, str, int, str], int]] = {}
     for key, size in sizes.items():
         m = _KEY.fullmatch(key)
@@ -234,19 +256,20 @@ def _bucket_keys(sizes: Dict[str, Tuple[int, ...]], ranks: int, where: str) -> D
                               f"expected 0..{ranks - 1} (one per model-parallel rank)")
     out = {}
     for index, buckets in found.items():
-        buffers = {(gbuf, dtype) for gbuf, dtype, _, _ in buckets}
-        if len(buffers) != 1 or next(iter(buffers))[0] != 0:
-            raise NotReplayed(f"dp_group_idx_{index} holds grad buffers {sorted(buffers)}; only one (gbuf_idx_0) "
-                              "is replayed")
-        count = 1 + max(b for _, _, b, _ in buckets)
-        lengths = []
-        for b in range(count):
-            per_state = {buckets.get((0, next(iter(buffers))[1], b, s)) for s in STATES.values()}
-            if len(per_state) != 1 or None in per_state:
-                raise CheckpointError(f"{where}: bucket {b} of dp_group_idx_{index} has states of lengths {per_state}, "
-                                      f"expected {sorted(STATES.values())} of one length")
-            lengths.append(per_state.pop())
-        out[index] = (next(iter(buffers))[1], lengths)
+        buffers = sorted({(gbuf, dtype) for gbuf, dtype, _, _ in buckets})
+        if [gbuf for gbuf, _ in buffers] != list(range(chunks)):
+            raise NotReplayed(f"dp_group_idx_{index} holds grad buffers {buffers}; one per model chunk "
+                              f"(gbuf_idx_0..{chunks - 1}, of one dtype each) is replayed")
+        for gbuf, dtype in buffers:
+            count = 1 + max(b for g, _, b, _ in buckets if g == gbuf)
+            lengths = []
+            for b in range(count):
+                per_state = {buckets.get((gbuf, dtype, b, s)) for s in STATES.values()}
+                if len(per_state) != 1 or None in per_state:
+                    raise CheckpointError(f"{where}: bucket {b} of dp_group_idx_{index} gbuf_idx_{gbuf} has states of "
+                                          f"lengths {per_state}, expected {sorted(STATES.values())} of one length")
+                lengths.append(per_state.pop())
+            out[(index, gbuf)] = (dtype, lengths)
     return out
 
 
