@@ -310,7 +310,7 @@ def describe_memory(state: TrainState) -> dict:
     params = state.params
     opt = state.optimizer
     mains = [ms.main for ms in opt.shards if not ms.aliases_param]
-    moments = [s[k] for inner in opt.inner.values() for s in inner.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    moments = [v for inner in opt.inner.values() for s in inner.state.values() for k, v in s.items() if k != "step"]
     return {"rank": state.ps.rank, "parameters": sum(p.numel() for p in params),
             "param_bytes": _storage_bytes(params), "grad_bytes": _storage_bytes(state.ddp.buffer_tensors("grads")),
             "optimizer_bytes": _storage_bytes(mains) + _storage_bytes(moments)}
