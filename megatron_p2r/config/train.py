@@ -30,7 +30,7 @@ class TrainConfig:
     lr_decay_samples: Optional[int] = opt(None, "Samples over which to decay (default train-samples).")
     lr_decay_style: str = opt("linear", "Decay after warm-up.", choices=["cosine", "linear", "constant"])
     optimizer: str = opt("adam", "adam (AdamW); lion (one fp32 moment: sign updates, Chen et al. 2023) or adafactor "
-                         "(factored second moments, Shazeer & Stern 2018), the memory-lean ones (docs/optimizers.md).",
+                         "(factored second moments, Shazeer & Stern 2018), the memory-lean ones (docs/scale.md).",
                          choices=["adam", "lion", "adafactor"])
     weight_decay: float = opt(0.01, "Decoupled weight decay (not applied to norms and biases).")
     adam_beta1: float = opt(0.9, "AdamW beta1.")
