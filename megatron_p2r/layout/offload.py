@@ -77,7 +77,7 @@ def memory_plan(total: Dict[str, int], module_bytes: Dict[int, Dict[str, int]], 
                 prefetch: int, what: frozenset = FULL) -> Dict[str, Dict[str, int]]:
     """Accounted bytes on device and host when the ``what`` categories of ``offloaded`` modules
     live on host (with only the optimizer offloaded, the fp32 masters of 16-bit weights stay
-    with the weights on the device: ``StagedAdamW`` moves the moments).
+    with the weights on the device: ``StagedOptimizer`` moves the moments).
 
     With weights on host the device also holds the fetch window: (prefetch + 2) copies of the
     largest offloaded module's weights — the one in use, ``prefetch`` fetched ahead, and its

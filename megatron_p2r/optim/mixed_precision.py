@@ -1,7 +1,7 @@
 """The optimizer over fp32 main parameters — megatron-core's FP32Optimizer,
 Float16OptimizerWithFloat16Params and DistributedOptimizer semantics in one class.
 
-- fp32 weights are their own main parameters (AdamW steps the model's tensors, as before);
+- fp32 weights are their own main parameters (the optimizer steps the model's tensors);
 - 16-bit weights (``--bf16``/``--fp16``) get fp32 main copies held here; after each step the
   updated mains are rounded into the weights, so the forward never casts a weight;
 - under ``--use-distributed-optimizer`` a rank's mains are its shards of the gradient buffers'
@@ -10,9 +10,11 @@ Float16OptimizerWithFloat16Params and DistributedOptimizer semantics in one clas
   (``DistributedDataParallel.start_param_sync``).
 
 Every main parameter's gradient is a view into ``main_grad``: nothing is copied. Granular
-offload places each shard: "device"; "host" (weights on host: mains, moments and step there);
-"staged" (weights on the device, AdamW moments on host: ``StagedAdamW``). Checkpoints see
-global tensors only (``optim/state_io.py``).
+offload places each shard: "device"; "host" (weights on host: mains, optimizer state and step
+there); "staged" (weights on the device, optimizer state on host: ``StagedOptimizer``). The
+optimizer is ``--optimizer``'s (``optim/optimizer.py``); Adafactor's statistics of a matrix cut
+between ranks are summed over them (``shared_pieces``). Checkpoints see global tensors only
+(``optim/state_io.py``).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from megatron_p2r.config import TrainConfig
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.optim.adafactor import Piece, SharedPieces
 from megatron_p2r.optim.host_step import HostStep
-from megatron_p2r.optim.optimizer import StagedAdamW, make_optimizer, param_groups
+from megatron_p2r.optim.optimizer import StagedOptimizer, make_optimizer, param_groups
 from megatron_p2r.parallel.ddp import DistributedDataParallel
 from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import ParallelState
@@ -119,7 +121,7 @@ class MixedPrecisionOptimizer:
             if mine or channels:   # a rank sharing pieces takes part in their sums, even with none of its own
                 extra = dict(pieces=pieces, shared=shared_here, channels=channels) if t.optimizer == "adafactor" else {}
                 inner = make_optimizer(mine or [{"params": []}], t, **extra)
-                self.inner[placement] = StagedAdamW(inner) if placement == "staged" else inner
+                self.inner[placement] = StagedOptimizer(inner) if placement == "staged" else inner
         if host_layers is not None and "host" in self.inner:
             self.inner["host"] = HostStep(self.inner["host"], {
                 key: [ms for ms in shards if ms.placement == "host" and id(ms.param) in ids]

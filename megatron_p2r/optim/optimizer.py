@@ -66,7 +66,7 @@ def adamw(groups: List[dict], t: TrainConfig) -> torch.optim.AdamW:
         return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
 
-class StagedAdamW:
+class StagedOptimizer:
     """An optimizer whose state lives on host for weights that stay on the device (ZeRO-Offload
     for the chosen layers).
 
