@@ -12,6 +12,7 @@ import torch
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.io import load_checkpoint, save_checkpoint
 from megatron_p2r.config import ConfigError
+from megatron_p2r.convert.reshard import DelinkOptions, Target, convert
 from megatron_p2r.optim import adafactor as af
 from megatron_p2r.optim.lion import Lion
 from megatron_p2r.parallel.state import ParallelState
@@ -177,6 +178,27 @@ def test_checkpoints_between_optimizers(tmp_path):
         with pytest.raises(CheckpointError, match=f"holds {src} optimizer state .*--optimizer {dst} needs "
                                                   f"{missing}.*--no-load-optim"):
             load_checkpoint(str(tmp_path / src), state)
+
+
+def test_delink_rescales_adafactor_statistics(tmp_path):
+    """A pseudo-phase Adafactor checkpoint (cycle:2: each slot called by 2 layers) delinked with
+    ``rescale``: each real layer's row and column statistics are its slot's / 4, and the second
+    moment they estimate too."""
+    pseudo = dict(num_layers=4, p2r_phase="pseudo", share_pattern="cycle:2", optimizer="adafactor")
+    _, source = run_steps(cfg(**pseudo), ParallelState.single(), 2)
+    save_checkpoint(str(tmp_path / "pseudo"), source)
+    convert(str(tmp_path / "pseudo"), str(tmp_path / "real"), Target(), DelinkOptions(optimizer_state="rescale"),
+            progress=False)
+    real = build_train_state(cfg(**{**pseudo, "p2r_phase": "real"}), ParallelState.single())
+    load_checkpoint(str(tmp_path / "real"), real)
+    slot = source.optimizer.state[source.model.get_parameter("layers.1.mlp.fc1.weight")]
+    for layer in (1, 3):
+        mine = real.optimizer.state[real.model.get_parameter(f"layers.{layer}.mlp.fc1.weight")]
+        for name in ("row_var", "col_var"):
+            torch.testing.assert_close(mine[name], slot[name] / 4, rtol=1e-6, atol=0)
+    norm = source.optimizer.state[source.model.get_parameter("layers.1.input_norm.weight")]["variance"]
+    torch.testing.assert_close(real.optimizer.state[real.model.get_parameter("layers.3.input_norm.weight")]["variance"],
+                               norm / 4, rtol=1e-6, atol=0)
 
 
 MEASURED = [  # label, world, rank, flags
