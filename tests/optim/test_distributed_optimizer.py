@@ -41,6 +41,12 @@ FOUR_RANKS = {
     "dp4-offload": dict(cpu_offload_layers="1", **OVERLAP),
     "pp2-dp2-pseudo-offload": dict(pipeline_model_parallel_size=2, cpu_offload_layers="1", **PSEUDO, **OVERLAP),
     "dp4-offload-optimizer-only": dict(cpu_offload_layers="1", cpu_offload_what="optimizer", **OVERLAP),
+    # the lean optimizers across TP (Lion: elementwise, so exact; Adafactor factors each TP shard
+    # on its own, docs/scale.md) and pipeline stages with offload. No linear biases for Lion: the
+    # key bias's gradient is zero up to rounding, whose sign Lion steps by the full learning rate
+    "tp2-dp2-lion": dict(tensor_model_parallel_size=2, optimizer="lion", disable_bias_linear=True, **OVERLAP),
+    "pp2-dp2-pseudo-offload-adafactor": dict(pipeline_model_parallel_size=2, cpu_offload_layers="1", optimizer="adafactor",
+                                             **PSEUDO, **OVERLAP),
 }
 TWO_RANKS = {
     "dp2": DISTOPT, "dp2-overlap": OVERLAP,
