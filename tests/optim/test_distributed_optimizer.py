@@ -51,10 +51,12 @@ FOUR_RANKS = {
 TWO_RANKS = {
     "dp2": DISTOPT, "dp2-overlap": OVERLAP,
     # the memory-lean optimizers: Adafactor's statistics of matrices cut between the ranks are summed
-    # over both; with fp16 loss scaling and a host-resident layer (its optimizer steps on host)
-    "dp2-lion": dict(optimizer="lion", **OVERLAP),
+    # over both; with fp16 loss scaling and a host-resident layer (its optimizer steps on host).
+    # Lion without linear biases (the key bias: "tp2-dp2-lion")
+    "dp2-lion": dict(optimizer="lion", disable_bias_linear=True, **OVERLAP),
     "dp2-adafactor": dict(optimizer="adafactor", **OVERLAP),
-    "dp2-lion-fp16-offload": dict(optimizer="lion", fp16=True, cpu_offload_layers="1", **OVERLAP),
+    "dp2-lion-fp16-offload": dict(optimizer="lion", fp16=True, cpu_offload_layers="1", disable_bias_linear=True,
+                                  **OVERLAP),
     "dp2-adafactor-fp16-offload": dict(optimizer="adafactor", fp16=True, cpu_offload_layers="1", **OVERLAP),
     "dp2-adafactor-offload-optimizer-only": dict(optimizer="adafactor", cpu_offload_layers="1",
                                                  cpu_offload_what="optimizer", **OVERLAP),
