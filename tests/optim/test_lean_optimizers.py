@@ -180,6 +180,21 @@ def test_checkpoints_between_optimizers(tmp_path):
             load_checkpoint(str(tmp_path / src), state)
 
 
+@pytest.mark.parametrize("optimizer", ["lion", "adafactor"])
+def test_resharded_there_and_back_the_state_is_the_same(tmp_path, optimizer):
+    """Resharded to TP2 and back to TP1, a Lion or Adafactor checkpoint keeps its optimizer's
+    entries (metadata optimizer_kinds) and loads into the optimizer's state bitwise."""
+    _, saved = run_steps(cfg(optimizer=optimizer), ParallelState.single(), 2)
+    save_checkpoint(str(tmp_path / "tp1"), saved)
+    convert(str(tmp_path / "tp1"), str(tmp_path / "tp2"), Target(tensor_parallel_size=2), None, progress=False)
+    convert(str(tmp_path / "tp2"), str(tmp_path / "back"), Target(tensor_parallel_size=1), None, progress=False)
+    state = build_train_state(cfg(optimizer=optimizer), ParallelState.single())
+    load_checkpoint(str(tmp_path / "back"), state)
+    for (name, p), q in zip(state.model.named_parameters(), saved.model.parameters()):
+        mine, theirs = state.optimizer.state[p], saved.optimizer.state[q]
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), name
+
+
 def test_delink_rescales_adafactor_statistics(tmp_path):
     """A pseudo-phase Adafactor checkpoint (cycle:2: each slot called by 2 layers) delinked with
     ``rescale``: each real layer's row and column statistics are its slot's / 4, and the second
