@@ -306,7 +306,7 @@ def _storage_bytes(tensors) -> int:
 def describe_memory(state: TrainState) -> dict:
     """Parameter count and the bytes this rank holds, measured from the tensors (tensor
     accounting): weights, gradient buffers, optimizer state (fp32 mains that are copies of
-    16-bit weights, AdamW moments; empty until the first step)."""
+    16-bit weights, the optimizer's state; empty until the first step)."""
     params = state.params
     opt = state.optimizer
     mains = [ms.main for ms in opt.shards if not ms.aliases_param]
@@ -344,7 +344,7 @@ def _run(cfg: Config, ps: ParallelState, plan: ParallelPlan, started: float) -> 
     state = build_train_state(cfg, ps, plan)
     logger = TrainingLogger(cfg.logging.log_file, cfg.logging.tensorboard_dir, enabled=ps.rank == log_rank(ps))
     mem = describe_memory(state)
-    optimizer_bytes = stage_state_bytes(plan, ps.pp_rank, ps.coords)["optimizer"]   # AdamW allocates at step 1
+    optimizer_bytes = stage_state_bytes(plan, ps.pp_rank, ps.coords)["optimizer"]   # the optimizer allocates at step 1
     print(f"[rank {ps.rank}] stage {ps.pp_rank} tp {ps.tp_rank} dp {ps.dp_rank} ep {ps.ep_rank}: "
           f"{mem['parameters']:,} parameters, {mem['param_bytes'] / 2**20:.1f} MiB params, "
           f"{mem['grad_bytes'] / 2**20:.1f} MiB grads, {optimizer_bytes / 2**20:.1f} MiB optimizer", flush=True)

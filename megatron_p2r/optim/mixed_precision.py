@@ -71,7 +71,7 @@ def _main_of(p: nn.Parameter, start: int, end: int) -> torch.Tensor:
 
 
 class ParamStates:
-    """``optimizer.state[param]``: AdamW's state of a parameter the optimizer steps whole."""
+    """``optimizer.state[param]``: the optimizer's state of a parameter it steps whole."""
 
     def __init__(self, optimizer: "MixedPrecisionOptimizer"):
         self.optimizer = optimizer
@@ -134,7 +134,7 @@ class MixedPrecisionOptimizer:
         for ms in shards:
             self.shards_of.setdefault(id(ms.param), []).append(ms)
         self.state = ParamStates(self)
-        self.step_count = 0   # optimizer steps taken (skipped steps excluded): AdamW's ``step``
+        self.step_count = 0   # optimizer steps taken (skipped steps excluded): the state's ``step``
 
     @property
     def param_groups(self) -> list:
@@ -182,7 +182,7 @@ class MixedPrecisionOptimizer:
             self.inner["host"].wait()
 
     def step(self, host_coeff: float = 1.0) -> None:
-        """Step every placement's AdamW, round the mains into 16-bit weights, start the
+        """Step every placement's optimizer, round the mains into 16-bit weights, start the
         all-gather of updated shards (distributed optimizer). The overlapped host step is only
         started, its gradients multiplied by ``host_coeff`` first."""
         for placement in PLACEMENTS:

@@ -2,7 +2,7 @@
 and the wrapper that keeps its state on host for weights that stay on the device
 (``--cpu-offload-what optimizer``).
 
-Norms and biases (``no_wd``) get no weight decay. What AdamW steps — the model's own fp32
+Norms and biases (``no_wd``) get no weight decay. What the optimizer steps — the model's own fp32
 weights, fp32 copies of 16-bit weights, or shards of either under the distributed optimizer —
 is ``mixed_precision.py``'s concern: it steps, in each group, the main parameters of the
 group's weights.
