@@ -13,19 +13,24 @@ dimension (``decoder.layers.self_attention.linear_qkv.weight`` is [L, 3h, h]) un
 had non-homogeneous layers, whose keys carry the global layer index
 (``decoder.layers.3.self_attention...``); experts are a further leading dimension
 (``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is [L, E, ffn, h], for SequentialMLP
-and TEGroupedMLP alike, as megatron-core 0.16 writes it; a single ``experts.`` is read too). Optimizer state (``optimizer.*``) and byte objects (RNG state,
-``_extra_state``) are not read.
+and TEGroupedMLP alike, as megatron-core 0.16 writes it; a single ``experts.`` is read too).
+Adam's state is read where it is keyed like the model (``optimizer.state.exp_avg.<key>``: the
+non-distributed optimizer, and the distributed one's ``fully_reshardable`` sharding) and from the
+distributed optimizer's buckets (``dp_reshardable``, its default: ``dp_reshardable.py``). Other
+byte objects (RNG state, ``_extra_state``) are not read.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from megatron_p2r.checkpoint.errors import CheckpointError
+from megatron_p2r.convert.megatron import dp_reshardable
 from megatron_p2r.convert.megatron.args import SavedArgs
+from megatron_p2r.convert.megatron.distrib_optim import groups_step
 from megatron_p2r.convert.megatron.names import expert_rest, layer_name, split_layer_key
 from megatron_p2r.convert.megatron.unpickler import Kind, LazyTensor, Opaque, TorchArchive, load_pickle
 from megatron_p2r.files import MiB, confined, read_json
@@ -34,8 +39,12 @@ CONFIG_FILE, COMMON_FILE, DCP_METADATA = "metadata.json", "common.pt", ".metadat
 _NOT_MODEL = ("optimizer.", "chained_", "rng_state", "rerun_state_machine")
 # The non-distributed optimizer's state, keyed like the model (``optim_state_to_sharding_state``):
 # Adam's moments, and under --bf16/--fp16 the fp32 main copy of each weight.
-OPTIMIZER_KEYS = {"exp_avg": "optimizer.state.exp_avg.", "exp_avg_sq": "optimizer.state.exp_avg_sq.",
-                  "main": "optimizer.state.fp32_param."}
+# The distributed optimizer's ``fully_reshardable`` state is keyed the same way, its mains as ``param``.
+OPTIMIZER_KEYS = {"exp_avg": ("optimizer.state.exp_avg.",), "exp_avg_sq": ("optimizer.state.exp_avg_sq.",),
+                  "main": ("optimizer.state.fp32_param.", "optimizer.state.param.")}
+# the distributed optimizer's sharding types whose state is read (common.pt's
+# ``optimizer.param_state_sharding_type``); the optimizer's own buckets, or keyed like the model
+READ_SHARDING_TYPES = (dp_reshardable.SHARDING_TYPE, "fully_reshardable")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,11 +76,15 @@ def _field(record, name: str, where: str):
 
 
 def _adam_step(optimizer, where: str):
-    """Adam's step count from common.pt's ``optimizer`` (``state.common_step``), or None."""
+    """Adam's step count from common.pt's ``optimizer``, or None: ``state.common_step`` (the
+    non-distributed optimizer) or the step of its param groups (the distributed one's
+    ``fully_reshardable`` state)."""
     state = optimizer.get("state") if isinstance(optimizer, dict) else None
     step = state.get("common_step") if isinstance(state, dict) else None
     if step is None:
-        return None
+        inner = optimizer.get("optimizer") if isinstance(optimizer, dict) else None
+        groups = inner.get("param_groups") if isinstance(inner, dict) else None
+        return None if groups is None else groups_step(groups, f"{where}: optimizer.optimizer.param_groups")
     if not isinstance(step, LazyTensor) or step.shape not in ((), (1,)):
         raise CheckpointError(f"{where}: optimizer.state.common_step is {step!r}, expected a scalar tensor")
     return float(step.read().reshape(()))
@@ -82,7 +95,6 @@ class DistCheckpoint:
     chunks of its key that cover its index on the leading (layer, expert) dimensions."""
 
     format = "torch_dist"
-    optimizer_not_read = None  # why the optimizer state is skipped (the legacy layout may say)
 
     def __init__(self, iter_dir: str):
         self.iter_dir = iter_dir
@@ -99,25 +111,68 @@ class DistCheckpoint:
         metadata = load_pickle(self.where, Kind.DCP_METADATA)
         self.sizes: Dict[str, Tuple[int, ...]] = {}
         self.chunks: Dict[str, List[_Chunk]] = {}
+        self.objects: Dict[str, _Chunk] = {}  # pickled objects (megatron-core's ShardedObject) by key
         self._index(_field(metadata, "state_dict_metadata", self.where), _field(metadata, "storage_data", self.where))
         self._check_files()
         self.names: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
         self.optimizer: Dict[str, Dict[str, Tuple[str, Tuple[int, ...]]]] = {kind: {} for kind in OPTIMIZER_KEYS}
         for key, size in self.sizes.items():
-            kind = next((k for k, p in OPTIMIZER_KEYS.items() if key.startswith(p)), None)
+            kind, rest = next(((k, key[len(p):]) for k, ps in OPTIMIZER_KEYS.items() for p in ps if key.startswith(p)),
+                              (None, key))
             if kind is None and key.startswith(_NOT_MODEL):
                 continue
             names = self.names if kind is None else self.optimizer[kind]
-            for name, prefix in self._canonical(key if kind is None else key[len(OPTIMIZER_KEYS[kind]):], size):
+            for name, prefix in self._canonical(rest, size):
                 names[name] = (key, prefix)
-        self.adam_step = _adam_step(common.get("optimizer"), os.path.join(iter_dir, COMMON_FILE))
+        self.optimizer_not_read = None  # why the optimizer state that is there is skipped
+        self.buckets = None  # the distributed optimizer's buckets (dp_reshardable)
+        self.adam_step = self._optimizer_state(common.get("optimizer"))
+
+    def _optimizer_state(self, optimizer) -> Optional[float]:
+        """Adam's step, or None: weights only. The distributed optimizer's buckets are replayed
+        (``dp_reshardable``); a sharding type not read leaves the optimizer state out and says why."""
+        sharding = optimizer.get("param_state_sharding_type") if isinstance(optimizer, dict) else None
+        if sharding is None or sharding == "fully_reshardable":
+            return _adam_step(optimizer, self.saved_path)
+        self.optimizer = {kind: {} for kind in OPTIMIZER_KEYS}
+        if sharding not in READ_SHARDING_TYPES:
+            self.optimizer_not_read = (f"{self.saved_path}: the distributed optimizer's state is saved with sharding "
+                                       f"type {sharding!r}; only {' and '.join(READ_SHARDING_TYPES)} are read")
+            return None
+        try:
+            self.buckets = dp_reshardable.DpReshardable(self.args, {n: self.shape(n) for n in self.names},
+                                                        self.sizes, self._read_range, self.where)
+        except dp_reshardable.NotReplayed as why:
+            self.optimizer_not_read = f"{self.where}: the distributed optimizer's state of sharding type {sharding!r}: {why}"
+            return None
+        self.optimizer = self.buckets.names
+        steps = {self._param_groups_step(index) for index in range(self.args.tp * self.args.pp)}
+        if len(steps) != 1:
+            raise CheckpointError(f"{self.where}: the distributed optimizer's param groups give Adam steps "
+                                  f"{sorted(steps)}, expected one")
+        return steps.pop()
+
+    def _param_groups_step(self, index: int) -> float:
+        """Adam's step in the param groups of model-parallel rank ``index`` (a pickled object)."""
+        key = f"optimizer.distributed.dp_group_idx_{index}.optimizer"
+        chunk = self.objects.get(key)
+        if chunk is None:
+            raise CheckpointError(f"{self.where}: no object {key!r} (the distributed optimizer's param groups)")
+        where = f"{chunk.file} (bytes {chunk.start}..{chunk.start + chunk.length}, object {key!r})"
+        saved = TorchArchive(chunk.file, Kind.MEGATRON, chunk.start, chunk.length, where=where).obj
+        saved = saved[0] if isinstance(saved, list) and len(saved) == 1 else saved  # a list of the rank's objects
+        groups = saved.get("param_groups") if isinstance(saved, dict) else None
+        if groups is None:
+            raise CheckpointError(f"{where}: holds {type(saved).__name__}, expected the optimizer's param groups")
+        return groups_step(groups, f"{where}: param_groups")
 
     def _index(self, state_dict_metadata: dict, storage_data: dict) -> None:
-        """Global shapes and chunk locations of every tensor key."""
+        """Global shapes and chunk locations of every tensor key; where each object is."""
         for key, entry in state_dict_metadata.items():
             if isinstance(entry, Opaque) and entry.qualname.endswith("TensorStorageMetadata"):
                 self.sizes[key] = tuple(_field(entry, "size", self.where))
                 self.chunks[key] = []
+        self._index_objects(storage_data)
         sizes = {(key, tuple(_field(c, "offsets", self.where))): tuple(_field(c, "sizes", self.where))
                  for key, entry in state_dict_metadata.items() if key in self.sizes
                  for c in _field(entry, "chunks", self.where)}
@@ -136,6 +191,18 @@ class DistCheckpoint:
                             f"{self.where}: relative_path of {key!r}")  # a name read from a file stays inside
             self.chunks[key].append(_Chunk(offsets, sizes[(key, offsets)], path,
                                            int(info.field("offset") or 0), int(_field(info, "length", self.where))))
+
+    def _index_objects(self, storage_data: dict) -> None:
+        """Where each pickled object (``key/shard_...``) is; its first copy."""
+        for index, info in storage_data.items():
+            fqn = _field(index, "fqn", self.where)
+            if fqn in self.sizes or "/shard_" not in fqn:
+                continue
+            key = fqn.rpartition("/shard_")[0]
+            path = confined(self.iter_dir, _field(info, "relative_path", self.where), CheckpointError,
+                            f"{self.where}: relative_path of {fqn!r}")
+            self.objects.setdefault(key, _Chunk((), (), path, int(info.field("offset") or 0),
+                                                int(_field(info, "length", self.where))))
 
     def _check_files(self) -> None:
         """Every chunk's file exists and is long enough (before anything is read or written)."""
@@ -171,12 +238,16 @@ class DistCheckpoint:
         return self.where
 
     def shape(self, name: str, kind: str = "model") -> Tuple[int, ...]:
+        if kind != "model" and self.buckets is not None:
+            return self.buckets.shape(name)
         key, prefix = (self.names if kind == "model" else self.optimizer[kind])[name]
         return self.sizes[key][len(prefix):]
 
     def read(self, name: str, kind: str = "model") -> torch.Tensor:
         """The global tensor (or its optimizer state ``kind``), assembled from the chunks of its key
         that hold its index."""
+        if kind != "model" and self.buckets is not None:
+            return self.buckets.read(name, kind)
         key, prefix = (self.names if kind == "model" else self.optimizer[kind])[name]
         out, filled = None, 0
         for chunk in self.chunks[key]:
@@ -192,6 +263,22 @@ class DistCheckpoint:
         if out is None or filled != out.numel():
             raise CheckpointError(f"{self.where}: the chunks of {key!r} cover {filled} elements of {name} "
                                   f"{list(self.shape(name, kind))}")
+        return out
+
+    def _read_range(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``start:stop`` of the flat key ``key``, from the chunks that overlap them."""
+        out, filled = None, 0
+        for chunk in self.chunks.get(key, ()):
+            lo, hi = max(start, chunk.offsets[0]), min(stop, chunk.offsets[0] + chunk.sizes[0])
+            if lo >= hi:
+                continue
+            data = self._read_chunk(key, chunk)
+            if out is None:
+                out = torch.empty(stop - start, dtype=data.dtype)
+            out[lo - start:hi - start] = data[lo - chunk.offsets[0]:hi - chunk.offsets[0]]
+            filled += hi - lo
+        if out is None or filled != stop - start:
+            raise CheckpointError(f"{self.where}: the chunks of {key!r} cover {filled} of its elements {start}..{stop}")
         return out
 
     def _read_chunk(self, key: str, chunk: _Chunk) -> torch.Tensor:

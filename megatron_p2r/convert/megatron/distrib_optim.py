@@ -9,12 +9,10 @@ DP rank 0 gathers every DP rank's shard into one flat fp32 tensor per state and 
      1: ...}                         (buffer 0: dense parameters; then the experts' buffer)
 
 The file does not say where a parameter lies in its buffer; the buffer's layout does
-(``_ParamAndGradBuffer``): parameters in reverse order of ``named_parameters`` (the order of the
-rank's ``model`` state dict), each starting at a multiple of 64 elements, buckets closed after
-``bucket_size`` elements and around a pipeline-tied embedding; the flat tensor keeps each
-bucket's elements and drops only the padding at bucket ends. We replay that layout and check
-it against ``numel_unpadded`` before a value is read; each parameter's state is then a view of
-the flat tensor, read on demand.
+(``buffer_layout``, parameters in the order of the rank's ``model`` state dict); the flat tensor
+keeps each bucket's elements and drops only the padding at bucket ends. We replay that layout
+and check it against ``numel_unpadded`` before a value is read; each parameter's state is then a
+view of the flat tensor, read on demand.
 """
 from __future__ import annotations
 
@@ -23,46 +21,20 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 from megatron_p2r.checkpoint.errors import CheckpointError
-from megatron_p2r.convert.megatron.args import SavedArgs
+from megatron_p2r.convert.megatron.buffer_layout import Param, bucket_layout
 from megatron_p2r.convert.megatron.unpickler import LazyTensor
 
 FILE = "distrib_optim.pt"
-PARAM_ALIGNMENT = 64  # elements: every parameter starts 128-byte aligned
 # our optimizer-state kind -> the flat tensor's key ("param": the fp32 main weights)
 STATES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "main": "param"}
 
 
-@dataclasses.dataclass(frozen=True)
-class Param:
-    """A parameter of one rank's module, as its buffer sees it."""
-    key: str                  # its local key in the rank's ``model`` state dict
-    shape: Tuple[int, ...]
-    expert: bool              # in the experts' buffer (Megatron's ``allreduce=False``)
-    own_bucket: bool = False  # a pipeline-tied embedding (``shared_embedding``): a bucket of its own
-
-
-def bucket_size(args: SavedArgs, stage: int) -> Optional[int]:
-    """Megatron's DDP bucket size (``DistributedDataParallel.__init__``); None: one bucket."""
-    if stage > 0 or not args.get("overlap_grad_reduce"):
-        return None
-    return args.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * (args.get("data_parallel_size") or 1))
-
-
 def flat_offsets(params: List[Param], size: Optional[int]) -> Tuple[Dict[str, int], int]:
-    """Each parameter's start in its buffer's flat tensor, and the tensor's length."""
-    starts: Dict[str, int] = {}
-    base = rel = 0  # the open bucket's start in the flat tensor; the next position inside it
-    opened = False
-    for p in reversed(params):
-        rel = math.ceil(rel / PARAM_ALIGNMENT) * PARAM_ALIGNMENT
-        if p.own_bucket and opened:
-            base, rel, opened = base + rel, 0, False
-        starts[p.key] = base + rel
-        rel += math.prod(p.shape)
-        opened = True
-        if (size is not None and rel >= size) or p.own_bucket:
-            base, rel, opened = base + rel, 0, False
-    return starts, base + rel
+    """Each parameter's start in its buffer's flat tensor (the buckets without their end padding,
+    one after another), and the tensor's length."""
+    starts, lengths = bucket_layout(params, size)
+    bases = [sum(lengths[:b]) for b in range(len(lengths))]
+    return {key: bases[b] + rel for key, (b, rel) in starts.items()}, sum(lengths)
 
 
 def state_views(state: object, params: List[Param], size: Optional[int], path: str) -> Dict[str, Dict[str, LazyTensor]]:
@@ -93,6 +65,15 @@ def state_views(state: object, params: List[Param], size: Optional[int], path: s
                 views[kind][p.key] = dataclasses.replace(tensor, offset=tensor.offset + starts[p.key], shape=p.shape,
                                                          stride=_contiguous(p.shape))
     return views
+
+
+def groups_step(groups: object, where: str) -> float:
+    """Adam's step count where the distributed optimizer keeps it: in each of its param groups
+    (all equal; ``DistributedOptimizer.state_dict``)."""
+    steps = {g.get("step") for g in groups if isinstance(g, dict)} if isinstance(groups, list) else set()
+    if len(steps) != 1 or not isinstance(next(iter(steps)), (int, float)) or isinstance(next(iter(steps)), bool):
+        raise CheckpointError(f"{where} give Adam steps {sorted(steps, key=str)}, expected one number")
+    return float(steps.pop())
 
 
 def _single_dtype(buffer: object, where: str) -> dict:

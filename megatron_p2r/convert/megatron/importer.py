@@ -1,9 +1,9 @@
 """import-megatron: a Megatron-LM GPT / Llama / Mixtral checkpoint (torch_dist or legacy, any
 TP/PP/EP) as a checkpoint of ours (real phase, iteration 0) in any layout: the weights, and
-where the checkpoint holds Adam's state (torch_dist optimizer keys, or the legacy layout's
-distrib_optim.pt), its moments, step and fp32 main weights; every
-tensor is planned and its shape checked before anything is written, then streamed one piece
-at a time."""
+where the checkpoint holds Adam's state (torch_dist optimizer keys or distributed-optimizer
+buckets, the legacy layout's state lists or distrib_optim.pt), its moments, step and fp32 main
+weights; every tensor is planned and its shape checked before anything is written, then
+streamed one piece at a time."""
 from __future__ import annotations
 
 import dataclasses

@@ -25,8 +25,9 @@ import torch
 
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.convert.megatron import distrib_optim, optim_lists
+from megatron_p2r.convert.megatron.buffer_layout import Param, bucket_size
 from megatron_p2r.convert.megatron.args import SavedArgs
-from megatron_p2r.convert.megatron.names import (IGNORED, expert_rest, is_glu_fc1, layer_name, split_layer_key,
+from megatron_p2r.convert.megatron.names import (IGNORED, expert_rest, join_tp_shards, layer_name, split_layer_key,
                                                     split_local_expert, tp_dim)
 from megatron_p2r.convert.megatron.unpickler import Kind, LazyTensor, TorchArchive
 
@@ -67,7 +68,7 @@ class LegacyCheckpoint:
         # the optimizer's state lists follow the parameters of all chunks at once; not mapped yet
         saved_optimizer = "optimizer" in first.obj or os.path.isfile(os.path.join(os.path.dirname(first.path),
                                                                                   distrib_optim.FILE))
-        self.optimizer_not_read = ("its optimizer state of virtual pipeline model chunks is not read yet"
+        self.optimizer_not_read = (f"{first.path}: the optimizer state of virtual pipeline model chunks is not read yet"
                                    if self.chunks > 1 and saved_optimizer else None)
         self.glu = bool(a.get("swiglu"))
         self.local_experts = (a.get("num_experts") or 0) // a.ep
@@ -152,21 +153,27 @@ class LegacyCheckpoint:
         """The views of distrib_optim.pt beside ``archive`` (if saved) into each tensor's state."""
         path = os.path.join(os.path.dirname(archive.path), distrib_optim.FILE)
         if not os.path.isfile(path):
+            saved = archive.obj.get("optimizer")
             if self.args.get("use_distributed_optimizer"):  # its parameter state is distrib_optim.pt alone
+                if saved is not None:
+                    self.optimizer_not_read = f"{archive.path}: the distributed optimizer's {distrib_optim.FILE} is " \
+                                              "not beside it"
                 return
-            found = optim_lists.state_views(archive.obj.get("optimizer"), [(key, tuple(model[key].shape), _is_expert(key))
-                                                                           for key in canonical], archive.path)
+            found = optim_lists.state_views(saved, [(key, tuple(model[key].shape), _is_expert(key))
+                                                    for key in canonical], archive.path)
             if found is None:
+                if saved is not None:
+                    self.optimizer_not_read = optim_lists.not_read(saved, archive.path)
                 return
             views, step = found
             self._steps.add(step)
         else:
             tied = not self.args.get("untie_embeddings_and_output_weights") and self.layout[1] > 1
-            params = [distrib_optim.Param(key, tuple(model[key].shape), _is_expert(key),
-                                          tied and key in ("embedding.word_embeddings.weight", "output_layer.weight"))
+            params = [Param(key, tuple(model[key].shape), _is_expert(key),
+                            tied and key in ("embedding.word_embeddings.weight", "output_layer.weight"))
                       for key in canonical]
             state = TorchArchive(path, Kind.MEGATRON).obj
-            views = distrib_optim.state_views(state, params, distrib_optim.bucket_size(self.args, stage), path)
+            views = distrib_optim.state_views(state, params, bucket_size(self.args, stage), path)
             self._steps.add(_adam_step(archive))
         for kind, by_key in views.items():
             for key, view in by_key.items():
@@ -211,14 +218,10 @@ class LegacyCheckpoint:
     def read(self, name: str, kind: str = "model") -> torch.Tensor:
         """The global tensor (or its optimizer state ``kind``): TP shards joined along Megatron's
         split dim (SwiGLU fc1: the gate halves of every shard, then the up halves)."""
-        shards, dim = self._shards(name, kind), tp_dim(name)
-        if dim is None:
+        shards = self._shards(name, kind)
+        if tp_dim(name) is None:
             return shards[0].read()
-        parts = [shards[t].read() for t in range(self.layout[0])]
-        if self.glu and is_glu_fc1(name):
-            halves = [p.chunk(2) for p in parts]
-            parts = [h[0] for h in halves] + [h[1] for h in halves]
-        return torch.cat(parts, dim)
+        return join_tp_shards(name, [shards[t].read() for t in range(self.layout[0])], self.glu)
 
 
 def _is_expert(key: str) -> bool:
@@ -228,11 +231,7 @@ def _is_expert(key: str) -> bool:
 
 def _adam_step(archive: TorchArchive) -> float:
     """Adam's step count: the distributed optimizer keeps it in each param group of
-    ``model_optim_rng.pt``'s ``optimizer.optimizer.param_groups`` (all equal)."""
+    ``model_optim_rng.pt``'s ``optimizer.optimizer.param_groups`` (distrib_optim.pt is beside it)."""
     optimizer = archive.obj.get("optimizer")
     groups = optimizer.get("optimizer", {}).get("param_groups") if isinstance(optimizer, dict) else None
-    steps = {g.get("step") for g in groups or () if isinstance(g, dict)}
-    if len(steps) != 1 or not isinstance(next(iter(steps)), (int, float)):
-        raise CheckpointError(f"{archive.path}: optimizer.optimizer.param_groups give Adam steps {sorted(steps, key=str)}, "
-                              "expected one number (distrib_optim.pt is beside it)")
-    return float(steps.pop())
+    return distrib_optim.groups_step(groups, f"{archive.path}: optimizer.optimizer.param_groups")

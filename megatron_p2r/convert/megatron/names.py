@@ -21,7 +21,9 @@ A canonical SwiGLU ``linear_fc1`` is the global [gate rows; up rows] that torch_
 from __future__ import annotations
 
 import re
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
+
+import torch
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
@@ -98,3 +100,15 @@ def tp_dim(name: str) -> Optional[int]:
 
 def is_glu_fc1(name: str) -> bool:
     return name.rpartition(".")[0].endswith("linear_fc1")
+
+
+def join_tp_shards(name: str, parts: List[torch.Tensor], glu: bool) -> torch.Tensor:
+    """The global tensor of TP shards ``parts`` (in TP rank order), joined along Megatron's split
+    dim (SwiGLU fc1: the gate halves of every shard, then the up halves); unsplit: the first."""
+    dim = tp_dim(name)
+    if dim is None:
+        return parts[0]
+    if glu and is_glu_fc1(name):
+        halves = [p.chunk(2) for p in parts]
+        parts = [h[0] for h in halves] + [h[1] for h in halves]
+    return torch.cat(parts, dim)

@@ -22,6 +22,13 @@ def _group_key(key: str, shape: Tuple[int, ...], expert: bool) -> Tuple[bool, bo
     return (key.endswith(".bias") or len(shape) == 1, expert)
 
 
+def not_read(optimizer: object, path: str) -> str:
+    """Why an ``optimizer`` entry that is not torch Adam's plain state dict is not read."""
+    what = f"a dict of {sorted(map(str, optimizer))}" if isinstance(optimizer, dict) else type(optimizer).__name__
+    return (f"{path}: optimizer is {what}, not torch Adam's state dict (state, param_groups); the --bf16/--fp16 "
+            "optimizer's (with fp32_from_fp16_params) and MoE's chained optimizers' are not read yet")
+
+
 def state_views(optimizer: object, params: List[Tuple[str, Tuple[int, ...], bool]],
                 path: str) -> Optional[Tuple[Dict[str, Dict[str, LazyTensor]], float]]:
     """(kind -> local key -> the moment, Adam's step) of the rank's ``params`` (local key, shape,

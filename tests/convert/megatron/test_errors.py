@@ -327,3 +327,62 @@ def test_optimizer_state_lists_that_do_not_fit_the_model(tmp_path):
         edit_rank_file(path, lambda state: state["optimizer"]["param_groups"][1]["params"].pop())
     fails(tmp_path / "src", re.escape(path) + r": optimizer.param_groups\[1\] holds 17 parameters, the model's "
                             "no-weight-decay group has 18")
+
+
+def test_distributed_optimizer_buckets_that_do_not_fit_the_model(tmp_path):
+    """torch_dist with the distributed optimizer's buckets (Megatron-written dp_reshardable fixture):
+    args whose DDP buckets (--overlap-grad-reduce, --ddp-bucket-size) do not give the saved bucket
+    lengths are refused naming .metadata and both lengths; a sharding type that is not read, or a
+    Transformer Engine model whose module order is not replayed, imports the weights only and the
+    note names the file and why."""
+    from tests.convert.megatron.megatron_written import ROOT
+    shutil.copytree(os.path.join(ROOT, "gpt_dist_dp2_distopt", "checkpoint"), tmp_path / "src")
+    iter_dir = tmp_path / "src" / "iter_0000003"
+    common = str(iter_dir / "common.pt")
+    pristine = open(common, "rb").read()
+
+    def edit(change):
+        with open(common, "wb") as fh:
+            fh.write(pristine)
+        with torch.serialization.safe_globals([signal.Signals]):
+            edit_rank_file(common, change)
+
+    edit(lambda state: vars(state["args"]).update(overlap_grad_reduce=True, ddp_bucket_size=4096))
+    fails(tmp_path / "src", re.escape(str(iter_dir / ".metadata")) + r": the buckets of dp_group_idx_0 \(TP rank 0, "
+          r"stage 0\) hold \[22784\] elements, the layout of the stage's 28 parameters in Megatron's buffer has "
+          r"\[\d+, \d+")
+    for change, why in ((lambda state: state["optimizer"].update(param_state_sharding_type="fully_sharded_model_space"),
+                         re.escape(common) + ": the distributed optimizer's state is saved with sharding type "
+                         "'fully_sharded_model_space'; only dp_reshardable and fully_reshardable are read"),
+                        (lambda state: vars(state["args"]).update(transformer_impl="transformer_engine"),
+                         re.escape(str(iter_dir / ".metadata")) + ": the distributed optimizer's state of sharding "
+                         "type 'dp_reshardable': the order of Transformer Engine's modules")):
+        edit(change)
+        out, notes = import_megatron(str(tmp_path / "src"), str(tmp_path / "dst"), Target(), progress=False,
+                                     force=True)
+        assert re.search(r"weights only: Megatron's optimizer state, iteration and RNG states are not imported \("
+                         + why, " ".join(notes)), notes
+        assert os.path.isdir(out)
+
+
+def test_a_legacy_optimizer_state_that_is_not_read_is_named(tmp_path):
+    """A legacy rank file whose optimizer is not torch Adam's plain state dict (the --bf16/--fp16
+    optimizer's nested one), or a distributed optimizer's rank file without its distrib_optim.pt:
+    the weights import, and the note names the file and why the optimizer state is left out."""
+    from tests.convert.megatron.megatron_written import ROOT
+    shutil.copytree(os.path.join(ROOT, "gpt_legacy_tp1_adam", "checkpoint"), tmp_path / "lists")
+    path = str(tmp_path / "lists" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")
+    with torch.serialization.safe_globals([signal.Signals]):
+        edit_rank_file(path, lambda state: state.update(optimizer={"optimizer": state["optimizer"],
+                                                                   "fp32_from_fp16_params": [[torch.zeros(2)]]}))
+    shutil.copytree(os.path.join(ROOT, "gpt_legacy_dp2_distopt", "checkpoint"), tmp_path / "distopt")
+    rank_dir = tmp_path / "distopt" / "iter_0000003" / "mp_rank_00"
+    (rank_dir / "distrib_optim.pt").unlink()
+    for src, why in ((tmp_path / "lists", re.escape(path) + r": optimizer is a dict of \['fp32_from_fp16_params', "
+                      r"'optimizer'\], not torch Adam's state dict"),
+                     (tmp_path / "distopt", re.escape(str(rank_dir / "model_optim_rng.pt")) + ": the distributed "
+                      "optimizer's distrib_optim.pt is not beside it")):
+        out, notes = import_megatron(str(src), str(tmp_path / "dst"), Target(), progress=False, force=True)
+        assert re.search(r"weights only: Megatron's optimizer state, iteration and RNG states are not imported \("
+                         + why, " ".join(notes)), notes
+        assert os.path.basename(out) == "iter_0000000"

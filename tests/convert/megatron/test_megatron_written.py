@@ -35,12 +35,28 @@ def test_the_fixtures_cover_megatrons_layouts():
 
 
 # Saved after 3 Adam steps: the non-distributed optimizer in torch_dist and in legacy (its state
-# lists); the distributed optimizer over 2 DP ranks in legacy (distrib_optim.pt: flat buffers
-# gathered on DP rank 0), in fp32 and in --bf16 (bf16 weights, fp32 mains)
-WITH_OPTIMIZER = ("gpt_dist_tp1_adam", "gpt_legacy_tp1_adam", "gpt_legacy_dp2_distopt", "gpt_legacy_dp2_distopt_bf16")
+# lists); the distributed optimizer over 2 DP ranks in torch_dist (dp_reshardable: each DP rank's
+# slice of its buckets; fully_reshardable: keyed like the model) and in legacy (distrib_optim.pt:
+# flat buffers gathered on DP rank 0), in fp32 and in --bf16 (bf16 weights, fp32 mains)
+WITH_OPTIMIZER = ("gpt_dist_tp1_adam", "gpt_legacy_tp1_adam", "gpt_dist_dp2_distopt", "gpt_dist_dp2_distopt_full",
+                  "gpt_legacy_dp2_distopt", "gpt_legacy_dp2_distopt_bf16")
+# the distributed optimizer under TP2 in torch_dist (dp_reshardable: each TP rank's buckets); no
+# adam_state.pt, which make_fixtures assembles by parameter name under TP1 only
+WITHOUT_ADAM_STATE = ("llama_dist_tp2_distopt",)
 # Megatron's 4th step of the --bf16 run computed in bf16: an fp32 step of ours differs by bf16's
 # rounding (rel 1e-2), so the continued step is compared on the fp32 runs
-CONTINUED_IN_FP32 = WITH_OPTIMIZER[:3]
+CONTINUED_IN_FP32 = WITH_OPTIMIZER[:5] + WITHOUT_ADAM_STATE
+# fixtures that are another's run saved another way (make_fixtures' same_run_as): that one's
+# adam_state.pt and continued.pt hold what Megatron's optimizer had and did next
+SAME_RUN_AS = {"gpt_dist_dp2_distopt_full": "gpt_dist_dp2_distopt"}
+
+
+def run_file(name: str, file: str) -> str:
+    """``file`` (adam_state.pt, continued.pt) of the Megatron run fixture ``name`` was saved from."""
+    run = SAME_RUN_AS.get(name, name)
+    if run != name:  # the same run: the same weights, so Megatron's logits agree bit for bit
+        assert torch.equal(fixture_logits(name)[2], fixture_logits(run)[2]), (name, run)
+    return os.path.join(ROOT, run, file)
 
 
 @pytest.mark.parametrize("name", WITH_OPTIMIZER)
@@ -54,7 +70,7 @@ def test_adam_state_is_megatrons(tmp_path, name):
     from tools.convert_checkpoint import main
     assert main(["import-megatron", fixture_logits(name)[0], str(tmp_path / "ours"), "--no-progress"]) == 0
     ours = load_file(str(tmp_path / "ours" / "iter_0000003" / "mp_rank_00_000_000.safetensors"))
-    megatron = torch.load(os.path.join(os.path.dirname(fixture_logits(name)[0]), "adam_state.pt"), weights_only=True)
+    megatron = torch.load(run_file(name, "adam_state.pt"), weights_only=True)
     keys = [k for k in ours if not k.startswith("optimizer.")]
     assert sorted(megatron_name(k) for k in keys) == sorted(n for n in megatron if n != "step")
     for key in keys:
@@ -65,7 +81,23 @@ def test_adam_state_is_megatrons(tmp_path, name):
             assert torch.equal(ours[key], megatron[megatron_name(key)]["main"]), key
 
 
-@pytest.mark.parametrize("name", WITH_OPTIMIZER)
+@pytest.mark.parametrize("name", ("gpt_dist_dp2_distopt", "gpt_dist_dp2_distopt_full") + WITHOUT_ADAM_STATE)
+def test_the_distributed_optimizers_mains_are_megatrons_weights(name):
+    """The distributed optimizer in torch_dist (fp32 runs): each weight's fp32 main is the weight
+    Megatron saved under its model key, bit for bit. dp_reshardable: read from its TP shards'
+    places in Megatron's buckets (the weights carry seeded noise, so a misplaced slice cannot
+    agree; the moments are read from the same places), so every TP rank's bucket layout is
+    replayed right; fully_reshardable: under ``optimizer.state.param.<key>``."""
+    from megatron_p2r.convert.megatron.source import open_megatron
+    source = open_megatron(fixture_logits(name)[0])
+    assert source.adam_step == 3.0 and (source.buckets is None) == name.endswith("_full")
+    assert set(source.optimizer["main"]) == set(source.names)
+    for weight in source.names:
+        assert torch.equal(source.read(weight, "main"), source.read(weight)), weight
+        assert (source.read(weight, "exp_avg_sq") > 0).any(), weight
+
+
+@pytest.mark.parametrize("name", WITH_OPTIMIZER + WITHOUT_ADAM_STATE)
 def test_the_import_continues_at_megatrons_iteration(tmp_path, name):
     """--load of the import resumes where Megatron stopped: its iteration, consumed samples and
     LR-schedule position, so the next step takes the LR Megatron's 4th step took (3 steps into a
@@ -74,7 +106,7 @@ def test_the_import_continues_at_megatrons_iteration(tmp_path, name):
     from megatron_p2r.convert.reshard import Target
     from tests.convert.megatron.megatron_written import loaded
     out, _ = import_megatron(fixture_logits(name)[0], str(tmp_path / "ours"), Target(1), progress=False)
-    megatron = torch.load(os.path.join(ROOT, name, "continued.pt"), weights_only=True)["position"]
+    megatron = torch.load(run_file(name, "continued.pt"), weights_only=True)["position"]
     assert os.path.basename(out) == "iter_0000003"
     batch = megatron["consumed_train_samples"] // megatron["iteration"]
     state = loaded(str(tmp_path / "ours"), batch, None, lr=1e-3, lr_warmup_iters=5, lr_decay_style="constant",
@@ -94,7 +126,7 @@ def test_a_megatron_run_continues_here(tmp_path, name):
     from megatron_p2r.convert.reshard import Target
     from tests.convert.megatron.megatron_written import continued_logits, logits_error
     import_megatron(fixture_logits(name)[0], str(tmp_path / "ours"), Target(1), progress=False)
-    megatron = torch.load(os.path.join(ROOT, name, "continued.pt"), weights_only=True)
+    megatron = torch.load(run_file(name, "continued.pt"), weights_only=True)
     position, batch = megatron["position"], megatron["batch"]
     replicas = position["consumed_train_samples"] // position["iteration"] // batch.shape[0]
     batch = torch.cat([batch] * replicas)
