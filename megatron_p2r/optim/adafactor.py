@@ -57,14 +57,24 @@ class Piece:
         b = self.batches
         return (b * (self.rows + self.cols) + b if self.factored else 1), b
 
-    def padded(self, flat: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``flat`` (this piece's elements) in whole rows of the (B x R) x C matrix, zeros
-        around it, and the matrix index of each row."""
-        c = self.cols
-        lo, hi = self.start // c, -(-self.end // c)
+    def row_span(self) -> Tuple[int, int]:
+        """The rows [lo, hi) of the (B x R) x C matrix the piece touches."""
+        return self.start // self.cols, -(-self.end // self.cols)
+
+    def matrix_of_rows(self, device: torch.device) -> torch.Tensor:
+        """The matrix index of each row the piece touches."""
+        lo, hi = self.row_span()
+        return torch.arange(lo, hi, device=device) // self.rows
+
+    def padded(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (this piece's elements) as whole rows, zeros around it (a view when the
+        piece is whole rows, as every parameter a rank steps whole is)."""
+        (lo, hi), c = self.row_span(), self.cols
+        if self.start == lo * c and self.end == hi * c:
+            return flat.view(hi - lo, c)
         out = flat.new_zeros((hi - lo) * c)
         out[self.start - lo * c:self.end - lo * c] = flat
-        return out.view(hi - lo, c), torch.arange(lo, hi, device=flat.device) // self.rows
+        return out.view(hi - lo, c)
 
     def unpadded(self, rows: torch.Tensor) -> torch.Tensor:
         lo = self.start // self.cols
@@ -72,15 +82,15 @@ class Piece:
 
     def per_matrix(self, flat: torch.Tensor) -> torch.Tensor:
         """Sum of ``flat`` (this piece's elements) over each matrix: B values."""
-        rows, matrix = self.padded(flat)
-        return flat.new_zeros(self.batches).index_add_(0, matrix, rows.sum(1))
+        if self.batches == 1:
+            return flat.sum().reshape(1)
+        return flat.new_zeros(self.batches).index_add_(0, self.matrix_of_rows(flat.device), self.padded(flat).sum(1))
 
     def broadcast(self, per_matrix: torch.Tensor) -> torch.Tensor:
         """A per-matrix value for each element of the piece (a scalar for one matrix)."""
         if self.batches == 1:
             return per_matrix.reshape(())
-        _, matrix = self.padded(per_matrix.new_zeros(self.end - self.start))
-        return self.unpadded(per_matrix[matrix][:, None].expand(-1, self.cols))
+        return self.unpadded(per_matrix[self.matrix_of_rows(per_matrix.device)][:, None].expand(-1, self.cols))
 
 
 @dataclass
@@ -165,10 +175,10 @@ class Adafactor(torch.optim.Optimizer):
         weight_sq = piece.per_matrix(weight * weight)
         if not piece.factored:
             return weight_sq
-        rows, matrix = piece.padded(grad * grad)
+        rows, (lo, hi) = piece.padded(grad * grad), piece.row_span()
         row_sums = grad.new_zeros(piece.batches * piece.rows)
-        row_sums[piece.start // piece.cols:piece.start // piece.cols + rows.shape[0]] = rows.sum(1)
-        col_sums = grad.new_zeros(piece.batches, piece.cols).index_add_(0, matrix, rows)
+        row_sums[lo:hi] = rows.sum(1)
+        col_sums = grad.new_zeros(piece.batches, piece.cols).index_add_(0, piece.matrix_of_rows(grad.device), rows)
         return torch.cat([row_sums, col_sums.view(-1), weight_sq])
 
     def _update(self, p: torch.Tensor, group: dict, sums: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -182,9 +192,8 @@ class Adafactor(torch.optim.Optimizer):
             state["row_var"].lerp_(sums[:b * r] / c, beta)
             state["col_var"].lerp_(sums[b * r:b * (r + c)] / r, beta)
             mean = state["row_var"].view(b, r).mean(1).clamp_(min=eps1)
-            rows, matrix = piece.padded(grad)
-            lo = piece.start // c
-            estimate = state["row_var"][lo:lo + rows.shape[0], None] * state["col_var"].view(b, c)[matrix]
+            (lo, hi), matrix = piece.row_span(), piece.matrix_of_rows(grad.device)
+            estimate = state["row_var"][lo:hi, None] * state["col_var"].view(b, c)[matrix]
             variance = piece.unpadded(estimate.div_(mean[matrix][:, None]))
         else:
             state["variance"].lerp_(grad * grad, beta)
@@ -216,10 +225,10 @@ def checkpoint_value(state: dict, piece: Piece, kind: str) -> torch.Tensor:
     if not piece.factored:
         var = state["variance"]
         return var.clone() if kind == "row_var" else torch.ones_like(var)
-    rows, matrix = piece.padded(state["row_var"].new_zeros(piece.end - piece.start))
-    lo = piece.start // piece.cols
+    lo, hi = piece.row_span()
     if kind == "row_var":
-        return piece.unpadded(state["row_var"][lo:lo + rows.shape[0], None].expand(-1, piece.cols))
+        return piece.unpadded(state["row_var"][lo:hi, None].expand(-1, piece.cols))
+    matrix = piece.matrix_of_rows(state["col_var"].device)
     return piece.unpadded(state["col_var"].view(piece.batches, piece.cols)[matrix])
 
 

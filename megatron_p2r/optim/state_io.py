@@ -2,11 +2,12 @@
 
 A checkpoint holds each parameter's fp32 weight (the main parameter, not its 16-bit rounding)
 and its optimizer state (``optim.optimizer.OPTIMIZER_KINDS``: AdamW's moments, Lion's one,
-Adafactor's statistics broadcast to the weight's shape) whole, in fp32 whatever dtype they are stored in (``--exp-avg-dtype``: the
-upcast is exact, and the loading optimizer rounds them to its own dtypes), whatever part of them this rank steps: ``gather_state`` returns them
-(under the distributed optimizer all-gathered bucket by bucket, in chunks bounded by the DDP
-staging buffer, copied to host only on the ranks that write), ``StateLoader`` takes any range
-of them and keeps what this rank steps. So a checkpoint never depends on the DP size or on
+Adafactor's statistics broadcast to the weight's shape) whole, in fp32 whatever dtype they are
+stored in (``--exp-avg-dtype``: the upcast is exact, and the loading optimizer rounds them to its
+own dtypes), whatever part of them this rank steps: ``gather_state`` returns them (under the
+distributed optimizer all-gathered bucket by bucket, in chunks bounded by the DDP staging
+buffer, copied to host only on the ranks that write), ``StateLoader`` takes any range of them
+and keeps what this rank steps. So a checkpoint never depends on the DP size or on
 whether the distributed optimizer, 16-bit parameters or offload were on.
 """
 from __future__ import annotations
