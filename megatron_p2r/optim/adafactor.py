@@ -17,6 +17,7 @@ weight is factored as a matrix of its own.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -103,8 +104,8 @@ class SharedPieces:
     device: torch.device
 
     def offsets(self, phase: int) -> List[int]:
-        sizes = [Piece(s, 0, 0).stat_sizes()[phase] for s in self.shapes]
-        return [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        """Where each piece's sums of ``phase`` start in the summed vector (and its length, last)."""
+        return [0, *itertools.accumulate(Piece(s, 0, 0).stat_sizes()[phase] for s in self.shapes)]
 
     def all_reduce(self, values: torch.Tensor) -> torch.Tensor:
         on_device = values.to(self.device)
