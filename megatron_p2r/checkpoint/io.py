@@ -295,11 +295,10 @@ def load_checkpoint(load_dir: str, state, finetune: bool = False) -> Optional[st
     table = metadata_table(meta)
     check_tables(table, tensor_table(cfg), os.path.join(iter_dir, METADATA_FILE))
     load_optim = meta["optimizer"] and not finetune and not ck.no_load_optim
-    if load_optim:
-        check_optimizer_state(meta, cfg.train.optimizer, os.path.join(iter_dir, METADATA_FILE))
-    loader = StateLoader(state.optimizer)
-    _load_pieces(iter_dir, meta, table, state, ("model",) + (OPTIMIZER_KINDS[cfg.train.optimizer] if load_optim
-                                                             else ()), loader)
+    kinds = state_kinds_to_load(meta, cfg.train.optimizer, os.path.join(iter_dir, METADATA_FILE)) if load_optim else ()
+    from_adam = load_optim and kinds != OPTIMIZER_KINDS[cfg.train.optimizer]   # AdamW's state into Adafactor
+    loader = StateLoader(state.optimizer, meta["config"]["train"].get("adam_beta2", 0.999) if from_adam else None)
+    _load_pieces(iter_dir, meta, table, state, ("model",) + kinds, loader)
     loader.finish(moments=load_optim)
     if not finetune:
         _load_progress(iter_dir, meta, state)
@@ -312,17 +311,22 @@ def load_checkpoint(load_dir: str, state, finetune: bool = False) -> Optional[st
     return iter_dir
 
 
-def check_optimizer_state(meta: dict, optimizer: str, where: str) -> None:
-    """The checkpoint holds every state entry ``--optimizer`` reads. AdamW's state loads into Lion
-    (its first moment is Lion's moment; the second is left); anything else is refused by name."""
+def state_kinds_to_load(meta: dict, optimizer: str, where: str) -> Tuple[str, ...]:
+    """The optimizer state entries to read for ``--optimizer``: its own; from AdamW's state, Lion
+    takes the first moment (the second is left) and Adafactor makes its statistics of the second
+    moment (``optim/state_io.py``); anything else is refused by name."""
     stored = kinds_of(meta)[1:]
-    missing = [k for k in OPTIMIZER_KINDS[optimizer] if k not in stored]
-    if missing:
-        saved = next((name for name, kinds in OPTIMIZER_KINDS.items() if tuple(kinds) == tuple(stored)), "another")
-        raise CheckpointError(f"{where}: the checkpoint holds {saved} optimizer state ({', '.join(stored)}); "
-                              f"--optimizer {optimizer} needs {', '.join(missing)}. Train on with --optimizer "
-                              f"{saved}, or pass --no-load-optim to load the weights and start {optimizer}'s "
-                              "state afresh")
+    wanted = OPTIMIZER_KINDS[optimizer]
+    if all(k in stored for k in wanted):
+        return wanted
+    if optimizer == "adafactor" and stored == OPTIMIZER_KINDS["adam"]:
+        return ("exp_avg_sq", "step")
+    saved = next((name for name, kinds in OPTIMIZER_KINDS.items() if tuple(kinds) == tuple(stored)), "another")
+    missing = [k for k in wanted if k not in stored]
+    raise CheckpointError(f"{where}: the checkpoint holds {saved} optimizer state ({', '.join(stored)}); "
+                          f"--optimizer {optimizer} needs {', '.join(missing)}. Train on with --optimizer "
+                          f"{saved}, or pass --no-load-optim to load the weights and start {optimizer}'s "
+                          "state afresh")
 
 
 def _first_launch(load_dir: str, save_dir: Optional[str]) -> bool:
@@ -353,8 +357,8 @@ def _load_pieces(iter_dir: str, meta: dict, table: Dict[str, TensorInfo], state,
                 shape = () if kind == "step" else local
                 reader.check(entry, "F32" if kind == "step" else info.dtype, shape)
                 offset = 0 if j is None else j * param[0].numel()   # expert j of a stacked parameter
-                if kind in MOMENTS and state.cfg.checkpoint.ckpt_fully_parallel_load and \
-                        isinstance(reader, PartedShard):
+                if kind in MOMENTS and not loader.reads_whole(kind) and \
+                        state.cfg.checkpoint.ckpt_fully_parallel_load and isinstance(reader, PartedShard):
                     _load_owned_fragments(reader, entry, param, offset, kind, loader)
                 else:
                     loader.put(param, offset, kind, reader.read(entry))

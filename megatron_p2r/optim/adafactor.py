@@ -254,3 +254,22 @@ def take_checkpoint_value(kept: Dict[str, torch.Tensor], piece: Piece, kind: str
         var = kept.setdefault("col_var", torch.zeros(b * c))
         for m in range(-(-offset // (r * c)), -(-(end - c + 1) // (r * c))):
             var[m * c:(m + 1) * c] = flat[m * r * c - offset:m * r * c - offset + c]
+
+
+def take_second_moment(kept: Dict[str, torch.Tensor], piece: Piece, kind: str, offset: int,
+                       flat: torch.Tensor) -> None:
+    """Fill ``kept`` from the elements [offset, offset + n) of a weight's AdamW second moment
+    (``kind``: exp_avg_sq): the mean of each whole row (column) of a matrix in it is that row's
+    (column's) statistic; a vector's range is its variance."""
+    end = offset + flat.numel()
+    if not piece.factored:
+        take_checkpoint_value(kept, piece, "row_var", offset, flat)
+        return
+    b, r, c = piece.batches, piece.rows, piece.cols
+    rows = kept.setdefault("row_var", torch.zeros(b * r))
+    cols = kept.setdefault("col_var", torch.zeros(b * c))
+    first, last = -(-offset // c), end // c
+    if first < last:
+        rows[first:last] = flat[first * c - offset:last * c - offset].view(-1, c).mean(1)
+    for m in range(-(-offset // (r * c)), end // (r * c)):
+        cols[m * c:(m + 1) * c] = flat[m * r * c - offset:(m + 1) * r * c - offset].view(r, c).mean(0)

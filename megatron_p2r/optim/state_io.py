@@ -17,7 +17,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from megatron_p2r.optim.adafactor import FACTOR_KINDS, Piece, checkpoint_value, take_checkpoint_value
+from megatron_p2r.optim.adafactor import (FACTOR_KINDS, Piece, checkpoint_value, take_checkpoint_value,
+                                          take_second_moment)
 from megatron_p2r.optim.mixed_precision import MainShard, MixedPrecisionOptimizer
 from megatron_p2r.optim.optimizer import OPTIMIZER_KINDS
 from megatron_p2r.parallel.grad_buffer import ParamAndGradBuffer, all_gather_chunks
@@ -90,12 +91,19 @@ def _gather_sharded(opt: MixedPrecisionOptimizer, b: int, buf: ParamAndGradBuffe
 class StateLoader:
     """Takes any flat range of a parameter's global state and keeps this rank's part;
     ``finish`` installs it in the optimizer's own state (torch places it and ``step``).
-    Adafactor's statistics are taken from whole weights (each rank keeps all of a matrix's)."""
+    Adafactor's statistics are taken from whole weights (each rank keeps all of a matrix's);
+    with ``adam_beta2`` they are made of AdamW's second moment: its bias-corrected row and column
+    means (a vector's: the moment itself), what Adafactor's statistics estimate."""
 
-    def __init__(self, opt: MixedPrecisionOptimizer):
-        self.opt = opt
+    def __init__(self, opt: MixedPrecisionOptimizer, adam_beta2: Optional[float] = None):
+        self.opt, self.adam_beta2 = opt, adam_beta2
         self.moments: Dict[int, Dict[str, torch.Tensor]] = {}
         self.step: Optional[int] = None
+
+    def reads_whole(self, kind: str) -> bool:
+        """Whether ``kind`` is read whole weights at a time (Adafactor's statistics, or the AdamW
+        moment they are made of), not only the ranges this rank steps."""
+        return kind in FACTOR_KINDS or self.adam_beta2 is not None
 
     def _overlaps(self, p: nn.Parameter, offset: int, n: int):
         for ms in self.opt.shards_of.get(id(p), []):
@@ -114,9 +122,10 @@ class StateLoader:
             self.step = int(value.item())
             return
         flat = value.reshape(-1)
-        if kind in FACTOR_KINDS:
+        if kind in FACTOR_KINDS or (kind == "exp_avg_sq" and self.adam_beta2 is not None):
+            take = take_checkpoint_value if kind in FACTOR_KINDS else take_second_moment
             for ms in self.opt.shards_of.get(id(p), []):
-                take_checkpoint_value(self.moments.setdefault(id(ms.main), {}), _piece(ms), kind, offset, flat)
+                take(self.moments.setdefault(id(ms.main), {}), _piece(ms), kind, offset, flat)
             return
         with torch.no_grad():
             if kind == "model":   # every rank holds the whole weight, in its own dtype
@@ -138,6 +147,10 @@ class StateLoader:
             return
         if self.step is None:
             raise ValueError("optimizer state without a step count")
+        if self.adam_beta2 is not None:   # AdamW's bias correction, once the step count is read
+            for kept in self.moments.values():
+                for value in kept.values():
+                    value.div_(1 - self.adam_beta2 ** self.step)
         for inner in self.opt.inner.values():
             sd = inner.state_dict()
             mains: List[torch.Tensor] = [m for g in inner.param_groups for m in g["params"]]

@@ -121,7 +121,8 @@ def test_resume_with_the_distributed_optimizer_is_bitwise(two_rank_run):
 def test_lean_optimizers_resume_bitwise_and_on_one_process(two_rank_run):
     """Lion and Adafactor on DP2 with the distributed optimizer: resuming the checkpoint saved
     after 2 of 4 steps gives the same last 2 steps bitwise; loaded on one process without the
-    distributed optimizer (statistics gathered whole, then kept whole) it continues alike."""
+    distributed optimizer (statistics gathered whole, then kept whole) it continues alike; an
+    AdamW checkpoint loads into Adafactor on DP2 as on one process."""
     root, _, results = two_rank_run
     for optimizer in ("lion", "adafactor"):
         for r in (x["lean"][optimizer] for x in results):
@@ -129,6 +130,10 @@ def test_lean_optimizers_resume_bitwise_and_on_one_process(two_rank_run):
         continued, _ = run_steps(cfg(optimizer=optimizer, **RESUME), ParallelState.single(), 2,
                                  load=os.path.join(root, optimizer))
         assert continued == pytest.approx(results[0]["lean"][optimizer]["whole"][2:], rel=1e-5), optimizer
+    from_adam, _ = run_steps(cfg(optimizer="adafactor", **RESUME), ParallelState.single(), 2,
+                             load=os.path.join(root, "dp1"))
+    for r in results:   # AdamW's checkpoint into Adafactor on DP2 with the distributed optimizer, as on one process
+        assert r["lean"]["adafactor"]["from_adam"] == pytest.approx(from_adam, rel=1e-5)
 
 
 def test_checkpoints_move_between_dp_sizes_and_optimizers(two_rank_run):

@@ -4,6 +4,7 @@ checkpoint form of its statistics, Lion against its update rule, conversions bet
 optimizers' checkpoints, and the planner's bytes against what a rank allocates."""
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -160,20 +161,35 @@ def test_lean_optimizers_refuse_moment_dtypes_they_do_not_keep():
 
 
 def test_checkpoints_between_optimizers(tmp_path):
-    """AdamW's checkpoint loads into Lion (its first moment becomes Lion's moment); Lion's into
-    AdamW, and Adafactor's into either, fail naming what is missing and the way out."""
+    """AdamW's checkpoint loads into Lion (its first moment becomes Lion's moment) and into
+    Adafactor (the row and column means of its bias-corrected second moment become the
+    statistics; a vector's is the variance), which trains on; Lion's into AdamW, and
+    Adafactor's into Lion or AdamW, fail naming what is missing and the way out."""
     saved = {}
     for optimizer in ("adam", "lion", "adafactor"):
         _, state = run_steps(cfg(optimizer=optimizer), ParallelState.single(), 2)
         save_checkpoint(str(tmp_path / optimizer), state)
         saved[optimizer] = state
+    adam = saved["adam"].optimizer.state
+    weight, bias = (saved["adam"].model.get_parameter(n) for n in ("layers.0.mlp.fc1.weight", "layers.0.mlp.fc1.bias"))
     lion = build_train_state(cfg(optimizer="lion"), ParallelState.single())
     load_checkpoint(str(tmp_path / "adam"), lion)
-    p = lion.model.get_parameter("layers.0.mlp.fc1.weight")
-    assert torch.equal(lion.optimizer.state[p]["exp_avg"], saved["adam"].optimizer.state[
-        saved["adam"].model.get_parameter("layers.0.mlp.fc1.weight")]["exp_avg"])
+    assert torch.equal(lion.optimizer.state[lion.model.get_parameter("layers.0.mlp.fc1.weight")]["exp_avg"],
+                       adam[weight]["exp_avg"])
+    adafactor = build_train_state(cfg(optimizer="adafactor"), ParallelState.single())
+    load_checkpoint(str(tmp_path / "adam"), adafactor)
+    stats = adafactor.optimizer.state[adafactor.model.get_parameter("layers.0.mlp.fc1.weight")]
+    correction = 1 - cfg().train.adam_beta2 ** 2   # AdamW's bias correction after 2 steps
+    second = adam[weight]["exp_avg_sq"] / correction
+    torch.testing.assert_close(stats["row_var"], second.mean(1))
+    torch.testing.assert_close(stats["col_var"], second.mean(0))
+    torch.testing.assert_close(adafactor.optimizer.state[adafactor.model.get_parameter("layers.0.mlp.fc1.bias")]
+                               ["variance"], adam[bias]["exp_avg_sq"] / correction)
+    assert stats["step"] == 2
+    losses, _ = run_steps(cfg(optimizer="adafactor"), ParallelState.single(), 2, load=str(tmp_path / "adam"))
+    assert all(math.isfinite(x) for x in losses)
     for src, dst, missing in (("lion", "adam", "exp_avg_sq"), ("adafactor", "lion", "exp_avg"),
-                              ("adam", "adafactor", "row_var")):
+                              ("adafactor", "adam", "exp_avg, exp_avg_sq")):
         state = build_train_state(cfg(optimizer=dst), ParallelState.single())
         with pytest.raises(CheckpointError, match=f"holds {src} optimizer state .*--optimizer {dst} needs "
                                                   f"{missing}.*--no-load-optim"):

@@ -118,7 +118,9 @@ def non_finite_skip(flags: dict) -> dict:
 
 def lean_resume(root: str, flags: dict) -> dict:
     """Per lean optimizer, DP2 with the distributed optimizer: 4 uninterrupted steps saving after
-    2 into ``root/<optimizer>``, and the 2 steps resumed from that checkpoint (losses and hashes)."""
+    2 into ``root/<optimizer>``, and the 2 steps resumed from that checkpoint (losses and hashes);
+    Adafactor's 2 steps from the one-process AdamW checkpoint ``root/dp1`` (statistics made of
+    its second moment)."""
     out = {}
     for optimizer in ("lion", "adafactor"):
         c, saved = cfg(optimizer=optimizer, **flags), os.path.join(root, optimizer)
@@ -132,6 +134,8 @@ def lean_resume(root: str, flags: dict) -> dict:
         resumed, again = run_steps(c, ps, 2, load=saved)
         out[optimizer] = {"whole": whole, "resumed": resumed, "whole_hash": _hash(state),
                           "resumed_hash": _hash(again)}
+    out["adafactor"]["from_adam"] = run_steps(cfg(optimizer="adafactor", **flags), ps, 2,
+                                              load=os.path.join(root, "dp1"))[0]
     return out
 
 
