@@ -81,7 +81,7 @@ def test_a_matrix_cut_between_ranks_steps_as_the_whole():
     for p, c, a, b in zip(whole, cut, *parts):
         torch.testing.assert_close(torch.cat([a, b]), p.detach().view(-1), rtol=1e-6, atol=1e-7)
     rows = [opts[r].state[parts[r][0]]["row_var"] for r in range(2)]
-    torch.testing.assert_close(rows[0], ref.state[whole[0]]["row_var"])
+    torch.testing.assert_close(rows[0], ref.state[whole[0]]["row_var"], rtol=1e-6, atol=0)
     assert torch.equal(rows[0], rows[1])
 
 
@@ -181,10 +181,11 @@ def test_checkpoints_between_optimizers(tmp_path):
     stats = adafactor.optimizer.state[adafactor.model.get_parameter("layers.0.mlp.fc1.weight")]
     correction = 1 - cfg().train.adam_beta2 ** 2   # AdamW's bias correction after 2 steps
     second = adam[weight]["exp_avg_sq"] / correction
-    torch.testing.assert_close(stats["row_var"], second.mean(1))
-    torch.testing.assert_close(stats["col_var"], second.mean(0))
+    close = dict(rtol=1e-6, atol=0)   # the statistics are ~1e-6: relative only
+    torch.testing.assert_close(stats["row_var"], second.mean(1), **close)
+    torch.testing.assert_close(stats["col_var"], second.mean(0), **close)
     torch.testing.assert_close(adafactor.optimizer.state[adafactor.model.get_parameter("layers.0.mlp.fc1.bias")]
-                               ["variance"], adam[bias]["exp_avg_sq"] / correction)
+                               ["variance"], adam[bias]["exp_avg_sq"] / correction, **close)
     assert stats["step"] == 2
     losses, _ = run_steps(cfg(optimizer="adafactor"), ParallelState.single(), 2, load=str(tmp_path / "adam"))
     assert all(math.isfinite(x) for x in losses)
