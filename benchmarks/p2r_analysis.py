@@ -3,8 +3,9 @@ the report can be rebuilt from the logs (``p2r_convergence.py --report-only``) a
 synthetic curves with a known answer (tests/benchmarks/test_p2r_analysis.py).
 
 A *run* is one arm trained with one seed:
-``{"model", "arm", "seed", "phases": [{"kind", "start", "end", "flops_per_token"}], "points": [[step, loss]]}``
-(points in training order; a conversion adds a second point at its step). Costs are piecewise
+``{"model", "arm", "seed", "phases": [{"kind", "start", "end", "flops_per_token"}], "points": [[step, loss, se]],
+"final_losses": [per held-out sample]}`` (points in training order, se the loss's standard error over
+the held-out samples; a conversion adds a second point at its step). Costs are piecewise
 linear in steps: a phase's steps cost its FLOPs per token times the tokens per step, and its
 measured step time (``timing[kind]`` in seconds, from a separate interleaved timing run).
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import statistics
 from typing import Callable, Dict, List, Optional, Sequence
 
+from benchmarks.p2r_heldout import paired_se
 from megatron_p2r.planning.breakeven import break_even_extra_steps
 
 BUDGET = "@budget"   # a kind's suffix: the same phase run under --device-memory-budget
@@ -24,11 +26,11 @@ BUDGET = "@budget"   # a kind's suffix: the same phase run under --device-memory
 
 def crossing_step(points: Sequence[Sequence[float]], target: float) -> Optional[float]:
     """The first step at which the curve reaches ``target`` (linear between evaluations), or None."""
-    for i, (step, loss) in enumerate(points):
+    for i, (step, loss, *_) in enumerate(points):
         if loss <= target:
             if i == 0:
                 return float(step)
-            s0, l0 = points[i - 1]
+            s0, l0 = points[i - 1][:2]
             return s0 + (step - s0) * (l0 - target) / (l0 - loss) if l0 != loss else float(step)
     return None
 
@@ -40,11 +42,13 @@ def cost_until(step: float, phases: Sequence[dict], per_step: Callable[[dict], f
 
 def costs_to(step: float, phases: Sequence[dict], tokens_per_step: int, timing: Dict[str, float]) -> dict:
     """Steps, training FLOPs and wall seconds (real model fits; real model under the memory
-    budget) that a run spends up to ``step``."""
-    return {"steps": step,
-            "flops": cost_until(step, phases, lambda p: p["flops_per_token"] * tokens_per_step),
-            "wall": cost_until(step, phases, lambda p: timing[p["kind"]]),
-            "wall_budget": cost_until(step, phases, lambda p: timing[p["kind"] + BUDGET])}
+    budget) that a run spends up to ``step``; a wall time whose step times were not measured
+    is left out."""
+    out = {"steps": step, "flops": cost_until(step, phases, lambda p: p["flops_per_token"] * tokens_per_step)}
+    for key, suffix in (("wall", ""), ("wall_budget", BUDGET)):
+        if all(p["kind"] + suffix in timing for p in phases):
+            out[key] = cost_until(step, phases, lambda p, s=suffix: timing[p["kind"] + s])
+    return out
 
 
 def mean_std(values: Sequence[float]) -> tuple:
@@ -67,9 +71,11 @@ def early_phases(run: dict, timing: Dict[str, float], real_kind: str, suffix: st
 
 def paired(runs: Sequence[dict], timing: Dict[str, float], tokens_per_step: Dict[str, int],
            scratch_arm: str) -> Dict[tuple, dict]:
-    """(model, arm) -> per-seed figures against that seed's scratch run: final loss and its
-    difference, cost-to-target ratios (None where the target is not reached), and the break-even
-    under the memory budget (allowed extra steps, measured extra steps)."""
+    """(model, arm) -> per-seed figures against that seed's scratch run: final loss, its standard
+    error on the held-out set, its difference from scratch's and that difference's paired standard
+    error; cost-to-target ratios (None where the target is not reached) and the FLOPs ratio a
+    crossing at the arm's last step would score (what its cheaper phases alone give); the
+    break-even under the memory budget (allowed extra steps, measured extra steps)."""
     scratch = {(r["model"], r["seed"]): r for r in runs if r["arm"] == scratch_arm}
     out: Dict[tuple, dict] = {}
     for run in runs:
@@ -79,16 +85,38 @@ def paired(runs: Sequence[dict], timing: Dict[str, float], tokens_per_step: Dict
         base_cost = costs_to(crossing_step(base["points"], target), base["phases"], tps, timing)
         step = crossing_step(run["points"], target)
         cost = costs_to(step, run["phases"], tps, timing) if step is not None else None
-        entry = out.setdefault((run["model"], run["arm"]), {"seeds": [], "final": [], "delta": [], "ratios": {},
+        entry = out.setdefault((run["model"], run["arm"]), {"seeds": [], "final": [], "se": [], "delta": [],
+                                                             "delta_se": [], "ratios": {}, "last_step_flops": [],
                                                              "allowed": [], "extra": []})
         entry["seeds"].append(run["seed"])
         entry["final"].append(run["points"][-1][1])
+        entry["se"].append(run["points"][-1][2])
         entry["delta"].append(run["points"][-1][1] - target)
-        for key in ("steps", "flops", "wall", "wall_budget"):
+        entry["delta_se"].append(paired_se(run["final_losses"], base["final_losses"]))
+        for key in base_cost:
             entry["ratios"].setdefault(key, []).append(None if cost is None else cost[key] / base_cost[key])
+        last = costs_to(run["points"][-1][0], run["phases"], tps, timing)
+        entry["last_step_flops"].append(last["flops"] / base_cost["flops"])
         real_kind = base["phases"][-1]["kind"]
-        entry["allowed"].append(break_even_extra_steps(early_phases(run, timing, real_kind)))
+        if real_kind + BUDGET in timing:
+            entry["allowed"].append(break_even_extra_steps(early_phases(run, timing, real_kind)))
         entry["extra"].append(None if step is None else step - base_cost["steps"])
+    return out
+
+
+def matched(runs: Sequence[dict], control_of: Callable[[str], Optional[str]]) -> Dict[tuple, dict]:
+    """(model, arm) -> the arm's final loss minus that of its compute-matched control (the run
+    ``control_of(arm)`` names), per seed, with the paired standard error."""
+    by_key = {(r["model"], r["arm"], r["seed"]): r for r in runs}
+    out: Dict[tuple, dict] = {}
+    for run in runs:
+        control = by_key.get((run["model"], control_of(run["arm"]), run["seed"]))
+        if control is None:
+            continue
+        entry = out.setdefault((run["model"], run["arm"]), {"seeds": [], "delta": [], "delta_se": []})
+        entry["seeds"].append(run["seed"])
+        entry["delta"].append(run["points"][-1][1] - control["points"][-1][1])
+        entry["delta_se"].append(paired_se(run["final_losses"], control["final_losses"]))
     return out
 
 

@@ -1,14 +1,14 @@
-"""The convergence study's report: docs/results.md (tables of mean ± std over seeds, paired
+"""The convergence study's report: a markdown page (tables of mean ± std over seeds, paired
 ratios, timing, break-even, a plain verdict) and the plot with error bands, written from the
 saved records and timing by ``p2r_convergence.py`` (also with ``--report-only``)."""
 from __future__ import annotations
 
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
-from benchmarks.p2r_analysis import BUDGET, band, cost_until, fmt, paired, ratio_cell, wins
+from benchmarks.p2r_analysis import BUDGET, band, cost_until, fmt, matched, paired, ratio_cell, wins
+from benchmarks.p2r_arms import CONTROL_PREFIX, SCRATCH, is_control
 
-SCRATCH = "real from scratch"
 TARGET_RATIO = 0.8
 SCENARIOS = (("flops", "training FLOPs"), ("wall", "wall time, real model fits"),
              ("wall_budget", "wall time, real model under the memory budget"))
@@ -19,28 +19,49 @@ def _arms_in_order(records: List[dict], arms: dict, model: str) -> List[str]:
     return [a for a in arms[model] if a in present]
 
 
-def _results_table(stats: Dict[tuple, dict], model: str, order: List[str]) -> List[str]:
-    lines = ["| arm | seeds | final eval loss | Δ vs scratch (paired) | steps to target | FLOPs to target | "
-             "wall to target (fits) | wall to target (budget) |", "|---|---|---|---|---|---|---|---|"]
+def _worst(values) -> str:
+    return f"{max(values):.3f}" if values else "-"
+
+
+def _results_table(stats: Dict[tuple, dict], model: str, order: List[str], walls: List[str]) -> List[str]:
+    wall_heads = {"wall": "wall to target (fits)", "wall_budget": "wall to target (budget)"}
+    heads = ["arm", "seeds", "final held-out loss", "its SE", "Δ vs scratch (paired)", "SE of Δ", "steps to target",
+             "FLOPs to target", "FLOPs of a last-step crossing", *(wall_heads[w] for w in walls)]
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for arm in order:
         e = stats[(model, arm)]
         r = e["ratios"]
-        lines.append(f"| {arm} | {len(e['seeds'])} | {fmt(e['final'])} | {fmt(e['delta'])} | "
-                     f"{ratio_cell(r['steps'])} | {ratio_cell(r['flops'])} | {ratio_cell(r['wall'])} | "
-                     f"{ratio_cell(r['wall_budget'])} |")
+        cells = [arm, str(len(e["seeds"])), fmt(e["final"]), _worst(e["se"]), fmt(e["delta"]), _worst(e["delta_se"]),
+                 ratio_cell(r["steps"]), ratio_cell(r["flops"]), fmt(e["last_step_flops"], 2),
+                 *(ratio_cell(r[w]) for w in walls)]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
-def _timing_table(timing: dict, models: dict, kinds: List[str]) -> List[str]:
+def _control_table(controls: Dict[tuple, dict], model: str, order: List[str]) -> List[str]:
+    lines = ["| growth arm | its final loss − its control's (paired, mean ± std over seeds) | SE of that difference "
+             "(largest over seeds) | lower than its control by more than 2 SE in every seed |", "|---|---|---|---|"]
+    for arm in order:
+        e = controls.get((model, arm))
+        if e is None:
+            continue
+        lower = all(d < -2 * se for d, se in zip(e["delta"], e["delta_se"], strict=True))
+        lines.append(f"| {arm} | {fmt(e['delta'])} | {_worst(e['delta_se'])} | {'yes' if lower else 'no'} |")
+    return lines
+
+
+def _timing_table(timing: dict, shapes: dict, kinds: List[str]) -> List[str]:
     med = timing["median_s"]
     lines = ["| phase kind (model/layers/share pattern) | ms per step | ms per step under the budget "
              "(layers offloaded) | real ÷ this | real ÷ this, under the budget |", "|---|---|---|---|---|"]
     for kind in kinds:
         model = kind.split("/")[0]
-        real = f"{model}/{models[model]['layers']}L/none"
-        lines.append(f"| {kind} | {1000 * med[kind]:.0f} | {1000 * med[kind + BUDGET]:.0f} "
-                     f"({timing['offloaded_layers'][kind]}) | {med[real] / med[kind]:.2f} | "
-                     f"{med[real + BUDGET] / med[kind + BUDGET]:.2f} |")
+        real = f"{model}/{shapes[model].layers}L/none"
+        budget = under = "-"
+        if kind + BUDGET in med:
+            budget = f"{1000 * med[kind + BUDGET]:.0f} ({timing['offloaded_layers'][kind]})"
+            under = f"{med[real + BUDGET] / med[kind + BUDGET]:.2f}"
+        lines.append(f"| {kind} | {1000 * med[kind]:.0f} | {budget} | {med[real] / med[kind]:.2f} | {under} |")
     return lines
 
 
@@ -48,7 +69,7 @@ def _break_even_table(stats: Dict[tuple, dict], model: str, order: List[str]) ->
     lines = ["| arm | extra steps it may need and still break even (Δ*) | extra steps it needed (D) | "
              "pays under the budget in every seed |", "|---|---|---|---|"]
     for arm in order:
-        if arm == SCRATCH:
+        if arm == SCRATCH or is_control(arm):
             continue
         e = stats[(model, arm)]
         reached = [d for d in e["extra"] if d is not None]
@@ -61,16 +82,25 @@ def _break_even_table(stats: Dict[tuple, dict], model: str, order: List[str]) ->
 
 def verdicts(stats: Dict[tuple, dict], models: List[str], order: Dict[str, List[str]]) -> List[str]:
     """Plain statements: which arm reaches scratch's final loss with <= 0.8x its cost in every
-    seed, per scenario; and the best figure otherwise."""
+    seed, per scenario measured; and the best figure otherwise (controls are not candidates)."""
     lines = []
     for model in models:
+        candidates = [a for a in order[model] if a != SCRATCH and not is_control(a)]
+        if not candidates:
+            continue
         for key, what in SCENARIOS:
-            winners = [a for a in order[model] if a != SCRATCH and wins(stats[(model, a)]["ratios"][key], TARGET_RATIO)]
+            if key not in stats[(model, candidates[0])]["ratios"]:
+                continue
+            winners = [a for a in candidates if wins(stats[(model, a)]["ratios"][key], TARGET_RATIO)]
             if winners:
                 lines.append(f"- **{model}, {what}: target met** by {', '.join(winners)} "
                              f"(≤ {TARGET_RATIO}x of scratch's cost in every seed).")
                 continue
-            best = min((a for a in order[model] if a != SCRATCH), key=lambda a: _rank(stats[(model, a)]["ratios"][key]))
+            if all(r is None for a in candidates for r in stats[(model, a)]["ratios"][key]):
+                lines.append(f"- {model}, {what}: target **not met**; no arm reaches real-from-scratch's final loss "
+                             "in any seed.")
+                continue
+            best = min(candidates, key=lambda a: _rank(stats[(model, a)]["ratios"][key]))
             lines.append(f"- {model}, {what}: target **not met**; the best arm, {best}, "
                          f"{_describe(stats[(model, best)]['ratios'][key])}.")
     return lines
@@ -94,10 +124,11 @@ def plot(records: List[dict], timing: dict, models: List[str], order: Dict[str, 
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    med = timing["median_s"]
-    axes_x = [("steps", lambda p, tps: 1.0), ("training FLOPs", lambda p, tps: p["flops_per_token"] * tps),
-              ("wall s (real fits)", lambda p, tps: med[p["kind"]]),
-              ("wall s (real under budget)", lambda p, tps: med[p["kind"] + BUDGET])]
+    med = timing["median_s"] if timing else {}
+    axes_x = [("steps", lambda p, tps: 1.0), ("training FLOPs", lambda p, tps: p["flops_per_token"] * tps)]
+    for label, suffix in (("wall s (real fits)", ""), ("wall s (real under budget)", BUDGET)):
+        if all(p["kind"] + suffix in med for r in records for p in r["phases"]):
+            axes_x.append((label, lambda p, tps, s=suffix: med[p["kind"] + s]))
     fig, axes = plt.subplots(len(models), len(axes_x), figsize=(15, 3.6 * len(models)), squeeze=False)
     for row, model in enumerate(models):
         for arm in order[model]:
@@ -124,56 +155,92 @@ def plot(records: List[dict], timing: dict, models: List[str], order: Dict[str, 
     Image.open(path).convert("RGB").quantize(colors=128).save(path, optimize=True)
 
 
-def write(records: List[dict], timing: dict, args, arms: dict, models: dict, out: str) -> None:
-    """docs/results.md and docs/p2r_convergence.png from the study's records."""
-    present = [m for m in models if any(r["model"] == m for r in records)]
-    tps = {r["model"]: r["tokens_per_step"] for r in records}
-    stats = paired(records, timing["median_s"], tps, SCRATCH)
-    order = {m: _arms_in_order(records, arms, m) for m in present}
-    seeds = sorted({r["seed"] for r in records})
+def _reproducing(argv: List[str]) -> List[str]:
+    """The study's options less where it keeps its files and how many runs share the machine:
+    the command that reproduces its figures anywhere."""
+    out, skip = [], False
+    for a in argv:
+        if skip or a in ("--work", "--out", "--jobs", "--name"):
+            skip = not skip
+            continue
+        out.append(a)
+    return out
+
+
+def _header(args, timing: Optional[dict], present: List[str], seeds: List[int]) -> List[str]:
+    c, shapes = args.corpus, args.shapes
+    held_out = (f"documents {c.valid_docs[0]}..{c.valid_docs[1] - 1} of `{os.path.basename(c.valid_prefix)}`, "
+                + ("the --valid-data-path" if c.valid_prefix != c.train_prefix else "held out from training"))
     lines = [
-        "# Pseudo-to-Real and depth growth at small scale: does it pay?", "",
-        f"Measured by `python benchmarks/p2r_convergence.py --iters {args.iters} --seeds "
-        f"{' '.join(map(str, seeds))}` on this project's 2-core CPU machine (shared with other sessions; every "
-        f"training run on one thread). Demo corpus (Python stdlib source), SentencePiece BPE vocab 4000, seq "
-        f"{args.seq}, micro-batch {args.micro_batch} ({args.seq * args.micro_batch} tokens per step), "
-        f"SwiGLU/RMSNorm/rotary, AdamW, LR {args.lr:g} cosine to {args.lr / 10:g} over all {args.iters} steps "
-        "(one schedule for every phase of a run). Models: "
-        + "; ".join(f"**{m}** {models[m]['layers']} layers x hidden {models[m]['hidden']}" for m in present)
-        + ". The runs' records (evaluation points, phases) and the timing are kept under `--work`; "
-        "`--report-only` rebuilds this page and the plot from them.",
-        "",
-        f"**How it is measured.** Each arm runs with every seed; a seed fixes initialisation and data order, "
-        f"so comparisons are paired: seed s's *target* is the final validation loss of real-from-scratch with "
+        "Measured by `python benchmarks/p2r_convergence.py " + " ".join(_reproducing(args.passthrough)) + "` "
+        f"(seeds {' '.join(map(str, seeds))}). Corpus: **{c.name}**, tokenizer {c.tokenizer_type} "
+        f"(vocabulary {args.vocab_size}); seq {args.seq}, micro-batch {args.micro_batch} "
+        f"({args.seq * args.micro_batch} tokens per step), SwiGLU/RMSNorm/rotary, AdamW, LR {args.lr:g} cosine to "
+        f"{args.lr / 10:g} over all {args.iters} steps (one schedule for every phase of a run). Models: "
+        + "; ".join(f"**{m}** {shapes[m].layers} layers x hidden {shapes[m].hidden}" for m in present)
+        + ". Every training run on one thread; the runs' records are kept under `--work`, and `--report-only` "
+        "rebuilds this page and the plot from them.", "",
+        "**How it is measured.** Each arm runs with every seed; a seed fixes initialisation and data order, "
+        "so comparisons are paired: seed s's *target* is the final held-out loss of real-from-scratch with "
         f"seed s, and an arm's cost to reach it (linear between evaluations every {args.eval_interval} steps) is "
-        f"divided by that scratch run's own. Validation: one fixed held-out set for every run ({args.eval_iters} "
-        f"batches of the validation split drawn with seed 1234), evaluated from checkpoints saved every "
-        f"{args.eval_interval} steps and right after each conversion. FLOPs count each phase's own model "
-        "(a grown model's early phase is cheaper per token; a pseudo model costs the same FLOPs as the real one). "
-        "**Wall time is not the runs' own** (the machine is shared): each phase kind's step time was measured "
-        f"in a separate timing run, {timing['rounds']} interleaved rounds of {timing['steps']} steps after "
-        f"{timing['warmup']} warm-up steps, median, and wall time to a target is steps x that step time. "
-        "Two scenarios: the real model fits in device memory, and the paper's: the real model under "
-        f"`--device-memory-budget` ({', '.join(f'{m} {b}' for m, b in timing['budget'].items())}) that forces "
-        "granular offload with recomputation, while the pseudo model and the shallow model of growth fit. On this "
-        "CPU machine 'offload' is a memory copy plus recomputation; on GPUs the transfer is over PCIe, so "
-        "r there comes from `tools/plan.py`.", ""]
-    for model in present:
-        lines += [f"## {model}: {models[model]['layers']} layers x hidden {models[model]['hidden']}", "",
-                  "Ratios are the arm's cost to reach the target over scratch's, mean ± std over seeds "
-                  "(lower is better; the target is ≤ 0.8).", ""]
-        lines += _results_table(stats, model, order[model]) + [""]
+        f"divided by that scratch run's own. Held-out set: {args.eval_samples} samples of {args.seq} tokens from "
+        f"{held_out}, the same for every run; each loss's standard error (SE) is over those samples, and a "
+        "difference's SE is that of the per-sample differences (both models on the same samples). The spread over "
+        "seeds (± std) is the larger uncertainty. FLOPs count each phase's own model (a grown model's early phase "
+        "is cheaper per token; a pseudo model costs the same FLOPs as the real one). *FLOPs of a last-step "
+        "crossing* is the ratio an arm would score if it reached the target only at its last step: what its "
+        "cheaper early phase alone gives; the measured ratio below it is what the model learns after the switch. "
+        f"Each growth arm has a control, *{CONTROL_PREFIX}...*: real from scratch whose LR schedule ends and "
+        "decays at that arm's training FLOPs."]
+    if timing:
+        lines[-1] += (" **Wall time is not the runs' own** (the machine is shared): each phase kind's step time was "
+                      f"measured in a separate timing run, {timing['rounds']} interleaved rounds of {timing['steps']} "
+                      f"steps after {timing['warmup']} warm-up steps, median; wall time to a target is steps x that "
+                      "step time, with the real model fitting and, where a budget is given ("
+                      + ", ".join(f"{m} {b}" for m, b in timing["budget"].items())
+                      + "), with it under `--device-memory-budget` (granular offload with recomputation, while the "
+                      "pseudo model and the shallow model of growth fit). On GPUs r comes from `tools/plan.py`.")
+    return lines + [""]
+
+
+def _model_section(stats, controls, model: str, args, order: List[str], walls: List[str]) -> List[str]:
+    shape = args.shapes[model]
+    lines = [f"## {model}: {shape.layers} layers x hidden {shape.hidden}", "",
+             "Ratios are the arm's cost to reach the target over scratch's, mean ± std over seeds (lower is better; "
+             f"the target is ≤ {TARGET_RATIO}). SE columns: the largest over seeds.", ""]
+    lines += _results_table(stats, model, order, walls) + [""]
+    if any((model, a) in controls for a in order):
+        lines += ["Compute-matched controls: a growth arm against real from scratch given the same training FLOPs "
+                  "(its schedule decayed by then).", ""] + _control_table(controls, model, order) + [""]
+    if "wall_budget" in walls:
         lines += ["Break-even under the memory budget: P2R may need Δ* = Σ early steps x (1 − 1/r) more "
                   "steps than scratch and still finish no later (`megatron_p2r/planning/breakeven.py`).", ""]
-        lines += _break_even_table(stats, model, order[model]) + [""]
-    kinds = sorted({p["kind"] for r in records for p in r["phases"]})
-    lines += ["## Step time per phase kind (timing run)", ""] + _timing_table(timing, models, kinds) + [""]
+        lines += _break_even_table(stats, model, order) + [""]
+    return lines
+
+
+def write(records: List[dict], timing: Optional[dict], args, out: str) -> None:
+    """<out>/<name>.md and <out>/<name>.png from the study's records."""
+    present = [m for m in args.models if any(r["model"] == m for r in records)]
+    tps = {r["model"]: r["tokens_per_step"] for r in records}
+    stats = paired(records, timing["median_s"] if timing else {}, tps, SCRATCH)
+    controls = matched(records, lambda arm: CONTROL_PREFIX + arm)
+    order = {m: _arms_in_order(records, args.arms, m) for m in present}
+    seeds = sorted({r["seed"] for r in records})
+    lines = ["# Pseudo-to-Real and depth growth at small scale: does it pay?", ""] + _header(args, timing, present,
+                                                                                             seeds)
+    for model in present:
+        walls = [w for w in ("wall", "wall_budget") if w in stats[(model, SCRATCH)]["ratios"]]
+        lines += _model_section(stats, controls, model, args, order[model], walls)
+    if timing:
+        kinds = sorted({p["kind"] for r in records for p in r["phases"]})
+        lines += ["## Step time per phase kind (timing run)", ""] + _timing_table(timing, args.shapes, kinds) + [""]
     lines += ["## Verdict", ""] + verdicts(stats, present, order) + [""]
-    if getattr(args, "note", ""):
+    if args.note:
         lines += [args.note, ""]
-    lines += ["![validation loss, mean ± std over seeds](p2r_convergence.png)", ""]
+    lines += [f"![held-out loss, mean ± std over seeds]({args.name}.png)", ""]
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "results.md"), "w", encoding="utf-8") as fh:
+    with open(os.path.join(out, args.name + ".md"), "w", encoding="utf-8") as fh:
         fh.write("\n".join(lines))
-    plot(records, timing, present, order, os.path.join(out, "p2r_convergence.png"))
+    plot(records, timing, present, order, os.path.join(out, args.name + ".png"))
     print("\n".join(lines))

@@ -2,7 +2,7 @@
 same shape and precision, one run; and the loss's share of our step.
 
     python benchmarks/step_throughput.py [--steps 10] [--rounds 3] [--bf16] [--device cpu|cuda] [--cpu-time]
-                                         [--tiny] [--json PATH]
+                                         [--compile] [--tiny] [--json PATH]
 
 Shape: vocab 8192, hidden 256, 4 layers, 4 heads, seq 256, micro-batch 8, AdamW,
 gradient clipping. ``--bf16``: ours as training runs it (bf16 weights, fp32 mains in the
@@ -17,7 +17,8 @@ what remains is the log-sum-exp, the softmax gradient and their bookkeeping. ``-
 GPU lane's report reads them). ``--cpu-time`` (CPU only) counts this process's CPU time
 instead of wall time: on a shared machine other sessions' load then does not move the figures
 (run with one thread). Pins glibc malloc thresholds (docs/machine.md), or figures
-drift by ~20%. ``--tiny`` (2 layers of hidden 64, seq 64; the ceiling
+drift by ~20%. ``--compile`` adds ours with ``--compile`` (each layer's forward through
+torch.compile, inductor; compiled in the warm-up steps) beside ours eager, and their ratio. ``--tiny`` (2 layers of hidden 64, seq 64; the ceiling
 from a 1024^3 product) checks the script in seconds: the GPU lane's trial on CPU runs it.
 """
 from __future__ import annotations
@@ -159,6 +160,7 @@ def main(argv=None) -> None:
     parser.add_argument("--bf16", action="store_true", help="bf16: ours with bf16 weights, the others under autocast")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--cpu-time", action="store_true", help="on CPU: time by this process's CPU time")
+    parser.add_argument("--compile", action="store_true", help="also ours with --compile, beside ours eager")
     parser.add_argument("--tiny", action="store_true", help="a CPU-sized shape (checks the script)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
@@ -171,6 +173,8 @@ def main(argv=None) -> None:
     cfg = config_from_values(dict(shape, bf16=args.bf16, device=args.device))
     batch = random_microbatches(shape["vocab_size"], shape["seq_length"], shape["micro_batch_size"], device)[0]
     runners = {"megatron_p2r": ours(cfg, batch, device), "plain_gpt": plain(cfg, batch, device)}
+    if args.compile:
+        runners["megatron_p2r_compiled"] = ours(cfg.replace(compile=True), batch, device)
     try:
         runners["hf_gpt2"] = huggingface(cfg, batch, device)
     except ImportError:
@@ -191,8 +195,10 @@ def main(argv=None) -> None:
     print(f"device {device}, threads {torch.get_num_threads()}, {args.rounds} rounds x {args.steps} steps, "
           f"{'bf16 (ours: bf16 weights; others: autocast)' if args.bf16 else 'fp32'}, {'CPU' if args.cpu_time else 'wall'} time")
     for k, v in med.items():
-        print(f"{k:>14}: {v:9.0f} tokens/s  (rounds: {', '.join(f'{x:.0f}' for x in rates[k])})")
-    ratios = {f"ours_over_{k}": med["megatron_p2r"] / v for k, v in med.items() if k != "megatron_p2r"}
+        print(f"{k:>{max(14, len(k))}}: {v:9.0f} tokens/s  (rounds: {', '.join(f'{x:.0f}' for x in rates[k])})")
+    ratios = {f"ours_over_{k}": med["megatron_p2r"] / v for k, v in med.items() if not k.startswith("megatron_p2r")}
+    if args.compile:
+        ratios["compiled_over_eager"] = med["megatron_p2r_compiled"] / med["megatron_p2r"]
     for k, v in ratios.items():
         print(f"{'ratio':>14}: {v:.2f}x ({k.replace('_', ' ')})")
     print(f"{'matmul ceiling':>14}: {ceiling / 1e9:.0f} GFLOP/s; ours achieves {flops / 1e9:.0f} GFLOP/s "
@@ -201,7 +207,8 @@ def main(argv=None) -> None:
           f"{share['output_layer_and_loss']:.1%})")
     write_json(args.json, {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "shape": shape,
                            "tokens_per_s": med, "rounds": rates, "ratio_ours_over_hf": ratios.get("ours_over_hf_gpt2"),
-                           "ratio_ours_over_plain": ratios["ours_over_plain_gpt"], "matmul_ceiling_flops": ceiling,
+                           "ratio_ours_over_plain": ratios["ours_over_plain_gpt"],
+                           "ratio_compiled_over_eager": ratios.get("compiled_over_eager"), "matmul_ceiling_flops": ceiling,
                            "ours_flops": flops, "fraction_of_ceiling": flops / ceiling, "loss_share": share,
                            "clock": "cpu" if args.cpu_time else "wall"})
 

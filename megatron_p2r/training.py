@@ -132,6 +132,9 @@ def build_train_state(cfg: Config, ps: ParallelState, plan: Optional[ParallelPla
     """The model (16-bit weights with --bf16/--fp16), its offload, gradient buffers and optimizer."""
     plan = plan or ParallelPlan.build(cfg, ps.layout)
     model = build_model(cfg, ps, plan, device=offload.build_device(cfg.offload, ps))
+    if cfg.train.compile:
+        from megatron_p2r.model.compiled import compile_layers   # imports torch._dynamo: seconds, only when asked
+        compile_layers(model.layers)
     manager = None
     if cfg.offload.cpu_offload_layers is not None:  # chosen layers' weights, grads and optimizer state on host
         manager = offload.apply_offload(model, plan.stage(ps.pp_rank).offloaded, cfg.offload, ps,
@@ -139,7 +142,8 @@ def build_train_state(cfg: Config, ps: ParallelState, plan: Optional[ParallelPla
     p = cfg.parallel
     ddp = DistributedDataParallel(model, plan, ps, overlap_grad_reduce=p.overlap_grad_reduce,
                                   overlap_param_gather=p.overlap_param_gather,
-                                  fetched=manager.fetched_param_ids if manager else ())
+                                  fetched=manager.fetched_param_ids if manager else (),
+                                  waits_whole=model.layers.values() if cfg.train.compile else ())
     overlap = manager is not None and cfg.offload.overlap_cpu_optimizer_d2h_h2d
     optimizer = build_mixed_precision_optimizer(ddp, plan, ps, cfg.train,
                                                 optimizer_placement(manager) if manager else None,

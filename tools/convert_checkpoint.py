@@ -15,6 +15,7 @@
     p2r-convert-checkpoint export-megatron SRC MEGATRON_DIR [--ckpt-format torch_dist|torch]
                                             [--target-tensor-parallel-size T] [--target-pipeline-parallel-size P]
                                             [--target-expert-parallel-size E] [--dtype float32|bfloat16|float16]
+                                            [--no-save-optim]
 
 SRC is a checkpoint directory (its latest iteration is used) or one ``iter_*`` directory; DST
 becomes a checkpoint directory that ``--load`` accepts. Conversions stream tensor by tensor into
@@ -211,7 +212,10 @@ def _add_export_megatron(sub) -> None:
     p.add_argument("--target-pipeline-parallel-size", type=int,
                    help="Megatron's PP, layers split evenly (default: the source's).")
     p.add_argument("--target-expert-parallel-size", type=int, help="Megatron's EP (default: the source's).")
-    p.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default="float32", help="Dtype of the written weights.")
+    p.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default="float32",
+                   help="Dtype of the written weights (bfloat16: for a --bf16 Megatron run, with the fp32 mains).")
+    p.add_argument("--no-save-optim", action="store_true",
+                   help="Weights only: leave out Adam's state and the LR schedule's position (torch_dist).")
     p.add_argument("--force", action="store_true", help="Replace a non-empty DST.")
     p.add_argument("--no-progress", action="store_true", help="No progress bar.")
 
@@ -247,7 +251,8 @@ def _megatron_command(args) -> int:
     if args.command == "export-megatron":
         out, notes = export_megatron(args.src, args.dst, ckpt_format=args.ckpt_format,
                                      tp=args.target_tensor_parallel_size, pp=args.target_pipeline_parallel_size,
-                                     ep=args.target_expert_parallel_size, dtype=args.dtype, force=args.force,
+                                     ep=args.target_expert_parallel_size, dtype=args.dtype,
+                                     save_optim=not args.no_save_optim, force=args.force,
                                      progress=not args.no_progress)
         print(f"wrote {out}")
         for note in notes:

@@ -22,7 +22,9 @@ phase's step time over the pseudo phase's (offload, recomputation, gradient and 
 traffic the pseudo model avoids), and the break-even ``s * (1 - 1/r)``: how many more steps than
 real-from-scratch a run that delinks after s steps (``--p2r-switch-iters``, default 10% of the
 run) may need to reach a loss and still finish no later (``planning/breakeven.py``). The
-convergence study (docs/results.md) measures how many it actually needs at small scale.
+convergence study (``benchmarks/p2r_convergence.py``, on your own data too) measures how many it
+actually needs; given that gap (``--p2r-gap STEPS|PCT%|never``) and growth's FLOPs ratio to the
+target (``--growth-flops-ratio``), the report says which of the two pays on this cluster.
 
 Each phase's verdict checks two memory tiers and names the one that overflows, and by how much:
 the GPU (the rank needing the most) and the host (the node whose GPUs offload the most, against
@@ -50,7 +52,8 @@ from megatron_p2r.config import Config, ConfigError, parse_memory_size, validate
 from megatron_p2r.config.batch import train_iters
 from megatron_p2r.config.ranges import Range, at_least, positive
 from megatron_p2r.layout.plan import ParallelPlan
-from megatron_p2r.planning.breakeven import p2r_break_even
+from megatron_p2r.planning.breakeven import measured_verdict, p2r_break_even, parse_gap
+from megatron_p2r.planning.breakeven_report import format_p2r
 from megatron_p2r.planning.checkpoint_cost import FS_WRITE_BW
 from megatron_p2r.planning.estimate import Plan, make_plan
 from megatron_p2r.planning.hardware import GPU_PRESETS, GiB
@@ -73,6 +76,13 @@ def parse_bytes(text: str) -> int:
         return parse_memory_size(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc).replace("--device-memory-budget ", "")) from None
+
+
+def gap_argument(text: str):
+    try:
+        return parse_gap(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def planner_parser() -> argparse.ArgumentParser:
@@ -108,6 +118,13 @@ def planner_parser() -> argparse.ArgumentParser:
     g.add_argument("--p2r-switch-iters", type=int,
                    help="Pseudo-phase steps for the break-even (default 10%% of the run: --token-budget / tokens "
                         "per step, else --train-iters).")
+    g.add_argument("--p2r-gap", type=gap_argument, metavar="STEPS|PCT%|never",
+                   help="Measured: how many more steps than real-from-scratch Pseudo-to-Real needed to reach its "
+                        "loss (a percentage: of the run's steps), or never (benchmarks/p2r_convergence.py); the "
+                        "report then says whether P2R pays on this cluster.")
+    g.add_argument("--growth-flops-ratio", type=float,
+                   help="Measured: depth growth's training FLOPs to real-from-scratch's loss over scratch's (the "
+                        "study's 'FLOPs to target'); compared with P2R's time ratio.")
     g.add_argument("--pseudo-config", help="YAML applied on top of --config for the pseudo phase.")
     g.add_argument("--real-config", help="YAML applied on top of --config for the real phase.")
     g.add_argument("--json", action="store_true", help="Print the plans as JSON.")
@@ -125,7 +142,8 @@ _PLANNER_RANGES = [("world_size", at_least(1, 2 ** 20)), ("gpus_per_node", at_le
                    ("host_optimizer_bw", positive()), ("fs_write_bw", positive()), ("fs_node_write_bw", positive()), ("token_budget", Range(0.0)),
                    ("gpu_memory", at_least(1, 2 ** 60)), ("host_memory", at_least(1, 2 ** 60)),
                    ("host_memory_per_node", at_least(1, 2 ** 60)),
-                   ("reserve", at_least(0, 2 ** 60)), ("p2r_switch_iters", at_least(1))]
+                   ("reserve", at_least(0, 2 ** 60)), ("p2r_switch_iters", at_least(1)),
+                   ("growth_flops_ratio", positive())]
 
 
 def check_planner_args(args: argparse.Namespace) -> None:
@@ -350,9 +368,10 @@ def _checkpoint_lines(c: dict) -> List[str]:
             f"host memory during save per rank {host['sync'] / GiB:.2f} GiB, async {host['async'] / GiB:.2f} GiB"]
 
 
-def p2r_summary(plans: Dict[str, Plan], configs: Dict[str, Config], switch_iters: Optional[int]) -> Optional[dict]:
+def p2r_summary(plans: Dict[str, Plan], configs: Dict[str, Config], args: argparse.Namespace) -> Optional[dict]:
     """r and the break-even of the planned pseudo/real pair (None unless both are planned and the
-    run's length is known: --token-budget, else --train-iters / --train-samples)."""
+    run's length is known: --token-budget, else --train-iters / --train-samples), and with measured
+    figures (--p2r-gap, --growth-flops-ratio) which method pays."""
     if set(plans) != {"pseudo", "real"}:
         return None
     real = plans["real"]
@@ -360,28 +379,14 @@ def p2r_summary(plans: Dict[str, Plan], configs: Dict[str, Config], switch_iters
              else train_iters(configs["real"], real.world_size))
     if not total:
         return None
-    switch = switch_iters if switch_iters is not None else max(total // 10, 1)
+    switch = args.p2r_switch_iters if args.p2r_switch_iters is not None else max(total // 10, 1)
     if switch > total:
         raise ConfigError(f"--p2r-switch-iters {switch} is beyond the run's {total} steps (--token-budget / tokens "
                           "per step, else --train-iters)")
-    return p2r_break_even(real.step_time_s, plans["pseudo"].step_time_s, switch, total)
-
-
-def format_p2r(summary: dict) -> str:
-    r, extra = summary["r"], summary["break_even_extra_steps"]
-    lines = [f"== Pseudo-to-Real: step time real {summary['real_step_s']:.3g} s / pseudo "
-             f"{summary['pseudo_step_s']:.3g} s: r = {r:.3f}",
-             f"   delinking after {summary['switch_iters']:,} of {summary['total_iters']:,} steps "
-             f"(--p2r-switch-iters): break-even s(1 - 1/r) = {extra:,.0f} steps "
-             f"({summary['break_even_fraction']:.2%} of the run)"]
-    if extra > 0:
-        lines.append("   P2R finishes no later than real-from-scratch if, after delinking, it reaches the same loss "
-                     f"with at most {extra:,.0f} more steps in total")
-    else:
-        lines.append("   r <= 1: the pseudo phase is not cheaper per step here, so P2R pays in time only if it "
-                     "reaches the loss in fewer steps than real-from-scratch (docs/results.md: at small scale it "
-                     "needed more)")
-    return "\n".join(lines)
+    summary = p2r_break_even(real.step_time_s, plans["pseudo"].step_time_s, switch, total)
+    if args.p2r_gap is not None or args.growth_flops_ratio is not None:
+        summary["measured"] = measured_verdict(summary, args.p2r_gap, args.growth_flops_ratio)
+    return summary
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -411,7 +416,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        p2r = p2r_summary(plans, configs, args.p2r_switch_iters)
+        p2r = p2r_summary(plans, configs, args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

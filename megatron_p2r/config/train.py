@@ -70,6 +70,9 @@ class TrainConfig:
                                           choices=["uniform", "block"])
     recompute_num_layers: Optional[int] = opt(None, "Layers per recomputed chunk (uniform) or recomputed "
                                                     "layers per pipeline stage (block).")
+    compile: bool = opt(False, "torch.compile each transformer layer's forward (one graph per layer where it traces "
+                        "whole, else in pieces around the graph breaks, logged); parameter names and checkpoints are "
+                        "unchanged.")
     max_skipped_steps: int = opt(10, "Stop after this many consecutive steps skipped for non-finite values.")
     exit_interval: Optional[int] = opt(None, "Save and exit when the iteration is a multiple of this.")
     exit_duration_in_mins: Optional[int] = opt(None, "Save and exit after this many minutes.")

@@ -137,7 +137,7 @@ class Attention(nn.Module):
             cos, sin = rope
             q, k = apply_rotary(q, cos[:s], sin[:s]), apply_rotary(k, cos[:s], sin[:s])
         if self.recompute_core and torch.is_grad_enabled():
-            y = tp_random.checkpoint(self.core, q, k, v, device=self.device)
+            y = tp_random.checkpoint(self.core, q, k, v, device=self.device, draws=self.training and self.dropout > 0)
         else:
             y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))

@@ -17,7 +17,8 @@ attached to a built stage without wrapping its forward.
   waits, and divides by the DP size (expert gradients too: docs/moe.md).
 - Under the distributed optimizer ``start_param_sync`` all-gathers the updated shards; with
   ``--overlap-param-gather`` asynchronously, each module's forward waiting for its own buckets
-  (buckets of layers whose weights are fetched from host are gathered before returning).
+  (a compiled layer's forward for all of its buckets; buckets of layers whose weights are fetched
+  from host are gathered before returning).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class DistributedDataParallel:
     """The gradient buffers of ``model`` (this rank's stage of ``plan``) and their reduction."""
 
     def __init__(self, model: nn.Module, plan: ParallelPlan, ps: ParallelState, *, overlap_grad_reduce: bool = False,
-                 overlap_param_gather: bool = False, fetched: Iterable[int] = ()):
+                 overlap_param_gather: bool = False, fetched: Iterable[int] = (), waits_whole: Iterable[nn.Module] = ()):
         self.model, self.ps = model, ps
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         self._staging: Dict[torch.dtype, torch.Tensor] = {}
@@ -68,10 +69,7 @@ class DistributedDataParallel:
             p.register_post_accumulate_grad_hook(self._accumulate)
         model.register_forward_hook(self._mark_output, with_kwargs=True)
         if overlap_param_gather:
-            for module in model.modules():
-                own = [self.bucket_of[id(p)] for p in module.parameters(recurse=False)]
-                if own:
-                    module.register_forward_pre_hook(functools.partial(self._wait_for, own))
+            self._register_param_waits(list(waits_whole))
         self.zero_grad_buffer()
 
     # -- micro-batches
@@ -154,6 +152,19 @@ class DistributedDataParallel:
         for buf in self.buffers:
             for bucket in buf.buckets:
                 buf.finish_param_gather(bucket)
+
+    def _register_param_waits(self, whole: List[nn.Module]) -> None:
+        """Each module's forward waits for its own parameters' buckets; a module of ``whole`` (a
+        compiled layer: a wait inside its compiled forward would break the graph) waits for all of
+        its parameters', the modules inside it for none."""
+        inside = {id(m) for w in whole for m in w.modules()}
+        for module in self.model.modules():
+            waits_whole = any(module is w for w in whole)
+            if id(module) in inside and not waits_whole:
+                continue
+            own = [self.bucket_of[id(p)] for p in module.parameters(recurse=waits_whole)]
+            if own:
+                module.register_forward_pre_hook(functools.partial(self._wait_for, own))
 
     def _wait_for(self, buckets: List[BucketState], module, inputs) -> None:
         for bucket in buckets:

@@ -91,8 +91,21 @@ def seed_everything(seed: int, tp_rank: int, pp_rank: int, device: torch.device)
     get_rng_tracker(device).seed(seed + _MODEL_PARALLEL_OFFSET + tp_rank)
 
 
-def checkpoint(fn: Callable, *args, device: torch.device):
-    """Activation checkpointing that replays both RNG streams during recomputation."""
+def checkpoint(fn: Callable, *args, device: torch.device, draws: bool = True):
+    """Activation checkpointing that replays both RNG streams during recomputation.
+
+    Traced by ``torch.compile`` (``--compile``): a region that ``draws`` no random numbers is
+    torch's checkpoint region inside the graph (dynamo takes no ``context_fn``, and there is
+    nothing to replay); one that draws runs eagerly between graphs, replaying the streams as
+    here (dynamo cannot fork the model-parallel stream: ``get_rng_state`` breaks the graph)."""
+    if torch.compiler.is_compiling():
+        if not draws:
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+        return _replaying_checkpoint_between_graphs(fn, *args, device=device)
+    return _replaying_checkpoint(fn, *args, device=device)
+
+
+def _replaying_checkpoint(fn: Callable, *args, device: torch.device):
     tracker = get_rng_tracker(device)
     recorded = tracker.state
 
@@ -107,3 +120,7 @@ def checkpoint(fn: Callable, *args, device: torch.device):
 
     return torch.utils.checkpoint.checkpoint(
         fn, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), replay()))
+
+
+# torch.compiler.disable imports torch._dynamo (seconds) when applied; this form, when first called
+_replaying_checkpoint_between_graphs = torch._disable_dynamo(_replaying_checkpoint)

@@ -10,11 +10,14 @@ N + D steps takes ``s / r + (N + D - s)`` real-step times, so it is no slower ex
     D <= s * (1 - 1/r)                (one early phase; sum over phases for several)
 
 D is what the convergence study measures (``benchmarks/p2r_convergence.py``); r is what the
-planner estimates for a cluster (``tools/plan.py``) or a timing run measures.
+planner estimates for a cluster (``tools/plan.py``) or a timing run measures. Given both, the
+planner says whether P2R or growth (from its measured FLOPs ratio) pays.
 """
 from __future__ import annotations
 
-from typing import Iterable, Tuple
+import dataclasses
+import math
+from typing import Iterable, Optional, Tuple
 
 
 def cost_ratio(real_step_s: float, early_step_s: float) -> float:
@@ -39,3 +42,59 @@ def p2r_break_even(real_step_s: float, pseudo_step_s: float, switch_iters: int, 
     return {"r": r, "real_step_s": real_step_s, "pseudo_step_s": pseudo_step_s, "switch_iters": switch_iters,
             "total_iters": total_iters, "break_even_extra_steps": extra,
             "break_even_fraction": extra / total_iters if total_iters else None}
+
+
+@dataclasses.dataclass(frozen=True)
+class Gap:
+    """A measured gap: ``value`` extra steps (a fraction of the run's steps with ``fraction``),
+    None when the run never reached the target."""
+
+    value: Optional[float]
+    fraction: bool = False
+
+    def steps(self, total_iters: float) -> Optional[float]:
+        if self.value is None:
+            return None
+        return self.value * total_iters if self.fraction else self.value
+
+
+def parse_gap(text: str) -> Gap:
+    """``never``; ``120`` extra steps; ``5%`` of the run's steps (how a gap measured on a short run
+    carries over to a longer one). Negative: the run needed fewer steps than scratch."""
+    value = text.strip().lower()
+    if value == "never":
+        return Gap(None)
+    fraction = value.endswith("%")
+    try:
+        number = float(value[:-1] if fraction else value)
+    except ValueError:
+        raise ValueError(f"expected extra steps (120), a percentage of the run (5%) or 'never', got {text!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"the gap must be finite, got {text!r}")
+    return Gap(number / 100, True) if fraction else Gap(number)
+
+
+def p2r_time_ratio(r: float, switch_iters: float, total_iters: float, extra_steps: Optional[float]) -> Optional[float]:
+    """Pseudo-to-Real's wall time to scratch's loss over scratch's, (s/r + N + D - s) / N, for a
+    run that needs D extra steps; None when it never reaches the loss."""
+    if extra_steps is None:
+        return None
+    return (switch_iters / r + total_iters + extra_steps - switch_iters) / total_iters
+
+
+def measured_verdict(summary: dict, gap: Optional[Gap] = None, growth_flops_ratio: Optional[float] = None) -> dict:
+    """Which of Pseudo-to-Real (its measured ``gap``) and depth growth (its measured training FLOPs
+    to the target over scratch's; its wall time taken as proportional to them) pays for the
+    planned cluster (``summary``: ``p2r_break_even``'s). Each ratio is the method's time to
+    scratch's loss over scratch's: below 1 it pays (at 1 it only ties); ``best`` is the paying
+    method with the lower ratio."""
+    out: dict = {}
+    if gap is not None:
+        extra = gap.steps(summary["total_iters"])
+        ratio = p2r_time_ratio(summary["r"], summary["switch_iters"], summary["total_iters"], extra)
+        out["p2r"] = {"extra_steps": extra, "time_ratio": ratio, "pays": ratio is not None and ratio < 1}
+    if growth_flops_ratio is not None:
+        out["growth"] = {"time_ratio": growth_flops_ratio, "pays": growth_flops_ratio < 1}
+    paying = {k: v["time_ratio"] for k, v in out.items() if v["pays"]}
+    out["best"] = min(paying, key=paying.get) if paying else None
+    return out

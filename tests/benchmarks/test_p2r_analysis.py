@@ -2,6 +2,7 @@
 import pytest
 
 from benchmarks import p2r_analysis as an
+from benchmarks.p2r_heldout import mean_se, paired_se
 from benchmarks.p2r_report import verdicts
 from megatron_p2r.planning.breakeven import break_even_extra_steps, cost_ratio
 
@@ -12,8 +13,11 @@ TIMING = {"m/real": 1.0, "m/real@budget": 2.0, "m/small": 0.25, "m/small@budget"
 REAL = {"kind": "m/real", "start": 0, "end": 400, "flops_per_token": F}
 
 
-def _run(arm, seed, phases, points):
-    return {"model": "m", "arm": arm, "seed": seed, "phases": phases, "points": points, "tokens_per_step": 100}
+def _run(arm, seed, phases, points, spread=(-0.2, 0.0, 0.2)):
+    """A run whose points carry an SE of 0.01 and whose final per-sample losses lie ``spread``
+    around its last loss (equal spreads: paired differences with an SE of 0)."""
+    return {"model": "m", "arm": arm, "seed": seed, "phases": phases, "points": [(*p, 0.01) for p in points],
+            "final_losses": [points[-1][1] + d for d in spread] if points else [], "tokens_per_step": 100}
 
 
 def _grow(seed, points):
@@ -59,6 +63,9 @@ def test_paired_ratios_break_even_and_verdict():
     assert g["ratios"]["wall_budget"] == pytest.approx([425 / 800, 425 / 800])
     assert g["delta"] == pytest.approx([-0.2, -0.2]) and g["extra"] == pytest.approx([-100, -100])
     assert g["allowed"] == pytest.approx([100 * (1 - 0.25 / 2)] * 2)
+    # a crossing at its last step (400) would cost (100/4 + 300)/400 of scratch's FLOPs
+    assert g["last_step_flops"] == pytest.approx([0.8125, 0.8125])
+    assert g["se"] == [0.01, 0.01] and g["delta_se"] == pytest.approx([0, 0])
     p = stats[("m", "p2r")]
     assert p["allowed"] == pytest.approx([50, 50])
     assert p["extra"][0] == pytest.approx(50) and p["extra"][1] is None
@@ -70,6 +77,9 @@ def test_paired_ratios_break_even_and_verdict():
     assert lines[0] == ("- m, training FLOPs: target **not met**; the best arm, p2r, never reaches the target in 1 of "
                         "2 seeds; where it does, it needs up to 1.12x of scratch's cost.")
     assert an.ratio_cell(p["ratios"]["steps"]) == "1.12 ± 0.00 (1/2 seeds never reach it)"
+    stats = an.paired([r for r in runs if r["seed"] == 2], TIMING, TPS, "real from scratch")
+    assert verdicts(stats, ["m"], {"m": ["real from scratch", "p2r"]})[0] == (
+        "- m, training FLOPs: target **not met**; no arm reaches real-from-scratch's final loss in any seed.")
 
 
 def test_break_even_formula_and_bands():
@@ -83,3 +93,24 @@ def test_break_even_formula_and_bands():
     assert steps == [1, 2] and mean == [3.0, 4.0] and std[1] == 0 and std[0] == pytest.approx(2 ** 0.5)
     with pytest.raises(ValueError, match="evaluated at different steps"):
         an.band([_run("a", 1, [], [(1, 2.0)]), _run("a", 2, [], [(2, 2.0)])])
+
+
+def test_standard_errors_by_hand():
+    mean, se = mean_se([1.0, 2.0, 3.0, 4.0])
+    assert mean == 2.5 and se == pytest.approx((5 / 3) ** 0.5 / 2)   # sample std sqrt(5/3), n = 4
+    assert mean_se([3.0]) == (3.0, 0.0)
+    assert paired_se([1.0, 2.0, 3.0], [1.0, 1.0, 1.0]) == pytest.approx(1 / 3 ** 0.5)   # differences 0, 1, 2
+    assert paired_se([1.0, 5.0, 9.0], [0.5, 4.5, 8.5]) == 0.0   # a constant shift is measured exactly
+    with pytest.raises(ValueError, match="differ in number"):
+        paired_se([1.0], [1.0, 2.0])
+
+
+def test_compute_matched_controls():
+    """Growth's final loss against its control's, per seed, with the paired SE."""
+    runs = [_grow(1, [(100, 7.0), (400, 3.8)]), _run("ctl", 1, [REAL], [(300, 4.0)], spread=(0.0, 0.0, 0.3)),
+            _grow(2, [(100, 7.0), (400, 4.0)]), _run("ctl", 2, [REAL], [(300, 3.9)])]
+    out = an.matched(runs, lambda arm: "ctl" if arm == "grow" else None)
+    assert list(out) == [("m", "grow")]
+    e = out[("m", "grow")]
+    assert e["seeds"] == [1, 2] and e["delta"] == pytest.approx([-0.2, 0.1])
+    assert e["delta_se"] == pytest.approx([paired_se([-0.2, 0.0, 0.2], [0.0, 0.0, 0.3]), 0.0])

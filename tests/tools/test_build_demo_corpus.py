@@ -30,3 +30,18 @@ def test_max_bytes_and_no_overwrite(tmp_path, capsys):
     assert 0 < total <= 100000 and len(docs) > 1
     assert "already exists" in bad_input_error(build_demo_corpus.main, ["--output", out, "--max-docs", "1"], capsys)
     assert read(out) == docs
+
+
+def test_docs_source_is_english_text_not_code(tmp_path):
+    """--source docs: the reference topics, then per module its longer docstrings, without the code."""
+    out = tmp_path / "d.jsonl"
+    assert build_demo_corpus.main(["--output", str(out), "--source", "docs", "--max-bytes", "3000000"]) == 0
+    docs = read(out)
+    from pydoc_data.topics import topics
+    assert [d["path"] for d in docs[:len(topics)]] == [f"pydoc_data/topics/{n}" for n in sorted(topics)]
+    assert docs[0]["text"] == topics[sorted(topics)[0]]
+    modules = docs[len(topics):]
+    paths = [d["path"] for d in modules]
+    assert paths == sorted(paths) and not any("/test/" in p or p.startswith("test/") for p in paths)
+    json_doc = next(d["text"] for d in modules if d["path"] == "json/__init__.py")
+    assert json_doc.startswith("JSON (JavaScript Object Notation)") and "\ndef " not in json_doc

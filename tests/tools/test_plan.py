@@ -90,3 +90,22 @@ def test_p2r_cost_ratio_and_break_even(capsys):
     assert "--p2r-switch-iters must be >= 1" in capsys.readouterr().err
     assert main(TEN_T + ["--train-iters", "1000", "--p2r-switch-iters", "1001"]) == 2
     assert "--p2r-switch-iters 1001 is beyond the run's 1000 steps" in capsys.readouterr().err
+
+
+def test_measured_gap_says_which_method_pays(capsys):
+    """--p2r-gap (steps, % of the run, never) and --growth-flops-ratio against the planned r."""
+    assert main(TEN_T + ["--token-budget", "50B", "--p2r-gap", "1%", "--growth-flops-ratio", "0.75", "--json"]) == 1
+    p2r = json.loads(capsys.readouterr().out)["p2r"]
+    measured = p2r["measured"]
+    assert measured["p2r"]["extra_steps"] == pytest.approx(0.01 * p2r["total_iters"])
+    s, n, r = p2r["switch_iters"], p2r["total_iters"], p2r["r"]
+    assert measured["p2r"]["time_ratio"] == pytest.approx((s / r + n + 0.01 * n - s) / n)
+    assert measured["p2r"]["pays"] and measured["best"] == "growth"
+    assert main(TEN_T + ["--token-budget", "50B", "--p2r-gap", "never"]) == 1
+    out = capsys.readouterr().out
+    assert "measured gap: never" in out and out.rstrip().endswith("verdict: neither pays on this cluster")
+    with pytest.raises(SystemExit) as exit_:
+        main(TEN_T + ["--p2r-gap", "soon"])
+    assert exit_.value.code == 2 and "--p2r-gap: expected extra steps (120)" in capsys.readouterr().err
+    assert main(TEN_T + ["--growth-flops-ratio", "0"]) == 2
+    assert "--growth-flops-ratio must be > 0" in capsys.readouterr().err

@@ -40,9 +40,10 @@ class SourceCheckpoint:
         self.layer_keys = self.meta["p2r"]["layer_module_keys"]
         self.real_cfg = _single_real_config(self.cfg)
 
-    def read(self, key: str) -> torch.Tensor:
+    def read(self, key: str, kind: str = "model") -> torch.Tensor:
+        """Piece ``key``'s fp32 weight, or its optimizer state ``kind`` (a moment, the step)."""
         skey = dl.source_key(key, self.layer_keys) if self.pseudo else key
         info = self.table.get(skey)
         if info is None:
             raise CheckpointError(f"{os.path.join(self.iter_dir, METADATA_FILE)}: tensors has no {skey!r}")
-        return read_global(self.readers, self.layout, info, "model")
+        return read_global(self.readers, self.layout, info, kind)

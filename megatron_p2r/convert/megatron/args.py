@@ -30,7 +30,6 @@ _NEUTRAL = [
     ("apply_residual_connection_post_layernorm", False, "post-norm residuals (ours are pre-norm)"),
     ("multi_latent_attention", False, "multi-latent attention"),
     ("mtp_num_layers", None, "multi-token prediction layers"),
-    ("window_size", None, "sliding-window attention"),
     ("softmax_scale", None, "a custom attention softmax scale"),
     ("attention_output_gate", False, "gated attention output"),
     ("qk_l2_norm", False, "L2-normalised queries and keys"),
@@ -42,9 +41,6 @@ _NEUTRAL = [
     ("use_rope_scaling", False, "Llama-3.1 rope scaling"),
     ("rotary_seq_len_interpolation_factor", None, "rotary position interpolation"),
     ("squared_relu", False, "squared-ReLU MLP"),
-    ("quick_geglu", False, "quick-GeGLU MLP"),
-    ("glu_linear_offset", 0.0, "an offset on the GLU's linear half"),
-    ("activation_func_clamp_value", None, "clamped activations"),
     ("moe_shared_expert_intermediate_size", None, "shared experts"),
     ("moe_router_score_function", "softmax", "a router score function other than softmax"),
     ("moe_router_topk_scaling_factor", None, "scaled top-k routing weights"),
@@ -130,12 +126,49 @@ def _attention_values(a: SavedArgs, blockers: List[str]) -> dict:
     return values
 
 
+def _skip_freq(pattern: list, layers: int, blockers: List[str]) -> Optional[int]:
+    """Megatron's per-layer window pattern (1: windowed) as our frequency N (layers N-1, 2N-1, ...
+    full), None when every layer is windowed; a pattern no N gives blocks the import."""
+    if all(pattern):
+        return None
+    for n in range(1, layers + 1):
+        if pattern == [int((i + 1) % n != 0) for i in range(layers)]:
+            return n
+    blockers.append(f"--window-attn-skip-freq {pattern} (here every N-th layer is full: a pattern of that form)")
+    return None
+
+
+def _window_values(a: SavedArgs, blockers: List[str]) -> dict:
+    """Sliding windows (Megatron saves ``--window-size`` as the tuple (L, R)) and attention sinks."""
+    values = {}
+    softmax = a.get("softmax_type", default="vanilla")
+    if softmax not in ("vanilla", "off-by-one", "learnable"):
+        blockers.append(f"--softmax-type {softmax!r}")
+    else:
+        values["softmax_type"] = softmax
+    window = a.get("window_size")
+    if not window:
+        return values
+    if not isinstance(window, (tuple, list)) or len(window) != 2 or window[0] < 0 or window[1] != 0:
+        blockers.append(f"--window-size {window!r} (a causal window (L, 0) with L >= 0 here)")
+        return values
+    freq = a.get("window_attn_skip_freq")
+    if isinstance(freq, (tuple, list)):
+        freq = _skip_freq([int(bool(x)) for x in freq], a.required("num_layers"), blockers)
+    return dict(values, window_size=f"{window[0]},0", window_attn_skip_freq=freq)
+
+
 def _mlp_values(a: SavedArgs) -> dict:
     """The MLP, its GELU included: ``ModelConfig.gelu_approximation`` applies Megatron's rule to
-    the same three args (tanh with biases and the bias-GELU fusion, Megatron's default)."""
-    return dict(ffn_hidden_size=a.get("ffn_hidden_size"), swiglu=bool(a.get("swiglu")),
-                disable_bias_linear=not a.get("add_bias_linear", default=True),
-                bias_gelu_fusion=bool(a.get("bias_gelu_fusion", default=True)))
+    the same three args (tanh with biases and the bias-GELU fusion, Megatron's default). The GLU
+    offset and clamp are read only with a gated MLP: Megatron's other MLPs ignore them."""
+    values = dict(ffn_hidden_size=a.get("ffn_hidden_size"), swiglu=bool(a.get("swiglu")),
+                  quick_geglu=bool(a.get("quick_geglu")), disable_bias_linear=not a.get("add_bias_linear", default=True),
+                  bias_gelu_fusion=bool(a.get("bias_gelu_fusion", default=True)))
+    if values["swiglu"] or values["quick_geglu"]:
+        values.update(glu_linear_offset=float(a.get("glu_linear_offset") or 0.0),
+                      activation_func_clamp_value=a.get("activation_func_clamp_value"))
+    return values
 
 
 def _moe_values(a: SavedArgs, blockers: List[str]) -> dict:
@@ -179,6 +212,7 @@ def model_values(a: SavedArgs) -> Tuple[dict, bool, List[str]]:
                   hidden_dropout=a.get("hidden_dropout", default=0.1),
                   init_method_std=a.get("init_method_std", default=0.02))
     values.update(_attention_values(a, blockers))
+    values.update(_window_values(a, blockers))
     values.update(_mlp_values(a))
     values.update(_moe_values(a, blockers))
     if blockers:

@@ -77,8 +77,17 @@ def _field(record, name: str, where: str):
 
 def _adam_step(optimizer, where: str):
     """Adam's step count from common.pt's ``optimizer``, or None: ``state.common_step`` (the
-    non-distributed optimizer) or the step of its param groups (the distributed one's
-    ``fully_reshardable`` state)."""
+    non-distributed optimizer; under --bf16/--fp16 the Float16 optimizer nests torch's state dict
+    in ``optimizer``; a ChainedOptimizer, as with experts under EP > 1, saves one per index) or
+    the step of its param groups (the distributed one's ``fully_reshardable`` state)."""
+    if isinstance(optimizer, dict) and optimizer and all(isinstance(k, int) for k in optimizer):
+        steps = {_adam_step(chained, where) for chained in optimizer.values()}
+        if len(steps) != 1:
+            raise CheckpointError(f"{where}: the chained optimizers' steps differ: {sorted(steps, key=str)}")
+        return steps.pop()
+    inner = optimizer.get("optimizer") if isinstance(optimizer, dict) else None
+    if isinstance(inner, dict) and isinstance(inner.get("state"), dict) and "common_step" in inner["state"]:
+        optimizer = inner
     state = optimizer.get("state") if isinstance(optimizer, dict) else None
     step = state.get("common_step") if isinstance(state, dict) else None
     if step is None:

@@ -4,7 +4,7 @@ Megatron reads these back when it loads: ``check_checkpoint_args`` compares num_
 hidden_size, num_attention_heads, add_position_embedding (and the vocabulary options with a
 vocab file); ``--use-checkpoint-args`` takes the whole model from them; torch_dist loading
 reads the TP/PP sizes and ``no_save_optim`` / ``no_save_rng``, which say there is no optimizer
-or RNG state to load. Only str, int, float, bool, None and lists are written, so the
+or RNG state to load. Only str, int, float, bool, None, lists and tuples are written, so the
 ``argparse.Namespace`` loads with ``torch.load(weights_only=True)`` under megatron-core's
 allow-list (and ours). The args are checked by reading them back with the importer's own
 reader (args.py): an option it would not map back to ours exactly is refused by name.
@@ -70,10 +70,21 @@ def _model_args(m: ModelConfig) -> dict:
         use_rotary_position_embeddings=False, rotary_base=m.rotary_base, rotary_percent=m.rotary_percent,
         rotary_interleaved=False, normalization=m.normalization, norm_epsilon=m.norm_epsilon,
         apply_layernorm_1p=False, swiglu=m.swiglu, squared_relu=False, add_bias_linear=m.add_bias,
-        add_qkv_bias=m.add_qkv_bias, bias_gelu_fusion=m.bias_gelu_fusion, qk_layernorm=m.qk_layernorm,
+        # Megatron's dense MLP has no fused quick-GeGLU kernel: it needs the fusion off
+        add_qkv_bias=m.add_qkv_bias, bias_gelu_fusion=m.bias_gelu_fusion and not m.quick_geglu,
+        qk_layernorm=m.qk_layernorm,
         untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
         apply_residual_connection_post_layernorm=False, hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout, init_method_std=m.init_method_std)
+        attention_dropout=m.attention_dropout, init_method_std=m.init_method_std, **_gpt_oss_args(m))
+
+
+def _gpt_oss_args(m: ModelConfig) -> dict:
+    """Windows, sinks and the gated MLP's options as Megatron saves them (``--window-size`` as the
+    tuple (L, 0))."""
+    window = tuple(int(x) for x in m.window_size.strip("()").split(",")) if m.window_size else None
+    return dict(window_size=window, window_attn_skip_freq=m.window_attn_skip_freq if window else None,
+                softmax_type=m.softmax_type, quick_geglu=m.quick_geglu, glu_linear_offset=m.glu_linear_offset,
+                activation_func_clamp_value=m.activation_func_clamp_value)
 
 
 def _moe_args(m: ModelConfig) -> dict:
@@ -106,13 +117,30 @@ def flags_to_pass(args: argparse.Namespace) -> List[str]:
         flags += ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", repr(args.moe_aux_loss_coeff)]
     if args.num_experts and args.moe_z_loss_coeff:
         flags += ["--moe-z-loss-coeff", repr(args.moe_z_loss_coeff)]
+    return flags + _gpt_oss_flags(args)
+
+
+def _gpt_oss_flags(args: argparse.Namespace) -> List[str]:
+    flags = []
+    if args.window_size:
+        flags += ["--window-size", ",".join(map(str, args.window_size))]
+    if args.window_attn_skip_freq:
+        flags += ["--window-attn-skip-freq", str(args.window_attn_skip_freq)]
+    if args.softmax_type != "vanilla":
+        flags += ["--softmax-type", args.softmax_type]
+    if args.quick_geglu:
+        flags.append("--quick-geglu")
+    if args.glu_linear_offset:
+        flags += ["--glu-linear-offset", repr(args.glu_linear_offset)]
+    if args.activation_func_clamp_value is not None:
+        flags += ["--activation-func-clamp-value", repr(args.activation_func_clamp_value)]
     return flags
 
 
 def megatron_args(cfg: Config, layout: MegatronLayout, *, iteration: int, consumed_samples: int,
-                  dtype: str) -> argparse.Namespace:
-    """The args of a checkpoint of the real model ``cfg`` written for ``layout``, checked by
-    reading them back."""
+                  dtype: str, optimizer: bool = False) -> argparse.Namespace:
+    """The args of a checkpoint of the real model ``cfg`` written for ``layout`` (with the
+    optimizer state or not), checked by reading them back."""
     m = cfg.model
     check_expressible(m)
     vocab, divisor = megatron_vocab(m, layout.tp)
@@ -124,7 +152,7 @@ def megatron_args(cfg: Config, layout: MegatronLayout, *, iteration: int, consum
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.tp,
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
         ckpt_format=layout.ckpt_format, use_dist_ckpt=layout.ckpt_format != "torch",
-        no_save_optim=True, no_save_rng=True, iteration=iteration, consumed_train_samples=consumed_samples,
+        no_save_optim=not optimizer, no_save_rng=True, iteration=iteration, consumed_train_samples=consumed_samples,
         consumed_valid_samples=0, skipped_train_samples=0, bf16=dtype == "bfloat16", fp16=dtype == "float16",
         tokenizer_type=cfg.data.tokenizer_type, tokenizer_model=cfg.data.tokenizer_model,
         vocab_file=cfg.data.vocab_file, merge_file=cfg.data.merge_file)
@@ -135,7 +163,8 @@ def megatron_args(cfg: Config, layout: MegatronLayout, *, iteration: int, consum
 
 # Fields whose unset value means a default: compared through the value the model uses.
 _DERIVED = {"ffn_hidden_size": "ffn_size", "moe_ffn_hidden_size": "expert_ffn_size", "kv_channels": "head_dim",
-            "max_position_embeddings": "max_positions", "num_query_groups": "query_groups"}
+            "max_position_embeddings": "max_positions", "num_query_groups": "query_groups",
+            "bias_gelu_fusion": "gelu_approximation"}
 
 
 def _effective(m: ModelConfig, name: str):

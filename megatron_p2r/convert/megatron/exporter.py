@@ -1,6 +1,7 @@
 """export-megatron: a checkpoint of ours (any layout, real or pseudo) as a Megatron-LM ``--save``
 directory, torch_dist or legacy, for a Megatron run of a given TP/PP/EP: weights and the args
-Megatron needs; no optimizer or RNG state (the args say so, and Megatron skips them)."""
+Megatron needs, and in torch_dist the optimizer state where ours has it (export_optim.py); no
+RNG state (the args say so, and Megatron skips it)."""
 from __future__ import annotations
 
 import os
@@ -12,10 +13,11 @@ from tqdm import tqdm
 from megatron_p2r.checkpoint.atomic import write_text_atomic
 from megatron_p2r.checkpoint.staging import staged_output
 from megatron_p2r.checkpoint.tensor_table import tensor_table
-from megatron_p2r.config import Config, ConfigError
+from megatron_p2r.config import ConfigError
 from megatron_p2r.convert.hf.source import SourceCheckpoint
 from megatron_p2r.convert.megatron.export_args import (CHECKPOINT_VERSION, CONTENT_METADATA, MegatronLayout,
                                                           flags_to_pass, megatron_args)
+from megatron_p2r.convert.megatron.export_optim import Inverses, not_exported, optimizer_export
 from megatron_p2r.convert.megatron.rules import to_megatron
 from megatron_p2r.convert.megatron.source import TRACKER_FILE
 from megatron_p2r.convert.megatron.writer import write_dist, write_legacy
@@ -38,10 +40,9 @@ def _layout(source: SourceCheckpoint, ckpt_format: str, tp: Optional[int], pp: O
     return layout
 
 
-def _megatron_tensors(source: SourceCheckpoint, cfg: Config, dtype: torch.dtype,
+def _megatron_tensors(source: SourceCheckpoint, plan: Inverses, dtype: torch.dtype,
                       progress: bool) -> Dict[str, torch.Tensor]:
     """Every canonical Megatron tensor, made from our global pieces (names.py, rules.py)."""
-    plan = to_megatron(list(tensor_table(cfg)), cfg.model)
     out = {}
     for name, (keys, fn) in tqdm(plan.items(), desc="export-megatron", disable=not progress):
         out[name] = fn([source.read(k).to(torch.float32) for k in keys]).to(dtype).contiguous()
@@ -50,9 +51,9 @@ def _megatron_tensors(source: SourceCheckpoint, cfg: Config, dtype: torch.dtype,
 
 def export_megatron(src: str, dst: str, *, ckpt_format: str = "torch_dist", tp: Optional[int] = None,
                     pp: Optional[int] = None, ep: Optional[int] = None, dtype: str = "float32",
-                    force: bool = False, progress: bool = True) -> Tuple[str, List[str]]:
-    """Write SRC as Megatron-LM's ``--save`` directory DST (the weights are held in memory while
-    written: DCP saves one state dict). Returns (iteration directory, notes)."""
+                    save_optim: bool = True, force: bool = False, progress: bool = True) -> Tuple[str, List[str]]:
+    """Write SRC as Megatron-LM's ``--save`` directory DST (the weights and optimizer state are
+    held in memory while written: DCP saves one state dict). Returns (iteration directory, notes)."""
     if ckpt_format not in CKPT_FORMATS:
         raise ConfigError(f"--ckpt-format must be one of {list(CKPT_FORMATS)}, got {ckpt_format!r}")
     if dtype not in EXPORT_DTYPES:
@@ -61,9 +62,12 @@ def export_megatron(src: str, dst: str, *, ckpt_format: str = "torch_dist", tp: 
     cfg = source.real_cfg
     layout = _layout(source, ckpt_format, tp, pp, ep)
     iteration = int(source.meta["iteration"])
+    skipped = "--no-save-optim" if not save_optim else not_exported(source, ckpt_format, dtype)
     args = megatron_args(cfg, layout, iteration=iteration, consumed_samples=int(source.meta["consumed_samples"]),
-                         dtype=dtype)
-    tensors = _megatron_tensors(source, cfg, EXPORT_DTYPES[dtype], progress)
+                         dtype=dtype, optimizer=skipped is None)
+    plan = to_megatron(list(tensor_table(cfg)), cfg.model)
+    optim = None if skipped else optimizer_export(source, plan, dtype, layout.ep)
+    tensors = _megatron_tensors(source, plan, EXPORT_DTYPES[dtype], progress)
     header = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
               "num_floating_point_operations_so_far": 0}
     name = f"iter_{iteration:07d}"
@@ -71,15 +75,18 @@ def export_megatron(src: str, dst: str, *, ckpt_format: str = "torch_dist", tp: 
         iter_dir = os.path.join(tmp, name)
         os.makedirs(iter_dir)
         if ckpt_format == "torch_dist":
-            write_dist(iter_dir, tensors, {**header, "content_metadata": dict(CONTENT_METADATA)})
+            common = {**header, "content_metadata": dict(CONTENT_METADATA)}
+            if optim:
+                common.update(optimizer=optim.optimizer, opt_param_scheduler=optim.scheduler)
+            write_dist(iter_dir, tensors, common, optim.tensors if optim else None)
         else:
             m = cfg.model
-            write_legacy(iter_dir, tensors, header, layout, m.num_layers, m.num_experts or 0, m.swiglu)
+            write_legacy(iter_dir, tensors, header, layout, m.num_layers, m.num_experts or 0, m.gated_linear_unit)
         write_text_atomic(os.path.join(tmp, TRACKER_FILE), str(iteration))
-    return os.path.join(dst, name), _notes(source, layout, args)
+    return os.path.join(dst, name), _notes(source, layout, args, skipped)
 
 
-def _notes(source: SourceCheckpoint, layout: MegatronLayout, args) -> List[str]:
+def _notes(source: SourceCheckpoint, layout: MegatronLayout, args, skipped: Optional[str]) -> List[str]:
     m = source.real_cfg.model
     notes = [f"for Megatron-LM with --tensor-model-parallel-size {layout.tp} --pipeline-model-parallel-size "
              f"{layout.pp}" + (f" --expert-model-parallel-size {layout.ep}" if m.num_experts else "")
@@ -91,8 +98,16 @@ def _notes(source: SourceCheckpoint, layout: MegatronLayout, args) -> List[str]:
     if source.pseudo:
         notes.append(f"delinked on the fly from the pseudo phase (layer -> module {source.layer_keys})")
     if layout.ckpt_format == "torch":
-        notes.append("weights only: load with --finetune, or --no-load-optim --no-load-rng")
+        notes.append(f"weights only ({skipped}): load with --finetune, or --no-load-optim --no-load-rng")
+    elif skipped:
+        notes.append(f"weights only ({skipped}): the args say no_save_optim and no_save_rng, so Megatron loads no "
+                     "optimizer or RNG state")
     else:
-        notes.append("weights only: the args say no_save_optim and no_save_rng, so Megatron loads no optimizer "
-                     "or RNG state")
+        t = source.real_cfg.train
+        notes.append(f"optimizer: Adam's moments and step {'and fp32 mains (a --bf16 run) ' if args.bf16 else ''}for megatron-core's "
+                     f"non-distributed optimizer (no --use-distributed-optimizer), iteration {args.iteration}, "
+                     f"{args.consumed_train_samples} consumed samples; the LR schedule is ours (--lr {t.lr} --min-lr "
+                     f"{t.min_lr} --lr-decay-style {t.lr_decay_style} --weight-decay {t.weight_decay}, lengths in "
+                     "samples): pass the same, or --override-opt-param-scheduler to keep your flags' schedule at "
+                     "this position; no RNG state (the args say no_save_rng)")
     return notes

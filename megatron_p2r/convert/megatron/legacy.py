@@ -70,7 +70,7 @@ class LegacyCheckpoint:
                                                                                   distrib_optim.FILE))
         self.optimizer_not_read = (f"{first.path}: the optimizer state of virtual pipeline model chunks is not read yet"
                                    if self.chunks > 1 and saved_optimizer else None)
-        self.glu = bool(a.get("swiglu"))
+        self.glu = bool(a.get("swiglu") or a.get("quick_geglu"))
         self.local_experts = (a.get("num_experts") or 0) // a.ep
         self.names: Dict[str, Dict[int, LazyTensor]] = {}
         self.files: Dict[str, str] = {}

@@ -7,15 +7,16 @@ tensor: per layer with its global index, per expert with its global index.
     decoder.layers.N.input_layernorm.{weight,bias}                      TE: self_attention.linear_qkv.layer_norm_*
     decoder.layers.N.self_attention.linear_qkv.{weight,bias}            column-parallel (dim 0)
     decoder.layers.N.self_attention.linear_proj.{weight,bias}           row-parallel (weight dim 1)
+    decoder.layers.N.self_attention.core_attention.softmax_offset [heads]  --softmax-type learnable, split over TP
     decoder.layers.N.pre_mlp_layernorm.{weight,bias}                    TE: mlp.linear_fc1.layer_norm_*
-    decoder.layers.N.mlp.linear_fc1.{weight,bias}                       column-parallel; SwiGLU: [gate; up]
+    decoder.layers.N.mlp.linear_fc1.{weight,bias}                       column-parallel; gated (SwiGLU, quick-GeGLU): [gate; up]
     decoder.layers.N.mlp.linear_fc2.{weight,bias}                       row-parallel
     decoder.layers.N.mlp.router.weight           [experts, h]
     decoder.layers.N.mlp.experts.E.linear_fc{1,2}.{weight,bias}        as the dense MLP, per expert
     decoder.final_layernorm.{weight,bias}
     output_layer.weight                          [padded vocab, h]      (untied only)
 
-A canonical SwiGLU ``linear_fc1`` is the global [gate rows; up rows] that torch_dist stores
+A canonical gated ``linear_fc1`` is the global [gate rows; up rows] that torch_dist stores
 (``mlp.apply_swiglu_sharded_factory``); each TP shard of a legacy file is [its gate; its up].
 """
 from __future__ import annotations
@@ -93,6 +94,8 @@ def tp_dim(name: str) -> Optional[int]:
         return 0
     module, _, kind = name.rpartition(".")
     module = module.rpartition(".")[2]
+    if kind == "softmax_offset":  # one per head: the heads are split over TP
+        return 0
     if module in ("linear_qkv", "linear_fc1"):
         return 0
     return 1 if module in ("linear_proj", "linear_fc2") and kind == "weight" else None

@@ -6,7 +6,8 @@ group per head is exactly our ``attention.qkv`` layout ``[heads, (q, k, v), head
 --group-query-attention our ``attention.query`` ``[heads, head_dim]`` and
 ``attention.key_value`` ``[groups, (k, v), head_dim]`` are both regrouped from it (query head i
 is in group i // (heads/groups) in both).
-SwiGLU ``linear_fc1`` is [gate; up], ours interleaves the rows (gate_j, up_j). The vocabulary
+A gated MLP's (SwiGLU, quick-GeGLU) ``linear_fc1`` is [gate; up], ours interleaves the rows
+(gate_j, up_j). The vocabulary
 matrices keep Megatron's padded rows (zero rows are added when our padding needs more).
 ``--apply-layernorm-1p`` stores norm weights as gamma - 1; ours hold gamma.
 """
@@ -32,12 +33,13 @@ _LAYER_MODULES = {"input_norm": "input_layernorm", "attention.qkv": "self_attent
                   "attention.q_layernorm": "self_attention.q_layernorm",
                   "attention.k_layernorm": "self_attention.k_layernorm",
                   "attention.proj": "self_attention.linear_proj", "post_attention_norm": "pre_mlp_layernorm",
-                  "mlp.fc1": "mlp.linear_fc1", "mlp.fc2": "mlp.linear_fc2", "mlp.router": "mlp.router"}
+                  "mlp.fc1": "mlp.linear_fc1", "mlp.fc2": "mlp.linear_fc2", "mlp.router": "mlp.router",
+                  "attention": "self_attention.core_attention"}  # attention.softmax_offset: the sinks
 _EXPERT_LEAVES = {"weight1": "linear_fc1.weight", "bias1": "linear_fc1.bias", "weight2": "linear_fc2.weight",
                   "bias2": "linear_fc2.bias"}
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _EXPERT_KEY = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)")
-_LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
+_LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias|softmax_offset)")
 _NORM_WEIGHT = re.compile(r"(layers\.\d+\.(input_norm|post_attention_norm|attention\.[qk]_layernorm)"
                           r"|final_norm)\.weight")
 _ATTENTION = re.compile(r"layers\.\d+\.attention\.(qkv|query|key_value)\.(weight|bias)")
@@ -74,7 +76,7 @@ def transform(key: str, m: ModelConfig, zero_centered_gamma: bool) -> Callable[[
     attention = _ATTENTION.fullmatch(key)
     if attention:
         return _regroup(attention_rows(m)[attention.group(1)], m)
-    if m.swiglu and _GLU.fullmatch(key):
+    if m.gated_linear_unit and _GLU.fullmatch(key):
         return lambda w: merge_glu(*w.chunk(2))
     if zero_centered_gamma and _NORM_WEIGHT.fullmatch(key):
         return lambda w: w + 1
@@ -124,6 +126,6 @@ def _inverse(keys: List[str], m: ModelConfig) -> Callable[[List[torch.Tensor]], 
                 parts.update(zip(dict.fromkeys(ours.per_group), split_heads(w, ours), strict=True))
             return merge_heads([parts[kind] for kind in "qkv"], _theirs(m))
         return fuse
-    if m.swiglu and _GLU.fullmatch(keys[0]):
+    if m.gated_linear_unit and _GLU.fullmatch(keys[0]):
         return lambda pieces: torch.cat(split_glu(pieces[0]))
     return lambda pieces: pieces[0]

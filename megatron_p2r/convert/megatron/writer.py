@@ -19,12 +19,12 @@ import json
 import os
 import re
 import warnings
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megatron_p2r.convert.megatron.dist import COMMON_FILE, CONFIG_FILE
+from megatron_p2r.convert.megatron.dist import COMMON_FILE, CONFIG_FILE, OPTIMIZER_KEYS
 from megatron_p2r.convert.megatron.export_args import MegatronLayout
 from megatron_p2r.convert.megatron.legacy import MODEL_FILE, rank_dir
 from megatron_p2r.convert.megatron.names import (OUTPUT_LAYER, WORD_EMBEDDINGS, dist_key, is_glu_fc1,
@@ -36,9 +36,10 @@ _LINEAR_WEIGHT = re.compile(r"(.*\.(?:linear_qkv|linear_proj|linear_fc1|linear_f
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(.+)")
 
 
-def write_dist(iter_dir: str, tensors: Dict[str, torch.Tensor], common: dict) -> None:
-    """The torch_dist iteration directory of ``tensors`` (canonical name -> global tensor), which
-    it empties as it stacks them: at most one stacked key more than the model is held."""
+def _stacked(tensors: Dict[str, torch.Tensor], prefix: str = "") -> dict:
+    """megatron-core's sharded keys (``prefix`` + key) of ``tensors`` (canonical name -> global
+    tensor), which it empties as it stacks them, with the ``_extra_state`` objects of the model's
+    linear layers (``prefix`` empty)."""
     keys: Dict[str, Dict[Tuple[int, ...], str]] = {}
     for name in list(tensors):
         key, index = dist_key(name)
@@ -46,15 +47,27 @@ def write_dist(iter_dir: str, tensors: Dict[str, torch.Tensor], common: dict) ->
     state: dict = {}
     for key, names in keys.items():
         if list(names) == [()]:
-            state[key] = tensors.pop(names[()])
+            state[prefix + key] = tensors.pop(names[()])
             continue
         shape = tuple(max(i[d] for i in names) + 1 for d in range(len(next(iter(names)))))
-        state[key] = torch.stack([tensors.pop(names[i]) for i in sorted(names)]).unflatten(0, shape)
+        state[prefix + key] = torch.stack([tensors.pop(names[i]) for i in sorted(names)]).unflatten(0, shape)
         module = _LINEAR_WEIGHT.fullmatch(key)
-        if module:
+        if module and not prefix:
             for index in sorted(names):
                 shard = f"{'.'.join(map(str, index))}_{'.'.join(map(str, shape))}"
                 state[f"{module.group(1)}._extra_state/shard_{shard}"] = [None]  # DCP torch.saves an object
+    return state
+
+
+def write_dist(iter_dir: str, tensors: Dict[str, torch.Tensor], common: dict,
+               optimizer: Optional[Dict[str, Dict[str, torch.Tensor]]] = None) -> None:
+    """The torch_dist iteration directory of ``tensors`` (canonical name -> global tensor) and
+    the ``optimizer`` state (kind -> canonical name -> tensor, under the non-distributed
+    optimizer's prefix of ``OPTIMIZER_KEYS``, the first),
+    emptied as they are stacked: at most one stacked key more than they hold is in memory."""
+    state = _stacked(tensors)
+    for kind, kind_tensors in (optimizer or {}).items():
+        state.update(_stacked(kind_tensors, OPTIMIZER_KEYS[kind][0]))
     with warnings.catch_warnings():  # one writer by design, not a missing process group
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(iter_dir), no_dist=True)

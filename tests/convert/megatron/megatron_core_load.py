@@ -5,6 +5,11 @@ Run by test_export_megatron_core.py with an interpreter that has megatron-core a
 
     python megatron_core_load.py CHECKPOINT TOKENS.pt OUT.pt TP EP [extra Megatron flags...]
 
+With TOKENS.pt holding {"tokens", "batch"}, Megatron also builds its DDP, non-distributed
+optimizer and LR scheduler from the args, loads them with the model (``load_checkpoint``,
+strict) and takes one training step on the batch before the forward on the tokens; with
+"state_out" too, rank 0 saves the loaded optimizer state there by parameter name first.
+
 With OUT.json instead, it writes the keys megatron-core's model asks a torch_dist checkpoint for
 (``sharded_state_dict`` with its factories applied): {key: global shape, or null for an object}.
 
@@ -17,12 +22,18 @@ CUDA-only calls on that path, answered on CPU without touching Megatron's math:
 ``get_device_arch_version`` (a warning under TP > 1) answers 10; ``read_metadata`` all-reduces
 the tracker's iteration in a CUDA tensor across ranks, so it runs as if alone (every rank reads
 the same file); the RNG tracker's ``fork`` is a no-op (eval mode, no dropout drawn);
-``torch.cuda.current_device`` answers "cpu", ``device_count`` 1; ``moe_utils.te_general_gemm``
+``torch.cuda.current_device`` answers "cpu", ``device_count`` 1; ``Tensor.type()`` answers the
+CUDA type name while the optimizer sorts parameters into fp32 / fp16 / bf16 by it; ``torch.ones``, ``tensor``,
+``zeros`` and ``empty`` (asked for ``device="cuda"`` by ``get_sliding_window_causal_mask`` and
+for the optimizer's scalars) place on CPU; ``moe_utils.te_general_gemm``
 (undefined without Transformer Engine) is None so the router takes its ``torch.mm`` path.
 """
 import contextlib
+import functools
+import itertools
 import json
 import os
+import re
 import socket
 import sys
 
@@ -44,6 +55,8 @@ def _work_around_cuda() -> None:
     moe_utils.te_general_gemm = None
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.device_count = lambda: 1
+    for name in ("ones", "tensor", "zeros", "empty"):  # the sliding-window mask, the optimizer's scalars
+        setattr(torch, name, functools.partial(_anywhere, getattr(torch, name)))
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     read_metadata = checkpointing.read_metadata
 
@@ -55,6 +68,11 @@ def _work_around_cuda() -> None:
         finally:
             dist.is_initialized = initialized
     checkpointing.read_metadata = read_alone
+
+
+def _anywhere(factory, *args, device=None, **kwargs):
+    """``factory`` with a CUDA ``device`` placed on CPU (the default device)."""
+    return factory(*args, device=None if "cuda" in str(device) else device, **kwargs)
 
 
 def _args(ckpt: str, tp: int, ep: int, extra):
@@ -103,6 +121,65 @@ def _sharded_keys(model, args) -> dict:
     return keys
 
 
+def _resume(model, args, batch, state_out=None) -> None:
+    """Megatron's DDP, optimizer and LR scheduler, built from the args as
+    ``setup_model_and_optimizer`` builds them (under --bf16 the model in a Float16Module) and
+    loaded with the model by ``load_checkpoint``, the loaded optimizer state saved to
+    ``state_out`` if given, then one training step on ``batch`` [b, s + 1], each data-parallel
+    rank on its micro-batch: the mean token loss, as ``pretrain_gpt``'s loss, and the scheduler
+    stepped by the global batch, as its train loop steps it."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+    from megatron.training.checkpointing import load_checkpoint
+    from megatron.training.training import get_megatron_optimizer_config, get_optimizer_param_scheduler
+    module = Float16Module(model.config, model) if args.bf16 else model
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32)
+    ddp = DistributedDataParallel(model.config, ddp_config, module)
+    config, overrides = get_megatron_optimizer_config(args)
+    cpu_type = torch.Tensor.type  # the optimizer sorts parameters by their CUDA type name
+    torch.Tensor.type = lambda self, *a, **k: (cpu_type(self, *a, **k) if a or k
+                                               else cpu_type(self).replace("torch.", "torch.cuda.", 1))
+    try:
+        optimizer = get_megatron_optimizer(config, [ddp], config_overrides=overrides)
+    finally:
+        torch.Tensor.type = cpu_type
+    scheduler = get_optimizer_param_scheduler(optimizer)
+    load_checkpoint([ddp], optimizer, scheduler, strict=True)
+    if state_out and dist.get_rank() == 0:
+        torch.save(_loaded_state(optimizer, ddp), state_out)
+    micro = args.micro_batch_size  # each data-parallel rank takes its own micro-batch of the batch
+    batch = batch[mpu.get_data_parallel_rank() * micro:][:micro]
+    seq = batch.shape[1] - 1
+    positions = torch.arange(seq).unsqueeze(0).expand(batch.shape[0], seq)
+    mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)
+    ddp.train()
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    ddp(batch[:, :-1], positions, mask, labels=batch[:, 1:]).float().mean().backward()
+    finalize_model_grads([ddp])
+    assert optimizer.step()[0], "Megatron's step was skipped"
+    scheduler.step(increment=args.global_batch_size)
+
+
+def _loaded_state(optimizer, ddp) -> dict:
+    """{parameter name: {"main", "exp_avg", "exp_avg_sq"}} as the loaded optimizer holds them:
+    the fp32 main (the parameter itself in fp32) and its Adam moments (one rank, TP1)."""
+    names = {id(p): re.sub(r"^(module\.)+", "", n) for n, p in ddp.named_parameters()}
+    out = {}
+    for chained in optimizer.chained_optimizers:
+        pairs = [(p, p) for group in chained.optimizer.param_groups for p in group["params"]]
+        if hasattr(chained, "float16_groups"):  # Float16OptimizerWithFloat16Params: (bf16 param, fp32 main)
+            pairs = list(zip(itertools.chain(*chained.float16_groups), itertools.chain(*chained.fp32_from_float16_groups),
+                             strict=True)) + [(p, p) for p in itertools.chain(*chained.fp32_from_fp32_groups)]
+        for param, main in pairs:
+            state = chained.optimizer.state[main]
+            out[names[id(param)]] = {"main": main.detach().clone(), "exp_avg": state["exp_avg"].clone(),
+                                     "exp_avg_sq": state["exp_avg_sq"].clone()}
+    return out
+
+
 def _rank(rank: int, world: int, port: int, ckpt: str, tokens_path: str, out: str, tp: int, ep: int, extra) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -121,8 +198,12 @@ def _rank(rank: int, world: int, port: int, ckpt: str, tokens_path: str, out: st
                 json.dump(_sharded_keys(model, args), fh, indent=1, sort_keys=True)
         dist.destroy_process_group()
         return
-    load_checkpoint([model], None, None, strict=True)
-    tokens = torch.load(tokens_path, weights_only=True)
+    inputs = torch.load(tokens_path, weights_only=True)
+    tokens = inputs["tokens"] if isinstance(inputs, dict) else inputs
+    if isinstance(inputs, dict):
+        _resume(model, args, inputs["batch"], inputs.get("state_out"))
+    else:
+        load_checkpoint([model], None, None, strict=True)
     seq = tokens.shape[1]
     positions = torch.arange(seq).unsqueeze(0).expand_as(tokens)
     mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)  # True: masked out

@@ -18,7 +18,7 @@ def test_families_map_to_our_options():
                        position_embedding_type="learned_absolute", rotary_base=10000.0, rotary_percent=1.0,
                        max_position_embeddings=16, seq_length=16, untie_embeddings_and_output_weights=False,
                        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, qk_layernorm=False,
-                       add_qkv_bias=False, bias_gelu_fusion=True)
+                       add_qkv_bias=False, bias_gelu_fusion=True, softmax_type="vanilla", quick_geglu=False)
     llama, one_p, notes = model_values(saved(LLAMA))
     assert {k: llama[k] for k in ("normalization", "swiglu", "position_embedding_type", "disable_bias_linear",
                                   "group_query_attention", "num_query_groups", "kv_channels", "rotary_percent",
@@ -60,6 +60,37 @@ def test_every_blocking_option_is_named():
         model_values(saved(MIXTRAL, moe_layer_freq=2))
     with pytest.raises(MegatronConversionError, match="--moe-router-load-balancing-type sinkhorn"):
         model_values(saved(MIXTRAL, moe_router_load_balancing_type="sinkhorn"))
+
+
+GPT_OSS = dict(swiglu=False, quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=7.0,
+               softmax_type="learnable", window_size=(127, 0))
+
+
+@pytest.mark.parametrize("freq,ours", [
+    (2, 2), (None, None),
+    ([1, 1, 1, 1], None),   # Megatron's per-layer pattern (1: windowed): every layer windowed
+    ([1, 0, 1, 0], 2), ([1, 1, 1, 0], 4), ([0, 0, 0, 0], 1),
+])
+def test_gpt_oss_options_are_read(freq, ours):
+    """gpt-oss's attention and MLP options as Megatron saves them (the window as a tuple, the skip
+    frequency as an int or a per-layer list) map to ours."""
+    values, _, _ = model_values(saved(LLAMA, window_attn_skip_freq=freq, **GPT_OSS))
+    assert {k: values.get(k) for k in ("window_size", "window_attn_skip_freq", "softmax_type", "quick_geglu",
+                                       "glu_linear_offset", "activation_func_clamp_value")} == \
+        dict(window_size="127,0", window_attn_skip_freq=ours, softmax_type="learnable", quick_geglu=True,
+             glu_linear_offset=1.0, activation_func_clamp_value=7.0)
+    ModelConfig(**values).check()
+
+
+def test_gpt_oss_options_that_do_not_map_are_named():
+    with pytest.raises(MegatronConversionError) as err:
+        model_values(saved(LLAMA, **dict(GPT_OSS, window_size=(127, 3), softmax_type="sigmoid")))
+    assert "--window-size (127, 3) (a causal window (L, 0)" in str(err.value)
+    assert "--softmax-type 'sigmoid'" in str(err.value)
+    with pytest.raises(MegatronConversionError, match=r"--window-attn-skip-freq \[1, 0, 0, 1\]"):
+        model_values(saved(LLAMA, window_attn_skip_freq=[1, 0, 0, 1], **GPT_OSS))
+    gelu, _, _ = model_values(saved(GPT, glu_linear_offset=1.0, activation_func_clamp_value=7.0))
+    assert "glu_linear_offset" not in gelu and "activation_func_clamp_value" not in gelu  # Megatron ignores them
 
 
 @pytest.mark.parametrize("overrides,gelu", [

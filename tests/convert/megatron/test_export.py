@@ -1,7 +1,7 @@
 """export-megatron: ours -> Megatron-LM's format -> ours (import-megatron) gives back every weight
 bit for bit, for a GPT (learned positions, LayerNorm, GELU, biases, tied), a Llama with
-grouped-query attention (rope, RMSNorm, SwiGLU, untied), a Mixtral-style MoE and a Qwen-like
-model, from TP=1 and TP=2 checkpoints (EP=2 for the MoE), in torch_dist and in legacy files; the
+grouped-query attention (rope, RMSNorm, SwiGLU, untied), a Mixtral-style MoE, a Qwen-like
+model and gpt-oss's options (sliding windows, learnable softmax offsets, clamped quick-GeGLU), from TP=1 and TP=2 checkpoints (EP=2 for the MoE), in torch_dist and in legacy files; the
 torch_dist keys and shapes are exactly those megatron-core 0.16.1's GPTModel asks for
 (megatron_core_keys.json, written by megatron-core itself). The written files are
 read back with the importer's allow-listed reader (no code is unpickled); the args are checked
@@ -40,6 +40,11 @@ MODELS = {
     "qwen": dict(ROPE, **GQA, num_query_groups=2, kv_channels=16, rotary_percent=0.5, qk_layernorm=True,
                  norm_epsilon=1e-6, disable_bias_linear=True, add_qkv_bias=True,
                  untie_embeddings_and_output_weights=True),
+    # gpt-oss's options: windows in layer 0 (layer 1 full), sinks, clamped quick-GeGLU experts
+    "gptoss": dict(ROPE, **GQA, swiglu=False, quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=0.5,
+                   softmax_type="learnable", window_size="3,0", window_attn_skip_freq=2, num_query_groups=2,
+                   untie_embeddings_and_output_weights=True, disable_bias_linear=True, num_experts=4,
+                   moe_router_topk=2, moe_router_pre_softmax=False, moe_ffn_hidden_size=24),
 }
 FORMATS = ("torch_dist", "torch")
 # per model: {sharded key: global shape, or null for an object} that megatron-core asks for

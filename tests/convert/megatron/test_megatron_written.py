@@ -23,15 +23,21 @@ def test_import_gives_megatrons_logits(errors, name, tp):
 
 def test_the_fixtures_cover_megatrons_layouts():
     """Both formats, TP > 1, PP > 1 (also with virtual pipeline chunks), EP > 1, bf16, optimizer
-    state and the three model kinds are among the fixtures."""
+    state, the three model kinds and gpt-oss's options (windows, sinks split over TP, clamped
+    quick-GeGLU: dense and experts) are among the fixtures."""
     files = {name: os.listdir(os.path.join(fixture_logits(name)[0], "iter_0000003")) for name in FIXTURES}
     assert any("common.pt" in f for f in files.values()) and any("mp_rank_01" in f for f in files.values())
     assert any("mp_rank_00_001" in f for f in files.values())
-    assert {"gpt", "llama", "mixtral"} == {name.split("_")[0] for name in FIXTURES}
+    assert {"gpt", "llama", "mixtral", "gptoss"} == {name.split("_")[0] for name in FIXTURES}
     assert any("bf16" in name for name in FIXTURES) and any("_pp2" in name for name in FIXTURES)
     assert any("_vp2" in name for name in FIXTURES)
     assert any(os.path.isfile(os.path.join(ROOT, name, "adam_state.pt")) for name in FIXTURES)
     assert fixture_logits(FIXTURES[0])[2].dtype == torch.float32
+    gpt_oss = {name: set(torch.load(os.path.join(ROOT, name, "logits.pt"), weights_only=True)["flags"])
+               for name in FIXTURES if name.startswith("gptoss")}
+    assert {"torch", "torch_dist"} <= set.union(*gpt_oss.values())
+    for flags in gpt_oss.values():
+        assert {"--window-attn-skip-freq", "learnable", "--quick-geglu", "--activation-func-clamp-value"} <= flags
 
 
 # Saved after 3 Adam steps: the non-distributed optimizer in torch_dist and in legacy (its state
