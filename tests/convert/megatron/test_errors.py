@@ -395,6 +395,21 @@ def test_moe_distributed_optimizer_buckets_that_are_not_replayed(tmp_path):
           r"Megatron's buffer has \[4096, \d+")
 
 
+def test_legacy_grouped_experts_optimizer_state_is_named_as_not_read(tmp_path):
+    """A legacy GroupedMLP checkpoint (Megatron-written, TP2) whose rank files hold an optimizer
+    imports its weights only, and the note names the file and that the experts' state is not read."""
+    from tests.convert.megatron.megatron_written import ROOT
+    shutil.copytree(os.path.join(ROOT, "mixtral_legacy_tp2_grouped", "checkpoint"), tmp_path / "src")
+    paths = [str(tmp_path / "src" / "iter_0000003" / rank / "model_optim_rng.pt") for rank in ("mp_rank_00", "mp_rank_01")]
+    for path in paths:
+        with torch.serialization.safe_globals([signal.Signals]):
+            edit_rank_file(path, lambda state: state.update(optimizer={"state": {}, "param_groups": []}))
+    out, notes = import_megatron(str(tmp_path / "src"), str(tmp_path / "dst"), Target(), progress=False)
+    assert re.search(re.escape(paths[0]) + r": the optimizer state of GroupedMLP experts \(mlp.experts.weight1, "
+                     r"weight2\) is not read yet", " ".join(notes)), notes
+    assert os.path.basename(out) == "iter_0000000"
+
+
 def test_a_legacy_optimizer_state_that_is_not_read_is_named(tmp_path):
     """A legacy rank file whose optimizer is not torch Adam's plain state dict (the --bf16/--fp16
     optimizer's nested one), or a distributed optimizer's rank file without its distrib_optim.pt:

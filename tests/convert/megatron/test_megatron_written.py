@@ -35,7 +35,7 @@ def test_the_fixtures_cover_megatrons_layouts():
     assert fixture_logits(FIXTURES[0])[2].dtype == torch.float32
     flags = {name: set(torch.load(os.path.join(ROOT, name, "logits.pt"), weights_only=True)["flags"])
              for name in FIXTURES}
-    assert any({"--moe-grouped-gemm", "torch_dist"} <= f for f in flags.values())
+    assert all(any({"--moe-grouped-gemm", fmt} <= f for f in flags.values()) for fmt in ("torch", "torch_dist"))
     gpt_oss = {name: f for name, f in flags.items() if name.startswith("gptoss")}
     assert {"torch", "torch_dist"} <= set.union(*gpt_oss.values())
     for options in gpt_oss.values():
