@@ -368,15 +368,14 @@ def test_distributed_optimizer_buckets_that_do_not_fit_the_model(tmp_path):
 def test_moe_distributed_optimizer_buckets_that_are_not_replayed(tmp_path):
     """torch_dist with an MoE model's two chained distributed optimizers (Megatron-written, EP2,
     GroupedMLP experts): args whose DDP buckets do not give the dense optimizer's saved bucket
-    lengths are refused naming its group (chained_0); SequentialMLP experts and experts with their own TP size import
-    the weights only, and the note says why."""
+    lengths are refused naming its group (chained_0); experts with their own TP size import the
+    weights only, and the note says why."""
     from tests.convert.megatron.megatron_written import ROOT
     shutil.copytree(os.path.join(ROOT, "mixtral_dist_ep2_grouped_distopt", "checkpoint"), tmp_path / "src")
     iter_dir = tmp_path / "src" / "iter_0000003"
     common = str(iter_dir / "common.pt")
     pristine = open(common, "rb").read()
-    for change, why in ((dict(moe_grouped_gemm=False), "the buffers of SequentialMLP experts are not replayed yet"),
-                        (dict(expert_tensor_parallel_size=2), "the buffers of experts with their own TP size")):
+    for change, why in ((dict(expert_tensor_parallel_size=2), "the buffers of experts with their own TP size"),):
         with open(common, "wb") as fh:
             fh.write(pristine)
         with torch.serialization.safe_globals([signal.Signals]):

@@ -50,10 +50,11 @@ WITH_OPTIMIZER = ("gpt_dist_tp1_adam", "gpt_legacy_tp1_adam", "gpt_dist_dp2_dist
                   "gpt_legacy_dp2_distopt", "gpt_legacy_dp2_distopt_bf16")
 # the distributed optimizer in torch_dist (dp_reshardable) under TP2 (each TP rank's buckets) and
 # of an MoE model under EP2 (megatron-core's two chained optimizers: the dense parameters' buckets,
-# and each EP rank's GroupedMLP experts'); no adam_state.pt, which make_fixtures assembles by
-# parameter name under TP1 and EP1 only; and under PP2 with 2 model chunks per rank (one grad
-# buffer per chunk), trained by Megatron's interleaved schedule
-WITHOUT_ADAM_STATE = ("llama_dist_tp2_distopt", "mixtral_dist_ep2_grouped_distopt", "gpt_dist_pp2_vp2_distopt")
+# and each EP rank's experts', GroupedMLP's and SequentialMLP's); no adam_state.pt, which
+# make_fixtures assembles by parameter name under TP1 and EP1 only; and under PP2 with 2 model
+# chunks per rank (one grad buffer per chunk), trained by Megatron's interleaved schedule
+WITHOUT_ADAM_STATE = ("llama_dist_tp2_distopt", "mixtral_dist_ep2_grouped_distopt", "mixtral_dist_ep2_distopt",
+                      "gpt_dist_pp2_vp2_distopt")
 # Megatron's 4th step of the --bf16 run computed in bf16: an fp32 step of ours differs by bf16's
 # rounding (rel 1e-2), so the continued step is compared on the fp32 runs
 CONTINUED_IN_FP32 = WITH_OPTIMIZER[:5] + WITHOUT_ADAM_STATE
