@@ -395,8 +395,10 @@ def test_moe_distributed_optimizer_buckets_that_are_not_replayed(tmp_path):
 
 
 def test_legacy_grouped_experts_optimizer_state_is_named_as_not_read(tmp_path):
-    """A legacy GroupedMLP checkpoint (Megatron-written, TP2) whose rank files hold an optimizer
-    imports its weights only, and the note names the file and that the experts' state is not read."""
+    """A legacy GroupedMLP checkpoint (Megatron-written, TP2) whose rank files hold the
+    non-distributed optimizer's state lists imports its weights only, and the note names the file
+    and that those lists are not read; so does a distrib_optim.pt of two chained optimizers (an
+    MoE model under EP > 1: a list of their states)."""
     from tests.convert.megatron.megatron_written import ROOT
     shutil.copytree(os.path.join(ROOT, "mixtral_legacy_tp2_grouped", "checkpoint"), tmp_path / "src")
     paths = [str(tmp_path / "src" / "iter_0000003" / rank / "model_optim_rng.pt") for rank in ("mp_rank_00", "mp_rank_01")]
@@ -404,8 +406,15 @@ def test_legacy_grouped_experts_optimizer_state_is_named_as_not_read(tmp_path):
         with torch.serialization.safe_globals([signal.Signals]):
             edit_rank_file(path, lambda state: state.update(optimizer={"state": {}, "param_groups": []}))
     out, notes = import_megatron(str(tmp_path / "src"), str(tmp_path / "dst"), Target(), progress=False)
-    assert re.search(re.escape(paths[0]) + r": the optimizer state of GroupedMLP experts \(mlp.experts.weight1, "
-                     r"weight2\) is not read yet", " ".join(notes)), notes
+    assert re.search(re.escape(paths[0]) + r": the non-distributed optimizer's state lists of GroupedMLP experts "
+                     r"\(mlp.experts.weight1, weight2\) are not read yet", " ".join(notes)), notes
+    assert os.path.basename(out) == "iter_0000000"
+    shutil.copytree(os.path.join(ROOT, "mixtral_legacy_dp2_grouped_distopt", "checkpoint"), tmp_path / "chained")
+    path = str(tmp_path / "chained" / "iter_0000003" / "mp_rank_00" / "distrib_optim.pt")
+    torch.save([torch.load(path, weights_only=True), None], path)
+    out, notes = import_megatron(str(tmp_path / "chained"), str(tmp_path / "dst2"), Target(), progress=False)
+    assert re.search(re.escape(path) + r": the state of an MoE model's two chained distributed optimizers \(expert "
+                     r"parallelism\) is not read yet", " ".join(notes)), notes
     assert os.path.basename(out) == "iter_0000000"
 
 
