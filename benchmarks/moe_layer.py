@@ -1,6 +1,6 @@
 """MoE layer: speed against Hugging Face Mixtral's block, and all-to-all bytes against the minimum.
 
-    python benchmarks/moe_layer.py [--rounds 5] [--iters 3] [--bf16] [--cpu-time] [--skip-ep] [--skew 0.25]
+    python benchmarks/moe_layer.py [--rounds 5] [--iters 3] [--bf16] [--cpu-time] [--skip-ep] [--skew 0.25] [--profile]
 
 1. One process: hidden 256, expert FFN 512, 8 SwiGLU experts, top-2 (renormalised, as
    Mixtral), 2048 tokens, at balanced routing (a random router) and imbalanced routing (a
@@ -106,16 +106,21 @@ def contenders(skew: float, implementations):
     return x, g, expert_loads(padded, x), modules
 
 
-def time_contenders(modules: dict, x, g, rounds: int, iters: int, autocast, clock) -> dict:
-    """{name: seconds per forward+backward}: medians of interleaved rounds after a warm-up; the
-    outputs are compared with ours/padded first."""
+def training_step(x, g, autocast):
+    """One forward + backward of a module on ``x`` with upstream gradient ``g``."""
     def step(module):
         xx = x.clone().requires_grad_()
         with autocast():
             out = module(xx)
         (out.float() * g).sum().backward()
         module.zero_grad(set_to_none=True)
+    return step
 
+
+def time_contenders(modules: dict, x, g, rounds: int, iters: int, autocast, clock) -> dict:
+    """{name: seconds per forward+backward}: medians of interleaved rounds after a warm-up; the
+    outputs are compared with ours/padded first."""
+    step = training_step(x, g, autocast)
     with torch.no_grad(), autocast():
         reference = modules["ours/padded"](x).float()
         for name, module in modules.items():
@@ -129,7 +134,8 @@ def time_contenders(modules: dict, x, g, rounds: int, iters: int, autocast, cloc
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def speed(rounds: int, iters: int, bf16: bool, implementations, skew: float, cpu_time: bool) -> None:
+def speed(rounds: int, iters: int, bf16: bool, implementations, skew: float, cpu_time: bool,
+          profile: bool = False) -> None:
     threads, clock = (1, time.process_time) if cpu_time else (2, time.perf_counter)
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -154,6 +160,54 @@ def speed(rounds: int, iters: int, bf16: bool, implementations, skew: float, cpu
             print(f"  {name:18s} {1000 * t:8.1f} ms  {t / times['ours/padded']:8.2f} {t / times['ours/grouped']:9.2f}"
                   f"   {expert_flops / t / ceiling:.0%}")
         print(f"  grouped vs padded: {times['ours/padded'] / times['ours/grouped']:.2f}x as fast")
+        if profile:
+            print_profile(modules, times, training_step(x, g, autocast))
+
+
+# ----------------------------------------------------------------------------- where the time goes
+
+OPERATOR_CLASSES = {   # aten operator -> class; any other operator is "other"
+    "matmuls": ("mm", "bmm", "addmm", "baddbmm", "_grouped_mm", "linear", "matmul"),
+    "routing": ("_softmax", "_softmax_backward_data", "topk", "logsumexp", "bincount", "eq", "one_hot"),
+    "permutation": ("sort", "argsort", "index_select", "index_copy", "index_copy_", "index_add_", "index_put_",
+                    "_index_put_impl_", "index", "scatter_add_", "gather", "nonzero", "where", "repeat_interleave",
+                    "cumsum", "arange"),
+    "activation": ("silu", "silu_backward", "gelu", "gelu_backward", "sigmoid"),
+    "multiply-add, sums": ("mul", "add", "add_", "addcmul_", "sub", "div", "sum"),
+    "casts, copies, fills": ("copy_", "_to_copy", "fill_", "zero_", "cat", "stack", "clone", "contiguous"),
+}
+
+
+def self_time_classes(module, step, steps: int = 3) -> dict:
+    """{class: share of this module's self CPU time over ``steps`` forward+backward steps} from
+    torch.profiler, classified by operator (OPERATOR_CLASSES); the loss around the module is the
+    benchmark's and is counted too (one mul and one sum of [T, h])."""
+    from torch.profiler import ProfilerActivity, profile
+    step(module)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step(module)
+    of = {f"aten::{op}": name for name, ops in OPERATOR_CLASSES.items() for op in ops}
+    totals = {name: 0.0 for name in list(OPERATOR_CLASSES) + ["other"]}
+    for event in prof.key_averages():
+        totals[of.get(event.key, "other")] += event.self_cpu_time_total
+    whole = sum(totals.values())
+    return {name: t / whole for name, t in totals.items()}
+
+
+def print_profile(modules: dict, times: dict, step) -> None:
+    """Each module's self CPU time by class (its measured time split in those shares), and what
+    the matmul shares mean for the ratio to Mixtral."""
+    print(f"  where the time goes (torch.profiler self CPU time by operator class, ms per step):")
+    shares = {name: self_time_classes(module, step) for name, module in modules.items()}
+    classes = list(next(iter(shares.values())))
+    print(f"  {'':18s} " + " ".join(f"{c:>12.12s}" for c in classes))
+    for name, share in shares.items():
+        print(f"  {name:18s} " + " ".join(f"{1000 * times[name] * share[c]:12.1f}" for c in classes))
+    ours = times["ours/grouped"] * shares["ours/grouped"]["matmuls"]
+    for name in (n for n in modules if n.startswith("mixtral/")):
+        print(f"  {name} / ours/grouped if everything but ours' matmuls were free: {times[name] / ours:.2f}x "
+              f"(ours' matmuls are {shares['ours/grouped']['matmuls']:.0%} of its time)")
 
 
 # ----------------------------------------------------------------------------- all-to-all bytes
@@ -222,8 +276,11 @@ def main(argv=None) -> None:
                         choices=["eager", "batched_mm", "grouped_mm"],
                         help="transformers experts implementations to time (batched_mm copies every token's "
                              "expert weights: ~50x slower here, so not by default)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also split each time by operator class (torch.profiler self CPU time): the experts' "
+                             "matmuls, routing, permutation, activation, elementwise, casts, other")
     args = parser.parse_args(argv)
-    speed(args.rounds, args.iters, args.bf16, args.mixtral_impls, args.skew, args.cpu_time)
+    speed(args.rounds, args.iters, args.bf16, args.mixtral_impls, args.skew, args.cpu_time, args.profile)
     if not args.skip_ep:
         all_to_all_bytes(args.bf16)
 

@@ -310,11 +310,11 @@ def _storage_bytes(tensors) -> int:
 def describe_memory(state: TrainState) -> dict:
     """Parameter count and the bytes this rank holds, measured from the tensors (tensor
     accounting): weights, gradient buffers, optimizer state (fp32 mains that are copies of
-    16-bit weights, AdamW moments; empty until the first step)."""
+    16-bit weights, the optimizer's state; empty until the first step)."""
     params = state.params
     opt = state.optimizer
     mains = [ms.main for ms in opt.shards if not ms.aliases_param]
-    moments = [s[k] for inner in opt.inner.values() for s in inner.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    moments = [v for inner in opt.inner.values() for s in inner.state.values() for k, v in s.items() if k != "step"]
     return {"rank": state.ps.rank, "parameters": sum(p.numel() for p in params),
             "param_bytes": _storage_bytes(params), "grad_bytes": _storage_bytes(state.ddp.buffer_tensors("grads")),
             "optimizer_bytes": _storage_bytes(mains) + _storage_bytes(moments)}
@@ -348,7 +348,7 @@ def _run(cfg: Config, ps: ParallelState, plan: ParallelPlan, started: float) -> 
     state = build_train_state(cfg, ps, plan)
     logger = TrainingLogger(cfg.logging.log_file, cfg.logging.tensorboard_dir, enabled=ps.rank == log_rank(ps))
     mem = describe_memory(state)
-    optimizer_bytes = stage_state_bytes(plan, ps.pp_rank, ps.coords)["optimizer"]   # AdamW allocates at step 1
+    optimizer_bytes = stage_state_bytes(plan, ps.pp_rank, ps.coords)["optimizer"]   # the optimizer allocates at step 1
     print(f"[rank {ps.rank}] stage {ps.pp_rank} tp {ps.tp_rank} dp {ps.dp_rank} ep {ps.ep_rank}: "
           f"{mem['parameters']:,} parameters, {mem['param_bytes'] / 2**20:.1f} MiB params, "
           f"{mem['grad_bytes'] / 2**20:.1f} MiB grads, {optimizer_bytes / 2**20:.1f} MiB optimizer", flush=True)

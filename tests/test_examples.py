@@ -10,13 +10,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = ["--data-path", "corpus_text_document", "--tokenizer-model", "tok.model"]
 
 
-@pytest.mark.parametrize("example", ["m6_10t", "m6_1t"])
-@pytest.mark.parametrize("phase", ["pseudo", "real"])
+@pytest.mark.parametrize("example,phase", [(e, p) for e in ("m6_10t", "m6_1t") for p in ("pseudo", "real")]
+                         + [("m6_10t", "real_lean")])
 def test_512_gpu_examples_validate(example, phase):
     folder = os.path.join(ROOT, "examples", example)
     cfg = parse_args(["--config", f"{folder}/model.yaml", f"{folder}/{phase}.yaml", *DATA])
     validate(cfg, 512)
-    assert cfg.p2r.p2r_phase == phase
+    assert cfg.p2r.p2r_phase == phase.split("_")[0]
     p = cfg.parallel
     assert 512 % (p.tensor_model_parallel_size * p.pipeline_model_parallel_size) == 0
     assert data_parallel_size(cfg, 512) % p.expert_model_parallel_size == 0

@@ -21,7 +21,7 @@ MEGATRON_DEFAULTS = {
     "moe_layer_freq": 1, "moe_router_topk": 2, "moe_router_pre_softmax": False, "moe_aux_loss_coeff": 0.0,
     "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1,
     "distributed_timeout_minutes": 10, "min_lr": 0.0, "lr_warmup_iters": 0, "lr_warmup_samples": 0,
-    "lr_decay_style": "linear", "weight_decay": 0.01, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-8,
+    "lr_decay_style": "linear", "optimizer": "adam", "weight_decay": 0.01, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-8,
     "clip_grad": 1.0, "seed": 1234, "bf16": False, "fp16": False, "initial_loss_scale": 2.0 ** 32,
     "min_loss_scale": 1.0, "loss_scale_window": 1000, "hysteresis": 2, "recompute_activations": False,
     "exit_signal_handler": False, "mock_data": False, "finetune": False, "log_interval": 100, "eval_iters": 100,

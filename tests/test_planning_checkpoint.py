@@ -20,7 +20,9 @@ from tools.plan import main
 
 MOE = dict(num_layers=4, num_experts=4, moe_layer_freq=2, moe_ffn_hidden_size=24, expert_model_parallel_size=2)
 CASES = {"distopt": dict(use_distributed_optimizer=True), "replicated": {},
-         "moe-ep2-distopt": dict(MOE, use_distributed_optimizer=True), "moe-ep2": MOE}
+         "moe-ep2-distopt": dict(MOE, use_distributed_optimizer=True), "moe-ep2": MOE,
+         # Lion stores one moment per weight, Adafactor its two statistics broadcast to the weight's shape
+         "lion-distopt": dict(optimizer="lion", use_distributed_optimizer=True), "adafactor": dict(optimizer="adafactor")}
 
 
 @pytest.fixture(scope="module")

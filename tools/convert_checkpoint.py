@@ -82,7 +82,8 @@ def inspect(path: str, verify: bool = False) -> str:
              f"layer -> module {p2r['layer_module_keys']}",
              f"layout       TP={layout.tp} PP={layout.pp} EP={layout.ep}   layers per stage "
              f"{[b - a for a, b in layout.stage_layers]}",
-             f"optimizer    {'AdamW moments (exp_avg, exp_avg_sq, step)' if meta['optimizer'] else 'none'}",
+             f"optimizer    {meta['config']['train'].get('optimizer', 'adam')} state ({', '.join(kinds_of(meta)[1:])})"
+             if meta["optimizer"] else "optimizer    none",
              f"scheduler    {meta.get('scheduler')}",
              f"rng          {'per rank, world size ' + str(meta['rng']['world_size']) if meta.get('rng') else 'none'}"]
     for h in meta.get("history", []):

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from megatron_p2r import reliability
 from megatron_p2r.checkpoint import io
 from megatron_p2r.checkpoint.errors import CheckpointError
-from megatron_p2r.checkpoint.naming import LATEST_FILE, OPTIM_KINDS
+from megatron_p2r.checkpoint.naming import LATEST_FILE
+from megatron_p2r.optim.optimizer import OPTIMIZER_KINDS
 from megatron_p2r.checkpoint.parallel_save import Fragment, owned_fragments, write_parts
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, tensor_table
 
@@ -60,7 +61,7 @@ def save_checkpoint(save_dir: str, state, wait: bool = False) -> str:
     table, layout = tensor_table(state.cfg), ShardLayout.of(state.cfg)
     optimizer = io.has_optimizer_state(state)
     io.write_rng_file(tmp, state)
-    kinds = ("model",) + (OPTIM_KINDS if optimizer else ())
+    kinds = ("model",) + (OPTIMIZER_KINDS[state.cfg.train.optimizer] if optimizer else ())
     host = host_copy(owned_fragments(state, table, list(io.rank_pieces(state.model, state.ps, table)), layout, kinds))
     pending = _Pending(save_dir, tmp, final, state.cfg, io.SavedProgress.of(state), optimizer, None)
     pending.thread = threading.Thread(target=_write, args=(pending, host, state.ps.rank), name="p2r-async-save", daemon=True)

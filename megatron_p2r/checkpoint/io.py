@@ -42,13 +42,14 @@ from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.integrity import check_recorded_size
 from megatron_p2r.checkpoint.metadata import build_metadata, kinds_of, metadata_table, read_metadata, write_metadata
 from megatron_p2r.checkpoint.naming import (
-    LATEST_FILE, METADATA_FILE, OPTIM_KINDS, RNG_DIR, complete_iterations, entry_name, iteration_dir_name,
+    LATEST_FILE, METADATA_FILE, RNG_DIR, complete_iterations, entry_name, iteration_dir_name,
     resolve_iteration_dir, rng_file, shard_file, shard_header_metadata)
 from megatron_p2r.checkpoint.parallel_save import CHECKSUMS_SUFFIX, leave_checksums, owned_fragments, write_parts
 from megatron_p2r.checkpoint.parts import PartedShard, StoredShards
 from megatron_p2r.checkpoint.safetensors_io import ReaderCache, ShardWriter, save_tensors
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo, file_entries, tensor_table
 from megatron_p2r.files import read_json
+from megatron_p2r.optim.optimizer import OPTIMIZER_KINDS
 from megatron_p2r.optim.state_io import MOMENTS, StateLoader, gather_state
 from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.sharding import expert_key, local_experts, logical_name
@@ -80,7 +81,7 @@ def save_checkpoint(save_dir: str, state) -> str:
     table, layout = tensor_table(state.cfg), ShardLayout.of(state.cfg)
     optimizer = has_optimizer_state(state)
     write_rng_file(tmp, state)
-    _write_shards(tmp, state, table, layout, ("model",) + (OPTIM_KINDS if optimizer else ()))
+    _write_shards(tmp, state, table, layout, ("model",) + (OPTIMIZER_KINDS[state.cfg.train.optimizer] if optimizer else ()))
     reliability.save_point("shards", state.iteration, state.ps.rank)
     finish_save(save_dir, tmp, final, state.cfg, state.ps, SavedProgress.of(state), optimizer)
     return final
@@ -200,10 +201,12 @@ def _publish_checkpoint(save_dir: str, tmp: str, final: str, cfg, ps: ParallelSt
     iteration = progress.iteration
     table, layout = tensor_table(cfg), ShardLayout.of(cfg)
     reliability.save_point("metadata", iteration, ps.rank)
-    files, parts = _stored_files(tmp, table, layout, optimizer)
+    kinds = OPTIMIZER_KINDS[cfg.train.optimizer] if optimizer else ()
+    files, parts = _stored_files(tmp, table, layout, kinds)
     rng = {"world_size": ps.layout.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size}
     write_metadata(tmp, build_metadata(cfg, table, iteration=iteration,
                                        consumed_samples=progress.consumed_samples, optimizer=optimizer,
+                                       optimizer_kinds=kinds,
                                        scheduler=progress.scheduler, scaler=progress.scaler,
                                        files=files, parts=parts, rng=rng, history=[],
                                        checksums=_collect_checksums(tmp, list(files) + [
@@ -219,7 +222,7 @@ def _publish_checkpoint(save_dir: str, tmp: str, final: str, cfg, ps: ParallelSt
 
 
 def _stored_files(tmp: str, table: Dict[str, TensorInfo], layout: ShardLayout,
-                  optimizer: bool) -> Tuple[Dict[str, int], Dict[str, List[str]]]:
+                  optimizer_kinds: Sequence[str]) -> Tuple[Dict[str, int], Dict[str, List[str]]]:
     """Every shard file's size, and the part files of each shard written in parts — checked to
     hold each of its entries exactly once (headers only) before anything is published."""
     files, parts = {}, {}
@@ -233,7 +236,7 @@ def _stored_files(tmp: str, table: Dict[str, TensorInfo], layout: ShardLayout,
         files.update({n: os.path.getsize(os.path.join(tmp, n)) for n in parts[shard]})
     if parts:
         stored = StoredShards(tmp, {"parts": parts},
-                              file_entries(table, layout, ("model",) + (OPTIM_KINDS if optimizer else ())))
+                              file_entries(table, layout, ("model",) + tuple(optimizer_kinds)))
         for shard in parts:
             stored(shard)
     return files, parts
@@ -292,8 +295,10 @@ def load_checkpoint(load_dir: str, state, finetune: bool = False) -> Optional[st
     table = metadata_table(meta)
     check_tables(table, tensor_table(cfg), os.path.join(iter_dir, METADATA_FILE))
     load_optim = meta["optimizer"] and not finetune and not ck.no_load_optim
-    loader = StateLoader(state.optimizer)
-    _load_pieces(iter_dir, meta, table, state, ("model",) + (OPTIM_KINDS if load_optim else ()), loader)
+    kinds = state_kinds_to_load(meta, cfg.train.optimizer, os.path.join(iter_dir, METADATA_FILE)) if load_optim else ()
+    from_adam = load_optim and kinds != OPTIMIZER_KINDS[cfg.train.optimizer]   # AdamW's state into Adafactor
+    loader = StateLoader(state.optimizer, meta["config"]["train"].get("adam_beta2", 0.999) if from_adam else None)
+    _load_pieces(iter_dir, meta, table, state, ("model",) + kinds, loader)
     loader.finish(moments=load_optim)
     if not finetune:
         _load_progress(iter_dir, meta, state)
@@ -304,6 +309,24 @@ def load_checkpoint(load_dir: str, state, finetune: bool = False) -> Optional[st
         print(f"loaded checkpoint {iter_dir} (iteration {meta['iteration']}, consumed samples "
               f"{meta['consumed_samples']}; {what})", flush=True)
     return iter_dir
+
+
+def state_kinds_to_load(meta: dict, optimizer: str, where: str) -> Tuple[str, ...]:
+    """The optimizer state entries to read for ``--optimizer``: its own; from AdamW's state, Lion
+    takes the first moment (the second is left) and Adafactor makes its statistics of the second
+    moment (``optim/state_io.py``); anything else is refused by name."""
+    stored = kinds_of(meta)[1:]
+    wanted = OPTIMIZER_KINDS[optimizer]
+    if all(k in stored for k in wanted):
+        return wanted
+    if optimizer == "adafactor" and stored == OPTIMIZER_KINDS["adam"]:
+        return ("exp_avg_sq", "step")
+    saved = next((name for name, kinds in OPTIMIZER_KINDS.items() if tuple(kinds) == tuple(stored)), "another")
+    missing = [k for k in wanted if k not in stored]
+    raise CheckpointError(f"{where}: the checkpoint holds {saved} optimizer state ({', '.join(stored)}); "
+                          f"--optimizer {optimizer} needs {', '.join(missing)}. Train on with --optimizer "
+                          f"{saved}, or pass --no-load-optim to load the weights and start {optimizer}'s "
+                          "state afresh")
 
 
 def _first_launch(load_dir: str, save_dir: Optional[str]) -> bool:
@@ -334,8 +357,8 @@ def _load_pieces(iter_dir: str, meta: dict, table: Dict[str, TensorInfo], state,
                 shape = () if kind == "step" else local
                 reader.check(entry, "F32" if kind == "step" else info.dtype, shape)
                 offset = 0 if j is None else j * param[0].numel()   # expert j of a stacked parameter
-                if kind in MOMENTS and state.cfg.checkpoint.ckpt_fully_parallel_load and \
-                        isinstance(reader, PartedShard):
+                if kind in MOMENTS and not loader.reads_whole(kind) and \
+                        state.cfg.checkpoint.ckpt_fully_parallel_load and isinstance(reader, PartedShard):
                     _load_owned_fragments(reader, entry, param, offset, kind, loader)
                 else:
                     loader.put(param, offset, kind, reader.read(entry))

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_p2r.checkpoint.errors import CheckpointError
-from megatron_p2r.checkpoint.naming import FORMAT_VERSION, METADATA_FILE, OPTIM_KINDS
+from megatron_p2r.checkpoint.naming import FORMAT_VERSION, METADATA_FILE
 from megatron_p2r.checkpoint.safetensors_io import TORCH_DTYPE
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo
 from megatron_p2r.config import Config, ConfigError, check_values
 from megatron_p2r.files import read_json
 from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.optim.optimizer import OPTIMIZER_KINDS
 
 REQUIRED_FIELDS = ("format_version", "iteration", "consumed_samples", "config", "layout", "p2r", "optimizer",
                    "tensors", "files")
@@ -28,13 +29,14 @@ def _p2r_json(cfg: Config) -> dict:
 def build_metadata(cfg: Config, table: Dict[str, TensorInfo], *, iteration: int, consumed_samples: int,
                    optimizer: bool, scheduler: dict, scaler: dict, files: Dict[str, int],
                    rng: Optional[dict], history: List[dict], checksums: Dict[str, Dict[str, int]],
-                   parts: Optional[Dict[str, List[str]]] = None) -> dict:
+                   parts: Optional[Dict[str, List[str]]] = None,
+                   optimizer_kinds: Sequence[str] = OPTIMIZER_KINDS["adam"]) -> dict:
     """The metadata.json contents (shared by training saves and the converters); ``checksums``:
     file -> tensor entry -> CRC-32 of its bytes (``ShardWriter.checksums``); ``parts``: the part
     files of each shard written in parts (``parts.py``), whose names ``files`` lists instead."""
     return {**({"parts": parts} if parts else {}),"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
             "config": cfg.to_dict(), "layout": ShardLayout.of(cfg).to_json(), "p2r": _p2r_json(cfg),
-            "optimizer": optimizer, "optimizer_kinds": list(OPTIM_KINDS) if optimizer else [],
+            "optimizer": optimizer, "optimizer_kinds": list(optimizer_kinds) if optimizer else [],
             "scheduler": scheduler, "scaler": scaler, "rng": rng, "history": history,
             "files": files, "crc32": checksums, "tensors": {k: v.to_json() for k, v in table.items()}}
 
@@ -100,7 +102,8 @@ _SCHEMA = {
                     layer_module_keys=_int_list),
             "an object with phase pseudo|real, a share_pattern string and layer_module_keys integers"),
     "optimizer": (lambda v: isinstance(v, bool), "true or false"),
-    "optimizer_kinds": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+    "optimizer_kinds": (lambda v: isinstance(v, list) and (not v or v in [list(k) for k in OPTIMIZER_KINDS.values()]),
+                        "the state entries of one optimizer: " + " or ".join(str(list(k)) for k in OPTIMIZER_KINDS.values())),
     "tensors": (lambda v: isinstance(v, dict), "a JSON object"),
     "files": (lambda v: isinstance(v, dict) and all(_int()(x) for x in v.values()),
               "an object of file names to sizes in bytes"),
@@ -232,5 +235,6 @@ def _check_placement(cfg: Config, meta: dict) -> None:
 
 
 def kinds_of(meta: dict) -> Tuple[str, ...]:
-    """The tensor kinds each piece is stored as: the weights, and the AdamW state when saved."""
-    return ("model",) + (OPTIM_KINDS if meta["optimizer"] else ())
+    """The tensor kinds each piece is stored as: the weights, and the optimizer state when saved
+    (AdamW's in checkpoints that do not list it)."""
+    return ("model",) + (tuple(meta.get("optimizer_kinds") or OPTIMIZER_KINDS["adam"]) if meta["optimizer"] else ())

@@ -24,7 +24,6 @@ FORMAT_VERSION = 1
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 METADATA_FILE = "metadata.json"
 RNG_DIR = "rng_and_data"
-OPTIM_KINDS = ("exp_avg", "exp_avg_sq", "step")  # torch AdamW state per parameter
 # A converter's own entries inside its DST (``publish.py``): its output being written, complete and
 # waiting to move in, moving in, and DST's previous entries moved aside.
 STAGING_TAG, PUBLISH_TAG = ".p2r-staging-", ".p2r-publish-"

@@ -29,10 +29,18 @@ class TrainConfig:
     lr_decay_iters: Optional[int] = opt(None, "Steps over which to decay (default train-iters).")
     lr_decay_samples: Optional[int] = opt(None, "Samples over which to decay (default train-samples).")
     lr_decay_style: str = opt("linear", "Decay after warm-up.", choices=["cosine", "linear", "constant"])
-    weight_decay: float = opt(0.01, "AdamW weight decay (not applied to norms and biases).")
+    optimizer: str = opt("adam", "adam (AdamW); lion (one fp32 moment: sign updates, Chen et al. 2023) or adafactor "
+                         "(factored second moments, Shazeer & Stern 2018), the memory-lean ones (docs/scale.md).",
+                         choices=["adam", "lion", "adafactor"])
+    weight_decay: float = opt(0.01, "Decoupled weight decay (not applied to norms and biases).")
     adam_beta1: float = opt(0.9, "AdamW beta1.")
     adam_beta2: float = opt(0.999, "AdamW beta2.")
     adam_eps: float = opt(1e-8, "AdamW epsilon.")
+    lion_beta1: float = opt(0.9, "Lion: weight of the moment in the update's sign (the paper's beta1).")
+    lion_beta2: float = opt(0.99, "Lion: decay of the moment (the paper's beta2).")
+    adafactor_beta2_decay: float = opt(-0.8, "Adafactor: the second moments' decay is 1 - t^this (torch's beta2_decay).")
+    adafactor_eps2: float = opt(1e-3, "Adafactor: the smallest relative step scale (torch's eps[1]).")
+    adafactor_clip_threshold: float = opt(1.0, "Adafactor: update RMS clipping threshold (torch's d).")
     use_precision_aware_optimizer: bool = opt(False, "Allow optimizer state below fp32 (the dtype flags "
                                                      "that follow; Megatron-LM's name).")
     main_grads_dtype: str = opt("fp32", "Dtype of the main gradients (precision-aware optimizer; only fp32 "
@@ -84,6 +92,7 @@ class TrainConfig:
         self._check_decoupled_lr()
         self._check_recompute()
         self._check_precision_aware()
+        self._check_lean_optimizer()
 
     def _check_schedule_units(self) -> None:
         """Iterations or samples, not both (Megatron-LM's rules)."""
@@ -133,6 +142,15 @@ class TrainConfig:
                 raise ConfigError(f"{flag} {dtypes[flag]} is not built: the main gradients and main "
                                   "parameters are fp32 here; lower the moments with --exp-avg-dtype and "
                                   "--exp-avg-sq-dtype")
+
+    def _check_lean_optimizer(self) -> None:
+        """Lion keeps one moment (--exp-avg-dtype sets its dtype); Adafactor's factored statistics stay fp32."""
+        if self.optimizer == "lion" and self.exp_avg_sq_dtype != "fp32":
+            raise ConfigError(f"--exp-avg-sq-dtype {self.exp_avg_sq_dtype}: --optimizer lion keeps no second moment; "
+                              "lower its one moment with --exp-avg-dtype")
+        if self.optimizer == "adafactor" and (self.exp_avg_dtype, self.exp_avg_sq_dtype) != ("fp32", "fp32"):
+            raise ConfigError("--exp-avg-dtype / --exp-avg-sq-dtype: --optimizer adafactor keeps no moments "
+                              "of the weights' size (its factored statistics are fp32); leave them fp32")
 
     @property
     def recompute(self) -> Optional[str]:
@@ -187,6 +205,8 @@ RANGES = {
     "lr_warmup_iters": at_least(0), "lr_warmup_samples": at_least(0), "lr_warmup_fraction": fraction(),
     "lr_decay_iters": at_least(1), "lr_decay_samples": at_least(1),  # Megatron asserts a decay of > 0 steps
     "weight_decay": Range(0.0), "adam_beta1": fraction(), "adam_beta2": fraction(), "adam_eps": positive(),
+    "lion_beta1": fraction(), "lion_beta2": fraction(), "adafactor_beta2_decay": Range(None, 0.0),
+    "adafactor_eps2": Range(0.0), "adafactor_clip_threshold": Range(1.0),
     "clip_grad": Range(0.0), "seed": at_least(0, 2 ** 31 - 1),  # numpy's RandomState takes < 2^32, offsets added
     "initial_loss_scale": positive(), "min_loss_scale": positive(), "loss_scale_window": at_least(1),
     "hysteresis": at_least(1), "max_skipped_steps": at_least(1), "exit_interval": at_least(1),

@@ -259,7 +259,7 @@ def convert(src: str, dst: str, target: Target, options: Optional[DelinkOptions]
         step = {"op": op, "source": os.path.abspath(src_iter), "source_layout": src_layout.to_json(),
                 **(dataclasses.asdict(options) if options else {})}
         new_meta = build_metadata(dst_cfg, dst_table, iteration=iteration, consumed_samples=meta["consumed_samples"],
-                                  optimizer="exp_avg" in kinds, scheduler=scheduler,
+                                  optimizer="step" in kinds, optimizer_kinds=kinds[1:], scheduler=scheduler,
                                   scaler=meta.get("scaler"), files=files, rng=rng,
                                   history=list(meta.get("history", [])) + [step], checksums=checksums)
         write_metadata(out_iter, new_meta)

@@ -17,19 +17,36 @@ from megatron_p2r.config import (FULL, WHAT_ITEMS, ConfigError, LayerSpec, Offlo
 
 PARAM_BYTES, GRAD_BYTES, ADAM_BYTES, MASTER_BYTES = 4, 4, 8, 4   # fp32 weight, fp32 grad, 2 moments, fp32 main
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}   # of a moment, per --exp-avg-dtype / --exp-avg-sq-dtype
+FACTOR_BYTES = 4                                   # an Adafactor statistic (fp32)
 CATEGORIES = WHAT_ITEMS                          # the accounted categories are what can be offloaded
 
 
 def state_bytes(numel: int, param_bytes: int = PARAM_BYTES, owned: Optional[int] = None,
-                moment_bytes: int = ADAM_BYTES) -> Dict[str, int]:
-    """Bytes of ``numel`` buffer elements: weights of ``param_bytes`` each, fp32 gradients, and
-    the optimizer state of the ``owned`` (default all) of them this rank steps: AdamW moments
-    (``moment_bytes`` for the two), plus fp32 main copies ("masters", part of "optimizer") when
-    the weights are 16-bit."""
+                moment_bytes: int = ADAM_BYTES, shape: Optional[Sequence[int]] = None,
+                optimizer: str = "adam") -> Dict[str, int]:
+    """Bytes of ``numel`` buffer elements (a parameter of ``shape``): weights of ``param_bytes``
+    each, fp32 gradients, and the optimizer state of the ``owned`` (default all) of them this
+    rank steps (``optimizer_state_bytes``), plus fp32 main copies ("masters", part of
+    "optimizer") when the weights are 16-bit; "stepped": the elements it steps."""
     owned = numel if owned is None else owned
     masters = MASTER_BYTES * owned if param_bytes != PARAM_BYTES else 0
-    return {"params": param_bytes * numel, "grads": GRAD_BYTES * numel, "optimizer": moment_bytes * owned + masters,
-            "masters": masters}
+    moments = optimizer_state_bytes(optimizer, moment_bytes, shape or (numel,), owned)
+    return {"params": param_bytes * numel, "grads": GRAD_BYTES * numel, "optimizer": moments + masters,
+            "masters": masters, "stepped": owned}
+
+
+def optimizer_state_bytes(optimizer: str, moment_bytes: int, shape: Sequence[int], owned: int) -> int:
+    """State bytes of the ``owned`` elements of a parameter of ``shape`` this rank steps: AdamW's
+    two moments or Lion's one (``moment_bytes`` per element); Adafactor's fp32 row and column
+    statistics of each matrix (..., R, C) it steps any part of (every rank sharing a matrix keeps
+    them whole), or a vector's elementwise variance."""
+    if optimizer != "adafactor":
+        return moment_bytes * owned
+    if not owned:
+        return 0
+    if len(shape) < 2:
+        return FACTOR_BYTES * owned
+    return FACTOR_BYTES * math.prod(shape[:-2]) * (shape[-2] + shape[-1])
 
 
 def add_bytes(total: Dict[str, int], more: Dict[str, int]) -> Dict[str, int]:
@@ -60,7 +77,7 @@ def memory_plan(total: Dict[str, int], module_bytes: Dict[int, Dict[str, int]], 
                 prefetch: int, what: frozenset = FULL) -> Dict[str, Dict[str, int]]:
     """Accounted bytes on device and host when the ``what`` categories of ``offloaded`` modules
     live on host (with only the optimizer offloaded, the fp32 masters of 16-bit weights stay
-    with the weights on the device: ``StagedAdamW`` moves the moments).
+    with the weights on the device: ``StagedOptimizer`` moves the moments).
 
     With weights on host the device also holds the fetch window: (prefetch + 2) copies of the
     largest offloaded module's weights — the one in use, ``prefetch`` fetched ahead, and its

@@ -117,14 +117,24 @@ class StagePlan:
 class BufferSettings:
     """What shapes the gradient buffers and the state a rank holds: Megatron's bucket size rule,
     whether the distributed optimizer shards them, whether buckets break at layer modules
-    (offload configured), the bytes of a weight (2 with --bf16/--fp16: 16-bit weights) and of an
-    element's two AdamW moments (``--exp-avg-dtype`` + ``--exp-avg-sq-dtype``)."""
+    (offload configured), the bytes of a weight (2 with --bf16/--fp16: 16-bit weights), the
+    optimizer and the bytes of an element's moments (AdamW: ``--exp-avg-dtype`` +
+    ``--exp-avg-sq-dtype``; Lion: ``--exp-avg-dtype``; Adafactor: none, its statistics are per
+    matrix)."""
 
     bucket_size: Optional[int] = None
     distributed: bool = False
     break_at_modules: bool = False
     param_bytes: int = offload_choice.PARAM_BYTES
     moment_bytes: int = offload_choice.ADAM_BYTES
+    optimizer: str = "adam"
+
+
+def _moment_bytes(cfg: Config) -> int:
+    """Bytes of the moments ``--optimizer`` keeps per stepped element."""
+    t, dtype_bytes = cfg.train, offload_choice.DTYPE_BYTES
+    return {"adam": dtype_bytes[t.exp_avg_dtype] + dtype_bytes[t.exp_avg_sq_dtype],
+            "lion": dtype_bytes[t.exp_avg_dtype], "adafactor": 0}[t.optimizer]
 
 
 def stage_layer_ranges(num_layers: int, pp: int, split: Optional[str] = None, chunks: int = 1) -> List[range]:
@@ -170,8 +180,7 @@ class ParallelPlan:
                                  distributed=p.use_distributed_optimizer,
                                  break_at_modules=cfg.offload.cpu_offload_layers is not None,
                                  param_bytes=2 if (cfg.train.bf16 or cfg.train.fp16) else offload_choice.PARAM_BYTES,
-                                 moment_bytes=offload_choice.DTYPE_BYTES[cfg.train.exp_avg_dtype]
-                                 + offload_choice.DTYPE_BYTES[cfg.train.exp_avg_sq_dtype])
+                                 moment_bytes=_moment_bytes(cfg), optimizer=cfg.train.optimizer)
         plan = cls(layout=layout, model=m, phase=cfg.p2r.p2r_phase, share_pattern=pattern, layer_keys=keys,
                    stages=stages, replicas=tuple(replicas), buffers=buffers,
                    sequence_parallel=p.sequence_parallel and layout.tp > 1)
@@ -321,12 +330,14 @@ class ParallelPlan:
         buffers' padding included; ``coords`` picks the rank (default: the first of each group,
         which owns the most under the distributed optimizer)."""
         out: Dict[Optional[int], Dict[str, int]] = {}
+        shapes = {s.name: s.shape for s in self.tensors(stage)}
         for buf in self.grad_buffers(stage):
             member = 0 if coords is None else self.buffer_member(buf, coords)
             owned = {i: end - start for i, start, end in buf.owned(member)}
             for i, footprint in enumerate(buf.footprints()):
                 add = offload_choice.state_bytes(footprint, self.buffers.param_bytes, owned.get(i, 0),
-                                                 self.buffers.moment_bytes)
+                                                 self.buffers.moment_bytes, shapes[buf.names[i]],
+                                                 self.buffers.optimizer)
                 out[buf.modules[i]] = offload_choice.add_bytes(out.get(buf.modules[i], {}), add)
         return out
 

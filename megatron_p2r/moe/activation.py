@@ -24,6 +24,11 @@ class Activation:
         self.gate_function = quick_gelu if cfg.quick_geglu else F.silu
         self.offset, self.clamp = cfg.glu_linear_offset, cfg.activation_func_clamp_value
 
+    @property
+    def is_swiglu(self) -> bool:
+        """SiLU-gated with neither clamp nor offset: what ``moe.grouped_swiglu`` computes."""
+        return self.gated and self.gate_function is F.silu and self.clamp is None and not self.offset
+
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         """``y``: rows interleaved as (gate_j, up_j) when gated, so a contiguous TP split keeps pairs."""
         if not self.gated:

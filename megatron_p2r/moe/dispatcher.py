@@ -49,6 +49,42 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, repeats: int = 1) -> tor
     return _GatherRows.apply(src, index, repeats)
 
 
+class _WeightedUnpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, weights, order):
+        slots, tokens = weights.shape
+        if rows.shape[0] == slots * tokens:   # nothing dropped: ``order`` is a permutation, gather by its inverse
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel(), device=order.device)
+            per_slot = rows.index_select(0, inverse)
+        else:                                 # dropped slots stay zero rows
+            per_slot = rows.new_zeros((slots * tokens, rows.shape[1])).index_copy_(0, order, rows)
+        per_slot = per_slot.view(slots, tokens, -1)
+        out = per_slot[0] * weights[0].unsqueeze(-1)          # fp32 (type promotion), no fp32 copy of the rows
+        for s in range(1, slots):
+            out.addcmul_(per_slot[s], weights[s].unsqueeze(-1))
+        ctx.save_for_backward(per_slot, weights, order)
+        return out.to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        per_slot, weights, order = ctx.saved_tensors
+        grad_weights = torch.mul(per_slot, grad).sum(-1, dtype=torch.float32)
+        # weight * grad in fp32, written in the rows' dtype by the same kernel
+        grad_per_slot = torch.mul(grad, weights.unsqueeze(-1), out=torch.empty_like(per_slot))
+        return grad_per_slot.view(-1, grad.shape[-1]).index_select(0, order), grad_weights, None
+
+
+def weighted_unpermute(rows: torch.Tensor, weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_s weights[s, t] * row of (s, t)``, accumulated in fp32, in the rows' dtype.
+    ``rows`` [K, h] are the kept assignments in ``order`` (indices into the slot-major list of
+    ``weights`` [slots, T], fp32); a dropped slot adds nothing. One gather by the inverse
+    permutation (dropless) and one fused multiply-add per slot, instead of an fp32 copy of the
+    rows, a zeroed [slots * T, h] buffer, a scatter and a sum; backward gathers ``grad`` by
+    ``order`` without any scatter."""
+    return _WeightedUnpermute.apply(rows, weights, order)
+
+
 def expert_capacity(num_tokens: int, slots: int, num_experts: int, factor: Optional[float]) -> Optional[int]:
     """Assignments one expert accepts from this rank's tokens; None is dropless."""
     if factor is None:

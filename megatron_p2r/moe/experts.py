@@ -21,7 +21,9 @@ FLOPs and saved activations are those of the routed rows whatever the imbalance.
 default) they are scattered into a zero-padded ``[E_local, max_count, h]`` buffer (skipped when
 the counts are all equal, e.g. capacity-full experts) and multiplied with ``torch.bmm`` /
 ``torch.baddbmm``. Neither loops over tokens or experts; both read the same parameters, so a
-checkpoint does not depend on the flag. grouped_mm is not an autocast op: its weights are cast to
+checkpoint does not depend on the flag. Bias-free SwiGLU experts (Megatron-LM's and Mixtral's)
+take ``moe.grouped_swiglu``, one autograd function with a hand-written backward; other
+activations and biases compose autograd ops. grouped_mm is not an autocast op: its weights are cast to
 the rows' dtype, which is what autocast does for ``bmm``.
 """
 from __future__ import annotations
@@ -35,7 +37,8 @@ from torch import nn
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.moe.activation import Activation
 from megatron_p2r.moe.dispatcher import gather_rows
-from megatron_p2r.moe.grouped_mm import expert_weight_view, grouped_matmul, grouped_mm_runs
+from megatron_p2r.moe.grouped_mm import expert_weights, grouped_matmul, grouped_mm_runs
+from megatron_p2r.moe.grouped_swiglu import grouped_swiglu
 from megatron_p2r.parallel.mappings import copy_to_region
 from megatron_p2r.parallel.sharding import make_param
 from megatron_p2r.parallel.state import ParallelState
@@ -93,14 +96,15 @@ class Experts(nn.Module):
     def _grouped(self, x: torch.Tensor, counts_t: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
         """Each expert's rows, as they are, through grouped_mm."""
         ends = torch.cumsum(counts_t, 0, dtype=torch.int32)
-
-        def fc1(first: int, step: int) -> torch.Tensor:
-            y = grouped_matmul(x, expert_weight_view(self.weight1, first, step, x.dtype), ends)
-            if self.bias1 is None:
-                return y
-            return y + self.bias1[:, first::step].to(y.dtype).index_select(0, expert_of_row)
-
-        return grouped_matmul(self._activation(fc1), expert_weight_view(self.weight2, 0, 1, x.dtype), ends)
+        if self.bias1 is None and self.activation.is_swiglu:
+            return grouped_swiglu(x, self.weight1, self.weight2, ends)
+        gated = self.activation.gated
+        y = grouped_matmul(x, expert_weights(self.weight1, x.dtype, gated), ends)
+        if self.bias1 is not None:
+            y = y + expert_weights(self.bias1, y.dtype, gated).index_select(0, expert_of_row)
+        # gated: y is [gates | ups] per row (expert_weights' order)
+        y = self.activation.gated_unit(*y.unflatten(-1, (2, -1)).unbind(-2)) if gated else self.activation(y)
+        return grouped_matmul(y, expert_weights(self.weight2, x.dtype), ends)
 
     def _use_grouped(self, x: torch.Tensor) -> bool:
         return self.grouped_gemm and grouped_mm_runs(x.device, x.dtype, x.shape[-1], self.weight2.shape[-1],

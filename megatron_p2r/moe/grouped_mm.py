@@ -37,9 +37,17 @@ def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor
     return _DenseGradient.apply(F.grouped_mm(rows, weights, offs=ends))
 
 
-def expert_weight_view(weight: torch.Tensor, first: int, step: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``first::step`` of a stacked [G, n*step, k] weight as grouped_mm's [G, k, n] operand."""
-    return weight[:, first::step].to(dtype).transpose(1, 2)
+def expert_weights(weight: torch.Tensor, dtype: torch.dtype, gated: bool = False) -> torch.Tensor:
+    """A stacked [G, n, k] weight (or [G, n] bias) as grouped_mm's [G, k, n] operand in ``dtype``.
+    ``gated``: rows interleaved (gate_j, up_j) are reordered into [gates; ups] in the same copy as
+    the cast, so fc1 is one matmul whose two halves are contiguous rows for the gated unit, and
+    the weight's gradient comes back as one dense tensor (two strided slices each cost a zeroed
+    full-size gradient)."""
+    if gated:
+        weight = weight.unflatten(1, (-1, 2)).transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+        weight = weight.flatten(1, 2)
+    weight = weight.to(dtype)
+    return weight.transpose(1, 2) if weight.dim() == 3 else weight
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,8 +63,8 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype, hidden: int, ffn: 
             w1 = torch.ones(2, ffn * fc1_step, hidden, device=device, dtype=dtype, requires_grad=True)
             w2 = torch.ones(2, hidden, ffn, device=device, dtype=dtype, requires_grad=True)
             ends = torch.tensor([3, 3], device=device, dtype=torch.int32)
-            y = grouped_matmul(x, expert_weight_view(w1, 0, fc1_step, dtype), ends)
-            grouped_matmul(y, expert_weight_view(w2, 0, 1, dtype), ends).sum().backward()
+            y = grouped_matmul(x, expert_weights(w1, dtype, gated=fc1_step == 2), ends)
+            grouped_matmul(y[:, :ffn].contiguous(), expert_weights(w2, dtype), ends).sum().backward()
     except (RuntimeError, NotImplementedError, AttributeError) as exc:  # AttributeError: a torch without it
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         logger.warning("--moe-grouped-gemm: torch's grouped_mm cannot run the experts in %s on %s (hidden %d, "

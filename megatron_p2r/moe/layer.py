@@ -28,7 +28,7 @@ from torch import nn
 
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.moe import aux_loss
-from megatron_p2r.moe.dispatcher import Dispatcher, expert_capacity, gather_rows, plan
+from megatron_p2r.moe.dispatcher import Dispatcher, expert_capacity, gather_rows, plan, weighted_unpermute
 from megatron_p2r.moe.experts import Experts
 from megatron_p2r.moe.router import Router
 from megatron_p2r.parallel.layers import to_compute_dtype
@@ -62,17 +62,14 @@ class MoELayer(nn.Module):
         p = plan(indices, self.num_experts, capacity)
         if self.training:
             aux_loss.record_routing(p.dropped, p.routed)
-        slots, tokens = indices.shape[1], x.shape[0]
+        slots = indices.shape[1]
         tp_region = (lambda t: t) if self.sequence_group is not None else (lambda t: copy_to_region(t, self.tp_group))
         # p.order indexes the slot-major assignment list [slots * T]: token = order % T
         rows = gather_rows(tp_region(x), p.order, repeats=slots)
         rows, local_counts, handle = self.dispatcher.dispatch(rows, p.counts)
         rows = self.dispatcher.combine(self.experts(rows, local_counts), handle)
-        weights = tp_region(weights.t().reshape(-1).index_select(0, p.order))
-        # each assignment to its own row (dropped ones stay zero), then the sum over slots
-        per_slot = x.new_zeros((slots * tokens, x.shape[1]), dtype=torch.float32)
-        per_slot = per_slot.index_copy(0, p.order, rows.float() * weights.unsqueeze(-1))
-        out = per_slot.view(slots, tokens, -1).sum(0).to(rows.dtype).view(shape)
+        # each kept assignment weighted back into its token (dropped ones add nothing)
+        out = weighted_unpermute(rows, tp_region(weights.t()), p.order).view(shape)
         if self.sequence_group is not None:
             out = reduce_scatter_to_sequence_region(out, self.sequence_group)
         else:

@@ -1,7 +1,7 @@
 """The optimizer over fp32 main parameters — megatron-core's FP32Optimizer,
 Float16OptimizerWithFloat16Params and DistributedOptimizer semantics in one class.
 
-- fp32 weights are their own main parameters (AdamW steps the model's tensors, as before);
+- fp32 weights are their own main parameters (the optimizer steps the model's tensors);
 - 16-bit weights (``--bf16``/``--fp16``) get fp32 main copies held here; after each step the
   updated mains are rounded into the weights, so the forward never casts a weight;
 - under ``--use-distributed-optimizer`` a rank's mains are its shards of the gradient buffers'
@@ -10,9 +10,11 @@ Float16OptimizerWithFloat16Params and DistributedOptimizer semantics in one clas
   (``DistributedDataParallel.start_param_sync``).
 
 Every main parameter's gradient is a view into ``main_grad``: nothing is copied. Granular
-offload places each shard: "device"; "host" (weights on host: mains, moments and step there);
-"staged" (weights on the device, AdamW moments on host: ``StagedAdamW``). Checkpoints see
-global tensors only (``optim/state_io.py``).
+offload places each shard: "device"; "host" (weights on host: mains, optimizer state and step
+there); "staged" (weights on the device, optimizer state on host: ``StagedOptimizer``). The
+optimizer is ``--optimizer``'s (``optim/optimizer.py``); Adafactor's statistics of a matrix cut
+between ranks are summed over them (``shared_pieces``). Checkpoints see global tensors only
+(``optim/state_io.py``).
 """
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ from torch import nn
 
 from megatron_p2r.config import TrainConfig
 from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.optim.adafactor import Piece, SharedPieces
 from megatron_p2r.optim.host_step import HostStep
-from megatron_p2r.optim.optimizer import StagedAdamW, adamw, param_groups
+from megatron_p2r.optim.optimizer import StagedOptimizer, make_optimizer, param_groups
 from megatron_p2r.parallel.ddp import DistributedDataParallel
 from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import ParallelState
@@ -68,7 +71,7 @@ def _main_of(p: nn.Parameter, start: int, end: int) -> torch.Tensor:
 
 
 class ParamStates:
-    """``optimizer.state[param]``: AdamW's state of a parameter the optimizer steps whole."""
+    """``optimizer.state[param]``: the optimizer's state of a parameter it steps whole."""
 
     def __init__(self, optimizer: "MixedPrecisionOptimizer"):
         self.optimizer = optimizer
@@ -98,21 +101,27 @@ class ParamStates:
 
 
 class MixedPrecisionOptimizer:
-    """AdamW over ``shards``: ``zero_grad`` before a step's backward, ``prepare_grads`` then ``step``.
-    Each shard joins the AdamW group (``optim.optimizer.param_groups``: weight decay or not) of its
-    weight, in the AdamW of its placement."""
+    """``--optimizer`` over ``shards``: ``zero_grad`` before a step's backward, ``prepare_grads``
+    then ``step``. Each shard joins the group (``optim.optimizer.param_groups``: weight decay or
+    not) of its weight, in the optimizer of its placement. ``shared``: placement -> Adafactor's
+    shared pieces there (``shared_pieces``)."""
 
     def __init__(self, shards: List[MainShard], t: TrainConfig, ddp: DistributedDataParallel,
                  before_host_step: Optional[Callable[[], None]] = None,
-                 host_layers: Optional[Dict[int, set]] = None):
+                 host_layers: Optional[Dict[int, set]] = None, shared: Optional[Dict[str, tuple]] = None):
         self.shards, self.ddp, self.before_host_step = shards, ddp, before_host_step
+        self.kind = t.optimizer
         self.inner: Dict[str, object] = {}
         groups = param_groups(ddp.model, t)
+        pieces = {id(ms.main): Piece(tuple(ms.param.shape), ms.start, ms.end) for ms in shards}
         for placement in PLACEMENTS:
             mine = [g for g in (_group_of(g, [ms for ms in shards if ms.placement == placement]) for g in groups)
                     if g["params"]]
-            if mine:
-                self.inner[placement] = StagedAdamW(adamw(mine, t)) if placement == "staged" else adamw(mine, t)
+            channels, shared_here = (shared or {}).get(placement, ((), {}))
+            if mine or channels:   # a rank sharing pieces takes part in their sums, even with none of its own
+                extra = dict(pieces=pieces, shared=shared_here, channels=channels) if t.optimizer == "adafactor" else {}
+                inner = make_optimizer(mine or [{"params": []}], t, **extra)
+                self.inner[placement] = StagedOptimizer(inner) if placement == "staged" else inner
         if host_layers is not None and "host" in self.inner:
             self.inner["host"] = HostStep(self.inner["host"], {
                 key: [ms for ms in shards if ms.placement == "host" and id(ms.param) in ids]
@@ -125,7 +134,7 @@ class MixedPrecisionOptimizer:
         for ms in shards:
             self.shards_of.setdefault(id(ms.param), []).append(ms)
         self.state = ParamStates(self)
-        self.step_count = 0   # optimizer steps taken (skipped steps excluded): AdamW's ``step``
+        self.step_count = 0   # optimizer steps taken (skipped steps excluded): the state's ``step``
 
     @property
     def param_groups(self) -> list:
@@ -173,7 +182,7 @@ class MixedPrecisionOptimizer:
             self.inner["host"].wait()
 
     def step(self, host_coeff: float = 1.0) -> None:
-        """Step every placement's AdamW, round the mains into 16-bit weights, start the
+        """Step every placement's optimizer, round the mains into 16-bit weights, start the
         all-gather of updated shards (distributed optimizer). The overlapped host step is only
         started, its gradients multiplied by ``host_coeff`` first."""
         for placement in PLACEMENTS:
@@ -220,4 +229,30 @@ def build_mixed_precision_optimizer(ddp: DistributedDataParallel, plan: Parallel
                                     grad=p.main_grad if whole else p.main_grad.view(-1)[start:end],
                                     placement=placement.get(id(p), "device"), in_norm=in_norm, buffer=b,
                                     bucket=layout.bucket_of(index), position=layout.ranges[index][0] + start))
-    return MixedPrecisionOptimizer(shards, t, ddp, before_host_step, host_layers)
+    shared = shared_pieces(ddp, shards, placement, ps.device) if t.optimizer == "adafactor" else None
+    return MixedPrecisionOptimizer(shards, t, ddp, before_host_step, host_layers, shared)
+
+
+def shared_pieces(ddp: DistributedDataParallel, shards: List[MainShard], placement: Dict[int, str],
+                  device: torch.device) -> Dict[str, tuple]:
+    """placement -> (its ``SharedPieces``, one per sharded buffer with parameters cut between
+    ranks; {id(main): (shared pieces, index)} of this rank's parts of them). Every rank of a
+    buffer's group derives the same list from the layout, whether or not it holds a part."""
+    mains = {(ms.buffer, id(ms.param)): ms.main for ms in shards}
+    out: Dict[str, tuple] = {}
+    for b, buf in enumerate(ddp.buffers):
+        if not buf.layout.sharded:
+            continue
+        here: Dict[str, SharedPieces] = {}
+        for index, p in enumerate(buf.params):
+            if len(buf.layout.param_shards(index)) < 2:
+                continue
+            where = placement.get(id(p), "device")
+            if where not in here:
+                here[where] = SharedPieces(buf.group, [], device)
+                channels, _ = out.setdefault(where, ([], {}))
+                channels.append(here[where])
+            here[where].shapes.append(tuple(p.shape))
+            if (b, id(p)) in mains:
+                out[where][1][id(mains[b, id(p)])] = (here[where], len(here[where].shapes) - 1)
+    return {where: (tuple(channels), mine) for where, (channels, mine) in out.items()}

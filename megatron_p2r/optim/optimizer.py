@@ -1,7 +1,8 @@
-"""AdamW's parameter groups and torch's AdamW, and the optimizer that keeps host-resident AdamW
-moments for weights that stay on the device (``--cpu-offload-what optimizer``).
+"""The optimizer's parameter groups, the optimizer ``--optimizer`` names (AdamW, Lion, Adafactor),
+and the wrapper that keeps its state on host for weights that stay on the device
+(``--cpu-offload-what optimizer``).
 
-Norms and biases (``no_wd``) get no weight decay. What AdamW steps — the model's own fp32
+Norms and biases (``no_wd``) get no weight decay. What the optimizer steps — the model's own fp32
 weights, fp32 copies of 16-bit weights, or shards of either under the distributed optimizer —
 is ``mixed_precision.py``'s concern: it steps, in each group, the main parameters of the
 group's weights.
@@ -15,8 +16,16 @@ from torch import nn
 
 from megatron_p2r.config import TrainConfig
 from megatron_p2r.layout.tensor_specs import OUTPUT_WEIGHT, WORD_EMBEDDING
+from megatron_p2r.optim.adafactor import Adafactor
+from megatron_p2r.optim.lion import Lion
 from megatron_p2r.optim.precision_aware import PrecisionAwareAdamW, moment_dtypes
 from megatron_p2r.parallel.sharding import logical_name
+
+# The state entries each --optimizer writes into checkpoints (``optimizer.<kind>.<piece>``):
+# Lion's one moment is AdamW's first; Adafactor's row and column statistics are stored broadcast
+# to the weight's shape (optim/adafactor.py). AdamW's are also those of checkpoints that list none.
+OPTIMIZER_KINDS = {"adam": ("exp_avg", "exp_avg_sq", "step"), "lion": ("exp_avg", "step"),
+                   "adafactor": ("row_var", "col_var", "step")}
 
 
 def param_groups(model: nn.Module, t: TrainConfig) -> list:
@@ -33,6 +42,17 @@ def param_groups(model: nn.Module, t: TrainConfig) -> list:
     return [groups[key] for key in sorted(groups)]
 
 
+def make_optimizer(groups: List[dict], t: TrainConfig, **adafactor) -> torch.optim.Optimizer:
+    """``--optimizer`` over ``groups``: Lion, Adafactor (``adafactor``: the pieces and shared
+    pieces of its mains, ``optim/adafactor.py``) or AdamW."""
+    if t.optimizer == "lion":
+        return Lion(groups, lr=t.lr, betas=(t.lion_beta1, t.lion_beta2), moment_dtype=moment_dtypes(t)["exp_avg"])
+    if t.optimizer == "adafactor":
+        return Adafactor(groups, lr=t.lr, beta2_decay=t.adafactor_beta2_decay, eps=(None, t.adafactor_eps2),
+                         d=t.adafactor_clip_threshold, **adafactor)
+    return adamw(groups, t)
+
+
 def adamw(groups: List[dict], t: TrainConfig) -> torch.optim.AdamW:
     """torch's fused AdamW (foreach where fused is unavailable) over ``groups``; with moments
     below fp32, ``PrecisionAwareAdamW``."""
@@ -46,11 +66,11 @@ def adamw(groups: List[dict], t: TrainConfig) -> torch.optim.AdamW:
         return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
 
-class StagedAdamW:
-    """AdamW whose moments live on host for weights that stay on the device (ZeRO-Offload for
-    the chosen layers).
+class StagedOptimizer:
+    """An optimizer whose state lives on host for weights that stay on the device (ZeRO-Offload
+    for the chosen layers).
 
-    A torch AdamW keyed by the (device) main parameters: around ``step`` (and
+    A torch optimizer keyed by the (device) main parameters: around ``step`` (and
     ``load_state_dict``, so loaded moments land on host) each main parameter's ``.data`` and
     ``.grad`` are swapped for host copies, the host kernel runs, and the updated values are
     copied back. Per step that moves the main parameters and gradients to host and the

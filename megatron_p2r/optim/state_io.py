@@ -1,11 +1,13 @@
 """Global optimizer state out of and into a ``MixedPrecisionOptimizer``, for checkpoints.
 
 A checkpoint holds each parameter's fp32 weight (the main parameter, not its 16-bit rounding)
-and AdamW moments whole, in fp32 whatever dtype they are stored in (``--exp-avg-dtype``: the
-upcast is exact, and the loading optimizer rounds them to its own dtypes), whatever part of them this rank steps: ``gather_state`` returns them
-(under the distributed optimizer all-gathered bucket by bucket, in chunks bounded by the DDP
-staging buffer, copied to host only on the ranks that write), ``StateLoader`` takes any range
-of them and keeps what this rank steps. So a checkpoint never depends on the DP size or on
+and its optimizer state (``optim.optimizer.OPTIMIZER_KINDS``: AdamW's moments, Lion's one,
+Adafactor's statistics broadcast to the weight's shape) whole, in fp32 whatever dtype they are
+stored in (``--exp-avg-dtype``: the upcast is exact, and the loading optimizer rounds them to its
+own dtypes), whatever part of them this rank steps: ``gather_state`` returns them (under the
+distributed optimizer all-gathered bucket by bucket, in chunks bounded by the DDP staging
+buffer, copied to host only on the ranks that write), ``StateLoader`` takes any range of them
+and keeps what this rank steps. So a checkpoint never depends on the DP size or on
 whether the distributed optimizer, 16-bit parameters or offload were on.
 """
 from __future__ import annotations
@@ -15,16 +17,31 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
+from megatron_p2r.optim.adafactor import (FACTOR_KINDS, Piece, checkpoint_value, take_checkpoint_value,
+                                          take_second_moment)
 from megatron_p2r.optim.mixed_precision import MainShard, MixedPrecisionOptimizer
+from megatron_p2r.optim.optimizer import OPTIMIZER_KINDS
 from megatron_p2r.parallel.grad_buffer import ParamAndGradBuffer, all_gather_chunks
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq")   # elementwise state: any range of it is that range's state
+
+
+def state_kinds(opt: MixedPrecisionOptimizer) -> tuple:
+    """The optimizer state entries ``opt`` writes and reads, besides the step count."""
+    return tuple(k for k in OPTIMIZER_KINDS[opt.kind] if k != "step")
+
+
+def _piece(ms: MainShard) -> Piece:
+    return Piece(tuple(ms.param.shape), ms.start, ms.end)
 
 
 def stored_state(opt: MixedPrecisionOptimizer, ms: MainShard, kind: str) -> torch.Tensor:
-    """The fp32 main weights ("model") or a moment of the range ``ms`` this rank steps, as the
-    optimizer keeps it (16-bit moments with the precision-aware optimizer)."""
-    return ms.main.detach() if kind == "model" else opt.inner[ms.placement].state[ms.main][kind]
+    """The fp32 main weights ("model") or a state entry of the range ``ms`` this rank steps, as
+    the optimizer keeps it (16-bit moments with the precision-aware optimizer)."""
+    if kind == "model":
+        return ms.main.detach()
+    state = opt.inner[ms.placement].state[ms.main]
+    return checkpoint_value(state, _piece(ms), kind) if kind in FACTOR_KINDS else state[kind]
 
 
 def state_value(opt: MixedPrecisionOptimizer, ms: MainShard, kind: str) -> torch.Tensor:
@@ -34,10 +51,10 @@ def state_value(opt: MixedPrecisionOptimizer, ms: MainShard, kind: str) -> torch
 
 def gather_state(opt: MixedPrecisionOptimizer,
                  keep: Callable[[nn.Parameter], bool]) -> Dict[int, Dict[str, torch.Tensor]]:
-    """Collective over the gradient buffers' groups: {id(param): {"model", "exp_avg", "exp_avg_sq":
-    fp32 tensors of the parameter's shape}} for every parameter ``keep`` accepts (moments only
-    after a step)."""
-    kinds = ("model",) + (MOMENTS if opt.step_count else ())
+    """Collective over the gradient buffers' groups: {id(param): {"model", state kinds: fp32
+    tensors of the parameter's shape}} for every parameter ``keep`` accepts (state only after a
+    step)."""
+    kinds = ("model",) + (state_kinds(opt) if opt.step_count else ())
     out: Dict[int, Dict[str, torch.Tensor]] = {}
     with torch.no_grad():
         for b, buf in enumerate(opt.ddp.buffers):
@@ -73,12 +90,20 @@ def _gather_sharded(opt: MixedPrecisionOptimizer, b: int, buf: ParamAndGradBuffe
 
 class StateLoader:
     """Takes any flat range of a parameter's global state and keeps this rank's part;
-    ``finish`` installs the moments in AdamW's own state (torch places them and ``step``)."""
+    ``finish`` installs it in the optimizer's own state (torch places it and ``step``).
+    Adafactor's statistics are taken from whole weights (each rank keeps all of a matrix's);
+    with ``adam_beta2`` they are made of AdamW's second moment: its bias-corrected row and column
+    means (a vector's: the moment itself), what Adafactor's statistics estimate."""
 
-    def __init__(self, opt: MixedPrecisionOptimizer):
-        self.opt = opt
+    def __init__(self, opt: MixedPrecisionOptimizer, adam_beta2: Optional[float] = None):
+        self.opt, self.adam_beta2 = opt, adam_beta2
         self.moments: Dict[int, Dict[str, torch.Tensor]] = {}
         self.step: Optional[int] = None
+
+    def reads_whole(self, kind: str) -> bool:
+        """Whether ``kind`` is read whole weights at a time (Adafactor's statistics, or the AdamW
+        moment they are made of), not only the ranges this rank steps."""
+        return kind in FACTOR_KINDS or self.adam_beta2 is not None
 
     def _overlaps(self, p: nn.Parameter, offset: int, n: int):
         for ms in self.opt.shards_of.get(id(p), []):
@@ -92,11 +117,16 @@ class StateLoader:
 
     def put(self, p: nn.Parameter, offset: int, kind: str, value: torch.Tensor) -> None:
         """``value`` holds the flat elements [offset, offset + value.numel()) of ``p``'s ``kind``
-        (model, exp_avg, exp_avg_sq) or, for ``step``, the steps taken."""
+        (model or a state kind) or, for ``step``, the steps taken."""
         if kind == "step":
             self.step = int(value.item())
             return
         flat = value.reshape(-1)
+        if kind in FACTOR_KINDS or (kind == "exp_avg_sq" and self.adam_beta2 is not None):
+            take = take_checkpoint_value if kind in FACTOR_KINDS else take_second_moment
+            for ms in self.opt.shards_of.get(id(p), []):
+                take(self.moments.setdefault(id(ms.main), {}), _piece(ms), kind, offset, flat)
+            return
         with torch.no_grad():
             if kind == "model":   # every rank holds the whole weight, in its own dtype
                 p.data.view(-1)[offset:offset + flat.numel()].copy_(flat)
@@ -112,16 +142,20 @@ class StateLoader:
                 kept[kind][lo - ms.start:hi - ms.start].copy_(src)
 
     def finish(self, moments: bool) -> None:
-        """Install the moments read (when ``moments``) with the step count read."""
+        """Install the state read (when ``moments``) with the step count read."""
         if not moments:
             return
         if self.step is None:
             raise ValueError("optimizer state without a step count")
+        if self.adam_beta2 is not None:   # AdamW's bias correction, once the step count is read
+            for kept in self.moments.values():
+                for value in kept.values():
+                    value.div_(1 - self.adam_beta2 ** self.step)
         for inner in self.opt.inner.values():
             sd = inner.state_dict()
             mains: List[torch.Tensor] = [m for g in inner.param_groups for m in g["params"]]
             sd["state"] = {i: {"step": torch.tensor(float(self.step)),
-                               **{k: self.moments[id(m)][k].view(m.shape) for k in MOMENTS}}
+                               **{k: v.view(m.shape) if k in MOMENTS else v for k, v in self.moments[id(m)].items()}}
                            for i, m in enumerate(mains)}
             inner.load_state_dict(sd)
         self.opt.step_count = self.step

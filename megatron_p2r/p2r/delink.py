@@ -14,8 +14,10 @@ Optimizer moments, by ``--optimizer-state``:
 - ``copy``: each target module inherits its source module's moments as they are;
 - ``rescale``: a module's gradient is the *sum* over the layers that call it, so a target
   module called by M of the source module's N layers gets about M/N of it: first moment
-  times M/N, second moment times (M/N)^2 (M = 1 for the real model: /N and /N^2);
-- ``reset``: no moments (AdamW starts fresh; iteration and LR schedule carry over).
+  times M/N (AdamW's and Lion's ``exp_avg``), second moment times (M/N)^2 (M = 1 for the real
+  model: /N and /N^2). Adafactor's row and column statistics are each a mean of g^2, so each is
+  scaled by (M/N)^2, and so is the second moment R x C / mean(R) they estimate;
+- ``reset``: no moments (the optimizer starts fresh; iteration and LR schedule carry over).
 
 ``--noise-std`` adds N(0, std^2) noise to every copied layer weight (to break the symmetry
 between copies of one module), drawn per *global* tensor from a generator seeded by
@@ -84,7 +86,7 @@ def delink_moment(kind: str, tensor: torch.Tensor, source_uses: int, target_uses
         return tensor
     if kind == "exp_avg":
         return tensor * target_uses / source_uses
-    if kind == "exp_avg_sq":
+    if kind in ("exp_avg_sq", "row_var", "col_var"):
         return tensor * (target_uses * target_uses) / (source_uses * source_uses)
     raise ValueError(f"unknown optimizer state {kind!r}")
 

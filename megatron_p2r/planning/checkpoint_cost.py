@@ -3,8 +3,9 @@ bandwidth, the training stall per save with and without ``--async-save``, and ho
 during the save.
 
 The bytes are the format's (``checkpoint/tensor_table.py``, docs/checkpoint.md): every piece's
-TP shard once, as fp32 weight, both AdamW moments and a 4-byte step count, whatever dtypes
-training keeps (safetensors headers, a few KiB per file, are not counted). Who writes follows
+TP shard once, as fp32 weight, the optimizer's state entries of the weight's shape (AdamW's
+two moments, Lion's one, Adafactor's two broadcast statistics) and a 4-byte step count,
+whatever dtypes training keeps (safetensors headers, a few KiB per file, are not counted). Who writes follows
 ``checkpoint/io.py``: with one data-parallel rank or ``--no-ckpt-fully-parallel-save`` the
 rank of expert-data-parallel index 0 writes each shard whole, having gathered it into host
 memory; otherwise every rank writes what it owns — under the distributed optimizer its 1/DP of
@@ -14,6 +15,7 @@ stacked parameter counted as shared evenly).
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -23,6 +25,7 @@ from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo, tensor
 from megatron_p2r.config import Config
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Layout
+from megatron_p2r.optim.optimizer import OPTIMIZER_KINDS
 
 FP32 = 4
 
@@ -42,17 +45,19 @@ class Bandwidths:
     host: float
 
 
-def piece_bytes(info: TensorInfo, layout: ShardLayout) -> int:
-    """Bytes one stored TP shard of a piece takes: weight and two moments in fp32, a step count."""
-    numel = 1
-    for s in layout.local_shape(info):
-        numel *= s
-    return 3 * FP32 * numel + FP32
+def tensors_per_piece(cfg: Config) -> int:
+    """fp32 tensors of a piece's shape a checkpoint stores: the weight and the optimizer's entries."""
+    return len(OPTIMIZER_KINDS[cfg.train.optimizer])   # its entries but the step count, plus the weight
 
 
-def _tensor(piece: int) -> int:
-    """Bytes of one fp32 tensor (weight or a moment) of a piece of ``piece`` bytes."""
-    return (piece - FP32) // 3
+def piece_bytes(numel: int, tensors: int) -> int:
+    """Bytes one stored TP shard of ``numel`` elements takes: ``tensors`` fp32 tensors, a step count."""
+    return tensors * FP32 * numel + FP32
+
+
+def _tensor(piece: int, tensors: int) -> int:
+    """Bytes of one fp32 tensor (weight or optimizer entry) of a piece of ``piece`` bytes."""
+    return (piece - FP32) // tensors
 
 
 def _owners(layout: Layout, mode: str, e: int, expert: bool, writer: int = 0) -> List[int]:
@@ -85,12 +90,12 @@ def rank_bytes(cfg: Config, layout: Layout) -> Dict[int, Tuple[float, int]]:
     parallel = cfg.checkpoint.ckpt_fully_parallel_save and layout.dp > 1
     mode = ("distributed" if cfg.parallel.use_distributed_optimizer else "assigned") if parallel else "single"
     writers = assign_writers(table, shards, layout.dp, layout.expert_dp) if mode == "assigned" else {}
-    tally = _Tally(layout)
+    tally, tensors = _Tally(layout), tensors_per_piece(cfg)
     for info in table.values():
-        size = piece_bytes(info, shards)
+        size = piece_bytes(math.prod(shards.local_shape(info)), tensors)
         dps = _owners(layout, mode, 0, False, writers.get(info.key, 0))
         for t in shards.tp_ranks_of(info):
-            tally.add(t, info.stage, dps, size / len(dps), _tensor(size))
+            tally.add(t, info.stage, dps, size / len(dps), _tensor(size, tensors))
     _add_experts(cfg, layout, mode, tally)
     return {r: (b, tally.largest[r]) for r, b in tally.bytes.items()}
 
@@ -104,11 +109,11 @@ def _add_experts(cfg: Config, layout: Layout, mode: str, tally: _Tally) -> None:
             if not spec.expert or spec.logical in seen:
                 continue
             seen.add(spec.logical)
-            one = 3 * FP32 * (spec.numel // spec.shape[0]) + FP32
+            one = piece_bytes(spec.numel // spec.shape[0], tensors_per_piece(cfg))
             for e in range(layout.ep):
                 dps = _owners(layout, "distributed" if mode != "single" else mode, e, True)
                 for t in range(layout.tp) if spec.tp_dim is not None else range(1):
-                    tally.add(t, stage, dps, one * spec.shape[0] / len(dps), _tensor(one))
+                    tally.add(t, stage, dps, one * spec.shape[0] / len(dps), _tensor(one, tensors_per_piece(cfg)))
 
 
 def checkpoint_cost(cfg: Config, layout: Layout, gpus_per_node: int, bw: Bandwidths) -> dict:

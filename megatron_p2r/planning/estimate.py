@@ -21,6 +21,11 @@ from megatron_p2r.planning.memory import (async_save_host_bytes, expert_paramete
 from megatron_p2r.planning.timing import link_time, stage_flops_per_microbatch
 from megatron_p2r.planning.verdict import TierVerdict, gpu_tier, host_problem, host_tier
 
+# What an optimizer step streams per element: AdamW reads the main, gradient and 2 moments and
+# writes the main and moments (28 B); Lion does so with one moment (20 B); Adafactor reads the
+# gradient and main twice (statistics, then update), writes the main and makes and reads an
+# fp32 update (28 B; its statistics are per row and column, negligible)
+STEP_BYTES = {"adam": 28, "lion": 20, "adafactor": 28}
 DEVICE_ORDER = ("reserve", "params", "optimizer", "grads", "fetch_window", "activations", "transient")
 
 
@@ -174,13 +179,16 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     sync = _exposed_sync(cfg, plan, stage, sum(link_time(comm[k], gpu) for k in ("dp", "expert_dp", "embedding",
                                                                                   "sharing", "tp_partial")), compute)
     hosted = off["host_optimizer_params"]
-    # AdamW streams 28 B per stepped element (main, grad, 2 moments read; main, moments written),
-    # 2 more writing a 16-bit weight, and costs as much as 12 more per 16-bit moment (the upcast
-    # into fp32 scratch and the rounding back: optim/precision_aware.py; benchmarks/precision_aware_step.py)
-    sixteen_bit_moments = (offload_choice.ADAM_BYTES - plan.buffers.moment_bytes) // 2
-    per_element = 28 + 12 * sixteen_bit_moments + (plan.buffers.param_bytes if plan.buffers.param_bytes != 4 else 0)
+    # bytes streamed per stepped element (STEP_BYTES), 2 more writing a 16-bit weight, and as much
+    # as 12 more per 16-bit moment (the upcast into fp32 and the rounding back: optim/precision_aware.py;
+    # benchmarks/precision_aware_step.py)
+    moments = {"adam": (cfg.train.exp_avg_dtype, cfg.train.exp_avg_sq_dtype), "lion": (cfg.train.exp_avg_dtype,),
+               "adafactor": ()}[cfg.train.optimizer]
+    sixteen_bit_moments = sum(offload_choice.DTYPE_BYTES[d] == 2 for d in moments)
+    per_element = STEP_BYTES[cfg.train.optimizer] + 12 * sixteen_bit_moments + \
+        (plan.buffers.param_bytes if plan.buffers.param_bytes != 4 else 0)
     state = stage_state_bytes(plan, stage)
-    stepped = stepped_elements(plan, state)
+    stepped = stepped_elements(state)
     save_copy = async_save_host_bytes(cfg, plan, state)
     device_step = per_element * (stepped - hosted) / gpu.hbm_bw
     host_step = per_element * hosted / a.host_optimizer_bw + off["moved_per_step"] / gpu.host_bw

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from megatron_p2r.config import Config, parse_offload_what
-from megatron_p2r.layout.offload import CATEGORIES, MASTER_BYTES, add_bytes, memory_plan
+from megatron_p2r.layout.offload import CATEGORIES, FACTOR_BYTES, MASTER_BYTES, add_bytes, memory_plan
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Coords
 
@@ -43,12 +43,12 @@ def stage_state_bytes(plan: ParallelPlan, stage: int, coords: Optional[Coords] =
     total: Dict[str, int] = {}
     for part in plan.module_state_bytes(stage, coords).values():
         total = add_bytes(total, part)
-    return {c: total.get(c, 0) for c in CATEGORIES + ("masters",)}
+    return {c: total.get(c, 0) for c in CATEGORIES + ("masters", "stepped")}
 
 
-def stepped_elements(plan: ParallelPlan, state: Dict[str, int]) -> int:
-    """Elements the optimizer steps, from their optimizer bytes (moments, and masters when 16-bit)."""
-    return (state["optimizer"] - state["masters"]) // plan.buffers.moment_bytes
+def stepped_elements(state: Dict[str, int]) -> int:
+    """Elements the optimizer steps (``state``: ``stage_state_bytes`` or a module's part of it)."""
+    return state["stepped"]
 
 
 def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, object]:
@@ -69,7 +69,7 @@ def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, objec
     placed = memory_plan(stage_state_bytes(plan, stage), per_module, chosen, o.offload_prefetch, what)
     layers = [i for i, k in zip(st.layers, st.layer_keys, strict=True) if k in chosen]
     weights = sum(per_module[k]["params"] for k in chosen)
-    stepped = sum(stepped_elements(plan, per_module[k]) for k in chosen)
+    stepped = sum(stepped_elements(per_module[k]) for k in chosen)
     on_host = "params" in what
     return {"modules": chosen, "layers": layers, "device": placed["device"], "host": placed["host"],
             "what": ",".join(sorted(what)), "recomputed": chosen if on_host else [],
@@ -80,10 +80,12 @@ def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, objec
 
 def async_save_host_bytes(cfg: Config, plan: ParallelPlan, state: Dict[str, int]) -> int:
     """Host memory of ``--async-save``'s copy of what a rank writes (``state``: its bytes,
-    ``stage_state_bytes``): the fp32 mains and the moments (in their own dtype) of the elements it
-    owns — those it steps under the distributed optimizer, else its 1/DP share of its stage's."""
+    ``stage_state_bytes``): the fp32 mains and the moments (in their own dtype; Adafactor's two
+    statistics as the fp32 entries of the weight's shape it writes) of the elements it owns —
+    those it steps under the distributed optimizer, else its 1/DP share of its stage's."""
     if not cfg.checkpoint.async_save:
         return 0
-    stepped = stepped_elements(plan, state)
+    stepped = stepped_elements(state)
     owned = stepped if cfg.parallel.use_distributed_optimizer else -(-stepped // plan.layout.dp)
-    return owned * (MASTER_BYTES + plan.buffers.moment_bytes)
+    state_bytes = 2 * FACTOR_BYTES if plan.buffers.optimizer == "adafactor" else plan.buffers.moment_bytes
+    return owned * (MASTER_BYTES + state_bytes)

@@ -1,5 +1,5 @@
 """The overlapped host step (``--overlap-cpu-optimizer-d2h-h2d``) gives bitwise the weights,
-AdamW moments and losses of the serial host step: fp32 and bf16, clipping on (every step's norm
+optimizer state and losses of the serial host step: fp32 and bf16, AdamW, Lion and Adafactor, clipping on (every step's norm
 is above CLIP, so the clip coefficient matters), one process and DP=2.
 
 A slowed host step forces the next forward to reach an offloaded layer while its step still
@@ -46,7 +46,7 @@ def _train(ps: ParallelState, overlap: bool, steps: int = 3, slow: float = 0.0, 
             HostStep._step_layer = real
     state.optimizer.finish_host_step()
     weights = {n: p.detach().clone() for n, p in state.model.named_parameters()}
-    moments = {n: {k: state.optimizer.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")}
+    moments = {n: {k: v.clone() for k, v in state.optimizer.state[p].items()}   # AdamW's, Lion's or Adafactor's
                for n, p in state.model.named_parameters() if p in state.optimizer.state}   # none before a step
     return {"losses": losses, "norms": [o["grad_norm"] for o in outs], "weights": weights, "moments": moments,
             "overlapped": isinstance(state.optimizer.inner.get("host"), HostStep)}
@@ -65,7 +65,8 @@ def _bitwise(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("kw", [
     {}, dict(bf16=True), dict(fp16=True, initial_loss_scale=2.0**19, hysteresis=1, loss_scale_window=1),
     dict(bf16=True, use_precision_aware_optimizer=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
-], ids=["fp32", "bf16", "fp16-skips", "bf16-moments"])
+    dict(bf16=True, optimizer="lion"), dict(optimizer="adafactor"),
+], ids=["fp32", "bf16", "fp16-skips", "bf16-moments", "lion-bf16", "adafactor"])
 def test_overlapped_host_step_is_bitwise_the_serial_one(kw):
     """fp16: the scale overflows, halves, grows back after each finite step and overflows again,
     so steps are skipped (no host step submitted) after taken ones: the DDP must zero the host

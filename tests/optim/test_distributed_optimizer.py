@@ -41,8 +41,26 @@ FOUR_RANKS = {
     "dp4-offload": dict(cpu_offload_layers="1", **OVERLAP),
     "pp2-dp2-pseudo-offload": dict(pipeline_model_parallel_size=2, cpu_offload_layers="1", **PSEUDO, **OVERLAP),
     "dp4-offload-optimizer-only": dict(cpu_offload_layers="1", cpu_offload_what="optimizer", **OVERLAP),
+    # the lean optimizers across TP (Lion: elementwise, so exact; Adafactor factors each TP shard
+    # on its own, docs/scale.md) and pipeline stages with offload. No linear biases for Lion: the
+    # key bias's gradient is zero up to rounding, whose sign Lion steps by the full learning rate
+    "tp2-dp2-lion": dict(tensor_model_parallel_size=2, optimizer="lion", disable_bias_linear=True, **OVERLAP),
+    "pp2-dp2-pseudo-offload-adafactor": dict(pipeline_model_parallel_size=2, cpu_offload_layers="1", optimizer="adafactor",
+                                             **PSEUDO, **OVERLAP),
 }
-TWO_RANKS = {"dp2": DISTOPT, "dp2-overlap": OVERLAP}
+TWO_RANKS = {
+    "dp2": DISTOPT, "dp2-overlap": OVERLAP,
+    # the memory-lean optimizers: Adafactor's statistics of matrices cut between the ranks are summed
+    # over both; with fp16 loss scaling and a host-resident layer (its optimizer steps on host).
+    # Lion without linear biases (the key bias: "tp2-dp2-lion")
+    "dp2-lion": dict(optimizer="lion", disable_bias_linear=True, **OVERLAP),
+    "dp2-adafactor": dict(optimizer="adafactor", **OVERLAP),
+    "dp2-lion-fp16-offload": dict(optimizer="lion", fp16=True, cpu_offload_layers="1", disable_bias_linear=True,
+                                  **OVERLAP),
+    "dp2-adafactor-fp16-offload": dict(optimizer="adafactor", fp16=True, cpu_offload_layers="1", **OVERLAP),
+    "dp2-adafactor-offload-optimizer-only": dict(optimizer="adafactor", cpu_offload_layers="1",
+                                                 cpu_offload_what="optimizer", **OVERLAP),
+}
 # Resume: warm-up, cosine decay, clipping (the norm over shards) and weight decay.
 RESUME = dict(lr_warmup_iters=1, lr_decay_style="cosine", clip_grad=1.0, weight_decay=0.01, train_iters=4)
 
@@ -98,6 +116,24 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_all(two_rank_run):
 def test_resume_with_the_distributed_optimizer_is_bitwise(two_rank_run):
     for r in (x["checkpoints"] for x in two_rank_run[2]):
         assert r["sharded"] and r["resumed"] == r["whole"][2:] and r["resumed_hash"] == r["whole_hash"]
+
+
+def test_lean_optimizers_resume_bitwise_and_on_one_process(two_rank_run):
+    """Lion and Adafactor on DP2 with the distributed optimizer: resuming the checkpoint saved
+    after 2 of 4 steps gives the same last 2 steps bitwise; loaded on one process without the
+    distributed optimizer (statistics gathered whole, then kept whole) it continues alike; an
+    AdamW checkpoint loads into Adafactor on DP2 as on one process."""
+    root, _, results = two_rank_run
+    for optimizer in ("lion", "adafactor"):
+        for r in (x["lean"][optimizer] for x in results):
+            assert r["resumed"] == r["whole"][2:] and r["resumed_hash"] == r["whole_hash"], optimizer
+        continued, _ = run_steps(cfg(optimizer=optimizer, **RESUME), ParallelState.single(), 2,
+                                 load=os.path.join(root, optimizer))
+        assert continued == pytest.approx(results[0]["lean"][optimizer]["whole"][2:], rel=1e-5), optimizer
+    from_adam, _ = run_steps(cfg(optimizer="adafactor", **RESUME), ParallelState.single(), 2,
+                             load=os.path.join(root, "dp1"))
+    for r in results:   # AdamW's checkpoint into Adafactor on DP2 with the distributed optimizer, as on one process
+        assert r["lean"]["adafactor"]["from_adam"] == pytest.approx(from_adam, rel=1e-5)
 
 
 def test_checkpoints_move_between_dp_sizes_and_optimizers(two_rank_run):

@@ -116,6 +116,30 @@ def non_finite_skip(flags: dict) -> dict:
     return {"skipped": out["skipped"], "scale": state.scaler.scale, "unchanged": _hash(state) == before}
 
 
+def lean_resume(root: str, flags: dict) -> dict:
+    """Per lean optimizer, DP2 with the distributed optimizer: 4 uninterrupted steps saving after
+    2 into ``root/<optimizer>``, and the 2 steps resumed from that checkpoint (losses and hashes);
+    Adafactor's 2 steps from the one-process AdamW checkpoint ``root/dp1`` (statistics made of
+    its second moment)."""
+    out = {}
+    for optimizer in ("lion", "adafactor"):
+        c, saved = cfg(optimizer=optimizer, **flags), os.path.join(root, optimizer)
+        ps, _ = setup_parallel(c, torch.device("cpu"))
+
+        def save_after_2(s, saved=saved) -> None:
+            if s.iteration == 2:
+                save_checkpoint(saved, s)
+
+        whole, state = run_steps(c, ps, 4, after_step=save_after_2)
+        resumed, again = run_steps(c, ps, 2, load=saved)
+        out[optimizer] = {"whole": whole, "resumed": resumed, "whole_hash": _hash(state),
+                          "resumed_hash": _hash(again)}
+    out["adafactor"]["from_adam"] = run_steps(cfg(optimizer="adafactor", **flags), ps, 2,
+                                              load=os.path.join(root, "dp1"))[0]
+    return out
+
+
 def two_ranks(rank: int, world: int, cases: dict, root: str, flags: dict, pseudo: dict) -> dict:
     return {"cases": equivalence_cases(rank, world, cases), "staged": staged_collectives(),
-            "checkpoints": checkpoints(rank, world, root, flags, pseudo), "skip": non_finite_skip(flags)}
+            "checkpoints": checkpoints(rank, world, root, flags, pseudo), "skip": non_finite_skip(flags),
+            "lean": lean_resume(root, flags)}

@@ -32,6 +32,8 @@ def test_names_and_moment_rules():
     assert torch.equal(dl.delink_moment("exp_avg_sq", m, 3, 1, "rescale"), torch.full((3,), 6.0 / 9))
     assert torch.equal(dl.delink_moment("exp_avg", m, 6, 2, "rescale"), torch.full((3,), 2.0))  # all -> cycle
     assert torch.equal(dl.delink_moment("exp_avg_sq", m, 6, 2, "rescale"), torch.full((3,), 6.0 / 9))
+    for factor in ("row_var", "col_var"):   # Adafactor's statistics are means of g^2
+        assert torch.equal(dl.delink_moment(factor, m, 3, 1, "rescale"), torch.full((3,), 6.0 / 9))
     assert dl.delink_moment("step", m, 3, 1, "rescale") is m and dl.delink_moment("exp_avg", m, 3, 1, "copy") is m
     with pytest.raises(ValueError):
         dl.delink_moment("exp_avg", m, 3, 1, "reset")

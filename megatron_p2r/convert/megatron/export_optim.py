@@ -56,7 +56,8 @@ def not_exported(source: SourceCheckpoint, ckpt_format: str, dtype: str) -> Opti
                (ckpt_format != "torch_dist", "the optimizer state is written in torch_dist only"),
                (source.pseudo, "a pseudo-phase checkpoint's optimizer state is not delinked"),
                (dtype == "float16", "--dtype float16 needs Megatron's loss scaler state, not written"),
-               (t.decoupled_lr is not None, "--decoupled-lr gives Megatron other parameter groups")]
+               (t.decoupled_lr is not None, "--decoupled-lr gives Megatron other parameter groups"),
+               (t.optimizer != "adam", f"--optimizer {t.optimizer}'s state has no Megatron-LM counterpart")]
     return next((why for failed, why in reasons if failed), None)
 
 

@@ -102,6 +102,7 @@ def test_experts_have_their_own_chained_optimizer(tmp_path, biases, expert_group
     ({}, ["--no-save-optim"], "--no-save-optim"),
     ({}, ["--ckpt-format", "torch"], "the optimizer state is written in torch_dist only"),
     ({}, ["--dtype", "float16"], "loss scaler"),
+    (dict(optimizer="lion"), [], "--optimizer lion's state has no Megatron-LM counterpart"),
 ])
 def test_weights_only_says_why(tmp_path, capsys, options, argv, why):
     from tools.convert_checkpoint import main
