@@ -36,7 +36,7 @@ SETTINGS = {  # flags over AdamW's run, as functions of its learning rate and we
 
 def final_losses(args, setting: str, seed: int) -> list:
     """Per-sample held-out losses at the last step of one run (trained unless done before)."""
-    values = phase_values(args, args.model_name, p2r_arms.Phase(1.0), seed)
+    values = dict(phase_values(args, args.model_name, p2r_arms.Phase(1.0), seed), train_iters=args.iters)
     values.update(SETTINGS[setting](values["lr"], values["weight_decay"]))
     run_dir = os.path.join(args.work, "runs", f"{args.model_name}-{args.iters}-{setting}", f"seed{seed}")
     return train_phase(args, values, run_dir, None, 0)["last"]
