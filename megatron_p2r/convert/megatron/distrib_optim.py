@@ -8,8 +8,9 @@ DP rank 0 gathers every DP rank's shard into one flat fp32 tensor per state and 
      0: {(param dtype, grad dtype): {"param": [N], "exp_avg": [N], "exp_avg_sq": [N], "numel_unpadded": N}},
      1: ...}                         (one grad buffer per model chunk, ``model0``, ``model1``, ...)
 
-An MoE model under expert parallelism has two optimizers (megatron-core's ChainedOptimizer), whose
-file is a list of two such dicts; it is not read here. The file does not say where a parameter
+An MoE model under expert parallelism has two optimizers (megatron-core's ChainedOptimizer): the
+file is then a list of two such dicts, the dense parameters' and the experts' (``legacy``). The
+file does not say where a parameter
 lies in its buffer; the buffer's layout does (``buffer_layout``, parameters in the order of the
 model chunk's state dict, bucketed in the first chunk only); the flat tensor
 keeps each bucket's elements and drops only the padding at bucket ends. We replay that layout

@@ -160,8 +160,6 @@ class LegacyCheckpoint:
         saved = archive.obj.get("optimizer")
         if os.path.isfile(path):
             views = self._distrib_optim_views(archive, path, chunks, stage)
-            if views is None:
-                return
         elif self.args.get("use_distributed_optimizer"):  # its parameter state is distrib_optim.pt alone
             if saved is not None:
                 self.optimizer_not_read = f"{archive.path}: the distributed optimizer's {distrib_optim.FILE} is not " \
@@ -191,21 +189,33 @@ class LegacyCheckpoint:
                     if canonical.get(key) is not None:
                         self.optimizer[kind].setdefault(canonical[key], {})[t] = view
 
-    def _distrib_optim_views(self, archive: TorchArchive, path: str, chunks: list, stage: int) -> Optional[list]:
+    def _distrib_optim_views(self, archive: TorchArchive, path: str, chunks: list, stage: int) -> list:
         """kind -> local key -> its state, per model chunk, from ``distrib_optim.pt`` (one grad
         buffer per chunk, the parameters as the chunk's state dict holds them: GroupedMLP's
-        ``weight1``/``weight2`` whole, their experts' blocks viewed after); None: not read."""
+        ``weight1``/``weight2`` whole, their experts' blocks viewed after). Under EP > 1 the file is
+        a list of two chained optimizers' states, the dense parameters' (in the file of the dense
+        optimizer's DP rank 0, EP rank 0; None in the others) and the experts'."""
         state = TorchArchive(path, Kind.MEGATRON).obj
-        if self.layout[2] > 1 or isinstance(state, list):
-            self.optimizer_not_read = f"{path}: the state of an MoE model's two chained distributed optimizers " \
-                                      "(expert parallelism) is not read yet"
-            return None
         tied = not self.args.get("untie_embeddings_and_output_weights") and self.layout[1] > 1
-        buffers = [([Param(key, tuple(raw[key].shape), False,
-                           tied and key in ("embedding.word_embeddings.weight", "output_layer.weight"))
-                     for key in raw if not IGNORED.search(key)], bucket_size(self.args, stage) if c == 0 else None)
-                   for c, (_, raw, _) in enumerate(chunks)]
-        views = distrib_optim.state_views(state, buffers, path)
+        expert_parallel = self.layout[2] > 1
+        optimizers = [(state, lambda key: True)]
+        if expert_parallel:
+            if not isinstance(state, list) or len(state) != 2:
+                raise CheckpointError(f"{path}: holds {type(state).__name__}, expected a list of the states of "
+                                      "megatron-core's two chained optimizers (dense, experts) of an MoE model under "
+                                      f"expert parallelism (args.expert_model_parallel_size {self.layout[2]})")
+            optimizers = [(state[0], lambda key: not _is_expert(key)), (state[1], _is_expert)]
+        views: list = [{kind: {} for kind in distrib_optim.STATES} for _ in chunks]
+        for saved, mine in optimizers:
+            if saved is None:  # kept by another rank's file
+                continue
+            buffers = [([Param(key, tuple(raw[key].shape), expert_parallel and _is_expert(key),
+                               tied and key in ("embedding.word_embeddings.weight", "output_layer.weight"))
+                         for key in raw if not IGNORED.search(key) and mine(key)],
+                        bucket_size(self.args, stage) if c == 0 else None) for c, (_, raw, _) in enumerate(chunks)]
+            for chunk_views, found in zip(views, distrib_optim.state_views(saved, buffers, path), strict=True):
+                for kind, by_key in found.items():
+                    chunk_views[kind].update(by_key)
         self._steps.add(_adam_step(archive))
         return [{kind: _grouped_experts(by_key, self.local_experts, path) or by_key for kind, by_key in v.items()}
                 for v in views]
@@ -287,7 +297,16 @@ def _is_expert(key: str) -> bool:
 
 def _adam_step(archive: TorchArchive) -> float:
     """Adam's step count: the distributed optimizer keeps it in each param group of
-    ``model_optim_rng.pt``'s ``optimizer.optimizer.param_groups`` (distrib_optim.pt is beside it)."""
+    ``model_optim_rng.pt``'s ``optimizer.optimizer.param_groups`` (distrib_optim.pt is beside it);
+    chained optimizers (experts under EP > 1) save a list of such entries."""
     optimizer = archive.obj.get("optimizer")
-    groups = optimizer.get("optimizer", {}).get("param_groups") if isinstance(optimizer, dict) else None
-    return distrib_optim.groups_step(groups, f"{archive.path}: optimizer.optimizer.param_groups")
+    entries = optimizer if isinstance(optimizer, list) else [optimizer]
+    steps = set()
+    for i, entry in enumerate(entries):
+        groups = entry.get("optimizer", {}).get("param_groups") if isinstance(entry, dict) else None
+        where = f"optimizer[{i}].optimizer.param_groups" if isinstance(optimizer, list) else \
+            "optimizer.optimizer.param_groups"
+        steps.add(distrib_optim.groups_step(groups, f"{archive.path}: {where}"))
+    if len(steps) != 1:
+        raise CheckpointError(f"{archive.path}: the chained optimizers give Adam steps {sorted(steps)}, expected one")
+    return steps.pop()

@@ -54,16 +54,19 @@ WITH_OPTIMIZER = ("gpt_dist_tp1_adam", "gpt_legacy_tp1_adam", "gpt_dist_dp2_dist
 # make_fixtures assembles by parameter name under TP1 and EP1 only; under PP2 with 2 model chunks
 # per rank (one grad buffer per chunk), trained by Megatron's interleaved schedule, in torch_dist
 # and in legacy (distrib_optim.pt: one flat buffer per chunk); and GroupedMLP experts over 2 DP
-# ranks in legacy (weight1/weight2 in the dense buffer under EP1)
+# ranks in legacy (weight1/weight2 in the dense buffer under EP1); and the SequentialMLP run under
+# EP2 in legacy (distrib_optim.pt: a list of the two chained optimizers' states)
 WITHOUT_ADAM_STATE = ("llama_dist_tp2_distopt", "mixtral_dist_ep2_grouped_distopt", "mixtral_dist_ep2_distopt",
-                      "gpt_dist_pp2_vp2_distopt", "gpt_legacy_pp2_vp2_distopt", "mixtral_legacy_dp2_grouped_distopt")
+                      "gpt_dist_pp2_vp2_distopt", "gpt_legacy_pp2_vp2_distopt", "mixtral_legacy_dp2_grouped_distopt",
+                      "mixtral_legacy_ep2_distopt")
 # Megatron's 4th step of the --bf16 run computed in bf16: an fp32 step of ours differs by bf16's
 # rounding (rel 1e-2), so the continued step is compared on the fp32 runs
 CONTINUED_IN_FP32 = WITH_OPTIMIZER[:5] + WITHOUT_ADAM_STATE
 # fixtures that are another's run saved another way (make_fixtures' same_run_as): that one's
 # adam_state.pt and continued.pt hold what Megatron's optimizer had and did next
 SAME_RUN_AS = {"gpt_dist_dp2_distopt_full": "gpt_dist_dp2_distopt",
-               "gpt_legacy_pp2_vp2_distopt": "gpt_dist_pp2_vp2_distopt"}
+               "gpt_legacy_pp2_vp2_distopt": "gpt_dist_pp2_vp2_distopt",
+               "mixtral_legacy_ep2_distopt": "mixtral_dist_ep2_distopt"}
 
 
 def run_file(name: str, file: str) -> str:
