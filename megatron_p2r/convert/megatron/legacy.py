@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch
 
