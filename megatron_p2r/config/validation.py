@@ -52,8 +52,8 @@ def validate(cfg: Config, world_size: int) -> None:
 
 def _check_moe_overlap(cfg: Config) -> None:
     """--overlap-moe-expert-parallel-comm: Megatron-LM's rules (EP > 1, no full recomputation), and
-    what the overlapped schedule (pipeline/a2a_overlap.py) needs: one pipeline stage, and every
-    weight read by one piece of the split pass only, so that its gradient arrives whole."""
+    what the overlapped schedule (pipeline/a2a_overlap.py) needs: one pipeline stage, layers run
+    eagerly."""
     p = cfg.parallel
     if not p.overlap_moe_expert_parallel_comm:
         return
@@ -70,12 +70,6 @@ def _check_moe_overlap(cfg: Config) -> None:
     if cfg.train.compile:
         raise ConfigError(f"{flag} conflicts with --compile: the overlapped schedule runs each MoE layer in pieces, "
                           "outside the layer's compiled forward")
-    if not cfg.model.untie_embeddings_and_output_weights:
-        raise ConfigError(f"{flag} needs --untie-embeddings-and-output-weights: the embedding and the output layer "
-                          "run in separate pieces of the pass, so a tied matrix would get its gradient in two parts")
-    if cfg.p2r.p2r_phase == "pseudo" and cfg.p2r.share_pattern != "none":
-        raise ConfigError(f"{flag} needs --share-pattern none in the pseudo phase: a layer module shared by "
-                          "several layers would get its gradient in several parts")
 
 
 def _check_world(cfg: Config, world_size: int) -> None:

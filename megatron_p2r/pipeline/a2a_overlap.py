@@ -23,16 +23,21 @@ The schedule's structure, not timing, decides every turn, so all ranks issue the
 in the same order. Each micro-batch's backward still starts at the model's output (the
 data-parallel hooks see it: ``parallel/ddp.py``).
 
+Weights read by several nodes (tied embeddings, Pseudo-to-Real's shared layers) get their
+gradient summed over the nodes before it is accumulated, as one graph would (``_SharedWeights``).
 Like Megatron-LM this needs EP > 1 and no full recomputation; it is built for one pipeline stage
-(PP = 1), where Megatron-LM itself asks for interleaving (``config/parallel.py`` checks both).
+(PP = 1), where Megatron-LM itself asks for interleaving (``config/validation.py`` checks these).
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import functools
 from typing import Callable, Iterator, List, Optional
 
 import torch
+from torch import nn
 
 from megatron_p2r.moe.layer import Routed
 from megatron_p2r.parallel.mappings import start_all_to_all
@@ -75,12 +80,48 @@ class _Exchanged:
         return self.grad
 
 
+class _SharedWeights:
+    """The weights that several nodes of a pass read: a layer module called by several layers
+    (Pseudo-to-Real's sharing), an output layer tied to the embedding. In one graph autograd sums
+    a weight's gradient over its uses and accumulates it once; node by node each node's backward
+    would accumulate its own part (another rounding, and the data-parallel hooks would see the
+    weight final too early). So a pass reads them through aliases (leaves on the same storage),
+    whose gradients sum over the nodes in the order autograd sums them, and hands each sum to its
+    weight at the end of the pass's backward: one accumulation, bitwise the serial one."""
+
+    def __init__(self, model):
+        uses = collections.Counter(id(call) for call in model.layer_calls)
+        shared = {id(c): c for c in model.layer_calls if uses[id(c)] > 1 and isinstance(c, nn.Module)}
+        self.slots = [(m, name, p) for module in shared.values() for m in module.modules()
+                      for name, p in m.named_parameters(recurse=False)]
+        if model.embedding is not None and model.final_norm is not None and model.output_layer is None:
+            word = model.embedding.word_embeddings   # tied: the output layer reads the embedding's matrix
+            self.slots.append((word, "weight", word.weight))
+
+    def aliases(self) -> List[torch.Tensor]:
+        return [_leaf(p) for _, _, p in self.slots]
+
+    @contextlib.contextmanager
+    def read_through(self, aliases: List[torch.Tensor]):
+        for (module, name, _), alias in zip(self.slots, aliases, strict=True):
+            module._parameters[name] = alias
+        try:
+            yield
+        finally:
+            for module, name, p in self.slots:
+                module._parameters[name] = p
+
+    def accumulate(self, aliases: List[torch.Tensor]) -> None:
+        _backward([p for _, _, p in self.slots], [a.grad for a in aliases])
+
+
 class _MicroBatch:
     """One micro-batch's pass through the stage, node by node: ``forward()`` and then
     ``backward()`` are passes for the overlapped schedule."""
 
-    def __init__(self, model, mb: dict, loss: TokenMeanLoss):
-        self.model, self.mb, self.loss = model, mb, loss
+    def __init__(self, model, mb: dict, loss: TokenMeanLoss, shared: _SharedWeights):
+        self.model, self.mb, self.loss, self.shared = model, mb, loss, shared
+        self.aliases = shared.aliases()
         # per layer, in forward order: its backward (a pass), from the gradient of its output to its input's
         self.tape: List[Callable[[torch.Tensor], Pass]] = []
         self.loss_sum: Optional[torch.Tensor] = None
@@ -88,6 +129,18 @@ class _MicroBatch:
         self.hidden: Optional[torch.Tensor] = None
 
     def forward(self) -> Pass:
+        """The nodes' forward, the shared weights read through this pass's aliases (only while
+        this pass computes: the other one may compute in between)."""
+        nodes = self._nodes()
+        while True:
+            with self.shared.read_through(self.aliases):
+                try:
+                    next(nodes)
+                except StopIteration:
+                    return
+            yield
+
+    def _nodes(self) -> Pass:
         model, mb = self.model, self.mb
         x = self.embedded = model.embedding(mb["tokens"])
         seq_length = x.shape[1] * (model.ps.tp_size if model.sequence_parallel else 1)
@@ -105,6 +158,7 @@ class _MicroBatch:
         while self.tape:
             grad = yield from self.tape.pop()(grad)
         _backward([self.embedded], [grad])
+        self.shared.accumulate(self.aliases)
 
     def _layer(self, layer, x: torch.Tensor, rope):
         mlp = getattr(layer, "mlp", None)
@@ -186,10 +240,10 @@ def forward_backward_overlapped_a2a(model, microbatches: List[dict], ps, *, loss
     if not microbatches:
         raise ValueError("a step needs at least one micro-batch")
     announce_backward_scale(on_backward_scale, loss_scale, len(microbatches), False)
-    loss = TokenMeanLoss(microbatches, ps, loss_scale)
+    loss, shared = TokenMeanLoss(microbatches, ps, loss_scale), _SharedWeights(model)
     previous = None
     for mb in microbatches:
-        current = _MicroBatch(model, mb, loss)
+        current = _MicroBatch(model, mb, loss, shared)
         if previous is None:
             _run(current.forward())
         else:

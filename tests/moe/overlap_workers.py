@@ -53,11 +53,14 @@ def compare(cfg, ps) -> dict:
 
 def world2(rank: int, world: int) -> dict:
     ps = make_state(Layout(dp=2, ep=2))
-    common = dict(ep=2, untie_embeddings_and_output_weights=True, global_batch_size=12)
+    common = dict(ep=2, global_batch_size=12)
     return {
-        "dropless": compare(moe_model(**common), ps),
+        "dropless/tied": compare(moe_model(**common), ps),
         "capacity-drops/overlap-grad-reduce": compare(moe_model(**common, moe_capacity_factor=0.5, swiglu=True,
+                                                                untie_embeddings_and_output_weights=True,
                                                                 overlap_grad_reduce=True, ddp_bucket_size=2000), ps),
+        "pseudo-shared/tied/overlap-grad-reduce": compare(moe_model(**common, p2r_phase="pseudo", share_pattern="all",
+                                                                    overlap_grad_reduce=True, ddp_bucket_size=2000), ps),
         "dense-and-moe/recompute-selective": compare(moe_model(**common, moe_layer_freq=2,
                                                                recompute_activations=True), ps),
     }

@@ -1,8 +1,8 @@
 """--overlap-moe-expert-parallel-comm (pipeline/a2a_overlap.py) reproduces the serial schedule
 bitwise under EP=2 (2 gloo ranks, 3 micro-batches per rank, 2 optimizer steps): losses, the
 first step's reduced gradients and the weights after the steps; dropless and capacity with
-drops, --overlap-grad-reduce with several buckets, dense layers between MoE ones, selective
-recomputation. And the all-to-alls do overlap: two are in flight at once. The flag's rules are
+drops, --overlap-grad-reduce with several buckets, tied embeddings and the pseudo phase's shared
+layers (weights read by several nodes), dense layers between MoE ones, selective recomputation. And the all-to-alls do overlap: two are in flight at once. The flag's rules are
 checked on the config."""
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ def world2():
     return run_distributed(overlap_workers.world2, 2, timeout=300)
 
 
-@pytest.mark.parametrize("case", ["dropless", "capacity-drops/overlap-grad-reduce",
-                                  "dense-and-moe/recompute-selective"])
+@pytest.mark.parametrize("case", ["dropless/tied", "capacity-drops/overlap-grad-reduce",
+                                  "pseudo-shared/tied/overlap-grad-reduce", "dense-and-moe/recompute-selective"])
 def test_overlapped_schedule_is_bitwise_the_serial_one(world2, case):
     for rank, res in enumerate(world2):
         r = res[case]
@@ -37,10 +37,8 @@ def test_overlapped_schedule_is_bitwise_the_serial_one(world2, case):
     (dict(ep=2, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
      "--recompute-granularity full"),
     (dict(ep=2, compile=True), "--compile"),
-    (dict(ep=2, untie_embeddings_and_output_weights=False), "--untie-embeddings-and-output-weights"),
-    (dict(ep=2, p2r_phase="pseudo", share_pattern="all"), "--share-pattern none"),
 ])
 def test_flag_rules(overrides, expected):
-    cfg = moe_model(**{"untie_embeddings_and_output_weights": True, **overrides})
+    cfg = moe_model(**overrides)
     with pytest.raises(ConfigError, match=expected.replace("-", r"\-").replace(">", ".")):
         validate(cfg.replace(overlap_moe_expert_parallel_comm=True), world_size=4)
