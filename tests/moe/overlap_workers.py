@@ -64,3 +64,10 @@ def world2(rank: int, world: int) -> dict:
         "dense-and-moe/recompute-selective": compare(moe_model(**common, moe_layer_freq=2,
                                                                recompute_activations=True), ps),
     }
+
+
+def world4(rank: int, world: int) -> dict:
+    """TP=2 x EP=2 with sequence parallelism: the TP collectives inside the pieces of a layer."""
+    ps = make_state(Layout(tp=2, dp=2, ep=2))
+    return {"tp2/sequence-parallel": compare(moe_model(tp=2, ep=2, global_batch_size=12, sequence_parallel=True,
+                                                       swiglu=True), ps)}

@@ -2,7 +2,8 @@
 bitwise under EP=2 (2 gloo ranks, 3 micro-batches per rank, 2 optimizer steps): losses, the
 first step's reduced gradients and the weights after the steps; dropless and capacity with
 drops, --overlap-grad-reduce with several buckets, tied embeddings and the pseudo phase's shared
-layers (weights read by several nodes), dense layers between MoE ones, selective recomputation. And the all-to-alls do overlap: two are in flight at once. The flag's rules are
+layers (weights read by several nodes), dense layers between MoE ones, selective recomputation;
+and TP=2 x EP=2 with sequence parallelism (4 ranks). And the all-to-alls do overlap: two are in flight at once. The flag's rules are
 checked on the config."""
 from __future__ import annotations
 
@@ -29,6 +30,14 @@ def test_overlapped_schedule_is_bitwise_the_serial_one(world2, case):
         assert not r["grads_differ"], f"rank {rank}: gradients differ: {r['grads_differ']}"
         assert not r["weights_differ"], f"rank {rank}: weights differ by up to {r['moved']}: {r['weights_differ']}"
         assert r["most_in_flight"] == 2, f"rank {rank}: {r['most_in_flight']} all-to-alls in flight at most"
+
+
+def test_overlapped_schedule_is_bitwise_the_serial_one_under_tp_and_sequence_parallel():
+    for rank, res in enumerate(run_distributed(overlap_workers.world4, 4, timeout=300)):
+        r = res["tp2/sequence-parallel"]
+        assert r["overlapped_losses"] == r["losses"], f"rank {rank}"
+        assert not r["grads_differ"] and not r["weights_differ"], f"rank {rank}: {r}"
+        assert r["most_in_flight"] == 2, f"rank {rank}"
 
 
 @pytest.mark.parametrize("overrides, expected", [
