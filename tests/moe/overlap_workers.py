@@ -61,6 +61,7 @@ def world2(rank: int, world: int) -> dict:
                                                                 overlap_grad_reduce=True, ddp_bucket_size=2000), ps),
         "pseudo-shared/tied/overlap-grad-reduce": compare(moe_model(**common, p2r_phase="pseudo", share_pattern="all",
                                                                     overlap_grad_reduce=True, ddp_bucket_size=2000), ps),
+        "fp16/loss-scale": compare(moe_model(**common, fp16=True), ps),
         "dense-and-moe/recompute-selective": compare(moe_model(**common, moe_layer_freq=2,
                                                                recompute_activations=True), ps),
     }

@@ -2,7 +2,8 @@
 bitwise under EP=2 (2 gloo ranks, 3 micro-batches per rank, 2 optimizer steps): losses, the
 first step's reduced gradients and the weights after the steps; dropless and capacity with
 drops, --overlap-grad-reduce with several buckets, tied embeddings and the pseudo phase's shared
-layers (weights read by several nodes), dense layers between MoE ones, selective recomputation;
+layers (weights read by several nodes), fp16 weights with the loss scale, dense layers between
+MoE ones, selective recomputation;
 and TP=2 x EP=2 with sequence parallelism (4 ranks). And the all-to-alls do overlap: two are in flight at once. The flag's rules are
 checked on the config."""
 from __future__ import annotations
@@ -22,7 +23,8 @@ def world2():
 
 
 @pytest.mark.parametrize("case", ["dropless/tied", "capacity-drops/overlap-grad-reduce",
-                                  "pseudo-shared/tied/overlap-grad-reduce", "dense-and-moe/recompute-selective"])
+                                  "pseudo-shared/tied/overlap-grad-reduce", "fp16/loss-scale",
+                                  "dense-and-moe/recompute-selective"])
 def test_overlapped_schedule_is_bitwise_the_serial_one(world2, case):
     for rank, res in enumerate(world2):
         r = res[case]
