@@ -149,7 +149,8 @@ class M6Model(nn.Module):
     def init_weights(self, seed: int) -> None:
         init_parameters(self, seed, self.ps.tp_rank, self.ps.tp_size, self.ps.ep_rank)
 
-    def _rope(self, seq_len: int, device) -> Optional[tuple]:
+    def rope(self, seq_len: int, device) -> Optional[tuple]:
+        """The rotary tables every layer of a forward reads (None without rotary positions)."""
         if self.rope_base is None:
             return None
         return rotary_tables(seq_len, self.cfg.model.rotary_dim, self.rope_base, device)
@@ -177,7 +178,7 @@ class M6Model(nn.Module):
             return self._head(hidden, labels, loss_mask)
         x = self.embedding(tokens) if spec.first else hidden
         seq_length = x.shape[1] * (self.ps.tp_size if self.sequence_parallel else 1)
-        rope = self._rope(seq_length, x.device)
+        rope = self.rope(seq_length, x.device)
         for positions, recomputed in self.recompute_units[chunk]:
             if recomputed and torch.is_grad_enabled():
                 x = tp_random.checkpoint(self._run_layers, positions, x, rope, device=self.ps.device)

@@ -144,7 +144,7 @@ class _MicroBatch:
         model, mb = self.model, self.mb
         x = self.embedded = model.embedding(mb["tokens"])
         seq_length = x.shape[1] * (model.ps.tp_size if model.sequence_parallel else 1)
-        rope = model._rope(seq_length, x.device)
+        rope = model.rope(seq_length, x.device)
         for call in model.layer_calls:
             x = yield from self._layer(call, _leaf(x), rope)
         self.hidden = _leaf(x)
