@@ -180,11 +180,16 @@ def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[
     held += rows * 8 * (2 + (ep > 1) + m.add_bias)          # token ids, order, [perm], [expert ids]
     held += rows * m.hidden_size * a                         # expert input rows
     held += rows * glu * f * a + rows * act_saved * f * a    # fc1 out, activation outputs
-    held += 2 * rows * m.hidden_size * 4 + rows * 4          # combined rows (fp32), their weights, weighted rows
+    if m.moe_grouped_gemm and m.gated_linear_unit:           # weight1 reordered into [gates; ups] (a copy)
+        held += e_local * glu * f * m.hidden_size * a
+    # the combine (dispatcher.weighted_unpermute) keeps every slot's row of the n tokens (a dropped
+    # slot's is zeros) in the rows' dtype and the fp32 [slots, n] weights, not the expert output
+    combine = slots * n * m.hidden_size * a + slots * n * 4
+    held += combine
     work = rows * f * a * glu
     # at the expert matmuls' backward the combine side is freed; both stacked weight
     # gradients are alive (autograd accumulates them after the expert block)
-    backward = work + e_local * (glu + 1) * f * m.hidden_size * a - (2 * rows * m.hidden_size * 4 + rows * 4)
+    backward = work + e_local * (glu + 1) * f * m.hidden_size * a - combine
     return held, work, backward
 
 
