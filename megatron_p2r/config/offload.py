@@ -26,7 +26,10 @@ class OffloadConfig:
     device_memory_budget: Optional[str] = opt(None, "With --cpu-offload-layers auto, e.g. 30GiB.")
     overlap_cpu_optimizer_d2h_h2d: bool = opt(False, "Step the host-resident layers' optimizer on a worker thread, "
                                                      "overlapped with the resident step and the next forward "
-                                                     "(each layer's fetch waits for its own step).")
+                                                     "(each layer's fetch waits for its own step); with "
+                                                     "--clip-grad 0 and no fp16, each layer's step starts in "
+                                                     "backward once its gradients are final.")
+    host_optimizer_threads: int = opt(1, "Threads stepping the overlapped host step's layers in parallel.")
 
     def check(self, num_layers: int) -> None:
         """Each flag parses, and the budget comes with ``auto`` and only with it."""
@@ -34,6 +37,9 @@ class OffloadConfig:
         if self.overlap_cpu_optimizer_d2h_h2d and (self.cpu_offload_layers is None or "params" not in what):
             raise ConfigError("--overlap-cpu-optimizer-d2h-h2d overlaps the step of layers whose weights live on "
                               "host: it needs --cpu-offload-layers with --cpu-offload-what params,grads,optimizer")
+        if self.host_optimizer_threads != 1 and not self.overlap_cpu_optimizer_d2h_h2d:
+            raise ConfigError("--host-optimizer-threads sets the threads of the overlapped host step: it needs "
+                              "--overlap-cpu-optimizer-d2h-h2d")
         if self.cpu_offload_layers is None:
             if self.device_memory_budget is not None:
                 raise ConfigError("--device-memory-budget is used only with --cpu-offload-layers auto")
@@ -121,4 +127,4 @@ def parse_layer_spec(spec: str, num_layers: int) -> LayerSpec:
 
 
 # Type and range of every numeric field (config/ranges.py).
-RANGES = {"offload_prefetch": at_least(0, LAYERS)}
+RANGES = {"offload_prefetch": at_least(0, LAYERS), "host_optimizer_threads": at_least(1, LAYERS)}
