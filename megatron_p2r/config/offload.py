@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 from megatron_p2r.config.fields import ConfigError, opt
 from megatron_p2r.config.ranges import LAYERS, at_least
+from megatron_p2r.config.train import TrainConfig
 
 WHAT_ITEMS = ("params", "grads", "optimizer")
 FULL = frozenset(WHAT_ITEMS)
@@ -52,6 +53,14 @@ class OffloadConfig:
                               f"got --cpu-offload-layers {self.cpu_offload_layers!r}")
         if self.device_memory_budget is not None:
             parse_memory_size(self.device_memory_budget)
+
+
+def host_step_starts_in_backward(t: TrainConfig, layer_keys: Sequence[int]) -> bool:
+    """Whether the overlapped host step starts each offloaded layer's step in backward, as soon as
+    its gradients are final: nothing global gates the update (no clipping, no fp16 loss scaling)
+    and no layer module serves two layers (a pseudo slot's gradient is final only after its last
+    use, which the DDP does not track)."""
+    return t.clip_grad == 0 and not t.fp16 and len(set(layer_keys)) == len(layer_keys)
 
 
 def parse_memory_size(text: str) -> int:

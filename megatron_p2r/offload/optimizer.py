@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from megatron_p2r.config import Config
+from megatron_p2r.config import Config, host_step_starts_in_backward
 from megatron_p2r.offload.runtime import OffloadManager
-from megatron_p2r.optim.host_step import starts_in_backward
 from megatron_p2r.optim.mixed_precision import HostStepSettings
 
 
@@ -27,4 +26,4 @@ def overlapped_host_step(manager: OffloadManager, cfg: Config) -> Optional[HostS
     if not cfg.offload.overlap_cpu_optimizer_d2h_h2d:
         return None
     return HostStepSettings(manager.forward_layers, cfg.offload.host_optimizer_threads,
-                            starts_in_backward(cfg.train, manager.model.layer_keys))
+                            host_step_starts_in_backward(cfg.train, manager.model.layer_keys))

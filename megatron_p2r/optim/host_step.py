@@ -7,7 +7,7 @@ decision on a non-finite gradient depend on every gradient of the step, and the 
 not linear in their gradient, so no part of an update can be computed earlier and corrected
 later. ZeRO-Offload faces the same constraint (its "delayed parameter update" steps with the
 previous iteration's gradients instead, which changes training; not done here). Without either
-(``--clip-grad 0`` with bf16 or fp32: ``early``) nothing global gates the update, so a layer's
+(``--clip-grad 0`` with bf16 or fp32: ``early``, ``config.host_step_starts_in_backward``) nothing global gates the update, so a layer's
 step starts as soon as its gradients are final in the last micro-batch's backward: the DDP
 reports each bucket whose reduction has started (``reduction_started``) and the worker finishes
 that reduction (waits, divides by the DP size) before stepping. A non-finite gradient, which
@@ -28,15 +28,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence
 
 import torch
-
-from megatron_p2r.config import TrainConfig
-
-
-def starts_in_backward(t: TrainConfig, layer_keys: Sequence[int]) -> bool:
-    """Whether each layer's step starts in backward (``early``): nothing global gates the update
-    (no clipping, no fp16 loss scaling) and no layer module serves two layers (a pseudo slot's
-    gradient is final only after its last use, which the DDP does not track)."""
-    return t.clip_grad == 0 and not t.fp16 and len(set(layer_keys)) == len(layer_keys)
 
 
 def _layer_view(inner: torch.optim.Optimizer, mains: set) -> torch.optim.Optimizer:
