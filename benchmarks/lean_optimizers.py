@@ -2,12 +2,16 @@
 model shape, the same data, schedule and fixed held-out set) once per optimizer setting and seed,
 each paired with AdamW's run of its seed.
 
-    python benchmarks/lean_optimizers.py [--iters 200] [--seeds 1 2 3] [--model wide] [--work /tmp/lean_study]
+    python benchmarks/lean_optimizers.py [--iters 200] [--seeds 1 2 3] [--model wide=8x128]
+        [--data-path PREFIX|CORPUS.jsonl ...] [--work /tmp/lean_study]
 
-Prints every setting's final eval loss per seed and its gap to AdamW's. The settings are the
-usual starting points, not tuned here: Lion at a third of AdamW's learning rate and three times
-its weight decay (Chen et al. 2023: the same lr x wd), Adafactor at torch's default relative step
-cap (lr 1e-2, decayed like AdamW's) with AdamW's weight decay.
+The corpus, held-out set and training options are the study's (``p2r_convergence.py --help``).
+Prints every setting's final held-out loss per seed with its standard error, and its gap to
+AdamW's run of the same seed with the paired standard error (the same held-out samples). The
+settings are the usual starting points, not tuned here: Lion at a third of AdamW's learning rate
+and three times its weight decay (Chen et al. 2023: the same lr x wd), Adafactor at torch's
+default relative step cap (lr 1e-2, decayed like AdamW's) with AdamW's weight decay. Runs are
+saved under ``--work`` and not trained again when rerun.
 """
 from __future__ import annotations
 
@@ -18,7 +22,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.p2r_convergence import ARMS, phase_values, prepare_corpus, train_phase  # noqa: E402
+from benchmarks import p2r_arms, p2r_corpus  # noqa: E402
+from benchmarks.p2r_convergence import add_corpus_options, add_training_options  # noqa: E402
+from benchmarks.p2r_heldout import HeldOutTooSmall, mean_se, paired_se  # noqa: E402
+from benchmarks.p2r_runs import phase_values, train_phase  # noqa: E402
 
 SETTINGS = {  # flags over AdamW's run, as functions of its learning rate and weight decay
     "adam": lambda lr, wd: {},
@@ -27,39 +34,46 @@ SETTINGS = {  # flags over AdamW's run, as functions of its learning rate and we
 }
 
 
-def final_loss(args, setting: str, seed: int) -> float:
-    """The held-out loss at the last step of one run (trained and evaluated unless done before)."""
-    phase = ARMS[args.model]["real from scratch"][0]
-    values = dict(phase_values(args, args.model, phase, seed), train_iters=args.iters)
+def final_losses(args, setting: str, seed: int) -> list:
+    """Per-sample held-out losses at the last step of one run (trained unless done before)."""
+    values = dict(phase_values(args, args.model_name, p2r_arms.Phase(1.0), seed), train_iters=args.iters)
     values.update(SETTINGS[setting](values["lr"], values["weight_decay"]))
-    points = train_phase(args, values, os.path.join(args.work, "runs", f"{args.model}-{args.iters}-{setting}",
-                                                              f"seed{seed}"), None, 0)
-    return points[-1][1]
+    run_dir = os.path.join(args.work, "runs", f"{args.model_name}-{args.iters}-{setting}", f"seed{seed}")
+    return train_phase(args, values, run_dir, None, 0)["last"]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--iters", type=int, default=200)
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    add_corpus_options(p)
+    add_training_options(p)
+    p.add_argument("--model", default="wide=8x128", metavar="NAME=LAYERSxHIDDEN", help="the model shape")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    p.add_argument("--model", default="wide", choices=list(ARMS))
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--eval-interval", type=int, default=50)
-    p.add_argument("--eval-iters", type=int, default=10)
-    p.add_argument("--corpus-bytes", type=int, default=6_000_000)
     p.add_argument("--work", default="/tmp/lean_study")
-    args = p.parse_args()
-    args.eval_interval = min(args.eval_interval, args.iters)
-    args.corpus = prepare_corpus(args.work, args.corpus_bytes)
-    losses = {s: {seed: final_loss(args, s, seed) for seed in args.seeds} for s in SETTINGS}
-    print(f"{args.model} model, {args.iters} steps, final eval loss on the fixed held-out set (gap to AdamW's seed):")
+    p.set_defaults(iters=200, eval_interval=50)
+    args = p.parse_args(argv)
+    try:
+        args.model_name, shape = p2r_arms.parse_shape(args.model)
+        args.shapes = {args.model_name: shape}
+        args.eval_interval = min(args.eval_interval, args.iters)
+        args.corpus = p2r_corpus.prepare(args, os.path.join(args.work, "corpus"))
+        losses = {s: {seed: final_losses(args, s, seed) for seed in args.seeds} for s in SETTINGS}
+    except (p2r_arms.ArmError, p2r_corpus.CorpusError, HeldOutTooSmall) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.model_name} model ({shape.layers} x {shape.hidden}), {args.iters} steps, {args.corpus.name}: "
+          f"final loss on {args.eval_samples} held-out samples ± its standard error (gap to AdamW's seed ± paired SE):")
     for setting, by_seed in losses.items():
-        cells = [f"seed {seed}: {loss:.4f}" + ("" if setting == "adam" else
-                                               f" ({100 * (loss / losses['adam'][seed] - 1):+.2f}%)")
-                 for seed, loss in by_seed.items()]
+        cells = []
+        for seed, values in by_seed.items():
+            mean, se = mean_se(values)
+            cell = f"seed {seed}: {mean:.4f} ± {se:.4f}"
+            if setting != "adam":
+                base = mean_se(losses["adam"][seed])[0]
+                cell += f" ({100 * (mean / base - 1):+.2f}% ± {100 * paired_se(values, losses['adam'][seed]) / base:.2f})"
+            cells.append(cell)
         print(f"  {setting:9s} " + "; ".join(cells))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

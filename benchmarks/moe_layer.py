@@ -198,7 +198,7 @@ def self_time_classes(module, step, steps: int = 3) -> dict:
 def print_profile(modules: dict, times: dict, step) -> None:
     """Each module's self CPU time by class (its measured time split in those shares), and what
     the matmul shares mean for the ratio to Mixtral."""
-    print(f"  where the time goes (torch.profiler self CPU time by operator class, ms per step):")
+    print("  where the time goes (torch.profiler self CPU time by operator class, ms per step):")
     shares = {name: self_time_classes(module, step) for name, module in modules.items()}
     classes = list(next(iter(shares.values())))
     print(f"  {'':18s} " + " ".join(f"{c:>12.12s}" for c in classes))

@@ -48,8 +48,8 @@ class StudyError(ValueError):
     """Options that cannot make a study: reported as one ``error:`` line."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+def add_corpus_options(p: argparse.ArgumentParser) -> None:
+    """The corpus and its held-out set (shared with benchmarks/lean_optimizers.py)."""
     data = p.add_argument_group("corpus")
     data.add_argument("--data-path", help="Megatron .bin/.idx prefix, or a .jsonl(.gz) to preprocess (default: "
                                           "the demo corpus)")
@@ -66,6 +66,22 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--demo-source", choices=sorted(p2r_corpus.DEMO_NAMES), default="code",
                       help="the demo corpus without --data-path: the stdlib's code, or its documentation in English "
                            "(tools/build_demo_corpus.py --source)")
+
+
+def add_training_options(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The schedule every run trains with (shared with benchmarks/lean_optimizers.py)."""
+    train = p.add_argument_group("training")
+    train.add_argument("--iters", type=int, default=400)
+    train.add_argument("--seq", type=int, default=128)
+    train.add_argument("--micro-batch", type=int, default=8)
+    train.add_argument("--lr", type=float, default=2e-3)
+    train.add_argument("--eval-interval", type=int, default=25)
+    return train
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    add_corpus_options(p)
     arms = p.add_argument_group("arms")
     arms.add_argument("--model", action="append", metavar="NAME=LAYERSxHIDDEN[@BUDGET]",
                       help=f"a model shape, repeatable (default {' '.join(p2r_arms.DEFAULT_SHAPES)}); @BUDGET "
@@ -79,12 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     arms.add_argument("--grow-factors", type=int, nargs="+",
                       help="growth depth factors (default: deep 4, other shapes 2)")
     arms.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    train = p.add_argument_group("training")
-    train.add_argument("--iters", type=int, default=400)
-    train.add_argument("--seq", type=int, default=128)
-    train.add_argument("--micro-batch", type=int, default=8)
-    train.add_argument("--lr", type=float, default=2e-3)
-    train.add_argument("--eval-interval", type=int, default=25)
+    train = add_training_options(p)
     train.add_argument("--jobs", type=int, default=2, help="Runs in parallel (one thread each).")
     timing = p.add_argument_group("timing and report")
     timing.add_argument("--timing-rounds", type=int, default=3, help="0: no timing run, no wall-time figures")

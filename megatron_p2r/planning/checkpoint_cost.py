@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from megatron_p2r.checkpoint.parallel_save import assign_writers
-from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo, tensor_table
+from megatron_p2r.checkpoint.tensor_table import ShardLayout, tensor_table
 from megatron_p2r.config import Config
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Layout

@@ -38,7 +38,7 @@ def run(fn, rows, weights, order, grad):
 def test_weighted_unpermute_equals_scatter_and_sum(dropped, dtype, tol):
     rows, weights, order, grad = case(dropped, dtype)
     got, want = run(weighted_unpermute, rows, weights, order, grad), run(reference, rows, weights, order, grad)
-    for name, a, b in zip(("output", "rows' gradient", "weights' gradient"), got, want):
+    for name, a, b in zip(("output", "rows' gradient", "weights' gradient"), got, want, strict=True):
         assert a.dtype == b.dtype and torch.allclose(a, b, rtol=tol, atol=tol), name
     if dropped:
         assert torch.count_nonzero(got[2]) == order.numel()    # a dropped slot's weight gets no gradient

@@ -43,13 +43,13 @@ def test_adafactor_is_torchs_and_a_stack_is_its_matrices():
     ref = [p.clone() for p in ours[:2]] + [p.clone() for p in ours[2]]
     opt, torch_opt = _adafactor(ours), torch.optim.Adafactor([{"params": ref, "weight_decay": 0.1}], lr=0.01)
     for grads in _grads(shapes, 4):
-        for p, g in zip(ours, grads):
+        for p, g in zip(ours, grads, strict=True):
             p.grad = g
-        for p, g in zip(ref, grads[:2] + list(grads[2])):
+        for p, g in zip(ref, grads[:2] + list(grads[2]), strict=True):
             p.grad = g.clone()
         opt.step()
         torch_opt.step()
-    for p, q in zip(ours[:2] + list(ours[2]), ref):
+    for p, q in zip(ours[:2] + list(ours[2]), ref, strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
@@ -60,25 +60,25 @@ def test_a_matrix_cut_between_ranks_steps_as_the_whole():
     shapes, cut = [(6, 5), (7,)], [13, 3]
     torch.manual_seed(0)
     whole = [torch.randn(s) for s in shapes]
-    parts = [[p.detach().clone().view(-1)[:c].clone() for p, c in zip(whole, cut)],
-             [p.detach().clone().view(-1)[c:].clone() for p, c in zip(whole, cut)]]
+    parts = [[p.detach().clone().view(-1)[:c].clone() for p, c in zip(whole, cut, strict=True)],
+             [p.detach().clone().view(-1)[c:].clone() for p, c in zip(whole, cut, strict=True)]]
     ref = _adafactor(whole)
     sums = _pair(shapes)
     opts = []
     for r, mine in enumerate(parts):
         pieces = {id(p): af.Piece(s, 0 if r == 0 else c, c if r == 0 else s[0] * (s[1] if len(s) > 1 else 1))
-                  for p, s, c in zip(mine, shapes, cut)}
+                  for p, s, c in zip(mine, shapes, cut, strict=True)}
         shared = {id(p): (sums[r], i) for i, p in enumerate(mine)}
         opts.append(_adafactor(mine, shared, (sums[r],), pieces))
     for grads in _grads(shapes, 3):
-        for p, g in zip(whole, grads):
+        for p, g in zip(whole, grads, strict=True):
             p.grad = g
         for r, mine in enumerate(parts):
-            for p, g, c in zip(mine, grads, cut):
+            for p, g, c in zip(mine, grads, cut, strict=True):
                 p.grad = g.reshape(-1)[:c].clone() if r == 0 else g.reshape(-1)[c:].clone()
         ref.step()
         _step_together(opts)
-    for p, c, a, b in zip(whole, cut, *parts):
+    for p, c, a, b in zip(whole, cut, *parts, strict=True):
         torch.testing.assert_close(torch.cat([a, b]), p.detach().view(-1), rtol=1e-6, atol=1e-7)
     rows = [opts[r].state[parts[r][0]]["row_var"] for r in range(2)]
     torch.testing.assert_close(rows[0], ref.state[whole[0]]["row_var"], rtol=1e-6, atol=0)
@@ -123,7 +123,7 @@ def test_adafactor_statistics_round_trip_through_their_checkpoint_form():
     params = [torch.randn(s) for s in shapes]
     opt = _adafactor(params)
     for grads in _grads(shapes, 2):
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             p.grad = g
         opt.step()
     for p in params:
@@ -207,7 +207,7 @@ def test_resharded_there_and_back_the_state_is_the_same(tmp_path, optimizer):
     convert(str(tmp_path / "tp2"), str(tmp_path / "back"), Target(tensor_parallel_size=1), None, progress=False)
     state = build_train_state(cfg(optimizer=optimizer), ParallelState.single())
     load_checkpoint(str(tmp_path / "back"), state)
-    for (name, p), q in zip(state.model.named_parameters(), saved.model.parameters()):
+    for (name, p), q in zip(state.model.named_parameters(), saved.model.parameters(), strict=True):
         mine, theirs = state.optimizer.state[p], saved.optimizer.state[q]
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), name
 

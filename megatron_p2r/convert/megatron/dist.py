@@ -75,12 +75,17 @@ def _field(record, name: str, where: str):
     return value
 
 
+def _chained(optimizer) -> bool:
+    """Whether common.pt's ``optimizer`` is a ChainedOptimizer's (one entry per index)."""
+    return isinstance(optimizer, dict) and bool(optimizer) and all(isinstance(k, int) for k in optimizer)
+
+
 def _adam_step(optimizer, where: str):
     """Adam's step count from common.pt's ``optimizer``, or None: ``state.common_step`` (the
     non-distributed optimizer; under --bf16/--fp16 the Float16 optimizer nests torch's state dict
     in ``optimizer``; a ChainedOptimizer, as with experts under EP > 1, saves one per index) or
     the step of its param groups (the distributed one's ``fully_reshardable`` state)."""
-    if isinstance(optimizer, dict) and optimizer and all(isinstance(k, int) for k in optimizer):
+    if _chained(optimizer):
         steps = {_adam_step(chained, where) for chained in optimizer.values()}
         if len(steps) != 1:
             raise CheckpointError(f"{where}: the chained optimizers' steps differ: {sorted(steps, key=str)}")
@@ -140,7 +145,13 @@ class DistCheckpoint:
     def _optimizer_state(self, optimizer) -> Optional[float]:
         """Adam's step, or None: weights only. The distributed optimizer's buckets are replayed
         (``dp_reshardable``); a sharding type not read leaves the optimizer state out and says why."""
-        sharding = optimizer.get("param_state_sharding_type") if isinstance(optimizer, dict) else None
+        chained = _chained(optimizer)
+        shardings = {o.get("param_state_sharding_type") if isinstance(o, dict) else None
+                     for o in (optimizer.values() if chained else [optimizer])}
+        if len(shardings) != 1:
+            raise CheckpointError(f"{self.saved_path}: the chained optimizers' sharding types differ: "
+                                  f"{sorted(shardings, key=str)}")
+        sharding = shardings.pop()
         if sharding is None or sharding == "fully_reshardable":
             return _adam_step(optimizer, self.saved_path)
         self.optimizer = {kind: {} for kind in OPTIMIZER_KEYS}
@@ -155,15 +166,14 @@ class DistCheckpoint:
             self.optimizer_not_read = f"{self.where}: the distributed optimizer's state of sharding type {sharding!r}: {why}"
             return None
         self.optimizer = self.buckets.names
-        steps = {self._param_groups_step(index) for index in range(self.args.tp * self.args.pp)}
+        steps = {self._param_groups_step(key) for key in self.buckets.param_group_keys}
         if len(steps) != 1:
             raise CheckpointError(f"{self.where}: the distributed optimizer's param groups give Adam steps "
                                   f"{sorted(steps)}, expected one")
         return steps.pop()
 
-    def _param_groups_step(self, index: int) -> float:
-        """Adam's step in the param groups of model-parallel rank ``index`` (a pickled object)."""
-        key = f"optimizer.distributed.dp_group_idx_{index}.optimizer"
+    def _param_groups_step(self, key: str) -> float:
+        """Adam's step in the param groups of one model-parallel rank (a pickled object)."""
         chunk = self.objects.get(key)
         if chunk is None:
             raise CheckpointError(f"{self.where}: no object {key!r} (the distributed optimizer's param groups)")

@@ -2,43 +2,52 @@
 --ckpt-format torch_dist`` writes it by default: sharding type ``dp_reshardable``
 (``DistributedOptimizer.sharded_param_state_dp_reshardable``), the optimizer's own buckets.
 
-    optimizer.distributed.dp_group_idx_M.gbuf_idx_0.dtype_(param dtype, grad dtype).bucket_idx_B.STATE
+    [chained_I.]optimizer.distributed.dp_group_idx_M.gbuf_idx_0.dtype_(param dtype, grad dtype).bucket_idx_B.STATE
         [the bucket's elements without its end padding]     STATE: param (fp32 main), exp_avg, exp_avg_sq
-    optimizer.distributed.dp_group_idx_M.optimizer          a pickled object: the param groups, with Adam's step
+    [chained_I.]optimizer.distributed.dp_group_idx_M.optimizer   a pickled object: the param groups, with Adam's step
 
 M is the rank in the model-parallel group (``pp * TP + tp``): each TP shard of each pipeline
-stage has its own buckets, each DP rank wrote its slice of them. Nothing says where a parameter
-lies in its bucket; the DDP buffer's layout does (``buffer_layout``), replayed here from the
-stage's parameters in the order megatron-core's GPTModel with the local layer spec registers them
-(``named_parameters``). The replayed bucket lengths are checked against the saved tensors before
-a value is read. Not replayed (the import is then of weights only, and says why): Transformer
-Engine's modules, MoE (a second optimizer for the experts), virtual pipeline chunks and uneven
-pipeline splits.
+stage has its own buckets, each DP rank wrote its slice of them. An MoE model under expert
+parallelism has two optimizers (megatron-core's ChainedOptimizer): ``chained_0`` the dense
+parameters', ``chained_1`` the experts', whose M is the rank in the expert tensor-model-pipeline
+group (``(pp * EP + ep) * TP + tp``): each EP rank's experts have buckets of their own. Nothing
+says where a parameter lies in its bucket; the DDP buffer's layout does (``buffer_layout``),
+replayed here from the stage's parameters in the order megatron-core's GPTModel with the local
+layer spec registers them (``named_parameters``). The replayed bucket lengths are checked against
+the saved tensors before a value is read. The experts are replayed as ``--moe-grouped-gemm``'s
+``GroupedMLP`` holds them: per layer ``weight1`` [h, local experts x fc1 rows / TP] and ``weight2``
+[local experts x ffn / TP, h], each expert's block transposed. Not replayed (the import is then of
+weights only, and says why): Transformer Engine's modules, SequentialMLP experts, experts outside
+expert parallelism (in the dense buffer), virtual pipeline chunks and uneven pipeline splits.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.convert.megatron.args import SavedArgs
 from megatron_p2r.convert.megatron.buffer_layout import Param, bucket_layout, bucket_size
-from megatron_p2r.convert.megatron.names import (FINAL_NORM, OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS,
-                                                    join_tp_shards, split_layer_key, tp_dim)
+from megatron_p2r.convert.megatron.names import (FINAL_NORM, LAYERS, OUTPUT_LAYER, POSITION_EMBEDDINGS,
+                                                    WORD_EMBEDDINGS, join_tp_shards, split_layer_key, tp_dim)
 
 SHARDING_TYPE = "dp_reshardable"
 # our optimizer-state kind -> Megatron's state name in the bucket keys
 STATES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "main": "param"}
 _KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(\(.*\))\.bucket_idx_(\d+)\."
                   r"(param|exp_avg|exp_avg_sq)")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(linear_fc[12])\.weight")
+DENSE, EXPERTS = "chained_0.", "chained_1."  # a ChainedOptimizer's keys: the dense optimizer's, the experts'
 # a layer's modules in the order megatron-core's local-spec TransformerLayer registers them
-# (Attention builds linear_proj before SelfAttention adds linear_qkv and the q/k norms)
+# (Attention builds linear_proj before SelfAttention adds linear_qkv and the q/k norms; MoELayer
+# its router before its experts)
 _LAYER_MODULES = ("input_layernorm", "self_attention.linear_proj", "self_attention.linear_qkv",
                   "self_attention.q_layernorm", "self_attention.k_layernorm", "pre_mlp_layernorm",
-                  "mlp.linear_fc1", "mlp.linear_fc2")
+                  "mlp.router", "mlp.linear_fc1", "mlp.linear_fc2")
 _UNEVEN_SPLITS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                   "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
                   "account_for_loss_in_pipeline_split")
@@ -46,6 +55,16 @@ _UNEVEN_SPLITS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_nu
 
 class NotReplayed(Exception):
     """The buffers of this model are not replayed here: why (the import is of weights only)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Place:
+    """Where one TP shard of a weight's state lies: a bucket's elements ``start`` on, ``shape``
+    as the rank holds it (``transposed``: [in, out], a GroupedMLP expert's block)."""
+    bucket: str
+    start: int
+    shape: Tuple[int, ...]
+    transposed: bool = False
 
 
 def module_order(name: str) -> Tuple[int, ...]:
@@ -65,43 +84,108 @@ def module_order(name: str) -> Tuple[int, ...]:
     raise NotReplayed(f"where megatron-core registers {module} is not known here")
 
 
+def is_expert(name: str) -> bool:
+    split = split_layer_key(name)
+    return split is not None and split[1].startswith("mlp.experts.")
+
+
 class DpReshardable:
-    """Each weight's optimizer state, from the bucket tensors of every (TP rank, stage)."""
+    """Each weight's optimizer state, from the bucket tensors of every (TP rank, stage) and, with
+    experts, every (TP rank, EP rank, stage)."""
 
     def __init__(self, args: SavedArgs, shapes: Dict[str, Tuple[int, ...]], sizes: Dict[str, Tuple[int, ...]],
                  read_range: Callable[[str, int, int], torch.Tensor], where: str):
         """``shapes``: the global shape of every weight; ``sizes``: the global shape of every key
         of the checkpoint; ``read_range(key, start, stop)``: elements of a flat key."""
-        _check_replayable(args, sizes)
+        chained = _check_replayable(args, shapes, sizes)
         self.args, self.where, self._read_range = args, where, read_range
-        self._shapes = shapes
-        buckets = _bucket_keys(sizes, args.tp * args.pp, where)
-        # weight -> TP rank -> (dp_group_idx, bucket, start): where its TP shard's state lies
-        self.places: Dict[str, Dict[int, Tuple[int, int, int]]] = {}
-        self._dtype: Dict[int, str] = {}
-        layers = args.required("num_layers")
-        for stage in range(args.pp):
-            names = [n for n in shapes if _on_stage(n, stage, args.pp, layers)]
-            for t in range(args.tp):
-                index = stage * args.tp + t
-                self._dtype[index], lengths = buckets[index]
-                params = self._stage_params(names, stage)
-                starts, replayed = bucket_layout(params, bucket_size(args, stage))
-                if replayed != lengths:
-                    raise CheckpointError(f"{where}: the buckets of dp_group_idx_{index} (TP rank {t}, stage {stage}) "
-                                          f"hold {lengths} elements, the layout of the stage's {len(params)} parameters "
-                                          f"in Megatron's buffer has {replayed}")
-                for p in params:
-                    if p.key in shapes:
-                        self.places.setdefault(p.key, {})[t] = (index, *starts[p.key])
+        self._shapes, self._sizes = shapes, sizes
+        # weight -> TP rank -> where its TP shard's state lies
+        self.places: Dict[str, Dict[int, _Place]] = {}
+        self.param_group_keys: List[str] = []  # the pickled param groups of every optimizer and rank
+        self._chunks = _model_chunks(args)
+        dense = self._buckets(DENSE if chained else "", args.tp * args.pp)
+        experts = self._buckets(EXPERTS, args.tp * args.ep * args.pp) if chained else {}
+        for chunk in range(self._chunks):
+            for stage in range(args.pp):
+                for t in range(args.tp):
+                    self._place_dense(dense, chunk, stage, t)
+                    for e in range(args.ep if chained else 0):
+                        self._place_experts(experts, chunk, stage, e, t)
         self.names = {kind: dict.fromkeys(self.places) for kind in STATES}
 
-    def _stage_params(self, names: List[str], stage: int) -> List[Param]:
-        """The stage's parameters (TP shards) in ``named_parameters`` order; with a tied
-        embedding under PP > 1, the last stage's copy (``output_layer.weight``) and the first
+    def _buckets(self, prefix: str, ranks: int) -> Dict[Tuple[int, int], Tuple[str, List[int]]]:
+        """(dp_group_idx, gbuf_idx: the model chunk) -> (its buffer's key prefix, its buckets'
+        lengths) of one optimizer."""
+        found = _bucket_keys({k[len(prefix):]: v for k, v in self._sizes.items() if k.startswith(prefix)}, ranks,
+                             self._chunks, f"{self.where} ({prefix[:-1] or 'the optimizer'})")
+        self.param_group_keys += [f"{prefix}optimizer.distributed.dp_group_idx_{i}.optimizer" for i in range(ranks)]
+        return {(i, g): (f"{prefix}optimizer.distributed.dp_group_idx_{i}.gbuf_idx_{g}.dtype_{dtype}", lengths)
+                for (i, g), (dtype, lengths) in found.items()}
+
+    def _virtual_stage(self, chunk: int, stage: int) -> Tuple[int, int]:
+        """(virtual stage, their count) of model chunk ``chunk`` of pipeline rank ``stage``."""
+        return chunk * self.args.pp + stage, self._chunks * self.args.pp
+
+    def _place_dense(self, buckets, chunk: int, stage: int, t: int) -> None:
+        """Where TP rank ``t`` of pipeline rank ``stage`` keeps the dense state of model chunk ``chunk``."""
+        virtual, count = self._virtual_stage(chunk, stage)
+        names = [n for n in self._shapes
+                 if _on_stage(n, virtual, count, self.args.required("num_layers")) and not is_expert(n)]
+        params = self._stage_params(names, virtual == count - 1)
+        where = f"TP rank {t}, stage {stage}" + (f", model chunk {chunk}" if self._chunks > 1 else "")
+        bucket, starts = self._replay(buckets, (stage * self.args.tp + t, chunk), params,
+                                      bucket_size(self.args, stage) if chunk == 0 else None, where)
+        for p in params:
+            if p.key in self._shapes:
+                self.places.setdefault(p.key, {})[t] = _Place(bucket(starts[p.key][0]), starts[p.key][1],
+                                                              self._local_shape(p.key))
+
+    def _replay(self, buckets: Dict[Tuple[int, int], Tuple[str, List[int]]], index: Tuple[int, int],
+                params: List[Param], size: Optional[int], rank: str) -> Tuple[Callable[[int], str], Dict[str, Tuple[int, int]]]:
+        """The layout of one rank's buffer of ``params`` (buckets of ``size``), checked against its
+        saved buckets: (bucket number -> its key without the state, each parameter's (bucket, start))."""
+        prefix, lengths = buckets[index]
+        starts, replayed = bucket_layout(params, size)
+        if replayed != lengths:
+            group = prefix.partition(".dtype_")[0].replace("optimizer.distributed.", "")
+            group = group if self._chunks > 1 else group.partition(".gbuf_idx")[0]
+            raise CheckpointError(f"{self.where}: the buckets of {group} ({rank}) hold {lengths} elements, the layout "
+                                  f"of the stage's {len(params)} parameters in Megatron's buffer has {replayed}")
+        return (lambda b: f"{prefix}.bucket_idx_{b}"), starts
+
+    def _place_experts(self, buckets, chunk: int, stage: int, ep: int, t: int) -> None:
+        """Where TP rank ``t`` of EP rank ``ep`` keeps its experts' state: GroupedMLP's ``weight1``
+        and ``weight2`` of each MoE layer of the (virtual) stage, each local expert's block of them."""
+        args, local = self.args, self.args.required("num_experts") // self.args.ep
+        virtual, count = self._virtual_stage(chunk, stage)
+        moe_layers = sorted({split_layer_key(n)[0] for n in self._shapes if is_expert(n)
+                             and _on_stage(n, virtual, count, args.required("num_layers"))})
+        params, blocks = [], []
+        for layer in moe_layers:
+            for fc, weight in (("linear_fc1", "weight1"), ("linear_fc2", "weight2")):
+                out, in_ = self._local_shape(f"{LAYERS}{layer}.mlp.experts.0.{fc}.weight")
+                block = (in_, out)  # GroupedMLP's expert weight is the linear layer's transposed
+                # weight1 [h, experts x out]: viewed as [experts, h, out]; weight2 [experts x in, h]
+                local_shape = (in_, local * out) if weight == "weight1" else (local * in_, out)
+                key = f"{LAYERS}{layer}.mlp.experts.{weight}"
+                params.append(Param(key, local_shape, True))
+                blocks += [(key, f"{LAYERS}{layer}.mlp.experts.{ep * local + i}.{fc}.weight", i, block)
+                           for i in range(local)]
+        index = (stage * args.ep + ep) * args.tp + t
+        where = f"TP rank {t}, EP rank {ep}, stage {stage}" + (f", model chunk {chunk}" if self._chunks > 1 else "")
+        bucket, starts = self._replay(buckets, (index, chunk), params,
+                                      bucket_size(args, stage) if chunk == 0 else None, where)
+        for key, name, i, block in blocks:
+            b, start = starts[key]
+            self.places.setdefault(name, {})[t] = _Place(bucket(b), start + i * math.prod(block), block, True)
+
+    def _stage_params(self, names: List[str], last: bool) -> List[Param]:
+        """The (virtual) stage's dense parameters (TP shards) in ``named_parameters`` order; with a
+        tied embedding under PP > 1, the last stage's copy (``output_layer.weight``) and the first
         stage's embedding are each a bucket of their own."""
         tied = not self.args.get("untie_embeddings_and_output_weights") and self.args.pp > 1
-        names = names + ([OUTPUT_LAYER] if tied and stage == self.args.pp - 1 else [])
+        names = names + ([OUTPUT_LAYER] if tied and last else [])
         return [Param(n, self._local_shape(n), False, tied and n in (WORD_EMBEDDINGS, OUTPUT_LAYER))
                 for n in sorted(names, key=module_order)]
 
@@ -124,31 +208,44 @@ class DpReshardable:
         joined along Megatron's split dim."""
         parts = []
         for t in range(self.args.tp):
-            index, bucket, start = self.places[name][t]
-            shape = self._local_shape(name)
-            key = f"optimizer.distributed.dp_group_idx_{index}.gbuf_idx_0.dtype_{self._dtype[index]}." \
-                  f"bucket_idx_{bucket}.{STATES[kind]}"
-            parts.append(self._read_range(key, start, start + math.prod(shape)).reshape(shape))
+            place = self.places[name][t]
+            part = self._read_range(f"{place.bucket}.{STATES[kind]}", place.start,
+                                    place.start + math.prod(place.shape)).reshape(place.shape)
+            parts.append(part.t().contiguous() if place.transposed else part)
         return join_tp_shards(name, parts, bool(self.args.get("swiglu")))
 
 
-def _check_replayable(args: SavedArgs, sizes: Dict[str, Tuple[int, ...]]) -> None:
+def _check_replayable(args: SavedArgs, shapes: Dict[str, Tuple[int, ...]], sizes: Dict[str, Tuple[int, ...]]) -> bool:
+    """Whether the optimizer is chained (dense, experts); NotReplayed where the buffers are not."""
     if args.get("transformer_impl", default="transformer_engine") != "local":
         raise NotReplayed("the order of Transformer Engine's modules in the distributed optimizer's buffers is not "
                           "replayed yet (only --transformer-impl local)")
-    if any(k.startswith("chained_") for k in sizes):
-        raise NotReplayed("the buffers of an MoE model's two distributed optimizers (chained_0, chained_1) are not "
-                          "replayed yet")
-    if args.pp > 1 and args.get("virtual_pipeline_model_parallel_size"):
-        raise NotReplayed("the buffers of virtual pipeline model chunks are not replayed yet")
+    chained = any(k.startswith(DENSE) for k in sizes)
+    experts = [n for n in shapes if is_expert(n)]
+    if experts and not chained:
+        raise NotReplayed("an MoE model's experts outside expert parallelism (EP 1: in the dense optimizer's "
+                          "buffers) are not replayed yet")
+    if experts and not args.get("moe_grouped_gemm"):
+        raise NotReplayed("the buffers of SequentialMLP experts are not replayed yet (only --moe-grouped-gemm's "
+                          "GroupedMLP)")
+    if experts and (args.get("expert_tensor_parallel_size") not in (None, args.tp)
+                    or any(not _EXPERT.fullmatch(split_layer_key(n)[1]) for n in experts)):
+        raise NotReplayed("the buffers of experts with their own TP size or with biases are not replayed yet")
     uneven = [f"--{a.replace('_', '-')}" for a in _UNEVEN_SPLITS if args.get(a)]
-    if uneven or args.required("num_layers") % args.pp:
+    if uneven or args.required("num_layers") % (args.pp * _model_chunks(args)):
         raise NotReplayed(f"the buffers of an uneven pipeline split ({', '.join(uneven) or 'num_layers % PP'}) "
                           "are not replayed yet")
+    return chained
 
 
-def _bucket_keys(sizes: Dict[str, Tuple[int, ...]], ranks: int, where: str) -> Dict[int, Tuple[str, List[int]]]:
-    """dp_group_idx -> (its buffer's dtype pair, its buckets' lengths), from the saved keys."""
+def _model_chunks(args: SavedArgs) -> int:
+    """Model chunks per pipeline rank (virtual pipeline stages), each with its own buffer."""
+    return int(args.get("virtual_pipeline_model_parallel_size") or 1) if args.pp > 1 else 1
+
+
+def _bucket_keys(sizes: Dict[str, Tuple[int, ...]], ranks: int, chunks: int,
+                 where: str) -> Dict[Tuple[int, int], Tuple[str, List[int]]]:
+    """(dp_group_idx, gbuf_idx) -> (its buffer's dtype pair, its buckets' lengths), from the saved keys."""
     found: Dict[int, Dict[Tuple[int, str, int, str], int]] = {}
     for key, size in sizes.items():
         m = _KEY.fullmatch(key)
@@ -156,22 +253,23 @@ def _bucket_keys(sizes: Dict[str, Tuple[int, ...]], ranks: int, where: str) -> D
             found.setdefault(int(m.group(1)), {})[(int(m.group(2)), m.group(3), int(m.group(4)), m.group(5))] = size[0]
     if sorted(found) != list(range(ranks)):
         raise CheckpointError(f"{where}: holds the distributed optimizer's buckets of dp_group_idx {sorted(found)}, "
-                              f"expected 0..{ranks - 1} (one per TP rank and pipeline stage)")
+                              f"expected 0..{ranks - 1} (one per model-parallel rank)")
     out = {}
     for index, buckets in found.items():
-        buffers = {(gbuf, dtype) for gbuf, dtype, _, _ in buckets}
-        if len(buffers) != 1 or next(iter(buffers))[0] != 0:
-            raise NotReplayed(f"dp_group_idx_{index} holds grad buffers {sorted(buffers)}; only one (gbuf_idx_0) "
-                              "is replayed")
-        count = 1 + max(b for _, _, b, _ in buckets)
-        lengths = []
-        for b in range(count):
-            per_state = {buckets.get((0, next(iter(buffers))[1], b, s)) for s in STATES.values()}
-            if len(per_state) != 1 or None in per_state:
-                raise CheckpointError(f"{where}: bucket {b} of dp_group_idx_{index} has states of lengths {per_state}, "
-                                      f"expected {sorted(STATES.values())} of one length")
-            lengths.append(per_state.pop())
-        out[index] = (next(iter(buffers))[1], lengths)
+        buffers = sorted({(gbuf, dtype) for gbuf, dtype, _, _ in buckets})
+        if [gbuf for gbuf, _ in buffers] != list(range(chunks)):
+            raise NotReplayed(f"dp_group_idx_{index} holds grad buffers {buffers}; one per model chunk "
+                              f"(gbuf_idx_0..{chunks - 1}, of one dtype each) is replayed")
+        for gbuf, dtype in buffers:
+            count = 1 + max(b for g, _, b, _ in buckets if g == gbuf)
+            lengths = []
+            for b in range(count):
+                per_state = {buckets.get((gbuf, dtype, b, s)) for s in STATES.values()}
+                if len(per_state) != 1 or None in per_state:
+                    raise CheckpointError(f"{where}: bucket {b} of dp_group_idx_{index} gbuf_idx_{gbuf} has states of "
+                                          f"lengths {per_state}, expected {sorted(STATES.values())} of one length")
+                lengths.append(per_state.pop())
+            out[(index, gbuf)] = (dtype, lengths)
     return out
 
 

@@ -17,6 +17,7 @@ and TP-unsplit ones on every TP rank: the copy of EP rank 0 / TP rank 0 is read.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from typing import Dict, Tuple
@@ -32,6 +33,7 @@ from megatron_p2r.convert.megatron.names import (IGNORED, expert_rest, join_tp_s
 from megatron_p2r.convert.megatron.unpickler import Kind, LazyTensor, TorchArchive
 
 MODEL_FILE = "model_optim_rng.pt"
+_GROUPED = re.compile(r"(decoder\.layers\.\d+\.mlp\.experts\.)weight([12])")
 RANK_DIR = re.compile(r"mp_rank_\d{2}(_\d{3}){0,2}")
 
 
@@ -129,8 +131,13 @@ class LegacyCheckpoint:
         """Record the tensors of one model chunk of a rank file (and its optimizer state); returns
         how many layers it holds."""
         model = self._model(archive, chunk)
+        grouped = _grouped_experts(model, self.local_experts, archive.path)
+        if grouped and self.optimizer_not_read is None and ("optimizer" in archive.obj or os.path.isfile(
+                os.path.join(os.path.dirname(archive.path), distrib_optim.FILE))):
+            self.optimizer_not_read = f"{archive.path}: the optimizer state of GroupedMLP experts " \
+                                      "(mlp.experts.weight1, weight2) is not read yet"
         layers, canonical = set(), {}
-        for key, value in model.items():
+        for key, value in (grouped or model).items():
             if IGNORED.search(key):
                 continue
             if not isinstance(value, LazyTensor):
@@ -145,7 +152,7 @@ class LegacyCheckpoint:
         if layers != set(range(len(layers))):
             raise CheckpointError(f"{archive.path}: local layers {sorted(layers)} are not numbered 0..n-1")
         if self.optimizer_not_read is None:
-            self._add_optimizer_state(archive, model, canonical, t, stage)
+            self._add_optimizer_state(archive, grouped or model, canonical, t, stage)
         return len(layers)
 
     def _add_optimizer_state(self, archive: TorchArchive, model: dict, canonical: Dict[str, str], t: int,
@@ -222,6 +229,32 @@ class LegacyCheckpoint:
         if tp_dim(name) is None:
             return shards[0].read()
         return join_tp_shards(name, [shards[t].read() for t in range(self.layout[0])], self.glu)
+
+
+def _grouped_experts(model: dict, local: int, path: str) -> Dict[str, LazyTensor]:
+    """The state dict with GroupedMLP's experts (``--moe-grouped-gemm``, local spec: per layer
+    ``mlp.experts.weight1`` [h, local experts x fc1 rows], ``weight2`` [local experts x ffn, h]) as
+    SequentialMLP's ``local_experts.L.linear_fc{1,2}.weight``; empty without them. GroupedMLP
+    views each as one [in, out] block per expert, so each linear weight [out, in] is a transposed
+    view of its block (read on demand)."""
+    if not any(_GROUPED.fullmatch(key) for key in model):
+        return {}
+    out = {}
+    for key, tensor in model.items():
+        m = _GROUPED.fullmatch(key)
+        if m is None:
+            out[key] = tensor
+            continue
+        shape, split = getattr(tensor, "shape", ()), 1 if m.group(2) == "1" else 0  # the dim holding the experts
+        if not isinstance(tensor, LazyTensor) or len(shape) != 2 or tensor.stride != (shape[1], 1) or not local \
+                or shape[split] % local:
+            raise CheckpointError(f"{path}: model[{key!r}] is {tensor!r}, expected GroupedMLP's contiguous 2-D weight "
+                                  f"with its {local} local experts' blocks")
+        rows, cols = (shape[0], shape[1] // local) if m.group(2) == "1" else (shape[0] // local, shape[1])
+        for i in range(local):
+            out[f"{m.group(1)}local_experts.{i}.linear_fc{m.group(2)}.weight"] = dataclasses.replace(
+                tensor, offset=tensor.offset + i * rows * cols, shape=(cols, rows), stride=(1, cols))
+    return out
 
 
 def _is_expert(key: str) -> bool:

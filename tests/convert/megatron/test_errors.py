@@ -365,6 +365,51 @@ def test_distributed_optimizer_buckets_that_do_not_fit_the_model(tmp_path):
         assert os.path.isdir(out)
 
 
+def test_moe_distributed_optimizer_buckets_that_are_not_replayed(tmp_path):
+    """torch_dist with an MoE model's two chained distributed optimizers (Megatron-written, EP2,
+    GroupedMLP experts): args whose DDP buckets do not give the dense optimizer's saved bucket
+    lengths are refused naming its group (chained_0); SequentialMLP experts and experts with their own TP size import
+    the weights only, and the note says why."""
+    from tests.convert.megatron.megatron_written import ROOT
+    shutil.copytree(os.path.join(ROOT, "mixtral_dist_ep2_grouped_distopt", "checkpoint"), tmp_path / "src")
+    iter_dir = tmp_path / "src" / "iter_0000003"
+    common = str(iter_dir / "common.pt")
+    pristine = open(common, "rb").read()
+    for change, why in ((dict(moe_grouped_gemm=False), "the buffers of SequentialMLP experts are not replayed yet"),
+                        (dict(expert_tensor_parallel_size=2), "the buffers of experts with their own TP size")):
+        with open(common, "wb") as fh:
+            fh.write(pristine)
+        with torch.serialization.safe_globals([signal.Signals]):
+            edit_rank_file(common, lambda state: vars(state["args"]).update(change))
+        out, notes = import_megatron(str(tmp_path / "src"), str(tmp_path / "weights"), Target(), progress=False,
+                                     force=True)
+        assert re.search(re.escape(str(iter_dir / ".metadata")) + ": the distributed optimizer's state of sharding "
+                         "type 'dp_reshardable': " + why, " ".join(notes)), notes
+        assert os.path.basename(out) == "iter_0000000"
+    with open(common, "wb") as fh:
+        fh.write(pristine)
+    with torch.serialization.safe_globals([signal.Signals]):
+        edit_rank_file(common, lambda state: vars(state["args"]).update(overlap_grad_reduce=True, ddp_bucket_size=4096))
+    fails(tmp_path / "src", re.escape(str(iter_dir / ".metadata")) + r": the buckets of chained_0.dp_group_idx_0 "
+          r"\(TP rank 0, stage 0\) hold \[11584\] elements, the layout of the stage's 8 parameters in "
+          r"Megatron's buffer has \[4096, \d+")
+
+
+def test_legacy_grouped_experts_optimizer_state_is_named_as_not_read(tmp_path):
+    """A legacy GroupedMLP checkpoint (Megatron-written, TP2) whose rank files hold an optimizer
+    imports its weights only, and the note names the file and that the experts' state is not read."""
+    from tests.convert.megatron.megatron_written import ROOT
+    shutil.copytree(os.path.join(ROOT, "mixtral_legacy_tp2_grouped", "checkpoint"), tmp_path / "src")
+    paths = [str(tmp_path / "src" / "iter_0000003" / rank / "model_optim_rng.pt") for rank in ("mp_rank_00", "mp_rank_01")]
+    for path in paths:
+        with torch.serialization.safe_globals([signal.Signals]):
+            edit_rank_file(path, lambda state: state.update(optimizer={"state": {}, "param_groups": []}))
+    out, notes = import_megatron(str(tmp_path / "src"), str(tmp_path / "dst"), Target(), progress=False)
+    assert re.search(re.escape(paths[0]) + r": the optimizer state of GroupedMLP experts \(mlp.experts.weight1, "
+                     r"weight2\) is not read yet", " ".join(notes)), notes
+    assert os.path.basename(out) == "iter_0000000"
+
+
 def test_a_legacy_optimizer_state_that_is_not_read_is_named(tmp_path):
     """A legacy rank file whose optimizer is not torch Adam's plain state dict (the --bf16/--fp16
     optimizer's nested one), or a distributed optimizer's rank file without its distrib_optim.pt:

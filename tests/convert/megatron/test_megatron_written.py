@@ -23,8 +23,8 @@ def test_import_gives_megatrons_logits(errors, name, tp):
 
 def test_the_fixtures_cover_megatrons_layouts():
     """Both formats, TP > 1, PP > 1 (also with virtual pipeline chunks), EP > 1, bf16, optimizer
-    state, the three model kinds and gpt-oss's options (windows, sinks split over TP, clamped
-    quick-GeGLU: dense and experts) are among the fixtures."""
+    state, the three model kinds, grouped-GEMM experts (GroupedMLP) and gpt-oss's options
+    (windows, sinks split over TP, clamped quick-GeGLU: dense and experts) are among the fixtures."""
     files = {name: os.listdir(os.path.join(fixture_logits(name)[0], "iter_0000003")) for name in FIXTURES}
     assert any("common.pt" in f for f in files.values()) and any("mp_rank_01" in f for f in files.values())
     assert any("mp_rank_00_001" in f for f in files.values())
@@ -33,11 +33,13 @@ def test_the_fixtures_cover_megatrons_layouts():
     assert any("_vp2" in name for name in FIXTURES)
     assert any(os.path.isfile(os.path.join(ROOT, name, "adam_state.pt")) for name in FIXTURES)
     assert fixture_logits(FIXTURES[0])[2].dtype == torch.float32
-    gpt_oss = {name: set(torch.load(os.path.join(ROOT, name, "logits.pt"), weights_only=True)["flags"])
-               for name in FIXTURES if name.startswith("gptoss")}
+    flags = {name: set(torch.load(os.path.join(ROOT, name, "logits.pt"), weights_only=True)["flags"])
+             for name in FIXTURES}
+    assert all(any({"--moe-grouped-gemm", fmt} <= f for f in flags.values()) for fmt in ("torch", "torch_dist"))
+    gpt_oss = {name: f for name, f in flags.items() if name.startswith("gptoss")}
     assert {"torch", "torch_dist"} <= set.union(*gpt_oss.values())
-    for flags in gpt_oss.values():
-        assert {"--window-attn-skip-freq", "learnable", "--quick-geglu", "--activation-func-clamp-value"} <= flags
+    for options in gpt_oss.values():
+        assert {"--window-attn-skip-freq", "learnable", "--quick-geglu", "--activation-func-clamp-value"} <= options
 
 
 # Saved after 3 Adam steps: the non-distributed optimizer in torch_dist and in legacy (its state
@@ -46,9 +48,12 @@ def test_the_fixtures_cover_megatrons_layouts():
 # flat buffers gathered on DP rank 0), in fp32 and in --bf16 (bf16 weights, fp32 mains)
 WITH_OPTIMIZER = ("gpt_dist_tp1_adam", "gpt_legacy_tp1_adam", "gpt_dist_dp2_distopt", "gpt_dist_dp2_distopt_full",
                   "gpt_legacy_dp2_distopt", "gpt_legacy_dp2_distopt_bf16")
-# the distributed optimizer under TP2 in torch_dist (dp_reshardable: each TP rank's buckets); no
-# adam_state.pt, which make_fixtures assembles by parameter name under TP1 only
-WITHOUT_ADAM_STATE = ("llama_dist_tp2_distopt",)
+# the distributed optimizer in torch_dist (dp_reshardable) under TP2 (each TP rank's buckets) and
+# of an MoE model under EP2 (megatron-core's two chained optimizers: the dense parameters' buckets,
+# and each EP rank's GroupedMLP experts'); no adam_state.pt, which make_fixtures assembles by
+# parameter name under TP1 and EP1 only; and under PP2 with 2 model chunks per rank (one grad
+# buffer per chunk), trained by Megatron's interleaved schedule
+WITHOUT_ADAM_STATE = ("llama_dist_tp2_distopt", "mixtral_dist_ep2_grouped_distopt", "gpt_dist_pp2_vp2_distopt")
 # Megatron's 4th step of the --bf16 run computed in bf16: an fp32 step of ours differs by bf16's
 # rounding (rel 1e-2), so the continued step is compared on the fp32 runs
 CONTINUED_IN_FP32 = WITH_OPTIMIZER[:5] + WITHOUT_ADAM_STATE
