@@ -7,10 +7,11 @@ decision on a non-finite gradient depend on every gradient of the step, and the 
 not linear in their gradient, so no part of an update can be computed earlier and corrected
 later. ZeRO-Offload faces the same constraint (its "delayed parameter update" steps with the
 previous iteration's gradients instead, which changes training; not done here). Without either
-(``--clip-grad 0`` with bf16 or fp32: ``early``, ``config.host_step_starts_in_backward``) nothing global gates the update, so a layer's
-step starts as soon as its gradients are final in the last micro-batch's backward: the DDP
-reports each bucket whose reduction has started (``reduction_started``) and the worker finishes
-that reduction (waits, divides by the DP size) before stepping. A non-finite gradient, which
+(``--clip-grad 0`` with bf16 or fp32: ``early``, ``config.host_step_starts_in_backward``)
+nothing global gates the update, so a layer's step starts as soon as its gradients are final in
+the last micro-batch's backward: the DDP reports each bucket whose reduction has started
+(``reduction_started``) and the worker finishes that reduction (waits, divides by the DP size)
+before stepping; the gradients are zeroed only once the norm has read them (``_zero_after``). A non-finite gradient, which
 would skip the serial step, is then an error (``check_finite``): some layers are already
 updated.
 
@@ -60,7 +61,7 @@ class HostStep:
                 self._layers_of_bucket.setdefault(id(bucket), []).append(key)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="host-optimizer")
         self._running: Dict[int, Future] = {}
-        # while an early step is being started: its layers not started yet -> their buckets not yet reported
+        # while a step's layers are queued in backward: layer -> its buckets not reported yet
         self._waiting: Optional[Dict[int, int]] = None
 
     @property
@@ -82,12 +83,12 @@ class HostStep:
         """The first layer of a step: the last step is done, the workers take this step's rates."""
         self.wait()
         self._hyperparameters_to_worker()
-        self._waiting = {key: len(self.buckets.get(key, ())) for key in self.layers}
 
     def reduction_started(self, bucket) -> None:
         """The DDP started ``bucket``'s reduction (``early``): step each layer whose buckets all have."""
         if self._waiting is None:
             self._begin()
+            self._waiting = {key: len(self.buckets.get(key, ())) for key in self.layers}
         for key in self._layers_of_bucket.get(id(bucket), ()):
             self._waiting[key] -= 1
             if self._waiting[key] == 0:
@@ -99,24 +100,18 @@ class HostStep:
         self._step_layer(key, 1.0, zero=False)
 
     def submit(self, coeff: float) -> None:
-        """After the norm: start every layer's step not started yet, gradients multiplied by
-        ``coeff`` (unscale and clip) first; the early steps' gradients are zeroed once those
+        """After the norm: start every layer's step not started in backward, gradients multiplied
+        by ``coeff`` (unscale and clip) first; zero the gradients of those that were, once their
         steps end (the norm has read them by now)."""
-        if self.early:
-            if coeff != 1.0:
-                raise RuntimeError(f"an early host step needs no unscaling or clipping, got coefficient {coeff}")
-            if self._waiting is None:
-                self._begin()
-            started, self._waiting = dict(self._running), None
-            for key in self.layers:
-                before = started.get(key)
-                self._running[key] = self._pool.submit(self._zero_after, before, key) if before is not None \
-                    else self._pool.submit(self._step_layer, key, 1.0)
-            return
-        self._begin()
-        self._waiting = None
+        if self.early and coeff != 1.0:
+            raise RuntimeError(f"a host step started in backward cannot be unscaled or clipped (coefficient {coeff})")
+        if self._waiting is None:
+            self._begin()
+        started, self._waiting = dict(self._running), None
         for key in self.layers:
-            self._running[key] = self._pool.submit(self._step_layer, key, coeff)
+            before = started.get(key)
+            self._running[key] = self._pool.submit(self._zero_after, before, key) if before is not None \
+                else self._pool.submit(self._step_layer, key, coeff)
 
     def _zero_after(self, step: Future, key: int) -> None:
         """Every step task was queued before any of these, so the one awaited is running or done."""
