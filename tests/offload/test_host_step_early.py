@@ -121,3 +121,21 @@ def test_threads_need_the_overlap():
     from megatron_p2r.config import ConfigError, validate
     with pytest.raises(ConfigError, match="--host-optimizer-threads .* needs --overlap-cpu-optimizer-d2h-h2d"):
         validate(tiny_config(**BASE, host_optimizer_threads=2), 1)
+
+
+def test_resume_is_bitwise(tmp_path):
+    """3 steps straight, or 2, save, load into a fresh run (the layer views of the loaded state) and 1 more."""
+    from megatron_p2r.checkpoint.io import save_checkpoint
+    cfg = tiny_config(**BASE, bf16=True, overlap_cpu_optimizer_d2h_h2d=True, host_optimizer_threads=2)
+    ps = ParallelState.single()
+    seed_everything(cfg.train.seed, 0, 0, ps.device)
+    straight, full = run_steps(cfg, ps, 3)
+    seed_everything(cfg.train.seed, 0, 0, ps.device)
+    first, half = run_steps(cfg, ps, 2)
+    save_checkpoint(str(tmp_path), half)
+    second, resumed = run_steps(cfg, ps, 1, load=str(tmp_path))
+    assert first + second == straight
+    full.optimizer.finish_host_step()
+    resumed.optimizer.finish_host_step()
+    for (n, p), q in zip(full.model.named_parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(p, q), n
