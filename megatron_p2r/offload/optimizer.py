@@ -5,6 +5,8 @@ main parameters, AdamW moments and step do too ("host": a host AdamW, issued aft
 step so the two overlap on CUDA, once the fetches that read the weights are done). With
 ``--cpu-offload-what optimizer`` only the moments do ("staged": ``optim.optimizer.StagedOptimizer``
 steps host copies). Under the distributed optimizer these are the rank's shards of them.
+``--overlap-cpu-optimizer-d2h-h2d`` runs the host step on worker threads instead
+(``optim/host_step.py``), layer by layer in the order the forward fetches the layers.
 """
 from __future__ import annotations
 
