@@ -6,10 +6,13 @@ DP rank 0 gathers every DP rank's shard into one flat fp32 tensor per state and 
 
     {"buckets_coalesced": True,
      0: {(param dtype, grad dtype): {"param": [N], "exp_avg": [N], "exp_avg_sq": [N], "numel_unpadded": N}},
-     1: ...}                         (buffer 0: dense parameters; then the experts' buffer)
+     1: ...}                         (one grad buffer per model chunk, ``model0``, ``model1``, ...)
 
-The file does not say where a parameter lies in its buffer; the buffer's layout does
-(``buffer_layout``, parameters in the order of the rank's ``model`` state dict); the flat tensor
+An MoE model under expert parallelism has two optimizers (megatron-core's ChainedOptimizer): the
+file is then a list of two such dicts, the dense parameters' and the experts' (``legacy``). The
+file does not say where a parameter
+lies in its buffer; the buffer's layout does (``buffer_layout``, parameters in the order of the
+model chunk's state dict, bucketed in the first chunk only); the flat tensor
 keeps each bucket's elements and drops only the padding at bucket ends. We replay that layout
 and check it against ``numel_unpadded`` before a value is read; each parameter's state is then a
 view of the flat tensor, read on demand.
@@ -37,34 +40,36 @@ def flat_offsets(params: List[Param], size: Optional[int]) -> Tuple[Dict[str, in
     return {key: bases[b] + rel for key, (b, rel) in starts.items()}, sum(lengths)
 
 
-def state_views(state: object, params: List[Param], size: Optional[int], path: str) -> Dict[str, Dict[str, LazyTensor]]:
-    """kind -> local key -> a view of that parameter's state in ``distrib_optim.pt`` (``state``,
-    its unpickled dict)."""
+def state_views(state: object, buffers: List[Tuple[List[Param], Optional[int]]],
+                path: str) -> List[Dict[str, Dict[str, LazyTensor]]]:
+    """For each of the rank's grad buffers (its parameters, its bucket size; one per model chunk),
+    kind -> local key -> a view of that parameter's state in ``distrib_optim.pt`` (``state``, its
+    unpickled dict)."""
     if not isinstance(state, dict) or state.get("buckets_coalesced") is not True:
         raise CheckpointError(f"{path}: not the distributed optimizer state Megatron-LM writes since core 0.8 "
                               "(a dict with buckets_coalesced: True); older per-bucket files are not read")
-    groups = [[p for p in params if not p.expert], [p for p in params if p.expert]]
-    groups = [g for g in groups if g]
-    buffers = sorted(k for k in state if k != "buckets_coalesced")
-    if buffers != list(range(len(groups))):
-        raise CheckpointError(f"{path}: holds grad buffers {buffers}, the model's parameters fill "
-                              f"{len(groups)} (dense{', experts' if len(groups) > 1 else ''})")
-    views: Dict[str, Dict[str, LazyTensor]] = {kind: {} for kind in STATES}
-    for index, group in enumerate(groups):
+    saved = sorted(k for k in state if k != "buckets_coalesced")
+    if saved != list(range(len(buffers))):
+        raise CheckpointError(f"{path}: holds grad buffers {saved}, the model's parameters fill {len(buffers)} "
+                              "(one per model chunk)")
+    out = []
+    for index, (params, size) in enumerate(buffers):
         flat = _single_dtype(state[index], f"{path}: buffer {index}")
-        starts, total = flat_offsets(group, size)
+        starts, total = flat_offsets(params, size)
         if flat.get("numel_unpadded") != total:
             raise CheckpointError(f"{path}: buffer {index} holds {flat.get('numel_unpadded')} elements, the layout of "
-                                  f"the model's {len(group)} parameters in Megatron's buffer has {total}")
+                                  f"the model's {len(params)} parameters in Megatron's buffer has {total}")
+        views: Dict[str, Dict[str, LazyTensor]] = {kind: {} for kind in STATES}
         for kind, name in STATES.items():
             tensor = flat.get(name)
             if not isinstance(tensor, LazyTensor) or tensor.shape != (total,) or tensor.stride != (1,):
                 raise CheckpointError(f"{path}: buffer {index}[{name!r}] is {tensor!r}, expected a flat tensor of "
                                       f"{total} elements")
-            for p in group:
+            for p in params:
                 views[kind][p.key] = dataclasses.replace(tensor, offset=tensor.offset + starts[p.key], shape=p.shape,
                                                          stride=_contiguous(p.shape))
-    return views
+        out.append(views)
+    return out
 
 
 def groups_step(groups: object, where: str) -> float:

@@ -14,11 +14,13 @@ group (``(pp * EP + ep) * TP + tp``): each EP rank's experts have buckets of the
 says where a parameter lies in its bucket; the DDP buffer's layout does (``buffer_layout``),
 replayed here from the stage's parameters in the order megatron-core's GPTModel with the local
 layer spec registers them (``named_parameters``). The replayed bucket lengths are checked against
-the saved tensors before a value is read. The experts are replayed as ``--moe-grouped-gemm``'s
-``GroupedMLP`` holds them: per layer ``weight1`` [h, local experts x fc1 rows / TP] and ``weight2``
-[local experts x ffn / TP, h], each expert's block transposed. Not replayed (the import is then of
-weights only, and says why): Transformer Engine's modules, SequentialMLP experts, experts outside
-expert parallelism (in the dense buffer), virtual pipeline chunks and uneven pipeline splits.
+the saved tensors before a value is read. The experts are replayed as the local spec holds them:
+``SequentialMLP``'s ``local_experts.i.linear_fc1.weight`` and ``linear_fc2.weight``, expert after
+expert, or ``--moe-grouped-gemm``'s ``GroupedMLP``: per layer ``weight1`` [h, local experts x fc1
+rows / TP] and ``weight2`` [local experts x ffn / TP, h], each expert's block transposed. Not
+replayed (the import is then of weights only, and says why): Transformer Engine's modules, experts
+outside expert parallelism (in the dense buffer), experts with biases or their own TP size, and
+uneven pipeline splits.
 """
 from __future__ import annotations
 
@@ -155,30 +157,52 @@ class DpReshardable:
         return (lambda b: f"{prefix}.bucket_idx_{b}"), starts
 
     def _place_experts(self, buckets, chunk: int, stage: int, ep: int, t: int) -> None:
-        """Where TP rank ``t`` of EP rank ``ep`` keeps its experts' state: GroupedMLP's ``weight1``
-        and ``weight2`` of each MoE layer of the (virtual) stage, each local expert's block of them."""
+        """Where TP rank ``t`` of EP rank ``ep`` keeps the state of its experts in each MoE layer
+        of the (virtual) stage: SequentialMLP's weights, or GroupedMLP's blocks of them."""
         args, local = self.args, self.args.required("num_experts") // self.args.ep
         virtual, count = self._virtual_stage(chunk, stage)
         moe_layers = sorted({split_layer_key(n)[0] for n in self._shapes if is_expert(n)
                              and _on_stage(n, virtual, count, args.required("num_layers"))})
         params, blocks = [], []
         for layer in moe_layers:
-            for fc, weight in (("linear_fc1", "weight1"), ("linear_fc2", "weight2")):
-                out, in_ = self._local_shape(f"{LAYERS}{layer}.mlp.experts.0.{fc}.weight")
-                block = (in_, out)  # GroupedMLP's expert weight is the linear layer's transposed
-                # weight1 [h, experts x out]: viewed as [experts, h, out]; weight2 [experts x in, h]
-                local_shape = (in_, local * out) if weight == "weight1" else (local * in_, out)
-                key = f"{LAYERS}{layer}.mlp.experts.{weight}"
-                params.append(Param(key, local_shape, True))
-                blocks += [(key, f"{LAYERS}{layer}.mlp.experts.{ep * local + i}.{fc}.weight", i, block)
-                           for i in range(local)]
+            experts = self._grouped_experts if args.get("moe_grouped_gemm") else self._sequential_experts
+            layer_params, layer_blocks = experts(layer, ep, local)
+            params, blocks = params + layer_params, blocks + layer_blocks
         index = (stage * args.ep + ep) * args.tp + t
         where = f"TP rank {t}, EP rank {ep}, stage {stage}" + (f", model chunk {chunk}" if self._chunks > 1 else "")
         bucket, starts = self._replay(buckets, (index, chunk), params,
                                       bucket_size(args, stage) if chunk == 0 else None, where)
-        for key, name, i, block in blocks:
+        for key, name, offset, shape, transposed in blocks:
             b, start = starts[key]
-            self.places.setdefault(name, {})[t] = _Place(bucket(b), start + i * math.prod(block), block, True)
+            self.places.setdefault(name, {})[t] = _Place(bucket(b), start + offset, shape, transposed)
+
+    def _sequential_experts(self, layer: int, ep: int, local: int) -> Tuple[List[Param], List[tuple]]:
+        """SequentialMLP's parameters of one MoE layer on EP rank ``ep`` (``local_experts.i.linear_fc1``,
+        ``linear_fc2`` of each local expert in turn, as its ModuleList registers them), and where
+        each canonical expert weight lies in them: (parameter, name, offset, shape, transposed)."""
+        params, blocks = [], []
+        for i in range(local):
+            for fc in ("linear_fc1", "linear_fc2"):
+                name = f"{LAYERS}{layer}.mlp.experts.{ep * local + i}.{fc}.weight"
+                key, shape = f"{LAYERS}{layer}.mlp.experts.local_experts.{i}.{fc}.weight", self._local_shape(name)
+                params.append(Param(key, shape, True))
+                blocks.append((key, name, 0, shape, False))
+        return params, blocks
+
+    def _grouped_experts(self, layer: int, ep: int, local: int) -> Tuple[List[Param], List[tuple]]:
+        """GroupedMLP's ``weight1`` and ``weight2`` of one MoE layer on EP rank ``ep``, and where
+        each local expert's block lies in them (the linear layer's weight transposed)."""
+        params, blocks = [], []
+        for fc, weight in (("linear_fc1", "weight1"), ("linear_fc2", "weight2")):
+            out, in_ = self._local_shape(f"{LAYERS}{layer}.mlp.experts.0.{fc}.weight")
+            block = (in_, out)  # GroupedMLP's expert weight is the linear layer's transposed
+            # weight1 [h, experts x out]: viewed as [experts, h, out]; weight2 [experts x in, h]
+            local_shape = (in_, local * out) if weight == "weight1" else (local * in_, out)
+            key = f"{LAYERS}{layer}.mlp.experts.{weight}"
+            params.append(Param(key, local_shape, True))
+            blocks += [(key, f"{LAYERS}{layer}.mlp.experts.{ep * local + i}.{fc}.weight", i * math.prod(block), block,
+                        True) for i in range(local)]
+        return params, blocks
 
     def _stage_params(self, names: List[str], last: bool) -> List[Param]:
         """The (virtual) stage's dense parameters (TP shards) in ``named_parameters`` order; with a
@@ -225,9 +249,6 @@ def _check_replayable(args: SavedArgs, shapes: Dict[str, Tuple[int, ...]], sizes
     if experts and not chained:
         raise NotReplayed("an MoE model's experts outside expert parallelism (EP 1: in the dense optimizer's "
                           "buffers) are not replayed yet")
-    if experts and not args.get("moe_grouped_gemm"):
-        raise NotReplayed("the buffers of SequentialMLP experts are not replayed yet (only --moe-grouped-gemm's "
-                          "GroupedMLP)")
     if experts and (args.get("expert_tensor_parallel_size") not in (None, args.tp)
                     or any(not _EXPERT.fullmatch(split_layer_key(n)[1]) for n in experts)):
         raise NotReplayed("the buffers of experts with their own TP size or with biases are not replayed yet")

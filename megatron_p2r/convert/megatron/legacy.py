@@ -67,24 +67,27 @@ class LegacyCheckpoint:
             raise CheckpointError(f"{os.path.join(iter_dir, unexpected[0])}: not a rank of the saved layout "
                                   f"(args: TP={a.tp}, PP={a.pp}, EP={a.ep}, so {len(expected)} mp_rank directories)")
         self.chunks = int(a.get("virtual_pipeline_model_parallel_size") or 1) if a.pp > 1 else 1
-        # the optimizer's state lists follow the parameters of all chunks at once; not mapped yet
-        saved_optimizer = "optimizer" in first.obj or os.path.isfile(os.path.join(os.path.dirname(first.path),
-                                                                                  distrib_optim.FILE))
-        self.optimizer_not_read = (f"{first.path}: the optimizer state of virtual pipeline model chunks is not read yet"
-                                   if self.chunks > 1 and saved_optimizer else None)
+        self.optimizer_not_read = None  # why the optimizer state that is there is skipped
         self.glu = bool(a.get("swiglu") or a.get("quick_geglu"))
         self.local_experts = (a.get("num_experts") or 0) // a.ep
         self.names: Dict[str, Dict[int, LazyTensor]] = {}
         self.files: Dict[str, str] = {}
         archives = {rank: first if rank == (0, 0, 0) else self._archive(d) for rank, d in expected.items()}
+        # each rank file's model chunks as (the state dict with experts as linear weights, the
+        # state dict as saved, local key -> canonical name), for its optimizer state
+        chunks: Dict[Tuple[int, int, int], list] = {rank: [] for rank in archives}
         offset = 0
         for virtual in range(a.pp * self.chunks):  # in the order of the layers
             c, p = divmod(virtual, a.pp)
-            counts = {self._add(archives[(t, p, e)], c, t, e, p, offset) for e in range(a.ep) for t in range(a.tp)}
+            counts = {self._add(archives[(t, p, e)], c, t, e, offset, chunks[(t, p, e)])
+                      for e in range(a.ep) for t in range(a.tp)}
             if len(counts) != 1:
                 stage = f"stage {p}" + (f" model{c}" if self.chunks > 1 else "")
                 raise CheckpointError(f"{iter_dir}: the files of {stage} hold different numbers of layers {counts}")
             offset += counts.pop()
+        for (t, p, e), rank_chunks in chunks.items():
+            if self.optimizer_not_read is None:
+                self._add_optimizer_state(archives[(t, p, e)], rank_chunks, t, p)
         if offset != a.required("num_layers"):
             raise CheckpointError(f"{iter_dir}: the stages hold {offset} layers, args.num_layers is "
                                   f"{a.values['num_layers']}")
@@ -127,15 +130,11 @@ class LegacyCheckpoint:
             raise CheckpointError(f"{archive.path}: {key!r} is {type(model).__name__}, expected a state dict")
         return model
 
-    def _add(self, archive: TorchArchive, chunk: int, t: int, e: int, stage: int, offset: int) -> int:
-        """Record the tensors of one model chunk of a rank file (and its optimizer state); returns
-        how many layers it holds."""
+    def _add(self, archive: TorchArchive, chunk: int, t: int, e: int, offset: int, chunks: list) -> int:
+        """Record the tensors of one model chunk of a rank file, and the chunk in ``chunks``;
+        returns how many layers it holds."""
         model = self._model(archive, chunk)
         grouped = _grouped_experts(model, self.local_experts, archive.path)
-        if grouped and self.optimizer_not_read is None and ("optimizer" in archive.obj or os.path.isfile(
-                os.path.join(os.path.dirname(archive.path), distrib_optim.FILE))):
-            self.optimizer_not_read = f"{archive.path}: the optimizer state of GroupedMLP experts " \
-                                      "(mlp.experts.weight1, weight2) is not read yet"
         layers, canonical = set(), {}
         for key, value in (grouped or model).items():
             if IGNORED.search(key):
@@ -151,22 +150,31 @@ class LegacyCheckpoint:
             self.files.setdefault(name, archive.path)
         if layers != set(range(len(layers))):
             raise CheckpointError(f"{archive.path}: local layers {sorted(layers)} are not numbered 0..n-1")
-        if self.optimizer_not_read is None:
-            self._add_optimizer_state(archive, grouped or model, canonical, t, stage)
+        chunks.append((grouped or model, model, canonical))
         return len(layers)
 
-    def _add_optimizer_state(self, archive: TorchArchive, model: dict, canonical: Dict[str, str], t: int,
-                             stage: int) -> None:
-        """The views of distrib_optim.pt beside ``archive`` (if saved) into each tensor's state."""
+    def _add_optimizer_state(self, archive: TorchArchive, chunks: list, t: int, stage: int) -> None:
+        """Each tensor's optimizer state from the rank file's model chunks ``chunks`` (see
+        ``__init__``): views of distrib_optim.pt beside ``archive``, or of its state lists."""
         path = os.path.join(os.path.dirname(archive.path), distrib_optim.FILE)
-        if not os.path.isfile(path):
-            saved = archive.obj.get("optimizer")
-            if self.args.get("use_distributed_optimizer"):  # its parameter state is distrib_optim.pt alone
-                if saved is not None:
-                    self.optimizer_not_read = f"{archive.path}: the distributed optimizer's {distrib_optim.FILE} is " \
-                                              "not beside it"
-                return
-            found = optim_lists.state_views(saved, [(key, tuple(model[key].shape), _is_expert(key))
+        saved = archive.obj.get("optimizer")
+        if os.path.isfile(path):
+            views = self._distrib_optim_views(archive, path, chunks, stage)
+        elif self.args.get("use_distributed_optimizer"):  # its parameter state is distrib_optim.pt alone
+            if saved is not None:
+                self.optimizer_not_read = f"{archive.path}: the distributed optimizer's {distrib_optim.FILE} is not " \
+                                          "beside it"
+            return
+        elif saved is not None and (self.chunks > 1 or any(model is not raw for model, raw, _ in chunks)):
+            self.optimizer_not_read = f"{archive.path}: the non-distributed optimizer's state lists of " + \
+                ("virtual pipeline model chunks" if self.chunks > 1 else "GroupedMLP experts (mlp.experts.weight1, "
+                                                                          "weight2)") + " are not read yet"
+            return
+        else:
+            (model, _, canonical), = chunks
+            # experts are a parameter group of their own under expert parallelism only (allreduce False)
+            expert_parallel = self.layout[2] > 1
+            found = optim_lists.state_views(saved, [(key, tuple(model[key].shape), _is_expert(key) and expert_parallel)
                                                     for key in canonical], archive.path)
             if found is None:
                 if saved is not None:
@@ -174,18 +182,43 @@ class LegacyCheckpoint:
                 return
             views, step = found
             self._steps.add(step)
-        else:
-            tied = not self.args.get("untie_embeddings_and_output_weights") and self.layout[1] > 1
-            params = [Param(key, tuple(model[key].shape), _is_expert(key),
-                            tied and key in ("embedding.word_embeddings.weight", "output_layer.weight"))
-                      for key in canonical]
-            state = TorchArchive(path, Kind.MEGATRON).obj
-            views = distrib_optim.state_views(state, params, bucket_size(self.args, stage), path)
-            self._steps.add(_adam_step(archive))
-        for kind, by_key in views.items():
-            for key, view in by_key.items():
-                if canonical[key] is not None:
-                    self.optimizer[kind].setdefault(canonical[key], {})[t] = view
+            views = [views]
+        for chunk_views, (_, _, canonical) in zip(views, chunks, strict=True):
+            for kind, by_key in chunk_views.items():
+                for key, view in by_key.items():
+                    if canonical.get(key) is not None:
+                        self.optimizer[kind].setdefault(canonical[key], {})[t] = view
+
+    def _distrib_optim_views(self, archive: TorchArchive, path: str, chunks: list, stage: int) -> list:
+        """kind -> local key -> its state, per model chunk, from ``distrib_optim.pt`` (one grad
+        buffer per chunk, the parameters as the chunk's state dict holds them: GroupedMLP's
+        ``weight1``/``weight2`` whole, their experts' blocks viewed after). Under EP > 1 the file is
+        a list of two chained optimizers' states, the dense parameters' (in the file of the dense
+        optimizer's DP rank 0, EP rank 0; None in the others) and the experts'."""
+        state = TorchArchive(path, Kind.MEGATRON).obj
+        tied = not self.args.get("untie_embeddings_and_output_weights") and self.layout[1] > 1
+        expert_parallel = self.layout[2] > 1
+        optimizers = [(state, lambda key: True)]
+        if expert_parallel:
+            if not isinstance(state, list) or len(state) != 2:
+                raise CheckpointError(f"{path}: holds {type(state).__name__}, expected a list of the states of "
+                                      "megatron-core's two chained optimizers (dense, experts) of an MoE model under "
+                                      f"expert parallelism (args.expert_model_parallel_size {self.layout[2]})")
+            optimizers = [(state[0], lambda key: not _is_expert(key)), (state[1], _is_expert)]
+        views: list = [{kind: {} for kind in distrib_optim.STATES} for _ in chunks]
+        for saved, mine in optimizers:
+            if saved is None:  # kept by another rank's file
+                continue
+            buffers = [([Param(key, tuple(raw[key].shape), expert_parallel and _is_expert(key),
+                               tied and key in ("embedding.word_embeddings.weight", "output_layer.weight"))
+                         for key in raw if not IGNORED.search(key) and mine(key)],
+                        bucket_size(self.args, stage) if c == 0 else None) for c, (_, raw, _) in enumerate(chunks)]
+            for chunk_views, found in zip(views, distrib_optim.state_views(saved, buffers, path), strict=True):
+                for kind, by_key in found.items():
+                    chunk_views[kind].update(by_key)
+        self._steps.add(_adam_step(archive))
+        return [{kind: _grouped_experts(by_key, self.local_experts, path) or by_key for kind, by_key in v.items()}
+                for v in views]
 
     def _canonical(self, key: str, e: int, offset: int, layers: set, path: str):
         """The canonical name of a local key of EP rank ``e`` (None: a replica of EP rank 0's)."""
@@ -264,7 +297,16 @@ def _is_expert(key: str) -> bool:
 
 def _adam_step(archive: TorchArchive) -> float:
     """Adam's step count: the distributed optimizer keeps it in each param group of
-    ``model_optim_rng.pt``'s ``optimizer.optimizer.param_groups`` (distrib_optim.pt is beside it)."""
+    ``model_optim_rng.pt``'s ``optimizer.optimizer.param_groups`` (distrib_optim.pt is beside it);
+    chained optimizers (experts under EP > 1) save a list of such entries."""
     optimizer = archive.obj.get("optimizer")
-    groups = optimizer.get("optimizer", {}).get("param_groups") if isinstance(optimizer, dict) else None
-    return distrib_optim.groups_step(groups, f"{archive.path}: optimizer.optimizer.param_groups")
+    entries = optimizer if isinstance(optimizer, list) else [optimizer]
+    steps = set()
+    for i, entry in enumerate(entries):
+        groups = entry.get("optimizer", {}).get("param_groups") if isinstance(entry, dict) else None
+        where = f"optimizer[{i}].optimizer.param_groups" if isinstance(optimizer, list) else \
+            "optimizer.optimizer.param_groups"
+        steps.add(distrib_optim.groups_step(groups, f"{archive.path}: {where}"))
+    if len(steps) != 1:
+        raise CheckpointError(f"{archive.path}: the chained optimizers give Adam steps {sorted(steps)}, expected one")
+    return steps.pop()

@@ -274,7 +274,8 @@ def test_hostile_rank_files_are_refused_naming_the_file(legacy, tmp_path, capsys
 
 def test_a_distributed_optimizer_file_that_does_not_fit_the_model(tmp_path):
     """distrib_optim.pt (Megatron-written, legacy DP2 fixture) whose flat buffer is not the length
-    Megatron's buffer layout of the model gives, or that lacks a state; a model_optim_rng.pt beside
+    Megatron's buffer layout of the model gives, or that lacks a state, or (legacy EP2 fixture) that
+    is not the list of the two chained optimizers' states; a model_optim_rng.pt beside
     it without one Adam step or without a valid iteration: refused naming the file and what was
     expected, nothing written."""
     from tests.convert.megatron.megatron_written import ROOT
@@ -296,6 +297,11 @@ def test_a_distributed_optimizer_file_that_does_not_fit_the_model(tmp_path):
     fails(tmp_path / "src", re.escape(path) + r": buffer 0\['exp_avg_sq'\] is None, expected a flat tensor")
     torch.save({"buckets_coalesced": False}, path)
     fails(tmp_path / "src", re.escape(path) + ": not the distributed optimizer state Megatron-LM writes")
+    shutil.copytree(os.path.join(ROOT, "mixtral_legacy_ep2_distopt", "checkpoint"), tmp_path / "chained")
+    chained = str(tmp_path / "chained" / "iter_0000003" / "mp_rank_00_001" / "distrib_optim.pt")
+    torch.save(torch.load(chained, weights_only=True)[1], chained)
+    fails(tmp_path / "chained", re.escape(chained) + ": holds dict, expected a list of the states of megatron-core's "
+          r"two chained optimizers \(dense, experts\) of an MoE model under expert parallelism")
     torch.save(pristine, path)
     model_file = str(rank_dir / "model_optim_rng.pt")
     with torch.serialization.safe_globals([signal.Signals]):  # Megatron's args.exit_signal
@@ -368,15 +374,14 @@ def test_distributed_optimizer_buckets_that_do_not_fit_the_model(tmp_path):
 def test_moe_distributed_optimizer_buckets_that_are_not_replayed(tmp_path):
     """torch_dist with an MoE model's two chained distributed optimizers (Megatron-written, EP2,
     GroupedMLP experts): args whose DDP buckets do not give the dense optimizer's saved bucket
-    lengths are refused naming its group (chained_0); SequentialMLP experts and experts with their own TP size import
-    the weights only, and the note says why."""
+    lengths are refused naming its group (chained_0); experts with their own TP size import the
+    weights only, and the note says why."""
     from tests.convert.megatron.megatron_written import ROOT
     shutil.copytree(os.path.join(ROOT, "mixtral_dist_ep2_grouped_distopt", "checkpoint"), tmp_path / "src")
     iter_dir = tmp_path / "src" / "iter_0000003"
     common = str(iter_dir / "common.pt")
     pristine = open(common, "rb").read()
-    for change, why in ((dict(moe_grouped_gemm=False), "the buffers of SequentialMLP experts are not replayed yet"),
-                        (dict(expert_tensor_parallel_size=2), "the buffers of experts with their own TP size")):
+    for change, why in ((dict(expert_tensor_parallel_size=2), "the buffers of experts with their own TP size"),):
         with open(common, "wb") as fh:
             fh.write(pristine)
         with torch.serialization.safe_globals([signal.Signals]):
@@ -396,8 +401,9 @@ def test_moe_distributed_optimizer_buckets_that_are_not_replayed(tmp_path):
 
 
 def test_legacy_grouped_experts_optimizer_state_is_named_as_not_read(tmp_path):
-    """A legacy GroupedMLP checkpoint (Megatron-written, TP2) whose rank files hold an optimizer
-    imports its weights only, and the note names the file and that the experts' state is not read."""
+    """A legacy GroupedMLP checkpoint (Megatron-written, TP2) whose rank files hold the
+    non-distributed optimizer's state lists imports its weights only, and the note names the file
+    and that those lists are not read."""
     from tests.convert.megatron.megatron_written import ROOT
     shutil.copytree(os.path.join(ROOT, "mixtral_legacy_tp2_grouped", "checkpoint"), tmp_path / "src")
     paths = [str(tmp_path / "src" / "iter_0000003" / rank / "model_optim_rng.pt") for rank in ("mp_rank_00", "mp_rank_01")]
@@ -405,8 +411,8 @@ def test_legacy_grouped_experts_optimizer_state_is_named_as_not_read(tmp_path):
         with torch.serialization.safe_globals([signal.Signals]):
             edit_rank_file(path, lambda state: state.update(optimizer={"state": {}, "param_groups": []}))
     out, notes = import_megatron(str(tmp_path / "src"), str(tmp_path / "dst"), Target(), progress=False)
-    assert re.search(re.escape(paths[0]) + r": the optimizer state of GroupedMLP experts \(mlp.experts.weight1, "
-                     r"weight2\) is not read yet", " ".join(notes)), notes
+    assert re.search(re.escape(paths[0]) + r": the non-distributed optimizer's state lists of GroupedMLP experts "
+                     r"\(mlp.experts.weight1, weight2\) are not read yet", " ".join(notes)), notes
     assert os.path.basename(out) == "iter_0000000"
 
 

@@ -50,16 +50,23 @@ WITH_OPTIMIZER = ("gpt_dist_tp1_adam", "gpt_legacy_tp1_adam", "gpt_dist_dp2_dist
                   "gpt_legacy_dp2_distopt", "gpt_legacy_dp2_distopt_bf16")
 # the distributed optimizer in torch_dist (dp_reshardable) under TP2 (each TP rank's buckets) and
 # of an MoE model under EP2 (megatron-core's two chained optimizers: the dense parameters' buckets,
-# and each EP rank's GroupedMLP experts'); no adam_state.pt, which make_fixtures assembles by
-# parameter name under TP1 and EP1 only; and under PP2 with 2 model chunks per rank (one grad
-# buffer per chunk), trained by Megatron's interleaved schedule
-WITHOUT_ADAM_STATE = ("llama_dist_tp2_distopt", "mixtral_dist_ep2_grouped_distopt", "gpt_dist_pp2_vp2_distopt")
+# and each EP rank's experts', GroupedMLP's and SequentialMLP's); no adam_state.pt, which
+# make_fixtures assembles by parameter name under TP1 and EP1 only; under PP2 with 2 model chunks
+# per rank (one grad buffer per chunk), trained by Megatron's interleaved schedule, in torch_dist
+# and in legacy (distrib_optim.pt: one flat buffer per chunk); and GroupedMLP experts over 2 DP
+# ranks in legacy (weight1/weight2 in the dense buffer under EP1); and the SequentialMLP run under
+# EP2 in legacy (distrib_optim.pt: a list of the two chained optimizers' states)
+WITHOUT_ADAM_STATE = ("llama_dist_tp2_distopt", "mixtral_dist_ep2_grouped_distopt", "mixtral_dist_ep2_distopt",
+                      "gpt_dist_pp2_vp2_distopt", "gpt_legacy_pp2_vp2_distopt", "mixtral_legacy_dp2_grouped_distopt",
+                      "mixtral_legacy_ep2_distopt")
 # Megatron's 4th step of the --bf16 run computed in bf16: an fp32 step of ours differs by bf16's
 # rounding (rel 1e-2), so the continued step is compared on the fp32 runs
 CONTINUED_IN_FP32 = WITH_OPTIMIZER[:5] + WITHOUT_ADAM_STATE
 # fixtures that are another's run saved another way (make_fixtures' same_run_as): that one's
 # adam_state.pt and continued.pt hold what Megatron's optimizer had and did next
-SAME_RUN_AS = {"gpt_dist_dp2_distopt_full": "gpt_dist_dp2_distopt"}
+SAME_RUN_AS = {"gpt_dist_dp2_distopt_full": "gpt_dist_dp2_distopt",
+               "gpt_legacy_pp2_vp2_distopt": "gpt_dist_pp2_vp2_distopt",
+               "mixtral_legacy_ep2_distopt": "mixtral_dist_ep2_distopt"}
 
 
 def run_file(name: str, file: str) -> str:
@@ -94,14 +101,15 @@ def test_adam_state_is_megatrons(tmp_path, name):
 
 @pytest.mark.parametrize("name", ("gpt_dist_dp2_distopt", "gpt_dist_dp2_distopt_full") + WITHOUT_ADAM_STATE)
 def test_the_distributed_optimizers_mains_are_megatrons_weights(name):
-    """The distributed optimizer in torch_dist (fp32 runs): each weight's fp32 main is the weight
-    Megatron saved under its model key, bit for bit. dp_reshardable: read from its TP shards'
-    places in Megatron's buckets (the weights carry seeded noise, so a misplaced slice cannot
-    agree; the moments are read from the same places), so every TP rank's bucket layout is
-    replayed right; fully_reshardable: under ``optimizer.state.param.<key>``."""
+    """The distributed optimizer (fp32 runs): each weight's fp32 main is the weight Megatron saved
+    under its model key, bit for bit. dp_reshardable: read from its TP shards' places in Megatron's
+    buckets (the weights carry seeded noise, so a misplaced slice cannot agree; the moments are read
+    from the same places), so every TP rank's bucket layout is replayed right; fully_reshardable:
+    under ``optimizer.state.param.<key>``; legacy: from each model chunk's flat buffer."""
     from megatron_p2r.convert.megatron.source import open_megatron
     source = open_megatron(fixture_logits(name)[0])
-    assert source.adam_step == 3.0 and (source.buckets is None) == name.endswith("_full")
+    assert source.adam_step == 3.0
+    assert getattr(source, "buckets", None) is None if "_legacy_" in name or name.endswith("_full") else source.buckets
     assert set(source.optimizer["main"]) == set(source.names)
     for weight in source.names:
         assert torch.equal(source.read(weight, "main"), source.read(weight)), weight
@@ -149,19 +157,22 @@ def test_a_megatron_run_continues_here(tmp_path, name):
     assert logits_error(fresh, megatron["logits"])[1] > 1e-3
 
 
-def test_virtual_pipeline_optimizer_state_is_named_as_not_read(tmp_path):
-    """A virtual-pipeline checkpoint whose rank files come with the distributed optimizer's
-    distrib_optim.pt imports its weights only, and the note says the optimizer state was there
-    and why it is not read; without one the note does not claim it."""
+def test_virtual_pipeline_optimizer_state_lists_are_named_as_not_read(tmp_path):
+    """A virtual-pipeline checkpoint of the non-distributed optimizer (its state lists follow the
+    parameters of all chunks, not mapped yet; made from the distributed one's rank files without
+    their distrib_optim.pt) imports its weights only, and the note says why."""
     import shutil
+    import signal
     from megatron_p2r.convert.megatron.importer import import_megatron
     from megatron_p2r.convert.reshard import Target
-    src = shutil.copytree(fixture_logits("gpt_legacy_pp2_vp2")[0], tmp_path / "src")
-    _, notes = import_megatron(str(src), str(tmp_path / "plain"), Target(1), progress=False)
-    assert not any("virtual pipeline" in n for n in notes)
+    from tests.convert.megatron.test_errors import edit_rank_file
+    src = shutil.copytree(fixture_logits("gpt_legacy_pp2_vp2_distopt")[0], tmp_path / "src")
     for rank in ("mp_rank_00_000", "mp_rank_00_001"):
-        (src / "iter_0000003" / rank / "distrib_optim.pt").write_bytes(b"")
+        (src / "iter_0000003" / rank / "distrib_optim.pt").unlink()
+        with torch.serialization.safe_globals([signal.Signals]):
+            edit_rank_file(str(src / "iter_0000003" / rank / "model_optim_rng.pt"),
+                           lambda state: vars(state["args"]).update(use_distributed_optimizer=False))
     out, notes = import_megatron(str(src), str(tmp_path / "ours"), Target(1), progress=False)
     note = next(n for n in notes if n.startswith("weights only"))
-    assert "optimizer state of virtual pipeline model chunks is not read" in note, note
-    assert os.path.isdir(out)
+    assert "optimizer's state lists of virtual pipeline model chunks are not read yet" in note, note
+    assert os.path.basename(out) == "iter_0000000"
