@@ -2,7 +2,7 @@
 and no fp16): each offloaded layer's step starts as soon as its gradients are final (after its
 DP reduction), on one or two worker threads, and gives bitwise the weights, optimizer state,
 losses and gradient norms of the serial step — AdamW, Lion and Adafactor, fp32 and bf16, one
-process and DP=2 with and without --overlap-grad-reduce.
+process, DP=2 with and without --overlap-grad-reduce, PP=2 — and resumes bitwise.
 """
 from __future__ import annotations
 
@@ -108,6 +108,19 @@ def _dp2(rank, world):
         _bitwise(serial, early)
         started[label] = early["started"]
     return started
+
+
+def _pp2(rank, world):
+    kw = dict(pipeline_model_parallel_size=2, global_batch_size=8, bf16=True)
+    ps, _ = setup_parallel(tiny_config(**{**BASE, **kw}), torch.device("cpu"))
+    serial, early = _train(ps, False, **kw), _train(ps, True, **kw)
+    _bitwise(serial, early)
+    return early["started"]
+
+
+def test_pp2_early_host_step_is_bitwise_the_serial_one():
+    """1F1B over 8 micro-batches: each stage's offloaded layer starts in its last backward."""
+    assert run_distributed(_pp2, 2) == [[1, 1, 1], [1, 1, 1]]
 
 
 def test_dp2_early_host_step_is_bitwise_the_serial_one():
