@@ -36,6 +36,9 @@ class ParallelConfig:
         True, "Interleaved 1F1B: post each op's pipeline receives while the op before it computes, so the "
               "transfers overlap compute (Megatron-LM's default; no effect without interleaving, as there).",
         on_flag=True)
+    overlap_moe_expert_parallel_comm: bool = opt(
+        False, "Overlap the expert all-to-alls of one micro-batch with another micro-batch's compute: the forward "
+               "of micro-batch i+1 runs with the backward of micro-batch i (needs EP > 1; one pipeline stage).")
     ddp_bucket_size: Optional[int] = opt(None, "Elements per gradient bucket (default with --overlap-grad-reduce: "
                                                "max(4e7, 1e6 x DP); without it one bucket per buffer).")
 

@@ -41,12 +41,35 @@ def validate(cfg: Config, world_size: int) -> None:
     _check_paths(cfg)
     cfg.p2r.check(m.num_layers)
     cfg.offload.check(m.num_layers)
+    _check_moe_overlap(cfg)
     if cfg.checkpoint.async_save and not cfg.checkpoint.ckpt_fully_parallel_save:
         raise ConfigError("--async-save needs the fully parallel save: every rank writes what it owns from a host "
                           "copy; drop --no-ckpt-fully-parallel-save")
     if cfg.offload.overlap_cpu_optimizer_d2h_h2d and p.use_distributed_optimizer:
         raise ConfigError("--overlap-cpu-optimizer-d2h-h2d is not supported with --use-distributed-optimizer: the "
                           "all-gather of updated shards reads every weight right after the step")
+
+
+def _check_moe_overlap(cfg: Config) -> None:
+    """--overlap-moe-expert-parallel-comm: Megatron-LM's rules (EP > 1, no full recomputation), and
+    what the overlapped schedule (pipeline/a2a_overlap.py) needs: one pipeline stage, layers run
+    eagerly."""
+    p = cfg.parallel
+    if not p.overlap_moe_expert_parallel_comm:
+        return
+    flag = "--overlap-moe-expert-parallel-comm"
+    if p.expert_model_parallel_size == 1 or not cfg.model.num_experts:
+        raise ConfigError(f"{flag} overlaps the expert all-to-alls: it needs --num-experts and "
+                          f"--expert-model-parallel-size > 1 (as in Megatron-LM; have {p.expert_model_parallel_size})")
+    if p.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"{flag} runs on one pipeline stage: it needs --pipeline-model-parallel-size 1 "
+                          f"(have {p.pipeline_model_parallel_size})")
+    if cfg.train.recompute == "full":
+        raise ConfigError(f"{flag} conflicts with --recompute-granularity full (as in Megatron-LM): a recomputed "
+                          "unit of layers cannot be cut at its all-to-alls")
+    if cfg.train.compile:
+        raise ConfigError(f"{flag} conflicts with --compile: the overlapped schedule runs each MoE layer in pieces, "
+                          "outside the layer's compiled forward")
 
 
 def _check_world(cfg: Config, world_size: int) -> None:

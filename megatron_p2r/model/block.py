@@ -39,10 +39,17 @@ class TransformerLayer(nn.Module):
             self.mlp = MLP(cfg, ps, device=device, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        x = self.attend(x, rope)
+        return self.add_mlp(x, self.mlp(self.post_attention_norm(x)))
+
+    def attend(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        """The residual stream after attention (the MLP's input is its norm)."""
         p = self.hidden_dropout if self.training else 0.0
         attention = self.attention(self.input_norm(x), rope)
         with dropout_rng(self.device, self.sequence_parallel and p > 0):
-            x = x + F.dropout(attention, p)
-        mlp = self.mlp(self.post_attention_norm(x))
+            return x + F.dropout(attention, p)
+
+    def add_mlp(self, x: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
+        p = self.hidden_dropout if self.training else 0.0
         with dropout_rng(self.device, self.sequence_parallel and p > 0):
             return x + F.dropout(mlp, p)

@@ -149,7 +149,8 @@ class M6Model(nn.Module):
     def init_weights(self, seed: int) -> None:
         init_parameters(self, seed, self.ps.tp_rank, self.ps.tp_size, self.ps.ep_rank)
 
-    def _rope(self, seq_len: int, device) -> Optional[tuple]:
+    def rope(self, seq_len: int, device) -> Optional[tuple]:
+        """The rotary tables every layer of a forward reads (None without rotary positions)."""
         if self.rope_base is None:
             return None
         return rotary_tables(seq_len, self.cfg.model.rotary_dim, self.rope_base, device)
@@ -165,22 +166,27 @@ class M6Model(nn.Module):
 
     def forward(self, tokens: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None,
-                chunk: int = 0) -> torch.Tensor:
+                chunk: int = 0, head_only: bool = False) -> torch.Tensor:
         """Hidden states of model chunk ``chunk``; on the last virtual stage logits ``[b, s, V/TP]``,
         or with ``labels`` per-token losses ``[b, s]`` — with ``loss_mask`` too, the scalar sum of
         loss x mask (the schedules' objective; its gradient computed with the loss: the output
-        layer and the loss are fused, parallel/cross_entropy.py)."""
+        layer and the loss are fused, parallel/cross_entropy.py). ``head_only``: ``hidden`` is
+        the last layer's output, only the final norm and the output layer run (the overlapped
+        expert schedule runs the embedding and the layers itself, ``pipeline/a2a_overlap.py``)."""
         spec = self.stage.chunks[chunk]
+        if head_only:
+            return self._head(hidden, labels, loss_mask)
         x = self.embedding(tokens) if spec.first else hidden
         seq_length = x.shape[1] * (self.ps.tp_size if self.sequence_parallel else 1)
-        rope = self._rope(seq_length, x.device)
+        rope = self.rope(seq_length, x.device)
         for positions, recomputed in self.recompute_units[chunk]:
             if recomputed and torch.is_grad_enabled():
                 x = tp_random.checkpoint(self._run_layers, positions, x, rope, device=self.ps.device)
             else:
                 x = self._run_layers(positions, x, rope)
-        if not spec.last:
-            return x
+        return self._head(x, labels, loss_mask) if spec.last else x
+
+    def _head(self, x: torch.Tensor, labels: Optional[torch.Tensor], loss_mask: Optional[torch.Tensor]) -> torch.Tensor:
         x = self.final_norm(x)
         if self.output_layer is not None:
             return self.output_layer(x, labels, loss_mask)

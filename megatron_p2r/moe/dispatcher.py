@@ -122,39 +122,58 @@ def plan(indices: torch.Tensor, num_experts: int, capacity: Optional[int]) -> Pl
 
 
 @dataclass
-class _Exchange:
+class Exchange:
+    """Who sends how many rows to whom in one MoE layer call (agreed before the rows move)."""
     send_splits: List[int]
     recv_splits: List[int]
     perm: torch.Tensor       # received (source, expert) order -> (expert, source) order
+    local_counts: List[int]  # received rows per local expert
 
 
 class Dispatcher:
-    """Moves rows to the EP rank that holds their expert and back (identity when EP=1)."""
+    """Moves rows to the EP rank that holds their expert and back (identity when EP=1).
+
+    ``dispatch`` and ``combine`` are the serial path; the overlapped schedule
+    (``pipeline/a2a_overlap.py``) runs their pieces itself — ``exchange``, the rows' all-to-all,
+    ``sorted_by_expert``; ``unsorted``, the reverse all-to-all — with the all-to-alls in flight
+    while another micro-batch computes."""
 
     def __init__(self, num_experts: int, ep_size: int, group: Optional[dist.ProcessGroup]):
         self.num_experts, self.ep_size, self.group = num_experts, ep_size, group
         self.num_local = num_experts // ep_size
+
+    def exchange(self, counts: List[int], device: torch.device) -> Exchange:
+        """Trade per-expert row counts (a small all-to-all: dropless sizes depend on the data)."""
+        E_l, P = self.num_local, self.ep_size
+        sent = torch.tensor(counts, dtype=torch.int64, device=device)
+        received = all_to_all(sent, [E_l] * P, [E_l] * P, self.group).view(P, E_l)  # [source, local expert]
+        recv_counts = received.tolist()
+        expert_of_row = torch.arange(E_l, device=device).repeat(P).repeat_interleave(received.reshape(-1))
+        return Exchange(send_splits=[sum(counts[r * E_l:(r + 1) * E_l]) for r in range(P)],
+                        recv_splits=[sum(row) for row in recv_counts],
+                        perm=torch.argsort(expert_of_row, stable=True),
+                        local_counts=[sum(recv_counts[r][e] for r in range(P)) for e in range(E_l)])
+
+    @staticmethod
+    def sorted_by_expert(received: torch.Tensor, handle: Exchange) -> torch.Tensor:
+        return gather_rows(received, handle.perm)
+
+    @staticmethod
+    def unsorted(rows: torch.Tensor, handle: Exchange) -> torch.Tensor:
+        """The inverse of ``sorted_by_expert``: back to the order the rows were received in."""
+        return torch.empty_like(rows).index_copy(0, handle.perm, rows)
 
     def dispatch(self, rows: torch.Tensor, counts: List[int]):
         """``rows`` sorted by global expert with ``counts`` per expert -> (rows of this rank's
         experts, grouped by local expert; their counts per local expert; handle for combine)."""
         if self.group is None:
             return rows, counts, None
-        E_l, P = self.num_local, self.ep_size
-        sent = torch.tensor(counts, dtype=torch.int64, device=rows.device)
-        received = all_to_all(sent, [E_l] * P, [E_l] * P, self.group).view(P, E_l)  # [source, local expert]
-        recv_counts = received.tolist()
-        send_splits = [sum(counts[r * E_l:(r + 1) * E_l]) for r in range(P)]
-        recv_splits = [sum(row) for row in recv_counts]
-        out = all_to_all(rows, recv_splits, send_splits, self.group)
-        expert_of_row = torch.arange(E_l, device=rows.device).repeat(P).repeat_interleave(received.reshape(-1))
-        perm = torch.argsort(expert_of_row, stable=True)
-        local_counts = [sum(recv_counts[r][e] for r in range(P)) for e in range(E_l)]
-        return gather_rows(out, perm), local_counts, _Exchange(send_splits, recv_splits, perm)
+        handle = self.exchange(counts, rows.device)
+        out = all_to_all(rows, handle.recv_splits, handle.send_splits, self.group)
+        return self.sorted_by_expert(out, handle), handle.local_counts, handle
 
-    def combine(self, rows: torch.Tensor, handle: Optional[_Exchange]) -> torch.Tensor:
+    def combine(self, rows: torch.Tensor, handle: Optional[Exchange]) -> torch.Tensor:
         """Expert outputs back to the rank and order their inputs came from."""
         if handle is None:
             return rows
-        unsorted = torch.empty_like(rows).index_copy(0, handle.perm, rows)
-        return all_to_all(unsorted, handle.send_splits, handle.recv_splits, self.group)
+        return all_to_all(self.unsorted(rows, handle), handle.send_splits, handle.recv_splits, self.group)

@@ -23,6 +23,9 @@ exactly as without sequence parallelism. The output is reduce-scattered back to 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import List
+
 import torch
 from torch import nn
 
@@ -49,6 +52,14 @@ class MoELayer(nn.Module):
         self.dispatcher = Dispatcher(cfg.num_experts, ps.ep_size, ps.group("ep"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routed = self.route(x)
+        rows, counts, handle = self.dispatcher.dispatch(routed.rows, routed.counts)
+        rows = self.dispatcher.combine(self.experts(rows, counts), handle)
+        return self.finish(rows, routed.weights, routed)
+
+    def route(self, x: torch.Tensor) -> "Routed":
+        """Routing and the rows to dispatch, sorted by global expert (the router's aux loss rides
+        on them into backward)."""
         routing = self.router(x.reshape(-1, x.shape[-1]))
         x, indices, weights = to_compute_dtype(x), routing.indices, routing.weights   # send and compute in it
         if self.sequence_group is not None:  # the TP ranks' shards: the whole sequence, as without SP
@@ -66,14 +77,23 @@ class MoELayer(nn.Module):
         tp_region = (lambda t: t) if self.sequence_group is not None else (lambda t: copy_to_region(t, self.tp_group))
         # p.order indexes the slot-major assignment list [slots * T]: token = order % T
         rows = gather_rows(tp_region(x), p.order, repeats=slots)
-        rows, local_counts, handle = self.dispatcher.dispatch(rows, p.counts)
-        rows = self.dispatcher.combine(self.experts(rows, local_counts), handle)
-        # each kept assignment weighted back into its token (dropped ones add nothing)
-        out = weighted_unpermute(rows, tp_region(weights.t()), p.order).view(shape)
-        if self.sequence_group is not None:
-            out = reduce_scatter_to_sequence_region(out, self.sequence_group)
-        else:
-            out = reduce_from_region(out, self.tp_group)
         if routing.aux_loss is not None:
-            out = aux_loss.attach(out, routing.aux_loss)
-        return out
+            rows = aux_loss.attach(rows, routing.aux_loss)
+        return Routed(rows=rows, counts=p.counts, order=p.order, weights=tp_region(weights.t()), shape=shape)
+
+    def finish(self, rows: torch.Tensor, weights: torch.Tensor, routed: "Routed") -> torch.Tensor:
+        """The combined expert outputs ``rows`` weighted back into their tokens (dropped
+        assignments add nothing), summed over TP."""
+        out = weighted_unpermute(rows, weights, routed.order).view(routed.shape)
+        if self.sequence_group is not None:
+            return reduce_scatter_to_sequence_region(out, self.sequence_group)
+        return reduce_from_region(out, self.tp_group)
+
+
+@dataclass
+class Routed:
+    rows: torch.Tensor       # kept assignments' token rows, sorted by global expert
+    counts: List[int]        # of them, per global expert
+    order: torch.Tensor      # their indices into the slot-major assignment list
+    weights: torch.Tensor    # [slots, T] combine weights (in the TP region)
+    shape: torch.Size        # of the layer's (gathered) input

@@ -16,7 +16,7 @@ sequence of our batch-first ``[b, s, ...]`` tensors (docs/parallelism.md says wh
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -123,8 +123,10 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Optional[dist.Proc
     return _SequenceCollective.apply(x, group, reduce_scatter_sequence, all_gather_sequence)
 
 
-def _all_to_all_single(x: torch.Tensor, out_splits: List[int], in_splits: List[int], group) -> torch.Tensor:
-    """Rows of ``x`` split by ``in_splits`` go to each rank; ``out_splits`` rows come back.
+def start_all_to_all(x: torch.Tensor, out_splits: List[int], in_splits: List[int], group) -> Tuple[torch.Tensor, Callable[[], None]]:
+    """Start the all-to-all of ``x``'s rows (split by ``in_splits``; ``out_splits`` rows come back):
+    the output buffer and a ``wait`` that returns once it is filled. Overlapped schedules compute
+    while it is in flight (``pipeline/a2a_overlap.py``).
 
     gloo has no all_to_all, so on CPU it is built from batched isend/irecv (documented in
     docs/parallelism.md); NCCL uses the native collective.
@@ -132,8 +134,8 @@ def _all_to_all_single(x: torch.Tensor, out_splits: List[int], in_splits: List[i
     x = x.contiguous()
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     if dist.get_backend(group) != "gloo":
-        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
-        return out
+        work = dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
+        return out, work.wait
     me = dist.get_rank(group)
     ins, outs = x.split(in_splits), out.split(out_splits)
     ops = []
@@ -146,8 +148,17 @@ def _all_to_all_single(x: torch.Tensor, out_splits: List[int], in_splits: List[i
             ops.append(dist.P2POp(dist.isend, ins[peer].contiguous(), global_peer, group))
         if out_splits[peer]:
             ops.append(dist.P2POp(dist.irecv, outs[peer], global_peer, group))
-    for work in dist.batch_isend_irecv(ops) if ops else []:
-        work.wait()
+    works = dist.batch_isend_irecv(ops) if ops else []
+
+    def wait() -> None:
+        for work in works:
+            work.wait()
+    return out, wait
+
+
+def _all_to_all_single(x: torch.Tensor, out_splits: List[int], in_splits: List[int], group) -> torch.Tensor:
+    out, wait = start_all_to_all(x, out_splits, in_splits, group)
+    wait()
     return out
 
 

@@ -1,22 +1,14 @@
 """Forward/backward schedules over the micro-batches of one optimizer step.
 
-The loss is the mean over the global batch's valid tokens, as Megatron-LM and torchtitan
-normalise it: sum over every micro-batch of every DP rank of (token loss x loss mask),
-divided by the sum of the loss masks over that whole global batch. The stage that computes
-the loss counts the valid tokens of its micro-batches before the first forward (the masks
-are known up front) and all-reduces that one number over DP (a device tensor: no host
-sync). The model returns a micro-batch's masked sum itself when given the loss mask (its
-fused loss computes the gradient along: parallel/cross_entropy.py). Each micro-batch's
-backward runs on ``masked sum x loss_scale x DP / valid tokens``:
-the data-parallel reduction (``parallel/ddp.py``) then averages over DP (and sums the replicas
-held by several stages), so the gradient is that of the global token mean whatever the masks
-and micro-batch shapes.
+The loss is the mean over the global batch's valid tokens (``token_loss.py``).
 Every schedule back-propagates each model chunk's micro-batches in the order it ran them, so
 GPipe, 1F1B and interleaved 1F1B accumulate every parameter's gradient in the same order and
 give bitwise equal gradients (equal to no-pipelining up to the order of cross-stage sums; a
 pseudo slot called by two chunks of a rank accumulates their contributions in schedule order).
 
 - ``forward_backward_no_pipelining``: gradient accumulation on one stage (PP=1);
+  ``a2a_overlap.forward_backward_overlapped_a2a`` the same with the expert all-to-alls of one
+  micro-batch overlapped with another's compute (--overlap-moe-expert-parallel-comm);
 - ``forward_backward_gpipe``: all forwards, then all backwards (holds m activations);
 - ``forward_backward_1f1b``: PipeDream-flush — stage s runs P-s-1 warm-up forwards, then
   alternates one forward and one backward, then drains (holds at most P-s activations);
@@ -43,49 +35,13 @@ import time
 from typing import Callable, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from megatron_p2r.parallel.state import ParallelState
+from megatron_p2r.pipeline.a2a_overlap import forward_backward_overlapped_a2a
 from megatron_p2r.pipeline.order import FORWARD, Op, input_of, pipeline_ops, sent_by
 from megatron_p2r.pipeline.p2p import StageLink
+from megatron_p2r.pipeline.token_loss import BackwardScaleHook, TokenMeanLoss, announce_backward_scale
 from megatron_p2r.pipeline.transfers import Transfers, transfers
-
-BackwardScaleHook = Optional[Callable[[float], None]]
-
-
-def global_valid_tokens(microbatches: List[dict], ps: ParallelState) -> torch.Tensor:
-    """Sum of the loss masks of this step's micro-batches over all DP ranks (float64: exact
-    counts), at least 1. One all-reduce of a scalar on the device, no host synchronisation."""
-    count = torch.zeros((), dtype=torch.float64, device=ps.device)
-    for mb in microbatches:
-        count += mb["loss_mask"].sum(dtype=torch.float64)
-    if ps.group("dp") is not None:
-        dist.all_reduce(count, group=ps.group("dp"))
-    return count.clamp(min=1.0)
-
-
-class TokenMeanLoss:
-    """The loss side of a step on the stage that computes it: masked sums in, backward on
-    their share of the global token mean, this rank's share of the mean out."""
-
-    def __init__(self, microbatches: List[dict], ps: ParallelState, loss_scale: float):
-        self.tokens = global_valid_tokens(microbatches, ps)
-        # x DP: the data-parallel reduction divides the DP sum of the gradients by DP
-        self.grad_factor = (loss_scale * ps.dp_size / self.tokens).float()
-        self.total = torch.zeros((), device=ps.device)
-
-    def add(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """This micro-batch's masked sum (the model's output given the loss mask; kept in the
-        graph for ``backward``)."""
-        self.total.add_(loss_sum.detach().float())
-        return loss_sum
-
-    def backward(self, loss_sum: torch.Tensor) -> None:
-        (loss_sum * self.grad_factor).backward()
-
-    def share(self) -> torch.Tensor:
-        return (self.total / self.tokens).float()
-
 
 class _BusyTimer:
     """Wall time spent computing (not waiting on neighbours); only when stats are asked for."""
@@ -115,18 +71,13 @@ class _BusyTimer:
             self.stats["peak_inflight"] = max(self.stats["peak_inflight"], count)
 
 
-def _announce_backward_scale(hook: BackwardScaleHook, loss_scale: float, n: int, forward_only: bool) -> None:
-    if hook is not None and not forward_only and n:
-        hook(loss_scale / n)
-
-
 def forward_backward_no_pipelining(model, microbatches: List[dict], ps: ParallelState, *,
                                    loss_scale: float = 1.0,
                                    forward_only: bool = False, stats: Optional[dict] = None,
                                    on_backward_scale: BackwardScaleHook = None) -> torch.Tensor:
     """Gradient accumulation on one stage; returns this DP rank's share of the token mean
     (detached). ``stats`` (optional dict, every schedule) receives busy_s and peak_inflight."""
-    _announce_backward_scale(on_backward_scale, loss_scale, len(microbatches), forward_only)
+    announce_backward_scale(on_backward_scale, loss_scale, len(microbatches), forward_only)
     timer = _BusyTimer(stats, ps.device)
     loss = TokenMeanLoss(microbatches, ps, loss_scale)
     for mb in microbatches:
@@ -231,7 +182,7 @@ def _pipelined(model, microbatches: List[dict], ps: ParallelState, *, schedule: 
     if held != chunks:
         raise ValueError(f"the model holds {held} model chunks per pipeline rank, the schedule runs {chunks}: "
                          "pass num_model_chunks=plan.num_model_chunks to get_forward_backward_func")
-    _announce_backward_scale(on_backward_scale, loss_scale, n, forward_only)
+    announce_backward_scale(on_backward_scale, loss_scale, n, forward_only)
     ops, known = _rank_schedule(schedule, ps.pp_size, chunks, n, ps.pp_rank, forward_only)
     specs = [model.hidden_spec(tuple(mb["tokens"].shape)) for mb in microbatches]
     link = StageLink(ps, known, lambda msg: specs[msg.microbatch])
@@ -281,11 +232,13 @@ SCHEDULES = {"1f1b": forward_backward_1f1b, "gpipe": forward_backward_gpipe}
 
 
 def get_forward_backward_func(ps: ParallelState, schedule: str = "1f1b", *, num_model_chunks: int = 1,
-                              overlap_p2p_comm: bool = False) -> Callable:
+                              overlap_p2p_comm: bool = False, overlap_moe_comm: bool = False) -> Callable:
     """The schedule of ``--pipeline-schedule`` for this layout; with ``num_model_chunks`` > 1
     (``ParallelPlan.num_model_chunks``: interleaving) the interleaved 1F1B schedule, whose
     receives ``overlap_p2p_comm`` (``--overlap-p2p-communication``) posts one op ahead: as in
-    Megatron-LM, only the interleaved schedule overlaps."""
+    Megatron-LM, only the interleaved schedule overlaps. ``overlap_moe_comm``
+    (``--overlap-moe-expert-parallel-comm``, one stage, training steps) overlaps the expert
+    all-to-alls (``a2a_overlap.py``)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"--pipeline-schedule {schedule!r}: expected one of {sorted(SCHEDULES)}")
     if num_model_chunks > 1:
@@ -296,5 +249,5 @@ def get_forward_backward_func(ps: ParallelState, schedule: str = "1f1b", *, num_
         interleaved = forward_backward_pipelining_with_interleaving
         return functools.partial(interleaved, overlap_p2p_comm=True) if overlap_p2p_comm else interleaved
     if ps.pp_size == 1:
-        return forward_backward_no_pipelining
+        return forward_backward_overlapped_a2a if overlap_moe_comm else forward_backward_no_pipelining
     return SCHEDULES[schedule]

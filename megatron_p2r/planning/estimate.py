@@ -135,6 +135,17 @@ def exposed_p2p(p2p: float, compute: float) -> float:
     return max(p2p / 2 - compute / 3, 0.0) + max(p2p / 2 - 2 * compute / 3, 0.0)
 
 
+def exposed_ep(ep: float, compute: float, microbatches: int) -> float:
+    """The part of a micro-batch's expert all-to-alls (``ep`` seconds, half in its forward, half
+    in its backward) a step waits for, per micro-batch, when the forward of micro-batch i+1 runs
+    with the backward of micro-batch i (--overlap-moe-expert-parallel-comm): the forward's
+    all-to-alls travel under the other micro-batch's backward (2/3 of ``compute``), the backward's
+    under its forward (1/3), and what outlasts them is exposed; the first forward and the last
+    backward have nothing to hide under."""
+    paired = max(ep / 2 - 2 * compute / 3, 0.0) + max(ep / 2 - compute / 3, 0.0)
+    return (ep + (microbatches - 1) * paired) / microbatches
+
+
 def overlapped_optimizer_time(device_step: float, host_step: float, layer_keys: Sequence[int],
                               offloaded: Sequence[int], layer_forward: float, early: bool = False) -> float:
     """The optimizer's share of a step when the host step overlaps what follows it
@@ -183,9 +194,10 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     compute = stage_flops_per_microbatch(cfg, plan, stage, off["recomputed"]) / (peak * a.efficiency)
     tp_t, ep_t, pp_t = (link_time(comm[k], gpu) / mbs for k in ("tp", "ep", "pp"))
     transfer = off["moved_per_microbatch"] / gpu.host_bw
-    overlap_p2p = cfg.parallel.overlaps_p2p(cfg.model.num_layers)
-    pp_exposed = exposed_p2p(pp_t, compute + tp_t + ep_t) if overlap_p2p else pp_t
-    mb_time = max(compute + tp_t + ep_t, transfer) + pp_exposed
+    overlap_p2p, overlap_ep = cfg.parallel.overlaps_p2p(cfg.model.num_layers), cfg.parallel.overlap_moe_expert_parallel_comm
+    ep_exposed = exposed_ep(ep_t, compute + tp_t, mbs) if overlap_ep else ep_t
+    pp_exposed = exposed_p2p(pp_t, compute + tp_t + ep_exposed) if overlap_p2p else pp_t
+    mb_time = max(compute + tp_t + ep_exposed, transfer) + pp_exposed
     sync = _exposed_sync(cfg, plan, stage, sum(link_time(comm[k], gpu) for k in ("dp", "expert_dp", "embedding",
                                                                                   "sharing", "tp_partial")), compute)
     hosted = off["host_optimizer_params"]
@@ -205,8 +217,8 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     opt = max(device_step, host_step)
     times = {}
     if cfg.offload.overlap_cpu_optimizer_d2h_h2d and off["recomputed"]:
-        layer_forward = (compute + tp_t + ep_t) / (3 * len(plan.stage(stage).layer_keys) + len(off["recomputed"]))
         keys = plan.stage(stage).layer_keys
+        layer_forward = (compute + tp_t + ep_exposed) / (3 * len(keys) + len(off["recomputed"]))
         opt = overlapped_optimizer_time(device_step, host_step, keys, off["recomputed"], layer_forward,
                                         early=host_step_starts_in_backward(cfg.train, keys))
         times["host_optimizer_hidden"] = max(device_step, host_step) - opt
@@ -221,7 +233,8 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
         time_s={"compute_per_microbatch": compute, "tp_per_microbatch": tp_t, "ep_per_microbatch": ep_t,
                 "pp_per_microbatch": pp_t, "offload_transfer_per_microbatch": transfer,
                 "grad_sync": sync, "optimizer": opt, **times,
-                **({"pp_hidden_per_microbatch": pp_t - pp_exposed} if overlap_p2p else {})},
+                **({"pp_hidden_per_microbatch": pp_t - pp_exposed} if overlap_p2p else {}),
+                **({"ep_hidden_per_microbatch": ep_t - ep_exposed} if overlap_ep else {})},
         device_total=sum(device.values()), fits=overflow is None, overflow=overflow)
     return est, mb_time
 

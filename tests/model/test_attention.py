@@ -134,7 +134,7 @@ def test_attention_equals_the_written_out_computation(groups):
                 p.uniform_(0.5, 1.5)
     attn = model.layers["0"].attention
     x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0))
-    rope = model._rope(16, x.device)
+    rope = model.rope(16, x.device)
     torch.testing.assert_close(attn(x, rope), _by_hand(attn, cfg, x), rtol=1e-5, atol=1e-5)
 
 

@@ -1,0 +1,253 @@
+"""``--overlap-moe-expert-parallel-comm``: the expert all-to-alls of one micro-batch in flight
+while another micro-batch computes (Megatron-LM's batch-level EP overlap; DeepSeek-V3's
+DualPipe overlaps the same way).
+
+The forward of micro-batch i+1 runs together with the backward of micro-batch i. Each
+micro-batch's pass is cut at its all-to-alls into nodes, one autograd graph each, so that the
+two passes can take turns: a MoE layer is
+
+    pre (attention, router, permute) | dispatch a2a | experts | combine a2a | post (unpermute, residual)
+
+and every other piece of the stage (embedding, dense layer, output layer + loss) is one node. A
+node's inputs are fresh leaves detached from the previous node's outputs; its backward is
+``torch.autograd.backward(outputs, grads)``, which leaves the gradients of its inputs on those
+leaves for the node before it. An all-to-all is started asynchronously (``start_all_to_all``)
+and waited on just before its result is needed; after starting one, a pass hands the turn to the
+other (each pass is a generator that yields there).
+
+The math is that of the serial schedule: the nodes compute what the one graph computes (an
+all-to-all moves rows, it adds nothing), only backward passes touch gradients and they run one
+micro-batch after the other, and only forward passes draw random numbers, in micro-batch order.
+So losses, gradients and updated weights are bitwise those of ``forward_backward_no_pipelining``.
+The schedule's structure, not timing, decides every turn, so all ranks issue their collectives
+in the same order. Each micro-batch's backward still starts at the model's output (the
+data-parallel hooks see it: ``parallel/ddp.py``).
+
+Weights read by several nodes (tied embeddings, Pseudo-to-Real's shared layers) get their
+gradient summed over the nodes before it is accumulated, as one graph would (``_SharedWeights``).
+Like Megatron-LM this needs EP > 1 and no full recomputation; it is built for one pipeline stage
+(PP = 1), where Megatron-LM itself asks for interleaving (``config/validation.py`` checks these).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+from typing import Callable, Iterator, List, Optional
+
+import torch
+from torch import nn
+
+from megatron_p2r.moe.layer import Routed
+from megatron_p2r.parallel.mappings import start_all_to_all
+from megatron_p2r.pipeline.token_loss import BackwardScaleHook, TokenMeanLoss, announce_backward_scale
+
+# A pass is a generator: it yields each time it has started an all-to-all, to let the other compute.
+Pass = Iterator[None]
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(True)
+
+
+def _backward(outputs: List[torch.Tensor], grads: List[Optional[torch.Tensor]]) -> None:
+    """Back-propagate a node's output gradients (those that reached it) through its graph."""
+    pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None and o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+class _Exchanged:
+    """One all-to-all of rows: started in forward, its reverse in backward."""
+
+    def __init__(self, rows: torch.Tensor, out_splits: List[int], in_splits: List[int], group):
+        self.splits, self.group = (out_splits, in_splits), group
+        self.received, self._wait = start_all_to_all(rows.detach(), out_splits, in_splits, group)
+
+    def result(self) -> torch.Tensor:
+        """The received rows, as a leaf whose gradient ``start_reverse`` sends back."""
+        self._wait()
+        self.received = _leaf(self.received)
+        return self.received
+
+    def start_reverse(self) -> None:
+        out_splits, in_splits = self.splits
+        self.grad, self._wait = start_all_to_all(self.received.grad, in_splits, out_splits, self.group)
+
+    def grad_of_sent(self) -> torch.Tensor:
+        self._wait()
+        return self.grad
+
+
+class _SharedWeights:
+    """The weights that several nodes of a pass read: a layer module called by several layers
+    (Pseudo-to-Real's sharing), an output layer tied to the embedding. In one graph autograd sums
+    a weight's gradient over its uses and accumulates it once; node by node each node's backward
+    would accumulate its own part (another rounding, and the data-parallel hooks would see the
+    weight final too early). So a pass reads them through aliases (leaves on the same storage),
+    whose gradients sum over the nodes in the order autograd sums them, and hands each sum to its
+    weight at the end of the pass's backward: one accumulation, bitwise the serial one."""
+
+    def __init__(self, model):
+        uses = collections.Counter(id(call) for call in model.layer_calls)
+        shared = {id(c): c for c in model.layer_calls if uses[id(c)] > 1 and isinstance(c, nn.Module)}
+        self.slots = [(m, name, p) for module in shared.values() for m in module.modules()
+                      for name, p in m.named_parameters(recurse=False)]
+        if model.embedding is not None and model.final_norm is not None and model.output_layer is None:
+            word = model.embedding.word_embeddings   # tied: the output layer reads the embedding's matrix
+            self.slots.append((word, "weight", word.weight))
+
+    def aliases(self) -> List[torch.Tensor]:
+        return [_leaf(p) for _, _, p in self.slots]
+
+    @contextlib.contextmanager
+    def read_through(self, aliases: List[torch.Tensor]):
+        for (module, name, _), alias in zip(self.slots, aliases, strict=True):
+            module._parameters[name] = alias
+        try:
+            yield
+        finally:
+            for module, name, p in self.slots:
+                module._parameters[name] = p
+
+    def accumulate(self, aliases: List[torch.Tensor]) -> None:
+        _backward([p for _, _, p in self.slots], [a.grad for a in aliases])
+
+
+class _MicroBatch:
+    """One micro-batch's pass through the stage, node by node: ``forward()`` and then
+    ``backward()`` are passes for the overlapped schedule."""
+
+    def __init__(self, model, mb: dict, loss: TokenMeanLoss, shared: _SharedWeights):
+        self.model, self.mb, self.loss, self.shared = model, mb, loss, shared
+        self.aliases = shared.aliases()
+        # per layer, in forward order: its backward (a pass), from the gradient of its output to its input's
+        self.tape: List[Callable[[torch.Tensor], Pass]] = []
+        self.loss_sum: Optional[torch.Tensor] = None
+        self.embedded: Optional[torch.Tensor] = None
+        self.hidden: Optional[torch.Tensor] = None
+
+    def forward(self) -> Pass:
+        """The nodes' forward, the shared weights read through this pass's aliases (only while
+        this pass computes: the other one may compute in between)."""
+        nodes = self._nodes()
+        while True:
+            with self.shared.read_through(self.aliases):
+                try:
+                    next(nodes)
+                except StopIteration:
+                    return
+            yield
+
+    def _nodes(self) -> Pass:
+        model, mb = self.model, self.mb
+        x = self.embedded = model.embedding(mb["tokens"])
+        seq_length = x.shape[1] * (model.ps.tp_size if model.sequence_parallel else 1)
+        rope = model.rope(seq_length, x.device)
+        for call in model.layer_calls:
+            x = yield from self._layer(call, _leaf(x), rope)
+        self.hidden = _leaf(x)
+        # through the model's forward, so that its hooks see where each backward starts
+        self.loss_sum = self.loss.add(model(hidden=self.hidden, labels=mb["labels"], loss_mask=mb["loss_mask"],
+                                            head_only=True))
+
+    def backward(self) -> Pass:
+        self.loss.backward(self.loss_sum)
+        grad = self.hidden.grad
+        while self.tape:
+            grad = yield from self.tape.pop()(grad)
+        _backward([self.embedded], [grad])
+        self.shared.accumulate(self.aliases)
+
+    def _layer(self, layer, x: torch.Tensor, rope):
+        mlp = getattr(layer, "mlp", None)
+        dispatcher = getattr(mlp, "dispatcher", None)
+        if dispatcher is None or dispatcher.group is None:   # no all-to-all: one node
+            out = layer(x, rope)
+            self.tape.append(functools.partial(self._dense_backward, x, out))
+            return out
+        residual = layer.attend(x, rope)
+        routed = mlp.route(layer.post_attention_norm(residual))
+        handle = dispatcher.exchange(routed.counts, x.device)
+        dispatched = _Exchanged(routed.rows, handle.recv_splits, handle.send_splits, dispatcher.group)
+        yield
+        received = dispatched.result()
+        expert_out = dispatcher.unsorted(mlp.experts(dispatcher.sorted_by_expert(received, handle),
+                                                     handle.local_counts), handle)
+        combined = _Exchanged(expert_out, handle.send_splits, handle.recv_splits, dispatcher.group)
+        yield
+        rows, residual_in, weights = combined.result(), _leaf(residual), _leaf(routed.weights)
+        out = layer.add_mlp(residual_in, mlp.finish(rows, weights, routed))
+        self.tape.append(functools.partial(self._moe_backward, _MoENodes(x, residual, routed, dispatched, expert_out,
+                                                                        combined, residual_in, weights, out)))
+        return out
+
+    @staticmethod
+    def _dense_backward(x: torch.Tensor, out: torch.Tensor, grad: torch.Tensor) -> Pass:
+        _backward([out], [grad])
+        return x.grad
+        yield   # a generator that never hands the turn over: no communication here
+
+    @staticmethod
+    def _moe_backward(n: "_MoENodes", grad: torch.Tensor) -> Pass:
+        _backward([n.out], [grad])                                       # post
+        n.combined.start_reverse()
+        yield
+        _backward([n.expert_out], [n.combined.grad_of_sent()])          # experts
+        n.dispatched.start_reverse()
+        yield
+        _backward([n.residual, n.routed.weights, n.routed.rows],         # pre
+                  [n.residual_in.grad, n.weights.grad, n.dispatched.grad_of_sent()])
+        return n.x.grad
+
+
+@dataclasses.dataclass
+class _MoENodes:
+    """What a MoE layer's backward needs of its forward's nodes."""
+    x: torch.Tensor              # the layer's input (leaf)
+    residual: torch.Tensor       # pre's outputs: the residual stream after attention,
+    routed: "Routed"             # ... the routing (its rows and combine weights)
+    dispatched: _Exchanged
+    expert_out: torch.Tensor     # the experts' output, in the order it was received
+    combined: _Exchanged
+    residual_in: torch.Tensor    # post's inputs (leaves)
+    weights: torch.Tensor
+    out: torch.Tensor            # the layer's output
+
+
+def _take_turns(first: Pass, second: Pass) -> None:
+    """Run two passes, each until it starts an all-to-all, then the other, until both are done."""
+    passes = [first, second]
+    while passes:
+        for p in list(passes):
+            try:
+                next(p)
+            except StopIteration:
+                passes.remove(p)
+
+
+def _run(one: Pass) -> None:
+    for _ in one:
+        pass
+
+
+def forward_backward_overlapped_a2a(model, microbatches: List[dict], ps, *, loss_scale: float = 1.0,
+                                    on_backward_scale: BackwardScaleHook = None) -> torch.Tensor:
+    """Gradient accumulation on one stage (as ``forward_backward_no_pipelining``; training steps
+    only: evaluation has no backward to overlap with), the forward of micro-batch i+1 taking turns
+    with the backward of micro-batch i at their all-to-alls."""
+    if not microbatches:
+        raise ValueError("a step needs at least one micro-batch")
+    announce_backward_scale(on_backward_scale, loss_scale, len(microbatches), False)
+    loss, shared = TokenMeanLoss(microbatches, ps, loss_scale), _SharedWeights(model)
+    previous = None
+    for mb in microbatches:
+        current = _MicroBatch(model, mb, loss, shared)
+        if previous is None:
+            _run(current.forward())
+        else:
+            _take_turns(current.forward(), previous.backward())
+        previous = current
+    _run(previous.backward())
+    return loss.share()

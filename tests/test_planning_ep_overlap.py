@@ -1,0 +1,41 @@
+"""The planner's expert all-to-alls with --overlap-moe-expert-parallel-comm: the forward of
+micro-batch i+1 runs with the backward of micro-batch i, so each micro-batch's all-to-alls
+travel under the other's compute and a step waits only for what outlasts it, plus the first
+forward's and the last backward's, which have nothing to hide under
+(``planning.estimate.exposed_ep``). (The runtime's overlap: tests/moe/test_a2a_overlap.py.)"""
+from __future__ import annotations
+
+import pytest
+
+from megatron_p2r.arguments import config_from_values
+from megatron_p2r.planning import estimate, hardware
+
+GPU = hardware.GPU_PRESETS["A100-80GB"]
+MOE = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=64, vocab_size=1000,
+           micro_batch_size=1, global_batch_size=64, mock_data=True, bf16=True, num_experts=16,
+           moe_ffn_hidden_size=512, moe_router_topk=2, expert_model_parallel_size=16)
+
+
+def test_exposed_ep_is_what_outlasts_the_other_microbatch_plus_the_ends():
+    # 4 micro-batches, all-to-alls of 1 s (0.5 forward, 0.5 backward), compute 3 s (1 forward, 2 backward):
+    # 3 pairs hide all; the first forward's 0.5 and the last backward's 0.5 are exposed: 1 s over 4
+    assert estimate.exposed_ep(1.0, 3.0, 4) == pytest.approx(0.25)
+    # 6 s: 3 under a backward of 2 (1 exposed) and 3 under a forward of 1 (2 exposed) per pair;
+    # (6 + 2 x 3) / 3 micro-batches
+    assert estimate.exposed_ep(6.0, 3.0, 3) == pytest.approx(4.0)
+    assert estimate.exposed_ep(5.0, 3.0, 1) == 5.0                  # one micro-batch: nothing to pair with
+    assert estimate.exposed_ep(0.0, 3.0, 8) == 0.0
+
+
+def test_overlap_hides_the_expert_all_to_alls_in_the_step():
+    off, on = (estimate.make_plan(config_from_values({**MOE, "overlap_moe_expert_parallel_comm": flag}), 16, GPU)
+               for flag in (False, True))
+    (before,), (after,) = off.stages, on.stages
+    t = before.time_s
+    assert t["ep_per_microbatch"] > 0 and "ep_hidden_per_microbatch" not in t
+    window = t["compute_per_microbatch"] + t["tp_per_microbatch"]
+    hidden = t["ep_per_microbatch"] - estimate.exposed_ep(t["ep_per_microbatch"], window, off.microbatches)
+    assert after.time_s["ep_hidden_per_microbatch"] == pytest.approx(hidden) and hidden > 0
+    assert {k: v for k, v in after.time_s.items() if k != "ep_hidden_per_microbatch"} == t
+    saved = off.step_breakdown_s["pipeline"] - on.step_breakdown_s["pipeline"]
+    assert saved == pytest.approx(off.microbatches * hidden)
