@@ -24,7 +24,7 @@ from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.lifecycle import check_run_fits, lock_save_dir, release_groups, resume_checkpoint
 from megatron_p2r.metrics import TrainingLogger, format_line, model_flops_per_token, peak_memory_bytes
 from megatron_p2r.model.m6 import M6Model, build_model
-from megatron_p2r.offload.optimizer import optimizer_placement
+from megatron_p2r.offload.optimizer import optimizer_placement, overlapped_host_step
 from megatron_p2r.offload.runtime import format_report
 from megatron_p2r.moe import aux_loss
 from megatron_p2r.optim.grad_scaler import LossScaler
@@ -144,12 +144,11 @@ def build_train_state(cfg: Config, ps: ParallelState, plan: Optional[ParallelPla
                                   overlap_param_gather=p.overlap_param_gather,
                                   fetched=manager.fetched_param_ids if manager else (),
                                   waits_whole=model.layers.values() if cfg.train.compile else ())
-    overlap = manager is not None and cfg.offload.overlap_cpu_optimizer_d2h_h2d
+    host_step = overlapped_host_step(manager, cfg) if manager else None
     optimizer = build_mixed_precision_optimizer(ddp, plan, ps, cfg.train,
                                                 optimizer_placement(manager) if manager else None,
-                                                manager.synchronize if manager else None,
-                                                manager.forward_layers if overlap else None)
-    if overlap and "host" in optimizer.inner:  # each layer's fetch waits for that layer's step
+                                                manager.synchronize if manager else None, host_step)
+    if host_step is not None and "host" in optimizer.inner:  # each layer's fetch waits for that layer's step
         manager.step_done = optimizer.inner["host"].wait
     return TrainState(cfg=cfg, ps=ps, plan=plan, model=model, ddp=ddp, optimizer=optimizer,
                       scheduler=LRScheduler(optimizer, cfg, ps.layout.world_size),
@@ -233,6 +232,7 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
     reliability.on_gradients(state.iteration + 1, ps.rank, [ms.main for ms in optimizer.shards])
     scaled_norm, found_inf = grad_norm_and_non_finite(optimizer.main_grads, optimizer.norm_mask, ps)
     state.scaler.update(found_inf)
+    optimizer.check_finite(found_inf)
     grad_norm = float("nan")
     if not found_inf:
         grad_norm = scaled_norm / scale

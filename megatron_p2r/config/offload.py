@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 from megatron_p2r.config.fields import ConfigError, opt
 from megatron_p2r.config.ranges import LAYERS, at_least
+from megatron_p2r.config.train import TrainConfig
 
 WHAT_ITEMS = ("params", "grads", "optimizer")
 FULL = frozenset(WHAT_ITEMS)
@@ -26,7 +27,10 @@ class OffloadConfig:
     device_memory_budget: Optional[str] = opt(None, "With --cpu-offload-layers auto, e.g. 30GiB.")
     overlap_cpu_optimizer_d2h_h2d: bool = opt(False, "Step the host-resident layers' optimizer on a worker thread, "
                                                      "overlapped with the resident step and the next forward "
-                                                     "(each layer's fetch waits for its own step).")
+                                                     "(each layer's fetch waits for its own step); with "
+                                                     "--clip-grad 0 and no fp16, each layer's step starts in "
+                                                     "backward once its gradients are final.")
+    host_optimizer_threads: int = opt(1, "Threads stepping the overlapped host step's layers in parallel.")
 
     def check(self, num_layers: int) -> None:
         """Each flag parses, and the budget comes with ``auto`` and only with it."""
@@ -34,6 +38,9 @@ class OffloadConfig:
         if self.overlap_cpu_optimizer_d2h_h2d and (self.cpu_offload_layers is None or "params" not in what):
             raise ConfigError("--overlap-cpu-optimizer-d2h-h2d overlaps the step of layers whose weights live on "
                               "host: it needs --cpu-offload-layers with --cpu-offload-what params,grads,optimizer")
+        if self.host_optimizer_threads != 1 and not self.overlap_cpu_optimizer_d2h_h2d:
+            raise ConfigError("--host-optimizer-threads sets the threads of the overlapped host step: it needs "
+                              "--overlap-cpu-optimizer-d2h-h2d")
         if self.cpu_offload_layers is None:
             if self.device_memory_budget is not None:
                 raise ConfigError("--device-memory-budget is used only with --cpu-offload-layers auto")
@@ -46,6 +53,14 @@ class OffloadConfig:
                               f"got --cpu-offload-layers {self.cpu_offload_layers!r}")
         if self.device_memory_budget is not None:
             parse_memory_size(self.device_memory_budget)
+
+
+def host_step_starts_in_backward(t: TrainConfig, layer_keys: Sequence[int]) -> bool:
+    """Whether the overlapped host step starts each offloaded layer's step in backward, as soon as
+    its gradients are final: nothing global gates the update (no clipping, no fp16 loss scaling)
+    and no layer module serves two layers (a pseudo slot's gradient is final only after its last
+    use, which the DDP does not track)."""
+    return t.clip_grad == 0 and not t.fp16 and len(set(layer_keys)) == len(layer_keys)
 
 
 def parse_memory_size(text: str) -> int:
@@ -121,4 +136,4 @@ def parse_layer_spec(spec: str, num_layers: int) -> LayerSpec:
 
 
 # Type and range of every numeric field (config/ranges.py).
-RANGES = {"offload_prefetch": at_least(0, LAYERS)}
+RANGES = {"offload_prefetch": at_least(0, LAYERS), "host_optimizer_threads": at_least(1, LAYERS)}

@@ -1,44 +1,68 @@
 """The host optimizer step of offloaded layers, overlapped with what follows it
-(``--overlap-cpu-optimizer-d2h-h2d``).
+(``--overlap-cpu-optimizer-d2h-h2d``), on ``--host-optimizer-threads`` worker threads.
 
-The step of a host-resident layer cannot start before the global gradient norm is known: the
-clipping coefficient and the skip decision on a non-finite gradient (fp16 loss scaling) depend
-on every gradient of the step, and AdamW is not linear in its gradient, so no part of the update
-can be computed earlier and corrected later. ZeRO-Offload faces the same constraint: it copies
-gradients out and computes their norms during backward, then steps on the CPU after backward (its
-"delayed parameter update", which hides the step under the next iteration, steps with stale
-gradients and so changes training; it is not what this does).
+**When a layer's step starts.** With gradient clipping (``--clip-grad`` > 0) or fp16 loss
+scaling, not before the global gradient norm is known: the clipping coefficient and the skip
+decision on a non-finite gradient depend on every gradient of the step, and the optimizers are
+not linear in their gradient, so no part of an update can be computed earlier and corrected
+later. ZeRO-Offload faces the same constraint (its "delayed parameter update" steps with the
+previous iteration's gradients instead, which changes training; not done here). Without either
+(``--clip-grad 0`` with bf16 or fp32: ``early``, ``config.host_step_starts_in_backward``)
+nothing global gates the update, so a layer's step starts as soon as its gradients are final in
+the last micro-batch's backward: the DDP reports each bucket whose reduction has started
+(``reduction_started``) and the worker finishes that reduction (waits, divides by the DP size)
+before stepping; the gradients are zeroed only once the norm has read them (``_zero_after``). A non-finite gradient, which
+would skip the serial step, is then an error (``check_finite``): some layers are already
+updated.
 
-What is hidden instead is the wait *after* the step: each offloaded layer's step (unscale and
-clip of its gradients, AdamW, rounding of its fp32 mains into 16-bit weights, zeroing its
-gradients for the next step) runs on a worker thread, layer after layer in forward order, while
-the main thread steps the resident layers and runs the next iteration's forward up to that layer:
-the fetch of an offloaded layer's weights waits for that layer's step only. Every tensor the
-step reads or writes belongs to that layer and nothing else touches it before the fetch, so the
-weights are bitwise those of the serial step. torch kernels release the GIL, so one thread keeps
-the host busy while Python runs the forward.
+**What it overlaps.** The rest of backward (``early``), the resident step and the next
+iteration's forward up to each offloaded layer: the fetch of a layer's weights waits for that
+layer's step only (``wait(key)``). Every tensor a step reads or writes belongs to that layer and
+nothing else touches it before the fetch, so the weights are bitwise those of the serial step.
+Each layer is stepped by its own view of the optimizer (``_layer_view``), so layers can step on
+several threads at once; torch kernels release the GIL, so workers compute while Python runs
+the model.
 """
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 
+def _layer_view(inner: torch.optim.Optimizer, mains: set) -> torch.optim.Optimizer:
+    """An optimizer of ``inner``'s kind over the mains ``mains`` (ids) only, reading and writing
+    ``inner``'s state: its ``step`` steps one layer, whatever other layers' mains hold."""
+    view = object.__new__(type(inner))
+    view.__dict__.update(inner.__dict__)
+    view.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in mains]} for g in inner.param_groups]
+    return view
+
+
 class HostStep:
     """Steps ``inner`` (a torch optimizer over the host mains of ``layers``: forward-ordered
-    lists of ``MainShard``) one layer at a time on a worker thread.
+    lists of ``MainShard``) one layer at a time on ``threads`` worker threads.
 
-    ``param_groups`` are the groups the LR scheduler writes; the worker reads private copies,
-    refreshed when a step is submitted, so the next iteration's learning rate never reaches a step
-    still running."""
+    ``param_groups`` are the groups the LR scheduler writes; the workers read private copies,
+    refreshed when a step's first layer is submitted, so the next iteration's learning rate never
+    reaches a step still running. ``buckets``: layer key -> the DDP buckets holding its gradients
+    (needed when ``early``)."""
 
-    def __init__(self, inner: torch.optim.Optimizer, layers: Dict[int, list]):
-        self.inner, self.layers = inner, layers
+    def __init__(self, inner: torch.optim.Optimizer, layers: Dict[int, list], threads: int = 1,
+                 early: bool = False, buckets: Optional[Dict[int, list]] = None):
+        self.inner, self.layers, self.early = inner, layers, early
         self.param_groups = [{k: v for k, v in g.items()} for g in inner.param_groups]
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optimizer")
+        self.views = {key: _layer_view(inner, {id(ms.main) for ms in shards}) for key, shards in layers.items()}
+        self.buckets = buckets or {}
+        self._layers_of_bucket: Dict[int, List[int]] = {}
+        for key, held in self.buckets.items():
+            for bucket in held:
+                self._layers_of_bucket.setdefault(id(bucket), []).append(key)
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="host-optimizer")
         self._running: Dict[int, Future] = {}
+        # while a step's layers are queued in backward: layer -> its buckets not reported yet
+        self._waiting: Optional[Dict[int, int]] = None
 
     @property
     def state(self):
@@ -50,29 +74,75 @@ class HostStep:
         return {id(ms.param) for shards in self.layers.values() for ms in shards}
 
     def _hyperparameters_to_worker(self) -> None:
-        for private, public in zip(self.inner.param_groups, self.param_groups, strict=True):
-            private.update({k: v for k, v in public.items() if k != "params"})
+        for i, public in enumerate(self.param_groups):
+            hyper = {k: v for k, v in public.items() if k != "params"}
+            for optimizer in (self.inner, *self.views.values()):
+                optimizer.param_groups[i].update(hyper)
 
-    def submit(self, coeff: float) -> None:
-        """Start every layer's step, gradients multiplied by ``coeff`` (unscale and clip) first."""
+    def _begin(self) -> None:
+        """The first layer of a step: the last step is done, the workers take this step's rates."""
         self.wait()
         self._hyperparameters_to_worker()
-        for key, shards in self.layers.items():
-            self._running[key] = self._pool.submit(self._step_layer, shards, coeff)
 
-    def _step_layer(self, shards: Sequence, coeff: float) -> None:
+    def reduction_started(self, bucket) -> None:
+        """The DDP started ``bucket``'s reduction (``early``): step each layer whose buckets all have."""
+        if self._waiting is None:
+            self._begin()
+            self._waiting = {key: len(self.buckets.get(key, ())) for key in self.layers}
+        for key in self._layers_of_bucket.get(id(bucket), ()):
+            self._waiting[key] -= 1
+            if self._waiting[key] == 0:
+                self._running[key] = self._pool.submit(self._early_step, key)
+
+    def _early_step(self, key: int) -> None:
+        for bucket in self.buckets[key]:
+            bucket.buffer.finish_grad_reduce(bucket)
+        self._step_layer(key, 1.0, zero=False)
+
+    def submit(self, coeff: float) -> None:
+        """After the norm: start every layer's step not started in backward, gradients multiplied
+        by ``coeff`` (unscale and clip) first; zero the gradients of those that were, once their
+        steps end (the norm has read them by now)."""
+        if self.early and coeff != 1.0:
+            raise RuntimeError(f"a host step started in backward cannot be unscaled or clipped (coefficient {coeff})")
+        if self._waiting is None:
+            self._begin()
+        started, self._waiting = dict(self._running), None
+        for key in self.layers:
+            before = started.get(key)
+            self._running[key] = self._pool.submit(self._zero_after, before, key) if before is not None \
+                else self._pool.submit(self._step_layer, key, coeff)
+
+    def _zero_after(self, step: Future, key: int) -> None:
+        """Every step task was queued before any of these, so the one awaited is running or done."""
+        step.result()
+        for ms in self.layers[key]:
+            ms.grad.zero_()
+
+    def _step_layer(self, key: int, coeff: float, zero: bool = True) -> None:
+        shards: Sequence = self.layers[key]
         with torch.no_grad():
             grads = [ms.grad for ms in shards]
             if coeff != 1.0:
                 torch._foreach_mul_(grads, coeff)
             for ms in shards:
                 ms.main.grad = ms.grad
-            self.inner.step()        # steps exactly the mains that have a .grad: this layer's
+            self.views[key].step()
             for ms in shards:
                 ms.main.grad = None
                 if not ms.aliases_param:
                     ms.param.data.view(-1)[ms.start:ms.end].copy_(ms.main.reshape(-1))
-                ms.grad.zero_()
+                if zero:
+                    ms.grad.zero_()
+
+    def check_finite(self, found_inf: bool) -> None:
+        """A step whose gradients are not all finite would be skipped; one whose offloaded layers
+        started stepping during backward cannot be."""
+        if found_inf and self.early:
+            self.wait()
+            raise RuntimeError("a non-finite gradient in a step whose offloaded layers were already updated during "
+                               "backward (--overlap-cpu-optimizer-d2h-h2d with --clip-grad 0 and no fp16 loss "
+                               "scaling): resume from the last checkpoint, with --clip-grad > 0 to skip such steps")
 
     def wait(self, key=None) -> None:
         """Until layer ``key``'s step (every layer's when None) is done; re-raises its error."""
@@ -89,3 +159,5 @@ class HostStep:
         self.wait()
         self.inner.load_state_dict(sd)
         self.param_groups = [{k: v for k, v in g.items()} for g in self.inner.param_groups]
+        self.views = {key: _layer_view(self.inner, {id(ms.main) for ms in shards})
+                      for key, shards in self.layers.items()}

@@ -36,6 +36,17 @@ from megatron_p2r.parallel.state import ParallelState
 PLACEMENTS = ("device", "staged", "host")   # the order of their steps: the host step waits for fetches
 
 
+@dataclass(frozen=True)
+class HostStepSettings:
+    """The overlapped host step (--overlap-cpu-optimizer-d2h-h2d): ``layers``: layer key -> its
+    parameters' ids, in forward order; ``threads``: --host-optimizer-threads; ``early``: each
+    layer's step starts in backward, as soon as its gradients are final (``optim/host_step.py``)."""
+
+    layers: Dict[int, set]
+    threads: int = 1
+    early: bool = False
+
+
 @dataclass
 class MainShard:
     """The flat range [start, end) of ``param`` that this rank's optimizer steps (the whole
@@ -104,11 +115,12 @@ class MixedPrecisionOptimizer:
     """``--optimizer`` over ``shards``: ``zero_grad`` before a step's backward, ``prepare_grads``
     then ``step``. Each shard joins the group (``optim.optimizer.param_groups``: weight decay or
     not) of its weight, in the optimizer of its placement. ``shared``: placement -> Adafactor's
-    shared pieces there (``shared_pieces``)."""
+    shared pieces there (``shared_pieces``). ``host_step``: the overlapped host step's
+    ``HostStepSettings``."""
 
     def __init__(self, shards: List[MainShard], t: TrainConfig, ddp: DistributedDataParallel,
                  before_host_step: Optional[Callable[[], None]] = None,
-                 host_layers: Optional[Dict[int, set]] = None, shared: Optional[Dict[str, tuple]] = None):
+                 host_step: Optional[HostStepSettings] = None, shared: Optional[Dict[str, tuple]] = None):
         self.shards, self.ddp, self.before_host_step = shards, ddp, before_host_step
         self.kind = t.optimizer
         self.inner: Dict[str, object] = {}
@@ -122,10 +134,14 @@ class MixedPrecisionOptimizer:
                 extra = dict(pieces=pieces, shared=shared_here, channels=channels) if t.optimizer == "adafactor" else {}
                 inner = make_optimizer(mine or [{"params": []}], t, **extra)
                 self.inner[placement] = StagedOptimizer(inner) if placement == "staged" else inner
-        if host_layers is not None and "host" in self.inner:
-            self.inner["host"] = HostStep(self.inner["host"], {
-                key: [ms for ms in shards if ms.placement == "host" and id(ms.param) in ids]
-                for key, ids in host_layers.items()})
+        if host_step is not None and "host" in self.inner:
+            layers = {key: [ms for ms in shards if ms.placement == "host" and id(ms.param) in ids]
+                      for key, ids in host_step.layers.items()}
+            buckets = {key: list({id(b): b for b in (ddp.bucket_of[id(ms.param)] for ms in held)}.values())
+                       for key, held in layers.items()}
+            self.inner["host"] = HostStep(self.inner["host"], layers, host_step.threads, host_step.early, buckets)
+            if host_step.early:
+                ddp.reduction_started = self.inner["host"].reduction_started
         deferred = self.inner["host"].param_ids if isinstance(self.inner.get("host"), HostStep) else set()
         self.deferred = [id(ms.param) in deferred for ms in shards]   # stepped, clipped, zeroed by the host step
         self._host_submitted = False
@@ -176,6 +192,11 @@ class MixedPrecisionOptimizer:
         submitted, self._host_submitted = self._host_submitted, False
         return self.inner["host"].param_ids if submitted else set()
 
+    def check_finite(self, found_inf: bool) -> None:
+        """Before a step is skipped: refuse if its host step already started (``HostStep.check_finite``)."""
+        if isinstance(self.inner.get("host"), HostStep):
+            self.inner["host"].check_finite(found_inf)
+
     def finish_host_step(self) -> None:
         """Wait for the overlapped host step (before reading the offloaded layers' weights or state)."""
         if isinstance(self.inner.get("host"), HostStep):
@@ -212,10 +233,10 @@ def _group_of(group: dict, shards: List[MainShard]) -> dict:
 def build_mixed_precision_optimizer(ddp: DistributedDataParallel, plan: ParallelPlan, ps: ParallelState,
                                     t: TrainConfig, placement: Optional[Dict[int, str]] = None,
                                     before_host_step: Optional[Callable[[], None]] = None,
-                                    host_layers: Optional[Dict[int, set]] = None) -> MixedPrecisionOptimizer:
+                                    host_step: Optional[HostStepSettings] = None) -> MixedPrecisionOptimizer:
     """The optimizer of this rank's shards of ``ddp``'s buffers (all of them without the
     distributed optimizer); ``placement``: id(param) -> "host" | "staged" for offloaded layers;
-    ``host_layers``: layer key -> its parameters' ids in forward order, to overlap the host step."""
+    ``host_step``: how to overlap the host step."""
     placement = placement or {}
     shards = []
     for b, buf in enumerate(ddp.buffers):
@@ -230,7 +251,7 @@ def build_mixed_precision_optimizer(ddp: DistributedDataParallel, plan: Parallel
                                     placement=placement.get(id(p), "device"), in_norm=in_norm, buffer=b,
                                     bucket=layout.bucket_of(index), position=layout.ranges[index][0] + start))
     shared = shared_pieces(ddp, shards, placement, ps.device) if t.optimizer == "adafactor" else None
-    return MixedPrecisionOptimizer(shards, t, ddp, before_host_step, host_layers, shared)
+    return MixedPrecisionOptimizer(shards, t, ddp, before_host_step, host_step, shared)
 
 
 def shared_pieces(ddp: DistributedDataParallel, shards: List[MainShard], placement: Dict[int, str],

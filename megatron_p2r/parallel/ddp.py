@@ -15,6 +15,10 @@ attached to a built stage without wrapping its forward.
   — so a bucket that is not ready holds back those after it; staged buckets (host-resident, see
   ``grad_buffer.py``) are reduced after backward. ``finish_grad_sync`` starts what is left,
   waits, and divides by the DP size (expert gradients too: docs/moe.md).
+- ``reduction_started`` (the host step that starts during backward, ``optim/host_step.py``) is
+  told of each bucket once its reduction has started, in backward where the bucket is final
+  then (with ``--overlap-grad-reduce``, or with nothing to reduce), otherwise in
+  ``finish_grad_sync``; ``finish_grad_reduce`` of that bucket then makes its gradients final.
 - Under the distributed optimizer ``start_param_sync`` all-gathers the updated shards; with
   ``--overlap-param-gather`` asynchronously, each module's forward waiting for its own buckets
   (a compiled layer's forward for all of its buckets; buckets of layers whose weights are fetched
@@ -23,7 +27,7 @@ attached to a built stage without wrapping its forward.
 from __future__ import annotations
 
 import functools
-from typing import Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 from torch import nn
@@ -65,6 +69,7 @@ class DistributedDataParallel:
         self._expected: Optional[int] = None
         self._backwards: Dict[int, int] = {}
         self._chunk, self._last_microbatch = 0, False
+        self.reduction_started: Optional[Callable[[BucketState], None]] = None
         for p in self.model.parameters():
             p.register_post_accumulate_grad_hook(self._accumulate)
         model.register_forward_hook(self._mark_output, with_kwargs=True)
@@ -104,7 +109,8 @@ class DistributedDataParallel:
     def _accumulate(self, p: nn.Parameter) -> None:
         p.main_grad.add_(p.grad)
         p.grad = None
-        if not (self._last_microbatch and self.overlap_grad_reduce and self._final_chunk[id(p)] == self._chunk):
+        tracking = self.overlap_grad_reduce or self.reduction_started is not None
+        if not (self._last_microbatch and tracking and self._final_chunk[id(p)] == self._chunk):
             return
         bucket = self.bucket_of[id(p)]
         if id(p) not in bucket.pending:
@@ -115,16 +121,22 @@ class DistributedDataParallel:
             self._start_ready(self.buffers.index(bucket.buffer))
 
     def _start_ready(self, index: int) -> None:
-        """Start the ready buckets of buffer ``index`` in bucket order (staged ones wait for the end)."""
+        """Start the ready buckets of buffer ``index`` in bucket order (staged ones wait for the
+        end; without --overlap-grad-reduce only a buffer with nothing to reduce starts any)."""
         buf, i = self.buffers[index], self._issued[index]
+        if not self.overlap_grad_reduce and buf.group is not None:
+            return
         while i < len(buf.buckets) and (buf.buckets[i].staged or not buf.buckets[i].pending):
             if not buf.buckets[i].staged:
                 buf.start_grad_reduce(buf.buckets[i], async_op=True)
+                if self.reduction_started is not None:
+                    self.reduction_started(buf.buckets[i])
             i += 1
         self._issued[index] = i
 
     def finish_grad_sync(self) -> None:
         """Start every reduction not started yet (in order; staged buckets last), wait, average."""
+        late = [bucket for buf in self.buffers for bucket in buf.buckets if not bucket.started]
         for buf in self.buffers:
             for bucket in buf.buckets:
                 if not bucket.started and not bucket.staged:
@@ -135,6 +147,9 @@ class DistributedDataParallel:
         for buf in self.buffers:
             for bucket in buf.buckets:
                 buf.finish_grad_reduce(bucket)
+        if self.reduction_started is not None:
+            for bucket in late:
+                self.reduction_started(bucket)
 
     # -- distributed optimizer: updated weights back to every member
     def start_param_sync(self) -> None:

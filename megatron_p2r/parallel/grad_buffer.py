@@ -13,6 +13,7 @@ chunks on every member, never the whole buffer at once.
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -36,7 +37,8 @@ class BucketState:
         self.grad, self.param, self.staged = grad, param, staged
         self.pending: set = set()
         self.grad_handle = self.param_handle = None
-        self.started = False
+        self.started = self.reduced = False
+        self.lock = threading.Lock()   # the overlapped host step may finish the reduction on its thread
 
     def shard(self, tensor: torch.Tensor) -> torch.Tensor:
         """This member's shard of ``tensor`` (a view of the bucket)."""
@@ -115,7 +117,7 @@ class ParamAndGradBuffer:
                 t.zero_()
         for bucket in self.buckets:
             bucket.pending = {id(p) for p in bucket.params}
-            bucket.started = False
+            bucket.started = bucket.reduced = False
 
     def start_grad_reduce(self, bucket: BucketState, async_op: bool) -> None:
         """Sum the bucket over the group (into this member's shard when sharded)."""
@@ -136,12 +138,17 @@ class ParamAndGradBuffer:
 
     def finish_grad_reduce(self, bucket: BucketState) -> None:
         """Wait for the bucket's collective and turn the sum into the DP mean (of the shard only,
-        when sharded: the rest of the bucket holds local partial sums)."""
-        if bucket.grad_handle is not None:
-            bucket.grad_handle.wait()
-            bucket.grad_handle = None
-        if self.divisor != 1:
-            (bucket.shard(bucket.grad) if self.layout.sharded else bucket.grad).div_(self.divisor)
+        when sharded: the rest of the bucket holds local partial sums). Once per step, from
+        whichever thread asks first."""
+        with bucket.lock:
+            if bucket.reduced:
+                return
+            if bucket.grad_handle is not None:
+                bucket.grad_handle.wait()
+                bucket.grad_handle = None
+            if self.divisor != 1:
+                (bucket.shard(bucket.grad) if self.layout.sharded else bucket.grad).div_(self.divisor)
+            bucket.reduced = True
 
     # -- parameters (distributed optimizer)
     def start_param_gather(self, bucket: BucketState, async_op: bool) -> None:

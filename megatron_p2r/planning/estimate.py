@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_p2r.config import Config, global_batch_size, num_microbatches
+from megatron_p2r.config import Config, global_batch_size, host_step_starts_in_backward, num_microbatches
 from megatron_p2r.layout import offload as offload_choice
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Layout
@@ -147,24 +147,34 @@ def exposed_ep(ep: float, compute: float, microbatches: int) -> float:
 
 
 def overlapped_optimizer_time(device_step: float, host_step: float, layer_keys: Sequence[int],
-                              offloaded: Sequence[int], layer_forward: float) -> float:
-    """The optimizer's share of a step when the host step overlaps the next forward
-    (--overlap-cpu-optimizer-d2h-h2d): by how long the first micro-batch's forward ends later
-    than it would with no optimizer at all.
+                              offloaded: Sequence[int], layer_forward: float, early: bool = False) -> float:
+    """The optimizer's share of a step when the host step overlaps what follows it
+    (--overlap-cpu-optimizer-d2h-h2d): by how long the next step's first micro-batch forward ends
+    later than it would with no optimizer at all, counted from the end of backward.
 
-    The resident step runs first on the device; meanwhile a host thread steps the offloaded
-    layers in forward order (``host_step`` split evenly), and the forward, one ``layer_forward``
-    per layer, reaches each offloaded layer no earlier than that layer's step ends. Only that
-    micro-batch's forward can hide the host step: the step needs the global gradient norm, known
-    after the last backward, and the next micro-batch's forward needs every layer stepped."""
-    per_layer = host_step / len(set(offloaded))
-    waiting, stepped, now = set(offloaded), 0.0, device_step
-    for key in layer_keys:   # a pseudo slot serving several layers is stepped once, before its first use
-        if key in waiting:
-            waiting.discard(key)
-            stepped += per_layer
-            now = max(now, stepped)
-        now += layer_forward
+    The host steps the offloaded layers one after another (``host_step`` split evenly: host
+    memory bandwidth is the limit, however many threads share it), after the norm in forward
+    order, or with ``early`` (``config.host_step_starts_in_backward``) each as soon as the last
+    micro-batch's backward has produced its gradients: in backward order, a layer's backward
+    taking two ``layer_forward`` (three when recomputed: the offloaded layers). Meanwhile the
+    resident step runs on the device, then the forward, one ``layer_forward`` per layer, reaches
+    each offloaded layer no earlier than that layer's step ends. Only that micro-batch's forward
+    can hide the host step: the next one needs every layer stepped."""
+    per_layer, step_end = host_step / len(set(offloaded)), {}
+    if early:
+        backward = [(key, layer_forward * (3 if key in offloaded else 2)) for key in reversed(layer_keys)]
+        ready = worker = -sum(t for _, t in backward)
+        for key, t in backward:
+            ready += t
+            if key in offloaded:
+                worker = step_end[key] = max(worker, ready) + per_layer
+    else:
+        worker = 0.0
+        for key in dict.fromkeys(k for k in layer_keys if k in offloaded):   # a pseudo slot: once, before first use
+            worker = step_end[key] = worker + per_layer
+    now = device_step
+    for key in layer_keys:
+        now = max(now, step_end.pop(key, now)) + layer_forward
     return now - layer_forward * len(layer_keys)
 
 
@@ -207,9 +217,10 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     opt = max(device_step, host_step)
     times = {}
     if cfg.offload.overlap_cpu_optimizer_d2h_h2d and off["recomputed"]:
-        layer_forward = (compute + tp_t + ep_exposed) / (3 * len(plan.stage(stage).layer_keys) + len(off["recomputed"]))
-        opt = overlapped_optimizer_time(device_step, host_step, plan.stage(stage).layer_keys, off["recomputed"],
-                                        layer_forward)
+        keys = plan.stage(stage).layer_keys
+        layer_forward = (compute + tp_t + ep_exposed) / (3 * len(keys) + len(off["recomputed"]))
+        opt = overlapped_optimizer_time(device_step, host_step, keys, off["recomputed"], layer_forward,
+                                        early=host_step_starts_in_backward(cfg.train, keys))
         times["host_optimizer_hidden"] = max(device_step, host_step) - opt
     est = StageEstimate(
         stage=stage, ranks=_rank_ranges(layout, stage), parameters=sum(s.numel for s in specs),
