@@ -175,9 +175,11 @@ def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[
     act_saved = activation_saved(m)
     f, e_local = m.expert_ffn_size // tp, m.num_experts // ep
     held = ns * m.hidden_size * 4 + ns * m.num_experts * 4 + ns * slots * 8   # fp32 router input, probs, top-k ids
-    if m.moe_z_loss_coeff:
-        held += ns * m.num_experts * 4 + 2 * ns * m.moe_num_prototypes * 4
-    held += rows * 8 * (2 + (ep > 1) + m.add_bias)          # token ids, order, [perm], [expert ids]
+    if a != 4:                                               # the router's weight cast to fp32
+        held += m.num_experts * m.hidden_size * 4
+    if m.moe_z_loss_coeff:                                   # logsumexp's input (the logits) and output
+        held += ns * m.num_experts * 4 + ns * m.moe_num_prototypes * 4
+    held += rows * 8 * (1 + (ep > 1) + m.add_bias)          # order, [EP permutation], [expert ids for biases]
     held += rows * m.hidden_size * a                         # expert input rows
     held += rows * glu * f * a + rows * act_saved * f * a    # fc1 out, activation outputs
     if m.moe_grouped_gemm and m.gated_linear_unit:           # weight1 reordered into [gates; ups] (a copy)

@@ -55,8 +55,8 @@ def test_does_not_fit_exit_status_and_message(capsys):
     assert main(TEN_T + ["--gpu-memory", "12GiB"]) == 1
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out
-    assert "rank 0 (stage 0, ranks 0-511) needs 14.95 GiB of 12.00 GiB" in out and "overflows at 'transient'" in out
-    assert "DOES NOT FIT: GPU overflows by 2.95 GiB: rank 0 (stage 0) needs 14.95 of 12.00 GiB; host fits" in out
+    assert "rank 0 (stage 0, ranks 0-511) needs 14.99 GiB of 12.00 GiB" in out and "overflows at 'transient'" in out
+    assert "DOES NOT FIT: GPU overflows by 2.99 GiB: rank 0 (stage 0) needs 14.99 of 12.00 GiB; host fits" in out
 
 
 def test_bad_input(capsys):
