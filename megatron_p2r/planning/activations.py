@@ -165,6 +165,12 @@ def _math_value_is_view(cfg: Config, tp: int, a: int) -> bool:
     return a == 4 and local_groups == m.num_attention_heads // tp and cfg.train.micro_batch_size == 1
 
 
+def _grouped_swiglu(m) -> bool:
+    """Whether grouped experts run as ``moe.grouped_swiglu`` (SiLU-gated, no clamp, offset or
+    biases: ``Activation.is_swiglu``), which keeps weight1 itself rather than its reordered copy."""
+    return m.swiglu and m.activation_func_clamp_value is None and not m.glu_linear_offset and not m.add_bias
+
+
 def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[int, int, int]:
     """(held, work, backward) of the MoE MLP: the router on the ``ns`` tokens of
     this rank (a sequence shard under sequence parallelism), experts on the ``n`` tokens of the
@@ -182,7 +188,7 @@ def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[
     held += rows * 8 * (1 + (ep > 1) + m.add_bias)          # order, [EP permutation], [expert ids for biases]
     held += rows * m.hidden_size * a                         # expert input rows
     held += rows * glu * f * a + rows * act_saved * f * a    # fc1 out, activation outputs
-    if m.moe_grouped_gemm and m.gated_linear_unit:           # weight1 reordered into [gates; ups] (a copy)
+    if m.moe_grouped_gemm and m.gated_linear_unit and not _grouped_swiglu(m):   # weight1 as [gates; ups], a copy
         held += e_local * glu * f * m.hidden_size * a
     # the combine (dispatcher.weighted_unpermute) keeps every slot's row of the n tokens (a dropped
     # slot's is zeros) in the rows' dtype and the fp32 [slots, n] weights, not the expert output
