@@ -53,6 +53,15 @@ def matmul_ceiling(device: torch.device, dtype: torch.dtype, n: Optional[int] = 
     return 2 * n ** 3 / statistics.median(times)
 
 
+def self_cpu_times(step, steps: int) -> dict:
+    """{profiler key: self CPU seconds per call} over ``steps`` calls of ``step`` (torch.profiler;
+    the benchmarks that say where a step's time goes class these by operator)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    return {e.key: e.self_cpu_time_total / 1e6 / steps for e in prof.key_averages()}
+
+
 def random_microbatches(vocab_size: int, seq_length: int, batch: int, device: torch.device, n: int = 1,
                         seed: int = 0) -> list:
     """``n`` micro-batches of random tokens in the form ``training.train_step`` takes."""

@@ -36,7 +36,7 @@ if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):  # must be set be
 
 import torch  # noqa: E402
 
-from measure import matmul_ceiling, timed  # noqa: E402
+from measure import matmul_ceiling, self_cpu_times, timed  # noqa: E402
 from megatron_p2r.config import ModelConfig  # noqa: E402
 from megatron_p2r.moe.layer import MoELayer  # noqa: E402
 from megatron_p2r.parallel.sharding import init_parameters  # noqa: E402
@@ -182,15 +182,11 @@ def self_time_classes(module, step, steps: int = 3) -> dict:
     """{class: share of this module's self CPU time over ``steps`` forward+backward steps} from
     torch.profiler, classified by operator (OPERATOR_CLASSES); the loss around the module is the
     benchmark's and is counted too (one mul and one sum of [T, h])."""
-    from torch.profiler import ProfilerActivity, profile
     step(module)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            step(module)
     of = {f"aten::{op}": name for name, ops in OPERATOR_CLASSES.items() for op in ops}
     totals = {name: 0.0 for name in list(OPERATOR_CLASSES) + ["other"]}
-    for event in prof.key_averages():
-        totals[of.get(event.key, "other")] += event.self_cpu_time_total
+    for key, seconds in self_cpu_times(lambda: step(module), steps).items():
+        totals[of.get(key, "other")] += seconds
     whole = sum(totals.values())
     return {name: t / whole for name, t in totals.items()}
 

@@ -20,7 +20,7 @@ import pinned_malloc  # noqa: F401  (re-executes with malloc pinned; must preced
 
 import torch  # noqa: E402
 
-from measure import matmul_ceiling, random_microbatches  # noqa: E402
+from measure import matmul_ceiling, random_microbatches, self_cpu_times  # noqa: E402
 from megatron_p2r.arguments import config_from_values  # noqa: E402
 from step_throughput import SHAPE, huggingface, ours, plain  # noqa: E402
 
@@ -39,15 +39,11 @@ def op_class(name: str) -> str:
 
 def profile(step, steps: int) -> tuple:
     """({class: self CPU seconds per step}, [(op, self seconds per step)] sorted) over ``steps`` steps."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            step()
     by_class, by_op = collections.Counter(), collections.Counter()
-    for e in prof.key_averages():
-        if e.key.startswith("aten::") or e.key.startswith("Optimizer") or "Backward" in e.key:
-            seconds = e.self_cpu_time_total / 1e6 / steps
-            by_class[op_class(e.key)] += seconds
-            by_op[e.key] += seconds
+    for key, seconds in self_cpu_times(step, steps).items():
+        if key.startswith("aten::") or key.startswith("Optimizer") or "Backward" in key:
+            by_class[op_class(key)] += seconds
+            by_op[key] += seconds
     return by_class, by_op.most_common()
 
 
