@@ -153,6 +153,13 @@ class TrainConfig:
                               "of the weights' size (its factored statistics are fp32); leave them fp32")
 
     @property
+    def moment_dtypes(self) -> Tuple[str, ...]:
+        """The dtype of each moment of the weights' size ``--optimizer`` keeps: AdamW's two, Lion's
+        one, none for Adafactor (its factored statistics)."""
+        return {"adam": (self.exp_avg_dtype, self.exp_avg_sq_dtype), "lion": (self.exp_avg_dtype,),
+                "adafactor": ()}[self.optimizer]
+
+    @property
     def recompute(self) -> Optional[str]:
         """The recomputation granularity in effect: --recompute-activations means selective (as in
         Megatron-LM); None when nothing is recomputed."""

@@ -132,9 +132,7 @@ class BufferSettings:
 
 def _moment_bytes(cfg: Config) -> int:
     """Bytes of the moments ``--optimizer`` keeps per stepped element."""
-    t, dtype_bytes = cfg.train, offload_choice.DTYPE_BYTES
-    return {"adam": dtype_bytes[t.exp_avg_dtype] + dtype_bytes[t.exp_avg_sq_dtype],
-            "lion": dtype_bytes[t.exp_avg_dtype], "adafactor": 0}[t.optimizer]
+    return sum(offload_choice.DTYPE_BYTES[d] for d in cfg.train.moment_dtypes)
 
 
 def stage_layer_ranges(num_layers: int, pp: int, split: Optional[str] = None, chunks: int = 1) -> List[range]:

@@ -204,9 +204,7 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     # bytes streamed per stepped element (STEP_BYTES), 2 more writing a 16-bit weight, and as much
     # as 12 more per 16-bit moment (the upcast into fp32 and the rounding back: optim/precision_aware.py;
     # benchmarks/precision_aware_step.py)
-    moments = {"adam": (cfg.train.exp_avg_dtype, cfg.train.exp_avg_sq_dtype), "lion": (cfg.train.exp_avg_dtype,),
-               "adafactor": ()}[cfg.train.optimizer]
-    sixteen_bit_moments = sum(offload_choice.DTYPE_BYTES[d] == 2 for d in moments)
+    sixteen_bit_moments = sum(offload_choice.DTYPE_BYTES[d] == 2 for d in cfg.train.moment_dtypes)
     per_element = STEP_BYTES[cfg.train.optimizer] + 12 * sixteen_bit_moments + \
         (plan.buffers.param_bytes if plan.buffers.param_bytes != 4 else 0)
     state = stage_state_bytes(plan, stage)
