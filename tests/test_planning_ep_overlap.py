@@ -39,3 +39,30 @@ def test_overlap_hides_the_expert_all_to_alls_in_the_step():
     assert {k: v for k, v in after.time_s.items() if k != "ep_hidden_per_microbatch"} == t
     saved = off.step_breakdown_s["pipeline"] - on.step_breakdown_s["pipeline"]
     assert saved == pytest.approx(off.microbatches * hidden)
+
+
+def test_recomputed_backward_hides_the_forward_all_to_alls_under_more_compute():
+    # every layer recomputed: forward 1 of compute 4, backward 3 (its recomputed forward included);
+    # all-to-alls of 4 s: 2 under the other's backward (hidden), 2 under its forward (1 exposed);
+    # 2 micro-batches: (4 + 1) / 2
+    assert estimate.exposed_ep(4.0, 4.0, 2, recomputed=1.0) == pytest.approx(2.5)
+    # none recomputed: forward 4/3, backward 8/3: (4 + 2/3) / 2
+    assert estimate.exposed_ep(4.0, 4.0, 2) == pytest.approx(7 / 3)
+
+
+def test_overlap_with_full_recomputation_communicates_no_all_to_all_again():
+    """The serial schedule recomputes a layer with its all-to-alls (three passes of them); the
+    overlapped one recomputes it node by node and keeps their results (two passes)."""
+    # experts wide enough that half the all-to-alls outlast a forward but not a backward
+    full = dict(MOE, moe_ffn_hidden_size=1024, recompute_granularity="full", recompute_method="uniform",
+                recompute_num_layers=1)
+    off, on = (estimate.make_plan(config_from_values({**full, "overlap_moe_expert_parallel_comm": flag}), 16, GPU)
+               for flag in (False, True))
+    (before,), (after,) = off.stages, on.stages
+    assert after.comm_bytes["ep"] == pytest.approx(before.comm_bytes["ep"] * 2 / 3)
+    t = after.time_s
+    window = t["compute_per_microbatch"] + t["tp_per_microbatch"]
+    exposed = estimate.exposed_ep(t["ep_per_microbatch"], window, on.microbatches, recomputed=1.0)
+    assert t["ep_hidden_per_microbatch"] == pytest.approx(t["ep_per_microbatch"] - exposed)
+    assert exposed != pytest.approx(estimate.exposed_ep(t["ep_per_microbatch"], window, on.microbatches))
+    assert t["compute_per_microbatch"] == before.time_s["compute_per_microbatch"]

@@ -51,9 +51,12 @@ def validate(cfg: Config, world_size: int) -> None:
 
 
 def _check_moe_overlap(cfg: Config) -> None:
-    """--overlap-moe-expert-parallel-comm: Megatron-LM's rules (EP > 1, no full recomputation), and
-    what the overlapped schedule (pipeline/a2a_overlap.py) needs: one pipeline stage, layers run
-    eagerly."""
+    """--overlap-moe-expert-parallel-comm: Megatron-LM's rule (EP > 1), and what the overlapped
+    schedule (pipeline/a2a_overlap.py) needs: one pipeline stage, layers run eagerly, and full
+    recomputation one layer at a time. Megatron-LM refuses full recomputation, whose unit of
+    layers cannot be cut at its all-to-alls; here a recomputed layer is recomputed node by node,
+    keeping the all-to-alls' results (nothing is re-communicated), which a unit of one layer
+    allows."""
     p = cfg.parallel
     if not p.overlap_moe_expert_parallel_comm:
         return
@@ -64,9 +67,11 @@ def _check_moe_overlap(cfg: Config) -> None:
     if p.pipeline_model_parallel_size > 1:
         raise ConfigError(f"{flag} runs on one pipeline stage: it needs --pipeline-model-parallel-size 1 "
                           f"(have {p.pipeline_model_parallel_size})")
-    if cfg.train.recompute == "full":
-        raise ConfigError(f"{flag} conflicts with --recompute-granularity full (as in Megatron-LM): a recomputed "
-                          "unit of layers cannot be cut at its all-to-alls")
+    t = cfg.train
+    if t.recompute == "full" and t.recompute_method == "uniform" and t.recompute_num_layers > 1:
+        raise ConfigError(f"{flag} recomputes one layer at a time, cut at its all-to-alls: with "
+                          "--recompute-granularity full it needs --recompute-method uniform --recompute-num-layers 1 "
+                          f"or --recompute-method block (have uniform, --recompute-num-layers {t.recompute_num_layers})")
     if cfg.train.compile:
         raise ConfigError(f"{flag} conflicts with --compile: the overlapped schedule runs each MoE layer in pieces, "
                           "outside the layer's compiled forward")

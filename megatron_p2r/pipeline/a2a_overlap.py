@@ -25,8 +25,17 @@ data-parallel hooks see it: ``parallel/ddp.py``).
 
 Weights read by several nodes (tied embeddings, Pseudo-to-Real's shared layers) get their
 gradient summed over the nodes before it is accumulated, as one graph would (``_SharedWeights``).
-Like Megatron-LM this needs EP > 1 and no full recomputation; it is built for one pipeline stage
-(PP = 1), where Megatron-LM itself asks for interleaving (``config/validation.py`` checks these).
+Like Megatron-LM this needs EP > 1; it is built for one pipeline stage (PP = 1), where
+Megatron-LM itself asks for interleaving (``config/validation.py`` checks these).
+
+Full recomputation (``--recompute-granularity full`` with one layer per recomputed unit: uniform
+1, or block) is recomputation per node: each node of a recomputed layer runs under the model's
+own checkpoint (``parallel.random.checkpoint``: both RNG streams replay) and recomputes its
+activations in its backward, which is the serial schedule's recomputation of that layer cut at
+its all-to-alls. What the cut needs is kept instead of recomputed: the nodes' inputs, among them
+the all-to-alls' results, so a backward re-communicates nothing (the serial recomputation runs
+the layer's all-to-alls again). The rows a node sent are freed once received: under
+recomputation nothing in its graph holds them.
 """
 from __future__ import annotations
 
@@ -34,12 +43,13 @@ import collections
 import contextlib
 import dataclasses
 import functools
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional, Set
 
 import torch
 from torch import nn
 
 from megatron_p2r.moe.layer import Routed
+from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.mappings import start_all_to_all
 from megatron_p2r.pipeline.token_loss import BackwardScaleHook, TokenMeanLoss, announce_backward_scale
 
@@ -68,6 +78,7 @@ class _Exchanged:
     def result(self) -> torch.Tensor:
         """The received rows, as a leaf whose gradient ``start_reverse`` sends back."""
         self._wait()
+        self._wait = None   # it references the sent rows: they may be freed now
         self.received = _leaf(self.received)
         return self.received
 
@@ -115,6 +126,46 @@ class _SharedWeights:
         _backward([p for _, _, p in self.slots], [a.grad for a in aliases])
 
 
+def recomputed_layers(model) -> Set[int]:
+    """Positions (in ``model.layer_calls``) of the layers recomputed in full. Each is its own
+    unit (``config/validation.py`` refuses units of several layers with this schedule), so its
+    recomputation can be cut into the layer's nodes."""
+    return {p for chunk in model.recompute_units for unit, recomputed in chunk if recomputed for p in unit}
+
+
+def _call(fn: Callable, *args):
+    return fn(*args)
+
+
+def _node(device: torch.device, fn: Callable, *args):
+    """``fn(*args)`` keeping only its inputs: its activations are recomputed in its backward,
+    replaying both RNG streams (the model's recomputation: ``M6Model.forward``)."""
+    return tp_random.checkpoint(fn, *args, device=device)
+
+
+def _release(sent: torch.Tensor) -> None:
+    """Free the storage of rows a recomputed node sent, once they are received: checkpoint
+    dropped every tensor the node's graph saved, and its backward reads only their shape."""
+    sent.untyped_storage().resize_(0)
+
+
+def _pre(layer, x: torch.Tensor, rope):
+    """A MoE layer up to its dispatch: attention, router, permute."""
+    residual = layer.attend(x, rope)
+    return residual, layer.mlp.route(layer.post_attention_norm(residual))
+
+
+def _experts(mlp, received: torch.Tensor, handle) -> torch.Tensor:
+    """The local experts on the received rows, returned in the order they were received."""
+    d = mlp.dispatcher
+    return d.unsorted(mlp.experts(d.sorted_by_expert(received, handle), handle.local_counts), handle)
+
+
+def _post(layer, rows: torch.Tensor, residual: torch.Tensor, weights: torch.Tensor, routed: Routed) -> torch.Tensor:
+    """A MoE layer after its combine: unpermute, weight, add to the residual stream."""
+    return layer.add_mlp(residual, layer.mlp.finish(rows, weights, routed))
+
+
 class _MicroBatch:
     """One micro-batch's pass through the stage, node by node: ``forward()`` and then
     ``backward()`` are passes for the overlapped schedule."""
@@ -130,7 +181,8 @@ class _MicroBatch:
 
     def forward(self) -> Pass:
         """The nodes' forward, the shared weights read through this pass's aliases (only while
-        this pass computes: the other one may compute in between)."""
+        this pass computes: the other one may compute in between). A recomputed node's backward
+        needs no aliases: its graph is the forward's, the recomputation refills its saved tensors."""
         nodes = self._nodes()
         while True:
             with self.shared.read_through(self.aliases):
@@ -145,8 +197,9 @@ class _MicroBatch:
         x = self.embedded = model.embedding(mb["tokens"])
         seq_length = x.shape[1] * (model.ps.tp_size if model.sequence_parallel else 1)
         rope = model.rope(seq_length, x.device)
-        for call in model.layer_calls:
-            x = yield from self._layer(call, _leaf(x), rope)
+        recomputed = recomputed_layers(model)
+        for position, call in enumerate(model.layer_calls):
+            x = yield from self._layer(call, _leaf(x), rope, position in recomputed)
         self.hidden = _leaf(x)
         # through the model's forward, so that its hooks see where each backward starts
         self.loss_sum = self.loss.add(model(hidden=self.hidden, labels=mb["labels"], loss_mask=mb["loss_mask"],
@@ -160,25 +213,28 @@ class _MicroBatch:
         _backward([self.embedded], [grad])
         self.shared.accumulate(self.aliases)
 
-    def _layer(self, layer, x: torch.Tensor, rope):
+    def _layer(self, layer, x: torch.Tensor, rope, recompute: bool):
+        node = functools.partial(_node, self.model.ps.device) if recompute else _call
         mlp = getattr(layer, "mlp", None)
         dispatcher = getattr(mlp, "dispatcher", None)
         if dispatcher is None or dispatcher.group is None:   # no all-to-all: one node
-            out = layer(x, rope)
+            out = node(layer, x, rope)
             self.tape.append(functools.partial(self._dense_backward, x, out))
             return out
-        residual = layer.attend(x, rope)
-        routed = mlp.route(layer.post_attention_norm(residual))
+        residual, routed = node(_pre, layer, x, rope)
         handle = dispatcher.exchange(routed.counts, x.device)
         dispatched = _Exchanged(routed.rows, handle.recv_splits, handle.send_splits, dispatcher.group)
         yield
         received = dispatched.result()
-        expert_out = dispatcher.unsorted(mlp.experts(dispatcher.sorted_by_expert(received, handle),
-                                                     handle.local_counts), handle)
+        if recompute:
+            _release(routed.rows)
+        expert_out = node(_experts, mlp, received, handle)
         combined = _Exchanged(expert_out, handle.send_splits, handle.recv_splits, dispatcher.group)
         yield
         rows, residual_in, weights = combined.result(), _leaf(residual), _leaf(routed.weights)
-        out = layer.add_mlp(residual_in, mlp.finish(rows, weights, routed))
+        if recompute:
+            _release(expert_out)
+        out = node(_post, layer, rows, residual_in, weights, routed)
         self.tape.append(functools.partial(self._moe_backward, _MoENodes(x, residual, routed, dispatched, expert_out,
                                                                         combined, residual_in, weights, out)))
         return out

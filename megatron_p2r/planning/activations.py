@@ -201,6 +201,20 @@ def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[
     return held, work, backward
 
 
+def cut_moe_layer_kept(cfg: Config, ns: int, n: int) -> int:
+    """What a MoE layer recomputed node by node keeps beyond its input, in the overlapped expert
+    schedule (--overlap-moe-expert-parallel-comm with full recomputation: pipeline/a2a_overlap.py):
+    the inputs of its later nodes, kept so that its backward re-communicates nothing -- the
+    residual stream after attention (``ns`` tokens), the routing (the rows' order, the fp32
+    combine weights of the ``n`` tokens), the received rows' permutation to expert order -- and
+    both all-to-alls' results (the rows it sent are freed once received). Balanced routing: a
+    rank receives as many rows as it sends."""
+    m = cfg.model
+    slots, rows = moe_rows(cfg, n)
+    return ns * m.hidden_size * compute_bytes(cfg) + rows * 8 * 2 + slots * n * 4 + \
+        2 * rows * m.hidden_size * compute_bytes(cfg)
+
+
 def sinks_unmodelled(m, device_type: str) -> bool:
     """Whether this estimate cannot model the attention: the float mask of --softmax-type
     off-by-one/learnable (model/attention.py) makes SDPA run its math kernel on CPU, whose
@@ -376,6 +390,15 @@ def recomputed_positions(cfg: Config, stage: StagePlan, offloaded: Sequence[int]
     return out
 
 
+def cut_positions(cfg: Config, stage: StagePlan, offloaded: Sequence[int] = ()) -> set:
+    """Positions of the layers the overlapped expert schedule recomputes node by node (full
+    recomputation with --overlap-moe-expert-parallel-comm): they keep their all-to-alls' results
+    rather than communicating them again. Offloaded layers recompute themselves whole."""
+    if not cfg.parallel.overlap_moe_expert_parallel_comm:
+        return set()
+    return {p for p in recomputed_positions(cfg, stage, offloaded) if stage.layer_keys[p] not in set(offloaded)}
+
+
 def _units(cfg: Config, keys: Sequence[int], offloaded: Sequence[int]):
     """A model chunk's recompute units (positions), offloaded layers standing alone (they
     recompute themselves), and the set of positions that keep only their input."""
@@ -421,6 +444,10 @@ def _chunk_memory(cfg: Config, plan: ParallelPlan, stage: int, chunk: int, offlo
     units, standalone, light = _units(cfg, keys, offloaded)
     kept_inputs = sum(1 for unit, recomputed in units if recomputed) + len(standalone)
     held = st.held - sum(st.layers[keys[p]].held for p in light) + kept_inputs * hidden_bytes
+    if cfg.parallel.overlap_moe_expert_parallel_comm:   # recomputed layers cut at their all-to-alls
+        ns = hidden_bytes // token_bytes(cfg)
+        cut = cut_moe_layer_kept(cfg, ns, cfg.train.micro_batch_size * cfg.model.seq_length)
+        held += cut * sum(1 for p in light - standalone if cfg.model.is_moe_layer(keys[p]))
     fwd = st.head_fwd
     if light:   # a recomputed layer's no-grad forward
         fwd = max(fwd, 2 * max(st.layers[keys[p]].work for p in light))

@@ -17,7 +17,7 @@ from megatron_p2r.config import Config, num_microbatches
 from megatron_p2r.layout.offload import GRAD_BYTES
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import stage_set_groups
-from megatron_p2r.planning.activations import compute_bytes, moe_rows, recomputed_positions
+from megatron_p2r.planning.activations import compute_bytes, cut_positions, moe_rows, recomputed_positions
 
 
 def _ring(nbytes: float, n: int) -> float:
@@ -92,6 +92,7 @@ def communication(cfg: Config, plan: ParallelPlan, stage: int, gpus_per_node: in
     out: Dict[str, GroupTraffic] = {}
 
     twice = recomputed_positions(cfg, st, offloaded)
+    cut = cut_positions(cfg, st, offloaded)   # recomputed without their all-to-alls
     tp_bytes = ep_bytes = 0.0
     for position, key in enumerate(st.layer_keys):
         forwards = 2 if position in twice else 1
@@ -101,7 +102,7 @@ def communication(cfg: Config, plan: ParallelPlan, stage: int, gpus_per_node: in
             _, rows = moe_rows(cfg, n)
             if m.add_bias:
                 tp_bytes += _ring(m.num_experts // E * h * a, T)          # bias2's copy
-            ep_bytes += (forwards + 1) * 2 * rows * h * a * (E - 1) / E   # dispatch + combine
+            ep_bytes += ((1 if position in cut else forwards) + 1) * 2 * rows * h * a * (E - 1) / E   # dispatch + combine
     if first:   # vocab-parallel embedding: all-reduce, or reduce-scatter (and all-gather back)
         tp_bytes += 2 * _gather(n * h * a, T) if sp else _ring(n * h * a, T)
     if last:    # the output layer's input (gathered twice and its gradient reduce-scattered under SP, or

@@ -12,7 +12,7 @@ from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Layout
 from megatron_p2r.metrics import model_flops_per_token
 from megatron_p2r.pipeline.order import step_slots
-from megatron_p2r.planning.activations import activation_memory, with_recompute
+from megatron_p2r.planning.activations import activation_memory, recomputed_positions, with_recompute
 from megatron_p2r.planning.checkpoint_cost import FS_WRITE_BW, Bandwidths, checkpoint_cost
 from megatron_p2r.planning.communication import communication
 from megatron_p2r.planning.hardware import GiB, GPUSpec
@@ -135,14 +135,18 @@ def exposed_p2p(p2p: float, compute: float) -> float:
     return max(p2p / 2 - compute / 3, 0.0) + max(p2p / 2 - 2 * compute / 3, 0.0)
 
 
-def exposed_ep(ep: float, compute: float, microbatches: int) -> float:
+def exposed_ep(ep: float, compute: float, microbatches: int, recomputed: float = 0.0) -> float:
     """The part of a micro-batch's expert all-to-alls (``ep`` seconds, half in its forward, half
     in its backward) a step waits for, per micro-batch, when the forward of micro-batch i+1 runs
     with the backward of micro-batch i (--overlap-moe-expert-parallel-comm): the forward's
-    all-to-alls travel under the other micro-batch's backward (2/3 of ``compute``), the backward's
-    under its forward (1/3), and what outlasts them is exposed; the first forward and the last
-    backward have nothing to hide under."""
-    paired = max(ep / 2 - 2 * compute / 3, 0.0) + max(ep / 2 - compute / 3, 0.0)
+    all-to-alls travel under the other micro-batch's backward, the backward's under its forward,
+    and what outlasts them is exposed; the first forward and the last backward have nothing to
+    hide under. The forward is 1/3 of ``compute`` and the backward 2/3, or with a share
+    ``recomputed`` of the layers recomputed in full, whose backward runs their forward again,
+    1/(3 + recomputed) and the rest (the recomputed all-to-alls' results are kept: ``ep`` is
+    still one forward's and one backward's)."""
+    forward = compute / (3 + recomputed)
+    paired = max(ep / 2 - (compute - forward), 0.0) + max(ep / 2 - forward, 0.0)
     return (ep + (microbatches - 1) * paired) / microbatches
 
 
@@ -195,7 +199,8 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     tp_t, ep_t, pp_t = (link_time(comm[k], gpu) / mbs for k in ("tp", "ep", "pp"))
     transfer = off["moved_per_microbatch"] / gpu.host_bw
     overlap_p2p, overlap_ep = cfg.parallel.overlaps_p2p(cfg.model.num_layers), cfg.parallel.overlap_moe_expert_parallel_comm
-    ep_exposed = exposed_ep(ep_t, compute + tp_t, mbs) if overlap_ep else ep_t
+    recomputed = len(recomputed_positions(cfg, plan.stage(stage), off["recomputed"])) / len(plan.stage(stage).layer_keys)
+    ep_exposed = exposed_ep(ep_t, compute + tp_t, mbs, recomputed) if overlap_ep else ep_t
     pp_exposed = exposed_p2p(pp_t, compute + tp_t + ep_exposed) if overlap_p2p else pp_t
     mb_time = max(compute + tp_t + ep_exposed, transfer) + pp_exposed
     sync = _exposed_sync(cfg, plan, stage, sum(link_time(comm[k], gpu) for k in ("dp", "expert_dp", "embedding",

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.model.m6 import build_model
+from megatron_p2r.parallel.random import seed_everything
 from megatron_p2r.parallel.state import Layout
 from megatron_p2r.pipeline import a2a_overlap
-from tests.helpers import keep_first_step_grads, run_steps
+from megatron_p2r.pipeline.token_loss import TokenMeanLoss
+from megatron_p2r.planning import activations
+from tests.helpers import keep_first_step_grads, random_microbatches, run_steps
 from tests.moe.workers import moe_model
 from tests.pipeline.common import make_state
 
@@ -30,6 +35,8 @@ def _counting_all_to_alls(record: dict):
 
 
 def _steps(cfg, ps):
+    # both schedules draw the same random numbers from the same state (dropout, router jitter)
+    seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, ps.device)
     grads = {}
     losses, state = run_steps(cfg, ps, STEPS, after_step=keep_first_step_grads(grads))
     return losses, grads, {n: p.detach().clone() for n, p in state.model.named_parameters()}
@@ -72,3 +79,53 @@ def world4(rank: int, world: int) -> dict:
     ps = make_state(Layout(tp=2, dp=2, ep=2))
     return {"tp2/sequence-parallel": compare(moe_model(tp=2, ep=2, global_batch_size=12, sequence_parallel=True,
                                                        swiglu=True), ps)}
+
+
+FULL1 = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+# every random draw of a layer: attention and residual dropout, the router's input jitter
+DRAWS = dict(hidden_dropout=0.1, attention_dropout=0.1, moe_input_jitter_eps=0.1)
+
+
+def world2_recompute(rank: int, world: int) -> dict:
+    """Full recomputation, node by node in the overlapped schedule, against the serial schedule
+    recomputing the same layers whole (its all-to-alls again); with every random draw on."""
+    ps = make_state(Layout(dp=2, ep=2))
+    common = dict(ep=2, global_batch_size=12, **DRAWS)
+    return {
+        "full/dropless/tied": compare(moe_model(**common, **FULL1), ps),
+        "full/capacity-drops/swiglu": compare(moe_model(**common, **FULL1, moe_capacity_factor=0.5, swiglu=True,
+                                                        untie_embeddings_and_output_weights=True), ps),
+        "full/pseudo-shared/overlap-grad-reduce": compare(moe_model(**common, **FULL1, p2r_phase="pseudo",
+                                                                    share_pattern="all", overlap_grad_reduce=True,
+                                                                    ddp_bucket_size=2000), ps),
+        "full/fp16/loss-scale": compare(moe_model(**common, **FULL1, fp16=True), ps),
+        # layers 0 (MoE) and 1 (dense) recomputed, 2 (MoE) and 3 (dense) not
+        "block-2/dense-and-moe": compare(moe_model(**common, moe_layer_freq=2, recompute_granularity="full",
+                                                   recompute_method="block", recompute_num_layers=2), ps),
+    }
+
+
+def held_after_forward(rank: int, world: int) -> dict:
+    """Bytes one micro-batch's overlapped forward leaves for its backward (beyond the weights
+    and the data), with the MoE layers recomputed node by node and without recomputation, and
+    the planner's count; a capacity every expert fills, as the planner's balanced routing."""
+    from tests.test_planning import AllocTracker
+    ps = make_state(Layout(dp=2, ep=2))
+    out = {}
+    for name, recompute in (("full", FULL1), ("none", {})):
+        cfg = moe_model(ep=2, global_batch_size=4, moe_capacity_factor=0.25, overlap_moe_expert_parallel_comm=True,
+                        **recompute)
+        seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, ps.device)
+        model = build_model(cfg, ps)
+        mb = random_microbatches(cfg, 1, cfg.train.micro_batch_size)[0]
+        one = a2a_overlap._MicroBatch(model, mb, TokenMeanLoss([mb], ps, 1.0), a2a_overlap._SharedWeights(model))
+        tracker = AllocTracker([*model.parameters(), *mb.values()])
+        with tracker:
+            a2a_overlap._run(one.forward())
+            tracker.held()   # collects garbage, waits for gloo to drop its buffers
+            # by the storages' sizes now: a released send buffer is alive, with no bytes
+            held = sum(st.nbytes() for st, allocated in list(tracker.seen.items()) if allocated)
+            a2a_overlap._run(one.backward())
+        est = activations.activation_memory(cfg, ParallelPlan.build(cfg, ps.layout), 0, device_type="cpu")
+        out[name] = {"held": held, "planned": est["held_per_microbatch"]}
+    return out
