@@ -16,6 +16,9 @@ from tests.moe.workers import moe_model
 from tests.pipeline.common import make_state
 
 STEPS = 2
+FULL1 = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+# every random draw of a layer: attention and residual dropout, the router's input jitter
+DRAWS = dict(hidden_dropout=0.1, attention_dropout=0.1, moe_input_jitter_eps=0.1)
 
 
 def _counting_all_to_alls(record: dict):
@@ -75,15 +78,13 @@ def world2(rank: int, world: int) -> dict:
 
 
 def world4(rank: int, world: int) -> dict:
-    """TP=2 x EP=2 with sequence parallelism: the TP collectives inside the pieces of a layer."""
+    """TP=2 x EP=2 with sequence parallelism: the TP collectives inside the pieces of a layer;
+    with full recomputation and dropout, also their recomputation and the model-parallel RNG
+    stream (sequence-parallel dropout draws from it) replayed."""
     ps = make_state(Layout(tp=2, dp=2, ep=2))
-    return {"tp2/sequence-parallel": compare(moe_model(tp=2, ep=2, global_batch_size=12, sequence_parallel=True,
-                                                       swiglu=True), ps)}
-
-
-FULL1 = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-# every random draw of a layer: attention and residual dropout, the router's input jitter
-DRAWS = dict(hidden_dropout=0.1, attention_dropout=0.1, moe_input_jitter_eps=0.1)
+    common = dict(tp=2, ep=2, global_batch_size=12, sequence_parallel=True, swiglu=True)
+    return {"tp2/sequence-parallel": compare(moe_model(**common), ps),
+            "tp2/sequence-parallel/full-recompute": compare(moe_model(**common, **FULL1, **DRAWS), ps)}
 
 
 def world2_recompute(rank: int, world: int) -> dict:

@@ -65,10 +65,11 @@ def test_recomputed_nodes_keep_their_inputs_and_the_all_to_all_results_as_the_pl
 
 def test_overlapped_schedule_is_bitwise_the_serial_one_under_tp_and_sequence_parallel():
     for rank, res in enumerate(run_distributed(overlap_workers.world4, 4, timeout=300)):
-        r = res["tp2/sequence-parallel"]
-        assert r["overlapped_losses"] == r["losses"], f"rank {rank}"
-        assert not r["grads_differ"] and not r["weights_differ"], f"rank {rank}: {r}"
-        assert r["most_in_flight"] == 2, f"rank {rank}"
+        for case in ("tp2/sequence-parallel", "tp2/sequence-parallel/full-recompute"):
+            r = res[case]
+            assert r["overlapped_losses"] == r["losses"], f"rank {rank}, {case}"
+            assert not r["grads_differ"] and not r["weights_differ"], f"rank {rank}, {case}: {r}"
+            assert r["most_in_flight"] == 2, f"rank {rank}, {case}"
 
 
 @pytest.mark.parametrize("overrides, expected", [
