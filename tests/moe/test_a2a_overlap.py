@@ -3,9 +3,11 @@ bitwise under EP=2 (2 gloo ranks, 3 micro-batches per rank, 2 optimizer steps): 
 first step's reduced gradients and the weights after the steps; dropless and capacity with
 drops, --overlap-grad-reduce with several buckets, tied embeddings and the pseudo phase's shared
 layers (weights read by several nodes), fp16 weights with the loss scale, dense layers between
-MoE ones, selective recomputation;
-and TP=2 x EP=2 with sequence parallelism (4 ranks). And the all-to-alls do overlap: two are in flight at once. The flag's rules are
-checked on the config."""
+MoE ones, selective recomputation; full recomputation (whole layers in the serial schedule, node
+by node in the overlapped one) with dropout and router jitter, whose draws each recomputed node
+replays; and TP=2 x EP=2 with sequence parallelism (4 ranks), also with full recomputation. And
+the all-to-alls do overlap: two are in flight at once. What a recomputed micro-batch holds is
+the planner's count. The flag's rules are checked on the config."""
 from __future__ import annotations
 
 import pytest
