@@ -19,6 +19,16 @@ from tests.moe import overlap_workers
 from tests.moe.workers import moe_model
 
 
+def assert_bitwise(ranks, case):
+    for rank, res in enumerate(ranks):
+        r = res[case]
+        assert r["overlapped_losses"] == r["losses"], f"rank {rank}, {case}"
+        assert not r["grads_differ"], f"rank {rank}, {case}: gradients differ: {r['grads_differ']}"
+        assert not r["weights_differ"], \
+            f"rank {rank}, {case}: weights differ by up to {r['moved']}: {r['weights_differ']}"
+        assert r["most_in_flight"] == 2, f"rank {rank}, {case}: {r['most_in_flight']} all-to-alls in flight at most"
+
+
 @pytest.fixture(scope="module")
 def world2():
     return run_distributed(overlap_workers.world2, 2, timeout=300)
@@ -28,12 +38,7 @@ def world2():
                                   "pseudo-shared/tied/overlap-grad-reduce", "fp16/loss-scale",
                                   "dense-and-moe/recompute-selective"])
 def test_overlapped_schedule_is_bitwise_the_serial_one(world2, case):
-    for rank, res in enumerate(world2):
-        r = res[case]
-        assert r["overlapped_losses"] == r["losses"], f"rank {rank}"
-        assert not r["grads_differ"], f"rank {rank}: gradients differ: {r['grads_differ']}"
-        assert not r["weights_differ"], f"rank {rank}: weights differ by up to {r['moved']}: {r['weights_differ']}"
-        assert r["most_in_flight"] == 2, f"rank {rank}: {r['most_in_flight']} all-to-alls in flight at most"
+    assert_bitwise(world2, case)
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +51,7 @@ def world2_recompute():
                                   "block-2/dense-and-moe"])
 def test_recomputed_node_by_node_is_bitwise_the_serial_full_recomputation(world2_recompute, case):
     """Dropout and router jitter on: each recomputed node replays the draws of its forward."""
-    for rank, res in enumerate(world2_recompute):
-        r = res[case]
-        assert r["overlapped_losses"] == r["losses"], f"rank {rank}"
-        assert not r["grads_differ"], f"rank {rank}: gradients differ: {r['grads_differ']}"
-        assert not r["weights_differ"], f"rank {rank}: weights differ by up to {r['moved']}: {r['weights_differ']}"
-        assert r["most_in_flight"] == 2, f"rank {rank}: {r['most_in_flight']} all-to-alls in flight at most"
+    assert_bitwise(world2_recompute, case)
 
 
 def test_recomputed_nodes_keep_their_inputs_and_the_all_to_all_results_as_the_planner_counts():
@@ -66,12 +66,9 @@ def test_recomputed_nodes_keep_their_inputs_and_the_all_to_all_results_as_the_pl
 
 
 def test_overlapped_schedule_is_bitwise_the_serial_one_under_tp_and_sequence_parallel():
-    for rank, res in enumerate(run_distributed(overlap_workers.world4, 4, timeout=300)):
-        for case in ("tp2/sequence-parallel", "tp2/sequence-parallel/full-recompute"):
-            r = res[case]
-            assert r["overlapped_losses"] == r["losses"], f"rank {rank}, {case}"
-            assert not r["grads_differ"] and not r["weights_differ"], f"rank {rank}, {case}: {r}"
-            assert r["most_in_flight"] == 2, f"rank {rank}, {case}"
+    ranks = run_distributed(overlap_workers.world4, 4, timeout=300)
+    for case in ("tp2/sequence-parallel", "tp2/sequence-parallel/full-recompute"):
+        assert_bitwise(ranks, case)
 
 
 @pytest.mark.parametrize("overrides, expected", [
