@@ -1,7 +1,7 @@
 """--overlap-moe-expert-parallel-comm on CPU: the serial and the overlapped step side by side, and
 the planner's model of the exposed all-to-all time against the measured one.
 
-    python benchmarks/moe_overlap.py [--rounds 3] [--microbatches 4]
+    python benchmarks/moe_overlap.py [--rounds 3] [--microbatches 4] [--recompute]
 
 Two gloo processes (EP=2, DP=2), one thread each: a 4-layer MoE model (hidden 256, 8 experts of
 FFN 512, top-2, dropless), micro-batches of 4 x 256 tokens. Each round runs one forward/backward
@@ -11,7 +11,11 @@ exposed; in the overlapped step only the time a rank waits for one (and starts i
 ``exposed_ep`` is then fed the serial step's figures (all-to-all time and the rest, per
 micro-batch) and its prediction is printed next to the measured exposed time. On one host the
 all-to-all is a copy through loopback TCP, a small share of the step, so the step gains little:
-the figure to read is the exposed share.
+the figure to read is the exposed share. ``--recompute``: both schedules with full recomputation
+(``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``); the serial
+one sends its all-to-alls again when it recomputes, the overlapped one does not, so the planner
+is fed 2/3 of the serial all-to-all time and the backward's share of the compute with its
+recomputed forward.
 """
 from __future__ import annotations
 
@@ -54,11 +58,15 @@ class _AllToAllClock:
         mappings.start_all_to_all = a2a_overlap.start_all_to_all = self.start
 
 
-def _worker(rank: int, world: int, rounds: int, microbatches: int) -> dict:
+FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+def _worker(rank: int, world: int, rounds: int, microbatches: int, recompute: bool) -> dict:
     from megatron_p2r.parallel.state import Layout, initialize
     from megatron_p2r.training import build_train_state
     ps = initialize(Layout(dp=2, ep=2), torch.device("cpu"))
-    cfg = config_from_values({**MODEL, "global_batch_size": 2 * MODEL["micro_batch_size"] * microbatches})
+    cfg = config_from_values({**MODEL, **(FULL if recompute else {}),
+                              "global_batch_size": 2 * MODEL["micro_batch_size"] * microbatches})
     state = build_train_state(cfg, ps)
     g = torch.Generator().manual_seed(rank)
     mbs = []
@@ -86,9 +94,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--recompute", action="store_true", help="full recomputation, one layer per unit")
     args = parser.parse_args(argv)
     from megatron_p2r.testing import run_distributed
-    results = run_distributed(_worker, 2, args.rounds, args.microbatches, timeout=600)
+    results = run_distributed(_worker, 2, args.rounds, args.microbatches, args.recompute, timeout=600)
+    kept = 2 / 3 if args.recompute else 1.0   # the recomputed pass's all-to-alls are not sent again
     m = args.microbatches
     for rank, r in enumerate(results):
         serial, overlapped = r["serial"], r["overlapped"]
@@ -96,7 +106,7 @@ def main(argv=None) -> None:
         print(f"rank {rank}: serial step {serial['step']:.3f} s (all-to-alls {serial['a2a']:.3f} s), overlapped "
               f"{overlapped['step']:.3f} s (exposed all-to-alls {overlapped['a2a']:.3f} s): "
               f"{overlapped['step'] / serial['step']:.3f}x; planner's exposed_ep on the serial figures: "
-              f"{m * exposed_ep(a2a, rest, m):.3f} s")
+              f"{m * exposed_ep(a2a * kept, rest, m, recomputed=float(args.recompute)):.3f} s")
 
 
 if __name__ == "__main__":
