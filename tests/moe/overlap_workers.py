@@ -100,6 +100,9 @@ def world2_recompute(rank: int, world: int) -> dict:
                                                                     share_pattern="all", overlap_grad_reduce=True,
                                                                     ddp_bucket_size=2000), ps),
         "full/fp16/loss-scale": compare(moe_model(**common, **FULL1, fp16=True), ps),
+        # M6-10T's routing: expert prototypes, top-1 in each group
+        "full/prototypes": compare(moe_model(**common, **FULL1, num_experts=8, moe_num_prototypes=4,
+                                             moe_router_topk=1), ps),
         # layers 0 (MoE) and 1 (dense) recomputed, 2 (MoE) and 3 (dense) not
         "block-2/dense-and-moe": compare(moe_model(**common, moe_layer_freq=2, recompute_granularity="full",
                                                    recompute_method="block", recompute_num_layers=2), ps),

@@ -48,7 +48,7 @@ def world2_recompute():
 
 @pytest.mark.parametrize("case", ["full/dropless/tied", "full/capacity-drops/swiglu",
                                   "full/pseudo-shared/overlap-grad-reduce", "full/fp16/loss-scale",
-                                  "block-2/dense-and-moe"])
+                                  "full/prototypes", "block-2/dense-and-moe"])
 def test_recomputed_node_by_node_is_bitwise_the_serial_full_recomputation(world2_recompute, case):
     """Dropout and router jitter on: each recomputed node replays the draws of its forward."""
     assert_bitwise(world2_recompute, case)
