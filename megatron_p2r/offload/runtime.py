@@ -76,6 +76,7 @@ class OffloadManager:
         self.index = {phase: {pos: i for i, pos in enumerate(seq)} for phase, seq in self.order.items()}
         self.pending: "OrderedDict[tuple, tuple]" = OrderedDict()
         self.step_done: Callable[[int], None] = lambda key: None   # waits for a layer's overlapped host step
+        self.nvme = None   # the optimizer state's mapped file (offload/nvme.py: --cpu-offload-optimizer-nvme-path)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # live: fetched layers whose device copies still exist; peak_live per pass (instrumentation)
         self.stats = {"live": 0, "peak_live": {"forward": 0, "backward": 0}, "fetches": {"forward": 0, "backward": 0}}
