@@ -44,9 +44,10 @@ class OffloadConfig:
         if self.host_optimizer_threads != 1 and not self.overlap_cpu_optimizer_d2h_h2d:
             raise ConfigError("--host-optimizer-threads sets the threads of the overlapped host step: it needs "
                               "--overlap-cpu-optimizer-d2h-h2d")
-        if self.cpu_offload_optimizer_nvme_path is not None and (self.cpu_offload_layers is None or "params" not in what):
-            raise ConfigError("--cpu-offload-optimizer-nvme-path holds the optimizer state of layers whose weights live "
-                              "on host: it needs --cpu-offload-layers with --cpu-offload-what params,grads,optimizer")
+        # Without --cpu-offload-layers the path holds nothing (a pseudo phase planned with its real phase's flags).
+        if self.cpu_offload_optimizer_nvme_path is not None and "params" not in what:
+            raise ConfigError("--cpu-offload-optimizer-nvme-path holds the optimizer state of layers whose weights "
+                              "live on host: it needs --cpu-offload-what params,grads,optimizer")
         if self.cpu_offload_layers is None:
             if self.device_memory_budget is not None:
                 raise ConfigError("--device-memory-budget is used only with --cpu-offload-layers auto")

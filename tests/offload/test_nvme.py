@@ -184,8 +184,13 @@ def test_bad_directory_is_a_clear_error(tmp_path, monkeypatch):
         _train(ps, tmp_path, steps=0)
 
 
-@pytest.mark.parametrize("kw", [dict(cpu_offload_layers=None), dict(cpu_offload_what="optimizer")])
-def test_nvme_path_needs_host_resident_layers(kw):
-    with pytest.raises(ConfigError, match="--cpu-offload-optimizer-nvme-path .* needs --cpu-offload-layers with "
-                                          "--cpu-offload-what params,grads,optimizer"):
-        validate(tiny_config(**{**BASE, **kw}, cpu_offload_optimizer_nvme_path="/tmp"), 1)
+def test_nvme_path_needs_host_resident_weights():
+    with pytest.raises(ConfigError, match="--cpu-offload-optimizer-nvme-path .* needs --cpu-offload-what "
+                                          "params,grads,optimizer"):
+        validate(tiny_config(**BASE, cpu_offload_what="optimizer", cpu_offload_optimizer_nvme_path="/tmp"), 1)
+
+
+def test_nvme_path_without_offloaded_layers_holds_nothing(tmp_path):
+    """A pseudo phase run (or planned) with its real phase's flags: no file, RAM as without the flag."""
+    run = _train(ParallelState.single(), tmp_path, steps=1, cpu_offload_layers=None)
+    assert run["state"].offload is None and not list(tmp_path.iterdir())
