@@ -22,9 +22,11 @@ the two across a restart.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -70,6 +72,19 @@ def _reserve(directory: str, path: str, nbytes: int) -> None:
         os.close(fd)
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)   # its calls release the GIL: the reader thread blocks alone
+_LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+MADV_POPULATE_WRITE = 23   # Linux 5.14+: fault the pages in, read from disk and writable (no fault in the step)
+
+
+def _populate(mapped: torch.Tensor, start: int, length: int) -> None:
+    """Read and map bytes [start, start + length) of the file ``mapped`` (held, so the mapping
+    outlives the call); where the kernel cannot populate, let it read ahead (``MADV_WILLNEED``)."""
+    address = mapped.data_ptr() + start
+    if _LIBC.madvise(address, length, MADV_POPULATE_WRITE) != 0:
+        _LIBC.madvise(address, length, mmap.MADV_WILLNEED)
+
+
 class NvmeStateFile:
     """One rank's mapped file: ``regions`` (layer key -> bytes, in file order) laid out one after
     another, each a bump allocator of ``ALIGN``-aligned tensors."""
@@ -89,6 +104,7 @@ class NvmeStateFile:
         finally:
             os.close(fd)
         self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvme-read-ahead")
         self.prefetch_enabled = True   # off only to measure what the prefetch buys (benchmarks/nvme_offload.py)
 
     def allocate(self, key: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -111,11 +127,12 @@ class NvmeStateFile:
         return sum(r[2] - r[0] for r in self.regions.values())
 
     def prefetch(self, key: Optional[int]) -> None:
-        """Ask the kernel to read layer ``key``'s pages ahead (returns at once)."""
+        """Have layer ``key``'s pages read and mapped writable ahead of its step, on the reader
+        thread (returns at once)."""
         if key is not None and self.prefetch_enabled:
             start, end, _ = self.regions[key]
             if end > start:
-                self.map.madvise(mmap.MADV_WILLNEED, start, end - start)
+                self._reader.submit(_populate, self.bytes, start, end - start)
 
     def evict(self) -> None:
         """Write the file back and drop its pages from the page cache, so the next reads come from

@@ -194,3 +194,26 @@ def test_nvme_path_without_offloaded_layers_holds_nothing(tmp_path):
     """A pseudo phase run (or planned) with its real phase's flags: no file, RAM as without the flag."""
     run = _train(ParallelState.single(), tmp_path, steps=1, cpu_offload_layers=None)
     assert run["state"].offload is None and not list(tmp_path.iterdir())
+
+
+def _resident_pages(file: nvme.NvmeStateFile, key: int) -> int:
+    """Pages of layer ``key``'s region in memory (mincore)."""
+    import ctypes
+    import mmap
+    start, end, _ = file.regions[key]
+    vec = (ctypes.c_ubyte * ((end - start) // mmap.PAGESIZE))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    assert libc.mincore(file.bytes.data_ptr() + start, end - start, vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec)
+
+
+def test_read_ahead_brings_a_layers_pages_in(tmp_path):
+    """Evicted pages are back in memory once the reader thread has read the layer ahead."""
+    file = nvme.NvmeStateFile(str(tmp_path), 0, {0: 1 << 20, 1: 1 << 20})
+    file.bytes.fill_(7)
+    file.evict()
+    assert _resident_pages(file, 0) == _resident_pages(file, 1) == 0
+    file.prefetch(1)
+    file._reader.submit(lambda: None).result()   # the read-ahead queued before it is done
+    assert _resident_pages(file, 1) == (1 << 20) // 4096
