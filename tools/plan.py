@@ -352,7 +352,8 @@ def format_plans(plans: Dict[str, Plan]) -> str:
         if "nvme" in pl.tiers:
             st = max(pl.stages, key=lambda st: st.nvme)
             lines.append(f"   on local NVMe: {_gib(st.nvme)} GiB of optimizer state per rank (stage {st.stage}); its host "
-                         f"step {st.time_s['host_optimizer_from_nvme']:.2f} s, streaming it at "
+                         f"step {st.time_s['host_optimizer_from_nvme']:.2f} s ({st.time_s['host_optimizer_from_ram']:.2f} s from "
+                         f"RAM), streaming it at "
                          f"{pl.nvme['bw'] / 1e9:.3g} GB/s per GPU")
         if pl.days is not None:
             lines.append(f"   {pl.token_budget:.3g} tokens: {pl.days:.1f} days")

@@ -232,8 +232,8 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     save_copy = async_save_host_bytes(cfg, plan, state)
     device_step = per_element * (stepped - hosted) / gpu.hbm_bw
     host_step = per_element * hosted / a.host_optimizer_bw + off["moved_per_step"] / gpu.host_bw
-    times = {"host_optimizer_from_nvme": nvme_step_time(host_step, off["nvme"], len(off["modules"]), a.nvme.bw)
-             } if off["nvme"] else {}
+    times = {"host_optimizer_from_ram": host_step, "host_optimizer_from_nvme": nvme_step_time(
+        host_step, off["nvme"], len(off["modules"]), a.nvme.bw)} if off["nvme"] else {}
     host_step = times.get("host_optimizer_from_nvme", host_step)
     opt = max(device_step, host_step)
     if cfg.offload.overlap_cpu_optimizer_d2h_h2d and off["recomputed"]:
