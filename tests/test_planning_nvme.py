@@ -44,6 +44,8 @@ def test_planned_nvme_bytes_are_what_training_moves(tmp_path, optimizer):
     assert off["host"]["nvme_window"] == 2 * max(per_layer[k]["optimizer"] for k in (0, 2))
     assert {k: v for k, v in off["host"].items() if k not in ("optimizer", "nvme_window")} == \
         {k: v for k, v in ram["host"].items() if k != "optimizer"}
+    report = state.offload.describe()   # what the rank logs at start
+    assert report["host"] == off["host"] and report["nvme"] == off["nvme"] and report["device"] == off["device"]
 
 
 def test_host_step_overlaps_each_layers_disk_traffic_with_the_step_before():

@@ -34,6 +34,7 @@ import torch
 from megatron_p2r.config import ConfigError
 from megatron_p2r.layout.offload import format_bytes
 from megatron_p2r.optim.host_step import layer_view
+from megatron_p2r.optim.optimizer import WrappedOptimizer
 
 FLAG = "--cpu-offload-optimizer-nvme-path"
 STATE_FILE = "optimizer-state-rank{rank:05d}.bin"
@@ -194,28 +195,14 @@ class NvmeOptimizerState:
                         state[kind] = slot.copy_(value.reshape(-1)).view(value.shape)
 
 
-class LayerByLayer:
+class LayerByLayer(WrappedOptimizer):
     """The serial host step through ``NvmeOptimizerState``: ``inner`` stepped one layer's mains
     at a time, in forward order, so each layer's state is read while the next one's is prefetched."""
 
     def __init__(self, inner: torch.optim.Optimizer, layers: Dict[int, list]):
-        self.inner = inner
+        super().__init__(inner)
         self.mains = {key: {id(ms.main) for ms in shards} for key, shards in layers.items()}
-
-    @property
-    def param_groups(self) -> list:
-        return self.inner.param_groups
-
-    @property
-    def state(self):
-        return self.inner.state
 
     def step(self) -> None:
         for mains in self.mains.values():   # a view per step: it takes the groups' current rates
             layer_view(self.inner, mains).step()
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.inner.load_state_dict(sd)

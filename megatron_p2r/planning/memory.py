@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from megatron_p2r.config import Config, parse_offload_what
-from megatron_p2r.layout.offload import CATEGORIES, FACTOR_BYTES, MASTER_BYTES, add_bytes, memory_plan
+from megatron_p2r.layout.offload import CATEGORIES, FACTOR_BYTES, MASTER_BYTES, add_bytes, memory_plan, nvme_split
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Coords
 
@@ -76,9 +76,7 @@ def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, objec
     on_host = "params" in what
     host, nvme = placed["host"], 0
     if o.cpu_offload_optimizer_nvme_path is not None:
-        nvme = host["optimizer"]
-        window = 2 * max((per_module[k]["optimizer"] for k in chosen), default=0)
-        host = {**host, "optimizer": 0, "nvme_window": min(window, nvme)}
+        host, nvme = nvme_split(host, per_module, chosen)
     return {"modules": chosen, "layers": layers, "device": placed["device"], "host": host, "nvme": nvme,
             "what": ",".join(sorted(what)), "recomputed": chosen if on_host else [],
             "host_optimizer_params": stepped,

@@ -15,7 +15,9 @@ import torch
 
 from megatron_p2r.checkpoint.io import save_checkpoint
 from megatron_p2r.config import ConfigError, validate
+from megatron_p2r.layout.offload import format_bytes
 from megatron_p2r.offload import nvme
+from megatron_p2r.offload.runtime import format_report
 from megatron_p2r.parallel.random import seed_everything
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.testing import run_distributed
@@ -132,8 +134,9 @@ def test_ram_drops_by_the_bytes_moved_which_the_plan_counts(tmp_path, kw):
     file = disk["state"].offload.nvme.file
     moved = sum(ms.main.numel() * 4 for ms, _ in disk["host"] if file.holds(ms.main)) + \
         sum(v.numel() * v.element_size() for _, s in disk["host"] for k, v in s.items() if k != "step")
-    report = disk["state"].offload.describe()
-    assert moved == report["host"]["optimizer"] > 0
+    report, before = disk["state"].offload.describe(), ram["state"].offload.describe()
+    assert moved == report["nvme"] == before["host"]["optimizer"] > 0 and report["host"]["optimizer"] == 0
+    assert f"NVMe: optimizer {format_bytes(moved)} in {file.path}" in format_report(0, report)
     assert _ram_bytes(ram) - _ram_bytes(disk) == moved
     assert file.nbytes >= moved
 
