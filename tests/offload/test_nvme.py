@@ -141,21 +141,27 @@ def test_ram_drops_by_the_bytes_moved_which_the_plan_counts(tmp_path, kw):
     assert file.nbytes >= moved
 
 
-@pytest.mark.parametrize("saved_on,loaded_on", [("nvme", "ram"), ("ram", "nvme")])
+@pytest.mark.parametrize("saved_on,loaded_on", [("nvme", "ram"), ("ram", "nvme"), ("nvme", "nvme")])
 def test_checkpoint_switches_between_nvme_and_ram_and_resumes_bitwise(tmp_path, saved_on, loaded_on):
-    """3 steps straight, or 2, save, load into a fresh run with the state on the other tier, 1 more."""
+    """3 steps straight, or 2, save, load into a fresh run with the state on either tier, 1 more
+    (each run's file in its own directory)."""
     ps = ParallelState.single()
-    where = {"nvme": tmp_path / "nvme", "ram": None}
-    (tmp_path / "nvme").mkdir()
-    kw = dict(bf16=True, optimizer="adafactor") if saved_on == "nvme" else dict(bf16=True)
-    straight = _train(ps, where[loaded_on], steps=3, **kw)
-    first = _train(ps, where[saved_on], steps=2, **kw)
+
+    def where(tier: str, run: str):
+        if tier == "ram":
+            return None
+        (tmp_path / run).mkdir()
+        return tmp_path / run
+    kw = {("nvme", "ram"): dict(bf16=True, optimizer="adafactor"), ("ram", "nvme"): dict(bf16=True),
+          ("nvme", "nvme"): dict(bf16=True, clip_grad=0.0, **OVERLAP)}[saved_on, loaded_on]
+    straight = _train(ps, where(loaded_on, "straight"), steps=3, **kw)
+    first = _train(ps, where(saved_on, "first"), steps=2, **kw)
     save_checkpoint(str(tmp_path / "ckpt"), first["state"])
-    resumed = _train(ps, where[loaded_on], steps=1, load=str(tmp_path / "ckpt"), **kw)
+    resumed = _train(ps, where(loaded_on, "resumed"), steps=1, load=str(tmp_path / "ckpt"), **kw)
     assert first["losses"] + resumed["losses"] == straight["losses"]
     _bitwise({**straight, "losses": [], "norms": []}, {**resumed, "losses": [], "norms": []})
     if loaded_on == "nvme":   # in the file from the load on, not only after the next step
-        _in_file(_train(ps, where[loaded_on], steps=0, load=str(tmp_path / "ckpt"), **kw))
+        _in_file(_train(ps, where(loaded_on, "loaded"), steps=0, load=str(tmp_path / "ckpt"), **kw))
 
 
 def test_prefetch_asks_for_the_next_layer_in_step_order(tmp_path, monkeypatch):
