@@ -11,7 +11,8 @@ temporary directory on the disk holding /tmp), each trained one step, then the h
 
 - ``RAM``: the state in the rank's memory;
 - ``file, mapped, dirty``: right after another step, the file's pages still cached, mapped and
-  dirty (a host with RAM to spare, steps closer together than the kernel's write-back);
+  dirty (a host with RAM to spare, steps closer together than the kernel's write-back); with
+  and without the read-ahead, which then only walks pages already there;
 - ``file, in page cache, written back``: the pages cached but written back (``msync``) since
   the last step, as the kernel does within 30 s (``vm.dirty_expire_centisecs``): the step's
   first write to each 4 KiB page faults;
@@ -42,6 +43,7 @@ from megatron_p2r.training import build_train_state, train_step  # noqa: E402
 SETTINGS = [  # label, state in the file, what precedes the step (untimed), its pages read ahead
     ("RAM", False, "step", True),
     ("file, mapped, dirty", True, "step", True),
+    ("file, mapped, dirty, no read-ahead", True, "step", False),
     ("file, in page cache, written back", True, "flush", True),
     ("file, from disk, read ahead", True, "evict", True),
     ("file, from disk, no read-ahead", True, "evict", False)]
@@ -100,7 +102,7 @@ def main() -> None:
     figures = {}
     for label, ts in times.items():
         figures[label] = statistics.median(ts)
-        print(f"  {label:<32} {figures[label] * 1e3:8.1f} ms  ({figures[label] / base:.2f}x RAM)")
+        print(f"  {label:<36} {figures[label] * 1e3:8.1f} ms  ({figures[label] / base:.2f}x RAM)")
     print(f"  read-ahead / none, from disk: {figures['file, from disk, read ahead'] / figures['file, from disk, no read-ahead']:.2f}"
           f"; disk traffic {2 * file.used_bytes / figures['file, from disk, read ahead'] / 1e9:.2f} GB/s "
           f"(read + write back, {args.rounds} rounds, medians)")
