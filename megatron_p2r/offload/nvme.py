@@ -13,9 +13,9 @@ weights (fetched every micro-batch) and the fp32 gradient buckets stay in RAM; s
 weight that is its own main.
 
 The host step goes layer by layer (serially, or on the overlapped step's workers,
-``optim/host_step.py``): when a layer's step starts, ``madvise(MADV_WILLNEED)`` asks the kernel to
-read that layer's and the next layer's pages ahead, so the next layer's state streams in from
-disk while this one steps. Pages are the kernel's page cache: dirty ones are written back and
+``optim/host_step.py``): when a layer's step starts, a reader thread reads that layer's and the
+next layer's pages and maps them writable (``madvise(MADV_POPULATE_WRITE)``), so the next layer's
+state streams in from disk while this one steps (benchmarks/nvme_offload.py measures it). Pages are the kernel's page cache: dirty ones are written back and
 reclaimed by the kernel under memory pressure, not by this code. Checkpoints read and write
 through the mapping, in the same format as with the state in RAM, so a run may switch between
 the two across a restart.
