@@ -24,7 +24,7 @@ from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.lifecycle import check_run_fits, lock_save_dir, release_groups, resume_checkpoint
 from megatron_p2r.metrics import TrainingLogger, format_line, model_flops_per_token, peak_memory_bytes
 from megatron_p2r.model.m6 import M6Model, build_model
-from megatron_p2r.offload.optimizer import optimizer_placement, overlapped_host_step
+from megatron_p2r.offload.optimizer import finish_host_optimizer, optimizer_placement, overlapped_host_step
 from megatron_p2r.offload.runtime import format_report
 from megatron_p2r.moe import aux_loss
 from megatron_p2r.optim.grad_scaler import LossScaler
@@ -148,8 +148,8 @@ def build_train_state(cfg: Config, ps: ParallelState, plan: Optional[ParallelPla
     optimizer = build_mixed_precision_optimizer(ddp, plan, ps, cfg.train,
                                                 optimizer_placement(manager) if manager else None,
                                                 manager.synchronize if manager else None, host_step)
-    if host_step is not None and "host" in optimizer.inner:  # each layer's fetch waits for that layer's step
-        manager.step_done = optimizer.inner["host"].wait
+    if manager is not None:  # fetches wait for the overlapped host step; its state on NVMe if asked
+        finish_host_optimizer(optimizer, manager, cfg, ps.rank)
     return TrainState(cfg=cfg, ps=ps, plan=plan, model=model, ddp=ddp, optimizer=optimizer,
                       scheduler=LRScheduler(optimizer, cfg, ps.layout.world_size),
                       scaler=LossScaler(cfg.train), offload=manager)

@@ -26,9 +26,11 @@ convergence study (``benchmarks/p2r_convergence.py``, on your own data too) meas
 actually needs; given that gap (``--p2r-gap STEPS|PCT%|never``) and growth's FLOPs ratio to the
 target (``--growth-flops-ratio``), the report says which of the two pays on this cluster.
 
-Each phase's verdict checks two memory tiers and names the one that overflows, and by how much:
-the GPU (the rank needing the most) and the host (the node whose GPUs offload the most, against
-the preset's node memory, or --host-memory per GPU / --host-memory-per-node).
+Each phase's verdict checks the memory tiers and names the one that overflows, and by how much:
+the GPU (the rank needing the most), the host (the node whose GPUs offload the most, against
+the preset's node memory, or --host-memory per GPU / --host-memory-per-node) and, with
+--cpu-offload-optimizer-nvme-path, the local NVMe (the preset's node's, or --nvme-per-node; the
+host step streams the state at --nvme-bw).
 
 Each phase also reports what one checkpoint costs (``planning/checkpoint_cost.py``, docs/checkpoint.md):
 bytes per rank and per node, the write time at --fs-write-bw / --fs-node-write-bw, the training
@@ -56,7 +58,7 @@ from megatron_p2r.planning.breakeven import measured_verdict, p2r_break_even, pa
 from megatron_p2r.planning.breakeven_report import format_p2r
 from megatron_p2r.planning.checkpoint_cost import FS_WRITE_BW
 from megatron_p2r.planning.estimate import Plan, make_plan
-from megatron_p2r.planning.hardware import GPU_PRESETS, GiB
+from megatron_p2r.planning.hardware import GPU_PRESETS, NVME_PRESETS, GiB
 from megatron_p2r.planning.memory import logical_parameter_count
 from megatron_p2r.planning.verdict import verdict_line
 
@@ -102,6 +104,12 @@ def planner_parser() -> argparse.ArgumentParser:
                            "preset's node).")
     host.add_argument("--host-memory-per-node", type=parse_bytes,
                       help="Host memory per node, e.g. 1.5TiB (default: the preset's node).")
+    g.add_argument("--nvme-per-node", type=parse_bytes,
+                   help="Local NVMe per node for --cpu-offload-optimizer-nvme-path, e.g. 15.36TB (default: the "
+                        "preset's node, planning/hardware.py).")
+    g.add_argument("--nvme-bw", type=float,
+                   help="Local NVMe bytes/s per GPU, reads and writes together (default: the preset's node's "
+                        "drives over its GPUs, e.g. 1.25e9 for V100-32GB; planning/hardware.py).")
     g.add_argument("--compute-efficiency", type=float, default=0.4,
                    help="Fraction of peak FLOP/s the matmuls reach.")
     g.add_argument("--host-optimizer-bw", type=float, default=10e9,
@@ -141,7 +149,8 @@ _PLANNER_RANGES = [("world_size", at_least(1, 2 ** 20)), ("gpus_per_node", at_le
                    ("intra_node_bw", positive()), ("inter_node_bw", positive()), ("host_bw", positive()),
                    ("host_optimizer_bw", positive()), ("fs_write_bw", positive()), ("fs_node_write_bw", positive()), ("token_budget", Range(0.0)),
                    ("gpu_memory", at_least(1, 2 ** 60)), ("host_memory", at_least(1, 2 ** 60)),
-                   ("host_memory_per_node", at_least(1, 2 ** 60)),
+                   ("host_memory_per_node", at_least(1, 2 ** 60)), ("nvme_per_node", at_least(1, 2 ** 60)),
+                   ("nvme_bw", positive()),
                    ("reserve", at_least(0, 2 ** 60)), ("p2r_switch_iters", at_least(1)),
                    ("growth_flops_ratio", positive())]
 
@@ -340,6 +349,12 @@ def format_plans(plans: Dict[str, Plan]) -> str:
                      f"{t0['ep_per_microbatch']:.3f}, pp {t0['pp_per_microbatch']:.3f}{hidden}, offload transfer "
                      f"{t0['offload_transfer_per_microbatch']:.3f}); MFU {pl.mfu:.1%}; "
                      f"{pl.tokens_per_step / pl.step_time_s:,.0f} tokens/s")
+        if "nvme" in pl.tiers:
+            st = max(pl.stages, key=lambda st: st.nvme)
+            lines.append(f"   on local NVMe: {_gib(st.nvme)} GiB of optimizer state per rank (stage {st.stage}); its host "
+                         f"step {st.time_s['host_optimizer_from_nvme']:.2f} s ({st.time_s['host_optimizer_from_ram']:.2f} s from "
+                         f"RAM), streaming it at "
+                         f"{pl.nvme['bw'] / 1e9:.3g} GB/s per GPU")
         if pl.days is not None:
             lines.append(f"   {pl.token_budget:.3g} tokens: {pl.days:.1f} days")
         lines += _checkpoint_lines(pl.checkpoint)
@@ -410,7 +425,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         plans = {phase: make_plan(cfg, args.world_size, gpu, efficiency=args.compute_efficiency,
                                   host_optimizer_bw=args.host_optimizer_bw, token_budget=args.token_budget,
                                   reserve=args.reserve, fs_write_bw=args.fs_write_bw,
-                                  fs_node_write_bw=args.fs_node_write_bw)
+                                  fs_node_write_bw=args.fs_node_write_bw,
+                                  nvme=NVME_PRESETS[args.gpu].replace(per_node=args.nvme_per_node, bw=args.nvme_bw))
                  for phase, cfg in configs.items()}
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

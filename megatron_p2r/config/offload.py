@@ -31,6 +31,9 @@ class OffloadConfig:
                                                      "--clip-grad 0 and no fp16, each layer's step starts in "
                                                      "backward once its gradients are final.")
     host_optimizer_threads: int = opt(1, "Threads stepping the overlapped host step's layers in parallel.")
+    cpu_offload_optimizer_nvme_path: Optional[str] = opt(None, "Directory on local NVMe for the offloaded layers' "
+                                                               "fp32 mains and optimizer state (one memory-mapped "
+                                                               "file per rank; DeepSpeed's offload_optimizer nvme_path).")
 
     def check(self, num_layers: int) -> None:
         """Each flag parses, and the budget comes with ``auto`` and only with it."""
@@ -41,6 +44,10 @@ class OffloadConfig:
         if self.host_optimizer_threads != 1 and not self.overlap_cpu_optimizer_d2h_h2d:
             raise ConfigError("--host-optimizer-threads sets the threads of the overlapped host step: it needs "
                               "--overlap-cpu-optimizer-d2h-h2d")
+        # Without --cpu-offload-layers the path holds nothing (a pseudo phase planned with its real phase's flags).
+        if self.cpu_offload_optimizer_nvme_path is not None and "params" not in what:
+            raise ConfigError("--cpu-offload-optimizer-nvme-path holds the optimizer state of layers whose weights "
+                              "live on host: it needs --cpu-offload-what params,grads,optimizer")
         if self.cpu_offload_layers is None:
             if self.device_memory_budget is not None:
                 raise ConfigError("--device-memory-budget is used only with --cpu-offload-layers auto")

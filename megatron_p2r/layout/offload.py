@@ -10,7 +10,7 @@ fit). A pseudo-phase slot is one module and is offloaded (and accounted) once.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_p2r.config import (FULL, WHAT_ITEMS, ConfigError, LayerSpec, OffloadConfig, parse_layer_spec,
                                  parse_memory_size, parse_offload_what)
@@ -90,6 +90,17 @@ def memory_plan(total: Dict[str, int], module_bytes: Dict[int, Dict[str, int]], 
     largest = max((module_bytes[k]["params"] for k in offloaded), default=0)
     device["fetch_window"] = (prefetch + 2) * largest if "params" in what else 0
     return {"device": device, "host": host}
+
+
+def nvme_split(host: Dict[str, int], module_bytes: Dict[int, Dict[str, int]],
+               offloaded: Sequence[int]) -> Tuple[Dict[str, int], int]:
+    """(``host``, ``memory_plan``'s, with its optimizer bytes on local NVMe instead, those bytes)
+    under --cpu-offload-optimizer-nvme-path: the host keeps the page cache of the layer stepping
+    and the one read ahead (``nvme_window``: twice the largest layer's optimizer bytes;
+    offload/nvme.py)."""
+    nvme = host["optimizer"]
+    window = 2 * max((module_bytes[k]["optimizer"] for k in offloaded), default=0)
+    return {**host, "optimizer": 0, "nvme_window": min(window, nvme)}, nvme
 
 
 def format_bytes(n: int) -> str:

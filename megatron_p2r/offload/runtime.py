@@ -26,7 +26,7 @@ from torch import nn
 from torch.func import functional_call
 
 from megatron_p2r.config import WHAT_ITEMS
-from megatron_p2r.layout.offload import add_bytes, format_bytes, memory_plan
+from megatron_p2r.layout.offload import add_bytes, format_bytes, memory_plan, nvme_split
 from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.state import ParallelState
 
@@ -76,6 +76,7 @@ class OffloadManager:
         self.index = {phase: {pos: i for i, pos in enumerate(seq)} for phase, seq in self.order.items()}
         self.pending: "OrderedDict[tuple, tuple]" = OrderedDict()
         self.step_done: Callable[[int], None] = lambda key: None   # waits for a layer's overlapped host step
+        self.nvme = None   # the optimizer state's mapped file (offload/nvme.py: --cpu-offload-optimizer-nvme-path)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # live: fetched layers whose device copies still exist; peak_live per pass (instrumentation)
         self.stats = {"live": 0, "peak_live": {"forward": 0, "backward": 0}, "fetches": {"forward": 0, "backward": 0}}
@@ -175,6 +176,9 @@ class OffloadManager:
             total = add_bytes(total, part)
         per_module = {k: v for k, v in self.module_bytes.items() if k is not None}
         plan = memory_plan(total, per_module, self.keys, self.prefetch, self.what)
+        if self.nvme is not None:   # --cpu-offload-optimizer-nvme-path: the host optimizer's bytes in the file
+            plan["host"], plan["nvme"] = nvme_split(plan["host"], per_module, self.keys)
+            plan["nvme_file"] = self.nvme.file.path
         layers = [i for i, k in zip(self.model.stage.layers, self.model.layer_keys, strict=True) if k in self.module_params]
         return {**plan, "modules": list(self.keys), "layers": layers, "stage_layers": len(self.model.layer_keys),
                 "prefetch": self.prefetch, "what": ",".join(c for c in WHAT_ITEMS if c in self.what)}
@@ -186,4 +190,5 @@ def format_report(rank: int, report: dict) -> str:
             f"layers on host (layers {report['layers']}, modules {report['modules']}, prefetch {report['prefetch']}); "
             f"device: params {mib(d['params'])}, grads {mib(d['grads'])}, optimizer {mib(d['optimizer'])}, "
             f"fetch window {mib(d['fetch_window'])}; host: params {mib(h['params'])}, grads {mib(h['grads'])}, "
-            f"optimizer {mib(h['optimizer'])}")
+            f"optimizer {mib(h['optimizer'])}" + (f", NVMe page cache {mib(h['nvme_window'])}; NVMe: optimizer "
+                                                  f"{mib(report['nvme'])} in {report['nvme_file']}" if "nvme" in report else ""))

@@ -19,7 +19,7 @@ updated.
 iteration's forward up to each offloaded layer: the fetch of a layer's weights waits for that
 layer's step only (``wait(key)``). Every tensor a step reads or writes belongs to that layer and
 nothing else touches it before the fetch, so the weights are bitwise those of the serial step.
-Each layer is stepped by its own view of the optimizer (``_layer_view``), so layers can step on
+Each layer is stepped by its own view of the optimizer (``layer_view``), so layers can step on
 several threads at once; torch kernels release the GIL, so workers compute while Python runs
 the model.
 """
@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 
-def _layer_view(inner: torch.optim.Optimizer, mains: set) -> torch.optim.Optimizer:
+def layer_view(inner: torch.optim.Optimizer, mains: set) -> torch.optim.Optimizer:
     """An optimizer of ``inner``'s kind over the mains ``mains`` (ids) only, reading and writing
     ``inner``'s state: its ``step`` steps one layer, whatever other layers' mains hold."""
     view = object.__new__(type(inner))
@@ -53,7 +53,7 @@ class HostStep:
                  early: bool = False, buckets: Optional[Dict[int, list]] = None):
         self.inner, self.layers, self.early = inner, layers, early
         self.param_groups = [{k: v for k, v in g.items()} for g in inner.param_groups]
-        self.views = {key: _layer_view(inner, {id(ms.main) for ms in shards}) for key, shards in layers.items()}
+        self.views = {key: layer_view(inner, {id(ms.main) for ms in shards}) for key, shards in layers.items()}
         self.buckets = buckets or {}
         self._layers_of_bucket: Dict[int, List[int]] = {}
         for key, held in self.buckets.items():
@@ -159,5 +159,5 @@ class HostStep:
         self.wait()
         self.inner.load_state_dict(sd)
         self.param_groups = [{k: v for k, v in g.items()} for g in self.inner.param_groups]
-        self.views = {key: _layer_view(self.inner, {id(ms.main) for ms in shards})
+        self.views = {key: layer_view(self.inner, {id(ms.main) for ms in shards})
                       for key, shards in self.layers.items()}

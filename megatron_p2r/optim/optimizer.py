@@ -66,16 +66,9 @@ def adamw(groups: List[dict], t: TrainConfig) -> torch.optim.AdamW:
         return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
 
-class StagedOptimizer:
-    """An optimizer whose state lives on host for weights that stay on the device (ZeRO-Offload
-    for the chosen layers).
-
-    A torch optimizer keyed by the (device) main parameters: around ``step`` (and
-    ``load_state_dict``, so loaded moments land on host) each main parameter's ``.data`` and
-    ``.grad`` are swapped for host copies, the host kernel runs, and the updated values are
-    copied back. Per step that moves the main parameters and gradients to host and the
-    parameters back; the device copy stays the one the rest of the code reads.
-    """
+class WrappedOptimizer:
+    """An optimizer that steps ``inner`` its own way (``step``); its groups (which the LR
+    scheduler writes), state and state dicts are ``inner``'s."""
 
     def __init__(self, inner: torch.optim.Optimizer):
         self.inner = inner
@@ -87,6 +80,27 @@ class StagedOptimizer:
     @property
     def state(self):
         return self.inner.state
+
+    def step(self) -> None:
+        self.inner.step()
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.inner.load_state_dict(sd)
+
+
+class StagedOptimizer(WrappedOptimizer):
+    """An optimizer whose state lives on host for weights that stay on the device (ZeRO-Offload
+    for the chosen layers).
+
+    A torch optimizer keyed by the (device) main parameters: around ``step`` (and
+    ``load_state_dict``, so loaded moments land on host) each main parameter's ``.data`` and
+    ``.grad`` are swapped for host copies, the host kernel runs, and the updated values are
+    copied back. Per step that moves the main parameters and gradients to host and the
+    parameters back; the device copy stays the one the rest of the code reads.
+    """
 
     def _params(self) -> list:
         return [p for g in self.inner.param_groups for p in g["params"]]
@@ -112,9 +126,6 @@ class StagedOptimizer:
 
     def step(self) -> None:
         self._on_host(self.inner.step)
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
 
     def load_state_dict(self, sd: dict) -> None:
         self._on_host(lambda: self.inner.load_state_dict(sd))

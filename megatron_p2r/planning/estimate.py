@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_p2r.config import Config, global_batch_size, host_step_starts_in_backward, num_microbatches
+from megatron_p2r.config import Config, ConfigError, global_batch_size, host_step_starts_in_backward, num_microbatches
 from megatron_p2r.layout import offload as offload_choice
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Layout
@@ -15,11 +15,11 @@ from megatron_p2r.pipeline.order import step_slots
 from megatron_p2r.planning.activations import activation_memory, recomputed_positions, with_recompute
 from megatron_p2r.planning.checkpoint_cost import FS_WRITE_BW, Bandwidths, checkpoint_cost
 from megatron_p2r.planning.communication import communication
-from megatron_p2r.planning.hardware import GiB, GPUSpec
+from megatron_p2r.planning.hardware import NVME_PRESETS, GiB, GPUSpec, NvmeSpec
 from megatron_p2r.planning.memory import (async_save_host_bytes, expert_parameter_count, logical_parameter_count,
                                           offload_plan, stage_state_bytes, stepped_elements)
 from megatron_p2r.planning.timing import link_time, stage_flops_per_microbatch
-from megatron_p2r.planning.verdict import TierVerdict, gpu_tier, host_problem, host_tier
+from megatron_p2r.planning.verdict import TierVerdict, gpu_tier, host_problem, host_tier, node_tier, nvme_problem
 
 # What an optimizer step streams per element: AdamW reads the main, gradient and 2 moments and
 # writes the main and moments (28 B); Lion does so with one moment (20 B); Adafactor reads the
@@ -47,6 +47,7 @@ class StageEstimate:
     device_total: int = 0
     fits: bool = True
     overflow: Optional[str] = None
+    nvme: int = 0   # bytes of optimizer state on local NVMe (--cpu-offload-optimizer-nvme-path)
 
 
 @dataclass
@@ -74,9 +75,18 @@ class Plan:
     fits: bool
     problems: List[str]
     checkpoint: Optional[dict] = None   # planning/checkpoint_cost.py
+    nvme: Optional[dict] = None         # the node's local NVMe (per_node, bw) with --cpu-offload-optimizer-nvme-path
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """As a dict; ``nvme`` (the plan's, a stage's) only when something is on NVMe (the JSON
+        without the flag is what it was)."""
+        out = dataclasses.asdict(self)
+        if out["nvme"] is None:
+            del out["nvme"]
+        for stage in out["stages"]:
+            if not stage["nvme"]:
+                del stage["nvme"]
+        return out
 
 
 def _rank_ranges(layout: Layout, stage: int) -> str:
@@ -93,6 +103,7 @@ class Assumptions:
     efficiency: float = 0.4
     host_optimizer_bw: float = 10e9
     reserve: int = GiB
+    nvme: Optional[NvmeSpec] = None
 
 
 def _peak_flops(cfg: Config, gpu: GPUSpec, problems: List[str]) -> float:
@@ -182,6 +193,15 @@ def overlapped_optimizer_time(device_step: float, host_step: float, layer_keys: 
     return now - layer_forward * len(layer_keys)
 
 
+def nvme_step_time(host_step: float, nvme_bytes: int, layers: int, nvme_bw: float) -> float:
+    """The host step (``host_step`` seconds from RAM) with its mains and state on local NVMe
+    (offload/nvme.py): layer by layer, each layer's pages read ahead while the one before steps
+    and written back by the kernel meanwhile, so each layer takes the longer of its step and its
+    disk traffic (reading and writing its bytes, ``nvme_bw``); the first layer's read is exposed."""
+    step, disk = host_step / layers, 2 * nvme_bytes / layers / nvme_bw
+    return disk / 2 + layers * max(step, disk)
+
+
 def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
                     peak: float) -> Tuple[StageEstimate, float]:
     """(the stage's estimate, its time per micro-batch)."""
@@ -217,8 +237,10 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     save_copy = async_save_host_bytes(cfg, plan, state)
     device_step = per_element * (stepped - hosted) / gpu.hbm_bw
     host_step = per_element * hosted / a.host_optimizer_bw + off["moved_per_step"] / gpu.host_bw
+    times = {"host_optimizer_from_ram": host_step, "host_optimizer_from_nvme": nvme_step_time(
+        host_step, off["nvme"], len(off["modules"]), a.nvme.bw)} if off["nvme"] else {}
+    host_step = times.get("host_optimizer_from_nvme", host_step)
     opt = max(device_step, host_step)
-    times = {}
     if cfg.offload.overlap_cpu_optimizer_d2h_h2d and off["recomputed"]:
         keys = plan.stage(stage).layer_keys
         layer_forward = (compute + tp_t + ep_exposed) / (3 * len(keys) + len(off["recomputed"]))
@@ -238,7 +260,7 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
                 "grad_sync": sync, "optimizer": opt, **times,
                 **({"pp_hidden_per_microbatch": pp_t - pp_exposed} if overlap_p2p else {}),
                 **({"ep_hidden_per_microbatch": ep_t - ep_exposed} if overlap_ep else {})},
-        device_total=sum(device.values()), fits=overflow is None, overflow=overflow)
+        device_total=sum(device.values()), fits=overflow is None, overflow=overflow, nvme=off["nvme"])
     return est, mb_time
 
 
@@ -252,7 +274,7 @@ def _overflow_problem(est: StageEstimate, layout: Layout, gpu: GPUSpec) -> str:
 def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float = 0.4,
               host_optimizer_bw: float = 10e9, token_budget: Optional[float] = None,
               reserve: int = GiB, fs_write_bw: float = FS_WRITE_BW,
-              fs_node_write_bw: Optional[float] = None) -> Plan:
+              fs_node_write_bw: Optional[float] = None, nvme: Optional[NvmeSpec] = None) -> Plan:
     """Plan every rank of ``cfg`` on ``world_size`` GPUs of kind ``gpu``.
 
     ``efficiency``: fraction of the GPU's peak FLOP/s the matmuls reach; ``host_optimizer_bw``:
@@ -260,10 +282,15 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
     ``reserve``: CUDA context, NCCL buffers and allocator slack per GPU. Host memory is
     ``gpu``'s node's (``GPUSpec.with_node`` overrides it). ``fs_write_bw`` / ``fs_node_write_bw``:
     the filesystem's write bytes/s, aggregate and per node (default: the node's network).
+    ``nvme``: the node's local NVMe (default: ``gpu``'s preset's), for --cpu-offload-optimizer-nvme-path.
     """
     plan = ParallelPlan.for_world(cfg, world_size)
     layout, m = plan.layout, cfg.model
-    a = Assumptions(gpu=gpu, efficiency=efficiency, host_optimizer_bw=host_optimizer_bw, reserve=reserve)
+    a = Assumptions(gpu=gpu, efficiency=efficiency, host_optimizer_bw=host_optimizer_bw, reserve=reserve,
+                    nvme=nvme or NVME_PRESETS.get(gpu.name))
+    if cfg.offload.cpu_offload_optimizer_nvme_path is not None and a.nvme is None:
+        raise ConfigError(f"--cpu-offload-optimizer-nvme-path: no NVMe figures for {gpu.name}: give --nvme-per-node "
+                          "and --nvme-bw")
     problems: List[str] = []
     peak = _peak_flops(cfg, gpu, problems)
     estimates = [_stage_estimate(cfg, plan, stage, a, peak) for stage in range(layout.pp)]
@@ -282,6 +309,10 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
              "host": host_tier([sum(s.host.values()) for s in stages], layout, gpu)}
     if not tiers["host"].fits:
         problems.append(host_problem(tiers["host"]))
+    if any(s.nvme for s in stages):
+        tiers["nvme"] = node_tier("NVMe", [s.nvme for s in stages], layout, gpu.gpus_per_node, a.nvme.per_node)
+        problems += [] if tiers["nvme"].fits else [nvme_problem(tiers["nvme"])]
+    on_nvme = dataclasses.asdict(a.nvme) if "nvme" in tiers else None
     return Plan(phase=cfg.p2r.p2r_phase, world_size=world_size,
                 layout={"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "ep": layout.ep,
                         "expert_dp": layout.expert_dp},
@@ -295,4 +326,4 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
                 fits=all(t.fits for t in tiers.values()), problems=problems,
                 checkpoint=checkpoint_cost(cfg, layout, gpu.gpus_per_node, Bandwidths(
                     fs_write=fs_write_bw, fs_node_write=fs_node_write_bw or gpu.inter_node_bw * gpu.gpus_per_node,
-                    host=gpu.host_bw)))
+                    host=gpu.host_bw)), nvme=on_nvme)

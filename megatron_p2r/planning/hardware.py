@@ -1,5 +1,6 @@
 """The accelerators the planner knows: memory, peak FLOP/s and link bandwidths of each preset,
-and the node it sits in (GPUs per node, host memory per node: offloaded state lives there)."""
+and the node it sits in (GPUs per node, host memory per node: offloaded state lives there; local
+NVMe per node: the optimizer state of offloaded layers with --cpu-offload-optimizer-nvme-path)."""
 from __future__ import annotations
 
 import dataclasses
@@ -60,4 +61,33 @@ GPU_PRESETS: Dict[str, GPUSpec] = {
                          host_memory_per_node=2 * TiB),
     "H200-141GB": GPUSpec("H200-141GB", 143771 * 2**20, 989e12, 67e12, 4800e9, 450e9, 50e9, 50e9,
                           host_memory_per_node=2 * TiB),
+}
+
+
+@dataclass(frozen=True)
+class NvmeSpec:
+    """A node's local NVMe: ``per_node`` bytes shared by its GPUs, and ``bw``: the bytes/s of disk
+    traffic (reads and writes together) each GPU gets: the node's drives over its GPUs."""
+
+    per_node: int
+    bw: float
+
+    def replace(self, **changes) -> "NvmeSpec":
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+# Local NVMe per node, from NVIDIA's DGX datasheets (capacities in decimal TB, as drives are sold),
+# and the bandwidth per GPU of the drives' class: a PCIe gen3 x4 U.2 drive streams ~3 GB/s read and
+# ~2 GB/s write, a gen4 one ~6.5 and ~3.5 GB/s; a step reads and writes alike, so a drive's mixed
+# figure is taken as the mean (2.5 and 5 GB/s). Not measured on these machines: give yours.
+# V100: the preset's node is half a DGX-2 (as its host memory): 4 of the DGX-2's 8 x 3.84 TB gen3
+# drives, 15.36 TB, 4 x 2.5 / 8 = 1.25 GB/s per GPU. (A DGX-1 has 4 x 1.92 TB SATA SSDs, ~0.5 GB/s
+# each: --nvme-per-node 7.68TB --nvme-bw 0.25e9.) A100: a DGX A100 (the 320 GB model, as the
+# preset's host memory) has 4 x 3.84 TB gen4, 15.36 TB, 4 x 5 / 8 = 2.5 GB/s per GPU. H100 and H200:
+# DGX H100 and DGX H200 have 8 x 3.84 TB gen4, 30.72 TB, 8 x 5 / 8 = 5 GB/s per GPU.
+NVME_PRESETS: Dict[str, NvmeSpec] = {
+    "V100-32GB": NvmeSpec(per_node=4 * 3840 * 10**9, bw=1.25e9),
+    "A100-80GB": NvmeSpec(per_node=4 * 3840 * 10**9, bw=2.5e9),
+    "H100-80GB": NvmeSpec(per_node=8 * 3840 * 10**9, bw=5e9),
+    "H200-141GB": NvmeSpec(per_node=8 * 3840 * 10**9, bw=5e9),
 }

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from megatron_p2r.config import Config, parse_offload_what
-from megatron_p2r.layout.offload import CATEGORIES, FACTOR_BYTES, MASTER_BYTES, add_bytes, memory_plan
+from megatron_p2r.layout.offload import CATEGORIES, FACTOR_BYTES, MASTER_BYTES, add_bytes, memory_plan, nvme_split
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Coords
 
@@ -58,7 +58,10 @@ def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, objec
     ``recomputed``: modules whose weights live on host (run recomputed with fetched copies,
     moving 3 x their weights per micro-batch: fetch forward, fetch backward, gradient back);
     with --cpu-offload-what optimizer only the moments live on host and each step moves the
-    fp32 mains and gradients to host and the mains back (``moved_per_step``).
+    fp32 mains and gradients to host and the mains back (``moved_per_step``). With
+    --cpu-offload-optimizer-nvme-path the host's optimizer bytes (fp32 mains of 16-bit weights and
+    the state) go to the local NVMe instead (``nvme``), and the host keeps the page cache of the
+    layer stepping and the one read ahead (``nvme_window``: twice the largest layer's; offload/nvme.py).
     """
     st = plan.stage(stage)
     o = cfg.offload
@@ -71,7 +74,10 @@ def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, objec
     weights = sum(per_module[k]["params"] for k in chosen)
     stepped = sum(stepped_elements(per_module[k]) for k in chosen)
     on_host = "params" in what
-    return {"modules": chosen, "layers": layers, "device": placed["device"], "host": placed["host"],
+    host, nvme = placed["host"], 0
+    if o.cpu_offload_optimizer_nvme_path is not None:
+        host, nvme = nvme_split(host, per_module, chosen)
+    return {"modules": chosen, "layers": layers, "device": placed["device"], "host": host, "nvme": nvme,
             "what": ",".join(sorted(what)), "recomputed": chosen if on_host else [],
             "host_optimizer_params": stepped,
             "moved_per_microbatch": 3 * weights if on_host else 0,

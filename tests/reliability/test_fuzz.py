@@ -74,7 +74,7 @@ FLOATS = ["nan", "inf", "-inf", "0", "-0", "-1", "1e-30", "1e-9", "0.01", "0.5",
           ""]
 PATHS = ["new", "sub/new", "file", "dir", "fifo", "missing/x", "", "file/x", "./dir", "dir/../new"]
 PATH_FIELDS = {"save", "load", "tokenizer_model", "vocab_file", "merge_file", "log_file", "tensorboard_dir",
-               "data_cache_path", "data_path"}
+               "data_cache_path", "data_path", "cpu_offload_optimizer_nvme_path"}
 STRINGS = {"share_pattern": ["all", "none", "cycle:2", "block:2", "cycle:0", "block:3", "cycle:x", "x", ""],
            "pipeline_layer_split": ["1,1", "2", "1,0", "a,b", "1,1,1", "", "-1,3"],
            "cpu_offload_layers": ["1", "0.5", "0,1", "auto", "x", "", "-1", "1,1", "2.5"],

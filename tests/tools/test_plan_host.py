@@ -91,7 +91,9 @@ def test_host_flags_are_exclusive(capsys):
 
 # example -> (real-phase file, extra flags, exit status) of each command its README shows, in order;
 # the README shows both phases' verdicts of the first and the real phase's of the others
-README_COMMANDS = {"m6_10t": [("real.yaml", [], 1), ("real_lean.yaml", ["--host-memory", "192GiB"], 0)],
+README_COMMANDS = {"m6_10t": [("real.yaml", [], 1), ("real_lean.yaml", ["--host-memory", "192GiB"], 0),
+                              ("real_lean.yaml", ["--host-memory", "96GiB", "--cpu-offload-optimizer-nvme-path",
+                                                  "/local/nvme"], 1)],
                    "m6_1t": [("real.yaml", [], 0)]}
 
 
