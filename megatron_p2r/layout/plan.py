@@ -120,7 +120,8 @@ class BufferSettings:
     (offload configured), the bytes of a weight (2 with --bf16/--fp16: 16-bit weights), the
     optimizer and the bytes of an element's moments (AdamW: ``--exp-avg-dtype`` +
     ``--exp-avg-sq-dtype``; Lion: ``--exp-avg-dtype``; Adafactor: none, its statistics are per
-    matrix)."""
+    matrix); the dtypes of the gradient buffers and of the main parameters (``--main-grads-dtype``,
+    ``--main-params-dtype``)."""
 
     bucket_size: Optional[int] = None
     distributed: bool = False
@@ -128,6 +129,23 @@ class BufferSettings:
     param_bytes: int = offload_choice.PARAM_BYTES
     moment_bytes: int = offload_choice.ADAM_BYTES
     optimizer: str = "adam"
+    main_grads_dtype: str = "fp32"
+    main_params_dtype: str = "fp32"
+
+    @property
+    def grad_bytes(self) -> int:
+        return offload_choice.DTYPE_BYTES[self.main_grads_dtype]
+
+    @property
+    def main_bytes(self) -> int:
+        """Bytes of a main parameter element (the one the optimizer steps)."""
+        return offload_choice.DTYPE_BYTES[self.main_params_dtype]
+
+    @property
+    def master_bytes(self) -> int:
+        """Bytes of a main copy per stepped element: none where the weights are their own mains
+        (fp32 weights; --fp16 weights with --main-params-dtype fp16)."""
+        return 0 if self.param_bytes == self.main_bytes else self.main_bytes
 
 
 def _moment_bytes(cfg: Config) -> int:
@@ -178,7 +196,9 @@ class ParallelPlan:
                                  distributed=p.use_distributed_optimizer,
                                  break_at_modules=cfg.offload.cpu_offload_layers is not None,
                                  param_bytes=2 if (cfg.train.bf16 or cfg.train.fp16) else offload_choice.PARAM_BYTES,
-                                 moment_bytes=_moment_bytes(cfg), optimizer=cfg.train.optimizer)
+                                 moment_bytes=_moment_bytes(cfg), optimizer=cfg.train.optimizer,
+                                 main_grads_dtype=cfg.train.main_grads_dtype,
+                                 main_params_dtype=cfg.train.main_params_dtype)
         plan = cls(layout=layout, model=m, phase=cfg.p2r.p2r_phase, share_pattern=pattern, layer_keys=keys,
                    stages=stages, replicas=tuple(replicas), buffers=buffers,
                    sequence_parallel=p.sequence_parallel and layout.tp > 1)
@@ -333,9 +353,9 @@ class ParallelPlan:
             member = 0 if coords is None else self.buffer_member(buf, coords)
             owned = {i: end - start for i, start, end in buf.owned(member)}
             for i, footprint in enumerate(buf.footprints()):
-                add = offload_choice.state_bytes(footprint, self.buffers.param_bytes, owned.get(i, 0),
-                                                 self.buffers.moment_bytes, shapes[buf.names[i]],
-                                                 self.buffers.optimizer)
+                b = self.buffers
+                add = offload_choice.state_bytes(footprint, b.param_bytes, owned.get(i, 0), b.moment_bytes,
+                                                 shapes[buf.names[i]], b.optimizer, b.grad_bytes, b.master_bytes)
                 out[buf.modules[i]] = offload_choice.add_bytes(out.get(buf.modules[i], {}), add)
         return out
 
