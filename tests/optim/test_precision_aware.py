@@ -1,7 +1,8 @@
-"""The precision-aware optimizer (16-bit AdamW moments): the flags' rules, moments stored in
-their dtype, the same setting on DP2 + distributed optimizer, TP2, PP2 + offload and staged
-moments reproducing one process, checkpoints across settings, bitwise resume, and the
-planner's bytes equal to what a rank allocates."""
+"""The precision-aware optimizer (16-bit AdamW moments, bf16 main gradients, fp16 main
+parameters): the flags' rules, state stored in its dtype, the same setting on DP2 + distributed
+optimizer, TP2, PP2 + offload and staged moments reproducing one process, fp16 loss scaling over
+bf16 gradients, checkpoints across settings, bitwise resume, and the planner's bytes equal to
+what a rank allocates."""
 from __future__ import annotations
 
 
@@ -22,7 +23,10 @@ from tests.helpers import run_steps
 from tests.optim.common import DISTOPT, OVERLAP, cfg, fake_world
 from tests.optim.workers import equivalence_cases
 
-LEAN = dict(use_precision_aware_optimizer=True, exp_avg_dtype="fp16", exp_avg_sq_dtype="bf16")
+PA = dict(use_precision_aware_optimizer=True)
+LEAN = dict(exp_avg_dtype="fp16", exp_avg_sq_dtype="bf16", **PA)
+GRADS16 = dict(main_grads_dtype="bf16", **PA)
+MAINS16 = dict(main_params_dtype="fp16", **PA)   # needs 16-bit weights
 PSEUDO = dict(num_layers=4, p2r_phase="pseudo", share_pattern="cycle:2")
 RESUME = dict(lr_warmup_iters=1, lr_decay_style="cosine", clip_grad=1.0, weight_decay=0.01, train_iters=4)
 
@@ -30,8 +34,9 @@ RESUME = dict(lr_warmup_iters=1, lr_decay_style="cosine", clip_grad=1.0, weight_
 @pytest.mark.parametrize("flags,message", [
     (dict(exp_avg_dtype="bf16"), "--exp-avg-dtype bf16 needs --use-precision-aware-optimizer"),
     (dict(use_precision_aware_optimizer=True, exp_avg_sq_dtype="fp8"), "--exp-avg-sq-dtype fp8 is not built"),
-    (dict(use_precision_aware_optimizer=True, main_params_dtype="fp16"), "--main-params-dtype fp16 is not built"),
-    (dict(use_precision_aware_optimizer=True, main_grads_dtype="bf16"), "--main-grads-dtype bf16 is not built"),
+    (dict(main_grads_dtype="bf16"), "--main-grads-dtype bf16 needs --use-precision-aware-optimizer"),
+    (MAINS16, "--main-params-dtype fp16 needs 16-bit weights"),
+    (dict(bf16=True, optimizer="lion", **MAINS16), "--main-params-dtype fp16 is built for --optimizer adam only"),
 ])
 def test_dtype_flags_are_refused_by_name(flags, message):
     with pytest.raises(ConfigError, match=message):
@@ -52,6 +57,45 @@ def test_moments_are_stored_in_their_dtype_and_track_fp32_adamw(weights):
     assert states and all(s["exp_avg"].dtype == torch.float16 and s["exp_avg_sq"].dtype == torch.bfloat16
                           for s in states)
     assert lean == pytest.approx(fp32, rel=1e-4) and lean != fp32
+
+
+@pytest.mark.parametrize("weights,flags", [({}, GRADS16), (dict(bf16=True), GRADS16), (dict(fp16=True), GRADS16),
+                                           (dict(bf16=True), MAINS16), (dict(fp16=True), MAINS16)],
+                         ids=["fp32-grads16", "bf16-grads16", "fp16-grads16", "bf16-mains16", "fp16-mains16"])
+def test_main_grads_and_params_are_stored_in_their_dtype(weights, flags):
+    """3 steps: bf16 gradient buffers (every main gradient a view of them), fp16 mains — copies
+    of bf16 weights, the fp16 weights themselves (no second copy); the losses those of fp32
+    main gradients and parameters to 1e-4 relative (2.6e-5 observed), not equal."""
+    fp32, _ = run_steps(cfg(**weights), ParallelState.single(), 3)
+    lean, state = run_steps(cfg(**weights, **flags), ParallelState.single(), 3)
+    grads = state.ddp.buffer_tensors("grads")
+    want_grad = torch.bfloat16 if flags is GRADS16 else torch.float32
+    assert grads and all(t.dtype == want_grad for t in grads)
+    shards = state.optimizer.shards
+    assert all(ms.grad.dtype == want_grad for ms in shards)
+    if flags is MAINS16:
+        assert all(ms.main.dtype == torch.float16 for ms in shards)
+        aliased = [ms.main.data_ptr() == ms.param.data_ptr() for ms in shards]
+        assert all(aliased) if weights.get("fp16") else not any(aliased)
+    assert lean == pytest.approx(fp32, rel=1e-4) and lean != fp32
+
+
+def test_fp16_loss_scaling_over_bf16_main_grads_skips_and_unscales_as_over_fp32():
+    """fp16 weights from a loss scale of 2^24: the scaled fp16 gradients overflow, the bf16
+    buffers hold the infs, so the same steps are skipped and the scale halves alike as with
+    fp32 main gradients; the steps taken have the same (unscaled) gradient norms to 1e-2
+    relative (bf16 gradients: 8 bits of mantissa)."""
+    runs = {}
+    for name, flags in (("fp32", {}), ("bf16", GRADS16)):
+        outputs = []
+        _, state = run_steps(cfg(fp16=True, initial_loss_scale=2.0 ** 24, **flags), ParallelState.single(), 10,
+                             outputs=outputs)
+        runs[name] = ([o["skipped"] for o in outputs], [o["grad_norm"] for o in outputs], state.scaler.scale)
+    (skipped, norms, scale), (skipped16, norms16, scale16) = runs["fp32"], runs["bf16"]
+    assert skipped == skipped16 and scale == scale16
+    assert any(skipped) and not all(skipped)
+    taken = [i for i, s in enumerate(skipped) if not s]
+    assert [norms16[i] for i in taken] == pytest.approx([norms[i] for i in taken], rel=1e-2)
 
 
 def _weights(state):
@@ -94,14 +138,28 @@ CASES = {
     "dp2-distopt-staged-moments": dict(cpu_offload_layers="1", cpu_offload_what="optimizer", **OVERLAP, **LEAN),
 }
 FP16_WEIGHTS = {"lean": dict(fp16=True, **DISTOPT, **LEAN), "fp32-moments": dict(fp16=True, **DISTOPT)}
+LAYOUTS = {"dp2-distopt": OVERLAP, "tp2": dict(tensor_model_parallel_size=2),
+           "pp2-pseudo-offload": dict(pipeline_model_parallel_size=2, cpu_offload_layers="1", **PSEUDO)}
+# bf16 main gradients (fp32 weights), fp16 mains (bf16 weights; fp16 weights: the mains are the weights)
+MAIN_DTYPES = {**{f"{k}-grads16": dict(**v, **GRADS16) for k, v in LAYOUTS.items()},
+               **{f"{k}-mains16": dict(bf16=True, **v, **MAINS16) for k, v in LAYOUTS.items()},
+               "dp2-distopt-fp16-weights-grads16": dict(fp16=True, **DISTOPT, **GRADS16),
+               "dp2-distopt-fp16-weights-mains16": dict(fp16=True, **DISTOPT, **MAINS16)}
 
 
 def test_each_layout_reproduces_one_process_with_the_same_setting():
     """3 steps, gradients clipped: losses and gradient norms 1e-5 relative, weights 1e-4. fp16
     weights (loss scaling) round each update to fp16, so DP2's reduction order moves a weight by
     an fp16 ulp: there the weights differ by at most twice what they do with fp32 moments (3.9e-3
-    observed; 5.6e-3 lean) and the third norm by 5e-5 (1.4e-5 observed)."""
-    cases = {**CASES, **{f"fp16-weights-{k}": v for k, v in FP16_WEIGHTS.items()}}
+    observed; 5.6e-3 lean) and the third norm by 5e-5 (1.4e-5 observed).
+
+    bf16 main gradients and bf16 weights (under fp16 mains) round what DP2, TP2 and PP2 sum in
+    another order than one process does — the micro-batches' bf16 accumulation and reduction,
+    the bf16 forward's partial products — so there the losses agree to 5e-4 relative (1.4e-4
+    observed, as large as bf16 weights with fp32 mains give) and the gradient norms to 1e-2
+    (bf16's 8-bit mantissa; 3.7e-3 observed); fp16 weights with fp16 mains (no copy) keep the
+    fp16-weights bound on their weights."""
+    cases = {**CASES, **{f"fp16-weights-{k}": v for k, v in FP16_WEIGHTS.items()}, **MAIN_DTYPES}
     for rank, res in enumerate(run_distributed(equivalence_cases, 2, cases, timeout=600)):
         for label in CASES:
             r = res[label]
@@ -112,6 +170,12 @@ def test_each_layout_reproduces_one_process_with_the_same_setting():
         assert r["losses"] == pytest.approx(r["ref"], rel=1e-5), (rank, r)
         assert r["norms"] == pytest.approx(r["ref_norms"], rel=5e-5), (rank, r)
         assert r["weight_err"] <= 2 * fp32_moments["weight_err"], (rank, r, fp32_moments)
+        for label in MAIN_DTYPES:
+            r = res[label]
+            assert r["losses"] == pytest.approx(r["ref"], rel=5e-4), (label, rank, r)
+            assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-2), (label, rank, r)
+        aliased = res["dp2-distopt-fp16-weights-mains16"]
+        assert aliased["weight_err"] <= 2 * fp32_moments["weight_err"], (rank, aliased, fp32_moments)
 
 
 MEASURED = [  # label, world, rank, flags
