@@ -131,6 +131,7 @@ class BufferSettings:
     optimizer: str = "adam"
     main_grads_dtype: str = "fp32"
     main_params_dtype: str = "fp32"
+    params_dtype: str = "fp32"          # the weights': fp32, bf16 (--bf16) or fp16 (--fp16)
 
     @property
     def grad_bytes(self) -> int:
@@ -145,7 +146,7 @@ class BufferSettings:
     def master_bytes(self) -> int:
         """Bytes of a main copy per stepped element: none where the weights are their own mains
         (fp32 weights; --fp16 weights with --main-params-dtype fp16)."""
-        return 0 if self.param_bytes == self.main_bytes else self.main_bytes
+        return 0 if self.params_dtype == self.main_params_dtype else self.main_bytes
 
 
 def _moment_bytes(cfg: Config) -> int:
@@ -198,7 +199,8 @@ class ParallelPlan:
                                  param_bytes=2 if (cfg.train.bf16 or cfg.train.fp16) else offload_choice.PARAM_BYTES,
                                  moment_bytes=_moment_bytes(cfg), optimizer=cfg.train.optimizer,
                                  main_grads_dtype=cfg.train.main_grads_dtype,
-                                 main_params_dtype=cfg.train.main_params_dtype)
+                                 main_params_dtype=cfg.train.main_params_dtype,
+                                 params_dtype="bf16" if cfg.train.bf16 else "fp16" if cfg.train.fp16 else "fp32")
         plan = cls(layout=layout, model=m, phase=cfg.p2r.p2r_phase, share_pattern=pattern, layer_keys=keys,
                    stages=stages, replicas=tuple(replicas), buffers=buffers,
                    sequence_parallel=p.sequence_parallel and layout.tp > 1)

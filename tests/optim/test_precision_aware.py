@@ -183,6 +183,12 @@ MEASURED = [  # label, world, rank, flags
                                          exp_avg_sq_dtype="bf16", **DISTOPT)),
     ("pp2-fp32-offload-lean", 2, 1, dict(pipeline_model_parallel_size=2, cpu_offload_layers="1", **PSEUDO, **LEAN)),
     ("fp16-one-moment-lean", 1, 0, dict(fp16=True, use_precision_aware_optimizer=True, exp_avg_dtype="fp16")),
+    ("dp2-bf16-distopt-grads16-mains16", 2, 1, dict(bf16=True, **DISTOPT, **GRADS16, main_params_dtype="fp16")),
+    ("pp2-fp32-offload-grads16", 2, 1, dict(pipeline_model_parallel_size=2, cpu_offload_layers="1", **PSEUDO,
+                                            **GRADS16)),
+    ("fp16-mains16-no-copy", 1, 0, dict(fp16=True, **MAINS16)),
+    ("lion-grads16-staged", 1, 0, dict(optimizer="lion", cpu_offload_layers="1", cpu_offload_what="optimizer",
+                                       **GRADS16)),
 ]
 
 
@@ -202,14 +208,19 @@ def test_bytes_a_rank_holds_are_the_planners(label, world, rank, flags):
 
 def test_planner_times_the_upcast_and_rounding_of_16_bit_moments():
     """The optimizer step's modelled cost per element: 28 B in fp32, 12 more per 16-bit moment
-    (its upcast into fp32 scratch and rounding back, which on CPU cost about what memory traffic
-    does): 52 / 28 with both in 16 bits, 40 / 28 with one."""
+    or fp16 main (its upcast into fp32 scratch and rounding back, which on CPU cost about what
+    memory traffic does), 6 more for a bf16 main gradient (upcast only), 2 more writing a 16-bit
+    weight apart from its main: 52 / 28 with both moments in 16 bits, 40 / 28 with one."""
     gpu = GPU_PRESETS["A100-80GB"]
     times = {name: make_plan(cfg(**flags), 1, gpu).step_breakdown_s["optimizer"]
              for name, flags in (("fp32", {}), ("one", dict(use_precision_aware_optimizer=True, exp_avg_dtype="bf16")),
-                                 ("two", LEAN))}
+                                 ("two", LEAN), ("grads16", GRADS16), ("bf16", dict(bf16=True)),
+                                 ("bf16-mains16", dict(bf16=True, **MAINS16)), ("fp16-mains16", dict(fp16=True, **MAINS16)))}
     assert times["two"] / times["fp32"] == pytest.approx(52 / 28)
     assert times["one"] / times["fp32"] == pytest.approx(40 / 28)
+    assert times["grads16"] / times["fp32"] == pytest.approx(34 / 28)   # the gradient's upcast only
+    assert times["bf16-mains16"] / times["bf16"] == pytest.approx(42 / 30)
+    assert times["fp16-mains16"] / times["bf16"] == pytest.approx(40 / 30)   # no 16-bit weight written apart
 
 
 def _adamw_steps(chunk, dtypes, monkeypatch, steps=3):
