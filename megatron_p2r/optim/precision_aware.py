@@ -39,14 +39,18 @@ class PrecisionAwareAdamW(torch.optim.AdamW):
     def __init__(self, groups: list, dtypes: Dict[str, torch.dtype], **kwargs):
         super().__init__(groups, **kwargs)
         self.dtypes = dict(dtypes)
-        self.register_load_state_dict_post_hook(PrecisionAwareAdamW._store_loaded)
 
-    @staticmethod
-    def _store_loaded(optimizer: "PrecisionAwareAdamW") -> None:
-        for state in optimizer.state.values():
-            for name in MOMENTS:
-                if name in state:
-                    state[name] = state[name].to(optimizer.dtypes[name])
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, but each moment goes straight into its own dtype: torch casts loaded state to
+        its parameter's dtype, which would round fp32 moments through an fp16 main's."""
+        moments = {i: {n: s[n] for n in MOMENTS if n in s} for i, s in state_dict["state"].items()}
+        rest = {i: {k: v for k, v in s.items() if k not in MOMENTS} for i, s in state_dict["state"].items()}
+        super().load_state_dict({**state_dict, "state": rest})
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = dict(zip(ids, [p for g in self.param_groups for p in g["params"]], strict=True))
+        for i, kept in moments.items():
+            for name, value in kept.items():
+                self.state[params[i]][name] = value.to(device=params[i].device, dtype=self.dtypes[name])
 
     def _state_of(self, p: torch.Tensor) -> dict:
         state = self.state[p]

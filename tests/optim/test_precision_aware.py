@@ -131,6 +131,41 @@ def test_checkpoints_move_between_settings_and_resume_bitwise(tmp_path):
             assert c16[k].dtype == a[k].dtype and torch.equal(c16[k], c32[k].to(a[k].dtype))
 
 
+def _mains(state):
+    return [ms.main.detach().clone() for ms in state.optimizer.shards]
+
+
+@pytest.mark.parametrize("weights,flags", [({}, GRADS16), (dict(bf16=True), MAINS16), (dict(fp16=True), MAINS16)],
+                         ids=["fp32-grads16", "bf16-mains16", "fp16-mains16"])
+def test_main_dtypes_move_between_settings_and_resume_bitwise(tmp_path, weights, flags):
+    """Saved after 2 of 4 steps with bf16 main gradients or fp16 mains: resumed with the same
+    setting, the last 2 losses and the weights are bitwise the uninterrupted run's. Loaded with
+    fp32 main gradients and parameters, the mains are the exact upcasts of the fp16 ones (the
+    moments too: fp32 on both sides); saved with fp32 and loaded with fp16 mains, they are the
+    fp32 mains rounded to nearest. Gradients are not state: a step starts from zeroed buffers."""
+    lean, plain = cfg(**weights, **flags, **RESUME), cfg(**weights, **RESUME)
+    single = ParallelState.single()
+    whole = {}
+    for c, name in ((lean, "lean"), (plain, "plain")):
+        def save_after_2(s, where=str(tmp_path / name)) -> None:
+            if s.iteration == 2:
+                save_checkpoint(where, s)
+        whole[name] = run_steps(c, single, 4, after_step=save_after_2)
+    resumed, again = run_steps(lean, single, 2, load=str(tmp_path / "lean"))
+    losses, state = whole["lean"]
+    assert resumed == losses[2:]
+    assert all(torch.equal(a, b) for a, b in zip(_weights(again), _weights(state), strict=True))
+    _, saved_lean = run_steps(lean, single, 0, load=str(tmp_path / "lean"))
+    _, as_fp32 = run_steps(plain, single, 0, load=str(tmp_path / "lean"))
+    _, from_fp32 = run_steps(lean, single, 0, load=str(tmp_path / "plain"))
+    _, saved_fp32 = run_steps(plain, single, 0, load=str(tmp_path / "plain"))
+    for a, b, c16, c32 in zip(_mains(saved_lean), _mains(as_fp32), _mains(from_fp32), _mains(saved_fp32), strict=True):
+        assert b.dtype == c32.dtype and torch.equal(b, a.to(b.dtype))
+        assert c16.dtype == a.dtype and torch.equal(c16, c32.to(a.dtype))
+    for a, b in zip(_moments(saved_lean), _moments(as_fp32), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
 CASES = {
     "dp2-distopt": dict(**OVERLAP, **LEAN),
     "tp2": dict(tensor_model_parallel_size=2, **LEAN),
