@@ -103,12 +103,10 @@ def _weights(state):
     return [p.detach().clone() for _, p in sorted(state.model.named_parameters())]
 
 
-def test_checkpoints_move_between_settings_and_resume_bitwise(tmp_path):
-    """Saved after 2 of 4 steps with 16-bit moments: resumed with the same setting, the last 2
-    losses and the weights are bitwise the uninterrupted run's; loaded with fp32 AdamW the
-    moments are the exact upcasts. Saved with fp32 AdamW and loaded lean: the moments are
-    rounded to nearest."""
-    lean, plain = cfg(**LEAN, **RESUME), cfg(**RESUME)
+def _resume_and_cross_load(tmp_path, lean, plain) -> tuple:
+    """Both settings saved after 2 of 4 steps; ``lean`` resumed from its checkpoint must give
+    the last 2 losses and the weights of its uninterrupted run bitwise. Returns the states of
+    (lean from lean, plain from lean, lean from plain, plain from plain), loaded, not stepped."""
     single = ParallelState.single()
     whole = {}
     for c, name in ((lean, "lean"), (plain, "plain")):
@@ -120,12 +118,17 @@ def test_checkpoints_move_between_settings_and_resume_bitwise(tmp_path):
     losses, state = whole["lean"]
     assert resumed == losses[2:]
     assert all(torch.equal(a, b) for a, b in zip(_weights(again), _weights(state), strict=True))
-    _, saved_lean = run_steps(lean, single, 0, load=str(tmp_path / "lean"))
-    _, as_fp32 = run_steps(plain, single, 0, load=str(tmp_path / "lean"))
-    _, from_fp32 = run_steps(lean, single, 0, load=str(tmp_path / "plain"))
-    _, saved_fp32 = run_steps(plain, single, 0, load=str(tmp_path / "plain"))
-    for a, b, c16, c32 in zip(_moments(saved_lean), _moments(as_fp32), _moments(from_fp32), _moments(saved_fp32),
-                              strict=True):
+    return tuple(run_steps(c, single, 0, load=str(tmp_path / saved))[1]
+                 for c, saved in ((lean, "lean"), (plain, "lean"), (lean, "plain"), (plain, "plain")))
+
+
+def test_checkpoints_move_between_settings_and_resume_bitwise(tmp_path):
+    """Saved after 2 of 4 steps with 16-bit moments: resumed with the same setting, the last 2
+    losses and the weights are bitwise the uninterrupted run's; loaded with fp32 AdamW the
+    moments are the exact upcasts. Saved with fp32 AdamW and loaded lean: the moments are
+    rounded to nearest."""
+    states = _resume_and_cross_load(tmp_path, cfg(**LEAN, **RESUME), cfg(**RESUME))
+    for a, b, c16, c32 in zip(*(_moments(s) for s in states), strict=True):
         for k in ("exp_avg", "exp_avg_sq"):
             assert b[k].dtype == torch.float32 and torch.equal(b[k], a[k].float())
             assert c16[k].dtype == a[k].dtype and torch.equal(c16[k], c32[k].to(a[k].dtype))
@@ -143,26 +146,11 @@ def test_main_dtypes_move_between_settings_and_resume_bitwise(tmp_path, weights,
     fp32 main gradients and parameters, the mains are the exact upcasts of the fp16 ones (the
     moments too: fp32 on both sides); saved with fp32 and loaded with fp16 mains, they are the
     fp32 mains rounded to nearest. Gradients are not state: a step starts from zeroed buffers."""
-    lean, plain = cfg(**weights, **flags, **RESUME), cfg(**weights, **RESUME)
-    single = ParallelState.single()
-    whole = {}
-    for c, name in ((lean, "lean"), (plain, "plain")):
-        def save_after_2(s, where=str(tmp_path / name)) -> None:
-            if s.iteration == 2:
-                save_checkpoint(where, s)
-        whole[name] = run_steps(c, single, 4, after_step=save_after_2)
-    resumed, again = run_steps(lean, single, 2, load=str(tmp_path / "lean"))
-    losses, state = whole["lean"]
-    assert resumed == losses[2:]
-    assert all(torch.equal(a, b) for a, b in zip(_weights(again), _weights(state), strict=True))
-    _, saved_lean = run_steps(lean, single, 0, load=str(tmp_path / "lean"))
-    _, as_fp32 = run_steps(plain, single, 0, load=str(tmp_path / "lean"))
-    _, from_fp32 = run_steps(lean, single, 0, load=str(tmp_path / "plain"))
-    _, saved_fp32 = run_steps(plain, single, 0, load=str(tmp_path / "plain"))
-    for a, b, c16, c32 in zip(_mains(saved_lean), _mains(as_fp32), _mains(from_fp32), _mains(saved_fp32), strict=True):
+    states = _resume_and_cross_load(tmp_path, cfg(**weights, **flags, **RESUME), cfg(**weights, **RESUME))
+    for a, b, c16, c32 in zip(*(_mains(s) for s in states), strict=True):
         assert b.dtype == c32.dtype and torch.equal(b, a.to(b.dtype))
         assert c16.dtype == a.dtype and torch.equal(c16, c32.to(a.dtype))
-    for a, b in zip(_moments(saved_lean), _moments(as_fp32), strict=True):
+    for a, b in zip(_moments(states[0]), _moments(states[1]), strict=True):
         assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))
 
 
