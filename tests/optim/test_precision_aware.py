@@ -166,6 +166,11 @@ LAYOUTS = {"dp2-distopt": OVERLAP, "tp2": dict(tensor_model_parallel_size=2),
 # bf16 main gradients (fp32 weights), fp16 mains (bf16 weights; fp16 weights: the mains are the weights)
 MAIN_DTYPES = {**{f"{k}-grads16": dict(**v, **GRADS16) for k, v in LAYOUTS.items()},
                **{f"{k}-mains16": dict(bf16=True, **v, **MAINS16) for k, v in LAYOUTS.items()},
+               "dp2-distopt-staged-grads16": dict(cpu_offload_layers="1", cpu_offload_what="optimizer", **OVERLAP,
+                                                  **GRADS16),
+               # real_lean.yaml's kind: Adafactor, host-resident layers stepped by the overlapped host step
+               "dp2-adafactor-host-step-grads16": dict(optimizer="adafactor", cpu_offload_layers="1",
+                                                       overlap_cpu_optimizer_d2h_h2d=True, **GRADS16),
                "dp2-distopt-fp16-weights-grads16": dict(fp16=True, **DISTOPT, **GRADS16),
                "dp2-distopt-fp16-weights-mains16": dict(fp16=True, **DISTOPT, **MAINS16)}
 
@@ -180,8 +185,9 @@ def test_each_layout_reproduces_one_process_with_the_same_setting():
     another order than one process does — the micro-batches' bf16 accumulation and reduction,
     the bf16 forward's partial products — so there the losses agree to 5e-4 relative (1.4e-4
     observed, as large as bf16 weights with fp32 mains give) and the gradient norms to 1e-2
-    (bf16's 8-bit mantissa; 3.7e-3 observed); fp16 weights with fp16 mains (no copy) keep the
-    fp16-weights bound on their weights."""
+    (bf16's 8-bit mantissa; 3.7e-3 observed) — bf16 gradients with staged moments and with
+    Adafactor's host-resident layers stepped by the overlapped host step (real_lean.yaml's kind)
+    included; fp16 weights with fp16 mains (no copy) keep the fp16-weights bound on their weights."""
     cases = {**CASES, **{f"fp16-weights-{k}": v for k, v in FP16_WEIGHTS.items()}, **MAIN_DTYPES}
     for rank, res in enumerate(run_distributed(equivalence_cases, 2, cases, timeout=600)):
         for label in CASES:
