@@ -264,7 +264,8 @@ def build_mixed_precision_optimizer(ddp: DistributedDataParallel, plan: Parallel
             whole = start == 0 and end == p.numel()
             in_norm = plan.counts_in_norm(logical_name(name, p), getattr(p, "tp_dim", None),
                                           getattr(p, "expert", False), ps.coords, sharded=layout.sharded)
-            shards.append(MainShard(param=p, name=name, start=start, end=end, main=_takes_grad(_main_of(p, start, end, dtype), p.main_grad),
+            main = _takes_grad(_main_of(p, start, end, dtype), p.main_grad)
+            shards.append(MainShard(param=p, name=name, start=start, end=end, main=main,
                                     grad=p.main_grad if whole else p.main_grad.view(-1)[start:end],
                                     placement=placement.get(id(p), "device"), in_norm=in_norm, buffer=b,
                                     bucket=layout.bucket_of(index), position=layout.ranges[index][0] + start))
