@@ -10,8 +10,12 @@ Prints every setting's final held-out loss per seed with its standard error, and
 AdamW's run of the same seed with the paired standard error (the same held-out samples). The
 settings are the usual starting points, not tuned here: Lion at a third of AdamW's learning rate
 and three times its weight decay (Chen et al. 2023: the same lr x wd), Adafactor at torch's
-default relative step cap (lr 1e-2, decayed like AdamW's) with AdamW's weight decay. Runs are
-saved under ``--work`` and not trained again when rerun.
+default relative step cap (lr 1e-2, decayed like AdamW's) with AdamW's weight decay. The
+precision-aware settings are AdamW's run with one dtype lowered (``--use-precision-aware-optimizer``):
+both moments in bf16, the main gradients in bf16, and fp16 main parameters — which need 16-bit
+weights, so that one runs with ``--bf16`` weights, beside AdamW with ``--bf16`` weights and fp32
+mains (``adam-bf16``) to tell the two costs apart. Runs are saved under ``--work`` and not
+trained again when rerun.
 """
 from __future__ import annotations
 
@@ -31,6 +35,12 @@ SETTINGS = {  # flags over AdamW's run, as functions of its learning rate and we
     "adam": lambda lr, wd: {},
     "lion": lambda lr, wd: dict(optimizer="lion", lr=lr / 3, min_lr=lr / 30, weight_decay=3 * wd),
     "adafactor": lambda lr, wd: dict(optimizer="adafactor", lr=1e-2, min_lr=1e-3),
+    "adam-bf16-moments": lambda lr, wd: dict(use_precision_aware_optimizer=True, exp_avg_dtype="bf16",
+                                             exp_avg_sq_dtype="bf16"),
+    "adam-bf16-main-grads": lambda lr, wd: dict(use_precision_aware_optimizer=True, main_grads_dtype="bf16"),
+    "adam-bf16": lambda lr, wd: dict(bf16=True),
+    "adam-bf16-fp16-main-params": lambda lr, wd: dict(bf16=True, use_precision_aware_optimizer=True,
+                                                      main_params_dtype="fp16"),
 }
 
 
@@ -71,7 +81,7 @@ def main(argv=None) -> int:
                 base = mean_se(losses["adam"][seed])[0]
                 cell += f" ({100 * (mean / base - 1):+.2f}% ± {100 * paired_se(values, losses['adam'][seed]) / base:.2f})"
             cells.append(cell)
-        print(f"  {setting:9s} " + "; ".join(cells))
+        print(f"  {setting:26s} " + "; ".join(cells))
     return 0
 
 

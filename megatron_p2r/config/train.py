@@ -43,10 +43,12 @@ class TrainConfig:
     adafactor_clip_threshold: float = opt(1.0, "Adafactor: update RMS clipping threshold (torch's d).")
     use_precision_aware_optimizer: bool = opt(False, "Allow optimizer state below fp32 (the dtype flags "
                                                      "that follow; Megatron-LM's name).")
-    main_grads_dtype: str = opt("fp32", "Dtype of the main gradients (precision-aware optimizer; only fp32 "
-                                "is built here).", choices=["fp32", "bf16"])
-    main_params_dtype: str = opt("fp32", "Dtype of the main parameters (precision-aware optimizer; only "
-                                 "fp32 is built here).", choices=["fp32", "fp16"])
+    main_grads_dtype: str = opt("fp32", "Dtype of the main gradients: the DDP buffers micro-batch gradients "
+                                "accumulate in and are reduced in (precision-aware optimizer).",
+                                choices=["fp32", "bf16"])
+    main_params_dtype: str = opt("fp32", "Dtype of the main parameters the optimizer steps (precision-aware "
+                                 "optimizer; fp16 needs --bf16 or --fp16 weights and --optimizer adam).",
+                                 choices=["fp32", "fp16"])
     exp_avg_dtype: str = opt("fp32", "Dtype AdamW's first moment is stored in (precision-aware optimizer).",
                              choices=["fp32", "fp16", "bf16", "fp8"])
     exp_avg_sq_dtype: str = opt("fp32", "Dtype AdamW's second moment is stored in (precision-aware "
@@ -126,7 +128,8 @@ class TrainConfig:
 
     def _check_precision_aware(self) -> None:
         """Megatron-LM's rule: state dtypes other than fp32 need --use-precision-aware-optimizer.
-        Of those, 16-bit moments are built; the rest are refused by name."""
+        fp8 moments are refused by name; fp16 mains need 16-bit weights (fp32 weights are their
+        own mains) and AdamW (the upcast-step-round of ``optim/precision_aware.py``)."""
         dtypes = {"--main-grads-dtype": self.main_grads_dtype, "--main-params-dtype": self.main_params_dtype,
                   "--exp-avg-dtype": self.exp_avg_dtype, "--exp-avg-sq-dtype": self.exp_avg_sq_dtype}
         lowered = [f"{flag} {dtype}" for flag, dtype in dtypes.items() if dtype != "fp32"]
@@ -137,11 +140,14 @@ class TrainConfig:
             if dtypes[flag] == "fp8":
                 raise ConfigError(f"{flag} fp8 is not built (it needs per-tensor scaled fp8 moments); "
                                   "choose fp32, fp16 or bf16")
-        for flag, built in (("--main-grads-dtype", "fp32"), ("--main-params-dtype", "fp32")):
-            if dtypes[flag] != built:
-                raise ConfigError(f"{flag} {dtypes[flag]} is not built: the main gradients and main "
-                                  "parameters are fp32 here; lower the moments with --exp-avg-dtype and "
-                                  "--exp-avg-sq-dtype")
+        if self.main_params_dtype == "fp32":
+            return
+        if not (self.bf16 or self.fp16):
+            raise ConfigError("--main-params-dtype fp16 needs 16-bit weights (--bf16 or --fp16): fp32 weights are "
+                              "their own main parameters")
+        if self.optimizer != "adam":
+            raise ConfigError(f"--main-params-dtype fp16 is built for --optimizer adam only (got {self.optimizer}), "
+                              "as Megatron-LM's precision-aware optimizer")
 
     def _check_lean_optimizer(self) -> None:
         """Lion keeps one moment (--exp-avg-dtype sets its dtype); Adafactor's factored statistics stay fp32."""

@@ -16,22 +16,25 @@ from megatron_p2r.config import (FULL, WHAT_ITEMS, ConfigError, LayerSpec, Offlo
                                  parse_memory_size, parse_offload_what)
 
 PARAM_BYTES, GRAD_BYTES, ADAM_BYTES, MASTER_BYTES = 4, 4, 8, 4   # fp32 weight, fp32 grad, 2 moments, fp32 main
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}   # of a moment, per --exp-avg-dtype / --exp-avg-sq-dtype
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}   # per element of a dtype flag (moments, main grads and params)
 FACTOR_BYTES = 4                                   # an Adafactor statistic (fp32)
 CATEGORIES = WHAT_ITEMS                          # the accounted categories are what can be offloaded
 
 
 def state_bytes(numel: int, param_bytes: int = PARAM_BYTES, owned: Optional[int] = None,
                 moment_bytes: int = ADAM_BYTES, shape: Optional[Sequence[int]] = None,
-                optimizer: str = "adam") -> Dict[str, int]:
+                optimizer: str = "adam", grad_bytes: int = GRAD_BYTES, master_bytes: Optional[int] = None) -> Dict[str, int]:
     """Bytes of ``numel`` buffer elements (a parameter of ``shape``): weights of ``param_bytes``
-    each, fp32 gradients, and the optimizer state of the ``owned`` (default all) of them this
-    rank steps (``optimizer_state_bytes``), plus fp32 main copies ("masters", part of
-    "optimizer") when the weights are 16-bit; "stepped": the elements it steps."""
+    each, gradients of ``grad_bytes`` (``--main-grads-dtype``), and the optimizer state of the
+    ``owned`` (default all) of them this rank steps (``optimizer_state_bytes``), plus main copies
+    of ``master_bytes`` ("masters", part of "optimizer"; default fp32 when the weights are
+    16-bit, none when they are fp32 and their own mains); "stepped": the elements it steps."""
     owned = numel if owned is None else owned
-    masters = MASTER_BYTES * owned if param_bytes != PARAM_BYTES else 0
+    if master_bytes is None:
+        master_bytes = MASTER_BYTES if param_bytes != PARAM_BYTES else 0
+    masters = master_bytes * owned
     moments = optimizer_state_bytes(optimizer, moment_bytes, shape or (numel,), owned)
-    return {"params": param_bytes * numel, "grads": GRAD_BYTES * numel, "optimizer": moments + masters,
+    return {"params": param_bytes * numel, "grads": grad_bytes * numel, "optimizer": moments + masters,
             "masters": masters, "stepped": owned}
 
 

@@ -117,17 +117,39 @@ class StagePlan:
 class BufferSettings:
     """What shapes the gradient buffers and the state a rank holds: Megatron's bucket size rule,
     whether the distributed optimizer shards them, whether buckets break at layer modules
-    (offload configured), the bytes of a weight (2 with --bf16/--fp16: 16-bit weights), the
+    (offload configured), the weights' dtype (16-bit with --bf16/--fp16), the
     optimizer and the bytes of an element's moments (AdamW: ``--exp-avg-dtype`` +
     ``--exp-avg-sq-dtype``; Lion: ``--exp-avg-dtype``; Adafactor: none, its statistics are per
-    matrix)."""
+    matrix); the dtypes of the gradient buffers and of the main parameters (``--main-grads-dtype``,
+    ``--main-params-dtype``)."""
 
     bucket_size: Optional[int] = None
     distributed: bool = False
     break_at_modules: bool = False
-    param_bytes: int = offload_choice.PARAM_BYTES
+    params_dtype: str = "fp32"          # the weights': fp32, bf16 (--bf16) or fp16 (--fp16)
     moment_bytes: int = offload_choice.ADAM_BYTES
     optimizer: str = "adam"
+    main_grads_dtype: str = "fp32"
+    main_params_dtype: str = "fp32"
+
+    @property
+    def param_bytes(self) -> int:
+        return offload_choice.DTYPE_BYTES[self.params_dtype]
+
+    @property
+    def grad_bytes(self) -> int:
+        return offload_choice.DTYPE_BYTES[self.main_grads_dtype]
+
+    @property
+    def main_bytes(self) -> int:
+        """Bytes of a main parameter element (the one the optimizer steps)."""
+        return offload_choice.DTYPE_BYTES[self.main_params_dtype]
+
+    @property
+    def master_bytes(self) -> int:
+        """Bytes of a main copy per stepped element: none where the weights are their own mains
+        (fp32 weights; --fp16 weights with --main-params-dtype fp16)."""
+        return 0 if self.params_dtype == self.main_params_dtype else self.main_bytes
 
 
 def _moment_bytes(cfg: Config) -> int:
@@ -177,8 +199,10 @@ class ParallelPlan:
         buffers = BufferSettings(bucket_size=default_bucket_size(layout.dp, p.overlap_grad_reduce, p.ddp_bucket_size),
                                  distributed=p.use_distributed_optimizer,
                                  break_at_modules=cfg.offload.cpu_offload_layers is not None,
-                                 param_bytes=2 if (cfg.train.bf16 or cfg.train.fp16) else offload_choice.PARAM_BYTES,
-                                 moment_bytes=_moment_bytes(cfg), optimizer=cfg.train.optimizer)
+                                 params_dtype="bf16" if cfg.train.bf16 else "fp16" if cfg.train.fp16 else "fp32",
+                                 moment_bytes=_moment_bytes(cfg), optimizer=cfg.train.optimizer,
+                                 main_grads_dtype=cfg.train.main_grads_dtype,
+                                 main_params_dtype=cfg.train.main_params_dtype)
         plan = cls(layout=layout, model=m, phase=cfg.p2r.p2r_phase, share_pattern=pattern, layer_keys=keys,
                    stages=stages, replicas=tuple(replicas), buffers=buffers,
                    sequence_parallel=p.sequence_parallel and layout.tp > 1)
@@ -333,9 +357,9 @@ class ParallelPlan:
             member = 0 if coords is None else self.buffer_member(buf, coords)
             owned = {i: end - start for i, start, end in buf.owned(member)}
             for i, footprint in enumerate(buf.footprints()):
-                add = offload_choice.state_bytes(footprint, self.buffers.param_bytes, owned.get(i, 0),
-                                                 self.buffers.moment_bytes, shapes[buf.names[i]],
-                                                 self.buffers.optimizer)
+                b = self.buffers
+                add = offload_choice.state_bytes(footprint, b.param_bytes, owned.get(i, 0), b.moment_bytes,
+                                                 shapes[buf.names[i]], b.optimizer, b.grad_bytes, b.master_bytes)
                 out[buf.modules[i]] = offload_choice.add_bytes(out.get(buf.modules[i], {}), add)
         return out
 

@@ -8,7 +8,8 @@ RMS (the relative step) and the update's RMS (the clipping). Under the distribut
 rank steps a flat range of each parameter (``Piece``), possibly cutting a matrix in two; the
 ranks that share such a matrix add their partial sums (``SharedPieces``: two small all-reduces
 per step) and each keeps the whole row and column statistics, so every element gets the update
-the one-process run gives it (up to the order of the sums).
+the one-process run gives it (up to the order of the sums). Gradients below fp32
+(``--main-grads-dtype bf16``) are upcast one piece at a time.
 
 Where this differs from torch: a stacked parameter (experts: E x R x C) is E matrices, each with
 its own RMS and clipping (torch takes one RMS over the whole tensor), so the expert-parallel
@@ -172,7 +173,7 @@ class Adafactor(torch.optim.Optimizer):
     def _sums(self, p: torch.Tensor) -> torch.Tensor:
         """This rank's part of the per-matrix sums the update needs: row and column sums of g^2
         (factored), the weight's sum of squares."""
-        piece, grad, weight = self.pieces[id(p)], p.grad.reshape(-1), p.reshape(-1)
+        piece, grad, weight = self.pieces[id(p)], p.grad.reshape(-1).float(), p.reshape(-1)
         weight_sq = piece.per_matrix(weight * weight)
         if not piece.factored:
             return weight_sq
@@ -184,7 +185,7 @@ class Adafactor(torch.optim.Optimizer):
 
     def _update(self, p: torch.Tensor, group: dict, sums: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Advance the statistics and return the unscaled update of this piece (and the sums)."""
-        piece, state, grad = self.pieces[id(p)], self._state_of(p), p.grad.reshape(-1)
+        piece, state, grad = self.pieces[id(p)], self._state_of(p), p.grad.reshape(-1).float()
         state["step"] += 1
         beta = float(state["step"]) ** group["beta2_decay"]
         eps1 = group["eps"][0] if group["eps"][0] is not None else torch.finfo(p.dtype).eps

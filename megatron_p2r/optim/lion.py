@@ -48,7 +48,7 @@ class Lion(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, dtype=self.moment_dtype)
                 stored = state["exp_avg"]
                 moment = stored if stored.dtype == torch.float32 else stored.float()
-                grad = p.grad
+                grad = p.grad.float()   # a bf16 main gradient (--main-grads-dtype bf16) upcast
                 update = torch.lerp(moment, grad, 1 - beta1).sign_()
                 if group["weight_decay"]:
                     p.mul_(1 - group["lr"] * group["weight_decay"])

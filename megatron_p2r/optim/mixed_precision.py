@@ -1,9 +1,11 @@
-"""The optimizer over fp32 main parameters — megatron-core's FP32Optimizer,
+"""The optimizer over main parameters — megatron-core's FP32Optimizer,
 Float16OptimizerWithFloat16Params and DistributedOptimizer semantics in one class.
 
 - fp32 weights are their own main parameters (the optimizer steps the model's tensors);
-- 16-bit weights (``--bf16``/``--fp16``) get fp32 main copies held here; after each step the
-  updated mains are rounded into the weights, so the forward never casts a weight;
+- 16-bit weights (``--bf16``/``--fp16``) get main copies held here, fp32 or with
+  ``--main-params-dtype fp16`` fp16 (Transformer Engine's ``master_weight_dtype``); after each
+  step the updated mains are rounded into the weights, so the forward never casts a weight.
+  fp16 weights with fp16 mains are their own mains: no copy is made;
 - under ``--use-distributed-optimizer`` a rank's mains are its shards of the gradient buffers'
   buckets (contiguous ranges: a parameter may be split between ranks, ``layout/buckets.py``),
   stepped on the reduce-scattered gradient shards; the updated weights are then all-gathered
@@ -30,6 +32,7 @@ from megatron_p2r.optim.adafactor import Piece, SharedPieces
 from megatron_p2r.optim.host_step import HostStep
 from megatron_p2r.optim.optimizer import StagedOptimizer, make_optimizer, param_groups
 from megatron_p2r.parallel.ddp import DistributedDataParallel
+from megatron_p2r.parallel.grad_buffer import DTYPES
 from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import ParallelState
 
@@ -56,7 +59,7 @@ class MainShard:
     name: str
     start: int
     end: int
-    main: torch.Tensor         # fp32: the parameter itself, a view of it, or an fp32 copy
+    main: torch.Tensor         # the parameter itself, a view of it, or a copy in --main-params-dtype
     grad: torch.Tensor         # its range of ``param.main_grad``
     placement: str
     in_norm: bool              # counts in the global gradient norm (each logical element once)
@@ -70,15 +73,30 @@ class MainShard:
 
     @property
     def aliases_param(self) -> bool:
-        """The main parameter is (a view of) the weight itself: fp32 training."""
-        return self.param.dtype == torch.float32
+        """The main parameter is (a view of) the weight itself: weights in the mains' dtype."""
+        return self.param.dtype == self.main.dtype
 
 
-def _main_of(p: nn.Parameter, start: int, end: int) -> torch.Tensor:
+def _main_of(p: nn.Parameter, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+    """The main parameter of ``p``'s flat range [start, end) in ``dtype``: the weight itself when
+    it has that dtype, else a copy."""
     whole = start == 0 and end == p.numel()
-    if p.dtype == torch.float32:
+    if p.dtype == dtype:
         return p if whole else p.data.view(-1)[start:end]
-    return (p.detach() if whole else p.detach().view(-1)[start:end]).float()
+    return (p.detach() if whole else p.detach().view(-1)[start:end]).to(dtype)
+
+
+def _takes_grad(main: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``main``, made to accept ``grad`` as its ``.grad`` (bf16 main gradients of fp32 or fp16
+    mains): torch checks a gradient's dtype against the tensor's ``grad_dtype``, which None lifts
+    (autograd still hands a weight a gradient of its own dtype). Megatron-LM passes such
+    gradients to Transformer Engine's FusedAdam as ``decoupled_grad`` instead."""
+    if grad.dtype != main.dtype:
+        if not hasattr(main, "grad_dtype"):
+            raise RuntimeError(f"--main-grads-dtype bf16 needs a torch whose tensors have grad_dtype (this is "
+                               f"{torch.__version__}): its main parameters are {main.dtype}")
+        main.grad_dtype = None
+    return main
 
 
 class ParamStates:
@@ -237,7 +255,7 @@ def build_mixed_precision_optimizer(ddp: DistributedDataParallel, plan: Parallel
     """The optimizer of this rank's shards of ``ddp``'s buffers (all of them without the
     distributed optimizer); ``placement``: id(param) -> "host" | "staged" for offloaded layers;
     ``host_step``: how to overlap the host step."""
-    placement = placement or {}
+    placement, dtype = placement or {}, DTYPES[t.main_params_dtype]
     shards = []
     for b, buf in enumerate(ddp.buffers):
         layout = buf.layout
@@ -246,7 +264,8 @@ def build_mixed_precision_optimizer(ddp: DistributedDataParallel, plan: Parallel
             whole = start == 0 and end == p.numel()
             in_norm = plan.counts_in_norm(logical_name(name, p), getattr(p, "tp_dim", None),
                                           getattr(p, "expert", False), ps.coords, sharded=layout.sharded)
-            shards.append(MainShard(param=p, name=name, start=start, end=end, main=_main_of(p, start, end),
+            main = _takes_grad(_main_of(p, start, end, dtype), p.main_grad)
+            shards.append(MainShard(param=p, name=name, start=start, end=end, main=main,
                                     grad=p.main_grad if whole else p.main_grad.view(-1)[start:end],
                                     placement=placement.get(id(p), "device"), in_norm=in_norm, buffer=b,
                                     bucket=layout.bucket_of(index), position=layout.ranges[index][0] + start))

@@ -54,11 +54,12 @@ def make_optimizer(groups: List[dict], t: TrainConfig, **adafactor) -> torch.opt
 
 
 def adamw(groups: List[dict], t: TrainConfig) -> torch.optim.AdamW:
-    """torch's fused AdamW (foreach where fused is unavailable) over ``groups``; with moments
-    below fp32, ``PrecisionAwareAdamW``."""
+    """torch's fused AdamW (foreach where fused is unavailable) over ``groups``; with moments,
+    main parameters or gradients below fp32, ``PrecisionAwareAdamW``."""
     kwargs = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
     dtypes = moment_dtypes(t)
-    if any(d != torch.float32 for d in dtypes.values()):
+    lowered = (t.exp_avg_dtype, t.exp_avg_sq_dtype, t.main_grads_dtype, t.main_params_dtype)
+    if any(d != "fp32" for d in lowered):
         return PrecisionAwareAdamW(groups, dtypes, **kwargs)
     try:
         return torch.optim.AdamW(groups, fused=True, **kwargs)

@@ -2,10 +2,11 @@
 attached to a built stage without wrapping its forward.
 
 - Every parameter's gradient accumulates, micro-batch after micro-batch, into
-  ``param.main_grad``: an fp32 view into its reduction group's buffer (``grad_buffer.py``, laid
-  out by the plan), added by a hook that runs once autograd has produced ``param.grad``, which
-  is then dropped. So 16-bit compute accumulates in fp32, no gradient is copied at reduction
-  time, and no ``.grad`` outlives its layer's backward.
+  ``param.main_grad``: a view into its reduction group's buffer (``grad_buffer.py``, laid out by
+  the plan; fp32, or bf16 with ``--main-grads-dtype bf16``), added by a hook that runs once
+  autograd has produced ``param.grad``, which is then dropped. So 16-bit compute accumulates in
+  fp32 by default, no gradient is copied at reduction time, and no ``.grad`` outlives its
+  layer's backward.
 - ``--overlap-grad-reduce``: in the last micro-batch's backward (the stage's output marks where
   each backward starts), a bucket's collective starts as soon as every gradient in it is final.
   With interleaving each model chunk has its last micro-batch's backward, chunk v-1's first and
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 from megatron_p2r.layout.plan import ParallelPlan, Reduction
-from megatron_p2r.parallel.grad_buffer import BucketState, ParamAndGradBuffer
+from megatron_p2r.parallel.grad_buffer import DTYPES, BucketState, ParamAndGradBuffer
 from megatron_p2r.parallel.state import ParallelState
 
 
@@ -60,7 +61,8 @@ class DistributedDataParallel:
             self.buffers.append(ParamAndGradBuffer(
                 layout, [named.pop(n) for n in layout.names], member=plan.buffer_member(layout, ps.coords),
                 group=group, divisor=ps.dp_size, device=ps.device,
-                staged_everywhere=bool(layout.stages) and plan.buffers.break_at_modules, staging=self.staging))
+                staged_everywhere=bool(layout.stages) and plan.buffers.break_at_modules, staging=self.staging,
+                grad_dtype=DTYPES[plan.buffers.main_grads_dtype]))
         if named:
             raise ValueError(f"parameters outside the plan's gradient buffers: {sorted(named)}")
         self.bucket_of = {id(p): b for buf in self.buffers for b in buf.buckets for p in b.params}

@@ -1,5 +1,5 @@
-"""The tensors of one gradient buffer (megatron-core's ``_ParamAndGradBuffer``): fp32 gradients
-that every parameter of a reduction group accumulates into (``param.main_grad`` is a view), and
+"""The tensors of one gradient buffer (megatron-core's ``_ParamAndGradBuffer``): the gradients
+(fp32, or bf16 with ``--main-grads-dtype bf16``: they accumulate and are reduced in that dtype) that every parameter of a reduction group accumulates into (``param.main_grad`` is a view), and
 under the distributed optimizer the parameters' own storage, both laid out as the plan's
 ``GradBuffer`` says (``layout/buckets.py``).
 
@@ -23,6 +23,7 @@ from torch import nn
 from megatron_p2r.layout.buckets import GradBuffer
 
 STAGING_NUMEL = 1 << 24     # elements of the device staging buffer (64 MiB of fp32)
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}   # the dtype flags' names
 # reduce_scatter_tensor / all_gather_into_tensor: the names every torch >= 2.4 (setup.py) has
 # (recent torch prefers the *_single aliases and warns once per call site).
 
@@ -52,7 +53,7 @@ class ParamAndGradBuffer:
 
     def __init__(self, layout: GradBuffer, params: List[nn.Parameter], *, member: int,
                  group: Optional[dist.ProcessGroup], divisor: int, device: torch.device, staged_everywhere: bool,
-                 staging: Callable[[torch.dtype, int], torch.Tensor]):
+                 staging: Callable[[torch.dtype, int], torch.Tensor], grad_dtype: torch.dtype = torch.float32):
         self.layout, self.member, self.group, self.divisor, self.device = layout, member, group, divisor, device
         self.params, self.staging = params, staging
         for name, p, (lo, hi) in zip(layout.names, params, layout.ranges, strict=True):
@@ -63,7 +64,7 @@ class ParamAndGradBuffer:
         for b, where in zip(layout.buckets, locations, strict=True):
             offsets.append(sizes.get(where, 0))
             sizes[where] = offsets[-1] + b.end - b.start
-        self.grad_data = self._allocate(sizes, torch.float32)
+        self.grad_data = self._allocate(sizes, grad_dtype)
         self.param_data = self._allocate(sizes, params[0].dtype) if layout.sharded else None
         self.buckets: List[BucketState] = []
         for i, (b, where, offset) in enumerate(zip(layout.buckets, locations, offsets, strict=True)):
@@ -125,7 +126,7 @@ class ParamAndGradBuffer:
         if self.group is None:
             return
         if bucket.staged:
-            staging = self.staging(torch.float32, self.staging_numel)
+            staging = self.staging(bucket.grad.dtype, self.staging_numel)
             if self.layout.sharded:
                 staged_reduce_scatter(bucket.grad, bucket.shard(bucket.grad), self.layout.members, staging, self.group)
             else:

@@ -41,7 +41,8 @@ def grad_norm_and_non_finite(grads: Sequence[torch.Tensor], owned: Sequence[bool
     """
     stats = torch.zeros(2, device=ps.device, dtype=torch.float32)
     if len(grads):
-        norms = torch.stack([n.to(stats.device) for n in torch._foreach_norm(list(grads))]).float()
+        # in fp32 whatever the gradients' dtype: a bf16 norm per tensor would keep 3 digits
+        norms = torch.stack([n.to(stats.device) for n in torch._foreach_norm(list(grads), dtype=torch.float32)])
         stats[0] = norms[torch.tensor(list(owned), device=norms.device)].pow(2).sum()
         stats[1] = (~torch.isfinite(norms)).any().float()
     if ps.layout.world_size > 1:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 from megatron_p2r.config import Config, num_microbatches
-from megatron_p2r.layout.offload import GRAD_BYTES
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import stage_set_groups
 from megatron_p2r.planning.activations import compute_bytes, cut_positions, moe_rows, recomputed_positions
@@ -145,9 +144,9 @@ def gradient_traffic(plan: ParallelPlan, stage: int, gpus_per_node: int = 8) -> 
             groups[key] = next(g for g in stage_set_groups(layout, *key) if rank in g)
         group = groups[key]
         if plan.buffers.distributed:
-            sent = (size - 1) / size * s_.numel * (GRAD_BYTES + plan.buffers.param_bytes)
+            sent = (size - 1) / size * s_.numel * (plan.buffers.grad_bytes + plan.buffers.param_bytes)
         else:
-            sent = _ring(s_.numel * GRAD_BYTES, size)
+            sent = _ring(s_.numel * plan.buffers.grad_bytes, size)
         t = out[red.kind]
         t.bytes += sent
         t.size = max(t.size, size)

@@ -29,6 +29,17 @@ STEP_BYTES = {"adam": 28, "lion": 20, "adafactor": 28}
 DEVICE_ORDER = ("reserve", "params", "optimizer", "grads", "fetch_window", "activations", "transient")
 
 
+def step_bytes_per_element(cfg: Config, plan: ParallelPlan) -> int:
+    """Bytes an optimizer step streams per stepped element: STEP_BYTES; 12 more per 16-bit moment
+    or 16-bit main parameter (its upcast into fp32 scratch and the rounding back:
+    optim/precision_aware.py; benchmarks/precision_aware_step.py), 6 more for a 16-bit main
+    gradient (upcast only), 2 more writing a 16-bit weight that is not itself the main."""
+    b = plan.buffers
+    sixteen_bit = sum(offload_choice.DTYPE_BYTES[d] == 2 for d in cfg.train.moment_dtypes) + (b.main_bytes == 2)
+    return STEP_BYTES[cfg.train.optimizer] + 12 * sixteen_bit + 6 * (b.grad_bytes == 2) + \
+        (b.param_bytes if b.master_bytes else 0)
+
+
 @dataclass
 class StageEstimate:
     stage: int
@@ -226,12 +237,7 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     sync = _exposed_sync(cfg, plan, stage, sum(link_time(comm[k], gpu) for k in ("dp", "expert_dp", "embedding",
                                                                                   "sharing", "tp_partial")), compute)
     hosted = off["host_optimizer_params"]
-    # bytes streamed per stepped element (STEP_BYTES), 2 more writing a 16-bit weight, and as much
-    # as 12 more per 16-bit moment (the upcast into fp32 and the rounding back: optim/precision_aware.py;
-    # benchmarks/precision_aware_step.py)
-    sixteen_bit_moments = sum(offload_choice.DTYPE_BYTES[d] == 2 for d in cfg.train.moment_dtypes)
-    per_element = STEP_BYTES[cfg.train.optimizer] + 12 * sixteen_bit_moments + \
-        (plan.buffers.param_bytes if plan.buffers.param_bytes != 4 else 0)
+    per_element = step_bytes_per_element(cfg, plan)
     state = stage_state_bytes(plan, stage)
     stepped = stepped_elements(state)
     save_copy = async_save_host_bytes(cfg, plan, state)

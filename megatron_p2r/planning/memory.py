@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from megatron_p2r.config import Config, parse_offload_what
-from megatron_p2r.layout.offload import CATEGORIES, FACTOR_BYTES, MASTER_BYTES, add_bytes, memory_plan, nvme_split
+from megatron_p2r.layout.offload import CATEGORIES, FACTOR_BYTES, add_bytes, memory_plan, nvme_split
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Coords
 
@@ -58,8 +58,8 @@ def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, objec
     ``recomputed``: modules whose weights live on host (run recomputed with fetched copies,
     moving 3 x their weights per micro-batch: fetch forward, fetch backward, gradient back);
     with --cpu-offload-what optimizer only the moments live on host and each step moves the
-    fp32 mains and gradients to host and the mains back (``moved_per_step``). With
-    --cpu-offload-optimizer-nvme-path the host's optimizer bytes (fp32 mains of 16-bit weights and
+    mains and gradients to host and the mains back, in their dtypes (``moved_per_step``). With
+    --cpu-offload-optimizer-nvme-path the host's optimizer bytes (the mains of 16-bit weights and
     the state) go to the local NVMe instead (``nvme``), and the host keeps the page cache of the
     layer stepping and the one read ahead (``nvme_window``: twice the largest layer's; offload/nvme.py).
     """
@@ -81,12 +81,12 @@ def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, objec
             "what": ",".join(sorted(what)), "recomputed": chosen if on_host else [],
             "host_optimizer_params": stepped,
             "moved_per_microbatch": 3 * weights if on_host else 0,
-            "moved_per_step": 0 if on_host else 3 * MASTER_BYTES * stepped}
+            "moved_per_step": 0 if on_host else (2 * plan.buffers.main_bytes + plan.buffers.grad_bytes) * stepped}
 
 
 def async_save_host_bytes(cfg: Config, plan: ParallelPlan, state: Dict[str, int]) -> int:
     """Host memory of ``--async-save``'s copy of what a rank writes (``state``: its bytes,
-    ``stage_state_bytes``): the fp32 mains and the moments (in their own dtype; Adafactor's two
+    ``stage_state_bytes``): the mains and the moments (in their own dtypes; Adafactor's two
     statistics as the fp32 entries of the weight's shape it writes) of the elements it owns —
     those it steps under the distributed optimizer, else its 1/DP share of its stage's."""
     if not cfg.checkpoint.async_save:
@@ -94,4 +94,4 @@ def async_save_host_bytes(cfg: Config, plan: ParallelPlan, state: Dict[str, int]
     stepped = stepped_elements(state)
     owned = stepped if cfg.parallel.use_distributed_optimizer else -(-stepped // plan.layout.dp)
     state_bytes = 2 * FACTOR_BYTES if plan.buffers.optimizer == "adafactor" else plan.buffers.moment_bytes
-    return owned * (MASTER_BYTES + state_bytes)
+    return owned * (plan.buffers.main_bytes + state_bytes)
