@@ -20,6 +20,17 @@ model chunk; chunk c of pipeline rank p is virtual stage c*P + p (v = 1: chunk 0
   group instead of P (for m a multiple of P: Megatron's schedule exactly). ``simulate`` checks
   such schedules for deadlocks in the tests, and the bubble it leaves is what the planner reports.
 
+- the combined 1F1B of ``--overlap-moe-expert-parallel-comm`` (v = 1; Megatron-LM's
+  ``combined_1f1b_schedule_for_interleaved_pipelining``): after its warm-up forwards a rank runs
+  *steps* that each pair the forward of one micro-batch with the backward of another, the two
+  taking turns at their expert all-to-alls (``a2a_pipelined.py``). A step's two inputs must
+  come from the neighbours' *previous* steps, or the stages serialize (each waiting for its
+  neighbour's whole step): rank p warms up with 2(P-p-1)+1 forwards (the interleaved warm-up
+  with v = 1, + 1 as Megatron adds for the combined schedule), step t of rank p pairs F(t)
+  with B(t - warm-up) and runs at tick t + p, one tick after what it receives
+  (``combined_steps``). Rank 0 holds 2P micro-batches in flight instead of P; P = 1 is the
+  one-stage overlap, F(i+1) with B(i).
+
 Every schedule back-propagates each chunk's micro-batches in micro-batch order, so a parameter
 accumulates its gradient in the same order under all of them.
 """
@@ -169,6 +180,71 @@ def simulate(schedule: str, pp: int, chunks: int, microbatches: int, forward_tim
         for _, msg in sent_by(op, pp, chunks, r):
             ready[msg] = end
     return done
+
+
+def combined_warmup(pp: int, microbatches: int, rank: int) -> int:
+    """Forwards ``rank`` runs alone before its first combined step (Megatron-LM's interleaved
+    warm-up with v = 1, + 1 for the combined schedule)."""
+    return min(2 * (pp - rank - 1) + 1, microbatches)
+
+
+# One step of the combined schedule: (micro-batch of its forward, micro-batch of its backward), either may be None.
+Step = Tuple[Optional[int], Optional[int]]
+
+
+def combined_ticks(pp: int, microbatches: int, rank: int) -> List[Tuple[int, Step]]:
+    """(tick, step) of the combined 1F1B steps of ``rank``: step t runs F(t) (t < m) with
+    B(t - warm-up) at tick t + rank; empty ticks (m below the warm-up) are left out."""
+    warmup = 2 * (pp - rank - 1) + 1
+    steps = [(t + rank, (t if t < microbatches else None, t - warmup if t >= warmup else None))
+             for t in range(microbatches + warmup)]
+    return [(tick, step) for tick, step in steps if step != (None, None)]
+
+
+def combined_steps(pp: int, microbatches: int, rank: int) -> List[Step]:
+    """The combined 1F1B steps of ``rank``, in order (``combined_ticks``)."""
+    return [step for _, step in combined_ticks(pp, microbatches, rank)]
+
+
+def step_ops(step: Step) -> List[Op]:
+    """A combined step as ops, in the order its receives and sends are issued (forward first)."""
+    forward, backward = step
+    return ([Op(FORWARD, forward)] if forward is not None else []) + \
+        ([Op(BACKWARD, backward)] if backward is not None else [])
+
+
+def combined_ops(pp: int, microbatches: int, rank: int) -> List[Op]:
+    """``rank``'s combined steps as one op order (what its p2p link and the planner read)."""
+    return [op for step in combined_steps(pp, microbatches, rank) for op in step_ops(step)]
+
+
+def simulate_combined(pp: int, microbatches: int, forward_time: float = 1.0,
+                      backward_time: float = 2.0) -> List[List[Tuple[Step, float, float]]]:
+    """(step, start, end) of every combined step of every rank, each starting once its rank's
+    previous step ended and its inputs were sent (at the end of the neighbours' steps), and
+    lasting its forward plus its backward (the all-to-alls hide, the compute does not)."""
+    ready: Dict[Message, float] = {}
+    done: List[List[Tuple[Step, float, float]]] = [[] for _ in range(pp)]
+    every = sorted((tick, r, step) for r in range(pp) for tick, step in combined_ticks(pp, microbatches, r))
+    for _, r, step in every:   # what a step receives was sent at an earlier tick
+        ops = step_ops(step)
+        inputs = [ready[w[0]] for w in (input_of(op, pp, 1, r) for op in ops) if w is not None]
+        start = max([done[r][-1][2] if done[r] else 0.0] + inputs)
+        forward, backward = step
+        end = start + (forward_time if forward is not None else 0.0) + (backward_time if backward is not None else 0.0)
+        done[r].append((step, start, end))
+        for op in ops:
+            for _, msg in sent_by(op, pp, 1, r):
+                ready[msg] = end
+    return done
+
+
+@functools.lru_cache(maxsize=8)
+def combined_step_slots(pp: int, microbatches: int) -> float:
+    """``step_slots`` of the combined 1F1B schedule: with uniform stages a step lasts
+    m + P - 1 slots as 1F1B does (the longer warm-up fills the same pipeline)."""
+    timeline = simulate_combined(pp, microbatches, 1.0 / 3, 2.0 / 3)
+    return max(end for rank in timeline for _, _, end in rank)
 
 
 @functools.lru_cache(maxsize=8)   # the planner's phases share it; P=64 x m=512 walks 65,536 ops
