@@ -117,16 +117,22 @@ class _SharedWeights:
 
 class _MicroBatch:
     """One micro-batch's pass through the stage, node by node: ``forward()`` and then
-    ``backward()`` are passes for the overlapped schedule."""
+    ``backward()`` are passes for the overlapped schedule. Under pipeline parallelism
+    (``a2a_pipelined.py``) a stage after the first starts from ``received``, the previous
+    stage's activation, and leaves its gradient in ``input_grad``; a stage before the last ends
+    at ``output``, which its backward takes the next stage's gradient of."""
 
-    def __init__(self, model, mb: dict, loss: TokenMeanLoss, shared: _SharedWeights):
-        self.model, self.mb, self.loss, self.shared = model, mb, loss, shared
+    def __init__(self, model, mb: dict, loss: Optional[TokenMeanLoss], shared: _SharedWeights,
+                 received: Optional[torch.Tensor] = None):
+        self.model, self.mb, self.loss, self.shared, self.received = model, mb, loss, shared, received
         self.aliases = shared.aliases()
         # per layer, in forward order: its backward (a pass), from the gradient of its output to its input's
         self.tape: List[Callable[[torch.Tensor], Pass]] = []
         self.loss_sum: Optional[torch.Tensor] = None
         self.embedded: Optional[torch.Tensor] = None
         self.hidden: Optional[torch.Tensor] = None
+        self.output: Optional[torch.Tensor] = None
+        self.input_grad: Optional[torch.Tensor] = None
 
     def forward(self) -> Pass:
         """The nodes' forward, the shared weights read through this pass's aliases (only while
@@ -142,22 +148,31 @@ class _MicroBatch:
 
     def _nodes(self) -> Pass:
         model, mb = self.model, self.mb
-        x = self.embedded = model.embedding(mb["tokens"])
+        x = self.received if self.received is not None else model.embedding(mb["tokens"])
+        self.embedded = x if self.received is None else None
         seq_length = x.shape[1] * (model.ps.tp_size if model.sequence_parallel else 1)
         rope = model.rope(seq_length, x.device)
         for call in model.layer_calls:
             x = yield from self._layer(call, _leaf(x), rope)
-        self.hidden = _leaf(x)
         # through the model's forward, so that its hooks see where each backward starts
+        if model.final_norm is None:   # a stage before the last: its output goes to the next one
+            self.output = model(hidden=x, head_only=True)
+            return
+        self.hidden = _leaf(x)
         self.loss_sum = self.loss.add(model(hidden=self.hidden, labels=mb["labels"], loss_mask=mb["loss_mask"],
                                             head_only=True))
 
-    def backward(self) -> Pass:
-        self.loss.backward(self.loss_sum)
-        grad = self.hidden.grad
+    def backward(self, grad: Optional[torch.Tensor] = None) -> Pass:
+        """From the loss, or from ``grad``, the next stage's gradient of ``output``."""
+        if grad is None:
+            self.loss.backward(self.loss_sum)
+            grad = self.hidden.grad
         while self.tape:
             grad = yield from self.tape.pop()(grad)
-        _backward([self.embedded], [grad])
+        if self.embedded is not None:
+            _backward([self.embedded], [grad])
+        else:
+            self.input_grad = grad
         self.shared.accumulate(self.aliases)
 
     def _layer(self, layer, x: torch.Tensor, rope):

@@ -320,7 +320,7 @@ def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, chunk: int = 
     calls = Counter(part.layer_keys)
     per = {k: layer_activations(cfg, k, tp, ep, device_type=device_type, sequence_parallel=sp) for k in calls}
     # Always kept: rope tables, the embedding's indices. Not the chunk's output: the schedule
-    # frees it once sent (pipeline.schedules.deallocate_output); on the last stage it is the
+    # frees it once sent (pipeline.p2p.deallocate_output); on the last stage it is the
     # final norm's saved input, counted in ``head``.
     common = 0
     if m.position_embedding_type == "rope":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_p2r.parallel.random import seed_everything
 from megatron_p2r.parallel.state import Layout
 from megatron_p2r.pipeline import a2a_overlap
 from tests.helpers import keep_first_step_grads, run_steps
@@ -30,8 +31,11 @@ def _counting_all_to_alls(record: dict):
 
 
 def _steps(cfg, ps):
+    seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, ps.device)   # both runs draw the same dropout masks
     grads = {}
     losses, state = run_steps(cfg, ps, STEPS, after_step=keep_first_step_grads(grads))
+    # each backward the data-parallel hooks saw start (--overlap-grad-reduce starts the buckets in the last)
+    grads["backwards seen by the hooks"] = torch.tensor(state.ddp._backwards.get(0, 0))
     return losses, grads, {n: p.detach().clone() for n, p in state.model.named_parameters()}
 
 
@@ -72,3 +76,17 @@ def world4(rank: int, world: int) -> dict:
     ps = make_state(Layout(tp=2, dp=2, ep=2))
     return {"tp2/sequence-parallel": compare(moe_model(tp=2, ep=2, global_batch_size=12, sequence_parallel=True,
                                                        swiglu=True), ps)}
+
+
+def pp2_world4(rank: int, world: int) -> dict:
+    """PP=2 x EP=2 (DP=2), 6 micro-batches per rank: the combined 1F1B schedule
+    (pipeline/a2a_pipelined.py) against the serial 1F1B one. Tied embeddings span the two
+    stages (the last stage's output layer is a replica summed over the embedding group)."""
+    ps = make_state(Layout(pp=2, dp=2, ep=2))
+    common = dict(pp=2, ep=2, global_batch_size=24)
+    return {
+        "dropless/tied/dropout": compare(moe_model(**common, hidden_dropout=0.1), ps),
+        "capacity-drops/overlap-grad-reduce": compare(moe_model(**common, moe_capacity_factor=0.5, swiglu=True,
+                                                                overlap_grad_reduce=True, ddp_bucket_size=2000), ps),
+        "pseudo-shared/tied": compare(moe_model(**common, p2r_phase="pseudo", share_pattern="all"), ps),
+    }

@@ -5,7 +5,7 @@ drops, --overlap-grad-reduce with several buckets, tied embeddings and the pseud
 layers (weights read by several nodes), fp16 weights with the loss scale, dense layers between
 MoE ones, selective recomputation;
 and TP=2 x EP=2 with sequence parallelism (4 ranks). And the all-to-alls do overlap: two are in flight at once. The flag's rules are
-checked on the config."""
+checked on the config (pipeline parallelism: tests/moe/test_a2a_pipelined.py)."""
 from __future__ import annotations
 
 import pytest
@@ -44,7 +44,8 @@ def test_overlapped_schedule_is_bitwise_the_serial_one_under_tp_and_sequence_par
 
 @pytest.mark.parametrize("overrides, expected", [
     (dict(ep=1), "--expert-model-parallel-size > 1"),
-    (dict(ep=2, pp=2), "--pipeline-model-parallel-size 1"),
+    (dict(ep=2, pp=2, pipeline_schedule="gpipe"), "--pipeline-schedule 1f1b"),
+    (dict(ep=2, pp=2, num_layers_per_virtual_pipeline_stage=1), "does not support interleaving"),
     (dict(ep=2, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
      "--recompute-granularity full"),
     (dict(ep=2, compile=True), "--compile"),
@@ -53,3 +54,7 @@ def test_flag_rules(overrides, expected):
     cfg = moe_model(**overrides)
     with pytest.raises(ConfigError, match=expected.replace("-", r"\-").replace(">", ".")):
         validate(cfg.replace(overlap_moe_expert_parallel_comm=True), world_size=4)
+
+
+def test_pipeline_parallelism_is_allowed_with_1f1b():
+    validate(moe_model(ep=2, pp=2).replace(overlap_moe_expert_parallel_comm=True), world_size=4)

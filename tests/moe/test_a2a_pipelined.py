@@ -1,0 +1,29 @@
+"""--overlap-moe-expert-parallel-comm under pipeline parallelism (pipeline/a2a_pipelined.py, the
+combined 1F1B schedule) reproduces the serial 1F1B schedule bitwise under PP=2 x EP=2 (4 gloo
+ranks, 6 micro-batches per rank, 2 optimizer steps): losses, the first step's reduced gradients
+and the weights after the steps; dropless with dropout (random draws in micro-batch order) and
+tied embeddings across the stages, capacity with drops and --overlap-grad-reduce, the pseudo
+phase's shared layers. Every rank has two all-to-alls in flight at once (the paired steps).
+(The order itself: tests/pipeline/test_combined_order.py.)"""
+from __future__ import annotations
+
+import pytest
+
+from megatron_p2r.testing import run_distributed
+from tests.moe import overlap_workers
+
+
+@pytest.fixture(scope="module")
+def pp2_world4():
+    return run_distributed(overlap_workers.pp2_world4, 4, timeout=600)
+
+
+@pytest.mark.parametrize("case", ["dropless/tied/dropout", "capacity-drops/overlap-grad-reduce",
+                                  "pseudo-shared/tied"])
+def test_combined_schedule_is_bitwise_the_serial_1f1b(pp2_world4, case):
+    for rank, res in enumerate(pp2_world4):
+        r = res[case]
+        assert r["overlapped_losses"] == r["losses"], f"rank {rank}"
+        assert not r["grads_differ"], f"rank {rank}: gradients differ: {r['grads_differ']}"
+        assert not r["weights_differ"], f"rank {rank}: weights differ by up to {r['moved']}: {r['weights_differ']}"
+        assert r["most_in_flight"] == 2, f"rank {rank}: {r['most_in_flight']} all-to-alls in flight at most"
