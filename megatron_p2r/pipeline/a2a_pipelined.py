@@ -9,7 +9,7 @@ warm-up of 2(P-p-1)+1 forwards is what makes every input come from the previous 
 neighbouring stages run their steps side by side instead of waiting for each other's.
 
 The p2p link (``p2p.StageLink``) is told the step's order as ops (``order.combined_ops``: a
-step's forward, then its backward), so every rank receives in its senders' order, and a
+step's backward, then its forward), so every rank receives in its senders' order, and a
 step's sends go after both its receives: deadlock-free since what a step receives was sent
 one tick earlier (``tests/pipeline/test_combined_order.py``). A sent output's data is freed as
 in 1F1B (``p2p.deallocate_output``); its backward gets the incoming gradient as a stand-in
@@ -31,7 +31,8 @@ import torch
 
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.pipeline.a2a_overlap import _MicroBatch, _run, _SharedWeights, _take_turns
-from megatron_p2r.pipeline.order import FORWARD, BACKWARD, Op, Step, combined_ops, combined_steps, input_of, sent_by
+from megatron_p2r.pipeline.order import (BACKWARD, FORWARD, Op, Step, combined_ops, combined_steps, input_of,
+                                         sent_by, step_ops)
 from megatron_p2r.pipeline.p2p import StageLink, deallocate_output
 from megatron_p2r.pipeline.token_loss import BackwardScaleHook, TokenMeanLoss, announce_backward_scale
 from megatron_p2r.pipeline.transfers import Transfers, transfers
@@ -52,21 +53,19 @@ class _CombinedStage:
         self.shared = _SharedWeights(model)
         self.held: Dict[int, _MicroBatch] = {}
 
-    def _receive(self, op: Op) -> Optional[torch.Tensor]:
-        wanted = input_of(op, self.ps.pp_size, 1, self.ps.pp_rank)
-        return None if wanted is None else self.link.recv(*wanted)
-
     def run(self, step: Step) -> None:
-        """Receive the step's inputs, run its passes taking turns, send what they made."""
+        """Receive the step's inputs, run its passes taking turns (the forward first), send what
+        they made; receives and sends in ``order.step_ops``'s order, as the link expects."""
+        ops = step_ops(step)
+        received = {op.kind: self._input(op) for op in ops}
         forward, backward = step
         passes = []
         if forward is not None:
-            current = _MicroBatch(self.model, self.microbatches[forward], self.loss, self.shared,
-                                  received=self._receive(Op(FORWARD, forward)))
-            self.held[forward] = current
-            passes.append(current.forward())
+            self.held[forward] = _MicroBatch(self.model, self.microbatches[forward], self.loss, self.shared,
+                                             received=received[FORWARD])
+            passes.append(self.held[forward].forward())
         if backward is not None:
-            grad, done = self._receive(Op(BACKWARD, backward)), self.held[backward]
+            grad, done = received[BACKWARD], self.held.pop(backward)
             if grad is not None:
                 done.output.data = grad   # a stand-in for the freed output's data: only its shape is checked
             passes.append(done.backward(grad))
@@ -74,16 +73,16 @@ class _CombinedStage:
             _take_turns(*passes)
         else:
             _run(passes[0])
-        if forward is not None:
-            self._send(Op(FORWARD, forward), self.held[forward].output)
-        if backward is not None:
-            self._send(Op(BACKWARD, backward), self.held.pop(backward).input_grad)
+        for op in ops:
+            made = self.held[forward].output if op.kind == FORWARD else done.input_grad
+            for dst, message in sent_by(op, self.ps.pp_size, 1, self.ps.pp_rank):
+                self.link.send(message, made, dst)
+                if op.kind == FORWARD:
+                    deallocate_output(made)
 
-    def _send(self, op: Op, tensor: Optional[torch.Tensor]) -> None:
-        for dst, message in sent_by(op, self.ps.pp_size, 1, self.ps.pp_rank):
-            self.link.send(message, tensor, dst)
-            if op.kind == FORWARD:
-                deallocate_output(tensor)
+    def _input(self, op: Op) -> Optional[torch.Tensor]:
+        wanted = input_of(op, self.ps.pp_size, 1, self.ps.pp_rank)
+        return None if wanted is None else self.link.recv(*wanted)
 
 
 def forward_backward_combined_1f1b(model, microbatches: List[dict], ps: ParallelState, *, loss_scale: float = 1.0,

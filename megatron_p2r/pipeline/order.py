@@ -28,8 +28,8 @@ model chunk; chunk c of pipeline rank p is virtual stage c*P + p (v = 1: chunk 0
   neighbour's whole step): rank p warms up with 2(P-p-1)+1 forwards (the interleaved warm-up
   with v = 1, + 1 as Megatron adds for the combined schedule), step t of rank p pairs F(t)
   with B(t - warm-up) and runs at tick t + p, one tick after what it receives
-  (``combined_steps``). Rank 0 holds 2P micro-batches in flight instead of P; P = 1 is the
-  one-stage overlap, F(i+1) with B(i).
+  (``combined_steps``). Rank p holds 2(P-p)-1 micro-batches in flight instead of P-p (a step's
+  pair counted once); P = 1 is the one-stage overlap, F(i+1) with B(i).
 
 Every schedule back-propagates each chunk's micro-batches in micro-batch order, so a parameter
 accumulates its gradient in the same order under all of them.
@@ -207,10 +207,13 @@ def combined_steps(pp: int, microbatches: int, rank: int) -> List[Step]:
 
 
 def step_ops(step: Step) -> List[Op]:
-    """A combined step as ops, in the order its receives and sends are issued (forward first)."""
+    """A combined step as ops, in the order its receives and sends are issued: the backward
+    first, so that counting the forwards awaiting their backward (``max_outstanding``) counts a
+    step's pair once (its forward fills layers from the first while its backward frees them from
+    the last)."""
     forward, backward = step
-    return ([Op(FORWARD, forward)] if forward is not None else []) + \
-        ([Op(BACKWARD, backward)] if backward is not None else [])
+    return ([Op(BACKWARD, backward)] if backward is not None else []) + \
+        ([Op(FORWARD, forward)] if forward is not None else [])
 
 
 def combined_ops(pp: int, microbatches: int, rank: int) -> List[Op]:

@@ -46,12 +46,13 @@ def test_each_step_receives_what_the_neighbours_sent_a_tick_before(pp, m):
 
 
 def test_warmup_and_in_flight():
-    """Rank p warms up with 2(P-p-1)+1 forwards, so it holds min(2(P-p), m) micro-batches in
-    flight (1F1B: P-p); steady steps pair F(t) with B(t - warm-up)."""
+    """Rank p warms up with 2(P-p-1)+1 forwards, so it holds min(2(P-p)-1, m) micro-batches in
+    flight (1F1B: min(P-p, m); a step's pair counted once: its forward fills layers as its
+    backward frees them); steady steps pair F(t) with B(t - warm-up)."""
     assert [combined_warmup(4, 16, p) for p in range(4)] == [7, 5, 3, 1]
     for pp, m in GRID:
         for p in range(pp):
-            assert max_outstanding(combined_ops(pp, m, p)) == min(2 * (pp - p), m), (pp, m, p)
+            assert max_outstanding(combined_ops(pp, m, p)) == min(2 * (pp - p) - 1, m), (pp, m, p)
     assert combined_steps(2, 4, 1) == [(0, None), (1, 0), (2, 1), (3, 2), (None, 3)]
     assert combined_steps(2, 4, 0) == [(0, None), (1, None), (2, None), (3, 0), (None, 1), (None, 2), (None, 3)]
 
