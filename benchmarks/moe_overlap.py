@@ -25,6 +25,7 @@ from megatron_p2r.arguments import config_from_values
 from megatron_p2r.moe import aux_loss
 from megatron_p2r.parallel import mappings
 from megatron_p2r.pipeline import a2a_overlap
+from megatron_p2r.pipeline.a2a_pipelined import forward_backward_combined_1f1b
 from megatron_p2r.pipeline.schedules import forward_backward_no_pipelining
 from megatron_p2r.planning.estimate import exposed_ep
 
@@ -67,7 +68,7 @@ def _worker(rank: int, world: int, rounds: int, microbatches: int) -> dict:
         mbs.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(tokens[:, 1:].shape)})
     clock = _AllToAllClock()
     clock.install()
-    schedules = {"serial": forward_backward_no_pipelining, "overlapped": a2a_overlap.forward_backward_overlapped_a2a}
+    schedules = {"serial": forward_backward_no_pipelining, "overlapped": forward_backward_combined_1f1b}
     times = {name: {"step": [], "a2a": []} for name in schedules}
     for r in range(rounds + 1):           # round 0 warms up
         for name, schedule in schedules.items():

@@ -2,8 +2,8 @@
 while another micro-batch computes (Megatron-LM's batch-level EP overlap; DeepSeek-V3's
 DualPipe overlaps the same way).
 
-The forward of micro-batch i+1 runs together with the backward of micro-batch i. Each
-micro-batch's pass is cut at its all-to-alls into nodes, one autograd graph each, so that the
+On one stage the forward of micro-batch i+1 runs together with the backward of micro-batch i
+(``a2a_pipelined.forward_backward_combined_1f1b`` with P = 1). Each micro-batch's pass is cut at its all-to-alls into nodes, one autograd graph each, so that the
 two passes can take turns: a MoE layer is
 
     pre (attention, router, permute) | dispatch a2a | experts | combine a2a | post (unpermute, residual)
@@ -18,15 +18,17 @@ other (each pass is a generator that yields there).
 The math is that of the serial schedule: the nodes compute what the one graph computes (an
 all-to-all moves rows, it adds nothing), only backward passes touch gradients and they run one
 micro-batch after the other, and only forward passes draw random numbers, in micro-batch order.
-So losses, gradients and updated weights are bitwise those of ``forward_backward_no_pipelining``.
+So losses, gradients and updated weights are bitwise those of ``forward_backward_no_pipelining``
+(of ``forward_backward_1f1b`` under pipeline parallelism).
 The schedule's structure, not timing, decides every turn, so all ranks issue their collectives
 in the same order. Each micro-batch's backward still starts at the model's output (the
 data-parallel hooks see it: ``parallel/ddp.py``).
 
 Weights read by several nodes (tied embeddings, Pseudo-to-Real's shared layers) get their
 gradient summed over the nodes before it is accumulated, as one graph would (``_SharedWeights``).
-Like Megatron-LM this needs EP > 1 and no full recomputation; it is built for one pipeline stage
-(PP = 1), where Megatron-LM itself asks for interleaving (``config/validation.py`` checks these).
+Like Megatron-LM this needs EP > 1 and no full recomputation (``config/validation.py`` checks
+these). The schedule that pairs the passes, on one stage or under pipeline parallelism, is
+``a2a_pipelined.py``'s combined 1F1B.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from torch import nn
 
 from megatron_p2r.moe.layer import Routed
 from megatron_p2r.parallel.mappings import start_all_to_all
-from megatron_p2r.pipeline.token_loss import BackwardScaleHook, TokenMeanLoss, announce_backward_scale
+from megatron_p2r.pipeline.token_loss import TokenMeanLoss
 
 # A pass is a generator: it yields each time it has started an all-to-all, to let the other compute.
 Pass = Iterator[None]
@@ -245,24 +247,3 @@ def _take_turns(first: Pass, second: Pass) -> None:
 def _run(one: Pass) -> None:
     for _ in one:
         pass
-
-
-def forward_backward_overlapped_a2a(model, microbatches: List[dict], ps, *, loss_scale: float = 1.0,
-                                    on_backward_scale: BackwardScaleHook = None) -> torch.Tensor:
-    """Gradient accumulation on one stage (as ``forward_backward_no_pipelining``; training steps
-    only: evaluation has no backward to overlap with), the forward of micro-batch i+1 taking turns
-    with the backward of micro-batch i at their all-to-alls."""
-    if not microbatches:
-        raise ValueError("a step needs at least one micro-batch")
-    announce_backward_scale(on_backward_scale, loss_scale, len(microbatches), False)
-    loss, shared = TokenMeanLoss(microbatches, ps, loss_scale), _SharedWeights(model)
-    previous = None
-    for mb in microbatches:
-        current = _MicroBatch(model, mb, loss, shared)
-        if previous is None:
-            _run(current.forward())
-        else:
-            _take_turns(current.forward(), previous.backward())
-        previous = current
-    _run(previous.backward())
-    return loss.share()

@@ -7,9 +7,9 @@ give bitwise equal gradients (equal to no-pipelining up to the order of cross-st
 pseudo slot called by two chunks of a rank accumulates their contributions in schedule order).
 
 - ``forward_backward_no_pipelining``: gradient accumulation on one stage (PP=1);
-  ``a2a_overlap.forward_backward_overlapped_a2a`` the same with the expert all-to-alls of one
-  micro-batch overlapped with another's compute (--overlap-moe-expert-parallel-comm;
-  ``a2a_pipelined.forward_backward_combined_1f1b`` under pipeline parallelism);
+  ``a2a_pipelined.forward_backward_combined_1f1b`` the 1F1B schedule (or, on one stage, that)
+  with the expert all-to-alls of one micro-batch overlapped with another's compute
+  (--overlap-moe-expert-parallel-comm);
 - ``forward_backward_gpipe``: all forwards, then all backwards (holds m activations);
 - ``forward_backward_1f1b``: PipeDream-flush — stage s runs P-s-1 warm-up forwards, then
   alternates one forward and one backward, then drains (holds at most P-s activations);
@@ -38,7 +38,6 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from megatron_p2r.parallel.state import ParallelState
-from megatron_p2r.pipeline.a2a_overlap import forward_backward_overlapped_a2a
 from megatron_p2r.pipeline.a2a_pipelined import forward_backward_combined_1f1b
 from megatron_p2r.pipeline.order import FORWARD, Op, input_of, pipeline_ops, sent_by
 from megatron_p2r.pipeline.p2p import StageLink, deallocate_output
@@ -230,9 +229,8 @@ def get_forward_backward_func(ps: ParallelState, schedule: str = "1f1b", *, num_
     (``ParallelPlan.num_model_chunks``: interleaving) the interleaved 1F1B schedule, whose
     receives ``overlap_p2p_comm`` (``--overlap-p2p-communication``) posts one op ahead: as in
     Megatron-LM, only the interleaved schedule overlaps. ``overlap_moe_comm``
-    (``--overlap-moe-expert-parallel-comm``, training steps) overlaps the expert all-to-alls:
-    on one stage (``a2a_overlap.py``), or in the combined 1F1B schedule (``a2a_pipelined.py``;
-    1F1B without interleaving)."""
+    (``--overlap-moe-expert-parallel-comm``, training steps) overlaps the expert all-to-alls in
+    the combined 1F1B schedule (``a2a_pipelined.py``; 1F1B without interleaving, or one stage)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"--pipeline-schedule {schedule!r}: expected one of {sorted(SCHEDULES)}")
     if overlap_moe_comm and ps.pp_size > 1 and (num_model_chunks > 1 or schedule != "1f1b"):
@@ -246,6 +244,6 @@ def get_forward_backward_func(ps: ParallelState, schedule: str = "1f1b", *, num_
                              f"{schedule}, {ps.pp_size})")
         interleaved = forward_backward_pipelining_with_interleaving
         return functools.partial(interleaved, overlap_p2p_comm=True) if overlap_p2p_comm else interleaved
-    if ps.pp_size == 1:
-        return forward_backward_overlapped_a2a if overlap_moe_comm else forward_backward_no_pipelining
-    return forward_backward_combined_1f1b if overlap_moe_comm else SCHEDULES[schedule]
+    if overlap_moe_comm:
+        return forward_backward_combined_1f1b
+    return forward_backward_no_pipelining if ps.pp_size == 1 else SCHEDULES[schedule]
