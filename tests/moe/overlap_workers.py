@@ -79,14 +79,18 @@ def world4(rank: int, world: int) -> dict:
 
 
 def pp2_world4(rank: int, world: int) -> dict:
-    """PP=2 x EP=2 (DP=2), 6 micro-batches per rank: the combined 1F1B schedule
+    """PP=2 x EP=2 (DP=2), 6 micro-batches per rank, 2 layers per stage: the combined 1F1B schedule
     (pipeline/a2a_pipelined.py) against the serial 1F1B one. Tied embeddings span the two
     stages (the last stage's output layer is a replica summed over the embedding group)."""
     ps = make_state(Layout(pp=2, dp=2, ep=2))
     common = dict(pp=2, ep=2, global_batch_size=24)
     return {
         "dropless/tied/dropout": compare(moe_model(**common, hidden_dropout=0.1), ps),
-        "capacity-drops/overlap-grad-reduce": compare(moe_model(**common, moe_capacity_factor=0.5, swiglu=True,
-                                                                overlap_grad_reduce=True, ddp_bucket_size=2000), ps),
+        "capacity-drops/untied/overlap-grad-reduce": compare(
+            moe_model(**common, moe_capacity_factor=0.5, swiglu=True, untie_embeddings_and_output_weights=True,
+                      overlap_grad_reduce=True, ddp_bucket_size=2000), ps),
         "pseudo-shared/tied": compare(moe_model(**common, p2r_phase="pseudo", share_pattern="all"), ps),
+        "fp16/loss-scale": compare(moe_model(**common, fp16=True), ps),
+        "dense-and-moe/recompute-selective": compare(moe_model(**common, moe_layer_freq=2,
+                                                               recompute_activations=True), ps),
     }

@@ -1,9 +1,11 @@
 """--overlap-moe-expert-parallel-comm under pipeline parallelism (pipeline/a2a_pipelined.py, the
 combined 1F1B schedule) reproduces the serial 1F1B schedule bitwise under PP=2 x EP=2 (4 gloo
 ranks, 6 micro-batches per rank, 2 optimizer steps): losses, the first step's reduced gradients
-and the weights after the steps; dropless with dropout (random draws in micro-batch order) and
-tied embeddings across the stages, capacity with drops and --overlap-grad-reduce, the pseudo
-phase's shared layers. Every rank has two all-to-alls in flight at once (the paired steps).
+and the weights after the steps, and the data-parallel hooks see every backward start;
+dropless with dropout (random draws in micro-batch order) and tied embeddings across the
+stages, capacity with drops, untied, and --overlap-grad-reduce, the pseudo phase's shared
+layers, fp16 weights with the loss scale, a dense and a MoE layer per stage with selective
+recomputation. Every rank has two all-to-alls in flight at once (the paired steps).
 (The order itself: tests/pipeline/test_combined_order.py.)"""
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ def pp2_world4():
     return run_distributed(overlap_workers.pp2_world4, 4, timeout=600)
 
 
-@pytest.mark.parametrize("case", ["dropless/tied/dropout", "capacity-drops/overlap-grad-reduce",
-                                  "pseudo-shared/tied"])
+@pytest.mark.parametrize("case", ["dropless/tied/dropout", "capacity-drops/untied/overlap-grad-reduce",
+                                  "pseudo-shared/tied", "fp16/loss-scale", "dense-and-moe/recompute-selective"])
 def test_combined_schedule_is_bitwise_the_serial_1f1b(pp2_world4, case):
     for rank, res in enumerate(pp2_world4):
         r = res[case]
