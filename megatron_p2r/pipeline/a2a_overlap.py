@@ -3,8 +3,9 @@ while another micro-batch computes (Megatron-LM's batch-level EP overlap; DeepSe
 DualPipe overlaps the same way).
 
 On one stage the forward of micro-batch i+1 runs together with the backward of micro-batch i
-(``a2a_pipelined.forward_backward_combined_1f1b`` with P = 1). Each micro-batch's pass is cut at its all-to-alls into nodes, one autograd graph each, so that the
-two passes can take turns: a MoE layer is
+(``a2a_pipelined.forward_backward_combined_1f1b`` with P = 1). Each micro-batch's pass is cut
+at its all-to-alls into nodes, one autograd graph each, so that the two passes can take turns:
+a MoE layer is
 
     pre (attention, router, permute) | dispatch a2a | experts | combine a2a | post (unpermute, residual)
 
@@ -122,7 +123,7 @@ class _MicroBatch:
     ``backward()`` are passes for the overlapped schedule. Under pipeline parallelism
     (``a2a_pipelined.py``) a stage after the first starts from ``received``, the previous
     stage's activation, and leaves its gradient in ``input_grad``; a stage before the last ends
-    at ``output``, which its backward takes the next stage's gradient of."""
+    at ``output``, and its backward starts from the next stage's gradient of it."""
 
     def __init__(self, model, mb: dict, loss: Optional[TokenMeanLoss], shared: _SharedWeights,
                  received: Optional[torch.Tensor] = None):

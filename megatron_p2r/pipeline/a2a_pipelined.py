@@ -1,5 +1,6 @@
-"""``--overlap-moe-expert-parallel-comm`` under pipeline parallelism: the combined 1F1B schedule
-(Megatron-LM's ``combined_1f1b_schedule_for_interleaved_pipelining``, v = 1).
+"""The schedule of ``--overlap-moe-expert-parallel-comm``, on one stage and under pipeline
+parallelism: combined 1F1B (Megatron-LM's ``combined_1f1b_schedule_for_interleaved_pipelining``,
+v = 1).
 
 Each rank runs its steps of ``order.combined_steps``: a step receives the activation of its
 forward and the gradient of its backward (sent by the neighbours in their previous step), runs
@@ -13,14 +14,15 @@ step's backward, then its forward), so every rank receives in its senders' order
 step's sends go after both its receives: deadlock-free since what a step receives was sent
 one tick earlier (``tests/pipeline/test_combined_order.py``). A sent output's data is freed as
 in 1F1B (``p2p.deallocate_output``); its backward gets the incoming gradient as a stand-in
-for it (autograd checks the shapes; a residual add does not read its output).
+for it (autograd checks the shapes; the output's values are not read in backward, which
+1F1B's ``backward_from`` relies on too).
 
 The math is the serial 1F1B schedule's: on every stage the forwards run in micro-batch order
 (the random draws too), the backwards run one after the other in micro-batch order (every
 gradient accumulates in the serial order), and each node computes what the one graph of the
 serial stage computes. So losses, gradients and weights are bitwise ``forward_backward_1f1b``'s
-(``tests/moe/test_a2a_pipelined.py``). With P = 1 the order is F(0), F(i+1) with B(i), B(m-1):
-the one-stage overlap.
+(``tests/moe/test_a2a_pipelined.py``). With P = 1 the order is F(0), F(i+1) with B(i), B(m-1),
+bitwise ``forward_backward_no_pipelining`` (``tests/moe/test_a2a_overlap.py``).
 """
 from __future__ import annotations
 
