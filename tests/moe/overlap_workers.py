@@ -68,6 +68,7 @@ def world2(rank: int, world: int) -> dict:
         "fp16/loss-scale": compare(moe_model(**common, fp16=True), ps),
         "dense-and-moe/recompute-selective": compare(moe_model(**common, moe_layer_freq=2,
                                                                recompute_activations=True), ps),
+        "2-microbatches": compare(moe_model(**{**common, "global_batch_size": 8}), ps),   # below stage 0's warm-up
     }
 
 
@@ -93,4 +94,5 @@ def pp2_world4(rank: int, world: int) -> dict:
         "fp16/loss-scale": compare(moe_model(**common, fp16=True), ps),
         "dense-and-moe/recompute-selective": compare(moe_model(**common, moe_layer_freq=2,
                                                                recompute_activations=True), ps),
+        "2-microbatches": compare(moe_model(**{**common, "global_batch_size": 8}), ps),   # below stage 0's warm-up
     }
