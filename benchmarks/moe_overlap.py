@@ -108,7 +108,7 @@ def main(argv=None) -> None:
     results = run_distributed(_worker, 2 * args.pp, args.rounds, args.microbatches, args.pp, timeout=600)
     m = args.microbatches
     for rank, r in enumerate(results):
-        serial, overlapped, unpaired = r["serial"], r["overlapped"], combined_warmup(args.pp, m, r["stage"])
+        serial, overlapped, unpaired = r["serial"], r["overlapped"], combined_warmup(args.pp, 1, m, r["stage"])
         a2a, rest = serial["a2a"] / m, (serial["busy"] - serial["a2a"]) / m
         print(f"rank {rank} (stage {r['stage']}): serial step {serial['step']:.3f} s (all-to-alls "
               f"{serial['a2a']:.3f} s), overlapped {overlapped['step']:.3f} s (exposed all-to-alls "

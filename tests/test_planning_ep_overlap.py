@@ -58,10 +58,28 @@ def test_under_pipeline_parallelism_the_combined_warmup_is_held_and_exposed():
         assert memory["activations"] >= memory["in_flight"] * memory["held_per_microbatch"]
         t = off.stages[stage].time_s
         window = t["compute_per_microbatch"] + t["tp_per_microbatch"]
-        unpaired = combined_warmup(2, off.microbatches, stage)
+        unpaired = combined_warmup(2, 1, off.microbatches, stage)
         hidden = t["ep_per_microbatch"] - estimate.exposed_ep(t["ep_per_microbatch"], window, off.microbatches, unpaired)
         assert on.stages[stage].time_s["ep_hidden_per_microbatch"] == pytest.approx(hidden) and hidden > 0
     assert on.stages[0].device["activations"] > off.stages[0].device["activations"]
-    assert [combined_warmup(2, off.microbatches, s) for s in range(2)] == [3, 1]
+    assert [combined_warmup(2, 1, off.microbatches, s) for s in range(2)] == [3, 1]
     assert on.pipeline_bubble == pytest.approx(off.pipeline_bubble)
     assert estimate.exposed_ep(1.0, 3.0, 4, unpaired=3) == pytest.approx(0.75)   # 3 unpaired pairs' worth of 1 s
+
+
+def test_interleaved_holds_and_exposes_the_combined_warmup_in_chunk_forwards():
+    """v = 2: rank p warms up with 2(P-p-1) + (v-1)P + 1 chunk forwards, held in flight (each
+    half the stage's layers) and unpaired (half a micro-batch's all-to-alls each)."""
+    values = {**MOE, "pipeline_model_parallel_size": 2, "expert_model_parallel_size": 8,
+              "num_layers_per_virtual_pipeline_stage": 1, "overlap_p2p_communication": False}
+    off, on = (estimate.make_plan(config_from_values({**values, "overlap_moe_expert_parallel_comm": flag}), 16, GPU)
+               for flag in (False, True))
+    warmups = [combined_warmup(2, 2, off.microbatches, s) for s in range(2)]
+    assert warmups == [5, 3] and [s.in_flight for s in on.stages] == warmups
+    for stage in range(2):
+        t = off.stages[stage].time_s
+        window = t["compute_per_microbatch"] + t["tp_per_microbatch"]
+        hidden = t["ep_per_microbatch"] - estimate.exposed_ep(t["ep_per_microbatch"], window, off.microbatches,
+                                                              warmups[stage] / 2)
+        assert on.stages[stage].time_s["ep_hidden_per_microbatch"] == pytest.approx(hidden) and hidden > 0
+    assert on.pipeline_bubble == pytest.approx(off.pipeline_bubble)

@@ -53,7 +53,7 @@ def validate(cfg: Config, world_size: int) -> None:
 def _check_moe_overlap(cfg: Config) -> None:
     """--overlap-moe-expert-parallel-comm: Megatron-LM's rules (EP > 1, no full recomputation), and
     what the overlapped schedules need: layers run eagerly; under pipeline parallelism the
-    combined 1F1B schedule (pipeline/a2a_pipelined.py), without interleaving."""
+    combined 1F1B schedule (pipeline/a2a_pipelined.py), whose receives are not posted ahead."""
     p = cfg.parallel
     if not p.overlap_moe_expert_parallel_comm:
         return
@@ -64,10 +64,9 @@ def _check_moe_overlap(cfg: Config) -> None:
     if p.pipeline_model_parallel_size > 1 and p.pipeline_schedule != "1f1b":
         raise ConfigError(f"{flag} with --pipeline-model-parallel-size > 1 runs the combined 1F1B schedule: it "
                           f"needs --pipeline-schedule 1f1b (have {p.pipeline_schedule})")
-    if p.num_model_chunks(cfg.model.num_layers) > 1:
-        raise ConfigError(f"{flag} does not support interleaving (the combined schedule runs one model chunk per "
-                          "pipeline rank): drop --num-layers-per-virtual-pipeline-stage / "
-                          "--num-virtual-stages-per-pipeline-rank")
+    if p.overlaps_p2p(cfg.model.num_layers):
+        raise ConfigError(f"{flag} with interleaving runs the combined 1F1B schedule, which does not post its p2p "
+                          "receives ahead: pass --no-overlap-p2p-communication")
     if cfg.train.recompute == "full":
         raise ConfigError(f"{flag} conflicts with --recompute-granularity full (as in Megatron-LM): a recomputed "
                           "unit of layers cannot be cut at its all-to-alls")

@@ -139,6 +139,10 @@ class M6Model(nn.Module):
             out.append([([calls.start + i for i in unit], recomputed) for unit, recomputed in units])
         return out
 
+    def layer_positions(self, chunk: int) -> range:
+        """The positions in ``layer_calls`` of model chunk ``chunk``'s layers."""
+        return self._chunk_calls[chunk]
+
     def replace_layer_call(self, position: int, call: Callable) -> None:
         """Run the stage's layer ``position`` with ``call``, which recomputes itself in backward
         (offload): it leaves the recomputed units."""

@@ -126,8 +126,9 @@ class _MicroBatch:
     at ``output``, and its backward starts from the next stage's gradient of it."""
 
     def __init__(self, model, mb: dict, loss: Optional[TokenMeanLoss], shared: _SharedWeights,
-                 received: Optional[torch.Tensor] = None):
+                 received: Optional[torch.Tensor] = None, chunk: int = 0):
         self.model, self.mb, self.loss, self.shared, self.received = model, mb, loss, shared, received
+        self.chunk = chunk   # the model chunk (virtual stage) it runs, with interleaving
         self.aliases = shared.aliases()
         # per layer, in forward order: its backward (a pass), from the gradient of its output to its input's
         self.tape: List[Callable[[torch.Tensor], Pass]] = []
@@ -155,15 +156,15 @@ class _MicroBatch:
         self.embedded = x if self.received is None else None
         seq_length = x.shape[1] * (model.ps.tp_size if model.sequence_parallel else 1)
         rope = model.rope(seq_length, x.device)
-        for call in model.layer_calls:
-            x = yield from self._layer(call, _leaf(x), rope)
+        for position in model.layer_positions(self.chunk):
+            x = yield from self._layer(model.layer_calls[position], _leaf(x), rope)
         # through the model's forward, so that its hooks see where each backward starts
-        if model.final_norm is None:   # a stage before the last: its output goes to the next one
-            self.output = model(hidden=x, head_only=True)
+        if not model.stage.chunks[self.chunk].last:   # its output goes to the next stage
+            self.output = model(hidden=x, head_only=True, chunk=self.chunk)
             return
         self.hidden = _leaf(x)
         self.loss_sum = self.loss.add(model(hidden=self.hidden, labels=mb["labels"], loss_mask=mb["loss_mask"],
-                                            head_only=True))
+                                            head_only=True, chunk=self.chunk))
 
     def backward(self, grad: Optional[torch.Tensor] = None) -> Pass:
         """From the loss, or from ``grad``, the next stage's gradient of ``output``."""

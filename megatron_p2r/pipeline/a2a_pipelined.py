@@ -27,7 +27,7 @@ bitwise ``forward_backward_no_pipelining`` (``tests/moe/test_a2a_overlap.py``).
 from __future__ import annotations
 
 import functools
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -41,19 +41,19 @@ from megatron_p2r.pipeline.transfers import Transfers, transfers
 
 
 @functools.lru_cache(maxsize=8)
-def _rank_link(pp: int, microbatches: int, rank: int) -> Transfers:
+def _rank_link(pp: int, chunks: int, microbatches: int, rank: int) -> Transfers:
     """What ``rank``'s link knows of the step (every step of a run has the same)."""
-    return transfers([combined_ops(pp, microbatches, r) for r in range(pp)], pp, 1, rank)
+    return transfers([combined_ops(pp, chunks, microbatches, r) for r in range(pp)], pp, chunks, rank)
 
 
 class _CombinedStage:
     """This rank's steps: the micro-batches awaiting their backward, the link to the neighbours."""
 
     def __init__(self, model, microbatches: List[dict], ps: ParallelState, link: StageLink,
-                 loss: Optional[TokenMeanLoss]):
+                 loss: Optional[TokenMeanLoss], chunks: int):
         self.model, self.microbatches, self.ps, self.link, self.loss = model, microbatches, ps, link, loss
-        self.shared = _SharedWeights(model)
-        self.held: Dict[int, _MicroBatch] = {}
+        self.chunks, self.shared = chunks, _SharedWeights(model)
+        self.held: Dict[Tuple[int, int], _MicroBatch] = {}   # (micro-batch, chunk) -> awaiting its backward
 
     def run(self, step: Step) -> None:
         """Receive the step's inputs, run its passes taking turns (the forward first), send what
@@ -63,11 +63,12 @@ class _CombinedStage:
         forward, backward = step
         passes = []
         if forward is not None:
-            self.held[forward] = _MicroBatch(self.model, self.microbatches[forward], self.loss, self.shared,
-                                             received=received[FORWARD])
-            passes.append(self.held[forward].forward())
+            current = _MicroBatch(self.model, self.microbatches[forward.microbatch], self.loss, self.shared,
+                                  received=received[FORWARD], chunk=forward.chunk)
+            self.held[forward.microbatch, forward.chunk] = current
+            passes.append(current.forward())
         if backward is not None:
-            grad, done = received[BACKWARD], self.held.pop(backward)
+            grad, done = received[BACKWARD], self.held.pop((backward.microbatch, backward.chunk))
             if grad is not None:
                 done.output.data = grad   # a stand-in for the freed output's data: only its shape is checked
             passes.append(done.backward(grad))
@@ -76,14 +77,14 @@ class _CombinedStage:
         else:
             _run(passes[0])
         for op in ops:
-            made = self.held[forward].output if op.kind == FORWARD else done.input_grad
-            for dst, message in sent_by(op, self.ps.pp_size, 1, self.ps.pp_rank):
+            made = current.output if op.kind == FORWARD else done.input_grad
+            for dst, message in sent_by(op, self.ps.pp_size, self.chunks, self.ps.pp_rank):
                 self.link.send(message, made, dst)
                 if op.kind == FORWARD:
                     deallocate_output(made)
 
     def _input(self, op: Op) -> Optional[torch.Tensor]:
-        wanted = input_of(op, self.ps.pp_size, 1, self.ps.pp_rank)
+        wanted = input_of(op, self.ps.pp_size, self.chunks, self.ps.pp_rank)
         return None if wanted is None else self.link.recv(*wanted)
 
 
@@ -92,17 +93,15 @@ def forward_backward_combined_1f1b(model, microbatches: List[dict], ps: Parallel
     """A training step's micro-batches through this rank's stage in the combined 1F1B order
     (training only: evaluation has no backward to overlap with); returns on the last stage
     this DP rank's share of the token mean, None elsewhere (as ``forward_backward_1f1b``)."""
-    n = len(microbatches)
+    n, chunks = len(microbatches), model.num_model_chunks
     if n == 0:
         raise ValueError("a step needs at least one micro-batch")
-    if getattr(model, "num_model_chunks", 1) != 1:
-        raise ValueError("--overlap-moe-expert-parallel-comm runs one model chunk per pipeline rank (no interleaving)")
     announce_backward_scale(on_backward_scale, loss_scale, n, False)
     specs = [model.hidden_spec(tuple(mb["tokens"].shape)) for mb in microbatches]
-    link = StageLink(ps, _rank_link(ps.pp_size, n, ps.pp_rank), lambda msg: specs[msg.microbatch])
+    link = StageLink(ps, _rank_link(ps.pp_size, chunks, n, ps.pp_rank), lambda msg: specs[msg.microbatch])
     loss = TokenMeanLoss(microbatches, ps, loss_scale) if ps.is_last_stage else None
-    stage = _CombinedStage(model, microbatches, ps, link, loss)
-    for step in combined_steps(ps.pp_size, n, ps.pp_rank):
+    stage = _CombinedStage(model, microbatches, ps, link, loss, chunks)
+    for step in combined_steps(ps.pp_size, chunks, n, ps.pp_rank):
         stage.run(step)
     link.wait()
     return None if loss is None else loss.share()

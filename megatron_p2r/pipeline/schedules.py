@@ -230,13 +230,14 @@ def get_forward_backward_func(ps: ParallelState, schedule: str = "1f1b", *, num_
     receives ``overlap_p2p_comm`` (``--overlap-p2p-communication``) posts one op ahead: as in
     Megatron-LM, only the interleaved schedule overlaps. ``overlap_moe_comm``
     (``--overlap-moe-expert-parallel-comm``, training steps) overlaps the expert all-to-alls in
-    the combined 1F1B schedule (``a2a_pipelined.py``; 1F1B without interleaving, or one stage)."""
+    the combined 1F1B schedule (``a2a_pipelined.py``: 1F1B, interleaved or not, or one stage)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"--pipeline-schedule {schedule!r}: expected one of {sorted(SCHEDULES)}")
-    if overlap_moe_comm and ps.pp_size > 1 and (num_model_chunks > 1 or schedule != "1f1b"):
-        raise ValueError(f"--overlap-moe-expert-parallel-comm with pipeline parallelism runs the combined 1F1B "
-                         f"schedule: it needs --pipeline-schedule 1f1b and one model chunk per rank (have "
-                         f"{schedule}, {num_model_chunks} chunks)")
+    if overlap_moe_comm:
+        if ps.pp_size > 1 and schedule != "1f1b":
+            raise ValueError(f"--overlap-moe-expert-parallel-comm with pipeline parallelism runs the combined 1F1B "
+                             f"schedule: it needs --pipeline-schedule 1f1b (have {schedule})")
+        return forward_backward_combined_1f1b
     if num_model_chunks > 1:
         if ps.pp_size == 1 or schedule != "1f1b":
             raise ValueError(f"{num_model_chunks} model chunks per rank need the interleaved 1F1B schedule: "
@@ -244,6 +245,4 @@ def get_forward_backward_func(ps: ParallelState, schedule: str = "1f1b", *, num_
                              f"{schedule}, {ps.pp_size})")
         interleaved = forward_backward_pipelining_with_interleaving
         return functools.partial(interleaved, overlap_p2p_comm=True) if overlap_p2p_comm else interleaved
-    if overlap_moe_comm:
-        return forward_backward_combined_1f1b
     return forward_backward_no_pipelining if ps.pp_size == 1 else SCHEDULES[schedule]

@@ -347,10 +347,11 @@ def stage_schedule(cfg: Config, plan: ParallelPlan, stage: int) -> Tuple[Tuple[O
     combined 1F1B steps (a forward and a backward in flight together: ``order.combined_ops``)."""
     layout = plan.layout
     schedule = cfg.parallel.pipeline_schedule if layout.pp > 1 else "1f1b"
+    posted_ahead = cfg.parallel.overlaps_p2p(cfg.model.num_layers)
     if cfg.parallel.overlap_moe_expert_parallel_comm:
-        schedule = COMBINED
+        schedule, posted_ahead = COMBINED, False   # it posts nothing ahead (config/validation.py)
     return _schedules(schedule, layout.pp, plan.num_model_chunks, num_microbatches(cfg, layout.world_size),
-                      cfg.parallel.overlaps_p2p(cfg.model.num_layers))[stage]
+                      posted_ahead)[stage]
 
 
 COMBINED = "combined-1f1b"   # stage_schedule's name for the order of --overlap-moe-expert-parallel-comm
@@ -361,7 +362,7 @@ def _schedules(schedule: str, pp: int, chunks: int, microbatches: int,
                posted_ahead: bool) -> Tuple[Tuple[Tuple[Op, ...], Tuple[int, ...]], ...]:
     """Every stage's ops and link buffers, computed together (each stage's depends on all)."""
     if schedule == COMBINED:
-        all_ops = [combined_ops(pp, microbatches, r) for r in range(pp)]
+        all_ops = [combined_ops(pp, chunks, microbatches, r) for r in range(pp)]
     else:
         all_ops = [pipeline_ops(schedule, pp, chunks, microbatches, r) for r in range(pp)]
     buffers = every_link_buffers(all_ops, pp, chunks, posted_ahead)

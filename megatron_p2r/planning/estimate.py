@@ -135,7 +135,7 @@ def exposed_p2p(p2p: float, compute: float) -> float:
     return max(p2p / 2 - compute / 3, 0.0) + max(p2p / 2 - 2 * compute / 3, 0.0)
 
 
-def exposed_ep(ep: float, compute: float, microbatches: int, unpaired: int = 1) -> float:
+def exposed_ep(ep: float, compute: float, microbatches: int, unpaired: float = 1) -> float:
     """The part of a micro-batch's expert all-to-alls (``ep`` seconds, half in its forward, half
     in its backward) a step waits for, per micro-batch, when the forward of one micro-batch runs
     with the backward of another (--overlap-moe-expert-parallel-comm): the forward's all-to-alls
@@ -196,7 +196,11 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     tp_t, ep_t, pp_t = (link_time(comm[k], gpu) / mbs for k in ("tp", "ep", "pp"))
     transfer = off["moved_per_microbatch"] / gpu.host_bw
     overlap_p2p, overlap_ep = cfg.parallel.overlaps_p2p(cfg.model.num_layers), cfg.parallel.overlap_moe_expert_parallel_comm
-    ep_exposed = exposed_ep(ep_t, compute + tp_t, mbs, combined_warmup(layout.pp, mbs, stage)) if overlap_ep else ep_t
+    if overlap_ep:   # the combined warm-up's chunk forwards, in micro-batches
+        unpaired = combined_warmup(layout.pp, plan.num_model_chunks, mbs, stage) / plan.num_model_chunks
+        ep_exposed = exposed_ep(ep_t, compute + tp_t, mbs, unpaired)
+    else:
+        ep_exposed = ep_t
     pp_exposed = exposed_p2p(pp_t, compute + tp_t + ep_exposed) if overlap_p2p else pp_t
     mb_time = max(compute + tp_t + ep_exposed, transfer) + pp_exposed
     sync = _exposed_sync(cfg, plan, stage, sum(link_time(comm[k], gpu) for k in ("dp", "expert_dp", "embedding",
@@ -268,7 +272,7 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
     mbs, gbs = num_microbatches(cfg, world_size), global_batch_size(cfg, world_size)
     schedule = cfg.parallel.pipeline_schedule if layout.pp > 1 else "1f1b"
     if cfg.parallel.overlap_moe_expert_parallel_comm:
-        slots = combined_step_slots(layout.pp, mbs)
+        slots = combined_step_slots(layout.pp, plan.num_model_chunks, mbs)
     else:
         slots = step_slots(schedule, layout.pp, plan.num_model_chunks, mbs)
     breakdown = {"pipeline": slots * max(t for _, t in estimates),

@@ -68,7 +68,6 @@ def world2(rank: int, world: int) -> dict:
         "fp16/loss-scale": compare(moe_model(**common, fp16=True), ps),
         "dense-and-moe/recompute-selective": compare(moe_model(**common, moe_layer_freq=2,
                                                                recompute_activations=True), ps),
-        "2-microbatches": compare(moe_model(**{**common, "global_batch_size": 8}), ps),   # below stage 0's warm-up
     }
 
 
@@ -95,4 +94,10 @@ def pp2_world4(rank: int, world: int) -> dict:
         "dense-and-moe/recompute-selective": compare(moe_model(**common, moe_layer_freq=2,
                                                                recompute_activations=True), ps),
         "2-microbatches": compare(moe_model(**{**common, "global_batch_size": 8}), ps),   # below stage 0's warm-up
+        # v = 2 model chunks of one layer per rank, against the serial interleaved 1F1B
+        "interleaved/dropless/tied/dropout": compare(moe_model(**common, num_layers_per_virtual_pipeline_stage=1,
+                                                               hidden_dropout=0.1), ps),
+        "interleaved/pseudo-shared/overlap-grad-reduce": compare(
+            moe_model(**common, num_layers_per_virtual_pipeline_stage=1, p2r_phase="pseudo", share_pattern="all",
+                      overlap_grad_reduce=True, ddp_bucket_size=2000), ps),
     }

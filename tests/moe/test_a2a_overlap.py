@@ -45,7 +45,8 @@ def test_overlapped_schedule_is_bitwise_the_serial_one_under_tp_and_sequence_par
 @pytest.mark.parametrize("overrides, expected", [
     (dict(ep=1), "--expert-model-parallel-size > 1"),
     (dict(ep=2, pp=2, pipeline_schedule="gpipe"), "--pipeline-schedule 1f1b"),
-    (dict(ep=2, pp=2, num_layers_per_virtual_pipeline_stage=1), "does not support interleaving"),
+    (dict(ep=2, pp=2, num_layers_per_virtual_pipeline_stage=1, overlap_p2p_communication=True),
+     "--no-overlap-p2p-communication"),
     (dict(ep=2, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
      "--recompute-granularity full"),
     (dict(ep=2, compile=True), "--compile"),
@@ -58,3 +59,5 @@ def test_flag_rules(overrides, expected):
 
 def test_pipeline_parallelism_is_allowed_with_1f1b():
     validate(moe_model(ep=2, pp=2).replace(overlap_moe_expert_parallel_comm=True), world_size=4)
+    validate(moe_model(ep=2, pp=2, num_layers_per_virtual_pipeline_stage=1, overlap_p2p_communication=False)
+             .replace(overlap_moe_expert_parallel_comm=True), world_size=4)

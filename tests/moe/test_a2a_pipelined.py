@@ -23,7 +23,8 @@ def pp2_world4():
 
 @pytest.mark.parametrize("case", ["dropless/tied/dropout", "capacity-drops/untied/overlap-grad-reduce",
                                   "pseudo-shared/tied", "fp16/loss-scale", "dense-and-moe/recompute-selective",
-                                  "2-microbatches"])
+                                  "2-microbatches", "interleaved/dropless/tied/dropout",
+                                  "interleaved/pseudo-shared/overlap-grad-reduce"])
 def test_combined_schedule_is_bitwise_the_serial_1f1b(pp2_world4, case):
     for rank, res in enumerate(pp2_world4):
         r = res[case]
