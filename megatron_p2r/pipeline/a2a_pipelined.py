@@ -1,18 +1,20 @@
 """The schedule of ``--overlap-moe-expert-parallel-comm``, on one stage and under pipeline
-parallelism: combined 1F1B (Megatron-LM's ``combined_1f1b_schedule_for_interleaved_pipelining``,
-v = 1).
+parallelism, interleaved or not: combined 1F1B (Megatron-LM's
+``combined_1f1b_schedule_for_interleaved_pipelining``).
 
 Each rank runs its steps of ``order.combined_steps``: a step receives the activation of its
-forward and the gradient of its backward (sent by the neighbours in their previous step), runs
-the two passes taking turns at their expert all-to-alls (``a2a_overlap``'s nodes and
-``_take_turns``), then sends the forward's output and the backward's input gradient. The
-warm-up of 2(P-p-1)+1 forwards is what makes every input come from the previous step, so
-neighbouring stages run their steps side by side instead of waiting for each other's.
+forward and the gradient of its backward (each of one micro-batch on one model chunk, sent by
+the neighbours in their previous step), runs the two passes taking turns at their expert
+all-to-alls (``a2a_overlap``'s nodes and ``_take_turns``), then sends the forward's output and
+the backward's input gradient. The warm-up of 2(P-p-1) + (v-1)G + 1 chunk forwards is what
+makes every input come from the previous step, so neighbouring stages run their steps side by
+side instead of waiting for each other's.
 
 The p2p link (``p2p.StageLink``) is told the step's order as ops (``order.combined_ops``: a
 step's backward, then its forward), so every rank receives in its senders' order, and a
 step's sends go after both its receives: deadlock-free since what a step receives was sent
-one tick earlier (``tests/pipeline/test_combined_order.py``). A sent output's data is freed as
+by an earlier step (``order.simulate_combined`` walks the steps so and raises on a deadlock;
+``tests/pipeline/test_combined_order.py``). A sent output's data is freed as
 in 1F1B (``p2p.deallocate_output``); its backward gets the incoming gradient as a stand-in
 for it (autograd checks the shapes; the output's values are not read in backward, which
 1F1B's ``backward_from`` relies on too).
@@ -20,9 +22,10 @@ for it (autograd checks the shapes; the output's values are not read in backward
 The math is the serial 1F1B schedule's: on every stage the forwards run in micro-batch order
 (the random draws too), the backwards run one after the other in micro-batch order (every
 gradient accumulates in the serial order), and each node computes what the one graph of the
-serial stage computes. So losses, gradients and weights are bitwise ``forward_backward_1f1b``'s
-(``tests/moe/test_a2a_pipelined.py``). With P = 1 the order is F(0), F(i+1) with B(i), B(m-1),
-bitwise ``forward_backward_no_pipelining`` (``tests/moe/test_a2a_overlap.py``).
+serial stage computes. So losses, gradients and weights are bitwise ``forward_backward_1f1b``'s,
+interleaved ``forward_backward_pipelining_with_interleaving``'s (``tests/moe/test_a2a_pipelined.py``).
+With P = 1 the order is F(0), F(i+1) with B(i), B(m-1), bitwise ``forward_backward_no_pipelining``
+(``tests/moe/test_a2a_overlap.py``).
 """
 from __future__ import annotations
 

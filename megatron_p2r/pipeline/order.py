@@ -20,16 +20,17 @@ model chunk; chunk c of pipeline rank p is virtual stage c*P + p (v = 1: chunk 0
   group instead of P (for m a multiple of P: Megatron's schedule exactly). ``simulate`` checks
   such schedules for deadlocks in the tests, and the bubble it leaves is what the planner reports.
 
-- the combined 1F1B of ``--overlap-moe-expert-parallel-comm`` (v = 1; Megatron-LM's
+- the combined 1F1B of ``--overlap-moe-expert-parallel-comm`` (Megatron-LM's
   ``combined_1f1b_schedule_for_interleaved_pipelining``): after its warm-up forwards a rank runs
-  *steps* that each pair the forward of one micro-batch with the backward of another, the two
-  taking turns at their expert all-to-alls (``a2a_pipelined.py``). A step's two inputs must
-  come from the neighbours' *previous* steps, or the stages serialize (each waiting for its
-  neighbour's whole step): rank p warms up with 2(P-p-1)+1 forwards (the interleaved warm-up
-  with v = 1, + 1 as Megatron adds for the combined schedule), step t of rank p pairs F(t)
-  with B(t - warm-up) and runs at tick t + p, one tick after what it receives
-  (``combined_steps``). Rank p holds 2(P-p)-1 micro-batches in flight instead of P-p (a step's
-  pair counted once); P = 1 is the one-stage overlap, F(i+1) with B(i).
+  *steps* that each pair the forward of one (micro-batch, chunk) with the backward of another,
+  the two taking turns at their expert all-to-alls (``a2a_pipelined.py``). A step's two inputs
+  must come from the neighbours' *previous* steps, or the stages serialize (each waiting for its
+  neighbour's whole step): rank p warms up with 2(P-p-1) + (v-1)G + 1 chunk forwards (the
+  interleaved warm-up, + 1 as Megatron adds for the combined schedule), step t pairs the t-th
+  forward of the interleaved table with the (t - warm-up)-th backward and runs at tick t + p,
+  one tick after what it receives (``combined_steps``; for m >= P). Without interleaving rank p
+  holds 2(P-p)-1 micro-batches in flight instead of P-p (a step's pair counted once); P = 1 is
+  the one-stage overlap, F(i+1) with B(i).
 
 Every schedule back-propagates each chunk's micro-batches in micro-batch order, so a parameter
 accumulates its gradient in the same order under all of them.
