@@ -340,6 +340,9 @@ def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, chunk: int = 
                             layers=per, head_fwd=head_fwd, head_bwd=head_bwd, shared_grads=shared)
 
 
+COMBINED = "combined-1f1b"   # stage_schedule's name for the order of --overlap-moe-expert-parallel-comm
+
+
 def stage_schedule(cfg: Config, plan: ParallelPlan, stage: int) -> Tuple[Tuple[Op, ...], Tuple[int, ...]]:
     """The forwards and backwards a rank of ``stage`` runs in one step, and the p2p buffers its
     link holds during each (``pipeline.order``, ``pipeline.transfers``; with receives posted one
@@ -352,9 +355,6 @@ def stage_schedule(cfg: Config, plan: ParallelPlan, stage: int) -> Tuple[Tuple[O
         schedule, posted_ahead = COMBINED, False   # it posts nothing ahead (config/validation.py)
     return _schedules(schedule, layout.pp, plan.num_model_chunks, num_microbatches(cfg, layout.world_size),
                       posted_ahead)[stage]
-
-
-COMBINED = "combined-1f1b"   # stage_schedule's name for the order of --overlap-moe-expert-parallel-comm
 
 
 @functools.lru_cache(maxsize=8)
