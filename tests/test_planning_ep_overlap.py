@@ -8,7 +8,10 @@ from __future__ import annotations
 import pytest
 
 from megatron_p2r.arguments import config_from_values
+from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.pipeline.order import combined_warmup
 from megatron_p2r.planning import estimate, hardware
+from megatron_p2r.planning.activations import activation_memory
 
 GPU = hardware.GPU_PRESETS["A100-80GB"]
 MOE = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=64, vocab_size=1000,
@@ -66,3 +69,44 @@ def test_overlap_with_full_recomputation_communicates_no_all_to_all_again():
     assert t["ep_hidden_per_microbatch"] == pytest.approx(t["ep_per_microbatch"] - exposed)
     assert exposed != pytest.approx(estimate.exposed_ep(t["ep_per_microbatch"], window, on.microbatches))
     assert t["compute_per_microbatch"] == before.time_s["compute_per_microbatch"]
+
+
+def test_under_pipeline_parallelism_the_combined_warmup_is_held_and_exposed():
+    """PP=2 (the combined 1F1B schedule, ``order.combined_steps``): stage p holds min(2(P-p)-1, m)
+    micro-batches in flight (1F1B: P-p), and its 2(P-p-1)+1 warm-up forwards and as many
+    cool-down backwards expose their all-to-alls; the bubble stays 1F1B's."""
+    pp2 = {**MOE, "pipeline_model_parallel_size": 2, "expert_model_parallel_size": 8}
+    cfgs = [config_from_values({**pp2, "overlap_moe_expert_parallel_comm": flag}) for flag in (False, True)]
+    off, on = (estimate.make_plan(cfg, 16, GPU) for cfg in cfgs)
+    assert [s.in_flight for s in off.stages] == [2, 1] and [s.in_flight for s in on.stages] == [3, 1]
+    plan = ParallelPlan.for_world(cfgs[1], 16)
+    for stage in range(2):
+        memory = activation_memory(cfgs[1], plan, stage)
+        assert memory["activations"] >= memory["in_flight"] * memory["held_per_microbatch"]
+        t = off.stages[stage].time_s
+        window = t["compute_per_microbatch"] + t["tp_per_microbatch"]
+        unpaired = combined_warmup(2, 1, off.microbatches, stage)
+        hidden = t["ep_per_microbatch"] - estimate.exposed_ep(t["ep_per_microbatch"], window, off.microbatches, unpaired)
+        assert on.stages[stage].time_s["ep_hidden_per_microbatch"] == pytest.approx(hidden) and hidden > 0
+    assert on.stages[0].device["activations"] > off.stages[0].device["activations"]
+    assert [combined_warmup(2, 1, off.microbatches, s) for s in range(2)] == [3, 1]
+    assert on.pipeline_bubble == pytest.approx(off.pipeline_bubble)
+    assert estimate.exposed_ep(1.0, 3.0, 4, unpaired=3) == pytest.approx(0.75)   # 3 unpaired pairs' worth of 1 s
+
+
+def test_interleaved_holds_and_exposes_the_combined_warmup_in_chunk_forwards():
+    """v = 2: rank p warms up with 2(P-p-1) + (v-1)P + 1 chunk forwards, held in flight (each
+    half the stage's layers) and unpaired (half a micro-batch's all-to-alls each)."""
+    values = {**MOE, "pipeline_model_parallel_size": 2, "expert_model_parallel_size": 8,
+              "num_layers_per_virtual_pipeline_stage": 1, "overlap_p2p_communication": False}
+    off, on = (estimate.make_plan(config_from_values({**values, "overlap_moe_expert_parallel_comm": flag}), 16, GPU)
+               for flag in (False, True))
+    warmups = [combined_warmup(2, 2, off.microbatches, s) for s in range(2)]
+    assert warmups == [5, 3] and [s.in_flight for s in on.stages] == warmups
+    for stage in range(2):
+        t = off.stages[stage].time_s
+        window = t["compute_per_microbatch"] + t["tp_per_microbatch"]
+        hidden = t["ep_per_microbatch"] - estimate.exposed_ep(t["ep_per_microbatch"], window, off.microbatches,
+                                                              warmups[stage] / 2)
+        assert on.stages[stage].time_s["ep_hidden_per_microbatch"] == pytest.approx(hidden) and hidden > 0
+    assert on.pipeline_bubble == pytest.approx(off.pipeline_bubble)

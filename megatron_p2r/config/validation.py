@@ -52,11 +52,11 @@ def validate(cfg: Config, world_size: int) -> None:
 
 def _check_moe_overlap(cfg: Config) -> None:
     """--overlap-moe-expert-parallel-comm: Megatron-LM's rule (EP > 1), and what the overlapped
-    schedule (pipeline/a2a_overlap.py) needs: one pipeline stage, layers run eagerly, and full
-    recomputation one layer at a time. Megatron-LM refuses full recomputation, whose unit of
-    layers cannot be cut at its all-to-alls; here a recomputed layer is recomputed node by node,
-    keeping the all-to-alls' results (nothing is re-communicated), which a unit of one layer
-    allows."""
+    schedules need: layers run eagerly; under pipeline parallelism the combined 1F1B schedule
+    (pipeline/a2a_pipelined.py), whose receives are not posted ahead; and full recomputation one
+    layer at a time. Megatron-LM refuses full recomputation, whose unit of layers cannot be cut at
+    its all-to-alls; here a recomputed layer is recomputed node by node, keeping the all-to-alls'
+    results (nothing is re-communicated), which a unit of one layer allows."""
     p = cfg.parallel
     if not p.overlap_moe_expert_parallel_comm:
         return
@@ -64,9 +64,12 @@ def _check_moe_overlap(cfg: Config) -> None:
     if p.expert_model_parallel_size == 1 or not cfg.model.num_experts:
         raise ConfigError(f"{flag} overlaps the expert all-to-alls: it needs --num-experts and "
                           f"--expert-model-parallel-size > 1 (as in Megatron-LM; have {p.expert_model_parallel_size})")
-    if p.pipeline_model_parallel_size > 1:
-        raise ConfigError(f"{flag} runs on one pipeline stage: it needs --pipeline-model-parallel-size 1 "
-                          f"(have {p.pipeline_model_parallel_size})")
+    if p.pipeline_model_parallel_size > 1 and p.pipeline_schedule != "1f1b":
+        raise ConfigError(f"{flag} with --pipeline-model-parallel-size > 1 runs the combined 1F1B schedule: it "
+                          f"needs --pipeline-schedule 1f1b (have {p.pipeline_schedule})")
+    if p.overlaps_p2p(cfg.model.num_layers):
+        raise ConfigError(f"{flag} with interleaving runs the combined 1F1B schedule, which does not post its p2p "
+                          "receives ahead: pass --no-overlap-p2p-communication")
     t = cfg.train
     if t.recompute == "full" and t.recompute_method == "uniform" and t.recompute_num_layers > 1:
         raise ConfigError(f"{flag} recomputes one layer at a time, cut at its all-to-alls: with "

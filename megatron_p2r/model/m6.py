@@ -139,6 +139,10 @@ class M6Model(nn.Module):
             out.append([([calls.start + i for i in unit], recomputed) for unit, recomputed in units])
         return out
 
+    def layer_positions(self, chunk: int) -> range:
+        """The positions in ``layer_calls`` of model chunk ``chunk``'s layers."""
+        return self._chunk_calls[chunk]
+
     def replace_layer_call(self, position: int, call: Callable) -> None:
         """Run the stage's layer ``position`` with ``call``, which recomputes itself in backward
         (offload): it leaves the recomputed units."""
@@ -171,11 +175,13 @@ class M6Model(nn.Module):
         or with ``labels`` per-token losses ``[b, s]`` — with ``loss_mask`` too, the scalar sum of
         loss x mask (the schedules' objective; its gradient computed with the loss: the output
         layer and the loss are fused, parallel/cross_entropy.py). ``head_only``: ``hidden`` is
-        the last layer's output, only the final norm and the output layer run (the overlapped
-        expert schedule runs the embedding and the layers itself, ``pipeline/a2a_overlap.py``)."""
+        the last layer's output, only the final norm and the output layer run, and a chunk
+        without them returns ``hidden`` itself (the overlapped expert schedule runs the embedding
+        and the layers itself, ``pipeline/a2a_overlap.py``, and calls this so that the model's
+        hooks see each chunk's output)."""
         spec = self.stage.chunks[chunk]
         if head_only:
-            return self._head(hidden, labels, loss_mask)
+            return self._head(hidden, labels, loss_mask) if spec.last else hidden
         x = self.embedding(tokens) if spec.first else hidden
         seq_length = x.shape[1] * (self.ps.tp_size if self.sequence_parallel else 1)
         rope = self.rope(seq_length, x.device)

@@ -93,7 +93,7 @@ class DistributedDataParallel:
     def _mark_output(self, module, args, kwargs, output) -> None:
         """A hook on the output of a model chunk, the first thing each of its backwards reaches.
         A hook and not a wrapper: the output stays the tensor the model made, so the pipeline can
-        free its data once sent (``schedules.deallocate_output`` refuses views)."""
+        free its data once sent (``p2p.deallocate_output`` refuses views)."""
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(functools.partial(self._output_grad, kwargs.get("chunk", 0)))
 

@@ -2,9 +2,10 @@
 while another micro-batch computes (Megatron-LM's batch-level EP overlap; DeepSeek-V3's
 DualPipe overlaps the same way).
 
-The forward of micro-batch i+1 runs together with the backward of micro-batch i. Each
-micro-batch's pass is cut at its all-to-alls into nodes, one autograd graph each, so that the
-two passes can take turns: a MoE layer is
+On one stage the forward of micro-batch i+1 runs together with the backward of micro-batch i
+(``a2a_pipelined.forward_backward_combined_1f1b`` with P = 1). Each micro-batch's pass is cut
+at its all-to-alls into nodes, one autograd graph each, so that the two passes can take turns:
+a MoE layer is
 
     pre (attention, router, permute) | dispatch a2a | experts | combine a2a | post (unpermute, residual)
 
@@ -18,15 +19,16 @@ other (each pass is a generator that yields there).
 The math is that of the serial schedule: the nodes compute what the one graph computes (an
 all-to-all moves rows, it adds nothing), only backward passes touch gradients and they run one
 micro-batch after the other, and only forward passes draw random numbers, in micro-batch order.
-So losses, gradients and updated weights are bitwise those of ``forward_backward_no_pipelining``.
+So losses, gradients and updated weights are bitwise those of ``forward_backward_no_pipelining``
+(of ``forward_backward_1f1b`` under pipeline parallelism).
 The schedule's structure, not timing, decides every turn, so all ranks issue their collectives
 in the same order. Each micro-batch's backward still starts at the model's output (the
 data-parallel hooks see it: ``parallel/ddp.py``).
 
 Weights read by several nodes (tied embeddings, Pseudo-to-Real's shared layers) get their
 gradient summed over the nodes before it is accumulated, as one graph would (``_SharedWeights``).
-Like Megatron-LM this needs EP > 1; it is built for one pipeline stage (PP = 1), where
-Megatron-LM itself asks for interleaving (``config/validation.py`` checks these).
+Like Megatron-LM this needs EP > 1 (``config/validation.py`` checks it). The schedule that pairs
+the passes, on one stage or under pipeline parallelism, is ``a2a_pipelined.py``'s combined 1F1B.
 
 Full recomputation (``--recompute-granularity full`` with one layer per recomputed unit: uniform
 1, or block) is recomputation per node: each node of a recomputed layer runs under the model's
@@ -51,7 +53,7 @@ from torch import nn
 from megatron_p2r.moe.layer import Routed
 from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.mappings import start_all_to_all
-from megatron_p2r.pipeline.token_loss import BackwardScaleHook, TokenMeanLoss, announce_backward_scale
+from megatron_p2r.pipeline.token_loss import TokenMeanLoss
 
 # A pass is a generator: it yields each time it has started an all-to-all, to let the other compute.
 Pass = Iterator[None]
@@ -168,16 +170,23 @@ def _post(layer, rows: torch.Tensor, residual: torch.Tensor, weights: torch.Tens
 
 class _MicroBatch:
     """One micro-batch's pass through the stage, node by node: ``forward()`` and then
-    ``backward()`` are passes for the overlapped schedule."""
+    ``backward()`` are passes for the overlapped schedule. Under pipeline parallelism
+    (``a2a_pipelined.py``) a stage after the first starts from ``received``, the previous
+    stage's activation, and leaves its gradient in ``input_grad``; a stage before the last ends
+    at ``output``, and its backward starts from the next stage's gradient of it."""
 
-    def __init__(self, model, mb: dict, loss: TokenMeanLoss, shared: _SharedWeights):
-        self.model, self.mb, self.loss, self.shared = model, mb, loss, shared
+    def __init__(self, model, mb: dict, loss: Optional[TokenMeanLoss], shared: _SharedWeights,
+                 received: Optional[torch.Tensor] = None, chunk: int = 0):
+        self.model, self.mb, self.loss, self.shared, self.received = model, mb, loss, shared, received
+        self.chunk = chunk   # the model chunk (virtual stage) it runs, with interleaving
         self.aliases = shared.aliases()
         # per layer, in forward order: its backward (a pass), from the gradient of its output to its input's
         self.tape: List[Callable[[torch.Tensor], Pass]] = []
         self.loss_sum: Optional[torch.Tensor] = None
         self.embedded: Optional[torch.Tensor] = None
         self.hidden: Optional[torch.Tensor] = None
+        self.output: Optional[torch.Tensor] = None
+        self.input_grad: Optional[torch.Tensor] = None
 
     def forward(self) -> Pass:
         """The nodes' forward, the shared weights read through this pass's aliases (only while
@@ -194,23 +203,32 @@ class _MicroBatch:
 
     def _nodes(self) -> Pass:
         model, mb = self.model, self.mb
-        x = self.embedded = model.embedding(mb["tokens"])
+        x = self.received if self.received is not None else model.embedding(mb["tokens"])
+        self.embedded = x if self.received is None else None
         seq_length = x.shape[1] * (model.ps.tp_size if model.sequence_parallel else 1)
         rope = model.rope(seq_length, x.device)
         recomputed = recomputed_layers(model)
-        for position, call in enumerate(model.layer_calls):
-            x = yield from self._layer(call, _leaf(x), rope, position in recomputed)
-        self.hidden = _leaf(x)
+        for position in model.layer_positions(self.chunk):
+            x = yield from self._layer(model.layer_calls[position], _leaf(x), rope, position in recomputed)
         # through the model's forward, so that its hooks see where each backward starts
+        if not model.stage.chunks[self.chunk].last:   # its output goes to the next stage
+            self.output = model(hidden=x, head_only=True, chunk=self.chunk)
+            return
+        self.hidden = _leaf(x)
         self.loss_sum = self.loss.add(model(hidden=self.hidden, labels=mb["labels"], loss_mask=mb["loss_mask"],
-                                            head_only=True))
+                                            head_only=True, chunk=self.chunk))
 
-    def backward(self) -> Pass:
-        self.loss.backward(self.loss_sum)
-        grad = self.hidden.grad
+    def backward(self, grad: Optional[torch.Tensor] = None) -> Pass:
+        """From the loss, or from ``grad``, the next stage's gradient of ``output``."""
+        if grad is None:
+            self.loss.backward(self.loss_sum)
+            grad = self.hidden.grad
         while self.tape:
             grad = yield from self.tape.pop()(grad)
-        _backward([self.embedded], [grad])
+        if self.embedded is not None:
+            _backward([self.embedded], [grad])
+        else:
+            self.input_grad = grad
         self.shared.accumulate(self.aliases)
 
     def _layer(self, layer, x: torch.Tensor, rope, recompute: bool):
@@ -286,24 +304,3 @@ def _take_turns(first: Pass, second: Pass) -> None:
 def _run(one: Pass) -> None:
     for _ in one:
         pass
-
-
-def forward_backward_overlapped_a2a(model, microbatches: List[dict], ps, *, loss_scale: float = 1.0,
-                                    on_backward_scale: BackwardScaleHook = None) -> torch.Tensor:
-    """Gradient accumulation on one stage (as ``forward_backward_no_pipelining``; training steps
-    only: evaluation has no backward to overlap with), the forward of micro-batch i+1 taking turns
-    with the backward of micro-batch i at their all-to-alls."""
-    if not microbatches:
-        raise ValueError("a step needs at least one micro-batch")
-    announce_backward_scale(on_backward_scale, loss_scale, len(microbatches), False)
-    loss, shared = TokenMeanLoss(microbatches, ps, loss_scale), _SharedWeights(model)
-    previous = None
-    for mb in microbatches:
-        current = _MicroBatch(model, mb, loss, shared)
-        if previous is None:
-            _run(current.forward())
-        else:
-            _take_turns(current.forward(), previous.backward())
-        previous = current
-    _run(previous.backward())
-    return loss.share()

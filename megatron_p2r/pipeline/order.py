@@ -20,6 +20,18 @@ model chunk; chunk c of pipeline rank p is virtual stage c*P + p (v = 1: chunk 0
   group instead of P (for m a multiple of P: Megatron's schedule exactly). ``simulate`` checks
   such schedules for deadlocks in the tests, and the bubble it leaves is what the planner reports.
 
+- the combined 1F1B of ``--overlap-moe-expert-parallel-comm`` (Megatron-LM's
+  ``combined_1f1b_schedule_for_interleaved_pipelining``): after its warm-up forwards a rank runs
+  *steps* that each pair the forward of one (micro-batch, chunk) with the backward of another,
+  the two taking turns at their expert all-to-alls (``a2a_pipelined.py``). A step's two inputs
+  must come from the neighbours' *previous* steps, or the stages serialize (each waiting for its
+  neighbour's whole step): rank p warms up with 2(P-p-1) + (v-1)G + 1 chunk forwards (the
+  interleaved warm-up, + 1 as Megatron adds for the combined schedule), step t pairs the t-th
+  forward of the interleaved table with the (t - warm-up)-th backward and runs at tick t + p,
+  one tick after what it receives (``combined_steps``; for m >= P). Without interleaving rank p
+  holds 2(P-p)-1 micro-batches in flight instead of P-p (a step's pair counted once); P = 1 is
+  the one-stage overlap, F(i+1) with B(i).
+
 Every schedule back-propagates each chunk's micro-batches in micro-batch order, so a parameter
 accumulates its gradient in the same order under all of them.
 """
@@ -169,6 +181,93 @@ def simulate(schedule: str, pp: int, chunks: int, microbatches: int, forward_tim
         for _, msg in sent_by(op, pp, chunks, r):
             ready[msg] = end
     return done
+
+
+def combined_warmup(pp: int, chunks: int, microbatches: int, rank: int) -> int:
+    """Chunk forwards ``rank`` runs alone before its first combined step: Megatron-LM's
+    interleaved warm-up 2(P-p-1) + (v-1)G (G: the largest micro-batch group, ``warmup_forwards``),
+    + 1 for the combined schedule; at most every forward of the step."""
+    group = max(len(g) for g in microbatch_groups(microbatches, pp))
+    return min(2 * (pp - rank - 1) + (chunks - 1) * group + 1, microbatches * chunks)
+
+
+# One step of the combined schedule: (its forward, its backward), either may be None.
+Step = Tuple[Optional[Op], Optional[Op]]
+
+
+def combined_ticks(pp: int, chunks: int, microbatches: int, rank: int) -> List[Tuple[int, Step]]:
+    """(tick, step) of the combined 1F1B steps of ``rank``: step t runs the t-th forward of
+    ``forward_table`` with the (t - warm-up)-th backward (the table's entry, chunk mirrored) at
+    tick t + rank; empty ticks (m below the warm-up) are left out."""
+    table = forward_table(microbatches, pp, chunks)
+    warmup = 2 * (pp - rank - 1) + (chunks - 1) * max(len(g) for g in microbatch_groups(microbatches, pp)) + 1
+    steps = []
+    for t in range(len(table) + warmup):
+        forward = Op(FORWARD, *table[t]) if t < len(table) else None
+        k = t - warmup
+        backward = Op(BACKWARD, table[k][0], chunks - 1 - table[k][1]) if 0 <= k < len(table) else None
+        if forward is not None or backward is not None:
+            steps.append((t + rank, (forward, backward)))
+    return steps
+
+
+def combined_steps(pp: int, chunks: int, microbatches: int, rank: int) -> List[Step]:
+    """The combined 1F1B steps of ``rank``, in order (``combined_ticks``)."""
+    return [step for _, step in combined_ticks(pp, chunks, microbatches, rank)]
+
+
+def step_ops(step: Step) -> List[Op]:
+    """A combined step as ops, in the order its receives and sends are issued: the backward
+    first, so that counting the forwards awaiting their backward (``max_outstanding``) counts a
+    step's pair once (its forward fills layers from the first while its backward frees them from
+    the last)."""
+    forward, backward = step
+    return [op for op in (backward, forward) if op is not None]
+
+
+def combined_ops(pp: int, chunks: int, microbatches: int, rank: int) -> List[Op]:
+    """``rank``'s combined steps as one op order (what its p2p link and the planner read)."""
+    return [op for step in combined_steps(pp, chunks, microbatches, rank) for op in step_ops(step)]
+
+
+def simulate_combined(pp: int, chunks: int, microbatches: int, forward_time: float = 1.0,
+                      backward_time: float = 2.0) -> List[List[Tuple[Step, float, float]]]:
+    """(step, start, end) of every combined step of every rank, each starting once its rank's
+    previous step ended and its inputs were sent (at the end of the neighbours' steps), and
+    lasting its forward plus its backward (the all-to-alls hide, the compute does not; a chunk's
+    forward takes ``forward_time / chunks``). Raises RuntimeError when the steps deadlock."""
+    steps = [combined_steps(pp, chunks, microbatches, r) for r in range(pp)]
+    ready: Dict[Message, float] = {}
+    done: List[List[Tuple[Step, float, float]]] = [[] for _ in range(pp)]
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(pp):
+            while len(done[r]) < len(steps[r]):
+                ops = step_ops(steps[r][len(done[r])])
+                wanted = [w[0] for w in (input_of(op, pp, chunks, r) for op in ops) if w is not None]
+                if any(w not in ready for w in wanted):
+                    break
+                start = max([done[r][-1][2] if done[r] else 0.0] + [ready[w] for w in wanted])
+                end = start + sum(forward_time if op.kind == FORWARD else backward_time for op in ops) / chunks
+                done[r].append((steps[r][len(done[r])], start, end))
+                for op in ops:
+                    for _, msg in sent_by(op, pp, chunks, r):
+                        ready[msg] = end
+                progressed = True
+    stuck = [r for r in range(pp) if len(done[r]) < len(steps[r])]
+    if stuck:
+        raise RuntimeError(f"the combined schedule with P={pp}, v={chunks} deadlocks: ranks {stuck} wait")
+    return done
+
+
+@functools.lru_cache(maxsize=8)
+def combined_step_slots(pp: int, chunks: int, microbatches: int) -> float:
+    """``step_slots`` of the combined 1F1B schedule: with uniform stages a step lasts as long as
+    1F1B's, m + P - 1 slots (the longer warm-up fills the same pipeline; interleaved, m + (P-1)/v
+    for m >= P)."""
+    timeline = simulate_combined(pp, chunks, microbatches, 1.0 / 3, 2.0 / 3)
+    return max(end for rank in timeline for _, _, end in rank)
 
 
 @functools.lru_cache(maxsize=8)   # the planner's phases share it; P=64 x m=512 walks 65,536 ops

@@ -57,6 +57,15 @@ def check_spec(t: torch.Tensor, spec: Spec, what: str) -> None:
                            f"allocates {dtype} {tuple(shape)} (model.hidden_spec) to receive it")
 
 
+def deallocate_output(out: torch.Tensor) -> None:
+    """Free the data of a stage output that was sent to the next stage, keeping its autograd
+    graph for the backward (Megatron-LM's ``deallocate_output_tensor``): the storage itself is
+    released with the send's buffer (``StageLink``)."""
+    if out._base is not None:
+        raise RuntimeError("pipeline: a stage's output is a view of another tensor; freeing it would free nothing")
+    out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
+
+
 def _what(message: Message) -> str:
     kind = "activation to send forward" if message.kind == FORWARD else "gradient to send backward"
     return f"{kind} (micro-batch {message.microbatch}, virtual stage {message.stage})"

@@ -7,8 +7,9 @@ give bitwise equal gradients (equal to no-pipelining up to the order of cross-st
 pseudo slot called by two chunks of a rank accumulates their contributions in schedule order).
 
 - ``forward_backward_no_pipelining``: gradient accumulation on one stage (PP=1);
-  ``a2a_overlap.forward_backward_overlapped_a2a`` the same with the expert all-to-alls of one
-  micro-batch overlapped with another's compute (--overlap-moe-expert-parallel-comm);
+  ``a2a_pipelined.forward_backward_combined_1f1b`` the 1F1B schedule (or, on one stage, that)
+  with the expert all-to-alls of one micro-batch overlapped with another's compute
+  (--overlap-moe-expert-parallel-comm);
 - ``forward_backward_gpipe``: all forwards, then all backwards (holds m activations);
 - ``forward_backward_1f1b``: PipeDream-flush — stage s runs P-s-1 warm-up forwards, then
   alternates one forward and one backward, then drains (holds at most P-s activations);
@@ -37,9 +38,9 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from megatron_p2r.parallel.state import ParallelState
-from megatron_p2r.pipeline.a2a_overlap import forward_backward_overlapped_a2a
+from megatron_p2r.pipeline.a2a_pipelined import forward_backward_combined_1f1b
 from megatron_p2r.pipeline.order import FORWARD, Op, input_of, pipeline_ops, sent_by
-from megatron_p2r.pipeline.p2p import StageLink
+from megatron_p2r.pipeline.p2p import StageLink, deallocate_output
 from megatron_p2r.pipeline.token_loss import BackwardScaleHook, TokenMeanLoss, announce_backward_scale
 from megatron_p2r.pipeline.transfers import Transfers, transfers
 
@@ -88,15 +89,6 @@ def forward_backward_no_pipelining(model, microbatches: List[dict], ps: Parallel
                 loss.backward(loss_sum)
         timer.inflight(0 if forward_only else 1)
     return loss.share()
-
-
-def deallocate_output(out: torch.Tensor) -> None:
-    """Free the data of a stage output that was sent to the next stage, keeping its autograd
-    graph for the backward (Megatron-LM's ``deallocate_output_tensor``): the storage itself is
-    released with the send's buffer (``p2p.py``)."""
-    if out._base is not None:
-        raise RuntimeError("pipeline: a stage's output is a view of another tensor; freeing it would free nothing")
-    out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
 
 
 def backward_from(out: torch.Tensor, grad: torch.Tensor) -> None:
@@ -237,10 +229,15 @@ def get_forward_backward_func(ps: ParallelState, schedule: str = "1f1b", *, num_
     (``ParallelPlan.num_model_chunks``: interleaving) the interleaved 1F1B schedule, whose
     receives ``overlap_p2p_comm`` (``--overlap-p2p-communication``) posts one op ahead: as in
     Megatron-LM, only the interleaved schedule overlaps. ``overlap_moe_comm``
-    (``--overlap-moe-expert-parallel-comm``, one stage, training steps) overlaps the expert
-    all-to-alls (``a2a_overlap.py``)."""
+    (``--overlap-moe-expert-parallel-comm``, training steps) overlaps the expert all-to-alls in
+    the combined 1F1B schedule (``a2a_pipelined.py``: 1F1B, interleaved or not, or one stage)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"--pipeline-schedule {schedule!r}: expected one of {sorted(SCHEDULES)}")
+    if overlap_moe_comm:
+        if ps.pp_size > 1 and schedule != "1f1b":
+            raise ValueError(f"--overlap-moe-expert-parallel-comm with pipeline parallelism runs the combined 1F1B "
+                             f"schedule: it needs --pipeline-schedule 1f1b (have {schedule})")
+        return forward_backward_combined_1f1b
     if num_model_chunks > 1:
         if ps.pp_size == 1 or schedule != "1f1b":
             raise ValueError(f"{num_model_chunks} model chunks per rank need the interleaved 1F1B schedule: "
@@ -248,6 +245,4 @@ def get_forward_backward_func(ps: ParallelState, schedule: str = "1f1b", *, num_
                              f"{schedule}, {ps.pp_size})")
         interleaved = forward_backward_pipelining_with_interleaving
         return functools.partial(interleaved, overlap_p2p_comm=True) if overlap_p2p_comm else interleaved
-    if ps.pp_size == 1:
-        return forward_backward_overlapped_a2a if overlap_moe_comm else forward_backward_no_pipelining
-    return SCHEDULES[schedule]
+    return forward_backward_no_pipelining if ps.pp_size == 1 else SCHEDULES[schedule]

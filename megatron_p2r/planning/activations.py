@@ -13,17 +13,16 @@ Korthikanti et al. 2022 (``korthikanti_layer_bytes``).
 """
 from __future__ import annotations
 
-import functools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple
 
-from megatron_p2r.config import Config, num_microbatches
+from megatron_p2r.config import Config
 from megatron_p2r.layout.plan import ParallelPlan, StagePlan
 from megatron_p2r.parallel.cross_entropy import chunk_tokens
-from megatron_p2r.pipeline.order import Op, max_outstanding, pipeline_ops
-from megatron_p2r.pipeline.transfers import every_link_buffers
+from megatron_p2r.pipeline.order import max_outstanding
+from megatron_p2r.planning.schedule import stage_schedule
 
 
 @dataclass
@@ -334,7 +333,7 @@ def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, chunk: int = 
     calls = Counter(part.layer_keys)
     per = {k: layer_activations(cfg, k, tp, ep, device_type=device_type, sequence_parallel=sp) for k in calls}
     # Always kept: rope tables, the embedding's indices. Not the chunk's output: the schedule
-    # frees it once sent (pipeline.schedules.deallocate_output); on the last stage it is the
+    # frees it once sent (pipeline.p2p.deallocate_output); on the last stage it is the
     # final norm's saved input, counted in ``head``.
     common = 0
     if m.position_embedding_type == "rope":
@@ -352,25 +351,6 @@ def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, chunk: int = 
         shared += a * (m.padded_vocab_size // tp) * m.hidden_size
     return StageActivations(held=common + head + sum(per[k].held * c for k, c in calls.items()), head=head,
                             layers=per, head_fwd=head_fwd, head_bwd=head_bwd, shared_grads=shared)
-
-
-def stage_schedule(cfg: Config, plan: ParallelPlan, stage: int) -> Tuple[Tuple[Op, ...], Tuple[int, ...]]:
-    """The forwards and backwards a rank of ``stage`` runs in one step, and the p2p buffers its
-    link holds during each (``pipeline.order``, ``pipeline.transfers``; with receives posted one
-    op ahead under --overlap-p2p-communication)."""
-    layout = plan.layout
-    schedule = cfg.parallel.pipeline_schedule if layout.pp > 1 else "1f1b"
-    return _schedules(schedule, layout.pp, plan.num_model_chunks, num_microbatches(cfg, layout.world_size),
-                      cfg.parallel.overlaps_p2p(cfg.model.num_layers))[stage]
-
-
-@functools.lru_cache(maxsize=8)
-def _schedules(schedule: str, pp: int, chunks: int, microbatches: int,
-               posted_ahead: bool) -> Tuple[Tuple[Tuple[Op, ...], Tuple[int, ...]], ...]:
-    """Every stage's ops and link buffers, computed together (each stage's depends on all)."""
-    all_ops = [pipeline_ops(schedule, pp, chunks, microbatches, r) for r in range(pp)]
-    buffers = every_link_buffers(all_ops, pp, chunks, posted_ahead)
-    return tuple((tuple(ops), tuple(b)) for ops, b in zip(all_ops, buffers, strict=True))
 
 
 def with_recompute(cfg: Config, granularity: Optional[str]) -> Config:

@@ -11,7 +11,7 @@ from megatron_p2r.layout import offload as offload_choice
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Layout
 from megatron_p2r.metrics import model_flops_per_token
-from megatron_p2r.pipeline.order import step_slots
+from megatron_p2r.pipeline.order import combined_step_slots, combined_warmup, step_slots
 from megatron_p2r.planning.activations import activation_memory, recomputed_positions, with_recompute
 from megatron_p2r.planning.checkpoint_cost import FS_WRITE_BW, Bandwidths, checkpoint_cost
 from megatron_p2r.planning.communication import communication
@@ -157,19 +157,21 @@ def exposed_p2p(p2p: float, compute: float) -> float:
     return max(p2p / 2 - compute / 3, 0.0) + max(p2p / 2 - 2 * compute / 3, 0.0)
 
 
-def exposed_ep(ep: float, compute: float, microbatches: int, recomputed: float = 0.0) -> float:
+def exposed_ep(ep: float, compute: float, microbatches: int, unpaired: float = 1,
+               recomputed: float = 0.0) -> float:
     """The part of a micro-batch's expert all-to-alls (``ep`` seconds, half in its forward, half
-    in its backward) a step waits for, per micro-batch, when the forward of micro-batch i+1 runs
-    with the backward of micro-batch i (--overlap-moe-expert-parallel-comm): the forward's
-    all-to-alls travel under the other micro-batch's backward, the backward's under its forward,
-    and what outlasts them is exposed; the first forward and the last backward have nothing to
-    hide under. The forward is 1/3 of ``compute`` and the backward 2/3, or with a share
-    ``recomputed`` of the layers recomputed in full, whose backward runs their forward again,
-    1/(3 + recomputed) and the rest (the recomputed all-to-alls' results are kept: ``ep`` is
-    still one forward's and one backward's)."""
+    in its backward) a step waits for, per micro-batch, when the forward of one micro-batch runs
+    with the backward of another (--overlap-moe-expert-parallel-comm): the forward's all-to-alls
+    travel under the other micro-batch's backward, the backward's under its forward, and what
+    outlasts them is exposed; the ``unpaired`` warm-up forwards and as many cool-down backwards
+    have nothing to hide under (one of each on one stage; the combined 1F1B warm-up,
+    ``order.combined_warmup``, under pipeline parallelism). The forward is 1/3 of ``compute`` and
+    the backward 2/3, or with a share ``recomputed`` of the layers recomputed in full, whose
+    backward runs their forward again, 1/(3 + recomputed) and the rest (the recomputed
+    all-to-alls' results are kept: ``ep`` is still one forward's and one backward's)."""
     forward = compute / (3 + recomputed)
     paired = max(ep / 2 - (compute - forward), 0.0) + max(ep / 2 - forward, 0.0)
-    return (ep + (microbatches - 1) * paired) / microbatches
+    return (unpaired * ep + (microbatches - unpaired) * paired) / microbatches
 
 
 def overlapped_optimizer_time(device_step: float, host_step: float, layer_keys: Sequence[int],
@@ -230,8 +232,12 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     tp_t, ep_t, pp_t = (link_time(comm[k], gpu) / mbs for k in ("tp", "ep", "pp"))
     transfer = off["moved_per_microbatch"] / gpu.host_bw
     overlap_p2p, overlap_ep = cfg.parallel.overlaps_p2p(cfg.model.num_layers), cfg.parallel.overlap_moe_expert_parallel_comm
-    recomputed = len(recomputed_positions(cfg, plan.stage(stage), off["recomputed"])) / len(plan.stage(stage).layer_keys)
-    ep_exposed = exposed_ep(ep_t, compute + tp_t, mbs, recomputed) if overlap_ep else ep_t
+    if overlap_ep:   # the combined warm-up's chunk forwards, in micro-batches
+        unpaired = combined_warmup(layout.pp, plan.num_model_chunks, mbs, stage) / plan.num_model_chunks
+        recomputed = len(recomputed_positions(cfg, plan.stage(stage), off["recomputed"])) / len(plan.stage(stage).layer_keys)
+        ep_exposed = exposed_ep(ep_t, compute + tp_t, mbs, unpaired, recomputed)
+    else:
+        ep_exposed = ep_t
     pp_exposed = exposed_p2p(pp_t, compute + tp_t + ep_exposed) if overlap_p2p else pp_t
     mb_time = max(compute + tp_t + ep_exposed, transfer) + pp_exposed
     sync = _exposed_sync(cfg, plan, stage, sum(link_time(comm[k], gpu) for k in ("dp", "expert_dp", "embedding",
@@ -304,7 +310,10 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
     problems += [_overflow_problem(est, layout, gpu) for est in stages if est.overflow]
     mbs, gbs = num_microbatches(cfg, world_size), global_batch_size(cfg, world_size)
     schedule = cfg.parallel.pipeline_schedule if layout.pp > 1 else "1f1b"
-    slots = step_slots(schedule, layout.pp, plan.num_model_chunks, mbs)
+    if cfg.parallel.overlap_moe_expert_parallel_comm:
+        slots = combined_step_slots(layout.pp, plan.num_model_chunks, mbs)
+    else:
+        slots = step_slots(schedule, layout.pp, plan.num_model_chunks, mbs)
     breakdown = {"pipeline": slots * max(t for _, t in estimates),
                  "grad_sync": max(s.time_s["grad_sync"] for s in stages),
                  "optimizer": max(s.time_s["optimizer"] for s in stages)}

@@ -42,6 +42,8 @@ def _steps(cfg, ps):
     seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, ps.device)
     grads = {}
     losses, state = run_steps(cfg, ps, STEPS, after_step=keep_first_step_grads(grads))
+    # each backward the data-parallel hooks saw start (--overlap-grad-reduce starts the buckets in the last)
+    grads["backwards seen by the hooks"] = torch.tensor(state.ddp._backwards.get(0, 0))
     return losses, grads, {n: p.detach().clone() for n, p in state.model.named_parameters()}
 
 
@@ -133,3 +135,34 @@ def held_after_forward(rank: int, world: int) -> dict:
         est = activations.activation_memory(cfg, ParallelPlan.build(cfg, ps.layout), 0, device_type="cpu")
         out[name] = {"held": held, "planned": est["held_per_microbatch"]}
     return out
+
+
+    return {"tp2/sequence-parallel": compare(moe_model(tp=2, ep=2, global_batch_size=12, sequence_parallel=True,
+                                                       swiglu=True), ps)}
+
+
+def pp2_world4(rank: int, world: int) -> dict:
+    """PP=2 x EP=2 (DP=2), 6 micro-batches per rank, 2 layers per stage: the combined 1F1B schedule
+    (pipeline/a2a_pipelined.py) against the serial 1F1B one. Tied embeddings span the two
+    stages (the last stage's output layer is a replica summed over the embedding group)."""
+    ps = make_state(Layout(pp=2, dp=2, ep=2))
+    common = dict(pp=2, ep=2, global_batch_size=24)
+    return {
+        "dropless/tied/dropout": compare(moe_model(**common, hidden_dropout=0.1), ps),
+        "capacity-drops/untied/overlap-grad-reduce": compare(
+            moe_model(**common, moe_capacity_factor=0.5, swiglu=True, untie_embeddings_and_output_weights=True,
+                      overlap_grad_reduce=True, ddp_bucket_size=2000), ps),
+        "pseudo-shared/tied": compare(moe_model(**common, p2r_phase="pseudo", share_pattern="all"), ps),
+        "fp16/loss-scale": compare(moe_model(**common, fp16=True), ps),
+        "dense-and-moe/recompute-selective": compare(moe_model(**common, moe_layer_freq=2,
+                                                               recompute_activations=True), ps),
+        "2-microbatches": compare(moe_model(**{**common, "global_batch_size": 8}), ps),   # below stage 0's warm-up
+        # full recomputation node by node (the serial 1F1B recomputes whole layers), every random draw on
+        "full-recompute/dropless/tied/draws": compare(moe_model(**common, **FULL1, **DRAWS), ps),
+        # v = 2 model chunks of one layer per rank, against the serial interleaved 1F1B
+        "interleaved/dropless/tied/dropout": compare(moe_model(**common, num_layers_per_virtual_pipeline_stage=1,
+                                                               hidden_dropout=0.1), ps),
+        "interleaved/pseudo-shared/overlap-grad-reduce": compare(
+            moe_model(**common, num_layers_per_virtual_pipeline_stage=1, p2r_phase="pseudo", share_pattern="all",
+                      overlap_grad_reduce=True, ddp_bucket_size=2000), ps),
+    }

@@ -7,7 +7,8 @@ MoE ones, selective recomputation; full recomputation (whole layers in the seria
 by node in the overlapped one) with dropout and router jitter, whose draws each recomputed node
 replays; and TP=2 x EP=2 with sequence parallelism (4 ranks), also with full recomputation. And
 the all-to-alls do overlap: two are in flight at once. What a recomputed micro-batch holds is
-the planner's count. The flag's rules are checked on the config."""
+the planner's count. The flag's rules are checked on the config
+(pipeline parallelism: tests/moe/test_a2a_pipelined.py)."""
 from __future__ import annotations
 
 import pytest
@@ -73,7 +74,9 @@ def test_overlapped_schedule_is_bitwise_the_serial_one_under_tp_and_sequence_par
 
 @pytest.mark.parametrize("overrides, expected", [
     (dict(ep=1), "--expert-model-parallel-size > 1"),
-    (dict(ep=2, pp=2), "--pipeline-model-parallel-size 1"),
+    (dict(ep=2, pp=2, pipeline_schedule="gpipe"), "--pipeline-schedule 1f1b"),
+    (dict(ep=2, pp=2, num_layers_per_virtual_pipeline_stage=1, overlap_p2p_communication=True),
+     "--no-overlap-p2p-communication"),
     (dict(ep=2, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
      "--recompute-method uniform --recompute-num-layers 1 or --recompute-method block"),
     (dict(ep=2, compile=True), "--compile"),
@@ -88,3 +91,9 @@ def test_flag_rules(overrides, expected):
 def test_full_recomputation_one_layer_per_unit_is_accepted(method, layers):
     cfg = moe_model(ep=2, recompute_granularity="full", recompute_method=method, recompute_num_layers=layers)
     validate(cfg.replace(overlap_moe_expert_parallel_comm=True), world_size=4)
+
+
+def test_pipeline_parallelism_is_allowed_with_1f1b():
+    validate(moe_model(ep=2, pp=2).replace(overlap_moe_expert_parallel_comm=True), world_size=4)
+    validate(moe_model(ep=2, pp=2, num_layers_per_virtual_pipeline_stage=1, overlap_p2p_communication=False)
+             .replace(overlap_moe_expert_parallel_comm=True), world_size=4)

@@ -23,6 +23,7 @@ import pytest
 
 from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.state import Layout, ParallelState
+from megatron_p2r.pipeline.a2a_pipelined import forward_backward_combined_1f1b
 from megatron_p2r.pipeline.schedules import (forward_backward_1f1b, forward_backward_gpipe,
                                              forward_backward_no_pipelining,
                                              forward_backward_pipelining_with_interleaving, get_forward_backward_func)
@@ -253,6 +254,12 @@ def test_get_forward_backward_func():
         get_forward_backward_func(pp2, "zb")
     with pytest.raises(ValueError, match="2 model chunks per rank need the interleaved 1F1B schedule"):
         get_forward_backward_func(pp2, "gpipe", num_model_chunks=2)
+    # --overlap-moe-expert-parallel-comm: the combined 1F1B schedule, on one stage and interleaved too
+    for ps, chunks in ((ParallelState.single(), 1), (pp2, 1), (pp2, 2)):
+        assert get_forward_backward_func(ps, "1f1b", num_model_chunks=chunks,
+                                         overlap_moe_comm=True) is forward_backward_combined_1f1b
+    with pytest.raises(ValueError, match="needs --pipeline-schedule 1f1b"):
+        get_forward_backward_func(pp2, "gpipe", overlap_moe_comm=True)
 
 
 def test_a_chunked_model_under_a_plain_schedule_fails():
