@@ -9,6 +9,7 @@ from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.random import seed_everything
 from megatron_p2r.parallel.state import Layout
 from megatron_p2r.pipeline import a2a_overlap
+from megatron_p2r.pipeline.p2p import deallocate_output
 from megatron_p2r.pipeline.token_loss import TokenMeanLoss
 from megatron_p2r.planning import activations
 from tests.helpers import keep_first_step_grads, random_microbatches, run_steps
@@ -141,6 +142,41 @@ def held_after_forward(rank: int, world: int) -> dict:
             else:
                 loss.backward(loss_sum)
         est = activations.activation_memory(cfg, ParallelPlan.build(cfg, ps.layout), 0, device_type="cpu")
+        out[name] = {"held": held, "planned": est["held_per_microbatch"]}
+    return out
+
+
+def pp2_held_after_forward(rank: int, world: int) -> dict:
+    """PP=2 x EP=2 (DP=2), 2 MoE layers per stage: bytes one micro-batch's forward on this stage
+    leaves for its backward, as the combined 1F1B schedule runs it (a stage after the first
+    starts from the received activation, a stage before the last frees its sent output), with
+    full recomputation and without, and the planner's count for the stage."""
+    from tests.test_planning import AllocTracker
+    ps = make_state(Layout(pp=2, dp=2, ep=2))
+    out = {}
+    for name, recompute in (("full", FULL1), ("none", {})):
+        cfg = moe_model(pp=2, ep=2, global_batch_size=8, moe_capacity_factor=0.25,
+                        overlap_moe_expert_parallel_comm=True, **recompute)
+        seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, ps.device)
+        model = build_model(cfg, ps)
+        mb = random_microbatches(cfg, 1, cfg.train.micro_batch_size)[0]
+        shape = (cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.hidden_size)
+        loss = TokenMeanLoss([mb], ps, 1.0)
+        tracker = AllocTracker([*model.parameters(), *mb.values()])
+        with tracker:
+            received = torch.randn(shape, requires_grad=True) if ps.pp_rank > 0 else None   # the p2p buffer
+            one = a2a_overlap._MicroBatch(model, mb, loss, a2a_overlap._SharedWeights(model), received=received)
+            a2a_overlap._run(one.forward())
+            if one.output is not None:   # sent to the next stage
+                deallocate_output(one.output)
+            del received
+            tracker.held()
+            held = sum(st.nbytes() for st, allocated in list(tracker.seen.items()) if allocated)
+            grad = torch.randn(shape) if one.output is not None else None
+            if grad is not None:
+                one.output.data = grad
+            a2a_overlap._run(one.backward(grad))
+        est = activations.activation_memory(cfg, ParallelPlan.build(cfg, ps.layout), ps.pp_rank, device_type="cpu")
         out[name] = {"held": held, "planned": est["held_per_microbatch"]}
     return out
 
