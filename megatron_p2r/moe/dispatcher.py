@@ -49,6 +49,25 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, repeats: int = 1) -> tor
     return _GatherRows.apply(src, index, repeats)
 
 
+class _ScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, index):
+        ctx.save_for_backward(index)
+        return torch.empty_like(rows).index_copy_(0, index, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index), None
+
+
+def scatter_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Row i of ``rows`` to row ``index[i]`` (``index`` a permutation): the inverse of
+    ``gather_rows``. Backward needs only ``index``; autograd's ``index_copy`` keeps ``rows`` too (a
+    rows x h copy per MoE layer until backward)."""
+    return _ScatterRows.apply(rows, index)
+
+
 class _WeightedUnpermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, weights, order):
@@ -161,7 +180,7 @@ class Dispatcher:
     @staticmethod
     def unsorted(rows: torch.Tensor, handle: Exchange) -> torch.Tensor:
         """The inverse of ``sorted_by_expert``: back to the order the rows were received in."""
-        return torch.empty_like(rows).index_copy(0, handle.perm, rows)
+        return scatter_rows(rows, handle.perm)
 
     def dispatch(self, rows: torch.Tensor, counts: List[int]):
         """``rows`` sorted by global expert with ``counts`` per expert -> (rows of this rank's

@@ -9,6 +9,7 @@ from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.random import seed_everything
 from megatron_p2r.parallel.state import Layout
 from megatron_p2r.pipeline import a2a_overlap
+from megatron_p2r.pipeline.p2p import deallocate_output
 from megatron_p2r.pipeline.token_loss import TokenMeanLoss
 from megatron_p2r.planning import activations
 from tests.helpers import keep_first_step_grads, random_microbatches, run_steps
@@ -112,33 +113,72 @@ def world2_recompute(rank: int, world: int) -> dict:
 
 
 def held_after_forward(rank: int, world: int) -> dict:
-    """Bytes one micro-batch's overlapped forward leaves for its backward (beyond the weights
-    and the data), with the MoE layers recomputed node by node and without recomputation, and
-    the planner's count; a capacity every expert fills, as the planner's balanced routing."""
+    """Bytes one micro-batch's forward leaves for its backward (beyond the weights and the data),
+    and the planner's count: the overlapped forward with the MoE layers recomputed node by node
+    ("full") and without recomputation ("none"), and the serial forward ("serial", the flag off);
+    a capacity every expert fills, as the planner's balanced routing."""
     from tests.test_planning import AllocTracker
     ps = make_state(Layout(dp=2, ep=2))
     out = {}
-    for name, recompute in (("full", FULL1), ("none", {})):
-        cfg = moe_model(ep=2, global_batch_size=4, moe_capacity_factor=0.25, overlap_moe_expert_parallel_comm=True,
-                        **recompute)
+    for name, recompute, overlapped in (("full", FULL1, True), ("none", {}, True), ("serial", {}, False)):
+        cfg = moe_model(ep=2, global_batch_size=4, moe_capacity_factor=0.25,
+                        overlap_moe_expert_parallel_comm=overlapped, **recompute)
         seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, ps.device)
         model = build_model(cfg, ps)
         mb = random_microbatches(cfg, 1, cfg.train.micro_batch_size)[0]
-        one = a2a_overlap._MicroBatch(model, mb, TokenMeanLoss([mb], ps, 1.0), a2a_overlap._SharedWeights(model))
+        loss = TokenMeanLoss([mb], ps, 1.0)
+        one = a2a_overlap._MicroBatch(model, mb, loss, a2a_overlap._SharedWeights(model))
         tracker = AllocTracker([*model.parameters(), *mb.values()])
         with tracker:
-            a2a_overlap._run(one.forward())
+            if overlapped:
+                a2a_overlap._run(one.forward())
+            else:
+                loss_sum = loss.add(model(tokens=mb["tokens"], labels=mb["labels"], loss_mask=mb["loss_mask"]))
             tracker.held()   # collects garbage, waits for gloo to drop its buffers
             # by the storages' sizes now: a released send buffer is alive, with no bytes
             held = sum(st.nbytes() for st, allocated in list(tracker.seen.items()) if allocated)
-            a2a_overlap._run(one.backward())
+            if overlapped:
+                a2a_overlap._run(one.backward())
+            else:
+                loss.backward(loss_sum)
         est = activations.activation_memory(cfg, ParallelPlan.build(cfg, ps.layout), 0, device_type="cpu")
         out[name] = {"held": held, "planned": est["held_per_microbatch"]}
     return out
 
 
-    return {"tp2/sequence-parallel": compare(moe_model(tp=2, ep=2, global_batch_size=12, sequence_parallel=True,
-                                                       swiglu=True), ps)}
+def pp2_held_after_forward(rank: int, world: int) -> dict:
+    """PP=2 x EP=2 (DP=2), 2 MoE layers per stage: bytes one micro-batch's forward on this stage
+    leaves for its backward, as the combined 1F1B schedule runs it (a stage after the first
+    starts from the received activation, a stage before the last frees its sent output), with
+    full recomputation and without, and the planner's count for the stage."""
+    from tests.test_planning import AllocTracker
+    ps = make_state(Layout(pp=2, dp=2, ep=2))
+    out = {}
+    for name, recompute in (("full", FULL1), ("none", {})):
+        cfg = moe_model(pp=2, ep=2, global_batch_size=8, moe_capacity_factor=0.25,
+                        overlap_moe_expert_parallel_comm=True, **recompute)
+        seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, ps.device)
+        model = build_model(cfg, ps)
+        mb = random_microbatches(cfg, 1, cfg.train.micro_batch_size)[0]
+        shape = (cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.hidden_size)
+        loss = TokenMeanLoss([mb], ps, 1.0)
+        tracker = AllocTracker([*model.parameters(), *mb.values()])
+        with tracker:
+            received = torch.randn(shape, requires_grad=True) if ps.pp_rank > 0 else None   # the p2p buffer
+            one = a2a_overlap._MicroBatch(model, mb, loss, a2a_overlap._SharedWeights(model), received=received)
+            a2a_overlap._run(one.forward())
+            if one.output is not None:   # sent to the next stage
+                deallocate_output(one.output)
+            del received
+            tracker.held()
+            held = sum(st.nbytes() for st, allocated in list(tracker.seen.items()) if allocated)
+            grad = torch.randn(shape) if one.output is not None else None
+            if grad is not None:
+                one.output.data = grad
+            a2a_overlap._run(one.backward(grad))
+        est = activations.activation_memory(cfg, ParallelPlan.build(cfg, ps.layout), ps.pp_rank, device_type="cpu")
+        out[name] = {"held": held, "planned": est["held_per_microbatch"]}
+    return out
 
 
 def pp2_world4(rank: int, world: int) -> dict:

@@ -6,8 +6,8 @@ layers (weights read by several nodes), fp16 weights with the loss scale, dense 
 MoE ones, selective recomputation; full recomputation (whole layers in the serial schedule, node
 by node in the overlapped one) with dropout and router jitter, whose draws each recomputed node
 replays; and TP=2 x EP=2 with sequence parallelism (4 ranks), also with full recomputation. And
-the all-to-alls do overlap: two are in flight at once. What a recomputed micro-batch holds is
-the planner's count. The flag's rules are checked on the config
+the all-to-alls do overlap: two are in flight at once. What a micro-batch holds, recomputed
+node by node or not (and in the serial schedule), is the planner's count. The flag's rules are checked on the config
 (pipeline parallelism: tests/moe/test_a2a_pipelined.py)."""
 from __future__ import annotations
 
@@ -55,15 +55,36 @@ def test_recomputed_node_by_node_is_bitwise_the_serial_full_recomputation(world2
     assert_bitwise(world2_recompute, case)
 
 
-def test_recomputed_nodes_keep_their_inputs_and_the_all_to_all_results_as_the_planner_counts():
+@pytest.fixture(scope="module")
+def held():
+    return run_distributed(overlap_workers.held_after_forward, 2, timeout=300)
+
+
+# What the planner leaves out, the same in every case: per MoE layer that keeps its activations
+# the router's aux-loss terms (a [1, E] fp32 fraction and a scalar: 20 bytes here), and the
+# loss's two scalars. A recomputed layer keeps neither.
+UNCOUNTED = {"full": 8, "none": 4 * 20 + 8, "serial": 4 * 20 + 8}
+
+
+def test_recomputed_nodes_keep_their_inputs_and_the_all_to_all_results_as_the_planner_counts(held):
     """After one micro-batch's overlapped forward with full recomputation, what is held for its
     backward is what ``planning.activations`` counts, to the byte but for a scalar: per MoE
     layer its nodes' inputs and both all-to-alls' results, not the nodes' activations nor the
     rows it sent -- a third of what the schedule keeps without recomputation here."""
-    for rank, r in enumerate(run_distributed(overlap_workers.held_after_forward, 2, timeout=300)):
+    for rank, r in enumerate(held):
         full, none = r["full"], r["none"]
-        assert 0 <= full["held"] - full["planned"] <= 64, f"rank {rank}: {full}"
+        assert full["held"] - full["planned"] == UNCOUNTED["full"], f"rank {rank}: {full}"
         assert full["held"] < none["held"] / 3, f"rank {rank}: {r}"
+
+
+@pytest.mark.parametrize("case", ["none", "serial"])
+def test_a_micro_batch_without_recomputation_holds_what_the_planner_counts(held, case):
+    """Without recomputation a MoE layer cut at its all-to-alls keeps, beyond the serial layer's
+    activations, the rows of both all-to-alls on both sides (its nodes' outputs and the next
+    nodes' input leaves: ``cut_moe_layer_copies``); the serial layer (the flag off) keeps what
+    the planner counts without it (its unsorting saves only the permutation)."""
+    for rank, r in enumerate(held):
+        assert r[case]["held"] - r[case]["planned"] == UNCOUNTED[case], f"rank {rank}: {r[case]}"
 
 
 def test_overlapped_schedule_is_bitwise_the_serial_one_under_tp_and_sequence_parallel():
