@@ -145,10 +145,12 @@ def _node(device: torch.device, fn: Callable, *args):
     return tp_random.checkpoint(fn, *args, device=device)
 
 
-def _release(sent: torch.Tensor) -> None:
-    """Free the storage of rows a recomputed node sent, once they are received: checkpoint
-    dropped every tensor the node's graph saved, and its backward reads only their shape."""
-    sent.untyped_storage().resize_(0)
+def _release(rows: torch.Tensor) -> None:
+    """Free the storage of all-to-all rows no graph saved: the rows a node sent, once received
+    (its backward reads only their shape); without recomputation also the rows a node received,
+    once it has read them (its backward reads only their gradient). The cut layer then holds what
+    the serial layer holds, which frees each of these once the next op has read it."""
+    rows.untyped_storage().resize_(0)
 
 
 def _pre(layer, x: torch.Tensor, rope):
@@ -244,15 +246,17 @@ class _MicroBatch:
         dispatched = _Exchanged(routed.rows, handle.recv_splits, handle.send_splits, dispatcher.group)
         yield
         received = dispatched.result()
-        if recompute:
-            _release(routed.rows)
+        _release(routed.rows)
         expert_out = node(_experts, mlp, received, handle)
+        if not recompute:
+            _release(received)
         combined = _Exchanged(expert_out, handle.send_splits, handle.recv_splits, dispatcher.group)
         yield
         rows, residual_in, weights = combined.result(), _leaf(residual), _leaf(routed.weights)
-        if recompute:
-            _release(expert_out)
+        _release(expert_out)
         out = node(_post, layer, rows, residual_in, weights, routed)
+        if not recompute:
+            _release(rows)
         self.tape.append(functools.partial(self._moe_backward, _MoENodes(x, residual, routed, dispatched, expert_out,
                                                                         combined, residual_in, weights, out)))
         return out

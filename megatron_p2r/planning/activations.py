@@ -214,17 +214,6 @@ def cut_moe_layer_kept(cfg: Config, ns: int, n: int) -> int:
         2 * rows * m.hidden_size * compute_bytes(cfg)
 
 
-def cut_moe_layer_copies(cfg: Config, n: int) -> int:
-    """What a MoE layer cut at its all-to-alls and not recomputed keeps beyond the serial layer's
-    activations, in the overlapped expert schedule (pipeline/a2a_overlap.py, measured in
-    tests/moe/test_a2a_overlap.py): the rows of both all-to-alls on both sides -- the rows it
-    sent and the experts' output it sent back (its nodes' outputs, from which their backward
-    starts), the rows received and the combined rows (the next nodes' input leaves, which take
-    their gradients). The serial layer frees each once the next op has read it. Balanced routing."""
-    _, rows = moe_rows(cfg, n)
-    return 4 * rows * cfg.model.hidden_size * compute_bytes(cfg)
-
-
 def sinks_unmodelled(m, device_type: str) -> bool:
     """Whether this estimate cannot model the attention: the float mask of --softmax-type
     off-by-one/learnable (model/attention.py) makes SDPA run its math kernel on CPU, whose
@@ -438,8 +427,8 @@ def _chunk_memory(cfg: Config, plan: ParallelPlan, stage: int, chunk: int, offlo
     if cfg.parallel.overlap_moe_expert_parallel_comm:   # MoE layers cut at their all-to-alls
         ns, n = hidden_bytes // token_bytes(cfg), cfg.train.micro_batch_size * cfg.model.seq_length
         moe = {p for p in range(len(keys)) if cfg.model.is_moe_layer(keys[p])}
-        held += cut_moe_layer_kept(cfg, ns, n) * len(moe & (light - standalone))   # recomputed node by node
-        held += cut_moe_layer_copies(cfg, n) * len(moe - light)                    # not recomputed
+        # recomputed node by node; one not recomputed holds what the serial layer holds
+        held += cut_moe_layer_kept(cfg, ns, n) * len(moe & (light - standalone))
     fwd = st.head_fwd
     if light:   # a recomputed layer's no-grad forward
         fwd = max(fwd, 2 * max(st.layers[keys[p]].work for p in light))

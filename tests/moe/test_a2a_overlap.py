@@ -70,21 +70,22 @@ def test_recomputed_nodes_keep_their_inputs_and_the_all_to_all_results_as_the_pl
     """After one micro-batch's overlapped forward with full recomputation, what is held for its
     backward is what ``planning.activations`` counts, to the byte but for a scalar: per MoE
     layer its nodes' inputs and both all-to-alls' results, not the nodes' activations nor the
-    rows it sent -- a third of what the schedule keeps without recomputation here."""
+    rows it sent -- under half of what the schedule keeps without recomputation here."""
     for rank, r in enumerate(held):
         full, none = r["full"], r["none"]
         assert full["held"] - full["planned"] == UNCOUNTED["full"], f"rank {rank}: {full}"
-        assert full["held"] < none["held"] / 3, f"rank {rank}: {r}"
+        assert full["held"] < none["held"] / 2, f"rank {rank}: {r}"
 
 
 @pytest.mark.parametrize("case", ["none", "serial"])
 def test_a_micro_batch_without_recomputation_holds_what_the_planner_counts(held, case):
-    """Without recomputation a MoE layer cut at its all-to-alls keeps, beyond the serial layer's
-    activations, the rows of both all-to-alls on both sides (its nodes' outputs and the next
-    nodes' input leaves: ``cut_moe_layer_copies``); the serial layer (the flag off) keeps what
-    the planner counts without it (its unsorting saves only the permutation)."""
+    """Without recomputation a MoE layer cut at its all-to-alls keeps what the serial layer
+    keeps: the rows of its all-to-alls, sent and received, are freed once read, as the serial
+    layer frees them; the serial layer (the flag off) keeps what the planner counts (its
+    unsorting saves only the permutation). Both to the byte but for the aux-loss scalars."""
     for rank, r in enumerate(held):
         assert r[case]["held"] - r[case]["planned"] == UNCOUNTED[case], f"rank {rank}: {r[case]}"
+        assert r["none"]["held"] == r["serial"]["held"], f"rank {rank}: {r}"
 
 
 def test_overlapped_schedule_is_bitwise_the_serial_one_under_tp_and_sequence_parallel():
