@@ -98,9 +98,9 @@ class DelayedHostStep(HostStep):
 
     def wait(self, key=None) -> None:
         super().wait(key)
-        if key is None:
-            for k in list(self._computing):
-                self._computing.pop(k).result()
+        if key is None:   # the steps end; their writes stay pending (``flush`` writes them)
+            for step in self._computing.values():
+                step.result()
 
     def flush(self) -> None:
         self.backward_done()
