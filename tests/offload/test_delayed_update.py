@@ -153,6 +153,18 @@ def test_dp2_delayed_update_is_the_serial_step_applied_one_iteration_late():
     assert losses[0] == losses[1]
 
 
+def _pp2(rank, world):
+    kw = dict(pipeline_model_parallel_size=2, global_batch_size=8)
+    ps, _ = setup_parallel(tiny_config(**{**BASE, **kw}), torch.device("cpu"))
+    _bitwise(_dpu(ps, 4, **kw), _oracle(ps, 4, **kw))
+    return rank
+
+
+def test_pp2_delayed_update_is_the_serial_step_applied_one_iteration_late():
+    """1F1B over 8 micro-batches, one offloaded layer per stage."""
+    assert run_distributed(_pp2, 2) == [0, 1]
+
+
 def test_resume_is_bitwise(tmp_path):
     """2 steps, save (which writes the pending update into the weights), 2 more; or load that
     checkpoint into a fresh run and take the 2 more."""
