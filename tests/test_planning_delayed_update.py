@@ -53,6 +53,14 @@ def test_10t_real_lean_fits_192gib_with_r_below_1_3(capsys):
         {k: v for k, v in u["step_breakdown_s"].items() if k != "optimizer"}
 
 
+def test_the_plan_prints_the_delayed_update(capsys):
+    main([a for a in LEAN_10T if a != "--json"] + DPU)
+    out = capsys.readouterr().out
+    assert ("delayed parameter update (stage 0): optimizer step 70.19 s and weight write 11.70 s under the next "
+            "iteration, 6.60 s exposed; second gradient buffer 36.32 GiB per rank") in out
+    assert "r = 1.081" in out
+
+
 def test_the_flag_does_nothing_in_a_phase_without_offload(capsys):
     """Given on the command line it reaches the pseudo phase too, which offloads nothing."""
     assert _real(LEAN_10T, capsys)["plans"]["pseudo"] == _real(LEAN_10T + DPU, capsys)["plans"]["pseudo"]
