@@ -143,12 +143,16 @@ def test_slow_host_step_changes_no_weight_mid_iteration():
 
 def _dp2(rank, world):
     ps, _ = setup_parallel(tiny_config(**BASE), torch.device("cpu"))
-    dpu, oracle = _dpu(ps, 4), _oracle(ps, 4)
-    _bitwise(dpu, oracle)
-    return dpu["losses"]
+    losses = []
+    for kw in ({}, dict(overlap_grad_reduce=True)):
+        dpu = _dpu(ps, 4, **kw)
+        _bitwise(dpu, _oracle(ps, 4, **kw))
+        losses.append(dpu["losses"])
+    return losses
 
 
 def test_dp2_delayed_update_is_the_serial_step_applied_one_iteration_late():
+    """Buckets reduced after backward, and with --overlap-grad-reduce during it (then swapped)."""
     losses = run_distributed(_dp2, 2)
     assert losses[0] == losses[1]
 
