@@ -2,7 +2,7 @@
 model shape, the same data, schedule and fixed held-out set) once per optimizer setting and seed,
 each paired with AdamW's run of its seed.
 
-    python benchmarks/lean_optimizers.py [--iters 200] [--seeds 1 2 3] [--model wide=8x128]
+    python benchmarks/lean_optimizers.py [--iters 200] [--seeds 1 2 3] [--model wide=8x128] [--settings ...]
         [--data-path PREFIX|CORPUS.jsonl ...] [--work /tmp/lean_study]
 
 The corpus, held-out set and training options are the study's (``p2r_convergence.py --help``).
@@ -14,8 +14,11 @@ default relative step cap (lr 1e-2, decayed like AdamW's) with AdamW's weight de
 precision-aware settings are AdamW's run with one dtype lowered (``--use-precision-aware-optimizer``):
 both moments in bf16, the main gradients in bf16, and fp16 main parameters — which need 16-bit
 weights, so that one runs with ``--bf16`` weights, beside AdamW with ``--bf16`` weights and fp32
-mains (``adam-bf16``) to tell the two costs apart. Runs are saved under ``--work`` and not
-trained again when rerun.
+mains (``adam-bf16``) to tell the two costs apart. ``adam-bf16-offload-half`` offloads half the
+layers with the overlapped host step (the same math as ``adam-bf16``); ``...-dpu`` adds the
+one-step delayed parameter update (after its 40 undelayed warm-up steps), its gap taken against
+``adam-bf16-offload-half``'s seed. ``--settings`` runs a subset. Runs are saved under ``--work``
+and not trained again when rerun.
 """
 from __future__ import annotations
 
@@ -41,7 +44,14 @@ SETTINGS = {  # flags over AdamW's run, as functions of its learning rate and we
     "adam-bf16": lambda lr, wd: dict(bf16=True),
     "adam-bf16-fp16-main-params": lambda lr, wd: dict(bf16=True, use_precision_aware_optimizer=True,
                                                       main_params_dtype="fp16"),
+    "adam-bf16-offload-half": lambda lr, wd: dict(bf16=True, cpu_offload_layers="0.5",
+                                                  overlap_cpu_optimizer_d2h_h2d=True),
+    "adam-bf16-offload-half-dpu": lambda lr, wd: dict(bf16=True, cpu_offload_layers="0.5",
+                                                      overlap_cpu_optimizer_d2h_h2d=True,
+                                                      cpu_offload_delayed_param_update=True),
 }
+# the run each setting's gap is taken against, seed by seed (AdamW's unless named here)
+PAIRED_WITH = {"adam-bf16-offload-half-dpu": "adam-bf16-offload-half"}
 
 
 def final_losses(args, setting: str, seed: int) -> list:
@@ -59,6 +69,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="wide=8x128", metavar="NAME=LAYERSxHIDDEN", help="the model shape")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--work", default="/tmp/lean_study")
+    p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
+                   help="the settings to run (with the runs they pair with)")
     p.set_defaults(iters=200, eval_interval=50)
     args = p.parse_args(argv)
     try:
@@ -66,7 +78,8 @@ def main(argv=None) -> int:
         args.shapes = {args.model_name: shape}
         args.eval_interval = min(args.eval_interval, args.iters)
         args.corpus = p2r_corpus.prepare(args, os.path.join(args.work, "corpus"))
-        losses = {s: {seed: final_losses(args, s, seed) for seed in args.seeds} for s in SETTINGS}
+        wanted = {"adam"} | set(args.settings) | {PAIRED_WITH[s] for s in args.settings if s in PAIRED_WITH}
+        losses = {s: {seed: final_losses(args, s, seed) for seed in args.seeds} for s in SETTINGS if s in wanted}
     except (p2r_arms.ArmError, p2r_corpus.CorpusError, HeldOutTooSmall) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -78,8 +91,11 @@ def main(argv=None) -> int:
             mean, se = mean_se(values)
             cell = f"seed {seed}: {mean:.4f} ± {se:.4f}"
             if setting != "adam":
-                base = mean_se(losses["adam"][seed])[0]
-                cell += f" ({100 * (mean / base - 1):+.2f}% ± {100 * paired_se(values, losses['adam'][seed]) / base:.2f})"
+                baseline = PAIRED_WITH.get(setting, "adam")
+                paired = losses[baseline][seed]
+                base = mean_se(paired)[0]
+                cell += f" ({100 * (mean / base - 1):+.2f}% ± {100 * paired_se(values, paired) / base:.2f}" + \
+                    (f" to {baseline})" if baseline != "adam" else ")")
             cells.append(cell)
         print(f"  {setting:26s} " + "; ".join(cells))
     return 0

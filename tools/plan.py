@@ -355,6 +355,11 @@ def format_plans(plans: Dict[str, Plan]) -> str:
                          f"step {st.time_s['host_optimizer_from_nvme']:.2f} s ({st.time_s['host_optimizer_from_ram']:.2f} s from "
                          f"RAM), streaming it at "
                          f"{pl.nvme['bw'] / 1e9:.3g} GB/s per GPU")
+        if "host_optimizer_delayed_write" in t0:   # --cpu-offload-delayed-param-update
+            lines.append(f"   delayed parameter update (stage 0): optimizer step "
+                         f"{t0['optimizer'] + t0['host_optimizer_hidden']:.2f} s and weight write "
+                         f"{t0['host_optimizer_delayed_write']:.2f} s under the next iteration, {t0['optimizer']:.2f} s "
+                         f"exposed; second gradient buffer {_gib(pl.stages[0].host['grads_delayed'])} GiB per rank")
         if pl.days is not None:
             lines.append(f"   {pl.token_budget:.3g} tokens: {pl.days:.1f} days")
         lines += _checkpoint_lines(pl.checkpoint)

@@ -34,6 +34,15 @@ class OffloadConfig:
     cpu_offload_optimizer_nvme_path: Optional[str] = opt(None, "Directory on local NVMe for the offloaded layers' "
                                                                "fp32 mains and optimizer state (one memory-mapped "
                                                                "file per rank; DeepSpeed's offload_optimizer nvme_path).")
+    cpu_offload_delayed_param_update: bool = opt(False, "ZeRO-Offload's one-step delayed parameter update (DPU): "
+                                                        "the host step of iteration t runs during iteration t+1, "
+                                                        "whose offloaded layers still use the weights it started "
+                                                        "with; the new weights are used from iteration t+2. Needs "
+                                                        "--overlap-cpu-optimizer-d2h-h2d and 16-bit weights.")
+    cpu_offload_delayed_param_update_warmup_steps: int = opt(40, "Optimizer steps (skipped iterations not counted) "
+                                                                 "taken without delay before "
+                                                                 "--cpu-offload-delayed-param-update starts, as "
+                                                                 "ZeRO-Offload turns DPU on after its first steps.")
 
     def check(self, num_layers: int) -> None:
         """Each flag parses, and the budget comes with ``auto`` and only with it."""
@@ -41,6 +50,14 @@ class OffloadConfig:
         if self.overlap_cpu_optimizer_d2h_h2d and (self.cpu_offload_layers is None or "params" not in what):
             raise ConfigError("--overlap-cpu-optimizer-d2h-h2d overlaps the step of layers whose weights live on "
                               "host: it needs --cpu-offload-layers with --cpu-offload-what params,grads,optimizer")
+        # Without --cpu-offload-layers it delays nothing (a pseudo phase planned with its real phase's flags).
+        delayed = self.cpu_offload_delayed_param_update and self.cpu_offload_layers is not None
+        if delayed and not self.overlap_cpu_optimizer_d2h_h2d:
+            raise ConfigError("--cpu-offload-delayed-param-update delays the overlapped host step: it needs "
+                              "--overlap-cpu-optimizer-d2h-h2d")
+        if delayed and self.cpu_offload_optimizer_nvme_path is not None:
+            raise ConfigError("--cpu-offload-delayed-param-update is not supported with "
+                              "--cpu-offload-optimizer-nvme-path (the NVMe state reads ahead in the undelayed order)")
         if self.host_optimizer_threads != 1 and not self.overlap_cpu_optimizer_d2h_h2d:
             raise ConfigError("--host-optimizer-threads sets the threads of the overlapped host step: it needs "
                               "--overlap-cpu-optimizer-d2h-h2d")
@@ -143,4 +160,5 @@ def parse_layer_spec(spec: str, num_layers: int) -> LayerSpec:
 
 
 # Type and range of every numeric field (config/ranges.py).
-RANGES = {"offload_prefetch": at_least(0, LAYERS), "host_optimizer_threads": at_least(1, LAYERS)}
+RANGES = {"offload_prefetch": at_least(0, LAYERS), "host_optimizer_threads": at_least(1, LAYERS),
+          "cpu_offload_delayed_param_update_warmup_steps": at_least(0)}

@@ -48,6 +48,22 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.offload.overlap_cpu_optimizer_d2h_h2d and p.use_distributed_optimizer:
         raise ConfigError("--overlap-cpu-optimizer-d2h-h2d is not supported with --use-distributed-optimizer: the "
                           "all-gather of updated shards reads every weight right after the step")
+    _check_delayed_update(cfg)
+
+
+def _check_delayed_update(cfg: Config) -> None:
+    """--cpu-offload-delayed-param-update keeps last step's weights in use while the host step
+    updates the mains: the mains must be a copy of the weights, not the weights themselves."""
+    t = cfg.train
+    if not cfg.offload.cpu_offload_delayed_param_update or cfg.offload.cpu_offload_layers is None:
+        return
+    if not (t.bf16 or t.fp16):
+        raise ConfigError("--cpu-offload-delayed-param-update needs 16-bit weights (--bf16 or --fp16): fp32 weights "
+                          "are their own main parameters, which the delayed host step rewrites while the next "
+                          "iteration still reads them")
+    if t.fp16 and t.main_params_dtype == "fp16":
+        raise ConfigError("--cpu-offload-delayed-param-update is not supported with --fp16 and --main-params-dtype "
+                          "fp16: fp16 weights are then their own main parameters")
 
 
 def _check_moe_overlap(cfg: Config) -> None:

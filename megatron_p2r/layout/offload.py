@@ -106,6 +106,13 @@ def nvme_split(host: Dict[str, int], module_bytes: Dict[int, Dict[str, int]],
     return {**host, "optimizer": 0, "nvme_window": min(window, nvme)}, nvme
 
 
+def delayed_grads_bytes(module_bytes: Dict[int, Dict[str, int]], offloaded: Sequence[int]) -> int:
+    """The second gradient buffer of --cpu-offload-delayed-param-update: one more copy of the
+    offloaded modules' gradient buckets (padding included), where the next iteration accumulates
+    while the delayed host step reads the last one's (optim/delayed_update.py)."""
+    return sum(module_bytes[k]["grads"] for k in offloaded)
+
+
 def format_bytes(n: int) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:

@@ -6,7 +6,8 @@ step so the two overlap on CUDA, once the fetches that read the weights are done
 ``--cpu-offload-what optimizer`` only the moments do ("staged": ``optim.optimizer.StagedOptimizer``
 steps host copies). Under the distributed optimizer these are the rank's shards of them.
 ``--overlap-cpu-optimizer-d2h-h2d`` runs the host step on worker threads instead
-(``optim/host_step.py``), layer by layer in the order the forward fetches the layers.
+(``optim/host_step.py``), layer by layer in the order the forward fetches the layers;
+``--cpu-offload-delayed-param-update`` one iteration late (``optim/delayed_update.py``).
 ``--cpu-offload-optimizer-nvme-path`` keeps the host step's fp32 mains and state in a mapped file
 on local NVMe (``offload/nvme.py``).
 """
@@ -17,6 +18,7 @@ from typing import Dict, Optional
 from megatron_p2r.config import Config, host_step_starts_in_backward
 from megatron_p2r.offload.nvme import LayerByLayer, NvmeOptimizerState, NvmeStateFile, region_bytes
 from megatron_p2r.offload.runtime import OffloadManager
+from megatron_p2r.optim.delayed_update import DelayedHostStep
 from megatron_p2r.optim.host_step import HostStep
 from megatron_p2r.optim.mixed_precision import HostStepSettings, MixedPrecisionOptimizer
 
@@ -31,7 +33,11 @@ def overlapped_host_step(manager: OffloadManager, cfg: Config) -> Optional[HostS
     """How to overlap the host step (--overlap-cpu-optimizer-d2h-h2d), None without it."""
     if not cfg.offload.overlap_cpu_optimizer_d2h_h2d:
         return None
-    return HostStepSettings(manager.forward_layers, cfg.offload.host_optimizer_threads,
+    o = cfg.offload
+    if o.cpu_offload_delayed_param_update:   # the step has the next iteration: none starts in backward
+        return HostStepSettings(manager.forward_layers, o.host_optimizer_threads,
+                                delay_after=o.cpu_offload_delayed_param_update_warmup_steps)
+    return HostStepSettings(manager.forward_layers, o.host_optimizer_threads,
                             host_step_starts_in_backward(cfg.train, manager.model.layer_keys))
 
 
@@ -41,6 +47,7 @@ def finish_host_optimizer(optimizer: MixedPrecisionOptimizer, manager: OffloadMa
     host = optimizer.inner.get("host")
     if isinstance(host, HostStep):
         manager.step_done = host.wait
+        manager.delayed_update = isinstance(host, DelayedHostStep)
     if host is None or cfg.offload.cpu_offload_optimizer_nvme_path is None:
         return
     inner = host.inner if isinstance(host, HostStep) else host

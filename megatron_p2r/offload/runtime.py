@@ -26,7 +26,7 @@ from torch import nn
 from torch.func import functional_call
 
 from megatron_p2r.config import WHAT_ITEMS
-from megatron_p2r.layout.offload import add_bytes, format_bytes, memory_plan, nvme_split
+from megatron_p2r.layout.offload import add_bytes, delayed_grads_bytes, format_bytes, memory_plan, nvme_split
 from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.state import ParallelState
 
@@ -77,6 +77,7 @@ class OffloadManager:
         self.pending: "OrderedDict[tuple, tuple]" = OrderedDict()
         self.step_done: Callable[[int], None] = lambda key: None   # waits for a layer's overlapped host step
         self.nvme = None   # the optimizer state's mapped file (offload/nvme.py: --cpu-offload-optimizer-nvme-path)
+        self.delayed_update = False   # --cpu-offload-delayed-param-update: a second gradient buffer on host
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # live: fetched layers whose device copies still exist; peak_live per pass (instrumentation)
         self.stats = {"live": 0, "peak_live": {"forward": 0, "backward": 0}, "fetches": {"forward": 0, "backward": 0}}
@@ -185,6 +186,8 @@ class OffloadManager:
         if self.nvme is not None:   # --cpu-offload-optimizer-nvme-path: the host optimizer's bytes in the file
             plan["host"], plan["nvme"] = nvme_split(plan["host"], per_module, self.keys)
             plan["nvme_file"] = self.nvme.file.path
+        if self.delayed_update:
+            plan["host"]["grads_delayed"] = delayed_grads_bytes(per_module, self.keys)
         layers = [i for i, k in zip(self.model.stage.layers, self.model.layer_keys, strict=True) if k in self.module_params]
         return {**plan, "modules": list(self.keys), "layers": layers, "stage_layers": len(self.model.layer_keys),
                 "prefetch": self.prefetch, "what": ",".join(c for c in WHAT_ITEMS if c in self.what)}
@@ -196,5 +199,6 @@ def format_report(rank: int, report: dict) -> str:
             f"layers on host (layers {report['layers']}, modules {report['modules']}, prefetch {report['prefetch']}); "
             f"device: params {mib(d['params'])}, grads {mib(d['grads'])}, optimizer {mib(d['optimizer'])}, "
             f"fetch window {mib(d['fetch_window'])}; host: params {mib(h['params'])}, grads {mib(h['grads'])}, "
-            f"optimizer {mib(h['optimizer'])}" + (f", NVMe page cache {mib(h['nvme_window'])}; NVMe: optimizer "
+            f"optimizer {mib(h['optimizer'])}"
+            + (f", second grads (delayed update) {mib(h['grads_delayed'])}" if "grads_delayed" in h else "") + (f", NVMe page cache {mib(h['nvme_window'])}; NVMe: optimizer "
                                                   f"{mib(report['nvme'])} in {report['nvme_file']}" if "nvme" in report else ""))

@@ -5,8 +5,8 @@
 scaling, not before the global gradient norm is known: the clipping coefficient and the skip
 decision on a non-finite gradient depend on every gradient of the step, and the optimizers are
 not linear in their gradient, so no part of an update can be computed earlier and corrected
-later. ZeRO-Offload faces the same constraint (its "delayed parameter update" steps with the
-previous iteration's gradients instead, which changes training; not done here). Without either
+later. ZeRO-Offload faces the same constraint; its one-step delayed parameter update, which changes
+training, is ``optim/delayed_update.py`` (``--cpu-offload-delayed-param-update``). Without either
 (``--clip-grad 0`` with bf16 or fp32: ``early``, ``config.host_step_starts_in_backward``)
 nothing global gates the update, so a layer's step starts as soon as its gradients are final in
 the last micro-batch's backward: the DDP reports each bucket whose reduction has started
@@ -119,21 +119,38 @@ class HostStep:
         for ms in self.layers[key]:
             ms.grad.zero_()
 
-    def _step_layer(self, key: int, coeff: float, zero: bool = True) -> None:
+    def _step_layer(self, key: int, coeff: float, zero: bool = True, apply: bool = True,
+                    grads: Optional[List[torch.Tensor]] = None, view: Optional[torch.optim.Optimizer] = None) -> None:
+        """Step layer ``key`` on ``grads`` (default: its shards' gradients) with ``view`` (default:
+        its own); ``apply``: round the updated mains into the weights."""
         shards: Sequence = self.layers[key]
+        grads = [ms.grad for ms in shards] if grads is None else grads
         with torch.no_grad():
-            grads = [ms.grad for ms in shards]
             if coeff != 1.0:
                 torch._foreach_mul_(grads, coeff)
-            for ms in shards:
-                ms.main.grad = ms.grad
-            self.views[key].step()
-            for ms in shards:
+            for ms, grad in zip(shards, grads, strict=True):
+                ms.main.grad = grad
+            (view or self.views[key]).step()
+            for ms, grad in zip(shards, grads, strict=True):
                 ms.main.grad = None
+                if zero:
+                    grad.zero_()
+            if apply:
+                self._apply_layer(key)
+
+    def _apply_layer(self, key: int) -> None:
+        """The layer's weights become its mains (rounded to the weights' dtype)."""
+        with torch.no_grad():
+            for ms in self.layers[key]:
                 if not ms.aliases_param:
                     ms.param.data.view(-1)[ms.start:ms.end].copy_(ms.main.reshape(-1))
-                if zero:
-                    ms.grad.zero_()
+
+    def backward_done(self) -> None:
+        """The iteration no longer reads the weights (its backward is over); nothing to do here."""
+
+    def flush(self) -> None:
+        """Every update taken so far in the weights and the state (before a save, a load, the end)."""
+        self.wait()
 
     def check_finite(self, found_inf: bool) -> None:
         """A step whose gradients are not all finite would be skipped; one whose offloaded layers

@@ -29,6 +29,7 @@ from torch import nn
 from megatron_p2r.config import TrainConfig
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.optim.adafactor import Piece, SharedPieces
+from megatron_p2r.optim.delayed_update import DelayedHostStep
 from megatron_p2r.optim.host_step import HostStep
 from megatron_p2r.optim.optimizer import StagedOptimizer, make_optimizer, param_groups
 from megatron_p2r.parallel.ddp import DistributedDataParallel
@@ -48,6 +49,7 @@ class HostStepSettings:
     layers: Dict[int, set]
     threads: int = 1
     early: bool = False
+    delay_after: Optional[int] = None   # --cpu-offload-delayed-param-update: its warm-up steps (optim/delayed_update.py)
 
 
 @dataclass
@@ -157,7 +159,12 @@ class MixedPrecisionOptimizer:
                       for key, ids in host_step.layers.items()}
             buckets = {key: list({id(b): b for b in (ddp.bucket_of[id(ms.param)] for ms in held)}.values())
                        for key, held in layers.items()}
-            self.inner["host"] = HostStep(self.inner["host"], layers, host_step.threads, host_step.early, buckets)
+            if host_step.delay_after is not None:
+                self.inner["host"] = DelayedHostStep(self.inner["host"], layers, host_step.threads, buckets,
+                                                     host_step.delay_after, lambda: self.step_count,
+                                                     before_write=before_host_step)
+            else:
+                self.inner["host"] = HostStep(self.inner["host"], layers, host_step.threads, host_step.early, buckets)
             if host_step.early:
                 ddp.reduction_started = self.inner["host"].reduction_started
         deferred = self.inner["host"].param_ids if isinstance(self.inner.get("host"), HostStep) else set()
@@ -191,10 +198,13 @@ class MixedPrecisionOptimizer:
 
     def prepare_grads(self) -> None:
         """Point each main parameter's ``.grad`` at its (reduced) range of ``main_grad`` (the
-        overlapped host step points its own, one layer at a time)."""
+        overlapped host step points its own, one layer at a time). Backward is over: a delayed
+        host update may now be written into the weights (``HostStep.backward_done``)."""
         for ms, deferred in zip(self.shards, self.deferred, strict=True):
             if not deferred:
                 ms.main.grad = ms.grad
+        if isinstance(self.inner.get("host"), HostStep):
+            self.inner["host"].backward_done()
 
     def zero_grad(self) -> None:
         """Drop those ``.grad`` views before a step's backward: an fp32 weight that is its own
@@ -216,9 +226,10 @@ class MixedPrecisionOptimizer:
             self.inner["host"].check_finite(found_inf)
 
     def finish_host_step(self) -> None:
-        """Wait for the overlapped host step (before reading the offloaded layers' weights or state)."""
+        """Wait for the overlapped host step, a delayed update written into the weights (before
+        reading the offloaded layers' weights or state)."""
         if isinstance(self.inner.get("host"), HostStep):
-            self.inner["host"].wait()
+            self.inner["host"].flush()
 
     def step(self, host_coeff: float = 1.0) -> None:
         """Step every placement's optimizer, round the mains into 16-bit weights, start the

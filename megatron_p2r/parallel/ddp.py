@@ -198,4 +198,5 @@ class DistributedDataParallel:
     def buffer_tensors(self, kind: str) -> List[torch.Tensor]:
         """The storage of the gradient ("grads") or distributed-optimizer parameter ("params") buffers."""
         storage = [buf.grad_data if kind == "grads" else buf.param_data for buf in self.buffers]
-        return [t for tensors in storage for t in (tensors or {}).values()]
+        second = [b.second_grad for buf in self.buffers for b in buf.buckets if b.second_grad is not None]
+        return [t for tensors in storage for t in (tensors or {}).values()] + (second if kind == "grads" else [])

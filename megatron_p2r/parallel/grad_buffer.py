@@ -36,10 +36,23 @@ class BucketState:
                  grad: torch.Tensor, param: Optional[torch.Tensor], staged: bool):
         self.index, self.buffer, self.params = index, buffer, params
         self.grad, self.param, self.staged = grad, param, staged
+        self.second_grad: Optional[torch.Tensor] = None   # --cpu-offload-delayed-param-update: see swap_grads
         self.pending: set = set()
         self.grad_handle = self.param_handle = None
         self.started = self.reduced = False
         self.lock = threading.Lock()   # the overlapped host step may finish the reduction on its thread
+
+    def add_second_grad(self) -> None:
+        """A second gradient tensor of the bucket's size and place: the delayed host step reads one
+        while the next iteration accumulates into the other (``swap_grads``)."""
+        second = torch.zeros_like(self.grad)
+        self.second_grad = second.pin_memory() if second.device.type == "cpu" and self.buffer.device.type == "cuda" \
+            else second
+
+    def swap_grads(self) -> None:
+        """The parameters' ``main_grad`` (and the collectives) move to the other gradient tensor."""
+        self.grad, self.second_grad = self.second_grad, self.grad
+        self.buffer.bind_main_grads(self)
 
     def shard(self, tensor: torch.Tensor) -> torch.Tensor:
         """This member's shard of ``tensor`` (a view of the bucket)."""
@@ -92,14 +105,21 @@ class ParamAndGradBuffer:
             out[where] = t.pin_memory() if where.type == "cpu" and self.device.type == "cuda" else t
         return out
 
+    def bind_main_grads(self, bucket: BucketState) -> None:
+        """Each parameter of ``bucket`` gets its ``main_grad`` view of ``bucket.grad``."""
+        start = self.layout.buckets[bucket.index].start
+        for j in self.layout.buckets[bucket.index].params:
+            p, (lo, hi) = self.params[j], self.layout.ranges[j]
+            p.main_grad = bucket.grad[lo - start:hi - start].view(p.shape)
+
     def _bind_params(self) -> None:
         """``main_grad`` views; under the distributed optimizer the parameters move into ``param_data``."""
         with torch.no_grad():
             for bucket in self.buckets:
+                self.bind_main_grads(bucket)
                 start = self.layout.buckets[bucket.index].start
                 for j in self.layout.buckets[bucket.index].params:
                     p, (lo, hi) = self.params[j], self.layout.ranges[j]
-                    p.main_grad = bucket.grad[lo - start:hi - start].view(p.shape)
                     if bucket.param is not None:
                         view = bucket.param[lo - start:hi - start].view(p.shape)
                         view.copy_(p.data)
@@ -107,15 +127,16 @@ class ParamAndGradBuffer:
 
     # -- gradients
     def zero(self, keep: set = frozenset()) -> None:
-        """Zero the buffer, or with ``keep`` every gradient but those parameters' (padding is
-        never written, so it stays zero)."""
-        if any(id(p) in keep for p in self.params):
-            for p in self.params:
-                if id(p) not in keep:
-                    p.main_grad.zero_()
-        else:
-            for t in self.grad_data.values():
-                t.zero_()
+        """Zero the buckets' gradients (the tensor each accumulates into now: the other of a
+        swapped bucket may still be read), or in a bucket with parameters in ``keep`` every
+        gradient but those (padding is never written, so it stays zero)."""
+        for bucket in self.buckets:
+            if any(id(p) in keep for p in bucket.params):
+                for p in bucket.params:
+                    if id(p) not in keep:
+                        p.main_grad.zero_()
+            else:
+                bucket.grad.zero_()
         for bucket in self.buckets:
             bucket.pending = {id(p) for p in bucket.params}
             bucket.started = bucket.reduced = False

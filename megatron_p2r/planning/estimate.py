@@ -206,6 +206,38 @@ def overlapped_optimizer_time(device_step: float, host_step: float, layer_keys: 
     return now - layer_forward * len(layer_keys)
 
 
+def delayed_update_time(device_step: float, host_step: float, write: float, window: float,
+                        layer_keys: Sequence[int], offloaded: Sequence[int], layer_forward: float) -> float:
+    """The optimizer's share of a step with --cpu-offload-delayed-param-update
+    (``optim/delayed_update.py``): the host step of iteration t runs during iteration t+1,
+    after the write of iteration t-1's update (``write``: rounding the mains into the weights),
+    so only what the two exceed of the iteration's compute (``window``) is exposed; the write of
+    iteration t's update then overlaps the resident step and the next forward, layer by layer, as
+    the undelayed host step does (``overlapped_optimizer_time``)."""
+    excess = max(0.0, write + host_step - window)
+    return excess + overlapped_optimizer_time(device_step, write, layer_keys, offloaded, layer_forward)
+
+
+def _overlapped_optimizer(cfg: Config, plan: ParallelPlan, stage: int, off: dict, steps: Tuple[float, float],
+                          microbatch: float, window: float, a: Assumptions) -> Tuple[float, Dict[str, float]]:
+    """(the optimizer's share of a step, its named parts) with --overlap-cpu-optimizer-d2h-h2d:
+    ``steps``: the device and host steps' times; ``microbatch``: a micro-batch's forward and
+    backward; ``window``: the stage's compute in an iteration."""
+    device_step, host_step = steps
+    keys, recomputed = plan.stage(stage).layer_keys, off["recomputed"]
+    layer_forward = microbatch / (3 * len(keys) + len(recomputed))
+    times: Dict[str, float] = {}
+    if cfg.offload.cpu_offload_delayed_param_update:
+        write = (off["host"]["params"] + plan.buffers.main_bytes * off["host_optimizer_params"]) / a.host_optimizer_bw
+        opt = delayed_update_time(device_step, host_step, write, window, keys, recomputed, layer_forward)
+        times["host_optimizer_delayed_write"] = write
+    else:
+        opt = overlapped_optimizer_time(device_step, host_step, keys, recomputed, layer_forward,
+                                        early=host_step_starts_in_backward(cfg.train, keys))
+    times["host_optimizer_hidden"] = max(device_step, host_step) - opt
+    return opt, times
+
+
 def nvme_step_time(host_step: float, nvme_bytes: int, layers: int, nvme_bw: float) -> float:
     """The host step (``host_step`` seconds from RAM) with its mains and state on local NVMe
     (offload/nvme.py): layer by layer, each layer's pages read ahead while the one before steps
@@ -254,11 +286,9 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     host_step = times.get("host_optimizer_from_nvme", host_step)
     opt = max(device_step, host_step)
     if cfg.offload.overlap_cpu_optimizer_d2h_h2d and off["recomputed"]:
-        keys = plan.stage(stage).layer_keys
-        layer_forward = (compute + tp_t + ep_exposed) / (3 * len(keys) + len(off["recomputed"]))
-        opt = overlapped_optimizer_time(device_step, host_step, keys, off["recomputed"], layer_forward,
-                                        early=host_step_starts_in_backward(cfg.train, keys))
-        times["host_optimizer_hidden"] = max(device_step, host_step) - opt
+        opt, overlap_times = _overlapped_optimizer(cfg, plan, stage, off, (device_step, host_step),
+                                                   compute + tp_t + ep_exposed, mbs * mb_time, a)
+        times.update(overlap_times)
     est = StageEstimate(
         stage=stage, ranks=_rank_ranges(layout, stage), parameters=sum(s.numel for s in specs),
         tensors=len(specs), device=device,

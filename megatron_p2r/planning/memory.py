@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from megatron_p2r.config import Config, parse_offload_what
-from megatron_p2r.layout.offload import CATEGORIES, FACTOR_BYTES, add_bytes, memory_plan, nvme_split
+from megatron_p2r.layout.offload import (CATEGORIES, FACTOR_BYTES, add_bytes, delayed_grads_bytes, memory_plan,
+                                         nvme_split)
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Coords
 
@@ -62,6 +63,8 @@ def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, objec
     --cpu-offload-optimizer-nvme-path the host's optimizer bytes (the mains of 16-bit weights and
     the state) go to the local NVMe instead (``nvme``), and the host keeps the page cache of the
     layer stepping and the one read ahead (``nvme_window``: twice the largest layer's; offload/nvme.py).
+    With --cpu-offload-delayed-param-update the host also holds the offloaded layers' second
+    gradient buffer (``grads_delayed``, in --main-grads-dtype: optim/delayed_update.py).
     """
     st = plan.stage(stage)
     o = cfg.offload
@@ -77,6 +80,8 @@ def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, objec
     host, nvme = placed["host"], 0
     if o.cpu_offload_optimizer_nvme_path is not None:
         host, nvme = nvme_split(host, per_module, chosen)
+    if o.cpu_offload_delayed_param_update and on_host and chosen:
+        host = {**host, "grads_delayed": delayed_grads_bytes(per_module, chosen)}
     return {"modules": chosen, "layers": layers, "device": placed["device"], "host": host, "nvme": nvme,
             "what": ",".join(sorted(what)), "recomputed": chosen if on_host else [],
             "host_optimizer_params": stepped,
