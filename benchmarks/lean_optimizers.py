@@ -14,7 +14,9 @@ default relative step cap (lr 1e-2, decayed like AdamW's) with AdamW's weight de
 precision-aware settings are AdamW's run with one dtype lowered (``--use-precision-aware-optimizer``):
 both moments in bf16, the main gradients in bf16, and fp16 main parameters — which need 16-bit
 weights, so that one runs with ``--bf16`` weights, beside AdamW with ``--bf16`` weights and fp32
-mains (``adam-bf16``) to tell the two costs apart. ``adam-bf16-offload-half`` offloads half the
+mains (``adam-bf16``) to tell the two costs apart; and V100's precision: ``--fp16`` weights with
+dynamic loss scaling and fp32 mains (``adam-fp16``), and the same weights as their own fp16 mains
+(``adam-fp16-fp16-main-params``: 2 B of weight, no higher-precision copy). ``adam-bf16-offload-half`` offloads half the
 layers with the overlapped host step (the same math as ``adam-bf16``); ``...-dpu`` adds the
 one-step delayed parameter update (after its 40 undelayed warm-up steps), its gap taken against
 ``adam-bf16-offload-half``'s seed. ``--settings`` runs a subset. Runs are saved under ``--work``
@@ -43,6 +45,9 @@ SETTINGS = {  # flags over AdamW's run, as functions of its learning rate and we
     "adam-bf16-main-grads": lambda lr, wd: dict(use_precision_aware_optimizer=True, main_grads_dtype="bf16"),
     "adam-bf16": lambda lr, wd: dict(bf16=True),
     "adam-bf16-fp16-main-params": lambda lr, wd: dict(bf16=True, use_precision_aware_optimizer=True,
+                                                      main_params_dtype="fp16"),
+    "adam-fp16": lambda lr, wd: dict(fp16=True),
+    "adam-fp16-fp16-main-params": lambda lr, wd: dict(fp16=True, use_precision_aware_optimizer=True,
                                                       main_params_dtype="fp16"),
     "adam-bf16-offload-half": lambda lr, wd: dict(bf16=True, cpu_offload_layers="0.5",
                                                   overlap_cpu_optimizer_d2h_h2d=True),

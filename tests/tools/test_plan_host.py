@@ -91,9 +91,14 @@ def test_host_flags_are_exclusive(capsys):
 
 # example -> (real-phase file, extra flags, exit status) of each command its README shows, in order;
 # the README shows both phases' verdicts of the first and the real phase's of the others
+BF16_GRADS = ["--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"]
 README_COMMANDS = {"m6_10t": [("real.yaml", [], 1), ("real_lean.yaml", ["--host-memory", "192GiB"], 0),
                               ("real_lean.yaml", ["--host-memory", "96GiB", "--cpu-offload-optimizer-nvme-path",
-                                                  "/local/nvme"], 1)],
+                                                  "/local/nvme"], 1),
+                              ("real_lean.yaml", ["--host-memory", "96GiB", "--cpu-offload-optimizer-nvme-path",
+                                                  "/local/nvme", *BF16_GRADS], 0),
+                              ("real_lean.yaml", ["--host-memory", "192GiB", *BF16_GRADS,
+                                                  "--cpu-offload-delayed-param-update"], 0)],
                    "m6_1t": [("real.yaml", [], 0)]}
 
 
