@@ -35,6 +35,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from megatron_p2r.optim.host_step import HostStep, layer_view
+from megatron_p2r.parallel.grad_buffer import grad_range
 
 
 class DelayedHostStep(HostStep):
@@ -61,8 +62,7 @@ class DelayedHostStep(HostStep):
         if self.steps_taken() < self.warmup_steps:
             super().submit(coeff)
             return
-        for i, public in enumerate(self.param_groups):
-            self.inner.param_groups[i].update({k: v for k, v in public.items() if k != "params"})
+        self._hyperparameters_to_worker()
         for key, shards in self.layers.items():
             grads = [ms.grad for ms in shards]
             view = layer_view(self.inner, self._mains[key])   # this step's hyperparameters, kept
@@ -72,7 +72,7 @@ class DelayedHostStep(HostStep):
             bucket.swap_grads()
         for shards in self.layers.values():
             for ms in shards:
-                ms.grad = ms.param.main_grad if ms.whole else ms.param.main_grad.view(-1)[ms.start:ms.end]
+                ms.grad = grad_range(ms.param, ms.start, ms.end)
         self._unwritten = True
 
     def _delayed_step(self, before: Optional[Future], key: int, coeff: float, grads: List[torch.Tensor],

@@ -33,7 +33,7 @@ from megatron_p2r.optim.delayed_update import DelayedHostStep
 from megatron_p2r.optim.host_step import HostStep
 from megatron_p2r.optim.optimizer import StagedOptimizer, make_optimizer, param_groups
 from megatron_p2r.parallel.ddp import DistributedDataParallel
-from megatron_p2r.parallel.grad_buffer import DTYPES
+from megatron_p2r.parallel.grad_buffer import DTYPES, grad_range
 from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import ParallelState
 
@@ -272,12 +272,11 @@ def build_mixed_precision_optimizer(ddp: DistributedDataParallel, plan: Parallel
         layout = buf.layout
         for index, start, end in layout.owned(buf.member):
             p, name = buf.params[index], layout.names[index]
-            whole = start == 0 and end == p.numel()
             in_norm = plan.counts_in_norm(logical_name(name, p), getattr(p, "tp_dim", None),
                                           getattr(p, "expert", False), ps.coords, sharded=layout.sharded)
             main = _takes_grad(_main_of(p, start, end, dtype), p.main_grad)
             shards.append(MainShard(param=p, name=name, start=start, end=end, main=main,
-                                    grad=p.main_grad if whole else p.main_grad.view(-1)[start:end],
+                                    grad=grad_range(p, start, end),
                                     placement=placement.get(id(p), "device"), in_norm=in_norm, buffer=b,
                                     bucket=layout.bucket_of(index), position=layout.ranges[index][0] + start))
     shared = shared_pieces(ddp, shards, placement, ps.device) if t.optimizer == "adafactor" else None

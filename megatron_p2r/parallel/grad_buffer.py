@@ -28,6 +28,12 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16} 
 # (recent torch prefers the *_single aliases and warns once per call site).
 
 
+def grad_range(p: nn.Parameter, start: int, end: int) -> torch.Tensor:
+    """The flat range [start, end) of ``p.main_grad`` as it is bound now (a swapped bucket rebinds
+    it: ``BucketState.swap_grads``)."""
+    return p.main_grad if start == 0 and end == p.numel() else p.main_grad.view(-1)[start:end]
+
+
 class BucketState:
     """One bucket on this rank: its views, the parameters whose gradients it still waits for,
     and its collective in flight."""
