@@ -187,8 +187,13 @@ def combined_warmup(pp: int, chunks: int, microbatches: int, rank: int) -> int:
     """Chunk forwards ``rank`` runs alone before its first combined step: Megatron-LM's
     interleaved warm-up 2(P-p-1) + (v-1)G (G: the largest micro-batch group, ``warmup_forwards``),
     + 1 for the combined schedule; at most every forward of the step."""
+    return min(_combined_warmup_uncapped(pp, chunks, microbatches, rank), microbatches * chunks)
+
+
+def _combined_warmup_uncapped(pp: int, chunks: int, microbatches: int, rank: int) -> int:
+    """``combined_warmup`` before its cap: with fewer forwards, the ticks the steps keep."""
     group = max(len(g) for g in microbatch_groups(microbatches, pp))
-    return min(2 * (pp - rank - 1) + (chunks - 1) * group + 1, microbatches * chunks)
+    return 2 * (pp - rank - 1) + (chunks - 1) * group + 1
 
 
 # One step of the combined schedule: (its forward, its backward), either may be None.
@@ -200,7 +205,7 @@ def combined_ticks(pp: int, chunks: int, microbatches: int, rank: int) -> List[T
     ``forward_table`` with the (t - warm-up)-th backward (the table's entry, chunk mirrored) at
     tick t + rank; empty ticks (m below the warm-up) are left out."""
     table = forward_table(microbatches, pp, chunks)
-    warmup = 2 * (pp - rank - 1) + (chunks - 1) * max(len(g) for g in microbatch_groups(microbatches, pp)) + 1
+    warmup = _combined_warmup_uncapped(pp, chunks, microbatches, rank)
     steps = []
     for t in range(len(table) + warmup):
         forward = Op(FORWARD, *table[t]) if t < len(table) else None
