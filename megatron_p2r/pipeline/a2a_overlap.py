@@ -26,7 +26,7 @@ in the same order. Each micro-batch's backward still starts at the model's outpu
 data-parallel hooks see it: ``parallel/ddp.py``).
 
 Weights read by several nodes (tied embeddings, Pseudo-to-Real's shared layers) get their
-gradient summed over the nodes before it is accumulated, as one graph would (``_SharedWeights``).
+gradient summed over the nodes before it is accumulated, as one graph would (``SharedWeights``).
 Like Megatron-LM this needs EP > 1 (``config/validation.py`` checks it). The schedule that pairs
 the passes, on one stage or under pipeline parallelism, is ``a2a_pipelined.py``'s combined 1F1B.
 
@@ -93,7 +93,7 @@ class _Exchanged:
         return self.grad
 
 
-class _SharedWeights:
+class SharedWeights:
     """The weights that several nodes of a pass read: a layer module called by several layers
     (Pseudo-to-Real's sharing), an output layer tied to the embedding. In one graph autograd sums
     a weight's gradient over its uses and accumulates it once; node by node each node's backward
@@ -170,14 +170,14 @@ def _post(layer, rows: torch.Tensor, residual: torch.Tensor, weights: torch.Tens
     return layer.add_mlp(residual, layer.mlp.finish(rows, weights, routed))
 
 
-class _MicroBatch:
+class MicroBatch:
     """One micro-batch's pass through the stage, node by node: ``forward()`` and then
     ``backward()`` are passes for the overlapped schedule. Under pipeline parallelism
     (``a2a_pipelined.py``) a stage after the first starts from ``received``, the previous
     stage's activation, and leaves its gradient in ``input_grad``; a stage before the last ends
     at ``output``, and its backward starts from the next stage's gradient of it."""
 
-    def __init__(self, model, mb: dict, loss: Optional[TokenMeanLoss], shared: _SharedWeights,
+    def __init__(self, model, mb: dict, loss: Optional[TokenMeanLoss], shared: SharedWeights,
                  received: Optional[torch.Tensor] = None, chunk: int = 0):
         self.model, self.mb, self.loss, self.shared, self.received = model, mb, loss, shared, received
         self.chunk = chunk   # the model chunk (virtual stage) it runs, with interleaving
@@ -294,7 +294,7 @@ class _MoENodes:
     out: torch.Tensor            # the layer's output
 
 
-def _take_turns(first: Pass, second: Pass) -> None:
+def take_turns(first: Pass, second: Pass) -> None:
     """Run two passes, each until it starts an all-to-all, then the other, until both are done."""
     passes = [first, second]
     while passes:
@@ -305,6 +305,6 @@ def _take_turns(first: Pass, second: Pass) -> None:
                 passes.remove(p)
 
 
-def _run(one: Pass) -> None:
+def run_pass(one: Pass) -> None:
     for _ in one:
         pass

@@ -5,7 +5,7 @@ parallelism, interleaved or not: combined 1F1B (Megatron-LM's
 Each rank runs its steps of ``order.combined_steps``: a step receives the activation of its
 forward and the gradient of its backward (each of one micro-batch on one model chunk, sent by
 the neighbours in their previous step), runs the two passes taking turns at their expert
-all-to-alls (``a2a_overlap``'s nodes and ``_take_turns``), then sends the forward's output and
+all-to-alls (``a2a_overlap``'s nodes and ``take_turns``), then sends the forward's output and
 the backward's input gradient. The warm-up of 2(P-p-1) + (v-1)G + 1 chunk forwards is what
 makes every input come from the previous step, so neighbouring stages run their steps side by
 side instead of waiting for each other's.
@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron_p2r.parallel.state import ParallelState
-from megatron_p2r.pipeline.a2a_overlap import _MicroBatch, _run, _SharedWeights, _take_turns
+from megatron_p2r.pipeline.a2a_overlap import MicroBatch, SharedWeights, run_pass, take_turns
 from megatron_p2r.pipeline.order import (BACKWARD, FORWARD, Op, Step, combined_ops, combined_steps, input_of,
                                          sent_by, step_ops)
 from megatron_p2r.pipeline.p2p import StageLink, deallocate_output
@@ -55,8 +55,8 @@ class _CombinedStage:
     def __init__(self, model, microbatches: List[dict], ps: ParallelState, link: StageLink,
                  loss: Optional[TokenMeanLoss], chunks: int):
         self.model, self.microbatches, self.ps, self.link, self.loss = model, microbatches, ps, link, loss
-        self.chunks, self.shared = chunks, _SharedWeights(model)
-        self.held: Dict[Tuple[int, int], _MicroBatch] = {}   # (micro-batch, chunk) -> awaiting its backward
+        self.chunks, self.shared = chunks, SharedWeights(model)
+        self.held: Dict[Tuple[int, int], MicroBatch] = {}   # (micro-batch, chunk) -> awaiting its backward
 
     def run(self, step: Step) -> None:
         """Receive the step's inputs, run its passes taking turns (the forward first), send what
@@ -66,7 +66,7 @@ class _CombinedStage:
         forward, backward = step
         passes = []
         if forward is not None:
-            current = _MicroBatch(self.model, self.microbatches[forward.microbatch], self.loss, self.shared,
+            current = MicroBatch(self.model, self.microbatches[forward.microbatch], self.loss, self.shared,
                                   received=received[FORWARD], chunk=forward.chunk)
             self.held[forward.microbatch, forward.chunk] = current
             passes.append(current.forward())
@@ -76,9 +76,9 @@ class _CombinedStage:
                 done.output.data = grad   # a stand-in for the freed output's data: only its shape is checked
             passes.append(done.backward(grad))
         if len(passes) == 2:
-            _take_turns(*passes)
+            take_turns(*passes)
         else:
-            _run(passes[0])
+            run_pass(passes[0])
         for op in ops:
             made = current.output if op.kind == FORWARD else done.input_grad
             for dst, message in sent_by(op, self.ps.pp_size, self.chunks, self.ps.pp_rank):

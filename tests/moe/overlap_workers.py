@@ -127,18 +127,18 @@ def held_after_forward(rank: int, world: int) -> dict:
         model = build_model(cfg, ps)
         mb = random_microbatches(cfg, 1, cfg.train.micro_batch_size)[0]
         loss = TokenMeanLoss([mb], ps, 1.0)
-        one = a2a_overlap._MicroBatch(model, mb, loss, a2a_overlap._SharedWeights(model))
+        one = a2a_overlap.MicroBatch(model, mb, loss, a2a_overlap.SharedWeights(model))
         tracker = AllocTracker([*model.parameters(), *mb.values()])
         with tracker:
             if overlapped:
-                a2a_overlap._run(one.forward())
+                a2a_overlap.run_pass(one.forward())
             else:
                 loss_sum = loss.add(model(tokens=mb["tokens"], labels=mb["labels"], loss_mask=mb["loss_mask"]))
             tracker.held()   # collects garbage, waits for gloo to drop its buffers
             # by the storages' sizes now: a released send buffer is alive, with no bytes
             held = sum(st.nbytes() for st, allocated in list(tracker.seen.items()) if allocated)
             if overlapped:
-                a2a_overlap._run(one.backward())
+                a2a_overlap.run_pass(one.backward())
             else:
                 loss.backward(loss_sum)
         est = activations.activation_memory(cfg, ParallelPlan.build(cfg, ps.layout), 0, device_type="cpu")
@@ -165,8 +165,8 @@ def pp2_held_after_forward(rank: int, world: int) -> dict:
         tracker = AllocTracker([*model.parameters(), *mb.values()])
         with tracker:
             received = torch.randn(shape, requires_grad=True) if ps.pp_rank > 0 else None   # the p2p buffer
-            one = a2a_overlap._MicroBatch(model, mb, loss, a2a_overlap._SharedWeights(model), received=received)
-            a2a_overlap._run(one.forward())
+            one = a2a_overlap.MicroBatch(model, mb, loss, a2a_overlap.SharedWeights(model), received=received)
+            a2a_overlap.run_pass(one.forward())
             if one.output is not None:   # sent to the next stage
                 deallocate_output(one.output)
             del received
@@ -175,7 +175,7 @@ def pp2_held_after_forward(rank: int, world: int) -> dict:
             grad = torch.randn(shape) if one.output is not None else None
             if grad is not None:
                 one.output.data = grad
-            a2a_overlap._run(one.backward(grad))
+            a2a_overlap.run_pass(one.backward(grad))
         est = activations.activation_memory(cfg, ParallelPlan.build(cfg, ps.layout), ps.pp_rank, device_type="cpu")
         out[name] = {"held": held, "planned": est["held_per_microbatch"]}
     return out
