@@ -1,0 +1,36 @@
+"""The memory traffic of one host optimizer step, per stepped element: what its kernel reads and
+writes, counted from the dtypes of the tensors it touches. The kernels (one pass over the flat
+shard for AdamW and Lion; three for a factored Adafactor matrix) are written to move exactly
+this, the benchmark (``benchmarks/host_optimizer.py``) reports it beside the measured time, and
+the planner divides it by the host's bandwidth.
+
+Dtypes are the flags' names: "fp32", "bf16", "fp16".
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def kernel_bytes_per_element(optimizer: str, main: str, grad: str, moments: Mapping[str, str],
+                             weight: Optional[str]) -> int:
+    """Bytes moved per element by one step of ``optimizer`` ("adam" | "lion" | "adafactor").
+
+    ``main``: the main parameter's dtype (read and written); ``grad``: the gradient's (read);
+    ``moments``: moment name -> dtype (each read and written; AdamW's ``exp_avg`` and
+    ``exp_avg_sq``, Lion's ``exp_avg``); ``weight``: the 16-bit weight the updated main is rounded
+    into in the same pass, None when the main is the weight itself.
+
+    A factored Adafactor matrix keeps statistics per row and column (negligible traffic) and
+    needs three passes: the gradient's squared row/column sums with the weight's sum of squares
+    (reads gradient and main), the update's sum of squares for clipping (reads the gradient), and
+    the update (reads gradient and main, writes main).
+    """
+    m, g = BYTES[main], BYTES[grad]
+    w = BYTES[weight] if weight is not None else 0
+    if optimizer == "adafactor":
+        return 3 * g + 3 * m + w
+    if optimizer not in ("adam", "lion"):
+        raise ValueError(f"unknown optimizer {optimizer!r}: expected adam, lion or adafactor")
+    return 2 * m + g + sum(2 * BYTES[d] for d in moments.values()) + w
