@@ -1,5 +1,5 @@
-"""The convergence study on a user's corpus: options, data from a jsonl and from .bin/.idx, the
-held-out set and its per-sample losses, and a tiny study that resumes without retraining."""
+"""The study on a user's corpus: options, data from a jsonl and from .bin/.idx, the held-out set
+and its per-sample losses, and a tiny study that resumes without retraining."""
 import argparse
 import glob
 import json
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from benchmarks import p2r_arms, p2r_convergence, p2r_corpus
-from benchmarks.p2r_heldout import HeldOutTooSmall, held_out_set, mean_se, per_sample_losses
+from tools.p2r_study import arms as p2r_arms, cli, corpus as p2r_corpus
+from tools.p2r_study.heldout import HeldOutTooSmall, held_out_set, mean_se, per_sample_losses
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly box jugs of liquid".split()
 TINY = ["--tokenizer-type", "ByteTokenizer", "--model", "t=2x16", "--iters", "8", "--eval-interval", "4",
@@ -25,7 +25,7 @@ def _jsonl(path, docs=40, words=60):
 
 def _corpus_args(**values):
     base = dict(data_path=None, tokenizer_type="ByteTokenizer", tokenizer_model=None, valid_data_path=None,
-                valid_fraction=0.1, corpus_bytes=0, demo_source="code")
+                valid_fraction=0.1, corpus_bytes=0, demo_source="code", held_out="tail", held_out_seed=1234)
     return argparse.Namespace(**dict(base, **values))
 
 
@@ -50,7 +50,7 @@ def test_default_arms_are_todays_plus_controls():
     (["--iters", "0"], "--iters must be at least 1"),
 ])
 def test_bad_options_are_one_error_line(tmp_path, capsys, options, message):
-    assert p2r_convergence.main(["--work", str(tmp_path), *options]) == 2
+    assert cli.main(["--work", str(tmp_path), *options]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
     assert not os.listdir(tmp_path)   # refused before any data is prepared
@@ -105,11 +105,11 @@ def test_tiny_study_resumes_without_retraining(tmp_path, capsys):
     study = ["--data-path", _jsonl(tmp_path / "c.jsonl"), "--valid-fraction", "0.2", *TINY, "--work", work,
              "--out", out]
     # a study stopped after its P2R arms ...
-    assert p2r_convergence.main(study + ["--arms", "p2r"]) == 0
+    assert cli.main(study + ["--arms", "p2r"]) == 0
     first = _trained(work)
     assert len(glob.glob(f"{work}/records/*.json")) == 2 and len(first) == 4   # scratch; pseudo, delink, real
     # ... continues with the growth arm and its control, retraining nothing it finished
-    assert p2r_convergence.main(study + ["--arms", "p2r", "grow", "matched"]) == 0
+    assert cli.main(study + ["--arms", "p2r", "grow", "matched"]) == 0
     second = _trained(work)
     assert {f: second[f] for f in first} == first and len(second) == len(first) + 4   # small, growth, real; control
     assert "4 runs (1 models x arms x 1 seeds), 2 done before" in capsys.readouterr().out
@@ -121,14 +121,14 @@ def test_tiny_study_resumes_without_retraining(tmp_path, capsys):
     grow_record = [p for p in glob.glob(f"{work}/records/*.json") if "grow" in json.load(open(p))["arm"]
                    and "scratch" not in json.load(open(p))["arm"]]
     os.remove(grow_record[0])
-    assert p2r_convergence.main(study + ["--arms", "p2r", "grow", "matched"]) == 0
+    assert cli.main(study + ["--arms", "p2r", "grow", "matched"]) == 0
     assert _trained(work) == second and os.path.exists(grow_record[0])
-    report = open(os.path.join(out, "p2r_convergence.md")).read()
+    report = open(os.path.join(out, "p2r_study.md")).read()
     assert "| grow ×2 (stack) at 50% | 1 |" in report and "FLOPs of a last-step crossing" in report
-    assert "8 samples of 16 tokens from documents 32..39" in report
+    assert "8 samples of 16 tokens from 8 documents drawn at random (seeded)" in report
     command = report.split("`")[1]   # reproducible anywhere: no --work, --out or --jobs of this machine
-    assert command.startswith("python benchmarks/p2r_convergence.py --data-path ") and "--iters 8" in command
+    assert command.startswith("p2r-study --data-path c.jsonl ") and "--iters 8" in command
     assert not any(flag in command for flag in ("--work", "--out", "--jobs"))
     # the same --work with other training settings is refused, naming what changed
-    assert p2r_convergence.main(study + ["--lr", "0.01"]) == 2
+    assert cli.main(study + ["--lr", "0.01"]) == 2
     assert "holds a study with other settings (lr 0.002 -> 0.01)" in capsys.readouterr().err

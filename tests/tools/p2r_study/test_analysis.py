@@ -1,9 +1,9 @@
-"""The convergence study's analysis on synthetic curves whose answers are known by hand."""
+"""The study's analysis on synthetic curves whose answers are known by hand."""
 import pytest
 
-from benchmarks import p2r_analysis as an
-from benchmarks.p2r_heldout import mean_se, paired_se
-from benchmarks.p2r_report import verdicts
+from tools.p2r_study import analysis as an
+from tools.p2r_study.heldout import mean_se, paired_se
+from tools.p2r_study.report import verdicts
 from megatron_p2r.planning.breakeven import break_even_extra_steps, cost_ratio
 
 TPS = {"m": 100}
@@ -71,14 +71,14 @@ def test_paired_ratios_break_even_and_verdict():
     assert p["extra"][0] == pytest.approx(50) and p["extra"][1] is None
     assert p["ratios"]["wall_budget"][0] == pytest.approx((100 * 1 + 350 * 2) / 800)
     assert an.wins(g["ratios"]["flops"], 0.8) and not an.wins(p["ratios"]["flops"], 0.8)
-    lines = verdicts(stats, ["m"], {"m": ["real from scratch", "p2r", "grow"]})
+    lines = verdicts(stats, {}, ["m"], {"m": ["real from scratch", "p2r", "grow"]})
     assert lines[0].startswith("- **m, training FLOPs: target met** by grow")
-    lines = verdicts(stats, ["m"], {"m": ["real from scratch", "p2r"]})
+    lines = verdicts(stats, {}, ["m"], {"m": ["real from scratch", "p2r"]})
     assert lines[0] == ("- m, training FLOPs: target **not met**; the best arm, p2r, never reaches the target in 1 of "
                         "2 seeds; where it does, it needs up to 1.12x of scratch's cost.")
-    assert an.ratio_cell(p["ratios"]["steps"]) == "1.12 ± 0.00 (1/2 seeds never reach it)"
+    assert an.ratio_cell(p["ratios"]["steps"]) == "1.12 (1/2 seeds never reach it)"   # one seed: no ± 0.00
     stats = an.paired([r for r in runs if r["seed"] == 2], TIMING, TPS, "real from scratch")
-    assert verdicts(stats, ["m"], {"m": ["real from scratch", "p2r"]})[0] == (
+    assert verdicts(stats, {}, ["m"], {"m": ["real from scratch", "p2r"]})[0] == (
         "- m, training FLOPs: target **not met**; no arm reaches real-from-scratch's final loss in any seed.")
 
 
@@ -89,10 +89,10 @@ def test_break_even_formula_and_bands():
     assert break_even_extra_steps([(100, 0.5)]) == -100  # a slower early phase must save steps
     with pytest.raises(ValueError):
         cost_ratio(1.0, 0.0)
-    steps, mean, std = an.band([_run("a", 1, [], [(1, 2.0), (2, 4.0)]), _run("a", 2, [], [(1, 4.0), (2, 4.0)])])
+    steps, mean, std = an.band([([1, 2], [2.0, 4.0]), ([1, 2], [4.0, 4.0])], "a")
     assert steps == [1, 2] and mean == [3.0, 4.0] and std[1] == 0 and std[0] == pytest.approx(2 ** 0.5)
     with pytest.raises(ValueError, match="evaluated at different steps"):
-        an.band([_run("a", 1, [], [(1, 2.0)]), _run("a", 2, [], [(2, 2.0)])])
+        an.band([([1], [2.0]), ([2], [2.0])], "a")
 
 
 def test_standard_errors_by_hand():
