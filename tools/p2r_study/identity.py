@@ -27,20 +27,25 @@ class IdentityError(ValueError):
     """A --work that belongs to another study, or data the study cannot read: one ``error:`` line."""
 
 
-def _longest_line(path: str) -> int:
-    """The longest line of a (gzipped) jsonl in bytes, read in chunks (bounded memory)."""
+def _longest_line(path: str) -> tuple:
+    """(bytes, 1-based number) of the longest line of a (gzipped) jsonl, read in chunks (bounded memory)."""
     import numpy as np
     opener = gzip.open if path.endswith(".gz") else open
-    longest = run = 0
+    longest, number, run, seen = 0, 1, 0, 0   # seen: newlines before this chunk
     with opener(path, "rb") as fh:
         while chunk := fh.read(CHUNK_BYTES):
             ends = np.flatnonzero(np.frombuffer(chunk, np.uint8) == ord("\n"))
             if len(ends) == 0:
                 run += len(chunk)
                 continue
-            longest = max(longest, run + int(ends[0]), int(np.diff(ends).max(initial=1)) - 1)
+            lengths = np.diff(ends) - 1
+            for length, line in ((run + int(ends[0]), seen + 1),
+                                 *(((int(lengths.max()), seen + 2 + int(lengths.argmax())),) if len(lengths) else ())):
+                if length > longest:
+                    longest, number = length, line
+            seen += len(ends)
             run = len(chunk) - int(ends[-1]) - 1
-    return max(longest, run)
+    return (run, seen + 1) if run > longest else (longest, number)
 
 
 def _sha256(paths) -> str:
@@ -60,10 +65,10 @@ def fingerprint(path: Optional[str], flag: str) -> Optional[dict]:
     if path.endswith(JSONL_SUFFIXES):
         if not os.path.isfile(path):
             raise IdentityError(f"{flag} {path}: no such file")
-        longest = _longest_line(path)
+        longest, line = _longest_line(path)
         if longest > MAX_LINE_BYTES:
-            raise IdentityError(f"{flag} {path}: a line of {longest:,} bytes; the study reads one document per "
-                                f"line of at most {MAX_LINE_BYTES:,} bytes: split it into documents")
+            raise IdentityError(f"{flag} {path}: line {line} holds {longest:,} bytes; the study reads one document "
+                                f"per line of at most {MAX_LINE_BYTES:,} bytes: split it into documents")
         files = [path]
     else:
         files = [path + ".bin", path + ".idx"]

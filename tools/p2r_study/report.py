@@ -118,7 +118,8 @@ def _claim(e: dict, what: str) -> str:
     n, lower = len(e["delta"]), sum(d < 0 for d in e["delta"])
     mean = sum(e["delta"]) / n
     se = seed_se(e["delta"])
-    figure = f"{mean:+.3f}" + ("" if se is None else f" ± {se:.3f} (seed SE)")
+    figure = f"{mean:+.3f}" + ("" if se is None else " (equal in every seed)" if f"{se:.3f}" == "0.000"
+                               else f" ± {se:.3f} (seed SE)")
     sign = -1 if mean < 0 else 1
     side = f"lower in {lower} of {n} seeds" if sign < 0 else f"higher in {n - lower} of {n} seeds"
     return f"{what}: final held-out loss {figure}; {side}, by more than 2 document SEs in {_beyond(e, sign)} of {n}."

@@ -10,6 +10,7 @@ import pytest
 from tools.p2r_study import arms as p2r_arms, cli, corpus as p2r_corpus
 from tools.p2r_study.heldout import HeldOutTooSmall, held_out_set, mean_se, per_sample_losses
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly box jugs of liquid".split()
 TINY = ["--tokenizer-type", "ByteTokenizer", "--model", "t=2x16", "--iters", "8", "--eval-interval", "4",
         "--seq", "16", "--micro-batch", "2", "--eval-samples", "8", "--seeds", "1", "--grow-factors", "2",
@@ -100,10 +101,20 @@ def _trained(work):
     return {f: os.stat(f).st_mtime_ns for f in files}
 
 
-def test_tiny_study_resumes_without_retraining(tmp_path, capsys):
-    work, out = str(tmp_path / "w"), str(tmp_path / "out")
-    study = ["--data-path", _jsonl(tmp_path / "c.jsonl"), "--valid-fraction", "0.2", *TINY, "--work", work,
-             "--out", out]
+def _checkout():
+    """The checkout's top level and docs/, with modification times: a study must leave them alone."""
+    return {p: os.stat(p).st_mtime_ns for p in glob.glob(os.path.join(ROOT, "*")) + glob.glob(os.path.join(ROOT,
+                                                                                                        "docs", "*"))}
+
+
+def test_tiny_study_from_another_directory_resumes_and_writes_only_under_work(tmp_path, capsys, monkeypatch):
+    """Issue 38, bug 3: relative paths are the caller's, the helper tools and workers run in the
+    caller's directory, and the report goes under --work, never into the checkout's docs/."""
+    monkeypatch.chdir(tmp_path)
+    before = _checkout()
+    _jsonl(tmp_path / "c.jsonl")
+    work, out = str(tmp_path / "w"), str(tmp_path / "w" / "report")
+    study = ["--data-path", "c.jsonl", "--valid-fraction", "0.2", *TINY, "--work", "w"]
     # a study stopped after its P2R arms ...
     assert cli.main(study + ["--arms", "p2r"]) == 0
     first = _trained(work)
@@ -132,3 +143,21 @@ def test_tiny_study_resumes_without_retraining(tmp_path, capsys):
     # the same --work with other training settings is refused, naming what changed
     assert cli.main(study + ["--lr", "0.01"]) == 2
     assert "holds a study with other settings (lr 0.002 -> 0.01)" in capsys.readouterr().err
+    assert _checkout() == before and not os.path.exists(os.path.join(ROOT, "w"))
+    assert sorted(os.listdir(tmp_path)) == ["c.jsonl", "w"]
+    _check_report(report, str(tmp_path))
+
+
+def _check_report(report: str, tmp: str) -> None:
+    """Issue 38, the report read by a user: three SEs and the rule the verdict uses, a verdict line
+    per claim with its seed count, controls' costs not presented as findings, no "± 0.000" for a
+    value the seeds share, no path of this machine."""
+    assert "SE of Δ: held-out samples | SE of Δ: documents | SE of Δ: seeds" in report
+    assert "**Which SE the verdict uses.**" in report
+    assert "- t, **grow ×2 (stack) at 50%** against its compute-matched control: final held-out loss" in report
+    assert "- t, **P2R at 50%** against real from scratch: final held-out loss" in report
+    assert " of 1 seeds, by more than 2 document SEs in " in report
+    control_row = next(line for line in report.splitlines() if line.startswith("| scratch decayed at"))
+    assert "never reach" not in control_row and "(a control)" in control_row
+    assert "± 0.000" not in report and "± 0.00 " not in report and tmp not in report
+    assert "held-out loss minus real from scratch's" in report and "jump at each growth" in report
