@@ -80,7 +80,7 @@ def test_a_truncated_index_names_the_file(tmp_path, capsys):
 
 def test_report_only_before_any_run(tmp_path, capsys):
     """Bug 4: matplotlib's "Number of rows must be a positive integer, not 0" before."""
-    assert cli.main([*ISSUE, "--data-path", _docs(tmp_path / "c.jsonl", 20), "--work", str(tmp_path / "w")]) == 2
+    assert cli.main([*ISSUE, "--data-path", _docs(tmp_path / "c.jsonl", 300), "--work", str(tmp_path / "w")]) == 2
     assert "--report-only: no finished run in --work" in _error(capsys)
 
 

@@ -159,5 +159,6 @@ def _check_report(report: str, tmp: str) -> None:
     assert " of 1 seeds, by more than 2 document SEs in " in report
     control_row = next(line for line in report.splitlines() if line.startswith("| scratch decayed at"))
     assert "never reach" not in control_row and "(a control)" in control_row
-    assert "± 0.000" not in report and "± 0.00 " not in report and tmp not in report
+    assert "± 0.000" not in report and "± 0.00 " not in report
+    assert tmp not in report and "**c.jsonl**" in report
     assert "held-out loss minus real from scratch's" in report and "jump at each growth" in report
