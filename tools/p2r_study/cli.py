@@ -38,11 +38,13 @@ import subprocess
 import sys
 import time
 
+from megatron_p2r.cli import INPUT_ERRORS
 from tools.p2r_study import arms as p2r_arms, corpus as p2r_corpus, identity, report as p2r_report
 from tools.p2r_study.heldout import HeldOutTooSmall, cache_dir, held_out_set, sample_documents
 from tools.p2r_study.runs import model_values, phase_values, read_json, record_path, worker, write_json
 
-STUDY_ERRORS = (p2r_arms.ArmError, p2r_corpus.CorpusError, HeldOutTooSmall, identity.IdentityError)
+# the project's own input errors too (a tokenizer's options, a config the model refuses)
+STUDY_ERRORS = (p2r_arms.ArmError, p2r_corpus.CorpusError, HeldOutTooSmall, identity.IdentityError, *INPUT_ERRORS)
 
 
 class StudyError(ValueError):

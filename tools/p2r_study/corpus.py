@@ -53,8 +53,9 @@ def tool_env() -> dict:
 
 
 def _run_tool(module: str, *options: str) -> None:
-    """``python -m module options`` in the caller's directory (never the checkout's)."""
-    done = subprocess.run([sys.executable, "-m", module, *options], env=tool_env(), stdout=subprocess.DEVNULL)
+    """``python -m module options`` in the caller's directory (never the checkout's); its summary on
+    stdout is dropped, its progress and error line (stderr) are the user's."""
+    done = subprocess.run([sys.executable, "-m", module, *options], env=tool_env(), stdout=subprocess.PIPE)
     if done.returncode:
         raise CorpusError(f"{module.replace('.', '/')}.py {' '.join(options)} failed (its error line is above)")
 
