@@ -13,8 +13,8 @@ from tools.p2r_study.plot import CAPTION, plot
 
 MARKER = "<!-- written by p2r-study from the --work with key {key} -->"
 SE_RULE = ("**Which SE the verdict uses.** A seed counts for a claim when its difference exceeds 2 of its "
-           "document-clustered SEs (the larger uncertainty of a fixed pair of models: held-out samples cut from "
-           "one document are not independent); each claim's figure is the mean over seeds ± the seed-to-seed SE, "
+           "document-clustered SEs (held-out samples cut from one document are not independent, so it is usually "
+           "the larger of a seed's two SEs); each claim's figure is the mean over seeds ± the seed-to-seed SE, "
            "which is what another set of seeds could change.")
 
 TARGET_RATIO = 0.8
