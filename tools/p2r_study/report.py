@@ -171,6 +171,7 @@ def _describe(ratios) -> str:
 
 
 PATH_OPTIONS = ("--data-path", "--valid-data-path", "--tokenizer-model")
+LOCAL_OPTIONS = ("--work", "--out", "--jobs", "--name")
 
 
 def _reproducing(argv: List[str]) -> List[str]:
@@ -179,10 +180,12 @@ def _reproducing(argv: List[str]) -> List[str]:
     report never carries a path of the machine it ran on)."""
     out, skip = [], False
     for i, a in enumerate(argv):
-        if skip or a in ("--work", "--out", "--jobs", "--name"):
+        name, eq, value = a.partition("=")
+        if skip or a in LOCAL_OPTIONS:
             skip = not skip
             continue
-        name, eq, value = a.partition("=")
+        if eq and name in LOCAL_OPTIONS:
+            continue
         if eq and name in PATH_OPTIONS:
             a = f"{name}={os.path.basename(value)}"
         elif i and argv[i - 1] in PATH_OPTIONS:

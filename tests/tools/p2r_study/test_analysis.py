@@ -151,3 +151,11 @@ def test_difference_curve_is_paired_against_scratchs_curve():
     grow = _grow(1, [(100, 7.0), (100, 6.5), (250, 4.5)])
     steps, diff = an.difference_curve(grow, _run("real from scratch", 1, [REAL], SCRATCH))
     assert steps == [100, 100, 250] and diff == pytest.approx([1.0, 0.5, -0.25])   # scratch at 250: 4.75
+
+
+def test_the_reproducing_command_carries_no_path_of_this_machine():
+    from tools.p2r_study.report import _reproducing
+    argv = ["--work", "/a/w", "--data-path", "/x/y.jsonl", "--out=/o", "--jobs", "2", "--tokenizer-model=/m/t.model",
+            "--iters", "8", "--name", "n", "--valid-data-path", "v/held.jsonl"]
+    assert _reproducing(argv) == ["--data-path", "y.jsonl", "--tokenizer-model=t.model", "--iters", "8",
+                                  "--valid-data-path", "held.jsonl"]
