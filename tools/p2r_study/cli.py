@@ -1,5 +1,4 @@
-"""p2r-study: does Pseudo-to-Real (or depth growth) pay on your data? Several seeds per arm, paired against real from
-scratch.
+"""p2r-study: does Pseudo-to-Real (or depth growth) pay on your data? Several seeds per arm, paired against scratch.
 
     p2r-study --work DIR [--out DIR] [--name p2r_study]
         [--data-path PREFIX|CORPUS.jsonl --tokenizer-type T --tokenizer-model M]
@@ -87,7 +86,7 @@ def add_training_options(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = argparse.ArgumentParser(prog="p2r-study", description=__doc__.splitlines()[0], allow_abbrev=False)
     add_corpus_options(p)
     arms = p.add_argument_group("arms")
     arms.add_argument("--model", action="append", metavar="NAME=LAYERSxHIDDEN[@BUDGET]",
