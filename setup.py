@@ -39,6 +39,7 @@ setup(
             "p2r-preprocess-data=tools.preprocess_data:main",
             "p2r-train-tokenizer=tools.train_tokenizer:main",
             "p2r-plan=tools.plan:main",
+            "p2r-study=tools.p2r_study.cli:main",
         ]
     },
 )

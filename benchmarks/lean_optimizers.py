@@ -1,11 +1,13 @@
-"""Do the memory-lean optimizers cost quality? ``p2r_convergence.py``'s real-from-scratch run (one
-model shape, the same data, schedule and fixed held-out set) once per optimizer setting and seed,
+"""Do the memory-lean optimizers cost quality? The convergence study's (``p2r-study``) real-from-scratch
+run (one model shape, the same data, schedule and fixed held-out set) once per optimizer setting and seed,
 each paired with AdamW's run of its seed.
 
     python benchmarks/lean_optimizers.py [--iters 200] [--seeds 1 2 3] [--model wide=8x128] [--settings ...]
         [--data-path PREFIX|CORPUS.jsonl ...] [--work /tmp/lean_study]
 
-The corpus, held-out set and training options are the study's (``p2r_convergence.py --help``).
+The corpus, held-out set and training options are the study's (``p2r-study --help``); the held-out
+set defaults here to the corpus's last documents (``--held-out tail``), as when the figures in
+docs/scale.md were measured.
 Prints every setting's final held-out loss per seed with its standard error, and its gap to
 AdamW's run of the same seed with the paired standard error (the same held-out samples). The
 settings are the usual starting points, not tuned here: Lion at a third of AdamW's learning rate
@@ -31,10 +33,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks import p2r_arms, p2r_corpus  # noqa: E402
-from benchmarks.p2r_convergence import add_corpus_options, add_training_options  # noqa: E402
-from benchmarks.p2r_heldout import HeldOutTooSmall, mean_se, paired_se  # noqa: E402
-from benchmarks.p2r_runs import phase_values, train_phase  # noqa: E402
+from tools.p2r_study import arms as p2r_arms, corpus as p2r_corpus  # noqa: E402
+from tools.p2r_study.cli import add_corpus_options, add_training_options  # noqa: E402
+from tools.p2r_study.heldout import HeldOutTooSmall, mean_se, paired_se  # noqa: E402
+from tools.p2r_study.runs import phase_values, train_phase  # noqa: E402
 
 SETTINGS = {  # flags over AdamW's run, as functions of its learning rate and weight decay
     "adam": lambda lr, wd: {},
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="/tmp/lean_study")
     p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
                    help="the settings to run (with the runs they pair with)")
-    p.set_defaults(iters=200, eval_interval=50)
+    p.set_defaults(iters=200, eval_interval=50, held_out="tail")
     args = p.parse_args(argv)
     try:
         args.model_name, shape = p2r_arms.parse_shape(args.model)

@@ -22,7 +22,7 @@ phase's step time over the pseudo phase's (offload, recomputation, gradient and 
 traffic the pseudo model avoids), and the break-even ``s * (1 - 1/r)``: how many more steps than
 real-from-scratch a run that delinks after s steps (``--p2r-switch-iters``, default 10% of the
 run) may need to reach a loss and still finish no later (``planning/breakeven.py``). The
-convergence study (``benchmarks/p2r_convergence.py``, on your own data too) measures how many it
+convergence study (``p2r-study``, on your own data too) measures how many it
 actually needs; given that gap (``--p2r-gap STEPS|PCT%|never``) and growth's FLOPs ratio to the
 target (``--growth-flops-ratio``), the report says which of the two pays on this cluster.
 
@@ -128,7 +128,7 @@ def planner_parser() -> argparse.ArgumentParser:
                         "per step, else --train-iters).")
     g.add_argument("--p2r-gap", type=gap_argument, metavar="STEPS|PCT%|never",
                    help="Measured: how many more steps than real-from-scratch Pseudo-to-Real needed to reach its "
-                        "loss (a percentage: of the run's steps), or never (benchmarks/p2r_convergence.py); the "
+                        "loss (a percentage: of the run's steps), or never (p2r-study); the "
                         "report then says whether P2R pays on this cluster.")
     g.add_argument("--growth-flops-ratio", type=float,
                    help="Measured: depth growth's training FLOPs to real-from-scratch's loss over scratch's (the "

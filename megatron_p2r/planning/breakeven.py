@@ -9,7 +9,7 @@ N + D steps takes ``s / r + (N + D - s)`` real-step times, so it is no slower ex
 
     D <= s * (1 - 1/r)                (one early phase; sum over phases for several)
 
-D is what the convergence study measures (``benchmarks/p2r_convergence.py``); r is what the
+D is what the convergence study measures (``p2r-study``, ``tools/p2r_study``); r is what the
 planner estimates for a cluster (``tools/plan.py``) or a timing run measures. Given both, the
 planner says whether P2R or growth (from its measured FLOPs ratio) pays.
 """

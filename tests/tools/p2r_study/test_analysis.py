@@ -1,9 +1,9 @@
-"""The convergence study's analysis on synthetic curves whose answers are known by hand."""
+"""The study's analysis on synthetic curves whose answers are known by hand."""
 import pytest
 
-from benchmarks import p2r_analysis as an
-from benchmarks.p2r_heldout import mean_se, paired_se
-from benchmarks.p2r_report import verdicts
+from tools.p2r_study import analysis as an
+from tools.p2r_study.heldout import clustered_se, mean_se, paired_se
+from tools.p2r_study.report import verdicts
 from megatron_p2r.planning.breakeven import break_even_extra_steps, cost_ratio
 
 TPS = {"m": 100}
@@ -71,14 +71,14 @@ def test_paired_ratios_break_even_and_verdict():
     assert p["extra"][0] == pytest.approx(50) and p["extra"][1] is None
     assert p["ratios"]["wall_budget"][0] == pytest.approx((100 * 1 + 350 * 2) / 800)
     assert an.wins(g["ratios"]["flops"], 0.8) and not an.wins(p["ratios"]["flops"], 0.8)
-    lines = verdicts(stats, ["m"], {"m": ["real from scratch", "p2r", "grow"]})
+    lines = verdicts(stats, {}, ["m"], {"m": ["real from scratch", "p2r", "grow"]})
     assert lines[0].startswith("- **m, training FLOPs: target met** by grow")
-    lines = verdicts(stats, ["m"], {"m": ["real from scratch", "p2r"]})
+    lines = verdicts(stats, {}, ["m"], {"m": ["real from scratch", "p2r"]})
     assert lines[0] == ("- m, training FLOPs: target **not met**; the best arm, p2r, never reaches the target in 1 of "
                         "2 seeds; where it does, it needs up to 1.12x of scratch's cost.")
-    assert an.ratio_cell(p["ratios"]["steps"]) == "1.12 ± 0.00 (1/2 seeds never reach it)"
+    assert an.ratio_cell(p["ratios"]["steps"]) == "1.12 (1/2 seeds never reach it)"   # one seed: no ± 0.00
     stats = an.paired([r for r in runs if r["seed"] == 2], TIMING, TPS, "real from scratch")
-    assert verdicts(stats, ["m"], {"m": ["real from scratch", "p2r"]})[0] == (
+    assert verdicts(stats, {}, ["m"], {"m": ["real from scratch", "p2r"]})[0] == (
         "- m, training FLOPs: target **not met**; no arm reaches real-from-scratch's final loss in any seed.")
 
 
@@ -89,10 +89,10 @@ def test_break_even_formula_and_bands():
     assert break_even_extra_steps([(100, 0.5)]) == -100  # a slower early phase must save steps
     with pytest.raises(ValueError):
         cost_ratio(1.0, 0.0)
-    steps, mean, std = an.band([_run("a", 1, [], [(1, 2.0), (2, 4.0)]), _run("a", 2, [], [(1, 4.0), (2, 4.0)])])
+    steps, mean, std = an.band([([1, 2], [2.0, 4.0]), ([1, 2], [4.0, 4.0])], "a")
     assert steps == [1, 2] and mean == [3.0, 4.0] and std[1] == 0 and std[0] == pytest.approx(2 ** 0.5)
     with pytest.raises(ValueError, match="evaluated at different steps"):
-        an.band([_run("a", 1, [], [(1, 2.0)]), _run("a", 2, [], [(2, 2.0)])])
+        an.band([([1], [2.0]), ([2], [2.0])], "a")
 
 
 def test_standard_errors_by_hand():
@@ -114,3 +114,48 @@ def test_compute_matched_controls():
     e = out[("m", "grow")]
     assert e["seeds"] == [1, 2] and e["delta"] == pytest.approx([-0.2, 0.1])
     assert e["delta_se"] == pytest.approx([paired_se([-0.2, 0.0, 0.2], [0.0, 0.0, 0.3]), 0.0])
+
+
+def test_document_and_seed_standard_errors_by_hand():
+    """Issue 38: the held-out SE holds the models fixed; samples of one document are grouped
+    (CR1: sqrt(G/(G-1) * sum of squared cluster sums) / n), and seeds give their own SE."""
+    # differences 1, 2, 3, 4 (mean 2.5) in documents 0, 0, 1, 1: cluster sums -2, 2; sqrt(2 * 8) / 4
+    assert clustered_se([1.0, 2.0, 3.0, 4.0], [0.0] * 4, [0, 0, 1, 1]) == pytest.approx(1.0)
+    # one sample per document: CR1 is the plain paired SE
+    assert clustered_se([1.0, 2.0, 3.0], [0.0] * 3, [5, 6, 7]) == pytest.approx(paired_se([1.0, 2.0, 3.0], [0.0] * 3))
+    assert clustered_se([1.0, 2.0], [0.0, 0.0], [3, 3]) is None   # one document: no estimate
+    assert an.seed_se([0.1, 0.3]) == pytest.approx(0.1) and an.seed_se([0.1]) is None
+    assert an.fmt([0.8125, 0.8125]) == "0.812" and an.fmt([0.1, 0.3]) == "0.200 ± 0.141"
+
+
+def test_one_verdict_line_per_claim_with_its_seed_count():
+    """Issue 38: the 0.8 bar, each arm's gap to scratch and growth's gap to its control, each with
+    its figure (mean ± seed SE) and in how many seeds it holds."""
+    runs = [_run("real from scratch", 1, [REAL], SCRATCH),
+            _run("real from scratch", 2, [REAL], [(0, 10.0), (200, 5.0), (400, 4.2)]),
+            _grow(1, [(100, 7.0), (100, 6.5), (200, 4.5), (300, 4.0), (400, 3.8)]),
+            _grow(2, [(100, 7.0), (100, 6.5), (200, 4.6), (300, 4.2), (400, 4.0)]),
+            _run("ctl", 1, [REAL], [(300, 3.9)]), _run("ctl", 2, [REAL], [(300, 4.3)])]
+    stats = an.paired(runs, TIMING, TPS, "real from scratch", documents=[0, 1, 1])
+    controls = an.matched(runs, lambda arm: "ctl" if arm == "grow" else None, documents=[0, 1, 1])
+    lines = verdicts(stats, controls, ["m"], {"m": ["real from scratch", "grow"]})
+    assert lines[0].startswith("- **m, training FLOPs: target met** by grow")
+    assert lines[-2] == ("- m, **grow** against real from scratch: final held-out loss -0.200 (equal in every seed); "
+                         "lower in 2 of 2 seeds, by more than 2 document SEs in 2 of 2.")
+    # growth against its control: -0.1 and -0.3, seed SE 0.1
+    assert lines[-1] == ("- m, **grow** against its compute-matched control: final held-out loss -0.200 ± 0.100 (seed "
+                         "SE); lower in 2 of 2 seeds, by more than 2 document SEs in 2 of 2.")
+
+
+def test_difference_curve_is_paired_against_scratchs_curve():
+    grow = _grow(1, [(100, 7.0), (100, 6.5), (250, 4.5)])
+    steps, diff = an.difference_curve(grow, _run("real from scratch", 1, [REAL], SCRATCH))
+    assert steps == [100, 100, 250] and diff == pytest.approx([1.0, 0.5, -0.25])   # scratch at 250: 4.75
+
+
+def test_the_reproducing_command_carries_no_path_of_this_machine():
+    from tools.p2r_study.report import _reproducing
+    argv = ["--work", "/a/w", "--data-path", "/x/y.jsonl", "--out=/o", "--jobs", "2", "--tokenizer-model=/m/t.model",
+            "--iters", "8", "--name", "n", "--valid-data-path", "v/held.jsonl"]
+    assert _reproducing(argv) == ["--data-path", "y.jsonl", "--tokenizer-model=t.model", "--iters", "8",
+                                  "--valid-data-path", "held.jsonl"]

@@ -16,8 +16,8 @@ import shutil
 import time
 from typing import List, Optional
 
-from benchmarks import p2r_heldout
-from benchmarks.p2r_arms import Phase
+from tools.p2r_study import heldout as p2r_heldout
+from tools.p2r_study.arms import Phase
 
 
 def _key(*parts) -> str:
@@ -143,7 +143,7 @@ def run_arm(args, model: str, arm: str, seed: int) -> dict:
         values = dict(phase_values(args, model, phase, seed, decay), train_iters=end)
         phase_dir = os.path.join(args.work, "runs", model, f"seed{seed}",
                                  _key(plan[:i], phase.until, phase.shallower, phase.pattern, args.iters, decay,
-                                      shape.layers, shape.hidden))
+                                      shape.layers, shape.hidden, args.study_key))
         print(f"{model} seed {seed} {arm}: phase {i + 1}/{len(plan)}, steps {start}..{end}", flush=True)
         trained = train_phase(args, values, phase_dir, load, start)
         points += trained["points"]
@@ -163,8 +163,11 @@ def run_arm(args, model: str, arm: str, seed: int) -> dict:
 
 
 def record_path(args, model: str, arm: str, seed: int) -> str:
+    """A run's record, keyed by everything that changes it (``args.study_key``: the data's hash,
+    the tokenizer, the held-out set and the training settings, from ``identity``)."""
     shape = args.shapes[model]
-    return os.path.join(args.work, "records", f"{model}_{_key(arm, shape.layers, shape.hidden)}_seed{seed}.json")
+    return os.path.join(args.work, "records",
+                        f"{model}_{_key(arm, shape.layers, shape.hidden, args.study_key)}_seed{seed}.json")
 
 
 def worker(args, model: str, seed: int) -> None:

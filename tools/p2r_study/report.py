@@ -1,13 +1,21 @@
-"""The convergence study's report: a markdown page (tables of mean ± std over seeds, paired
-ratios, timing, break-even, a plain verdict) and the plot with error bands, written from the
-saved records and timing by ``p2r_convergence.py`` (also with ``--report-only``)."""
+"""The study's report: a markdown page (tables of mean ± std over seeds, paired differences with
+three standard errors, ratios, timing, break-even, one verdict line per claim) and the plot of
+paired differences, written from the saved records and timing by ``p2r-study`` (also with
+``--report-only``)."""
 from __future__ import annotations
 
 import os
 from typing import Dict, List, Optional
 
-from benchmarks.p2r_analysis import BUDGET, band, cost_until, fmt, matched, paired, ratio_cell, wins
-from benchmarks.p2r_arms import CONTROL_PREFIX, SCRATCH, is_control
+from tools.p2r_study.analysis import BUDGET, fmt, matched, paired, ratio_cell, seed_se, wins
+from tools.p2r_study.arms import CONTROL_PREFIX, SCRATCH, is_control
+from tools.p2r_study.plot import CAPTION, plot
+
+MARKER = "<!-- written by p2r-study from the --work with key {key} -->"
+SE_RULE = ("**Which SE the verdict uses.** A seed counts for a claim when its difference exceeds 2 of its "
+           "document-clustered SEs (held-out samples cut from one document are not independent, so it is usually "
+           "the larger of a seed's two SEs); each claim's figure is the mean over seeds ± the seed-to-seed SE, "
+           "which is what another set of seeds could change.")
 
 TARGET_RATIO = 0.8
 SCENARIOS = (("flops", "training FLOPs"), ("wall", "wall time, real model fits"),
@@ -20,33 +28,58 @@ def _arms_in_order(records: List[dict], arms: dict, model: str) -> List[str]:
 
 
 def _worst(values) -> str:
-    return f"{max(values):.3f}" if values else "-"
+    known = [v for v in values if v is not None]
+    return f"{max(known):.3f}" if known else "-"
+
+
+def _seed_se(values) -> str:
+    se = seed_se(values)
+    return "-" if se is None else f"{se:.3f}"
+
+
+def _se_cells(e: dict) -> List[str]:
+    """A difference's three SEs: held-out samples and documents (largest over seeds), seeds."""
+    return [_worst(e["delta_se"]), _worst(e["delta_dse"]), _seed_se(e["delta"])]
+
+
+SE_HEADS = ["SE of Δ: held-out samples", "SE of Δ: documents", "SE of Δ: seeds"]
 
 
 def _results_table(stats: Dict[tuple, dict], model: str, order: List[str], walls: List[str]) -> List[str]:
     wall_heads = {"wall": "wall to target (fits)", "wall_budget": "wall to target (budget)"}
-    heads = ["arm", "seeds", "final held-out loss", "its SE", "Δ vs scratch (paired)", "SE of Δ", "steps to target",
+    heads = ["arm", "seeds", "final held-out loss", "its SE", "Δ vs scratch (paired)", *SE_HEADS, "steps to target",
              "FLOPs to target", "FLOPs of a last-step crossing", *(wall_heads[w] for w in walls)]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for arm in order:
         e = stats[(model, arm)]
         r = e["ratios"]
-        cells = [arm, str(len(e["seeds"])), fmt(e["final"]), _worst(e["se"]), fmt(e["delta"]), _worst(e["delta_se"]),
-                 ratio_cell(r["steps"]), ratio_cell(r["flops"]), fmt(e["last_step_flops"], 2),
-                 *(ratio_cell(r[w]) for w in walls)]
-        lines.append("| " + " | ".join(cells) + " |")
+        delta = ["-"] * 4 if arm == SCRATCH else [fmt(e["delta"]), *_se_cells(e)]
+        if is_control(arm):   # it stops at the growth arm's FLOPs by design: its cost to the target says nothing
+            costs = ["(a control)"] * (3 + len(walls))
+        else:
+            costs = [ratio_cell(r["steps"]), ratio_cell(r["flops"]), fmt(e["last_step_flops"], 2),
+                     *(ratio_cell(r[w]) for w in walls)]
+        lines.append("| " + " | ".join([arm, str(len(e["seeds"])), fmt(e["final"]), _worst(e["se"]), *delta, *costs])
+                     + " |")
     return lines
 
 
+def _beyond(e: dict, sign: int = -1) -> int:
+    """Seeds whose difference lies more than 2 document-clustered SEs (the held-out SE without
+    documents) below 0 (``sign`` -1) or above it (+1)."""
+    return sum(sign * d > 2 * (dse if dse is not None else se)
+               for d, se, dse in zip(e["delta"], e["delta_se"], e["delta_dse"], strict=True))
+
+
 def _control_table(controls: Dict[tuple, dict], model: str, order: List[str]) -> List[str]:
-    lines = ["| growth arm | its final loss − its control's (paired, mean ± std over seeds) | SE of that difference "
-             "(largest over seeds) | lower than its control by more than 2 SE in every seed |", "|---|---|---|---|"]
+    lines = ["| growth arm | its final loss − its control's (paired, mean ± std over seeds) | "
+             + " | ".join(SE_HEADS) + " | seeds lower than its control by more than 2 document SEs |",
+             "|---|---|---|---|---|---|"]
     for arm in order:
         e = controls.get((model, arm))
         if e is None:
             continue
-        lower = all(d < -2 * se for d, se in zip(e["delta"], e["delta_se"], strict=True))
-        lines.append(f"| {arm} | {fmt(e['delta'])} | {_worst(e['delta_se'])} | {'yes' if lower else 'no'} |")
+        lines.append(f"| {arm} | {fmt(e['delta'])} | {' | '.join(_se_cells(e))} | {_beyond(e)} of {len(e['delta'])} |")
     return lines
 
 
@@ -80,15 +113,27 @@ def _break_even_table(stats: Dict[tuple, dict], model: str, order: List[str]) ->
     return lines
 
 
-def verdicts(stats: Dict[tuple, dict], models: List[str], order: Dict[str, List[str]]) -> List[str]:
-    """Plain statements: which arm reaches scratch's final loss with <= 0.8x its cost in every
-    seed, per scenario measured; and the best figure otherwise (controls are not candidates)."""
+def _claim(e: dict, what: str) -> str:
+    """One claim: the mean difference ± its seed SE, and in how many seeds it holds."""
+    n, lower = len(e["delta"]), sum(d < 0 for d in e["delta"])
+    mean = sum(e["delta"]) / n
+    se = seed_se(e["delta"])
+    figure = f"{mean:+.3f}" + ("" if se is None else " (equal in every seed)" if f"{se:.3f}" == "0.000"
+                               else f" ± {se:.3f} (seed SE)")
+    sign = -1 if mean < 0 else 1
+    side = f"lower in {lower} of {n} seeds" if sign < 0 else f"higher in {n - lower} of {n} seeds"
+    return f"{what}: final held-out loss {figure}; {side}, by more than 2 document SEs in {_beyond(e, sign)} of {n}."
+
+
+def verdicts(stats: Dict[tuple, dict], controls: Dict[tuple, dict], models: List[str],
+             order: Dict[str, List[str]]) -> List[str]:
+    """One line per claim: per scenario, which arm reaches scratch's final loss with <= 0.8x its
+    cost in every seed (or the best figure; controls are not candidates); then each arm's final
+    gap to scratch, and each growth arm's to its compute-matched control, with seed counts."""
     lines = []
     for model in models:
         candidates = [a for a in order[model] if a != SCRATCH and not is_control(a)]
-        if not candidates:
-            continue
-        for key, what in SCENARIOS:
+        for key, what in SCENARIOS if candidates else ():
             if key not in stats[(model, candidates[0])]["ratios"]:
                 continue
             winners = [a for a in candidates if wins(stats[(model, a)]["ratios"][key], TARGET_RATIO)]
@@ -103,6 +148,11 @@ def verdicts(stats: Dict[tuple, dict], models: List[str], order: Dict[str, List[
             best = min(candidates, key=lambda a: _rank(stats[(model, a)]["ratios"][key]))
             lines.append(f"- {model}, {what}: target **not met**; the best arm, {best}, "
                          f"{_describe(stats[(model, best)]['ratios'][key])}.")
+        for arm in candidates:
+            lines.append("- " + _claim(stats[(model, arm)], f"{model}, **{arm}** against real from scratch"))
+            if (model, arm) in controls:
+                lines.append("- " + _claim(controls[(model, arm)],
+                                           f"{model}, **{arm}** against its compute-matched control"))
     return lines
 
 
@@ -120,59 +170,42 @@ def _describe(ratios) -> str:
     return "; ".join(parts)
 
 
-def plot(records: List[dict], timing: dict, models: List[str], order: Dict[str, List[str]], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    med = timing["median_s"] if timing else {}
-    axes_x = [("steps", lambda p, tps: 1.0), ("training FLOPs", lambda p, tps: p["flops_per_token"] * tps)]
-    for label, suffix in (("wall s (real fits)", ""), ("wall s (real under budget)", BUDGET)):
-        if all(p["kind"] + suffix in med for r in records for p in r["phases"]):
-            axes_x.append((label, lambda p, tps, s=suffix: med[p["kind"] + s]))
-    fig, axes = plt.subplots(len(models), len(axes_x), figsize=(15, 3.6 * len(models)), squeeze=False)
-    for row, model in enumerate(models):
-        for arm in order[model]:
-            runs = [r for r in records if r["model"] == model and r["arm"] == arm]
-            steps, mean, std = band(runs)
-            phases, tps = runs[0]["phases"], runs[0]["tokens_per_step"]
-            for col, (label, per_step) in enumerate(axes_x):
-                x = [cost_until(s, phases, lambda p: per_step(p, tps)) for s in steps]
-                ax = axes[row][col]
-                line, = ax.plot(x, mean, label=f"{arm} ({len(runs)} seeds)", lw=1.2)
-                low = [m - s for m, s in zip(mean, std, strict=True)]
-                high = [m + s for m, s in zip(mean, std, strict=True)]
-                ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2, lw=0)
-                ax.set_xlabel(label)
-        axes[row][0].set_ylabel(f"{model}: validation loss")
-        axes[row][0].legend(fontsize=7.5, loc="upper right")
-        for ax in axes[row]:
-            ax.grid(alpha=0.3)
-            low = min(min(p[1] for p in r["points"]) for r in records if r["model"] == model)
-            ax.set_ylim(low - 0.1, low + 1.6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=60)
-    from PIL import Image  # matplotlib's own dependency: a 128-colour palette keeps the committed PNG small
-    Image.open(path).convert("RGB").quantize(colors=128).save(path, optimize=True)
+PATH_OPTIONS = ("--data-path", "--valid-data-path", "--tokenizer-model")
+LOCAL_OPTIONS = ("--work", "--out", "--jobs", "--name")
 
 
 def _reproducing(argv: List[str]) -> List[str]:
-    """The study's options less where it keeps its files and how many runs share the machine:
-    the command that reproduces its figures anywhere."""
+    """The study's options less where it keeps its files and how many runs share the machine, and
+    with file names in place of paths: the command that reproduces its figures anywhere (the
+    report never carries a path of the machine it ran on)."""
     out, skip = [], False
-    for a in argv:
-        if skip or a in ("--work", "--out", "--jobs", "--name"):
+    for i, a in enumerate(argv):
+        name, eq, value = a.partition("=")
+        if skip or a in LOCAL_OPTIONS:
             skip = not skip
             continue
+        if eq and name in LOCAL_OPTIONS:
+            continue
+        if eq and name in PATH_OPTIONS:
+            a = f"{name}={os.path.basename(value)}"
+        elif i and argv[i - 1] in PATH_OPTIONS:
+            a = os.path.basename(a)
         out.append(a)
     return out
 
 
+def _held_out_words(c) -> str:
+    docs = f"{c.valid_docs[1] - c.valid_docs[0]} documents"
+    return {"given": f"the {docs} of the --valid-data-path, `{os.path.basename(c.valid_prefix)}`",
+            "documents": f"{docs} drawn at random (seeded) from the corpus and never trained on",
+            "tail": f"documents {c.valid_docs[0]}..{c.valid_docs[1] - 1}, the corpus's last {docs}, never trained "
+                    "on"}[c.held_out]
+
+
 def _header(args, timing: Optional[dict], present: List[str], seeds: List[int]) -> List[str]:
     c, shapes = args.corpus, args.shapes
-    held_out = (f"documents {c.valid_docs[0]}..{c.valid_docs[1] - 1} of `{os.path.basename(c.valid_prefix)}`, "
-                + ("the --valid-data-path" if c.valid_prefix != c.train_prefix else "held out from training"))
     lines = [
-        "Measured by `python benchmarks/p2r_convergence.py " + " ".join(_reproducing(args.passthrough)) + "` "
+        "Measured by `p2r-study " + " ".join(_reproducing(args.passthrough)) + "` "
         f"(seeds {' '.join(map(str, seeds))}). Corpus: **{c.name}**, tokenizer {c.tokenizer_type} "
         f"(vocabulary {args.vocab_size}); seq {args.seq}, micro-batch {args.micro_batch} "
         f"({args.seq * args.micro_batch} tokens per step), SwiGLU/RMSNorm/rotary, AdamW, LR {args.lr:g} cosine to "
@@ -184,14 +217,17 @@ def _header(args, timing: Optional[dict], present: List[str], seeds: List[int]) 
         "so comparisons are paired: seed s's *target* is the final held-out loss of real-from-scratch with "
         f"seed s, and an arm's cost to reach it (linear between evaluations every {args.eval_interval} steps) is "
         f"divided by that scratch run's own. Held-out set: {args.eval_samples} samples of {args.seq} tokens from "
-        f"{held_out}, the same for every run; each loss's standard error (SE) is over those samples, and a "
-        "difference's SE is that of the per-sample differences (both models on the same samples). The spread over "
-        "seeds (± std) is the larger uncertainty. FLOPs count each phase's own model (a grown model's early phase "
-        "is cheaper per token; a pseudo model costs the same FLOPs as the real one). *FLOPs of a last-step "
-        "crossing* is the ratio an arm would score if it reached the target only at its last step: what its "
-        "cheaper early phase alone gives; the measured ratio below it is what the model learns after the switch. "
-        f"Each growth arm has a control, *{CONTROL_PREFIX}...*: real from scratch whose LR schedule ends and "
-        "decays at that arm's training FLOPs."]
+        f"{_held_out_words(c)}, the same for every run. Each loss's standard error (SE) is over those samples. "
+        "A difference Δ has three: *held-out samples*, the SE of the per-sample differences (both models on the "
+        "same samples; it holds the trained models fixed); *documents*, the same with the samples grouped by the "
+        "document they start in (samples of one document are not independent); *seeds*, the SE of the mean Δ over "
+        "seeds (other initialisations and data orders), usually the largest. FLOPs count each phase's own model "
+        "(a grown model's early phase is cheaper per token; a pseudo model costs the same FLOPs as the real one). "
+        "*FLOPs of a last-step crossing* is the ratio an arm would score if it reached the target only at its last "
+        "step: what its cheaper early phase alone gives; the measured ratio below it is what the model learns "
+        f"after the switch. Each growth arm has a control, *{CONTROL_PREFIX}...*: real from scratch whose LR "
+        "schedule ends and decays at that arm's training FLOPs; it stops short of scratch's budget by design, so "
+        "its cost to the target is not a finding."]
     if timing:
         lines[-1] += (" **Wall time is not the runs' own** (the machine is shared): each phase kind's step time was "
                       f"measured in a separate timing run, {timing['rounds']} interleaved rounds of {timing['steps']} "
@@ -219,12 +255,13 @@ def _model_section(stats, controls, model: str, args, order: List[str], walls: L
     return lines
 
 
-def write(records: List[dict], timing: Optional[dict], args, out: str) -> None:
-    """<out>/<name>.md and <out>/<name>.png from the study's records."""
+def write(records: List[dict], timing: Optional[dict], args, out: str, documents=None, key: str = "") -> None:
+    """<out>/<name>.md and <out>/<name>.png from the study's records; ``documents``: the document
+    each held-out sample starts in (for the clustered SE)."""
     present = [m for m in args.models if any(r["model"] == m for r in records)]
     tps = {r["model"]: r["tokens_per_step"] for r in records}
-    stats = paired(records, timing["median_s"] if timing else {}, tps, SCRATCH)
-    controls = matched(records, lambda arm: CONTROL_PREFIX + arm)
+    stats = paired(records, timing["median_s"] if timing else {}, tps, SCRATCH, documents)
+    controls = matched(records, lambda arm: CONTROL_PREFIX + arm, documents)
     order = {m: _arms_in_order(records, args.arms, m) for m in present}
     seeds = sorted({r["seed"] for r in records})
     lines = ["# Pseudo-to-Real and depth growth at small scale: does it pay?", ""] + _header(args, timing, present,
@@ -235,12 +272,15 @@ def write(records: List[dict], timing: Optional[dict], args, out: str) -> None:
     if timing:
         kinds = sorted({p["kind"] for r in records for p in r["phases"]})
         lines += ["## Step time per phase kind (timing run)", ""] + _timing_table(timing, args.shapes, kinds) + [""]
-    lines += ["## Verdict", ""] + verdicts(stats, present, order) + [""]
+    lines += ["## Verdict", "", SE_RULE, ""] + verdicts(stats, controls, present, order) + [""]
     if args.note:
         lines += [args.note, ""]
-    lines += [f"![held-out loss, mean ± std over seeds]({args.name}.png)", ""]
+    lines += [f"![held-out loss minus real from scratch's, per family of arms]({args.name}.png)", "", CAPTION, "",
+              MARKER.format(key=key), ""]
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, args.name + ".md"), "w", encoding="utf-8") as fh:
+    plot(records, present, order, os.path.join(out, args.name + ".png"))
+    path = os.path.join(out, args.name + ".md")
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
         fh.write("\n".join(lines))
-    plot(records, timing, present, order, os.path.join(out, args.name + ".png"))
+    os.replace(path + ".tmp", path)
     print("\n".join(lines))

@@ -4,14 +4,16 @@ Every run is evaluated on the same ``--eval-samples`` windows of the held-out do
 with one fixed seed). A loss is reported with its standard error over those samples, so a
 difference between arms can be set against the noise of a finite evaluation set; a paired
 difference (two models on the same samples) has the smaller standard error of the per-sample
-differences.
+differences. That SE holds the trained models fixed: samples cut from one document are not
+independent (``clustered_se`` counts documents instead), and another seed trains other models
+(the report's seed-to-seed SE).
 """
 from __future__ import annotations
 
 import math
 import os
 import statistics
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 EVAL_SEED = 1234
 
@@ -65,6 +67,28 @@ def paired_se(a: Sequence[float], b: Sequence[float]) -> float:
     if len(a) != len(b):
         raise ValueError(f"paired samples differ in number: {len(a)} and {len(b)}")
     return mean_se([x - y for x, y in zip(a, b, strict=True)])[1]
+
+
+def clustered_se(a: Sequence[float], b: Sequence[float], clusters: Sequence[int]) -> Optional[float]:
+    """The standard error of mean(a) - mean(b) with samples grouped by ``clusters`` (the document
+    each sample starts in): the cluster-robust (CR1) estimate, sqrt(G/(G-1) * sum over clusters of
+    (summed deviations)^2) / n; None with fewer than two clusters."""
+    if not len(a) == len(b) == len(clusters):
+        raise ValueError(f"clustered samples differ in number: {len(a)}, {len(b)} and {len(clusters)}")
+    diffs = [x - y for x, y in zip(a, b, strict=True)]
+    mean = statistics.fmean(diffs)
+    sums: Dict[int, float] = {}
+    for d, c in zip(diffs, clusters, strict=True):
+        sums[c] = sums.get(c, 0.0) + d - mean
+    groups = len(sums)
+    if groups < 2:
+        return None
+    return math.sqrt(groups / (groups - 1) * sum(s * s for s in sums.values())) / len(diffs)
+
+
+def sample_documents(dataset, samples: int) -> List[int]:
+    """The document each of the first ``samples`` samples of a GPTDataset starts in."""
+    return [int(dataset.doc_idx[dataset.sample_idx[int(dataset.shuffle_idx[i])][0]]) for i in range(samples)]
 
 
 def cache_dir(work: str) -> str:

@@ -9,9 +9,9 @@ import os
 import statistics
 from typing import Dict, List, Tuple
 
-from benchmarks.p2r_analysis import BUDGET
-from benchmarks.p2r_arms import Phase
-from benchmarks.p2r_runs import kind_of, model_values, phase_values
+from tools.p2r_study.analysis import BUDGET
+from tools.p2r_study.arms import Phase
+from tools.p2r_study.runs import kind_of, model_values, phase_values
 
 
 def timing_kinds(args) -> Dict[str, Tuple[str, Phase]]:

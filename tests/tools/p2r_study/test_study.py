@@ -1,5 +1,5 @@
-"""The convergence study on a user's corpus: options, data from a jsonl and from .bin/.idx, the
-held-out set and its per-sample losses, and a tiny study that resumes without retraining."""
+"""The study on a user's corpus: options, data from a jsonl and from .bin/.idx, the held-out set
+and its per-sample losses, and a tiny study that resumes without retraining."""
 import argparse
 import glob
 import json
@@ -7,9 +7,10 @@ import os
 
 import pytest
 
-from benchmarks import p2r_arms, p2r_convergence, p2r_corpus
-from benchmarks.p2r_heldout import HeldOutTooSmall, held_out_set, mean_se, per_sample_losses
+from tools.p2r_study import arms as p2r_arms, cli, corpus as p2r_corpus
+from tools.p2r_study.heldout import HeldOutTooSmall, held_out_set, mean_se, per_sample_losses
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly box jugs of liquid".split()
 TINY = ["--tokenizer-type", "ByteTokenizer", "--model", "t=2x16", "--iters", "8", "--eval-interval", "4",
         "--seq", "16", "--micro-batch", "2", "--eval-samples", "8", "--seeds", "1", "--grow-factors", "2",
@@ -25,7 +26,7 @@ def _jsonl(path, docs=40, words=60):
 
 def _corpus_args(**values):
     base = dict(data_path=None, tokenizer_type="ByteTokenizer", tokenizer_model=None, valid_data_path=None,
-                valid_fraction=0.1, corpus_bytes=0, demo_source="code")
+                valid_fraction=0.1, corpus_bytes=0, demo_source="code", held_out="tail", held_out_seed=1234)
     return argparse.Namespace(**dict(base, **values))
 
 
@@ -50,7 +51,7 @@ def test_default_arms_are_todays_plus_controls():
     (["--iters", "0"], "--iters must be at least 1"),
 ])
 def test_bad_options_are_one_error_line(tmp_path, capsys, options, message):
-    assert p2r_convergence.main(["--work", str(tmp_path), *options]) == 2
+    assert cli.main(["--work", str(tmp_path), *options]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
     assert not os.listdir(tmp_path)   # refused before any data is prepared
@@ -100,16 +101,26 @@ def _trained(work):
     return {f: os.stat(f).st_mtime_ns for f in files}
 
 
-def test_tiny_study_resumes_without_retraining(tmp_path, capsys):
-    work, out = str(tmp_path / "w"), str(tmp_path / "out")
-    study = ["--data-path", _jsonl(tmp_path / "c.jsonl"), "--valid-fraction", "0.2", *TINY, "--work", work,
-             "--out", out]
+def _checkout():
+    """The checkout's top level and docs/, with modification times: a study must leave them alone."""
+    return {p: os.stat(p).st_mtime_ns for p in glob.glob(os.path.join(ROOT, "*")) + glob.glob(os.path.join(ROOT,
+                                                                                                        "docs", "*"))}
+
+
+def test_tiny_study_from_another_directory_resumes_and_writes_only_under_work(tmp_path, capsys, monkeypatch):
+    """Issue 38, bug 3: relative paths are the caller's, the helper tools and workers run in the
+    caller's directory, and the report goes under --work, never into the checkout's docs/."""
+    monkeypatch.chdir(tmp_path)
+    before = _checkout()
+    _jsonl(tmp_path / "c.jsonl")
+    work, out = str(tmp_path / "w"), str(tmp_path / "w" / "report")
+    study = ["--data-path", "c.jsonl", "--valid-fraction", "0.2", *TINY, "--work", "w"]
     # a study stopped after its P2R arms ...
-    assert p2r_convergence.main(study + ["--arms", "p2r"]) == 0
+    assert cli.main(study + ["--arms", "p2r"]) == 0
     first = _trained(work)
     assert len(glob.glob(f"{work}/records/*.json")) == 2 and len(first) == 4   # scratch; pseudo, delink, real
     # ... continues with the growth arm and its control, retraining nothing it finished
-    assert p2r_convergence.main(study + ["--arms", "p2r", "grow", "matched"]) == 0
+    assert cli.main(study + ["--arms", "p2r", "grow", "matched"]) == 0
     second = _trained(work)
     assert {f: second[f] for f in first} == first and len(second) == len(first) + 4   # small, growth, real; control
     assert "4 runs (1 models x arms x 1 seeds), 2 done before" in capsys.readouterr().out
@@ -121,14 +132,33 @@ def test_tiny_study_resumes_without_retraining(tmp_path, capsys):
     grow_record = [p for p in glob.glob(f"{work}/records/*.json") if "grow" in json.load(open(p))["arm"]
                    and "scratch" not in json.load(open(p))["arm"]]
     os.remove(grow_record[0])
-    assert p2r_convergence.main(study + ["--arms", "p2r", "grow", "matched"]) == 0
+    assert cli.main(study + ["--arms", "p2r", "grow", "matched"]) == 0
     assert _trained(work) == second and os.path.exists(grow_record[0])
-    report = open(os.path.join(out, "p2r_convergence.md")).read()
+    report = open(os.path.join(out, "p2r_study.md")).read()
     assert "| grow ×2 (stack) at 50% | 1 |" in report and "FLOPs of a last-step crossing" in report
-    assert "8 samples of 16 tokens from documents 32..39" in report
+    assert "8 samples of 16 tokens from 8 documents drawn at random (seeded)" in report
     command = report.split("`")[1]   # reproducible anywhere: no --work, --out or --jobs of this machine
-    assert command.startswith("python benchmarks/p2r_convergence.py --data-path ") and "--iters 8" in command
+    assert command.startswith("p2r-study --data-path c.jsonl ") and "--iters 8" in command
     assert not any(flag in command for flag in ("--work", "--out", "--jobs"))
     # the same --work with other training settings is refused, naming what changed
-    assert p2r_convergence.main(study + ["--lr", "0.01"]) == 2
+    assert cli.main(study + ["--lr", "0.01"]) == 2
     assert "holds a study with other settings (lr 0.002 -> 0.01)" in capsys.readouterr().err
+    assert _checkout() == before and not os.path.exists(os.path.join(ROOT, "w"))
+    assert sorted(os.listdir(tmp_path)) == ["c.jsonl", "w"]
+    _check_report(report, str(tmp_path))
+
+
+def _check_report(report: str, tmp: str) -> None:
+    """Issue 38, the report read by a user: three SEs and the rule the verdict uses, a verdict line
+    per claim with its seed count, controls' costs not presented as findings, no "± 0.000" for a
+    value the seeds share, no path of this machine."""
+    assert "SE of Δ: held-out samples | SE of Δ: documents | SE of Δ: seeds" in report
+    assert "**Which SE the verdict uses.**" in report
+    assert "- t, **grow ×2 (stack) at 50%** against its compute-matched control: final held-out loss" in report
+    assert "- t, **P2R at 50%** against real from scratch: final held-out loss" in report
+    assert " of 1 seeds, by more than 2 document SEs in " in report
+    control_row = next(line for line in report.splitlines() if line.startswith("| scratch decayed at"))
+    assert "never reach" not in control_row and "(a control)" in control_row
+    assert "± 0.000" not in report and "± 0.00 " not in report
+    assert tmp not in report and "**c.jsonl**" in report
+    assert "held-out loss minus real from scratch's" in report and "jump at each growth" in report
