@@ -365,13 +365,6 @@ class ParallelPlan:
                 out[buf.modules[i]] = offload_choice.add_bytes(out.get(buf.modules[i], {}), add)
         return out
 
-    def slot_users(self) -> Dict[int, Tuple[int, ...]]:
-        """module key -> the global layers that call it."""
-        out: Dict[int, List[int]] = {}
-        for layer, key in enumerate(self.layer_keys):
-            out.setdefault(key, []).append(layer)
-        return {k: tuple(v) for k, v in out.items()}
-
 
 def _tp_blocks(plan: ParallelPlan) -> Tuple[Tuple[str, int], ...]:
     """(logical name, TP block) of every tensor whose TP copies hold partial gradients."""
