@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-fast clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+# The inner loop: the linter and every test that starts no other process (no gloo ranks, no
+# torchrun, no CLI or tool subprocess) and is not marked slow; the conftest marks the spawners.
+test-fast: $(STAMP)
+	$(PY) -m ruff check .
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not spawns and not slow" $(PYTEST_ARGS) tests
 
 clean:
 	rm -rf $(VENV) demo_out

@@ -84,7 +84,7 @@ def _worker(rank: int, world: int, rounds: int, microbatches: int, pp: int, reco
     clock = _AllToAllClock()
     clock.install()
     serial_stats: dict = {}   # the serial schedule's busy time: its step less the pipeline's idle waits
-    schedules = {"serial": functools.partial(get_forward_backward_func(ps), stats=serial_stats),
+    schedules = {"serial": functools.partial(get_forward_backward_func(plan.schedule.serial), stats=serial_stats),
                  "overlapped": forward_backward_combined_1f1b}
     times = {name: {"step": [], "a2a": []} for name in schedules}
     times["serial"]["busy"] = []

@@ -23,7 +23,6 @@ cores).
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import time
 
@@ -36,8 +35,8 @@ from megatron_p2r.planning.estimate import exposed_p2p
 from megatron_p2r.pipeline.order import BACKWARD, FORWARD, Message, step_slots
 from megatron_p2r.pipeline.p2p import StageLink
 from megatron_p2r.pipeline.transfers import Transfers
-from megatron_p2r.pipeline.schedules import (forward_backward_1f1b, forward_backward_gpipe,
-                                             forward_backward_pipelining_with_interleaving)
+from megatron_p2r.config.schedule import GPIPE, INTERLEAVED, ONE_F_ONE_B, SchedulePlan
+from megatron_p2r.pipeline.schedules import get_forward_backward_func
 from megatron_p2r.testing import run_distributed
 
 STAGES = 4
@@ -106,10 +105,9 @@ def _p2p_latency(ps, shape, rounds: int = 30) -> float:
     return statistics.median(times)
 
 
-# (label, model chunks per rank, schedule)
-RUNS = (("gpipe", 1, forward_backward_gpipe), ("1f1b", 1, forward_backward_1f1b),
-        ("1f1b v=2", 2, forward_backward_pipelining_with_interleaving),
-        ("v=2 overlap", 2, functools.partial(forward_backward_pipelining_with_interleaving, overlap_p2p_comm=True)))
+# (label, model chunks per rank, schedule kind, receives posted ahead)
+RUNS = (("gpipe", 1, GPIPE, False), ("1f1b", 1, ONE_F_ONE_B, False), ("1f1b v=2", 2, INTERLEAVED, False),
+        ("v=2 overlap", 2, INTERLEAVED, True))
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> list:
@@ -120,7 +118,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> list:
     for m in args.microbatches:
         mbs = [{"tokens": torch.randint(0, 1000, (b, s)), "labels": torch.zeros(b, s, dtype=torch.long),
                 "loss_mask": torch.ones(b, s)} for _ in range(m)]
-        for name, chunks, schedule in RUNS:
+        for name, chunks, kind, ahead in RUNS:
+            schedule = get_forward_backward_func(SchedulePlan(kind, world, chunks, posts_receives_ahead=ahead))
             model = UniformStage(args.hidden, rank, world, chunks, args.work, args.fwd_ms / 1000.0, args.layers)
             steps = []
             for rep in range(args.repeats + 1):  # the first is a warm-up

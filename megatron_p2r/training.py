@@ -221,9 +221,7 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
     samples = global_batch_size(cfg, ps.layout.world_size, state.consumed_samples)
     optimizer.zero_grad()
     state.ddp.zero_grad_buffer(len(microbatches), keep=optimizer.grads_zeroed_by_host_step())
-    forward_backward = get_forward_backward_func(
-        ps, cfg.parallel.pipeline_schedule, num_model_chunks=state.plan.num_model_chunks,
-        overlap_p2p_comm=cfg.parallel.overlap_p2p_communication, overlap_moe_comm=cfg.parallel.overlap_moe_expert_parallel_comm)
+    forward_backward = get_forward_backward_func(state.plan.schedule)
     scale = state.scaler.scale
     loss = forward_backward(state.model, microbatches, ps, loss_scale=scale,
                             on_backward_scale=aux_loss.set_backward_scale)
@@ -257,9 +255,7 @@ def evaluate(state: TrainState, valid_dataset) -> float:
     state.model.eval()
     n = num_microbatches(cfg, ps.layout.world_size) * cfg.logging.eval_iters
     batches = _take(microbatch_iterator(valid_dataset, 0, cfg, ps), n, "validation")
-    forward_backward = get_forward_backward_func(ps, cfg.parallel.pipeline_schedule,
-                                                num_model_chunks=state.plan.num_model_chunks,
-                                                overlap_p2p_comm=cfg.parallel.overlap_p2p_communication)
+    forward_backward = get_forward_backward_func(state.plan.schedule.serial)
     loss = forward_backward(state.model, batches, ps, forward_only=True)
     state.model.train()
     return reduce_loss(loss, ps)

@@ -6,6 +6,7 @@ import pytest
 
 from megatron_p2r.arguments import parse_launch, to_argv
 from megatron_p2r.config import Config, ConfigError
+from megatron_p2r.config.schedule import schedule_plan
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.training import ExitSignal
 
@@ -82,10 +83,10 @@ def test_overlap_p2p_communication_is_on_by_default_as_in_megatron(tmp_path):
     interleaved = BASE + ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
                           "--num-layers-per-virtual-pipeline-stage", "1"]
     cfg, no_effect = parse_launch(interleaved)
-    assert cfg.parallel.overlap_p2p_communication and cfg.parallel.overlaps_p2p(cfg.model.num_layers)
+    assert cfg.parallel.overlap_p2p_communication and schedule_plan(cfg).posts_receives_ahead
     assert no_effect == []
     off, no_effect = parse_launch(interleaved + ["--no-overlap-p2p-communication"])
-    assert not off.parallel.overlaps_p2p(off.model.num_layers) and no_effect == []
+    assert not schedule_plan(off).posts_receives_ahead and no_effect == []
     assert parse_launch(to_argv(off))[0] == off
     assert parse_launch(interleaved + ["--no-overlap-p2p-communication", "--overlap-p2p-communication"])[0] == cfg
     assert parse_launch(interleaved + ["--overlap-p2p-communication", "--no-overlap-p2p-communication"])[0] == off
@@ -100,7 +101,7 @@ def test_overlap_p2p_communication_acts_only_with_interleaving():
     reported as having no effect; turning it off is what happens anyway."""
     pipeline = BASE + ["--pipeline-model-parallel-size", "2"]
     cfg, no_effect = parse_launch(pipeline + ["--overlap-p2p-communication"])
-    assert cfg == parse_launch(pipeline)[0] and not cfg.parallel.overlaps_p2p(cfg.model.num_layers)
+    assert cfg == parse_launch(pipeline)[0] and not schedule_plan(cfg).posts_receives_ahead
     assert no_effect == ["--overlap-p2p-communication (without interleaved 1F1B (Megatron-LM turns it off too))"]
     assert parse_launch(pipeline + ["--no-overlap-p2p-communication"])[1] == []
     assert parse_launch(pipeline + ["--overlap-p2p-communication-warmup-flush"])[0] == cfg

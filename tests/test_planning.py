@@ -332,7 +332,7 @@ def distributed_activation_worker(rank, world):
     recomputation) and PP=2 (1F1B over 3 micro-batches: stage 0 keeps 2 in flight) measured
     on each rank, with the planner's estimate for that rank."""
     from megatron_p2r.parallel.state import initialize_plan
-    from megatron_p2r.pipeline.schedules import forward_backward_1f1b
+    from megatron_p2r.pipeline.schedules import get_forward_backward_func
     from tests.helpers import random_microbatches
     out = {}
     for name, overrides in (("tp2", dict(tensor_model_parallel_size=2)),
@@ -351,7 +351,7 @@ def distributed_activation_worker(rank, world):
 
         def step(tracker, mbs=mbs, model=model, ps=ps):
             if name == "pp2":
-                forward_backward_1f1b(model, mbs, ps)
+                get_forward_backward_func(plan.schedule)(model, mbs, ps)
                 return None
             loss = model(tokens=mbs[0]["tokens"], labels=mbs[0]["labels"], loss_mask=mbs[0]["loss_mask"])
             held = tracker.held()

@@ -34,7 +34,7 @@ def measured_pipeline_worker(rank, world):
         seed_everything(3, ps.tp_rank, ps.pp_rank, ps.device)
         model = build_model(cfg, ps, plan)
         mbs = random_microbatches(cfg, m, cfg.train.micro_batch_size)
-        step = get_forward_backward_func(ps, "1f1b", num_model_chunks=plan.num_model_chunks)
+        step = get_forward_backward_func(plan.schedule)
         _, peak = measure_step(model, cfg, lambda tracker: step(model, mbs, ps), mbs)   # as training runs: no autocast
         out[name] = dict(peak=peak, est=activation_memory(cfg, plan, ps.pp_rank, device_type="cpu"))
     return out

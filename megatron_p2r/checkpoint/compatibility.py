@@ -92,17 +92,22 @@ def _rows(info: TensorInfo):
     return None if info.rows is None else info.rows.to_json()
 
 
+def check_piece(stored: TensorInfo, wanted: TensorInfo, where: str, key: str, wanted_by: str) -> None:
+    """Fail unless the stored piece ``key`` has the shape, dtype and row layout ``wanted_by`` needs."""
+    if stored.shape != wanted.shape or stored.dtype != wanted.dtype:
+        raise CheckpointError(f"{where}: tensors[{key!r}] is {stored.dtype}{list(stored.shape)}, "
+                              f"{wanted_by} needs {wanted.dtype}{list(wanted.shape)}")
+    if stored.rows != wanted.rows:
+        raise CheckpointError(f"{where}: tensors[{key!r}].rows is {_rows(stored)}, {wanted_by} lays its rows out "
+                              f"as {_rows(wanted)}")
+
+
 def check_tables(saved: Dict[str, TensorInfo], run: Dict[str, TensorInfo], where: str) -> None:
     """Fail unless the checkpoint lists exactly the run's pieces, with the run's shapes and dtypes."""
     for key, info in run.items():
         if key not in saved:
             raise CheckpointError(f"{where}: tensors has no {key!r}, which this run's model needs")
-        if saved[key].shape != info.shape or saved[key].dtype != info.dtype:
-            raise CheckpointError(f"{where}: tensors[{key!r}] is {saved[key].dtype}{list(saved[key].shape)}, "
-                                  f"this run's model needs {info.dtype}{list(info.shape)}")
-        if saved[key].rows != info.rows:
-            raise CheckpointError(f"{where}: tensors[{key!r}].rows is {_rows(saved[key])}, this run's model "
-                                  f"lays its rows out as {_rows(info)}")
+        check_piece(saved[key], info, where, key, "this run's model")
     extra = set(saved) - set(run)
     if extra:
         raise CheckpointError(f"{where}: tensors lists {len(extra)} tensors this run's model does not have, "

@@ -26,6 +26,7 @@ from megatron_p2r.checkpoint.naming import METADATA_FILE, entry_name, shard_file
 from megatron_p2r.checkpoint.safetensors_io import nbytes
 from megatron_p2r.config import Config
 from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.layout.sharing import slot_to_layers
 from megatron_p2r.layout.tensor_specs import HeadRows
 from megatron_p2r.parallel.sharding import expert_key
 
@@ -143,14 +144,14 @@ def tensor_table(cfg: Config, experts: bool = True) -> Dict[str, TensorInfo]:
     planner counts per stacked parameter instead)."""
     plan = ParallelPlan.model_parallel(cfg)
     tp, ep = plan.layout.tp, plan.layout.ep
-    users = plan.slot_users()
+    users = slot_to_layers(plan.layer_keys)
     table: Dict[str, TensorInfo] = {}
     for stage in range(len(plan.stages)):
         for spec in plan.tensors(stage):
             logical = spec.logical
             mk = spec.module_key
             common = dict(param=logical, dtype="F32", stage=stage, module_key=mk,
-                          layers=users.get(mk, ()) if mk is not None else ())
+                          layers=tuple(users.get(mk, ())) if mk is not None else ())
             shape = list(spec.shape)
             if spec.tp_dim is not None:
                 shape[spec.tp_dim] *= tp

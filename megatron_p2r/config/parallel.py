@@ -51,10 +51,6 @@ class ParallelConfig:
                               "(as in Megatron-LM)")
         self.num_model_chunks(num_layers)
 
-    def overlaps_p2p(self, num_layers: int) -> bool:
-        """Whether --overlap-p2p-communication acts: only under interleaving, as in Megatron-LM."""
-        return self.overlap_p2p_communication and self.num_model_chunks(num_layers) > 1
-
     def num_model_chunks(self, num_layers: int) -> int:
         """Model chunks (virtual stages) per pipeline rank: Megatron-LM's
         virtual_pipeline_model_parallel_size, 1 without interleaving. Checked as Megatron checks it:
@@ -84,9 +80,6 @@ class ParallelConfig:
         if chunks > 1 and self.pipeline_layer_split:
             raise ConfigError(f"{flag} splits the layers evenly over the virtual stages; it cannot be combined "
                               "with --pipeline-layer-split")
-        if chunks > 1 and self.pipeline_schedule != "1f1b":
-            raise ConfigError(f"{flag}: interleaving is a 1F1B schedule; --pipeline-schedule is "
-                              f"{self.pipeline_schedule!r}")
         return chunks
 
 

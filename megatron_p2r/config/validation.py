@@ -10,6 +10,7 @@ from megatron_p2r.config.batch import (data_parallel_size, global_batch_size, lr
 from megatron_p2r.config.fields import ConfigError
 from megatron_p2r.config.ranges import check_fields
 from megatron_p2r.config.root import SECTIONS, Config
+from megatron_p2r.config.schedule import schedule_plan
 
 # The table of each section's ranges, beside its dataclass.
 RANGE_TABLES = {"model": model.RANGES, "parallel": parallel.RANGES, "train": train.RANGES, "p2r": p2r.RANGES,
@@ -41,7 +42,7 @@ def validate(cfg: Config, world_size: int) -> None:
     _check_paths(cfg)
     cfg.p2r.check(m.num_layers)
     cfg.offload.check(m.num_layers)
-    _check_moe_overlap(cfg)
+    schedule_plan(cfg)
     if cfg.checkpoint.async_save and not cfg.checkpoint.ckpt_fully_parallel_save:
         raise ConfigError("--async-save needs the fully parallel save: every rank writes what it owns from a host "
                           "copy; drop --no-ckpt-fully-parallel-save")
@@ -64,36 +65,6 @@ def _check_delayed_update(cfg: Config) -> None:
     if t.fp16 and t.main_params_dtype == "fp16":
         raise ConfigError("--cpu-offload-delayed-param-update is not supported with --fp16 and --main-params-dtype "
                           "fp16: fp16 weights are then their own main parameters")
-
-
-def _check_moe_overlap(cfg: Config) -> None:
-    """--overlap-moe-expert-parallel-comm: Megatron-LM's rule (EP > 1), and what the overlapped
-    schedules need: layers run eagerly; under pipeline parallelism the combined 1F1B schedule
-    (pipeline/a2a_pipelined.py), whose receives are not posted ahead; and full recomputation one
-    layer at a time. Megatron-LM refuses full recomputation, whose unit of layers cannot be cut at
-    its all-to-alls; here a recomputed layer is recomputed node by node, keeping the all-to-alls'
-    results (nothing is re-communicated), which a unit of one layer allows."""
-    p = cfg.parallel
-    if not p.overlap_moe_expert_parallel_comm:
-        return
-    flag = "--overlap-moe-expert-parallel-comm"
-    if p.expert_model_parallel_size == 1 or not cfg.model.num_experts:
-        raise ConfigError(f"{flag} overlaps the expert all-to-alls: it needs --num-experts and "
-                          f"--expert-model-parallel-size > 1 (as in Megatron-LM; have {p.expert_model_parallel_size})")
-    if p.pipeline_model_parallel_size > 1 and p.pipeline_schedule != "1f1b":
-        raise ConfigError(f"{flag} with --pipeline-model-parallel-size > 1 runs the combined 1F1B schedule: it "
-                          f"needs --pipeline-schedule 1f1b (have {p.pipeline_schedule})")
-    if p.overlaps_p2p(cfg.model.num_layers):
-        raise ConfigError(f"{flag} with interleaving runs the combined 1F1B schedule, which does not post its p2p "
-                          "receives ahead: pass --no-overlap-p2p-communication")
-    t = cfg.train
-    if t.recompute == "full" and t.recompute_method == "uniform" and t.recompute_num_layers > 1:
-        raise ConfigError(f"{flag} recomputes one layer at a time, cut at its all-to-alls: with "
-                          "--recompute-granularity full it needs --recompute-method uniform --recompute-num-layers 1 "
-                          f"or --recompute-method block (have uniform, --recompute-num-layers {t.recompute_num_layers})")
-    if cfg.train.compile:
-        raise ConfigError(f"{flag} conflicts with --compile: the overlapped schedule runs each MoE layer in pieces, "
-                          "outside the layer's compiled forward")
 
 
 def _check_world(cfg: Config, world_size: int) -> None:

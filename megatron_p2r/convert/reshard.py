@@ -29,6 +29,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from megatron_p2r.checkpoint.atomic import write_text_atomic
+from megatron_p2r.checkpoint.compatibility import check_piece
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.integrity import check_files, verify
 from megatron_p2r.checkpoint.metadata import (MAX_COUNT, build_metadata, kinds_of, metadata_config, metadata_table,
@@ -181,12 +182,7 @@ def _plan(src: Dict[str, TensorInfo], dst: Dict[str, TensorInfo], layer_map: _La
         if skey not in src:
             raise CheckpointError(f"{where}: the target needs {key!r} from source tensor {skey!r}, "
                                   f"which tensors does not list")
-        if src[skey].shape != info.shape or src[skey].dtype != info.dtype:
-            raise CheckpointError(f"{where}: tensors[{skey!r}] is {src[skey].dtype}{list(src[skey].shape)}, "
-                                  f"the target's {key!r} needs {info.dtype}{list(info.shape)}")
-        if src[skey].rows != info.rows:
-            raise CheckpointError(f"{where}: tensors[{skey!r}].rows is {src[skey].rows}, the target's {key!r} "
-                                  f"needs {info.rows}")
+        check_piece(src[skey], info, where, skey, f"the target's {key!r}")
         plan[key] = skey
         uses[skey] += 1
     for skey, info in src.items():

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from megatron_p2r.config import Config, ModelConfig, stage_layer_counts
+from megatron_p2r.config.schedule import SchedulePlan, schedule_plan
 from megatron_p2r.layout import offload as offload_choice
 from megatron_p2r.layout.buckets import GradBuffer, default_bucket_size, layout_buffer
 from megatron_p2r.layout.ranks import Coords, Layout
@@ -177,6 +178,7 @@ class ParallelPlan:
     layer_keys: Tuple[int, ...]    # module key of every global layer
     stages: Tuple[StagePlan, ...]  # one per pipeline rank
     replicas: Tuple[Tuple[str, Tuple[int, ...]], ...]   # (logical name prefix, stages holding it)
+    schedule: SchedulePlan         # the pipeline schedule of a training step (config/schedule.py)
     buffers: BufferSettings = BufferSettings()
     tp_blocks: Tuple[Tuple[str, int], ...] = ()   # (logical name, TP ranks summing its partial gradients)
     sequence_parallel: bool = False  # --sequence-parallel with TP > 1
@@ -204,8 +206,8 @@ class ParallelPlan:
                                  main_grads_dtype=cfg.train.main_grads_dtype,
                                  main_params_dtype=cfg.train.main_params_dtype)
         plan = cls(layout=layout, model=m, phase=cfg.p2r.p2r_phase, share_pattern=pattern, layer_keys=keys,
-                   stages=stages, replicas=tuple(replicas), buffers=buffers,
-                   sequence_parallel=p.sequence_parallel and layout.tp > 1)
+                   stages=stages, replicas=tuple(replicas), schedule=schedule_plan(cfg),
+                   buffers=buffers, sequence_parallel=p.sequence_parallel and layout.tp > 1)
         plan = dataclasses.replace(plan, tp_blocks=_tp_blocks(plan))
         if cfg.offload.cpu_offload_layers is None:
             return plan
@@ -362,13 +364,6 @@ class ParallelPlan:
                                                  shapes[buf.names[i]], b.optimizer, b.grad_bytes, b.master_bytes)
                 out[buf.modules[i]] = offload_choice.add_bytes(out.get(buf.modules[i], {}), add)
         return out
-
-    def slot_users(self) -> Dict[int, Tuple[int, ...]]:
-        """module key -> the global layers that call it."""
-        out: Dict[int, List[int]] = {}
-        for layer, key in enumerate(self.layer_keys):
-            out.setdefault(key, []).append(layer)
-        return {k: tuple(v) for k, v in out.items()}
 
 
 def _tp_blocks(plan: ParallelPlan) -> Tuple[Tuple[str, int], ...]:

@@ -33,7 +33,7 @@ def effective_pattern(phase: str, pattern: str) -> str:
 
 
 def slot_to_layers(slots: Sequence[int]) -> Dict[int, List[int]]:
-    """Inverse map: slot -> the layers that use it (in order)."""
+    """Inverse map: slot (or module key) -> the layers that use it (in order); the one such map."""
     out: Dict[int, List[int]] = {}
     for layer, slot in enumerate(slots):
         out.setdefault(slot, []).append(layer)

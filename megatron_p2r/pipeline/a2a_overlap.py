@@ -20,7 +20,7 @@ The math is that of the serial schedule: the nodes compute what the one graph co
 all-to-all moves rows, it adds nothing), only backward passes touch gradients and they run one
 micro-batch after the other, and only forward passes draw random numbers, in micro-batch order.
 So losses, gradients and updated weights are bitwise those of ``forward_backward_no_pipelining``
-(of ``forward_backward_1f1b`` under pipeline parallelism).
+(of the 1F1B schedule under pipeline parallelism).
 The schedule's structure, not timing, decides every turn, so all ranks issue their collectives
 in the same order. Each micro-batch's backward still starts at the model's output (the
 data-parallel hooks see it: ``parallel/ddp.py``).

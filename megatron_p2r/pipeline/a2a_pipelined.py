@@ -22,8 +22,8 @@ for it (autograd checks the shapes; the output's values are not read in backward
 The math is the serial 1F1B schedule's: on every stage the forwards run in micro-batch order
 (the random draws too), the backwards run one after the other in micro-batch order (every
 gradient accumulates in the serial order), and each node computes what the one graph of the
-serial stage computes. So losses, gradients and weights are bitwise ``forward_backward_1f1b``'s,
-interleaved ``forward_backward_pipelining_with_interleaving``'s (``tests/moe/test_a2a_pipelined.py``).
+serial stage computes. So losses, gradients and weights are bitwise the serial 1F1B schedule's,
+interleaved or not (``tests/moe/test_a2a_pipelined.py``).
 With P = 1 the order is F(0), F(i+1) with B(i), B(m-1), bitwise ``forward_backward_no_pipelining``
 (``tests/moe/test_a2a_overlap.py``).
 """
@@ -95,7 +95,7 @@ def forward_backward_combined_1f1b(model, microbatches: List[dict], ps: Parallel
                                    on_backward_scale: BackwardScaleHook = None) -> Optional[torch.Tensor]:
     """A training step's micro-batches through this rank's stage in the combined 1F1B order
     (training only: evaluation has no backward to overlap with); returns on the last stage
-    this DP rank's share of the token mean, None elsewhere (as ``forward_backward_1f1b``)."""
+    this DP rank's share of the token mean, None elsewhere (as the serial schedules)."""
     n, chunks = len(microbatches), model.num_model_chunks
     if n == 0:
         raise ValueError("a step needs at least one micro-batch")

@@ -8,8 +8,7 @@ model chunk; chunk c of pipeline rank p is virtual stage c*P + p (v = 1: chunk 0
 - ``gpipe``: all forwards, then all backwards;
 - ``1f1b`` (PipeDream-flush): P-p-1 warm-up forwards, then one forward and one backward per
   remaining micro-batch, then the outstanding backwards;
-- ``1f1b`` with v > 1 chunks: Megatron-LM's interleaved 1F1B
-  (``forward_backward_pipelining_with_interleaving``). Micro-batches run through the chunks in
+- ``1f1b`` with v > 1 chunks: Megatron-LM's interleaved 1F1B. Micro-batches run through the chunks in
   groups of P (Megatron's ``microbatch_group_size_per_vp_stage``, default P): forward order is
   group by group, within a group chunk 0 of each of its micro-batches, then chunk 1, ...; the
   k-th backward takes the k-th entry of that table with the chunk mirrored (v-1-c). Rank p runs
@@ -41,7 +40,6 @@ import functools
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 FORWARD, BACKWARD = "F", "B"
-SCHEDULE_NAMES = ("1f1b", "gpipe")
 
 
 class Op(NamedTuple):
@@ -82,12 +80,7 @@ def warmup_forwards(schedule: str, pp: int, chunks: int, microbatches: int, rank
 
 def pipeline_ops(schedule: str, pp: int, chunks: int, microbatches: int, rank: int,
                  forward_only: bool = False) -> List[Op]:
-    """Every op of ``rank`` for one step, in order."""
-    if schedule not in SCHEDULE_NAMES:
-        raise ValueError(f"--pipeline-schedule {schedule!r}: expected one of {sorted(SCHEDULE_NAMES)}")
-    if chunks > 1 and schedule != "1f1b":
-        raise ValueError(f"--pipeline-schedule {schedule}: interleaving (v = {chunks} model chunks per rank) "
-                         "runs the interleaved 1F1B schedule only")
+    """Every op of ``rank`` for one step, in order; ``schedule``: "gpipe" or "1f1b" (``SchedulePlan.order``)."""
     table = forward_table(microbatches, pp, chunks)
     forwards = [Op(FORWARD, mb, c) for mb, c in table]
     if forward_only:

@@ -10,11 +10,10 @@ pseudo slot called by two chunks of a rank accumulates their contributions in sc
   ``a2a_pipelined.forward_backward_combined_1f1b`` the 1F1B schedule (or, on one stage, that)
   with the expert all-to-alls of one micro-batch overlapped with another's compute
   (--overlap-moe-expert-parallel-comm);
-- ``forward_backward_gpipe``: all forwards, then all backwards (holds m activations);
-- ``forward_backward_1f1b``: PipeDream-flush — stage s runs P-s-1 warm-up forwards, then
-  alternates one forward and one backward, then drains (holds at most P-s activations);
-- ``forward_backward_pipelining_with_interleaving``: Megatron-LM's interleaved 1F1B over the
-  v model chunks of each rank (``order.py`` has the order of every schedule).
+- the pipelined schedules (``_pipelined`` over ``order.pipeline_ops``): GPipe (all forwards,
+  then all backwards: holds m activations); 1F1B, PipeDream-flush (stage s runs P-s-1 warm-up
+  forwards, then alternates one forward and one backward, then drains: holds at most P-s
+  activations); Megatron-LM's interleaved 1F1B over the v model chunks of each rank.
 
 Memory is bounded by the schedule, not by m: a stage output is freed as soon as it is sent
 (``deallocate_output``, its graph kept for the backward, which ``backward_from`` runs from the
@@ -26,7 +25,8 @@ sum / the global count: the DP ranks' shares add up to the mean, which
 ``training.reduce_loss`` takes to every rank) and None elsewhere. ``on_backward_scale``, when
 given, is called with ``loss_scale / m`` before the first backward: losses that enter
 backward inside the model (MoE router losses) are averaged over micro-batches with it, as in
-Megatron-LM. ``get_forward_backward_func`` picks a schedule.
+Megatron-LM. ``get_forward_backward_func`` gives the function of the schedule the config chose
+(``config/schedule.py``).
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from megatron_p2r.config.schedule import COMBINED, NO_PIPELINING, SchedulePlan
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.pipeline.a2a_pipelined import forward_backward_combined_1f1b
 from megatron_p2r.pipeline.order import FORWARD, Op, input_of, pipeline_ops, sent_by
@@ -163,8 +164,8 @@ def _rank_schedule(schedule: str, pp: int, chunks: int, microbatches: int, rank:
 
 
 def _pipelined(model, microbatches: List[dict], ps: ParallelState, *, schedule: str, chunks: int,
-               loss_scale: float, forward_only: bool, stats: Optional[dict],
-               on_backward_scale: BackwardScaleHook, overlap_p2p_comm: bool) -> Optional[torch.Tensor]:
+               overlap_p2p_comm: bool, loss_scale: float = 1.0, forward_only: bool = False,
+               stats: Optional[dict] = None, on_backward_scale: BackwardScaleHook = None) -> Optional[torch.Tensor]:
     """Run this rank's ops of ``schedule`` (``order.pipeline_ops``) over ``chunks`` model chunks;
     with ``overlap_p2p_comm`` each op's receives are posted while the op before it computes."""
     n = len(microbatches)
@@ -173,7 +174,7 @@ def _pipelined(model, microbatches: List[dict], ps: ParallelState, *, schedule: 
     held = getattr(model, "num_model_chunks", 1)
     if held != chunks:
         raise ValueError(f"the model holds {held} model chunks per pipeline rank, the schedule runs {chunks}: "
-                         "pass num_model_chunks=plan.num_model_chunks to get_forward_backward_func")
+                         "build the schedule from the model's plan (ParallelPlan.schedule)")
     announce_backward_scale(on_backward_scale, loss_scale, n, forward_only)
     ops, known = _rank_schedule(schedule, ps.pp_size, chunks, n, ps.pp_rank, forward_only)
     specs = [model.hidden_spec(tuple(mb["tokens"].shape)) for mb in microbatches]
@@ -186,63 +187,15 @@ def _pipelined(model, microbatches: List[dict], ps: ParallelState, *, schedule: 
     return None if loss is None else loss.share()
 
 
-def forward_backward_gpipe(model, microbatches: List[dict], ps: ParallelState, *,
-                           loss_scale: float = 1.0,
-                           forward_only: bool = False, stats: Optional[dict] = None,
-                           on_backward_scale: BackwardScaleHook = None,
-                           overlap_p2p_comm: bool = False) -> Optional[torch.Tensor]:
-    """All forwards, then all backwards."""
-    return _pipelined(model, microbatches, ps, schedule="gpipe", chunks=1, loss_scale=loss_scale,
-                      forward_only=forward_only, stats=stats, on_backward_scale=on_backward_scale,
-                      overlap_p2p_comm=overlap_p2p_comm)
 
 
-def forward_backward_1f1b(model, microbatches: List[dict], ps: ParallelState, *,
-                          loss_scale: float = 1.0,
-                          forward_only: bool = False, stats: Optional[dict] = None,
-                          on_backward_scale: BackwardScaleHook = None,
-                          overlap_p2p_comm: bool = False) -> Optional[torch.Tensor]:
-    """One-forward-one-backward (PipeDream-flush); works with fewer micro-batches than stages."""
-    return _pipelined(model, microbatches, ps, schedule="1f1b", chunks=1, loss_scale=loss_scale,
-                      forward_only=forward_only, stats=stats, on_backward_scale=on_backward_scale,
-                      overlap_p2p_comm=overlap_p2p_comm)
-
-
-def forward_backward_pipelining_with_interleaving(model, microbatches: List[dict], ps: ParallelState, *,
-                                                  loss_scale: float = 1.0,
-                                                  forward_only: bool = False, stats: Optional[dict] = None,
-                                                  on_backward_scale: BackwardScaleHook = None,
-                                                  overlap_p2p_comm: bool = False) -> Optional[torch.Tensor]:
-    """Interleaved 1F1B over the model's ``num_model_chunks`` chunks (``order.py``); any number
-    of micro-batches."""
-    return _pipelined(model, microbatches, ps, schedule="1f1b", chunks=model.num_model_chunks,
-                      loss_scale=loss_scale, forward_only=forward_only, stats=stats,
-                      on_backward_scale=on_backward_scale, overlap_p2p_comm=overlap_p2p_comm)
-
-
-SCHEDULES = {"1f1b": forward_backward_1f1b, "gpipe": forward_backward_gpipe}
-
-
-def get_forward_backward_func(ps: ParallelState, schedule: str = "1f1b", *, num_model_chunks: int = 1,
-                              overlap_p2p_comm: bool = False, overlap_moe_comm: bool = False) -> Callable:
-    """The schedule of ``--pipeline-schedule`` for this layout; with ``num_model_chunks`` > 1
-    (``ParallelPlan.num_model_chunks``: interleaving) the interleaved 1F1B schedule, whose
-    receives ``overlap_p2p_comm`` (``--overlap-p2p-communication``) posts one op ahead: as in
-    Megatron-LM, only the interleaved schedule overlaps. ``overlap_moe_comm``
-    (``--overlap-moe-expert-parallel-comm``, training steps) overlaps the expert all-to-alls in
-    the combined 1F1B schedule (``a2a_pipelined.py``: 1F1B, interleaved or not, or one stage)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"--pipeline-schedule {schedule!r}: expected one of {sorted(SCHEDULES)}")
-    if overlap_moe_comm:
-        if ps.pp_size > 1 and schedule != "1f1b":
-            raise ValueError(f"--overlap-moe-expert-parallel-comm with pipeline parallelism runs the combined 1F1B "
-                             f"schedule: it needs --pipeline-schedule 1f1b (have {schedule})")
+def get_forward_backward_func(schedule: SchedulePlan) -> Callable:
+    """The forward/backward function of ``schedule`` (``ParallelPlan.schedule``, or its
+    ``serial`` one for forward-only steps): called as ``fn(model, microbatches, ps, *, loss_scale,
+    forward_only, stats, on_backward_scale)``."""
+    if schedule.kind == NO_PIPELINING:
+        return forward_backward_no_pipelining
+    if schedule.kind == COMBINED:
         return forward_backward_combined_1f1b
-    if num_model_chunks > 1:
-        if ps.pp_size == 1 or schedule != "1f1b":
-            raise ValueError(f"{num_model_chunks} model chunks per rank need the interleaved 1F1B schedule: "
-                             f"--pipeline-schedule 1f1b and --pipeline-model-parallel-size > 1 (have "
-                             f"{schedule}, {ps.pp_size})")
-        interleaved = forward_backward_pipelining_with_interleaving
-        return functools.partial(interleaved, overlap_p2p_comm=True) if overlap_p2p_comm else interleaved
-    return forward_backward_no_pipelining if ps.pp_size == 1 else SCHEDULES[schedule]
+    return functools.partial(_pipelined, schedule=schedule.order, chunks=schedule.chunks,
+                             overlap_p2p_comm=schedule.posts_receives_ahead)

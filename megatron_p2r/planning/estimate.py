@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_p2r.config import Config, ConfigError, global_batch_size, host_step_starts_in_backward, num_microbatches
+from megatron_p2r.config.schedule import COMBINED
 from megatron_p2r.layout import offload as offload_choice
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Layout
@@ -263,7 +264,7 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     compute = stage_flops_per_microbatch(cfg, plan, stage, off["recomputed"]) / (peak * a.efficiency)
     tp_t, ep_t, pp_t = (link_time(comm[k], gpu) / mbs for k in ("tp", "ep", "pp"))
     transfer = off["moved_per_microbatch"] / gpu.host_bw
-    overlap_p2p, overlap_ep = cfg.parallel.overlaps_p2p(cfg.model.num_layers), cfg.parallel.overlap_moe_expert_parallel_comm
+    overlap_p2p, overlap_ep = plan.schedule.posts_receives_ahead, plan.schedule.kind == COMBINED
     if overlap_ep:   # the combined warm-up's chunk forwards, in micro-batches
         unpaired = combined_warmup(layout.pp, plan.num_model_chunks, mbs, stage) / plan.num_model_chunks
         recomputed = len(recomputed_positions(cfg, plan.stage(stage), off["recomputed"])) / len(plan.stage(stage).layer_keys)
@@ -339,11 +340,10 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
     stages = [est for est, _ in estimates]
     problems += [_overflow_problem(est, layout, gpu) for est in stages if est.overflow]
     mbs, gbs = num_microbatches(cfg, world_size), global_batch_size(cfg, world_size)
-    schedule = cfg.parallel.pipeline_schedule if layout.pp > 1 else "1f1b"
-    if cfg.parallel.overlap_moe_expert_parallel_comm:
+    if plan.schedule.kind == COMBINED:
         slots = combined_step_slots(layout.pp, plan.num_model_chunks, mbs)
     else:
-        slots = step_slots(schedule, layout.pp, plan.num_model_chunks, mbs)
+        slots = step_slots(plan.schedule.order, layout.pp, plan.num_model_chunks, mbs)
     breakdown = {"pipeline": slots * max(t for _, t in estimates),
                  "grad_sync": max(s.time_s["grad_sync"] for s in stages),
                  "optimizer": max(s.time_s["optimizer"] for s in stages)}

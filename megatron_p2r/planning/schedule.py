@@ -6,35 +6,29 @@ import functools
 from typing import Tuple
 
 from megatron_p2r.config import Config, num_microbatches
+from megatron_p2r.config.schedule import COMBINED
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.pipeline.order import Op, combined_ops, pipeline_ops
 from megatron_p2r.pipeline.transfers import every_link_buffers
 
 
-COMBINED = "combined-1f1b"   # stage_schedule's name for the order of --overlap-moe-expert-parallel-comm
-
-
 def stage_schedule(cfg: Config, plan: ParallelPlan, stage: int) -> Tuple[Tuple[Op, ...], Tuple[int, ...]]:
     """The forwards and backwards a rank of ``stage`` runs in one step, and the p2p buffers its
-    link holds during each (``pipeline.order``, ``pipeline.transfers``; with receives posted one
-    op ahead under --overlap-p2p-communication). Under --overlap-moe-expert-parallel-comm the
-    combined 1F1B steps (a forward and a backward in flight together: ``order.combined_ops``)."""
-    layout = plan.layout
-    schedule = cfg.parallel.pipeline_schedule if layout.pp > 1 else "1f1b"
-    posted_ahead = cfg.parallel.overlaps_p2p(cfg.model.num_layers)
-    if cfg.parallel.overlap_moe_expert_parallel_comm:
-        schedule, posted_ahead = COMBINED, False   # it posts nothing ahead (config/validation.py)
-    return _schedules(schedule, layout.pp, plan.num_model_chunks, num_microbatches(cfg, layout.world_size),
-                      posted_ahead)[stage]
+    link holds during each (``pipeline.order``, ``pipeline.transfers``), for the schedule the
+    config chose (``plan.schedule``). Under --overlap-moe-expert-parallel-comm the combined 1F1B
+    steps (a forward and a backward in flight together: ``order.combined_ops``)."""
+    s = plan.schedule
+    return _schedules(s.kind, s.order, s.stages, s.chunks, num_microbatches(cfg, plan.layout.world_size),
+                      s.posts_receives_ahead)[stage]
 
 
 @functools.lru_cache(maxsize=8)
-def _schedules(schedule: str, pp: int, chunks: int, microbatches: int,
+def _schedules(kind: str, order: str, pp: int, chunks: int, microbatches: int,
                posted_ahead: bool) -> Tuple[Tuple[Tuple[Op, ...], Tuple[int, ...]], ...]:
     """Every stage's ops and link buffers, computed together (each stage's depends on all)."""
-    if schedule == COMBINED:
+    if kind == COMBINED:
         all_ops = [combined_ops(pp, chunks, microbatches, r) for r in range(pp)]
     else:
-        all_ops = [pipeline_ops(schedule, pp, chunks, microbatches, r) for r in range(pp)]
+        all_ops = [pipeline_ops(order, pp, chunks, microbatches, r) for r in range(pp)]
     buffers = every_link_buffers(all_ops, pp, chunks, posted_ahead)
     return tuple((tuple(ops), tuple(b)) for ops, b in zip(all_ops, buffers, strict=True))

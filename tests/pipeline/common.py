@@ -17,6 +17,7 @@ from megatron_p2r.model.m6 import build_model
 from megatron_p2r.moe import aux_loss
 from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import Layout, ParallelState, initialize
+from megatron_p2r.config.schedule import GPIPE, INTERLEAVED, NO_PIPELINING, ONE_F_ONE_B, SchedulePlan
 from megatron_p2r.pipeline.schedules import forward_backward_no_pipelining, get_forward_backward_func
 from megatron_p2r.training import build_train_state, reduce_loss
 from tests.helpers import max_grad_error, reference_config, tiny_config
@@ -92,6 +93,16 @@ def token_mean_reference(cfg, microbatches: List[dict], *, forward_only: bool = 
     return loss.item(), {logical_name(n, p): p.grad for n, p in model.named_parameters()}
 
 
+def schedule_of(schedule: str, pp: int, chunks: int, posts_receives_ahead: bool) -> SchedulePlan:
+    """The plan of --pipeline-schedule ``schedule`` over ``pp`` stages of ``chunks`` chunks, its
+    receives posted ahead whether interleaved or not (the config allows it under interleaving
+    only, but the pipelined schedules run it under any order: the tests check all of them)."""
+    if pp == 1:
+        return SchedulePlan(NO_PIPELINING, 1, 1)
+    kind = GPIPE if schedule == "gpipe" else INTERLEAVED if chunks > 1 else ONE_F_ONE_B
+    return SchedulePlan(kind, pp, chunks, posts_receives_ahead=posts_receives_ahead)
+
+
 def pipelined_step(cfg, ps: ParallelState, microbatches: List[dict], schedule: str, stats: Optional[dict] = None):
     """One forward/backward on this rank's stage, built and reduced as training does it
     (``build_train_state``: the model, its gradient buffers and optimizer; the DDP's reduction
@@ -99,12 +110,9 @@ def pipelined_step(cfg, ps: ParallelState, microbatches: List[dict], schedule: s
     ``main_grad``, what the optimizer steps on."""
     state = build_train_state(cfg, ps)
     state.ddp.zero_grad_buffer(len(microbatches))
-    fb = get_forward_backward_func(ps, schedule, num_model_chunks=state.plan.num_model_chunks)
-    # the pipelined schedules take overlap_p2p_comm whether interleaved or not (training passes it
-    # to interleaving only); one stage has nothing to receive
-    overlap = {"overlap_p2p_comm": True} if cfg.parallel.overlap_p2p_communication and ps.pp_size > 1 else {}
-    loss = fb(state.model, microbatches, ps, loss_scale=1.0, stats=stats,
-              on_backward_scale=aux_loss.set_backward_scale, **overlap)
+    fb = get_forward_backward_func(schedule_of(schedule, ps.pp_size, state.plan.num_model_chunks,
+                                               cfg.parallel.overlap_p2p_communication))
+    loss = fb(state.model, microbatches, ps, loss_scale=1.0, stats=stats, on_backward_scale=aux_loss.set_backward_scale)
     if ps.is_last_stage and loss is None:
         raise AssertionError("the last stage must return the loss")
     state.ddp.finish_grad_sync()

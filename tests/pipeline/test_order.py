@@ -93,13 +93,6 @@ def _sends(op: Op, pp: int, rank: int, msg: Message) -> bool:
     return (op.kind, op.microbatch, op.chunk * pp + rank + step) == tuple(msg)
 
 
-def test_interleaving_needs_1f1b():
-    with pytest.raises(ValueError, match="interleaving .* runs the interleaved 1F1B schedule only"):
-        pipeline_ops("gpipe", 2, 2, 4, 0)
-    with pytest.raises(ValueError, match="--pipeline-schedule 'zb'"):
-        pipeline_ops("zb", 2, 1, 4, 0)
-
-
 @pytest.mark.parametrize("posted_ahead", [False, True])
 @pytest.mark.parametrize("forward_only", [False, True])
 def test_link_buffers_are_bounded_by_the_schedule(forward_only, posted_ahead):

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_p2r.config.schedule import COMBINED, GPIPE, INTERLEAVED, NO_PIPELINING, ONE_F_ONE_B, SchedulePlan
 from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.state import Layout, ParallelState
 from megatron_p2r.pipeline.a2a_pipelined import forward_backward_combined_1f1b
-from megatron_p2r.pipeline.schedules import (forward_backward_1f1b, forward_backward_gpipe,
-                                             forward_backward_no_pipelining,
-                                             forward_backward_pipelining_with_interleaving, get_forward_backward_func)
+from megatron_p2r.pipeline.schedules import forward_backward_no_pipelining, get_forward_backward_func
 from tests.pipeline.common import make_cfg, make_microbatches
 
 FP32_TOL = 1e-6
@@ -240,26 +239,15 @@ def test_backward_scale_hook_gets_loss_scale_over_microbatches():
 
 
 def test_get_forward_backward_func():
-    assert get_forward_backward_func(ParallelState.single(), "gpipe") is forward_backward_no_pipelining
-    pp2 = ParallelState(layout=Layout(pp=2))
-    assert get_forward_backward_func(pp2, "1f1b") is forward_backward_1f1b
-    assert get_forward_backward_func(pp2, "gpipe") is forward_backward_gpipe
-    assert get_forward_backward_func(pp2, "1f1b", num_model_chunks=2) is forward_backward_pipelining_with_interleaving
-    overlapped = get_forward_backward_func(pp2, "1f1b", num_model_chunks=2, overlap_p2p_comm=True)
-    assert overlapped.func is forward_backward_pipelining_with_interleaving and overlapped.keywords == {
-        "overlap_p2p_comm": True}
-    # as in Megatron-LM, only the interleaved schedule overlaps
-    assert get_forward_backward_func(pp2, "1f1b", overlap_p2p_comm=True) is forward_backward_1f1b
-    with pytest.raises(ValueError, match="--pipeline-schedule 'zb'"):
-        get_forward_backward_func(pp2, "zb")
-    with pytest.raises(ValueError, match="2 model chunks per rank need the interleaved 1F1B schedule"):
-        get_forward_backward_func(pp2, "gpipe", num_model_chunks=2)
-    # --overlap-moe-expert-parallel-comm: the combined 1F1B schedule, on one stage and interleaved too
-    for ps, chunks in ((ParallelState.single(), 1), (pp2, 1), (pp2, 2)):
-        assert get_forward_backward_func(ps, "1f1b", num_model_chunks=chunks,
-                                         overlap_moe_comm=True) is forward_backward_combined_1f1b
-    with pytest.raises(ValueError, match="needs --pipeline-schedule 1f1b"):
-        get_forward_backward_func(pp2, "gpipe", overlap_moe_comm=True)
+    """Each schedule kind the config can choose runs its function; the pipelined ones are the one
+    driver over their order, receives posted ahead as the plan says."""
+    assert get_forward_backward_func(SchedulePlan(NO_PIPELINING, 1, 1)) is forward_backward_no_pipelining
+    for stages in (1, 2):
+        assert get_forward_backward_func(SchedulePlan(COMBINED, stages, 1)) is forward_backward_combined_1f1b
+    for kind, chunks, order in ((GPIPE, 1, "gpipe"), (ONE_F_ONE_B, 1, "1f1b"), (INTERLEAVED, 2, "1f1b")):
+        for ahead in (False, True):
+            fn = get_forward_backward_func(SchedulePlan(kind, 2, chunks, posts_receives_ahead=ahead))
+            assert fn.keywords == {"schedule": order, "chunks": chunks, "overlap_p2p_comm": ahead}
 
 
 def test_a_chunked_model_under_a_plain_schedule_fails():
@@ -269,4 +257,4 @@ def test_a_chunked_model_under_a_plain_schedule_fails():
     pp2 = ParallelState(layout=Layout(pp=2), rank=0)
     model = build_model(cfg, pp2, meta=True)
     with pytest.raises(ValueError, match="holds 2 model chunks per pipeline rank, the schedule runs 1"):
-        forward_backward_1f1b(model, make_microbatches(2, cfg.model.vocab_size), pp2)
+        get_forward_backward_func(SchedulePlan(ONE_F_ONE_B, 2, 1))(model, make_microbatches(2, cfg.model.vocab_size), pp2)

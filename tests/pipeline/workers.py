@@ -21,11 +21,10 @@ from megatron_p2r.pipeline.order import BACKWARD, FORWARD, Message
 from megatron_p2r.pipeline.p2p import StageLink
 from megatron_p2r.pipeline.transfers import Transfers
 from megatron_p2r.pipeline import schedules
-from megatron_p2r.pipeline.schedules import forward_backward_1f1b
 from megatron_p2r.training import reduce_loss
 from tests.helpers import expected_shard, keep_first_step_grads, random_microbatches, reference_config, run_steps
 from tests.pipeline.common import (UNEVEN_KEEP, compare_case, make_cfg, make_microbatches, make_state, pipelined_step,
-                                   token_mean_reference)
+                                   schedule_of, token_mean_reference)
 
 P2P_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
 P2P_SHAPES = ((2, 16, 32), (1, 12, 32), (5,), (3, 1, 2, 2))
@@ -170,8 +169,8 @@ def stage_peak_bytes(ps: ParallelState) -> dict:
                                        overlap_p2p_communication=True), {}, (8, 16, 24))}
     for name, (run_cfg, kwargs, counts) in runs.items():
         model, out[name] = build_model(run_cfg, ps), {}
-        step = schedules.get_forward_backward_func(ps, num_model_chunks=model.num_model_chunks,
-                                                   overlap_p2p_comm=run_cfg.parallel.overlap_p2p_communication)
+        step = schedules.get_forward_backward_func(schedule_of("1f1b", ps.pp_size, model.num_model_chunks,
+                                                               run_cfg.parallel.overlap_p2p_communication))
         for m in counts:
             mbs = random_microbatches(run_cfg, m, b, seed=m)
             _, out[name][m] = measure_step(model, run_cfg, lambda tracker: step(model, mbs, ps, **kwargs), mbs)
@@ -179,7 +178,7 @@ def stage_peak_bytes(ps: ParallelState) -> dict:
     schedules.deallocate_output = lambda output: None   # sent outputs kept until their backward
     try:
         model, mbs = build_model(cfg, ps), random_microbatches(cfg, 16, b, seed=16)
-        _, out["outputs_kept"] = measure_step(model, cfg, lambda tracker: forward_backward_1f1b(model, mbs, ps), mbs)
+        _, out["outputs_kept"] = measure_step(model, cfg, lambda tracker: schedules.get_forward_backward_func(schedule_of("1f1b", ps.pp_size, 1, False))(model, mbs, ps), mbs)
     finally:
         schedules.deallocate_output = keep
     return out
@@ -277,7 +276,7 @@ def world4(rank: int, world: int) -> dict:
     cfg = make_cfg(pp=2)
     all_mb = make_microbatches(4, cfg.model.vocab_size, seed=5, keep=UNEVEN_KEEP)
     model = build_model(cfg, ps)
-    loss = reduce_loss(forward_backward_1f1b(model, all_mb[2 * ps.dp_rank:2 * ps.dp_rank + 2], ps,
+    loss = reduce_loss(schedules.get_forward_backward_func(schedule_of("1f1b", ps.pp_size, 1, False))(model, all_mb[2 * ps.dp_rank:2 * ps.dp_rank + 2], ps,
                                              forward_only=True), ps)
     out["eval"] = {"loss_err": abs(loss - token_mean_reference(cfg, all_mb, forward_only=True)[0]),
                    "no_grads": all(p.grad is None for p in model.parameters())}
