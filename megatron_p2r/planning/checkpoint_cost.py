@@ -3,9 +3,9 @@ bandwidth, the training stall per save with and without ``--async-save``, and ho
 during the save (``async_save_host_bytes``: the asynchronous save's host copy, per rank).
 
 The bytes are the format's (``checkpoint/tensor_table.py``, docs/checkpoint.md): every piece's
-TP shard once, as fp32 weight, the optimizer's state entries of the weight's shape (AdamW's
-two moments, Lion's one, Adafactor's two broadcast statistics) and a 4-byte step count,
-whatever dtypes training keeps (safetensors headers, a few KiB per file, are not counted). Who writes follows
+TP shard once, as fp32 weight, the optimizer's state entries (AdamW's two moments and Lion's
+one of the weight's shape, Adafactor's factored statistics: a row and a column value per
+matrix row and column) and a 4-byte step count, whatever dtypes training keeps (safetensors headers, a few KiB per file, are not counted). Who writes follows
 ``checkpoint/io.py``: with one data-parallel rank or ``--no-ckpt-fully-parallel-save`` the
 rank of expert-data-parallel index 0 writes each shard whole, having gathered it into host
 memory; otherwise every rank writes what it owns — under the distributed optimizer its 1/DP of
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_p2r.checkpoint.parallel_save import assign_writers
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, tensor_table
@@ -26,7 +26,7 @@ from megatron_p2r.config import Config
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.offload import DTYPE_BYTES
 from megatron_p2r.layout.ranks import Layout
-from megatron_p2r.optim.optimizer import OPTIMIZER_KINDS
+from megatron_p2r.optim.factored_form import matrix_view
 
 FP32 = 4
 
@@ -46,26 +46,20 @@ class Bandwidths:
     host: float
 
 
-def tensors_per_piece(cfg: Config) -> int:
-    """fp32 tensors of a piece's shape a checkpoint stores: the weight and the optimizer's entries."""
-    return len(OPTIMIZER_KINDS[cfg.train.optimizer])   # its entries but the step count, plus the weight
-
-
-def element_bytes(cfg: Config, host_copy: bool = False) -> int:
-    """Bytes per element of a piece a rank writes: the checkpoint's fp32 weight and optimizer
-    entries, or (``host_copy``) ``--async-save``'s copy of them, which keeps each in the dtype
-    training holds it in (``async_save.host_copy``): the main parameter (``--main-params-dtype``),
-    the moments (``--exp-avg-dtype``, ``--exp-avg-sq-dtype``), Adafactor's fp32 statistics."""
-    if not host_copy:
-        return FP32 * tensors_per_piece(cfg)
-    t = cfg.train
-    state = 2 * FP32 if t.optimizer == "adafactor" else sum(DTYPE_BYTES[d] for d in t.moment_dtypes)
-    return DTYPE_BYTES[t.main_params_dtype] + state
-
-
-def piece_bytes(numel: int, per_element: int) -> int:
-    """Bytes one stored TP shard of ``numel`` elements takes: ``per_element`` bytes each, a step count."""
-    return per_element * numel + FP32
+def piece_bytes(cfg: Config, shape: Sequence[int], host_copy: bool = False) -> int:
+    """Bytes of one stored TP shard of local ``shape``: the fp32 weight, the optimizer's entries
+    (AdamW's two moments and Lion's one of the weight's shape; Adafactor's factored statistics,
+    R + C values per matrix, ``optim/factored_form.py``) and a 4-byte step count. With
+    ``host_copy``: ``--async-save``'s copy of them, which keeps the main parameter and the moments
+    in the dtypes training holds them in (``--main-params-dtype``, ``--exp-avg-dtype``,
+    ``--exp-avg-sq-dtype``; ``async_save.host_copy``)."""
+    t, numel = cfg.train, math.prod(shape)
+    if t.optimizer == "adafactor":
+        matrices, rows, cols = matrix_view(shape)
+        state = FP32 * matrices * (rows + cols)
+    else:
+        state = numel * sum(DTYPE_BYTES[d] if host_copy else FP32 for d in t.moment_dtypes)
+    return (DTYPE_BYTES[t.main_params_dtype] if host_copy else FP32) * numel + state + FP32
 
 
 def _owners(layout: Layout, mode: str, e: int, expert: bool, writer: int = 0) -> List[int]:
@@ -94,23 +88,23 @@ class _Tally:
 def rank_bytes(cfg: Config, layout: Layout, host_copy: bool = False) -> Dict[int, Tuple[float, int]]:
     """rank -> (bytes it writes, bytes of the largest tensor it writes) for one checkpoint of ``cfg``
     on ``layout``; ranks that write nothing are absent. With ``host_copy``: the bytes of
-    ``--async-save``'s host copy of what it writes (``element_bytes``), which always takes the
+    ``--async-save``'s host copy of what it writes (``piece_bytes``), which always takes the
     fully parallel save's share, with one data-parallel rank too."""
     table, shards = tensor_table(cfg, experts=False), ShardLayout.of(cfg)
     parallel = host_copy or (cfg.checkpoint.ckpt_fully_parallel_save and layout.dp > 1)
     mode = ("distributed" if cfg.parallel.use_distributed_optimizer else "assigned") if parallel else "single"
     writers = assign_writers(table, shards, layout.dp, layout.expert_dp) if mode == "assigned" else {}
-    tally, per_element = _Tally(layout), element_bytes(cfg, host_copy)
+    tally = _Tally(layout)
     for info in table.values():
-        numel = math.prod(shards.local_shape(info))
+        local = shards.local_shape(info)
         dps = _owners(layout, mode, 0, False, writers.get(info.key, 0))
         for t in shards.tp_ranks_of(info):
-            tally.add(t, info.stage, dps, piece_bytes(numel, per_element) / len(dps), FP32 * numel)
-    _add_experts(cfg, layout, mode, tally, per_element)
+            tally.add(t, info.stage, dps, piece_bytes(cfg, local, host_copy) / len(dps), FP32 * math.prod(local))
+    _add_experts(cfg, layout, mode, tally, host_copy)
     return {r: (b, tally.largest[r]) for r, b in tally.bytes.items()}
 
 
-def _add_experts(cfg: Config, layout: Layout, mode: str, tally: _Tally, per_element: int) -> None:
+def _add_experts(cfg: Config, layout: Layout, mode: str, tally: _Tally, host_copy: bool) -> None:
     """Expert pieces, per stacked parameter (in the file of its first stage, of each EP rank):
     its local experts are equal pieces, which the writers of a fully parallel save share evenly
     over the expert-data-parallel replicas (each writes all of them with expert-DP 1)."""
@@ -120,11 +114,12 @@ def _add_experts(cfg: Config, layout: Layout, mode: str, tally: _Tally, per_elem
             if not spec.expert or spec.logical in seen:
                 continue
             seen.add(spec.logical)
-            numel = spec.numel // spec.shape[0]
+            one = tuple(spec.shape[1:])   # an expert's piece on its TP rank
+            size = piece_bytes(cfg, one, host_copy) * spec.shape[0]
             for e in range(layout.ep):
                 dps = _owners(layout, "distributed" if mode != "single" else mode, e, True)
                 for t in range(layout.tp) if spec.tp_dim is not None else range(1):
-                    tally.add(t, stage, dps, piece_bytes(numel, per_element) * spec.shape[0] / len(dps), FP32 * numel)
+                    tally.add(t, stage, dps, size / len(dps), FP32 * math.prod(one))
 
 
 def async_save_host_bytes(cfg: Config, layout: Layout) -> Dict[int, float]:
