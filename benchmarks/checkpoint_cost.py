@@ -1,5 +1,5 @@
 """What a checkpoint costs at scale, from the planner (``planning/checkpoint_cost.py``): the
-10T and 1T examples (their README commands) and GPT-3 175B at TP 8, PP 8 on 512 A100-80GB
+10T and 1T examples (their README commands; 10T's real phase with Adafactor too) and GPT-3 175B at TP 8, PP 8 on 512 A100-80GB
 with the distributed optimizer, fully parallel and with one writer per shard.
 
     python benchmarks/checkpoint_cost.py
@@ -20,9 +20,9 @@ from tools.plan import main as plan_main
 GiB = 2 ** 30
 
 
-def _example(name: str) -> List[str]:
+def _example(name: str, real: str = "real.yaml") -> List[str]:
     return ["--config", f"examples/{name}/model.yaml", "--pseudo-config", f"examples/{name}/pseudo.yaml",
-            "--real-config", f"examples/{name}/real.yaml", "--world-size", "512", "--gpu", "V100-32GB",
+            "--real-config", f"examples/{name}/{real}", "--world-size", "512", "--gpu", "V100-32GB",
             "--token-budget", "50B"]
 
 
@@ -32,7 +32,9 @@ GPT3_175B = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-he
              "--recompute-activations", "--use-distributed-optimizer", "--world-size", "512", "--gpu", "A100-80GB",
              "--p2r-phase", "real"]
 
-CASES = [("M6-10T", _example("m6_10t"), ("pseudo", "real")), ("M6-1T", _example("m6_1t"), ("pseudo", "real")),
+CASES = [("M6-10T", _example("m6_10t"), ("pseudo", "real")),
+         ("M6-10T Adafactor", _example("m6_10t", "real_lean.yaml") + ["--host-memory", "192GiB"], ("real",)),
+         ("M6-1T", _example("m6_1t"), ("pseudo", "real")),
          ("GPT-3 175B", GPT3_175B, ("real",)),
          ("GPT-3 175B", GPT3_175B + ["--no-ckpt-fully-parallel-save"], ("real",))]
 

@@ -1,6 +1,7 @@
 """The planner's checkpoint bytes per rank are what a real save writes: DP2 (dense, and MoE with
 EP2), fully parallel and with one writer, with and without the distributed optimizer (file sizes
-without their safetensors headers; the RNG files are not counted)."""
+without their safetensors headers; the RNG files are not counted); and its host bytes of
+``--async-save``'s copy are what that copy holds (tensor accounting)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import pytest
 
 from megatron_p2r.checkpoint.naming import resolve_iteration_dir
 from megatron_p2r.layout.ranks import Layout
-from megatron_p2r.planning.checkpoint_cost import rank_bytes
+from megatron_p2r.planning.checkpoint_cost import async_save_host_bytes, rank_bytes
 from megatron_p2r.testing import run_distributed
 from tests.checkpoint.common import cfg_of
 from tests.checkpoint.cost_workers import save_both_ways
@@ -22,14 +23,21 @@ MOE = dict(num_layers=4, num_experts=4, moe_layer_freq=2, moe_ffn_hidden_size=24
 CASES = {"distopt": dict(use_distributed_optimizer=True), "replicated": {},
          "moe-ep2-distopt": dict(MOE, use_distributed_optimizer=True), "moe-ep2": MOE,
          # Lion stores one moment per weight, Adafactor its two statistics broadcast to the weight's shape
-         "lion-distopt": dict(optimizer="lion", use_distributed_optimizer=True), "adafactor": dict(optimizer="adafactor")}
+         "lion-distopt": dict(optimizer="lion", use_distributed_optimizer=True), "adafactor": dict(optimizer="adafactor"),
+         # 16-bit weights, fp32 mains and bf16 moments: the async host copy keeps each in its own dtype
+         "moe-ep2-bf16-moments": dict(MOE, bf16=True, use_precision_aware_optimizer=True, exp_avg_dtype="bf16",
+                                      exp_avg_sq_dtype="bf16")}
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def run(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("cost"))
-    run_distributed(save_both_ways, 2, root, CASES)
-    return root
+    return root, run_distributed(save_both_ways, 2, root, CASES)
+
+
+@pytest.fixture(scope="module")
+def saved(run):
+    return run[0]
 
 
 def _layout(cfg) -> Layout:
@@ -73,6 +81,24 @@ def test_fully_parallel_bytes_equal_the_planners(saved, case):
             assert abs(b - planned[r]) <= 0.02 * planned[r], (r, b, planned[r])
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_async_copy_bytes_equal_the_planners(run, case):
+    """Every rank's host copy (each storage it holds counted once) is the planner's figure:
+    exactly where ranks own whole pieces (with EP2 x DP2, expert-DP 1: each rank all its experts),
+    within the bucket padding under the distributed optimizer."""
+    cfg = cfg_of(global_batch_size=8, async_save=True, **CASES[case])
+    planned = async_save_host_bytes(cfg, _layout(cfg))
+    copied = {r: out[case] for r, out in enumerate(run[1])}
+    assert set(planned) == set(copied) == {0, 1}
+    if "distopt" not in case:
+        assert copied == {r: round(b) for r, b in planned.items()}
+    else:
+        assert sum(copied.values()) == round(sum(planned.values()))
+        for r, b in copied.items():
+            assert abs(b - planned[r]) <= 0.02 * planned[r], (r, b, planned[r])
+    assert async_save_host_bytes(cfg_of(global_batch_size=8, **CASES[case]), _layout(cfg)) == {}
+
+
 SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--vocab-size", "256", "--p2r-phase", "real", "--world-size", "16", "--gpus-per-node", "4",
          "--use-distributed-optimizer", "--gpu", "H100-80GB"]
@@ -98,8 +124,9 @@ def test_write_time_follows_the_bandwidth_that_binds(capsys):
 
 def test_async_stall_is_the_copy_to_host(capsys):
     c = _checkpoint(capsys, ["--host-bw", "1e9"])
+    host = c["host_bytes_during_save"]   # fp32 state: the host copy is what the rank writes
     assert c["stall_s"]["async"] == c["rank_bytes_max"] / 1e9
-    assert c["host_bytes_during_save"]["async"] == c["host_bytes_during_save"]["sync"] + c["rank_bytes_max"]
+    assert host["async"] == host["sync"] + c["rank_bytes_max"]
 
 
 def test_text_output_and_bad_bandwidth(capsys):

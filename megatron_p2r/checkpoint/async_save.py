@@ -13,7 +13,10 @@ write (SIGKILL included) leaves that one loadable and ``recovery.py`` clears ``i
 The writes are those of the fully parallel save (``parallel_save.py``: every rank its own
 fragments, into part files of its own), from the host copy; with one data-parallel rank too,
 so no gather is ever needed. The host copy costs the rank's own share of the weights and
-optimizer state (``planning``: ``async_save_host_bytes``).
+optimizer state, in the dtypes training holds them in (``planning/checkpoint_cost.py``:
+``async_save_host_bytes``; with expert-DP 1 every rank owns its experts whole). It is one
+snapshot of everything the rank writes, not a bounded stream: training updates the state in
+place as soon as ``save_checkpoint`` returns, so what is not copied by then is lost to this save.
 """
 from __future__ import annotations
 
@@ -58,11 +61,9 @@ def save_checkpoint(save_dir: str, state, wait: bool = False) -> str:
         return io.save_checkpoint(save_dir, state)
     global _pending
     tmp, final = io.prepare_save(save_dir, state)
-    table, layout = tensor_table(state.cfg), ShardLayout.of(state.cfg)
     optimizer = io.has_optimizer_state(state)
     io.write_rng_file(tmp, state)
-    kinds = ("model",) + (OPTIMIZER_KINDS[state.cfg.train.optimizer] if optimizer else ())
-    host = host_copy(owned_fragments(state, table, list(io.rank_pieces(state.model, state.ps, table)), layout, kinds))
+    host = host_copy(owned_state(state, optimizer))
     pending = _Pending(save_dir, tmp, final, state.cfg, io.SavedProgress.of(state), optimizer, None)
     pending.thread = threading.Thread(target=_write, args=(pending, host, state.ps.rank), name="p2r-async-save", daemon=True)
     pending.thread.start()
@@ -70,6 +71,14 @@ def save_checkpoint(save_dir: str, state, wait: bool = False) -> str:
     if wait:
         finish_pending(state.ps)
     return final
+
+
+def owned_state(state, optimizer: bool) -> List[Fragment]:
+    """What this rank writes (its fragments of the weights and, with ``optimizer``, of the
+    optimizer state), as views of its live state."""
+    table, layout = tensor_table(state.cfg), ShardLayout.of(state.cfg)
+    kinds = ("model",) + (OPTIMIZER_KINDS[state.cfg.train.optimizer] if optimizer else ())
+    return owned_fragments(state, table, list(io.rank_pieces(state.model, state.ps, table)), layout, kinds)
 
 
 def host_copy(fragments: List[Fragment]) -> List[Fragment]:

@@ -9,11 +9,12 @@ from collections import Counter
 from typing import Optional
 
 from megatron_p2r.checkpoint.errors import CheckpointError
-from megatron_p2r.checkpoint.metadata import kinds_of, metadata_config, metadata_table
+from megatron_p2r.checkpoint.metadata import broadcast_statistics, kinds_of, metadata_config, metadata_table
 from megatron_p2r.checkpoint.naming import METADATA_FILE, entry_name
 from megatron_p2r.checkpoint.parts import StoredShards
 from megatron_p2r.checkpoint.safetensors_io import ShardReader
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, file_entries
+from megatron_p2r.optim.factored_form import FACTOR_KINDS
 
 
 def check_recorded_size(reader: ShardReader, name: str, recorded: Optional[int]) -> None:
@@ -29,7 +30,7 @@ def check_files(iter_dir: str, meta: dict) -> StoredShards:
     data is read). Returns the shards, to read them."""
     cfg = metadata_config(meta)
     layout = ShardLayout.of(cfg)
-    expected = file_entries(metadata_table(meta), layout, kinds_of(meta))
+    expected = file_entries(metadata_table(meta), layout, kinds_of(meta), broadcast_statistics(meta))
     readers = StoredShards(iter_dir, meta, expected)
     for name, entries in expected.items():
         for file, part in readers.physical(name):
@@ -83,7 +84,7 @@ def verify(iter_dir: str, meta: dict, expected_params: int) -> None:
             if seen[name] != len(layout.tp_ranks_of(info)):
                 raise CheckpointError(f"{iter_dir}: {name!r} written {seen[name]} times, "
                                       f"expected {len(layout.tp_ranks_of(info))} (one per TP shard)")
-    for kind in [k for k in kinds_of(meta) if k != "step"]:
+    for kind in [k for k in kinds_of(meta) if k != "step" and k not in FACTOR_KINDS]:   # factored: by shape
         if totals[kind] != expected_params:
             raise CheckpointError(f"{iter_dir}: {kind} holds {totals[kind]:,} elements, the source implies "
                                   f"{expected_params:,}; refusing to publish an incomplete conversion")

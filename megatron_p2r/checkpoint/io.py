@@ -40,7 +40,8 @@ from megatron_p2r.checkpoint.atomic import fsync_dir, write_text_atomic
 from megatron_p2r.checkpoint.compatibility import check_compatible, check_tables
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.integrity import check_recorded_size
-from megatron_p2r.checkpoint.metadata import build_metadata, kinds_of, metadata_table, read_metadata, write_metadata
+from megatron_p2r.checkpoint.metadata import (broadcast_statistics, build_metadata, kinds_of, metadata_table,
+                                              read_metadata, write_metadata)
 from megatron_p2r.checkpoint.naming import (
     LATEST_FILE, METADATA_FILE, RNG_DIR, complete_iterations, entry_name, iteration_dir_name,
     resolve_iteration_dir, rng_file, shard_file, shard_header_metadata)
@@ -49,6 +50,7 @@ from megatron_p2r.checkpoint.parts import PartedShard, StoredShards
 from megatron_p2r.checkpoint.safetensors_io import ReaderCache, ShardWriter, save_tensors
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo, file_entries, tensor_table
 from megatron_p2r.files import read_json
+from megatron_p2r.optim.factored_form import FACTOR_KINDS, carrier_of, entry_of
 from megatron_p2r.optim.optimizer import OPTIMIZER_KINDS
 from megatron_p2r.optim.state_io import MOMENTS, StateLoader, gather_state
 from megatron_p2r.parallel import random as tp_random
@@ -188,11 +190,12 @@ def _rng_tensors(device: torch.device) -> Dict[str, torch.Tensor]:
 
 
 def _piece_tensor(state, gathered: Dict[str, torch.Tensor], j: Optional[int], kind: str) -> torch.Tensor:
-    """One entry: the fp32 weight or a moment of a parameter (expert ``j`` of it), or the step count."""
+    """One entry: the fp32 weight or a moment of a parameter (expert ``j`` of it), Adafactor's
+    factored statistics of it, or the step count."""
     if kind == "step":
         return torch.tensor(float(state.optimizer.step_count), dtype=torch.float32).reshape(())
-    t = gathered[kind]
-    return t if j is None else t[j]
+    t = gathered[kind] if j is None else gathered[kind][j]
+    return entry_of(t, tuple(t.shape), kind) if kind in FACTOR_KINDS else t
 
 
 def _publish_checkpoint(save_dir: str, tmp: str, final: str, cfg, ps: ParallelState, progress: SavedProgress,
@@ -297,7 +300,8 @@ def load_checkpoint(load_dir: str, state, finetune: bool = False) -> Optional[st
     load_optim = meta["optimizer"] and not finetune and not ck.no_load_optim
     kinds = state_kinds_to_load(meta, cfg.train.optimizer, os.path.join(iter_dir, METADATA_FILE)) if load_optim else ()
     from_adam = load_optim and kinds != OPTIMIZER_KINDS[cfg.train.optimizer]   # AdamW's state into Adafactor
-    loader = StateLoader(state.optimizer, meta["config"]["train"].get("adam_beta2", 0.999) if from_adam else None)
+    loader = StateLoader(state.optimizer, meta["config"]["train"].get("adam_beta2", 0.999) if from_adam else None,
+                         "row_var" if broadcast_statistics(meta) else "col_var")
     _load_pieces(iter_dir, meta, table, state, ("model",) + kinds, loader)
     loader.finish(moments=load_optim)
     if not finetune:
@@ -339,9 +343,9 @@ def _load_pieces(iter_dir: str, meta: dict, table: Dict[str, TensorInfo], state,
                  loader: StateLoader) -> None:
     """Hand this rank's shard of every piece (each of ``kinds``) to ``loader``: the weights go
     into the model and the optimizer's mains, the moments into the optimizer's pieces."""
-    ps = state.ps
+    ps, broadcast = state.ps, broadcast_statistics(meta)
     layout = ShardLayout.of(state.cfg)
-    readers = StoredShards(iter_dir, meta, file_entries(table, layout, kinds_of(meta)))
+    readers = StoredShards(iter_dir, meta, file_entries(table, layout, kinds_of(meta), broadcast))
     checked = set()
     with torch.no_grad():
         for info, param, j in rank_pieces(state.model, ps, table):
@@ -354,12 +358,13 @@ def _load_pieces(iter_dir: str, meta: dict, table: Dict[str, TensorInfo], state,
             local = layout.local_shape(info)
             for kind in kinds:
                 entry = entry_name(kind, info.key)
-                shape = () if kind == "step" else local
-                reader.check(entry, "F32" if kind == "step" else info.dtype, shape)
+                reader.check(entry, "F32" if kind == "step" else info.dtype, layout.entry_shape(info, kind, broadcast))
                 offset = 0 if j is None else j * param[0].numel()   # expert j of a stacked parameter
                 if kind in MOMENTS and not loader.reads_whole(kind) and \
                         state.cfg.checkpoint.ckpt_fully_parallel_load and isinstance(reader, PartedShard):
                     _load_owned_fragments(reader, entry, param, offset, kind, loader)
+                elif kind in FACTOR_KINDS and not broadcast:   # the loader takes them broadcast
+                    loader.put(param, offset, kind, carrier_of(reader.read(entry), local, kind))
                 else:
                     loader.put(param, offset, kind, reader.read(entry))
 

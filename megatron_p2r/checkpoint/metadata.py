@@ -38,7 +38,8 @@ def build_metadata(cfg: Config, table: Dict[str, TensorInfo], *, iteration: int,
             "config": cfg.to_dict(), "layout": ShardLayout.of(cfg).to_json(), "p2r": _p2r_json(cfg),
             "optimizer": optimizer, "optimizer_kinds": list(optimizer_kinds) if optimizer else [],
             "scheduler": scheduler, "scaler": scaler, "rng": rng, "history": history,
-            "files": files, "crc32": checksums, "tensors": {k: v.to_json() for k, v in table.items()}}
+            "files": files, "crc32": checksums, "tensors": {k: v.to_json() for k, v in table.items()},
+            "factored_statistics": True}
 
 
 def write_metadata(iter_dir: str, metadata: dict) -> None:
@@ -105,6 +106,7 @@ _SCHEMA = {
     "optimizer_kinds": (lambda v: isinstance(v, list) and (not v or v in [list(k) for k in OPTIMIZER_KINDS.values()]),
                         "the state entries of one optimizer: " + " or ".join(str(list(k)) for k in OPTIMIZER_KINDS.values())),
     "tensors": (lambda v: isinstance(v, dict), "a JSON object"),
+    "factored_statistics": (lambda v: v is True, "true (Adafactor's statistics stored factored)"),
     "files": (lambda v: isinstance(v, dict) and all(_int()(x) for x in v.values()),
               "an object of file names to sizes in bytes"),
     "parts": (lambda v: isinstance(v, dict) and all(isinstance(p, list) and all(isinstance(x, str) for x in p)
@@ -232,6 +234,12 @@ def _check_placement(cfg: Config, meta: dict) -> None:
         if (expert is None) != (entry["ep_dim"] is None):
             raise CheckpointError(f"{METADATA_FILE}: tensors[{key!r}] has expert {expert} and ep_dim "
                                   f"{entry['ep_dim']}: an expert piece has both, a dense one neither")
+
+
+def broadcast_statistics(meta: dict) -> bool:
+    """Whether the checkpoint stores Adafactor's statistics broadcast to the weight's shape (written
+    before issue 37, without ``factored_statistics``) rather than factored (``optim/factored_form.py``)."""
+    return "row_var" in kinds_of(meta) and not meta.get("factored_statistics")
 
 
 def kinds_of(meta: dict) -> Tuple[str, ...]:

@@ -9,7 +9,8 @@ What a rank owns of a piece (weights and AdamW state of one logical tensor's TP 
 
 ``owned_fragments`` lists (part file, fragment name, tensor) as views of the rank's state —
 no copy, so the only extra memory while writing is the one tensor a writer stages (on the
-device, or a 16-bit moment widened to fp32);
+device, or a 16-bit moment widened to fp32) — but for Adafactor's statistics, whose values
+anchored at the owned elements (``optim/factored_form.py``) are small new tensors;
 ``write_parts`` writes such a list, so an asynchronous writer can run it on host copies.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from megatron_p2r.checkpoint.naming import entry_name, shard_header_metadata
 from megatron_p2r.checkpoint.parts import fragment_name, part_file
 from megatron_p2r.checkpoint.safetensors_io import ShardWriter
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo
+from megatron_p2r.optim.factored_form import FACTOR_KINDS, anchored_range, entry_of, entry_shape
 from megatron_p2r.optim.state_io import stored_state
 
 CHECKSUMS_SUFFIX = ".crc32.json"  # a file's checksums, beside it until metadata.json holds them
@@ -85,6 +87,11 @@ def _fragment(state, ms, info: TensorInfo, layout: ShardLayout, name: str, kind:
         return [(name, entry, step)] if lo == 0 else []
     value = stored_state(state.optimizer, ms, kind).reshape(-1)[lo + base - ms.start:hi + base - ms.start]
     shape = layout.local_shape(info)
+    if kind in FACTOR_KINDS:   # the statistics' values anchored at these elements (optim/factored_form.py)
+        value = entry_of(value, shape, kind, lo).reshape(-1)
+        lo, shape = anchored_range(shape, kind, lo, hi)[0], entry_shape(shape, kind)
+        if not value.numel():
+            return []
     whole = lo == 0 and value.numel() == _numel(shape)
     return [(name, fragment_name(entry, lo, whole), value.view(shape) if whole else value)]
 

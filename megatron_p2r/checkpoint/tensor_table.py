@@ -28,6 +28,7 @@ from megatron_p2r.config import Config
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.sharing import slot_to_layers
 from megatron_p2r.layout.tensor_specs import HeadRows
+from megatron_p2r.optim.factored_form import FACTOR_KINDS, entry_shape
 from megatron_p2r.parallel.sharding import expert_key
 
 
@@ -130,6 +131,15 @@ class ShardLayout:
             shape[info.tp_dim] //= self.tp_shards(info)
         return tuple(shape)
 
+    def entry_shape(self, info: TensorInfo, kind: str, broadcast: bool = False) -> Tuple[int, ...]:
+        """The shape entry ``kind`` of the piece is stored with in a TP rank's file: the weight's
+        local shape, Adafactor's factored statistics of it (``optim/factored_form.py``; with
+        ``broadcast``, as checkpoints before them stored them, the weight's), () for the step."""
+        if kind == "step":
+            return ()
+        local = self.local_shape(info)
+        return entry_shape(local, kind) if kind in FACTOR_KINDS and not broadcast else local
+
     def stage_files(self, stage: int) -> List[str]:
         return [shard_file(t, stage, e) for e in range(self.ep) for t in range(self.tp)]
 
@@ -171,16 +181,15 @@ def tensor_table(cfg: Config, experts: bool = True) -> Dict[str, TensorInfo]:
     return table
 
 
-def file_entries(table: Dict[str, TensorInfo], layout: ShardLayout, kinds: Sequence[str]) -> Dict[str, list]:
-    """file -> [(entry name, dtype, local shape)] in write order, for every file of ``layout``."""
+def file_entries(table: Dict[str, TensorInfo], layout: ShardLayout, kinds: Sequence[str],
+                 broadcast: bool = False) -> Dict[str, list]:
+    """file -> [(entry name, dtype, stored shape)] in write order, for every file of ``layout``
+    (``broadcast``: Adafactor's statistics in the form of checkpoints before issue 37)."""
     out: Dict[str, list] = {f: [] for f in layout.files()}
     for info in table.values():
-        local = layout.local_shape(info)
         for t in layout.tp_ranks_of(info):
             entries = out[layout.file_of(info, t)]
             for kind in kinds:
-                if kind == "step":
-                    entries.append((entry_name(kind, info.key), "F32", ()))
-                else:
-                    entries.append((entry_name(kind, info.key), info.dtype, local))
+                dtype = "F32" if kind == "step" else info.dtype
+                entries.append((entry_name(kind, info.key), dtype, layout.entry_shape(info, kind, broadcast)))
     return out

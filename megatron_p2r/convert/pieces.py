@@ -14,16 +14,32 @@ from tqdm import tqdm
 
 from megatron_p2r.checkpoint.naming import entry_name, shard_header_metadata
 from megatron_p2r.checkpoint.parts import StoredShards
-from megatron_p2r.checkpoint.safetensors_io import TORCH_DTYPE, ShardWriter
+from megatron_p2r.checkpoint.safetensors_io import TORCH_DTYPE, ShardWriter, nbytes
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo, file_entries
+from megatron_p2r.optim.factored_form import FACTOR_KINDS, entry_of, per_rank, split_dim
 
 # (target piece, kind) -> the global tensor to store
 Producer = Callable[[TensorInfo, str], torch.Tensor]
 
 
-def read_global(readers: StoredShards, layout: ShardLayout, info: TensorInfo, kind: str) -> torch.Tensor:
-    """The whole piece: its TP shards read into one tensor (straight into place along dim 0)."""
+def read_global(readers: StoredShards, layout: ShardLayout, info: TensorInfo, kind: str,
+                broadcast: bool = False) -> torch.Tensor:
+    """The whole piece's entry ``kind``: its TP shards read into one tensor (straight into place
+    along dim 0). Adafactor's statistics: split along their own dimension, or each TP rank's own
+    merged by their mean (``optim/factored_form.py``); from a ``broadcast`` checkpoint (before
+    issue 37) each shard is factored first."""
     entry = entry_name(kind, info.key)
+    if kind in FACTOR_KINDS:
+        if broadcast and kind == "col_var" and len(info.shape) == 1 and info.expert is None:
+            entry = entry_name("row_var", info.key)   # a vector's variance was its row_var, col_var ones
+        shards = [readers(layout.file_of(info, t)).read(entry) for t in layout.tp_ranks_of(info)]
+        if broadcast:
+            local = layout.local_shape(info)
+            shards = [entry_of(s, local, kind) for s in shards]
+        if per_rank(len(info.shape), info.tp_dim, kind):
+            return torch.stack(shards).mean(0)
+        dim = split_dim(len(info.shape), info.tp_dim, kind)
+        return shards[0] if dim is None else torch.cat(shards, dim)
     if kind == "step" or layout.tp_shards(info) == 1:
         return readers(layout.file_of(info, 0)).read(entry)
     out = torch.empty(info.shape, dtype=TORCH_DTYPE[info.dtype])
@@ -38,9 +54,10 @@ def read_global(readers: StoredShards, layout: ShardLayout, info: TensorInfo, ki
 
 def tp_shards(tensor: torch.Tensor, info: TensorInfo, layout: ShardLayout, kind: str) -> List[Tuple[int, torch.Tensor]]:
     """(TP rank, its shard of the global ``tensor``) for every TP rank that stores the piece."""
-    if kind == "step" or info.tp_dim is None:
+    dim = split_dim(len(info.shape), info.tp_dim, kind) if kind in FACTOR_KINDS else info.tp_dim
+    if kind == "step" or dim is None:
         return [(t, tensor) for t in layout.tp_ranks_of(info)]
-    return list(zip(layout.tp_ranks_of(info), tensor.chunk(layout.tp_shards(info), dim=info.tp_dim), strict=True))
+    return list(zip(layout.tp_ranks_of(info), tensor.chunk(layout.tp_shards(info), dim=dim), strict=True))
 
 
 def write_pieces(out_iter: str, table: Dict[str, TensorInfo], layout: ShardLayout, kinds: Sequence[str],
@@ -50,7 +67,7 @@ def write_pieces(out_iter: str, table: Dict[str, TensorInfo], layout: ShardLayou
     open at a time (the table is in stage order). Returns each file's checksums (metadata.json's
     crc32)."""
     entries = file_entries(table, layout, kinds)
-    total = sum(info.nbytes * (len(kinds) - ("step" in kinds)) for info in table.values())
+    total = sum(nbytes(dtype, shape) for ents in entries.values() for _, dtype, shape in ents)
     bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc=desc)
     writers: Dict[str, ShardWriter] = {}
     checksums: Dict[str, Dict[str, int]] = {}
@@ -76,12 +93,13 @@ def write_pieces(out_iter: str, table: Dict[str, TensorInfo], layout: ShardLayou
 
 def _write_piece(writers: Dict[str, ShardWriter], layout: ShardLayout, info: TensorInfo, kind: str,
                  produce: Producer) -> int:
-    """Make one global tensor and append its TP shards; returns its bytes (0 for ``step``).
+    """Make one global tensor and append its TP shards; returns the bytes written.
     (A function of its own so that nothing of the piece outlives it.)"""
-    tensor = produce(info, kind)
+    tensor, written = produce(info, kind), 0
     for t, shard in tp_shards(tensor, info, layout, kind):
         writers[layout.file_of(info, t)].write(entry_name(kind, info.key), shard)
-    return 0 if kind == "step" else tensor.numel() * tensor.element_size()
+        written += shard.numel() * shard.element_size()
+    return written
 
 
 def _close_all(writers: Dict[str, ShardWriter], checksums: Dict[str, Dict[str, int]]) -> None:

@@ -32,8 +32,8 @@ from megatron_p2r.checkpoint.atomic import write_text_atomic
 from megatron_p2r.checkpoint.compatibility import check_piece
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.integrity import check_files, verify
-from megatron_p2r.checkpoint.metadata import (MAX_COUNT, build_metadata, kinds_of, metadata_config, metadata_table,
-                                              read_metadata, write_metadata)
+from megatron_p2r.checkpoint.metadata import (MAX_COUNT, broadcast_statistics, build_metadata, kinds_of,
+                                              metadata_config, metadata_table, read_metadata, write_metadata)
 from megatron_p2r.checkpoint.naming import (LATEST_FILE, METADATA_FILE, RNG_DIR, iteration_dir_name,
                                             resolve_iteration_dir)
 from megatron_p2r.convert.pieces import read_global, write_pieces
@@ -241,8 +241,8 @@ def convert(src: str, dst: str, target: Target, options: Optional[DelinkOptions]
         transform = None
         if options is not None:
             transform = functools.partial(_copy_tensor, options, layer_map, src_cfg.train.seed)
-        checksums = _write_tensors(out_iter, readers, src_table, src_layout, dst_table, dst_layout, plan, kinds,
-                                   transform, progress, op)
+        checksums = _write_tensors(out_iter, readers, (src_table, src_layout, broadcast_statistics(meta)),
+                                   dst_table, dst_layout, plan, kinds, transform, progress, op)
         files = {f: os.path.getsize(os.path.join(out_iter, f)) for f in dst_layout.files()}
         rng = None
         if options is None and src_layout == dst_layout and meta.get("rng"):
@@ -277,13 +277,17 @@ def _copy_tensor(options: DelinkOptions, layer_map: _LayerMap, seed: int, kind: 
                             options.optimizer_state)
 
 
-def _write_tensors(out_iter: str, readers: StoredShards, src_table: Dict[str, TensorInfo], src_layout: ShardLayout,
+def _write_tensors(out_iter: str, readers: StoredShards, source: Tuple[Dict[str, TensorInfo], ShardLayout, bool],
                    dst_table: Dict[str, TensorInfo], dst_layout: ShardLayout, plan: Dict[str, str], kinds,
                    transform: Optional[Callable], progress: bool, desc: str) -> Dict[str, Dict[str, int]]:
-    """Each target piece and kind: the source piece read whole, transformed, cut into the target's shards."""
+    """Each target piece and kind: the source piece read whole, transformed, cut into the target's
+    shards. ``source``: its table, layout and whether it stores Adafactor's statistics broadcast
+    (then written factored, as every new checkpoint)."""
+    src_table, src_layout, broadcast = source
+
     def produce(info: TensorInfo, kind: str) -> torch.Tensor:
         sinfo = src_table[plan[info.key]]
-        tensor = read_global(readers, src_layout, sinfo, kind)
+        tensor = read_global(readers, src_layout, sinfo, kind, broadcast)
         return tensor if transform is None else transform(kind, tensor, info.key, sinfo)
 
     return write_pieces(out_iter, dst_table, dst_layout, kinds, produce, progress=progress, desc=desc)

@@ -26,8 +26,6 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-FACTOR_KINDS = ("row_var", "col_var")   # their checkpoint entries: broadcast to the weight's shape
-
 
 @dataclass(frozen=True)
 class Piece:
@@ -221,12 +219,12 @@ class Adafactor(torch.optim.Optimizer):
 
 
 def checkpoint_value(state: dict, piece: Piece, kind: str) -> torch.Tensor:
-    """The piece's elements of checkpoint entry ``kind``: a matrix's row (column) statistic
-    repeated along its columns (rows), so the entry has the weight's shape and reshards like it;
-    a vector's variance is its ``row_var``, with ``col_var`` ones."""
+    """Statistic ``kind`` broadcast over the piece's elements: a matrix's row (column) statistic
+    repeated along its columns (rows); a vector is one row, its variance its ``col_var`` and
+    ``row_var`` ones. The checkpoint entry is taken of it (``optim/factored_form.py``)."""
     if not piece.factored:
         var = state["variance"]
-        return var.clone() if kind == "row_var" else torch.ones_like(var)
+        return var.clone() if kind == "col_var" else torch.ones_like(var)
     lo, hi = piece.row_span()
     if kind == "row_var":
         return piece.unpadded(state["row_var"][lo:hi, None].expand(-1, piece.cols))
@@ -235,13 +233,14 @@ def checkpoint_value(state: dict, piece: Piece, kind: str) -> torch.Tensor:
 
 
 def take_checkpoint_value(kept: Dict[str, torch.Tensor], piece: Piece, kind: str, offset: int,
-                          flat: torch.Tensor) -> None:
-    """Fill ``kept`` (a main's state being loaded) from the elements [offset, offset + n) of a
-    weight's ``kind`` entry: the first column gives the row statistic, each matrix's first row
-    its column statistic; a vector's range is its variance."""
+                          flat: torch.Tensor, variance_kind: str = "col_var") -> None:
+    """Fill ``kept`` (a main's state being loaded) from the elements [offset, offset + n) of
+    statistic ``kind`` broadcast over a weight (``checkpoint_value``): the first column gives the
+    row statistic, each matrix's first row its column statistic; a vector's range of
+    ``variance_kind`` is its variance (``row_var`` in the broadcast checkpoints of before issue 37)."""
     end = offset + flat.numel()
     if not piece.factored:
-        if kind == "row_var":
+        if kind == variance_kind:
             lo, hi = max(piece.start, offset), min(piece.end, end)
             kept.setdefault("variance", torch.zeros(piece.end - piece.start))
             kept["variance"][lo - piece.start:hi - piece.start] = flat[lo - offset:hi - offset]
@@ -264,7 +263,7 @@ def take_second_moment(kept: Dict[str, torch.Tensor], piece: Piece, kind: str, o
     (column's) statistic; a vector's range is its variance."""
     end = offset + flat.numel()
     if not piece.factored:
-        take_checkpoint_value(kept, piece, "row_var", offset, flat)
+        take_checkpoint_value(kept, piece, kind, offset, flat, variance_kind=kind)
         return
     b, r, c = piece.batches, piece.rows, piece.cols
     rows = kept.setdefault("row_var", torch.zeros(b * r))

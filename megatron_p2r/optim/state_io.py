@@ -2,7 +2,9 @@
 
 A checkpoint holds each parameter's fp32 weight (the main parameter, not its 16-bit rounding)
 and its optimizer state (``optim.optimizer.OPTIMIZER_KINDS``: AdamW's moments, Lion's one,
-Adafactor's statistics broadcast to the weight's shape) whole, in fp32 whatever dtype they are
+Adafactor's statistics, which this module hands out and takes broadcast to the weight's shape,
+``adafactor.checkpoint_value``, and the checkpoint stores factored, ``optim/factored_form.py``)
+whole, in fp32 whatever dtype they are
 stored in (``--exp-avg-dtype``: the upcast is exact, and the loading optimizer rounds them to its
 own dtypes), whatever part of them this rank steps: ``gather_state`` returns them (under the
 distributed optimizer all-gathered bucket by bucket, in chunks bounded by the DDP staging
@@ -17,8 +19,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from megatron_p2r.optim.adafactor import (FACTOR_KINDS, Piece, checkpoint_value, take_checkpoint_value,
-                                          take_second_moment)
+from megatron_p2r.optim.adafactor import Piece, checkpoint_value, take_checkpoint_value, take_second_moment
+from megatron_p2r.optim.factored_form import FACTOR_KINDS
 from megatron_p2r.optim.mixed_precision import MainShard, MixedPrecisionOptimizer
 from megatron_p2r.optim.optimizer import OPTIMIZER_KINDS
 from megatron_p2r.parallel.grad_buffer import ParamAndGradBuffer, all_gather_chunks
@@ -93,10 +95,12 @@ class StateLoader:
     ``finish`` installs it in the optimizer's own state (torch places it and ``step``).
     Adafactor's statistics are taken from whole weights (each rank keeps all of a matrix's);
     with ``adam_beta2`` they are made of AdamW's second moment: its bias-corrected row and column
-    means (a vector's: the moment itself), what Adafactor's statistics estimate."""
+    means (a vector's: the moment itself), what Adafactor's statistics estimate. ``variance_kind``:
+    the statistic holding a vector's variance (``row_var`` in broadcast checkpoints)."""
 
-    def __init__(self, opt: MixedPrecisionOptimizer, adam_beta2: Optional[float] = None):
-        self.opt, self.adam_beta2 = opt, adam_beta2
+    def __init__(self, opt: MixedPrecisionOptimizer, adam_beta2: Optional[float] = None,
+                 variance_kind: str = "col_var"):
+        self.opt, self.adam_beta2, self.variance_kind = opt, adam_beta2, variance_kind
         self.moments: Dict[int, Dict[str, torch.Tensor]] = {}
         self.step: Optional[int] = None
 
@@ -122,10 +126,14 @@ class StateLoader:
             self.step = int(value.item())
             return
         flat = value.reshape(-1)
-        if kind in FACTOR_KINDS or (kind == "exp_avg_sq" and self.adam_beta2 is not None):
-            take = take_checkpoint_value if kind in FACTOR_KINDS else take_second_moment
+        if kind in FACTOR_KINDS:
             for ms in self.opt.shards_of.get(id(p), []):
-                take(self.moments.setdefault(id(ms.main), {}), _piece(ms), kind, offset, flat)
+                take_checkpoint_value(self.moments.setdefault(id(ms.main), {}), _piece(ms), kind, offset, flat,
+                                      self.variance_kind)
+            return
+        if kind == "exp_avg_sq" and self.adam_beta2 is not None:
+            for ms in self.opt.shards_of.get(id(p), []):
+                take_second_moment(self.moments.setdefault(id(ms.main), {}), _piece(ms), kind, offset, flat)
             return
         with torch.no_grad():
             if kind == "model":   # every rank holds the whole weight, in its own dtype

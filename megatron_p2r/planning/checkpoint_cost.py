@@ -1,11 +1,11 @@
 """What a checkpoint costs: bytes each rank and node writes, the write time at a filesystem's
 bandwidth, the training stall per save with and without ``--async-save``, and host memory
-during the save.
+during the save (``async_save_host_bytes``: the asynchronous save's host copy, per rank).
 
 The bytes are the format's (``checkpoint/tensor_table.py``, docs/checkpoint.md): every piece's
-TP shard once, as fp32 weight, the optimizer's state entries of the weight's shape (AdamW's
-two moments, Lion's one, Adafactor's two broadcast statistics) and a 4-byte step count,
-whatever dtypes training keeps (safetensors headers, a few KiB per file, are not counted). Who writes follows
+TP shard once, as fp32 weight, the optimizer's state entries (AdamW's two moments and Lion's
+one of the weight's shape, Adafactor's factored statistics: a row and a column value per
+matrix row and column) and a 4-byte step count, whatever dtypes training keeps (safetensors headers, a few KiB per file, are not counted). Who writes follows
 ``checkpoint/io.py``: with one data-parallel rank or ``--no-ckpt-fully-parallel-save`` the
 rank of expert-data-parallel index 0 writes each shard whole, having gathered it into host
 memory; otherwise every rank writes what it owns — under the distributed optimizer its 1/DP of
@@ -18,14 +18,15 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_p2r.checkpoint.parallel_save import assign_writers
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, tensor_table
 from megatron_p2r.config import Config
 from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.layout.offload import DTYPE_BYTES
 from megatron_p2r.layout.ranks import Layout
-from megatron_p2r.optim.optimizer import OPTIMIZER_KINDS
+from megatron_p2r.optim.factored_form import matrix_view
 
 FP32 = 4
 
@@ -45,19 +46,20 @@ class Bandwidths:
     host: float
 
 
-def tensors_per_piece(cfg: Config) -> int:
-    """fp32 tensors of a piece's shape a checkpoint stores: the weight and the optimizer's entries."""
-    return len(OPTIMIZER_KINDS[cfg.train.optimizer])   # its entries but the step count, plus the weight
-
-
-def piece_bytes(numel: int, tensors: int) -> int:
-    """Bytes one stored TP shard of ``numel`` elements takes: ``tensors`` fp32 tensors, a step count."""
-    return tensors * FP32 * numel + FP32
-
-
-def _tensor(piece: int, tensors: int) -> int:
-    """Bytes of one fp32 tensor (weight or optimizer entry) of a piece of ``piece`` bytes."""
-    return (piece - FP32) // tensors
+def piece_bytes(cfg: Config, shape: Sequence[int], host_copy: bool = False) -> int:
+    """Bytes of one stored TP shard of local ``shape``: the fp32 weight, the optimizer's entries
+    (AdamW's two moments and Lion's one of the weight's shape; Adafactor's factored statistics,
+    R + C values per matrix, ``optim/factored_form.py``) and a 4-byte step count. With
+    ``host_copy``: ``--async-save``'s copy of them, which keeps the main parameter and the moments
+    in the dtypes training holds them in (``--main-params-dtype``, ``--exp-avg-dtype``,
+    ``--exp-avg-sq-dtype``; ``async_save.host_copy``)."""
+    t, numel = cfg.train, math.prod(shape)
+    if t.optimizer == "adafactor":
+        matrices, rows, cols = matrix_view(shape)
+        state = FP32 * matrices * (rows + cols)
+    else:
+        state = numel * sum(DTYPE_BYTES[d] if host_copy else FP32 for d in t.moment_dtypes)
+    return (DTYPE_BYTES[t.main_params_dtype] if host_copy else FP32) * numel + state + FP32
 
 
 def _owners(layout: Layout, mode: str, e: int, expert: bool, writer: int = 0) -> List[int]:
@@ -83,37 +85,51 @@ class _Tally:
             self.largest[rank] = max(self.largest[rank], largest)
 
 
-def rank_bytes(cfg: Config, layout: Layout) -> Dict[int, Tuple[float, int]]:
+def rank_bytes(cfg: Config, layout: Layout, host_copy: bool = False) -> Dict[int, Tuple[float, int]]:
     """rank -> (bytes it writes, bytes of the largest tensor it writes) for one checkpoint of ``cfg``
-    on ``layout``; ranks that write nothing are absent."""
+    on ``layout``; ranks that write nothing are absent. With ``host_copy``: the bytes of
+    ``--async-save``'s host copy of what it writes (``piece_bytes``), which always takes the
+    fully parallel save's share, with one data-parallel rank too."""
     table, shards = tensor_table(cfg, experts=False), ShardLayout.of(cfg)
-    parallel = cfg.checkpoint.ckpt_fully_parallel_save and layout.dp > 1
+    parallel = host_copy or (cfg.checkpoint.ckpt_fully_parallel_save and layout.dp > 1)
     mode = ("distributed" if cfg.parallel.use_distributed_optimizer else "assigned") if parallel else "single"
     writers = assign_writers(table, shards, layout.dp, layout.expert_dp) if mode == "assigned" else {}
-    tally, tensors = _Tally(layout), tensors_per_piece(cfg)
+    tally = _Tally(layout)
     for info in table.values():
-        size = piece_bytes(math.prod(shards.local_shape(info)), tensors)
+        local = shards.local_shape(info)
         dps = _owners(layout, mode, 0, False, writers.get(info.key, 0))
         for t in shards.tp_ranks_of(info):
-            tally.add(t, info.stage, dps, size / len(dps), _tensor(size, tensors))
-    _add_experts(cfg, layout, mode, tally)
+            tally.add(t, info.stage, dps, piece_bytes(cfg, local, host_copy) / len(dps), FP32 * math.prod(local))
+    _add_experts(cfg, layout, mode, tally, host_copy)
     return {r: (b, tally.largest[r]) for r, b in tally.bytes.items()}
 
 
-def _add_experts(cfg: Config, layout: Layout, mode: str, tally: _Tally) -> None:
+def _add_experts(cfg: Config, layout: Layout, mode: str, tally: _Tally, host_copy: bool) -> None:
     """Expert pieces, per stacked parameter (in the file of its first stage, of each EP rank):
-    its local experts are equal pieces, which the writers of a fully parallel save share evenly."""
+    its local experts are equal pieces, which the writers of a fully parallel save share evenly
+    over the expert-data-parallel replicas (each writes all of them with expert-DP 1)."""
     plan, seen = ParallelPlan.model_parallel(cfg), set()
     for stage in range(len(plan.stages)):
         for spec in plan.tensors(stage):
             if not spec.expert or spec.logical in seen:
                 continue
             seen.add(spec.logical)
-            one = piece_bytes(spec.numel // spec.shape[0], tensors_per_piece(cfg))
+            one = tuple(spec.shape[1:])   # an expert's piece on its TP rank
+            size = piece_bytes(cfg, one, host_copy) * spec.shape[0]
             for e in range(layout.ep):
                 dps = _owners(layout, "distributed" if mode != "single" else mode, e, True)
                 for t in range(layout.tp) if spec.tp_dim is not None else range(1):
-                    tally.add(t, stage, dps, one * spec.shape[0] / len(dps), _tensor(one, tensors_per_piece(cfg)))
+                    tally.add(t, stage, dps, size / len(dps), FP32 * math.prod(one))
+
+
+def async_save_host_bytes(cfg: Config, layout: Layout) -> Dict[int, float]:
+    """rank -> host memory of ``--async-save``'s copy of what it writes (none without the flag):
+    every element it owns of its pieces — under the distributed optimizer its 1/DP of each shard
+    (1/expert-DP of the experts'), else the whole pieces the save assigns it — in the dtypes
+    training holds them in, and the step counts."""
+    if not getattr(cfg.checkpoint, "async_save", False):
+        return {}
+    return {r: b for r, (b, _) in rank_bytes(cfg, layout, host_copy=True).items()}
 
 
 def checkpoint_cost(cfg: Config, layout: Layout, gpus_per_node: int, bw: Bandwidths) -> dict:
@@ -127,16 +143,17 @@ def checkpoint_cost(cfg: Config, layout: Layout, gpus_per_node: int, bw: Bandwid
     node_max = round(max(per_node.values()))
     write = max(total / bw.fs_write, node_max / bw.fs_node_write)
     parallel = cfg.checkpoint.ckpt_fully_parallel_save and layout.dp > 1
-    # A single writer gathers its whole shard into host memory (with --async-save that gathered
-    # copy is what the background writer writes); a parallel writer stages one tensor at a time,
-    # and with --async-save also holds the host copy of everything it writes.
+    # A single writer gathers its whole shard into host memory; a parallel writer stages one
+    # tensor at a time, and with --async-save (always the fully parallel save, which it needs)
+    # also holds the host copy of everything it writes, which is what the training stall copies.
     staged = max(big for _, big in per_rank.values())
-    host = {"sync": staged, "async": staged + rank_max} if parallel else {"sync": rank_max, "async": rank_max}
+    copy = max(b for b, _ in rank_bytes(cfg, layout, host_copy=True).values())
+    host = {"sync": staged if parallel else rank_max, "async": staged + copy}
     async_save: Optional[bool] = getattr(cfg.checkpoint, "async_save", None)
     return {"writers": "fully_parallel" if parallel else "single_writer",
             "total_bytes": total, "writing_ranks": len(per_rank), "rank_bytes_max": rank_max,
             "nodes": -(-layout.world_size // gpus_per_node), "node_bytes_max": node_max,
             "fs_write_bw": bw.fs_write, "fs_node_write_bw": bw.fs_node_write, "write_s": write,
-            "stall_s": {"sync": write, "async": rank_max / bw.host},
+            "stall_s": {"sync": write, "async": copy / bw.host},
             "host_bytes_during_save": host,
             "async_save": async_save}

@@ -14,10 +14,10 @@ from megatron_p2r.layout.ranks import Layout
 from megatron_p2r.metrics import model_flops_per_token
 from megatron_p2r.pipeline.order import combined_step_slots, combined_warmup, step_slots
 from megatron_p2r.planning.activations import activation_memory, recomputed_positions, with_recompute
-from megatron_p2r.planning.checkpoint_cost import FS_WRITE_BW, Bandwidths, checkpoint_cost
+from megatron_p2r.planning.checkpoint_cost import FS_WRITE_BW, Bandwidths, async_save_host_bytes, checkpoint_cost
 from megatron_p2r.planning.communication import communication
 from megatron_p2r.planning.hardware import NVME_PRESETS, GiB, GPUSpec, NvmeSpec
-from megatron_p2r.planning.memory import (async_save_host_bytes, expert_parameter_count, logical_parameter_count,
+from megatron_p2r.planning.memory import (expert_parameter_count, logical_parameter_count,
                                           offload_plan, stage_state_bytes, stepped_elements)
 from megatron_p2r.planning.timing import link_time, stage_flops_per_microbatch
 from megatron_p2r.planning.verdict import TierVerdict, gpu_tier, host_problem, host_tier, node_tier, nvme_problem
@@ -279,7 +279,8 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     per_element = step_bytes_per_element(cfg, plan)
     state = stage_state_bytes(plan, stage)
     stepped = stepped_elements(state)
-    save_copy = async_save_host_bytes(cfg, plan, state)
+    save_copy = round(max((b for r, b in async_save_host_bytes(cfg, layout).items() if layout.coords(r).pp == stage),
+                          default=0))   # the stage's rank that copies the most
     device_step = per_element * (stepped - hosted) / gpu.hbm_bw
     host_step = per_element * hosted / a.host_optimizer_bw + off["moved_per_step"] / gpu.host_bw
     times = {"host_optimizer_from_ram": host_step, "host_optimizer_from_nvme": nvme_step_time(

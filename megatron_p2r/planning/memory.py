@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from megatron_p2r.config import Config, parse_offload_what
-from megatron_p2r.layout.offload import (CATEGORIES, FACTOR_BYTES, add_bytes, delayed_grads_bytes, memory_plan,
+from megatron_p2r.layout.offload import (CATEGORIES, add_bytes, delayed_grads_bytes, memory_plan,
                                          nvme_split)
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Coords
@@ -87,16 +87,3 @@ def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, objec
             "host_optimizer_params": stepped,
             "moved_per_microbatch": 3 * weights if on_host else 0,
             "moved_per_step": 0 if on_host else (2 * plan.buffers.main_bytes + plan.buffers.grad_bytes) * stepped}
-
-
-def async_save_host_bytes(cfg: Config, plan: ParallelPlan, state: Dict[str, int]) -> int:
-    """Host memory of ``--async-save``'s copy of what a rank writes (``state``: its bytes,
-    ``stage_state_bytes``): the mains and the moments (in their own dtypes; Adafactor's two
-    statistics as the fp32 entries of the weight's shape it writes) of the elements it owns —
-    those it steps under the distributed optimizer, else its 1/DP share of its stage's."""
-    if not cfg.checkpoint.async_save:
-        return 0
-    stepped = stepped_elements(state)
-    owned = stepped if cfg.parallel.use_distributed_optimizer else -(-stepped // plan.layout.dp)
-    state_bytes = 2 * FACTOR_BYTES if plan.buffers.optimizer == "adafactor" else plan.buffers.moment_bytes
-    return owned * (plan.buffers.main_bytes + state_bytes)

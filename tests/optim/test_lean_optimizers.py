@@ -15,6 +15,7 @@ from megatron_p2r.checkpoint.io import load_checkpoint, save_checkpoint
 from megatron_p2r.config import ConfigError
 from megatron_p2r.convert.reshard import DelinkOptions, Target, convert
 from megatron_p2r.optim import adafactor as af
+from megatron_p2r.optim.factored_form import FACTOR_KINDS, carrier_of, entry_of, entry_shape, matrix_view
 from megatron_p2r.optim.lion import Lion
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.planning.memory import stage_state_bytes
@@ -117,8 +118,9 @@ def _step_together(opts):
 
 
 def test_adafactor_statistics_round_trip_through_their_checkpoint_form():
-    """The checkpoint entries (statistics broadcast to the weight's shape), cut at any flat
-    offset, give back the statistics bitwise."""
+    """The factored checkpoint entries (a matrix's rows and columns, a vector's variance), taken
+    of fragments cut at any flat offset, tile the entry, hold R + C values per matrix, and give
+    back the statistics bitwise."""
     shapes = [(6, 5), (7,), (3, 4, 5)]
     params = [torch.randn(s) for s in shapes]
     opt = _adafactor(params)
@@ -128,12 +130,16 @@ def test_adafactor_statistics_round_trip_through_their_checkpoint_form():
         opt.step()
     for p in params:
         piece, state = opt.pieces[id(p)], opt.state[p]
-        kept = {}
-        for kind in af.FACTOR_KINDS:
-            entry = af.checkpoint_value(state, piece, kind)
-            assert entry.numel() == p.numel()
-            for lo, hi in ((0, 11), (11, p.numel())):
-                af.take_checkpoint_value(kept, piece, kind, lo, entry[lo:hi])
+        kept, stored = {}, 0
+        for kind in FACTOR_KINDS:
+            carrier = af.checkpoint_value(state, piece, kind)
+            entry = torch.cat([entry_of(carrier[lo:hi], p.shape, kind, lo).reshape(-1)
+                               for lo, hi in ((0, 11), (11, p.numel()))])
+            assert entry.numel() == math.prod(entry_shape(p.shape, kind))
+            stored += entry.numel()
+            af.take_checkpoint_value(kept, piece, kind, 0, carrier_of(entry, p.shape, kind).reshape(-1))
+        b, r, c = matrix_view(p.shape)
+        assert stored == b * (r + c)
         for name, value in kept.items():
             assert torch.equal(value, state[name]), name
 

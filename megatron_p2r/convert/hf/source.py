@@ -9,7 +9,7 @@ import torch
 from megatron_p2r.checkpoint.compatibility import check_tables
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.integrity import check_files
-from megatron_p2r.checkpoint.metadata import metadata_config, metadata_table, read_metadata
+from megatron_p2r.checkpoint.metadata import broadcast_statistics, metadata_config, metadata_table, read_metadata
 from megatron_p2r.checkpoint.naming import METADATA_FILE, resolve_iteration_dir
 from megatron_p2r.convert.pieces import read_global
 from megatron_p2r.convert.reshard import Target, target_config
@@ -46,4 +46,4 @@ class SourceCheckpoint:
         info = self.table.get(skey)
         if info is None:
             raise CheckpointError(f"{os.path.join(self.iter_dir, METADATA_FILE)}: tensors has no {skey!r}")
-        return read_global(self.readers, self.layout, info, kind)
+        return read_global(self.readers, self.layout, info, kind, broadcast_statistics(self.meta))
