@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from megatron_p2r.config import Config, host_step_starts_in_backward
+from megatron_p2r.config import Config, build_step_plan
 from megatron_p2r.offload.nvme import LayerByLayer, NvmeOptimizerState, NvmeStateFile, region_bytes
 from megatron_p2r.offload.runtime import OffloadManager
 from megatron_p2r.optim.delayed_update import DelayedHostStep
@@ -30,15 +30,14 @@ def optimizer_placement(manager: OffloadManager) -> Dict[int, str]:
 
 
 def overlapped_host_step(manager: OffloadManager, cfg: Config) -> Optional[HostStepSettings]:
-    """How to overlap the host step (--overlap-cpu-optimizer-d2h-h2d), None without it."""
-    if not cfg.offload.overlap_cpu_optimizer_d2h_h2d:
+    """How to overlap the host step (the step plan's ``host``: overlapped, early or delayed), None
+    when it is serial."""
+    steps = build_step_plan(cfg)
+    how = steps.host_step(manager.model.layer_keys)
+    if not steps.overlapped:
         return None
-    o = cfg.offload
-    if o.cpu_offload_delayed_param_update:   # the step has the next iteration: none starts in backward
-        return HostStepSettings(manager.forward_layers, o.host_optimizer_threads,
-                                delay_after=o.cpu_offload_delayed_param_update_warmup_steps)
-    return HostStepSettings(manager.forward_layers, o.host_optimizer_threads,
-                            host_step_starts_in_backward(cfg.train, manager.model.layer_keys))
+    return HostStepSettings(manager.forward_layers, steps.threads, early=how == "early",
+                            delay_after=steps.delay_warmup if how == "delayed" else None)
 
 
 def finish_host_optimizer(optimizer: MixedPrecisionOptimizer, manager: OffloadManager, cfg: Config, rank: int) -> None:

@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from megatron_p2r.config import TrainConfig
+from megatron_p2r.config import OPTIMIZERS, TrainConfig
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.optim.adafactor import Piece, SharedPieces
 from megatron_p2r.optim.delayed_update import DelayedHostStep
@@ -145,13 +145,14 @@ class MixedPrecisionOptimizer:
         self.kind = t.optimizer
         self.inner: Dict[str, object] = {}
         groups = param_groups(ddp.model, t)
+        factored = OPTIMIZERS[t.optimizer].factored
         pieces = {id(ms.main): Piece(tuple(ms.param.shape), ms.start, ms.end) for ms in shards}
         for placement in PLACEMENTS:
             mine = [g for g in (_group_of(g, [ms for ms in shards if ms.placement == placement]) for g in groups)
                     if g["params"]]
             channels, shared_here = (shared or {}).get(placement, ((), {}))
             if mine or channels:   # a rank sharing pieces takes part in their sums, even with none of its own
-                extra = dict(pieces=pieces, shared=shared_here, channels=channels) if t.optimizer == "adafactor" else {}
+                extra = dict(pieces=pieces, shared=shared_here, channels=channels) if factored else {}
                 inner = make_optimizer(mine or [{"params": []}], t, **extra)
                 self.inner[placement] = StagedOptimizer(inner) if placement == "staged" else inner
         if host_step is not None and "host" in self.inner:
@@ -279,7 +280,7 @@ def build_mixed_precision_optimizer(ddp: DistributedDataParallel, plan: Parallel
                                     grad=grad_range(p, start, end),
                                     placement=placement.get(id(p), "device"), in_norm=in_norm, buffer=b,
                                     bucket=layout.bucket_of(index), position=layout.ranges[index][0] + start))
-    shared = shared_pieces(ddp, shards, placement, ps.device) if t.optimizer == "adafactor" else None
+    shared = shared_pieces(ddp, shards, placement, ps.device) if OPTIMIZERS[t.optimizer].factored else None
     return MixedPrecisionOptimizer(shards, t, ddp, before_host_step, host_step, shared)
 
 

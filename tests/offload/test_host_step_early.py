@@ -29,7 +29,8 @@ def _train(ps: ParallelState, overlap: bool, steps: int = 3, slow: float = 0.0, 
     ``pause``: the main thread waits that long after backward, so the early steps are done before
     the gradient norm reads the gradients they stepped on; ``slow``: each layer's step takes that
     much longer."""
-    cfg = tiny_config(**{**BASE, **kw}, overlap_cpu_optimizer_d2h_h2d=overlap)
+    serial = {} if overlap else dict(host_optimizer_threads=1)   # threads are the overlapped step's (refused without)
+    cfg = tiny_config(**{**BASE, **kw, **serial}, overlap_cpu_optimizer_d2h_h2d=overlap)
     seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, ps.device)
     started, outs = [], []
     real_finish, real_step = ddp_module.DistributedDataParallel.finish_grad_sync, HostStep._step_layer
