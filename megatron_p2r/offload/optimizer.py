@@ -18,8 +18,6 @@ from typing import Dict, Optional
 from megatron_p2r.config import Config, build_step_plan
 from megatron_p2r.offload.nvme import LayerByLayer, NvmeOptimizerState, NvmeStateFile, region_bytes
 from megatron_p2r.offload.runtime import OffloadManager
-from megatron_p2r.optim.delayed_update import DelayedHostStep
-from megatron_p2r.optim.host_step import HostStep
 from megatron_p2r.optim.mixed_precision import HostStepSettings, MixedPrecisionOptimizer
 
 
@@ -43,18 +41,20 @@ def overlapped_host_step(manager: OffloadManager, cfg: Config) -> Optional[HostS
 def finish_host_optimizer(optimizer: MixedPrecisionOptimizer, manager: OffloadManager, cfg: Config, rank: int) -> None:
     """Connect the built optimizer's host step to the offload: each layer's fetch waits for that
     layer's overlapped step; with an NVMe path, the step's mains and state move to the file."""
+    steps, overlapped = build_step_plan(cfg), optimizer.overlapped
+    if overlapped is not None:
+        manager.step_done = overlapped.wait
+        manager.delayed_update = steps.delayed
     host = optimizer.inner.get("host")
-    if isinstance(host, HostStep):
-        manager.step_done = host.wait
-        manager.delayed_update = isinstance(host, DelayedHostStep)
-    if host is None or cfg.offload.cpu_offload_optimizer_nvme_path is None:
+    if host is None or steps.nvme_path is None:
         return
-    inner = host.inner if isinstance(host, HostStep) else host
+    inner = overlapped.inner if overlapped is not None else host
     layers = {key: [ms for ms in optimizer.shards if ms.placement == "host" and id(ms.param) in ids]
               for key, ids in manager.forward_layers.items()}
     regions = {key: region_bytes(manager.module_bytes[key]["optimizer"], len(shards)) for key, shards in layers.items()}
-    file = NvmeStateFile(cfg.offload.cpu_offload_optimizer_nvme_path, rank, regions)
-    order = list(layers)[::-1] if isinstance(host, HostStep) and host.early else list(layers)   # as steps start
+    file = NvmeStateFile(steps.nvme_path, rank, regions)
+    early = steps.host_step(manager.model.layer_keys) == "early"
+    order = list(layers)[::-1] if early else list(layers)   # as the layers' steps start
     manager.nvme = NvmeOptimizerState(file, inner, layers, order)
-    if not isinstance(host, HostStep):
+    if overlapped is None:
         optimizer.inner["host"] = LayerByLayer(inner, layers)

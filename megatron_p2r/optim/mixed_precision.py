@@ -144,6 +144,7 @@ class MixedPrecisionOptimizer:
         self.shards, self.ddp, self.before_host_step = shards, ddp, before_host_step
         self.kind = t.optimizer
         self.inner: Dict[str, object] = {}
+        self.overlapped: Optional[HostStep] = None   # the host placement's overlapped step (HostStep or delayed)
         groups = param_groups(ddp.model, t)
         factored = OPTIMIZERS[t.optimizer].factored
         pieces = {id(ms.main): Piece(tuple(ms.param.shape), ms.start, ms.end) for ms in shards}
@@ -166,9 +167,10 @@ class MixedPrecisionOptimizer:
                                                      before_write=before_host_step)
             else:
                 self.inner["host"] = HostStep(self.inner["host"], layers, host_step.threads, host_step.early, buckets)
+            self.overlapped = self.inner["host"]
             if host_step.early:
                 ddp.reduction_started = self.inner["host"].reduction_started
-        deferred = self.inner["host"].param_ids if isinstance(self.inner.get("host"), HostStep) else set()
+        deferred = self.overlapped.param_ids if self.overlapped is not None else set()
         self.deferred = [id(ms.param) in deferred for ms in shards]   # stepped, clipped, zeroed by the host step
         self._host_submitted = False
         self.whole_shards = {id(ms.param): ms for ms in shards if ms.whole}
@@ -204,8 +206,8 @@ class MixedPrecisionOptimizer:
         for ms, deferred in zip(self.shards, self.deferred, strict=True):
             if not deferred:
                 ms.main.grad = ms.grad
-        if isinstance(self.inner.get("host"), HostStep):
-            self.inner["host"].backward_done()
+        if self.overlapped is not None:
+            self.overlapped.backward_done()
 
     def zero_grad(self) -> None:
         """Drop those ``.grad`` views before a step's backward: an fp32 weight that is its own
@@ -223,14 +225,14 @@ class MixedPrecisionOptimizer:
 
     def check_finite(self, found_inf: bool) -> None:
         """Before a step is skipped: refuse if its host step already started (``HostStep.check_finite``)."""
-        if isinstance(self.inner.get("host"), HostStep):
-            self.inner["host"].check_finite(found_inf)
+        if self.overlapped is not None:
+            self.overlapped.check_finite(found_inf)
 
     def finish_host_step(self) -> None:
         """Wait for the overlapped host step, a delayed update written into the weights (before
         reading the offloaded layers' weights or state)."""
-        if isinstance(self.inner.get("host"), HostStep):
-            self.inner["host"].flush()
+        if self.overlapped is not None:
+            self.overlapped.flush()
 
     def step(self, host_coeff: float = 1.0) -> None:
         """Step every placement's optimizer, round the mains into 16-bit weights, start the
@@ -240,8 +242,8 @@ class MixedPrecisionOptimizer:
             if placement in self.inner:
                 if placement == "host" and self.before_host_step is not None:
                     self.before_host_step()
-                if isinstance(self.inner[placement], HostStep):
-                    self.inner[placement].submit(host_coeff)
+                if placement == "host" and self.overlapped is not None:
+                    self.overlapped.submit(host_coeff)
                     self._host_submitted = True
                 else:
                     self.inner[placement].step()
