@@ -24,7 +24,7 @@ from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.lifecycle import check_run_fits, lock_save_dir, release_groups, resume_checkpoint
 from megatron_p2r.metrics import TrainingLogger, format_line, model_flops_per_token, peak_memory_bytes
 from megatron_p2r.model.m6 import M6Model, build_model
-from megatron_p2r.offload.optimizer import finish_host_optimizer, optimizer_placement, overlapped_host_step
+from megatron_p2r.offload.optimizer import finish_host_optimizer, host_step_settings, optimizer_placement
 from megatron_p2r.offload.runtime import format_report
 from megatron_p2r.moe import aux_loss
 from megatron_p2r.optim.grad_scaler import LossScaler
@@ -144,7 +144,7 @@ def build_train_state(cfg: Config, ps: ParallelState, plan: Optional[ParallelPla
                                   overlap_param_gather=p.overlap_param_gather,
                                   fetched=manager.fetched_param_ids if manager else (),
                                   waits_whole=model.layers.values() if cfg.train.compile else ())
-    host_step = overlapped_host_step(manager, cfg) if manager else None
+    host_step = host_step_settings(manager, cfg) if manager else None
     optimizer = build_mixed_precision_optimizer(ddp, plan, ps, cfg.train,
                                                 optimizer_placement(manager) if manager else None,
                                                 manager.synchronize if manager else None, host_step)

@@ -13,10 +13,10 @@ on local NVMe (``offload/nvme.py``).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict
 
 from megatron_p2r.config import Config, build_step_plan
-from megatron_p2r.offload.nvme import LayerByLayer, NvmeOptimizerState, NvmeStateFile, region_bytes
+from megatron_p2r.offload.nvme import NvmeOptimizerState, NvmeStateFile, region_bytes
 from megatron_p2r.offload.runtime import OffloadManager
 from megatron_p2r.optim.mixed_precision import HostStepSettings, MixedPrecisionOptimizer
 
@@ -27,34 +27,28 @@ def optimizer_placement(manager: OffloadManager) -> Dict[int, str]:
     return {pid: where for pid in manager.offloaded_param_ids}
 
 
-def overlapped_host_step(manager: OffloadManager, cfg: Config) -> Optional[HostStepSettings]:
-    """How to overlap the host step (the step plan's ``host``: overlapped, early or delayed), None
-    when it is serial."""
+def host_step_settings(manager: OffloadManager, cfg: Config) -> HostStepSettings:
+    """How the host placement steps: the step plan's ``host_step`` for this stage's layers."""
     steps = build_step_plan(cfg)
-    how = steps.host_step(manager.model.layer_keys)
-    if not steps.overlapped:
-        return None
-    return HostStepSettings(manager.forward_layers, steps.threads, early=how == "early",
-                            delay_after=steps.delay_warmup if how == "delayed" else None)
+    return HostStepSettings(steps.host_step(manager.model.layer_keys) or "serial", manager.forward_layers,
+                            by_layer=steps.nvme_path is not None, threads=steps.threads,
+                            delay_after=steps.delay_warmup)
 
 
 def finish_host_optimizer(optimizer: MixedPrecisionOptimizer, manager: OffloadManager, cfg: Config, rank: int) -> None:
     """Connect the built optimizer's host step to the offload: each layer's fetch waits for that
-    layer's overlapped step; with an NVMe path, the step's mains and state move to the file."""
-    steps, overlapped = build_step_plan(cfg), optimizer.overlapped
-    if overlapped is not None:
-        manager.step_done = overlapped.wait
-        manager.delayed_update = steps.delayed
-    host = optimizer.inner.get("host")
-    if host is None or steps.nvme_path is None:
+    layer's step; with an NVMe path, the step's mains and state move to the file."""
+    host, steps = optimizer.host, build_step_plan(cfg)
+    if host is None:
         return
-    inner = overlapped.inner if overlapped is not None else host
+    manager.step_done = host.wait
+    manager.delayed_update = steps.delayed
+    if steps.nvme_path is None:
+        return
     layers = {key: [ms for ms in optimizer.shards if ms.placement == "host" and id(ms.param) in ids]
               for key, ids in manager.forward_layers.items()}
     regions = {key: region_bytes(manager.module_bytes[key]["optimizer"], len(shards)) for key, shards in layers.items()}
     file = NvmeStateFile(steps.nvme_path, rank, regions)
     early = steps.host_step(manager.model.layer_keys) == "early"
     order = list(layers)[::-1] if early else list(layers)   # as the layers' steps start
-    manager.nvme = NvmeOptimizerState(file, inner, layers, order)
-    if overlapped is None:
-        optimizer.inner["host"] = LayerByLayer(inner, layers)
+    manager.nvme = NvmeOptimizerState(file, host.inner, layers, order, list(host.by_layer.values()))
