@@ -26,7 +26,9 @@ class OptimizerSpec:
     checkpoint (``optimizer.<name>.<entry>``), the step count last; ``from_adam``: the entries it
     reads from an AdamW checkpoint that lacks its own, to start from AdamW's state (None: none);
     ``fp16_mains``: it steps ``--main-params-dtype fp16`` mains; ``unkept_moment``: why a dtype
-    flag of a moment it does not keep is refused, and what to do instead."""
+    flag of a moment it does not keep is refused, and what to do instead; ``gradient_power``:
+    each checkpoint entry (the step count aside) is a mean of the gradient to this power, so
+    delinking with ``--optimizer-state rescale`` scales it by (M/N)^power (p2r/delink.py)."""
 
     name: str
     megatron: Optional[str]
@@ -37,6 +39,7 @@ class OptimizerSpec:
     from_adam: Optional[Tuple[str, ...]] = None
     fp16_mains: bool = False
     unkept_moment: str = ""
+    gradient_power: Tuple[Tuple[str, int], ...] = ()
 
     def moment_dtypes(self, t) -> Dict[str, str]:
         """Moment name -> its dtype (the flags' names: fp32, bf16, fp16) under TrainConfig ``t``."""
@@ -56,14 +59,20 @@ class OptimizerSpec:
 
 OPTIMIZERS: Dict[str, OptimizerSpec] = {s.name: s for s in (
     OptimizerSpec("adam", "adam", "AdamW", moments=("exp_avg", "exp_avg_sq"),
-                  checkpoint_entries=("exp_avg", "exp_avg_sq", "step"), fp16_mains=True),
+                  checkpoint_entries=("exp_avg", "exp_avg_sq", "step"), fp16_mains=True,
+                  gradient_power=(("exp_avg", 1), ("exp_avg_sq", 2))),
     # Lion's one moment is AdamW's first: its entries are in an AdamW checkpoint (the second is left).
     OptimizerSpec("lion", None, "one fp32 moment: sign updates, Chen et al. 2023", moments=("exp_avg",),
-                  checkpoint_entries=("exp_avg", "step"),
+                  checkpoint_entries=("exp_avg", "step"), gradient_power=(("exp_avg", 1),),
                   unkept_moment="keeps no second moment; lower its one moment with --exp-avg-dtype"),
     # Adafactor makes its row and column statistics of AdamW's second moment (optim/state_io.py).
     OptimizerSpec("adafactor", None, "factored second moments, Shazeer & Stern 2018", moments=(), factored=True,
                   checkpoint_entries=("row_var", "col_var", "step"), from_adam=("exp_avg_sq", "step"),
+                  gradient_power=(("row_var", 2), ("col_var", 2)),
                   unkept_moment="keeps no moments of the weights' size (its factored statistics are fp32); "
                                 "leave them fp32"),
 )}
+
+# Checkpoint entry -> the power of the gradient it averages, over every kind (an entry means the
+# same in every kind that keeps it: Lion's ``exp_avg`` is AdamW's first moment).
+GRADIENT_POWER: Dict[str, int] = {entry: power for spec in OPTIMIZERS.values() for entry, power in spec.gradient_power}

@@ -34,3 +34,12 @@ def test_kernel_traffic_follows_the_spec():
     assert kernel_bytes_per_element("adam", moments={"exp_avg": "fp32", "exp_avg_sq": "fp32"}, **fp32) == 28
     assert kernel_bytes_per_element("lion", moments={"exp_avg": "fp32"}, **fp32) == 20
     assert kernel_bytes_per_element("adafactor", moments={}, **fp32) == 24
+
+
+def test_every_entry_has_one_delink_rule():
+    """Each checkpoint entry but the step count says how delinking rescales it, the same in every kind."""
+    from megatron_p2r.config.optimizers import GRADIENT_POWER
+    for spec in OPTIMIZERS.values():
+        powers = dict(spec.gradient_power)
+        assert set(powers) == set(spec.checkpoint_entries) - {"step"}, spec.name
+        assert all(GRADIENT_POWER[entry] == power for entry, power in powers.items()), spec.name
