@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from megatron_p2r.config import Config, build_step_plan
+from megatron_p2r.config import StepPlan
 from megatron_p2r.offload.nvme import NvmeOptimizerState, NvmeStateFile, region_bytes
 from megatron_p2r.offload.runtime import OffloadManager
 from megatron_p2r.optim.mixed_precision import HostStepSettings, MixedPrecisionOptimizer
@@ -27,22 +27,21 @@ def optimizer_placement(manager: OffloadManager) -> Dict[int, str]:
     return {pid: where for pid in manager.offloaded_param_ids}
 
 
-def host_step_settings(manager: OffloadManager, cfg: Config) -> HostStepSettings:
+def host_step_settings(manager: OffloadManager, steps: StepPlan) -> HostStepSettings:
     """How the host placement steps: the step plan's ``host_step`` for this stage's layers."""
-    steps = build_step_plan(cfg)
     return HostStepSettings(steps.host_step(manager.model.layer_keys) or "serial", manager.forward_layers,
                             by_layer=steps.nvme_path is not None, threads=steps.threads,
                             delay_after=steps.delay_warmup)
 
 
-def finish_host_optimizer(optimizer: MixedPrecisionOptimizer, manager: OffloadManager, cfg: Config, rank: int) -> None:
+def finish_host_optimizer(optimizer: MixedPrecisionOptimizer, manager: OffloadManager, steps: StepPlan,
+                          rank: int) -> None:
     """Connect the built optimizer's host step to the offload: each layer's fetch waits for that
     layer's step; with an NVMe path, the step's mains and state move to the file."""
-    host, steps = optimizer.host, build_step_plan(cfg)
+    host = optimizer.host
     if host is None:
         return
     manager.step_done = host.wait
-    manager.delayed_update = steps.delayed
     if steps.nvme_path is None:
         return
     layers = {key: [ms for ms in optimizer.shards if ms.placement == "host" and id(ms.param) in ids]
