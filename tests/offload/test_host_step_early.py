@@ -138,7 +138,7 @@ def test_threads_need_the_overlap():
 
 
 def test_resume_is_bitwise(tmp_path):
-    """3 steps straight, or 2, save, load into a fresh run (the layer views of the loaded state) and 1 more."""
+    """3 steps straight, or 2, save, load into a fresh run (the layer optimizers over the loaded state) and 1 more."""
     from megatron_p2r.checkpoint.io import save_checkpoint
     cfg = tiny_config(**BASE, bf16=True, overlap_cpu_optimizer_d2h_h2d=True, host_optimizer_threads=2)
     ps = ParallelState.single()
