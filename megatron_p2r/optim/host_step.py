@@ -7,7 +7,7 @@ decision on a non-finite gradient depend on every gradient of the step, and the 
 not linear in their gradient, so no part of an update can be computed earlier and corrected
 later. ZeRO-Offload faces the same constraint; its one-step delayed parameter update, which changes
 training, is ``optim/delayed_update.py`` (``--cpu-offload-delayed-param-update``). Without either
-(``--clip-grad 0`` with bf16 or fp32: ``early``, ``config.host_step_starts_in_backward``)
+(``--clip-grad 0`` with bf16 or fp32: ``early``, the step plan's ``StepPlan.host_step``)
 nothing global gates the update, so a layer's step starts as soon as its gradients are final in
 the last micro-batch's backward: the DDP reports each bucket whose reduction has started
 (``reduction_started``) and the worker finishes that reduction (waits, divides by the DP size)
