@@ -7,7 +7,7 @@ side by side in one run, on this machine's disk.
 Two training states of one model (bf16 weights, AdamW, every layer offloaded: ``--layers`` of
 ``--hidden``), one with the state in RAM, one with it in a file under ``--dir`` (default: a
 temporary directory on the disk holding /tmp), each trained one step, then the host step alone
-(``optimizer.inner["host"].step()``, one torch thread) timed in interleaved rounds, medians:
+(``optimizer.host.submit(1.0)``, one torch thread) timed in interleaved rounds, medians:
 
 - ``RAM``: the state in the rank's memory;
 - ``file, mapped, dirty``: right after another step, the file's pages still cached, mapped and
@@ -63,17 +63,17 @@ def timed_step(state, before: str, read_ahead: bool) -> float:
     """Seconds of one host step after ``before``: another step (its pages stay mapped and dirty),
     a write-back of the file (clean pages: the step's first write to each faults), or an eviction
     (the step reads the file from disk; its write-back is then timed with it)."""
-    nvme, host = state.offload.nvme, state.optimizer.inner["host"]
+    nvme, host = state.offload.nvme, state.optimizer.host
     if nvme is not None:
         nvme.file.prefetch_enabled = read_ahead
     if before == "step":
-        host.step()
+        host.submit(1.0)
     elif before == "flush":
         nvme.file.map.flush()
     else:
         nvme.file.evict()
     begin = time.perf_counter()
-    host.step()
+    host.submit(1.0)
     if before == "evict":
         nvme.file.map.flush()
     return time.perf_counter() - begin

@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_p2r import offload, reliability
-from megatron_p2r.config import (Config, ConfigError, check_values, global_batch_size, num_microbatches, train_iters,
-                                  train_samples, validate)
+from megatron_p2r.config import (Config, ConfigError, build_step_plan, check_values, global_batch_size,
+                                  num_microbatches, train_iters, train_samples, validate)
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.lifecycle import check_run_fits, lock_save_dir, release_groups, resume_checkpoint
 from megatron_p2r.metrics import TrainingLogger, format_line, model_flops_per_token, peak_memory_bytes
 from megatron_p2r.model.m6 import M6Model, build_model
-from megatron_p2r.offload.optimizer import finish_host_optimizer, optimizer_placement, overlapped_host_step
+from megatron_p2r.offload.optimizer import finish_host_optimizer, host_step_settings, optimizer_placement
 from megatron_p2r.offload.runtime import format_report
 from megatron_p2r.moe import aux_loss
 from megatron_p2r.optim.grad_scaler import LossScaler
@@ -135,21 +135,21 @@ def build_train_state(cfg: Config, ps: ParallelState, plan: Optional[ParallelPla
     if cfg.train.compile:
         from megatron_p2r.model.compiled import compile_layers   # imports torch._dynamo: seconds, only when asked
         compile_layers(model.layers)
-    manager = None
+    manager, steps = None, build_step_plan(cfg)   # steps: how each placement's optimizer steps
     if cfg.offload.cpu_offload_layers is not None:  # chosen layers' weights, grads and optimizer state on host
         manager = offload.apply_offload(model, plan.stage(ps.pp_rank).offloaded, cfg.offload, ps,
-                                        plan.module_state_bytes(ps.pp_rank, ps.coords))
+                                        plan.module_state_bytes(ps.pp_rank, ps.coords), delayed_update=steps.delayed)
     p = cfg.parallel
     ddp = DistributedDataParallel(model, plan, ps, overlap_grad_reduce=p.overlap_grad_reduce,
                                   overlap_param_gather=p.overlap_param_gather,
                                   fetched=manager.fetched_param_ids if manager else (),
                                   waits_whole=model.layers.values() if cfg.train.compile else ())
-    host_step = overlapped_host_step(manager, cfg) if manager else None
+    host_step = host_step_settings(manager, steps) if manager else None
     optimizer = build_mixed_precision_optimizer(ddp, plan, ps, cfg.train,
                                                 optimizer_placement(manager) if manager else None,
                                                 manager.synchronize if manager else None, host_step)
     if manager is not None:  # fetches wait for the overlapped host step; its state on NVMe if asked
-        finish_host_optimizer(optimizer, manager, cfg, ps.rank)
+        finish_host_optimizer(optimizer, manager, steps, ps.rank)
     return TrainState(cfg=cfg, ps=ps, plan=plan, model=model, ddp=ddp, optimizer=optimizer,
                       scheduler=LRScheduler(optimizer, cfg, ps.layout.world_size),
                       scaler=LossScaler(cfg.train), offload=manager)

@@ -49,6 +49,7 @@ from megatron_p2r.checkpoint.parallel_save import CHECKSUMS_SUFFIX, leave_checks
 from megatron_p2r.checkpoint.parts import PartedShard, StoredShards
 from megatron_p2r.checkpoint.safetensors_io import ReaderCache, ShardWriter, save_tensors
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo, file_entries, tensor_table
+from megatron_p2r.config import OPTIMIZERS
 from megatron_p2r.files import read_json
 from megatron_p2r.optim.factored_form import FACTOR_KINDS, carrier_of, entry_of
 from megatron_p2r.optim.optimizer import OPTIMIZER_KINDS
@@ -316,15 +317,17 @@ def load_checkpoint(load_dir: str, state, finetune: bool = False) -> Optional[st
 
 
 def state_kinds_to_load(meta: dict, optimizer: str, where: str) -> Tuple[str, ...]:
-    """The optimizer state entries to read for ``--optimizer``: its own; from AdamW's state, Lion
-    takes the first moment (the second is left) and Adafactor makes its statistics of the second
-    moment (``optim/state_io.py``); anything else is refused by name."""
+    """The optimizer state entries to read for ``--optimizer``: its own; from AdamW's state, those
+    its spec's ``from_adam`` names (config/optimizers.py: Lion's one moment is AdamW's first,
+    Adafactor makes its statistics of the second, ``optim/state_io.py``); anything else is
+    refused by name."""
     stored = kinds_of(meta)[1:]
     wanted = OPTIMIZER_KINDS[optimizer]
     if all(k in stored for k in wanted):
         return wanted
-    if optimizer == "adafactor" and stored == OPTIMIZER_KINDS["adam"]:
-        return ("exp_avg_sq", "step")
+    from_adam = OPTIMIZERS[optimizer].from_adam
+    if from_adam is not None and stored == OPTIMIZER_KINDS["adam"]:
+        return from_adam
     saved = next((name for name, kinds in OPTIMIZER_KINDS.items() if tuple(kinds) == tuple(stored)), "another")
     missing = [k for k in wanted if k not in stored]
     raise CheckpointError(f"{where}: the checkpoint holds {saved} optimizer state ({', '.join(stored)}); "

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 from megatron_p2r.config.fields import ConfigError, opt
 from megatron_p2r.config.ranges import LAYERS, at_least
-from megatron_p2r.config.train import TrainConfig
 
 WHAT_ITEMS = ("params", "grads", "optimizer")
 FULL = frozenset(WHAT_ITEMS)
@@ -46,25 +45,7 @@ class OffloadConfig:
 
     def check(self, num_layers: int) -> None:
         """Each flag parses, and the budget comes with ``auto`` and only with it."""
-        what = parse_offload_what(self.cpu_offload_what)
-        if self.overlap_cpu_optimizer_d2h_h2d and (self.cpu_offload_layers is None or "params" not in what):
-            raise ConfigError("--overlap-cpu-optimizer-d2h-h2d overlaps the step of layers whose weights live on "
-                              "host: it needs --cpu-offload-layers with --cpu-offload-what params,grads,optimizer")
-        # Without --cpu-offload-layers it delays nothing (a pseudo phase planned with its real phase's flags).
-        delayed = self.cpu_offload_delayed_param_update and self.cpu_offload_layers is not None
-        if delayed and not self.overlap_cpu_optimizer_d2h_h2d:
-            raise ConfigError("--cpu-offload-delayed-param-update delays the overlapped host step: it needs "
-                              "--overlap-cpu-optimizer-d2h-h2d")
-        if delayed and self.cpu_offload_optimizer_nvme_path is not None:
-            raise ConfigError("--cpu-offload-delayed-param-update is not supported with "
-                              "--cpu-offload-optimizer-nvme-path (the NVMe state reads ahead in the undelayed order)")
-        if self.host_optimizer_threads != 1 and not self.overlap_cpu_optimizer_d2h_h2d:
-            raise ConfigError("--host-optimizer-threads sets the threads of the overlapped host step: it needs "
-                              "--overlap-cpu-optimizer-d2h-h2d")
-        # Without --cpu-offload-layers the path holds nothing (a pseudo phase planned with its real phase's flags).
-        if self.cpu_offload_optimizer_nvme_path is not None and "params" not in what:
-            raise ConfigError("--cpu-offload-optimizer-nvme-path holds the optimizer state of layers whose weights "
-                              "live on host: it needs --cpu-offload-what params,grads,optimizer")
+        parse_offload_what(self.cpu_offload_what)   # how the host step combines with the rest: config/step_plan.py
         if self.cpu_offload_layers is None:
             if self.device_memory_budget is not None:
                 raise ConfigError("--device-memory-budget is used only with --cpu-offload-layers auto")
@@ -77,14 +58,6 @@ class OffloadConfig:
                               f"got --cpu-offload-layers {self.cpu_offload_layers!r}")
         if self.device_memory_budget is not None:
             parse_memory_size(self.device_memory_budget)
-
-
-def host_step_starts_in_backward(t: TrainConfig, layer_keys: Sequence[int]) -> bool:
-    """Whether the overlapped host step starts each offloaded layer's step in backward, as soon as
-    its gradients are final: nothing global gates the update (no clipping, no fp16 loss scaling)
-    and no layer module serves two layers (a pseudo slot's gradient is final only after its last
-    use, which the DDP does not track)."""
-    return t.clip_grad == 0 and not t.fp16 and len(set(layer_keys)) == len(layer_keys)
 
 
 def parse_memory_size(text: str) -> int:

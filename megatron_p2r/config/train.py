@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Iterable, List, Optional, Tuple
 
 from megatron_p2r.config.fields import ConfigError, opt
+from megatron_p2r.config.optimizers import OPTIMIZERS
 from megatron_p2r.config.ranges import LAYERS, Range, at_least, fraction, positive
 
 
@@ -29,9 +30,8 @@ class TrainConfig:
     lr_decay_iters: Optional[int] = opt(None, "Steps over which to decay (default train-iters).")
     lr_decay_samples: Optional[int] = opt(None, "Samples over which to decay (default train-samples).")
     lr_decay_style: str = opt("linear", "Decay after warm-up.", choices=["cosine", "linear", "constant"])
-    optimizer: str = opt("adam", "adam (AdamW); lion (one fp32 moment: sign updates, Chen et al. 2023) or adafactor "
-                         "(factored second moments, Shazeer & Stern 2018), the memory-lean ones (docs/scale.md).",
-                         choices=["adam", "lion", "adafactor"])
+    optimizer: str = opt("adam", "; ".join(f"{s.name} ({s.summary})" for s in OPTIMIZERS.values()) +
+                         " (config/optimizers.py; the memory-lean ones: docs/scale.md).", choices=list(OPTIMIZERS))
     weight_decay: float = opt(0.01, "Decoupled weight decay (not applied to norms and biases).")
     adam_beta1: float = opt(0.9, "AdamW beta1.")
     adam_beta2: float = opt(0.999, "AdamW beta2.")
@@ -94,7 +94,7 @@ class TrainConfig:
         self._check_decoupled_lr()
         self._check_recompute()
         self._check_precision_aware()
-        self._check_lean_optimizer()
+        OPTIMIZERS[self.optimizer].check(self)
 
     def _check_schedule_units(self) -> None:
         """Iterations or samples, not both (Megatron-LM's rules)."""
@@ -129,7 +129,7 @@ class TrainConfig:
     def _check_precision_aware(self) -> None:
         """Megatron-LM's rule: state dtypes other than fp32 need --use-precision-aware-optimizer.
         fp8 moments are refused by name; fp16 mains need 16-bit weights (fp32 weights are their
-        own mains) and AdamW (the upcast-step-round of ``optim/precision_aware.py``)."""
+        own mains); what each --optimizer refuses is its spec's (config/optimizers.py)."""
         dtypes = {"--main-grads-dtype": self.main_grads_dtype, "--main-params-dtype": self.main_params_dtype,
                   "--exp-avg-dtype": self.exp_avg_dtype, "--exp-avg-sq-dtype": self.exp_avg_sq_dtype}
         lowered = [f"{flag} {dtype}" for flag, dtype in dtypes.items() if dtype != "fp32"]
@@ -145,25 +145,12 @@ class TrainConfig:
         if not (self.bf16 or self.fp16):
             raise ConfigError("--main-params-dtype fp16 needs 16-bit weights (--bf16 or --fp16): fp32 weights are "
                               "their own main parameters")
-        if self.optimizer != "adam":
-            raise ConfigError(f"--main-params-dtype fp16 is built for --optimizer adam only (got {self.optimizer}), "
-                              "as Megatron-LM's precision-aware optimizer")
-
-    def _check_lean_optimizer(self) -> None:
-        """Lion keeps one moment (--exp-avg-dtype sets its dtype); Adafactor's factored statistics stay fp32."""
-        if self.optimizer == "lion" and self.exp_avg_sq_dtype != "fp32":
-            raise ConfigError(f"--exp-avg-sq-dtype {self.exp_avg_sq_dtype}: --optimizer lion keeps no second moment; "
-                              "lower its one moment with --exp-avg-dtype")
-        if self.optimizer == "adafactor" and (self.exp_avg_dtype, self.exp_avg_sq_dtype) != ("fp32", "fp32"):
-            raise ConfigError("--exp-avg-dtype / --exp-avg-sq-dtype: --optimizer adafactor keeps no moments "
-                              "of the weights' size (its factored statistics are fp32); leave them fp32")
 
     @property
     def moment_dtypes(self) -> Tuple[str, ...]:
-        """The dtype of each moment of the weights' size ``--optimizer`` keeps: AdamW's two, Lion's
-        one, none for Adafactor (its factored statistics)."""
-        return {"adam": (self.exp_avg_dtype, self.exp_avg_sq_dtype), "lion": (self.exp_avg_dtype,),
-                "adafactor": ()}[self.optimizer]
+        """The dtype of each moment of the weights' size ``--optimizer`` keeps (its spec's moments:
+        AdamW's two, Lion's one, none for Adafactor's factored statistics)."""
+        return tuple(OPTIMIZERS[self.optimizer].moment_dtypes(self).values())
 
     @property
     def recompute(self) -> Optional[str]:

@@ -11,6 +11,7 @@ from megatron_p2r.config.fields import ConfigError
 from megatron_p2r.config.ranges import check_fields
 from megatron_p2r.config.root import SECTIONS, Config
 from megatron_p2r.config.schedule import schedule_plan
+from megatron_p2r.config.step_plan import build_step_plan
 
 # The table of each section's ranges, beside its dataclass.
 RANGE_TABLES = {"model": model.RANGES, "parallel": parallel.RANGES, "train": train.RANGES, "p2r": p2r.RANGES,
@@ -42,29 +43,11 @@ def validate(cfg: Config, world_size: int) -> None:
     _check_paths(cfg)
     cfg.p2r.check(m.num_layers)
     cfg.offload.check(m.num_layers)
-    schedule_plan(cfg)
+    build_step_plan(cfg)   # every refusal of how the optimizer steps
+    schedule_plan(cfg)   # every refusal of a pipeline schedule
     if cfg.checkpoint.async_save and not cfg.checkpoint.ckpt_fully_parallel_save:
         raise ConfigError("--async-save needs the fully parallel save: every rank writes what it owns from a host "
                           "copy; drop --no-ckpt-fully-parallel-save")
-    if cfg.offload.overlap_cpu_optimizer_d2h_h2d and p.use_distributed_optimizer:
-        raise ConfigError("--overlap-cpu-optimizer-d2h-h2d is not supported with --use-distributed-optimizer: the "
-                          "all-gather of updated shards reads every weight right after the step")
-    _check_delayed_update(cfg)
-
-
-def _check_delayed_update(cfg: Config) -> None:
-    """--cpu-offload-delayed-param-update keeps last step's weights in use while the host step
-    updates the mains: the mains must be a copy of the weights, not the weights themselves."""
-    t = cfg.train
-    if not cfg.offload.cpu_offload_delayed_param_update or cfg.offload.cpu_offload_layers is None:
-        return
-    if not (t.bf16 or t.fp16):
-        raise ConfigError("--cpu-offload-delayed-param-update needs 16-bit weights (--bf16 or --fp16): fp32 weights "
-                          "are their own main parameters, which the delayed host step rewrites while the next "
-                          "iteration still reads them")
-    if t.fp16 and t.main_params_dtype == "fp16":
-        raise ConfigError("--cpu-offload-delayed-param-update is not supported with --fp16 and --main-params-dtype "
-                          "fp16: fp16 weights are then their own main parameters")
 
 
 def _check_world(cfg: Config, world_size: int) -> None:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_p2r.config import (FULL, WHAT_ITEMS, ConfigError, LayerSpec, OffloadConfig, parse_layer_spec,
-                                 parse_memory_size, parse_offload_what)
+from megatron_p2r.config import (FULL, OPTIMIZERS, WHAT_ITEMS, ConfigError, LayerSpec, OffloadConfig,
+                                 parse_layer_spec, parse_memory_size, parse_offload_what)
+from megatron_p2r.config.optimizers import FACTOR_DTYPE
 
 PARAM_BYTES, GRAD_BYTES, ADAM_BYTES, MASTER_BYTES = 4, 4, 8, 4   # fp32 weight, fp32 grad, 2 moments, fp32 main
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}   # per element of a dtype flag (moments, main grads and params)
-FACTOR_BYTES = 4                                   # an Adafactor statistic (fp32)
+FACTOR_BYTES = DTYPE_BYTES[FACTOR_DTYPE]           # a factored statistic (Adafactor's)
 CATEGORIES = WHAT_ITEMS                          # the accounted categories are what can be offloaded
 
 
@@ -43,7 +44,7 @@ def optimizer_state_bytes(optimizer: str, moment_bytes: int, shape: Sequence[int
     two moments or Lion's one (``moment_bytes`` per element); Adafactor's fp32 row and column
     statistics of each matrix (..., R, C) it steps any part of (every rank sharing a matrix keeps
     them whole), or a vector's elementwise variance."""
-    if optimizer != "adafactor":
+    if not OPTIMIZERS[optimizer].factored:
         return moment_bytes * owned
     if not owned:
         return 0

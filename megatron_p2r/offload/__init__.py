@@ -28,9 +28,10 @@ def build_device(o: OffloadConfig, ps: ParallelState) -> torch.device:
 
 
 def apply_offload(model: torch.nn.Module, keys: Sequence[int], o: OffloadConfig, ps: ParallelState,
-                  module_bytes: Dict[Optional[int], Dict[str, int]]) -> OffloadManager:
+                  module_bytes: Dict[Optional[int], Dict[str, int]], delayed_update: bool = False) -> OffloadManager:
     """Put the modules ``keys`` of ``model`` (built on ``build_device``) on host, the rest on the
-    device; ``module_bytes`` is this rank's accounting (``ParallelPlan.module_state_bytes``)."""
+    device; ``module_bytes`` is this rank's accounting (``ParallelPlan.module_state_bytes``);
+    ``delayed_update``: the step plan's host step is delayed (config/step_plan.py)."""
     what = parse_offload_what(o.cpu_offload_what)
     if "params" in what and ps.device.type != "cpu":
         offloaded = {id(p) for k in keys for p in model.layers[str(k)].parameters()}
@@ -40,4 +41,4 @@ def apply_offload(model: torch.nn.Module, keys: Sequence[int], o: OffloadConfig,
             for module in model.modules():
                 for name, b in module.named_buffers(recurse=False):
                     module._buffers[name] = b.to(ps.device)
-    return OffloadManager(model, keys, ps, o.offload_prefetch, what, module_bytes)
+    return OffloadManager(model, keys, ps, o.offload_prefetch, what, module_bytes, delayed_update)

@@ -12,8 +12,8 @@ step (or the load), so the rank's own memory holds at most one layer's new state
 weights (fetched every micro-batch) and the fp32 gradient buckets stay in RAM; so does an fp32
 weight that is its own main.
 
-The host step goes layer by layer (serially, or on the overlapped step's workers,
-``optim/host_step.py``): when a layer's step starts, a reader thread reads that layer's and the
+The host step goes layer by layer (serially, or on the overlapped step's workers; each layer
+with its own optimizer over the shared state, ``optim/host_step.py``): when a layer's step starts, a reader thread reads that layer's and the
 next layer's pages and maps them writable (``madvise(MADV_POPULATE_WRITE)``), so the next layer's
 state streams in from disk while this one steps (benchmarks/nvme_offload.py measures it). Pages are the kernel's page cache: dirty ones are written back and
 reclaimed by the kernel under memory pressure, not by this code. Checkpoints read and write
@@ -33,8 +33,6 @@ import torch
 
 from megatron_p2r.config import ConfigError
 from megatron_p2r.layout.offload import format_bytes
-from megatron_p2r.optim.host_step import layer_view
-from megatron_p2r.optim.optimizer import WrappedOptimizer
 
 FLAG = "--cpu-offload-optimizer-nvme-path"
 STATE_FILE = "optimizer-state-rank{rank:05d}.bin"
@@ -150,11 +148,11 @@ class NvmeStateFile:
 class NvmeOptimizerState:
     """Keeps ``inner``'s (the host optimizer's) mains and state of ``layers`` (key -> its
     ``MainShard``s) in ``file``; ``order``: the keys in the order their steps start (the next
-    one is prefetched). Works through ``inner``'s step and load hooks, which the layer views of
-    the overlapped host step share."""
+    one is prefetched). Works through the step hooks of ``stepping`` (the optimizers that step
+    the layers, ``optim/host_step.layer_optimizers``) and ``inner``'s load hook."""
 
     def __init__(self, file: NvmeStateFile, inner: torch.optim.Optimizer, layers: Dict[int, list],
-                 order: Sequence[int]):
+                 order: Sequence[int], stepping: Sequence[torch.optim.Optimizer]):
         self.file, self.inner, self.layers = file, inner, layers
         self.key_of = {id(ms.main): key for key, shards in layers.items() for ms in shards}
         self.next = dict(zip(order, [*order[1:], None], strict=True))
@@ -164,8 +162,9 @@ class NvmeOptimizerState:
                 for ms in shards:
                     if not ms.aliases_param:   # an fp32 copy of a 16-bit weight: into the file
                         ms.main.data = self._slot(key, ms.main, "main").copy_(ms.main.reshape(-1)).view(ms.main.shape)
-        inner.register_step_pre_hook(self._before_step)
-        inner.register_step_post_hook(lambda opt, args, kwargs: self._to_file(opt))
+        for optimizer in stepping:
+            optimizer.register_step_pre_hook(self._before_step)
+            optimizer.register_step_post_hook(lambda opt, args, kwargs: self._to_file(opt))
         inner.register_load_state_dict_post_hook(self._to_file)
 
     def _slot(self, key: int, main: torch.Tensor, kind: str, like: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -193,16 +192,3 @@ class NvmeOptimizerState:
                     if kind != "step" and torch.is_tensor(value) and not self.file.holds(value):
                         slot = self._slot(self.key_of[id(main)], main, kind, value)
                         state[kind] = slot.copy_(value.reshape(-1)).view(value.shape)
-
-
-class LayerByLayer(WrappedOptimizer):
-    """The serial host step through ``NvmeOptimizerState``: ``inner`` stepped one layer's mains
-    at a time, in forward order, so each layer's state is read while the next one's is prefetched."""
-
-    def __init__(self, inner: torch.optim.Optimizer, layers: Dict[int, list]):
-        super().__init__(inner)
-        self.mains = {key: {id(ms.main) for ms in shards} for key, shards in layers.items()}
-
-    def step(self) -> None:
-        for mains in self.mains.values():   # a view per step: it takes the groups' current rates
-            layer_view(self.inner, mains).step()

@@ -13,13 +13,11 @@ on local NVMe (``offload/nvme.py``).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict
 
-from megatron_p2r.config import Config, host_step_starts_in_backward
-from megatron_p2r.offload.nvme import LayerByLayer, NvmeOptimizerState, NvmeStateFile, region_bytes
+from megatron_p2r.config import StepPlan
+from megatron_p2r.offload.nvme import NvmeOptimizerState, NvmeStateFile, region_bytes
 from megatron_p2r.offload.runtime import OffloadManager
-from megatron_p2r.optim.delayed_update import DelayedHostStep
-from megatron_p2r.optim.host_step import HostStep
 from megatron_p2r.optim.mixed_precision import HostStepSettings, MixedPrecisionOptimizer
 
 
@@ -29,33 +27,27 @@ def optimizer_placement(manager: OffloadManager) -> Dict[int, str]:
     return {pid: where for pid in manager.offloaded_param_ids}
 
 
-def overlapped_host_step(manager: OffloadManager, cfg: Config) -> Optional[HostStepSettings]:
-    """How to overlap the host step (--overlap-cpu-optimizer-d2h-h2d), None without it."""
-    if not cfg.offload.overlap_cpu_optimizer_d2h_h2d:
-        return None
-    o = cfg.offload
-    if o.cpu_offload_delayed_param_update:   # the step has the next iteration: none starts in backward
-        return HostStepSettings(manager.forward_layers, o.host_optimizer_threads,
-                                delay_after=o.cpu_offload_delayed_param_update_warmup_steps)
-    return HostStepSettings(manager.forward_layers, o.host_optimizer_threads,
-                            host_step_starts_in_backward(cfg.train, manager.model.layer_keys))
+def host_step_settings(manager: OffloadManager, steps: StepPlan) -> HostStepSettings:
+    """How the host placement steps: the step plan's ``host_step`` for this stage's layers."""
+    return HostStepSettings(steps.host_step(manager.model.layer_keys) or "serial", manager.forward_layers,
+                            by_layer=steps.nvme_path is not None, threads=steps.threads,
+                            delay_after=steps.delay_warmup)
 
 
-def finish_host_optimizer(optimizer: MixedPrecisionOptimizer, manager: OffloadManager, cfg: Config, rank: int) -> None:
+def finish_host_optimizer(optimizer: MixedPrecisionOptimizer, manager: OffloadManager, steps: StepPlan,
+                          rank: int) -> None:
     """Connect the built optimizer's host step to the offload: each layer's fetch waits for that
-    layer's overlapped step; with an NVMe path, the step's mains and state move to the file."""
-    host = optimizer.inner.get("host")
-    if isinstance(host, HostStep):
-        manager.step_done = host.wait
-        manager.delayed_update = isinstance(host, DelayedHostStep)
-    if host is None or cfg.offload.cpu_offload_optimizer_nvme_path is None:
+    layer's step; with an NVMe path, the step's mains and state move to the file."""
+    host = optimizer.host
+    if host is None:
         return
-    inner = host.inner if isinstance(host, HostStep) else host
+    manager.step_done = host.wait
+    if steps.nvme_path is None:
+        return
     layers = {key: [ms for ms in optimizer.shards if ms.placement == "host" and id(ms.param) in ids]
               for key, ids in manager.forward_layers.items()}
     regions = {key: region_bytes(manager.module_bytes[key]["optimizer"], len(shards)) for key, shards in layers.items()}
-    file = NvmeStateFile(cfg.offload.cpu_offload_optimizer_nvme_path, rank, regions)
-    order = list(layers)[::-1] if isinstance(host, HostStep) and host.early else list(layers)   # as steps start
-    manager.nvme = NvmeOptimizerState(file, inner, layers, order)
-    if not isinstance(host, HostStep):
-        optimizer.inner["host"] = LayerByLayer(inner, layers)
+    file = NvmeStateFile(steps.nvme_path, rank, regions)
+    early = steps.host_step(manager.model.layer_keys) == "early"
+    order = list(layers)[::-1] if early else list(layers)   # as the layers' steps start
+    manager.nvme = NvmeOptimizerState(file, host.inner, layers, order, list(host.by_layer.values()))

@@ -65,7 +65,7 @@ class OffloadManager:
     host) and reports what lives where."""
 
     def __init__(self, model: nn.Module, keys: Sequence[int], ps: ParallelState, prefetch: int,
-                 what: frozenset, module_bytes: Dict[Optional[int], Dict[str, int]]):
+                 what: frozenset, module_bytes: Dict[Optional[int], Dict[str, int]], delayed_update: bool = False):
         self.model, self.prefetch, self.what, self.module_bytes = model, prefetch, what, module_bytes
         self.device = ps.device
         self.keys = list(keys)
@@ -77,7 +77,7 @@ class OffloadManager:
         self.pending: "OrderedDict[tuple, tuple]" = OrderedDict()
         self.step_done: Callable[[int], None] = lambda key: None   # waits for a layer's overlapped host step
         self.nvme = None   # the optimizer state's mapped file (offload/nvme.py: --cpu-offload-optimizer-nvme-path)
-        self.delayed_update = False   # --cpu-offload-delayed-param-update: a second gradient buffer on host
+        self.delayed_update = delayed_update   # the step plan's delayed host step: a second gradient buffer on host
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # live: fetched layers whose device copies still exist; peak_live per pass (instrumentation)
         self.stats = {"live": 0, "peak_live": {"forward": 0, "backward": 0}, "fetches": {"forward": 0, "backward": 0}}

@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from megatron_p2r.optim.host_step import HostStep, layer_view
+from megatron_p2r.optim.host_step import HostStep, hyperparameters, set_hyperparameters
 from megatron_p2r.parallel.grad_buffer import grad_range
 
 
@@ -44,12 +44,11 @@ class DelayedHostStep(HostStep):
     optimizer's steps so far (skipped ones not counted); ``before_write``: waits for the fetches in
     flight (``OffloadManager.synchronize``)."""
 
-    def __init__(self, inner: torch.optim.Optimizer, layers: Dict[int, list], threads: int,
-                 buckets: Dict[int, list], warmup_steps: int, steps_taken: Callable[[], int],
-                 before_write: Optional[Callable[[], None]] = None):
-        super().__init__(inner, layers, threads, early=False, buckets=buckets)
+    def __init__(self, inner: torch.optim.Optimizer, by_layer: Dict[int, torch.optim.Optimizer],
+                 layers: Dict[int, list], threads: int, buckets: Dict[int, list], warmup_steps: int,
+                 steps_taken: Callable[[], int], before_write: Optional[Callable[[], None]] = None):
+        super().__init__(inner, by_layer, layers, threads, early=False, buckets=buckets)
         self.warmup_steps, self.steps_taken, self.before_write = warmup_steps, steps_taken, before_write
-        self._mains = {key: {id(ms.main) for ms in shards} for key, shards in layers.items()}
         self._swapped = list({id(b): b for held in buckets.values() for b in held}.values())
         for bucket in self._swapped:
             bucket.add_second_grad()
@@ -62,12 +61,12 @@ class DelayedHostStep(HostStep):
         if self.steps_taken() < self.warmup_steps:
             super().submit(coeff)
             return
-        self._hyperparameters_to_worker()
+        hyper = hyperparameters(self.param_groups)   # this step's rates, applied by its tasks (a layer's
+        set_hyperparameters(self.inner, hyper)       # last step may still be running)
         for key, shards in self.layers.items():
             grads = [ms.grad for ms in shards]
-            view = layer_view(self.inner, self._mains[key])   # this step's hyperparameters, kept
             self._computing[key] = self._pool.submit(self._delayed_step, self._running.get(key), key, coeff,
-                                                     grads, view)
+                                                     grads, hyper)
         for bucket in self._swapped:
             bucket.swap_grads()
         for shards in self.layers.values():
@@ -76,10 +75,10 @@ class DelayedHostStep(HostStep):
         self._unwritten = True
 
     def _delayed_step(self, before: Optional[Future], key: int, coeff: float, grads: List[torch.Tensor],
-                      view: torch.optim.Optimizer) -> None:
+                      hyper: List[dict]) -> None:
         if before is not None:
             before.result()
-        self._step_layer(key, coeff, apply=False, grads=grads, view=view)
+        self._step_layer(key, coeff, apply=False, grads=grads, hyper=hyper)
 
     def backward_done(self) -> None:
         """The iteration's backward is over: write the last delayed update into the weights, each

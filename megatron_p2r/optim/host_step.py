@@ -7,7 +7,7 @@ decision on a non-finite gradient depend on every gradient of the step, and the 
 not linear in their gradient, so no part of an update can be computed earlier and corrected
 later. ZeRO-Offload faces the same constraint; its one-step delayed parameter update, which changes
 training, is ``optim/delayed_update.py`` (``--cpu-offload-delayed-param-update``). Without either
-(``--clip-grad 0`` with bf16 or fp32: ``early``, ``config.host_step_starts_in_backward``)
+(``--clip-grad 0`` with bf16 or fp32: ``early``, the step plan's ``StepPlan.host_step``)
 nothing global gates the update, so a layer's step starts as soon as its gradients are final in
 the last micro-batch's backward: the DDP reports each bucket whose reduction has started
 (``reduction_started``) and the worker finishes that reduction (waits, divides by the DP size)
@@ -19,41 +19,124 @@ updated.
 iteration's forward up to each offloaded layer: the fetch of a layer's weights waits for that
 layer's step only (``wait(key)``). Every tensor a step reads or writes belongs to that layer and
 nothing else touches it before the fetch, so the weights are bitwise those of the serial step.
-Each layer is stepped by its own view of the optimizer (``layer_view``), so layers can step on
-several threads at once; torch kernels release the GIL, so workers compute while Python runs
+Each layer is stepped by its own optimizer over the shared state (``layer_optimizers``), so
+layers can step on several threads at once; torch kernels release the GIL, so workers compute while Python runs
 the model.
 """
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Protocol, Sequence
 
 import torch
 
+from megatron_p2r.optim.optimizer import WrappedOptimizer
 
-def layer_view(inner: torch.optim.Optimizer, mains: set) -> torch.optim.Optimizer:
-    """An optimizer of ``inner``'s kind over the mains ``mains`` (ids) only, reading and writing
-    ``inner``'s state: its ``step`` steps one layer, whatever other layers' mains hold."""
-    view = object.__new__(type(inner))
-    view.__dict__.update(inner.__dict__)
-    view.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in mains]} for g in inner.param_groups]
-    return view
+Build = Callable[[List[dict]], torch.optim.Optimizer]   # groups -> an optimizer of the run's kind
+
+
+class HostStepper(Protocol):
+    """The host placement's step, whichever way the step plan runs it (config/step_plan.py):
+    ``SerialHostStep``, ``HostStep`` (overlapped or early), ``DelayedHostStep``. ``defers``: the
+    weights whose gradients it clips, steps and zeroes itself (none for the serial step, whose
+    gradients the caller unscales and clips)."""
+
+    param_groups: list
+    defers: frozenset
+    inner: torch.optim.Optimizer                     # over all the host mains: their state, state dicts
+    by_layer: Dict[int, torch.optim.Optimizer]      # one per layer (``layer_optimizers``), when it steps by layer
+
+    def submit(self, coeff: float) -> None: ...
+    def wait(self, key=None) -> None: ...
+    def backward_done(self) -> None: ...
+    def flush(self) -> None: ...
+    def check_finite(self, found_inf: bool) -> None: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, sd: dict) -> None: ...
+
+
+def hyperparameters(groups: list) -> List[dict]:
+    """Each group's settings but its parameters (what the LR scheduler writes)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, hyper: List[dict]) -> None:
+    for group, values in zip(optimizer.param_groups, hyper, strict=True):
+        group.update(values)
+
+
+def layer_optimizers(build: Build, inner: torch.optim.Optimizer, layers: Dict[int, list]) -> Dict[int, torch.optim.Optimizer]:
+    """One optimizer of ``inner``'s kind per layer (``layers``: key -> its ``MainShard``s), over
+    that layer's mains in ``inner``'s groups, keeping its state in ``inner``'s state dict (the
+    one that checkpoints read and load): each steps one layer, so layers may step on several
+    threads at once. ``relink`` after ``inner`` loads a state dict (torch replaces the dict)."""
+    out = {}
+    for key, shards in layers.items():
+        mains = {id(ms.main) for ms in shards}
+        out[key] = build([{**values, "params": [p for p in g["params"] if id(p) in mains]}
+                          for g, values in zip(inner.param_groups, hyperparameters(inner.param_groups), strict=True)])
+    relink(inner, out)
+    return out
+
+
+def relink(inner: torch.optim.Optimizer, by_layer: Dict[int, torch.optim.Optimizer]) -> None:
+    for optimizer in by_layer.values():
+        optimizer.state = inner.state
+
+
+class SerialHostStep(WrappedOptimizer):
+    """The serial host step: ``inner`` stepped after the norm on the calling thread; with
+    ``by_layer`` (``layer_optimizers``; state on NVMe, offload/nvme.py) one layer at a time in
+    forward order, so each layer's state is read while the next one's is prefetched."""
+
+    defers = frozenset()
+
+    def __init__(self, inner: torch.optim.Optimizer, by_layer: Optional[Dict[int, torch.optim.Optimizer]] = None):
+        super().__init__(inner)
+        self.by_layer = by_layer or {}
+
+    def submit(self, coeff: float) -> None:
+        """Step (the caller multiplied these gradients by ``coeff`` already)."""
+        if not self.by_layer:
+            self.inner.step()
+            return
+        hyper = hyperparameters(self.inner.param_groups)   # the groups' current rates
+        for optimizer in self.by_layer.values():
+            set_hyperparameters(optimizer, hyper)
+            optimizer.step()
+
+    def wait(self, key=None) -> None:
+        """Nothing runs after ``submit`` returns."""
+
+    def backward_done(self) -> None:
+        """Nothing waits for backward."""
+
+    def flush(self) -> None:
+        """Every update is in the weights once ``submit`` returns."""
+
+    def check_finite(self, found_inf: bool) -> None:
+        """A non-finite step is skipped before it starts."""
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.inner.load_state_dict(sd)
+        relink(self.inner, self.by_layer)
 
 
 class HostStep:
     """Steps ``inner`` (a torch optimizer over the host mains of ``layers``: forward-ordered
-    lists of ``MainShard``) one layer at a time on ``threads`` worker threads.
+    lists of ``MainShard``) one layer at a time on ``threads`` worker threads, each layer with its
+    optimizer of ``by_layer`` (``layer_optimizers``).
 
     ``param_groups`` are the groups the LR scheduler writes; the workers read private copies,
     refreshed when a step's first layer is submitted, so the next iteration's learning rate never
     reaches a step still running. ``buckets``: layer key -> the DDP buckets holding its gradients
     (needed when ``early``)."""
 
-    def __init__(self, inner: torch.optim.Optimizer, layers: Dict[int, list], threads: int = 1,
-                 early: bool = False, buckets: Optional[Dict[int, list]] = None):
-        self.inner, self.layers, self.early = inner, layers, early
+    def __init__(self, inner: torch.optim.Optimizer, by_layer: Dict[int, torch.optim.Optimizer],
+                 layers: Dict[int, list], threads: int = 1, early: bool = False,
+                 buckets: Optional[Dict[int, list]] = None):
+        self.inner, self.by_layer, self.layers, self.early = inner, by_layer, layers, early
         self.param_groups = [{k: v for k, v in g.items()} for g in inner.param_groups]
-        self.views = {key: layer_view(inner, {id(ms.main) for ms in shards}) for key, shards in layers.items()}
         self.buckets = buckets or {}
         self._layers_of_bucket: Dict[int, List[int]] = {}
         for key, held in self.buckets.items():
@@ -69,15 +152,15 @@ class HostStep:
         return self.inner.state
 
     @property
-    def param_ids(self) -> set:
+    def defers(self) -> frozenset:
         """The weights whose gradients this step reads and zeroes itself."""
-        return {id(ms.param) for shards in self.layers.values() for ms in shards}
+        return frozenset(id(ms.param) for shards in self.layers.values() for ms in shards)
 
     def _hyperparameters_to_worker(self) -> None:
-        for i, public in enumerate(self.param_groups):
-            hyper = {k: v for k, v in public.items() if k != "params"}
-            for optimizer in (self.inner, *self.views.values()):
-                optimizer.param_groups[i].update(hyper)
+        """The scheduler's rates to every layer's optimizer (none may be stepping)."""
+        hyper = hyperparameters(self.param_groups)
+        for optimizer in (self.inner, *self.by_layer.values()):
+            set_hyperparameters(optimizer, hyper)
 
     def _begin(self) -> None:
         """The first layer of a step: the last step is done, the workers take this step's rates."""
@@ -120,9 +203,10 @@ class HostStep:
             ms.grad.zero_()
 
     def _step_layer(self, key: int, coeff: float, zero: bool = True, apply: bool = True,
-                    grads: Optional[List[torch.Tensor]] = None, view: Optional[torch.optim.Optimizer] = None) -> None:
-        """Step layer ``key`` on ``grads`` (default: its shards' gradients) with ``view`` (default:
-        its own); ``apply``: round the updated mains into the weights."""
+                    grads: Optional[List[torch.Tensor]] = None, hyper: Optional[List[dict]] = None) -> None:
+        """Step layer ``key`` on ``grads`` (default: its shards' gradients), with the rates
+        ``hyper`` (default: those its optimizer holds); ``apply``: round the updated mains into the
+        weights."""
         shards: Sequence = self.layers[key]
         grads = [ms.grad for ms in shards] if grads is None else grads
         with torch.no_grad():
@@ -130,7 +214,9 @@ class HostStep:
                 torch._foreach_mul_(grads, coeff)
             for ms, grad in zip(shards, grads, strict=True):
                 ms.main.grad = grad
-            (view or self.views[key]).step()
+            if hyper is not None:
+                set_hyperparameters(self.by_layer[key], hyper)
+            self.by_layer[key].step()
             for ms, grad in zip(shards, grads, strict=True):
                 ms.main.grad = None
                 if zero:
@@ -176,5 +262,4 @@ class HostStep:
         self.wait()
         self.inner.load_state_dict(sd)
         self.param_groups = [{k: v for k, v in g.items()} for g in self.inner.param_groups]
-        self.views = {key: layer_view(self.inner, {id(ms.main) for ms in shards})
-                      for key, shards in self.layers.items()}
+        relink(self.inner, self.by_layer)

@@ -20,17 +20,18 @@ between ranks are summed over them (``shared_pieces``). Checkpoints see global t
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import nn
 
-from megatron_p2r.config import TrainConfig
+from megatron_p2r.config import OPTIMIZERS, TrainConfig
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.optim.adafactor import Piece, SharedPieces
 from megatron_p2r.optim.delayed_update import DelayedHostStep
-from megatron_p2r.optim.host_step import HostStep
+from megatron_p2r.optim.host_step import HostStep, HostStepper, SerialHostStep, layer_optimizers
 from megatron_p2r.optim.optimizer import StagedOptimizer, make_optimizer, param_groups
 from megatron_p2r.parallel.ddp import DistributedDataParallel
 from megatron_p2r.parallel.grad_buffer import DTYPES, grad_range
@@ -42,14 +43,16 @@ PLACEMENTS = ("device", "staged", "host")   # the order of their steps: the host
 
 @dataclass(frozen=True)
 class HostStepSettings:
-    """The overlapped host step (--overlap-cpu-optimizer-d2h-h2d): ``layers``: layer key -> its
-    parameters' ids, in forward order; ``threads``: --host-optimizer-threads; ``early``: each
-    layer's step starts in backward, as soon as its gradients are final (``optim/host_step.py``)."""
+    """How the host placement steps (the step plan's ``host_step``, config/step_plan.py):
+    ``how``: serial | overlapped | early | delayed; ``layers``: layer key -> its parameters' ids,
+    in forward order; ``by_layer``: a serial step goes one layer at a time (state on NVMe);
+    ``threads``: --host-optimizer-threads; ``delay_after``: the delayed step's warm-up steps."""
 
+    how: str
     layers: Dict[int, set]
+    by_layer: bool = False
     threads: int = 1
-    early: bool = False
-    delay_after: Optional[int] = None   # --cpu-offload-delayed-param-update: its warm-up steps (optim/delayed_update.py)
+    delay_after: int = 0
 
 
 @dataclass
@@ -135,39 +138,34 @@ class MixedPrecisionOptimizer:
     """``--optimizer`` over ``shards``: ``zero_grad`` before a step's backward, ``prepare_grads``
     then ``step``. Each shard joins the group (``optim.optimizer.param_groups``: weight decay or
     not) of its weight, in the optimizer of its placement. ``shared``: placement -> Adafactor's
-    shared pieces there (``shared_pieces``). ``host_step``: the overlapped host step's
-    ``HostStepSettings``."""
+    shared pieces there (``shared_pieces``). ``host_step``: how the host placement steps
+    (``HostStepSettings``; serial without). Each placement's optimizer is a typed field:
+    ``device``, ``staged`` (``StagedOptimizer``) and ``host`` (a ``HostStepper``)."""
 
     def __init__(self, shards: List[MainShard], t: TrainConfig, ddp: DistributedDataParallel,
                  before_host_step: Optional[Callable[[], None]] = None,
                  host_step: Optional[HostStepSettings] = None, shared: Optional[Dict[str, tuple]] = None):
         self.shards, self.ddp, self.before_host_step = shards, ddp, before_host_step
         self.kind = t.optimizer
-        self.inner: Dict[str, object] = {}
         groups = param_groups(ddp.model, t)
+        factored = OPTIMIZERS[t.optimizer].factored
         pieces = {id(ms.main): Piece(tuple(ms.param.shape), ms.start, ms.end) for ms in shards}
+        built: Dict[str, torch.optim.Optimizer] = {}
+        builds: Dict[str, Callable[[List[dict]], torch.optim.Optimizer]] = {}   # groups -> an optimizer there
         for placement in PLACEMENTS:
             mine = [g for g in (_group_of(g, [ms for ms in shards if ms.placement == placement]) for g in groups)
                     if g["params"]]
             channels, shared_here = (shared or {}).get(placement, ((), {}))
             if mine or channels:   # a rank sharing pieces takes part in their sums, even with none of its own
-                extra = dict(pieces=pieces, shared=shared_here, channels=channels) if t.optimizer == "adafactor" else {}
-                inner = make_optimizer(mine or [{"params": []}], t, **extra)
-                self.inner[placement] = StagedOptimizer(inner) if placement == "staged" else inner
-        if host_step is not None and "host" in self.inner:
-            layers = {key: [ms for ms in shards if ms.placement == "host" and id(ms.param) in ids]
-                      for key, ids in host_step.layers.items()}
-            buckets = {key: list({id(b): b for b in (ddp.bucket_of[id(ms.param)] for ms in held)}.values())
-                       for key, held in layers.items()}
-            if host_step.delay_after is not None:
-                self.inner["host"] = DelayedHostStep(self.inner["host"], layers, host_step.threads, buckets,
-                                                     host_step.delay_after, lambda: self.step_count,
-                                                     before_write=before_host_step)
-            else:
-                self.inner["host"] = HostStep(self.inner["host"], layers, host_step.threads, host_step.early, buckets)
-            if host_step.early:
-                ddp.reduction_started = self.inner["host"].reduction_started
-        deferred = self.inner["host"].param_ids if isinstance(self.inner.get("host"), HostStep) else set()
+                extra = dict(pieces=pieces, shared=shared_here, channels=channels) if factored else {}
+                builds[placement] = functools.partial(make_optimizer, t=t, **extra)
+                built[placement] = builds[placement](mine or [{"params": []}])
+        self.device: Optional[torch.optim.Optimizer] = built.get("device")
+        self.staged: Optional[StagedOptimizer] = StagedOptimizer(built["staged"]) if "staged" in built else None
+        self.host: Optional[HostStepper] = None
+        if "host" in built:
+            self.host = self._host_stepper(built["host"], builds["host"], host_step)
+        deferred = self.host.defers if self.host is not None else frozenset()
         self.deferred = [id(ms.param) in deferred for ms in shards]   # stepped, clipped, zeroed by the host step
         self._host_submitted = False
         self.whole_shards = {id(ms.param): ms for ms in shards if ms.whole}
@@ -176,6 +174,32 @@ class MixedPrecisionOptimizer:
             self.shards_of.setdefault(id(ms.param), []).append(ms)
         self.state = ParamStates(self)
         self.step_count = 0   # optimizer steps taken (skipped steps excluded): the state's ``step``
+
+    def _host_stepper(self, inner: torch.optim.Optimizer, build, settings: Optional[HostStepSettings]) -> HostStepper:
+        """The host placement's step as ``settings`` say (serial over ``inner`` without them);
+        an early step has the DDP report each bucket whose reduction started."""
+        if settings is None:
+            return SerialHostStep(inner)
+        layers = {key: [ms for ms in self.shards if ms.placement == "host" and id(ms.param) in ids]
+                  for key, ids in settings.layers.items()}
+        if settings.how == "serial":
+            return SerialHostStep(inner, layer_optimizers(build, inner, layers) if settings.by_layer else None)
+        by_layer = layer_optimizers(build, inner, layers)
+        buckets = {key: list({id(b): b for b in (self.ddp.bucket_of[id(ms.param)] for ms in held)}.values())
+                   for key, held in layers.items()}
+        if settings.how == "delayed":
+            return DelayedHostStep(inner, by_layer, layers, settings.threads, buckets, settings.delay_after,
+                                   lambda: self.step_count, before_write=self.before_host_step)
+        stepper = HostStep(inner, by_layer, layers, settings.threads, settings.how == "early", buckets)
+        if stepper.early:
+            self.ddp.reduction_started = stepper.reduction_started
+        return stepper
+
+    @property
+    def inner(self) -> Dict[str, object]:
+        """placement -> its optimizer (the host one: its ``HostStepper``), for reading state and groups."""
+        return {placement: o for placement, o in (("device", self.device), ("staged", self.staged),
+                                                  ("host", self.host)) if o is not None}
 
     @property
     def param_groups(self) -> list:
@@ -203,8 +227,8 @@ class MixedPrecisionOptimizer:
         for ms, deferred in zip(self.shards, self.deferred, strict=True):
             if not deferred:
                 ms.main.grad = ms.grad
-        if isinstance(self.inner.get("host"), HostStep):
-            self.inner["host"].backward_done()
+        if self.host is not None:
+            self.host.backward_done()
 
     def zero_grad(self) -> None:
         """Drop those ``.grad`` views before a step's backward: an fp32 weight that is its own
@@ -218,32 +242,32 @@ class MixedPrecisionOptimizer:
         """Weights whose gradients the last submitted host step zeroes (the DDP must not zero
         them while that step may still read them); empty when no step was submitted since."""
         submitted, self._host_submitted = self._host_submitted, False
-        return self.inner["host"].param_ids if submitted else set()
+        return set(self.host.defers) if submitted else set()
 
     def check_finite(self, found_inf: bool) -> None:
         """Before a step is skipped: refuse if its host step already started (``HostStep.check_finite``)."""
-        if isinstance(self.inner.get("host"), HostStep):
-            self.inner["host"].check_finite(found_inf)
+        if self.host is not None:
+            self.host.check_finite(found_inf)
 
     def finish_host_step(self) -> None:
         """Wait for the overlapped host step, a delayed update written into the weights (before
         reading the offloaded layers' weights or state)."""
-        if isinstance(self.inner.get("host"), HostStep):
-            self.inner["host"].flush()
+        if self.host is not None:
+            self.host.flush()
 
     def step(self, host_coeff: float = 1.0) -> None:
         """Step every placement's optimizer, round the mains into 16-bit weights, start the
         all-gather of updated shards (distributed optimizer). The overlapped host step is only
         started, its gradients multiplied by ``host_coeff`` first."""
-        for placement in PLACEMENTS:
-            if placement in self.inner:
-                if placement == "host" and self.before_host_step is not None:
-                    self.before_host_step()
-                if isinstance(self.inner[placement], HostStep):
-                    self.inner[placement].submit(host_coeff)
-                    self._host_submitted = True
-                else:
-                    self.inner[placement].step()
+        if self.device is not None:
+            self.device.step()
+        if self.staged is not None:
+            self.staged.step()
+        if self.host is not None:
+            if self.before_host_step is not None:
+                self.before_host_step()
+            self.host.submit(host_coeff)
+            self._host_submitted = True
         self.step_count += 1
         with torch.no_grad():
             for ms, deferred in zip(self.shards, self.deferred, strict=True):
@@ -279,7 +303,7 @@ def build_mixed_precision_optimizer(ddp: DistributedDataParallel, plan: Parallel
                                     grad=grad_range(p, start, end),
                                     placement=placement.get(id(p), "device"), in_norm=in_norm, buffer=b,
                                     bucket=layout.bucket_of(index), position=layout.ranges[index][0] + start))
-    shared = shared_pieces(ddp, shards, placement, ps.device) if t.optimizer == "adafactor" else None
+    shared = shared_pieces(ddp, shards, placement, ps.device) if OPTIMIZERS[t.optimizer].factored else None
     return MixedPrecisionOptimizer(shards, t, ddp, before_host_step, host_step, shared)
 
 

@@ -1,4 +1,5 @@
-"""The optimizer's parameter groups, the optimizer ``--optimizer`` names (AdamW, Lion, Adafactor),
+"""The optimizer's parameter groups, the kernel each ``--optimizer`` spec names (AdamW, Lion,
+Adafactor: ``BUILDERS``; the kinds' facts are ``config/optimizers.py``'s),
 and the wrapper that keeps its state on host for weights that stay on the device
 (``--cpu-offload-what optimizer``).
 
@@ -14,18 +15,16 @@ from typing import List
 import torch
 from torch import nn
 
-from megatron_p2r.config import TrainConfig
+from megatron_p2r.config import OPTIMIZERS, TrainConfig
 from megatron_p2r.layout.tensor_specs import OUTPUT_WEIGHT, WORD_EMBEDDING
 from megatron_p2r.optim.adafactor import Adafactor
 from megatron_p2r.optim.lion import Lion
 from megatron_p2r.optim.precision_aware import PrecisionAwareAdamW, moment_dtypes
 from megatron_p2r.parallel.sharding import logical_name
 
-# The state entries each --optimizer writes into checkpoints (``optimizer.<kind>.<piece>``):
-# Lion's one moment is AdamW's first; Adafactor's row and column statistics are stored broadcast
-# to the weight's shape (optim/adafactor.py). AdamW's are also those of checkpoints that list none.
-OPTIMIZER_KINDS = {"adam": ("exp_avg", "exp_avg_sq", "step"), "lion": ("exp_avg", "step"),
-                   "adafactor": ("row_var", "col_var", "step")}
+# The state entries each --optimizer writes into checkpoints (``optimizer.<kind>.<piece>``), from
+# its spec (config/optimizers.py). AdamW's are also those of checkpoints that list none.
+OPTIMIZER_KINDS = {name: spec.checkpoint_entries for name, spec in OPTIMIZERS.items()}
 
 
 def param_groups(model: nn.Module, t: TrainConfig) -> list:
@@ -43,14 +42,18 @@ def param_groups(model: nn.Module, t: TrainConfig) -> list:
 
 
 def make_optimizer(groups: List[dict], t: TrainConfig, **adafactor) -> torch.optim.Optimizer:
-    """``--optimizer`` over ``groups``: Lion, Adafactor (``adafactor``: the pieces and shared
-    pieces of its mains, ``optim/adafactor.py``) or AdamW."""
-    if t.optimizer == "lion":
-        return Lion(groups, lr=t.lr, betas=(t.lion_beta1, t.lion_beta2), moment_dtype=moment_dtypes(t)["exp_avg"])
-    if t.optimizer == "adafactor":
-        return Adafactor(groups, lr=t.lr, beta2_decay=t.adafactor_beta2_decay, eps=(None, t.adafactor_eps2),
-                         d=t.adafactor_clip_threshold, **adafactor)
-    return adamw(groups, t)
+    """``--optimizer`` over ``groups`` (``BUILDERS``); ``adafactor``: the pieces and shared pieces
+    of its mains (``optim/adafactor.py``), for a factored kind."""
+    return BUILDERS[t.optimizer](groups, t, **adafactor)
+
+
+def lion(groups: List[dict], t: TrainConfig) -> Lion:
+    return Lion(groups, lr=t.lr, betas=(t.lion_beta1, t.lion_beta2), moment_dtype=moment_dtypes(t)["exp_avg"])
+
+
+def adafactor(groups: List[dict], t: TrainConfig, **pieces) -> Adafactor:
+    return Adafactor(groups, lr=t.lr, beta2_decay=t.adafactor_beta2_decay, eps=(None, t.adafactor_eps2),
+                     d=t.adafactor_clip_threshold, **pieces)
 
 
 def adamw(groups: List[dict], t: TrainConfig) -> torch.optim.AdamW:
@@ -65,6 +68,10 @@ def adamw(groups: List[dict], t: TrainConfig) -> torch.optim.AdamW:
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     except (RuntimeError, TypeError):
         return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+# The kernel of each spec of config/optimizers.py, built from the config.
+BUILDERS = {"adam": adamw, "lion": lion, "adafactor": adafactor}
 
 
 class WrappedOptimizer:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
+from megatron_p2r.config import OPTIMIZERS
+
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def kernel_bytes_per_element(optimizer: str, main: str, grad: str, moments: Mapping[str, str],
                              weight: Optional[str]) -> int:
-    """Bytes moved per element by one step of ``optimizer`` ("adam" | "lion" | "adafactor").
+    """Bytes moved per element by one step of ``optimizer`` (a kind of config/optimizers.py: an
+    elementwise one moves its moments, a factored one makes three passes).
 
     ``main``: the main parameter's dtype (read and written); ``grad``: the gradient's (read);
     ``moments``: moment name -> dtype (each read and written; AdamW's ``exp_avg`` and
@@ -27,10 +30,10 @@ def kernel_bytes_per_element(optimizer: str, main: str, grad: str, moments: Mapp
     (reads gradient and main), the update's sum of squares for clipping (reads the gradient), and
     the update (reads gradient and main, writes main).
     """
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
     m, g = BYTES[main], BYTES[grad]
     w = BYTES[weight] if weight is not None else 0
-    if optimizer == "adafactor":
+    if OPTIMIZERS[optimizer].factored:
         return 3 * g + 3 * m + w
-    if optimizer not in ("adam", "lion"):
-        raise ValueError(f"unknown optimizer {optimizer!r}: expected adam, lion or adafactor")
     return 2 * m + g + sum(2 * BYTES[d] for d in moments.values()) + w

@@ -35,6 +35,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from megatron_p2r.config import ConfigError
+from megatron_p2r.config.optimizers import GRADIENT_POWER
 from megatron_p2r.parallel.sharding import draw
 
 OPTIMIZER_STATE_MODES = ("copy", "rescale", "reset")
@@ -84,11 +85,10 @@ def delink_moment(kind: str, tensor: torch.Tensor, source_uses: int, target_uses
         raise ValueError(f"delink_moment: mode must be copy or rescale, got {mode!r}")
     if mode == "copy" or kind == "step" or source_uses == target_uses:
         return tensor
-    if kind == "exp_avg":
-        return tensor * target_uses / source_uses
-    if kind in ("exp_avg_sq", "row_var", "col_var"):
-        return tensor * (target_uses * target_uses) / (source_uses * source_uses)
-    raise ValueError(f"unknown optimizer state {kind!r}")
+    if kind not in GRADIENT_POWER:
+        raise ValueError(f"unknown optimizer state {kind!r}")
+    power = GRADIENT_POWER[kind]   # the optimizer specs' (config/optimizers.py)
+    return tensor * target_uses ** power / source_uses ** power
 
 
 def add_noise(tensor: torch.Tensor, target_key: str, std: float, seed: int, relative: bool = False) -> torch.Tensor:

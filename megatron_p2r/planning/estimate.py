@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_p2r.config import Config, ConfigError, global_batch_size, host_step_starts_in_backward, num_microbatches
+from megatron_p2r.config import Config, ConfigError, build_step_plan, global_batch_size, num_microbatches
 from megatron_p2r.config.schedule import COMBINED
 from megatron_p2r.layout import offload as offload_choice
 from megatron_p2r.layout.plan import ParallelPlan
@@ -183,7 +183,7 @@ def overlapped_optimizer_time(device_step: float, host_step: float, layer_keys: 
 
     The host steps the offloaded layers one after another (``host_step`` split evenly: host
     memory bandwidth is the limit, however many threads share it), after the norm in forward
-    order, or with ``early`` (``config.host_step_starts_in_backward``) each as soon as the last
+    order, or with ``early`` (``StepPlan.host_step``: config/step_plan.py) each as soon as the last
     micro-batch's backward has produced its gradients: in backward order, a layer's backward
     taking two ``layer_forward`` (three when recomputed: the offloaded layers). Meanwhile the
     resident step runs on the device, then the forward, one ``layer_forward`` per layer, reaches
@@ -228,13 +228,13 @@ def _overlapped_optimizer(cfg: Config, plan: ParallelPlan, stage: int, off: dict
     keys, recomputed = plan.stage(stage).layer_keys, off["recomputed"]
     layer_forward = microbatch / (3 * len(keys) + len(recomputed))
     times: Dict[str, float] = {}
-    if cfg.offload.cpu_offload_delayed_param_update:
+    how = build_step_plan(cfg).host_step(keys)
+    if how == "delayed":
         write = (off["host"]["params"] + plan.buffers.main_bytes * off["host_optimizer_params"]) / a.host_optimizer_bw
         opt = delayed_update_time(device_step, host_step, write, window, keys, recomputed, layer_forward)
         times["host_optimizer_delayed_write"] = write
     else:
-        opt = overlapped_optimizer_time(device_step, host_step, keys, recomputed, layer_forward,
-                                        early=host_step_starts_in_backward(cfg.train, keys))
+        opt = overlapped_optimizer_time(device_step, host_step, keys, recomputed, layer_forward, early=how == "early")
     times["host_optimizer_hidden"] = max(device_step, host_step) - opt
     return opt, times
 
@@ -287,7 +287,7 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
         host_step, off["nvme"], len(off["modules"]), a.nvme.bw)} if off["nvme"] else {}
     host_step = times.get("host_optimizer_from_nvme", host_step)
     opt = max(device_step, host_step)
-    if cfg.offload.overlap_cpu_optimizer_d2h_h2d and off["recomputed"]:
+    if build_step_plan(cfg).overlapped and off["recomputed"]:
         opt, overlap_times = _overlapped_optimizer(cfg, plan, stage, off, (device_step, host_step),
                                                    compute + tp_t + ep_exposed, mbs * mb_time, a)
         times.update(overlap_times)

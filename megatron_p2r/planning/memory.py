@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from megatron_p2r.config import Config, parse_offload_what
+from megatron_p2r.config import Config, build_step_plan, parse_offload_what
 from megatron_p2r.layout.offload import (CATEGORIES, add_bytes, delayed_grads_bytes, memory_plan,
                                          nvme_split)
 from megatron_p2r.layout.plan import ParallelPlan
@@ -78,9 +78,10 @@ def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, objec
     stepped = sum(stepped_elements(per_module[k]) for k in chosen)
     on_host = "params" in what
     host, nvme = placed["host"], 0
-    if o.cpu_offload_optimizer_nvme_path is not None:
+    steps = build_step_plan(cfg)
+    if steps.nvme_path is not None:
         host, nvme = nvme_split(host, per_module, chosen)
-    if o.cpu_offload_delayed_param_update and on_host and chosen:
+    if steps.delayed and chosen:
         host = {**host, "grads_delayed": delayed_grads_bytes(per_module, chosen)}
     return {"modules": chosen, "layers": layers, "device": placed["device"], "host": host, "nvme": nvme,
             "what": ",".join(sorted(what)), "recomputed": chosen if on_host else [],

@@ -29,7 +29,8 @@ def _train(ps: ParallelState, overlap: bool, steps: int = 3, slow: float = 0.0, 
     ``pause``: the main thread waits that long after backward, so the early steps are done before
     the gradient norm reads the gradients they stepped on; ``slow``: each layer's step takes that
     much longer."""
-    cfg = tiny_config(**{**BASE, **kw}, overlap_cpu_optimizer_d2h_h2d=overlap)
+    serial = {} if overlap else dict(host_optimizer_threads=1)   # threads are the overlapped step's (refused without)
+    cfg = tiny_config(**{**BASE, **kw, **serial}, overlap_cpu_optimizer_d2h_h2d=overlap)
     seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, ps.device)
     started, outs = [], []
     real_finish, real_step = ddp_module.DistributedDataParallel.finish_grad_sync, HostStep._step_layer
@@ -137,7 +138,7 @@ def test_threads_need_the_overlap():
 
 
 def test_resume_is_bitwise(tmp_path):
-    """3 steps straight, or 2, save, load into a fresh run (the layer views of the loaded state) and 1 more."""
+    """3 steps straight, or 2, save, load into a fresh run (the layer optimizers over the loaded state) and 1 more."""
     from megatron_p2r.checkpoint.io import save_checkpoint
     cfg = tiny_config(**BASE, bf16=True, overlap_cpu_optimizer_d2h_h2d=True, host_optimizer_threads=2)
     ps = ParallelState.single()
