@@ -3,11 +3,11 @@ fits, and days for a token budget (``tools/plan.py`` prints it)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_p2r.config import Config, ConfigError, global_batch_size, host_step_starts_in_backward, num_microbatches
-from megatron_p2r.layout import offload as offload_choice
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Layout
 from megatron_p2r.metrics import model_flops_per_token
@@ -15,29 +15,20 @@ from megatron_p2r.pipeline.order import combined_step_slots, combined_warmup, st
 from megatron_p2r.planning.activations import activation_memory, recomputed_positions, with_recompute
 from megatron_p2r.planning.checkpoint_cost import FS_WRITE_BW, Bandwidths, checkpoint_cost
 from megatron_p2r.planning.communication import communication
-from megatron_p2r.planning.hardware import NVME_PRESETS, GiB, GPUSpec, NvmeSpec
+from megatron_p2r.planning.hardware import GPU_HOSTS, HOST_PRESETS, NVME_PRESETS, GiB, GPUSpec, HostSpec, NvmeSpec
+from megatron_p2r.planning.host_step import host_bandwidth, setting_bytes, step_setting, threads_per_rank
 from megatron_p2r.planning.memory import (async_save_host_bytes, expert_parameter_count, logical_parameter_count,
                                           offload_plan, stage_state_bytes, stepped_elements)
 from megatron_p2r.planning.timing import link_time, stage_flops_per_microbatch
 from megatron_p2r.planning.verdict import TierVerdict, gpu_tier, host_problem, host_tier, node_tier, nvme_problem
 
-# What an optimizer step streams per element: AdamW reads the main, gradient and 2 moments and
-# writes the main and moments (28 B); Lion does so with one moment (20 B); Adafactor reads the
-# gradient and main twice (statistics, then update), writes the main and makes and reads an
-# fp32 update (28 B; its statistics are per row and column, negligible)
-STEP_BYTES = {"adam": 28, "lion": 20, "adafactor": 28}
 DEVICE_ORDER = ("reserve", "params", "optimizer", "grads", "fetch_window", "activations", "transient")
 
 
 def step_bytes_per_element(cfg: Config, plan: ParallelPlan) -> int:
-    """Bytes an optimizer step streams per stepped element: STEP_BYTES; 12 more per 16-bit moment
-    or 16-bit main parameter (its upcast into fp32 scratch and the rounding back:
-    optim/precision_aware.py; benchmarks/precision_aware_step.py), 6 more for a 16-bit main
-    gradient (upcast only), 2 more writing a 16-bit weight that is not itself the main."""
-    b = plan.buffers
-    sixteen_bit = sum(offload_choice.DTYPE_BYTES[d] == 2 for d in cfg.train.moment_dtypes) + (b.main_bytes == 2)
-    return STEP_BYTES[cfg.train.optimizer] + 12 * sixteen_bit + 6 * (b.grad_bytes == 2) + \
-        (b.param_bytes if b.master_bytes else 0)
+    """Bytes an optimizer step streams per stepped element, on the device as on the host: what
+    its kernel moves (``optim/traffic.py``) for ``cfg``'s optimizer and dtypes."""
+    return setting_bytes(step_setting(cfg, plan))
 
 
 @dataclass
@@ -59,6 +50,7 @@ class StageEstimate:
     fits: bool = True
     overflow: Optional[str] = None
     nvme: int = 0   # bytes of optimizer state on local NVMe (--cpu-offload-optimizer-nvme-path)
+    host_step: Optional[dict] = None   # the host step's bandwidth and its inputs (planning/host_step.py)
 
 
 @dataclass
@@ -87,16 +79,19 @@ class Plan:
     problems: List[str]
     checkpoint: Optional[dict] = None   # planning/checkpoint_cost.py
     nvme: Optional[dict] = None         # the node's local NVMe (per_node, bw) with --cpu-offload-optimizer-nvme-path
+    warnings: List[str] = dataclasses.field(default_factory=list)   # what does not stop it, but costs time
 
     def to_dict(self) -> dict:
-        """As a dict; ``nvme`` (the plan's, a stage's) only when something is on NVMe (the JSON
-        without the flag is what it was)."""
+        """As a dict; ``nvme`` (the plan's, a stage's) only when something is on NVMe, a stage's
+        ``host_step`` only when it steps on host, ``warnings`` only when there are some."""
         out = dataclasses.asdict(self)
-        if out["nvme"] is None:
-            del out["nvme"]
+        for key in ("nvme", "warnings"):
+            if not out[key]:
+                del out[key]
         for stage in out["stages"]:
-            if not stage["nvme"]:
-                del stage["nvme"]
+            for key in ("nvme", "host_step"):
+                if not stage[key]:
+                    del stage[key]
         return out
 
 
@@ -111,8 +106,9 @@ class Assumptions:
     """What the estimate assumes beyond the config: see ``make_plan``."""
 
     gpu: GPUSpec
+    host: HostSpec
     efficiency: float = 0.4
-    host_optimizer_bw: float = 10e9
+    host_optimizer_bw: Optional[float] = None   # --host-optimizer-bw: replaces the host model's bandwidth
     reserve: int = GiB
     nvme: Optional[NvmeSpec] = None
 
@@ -219,22 +215,27 @@ def delayed_update_time(device_step: float, host_step: float, write: float, wind
 
 
 def _overlapped_optimizer(cfg: Config, plan: ParallelPlan, stage: int, off: dict, steps: Tuple[float, float],
-                          microbatch: float, window: float, a: Assumptions) -> Tuple[float, Dict[str, float]]:
+                          microbatch: float, window: float, bw: float) -> Tuple[float, Dict[str, float]]:
     """(the optimizer's share of a step, its named parts) with --overlap-cpu-optimizer-d2h-h2d:
     ``steps``: the device and host steps' times; ``microbatch``: a micro-batch's forward and
-    backward; ``window``: the stage's compute in an iteration."""
+    backward; ``window``: the stage's compute in an iteration; ``bw``: the host step's bytes/s.
+    ``host_optimizer_hidden`` is what the variant saves against the serial step, never negative:
+    where the delayed update costs more than the undelayed overlapped step, the difference is
+    ``host_optimizer_variant_cost`` (a plan warning)."""
     device_step, host_step = steps
     keys, recomputed = plan.stage(stage).layer_keys, off["recomputed"]
     layer_forward = microbatch / (3 * len(keys) + len(recomputed))
     times: Dict[str, float] = {}
+    undelayed = overlapped_optimizer_time(device_step, host_step, keys, recomputed, layer_forward,
+                                          early=host_step_starts_in_backward(cfg.train, keys))
+    opt = undelayed
     if cfg.offload.cpu_offload_delayed_param_update:
-        write = (off["host"]["params"] + plan.buffers.main_bytes * off["host_optimizer_params"]) / a.host_optimizer_bw
+        write = (off["host"]["params"] + plan.buffers.main_bytes * off["host_optimizer_params"]) / bw
         opt = delayed_update_time(device_step, host_step, write, window, keys, recomputed, layer_forward)
         times["host_optimizer_delayed_write"] = write
-    else:
-        opt = overlapped_optimizer_time(device_step, host_step, keys, recomputed, layer_forward,
-                                        early=host_step_starts_in_backward(cfg.train, keys))
-    times["host_optimizer_hidden"] = max(device_step, host_step) - opt
+        if opt > undelayed:
+            times["host_optimizer_variant_cost"] = opt - undelayed
+    times["host_optimizer_hidden"] = max(max(device_step, host_step) - opt, 0.0)
     return opt, times
 
 
@@ -280,14 +281,20 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     stepped = stepped_elements(state)
     save_copy = async_save_host_bytes(cfg, plan, state)
     device_step = per_element * (stepped - hosted) / gpu.hbm_bw
-    host_step = per_element * hosted / a.host_optimizer_bw + off["moved_per_step"] / gpu.host_bw
-    times = {"host_optimizer_from_ram": host_step, "host_optimizer_from_nvme": nvme_step_time(
-        host_step, off["nvme"], len(off["modules"]), a.nvme.bw)} if off["nvme"] else {}
+    host_step, times, host = off["moved_per_step"] / gpu.host_bw, {}, None
+    if hosted:
+        host = _host_bandwidth(cfg, plan, off, per_element * hosted, mbs, a)
+        host_step += per_element * hosted / host["bw"]
+        times["host_optimizer_step"] = host_step
+    if off["nvme"]:
+        times.update(host_optimizer_from_ram=host_step, host_optimizer_from_nvme=nvme_step_time(
+            host_step, off["nvme"], len(off["modules"]), a.nvme.bw))
     host_step = times.get("host_optimizer_from_nvme", host_step)
     opt = max(device_step, host_step)
     if cfg.offload.overlap_cpu_optimizer_d2h_h2d and off["recomputed"]:
         opt, overlap_times = _overlapped_optimizer(cfg, plan, stage, off, (device_step, host_step),
-                                                   compute + tp_t + ep_exposed, mbs * mb_time, a)
+                                                   compute + tp_t + ep_exposed, mbs * mb_time,
+                                                   host["bw"] if host else math.inf)
         times.update(overlap_times)
     est = StageEstimate(
         stage=stage, ranks=_rank_ranges(layout, stage), parameters=sum(s.numel for s in specs),
@@ -302,8 +309,19 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
                 "grad_sync": sync, "optimizer": opt, **times,
                 **({"pp_hidden_per_microbatch": pp_t - pp_exposed} if overlap_p2p else {}),
                 **({"ep_hidden_per_microbatch": ep_t - ep_exposed} if overlap_ep else {})},
-        device_total=sum(device.values()), fits=overflow is None, overflow=overflow, nvme=off["nvme"])
+        device_total=sum(device.values()), fits=overflow is None, overflow=overflow, nvme=off["nvme"],
+        host_step=host)
     return est, mb_time
+
+
+def _host_bandwidth(cfg: Config, plan: ParallelPlan, off: dict, step_bytes: int, mbs: int, a: Assumptions) -> dict:
+    """``host_step.host_bandwidth`` for a stage's host step: the DRAM also carries the stage's
+    fetches and copies of the iteration and its NVMe reads and writes."""
+    ranks = a.gpu.gpus_per_node
+    other = off["moved_per_microbatch"] * mbs + off["moved_per_step"] + 2 * off["nvme"]
+    return host_bandwidth(step_setting(cfg, plan), a.host, threads_per_rank(cfg.offload.host_optimizer_threads, a.host,
+                                                                            ranks),
+                          ranks, step_bytes, other, a.host_optimizer_bw)
 
 
 def _overflow_problem(est: StageEstimate, layout: Layout, gpu: GPUSpec) -> str:
@@ -314,13 +332,15 @@ def _overflow_problem(est: StageEstimate, layout: Layout, gpu: GPUSpec) -> str:
 
 
 def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float = 0.4,
-              host_optimizer_bw: float = 10e9, token_budget: Optional[float] = None,
-              reserve: int = GiB, fs_write_bw: float = FS_WRITE_BW,
+              host: Optional[HostSpec] = None, host_optimizer_bw: Optional[float] = None,
+              token_budget: Optional[float] = None, reserve: int = GiB, fs_write_bw: float = FS_WRITE_BW,
               fs_node_write_bw: Optional[float] = None, nvme: Optional[NvmeSpec] = None) -> Plan:
     """Plan every rank of ``cfg`` on ``world_size`` GPUs of kind ``gpu``.
 
-    ``efficiency``: fraction of the GPU's peak FLOP/s the matmuls reach; ``host_optimizer_bw``:
-    bytes/s of host memory one GPU's host-side AdamW streams (28 B per parameter);
+    ``efficiency``: fraction of the GPU's peak FLOP/s the matmuls reach; ``host``: the node's
+    CPUs and DRAM for the host optimizer step (default: ``gpu``'s preset's node,
+    ``hardware.GPU_HOSTS``; ``host_step.load_calibration`` for a measured host);
+    ``host_optimizer_bw``: bytes/s one GPU's host step streams, replacing the host model;
     ``reserve``: CUDA context, NCCL buffers and allocator slack per GPU. Host memory is
     ``gpu``'s node's (``GPUSpec.with_node`` overrides it). ``fs_write_bw`` / ``fs_node_write_bw``:
     the filesystem's write bytes/s, aggregate and per node (default: the node's network).
@@ -328,7 +348,8 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
     """
     plan = ParallelPlan.for_world(cfg, world_size)
     layout, m = plan.layout, cfg.model
-    a = Assumptions(gpu=gpu, efficiency=efficiency, host_optimizer_bw=host_optimizer_bw, reserve=reserve,
+    a = Assumptions(gpu=gpu, host=host or HOST_PRESETS[GPU_HOSTS[gpu.name]], efficiency=efficiency,
+                    host_optimizer_bw=host_optimizer_bw, reserve=reserve,
                     nvme=nvme or NVME_PRESETS.get(gpu.name))
     if cfg.offload.cpu_offload_optimizer_nvme_path is not None and a.nvme is None:
         raise ConfigError(f"--cpu-offload-optimizer-nvme-path: no NVMe figures for {gpu.name}: give --nvme-per-node "
@@ -338,6 +359,10 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
     estimates = [_stage_estimate(cfg, plan, stage, a, peak) for stage in range(layout.pp)]
     stages = [est for est, _ in estimates]
     problems += [_overflow_problem(est, layout, gpu) for est in stages if est.overflow]
+    warnings = [f"stage {est.stage}: --cpu-offload-delayed-param-update makes the optimizer step "
+                f"{est.time_s['host_optimizer_variant_cost']:.3g} s slower than the undelayed overlapped step "
+                f"(the host step, {est.time_s['host_optimizer_step']:.3g} s, and the weight write do not fit under "
+                f"the iteration's compute): leave it off" for est in stages if "host_optimizer_variant_cost" in est.time_s]
     mbs, gbs = num_microbatches(cfg, world_size), global_batch_size(cfg, world_size)
     schedule = cfg.parallel.pipeline_schedule if layout.pp > 1 else "1f1b"
     if cfg.parallel.overlap_moe_expert_parallel_comm:
@@ -371,4 +396,4 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
                 fits=all(t.fits for t in tiers.values()), problems=problems,
                 checkpoint=checkpoint_cost(cfg, layout, gpu.gpus_per_node, Bandwidths(
                     fs_write=fs_write_bw, fs_node_write=fs_node_write_bw or gpu.inter_node_bw * gpu.gpus_per_node,
-                    host=gpu.host_bw)), nvme=on_nvme)
+                    host=gpu.host_bw)), nvme=on_nvme, warnings=warnings)
