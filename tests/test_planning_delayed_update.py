@@ -47,9 +47,9 @@ def test_10t_real_lean_fits_192gib_with_r_below_1_3(capsys):
     assert d["fits"] and d["tiers"]["host"]["fits"] and "warnings" not in d
     t = d["stages"][0]["time_s"]
     window = d["microbatches"] * (t["compute_per_microbatch"] + t["ep_per_microbatch"])
-    assert t["host_optimizer_step"] == u["stages"][0]["time_s"]["host_optimizer_step"]
+    assert t["host_optimizer_step"] > u["stages"][0]["time_s"]["host_optimizer_step"]   # beside all the copies
     excess = t["host_optimizer_delayed_write"] + t["host_optimizer_step"] - window
-    assert 0 < excess < t["optimizer"] < u["stages"][0]["time_s"]["optimizer"] / 2
+    assert 0 < excess < t["optimizer"] < u["stages"][0]["time_s"]["optimizer"]
     assert t["host_optimizer_hidden"] == pytest.approx(t["host_optimizer_step"] - t["optimizer"])
     assert delayed["p2r"]["r"] < 1.3 < undelayed["p2r"]["r"]
     assert {k: v for k, v in d["step_breakdown_s"].items() if k != "optimizer"} == \

@@ -432,10 +432,11 @@ def _host_step_lines(pl: Plan) -> List[str]:
         return []
     st = max(stages, key=lambda st: st.time_s["host_optimizer_step"])
     h = st.host_step
+    name = "host step from RAM" if "host_optimizer_from_nvme" in st.time_s else "host step"
     if h["limit"].startswith("given"):
-        return [f"   host step (stage {st.stage}): {st.time_s['host_optimizer_step']:.2f} s, {h['bytes_per_element']} B per "
+        return [f"   {name} (stage {st.stage}): {st.time_s['host_optimizer_step']:.2f} s, {h['bytes_per_element']} B per "
                 f"element ({h['setting']}) at {h['bw'] / 1e9:.3g} GB/s per GPU ({h['limit']})"]
-    return [f"   host step (stage {st.stage}): {st.time_s['host_optimizer_step']:.2f} s, {h['bytes_per_element']} B per "
+    return [f"   {name} (stage {st.stage}): {st.time_s['host_optimizer_step']:.2f} s, {h['bytes_per_element']} B per "
             f"element ({h['setting']}) at {h['bw'] / 1e9:.3g} GB/s per GPU = min({h['threads']:g} threads x "
             f"{h['thread_bw'] / 1e9:.3g} GB/s, DRAM {h['dram_bw'] / 1e9:.4g} GB/s / {h['ranks_per_node']} GPUs shared "
             f"with {h['other_dram_bytes'] / 1e9:.4g} GB of offload copies and NVMe traffic = "

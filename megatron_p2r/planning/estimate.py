@@ -51,6 +51,7 @@ class StageEstimate:
     overflow: Optional[str] = None
     nvme: int = 0   # bytes of optimizer state on local NVMe (--cpu-offload-optimizer-nvme-path)
     host_step: Optional[dict] = None   # the host step's bandwidth and its inputs (planning/host_step.py)
+    warning: Optional[str] = None      # a host-step variant that makes the step slower
 
 
 @dataclass
@@ -89,7 +90,7 @@ class Plan:
             if not out[key]:
                 del out[key]
         for stage in out["stages"]:
-            for key in ("nvme", "host_step"):
+            for key in ("nvme", "host_step", "warning"):
                 if not stage[key]:
                     del stage[key]
         return out
@@ -214,27 +215,23 @@ def delayed_update_time(device_step: float, host_step: float, write: float, wind
     return excess + overlapped_optimizer_time(device_step, write, layer_keys, offloaded, layer_forward)
 
 
-def _overlapped_optimizer(cfg: Config, plan: ParallelPlan, stage: int, off: dict, steps: Tuple[float, float],
-                          microbatch: float, window: float, bw: float) -> Tuple[float, Dict[str, float]]:
+def _overlapped_optimizer(plan: ParallelPlan, stage: int, off: dict, steps: Tuple[float, float], microbatch: float,
+                          window: float, bw: float, early: bool, delayed: bool) -> Tuple[float, Dict[str, float]]:
     """(the optimizer's share of a step, its named parts) with --overlap-cpu-optimizer-d2h-h2d:
     ``steps``: the device and host steps' times; ``microbatch``: a micro-batch's forward and
-    backward; ``window``: the stage's compute in an iteration; ``bw``: the host step's bytes/s.
-    ``host_optimizer_hidden`` is what the variant saves against the serial step, never negative:
-    where the delayed update costs more than the undelayed overlapped step, the difference is
-    ``host_optimizer_variant_cost`` (a plan warning)."""
+    backward; ``window``: the stage's compute in an iteration; ``bw``: the host step's bytes/s;
+    ``early``: the host step starts in backward; ``delayed``: --cpu-offload-delayed-param-update.
+    ``host_optimizer_hidden``: what it hides of its host step, never negative."""
     device_step, host_step = steps
     keys, recomputed = plan.stage(stage).layer_keys, off["recomputed"]
     layer_forward = microbatch / (3 * len(keys) + len(recomputed))
     times: Dict[str, float] = {}
-    undelayed = overlapped_optimizer_time(device_step, host_step, keys, recomputed, layer_forward,
-                                          early=host_step_starts_in_backward(cfg.train, keys))
-    opt = undelayed
-    if cfg.offload.cpu_offload_delayed_param_update:
+    if delayed:
         write = (off["host"]["params"] + plan.buffers.main_bytes * off["host_optimizer_params"]) / bw
         opt = delayed_update_time(device_step, host_step, write, window, keys, recomputed, layer_forward)
         times["host_optimizer_delayed_write"] = write
-        if opt > undelayed:
-            times["host_optimizer_variant_cost"] = opt - undelayed
+    else:
+        opt = overlapped_optimizer_time(device_step, host_step, keys, recomputed, layer_forward, early=early)
     times["host_optimizer_hidden"] = max(max(device_step, host_step) - opt, 0.0)
     return opt, times
 
@@ -281,21 +278,8 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     stepped = stepped_elements(state)
     save_copy = async_save_host_bytes(cfg, plan, state)
     device_step = per_element * (stepped - hosted) / gpu.hbm_bw
-    host_step, times, host = off["moved_per_step"] / gpu.host_bw, {}, None
-    if hosted:
-        host = _host_bandwidth(cfg, plan, off, per_element * hosted, mbs, a)
-        host_step += per_element * hosted / host["bw"]
-        times["host_optimizer_step"] = host_step
-    if off["nvme"]:
-        times.update(host_optimizer_from_ram=host_step, host_optimizer_from_nvme=nvme_step_time(
-            host_step, off["nvme"], len(off["modules"]), a.nvme.bw))
-    host_step = times.get("host_optimizer_from_nvme", host_step)
-    opt = max(device_step, host_step)
-    if cfg.offload.overlap_cpu_optimizer_d2h_h2d and off["recomputed"]:
-        opt, overlap_times = _overlapped_optimizer(cfg, plan, stage, off, (device_step, host_step),
-                                                   compute + tp_t + ep_exposed, mbs * mb_time,
-                                                   host["bw"] if host else math.inf)
-        times.update(overlap_times)
+    opt, times, host, warning = _optimizer_time(cfg, plan, stage, off, a, (device_step, per_element * hosted),
+                                                (mbs, compute + tp_t + ep_exposed, mbs * mb_time))
     est = StageEstimate(
         stage=stage, ranks=_rank_ranges(layout, stage), parameters=sum(s.numel for s in specs),
         tensors=len(specs), device=device,
@@ -310,15 +294,68 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
                 **({"pp_hidden_per_microbatch": pp_t - pp_exposed} if overlap_p2p else {}),
                 **({"ep_hidden_per_microbatch": ep_t - ep_exposed} if overlap_ep else {})},
         device_total=sum(device.values()), fits=overflow is None, overflow=overflow, nvme=off["nvme"],
-        host_step=host)
+        host_step=host, warning=warning)
     return est, mb_time
 
 
-def _host_bandwidth(cfg: Config, plan: ParallelPlan, off: dict, step_bytes: int, mbs: int, a: Assumptions) -> dict:
-    """``host_step.host_bandwidth`` for a stage's host step: the DRAM also carries the stage's
-    fetches and copies of the iteration and its NVMe reads and writes."""
+def _optimizer_time(cfg: Config, plan: ParallelPlan, stage: int, off: dict, a: Assumptions,
+                    work: Tuple[float, float], timing: Tuple[int, float, float]):
+    """(the optimizer's share of a step, its named times, the host step's bandwidth and inputs,
+    a warning or None). ``work``: the device step's seconds and the host step's bytes;
+    ``timing``: micro-batches, a micro-batch's compute, the iteration's compute. The host step
+    shares the DRAM with what runs beside it: a serial step with nothing of the offload copies,
+    an overlapped one with the next forward's fetches, a delayed one with the whole iteration's
+    copies (and each with its NVMe traffic). Where the overlap or the delay makes the step
+    slower than the variant without it, the warning says so (``host_optimizer_variant_cost``)."""
+    (device_step, step_bytes), (mbs, microbatch, window) = work, timing
+    o = cfg.offload
+    overlap = bool(o.overlap_cpu_optimizer_d2h_h2d and off["recomputed"])
+    delayed = overlap and o.cpu_offload_delayed_param_update
+    keys = plan.stage(stage).layer_keys
+    early = host_step_starts_in_backward(cfg.train, keys)
+    iteration = off["moved_per_microbatch"] * mbs + off["moved_per_step"]
+    copies = {"serial": 0, "overlapped": off["host"].get("params", 0) + off["moved_per_step"], "delayed": iteration}
+
+    def host_time(variant: str):
+        host, t = None, off["moved_per_step"] / a.gpu.host_bw
+        if step_bytes:
+            host = _host_bandwidth(cfg, plan, off, step_bytes, copies[variant], a)
+            t += step_bytes / host["bw"]
+        times = {"host_optimizer_step": t} if step_bytes else {}
+        if off["nvme"]:
+            times.update(host_optimizer_from_ram=t, host_optimizer_from_nvme=nvme_step_time(
+                t, off["nvme"], len(off["modules"]), a.nvme.bw))
+        return times.get("host_optimizer_from_nvme", t), times, host
+
+    def optimizer(variant: str):
+        host_step, times, host = host_time(variant)
+        if variant == "serial":
+            return max(device_step, host_step), times, host
+        opt, more = _overlapped_optimizer(plan, stage, off, (device_step, host_step), microbatch, window,
+                                          host["bw"] if host else math.inf, early, variant == "delayed")
+        return opt, {**times, **more}, host
+
+    variant = "delayed" if delayed else "overlapped" if overlap else "serial"
+    opt, times, host = optimizer(variant)
+    if variant == "serial":
+        return opt, times, host, None
+    without = "overlapped" if delayed else "serial"
+    cost = opt - optimizer(without)[0]
+    if cost <= 0:
+        return opt, times, host, None
+    times["host_optimizer_variant_cost"] = cost
+    flag = "--cpu-offload-delayed-param-update" if delayed else "--overlap-cpu-optimizer-d2h-h2d"
+    return opt, times, host, (f"stage {stage}: {flag} makes the optimizer step {cost:.3g} s slower than the "
+                              f"{'undelayed overlapped' if delayed else 'serial'} step (the host step shares the "
+                              f"DRAM with the offload copies beside it, or outlasts the iteration): leave it off")
+
+
+def _host_bandwidth(cfg: Config, plan: ParallelPlan, off: dict, step_bytes: float, copies: float,
+                    a: Assumptions) -> dict:
+    """``host_step.host_bandwidth`` for a stage's host step beside ``copies`` bytes of offload
+    copies and its NVMe reads and writes."""
     ranks = a.gpu.gpus_per_node
-    other = off["moved_per_microbatch"] * mbs + off["moved_per_step"] + 2 * off["nvme"]
+    other = copies + 2 * off["nvme"]
     return host_bandwidth(step_setting(cfg, plan), a.host, threads_per_rank(cfg.offload.host_optimizer_threads, a.host,
                                                                             ranks),
                           ranks, step_bytes, other, a.host_optimizer_bw)
@@ -359,10 +396,7 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
     estimates = [_stage_estimate(cfg, plan, stage, a, peak) for stage in range(layout.pp)]
     stages = [est for est, _ in estimates]
     problems += [_overflow_problem(est, layout, gpu) for est in stages if est.overflow]
-    warnings = [f"stage {est.stage}: --cpu-offload-delayed-param-update makes the optimizer step "
-                f"{est.time_s['host_optimizer_variant_cost']:.3g} s slower than the undelayed overlapped step "
-                f"(the host step, {est.time_s['host_optimizer_step']:.3g} s, and the weight write do not fit under "
-                f"the iteration's compute): leave it off" for est in stages if "host_optimizer_variant_cost" in est.time_s]
+    warnings = [est.warning for est in stages if est.warning]
     mbs, gbs = num_microbatches(cfg, world_size), global_batch_size(cfg, world_size)
     schedule = cfg.parallel.pipeline_schedule if layout.pp > 1 else "1f1b"
     if cfg.parallel.overlap_moe_expert_parallel_comm:

@@ -138,10 +138,10 @@ def host_bandwidth(setting: Setting, host: HostSpec, threads: Tuple[float, str],
                    step_bytes: float, other_bytes: float, given_bw: Optional[float] = None) -> dict:
     """The bytes/s one rank's host step streams, with its inputs and their provenance:
     min(threads x one thread's rate for ``setting``, the rank's share of the node's DRAM left by
-    ``other_bytes``). The DRAM carries, in the same iteration, the step's ``step_bytes`` and the
-    rank's offload copies and NVMe traffic (``other_bytes``); it is counted as if they ran at
-    once (they do under the overlapped and delayed steps, which run beside the next fetches;
-    for a serial step the bound is pessimistic). ``given_bw`` (--host-optimizer-bw) replaces it."""
+    ``other_bytes``). The DRAM carries, while the step runs, the step's ``step_bytes`` and the
+    rank's traffic that runs beside it (``other_bytes``: NVMe reads and writes; the offload copies
+    of the iteration under the overlapped and delayed steps, which run beside the next fetches),
+    all ranks of the node at once. ``given_bw`` (--host-optimizer-bw) replaces it."""
     n, why = threads
     if setting in host.setting_bw:
         rate, rate_source = host.setting_bw[setting], f"{host.sources['setting_bw']} ({describe_setting(setting)})"
