@@ -152,3 +152,19 @@ def test_device_memory_budget_on_the_command_line(capsys):
         len(base["plans"]["real"]["stages"][0]["offloaded_layers"])
     with pytest.raises(ConfigError, match="--device-memory-budget is used only with --cpu-offload-layers auto"):
         check(parse_args(SMALL[:-6] + ["--device-memory-budget", "1GiB"]), 1)
+
+
+def test_the_lines_docs_offload_quotes_are_what_the_planner_prints(capsys):
+    """docs/offload.md quotes the 10T README command's host-step lines and the delayed update's."""
+    ten_t = ["--config", "examples/m6_10t/model.yaml", "--pseudo-config", "examples/m6_10t/pseudo.yaml",
+             "--world-size", "512", "--gpu", "V100-32GB", "--token-budget", "50B"]
+    main(ten_t + ["--real-config", "examples/m6_10t/real.yaml"])
+    printed = set(capsys.readouterr().out.splitlines())
+    main(ten_t + ["--real-config", "examples/m6_10t/real_lean.yaml", "--host-memory", "192GiB",
+                  "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16", "--cpu-offload-delayed-param-update"])
+    printed |= set(capsys.readouterr().out.splitlines())
+    with open("docs/offload.md", encoding="utf-8") as fh:
+        doc = fh.read().splitlines()
+    quoted = [line for line in doc if line.startswith(("   host step (", "     threads: ", "   step ",
+                                                       "   delayed parameter update (", "== Pseudo-to-Real"))]
+    assert len(quoted) >= 5 and [line for line in quoted if line not in printed] == []
