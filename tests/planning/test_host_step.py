@@ -168,3 +168,31 @@ def test_the_lines_docs_offload_quotes_are_what_the_planner_prints(capsys):
     quoted = [line for line in doc if line.startswith(("   host step (", "     threads: ", "   step ",
                                                        "   delayed parameter update (", "== Pseudo-to-Real"))]
     assert len(quoted) >= 5 and [line for line in quoted if line not in printed] == []
+
+
+def test_the_10t_delayed_update_on_h200_nodes_warns(capsys):
+    """Issue 37's case: on H200 nodes the iteration is short, so the delayed step and its write
+    outlast it and the delay costs more than it hides; the plan says so, and hides nothing negative."""
+    argv = ["--config", "examples/m6_10t/model.yaml", "--pseudo-config", "examples/m6_10t/pseudo.yaml",
+            "--real-config", "examples/m6_10t/real_lean.yaml", "--world-size", "512", "--gpu", "H200-141GB",
+            "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"]
+    _, delayed = plan_json(argv + ["--cpu-offload-delayed-param-update"], capsys)
+    _, undelayed = plan_json(argv, capsys)
+    d, u = delayed["plans"]["real"], undelayed["plans"]["real"]
+    cost = d["stages"][0]["time_s"]["host_optimizer_variant_cost"]
+    assert d["stages"][0]["time_s"]["optimizer"] == pytest.approx(u["stages"][0]["time_s"]["optimizer"] + cost)
+    assert cost > 0 and d["stages"][0]["time_s"]["host_optimizer_hidden"] >= 0 and len(d["warnings"]) == 1
+    assert "warnings" not in u
+
+
+def test_an_overlap_that_costs_time_warns(capsys):
+    """A DRAM-bound host step overlapped with the next forward shares the DRAM with its weight
+    fetches; on a tiny model the forward hides far less than that costs."""
+    _, out = plan_json(SMALL + ["--overlap-cpu-optimizer-d2h-h2d", "--host-dram-bw", "1e6"], capsys)
+    _, serial = plan_json(SMALL + ["--host-dram-bw", "1e6"], capsys)
+    real = out["plans"]["real"]
+    assert all("--overlap-cpu-optimizer-d2h-h2d makes the optimizer step" in w for w in real["warnings"])
+    for st, ser in zip(real["stages"], serial["plans"]["real"]["stages"], strict=True):
+        t = st["time_s"]
+        assert t["optimizer"] == pytest.approx(ser["time_s"]["optimizer"] + t["host_optimizer_variant_cost"])
+        assert st["host_step"]["limit"] == "dram" and st["host_step"]["other_dram_bytes"] > 0
