@@ -32,6 +32,15 @@ the preset's node memory, or --host-memory per GPU / --host-memory-per-node) and
 --cpu-offload-optimizer-nvme-path, the local NVMe (the preset's node's, or --nvme-per-node; the
 host step streams the state at --nvme-bw).
 
+The host optimizer step of offloaded layers is timed from the bytes its kernel moves per element
+(``optim/traffic.py``) over min(threads x one thread's rate, the node's DRAM bandwidth shared by
+its GPUs and the offload copies beside the step): the GPU preset's node (sourced cores and DRAM
+peak, assumed sustained fraction and per-thread rate), ``--host-node``, or your host measured by
+the host optimizer benchmark (``--host-calibration FILE``); ``--host-cores``, ``--host-dram-bw``,
+``--host-thread-bw`` override single figures and ``--host-optimizer-bw`` the whole model. The
+plan says which figure is measured, sourced, assumed or given, and warns where the overlapped or
+delayed step makes the step slower than the variant without it (docs/offload.md).
+
 Each phase also reports what one checkpoint costs (``planning/checkpoint_cost.py``, docs/checkpoint.md):
 bytes per rank and per node, the write time at --fs-write-bw / --fs-node-write-bw, the training
 stall per save with and without --async-save, and host memory during the save.
