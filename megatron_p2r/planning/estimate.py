@@ -385,6 +385,8 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
     """
     plan = ParallelPlan.for_world(cfg, world_size)
     layout, m = plan.layout, cfg.model
+    if host is None and gpu.name not in GPU_HOSTS:
+        raise ConfigError(f"no host node for {gpu.name}: give --host-node or --host-calibration")
     a = Assumptions(gpu=gpu, host=host or HOST_PRESETS[GPU_HOSTS[gpu.name]], efficiency=efficiency,
                     host_optimizer_bw=host_optimizer_bw, reserve=reserve,
                     nvme=nvme or NVME_PRESETS.get(gpu.name))
