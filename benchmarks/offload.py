@@ -3,6 +3,7 @@ layers offloaded, side by side in one run.
 
     python benchmarks/offload.py [--steps 6] [--bf16] [--device cpu|cuda] [--shape tiny|gpu|micro] [--prefetch 1]
                                  [--threads N] [--settings LABEL,...] [--json PATH]
+    python benchmarks/offload.py --predict-host-step CALIBRATION.json --threads 1 [--shape optim] [--steps 6]
 
 Offloaded layers always run under activation recomputation, so besides plain 0% the run
 includes "0% + recompute" — the fair baseline for the fetch/copy bookkeeping itself —, 50%
@@ -18,6 +19,11 @@ peak device memory per setting (one setting at a time) and the step time with th
 fetches, D2H gradients and host AdamW. Timing: interleaved rounds, medians. Pins glibc malloc
 thresholds (docs/machine.md).
 
+``--predict-host-step FILE`` checks the planner instead: the 50% setting's host optimizer step
+(the serial host stepper's ``submit``, CPU time of this process at one torch thread, median after two
+warm-up steps) beside what ``tools/plan.py --host-calibration FILE`` predicts for the same
+configuration on one rank (planning/host_step.py), and their ratio.
+
 Shapes: ``tiny`` (the default; 4 layers of hidden 256) measures the bookkeeping; ``gpu`` (8
 layers of hidden 2048, 4 micro-batches of 4 x 2048 tokens) is sized for one large GPU, where
 a layer's compute is long enough for its prefetch to hide behind — the GPU lane
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import time
 
 import pinned_malloc  # noqa: E402,F401  (re-executes with malloc pinned; must precede torch)
 
@@ -41,6 +48,9 @@ from measure import random_microbatches, synchronize, timed, write_json  # noqa:
 from megatron_p2r.arguments import config_from_values  # noqa: E402
 from megatron_p2r.layout.offload import format_bytes, memory_plan  # noqa: E402
 from megatron_p2r.parallel.state import ParallelState  # noqa: E402
+from megatron_p2r.planning.estimate import make_plan  # noqa: E402
+from megatron_p2r.planning.hardware import GPU_PRESETS  # noqa: E402
+from megatron_p2r.planning.host_step import load_calibration  # noqa: E402
 from megatron_p2r.planning.memory import stage_state_bytes  # noqa: E402
 from megatron_p2r.training import build_train_state, train_step  # noqa: E402
 
@@ -123,6 +133,37 @@ def _round(state, mbs) -> None:
     state.optimizer.finish_host_step()
 
 
+def predict_host_step(args, device, mbs, calibration: str) -> dict:
+    """The 50% setting's host step measured and predicted (``--predict-host-step``). On one rank
+    (a node of one GPU), with PCIe taken as free: on CPU the copies are memory copies, which the
+    planner counts in the DRAM's share."""
+    state = build(next(s for s in SETTINGS if s[0] == "50%"), args, device)
+    host, times = state.optimizer.host, []   # the serial host step (optim/host_step.py)
+    step = host.submit
+
+    def timed_step(*a, **k):
+        start = time.process_time()
+        out = step(*a, **k)
+        times.append(time.process_time() - start)
+        return out
+
+    host.submit = timed_step
+    for _ in range(2 + args.steps):
+        train_step(state, mbs)
+    measured = statistics.median(times[2:])
+    gpu = GPU_PRESETS["V100-32GB"].replace(host_bw=1e30).with_node(gpus_per_node=1)
+    plan = make_plan(state.cfg, 1, gpu, host=load_calibration(calibration))
+    st = plan.stages[0]
+    predicted, h = st.time_s["host_optimizer_step"], st.host_step
+    print(f"host step, 50% offloaded ({len(st.offloaded_layers)} of {state.cfg.model.num_layers} layers): measured "
+          f"{1000 * measured:.2f} ms (median of {args.steps}, CPU time), predicted {1000 * predicted:.2f} ms "
+          f"({h['bytes_per_element']} B per element, {h['setting']}, at {h['bw'] / 1e9:.3g} GB/s: {h['limit']}-bound, "
+          f"{h['threads']:g} threads x {h['thread_bw'] / 1e9:.3g} GB/s, {h['thread_bw_source']}); "
+          f"predicted / measured {predicted / measured:.2f}")
+    return {"measured_s": measured, "predicted_s": predicted, "ratio": predicted / measured, "host_step": h,
+            "step_times_s": times, "calibration": calibration}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
@@ -134,6 +175,9 @@ def main() -> None:
     parser.add_argument("--settings", type=lambda text: text.split(","),
                         help="comma-separated labels of the settings to run (default: all; 0%% is always run)")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--predict-host-step", metavar="CALIBRATION",
+                        help="measure the 50%% setting's host step beside the planner's prediction for the host "
+                             "this benchmarks/host_optimizer.py --json file describes")
     args = parser.parse_args()
     unknown = sorted(set(args.settings or ()) - {s[0] for s in SETTINGS})
     if unknown:
@@ -157,6 +201,9 @@ def main() -> None:
           f"{'bf16' if args.bf16 else 'fp32'}, prefetch {args.prefetch}, device {device}, "
           f"torch threads {torch.get_num_threads()}")
 
+    if args.predict_host_step:
+        write_json(args.json, predict_host_step(args, device, mbs, args.predict_host_step))
+        return
     states, memory = build_and_warm_up(args, device, mbs)
     times = {label: [] for label in states}
     for _ in range(args.steps):

@@ -37,17 +37,20 @@ def _real(argv, capsys) -> dict:
 
 def test_10t_real_lean_fits_192gib_with_r_below_1_3(capsys):
     """The README command on real_lean.yaml with bf16 main gradients: the delay adds one more
-    bf16 gradient per offloaded parameter on host (2 B: 10 B/param in all) and hides the host step."""
+    bf16 gradient per offloaded parameter on host (2 B: 10 B/param in all) and hides most of the
+    host step; on the DGX-1V's DRAM, shared with the offload copies, the step and the weight write
+    outlast the iteration, and the excess is exposed."""
     undelayed, delayed = _real(LEAN_10T, capsys), _real(LEAN_10T + DPU, capsys)
     u, d = undelayed["plans"]["real"], delayed["plans"]["real"]
     host_u, host_d = u["stages"][0]["host"], d["stages"][0]["host"]
     assert host_d == {**host_u, "grads_delayed": host_u["grads"]}
-    assert d["fits"] and d["tiers"]["host"]["fits"]
+    assert d["fits"] and d["tiers"]["host"]["fits"] and "warnings" not in d
     t = d["stages"][0]["time_s"]
     window = d["microbatches"] * (t["compute_per_microbatch"] + t["ep_per_microbatch"])
-    host_step = u["stages"][0]["time_s"]["optimizer"] + u["stages"][0]["time_s"]["host_optimizer_hidden"]
-    assert t["host_optimizer_delayed_write"] + host_step < window   # the step is hidden
-    assert t["optimizer"] < u["stages"][0]["time_s"]["optimizer"] / 5
+    assert t["host_optimizer_step"] > u["stages"][0]["time_s"]["host_optimizer_step"]   # beside all the copies
+    excess = t["host_optimizer_delayed_write"] + t["host_optimizer_step"] - window
+    assert 0 < excess < t["optimizer"] < u["stages"][0]["time_s"]["optimizer"]
+    assert t["host_optimizer_hidden"] == pytest.approx(t["host_optimizer_step"] - t["optimizer"])
     assert delayed["p2r"]["r"] < 1.3 < undelayed["p2r"]["r"]
     assert {k: v for k, v in d["step_breakdown_s"].items() if k != "optimizer"} == \
         {k: v for k, v in u["step_breakdown_s"].items() if k != "optimizer"}
@@ -56,9 +59,9 @@ def test_10t_real_lean_fits_192gib_with_r_below_1_3(capsys):
 def test_the_plan_prints_the_delayed_update(capsys):
     main([a for a in LEAN_10T if a != "--json"] + DPU)
     out = capsys.readouterr().out
-    assert ("delayed parameter update (stage 0): optimizer step 70.19 s and weight write 11.70 s under the next "
-            "iteration, 6.60 s exposed; second gradient buffer 36.32 GiB per rank") in out
-    assert "r = 1.081" in out
+    assert ("delayed parameter update (stage 0): optimizer step 68.74 s and weight write 20.62 s under the next "
+            "iteration, 22.46 s exposed; second gradient buffer 36.32 GiB per rank") in out
+    assert "r = 1.273" in out
 
 
 def test_the_flag_does_nothing_in_a_phase_without_offload(capsys):

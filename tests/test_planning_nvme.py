@@ -77,10 +77,13 @@ def test_the_nvme_tier_is_checked_and_named(capsys):
 
 
 def test_nvme_bw_sets_the_host_step(capsys):
-    slow, fast = (_plan(SMALL + ["--nvme-bw", bw], capsys)[1]["stages"][0]["time_s"]["host_optimizer_from_nvme"]
-                  for bw in ("1e3", "1e12"))
+    """A fast disk leaves the step from RAM; that step is slower than without the path: the
+    DRAM carries the disk's reads and writes too (planning/host_step.py)."""
+    slow, fast = (_plan(SMALL + ["--nvme-bw", bw], capsys)[1]["stages"][0]["time_s"] for bw in ("1e3", "1e12"))
     _, ram = _plan(SMALL[:-2], capsys)
-    assert slow > 1000 * fast and fast == pytest.approx(ram["stages"][0]["time_s"]["optimizer"], rel=1e-2)
+    assert slow["host_optimizer_from_nvme"] > 1000 * fast["host_optimizer_from_nvme"]
+    assert fast["host_optimizer_from_nvme"] == pytest.approx(fast["host_optimizer_from_ram"], rel=1e-2)
+    assert fast["host_optimizer_from_ram"] > ram["stages"][0]["time_s"]["host_optimizer_step"]
 
 
 def test_without_the_flag_the_plan_has_no_nvme(capsys):

@@ -32,6 +32,15 @@ the preset's node memory, or --host-memory per GPU / --host-memory-per-node) and
 --cpu-offload-optimizer-nvme-path, the local NVMe (the preset's node's, or --nvme-per-node; the
 host step streams the state at --nvme-bw).
 
+The host optimizer step of offloaded layers is timed from the bytes its kernel moves per element
+(``optim/traffic.py``) over min(threads x one thread's rate, the node's DRAM bandwidth shared by
+its GPUs and the offload copies beside the step): the GPU preset's node (sourced cores and DRAM
+peak, assumed sustained fraction and per-thread rate), ``--host-node``, or your host measured by
+the host optimizer benchmark (``--host-calibration FILE``); ``--host-cores``, ``--host-dram-bw``,
+``--host-thread-bw`` override single figures and ``--host-optimizer-bw`` the whole model. The
+plan says which figure is measured, sourced, assumed or given, and warns where the overlapped or
+delayed step makes the step slower than the variant without it (docs/offload.md).
+
 Each phase also reports what one checkpoint costs (``planning/checkpoint_cost.py``, docs/checkpoint.md):
 bytes per rank and per node, the write time at --fs-write-bw / --fs-node-write-bw, the training
 stall per save with and without --async-save, and host memory during the save.
@@ -58,7 +67,8 @@ from megatron_p2r.planning.breakeven import measured_verdict, p2r_break_even, pa
 from megatron_p2r.planning.breakeven_report import format_p2r
 from megatron_p2r.planning.checkpoint_cost import FS_WRITE_BW
 from megatron_p2r.planning.estimate import Plan, make_plan
-from megatron_p2r.planning.hardware import GPU_PRESETS, NVME_PRESETS, GiB
+from megatron_p2r.planning.hardware import GPU_HOSTS, GPU_PRESETS, HOST_PRESETS, NVME_PRESETS, GiB, HostSpec
+from megatron_p2r.planning.host_step import load_calibration, with_overrides
 from megatron_p2r.planning.memory import logical_parameter_count
 from megatron_p2r.planning.verdict import verdict_line
 
@@ -112,8 +122,19 @@ def planner_parser() -> argparse.ArgumentParser:
                         "drives over its GPUs, e.g. 1.25e9 for V100-32GB; planning/hardware.py).")
     g.add_argument("--compute-efficiency", type=float, default=0.4,
                    help="Fraction of peak FLOP/s the matmuls reach.")
-    g.add_argument("--host-optimizer-bw", type=float, default=10e9,
-                   help="Host memory bytes/s one GPU's host AdamW streams (28 B per parameter).")
+    g.add_argument("--host-optimizer-bw", type=float,
+                   help="Bytes/s one GPU's host optimizer step streams, replacing the host model (default: "
+                        "min(threads x --host-thread-bw, the node's --host-dram-bw shared by its GPUs and the "
+                        "offload copies); planning/host_step.py).")
+    g.add_argument("--host-calibration", metavar="FILE",
+                   help="benchmarks/host_optimizer.py --json of your host: its cores, DRAM bandwidth (all-threads "
+                        "triad) and per-thread rate of each optimizer setting (1-thread rows) plan the host step.")
+    g.add_argument("--host-node", choices=sorted(HOST_PRESETS),
+                   help="The node's CPUs and DRAM (default: the --gpu preset's node, planning/hardware.py).")
+    g.add_argument("--host-cores", type=int, help="Override the node's CPU cores.")
+    g.add_argument("--host-dram-bw", type=float, help="Override the node's sustained DRAM bytes/s (all sockets).")
+    g.add_argument("--host-thread-bw", type=float,
+                   help="Override the bytes/s one thread's host optimizer kernel streams (every setting).")
     g.add_argument("--reserve", type=parse_bytes, default=GiB,
                    help="Per-GPU bytes for the CUDA context, NCCL buffers and allocator slack.")
     g.add_argument("--fs-write-bw", type=float, default=FS_WRITE_BW,
@@ -147,7 +168,8 @@ def planner_parser() -> argparse.ArgumentParser:
 _PLANNER_RANGES = [("world_size", at_least(1, 2 ** 20)), ("gpus_per_node", at_least(1, 2 ** 10)),
                    ("compute_efficiency", Range(0.0, 1.0, low_open=True)), ("gpu_flops", positive()),
                    ("intra_node_bw", positive()), ("inter_node_bw", positive()), ("host_bw", positive()),
-                   ("host_optimizer_bw", positive()), ("fs_write_bw", positive()), ("fs_node_write_bw", positive()), ("token_budget", Range(0.0)),
+                   ("host_optimizer_bw", positive()), ("host_cores", at_least(1, 2 ** 20)),
+                   ("host_dram_bw", positive()), ("host_thread_bw", positive()), ("fs_write_bw", positive()), ("fs_node_write_bw", positive()), ("token_budget", Range(0.0)),
                    ("gpu_memory", at_least(1, 2 ** 60)), ("host_memory", at_least(1, 2 ** 60)),
                    ("host_memory_per_node", at_least(1, 2 ** 60)), ("nvme_per_node", at_least(1, 2 ** 60)),
                    ("nvme_bw", positive()),
@@ -166,6 +188,35 @@ def check_planner_args(args: argparse.Namespace) -> None:
                               f"(range {limits.describe()})")
 
 
+def _without(rest: List[str], flag: str) -> List[str]:
+    """``rest`` without ``flag`` and its value."""
+    out, skip = [], False
+    for arg in rest:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
+
+
+# Command-line flags that mean something only to a phase that offloads (and are refused by one
+# that does not): each applies to the phases where the test holds, and is left out of the others
+# (a pseudo phase planned beside its real phase with the real phase's flags).
+_OFFLOAD_ONLY = {"--device-memory-budget": lambda cfg: cfg.offload.cpu_offload_layers == "auto",
+                 "--host-optimizer-threads": lambda cfg: cfg.offload.overlap_cpu_optimizer_d2h_h2d}
+
+
+def _parse_phase(rest: List[str]) -> Config:
+    """The config of ``rest``, without the offload-only flags its phase has no use for."""
+    for flag, applies in _OFFLOAD_ONLY.items():
+        lean = _without(rest, flag)
+        if lean != rest and not applies(parse_args(lean)):
+            rest = lean
+    return parse_args(rest)
+
+
 def phase_configs(args: argparse.Namespace, rest: List[str]) -> Dict[str, Config]:
     """{phase: Config}: the base flags/YAML, with the phase file on top (flags still win)."""
     base_files = vars(build_parser().parse_args(rest)).get("config") or []
@@ -174,13 +225,23 @@ def phase_configs(args: argparse.Namespace, rest: List[str]) -> Dict[str, Config
     if any(overlays.values()):
         for phase, path in overlays.items():
             if path:
-                out[phase] = parse_args(rest + ["--config", *base_files, path]).replace(p2r_phase=phase)
+                out[phase] = _parse_phase(rest + ["--config", *base_files, path]).replace(p2r_phase=phase)
         return out
-    cfg = parse_args(rest)
+    cfg = _parse_phase(rest)
     out[cfg.p2r.p2r_phase] = cfg
     other = "real" if cfg.p2r.p2r_phase == "pseudo" else "pseudo"
-    out[other] = parse_args(rest + ["--p2r-phase", other])
+    out[other] = _parse_phase(rest + ["--p2r-phase", other])
     return dict(sorted(out.items(), key=lambda kv: kv[0] != "pseudo"))
+
+
+def planned_host(args: argparse.Namespace) -> HostSpec:
+    """The node's CPUs and DRAM: --host-calibration's (measured), else --host-node's or the GPU
+    preset's node (sourced and assumed), with --host-cores / --host-dram-bw / --host-thread-bw on top."""
+    if args.host_calibration and args.host_node:
+        raise ConfigError("--host-calibration describes the host: give it or --host-node, not both")
+    host = (load_calibration(args.host_calibration) if args.host_calibration
+            else HOST_PRESETS[args.host_node or GPU_HOSTS[args.gpu]])
+    return with_overrides(host, args.host_cores, args.host_dram_bw, args.host_thread_bw)
 
 
 def check(cfg: Config, world_size: int) -> None:
@@ -355,9 +416,10 @@ def format_plans(plans: Dict[str, Plan]) -> str:
                          f"step {st.time_s['host_optimizer_from_nvme']:.2f} s ({st.time_s['host_optimizer_from_ram']:.2f} s from "
                          f"RAM), streaming it at "
                          f"{pl.nvme['bw'] / 1e9:.3g} GB/s per GPU")
+        lines += _host_step_lines(pl)
         if "host_optimizer_delayed_write" in t0:   # --cpu-offload-delayed-param-update
             lines.append(f"   delayed parameter update (stage 0): optimizer step "
-                         f"{t0['optimizer'] + t0['host_optimizer_hidden']:.2f} s and weight write "
+                         f"{t0['host_optimizer_step']:.2f} s and weight write "
                          f"{t0['host_optimizer_delayed_write']:.2f} s under the next iteration, {t0['optimizer']:.2f} s "
                          f"exposed; second gradient buffer {_gib(pl.stages[0].host['grads_delayed'])} GiB per rank")
         if pl.days is not None:
@@ -365,8 +427,31 @@ def format_plans(plans: Dict[str, Plan]) -> str:
         lines += _checkpoint_lines(pl.checkpoint)
         for problem in pl.problems:
             lines.append(f"   ! {problem}")
+        for warning in pl.warnings:
+            lines.append(f"   warning: {warning}")
         lines.append("   " + verdict_line(pl.tiers))
     return "\n".join(lines)
+
+
+def _host_step_lines(pl: Plan) -> List[str]:
+    """The host step of the stage that steps the most on host: its time, its bandwidth and where
+    each input comes from (measured, sourced, assumed or given)."""
+    stages = [st for st in pl.stages if st.host_step]
+    if not stages:
+        return []
+    st = max(stages, key=lambda st: st.time_s["host_optimizer_step"])
+    h = st.host_step
+    name = "host step from RAM" if "host_optimizer_from_nvme" in st.time_s else "host step"
+    if h["limit"].startswith("given"):
+        return [f"   {name} (stage {st.stage}): {st.time_s['host_optimizer_step']:.2f} s, {h['bytes_per_element']} B per "
+                f"element ({h['setting']}) at {h['bw'] / 1e9:.3g} GB/s per GPU ({h['limit']})"]
+    return [f"   {name} (stage {st.stage}): {st.time_s['host_optimizer_step']:.2f} s, {h['bytes_per_element']} B per "
+            f"element ({h['setting']}) at {h['bw'] / 1e9:.3g} GB/s per GPU = min({h['threads']:g} threads x "
+            f"{h['thread_bw'] / 1e9:.3g} GB/s, DRAM {h['dram_bw'] / 1e9:.4g} GB/s / {h['ranks_per_node']} GPUs shared "
+            f"with {h['other_dram_bytes'] / 1e9:.4g} GB of offload copies and NVMe traffic = "
+            f"{h['dram_share'] / 1e9:.3g} GB/s): {h['limit']}-bound; node {h['node']}",
+            f"     threads: {h['threads_source']}; per thread: {h['thread_bw_source']}; cores: {h['cores_source']}; "
+            f"DRAM: {h['dram_bw_source']}"]
 
 
 def _configured(async_save) -> str:
@@ -427,7 +512,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.gpus_per_node, host_memory_per_gpu=args.host_memory, host_memory_per_node=args.host_memory_per_node)
         for cfg in configs.values():
             check(cfg, args.world_size)
-        plans = {phase: make_plan(cfg, args.world_size, gpu, efficiency=args.compute_efficiency,
+        host = planned_host(args)
+        plans = {phase: make_plan(cfg, args.world_size, gpu, efficiency=args.compute_efficiency, host=host,
                                   host_optimizer_bw=args.host_optimizer_bw, token_budget=args.token_budget,
                                   reserve=args.reserve, fs_write_bw=args.fs_write_bw,
                                   fs_node_write_bw=args.fs_node_write_bw,

@@ -3,12 +3,12 @@ fits, and days for a token budget (``tools/plan.py`` prints it)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_p2r.config import Config, ConfigError, build_step_plan, global_batch_size, num_microbatches
 from megatron_p2r.config.schedule import COMBINED
-from megatron_p2r.layout import offload as offload_choice
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Layout
 from megatron_p2r.metrics import model_flops_per_token
@@ -16,29 +16,20 @@ from megatron_p2r.pipeline.order import combined_step_slots, combined_warmup, st
 from megatron_p2r.planning.activations import activation_memory, recomputed_positions, with_recompute
 from megatron_p2r.planning.checkpoint_cost import FS_WRITE_BW, Bandwidths, async_save_host_bytes, checkpoint_cost
 from megatron_p2r.planning.communication import communication
-from megatron_p2r.planning.hardware import NVME_PRESETS, GiB, GPUSpec, NvmeSpec
+from megatron_p2r.planning.hardware import GPU_HOSTS, HOST_PRESETS, NVME_PRESETS, GiB, GPUSpec, HostSpec, NvmeSpec
+from megatron_p2r.planning.host_step import host_bandwidth, setting_bytes, step_setting, threads_per_rank
 from megatron_p2r.planning.memory import (expert_parameter_count, logical_parameter_count,
                                           offload_plan, stage_state_bytes, stepped_elements)
 from megatron_p2r.planning.timing import link_time, stage_flops_per_microbatch
 from megatron_p2r.planning.verdict import TierVerdict, gpu_tier, host_problem, host_tier, node_tier, nvme_problem
 
-# What an optimizer step streams per element: AdamW reads the main, gradient and 2 moments and
-# writes the main and moments (28 B); Lion does so with one moment (20 B); Adafactor reads the
-# gradient and main twice (statistics, then update), writes the main and makes and reads an
-# fp32 update (28 B; its statistics are per row and column, negligible)
-STEP_BYTES = {"adam": 28, "lion": 20, "adafactor": 28}
 DEVICE_ORDER = ("reserve", "params", "optimizer", "grads", "fetch_window", "activations", "transient")
 
 
 def step_bytes_per_element(cfg: Config, plan: ParallelPlan) -> int:
-    """Bytes an optimizer step streams per stepped element: STEP_BYTES; 12 more per 16-bit moment
-    or 16-bit main parameter (its upcast into fp32 scratch and the rounding back:
-    optim/precision_aware.py; benchmarks/precision_aware_step.py), 6 more for a 16-bit main
-    gradient (upcast only), 2 more writing a 16-bit weight that is not itself the main."""
-    b = plan.buffers
-    sixteen_bit = sum(offload_choice.DTYPE_BYTES[d] == 2 for d in cfg.train.moment_dtypes) + (b.main_bytes == 2)
-    return STEP_BYTES[cfg.train.optimizer] + 12 * sixteen_bit + 6 * (b.grad_bytes == 2) + \
-        (b.param_bytes if b.master_bytes else 0)
+    """Bytes an optimizer step streams per stepped element, on the device as on the host: what
+    its kernel moves (``optim/traffic.py``) for ``cfg``'s optimizer and dtypes."""
+    return setting_bytes(step_setting(cfg, plan))
 
 
 @dataclass
@@ -60,6 +51,8 @@ class StageEstimate:
     fits: bool = True
     overflow: Optional[str] = None
     nvme: int = 0   # bytes of optimizer state on local NVMe (--cpu-offload-optimizer-nvme-path)
+    host_step: Optional[dict] = None   # the host step's bandwidth and its inputs (planning/host_step.py)
+    warning: Optional[str] = None      # a host-step variant that makes the step slower
 
 
 @dataclass
@@ -88,16 +81,19 @@ class Plan:
     problems: List[str]
     checkpoint: Optional[dict] = None   # planning/checkpoint_cost.py
     nvme: Optional[dict] = None         # the node's local NVMe (per_node, bw) with --cpu-offload-optimizer-nvme-path
+    warnings: List[str] = dataclasses.field(default_factory=list)   # what does not stop it, but costs time
 
     def to_dict(self) -> dict:
-        """As a dict; ``nvme`` (the plan's, a stage's) only when something is on NVMe (the JSON
-        without the flag is what it was)."""
+        """As a dict; ``nvme`` (the plan's, a stage's) only when something is on NVMe, a stage's
+        ``host_step`` only when it steps on host, ``warnings`` only when there are some."""
         out = dataclasses.asdict(self)
-        if out["nvme"] is None:
-            del out["nvme"]
+        for key in ("nvme", "warnings"):
+            if not out[key]:
+                del out[key]
         for stage in out["stages"]:
-            if not stage["nvme"]:
-                del stage["nvme"]
+            for key in ("nvme", "host_step", "warning"):
+                if not stage[key]:
+                    del stage[key]
         return out
 
 
@@ -112,8 +108,9 @@ class Assumptions:
     """What the estimate assumes beyond the config: see ``make_plan``."""
 
     gpu: GPUSpec
+    host: HostSpec
     efficiency: float = 0.4
-    host_optimizer_bw: float = 10e9
+    host_optimizer_bw: Optional[float] = None   # --host-optimizer-bw: replaces the host model's bandwidth
     reserve: int = GiB
     nvme: Optional[NvmeSpec] = None
 
@@ -219,23 +216,24 @@ def delayed_update_time(device_step: float, host_step: float, write: float, wind
     return excess + overlapped_optimizer_time(device_step, write, layer_keys, offloaded, layer_forward)
 
 
-def _overlapped_optimizer(cfg: Config, plan: ParallelPlan, stage: int, off: dict, steps: Tuple[float, float],
-                          microbatch: float, window: float, a: Assumptions) -> Tuple[float, Dict[str, float]]:
+def _overlapped_optimizer(plan: ParallelPlan, stage: int, off: dict, steps: Tuple[float, float], microbatch: float,
+                          window: float, bw: float, early: bool, delayed: bool) -> Tuple[float, Dict[str, float]]:
     """(the optimizer's share of a step, its named parts) with --overlap-cpu-optimizer-d2h-h2d:
     ``steps``: the device and host steps' times; ``microbatch``: a micro-batch's forward and
-    backward; ``window``: the stage's compute in an iteration."""
+    backward; ``window``: the stage's compute in an iteration; ``bw``: the host step's bytes/s;
+    ``early``: the host step starts in backward; ``delayed``: --cpu-offload-delayed-param-update.
+    ``host_optimizer_hidden``: what it hides of its host step, never negative."""
     device_step, host_step = steps
     keys, recomputed = plan.stage(stage).layer_keys, off["recomputed"]
     layer_forward = microbatch / (3 * len(keys) + len(recomputed))
     times: Dict[str, float] = {}
-    how = build_step_plan(cfg).host_step(keys)
-    if how == "delayed":
-        write = (off["host"]["params"] + plan.buffers.main_bytes * off["host_optimizer_params"]) / a.host_optimizer_bw
+    if delayed:
+        write = (off["host"]["params"] + plan.buffers.main_bytes * off["host_optimizer_params"]) / bw
         opt = delayed_update_time(device_step, host_step, write, window, keys, recomputed, layer_forward)
         times["host_optimizer_delayed_write"] = write
     else:
-        opt = overlapped_optimizer_time(device_step, host_step, keys, recomputed, layer_forward, early=how == "early")
-    times["host_optimizer_hidden"] = max(device_step, host_step) - opt
+        opt = overlapped_optimizer_time(device_step, host_step, keys, recomputed, layer_forward, early=early)
+    times["host_optimizer_hidden"] = max(max(device_step, host_step) - opt, 0.0)
     return opt, times
 
 
@@ -282,15 +280,8 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     save_copy = round(max((b for r, b in async_save_host_bytes(cfg, layout).items() if layout.coords(r).pp == stage),
                           default=0))   # the stage's rank that copies the most
     device_step = per_element * (stepped - hosted) / gpu.hbm_bw
-    host_step = per_element * hosted / a.host_optimizer_bw + off["moved_per_step"] / gpu.host_bw
-    times = {"host_optimizer_from_ram": host_step, "host_optimizer_from_nvme": nvme_step_time(
-        host_step, off["nvme"], len(off["modules"]), a.nvme.bw)} if off["nvme"] else {}
-    host_step = times.get("host_optimizer_from_nvme", host_step)
-    opt = max(device_step, host_step)
-    if build_step_plan(cfg).overlapped and off["recomputed"]:
-        opt, overlap_times = _overlapped_optimizer(cfg, plan, stage, off, (device_step, host_step),
-                                                   compute + tp_t + ep_exposed, mbs * mb_time, a)
-        times.update(overlap_times)
+    opt, times, host, warning = _optimizer_time(cfg, plan, stage, off, a, (device_step, per_element * hosted),
+                                                (mbs, compute + tp_t + ep_exposed, mbs * mb_time))
     est = StageEstimate(
         stage=stage, ranks=_rank_ranges(layout, stage), parameters=sum(s.numel for s in specs),
         tensors=len(specs), device=device,
@@ -304,8 +295,69 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
                 "grad_sync": sync, "optimizer": opt, **times,
                 **({"pp_hidden_per_microbatch": pp_t - pp_exposed} if overlap_p2p else {}),
                 **({"ep_hidden_per_microbatch": ep_t - ep_exposed} if overlap_ep else {})},
-        device_total=sum(device.values()), fits=overflow is None, overflow=overflow, nvme=off["nvme"])
+        device_total=sum(device.values()), fits=overflow is None, overflow=overflow, nvme=off["nvme"],
+        host_step=host, warning=warning)
     return est, mb_time
+
+
+def _optimizer_time(cfg: Config, plan: ParallelPlan, stage: int, off: dict, a: Assumptions,
+                    work: Tuple[float, float], timing: Tuple[int, float, float]):
+    """(the optimizer's share of a step, its named times, the host step's bandwidth and inputs,
+    a warning or None). ``work``: the device step's seconds and the host step's bytes;
+    ``timing``: micro-batches, a micro-batch's compute, the iteration's compute. The host step
+    shares the DRAM with what runs beside it: a serial step with nothing of the offload copies,
+    an overlapped one with the next forward's fetches, a delayed one with the whole iteration's
+    copies (and each with its NVMe traffic). Where the overlap or the delay makes the step
+    slower than the variant without it, the warning says so (``host_optimizer_variant_cost``)."""
+    (device_step, step_bytes), (mbs, microbatch, window) = work, timing
+    how = build_step_plan(cfg).host_step(plan.stage(stage).layer_keys) if off["recomputed"] else None
+    overlap, delayed, early = how in ("overlapped", "early", "delayed"), how == "delayed", how == "early"
+    iteration = off["moved_per_microbatch"] * mbs + off["moved_per_step"]
+    copies = {"serial": 0, "overlapped": off["host"].get("params", 0) + off["moved_per_step"], "delayed": iteration}
+
+    def host_time(variant: str):
+        host, t = None, off["moved_per_step"] / a.gpu.host_bw
+        if step_bytes:
+            host = _host_bandwidth(cfg, plan, off, step_bytes, copies[variant], a)
+            t += step_bytes / host["bw"]
+        times = {"host_optimizer_step": t} if step_bytes else {}
+        if off["nvme"]:
+            times.update(host_optimizer_from_ram=t, host_optimizer_from_nvme=nvme_step_time(
+                t, off["nvme"], len(off["modules"]), a.nvme.bw))
+        return times.get("host_optimizer_from_nvme", t), times, host
+
+    def optimizer(variant: str):
+        host_step, times, host = host_time(variant)
+        if variant == "serial":
+            return max(device_step, host_step), times, host
+        opt, more = _overlapped_optimizer(plan, stage, off, (device_step, host_step), microbatch, window,
+                                          host["bw"] if host else math.inf, early, variant == "delayed")
+        return opt, {**times, **more}, host
+
+    variant = "delayed" if delayed else "overlapped" if overlap else "serial"
+    opt, times, host = optimizer(variant)
+    if variant == "serial":
+        return opt, times, host, None
+    without = "overlapped" if delayed else "serial"
+    cost = opt - optimizer(without)[0]
+    if cost <= 0:
+        return opt, times, host, None
+    times["host_optimizer_variant_cost"] = cost
+    flag = "--cpu-offload-delayed-param-update" if delayed else "--overlap-cpu-optimizer-d2h-h2d"
+    return opt, times, host, (f"stage {stage}: {flag} makes the optimizer step {cost:.3g} s slower than the "
+                              f"{'undelayed overlapped' if delayed else 'serial'} step (the host step shares the "
+                              f"DRAM with the offload copies beside it, or outlasts the iteration): leave it off")
+
+
+def _host_bandwidth(cfg: Config, plan: ParallelPlan, off: dict, step_bytes: float, copies: float,
+                    a: Assumptions) -> dict:
+    """``host_step.host_bandwidth`` for a stage's host step beside ``copies`` bytes of offload
+    copies and its NVMe reads and writes."""
+    ranks = a.gpu.gpus_per_node
+    other = copies + 2 * off["nvme"]
+    return host_bandwidth(step_setting(cfg, plan), a.host, threads_per_rank(cfg.offload.host_optimizer_threads, a.host,
+                                                                            ranks),
+                          ranks, step_bytes, other, a.host_optimizer_bw)
 
 
 def _overflow_problem(est: StageEstimate, layout: Layout, gpu: GPUSpec) -> str:
@@ -316,13 +368,15 @@ def _overflow_problem(est: StageEstimate, layout: Layout, gpu: GPUSpec) -> str:
 
 
 def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float = 0.4,
-              host_optimizer_bw: float = 10e9, token_budget: Optional[float] = None,
-              reserve: int = GiB, fs_write_bw: float = FS_WRITE_BW,
+              host: Optional[HostSpec] = None, host_optimizer_bw: Optional[float] = None,
+              token_budget: Optional[float] = None, reserve: int = GiB, fs_write_bw: float = FS_WRITE_BW,
               fs_node_write_bw: Optional[float] = None, nvme: Optional[NvmeSpec] = None) -> Plan:
     """Plan every rank of ``cfg`` on ``world_size`` GPUs of kind ``gpu``.
 
-    ``efficiency``: fraction of the GPU's peak FLOP/s the matmuls reach; ``host_optimizer_bw``:
-    bytes/s of host memory one GPU's host-side AdamW streams (28 B per parameter);
+    ``efficiency``: fraction of the GPU's peak FLOP/s the matmuls reach; ``host``: the node's
+    CPUs and DRAM for the host optimizer step (default: ``gpu``'s preset's node,
+    ``hardware.GPU_HOSTS``; ``host_step.load_calibration`` for a measured host);
+    ``host_optimizer_bw``: bytes/s one GPU's host step streams, replacing the host model;
     ``reserve``: CUDA context, NCCL buffers and allocator slack per GPU. Host memory is
     ``gpu``'s node's (``GPUSpec.with_node`` overrides it). ``fs_write_bw`` / ``fs_node_write_bw``:
     the filesystem's write bytes/s, aggregate and per node (default: the node's network).
@@ -330,7 +384,10 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
     """
     plan = ParallelPlan.for_world(cfg, world_size)
     layout, m = plan.layout, cfg.model
-    a = Assumptions(gpu=gpu, efficiency=efficiency, host_optimizer_bw=host_optimizer_bw, reserve=reserve,
+    if host is None and gpu.name not in GPU_HOSTS:
+        raise ConfigError(f"no host node for {gpu.name}: give --host-node or --host-calibration")
+    a = Assumptions(gpu=gpu, host=host or HOST_PRESETS[GPU_HOSTS[gpu.name]], efficiency=efficiency,
+                    host_optimizer_bw=host_optimizer_bw, reserve=reserve,
                     nvme=nvme or NVME_PRESETS.get(gpu.name))
     if cfg.offload.cpu_offload_optimizer_nvme_path is not None and a.nvme is None:
         raise ConfigError(f"--cpu-offload-optimizer-nvme-path: no NVMe figures for {gpu.name}: give --nvme-per-node "
@@ -340,6 +397,7 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
     estimates = [_stage_estimate(cfg, plan, stage, a, peak) for stage in range(layout.pp)]
     stages = [est for est, _ in estimates]
     problems += [_overflow_problem(est, layout, gpu) for est in stages if est.overflow]
+    warnings = [est.warning for est in stages if est.warning]
     mbs, gbs = num_microbatches(cfg, world_size), global_batch_size(cfg, world_size)
     if plan.schedule.kind == COMBINED:
         slots = combined_step_slots(layout.pp, plan.num_model_chunks, mbs)
@@ -372,4 +430,4 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
                 fits=all(t.fits for t in tiers.values()), problems=problems,
                 checkpoint=checkpoint_cost(cfg, layout, gpu.gpus_per_node, Bandwidths(
                     fs_write=fs_write_bw, fs_node_write=fs_node_write_bw or gpu.inter_node_bw * gpu.gpus_per_node,
-                    host=gpu.host_bw)), nvme=on_nvme)
+                    host=gpu.host_bw)), nvme=on_nvme, warnings=warnings)

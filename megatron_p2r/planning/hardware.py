@@ -91,3 +91,61 @@ NVME_PRESETS: Dict[str, NvmeSpec] = {
     "H100-80GB": NvmeSpec(per_node=8 * 3840 * 10**9, bw=5e9),
     "H200-141GB": NvmeSpec(per_node=8 * 3840 * 10**9, bw=5e9),
 }
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """A node's CPUs as the host optimizer step sees them: ``cores`` (physical, all sockets),
+    ``dram_bw`` (sustained bytes/s of the node's DRAM: ``dram_peak`` x the assumed sustained
+    fraction, or measured) and ``thread_bw`` (bytes/s one thread's optimizer kernel streams;
+    ``setting_bw``: measured per kernel setting, ``planning.host_step.Setting``, where known).
+    ``sources``: for each figure, where it comes from ("sourced: ...", "assumed: ...",
+    "measured: ..."), printed beside the plan."""
+
+    name: str
+    cores: int
+    dram_bw: float
+    thread_bw: float
+    dram_peak: Optional[float] = None
+    sources: Dict[str, str] = dataclasses.field(default_factory=dict)
+    setting_bw: Dict[tuple, float] = dataclasses.field(default_factory=dict)   # measured per kernel setting
+
+
+SUSTAINED_FRACTION = 0.65   # assumed: STREAM triad on 2-socket Xeon/EPYC servers reaches ~60-75% of peak
+
+
+def _channels(sockets: int, channels: int, mt_per_s: int) -> float:
+    """Theoretical DRAM peak: sockets x channels x MT/s x 8 B."""
+    return sockets * channels * mt_per_s * 1e6 * 8
+
+
+def _node(name: str, cpu: str, cores: int, sockets: int, channels: int, mt_per_s: int, thread_bw: float,
+          thread_why: str) -> HostSpec:
+    peak = _channels(sockets, channels, mt_per_s)
+    return HostSpec(name, cores, peak * SUSTAINED_FRACTION, thread_bw, peak, {
+        "cores": f"sourced: {cpu} (NVIDIA {name} datasheet; vendor CPU specifications)",
+        "dram_bw": f"assumed: {SUSTAINED_FRACTION:.0%} sustained (STREAM-class triad) of the sourced peak, {sockets} "
+                   f"sockets x {channels} DDR channels x {mt_per_s} MT/s x 8 B = {peak / 1e9:.1f} GB/s",
+        "thread_bw": f"assumed: {thread_bw / 1e9:.0f} GB/s per thread, {thread_why}; not measured on this node"})
+
+
+# The CPUs of the nodes the GPU presets stand for (NVIDIA DGX datasheets; Intel ARK / AMD product
+# pages for the memory channels and speeds). One thread's kernel is assumed to stream about what
+# one core's STREAM triad reaches on that class of CPU (the host kernels run at the memory bound,
+# benchmarks/host_optimizer.py): measure yours with --host-calibration.
+HOST_PRESETS: Dict[str, HostSpec] = {
+    "DGX-1V": _node("DGX-1V", "2 x Xeon E5-2698 v4 (Broadwell, 20 cores each)", 40, 2, 4, 2400, 10e9,
+                    "a Broadwell core's single-thread triad"),
+    "DGX-2": _node("DGX-2", "2 x Xeon Platinum 8168 (Skylake-SP, 24 cores each)", 48, 2, 6, 2666, 11e9,
+                   "a Skylake-SP core's single-thread triad"),
+    "DGX-A100": _node("DGX-A100", "2 x AMD EPYC 7742 (Rome, 64 cores each)", 128, 2, 8, 3200, 20e9,
+                      "a Rome core's single-thread triad"),
+    "DGX-H100": _node("DGX-H100", "2 x Xeon Platinum 8480C (Sapphire Rapids, 56 cores each)", 112, 2, 8, 4800,
+                      12e9, "a Sapphire Rapids core's single-thread triad"),
+    "DGX-H200": _node("DGX-H200", "2 x Xeon Platinum 8480C (Sapphire Rapids, 56 cores each)", 112, 2, 8, 4800,
+                      12e9, "a Sapphire Rapids core's single-thread triad"),
+}
+# The node each GPU preset's host figures come from (V100-32GB: the DGX-1V's CPUs, whatever its
+# host memory; a DGX-2-class V100 node is --host-node DGX-2 --gpus-per-node 16).
+GPU_HOSTS: Dict[str, str] = {"V100-32GB": "DGX-1V", "A100-80GB": "DGX-A100", "H100-80GB": "DGX-H100",
+                             "H200-141GB": "DGX-H200"}

@@ -98,20 +98,31 @@ README_COMMANDS = {"m6_10t": [("real.yaml", [], 1), ("real_lean.yaml", ["--host-
                               ("real_lean.yaml", ["--host-memory", "96GiB", "--cpu-offload-optimizer-nvme-path",
                                                   "/local/nvme", *BF16_GRADS], 0),
                               ("real_lean.yaml", ["--host-memory", "192GiB", *BF16_GRADS,
-                                                  "--cpu-offload-delayed-param-update"], 0)],
+                                                  "--cpu-offload-delayed-param-update"], 0),
+                              ("real_lean.yaml", ["--host-node", "DGX-2", "--gpus-per-node", "16", *BF16_GRADS,
+                                                  "--cpu-offload-delayed-param-update"], 1)],
                    "m6_1t": [("real.yaml", [], 0)]}
+
+
+# the other printed lines a README quotes (each must be one of its commands' lines)
+QUOTED = ("== Pseudo-to-Real: ", "host step (", "delayed parameter update (", "warning: ")
 
 
 @pytest.mark.parametrize("example", list(README_COMMANDS))
 def test_example_readmes_show_the_verdicts_their_command_prints(example, capsys):
     with open(f"examples/{example}/README.md", encoding="utf-8") as fh:
-        shown = [line for line in fh.read().splitlines() if line.strip().startswith(("FITS: ", "DOES NOT FIT: "))]
-    printed = []
+        readme = fh.read().splitlines()
+    shown = [line for line in readme if line.strip().startswith(("FITS: ", "DOES NOT FIT: "))]
+    printed, lines = [], set()
     for i, (real, extra, status) in enumerate(README_COMMANDS[example]):
         argv = ["--config", f"examples/{example}/model.yaml", "--pseudo-config", f"examples/{example}/pseudo.yaml",
                 "--real-config", f"examples/{example}/{real}", "--world-size", "512", "--gpu", "V100-32GB",
                 "--token-budget", "50B", *extra]
         assert main(argv) == status
-        verdicts = [line for line in capsys.readouterr().out.splitlines() if "FIT" in line and not line.startswith("   !")]
+        out = capsys.readouterr().out.splitlines()
+        lines.update(out)
+        verdicts = [line for line in out if "FIT" in line and not line.startswith("   !")]
         printed += verdicts if i == 0 else verdicts[-1:]
     assert shown == printed
+    quoted = [line for line in readme if line.strip().startswith(QUOTED)]
+    assert [line for line in quoted if line not in lines] == []
