@@ -54,7 +54,7 @@ def _steps(make, p0: torch.Tensor, steps: int = 3):
 
 def _adamw(main, grad, moments, wd=0.1):
     p0 = _main(1600, main, grad)
-    dtypes = dict(zip(("exp_avg", "exp_avg_sq"), (DTYPES[m] for m in moments)))
+    dtypes = dict(zip(("exp_avg", "exp_avg_sq"), (DTYPES[m] for m in moments), strict=True))
     return lambda: _steps(lambda ps: PrecisionAwareAdamW(ps, dtypes, lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
                                                          weight_decay=wd), p0)
 
@@ -194,7 +194,7 @@ def test_traffic_is_what_traffic_py_counts(main, grad, moments, weight):
     m, v = (torch.zeros(n, dtype=DTYPES[d]) for d in moments)
     adam = _counted(lambda: host_kernels.adamw(p, p.grad, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8,
                                                weight_decay=0.0, weight=w))
-    assert adam == n * kernel_bytes_per_element("adam", main, grad, dict(zip(("exp_avg", "exp_avg_sq"), moments)),
+    assert adam == n * kernel_bytes_per_element("adam", main, grad, dict(zip(("exp_avg", "exp_avg_sq"), moments, strict=True)),
                                                 weight)
     lion = _counted(lambda: host_kernels.lion(p, p.grad, m, lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.0,
                                               weight=w))
