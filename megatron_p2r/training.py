@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron_p2r import offload, reliability
 from megatron_p2r.config import (Config, ConfigError, check_values, global_batch_size, num_microbatches, train_iters,
                                   train_samples, validate)
+from megatron_p2r.config.offload import host_optimizer_threads
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.lifecycle import check_run_fits, lock_save_dir, release_groups, resume_checkpoint
 from megatron_p2r.metrics import TrainingLogger, format_line, model_flops_per_token, peak_memory_bytes
@@ -27,6 +28,7 @@ from megatron_p2r.model.m6 import M6Model, build_model
 from megatron_p2r.offload.optimizer import finish_host_optimizer, optimizer_placement, overlapped_host_step
 from megatron_p2r.offload.runtime import format_report
 from megatron_p2r.moe import aux_loss
+from megatron_p2r.optim import host_kernels
 from megatron_p2r.optim.grad_scaler import LossScaler
 from megatron_p2r.optim.mixed_precision import MixedPrecisionOptimizer, build_mixed_precision_optimizer
 from megatron_p2r.optim.scheduler import LRScheduler
@@ -145,6 +147,7 @@ def build_train_state(cfg: Config, ps: ParallelState, plan: Optional[ParallelPla
                                   fetched=manager.fetched_param_ids if manager else (),
                                   waits_whole=model.layers.values() if cfg.train.compile else ())
     host_step = overlapped_host_step(manager, cfg) if manager else None
+    host_kernels.set_threads(host_optimizer_threads(cfg.offload.host_optimizer_threads))
     optimizer = build_mixed_precision_optimizer(ddp, plan, ps, cfg.train,
                                                 optimizer_placement(manager) if manager else None,
                                                 manager.synchronize if manager else None, host_step)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from megatron_p2r.config import Config, host_step_starts_in_backward
+from megatron_p2r.config.offload import host_optimizer_threads
 from megatron_p2r.offload.nvme import LayerByLayer, NvmeOptimizerState, NvmeStateFile, region_bytes
 from megatron_p2r.offload.runtime import OffloadManager
 from megatron_p2r.optim.delayed_update import DelayedHostStep
@@ -35,9 +36,9 @@ def overlapped_host_step(manager: OffloadManager, cfg: Config) -> Optional[HostS
         return None
     o = cfg.offload
     if o.cpu_offload_delayed_param_update:   # the step has the next iteration: none starts in backward
-        return HostStepSettings(manager.forward_layers, o.host_optimizer_threads,
+        return HostStepSettings(manager.forward_layers, host_optimizer_threads(o.host_optimizer_threads),
                                 delay_after=o.cpu_offload_delayed_param_update_warmup_steps)
-    return HostStepSettings(manager.forward_layers, o.host_optimizer_threads,
+    return HostStepSettings(manager.forward_layers, host_optimizer_threads(o.host_optimizer_threads),
                             host_step_starts_in_backward(cfg.train, manager.model.layer_keys))
 
 
