@@ -211,10 +211,11 @@ struct AdamScalars {
   bool small;
 };
 
-// One block of AdamW in fp32 (outputs in buffers of their own, so the loop vectorizes).
-void adam_math(int64_t k, const float* __restrict pi, const float* __restrict g, const float* __restrict mi,
-               const float* __restrict vi, float* __restrict po, float* __restrict mo, float* __restrict vo,
-               const AdamScalars a) {
+// One block of AdamW in fp32. An output may be its input (an fp32 tensor updated in place):
+// element i reads and writes index i only, which ivdep tells the vectorizer.
+void adam_math(int64_t k, const float* pi, const float* g, const float* mi, const float* vi, float* po, float* mo,
+               float* vo, const AdamScalars a) {
+#pragma GCC ivdep
   for (int64_t i = 0; i < k; ++i) {
     float p = pi[i] * a.decay;
     float m = lerp(mi[i], g[i], a.w, a.w1, a.small);
@@ -231,13 +232,18 @@ struct LionScalars {
   bool small1, small2;
 };
 
-void lion_math(int64_t k, const float* __restrict pi, const float* __restrict g, const float* __restrict mi,
-               float* __restrict po, float* __restrict mo, const LionScalars a) {
+// One block of Lion in fp32; `decay` multiplies the main first (1 when it was decayed and rounded
+// already). Outputs may be their inputs, as in adam_math.
+void lion_math(int64_t k, const float* pi, const float* g, const float* mi, float* po, float* mo, float decay,
+               const LionScalars a) {
+  const float lr = a.neg_lr, w1 = a.w1, w1m1 = a.w1m1, w2 = a.w2, w2m1 = a.w2m1;
+  const bool small1 = a.small1, small2 = a.small2;
+#pragma GCC ivdep
   for (int64_t i = 0; i < k; ++i) {
-    float c = lerp(mi[i], g[i], a.w1, a.w1m1, a.small1);
-    float s = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : c);
-    po[i] = std::fmaf(s, a.neg_lr, pi[i]);
-    mo[i] = lerp(mi[i], g[i], a.w2, a.w2m1, a.small2);
+    const float m = mi[i], gi = g[i], c = lerp(m, gi, w1, w1m1, small1);
+    const float s = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : c);
+    po[i] = std::fmaf(s, lr, pi[i] * decay);
+    mo[i] = lerp(m, gi, w2, w2m1, small2);
   }
 }
 
@@ -255,9 +261,10 @@ void adamw_step(int64_t n, void* param, int pdt, const void* grad, int gdt, void
                 int threads) {
   const AdamScalars a{decay, lerp_w, lerp_w1, beta2, sq_coeff, bc2_sqrt, eps, neg_step_size, small != 0};
   parallel(n, threads, [=](int64_t begin, int64_t end) {
-    float pb[BLOCK], gb[BLOCK], mb[BLOCK], vb[BLOCK], po[BLOCK], mo[BLOCK], vo[BLOCK];
+    float pb[BLOCK], gb[BLOCK], mb[BLOCK], vb[BLOCK];
     for (int64_t off = begin; off < end; off += BLOCK) {
       int64_t k = std::min(BLOCK, end - off);
+      float *po = target(param, pdt, off, pb), *mo = target(exp_avg, mdt, off, mb), *vo = target(exp_avg_sq, vdt, off, vb);
       adam_math(k, load(param, pdt, off, k, pb), load(grad, gdt, off, k, gb), load(exp_avg, mdt, off, k, mb),
                 load(exp_avg_sq, vdt, off, k, vb), po, mo, vo, a);
       store(exp_avg, mdt, off, k, mo);
@@ -275,20 +282,20 @@ void lion_step(int64_t n, void* param, int pdt, const void* grad, int gdt, void*
                float w2m1, int small2, int threads) {
   const LionScalars a{decay, neg_lr, w1, w1m1, w2, w2m1, small1 != 0, small2 != 0};
   parallel(n, threads, [=](int64_t begin, int64_t end) {
-    float pb[BLOCK], gb[BLOCK], mb[BLOCK], decayed[BLOCK], po[BLOCK], mo[BLOCK];
+    float pb[BLOCK], gb[BLOCK], mb[BLOCK];
     uint16_t rounded[BLOCK];
     for (int64_t off = begin; off < end; off += BLOCK) {
       int64_t k = std::min(BLOCK, end - off);
       const float* pi = load(param, pdt, off, k, pb);
-      if (decays) {
-        for (int64_t i = 0; i < k; ++i) decayed[i] = pi[i] * a.decay;
-        if (pdt != 0) {  // the reference stores the decayed main before adding the update
-          store(rounded, pdt, 0, k, decayed);
-          load(rounded, pdt, 0, k, decayed);
-        }
-        pi = decayed;
+      float decay = decays ? a.decay : 1.0f;   // x 1 is exact
+      if (decays && pdt != 0) {  // the reference stores the decayed 16-bit main before adding the update
+        for (int64_t i = 0; i < k; ++i) pb[i] = pi[i] * a.decay;
+        store(rounded, pdt, 0, k, pb);
+        load(rounded, pdt, 0, k, pb);
+        decay = 1.0f;
       }
-      lion_math(k, pi, load(grad, gdt, off, k, gb), load(exp_avg, mdt, off, k, mb), po, mo, a);
+      float *po = target(param, pdt, off, pb), *mo = target(exp_avg, mdt, off, mb);
+      lion_math(k, pi, load(grad, gdt, off, k, gb), load(exp_avg, mdt, off, k, mb), po, mo, decay, a);
       store(exp_avg, mdt, off, k, mo);
       store(param, pdt, off, k, po);
       if (weight) store(weight, wdt, off, k, po);
