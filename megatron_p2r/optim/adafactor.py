@@ -193,8 +193,7 @@ class Adafactor(torch.optim.Optimizer):
         return out
 
     def _on_kernels(self, p: torch.Tensor) -> bool:
-        return (self.pieces[id(p)].factored and p.device.type == "cpu" and p.dtype == torch.float32
-                and p.is_contiguous() and p.grad.is_contiguous() and host_kernels.available())
+        return self.pieces[id(p)].factored and p.dtype == torch.float32 and host_kernels.steps(p, p.grad)
 
     def _sums(self, p: torch.Tensor) -> torch.Tensor:
         """This rank's part of the per-matrix sums the update needs: row and column sums of g^2

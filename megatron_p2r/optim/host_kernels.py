@@ -100,6 +100,11 @@ def available() -> bool:
     return library() is not None
 
 
+def steps(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels step these tensors: contiguous CPU tensors, and the library built."""
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and available()
+
+
 I64, INT, FLT, PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {
     "adamw_step": [I64, PTR, INT, PTR, INT, PTR, INT, PTR, INT, PTR, INT] + [FLT, FLT, FLT, INT] + [FLT] * 5 + [INT],

@@ -50,7 +50,7 @@ class Lion(torch.optim.Optimizer):
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, dtype=self.moment_dtype)
                 stored = state["exp_avg"]
-                if p.device.type == "cpu" and host_kernels.available():
+                if host_kernels.steps(p, p.grad):
                     host_kernels.lion(p.view(-1), p.grad.view(-1), stored.view(-1), lr=group["lr"], beta1=beta1,
                                       beta2=beta2, weight_decay=group["weight_decay"])
                     state["step"] += 1

@@ -78,7 +78,7 @@ class PrecisionAwareAdamW(torch.optim.AdamW):
         gets its own copy of the step count (the fused kernel increments the one it is given)."""
         state = self._state_of(p)
         before, beta1, beta2 = state["step"], *group["betas"]
-        if p.device.type == "cpu" and host_kernels.available():
+        if host_kernels.steps(p, p.grad):
             host_kernels.adamw(p.view(-1), p.grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
                                step=float(before) + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                                weight_decay=group["weight_decay"])
