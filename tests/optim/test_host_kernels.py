@@ -206,3 +206,16 @@ def test_adafactor_traffic_is_three_passes(grad):
     shape, n = (32, 32), 1024
     run = _adafactor(shape, 0, n, grad=grad, steps=1)
     assert _counted(run) == n * kernel_bytes_per_element("adafactor", "fp32", grad, {}, None)
+
+
+def test_without_a_compiler_the_torch_path_steps_after_one_warning(monkeypatch, tmp_path, reference):
+    """No $CXX: library() is None with one RuntimeWarning naming it, and the optimizers step with
+    the torch arithmetic (the same bits as the reference)."""
+    monkeypatch.setattr(host_kernels, "_state", {"threads": 1, "library": None, "tried": False})
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler \\(no-such-compiler\\)"):
+        assert host_kernels.library() is None
+    run = _adamw("fp32", "bf16", ("bf16", "bf16"))
+    _equal(run(), reference(run))
+    assert not any(tmp_path.iterdir())
