@@ -21,6 +21,7 @@ namespace {
 constexpr int64_t BLOCK = 512;        // elements staged per buffer (2 KiB each in fp32)
 constexpr int64_t ROWS_PER_UNIT = 64; // rows of a factored matrix summed by one task
 constexpr int LANES = 16;             // accumulators of one row's sums
+constexpr int64_t SERIAL_BELOW = 65536;  // shards smaller than this are not worth starting threads for
 
 inline float bf16_to_float(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -81,7 +82,7 @@ inline void store(void* dst, int dtype, int64_t off, int64_t n, const float* val
 // Runs f(begin, end) over [0, n) split into `threads` ranges aligned to 64 elements.
 template <class F>
 void parallel(int64_t n, int threads, F f) {
-  if (threads <= 1 || n < 65536) {
+  if (threads <= 1 || n < SERIAL_BELOW) {
     f(0, n);
     return;
   }
@@ -310,7 +311,7 @@ void adafactor_sums(int64_t start, int64_t n, int64_t rows, int64_t cols, const 
                     const void* param, int pdt, float* row_sums, float* col_sums, float* weight_sq, int threads) {
   Units u(start, n, rows, cols);
   std::vector<double> colp(u.count() * cols, 0.0), wsq(u.count(), 0.0);
-  parallel_units(u.count(), threads, [&](int64_t k) {
+  parallel_units(u.count(), n < SERIAL_BELOW ? 1 : threads, [&](int64_t k) {
     float gb[BLOCK], pb[BLOCK];
     std::vector<float> col(cols, 0.0f);  // this unit's column sums (at most ROWS_PER_UNIT terms each)
     double w = 0;
@@ -351,7 +352,7 @@ void adafactor_update_sums(int64_t start, int64_t n, int64_t rows, int64_t cols,
                            float* update_sq, int threads) {
   Units u(start, n, rows, cols);
   std::vector<double> part(u.count(), 0.0);
-  parallel_units(u.count(), threads, [&](int64_t k) {
+  parallel_units(u.count(), n < SERIAL_BELOW ? 1 : threads, [&](int64_t k) {
     float gb[BLOCK], up[BLOCK];
     double total = 0;
     for (int64_t r = u.row0[k]; r < u.row0[k + 1]; ++r) {
@@ -374,7 +375,7 @@ void adafactor_apply(int64_t start, int64_t n, int64_t rows, int64_t cols, const
                      int pdt, void* weight, int wdt, const float* row_var, const float* col_var, const float* mean,
                      float floor, const float* scale, float decay, int threads) {
   Units u(start, n, rows, cols);
-  parallel_units(u.count(), threads, [&](int64_t k) {
+  parallel_units(u.count(), n < SERIAL_BELOW ? 1 : threads, [&](int64_t k) {
     float gb[BLOCK], pb[BLOCK], up[BLOCK];
     for (int64_t r = u.row0[k]; r < u.row0[k + 1]; ++r) {
       for (int64_t b = u.row_begin(r); b < u.row_end(r); b += BLOCK) {
