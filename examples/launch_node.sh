@@ -6,6 +6,9 @@
 # Variables: NNODES (default 1), NODE_RANK (0), MASTER_ADDR (localhost), MASTER_PORT (29500),
 # GPUS_PER_NODE (8), MAX_RESTARTS (0: with --save D --load D a restarted job resumes from
 # the newest complete checkpoint). Every node runs the same command with its own NODE_RANK.
+# The host optimizer step of offloaded layers takes each rank's share of the node's cores
+# (--host-optimizer-threads auto: cores / GPUS_PER_NODE, whatever torchrun's OMP_NUM_THREADS=1);
+# pass --host-optimizer-threads N after -- to set it (docs/host_optimizer.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 configs=()

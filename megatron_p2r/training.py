@@ -27,6 +27,7 @@ from megatron_p2r.model.m6 import M6Model, build_model
 from megatron_p2r.offload.optimizer import finish_host_optimizer, host_step_settings, optimizer_placement
 from megatron_p2r.offload.runtime import format_report
 from megatron_p2r.moe import aux_loss
+from megatron_p2r.optim import host_kernels
 from megatron_p2r.optim.grad_scaler import LossScaler
 from megatron_p2r.optim.mixed_precision import MixedPrecisionOptimizer, build_mixed_precision_optimizer
 from megatron_p2r.optim.scheduler import LRScheduler
@@ -145,6 +146,7 @@ def build_train_state(cfg: Config, ps: ParallelState, plan: Optional[ParallelPla
                                   fetched=manager.fetched_param_ids if manager else (),
                                   waits_whole=model.layers.values() if cfg.train.compile else ())
     host_step = host_step_settings(manager, steps) if manager else None
+    host_kernels.set_threads(steps.threads)
     optimizer = build_mixed_precision_optimizer(ddp, plan, ps, cfg.train,
                                                 optimizer_placement(manager) if manager else None,
                                                 manager.synchronize if manager else None, host_step)

@@ -204,8 +204,7 @@ def _without(rest: List[str], flag: str) -> List[str]:
 # Command-line flags that mean something only to a phase that offloads (and are refused by one
 # that does not): each applies to the phases where the test holds, and is left out of the others
 # (a pseudo phase planned beside its real phase with the real phase's flags).
-_OFFLOAD_ONLY = {"--device-memory-budget": lambda cfg: cfg.offload.cpu_offload_layers == "auto",
-                 "--host-optimizer-threads": lambda cfg: cfg.offload.overlap_cpu_optimizer_d2h_h2d}
+_OFFLOAD_ONLY = {"--device-memory-budget": lambda cfg: cfg.offload.cpu_offload_layers == "auto"}
 
 
 def _parse_phase(rest: List[str]) -> Config:

@@ -3,6 +3,7 @@
 ``layout/offload.py`` (selection, accounting) and ``megatron_p2r/offload`` (the runtime) read the parsed forms."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -29,7 +30,10 @@ class OffloadConfig:
                                                      "(each layer's fetch waits for its own step); with "
                                                      "--clip-grad 0 and no fp16, each layer's step starts in "
                                                      "backward once its gradients are final.")
-    host_optimizer_threads: int = opt(1, "Threads stepping the overlapped host step's layers in parallel.")
+    host_optimizer_threads: str = opt("auto", "Threads of this rank's host optimizer step (serial or overlapped): "
+                                              "auto (the cores this process may run on divided by "
+                                              "LOCAL_WORLD_SIZE, as ZeRO-Offload) or N; independent of "
+                                              "OMP_NUM_THREADS.")
     cpu_offload_optimizer_nvme_path: Optional[str] = opt(None, "Directory on local NVMe for the offloaded layers' "
                                                                "fp32 mains and optimizer state (one memory-mapped "
                                                                "file per rank; DeepSpeed's offload_optimizer nvme_path).")
@@ -46,6 +50,7 @@ class OffloadConfig:
     def check(self, num_layers: int) -> None:
         """Each flag parses, and the budget comes with ``auto`` and only with it."""
         parse_offload_what(self.cpu_offload_what)   # how the host step combines with the rest: config/step_plan.py
+        host_optimizer_threads(self.host_optimizer_threads)
         if self.cpu_offload_layers is None:
             if self.device_memory_budget is not None:
                 raise ConfigError("--device-memory-budget is used only with --cpu-offload-layers auto")
@@ -132,6 +137,23 @@ def parse_layer_spec(spec: str, num_layers: int) -> LayerSpec:
     return LayerSpec("count", count=count)
 
 
+def host_optimizer_threads(value: str, cores: Optional[int] = None, local_ranks: Optional[int] = None) -> int:
+    """--host-optimizer-threads as a count: N, or ``auto``: ``cores`` (default: the CPUs this
+    process may run on) divided by ``local_ranks`` (default: torchrun's LOCAL_WORLD_SIZE, else 1),
+    at least 1 — each rank of a node gets its share, as ZeRO-Offload sizes its CPU Adam."""
+    if str(value) == "auto":
+        cores = len(os.sched_getaffinity(0)) if cores is None else cores
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if local_ranks is None else local_ranks
+        return max(1, cores // max(1, local_ranks))
+    try:
+        threads = int(value)
+    except ValueError:
+        threads = 0
+    if not 1 <= threads <= LAYERS:
+        raise ConfigError(f"--host-optimizer-threads: expected auto or a count in [1, {LAYERS}], got {value!r}")
+    return threads
+
+
 # Type and range of every numeric field (config/ranges.py).
-RANGES = {"offload_prefetch": at_least(0, LAYERS), "host_optimizer_threads": at_least(1, LAYERS),
+RANGES = {"offload_prefetch": at_least(0, LAYERS),
           "cpu_offload_delayed_param_update_warmup_steps": at_least(0)}

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Tuple
 
 from megatron_p2r.config.fields import ConfigError
-from megatron_p2r.config.offload import parse_offload_what
+from megatron_p2r.config.offload import host_optimizer_threads, parse_offload_what
 from megatron_p2r.config.root import Config
 
 HOST_STEPS = ("serial", "overlapped", "early", "delayed")
@@ -42,7 +42,6 @@ class StepSettings:
     overlap: bool
     delayed: bool       # --cpu-offload-delayed-param-update with --cpu-offload-layers (else it delays nothing)
     nvme: bool
-    threads: int
     distributed: bool   # --use-distributed-optimizer
     weights: str        # fp32 | bf16 | fp16
     mains: str          # --main-params-dtype
@@ -68,10 +67,6 @@ REFUSALS: Tuple[Refusal, ...] = (
     Refusal("delayed-with-nvme", lambda s: s.delayed and s.nvme,
             "--cpu-offload-delayed-param-update is not supported with --cpu-offload-optimizer-nvme-path (the NVMe "
             "state reads ahead in the undelayed order)"),
-    Refusal("threads-need-overlap", lambda s: s.threads != 1 and not s.overlap,
-            "--host-optimizer-threads sets the threads of the overlapped host step: it needs "
-            "--overlap-cpu-optimizer-d2h-h2d"),
-    # Without --cpu-offload-layers the path holds nothing (a pseudo phase planned with its real phase's flags).
     Refusal("nvme-needs-host-weights", lambda s: s.nvme and not s.weights_on_host,
             "--cpu-offload-optimizer-nvme-path holds the optimizer state of layers whose weights live on host: it "
             "needs --cpu-offload-what params,grads,optimizer"),
@@ -94,8 +89,8 @@ class StepPlan:
     steps (``HOST_STEPS``; ``early`` is decided per stage by ``host_step``), None when no layer's
     weights do; ``staged``: some layers keep only their state on host; ``nvme_path``: the host
     step's mains and state are on that NVMe directory (None: in RAM; it holds nothing without
-    offloaded layers, as in a pseudo phase planned with its real phase's flags); ``threads``: the overlapped
-    step's workers; ``delay_warmup``: undelayed steps before ``delayed`` starts; ``gated``:
+    offloaded layers, as in a pseudo phase planned with its real phase's flags); ``threads``: the host kernels'
+    threads (--host-optimizer-threads, ``auto`` resolved for this rank); ``delay_warmup``: undelayed steps before ``delayed`` starts; ``gated``:
     clipping or fp16 loss scaling makes each step wait for the global norm."""
 
     host: Optional[str]
@@ -130,7 +125,7 @@ def settings(cfg: Config) -> StepSettings:
                         weights_on_host="params" in parse_offload_what(o.cpu_offload_what),
                         overlap=o.overlap_cpu_optimizer_d2h_h2d,
                         delayed=o.cpu_offload_delayed_param_update and o.cpu_offload_layers is not None,
-                        nvme=o.cpu_offload_optimizer_nvme_path is not None, threads=o.host_optimizer_threads,
+                        nvme=o.cpu_offload_optimizer_nvme_path is not None,
                         distributed=cfg.parallel.use_distributed_optimizer,
                         weights="bf16" if t.bf16 else "fp16" if t.fp16 else "fp32", mains=t.main_params_dtype)
 
@@ -152,6 +147,6 @@ def build_step_plan(cfg: Config) -> StepPlan:
         host = "delayed" if s.delayed else "overlapped" if s.overlap else "serial"
     return StepPlan(host=host, staged=s.offloaded and not s.weights_on_host,
                     nvme_path=o.cpu_offload_optimizer_nvme_path,
-                    threads=o.host_optimizer_threads,
+                    threads=host_optimizer_threads(o.host_optimizer_threads),
                     delay_warmup=o.cpu_offload_delayed_param_update_warmup_steps,
                     gated=cfg.train.clip_grad != 0 or cfg.train.fp16)

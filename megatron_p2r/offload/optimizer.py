@@ -30,7 +30,7 @@ def optimizer_placement(manager: OffloadManager) -> Dict[int, str]:
 def host_step_settings(manager: OffloadManager, steps: StepPlan) -> HostStepSettings:
     """How the host placement steps: the step plan's ``host_step`` for this stage's layers."""
     return HostStepSettings(steps.host_step(manager.model.layer_keys) or "serial", manager.forward_layers,
-                            by_layer=steps.nvme_path is not None, threads=steps.threads,
+                            by_layer=steps.nvme_path is not None,
                             delay_after=steps.delay_warmup)
 
 

@@ -11,6 +11,12 @@ per step) and each keeps the whole row and column statistics, so every element g
 the one-process run gives it (up to the order of the sums). Gradients below fp32
 (``--main-grads-dtype bf16``) are upcast one piece at a time.
 
+On CPU a factored piece with fp32 mains is stepped by the host kernels (``optim/host_kernels.py``)
+in three passes over memory — the sums, the update's sum of squares, the update — without ever
+holding the update: the same arithmetic element by element, with the sums taken in double in a
+fixed order (the only difference from the torch path; the bound is tested in
+tests/optim/test_host_kernels.py).
+
 Where this differs from torch: a stacked parameter (experts: E x R x C) is E matrices, each with
 its own RMS and clipping (torch takes one RMS over the whole tensor), so the expert-parallel
 size does not change the arithmetic; under tensor parallelism each rank's shard of a split
@@ -21,10 +27,12 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
+
+from megatron_p2r.optim import host_kernels
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,20 @@ class Piece:
         if self.batches == 1:
             return per_matrix.reshape(())
         return self.unpadded(per_matrix[self.matrix_of_rows(per_matrix.device)][:, None].expand(-1, self.cols))
+
+
+@dataclass(frozen=True)
+class FactoredUpdate:
+    """A factored piece's update as the host kernels compute it element by element (never held):
+    grad x rsqrt(max(row_var x col_var / mean, floor))."""
+
+    row_var: torch.Tensor
+    col_var: torch.Tensor
+    mean: torch.Tensor
+    floor: float
+
+
+Update = Union[torch.Tensor, FactoredUpdate]   # an update held (torch path) or described (kernels)
 
 
 @dataclass
@@ -168,10 +190,17 @@ class Adafactor(torch.optim.Optimizer):
                 out[id(p)] = values[offsets[i]:offsets[i + 1]].to(p.device)
         return out
 
+    def _on_kernels(self, p: torch.Tensor) -> bool:
+        return self.pieces[id(p)].factored and p.dtype == torch.float32 and host_kernels.steps(p, p.grad)
+
     def _sums(self, p: torch.Tensor) -> torch.Tensor:
         """This rank's part of the per-matrix sums the update needs: row and column sums of g^2
         (factored), the weight's sum of squares."""
-        piece, grad, weight = self.pieces[id(p)], p.grad.reshape(-1).float(), p.reshape(-1)
+        piece = self.pieces[id(p)]
+        if self._on_kernels(p):
+            return host_kernels.adafactor_sums(piece.start, piece.rows, piece.cols, piece.batches,
+                                               p.grad.view(-1), p.view(-1))
+        grad, weight = p.grad.reshape(-1).float(), p.reshape(-1)
         weight_sq = piece.per_matrix(weight * weight)
         if not piece.factored:
             return weight_sq
@@ -181,9 +210,9 @@ class Adafactor(torch.optim.Optimizer):
         col_sums = grad.new_zeros(piece.batches, piece.cols).index_add_(0, piece.matrix_of_rows(grad.device), rows)
         return torch.cat([row_sums, col_sums.view(-1), weight_sq])
 
-    def _update(self, p: torch.Tensor, group: dict, sums: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _update(self, p: torch.Tensor, group: dict, sums: torch.Tensor) -> Tuple[Update, torch.Tensor]:
         """Advance the statistics and return the unscaled update of this piece (and the sums)."""
-        piece, state, grad = self.pieces[id(p)], self._state_of(p), p.grad.reshape(-1).float()
+        piece, state = self.pieces[id(p)], self._state_of(p)
         state["step"] += 1
         beta = float(state["step"]) ** group["beta2_decay"]
         eps1 = group["eps"][0] if group["eps"][0] is not None else torch.finfo(p.dtype).eps
@@ -192,18 +221,27 @@ class Adafactor(torch.optim.Optimizer):
             state["row_var"].lerp_(sums[:b * r] / c, beta)
             state["col_var"].lerp_(sums[b * r:b * (r + c)] / r, beta)
             mean = state["row_var"].view(b, r).mean(1).clamp_(min=eps1)
+            if self._on_kernels(p):
+                return FactoredUpdate(state["row_var"], state["col_var"], mean, eps1 * eps1), sums
+            grad = p.grad.reshape(-1).float()
             (lo, hi), matrix = piece.row_span(), piece.matrix_of_rows(grad.device)
             estimate = state["row_var"][lo:hi, None] * state["col_var"].view(b, c)[matrix]
             variance = piece.unpadded(estimate.div_(mean[matrix][:, None]))
         else:
+            grad = p.grad.reshape(-1).float()
             state["variance"].lerp_(grad * grad, beta)
             variance = state["variance"].clone()
         return variance.clamp_(min=eps1 * eps1).rsqrt_().mul_(grad), sums
 
-    def _update_sums(self, p: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-        return self.pieces[id(p)].per_matrix(update * update)
+    def _update_sums(self, p: torch.Tensor, update: Update) -> torch.Tensor:
+        piece = self.pieces[id(p)]
+        if isinstance(update, FactoredUpdate):
+            return host_kernels.adafactor_update_sums(piece.start, piece.rows, piece.cols, piece.batches,
+                                                      p.grad.view(-1), update.row_var, update.col_var, update.mean,
+                                                      update.floor)
+        return piece.per_matrix(update * update)
 
-    def _apply(self, p: torch.Tensor, group: dict, update: torch.Tensor, sums: torch.Tensor,
+    def _apply(self, p: torch.Tensor, group: dict, update: Update, sums: torch.Tensor,
                update_sq: torch.Tensor) -> None:
         """w = w (1 - lr wd) - alpha / clip x update, per matrix: alpha = max(eps2, RMS(w)) x
         min(lr, 1/sqrt(t)), clip = max(1, RMS(update) / d)."""
@@ -213,6 +251,12 @@ class Adafactor(torch.optim.Optimizer):
         rho = min(group["lr"], 1 / step ** 0.5)
         alpha = (weight_sq / n).sqrt_().clamp_(min=group["eps"][1]) * rho
         clip = ((update_sq / n).sqrt_() / group["d"]).clamp_(min=1.0)
+        if isinstance(update, FactoredUpdate):
+            decay = 1 - group["lr"] * group["weight_decay"] if group["weight_decay"] else 1.0
+            host_kernels.adafactor_apply(piece.start, piece.rows, piece.cols, p.grad.view(-1), p.view(-1),
+                                         update.row_var, update.col_var, update.mean, update.floor, alpha / clip,
+                                         decay)
+            return
         if group["weight_decay"]:
             p.mul_(1 - group["lr"] * group["weight_decay"])
         p.view(-1).sub_(update.mul_(piece.broadcast(alpha / clip)))

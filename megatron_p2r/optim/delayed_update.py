@@ -45,9 +45,9 @@ class DelayedHostStep(HostStep):
     flight (``OffloadManager.synchronize``)."""
 
     def __init__(self, inner: torch.optim.Optimizer, by_layer: Dict[int, torch.optim.Optimizer],
-                 layers: Dict[int, list], threads: int, buckets: Dict[int, list], warmup_steps: int,
+                 layers: Dict[int, list], buckets: Dict[int, list], warmup_steps: int,
                  steps_taken: Callable[[], int], before_write: Optional[Callable[[], None]] = None):
-        super().__init__(inner, by_layer, layers, threads, early=False, buckets=buckets)
+        super().__init__(inner, by_layer, layers, early=False, buckets=buckets)
         self.warmup_steps, self.steps_taken, self.before_write = warmup_steps, steps_taken, before_write
         self._swapped = list({id(b): b for held in buckets.values() for b in held}.values())
         for bucket in self._swapped:

@@ -1,5 +1,8 @@
 """The host optimizer step of offloaded layers, overlapped with what follows it
-(``--overlap-cpu-optimizer-d2h-h2d``), on ``--host-optimizer-threads`` worker threads.
+(``--overlap-cpu-optimizer-d2h-h2d``), on one worker thread: layers are stepped one after
+another, each by the host kernels on the rank's ``--host-optimizer-threads`` threads
+(``optim/host_kernels.py``), so the cores are used without oversubscribing them. (All-fp32
+AdamW steps with torch's fused kernel, on torch's intra-op threads: OMP_NUM_THREADS.)
 
 **When a layer's step starts.** With gradient clipping (``--clip-grad`` > 0) or fp16 loss
 scaling, not before the global gradient norm is known: the clipping coefficient and the skip
@@ -19,9 +22,8 @@ updated.
 iteration's forward up to each offloaded layer: the fetch of a layer's weights waits for that
 layer's step only (``wait(key)``). Every tensor a step reads or writes belongs to that layer and
 nothing else touches it before the fetch, so the weights are bitwise those of the serial step.
-Each layer is stepped by its own optimizer over the shared state (``layer_optimizers``), so
-layers can step on several threads at once; torch kernels release the GIL, so workers compute while Python runs
-the model.
+Each layer is stepped by its own optimizer over the shared state (``layer_optimizers``); torch's
+kernels and the host kernels release the GIL, so the worker computes while Python runs the model.
 """
 from __future__ import annotations
 
@@ -124,8 +126,9 @@ class SerialHostStep(WrappedOptimizer):
 
 class HostStep:
     """Steps ``inner`` (a torch optimizer over the host mains of ``layers``: forward-ordered
-    lists of ``MainShard``) one layer at a time on ``threads`` worker threads, each layer with its
-    optimizer of ``by_layer`` (``layer_optimizers``).
+    lists of ``MainShard``) one layer at a time on one worker thread, each layer with its optimizer
+    of ``by_layer`` (``layer_optimizers``); the host kernels use the rank's threads
+    (``host_kernels.set_threads``, from the step plan).
 
     ``param_groups`` are the groups the LR scheduler writes; the workers read private copies,
     refreshed when a step's first layer is submitted, so the next iteration's learning rate never
@@ -133,7 +136,7 @@ class HostStep:
     (needed when ``early``)."""
 
     def __init__(self, inner: torch.optim.Optimizer, by_layer: Dict[int, torch.optim.Optimizer],
-                 layers: Dict[int, list], threads: int = 1, early: bool = False,
+                 layers: Dict[int, list], early: bool = False,
                  buckets: Optional[Dict[int, list]] = None):
         self.inner, self.by_layer, self.layers, self.early = inner, by_layer, layers, early
         self.param_groups = [{k: v for k, v in g.items()} for g in inner.param_groups]
@@ -142,7 +145,7 @@ class HostStep:
         for key, held in self.buckets.items():
             for bucket in held:
                 self._layers_of_bucket.setdefault(id(bucket), []).append(key)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="host-optimizer")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optimizer")
         self._running: Dict[int, Future] = {}
         # while a step's layers are queued in backward: layer -> its buckets not reported yet
         self._waiting: Optional[Dict[int, int]] = None

@@ -9,11 +9,14 @@ element instead of AdamW's two, so 4 bytes of state per stepped element (2 with 
 Every operation is element by element, so a flat range of a parameter (the distributed
 optimizer's shard) steps exactly as the same elements of the whole parameter would. The moment
 is ``exp_avg`` (AdamW's name for the same kind of average), so checkpoints share that entry
-with AdamW's first moment.
+with AdamW's first moment. On CPU a step is one pass of the host kernel
+(``optim/host_kernels.py``), the same arithmetic.
 """
 from __future__ import annotations
 
 import torch
+
+from megatron_p2r.optim import host_kernels
 
 
 class Lion(torch.optim.Optimizer):
@@ -47,6 +50,11 @@ class Lion(torch.optim.Optimizer):
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, dtype=self.moment_dtype)
                 stored = state["exp_avg"]
+                if host_kernels.steps(p, p.grad):
+                    host_kernels.lion(p.view(-1), p.grad.view(-1), stored.view(-1), lr=group["lr"], beta1=beta1,
+                                      beta2=beta2, weight_decay=group["weight_decay"])
+                    state["step"] += 1
+                    continue
                 moment = stored if stored.dtype == torch.float32 else stored.float()
                 grad = p.grad.float()   # a bf16 main gradient (--main-grads-dtype bf16) upcast
                 update = torch.lerp(moment, grad, 1 - beta1).sign_()

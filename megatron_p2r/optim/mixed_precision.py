@@ -46,12 +46,11 @@ class HostStepSettings:
     """How the host placement steps (the step plan's ``host_step``, config/step_plan.py):
     ``how``: serial | overlapped | early | delayed; ``layers``: layer key -> its parameters' ids,
     in forward order; ``by_layer``: a serial step goes one layer at a time (state on NVMe);
-    ``threads``: --host-optimizer-threads; ``delay_after``: the delayed step's warm-up steps."""
+    ``delay_after``: the delayed step's warm-up steps."""
 
     how: str
     layers: Dict[int, set]
     by_layer: bool = False
-    threads: int = 1
     delay_after: int = 0
 
 
@@ -188,9 +187,9 @@ class MixedPrecisionOptimizer:
         buckets = {key: list({id(b): b for b in (self.ddp.bucket_of[id(ms.param)] for ms in held)}.values())
                    for key, held in layers.items()}
         if settings.how == "delayed":
-            return DelayedHostStep(inner, by_layer, layers, settings.threads, buckets, settings.delay_after,
+            return DelayedHostStep(inner, by_layer, layers, buckets, settings.delay_after,
                                    lambda: self.step_count, before_write=self.before_host_step)
-        stepper = HostStep(inner, by_layer, layers, settings.threads, settings.how == "early", buckets)
+        stepper = HostStep(inner, by_layer, layers, settings.how == "early", buckets)
         if stepper.early:
             self.ddp.reduction_started = stepper.reduction_started
         return stepper

@@ -8,8 +8,9 @@ in chunks of ``CHUNK`` elements: the chunk's 16-bit main parameter, gradient and
 upcast into fp32 scratch, torch's fused AdamW kernel does the update (the same arithmetic,
 element by element, as fp32 AdamW), and the parameter and moments are stored back rounded to
 nearest (no stochastic rounding). The scratch is small enough to stay in cache. What this buys
-is memory (2 bytes per element per 16-bit tensor); the conversions cost time: on CPU a step with
-two bf16 moments takes about twice the fp32 one (``benchmarks/precision_aware_step.py``).
+is memory (2 bytes per element per 16-bit tensor). On CPU the same arithmetic runs in one pass
+of the host kernel (``optim/host_kernels.py``) on all the rank's host threads, at the memory
+bound (``benchmarks/host_optimizer.py``); the chunked path is CUDA's, and CPU's without a compiler.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from torch.optim import adamw as torch_adamw
 
 from megatron_p2r.config import TrainConfig
+from megatron_p2r.optim import host_kernels
 from megatron_p2r.parallel.grad_buffer import DTYPES
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -76,6 +78,12 @@ class PrecisionAwareAdamW(torch.optim.AdamW):
         gets its own copy of the step count (the fused kernel increments the one it is given)."""
         state = self._state_of(p)
         before, beta1, beta2 = state["step"], *group["betas"]
+        if host_kernels.steps(p, p.grad):
+            host_kernels.adamw(p.view(-1), p.grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
+                               step=float(before) + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                               weight_decay=group["weight_decay"])
+            state["step"] = before + 1
+            return
         flat = {"param": p.view(-1), "grad": p.grad.view(-1), **{name: state[name].view(-1) for name in MOMENTS}}
         lowered = [name for name in STEPPED if flat[name].dtype != torch.float32]
         for name in lowered:

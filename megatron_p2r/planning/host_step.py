@@ -127,8 +127,9 @@ def threads_per_rank(configured: Union[int, str, None], host: HostSpec, ranks_pe
     """(threads one rank's host step uses, why): ``--host-optimizer-threads`` (``auto``: the
     node's cores over its ranks), at most the rank's share of the cores."""
     share = host.cores / ranks_per_node
-    if configured in (None, "auto"):
+    if configured is None or str(configured) == "auto":
         return max(share, 1.0), f"auto: {host.cores} cores / {ranks_per_node} ranks per node"
+    configured = int(configured)
     if configured > share:
         return share, f"--host-optimizer-threads {configured}, capped at {host.cores} cores / {ranks_per_node} ranks"
     return float(configured), f"--host-optimizer-threads {configured}"

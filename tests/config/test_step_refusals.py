@@ -70,6 +70,17 @@ def _recorded() -> Dict[str, str]:
     return {name: recorded["messages"][i] for name, i in recorded["refused"].items()}
 
 
+# Refusals lifted since the recording: --host-optimizer-threads sets the host kernels' threads of
+# every host step, serial too (issue 37), so those combinations give what they give with one thread.
+LIFTED = ("--host-optimizer-threads sets the threads of the overlapped host step: it needs "
+          "--overlap-cpu-optimizer-d2h-h2d")
+
+
+def _expected(name: str, recorded: Dict[str, str]) -> Optional[str]:
+    old = recorded.get(name)
+    return recorded.get(name.replace("/threads", "")) if old == LIFTED else old
+
+
 def _same(old: Optional[str], new: Optional[str]) -> bool:
     if old is None or new is None:
         return old == new
@@ -79,8 +90,8 @@ def _same(old: Optional[str], new: Optional[str]) -> bool:
 def _differences() -> Dict[str, tuple]:
     recorded = _recorded()
     assert len(recorded) > 1000   # the fixture is the enumeration, not a sample of it
-    return {name: (recorded.get(name), got) for name, flags in combinations()
-            if not _same(recorded.get(name), got := verdict(flags))}
+    return {name: (_expected(name, recorded), got) for name, flags in combinations()
+            if not _same(_expected(name, recorded), got := verdict(flags))}
 
 
 def test_the_step_plan_refuses_what_the_old_code_refused_and_nothing_more():

@@ -131,10 +131,20 @@ def test_dp2_early_host_step_is_bitwise_the_serial_one():
         assert started == {"overlap-grad-reduce": [2, 2, 2], "bf16-2-threads": [0, 0, 0]}
 
 
-def test_threads_need_the_overlap():
+def test_host_optimizer_threads_auto_is_the_ranks_share_of_the_cores(monkeypatch):
+    """auto: the cores divided by the node's local ranks (at least 1); N as given; the serial step
+    takes them too (no --overlap needed); anything else is one error naming the flag."""
     from megatron_p2r.config import ConfigError, validate
-    with pytest.raises(ConfigError, match="--host-optimizer-threads .* needs --overlap-cpu-optimizer-d2h-h2d"):
-        validate(tiny_config(**BASE, host_optimizer_threads=2), 1)
+    from megatron_p2r.config.offload import host_optimizer_threads
+    assert host_optimizer_threads("auto", cores=16, local_ranks=8) == 2
+    assert host_optimizer_threads("auto", cores=4, local_ranks=8) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert host_optimizer_threads("auto", cores=12) == 6
+    assert host_optimizer_threads("3") == 3
+    validate(tiny_config(**BASE, host_optimizer_threads=2), 1)
+    for bad in ("0", "many", "-1"):
+        with pytest.raises(ConfigError, match="--host-optimizer-threads: expected auto or a count"):
+            validate(tiny_config(**BASE, host_optimizer_threads=bad), 1)
 
 
 def test_resume_is_bitwise(tmp_path):

@@ -43,12 +43,13 @@ def test_calibration_round_trip():
 
 
 def test_the_plan_reads_the_calibration(capsys):
-    status, out = plan_json(SMALL + ["--host-calibration", CALIBRATION], capsys)
+    one_thread = ["--host-calibration", CALIBRATION, "--host-optimizer-threads", "1"]
+    status, out = plan_json(SMALL + one_thread, capsys)
     h = out["plans"]["real"]["stages"][0]["host_step"]
     assert status == 0 and h["thread_bw"] == pytest.approx(10e9) and h["dram_bw"] == 96e9 and h["cores"] == 16
     assert h["thread_bw_source"].startswith("measured: ") and h["dram_bw_source"].startswith("measured: ")
     assert h["threads"] == 1 and h["limit"] == "threads" and h["bw"] == pytest.approx(10e9)
-    main(SMALL + ["--host-calibration", CALIBRATION])
+    main(SMALL + one_thread)
     text = capsys.readouterr().out
     assert "at 10 GB/s per GPU = min(1 threads x 10 GB/s, DRAM 96 GB/s / 8 GPUs" in text
     assert "per thread: measured: tests/fixtures/host_calibration.json, its 1-thread row" in text
@@ -171,11 +172,12 @@ def test_the_lines_docs_offload_quotes_are_what_the_planner_prints(capsys):
 
 
 def test_the_10t_delayed_update_on_h200_nodes_warns(capsys):
-    """Issue 37's case: on H200 nodes the iteration is short, so the delayed step and its write
-    outlast it and the delay costs more than it hides; the plan says so, and hides nothing negative."""
+    """Issue 37's case (one host thread per rank, as it was measured): on H200 nodes the iteration
+    is short, so the delayed step and its write outlast it and the delay costs more than it hides;
+    the plan says so, and hides nothing negative."""
     argv = ["--config", "examples/m6_10t/model.yaml", "--pseudo-config", "examples/m6_10t/pseudo.yaml",
             "--real-config", "examples/m6_10t/real_lean.yaml", "--world-size", "512", "--gpu", "H200-141GB",
-            "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"]
+            "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16", "--host-optimizer-threads", "1"]
     _, delayed = plan_json(argv + ["--cpu-offload-delayed-param-update"], capsys)
     _, undelayed = plan_json(argv, capsys)
     d, u = delayed["plans"]["real"], undelayed["plans"]["real"]
