@@ -66,12 +66,13 @@ def assert_fp32_close(record_property, losses, grads, ref_losses, ref_grads) -> 
 
 
 def assert_16bit_close(record_property, values: dict, steps: int, losses, grads, **precision) -> None:
-    """A 16-bit run on the device (``losses``, ``grads``) against the same 16-bit run on CPU
-    (losses) and the CPU fp32 reference (gradients, scaled by what 16 bits cost on CPU)."""
+    """A 16-bit run on the device (``losses``, ``grads``: the parameters to compare) against the
+    same 16-bit run on CPU (losses) and the CPU fp32 reference (gradients, scaled by what 16 bits
+    cost on CPU)."""
     cpu_losses, cpu_grads, _ = cpu_run(values, steps, **precision)
     _, ref_grads, _ = cpu_run(values, 1, bf16=False, fp16=False)
     loss_err = relative(losses, cpu_losses)
-    grad_err, cpu_err = grad_errors(grads, ref_grads), grad_errors(cpu_grads, ref_grads)
+    grad_err, cpu_err = grad_errors(grads, ref_grads), grad_errors({n: cpu_grads[n] for n in grads}, ref_grads)
     record_property("loss_rel_err_vs_cpu_16bit", [round(e, 8) for e in loss_err])
     record_property("grad_rel_err_vs_fp32_worst", {"device": worst(grad_err), "cpu": worst(cpu_err)})
     over = {n: (e, cpu_err[n]) for n, e in grad_err.items()

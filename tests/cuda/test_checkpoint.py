@@ -6,6 +6,8 @@ from tests.cuda.probe import skip_without_cuda
 
 skip_without_cuda()
 
+import threading  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -37,14 +39,18 @@ def next_step(state) -> float:
     return train_step(state, [next(data) for _ in range(num_microbatches(cfg, ps.layout.world_size))])["lm_loss"]
 
 
-def save_step_reload(cfg, ps, directory: str):
-    """Train 2 steps, start an asynchronous save, train a 3rd step while it writes, publish it,
-    load it into a new state: (the weights when the save started, the 3rd loss, the loaded
-    state, the 3rd loss of the loaded state)."""
+def save_step_reload(cfg, ps, directory: str, monkeypatch):
+    """Train 2 steps, start an asynchronous save, train a 3rd step before its writer may write
+    (held until then: the worst order for the host copy), publish it, load it into a new state:
+    (the weights when the save started, the 3rd loss, the loaded state's weights, the 3rd loss
+    of the loaded state)."""
     _, state = run_steps(cfg, ps, 2)
+    trained, write = threading.Event(), async_save.write_parts
+    monkeypatch.setattr(async_save, "write_parts", lambda *args: (trained.wait(120), write(*args)))
     async_save.save_checkpoint(directory, state)   # returns once the host copy is taken
     saved = {n: p.detach().clone() for n, p in state.model.named_parameters()}
     third = next_step(state)                        # updates the weights in place meanwhile
+    trained.set()
     async_save.finish_pending(ps)
     loaded = build_train_state(cfg, ps)
     load_checkpoint(directory, loaded)
@@ -52,20 +58,21 @@ def save_step_reload(cfg, ps, directory: str):
     return saved, third, weights, next_step(loaded)
 
 
-def test_async_save_copies_to_host_before_training_goes_on(lane, record_property, tmp_path):
+def test_async_save_copies_to_host_before_training_goes_on(lane, record_property, tmp_path, monkeypatch):
     """The checkpoint holds the weights of the moment the save started, bitwise, although the
-    next step rewrote them on the device while the writer ran; loaded back onto the device (RNG
+    next step rewrote them on the device before the writer wrote; loaded back onto the device (RNG
     states included, dropout on) it trains the 3rd step bitwise as the uninterrupted run did,
     and that loss follows the same run on CPU (other dropout masks: ``DROPOUT_LOSS``)."""
     cfg = lane.config({**SAVE, "async_save": True})
-    saved, third, loaded, resumed_third = save_step_reload(cfg, lane.parallel(cfg), str(tmp_path / "device"))
+    saved, third, loaded, resumed_third = save_step_reload(cfg, lane.parallel(cfg), str(tmp_path / "device"),
+                                                           monkeypatch)
     differ = [n for n, w in saved.items() if not torch.equal(w.cpu(), loaded[n].cpu())]
     record_property("third_loss", {"uninterrupted": third, "resumed": resumed_third})
     assert not differ, f"weights in the checkpoint differ from those at save time: {differ}"
     assert resumed_third == third
     cpu_cfg = cfg.replace(device="cpu")
     seed_everything(cpu_cfg.train.seed, 0, 0, torch.device("cpu"))
-    _, cpu_third, _, _ = save_step_reload(cpu_cfg, ParallelState.single(), str(tmp_path / "cpu"))
+    _, cpu_third, _, _ = save_step_reload(cpu_cfg, ParallelState.single(), str(tmp_path / "cpu"), monkeypatch)
     record_property("third_loss_rel_err_vs_cpu", relative([third], [cpu_third]))
     assert relative([third], [cpu_third])[0] < DROPOUT_LOSS, (third, cpu_third)
 
