@@ -36,7 +36,7 @@ clean:
 	rm -rf $(VENV) demo_out
 
 # The GPU lane (docs/gpu.md): tests/cuda, then the GPU benchmarks, one report in $(GPU_REPORT)
-# (and in $OUT when that is set), within 8 minutes on an H200. The interpreter: GPU_PYTHON when
+# (and in $OUT when that is set), within a 720 s budget on an H200. The interpreter: GPU_PYTHON when
 # given; else $(PYTHON) when its torch is a CUDA build (a cluster image, a lent GPU machine:
 # nothing is installed); else $(GPU_VENV), made offline from the wheels in $(GPU_WHEELS) when
 # there are any (torch, its dependencies, the package's and setuptools), otherwise from

@@ -38,14 +38,15 @@ class DistributedTestError(AssertionError):
     pass
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout: float) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout: float,
+            backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
         out = fn(rank, world_size, *args)
         results.put((rank, "ok", out))
@@ -56,14 +57,16 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> List[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results."""
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
+                    backend: str = "gloo") -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo; ``backend="nccl"`` for the
+    GPU lane's multi-GPU tests, one GPU per rank: LOCAL_RANK); return their results."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     results = ctx.Queue()
     port = free_port()
     collective_timeout = max(timeout * 0.8, 5.0)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, collective_timeout),
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, collective_timeout, backend),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
