@@ -75,6 +75,8 @@ CUDA_ONLY = [
     E("offload/runtime.py", "OffloadManager.to_host", "pin_memory=True", HOST_GRADS),
     E("offload/runtime.py", "OffloadManager.to_host", "torch.cuda.current_stream", HOST_GRADS),
     E("optim/adafactor.py", "Adafactor._reduce", ".cpu()", NCCL_2GPU + "[tp2-adafactor]"),
+    E("optim/host_kernels.py", "_call", 'device != "cpu"', PRECISION_AWARE),
+    E("optim/host_kernels.py", "steps", 'device == "cpu"', PRECISION_AWARE),
     E("optim/optimizer.py", "StagedOptimizer._on_host", '.to("cpu")', STAGED),
     E("optim/optimizer.py", "adamw", "fused=True", NUMERICS),
     E("optim/precision_aware.py", "PrecisionAwareAdamW._step_param", "fused=True", PRECISION_AWARE),
