@@ -15,6 +15,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_p2r", "megatron_p2r.*", "tools", "tools.*"]),
     py_modules=["pretrain_m6"],
+    package_data={"megatron_p2r.config": ["megatron_parser.json"]},  # Megatron-LM's parser, as a table
     install_requires=[
         "torch>=2.4",
         "numpy",
