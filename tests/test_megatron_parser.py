@@ -4,12 +4,18 @@
 core_v0.16.1 written down by ``tools/megatron_parser.py`` (run with megatron-core installed); the
 tests need only the committed table.
 """
+import json
+import os
+
 import pytest
 
 from megatron_p2r.arguments import all_fields, build_parser, field_flags, flag_statuses, parse_launch
 from megatron_p2r.config import ConfigError
 from megatron_p2r.config.megatron import MEGATRON_FLAGS, STATUSES, UNBUILT_VALUES, megatron_parser
 from megatron_p2r.config.megatron_families import FAMILIES
+from tools import megatron_flags
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "megatron_scripts")
 
 BASE = ["--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
 TABLE = megatron_parser()
@@ -117,3 +123,21 @@ def test_megatrons_other_values_of_a_field_are_refused_by_name():
     for optimizer in ("sgd", "muon", "dist_muon", "adaptive_muon", "soap"):
         with pytest.raises(ConfigError, match=f"--optimizer {optimizer}: .* not built"):
             parse_launch(BASE + ["--optimizer", optimizer])
+
+
+def test_the_fsdp_scripts_other_branches_parse():
+    """The Llama-3 8B FSDP script with NSYS_PROFILE=1, USE_UV=1, USE_MEGATRON_FSDP=0 and a corpus
+    (the branches tests/fixtures/megatron_scripts/llama3_8b_fsdp.json does not take): 0 unknown,
+    and without --use-megatron-fsdp nothing is refused."""
+    with open(os.path.join(FIXTURES, "llama3_8b_fsdp_nsys.json"), encoding="utf-8") as fh:
+        argv = json.load(fh)["argv"]
+    statuses = {flag: status for flag, _, status, _ in flag_statuses(argv)}
+    assert {"--profile", "--profile-ranks", "--record-memory-history", "--data-path"} <= set(statuses)
+    assert [flag for flag, status in statuses.items() if status in ("unknown", "refused")] == []
+
+
+def test_extract_runs_through_uv_and_nsys(tmp_path):
+    script = tmp_path / "train.sh"
+    script.write_text('#!/bin/bash\nuv run nsys profile --sample=none -o "$1" python -m torch.distributed.run '
+                      '--nproc_per_node 8 pretrain_gpt.py --num-layers 2 --profile\n')
+    assert megatron_flags.extract(str(script), ["prof"], {}) == ["--num-layers", "2", "--profile"]

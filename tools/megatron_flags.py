@@ -8,7 +8,8 @@
 ``extract`` runs the script with bash as it is, except that ``torchrun`` (and ``python -m
 torch.distributed.run``) is a stand-in that writes the arguments after the training script:
 exactly the argv Megatron-LM's ``pretrain_gpt.py`` would get, with bash's own expansion (quotes
-left inside an array element stay in the argument). The script's parameters are given as
+left inside an array element stay in the argument); ``uv run`` and ``nsys profile ...`` before
+the launcher run what follows them. The script's parameters are given as
 ``--arg NAME=VALUE`` in order (only VALUE is passed; NAME documents it); ``--dir`` makes a
 directory the script insists exists; the temporary directory the script runs in is written as
 ``{WORKDIR}``. The fixtures in
@@ -44,6 +45,16 @@ if [ "$1" = "-m" ] && [ "$2" = "torch.distributed.run" ]; then shift 2; exec tor
 exec {python} "$@"
 """
 
+# Wrappers a script may put before the launcher (``uv run``, ``nsys profile ...``): run what follows.
+_UV = """#!/bin/sh
+[ "$1" = "run" ] && shift
+exec "$@"
+"""
+_NSYS = """#!/bin/sh
+while [ $# -gt 0 ] && [ "$1" != "python" ] && [ "$1" != "torchrun" ]; do shift; done
+exec "$@"
+"""
+
 
 def _stand_in(bin_dir: str, name: str, text: str) -> None:
     with open(os.path.join(bin_dir, name), "w", encoding="utf-8") as fh:
@@ -58,6 +69,8 @@ def extract(script: str, args: List[str], env: Dict[str, str], dirs: Sequence[st
         os.mkdir(bin_dir)
         _stand_in(bin_dir, "torchrun", _TORCHRUN)
         _stand_in(bin_dir, "python", _PYTHON.format(python=sys.executable))
+        _stand_in(bin_dir, "uv", _UV)
+        _stand_in(bin_dir, "nsys", _NSYS)
         for name in dirs:
             os.makedirs(os.path.join(work, name), exist_ok=True)
         open(os.path.join(work, "pretrain_gpt.py"), "w").close()  # scripts that check it is there
