@@ -216,6 +216,9 @@ UNBUILT_VALUES: Dict[str, Dict[str, str]] = {
                                   "none": "a model without position embeddings is not built"},
     "--lr-decay-style": {"inverse-square-root": "the inverse-square-root decay is not built",
                          "WSD": "the warmup-stable-decay schedule is not built"},
+    "--dataloader-type": {"cyclic": "the random sampler over epochs is not built: samples come in the dataset's "
+                                    "own shuffled order (single)",
+                          "external": "a user-supplied data loader is not built"},
     "--tokenizer-type": {"BertWordPieceLowerCase": _BERT, "BertWordPieceCase": _BERT,
                          "TikTokenizer": "TikToken vocabularies are not built yet",
                          "MultimodalTokenizer": "multimodal tokenizers are not built",

@@ -251,9 +251,8 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
         "--use-rotary-position-embeddings", "--yaml-cfg",
     )),
     (REFUSED, "the model is one code path here (megatron-core's GPT)", ("--use-legacy-models",)),
-    (REFUSED, "not built: the data pipeline reads --data-path with --split (docs/data.md)", (
-        "--train-data-path", "--valid-data-path", "--test-data-path", "--data-args-path",
-        "--per-split-data-args-path", "--dataloader-type", "--sample-rate", "--mid-level-dataset-surplus",
+    (REFUSED, "not built: the data pipeline reads --data-path with --split, or each split's prefixes (docs/data.md)", (
+        "--sample-rate", "--mid-level-dataset-surplus",
         "--fim-data", "--sft", "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
         "--iterations-to-skip", "--phase-transition-iterations",
     )),
