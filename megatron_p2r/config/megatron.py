@@ -177,7 +177,6 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
     # Math we do not implement.
     "--rotary-interleaved": MegatronFlag(REFUSED, "interleaved (RoFormer) rotary pairs are not implemented",
                                          _switch()),
-    "--use-rope-scaling": MegatronFlag(REFUSED, "Llama-3.1 rotary scaling is not implemented", _switch()),
     "--squared-relu": MegatronFlag(REFUSED, "squared-ReLU MLPs are not implemented", _switch()),
     "--apply-residual-connection-post-layernorm": MegatronFlag(REFUSED, "post-norm residuals are not implemented",
                                                                _switch()),

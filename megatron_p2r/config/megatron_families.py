@@ -224,7 +224,6 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
         "--heterogeneous-layers-config-encoded-json", "--apply-wd-to-qk-layernorm", "--embedding-init-method-std",
         "--no-weight-decay-cond-type",
     )),
-    (REFUSED, "not built: rotary scaling", ("--rope-scaling-factor", "--rotary-seq-len-interpolation-factor")),
     (REFUSED, _HYBRID, ("--is-hybrid-model", "--hybrid-override-pattern", "--spec")),
     (REFUSED, "layers are split evenly over the pipeline stages here", (
         "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
