@@ -20,6 +20,7 @@ nor in its hand-written entries takes the status of its family there (tests/test
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import os
 import sys
@@ -32,6 +33,8 @@ _ACTIONS = {"_StoreAction": "store", "_StoreTrueAction": "store_true", "_StoreFa
 
 def _plain(value):
     """A default or choice as JSON holds it: enums by name, anything else unusual by repr."""
+    if isinstance(value, enum.Enum):  # an IntEnum too (signals): the name a user types
+        return value.name
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (list, tuple)):

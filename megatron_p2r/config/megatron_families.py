@@ -265,15 +265,13 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
         "--save-retain-interval",
         "--no-save-optim", "--no-save-rng", "--pretrained-checkpoint", "--ckpt-step", "--use-checkpoint-args",
         "--use-mp-args-from-checkpoint-args", "--ckpt-convert-format", "--ckpt-convert-save",
-        "--ckpt-convert-update-legacy-dist-opt-format", "--exit-on-missing-checkpoint",
+        "--ckpt-convert-update-legacy-dist-opt-format",
     )),
     (REFUSED, "not built: a run trains, then evaluates every --eval-interval on the one validation split", (
         "--skip-train", "--full-validation", "--multiple-validation-sets",
     )),
     (REFUSED, "the LR schedule on resume is the command line's here (--override-opt-param-scheduler's meaning), "
               "not the checkpoint's", ("--use-checkpoint-opt-param-scheduler",)),
-    (REFUSED, "not built: the weight decay is constant, the exit signal SIGTERM", (
-        "--weight-decay-incr-style", "--exit-signal",
-    )),
+    (REFUSED, "not built: the weight decay is constant", ("--weight-decay-incr-style",)),
     (REFUSED, "not built: every data-parallel replica starts from the same weights", ("--data-parallel-random-init",)),
 )
