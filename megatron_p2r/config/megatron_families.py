@@ -221,7 +221,7 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
         "--qk-l2-norm", "--qk-clip", "--attention-output-gate", "--experimental-attention-variant",
         "--linear-attention-freq", "--use-fused-weighted-squared-relu", "--fp32-residual-connection",
         "--mrope-section", "--no-rope-freq", "--heterogeneous-layers-config-path",
-        "--heterogeneous-layers-config-encoded-json", "--apply-wd-to-qk-layernorm", "--embedding-init-method-std",
+        "--heterogeneous-layers-config-encoded-json", "--embedding-init-method-std",
         "--no-weight-decay-cond-type",
     )),
     (REFUSED, _HYBRID, ("--is-hybrid-model", "--hybrid-override-pattern", "--spec")),

@@ -34,6 +34,8 @@ class TrainConfig:
                          "(factored second moments, Shazeer & Stern 2018), the memory-lean ones (docs/scale.md).",
                          choices=["adam", "lion", "adafactor"])
     weight_decay: float = opt(0.01, "Decoupled weight decay (not applied to norms and biases).")
+    apply_wd_to_qk_layernorm: bool = opt(False, "Weight decay on the query/key norms (--qk-layernorm) too, as "
+                                         "megatron-core's Qwen3-Next grouping: other norms and biases still have none.")
     adam_beta1: float = opt(0.9, "AdamW beta1.")
     adam_beta2: float = opt(0.999, "AdamW beta2.")
     adam_eps: float = opt(1e-8, "AdamW epsilon.")

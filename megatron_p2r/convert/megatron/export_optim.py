@@ -57,6 +57,8 @@ def not_exported(source: SourceCheckpoint, ckpt_format: str, dtype: str) -> Opti
                (source.pseudo, "a pseudo-phase checkpoint's optimizer state is not delinked"),
                (dtype == "float16", "--dtype float16 needs Megatron's loss scaler state, not written"),
                (t.decoupled_lr is not None, "--decoupled-lr gives Megatron other parameter groups"),
+               (t.apply_wd_to_qk_layernorm and source.real_cfg.model.qk_layernorm,
+                "--apply-wd-to-qk-layernorm moves the query/key norms to Megatron's weight-decay group, not laid out"),
                (t.optimizer != "adam", f"--optimizer {t.optimizer}'s state has no Megatron-LM counterpart")]
     return next((why for failed, why in reasons if failed), None)
 

@@ -103,6 +103,7 @@ def test_experts_have_their_own_chained_optimizer(tmp_path, biases, expert_group
     ({}, ["--ckpt-format", "torch"], "the optimizer state is written in torch_dist only"),
     ({}, ["--dtype", "float16"], "loss scaler"),
     (dict(optimizer="lion"), [], "--optimizer lion's state has no Megatron-LM counterpart"),
+    (dict(qk_layernorm=True, apply_wd_to_qk_layernorm=True), [], "--apply-wd-to-qk-layernorm moves the query/key"),
 ])
 def test_weights_only_says_why(tmp_path, capsys, options, argv, why):
     from tools.convert_checkpoint import main
