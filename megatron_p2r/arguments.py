@@ -21,7 +21,7 @@ import yaml
 
 from megatron_p2r.config import SECTIONS, Config, ConfigError, check_values
 from megatron_p2r.config.megatron import (MEANING, MEGATRON_FLAGS, REFUSED, UNBUILT_VALUES, check_flags, implied_values,
-                                          megatron_aliases, parsed_flags, refuse_unbuilt_values)
+                                          megatron_aliases, parsed_flags, unbuilt_values)
 from megatron_p2r.config.ranges import field_kind
 from megatron_p2r.files import MiB, read_bounded
 
@@ -238,12 +238,13 @@ def resolve_values(values: dict) -> Tuple[Config, List[str]]:
     included); a refused flag raises ConfigError."""
     values = _normalise_yaml(values, "config")
     megatron = {name: values.pop(name) for name in list(values) if name.startswith("--")}
-    refuse_unbuilt_values({_flag(name): value for name, value in values.items()})
+    unbuilt = unbuilt_values({_flag(name): value for name, value in values.items()})
+    values = {name: value for name, value in values.items() if _flag(name) not in unbuilt}  # named below
     cfg = Config().replace(**implied_values(values))
     check_values(cfg)
     qualified_fields = {_flag(name): value for name, value in values.items()
                         if _flag(name) in MEGATRON_FLAGS and value is not None and value is not False}
-    return cfg, check_flags({**megatron, **qualified_fields}, cfg)
+    return cfg, check_flags({**megatron, **qualified_fields}, cfg, tuple(unbuilt.values()))
 
 
 def parse_launch(argv: Optional[Sequence[str]] = None,

@@ -141,3 +141,9 @@ def test_extract_runs_through_uv_and_nsys(tmp_path):
     script.write_text('#!/bin/bash\nuv run nsys profile --sample=none -o "$1" python -m torch.distributed.run '
                       '--nproc_per_node 8 pretrain_gpt.py --num-layers 2 --profile\n')
     assert megatron_flags.extract(str(script), ["prof"], {}) == ["--num-layers", "2", "--profile"]
+
+
+def test_one_message_names_every_refusal():
+    with pytest.raises(ConfigError) as err:
+        parse_launch(BASE + ["--optimizer", "muon", "--mtp-num-layers", "1"])
+    assert "--optimizer muon: Muon is not built" in str(err.value) and "--mtp-num-layers 1:" in str(err.value)

@@ -226,12 +226,10 @@ UNBUILT_VALUES: Dict[str, Dict[str, str]] = {
 }
 
 
-def refuse_unbuilt_values(values: Dict[str, object]) -> None:
-    """Raise one ConfigError naming each {flag: value} that UNBUILT_VALUES refuses."""
-    refused = [f"{flag} {value}: {UNBUILT_VALUES[flag][value]}" for flag, value in values.items()
-               if isinstance(value, str) and value in UNBUILT_VALUES.get(flag, {})]
-    if refused:
-        raise ConfigError("not supported here (docs/megatron.md): " + "; ".join(refused))
+def unbuilt_values(values: Dict[str, object]) -> Dict[str, str]:
+    """{flag: "FLAG VALUE: reason"} of each {flag: value} that UNBUILT_VALUES refuses."""
+    return {flag: f"{flag} {value}: {UNBUILT_VALUES[flag][value]}" for flag, value in values.items()
+            if isinstance(value, str) and value in UNBUILT_VALUES.get(flag, {})}
 
 
 def megatron_parser() -> dict:
@@ -291,9 +289,10 @@ def parsed_flags() -> Dict[str, MegatronFlag]:
     return {flag: entry for flag, entry in MEGATRON_FLAGS.items() if not entry.config_field}
 
 
-def check_flags(given: Dict[str, object], cfg: "Config") -> List[str]:
-    """Raise one ConfigError naming every refused flag; return "FLAG (reason)" of those with no effect."""
-    refused, no_effect = [], []
+def check_flags(given: Dict[str, object], cfg: "Config", refused: Tuple[str, ...] = ()) -> List[str]:
+    """Raise one ConfigError naming every refused flag (and the ``refused`` already found);
+    return "FLAG (reason)" of those with no effect."""
+    refused, no_effect = list(refused), []
     for flag, value in given.items():
         status, reason = MEGATRON_FLAGS[flag].resolve(value, cfg)
         shown = flag if value is True else f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
