@@ -15,7 +15,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_p2r", "megatron_p2r.*", "tools", "tools.*"]),
     py_modules=["pretrain_m6"],
-    package_data={"megatron_p2r.optim": ["host_kernels.cpp"]},   # compiled on first use (optim/host_kernels.py)
+    package_data={"megatron_p2r.optim": ["host_kernels.cpp"],   # compiled on first use (optim/host_kernels.py)
+                  "megatron_p2r.config": ["megatron_parser.json"]},   # Megatron-LM's parser, as a table
     install_requires=[
         "torch>=2.4",
         "numpy",

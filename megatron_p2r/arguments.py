@@ -20,7 +20,8 @@ from typing import List, Optional, Sequence, Tuple
 import yaml
 
 from megatron_p2r.config import SECTIONS, Config, ConfigError, check_values
-from megatron_p2r.config.megatron import MEANING, MEGATRON_FLAGS, check_flags, implied_values, parsed_flags
+from megatron_p2r.config.megatron import (MEANING, MEGATRON_FLAGS, REFUSED, UNBUILT_VALUES, check_flags, implied_values,
+                                          megatron_aliases, parsed_flags, unbuilt_values)
 from megatron_p2r.config.ranges import field_kind
 from megatron_p2r.files import MiB, read_bounded
 
@@ -73,11 +74,19 @@ def field_flag(f: dataclasses.Field) -> str:
     return _flag(("no_" if f.default is True else "") + f.name)
 
 
+_ALIASES = megatron_aliases()
+
+
+def _on_flags(f: dataclasses.Field) -> List[str]:
+    """For a switch on by default marked ``on_flag``: --NAME, which turns it back on (Megatron-LM
+    versions that had the switch off by default spell it so: --overlap-p2p-communication)."""
+    return [_flag(f.name)] if f.default is True and f.metadata.get("on_flag") else []
+
+
 def field_flags(f: dataclasses.Field) -> List[str]:
-    """Every flag that sets a field: ``field_flag``, and for a switch on by default marked
-    ``on_flag`` also --NAME, which turns it back on (Megatron-LM versions that had the switch off
-    by default spell it so: --overlap-p2p-communication)."""
-    return [field_flag(f)] + ([_flag(f.name)] if f.default is True and f.metadata.get("on_flag") else [])
+    """Every flag that sets a field: ``field_flag``, Megatron-LM's other spellings of it
+    (--persistent-save-interval for --save-interval), and the ``on_flag`` spelling."""
+    return [field_flag(f), *_ALIASES.get(field_flag(f), ()), *_on_flags(f)]
 
 
 def all_fields():
@@ -104,8 +113,10 @@ def build_parser(description: str = "megatron_p2r pretraining") -> argparse.Argu
                 for key in ("choices", "nargs"):
                     if key in f.metadata:
                         kwargs[key] = f.metadata[key]
-            group.add_argument(field_flag(f), **kwargs)
-            for flag in field_flags(f)[1:]:
+                if "choices" in kwargs:  # Megatron-LM's other values, refused by name in resolve_values
+                    kwargs["choices"] = [*kwargs["choices"], *UNBUILT_VALUES.get(field_flag(f), ())]
+            group.add_argument(field_flag(f), *_ALIASES.get(field_flag(f), ()), **kwargs)
+            for flag in _on_flags(f):
                 group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, action="store_true",
                                    help=f"The default, spelled out: undoes {field_flag(f)} given earlier or in a "
                                         "--config file.")
@@ -174,7 +185,7 @@ def _coerce(value, kind: str, metadata: dict, source: str, key: str):
         raise ConfigError(f"{source}: key '{key}' expects {kind}, got {_short(value)} ({_yaml_kind(value)})"
                           f"{quote}") from None
     choices = metadata.get("choices")
-    if choices and converted not in choices:
+    if choices and converted not in choices and converted not in UNBUILT_VALUES.get(_flag(str(key).lstrip("-")), {}):
         raise ConfigError(f"{source}: key '{key}' must be one of {list(choices)}, got {converted!r}")
     return converted
 
@@ -227,11 +238,13 @@ def resolve_values(values: dict) -> Tuple[Config, List[str]]:
     included); a refused flag raises ConfigError."""
     values = _normalise_yaml(values, "config")
     megatron = {name: values.pop(name) for name in list(values) if name.startswith("--")}
+    unbuilt = unbuilt_values({_flag(name): value for name, value in values.items()})
+    values = {name: value for name, value in values.items() if _flag(name) not in unbuilt}  # named below
     cfg = Config().replace(**implied_values(values))
     check_values(cfg)
     qualified_fields = {_flag(name): value for name, value in values.items()
                         if _flag(name) in MEGATRON_FLAGS and value is not None and value is not False}
-    return cfg, check_flags({**megatron, **qualified_fields}, cfg)
+    return cfg, check_flags({**megatron, **qualified_fields}, cfg, tuple(unbuilt.values()))
 
 
 def parse_launch(argv: Optional[Sequence[str]] = None,
@@ -262,12 +275,16 @@ def flag_statuses(argv: Sequence[str]) -> List[Tuple[str, str, str, str]]:
         elif given:
             values_of_flag.append(token)
     fields = {flag: f for _, f in all_fields() for flag in field_flags(f)}
-    cfg = parse_args([token for name, values in given.items() if name in fields for token in (name, *values)])
+    built = {name: values for name, values in given.items()
+             if name in fields and " ".join(values) not in UNBUILT_VALUES.get(name, {})}
+    cfg = parse_args([token for name, values in built.items() for token in (name, *values)])
     out = []
     for name, values in given.items():
         entry = MEGATRON_FLAGS.get(name)
         if entry is not None:
             status, why = entry.resolve(_typed(values, entry.parse), cfg)
+        elif name in fields and " ".join(values) in UNBUILT_VALUES.get(name, {}):
+            status, why = REFUSED, UNBUILT_VALUES[name][" ".join(values)]
         elif name in fields:
             status, why = MEANING, "config field"
         else:

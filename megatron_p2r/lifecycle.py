@@ -107,7 +107,12 @@ def resume_checkpoint(state) -> None:
     if not ck.load:
         return
     from megatron_p2r.checkpoint.io import load_checkpoint
-    if load_checkpoint(ck.load, state, finetune=ck.finetune) is not None:
+    if load_checkpoint(ck.load, state, finetune=ck.finetune) is None:
+        if ck.exit_on_missing_checkpoint:  # Megatron-LM's sys.exit(): status 0, nothing trained
+            if ps.rank == 0:
+                print(f"--exit-on-missing-checkpoint: no checkpoint in {ck.load}; exiting", flush=True)
+            raise SystemExit(0)
+    else:
         reliability.record("resumed", ps.rank, state.iteration)
         world = ps.layout.world_size
         if ps.rank == 0 and state.consumed_samples != scheduled_samples(state.cfg, world, state.iteration):

@@ -266,15 +266,16 @@ def evaluate(state: TrainState, valid_dataset) -> float:
 # ----------------------------------------------------------------------------- the loop
 
 class ExitSignal:
-    """Turns SIGTERM (--exit-signal-handler) and the end of --exit-duration-in-mins, counted from
-    ``started``, into a flag the loop checks after each step (then saves and exits)."""
+    """Turns --exit-signal (SIGTERM; --exit-signal-handler) and the end of --exit-duration-in-mins,
+    counted from ``started``, into a flag the loop checks after each step (then saves and exits)."""
 
-    def __init__(self, enabled: bool, duration_mins: Optional[int] = None, started: Optional[float] = None):
+    def __init__(self, enabled: bool, duration_mins: Optional[int] = None, started: Optional[float] = None,
+                 signal_name: str = "SIGTERM"):
         self.enabled, self.received = enabled or duration_mins is not None, False
         started = time.monotonic() if started is None else started
         self.deadline = None if duration_mins is None else started + 60.0 * duration_mins
         if enabled:
-            signal.signal(signal.SIGTERM, self._handle)
+            signal.signal(signal.Signals[signal_name], self._handle)
 
     def _handle(self, signum, frame):
         self.received = True
@@ -387,7 +388,7 @@ def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger, started
     cfg, ps, t = state.cfg, state.ps, state.cfg.train
     world = ps.layout.world_size
     data = microbatch_iterator(train_ds, state.consumed_samples, cfg, ps)
-    exit_signal = ExitSignal(t.exit_signal_handler, t.exit_duration_in_mins, started)
+    exit_signal = ExitSignal(t.exit_signal_handler, t.exit_duration_in_mins, started, t.exit_signal)
     losses, eval_losses = [], []
     window = _LogWindow(state.consumed_samples)
     first_iteration, last_iteration = state.iteration, train_iters(cfg, world)

@@ -1,5 +1,6 @@
 """Megatron-LM's flags: same names, same defaults; the others accepted, reported or refused
 (config/megatron.py, arguments.py)."""
+import os
 import time
 
 import pytest
@@ -155,3 +156,31 @@ def test_exit_duration_counts_from_the_start():
     assert not ExitSignal(False, 1, started=time.monotonic() - 50).any_rank(single)
     assert ExitSignal(False, 1, started=time.monotonic() - 61).any_rank(single)
     assert not ExitSignal(False).any_rank(single)
+
+
+def test_exit_signal_is_caught_by_name(tmp_path):
+    """--exit-signal SIGUSR1 (Megatron-LM's enum, by name): the handler catches that signal."""
+    import signal
+    cfg, _ = parse_launch(BASE + ["--exit-signal-handler", "--exit-signal", "SIGUSR1", "--save", str(tmp_path)])
+    assert cfg.train.exit_signal == "SIGUSR1" and parse_launch(BASE)[0].train.exit_signal == "SIGTERM"
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        exit_signal = ExitSignal(True, signal_name=cfg.train.exit_signal)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert exit_signal.any_rank(ParallelState.single())
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def test_exit_on_missing_checkpoint(tmp_path, capsys):
+    """--save D --load D on an empty D starts from scratch; --exit-on-missing-checkpoint exits
+    there with status 0 before training (Megatron-LM's sys.exit())."""
+    from megatron_p2r.training import pretrain
+    from tests.helpers import tiny_config
+    cfg = tiny_config(train_iters=1, global_batch_size=2, save=str(tmp_path), load=str(tmp_path),
+                      exit_on_missing_checkpoint=True)
+    with pytest.raises(SystemExit) as stop:
+        pretrain(cfg)
+    assert stop.value.code == 0 and os.listdir(tmp_path) == []
+    assert f"--exit-on-missing-checkpoint: no checkpoint in {tmp_path}; exiting" in capsys.readouterr().out

@@ -3,11 +3,13 @@
     python tools/megatron_flags.py extract SCRIPT --arg NAME=VALUE ... [--env K=V] [--dir DIR] --output FIXTURE.json
     python tools/megatron_flags.py count FIXTURE.json ...     # accepted with meaning / no effect / refused
     python tools/megatron_flags.py table FIXTURE.json ...     # the flag table of docs/megatron.md
+    python tools/megatron_flags.py parser                     # Megatron-LM's whole parser by status here
 
 ``extract`` runs the script with bash as it is, except that ``torchrun`` (and ``python -m
 torch.distributed.run``) is a stand-in that writes the arguments after the training script:
 exactly the argv Megatron-LM's ``pretrain_gpt.py`` would get, with bash's own expansion (quotes
-left inside an array element stay in the argument). The script's parameters are given as
+left inside an array element stay in the argument); ``uv run`` and ``nsys profile ...`` before
+the launcher run what follows them. The script's parameters are given as
 ``--arg NAME=VALUE`` in order (only VALUE is passed; NAME documents it); ``--dir`` makes a
 directory the script insists exists; the temporary directory the script runs in is written as
 ``{WORKDIR}``. The fixtures in
@@ -27,8 +29,8 @@ from typing import Dict, List, Sequence
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_p2r.arguments import flag_statuses  # noqa: E402
-from megatron_p2r.config.megatron import STATUSES  # noqa: E402
+from megatron_p2r.arguments import all_fields, build_parser, field_flags, flag_statuses  # noqa: E402
+from megatron_p2r.config.megatron import MEGATRON_FLAGS, STATUSES, megatron_parser  # noqa: E402
 
 # torchrun's stand-in: print the arguments that follow the training script, one JSON list.
 _TORCHRUN = """#!/usr/bin/env python3
@@ -41,6 +43,16 @@ print(json.dumps(args[script + 1:]))
 _PYTHON = """#!/bin/sh
 if [ "$1" = "-m" ] && [ "$2" = "torch.distributed.run" ]; then shift 2; exec torchrun "$@"; fi
 exec {python} "$@"
+"""
+
+# Wrappers a script may put before the launcher (``uv run``, ``nsys profile ...``): run what follows.
+_UV = """#!/bin/sh
+[ "$1" = "run" ] && shift
+exec "$@"
+"""
+_NSYS = """#!/bin/sh
+while [ $# -gt 0 ] && [ "$1" != "python" ] && [ "$1" != "torchrun" ]; do shift; done
+exec "$@"
 """
 
 
@@ -57,6 +69,8 @@ def extract(script: str, args: List[str], env: Dict[str, str], dirs: Sequence[st
         os.mkdir(bin_dir)
         _stand_in(bin_dir, "torchrun", _TORCHRUN)
         _stand_in(bin_dir, "python", _PYTHON.format(python=sys.executable))
+        _stand_in(bin_dir, "uv", _UV)
+        _stand_in(bin_dir, "nsys", _NSYS)
         for name in dirs:
             os.makedirs(os.path.join(work, name), exist_ok=True)
         open(os.path.join(work, "pretrain_gpt.py"), "w").close()  # scripts that check it is there
@@ -109,6 +123,21 @@ def count_table(fixtures: List[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def parser_counts() -> str:
+    """Megatron-LM's parser (megatron_parser.json): its flags as config fields, by the status of
+    their entry here (at a value other than Megatron's default), and unknown."""
+    table = megatron_parser()
+    known = {flag for action in build_parser()._actions for flag in action.option_strings}
+    fields = {flag for _, f in all_fields() for flag in field_flags(f)}
+    found = Counter()
+    for flag in (flag for action in table["actions"] for flag in action["flags"]):
+        found["unknown" if flag not in known else "config field" if flag in fields else MEGATRON_FLAGS[flag].status] += 1
+    names = ["config field", *STATUSES, "unknown"]
+    return (f"Megatron-LM {table['revision']}: {table['flags']} flags (and --help)\n"
+            "| " + " | ".join(names) + " |\n|" + "---|" * len(names) + "\n"
+            "| " + " | ".join(str(found[name]) for name in names) + " |\n")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,7 +152,11 @@ def main(argv=None) -> int:
     ex.add_argument("--output", required=True)
     for name in ("count", "table"):
         sub.add_parser(name).add_argument("fixtures", nargs="+")
+    sub.add_parser("parser", help="Megatron-LM's whole parser by status here")
     args = parser.parse_args(argv)
+    if args.command == "parser":
+        print(parser_counts(), end="")
+        return 0
     if args.command == "extract":
         positional = [a.partition("=")[2] for a in args.arg]
         env = dict(e.partition("=")[::2] for e in args.env)

@@ -245,7 +245,7 @@ def planned_host(args: argparse.Namespace) -> HostSpec:
 
 def check(cfg: Config, world_size: int) -> None:
     """config.validate, without requiring data (the planner reads none)."""
-    if not cfg.data.data_path and not cfg.data.mock_data:
+    if not cfg.data.has_files and not cfg.data.mock_data:
         cfg = cfg.replace(mock_data=True)
     if cfg.model.vocab_size is None:
         raise ConfigError("the planner needs --vocab-size (the embedding's size)")

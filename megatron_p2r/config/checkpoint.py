@@ -16,6 +16,9 @@ class CheckpointConfig:
     finetune: bool = opt(False, "Load weights only: fresh optimizer, iteration 0.")
     no_load_optim: bool = opt(False, "Do not load optimizer state.")
     no_load_rng: bool = opt(False, "Do not load RNG state.")
+    exit_on_missing_checkpoint: bool = opt(False, "With --load the --save directory and no checkpoint in it yet, "
+                                           "exit (status 0) instead of starting from scratch (a --load elsewhere "
+                                           "without a checkpoint is always an error here).")
     keep_last: Optional[int] = opt(None, "Keep only the newest N complete checkpoints.")
     ckpt_fully_parallel_save: bool = opt(True, "Every data-parallel rank writes what it owns (its shard of the "
                                          "distributed optimizer's state, or its share of the tensors) into files of "

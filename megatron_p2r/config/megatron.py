@@ -10,6 +10,10 @@ table). A flag named like a config field has Megatron-LM's meaning and default t
 - ``REFUSED``: it would change the math and is not implemented; the parser accepts it only to stop
   with an error that names it.
 
+Every other flag of Megatron-LM's parser (``megatron_parser.json``, generated from its own
+``add_megatron_arguments`` by ``tools/megatron_parser.py``) has the status of its family in
+``config/megatron_families.py`` and is parsed as Megatron-LM parses it.
+
 Some depend on the value: ``--context-parallel-size 1`` means what it says; 2 is refused. A config
 field is here only when some of its values need saying (``config_field``): ``--sequence-parallel``
 with one tensor-parallel rank has no effect, as in Megatron-LM. The module imports nothing else of
@@ -17,16 +21,19 @@ megatron_p2r, so the table can be read without building anything.
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 from megatron_p2r.config.fields import ConfigError
+from megatron_p2r.config.megatron_families import FAMILIES, MEANING, NO_EFFECT, REFUSED, STATUSES
 
 if TYPE_CHECKING:
     from megatron_p2r.config.root import Config
 
-MEANING, NO_EFFECT, REFUSED = "meaning", "no effect", "refused"
-STATUSES = (MEANING, NO_EFFECT, REFUSED)
+PARSER_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_parser.json")
+__all__ = ["MEANING", "NO_EFFECT", "REFUSED", "STATUSES", "MEGATRON_FLAGS", "MegatronFlag", "check_flags"]
 
 
 @dataclass(frozen=True)
@@ -57,9 +64,6 @@ def _kernel(what: str, parse: Optional[dict] = None) -> MegatronFlag:
     return MegatronFlag(NO_EFFECT, f"{what}: a kernel choice, the same math", parse or _switch())
 
 
-_FP8 = "fp8 needs Transformer Engine: the compute stays in --bf16/--fp16/fp32"
-_PROFILER = "Megatron-LM's profiler hook is not integrated"
-_WANDB = "Weights & Biases is not integrated: use --tensorboard-dir or --log-file"
 _MODELOPT = "a ModelOpt flag (pretrain_gpt.py parses it only with nvidia-modelopt installed)"
 
 MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
@@ -89,13 +93,6 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
         NO_EFFECT, "a cuBLAS rounding setting for bf16 GEMMs (reduced-precision reductions): torch's default "
         "is kept", _switch()),
     "--no-persist-layer-norm": _kernel("persistent LayerNorm"),
-    # Reduced precision for speed: computed at the higher precision here.
-    "--fp8-format": MegatronFlag(NO_EFFECT, _FP8, _value(str, ["e4m3", "hybrid"])),
-    "--fp8-recipe": MegatronFlag(NO_EFFECT, _FP8, _value(str, ["tensorwise", "delayed", "mxfp8", "blockwise",
-                                                               "custom"])),
-    "--fp8-amax-history-len": MegatronFlag(NO_EFFECT, _FP8, _value(int)),
-    "--fp8-amax-compute-algo": MegatronFlag(NO_EFFECT, _FP8, _value(str, ["most_recent", "max"])),
-    "--fp8-param-gather": MegatronFlag(NO_EFFECT, _FP8, _switch()),
     "--grad-reduce-in-bf16": MegatronFlag(NO_EFFECT, "gradients are accumulated and reduced in fp32 (Megatron's "
                                           "default with --bf16): only bf16 rounding differs", _switch()),
     "--apply-layernorm-1p": MegatronFlag(NO_EFFECT, "Megatron keeps each norm weight as w = gamma - 1: the fp32 "
@@ -108,16 +105,8 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
     "--num-workers": MegatronFlag(NO_EFFECT, "data-loader worker processes (samples are read in the training "
                                   "process)", _value(int)),
     "--no-mmap-bin-files": MegatronFlag(NO_EFFECT, ".bin files are memory-mapped here: the same data", _switch()),
-    "--tiktoken-pattern": MegatronFlag(NO_EFFECT, "used by TikTokenizer only, which is not available here",
-                                       _value(str, ["v1", "v2"])),
     "--ckpt-format": MegatronFlag(NO_EFFECT, "checkpoints are in this framework's format (docs/checkpoint.md)",
                                   _value(str, ["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"])),
-    "--profile": MegatronFlag(NO_EFFECT, _PROFILER, _switch()),
-    "--profile-step-start": MegatronFlag(NO_EFFECT, _PROFILER, _value(int)),
-    "--profile-step-end": MegatronFlag(NO_EFFECT, _PROFILER, _value(int)),
-    "--wandb-project": MegatronFlag(NO_EFFECT, _WANDB, _value(str)),
-    "--wandb-exp-name": MegatronFlag(NO_EFFECT, _WANDB, _value(str)),
-    "--wandb-save-dir": MegatronFlag(NO_EFFECT, _WANDB, _value(str)),
     "--logging-level": MegatronFlag(NO_EFFECT, "the level of Megatron-LM's Python loggers: this framework prints "
                                     "its log lines and errors at any level", _value(int)),
     "--moe-per-layer-logging": MegatronFlag(NO_EFFECT, "per-layer MoE losses in the log: the log line has their "
@@ -188,7 +177,6 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
     # Math we do not implement.
     "--rotary-interleaved": MegatronFlag(REFUSED, "interleaved (RoFormer) rotary pairs are not implemented",
                                          _switch()),
-    "--use-rope-scaling": MegatronFlag(REFUSED, "Llama-3.1 rotary scaling is not implemented", _switch()),
     "--squared-relu": MegatronFlag(REFUSED, "squared-ReLU MLPs are not implemented", _switch()),
     "--apply-residual-connection-post-layernorm": MegatronFlag(REFUSED, "post-norm residuals are not implemented",
                                                                _switch()),
@@ -213,14 +201,98 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
 }
 
 
+_BERT = "read by Megatron's BERT scripts only"
+# Values of a config field's flag that Megatron-LM takes and this framework does not build: the
+# parser takes them too, to refuse them by name.
+UNBUILT_VALUES: Dict[str, Dict[str, str]] = {
+    "--optimizer": {
+        "sgd": "SGD with momentum is not built (adam, lion and adafactor are)",
+        "muon": "Muon is not built", "dist_muon": "Muon is not built",
+        "adaptive_muon": "Muon is not built (a Megatron-LM value newer than core_v0.16.1)",
+        "soap": "SOAP is not built (a Megatron-LM value newer than core_v0.16.1)"},
+    "--position-embedding-type": {"mrope": "multimodal rotary sections are not built",
+                                  "relative": "T5's relative position buckets are not built",
+                                  "none": "a model without position embeddings is not built"},
+    "--lr-decay-style": {"inverse-square-root": "the inverse-square-root decay is not built",
+                         "WSD": "the warmup-stable-decay schedule is not built"},
+    "--dataloader-type": {"cyclic": "the random sampler over epochs is not built: samples come in the dataset's "
+                                    "own shuffled order (single)",
+                          "external": "a user-supplied data loader is not built"},
+    "--tokenizer-type": {"BertWordPieceLowerCase": _BERT, "BertWordPieceCase": _BERT,
+                         "TikTokenizer": "TikToken vocabularies are not built yet",
+                         "MultimodalTokenizer": "multimodal tokenizers are not built",
+                         "NullMultimodalTokenizer": "multimodal tokenizers are not built",
+                         "SFTTokenizer": "supervised fine-tuning's tokenizer is not built"},
+}
+
+
+def unbuilt_values(values: Dict[str, object]) -> Dict[str, str]:
+    """{flag: "FLAG VALUE: reason"} of each {flag: value} that UNBUILT_VALUES refuses."""
+    return {flag: f"{flag} {value}: {UNBUILT_VALUES[flag][value]}" for flag, value in values.items()
+            if isinstance(value, str) and value in UNBUILT_VALUES.get(flag, {})}
+
+
+def megatron_parser() -> dict:
+    """Megatron-LM's parser as tools/megatron_parser.py wrote it down (revision, actions)."""
+    with open(PARSER_TABLE, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+_TYPES = {"int": int, "float": float, "str": str, "bool": str}
+
+
+def _parse_of(action: dict) -> dict:
+    """argparse keywords for one of Megatron's actions: a switch (store_true/false, either spelling
+    of a BooleanOptionalAction) is given or not; a value keeps its type, nargs and choices (choices
+    of Megatron's own value parsers, such as signal numbers, are left to them: text here)."""
+    if action["action"] != "store":
+        return _switch()
+    kind = _TYPES[action["type"] or "str"]
+    choices = action["choices"] if action["choices"] and all(isinstance(c, kind) for c in action["choices"]) else None
+    return _value(kind, choices, action["nargs"])
+
+
+def _family_entries() -> Dict[str, MegatronFlag]:
+    """An entry for every flag of Megatron's parser that a family of megatron_families.py names (any
+    spelling of an action names all of them); a refused value flag given at Megatron's default asks
+    for nothing."""
+    status_of = {flag: (status, reason) for status, reason, flags in FAMILIES for flag in flags}
+    entries = {}
+    for action in megatron_parser()["actions"]:
+        named = [status_of[flag] for flag in action["flags"] if flag in status_of]
+        if not named:
+            continue
+        status, reason = named[0]
+        parse, default = _parse_of(action), action["default"]
+        keeps = None
+        if status == REFUSED and "type" in parse and default is not None:
+            keeps = lambda value, cfg, default=default: value != default  # noqa: E731
+        for flag in action["flags"]:
+            entries[flag] = MegatronFlag(status, reason, parse, keeps=keeps,
+                                         otherwise=(MEANING, "Megatron-LM's default: what happens here"))
+    return entries
+
+
+def megatron_aliases() -> Dict[str, List[str]]:
+    """Megatron's other spellings of a flag this table or a config field has under its first name
+    (--persistent-save-interval for --save-interval): {first flag: [the others]}."""
+    return {action["flags"][0]: action["flags"][1:] for action in megatron_parser()["actions"]
+            if len(action["flags"]) > 1 and action["action"] != "boolean_optional"
+            and action["flags"][0] not in MEGATRON_FLAGS}
+
+
+MEGATRON_FLAGS.update({flag: entry for flag, entry in _family_entries().items() if flag not in MEGATRON_FLAGS})
+
+
 def parsed_flags() -> Dict[str, MegatronFlag]:
     """The table's flags the parser adds itself (the others come with their config fields)."""
     return {flag: entry for flag, entry in MEGATRON_FLAGS.items() if not entry.config_field}
 
 
-def check_flags(given: Dict[str, object], cfg: "Config") -> List[str]:
-    """Raise one ConfigError naming every refused flag; return "FLAG (reason)" of those with no effect."""
-    refused, no_effect = [], []
+def check_flags(given: Dict[str, object], cfg: "Config", refused: Tuple[str, ...] = ()) -> List[str]:
+    """Raise one ConfigError naming every refused flag (and the ``refused`` already found);
+    return "FLAG (reason)" of those with no effect."""
+    refused, no_effect = list(refused), []
     for flag, value in given.items():
         status, reason = MEGATRON_FLAGS[flag].resolve(value, cfg)
         shown = flag if value is True else f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"

@@ -49,6 +49,11 @@ class ModelConfig:
     rotary_base: float = opt(10000.0, "Base of the rotary embedding frequencies.")
     rotary_percent: float = opt(1.0, "Fraction of each head's dimensions that rotary embeddings rotate (the rest "
                                 "pass through unchanged).")
+    use_rope_scaling: bool = opt(False, "Llama 3.1's rotary frequency scaling, as Megatron-LM computes it: low/high "
+                                 "frequency factors 1 and 4 over an original context of 8192, --rope-scaling-factor.")
+    rope_scaling_factor: float = opt(8.0, "The factor of --use-rope-scaling.")
+    rotary_seq_len_interpolation_factor: Optional[int] = opt(None, "Linear position interpolation: rotary positions "
+                                                             "are divided by it (Megatron-LM's type: an integer).")
     untie_embeddings_and_output_weights: bool = opt(False, "Use a separate output matrix instead of the input embedding.")
     disable_bias_linear: bool = opt(False, "No biases in linear layers.")
     hidden_dropout: float = opt(0.1, "Dropout on the residual branches.")
@@ -165,6 +170,11 @@ class ModelConfig:
             _window(self.window_size)
         elif self.window_attn_skip_freq is not None:
             raise ConfigError("--window-attn-skip-freq needs --window-size")
+        scaled = [flag for flag, on in (("--use-rope-scaling", self.use_rope_scaling),
+                                        ("--rotary-seq-len-interpolation-factor",
+                                         self.rotary_seq_len_interpolation_factor is not None)) if on]
+        if scaled and self.position_embedding_type != "rope":
+            raise ConfigError(f"{scaled[0]} scales rotary embeddings: it needs --position-embedding-type rope")
         if self.position_embedding_type == "rope" and (self.rotary_dim % 2 or not self.rotary_dim):
             raise ConfigError(f"rotary embeddings need an even, non-zero number of rotated dimensions: "
                               f"--rotary-percent {self.rotary_percent} of head dimension {self.head_dim} "
@@ -226,7 +236,8 @@ RANGES = {
     "kv_channels": at_least(1, 2 ** 18), "seq_length": at_least(1, 2 ** 24),
     "max_position_embeddings": at_least(1, 2 ** 24), "vocab_size": at_least(2, 2 ** 31 - 1),
     "make_vocab_size_divisible_by": at_least(1, 2 ** 16), "norm_epsilon": positive(1.0), "rotary_base": positive(),
-    "rotary_percent": Range(0.0, 1.0, low_open=True),
+    "rotary_percent": Range(0.0, 1.0, low_open=True), "rope_scaling_factor": positive(),
+    "rotary_seq_len_interpolation_factor": positive(),
     "hidden_dropout": fraction(), "attention_dropout": fraction(), "init_method_std": positive(),
     "num_experts": at_least(0, 2 ** 16), "moe_layer_freq": at_least(1, LAYERS), "moe_router_topk": at_least(1, 2 ** 16),
     "moe_ffn_hidden_size": at_least(1, 2 ** 20), "moe_num_prototypes": at_least(1, 2 ** 16),

@@ -1,6 +1,7 @@
 """The train section: batch sizes, optimizer, schedule, precision and when to stop."""
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Tuple
 
@@ -33,6 +34,8 @@ class TrainConfig:
     optimizer: str = opt("adam", "; ".join(f"{s.name} ({s.summary})" for s in OPTIMIZERS.values()) +
                          " (config/optimizers.py; the memory-lean ones: docs/scale.md).", choices=list(OPTIMIZERS))
     weight_decay: float = opt(0.01, "Decoupled weight decay (not applied to norms and biases).")
+    apply_wd_to_qk_layernorm: bool = opt(False, "Weight decay on the query/key norms (--qk-layernorm) too, as "
+                                         "megatron-core's Qwen3-Next grouping: other norms and biases still have none.")
     adam_beta1: float = opt(0.9, "AdamW beta1.")
     adam_beta2: float = opt(0.999, "AdamW beta2.")
     adam_eps: float = opt(1e-8, "AdamW epsilon.")
@@ -78,7 +81,9 @@ class TrainConfig:
     max_skipped_steps: int = opt(10, "Stop after this many consecutive steps skipped for non-finite values.")
     exit_interval: Optional[int] = opt(None, "Save and exit when the iteration is a multiple of this.")
     exit_duration_in_mins: Optional[int] = opt(None, "Save and exit after this many minutes.")
-    exit_signal_handler: bool = opt(False, "Save and exit cleanly on SIGTERM.")
+    exit_signal_handler: bool = opt(False, "Save and exit cleanly on --exit-signal.")
+    exit_signal: str = opt("SIGTERM", "The signal --exit-signal-handler catches (by name, as Megatron-LM takes it).",
+                           choices=[sig.name for sig in signal.Signals])
 
     def check(self) -> None:
         """The rules between the section's fields (each field's range: ``RANGES``)."""

@@ -104,8 +104,9 @@ def _check_inputs(cfg: Config) -> None:
     d = cfg.data
     if cfg.logging.eval_only and not cfg.logging.eval_iters:
         raise ConfigError("--eval-only evaluates --eval-iters batches: 0 evaluates nothing")
-    if not d.mock_data and not d.data_path and not cfg.logging.eval_only:
-        raise ConfigError("no training data: pass --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
+    if not d.mock_data and not d.has_files and not cfg.logging.eval_only:
+        raise ConfigError("no training data: pass --data-path PREFIX (from tools/preprocess_data.py), per-split "
+                          "paths (--train-data-path ...) or --mock-data")
     if d.mock_data and cfg.model.vocab_size is None and d.tokenizer_type is None:
         raise ConfigError("--mock-data needs --vocab-size (or a --tokenizer-type to take it from)")
 

@@ -26,12 +26,40 @@ from megatron_p2r.parallel.sharding import make_param
 from megatron_p2r.parallel.state import ParallelState
 
 
-def rotary_tables(seq_len: int, rotary_dim: int, base: float, device) -> tuple:
-    """cos, sin [seq, rotary_dim] in the rotate-half convention (as Llama in transformers)."""
+def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                  original_context: int = 8192) -> torch.Tensor:
+    """Llama 3.1's rotary frequency scaling as megatron-core computes it (RotaryEmbedding._apply_scaling):
+    wavelengths beyond the original context / low_freq_factor are slowed by ``factor``, those
+    below context / high_freq_factor kept, the band between blended smoothly."""
+    low_freq_wavelen, high_freq_wavelen = original_context / low_freq_factor, original_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_tables(seq_len: int, rotary_dim: int, base: float, device, rope_scaling_factor: Optional[float] = None,
+                  seq_len_interpolation_factor: Optional[float] = None) -> tuple:
+    """cos, sin [seq, rotary_dim] in the rotate-half convention (as Llama in transformers), with
+    megatron-core's optional Llama 3.1 scaling (``rope_scaling_factor``) and linear position
+    interpolation (positions times 1 / ``seq_len_interpolation_factor``)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim))
-    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    if rope_scaling_factor is not None:
+        inv_freq = llama3_scaled(inv_freq, rope_scaling_factor)
+    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    if seq_len_interpolation_factor is not None:
+        positions *= 1 / seq_len_interpolation_factor
+    freqs = torch.outer(positions, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
+
+
+def model_rotary_tables(m: ModelConfig, seq_len: int, device) -> tuple:
+    """``rotary_tables`` for a model's config (its base, rotated dimensions and scaling flags)."""
+    return rotary_tables(seq_len, m.rotary_dim, m.rotary_base, device, m.rope_scaling_factor if m.use_rope_scaling
+                         else None, m.rotary_seq_len_interpolation_factor)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

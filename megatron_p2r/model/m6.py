@@ -29,7 +29,7 @@ from torch import nn
 from megatron_p2r.config import Config
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.tensor_specs import WORD_EMBEDDING
-from megatron_p2r.model.attention import rotary_tables
+from megatron_p2r.model.attention import model_rotary_tables
 from megatron_p2r.model.block import TransformerLayer
 from megatron_p2r.model.norm import make_norm
 from megatron_p2r.parallel import random as tp_random
@@ -157,7 +157,7 @@ class M6Model(nn.Module):
         """The rotary tables every layer of a forward reads (None without rotary positions)."""
         if self.rope_base is None:
             return None
-        return rotary_tables(seq_len, self.cfg.model.rotary_dim, self.rope_base, device)
+        return model_rotary_tables(self.cfg.model, seq_len, device)
 
     def hidden_spec(self, tokens_shape: Tuple[int, ...]) -> Tuple[Tuple[int, ...], torch.dtype]:
         """(shape, dtype) of the hidden states between stages for a micro-batch of

@@ -27,10 +27,15 @@ from megatron_p2r.parallel.sharding import logical_name
 OPTIMIZER_KINDS = {name: spec.checkpoint_entries for name, spec in OPTIMIZERS.items()}
 
 
+def _qk_norm(name: str) -> bool:
+    """A parameter of a query/key norm (megatron-core's test: q_layernorm. / k_layernorm. in the name)."""
+    return "q_layernorm." in name or "k_layernorm." in name
+
+
 def param_groups(model: nn.Module, t: TrainConfig) -> list:
     groups = {}
     for name, p in model.named_parameters():
-        no_wd = getattr(p, "no_wd", False)
+        no_wd = getattr(p, "no_wd", False) and not (t.apply_wd_to_qk_layernorm and _qk_norm(name))
         decoupled = t.decoupled_lr is not None and logical_name(name, p) in (WORD_EMBEDDING, OUTPUT_WEIGHT)
         if (no_wd, decoupled) not in groups:
             groups[no_wd, decoupled] = {"params": [], "weight_decay": 0.0 if no_wd else t.weight_decay}

@@ -38,6 +38,8 @@ def _rotary_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
         (not m.swiglu, f"no --swiglu ({name}'s MLP is SwiGLU)"),
         (m.rotary_percent != 1.0, f"--rotary-percent {m.rotary_percent} ({name} rotates whole heads)"),
         (m.qk_layernorm, f"--qk-layernorm ({name} has no query/key norms)"),
+        (m.use_rope_scaling and m.rotary_seq_len_interpolation_factor is not None,
+         "--use-rope-scaling with --rotary-seq-len-interpolation-factor (transformers takes one rope type)"),
     ]
 
 

@@ -38,8 +38,6 @@ _NEUTRAL = [
     ("linear_attention_freq", None, "linear-attention layers"),
     ("heterogeneous_layers_config_path", None, "heterogeneous layers"),
     ("rotary_interleaved", False, "interleaved rotary embeddings (ours rotate halves)"),
-    ("use_rope_scaling", False, "Llama-3.1 rope scaling"),
-    ("rotary_seq_len_interpolation_factor", None, "rotary position interpolation"),
     ("squared_relu", False, "squared-ReLU MLP"),
     ("moe_shared_expert_intermediate_size", None, "shared experts"),
     ("moe_router_score_function", "softmax", "a router score function other than softmax"),
@@ -119,6 +117,10 @@ def _attention_values(a: SavedArgs, blockers: List[str]) -> dict:
                   attention_dropout=a.get("attention_dropout", default=0.1),
                   qk_layernorm=bool(a.get("qk_layernorm")),
                   add_qkv_bias=bool(a.get("add_qkv_bias")) and not a.get("add_bias_linear", default=True))
+    if a.get("use_rope_scaling"):
+        values.update(use_rope_scaling=True, rope_scaling_factor=float(a.get("rope_scaling_factor") or 8.0))
+    if a.get("rotary_seq_len_interpolation_factor") is not None:
+        values["rotary_seq_len_interpolation_factor"] = a.get("rotary_seq_len_interpolation_factor")
     if a.get("kv_channels") not in (None, h // heads):
         values["kv_channels"] = a.get("kv_channels")
     if a.get("group_query_attention"):

@@ -68,6 +68,8 @@ def _model_args(m: ModelConfig) -> dict:
         seq_length=m.seq_length, max_position_embeddings=m.max_positions,
         position_embedding_type=m.position_embedding_type, add_position_embedding=True,
         use_rotary_position_embeddings=False, rotary_base=m.rotary_base, rotary_percent=m.rotary_percent,
+        use_rope_scaling=m.use_rope_scaling, rope_scaling_factor=m.rope_scaling_factor,
+        rotary_seq_len_interpolation_factor=m.rotary_seq_len_interpolation_factor,
         rotary_interleaved=False, normalization=m.normalization, norm_epsilon=m.norm_epsilon,
         apply_layernorm_1p=False, swiglu=m.swiglu, squared_relu=False, add_bias_linear=m.add_bias,
         # Megatron's dense MLP has no fused quick-GeGLU kernel: it needs the fusion off

@@ -57,11 +57,13 @@ def not_exported(source: SourceCheckpoint, ckpt_format: str, dtype: str) -> Opti
                (source.pseudo, "a pseudo-phase checkpoint's optimizer state is not delinked"),
                (dtype == "float16", "--dtype float16 needs Megatron's loss scaler state, not written"),
                (t.decoupled_lr is not None, "--decoupled-lr gives Megatron other parameter groups"),
+               (t.apply_wd_to_qk_layernorm and source.real_cfg.model.qk_layernorm,
+                "--apply-wd-to-qk-layernorm moves the query/key norms to Megatron's weight-decay group, not laid out"),
                (t.optimizer != "adam", f"--optimizer {t.optimizer}'s state has no Megatron-LM counterpart")]
     return next((why for failed, why in reasons if failed), None)
 
 
-def _world_size(source: SourceCheckpoint) -> int:
+def world_size_of(source: SourceCheckpoint) -> int:
     """The saving run's world size (recorded with its RNG states), else its model-parallel size."""
     rng = source.meta.get("rng") or {}
     par = source.cfg.parallel
@@ -78,6 +80,29 @@ def scheduler_state(cfg: Config, num_steps: int, world_size: int) -> dict:
     return {"max_lr": t.lr, "lr_warmup_steps": warmup, "num_steps": num_steps, "lr_decay_style": t.lr_decay_style,
             "lr_decay_steps": decay, "min_lr": t.min_lr, "start_wd": t.weight_decay, "end_wd": t.weight_decay,
             "wd_incr_style": "constant", "wd_incr_steps": samples}
+
+
+def scheduler_flags(cfg: Config, world_size: int) -> List[str]:
+    """The flags that make Megatron-LM's OptimizerParamScheduler equal ``scheduler_state``: on
+    resume it compares every value (LR, minimum, style, warm-up and decay lengths, start/end weight
+    decay, its increment style and length) and aborts on a difference. The lengths in the form the
+    run gave them: samples, or iterations with the global batch size Megatron multiplies them by."""
+    t = cfg.train
+    flags = ["--lr", str(t.lr), "--min-lr", str(t.min_lr), "--lr-decay-style", t.lr_decay_style,
+             "--weight-decay", str(t.weight_decay), "--weight-decay-incr-style", "constant"]
+    if t.train_samples is not None:
+        flags += ["--train-samples", str(t.train_samples)]
+        if t.lr_decay_samples is not None:
+            flags += ["--lr-decay-samples", str(t.lr_decay_samples)]
+        warmup = ["--lr-warmup-samples", str(t.lr_warmup_samples)]
+    else:
+        flags += ["--train-iters", str(train_iters(cfg, world_size)),
+                  "--global-batch-size", str(global_batch_size(cfg, world_size))]
+        if t.lr_decay_iters is not None:
+            flags += ["--lr-decay-iters", str(t.lr_decay_iters)]
+        warmup = ["--lr-warmup-iters", str(t.lr_warmup_iters)]
+    return flags + (["--lr-warmup-fraction", str(t.lr_warmup_fraction)] if t.lr_warmup_fraction is not None
+                    else warmup)
 
 
 def param_groups(cfg: Config, lr: float, experts: bool) -> List[dict]:
@@ -119,7 +144,7 @@ def optimizer_export(source: SourceCheckpoint, plan: Inverses, dtype: str, ep: i
     if len(steps) != 1:
         raise CheckpointError(f"{source.iter_dir}: Adam steps {sorted(steps)} differ between parameters; Megatron keeps "
                               "one common step")
-    scheduler = scheduler_state(cfg, int(source.meta["scheduler"]["num_steps"]), _world_size(source))
+    scheduler = scheduler_state(cfg, int(source.meta["scheduler"]["num_steps"]), world_size_of(source))
     lr = learning_rate(scheduler["num_steps"], scheduler["lr_warmup_steps"], scheduler["lr_decay_steps"],
                        cfg.train.lr_decay_style, cfg.train.lr, cfg.train.min_lr)
     expert_parallel = bool(cfg.model.num_experts) and ep > 1

@@ -17,7 +17,8 @@ from megatron_p2r.config import ConfigError
 from megatron_p2r.convert.hf.source import SourceCheckpoint
 from megatron_p2r.convert.megatron.export_args import (CHECKPOINT_VERSION, CONTENT_METADATA, MegatronLayout,
                                                           flags_to_pass, megatron_args)
-from megatron_p2r.convert.megatron.export_optim import Inverses, not_exported, optimizer_export
+from megatron_p2r.convert.megatron.export_optim import (Inverses, not_exported, optimizer_export,
+                                                        scheduler_flags, scheduler_state, world_size_of)
 from megatron_p2r.convert.megatron.rules import to_megatron
 from megatron_p2r.convert.megatron.source import TRACKER_FILE
 from megatron_p2r.convert.megatron.writer import write_dist, write_legacy
@@ -103,11 +104,13 @@ def _notes(source: SourceCheckpoint, layout: MegatronLayout, args, skipped: Opti
         notes.append(f"weights only ({skipped}): the args say no_save_optim and no_save_rng, so Megatron loads no "
                      "optimizer or RNG state")
     else:
-        t = source.real_cfg.train
+        world = world_size_of(source)
+        saved = scheduler_state(source.real_cfg, 0, world)
         notes.append(f"optimizer: Adam's moments and step {'and fp32 mains (a --bf16 run) ' if args.bf16 else ''}for megatron-core's "
                      f"non-distributed optimizer (no --use-distributed-optimizer), iteration {args.iteration}, "
-                     f"{args.consumed_train_samples} consumed samples; the LR schedule is ours (--lr {t.lr} --min-lr "
-                     f"{t.min_lr} --lr-decay-style {t.lr_decay_style} --weight-decay {t.weight_decay}, lengths in "
-                     "samples): pass the same, or --override-opt-param-scheduler to keep your flags' schedule at "
-                     "this position; no RNG state (the args say no_save_rng)")
+                     f"{args.consumed_train_samples} consumed samples; no RNG state (the args say no_save_rng)")
+        notes.append(f"Megatron-LM checks the saved LR and weight-decay schedule on resume and stops at a difference: "
+                     f"pass {' '.join(scheduler_flags(source.real_cfg, world))} (warm-up {saved['lr_warmup_steps']}, "
+                     f"decay {saved['lr_decay_steps']} and weight-decay length {saved['wd_incr_steps']} samples), or "
+                     "--override-opt-param-scheduler to keep your own flags' schedule at this position")
     return notes

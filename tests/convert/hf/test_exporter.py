@@ -46,13 +46,15 @@ COMMON = dict(train_iters=3, global_batch_size=4, eval_interval=3, eval_iters=2,
 CASES = {
     # learned positions + LayerNorm + GELU, tied, biases -> GPT2LMHeadModel
     "gpt2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
-    # rotary + RMSNorm + SwiGLU, untied, biases, 2 key/value groups, pseudo phase (share all) -> LlamaForCausalLM
+    # rotary + RMSNorm + SwiGLU, untied, biases, 2 key/value groups, pseudo phase (share all), Llama 3.1's rotary
+    # scaling -> LlamaForCausalLM (rope_type llama3)
     "llama": dict(ROPE, **GQA, num_query_groups=2, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                   num_layers=4, p2r_phase="pseudo", share_pattern="all", untie_embeddings_and_output_weights=True,
-                  make_vocab_size_divisible_by=128),
-    # one key/value head (replicated over TP 2), no biases, a 6-token window -> MistralForCausalLM (sliding_window 6)
+                  make_vocab_size_divisible_by=128, use_rope_scaling=True, rope_scaling_factor=4.0),
+    # one key/value head (replicated over TP 2), no biases, a 6-token window, positions interpolated by 2
+    # -> MistralForCausalLM (sliding_window 6, rope_type linear)
     "mistral": dict(ROPE, **GQA, num_query_groups=1, tensor_model_parallel_size=2, disable_bias_linear=True,
-                    window_size="5,0"),
+                    window_size="5,0", rotary_seq_len_interpolation_factor=2),
     # top-2 MoE in every layer, 2 key/value groups -> MixtralForCausalLM
     "mixtral": dict(ROPE, **GQA, num_query_groups=2, tensor_model_parallel_size=2, expert_model_parallel_size=2,
                     num_experts=4, moe_router_topk=2, moe_router_pre_softmax=False, moe_ffn_hidden_size=24,

@@ -123,3 +123,11 @@ def test_vocabulary_keeps_megatrons_rows(saved_vocab, target_tp, want):
     assert (vocab, divisor) == want[:2]
     assert (note is None) == (want[2] is None) and (want[2] is None or want[2] in note)
     assert -(-vocab // divisor) * divisor == (224 if want[2] is None else 256)
+
+
+def test_rotary_scaling_comes_along():
+    """Megatron's --use-rope-scaling/--rope-scaling-factor and --rotary-seq-len-interpolation-factor."""
+    values, _, _ = model_values(saved(LLAMA, use_rope_scaling=True, rope_scaling_factor=32.0,
+                                      rotary_seq_len_interpolation_factor=4))
+    assert (values["use_rope_scaling"], values["rope_scaling_factor"], values["rotary_seq_len_interpolation_factor"]) \
+        == (True, 32.0, 4)

@@ -24,6 +24,7 @@ from megatron_p2r.checkpoint.io import save_checkpoint
 from megatron_p2r.checkpoint.tensor_table import tensor_table
 from megatron_p2r.convert.hf.source import SourceCheckpoint
 from megatron_p2r.convert.megatron.export_args import flags_to_pass
+from megatron_p2r.convert.megatron.export_optim import scheduler_flags
 from megatron_p2r.convert.megatron.exporter import export_megatron
 from megatron_p2r.convert.megatron.rules import to_megatron
 from megatron_p2r.convert.megatron.unpickler import Kind, TorchArchive
@@ -94,10 +95,10 @@ def test_megatron_resumes_from_export_with_our_next_step(tmp_path, model, ep):
     g = torch.Generator().manual_seed(0)
     inputs = {"tokens": torch.randint(0, 200, (2, 16), generator=g), "batch": torch.randint(0, 200, (2, 17), generator=g)}
     torch.save(inputs, tmp_path / "inputs.pt")
-    schedule = ["--lr", "0.01", "--lr-warmup-iters", "5", "--lr-decay-style", "cosine", "--weight-decay", "0.1",
-                "--train-iters", "10", "--clip-grad", "0"]
+    # the schedule the export's note says to pass (its global batch of 2 is the harness's both ways)
+    schedule = scheduler_flags(SourceCheckpoint(ours).real_cfg, 1) + ["--clip-grad", "0"]
     if ep == 1:  # one rank takes the batch of 2 (under EP 2: 2 data-parallel ranks of 1, the harness's)
-        schedule += ["--micro-batch-size", "2", "--global-batch-size", "2"]
+        schedule += ["--micro-batch-size", "2"]
     assert "successfully loaded checkpoint" in _run_megatron(out, tmp_path / "inputs.pt", tmp_path / "logits.pt",
                                                              "torch_dist", 1, ep, 200, schedule)
     theirs = torch.load(tmp_path / "logits.pt", weights_only=True)

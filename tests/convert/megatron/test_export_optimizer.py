@@ -103,6 +103,7 @@ def test_experts_have_their_own_chained_optimizer(tmp_path, biases, expert_group
     ({}, ["--ckpt-format", "torch"], "the optimizer state is written in torch_dist only"),
     ({}, ["--dtype", "float16"], "loss scaler"),
     (dict(optimizer="lion"), [], "--optimizer lion's state has no Megatron-LM counterpart"),
+    (dict(qk_layernorm=True, apply_wd_to_qk_layernorm=True), [], "--apply-wd-to-qk-layernorm moves the query/key"),
 ])
 def test_weights_only_says_why(tmp_path, capsys, options, argv, why):
     from tools.convert_checkpoint import main
@@ -115,3 +116,30 @@ def test_weights_only_says_why(tmp_path, capsys, options, argv, why):
         "model_optim_rng.pt"
     saved = TorchArchive(str(header), Kind.MEGATRON).obj
     assert saved["args"].no_save_optim and "optimizer" not in saved
+
+
+@pytest.mark.parametrize("values", [
+    dict(train_iters=10, global_batch_size=4, lr_warmup_iters=2, lr_decay_iters=8),
+    dict(train_iters=10, global_batch_size=4, lr_warmup_fraction=0.25),
+    dict(train_samples=64, global_batch_size=4, lr_warmup_samples=8, lr_decay_samples=48, lr_decay_style="cosine"),
+    dict(train_samples=64, global_batch_size=4, lr_warmup_samples=8, weight_decay=0.05, min_lr=1e-4),
+])
+def test_the_notes_schedule_flags_give_the_saved_schedule(values):
+    """The flags the export's note says to pass, given to Megatron's parser (ours has its
+    meanings), make the same OptimizerParamScheduler state as the one exported: what Megatron
+    compares on resume, the weight-decay length included."""
+    from megatron_p2r.arguments import parse_args
+    from megatron_p2r.convert.megatron.export_optim import scheduler_flags, scheduler_state
+    cfg = tiny_config(**values)
+    flags = scheduler_flags(cfg, 1)
+    again = parse_args(["--mock-data", "--vocab-size", "64", "--micro-batch-size", "2"] + flags)
+    assert scheduler_state(again, 0, 1) == scheduler_state(cfg, 0, 1)
+    assert "--weight-decay-incr-style" in flags and ("--train-samples" in flags) == ("train_samples" in values)
+
+
+def test_the_note_names_the_schedule_and_the_override(tmp_path):
+    src = trained(str(tmp_path / "ours"), {})
+    _, notes = export_megatron(src, str(tmp_path / "m"), progress=False)
+    schedule = [n for n in notes if n.startswith("Megatron-LM checks the saved LR")]
+    assert schedule and "--train-iters 10 --global-batch-size 2" in schedule[0], notes
+    assert "weight-decay length 20 samples" in schedule[0] and "--override-opt-param-scheduler" in schedule[0]
