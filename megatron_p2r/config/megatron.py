@@ -108,8 +108,6 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
     "--num-workers": MegatronFlag(NO_EFFECT, "data-loader worker processes (samples are read in the training "
                                   "process)", _value(int)),
     "--no-mmap-bin-files": MegatronFlag(NO_EFFECT, ".bin files are memory-mapped here: the same data", _switch()),
-    "--tiktoken-pattern": MegatronFlag(NO_EFFECT, "used by TikTokenizer only, which is not available here",
-                                       _value(str, ["v1", "v2"])),
     "--ckpt-format": MegatronFlag(NO_EFFECT, "checkpoints are in this framework's format (docs/checkpoint.md)",
                                   _value(str, ["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"])),
     "--profile": MegatronFlag(NO_EFFECT, _PROFILER, _switch()),

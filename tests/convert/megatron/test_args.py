@@ -1,5 +1,7 @@
 """Megatron's saved args -> our model options: Megatron's names (old and new) and defaults, every
 inexpressible option named in one message, and the vocabulary padding kept."""
+import os
+
 import pytest
 
 from megatron_p2r.convert.megatron.args import MegatronConversionError, SavedArgs, model_values, vocab_values
@@ -123,3 +125,19 @@ def test_vocabulary_keeps_megatrons_rows(saved_vocab, target_tp, want):
     assert (vocab, divisor) == want[:2]
     assert (note is None) == (want[2] is None) and (want[2] is None or want[2] in note)
     assert -(-vocab // divisor) * divisor == (224 if want[2] is None else 256)
+
+
+def test_tiktoken_settings_are_imported():
+    """A Megatron TikTokenizer run's pattern and special tokens reach model.yaml (the special tokens
+    from --tokenizer-special-tokens, where Megatron copies the deprecated --tiktoken-special-tokens)."""
+    from megatron_p2r.convert.megatron.importer import _tokenizer_flags
+
+    vocab = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "tiktoken", "vocab.json")
+    specials = ["<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>"]
+    saved = SavedArgs({"tokenizer_type": "TikTokenizer", "tokenizer_model": vocab, "tiktoken_pattern": "v1",
+                       "tiktoken_num_special_tokens": 12, "tokenizer_special_tokens": specials,
+                       "tiktoken_special_tokens": None}, "args")
+    flags, note = _tokenizer_flags(saved)
+    assert flags == {"tokenizer_type": "TikTokenizer", "tokenizer_model": vocab, "tiktoken_pattern": "v1",
+                     "tiktoken_num_special_tokens": 12, "tiktoken_special_tokens": specials}
+    assert note.endswith("(in model.yaml)")
