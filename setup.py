@@ -31,6 +31,7 @@ setup(
         "plot": ["matplotlib"],
         "hf": ["transformers"],
         "tiktoken": ["tiktoken"],
+        "wandb": ["wandb"],
         "bench": ["transformers", "tokenizers"],
         "dev": ["pytest", "pytest-timeout", "ruff"],
     },

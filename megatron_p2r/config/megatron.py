@@ -59,7 +59,6 @@ def _kernel(what: str, parse: Optional[dict] = None) -> MegatronFlag:
 
 _FP8 = "fp8 needs Transformer Engine: the compute stays in --bf16/--fp16/fp32"
 _PROFILER = "Megatron-LM's profiler hook is not integrated"
-_WANDB = "Weights & Biases is not integrated: use --tensorboard-dir or --log-file"
 _MODELOPT = "a ModelOpt flag (pretrain_gpt.py parses it only with nvidia-modelopt installed)"
 
 MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
@@ -113,9 +112,6 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
     "--profile": MegatronFlag(NO_EFFECT, _PROFILER, _switch()),
     "--profile-step-start": MegatronFlag(NO_EFFECT, _PROFILER, _value(int)),
     "--profile-step-end": MegatronFlag(NO_EFFECT, _PROFILER, _value(int)),
-    "--wandb-project": MegatronFlag(NO_EFFECT, _WANDB, _value(str)),
-    "--wandb-exp-name": MegatronFlag(NO_EFFECT, _WANDB, _value(str)),
-    "--wandb-save-dir": MegatronFlag(NO_EFFECT, _WANDB, _value(str)),
     "--logging-level": MegatronFlag(NO_EFFECT, "the level of Megatron-LM's Python loggers: this framework prints "
                                     "its log lines and errors at any level", _value(int)),
     "--moe-per-layer-logging": MegatronFlag(NO_EFFECT, "per-layer MoE losses in the log: the log line has their "
