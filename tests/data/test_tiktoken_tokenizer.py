@@ -138,3 +138,9 @@ def test_training_flags_resolve_the_vocabulary():
                       "--micro-batch-size", "1", "--train-iters", "1"])
     assert cfg.data.tiktoken_pattern == "v1" and cfg.data.tiktoken_special_tokens == SPECIALS[:7]
     assert resolve_vocab(cfg).model.vocab_size == VOCAB_SIZE
+
+
+def test_missing_package_names_the_extra(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "tiktoken", None)   # import tiktoken raises ImportError
+    with pytest.raises(ConfigError, match=r"TikTokenizer needs the tiktoken package: pip install megatron_p2r\[tiktoken\]"):
+        tik()
