@@ -110,13 +110,14 @@ def test_checkpoint_records_the_tokenizer():
     assert Config.from_dict(older).data.tiktoken_num_special_tokens == 1000
 
 
-def test_hf_export_encodes_as_tiktoken(tmp_path):
+@pytest.mark.parametrize("pattern", ["v1", "v2"])
+def test_hf_export_encodes_as_tiktoken(tmp_path, pattern):
     """The export's tokenizer.json (transformers' TikTokenConverter, specials at ids 0..N-1) loads
     with AutoTokenizer and encodes every text as the run did."""
     transformers = pytest.importorskip("transformers")
     from megatron_p2r.convert.hf.tokenizer import export_tokenizer
 
-    data, ours = tik()
+    data, ours = tik(tiktoken_pattern=pattern)
     cfg = Config(data=data).replace(vocab_size=VOCAB_SIZE)
     line, ids = export_tokenizer(cfg, str(tmp_path))
     assert line.startswith("tokenizer: PreTrainedTokenizerFast") and ids == {"bos": 1, "eos": 2, "pad": 4}
