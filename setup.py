@@ -28,9 +28,12 @@ setup(
         "tensorboard",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "ruff", "tokenizers", "transformers", "matplotlib", "hypothesis"],
+        "test": ["pytest", "pytest-timeout", "ruff", "tokenizers", "transformers", "matplotlib", "hypothesis",
+                 "tiktoken"],
         "plot": ["matplotlib"],
         "hf": ["transformers"],
+        "tiktoken": ["tiktoken"],
+        "wandb": ["wandb"],
         "bench": ["transformers", "tokenizers"],
         "dev": ["pytest", "pytest-timeout", "ruff"],
     },

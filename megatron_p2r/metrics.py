@@ -41,10 +41,12 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class TrainingLogger:
-    """Prints a human line and writes the same scalars as JSONL and to TensorBoard."""
+    """Prints a human line and writes the same scalars as JSONL, to TensorBoard and to W&B."""
 
-    def __init__(self, log_file: Optional[str] = None, tensorboard_dir: Optional[str] = None, enabled: bool = True):
+    def __init__(self, log_file: Optional[str] = None, tensorboard_dir: Optional[str] = None, enabled: bool = True,
+                 wandb=None):
         self.enabled = enabled
+        self.wandb = wandb  # a wandb_writer.WandbWriter: the same records as W&B history rows
         self.log_file = log_file if enabled else None
         self.writer = None
         if enabled and tensorboard_dir:
@@ -71,10 +73,14 @@ class TrainingLogger:
                 if isinstance(value, (int, float)) and key != "iteration":
                     self.writer.add_scalar(key, value, step)
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(record)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def format_line(r: dict) -> str:

@@ -23,6 +23,7 @@ from megatron_p2r.config import (Config, ConfigError, build_step_plan, check_val
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.lifecycle import check_run_fits, lock_save_dir, release_groups, resume_checkpoint
 from megatron_p2r.metrics import TrainingLogger, format_line, model_flops_per_token, peak_memory_bytes
+from megatron_p2r.wandb_writer import WandbWriter
 from megatron_p2r.model.m6 import M6Model, build_model
 from megatron_p2r.offload.optimizer import finish_host_optimizer, host_step_settings, optimizer_placement
 from megatron_p2r.offload.runtime import format_report
@@ -345,7 +346,9 @@ def pretrain(cfg: Config) -> dict:
 
 def _run(cfg: Config, ps: ParallelState, plan: ParallelPlan, started: float) -> dict:
     state = build_train_state(cfg, ps, plan)
-    logger = TrainingLogger(cfg.logging.log_file, cfg.logging.tensorboard_dir, enabled=ps.rank == log_rank(ps))
+    logs = ps.rank == log_rank(ps)
+    logger = TrainingLogger(cfg.logging.log_file, cfg.logging.tensorboard_dir, enabled=logs,
+                            wandb=WandbWriter.open(cfg, plan, ps.device.type) if logs else None)
     mem = describe_memory(state)
     optimizer_bytes = stage_state_bytes(plan, ps.pp_rank, ps.coords)["optimizer"]   # the optimizer allocates at step 1
     print(f"[rank {ps.rank}] stage {ps.pp_rank} tp {ps.tp_rank} dp {ps.dp_rank} ep {ps.ep_rank}: "

@@ -51,11 +51,18 @@ def test_families_name_only_megatron_flags_once_and_no_field():
     assert {status for status, _, _ in FAMILIES} <= set(STATUSES)
 
 
+# Flags whose Megatron parser takes any string but whose Megatron code takes only these values
+# (here they are choices, checked at parse time).
+WORKING_VALUES = {"tiktoken_pattern": "v2"}
+
+
 def _sample(action: dict) -> list:
     """A value Megatron's parser would take for the action (its default when it has one)."""
     if action["action"] != "store":
         return []
     default = action["default"]
+    if action["dest"] in WORKING_VALUES:
+        return [WORKING_VALUES[action["dest"]]]
     if action["choices"]:
         value = default if default in action["choices"] else action["choices"][0]
     else:

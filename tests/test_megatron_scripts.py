@@ -5,6 +5,7 @@ Each fixture in ``tests/fixtures/megatron_scripts/`` is the argv a script hands 
 made here, and the sizes are shrunk by appending the same flags, as a user would (later flags
 win); then ``pretrain_m6.main`` trains 2 iterations on CPU, one launch per script.
 """
+import importlib.util
 import json
 import os
 import re
@@ -106,14 +107,14 @@ def script_argv(name: str, paths: dict) -> list:
     return argv
 
 
-def run_script(name: str, tmp_path, paths: dict):
+def run_script(name: str, tmp_path, paths: dict, env=None):
     """Launch the script's argv (placeholders filled in) plus its shrink flags; return (log records,
     output of rank 0)."""
     log = tmp_path / "log.jsonl"
     paths = {"CHECKPOINT_PATH": str(tmp_path / "ckpt"), "TENSORBOARD_LOGS_PATH": str(tmp_path / "tb"),
              "WORKDIR": str(tmp_path), **paths}
     results = launch(script_argv(name, paths) + SHRINK[name] + ["--log-file", str(log), "--device", "cpu"], RANKS[name],
-                     out_dir=str(tmp_path), timeout=300)
+                     env=env, out_dir=str(tmp_path), timeout=300)
     assert [code for code, _ in results] == [0] * RANKS[name], results[0][1][-3000:]
     records = [json.loads(line) for line in open(log, encoding="utf-8") if "lm_loss" in line]
     assert [r["iteration"] for r in records] == [1, 2]
@@ -149,11 +150,16 @@ def test_llama3_8b_script(tmp_path):
 
 
 def test_mixtral_8x7b_script(tmp_path, corpus, sp_model):  # noqa: F811
+    """Its W&B branch (WANDB_API_KEY set) logs offline where wandb is installed; elsewhere wandb's
+    own WANDB_MODE=disabled turns W&B off."""
+    wandb_installed = importlib.util.find_spec("wandb") is not None
+    env = {"WANDB_MODE": "offline" if wandb_installed else "disabled", "WANDB_CONSOLE": "off"}
     data = preprocessed(corpus, str(tmp_path / "mix"), "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model",
                         sp_model)
-    records, output = run_script("mixtral_8x7b", tmp_path, {"TOKENIZER_MODEL": sp_model, "DATA_PATH": data})
+    records, output = run_script("mixtral_8x7b", tmp_path, {"TOKENIZER_MODEL": sp_model, "DATA_PATH": data}, env)
     assert all(r["moe_aux_loss"] > 0 for r in records)
     reported_no_effect("mixtral_8x7b", output)
+    assert bool(list((tmp_path / "ckpt" / "wandb").glob("wandb/offline-run-*"))) == wandb_installed
 
 
 def test_gptoss_script(tmp_path):

@@ -52,10 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-prefix", required=True, help="writes PREFIX_KEY_document.bin/.idx")
     p.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     p.add_argument("--tokenizer-model", help="SentencePiece .model; HuggingFaceTokenizer: a directory with "
-                                             "tokenizer.json, or that file")
+                                             "tokenizer.json, or that file; TikTokenizer: Megatron's JSON vocabulary")
     p.add_argument("--vocab-file", help="GPT-2 BPE vocab.json")
     p.add_argument("--merge-file", help="GPT-2 BPE merges.txt")
-    p.add_argument("--vocab-size", type=int, help="NullTokenizer: number of ids (eod is the last)")
+    p.add_argument("--vocab-size", type=int, help="NullTokenizer: number of ids (eod is the last); "
+                                                  "TikTokenizer: ids in all (default 131072, as Megatron-LM)")
+    p.add_argument("--tiktoken-pattern", choices=["v1", "v2"], help="TikTokenizer's split pattern (default v2)")
+    p.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                   help="TikTokenizer: ids 0..N-1 are special tokens")
+    p.add_argument("--tiktoken-special-tokens", nargs="+", help="TikTokenizer's named special tokens, ids from 0")
     p.add_argument("--special-tokens-in-text", choices=SPECIAL_TOKENS_IN_TEXT,
                    help="a special token written in the text (<|endoftext|>, </s>) becomes its id, or is "
                         "encoded as text; default: Megatron-LM's behaviour for the tokenizer type (docs/data.md)")
@@ -209,7 +214,10 @@ def preprocess(args) -> Stats:
     if not os.path.isfile(args.input):
         raise ConfigError(f"--input {args.input}: no such file")
     data_cfg = DataConfig(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                          vocab_file=args.vocab_file, merge_file=args.merge_file)
+                          vocab_file=args.vocab_file, merge_file=args.merge_file,
+                          tiktoken_pattern=args.tiktoken_pattern,
+                          tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+                          tiktoken_special_tokens=args.tiktoken_special_tokens)
     tokenizer_options = dict(vocab_size=args.vocab_size, special_tokens_in_text=args.special_tokens_in_text,
                              hf_add_special_tokens=not args.tokenizer_hf_no_include_special_tokens)
     tokenizer = build_tokenizer(data_cfg, **tokenizer_options)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from megatron_p2r.config.fields import ConfigError, opt
+from megatron_p2r.config.ranges import at_least
 
 
 @dataclass(frozen=True)
@@ -27,11 +28,16 @@ class DataConfig:
     data_cache_path: Optional[str] = opt(None, "Where index caches go (default beside the data).")
     tokenizer_type: Optional[str] = opt(None, "Tokenizer (docs/data.md).", choices=[
         "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "GPT2BPETokenizer",
-        "HuggingFaceTokenizer", "NullTokenizer", "ByteTokenizer"])
+        "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer", "ByteTokenizer"])
     tokenizer_model: Optional[str] = opt(None, "SentencePiece .model; HuggingFaceTokenizer: a directory with "
-                                         "tokenizer.json, or that file.")
+                                         "tokenizer.json, or that file; TikTokenizer: Megatron's JSON vocabulary.")
     vocab_file: Optional[str] = opt(None, "GPT-2 BPE vocab.json.")
     merge_file: Optional[str] = opt(None, "GPT-2 BPE merges.txt.")
+    tiktoken_pattern: Optional[str] = opt(None, "TikTokenizer's split pattern (Megatron's; default v2).",
+                                          choices=["v1", "v2"])
+    tiktoken_num_special_tokens: int = opt(1000, "TikTokenizer: ids 0..N-1 are special tokens.")
+    tiktoken_special_tokens: Optional[List[str]] = opt(None, "TikTokenizer's named special tokens, ids from 0 "
+                                                       "(default <unk> <s> </s> <mask> <pad> <cls> <sep>).", nargs="+")
 
     @property
     def per_split(self) -> bool:
@@ -71,5 +77,4 @@ def parse_split(split: str) -> List[float]:
     return [p / sum(parts) for p in parts]
 
 
-# No numeric fields: the type checks of config/ranges.py cover the section.
-RANGES: dict = {}
+RANGES = {"tiktoken_num_special_tokens": at_least(7, 2 ** 24)}  # Megatron's 7 named special tokens

@@ -1,10 +1,12 @@
 """The logging section: log lines, JSONL, TensorBoard and evaluation."""
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_p2r.config.fields import opt
+from megatron_p2r.config.fields import ConfigError, opt
 from megatron_p2r.config.ranges import at_least
 
 
@@ -17,6 +19,28 @@ class LoggingConfig:
     eval_iters: int = opt(100, "Batches per evaluation (a fixed, deterministic set); 0: no validation set and no "
                           "evaluation, whatever --eval-interval says (Megatron-LM's meaning).")
     eval_only: bool = opt(False, "Load, evaluate the validation loss, exit.")
+    wandb_project: Optional[str] = opt(None, "Weights & Biases project: log the run there (docs/monitoring.md).")
+    wandb_exp_name: Optional[str] = opt(None, "Weights & Biases run name (needed with --wandb-project).")
+    wandb_save_dir: Optional[str] = opt(None, "Where the W&B run's files go (default SAVE/wandb).")
+    wandb_entity: Optional[str] = opt(None, "Weights & Biases team or user (default: the account's).")
+
+    def check(self, save: Optional[str]) -> None:
+        """Megatron's W&B rules, on every rank before anything is built: a run name, a directory
+        for its files, and the optional package installed."""
+        if not self.uses_wandb:
+            return
+        if not self.wandb_exp_name:
+            raise ConfigError("--wandb-project needs --wandb-exp-name (the run's name), as in Megatron-LM")
+        if not (self.wandb_save_dir or save):
+            raise ConfigError("--wandb-project needs --wandb-save-dir or --save (the run's files go to SAVE/wandb)")
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("--wandb-project needs the wandb package: pip install megatron_p2r[wandb]")
+
+    @property
+    def uses_wandb(self) -> bool:
+        """--wandb-project given, and W&B not turned off by wandb's own ``WANDB_MODE=disabled``
+        (which needs no package: a launch script's W&B branch can stay as it is)."""
+        return bool(self.wandb_project) and os.environ.get("WANDB_MODE") != "disabled"
 
     @property
     def evaluates(self) -> bool:

@@ -219,7 +219,6 @@ UNBUILT_VALUES: Dict[str, Dict[str, str]] = {
                                     "own shuffled order (single)",
                           "external": "a user-supplied data loader is not built"},
     "--tokenizer-type": {"BertWordPieceLowerCase": _BERT, "BertWordPieceCase": _BERT,
-                         "TikTokenizer": "TikToken vocabularies are not built yet",
                          "MultimodalTokenizer": "multimodal tokenizers are not built",
                          "NullMultimodalTokenizer": "multimodal tokenizers are not built",
                          "SFTTokenizer": "supervised fine-tuning's tokenizer is not built"},

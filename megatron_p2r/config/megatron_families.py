@@ -110,8 +110,6 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
     (NO_EFFECT, "Megatron-LM's profiler hook is not integrated", (
         "--profile", "--profile-step-start", "--profile-step-end", "--use-pytorch-profiler", "--profile-ranks", "--record-memory-history", "--memory-snapshot-path",
     )),
-    (NO_EFFECT, "Weights & Biases is not integrated: use --tensorboard-dir or --log-file", (
-        "--wandb-project", "--wandb-exp-name", "--wandb-save-dir", "--wandb-entity")),
     (NO_EFFECT, _RESILIENCE, (
         "--inprocess-restart", "--inprocess-max-iterations", "--inprocess-monitor-thread-interval",
         "--inprocess-monitor-process-interval", "--inprocess-progress-watchdog-interval",
@@ -129,8 +127,6 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
         "--allow-ambiguous-pad-tokens", "--legacy-tokenizer", "--tokenizer-sentencepiece-legacy",
         "--tokenizer-hf-use-fast",
     )),
-    (NO_EFFECT, "used by TikTokenizer only, which is not available here",
-     ("--tiktoken-pattern", "--tiktoken-num-special-tokens", "--tiktoken-special-tokens")),
     (NO_EFFECT, _INFERENCE, (
         "--flash-decode", "--inference-fuse-tp-communication", "--mlp-chunks-for-prefill",
         "--inference-batch-times-seqlen-threshold", "--max-tokens-to-oom", "--use-legacy-static-engine",

@@ -36,6 +36,7 @@ def validate(cfg: Config, world_size: int) -> None:
     _check_sequence_parallel(cfg)
     cfg.train.check()
     cfg.data.check()
+    cfg.logging.check(cfg.checkpoint.save)
     _check_batch(cfg, world_size)
     _check_length(cfg, world_size)
     _check_inputs(cfg)

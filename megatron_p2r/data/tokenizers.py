@@ -8,6 +8,7 @@ Megatron-LM's names mean what they mean in Megatron-LM (docs/data.md says which 
   here (``regex`` pre-tokenisation, a per-word cache) so it needs no Hugging Face packages and
   encodes exactly as GPT-2 / Megatron-LM / HF ``ByteLevelBPETokenizer`` do.
 - ``HuggingFaceTokenizer``: a local ``tokenizer.json`` through ``tokenizers`` (hf_tokenizer.py).
+- ``TikTokenizer``: Megatron's JSON tiktoken vocabulary through ``tiktoken`` (tiktoken_tokenizer.py).
 - ``NullTokenizer``: the text is already ids, space-separated; ``--vocab-size`` ids, eod the last.
 - ``ByteTokenizer``: the 256 byte values plus end-of-document and padding; needs no files.
 
@@ -23,6 +24,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 from megatron_p2r.config import ConfigError, DataConfig
 from megatron_p2r.data.hf_tokenizer import HuggingFaceTokenizer
+from megatron_p2r.data.tiktoken_tokenizer import TikTokenizer
 from megatron_p2r.files import read_json
 
 SPECIAL_TOKENS_IN_TEXT = ("id", "text")
@@ -283,6 +285,7 @@ def _require_file(flag: str, path: Optional[str], tokenizer_type: str) -> str:
 
 # What a special token written in the text becomes by default: Megatron-LM's behaviour for the type.
 DEFAULT_SPECIAL_TOKENS_IN_TEXT = {"GPT2BPETokenizer": "id", "HuggingFaceTokenizer": "id",
+                                  "TikTokenizer": "id",
                                   "SentencePieceTokenizer": "text", "GPTSentencePieceTokenizer": "text",
                                   "Llama2Tokenizer": "text", "NullTokenizer": "text", "ByteTokenizer": "text"}
 TOKENIZER_TYPES = tuple(DEFAULT_SPECIAL_TOKENS_IN_TEXT)
@@ -292,7 +295,7 @@ def build_tokenizer(data_cfg: DataConfig, vocab_size: Optional[int] = None,
                     special_tokens_in_text: Optional[str] = None, hf_add_special_tokens: bool = True):
     """The tokenizer ``data_cfg`` names; missing or unreadable files are ConfigErrors naming the flag.
 
-    ``vocab_size`` is ``--vocab-size`` (NullTokenizer's only input). ``special_tokens_in_text``
+    ``vocab_size`` is ``--vocab-size`` (NullTokenizer's only input; TikTokenizer's total). ``special_tokens_in_text``
     (``"id"``/``"text"``, default per type) and ``hf_add_special_tokens`` (False: Megatron's
     ``--tokenizer-hf-no-include-special-tokens``) change how text is encoded, not the vocabulary.
     """
@@ -317,6 +320,9 @@ def build_tokenizer(data_cfg: DataConfig, vocab_size: Optional[int] = None,
     if kind == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(data_cfg.tokenizer_model, specials, hf_add_special_tokens)
     model = _require_file("--tokenizer-model", data_cfg.tokenizer_model, kind)
+    if kind == "TikTokenizer":
+        return TikTokenizer(model, data_cfg.tiktoken_pattern, vocab_size, data_cfg.tiktoken_num_special_tokens,
+                            data_cfg.tiktoken_special_tokens, specials)
     if kind == "Llama2Tokenizer":
         return Llama2Tokenizer(model, specials)
     return SentencePieceTokenizer(model, specials)

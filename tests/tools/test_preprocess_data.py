@@ -183,6 +183,22 @@ def test_empty_text_and_special_token_match_megatron(demo_bpe, tmp_path):
     assert ds[1].tolist().count(hf.eos_token_id) == 2  # a<eod>b<eod>
 
 
+def test_tiktoken_matches_megatrons_own_preprocessing(tmp_path):
+    """--tokenizer-type TikTokenizer: byte-identical .bin/.idx to what Megatron-LM's own
+    tools/preprocess_data.py (core_v0.16.1, run by tests/fixtures/tiktoken/make_fixture.py) wrote
+    from the same corpus and vocabulary: special tokens in the text as ids, an empty text a
+    document without a sequence, eod </s>; 2 workers change nothing."""
+    pytest.importorskip("tiktoken")
+    from tests.fixtures.tiktoken.make_fixture import FLAGS
+
+    fixture = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "tiktoken")
+    run(["--input", os.path.join(fixture, "corpus.jsonl"), "--output-prefix", tmp_path / "o", "--tokenizer-model",
+         os.path.join(fixture, "vocab.json"), "--workers", "2", "--chunk-lines", "3", *FLAGS])
+    for suffix in (".bin", ".idx"):
+        with open(os.path.join(fixture, "megatron_text_document" + suffix), "rb") as f:
+            assert (tmp_path / f"o_text_document{suffix}").read_bytes() == f.read()
+
+
 def hf_tokenizer_dir(root):
     from tests.data.test_hf_tokenizer import LLAMA3_CONFIG, write_tokenizer
 

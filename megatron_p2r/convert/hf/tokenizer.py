@@ -40,6 +40,8 @@ def export_tokenizer(cfg: Config, dst: str) -> Tuple[str, Dict[str, Optional[int
         return _export_sentencepiece(cfg, dst)
     if kind == "HuggingFaceTokenizer":
         return _export_hf_tokenizer(cfg, dst)
+    if kind == "TikTokenizer":
+        return _export_tiktoken(cfg, dst)
     if kind == "ByteTokenizer":
         return ("tokenizer not copied: ByteTokenizer (ids = bytes, 256 = end of document) has no Hugging Face "
                 "equivalent; encode text as UTF-8 bytes yourself"), {"eos": 256}
@@ -86,6 +88,24 @@ def _export_hf_tokenizer(cfg: Config, dst: str) -> Tuple[str, Dict[str, Optional
         write_json(os.path.join(dst, "tokenizer_config.json"), {
             "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.model.max_positions})
     return f"tokenizer: PreTrainedTokenizerFast ({', '.join(copied)})", {"bos": tokenizer.bos, "eos": tokenizer.eod}
+
+
+def _export_tiktoken(cfg: Config, dst: str) -> Tuple[str, Dict[str, Optional[int]]]:
+    """Megatron's tiktoken vocabulary as a ``tokenizers`` byte-level BPE (transformers' own
+    TikTokenConverter: merges recovered from the ranks, the same split pattern), the special tokens
+    at their ids 0..N-1, so PreTrainedTokenizerFast encodes as the run did."""
+    try:
+        tokenizer = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)
+    except ConfigError as exc:
+        return f"tokenizer not copied: {exc}", {}
+    from megatron_p2r.convert.hf.tiktoken_export import tiktoken_to_tokenizers
+
+    tiktoken_to_tokenizers(tokenizer).save(os.path.join(dst, "tokenizer.json"))
+    write_json(os.path.join(dst, "tokenizer_config.json"), {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+        "unk_token": "<unk>", "model_max_length": cfg.model.max_positions})
+    return ("tokenizer: PreTrainedTokenizerFast (tokenizer.json from the TikTokenizer vocabulary)",
+            {"bos": tokenizer.bos, "eos": tokenizer.eod, "pad": tokenizer.pad})
 
 
 @dataclasses.dataclass(frozen=True)

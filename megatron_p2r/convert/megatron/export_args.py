@@ -157,7 +157,9 @@ def megatron_args(cfg: Config, layout: MegatronLayout, *, iteration: int, consum
         no_save_optim=not optimizer, no_save_rng=True, iteration=iteration, consumed_train_samples=consumed_samples,
         consumed_valid_samples=0, skipped_train_samples=0, bf16=dtype == "bfloat16", fp16=dtype == "float16",
         tokenizer_type=cfg.data.tokenizer_type, tokenizer_model=cfg.data.tokenizer_model,
-        vocab_file=cfg.data.vocab_file, merge_file=cfg.data.merge_file)
+        vocab_file=cfg.data.vocab_file, merge_file=cfg.data.merge_file, tiktoken_pattern=cfg.data.tiktoken_pattern,
+        tiktoken_num_special_tokens=cfg.data.tiktoken_num_special_tokens,
+        tokenizer_special_tokens=cfg.data.tiktoken_special_tokens)
     args = argparse.Namespace(**values)
     _check_round_trip(args, m)
     return args

@@ -156,4 +156,15 @@ def _tokenizer_flags(a: SavedArgs) -> Tuple[dict, str]:
     missing = [p for p in paths.values() if not os.path.exists(p)]
     if missing:
         return {}, f"tokenizer: Megatron's {given}; {missing[0]} is not here, pass the files with your data flags"
-    return {"tokenizer_type": kind, **paths}, f"tokenizer: {given} (in model.yaml)"
+    return {"tokenizer_type": kind, **paths, **_tiktoken_flags(a, kind)}, f"tokenizer: {given} (in model.yaml)"
+
+
+def _tiktoken_flags(a: SavedArgs, kind: str) -> dict:
+    """TikTokenizer's layout as Megatron saved it (its special tokens under the current flag name,
+    or the deprecated --tiktoken-special-tokens)."""
+    if kind != "TikTokenizer":
+        return {}
+    specials = a.get("tokenizer_special_tokens") or a.get("tiktoken_special_tokens")
+    values = {"tiktoken_pattern": a.get("tiktoken_pattern"), "tiktoken_special_tokens": specials,
+              "tiktoken_num_special_tokens": a.get("tiktoken_num_special_tokens")}
+    return {key: value for key, value in values.items() if value is not None}

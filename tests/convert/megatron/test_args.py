@@ -1,5 +1,7 @@
 """Megatron's saved args -> our model options: Megatron's names (old and new) and defaults, every
 inexpressible option named in one message, and the vocabulary padding kept."""
+import os
+
 import pytest
 
 from megatron_p2r.convert.megatron.args import MegatronConversionError, SavedArgs, model_values, vocab_values
@@ -131,3 +133,19 @@ def test_rotary_scaling_comes_along():
                                       rotary_seq_len_interpolation_factor=4))
     assert (values["use_rope_scaling"], values["rope_scaling_factor"], values["rotary_seq_len_interpolation_factor"]) \
         == (True, 32.0, 4)
+
+
+def test_tiktoken_settings_are_imported():
+    """A Megatron TikTokenizer run's pattern and special tokens reach model.yaml (the special tokens
+    from --tokenizer-special-tokens, where Megatron copies the deprecated --tiktoken-special-tokens)."""
+    from megatron_p2r.convert.megatron.importer import _tokenizer_flags
+
+    vocab = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "tiktoken", "vocab.json")
+    specials = ["<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>"]
+    saved = SavedArgs({"tokenizer_type": "TikTokenizer", "tokenizer_model": vocab, "tiktoken_pattern": "v1",
+                       "tiktoken_num_special_tokens": 12, "tokenizer_special_tokens": specials,
+                       "tiktoken_special_tokens": None}, "args")
+    flags, note = _tokenizer_flags(saved)
+    assert flags == {"tokenizer_type": "TikTokenizer", "tokenizer_model": vocab, "tiktoken_pattern": "v1",
+                     "tiktoken_num_special_tokens": 12, "tiktoken_special_tokens": specials}
+    assert note.endswith("(in model.yaml)")
