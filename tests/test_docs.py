@@ -270,6 +270,14 @@ def test_every_guide_names_its_evidence(doc):
     assert evidence_problems(doc) == []
 
 
+def test_the_readme_lists_every_guide():
+    """One hop from the README to any feature: its Guides section has a line per guide."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
+        section = fh.read().split("\n## Guides\n", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^- \[`(docs/[\w-]+\.md)`\]\(\1\)", section, re.M))
+    assert set(guide_files()) - listed == set()
+
+
 def test_pending_guides_are_guides():
     """A stale entry (renamed, removed) would hide nothing; keep the list true."""
     assert PENDING_GUIDES <= set(guide_files())
