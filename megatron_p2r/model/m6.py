@@ -63,14 +63,6 @@ class Embedding(nn.Module):
             p.tp_dim, p.expert, p.no_wd, p.init = None, False, False, ("normal", m.init_method_std)
         self.dropout = m.hidden_dropout
 
-    def chunk_input(self, chunk: int, tokens: Optional[torch.Tensor] = None,
-                    hidden: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[tuple]]:
-        """Model chunk ``chunk``'s input: the embedded ``tokens`` on the first virtual stage, else
-        ``hidden``; and the rotary tables its layers read."""
-        x = self.embedding(tokens) if self.stage.chunks[chunk].first else hidden
-        seq_length = x.shape[1] * (self.ps.tp_size if self.sequence_parallel else 1)
-        return x, self.rope(seq_length, x.device)
-
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
