@@ -21,6 +21,7 @@ themselves and stay outside the units.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterable, List, Optional, Set, Tuple
 
 import torch
@@ -32,6 +33,7 @@ from megatron_p2r.layout.tensor_specs import WORD_EMBEDDING
 from megatron_p2r.model.attention import model_rotary_tables
 from megatron_p2r.model.block import TransformerLayer
 from megatron_p2r.model.norm import make_norm
+from megatron_p2r.moe.nodes import LayerNodes
 from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.cross_entropy import output_cross_entropy
 from megatron_p2r.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear
@@ -143,6 +145,29 @@ class M6Model(nn.Module):
         """The positions in ``layer_calls`` of model chunk ``chunk``'s layers."""
         return self._chunk_calls[chunk]
 
+    def recomputed_positions(self) -> Set[int]:
+        """Positions in ``layer_calls`` of the layers recomputed in full."""
+        return {p for chunk in self.recompute_units for unit, recomputed in chunk if recomputed for p in unit}
+
+    def layer_nodes(self, position: int) -> Optional[LayerNodes]:
+        """The stage's layer ``position`` cut at its expert all-to-alls (``moe/nodes.py``), each
+        node recomputed when the layer is (the overlapped schedule refuses recomputed units of
+        several layers: ``config/schedule.py``); None for a layer without all-to-alls (dense,
+        EP=1) or whose call is replaced (offload): it runs whole, as ``layer_node``."""
+        call = self.layer_calls[position]
+        nodes = call.nodes() if isinstance(call, TransformerLayer) else None
+        if nodes is None or position not in self.recomputed_positions():
+            return nodes
+        return nodes.recompute(self.ps.device)
+
+    def layer_node(self, position: int) -> Callable:
+        """The stage's layer ``position`` as one node, ``(x, rope) -> x``, recomputed in its
+        backward (both RNG streams replayed) when the layer is."""
+        call = self.layer_calls[position]
+        if position not in self.recomputed_positions():
+            return call
+        return functools.partial(tp_random.checkpoint, call, device=self.ps.device)
+
     def replace_layer_call(self, position: int, call: Callable) -> None:
         """Run the stage's layer ``position`` with ``call``, which recomputes itself in backward
         (offload): it leaves the recomputed units."""
@@ -168,6 +193,14 @@ class M6Model(nn.Module):
         s = s // self.ps.tp_size if self.sequence_parallel else s
         return (b, s, self.cfg.model.hidden_size), next(self.parameters()).dtype
 
+    def chunk_input(self, chunk: int, tokens: Optional[torch.Tensor] = None,
+                    hidden: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[tuple]]:
+        """Model chunk ``chunk``'s input: the embedded ``tokens`` on the first virtual stage, else
+        ``hidden``; and the rotary tables its layers read."""
+        x = self.embedding(tokens) if self.stage.chunks[chunk].first else hidden
+        seq_length = x.shape[1] * (self.ps.tp_size if self.sequence_parallel else 1)
+        return x, self.rope(seq_length, x.device)
+
     def forward(self, tokens: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None,
                 chunk: int = 0, head_only: bool = False) -> torch.Tensor:
@@ -177,14 +210,12 @@ class M6Model(nn.Module):
         layer and the loss are fused, parallel/cross_entropy.py). ``head_only``: ``hidden`` is
         the last layer's output, only the final norm and the output layer run, and a chunk
         without them returns ``hidden`` itself (the overlapped expert schedule runs the embedding
-        and the layers itself, ``pipeline/a2a_overlap.py``, and calls this so that the model's
-        hooks see each chunk's output)."""
+        and the layers node by node, ``layer_nodes``, and calls this so that the model's hooks
+        see each chunk's output)."""
         spec = self.stage.chunks[chunk]
         if head_only:
             return self._head(hidden, labels, loss_mask) if spec.last else hidden
-        x = self.embedding(tokens) if spec.first else hidden
-        seq_length = x.shape[1] * (self.ps.tp_size if self.sequence_parallel else 1)
-        rope = self.rope(seq_length, x.device)
+        x, rope = self.chunk_input(chunk, tokens, hidden)
         for positions, recomputed in self.recompute_units[chunk]:
             if recomputed and torch.is_grad_enabled():
                 x = tp_random.checkpoint(self._run_layers, positions, x, rope, device=self.ps.device)

@@ -5,12 +5,12 @@
    within a slot — GShard/Switch priority), stably sorted by expert, and cut at the expert
    capacity ``ceil(capacity_factor * T * slots / E)`` when a capacity factor is set. Drops are
    decided on the source rank from its own tokens only, so they do not depend on EP.
-2. ``dispatch``: the kept rows, grouped by global expert (so by destination EP rank, since
+2. dispatch: the kept rows, grouped by global expert (so by destination EP rank, since
    rank r holds experts [r*E_local, (r+1)*E_local)), go to their rank with one all-to-all over
    the ep group. Row counts are exchanged first with a small all-to-all of per-expert counts
    (dropless routing has data-dependent sizes). The receiver reorders rows from
    (source rank, expert) to (expert, source rank) so each local expert's rows are contiguous.
-3. ``combine``: the exact reverse (inverse permutation, reverse all-to-all).
+3. combine: the exact reverse (inverse permutation, reverse all-to-all).
 
 Both all-to-alls are ``parallel.mappings.all_to_all`` (differentiable; on gloo it is built from
 batched isend/irecv since gloo has no all_to_all). With EP=1 no communication happens.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -148,14 +148,25 @@ class Exchange:
     perm: torch.Tensor       # received (source, expert) order -> (expert, source) order
     local_counts: List[int]  # received rows per local expert
 
+    @property
+    def dispatch_splits(self) -> Tuple[List[int], List[int]]:
+        """(output, input) splits of the rows' all-to-all to the experts' ranks."""
+        return self.recv_splits, self.send_splits
+
+    @property
+    def combine_splits(self) -> Tuple[List[int], List[int]]:
+        """(output, input) splits of the experts' outputs' all-to-all back home."""
+        return self.send_splits, self.recv_splits
+
 
 class Dispatcher:
     """Moves rows to the EP rank that holds their expert and back (identity when EP=1).
 
-    ``dispatch`` and ``combine`` are the serial path; the overlapped schedule
-    (``pipeline/a2a_overlap.py``) runs their pieces itself — ``exchange``, the rows' all-to-all,
-    ``sorted_by_expert``; ``unsorted``, the reverse all-to-all — with the all-to-alls in flight
-    while another micro-batch computes."""
+    ``exchange`` agrees on the rows' splits (a small all-to-all of counts); the rows' all-to-all
+    then takes ``Exchange.dispatch_splits`` there and ``Exchange.combine_splits`` back. Between
+    them ``sorted_by_expert`` and ``unsorted`` regroup the received rows for the experts. The
+    MoE layer runs these pieces (``MoELayer.expert_rows`` blocking, ``moe.nodes`` cut at the
+    all-to-alls for the overlapped schedule)."""
 
     def __init__(self, num_experts: int, ep_size: int, group: Optional[dist.ProcessGroup]):
         self.num_experts, self.ep_size, self.group = num_experts, ep_size, group
@@ -181,18 +192,3 @@ class Dispatcher:
     def unsorted(rows: torch.Tensor, handle: Exchange) -> torch.Tensor:
         """The inverse of ``sorted_by_expert``: back to the order the rows were received in."""
         return scatter_rows(rows, handle.perm)
-
-    def dispatch(self, rows: torch.Tensor, counts: List[int]):
-        """``rows`` sorted by global expert with ``counts`` per expert -> (rows of this rank's
-        experts, grouped by local expert; their counts per local expert; handle for combine)."""
-        if self.group is None:
-            return rows, counts, None
-        handle = self.exchange(counts, rows.device)
-        out = all_to_all(rows, handle.recv_splits, handle.send_splits, self.group)
-        return self.sorted_by_expert(out, handle), handle.local_counts, handle
-
-    def combine(self, rows: torch.Tensor, handle: Optional[Exchange]) -> torch.Tensor:
-        """Expert outputs back to the rank and order their inputs came from."""
-        if handle is None:
-            return rows
-        return all_to_all(self.unsorted(rows, handle), handle.send_splits, handle.recv_splits, self.group)

@@ -31,11 +31,11 @@ from torch import nn
 
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.moe import aux_loss
-from megatron_p2r.moe.dispatcher import Dispatcher, expert_capacity, gather_rows, plan, weighted_unpermute
+from megatron_p2r.moe.dispatcher import Dispatcher, Exchange, expert_capacity, gather_rows, plan, weighted_unpermute
 from megatron_p2r.moe.experts import Experts
 from megatron_p2r.moe.router import Router
 from megatron_p2r.parallel.layers import to_compute_dtype
-from megatron_p2r.parallel.mappings import (all_gather_sequence, copy_to_region, gather_from_sequence_region,
+from megatron_p2r.parallel.mappings import (all_gather_sequence, all_to_all, copy_to_region, gather_from_sequence_region,
                                             reduce_from_region, reduce_scatter_to_sequence_region)
 from megatron_p2r.parallel.state import ParallelState
 
@@ -53,9 +53,28 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed = self.route(x)
-        rows, counts, handle = self.dispatcher.dispatch(routed.rows, routed.counts)
-        rows = self.dispatcher.combine(self.experts(rows, counts), handle)
-        return self.finish(rows, routed.weights, routed)
+        return self.finish(self.expert_rows(routed), routed.weights, routed)
+
+    def expert_rows(self, routed: "Routed") -> torch.Tensor:
+        """The routed rows through their experts and back, in ``routed.rows``' order: the
+        dispatch all-to-all, the experts node (``compute``), the combine all-to-all, each
+        blocking and differentiable (the serial path; ``moe.nodes`` cuts here); no moves at EP=1."""
+        d = self.dispatcher
+        if d.group is None:
+            return self.experts(routed.rows, routed.counts)
+        handle = self.exchange(routed)
+        received = all_to_all(routed.rows, *handle.dispatch_splits, d.group)
+        return all_to_all(self.compute(received, handle), *handle.combine_splits, d.group)
+
+    def exchange(self, routed: "Routed") -> Exchange:
+        """Agree with the other EP ranks on who sends how many rows (a small all-to-all of counts)."""
+        return self.dispatcher.exchange(routed.counts, routed.rows.device)
+
+    def compute(self, received: torch.Tensor, handle: Exchange) -> torch.Tensor:
+        """The experts node: the local experts on the rows received from every EP rank, returned
+        in the order they were received (ready for the combine all-to-all)."""
+        d = self.dispatcher
+        return d.unsorted(self.experts(d.sorted_by_expert(received, handle), handle.local_counts), handle)
 
     def route(self, x: torch.Tensor) -> "Routed":
         """Routing and the rows to dispatch, sorted by global expert (the router's aux loss rides

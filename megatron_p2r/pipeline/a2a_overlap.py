@@ -3,14 +3,13 @@ while another micro-batch computes (Megatron-LM's batch-level EP overlap; DeepSe
 DualPipe overlaps the same way).
 
 On one stage the forward of micro-batch i+1 runs together with the backward of micro-batch i
-(``a2a_pipelined.forward_backward_combined_1f1b`` with P = 1). Each micro-batch's pass is cut
-at its all-to-alls into nodes, one autograd graph each, so that the two passes can take turns:
-a MoE layer is
-
-    pre (attention, router, permute) | dispatch a2a | experts | combine a2a | post (unpermute, residual)
-
-and every other piece of the stage (embedding, dense layer, output layer + loss) is one node. A
-node's inputs are fresh leaves detached from the previous node's outputs; its backward is
+(``a2a_pipelined.forward_backward_combined_1f1b`` with P = 1). Each micro-batch's pass runs
+the stage node by node, one autograd graph each, so that the two passes can take turns: a MoE
+layer's nodes are the model's (``M6Model.layer_nodes``, ``moe/nodes.py``: pre | dispatch a2a |
+experts | combine a2a | post, the nodes its ordinary forward runs in one graph), and every other
+piece of the stage (embedding, dense layer, output layer + loss) is one node. This module only
+decides when each node runs and keeps each micro-batch's books. A node's inputs are fresh
+leaves detached from the previous node's outputs (``model.nodes.leaf``); its backward is
 ``torch.autograd.backward(outputs, grads)``, which leaves the gradients of its inputs on those
 leaves for the node before it. An all-to-all is started asynchronously (``start_all_to_all``)
 and waited on just before its result is needed; after starting one, a pass hands the turn to the
@@ -26,48 +25,32 @@ in the same order. Each micro-batch's backward still starts at the model's outpu
 data-parallel hooks see it: ``parallel/ddp.py``).
 
 Weights read by several nodes (tied embeddings, Pseudo-to-Real's shared layers) get their
-gradient summed over the nodes before it is accumulated, as one graph would (``SharedWeights``).
+gradient summed over the nodes before it is accumulated, as one graph would
+(``model.nodes.SharedWeights``).
 Like Megatron-LM this needs EP > 1 (``config/validation.py`` checks it). The schedule that pairs
 the passes, on one stage or under pipeline parallelism, is ``a2a_pipelined.py``'s combined 1F1B.
 
 Full recomputation (``--recompute-granularity full`` with one layer per recomputed unit: uniform
-1, or block) is recomputation per node: each node of a recomputed layer runs under the model's
-own checkpoint (``parallel.random.checkpoint``: both RNG streams replay) and recomputes its
-activations in its backward, which is the serial schedule's recomputation of that layer cut at
-its all-to-alls. What the cut needs is kept instead of recomputed: the nodes' inputs, among them
-the all-to-alls' results, so a backward re-communicates nothing (the serial recomputation runs
-the layer's all-to-alls again). The rows a node sent are freed once received: under
+1, or block) is recomputation per node, as the model's nodes of a recomputed layer do it
+(``LayerNodes.recompute``: the serial recomputation of that layer cut at its all-to-alls, which
+keeps the all-to-alls' results). The rows a node sent are freed once received: under
 recomputation nothing in its graph holds them.
 """
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
 import functools
-from typing import Callable, Iterator, List, Optional, Set
+from typing import Callable, Iterator, List, Optional
 
 import torch
-from torch import nn
 
+from megatron_p2r.model.nodes import SharedWeights, leaf, node_backward
 from megatron_p2r.moe.layer import Routed
-from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.mappings import start_all_to_all
 from megatron_p2r.pipeline.token_loss import TokenMeanLoss
 
 # A pass is a generator: it yields each time it has started an all-to-all, to let the other compute.
 Pass = Iterator[None]
-
-
-def _leaf(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().requires_grad_(True)
-
-
-def _backward(outputs: List[torch.Tensor], grads: List[Optional[torch.Tensor]]) -> None:
-    """Back-propagate a node's output gradients (those that reached it) through its graph."""
-    pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None and o.requires_grad]
-    if pairs:
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
 class _Exchanged:
@@ -81,7 +64,7 @@ class _Exchanged:
         """The received rows, as a leaf whose gradient ``start_reverse`` sends back."""
         self._wait()
         self._wait = None   # it references the sent rows: they may be freed now
-        self.received = _leaf(self.received)
+        self.received = leaf(self.received)
         return self.received
 
     def start_reverse(self) -> None:
@@ -93,81 +76,12 @@ class _Exchanged:
         return self.grad
 
 
-class SharedWeights:
-    """The weights that several nodes of a pass read: a layer module called by several layers
-    (Pseudo-to-Real's sharing), an output layer tied to the embedding. In one graph autograd sums
-    a weight's gradient over its uses and accumulates it once; node by node each node's backward
-    would accumulate its own part (another rounding, and the data-parallel hooks would see the
-    weight final too early). So a pass reads them through aliases (leaves on the same storage),
-    whose gradients sum over the nodes in the order autograd sums them, and hands each sum to its
-    weight at the end of the pass's backward: one accumulation, bitwise the serial one."""
-
-    def __init__(self, model):
-        uses = collections.Counter(id(call) for call in model.layer_calls)
-        shared = {id(c): c for c in model.layer_calls if uses[id(c)] > 1 and isinstance(c, nn.Module)}
-        self.slots = [(m, name, p) for module in shared.values() for m in module.modules()
-                      for name, p in m.named_parameters(recurse=False)]
-        if model.embedding is not None and model.final_norm is not None and model.output_layer is None:
-            word = model.embedding.word_embeddings   # tied: the output layer reads the embedding's matrix
-            self.slots.append((word, "weight", word.weight))
-
-    def aliases(self) -> List[torch.Tensor]:
-        return [_leaf(p) for _, _, p in self.slots]
-
-    @contextlib.contextmanager
-    def read_through(self, aliases: List[torch.Tensor]):
-        for (module, name, _), alias in zip(self.slots, aliases, strict=True):
-            module._parameters[name] = alias
-        try:
-            yield
-        finally:
-            for module, name, p in self.slots:
-                module._parameters[name] = p
-
-    def accumulate(self, aliases: List[torch.Tensor]) -> None:
-        _backward([p for _, _, p in self.slots], [a.grad for a in aliases])
-
-
-def recomputed_layers(model) -> Set[int]:
-    """Positions (in ``model.layer_calls``) of the layers recomputed in full. Each is its own
-    unit (``config/validation.py`` refuses units of several layers with this schedule), so its
-    recomputation can be cut into the layer's nodes."""
-    return {p for chunk in model.recompute_units for unit, recomputed in chunk if recomputed for p in unit}
-
-
-def _call(fn: Callable, *args):
-    return fn(*args)
-
-
-def _node(device: torch.device, fn: Callable, *args):
-    """``fn(*args)`` keeping only its inputs: its activations are recomputed in its backward,
-    replaying both RNG streams (the model's recomputation: ``M6Model.forward``)."""
-    return tp_random.checkpoint(fn, *args, device=device)
-
-
 def _release(rows: torch.Tensor) -> None:
     """Free the storage of all-to-all rows no graph saved: the rows a node sent, once received
     (its backward reads only their shape); without recomputation also the rows a node received,
     once it has read them (its backward reads only their gradient). The cut layer then holds what
     the serial layer holds, which frees each of these once the next op has read it."""
     rows.untyped_storage().resize_(0)
-
-
-def _pre(layer, x: torch.Tensor, rope):
-    """A MoE layer up to its dispatch: attention, router, permute."""
-    residual = layer.attend(x, rope)
-    return residual, layer.mlp.route(layer.post_attention_norm(residual))
-
-
-def _experts(mlp, received: torch.Tensor, handle) -> torch.Tensor:
-    """The local experts on the received rows, returned in the order they were received."""
-    d = mlp.dispatcher
-    return d.unsorted(mlp.experts(d.sorted_by_expert(received, handle), handle.local_counts), handle)
-
-
-def _post(layer, rows: torch.Tensor, residual: torch.Tensor, weights: torch.Tensor, routed: Routed) -> torch.Tensor:
-    """A MoE layer after its combine: unpermute, weight, add to the residual stream."""
-    return layer.add_mlp(residual, layer.mlp.finish(rows, weights, routed))
 
 
 class MicroBatch:
@@ -205,18 +119,15 @@ class MicroBatch:
 
     def _nodes(self) -> Pass:
         model, mb = self.model, self.mb
-        x = self.received if self.received is not None else model.embedding(mb["tokens"])
+        x, rope = model.chunk_input(self.chunk, mb["tokens"], self.received)
         self.embedded = x if self.received is None else None
-        seq_length = x.shape[1] * (model.ps.tp_size if model.sequence_parallel else 1)
-        rope = model.rope(seq_length, x.device)
-        recomputed = recomputed_layers(model)
         for position in model.layer_positions(self.chunk):
-            x = yield from self._layer(model.layer_calls[position], _leaf(x), rope, position in recomputed)
+            x = yield from self._layer(position, leaf(x), rope)
         # through the model's forward, so that its hooks see where each backward starts
         if not model.stage.chunks[self.chunk].last:   # its output goes to the next stage
             self.output = model(hidden=x, head_only=True, chunk=self.chunk)
             return
-        self.hidden = _leaf(x)
+        self.hidden = leaf(x)
         self.loss_sum = self.loss.add(model(hidden=self.hidden, labels=mb["labels"], loss_mask=mb["loss_mask"],
                                             head_only=True, chunk=self.chunk))
 
@@ -228,34 +139,32 @@ class MicroBatch:
         while self.tape:
             grad = yield from self.tape.pop()(grad)
         if self.embedded is not None:
-            _backward([self.embedded], [grad])
+            node_backward([self.embedded], [grad])
         else:
             self.input_grad = grad
         self.shared.accumulate(self.aliases)
 
-    def _layer(self, layer, x: torch.Tensor, rope, recompute: bool):
-        node = functools.partial(_node, self.model.ps.device) if recompute else _call
-        mlp = getattr(layer, "mlp", None)
-        dispatcher = getattr(mlp, "dispatcher", None)
-        if dispatcher is None or dispatcher.group is None:   # no all-to-all: one node
-            out = node(layer, x, rope)
+    def _layer(self, position: int, x: torch.Tensor, rope):
+        nodes = self.model.layer_nodes(position)
+        if nodes is None:   # no all-to-all: one node
+            out = self.model.layer_node(position)(x, rope)
             self.tape.append(functools.partial(self._dense_backward, x, out))
             return out
-        residual, routed = node(_pre, layer, x, rope)
-        handle = dispatcher.exchange(routed.counts, x.device)
-        dispatched = _Exchanged(routed.rows, handle.recv_splits, handle.send_splits, dispatcher.group)
+        residual, routed = nodes.pre(x, rope)
+        handle = nodes.exchange(routed)
+        dispatched = _Exchanged(routed.rows, *handle.dispatch_splits, nodes.group)
         yield
         received = dispatched.result()
         _release(routed.rows)
-        expert_out = node(_experts, mlp, received, handle)
-        if not recompute:
+        expert_out = nodes.experts(received, handle)
+        if not nodes.recomputed:
             _release(received)
-        combined = _Exchanged(expert_out, handle.send_splits, handle.recv_splits, dispatcher.group)
+        combined = _Exchanged(expert_out, *handle.combine_splits, nodes.group)
         yield
-        rows, residual_in, weights = combined.result(), _leaf(residual), _leaf(routed.weights)
+        rows, residual_in, weights = combined.result(), leaf(residual), leaf(routed.weights)
         _release(expert_out)
-        out = node(_post, layer, rows, residual_in, weights, routed)
-        if not recompute:
+        out = nodes.post(rows, residual_in, weights, routed)
+        if not nodes.recomputed:
             _release(rows)
         self.tape.append(functools.partial(self._moe_backward, _MoENodes(x, residual, routed, dispatched, expert_out,
                                                                         combined, residual_in, weights, out)))
@@ -263,19 +172,19 @@ class MicroBatch:
 
     @staticmethod
     def _dense_backward(x: torch.Tensor, out: torch.Tensor, grad: torch.Tensor) -> Pass:
-        _backward([out], [grad])
+        node_backward([out], [grad])
         return x.grad
         yield   # a generator that never hands the turn over: no communication here
 
     @staticmethod
     def _moe_backward(n: "_MoENodes", grad: torch.Tensor) -> Pass:
-        _backward([n.out], [grad])                                       # post
+        node_backward([n.out], [grad])                                       # post
         n.combined.start_reverse()
         yield
-        _backward([n.expert_out], [n.combined.grad_of_sent()])          # experts
+        node_backward([n.expert_out], [n.combined.grad_of_sent()])          # experts
         n.dispatched.start_reverse()
         yield
-        _backward([n.residual, n.routed.weights, n.routed.rows],         # pre
+        node_backward([n.residual, n.routed.weights, n.routed.rows],         # pre
                   [n.residual_in.grad, n.weights.grad, n.dispatched.grad_of_sent()])
         return n.x.grad
 

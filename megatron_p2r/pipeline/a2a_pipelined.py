@@ -35,7 +35,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron_p2r.parallel.state import ParallelState
-from megatron_p2r.pipeline.a2a_overlap import MicroBatch, SharedWeights, run_pass, take_turns
+from megatron_p2r.model.nodes import SharedWeights
+from megatron_p2r.pipeline.a2a_overlap import MicroBatch, run_pass, take_turns
 from megatron_p2r.pipeline.order import (BACKWARD, FORWARD, Op, Step, combined_ops, combined_steps, input_of,
                                          sent_by, step_ops)
 from megatron_p2r.pipeline.p2p import StageLink, deallocate_output
