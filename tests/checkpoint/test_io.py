@@ -150,7 +150,7 @@ def test_pseudo_checkpoint_into_real_run_says_delink(tmp_path):
 
 KILLED_RUN = textwrap.dedent("""
     import os, signal, sys
-    import megatron_p2r.training as training
+    import megatron_p2r.training.loop as training
     from megatron_p2r.checkpoint import safetensors_io
     import pretrain_m6
 

@@ -93,7 +93,7 @@ def test_after_the_norm_when_something_global_gates_the_update(kw):
 
 def test_non_finite_gradient_is_an_error(monkeypatch):
     """The serial step would be skipped; the early one cannot be."""
-    from megatron_p2r import training
+    from megatron_p2r.training import step as training
     real = training.grad_norm_and_non_finite
     monkeypatch.setattr(training, "grad_norm_and_non_finite", lambda *a: (real(*a)[0], True))
     with pytest.raises(RuntimeError, match="non-finite gradient in a step whose offloaded layers were already"):

@@ -78,7 +78,7 @@ def test_skipped_step_does_not_advance_the_schedule(monkeypatch):
     state = build_train_state(cfg, ParallelState.single())
     batches = random_microbatches(cfg, 1, 4)
     train_step(state, batches)
-    monkeypatch.setattr("megatron_p2r.training.grad_norm_and_non_finite", lambda *a: (float("inf"), True))
+    monkeypatch.setattr("megatron_p2r.training.step.grad_norm_and_non_finite", lambda *a: (float("inf"), True))
     assert train_step(state, batches)["skipped"]
     assert (state.scheduler.num_steps, state.consumed_samples, state.iteration) == (4, 8, 2)
 

@@ -41,7 +41,7 @@ def test_consecutive_pp2_offload_runs_exit_cleanly(tmp_path):
 
 def _gathers_pending_at_teardown(rank, world):
     """Overlapped all-gathers of the distributed optimizer still in flight when the groups go."""
-    import megatron_p2r.training as training
+    import megatron_p2r.training.loop as training
     from megatron_p2r.arguments import parse_args
     from megatron_p2r.parallel.ddp import DistributedDataParallel
     made, pending = [], []
