@@ -118,6 +118,16 @@ def test_config_fields_have_megatrons_defaults():
 
 
 
+# Flags newer than the parser table, with Megatron-LM's defaults at the revision its example
+# scripts come from (NVIDIA/Megatron-LM@d98e8a64, megatron/training/arguments.py).
+NEWER = {"--lion-beta1": 0.95, "--lion-beta2": 0.98}
+
+
+def test_newer_megatron_flags_have_its_defaults():
+    fields = {field_flags(f)[0]: f.default for _, f in all_fields()}
+    assert {flag: fields[flag] for flag in NEWER} == NEWER
+
+
 def test_megatrons_other_values_of_a_field_are_refused_by_name():
     """A value Megatron's parser takes for a config field's flag and this framework does not build
     is refused with its reason (not argparse's "invalid choice")."""
