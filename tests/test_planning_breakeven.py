@@ -3,7 +3,7 @@ which of P2R and depth growth pays, on cases computed by hand."""
 import pytest
 
 from megatron_p2r.planning.breakeven import Gap, measured_verdict, p2r_break_even, p2r_time_ratio, parse_gap
-from megatron_p2r.planning.breakeven_report import format_p2r
+from megatron_p2r.planning.breakeven import format_p2r
 
 # r = 2, delink after s = 100 of N = 1000 steps: break-even s(1 - 1/r) = 50 extra steps
 SUMMARY = p2r_break_even(real_step_s=2.0, pseudo_step_s=1.0, switch_iters=100, total_iters=1000)

@@ -64,7 +64,7 @@ from megatron_p2r.config.batch import train_iters
 from megatron_p2r.config.ranges import Range, at_least, positive
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.planning.breakeven import measured_verdict, p2r_break_even, parse_gap
-from megatron_p2r.planning.breakeven_report import format_p2r
+from megatron_p2r.planning.breakeven import format_p2r
 from megatron_p2r.planning.checkpoint_cost import FS_WRITE_BW
 from megatron_p2r.planning.estimate import Plan, make_plan
 from megatron_p2r.planning.hardware import GPU_HOSTS, GPU_PRESETS, HOST_PRESETS, NVME_PRESETS, GiB, HostSpec

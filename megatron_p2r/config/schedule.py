@@ -1,7 +1,7 @@
 """Which pipeline schedule a run's stages follow, decided once from the config.
 
 The runtime (``pipeline.schedules.get_forward_backward_func``), the planner's activation walk
-(``planning.schedule``) and the validation all read ``schedule_plan``; none works the choice out
+(``planning.activations.stage_schedule``) and the validation all read ``schedule_plan``; none works the choice out
 again, and every refusal of a schedule combination is raised here.
 
 | stages | --pipeline-schedule | model chunks | --overlap-moe-expert-parallel-comm | schedule |
