@@ -40,7 +40,8 @@ from megatron_p2r.checkpoint.atomic import fsync_dir, write_text_atomic
 from megatron_p2r.checkpoint.compatibility import check_compatible, check_tables
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.integrity import check_recorded_size
-from megatron_p2r.checkpoint.metadata import build_metadata, kinds_of, metadata_table, read_metadata, write_metadata
+from megatron_p2r.checkpoint.metadata import (SELF_CHECKSUM, build_metadata, checksum_coverage, kinds_of, metadata_table,
+                                              read_metadata, write_metadata)
 from megatron_p2r.checkpoint.naming import (
     LATEST_FILE, METADATA_FILE, RNG_DIR, complete_iterations, entry_name, iteration_dir_name,
     resolve_iteration_dir, rng_file, shard_file, shard_header_metadata)
@@ -291,6 +292,8 @@ def load_checkpoint(load_dir: str, state, finetune: bool = False) -> Optional[st
         return None
     iter_dir = resolve_iteration_dir(load_dir)
     meta = read_metadata(iter_dir)
+    if ps.rank == 0 and SELF_CHECKSUM not in meta:
+        print(f"{iter_dir}: {checksum_coverage(meta)}", flush=True)
     check_compatible(meta, cfg, iter_dir, load_dir)
     table = metadata_table(meta)
     check_tables(table, tensor_table(cfg), os.path.join(iter_dir, METADATA_FILE))

@@ -245,7 +245,7 @@ class DistCheckpoint:
         layers = [((layer,), ())] if layer is not None else [((i,), (i,)) for i in range(size[0])]
         out = []
         for (i,), prefix in layers:
-            if rest.startswith("mlp.experts.") and not rest.split(".")[2].isdigit():
+            if rest.startswith("mlp.experts.") and not rest.split(".")[2].isdecimal():
                 leaf = rest[len("mlp.experts."):]
                 leaf = leaf[len("experts."):] if leaf.startswith("experts.") else leaf
                 out += [(layer_name(i, expert_rest(e, leaf)), prefix + (e,)) for e in range(size[len(prefix)])]
