@@ -306,7 +306,7 @@ def load_checkpoint(load_dir: str, state, finetune: bool = False) -> Optional[st
     if not finetune:
         _load_progress(iter_dir, meta, state)
         if not ck.no_load_rng:
-            _load_rng(iter_dir, meta, ps)
+            _on_every_rank(lambda: _load_rng(iter_dir, meta, ps))
     if ps.rank == 0:
         what = "weights only" if finetune else ("without optimizer state" if not load_optim else "full state")
         print(f"loaded checkpoint {iter_dir} (iteration {meta['iteration']}, consumed samples "
@@ -384,6 +384,24 @@ def _load_progress(iter_dir: str, meta: dict, state) -> None:
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{os.path.join(iter_dir, METADATA_FILE)}: fields 'scheduler'/'scaler' are "
                               f"malformed ({exc!r})") from None
+
+
+def _on_every_rank(load) -> None:
+    """Run this rank's part of a load (a file of its own); when it fails on any rank, every rank
+    raises the first failing rank's error, which names its file: rank 0's log, the one read first,
+    said only that a peer had died."""
+    failure = None
+    try:
+        load()
+    except CheckpointError as exc:
+        failure = str(exc)
+    failures = [failure]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+    rank, message = next(((r, m) for r, m in enumerate(failures) if m is not None), (None, None))
+    if message is not None:
+        raise CheckpointError(message if failure == message else f"rank {rank}: {message}")
 
 
 def _load_rng(iter_dir: str, meta: dict, ps: ParallelState) -> None:
