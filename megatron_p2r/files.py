@@ -91,8 +91,11 @@ def unique_keys(error: Type[Exception], where: str) -> Callable:
 def read_json(path: str, error: Type[Exception], limit: int = JSON_LIMIT):
     """Parse the JSON file ``path`` (regular, at most ``limit`` bytes, unique keys, bounded nesting,
     no NaN or Infinity, which are not JSON). FileNotFoundError propagates."""
-    data = read_bounded(path, error, limit)
+    return parse_json(read_bounded(path, error, limit), path, error)
 
+
+def parse_json(data: bytes, path: str, error: Type[Exception]):
+    """``read_json`` of bytes already read from ``path`` (to check them before parsing too)."""
     def no_constant(name):
         raise error(f"{path}: {name} is not a JSON number")
     try:

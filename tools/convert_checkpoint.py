@@ -42,7 +42,7 @@ from megatron_p2r.convert.hf.verify import VERIFY_TOLERANCE, verify_export
 from megatron_p2r.checkpoint.integrity import check_data, check_files
 from megatron_p2r.convert.megatron.exporter import CKPT_FORMATS, EXPORT_DTYPES, export_megatron
 from megatron_p2r.convert.megatron.importer import import_megatron
-from megatron_p2r.checkpoint.metadata import kinds_of, metadata_config, metadata_table, read_metadata
+from megatron_p2r.checkpoint.metadata import checksum_coverage, kinds_of, metadata_config, metadata_table, read_metadata
 from megatron_p2r.checkpoint.naming import resolve_iteration_dir
 from megatron_p2r.convert.reshard import DelinkOptions, GrowOptions, Target, convert
 from megatron_p2r.checkpoint.tensor_table import ShardLayout
@@ -107,9 +107,7 @@ def inspect(path: str, verify: bool = False) -> str:
     lines.append(f"  total {_human(sum(meta['files'].values()))} in {len(meta['files'])} files")
     if verify:
         read = check_data(meta, readers)
-        lines.append(f"\nverified: {read} tensors read, " + ("every CRC-32 matches metadata.json" if meta.get("crc32")
-                                                            is not None else "no checksums recorded (a checkpoint "
-                                                            "written before they were): sizes and headers checked"))
+        lines.append(f"\nverified: {read} tensors read, {checksum_coverage(meta)}")
     return "\n".join(lines)
 
 

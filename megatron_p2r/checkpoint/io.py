@@ -40,7 +40,8 @@ from megatron_p2r.checkpoint.atomic import fsync_dir, write_text_atomic
 from megatron_p2r.checkpoint.compatibility import check_compatible, check_tables
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.integrity import check_recorded_size
-from megatron_p2r.checkpoint.metadata import (broadcast_statistics, build_metadata, kinds_of, metadata_table,
+from megatron_p2r.checkpoint.metadata import (SELF_CHECKSUM, broadcast_statistics, build_metadata, checksum_coverage,
+                                              kinds_of, metadata_table,
                                               read_metadata, write_metadata)
 from megatron_p2r.checkpoint.naming import (
     LATEST_FILE, METADATA_FILE, RNG_DIR, complete_iterations, entry_name, iteration_dir_name,
@@ -295,6 +296,8 @@ def load_checkpoint(load_dir: str, state, finetune: bool = False) -> Optional[st
         return None
     iter_dir = resolve_iteration_dir(load_dir)
     meta = read_metadata(iter_dir)
+    if ps.rank == 0 and SELF_CHECKSUM not in meta:
+        print(f"{iter_dir}: {checksum_coverage(meta)}", flush=True)
     check_compatible(meta, cfg, iter_dir, load_dir)
     table = metadata_table(meta)
     check_tables(table, tensor_table(cfg), os.path.join(iter_dir, METADATA_FILE))
@@ -308,7 +311,7 @@ def load_checkpoint(load_dir: str, state, finetune: bool = False) -> Optional[st
     if not finetune:
         _load_progress(iter_dir, meta, state)
         if not ck.no_load_rng:
-            _load_rng(iter_dir, meta, ps)
+            _on_every_rank(lambda: _load_rng(iter_dir, meta, ps))
     if ps.rank == 0:
         what = "weights only" if finetune else ("without optimizer state" if not load_optim else "full state")
         print(f"loaded checkpoint {iter_dir} (iteration {meta['iteration']}, consumed samples "
@@ -389,6 +392,24 @@ def _load_progress(iter_dir: str, meta: dict, state) -> None:
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{os.path.join(iter_dir, METADATA_FILE)}: fields 'scheduler'/'scaler' are "
                               f"malformed ({exc!r})") from None
+
+
+def _on_every_rank(load) -> None:
+    """Run this rank's part of a load (a file of its own); when it fails on any rank, every rank
+    raises the first failing rank's error, which names its file: rank 0's log, the one read first,
+    said only that a peer had died."""
+    failure = None
+    try:
+        load()
+    except CheckpointError as exc:
+        failure = str(exc)
+    failures = [failure]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+    rank, message = next(((r, m) for r, m in enumerate(failures) if m is not None), (None, None))
+    if message is not None:
+        raise CheckpointError(message if failure == message else f"rank {rank}: {message}")
 
 
 def _load_rng(iter_dir: str, meta: dict, ps: ParallelState) -> None:

@@ -16,7 +16,8 @@ taken over (and said so), which is what ``torchrun --max-restarts`` needs when r
 
 The file is removed when the lock is released, so a finished run leaves nothing behind.
 ``live_holder`` asks, without taking anything, whether a live process holds a directory: a
-converter asks it of every directory it would replace.
+converter asks it of every directory it would replace. A lock file of another ``name`` guards one
+file of a directory shared by several processes (offload/nvme.py: each rank's optimizer state).
 """
 from __future__ import annotations
 
@@ -121,11 +122,12 @@ def live_holder(directory: str) -> Optional[dict]:
 
 class DirectoryLock:
     """``with DirectoryLock(path, purpose):`` or ``acquire()`` / ``release()``; ``notes`` says
-    what acquiring did (a stale lock taken over)."""
+    what acquiring did (a stale lock taken over). ``name``: the lock file (another name guards
+    ``guards``, a file of the directory, rather than the whole directory)."""
 
-    def __init__(self, directory: str, purpose: str):
-        self.directory, self.purpose = directory, purpose
-        self.path = os.path.join(directory, LOCK_FILE)
+    def __init__(self, directory: str, purpose: str, name: str = LOCK_FILE, guards: Optional[str] = None):
+        self.directory, self.purpose, self.guards = directory, purpose, guards or directory
+        self.path = os.path.join(directory, name)
         self.fd: Optional[int] = None
         self.notes: List[str] = []
         self._heartbeat: Optional[Tuple[threading.Thread, threading.Event]] = None
@@ -145,8 +147,9 @@ class DirectoryLock:
             except BlockingIOError:
                 holder = _read_holder(fd)
                 os.close(fd)
-                raise DirectoryLocked(f"{self.directory} is in use by {describe(holder)}; one directory takes one "
-                                      "writer at a time: wait for it to finish, or use another directory") from None
+                raise DirectoryLocked(f"{self.guards} is in use by {describe(holder)}; one "
+                                      f"{'directory' if self.guards == self.directory else 'file'} takes one writer at a "
+                                      "time: wait for it to finish, or use another directory") from None
             except OSError as exc:
                 if exc.errno not in _NO_FLOCK:
                     os.close(fd)
@@ -233,7 +236,7 @@ class DirectoryLock:
             os.close(existing)
         why = _stale_without_flock(holder, st.st_mtime)
         if why is None:
-            raise DirectoryLocked(f"{self.directory} is in use by {describe(holder)}, whose heartbeat is "
+            raise DirectoryLocked(f"{self.guards} is in use by {describe(holder)}, whose heartbeat is "
                                   f"{time.time() - st.st_mtime:.0f} s old (this filesystem has no flock: a lock is "
                                   "stale once its holder on this host has exited, or once a holder elsewhere has "
                                   f"gone {STALE_AFTER_S:.0f} s without a heartbeat)")
@@ -255,9 +258,17 @@ class DirectoryLock:
         thread.start()
         self._heartbeat = (thread, stop)
 
-    @staticmethod
-    def _beat(fd: int, stop: threading.Event) -> None:
+    def _beat(self, fd: int, stop: threading.Event) -> None:
+        """Touch the lock file every ``HEARTBEAT_S``. A holder that finds its file gone or replaced
+        was paused (SIGSTOP, a frozen VM) past ``STALE_AFTER_S`` and taken over from another host:
+        it stops at once, saving nothing, so that two runs never write one directory."""
         while not stop.wait(HEARTBEAT_S):
+            if not self._same_file(fd) and not stop.is_set():
+                print(f"error: lost the lock on {self.guards}: {self.path} was taken over while this process "
+                      f"did not refresh it for over {STALE_AFTER_S:.0f} s (paused?); stopping without writing "
+                      "anything more, so that two runs never write one directory (resume from the last checkpoint)",
+                      file=sys.stderr, flush=True)
+                os._exit(2)
             try:
                 os.utime(fd)
             except OSError:
@@ -277,6 +288,9 @@ class DirectoryLock:
             thread.join()
             self._heartbeat = None
         if self._same_file(self.fd):
-            os.unlink(self.path)
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass  # the directory made read-only meanwhile: the next holder takes the dead holder's file over
         os.close(self.fd)
         self.fd = None

@@ -1,11 +1,18 @@
 """metadata.json: what it holds, written once per checkpoint, and checked against a schema on read
 (every field's type and range, the config's values through the config's own range tables, and a
 config no bigger than the tensors and files listed) so that a hand-edited, foreign or crafted
-file fails here, naming the field, instead of deep inside a loader or in a runaway allocation."""
+file fails here, naming the field, instead of deep inside a loader or in a runaway allocation.
+
+The file carries the CRC-32 of its own bytes (``metadata_crc32``, its last field: every byte
+before it is covered), as the shards carry their tensors' in ``crc32``: a changed byte of it is
+refused on load, conversion and ``inspect``. A file without it was written before it was and is
+read as it was then (``checksum_coverage`` says what is and is not covered)."""
 from __future__ import annotations
 
 import json
 import os
+import re
+import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_p2r.checkpoint.errors import CheckpointError
@@ -13,7 +20,7 @@ from megatron_p2r.checkpoint.naming import FORMAT_VERSION, METADATA_FILE
 from megatron_p2r.checkpoint.safetensors_io import TORCH_DTYPE
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo
 from megatron_p2r.config import Config, ConfigError, check_values
-from megatron_p2r.files import read_json
+from megatron_p2r.files import JSON_LIMIT, parse_json, read_bounded
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.optim.optimizer import OPTIMIZER_KINDS
 
@@ -42,10 +49,19 @@ def build_metadata(cfg: Config, table: Dict[str, TensorInfo], *, iteration: int,
             "factored_statistics": True}
 
 
+SELF_CHECKSUM = "metadata_crc32"
+# the end of every metadata.json written since: its checksum, of every byte before this match
+_TRAILER = re.compile(rb',\n "' + SELF_CHECKSUM.encode() + rb'": ([0-9]{1,10})\n}\n\Z')
+
+
 def write_metadata(iter_dir: str, metadata: dict) -> None:
+    """Write ``metadata`` (without any checksum of a file it was read from), then the CRC-32 of
+    those bytes as the last field."""
+    body = json.dumps({k: v for k, v in metadata.items() if k != SELF_CHECKSUM}, indent=1)
+    body = body[:-2]   # without its closing "\n}": the checksum field follows the last one
     path = os.path.join(iter_dir, METADATA_FILE)
     with open(path, "w", encoding="utf-8") as fh:
-        json.dump(metadata, fh, indent=1)
+        fh.write(f'{body},\n "{SELF_CHECKSUM}": {zlib.crc32(body.encode())}\n}}\n')
         fh.flush()
         os.fsync(fh.fileno())
 
@@ -55,11 +71,14 @@ def read_metadata(iter_dir: str) -> dict:
     fields, the type and range of every field loading or converting reads."""
     path = os.path.join(iter_dir, METADATA_FILE)
     try:
-        meta = read_json(path, CheckpointError)
+        data = read_bounded(path, CheckpointError, JSON_LIMIT)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
+    meta = parse_json(data, path, CheckpointError)
     if not isinstance(meta, dict):
         raise CheckpointError(f"{path}: expected a JSON object, found {type(meta).__name__}")
+    if SELF_CHECKSUM in meta:
+        _check_own_checksum(data, path)
     version = meta.get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{path}: unknown format_version {version!r}; this code reads version {FORMAT_VERSION}")
@@ -68,6 +87,34 @@ def read_metadata(iter_dir: str) -> dict:
             raise CheckpointError(f"{path}: required field {field!r} is missing")
     _check_schema(meta, path)
     return meta
+
+
+def _check_own_checksum(data: bytes, path: str) -> None:
+    """The file's bytes before its last field have the CRC-32 that field records."""
+    trailer = _TRAILER.search(data)
+    if trailer is None:
+        raise CheckpointError(f"{path}: field {SELF_CHECKSUM!r} is not the file's last line as written at save: "
+                              "the file was rewritten since, so none of its fields can be trusted (restore it, "
+                              "or load another iteration)")
+    found, recorded = zlib.crc32(data[:trailer.start()]), int(trailer[1])
+    if found != recorded:
+        raise CheckpointError(f"{path}: corrupt or edited: its bytes have CRC-32 {found:08x}, its field "
+                              f"{SELF_CHECKSUM!r} records {recorded:08x}; none of its fields can be trusted "
+                              "(restore it, or load another iteration)")
+
+
+def checksum_coverage(meta: dict) -> str:
+    """What the checksums of a checkpoint cover, in words (``inspect --verify``, a load's note)."""
+    own, tensors = SELF_CHECKSUM in meta, meta.get("crc32") is not None
+    if own and tensors:
+        return "every CRC-32 matches metadata.json, whose own bytes match its metadata_crc32"
+    if tensors:
+        return ("every CRC-32 matches metadata.json; metadata.json itself has no checksum (written before "
+                "metadata_crc32 was): its fields are checked against the schema and the shards' headers only")
+    if own:
+        return "metadata.json's own bytes match its metadata_crc32; no tensor checksums recorded: sizes and headers checked"
+    return ("no checksums recorded (a checkpoint written before they were): sizes and headers checked, "
+            "metadata.json itself not checksummed")
 
 
 # The largest count (iteration, samples, steps) a checkpoint's metadata accepts; the converter
@@ -125,6 +172,7 @@ _SCHEMA = {
                                                                                  for c in f.values())
                                                     for f in v.values()),
               "an object of file names to objects of tensor names to CRC-32 values (0 <= c < 2^32)"),
+    SELF_CHECKSUM: (_int(0, 2 ** 32 - 1), "a CRC-32 (0 <= c < 2^32)"),
     "history": (lambda v: isinstance(v, list) and all(_object(op=lambda x: isinstance(x, str),
                                                               source=lambda x: isinstance(x, str))(h) for h in v),
                 "a list of objects with op and source strings"),
@@ -146,6 +194,9 @@ def _check_schema(meta: dict, path: str) -> None:
     for field, (ok, what) in _SCHEMA.items():
         if field in meta and not ok(meta[field]):
             raise CheckpointError(f"{path}: field {field!r} must be {what}, found {json.dumps(meta[field])[:80]}")
+    if meta.get("parts") and meta.get("crc32") is None:
+        raise CheckpointError(f"{path}: field 'crc32' is missing, but a checkpoint saved in parts (field 'parts') "
+                              "always records its checksums")
     rng = meta.get("rng")
     if rng and rng["world_size"] != rng["tp"] * rng["pp"] * rng["dp"]:
         raise CheckpointError(f"{path}: field 'rng' has world_size {rng['world_size']} != tp x pp x dp")

@@ -29,7 +29,7 @@ RNG_DIR = "rng_and_data"
 STAGING_TAG, PUBLISH_TAG = ".p2r-staging-", ".p2r-publish-"
 INSTALL_TAG, REPLACED_TAG = ".p2r-install-", ".p2r-replaced-"
 
-_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+_ITER_DIR = re.compile(r"^iter_(\d{7})$", re.ASCII)
 
 
 def iteration_dir_name(iteration: int) -> str:

@@ -70,7 +70,7 @@ class PartedShard:
         entry, mark, offset = stored.rpartition(OFFSET_MARK)
         if not mark:
             entry, offset = stored, "0"
-        if entry not in self.entries or not offset.isdigit():
+        if entry not in self.entries or not (offset.isascii() and offset.isdigit()):  # int() refuses '²'
             raise CheckpointError(f"{reader.path}: holds tensor {stored!r}, which is no fragment of an entry "
                                   f"{METADATA_FILE} lists for {self.name}")
         want = self.entries[entry]

@@ -15,7 +15,7 @@ from megatron_p2r.checkpoint.atomic import write_text_atomic
 from megatron_p2r.checkpoint.naming import LATEST_FILE, METADATA_FILE, complete_iterations
 from megatron_p2r.checkpoint.publish import finish_interrupted
 
-_LEFTOVER = re.compile(r"^iter_(\d{7})\.(tmp|old|del)$")
+_LEFTOVER = re.compile(r"^iter_(\d{7})\.(tmp|old|del)$", re.ASCII)
 
 
 def recover_save_dir(save_dir: str) -> List[str]:

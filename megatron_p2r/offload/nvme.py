@@ -3,7 +3,10 @@
 nvme_path: DIR}``, ZeRO-Infinity's optimizer tier).
 
 Each rank memory-maps one file, ``DIR/optimizer-state-rank<rank>.bin`` (``MAP_SHARED``), sized
-and reserved (``posix_fallocate``) at start-up: a page-aligned region per offloaded layer, in
+and reserved (``posix_fallocate``) at start-up, once it holds the file's lock
+(``optimizer-state-rank<rank>.lock``, checkpoint/lock.py's, released at exit or by the kernel when
+the process dies): a second run pointed at the same directory is refused, naming the run that
+holds it, before it could resize or write a file another run has mapped; a page-aligned region per offloaded layer, in
 forward order, as large as the plan's optimizer bytes of that layer on this rank (fp32 mains of
 16-bit weights + the optimizer's state: ``ParallelPlan.module_state_bytes``) plus alignment. The
 host optimizer's mains are moved into their layer's region when the optimizer is built; its
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import weakref
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -31,11 +35,14 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from megatron_p2r.checkpoint.errors import CheckpointError
+from megatron_p2r.checkpoint.lock import DirectoryLock, DirectoryLocked
 from megatron_p2r.config import ConfigError
 from megatron_p2r.layout.offload import format_bytes
 
 FLAG = "--cpu-offload-optimizer-nvme-path"
 STATE_FILE = "optimizer-state-rank{rank:05d}.bin"
+LOCK_FILE = "optimizer-state-rank{rank:05d}.lock"
 ALIGN = 64            # bytes: each tensor in the file starts on a cache line
 TENSORS_PER_MAIN = 3  # a main and at most two state tensors (AdamW's moments; Adafactor's row/column)
 
@@ -46,14 +53,31 @@ def region_bytes(optimizer_bytes: int, mains: int) -> int:
     return -(-need // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
-def _reserve(directory: str, path: str, nbytes: int) -> None:
-    """Create ``path`` with ``nbytes`` allocated on disk, or say what is wrong with ``directory``."""
+def _lock(directory: str, rank: int) -> DirectoryLock:
+    """This rank's file of ``directory``, held for the run: refused when another live process holds it."""
     where = f"{FLAG} {directory!r}"
     if not os.path.isdir(directory):
         raise ConfigError(f"{where}: not an existing directory (create it on the local NVMe disk)")
+    lock = DirectoryLock(directory, f"training run (optimizer state of rank {rank})", LOCK_FILE.format(rank=rank),
+                         guards=os.path.join(directory, STATE_FILE.format(rank=rank)))
+    try:
+        lock.acquire()
+    except DirectoryLocked as exc:
+        raise ConfigError(f"{where}: {exc}; two runs never share optimizer-state files: give each run its own "
+                          "directory") from None
+    except CheckpointError as exc:
+        raise ConfigError(f"{where}: {exc}: the directory must be writable") from None
+    for note in lock.notes:
+        print(f"{where}: {note}", flush=True)
+    return lock
+
+
+def _reserve(directory: str, path: str, nbytes: int) -> None:
+    """Create ``path`` with ``nbytes`` allocated on disk, or say what is wrong with ``directory``."""
+    where = f"{FLAG} {directory!r}"
     old = os.path.getsize(path) if os.path.exists(path) else 0
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     except OSError as e:
         raise ConfigError(f"{where}: cannot create {path} ({e.strerror}): the directory must be writable") from None
     try:
@@ -96,8 +120,10 @@ class NvmeStateFile:
             self.regions[key] = [offset, offset + size, offset]
             offset += size
         self.nbytes = max(offset, mmap.PAGESIZE)   # a mapping is never empty
+        self.lock = _lock(directory, rank)
+        self._release = weakref.finalize(self, self.lock.release)   # at exit, or once the state is dropped
         _reserve(directory, self.path, self.nbytes)
-        fd = os.open(self.path, os.O_RDWR)
+        fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
         try:
             self.map = mmap.mmap(fd, self.nbytes)
         finally:

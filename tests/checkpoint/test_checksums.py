@@ -1,6 +1,7 @@
 """Every tensor's CRC-32 is recorded in metadata.json at save and by the converters, and checked
 on every read: a flipped bit in a shard's data region is an error naming the file and the
-tensor, in a load, a conversion and ``inspect --verify``; checkpoints without checksums load."""
+tensor, in a load, a conversion and ``inspect --verify``; metadata.json carries the CRC-32 of its
+own bytes, so an edit of it is refused too; checkpoints without checksums load, saying so."""
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import pytest
 
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.io import load_checkpoint, save_checkpoint
+from megatron_p2r.checkpoint.metadata import SELF_CHECKSUM, write_metadata
 from megatron_p2r.checkpoint.safetensors_io import ShardReader
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.training import build_train_state
@@ -100,11 +102,47 @@ def test_converters_record_checksums_that_verify(saved, tmp_path, capsys):
 def test_a_checkpoint_without_checksums_still_loads(ckpt, capsys):
     path = ckpt / "iter_0000002" / "metadata.json"
     meta = json.loads(path.read_text())
-    del meta["crc32"]
+    del meta["crc32"], meta[SELF_CHECKSUM]   # as written before either was
     path.write_text(json.dumps(meta))
     load_checkpoint(str(ckpt), build_train_state(cfg_of(), ParallelState.single()))
+    assert "no checksums recorded (a checkpoint written before they were)" in capsys.readouterr().out
     assert main(["inspect", str(ckpt), "--verify"]) == 0
     assert "no checksums recorded" in capsys.readouterr().out
+
+
+def _edit_text(ckpt, old: str, new: str) -> None:
+    """Edit metadata.json's text as a user would (the rest of the file byte-identical)."""
+    path = ckpt / "iter_0000002" / "metadata.json"
+    text = path.read_text()
+    assert text.count(old) == 1
+    path.write_text(text.replace(old, new))
+
+
+@pytest.mark.parametrize("old, new", [('"consumed_samples": 4', '"consumed_samples": 5'),
+                                      ('"iteration": 2', '"iteration": 2 '),
+                                      ('"crc32": {', '"crc32": null, "x": {')])
+def test_an_edited_metadata_json_is_refused_by_load_and_inspect(ckpt, capsys, old, new):
+    """metadata.json's own bytes are checksummed: a shifted data position, a whitespace edit, or
+    its tensor checksums removed (then a flipped bit in a shard would load) are refused."""
+    _edit_text(ckpt, old, new)
+    _flip_a_bit(ckpt)
+    message = r"metadata.json: corrupt or edited: its bytes have CRC-32 [0-9a-f]{8}, its field 'metadata_crc32' records"
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(str(ckpt), build_train_state(cfg_of(), ParallelState.single()))
+    assert main(["inspect", str(ckpt), "--verify"]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_checkpoint_with_both_checksums_says_so_and_one_saved_in_parts_cannot_lack_them(ckpt, capsys):
+    assert main(["inspect", str(ckpt), "--verify"]) == 0
+    assert "every CRC-32 matches metadata.json, whose own bytes match its metadata_crc32" in capsys.readouterr().out
+    path = ckpt / "iter_0000002" / "metadata.json"
+    meta = json.loads(path.read_text())
+    del meta["crc32"], meta[SELF_CHECKSUM]
+    meta["parts"] = {SHARD: [SHARD + ".part0"]}
+    path.write_text(json.dumps(meta))
+    assert main(["inspect", str(ckpt), "--verify"]) == 2
+    assert "field 'crc32' is missing, but a checkpoint saved in parts" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -116,6 +154,6 @@ def test_a_checksum_table_that_does_not_cover_the_files_is_refused(ckpt, capsys,
     path = ckpt / "iter_0000002" / "metadata.json"
     meta = json.loads(path.read_text())
     edit(meta["crc32"])
-    path.write_text(json.dumps(meta))
+    write_metadata(str(path.parent), meta)
     assert main(["inspect", str(ckpt)]) == 2
     assert re.search(message, capsys.readouterr().err)

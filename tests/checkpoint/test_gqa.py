@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.io import save_checkpoint
+from megatron_p2r.checkpoint.metadata import write_metadata
 from megatron_p2r.convert.reshard import DelinkOptions, Target, convert, target_config
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, tensor_table
 from megatron_p2r.config import ConfigError
@@ -83,7 +84,7 @@ def test_reshard_refuses_tp_that_splits_groups_and_a_changed_layout(source, tmp_
     try:
         meta = json.loads(original)
         meta["tensors"][KV]["rows"]["per_group"] = ["v", "k"]
-        path.write_text(json.dumps(meta))
+        write_metadata(str(path.parent), meta)
         with pytest.raises(CheckpointError, match=f"tensors\\['{KV}'\\].rows is"):
             convert(str(source), str(tmp_path / "y"), Target(2), progress=False)
     finally:

@@ -11,6 +11,7 @@ import torch
 
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.io import load_checkpoint, save_checkpoint
+from megatron_p2r.checkpoint.metadata import write_metadata
 from megatron_p2r.convert.reshard import Target, convert
 from megatron_p2r.checkpoint.safetensors_io import ShardReader
 from megatron_p2r.parallel.state import ParallelState
@@ -96,10 +97,10 @@ def test_missing_and_truncated_shards(ckpt):
 def test_unknown_version_and_missing_fields(ckpt):
     meta_path = ckpt / "iter_0000002" / "metadata.json"
     meta = json.loads(meta_path.read_text())
-    meta_path.write_text(json.dumps({**meta, "format_version": 99}))
+    write_metadata(str(meta_path.parent), {**meta, "format_version": 99})
     assert f"{meta_path}: unknown format_version 99" in _error(ckpt)
     del meta["tensors"]
-    meta_path.write_text(json.dumps(meta))
+    write_metadata(str(meta_path.parent), meta)
     assert "required field 'tensors' is missing" in _error(ckpt)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("7")
     assert "names iteration 7, but" in _error(ckpt)

@@ -2,7 +2,10 @@
 import errno
 import json
 import os
+import re
+import signal
 import socket
+import sys
 import time
 
 import pytest
@@ -134,3 +137,78 @@ def test_a_link_planted_at_the_lock_name_is_not_followed(tmp_path):
     with pytest.raises(DirectoryLocked, match="is a symbolic link"):
         DirectoryLock(str(locked), "training run").acquire()
     assert target.read_text() == "keep"
+
+
+def _paused_holder(directory, tmp_path, host=None):
+    """A child process that takes the lock (naming ``host`` when given), says so, then runs on;
+    (pid, its stderr file). Its heartbeat beats every 0.05 s."""
+    ready_r, ready_w = os.pipe()
+    stderr = tmp_path / "holder.err"
+    pid = os.fork()
+    if pid == 0:
+        try:
+            sys.stderr = open(stderr, "w")   # (pytest captures the parent's)
+            lock_module.HEARTBEAT_S = 0.05
+            if host is not None:
+                lock_module.socket.gethostname = lambda: host
+            DirectoryLock(str(directory), "training run").acquire()
+            os.write(ready_w, b"1")
+            while True:
+                time.sleep(0.01)
+        finally:
+            os._exit(1)
+    assert os.read(ready_r, 1) == b"1"
+    os.close(ready_r), os.close(ready_w)
+    os.kill(pid, signal.SIGSTOP)
+    old = time.time() - lock_module.STALE_AFTER_S - 60   # as if paused for longer than a stale heartbeat
+    os.utime(directory / LOCK_FILE, (old, old))
+    return pid, stderr
+
+
+def test_without_flock_a_paused_holder_on_this_host_keeps_its_lock(tmp_path, no_flock):
+    """SIGSTOP: its heartbeat is minutes old, but the process lives: refused, naming it."""
+    pid, _ = _paused_holder(tmp_path, tmp_path / "..")
+    try:
+        with pytest.raises(DirectoryLocked, match=rf"in use by training run \(pid {pid} .*heartbeat is \d+ s old"):
+            DirectoryLock(str(tmp_path), "training run").acquire()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def test_without_flock_a_paused_holder_elsewhere_that_was_taken_over_stops_when_it_resumes(tmp_path, no_flock):
+    """A holder on another host (its pid cannot be asked) paused past STALE_AFTER_S is taken over;
+    when it resumes, its next heartbeat finds its lock file replaced and the process stops with
+    one error line, writing nothing more: the directory keeps one writer."""
+    (tmp_path / "d").mkdir()
+    pid, stderr = _paused_holder(tmp_path / "d", tmp_path, host="other-node")
+    with DirectoryLock(str(tmp_path / "d"), "training run") as lock:
+        assert "heartbeat stopped" in lock.notes[0]
+        os.kill(pid, signal.SIGCONT)
+        for _ in range(2000):   # its next heartbeat is 0.05 s away
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.01)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the resumed holder kept running without its lock")
+        assert os.waitstatus_to_exitcode(status) == 2
+        err = stderr.read_text()
+        assert re.fullmatch(rf"error: lost the lock on {tmp_path / 'd'}: .* was taken over while this process did "
+                            r"not refresh it .*\n", err), err
+        assert json.loads((tmp_path / "d" / LOCK_FILE).read_text())["pid"] == os.getpid()
+
+
+def test_release_in_a_directory_made_read_only_leaves_the_file_for_the_next_holder(tmp_path, monkeypatch):
+    lock = DirectoryLock(str(tmp_path), "training run")
+    lock.acquire()
+
+    def read_only(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+    with monkeypatch.context() as m:
+        m.setattr(lock_module.os, "unlink", read_only)
+        lock.release()   # no traceback at the end of a run
+    with DirectoryLock(str(tmp_path), "training run") as again:
+        assert "no longer running" in again.notes[0] or not again.notes   # flock free: taken over

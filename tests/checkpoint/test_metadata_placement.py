@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from megatron_p2r.checkpoint.io import save_checkpoint
+from megatron_p2r.checkpoint.metadata import write_metadata
 from megatron_p2r.parallel.state import ParallelState
 from tests.helpers import run_steps, tiny_config
 from tools.convert_checkpoint import main
@@ -28,7 +29,7 @@ def _edited(saved, tmp_path, edit):
     path = ck / "iter_0000001" / "metadata.json"
     meta = json.loads(path.read_text())
     edit(meta["tensors"]["layers.0.mlp.fc1.weight"])
-    path.write_text(json.dumps(meta))
+    write_metadata(str(ck / "iter_0000001"), meta)   # re-sealed: the edit reaches the checks
     return ck
 
 

@@ -128,6 +128,17 @@ def test_a_fragment_written_twice_or_never_is_refused(tmp_path):
         PartedShard("c", never, expected)
 
 
+@pytest.mark.parametrize("offset", ["\u00b2", "\u0664", "+4", " 4", "4\u200b"])
+def test_a_fragment_offset_that_is_not_ascii_digits_is_refused(tmp_path, offset):
+    """'w@²' (str.isdigit() is true, int() fails), Arabic-Indic '٤' (int() reads it): the name is
+    no fragment of ours, an error naming the file, not a traceback."""
+    expected = [(entry_name("model", "w"), "F32", (2, 3))]
+    w = torch.arange(6, dtype=torch.float32)
+    odd = _parts(tmp_path, {"d.rank_00000": {"w@0": w[:4]}, "d.rank_00001": {f"w@{offset}": w[4:]}})
+    with pytest.raises(CheckpointError, match=r"d.rank_00001: holds tensor 'w@.*', which is no fragment"):
+        PartedShard("d", odd, expected)
+
+
 def test_the_megatron_flags():
     from megatron_p2r.arguments import parse_args
     base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

@@ -115,6 +115,15 @@ def test_full_recomputation_one_layer_per_unit_is_accepted(method, layers):
     validate(cfg.replace(overlap_moe_expert_parallel_comm=True), world_size=4)
 
 
+def test_gpipe_without_pipeline_parallelism_is_accepted_and_with_it_refused_under_ep2():
+    """Issue 38: --pipeline-schedule picks among pipelines, so at PP = 1 (one stage: no pipeline to
+    schedule, as in Megatron-LM) gpipe changes nothing and the overlap runs; at PP = 2 it is refused."""
+    validate(moe_model(ep=2, pipeline_schedule="gpipe").replace(overlap_moe_expert_parallel_comm=True), world_size=4)
+    with pytest.raises(ConfigError, match=r"needs \-\-pipeline\-schedule 1f1b \(have gpipe\)"):
+        validate(moe_model(ep=2, pp=2, pipeline_schedule="gpipe").replace(overlap_moe_expert_parallel_comm=True),
+                 world_size=4)
+
+
 def test_pipeline_parallelism_is_allowed_with_1f1b():
     validate(moe_model(ep=2, pp=2).replace(overlap_moe_expert_parallel_comm=True), world_size=4)
     validate(moe_model(ep=2, pp=2, num_layers_per_virtual_pipeline_stage=1, overlap_p2p_communication=False)

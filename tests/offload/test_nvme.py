@@ -91,8 +91,10 @@ def _dp2(rank, world, directory):
     ranks; Adafactor sums the statistics of a cut matrix over both) in its own file."""
     kw = dict(use_distributed_optimizer=True, bf16=True)
     ps, _ = setup_parallel(tiny_config(**{**BASE, **kw}), torch.device("cpu"))
-    for optimizer in ("adam", "adafactor"):
-        ram, disk = _train(ps, None, optimizer=optimizer, **kw), _train(ps, directory, optimizer=optimizer, **kw)
+    for optimizer in ("adam", "adafactor"):   # a directory per run: a run holds its files while it lives
+        os.makedirs(os.path.join(directory, optimizer), exist_ok=True)
+        ram = _train(ps, None, optimizer=optimizer, **kw)
+        disk = _train(ps, os.path.join(directory, optimizer), optimizer=optimizer, **kw)
         _bitwise(ram, disk)
         _in_file(disk)
         assert os.path.basename(disk["state"].offload.nvme.file.path) == f"optimizer-state-rank{rank:05d}.bin"
@@ -102,8 +104,9 @@ def _dp2(rank, world, directory):
 def _pp2(rank, world, directory):
     kw = dict(pipeline_model_parallel_size=2, global_batch_size=8, bf16=True)
     ps, _ = setup_parallel(tiny_config(**{**BASE, **kw}), torch.device("cpu"))
-    for extra in ({}, OVERLAP):
-        ram, disk = _train(ps, None, **kw, **extra), _train(ps, directory, **kw, **extra)
+    for i, extra in enumerate(({}, OVERLAP)):
+        os.makedirs(os.path.join(directory, str(i)), exist_ok=True)
+        ram, disk = _train(ps, None, **kw, **extra), _train(ps, os.path.join(directory, str(i)), **kw, **extra)
         _bitwise(ram, disk)
         _in_file(disk)
     return True
@@ -168,10 +171,11 @@ def test_prefetch_asks_for_the_next_layer_in_step_order(tmp_path, monkeypatch):
     """Serial: forward order; steps started in backward: backward order."""
     asked = []
     monkeypatch.setattr(nvme.NvmeStateFile, "prefetch", lambda self, key: asked.append(key))
-    _train(ParallelState.single(), tmp_path, steps=1, bf16=True)
+    (tmp_path / "serial").mkdir(), (tmp_path / "overlapped").mkdir()   # a directory per run (each holds its files)
+    _train(ParallelState.single(), tmp_path / "serial", steps=1, bf16=True)
     assert asked == [0, 2, 2, None]
     asked.clear()
-    _train(ParallelState.single(), tmp_path, steps=1, bf16=True, clip_grad=0.0, **OVERLAP)
+    _train(ParallelState.single(), tmp_path / "overlapped", steps=1, bf16=True, clip_grad=0.0, **OVERLAP)
     assert asked == [2, 0, 0, None]
 
 
@@ -182,7 +186,7 @@ def test_bad_directory_is_a_clear_error(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="not an existing directory"):
         _train(ps, tmp_path / "file", steps=0)
-    with pytest.raises(ConfigError, match=r"cannot create /proc/optimizer-state-rank00000.bin .*must be writable"):
+    with pytest.raises(ConfigError, match=r"cannot lock /proc: .*optimizer-state-rank00000.lock\).*must be writable"):
         _train(ps, "/proc", steps=0)
 
     class Full:

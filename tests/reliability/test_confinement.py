@@ -15,6 +15,7 @@ from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.convert.hf.exporter import export_hf
 from megatron_p2r.convert.hf.importer import import_hf
 from megatron_p2r.checkpoint.io import load_checkpoint, save_checkpoint
+from megatron_p2r.checkpoint.metadata import write_metadata
 from megatron_p2r.convert.reshard import Target
 from megatron_p2r.config import ConfigError
 from megatron_p2r.parallel.state import ParallelState
@@ -100,7 +101,7 @@ def _rename_file_entry(ck, name):
     meta_path = ck / IT / "metadata.json"
     meta = json.loads(meta_path.read_text())
     meta["files"] = {name: size for size in meta["files"].values()}
-    meta_path.write_text(json.dumps(meta))
+    write_metadata(str(meta_path.parent), meta)
 
 
 @pytest.mark.parametrize("case", CHECKPOINT_CASES)

@@ -9,22 +9,27 @@ Seeded (``derandomize``): CI runs the same >= 1,000 cases every time; ``-s`` pri
 """
 import json
 import os
+import pickle
 import shutil
 import struct
 import time
 
 import numpy as np
 import pytest
+import torch
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import pretrain_m6
 from megatron_p2r.arguments import all_fields
+from megatron_p2r.checkpoint.metadata import SELF_CHECKSUM
 from megatron_p2r.convert.hf.exporter import export_hf
 from megatron_p2r.config.ranges import field_kind
 from megatron_p2r.data.indexed_dataset import IndexedDatasetBuilder
 from megatron_p2r.planning import preflight
+from tests.convert.megatron.fixtures import MIXTRAL, fixture_globals, make_weights, megatron_args, megatron_enums, \
+    write_torch_dist
 from tests.reliability import fuzz_support as fz
 from tests.reliability.common import FLAGS
 from tools import convert_checkpoint
@@ -33,12 +38,14 @@ FUZZ_HOST_MEMORY = 512 * 2**20
 BASE = FLAGS + ["--train-iters", "1", "--eval-iters", "1"]
 DATA_BASE = [f for f in BASE if f != "--mock-data"] + ["--split", "1,1,0"]
 EXAMPLES = {"flags": 300, "yaml": 200, "metadata.json": 180, "shard headers": 150, "hf config.json": 120,
-            ".bin/.idx": 120}
+            ".bin/.idx": 120, "megatron args": 80, "megatron .metadata": 60}
 
 
-def fuzz(category):
+def fuzz(category, shrink=True):
+    """``shrink`` False: a failure is reported as found (shrinking cases that each run a converter
+    took many minutes)."""
     return settings(max_examples=EXAMPLES[category], deadline=None, derandomize=True, database=None,
-                    suppress_health_check=list(HealthCheck))
+                    suppress_health_check=list(HealthCheck), **({} if shrink else {"phases": [Phase.generate]}))
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +61,11 @@ def env(tmp_path_factory):
     for _ in range(40):
         b.add_document(rng.integers(0, 200, rng.integers(5, 40)))
     b.finalize(str(root / "templates" / "data" / "ds.idx"))
+    write_torch_dist(str(root / "templates" / "megatron" / "src"), MIXTRAL, make_weights(MIXTRAL, 1),
+                     megatron_args(MIXTRAL, 1, 1, 1), (1, 1, 1))
     patch = pytest.MonkeyPatch()
     patch.setattr(preflight, "available_host_memory", lambda: FUZZ_HOST_MEMORY)
-    yield {"root": str(root), "ck": str(ck), "hf": str(root / "templates" / "hf"),
+    yield {"root": str(root), "ck": str(ck), "hf": str(root / "templates" / "hf"), "megatron": str(root / "templates" / "megatron"),
            "data": str(root / "templates" / "data"), "rss_bound": fz.start(), "start": time.perf_counter()}
     patch.undo()
 
@@ -249,6 +258,8 @@ def test_fuzz_metadata_json(env, data):
     meta_path = os.path.join(case, "iter_0000001", "metadata.json")
     with open(meta_path, encoding="utf-8") as fh:
         doc = json.load(fh)
+    if data.draw(st.booleans()):   # as written before metadata_crc32: the edits reach the schema's checks
+        doc.pop(SELF_CHECKSUM)
     with open(meta_path, "wb") as fh:
         fh.write(_json_text(data, _mutate_json(data, doc)))
     if data.draw(st.booleans()):
@@ -360,6 +371,80 @@ def test_fuzz_indexed_dataset(env, data):
         fi.write(idx)
         fb.write(binary)
     fz.run_case(".bin/.idx", case, pretrain_m6.main, DATA_BASE + ["--data-path", "ds"], env["rss_bound"])
+
+
+# ----------------------------------------------------------------------------- import-megatron
+
+def _shared_nest(depth=60):
+    x = [1]
+    for _ in range(depth):
+        x = [x, x]
+    return x
+
+
+# Wrongly typed, absurd and nested values for the args import-megatron reads (issue 38: tracebacks
+# on "two", lists, 0 heads, a memory blow-up on a huge padded_vocab_size).
+ARG_VALUES = st.sampled_from([0, -1, 1, 2, 3, 4, 7, 2 ** 31, 10 ** 12, 10 ** 30, True, False, None, 0.5, float("nan"),
+                              float("inf"), "two", "4", "", "RMSNorm", "rope", "aux_loss", [2], [], [[1]], [1, 0, 1, 1],
+                              (4, 0), [3, 0], {"a": 1}, b"x"]) | st.builds(_shared_nest)
+ARG_NAMES = sorted(vars(megatron_args(MIXTRAL, 1, 1, 1))) + ["window_size", "window_attn_skip_freq", "num_moe_experts",
+                                                             "kv_channels", "softmax_type", "mtp_num_layers"]
+
+
+def _edit_common(path, change):
+    """Rewrite common.pt (the test's own trusted file) after ``change(state)``."""
+    with megatron_enums() as backend, torch.serialization.safe_globals(fixture_globals(backend)):
+        state = torch.load(path, weights_only=True)
+        change(state)
+        torch.save(state, path)
+
+
+@fuzz("megatron args", shrink=False)
+@given(data=st.data())
+def test_fuzz_megatron_args(env, data):
+    case = fz.fresh_dir(env["root"], "megatron args", env["megatron"])
+    edits = data.draw(st.dictionaries(st.sampled_from(ARG_NAMES), ARG_VALUES, min_size=1, max_size=3))
+    _edit_common(os.path.join(case, "src", "iter_0000007", "common.pt"), lambda state: vars(state["args"]).update(edits))
+    fz.run_case("megatron args", case, convert_checkpoint.main, ["import-megatron", "src", "out", "--no-progress"],
+                env["rss_bound"])
+
+
+METADATA_VALUES = ARG_VALUES | st.sampled_from(["abc", "../x", "/etc/passwd", "__0_0.distcp", [0, 0], [0, 2 ** 62],
+                                                (0,) * 9, [-1], ["x"]])
+
+
+def _mutate_dcp_metadata(data, metadata) -> None:
+    """1-2 edits of a field of .metadata: a storage record's, an index's, an entry's, or a top one."""
+    records, entries = list(metadata.storage_data.items()), list(metadata.state_dict_metadata.values())
+    for _ in range(data.draw(st.integers(1, 2))):
+        where = data.draw(st.sampled_from(["storage", "index", "entry", "chunk", "top"]))
+        index, info = data.draw(st.sampled_from(records))
+        entry = data.draw(st.sampled_from(entries))
+        target, fields = {"storage": (info, ["offset", "length", "relative_path"]),
+                          "index": (index, ["fqn", "offset", "index"]),
+                          "entry": (entry, ["size", "chunks", "properties"]),
+                          "chunk": (getattr(entry, "chunks", [entry])[0] if getattr(entry, "chunks", None) else entry,
+                                    ["offsets", "sizes"]),
+                          "top": (metadata, ["state_dict_metadata", "storage_data", "planner_data"])}[where]
+        name, value = data.draw(st.sampled_from(fields)), data.draw(METADATA_VALUES)
+        try:
+            object.__setattr__(target, name, value)   # frozen dataclasses too: the test writes the pickle itself
+        except (AttributeError, TypeError):
+            pass
+
+
+@fuzz("megatron .metadata", shrink=False)
+@given(data=st.data())
+def test_fuzz_megatron_dcp_metadata(env, data):
+    case = fz.fresh_dir(env["root"], "megatron .metadata", env["megatron"])
+    path = os.path.join(case, "src", "iter_0000007", ".metadata")
+    with open(path, "rb") as fh:
+        metadata = pickle.load(fh)   # the test's own trusted file
+    _mutate_dcp_metadata(data, metadata)
+    with open(path, "wb") as fh:
+        pickle.dump(metadata, fh)
+    fz.run_case("megatron .metadata", case, convert_checkpoint.main, ["import-megatron", "src", "out", "--no-progress"],
+                env["rss_bound"])
 
 
 def test_zz_fuzz_report(env):

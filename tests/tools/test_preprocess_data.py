@@ -304,3 +304,14 @@ def test_an_over_long_line_is_a_bad_line_read_in_bounded_pieces(tmp_path, capsys
     assert "line 2: longer than --max-line-bytes" in capsys.readouterr().err
     ds = IndexedDataset(str(tmp_path / "c_text_document"))
     assert [bytes(ds[i].tolist()).decode() for i in range(len(ds))] == ["short", "after"]
+
+
+def test_a_single_line_file_longer_than_the_limit_is_one_error_line(tmp_path, capsys):
+    """Issue 38: a 200 MB jsonl of one line, no newline (here 5 kB against --max-line-bytes 1000):
+    read past in bounded pieces, then one error line; nothing written."""
+    (tmp_path / "in.jsonl").write_bytes(json.dumps({"text": "x" * 5000}).encode())
+    line = bad_input_error(preprocess_data.main, ["--input", tmp_path / "in.jsonl", "--output-prefix",
+                                                  tmp_path / "out" / "c", "--tokenizer-type", "ByteTokenizer",
+                                                  "--max-line-bytes", "1000"], capsys)
+    assert "none of its 1 non-blank lines" in line and "line 1: longer than --max-line-bytes" in line
+    assert not os.listdir(tmp_path / "out")

@@ -2,6 +2,7 @@
 (every HF option without an equivalent here is an error naming the field)."""
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Tuple
 
 from megatron_p2r.convert.hf.architecture import GPT2, LLAMA, MISTRAL, MIXTRAL, MODEL_TYPES, QWEN2, HFConversionError
@@ -251,7 +252,18 @@ def import_vocab_divisor(rows: int, tp: int, requested: Optional[int] = None,
     else:
         fallback = None
     powers = (128, 64, 32, 16, 8, 4, 2, 1)
-    for d in [*powers, *range(tp, rows + 1, tp)]:
+    for d in (*powers, *_multiples_dividing(rows, tp)):
         if d % tp == 0 and rows % d == 0 and rows - d < tokens <= rows:
             return d
     return fallback
+
+
+def _multiples_dividing(rows: int, tp: int) -> List[int]:
+    """The multiples of ``tp`` that divide ``rows``, ascending: ``tp`` times each divisor of
+    ``rows / tp``, found in sqrt(rows / tp) steps (the list of every multiple of ``tp`` up to
+    ``rows`` took 38 bytes a row: 1.4 GiB for a row count of 3e7)."""
+    if rows < 1 or rows % tp:
+        return []
+    m = rows // tp
+    small = [k for k in range(1, math.isqrt(m) + 1) if m % k == 0]
+    return [tp * k for k in small + [m // k for k in reversed(small) if k * k != m]]

@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+from numbers import Real
 from typing import Any, List, Optional, Tuple
 
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.convert.hf.config_json import import_vocab_divisor
+from megatron_p2r.convert.megatron.unpickler import shown
 from megatron_p2r.config import ConfigError
 
 _MISSING = object()
@@ -51,6 +53,56 @@ _NEUTRAL = [
 ]
 
 
+# What each arg read here must be when present (None: Megatron's "unset"); checked before any is
+# used, so a wrongly typed value is an error naming it, not a traceback or a misleading comparison.
+_SIZE_LIMIT = 2 ** 31 - 1   # a count of heads, rows ...: larger is no model (and no allocation)
+_LIMITS = {"num_layers": 2 ** 16, "num_experts": 2 ** 16, "num_moe_experts": 2 ** 16}   # looped over per layer/expert
+_POSITIVE_INTS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
+                  "num_query_groups", "max_position_embeddings", "seq_length", "padded_vocab_size", "vocab_size",
+                  "make_vocab_size_divisible_by", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "expert_model_parallel_size", "expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size",
+                  "data_parallel_size", "ddp_bucket_size", "num_experts", "num_moe_experts", "moe_router_topk",
+                  "moe_ffn_hidden_size")
+_REALS = ("rotary_base", "rotary_percent", "layernorm_epsilon", "norm_epsilon", "attention_dropout", "hidden_dropout",
+          "init_method_std", "glu_linear_offset", "activation_func_clamp_value", "moe_z_loss_coeff",
+          "moe_input_jitter_eps")
+_STRINGS = ("position_embedding_type", "normalization", "softmax_type", "tokenizer_type")
+# an arg Megatron also accepts per layer (a list): one value, or a flat list of such values
+_PER_LAYER = {"moe_layer_freq": "int", "window_attn_skip_freq": "int", "moe_router_load_balancing_type": "str",
+              "moe_aux_loss_coeff": "real"}
+def _is_int(value, low: int = 1, high: int = _SIZE_LIMIT) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+_KIND = {"int": (_is_int, "an integer >= 1"), "real": (_is_real, "a finite number"),
+         "str": (lambda v: isinstance(v, str), "a string")}
+
+
+def _type_problem(name: str, value) -> Optional[str]:
+    """What is wrong with the saved arg ``name`` = ``value`` (None when nothing)."""
+    if value is None:
+        return None
+    kind = ("int" if name in _POSITIVE_INTS else "real" if name in _REALS else "str" if name in _STRINGS
+            else _PER_LAYER.get(name))
+    if name == "window_size":
+        ok = isinstance(value, (list, tuple)) and len(value) == 2 and all(_is_int(x, 0) for x in value)
+        return None if ok else "a pair of integers (L, R) >= 0"
+    if kind is None:
+        return None
+    ok, what = _KIND[kind]
+    high = _LIMITS.get(name, _SIZE_LIMIT)
+    if kind == "int" and name not in _PER_LAYER:
+        return None if _is_int(value, 1, high) else f"an integer from 1 to {high}"
+    if name in _PER_LAYER and isinstance(value, (list, tuple)):
+        good = 0 < len(value) <= _SIZE_LIMIT and all(ok(x) or (kind == "int" and _is_int(x, 0)) for x in value)
+        return None if good else f"{what}, or a list of them (one per layer)"
+    return None if ok(value) else what
+
+
 @dataclasses.dataclass
 class SavedArgs:
     """The ``args`` Megatron saved (an argparse.Namespace), and the file it came from."""
@@ -63,7 +115,13 @@ class SavedArgs:
         if not isinstance(namespace, argparse.Namespace):
             raise CheckpointError(f"{where}: 'args' is {type(namespace).__name__}, expected Megatron's saved "
                                   "argparse.Namespace")
-        return cls(vars(namespace), where)
+        values = vars(namespace)
+        for name, value in values.items():
+            problem = _type_problem(name, value) if isinstance(name, str) else None
+            if problem:
+                raise CheckpointError(f"{where}: args.{name} is {shown(value)} ({type(value).__name__}), expected "
+                                      f"{problem}")
+        return cls(values, where)
 
     def get(self, *names: str, default=None):
         """The first of ``names`` the args hold (newer Megatron renamed some), else ``default``."""
@@ -96,7 +154,7 @@ def _single(value, name: str, blockers: List[str]):
     """Megatron accepts a list for some per-layer options; one value is all we can express."""
     if isinstance(value, (list, tuple)):
         if len(set(value)) != 1:
-            blockers.append(f"{name} {list(value)} (one value for every layer here)")
+            blockers.append(f"{name} {shown(list(value))} (one value for every layer here)")
             return value[0] if value else None
         return value[0]
     return value
@@ -136,7 +194,7 @@ def _skip_freq(pattern: list, layers: int, blockers: List[str]) -> Optional[int]
     for n in range(1, layers + 1):
         if pattern == [int((i + 1) % n != 0) for i in range(layers)]:
             return n
-    blockers.append(f"--window-attn-skip-freq {pattern} (here every N-th layer is full: a pattern of that form)")
+    blockers.append(f"--window-attn-skip-freq {shown(pattern)} (here every N-th layer is full: a pattern of that form)")
     return None
 
 
@@ -152,7 +210,7 @@ def _window_values(a: SavedArgs, blockers: List[str]) -> dict:
     if not window:
         return values
     if not isinstance(window, (tuple, list)) or len(window) != 2 or window[0] < 0 or window[1] != 0:
-        blockers.append(f"--window-size {window!r} (a causal window (L, 0) with L >= 0 here)")
+        blockers.append(f"--window-size {shown(window)} (a causal window (L, 0) with L >= 0 here)")
         return values
     freq = a.get("window_attn_skip_freq")
     if isinstance(freq, (tuple, list)):
@@ -181,7 +239,7 @@ def _moe_values(a: SavedArgs, blockers: List[str]) -> dict:
     layers = a.required("num_layers")
     pattern = list(freq) if isinstance(freq, (list, tuple)) else [int(i % freq == 0) for i in range(layers)]
     if not all(pattern):
-        blockers.append(f"--moe-layer-freq {freq} (Megatron's MoE layers {pattern}; here MoE layers are every "
+        blockers.append(f"--moe-layer-freq {shown(freq)} (Megatron's MoE layers {shown(pattern)}; here MoE layers are every "
                         "k-th from layer k-1, so only an MoE in every layer maps)")
     balancing = _single(a.get("moe_router_load_balancing_type", default="aux_loss"),
                         "--moe-router-load-balancing-type", blockers)
@@ -204,7 +262,7 @@ def model_values(a: SavedArgs) -> Tuple[dict, bool, List[str]]:
     for name, neutral, why in _NEUTRAL:
         value = a.get(name, default=neutral)
         if value not in (neutral, None, 0, False):
-            blockers.append(f"--{name.replace('_', '-')} {value!r} ({why})")
+            blockers.append(f"--{name.replace('_', '-')} {shown(value)} ({why})")
     normalization = a.get("normalization", default="LayerNorm")
     if normalization not in ("LayerNorm", "RMSNorm"):
         blockers.append(f"--normalization {normalization}")

@@ -32,7 +32,7 @@ from megatron_p2r.convert.megatron import dp_reshardable
 from megatron_p2r.convert.megatron.args import SavedArgs
 from megatron_p2r.convert.megatron.distrib_optim import groups_step
 from megatron_p2r.convert.megatron.names import expert_rest, layer_name, split_layer_key
-from megatron_p2r.convert.megatron.unpickler import Kind, LazyTensor, Opaque, TorchArchive, load_pickle
+from megatron_p2r.convert.megatron.unpickler import Kind, LazyTensor, Opaque, TorchArchive, load_pickle, shown
 from megatron_p2r.files import MiB, confined, read_json
 
 CONFIG_FILE, COMMON_FILE, DCP_METADATA = "metadata.json", "common.pt", ".metadata"
@@ -68,11 +68,32 @@ def read_backend(iter_dir: str) -> str:
     return backend
 
 
-def _field(record, name: str, where: str):
+def _field(record, name: str, where: str, kind: type = object, what: str = ""):
+    """``record.name``, which must be a ``kind`` (``what``, in words), or an error naming it."""
     value = record.field(name) if isinstance(record, Opaque) else None
     if value is None:
-        raise CheckpointError(f"{where}: field {name} is missing ({record!r})")
+        raise CheckpointError(f"{where}: field {name} is missing ({shown(record)})")
+    if not isinstance(value, kind):
+        raise CheckpointError(f"{where}: field {name} is {shown(value)}, expected {what or kind.__name__}")
     return value
+
+
+def _count(record, name: str, where: str, default: Optional[int] = None) -> int:
+    """An integer >= 0 of ``record`` (a byte offset or length, ``default`` when unset)."""
+    value = record.field(name) if isinstance(record, Opaque) else None
+    value = default if value is None and default is not None else _field(record, name, where)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise CheckpointError(f"{where}: field {name} is {shown(value)}, expected an integer >= 0")
+    return value
+
+
+def _counts(record, name: str, where: str) -> Tuple[int, ...]:
+    """A tensor's shape or offsets: at most 8 integers >= 0."""
+    value = _field(record, name, where)
+    if not isinstance(value, (list, tuple, torch.Size)) or len(value) > 8 or \
+            not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value):
+        raise CheckpointError(f"{where}: field {name} is {shown(value)}, expected a list of at most 8 integers >= 0")
+    return tuple(value)
 
 
 def _chained(optimizer) -> bool:
@@ -126,7 +147,8 @@ class DistCheckpoint:
         self.sizes: Dict[str, Tuple[int, ...]] = {}
         self.chunks: Dict[str, List[_Chunk]] = {}
         self.objects: Dict[str, _Chunk] = {}  # pickled objects (megatron-core's ShardedObject) by key
-        self._index(_field(metadata, "state_dict_metadata", self.where), _field(metadata, "storage_data", self.where))
+        self._index(_field(metadata, "state_dict_metadata", self.where, dict, "a dict"),
+                    _field(metadata, "storage_data", self.where, dict, "a dict"))
         self._check_files()
         self.names: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
         self.optimizer: Dict[str, Dict[str, Tuple[str, Tuple[int, ...]]]] = {kind: {} for kind in OPTIMIZER_KEYS}
@@ -188,40 +210,42 @@ class DistCheckpoint:
     def _index(self, state_dict_metadata: dict, storage_data: dict) -> None:
         """Global shapes and chunk locations of every tensor key; where each object is."""
         for key, entry in state_dict_metadata.items():
+            if not isinstance(key, str):
+                raise CheckpointError(f"{self.where}: state_dict_metadata has key {shown(key)}, expected strings")
             if isinstance(entry, Opaque) and entry.qualname.endswith("TensorStorageMetadata"):
-                self.sizes[key] = tuple(_field(entry, "size", self.where))
+                self.sizes[key] = _counts(entry, "size", self.where)
                 self.chunks[key] = []
         self._index_objects(storage_data)
-        sizes = {(key, tuple(_field(c, "offsets", self.where))): tuple(_field(c, "sizes", self.where))
+        sizes = {(key, _counts(c, "offsets", self.where)): _counts(c, "sizes", self.where)
                  for key, entry in state_dict_metadata.items() if key in self.sizes
-                 for c in _field(entry, "chunks", self.where)}
+                 for c in _field(entry, "chunks", self.where, list, "a list")}
         for index, info in storage_data.items():
-            key = _field(index, "fqn", self.where)
+            key = _field(index, "fqn", self.where, str, "a string")
             if key not in self.sizes:
                 continue
-            offsets = tuple(_field(index, "offset", self.where))
+            offsets = _counts(index, "offset", self.where)
             if info.field("transform_descriptors"):
                 raise CheckpointError(f"{self.where}: chunk {offsets} of {key!r} is stored with transforms "
                                       f"{info.field('transform_descriptors')}; only plain torch.save chunks are read")
             if (key, offsets) not in sizes:
                 raise CheckpointError(f"{self.where}: storage_data has a chunk at {offsets} of {key!r} that "
                                       "state_dict_metadata does not list")
-            path = confined(self.iter_dir, _field(info, "relative_path", self.where), CheckpointError,
+            path = confined(self.iter_dir, _field(info, "relative_path", self.where, str, "a string"), CheckpointError,
                             f"{self.where}: relative_path of {key!r}")  # a name read from a file stays inside
-            self.chunks[key].append(_Chunk(offsets, sizes[(key, offsets)], path,
-                                           int(info.field("offset") or 0), int(_field(info, "length", self.where))))
+            self.chunks[key].append(_Chunk(offsets, sizes[(key, offsets)], path, _count(info, "offset", self.where, 0),
+                                           _count(info, "length", self.where)))
 
     def _index_objects(self, storage_data: dict) -> None:
         """Where each pickled object (``key/shard_...``) is; its first copy."""
         for index, info in storage_data.items():
-            fqn = _field(index, "fqn", self.where)
+            fqn = _field(index, "fqn", self.where, str, "a string")
             if fqn in self.sizes or "/shard_" not in fqn:
                 continue
             key = fqn.rpartition("/shard_")[0]
-            path = confined(self.iter_dir, _field(info, "relative_path", self.where), CheckpointError,
+            path = confined(self.iter_dir, _field(info, "relative_path", self.where, str, "a string"), CheckpointError,
                             f"{self.where}: relative_path of {fqn!r}")
-            self.objects.setdefault(key, _Chunk((), (), path, int(info.field("offset") or 0),
-                                                int(_field(info, "length", self.where))))
+            self.objects.setdefault(key, _Chunk((), (), path, _count(info, "offset", self.where, 0),
+                                                _count(info, "length", self.where)))
 
     def _check_files(self) -> None:
         """Every chunk's file exists and is long enough (before anything is read or written)."""
@@ -245,7 +269,7 @@ class DistCheckpoint:
         layers = [((layer,), ())] if layer is not None else [((i,), (i,)) for i in range(size[0])]
         out = []
         for (i,), prefix in layers:
-            if rest.startswith("mlp.experts.") and not rest.split(".")[2].isdigit():
+            if rest.startswith("mlp.experts.") and not rest.split(".")[2].isdecimal():
                 leaf = rest[len("mlp.experts."):]
                 leaf = leaf[len("experts."):] if leaf.startswith("experts.") else leaf
                 out += [(layer_name(i, expert_rest(e, leaf)), prefix + (e,)) for e in range(size[len(prefix)])]

@@ -37,7 +37,7 @@ def megatron_iteration_dir(path: str) -> str:
         text = fh.read(64).decode("utf-8", "replace").strip()
     if text == "release":
         found = os.path.join(path, "release")
-    elif text.isdigit():
+    elif text.isascii() and text.isdigit():
         found = os.path.join(path, f"iter_{int(text):07d}")
     else:
         raise CheckpointError(f"{tracker}: expected an iteration number or 'release', found {text!r}")

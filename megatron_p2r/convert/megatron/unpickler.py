@@ -43,6 +43,7 @@ import io
 import math
 import os
 import pickle
+import reprlib
 import struct
 import zipfile
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -73,6 +74,16 @@ _NUMPY = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", 
           ("numpy._core.multiarray", "scalar")}
 
 
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxdict, _SHOWN.maxstring, _SHOWN.maxother = 2, 6, 6, 4, 40, 40
+
+
+def shown(value) -> str:
+    """A value read from a file, for a message: bounded however large or deeply nested (a list
+    that holds itself many times over is printed in a line, not in exponential time)."""
+    return _SHOWN.repr(value)
+
+
 class Opaque:
     """An inert stand-in for an admitted object we do not use: its class name, the arguments it
     was built with and the state pickle gave it. Subclassed per class name (``opaque_class``)."""
@@ -93,12 +104,12 @@ class Opaque:
     def field(self, name: str, default=None):
         """A dataclass field from the pickled state (a dict, or (dict, slots) for slotted classes)."""
         state = self.state
-        if isinstance(state, tuple) and len(state) == 2:
+        if isinstance(state, tuple) and len(state) == 2 and all(isinstance(s, dict) or s is None for s in state):
             state = {**(state[0] or {}), **(state[1] or {})}
         return state.get(name, default) if isinstance(state, dict) else default
 
     def __repr__(self) -> str:
-        return f"<{self.qualname} {self.args!r}>"
+        return f"<{self.qualname} {shown(self.args)}>"
 
 
 _OPAQUE_CLASSES: Dict[str, type] = {}

@@ -1,9 +1,11 @@
 """Megatron's saved args -> our model options: Megatron's names (old and new) and defaults, every
 inexpressible option named in one message, and the vocabulary padding kept."""
 import os
+import tracemalloc
 
 import pytest
 
+from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.convert.megatron.args import MegatronConversionError, SavedArgs, model_values, vocab_values
 from megatron_p2r.config import ModelConfig
 from tests.convert.megatron.fixtures import GPT, LLAMA, MIXTRAL, megatron_args
@@ -149,3 +151,50 @@ def test_tiktoken_settings_are_imported():
     assert flags == {"tokenizer_type": "TikTokenizer", "tokenizer_model": vocab, "tiktoken_pattern": "v1",
                      "tiktoken_num_special_tokens": 12, "tiktoken_special_tokens": specials}
     assert note.endswith("(in model.yaml)")
+
+
+def _shared_nest(depth=60):
+    """A list whose printed form has 2**depth leaves (each level holds the one below twice)."""
+    x = []
+    for _ in range(depth):
+        x = [x, x]
+    return x
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("tensor_model_parallel_size", "two", r"args.tensor_model_parallel_size is 'two' \(str\), expected an integer from "
+                                          "1 to 2147483647"),
+    ("tensor_model_parallel_size", [2], r"args.tensor_model_parallel_size is \[2\] \(list\), expected an integer"),
+    ("tensor_model_parallel_size", _shared_nest(), r"args.tensor_model_parallel_size is \[\[\[\.\.\.\], \[\.\.\.\]\], \[\[\.\.\.\], \[\.\.\.\]\]\] "
+                                                   r"\(list\)"),
+    ("num_attention_heads", 0, r"args.num_attention_heads is 0 \(int\), expected an integer from 1"),
+    ("num_layers", "4", r"args.num_layers is '4' \(str\), expected an integer from 1 to 65536"),
+    ("num_layers", True, r"args.num_layers is True \(bool\)"),
+    ("num_layers", 10 ** 9, r"args.num_layers is 1000000000 \(int\), expected an integer from 1 to 65536"),
+    ("padded_vocab_size", 10 ** 12, r"args.padded_vocab_size is 1000000000000 \(int\)"),
+    ("rotary_base", "1e4", r"args.rotary_base is '1e4' \(str\), expected a finite number"),
+    ("hidden_dropout", float("nan"), r"args.hidden_dropout is nan \(float\), expected a finite number"),
+    ("normalization", ["RMSNorm"], r"args.normalization is \['RMSNorm'\] \(list\), expected a string"),
+    ("window_size", [4], r"args.window_size is \[4\] \(list\), expected a pair of integers"),
+    ("moe_layer_freq", [[1], [1]], r"args.moe_layer_freq is \[\[1\], \[1\]\] \(list\), expected an integer >= 1, or "
+                                   "a list of them"),
+    ("moe_router_load_balancing_type", _shared_nest(), r"args.moe_router_load_balancing_type is \[\["),
+])
+def test_wrongly_typed_args_are_an_error_naming_them(field, value, expected):
+    """Issue 38 bug 6: ValueError/TypeError/ZeroDivisionError tracebacks, or num_layers = '4'
+    read as if it matched the 4 layers the stages hold."""
+    with pytest.raises(CheckpointError, match="^common.pt: " + expected):
+        saved(MIXTRAL, **{field: value})
+
+
+def test_a_huge_padded_vocab_size_costs_no_memory():
+    """Issue 38 bug 5: the divisor search listed every multiple of TP up to the row count (38 bytes
+    a row: 1.4 GiB for 3e7 rows, a MemoryError for 1e12) before the embedding was checked."""
+    args = saved(GPT, padded_vocab_size=3_000_001, vocab_size=7)   # 7 pads to no 3,000,001: the rows' own divisor
+    tracemalloc.start()
+    try:
+        vocab, divisor, _ = vocab_values(args, 1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (vocab, divisor) == (3_000_001, 1) and peak < 2**20, peak

@@ -150,6 +150,31 @@ def test_torch_dist_chunk_contents(dist):
                 r"of decoder.layers.0.self_attention.linear_qkv.weight \[48, 32\]")
 
 
+def _first_tensor_storage(metadata):
+    return next((i, s) for i, s in metadata.storage_data.items() if i.fqn in metadata.state_dict_metadata)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda m: setattr(_first_tensor_storage(m)[1], "offset", "abc"), r"field offset is 'abc', expected an integer >= 0"),
+    (lambda m: setattr(_first_tensor_storage(m)[1], "length", -1), r"field length is -1, expected an integer >= 0"),
+    (lambda m: setattr(_first_tensor_storage(m)[1], "relative_path", 5), r"field relative_path is 5, expected a string"),
+    (lambda m: setattr(m, "storage_data", [1, 2]), r"field storage_data is \[1, 2\], expected a dict"),
+    (lambda m: setattr(next(iter(m.state_dict_metadata.values())), "size", ["x"]),
+     r"field size is \['x'\], expected a list of at most 8 integers >= 0"),
+    (lambda m: setattr(next(iter(m.state_dict_metadata.values())), "size", [2] * 9), r"field size is \[2, 2, 2, 2, 2, 2, \.\.\.\]"),
+    (lambda m: setattr(next(iter(m.state_dict_metadata.values())), "chunks", 3), r"field chunks is 3, expected a list"),
+])
+def test_wrongly_typed_metadata_fields_are_named(dist, edit, match):
+    """Issue 38 bug 6: a storage offset "abc" was a ValueError traceback (int("abc"))."""
+    iter_dir = dist / "iter_0000007"
+    with open(iter_dir / ".metadata", "rb") as fh:
+        metadata = pickle.load(fh)   # the test's own trusted file
+    edit(metadata)
+    with open(iter_dir / ".metadata", "wb") as fh:
+        pickle.dump(metadata, fh)
+    fails(dist, r"\.metadata: " + match)
+
+
 @pytest.mark.parametrize("name", ["../outside.distcp", "ABSOLUTE"])
 def test_torch_dist_chunk_files_stay_in_the_iteration_directory(dist, name):
     """A relative_path in .metadata that leads out of the iteration directory is refused, not read."""
