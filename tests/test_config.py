@@ -7,7 +7,7 @@ import pytest
 
 import pretrain_m6
 from megatron_p2r.arguments import config_from_values, load_yaml, parse_args, to_argv
-from megatron_p2r.config import ConfigError, validate
+from megatron_p2r.config import ConfigError, data_parallel_size, num_microbatches, validate
 from megatron_p2r.data.tokenizers import ByteTokenizer
 from megatron_p2r.training import resolve_vocab
 
@@ -49,8 +49,10 @@ def test_each_rule_has_its_message(overrides, world, message):
 
 
 def test_valid_config_passes():
-    validate(config_from_values(dict(BASE, tensor_model_parallel_size=2, num_experts=4,
-                                     expert_model_parallel_size=2, global_batch_size=8, micro_batch_size=2)), 8)
+    cfg = config_from_values(dict(BASE, tensor_model_parallel_size=2, num_experts=4, expert_model_parallel_size=2,
+                                  global_batch_size=8, micro_batch_size=2))
+    validate(cfg, 8)
+    assert (data_parallel_size(cfg, 8), num_microbatches(cfg, 8)) == (4, 1)
 
 
 def test_yaml_keys_are_flag_names_and_cli_wins(tmp_path):

@@ -196,9 +196,12 @@ def test_attention_options_are_checked(options, world, message):
 
 def test_accepted_attention_options():
     """TP 8 over 2 groups (each replicated over 4 ranks); 6 heads of --kv-channels 8 in hidden 32."""
-    validate(tiny_config(**GQA, num_query_groups=2, num_attention_heads=8, tensor_model_parallel_size=8,
-                         global_batch_size=8), 8)
-    validate(tiny_config(**ROPE, num_attention_heads=6, kv_channels=8, rotary_percent=0.5), 1)
+    gqa = tiny_config(**GQA, num_query_groups=2, num_attention_heads=8, tensor_model_parallel_size=8,
+                      global_batch_size=8)
+    validate(gqa, 8)
+    rope = tiny_config(**ROPE, num_attention_heads=6, kv_channels=8, rotary_percent=0.5)
+    validate(rope, 1)
+    assert (gqa.model.num_query_groups, rope.model.kv_channels * rope.model.num_attention_heads) == (2, 48)
 
 
 def test_megatron_flag_names_and_defaults():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_p2r.config import ConfigError
+from megatron_p2r.config.schedule import COMBINED, schedule_plan
 from megatron_p2r.config.validation import validate
 from megatron_p2r.testing import run_distributed
 from tests.moe import overlap_workers
@@ -111,8 +112,10 @@ def test_flag_rules(overrides, expected):
 
 @pytest.mark.parametrize("method, layers", [("uniform", 1), ("block", 2)])
 def test_full_recomputation_one_layer_per_unit_is_accepted(method, layers):
-    cfg = moe_model(ep=2, recompute_granularity="full", recompute_method=method, recompute_num_layers=layers)
-    validate(cfg.replace(overlap_moe_expert_parallel_comm=True), world_size=4)
+    cfg = moe_model(ep=2, recompute_granularity="full", recompute_method=method,
+                    recompute_num_layers=layers).replace(overlap_moe_expert_parallel_comm=True)
+    validate(cfg, world_size=4)
+    assert schedule_plan(cfg).kind == COMBINED   # the overlapped schedule, recomputing node by node
 
 
 def test_gpipe_without_pipeline_parallelism_is_accepted_and_with_it_refused_under_ep2():
@@ -125,6 +128,9 @@ def test_gpipe_without_pipeline_parallelism_is_accepted_and_with_it_refused_unde
 
 
 def test_pipeline_parallelism_is_allowed_with_1f1b():
-    validate(moe_model(ep=2, pp=2).replace(overlap_moe_expert_parallel_comm=True), world_size=4)
-    validate(moe_model(ep=2, pp=2, num_layers_per_virtual_pipeline_stage=1, overlap_p2p_communication=False)
-             .replace(overlap_moe_expert_parallel_comm=True), world_size=4)
+    for cfg in (moe_model(ep=2, pp=2).replace(overlap_moe_expert_parallel_comm=True),
+                moe_model(ep=2, pp=2, num_layers_per_virtual_pipeline_stage=1, overlap_p2p_communication=False)
+                .replace(overlap_moe_expert_parallel_comm=True)):
+        validate(cfg, world_size=4)
+        plan = schedule_plan(cfg)
+        assert (plan.kind, plan.stages, plan.posts_receives_ahead) == (COMBINED, 2, False)
