@@ -67,4 +67,4 @@ gpu-check:
 	  py="$(PYTHON)"; fi; \
 	if [ -z "$$py" ]; then $(MAKE) --no-print-directory $(GPU_VENV)/.installed && py=$(GPU_VENV)/bin/python; fi; \
 	echo "gpu-check: $$py"; \
-	$$py benchmarks/gpu_check.py --out $(GPU_REPORT) $(GPU_CHECK_ARGS)
+	$$py tools/gpu_check.py --out $(GPU_REPORT) $(GPU_CHECK_ARGS)

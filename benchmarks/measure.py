@@ -1,6 +1,6 @@
 """What the benchmark scripts share to measure on CPU or CUDA alike: synchronising before a
 host clock is read, the matmul ceiling of the machine, micro-batches on the device, the
-``--json`` output the GPU lane (benchmarks/gpu_check.py) collects into its report, and the time
+``--json`` output the GPU lane (tools/gpu_check.py) collects into its report, and the time
 and memory of a checkpoint converter's streaming loop in a process of its own."""
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ configuration on one rank (planning/host_step.py), and their ratio.
 Shapes: ``tiny`` (the default; 4 layers of hidden 256) measures the bookkeeping; ``gpu`` (8
 layers of hidden 2048, 4 micro-batches of 4 x 2048 tokens) is sized for one large GPU, where
 a layer's compute is long enough for its prefetch to hide behind — the GPU lane
-(benchmarks/gpu_check.py) runs it with ``--bf16``; ``micro`` (4 layers of hidden 64) checks
+(tools/gpu_check.py) runs it with ``--bf16``; ``micro`` (4 layers of hidden 64) checks
 the script in seconds, as the lane's trial on CPU runs it; ``optim`` (4 layers of hidden 768,
 2 micro-batches of 2 x 64 tokens) makes the optimizer step a large share of the step, so what
 the overlapped host step hides shows above the noise on CPU. ``--json`` writes every figure.

@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "benchmarks", "gpu_check.py"))
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "tools", "gpu_check.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -33,7 +33,7 @@ def test_the_lane_passes_its_trial_on_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "P2R_CUDA_DRY_RUN")}
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU trial even on a GPU machine
     out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--out", str(out),
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--out", str(out),
                            "--dry-run-tests"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=580)  # a hang is killed with its process before pytest's 600 s limit
     report = json.loads((out / "report.json").read_text())

@@ -1,7 +1,7 @@
 """The GPU lane in one command: the CUDA tests, then the GPU benchmarks, one report.
 
-    python benchmarks/gpu_check.py [--out gpu_report] [--only STEP,...] [--dry-run-tests] [--budget S]
-    python benchmarks/gpu_check.py --estimate gpu_report/report.json     # the schedule on a GPU
+    python tools/gpu_check.py [--out gpu_report] [--only STEP,...] [--dry-run-tests] [--budget S]
+    python tools/gpu_check.py --estimate gpu_report/report.json     # the schedule on a GPU
 
 What ``make gpu-check`` runs (docs/gpu.md). Steps (``STEPS``), in the order a user meets what they
 check — one-rank bf16 training first, then offload and the host step, checkpoints, MoE, the
@@ -45,7 +45,7 @@ TARGETS = {"mfu": 0.45, "offload_50": 0.15}
 BUDGET = 720            # seconds of a lend's 15 minutes the lane may take on a GPU (start-up and a rerun take the rest)
 CPU_TRIAL_SLACK = 5
 MIN_STEP = 15           # a step is not started with less than this left of the budget ("skipped for time")
-HOST_BENCHMARK = "host_optimizer.py"   # benchmarks/host_optimizer.py (branch hostkernels): skipped while absent
+HOST_BENCHMARK = "host_optimizer.py"   # benchmarks/host_optimizer.py: its step is skipped where absent
 # offload.py's settings in the lane (its full set takes half as long again): the cost of 25/50/100%
 # against 0% and 0% + recompute, optimizer-only offload, and the host step started in backward
 # against no offload (both without clipping, which that start needs)
