@@ -15,7 +15,7 @@ tests/fixtures/megatron/make_fixtures.py describes; with the CPU torch of this p
     PYTHONPATH=/tmp/mrun:/tmp/mdeps python tools/megatron_parser.py --revision core_v0.16.1
 
 ``megatron_p2r/config/megatron.py`` reads the table: a flag of it that is neither a config field
-nor in its hand-written entries takes the status of its family there (tests/test_megatron_parser.py).
+nor in its hand-written entries takes the status of its family there (tests/config/test_megatron_parser.py).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Megatron-LM's flags that are not config fields, and what each does here.
 
 ``pretrain_m6.py`` accepts every flag of Megatron-LM's example launch scripts (docs/megatron.md
-lists them with their status; ``tests/test_megatron_scripts.py`` checks that list against this
+lists them with their status; ``tests/config/test_megatron_scripts.py`` checks that list against this
 table). A flag named like a config field has Megatron-LM's meaning and default there. The others:
 
 - ``MEANING``: what the flag asks for is how this framework always works (``--calculate-per-token-loss``);

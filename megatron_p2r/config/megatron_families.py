@@ -10,7 +10,7 @@ an action stands for all: ``--no-X`` and ``--disable-X``) and says what giving t
 - ``REFUSED``: it would change the math (or the run) and is not built: an error names it. Given
   at Megatron-LM's own default value, a refused flag asks for nothing and is accepted.
 
-``tests/test_megatron_parser.py`` checks that every flag of the table has exactly one status.
+``tests/config/test_megatron_parser.py`` checks that every flag of the table has exactly one status.
 """
 from __future__ import annotations
 

@@ -124,7 +124,7 @@ def _qk_norm_held(m, q: int, kv: int, d: int, a: int, kernel_saves_outputs: bool
 def norm_held(m, rows: int, width: int, a: int) -> int:
     """What one norm over [rows, width] in ``a``-byte elements keeps for backward: LayerNorm its
     input and fp32 mean and rstd; torch's RMSNorm its input upcast to fp32 (the input itself
-    when fp32), the fp32 rstd and x * rstd (measured, tests/test_planning.py)."""
+    when fp32), the fp32 rstd and x * rstd (measured, tests/planning/test_planner.py)."""
     if m.normalization == "LayerNorm":
         return rows * width * a + rows * 8
     return 2 * rows * width * 4 + rows * 4

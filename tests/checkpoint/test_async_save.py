@@ -40,7 +40,7 @@ def test_async_save_resumes_bitwise_dp2_distributed_optimizer(tmp_path):
 
 def test_the_planner_counts_the_host_copy(tmp_path):
     """The planner's host bytes of --async-save are the bytes the DP2 ranks copied (within 1%:
-    bucket padding under the distributed optimizer; tests/test_planning_checkpoint.py checks
+    bucket padding under the distributed optimizer; tests/planning/test_checkpoint_cost.py checks
     more layouts exactly), its stage's host figure the larger rank's, and nothing without it."""
     from megatron_p2r.layout.ranks import Layout
     from megatron_p2r.planning.checkpoint_cost import async_save_host_bytes

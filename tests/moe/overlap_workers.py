@@ -117,7 +117,7 @@ def held_after_forward(rank: int, world: int) -> dict:
     and the planner's count: the overlapped forward with the MoE layers recomputed node by node
     ("full") and without recomputation ("none"), and the serial forward ("serial", the flag off);
     a capacity every expert fills, as the planner's balanced routing."""
-    from tests.test_planning import AllocTracker
+    from tests.planning.test_planner import AllocTracker
     ps = make_state(Layout(dp=2, ep=2))
     out = {}
     for name, recompute, overlapped in (("full", FULL1, True), ("none", {}, True), ("serial", {}, False)):
@@ -151,7 +151,7 @@ def pp2_held_after_forward(rank: int, world: int) -> dict:
     leaves for its backward, as the combined 1F1B schedule runs it (a stage after the first
     starts from the received activation, a stage before the last frees its sent output), with
     full recomputation and without, and the planner's count for the stage."""
-    from tests.test_planning import AllocTracker
+    from tests.planning.test_planner import AllocTracker
     ps = make_state(Layout(pp=2, dp=2, ep=2))
     out = {}
     for name, recompute in (("full", FULL1), ("none", {})):

@@ -149,7 +149,7 @@ def test_bf16_rows_cross_the_all_to_all_in_bf16(moe_world2):
 
 def test_ep2_training_steps_match_single_process(moe_world2):
     """3 optimizer steps (capacity 1.0, so some tokens drop) stay on the one-process run: losses
-    (rel 1e-5) and weights (abs 1e-4, as tests/test_training.py: Adam amplifies rounding of
+    (rel 1e-5) and weights (abs 1e-4, as tests/training/test_training.py: Adam amplifies rounding of
     tiny gradient elements) — the optimizer sees correctly reduced expert gradients."""
     for res in moe_world2:
         r = res["train"]

@@ -3,7 +3,7 @@ with and without overlap, TP2 x DP2 (also with sequence parallelism), PP2 x DP2 
 phase (also interleaved), MoE EP2 x expert-DP2, offload, 4 micro-batches; checkpoints across
 DP sizes and optimizers, bitwise resume, delinking.
 
-Tolerances are the existing DP tests' (tests/test_training.py): losses 1e-5 relative, weights
+Tolerances are the existing DP tests' (tests/training/test_training.py): losses 1e-5 relative, weights
 1e-4 absolute after 3 steps at lr 1e-2 (the order of the reductions differs from one process;
 Adam divides by sqrt(v), so elements with tiny gradients amplify that rounding).
 """

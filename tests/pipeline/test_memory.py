@@ -3,7 +3,7 @@
 A 1F1B stage holds at most P - s micro-batches' activations; everything else a step creates --
 the output sent to the next stage, the buffers of sends, received activations and their
 gradients -- must be released as the schedule goes. Peak live bytes are measured by the
-planner tests' allocation tracker (``tests/test_planning.py``: every storage an op creates,
+planner tests' allocation tracker (``tests/planning/test_planner.py``: every storage an op creates,
 until its last reference dies), beyond the parameters and their gradients.
 """
 from __future__ import annotations

@@ -159,7 +159,7 @@ def stage_peak_bytes(ps: ParallelState) -> dict:
     before) with m micro-batches of one shape: 1F1B training and evaluation for m = 4, 8, 16,
     interleaved 1F1B training (8 layers, v = 2) for m = 8, 16, 24 (from m = 2P on, the warm-up is
     not cut short by m); one hidden tensor's bytes; 1F1B with sent outputs kept (m = 16)."""
-    from tests.test_planning import measure_step  # the planner tests' allocation tracker
+    from tests.planning.test_planner import measure_step  # the planner tests' allocation tracker
     cfg = make_cfg(pp=ps.pp_size)
     b = cfg.train.micro_batch_size
     out = {"stage": ps.pp_rank, "hidden_bytes": b * cfg.model.seq_length * cfg.model.hidden_size * 4}

@@ -13,7 +13,7 @@ from megatron_p2r.arguments import config_from_values
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.planning import communication, estimate, hardware, memory, timing
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=64, vocab_size=1000,
              micro_batch_size=1, mock_data=True)
 

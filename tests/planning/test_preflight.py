@@ -33,7 +33,7 @@ def test_a_sample_based_run_that_does_not_fit_is_refused():
 
 def _benchmark():
     spec = importlib.util.spec_from_file_location(
-        "preflight_memory", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "preflight_memory.py"))
+        "preflight_memory", os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "preflight_memory.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -60,7 +60,7 @@ def test_a_run_too_large_for_its_cgroup_ends_with_an_error_line(tmp_path, monkey
     import pretrain_m6
     from megatron_p2r.planning import preflight
     from megatron_p2r.planning.host_memory import available_host_memory
-    from tests.test_host_memory import fake_host
+    from tests.planning.test_host_memory import fake_host
 
     proc, cgroup = fake_host(tmp_path, ["0::/job/step"], {"job/memory.max": f"{180 * 2 ** 20}\n",
                                                           "job/memory.current": "0\n"})

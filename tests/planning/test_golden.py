@@ -9,7 +9,7 @@ The golden file also holds Narayanan et al.'s 1T configuration (TP 8, PP 64, 3,0
 When the planner's JSON gains keys or its verdict changes (what fits where: ``fits``,
 ``problems``, ``tiers``, the host capacity, the exit status), refresh the file with
 
-    python -m tests.test_planner_golden --update
+    python -m tests.planning.test_golden --update
 
 which reruns every case and refuses to write if any other value changed: the numbers stay pinned.
 """
@@ -25,7 +25,7 @@ import pytest
 
 from tools.plan import main
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "fixtures", "planner_golden.json")
+GOLDEN = os.path.join(os.path.dirname(__file__), "..", "fixtures", "planner_golden.json")
 # What --update may change in a case: the verdict, not the numbers behind it.
 VERDICT = ("exit", "fits", "problems", "tiers", "host_capacity_per_node", "host_memory_per_node")
 CHEAP = ["pseudo_pp4_fp32_full_recompute", "moe_gqa_tp2_pp2_ep2_sp_interleaved_offload", "m6_10t", "m6_1t",
@@ -104,5 +104,5 @@ def update() -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--update"]:
-        sys.exit("usage: python -m tests.test_planner_golden --update")
+        sys.exit("usage: python -m tests.planning.test_golden --update")
     sys.exit(update())

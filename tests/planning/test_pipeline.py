@@ -1,6 +1,6 @@
 """The planner on pipeline schedules: activation memory of 1F1B and interleaved 1F1B against
 what a step allocates on CPU, the bubble, the p2p volume, and interleaved plans against
-meta-device builds. (The planner's other checks: ``tests/test_planning.py``.)"""
+meta-device builds. (The planner's other checks: ``tests/planning/test_planner.py``.)"""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,7 @@ from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.planning import communication, estimate, hardware
 from megatron_p2r.planning.activations import activation_memory
 from megatron_p2r.testing import run_distributed
-from tests.test_planning import ACT_SHAPES, measure_step, small
+from tests.planning.test_planner import ACT_SHAPES, measure_step, small
 from tools.plan import verify_all_ranks
 
 # (name, flags, micro-batches): 1F1B; interleaved with m a multiple of P and not one

@@ -381,7 +381,7 @@ def test_activation_estimate_tp2_and_1f1b_in_flight():
 
 
 def _benchmark(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), "..", "benchmarks",
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks",
                                                                      f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -18,7 +18,7 @@ from tests.data.test_tokenizers import TRAIN_TEXTS, bpe_files, sp_model  # noqa:
 from tests.reliability.common import launch
 from tools import megatron_flags, preprocess_data
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "megatron_scripts")
 SCRIPTS = ["gpt3_175b", "gptoss", "llama3_8b", "llama3_8b_data", "llama3_8b_fsdp", "mixtral_8x7b"]  # as the shell globs them
 # The same flags again, small: 2 iterations of a model of hidden 32-64 on CPU.

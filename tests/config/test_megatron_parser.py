@@ -15,7 +15,7 @@ from megatron_p2r.config.megatron import MEGATRON_FLAGS, STATUSES, UNBUILT_VALUE
 from megatron_p2r.config.megatron_families import FAMILIES
 from tools import megatron_flags
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "megatron_scripts")
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "megatron_scripts")
 
 BASE = ["--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
 TABLE = megatron_parser()
