@@ -8,7 +8,7 @@ alone (``--use-checkpoint-args``), loads the checkpoint with its own ``load_chec
 torch_dist without any --no-load-* flag: the args say there is nothing else to load; legacy with
 --no-load-optim --no-load-rng), on 1 or 2 CPU ranks; its fp32 logits on random tokens are compared
 with our one-process model's (the two differ only in reduction order). ``-s`` prints the figures
-that docs/megatron.md quotes. Run as a module, it rewrites megatron_core_keys.json, which
+that docs/evidence/megatron.md quotes. Run as a module, it rewrites megatron_core_keys.json, which
 test_export.py compares the torch_dist keys with in every run.
 """
 import functools
