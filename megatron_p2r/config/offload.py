@@ -47,6 +47,12 @@ class OffloadConfig:
                                                                  "--cpu-offload-delayed-param-update starts, as "
                                                                  "ZeRO-Offload turns DPU on after its first steps.")
 
+    def __post_init__(self):
+        """A count stored as a number (the field's type before ``auto`` existed: the configs of older
+        checkpoints) reads as the flag's text."""
+        if isinstance(self.host_optimizer_threads, int) and not isinstance(self.host_optimizer_threads, bool):
+            object.__setattr__(self, "host_optimizer_threads", str(self.host_optimizer_threads))
+
     def check(self, num_layers: int) -> None:
         """Each flag parses, and the budget comes with ``auto`` and only with it."""
         parse_offload_what(self.cpu_offload_what)   # how the host step combines with the rest: config/step_plan.py
