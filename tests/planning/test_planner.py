@@ -269,12 +269,13 @@ MOE_LAYER_CASES = [
 def test_moe_layer_saves_what_the_planner_counts(overrides, monkeypatch):
     """Tensor by tensor: what each grouped, dropless MoE layer call saves for backward (distinct
     storages, its parameters and input aside) against the planner's count for that layer, to
-    the byte but for tiny int32 and scalar tensors (the group ends, the z-loss)."""
+    the byte but for tiny int32 and scalar tensors (the group ends, the z-loss). A layer's MoE
+    part is its nodes from ``route`` to ``finish`` (moe/nodes.py), counted between the two."""
     from megatron_p2r.moe.layer import MoELayer
     cfg = small(**ACT_SHAPES, **MOE, moe_grouped_gemm=True, **overrides)
-    forward, saved = MoELayer.forward, []
+    route, finish, saved, open_counts = MoELayer.route, MoELayer.finish, [], []
 
-    def counted_forward(layer, x):
+    def counted_route(layer, x):
         seen, skip = {}, {t.untyped_storage().data_ptr() for t in (x, *layer.parameters())}
 
         def pack(t):
@@ -282,12 +283,20 @@ def test_moe_layer_saves_what_the_planner_counts(overrides, monkeypatch):
             if storage.data_ptr() not in skip:
                 seen[storage.data_ptr()] = storage.nbytes()
             return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = forward(layer, x)
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        hooks.__enter__()
+        open_counts.append((hooks, seen))
+        return route(layer, x)
+
+    def counted_finish(layer, rows, weights, routed):
+        out = finish(layer, rows, weights, routed)
+        hooks, seen = open_counts.pop()
+        hooks.__exit__(None, None, None)
         saved.append(sum(seen.values()))
         return out
 
-    monkeypatch.setattr(MoELayer, "forward", counted_forward)
+    monkeypatch.setattr(MoELayer, "route", counted_route)
+    monkeypatch.setattr(MoELayer, "finish", counted_finish)
     one_process_step(cfg)
     a, n = activations.compute_bytes(cfg), cfg.train.micro_batch_size * cfg.model.seq_length
     held, _, _ = activations._moe_layer(cfg, n, n, 1, 1, a)
