@@ -16,6 +16,7 @@ import torch
 
 from megatron_p2r.config import OffloadConfig, parse_offload_what
 from megatron_p2r.offload.runtime import OffloadManager
+from megatron_p2r.optim.host_step import HostStepLink
 from megatron_p2r.parallel.state import ParallelState
 
 
@@ -28,10 +29,12 @@ def build_device(o: OffloadConfig, ps: ParallelState) -> torch.device:
 
 
 def apply_offload(model: torch.nn.Module, keys: Sequence[int], o: OffloadConfig, ps: ParallelState,
-                  module_bytes: Dict[Optional[int], Dict[str, int]], delayed_update: bool = False) -> OffloadManager:
+                  module_bytes: Dict[Optional[int], Dict[str, int]], delayed_update: bool = False,
+                  host_step: Optional[HostStepLink] = None) -> OffloadManager:
     """Put the modules ``keys`` of ``model`` (built on ``build_device``) on host, the rest on the
     device; ``module_bytes`` is this rank's accounting (``ParallelPlan.module_state_bytes``);
-    ``delayed_update``: the step plan's host step is delayed (config/step_plan.py)."""
+    ``delayed_update``: the step plan's host step is delayed (config/step_plan.py); ``host_step``:
+    its link, on which each fetch waits (``optimizer.host_step_link``)."""
     what = parse_offload_what(o.cpu_offload_what)
     if "params" in what and ps.device.type != "cpu":
         offloaded = {id(p) for k in keys for p in model.layers[str(k)].parameters()}
@@ -41,4 +44,4 @@ def apply_offload(model: torch.nn.Module, keys: Sequence[int], o: OffloadConfig,
             for module in model.modules():
                 for name, b in module.named_buffers(recurse=False):
                     module._buffers[name] = b.to(ps.device)
-    return OffloadManager(model, keys, ps, o.offload_prefetch, what, module_bytes, delayed_update)
+    return OffloadManager(model, keys, ps, o.offload_prefetch, what, module_bytes, delayed_update, host_step)

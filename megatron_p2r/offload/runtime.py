@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import OrderedDict
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from torch.func import functional_call
 
 from megatron_p2r.config import WHAT_ITEMS
 from megatron_p2r.layout.offload import add_bytes, delayed_grads_bytes, format_bytes, memory_plan, nvme_split
+from megatron_p2r.optim.host_step import HostStepLink
 from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.state import ParallelState
 
@@ -65,7 +66,8 @@ class OffloadManager:
     host) and reports what lives where."""
 
     def __init__(self, model: nn.Module, keys: Sequence[int], ps: ParallelState, prefetch: int,
-                 what: frozenset, module_bytes: Dict[Optional[int], Dict[str, int]], delayed_update: bool = False):
+                 what: frozenset, module_bytes: Dict[Optional[int], Dict[str, int]], delayed_update: bool = False,
+                 host_step: Optional[HostStepLink] = None):
         self.model, self.prefetch, self.what, self.module_bytes = model, prefetch, what, module_bytes
         self.device = ps.device
         self.keys = list(keys)
@@ -75,8 +77,7 @@ class OffloadManager:
         self.order = {"forward": positions, "backward": positions[::-1]}
         self.index = {phase: {pos: i for i, pos in enumerate(seq)} for phase, seq in self.order.items()}
         self.pending: "OrderedDict[tuple, tuple]" = OrderedDict()
-        self.step_done: Callable[[int], None] = lambda key: None   # waits for a layer's overlapped host step
-        self.nvme = None   # the optimizer state's mapped file (offload/nvme.py: --cpu-offload-optimizer-nvme-path)
+        self.host_step = host_step or HostStepLink()   # a layer's fetch waits for its overlapped host step
         self.delayed_update = delayed_update   # the step plan's delayed host step: a second gradient buffer on host
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # live: fetched layers whose device copies still exist; peak_live per pass (instrumentation)
@@ -140,7 +141,7 @@ class OffloadManager:
 
     def _copy(self, position: int) -> tuple:
         key = self.model.layer_keys[position]
-        self.step_done(key)
+        self.host_step.wait(key)
         host = self.module_params[key]
         if self.stream is None:
             tensors = [torch.empty_like(h).copy_(h) for h in host]
@@ -170,6 +171,11 @@ class OffloadManager:
             self.stream.synchronize()
 
     # -- reporting
+    @property
+    def nvme(self):
+        """The host step's mapped state file (offload/nvme.py: --cpu-offload-optimizer-nvme-path), or None."""
+        return self.host_step.nvme
+
     @property
     def fetched_param_ids(self) -> set:
         """Parameters whose layers run on device copies fetched from host (weights on host)."""

@@ -57,6 +57,36 @@ class HostStepper(Protocol):
     def load_state_dict(self, sd: dict) -> None: ...
 
 
+class HostStepLink:
+    """The host step as the DDP and the offload manager call it. Both are built before the
+    optimizer (its mains are the DDP's buffers), so each is handed this link, made from the step
+    plan before all three; the optimizer connects it once to the stepper it builds. The DDP
+    reports buckets to ``reduction_started`` when ``starts_in_backward`` (the plan's ``early``);
+    a layer's fetch waits on ``wait``. ``make_nvme``: (stepper, key -> its host ``MainShard``s)
+    -> the state's NVMe file (``offload/nvme.py``), made on connecting; None: state in RAM."""
+
+    def __init__(self, starts_in_backward: bool = False,
+                 make_nvme: Optional[Callable[[HostStepper, Dict[int, list]], object]] = None):
+        self.starts_in_backward, self._make_nvme = starts_in_backward, make_nvme
+        self.stepper: Optional[HostStepper] = None
+        self.nvme = None
+
+    def connect(self, stepper: HostStepper, layers: Dict[int, list]) -> None:
+        if self.stepper is not None:
+            raise RuntimeError("a host step link is connected to one host step")
+        self.stepper = stepper
+        if self._make_nvme is not None:
+            self.nvme = self._make_nvme(stepper, layers)
+
+    def reduction_started(self, bucket) -> None:
+        self.stepper.reduction_started(bucket)
+
+    def wait(self, key) -> None:
+        """Until layer ``key``'s step is done (nothing to wait for before one is connected)."""
+        if self.stepper is not None:
+            self.stepper.wait(key)
+
+
 def hyperparameters(groups: list) -> List[dict]:
     """Each group's settings but its parameters (what the LR scheduler writes)."""
     return [{k: v for k, v in g.items() if k != "params"} for g in groups]

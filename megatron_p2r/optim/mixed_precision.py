@@ -21,7 +21,7 @@ between ranks are summed over them (``shared_pieces``). Checkpoints see global t
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -31,7 +31,7 @@ from megatron_p2r.config import OPTIMIZERS, TrainConfig
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.optim.adafactor import Piece, SharedPieces
 from megatron_p2r.optim.delayed_update import DelayedHostStep
-from megatron_p2r.optim.host_step import HostStep, HostStepper, SerialHostStep, layer_optimizers
+from megatron_p2r.optim.host_step import HostStep, HostStepLink, HostStepper, SerialHostStep, layer_optimizers
 from megatron_p2r.optim.optimizer import StagedOptimizer, make_optimizer, param_groups
 from megatron_p2r.parallel.ddp import DistributedDataParallel
 from megatron_p2r.parallel.grad_buffer import DTYPES, grad_range
@@ -46,12 +46,14 @@ class HostStepSettings:
     """How the host placement steps (the step plan's ``host_step``, config/step_plan.py):
     ``how``: serial | overlapped | early | delayed; ``layers``: layer key -> its parameters' ids,
     in forward order; ``by_layer``: a serial step goes one layer at a time (state on NVMe);
-    ``delay_after``: the delayed step's warm-up steps."""
+    ``delay_after``: the delayed step's warm-up steps; ``link``: what the DDP and the offload
+    manager call, connected to the stepper once it is built."""
 
     how: str
     layers: Dict[int, set]
     by_layer: bool = False
     delay_after: int = 0
+    link: HostStepLink = field(default_factory=HostStepLink)
 
 
 @dataclass
@@ -175,12 +177,18 @@ class MixedPrecisionOptimizer:
         self.step_count = 0   # optimizer steps taken (skipped steps excluded): the state's ``step``
 
     def _host_stepper(self, inner: torch.optim.Optimizer, build, settings: Optional[HostStepSettings]) -> HostStepper:
-        """The host placement's step as ``settings`` say (serial over ``inner`` without them);
-        an early step has the DDP report each bucket whose reduction started."""
+        """The host placement's step as ``settings`` say (serial over ``inner`` without them),
+        connected to their link (the DDP and the offload manager call it)."""
         if settings is None:
             return SerialHostStep(inner)
         layers = {key: [ms for ms in self.shards if ms.placement == "host" and id(ms.param) in ids]
                   for key, ids in settings.layers.items()}
+        stepper = self._stepper_of(inner, build, settings, layers)
+        settings.link.connect(stepper, layers)
+        return stepper
+
+    def _stepper_of(self, inner: torch.optim.Optimizer, build, settings: HostStepSettings,
+                    layers: Dict[int, list]) -> HostStepper:
         if settings.how == "serial":
             return SerialHostStep(inner, layer_optimizers(build, inner, layers) if settings.by_layer else None)
         by_layer = layer_optimizers(build, inner, layers)
@@ -189,10 +197,7 @@ class MixedPrecisionOptimizer:
         if settings.how == "delayed":
             return DelayedHostStep(inner, by_layer, layers, buckets, settings.delay_after,
                                    lambda: self.step_count, before_write=self.before_host_step)
-        stepper = HostStep(inner, by_layer, layers, settings.how == "early", buckets)
-        if stepper.early:
-            self.ddp.reduction_started = stepper.reduction_started
-        return stepper
+        return HostStep(inner, by_layer, layers, settings.how == "early", buckets)
 
     @property
     def inner(self) -> Dict[str, object]:

@@ -16,10 +16,11 @@ attached to a built stage without wrapping its forward.
   — so a bucket that is not ready holds back those after it; staged buckets (host-resident, see
   ``grad_buffer.py``) are reduced after backward. ``finish_grad_sync`` starts what is left,
   waits, and divides by the DP size (expert gradients too: docs/moe.md).
-- ``reduction_started`` (the host step that starts during backward, ``optim/host_step.py``) is
-  told of each bucket once its reduction has started, in backward where the bucket is final
-  then (with ``--overlap-grad-reduce``, or with nothing to reduce), otherwise in
-  ``finish_grad_sync``; ``finish_grad_reduce`` of that bucket then makes its gradients final.
+- ``reduction_started`` (given when built: the host step that starts during backward, through
+  its ``HostStepLink``, ``optim/host_step.py``) is told of each bucket once its reduction has
+  started, in backward where the bucket is final then (with ``--overlap-grad-reduce``, or with
+  nothing to reduce), otherwise in ``finish_grad_sync``; ``finish_grad_reduce`` of that bucket
+  then makes its gradients final.
 - Under the distributed optimizer ``start_param_sync`` all-gathers the updated shards; with
   ``--overlap-param-gather`` asynchronously, each module's forward waiting for its own buckets
   (a compiled layer's forward for all of its buckets; buckets of layers whose weights are fetched
@@ -42,7 +43,8 @@ class DistributedDataParallel:
     """The gradient buffers of ``model`` (this rank's stage of ``plan``) and their reduction."""
 
     def __init__(self, model: nn.Module, plan: ParallelPlan, ps: ParallelState, *, overlap_grad_reduce: bool = False,
-                 overlap_param_gather: bool = False, fetched: Iterable[int] = (), waits_whole: Iterable[nn.Module] = ()):
+                 overlap_param_gather: bool = False, fetched: Iterable[int] = (), waits_whole: Iterable[nn.Module] = (),
+                 reduction_started: Optional[Callable[[BucketState], None]] = None):
         self.model, self.ps = model, ps
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         self._staging: Dict[torch.dtype, torch.Tensor] = {}
@@ -71,7 +73,8 @@ class DistributedDataParallel:
         self._expected: Optional[int] = None
         self._backwards: Dict[int, int] = {}
         self._chunk, self._last_microbatch = 0, False
-        self.reduction_started: Optional[Callable[[BucketState], None]] = None
+        self.reduction_started = reduction_started
+        self._tracks_buckets = overlap_grad_reduce or reduction_started is not None   # in the last backward
         for p in self.model.parameters():
             p.register_post_accumulate_grad_hook(self._accumulate)
         model.register_forward_hook(self._mark_output, with_kwargs=True)
@@ -111,8 +114,7 @@ class DistributedDataParallel:
     def _accumulate(self, p: nn.Parameter) -> None:
         p.main_grad.add_(p.grad)
         p.grad = None
-        tracking = self.overlap_grad_reduce or self.reduction_started is not None
-        if not (self._last_microbatch and tracking and self._final_chunk[id(p)] == self._chunk):
+        if not (self._last_microbatch and self._tracks_buckets and self._final_chunk[id(p)] == self._chunk):
             return
         bucket = self.bucket_of[id(p)]
         if id(p) not in bucket.pending:

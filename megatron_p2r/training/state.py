@@ -11,7 +11,7 @@ from megatron_p2r import offload
 from megatron_p2r.config import Config, build_step_plan
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.model.m6 import M6Model, build_model
-from megatron_p2r.offload.optimizer import finish_host_optimizer, host_step_settings, optimizer_placement
+from megatron_p2r.offload.optimizer import host_step_link, host_step_settings, optimizer_placement
 from megatron_p2r.optim import host_kernels
 from megatron_p2r.optim.grad_scaler import LossScaler
 from megatron_p2r.optim.mixed_precision import MixedPrecisionOptimizer, build_mixed_precision_optimizer
@@ -53,22 +53,24 @@ def build_train_state(cfg: Config, ps: ParallelState, plan: Optional[ParallelPla
     if cfg.train.compile:
         from megatron_p2r.model.compiled import compile_layers   # imports torch._dynamo: seconds, only when asked
         compile_layers(model.layers)
-    manager, steps = None, build_step_plan(cfg)   # steps: how each placement's optimizer steps
+    manager, link, steps = None, None, build_step_plan(cfg)   # steps: how each placement's optimizer steps
     if cfg.offload.cpu_offload_layers is not None:  # chosen layers' weights, grads and optimizer state on host
-        manager = offload.apply_offload(model, plan.stage(ps.pp_rank).offloaded, cfg.offload, ps,
-                                        plan.module_state_bytes(ps.pp_rank, ps.coords), delayed_update=steps.delayed)
+        module_bytes = plan.module_state_bytes(ps.pp_rank, ps.coords)
+        # fetches wait for the host step and an early one hears of buckets: through a link the optimizer connects
+        link = host_step_link(model, steps, module_bytes, ps.rank)
+        manager = offload.apply_offload(model, plan.stage(ps.pp_rank).offloaded, cfg.offload, ps, module_bytes,
+                                        delayed_update=steps.delayed, host_step=link)
     p = cfg.parallel
     ddp = DistributedDataParallel(model, plan, ps, overlap_grad_reduce=p.overlap_grad_reduce,
                                   overlap_param_gather=p.overlap_param_gather,
                                   fetched=manager.fetched_param_ids if manager else (),
-                                  waits_whole=model.layers.values() if cfg.train.compile else ())
+                                  waits_whole=model.layers.values() if cfg.train.compile else (),
+                                  reduction_started=link.reduction_started if link and link.starts_in_backward else None)
     host_step = host_step_settings(manager, steps) if manager else None
     host_kernels.set_threads(steps.threads)
     optimizer = build_mixed_precision_optimizer(ddp, plan, ps, cfg.train,
                                                 optimizer_placement(manager) if manager else None,
                                                 manager.synchronize if manager else None, host_step)
-    if manager is not None:  # fetches wait for the overlapped host step; its state on NVMe if asked
-        finish_host_optimizer(optimizer, manager, steps, ps.rank)
     return TrainState(cfg=cfg, ps=ps, plan=plan, model=model, ddp=ddp, optimizer=optimizer,
                       scheduler=LRScheduler(optimizer, cfg, ps.layout.world_size),
                       scaler=LossScaler(cfg.train), offload=manager)

@@ -37,7 +37,7 @@ def _train(ps: ParallelState, overlap: bool, steps: int = 3, slow: float = 0.0, 
 
     def finish(ddp):
         if ddp.reduction_started is not None:
-            started.append(len(ddp.reduction_started.__self__._running))
+            started.append(len(ddp.reduction_started.__self__.stepper._running))
             time.sleep(pause)
         real_finish(ddp)
 
