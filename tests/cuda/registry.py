@@ -100,13 +100,13 @@ CUDA_ONLY = [
     E("planning/activations.py", "math_attention", 'device != "cuda"', PLANNER + "[bf16_dropout]"),
     E("planning/activations.py", "sinks_unmodelled", 'device != "cuda"', PLANNER + "[bf16]"),
     E("planning/preflight.py", "rank_memory", 'device == "cuda"', PREFLIGHT),
-    E("training.py", "init_distributed", 'backend == "nccl"', NUMERICS),
-    E("training.py", "init_distributed", 'device != "cuda"', NUMERICS),
-    E("training.py", "init_distributed", 'device == "cuda"', NUMERICS),
-    E("training.py", "resolve_device", 'device == "cuda"', NUMERICS),
-    E("training.py", "resolve_device", "torch.cuda.is_available", NUMERICS),
-    E("training.py", "resolve_device", "torch.cuda.set_device", NUMERICS),
-    E("training.py", "resolve_device", 'torch.device("cuda")', NUMERICS),
+    E("training/launch.py", "init_distributed", 'backend == "nccl"', NUMERICS),
+    E("training/launch.py", "init_distributed", 'device != "cuda"', NUMERICS),
+    E("training/launch.py", "init_distributed", 'device == "cuda"', NUMERICS),
+    E("training/launch.py", "resolve_device", 'device == "cuda"', NUMERICS),
+    E("training/launch.py", "resolve_device", "torch.cuda.is_available", NUMERICS),
+    E("training/launch.py", "resolve_device", "torch.cuda.set_device", NUMERICS),
+    E("training/launch.py", "resolve_device", 'torch.device("cuda")', NUMERICS),
 ]
 
 BEHAVIOURS = [
@@ -115,7 +115,7 @@ BEHAVIOURS = [
     E("optim/delayed_update.py", "DelayedHostStep", "delayed host step reading a pinned gradient buffer", DELAYED),
     E("offload/nvme.py", "NvmeOptimizerState", "NVMe-mapped host state behind CUDA device weights", NVME),
     E("parallel/ddp.py", "DistributedDataParallel", "gradient buckets all-reduced as CUDA tensors over gloo", GLOO_CUDA),
-    E("pipeline/a2a_overlap.py", "SharedWeights", "--overlap-moe-expert-parallel-comm: NCCL all-to-alls in flight "
+    E("pipeline/a2a_overlap.py", "take_turns", "--overlap-moe-expert-parallel-comm: NCCL all-to-alls in flight "
       "while CUDA computes", NCCL_2GPU + "[ep2-overlap-moe-comm]"),
     E("parallel/grad_buffer.py", "ParamAndGradBuffer.start_grad_reduce", "the distributed optimizer's "
       "reduce-scatter (and all-gather) of CUDA buckets on NCCL", NCCL_2GPU + "[dp2-distributed-optimizer]"),
