@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from megatron_p2r.arguments import config_from_values  # noqa: E402
 from megatron_p2r.config import num_microbatches  # noqa: E402
-from megatron_p2r.testing import run_distributed  # noqa: E402
+from tests.harness import run_distributed  # noqa: E402
 
 GiB = 2 ** 30
 LAYOUTS = {"DP4": {}, "TP2xDP2": {"tensor_model_parallel_size": 2}}

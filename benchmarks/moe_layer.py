@@ -34,6 +34,8 @@ if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):  # must be set be
     os.environ.update(MALLOC_ENV)
     os.execv(sys.executable, [sys.executable] + sys.argv)
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests.harness: local gloo ranks
+
 import torch  # noqa: E402
 
 from measure import matmul_ceiling, self_cpu_times, timed  # noqa: E402
@@ -237,7 +239,7 @@ def _bytes_worker(rank: int, world: int, bf16: bool) -> dict:
 
 
 def all_to_all_bytes(bf16: bool) -> None:
-    from megatron_p2r.testing import run_distributed
+    from tests.harness import run_distributed
     results = run_distributed(_bytes_worker, 2, bf16)
     print(f"\nEP=2 on 2 processes, {TOKENS} tokens per rank, top-{TOPK}, {'bf16' if bf16 else 'fp32'} rows: "
           "bytes sent to the other rank")

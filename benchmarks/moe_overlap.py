@@ -22,21 +22,25 @@ recomputed forward.
 """
 from __future__ import annotations
 
+import os
+import sys
 import argparse
 import functools
 import statistics
 import time
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests.harness: local gloo ranks
 
-from megatron_p2r.arguments import config_from_values
-from megatron_p2r.moe import aux_loss
-from megatron_p2r.parallel import mappings
-from megatron_p2r.pipeline import a2a_overlap
-from megatron_p2r.pipeline.a2a_pipelined import forward_backward_combined_1f1b
-from megatron_p2r.pipeline.order import combined_warmup
-from megatron_p2r.pipeline.schedules import get_forward_backward_func
-from megatron_p2r.planning.estimate import exposed_ep
+import torch  # noqa: E402
+
+from megatron_p2r.arguments import config_from_values  # noqa: E402
+from megatron_p2r.moe import aux_loss  # noqa: E402
+from megatron_p2r.parallel import mappings  # noqa: E402
+from megatron_p2r.pipeline import a2a_overlap  # noqa: E402
+from megatron_p2r.pipeline.a2a_pipelined import forward_backward_combined_1f1b  # noqa: E402
+from megatron_p2r.pipeline.order import combined_warmup  # noqa: E402
+from megatron_p2r.pipeline.schedules import get_forward_backward_func  # noqa: E402
+from megatron_p2r.planning.estimate import exposed_ep  # noqa: E402
 
 MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=256, vocab_size=1024,
              micro_batch_size=4, mock_data=True, num_experts=8, moe_ffn_hidden_size=512, moe_router_topk=2,
@@ -112,7 +116,7 @@ def main(argv=None) -> None:
                         help="pipeline stages: 2 runs 1F1B against combined 1F1B on 4 processes")
     parser.add_argument("--recompute", action="store_true", help="full recomputation, one layer per unit")
     args = parser.parse_args(argv)
-    from megatron_p2r.testing import run_distributed
+    from tests.harness import run_distributed
     results = run_distributed(_worker, 2 * args.pp, args.rounds, args.microbatches, args.pp, args.recompute,
                               timeout=600)
     kept = 2 / 3 if args.recompute else 1.0   # the recomputed pass's all-to-alls are not sent again

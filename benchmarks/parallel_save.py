@@ -104,7 +104,7 @@ def _stall(rank: int, world: int, args, async_save: bool, root: str) -> dict:
 
 
 def _one_process(args, root: str) -> dict:
-    from megatron_p2r.testing import free_port
+    from tests.harness import free_port
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     import torch.distributed as dist
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary directory)")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from megatron_p2r.testing import run_distributed
+    from tests.harness import run_distributed
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         dp1 = _one_process(args, os.path.join(tmp, "dp1"))
         par = run_distributed(_measure, 4, args, True, os.path.join(tmp, "par"), timeout=1800)

@@ -22,22 +22,26 @@ cores).
 """
 from __future__ import annotations
 
+import os
+import sys
 import argparse
 import statistics
 import time
 
-import torch
-import torch.distributed as dist
-from torch import nn
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests.harness: local gloo ranks
 
-from megatron_p2r.parallel.state import Layout, initialize
-from megatron_p2r.planning.estimate import exposed_p2p
-from megatron_p2r.pipeline.order import BACKWARD, FORWARD, Message, step_slots
-from megatron_p2r.pipeline.p2p import StageLink
-from megatron_p2r.pipeline.transfers import Transfers
-from megatron_p2r.config.schedule import GPIPE, INTERLEAVED, ONE_F_ONE_B, SchedulePlan
-from megatron_p2r.pipeline.schedules import get_forward_backward_func
-from megatron_p2r.testing import run_distributed
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+from megatron_p2r.parallel.state import Layout, initialize  # noqa: E402
+from megatron_p2r.planning.estimate import exposed_p2p  # noqa: E402
+from megatron_p2r.pipeline.order import BACKWARD, FORWARD, Message, step_slots  # noqa: E402
+from megatron_p2r.pipeline.p2p import StageLink  # noqa: E402
+from megatron_p2r.pipeline.transfers import Transfers  # noqa: E402
+from megatron_p2r.config.schedule import GPIPE, INTERLEAVED, ONE_F_ONE_B, SchedulePlan  # noqa: E402
+from megatron_p2r.pipeline.schedules import get_forward_backward_func  # noqa: E402
+from tests.harness import run_distributed  # noqa: E402
 
 STAGES = 4
 

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from megatron_p2r.arguments import config_from_values  # noqa: E402
 from megatron_p2r.config import num_microbatches  # noqa: E402
-from megatron_p2r.testing import run_distributed  # noqa: E402
+from tests.harness import run_distributed  # noqa: E402
 from megatron_p2r.training import (build_datasets, build_train_state, describe_memory,  # noqa: E402
                                    microbatch_iterator, setup_parallel, train_step)
 

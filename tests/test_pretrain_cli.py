@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from megatron_p2r.testing import free_port
+from tests.harness import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["--mock-data", "--vocab-size", "300", "--make-vocab-size-divisible-by", "32", "--num-layers", "2",

@@ -14,7 +14,7 @@ from megatron_p2r.checkpoint.metadata import read_metadata
 from megatron_p2r.checkpoint.naming import resolve_iteration_dir
 from megatron_p2r.config import ConfigError
 from megatron_p2r.config.validation import validate
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from tests.checkpoint.async_workers import FLAGS, async_save_and_resume, slow_writer
 from tests.checkpoint.common import cfg_of
 

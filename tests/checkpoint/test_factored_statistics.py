@@ -21,7 +21,7 @@ from megatron_p2r.checkpoint.tensor_table import ShardLayout
 from megatron_p2r.convert.reshard import Target, convert
 from megatron_p2r.optim.factored_form import FACTOR_KINDS, entry_shape
 from megatron_p2r.parallel.state import ParallelState
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from megatron_p2r.training import build_train_state
 from tests.checkpoint.common import cfg_of
 from tests.checkpoint.factored_workers import CASES, save_and_load

@@ -18,7 +18,7 @@ from megatron_p2r.convert.reshard import DelinkOptions, Target, convert, target_
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, tensor_table
 from megatron_p2r.config import ConfigError
 from megatron_p2r.parallel.state import ParallelState
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from tests.checkpoint.common import metadata, same_bytes, shard_files
 from tests.helpers import run_steps, tiny_config
 

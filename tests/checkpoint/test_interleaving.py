@@ -3,7 +3,7 @@ run with the same TP, PP and EP reads each piece from the file the checkpoint's 
 import os
 
 from megatron_p2r.convert.reshard import Target, convert
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from tests.checkpoint.common import cfg_of, metadata
 
 # PP=2, 4 layers: v=2 puts layers 0 and 2 on stage 0, 1 and 3 on stage 1; v=1 puts 0-1 and 2-3.

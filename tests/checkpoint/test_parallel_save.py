@@ -19,7 +19,7 @@ from megatron_p2r.checkpoint.parts import PartedShard
 from megatron_p2r.checkpoint.safetensors_io import ShardReader, save_tensors
 from megatron_p2r.convert.reshard import Target, convert
 from megatron_p2r.parallel.state import ParallelState
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from tests.checkpoint.common import cfg_of
 from tests.checkpoint.parallel_workers import each_case, save_and_resume
 from tests.helpers import run_steps

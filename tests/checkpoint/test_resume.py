@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from tests.checkpoint.common import cfg_of, metadata, same_bytes, shard_files
 
 

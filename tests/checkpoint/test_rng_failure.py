@@ -5,7 +5,7 @@ import json
 import os
 import struct
 
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from tests.checkpoint.common import cfg_of
 
 

@@ -14,7 +14,7 @@ from megatron_p2r.convert.reshard import Target, _layer_map, _plan, convert
 from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.sharding import expert_key, logical_name
 from megatron_p2r.parallel.state import Layout, ParallelState
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from megatron_p2r.training import build_train_state
 from tests.checkpoint.common import metadata, same_bytes, shard_files, streaming_rss_growth
 from tests.helpers import run_steps, tiny_config

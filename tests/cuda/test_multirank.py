@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from megatron_p2r.arguments import config_from_values  # noqa: E402
 from megatron_p2r.config import validate  # noqa: E402
-from megatron_p2r.testing import run_distributed  # noqa: E402
+from tests.harness import run_distributed  # noqa: E402
 from tests.cuda.compare import LOSS_FP32, assert_fp32_close, cpu_run, relative  # noqa: E402
 from tests.cuda.workers import train_rank  # noqa: E402
 from tests.helpers import TINY  # noqa: E402

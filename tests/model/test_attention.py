@@ -25,7 +25,7 @@ from megatron_p2r.config import ConfigError, validate
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.state import ParallelState
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from megatron_p2r.training import setup_parallel
 from tests.helpers import reference_config, run_steps, tiny_config
 from tests.pipeline.common import compare_case

@@ -16,7 +16,7 @@ import pytest
 from megatron_p2r.config import ConfigError
 from megatron_p2r.config.schedule import COMBINED, schedule_plan
 from megatron_p2r.config.validation import validate
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from tests.moe import overlap_workers
 from tests.moe.workers import moe_model
 

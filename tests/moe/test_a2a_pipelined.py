@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from tests.moe import overlap_workers
 
 

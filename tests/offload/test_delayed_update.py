@@ -23,7 +23,7 @@ from megatron_p2r.optim.host_step import HostStep
 from megatron_p2r.parallel.random import seed_everything
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.planning.memory import offload_plan
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from megatron_p2r.training import build_datasets, build_train_state, microbatch_iterator, setup_parallel, train_step
 from tests.helpers import run_steps, tiny_config
 

@@ -20,7 +20,7 @@ from megatron_p2r.offload import nvme
 from megatron_p2r.offload.runtime import format_report
 from megatron_p2r.parallel.random import seed_everything
 from megatron_p2r.parallel.state import ParallelState
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from megatron_p2r.training import setup_parallel
 from tests.helpers import run_steps, tiny_config
 

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch.multiprocessing as mp
 
-from megatron_p2r.testing import PRELOAD
+from tests.harness import PRELOAD
 from tests.reliability.common import FLAGS, checkpoint_tensor_files, launch, _rank_main
 
 ARGV = FLAGS + ["--train-iters", "6", "--save-interval", "2", "--cpu-offload-layers", "1"]

@@ -22,7 +22,7 @@ from megatron_p2r.layout.ranks import Layout
 from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.random import seed_everything
 from megatron_p2r.parallel.state import ParallelState
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from megatron_p2r.training import build_train_state, setup_parallel
 from tests.helpers import keep_first_step_grads, random_microbatches, run_steps, tiny_config
 

@@ -17,7 +17,7 @@ import torch
 from megatron_p2r.checkpoint.io import save_checkpoint
 from megatron_p2r.convert.reshard import DelinkOptions, Target, convert
 from megatron_p2r.parallel.state import ParallelState
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from megatron_p2r.training import build_datasets, build_train_state, evaluate
 from megatron_p2r.checkpoint.io import load_checkpoint
 from tests.helpers import run_steps

@@ -17,7 +17,7 @@ from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.planning.estimate import make_plan
 from megatron_p2r.planning.hardware import GPU_PRESETS
 from megatron_p2r.planning.memory import stage_state_bytes
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from megatron_p2r.training import build_train_state, describe_memory, setup_parallel
 from tests.helpers import run_steps
 from tests.optim.common import DISTOPT, OVERLAP, cfg, fake_world

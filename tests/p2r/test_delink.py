@@ -11,7 +11,7 @@ from megatron_p2r.config import ConfigError
 from megatron_p2r.p2r import delink as dl
 from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import ParallelState
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from megatron_p2r.training import build_datasets, build_train_state, evaluate
 from tests.checkpoint.common import metadata
 from tests.helpers import expected_shard, reference_config, run_steps, tiny_config

@@ -15,7 +15,7 @@ from megatron_p2r.checkpoint.tensor_table import ShardLayout
 from megatron_p2r.config import ConfigError
 from megatron_p2r.p2r import grow as gr
 from megatron_p2r.parallel.state import ParallelState
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from megatron_p2r.training import build_datasets, build_train_state, evaluate
 from tests.helpers import run_steps, tiny_config
 from tools.convert_checkpoint import main as convert_cli

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_p2r.parallel.sharding import logical_name
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from megatron_p2r.training import setup_parallel
 from tests.helpers import run_steps
 from tests.pipeline.common import compare_case, make_cfg

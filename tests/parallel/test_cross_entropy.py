@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from megatron_p2r.parallel import cross_entropy
 from megatron_p2r.parallel.sharding import tp_slice
 from megatron_p2r.parallel.state import Layout, ParallelState, initialize
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 
 B, S, H, VOCAB, PADDED = 3, 8, 16, 50, 64
 

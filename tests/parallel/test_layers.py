@@ -14,7 +14,7 @@ from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.random import get_rng_tracker, seed_everything
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.pipeline.schedules import forward_backward_no_pipelining
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from megatron_p2r.training import setup_parallel
 from tests.helpers import max_grad_error, random_microbatches, reference_config, reference_grads, run_steps, tiny_config
 

@@ -24,7 +24,7 @@ from megatron_p2r.parallel.random import get_rng_tracker, seed_everything
 from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import Layout, ParallelState
 from megatron_p2r.pipeline.schedules import forward_backward_no_pipelining
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from tests.helpers import max_grad_error, random_microbatches, reference_config
 from tests.moe.workers import moe_model
 from tests.pipeline.common import compare_case, make_cfg, make_state, pipelined_step

@@ -1,7 +1,7 @@
 """One spawn per world size for all pipeline tests (a spawn costs seconds, a case milliseconds)."""
 import pytest
 
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from tests.pipeline import workers
 
 

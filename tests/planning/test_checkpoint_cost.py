@@ -14,7 +14,7 @@ import pytest
 from megatron_p2r.checkpoint.naming import resolve_iteration_dir
 from megatron_p2r.layout.ranks import Layout
 from megatron_p2r.planning.checkpoint_cost import async_save_host_bytes, rank_bytes
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from tests.checkpoint.common import cfg_of
 from tests.checkpoint.cost_workers import save_both_ways
 from tools.plan import main

@@ -9,7 +9,7 @@ import torch
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.planning import communication, estimate, hardware
 from megatron_p2r.planning.activations import activation_memory
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from tests.planning.test_planner import ACT_SHAPES, measure_step, small
 from tools.plan import verify_all_ranks
 

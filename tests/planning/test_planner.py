@@ -23,7 +23,7 @@ from megatron_p2r.arguments import config_from_values, parse_args
 from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.random import seed_everything
 from megatron_p2r.parallel.state import Layout, ParallelState
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from tools.plan import verify_all_ranks, verify_rank
 
 SMALL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=250,

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.multiprocessing as mp
 
-from megatron_p2r.testing import PRELOAD, free_port
+from tests.harness import PRELOAD, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRACEBACK = 99

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from megatron_p2r.testing import free_port, run_distributed
+from tests.harness import free_port, run_distributed
 from tests.reliability.common import FLAGS, ROOT
 
 PP2_OFFLOAD = FLAGS + ["--num-layers", "4", "--global-batch-size", "4", "--train-iters", "3",

@@ -11,7 +11,7 @@ from megatron_p2r.checkpoint.integrity import check_files
 from megatron_p2r.checkpoint.metadata import read_metadata
 from megatron_p2r.checkpoint.naming import resolve_iteration_dir
 from megatron_p2r.reliability import SAVE_POINTS
-from megatron_p2r.testing import free_port
+from tests.harness import free_port
 from tests.reliability.common import FLAGS, ROOT, checkpoint_tensor_files, launch
 
 # DP=2: two ranks, one shard writer, and the non-finite/exit flags reduced over both.

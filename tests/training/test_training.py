@@ -7,7 +7,7 @@ import torch
 from megatron_p2r.moe import aux_loss
 from megatron_p2r.optim.grad_scaler import LossScaler
 from megatron_p2r.parallel.state import Layout, ParallelState
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from megatron_p2r.training import ExitSignal, build_train_state, setup_parallel, train_step
 from tests.helpers import (expected_shard, keep_first_step_grads, random_microbatches, reference_config, run_steps,
                            tiny_config)

@@ -32,7 +32,7 @@ from megatron_p2r.checkpoint.metadata import read_metadata
 from megatron_p2r.checkpoint.naming import resolve_iteration_dir
 from megatron_p2r.convert.reshard import Target
 from megatron_p2r.parallel.state import ParallelState
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from tests.convert.hf.common import GQA, ROPE, check_same_function, load_hf, reference_model
 from tests.data.test_hf_tokenizer import LLAMA3_CONFIG, write_tokenizer
 from tests.data.test_tokenizers import SAMPLES, TRAIN_TEXTS

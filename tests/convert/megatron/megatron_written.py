@@ -78,7 +78,7 @@ def _tp2_errors(rank: int, world: int, runs: dict) -> dict:
 def imported_errors(root: str) -> Dict[Tuple[str, int], Tuple[float, float]]:
     """{(fixture, target TP): (max abs, rel)}: every fixture imported with the CLI into TP1 and TP2
     under ``root``; TP2 evaluated on 2 gloo ranks (one launch for all)."""
-    from megatron_p2r.testing import run_distributed
+    from tests.harness import run_distributed
     from tools.convert_checkpoint import main
     out, runs = {}, {}
     for name in FIXTURES:

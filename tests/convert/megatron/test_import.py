@@ -15,7 +15,7 @@ import torch
 from megatron_p2r.convert.megatron.importer import import_megatron
 from megatron_p2r.checkpoint.metadata import read_metadata
 from megatron_p2r.convert.reshard import Target
-from megatron_p2r.testing import run_distributed
+from tests.harness import run_distributed
 from tests.convert.megatron.fixtures import (GPT, LLAMA, MIXTRAL, make_weights, megatron_args, write_legacy,
                                                 write_torch_dist)
 from tests.checkpoint.common import streaming_rss_growth
