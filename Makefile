@@ -24,12 +24,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 # The inner loop: the linter and every test that starts no other process (no gloo ranks, no
 # torchrun, no CLI or tool subprocess) and is not marked slow; the conftest marks the spawners.
 test-fast: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not spawns and not slow" $(PYTEST_ARGS) tests
 
 clean:

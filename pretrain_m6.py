@@ -7,6 +7,7 @@ Exit status: 0 done, 2 bad input (flags, config, data, tokenizer or checkpoint: 
 names which), 1 the run failed (stopped on non-finite values, a collective failed or timed
 out, an OS error such as a full disk); the message is one ``error:`` line on stderr.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,6 +20,7 @@ def main(argv=None) -> int:
     from megatron_p2r.cli import BAD_INPUT, INPUT_ERRORS, RUN_FAILED, fail
     from megatron_p2r.reliability import describe_distributed_failure
     from megatron_p2r.training import TrainingStopped
+
     rank = os.environ.get("RANK", "0")
     cfg = None
     try:
@@ -26,6 +28,7 @@ def main(argv=None) -> int:
         if no_effect and rank == "0":
             print("no effect here: " + "; ".join(no_effect), flush=True)
         from megatron_p2r.training import pretrain
+
         pretrain(cfg)
     except INPUT_ERRORS as exc:
         return fail(str(exc), BAD_INPUT)
@@ -40,6 +43,7 @@ def main(argv=None) -> int:
         return fail(f"rank {rank}: {message}", RUN_FAILED)
     finally:
         import torch.distributed as dist
+
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

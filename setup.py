@@ -3,6 +3,7 @@
 torch is a range on purpose: the Makefile installs the pinned CPU wheel first, so pip
 never pulls a multi-GB CUDA build on a machine that already has a suitable torch.
 """
+
 from setuptools import find_packages, setup
 
 setup(
@@ -15,8 +16,10 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_p2r", "megatron_p2r.*", "tools", "tools.*"]),
     py_modules=["pretrain_m6"],
-    package_data={"megatron_p2r.optim": ["host_kernels.cpp"],   # compiled on first use (optim/host_kernels.py)
-                  "megatron_p2r.config": ["megatron_parser.json"]},   # Megatron-LM's parser, as a table
+    package_data={
+        "megatron_p2r.optim": ["host_kernels.cpp"],  # compiled on first use (optim/host_kernels.py)
+        "megatron_p2r.config": ["megatron_parser.json"],
+    },  # Megatron-LM's parser, as a table
     install_requires=[
         "torch>=2.4",
         "numpy",
@@ -28,8 +31,16 @@ setup(
         "tensorboard",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "ruff", "tokenizers", "transformers", "matplotlib", "hypothesis",
-                 "tiktoken"],
+        "test": [
+            "pytest",
+            "pytest-timeout",
+            "ruff",
+            "tokenizers",
+            "transformers",
+            "matplotlib",
+            "hypothesis",
+            "tiktoken",
+        ],
         "plot": ["matplotlib"],
         "hf": ["transformers"],
         "tiktoken": ["tiktoken"],

@@ -13,6 +13,7 @@ CPU time (which other jobs on a shared machine do not inflate; the checksum is p
 CPU ratio bounds the wall ratio from above). The shards are in the page cache when loaded: a load
 from disk spends longer reading and the same on the checksums.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,17 @@ def build_state(args):
     from megatron_p2r.arguments import config_from_values
     from megatron_p2r.parallel.state import ParallelState
     from megatron_p2r.training import build_train_state
-    cfg = config_from_values(dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8,
-                                  seq_length=256, vocab_size=args.vocab, mock_data=True))
+
+    cfg = config_from_values(
+        dict(
+            num_layers=args.layers,
+            hidden_size=args.hidden,
+            num_attention_heads=8,
+            seq_length=256,
+            vocab_size=args.vocab,
+            mock_data=True,
+        )
+    )
     state = build_train_state(cfg, ParallelState.single())
     for p in state.params:
         p.grad = torch.full_like(p, 1e-3)
@@ -69,7 +79,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         checked, unchecked = os.path.join(tmp, "checked"), os.path.join(tmp, "unchecked")
         for round_ in range(args.repeats + 1):
-            for mode in ("with", "without")[::1 if round_ % 2 else -1]:  # ABBA: order effects cancel
+            for mode in ("with", "without")[:: 1 if round_ % 2 else -1]:  # ABBA: order effects cancel
                 shutil.rmtree(checked, ignore_errors=True)
                 safetensors_io.zlib = zlib if mode == "with" else _NoChecksum
                 seconds = timed(lambda: save_checkpoint(checked, state))
@@ -86,14 +96,16 @@ def main(argv=None) -> int:
             json.dump(meta, fh)
         size = sum(meta["files"].values())
         for round_ in range(args.repeats + 1):
-            for mode, path in (("with", checked), ("without", unchecked))[::1 if round_ % 2 else -1]:
+            for mode, path in (("with", checked), ("without", unchecked))[:: 1 if round_ % 2 else -1]:
                 seconds = timed(lambda: load_checkpoint(path, fresh))
                 if round_:
                     loads[mode].append(seconds)
-    data = os.urandom(64 * 2 ** 20)
-    crc_rate = 64 * 2 ** 20 / min(timed(lambda: zlib.crc32(data))[0] for _ in range(5))
-    print(f"checkpoint: {size / 1e6:.0f} MB of shards (hidden {args.hidden}, {args.layers} layers, vocab "
-          f"{args.vocab}, weights + AdamW moments); zlib.crc32 alone: {crc_rate / 1e9:.2f} GB/s")
+    data = os.urandom(64 * 2**20)
+    crc_rate = 64 * 2**20 / min(timed(lambda: zlib.crc32(data))[0] for _ in range(5))
+    print(
+        f"checkpoint: {size / 1e6:.0f} MB of shards (hidden {args.hidden}, {args.layers} layers, vocab "
+        f"{args.vocab}, weights + AdamW moments); zlib.crc32 alone: {crc_rate / 1e9:.2f} GB/s"
+    )
     for what, runs in (("save", saves), ("load", loads)):
         for i, clock in enumerate(("wall", "CPU")):
             w, wo = (min(r[i] for r in runs[mode]) for mode in ("with", "without"))

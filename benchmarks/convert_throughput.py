@@ -12,6 +12,7 @@ Each conversion runs in its own process: the figures are its conversion time (im
 excluded), MB/s of bytes written, and its peak RSS during the streaming loop above the RSS
 the loop started with, next to the size of the largest tensor.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from measure import run_streaming  # noqa: E402
 
+
 def tree_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs
-               if f.endswith(".safetensors"))
+    return sum(
+        os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs if f.endswith(".safetensors")
+    )
 
 
 def make_source(path: str, args) -> None:
@@ -38,9 +41,19 @@ def make_source(path: str, args) -> None:
     from megatron_p2r.checkpoint.io import save_checkpoint
     from megatron_p2r.parallel.state import ParallelState
     from megatron_p2r.training import build_train_state
-    cfg = config_from_values(dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=16,
-                                  seq_length=256, vocab_size=args.vocab, p2r_phase="pseudo", share_pattern="all",
-                                  mock_data=True))
+
+    cfg = config_from_values(
+        dict(
+            num_layers=args.layers,
+            hidden_size=args.hidden,
+            num_attention_heads=16,
+            seq_length=256,
+            vocab_size=args.vocab,
+            p2r_phase="pseudo",
+            share_pattern="all",
+            mock_data=True,
+        )
+    )
     state = build_train_state(cfg, ParallelState.single())
     for p in state.params:
         p.grad = torch.full_like(p, 1e-3)
@@ -75,17 +88,26 @@ def main(argv=None) -> int:
         make_source(src, args)
         src_bytes = tree_bytes(src)
         largest = max(i.nbytes for i in metadata_table(read_metadata(resolve_iteration_dir(src))).values())
-        print(f"source: pseudo checkpoint, {args.layers} layers sharing one slot, hidden {args.hidden}, "
-              f"vocab {args.vocab}: {src_bytes / 1e6:.0f} MB in shards; largest tensor {largest / 1e6:.1f} MB")
+        print(
+            f"source: pseudo checkpoint, {args.layers} layers sharing one slot, hidden {args.hidden}, "
+            f"vocab {args.vocab}: {src_bytes / 1e6:.0f} MB in shards; largest tensor {largest / 1e6:.1f} MB"
+        )
         seconds = plain_copy(src, os.path.join(tmp, "copy"))
         rows = [("plain copy (copyfile + fsync)", src_bytes, seconds, None)]
-        for name, tp, pp, delink in [("reshard -> TP2 PP2", 2, 2, False), ("delink -> real, same layout", 1, 1, True),
-                                     ("delink -> real TP2 PP2", 2, 2, True)]:
+        for name, tp, pp, delink in [
+            ("reshard -> TP2 PP2", 2, 2, False),
+            ("delink -> real, same layout", 1, 1, True),
+            ("delink -> real TP2 PP2", 2, 2, True),
+        ]:
             dst = os.path.join(tmp, name.replace(" ", "_").replace(">", ""))
             options = "reshard.DelinkOptions()" if delink else "None"
-            r = run_streaming("megatron_p2r.convert.reshard", "_write_tensors",
-                              f"from megatron_p2r.convert import reshard; reshard.convert({src!r}, {dst!r}, "
-                              f"reshard.Target({tp}, {pp}), {options}, progress=False)", ROOT)
+            r = run_streaming(
+                "megatron_p2r.convert.reshard",
+                "_write_tensors",
+                f"from megatron_p2r.convert import reshard; reshard.convert({src!r}, {dst!r}, "
+                f"reshard.Target({tp}, {pp}), {options}, progress=False)",
+                ROOT,
+            )
             rows.append((name, tree_bytes(dst), r["seconds"], r))
             shutil.rmtree(dst)
         print(f"\n{'':32s} {'MB written':>10s} {'s':>7s} {'MB/s':>7s} {'vs copy':>7s} {'stream +RSS':>11s}")
@@ -95,8 +117,10 @@ def main(argv=None) -> int:
             grow = f"{r['stream'] / 2**20:9.1f}Mi" if r else f"{'-':>11s}"
             print(f"{name:32s} {nbytes / 1e6:10.0f} {secs:7.2f} {rate / 1e6:7.0f} {rate / copy_rate:6.2f}x {grow}")
         base = rows[1][3]["start"]
-        print(f"\nconverter process RSS before converting (python + torch + package): {base / 2**20:.0f} MiB; "
-              f"largest tensor {largest / 2**20:.1f} MiB; checkpoint {src_bytes / 2**20:.0f} MiB")
+        print(
+            f"\nconverter process RSS before converting (python + torch + package): {base / 2**20:.0f} MiB; "
+            f"largest tensor {largest / 2**20:.1f} MiB; checkpoint {src_bytes / 2**20:.0f} MiB"
+        )
     return 0
 
 

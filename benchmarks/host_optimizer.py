@@ -14,6 +14,7 @@ settings interleaved round by round after a warm-up step, medians of ``--repeats
 writes the figures for the planner (``tools/plan.py --host-calibration``). The targets of
 issue 37 are printed at the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,7 @@ from megatron_p2r.optim.traffic import kernel_bytes_per_element  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TRIAD_BYTES = 12
-COLUMNS = 2048   # Adafactor's matrix: elements / COLUMNS rows
+COLUMNS = 2048  # Adafactor's matrix: elements / COLUMNS rows
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,14 @@ SETTINGS = [
     Setting("adam fp32 +bf16 weight", "adam", "fp32", "fp32", FP32, "bf16"),
     Setting("adam bf16 grad +bf16 weight", "adam", "fp32", "bf16", FP32, "bf16"),
     Setting("adam bf16 grad, bf16 moments +bf16 weight", "adam", "fp32", "bf16", BF16, "bf16"),
-    Setting("adam bf16 grad, fp16 moments +bf16 weight", "adam", "fp32", "bf16",
-            {"exp_avg": "fp16", "exp_avg_sq": "fp16"}, "bf16"),
+    Setting(
+        "adam bf16 grad, fp16 moments +bf16 weight",
+        "adam",
+        "fp32",
+        "bf16",
+        {"exp_avg": "fp16", "exp_avg_sq": "fp16"},
+        "bf16",
+    ),
     Setting("adam fp16 main, fp16 moments", "adam", "fp16", "fp32", {"exp_avg": "fp16", "exp_avg_sq": "fp16"}),
     Setting("lion bf16 grad +bf16 weight", "lion", "fp32", "bf16", {"exp_avg": "fp32"}, "bf16"),
     Setting("lion bf16 grad, bf16 moment +bf16 weight", "lion", "fp32", "bf16", {"exp_avg": "bf16"}, "bf16"),
@@ -69,8 +76,10 @@ SETTINGS = [
     Setting("adafactor bf16 grad +bf16 weight", "adafactor", "fp32", "bf16", {}, "bf16"),
 ]
 # (what, setting, against it, at most): the issue's targets beside the bound's
-COMPARISONS = [("Adafactor <= 1.5x fused AdamW", "adafactor bf16 grad +bf16 weight", "adam fused fp32", 1.5),
-               ("Lion <= AdamW (same dtypes)", "lion bf16 grad +bf16 weight", "adam bf16 grad +bf16 weight", 1.0)]
+COMPARISONS = [
+    ("Adafactor <= 1.5x fused AdamW", "adafactor bf16 grad +bf16 weight", "adam fused fp32", 1.5),
+    ("Lion <= AdamW (same dtypes)", "lion bf16 grad +bf16 weight", "adam bf16 grad +bf16 weight", 1.0),
+]
 
 
 def _tensor(n: int, dtype: str, fill: float = 0.0) -> torch.Tensor:
@@ -84,15 +93,39 @@ def step_function(s: Setting, n: int) -> Callable[[], None]:
     moments = {name: _tensor(n, d, 1.0).abs_() for name, d in s.moments.items()}
     if s.name == "adam fused fp32":
         step = torch.zeros(())
-        return lambda: torch._fused_adamw_([main], [grad], [moments["exp_avg"]], [moments["exp_avg_sq"]], [], [step],
-                                           lr=1e-3, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8,
-                                           amsgrad=False, maximize=False)
+        return lambda: torch._fused_adamw_(
+            [main],
+            [grad],
+            [moments["exp_avg"]],
+            [moments["exp_avg_sq"]],
+            [],
+            [step],
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.95,
+            weight_decay=0.1,
+            eps=1e-8,
+            amsgrad=False,
+            maximize=False,
+        )
     if s.optimizer == "adam":
-        return lambda: host_kernels.adamw(main, grad, moments["exp_avg"], moments["exp_avg_sq"], step=10, lr=1e-3,
-                                          beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, weight=weight)
+        return lambda: host_kernels.adamw(
+            main,
+            grad,
+            moments["exp_avg"],
+            moments["exp_avg_sq"],
+            step=10,
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.95,
+            eps=1e-8,
+            weight_decay=0.1,
+            weight=weight,
+        )
     if s.optimizer == "lion":
-        return lambda: host_kernels.lion(main, grad, moments["exp_avg"], lr=1e-4, beta1=0.9, beta2=0.99,
-                                         weight_decay=0.1, weight=weight)
+        return lambda: host_kernels.lion(
+            main, grad, moments["exp_avg"], lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.1, weight=weight
+        )
     return adafactor_step(main, grad, weight)
 
 
@@ -105,11 +138,14 @@ def adafactor_step(main: torch.Tensor, grad: torch.Tensor, weight: Optional[torc
     def step():
         sums = host_kernels.adafactor_sums(0, rows, cols, 1, grad, main)
         row_var.lerp_(sums[:rows] / cols, 0.5)
-        col_var.lerp_(sums[rows:rows + cols] / rows, 0.5)
+        col_var.lerp_(sums[rows : rows + cols] / rows, 0.5)
         mean = row_var.mean().clamp(min=1e-30).reshape(1)
         update_sq = host_kernels.adafactor_update_sums(0, rows, cols, 1, grad, row_var, col_var, mean, 1e-60)
-        scale = (sums[-1:] / main.numel()).sqrt().clamp(min=1e-3) * 1e-3 / (update_sq / main.numel()).sqrt().clamp(min=1)
+        scale = (
+            (sums[-1:] / main.numel()).sqrt().clamp(min=1e-3) * 1e-3 / (update_sq / main.numel()).sqrt().clamp(min=1)
+        )
         host_kernels.adafactor_apply(0, rows, cols, grad, main, row_var, col_var, mean, 1e-60, scale, 1.0, weight)
+
     return step
 
 
@@ -135,8 +171,9 @@ def measure(fns: Dict[str, Callable[[], None]], threads: int, repeats: int) -> D
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                        platform.processor())
+            return next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor()
+            )
     except OSError:
         return platform.processor()
 
@@ -149,37 +186,59 @@ def run(elements: int, repeats: int) -> dict:
     a, b, c = torch.zeros(elements), torch.randn(elements), torch.randn(elements)
     fns = {"triad": lambda: host_kernels.triad(a, b, c, 3.0)}
     fns.update({s.name: step_function(s, elements) for s in SETTINGS})
-    report = {"cpu": cpu_name(), "cores": cores, "elements": elements, "repeats": repeats, "triad_gbs": {},
-              "results": []}
+    report = {
+        "cpu": cpu_name(),
+        "cores": cores,
+        "elements": elements,
+        "repeats": repeats,
+        "triad_gbs": {},
+        "results": [],
+    }
     for threads in sorted({1, cores}):
         seconds = measure(fns, threads, repeats)
         triad = TRIAD_BYTES * elements / seconds["triad"] / 1e9
         report["triad_gbs"][str(threads)] = triad
         for s in SETTINGS:
             ns = seconds[s.name] / elements * 1e9
-            report["results"].append({
-                "name": s.name, "optimizer": s.optimizer, "main": s.main, "grad": s.grad, "moments": s.moments,
-                "weight": s.weight, "threads": threads, "ns_per_element": ns,
-                "bytes_per_element": s.bytes_per_element, "gbs": s.bytes_per_element / ns,
-                "ratio_to_triad": ns / (s.bytes_per_element / triad)})
+            report["results"].append(
+                {
+                    "name": s.name,
+                    "optimizer": s.optimizer,
+                    "main": s.main,
+                    "grad": s.grad,
+                    "moments": s.moments,
+                    "weight": s.weight,
+                    "threads": threads,
+                    "ns_per_element": ns,
+                    "bytes_per_element": s.bytes_per_element,
+                    "gbs": s.bytes_per_element / ns,
+                    "ratio_to_triad": ns / (s.bytes_per_element / triad),
+                }
+            )
     set_threads(1)
     return report
 
 
 def print_report(report: dict) -> None:
-    print(f"{report['cpu']}, {report['cores']} cores; {report['elements']:,} elements per shard, "
-          f"median of {report['repeats']} interleaved rounds")
+    print(
+        f"{report['cpu']}, {report['cores']} cores; {report['elements']:,} elements per shard, "
+        f"median of {report['repeats']} interleaved rounds"
+    )
     for threads, gbs in report["triad_gbs"].items():
         print(f"\n{threads} thread(s): triad {gbs:.1f} GB/s")
         print(f"  {'setting':<44} {'ns/elem':>8} {'B/elem':>6} {'GB/s':>6} {'x bound':>7}")
         for r in report["results"]:
             if str(r["threads"]) == threads:
-                print(f"  {r['name']:<44} {r['ns_per_element']:8.3f} {r['bytes_per_element']:6d} {r['gbs']:6.1f} "
-                      f"{r['ratio_to_triad']:7.2f}")
+                print(
+                    f"  {r['name']:<44} {r['ns_per_element']:8.3f} {r['bytes_per_element']:6d} {r['gbs']:6.1f} "
+                    f"{r['ratio_to_triad']:7.2f}"
+                )
     print("\ntargets (issue 37):")
     worst = max(report["results"], key=lambda r: r["ratio_to_triad"])
-    print(f"  every setting within 1.5x of its traffic bound: worst {worst['ratio_to_triad']:.2f}x "
-          f"({worst['name']}, {worst['threads']} thread(s)) -> {'met' if worst['ratio_to_triad'] <= 1.5 else 'NOT met'}")
+    print(
+        f"  every setting within 1.5x of its traffic bound: worst {worst['ratio_to_triad']:.2f}x "
+        f"({worst['name']}, {worst['threads']} thread(s)) -> {'met' if worst['ratio_to_triad'] <= 1.5 else 'NOT met'}"
+    )
     for what, name, against, limit in COMPARISONS:
         for threads in report["triad_gbs"]:
             ns = {r["name"]: r["ns_per_element"] for r in report["results"] if str(r["threads"]) == threads}

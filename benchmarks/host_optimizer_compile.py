@@ -8,6 +8,7 @@ weight (the precision-aware arithmetic of optim/precision_aware.py, written as t
 inductor), at 1 thread. The C++ kernel's first call includes building the library when it is
 not cached yet.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,8 @@ def adamw_torch(p, g, m, v, w):
     p32 = p * (1 - LR * WD)
     m32 = torch.lerp(m32, g32, 1 - BETA1)
     v32 = v32 * BETA2 + (1 - BETA2) * g32 * g32
-    denom = v32.sqrt() / (1 - BETA2 ** STEP) ** 0.5 + EPS
-    p32 = p32 - LR / (1 - BETA1 ** STEP) * m32 / denom
+    denom = v32.sqrt() / (1 - BETA2**STEP) ** 0.5 + EPS
+    p32 = p32 - LR / (1 - BETA1**STEP) * m32 / denom
     p.copy_(p32)
     m.copy_(m32)
     v.copy_(v32)
@@ -50,13 +51,22 @@ def main() -> None:
     n = args.elements
 
     def tensors():
-        return (torch.randn(n), torch.randn(n).bfloat16(), torch.zeros(n, dtype=torch.bfloat16),
-                torch.zeros(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16))
+        return (
+            torch.randn(n),
+            torch.randn(n).bfloat16(),
+            torch.zeros(n, dtype=torch.bfloat16),
+            torch.zeros(n, dtype=torch.bfloat16),
+            torch.empty(n, dtype=torch.bfloat16),
+        )
+
     compiled = torch.compile(adamw_torch, dynamic=False)
     a, b = tensors(), tensors()
-    fns = {"torch.compile (inductor)": lambda: compiled(*a),
-           "C++ kernel": lambda: host_kernels.adamw(b[0], b[1], b[2], b[3], step=STEP, lr=LR, beta1=BETA1,
-                                                    beta2=BETA2, eps=EPS, weight_decay=WD, weight=b[4])}
+    fns = {
+        "torch.compile (inductor)": lambda: compiled(*a),
+        "C++ kernel": lambda: host_kernels.adamw(
+            b[0], b[1], b[2], b[3], step=STEP, lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=WD, weight=b[4]
+        ),
+    }
     first = {}
     for name, fn in fns.items():
         start = time.perf_counter()
@@ -68,10 +78,11 @@ def main() -> None:
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    print(f"AdamW, bf16 grads and moments, fp32 mains, bf16 weight; {n:,} elements, 1 thread, "
-          f"median of {args.repeats}")
+    print(f"AdamW, bf16 grads and moments, fp32 mains, bf16 weight; {n:,} elements, 1 thread, median of {args.repeats}")
     for name in fns:
-        print(f"  {name:<26} first call {first[name]:6.2f} s   {statistics.median(times[name]) / n * 1e9:6.3f} ns/element")
+        print(
+            f"  {name:<26} first call {first[name]:6.2f} s   {statistics.median(times[name]) / n * 1e9:6.3f} ns/element"
+        )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ settings run interleaved round by round after 2 warm-up steps; medians. ``--refe
 each optimizer on the torch path (what the host step cost before the kernels). Prints the ratio
 of each optimizer's iteration to AdamW's (issue 37's targets: Adafactor <= 1.2x, Lion <= 1.1x).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,10 +35,24 @@ from megatron_p2r.optim import host_kernels  # noqa: E402
 from megatron_p2r.parallel.state import ParallelState  # noqa: E402
 from megatron_p2r.training import build_train_state, train_step  # noqa: E402
 
-SHAPE = dict(vocab_size=2048, hidden_size=1024, num_layers=2, num_attention_heads=8, seq_length=16,
-             micro_batch_size=1, global_batch_size=1, make_vocab_size_divisible_by=128, mock_data=True, bf16=True,
-             device="cpu", cpu_offload_layers="2", lr_decay_style="constant", hidden_dropout=0.0,
-             attention_dropout=0.0, weight_decay=0.01)
+SHAPE = dict(
+    vocab_size=2048,
+    hidden_size=1024,
+    num_layers=2,
+    num_attention_heads=8,
+    seq_length=16,
+    micro_batch_size=1,
+    global_batch_size=1,
+    make_vocab_size_divisible_by=128,
+    mock_data=True,
+    bf16=True,
+    device="cpu",
+    cpu_offload_layers="2",
+    lr_decay_style="constant",
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    weight_decay=0.01,
+)
 OPTIMIZERS = ("adam", "lion", "adafactor")
 TARGETS = {"lion": 1.1, "adafactor": 1.2}
 
@@ -81,8 +96,9 @@ def measure(threads: int, steps: int, reference: bool, mbs) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=7)
-    parser.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")],
-                        default=sorted({1, len(os.sched_getaffinity(0))}))
+    parser.add_argument(
+        "--threads", type=lambda s: [int(x) for x in s.split(",")], default=sorted({1, len(os.sched_getaffinity(0))})
+    )
     parser.add_argument("--reference", action="store_true", help="also each optimizer on the torch path")
     args = parser.parse_args()
     if not host_kernels.available():
@@ -90,16 +106,20 @@ def main() -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     mbs = random_microbatches(SHAPE["vocab_size"], SHAPE["seq_length"], 1, torch.device("cpu"))
-    print("2 layers of hidden 1024, both offloaded, 16 tokens, bf16, cpu; median of "
-          f"{args.steps} interleaved iterations")
+    print(
+        f"2 layers of hidden 1024, both offloaded, 16 tokens, bf16, cpu; median of {args.steps} interleaved iterations"
+    )
     for threads in args.threads:
         median = measure(threads, args.steps, args.reference, mbs)
         print(f"\n{threads} thread(s) (host optimizer and torch):")
         for label, t in median.items():
             base = median["adam (torch path)" if label.endswith("(torch path)") else "adam"]
             target = TARGETS.get(label.split()[0])
-            verdict = "" if target is None or label.endswith("(torch path)") else \
-                f"  target <= {target}x: {'met' if t / base <= target else 'NOT met'}"
+            verdict = (
+                ""
+                if target is None or label.endswith("(torch path)")
+                else f"  target <= {target}x: {'met' if t / base <= target else 'NOT met'}"
+            )
             print(f"  {label:<24} {t * 1e3:8.1f} ms  {t / base:5.2f}x AdamW{verdict}")
     dist.destroy_process_group()
 

@@ -12,6 +12,7 @@ Each import runs in its own process: its time (imports excluded), MB/s of source
 and of bytes written, its peak RSS, and the RSS growth of the streaming loop over the RSS the
 loop started with, next to the size of the largest imported tensor.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,15 +29,28 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from convert_throughput import plain_copy  # noqa: E402
 from measure import run_streaming  # noqa: E402
 
+
 def tree_bytes(path: str, suffixes) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs if f.endswith(suffixes))
 
 
 def make_sources(tmp: str, args) -> dict:
     from tests.convert.megatron.fixtures import LLAMA, make_weights, megatron_args, write_legacy, write_torch_dist
-    spec = dataclasses.replace(LLAMA, layers=args.layers, hidden=args.hidden, heads=16, groups=4,
-                               kv_channels=args.hidden // 16, rotary_percent=1.0, qk_layernorm=False,
-                               ffn=args.ffn, vocab=args.vocab, divisible_by=128, seq=4096)
+
+    spec = dataclasses.replace(
+        LLAMA,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=16,
+        groups=4,
+        kv_channels=args.hidden // 16,
+        rotary_percent=1.0,
+        qk_layernorm=False,
+        ffn=args.ffn,
+        vocab=args.vocab,
+        divisible_by=128,
+        seq=4096,
+    )
     layout = (2, 2, 1)
     weights = make_weights(spec, layout[0])
     largest = 4 * max(t.numel() for t in weights.values())
@@ -48,10 +62,14 @@ def make_sources(tmp: str, args) -> dict:
 
 
 def run_import(src: str, dst: str, tp: int, pp: int) -> dict:
-    return run_streaming("megatron_p2r.convert.imported", "write_pieces",
-                         "from megatron_p2r.convert.megatron.importer import import_megatron; "
-                         "from megatron_p2r.convert.reshard import Target; "
-                         f"import_megatron({src!r}, {dst!r}, Target({tp}, {pp}), progress=False)", ROOT)
+    return run_streaming(
+        "megatron_p2r.convert.imported",
+        "write_pieces",
+        "from megatron_p2r.convert.megatron.importer import import_megatron; "
+        "from megatron_p2r.convert.reshard import Target; "
+        f"import_megatron({src!r}, {dst!r}, Target({tp}, {pp}), progress=False)",
+        ROOT,
+    )
 
 
 def main(argv=None) -> int:
@@ -75,19 +93,27 @@ def main(argv=None) -> int:
                 r = run_import(src, dst, tp, pp)
                 rows.append((f"{fmt} -> TP{tp} PP{pp}", src_bytes, tree_bytes(dst, ".safetensors"), r["seconds"], r))
                 shutil.rmtree(dst)
-        print(f"source: Megatron-LM Llama-shaped checkpoint, {args.layers} layers, hidden {args.hidden}, ffn "
-              f"{args.ffn}, vocab {args.vocab}, bf16, saved under TP2 PP2; largest imported tensor "
-              f"{largest / 2**20:.1f} MiB (fp32)")
-        print(f"\n{'':28s} {'MB read':>8s} {'MB written':>10s} {'s':>6s} {'MB/s read':>9s} {'MB/s written':>12s} "
-              f"{'peak RSS':>9s} {'stream +RSS':>11s} {'/ largest':>9s}")
+        print(
+            f"source: Megatron-LM Llama-shaped checkpoint, {args.layers} layers, hidden {args.hidden}, ffn "
+            f"{args.ffn}, vocab {args.vocab}, bf16, saved under TP2 PP2; largest imported tensor "
+            f"{largest / 2**20:.1f} MiB (fp32)"
+        )
+        print(
+            f"\n{'':28s} {'MB read':>8s} {'MB written':>10s} {'s':>6s} {'MB/s read':>9s} {'MB/s written':>12s} "
+            f"{'peak RSS':>9s} {'stream +RSS':>11s} {'/ largest':>9s}"
+        )
         for name, read, written, secs, r in rows:
             peak = f"{r['peak'] / 2**20:7.0f}Mi" if r else f"{'-':>9s}"
             grow = f"{r['stream'] / 2**20:9.1f}Mi {r['stream'] / largest:8.2f}x" if r else f"{'-':>11s} {'-':>9s}"
-            print(f"{name:28s} {read / 1e6:8.0f} {written / 1e6:10.0f} {secs:6.2f} {read / 1e6 / secs:9.0f} "
-                  f"{written / 1e6 / secs:12.0f} {peak} {grow}")
+            print(
+                f"{name:28s} {read / 1e6:8.0f} {written / 1e6:10.0f} {secs:6.2f} {read / 1e6 / secs:9.0f} "
+                f"{written / 1e6 / secs:12.0f} {peak} {grow}"
+            )
         starts = [r["start"] for *_, r in rows if r]
-        print(f"\nimporter process RSS before importing (python + torch + package): {min(starts) / 2**20:.0f}-"
-              f"{max(starts) / 2**20:.0f} MiB")
+        print(
+            f"\nimporter process RSS before importing (python + torch + package): {min(starts) / 2**20:.0f}-"
+            f"{max(starts) / 2**20:.0f} MiB"
+        )
     return 0
 
 

@@ -16,6 +16,7 @@ stream and the norms' inputs are 16-bit, as in the paper.)
 batch = GPUs, micro-batch 1) planned whole on A100-80GB (``planning.estimate.make_plan``, the
 worst stage, no distributed optimizer) with SP, SP + selective, neither, and full recomputation.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,22 +27,39 @@ from megatron_p2r.planning.activations import attention_core_bytes, korthikanti_
 MODELS = {"22B": (64, 6144), "175B": (96, 12288), "530B": (128, 20480), "1T": (160, 25600)}
 SEQ, TP = 2048, 8
 VARIANTS = {  # name: (tp, sequence parallel, selective recomputation)
-    "none": (1, False, False), "TP": (TP, False, False), "TP+SP": (TP, True, False),
-    "TP+sel": (TP, False, True), "TP+SP+sel": (TP, True, True)}
+    "none": (1, False, False),
+    "TP": (TP, False, False),
+    "TP+SP": (TP, True, False),
+    "TP+sel": (TP, False, True),
+    "TP+SP+sel": (TP, True, True),
+}
 
 
 def config(heads: int, hidden: int, micro_batch: int, selective: bool, tp: int, sp: bool):
-    return config_from_values(dict(num_layers=2, hidden_size=hidden, num_attention_heads=heads, seq_length=SEQ,
-                                   vocab_size=51200, micro_batch_size=micro_batch, bf16=True, hidden_dropout=0.1,
-                                   attention_dropout=0.1, mock_data=True, recompute_activations=selective,
-                                   tensor_model_parallel_size=tp, sequence_parallel=sp))
+    return config_from_values(
+        dict(
+            num_layers=2,
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            seq_length=SEQ,
+            vocab_size=51200,
+            micro_batch_size=micro_batch,
+            bf16=True,
+            hidden_dropout=0.1,
+            attention_dropout=0.1,
+            mock_data=True,
+            recompute_activations=selective,
+            tensor_model_parallel_size=tp,
+            sequence_parallel=sp,
+        )
+    )
 
 
 def explained(cfg, tp: int, sp: bool, selective: bool) -> int:
     """planner - paper, from the differences docs/scale.md lists."""
     m, b = cfg.model, cfg.train.micro_batch_size
-    tokens = SEQ * b // (tp if sp else 1)                 # tokens outside the TP regions
-    out = 2 * tokens * 8                                   # two LayerNorms' fp32 mean and rstd
+    tokens = SEQ * b // (tp if sp else 1)  # tokens outside the TP regions
+    out = 2 * tokens * 8  # two LayerNorms' fp32 mean and rstd
     if not selective:
         out += attention_core_bytes(cfg, tp) - 5 * m.num_attention_heads * SEQ * SEQ * b // tp
     return out
@@ -53,8 +71,9 @@ def rows(micro_batch: int = 1):
         for variant, (tp, sp, selective) in VARIANTS.items():
             cfg = config(heads, hidden, micro_batch, selective, tp, sp)
             ours = layer_activations(cfg, 0, tp, 1, sequence_parallel=sp).held
-            paper = korthikanti_layer_bytes(SEQ, micro_batch, hidden, heads, tp, sequence_parallel=sp,
-                                            selective=selective)
+            paper = korthikanti_layer_bytes(
+                SEQ, micro_batch, hidden, heads, tp, sequence_parallel=sp, selective=selective
+            )
             yield name, variant, ours, paper, explained(cfg, tp, sp, selective)
 
 
@@ -64,7 +83,8 @@ WHOLE_MODEL_VARIANTS = {
     "SP": dict(sequence_parallel=True),
     "SP+sel": dict(sequence_parallel=True, recompute_activations=True),
     "no SP": {},
-    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
 
 
 def fits_table() -> None:
@@ -72,6 +92,7 @@ def fits_table() -> None:
     (the first stage of a 1F1B pipeline holds PP micro-batches), and whether it fits 80 GB."""
     from megatron_p2r.planning.estimate import make_plan
     from megatron_p2r.planning.hardware import GPU_PRESETS
+
     gpu = GPU_PRESETS["A100-80GB"]
     print("| model | TP x PP | variant | device total GiB | activations GiB | fits |")
     print("|---|---|---|---|---|---|")
@@ -79,14 +100,30 @@ def fits_table() -> None:
         layers, pp = LAYOUTS[name]
         gpus = TP * pp
         for variant, flags in WHOLE_MODEL_VARIANTS.items():
-            cfg = config_from_values(dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                                          seq_length=SEQ, vocab_size=51200, micro_batch_size=1, global_batch_size=gpus,
-                                          bf16=True, hidden_dropout=0.1, attention_dropout=0.1, mock_data=True,
-                                          tensor_model_parallel_size=TP, pipeline_model_parallel_size=pp, **flags))
+            cfg = config_from_values(
+                dict(
+                    num_layers=layers,
+                    hidden_size=hidden,
+                    num_attention_heads=heads,
+                    seq_length=SEQ,
+                    vocab_size=51200,
+                    micro_batch_size=1,
+                    global_batch_size=gpus,
+                    bf16=True,
+                    hidden_dropout=0.1,
+                    attention_dropout=0.1,
+                    mock_data=True,
+                    tensor_model_parallel_size=TP,
+                    pipeline_model_parallel_size=pp,
+                    **flags,
+                )
+            )
             plan = make_plan(cfg, gpus, gpu)
             worst = max(plan.stages, key=lambda st: st.device_total)
-            print(f"| {name} | {TP} x {pp} | {variant} | {worst.device_total / 2**30:.1f} | "
-                  f"{worst.device['activations'] / 2**30:.1f} | {'yes' if plan.fits else 'NO'} |")
+            print(
+                f"| {name} | {TP} x {pp} | {variant} | {worst.device_total / 2**30:.1f} | "
+                f"{worst.device['activations'] / 2**30:.1f} | {'yes' if plan.fits else 'NO'} |"
+            )
 
 
 def main(argv=None) -> None:
@@ -100,8 +137,10 @@ def main(argv=None) -> None:
     print("| model | variant | planner MiB | Korthikanti MiB | planner / paper | explained difference MiB |")
     print("|---|---|---|---|---|---|")
     for name, variant, ours, paper, diff in rows(args.micro_batch):
-        print(f"| {name} | {variant} | {ours / 2**20:.1f} | {paper / 2**20:.1f} | {ours / paper:.2f} | "
-              f"{diff / 2**20:+.1f}{'' if ours - paper == diff else ' (UNEXPLAINED)'} |")
+        print(
+            f"| {name} | {variant} | {ours / 2**20:.1f} | {paper / 2**20:.1f} | {ours / paper:.2f} | "
+            f"{diff / 2**20:+.1f}{'' if ours - paper == diff else ' (UNEXPLAINED)'} |"
+        )
 
 
 if __name__ == "__main__":

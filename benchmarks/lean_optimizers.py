@@ -24,6 +24,7 @@ one-step delayed parameter update (after its 40 undelayed warm-up steps), its ga
 ``adam-bf16-offload-half``'s seed. ``--settings`` runs a subset. Runs are saved under ``--work``
 and not trained again when rerun.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,20 +43,24 @@ SETTINGS = {  # flags over AdamW's run, as functions of its learning rate and we
     "adam": lambda lr, wd: {},
     "lion": lambda lr, wd: dict(optimizer="lion", lr=lr / 3, min_lr=lr / 30, weight_decay=3 * wd),
     "adafactor": lambda lr, wd: dict(optimizer="adafactor", lr=1e-2, min_lr=1e-3),
-    "adam-bf16-moments": lambda lr, wd: dict(use_precision_aware_optimizer=True, exp_avg_dtype="bf16",
-                                             exp_avg_sq_dtype="bf16"),
+    "adam-bf16-moments": lambda lr, wd: dict(
+        use_precision_aware_optimizer=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"
+    ),
     "adam-bf16-main-grads": lambda lr, wd: dict(use_precision_aware_optimizer=True, main_grads_dtype="bf16"),
     "adam-bf16": lambda lr, wd: dict(bf16=True),
-    "adam-bf16-fp16-main-params": lambda lr, wd: dict(bf16=True, use_precision_aware_optimizer=True,
-                                                      main_params_dtype="fp16"),
+    "adam-bf16-fp16-main-params": lambda lr, wd: dict(
+        bf16=True, use_precision_aware_optimizer=True, main_params_dtype="fp16"
+    ),
     "adam-fp16": lambda lr, wd: dict(fp16=True),
-    "adam-fp16-fp16-main-params": lambda lr, wd: dict(fp16=True, use_precision_aware_optimizer=True,
-                                                      main_params_dtype="fp16"),
-    "adam-bf16-offload-half": lambda lr, wd: dict(bf16=True, cpu_offload_layers="0.5",
-                                                  overlap_cpu_optimizer_d2h_h2d=True),
-    "adam-bf16-offload-half-dpu": lambda lr, wd: dict(bf16=True, cpu_offload_layers="0.5",
-                                                      overlap_cpu_optimizer_d2h_h2d=True,
-                                                      cpu_offload_delayed_param_update=True),
+    "adam-fp16-fp16-main-params": lambda lr, wd: dict(
+        fp16=True, use_precision_aware_optimizer=True, main_params_dtype="fp16"
+    ),
+    "adam-bf16-offload-half": lambda lr, wd: dict(
+        bf16=True, cpu_offload_layers="0.5", overlap_cpu_optimizer_d2h_h2d=True
+    ),
+    "adam-bf16-offload-half-dpu": lambda lr, wd: dict(
+        bf16=True, cpu_offload_layers="0.5", overlap_cpu_optimizer_d2h_h2d=True, cpu_offload_delayed_param_update=True
+    ),
 }
 # the run each setting's gap is taken against, seed by seed (AdamW's unless named here)
 PAIRED_WITH = {"adam-bf16-offload-half-dpu": "adam-bf16-offload-half"}
@@ -76,8 +81,13 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="wide=8x128", metavar="NAME=LAYERSxHIDDEN", help="the model shape")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--work", default="/tmp/lean_study")
-    p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
-                   help="the settings to run (with the runs they pair with)")
+    p.add_argument(
+        "--settings",
+        nargs="+",
+        choices=list(SETTINGS),
+        default=list(SETTINGS),
+        help="the settings to run (with the runs they pair with)",
+    )
     p.set_defaults(iters=200, eval_interval=50, held_out="tail")
     args = p.parse_args(argv)
     try:
@@ -90,8 +100,10 @@ def main(argv=None) -> int:
     except (p2r_arms.ArmError, p2r_corpus.CorpusError, HeldOutTooSmall) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"{args.model_name} model ({shape.layers} x {shape.hidden}), {args.iters} steps, {args.corpus.name}: "
-          f"final loss on {args.eval_samples} held-out samples ± its standard error (gap to AdamW's seed ± paired SE):")
+    print(
+        f"{args.model_name} model ({shape.layers} x {shape.hidden}), {args.iters} steps, {args.corpus.name}: "
+        f"final loss on {args.eval_samples} held-out samples ± its standard error (gap to AdamW's seed ± paired SE):"
+    )
     for setting, by_seed in losses.items():
         cells = []
         for seed, values in by_seed.items():
@@ -101,8 +113,9 @@ def main(argv=None) -> int:
                 baseline = PAIRED_WITH.get(setting, "adam")
                 paired = losses[baseline][seed]
                 base = mean_se(paired)[0]
-                cell += f" ({100 * (mean / base - 1):+.2f}% ± {100 * paired_se(values, paired) / base:.2f}" + \
-                    (f" to {baseline})" if baseline != "adam" else ")")
+                cell += f" ({100 * (mean / base - 1):+.2f}% ± {100 * paired_se(values, paired) / base:.2f}" + (
+                    f" to {baseline})" if baseline != "adam" else ")"
+                )
             cells.append(cell)
         print(f"  {setting:26s} " + "; ".join(cells))
     return 0

@@ -2,6 +2,7 @@
 host clock is read, the matmul ceiling of the machine, micro-batches on the device, the
 ``--json`` output the GPU lane (tools/gpu_check.py) collects into its report, and the time
 and memory of a checkpoint converter's streaming loop in a process of its own."""
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,9 @@ def timed(fn, device: torch.device, clock=time.perf_counter) -> float:
     return clock() - start
 
 
-def matmul_ceiling(device: torch.device, dtype: torch.dtype, n: Optional[int] = None, reps: int = 10,
-                   clock=time.perf_counter) -> float:
+def matmul_ceiling(
+    device: torch.device, dtype: torch.dtype, n: Optional[int] = None, reps: int = 10, clock=time.perf_counter
+) -> float:
     """FLOP/s of one large square matmul on random data (median of ``reps`` after 3 warm-ups):
     the ceiling a model's matmuls are held against. 8192 on CUDA (operands several times the
     L2), 2048 on CPU; timed with CUDA events on CUDA."""
@@ -50,7 +52,7 @@ def matmul_ceiling(device: torch.device, dtype: torch.dtype, n: Optional[int] = 
             times.append(start.elapsed_time(end) / 1000)
         else:
             times.append(timed(lambda: a @ b, device, clock))
-    return 2 * n ** 3 / statistics.median(times)
+    return 2 * n**3 / statistics.median(times)
 
 
 def self_cpu_times(step, steps: int) -> dict:
@@ -62,8 +64,9 @@ def self_cpu_times(step, steps: int) -> dict:
     return {e.key: e.self_cpu_time_total / 1e6 / steps for e in prof.key_averages()}
 
 
-def random_microbatches(vocab_size: int, seq_length: int, batch: int, device: torch.device, n: int = 1,
-                        seed: int = 0) -> list:
+def random_microbatches(
+    vocab_size: int, seq_length: int, batch: int, device: torch.device, n: int = 1, seed: int = 0
+) -> list:
     """``n`` micro-batches of random tokens in the form ``training.train_step`` takes."""
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -110,6 +113,11 @@ def run_streaming(module: str, function: str, statement: str, root: str) -> dict
     streaming loop) wrapped: {seconds of the statement (imports excluded), RSS at start, peak RSS,
     "stream": the RSS growth while the loop ran}."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
-    proc = subprocess.run([sys.executable, "-c", _STREAMING_CHILD, module, function, statement], env=env,
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _STREAMING_CHILD, module, function, statement],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])

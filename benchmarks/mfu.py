@@ -22,6 +22,7 @@ ceiling (an 8192^3 bf16 product on random data, measured here) is printed beside
 ``--tiny`` is a CPU-sized shape (the ceiling from a 1024^3 product) that checks the script
 without a GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,6 +48,7 @@ def datasheet_peak(device: torch.device) -> Optional[float]:
     if device.type != "cuda":
         return None
     from megatron_p2r.planning.hardware import GPU_PRESETS  # the planner's presets (planning/ package)
+
     name = torch.cuda.get_device_name(device)
     return next((g.flops16 for g in GPU_PRESETS.values() if g.name.split("-")[0] in name), None)
 
@@ -77,12 +79,25 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    cfg = config_from_values(dict(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, seq_length=args.seq,
-        vocab_size=args.vocab, micro_batch_size=args.micro_batch,
-        global_batch_size=args.micro_batch * args.microbatches,
-        bf16=True, mock_data=True, device=args.device, clip_grad=1.0, weight_decay=0.01, lr=1e-4,
-        hidden_dropout=0.0, attention_dropout=0.0))  # as measured before Megatron's dropout 0.1 became the default
+    cfg = config_from_values(
+        dict(
+            num_layers=args.layers,
+            hidden_size=args.hidden,
+            num_attention_heads=args.heads,
+            seq_length=args.seq,
+            vocab_size=args.vocab,
+            micro_batch_size=args.micro_batch,
+            global_batch_size=args.micro_batch * args.microbatches,
+            bf16=True,
+            mock_data=True,
+            device=args.device,
+            clip_grad=1.0,
+            weight_decay=0.01,
+            lr=1e-4,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
+    )  # as measured before Megatron's dropout 0.1 became the default
     state = build_train_state(cfg, ParallelState.single(device))
     parameters = sum(p.numel() for p in state.model.parameters())
     batches = random_microbatches(args.vocab, args.seq, args.micro_batch, device, n=args.microbatches)
@@ -98,22 +113,41 @@ def main(argv=None) -> None:
     achieved = flops / step
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    figures = {"device": name, "parameters": parameters, "layers": args.layers, "hidden": args.hidden,
-               "seq": args.seq, "micro_batch": args.micro_batch, "microbatches": args.microbatches,
-               "tokens_per_step": tokens, "step_s": step, "step_times_s": times, "flops_per_step": flops,
-               "achieved_flops": achieved, "tokens_per_s": tokens / step, "matmul_ceiling_flops": ceiling,
-               "fraction_of_ceiling": achieved / ceiling, "peak_flops": peak,
-               "mfu": achieved / peak if peak else None,
-               "mfu_without_attention_flops": no_attention / step / peak if peak else None,
-               "peak_memory_bytes": memory}
-    print(f"{name}: {parameters / 1e9:.3f}B parameters ({args.layers} layers, hidden {args.hidden}), seq {args.seq}, "
-          f"{args.microbatches} x {args.micro_batch} sequences per step, bf16")
-    print(f"step {1000 * step:.1f} ms (median of {args.steps}), {tokens / step:,.0f} tokens/s, "
-          f"{achieved / 1e12:.1f} model TFLOP/s" + (f", peak memory {memory / 2**30:.1f} GiB" if memory else ""))
+    figures = {
+        "device": name,
+        "parameters": parameters,
+        "layers": args.layers,
+        "hidden": args.hidden,
+        "seq": args.seq,
+        "micro_batch": args.micro_batch,
+        "microbatches": args.microbatches,
+        "tokens_per_step": tokens,
+        "step_s": step,
+        "step_times_s": times,
+        "flops_per_step": flops,
+        "achieved_flops": achieved,
+        "tokens_per_s": tokens / step,
+        "matmul_ceiling_flops": ceiling,
+        "fraction_of_ceiling": achieved / ceiling,
+        "peak_flops": peak,
+        "mfu": achieved / peak if peak else None,
+        "mfu_without_attention_flops": no_attention / step / peak if peak else None,
+        "peak_memory_bytes": memory,
+    }
+    print(
+        f"{name}: {parameters / 1e9:.3f}B parameters ({args.layers} layers, hidden {args.hidden}), seq {args.seq}, "
+        f"{args.microbatches} x {args.micro_batch} sequences per step, bf16"
+    )
+    print(
+        f"step {1000 * step:.1f} ms (median of {args.steps}), {tokens / step:,.0f} tokens/s, "
+        f"{achieved / 1e12:.1f} model TFLOP/s" + (f", peak memory {memory / 2**30:.1f} GiB" if memory else "")
+    )
     print(f"matmul ceiling {ceiling / 1e12:.1f} TFLOP/s: {achieved / ceiling:.1%} of it")
     if peak:
-        print(f"MFU {figures['mfu']:.1%} of {peak / 1e12:.0f} TFLOP/s peak "
-              f"({figures['mfu_without_attention_flops']:.1%} without attention FLOPs)")
+        print(
+            f"MFU {figures['mfu']:.1%} of {peak / 1e12:.0f} TFLOP/s peak "
+            f"({figures['mfu_without_attention_flops']:.1%} without attention FLOPs)"
+        )
     else:
         print("MFU: no datasheet peak for this device (--peak-tflops gives one)")
     write_json(args.json, figures)

@@ -19,6 +19,7 @@
 
 Pins glibc malloc thresholds (docs/machine.md: figures drift otherwise).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,13 +29,16 @@ import statistics
 import sys
 import time
 
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1073741824", "MALLOC_TRIM_THRESHOLD_": "4294967296",
-              "MALLOC_TOP_PAD_": "536870912"}
+MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": "1073741824",
+    "MALLOC_TRIM_THRESHOLD_": "4294967296",
+    "MALLOC_TOP_PAD_": "536870912",
+}
 if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):  # must be set before the process starts
     os.environ.update(MALLOC_ENV)
     os.execv(sys.executable, [sys.executable] + sys.argv)
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests.harness: local gloo ranks
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.harness: local gloo ranks
 
 import torch  # noqa: E402
 
@@ -48,9 +52,18 @@ HIDDEN, FFN, EXPERTS, TOPK, TOKENS = 256, 512, 8, 2, 2048
 
 
 def model_config(grouped: bool = False) -> ModelConfig:
-    return ModelConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, num_experts=EXPERTS,
-                       moe_ffn_hidden_size=FFN, moe_router_topk=TOPK, moe_router_pre_softmax=False, swiglu=True,
-                       disable_bias_linear=True, moe_grouped_gemm=grouped)
+    return ModelConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        num_experts=EXPERTS,
+        moe_ffn_hidden_size=FFN,
+        moe_router_topk=TOPK,
+        moe_router_pre_softmax=False,
+        swiglu=True,
+        disable_bias_linear=True,
+        moe_grouped_gemm=grouped,
+    )
 
 
 def our_layer(ps: ParallelState, grouped: bool = False) -> MoELayer:
@@ -63,8 +76,14 @@ def mixtral_block(ours: MoELayer, implementation: str):
     """MixtralSparseMoeBlock with our weights (gate/up rows de-interleaved into [gate; up])."""
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-    cfg = MixtralConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_local_experts=EXPERTS,
-                        num_experts_per_tok=TOPK, router_jitter_noise=0.0)
+
+    cfg = MixtralConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=TOPK,
+        router_jitter_noise=0.0,
+    )
     cfg._experts_implementation = implementation
     block = MixtralSparseMoeBlock(cfg)
     with torch.no_grad():
@@ -110,12 +129,14 @@ def contenders(skew: float, implementations):
 
 def training_step(x, g, autocast):
     """One forward + backward of a module on ``x`` with upstream gradient ``g``."""
+
     def step(module):
         xx = x.clone().requires_grad_()
         with autocast():
             out = module(xx)
         (out.float() * g).sum().backward()
         module.zero_grad(set_to_none=True)
+
     return step
 
 
@@ -132,12 +153,15 @@ def time_contenders(modules: dict, x, g, rounds: int, iters: int, autocast, cloc
         step(module)
     for _ in range(rounds):
         for name, module in modules.items():
-            times[name].append(timed(lambda m=module: [step(m) for _ in range(iters)], torch.device("cpu"), clock) / iters)
+            times[name].append(
+                timed(lambda m=module: [step(m) for _ in range(iters)], torch.device("cpu"), clock) / iters
+            )
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def speed(rounds: int, iters: int, bf16: bool, implementations, skew: float, cpu_time: bool,
-          profile: bool = False) -> None:
+def speed(
+    rounds: int, iters: int, bf16: bool, implementations, skew: float, cpu_time: bool, profile: bool = False
+) -> None:
     threads, clock = (1, time.process_time) if cpu_time else (2, time.perf_counter)
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -146,21 +170,29 @@ def speed(rounds: int, iters: int, bf16: bool, implementations, skew: float, cpu
     ceiling = matmul_ceiling(torch.device("cpu"), dtype, clock=clock)
     # expert matmuls of a forward + backward (3x the forward's), on the routed rows only
     expert_flops = 3 * 2 * TOKENS * TOPK * 3 * FFN * HIDDEN
-    print(f"forward+backward, {TOKENS} tokens, hidden {HIDDEN}, expert FFN {FFN}, {EXPERTS} SwiGLU experts, "
-          f"top-{TOPK}, {'bf16 autocast' if bf16 else 'fp32'}, {threads} thread(s), "
-          f"{'CPU' if cpu_time else 'wall'} time; medians of {rounds} rounds x {iters}")
-    print(f"matmul ceiling ({dtype}, 2048^3): {ceiling / 1e9:.0f} GFLOP/s; "
-          f"the experts' matmuls: {expert_flops / 1e9:.2f} GFLOP per step on the routed rows")
+    print(
+        f"forward+backward, {TOKENS} tokens, hidden {HIDDEN}, expert FFN {FFN}, {EXPERTS} SwiGLU experts, "
+        f"top-{TOPK}, {'bf16 autocast' if bf16 else 'fp32'}, {threads} thread(s), "
+        f"{'CPU' if cpu_time else 'wall'} time; medians of {rounds} rounds x {iters}"
+    )
+    print(
+        f"matmul ceiling ({dtype}, 2048^3): {ceiling / 1e9:.0f} GFLOP/s; "
+        f"the experts' matmuls: {expert_flops / 1e9:.2f} GFLOP per step on the routed rows"
+    )
     for routing, s in (("balanced", 0.0), ("imbalanced", skew)):
         x, g, loads, modules = contenders(s, implementations)
         padding = loads.max().item() * EXPERTS / loads.sum().item() - 1
-        print(f"\n{routing} routing: expert loads {', '.join(f'{v:.2f}' for v in loads.tolist())} of the even share; "
-              f"the padded experts multiply {100 * padding:.0f}% padding rows on top")
+        print(
+            f"\n{routing} routing: expert loads {', '.join(f'{v:.2f}' for v in loads.tolist())} of the even share; "
+            f"the padded experts multiply {100 * padding:.0f}% padding rows on top"
+        )
         times = time_contenders(modules, x, g, rounds, iters, autocast, clock)
         print(f"  {'':18s} {'time':>8s}     {'/ padded':>8s} {'/ grouped':>9s}   expert FLOP/s / ceiling")
         for name, t in times.items():
-            print(f"  {name:18s} {1000 * t:8.1f} ms  {t / times['ours/padded']:8.2f} {t / times['ours/grouped']:9.2f}"
-                  f"   {expert_flops / t / ceiling:.0%}")
+            print(
+                f"  {name:18s} {1000 * t:8.1f} ms  {t / times['ours/padded']:8.2f} {t / times['ours/grouped']:9.2f}"
+                f"   {expert_flops / t / ceiling:.0%}"
+            )
         print(f"  grouped vs padded: {times['ours/padded'] / times['ours/grouped']:.2f}x as fast")
         if profile:
             print_profile(modules, times, training_step(x, g, autocast))
@@ -168,12 +200,27 @@ def speed(rounds: int, iters: int, bf16: bool, implementations, skew: float, cpu
 
 # ----------------------------------------------------------------------------- where the time goes
 
-OPERATOR_CLASSES = {   # aten operator -> class; any other operator is "other"
+OPERATOR_CLASSES = {  # aten operator -> class; any other operator is "other"
     "matmuls": ("mm", "bmm", "addmm", "baddbmm", "_grouped_mm", "linear", "matmul"),
     "routing": ("_softmax", "_softmax_backward_data", "topk", "logsumexp", "bincount", "eq", "one_hot"),
-    "permutation": ("sort", "argsort", "index_select", "index_copy", "index_copy_", "index_add_", "index_put_",
-                    "_index_put_impl_", "index", "scatter_add_", "gather", "nonzero", "where", "repeat_interleave",
-                    "cumsum", "arange"),
+    "permutation": (
+        "sort",
+        "argsort",
+        "index_select",
+        "index_copy",
+        "index_copy_",
+        "index_add_",
+        "index_put_",
+        "_index_put_impl_",
+        "index",
+        "scatter_add_",
+        "gather",
+        "nonzero",
+        "where",
+        "repeat_interleave",
+        "cumsum",
+        "arange",
+    ),
     "activation": ("silu", "silu_backward", "gelu", "gelu_backward", "sigmoid"),
     "multiply-add, sums": ("mul", "add", "add_", "addcmul_", "sub", "div", "sum"),
     "casts, copies, fills": ("copy_", "_to_copy", "fill_", "zero_", "cat", "stack", "clone", "contiguous"),
@@ -204,15 +251,19 @@ def print_profile(modules: dict, times: dict, step) -> None:
         print(f"  {name:18s} " + " ".join(f"{1000 * times[name] * share[c]:12.1f}" for c in classes))
     ours = times["ours/grouped"] * shares["ours/grouped"]["matmuls"]
     for name in (n for n in modules if n.startswith("mixtral/")):
-        print(f"  {name} / ours/grouped if everything but ours' matmuls were free: {times[name] / ours:.2f}x "
-              f"(ours' matmuls are {shares['ours/grouped']['matmuls']:.0%} of its time)")
+        print(
+            f"  {name} / ours/grouped if everything but ours' matmuls were free: {times[name] / ours:.2f}x "
+            f"(ours' matmuls are {shares['ours/grouped']['matmuls']:.0%} of its time)"
+        )
 
 
 # ----------------------------------------------------------------------------- all-to-all bytes
 
+
 def _bytes_worker(rank: int, world: int, bf16: bool) -> dict:
     from megatron_p2r.parallel import mappings
     from megatron_p2r.parallel.state import Layout, initialize
+
     ps = initialize(Layout(dp=2, ep=2), torch.device("cpu"))
     layer = our_layer(ps)
     sent = {"payload": 0, "counts": 0}
@@ -240,23 +291,30 @@ def _bytes_worker(rank: int, world: int, bf16: bool) -> dict:
 
 def all_to_all_bytes(bf16: bool) -> None:
     from tests.harness import run_distributed
+
     results = run_distributed(_bytes_worker, 2, bf16)
-    print(f"\nEP=2 on 2 processes, {TOKENS} tokens per rank, top-{TOPK}, {'bf16' if bf16 else 'fp32'} rows: "
-          "bytes sent to the other rank")
+    print(
+        f"\nEP=2 on 2 processes, {TOKENS} tokens per rank, top-{TOPK}, {'bf16' if bf16 else 'fp32'} rows: "
+        "bytes sent to the other rank"
+    )
     row_bytes = HIDDEN * (2 if bf16 else 4)
     for rank, r in enumerate(results):
         # this rank sends its off-rank rows out, and returns the peer's off-rank rows after the experts
         minimum = row_bytes * (r["off_rank"] + results[1 - rank]["off_rank"])
         fwd = r["forward"]["payload"] + r["forward"]["counts"]
         step = r["step"]["payload"] + r["step"]["counts"]
-        print(f"rank {rank}: {100 * r['off_rank'] / r['assignments']:.1f}% of its {r['assignments']} assignments "
-              f"off-rank; forward sends {fwd:,} B (rows {r['forward']['payload']:,} + split sizes "
-              f"{r['forward']['counts']}) vs minimum {minimum:,} B = {fwd / minimum:.5f}x; "
-              f"forward+backward {step:,} B = {step / (2 * minimum):.5f}x of 2x the minimum")
+        print(
+            f"rank {rank}: {100 * r['off_rank'] / r['assignments']:.1f}% of its {r['assignments']} assignments "
+            f"off-rank; forward sends {fwd:,} B (rows {r['forward']['payload']:,} + split sizes "
+            f"{r['forward']['counts']}) vs minimum {minimum:,} B = {fwd / minimum:.5f}x; "
+            f"forward+backward {step:,} B = {step / (2 * minimum):.5f}x of 2x the minimum"
+        )
     total_min = sum(row_bytes * r["off_rank"] for r in results) * 2
     total_fwd = sum(r["forward"]["payload"] + r["forward"]["counts"] for r in results)
-    print(f"both ranks: forward {total_fwd:,} B vs tokens x hidden x dtype x 2 x off-rank fraction "
-          f"= {total_min:,} B ({total_fwd / total_min:.5f}x)")
+    print(
+        f"both ranks: forward {total_fwd:,} B vs tokens x hidden x dtype x 2 x off-rank fraction "
+        f"= {total_min:,} B ({total_fwd / total_min:.5f}x)"
+    )
 
 
 def main(argv=None) -> None:
@@ -265,18 +323,32 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (needs a CPU with a bf16 matmul path)")
     parser.add_argument("--skip-ep", action="store_true", help="only the one-process comparison")
-    parser.add_argument("--cpu-time", action="store_true",
-                        help="one thread, this process's CPU time instead of wall time: other load on a shared "
-                             "machine does not move the figures")
-    parser.add_argument("--skew", type=float, default=0.25,
-                        help="router bias of the imbalanced case, from +SKEW (expert 0) down to -SKEW")
-    parser.add_argument("--mixtral-impls", nargs="+", default=["eager", "grouped_mm"],
-                        choices=["eager", "batched_mm", "grouped_mm"],
-                        help="transformers experts implementations to time (batched_mm copies every token's "
-                             "expert weights: ~50x slower here, so not by default)")
-    parser.add_argument("--profile", action="store_true",
-                        help="also split each time by operator class (torch.profiler self CPU time): the experts' "
-                             "matmuls, routing, permutation, activation, elementwise, casts, other")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="one thread, this process's CPU time instead of wall time: other load on a shared "
+        "machine does not move the figures",
+    )
+    parser.add_argument(
+        "--skew",
+        type=float,
+        default=0.25,
+        help="router bias of the imbalanced case, from +SKEW (expert 0) down to -SKEW",
+    )
+    parser.add_argument(
+        "--mixtral-impls",
+        nargs="+",
+        default=["eager", "grouped_mm"],
+        choices=["eager", "batched_mm", "grouped_mm"],
+        help="transformers experts implementations to time (batched_mm copies every token's "
+        "expert weights: ~50x slower here, so not by default)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also split each time by operator class (torch.profiler self CPU time): the experts' "
+        "matmuls, routing, permutation, activation, elementwise, casts, other",
+    )
     args = parser.parse_args(argv)
     speed(args.rounds, args.iters, args.bf16, args.mixtral_impls, args.skew, args.cpu_time, args.profile)
     if not args.skip_ep:

@@ -20,6 +20,7 @@ one sends its all-to-alls again when it recomputes, the overlapped one does not,
 is fed 2/3 of the serial all-to-all time and the backward's share of the compute with its
 recomputed forward.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,7 @@ import functools
 import statistics
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests.harness: local gloo ranks
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.harness: local gloo ranks
 
 import torch  # noqa: E402
 
@@ -42,9 +43,21 @@ from megatron_p2r.pipeline.order import combined_warmup  # noqa: E402
 from megatron_p2r.pipeline.schedules import get_forward_backward_func  # noqa: E402
 from megatron_p2r.planning.estimate import exposed_ep  # noqa: E402
 
-MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=256, vocab_size=1024,
-             micro_batch_size=4, mock_data=True, num_experts=8, moe_ffn_hidden_size=512, moe_router_topk=2,
-             expert_model_parallel_size=2, hidden_dropout=0.0, attention_dropout=0.0)
+MODEL = dict(
+    num_layers=4,
+    hidden_size=256,
+    num_attention_heads=4,
+    seq_length=256,
+    vocab_size=1024,
+    micro_batch_size=4,
+    mock_data=True,
+    num_experts=8,
+    moe_ffn_hidden_size=512,
+    moe_router_topk=2,
+    expert_model_parallel_size=2,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 
 
 class _AllToAllClock:
@@ -62,6 +75,7 @@ class _AllToAllClock:
             began = time.perf_counter()
             wait()
             self.seconds += time.perf_counter() - began
+
         return out, timed_wait
 
     def install(self):
@@ -75,24 +89,35 @@ def _worker(rank: int, world: int, rounds: int, microbatches: int, pp: int, reco
     from megatron_p2r.layout.plan import ParallelPlan
     from megatron_p2r.parallel.state import initialize_plan
     from megatron_p2r.training import build_train_state
-    cfg = config_from_values({**MODEL, **(FULL if recompute else {}), "pipeline_model_parallel_size": pp,
-                              "global_batch_size": 2 * MODEL["micro_batch_size"] * microbatches})
+
+    cfg = config_from_values(
+        {
+            **MODEL,
+            **(FULL if recompute else {}),
+            "pipeline_model_parallel_size": pp,
+            "global_batch_size": 2 * MODEL["micro_batch_size"] * microbatches,
+        }
+    )
     plan = ParallelPlan.for_world(cfg, world)
     ps = initialize_plan(plan, torch.device("cpu"))
     state = build_train_state(cfg, ps, plan)
     g = torch.Generator().manual_seed(rank)
     mbs = []
     for _ in range(microbatches):
-        tokens = torch.randint(0, MODEL["vocab_size"], (MODEL["micro_batch_size"], MODEL["seq_length"] + 1), generator=g)
+        tokens = torch.randint(
+            0, MODEL["vocab_size"], (MODEL["micro_batch_size"], MODEL["seq_length"] + 1), generator=g
+        )
         mbs.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(tokens[:, 1:].shape)})
     clock = _AllToAllClock()
     clock.install()
-    serial_stats: dict = {}   # the serial schedule's busy time: its step less the pipeline's idle waits
-    schedules = {"serial": functools.partial(get_forward_backward_func(plan.schedule.serial), stats=serial_stats),
-                 "overlapped": forward_backward_combined_1f1b}
+    serial_stats: dict = {}  # the serial schedule's busy time: its step less the pipeline's idle waits
+    schedules = {
+        "serial": functools.partial(get_forward_backward_func(plan.schedule.serial), stats=serial_stats),
+        "overlapped": forward_backward_combined_1f1b,
+    }
     times = {name: {"step": [], "a2a": []} for name in schedules}
     times["serial"]["busy"] = []
-    for r in range(rounds + 1):           # round 0 warms up
+    for r in range(rounds + 1):  # round 0 warms up
         for name, schedule in schedules.items():
             state.ddp.zero_grad_buffer(microbatches)
             torch.distributed.barrier()
@@ -112,22 +137,31 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--pp", type=int, default=1, choices=[1, 2],
-                        help="pipeline stages: 2 runs 1F1B against combined 1F1B on 4 processes")
+    parser.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        choices=[1, 2],
+        help="pipeline stages: 2 runs 1F1B against combined 1F1B on 4 processes",
+    )
     parser.add_argument("--recompute", action="store_true", help="full recomputation, one layer per unit")
     args = parser.parse_args(argv)
     from tests.harness import run_distributed
-    results = run_distributed(_worker, 2 * args.pp, args.rounds, args.microbatches, args.pp, args.recompute,
-                              timeout=600)
-    kept = 2 / 3 if args.recompute else 1.0   # the recomputed pass's all-to-alls are not sent again
+
+    results = run_distributed(
+        _worker, 2 * args.pp, args.rounds, args.microbatches, args.pp, args.recompute, timeout=600
+    )
+    kept = 2 / 3 if args.recompute else 1.0  # the recomputed pass's all-to-alls are not sent again
     m = args.microbatches
     for rank, r in enumerate(results):
         serial, overlapped, unpaired = r["serial"], r["overlapped"], combined_warmup(args.pp, 1, m, r["stage"])
         a2a, rest = serial["a2a"] / m, (serial["busy"] - serial["a2a"]) / m
-        print(f"rank {rank} (stage {r['stage']}): serial step {serial['step']:.3f} s (all-to-alls "
-              f"{serial['a2a']:.3f} s), overlapped {overlapped['step']:.3f} s (exposed all-to-alls "
-              f"{overlapped['a2a']:.3f} s): {overlapped['step'] / serial['step']:.3f}x; planner's exposed_ep on "
-              f"the serial figures: {m * exposed_ep(a2a * kept, rest, m, unpaired, float(args.recompute)):.3f} s")
+        print(
+            f"rank {rank} (stage {r['stage']}): serial step {serial['step']:.3f} s (all-to-alls "
+            f"{serial['a2a']:.3f} s), overlapped {overlapped['step']:.3f} s (exposed all-to-alls "
+            f"{overlapped['a2a']:.3f} s): {overlapped['step'] / serial['step']:.3f}x; planner's exposed_ep on "
+            f"the serial figures: {m * exposed_ep(a2a * kept, rest, m, unpaired, float(args.recompute)):.3f} s"
+        )
 
 
 if __name__ == "__main__":

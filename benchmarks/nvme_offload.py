@@ -22,6 +22,7 @@ temporary directory on the disk holding /tmp), each trained one step, then the h
   layer's pages read ahead and mapped on the reader thread (``MADV_POPULATE_WRITE``, what the
   code does) and, to measure what that buys, without.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,16 +47,29 @@ SETTINGS = [  # label, state in the file, what precedes the step (untimed), its 
     ("file, mapped, dirty, no read-ahead", True, "step", False),
     ("file, in page cache, written back", True, "flush", True),
     ("file, from disk, read ahead", True, "evict", True),
-    ("file, from disk, no read-ahead", True, "evict", False)]
+    ("file, from disk, no read-ahead", True, "evict", False),
+]
 
 
 def build(args, directory):
-    values = dict(vocab_size=2048, make_vocab_size_divisible_by=128, hidden_size=args.hidden, num_layers=args.layers,
-                  num_attention_heads=8, seq_length=32, micro_batch_size=1, global_batch_size=1, mock_data=True,
-                  bf16=True, cpu_offload_layers="1.0", cpu_offload_optimizer_nvme_path=directory, device="cpu")
+    values = dict(
+        vocab_size=2048,
+        make_vocab_size_divisible_by=128,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_attention_heads=8,
+        seq_length=32,
+        micro_batch_size=1,
+        global_batch_size=1,
+        mock_data=True,
+        bf16=True,
+        cpu_offload_layers="1.0",
+        cpu_offload_optimizer_nvme_path=directory,
+        device="cpu",
+    )
     state = build_train_state(config_from_values(values), ParallelState.single())
-    train_step(state, random_microbatches(2048, 32, 1, torch.device("cpu")))   # creates the AdamW state
-    state.optimizer.prepare_grads()   # the host step's gradients, kept for every timed step
+    train_step(state, random_microbatches(2048, 32, 1, torch.device("cpu")))  # creates the AdamW state
+    state.optimizer.prepare_grads()  # the host step's gradients, kept for every timed step
     return state
 
 
@@ -91,9 +105,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         states = {False: build(args, None), True: build(args, directory)}
         file = states[True].offload.nvme.file
-        print(f"host step of {args.layers} offloaded layers of hidden {args.hidden} (bf16 weights, AdamW, 1 thread): "
-              f"{format_bytes(file.used_bytes)} of fp32 mains and moments, file {file.path} on "
-              f"{os.path.realpath(directory)}")
+        print(
+            f"host step of {args.layers} offloaded layers of hidden {args.hidden} (bf16 weights, AdamW, 1 thread): "
+            f"{format_bytes(file.used_bytes)} of fp32 mains and moments, file {file.path} on "
+            f"{os.path.realpath(directory)}"
+        )
         times = {label: [] for label, *_ in SETTINGS}
         for _ in range(args.rounds):
             for label, in_file, before, read_ahead in SETTINGS:
@@ -103,9 +119,11 @@ def main() -> None:
     for label, ts in times.items():
         figures[label] = statistics.median(ts)
         print(f"  {label:<36} {figures[label] * 1e3:8.1f} ms  ({figures[label] / base:.2f}x RAM)")
-    print(f"  read-ahead / none, from disk: {figures['file, from disk, read ahead'] / figures['file, from disk, no read-ahead']:.2f}"
-          f"; disk traffic {2 * file.used_bytes / figures['file, from disk, read ahead'] / 1e9:.2f} GB/s "
-          f"(read + write back, {args.rounds} rounds, medians)")
+    print(
+        f"  read-ahead / none, from disk: {figures['file, from disk, read ahead'] / figures['file, from disk, no read-ahead']:.2f}"
+        f"; disk traffic {2 * file.used_bytes / figures['file, from disk, read ahead'] / 1e9:.2f} GB/s "
+        f"(read + write back, {args.rounds} rounds, medians)"
+    )
     write_json(args.json, {"seconds": figures, "bytes": file.used_bytes, "rounds": args.rounds})
 
 

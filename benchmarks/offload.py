@@ -32,6 +32,7 @@ the script in seconds, as the lane's trial on CPU runs it; ``optim`` (4 layers o
 2 micro-batches of 2 x 64 tokens) makes the optimizer step a large share of the step, so what
 the overlapped host step hides shows above the noise on CPU. ``--json`` writes every figure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,39 +55,88 @@ from megatron_p2r.planning.host_step import load_calibration  # noqa: E402
 from megatron_p2r.planning.memory import stage_state_bytes  # noqa: E402
 from megatron_p2r.training import build_train_state, train_step  # noqa: E402
 
-COMMON = dict(make_vocab_size_divisible_by=128, mock_data=True, clip_grad=1.0, weight_decay=0.01,
-              lr_decay_style="constant", hidden_dropout=0.0, attention_dropout=0.0)
+COMMON = dict(
+    make_vocab_size_divisible_by=128,
+    mock_data=True,
+    clip_grad=1.0,
+    weight_decay=0.01,
+    lr_decay_style="constant",
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 SHAPES = {
-    "tiny": dict(vocab_size=2048, hidden_size=256, num_layers=4, num_attention_heads=4, seq_length=128,
-                 micro_batch_size=4, global_batch_size=8),
-    "gpu": dict(vocab_size=32000, hidden_size=2048, num_layers=8, num_attention_heads=16, seq_length=2048,
-                micro_batch_size=4, global_batch_size=16),
-    "optim": dict(vocab_size=2048, hidden_size=768, num_layers=4, num_attention_heads=8, seq_length=64,
-                  micro_batch_size=2, global_batch_size=4),
-    "micro": dict(vocab_size=512, hidden_size=64, num_layers=4, num_attention_heads=2, seq_length=32,
-                  micro_batch_size=2, global_batch_size=4),
+    "tiny": dict(
+        vocab_size=2048,
+        hidden_size=256,
+        num_layers=4,
+        num_attention_heads=4,
+        seq_length=128,
+        micro_batch_size=4,
+        global_batch_size=8,
+    ),
+    "gpu": dict(
+        vocab_size=32000,
+        hidden_size=2048,
+        num_layers=8,
+        num_attention_heads=16,
+        seq_length=2048,
+        micro_batch_size=4,
+        global_batch_size=16,
+    ),
+    "optim": dict(
+        vocab_size=2048,
+        hidden_size=768,
+        num_layers=4,
+        num_attention_heads=8,
+        seq_length=64,
+        micro_batch_size=2,
+        global_batch_size=4,
+    ),
+    "micro": dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_layers=4,
+        num_attention_heads=2,
+        seq_length=32,
+        micro_batch_size=2,
+        global_batch_size=4,
+    ),
 }
 FULL = "params,grads,optimizer"
 OVERLAP, NO_CLIP = {"overlap_cpu_optimizer_d2h_h2d": True}, {"clip_grad": 0.0}
 SETTINGS = [  # label, --cpu-offload-layers, full recomputation of every layer, --cpu-offload-what, other flags
-    ("0%", None, False, FULL, {}), ("0% + recompute", None, True, FULL, {}), ("25%", "0.25", False, FULL, {}),
-    ("50%", "0.5", False, FULL, {}), ("50% overlapped", "0.5", False, FULL, OVERLAP),
-    ("100%", "1.0", False, FULL, {}), ("50% optim only", "0.5", False, "optimizer", {}),
-    ("0% noclip", None, False, FULL, NO_CLIP), ("50% noclip", "0.5", False, FULL, NO_CLIP),
+    ("0%", None, False, FULL, {}),
+    ("0% + recompute", None, True, FULL, {}),
+    ("25%", "0.25", False, FULL, {}),
+    ("50%", "0.5", False, FULL, {}),
+    ("50% overlapped", "0.5", False, FULL, OVERLAP),
+    ("100%", "1.0", False, FULL, {}),
+    ("50% optim only", "0.5", False, "optimizer", {}),
+    ("0% noclip", None, False, FULL, NO_CLIP),
+    ("50% noclip", "0.5", False, FULL, NO_CLIP),
     ("50% in backward", "0.5", False, FULL, {**OVERLAP, **NO_CLIP}),
-    ("50% bwd 2 threads", "0.5", False, FULL, {**OVERLAP, **NO_CLIP, "host_optimizer_threads": 2})]
+    ("50% bwd 2 threads", "0.5", False, FULL, {**OVERLAP, **NO_CLIP, "host_optimizer_threads": 2}),
+]
 RATIOS = [  # (setting, against it, what the ratio says)
     ("50% overlapped", "50%", "50% overlapped / 50% serial host step"),
     ("50% in backward", "50% noclip", "50% overlapped, started in backward / 50% serial, both --clip-grad 0"),
     ("50% in backward", "0% noclip", "50% overlapped, started in backward / no offload, both --clip-grad 0"),
-    ("50% bwd 2 threads", "50% in backward", "2 host optimizer threads / 1")]
+    ("50% bwd 2 threads", "50% in backward", "2 host optimizer threads / 1"),
+]
 STEPS_PER_ROUND = 2
 
 
 def build(setting, args, device):
     _, spec, recompute, what, flags = setting
-    values = {**COMMON, **SHAPES[args.shape], "bf16": args.bf16, "device": device.type,
-              "offload_prefetch": args.prefetch, "cpu_offload_what": what, **flags}
+    values = {
+        **COMMON,
+        **SHAPES[args.shape],
+        "bf16": args.bf16,
+        "device": device.type,
+        "offload_prefetch": args.prefetch,
+        "cpu_offload_what": what,
+        **flags,
+    }
     if recompute:  # as offloaded layers run: every layer recomputed in full
         values.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if spec is not None:
@@ -138,7 +188,7 @@ def predict_host_step(args, device, mbs, calibration: str) -> dict:
     (a node of one GPU), with PCIe taken as free: on CPU the copies are memory copies, which the
     planner counts in the DRAM's share."""
     state = build(next(s for s in SETTINGS if s[0] == "50%"), args, device)
-    host, times = state.optimizer.host, []   # the serial host step (optim/host_step.py)
+    host, times = state.optimizer.host, []  # the serial host step (optim/host_step.py)
     step = host.submit
 
     def timed_step(*a, **k):
@@ -155,13 +205,21 @@ def predict_host_step(args, device, mbs, calibration: str) -> dict:
     plan = make_plan(state.cfg, 1, gpu, host=load_calibration(calibration))
     st = plan.stages[0]
     predicted, h = st.time_s["host_optimizer_step"], st.host_step
-    print(f"host step, 50% offloaded ({len(st.offloaded_layers)} of {state.cfg.model.num_layers} layers): measured "
-          f"{1000 * measured:.2f} ms (median of {args.steps}, CPU time), predicted {1000 * predicted:.2f} ms "
-          f"({h['bytes_per_element']} B per element, {h['setting']}, at {h['bw'] / 1e9:.3g} GB/s: {h['limit']}-bound, "
-          f"{h['threads']:g} threads x {h['thread_bw'] / 1e9:.3g} GB/s, {h['thread_bw_source']}); "
-          f"predicted / measured {predicted / measured:.2f}")
-    return {"measured_s": measured, "predicted_s": predicted, "ratio": predicted / measured, "host_step": h,
-            "step_times_s": times, "calibration": calibration}
+    print(
+        f"host step, 50% offloaded ({len(st.offloaded_layers)} of {state.cfg.model.num_layers} layers): measured "
+        f"{1000 * measured:.2f} ms (median of {args.steps}, CPU time), predicted {1000 * predicted:.2f} ms "
+        f"({h['bytes_per_element']} B per element, {h['setting']}, at {h['bw'] / 1e9:.3g} GB/s: {h['limit']}-bound, "
+        f"{h['threads']:g} threads x {h['thread_bw'] / 1e9:.3g} GB/s, {h['thread_bw_source']}); "
+        f"predicted / measured {predicted / measured:.2f}"
+    )
+    return {
+        "measured_s": measured,
+        "predicted_s": predicted,
+        "ratio": predicted / measured,
+        "host_step": h,
+        "step_times_s": times,
+        "calibration": calibration,
+    }
 
 
 def main() -> None:
@@ -172,12 +230,18 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    parser.add_argument("--settings", type=lambda text: text.split(","),
-                        help="comma-separated labels of the settings to run (default: all; 0%% is always run)")
+    parser.add_argument(
+        "--settings",
+        type=lambda text: text.split(","),
+        help="comma-separated labels of the settings to run (default: all; 0%% is always run)",
+    )
     parser.add_argument("--json", help="also write the figures to this file")
-    parser.add_argument("--predict-host-step", metavar="CALIBRATION",
-                        help="measure the 50%% setting's host step beside the planner's prediction for the host "
-                             "this benchmarks/host_optimizer.py --json file describes")
+    parser.add_argument(
+        "--predict-host-step",
+        metavar="CALIBRATION",
+        help="measure the 50%% setting's host step beside the planner's prediction for the host "
+        "this benchmarks/host_optimizer.py --json file describes",
+    )
     args = parser.parse_args()
     unknown = sorted(set(args.settings or ()) - {s[0] for s in SETTINGS})
     if unknown:
@@ -190,16 +254,19 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():  # a one-rank job on an in-memory store: no port for runs side by side to share
-        dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=dist.HashStore(),
-                                rank=0, world_size=1)
+        dist.init_process_group(
+            "gloo" if device.type == "cpu" else "nccl", store=dist.HashStore(), rank=0, world_size=1
+        )
     shape = SHAPES[args.shape]
     n_mb = shape["global_batch_size"] // shape["micro_batch_size"]
     mbs = random_microbatches(shape["vocab_size"], shape["seq_length"], shape["micro_batch_size"], device, n=n_mb)
-    print(f"shape {args.shape}: {shape['num_layers']} layers, hidden {shape['hidden_size']}, "
-          f"vocab {shape['vocab_size']}, seq {shape['seq_length']}, {n_mb} micro-batches of "
-          f"{shape['micro_batch_size']}, "
-          f"{'bf16' if args.bf16 else 'fp32'}, prefetch {args.prefetch}, device {device}, "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"shape {args.shape}: {shape['num_layers']} layers, hidden {shape['hidden_size']}, "
+        f"vocab {shape['vocab_size']}, seq {shape['seq_length']}, {n_mb} micro-batches of "
+        f"{shape['micro_batch_size']}, "
+        f"{'bf16' if args.bf16 else 'fp32'}, prefetch {args.prefetch}, device {device}, "
+        f"torch threads {torch.get_num_threads()}"
+    )
 
     if args.predict_host_step:
         write_json(args.json, predict_host_step(args, device, mbs, args.predict_host_step))
@@ -212,8 +279,10 @@ def main() -> None:
 
     median = {label: statistics.median(t) for label, t in times.items()}
     base, base_rc = median["0%"], median.get("0% + recompute", float("nan"))
-    header = (f"{'setting':>18} {'layers':>6} {'ms/step':>8} {'vs 0%':>6} {'vs 0%+rc':>8} "
-              f"{'device (accounted)':>19} {'host':>11} {'fetch window':>12} {'peak live':>9}")
+    header = (
+        f"{'setting':>18} {'layers':>6} {'ms/step':>8} {'vs 0%':>6} {'vs 0%+rc':>8} "
+        f"{'device (accounted)':>19} {'host':>11} {'fetch window':>12} {'peak live':>9}"
+    )
     if memory:
         header += f" {'cuda resident':>13} {'cuda peak':>11}"
     print(header)
@@ -222,14 +291,22 @@ def main() -> None:
         t = statistics.median(times[label])
         plan = accounted(state)
         man = state.offload
-        row = {"layers": len(man.keys) if man else 0, "ms_per_step": 1000 * t, "vs_0": t / base,
-               "vs_0_recompute": t / base_rc, "device_accounted": sum(plan["device"].values()),
-               "host": sum(plan["host"].values()), "fetch_window": plan["device"]["fetch_window"],
-               "peak_live_copies": max(man.stats["peak_live"].values()) if man else 0,
-               "step_times_ms": [1000 * x for x in times[label]]}
-        line = (f"{label:>18} {row['layers']:>6} {row['ms_per_step']:8.1f} {row['vs_0']:6.2f} "
-                f"{row['vs_0_recompute']:8.2f} {format_bytes(row['device_accounted']):>19} "
-                f"{format_bytes(row['host']):>11} {format_bytes(row['fetch_window']):>12} {row['peak_live_copies']:>9}")
+        row = {
+            "layers": len(man.keys) if man else 0,
+            "ms_per_step": 1000 * t,
+            "vs_0": t / base,
+            "vs_0_recompute": t / base_rc,
+            "device_accounted": sum(plan["device"].values()),
+            "host": sum(plan["host"].values()),
+            "fetch_window": plan["device"]["fetch_window"],
+            "peak_live_copies": max(man.stats["peak_live"].values()) if man else 0,
+            "step_times_ms": [1000 * x for x in times[label]],
+        }
+        line = (
+            f"{label:>18} {row['layers']:>6} {row['ms_per_step']:8.1f} {row['vs_0']:6.2f} "
+            f"{row['vs_0_recompute']:8.2f} {format_bytes(row['device_accounted']):>19} "
+            f"{format_bytes(row['host']):>11} {format_bytes(row['fetch_window']):>12} {row['peak_live_copies']:>9}"
+        )
         if memory:
             row["cuda_resident"], row["cuda_peak"] = memory[label]
             line += f" {format_bytes(row['cuda_resident']):>13} {format_bytes(row['cuda_peak']):>11}"
@@ -240,8 +317,19 @@ def main() -> None:
         if label in median and against in median:
             ratios[says] = median[label] / median[against]
             print(f"{says}: {ratios[says]:.2f}")
-    write_json(args.json, {"ratios": ratios, "device": str(device), "shape": args.shape, "shape_values": shape, "bf16": args.bf16,
-                           "prefetch": args.prefetch, "steps": args.steps, "settings": rows})
+    write_json(
+        args.json,
+        {
+            "ratios": ratios,
+            "device": str(device),
+            "shape": args.shape,
+            "shape_values": shape,
+            "bf16": args.bf16,
+            "prefetch": args.prefetch,
+            "steps": args.steps,
+            "settings": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

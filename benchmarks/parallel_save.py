@@ -18,6 +18,7 @@ median over saves and the larger over ranks; the steps between saves are timed t
 background writer shares the CPU with training.
 Ranks share the machine's cores: compare the ratios of one run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,10 +41,21 @@ def _status(key: str) -> int:
 
 
 def _values(args, fully_parallel: bool, async_save: bool = False) -> dict:
-    return dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8, seq_length=64,
-                vocab_size=args.vocab, mock_data=True, micro_batch_size=1, global_batch_size=4,
-                use_distributed_optimizer=True, ckpt_fully_parallel_save=fully_parallel, train_iters=1000,
-                async_save=async_save, keep_last=2)
+    return dict(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=8,
+        seq_length=64,
+        vocab_size=args.vocab,
+        mock_data=True,
+        micro_batch_size=1,
+        global_batch_size=4,
+        use_distributed_optimizer=True,
+        ckpt_fully_parallel_save=fully_parallel,
+        train_iters=1000,
+        async_save=async_save,
+        keep_last=2,
+    )
 
 
 def _measure(rank: int, world: int, args, fully_parallel: bool, root: str) -> dict:
@@ -54,6 +66,7 @@ def _measure(rank: int, world: int, args, fully_parallel: bool, root: str) -> di
     from megatron_p2r.checkpoint.io import save_checkpoint
     from megatron_p2r.config import num_microbatches
     from megatron_p2r.training import build_datasets, build_train_state, microbatch_iterator, setup_parallel, train_step
+
     cfg = config_from_values(_values(args, fully_parallel))
     ps, _ = setup_parallel(cfg, torch.device("cpu"))
     state = build_train_state(cfg, ps)
@@ -66,7 +79,7 @@ def _measure(rank: int, world: int, args, fully_parallel: bool, root: str) -> di
         if world > 1:
             dist.barrier()
         with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
-            fh.write("5")   # reset this process's peak RSS
+            fh.write("5")  # reset this process's peak RSS
         before, start = _status("VmRSS"), time.perf_counter()
         save_checkpoint(root, state)
         if i:
@@ -84,6 +97,7 @@ def _stall(rank: int, world: int, args, async_save: bool, root: str) -> dict:
     from megatron_p2r.checkpoint.async_save import finish_pending, save_checkpoint
     from megatron_p2r.config import num_microbatches
     from megatron_p2r.training import build_datasets, build_train_state, microbatch_iterator, setup_parallel, train_step
+
     cfg = config_from_values(_values(args, True, async_save))
     ps, _ = setup_parallel(cfg, torch.device("cpu"))
     state = build_train_state(cfg, ps)
@@ -105,8 +119,10 @@ def _stall(rank: int, world: int, args, async_save: bool, root: str) -> dict:
 
 def _one_process(args, root: str) -> dict:
     from tests.harness import free_port
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     import torch.distributed as dist
+
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         return _measure(0, 1, args, True, root)
@@ -125,14 +141,19 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from tests.harness import run_distributed
+
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         dp1 = _one_process(args, os.path.join(tmp, "dp1"))
         par = run_distributed(_measure, 4, args, True, os.path.join(tmp, "par"), timeout=1800)
         one = run_distributed(_measure, 4, args, False, os.path.join(tmp, "one"), timeout=1800)
-        stall = {mode: run_distributed(_stall, 2, args, mode, os.path.join(tmp, f"stall{mode}"), timeout=1800)
-                 for mode in (False, True)}
-    print(f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
-          f"state (fp32 mains + 2 moments) {dp1['own'] / 2**20:.0f} MiB")
+        stall = {
+            mode: run_distributed(_stall, 2, args, mode, os.path.join(tmp, f"stall{mode}"), timeout=1800)
+            for mode in (False, True)
+        }
+    print(
+        f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
+        f"state (fp32 mains + 2 moments) {dp1['own'] / 2**20:.0f} MiB"
+    )
     print(f"{'save':38s} {'s':>6s} {'vs DP1':>7s} {'peak host growth / own state (max over ranks)':>47s}")
     rows = [("DP1", [dp1]), ("DP4, fully parallel (4 writers)", par), ("DP4, --no-ckpt-fully-parallel-save", one)]
     for name, ranks in rows:
@@ -140,9 +161,11 @@ def main(argv=None) -> int:
         ratio = max(r["growth"] / r["own"] for r in ranks)
         print(f"{name:38s} {seconds:6.2f} {seconds / dp1['seconds']:6.2f}x {ratio:46.2f}x")
     sync, asynchronous = ({k: max(r[k] for r in stall[mode]) for k in ("stall", "steps")} for mode in (False, True))
-    print(f"DP2, a save every {args.steps_between} steps: training stall per save {sync['stall']:.3f} s synchronous, "
-          f"{asynchronous['stall']:.3f} s with --async-save ({asynchronous['stall'] / sync['stall']:.2f}x); "
-          f"the steps between saves {asynchronous['steps'] / sync['steps']:.2f}x as long with it")
+    print(
+        f"DP2, a save every {args.steps_between} steps: training stall per save {sync['stall']:.3f} s synchronous, "
+        f"{asynchronous['stall']:.3f} s with --async-save ({asynchronous['stall'] / sync['stall']:.2f}x); "
+        f"the steps between saves {asynchronous['steps'] / sync['steps']:.2f}x as long with it"
+    )
     return 0
 
 

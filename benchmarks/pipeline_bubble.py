@@ -20,6 +20,7 @@ cores).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pipeline_bubble.py
 """
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,7 @@ import argparse
 import statistics
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests.harness: local gloo ranks
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.harness: local gloo ranks
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -71,8 +72,9 @@ class UniformStage(nn.Module):
         self.work, self.fwd_seconds, self.hidden = work, fwd_seconds / chunks, hidden
         n = layers // chunks if work == "matmul" else 1
         mlp = [(nn.Linear(hidden, hidden), nn.GELU()) for _ in range(n * chunks)]
-        self.chunks = nn.ModuleList(nn.Sequential(*[m for pair in mlp[c * n:(c + 1) * n] for m in pair])
-                                    for c in range(chunks))
+        self.chunks = nn.ModuleList(
+            nn.Sequential(*[m for pair in mlp[c * n : (c + 1) * n] for m in pair]) for c in range(chunks)
+        )
 
     def hidden_spec(self, tokens_shape):
         return (*tokens_shape, self.hidden), torch.float32
@@ -110,8 +112,12 @@ def _p2p_latency(ps, shape, rounds: int = 30) -> float:
 
 
 # (label, model chunks per rank, schedule kind, receives posted ahead)
-RUNS = (("gpipe", 1, GPIPE, False), ("1f1b", 1, ONE_F_ONE_B, False), ("1f1b v=2", 2, INTERLEAVED, False),
-        ("v=2 overlap", 2, INTERLEAVED, True))
+RUNS = (
+    ("gpipe", 1, GPIPE, False),
+    ("1f1b", 1, ONE_F_ONE_B, False),
+    ("1f1b v=2", 2, INTERLEAVED, False),
+    ("v=2 overlap", 2, INTERLEAVED, True),
+)
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> list:
@@ -120,8 +126,14 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> list:
     b, s = args.micro_batch, args.seq
     rows = [{"p2p_s": _p2p_latency(ps, (b, s, args.hidden))}]
     for m in args.microbatches:
-        mbs = [{"tokens": torch.randint(0, 1000, (b, s)), "labels": torch.zeros(b, s, dtype=torch.long),
-                "loss_mask": torch.ones(b, s)} for _ in range(m)]
+        mbs = [
+            {
+                "tokens": torch.randint(0, 1000, (b, s)),
+                "labels": torch.zeros(b, s, dtype=torch.long),
+                "loss_mask": torch.ones(b, s),
+            }
+            for _ in range(m)
+        ]
         for name, chunks, kind, ahead in RUNS:
             schedule = get_forward_backward_func(SchedulePlan(kind, world, chunks, posts_receives_ahead=ahead))
             model = UniformStage(args.hidden, rank, world, chunks, args.work, args.fwd_ms / 1000.0, args.layers)
@@ -169,14 +181,21 @@ def main(argv=None) -> None:
     p2p_s = per_rank[0][0]["p2p_s"]
     results = [row for rank_rows in per_rank for row in rank_rows[1:]]
     P = STAGES
-    what = (f"forward {args.fwd_ms:.1f} ms + backward {2 * args.fwd_ms:.1f} ms (fixed waits)" if args.work == "sleep"
-            else f"{args.layers}-layer GELU MLP, hidden {args.hidden}, {args.micro_batch}x{args.seq} tokens")
-    print(f"P={P} stages on {P} gloo CPU processes; per micro-batch and stage: {what}; "
-          f"t_f+t_b measured alone = {1000 * t_mb:.1f} ms; one p2p transfer "
-          f"({args.micro_batch}x{args.seq}x{args.hidden} fp32) = {1000 * p2p_s:.2f} ms one way; "
-          f"median of {args.repeats} steps")
-    header = (f"{'schedule':11} {'m':>3} {'step ms':>8} {'ideal ms':>8} {'ratio':>6} {'+p2p ms':>8} "
-              f"{'busy s0   s1   s2   s3':>22} {'bubble':>7} {'ideal':>6} {'peak in-flight s0..s3':>22}")
+    what = (
+        f"forward {args.fwd_ms:.1f} ms + backward {2 * args.fwd_ms:.1f} ms (fixed waits)"
+        if args.work == "sleep"
+        else f"{args.layers}-layer GELU MLP, hidden {args.hidden}, {args.micro_batch}x{args.seq} tokens"
+    )
+    print(
+        f"P={P} stages on {P} gloo CPU processes; per micro-batch and stage: {what}; "
+        f"t_f+t_b measured alone = {1000 * t_mb:.1f} ms; one p2p transfer "
+        f"({args.micro_batch}x{args.seq}x{args.hidden} fp32) = {1000 * p2p_s:.2f} ms one way; "
+        f"median of {args.repeats} steps"
+    )
+    header = (
+        f"{'schedule':11} {'m':>3} {'step ms':>8} {'ideal ms':>8} {'ratio':>6} {'+p2p ms':>8} "
+        f"{'busy s0   s1   s2   s3':>22} {'bubble':>7} {'ideal':>6} {'peak in-flight s0..s3':>22}"
+    )
     print(header)
     print("-" * len(header))
     for m in args.microbatches:
@@ -189,13 +208,15 @@ def main(argv=None) -> None:
             busy = [r["steps"][i_med][1] / step for r in per_stage]
             peaks = [max(x[2] for x in r["steps"]) for r in per_stage]
             slots = step_slots("gpipe" if name == "gpipe" else "1f1b", P, chunks, m)
-            bubble = sum((1 - f) / f for f in busy) / P          # idle / busy, mean over stages
-            waited = 2 * chunks * p2p_s    # a slot's transfers; overlapped, what the planner says outlasts compute
+            bubble = sum((1 - f) / f for f in busy) / P  # idle / busy, mean over stages
+            waited = 2 * chunks * p2p_s  # a slot's transfers; overlapped, what the planner says outlasts compute
             waited = exposed_p2p(waited, t_mb) if "overlap" in name else waited
-            print(f"{name:11} {m:>3} {1000 * step:>8.1f} {1000 * slots * t_mb:>8.1f} {step / (slots * t_mb):>6.2f} "
-                  f"{1000 * slots * (t_mb + waited):>8.1f} "
-                  f"{'  ' + ' '.join(f'{b:.2f}' for b in busy):>22} {bubble:>7.3f} {slots / m - 1:>6.3f} "
-                  f"{' '.join(str(p) for p in peaks):>22}")
+            print(
+                f"{name:11} {m:>3} {1000 * step:>8.1f} {1000 * slots * t_mb:>8.1f} {step / (slots * t_mb):>6.2f} "
+                f"{1000 * slots * (t_mb + waited):>8.1f} "
+                f"{'  ' + ' '.join(f'{b:.2f}' for b in busy):>22} {bubble:>7.3f} {slots / m - 1:>6.3f} "
+                f"{' '.join(str(p) for p in peaks):>22}"
+            )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ distributed optimizer), compared line by line with the same file. CPU time
 (``time.process_time``) in a fresh process per measurement, after the imports: neither other
 load on the machine nor a schedule cached by the other measurement counts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,13 +62,17 @@ def main(argv=None) -> None:
     seconds, out = _fresh(plan, case["argv"] + ["--json"])
     data = json.loads(out)
     same = {"plans": data["plans"], "p2r": data["p2r"]} == {"plans": case["plans"], "p2r": case["p2r"]}
-    print(f"1T (TP 8, PP 64, 3,072 GPUs, --fp16), both phases: {seconds:.2f} CPU s; numbers "
-          f"{'identical to' if same else 'DIFFERENT from'} tests/fixtures/planner_golden.json")
+    print(
+        f"1T (TP 8, PP 64, 3,072 GPUs, --fp16), both phases: {seconds:.2f} CPU s; numbers "
+        f"{'identical to' if same else 'DIFFERENT from'} tests/fixtures/planner_golden.json"
+    )
     if not args.skip_tables:
         seconds, out = _fresh(_tables)
         same = out.splitlines() == golden["memory_per_rank_tables"]
-        print(f"memory_per_rank.py --tables (19 configurations x 2): {seconds:.2f} CPU s; output "
-              f"{'identical to' if same else 'DIFFERENT from'} tests/fixtures/planner_golden.json")
+        print(
+            f"memory_per_rank.py --tables (19 configurations x 2): {seconds:.2f} CPU s; output "
+            f"{'identical to' if same else 'DIFFERENT from'} tests/fixtures/planner_golden.json"
+        )
 
 
 if __name__ == "__main__":

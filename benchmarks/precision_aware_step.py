@@ -8,6 +8,7 @@ AdamW (fp32 moments) and by ``PrecisionAwareAdamW`` (bf16 moments, as
 in one process after a warm-up step; the median of ``--repeats`` each. One thread on CPU
 (``OMP_NUM_THREADS=1``), the way a host step of one offloaded layer runs here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,7 @@ def main() -> None:
     import torch
     from benchmarks.measure import synchronize
     from megatron_p2r.optim.precision_aware import PrecisionAwareAdamW
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--elements", type=int, default=1 << 24)
     parser.add_argument("--repeats", type=int, default=9)
@@ -32,8 +34,10 @@ def main() -> None:
     device = torch.device(args.device)
     torch.set_num_threads(1)
     bf16 = {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16}
-    makers = {"fp32 moments": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
-              "bf16 moments": lambda ps: PrecisionAwareAdamW([{"params": ps}], bf16, lr=1e-3)}
+    makers = {
+        "fp32 moments": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+        "bf16 moments": lambda ps: PrecisionAwareAdamW([{"params": ps}], bf16, lr=1e-3),
+    }
     optimizers = {}
     for name, make in makers.items():
         p = torch.nn.Parameter(torch.randn(args.elements, device=device))

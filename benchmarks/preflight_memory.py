@@ -12,6 +12,7 @@ pages then) minus the anonymous RSS at the preflight: what the run allocated aft
 File-backed pages (the code of the torch kernels a step first touches, ~38 MiB) are clean and
 reclaimable, not what gets a run killed; the RSS peak with them is printed too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,21 +53,51 @@ print(json.dumps({"rc": rc, "estimate": seen["estimate"], "peak": (hwm - file - 
 """
 
 
-def case_flags(seq: int, attention_dropout: float, layers: int, hidden: int, heads: int,
-               hidden_dropout: float = 0.0) -> List[str]:
-    return ["--mock-data", "--vocab-size", "1024", "--num-layers", str(layers), "--hidden-size", str(hidden),
-            "--num-attention-heads", str(heads), "--seq-length", str(seq), "--max-position-embeddings", str(seq),
-            "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "3", "--lr", "1e-4",
-            "--attention-dropout", str(attention_dropout), "--hidden-dropout", str(hidden_dropout),
-            "--device", "cpu", "--log-interval", "100", "--seed", "1"]
+def case_flags(
+    seq: int, attention_dropout: float, layers: int, hidden: int, heads: int, hidden_dropout: float = 0.0
+) -> List[str]:
+    return [
+        "--mock-data",
+        "--vocab-size",
+        "1024",
+        "--num-layers",
+        str(layers),
+        "--hidden-size",
+        str(hidden),
+        "--num-attention-heads",
+        str(heads),
+        "--seq-length",
+        str(seq),
+        "--max-position-embeddings",
+        str(seq),
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "1",
+        "--train-iters",
+        "3",
+        "--lr",
+        "1e-4",
+        "--attention-dropout",
+        str(attention_dropout),
+        "--hidden-dropout",
+        str(hidden_dropout),
+        "--device",
+        "cpu",
+        "--log-interval",
+        "100",
+        "--seed",
+        "1",
+    ]
 
 
 def measure(flags: List[str]) -> Dict[str, int]:
     """{"estimate", "peak", "rss_peak"} bytes of one run of ``pretrain_m6.py flags`` in a process of its own."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     env.pop("P2R_SKIP_MEMORY_CHECK", None)
-    out = subprocess.run([sys.executable, "-c", _CHILD, ROOT, *flags], capture_output=True, text=True, env=env,
-                         cwd=ROOT, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, ROOT, *flags], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600
+    )
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"pretrain_m6.py {' '.join(flags)} failed ({out.returncode}): {out.stderr[-2000:]}")
@@ -84,14 +115,20 @@ def main(argv=None) -> None:
     p.add_argument("--heads", type=int, default=8)
     args = p.parse_args(argv)
     print(f"fp32, micro-batch 1, {args.layers} layer(s), hidden {args.hidden}, {args.heads} heads, vocab 1024")
-    print("| seq | attention dropout | estimate MiB | measured peak MiB (anonymous) | estimate / measured | "
-          "RSS peak MiB |")
+    print(
+        "| seq | attention dropout | estimate MiB | measured peak MiB (anonymous) | estimate / measured | "
+        "RSS peak MiB |"
+    )
     print("|---|---|---|---|---|---|")
     for seq in args.seq:
         for dropout in (0.0, 0.1):
             r = measure(case_flags(seq, dropout, args.layers, args.hidden, args.heads))
-            print(f"| {seq} | {dropout} | {r['estimate'] / 2 ** 20:.1f} | {r['peak'] / 2 ** 20:.1f} | "
-                  f"{r['estimate'] / r['peak']:.2f} | {r['rss_peak'] / 2 ** 20:.1f} |", flush=True)
+            print(
+                f"| {seq} | {dropout} | {r['estimate'] / 2**20:.1f} | {r['peak'] / 2**20:.1f} | "
+                f"{r['estimate'] / r['peak']:.2f} | {r['rss_peak'] / 2**20:.1f} |",
+                flush=True,
+            )
+
 
 if __name__ == "__main__":
     main()

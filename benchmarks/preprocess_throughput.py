@@ -10,6 +10,7 @@ Face ``tokenizers`` and then, with the same vocab.json/merges.txt, times:
 Both must produce the same token count, which the script checks. Needs ``tokenizers``
 (``pip install -e .[bench]``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,17 +38,30 @@ def main(argv=None) -> int:
         with open(corpus, encoding="utf-8") as f:
             texts = [json.loads(line)["text"] for line in f]
         trainer = ByteLevelBPETokenizer()
-        trainer.train_from_iterator(texts, vocab_size=args.vocab_size, special_tokens=["<|endoftext|>"],
-                                    show_progress=False)
+        trainer.train_from_iterator(
+            texts, vocab_size=args.vocab_size, special_tokens=["<|endoftext|>"], show_progress=False
+        )
         trainer.save_model(tmp)
         vocab, merges = os.path.join(tmp, "vocab.json"), os.path.join(tmp, "merges.txt")
 
         rows = []
         for workers in (1, 2):
-            ns = preprocess_data.build_parser().parse_args([
-                "--input", corpus, "--output-prefix", os.path.join(tmp, f"w{workers}"),
-                "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges,
-                "--workers", str(workers)])
+            ns = preprocess_data.build_parser().parse_args(
+                [
+                    "--input",
+                    corpus,
+                    "--output-prefix",
+                    os.path.join(tmp, f"w{workers}"),
+                    "--tokenizer-type",
+                    "GPT2BPETokenizer",
+                    "--vocab-file",
+                    vocab,
+                    "--merge-file",
+                    merges,
+                    "--workers",
+                    str(workers),
+                ]
+            )
             stats = preprocess_data.preprocess(ns)
             rows.append((f"preprocess_data.py, {workers} worker(s), end to end", stats.tokens, stats.seconds))
 
@@ -55,11 +69,14 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         encodings = hf.encode_batch(texts)
         seconds = time.perf_counter() - start
-        rows.append(("HF tokenizers encode_batch (Rust, threads), in memory",
-                     sum(len(e.ids) for e in encodings), seconds))
+        rows.append(
+            ("HF tokenizers encode_batch (Rust, threads), in memory", sum(len(e.ids) for e in encodings), seconds)
+        )
 
-    print(f"corpus: {len(texts)} stdlib files, {sum(len(t.encode()) for t in texts):,} bytes; "
-          f"BPE vocab {args.vocab_size}; {os.cpu_count()} CPU(s), load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"corpus: {len(texts)} stdlib files, {sum(len(t.encode()) for t in texts):,} bytes; "
+        f"BPE vocab {args.vocab_size}; {os.cpu_count()} CPU(s), load average {os.getloadavg()[0]:.1f}"
+    )
     for name, tokens, seconds in rows:
         print(f"{name:<56} {tokens:>10,} tokens {seconds:7.2f} s {tokens / seconds:>12,.0f} tokens/s")
     if len({tokens for _, tokens, _ in rows}) != 1:

@@ -11,6 +11,7 @@ framework could still remove. Profiled CPU time with one thread; other load on a
 machine inflates every class alike. The matmul ceiling is measured in the same run, so the
 matmul share can be read as "at the ceiling" or not.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,11 @@ from measure import matmul_ceiling, random_microbatches, self_cpu_times  # noqa:
 from megatron_p2r.arguments import config_from_values  # noqa: E402
 from step_throughput import SHAPE, huggingface, ours, plain  # noqa: E402
 
-CLASSES = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")),
-           ("attention", ("scaled_dot_product", "flash_attention")),
-           ("optimizer", ("adam", "foreach", "clip", "norm", "lerp", "addcdiv", "sqrt")))
+CLASSES = (
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")),
+    ("attention", ("scaled_dot_product", "flash_attention")),
+    ("optimizer", ("adam", "foreach", "clip", "norm", "lerp", "addcdiv", "sqrt")),
+)
 
 
 def op_class(name: str) -> str:
@@ -70,8 +73,10 @@ def main(argv=None) -> None:
         results[name] = profile(step, args.steps)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     ceiling = matmul_ceiling(device, dtype)
-    print(f"{'bf16 (ours: bf16 weights; others: autocast)' if args.bf16 else 'fp32'}, 1 thread, "
-          f"{args.steps} steps each; matmul ceiling {ceiling / 1e9:.0f} GFLOP/s; seconds of self CPU time per step")
+    print(
+        f"{'bf16 (ours: bf16 weights; others: autocast)' if args.bf16 else 'fp32'}, 1 thread, "
+        f"{args.steps} steps each; matmul ceiling {ceiling / 1e9:.0f} GFLOP/s; seconds of self CPU time per step"
+    )
     classes = [c for c, _ in CLASSES] + ["other"]
     print(f"{'':>14} " + " ".join(f"{c:>16}" for c in classes) + f" {'total':>8}")
     for name, (by_class, _) in results.items():
@@ -79,7 +84,7 @@ def main(argv=None) -> None:
         cells = " ".join(f"{by_class[c]:7.3f} ({by_class[c] / total:5.1%})" for c in classes)
         print(f"{name:>14} {cells} {total:8.3f}")
     for name, (_, ops) in results.items():
-        print(f"{name}: top operators " + ", ".join(f"{op} {s:.3f}" for op, s in ops[:args.top]))
+        print(f"{name}: top operators " + ", ".join(f"{op} {s:.3f}" for op, s in ops[: args.top]))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ drift by ~20%. ``--compile`` adds ours with ``--compile`` (each layer's forward 
 torch.compile, inductor; compiled in the warm-up steps) beside ours eager, and their ratio. ``--tiny`` (2 layers of hidden 64, seq 64; the ceiling
 from a 1024^3 product) checks the script in seconds: the GPU lane's trial on CPU runs it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,9 +41,20 @@ from megatron_p2r.metrics import model_flops_per_token  # noqa: E402
 from megatron_p2r.parallel.state import ParallelState  # noqa: E402
 from megatron_p2r.training import build_train_state, train_step  # noqa: E402
 
-SHAPE = dict(vocab_size=8192, make_vocab_size_divisible_by=128, hidden_size=256, num_layers=4,
-             num_attention_heads=4, seq_length=256, micro_batch_size=8, mock_data=True,
-             clip_grad=1.0, weight_decay=0.01, hidden_dropout=0.0, attention_dropout=0.0)
+SHAPE = dict(
+    vocab_size=8192,
+    make_vocab_size_divisible_by=128,
+    hidden_size=256,
+    num_layers=4,
+    num_attention_heads=4,
+    seq_length=256,
+    micro_batch_size=8,
+    mock_data=True,
+    clip_grad=1.0,
+    weight_decay=0.01,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 TINY = dict(vocab_size=512, hidden_size=64, num_layers=2, num_attention_heads=2, seq_length=64, micro_batch_size=2)
 LOSS_FORWARD, LOSS_BACKWARD = "_OutputCrossEntropy", "_OutputCrossEntropyBackward"
 
@@ -64,10 +76,20 @@ def _optimizer_step(model, opt, loss):
 
 def huggingface(cfg, batch, device):
     from transformers import GPT2Config, GPT2LMHeadModel
+
     m = cfg.model
-    hf_cfg = GPT2Config(vocab_size=m.padded_vocab_size, n_positions=m.seq_length, n_embd=m.hidden_size,
-                        n_layer=m.num_layers, n_head=m.num_attention_heads, resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    hf_cfg = GPT2Config(
+        vocab_size=m.padded_vocab_size,
+        n_positions=m.seq_length,
+        n_embd=m.hidden_size,
+        n_layer=m.num_layers,
+        n_head=m.num_attention_heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = GPT2LMHeadModel(hf_cfg).to(device)
     model.config._attn_implementation = "sdpa"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -78,6 +100,7 @@ def huggingface(cfg, batch, device):
         with _precision(cfg, device):
             out = model(input_ids=tokens, labels=tokens)  # HF shifts labels internally
         _optimizer_step(model, opt, out.loss)
+
     return step
 
 
@@ -124,6 +147,7 @@ def plain(cfg, batch, device):
         with _precision(cfg, device):
             loss = model(batch["tokens"], batch["labels"])
         _optimizer_step(model, opt, loss)
+
     return step
 
 
@@ -192,8 +216,10 @@ def main(argv=None) -> None:
     share = loss_share(runners["megatron_p2r"], args.steps, device)
     med = {k: statistics.median(v) for k, v in rates.items()}
     flops = model_flops_per_token(cfg.model) * med["megatron_p2r"]
-    print(f"device {device}, threads {torch.get_num_threads()}, {args.rounds} rounds x {args.steps} steps, "
-          f"{'bf16 (ours: bf16 weights; others: autocast)' if args.bf16 else 'fp32'}, {'CPU' if args.cpu_time else 'wall'} time")
+    print(
+        f"device {device}, threads {torch.get_num_threads()}, {args.rounds} rounds x {args.steps} steps, "
+        f"{'bf16 (ours: bf16 weights; others: autocast)' if args.bf16 else 'fp32'}, {'CPU' if args.cpu_time else 'wall'} time"
+    )
     for k, v in med.items():
         print(f"{k:>{max(14, len(k))}}: {v:9.0f} tokens/s  (rounds: {', '.join(f'{x:.0f}' for x in rates[k])})")
     ratios = {f"ours_over_{k}": med["megatron_p2r"] / v for k, v in med.items() if not k.startswith("megatron_p2r")}
@@ -201,16 +227,32 @@ def main(argv=None) -> None:
         ratios["compiled_over_eager"] = med["megatron_p2r_compiled"] / med["megatron_p2r"]
     for k, v in ratios.items():
         print(f"{'ratio':>14}: {v:.2f}x ({k.replace('_', ' ')})")
-    print(f"{'matmul ceiling':>14}: {ceiling / 1e9:.0f} GFLOP/s; ours achieves {flops / 1e9:.0f} GFLOP/s "
-          f"= {flops / ceiling:.0%} of it")
-    print(f"{'loss share':>14}: {share['loss']:.1%} of our step (output layer + loss: "
-          f"{share['output_layer_and_loss']:.1%})")
-    write_json(args.json, {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "shape": shape,
-                           "tokens_per_s": med, "rounds": rates, "ratio_ours_over_hf": ratios.get("ours_over_hf_gpt2"),
-                           "ratio_ours_over_plain": ratios["ours_over_plain_gpt"],
-                           "ratio_compiled_over_eager": ratios.get("compiled_over_eager"), "matmul_ceiling_flops": ceiling,
-                           "ours_flops": flops, "fraction_of_ceiling": flops / ceiling, "loss_share": share,
-                           "clock": "cpu" if args.cpu_time else "wall"})
+    print(
+        f"{'matmul ceiling':>14}: {ceiling / 1e9:.0f} GFLOP/s; ours achieves {flops / 1e9:.0f} GFLOP/s "
+        f"= {flops / ceiling:.0%} of it"
+    )
+    print(
+        f"{'loss share':>14}: {share['loss']:.1%} of our step (output layer + loss: "
+        f"{share['output_layer_and_loss']:.1%})"
+    )
+    write_json(
+        args.json,
+        {
+            "device": str(device),
+            "dtype": str(dtype).replace("torch.", ""),
+            "shape": shape,
+            "tokens_per_s": med,
+            "rounds": rates,
+            "ratio_ours_over_hf": ratios.get("ours_over_hf_gpt2"),
+            "ratio_ours_over_plain": ratios["ours_over_plain_gpt"],
+            "ratio_compiled_over_eager": ratios.get("compiled_over_eager"),
+            "matmul_ceiling_flops": ceiling,
+            "ours_flops": flops,
+            "fraction_of_ceiling": flops / ceiling,
+            "loss_share": share,
+            "clock": "cpu" if args.cpu_time else "wall",
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ alias bomb expands a few lines into gigabytes), no key given twice in one mappin
 silently won), bounded nesting and size. The config built is checked for the type and range of
 every value (``config.check_values``) before it is returned.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,14 +21,23 @@ from typing import List, Optional, Sequence, Tuple
 import yaml
 
 from megatron_p2r.config import SECTIONS, Config, ConfigError, check_values
-from megatron_p2r.config.megatron import (MEANING, MEGATRON_FLAGS, REFUSED, UNBUILT_VALUES, check_flags, implied_values,
-                                          megatron_aliases, parsed_flags, unbuilt_values)
+from megatron_p2r.config.megatron import (
+    MEANING,
+    MEGATRON_FLAGS,
+    REFUSED,
+    UNBUILT_VALUES,
+    check_flags,
+    implied_values,
+    megatron_aliases,
+    parsed_flags,
+    unbuilt_values,
+)
 from megatron_p2r.config.ranges import field_kind
 from megatron_p2r.files import MiB, read_bounded
 
 _TYPES = {"int": int, "float": float, "str": str}
-YAML_LIMIT = 16 * MiB   # a config file is a few KiB
-YAML_DEPTH = 32         # flag values are scalars or lists of them
+YAML_LIMIT = 16 * MiB  # a config file is a few KiB
+YAML_DEPTH = 32  # flag values are scalars or lists of them
 
 
 def _field_type(f: dataclasses.Field) -> str:
@@ -42,8 +52,10 @@ class _StrictSafeLoader(yaml.SafeLoader):
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             mark = self.peek_event().start_mark
-            raise ConfigError(f"{mark.name}:{mark.line + 1}: YAML aliases (*name) are not allowed in a config file; "
-                              "write the value out")
+            raise ConfigError(
+                f"{mark.name}:{mark.line + 1}: YAML aliases (*name) are not allowed in a config file; "
+                "write the value out"
+            )
         self.depth += 1
         try:
             if self.depth > YAML_DEPTH:
@@ -97,10 +109,15 @@ def all_fields():
 
 
 def build_parser(description: str = "megatron_p2r pretraining") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--config", nargs="+", metavar="FILE.yaml",
-                        help="YAML files whose keys are flag names; later files win, CLI flags win over all.")
+    parser = argparse.ArgumentParser(
+        description=description, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--config",
+        nargs="+",
+        metavar="FILE.yaml",
+        help="YAML files whose keys are flag names; later files win, CLI flags win over all.",
+    )
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(cls):
@@ -117,9 +134,13 @@ def build_parser(description: str = "megatron_p2r pretraining") -> argparse.Argu
                     kwargs["choices"] = [*kwargs["choices"], *UNBUILT_VALUES.get(field_flag(f), ())]
             group.add_argument(field_flag(f), *_ALIASES.get(field_flag(f), ()), **kwargs)
             for flag in _on_flags(f):
-                group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, action="store_true",
-                                   help=f"The default, spelled out: undoes {field_flag(f)} given earlier or in a "
-                                        "--config file.")
+                group.add_argument(
+                    flag,
+                    dest=f.name,
+                    default=argparse.SUPPRESS,
+                    action="store_true",
+                    help=f"The default, spelled out: undoes {field_flag(f)} given earlier or in a --config file.",
+                )
     fields = {flag for _, f in all_fields() for flag in field_flags(f)}
     group = parser.add_argument_group("Megatron-LM flags that are not config fields (docs/megatron.md)")
     for flag, entry in parsed_flags().items():
@@ -127,8 +148,14 @@ def build_parser(description: str = "megatron_p2r pretraining") -> argparse.Argu
             metavar = None if entry.parse.get("action") or "choices" in entry.parse else flag[2:].upper()
             other = f"; other values: {entry.otherwise[0]}: {entry.otherwise[1]}" if entry.keeps else ""
             help_text = f"{entry.status}: {entry.reason}{other}"
-            group.add_argument(flag, dest=flag, default=argparse.SUPPRESS, help=help_text, **entry.parse,
-                               **({"metavar": metavar} if metavar else {}))
+            group.add_argument(
+                flag,
+                dest=flag,
+                default=argparse.SUPPRESS,
+                help=help_text,
+                **entry.parse,
+                **({"metavar": metavar} if metavar else {}),
+            )
     return parser
 
 
@@ -138,8 +165,12 @@ def _normalise_yaml(raw: dict, source: str) -> dict:
     known = {f.name: (_field_type(f), f.metadata) for _, f in all_fields()}
     negated = {field_flag(f)[2:].replace("-", "_"): f.name for _, f in all_fields() if f.default is True}
     known.update({name: ("bool", {}) for name in negated})
-    known.update({flag.lstrip("-").replace("-", "_"): (_flag_type(entry.parse), entry.parse)
-                  for flag, entry in parsed_flags().items()})
+    known.update(
+        {
+            flag.lstrip("-").replace("-", "_"): (_flag_type(entry.parse), entry.parse)
+            for flag, entry in parsed_flags().items()
+        }
+    )
     fields = {f.name for _, f in all_fields()}
     out = {}
     for key, value in raw.items():
@@ -178,12 +209,13 @@ def _coerce(value, kind: str, metadata: dict, source: str, key: str):
         if kind == "int" and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
             raise TypeError
         if kind == "str" and (isinstance(value, bool) or not isinstance(value, (str, int, float))):
-            raise TypeError   # a set, bytes, a date, a mapping: str() of it would be a path or a name nobody wrote
+            raise TypeError  # a set, bytes, a date, a mapping: str() of it would be a path or a name nobody wrote
         converted = _TYPES[kind](value)
     except (TypeError, ValueError):
         quote = "; quote it to give text" if kind == "str" and not isinstance(value, (dict, list, set)) else ""
-        raise ConfigError(f"{source}: key '{key}' expects {kind}, got {_short(value)} ({_yaml_kind(value)})"
-                          f"{quote}") from None
+        raise ConfigError(
+            f"{source}: key '{key}' expects {kind}, got {_short(value)} ({_yaml_kind(value)}){quote}"
+        ) from None
     choices = metadata.get("choices")
     if choices and converted not in choices and converted not in UNBUILT_VALUES.get(_flag(str(key).lstrip("-")), {}):
         raise ConfigError(f"{source}: key '{key}' must be one of {list(choices)}, got {converted!r}")
@@ -191,15 +223,24 @@ def _coerce(value, kind: str, metadata: dict, source: str, key: str):
 
 
 def _short(value) -> str:
-    text = repr(value)   # YAML_DEPTH bounds the nesting
+    text = repr(value)  # YAML_DEPTH bounds the nesting
     return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _yaml_kind(value) -> str:
     """What YAML made of a value, in its words (a timestamp, a set, binary, ...)."""
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "text", bytes: "!!binary",
-             set: "a !!set", dict: "a mapping", list: "a list", datetime.date: "a date",
-             datetime.datetime: "a timestamp"}
+    names = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "text",
+        bytes: "!!binary",
+        set: "a !!set",
+        dict: "a mapping",
+        list: "a list",
+        datetime.date: "a date",
+        datetime.datetime: "a timestamp",
+    }
     return names.get(type(value), type(value).__name__)
 
 
@@ -242,13 +283,17 @@ def resolve_values(values: dict) -> Tuple[Config, List[str]]:
     values = {name: value for name, value in values.items() if _flag(name) not in unbuilt}  # named below
     cfg = Config().replace(**implied_values(values))
     check_values(cfg)
-    qualified_fields = {_flag(name): value for name, value in values.items()
-                        if _flag(name) in MEGATRON_FLAGS and value is not None and value is not False}
+    qualified_fields = {
+        _flag(name): value
+        for name, value in values.items()
+        if _flag(name) in MEGATRON_FLAGS and value is not None and value is not False
+    }
     return cfg, check_flags({**megatron, **qualified_fields}, cfg, tuple(unbuilt.values()))
 
 
-def parse_launch(argv: Optional[Sequence[str]] = None,
-                 parser: Optional[argparse.ArgumentParser] = None) -> Tuple[Config, List[str]]:
+def parse_launch(
+    argv: Optional[Sequence[str]] = None, parser: Optional[argparse.ArgumentParser] = None
+) -> Tuple[Config, List[str]]:
     """The command line of ``pretrain_m6.py``: (Config, flags with no effect here)."""
     parser = parser or build_parser()
     given = vars(parser.parse_args(argv))
@@ -275,8 +320,11 @@ def flag_statuses(argv: Sequence[str]) -> List[Tuple[str, str, str, str]]:
         elif given:
             values_of_flag.append(token)
     fields = {flag: f for _, f in all_fields() for flag in field_flags(f)}
-    built = {name: values for name, values in given.items()
-             if name in fields and " ".join(values) not in UNBUILT_VALUES.get(name, {})}
+    built = {
+        name: values
+        for name, values in given.items()
+        if name in fields and " ".join(values) not in UNBUILT_VALUES.get(name, {})
+    }
     cfg = parse_args([token for name, values in built.items() for token in (name, *values)])
     out = []
     for name, values in given.items():
@@ -316,5 +364,15 @@ def to_argv(cfg: Config) -> list:
     return argv
 
 
-__all__ = ["build_parser", "parse_args", "parse_launch", "load_yaml", "config_from_values", "resolve_values",
-           "flag_statuses", "field_flag", "field_flags", "to_argv"]
+__all__ = [
+    "build_parser",
+    "parse_args",
+    "parse_launch",
+    "load_yaml",
+    "config_from_values",
+    "resolve_values",
+    "flag_statuses",
+    "field_flag",
+    "field_flags",
+    "to_argv",
+]

@@ -6,6 +6,7 @@ own errors also exit 2). 1: the run failed although its input was good (an OS er
 full disk). Only the error types that mean "this input cannot work" are caught here: anything
 else is a bug in this project and keeps its traceback.
 """
+
 from __future__ import annotations
 
 import sys

@@ -10,6 +10,7 @@ twice is an error rather than silently the last one.
 Every function takes the exception type to raise, so each caller keeps its own error type
 (``CheckpointError``, ``ConfigError``, ...) and its entry point reports it as one line.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,13 +18,18 @@ import os
 import stat
 from typing import Callable, Type
 
-MiB = 2 ** 20
+MiB = 2**20
 JSON_LIMIT = 1024 * MiB  # metadata.json of a 10T MoE checkpoint is ~200 MB; anything beyond is not ours
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
         if test(mode):
             return name
     return "not a regular file"
@@ -37,8 +43,9 @@ def confined(root: str, name, error: Type[Exception], what: str) -> str:
     base = os.path.realpath(root)
     resolved = os.path.realpath(os.path.join(base, name))
     if not resolved.startswith(base.rstrip(os.sep) + os.sep):
-        raise error(f"{what}: {name!r} resolves to {resolved}, outside {root}; "
-                    "files named by a file must lie in its directory")
+        raise error(
+            f"{what}: {name!r} resolves to {resolved}, outside {root}; files named by a file must lie in its directory"
+        )
     return os.path.join(root, name)
 
 
@@ -71,13 +78,16 @@ def read_bounded(path: str, error: Type[Exception], limit: int, what: str = "") 
     with open_regular(path, error, what) as fh:
         data = fh.read(limit + 1)
     if len(data) > limit:
-        raise error(f"{what + ': ' if what else ''}{path} is larger than {limit:,} bytes; "
-                    "this is not a file this project writes")
+        raise error(
+            f"{what + ': ' if what else ''}{path} is larger than {limit:,} bytes; "
+            "this is not a file this project writes"
+        )
     return data
 
 
 def unique_keys(error: Type[Exception], where: str) -> Callable:
     """A json ``object_pairs_hook`` that refuses a key appearing twice in one object."""
+
     def hook(pairs):
         out = {}
         for key, value in pairs:
@@ -85,6 +95,7 @@ def unique_keys(error: Type[Exception], where: str) -> Callable:
                 raise error(f"{where}: key {key!r} appears twice in one object")
             out[key] = value
         return out
+
     return hook
 
 
@@ -96,8 +107,10 @@ def read_json(path: str, error: Type[Exception], limit: int = JSON_LIMIT):
 
 def parse_json(data: bytes, path: str, error: Type[Exception]):
     """``read_json`` of bytes already read from ``path`` (to check them before parsing too)."""
+
     def no_constant(name):
         raise error(f"{path}: {name} is not a JSON number")
+
     try:
         return json.loads(data, object_pairs_hook=unique_keys(error, path), parse_constant=no_constant)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError

@@ -19,6 +19,7 @@ abort the process (``terminate called without an active exception``, SIGABRT aft
 iteration): the model keeps the ParallelState, and with offload the model and its offload
 manager reference each other, so without this the groups lived until then (docs/reliability.md).
 """
+
 from __future__ import annotations
 
 import os
@@ -59,8 +60,11 @@ def check_run_fits(cfg: Config, plan: ParallelPlan, device: torch.device) -> Non
         check_memory(cfg, plan, rank, device.type, device_free=free)
     except ConfigError as exc:
         failure = exc
-    _stop_together(failure, device, ConfigError("this run does not fit in memory on another rank's host "
-                                                "(that rank says how much it needs)"))
+    _stop_together(
+        failure,
+        device,
+        ConfigError("this run does not fit in memory on another rank's host (that rank says how much it needs)"),
+    )
 
 
 def lock_save_dir(cfg: Config, ps: ParallelState) -> Optional[DirectoryLock]:
@@ -107,6 +111,7 @@ def resume_checkpoint(state) -> None:
     if not ck.load:
         return
     from megatron_p2r.checkpoint.io import load_checkpoint
+
     if load_checkpoint(ck.load, state, finetune=ck.finetune) is None:
         if ck.exit_on_missing_checkpoint:  # Megatron-LM's sys.exit(): status 0, nothing trained
             if ps.rank == 0:
@@ -116,7 +121,10 @@ def resume_checkpoint(state) -> None:
         reliability.record("resumed", ps.rank, state.iteration)
         world = ps.layout.world_size
         if ps.rank == 0 and state.consumed_samples != scheduled_samples(state.cfg, world, state.iteration):
-            print(f"resuming at iteration {state.iteration} with --global-batch-size "
-                  f"{global_batch_size(state.cfg, world, state.consumed_samples)}: the {state.consumed_samples} "
-                  "consumed samples carry over (as in Megatron-LM), and so does the learning-rate schedule's "
-                  "position (samples of the applied updates)", flush=True)
+            print(
+                f"resuming at iteration {state.iteration} with --global-batch-size "
+                f"{global_batch_size(state.cfg, world, state.consumed_samples)}: the {state.consumed_samples} "
+                "consumed samples carry over (as in Megatron-LM), and so does the learning-rate schedule's "
+                "position (samples of the applied updates)",
+                flush=True,
+            )

@@ -1,4 +1,5 @@
 """Training metrics: model FLOPs, memory, and the per-interval log line / JSONL / TensorBoard."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,9 @@ def model_flops_per_token(m: ModelConfig, recompute: bool = False) -> float:
     ffn_mult = 3 if m.gated_linear_unit else 2
     attention = 2 * h * (m.num_attention_heads + m.query_groups) * m.head_dim
     dense = ffn_mult * h * m.ffn_size
-    expert = ffn_mult * h * m.expert_ffn_size * (m.moe_num_prototypes if m.moe_num_prototypes > 1
-                                                 else m.moe_router_topk)
+    expert = (
+        ffn_mult * h * m.expert_ffn_size * (m.moe_num_prototypes if m.moe_num_prototypes > 1 else m.moe_router_topk)
+    )
     router = h * (m.num_experts or 0)
     per_layer = [attention + ((expert + router) if m.is_moe_layer(i) else dense) for i in range(L)]
     vocab = m.padded_vocab_size if m.vocab_size else 0
@@ -43,14 +45,16 @@ def peak_memory_bytes(device: torch.device) -> int:
 class TrainingLogger:
     """Prints a human line and writes the same scalars as JSONL, to TensorBoard and to W&B."""
 
-    def __init__(self, log_file: Optional[str] = None, tensorboard_dir: Optional[str] = None, enabled: bool = True,
-                 wandb=None):
+    def __init__(
+        self, log_file: Optional[str] = None, tensorboard_dir: Optional[str] = None, enabled: bool = True, wandb=None
+    ):
         self.enabled = enabled
         self.wandb = wandb  # a wandb_writer.WandbWriter: the same records as W&B history rows
         self.log_file = log_file if enabled else None
         self.writer = None
         if enabled and tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
+
             self.writer = SummaryWriter(tensorboard_dir)
         if self.log_file:
             os.makedirs(os.path.dirname(os.path.abspath(self.log_file)), exist_ok=True)
@@ -84,16 +88,18 @@ class TrainingLogger:
 
 
 def format_line(r: dict) -> str:
-    parts = [f"iteration {r['iteration']:>6d}/{r['train_iters']:>6d}",
-             f"consumed samples {r['consumed_samples']}",
-             f"global batch size {r['global_batch_size']}",
-             f"ms/iter {r['ms_per_iter']:.1f}",
-             f"lr {r['lr']:.3E}",
-             f"lm loss {r['lm_loss']:.4E}",
-             f"grad norm {r['grad_norm']:.3f}",
-             f"tokens/s {r['tokens_per_s']:.0f}",
-             f"TFLOP/s per rank {r['tflops']:.3f}",
-             f"peak mem {r['peak_memory_gib']:.2f} GiB"]
+    parts = [
+        f"iteration {r['iteration']:>6d}/{r['train_iters']:>6d}",
+        f"consumed samples {r['consumed_samples']}",
+        f"global batch size {r['global_batch_size']}",
+        f"ms/iter {r['ms_per_iter']:.1f}",
+        f"lr {r['lr']:.3E}",
+        f"lm loss {r['lm_loss']:.4E}",
+        f"grad norm {r['grad_norm']:.3f}",
+        f"tokens/s {r['tokens_per_s']:.0f}",
+        f"TFLOP/s per rank {r['tflops']:.3f}",
+        f"peak mem {r['peak_memory_gib']:.2f} GiB",
+    ]
     if r.get("loss_scale", 1.0) != 1.0:
         parts.append(f"loss scale {r['loss_scale']:.1f}")
     if r.get("skipped"):

@@ -19,6 +19,7 @@ of a restart is measured.
 The hooks are three calls in the training loop and one per save point in
 ``checkpoint/io.py``; with ``P2R_FAULT`` unset each is a dictionary lookup.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,12 +38,14 @@ FAULT_ENV = "P2R_FAULT"
 EVENT_LOG_ENV = "P2R_EVENT_LOG"
 KINDS = ("kill_after_iter", "nan_grad", "stall", "kill_in_save")
 # The moments of ``checkpoint.io.save_checkpoint`` where ``kill_in_save`` can strike, in order.
-SAVE_POINTS = ("shards",     # this rank's files are written, the others may not be: only iter_N.tmp exists
-               #             (with --async-save: in the background writer, while training goes on)
-               "metadata",   # every shard written, metadata.json not yet
-               "publish",    # metadata.json written, iter_N.tmp not yet renamed to iter_N
-               "latest",     # iter_N in place, latest_checkpointed_iteration.txt still names the previous one
-               "prune")      # latest names N, older checkpoints (--keep-last) not yet removed
+SAVE_POINTS = (
+    "shards",  # this rank's files are written, the others may not be: only iter_N.tmp exists
+    #             (with --async-save: in the background writer, while training goes on)
+    "metadata",  # every shard written, metadata.json not yet
+    "publish",  # metadata.json written, iter_N.tmp not yet renamed to iter_N
+    "latest",  # iter_N in place, latest_checkpointed_iteration.txt still names the previous one
+    "prune",
+)  # latest names N, older checkpoints (--keep-last) not yet removed
 
 
 class FaultSpecError(ConfigError):
@@ -53,13 +56,16 @@ class FaultSpecError(ConfigError):
 class Fault:
     kind: str
     first: int
-    last: Optional[int]         # None: no upper bound ("K+")
-    rank: Optional[int]         # None: every rank
-    arg: Optional[str] = None   # stall: seconds; kill_in_save: the save point
+    last: Optional[int]  # None: no upper bound ("K+")
+    rank: Optional[int]  # None: every rank
+    arg: Optional[str] = None  # stall: seconds; kill_in_save: the save point
 
     def covers(self, iteration: int, rank: int) -> bool:
-        return (self.rank is None or self.rank == rank) and self.first <= iteration and \
-            (self.last is None or iteration <= self.last)
+        return (
+            (self.rank is None or self.rank == rank)
+            and self.first <= iteration
+            and (self.last is None or iteration <= self.last)
+        )
 
 
 _FAULT = re.compile(r"^(?P<kind>\w+):(?P<iters>\d+(?:-\d+|\+)?)(?::(?P<arg>[\w.]+))?(?:@rank(?P<rank>\d+))?$")
@@ -72,8 +78,10 @@ def parse_faults(spec: str) -> Tuple[Fault, ...]:
     for item in filter(None, (s.strip() for s in spec.split(";"))):
         m = _FAULT.match(item)
         if not m or m["kind"] not in KINDS:
-            raise FaultSpecError(f"{FAULT_ENV}: cannot parse {item!r}; expected KIND:ITERS[:ARG][@rankR] with KIND "
-                                 f"one of {', '.join(KINDS)} and ITERS K, K-M or K+")
+            raise FaultSpecError(
+                f"{FAULT_ENV}: cannot parse {item!r}; expected KIND:ITERS[:ARG][@rankR] with KIND "
+                f"one of {', '.join(KINDS)} and ITERS K, K-M or K+"
+            )
         iters = m["iters"]
         if iters.endswith("+"):
             first, last = int(iters[:-1]), None
@@ -109,8 +117,16 @@ def record(event: str, rank: int, iteration: int, **extra) -> None:
     path = os.environ.get(EVENT_LOG_ENV)
     if not path:
         return
-    line = json.dumps({"event": event, "rank": rank, "iteration": iteration, "restart": _restart_count(),
-                       "time": time.time(), **extra})
+    line = json.dumps(
+        {
+            "event": event,
+            "rank": rank,
+            "iteration": iteration,
+            "restart": _restart_count(),
+            "time": time.time(),
+            **extra,
+        }
+    )
     with open(path, "a", encoding="utf-8") as fh:
         fh.write(line + "\n")
 
@@ -122,6 +138,7 @@ def _kill(what: str, rank: int, iteration: int) -> None:
 
 
 # ----------------------------------------------------------------------------- hooks
+
 
 def before_step(iteration: int, rank: int) -> None:
     """Training loop, before the step that produces ``iteration``: ``stall``."""
@@ -160,8 +177,16 @@ def save_point(point: str, iteration: int, rank: int) -> None:
 
 # ----------------------------------------------------------------------------- distributed failures
 
-_DIST_PATTERNS = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer",
-                  "Broken pipe", "DistBackendError", "NCCL", "Watchdog")
+_DIST_PATTERNS = (
+    "Timed out",
+    "timed out",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "DistBackendError",
+    "NCCL",
+    "Watchdog",
+)
 
 
 def describe_distributed_failure(exc: BaseException, timeout_minutes: Optional[float] = None) -> Optional[str]:
@@ -171,13 +196,20 @@ def describe_distributed_failure(exc: BaseException, timeout_minutes: Optional[f
     collective nor the caller; both are read off the traceback.
     """
     import torch.distributed as dist
+
     text = f"{type(exc).__name__}: {exc}"
     backend_error = getattr(dist, "DistBackendError", None)
     if not (backend_error and isinstance(exc, backend_error)) and not any(p in text for p in _DIST_PATTERNS):
         return None
     frames = traceback.extract_tb(exc.__traceback__)
-    op = next((f.name for f in reversed(frames) if f"distributed{os.sep}" in f.filename
-               and not f.name.startswith("_") and f.name != "wrapper"), None)
+    op = next(
+        (
+            f.name
+            for f in reversed(frames)
+            if f"distributed{os.sep}" in f.filename and not f.name.startswith("_") and f.name != "wrapper"
+        ),
+        None,
+    )
     ours = next((f for f in reversed(frames) if f"megatron_p2r{os.sep}" in f.filename), None)
     where = f" called from {os.path.relpath(ours.filename)}:{ours.lineno} ({ours.name})" if ours else ""
     timed_out = "imed out" in text
@@ -191,5 +223,17 @@ def describe_distributed_failure(exc: BaseException, timeout_minutes: Optional[f
     return f"{what} {cause}. Backend said: {first_line}"
 
 
-__all__ = ["FAULT_ENV", "EVENT_LOG_ENV", "SAVE_POINTS", "Fault", "FaultSpecError", "parse_faults", "record",
-           "before_step", "on_gradients", "after_step", "save_point", "describe_distributed_failure"]
+__all__ = [
+    "FAULT_ENV",
+    "EVENT_LOG_ENV",
+    "SAVE_POINTS",
+    "Fault",
+    "FaultSpecError",
+    "parse_faults",
+    "record",
+    "before_step",
+    "on_gradients",
+    "after_step",
+    "save_point",
+    "describe_distributed_failure",
+]

@@ -7,6 +7,7 @@ every logged record goes to its history unchanged, one row per record, charted a
 ``iteration``. ``wandb`` is an optional dependency (``pip install megatron_p2r[wandb]``);
 ``WANDB_MODE=offline`` writes the run locally for ``wandb sync`` later.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,9 +22,16 @@ def planner_summary(cfg: Config, plan: ParallelPlan, device_type: str) -> dict:
     """What the planner says of this run: its layout and the memory each pipeline stage's rank
     needs (bytes; on CPU all of it is host memory)."""
     layout = plan.layout
-    return {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "ep": layout.ep,
-            "phase": plan.phase, "device_type": device_type,
-            "memory_per_rank_bytes": {f"stage_{s}": rank_memory(cfg, plan, s, device_type) for s in range(layout.pp)}}
+    return {
+        "world_size": layout.world_size,
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "dp": layout.dp,
+        "ep": layout.ep,
+        "phase": plan.phase,
+        "device_type": device_type,
+        "memory_per_rank_bytes": {f"stage_{s}": rank_memory(cfg, plan, s, device_type) for s in range(layout.pp)},
+    }
 
 
 class WandbWriter:
@@ -44,11 +52,18 @@ class WandbWriter:
         save_dir = lg.wandb_save_dir or os.path.join(cfg.checkpoint.save, "wandb")
         os.makedirs(save_dir, exist_ok=True)
         try:
-            run = wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name, entity=lg.wandb_entity or None,
-                             dir=save_dir, config={**cfg.to_dict(), "planner": planner_summary(cfg, plan, device_type)})
-        except wandb.errors.Error as exc:   # no API key, no network: say what to do, no traceback
-            raise ConfigError(f"--wandb-project {lg.wandb_project}: wandb cannot start the run ({exc}); log in "
-                              "(wandb login, WANDB_API_KEY) or set WANDB_MODE=offline and `wandb sync` later") from None
+            run = wandb.init(
+                project=lg.wandb_project,
+                name=lg.wandb_exp_name,
+                entity=lg.wandb_entity or None,
+                dir=save_dir,
+                config={**cfg.to_dict(), "planner": planner_summary(cfg, plan, device_type)},
+            )
+        except wandb.errors.Error as exc:  # no API key, no network: say what to do, no traceback
+            raise ConfigError(
+                f"--wandb-project {lg.wandb_project}: wandb cannot start the run ({exc}); log in "
+                "(wandb login, WANDB_API_KEY) or set WANDB_MODE=offline and `wandb sync` later"
+            ) from None
         run.define_metric("iteration")
         run.define_metric("*", step_metric="iteration")
         return cls(run)

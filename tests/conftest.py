@@ -1,4 +1,5 @@
 """Fixtures for every test, and the ``spawns`` marker (``make test-fast`` deselects it)."""
+
 import functools
 import pathlib
 import re

@@ -11,6 +11,7 @@ rank spends seconds importing torch, which dominated every distributed test. For
 server (not from the caller) keeps the caller's state — an initialised process group, threads —
 out of the ranks.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -38,16 +39,18 @@ class DistributedTestError(AssertionError):
     pass
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout: float,
-            backend: str = "gloo") -> None:
+def _worker(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout: float, backend: str = "gloo"
+) -> None:
     import torch
     import torch.distributed as dist
+
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
         out = fn(rank, world_size, *args)
         results.put((rank, "ok", out))
     except BaseException:  # report everything, including assertion errors, to the parent
@@ -57,8 +60,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
-                    backend: str = "gloo") -> List[Any]:
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, backend: str = "gloo"
+) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo; ``backend="nccl"`` for the
     GPU lane's multi-GPU tests, one GPU per rank: LOCAL_RANK); return their results."""
     ctx = mp.get_context("forkserver")
@@ -66,8 +70,12 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     results = ctx.Queue()
     port = free_port()
     collective_timeout = max(timeout * 0.8, 5.0)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, collective_timeout, backend),
-                         daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_worker, args=(r, world_size, port, fn, args, results, collective_timeout, backend), daemon=True
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     outputs, errors = {}, {}
@@ -77,8 +85,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 rank, status, payload = results.get(timeout=timeout)
             except queue.Empty:
                 missing = sorted(set(range(world_size)) - set(outputs) - set(errors))
-                raise DistributedTestError(f"ranks {missing} did not finish within {timeout:.0f}s "
-                                           f"(stuck collective?); errors so far: {errors}") from None
+                raise DistributedTestError(
+                    f"ranks {missing} did not finish within {timeout:.0f}s (stuck collective?); errors so far: {errors}"
+                ) from None
             (outputs if status == "ok" else errors)[rank] = payload
             if errors:
                 break

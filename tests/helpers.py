@@ -1,4 +1,5 @@
 """Shared parts of the equivalence tests: a tiny config and the single-process reference."""
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -15,11 +16,31 @@ from megatron_p2r.pipeline.schedules import forward_backward_no_pipelining
 # Explicit where Megatron-LM's defaults (which are ours) would change what the tests were written for:
 # no dropout, top-1 routing on the softmax probabilities, AdamW beta2 0.95, fp16's scale 2^16 halved on
 # each overflow, a log line and a short evaluation per step.
-TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=200,
-            make_vocab_size_divisible_by=16, micro_batch_size=2, mock_data=True, lr=1e-2,
-            lr_decay_style="constant", weight_decay=0.0, clip_grad=0.0, seed=7, train_iters=10,
-            hidden_dropout=0.0, attention_dropout=0.0, moe_router_topk=1, moe_router_pre_softmax=True,
-            adam_beta2=0.95, initial_loss_scale=2.0 ** 16, hysteresis=1, log_interval=1, eval_iters=2)
+TINY = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=16,
+    vocab_size=200,
+    make_vocab_size_divisible_by=16,
+    micro_batch_size=2,
+    mock_data=True,
+    lr=1e-2,
+    lr_decay_style="constant",
+    weight_decay=0.0,
+    clip_grad=0.0,
+    seed=7,
+    train_iters=10,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    moe_router_topk=1,
+    moe_router_pre_softmax=True,
+    adam_beta2=0.95,
+    initial_loss_scale=2.0**16,
+    hysteresis=1,
+    log_interval=1,
+    eval_iters=2,
+)
 
 
 def tiny_config(**overrides) -> Config:
@@ -28,9 +49,14 @@ def tiny_config(**overrides) -> Config:
 
 def reference_config(cfg: Config) -> Config:
     """The same model on one process (no TP/PP/EP, no interleaving; same global batch)."""
-    return cfg.replace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
-                       pipeline_layer_split=None, num_layers_per_virtual_pipeline_stage=None,
-                       num_virtual_stages_per_pipeline_rank=None)
+    return cfg.replace(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        expert_model_parallel_size=1,
+        pipeline_layer_split=None,
+        num_layers_per_virtual_pipeline_stage=None,
+        num_virtual_stages_per_pipeline_rank=None,
+    )
 
 
 def random_microbatches(cfg: Config, n: int, batch: int, seed: int = 0) -> list:
@@ -53,7 +79,7 @@ def expected_shard(full: torch.Tensor, param, ps: ParallelState) -> torch.Tensor
     """This rank's slice of a reference tensor, per the parameter's sharding attributes."""
     if getattr(param, "expert", False):
         n = param.shape[0]
-        full = full[ps.ep_rank * n:(ps.ep_rank + 1) * n]
+        full = full[ps.ep_rank * n : (ps.ep_rank + 1) * n]
     return tp_slice(full, getattr(param, "tp_dim", None), ps.tp_rank, ps.tp_size, getattr(param, "tp_replicas", 1))
 
 
@@ -72,14 +98,22 @@ def max_grad_error(model, ps: ParallelState, ref: dict, relative: bool = False) 
     return out
 
 
-def run_steps(cfg: Config, ps: ParallelState, steps: int, *, load: Optional[str] = None,
-              after_step: Optional[Callable] = None, outputs: Optional[list] = None):
+def run_steps(
+    cfg: Config,
+    ps: ParallelState,
+    steps: int,
+    *,
+    load: Optional[str] = None,
+    after_step: Optional[Callable] = None,
+    outputs: Optional[list] = None,
+):
     """Train ``steps`` optimizer steps on mock data, from scratch or from the checkpoint ``load``
     (continuing its data); ``after_step(state)`` runs after each, ``outputs`` receives each
     step's ``train_step`` record (its ``grad_norm``...). Returns (losses, state)."""
     from megatron_p2r.checkpoint.io import load_checkpoint
     from megatron_p2r.config import num_microbatches
     from megatron_p2r.training import build_datasets, build_train_state, microbatch_iterator, train_step
+
     state = build_train_state(cfg, ps)
     if load is not None:
         load_checkpoint(load, state)
@@ -100,9 +134,11 @@ def run_steps(cfg: Config, ps: ParallelState, steps: int, *, load: Optional[str]
 def keep_first_step_grads(into: dict) -> Callable:
     """An ``after_step`` callback that keeps the gradients of the first step: the reduced
     ``main_grad`` the optimizer stepped on (unscaled and clipped), by parameter name."""
+
     def keep(state) -> None:
         if not into:
             into.update({n: p.main_grad.clone() for n, p in state.model.named_parameters()})
+
     return keep
 
 

@@ -1,6 +1,7 @@
 """Module boundaries: no import cycles between megatron_p2r's subpackages, counting every import
 (also those inside functions, which hide a cycle from Python but not from a reader), and every
 subpackage importable on its own in a fresh interpreter."""
+
 from __future__ import annotations
 
 import ast
@@ -30,7 +31,7 @@ def _imports(path: str, module: str) -> Set[str]:
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             out.add(base)
             out |= {f"{base}.{a.name}" for a in node.names}
     return {m for m in out if m.startswith(PKG + ".")}
@@ -118,19 +119,32 @@ def test_the_checkpoint_format_sits_below_conversion():
     assert f"{PKG}.checkpoint" in import_graph()[f"{PKG}.convert"]
 
 
-SUBPACKAGES = sorted({_unit(os.path.relpath(os.path.join(folder, name), ROOT)[:-3].replace(os.sep, "."))
-                      for folder, _, files in os.walk(os.path.join(ROOT, PKG)) for name in files
-                      if name.endswith(".py")} - {PKG + ".__init__"})
+SUBPACKAGES = sorted(
+    {
+        _unit(os.path.relpath(os.path.join(folder, name), ROOT)[:-3].replace(os.sep, "."))
+        for folder, _, files in os.walk(os.path.join(ROOT, PKG))
+        for name in files
+        if name.endswith(".py")
+    }
+    - {PKG + ".__init__"}
+)
 
 
 def test_each_subpackage_imports_alone():
     """One fresh interpreter imports each unit first thing (an import-time cycle raises there)."""
-    code = ("import importlib, sys\n"
-            "for name in sys.argv[1:]:\n"
-            "    for loaded in [m for m in sys.modules if m.startswith('megatron_p2r')]:\n"
-            "        del sys.modules[loaded]\n"
-            "    importlib.import_module(name)\n")
-    proc = subprocess.run([sys.executable, "-c", code, *SUBPACKAGES], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    code = (
+        "import importlib, sys\n"
+        "for name in sys.argv[1:]:\n"
+        "    for loaded in [m for m in sys.modules if m.startswith('megatron_p2r')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    importlib.import_module(name)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *SUBPACKAGES],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-

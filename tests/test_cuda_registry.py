@@ -1,10 +1,11 @@
 """The registry of CUDA-only code (tests/cuda/registry.py) against the package as it is: every
 construct the scan (tests/cuda/scan.py) finds has a line naming the lane test that runs it on a
 GPU, every line still matches a construct, every named test exists. Reading only: milliseconds."""
+
 from tests.cuda import scan
 from tests.cuda.registry import BEHAVIOURS, CUDA_ONLY, E
 
-SNIPPET = '''
+SNIPPET = """
 import torch
 
 def fetch(x, device, group):
@@ -27,7 +28,7 @@ def innocent(x, device):
     x.to(device, non_blocking=False)
     torch.empty(1, pin_memory=False)
     return device.type == "meta", x.to(torch.float32)
-'''
+"""
 
 
 def test_the_registry_names_a_lane_test_for_every_cuda_only_construct():
@@ -38,13 +39,24 @@ def test_the_registry_names_a_lane_test_for_every_cuda_only_construct():
 def test_the_scan_finds_each_kind_of_construct_under_its_anchor():
     found = {(c.anchor, c.construct) for c in scan.scan_source("x.py", SNIPPET)}
     assert found == {
-        ("fetch", 'device == "cuda"'), ("fetch", "torch.cuda.synchronize"), ("fetch", 'device != "cpu"'),
-        ("fetch", 'backend == "nccl"'), ("fetch", ".pin_memory()"), ("fetch", "pin_memory=True"),
-        ("fetch", "non_blocking=True"), ("fetch", '.to("cpu")'), ("fetch", ".cpu()"),
-        ("fetch", 'torch.device("cuda")'), ("fetch", ".is_cuda"),
-        ("Kernels.run", "torch.cuda.Stream"), ("Kernels.run", ".wait_event()"), ("Kernels.run", "torch.cuda.Event"),
-        ("Kernels.run", ".record_stream()"), ("Kernels.run", "fused=True"),
-        ("Kernels.run", "scaled_dot_product_attention"), ("Kernels.run", "grouped_mm"),
+        ("fetch", 'device == "cuda"'),
+        ("fetch", "torch.cuda.synchronize"),
+        ("fetch", 'device != "cpu"'),
+        ("fetch", 'backend == "nccl"'),
+        ("fetch", ".pin_memory()"),
+        ("fetch", "pin_memory=True"),
+        ("fetch", "non_blocking=True"),
+        ("fetch", '.to("cpu")'),
+        ("fetch", ".cpu()"),
+        ("fetch", 'torch.device("cuda")'),
+        ("fetch", ".is_cuda"),
+        ("Kernels.run", "torch.cuda.Stream"),
+        ("Kernels.run", ".wait_event()"),
+        ("Kernels.run", "torch.cuda.Event"),
+        ("Kernels.run", ".record_stream()"),
+        ("Kernels.run", "fused=True"),
+        ("Kernels.run", "scaled_dot_product_attention"),
+        ("Kernels.run", "grouped_mm"),
         ("Kernels.run", "torch.compile"),
     }, found
 
@@ -67,8 +79,10 @@ def test_a_new_synchronize_without_a_line_fails_with_the_line_to_add():
     found = _with("\n\ndef wait_for_copies(device):\n    torch.cuda.synchronize(device)\n")
     problems = _new_problems(found)
     assert len(problems) == 1 and problems[0].startswith("unregistered: megatron_p2r/offload/runtime.py:"), problems
-    assert problems[0].endswith('\n    E("offload/runtime.py", "wait_for_copies", "torch.cuda.synchronize", '
-                                '"tests/cuda/<module>.py::<the test that runs it on CUDA>"),'), problems[0]
+    assert problems[0].endswith(
+        '\n    E("offload/runtime.py", "wait_for_copies", "torch.cuda.synchronize", '
+        '"tests/cuda/<module>.py::<the test that runs it on CUDA>"),'
+    ), problems[0]
 
 
 def test_a_construct_added_where_others_are_registered_suggests_their_test():
@@ -78,14 +92,24 @@ def test_a_construct_added_where_others_are_registered_suggests_their_test():
 
 
 def test_stale_lines_and_missing_tests_fail():
-    gone = E("offload/runtime.py", "OffloadManager.prefetch_all", "torch.cuda.synchronize",
-             "tests/cuda/test_offload.py::test_offload_prefetch_copies_overlap_compute")
+    gone = E(
+        "offload/runtime.py",
+        "OffloadManager.prefetch_all",
+        "torch.cuda.synchronize",
+        "tests/cuda/test_offload.py::test_offload_prefetch_copies_overlap_compute",
+    )
     untested = E(*CUDA_ONLY[0][:3], "tests/cuda/test_numerics.py::test_that_was_renamed")
-    wrong_param = E(*CUDA_ONLY[0][:3], "tests/cuda/test_numerics.py::test_training_step_matches_cpu_fp32_reference[fp8]")
+    wrong_param = E(
+        *CUDA_ONLY[0][:3], "tests/cuda/test_numerics.py::test_training_step_matches_cpu_fp32_reference[fp8]"
+    )
     moved = E("optim/host_step.py", "HostStepThatMoved", "host step in backward", CUDA_ONLY[0].test)
     registry = [e for e in CUDA_ONLY if e != CUDA_ONLY[0]] + [gone, untested, wrong_param]
     problems = _new_problems(scan.scan_package(), registry, [*BEHAVIOURS, moved])
-    assert [p.split(":")[0] for p in problems] == ["stale", "stale behaviour", "no such lane test",
-                                                    "no such lane test"], problems
+    assert [p.split(":")[0] for p in problems] == [
+        "stale",
+        "stale behaviour",
+        "no such lane test",
+        "no such lane test",
+    ], problems
     assert "OffloadManager.prefetch_all" in problems[0] and "HostStepThatMoved" in problems[1]
     assert "test_that_was_renamed" in problems[2] and "[fp8]" in problems[3]

@@ -3,6 +3,7 @@
 Checks what the demo promises: the eval loss before and after delinking (into another layout)
 is equal, and the real phase's training loss decreases.
 """
+
 import json
 import os
 import subprocess
@@ -18,10 +19,18 @@ def _records(path, key):
 def test_short_demo_runs_every_stage(tmp_path):
     out = tmp_path / "demo"
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")  # the venv's python
-    env = dict(os.environ, PATH=path, DEMO_OUT=str(out), DEMO_PSEUDO_ITERS="6", DEMO_REAL_ITERS="12",
-               DEMO_CORPUS_BYTES="600000", DEMO_EXTRA_ARGS="--log-interval 1 --eval-iters 2 --split 80,20,0")  # 22 docs: 2% would be none
-    r = subprocess.run(["bash", "examples/tiny_p2r/run_demo.sh"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=900)
+    env = dict(
+        os.environ,
+        PATH=path,
+        DEMO_OUT=str(out),
+        DEMO_PSEUDO_ITERS="6",
+        DEMO_REAL_ITERS="12",
+        DEMO_CORPUS_BYTES="600000",
+        DEMO_EXTRA_ARGS="--log-interval 1 --eval-iters 2 --split 80,20,0",
+    )  # 22 docs: 2% would be none
+    r = subprocess.run(
+        ["bash", "examples/tiny_p2r/run_demo.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     before = _records(out / "eval_pseudo.jsonl", "eval_loss")[-1]
     after = _records(out / "eval_real_init.jsonl", "eval_loss")[-1]

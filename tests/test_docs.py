@@ -11,6 +11,7 @@ compared with the command's output. Every guide ends by naming its evidence appe
 (``docs/evidence/<topic>.md``: measurements, test inventories, planted bugs), and every command
 in a doc's code blocks runs something that exists: a script, a module, a ``make`` target or a
 console entry of ``setup.py``."""
+
 from __future__ import annotations
 
 import ast
@@ -29,19 +30,51 @@ PACKAGE = "megatron_p2r"
 SOURCE_ROOTS = (PACKAGE, "tools", "benchmarks", "tests")
 REPO_DIRS = (PACKAGE, "tools", "tests", "benchmarks", "examples", "docs")
 # A dotted word ending so is a file name (``config.json``, ``model.yaml``), not a Python name.
-FILE_SUFFIXES = {"py", "md", "json", "jsonl", "yaml", "yml", "sh", "sbatch", "txt", "bin", "idx", "safetensors",
-                 "png", "pt", "gz", "model", "toml", "ini", "csv", "log", "html", "whl", "lock", "tmp", "so"}
+FILE_SUFFIXES = {
+    "py",
+    "md",
+    "json",
+    "jsonl",
+    "yaml",
+    "yml",
+    "sh",
+    "sbatch",
+    "txt",
+    "bin",
+    "idx",
+    "safetensors",
+    "png",
+    "pt",
+    "gz",
+    "model",
+    "toml",
+    "ini",
+    "csv",
+    "log",
+    "html",
+    "whl",
+    "lock",
+    "tmp",
+    "so",
+}
 
 
 def doc_files(root: str = ROOT) -> List[str]:
-    found = [os.path.join(root, "README.md"), *sorted(glob.glob(os.path.join(root, "docs", "*.md"))),
-             *sorted(glob.glob(os.path.join(root, "examples", "**", "README.md"), recursive=True))]
+    found = [
+        os.path.join(root, "README.md"),
+        *sorted(glob.glob(os.path.join(root, "docs", "*.md"))),
+        *sorted(glob.glob(os.path.join(root, "examples", "**", "README.md"), recursive=True)),
+    ]
     return [os.path.relpath(p, root) for p in found]
 
 
 # The reports p2r-study writes into docs/ (``--out docs --name ...``): its output, not guides.
-GENERATED_REPORTS = {"docs/p2r_study_code.md", "docs/p2r_study_code_x4.md", "docs/p2r_study_docs.md",
-                     "docs/p2r_study_docs_x4.md"}
+GENERATED_REPORTS = {
+    "docs/p2r_study_code.md",
+    "docs/p2r_study_code_x4.md",
+    "docs/p2r_study_docs.md",
+    "docs/p2r_study_docs_x4.md",
+}
 # Guides still mixed with their evidence. The lead splits them (issue 39 item 5) and removes each
 # from this list; once it is empty every guide must name its evidence.
 PENDING_GUIDES = {"docs/reliability.md", "docs/checkpoint.md"}
@@ -71,8 +104,8 @@ class SourceIndex:
         for top in SOURCE_ROOTS:
             files += glob.glob(os.path.join(root, top, "**", "*.py"), recursive=True)
         for path in files:
-            rel = os.path.relpath(path, root)[:-len(".py")].replace(os.sep, ".")
-            module = rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+            rel = os.path.relpath(path, root)[: -len(".py")].replace(os.sep, ".")
+            module = rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
             with open(path, encoding="utf-8") as fh:
                 tree = ast.parse(fh.read(), path)
             self.modules[module] = self._top_level(tree) | self._submodules(path, root)
@@ -85,8 +118,11 @@ class SourceIndex:
         if not path.endswith("__init__.py"):
             return set()
         here = os.path.dirname(path)
-        return {name[:-3] if name.endswith(".py") else name for name in os.listdir(here)
-                if name.endswith(".py") or os.path.isfile(os.path.join(here, name, "__init__.py"))}
+        return {
+            name[:-3] if name.endswith(".py") else name
+            for name in os.listdir(here)
+            if name.endswith(".py") or os.path.isfile(os.path.join(here, name, "__init__.py"))
+        }
 
     @staticmethod
     def _top_level(tree: ast.Module) -> Set[str]:
@@ -105,8 +141,12 @@ class SourceIndex:
     def _attributes(cls: ast.ClassDef) -> Set[str]:
         names = SourceIndex._top_level(ast.Module(body=cls.body, type_ignores=[]))
         for node in ast.walk(cls):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
-                    and isinstance(node.ctx, ast.Store):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+                and isinstance(node.ctx, ast.Store)
+            ):
                 names.add(node.attr)
         return names
 
@@ -129,7 +169,7 @@ class SourceIndex:
         (``model.named_parameters()``, the metadata key ``p2r.phase``), not a reference."""
         parts = dotted.split(".")
         module, rest = self._module_of(parts)
-        if module is None:   # Class.attribute
+        if module is None:  # Class.attribute
             cls, rest = parts[0], parts[1:]
         elif not rest or (len(parts) == 2 and rest[0] not in self.modules[module]):
             return None
@@ -144,19 +184,22 @@ class SourceIndex:
     def defines(self, path: str, name: str) -> bool:
         """Whether the file at ``path`` (repository-relative) defines ``name`` (``Class.method``
         allowed) at its top level."""
-        module = path[:-len(".py")].replace("/", ".")
-        module = module[:-len(".__init__")] if module.endswith(".__init__") else module
+        module = path[: -len(".py")].replace("/", ".")
+        module = module[: -len(".__init__")] if module.endswith(".__init__") else module
         return module in self.modules and self.missing(f"{module}.{name}") is None
 
 
 _PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./*-]*[\w*/])((?:::?)[A-Za-z_][\w.]*)?" % "|".join(REPO_DIRS))
-_EXTERNAL_LINK = re.compile(r"\[([^\]]*)\]\(https?://[^)]*\)")   # its text names another repository's file
+_EXTERNAL_LINK = re.compile(r"\[([^\]]*)\]\(https?://[^)]*\)")  # its text names another repository's file
 _DOTTED = re.compile(r"(?<![\w./:-])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)")
 
 
 def _subpackages(root: str = ROOT) -> List[str]:
-    return sorted(d for d in os.listdir(os.path.join(root, PACKAGE))
-                  if os.path.isfile(os.path.join(root, PACKAGE, d, "__init__.py")))
+    return sorted(
+        d
+        for d in os.listdir(os.path.join(root, PACKAGE))
+        if os.path.isfile(os.path.join(root, PACKAGE, d, "__init__.py"))
+    )
 
 
 def path_references(text: str, root: str = ROOT) -> Iterator[Tuple[str, Optional[str]]]:
@@ -204,11 +247,13 @@ def test_docs_name_only_what_exists(doc, index):
 
 def test_the_check_sees_a_bad_path_and_a_bad_name(index, tmp_path):
     doc = tmp_path / "bad.md"
-    doc.write_text("See `tests/parallel/test_state.py`, `p2r/sharing.py`, `layout/plan.py:no_such_thing`, "
-                   "`parallel.ddp.NoSuchClass` and `ParallelPlan.no_such_method`; `layout/sharing.py`, "
-                   "`tests/test_docs.py::test_docs_name_only_what_exists`, `layout.plan.ParallelPlan.for_world`, "
-                   "`config.json`, `model.named_parameters()`, `torch.utils.checkpoint` and Megatron-LM's "
-                   "[`examples/gpt3/train.sh`](https://github.com/NVIDIA/Megatron-LM) are fine.\n")
+    doc.write_text(
+        "See `tests/parallel/test_state.py`, `p2r/sharing.py`, `layout/plan.py:no_such_thing`, "
+        "`parallel.ddp.NoSuchClass` and `ParallelPlan.no_such_method`; `layout/sharing.py`, "
+        "`tests/test_docs.py::test_docs_name_only_what_exists`, `layout.plan.ParallelPlan.for_world`, "
+        "`config.json`, `model.named_parameters()`, `torch.utils.checkpoint` and Megatron-LM's "
+        "[`examples/gpt3/train.sh`](https://github.com/NVIDIA/Megatron-LM) are fine.\n"
+    )
     assert problems(str(doc), index) == [
         f"{doc}: ParallelPlan.no_such_method: no ParallelPlan.no_such_method",
         f"{doc}: megatron_p2r/layout/plan.py defines no no_such_thing",
@@ -220,16 +265,19 @@ def test_the_check_sees_a_bad_path_and_a_bad_name(index, tmp_path):
 
 def _korthikanti_table(argv):
     from benchmarks import korthikanti_table
+
     korthikanti_table.main(argv)
 
 
 def _checkpoint_cost(argv):
     from benchmarks import checkpoint_cost
+
     checkpoint_cost.main(argv)
 
 
 def _memory_per_rank(argv):
     from benchmarks import memory_per_rank
+
     memory_per_rank.main(argv)
 
 
@@ -260,8 +308,11 @@ def evidence_problems(doc: str, root: str = ROOT) -> List[str]:
     m = _EVIDENCE_LINE.match(lines[-1]) if lines else None
     if not m:
         return [f"{doc}: its last line is not 'Evidence: docs/evidence/<topic>.md'"]
-    return [f"{doc}: {path} does not exist" for path in m.group(1).split(", ")
-            if not os.path.isfile(os.path.join(root, path))]
+    return [
+        f"{doc}: {path} does not exist"
+        for path in m.group(1).split(", ")
+        if not os.path.isfile(os.path.join(root, path))
+    ]
 
 
 @pytest.mark.parametrize("doc", [d for d in guide_files() if d not in PENDING_GUIDES])
@@ -290,8 +341,10 @@ def test_the_evidence_check_sees_a_missing_line_and_a_missing_file(tmp_path):
     (tmp_path / "docs" / "c.md").write_text("# C\n\nNo evidence here.\n")
     root = str(tmp_path)
     assert [evidence_problems(d, root) for d in guide_files(root)] == [
-        [], ["docs/b.md: docs/evidence/y.md does not exist"],
-        ["docs/c.md: its last line is not 'Evidence: docs/evidence/<topic>.md'"]]
+        [],
+        ["docs/b.md: docs/evidence/y.md does not exist"],
+        ["docs/c.md: its last line is not 'Evidence: docs/evidence/<topic>.md'"],
+    ]
 
 
 _FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```", re.M | re.S)
@@ -359,11 +412,20 @@ def command_problems(doc: str, root: str = ROOT) -> List[str]:
             problem = _script_problem(words[1:], root)
             if problem:
                 found.append(f"{doc}: {head}: {problem}")
-        elif head == "make" and len(words) > 1 and not words[1].startswith("-") and "=" not in words[1] \
-                and words[1] not in targets:
+        elif (
+            head == "make"
+            and len(words) > 1
+            and not words[1].startswith("-")
+            and "=" not in words[1]
+            and words[1] not in targets
+        ):
             found.append(f"{doc}: make {words[1]}: no such target in the Makefile")
-        elif shell and words[0].endswith(".py") and words[0] not in FOREIGN_SCRIPTS \
-                and not os.path.isfile(os.path.join(root, words[0])):
+        elif (
+            shell
+            and words[0].endswith(".py")
+            and words[0] not in FOREIGN_SCRIPTS
+            and not os.path.isfile(os.path.join(root, words[0]))
+        ):
             found.append(f"{doc}: {words[0]}: no such script")
         elif words[0].startswith("p2r-") and words[0] not in entries:
             found.append(f"{doc}: {words[0]}: no such console entry in setup.py")
@@ -386,11 +448,13 @@ def test_the_command_check_sees_a_missing_script_module_target_and_entry(tmp_pat
         "    no_such_entry.py --y\npython -m tools.no_such\nmake no-such-target\np2r-no-such --z\n"
         "convert.py delink A B\np2r-study --work w\npython tools/plan.py --help\npython -m tools.plan\n"
         "make test\n--flag-line only\ntorchrun ... pretrain_gpt.py --use-checkpoint-args\n```\n"
-        "```\nlayer.py   MoELayer: a file tree, not a command\n```\n")
+        "```\nlayer.py   MoELayer: a file tree, not a command\n```\n"
+    )
     assert command_problems("guide.md", str(tmp_path)) == [
         "guide.md: convert.py: no such script",
         "guide.md: make no-such-target: no such target in the Makefile",
         "guide.md: p2r-no-such: no such console entry in setup.py",
         "guide.md: python: no module tools.no_such",
         "guide.md: python: no script tools/no_such.py",
-        "guide.md: torchrun: no script no_such_entry.py"]
+        "guide.md: torchrun: no script no_such_entry.py",
+    ]

@@ -1,4 +1,5 @@
 """The shipped example configs parse and validate for their layouts, without launching anything."""
+
 import os
 
 import pytest
@@ -10,8 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = ["--data-path", "corpus_text_document", "--tokenizer-model", "tok.model"]
 
 
-@pytest.mark.parametrize("example,phase", [(e, p) for e in ("m6_10t", "m6_1t") for p in ("pseudo", "real")]
-                         + [("m6_10t", "real_lean")])
+@pytest.mark.parametrize(
+    "example,phase", [(e, p) for e in ("m6_10t", "m6_1t") for p in ("pseudo", "real")] + [("m6_10t", "real_lean")]
+)
 def test_512_gpu_examples_validate(example, phase):
     folder = os.path.join(ROOT, "examples", example)
     cfg = parse_args(["--config", f"{folder}/model.yaml", f"{folder}/{phase}.yaml", *DATA])

@@ -1,4 +1,5 @@
 """The command line: torchrun TP=2 reproduces the single-process run's logged losses."""
+
 import json
 import os
 import subprocess
@@ -9,10 +10,37 @@ import pytest
 from tests.harness import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FLAGS = ["--mock-data", "--vocab-size", "300", "--make-vocab-size-divisible-by", "32", "--num-layers", "2",
-         "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-2", "--seed", "3", "--log-interval", "1",
-         "--hidden-dropout", "0", "--attention-dropout", "0"]  # TP draws attention dropout per rank
+FLAGS = [
+    "--mock-data",
+    "--vocab-size",
+    "300",
+    "--make-vocab-size-divisible-by",
+    "32",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    "3",
+    "--lr",
+    "1e-2",
+    "--seed",
+    "3",
+    "--log-interval",
+    "1",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+]  # TP draws attention dropout per rank
 
 
 def _run(cmd, env_extra=None):
@@ -28,9 +56,23 @@ def test_torchrun_tensor_parallel_matches_single_process(tmp_path):
     single, tp2 = tmp_path / "single.jsonl", tmp_path / "tp2.jsonl"
     r1 = _run([sys.executable, "pretrain_m6.py", *FLAGS, "--log-file", str(single)])
     assert r1.returncode == 0, r1.stderr[-3000:]
-    r2 = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), "pretrain_m6.py", *FLAGS, "--tensor-model-parallel-size", "2",
-               "--log-file", str(tp2)])
+    r2 = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "pretrain_m6.py",
+            *FLAGS,
+            "--tensor-model-parallel-size",
+            "2",
+            "--log-file",
+            str(tp2),
+        ]
+    )
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert len(_losses(single)) == 3
     assert _losses(tp2) == pytest.approx(_losses(single), rel=1e-5)

@@ -3,6 +3,7 @@
 The offline run's ``.wandb`` file is read with wandb's own protobuf schema (``Record``); the file
 is a LevelDB-style log (7-byte header, 32 KiB blocks of records framed by crc32, length, type),
 which wandb 0.31 no longer reads back in Python. No network: WANDB_MODE=offline."""
+
 import glob
 import json
 import struct
@@ -13,7 +14,7 @@ from megatron_p2r.config import ConfigError
 from megatron_p2r.config.validation import validate
 from tests.helpers import tiny_config
 
-BLOCK, HEADER = 32768, 7   # LevelDB log framing: block size, record header (crc32 4, length 2, type 1)
+BLOCK, HEADER = 32768, 7  # LevelDB log framing: block size, record header (crc32 4, length 2, type 1)
 
 
 def wandb_records(path):
@@ -25,15 +26,15 @@ def wandb_records(path):
     assert data[:4] == b":W&B"
     records, pending, pos = [], b"", HEADER
     while pos + HEADER <= len(data):
-        if BLOCK - pos % BLOCK < HEADER:   # a block's tail too short for a header is padding
+        if BLOCK - pos % BLOCK < HEADER:  # a block's tail too short for a header is padding
             pos += BLOCK - pos % BLOCK
             continue
-        length, kind = struct.unpack("<HB", data[pos + 4:pos + HEADER])
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + HEADER])
         if kind == 0 and length == 0:
             break
-        pending += data[pos + HEADER:pos + HEADER + length]
+        pending += data[pos + HEADER : pos + HEADER + length]
         pos += HEADER + length
-        if kind in (1, 4):   # FULL, LAST
+        if kind in (1, 4):  # FULL, LAST
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
             records.append(record)
@@ -51,8 +52,13 @@ def history_and_config(save_dir):
     for record in wandb_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "history":
-            rows.append({item_key(item): json.loads(item.value_json) for item in record.history.item
-                         if not item_key(item).startswith("_")})
+            rows.append(
+                {
+                    item_key(item): json.loads(item.value_json)
+                    for item in record.history.item
+                    if not item_key(item).startswith("_")
+                }
+            )
         elif kind == "run":
             run = record.run
             config.update({item_key(item): json.loads(item.value_json) for item in record.run.config.update})
@@ -71,11 +77,19 @@ def test_offline_run_history_equals_the_jsonl_log(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_CONSOLE", "off")
     monkeypatch.setenv("WANDB_SILENT", "true")
     log = tmp_path / "m.jsonl"
-    cfg = tiny_config(train_iters=4, log_interval=1, log_file=str(log), eval_interval=2, eval_iters=1,
-                      global_batch_size=4, wandb_project="p2r-test", wandb_exp_name="tiny",
-                      wandb_save_dir=str(tmp_path / "wb"))
+    cfg = tiny_config(
+        train_iters=4,
+        log_interval=1,
+        log_file=str(log),
+        eval_interval=2,
+        eval_iters=1,
+        global_batch_size=4,
+        wandb_project="p2r-test",
+        wandb_exp_name="tiny",
+        wandb_save_dir=str(tmp_path / "wb"),
+    )
     pretrain(cfg)
-    wandb.teardown()   # the service writes the run's file out when it stops (at exit in a training process)
+    wandb.teardown()  # the service writes the run's file out when it stops (at exit in a training process)
     records = [json.loads(line) for line in log.read_text().splitlines()]
     rows, config, run = history_and_config(tmp_path / "wb")
     assert len(records) == 6 and rows == records
@@ -98,9 +112,11 @@ def test_missing_package_names_the_extra(monkeypatch, tmp_path):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"--wandb-project needs the wandb package: pip install megatron_p2r\[wandb\]"):
+    with pytest.raises(
+        ConfigError, match=r"--wandb-project needs the wandb package: pip install megatron_p2r\[wandb\]"
+    ):
         validate(tiny_config(wandb_project="p", wandb_exp_name="e", wandb_save_dir=str(tmp_path)), 1)
-    monkeypatch.setenv("WANDB_MODE", "disabled")   # wandb's own switch: W&B off, no package needed
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # wandb's own switch: W&B off, no package needed
     validate(tiny_config(wandb_project="p", wandb_exp_name="e", wandb_save_dir=str(tmp_path)), 1)
 
 
@@ -112,7 +128,7 @@ def test_no_login_is_one_error_line(tmp_path, monkeypatch):
 
     monkeypatch.setenv("WANDB_MODE", "online")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))   # no stored login
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))  # no stored login
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
     cfg = tiny_config(wandb_project="p", wandb_exp_name="e", wandb_save_dir=str(tmp_path / "wb"))
     with pytest.raises(ConfigError, match="--wandb-project p: wandb cannot start the run .*WANDB_MODE=offline"):

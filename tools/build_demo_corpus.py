@@ -12,6 +12,7 @@ excluded), so the same Python gives the same corpus; files that are not UTF-8 ar
 (same order, test packages left out) its docstrings, module, classes and functions, that are
 longer than a line, joined by blank lines. Each line is ``{"text": ..., "path": ...}``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,6 +53,7 @@ def stdlib_sources(root: str, excluded=frozenset()) -> Iterator[tuple[str, str]]
 def stdlib_docs(root: str) -> Iterator[tuple[str, str]]:
     """(name, text) of the reference manual's topics, then of each module's docstrings."""
     from pydoc_data.topics import topics
+
     for name in sorted(topics):
         yield f"pydoc_data/topics/{name}", topics[name]
     for rel, source in stdlib_sources(root, TEST_DIRS):
@@ -59,8 +61,11 @@ def stdlib_docs(root: str) -> Iterator[tuple[str, str]]:
             tree = ast.parse(source)
         except (SyntaxError, ValueError):
             continue
-        nodes = (n for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef,
-                                                                ast.AsyncFunctionDef)))
+        nodes = (
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        )
         texts = [t for t in (ast.get_docstring(n) for n in nodes) if t and len(t) >= MIN_DOCSTRING_CHARS]
         if texts:
             yield rel, "\n\n".join(texts)
@@ -72,8 +77,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--max-docs", type=int, help="stop after this many documents")
     p.add_argument("--max-bytes", type=int, help="stop before the text exceeds this many UTF-8 bytes")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    p.add_argument("--source", choices=("code", "docs"), default="code",
-                   help="code: the .py files; docs: the reference topics and the modules' docstrings (English text)")
+    p.add_argument(
+        "--source",
+        choices=("code", "docs"),
+        default="code",
+        help="code: the .py files; docs: the reference topics and the modules' docstrings (English text)",
+    )
     args = p.parse_args(argv)
     return run_tool(lambda: build(args))
 

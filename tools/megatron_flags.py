@@ -15,6 +15,7 @@ directory the script insists exists; the temporary directory the script runs in 
 ``{WORKDIR}``. The fixtures in
 ``tests/fixtures/megatron_scripts/`` were made this way.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,8 +76,9 @@ def extract(script: str, args: List[str], env: Dict[str, str], dirs: Sequence[st
             os.makedirs(os.path.join(work, name), exist_ok=True)
         open(os.path.join(work, "pretrain_gpt.py"), "w").close()  # scripts that check it is there
         run_env = {"PATH": bin_dir + os.pathsep + os.environ["PATH"], "HOME": work, **env}
-        out = subprocess.run(["bash", os.path.abspath(script), *args], cwd=work, env=run_env,
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            ["bash", os.path.abspath(script), *args], cwd=work, env=run_env, capture_output=True, text=True, check=True
+        ).stdout
         argv = json.loads(out.strip().splitlines()[-1])
         return [a.replace(os.path.realpath(work), "{WORKDIR}").replace(work, "{WORKDIR}") for a in argv]
 
@@ -104,8 +106,10 @@ def table(fixtures: List[dict]) -> str:
             if status != row["status"]:
                 row["status"], row["why"] = f"{row['status']} / {status}", f"{row['why']} / {why}"
     names = [f["name"] for f in fixtures]
-    lines = ["| flag | value in the scripts | " + " | ".join(names) + " | status here | why |",
-             "|---|---|" + "---|" * len(names) + "---|---|"]
+    lines = [
+        "| flag | value in the scripts | " + " | ".join(names) + " | status here | why |",
+        "|---|---|" + "---|" * len(names) + "---|---|",
+    ]
     for flag in sorted(rows):
         row = rows[flag]
         used = " | ".join("x" if name in row["scripts"] else "" for name in names)
@@ -115,11 +119,12 @@ def table(fixtures: List[dict]) -> str:
 
 
 def count_table(fixtures: List[dict]) -> str:
-    lines = ["| script | flags | " + " | ".join(STATUSES) + " | unknown |",
-             "|---|---|" + "---|" * (len(STATUSES) + 1)]
+    lines = ["| script | flags | " + " | ".join(STATUSES) + " | unknown |", "|---|---|" + "---|" * (len(STATUSES) + 1)]
     for fixture in fixtures:
         found = counts(fixture["argv"])
-        lines.append(f"| {fixture['name']} | {sum(found.values())} | " + " | ".join(str(found[s]) for s in found) + " |")
+        lines.append(
+            f"| {fixture['name']} | {sum(found.values())} | " + " | ".join(str(found[s]) for s in found) + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -131,11 +136,15 @@ def parser_counts() -> str:
     fields = {flag for _, f in all_fields() for flag in field_flags(f)}
     found = Counter()
     for flag in (flag for action in table["actions"] for flag in action["flags"]):
-        found["unknown" if flag not in known else "config field" if flag in fields else MEGATRON_FLAGS[flag].status] += 1
+        found[
+            "unknown" if flag not in known else "config field" if flag in fields else MEGATRON_FLAGS[flag].status
+        ] += 1
     names = ["config field", *STATUSES, "unknown"]
-    return (f"Megatron-LM {table['revision']}: {table['flags']} flags (and --help)\n"
-            "| " + " | ".join(names) + " |\n|" + "---|" * len(names) + "\n"
-            "| " + " | ".join(str(found[name]) for name in names) + " |\n")
+    return (
+        f"Megatron-LM {table['revision']}: {table['flags']} flags (and --help)\n"
+        "| " + " | ".join(names) + " |\n|" + "---|" * len(names) + "\n"
+        "| " + " | ".join(str(found[name]) for name in names) + " |\n"
+    )
 
 
 def main(argv=None) -> int:
@@ -147,8 +156,12 @@ def main(argv=None) -> int:
     ex.add_argument("--source", default="", help="where the script comes from (repository, commit, path)")
     ex.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE", help="positional parameters")
     ex.add_argument("--env", action="append", default=[], metavar="K=V")
-    ex.add_argument("--dir", action="append", default=[], help="a directory the script checks exists (relative to "
-                    "the directory it runs in)")
+    ex.add_argument(
+        "--dir",
+        action="append",
+        default=[],
+        help="a directory the script checks exists (relative to the directory it runs in)",
+    )
     ex.add_argument("--output", required=True)
     for name in ("count", "table"):
         sub.add_parser(name).add_argument("fixtures", nargs="+")
@@ -160,8 +173,13 @@ def main(argv=None) -> int:
     if args.command == "extract":
         positional = [a.partition("=")[2] for a in args.arg]
         env = dict(e.partition("=")[::2] for e in args.env)
-        fixture = {"name": args.name, "source": args.source, "args": args.arg, "env": env,
-                   "argv": extract(args.script, positional, env, args.dir)}
+        fixture = {
+            "name": args.name,
+            "source": args.source,
+            "args": args.arg,
+            "env": env,
+            "argv": extract(args.script, positional, env, args.dir),
+        }
         with open(args.output, "w", encoding="utf-8") as fh:
             json.dump(fixture, fh, indent=1)
             fh.write("\n")

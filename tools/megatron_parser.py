@@ -17,6 +17,7 @@ tests/fixtures/megatron/make_fixtures.py describes; with the CPU torch of this p
 ``megatron_p2r/config/megatron.py`` reads the table: a flag of it that is neither a config field
 nor in its hand-written entries takes the status of its family there (tests/config/test_megatron_parser.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,12 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUTPUT = os.path.join(ROOT, "megatron_p2r", "config", "megatron_parser.json")
-_ACTIONS = {"_StoreAction": "store", "_StoreTrueAction": "store_true", "_StoreFalseAction": "store_false",
-            "BooleanOptionalAction": "boolean_optional"}
+_ACTIONS = {
+    "_StoreAction": "store",
+    "_StoreTrueAction": "store_true",
+    "_StoreFalseAction": "store_false",
+    "BooleanOptionalAction": "boolean_optional",
+}
 
 
 def _plain(value):
@@ -61,10 +66,17 @@ def megatron_actions() -> list:
             continue
         if kind not in _ACTIONS:
             raise SystemExit(f"error: {action.option_strings}: action {kind} is not one this table knows")
-        records.append({"flags": list(action.option_strings), "dest": action.dest, "action": _ACTIONS[kind],
-                        "type": _type_name(action.type), "nargs": action.nargs,
-                        "choices": _plain(list(action.choices)) if action.choices else None,
-                        "default": _plain(action.default)})
+        records.append(
+            {
+                "flags": list(action.option_strings),
+                "dest": action.dest,
+                "action": _ACTIONS[kind],
+                "type": _type_name(action.type),
+                "nargs": action.nargs,
+                "choices": _plain(list(action.choices)) if action.choices else None,
+                "default": _plain(action.default),
+            }
+        )
     return records
 
 
@@ -74,8 +86,12 @@ def main(argv=None) -> int:
     parser.add_argument("--output", default=OUTPUT)
     args = parser.parse_args(argv)
     records = megatron_actions()
-    table = {"revision": args.revision, "made_by": "tools/megatron_parser.py (add_megatron_arguments)",
-             "flags": sum(len(r["flags"]) for r in records), "actions": records}
+    table = {
+        "revision": args.revision,
+        "made_by": "tools/megatron_parser.py (add_megatron_arguments)",
+        "flags": sum(len(r["flags"]) for r in records),
+        "actions": records,
+    }
     tmp = args.output + ".tmp"
     head = json.dumps({key: value for key, value in table.items() if key != "actions"})[:-1]
     with open(tmp, "w", encoding="utf-8") as fh:  # one action a line: a regenerated table diffs by flag

@@ -47,6 +47,7 @@ stall per save with and without --async-save, and host memory during the save.
 
 Exit status: 0 when every phase fits and every check passes, 1 otherwise, 2 for bad flags.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -109,72 +110,135 @@ def planner_parser() -> argparse.ArgumentParser:
     g.add_argument("--host-bw", type=float, help="Override PCIe host<->device bytes/s per GPU.")
     g.add_argument("--gpus-per-node", type=int, help="Override GPUs per node.")
     host = g.add_mutually_exclusive_group()
-    host.add_argument("--host-memory", type=parse_bytes,
-                      help="Host memory per GPU, e.g. 192GiB (a node has --gpus-per-node times it; default: the "
-                           "preset's node).")
-    host.add_argument("--host-memory-per-node", type=parse_bytes,
-                      help="Host memory per node, e.g. 1.5TiB (default: the preset's node).")
-    g.add_argument("--nvme-per-node", type=parse_bytes,
-                   help="Local NVMe per node for --cpu-offload-optimizer-nvme-path, e.g. 15.36TB (default: the "
-                        "preset's node, planning/hardware.py).")
-    g.add_argument("--nvme-bw", type=float,
-                   help="Local NVMe bytes/s per GPU, reads and writes together (default: the preset's node's "
-                        "drives over its GPUs, e.g. 1.25e9 for V100-32GB; planning/hardware.py).")
-    g.add_argument("--compute-efficiency", type=float, default=0.4,
-                   help="Fraction of peak FLOP/s the matmuls reach.")
-    g.add_argument("--host-optimizer-bw", type=float,
-                   help="Bytes/s one GPU's host optimizer step streams, replacing the host model (default: "
-                        "min(threads x --host-thread-bw, the node's --host-dram-bw shared by its GPUs and the "
-                        "offload copies); planning/host_step.py).")
-    g.add_argument("--host-calibration", metavar="FILE",
-                   help="benchmarks/host_optimizer.py --json of your host: its cores, DRAM bandwidth (all-threads "
-                        "triad) and per-thread rate of each optimizer setting (1-thread rows) plan the host step.")
-    g.add_argument("--host-node", choices=sorted(HOST_PRESETS),
-                   help="The node's CPUs and DRAM (default: the --gpu preset's node, planning/hardware.py).")
+    host.add_argument(
+        "--host-memory",
+        type=parse_bytes,
+        help="Host memory per GPU, e.g. 192GiB (a node has --gpus-per-node times it; default: the preset's node).",
+    )
+    host.add_argument(
+        "--host-memory-per-node",
+        type=parse_bytes,
+        help="Host memory per node, e.g. 1.5TiB (default: the preset's node).",
+    )
+    g.add_argument(
+        "--nvme-per-node",
+        type=parse_bytes,
+        help="Local NVMe per node for --cpu-offload-optimizer-nvme-path, e.g. 15.36TB (default: the "
+        "preset's node, planning/hardware.py).",
+    )
+    g.add_argument(
+        "--nvme-bw",
+        type=float,
+        help="Local NVMe bytes/s per GPU, reads and writes together (default: the preset's node's "
+        "drives over its GPUs, e.g. 1.25e9 for V100-32GB; planning/hardware.py).",
+    )
+    g.add_argument("--compute-efficiency", type=float, default=0.4, help="Fraction of peak FLOP/s the matmuls reach.")
+    g.add_argument(
+        "--host-optimizer-bw",
+        type=float,
+        help="Bytes/s one GPU's host optimizer step streams, replacing the host model (default: "
+        "min(threads x --host-thread-bw, the node's --host-dram-bw shared by its GPUs and the "
+        "offload copies); planning/host_step.py).",
+    )
+    g.add_argument(
+        "--host-calibration",
+        metavar="FILE",
+        help="benchmarks/host_optimizer.py --json of your host: its cores, DRAM bandwidth (all-threads "
+        "triad) and per-thread rate of each optimizer setting (1-thread rows) plan the host step.",
+    )
+    g.add_argument(
+        "--host-node",
+        choices=sorted(HOST_PRESETS),
+        help="The node's CPUs and DRAM (default: the --gpu preset's node, planning/hardware.py).",
+    )
     g.add_argument("--host-cores", type=int, help="Override the node's CPU cores.")
     g.add_argument("--host-dram-bw", type=float, help="Override the node's sustained DRAM bytes/s (all sockets).")
-    g.add_argument("--host-thread-bw", type=float,
-                   help="Override the bytes/s one thread's host optimizer kernel streams (every setting).")
-    g.add_argument("--reserve", type=parse_bytes, default=GiB,
-                   help="Per-GPU bytes for the CUDA context, NCCL buffers and allocator slack.")
-    g.add_argument("--fs-write-bw", type=float, default=FS_WRITE_BW,
-                   help="Filesystem write bytes/s, all nodes together, for the checkpoint's write time (default "
-                        "1e11: an assumed mid-size parallel filesystem; give your cluster's).")
-    g.add_argument("--fs-node-write-bw", type=float,
-                   help="Filesystem write bytes/s one node reaches (default: the node's network, --inter-node-bw "
-                        "times --gpus-per-node).")
+    g.add_argument(
+        "--host-thread-bw",
+        type=float,
+        help="Override the bytes/s one thread's host optimizer kernel streams (every setting).",
+    )
+    g.add_argument(
+        "--reserve",
+        type=parse_bytes,
+        default=GiB,
+        help="Per-GPU bytes for the CUDA context, NCCL buffers and allocator slack.",
+    )
+    g.add_argument(
+        "--fs-write-bw",
+        type=float,
+        default=FS_WRITE_BW,
+        help="Filesystem write bytes/s, all nodes together, for the checkpoint's write time (default "
+        "1e11: an assumed mid-size parallel filesystem; give your cluster's).",
+    )
+    g.add_argument(
+        "--fs-node-write-bw",
+        type=float,
+        help="Filesystem write bytes/s one node reaches (default: the node's network, --inter-node-bw "
+        "times --gpus-per-node).",
+    )
     g.add_argument("--token-budget", type=parse_count, help="Tokens to train (for the days estimate).")
-    g.add_argument("--p2r-switch-iters", type=int,
-                   help="Pseudo-phase steps for the break-even (default 10%% of the run: --token-budget / tokens "
-                        "per step, else --train-iters).")
-    g.add_argument("--p2r-gap", type=gap_argument, metavar="STEPS|PCT%|never",
-                   help="Measured: how many more steps than real-from-scratch Pseudo-to-Real needed to reach its "
-                        "loss (a percentage: of the run's steps), or never (p2r-study); the "
-                        "report then says whether P2R pays on this cluster.")
-    g.add_argument("--growth-flops-ratio", type=float,
-                   help="Measured: depth growth's training FLOPs to real-from-scratch's loss over scratch's (the "
-                        "study's 'FLOPs to target'); compared with P2R's time ratio.")
+    g.add_argument(
+        "--p2r-switch-iters",
+        type=int,
+        help="Pseudo-phase steps for the break-even (default 10%% of the run: --token-budget / tokens "
+        "per step, else --train-iters).",
+    )
+    g.add_argument(
+        "--p2r-gap",
+        type=gap_argument,
+        metavar="STEPS|PCT%|never",
+        help="Measured: how many more steps than real-from-scratch Pseudo-to-Real needed to reach its "
+        "loss (a percentage: of the run's steps), or never (p2r-study); the "
+        "report then says whether P2R pays on this cluster.",
+    )
+    g.add_argument(
+        "--growth-flops-ratio",
+        type=float,
+        help="Measured: depth growth's training FLOPs to real-from-scratch's loss over scratch's (the "
+        "study's 'FLOPs to target'); compared with P2R's time ratio.",
+    )
     g.add_argument("--pseudo-config", help="YAML applied on top of --config for the pseudo phase.")
     g.add_argument("--real-config", help="YAML applied on top of --config for the real phase.")
     g.add_argument("--json", action="store_true", help="Print the plans as JSON.")
-    g.add_argument("--verify-rank", type=int, action="append", default=[],
-                   help="Build this rank on the meta device and compare with the plan (repeatable).")
-    g.add_argument("--verify-all-ranks", action="store_true",
-                   help="Verify every rank class and the total parameter count.")
+    g.add_argument(
+        "--verify-rank",
+        type=int,
+        action="append",
+        default=[],
+        help="Build this rank on the meta device and compare with the plan (repeatable).",
+    )
+    g.add_argument(
+        "--verify-all-ranks", action="store_true", help="Verify every rank class and the total parameter count."
+    )
     return p
 
 
 # The planner's own numbers: (flag, range); unset overrides keep the preset's value.
-_PLANNER_RANGES = [("world_size", at_least(1, 2 ** 20)), ("gpus_per_node", at_least(1, 2 ** 10)),
-                   ("compute_efficiency", Range(0.0, 1.0, low_open=True)), ("gpu_flops", positive()),
-                   ("intra_node_bw", positive()), ("inter_node_bw", positive()), ("host_bw", positive()),
-                   ("host_optimizer_bw", positive()), ("host_cores", at_least(1, 2 ** 20)),
-                   ("host_dram_bw", positive()), ("host_thread_bw", positive()), ("fs_write_bw", positive()), ("fs_node_write_bw", positive()), ("token_budget", Range(0.0)),
-                   ("gpu_memory", at_least(1, 2 ** 60)), ("host_memory", at_least(1, 2 ** 60)),
-                   ("host_memory_per_node", at_least(1, 2 ** 60)), ("nvme_per_node", at_least(1, 2 ** 60)),
-                   ("nvme_bw", positive()),
-                   ("reserve", at_least(0, 2 ** 60)), ("p2r_switch_iters", at_least(1)),
-                   ("growth_flops_ratio", positive())]
+_PLANNER_RANGES = [
+    ("world_size", at_least(1, 2**20)),
+    ("gpus_per_node", at_least(1, 2**10)),
+    ("compute_efficiency", Range(0.0, 1.0, low_open=True)),
+    ("gpu_flops", positive()),
+    ("intra_node_bw", positive()),
+    ("inter_node_bw", positive()),
+    ("host_bw", positive()),
+    ("host_optimizer_bw", positive()),
+    ("host_cores", at_least(1, 2**20)),
+    ("host_dram_bw", positive()),
+    ("host_thread_bw", positive()),
+    ("fs_write_bw", positive()),
+    ("fs_node_write_bw", positive()),
+    ("token_budget", Range(0.0)),
+    ("gpu_memory", at_least(1, 2**60)),
+    ("host_memory", at_least(1, 2**60)),
+    ("host_memory_per_node", at_least(1, 2**60)),
+    ("nvme_per_node", at_least(1, 2**60)),
+    ("nvme_bw", positive()),
+    ("reserve", at_least(0, 2**60)),
+    ("p2r_switch_iters", at_least(1)),
+    ("growth_flops_ratio", positive()),
+]
 
 
 def check_planner_args(args: argparse.Namespace) -> None:
@@ -184,8 +248,9 @@ def check_planner_args(args: argparse.Namespace) -> None:
         if value is not None and not math.isfinite(value):
             raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
         if value is not None and not limits.contains(value):
-            raise ConfigError(f"--{name.replace('_', '-')} must be {limits.violated(value)}, got {value} "
-                              f"(range {limits.describe()})")
+            raise ConfigError(
+                f"--{name.replace('_', '-')} must be {limits.violated(value)}, got {value} (range {limits.describe()})"
+            )
 
 
 def _without(rest: List[str], flag: str) -> List[str]:
@@ -238,8 +303,11 @@ def planned_host(args: argparse.Namespace) -> HostSpec:
     preset's node (sourced and assumed), with --host-cores / --host-dram-bw / --host-thread-bw on top."""
     if args.host_calibration and args.host_node:
         raise ConfigError("--host-calibration describes the host: give it or --host-node, not both")
-    host = (load_calibration(args.host_calibration) if args.host_calibration
-            else HOST_PRESETS[args.host_node or GPU_HOSTS[args.gpu]])
+    host = (
+        load_calibration(args.host_calibration)
+        if args.host_calibration
+        else HOST_PRESETS[args.host_node or GPU_HOSTS[args.gpu]]
+    )
     return with_overrides(host, args.host_cores, args.host_dram_bw, args.host_thread_bw)
 
 
@@ -254,14 +322,22 @@ def check(cfg: Config, world_size: int) -> None:
 
 # ----------------------------------------------------------------------------- meta verification
 
+
 def _spec_of(name, p) -> tuple:
-    return (name, tuple(p.shape), getattr(p, "tp_dim", None), bool(getattr(p, "expert", False)),
-            getattr(p, "shared_name", None), getattr(p, "tp_replicas", 1))
+    return (
+        name,
+        tuple(p.shape),
+        getattr(p, "tp_dim", None),
+        bool(getattr(p, "expert", False)),
+        getattr(p, "shared_name", None),
+        getattr(p, "tp_replicas", 1),
+    )
 
 
 def _init_fake(world_size: int, rank: int) -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
@@ -272,6 +348,7 @@ def build_meta(cfg: Config, plan: ParallelPlan, rank: int):
     import torch
     from megatron_p2r.model.m6 import build_model
     from megatron_p2r.parallel.state import initialize_plan
+
     _init_fake(plan.layout.world_size, rank)
     ps = initialize_plan(plan, torch.device("meta"))
     return build_model(cfg, ps, plan, meta=True), ps
@@ -282,6 +359,7 @@ def verify_rank(cfg: Config, world_size: int, rank: int) -> dict:
     of mismatches (empty when the plan is exact)."""
     import torch.distributed as dist
     from megatron_p2r.parallel.grads import reduction_of
+
     plan = ParallelPlan.for_world(cfg, world_size)
     start = time.perf_counter()
     try:
@@ -291,7 +369,7 @@ def verify_rank(cfg: Config, world_size: int, rank: int) -> dict:
         buckets = defaultdict(int)
         for name, p in model.named_parameters():
             reduction = reduction_of(plan, name, p)
-            if ps.reduction_group(reduction) is not None:   # the group training all-reduces it over
+            if ps.reduction_group(reduction) is not None:  # the group training all-reduces it over
                 buckets[reduction.kind] += p.numel() * 4
         coords = ps.coords
     finally:
@@ -308,21 +386,33 @@ def verify_rank(cfg: Config, world_size: int, rank: int) -> dict:
     n_built = sum(p.numel() for p in params)
     bytes_built = sum(p.numel() * p.element_size() for p in params)
     n_planned = sum(s.numel for s in specs)
-    bytes_planned = n_planned * plan.buffers.param_bytes   # the weights alone (the DDP adds bucket padding)
+    bytes_planned = n_planned * plan.buffers.param_bytes  # the weights alone (the DDP adds bucket padding)
     if n_built != n_planned or bytes_built != bytes_planned:
-        problems.append(f"rank {rank}: built {n_built} parameters / {bytes_built} B, planned {n_planned} / "
-                        f"{bytes_planned} B")
+        problems.append(
+            f"rank {rank}: built {n_built} parameters / {bytes_built} B, planned {n_planned} / {bytes_planned} B"
+        )
     planned_buckets = defaultdict(int)
     for s in specs:
         reduction = plan.reduction(s.logical, s.expert)
         if _group_size(reduction, layout) > 1:
             planned_buckets[reduction.kind] += s.numel * 4
     if dict(buckets) != dict(planned_buckets):
-        problems.append(f"rank {rank}: gradient-sync bytes per group built {dict(buckets)} != planned "
-                        f"{dict(planned_buckets)}")
-    return {"rank": rank, "stage": coords.pp, "tp": coords.tp, "dp": coords.dp, "ep": coords.ep,
-            "parameters": n_built, "param_bytes": bytes_built, "grad_sync_bytes": dict(buckets),
-            "build_seconds": seconds, "problems": problems, "specs": built}
+        problems.append(
+            f"rank {rank}: gradient-sync bytes per group built {dict(buckets)} != planned {dict(planned_buckets)}"
+        )
+    return {
+        "rank": rank,
+        "stage": coords.pp,
+        "tp": coords.tp,
+        "dp": coords.dp,
+        "ep": coords.ep,
+        "parameters": n_built,
+        "param_bytes": bytes_built,
+        "grad_sync_bytes": dict(buckets),
+        "build_seconds": seconds,
+        "problems": problems,
+        "specs": built,
+    }
 
 
 def _group_size(reduction, layout) -> int:
@@ -358,12 +448,18 @@ def verify_all_ranks(cfg: Config, world_size: int) -> dict:
     if total != expected:
         problems.append(f"all ranks together hold {total} distinct logical parameters, the model has {expected}")
     per_rank = sum(r["parameters"] for r in results[::2]) * layout.tp * layout.dp
-    return {"ranks_built": len(results), "logical_parameters": total, "expected": expected,
-            "sum_over_ranks_with_replicas": per_rank, "problems": problems,
-            "build_seconds": sum(r["build_seconds"] for r in results)}
+    return {
+        "ranks_built": len(results),
+        "logical_parameters": total,
+        "expected": expected,
+        "sum_over_ranks_with_replicas": per_rank,
+        "problems": problems,
+        "build_seconds": sum(r["build_seconds"] for r in results),
+    }
 
 
 # ----------------------------------------------------------------------------- output
+
 
 def _gib(n) -> str:
     return f"{n / GiB:.2f}"
@@ -374,53 +470,70 @@ def format_plans(plans: Dict[str, Plan]) -> str:
     for phase, pl in plans.items():
         lay = pl.layout
         gpu = pl.gpu
-        lines.append(f"== {phase} phase: {pl.world_size} x {gpu['name']} | TP {lay['tp']} PP {lay['pp']} "
-                     f"DP {lay['dp']} EP {lay['ep']} (expert-DP {lay['expert_dp']}) | "
-                     f"{pl.logical_parameters:,} parameters ({pl.logical_parameters:.3e}; experts "
-                     f"{pl.expert_parameters:.3e})")
-        lines.append(f"   global batch {pl.global_batch} sequences = {pl.tokens_per_step:,} tokens, "
-                     f"{pl.microbatches} micro-batches per DP rank")
-        head = (f"   {'stage':>5} {'ranks':>9} {'params/rank':>14} | GiB on device: {'params':>7} {'grads':>7} "
-                f"{'optim':>7} {'fetch':>6} {'activ':>7} {'trans':>7} {'resv':>5} {'TOTAL':>7} "
-                f"/{gpu['memory'] / GiB:.1f} | host GiB | act. GiB no-rc/rc")
+        lines.append(
+            f"== {phase} phase: {pl.world_size} x {gpu['name']} | TP {lay['tp']} PP {lay['pp']} "
+            f"DP {lay['dp']} EP {lay['ep']} (expert-DP {lay['expert_dp']}) | "
+            f"{pl.logical_parameters:,} parameters ({pl.logical_parameters:.3e}; experts "
+            f"{pl.expert_parameters:.3e})"
+        )
+        lines.append(
+            f"   global batch {pl.global_batch} sequences = {pl.tokens_per_step:,} tokens, "
+            f"{pl.microbatches} micro-batches per DP rank"
+        )
+        head = (
+            f"   {'stage':>5} {'ranks':>9} {'params/rank':>14} | GiB on device: {'params':>7} {'grads':>7} "
+            f"{'optim':>7} {'fetch':>6} {'activ':>7} {'trans':>7} {'resv':>5} {'TOTAL':>7} "
+            f"/{gpu['memory'] / GiB:.1f} | host GiB | act. GiB no-rc/rc"
+        )
         lines.append(head)
         for st in pl.stages:
             d = st.device
             host = sum(st.host.values())
             flag = "" if st.fits else f"  <-- overflows at {st.overflow}"
-            lines.append(f"   {st.stage:>5} {st.ranks:>9} {st.parameters:>14,} |                {_gib(d['params']):>7} "
-                         f"{_gib(d['grads']):>7} {_gib(d['optimizer']):>7} {_gib(d['fetch_window']):>6} "
-                         f"{_gib(d['activations']):>7} {_gib(d['transient']):>7} "
-                         f"{_gib(d['reserve']):>5} {_gib(st.device_total):>7}      | {_gib(host):>8} | "
-                         f"{_gib(st.activations_no_recompute)}/{_gib(st.activations_recompute)}{flag}")
+            lines.append(
+                f"   {st.stage:>5} {st.ranks:>9} {st.parameters:>14,} |                {_gib(d['params']):>7} "
+                f"{_gib(d['grads']):>7} {_gib(d['optimizer']):>7} {_gib(d['fetch_window']):>6} "
+                f"{_gib(d['activations']):>7} {_gib(d['transient']):>7} "
+                f"{_gib(d['reserve']):>5} {_gib(st.device_total):>7}      | {_gib(host):>8} | "
+                f"{_gib(st.activations_no_recompute)}/{_gib(st.activations_recompute)}{flag}"
+            )
             if st.offloaded_layers:
                 lines.append(f"         offloaded to host: {len(st.offloaded_layers)} layers {st.offloaded_layers}")
-        lines.append("   communication per step per rank (GB sent): " + ", ".join(
-            f"{k} {v / 1e9:.3g}" for k, v in pl.stages[0].comm_bytes.items())
-            + ("" if len(pl.stages) == 1 else " (stage 0)"))
+        lines.append(
+            "   communication per step per rank (GB sent): "
+            + ", ".join(f"{k} {v / 1e9:.3g}" for k, v in pl.stages[0].comm_bytes.items())
+            + ("" if len(pl.stages) == 1 else " (stage 0)")
+        )
         b = pl.step_breakdown_s
         t0 = pl.stages[0].time_s
-        hidden = (f" ({t0['pp_hidden_per_microbatch']:.3f} hidden under compute)"
-                  if "pp_hidden_per_microbatch" in t0 else "")
-        lines.append(f"   step {pl.step_time_s:.2f} s = pipeline {b['pipeline']:.2f} (bubble {pl.pipeline_bubble:.1%}) "
-                     f"+ grad sync {b['grad_sync']:.2f} "
-                     f"+ optimizer {b['optimizer']:.2f} (per micro-batch, stage 0: compute "
-                     f"{t0['compute_per_microbatch']:.3f}, tp {t0['tp_per_microbatch']:.3f}, ep "
-                     f"{t0['ep_per_microbatch']:.3f}, pp {t0['pp_per_microbatch']:.3f}{hidden}, offload transfer "
-                     f"{t0['offload_transfer_per_microbatch']:.3f}); MFU {pl.mfu:.1%}; "
-                     f"{pl.tokens_per_step / pl.step_time_s:,.0f} tokens/s")
+        hidden = (
+            f" ({t0['pp_hidden_per_microbatch']:.3f} hidden under compute)" if "pp_hidden_per_microbatch" in t0 else ""
+        )
+        lines.append(
+            f"   step {pl.step_time_s:.2f} s = pipeline {b['pipeline']:.2f} (bubble {pl.pipeline_bubble:.1%}) "
+            f"+ grad sync {b['grad_sync']:.2f} "
+            f"+ optimizer {b['optimizer']:.2f} (per micro-batch, stage 0: compute "
+            f"{t0['compute_per_microbatch']:.3f}, tp {t0['tp_per_microbatch']:.3f}, ep "
+            f"{t0['ep_per_microbatch']:.3f}, pp {t0['pp_per_microbatch']:.3f}{hidden}, offload transfer "
+            f"{t0['offload_transfer_per_microbatch']:.3f}); MFU {pl.mfu:.1%}; "
+            f"{pl.tokens_per_step / pl.step_time_s:,.0f} tokens/s"
+        )
         if "nvme" in pl.tiers:
             st = max(pl.stages, key=lambda st: st.nvme)
-            lines.append(f"   on local NVMe: {_gib(st.nvme)} GiB of optimizer state per rank (stage {st.stage}); its host "
-                         f"step {st.time_s['host_optimizer_from_nvme']:.2f} s ({st.time_s['host_optimizer_from_ram']:.2f} s from "
-                         f"RAM), streaming it at "
-                         f"{pl.nvme['bw'] / 1e9:.3g} GB/s per GPU")
+            lines.append(
+                f"   on local NVMe: {_gib(st.nvme)} GiB of optimizer state per rank (stage {st.stage}); its host "
+                f"step {st.time_s['host_optimizer_from_nvme']:.2f} s ({st.time_s['host_optimizer_from_ram']:.2f} s from "
+                f"RAM), streaming it at "
+                f"{pl.nvme['bw'] / 1e9:.3g} GB/s per GPU"
+            )
         lines += _host_step_lines(pl)
-        if "host_optimizer_delayed_write" in t0:   # --cpu-offload-delayed-param-update
-            lines.append(f"   delayed parameter update (stage 0): optimizer step "
-                         f"{t0['host_optimizer_step']:.2f} s and weight write "
-                         f"{t0['host_optimizer_delayed_write']:.2f} s under the next iteration, {t0['optimizer']:.2f} s "
-                         f"exposed; second gradient buffer {_gib(pl.stages[0].host['grads_delayed'])} GiB per rank")
+        if "host_optimizer_delayed_write" in t0:  # --cpu-offload-delayed-param-update
+            lines.append(
+                f"   delayed parameter update (stage 0): optimizer step "
+                f"{t0['host_optimizer_step']:.2f} s and weight write "
+                f"{t0['host_optimizer_delayed_write']:.2f} s under the next iteration, {t0['optimizer']:.2f} s "
+                f"exposed; second gradient buffer {_gib(pl.stages[0].host['grads_delayed'])} GiB per rank"
+            )
         if pl.days is not None:
             lines.append(f"   {pl.token_budget:.3g} tokens: {pl.days:.1f} days")
         lines += _checkpoint_lines(pl.checkpoint)
@@ -442,15 +555,19 @@ def _host_step_lines(pl: Plan) -> List[str]:
     h = st.host_step
     name = "host step from RAM" if "host_optimizer_from_nvme" in st.time_s else "host step"
     if h["limit"].startswith("given"):
-        return [f"   {name} (stage {st.stage}): {st.time_s['host_optimizer_step']:.2f} s, {h['bytes_per_element']} B per "
-                f"element ({h['setting']}) at {h['bw'] / 1e9:.3g} GB/s per GPU ({h['limit']})"]
-    return [f"   {name} (stage {st.stage}): {st.time_s['host_optimizer_step']:.2f} s, {h['bytes_per_element']} B per "
-            f"element ({h['setting']}) at {h['bw'] / 1e9:.3g} GB/s per GPU = min({h['threads']:g} threads x "
-            f"{h['thread_bw'] / 1e9:.3g} GB/s, DRAM {h['dram_bw'] / 1e9:.4g} GB/s / {h['ranks_per_node']} GPUs shared "
-            f"with {h['other_dram_bytes'] / 1e9:.4g} GB of offload copies and NVMe traffic = "
-            f"{h['dram_share'] / 1e9:.3g} GB/s): {h['limit']}-bound; node {h['node']}",
-            f"     threads: {h['threads_source']}; per thread: {h['thread_bw_source']}; cores: {h['cores_source']}; "
-            f"DRAM: {h['dram_bw_source']}"]
+        return [
+            f"   {name} (stage {st.stage}): {st.time_s['host_optimizer_step']:.2f} s, {h['bytes_per_element']} B per "
+            f"element ({h['setting']}) at {h['bw'] / 1e9:.3g} GB/s per GPU ({h['limit']})"
+        ]
+    return [
+        f"   {name} (stage {st.stage}): {st.time_s['host_optimizer_step']:.2f} s, {h['bytes_per_element']} B per "
+        f"element ({h['setting']}) at {h['bw'] / 1e9:.3g} GB/s per GPU = min({h['threads']:g} threads x "
+        f"{h['thread_bw'] / 1e9:.3g} GB/s, DRAM {h['dram_bw'] / 1e9:.4g} GB/s / {h['ranks_per_node']} GPUs shared "
+        f"with {h['other_dram_bytes'] / 1e9:.4g} GB of offload copies and NVMe traffic = "
+        f"{h['dram_share'] / 1e9:.3g} GB/s): {h['limit']}-bound; node {h['node']}",
+        f"     threads: {h['threads_source']}; per thread: {h['thread_bw_source']}; cores: {h['cores_source']}; "
+        f"DRAM: {h['dram_bw_source']}",
+    ]
 
 
 def _configured(async_save) -> str:
@@ -463,13 +580,15 @@ def _configured(async_save) -> str:
 def _checkpoint_lines(c: dict) -> List[str]:
     writers = "every rank writes what it owns" if c["writers"] == "fully_parallel" else "one writer per shard"
     stall, host = c["stall_s"], c["host_bytes_during_save"]
-    return [f"   checkpoint {c['total_bytes'] / 1e12:.3g} TB ({writers}, {c['writing_ranks']} ranks): "
-            f"{c['rank_bytes_max'] / GiB:.2f} GiB per rank, {c['node_bytes_max'] / GiB:.1f} GiB per node (max); "
-            f"write {c['write_s']:.1f} s at {c['fs_write_bw'] / 1e9:.3g} GB/s, {c['fs_node_write_bw'] / 1e9:.3g} GB/s "
-            f"per node",
-            f"   stall per save: {stall['sync']:.1f} s, with --async-save {stall['async']:.2f} s (device to host)"
-            f"{_configured(c['async_save'])}; "
-            f"host memory during save per rank {host['sync'] / GiB:.2f} GiB, async {host['async'] / GiB:.2f} GiB"]
+    return [
+        f"   checkpoint {c['total_bytes'] / 1e12:.3g} TB ({writers}, {c['writing_ranks']} ranks): "
+        f"{c['rank_bytes_max'] / GiB:.2f} GiB per rank, {c['node_bytes_max'] / GiB:.1f} GiB per node (max); "
+        f"write {c['write_s']:.1f} s at {c['fs_write_bw'] / 1e9:.3g} GB/s, {c['fs_node_write_bw'] / 1e9:.3g} GB/s "
+        f"per node",
+        f"   stall per save: {stall['sync']:.1f} s, with --async-save {stall['async']:.2f} s (device to host)"
+        f"{_configured(c['async_save'])}; "
+        f"host memory during save per rank {host['sync'] / GiB:.2f} GiB, async {host['async'] / GiB:.2f} GiB",
+    ]
 
 
 def p2r_summary(plans: Dict[str, Plan], configs: Dict[str, Config], args: argparse.Namespace) -> Optional[dict]:
@@ -479,14 +598,19 @@ def p2r_summary(plans: Dict[str, Plan], configs: Dict[str, Config], args: argpar
     if set(plans) != {"pseudo", "real"}:
         return None
     real = plans["real"]
-    total = (round(real.token_budget / real.tokens_per_step) if real.token_budget
-             else train_iters(configs["real"], real.world_size))
+    total = (
+        round(real.token_budget / real.tokens_per_step)
+        if real.token_budget
+        else train_iters(configs["real"], real.world_size)
+    )
     if not total:
         return None
     switch = args.p2r_switch_iters if args.p2r_switch_iters is not None else max(total // 10, 1)
     if switch > total:
-        raise ConfigError(f"--p2r-switch-iters {switch} is beyond the run's {total} steps (--token-budget / tokens "
-                          "per step, else --train-iters)")
+        raise ConfigError(
+            f"--p2r-switch-iters {switch} is beyond the run's {total} steps (--token-budget / tokens "
+            "per step, else --train-iters)"
+        )
     summary = p2r_break_even(real.step_time_s, plans["pseudo"].step_time_s, switch, total)
     if args.p2r_gap is not None or args.growth_flops_ratio is not None:
         summary["measured"] = measured_verdict(summary, args.p2r_gap, args.growth_flops_ratio)
@@ -505,19 +629,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         check_planner_args(args)
         configs = phase_configs(args, rest)
-        gpu = GPU_PRESETS[args.gpu].replace(memory=args.gpu_memory, flops16=args.gpu_flops,
-                                            intra_node_bw=args.intra_node_bw, inter_node_bw=args.inter_node_bw,
-                                            host_bw=args.host_bw).with_node(
-            args.gpus_per_node, host_memory_per_gpu=args.host_memory, host_memory_per_node=args.host_memory_per_node)
+        gpu = (
+            GPU_PRESETS[args.gpu]
+            .replace(
+                memory=args.gpu_memory,
+                flops16=args.gpu_flops,
+                intra_node_bw=args.intra_node_bw,
+                inter_node_bw=args.inter_node_bw,
+                host_bw=args.host_bw,
+            )
+            .with_node(
+                args.gpus_per_node, host_memory_per_gpu=args.host_memory, host_memory_per_node=args.host_memory_per_node
+            )
+        )
         for cfg in configs.values():
             check(cfg, args.world_size)
         host = planned_host(args)
-        plans = {phase: make_plan(cfg, args.world_size, gpu, efficiency=args.compute_efficiency, host=host,
-                                  host_optimizer_bw=args.host_optimizer_bw, token_budget=args.token_budget,
-                                  reserve=args.reserve, fs_write_bw=args.fs_write_bw,
-                                  fs_node_write_bw=args.fs_node_write_bw,
-                                  nvme=NVME_PRESETS[args.gpu].replace(per_node=args.nvme_per_node, bw=args.nvme_bw))
-                 for phase, cfg in configs.items()}
+        plans = {
+            phase: make_plan(
+                cfg,
+                args.world_size,
+                gpu,
+                efficiency=args.compute_efficiency,
+                host=host,
+                host_optimizer_bw=args.host_optimizer_bw,
+                token_budget=args.token_budget,
+                reserve=args.reserve,
+                fs_write_bw=args.fs_write_bw,
+                fs_node_write_bw=args.fs_node_write_bw,
+                nvme=NVME_PRESETS[args.gpu].replace(per_node=args.nvme_per_node, bw=args.nvme_bw),
+            )
+            for phase, cfg in configs.items()
+        }
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -543,8 +686,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             verification[phase] = checks
             ok &= not any(c.get("problems") or c.get("all_ranks", {}).get("problems") for c in checks)
     if args.json:
-        print(json.dumps({"plans": {k: v.to_dict() for k, v in plans.items()}, "p2r": p2r,
-                          "verification": verification, "ok": ok}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "plans": {k: v.to_dict() for k, v in plans.items()},
+                    "p2r": p2r,
+                    "verification": verification,
+                    "ok": ok,
+                },
+                indent=1,
+            )
+        )
         return 0 if ok else 1
     print(format_plans(plans))
     if p2r is not None:
@@ -554,15 +706,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if "all_ranks" in c:
                 a = c["all_ranks"]
                 status = "OK" if not a["problems"] else "MISMATCH"
-                print(f"verify {phase} all ranks: {a['ranks_built']} meta builds in {a['build_seconds']:.1f} s; "
-                      f"logical parameters {a['logical_parameters']:,} (model {a['expected']:,}); with replicas "
-                      f"{a['sum_over_ranks_with_replicas']:,}: {status}")
+                print(
+                    f"verify {phase} all ranks: {a['ranks_built']} meta builds in {a['build_seconds']:.1f} s; "
+                    f"logical parameters {a['logical_parameters']:,} (model {a['expected']:,}); with replicas "
+                    f"{a['sum_over_ranks_with_replicas']:,}: {status}"
+                )
                 problems = a["problems"]
             else:
                 status = "OK" if not c["problems"] else "MISMATCH"
-                print(f"verify {phase} rank {c['rank']} (stage {c['stage']}, tp {c['tp']}, dp {c['dp']}, ep {c['ep']}): "
-                      f"{c['parameters']:,} parameters, {c['param_bytes'] / GiB:.3f} GiB, meta build "
-                      f"{c['build_seconds']:.2f} s: {status}")
+                print(
+                    f"verify {phase} rank {c['rank']} (stage {c['stage']}, tp {c['tp']}, dp {c['dp']}, ep {c['ep']}): "
+                    f"{c['parameters']:,} parameters, {c['param_bytes'] / GiB:.3f} GiB, meta build "
+                    f"{c['build_seconds']:.2f} s: {status}"
+                )
                 problems = c["problems"]
             for p in problems:
                 print(f"   ! {p}")

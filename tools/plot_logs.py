@@ -6,6 +6,7 @@ Logs given in order are drawn as one run (a Pseudo-to-Real run is its pseudo log
 its real log); a vertical line marks where the phase changes (the delink point). Several
 ``--run NAME=LOG[,LOG...]`` compare runs. Needs matplotlib (``pip install .[plot]``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,13 @@ def _record(path: str, number: int, line: str) -> dict:
 def series(records: List[dict], key: str) -> Dict[str, list]:
     """x values (iteration, tokens, flops), the ``key`` values, and the phase-change x positions."""
     rows = [r for r in records if key in r]
-    out = {"iteration": [r["iteration"] for r in rows], "tokens": [r.get("tokens") for r in rows],
-           "flops": [r.get("flops") for r in rows], key: [r[key] for r in rows], "delink": []}
+    out = {
+        "iteration": [r["iteration"] for r in rows],
+        "tokens": [r.get("tokens") for r in rows],
+        "flops": [r.get("flops") for r in rows],
+        key: [r[key] for r in rows],
+        "delink": [],
+    }
     for prev, cur in zip(rows, rows[1:], strict=False):
         if prev.get("phase") != cur.get("phase"):
             out["delink"].append(prev)  # the last record of the old phase: where it was delinked
@@ -56,8 +62,10 @@ def series(records: List[dict], key: str) -> Dict[str, list]:
 
 def plot(runs: Dict[str, List[dict]], output: str, key: str = "lm_loss") -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     axes_x = ["iteration", "tokens", "flops"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for name, records in runs.items():
@@ -82,8 +90,9 @@ def plot(runs: Dict[str, List[dict]], output: str, key: str = "lm_loss") -> None
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--log-file", nargs="+", help="JSONL logs drawn as one run, in order")
-    parser.add_argument("--run", action="append", default=[], metavar="NAME=LOG[,LOG]",
-                        help="a named run (repeatable) to compare runs")
+    parser.add_argument(
+        "--run", action="append", default=[], metavar="NAME=LOG[,LOG]", help="a named run (repeatable) to compare runs"
+    )
     parser.add_argument("--key", default="lm_loss", help="value to plot (lm_loss or eval_loss)")
     parser.add_argument("--output", required=True, help="PNG file to write")
     args = parser.parse_args(argv)

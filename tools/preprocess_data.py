@@ -15,6 +15,7 @@ jsonl) is an error and writes nothing; a line longer than ``--max-line-bytes`` i
 read past in bounded blocks, never held whole. Exit status: 0 done, 2 bad input (one
 ``error:`` line), 1 an OS error.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,7 @@ from tqdm import tqdm
 from megatron_p2r.cli import run_tool
 from megatron_p2r.config import ConfigError, DataConfig
 from megatron_p2r.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
-from megatron_p2r.data.tokenizers import (SPECIAL_TOKENS_IN_TEXT, TOKENIZER_TYPES, TextEncodingError,
-                                          build_tokenizer)
+from megatron_p2r.data.tokenizers import SPECIAL_TOKENS_IN_TEXT, TOKENIZER_TYPES, TextEncodingError, build_tokenizer
 
 MAX_REPORTED_BAD_LINES = 10
 
@@ -51,29 +51,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenise; one output per key")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX_KEY_document.bin/.idx")
     p.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    p.add_argument("--tokenizer-model", help="SentencePiece .model; HuggingFaceTokenizer: a directory with "
-                                             "tokenizer.json, or that file; TikTokenizer: Megatron's JSON vocabulary")
+    p.add_argument(
+        "--tokenizer-model",
+        help="SentencePiece .model; HuggingFaceTokenizer: a directory with "
+        "tokenizer.json, or that file; TikTokenizer: Megatron's JSON vocabulary",
+    )
     p.add_argument("--vocab-file", help="GPT-2 BPE vocab.json")
     p.add_argument("--merge-file", help="GPT-2 BPE merges.txt")
-    p.add_argument("--vocab-size", type=int, help="NullTokenizer: number of ids (eod is the last); "
-                                                  "TikTokenizer: ids in all (default 131072, as Megatron-LM)")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        help="NullTokenizer: number of ids (eod is the last); "
+        "TikTokenizer: ids in all (default 131072, as Megatron-LM)",
+    )
     p.add_argument("--tiktoken-pattern", choices=["v1", "v2"], help="TikTokenizer's split pattern (default v2)")
-    p.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
-                   help="TikTokenizer: ids 0..N-1 are special tokens")
+    p.add_argument(
+        "--tiktoken-num-special-tokens", type=int, default=1000, help="TikTokenizer: ids 0..N-1 are special tokens"
+    )
     p.add_argument("--tiktoken-special-tokens", nargs="+", help="TikTokenizer's named special tokens, ids from 0")
-    p.add_argument("--special-tokens-in-text", choices=SPECIAL_TOKENS_IN_TEXT,
-                   help="a special token written in the text (<|endoftext|>, </s>) becomes its id, or is "
-                        "encoded as text; default: Megatron-LM's behaviour for the tokenizer type (docs/data.md)")
-    p.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
-                   help="HuggingFaceTokenizer: leave out the post-processor's special tokens (e.g. a bos)")
-    p.add_argument("--append-eod", action="store_true",
-                   help="end every document that has tokens with the end-of-document token")
+    p.add_argument(
+        "--special-tokens-in-text",
+        choices=SPECIAL_TOKENS_IN_TEXT,
+        help="a special token written in the text (<|endoftext|>, </s>) becomes its id, or is "
+        "encoded as text; default: Megatron-LM's behaviour for the tokenizer type (docs/data.md)",
+    )
+    p.add_argument(
+        "--tokenizer-hf-no-include-special-tokens",
+        action="store_true",
+        help="HuggingFaceTokenizer: leave out the post-processor's special tokens (e.g. a bos)",
+    )
+    p.add_argument(
+        "--append-eod", action="store_true", help="end every document that has tokens with the end-of-document token"
+    )
     p.add_argument("--workers", type=int, default=1, help="tokenising processes (1: in this process)")
     p.add_argument("--chunk-lines", type=int, default=64, help="lines per task sent to a worker")
     p.add_argument("--strict", action="store_true", help="fail on the first bad line instead of skipping it")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
-    p.add_argument("--max-line-bytes", type=int, default=64 * 2**20,
-                   help="longer lines are bad lines, skipped without being read whole")
+    p.add_argument(
+        "--max-line-bytes",
+        type=int,
+        default=64 * 2**20,
+        help="longer lines are bad lines, skipped without being read whole",
+    )
     return p
 
 
@@ -213,17 +232,26 @@ def preprocess(args) -> Stats:
         raise ConfigError("--workers, --chunk-lines and --max-line-bytes must be >= 1")
     if not os.path.isfile(args.input):
         raise ConfigError(f"--input {args.input}: no such file")
-    data_cfg = DataConfig(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                          vocab_file=args.vocab_file, merge_file=args.merge_file,
-                          tiktoken_pattern=args.tiktoken_pattern,
-                          tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
-                          tiktoken_special_tokens=args.tiktoken_special_tokens)
-    tokenizer_options = dict(vocab_size=args.vocab_size, special_tokens_in_text=args.special_tokens_in_text,
-                             hf_add_special_tokens=not args.tokenizer_hf_no_include_special_tokens)
+    data_cfg = DataConfig(
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+        tiktoken_special_tokens=args.tiktoken_special_tokens,
+    )
+    tokenizer_options = dict(
+        vocab_size=args.vocab_size,
+        special_tokens_in_text=args.special_tokens_in_text,
+        hf_add_special_tokens=not args.tokenizer_hf_no_include_special_tokens,
+    )
     tokenizer = build_tokenizer(data_cfg, **tokenizer_options)
     if args.append_eod and tokenizer.eod is None:
-        raise ConfigError(f"--append-eod: --tokenizer-model {args.tokenizer_model} names no eos token; add "
-                         "\"eos_token\" to the tokenizer_config.json beside its tokenizer.json")
+        raise ConfigError(
+            f"--append-eod: --tokenizer-model {args.tokenizer_model} names no eos token; add "
+            '"eos_token" to the tokenizer_config.json beside its tokenizer.json'
+        )
     outputs = [output_paths(args.output_prefix, key) for key in args.json_keys]
     existing = [p for pair in outputs for p in pair if os.path.lexists(p)]  # a dangling link counts
     if existing and not args.overwrite:
@@ -238,8 +266,10 @@ def preprocess(args) -> Stats:
     start = time.perf_counter()
     try:
         try:
-            with tqdm(unit=" docs", disable=None, desc="tokenising") as bar, \
-                    contextlib.closing(_results(args, data_cfg, tokenizer_options, tokenizer, dtype)) as chunks:
+            with (
+                tqdm(unit=" docs", disable=None, desc="tokenising") as bar,
+                contextlib.closing(_results(args, data_cfg, tokenizer_options, tokenizer, dtype)) as chunks,
+            ):
                 for results in chunks:
                     for line_number, result in results:
                         if isinstance(result, str):
@@ -281,8 +311,10 @@ def _no_document(path: str, stats: Stats) -> str:
     if not stats.num_bad_lines:
         return f"--input {path}: no text in it (empty, or only blank lines); nothing was written"
     shown = "; ".join(f"line {n}: {why}" for n, why in stats.bad_lines[:3])
-    return (f"--input {path}: none of its {stats.num_bad_lines} non-blank lines is a JSON object with the "
-            f"--json-keys as strings ({shown}); is it jsonl? nothing was written")
+    return (
+        f"--input {path}: none of its {stats.num_bad_lines} non-blank lines is a JSON object with the "
+        f"--json-keys as strings ({shown}); is it jsonl? nothing was written"
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -293,8 +325,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _report(args, stats: Stats) -> int:
     for _, idx in (output_paths(args.output_prefix, key) for key in args.json_keys):
         print(f"wrote {idx[:-4]}.bin/.idx")
-    print(f"documents: {stats.documents}, tokens: {stats.tokens}, time: {stats.seconds:.2f}s, "
-          f"tokens/s: {stats.tokens_per_second:,.0f} ({args.workers} worker(s))")
+    print(
+        f"documents: {stats.documents}, tokens: {stats.tokens}, time: {stats.seconds:.2f}s, "
+        f"tokens/s: {stats.tokens_per_second:,.0f} ({args.workers} worker(s))"
+    )
     if stats.empty_documents:
         print(f"empty texts: {stats.empty_documents}, written as documents with no sequence (as Megatron-LM does)")
     if stats.num_bad_lines:

@@ -9,6 +9,7 @@ line; SentencePiece keeps a random sample of ``--input-sentence-size`` lines. Th
 (identity normalisation, whitespace kept, byte fallback) make decode(encode(text)) == text
 for any text, code included. Ids: unk 0, bos 1, eos 2 (the end-of-document token), pad 3.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,14 +32,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
-    p.add_argument("--character-coverage", type=float, default=0.9995,
-                   help="share of characters covered by pieces; the rarest rest become bytes or unk")
-    p.add_argument("--byte-fallback", action=argparse.BooleanOptionalAction, default=True,
-                   help="encode characters outside the vocabulary as UTF-8 byte pieces instead of unk")
-    p.add_argument("--normalization-rule-name", default="identity",
-                   choices=["identity", "nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf"])
-    p.add_argument("--input-sentence-size", type=int, default=2_000_000,
-                   help="lines sampled for training (0: all)")
+    p.add_argument(
+        "--character-coverage",
+        type=float,
+        default=0.9995,
+        help="share of characters covered by pieces; the rarest rest become bytes or unk",
+    )
+    p.add_argument(
+        "--byte-fallback",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="encode characters outside the vocabulary as UTF-8 byte pieces instead of unk",
+    )
+    p.add_argument(
+        "--normalization-rule-name",
+        default="identity",
+        choices=["identity", "nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf"],
+    )
+    p.add_argument("--input-sentence-size", type=int, default=2_000_000, help="lines sampled for training (0: all)")
     p.add_argument("--max-sentence-length", type=int, default=16384, help="longer lines (bytes) are skipped")
     p.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.model")
@@ -96,13 +107,26 @@ def train(args) -> int:
     lines = tqdm(iter_lines(args.input, args.json_keys, skipped), unit=" lines", disable=None, desc="reading")
     try:
         sentencepiece.SentencePieceTrainer.Train(
-            sentence_iterator=iter(lines), model_prefix=args.model_prefix, vocab_size=args.vocab_size,
-            model_type=args.model_type, character_coverage=args.character_coverage,
-            byte_fallback=args.byte_fallback, normalization_rule_name=args.normalization_rule_name,
-            remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, split_digits=True,
-            input_sentence_size=args.input_sentence_size, shuffle_input_sentence=True,
-            max_sentence_length=args.max_sentence_length, num_threads=args.num_threads,
-            unk_id=0, bos_id=1, eos_id=2, pad_id=3, minloglevel=2)
+            sentence_iterator=iter(lines),
+            model_prefix=args.model_prefix,
+            vocab_size=args.vocab_size,
+            model_type=args.model_type,
+            character_coverage=args.character_coverage,
+            byte_fallback=args.byte_fallback,
+            normalization_rule_name=args.normalization_rule_name,
+            remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            input_sentence_size=args.input_sentence_size,
+            shuffle_input_sentence=True,
+            max_sentence_length=args.max_sentence_length,
+            num_threads=args.num_threads,
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,
+            pad_id=3,
+            minloglevel=2,
+        )
     except RuntimeError as exc:
         raise ConfigError(f"SentencePiece training failed: {exc}") from None
     if skipped:

@@ -1,4 +1,5 @@
 """Print the demo's summary: where things are, eval loss before/after delinking, final loss."""
+
 import json
 import sys
 
@@ -24,7 +25,7 @@ Pseudo-to-Real demo finished in {int(seconds) // 60} min {int(seconds) % 60} s
   checkpoints:  {out}/pseudo (pseudo, TP2xPP2xEP2), {out}/real_init (delinked, TP1xPP2xEP2), {out}/real
   loss plot:    {out}/loss.png
   eval loss of the pseudo model:          {pseudo:.6f}
-  eval loss of the delinked real model:   {delinked:.6f}   ({'equal' if abs(pseudo - delinked) < 1e-4 else 'DIFFERENT'})
+  eval loss of the delinked real model:   {delinked:.6f}   ({"equal" if abs(pseudo - delinked) < 1e-4 else "DIFFERENT"})
   final train loss {final_train:.4f}, final eval loss {final_eval:.4f}""")
 
 

@@ -18,6 +18,7 @@ optimizer state, in the dtypes training holds them in (``planning/checkpoint_cos
 snapshot of everything the rank writes, not a bounded stream: training updates the state in
 place as soon as ``save_checkpoint`` returns, so what is not copied by then is lost to this save.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,6 +36,7 @@ from megatron_p2r.checkpoint.naming import LATEST_FILE
 from megatron_p2r.optim.optimizer import OPTIMIZER_KINDS
 from megatron_p2r.checkpoint.parallel_save import Fragment, owned_fragments, write_parts
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, tensor_table
+
 
 @dataclasses.dataclass
 class _Pending:
@@ -65,7 +67,9 @@ def save_checkpoint(save_dir: str, state, wait: bool = False) -> str:
     io.write_rng_file(tmp, state)
     host = host_copy(owned_state(state, optimizer))
     pending = _Pending(save_dir, tmp, final, state.cfg, io.SavedProgress.of(state), optimizer, None)
-    pending.thread = threading.Thread(target=_write, args=(pending, host, state.ps.rank), name="p2r-async-save", daemon=True)
+    pending.thread = threading.Thread(
+        target=_write, args=(pending, host, state.ps.rank), name="p2r-async-save", daemon=True
+    )
     pending.thread.start()
     _pending = pending
     if wait:
@@ -90,10 +94,10 @@ def host_copy(fragments: List[Fragment]) -> List[Fragment]:
 def _write(pending: _Pending, fragments: List[Fragment], rank: int) -> None:
     try:
         write_parts(pending.tmp, fragments)
-    except BaseException as exc:   # reported on the training thread by finish_pending
+    except BaseException as exc:  # reported on the training thread by finish_pending
         pending.error.append(exc)
         return
-    reliability.save_point("shards", pending.progress.iteration, rank)   # while training goes on
+    reliability.save_point("shards", pending.progress.iteration, rank)  # while training goes on
 
 
 def finish_pending(ps) -> None:
@@ -109,8 +113,9 @@ def finish_pending(ps) -> None:
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if failed.item():
         why = f": {pending.error[0]!r}" if pending.error else " on another rank"
-        raise CheckpointError(f"asynchronous save of {pending.tmp} failed{why}; "
-                              f"{os.path.join(pending.save_dir, LATEST_FILE)} still names "
-                              "the previous checkpoint")
-    io.finish_save(pending.save_dir, pending.tmp, pending.final, pending.cfg, ps, pending.progress,
-                   pending.optimizer)
+        raise CheckpointError(
+            f"asynchronous save of {pending.tmp} failed{why}; "
+            f"{os.path.join(pending.save_dir, LATEST_FILE)} still names "
+            "the previous checkpoint"
+        )
+    io.finish_save(pending.save_dir, pending.tmp, pending.final, pending.cfg, ps, pending.progress, pending.optimizer)

@@ -1,4 +1,5 @@
 """Durable writes: a file is seen old or new, never half written, and survives a power cut."""
+
 from __future__ import annotations
 
 import os

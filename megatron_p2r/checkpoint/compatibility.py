@@ -1,6 +1,7 @@
 """Can this run load that checkpoint? Model shape, P2R phase and parallel layout are compared
 before any tensor is read; a mismatch fails naming the field and the flag, and the converter
 command that fixes it when there is one."""
+
 from __future__ import annotations
 
 import os
@@ -29,10 +30,16 @@ _STRUCTURE = [
     ("normalization", "--normalization", lambda m: m.normalization),
     ("swiglu", "--swiglu", lambda m: m.swiglu),
     ("position_embedding_type", "--position-embedding-type", lambda m: m.position_embedding_type),
-    ("max_position_embeddings", "--max-position-embeddings",
-     lambda m: m.max_positions if m.position_embedding_type == "learned_absolute" else None),
-    ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights",
-     lambda m: m.untie_embeddings_and_output_weights),
+    (
+        "max_position_embeddings",
+        "--max-position-embeddings",
+        lambda m: m.max_positions if m.position_embedding_type == "learned_absolute" else None,
+    ),
+    (
+        "untie_embeddings_and_output_weights",
+        "--untie-embeddings-and-output-weights",
+        lambda m: m.untie_embeddings_and_output_weights,
+    ),
     ("disable_bias_linear", "--disable-bias-linear", lambda m: m.disable_bias_linear),
     ("num_experts", "--num-experts", lambda m: m.num_experts),
     ("moe_layer_freq", "--moe-layer-freq", lambda m: m.moe_layer_freq if m.num_experts else None),
@@ -66,26 +73,35 @@ def check_compatible(meta: dict, cfg: Config, iter_dir: str, load_dir: str) -> N
     for name, flag, get in _STRUCTURE:
         a, b = get(saved.model), get(cfg.model)
         if a != b:
-            raise CheckpointError(f"{where}: the checkpoint's model has {name} = {a!r}, this run has {b!r} "
-                                  f"({flag}); the model shape must match to load")
+            raise CheckpointError(
+                f"{where}: the checkpoint's model has {name} = {a!r}, this run has {b!r} "
+                f"({flag}); the model shape must match to load"
+            )
     phase, run_phase = meta["p2r"]["phase"], cfg.p2r.p2r_phase
     run_layout, saved_layout = ShardLayout.of(cfg), ShardLayout.of(saved)
     if phase == "pseudo" and run_phase == "real":
-        raise CheckpointError(f"{where}: p2r.phase is 'pseudo' (share pattern {meta['p2r']['share_pattern']}), "
-                              f"this run is --p2r-phase real. Delink it first:\n  p2r-convert-checkpoint delink "
-                              f"{load_dir} {load_dir.rstrip('/')}_real {target_flags(run_layout)}")
+        raise CheckpointError(
+            f"{where}: p2r.phase is 'pseudo' (share pattern {meta['p2r']['share_pattern']}), "
+            f"this run is --p2r-phase real. Delink it first:\n  p2r-convert-checkpoint delink "
+            f"{load_dir} {load_dir.rstrip('/')}_real {target_flags(run_layout)}"
+        )
     if phase != run_phase:
-        raise CheckpointError(f"{where}: p2r.phase is {phase!r}, this run is --p2r-phase {run_phase}; "
-                              "a real checkpoint cannot be loaded into a pseudo-phase run")
+        raise CheckpointError(
+            f"{where}: p2r.phase is {phase!r}, this run is --p2r-phase {run_phase}; "
+            "a real checkpoint cannot be loaded into a pseudo-phase run"
+        )
     if tuple(meta["p2r"]["layer_module_keys"]) != ParallelPlan.model_parallel(cfg).layer_keys:
-        raise CheckpointError(f"{where}: p2r.share_pattern is {meta['p2r']['share_pattern']!r}, this run has "
-                              f"--share-pattern {cfg.p2r.share_pattern!r}; the layer->slot maps differ")
+        raise CheckpointError(
+            f"{where}: p2r.share_pattern is {meta['p2r']['share_pattern']!r}, this run has "
+            f"--share-pattern {cfg.p2r.share_pattern!r}; the layer->slot maps differ"
+        )
     if (saved_layout.tp, saved_layout.pp, saved_layout.ep) != (run_layout.tp, run_layout.pp, run_layout.ep):
         suffix = f"tp{run_layout.tp}_pp{run_layout.pp}_ep{run_layout.ep}"
         raise CheckpointError(
             f"{where}: the checkpoint was saved with {_describe(saved_layout)}; this run uses "
             f"{_describe(run_layout)}. Reshard it first:\n  p2r-convert-checkpoint reshard {load_dir} "
-            f"{load_dir.rstrip('/')}_{suffix} {target_flags(run_layout)}\nthen pass --load with the new directory")
+            f"{load_dir.rstrip('/')}_{suffix} {target_flags(run_layout)}\nthen pass --load with the new directory"
+        )
 
 
 def _rows(info: TensorInfo):
@@ -95,11 +111,14 @@ def _rows(info: TensorInfo):
 def check_piece(stored: TensorInfo, wanted: TensorInfo, where: str, key: str, wanted_by: str) -> None:
     """Fail unless the stored piece ``key`` has the shape, dtype and row layout ``wanted_by`` needs."""
     if stored.shape != wanted.shape or stored.dtype != wanted.dtype:
-        raise CheckpointError(f"{where}: tensors[{key!r}] is {stored.dtype}{list(stored.shape)}, "
-                              f"{wanted_by} needs {wanted.dtype}{list(wanted.shape)}")
+        raise CheckpointError(
+            f"{where}: tensors[{key!r}] is {stored.dtype}{list(stored.shape)}, "
+            f"{wanted_by} needs {wanted.dtype}{list(wanted.shape)}"
+        )
     if stored.rows != wanted.rows:
-        raise CheckpointError(f"{where}: tensors[{key!r}].rows is {_rows(stored)}, {wanted_by} lays its rows out "
-                              f"as {_rows(wanted)}")
+        raise CheckpointError(
+            f"{where}: tensors[{key!r}].rows is {_rows(stored)}, {wanted_by} lays its rows out as {_rows(wanted)}"
+        )
 
 
 def check_tables(saved: Dict[str, TensorInfo], run: Dict[str, TensorInfo], where: str) -> None:
@@ -110,5 +129,6 @@ def check_tables(saved: Dict[str, TensorInfo], run: Dict[str, TensorInfo], where
         check_piece(saved[key], info, where, key, "this run's model")
     extra = set(saved) - set(run)
     if extra:
-        raise CheckpointError(f"{where}: tensors lists {len(extra)} tensors this run's model does not have, "
-                              f"e.g. {sorted(extra)[0]!r}")
+        raise CheckpointError(
+            f"{where}: tensors lists {len(extra)} tensors this run's model does not have, e.g. {sorted(extra)[0]!r}"
+        )

@@ -2,6 +2,7 @@
 alone (no tensor data is read), before a load or a conversion trusts the files, and after a
 conversion, before its result is published; ``check_data`` reads every tensor against its
 checksum (``inspect --verify``)."""
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,10 @@ from megatron_p2r.optim.factored_form import FACTOR_KINDS
 def check_recorded_size(reader: ShardReader, name: str, recorded: Optional[int]) -> None:
     """Fail unless shard ``name`` has the size metadata.json records for it."""
     if reader.size != recorded:
-        raise CheckpointError(f"{reader.path}: {reader.size} bytes, but {METADATA_FILE} files[{name!r}] "
-                              f"records {recorded} (truncated or replaced?)")
+        raise CheckpointError(
+            f"{reader.path}: {reader.size} bytes, but {METADATA_FILE} files[{name!r}] "
+            f"records {recorded} (truncated or replaced?)"
+        )
 
 
 def check_files(iter_dir: str, meta: dict) -> StoredShards:
@@ -36,8 +39,10 @@ def check_files(iter_dir: str, meta: dict) -> StoredShards:
         for file, part in readers.physical(name):
             recorded = meta["files"].get(file)
             if recorded is None:
-                raise CheckpointError(f"{os.path.join(iter_dir, METADATA_FILE)}: files has no entry for {file}, "
-                                      f"which the layout {layout.to_json()} needs")
+                raise CheckpointError(
+                    f"{os.path.join(iter_dir, METADATA_FILE)}: files has no entry for {file}, "
+                    f"which the layout {layout.to_json()} needs"
+                )
             check_recorded_size(part, file, recorded)
             _check_checksums_cover(meta, file, part.names(), iter_dir)
         reader = readers(name)
@@ -45,8 +50,9 @@ def check_files(iter_dir: str, meta: dict) -> StoredShards:
             reader.check(entry, dtype, shape)
         extra = set(reader.names()) - {e[0] for e in entries}
         if extra:
-            raise CheckpointError(f"{reader.path}: holds tensors {METADATA_FILE} does not list, "
-                                  f"e.g. {sorted(extra)[0]!r}")
+            raise CheckpointError(
+                f"{reader.path}: holds tensors {METADATA_FILE} does not list, e.g. {sorted(extra)[0]!r}"
+            )
     return readers
 
 
@@ -58,8 +64,10 @@ def _check_checksums_cover(meta: dict, name: str, stored: list, iter_dir: str) -
     recorded, needed = set(meta["crc32"].get(name, {})), set(stored)
     if recorded != needed:
         odd = sorted(needed - recorded) or sorted(recorded - needed)
-        raise CheckpointError(f"{os.path.join(iter_dir, METADATA_FILE)}: crc32[{name!r}] "
-                              f"{'has no value for' if needed - recorded else 'lists'} tensor {odd[0]!r}")
+        raise CheckpointError(
+            f"{os.path.join(iter_dir, METADATA_FILE)}: crc32[{name!r}] "
+            f"{'has no value for' if needed - recorded else 'lists'} tensor {odd[0]!r}"
+        )
 
 
 def verify(iter_dir: str, meta: dict, expected_params: int) -> None:
@@ -82,12 +90,16 @@ def verify(iter_dir: str, meta: dict, expected_params: int) -> None:
         for kind in kinds_of(meta):
             name = entry_name(kind, info.key)
             if seen[name] != len(layout.tp_ranks_of(info)):
-                raise CheckpointError(f"{iter_dir}: {name!r} written {seen[name]} times, "
-                                      f"expected {len(layout.tp_ranks_of(info))} (one per TP shard)")
-    for kind in [k for k in kinds_of(meta) if k != "step" and k not in FACTOR_KINDS]:   # factored: by shape
+                raise CheckpointError(
+                    f"{iter_dir}: {name!r} written {seen[name]} times, "
+                    f"expected {len(layout.tp_ranks_of(info))} (one per TP shard)"
+                )
+    for kind in [k for k in kinds_of(meta) if k != "step" and k not in FACTOR_KINDS]:  # factored: by shape
         if totals[kind] != expected_params:
-            raise CheckpointError(f"{iter_dir}: {kind} holds {totals[kind]:,} elements, the source implies "
-                                  f"{expected_params:,}; refusing to publish an incomplete conversion")
+            raise CheckpointError(
+                f"{iter_dir}: {kind} holds {totals[kind]:,} elements, the source implies "
+                f"{expected_params:,}; refusing to publish an incomplete conversion"
+            )
 
 
 def layout_files(meta: dict) -> list:

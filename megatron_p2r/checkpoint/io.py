@@ -24,6 +24,7 @@ distributed optimizer a single writer gathers each tensor's state from the ranks
 pieces (``optim/state_io.py``), and every rank keeps its own pieces on load, so a checkpoint does not depend on DP size, the distributed optimizer,
 16-bit weights or offload.
 """
+
 from __future__ import annotations
 
 import copy
@@ -40,12 +41,28 @@ from megatron_p2r.checkpoint.atomic import fsync_dir, write_text_atomic
 from megatron_p2r.checkpoint.compatibility import check_compatible, check_tables
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.integrity import check_recorded_size
-from megatron_p2r.checkpoint.metadata import (SELF_CHECKSUM, broadcast_statistics, build_metadata, checksum_coverage,
-                                              kinds_of, metadata_table,
-                                              read_metadata, write_metadata)
+from megatron_p2r.checkpoint.metadata import (
+    SELF_CHECKSUM,
+    broadcast_statistics,
+    build_metadata,
+    checksum_coverage,
+    kinds_of,
+    metadata_table,
+    read_metadata,
+    write_metadata,
+)
 from megatron_p2r.checkpoint.naming import (
-    LATEST_FILE, METADATA_FILE, RNG_DIR, complete_iterations, entry_name, iteration_dir_name,
-    resolve_iteration_dir, rng_file, shard_file, shard_header_metadata)
+    LATEST_FILE,
+    METADATA_FILE,
+    RNG_DIR,
+    complete_iterations,
+    entry_name,
+    iteration_dir_name,
+    resolve_iteration_dir,
+    rng_file,
+    shard_file,
+    shard_header_metadata,
+)
 from megatron_p2r.checkpoint.parallel_save import CHECKSUMS_SUFFIX, leave_checksums, owned_fragments, write_parts
 from megatron_p2r.checkpoint.parts import PartedShard, StoredShards
 from megatron_p2r.checkpoint.safetensors_io import ReaderCache, ShardWriter, save_tensors
@@ -65,8 +82,9 @@ def _barrier(ps: ParallelState) -> None:
         dist.barrier()
 
 
-def rank_pieces(model: torch.nn.Module, ps: ParallelState,
-                table: Dict[str, TensorInfo]) -> Iterator[Tuple[TensorInfo, torch.nn.Parameter, Optional[int]]]:
+def rank_pieces(
+    model: torch.nn.Module, ps: ParallelState, table: Dict[str, TensorInfo]
+) -> Iterator[Tuple[TensorInfo, torch.nn.Parameter, Optional[int]]]:
     """(piece, parameter, local expert index or None) for every piece this rank holds a shard of."""
     for name, param in model.named_parameters():
         logical = logical_name(name, param)
@@ -79,13 +97,16 @@ def rank_pieces(model: torch.nn.Module, ps: ParallelState,
 
 # ----------------------------------------------------------------------------- save
 
+
 def save_checkpoint(save_dir: str, state) -> str:
     """Collective save of ``state`` (a ``training.TrainState``); returns the iteration directory."""
     tmp, final = prepare_save(save_dir, state)
     table, layout = tensor_table(state.cfg), ShardLayout.of(state.cfg)
     optimizer = has_optimizer_state(state)
     write_rng_file(tmp, state)
-    _write_shards(tmp, state, table, layout, ("model",) + (OPTIMIZER_KINDS[state.cfg.train.optimizer] if optimizer else ()))
+    _write_shards(
+        tmp, state, table, layout, ("model",) + (OPTIMIZER_KINDS[state.cfg.train.optimizer] if optimizer else ())
+    )
     reliability.save_point("shards", state.iteration, state.ps.rank)
     finish_save(save_dir, tmp, final, state.cfg, state.ps, SavedProgress.of(state), optimizer)
     return final
@@ -103,13 +124,17 @@ class SavedProgress:
 
     @classmethod
     def of(cls, state) -> "SavedProgress":
-        return cls(state.iteration, state.consumed_samples, copy.deepcopy(state.scheduler.state_dict()),
-                   copy.deepcopy(state.scaler.state_dict()))
+        return cls(
+            state.iteration,
+            state.consumed_samples,
+            copy.deepcopy(state.scheduler.state_dict()),
+            copy.deepcopy(state.scaler.state_dict()),
+        )
 
 
 def prepare_save(save_dir: str, state) -> Tuple[str, str]:
     """Collective: the offloaded state made final and an empty ``iter_N.tmp``; returns (tmp, final)."""
-    state.optimizer.finish_host_step()   # the offloaded layers' weights and moments are final
+    state.optimizer.finish_host_step()  # the offloaded layers' weights and moments are final
     final = os.path.join(save_dir, iteration_dir_name(state.iteration))
     tmp = final + ".tmp"
     if state.ps.rank == 0:
@@ -122,8 +147,9 @@ def prepare_save(save_dir: str, state) -> Tuple[str, str]:
     return tmp, final
 
 
-def finish_save(save_dir: str, tmp: str, final: str, cfg, ps: ParallelState, progress: SavedProgress,
-                optimizer: bool) -> None:
+def finish_save(
+    save_dir: str, tmp: str, final: str, cfg, ps: ParallelState, progress: SavedProgress, optimizer: bool
+) -> None:
     """Collective, once every rank has written its files: rank 0 publishes the checkpoint."""
     _barrier(ps)
     if ps.rank == 0:
@@ -142,23 +168,30 @@ def has_optimizer_state(state) -> bool:
 def write_rng_file(tmp: str, state) -> None:
     """This rank's RNG streams and data position (small: written synchronously by every save)."""
     ps, c = state.ps, state.ps.coords
-    leave_checksums(tmp, rng_file(ps.rank), save_tensors(
-        os.path.join(tmp, rng_file(ps.rank)), _rng_tensors(ps.device),
-        {"rank": ps.rank, "tp": c.tp, "dp": c.dp, "pp": c.pp, "consumed_samples": state.consumed_samples}))
+    leave_checksums(
+        tmp,
+        rng_file(ps.rank),
+        save_tensors(
+            os.path.join(tmp, rng_file(ps.rank)),
+            _rng_tensors(ps.device),
+            {"rank": ps.rank, "tp": c.tp, "dp": c.dp, "pp": c.pp, "consumed_samples": state.consumed_samples},
+        ),
+    )
 
 
 def _write_shards(tmp: str, state, table: Dict[str, TensorInfo], layout: ShardLayout, kinds: Sequence[str]) -> None:
     """What this rank writes of the shards: its own fragments (fully parallel save), or its whole
     shard when it is the one data-parallel replica that writes it."""
     pieces = list(rank_pieces(state.model, state.ps, table))
-    if state.cfg.checkpoint.ckpt_fully_parallel_save and state.ps.dp_size > 1:   # with DP 1, one writer anyway
+    if state.cfg.checkpoint.ckpt_fully_parallel_save and state.ps.dp_size > 1:  # with DP 1, one writer anyway
         write_parts(tmp, owned_fragments(state, table, pieces, layout, kinds))
     else:
         _write_whole_shard(tmp, state, table, layout, kinds, pieces)
 
 
-def _write_whole_shard(tmp: str, state, table: Dict[str, TensorInfo], layout: ShardLayout, kinds: Sequence[str],
-                       pieces: list) -> None:
+def _write_whole_shard(
+    tmp: str, state, table: Dict[str, TensorInfo], layout: ShardLayout, kinds: Sequence[str], pieces: list
+) -> None:
     """One writer per shard (expert-dp rank 0), which gathers the distributed optimizer's state
     of its shard from the others (every rank takes part: a collective)."""
     ps, c = state.ps, state.ps.coords
@@ -184,8 +217,7 @@ def _write_whole_shard(tmp: str, state, table: Dict[str, TensorInfo], layout: Sh
 
 
 def _rng_tensors(device: torch.device) -> Dict[str, torch.Tensor]:
-    out = {"cpu_rng_state": torch.get_rng_state(),
-           "model_parallel_rng_state": tp_random.get_rng_tracker(device).state}
+    out = {"cpu_rng_state": torch.get_rng_state(), "model_parallel_rng_state": tp_random.get_rng_tracker(device).state}
     if device.type == "cuda":
         out["cuda_rng_state"] = torch.cuda.get_rng_state(device)
     return out
@@ -200,8 +232,9 @@ def _piece_tensor(state, gathered: Dict[str, torch.Tensor], j: Optional[int], ki
     return entry_of(t, tuple(t.shape), kind) if kind in FACTOR_KINDS else t
 
 
-def _publish_checkpoint(save_dir: str, tmp: str, final: str, cfg, ps: ParallelState, progress: SavedProgress,
-                        optimizer: bool) -> None:
+def _publish_checkpoint(
+    save_dir: str, tmp: str, final: str, cfg, ps: ParallelState, progress: SavedProgress, optimizer: bool
+) -> None:
     """Rank 0, every shard written: metadata.json, rename into place, record as latest, prune."""
     iteration = progress.iteration
     table, layout = tensor_table(cfg), ShardLayout.of(cfg)
@@ -209,13 +242,24 @@ def _publish_checkpoint(save_dir: str, tmp: str, final: str, cfg, ps: ParallelSt
     kinds = OPTIMIZER_KINDS[cfg.train.optimizer] if optimizer else ()
     files, parts = _stored_files(tmp, table, layout, kinds)
     rng = {"world_size": ps.layout.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size}
-    write_metadata(tmp, build_metadata(cfg, table, iteration=iteration,
-                                       consumed_samples=progress.consumed_samples, optimizer=optimizer,
-                                       optimizer_kinds=kinds,
-                                       scheduler=progress.scheduler, scaler=progress.scaler,
-                                       files=files, parts=parts, rng=rng, history=[],
-                                       checksums=_collect_checksums(tmp, list(files) + [
-                                           rng_file(r) for r in range(ps.layout.world_size)])))
+    write_metadata(
+        tmp,
+        build_metadata(
+            cfg,
+            table,
+            iteration=iteration,
+            consumed_samples=progress.consumed_samples,
+            optimizer=optimizer,
+            optimizer_kinds=kinds,
+            scheduler=progress.scheduler,
+            scaler=progress.scaler,
+            files=files,
+            parts=parts,
+            rng=rng,
+            history=[],
+            checksums=_collect_checksums(tmp, list(files) + [rng_file(r) for r in range(ps.layout.world_size)]),
+        ),
+    )
     fsync_dir(tmp)
     reliability.save_point("publish", iteration, ps.rank)
     _rename_into_place(tmp, final)
@@ -226,8 +270,9 @@ def _publish_checkpoint(save_dir: str, tmp: str, final: str, cfg, ps: ParallelSt
         _prune(save_dir, cfg.checkpoint.keep_last)
 
 
-def _stored_files(tmp: str, table: Dict[str, TensorInfo], layout: ShardLayout,
-                  optimizer_kinds: Sequence[str]) -> Tuple[Dict[str, int], Dict[str, List[str]]]:
+def _stored_files(
+    tmp: str, table: Dict[str, TensorInfo], layout: ShardLayout, optimizer_kinds: Sequence[str]
+) -> Tuple[Dict[str, int], Dict[str, List[str]]]:
     """Every shard file's size, and the part files of each shard written in parts — checked to
     hold each of its entries exactly once (headers only) before anything is published."""
     files, parts = {}, {}
@@ -236,12 +281,10 @@ def _stored_files(tmp: str, table: Dict[str, TensorInfo], layout: ShardLayout,
         if os.path.exists(os.path.join(tmp, shard)):
             files[shard] = os.path.getsize(os.path.join(tmp, shard))
             continue
-        parts[shard] = [n for n in names if n.startswith(shard.split(".")[0] + ".rank_")
-                        and n.endswith(".safetensors")]
+        parts[shard] = [n for n in names if n.startswith(shard.split(".")[0] + ".rank_") and n.endswith(".safetensors")]
         files.update({n: os.path.getsize(os.path.join(tmp, n)) for n in parts[shard]})
     if parts:
-        stored = StoredShards(tmp, {"parts": parts},
-                              file_entries(table, layout, ("model",) + tuple(optimizer_kinds)))
+        stored = StoredShards(tmp, {"parts": parts}, file_entries(table, layout, ("model",) + tuple(optimizer_kinds)))
         for shard in parts:
             stored(shard)
     return files, parts
@@ -282,17 +325,19 @@ def _prune(save_dir: str, keep: int) -> None:
 
 # ----------------------------------------------------------------------------- load
 
+
 def load_checkpoint(load_dir: str, state, finetune: bool = False) -> Optional[str]:
     """Restore ``state`` from ``load_dir``; with ``finetune`` only the weights. Returns the directory
     read, or None when ``--load`` is the ``--save`` directory and holds no checkpoint yet (the
     first launch of a job that always passes both)."""
     cfg, ps = state.cfg, state.ps
-    state.optimizer.finish_host_step()   # no step of the old state writes into the loaded one
+    state.optimizer.finish_host_step()  # no step of the old state writes into the loaded one
     ck = cfg.checkpoint
     if _first_launch(load_dir, ck.save):
         if ps.rank == 0:
-            print(f"no checkpoint in {load_dir} yet (--load is the --save directory); starting from scratch",
-                  flush=True)
+            print(
+                f"no checkpoint in {load_dir} yet (--load is the --save directory); starting from scratch", flush=True
+            )
         return None
     iter_dir = resolve_iteration_dir(load_dir)
     meta = read_metadata(iter_dir)
@@ -303,9 +348,12 @@ def load_checkpoint(load_dir: str, state, finetune: bool = False) -> Optional[st
     check_tables(table, tensor_table(cfg), os.path.join(iter_dir, METADATA_FILE))
     load_optim = meta["optimizer"] and not finetune and not ck.no_load_optim
     kinds = state_kinds_to_load(meta, cfg.train.optimizer, os.path.join(iter_dir, METADATA_FILE)) if load_optim else ()
-    from_adam = load_optim and kinds != OPTIMIZER_KINDS[cfg.train.optimizer]   # AdamW's state into Adafactor
-    loader = StateLoader(state.optimizer, meta["config"]["train"].get("adam_beta2", 0.999) if from_adam else None,
-                         "row_var" if broadcast_statistics(meta) else "col_var")
+    from_adam = load_optim and kinds != OPTIMIZER_KINDS[cfg.train.optimizer]  # AdamW's state into Adafactor
+    loader = StateLoader(
+        state.optimizer,
+        meta["config"]["train"].get("adam_beta2", 0.999) if from_adam else None,
+        "row_var" if broadcast_statistics(meta) else "col_var",
+    )
     _load_pieces(iter_dir, meta, table, state, ("model",) + kinds, loader)
     loader.finish(moments=load_optim)
     if not finetune:
@@ -314,8 +362,11 @@ def load_checkpoint(load_dir: str, state, finetune: bool = False) -> Optional[st
             _on_every_rank(lambda: _load_rng(iter_dir, meta, ps))
     if ps.rank == 0:
         what = "weights only" if finetune else ("without optimizer state" if not load_optim else "full state")
-        print(f"loaded checkpoint {iter_dir} (iteration {meta['iteration']}, consumed samples "
-              f"{meta['consumed_samples']}; {what})", flush=True)
+        print(
+            f"loaded checkpoint {iter_dir} (iteration {meta['iteration']}, consumed samples "
+            f"{meta['consumed_samples']}; {what})",
+            flush=True,
+        )
     return iter_dir
 
 
@@ -333,20 +384,26 @@ def state_kinds_to_load(meta: dict, optimizer: str, where: str) -> Tuple[str, ..
         return from_adam
     saved = next((name for name, kinds in OPTIMIZER_KINDS.items() if tuple(kinds) == tuple(stored)), "another")
     missing = [k for k in wanted if k not in stored]
-    raise CheckpointError(f"{where}: the checkpoint holds {saved} optimizer state ({', '.join(stored)}); "
-                          f"--optimizer {optimizer} needs {', '.join(missing)}. Train on with --optimizer "
-                          f"{saved}, or pass --no-load-optim to load the weights and start {optimizer}'s "
-                          "state afresh")
+    raise CheckpointError(
+        f"{where}: the checkpoint holds {saved} optimizer state ({', '.join(stored)}); "
+        f"--optimizer {optimizer} needs {', '.join(missing)}. Train on with --optimizer "
+        f"{saved}, or pass --no-load-optim to load the weights and start {optimizer}'s "
+        "state afresh"
+    )
 
 
 def _first_launch(load_dir: str, save_dir: Optional[str]) -> bool:
     """``--load`` is the ``--save`` directory and nothing was saved there yet."""
-    return bool(save_dir and os.path.realpath(save_dir) == os.path.realpath(load_dir)
-                and not os.path.exists(os.path.join(load_dir, LATEST_FILE)))
+    return bool(
+        save_dir
+        and os.path.realpath(save_dir) == os.path.realpath(load_dir)
+        and not os.path.exists(os.path.join(load_dir, LATEST_FILE))
+    )
 
 
-def _load_pieces(iter_dir: str, meta: dict, table: Dict[str, TensorInfo], state, kinds: Sequence[str],
-                 loader: StateLoader) -> None:
+def _load_pieces(
+    iter_dir: str, meta: dict, table: Dict[str, TensorInfo], state, kinds: Sequence[str], loader: StateLoader
+) -> None:
     """Hand this rank's shard of every piece (each of ``kinds``) to ``loader``: the weights go
     into the model and the optimizer's mains, the moments into the optimizer's pieces."""
     ps, broadcast = state.ps, broadcast_statistics(meta)
@@ -365,18 +422,23 @@ def _load_pieces(iter_dir: str, meta: dict, table: Dict[str, TensorInfo], state,
             for kind in kinds:
                 entry = entry_name(kind, info.key)
                 reader.check(entry, "F32" if kind == "step" else info.dtype, layout.entry_shape(info, kind, broadcast))
-                offset = 0 if j is None else j * param[0].numel()   # expert j of a stacked parameter
-                if kind in MOMENTS and not loader.reads_whole(kind) and \
-                        state.cfg.checkpoint.ckpt_fully_parallel_load and isinstance(reader, PartedShard):
+                offset = 0 if j is None else j * param[0].numel()  # expert j of a stacked parameter
+                if (
+                    kind in MOMENTS
+                    and not loader.reads_whole(kind)
+                    and state.cfg.checkpoint.ckpt_fully_parallel_load
+                    and isinstance(reader, PartedShard)
+                ):
                     _load_owned_fragments(reader, entry, param, offset, kind, loader)
-                elif kind in FACTOR_KINDS and not broadcast:   # the loader takes them broadcast
+                elif kind in FACTOR_KINDS and not broadcast:  # the loader takes them broadcast
                     loader.put(param, offset, kind, carrier_of(reader.read(entry), local, kind))
                 else:
                     loader.put(param, offset, kind, reader.read(entry))
 
 
-def _load_owned_fragments(reader: PartedShard, entry: str, param: torch.nn.Parameter, offset: int, kind: str,
-                          loader: StateLoader) -> None:
+def _load_owned_fragments(
+    reader: PartedShard, entry: str, param: torch.nn.Parameter, offset: int, kind: str, loader: StateLoader
+) -> None:
     """Read only the fragments of a moment that overlap what this rank's optimizer steps."""
     for f in reader.fragments(entry):
         if loader.steps_any(param, offset + f.offset, f.numel):
@@ -390,8 +452,9 @@ def _load_progress(iter_dir: str, meta: dict, state) -> None:
         state.scheduler.load_state_dict(meta["scheduler"])
         state.scaler.load_state_dict(meta["scaler"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{os.path.join(iter_dir, METADATA_FILE)}: fields 'scheduler'/'scaler' are "
-                              f"malformed ({exc!r})") from None
+        raise CheckpointError(
+            f"{os.path.join(iter_dir, METADATA_FILE)}: fields 'scheduler'/'scaler' are malformed ({exc!r})"
+        ) from None
 
 
 def _on_every_rank(load) -> None:
@@ -428,6 +491,7 @@ def _load_rng(iter_dir: str, meta: dict, ps: ParallelState) -> None:
     tp_random.get_rng_tracker(ps.device).state = reader.read("model_parallel_rng_state").clone()
     if ps.device.type == "cuda":
         if "cuda_rng_state" not in reader.entries:
-            raise CheckpointError(f"{reader.path}: no cuda_rng_state (saved on CPU); "
-                                  "pass --no-load-rng to resume on CUDA")
+            raise CheckpointError(
+                f"{reader.path}: no cuda_rng_state (saved on CPU); pass --no-load-rng to resume on CUDA"
+            )
         torch.cuda.set_rng_state(reader.read("cuda_rng_state"), ps.device)

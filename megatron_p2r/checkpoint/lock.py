@@ -19,6 +19,7 @@ The file is removed when the lock is released, so a finished run leaves nothing 
 converter asks it of every directory it would replace. A lock file of another ``name`` guards one
 file of a directory shared by several processes (offload/nvme.py: each rank's optimizer state).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -38,8 +39,8 @@ from megatron_p2r.checkpoint.errors import CheckpointError
 
 LOCK_FILE = ".p2r_lock"
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
-HEARTBEAT_S = 10.0      # without flock: how often the holder touches its lock file
-STALE_AFTER_S = 120.0   # without flock: a heartbeat this old means the holder is gone
+HEARTBEAT_S = 10.0  # without flock: how often the holder touches its lock file
+STALE_AFTER_S = 120.0  # without flock: a heartbeat this old means the holder is gone
 
 
 class DirectoryLocked(CheckpointError):
@@ -47,9 +48,13 @@ class DirectoryLocked(CheckpointError):
 
 
 def _holder_record(purpose: str) -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "purpose": purpose,
-            "started": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": " ".join(shlex.quote(a) for a in sys.argv)[:500]}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "purpose": purpose,
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in sys.argv)[:500],
+    }
 
 
 def _read_holder(fd: int) -> Optional[dict]:
@@ -65,8 +70,10 @@ def describe(holder: Optional[dict]) -> str:
     """Who holds a lock, in words, from its record."""
     if not holder:
         return "a process that left no record"
-    return (f"{holder.get('purpose', 'a process')} (pid {holder.get('pid')} on host {holder.get('host')}, "
-            f"started {holder.get('started')}: {holder.get('command')})")
+    return (
+        f"{holder.get('purpose', 'a process')} (pid {holder.get('pid')} on host {holder.get('host')}, "
+        f"started {holder.get('started')}: {holder.get('command')})"
+    )
 
 
 def _alive(pid) -> bool:
@@ -147,9 +154,11 @@ class DirectoryLock:
             except BlockingIOError:
                 holder = _read_holder(fd)
                 os.close(fd)
-                raise DirectoryLocked(f"{self.guards} is in use by {describe(holder)}; one "
-                                      f"{'directory' if self.guards == self.directory else 'file'} takes one writer at a "
-                                      "time: wait for it to finish, or use another directory") from None
+                raise DirectoryLocked(
+                    f"{self.guards} is in use by {describe(holder)}; one "
+                    f"{'directory' if self.guards == self.directory else 'file'} takes one writer at a "
+                    "time: wait for it to finish, or use another directory"
+                ) from None
             except OSError as exc:
                 if exc.errno not in _NO_FLOCK:
                     os.close(fd)
@@ -166,12 +175,14 @@ class DirectoryLock:
     def _open(self) -> int:
         """The lock file, created if missing, never through a link planted at its name."""
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
-                         0o644)
+            fd = os.open(
+                self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644
+            )
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise DirectoryLocked(f"{self.path} is a symbolic link; remove it "
-                                      f"(rm {shlex.quote(self.path)})") from None
+                raise DirectoryLocked(
+                    f"{self.path} is a symbolic link; remove it (rm {shlex.quote(self.path)})"
+                ) from None
             raise CheckpointError(f"cannot lock {self.directory}: {exc.strerror} ({self.path})") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
@@ -191,9 +202,14 @@ class DirectoryLock:
         previous = _read_holder(fd)
         if previous and previous.get("host") != socket.gethostname():
             os.close(fd)
-            raise DirectoryLocked(self._stale_message(previous, "the lock names another machine, and a filesystem "
-                                                                "shared between machines may not share locks; if "
-                                                                "that job is no longer running"))
+            raise DirectoryLocked(
+                self._stale_message(
+                    previous,
+                    "the lock names another machine, and a filesystem "
+                    "shared between machines may not share locks; if "
+                    "that job is no longer running",
+                )
+            )
         if previous:
             self.notes.append(f"took over the lock of {describe(previous)}, which is no longer running")
         self._write_record(fd)
@@ -236,10 +252,12 @@ class DirectoryLock:
             os.close(existing)
         why = _stale_without_flock(holder, st.st_mtime)
         if why is None:
-            raise DirectoryLocked(f"{self.guards} is in use by {describe(holder)}, whose heartbeat is "
-                                  f"{time.time() - st.st_mtime:.0f} s old (this filesystem has no flock: a lock is "
-                                  "stale once its holder on this host has exited, or once a holder elsewhere has "
-                                  f"gone {STALE_AFTER_S:.0f} s without a heartbeat)")
+            raise DirectoryLocked(
+                f"{self.guards} is in use by {describe(holder)}, whose heartbeat is "
+                f"{time.time() - st.st_mtime:.0f} s old (this filesystem has no flock: a lock is "
+                "stale once its holder on this host has exited, or once a holder elsewhere has "
+                f"gone {STALE_AFTER_S:.0f} s without a heartbeat)"
+            )
         aside = f"{self.path}.stale-{os.getpid()}"
         try:
             os.rename(self.path, aside)
@@ -264,10 +282,13 @@ class DirectoryLock:
         it stops at once, saving nothing, so that two runs never write one directory."""
         while not stop.wait(HEARTBEAT_S):
             if not self._same_file(fd) and not stop.is_set():
-                print(f"error: lost the lock on {self.guards}: {self.path} was taken over while this process "
-                      f"did not refresh it for over {STALE_AFTER_S:.0f} s (paused?); stopping without writing "
-                      "anything more, so that two runs never write one directory (resume from the last checkpoint)",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"error: lost the lock on {self.guards}: {self.path} was taken over while this process "
+                    f"did not refresh it for over {STALE_AFTER_S:.0f} s (paused?); stopping without writing "
+                    "anything more, so that two runs never write one directory (resume from the last checkpoint)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(2)
             try:
                 os.utime(fd)
@@ -275,8 +296,7 @@ class DirectoryLock:
                 pass  # the next beat retries; a lock left without beats is reported as stale, not lost
 
     def _stale_message(self, holder: dict, why: str) -> str:
-        return (f"{self.directory} is locked by {describe(holder)}; {why}, clear it with:\n  rm "
-                f"{shlex.quote(self.path)}")
+        return f"{self.directory} is locked by {describe(holder)}; {why}, clear it with:\n  rm {shlex.quote(self.path)}"
 
     def release(self) -> None:
         """Remove the lock file (while still holding it), then give up the lock."""

@@ -7,6 +7,7 @@ The file carries the CRC-32 of its own bytes (``metadata_crc32``, its last field
 before it is covered), as the shards carry their tensors' in ``crc32``: a changed byte of it is
 refused on load, conversion and ``inspect``. A file without it was written before it was and is
 read as it was then (``checksum_coverage`` says what is and is not covered)."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,17 @@ from megatron_p2r.files import JSON_LIMIT, parse_json, read_bounded
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.optim.optimizer import OPTIMIZER_KINDS
 
-REQUIRED_FIELDS = ("format_version", "iteration", "consumed_samples", "config", "layout", "p2r", "optimizer",
-                   "tensors", "files")
+REQUIRED_FIELDS = (
+    "format_version",
+    "iteration",
+    "consumed_samples",
+    "config",
+    "layout",
+    "p2r",
+    "optimizer",
+    "tensors",
+    "files",
+)
 
 
 def _p2r_json(cfg: Config) -> dict:
@@ -33,20 +43,44 @@ def _p2r_json(cfg: Config) -> dict:
     return {"phase": plan.phase, "share_pattern": plan.share_pattern, "layer_module_keys": list(plan.layer_keys)}
 
 
-def build_metadata(cfg: Config, table: Dict[str, TensorInfo], *, iteration: int, consumed_samples: int,
-                   optimizer: bool, scheduler: dict, scaler: dict, files: Dict[str, int],
-                   rng: Optional[dict], history: List[dict], checksums: Dict[str, Dict[str, int]],
-                   parts: Optional[Dict[str, List[str]]] = None,
-                   optimizer_kinds: Sequence[str] = OPTIMIZER_KINDS["adam"]) -> dict:
+def build_metadata(
+    cfg: Config,
+    table: Dict[str, TensorInfo],
+    *,
+    iteration: int,
+    consumed_samples: int,
+    optimizer: bool,
+    scheduler: dict,
+    scaler: dict,
+    files: Dict[str, int],
+    rng: Optional[dict],
+    history: List[dict],
+    checksums: Dict[str, Dict[str, int]],
+    parts: Optional[Dict[str, List[str]]] = None,
+    optimizer_kinds: Sequence[str] = OPTIMIZER_KINDS["adam"],
+) -> dict:
     """The metadata.json contents (shared by training saves and the converters); ``checksums``:
     file -> tensor entry -> CRC-32 of its bytes (``ShardWriter.checksums``); ``parts``: the part
     files of each shard written in parts (``parts.py``), whose names ``files`` lists instead."""
-    return {**({"parts": parts} if parts else {}),"format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
-            "config": cfg.to_dict(), "layout": ShardLayout.of(cfg).to_json(), "p2r": _p2r_json(cfg),
-            "optimizer": optimizer, "optimizer_kinds": list(optimizer_kinds) if optimizer else [],
-            "scheduler": scheduler, "scaler": scaler, "rng": rng, "history": history,
-            "files": files, "crc32": checksums, "tensors": {k: v.to_json() for k, v in table.items()},
-            "factored_statistics": True}
+    return {
+        **({"parts": parts} if parts else {}),
+        "format_version": FORMAT_VERSION,
+        "iteration": iteration,
+        "consumed_samples": consumed_samples,
+        "config": cfg.to_dict(),
+        "layout": ShardLayout.of(cfg).to_json(),
+        "p2r": _p2r_json(cfg),
+        "optimizer": optimizer,
+        "optimizer_kinds": list(optimizer_kinds) if optimizer else [],
+        "scheduler": scheduler,
+        "scaler": scaler,
+        "rng": rng,
+        "history": history,
+        "files": files,
+        "crc32": checksums,
+        "tensors": {k: v.to_json() for k, v in table.items()},
+        "factored_statistics": True,
+    }
 
 
 SELF_CHECKSUM = "metadata_crc32"
@@ -58,7 +92,7 @@ def write_metadata(iter_dir: str, metadata: dict) -> None:
     """Write ``metadata`` (without any checksum of a file it was read from), then the CRC-32 of
     those bytes as the last field."""
     body = json.dumps({k: v for k, v in metadata.items() if k != SELF_CHECKSUM}, indent=1)
-    body = body[:-2]   # without its closing "\n}": the checksum field follows the last one
+    body = body[:-2]  # without its closing "\n}": the checksum field follows the last one
     path = os.path.join(iter_dir, METADATA_FILE)
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(f'{body},\n "{SELF_CHECKSUM}": {zlib.crc32(body.encode())}\n}}\n')
@@ -93,14 +127,18 @@ def _check_own_checksum(data: bytes, path: str) -> None:
     """The file's bytes before its last field have the CRC-32 that field records."""
     trailer = _TRAILER.search(data)
     if trailer is None:
-        raise CheckpointError(f"{path}: field {SELF_CHECKSUM!r} is not the file's last line as written at save: "
-                              "the file was rewritten since, so none of its fields can be trusted (restore it, "
-                              "or load another iteration)")
-    found, recorded = zlib.crc32(data[:trailer.start()]), int(trailer[1])
+        raise CheckpointError(
+            f"{path}: field {SELF_CHECKSUM!r} is not the file's last line as written at save: "
+            "the file was rewritten since, so none of its fields can be trusted (restore it, "
+            "or load another iteration)"
+        )
+    found, recorded = zlib.crc32(data[: trailer.start()]), int(trailer[1])
     if found != recorded:
-        raise CheckpointError(f"{path}: corrupt or edited: its bytes have CRC-32 {found:08x}, its field "
-                              f"{SELF_CHECKSUM!r} records {recorded:08x}; none of its fields can be trusted "
-                              "(restore it, or load another iteration)")
+        raise CheckpointError(
+            f"{path}: corrupt or edited: its bytes have CRC-32 {found:08x}, its field "
+            f"{SELF_CHECKSUM!r} records {recorded:08x}; none of its fields can be trusted "
+            "(restore it, or load another iteration)"
+        )
 
 
 def checksum_coverage(meta: dict) -> str:
@@ -109,17 +147,21 @@ def checksum_coverage(meta: dict) -> str:
     if own and tensors:
         return "every CRC-32 matches metadata.json, whose own bytes match its metadata_crc32"
     if tensors:
-        return ("every CRC-32 matches metadata.json; metadata.json itself has no checksum (written before "
-                "metadata_crc32 was): its fields are checked against the schema and the shards' headers only")
+        return (
+            "every CRC-32 matches metadata.json; metadata.json itself has no checksum (written before "
+            "metadata_crc32 was): its fields are checked against the schema and the shards' headers only"
+        )
     if own:
         return "metadata.json's own bytes match its metadata_crc32; no tensor checksums recorded: sizes and headers checked"
-    return ("no checksums recorded (a checkpoint written before they were): sizes and headers checked, "
-            "metadata.json itself not checksummed")
+    return (
+        "no checksums recorded (a checkpoint written before they were): sizes and headers checked, "
+        "metadata.json itself not checksummed"
+    )
 
 
 # The largest count (iteration, samples, steps) a checkpoint's metadata accepts; the converter
 # refuses options that would write a larger one.
-MAX_COUNT = 2 ** 62
+MAX_COUNT = 2**62
 
 
 def _int(low: int = 0, high: int = MAX_COUNT):
@@ -143,50 +185,88 @@ def _object(**fields):
 _SCHEMA = {
     "iteration": (_int(), "an integer >= 0"),
     "consumed_samples": (_int(), "an integer >= 0"),
-    "config": (lambda v: isinstance(v, dict) and all(isinstance(x, dict) for x in v.values()),
-               "an object of config sections (objects)"),
+    "config": (
+        lambda v: isinstance(v, dict) and all(isinstance(x, dict) for x in v.values()),
+        "an object of config sections (objects)",
+    ),
     "layout": (lambda v: isinstance(v, dict), "a JSON object"),
-    "p2r": (_object(phase=lambda v: v in ("pseudo", "real"), share_pattern=lambda v: isinstance(v, str),
-                    layer_module_keys=_int_list),
-            "an object with phase pseudo|real, a share_pattern string and layer_module_keys integers"),
+    "p2r": (
+        _object(
+            phase=lambda v: v in ("pseudo", "real"),
+            share_pattern=lambda v: isinstance(v, str),
+            layer_module_keys=_int_list,
+        ),
+        "an object with phase pseudo|real, a share_pattern string and layer_module_keys integers",
+    ),
     "optimizer": (lambda v: isinstance(v, bool), "true or false"),
-    "optimizer_kinds": (lambda v: isinstance(v, list) and (not v or v in [list(k) for k in OPTIMIZER_KINDS.values()]),
-                        "the state entries of one optimizer: " + " or ".join(str(list(k)) for k in OPTIMIZER_KINDS.values())),
+    "optimizer_kinds": (
+        lambda v: isinstance(v, list) and (not v or v in [list(k) for k in OPTIMIZER_KINDS.values()]),
+        "the state entries of one optimizer: " + " or ".join(str(list(k)) for k in OPTIMIZER_KINDS.values()),
+    ),
     "tensors": (lambda v: isinstance(v, dict), "a JSON object"),
     "factored_statistics": (lambda v: v is True, "true (Adafactor's statistics stored factored)"),
-    "files": (lambda v: isinstance(v, dict) and all(_int()(x) for x in v.values()),
-              "an object of file names to sizes in bytes"),
-    "parts": (lambda v: isinstance(v, dict) and all(isinstance(p, list) and all(isinstance(x, str) for x in p)
-                                                    for p in v.values()),
-              "an object of shard file names to lists of part file names"),
-    "scheduler": (lambda v: _object(num_steps=_int())(v) and _optional(_int())(v.get("updates"))
-                  and _optional(_object(start=_int(), iters=_int(1)))(v.get("rewarmup")),
-                  "an object with an integer num_steps >= 0 (samples), optional integer updates >= 0 and "
-                  "rewarmup null or {start >= 0, iters >= 1}"),
-    "scaler": (_object(scale=lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
-                       good_steps=_int()), "an object with a positive scale and an integer good_steps >= 0"),
-    "rng": (_optional(_object(world_size=_int(1, 2 ** 24), tp=_int(1, 2 ** 24), pp=_int(1, 2 ** 24),
-                              dp=_int(1, 2 ** 24))),
-            "null or an object with integer world_size, tp, pp, dp >= 1"),
-    "crc32": (lambda v: isinstance(v, dict) and all(isinstance(f, dict) and all(_int(0, 2 ** 32 - 1)(c)
-                                                                                 for c in f.values())
-                                                    for f in v.values()),
-              "an object of file names to objects of tensor names to CRC-32 values (0 <= c < 2^32)"),
-    SELF_CHECKSUM: (_int(0, 2 ** 32 - 1), "a CRC-32 (0 <= c < 2^32)"),
-    "history": (lambda v: isinstance(v, list) and all(_object(op=lambda x: isinstance(x, str),
-                                                              source=lambda x: isinstance(x, str))(h) for h in v),
-                "a list of objects with op and source strings"),
+    "files": (
+        lambda v: isinstance(v, dict) and all(_int()(x) for x in v.values()),
+        "an object of file names to sizes in bytes",
+    ),
+    "parts": (
+        lambda v: (
+            isinstance(v, dict) and all(isinstance(p, list) and all(isinstance(x, str) for x in p) for p in v.values())
+        ),
+        "an object of shard file names to lists of part file names",
+    ),
+    "scheduler": (
+        lambda v: (
+            _object(num_steps=_int())(v)
+            and _optional(_int())(v.get("updates"))
+            and _optional(_object(start=_int(), iters=_int(1)))(v.get("rewarmup"))
+        ),
+        "an object with an integer num_steps >= 0 (samples), optional integer updates >= 0 and "
+        "rewarmup null or {start >= 0, iters >= 1}",
+    ),
+    "scaler": (
+        _object(scale=lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, good_steps=_int()),
+        "an object with a positive scale and an integer good_steps >= 0",
+    ),
+    "rng": (
+        _optional(_object(world_size=_int(1, 2**24), tp=_int(1, 2**24), pp=_int(1, 2**24), dp=_int(1, 2**24))),
+        "null or an object with integer world_size, tp, pp, dp >= 1",
+    ),
+    "crc32": (
+        lambda v: (
+            isinstance(v, dict)
+            and all(isinstance(f, dict) and all(_int(0, 2**32 - 1)(c) for c in f.values()) for f in v.values())
+        ),
+        "an object of file names to objects of tensor names to CRC-32 values (0 <= c < 2^32)",
+    ),
+    SELF_CHECKSUM: (_int(0, 2**32 - 1), "a CRC-32 (0 <= c < 2^32)"),
+    "history": (
+        lambda v: (
+            isinstance(v, list)
+            and all(_object(op=lambda x: isinstance(x, str), source=lambda x: isinstance(x, str))(h) for h in v)
+        ),
+        "a list of objects with op and source strings",
+    ),
 }
 _TENSOR_FIELDS = {
     "param": lambda v: isinstance(v, str),
     "shape": lambda v: _int_list(v) and len(v) <= 8,
     "dtype": lambda v: isinstance(v, str) and v in TORCH_DTYPE,
-    "tp_dim": _optional(_int(0, 7)), "ep_dim": _optional(_int(0, 0)), "expert": _optional(_int()),
-    "stage": _int(), "module_key": _optional(_int()), "layers": _int_list,
+    "tp_dim": _optional(_int(0, 7)),
+    "ep_dim": _optional(_int(0, 0)),
+    "expert": _optional(_int()),
+    "stage": _int(),
+    "module_key": _optional(_int()),
+    "layers": _int_list,
 }
 # attention projections only: dim 0 as blocks of heads (layout.tensor_specs.HeadRows)
-_ROWS = _optional(_object(groups=_int(1, 2 ** 24), head_dim=_int(1, 2 ** 24),
-                          per_group=lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)))
+_ROWS = _optional(
+    _object(
+        groups=_int(1, 2**24),
+        head_dim=_int(1, 2**24),
+        per_group=lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    )
+)
 
 
 def _check_schema(meta: dict, path: str) -> None:
@@ -195,17 +275,21 @@ def _check_schema(meta: dict, path: str) -> None:
         if field in meta and not ok(meta[field]):
             raise CheckpointError(f"{path}: field {field!r} must be {what}, found {json.dumps(meta[field])[:80]}")
     if meta.get("parts") and meta.get("crc32") is None:
-        raise CheckpointError(f"{path}: field 'crc32' is missing, but a checkpoint saved in parts (field 'parts') "
-                              "always records its checksums")
+        raise CheckpointError(
+            f"{path}: field 'crc32' is missing, but a checkpoint saved in parts (field 'parts') "
+            "always records its checksums"
+        )
     rng = meta.get("rng")
     if rng and rng["world_size"] != rng["tp"] * rng["pp"] * rng["dp"]:
         raise CheckpointError(f"{path}: field 'rng' has world_size {rng['world_size']} != tp x pp x dp")
     for key, entry in meta["tensors"].items():
-        bad = [f for f, ok in _TENSOR_FIELDS.items() if not isinstance(entry, dict) or f not in entry
-               or not ok(entry[f])] or ([] if _ROWS(entry.get("rows")) else ["rows"])
+        bad = [
+            f for f, ok in _TENSOR_FIELDS.items() if not isinstance(entry, dict) or f not in entry or not ok(entry[f])
+        ] or ([] if _ROWS(entry.get("rows")) else ["rows"])
         if bad or (entry["tp_dim"] is not None and entry["tp_dim"] >= len(entry["shape"])):
-            raise CheckpointError(f"{path}: tensors[{key!r}] has no valid {(bad or ['tp_dim'])[0]!r}: "
-                                  f"{json.dumps(entry)[:120]}")
+            raise CheckpointError(
+                f"{path}: tensors[{key!r}] has no valid {(bad or ['tp_dim'])[0]!r}: {json.dumps(entry)[:120]}"
+            )
 
 
 def metadata_table(meta: dict) -> Dict[str, TensorInfo]:
@@ -241,16 +325,21 @@ def _check_size(cfg: Config, meta: dict) -> None:
     _check_files_field(cfg, meta)
     keys = meta["p2r"]["layer_module_keys"]
     if len(keys) != m.num_layers:
-        raise CheckpointError(f"{METADATA_FILE}: p2r.layer_module_keys has {len(keys)} entries for "
-                              f"{m.num_layers} layers")
+        raise CheckpointError(
+            f"{METADATA_FILE}: p2r.layer_module_keys has {len(keys)} entries for {m.num_layers} layers"
+        )
     modules = set(keys)
     implied = 4 * len(modules) + 2 * (m.num_experts or 0) * sum(1 for k in modules if m.is_moe_layer(k))
     if implied > len(meta["tensors"]):
-        raise CheckpointError(f"{METADATA_FILE}: the config implies at least {implied} tensors, field 'tensors' "
-                              f"lists {len(meta['tensors'])}")
+        raise CheckpointError(
+            f"{METADATA_FILE}: the config implies at least {implied} tensors, field 'tensors' "
+            f"lists {len(meta['tensors'])}"
+        )
     if tuple(keys) != ParallelPlan.model_parallel(cfg).layer_keys:
-        raise CheckpointError(f"{METADATA_FILE}: p2r.layer_module_keys does not follow the config's share pattern "
-                              f"{cfg.p2r.share_pattern!r}")
+        raise CheckpointError(
+            f"{METADATA_FILE}: p2r.layer_module_keys does not follow the config's share pattern "
+            f"{cfg.p2r.share_pattern!r}"
+        )
 
 
 def _check_files_field(cfg: Config, meta: dict) -> None:
@@ -258,8 +347,9 @@ def _check_files_field(cfg: Config, meta: dict) -> None:
     shards, parts = ShardLayout.of(cfg).files(), meta.get("parts") or {}
     odd = sorted(set(parts) - set(shards))
     if odd:
-        raise CheckpointError(f"{METADATA_FILE}: field 'parts' names {odd[0]!r}, which is not a shard file of the "
-                              "config's layout")
+        raise CheckpointError(
+            f"{METADATA_FILE}: field 'parts' names {odd[0]!r}, which is not a shard file of the config's layout"
+        )
     for shard, names in parts.items():
         stem = shard.split(".")[0] + "."
         if any(not n.startswith(stem) or "/" in n or os.sep in n for n in names):
@@ -267,8 +357,10 @@ def _check_files_field(cfg: Config, meta: dict) -> None:
     expected = {f for s in shards for f in parts.get(s, [s])}
     if len(expected) != sum(len(parts.get(s, [s])) for s in shards) or set(meta["files"]) != expected:
         unexpected = sorted(set(meta["files"]) ^ expected) or ["a part listed twice"]
-        raise CheckpointError(f"{METADATA_FILE}: field 'files' does not list the config's layout's "
-                              f"{len(shards)} shard files (or their parts): {unexpected[0]!r}")
+        raise CheckpointError(
+            f"{METADATA_FILE}: field 'files' does not list the config's layout's "
+            f"{len(shards)} shard files (or their parts): {unexpected[0]!r}"
+        )
 
 
 def _check_placement(cfg: Config, meta: dict) -> None:
@@ -276,15 +368,21 @@ def _check_placement(cfg: Config, meta: dict) -> None:
     stages, experts = cfg.parallel.pipeline_model_parallel_size, cfg.model.num_experts or 0
     for key, entry in meta["tensors"].items():
         if entry["stage"] >= stages:
-            raise CheckpointError(f"{METADATA_FILE}: tensors[{key!r}] has stage {entry['stage']}, but the config has "
-                                  f"{stages} pipeline stage(s) (0..{stages - 1})")
+            raise CheckpointError(
+                f"{METADATA_FILE}: tensors[{key!r}] has stage {entry['stage']}, but the config has "
+                f"{stages} pipeline stage(s) (0..{stages - 1})"
+            )
         expert = entry["expert"]
         if expert is not None and expert >= experts:
-            raise CheckpointError(f"{METADATA_FILE}: tensors[{key!r}] has expert {expert}, but the config has "
-                                  + (f"{experts} experts (0..{experts - 1})" if experts else "no experts"))
+            raise CheckpointError(
+                f"{METADATA_FILE}: tensors[{key!r}] has expert {expert}, but the config has "
+                + (f"{experts} experts (0..{experts - 1})" if experts else "no experts")
+            )
         if (expert is None) != (entry["ep_dim"] is None):
-            raise CheckpointError(f"{METADATA_FILE}: tensors[{key!r}] has expert {expert} and ep_dim "
-                                  f"{entry['ep_dim']}: an expert piece has both, a dense one neither")
+            raise CheckpointError(
+                f"{METADATA_FILE}: tensors[{key!r}] has expert {expert} and ep_dim "
+                f"{entry['ep_dim']}: an expert piece has both, a dense one neither"
+            )
 
 
 def broadcast_statistics(meta: dict) -> bool:

@@ -11,6 +11,7 @@ A checkpoint of iteration N is ``<dir>/iter_000000N/`` with
 
 and ``<dir>/latest_checkpointed_iteration.txt`` names the newest complete one.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,11 @@ def entry_name(kind: str, key: str) -> str:
 
 def complete_iterations(save_dir: str) -> List[int]:
     """The iterations of ``save_dir`` whose ``iter_N`` directory holds a metadata.json, ascending."""
-    return sorted(int(m.group(1)) for d in os.listdir(save_dir) if (m := _ITER_DIR.match(d))
-                  and os.path.isfile(os.path.join(save_dir, d, METADATA_FILE)))
+    return sorted(
+        int(m.group(1))
+        for d in os.listdir(save_dir)
+        if (m := _ITER_DIR.match(d)) and os.path.isfile(os.path.join(save_dir, d, METADATA_FILE))
+    )
 
 
 def resolve_iteration_dir(path: str) -> str:
@@ -71,17 +75,21 @@ def resolve_iteration_dir(path: str) -> str:
         if not os.path.isdir(path):
             raise CheckpointError(f"no checkpoint at {path}: the directory does not exist")
         if any(name.startswith((PUBLISH_TAG, INSTALL_TAG)) for name in os.listdir(path)):
-            raise CheckpointError(f"{path}: a conversion into it was killed while moving its result in; rerun that "
-                                  "conversion (or a training run with --save on it) to complete the move")
+            raise CheckpointError(
+                f"{path}: a conversion into it was killed while moving its result in; rerun that "
+                "conversion (or a training run with --save on it) to complete the move"
+            )
         raise CheckpointError(f"{path} is not a checkpoint: it has neither {LATEST_FILE} nor {METADATA_FILE}")
     real, root = os.path.realpath(latest), os.path.realpath(path)
     if not real.startswith(root.rstrip(os.sep) + os.sep):
-        raise CheckpointError(f"{latest} is a link to {real}, outside {path}; a checkpoint's {LATEST_FILE} "
-                              "must be its own file (write the iteration number into it)")
+        raise CheckpointError(
+            f"{latest} is a link to {real}, outside {path}; a checkpoint's {LATEST_FILE} "
+            "must be its own file (write the iteration number into it)"
+        )
     data = read_bounded(latest, CheckpointError, 64)
     try:
         iteration = int(data.decode("utf-8").strip())
-        if not 0 <= iteration < 10 ** 7:
+        if not 0 <= iteration < 10**7:
             raise ValueError
     except ValueError:  # includes UnicodeDecodeError
         raise CheckpointError(f"{latest}: expected an iteration number, found {data[:40]!r}") from None

@@ -13,6 +13,7 @@ device, or a 16-bit moment widened to fp32) — but for Adafactor's statistics, 
 anchored at the owned elements (``optim/factored_form.py``) are small new tensors;
 ``write_parts`` writes such a list, so an asynchronous writer can run it on host copies.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,9 +49,13 @@ def assign_writers(table: Dict[str, TensorInfo], layout: ShardLayout, dp: int, e
     return out
 
 
-def owned_fragments(state, table: Dict[str, TensorInfo],
-                    pieces: Iterable[Tuple[TensorInfo, torch.nn.Parameter, Optional[int]]],
-                    layout: ShardLayout, kinds: Sequence[str]) -> List[Fragment]:
+def owned_fragments(
+    state,
+    table: Dict[str, TensorInfo],
+    pieces: Iterable[Tuple[TensorInfo, torch.nn.Parameter, Optional[int]]],
+    layout: ShardLayout,
+    kinds: Sequence[str],
+) -> List[Fragment]:
     """Everything this rank writes: its fragments of each piece in ``pieces`` (this rank's
     pieces, ``io.rank_pieces``), as views of its own optimizer state."""
     opt, ps, c = state.optimizer, state.ps, state.ps.coords
@@ -76,8 +81,9 @@ def _owns(opt, ms, info: TensorInfo, layout: ShardLayout, c, writers: Dict[str, 
     return info.stage == c.pp and c.tp in layout.tp_ranks_of(info) and writers[info.key] == index
 
 
-def _fragment(state, ms, info: TensorInfo, layout: ShardLayout, name: str, kind: str, span: Tuple[int, int],
-              base: int) -> List[Fragment]:
+def _fragment(
+    state, ms, info: TensorInfo, layout: ShardLayout, name: str, kind: str, span: Tuple[int, int], base: int
+) -> List[Fragment]:
     """Elements ``span`` = [lo, hi) of the piece's ``kind`` (the step count once, with the first
     fragment); ``base``: where the piece starts in the parameter (expert j of a stacked one)."""
     lo, hi = span
@@ -85,9 +91,9 @@ def _fragment(state, ms, info: TensorInfo, layout: ShardLayout, name: str, kind:
     if kind == "step":
         step = torch.tensor(float(state.optimizer.step_count), dtype=torch.float32).reshape(())
         return [(name, entry, step)] if lo == 0 else []
-    value = stored_state(state.optimizer, ms, kind).reshape(-1)[lo + base - ms.start:hi + base - ms.start]
+    value = stored_state(state.optimizer, ms, kind).reshape(-1)[lo + base - ms.start : hi + base - ms.start]
     shape = layout.local_shape(info)
-    if kind in FACTOR_KINDS:   # the statistics' values anchored at these elements (optim/factored_form.py)
+    if kind in FACTOR_KINDS:  # the statistics' values anchored at these elements (optim/factored_form.py)
         value = entry_of(value, shape, kind, lo).reshape(-1)
         lo, shape = anchored_range(shape, kind, lo, hi)[0], entry_shape(shape, kind)
         if not value.numel():
@@ -111,9 +117,9 @@ def write_parts(tmp: str, fragments: List[Fragment]) -> None:
     for name, stored, tensor in fragments:
         by_file.setdefault(name, []).append((stored, tensor))
     for name, items in by_file.items():
-        writer = ShardWriter(os.path.join(tmp, name),
-                             [(s, "F32", tuple(t.shape)) for s, t in items],
-                             shard_header_metadata(name))
+        writer = ShardWriter(
+            os.path.join(tmp, name), [(s, "F32", tuple(t.shape)) for s, t in items], shard_header_metadata(name)
+        )
         for stored, tensor in items:
             writer.write(stored, tensor.float())
         writer.close()

@@ -9,6 +9,7 @@ single files (single-writer saves, converters, older checkpoints) or parts, and
 ``PartedShard`` checks that the fragments tile every entry exactly once, so a piece written
 twice or never is an error naming the part, not a silently wrong tensor.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -71,13 +72,20 @@ class PartedShard:
         if not mark:
             entry, offset = stored, "0"
         if entry not in self.entries or not (offset.isascii() and offset.isdigit()):  # int() refuses '²'
-            raise CheckpointError(f"{reader.path}: holds tensor {stored!r}, which is no fragment of an entry "
-                                  f"{METADATA_FILE} lists for {self.name}")
+            raise CheckpointError(
+                f"{reader.path}: holds tensor {stored!r}, which is no fragment of an entry "
+                f"{METADATA_FILE} lists for {self.name}"
+            )
         want = self.entries[entry]
-        if e["dtype"] != want["dtype"] or (not mark and list(e["shape"]) != want["shape"]) or \
-                (mark and len(e["shape"]) != 1):
-            raise CheckpointError(f"{reader.path}: fragment {stored!r} is {e['dtype']}{e['shape']}; the entry is "
-                                  f"{want['dtype']}{want['shape']} (a fragment is the whole entry or flat)")
+        if (
+            e["dtype"] != want["dtype"]
+            or (not mark and list(e["shape"]) != want["shape"])
+            or (mark and len(e["shape"]) != 1)
+        ):
+            raise CheckpointError(
+                f"{reader.path}: fragment {stored!r} is {e['dtype']}{e['shape']}; the entry is "
+                f"{want['dtype']}{want['shape']} (a fragment is the whole entry or flat)"
+            )
         self._fragments[entry].append(Fragment(reader, stored, int(offset), _numel(e["shape"])))
 
     def _check_tiling(self, entry: str, frags: List[Fragment]) -> None:
@@ -90,8 +98,10 @@ class PartedShard:
                 raise CheckpointError(f"{f.reader.path}: fragment {f.stored!r} of {self.name} {what}")
             cursor += f.numel
         if cursor != total:
-            raise CheckpointError(f"{self.path}: entry {entry!r} has {cursor} of its {total} elements "
-                                  "(a rank's fragment is missing or too long)")
+            raise CheckpointError(
+                f"{self.path}: entry {entry!r} has {cursor} of its {total} elements "
+                "(a rank's fragment is missing or too long)"
+            )
 
     def names(self) -> List[str]:
         return list(self.entries)
@@ -99,8 +109,9 @@ class PartedShard:
     def check(self, name: str, dtype: str, shape: Sequence[int], field: str = "shape") -> None:
         entry = self.entries.get(name)
         if entry is None or entry["dtype"] != dtype or entry["shape"] != list(shape):
-            raise CheckpointError(f"{self.path}: tensor {name!r} is not stored as {dtype}{list(shape)} "
-                                  f"({METADATA_FILE} {field})")
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} is not stored as {dtype}{list(shape)} ({METADATA_FILE} {field})"
+            )
 
     def fragments(self, name: str) -> List[Fragment]:
         return self._fragments[name]
@@ -114,7 +125,7 @@ class PartedShard:
             out = torch.empty(e["shape"], dtype=TORCH_DTYPE[e["dtype"]])
         flat = out.view(-1)
         for f in self._fragments[name]:
-            part = flat[f.offset:f.offset + f.numel]
+            part = flat[f.offset : f.offset + f.numel]
             f.reader.read(f.stored, out=part if f.stored != name else out)
         return out
 
@@ -133,8 +144,9 @@ class StoredShards:
         if name not in self.parts:
             return self.files(name)
         if name not in self._parted:
-            self._parted[name] = PartedShard(name, [self.files(p) for p in self.parts[name]],
-                                             self.expected.get(name, ()))
+            self._parted[name] = PartedShard(
+                name, [self.files(p) for p in self.parts[name]], self.expected.get(name, ())
+            )
         return self._parted[name]
 
     def physical(self, shard: str) -> List[Tuple[str, ShardReader]]:

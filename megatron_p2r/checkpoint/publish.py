@@ -16,6 +16,7 @@ Between steps 2 and 3 DST is not loadable (``naming.resolve_iteration_dir`` says
 mix of old and new. A ``.p2r-staging-X`` found by the next holder of the lock is the output of a
 conversion killed while writing it, incomplete by construction, and is removed.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,15 +50,17 @@ def refuse_live_runs(root: str, dst: str) -> None:
         if LOCK_FILE in files:
             holder = live_holder(directory)
             if holder is not None:
-                raise LiveRun(f"{directory} is in use by {describe(holder)}; a --force conversion into {dst} would "
-                              "remove it, and the converter never removes a directory a live run writes into "
-                              "(wait for the run to finish, or choose another DST)")
+                raise LiveRun(
+                    f"{directory} is in use by {describe(holder)}; a --force conversion into {dst} would "
+                    "remove it, and the converter never removes a directory a live run writes into "
+                    "(wait for the run to finish, or choose another DST)"
+                )
 
 
 def publish(staging: str, dst: str) -> None:
     """Move the complete output ``staging`` (a ``.p2r-staging-X`` of DST) into DST, replacing DST's
     entries, unless a live run holds a directory among them (then ``staging`` is left as it was)."""
-    suffix = os.path.basename(staging)[len(STAGING_TAG):]
+    suffix = os.path.basename(staging)[len(STAGING_TAG) :]
     marked = os.path.join(dst, PUBLISH_TAG + suffix)
     os.rename(staging, marked)
     fsync_dir(dst)
@@ -86,8 +89,10 @@ def _finish(dst: str, suffix: str) -> None:
     for name in sorted(os.listdir(install), key=lambda n: (n == LATEST_FILE, n)):
         target = os.path.join(dst, name)
         if os.path.lexists(target):
-            raise CheckpointError(f"cannot move {os.path.join(install, name)} into {dst}: {target} appeared "
-                                  "meanwhile (another tool writes into DST?); move one of them away and rerun")
+            raise CheckpointError(
+                f"cannot move {os.path.join(install, name)} into {dst}: {target} appeared "
+                "meanwhile (another tool writes into DST?); move one of them away and rerun"
+            )
         os.rename(os.path.join(install, name), target)
     fsync_dir(dst)
     os.rmdir(install)
@@ -103,9 +108,11 @@ def finish_interrupted(dst: str) -> List[str]:
     for name in sorted(os.listdir(dst)):
         path = os.path.join(dst, name)
         if name.startswith((PUBLISH_TAG, INSTALL_TAG)) and os.path.isdir(path):
-            _finish(dst, name[len(PUBLISH_TAG if name.startswith(PUBLISH_TAG) else INSTALL_TAG):])
-            actions.append(f"completed the move of a finished conversion's output into {dst} (the conversion was "
-                           "killed while moving it in)")
+            _finish(dst, name[len(PUBLISH_TAG if name.startswith(PUBLISH_TAG) else INSTALL_TAG) :])
+            actions.append(
+                f"completed the move of a finished conversion's output into {dst} (the conversion was "
+                "killed while moving it in)"
+            )
     for name in sorted(os.listdir(dst)):
         path = os.path.join(dst, name)
         if name.startswith(STAGING_TAG) and os.path.isdir(path) and not os.path.islink(path):
@@ -114,6 +121,8 @@ def finish_interrupted(dst: str) -> List[str]:
         elif name.startswith(REPLACED_TAG) and os.path.isdir(path) and not os.path.islink(path):
             refuse_live_runs(path, dst)
             shutil.rmtree(path)
-            actions.append(f"removed {path}: the previous contents of {dst}, replaced by a --force conversion "
-                           "that was killed before removing them")
+            actions.append(
+                f"removed {path}: the previous contents of {dst}, replaced by a --force conversion "
+                "that was killed before removing them"
+            )
     return actions

@@ -4,6 +4,7 @@ behind, so that every rank of the restarted job reads a consistent directory (do
 The leftovers are those of ``io.save_checkpoint``: ``iter_N.tmp`` (being written), ``iter_N.old``
 (the copy a re-save of the same iteration replaces) and ``iter_N.del`` (being pruned).
 """
+
 from __future__ import annotations
 
 import os
@@ -56,8 +57,10 @@ def recover_save_dir(save_dir: str) -> List[str]:
         done = complete_iterations(save_dir)
         if done:
             write_text_atomic(latest, str(done[-1]))
-            actions.append(f"wrote {latest} = {done[-1]} (the newest complete checkpoint; "
-                           "a save was interrupted before it was recorded)")
+            actions.append(
+                f"wrote {latest} = {done[-1]} (the newest complete checkpoint; "
+                "a save was interrupted before it was recorded)"
+            )
     return actions
 
 

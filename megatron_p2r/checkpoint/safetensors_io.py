@@ -14,6 +14,7 @@ Every file is checked by the ``safetensors`` library itself before its header is
 gap), so this reader accepts exactly the files the official one does: a duplicated or
 overlapping entry would otherwise read another tensor's bytes back.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,18 @@ from megatron_p2r.checkpoint.naming import METADATA_FILE
 from megatron_p2r.files import check_regular, confined, open_regular
 
 # torch dtype -> safetensors dtype string, and back
-SAFETENSORS_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-                     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                     torch.uint8: "U8", torch.bool: "BOOL"}
+SAFETENSORS_DTYPE = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 TORCH_DTYPE = {v: k for k, v in SAFETENSORS_DTYPE.items()}
 _MAX_HEADER = 100_000_000  # the safetensors library's own limit
 
@@ -50,8 +60,10 @@ class SourceVanished(OSError):
     meanwhile): the input was good, so this is a failed run (exit 1), not bad input."""
 
     def __init__(self, path: str):
-        super().__init__(f"{path} disappeared while it was being read: it was deleted or renamed meanwhile (a "
-                         "training run pruning that checkpoint with --keep-last?); read one it keeps")
+        super().__init__(
+            f"{path} disappeared while it was being read: it was deleted or renamed meanwhile (a "
+            "training run pruning that checkpoint with --keep-last?); read one it keeps"
+        )
 
 
 def _gone(path: str) -> bool:
@@ -88,8 +100,10 @@ class ShardWriter:
             raise CheckpointError(f"{self.path}: tensor {name!r} is not announced in the header")
         want, dtype, shape = self.entries[self.next]
         if name != want or SAFETENSORS_DTYPE[tensor.dtype] != dtype or tuple(tensor.shape) != tuple(shape):
-            raise CheckpointError(f"{self.path}: expected tensor {want!r} {dtype}{list(shape)} next, "
-                                  f"got {name!r} {SAFETENSORS_DTYPE.get(tensor.dtype)}{list(tensor.shape)}")
+            raise CheckpointError(
+                f"{self.path}: expected tensor {want!r} {dtype}{list(shape)} next, "
+                f"got {name!r} {SAFETENSORS_DTYPE.get(tensor.dtype)}{list(tensor.shape)}"
+            )
         data = memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
         self.checksums[name] = zlib.crc32(data)
         self.fh.write(data)
@@ -97,20 +111,21 @@ class ShardWriter:
         self.next += 1
 
     def close(self) -> None:
-        missing = [e[0] for e in self.entries[self.next:]]
+        missing = [e[0] for e in self.entries[self.next :]]
         self.fh.flush()
         os.fsync(self.fh.fileno())
         self.fh.close()
         if missing:
-            raise CheckpointError(f"{self.path}: {len(missing)} announced tensors were never written, "
-                                  f"first {missing[0]!r}")
+            raise CheckpointError(
+                f"{self.path}: {len(missing)} announced tensors were never written, first {missing[0]!r}"
+            )
 
 
-def save_tensors(path: str, tensors: Dict[str, torch.Tensor],
-                 metadata: Optional[Dict[str, str]] = None) -> Dict[str, int]:
+def save_tensors(
+    path: str, tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]] = None
+) -> Dict[str, int]:
     """A whole small dict (RNG states) as one safetensors file; returns its checksums."""
-    writer = ShardWriter(path, [(k, SAFETENSORS_DTYPE[v.dtype], tuple(v.shape)) for k, v in tensors.items()],
-                         metadata)
+    writer = ShardWriter(path, [(k, SAFETENSORS_DTYPE[v.dtype], tuple(v.shape)) for k, v in tensors.items()], metadata)
     for k, v in tensors.items():
         writer.write(k, v)
     writer.close()
@@ -135,8 +150,9 @@ class ShardReader:
         self.entries = header
         end = max((e["data_offsets"][1] for e in header.values()), default=0)
         if self.data_start + end > self.size:
-            raise CheckpointError(f"truncated shard {path}: its tensors need {self.data_start + end} bytes, "
-                                  f"the file has {self.size}")
+            raise CheckpointError(
+                f"truncated shard {path}: its tensors need {self.data_start + end} bytes, the file has {self.size}"
+            )
         _check_with_library(path)
 
     def names(self) -> List[str]:
@@ -148,11 +164,14 @@ class ShardReader:
         if entry is None:
             raise CheckpointError(f"{self.path}: tensor {name!r} listed in {METADATA_FILE} is not in the shard")
         if entry["dtype"] != dtype:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has dtype {entry['dtype']}, "
-                                  f"{METADATA_FILE} says {dtype}")
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} has dtype {entry['dtype']}, {METADATA_FILE} says {dtype}"
+            )
         if tuple(entry["shape"]) != tuple(shape):
-            raise CheckpointError(f"{self.path}: tensor {name!r} has shape {list(entry['shape'])}, expected "
-                                  f"{list(shape)} from {METADATA_FILE} ({field})")
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} has shape {list(entry['shape'])}, expected "
+                f"{list(shape)} from {METADATA_FILE} ({field})"
+            )
 
     def read(self, name: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Tensor ``name``, read straight into ``out`` (a contiguous CPU tensor of its shape) if given."""
@@ -164,8 +183,10 @@ class ShardReader:
         if out is None:
             out = torch.empty(shape, dtype=dtype)
         elif out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous():
-            raise CheckpointError(f"{self.path}: tensor {name!r} is {entry['dtype']}{list(shape)}, cannot read it "
-                                  f"into {out.dtype}{list(out.shape)}")
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} is {entry['dtype']}{list(shape)}, cannot read it "
+                f"into {out.dtype}{list(out.shape)}"
+            )
         try:
             fh = open_regular(self.path, CheckpointError, "shard")
         except FileNotFoundError:
@@ -184,9 +205,11 @@ class ShardReader:
         if expected is None:
             raise CheckpointError(f"{self.path}: {METADATA_FILE} records no checksum for tensor {name!r}")
         if found != expected:
-            raise CheckpointError(f"corrupt shard {self.path}: tensor {name!r} has CRC-32 {found:08x}, "
-                                  f"{METADATA_FILE} records {expected:08x} (its bytes changed after it was written: "
-                                  "a bad disk, memory or copy); restore the file from a good copy")
+            raise CheckpointError(
+                f"corrupt shard {self.path}: tensor {name!r} has CRC-32 {found:08x}, "
+                f"{METADATA_FILE} records {expected:08x} (its bytes changed after it was written: "
+                "a bad disk, memory or copy); restore the file from a good copy"
+            )
 
 
 def _read_header(path: str, size: int) -> tuple:
@@ -202,9 +225,11 @@ def _read_header(path: str, size: int) -> tuple:
             raise CheckpointError(f"truncated shard {path}: {size} bytes, shorter than the 8-byte header length")
         (n,) = struct.unpack("<Q", head)
         if n > _MAX_HEADER or 8 + n > size:
-            raise CheckpointError(f"truncated shard {path}: header of {n} bytes announced, file has {size} bytes"
-                                  if n <= _MAX_HEADER else f"corrupt shard {path}: header of {n} bytes announced "
-                                  f"(safetensors allows {_MAX_HEADER})")
+            raise CheckpointError(
+                f"truncated shard {path}: header of {n} bytes announced, file has {size} bytes"
+                if n <= _MAX_HEADER
+                else f"corrupt shard {path}: header of {n} bytes announced (safetensors allows {_MAX_HEADER})"
+            )
         raw = fh.read(n)
     try:
         header = json.loads(raw)
@@ -223,20 +248,32 @@ def _check_with_library(path: str) -> None:
     except Exception as exc:  # SafetensorError, its only exception type, is not exported by every version
         if not os.path.exists(path):
             raise SourceVanished(path) from None
-        raise CheckpointError(f"corrupt shard {path}: the safetensors library refuses it "
-                              f"({str(exc).splitlines()[0][:200]})") from None
+        raise CheckpointError(
+            f"corrupt shard {path}: the safetensors library refuses it ({str(exc).splitlines()[0][:200]})"
+        ) from None
 
 
 def _check_entry(path: str, name: str, e) -> None:
     """One header entry is a known dtype, a shape, and offsets spanning exactly its bytes."""
-    ok = (isinstance(e, dict) and isinstance(e.get("dtype"), str) and e["dtype"] in TORCH_DTYPE
-          and isinstance(e.get("shape"), list)
-          and all(isinstance(s, int) and s >= 0 for s in e["shape"]) and isinstance(e.get("data_offsets"), list)
-          and len(e["data_offsets"]) == 2 and all(isinstance(o, int) for o in e["data_offsets"]))
-    if not ok or not 0 <= e["data_offsets"][0] <= e["data_offsets"][1] or \
-            e["data_offsets"][1] - e["data_offsets"][0] != nbytes(e["dtype"], e["shape"]):
-        raise CheckpointError(f"corrupt shard {path}: header entry {name!r} is not a valid tensor "
-                              f"(dtype, shape, data_offsets): {json.dumps(e)[:120]}")
+    ok = (
+        isinstance(e, dict)
+        and isinstance(e.get("dtype"), str)
+        and e["dtype"] in TORCH_DTYPE
+        and isinstance(e.get("shape"), list)
+        and all(isinstance(s, int) and s >= 0 for s in e["shape"])
+        and isinstance(e.get("data_offsets"), list)
+        and len(e["data_offsets"]) == 2
+        and all(isinstance(o, int) for o in e["data_offsets"])
+    )
+    if (
+        not ok
+        or not 0 <= e["data_offsets"][0] <= e["data_offsets"][1]
+        or e["data_offsets"][1] - e["data_offsets"][0] != nbytes(e["dtype"], e["shape"])
+    ):
+        raise CheckpointError(
+            f"corrupt shard {path}: header entry {name!r} is not a valid tensor "
+            f"(dtype, shape, data_offsets): {json.dumps(e)[:120]}"
+        )
 
 
 class ReaderCache:

@@ -11,6 +11,7 @@ overlaps SRC, and never when a live run holds a lock in it (a ``--save`` inside 
 before anything is done and again before DST's entries are moved away. A failed conversion
 removes its output, and DST too when it created it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,11 +75,15 @@ def _check_destination(src: str, src_iter: str, dst: str) -> None:
     target = os.path.realpath(dst)
     for source in {os.path.realpath(src), os.path.realpath(src_iter)}:
         if _inside(target, source) or _inside(source, target):
-            raise CheckpointError(f"DST {dst} overlaps SRC {src} (one is inside the other); the converter never "
-                                  "writes into its source and never replaces a directory that holds it")
+            raise CheckpointError(
+                f"DST {dst} overlaps SRC {src} (one is inside the other); the converter never "
+                "writes into its source and never replaces a directory that holds it"
+            )
     if os.path.islink(dst):
-        raise CheckpointError(f"DST {dst} is a symbolic link; pass the directory it points to "
-                              f"({os.path.realpath(dst)}) if that is where the result belongs")
+        raise CheckpointError(
+            f"DST {dst} is a symbolic link; pass the directory it points to "
+            f"({os.path.realpath(dst)}) if that is where the result belongs"
+        )
     if os.path.lexists(dst) and not os.path.isdir(dst):
         raise CheckpointError(f"DST {dst} exists and is not a directory")
 
@@ -106,8 +111,14 @@ def _report_earlier_leftovers(dst: str) -> None:
                 os.rmdir(path)
             print(f"restored {dst} from {old} (a --force conversion was killed while replacing it)", flush=True)
         else:
-            print(f"note: {path} holds the previous {dst}, replaced by an earlier --force conversion; remove it "
-                  f"once {dst} is checked: rm -r {shlex.quote(path)}", flush=True)
+            print(
+                f"note: {path} holds the previous {dst}, replaced by an earlier --force conversion; remove it "
+                f"once {dst} is checked: rm -r {shlex.quote(path)}",
+                flush=True,
+            )
     for path in sorted(glob.glob(os.path.join(glob.escape(parent), glob.escape("." + base + STAGING_TAG) + "*"))):
-        print(f"note: {path} is the output of an earlier conversion into {dst} that was killed, possibly complete; "
-              f"check it with inspect, then use it or remove it: rm -r {shlex.quote(path)}", flush=True)
+        print(
+            f"note: {path} is the output of an earlier conversion into {dst} that was killed, possibly complete; "
+            f"check it with inspect, then use it or remove it: rm -r {shlex.quote(path)}",
+            flush=True,
+        )

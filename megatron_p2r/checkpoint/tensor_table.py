@@ -16,6 +16,7 @@ Attention projections record the layout of their rows (``rows``, ``layout.tensor
 blocks; when TP exceeds the groups (grouped-query attention's key/value heads), TP/groups
 consecutive ranks hold the same shard and only the first of them stores it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,16 +37,16 @@ from megatron_p2r.parallel.sharding import expert_key
 class TensorInfo:
     """One piece: where it comes from, its global shape and how it is split."""
 
-    key: str                    # name of the piece (expert pieces: expert_key(param, e))
-    param: str                  # logical parameter name (the stacked name for experts)
-    shape: Tuple[int, ...]      # global shape of the piece (one expert's shape for experts)
-    dtype: str                  # safetensors dtype string
-    tp_dim: Optional[int]       # dimension of ``shape`` split over TP, or None (stored by TP rank 0)
-    expert: Optional[int]       # global expert index; the stacked parameter's dim 0 is split over EP
-    stage: int                  # pipeline stage whose file holds the piece
-    module_key: Optional[int]   # K for pieces under ``layers.K.``
-    layers: Tuple[int, ...]     # global layers that call module K (several in the pseudo phase)
-    rows: Optional[HeadRows] = None   # attention projections: dim 0 as blocks of heads
+    key: str  # name of the piece (expert pieces: expert_key(param, e))
+    param: str  # logical parameter name (the stacked name for experts)
+    shape: Tuple[int, ...]  # global shape of the piece (one expert's shape for experts)
+    dtype: str  # safetensors dtype string
+    tp_dim: Optional[int]  # dimension of ``shape`` split over TP, or None (stored by TP rank 0)
+    expert: Optional[int]  # global expert index; the stacked parameter's dim 0 is split over EP
+    stage: int  # pipeline stage whose file holds the piece
+    module_key: Optional[int]  # K for pieces under ``layers.K.``
+    layers: Tuple[int, ...]  # global layers that call module K (several in the pseudo phase)
+    rows: Optional[HeadRows] = None  # attention projections: dim 0 as blocks of heads
 
     @property
     def numel(self) -> int:
@@ -59,9 +60,17 @@ class TensorInfo:
         return nbytes(self.dtype, self.shape)
 
     def to_json(self) -> dict:
-        out = {"param": self.param, "shape": list(self.shape), "dtype": self.dtype, "tp_dim": self.tp_dim,
-               "ep_dim": 0 if self.expert is not None else None, "expert": self.expert,
-               "stage": self.stage, "module_key": self.module_key, "layers": list(self.layers)}
+        out = {
+            "param": self.param,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "tp_dim": self.tp_dim,
+            "ep_dim": 0 if self.expert is not None else None,
+            "expert": self.expert,
+            "stage": self.stage,
+            "module_key": self.module_key,
+            "layers": list(self.layers),
+        }
         if self.rows is not None:
             out["rows"] = self.rows.to_json()
         return out
@@ -70,9 +79,18 @@ class TensorInfo:
     def from_json(cls, key: str, d: dict) -> "TensorInfo":
         try:
             rows = HeadRows.from_json(d["rows"]) if d.get("rows") is not None else None
-            return cls(key=key, param=d["param"], shape=tuple(d["shape"]), dtype=d["dtype"], tp_dim=d["tp_dim"],
-                       expert=d["expert"], stage=d["stage"], module_key=d["module_key"], layers=tuple(d["layers"]),
-                       rows=rows)
+            return cls(
+                key=key,
+                param=d["param"],
+                shape=tuple(d["shape"]),
+                dtype=d["dtype"],
+                tp_dim=d["tp_dim"],
+                expert=d["expert"],
+                stage=d["stage"],
+                module_key=d["module_key"],
+                layers=tuple(d["layers"]),
+                rows=rows,
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointError(f"{METADATA_FILE}: tensors[{key!r}] is malformed ({exc!r})") from None
 
@@ -90,17 +108,21 @@ class ShardLayout:
     tp: int
     pp: int
     ep: int
-    stage_layers: Tuple[Tuple[int, int], ...]   # [start, stop) of each virtual stage
+    stage_layers: Tuple[Tuple[int, int], ...]  # [start, stop) of each virtual stage
     num_experts: int = 0
 
     @classmethod
     def of(cls, cfg: Config) -> "ShardLayout":
         p = cfg.parallel
-        return cls(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                   ep=p.expert_model_parallel_size,
-                   stage_layers=tuple((c.layers.start, c.layers.stop)
-                                      for c in ParallelPlan.model_parallel(cfg).virtual_stages),
-                   num_experts=cfg.model.num_experts or 0)
+        return cls(
+            tp=p.tensor_model_parallel_size,
+            pp=p.pipeline_model_parallel_size,
+            ep=p.expert_model_parallel_size,
+            stage_layers=tuple(
+                (c.layers.start, c.layers.stop) for c in ParallelPlan.model_parallel(cfg).virtual_stages
+            ),
+            num_experts=cfg.model.num_experts or 0,
+        )
 
     def to_json(self) -> dict:
         return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "stage_layers": [list(r) for r in self.stage_layers]}
@@ -160,8 +182,13 @@ def tensor_table(cfg: Config, experts: bool = True) -> Dict[str, TensorInfo]:
         for spec in plan.tensors(stage):
             logical = spec.logical
             mk = spec.module_key
-            common = dict(param=logical, dtype="F32", stage=stage, module_key=mk,
-                          layers=tuple(users.get(mk, ())) if mk is not None else ())
+            common = dict(
+                param=logical,
+                dtype="F32",
+                stage=stage,
+                module_key=mk,
+                layers=tuple(users.get(mk, ())) if mk is not None else (),
+            )
             shape = list(spec.shape)
             if spec.tp_dim is not None:
                 shape[spec.tp_dim] *= tp
@@ -171,18 +198,25 @@ def tensor_table(cfg: Config, experts: bool = True) -> Dict[str, TensorInfo]:
                 for e in range(shape[0] * ep):
                     key = expert_key(logical, e)
                     if key not in table:
-                        table[key] = TensorInfo(key=key, shape=tuple(shape[1:]), expert=e,
-                                                tp_dim=None if spec.tp_dim is None else spec.tp_dim - 1, **common)
+                        table[key] = TensorInfo(
+                            key=key,
+                            shape=tuple(shape[1:]),
+                            expert=e,
+                            tp_dim=None if spec.tp_dim is None else spec.tp_dim - 1,
+                            **common,
+                        )
             elif logical not in table:
                 if spec.tp_dim is not None:
                     shape[spec.tp_dim] //= spec.tp_replicas
-                table[logical] = TensorInfo(key=logical, shape=tuple(shape), expert=None, tp_dim=spec.tp_dim,
-                                            rows=spec.rows, **common)
+                table[logical] = TensorInfo(
+                    key=logical, shape=tuple(shape), expert=None, tp_dim=spec.tp_dim, rows=spec.rows, **common
+                )
     return table
 
 
-def file_entries(table: Dict[str, TensorInfo], layout: ShardLayout, kinds: Sequence[str],
-                 broadcast: bool = False) -> Dict[str, list]:
+def file_entries(
+    table: Dict[str, TensorInfo], layout: ShardLayout, kinds: Sequence[str], broadcast: bool = False
+) -> Dict[str, list]:
     """file -> [(entry name, dtype, stored shape)] in write order, for every file of ``layout``
     (``broadcast``: Adafactor's statistics in the form of checkpoints before issue 37)."""
     out: Dict[str, list] = {f: [] for f in layout.files()}

@@ -9,6 +9,7 @@ ignores it) makes it grow. Both become one list of (first consumed sample, globa
 steps, so the batch size a step uses depends only on the samples consumed before it, which a
 checkpoint records: a run resumed mid-ramp continues exactly.
 """
+
 from __future__ import annotations
 
 import re
@@ -40,8 +41,10 @@ def parse_step_schedule(entries: Sequence[str], seq_length: int) -> BatchSteps:
         raise ConfigError(f"{flag}: the first entry must have threshold 0")
     for (before, _), (after, _) in zip(steps, steps[1:], strict=False):
         if after <= before:
-            raise ConfigError(f"{flag}: thresholds must be strictly increasing (in samples of "
-                              f"--seq-length {seq_length}), got {before} then {after}")
+            raise ConfigError(
+                f"{flag}: thresholds must be strictly increasing (in samples of "
+                f"--seq-length {seq_length}), got {before} then {after}"
+            )
     if any(size < 1 for _, size in steps):
         raise ConfigError(f"{flag}: every batch size must be >= 1")
     return steps
@@ -62,8 +65,9 @@ def rampup_steps(start: int, increment: int, samples: int, final: int) -> BatchS
     if start < 1 or increment < 1 or samples < 0:
         raise ConfigError(f"{flag}: the start batch and the increment must be >= 1 and the samples >= 0")
     if final <= start or (final - start) % increment:
-        raise ConfigError(f"{flag}: the global batch size ({final}) minus the start must be a positive "
-                          f"multiple of the increment")
+        raise ConfigError(
+            f"{flag}: the global batch size ({final}) minus the start must be a positive multiple of the increment"
+        )
     increments = (final - start) // increment
     # int(consumed / (samples / n)) >= k  <=>  consumed >= ceil(k * samples / n), in integers
     return [(-(-k * samples // increments), start + k * increment) for k in range(increments + 1)]
@@ -103,10 +107,17 @@ def num_microbatches(cfg: "Config", world_size: int, consumed_samples: Optional[
     per_step = cfg.train.micro_batch_size * data_parallel_size(cfg, world_size)
     if gbs % per_step:
         t = cfg.train
-        flag = ("--step-batch-size-schedule" if t.step_batch_size_schedule is not None
-                else "--rampup-batch-size" if t.rampup_batch_size is not None else "--global-batch-size")
-        raise ConfigError(f"{flag}: a global batch of {gbs} is not divisible by --micro-batch-size "
-                          f"({t.micro_batch_size}) x data-parallel size ({per_step // t.micro_batch_size})")
+        flag = (
+            "--step-batch-size-schedule"
+            if t.step_batch_size_schedule is not None
+            else "--rampup-batch-size"
+            if t.rampup_batch_size is not None
+            else "--global-batch-size"
+        )
+        raise ConfigError(
+            f"{flag}: a global batch of {gbs} is not divisible by --micro-batch-size "
+            f"({t.micro_batch_size}) x data-parallel size ({per_step // t.micro_batch_size})"
+        )
     return gbs // per_step
 
 
@@ -148,8 +159,9 @@ def train_samples(cfg: "Config", world_size: int, iteration: int = 0, consumed_s
     at ``iteration`` continues after its ``consumed_samples`` (Megatron-LM carries them over
     when the global batch size changed): those plus what its remaining steps consume from there."""
     steps = batch_steps(cfg, world_size)
-    ahead = [(0, _size_at(steps, consumed_samples))] + [(first - consumed_samples, size) for first, size in steps
-                                                         if first > consumed_samples]
+    ahead = [(0, _size_at(steps, consumed_samples))] + [
+        (first - consumed_samples, size) for first, size in steps if first > consumed_samples
+    ]
     remaining = max(train_iters(cfg, world_size) - iteration, 0)
     return max(consumed_samples + consume(ahead, iterations=remaining)[1], cfg.train.train_samples or 0)
 

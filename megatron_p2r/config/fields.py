@@ -1,5 +1,6 @@
 """What every section module shares: the field helper that makes a flag, and the error type
 (the range of each value: ``ranges.py``)."""
+
 from __future__ import annotations
 
 from dataclasses import field
@@ -13,4 +14,3 @@ def opt(default, help: str, **kwargs):
 
 class ConfigError(ValueError):
     """A setting that cannot work; the message names the flag(s) and what was expected."""
-

@@ -1,4 +1,5 @@
 """The logging section: log lines, JSONL, TensorBoard and evaluation."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -16,8 +17,11 @@ class LoggingConfig:
     log_file: Optional[str] = opt(None, "Append one JSON object per logged iteration here.")
     tensorboard_dir: Optional[str] = opt(None, "Write the logged scalars for TensorBoard here.")
     eval_interval: Optional[int] = opt(None, "Evaluate every N iterations.")
-    eval_iters: int = opt(100, "Batches per evaluation (a fixed, deterministic set); 0: no validation set and no "
-                          "evaluation, whatever --eval-interval says (Megatron-LM's meaning).")
+    eval_iters: int = opt(
+        100,
+        "Batches per evaluation (a fixed, deterministic set); 0: no validation set and no "
+        "evaluation, whatever --eval-interval says (Megatron-LM's meaning).",
+    )
     eval_only: bool = opt(False, "Load, evaluate the validation loss, exit.")
     wandb_project: Optional[str] = opt(None, "Weights & Biases project: log the run there (docs/monitoring.md).")
     wandb_exp_name: Optional[str] = opt(None, "Weights & Biases run name (needed with --wandb-project).")
@@ -49,4 +53,4 @@ class LoggingConfig:
 
 
 # Type and range of every numeric field (config/ranges.py).
-RANGES = {"log_interval": at_least(1), "eval_interval": at_least(1), "eval_iters": at_least(0, 2 ** 24)}
+RANGES = {"log_interval": at_least(1), "eval_interval": at_least(1), "eval_iters": at_least(0, 2**24)}

@@ -19,6 +19,7 @@ field is here only when some of its values need saying (``config_field``): ``--s
 with one tensor-parallel rank has no effect, as in Megatron-LM. The module imports nothing else of
 megatron_p2r, so the table can be read without building anything.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,7 +42,7 @@ class MegatronFlag:
     status: str
     reason: str
     parse: dict = field(default_factory=dict)  # argparse keywords as Megatron-LM parses it; none for a field
-    config_field: bool = False                 # a config field parses it; the entry qualifies its values
+    config_field: bool = False  # a config field parses it; the entry qualifies its values
     keeps: Optional[Callable[[object, "Config"], bool]] = None  # the values that have ``status``
     otherwise: Tuple[str, str] = (REFUSED, "")  # (status, reason) of the other values
 
@@ -68,13 +69,19 @@ _MODELOPT = "a ModelOpt flag (pretrain_gpt.py parses it only with nvidia-modelop
 
 MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
     # Kernels and implementations.
-    "--use-mcore-models": MegatronFlag(NO_EFFECT, "picks Megatron's model code (Megatron-LM ignores it too)",
-                                       _switch()),
-    "--openai-gelu": MegatronFlag(NO_EFFECT, "megatron-core never reads it (only the legacy models Megatron-LM "
-                                  "removed did): GELU is the tanh approximation only through the bias-GELU fusion "
-                                  "(off with --no-bias-gelu-fusion), here as there", _switch()),
-    "--transformer-impl": _kernel("Transformer Engine or local layers",
-                                  _value(str, ["local", "transformer_engine", "inference_optimized"])),
+    "--use-mcore-models": MegatronFlag(
+        NO_EFFECT, "picks Megatron's model code (Megatron-LM ignores it too)", _switch()
+    ),
+    "--openai-gelu": MegatronFlag(
+        NO_EFFECT,
+        "megatron-core never reads it (only the legacy models Megatron-LM "
+        "removed did): GELU is the tanh approximation only through the bias-GELU fusion "
+        "(off with --no-bias-gelu-fusion), here as there",
+        _switch(),
+    ),
+    "--transformer-impl": _kernel(
+        "Transformer Engine or local layers", _value(str, ["local", "transformer_engine", "inference_optimized"])
+    ),
     "--attention-backend": _kernel("attention kernel", _value(str, ["flash", "fused", "unfused", "local", "auto"])),
     "--use-flash-attn": _kernel("FlashAttention"),
     "--no-masked-softmax-fusion": _kernel("fused masked softmax"),
@@ -85,119 +92,203 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
     "--cross-entropy-loss-fusion": _kernel("fused cross entropy"),
     "--moe-permute-fusion": _kernel("fused token permutation"),
     "--export-force-local-attention": MegatronFlag(
-        NO_EFFECT, f"{_MODELOPT}: picks Megatron's local attention kernel over Transformer Engine's", _switch()),
-    "--attention-softmax-in-fp32": MegatronFlag(NO_EFFECT, "the unfused kernel's softmax precision: SDPA's fused "
-                                                "kernels accumulate the softmax in fp32 with 16-bit inputs",
-                                                _switch()),
+        NO_EFFECT, f"{_MODELOPT}: picks Megatron's local attention kernel over Transformer Engine's", _switch()
+    ),
+    "--attention-softmax-in-fp32": MegatronFlag(
+        NO_EFFECT,
+        "the unfused kernel's softmax precision: SDPA's fused "
+        "kernels accumulate the softmax in fp32 with 16-bit inputs",
+        _switch(),
+    ),
     "--disable-bf16-reduced-precision-matmul": MegatronFlag(
-        NO_EFFECT, "a cuBLAS rounding setting for bf16 GEMMs (reduced-precision reductions): torch's default "
-        "is kept", _switch()),
+        NO_EFFECT,
+        "a cuBLAS rounding setting for bf16 GEMMs (reduced-precision reductions): torch's default is kept",
+        _switch(),
+    ),
     "--no-persist-layer-norm": _kernel("persistent LayerNorm"),
-    "--grad-reduce-in-bf16": MegatronFlag(NO_EFFECT, "gradients are accumulated and reduced in fp32 (Megatron's "
-                                          "default with --bf16): only bf16 rounding differs", _switch()),
-    "--apply-layernorm-1p": MegatronFlag(NO_EFFECT, "Megatron keeps each norm weight as w = gamma - 1: the fp32 "
-                                         "mains (gamma = 1 + w here) and AdamW's steps (no weight decay on norms) "
-                                         "agree up to fp32 rounding; with --bf16/--fp16 the 16-bit copy the forward "
-                                         "reads is rounded at gamma here, at w there", _switch()),
+    "--grad-reduce-in-bf16": MegatronFlag(
+        NO_EFFECT,
+        "gradients are accumulated and reduced in fp32 (Megatron's default with --bf16): only bf16 rounding differs",
+        _switch(),
+    ),
+    "--apply-layernorm-1p": MegatronFlag(
+        NO_EFFECT,
+        "Megatron keeps each norm weight as w = gamma - 1: the fp32 "
+        "mains (gamma = 1 + w here) and AdamW's steps (no weight decay on norms) "
+        "agree up to fp32 rounding; with --bf16/--fp16 the 16-bit copy the forward "
+        "reads is rounded at gamma here, at w there",
+        _switch(),
+    ),
     # Memory, processes, I/O and integrations.
     "--manual-gc": MegatronFlag(NO_EFFECT, "Python garbage-collection timing", _switch()),
     "--empty-unused-memory-level": MegatronFlag(NO_EFFECT, "CUDA cache release", _value(int, [0, 1, 2])),
-    "--num-workers": MegatronFlag(NO_EFFECT, "data-loader worker processes (samples are read in the training "
-                                  "process)", _value(int)),
+    "--num-workers": MegatronFlag(
+        NO_EFFECT, "data-loader worker processes (samples are read in the training process)", _value(int)
+    ),
     "--no-mmap-bin-files": MegatronFlag(NO_EFFECT, ".bin files are memory-mapped here: the same data", _switch()),
-    "--ckpt-format": MegatronFlag(NO_EFFECT, "checkpoints are in this framework's format (docs/checkpoint.md)",
-                                  _value(str, ["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"])),
-    "--logging-level": MegatronFlag(NO_EFFECT, "the level of Megatron-LM's Python loggers: this framework prints "
-                                    "its log lines and errors at any level", _value(int)),
-    "--moe-per-layer-logging": MegatronFlag(NO_EFFECT, "per-layer MoE losses in the log: the log line has their "
-                                            "total (moe_aux_loss)", _switch()),
-    "--init-model-with-meta-device": MegatronFlag(NO_EFFECT, "where the model is first built (Megatron-FSDP "
-                                                  "materialises it shard by shard): the same initial weights",
-                                                  _switch()),
-    **{flag: MegatronFlag(NO_EFFECT, f"{what}: Megatron-FSDP's communication buffers (refused here)", _switch())
-       for flag, what in (("--use-nccl-ub", "NCCL user-buffer registration"),
-                          ("--fsdp-double-buffer", "double-buffered all-gathers"),
-                          ("--fsdp-manual-registration", "manual NCCL buffer registration"))},
+    "--ckpt-format": MegatronFlag(
+        NO_EFFECT,
+        "checkpoints are in this framework's format (docs/checkpoint.md)",
+        _value(str, ["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"]),
+    ),
+    "--logging-level": MegatronFlag(
+        NO_EFFECT,
+        "the level of Megatron-LM's Python loggers: this framework prints its log lines and errors at any level",
+        _value(int),
+    ),
+    "--moe-per-layer-logging": MegatronFlag(
+        NO_EFFECT, "per-layer MoE losses in the log: the log line has their total (moe_aux_loss)", _switch()
+    ),
+    "--init-model-with-meta-device": MegatronFlag(
+        NO_EFFECT,
+        "where the model is first built (Megatron-FSDP materialises it shard by shard): the same initial weights",
+        _switch(),
+    ),
+    **{
+        flag: MegatronFlag(NO_EFFECT, f"{what}: Megatron-FSDP's communication buffers (refused here)", _switch())
+        for flag, what in (
+            ("--use-nccl-ub", "NCCL user-buffer registration"),
+            ("--fsdp-double-buffer", "double-buffered all-gathers"),
+            ("--fsdp-manual-registration", "manual NCCL buffer registration"),
+        )
+    },
     "--data-parallel-sharding-strategy": MegatronFlag(
-        NO_EFFECT, "read by Megatron-FSDP only (refused here)",
-        _value(str, ["no_shard", "optim", "optim_grads", "optim_grads_params"])),
+        NO_EFFECT,
+        "read by Megatron-FSDP only (refused here)",
+        _value(str, ["no_shard", "optim", "optim_grads", "optim_grads_params"]),
+    ),
     # How this framework always works.
-    "--calculate-per-token-loss": MegatronFlag(MEANING, "the loss is always the mean over the global batch's "
-                                               "loss tokens", _switch()),
+    "--calculate-per-token-loss": MegatronFlag(
+        MEANING, "the loss is always the mean over the global batch's loss tokens", _switch()
+    ),
     "--log-throughput": MegatronFlag(MEANING, "tokens/s and TFLOP/s per rank are always logged", _switch()),
-    "--no-create-attention-mask-in-dataloader": MegatronFlag(MEANING, "the causal mask is made in the model, "
-                                                             "never by the data loader", _switch()),
+    "--no-create-attention-mask-in-dataloader": MegatronFlag(
+        MEANING, "the causal mask is made in the model, never by the data loader", _switch()
+    ),
     "--no-position-embedding": MegatronFlag(
-        MEANING, "rotary positions have no learned table", _switch(),
+        MEANING,
+        "rotary positions have no learned table",
+        _switch(),
         keeps=lambda value, cfg: cfg.model.position_embedding_type == "rope",
-        otherwise=(REFUSED, "without --position-embedding-type rope (Megatron-LM refuses it too)")),
-    "--context-parallel-size": MegatronFlag(MEANING, "no context parallelism", _value(int),
-                                            keeps=lambda value, cfg: value == 1,
-                                            otherwise=(REFUSED, "context parallelism is not implemented")),
+        otherwise=(REFUSED, "without --position-embedding-type rope (Megatron-LM refuses it too)"),
+    ),
+    "--context-parallel-size": MegatronFlag(
+        MEANING,
+        "no context parallelism",
+        _value(int),
+        keeps=lambda value, cfg: value == 1,
+        otherwise=(REFUSED, "context parallelism is not implemented"),
+    ),
     "--moe-token-dispatcher-type": MegatronFlag(
-        MEANING, "tokens go to their experts by all-to-all over the EP group", _value(str, ["allgather", "alltoall",
-                                                                                            "flex"]),
+        MEANING,
+        "tokens go to their experts by all-to-all over the EP group",
+        _value(str, ["allgather", "alltoall", "flex"]),
         keeps=lambda value, cfg: value == "alltoall",
-        otherwise=(NO_EFFECT, "a communication pattern: tokens go by all-to-all here, with the same result")),
+        otherwise=(NO_EFFECT, "a communication pattern: tokens go by all-to-all here, with the same result"),
+    ),
     "--moe-router-load-balancing-type": MegatronFlag(
-        MEANING, "the Switch/GShard loss, weighted by --moe-aux-loss-coeff",
-        _value(str, ["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none"],
-               nargs="+"),
+        MEANING,
+        "the Switch/GShard loss, weighted by --moe-aux-loss-coeff",
+        _value(
+            str, ["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none"], nargs="+"
+        ),
         keeps=lambda value, cfg: list(value) == ["aux_loss"],
-        otherwise=(REFUSED, "only aux_loss is implemented")),
-    "--moe-router-score-function": MegatronFlag(MEANING, "softmax router", _value(str, ["softmax", "sigmoid",
-                                                                                      "sqrtsoftplus"]),
-                                                keeps=lambda value, cfg: value == "softmax",
-                                                otherwise=(REFUSED, "only the softmax router is implemented")),
-    "--accumulate-allreduce-grads-in-fp32": MegatronFlag(MEANING, "gradients are always accumulated and reduced in "
-                                                         "fp32", _switch()),
+        otherwise=(REFUSED, "only aux_loss is implemented"),
+    ),
+    "--moe-router-score-function": MegatronFlag(
+        MEANING,
+        "softmax router",
+        _value(str, ["softmax", "sigmoid", "sqrtsoftplus"]),
+        keeps=lambda value, cfg: value == "softmax",
+        otherwise=(REFUSED, "only the softmax router is implemented"),
+    ),
+    "--accumulate-allreduce-grads-in-fp32": MegatronFlag(
+        MEANING, "gradients are always accumulated and reduced in fp32", _switch()
+    ),
     "--no-check-for-nan-in-loss-and-grad": MegatronFlag(
-        NO_EFFECT, "the check is always on here: a step with a non-finite loss or gradient is skipped on every rank "
-        "(--max-skipped-steps in a row stop the run)", _switch()),
-    "--rope-type": MegatronFlag(MEANING, "rotary embeddings as --position-embedding-type rope",
-                                _value(str, ["rope", "yarn"]), keeps=lambda value, cfg: value == "rope",
-                                otherwise=(REFUSED, "YaRN rotary scaling is not implemented")),
-    "--moe-router-dtype": MegatronFlag(MEANING, "the router's softmax and the weighted sum of expert outputs are "
-                                      "fp32 here", _value(str, ["fp32", "fp64"]),
-                                      keeps=lambda value, cfg: value == "fp32",
-                                      otherwise=(REFUSED, "fp64 routing is not implemented (fp32 here)")),
+        NO_EFFECT,
+        "the check is always on here: a step with a non-finite loss or gradient is skipped on every rank "
+        "(--max-skipped-steps in a row stop the run)",
+        _switch(),
+    ),
+    "--rope-type": MegatronFlag(
+        MEANING,
+        "rotary embeddings as --position-embedding-type rope",
+        _value(str, ["rope", "yarn"]),
+        keeps=lambda value, cfg: value == "rope",
+        otherwise=(REFUSED, "YaRN rotary scaling is not implemented"),
+    ),
+    "--moe-router-dtype": MegatronFlag(
+        MEANING,
+        "the router's softmax and the weighted sum of expert outputs are fp32 here",
+        _value(str, ["fp32", "fp64"]),
+        keeps=lambda value, cfg: value == "fp32",
+        otherwise=(REFUSED, "fp64 routing is not implemented (fp32 here)"),
+    ),
     "--enable-gpt-oss": MegatronFlag(
-        NO_EFFECT, f"{_MODELOPT}, read only when a ModelOpt checkpoint is loaded: a run without --load keeps plain "
-        "rotary embeddings, there and here", _switch(), keeps=lambda value, cfg: cfg.checkpoint.load is None,
-        otherwise=(REFUSED, "with a loaded ModelOpt checkpoint Megatron-LM switches to gpt-oss's YaRN rotary "
-                   "scaling, which is not implemented")),
+        NO_EFFECT,
+        f"{_MODELOPT}, read only when a ModelOpt checkpoint is loaded: a run without --load keeps plain "
+        "rotary embeddings, there and here",
+        _switch(),
+        keeps=lambda value, cfg: cfg.checkpoint.load is None,
+        otherwise=(
+            REFUSED,
+            "with a loaded ModelOpt checkpoint Megatron-LM switches to gpt-oss's YaRN rotary "
+            "scaling, which is not implemented",
+        ),
+    ),
     "--use-megatron-fsdp": MegatronFlag(
-        REFUSED, "Megatron-FSDP shards gradients and 16-bit weights over the data-parallel ranks as well "
+        REFUSED,
+        "Megatron-FSDP shards gradients and 16-bit weights over the data-parallel ranks as well "
         "(--data-parallel-sharding-strategy optim_grads_params, its default), which is not implemented: "
         "--use-distributed-optimizer shards the fp32 main weights and Adam moments only (ZeRO-1), the same math "
-        "with whole weights and fp32 gradients on every rank; drop this flag to train that way", _switch()),
-    "--lr-warmup-init": MegatronFlag(MEANING, "warm-up starts from 0", _value(float),
-                                     keeps=lambda value, cfg: value == 0.0,
-                                     otherwise=(REFUSED, "the warm-up always starts from 0 here")),
+        "with whole weights and fp32 gradients on every rank; drop this flag to train that way",
+        _switch(),
+    ),
+    "--lr-warmup-init": MegatronFlag(
+        MEANING,
+        "warm-up starts from 0",
+        _value(float),
+        keeps=lambda value, cfg: value == 0.0,
+        otherwise=(REFUSED, "the warm-up always starts from 0 here"),
+    ),
     # Math we do not implement.
-    "--rotary-interleaved": MegatronFlag(REFUSED, "interleaved (RoFormer) rotary pairs are not implemented",
-                                         _switch()),
+    "--rotary-interleaved": MegatronFlag(REFUSED, "interleaved (RoFormer) rotary pairs are not implemented", _switch()),
     "--squared-relu": MegatronFlag(REFUSED, "squared-ReLU MLPs are not implemented", _switch()),
-    "--apply-residual-connection-post-layernorm": MegatronFlag(REFUSED, "post-norm residuals are not implemented",
-                                                               _switch()),
+    "--apply-residual-connection-post-layernorm": MegatronFlag(
+        REFUSED, "post-norm residuals are not implemented", _switch()
+    ),
     "--init-method-xavier-uniform": MegatronFlag(REFUSED, "Xavier initialisation is not implemented", _switch()),
-    "--loss-scale": MegatronFlag(REFUSED, "a static loss scale is not implemented (--fp16 scales dynamically)",
-                                 _value(float)),
+    "--loss-scale": MegatronFlag(
+        REFUSED, "a static loss scale is not implemented (--fp16 scales dynamically)", _value(float)
+    ),
     "--decrease-batch-size-if-needed": MegatronFlag(REFUSED, "the global batch is never shrunk to fit", _switch()),
     "--overlap-p2p-communication-warmup-flush": MegatronFlag(
-        MEANING, "receives are posted ahead in every op of the step, warm-up and flush included", _switch(),
+        MEANING,
+        "receives are posted ahead in every op of the step, warm-up and flush included",
+        _switch(),
         keeps=lambda value, cfg: cfg.parallel.overlap_p2p_communication,
-        otherwise=(REFUSED, "needs the p2p overlap, which --no-overlap-p2p-communication turns off (Megatron-LM "
-                            "asks the same): drop one of the two")),
+        otherwise=(
+            REFUSED,
+            "needs the p2p overlap, which --no-overlap-p2p-communication turns off (Megatron-LM "
+            "asks the same): drop one of the two",
+        ),
+    ),
     # Config fields with a value that has no effect.
     "--overlap-p2p-communication": MegatronFlag(
-        MEANING, "config field", config_field=True,
+        MEANING,
+        "config field",
+        config_field=True,
         keeps=lambda value, cfg: cfg.parallel.num_model_chunks(cfg.model.num_layers) > 1,
-        otherwise=(NO_EFFECT, "without interleaved 1F1B (Megatron-LM turns it off too)")),
+        otherwise=(NO_EFFECT, "without interleaved 1F1B (Megatron-LM turns it off too)"),
+    ),
     "--sequence-parallel": MegatronFlag(
-        MEANING, "config field", config_field=True,
+        MEANING,
+        "config field",
+        config_field=True,
         keeps=lambda value, cfg: cfg.parallel.tensor_model_parallel_size > 1,
-        otherwise=(NO_EFFECT, "with --tensor-model-parallel-size 1 (Megatron-LM turns it off too)")),
+        otherwise=(NO_EFFECT, "with --tensor-model-parallel-size 1 (Megatron-LM turns it off too)"),
+    ),
 }
 
 
@@ -207,28 +298,42 @@ _BERT = "read by Megatron's BERT scripts only"
 UNBUILT_VALUES: Dict[str, Dict[str, str]] = {
     "--optimizer": {
         "sgd": "SGD with momentum is not built (adam, lion and adafactor are)",
-        "muon": "Muon is not built", "dist_muon": "Muon is not built",
+        "muon": "Muon is not built",
+        "dist_muon": "Muon is not built",
         "adaptive_muon": "Muon is not built (a Megatron-LM value newer than core_v0.16.1)",
-        "soap": "SOAP is not built (a Megatron-LM value newer than core_v0.16.1)"},
-    "--position-embedding-type": {"mrope": "multimodal rotary sections are not built",
-                                  "relative": "T5's relative position buckets are not built",
-                                  "none": "a model without position embeddings is not built"},
-    "--lr-decay-style": {"inverse-square-root": "the inverse-square-root decay is not built",
-                         "WSD": "the warmup-stable-decay schedule is not built"},
-    "--dataloader-type": {"cyclic": "the random sampler over epochs is not built: samples come in the dataset's "
-                                    "own shuffled order (single)",
-                          "external": "a user-supplied data loader is not built"},
-    "--tokenizer-type": {"BertWordPieceLowerCase": _BERT, "BertWordPieceCase": _BERT,
-                         "MultimodalTokenizer": "multimodal tokenizers are not built",
-                         "NullMultimodalTokenizer": "multimodal tokenizers are not built",
-                         "SFTTokenizer": "supervised fine-tuning's tokenizer is not built"},
+        "soap": "SOAP is not built (a Megatron-LM value newer than core_v0.16.1)",
+    },
+    "--position-embedding-type": {
+        "mrope": "multimodal rotary sections are not built",
+        "relative": "T5's relative position buckets are not built",
+        "none": "a model without position embeddings is not built",
+    },
+    "--lr-decay-style": {
+        "inverse-square-root": "the inverse-square-root decay is not built",
+        "WSD": "the warmup-stable-decay schedule is not built",
+    },
+    "--dataloader-type": {
+        "cyclic": "the random sampler over epochs is not built: samples come in the dataset's "
+        "own shuffled order (single)",
+        "external": "a user-supplied data loader is not built",
+    },
+    "--tokenizer-type": {
+        "BertWordPieceLowerCase": _BERT,
+        "BertWordPieceCase": _BERT,
+        "MultimodalTokenizer": "multimodal tokenizers are not built",
+        "NullMultimodalTokenizer": "multimodal tokenizers are not built",
+        "SFTTokenizer": "supervised fine-tuning's tokenizer is not built",
+    },
 }
 
 
 def unbuilt_values(values: Dict[str, object]) -> Dict[str, str]:
     """{flag: "FLAG VALUE: reason"} of each {flag: value} that UNBUILT_VALUES refuses."""
-    return {flag: f"{flag} {value}: {UNBUILT_VALUES[flag][value]}" for flag, value in values.items()
-            if isinstance(value, str) and value in UNBUILT_VALUES.get(flag, {})}
+    return {
+        flag: f"{flag} {value}: {UNBUILT_VALUES[flag][value]}"
+        for flag, value in values.items()
+        if isinstance(value, str) and value in UNBUILT_VALUES.get(flag, {})
+    }
 
 
 def megatron_parser() -> dict:
@@ -267,17 +372,22 @@ def _family_entries() -> Dict[str, MegatronFlag]:
         if status == REFUSED and "type" in parse and default is not None:
             keeps = lambda value, cfg, default=default: value != default  # noqa: E731
         for flag in action["flags"]:
-            entries[flag] = MegatronFlag(status, reason, parse, keeps=keeps,
-                                         otherwise=(MEANING, "Megatron-LM's default: what happens here"))
+            entries[flag] = MegatronFlag(
+                status, reason, parse, keeps=keeps, otherwise=(MEANING, "Megatron-LM's default: what happens here")
+            )
     return entries
 
 
 def megatron_aliases() -> Dict[str, List[str]]:
     """Megatron's other spellings of a flag this table or a config field has under its first name
     (--persistent-save-interval for --save-interval): {first flag: [the others]}."""
-    return {action["flags"][0]: action["flags"][1:] for action in megatron_parser()["actions"]
-            if len(action["flags"]) > 1 and action["action"] != "boolean_optional"
-            and action["flags"][0] not in MEGATRON_FLAGS}
+    return {
+        action["flags"][0]: action["flags"][1:]
+        for action in megatron_parser()["actions"]
+        if len(action["flags"]) > 1
+        and action["action"] != "boolean_optional"
+        and action["flags"][0] not in MEGATRON_FLAGS
+    }
 
 
 MEGATRON_FLAGS.update({flag: entry for flag, entry in _family_entries().items() if flag not in MEGATRON_FLAGS})

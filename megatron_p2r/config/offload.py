@@ -1,6 +1,7 @@
 """The offload section and its flags' syntax: --cpu-offload-layers, --cpu-offload-what and
 --device-memory-budget are parsed here, so a bad value fails at validation and
 ``layout/offload.py`` (selection, accounting) and ``megatron_p2r/offload`` (the runtime) read the parsed forms."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,18 @@ WHAT_ITEMS = ("params", "grads", "optimizer")
 FULL = frozenset(WHAT_ITEMS)
 OPTIMIZER_ONLY = frozenset({"optimizer"})
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 @dataclass(frozen=True)
@@ -25,27 +36,42 @@ class OffloadConfig:
     cpu_offload_what: str = opt("params,grads,optimizer", "What of the offloaded layers lives on host.")
     offload_prefetch: int = opt(1, "Offloaded layers fetched ahead of use.")
     device_memory_budget: Optional[str] = opt(None, "With --cpu-offload-layers auto, e.g. 30GiB.")
-    overlap_cpu_optimizer_d2h_h2d: bool = opt(False, "Step the host-resident layers' optimizer on a worker thread, "
-                                                     "overlapped with the resident step and the next forward "
-                                                     "(each layer's fetch waits for its own step); with "
-                                                     "--clip-grad 0 and no fp16, each layer's step starts in "
-                                                     "backward once its gradients are final.")
-    host_optimizer_threads: str = opt("auto", "Threads of this rank's host optimizer step (serial or overlapped): "
-                                              "auto (the cores this process may run on divided by "
-                                              "LOCAL_WORLD_SIZE, as ZeRO-Offload) or N; independent of "
-                                              "OMP_NUM_THREADS.")
-    cpu_offload_optimizer_nvme_path: Optional[str] = opt(None, "Directory on local NVMe for the offloaded layers' "
-                                                               "fp32 mains and optimizer state (one memory-mapped "
-                                                               "file per rank; DeepSpeed's offload_optimizer nvme_path).")
-    cpu_offload_delayed_param_update: bool = opt(False, "ZeRO-Offload's one-step delayed parameter update (DPU): "
-                                                        "the host step of iteration t runs during iteration t+1, "
-                                                        "whose offloaded layers still use the weights it started "
-                                                        "with; the new weights are used from iteration t+2. Needs "
-                                                        "--overlap-cpu-optimizer-d2h-h2d and 16-bit weights.")
-    cpu_offload_delayed_param_update_warmup_steps: int = opt(40, "Optimizer steps (skipped iterations not counted) "
-                                                                 "taken without delay before "
-                                                                 "--cpu-offload-delayed-param-update starts, as "
-                                                                 "ZeRO-Offload turns DPU on after its first steps.")
+    overlap_cpu_optimizer_d2h_h2d: bool = opt(
+        False,
+        "Step the host-resident layers' optimizer on a worker thread, "
+        "overlapped with the resident step and the next forward "
+        "(each layer's fetch waits for its own step); with "
+        "--clip-grad 0 and no fp16, each layer's step starts in "
+        "backward once its gradients are final.",
+    )
+    host_optimizer_threads: str = opt(
+        "auto",
+        "Threads of this rank's host optimizer step (serial or overlapped): "
+        "auto (the cores this process may run on divided by "
+        "LOCAL_WORLD_SIZE, as ZeRO-Offload) or N; independent of "
+        "OMP_NUM_THREADS.",
+    )
+    cpu_offload_optimizer_nvme_path: Optional[str] = opt(
+        None,
+        "Directory on local NVMe for the offloaded layers' "
+        "fp32 mains and optimizer state (one memory-mapped "
+        "file per rank; DeepSpeed's offload_optimizer nvme_path).",
+    )
+    cpu_offload_delayed_param_update: bool = opt(
+        False,
+        "ZeRO-Offload's one-step delayed parameter update (DPU): "
+        "the host step of iteration t runs during iteration t+1, "
+        "whose offloaded layers still use the weights it started "
+        "with; the new weights are used from iteration t+2. Needs "
+        "--overlap-cpu-optimizer-d2h-h2d and 16-bit weights.",
+    )
+    cpu_offload_delayed_param_update_warmup_steps: int = opt(
+        40,
+        "Optimizer steps (skipped iterations not counted) "
+        "taken without delay before "
+        "--cpu-offload-delayed-param-update starts, as "
+        "ZeRO-Offload turns DPU on after its first steps.",
+    )
 
     def __post_init__(self):
         """A count stored as a number (the field's type before ``auto`` existed: the configs of older
@@ -55,7 +81,7 @@ class OffloadConfig:
 
     def check(self, num_layers: int) -> None:
         """Each flag parses, and the budget comes with ``auto`` and only with it."""
-        parse_offload_what(self.cpu_offload_what)   # how the host step combines with the rest: config/step_plan.py
+        parse_offload_what(self.cpu_offload_what)  # how the host step combines with the rest: config/step_plan.py
         host_optimizer_threads(self.host_optimizer_threads)
         if self.cpu_offload_layers is None:
             if self.device_memory_budget is not None:
@@ -65,8 +91,10 @@ class OffloadConfig:
         if spec.kind == "auto" and self.device_memory_budget is None:
             raise ConfigError("--cpu-offload-layers auto needs --device-memory-budget (e.g. 30GiB)")
         if spec.kind != "auto" and self.device_memory_budget is not None:
-            raise ConfigError("--device-memory-budget is used only with --cpu-offload-layers auto, "
-                              f"got --cpu-offload-layers {self.cpu_offload_layers!r}")
+            raise ConfigError(
+                "--device-memory-budget is used only with --cpu-offload-layers auto, "
+                f"got --cpu-offload-layers {self.cpu_offload_layers!r}"
+            )
         if self.device_memory_budget is not None:
             parse_memory_size(self.device_memory_budget)
 
@@ -75,8 +103,9 @@ def parse_memory_size(text: str) -> int:
     """'30GiB' / '512MiB' / '40GB' / '1000000' -> bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text or "")
     if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"--device-memory-budget {text!r}: expected a size such as 30GiB, 512MiB, 40GB "
-                          "or a number of bytes")
+        raise ConfigError(
+            f"--device-memory-budget {text!r}: expected a size such as 30GiB, 512MiB, 40GB or a number of bytes"
+        )
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -90,12 +119,16 @@ def parse_offload_what(text: str) -> frozenset:
     items = frozenset(x.strip() for x in (text or "").split(",") if x.strip())
     unknown = sorted(items - FULL)
     if unknown or not items:
-        raise ConfigError(f"--cpu-offload-what {text!r}: expected a comma-separated subset of "
-                          f"{','.join(WHAT_ITEMS)}, got {unknown or 'nothing'}")
+        raise ConfigError(
+            f"--cpu-offload-what {text!r}: expected a comma-separated subset of "
+            f"{','.join(WHAT_ITEMS)}, got {unknown or 'nothing'}"
+        )
     if items not in (FULL, OPTIMIZER_ONLY):
-        raise ConfigError(f"--cpu-offload-what {text!r}: use params,grads,optimizer (weights, gradients and AdamW "
-                          "state on host: a gradient is produced where its weight lives, and a host weight is "
-                          "updated on host) or optimizer (AdamW state only)")
+        raise ConfigError(
+            f"--cpu-offload-what {text!r}: use params,grads,optimizer (weights, gradients and AdamW "
+            "state on host: a gradient is produced where its weight lives, and a host weight is "
+            "updated on host) or optimizer (AdamW state only)"
+        )
     return items
 
 
@@ -136,8 +169,10 @@ def parse_layer_spec(spec: str, num_layers: int) -> LayerSpec:
     try:
         count = int(text)
     except ValueError:
-        raise ConfigError(f"{flag}: expected a count N (the last N layers of each stage), a fraction such as "
-                          "0.25, a list of layer indices such as 1,5,7, or auto") from None
+        raise ConfigError(
+            f"{flag}: expected a count N (the last N layers of each stage), a fraction such as "
+            "0.25, a list of layer indices such as 1,5,7, or auto"
+        ) from None
     if not 0 <= count <= num_layers:
         raise ConfigError(f"{flag}: a count must be between 0 and --num-layers ({num_layers})")
     return LayerSpec("count", count=count)
@@ -161,5 +196,4 @@ def host_optimizer_threads(value: str, cores: Optional[int] = None, local_ranks:
 
 
 # Type and range of every numeric field (config/ranges.py).
-RANGES = {"offload_prefetch": at_least(0, LAYERS),
-          "cpu_offload_delayed_param_update_warmup_steps": at_least(0)}
+RANGES = {"offload_prefetch": at_least(0, LAYERS), "cpu_offload_delayed_param_update_warmup_steps": at_least(0)}

@@ -5,6 +5,7 @@ accounting, the checkpoint and the planner read, so a new kind is one row here p
 It lives in ``config`` because validation refuses the dtype flags a kind cannot honour and
 ``config`` depends on nothing else of the package; the kernels (torch code) stay in ``optim``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from megatron_p2r.config.fields import ConfigError
 
 # The dtype flag of each moment of the weights' size an optimizer may keep.
 MOMENT_FLAGS = {"exp_avg": "--exp-avg-dtype", "exp_avg_sq": "--exp-avg-sq-dtype"}
-FACTOR_DTYPE = "fp32"   # the dtype of factored (per row and column) statistics
+FACTOR_DTYPE = "fp32"  # the dtype of factored (per row and column) statistics
 
 
 @dataclass(frozen=True)
@@ -49,29 +50,55 @@ class OptimizerSpec:
         """Refuse the dtype options this kind cannot honour (TrainConfig ``t``)."""
         if t.main_params_dtype == "fp16" and not self.fp16_mains:
             allowed = " or ".join(s.name for s in OPTIMIZERS.values() if s.fp16_mains)
-            raise ConfigError(f"--main-params-dtype fp16 is built for --optimizer {allowed} only (got {self.name}), "
-                              "as Megatron-LM's precision-aware optimizer")
-        unkept = [f"{flag} {getattr(t, f'{m}_dtype')}" for m, flag in MOMENT_FLAGS.items()
-                  if m not in self.moments and getattr(t, f"{m}_dtype") != "fp32"]
+            raise ConfigError(
+                f"--main-params-dtype fp16 is built for --optimizer {allowed} only (got {self.name}), "
+                "as Megatron-LM's precision-aware optimizer"
+            )
+        unkept = [
+            f"{flag} {getattr(t, f'{m}_dtype')}"
+            for m, flag in MOMENT_FLAGS.items()
+            if m not in self.moments and getattr(t, f"{m}_dtype") != "fp32"
+        ]
         if unkept:
             raise ConfigError(f"{', '.join(unkept)}: --optimizer {self.name} {self.unkept_moment}")
 
 
-OPTIMIZERS: Dict[str, OptimizerSpec] = {s.name: s for s in (
-    OptimizerSpec("adam", "adam", "AdamW", moments=("exp_avg", "exp_avg_sq"),
-                  checkpoint_entries=("exp_avg", "exp_avg_sq", "step"), fp16_mains=True,
-                  gradient_power=(("exp_avg", 1), ("exp_avg_sq", 2))),
-    # Lion's one moment is AdamW's first: its entries are in an AdamW checkpoint (the second is left).
-    OptimizerSpec("lion", None, "one fp32 moment: sign updates, Chen et al. 2023", moments=("exp_avg",),
-                  checkpoint_entries=("exp_avg", "step"), gradient_power=(("exp_avg", 1),),
-                  unkept_moment="keeps no second moment; lower its one moment with --exp-avg-dtype"),
-    # Adafactor makes its row and column statistics of AdamW's second moment (optim/state_io.py).
-    OptimizerSpec("adafactor", None, "factored second moments, Shazeer & Stern 2018", moments=(), factored=True,
-                  checkpoint_entries=("row_var", "col_var", "step"), from_adam=("exp_avg_sq", "step"),
-                  gradient_power=(("row_var", 2), ("col_var", 2)),
-                  unkept_moment="keeps no moments of the weights' size (its factored statistics are fp32); "
-                                "leave them fp32"),
-)}
+OPTIMIZERS: Dict[str, OptimizerSpec] = {
+    s.name: s
+    for s in (
+        OptimizerSpec(
+            "adam",
+            "adam",
+            "AdamW",
+            moments=("exp_avg", "exp_avg_sq"),
+            checkpoint_entries=("exp_avg", "exp_avg_sq", "step"),
+            fp16_mains=True,
+            gradient_power=(("exp_avg", 1), ("exp_avg_sq", 2)),
+        ),
+        # Lion's one moment is AdamW's first: its entries are in an AdamW checkpoint (the second is left).
+        OptimizerSpec(
+            "lion",
+            None,
+            "one fp32 moment: sign updates, Chen et al. 2023",
+            moments=("exp_avg",),
+            checkpoint_entries=("exp_avg", "step"),
+            gradient_power=(("exp_avg", 1),),
+            unkept_moment="keeps no second moment; lower its one moment with --exp-avg-dtype",
+        ),
+        # Adafactor makes its row and column statistics of AdamW's second moment (optim/state_io.py).
+        OptimizerSpec(
+            "adafactor",
+            None,
+            "factored second moments, Shazeer & Stern 2018",
+            moments=(),
+            factored=True,
+            checkpoint_entries=("row_var", "col_var", "step"),
+            from_adam=("exp_avg_sq", "step"),
+            gradient_power=(("row_var", 2), ("col_var", 2)),
+            unkept_moment="keeps no moments of the weights' size (its factored statistics are fp32); leave them fp32",
+        ),
+    )
+}
 
 # Checkpoint entry -> the power of the gradient it averages, over every kind (an entry means the
 # same in every kind that keeps it: Lion's ``exp_avg`` is AdamW's first moment).

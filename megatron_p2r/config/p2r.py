@@ -3,6 +3,7 @@
 Which slot each layer uses is ``layout/sharing.py``; the pattern is parsed here so a bad one
 fails at validation, before any model code runs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

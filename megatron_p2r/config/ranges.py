@@ -9,6 +9,7 @@ traceback from deep inside. Upper bounds are far above any real run (a 10T-param
 tens of layers, not thousands); the memory such a run would need is checked separately, against
 the machine (``planning/preflight.py``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,8 @@ from typing import Dict, Optional
 
 from megatron_p2r.config.fields import ConfigError
 
-COUNT = 2 ** 40     # iterations, samples: any run, with room
-LAYERS = 2 ** 12    # layers, heads: 85x the 48 layers of M6-10T (the planner's estimate is linear in them)
+COUNT = 2**40  # iterations, samples: any run, with room
+LAYERS = 2**12  # layers, heads: 85x the 48 layers of M6-10T (the planner's estimate is linear in them)
 
 
 def _number(x: float) -> str:
@@ -128,11 +129,13 @@ def _check_item(f: dataclasses.Field, kind: str, value, limits: Optional[Range])
     if choices and value not in choices:
         raise ConfigError(f"{flag_name(f.name)} must be one of {choices}, got {value!r}")
     if limits is not None and not limits.contains(value):
-        raise ConfigError(f"{flag_name(f.name)} must be {limits.violated(value)}, got {value} "
-                          f"(range {limits.describe()})")
+        raise ConfigError(
+            f"{flag_name(f.name)} must be {limits.violated(value)}, got {value} (range {limits.describe()})"
+        )
 
 
 def numeric_fields_without_range(section_cls, ranges: Dict[str, Range]) -> list:
     """The int/float fields a section's table forgets (a test keeps this empty)."""
-    return [f.name for f in dataclasses.fields(section_cls)
-            if field_kind(f)[0] in ("int", "float") and f.name not in ranges]
+    return [
+        f.name for f in dataclasses.fields(section_cls) if field_kind(f)[0] in ("int", "float") and f.name not in ranges
+    ]

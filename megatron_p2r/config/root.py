@@ -3,6 +3,7 @@
 A config is never changed in place: ``cfg.replace(vocab_size=..., p2r_phase=...)`` returns a
 new one, so a value checked by ``validate`` is the value every module reads.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,10 +45,10 @@ class Config:
             if name not in _SECTION_OF_FIELD:
                 raise ConfigError(f"unknown config field {name!r}")
             changes.setdefault(_SECTION_OF_FIELD[name], {})[name] = value
-        return dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section), **kw)
-                                            for section, kw in changes.items()})
+        return dataclasses.replace(
+            self, **{section: dataclasses.replace(getattr(self, section), **kw) for section, kw in changes.items()}
+        )
 
 
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 _SECTION_OF_FIELD = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
-

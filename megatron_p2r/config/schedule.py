@@ -16,6 +16,7 @@ again, and every refusal of a schedule combination is raised here.
 | > 1 | gpipe | 1 | on | refused: the overlap runs the combined 1F1B schedule |
 | > 1 | 1f1b | > 1 | on, with --overlap-p2p-communication | refused: the combined schedule posts nothing ahead |
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,7 +25,12 @@ from megatron_p2r.config.fields import ConfigError
 from megatron_p2r.config.root import Config
 
 NO_PIPELINING, GPIPE, ONE_F_ONE_B, INTERLEAVED, COMBINED = (
-    "no-pipelining", "gpipe", "1f1b", "interleaved-1f1b", "combined-1f1b")
+    "no-pipelining",
+    "gpipe",
+    "1f1b",
+    "interleaved-1f1b",
+    "combined-1f1b",
+)
 OVERLAP_MOE = "--overlap-moe-expert-parallel-comm"
 
 
@@ -63,15 +69,20 @@ def choose_schedule(stages: int, schedule: str, chunks: int, overlap_p2p: bool, 
     if stages == 1:
         return SchedulePlan(COMBINED if overlap_moe else NO_PIPELINING, 1, 1)
     if chunks > 1 and schedule == GPIPE:
-        raise ConfigError(f"interleaving is a 1F1B schedule ({chunks} model chunks per pipeline rank); "
-                          "--pipeline-schedule is 'gpipe'")
+        raise ConfigError(
+            f"interleaving is a 1F1B schedule ({chunks} model chunks per pipeline rank); --pipeline-schedule is 'gpipe'"
+        )
     if overlap_moe:
         if schedule == GPIPE:
-            raise ConfigError(f"{OVERLAP_MOE} with --pipeline-model-parallel-size > 1 runs the combined 1F1B "
-                              "schedule: it needs --pipeline-schedule 1f1b (have gpipe)")
+            raise ConfigError(
+                f"{OVERLAP_MOE} with --pipeline-model-parallel-size > 1 runs the combined 1F1B "
+                "schedule: it needs --pipeline-schedule 1f1b (have gpipe)"
+            )
         if chunks > 1 and overlap_p2p:
-            raise ConfigError(f"{OVERLAP_MOE} with interleaving runs the combined 1F1B schedule, which does not post "
-                              "its p2p receives ahead: pass --no-overlap-p2p-communication")
+            raise ConfigError(
+                f"{OVERLAP_MOE} with interleaving runs the combined 1F1B schedule, which does not post "
+                "its p2p receives ahead: pass --no-overlap-p2p-communication"
+            )
         return SchedulePlan(COMBINED, stages, chunks)
     if schedule == GPIPE:
         return SchedulePlan(GPIPE, stages, 1)
@@ -86,8 +97,13 @@ def schedule_plan(cfg: Config) -> SchedulePlan:
     overlap_moe = p.overlap_moe_expert_parallel_comm
     if overlap_moe:
         _check_overlap_moe(cfg)
-    return choose_schedule(p.pipeline_model_parallel_size, p.pipeline_schedule, p.num_model_chunks(m.num_layers),
-                           p.overlap_p2p_communication, overlap_moe)
+    return choose_schedule(
+        p.pipeline_model_parallel_size,
+        p.pipeline_schedule,
+        p.num_model_chunks(m.num_layers),
+        p.overlap_p2p_communication,
+        overlap_moe,
+    )
 
 
 def _check_overlap_moe(cfg: Config) -> None:
@@ -98,12 +114,18 @@ def _check_overlap_moe(cfg: Config) -> None:
     re-communicated), which a unit of one layer allows."""
     p, t = cfg.parallel, cfg.train
     if p.expert_model_parallel_size == 1 or not cfg.model.num_experts:
-        raise ConfigError(f"{OVERLAP_MOE} overlaps the expert all-to-alls: it needs --num-experts and "
-                          f"--expert-model-parallel-size > 1 (as in Megatron-LM; have {p.expert_model_parallel_size})")
+        raise ConfigError(
+            f"{OVERLAP_MOE} overlaps the expert all-to-alls: it needs --num-experts and "
+            f"--expert-model-parallel-size > 1 (as in Megatron-LM; have {p.expert_model_parallel_size})"
+        )
     if t.recompute == "full" and t.recompute_method == "uniform" and t.recompute_num_layers > 1:
-        raise ConfigError(f"{OVERLAP_MOE} recomputes one layer at a time, cut at its all-to-alls: with "
-                          "--recompute-granularity full it needs --recompute-method uniform --recompute-num-layers 1 "
-                          f"or --recompute-method block (have uniform, --recompute-num-layers {t.recompute_num_layers})")
+        raise ConfigError(
+            f"{OVERLAP_MOE} recomputes one layer at a time, cut at its all-to-alls: with "
+            "--recompute-granularity full it needs --recompute-method uniform --recompute-num-layers 1 "
+            f"or --recompute-method block (have uniform, --recompute-num-layers {t.recompute_num_layers})"
+        )
     if t.compile:
-        raise ConfigError(f"{OVERLAP_MOE} conflicts with --compile: the overlapped schedule runs each MoE layer in "
-                          "pieces, outside the layer's compiled forward")
+        raise ConfigError(
+            f"{OVERLAP_MOE} conflicts with --compile: the overlapped schedule runs each MoE layer in "
+            "pieces, outside the layer's compiled forward"
+        )

@@ -20,6 +20,7 @@ with its reason; ``build_step_plan`` raises the first that applies. The runtime
 (``offload/optimizer.py``), the planner (``planning/``) and validation read the plan and
 decide nothing again.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,11 +41,11 @@ class StepSettings:
     offloaded: bool
     weights_on_host: bool
     overlap: bool
-    delayed: bool       # --cpu-offload-delayed-param-update with --cpu-offload-layers (else it delays nothing)
+    delayed: bool  # --cpu-offload-delayed-param-update with --cpu-offload-layers (else it delays nothing)
     nvme: bool
-    distributed: bool   # --use-distributed-optimizer
-    weights: str        # fp32 | bf16 | fp16
-    mains: str          # --main-params-dtype
+    distributed: bool  # --use-distributed-optimizer
+    weights: str  # fp32 | bf16 | fp16
+    mains: str  # --main-params-dtype
 
 
 @dataclass(frozen=True)
@@ -58,28 +59,48 @@ class Refusal:
 
 # In the order they are checked: the first that applies is the error.
 REFUSALS: Tuple[Refusal, ...] = (
-    Refusal("overlap-needs-host-weights", lambda s: s.overlap and not (s.offloaded and s.weights_on_host),
-            "--overlap-cpu-optimizer-d2h-h2d overlaps the step of layers whose weights live on host: it needs "
-            "--cpu-offload-layers with --cpu-offload-what params,grads,optimizer"),
-    Refusal("delayed-needs-overlap", lambda s: s.delayed and not s.overlap,
-            "--cpu-offload-delayed-param-update delays the overlapped host step: it needs "
-            "--overlap-cpu-optimizer-d2h-h2d"),
-    Refusal("delayed-with-nvme", lambda s: s.delayed and s.nvme,
-            "--cpu-offload-delayed-param-update is not supported with --cpu-offload-optimizer-nvme-path (the NVMe "
-            "state reads ahead in the undelayed order)"),
-    Refusal("nvme-needs-host-weights", lambda s: s.nvme and not s.weights_on_host,
-            "--cpu-offload-optimizer-nvme-path holds the optimizer state of layers whose weights live on host: it "
-            "needs --cpu-offload-what params,grads,optimizer"),
-    Refusal("overlap-with-distributed-optimizer", lambda s: s.overlap and s.distributed,
-            "--overlap-cpu-optimizer-d2h-h2d is not supported with --use-distributed-optimizer: the all-gather of "
-            "updated shards reads every weight right after the step"),
+    Refusal(
+        "overlap-needs-host-weights",
+        lambda s: s.overlap and not (s.offloaded and s.weights_on_host),
+        "--overlap-cpu-optimizer-d2h-h2d overlaps the step of layers whose weights live on host: it needs "
+        "--cpu-offload-layers with --cpu-offload-what params,grads,optimizer",
+    ),
+    Refusal(
+        "delayed-needs-overlap",
+        lambda s: s.delayed and not s.overlap,
+        "--cpu-offload-delayed-param-update delays the overlapped host step: it needs --overlap-cpu-optimizer-d2h-h2d",
+    ),
+    Refusal(
+        "delayed-with-nvme",
+        lambda s: s.delayed and s.nvme,
+        "--cpu-offload-delayed-param-update is not supported with --cpu-offload-optimizer-nvme-path (the NVMe "
+        "state reads ahead in the undelayed order)",
+    ),
+    Refusal(
+        "nvme-needs-host-weights",
+        lambda s: s.nvme and not s.weights_on_host,
+        "--cpu-offload-optimizer-nvme-path holds the optimizer state of layers whose weights live on host: it "
+        "needs --cpu-offload-what params,grads,optimizer",
+    ),
+    Refusal(
+        "overlap-with-distributed-optimizer",
+        lambda s: s.overlap and s.distributed,
+        "--overlap-cpu-optimizer-d2h-h2d is not supported with --use-distributed-optimizer: the all-gather of "
+        "updated shards reads every weight right after the step",
+    ),
     # The delayed step rewrites the mains while the next iteration reads the weights: they must differ.
-    Refusal("delayed-needs-16-bit-weights", lambda s: s.delayed and s.weights == "fp32",
-            "--cpu-offload-delayed-param-update needs 16-bit weights (--bf16 or --fp16): fp32 weights are their own "
-            "main parameters, which the delayed host step rewrites while the next iteration still reads them"),
-    Refusal("delayed-with-fp16-mains-of-fp16-weights", lambda s: s.delayed and s.weights == s.mains == "fp16",
-            "--cpu-offload-delayed-param-update is not supported with --fp16 and --main-params-dtype fp16: fp16 "
-            "weights are then their own main parameters"),
+    Refusal(
+        "delayed-needs-16-bit-weights",
+        lambda s: s.delayed and s.weights == "fp32",
+        "--cpu-offload-delayed-param-update needs 16-bit weights (--bf16 or --fp16): fp32 weights are their own "
+        "main parameters, which the delayed host step rewrites while the next iteration still reads them",
+    ),
+    Refusal(
+        "delayed-with-fp16-mains-of-fp16-weights",
+        lambda s: s.delayed and s.weights == s.mains == "fp16",
+        "--cpu-offload-delayed-param-update is not supported with --fp16 and --main-params-dtype fp16: fp16 "
+        "weights are then their own main parameters",
+    ),
 )
 
 
@@ -121,13 +142,16 @@ class StepPlan:
 
 def settings(cfg: Config) -> StepSettings:
     o, t = cfg.offload, cfg.train
-    return StepSettings(offloaded=o.cpu_offload_layers is not None,
-                        weights_on_host="params" in parse_offload_what(o.cpu_offload_what),
-                        overlap=o.overlap_cpu_optimizer_d2h_h2d,
-                        delayed=o.cpu_offload_delayed_param_update and o.cpu_offload_layers is not None,
-                        nvme=o.cpu_offload_optimizer_nvme_path is not None,
-                        distributed=cfg.parallel.use_distributed_optimizer,
-                        weights="bf16" if t.bf16 else "fp16" if t.fp16 else "fp32", mains=t.main_params_dtype)
+    return StepSettings(
+        offloaded=o.cpu_offload_layers is not None,
+        weights_on_host="params" in parse_offload_what(o.cpu_offload_what),
+        overlap=o.overlap_cpu_optimizer_d2h_h2d,
+        delayed=o.cpu_offload_delayed_param_update and o.cpu_offload_layers is not None,
+        nvme=o.cpu_offload_optimizer_nvme_path is not None,
+        distributed=cfg.parallel.use_distributed_optimizer,
+        weights="bf16" if t.bf16 else "fp16" if t.fp16 else "fp32",
+        mains=t.main_params_dtype,
+    )
 
 
 def refusals(s: StepSettings) -> Tuple[Refusal, ...]:
@@ -145,8 +169,11 @@ def build_step_plan(cfg: Config) -> StepPlan:
     host = None
     if s.offloaded and s.weights_on_host:
         host = "delayed" if s.delayed else "overlapped" if s.overlap else "serial"
-    return StepPlan(host=host, staged=s.offloaded and not s.weights_on_host,
-                    nvme_path=o.cpu_offload_optimizer_nvme_path,
-                    threads=host_optimizer_threads(o.host_optimizer_threads),
-                    delay_warmup=o.cpu_offload_delayed_param_update_warmup_steps,
-                    gated=cfg.train.clip_grad != 0 or cfg.train.fp16)
+    return StepPlan(
+        host=host,
+        staged=s.offloaded and not s.weights_on_host,
+        nvme_path=o.cpu_offload_optimizer_nvme_path,
+        threads=host_optimizer_threads(o.host_optimizer_threads),
+        delay_warmup=o.cpu_offload_delayed_param_update_warmup_steps,
+        gated=cfg.train.clip_grad != 0 or cfg.train.fp16,
+    )

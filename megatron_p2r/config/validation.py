@@ -1,12 +1,18 @@
 """``validate``: each section's own rules, then the rules that join sections, each failing
 with one message that names the flag(s)."""
+
 from __future__ import annotations
 
 import os
 
 from megatron_p2r.config import checkpoint, data, logging, model, offload, p2r, parallel, train
-from megatron_p2r.config.batch import (data_parallel_size, global_batch_size, lr_lengths, parse_step_schedule,
-                                       train_iters)
+from megatron_p2r.config.batch import (
+    data_parallel_size,
+    global_batch_size,
+    lr_lengths,
+    parse_step_schedule,
+    train_iters,
+)
 from megatron_p2r.config.fields import ConfigError
 from megatron_p2r.config.ranges import check_fields
 from megatron_p2r.config.root import SECTIONS, Config
@@ -14,9 +20,16 @@ from megatron_p2r.config.schedule import schedule_plan
 from megatron_p2r.config.step_plan import build_step_plan
 
 # The table of each section's ranges, beside its dataclass.
-RANGE_TABLES = {"model": model.RANGES, "parallel": parallel.RANGES, "train": train.RANGES, "p2r": p2r.RANGES,
-                "data": data.RANGES, "checkpoint": checkpoint.RANGES, "logging": logging.RANGES,
-                "offload": offload.RANGES}
+RANGE_TABLES = {
+    "model": model.RANGES,
+    "parallel": parallel.RANGES,
+    "train": train.RANGES,
+    "p2r": p2r.RANGES,
+    "data": data.RANGES,
+    "checkpoint": checkpoint.RANGES,
+    "logging": logging.RANGES,
+    "offload": offload.RANGES,
+}
 
 
 def check_values(cfg: Config) -> None:
@@ -44,11 +57,13 @@ def validate(cfg: Config, world_size: int) -> None:
     _check_paths(cfg)
     cfg.p2r.check(m.num_layers)
     cfg.offload.check(m.num_layers)
-    build_step_plan(cfg)   # every refusal of how the optimizer steps
-    schedule_plan(cfg)   # every refusal of a pipeline schedule
+    build_step_plan(cfg)  # every refusal of how the optimizer steps
+    schedule_plan(cfg)  # every refusal of a pipeline schedule
     if cfg.checkpoint.async_save and not cfg.checkpoint.ckpt_fully_parallel_save:
-        raise ConfigError("--async-save needs the fully parallel save: every rank writes what it owns from a host "
-                          "copy; drop --no-ckpt-fully-parallel-save")
+        raise ConfigError(
+            "--async-save needs the fully parallel save: every rank writes what it owns from a host "
+            "copy; drop --no-ckpt-fully-parallel-save"
+        )
 
 
 def _check_world(cfg: Config, world_size: int) -> None:
@@ -56,20 +71,26 @@ def _check_world(cfg: Config, world_size: int) -> None:
     p = cfg.parallel
     tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
     if world_size % (tp * pp):
-        raise ConfigError(f"world size {world_size} must be divisible by --tensor-model-parallel-size ({tp}) "
-                          f"x --pipeline-model-parallel-size ({pp}) = {tp * pp}")
+        raise ConfigError(
+            f"world size {world_size} must be divisible by --tensor-model-parallel-size ({tp}) "
+            f"x --pipeline-model-parallel-size ({pp}) = {tp * pp}"
+        )
     dp = data_parallel_size(cfg, world_size)
     if dp % ep:
-        raise ConfigError(f"--expert-model-parallel-size ({ep}) must divide the data-parallel size ({dp} = "
-                          f"world {world_size} / (TP {tp} x PP {pp}))")
+        raise ConfigError(
+            f"--expert-model-parallel-size ({ep}) must divide the data-parallel size ({dp} = "
+            f"world {world_size} / (TP {tp} x PP {pp}))"
+        )
 
 
 def _check_sequence_parallel(cfg: Config) -> None:
     """Sequence parallelism splits every sample's sequence evenly over the TP ranks."""
     p, seq = cfg.parallel, cfg.model.seq_length
     if p.sequence_parallel and seq % p.tensor_model_parallel_size:
-        raise ConfigError(f"--sequence-parallel: --seq-length ({seq}) must be divisible by "
-                          f"--tensor-model-parallel-size ({p.tensor_model_parallel_size})")
+        raise ConfigError(
+            f"--sequence-parallel: --seq-length ({seq}) must be divisible by "
+            f"--tensor-model-parallel-size ({p.tensor_model_parallel_size})"
+        )
 
 
 def _check_batch(cfg: Config, world_size: int) -> None:
@@ -80,13 +101,17 @@ def _check_batch(cfg: Config, world_size: int) -> None:
     micro, dp = t.micro_batch_size, data_parallel_size(cfg, world_size)
     gbs = global_batch_size(cfg, world_size)
     if gbs % (micro * dp):
-        raise ConfigError(f"--global-batch-size ({gbs}) must be divisible by --micro-batch-size "
-                          f"({micro}) x data-parallel size ({dp}) = {micro * dp}")
+        raise ConfigError(
+            f"--global-batch-size ({gbs}) must be divisible by --micro-batch-size "
+            f"({micro}) x data-parallel size ({dp}) = {micro * dp}"
+        )
     if t.step_batch_size_schedule is not None and t.global_batch_size is not None:
         final = parse_step_schedule(t.step_batch_size_schedule, cfg.model.seq_length)[-1][1]
         if final != t.global_batch_size:
-            raise ConfigError(f"--global-batch-size ({t.global_batch_size}) differs from the last batch size of "
-                              f"--step-batch-size-schedule ({final}); give one of them, or the same size")
+            raise ConfigError(
+                f"--global-batch-size ({t.global_batch_size}) differs from the last batch size of "
+                f"--step-batch-size-schedule ({final}); give one of them, or the same size"
+            )
 
 
 def _check_length(cfg: Config, world_size: int) -> None:
@@ -96,8 +121,10 @@ def _check_length(cfg: Config, world_size: int) -> None:
         return
     warmup, decay = lr_lengths(cfg, world_size)
     if not warmup < decay:
-        raise ConfigError(f"the LR warm-up ({warmup:g} samples) must end before the decay length ({decay} samples: "
-                          "--lr-decay-iters/--lr-decay-samples, default the run's length)")
+        raise ConfigError(
+            f"the LR warm-up ({warmup:g} samples) must end before the decay length ({decay} samples: "
+            "--lr-decay-iters/--lr-decay-samples, default the run's length)"
+        )
 
 
 def _check_inputs(cfg: Config) -> None:
@@ -106,8 +133,10 @@ def _check_inputs(cfg: Config) -> None:
     if cfg.logging.eval_only and not cfg.logging.eval_iters:
         raise ConfigError("--eval-only evaluates --eval-iters batches: 0 evaluates nothing")
     if not d.mock_data and not d.has_files and not cfg.logging.eval_only:
-        raise ConfigError("no training data: pass --data-path PREFIX (from tools/preprocess_data.py), per-split "
-                          "paths (--train-data-path ...) or --mock-data")
+        raise ConfigError(
+            "no training data: pass --data-path PREFIX (from tools/preprocess_data.py), per-split "
+            "paths (--train-data-path ...) or --mock-data"
+        )
     if d.mock_data and cfg.model.vocab_size is None and d.tokenizer_type is None:
         raise ConfigError("--mock-data needs --vocab-size (or a --tokenizer-type to take it from)")
 
@@ -125,8 +154,12 @@ def _check_paths(cfg: Config) -> None:
     """A path that exists as the wrong kind fails here, before anything opens it: a FIFO as
     --log-file would block the first log line forever, a file as --save fails deep in a save."""
     c, g, d = cfg.checkpoint, cfg.logging, cfg.data
-    for flag, path, directory in (("--save", c.save, True), ("--tensorboard-dir", g.tensorboard_dir, True),
-                                  ("--data-cache-path", d.data_cache_path, True), ("--log-file", g.log_file, False)):
+    for flag, path, directory in (
+        ("--save", c.save, True),
+        ("--tensorboard-dir", g.tensorboard_dir, True),
+        ("--data-cache-path", d.data_cache_path, True),
+        ("--log-file", g.log_file, False),
+    ):
         if not path:
             continue
         if os.path.exists(path) and (not os.path.isdir(path) if directory else not os.path.isfile(path)):

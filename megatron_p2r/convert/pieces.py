@@ -4,6 +4,7 @@ write a table's pieces into another layout's files, one piece in memory at a tim
 Files are safetensors written by ``ShardWriter`` (headers first), so memory holds one piece at
 a time: the peak is bounded by the largest tensor, not the model.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,9 @@ from megatron_p2r.optim.factored_form import FACTOR_KINDS, entry_of, per_rank, s
 Producer = Callable[[TensorInfo, str], torch.Tensor]
 
 
-def read_global(readers: StoredShards, layout: ShardLayout, info: TensorInfo, kind: str,
-                broadcast: bool = False) -> torch.Tensor:
+def read_global(
+    readers: StoredShards, layout: ShardLayout, info: TensorInfo, kind: str, broadcast: bool = False
+) -> torch.Tensor:
     """The whole piece's entry ``kind``: its TP shards read into one tensor (straight into place
     along dim 0). Adafactor's statistics: split along their own dimension, or each TP rank's own
     merged by their mean (``optim/factored_form.py``); from a ``broadcast`` checkpoint (before
@@ -31,7 +33,7 @@ def read_global(readers: StoredShards, layout: ShardLayout, info: TensorInfo, ki
     entry = entry_name(kind, info.key)
     if kind in FACTOR_KINDS:
         if broadcast and kind == "col_var" and len(info.shape) == 1 and info.expert is None:
-            entry = entry_name("row_var", info.key)   # a vector's variance was its row_var, col_var ones
+            entry = entry_name("row_var", info.key)  # a vector's variance was its row_var, col_var ones
         shards = [readers(layout.file_of(info, t)).read(entry) for t in layout.tp_ranks_of(info)]
         if broadcast:
             local = layout.local_shape(info)
@@ -60,8 +62,16 @@ def tp_shards(tensor: torch.Tensor, info: TensorInfo, layout: ShardLayout, kind:
     return list(zip(layout.tp_ranks_of(info), tensor.chunk(layout.tp_shards(info), dim=dim), strict=True))
 
 
-def write_pieces(out_iter: str, table: Dict[str, TensorInfo], layout: ShardLayout, kinds: Sequence[str],
-                 produce: Producer, *, progress: bool, desc: str) -> Dict[str, Dict[str, int]]:
+def write_pieces(
+    out_iter: str,
+    table: Dict[str, TensorInfo],
+    layout: ShardLayout,
+    kinds: Sequence[str],
+    produce: Producer,
+    *,
+    progress: bool,
+    desc: str,
+) -> Dict[str, Dict[str, int]]:
     """Write every piece of ``table`` (each of ``kinds``, as ``produce`` makes it) into ``layout``'s
     shard files under ``out_iter``: one global piece in memory at a time, the files of one stage
     open at a time (the table is in stage order). Returns each file's checksums (metadata.json's
@@ -85,14 +95,14 @@ def write_pieces(out_iter: str, table: Dict[str, TensorInfo], layout: ShardLayou
     # stage); the layout still has its (empty) files.
     for name, ents in entries.items():
         if not os.path.exists(os.path.join(out_iter, name)):
-            _close_all({name: ShardWriter(os.path.join(out_iter, name), ents, shard_header_metadata(name))},
-                       checksums)
+            _close_all({name: ShardWriter(os.path.join(out_iter, name), ents, shard_header_metadata(name))}, checksums)
     bar.close()
     return checksums
 
 
-def _write_piece(writers: Dict[str, ShardWriter], layout: ShardLayout, info: TensorInfo, kind: str,
-                 produce: Producer) -> int:
+def _write_piece(
+    writers: Dict[str, ShardWriter], layout: ShardLayout, info: TensorInfo, kind: str, produce: Producer
+) -> int:
     """Make one global tensor and append its TP shards; returns the bytes written.
     (A function of its own so that nothing of the piece outlives it.)"""
     tensor, written = produce(info, kind), 0

@@ -5,6 +5,7 @@ Megatron-LM's greedy rule: sample i comes from the dataset furthest behind its s
 within one sample of its exact share, so proportions hold over any window, not just on
 average.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -46,15 +47,19 @@ def blending_indices(weights: Sequence[float], num_samples: int, cache_dir: Opti
     """build_blending_indices, cached on disk under ``cache_dir`` when given."""
     w = normalize_weights(weights)
     description = {"class": "BlendedDataset", "weights": w.tolist(), "num_samples": int(num_samples)}
-    return cached_arrays(cache_dir, "blend", ("dataset_index", "dataset_sample_index"), description,
-                         lambda: build_blending_indices(w, num_samples))
+    return cached_arrays(
+        cache_dir,
+        "blend",
+        ("dataset_index", "dataset_sample_index"),
+        description,
+        lambda: build_blending_indices(w, num_samples),
+    )
 
 
 class BlendedDataset:
     """``num_samples`` samples drawn from ``datasets`` in the proportions ``weights``."""
 
-    def __init__(self, datasets: Sequence, weights: Sequence[float], num_samples: int,
-                 cache_dir: Optional[str] = None):
+    def __init__(self, datasets: Sequence, weights: Sequence[float], num_samples: int, cache_dir: Optional[str] = None):
         if len(datasets) != len(weights):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
         self.datasets = list(datasets)

@@ -8,6 +8,7 @@ each prefix is asked for exactly the samples the blend takes from it. A split wi
 its own takes all their documents (Megatron-LM's ``blend_per_split``); samples asked of a split
 given none are an error.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,10 @@ def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], List[float]]:
     if len(data_path) == 1:
         return [data_path[0]], [1.0]
     if len(data_path) % 2:
-        raise ConfigError(f"--data-path with several datasets takes weight/prefix pairs "
-                          f"(0.3 A 0.7 B), got {len(data_path)} items: {' '.join(data_path)}")
+        raise ConfigError(
+            f"--data-path with several datasets takes weight/prefix pairs "
+            f"(0.3 A 0.7 B), got {len(data_path)} items: {' '.join(data_path)}"
+        )
     weights, prefixes = [], []
     for weight, prefix in zip(data_path[0::2], data_path[1::2], strict=True):
         try:
@@ -70,9 +73,11 @@ def _open_indexed(prefix: str, data_cfg: DataConfig, vocab_size: Optional[int]) 
     if vocab_size is not None:
         lo, hi = token_range(ds, _cache_dir(data_cfg, prefix))
         if lo < 0 or hi >= vocab_size:
-            raise ConfigError(f"--data-path {prefix}: token ids run from {lo} to {hi}, but the vocabulary has "
-                              f"{vocab_size} ids (--vocab-size or the tokenizer's); was it preprocessed with "
-                              "another tokenizer?")
+            raise ConfigError(
+                f"--data-path {prefix}: token ids run from {lo} to {hi}, but the vocabulary has "
+                f"{vocab_size} ids (--vocab-size or the tokenizer's); was it preprocessed with "
+                "another tokenizer?"
+            )
     return ds
 
 
@@ -115,8 +120,10 @@ def _per_split_paths(data_cfg: DataConfig) -> List[Optional[List[str]]]:
         if isinstance(value, str):
             value = value.split()
         if value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-            raise ConfigError(f"--per-split-data-args-path {path}: {name!r} must be a list of strings, a string or "
-                              f"null, got {value!r}")
+            raise ConfigError(
+                f"--per-split-data-args-path {path}: {name!r} must be a list of strings, a string or "
+                f"null, got {value!r}"
+            )
         out.append(value)
     return out
 
@@ -124,16 +131,23 @@ def _per_split_paths(data_cfg: DataConfig) -> List[Optional[List[str]]]:
 def split_blends(data_cfg: DataConfig) -> List[Blend]:
     """What each of train, valid and test reads (Megatron-LM's get_blend_and_blend_per_split)."""
     if data_cfg.per_split:
-        return [(*parse_data_path(words), [float(s == i) for i in range(3)]) if words else None
-                for s, words in enumerate(_per_split_paths(data_cfg))]
+        return [
+            (*parse_data_path(words), [float(s == i) for i in range(3)]) if words else None
+            for s, words in enumerate(_per_split_paths(data_cfg))
+        ]
     words = data_cfg.data_path
     if data_cfg.data_args_path is not None:
         words = _read_args_file(data_cfg.data_args_path, "--data-args-path").split()
     return [(*parse_data_path(words), parse_split(data_cfg.split))] * 3
 
 
-def build_train_valid_test_datasets(data_cfg: DataConfig, seq_length: int, seed: int,
-                                    num_samples: Tuple[int, int, int], vocab_size: Optional[int] = None):
+def build_train_valid_test_datasets(
+    data_cfg: DataConfig,
+    seq_length: int,
+    seed: int,
+    num_samples: Tuple[int, int, int],
+    vocab_size: Optional[int] = None,
+):
     """(train, valid, test); a split asked for 0 samples is None. With
     ``vocab_size`` every dataset's token ids must lie in [0, vocab_size)."""
     blends = split_blends(data_cfg)
@@ -144,19 +158,30 @@ def build_train_valid_test_datasets(data_cfg: DataConfig, seq_length: int, seed:
             result.append(None)
             continue
         if blend is None:  # Megatron-LM would silently skip the evaluation asked for
-            raise ConfigError(f"{count} {name} samples are asked for (--eval-iters), but the per-split paths give "
-                              f"the {name} split no prefixes: give --{name}-data-path, or --eval-iters 0")
+            raise ConfigError(
+                f"{count} {name} samples are asked for (--eval-iters), but the per-split paths give "
+                f"the {name} split no prefixes: give --{name}-data-path, or --eval-iters 0"
+            )
         prefixes, weights, fractions = blend
         for prefix in prefixes:
             if prefix not in opened:
                 opened[prefix] = _open_indexed(prefix, data_cfg, vocab_size)
-        result.append(_split_dataset(data_cfg, name, s, count, prefixes, weights, fractions, opened, seq_length,
-                                     seed))
+        result.append(_split_dataset(data_cfg, name, s, count, prefixes, weights, fractions, opened, seq_length, seed))
     return tuple(result)
 
 
-def _split_dataset(data_cfg: DataConfig, name: str, s: int, count: int, prefixes: List[str], weights: List[float],
-                   fractions: List[float], opened: dict, seq_length: int, seed: int):
+def _split_dataset(
+    data_cfg: DataConfig,
+    name: str,
+    s: int,
+    count: int,
+    prefixes: List[str],
+    weights: List[float],
+    fractions: List[float],
+    opened: dict,
+    seq_length: int,
+    seed: int,
+):
     """Split ``s``: its part of each prefix, blended by ``weights`` when there are several."""
     blend_cache = _cache_dir(data_cfg, prefixes[0])
     if len(prefixes) == 1:
@@ -172,11 +197,12 @@ def _split_dataset(data_cfg: DataConfig, name: str, s: int, count: int, prefixes
             parts.append(None)
             continue
         if begin == end:
-            raise ConfigError(f"--split {data_cfg.split}: the {name} split of --data-path {prefix} has 0 of "
-                              f"its {len(ds)} documents, but {n} {name} samples are needed from it")
+            raise ConfigError(
+                f"--split {data_cfg.split}: the {name} split of --data-path {prefix} has 0 of "
+                f"its {len(ds)} documents, but {n} {name} samples are needed from it"
+            )
         try:
-            parts.append(GPTDataset(ds, np.arange(begin, end), n, seq_length, seed,
-                                    _cache_dir(data_cfg, prefix), name))
+            parts.append(GPTDataset(ds, np.arange(begin, end), n, seq_length, seed, _cache_dir(data_cfg, prefix), name))
         except ValueError as exc:
             raise ConfigError(f"--data-path {prefix}: {exc}") from None
     if len(parts) == 1:

@@ -16,6 +16,7 @@ cumulative token count. The three arrays are cached as ``.npy`` files whose name
 hash of everything they depend on, so a change of data, split, seed, length or count builds
 new ones and a rerun loads them memory-mapped.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -42,8 +43,9 @@ def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) 
     return max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
 
 
-def build_doc_idx(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
-                  separate_last_epoch: bool) -> np.ndarray:
+def build_doc_idx(
+    documents: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_last_epoch: bool
+) -> np.ndarray:
     if separate_last_epoch:
         first = build_doc_idx(documents, num_epochs - 1, rng, False)
         last = build_doc_idx(documents, 1, rng, False)
@@ -81,8 +83,9 @@ def build_shuffle_idx(num_samples: int, total_size: int, rng: np.random.RandomSt
     return np.concatenate((first, last))
 
 
-def build_indices(sizes: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int,
-                  seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def build_indices(
+    sizes: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Megatron's (doc_idx, sample_idx, shuffle_idx) for ``num_samples`` samples (or more)."""
     tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
     if tokens_per_epoch == 0:
@@ -92,8 +95,9 @@ def build_indices(sizes: np.ndarray, documents: np.ndarray, num_samples: int, se
     if num_epochs > 1:
         samples_before_last = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
         samples_per_epoch = (tokens_per_epoch - 1) // seq_length
-        separate_last_epoch = (num_samples - samples_before_last
-                               < int(_SEPARATE_LAST_EPOCH_THRESHOLD * samples_per_epoch))
+        separate_last_epoch = num_samples - samples_before_last < int(
+            _SEPARATE_LAST_EPOCH_THRESHOLD * samples_per_epoch
+        )
     rng = np.random.RandomState(seed)
     doc_idx = build_doc_idx(documents, num_epochs, rng, separate_last_epoch)
     total = (num_epochs * tokens_per_epoch - 1) // seq_length
@@ -133,8 +137,9 @@ def _load_cached(paths, valid: Optional[Callable]) -> Optional[tuple]:
     return arrays
 
 
-def cached_arrays(cache_dir: Optional[str], stem: str, names: tuple, description: dict, build,
-                  valid: Optional[Callable] = None):
+def cached_arrays(
+    cache_dir: Optional[str], stem: str, names: tuple, description: dict, build, valid: Optional[Callable] = None
+):
     """Load ``names`` arrays from ``cache_dir/stem-<hash>-<name>.npy``, or ``build()`` and save them.
 
     The hash covers ``description`` (every input of ``build``, as JSON); ``valid(arrays)`` checks
@@ -164,15 +169,23 @@ def _indices_fit(num_documents: int):
     """Whether loaded (doc_idx, sample_idx, shuffle_idx) index a dataset of ``num_documents``:
     shapes that belong together and every index in range, so a stale or foreign cache is rebuilt
     instead of reading out of range mid-run."""
+
     def check(arrays) -> bool:
         doc_idx, sample_idx, shuffle_idx = arrays
         if doc_idx.ndim != 1 or sample_idx.ndim != 2 or sample_idx.shape[1:] != (2,) or shuffle_idx.ndim != 1:
             return False
         if not all(a.dtype.kind in "iu" for a in arrays) or len(sample_idx) < 2 or not len(doc_idx):
             return False
-        return (len(shuffle_idx) == len(sample_idx) - 1 and 0 <= doc_idx.min() and doc_idx.max() < num_documents
-                and 0 <= sample_idx.min() and sample_idx[:, 0].max() < len(doc_idx)
-                and 0 <= shuffle_idx.min() and shuffle_idx.max() < len(shuffle_idx))
+        return (
+            len(shuffle_idx) == len(sample_idx) - 1
+            and 0 <= doc_idx.min()
+            and doc_idx.max() < num_documents
+            and 0 <= sample_idx.min()
+            and sample_idx[:, 0].max() < len(doc_idx)
+            and 0 <= shuffle_idx.min()
+            and shuffle_idx.max() < len(shuffle_idx)
+        )
+
     return check
 
 
@@ -181,11 +194,21 @@ def token_range(dataset: IndexedDataset, cache_dir: Optional[str]) -> Tuple[int,
     cached beside the sample indices (keyed by the files' sizes and modification times)."""
     prefix = dataset.path_prefix
     b, i = os.stat(data_file_path(prefix)), os.stat(index_file_path(prefix))
-    description = {"class": "TokenRange", "version": INDEX_VERSION, "dtype": dataset.dtype.str,
-                   "bin": [b.st_size, b.st_mtime_ns], "idx": [i.st_size, i.st_mtime_ns]}
-    (found,) = cached_arrays(cache_dir, f"{os.path.basename(prefix)}-tokens", ("range",), description,
-                             lambda: (dataset.token_range(),),
-                             lambda arrays: arrays[0].shape == (2,) and arrays[0].dtype == np.int64)
+    description = {
+        "class": "TokenRange",
+        "version": INDEX_VERSION,
+        "dtype": dataset.dtype.str,
+        "bin": [b.st_size, b.st_mtime_ns],
+        "idx": [i.st_size, i.st_mtime_ns],
+    }
+    (found,) = cached_arrays(
+        cache_dir,
+        f"{os.path.basename(prefix)}-tokens",
+        ("range",),
+        description,
+        lambda: (dataset.token_range(),),
+        lambda arrays: arrays[0].shape == (2,) and arrays[0].dtype == np.int64,
+    )
     return int(found[0]), int(found[1])
 
 
@@ -195,8 +218,16 @@ class GPTDataset:
     ``len()`` is at least ``num_samples``: whole epochs are indexed, as in Megatron-LM.
     """
 
-    def __init__(self, indexed_dataset: IndexedDataset, documents: np.ndarray, num_samples: int,
-                 seq_length: int, seed: int, cache_dir: Optional[str] = None, name: str = "train"):
+    def __init__(
+        self,
+        indexed_dataset: IndexedDataset,
+        documents: np.ndarray,
+        num_samples: int,
+        seq_length: int,
+        seed: int,
+        cache_dir: Optional[str] = None,
+        name: str = "train",
+    ):
         if num_samples < 1 or seq_length < 1:
             raise ValueError(f"{name}: need num_samples >= 1 and seq_length >= 1, got {num_samples}, {seq_length}")
         self.dataset, self.seq_length, self.name = indexed_dataset, seq_length, name
@@ -205,11 +236,15 @@ class GPTDataset:
             raise ValueError(f"{name}: document ids must lie in [0, {len(indexed_dataset)})")
         sizes = indexed_dataset.sequence_lengths
         if sizes[documents].sum(dtype=np.int64) == 0:
-            raise ValueError(f"{name} split of {indexed_dataset.path_prefix}: its {len(documents)} "
-                             "documents hold no tokens")
+            raise ValueError(
+                f"{name} split of {indexed_dataset.path_prefix}: its {len(documents)} documents hold no tokens"
+            )
         description = {
-            "class": "GPTDataset", "version": INDEX_VERSION, "num_samples": int(num_samples),
-            "seq_length": int(seq_length), "seed": int(seed),
+            "class": "GPTDataset",
+            "version": INDEX_VERSION,
+            "num_samples": int(num_samples),
+            "seq_length": int(seq_length),
+            "seed": int(seed),
             "documents_md5": hashlib.md5(documents.tobytes(), usedforsecurity=False).hexdigest(),
             "sizes_md5": hashlib.md5(sizes[documents].tobytes(), usedforsecurity=False).hexdigest(),
         }
@@ -217,14 +252,20 @@ class GPTDataset:
         def build():
             start = time.perf_counter()
             arrays = build_indices(sizes, documents, num_samples, seq_length, seed)
-            logger.info("%s: built indices of %d samples in %.2fs", name, len(arrays[1]) - 1,
-                        time.perf_counter() - start)
+            logger.info(
+                "%s: built indices of %d samples in %.2fs", name, len(arrays[1]) - 1, time.perf_counter() - start
+            )
             return arrays
 
         stem = f"{os.path.basename(indexed_dataset.path_prefix)}-{name}"
         self.doc_idx, self.sample_idx, self.shuffle_idx = cached_arrays(
-            cache_dir, stem, ("doc_idx", "sample_idx", "shuffle_idx"), description, build,
-            _indices_fit(len(indexed_dataset)))
+            cache_dir,
+            stem,
+            ("doc_idx", "sample_idx", "shuffle_idx"),
+            description,
+            build,
+            _indices_fit(len(indexed_dataset)),
+        )
 
     def __len__(self) -> int:
         return len(self.sample_idx) - 1
@@ -240,6 +281,6 @@ class GPTDataset:
             parts = [get(int(self.doc_idx[first]), first_offset, last_offset - first_offset + 1)]
         else:
             parts = [get(int(self.doc_idx[first]), first_offset)]
-            parts += [get(int(d)) for d in self.doc_idx[first + 1:last]]
+            parts += [get(int(d)) for d in self.doc_idx[first + 1 : last]]
             parts.append(get(int(self.doc_idx[last]), 0, last_offset + 1))
         return np.concatenate(parts).astype(np.int64)

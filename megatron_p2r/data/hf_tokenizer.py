@@ -9,6 +9,7 @@ and those tokens registered as special (added at the end of the vocabulary when 
 ``tokenizer.json``'s post-processor decides which tokens frame a text (transformers 5 drops
 the config's ``add_bos_token``/``add_eos_token`` when a tokenizer.json exists).
 """
+
 from __future__ import annotations
 
 import os
@@ -26,13 +27,17 @@ def tokenizer_json_path(path: str) -> str:
     if os.path.isdir(path):
         candidate = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(candidate):
-            raise ConfigError(f"--tokenizer-model {path}: no tokenizer.json in this directory (HuggingFaceTokenizer "
-                              "reads a Hugging Face fast tokenizer; for a SentencePiece tokenizer.model use "
-                              "--tokenizer-type Llama2Tokenizer or SentencePieceTokenizer)")
+            raise ConfigError(
+                f"--tokenizer-model {path}: no tokenizer.json in this directory (HuggingFaceTokenizer "
+                "reads a Hugging Face fast tokenizer; for a SentencePiece tokenizer.model use "
+                "--tokenizer-type Llama2Tokenizer or SentencePieceTokenizer)"
+            )
         return candidate
     if not os.path.isfile(path):
-        raise ConfigError(f"--tokenizer-model {path}: no such file or directory (HuggingFaceTokenizer reads local "
-                          "files only: a directory holding tokenizer.json, or that file)")
+        raise ConfigError(
+            f"--tokenizer-model {path}: no such file or directory (HuggingFaceTokenizer reads local "
+            "files only: a directory holding tokenizer.json, or that file)"
+        )
     return path
 
 
@@ -56,8 +61,10 @@ def _token_text(value, path: str, role: str) -> str:
     """A role's token as written by transformers: a string or an AddedToken dict with "content"."""
     text = value.get("content") if isinstance(value, dict) else value
     if not isinstance(text, str) or not text:
-        raise ConfigError(f"--tokenizer-model: {path}: {role} must be a token string or an object with "
-                          f"\"content\", got {reprlib.repr(value)}")
+        raise ConfigError(
+            f"--tokenizer-model: {path}: {role} must be a token string or an object with "
+            f'"content", got {reprlib.repr(value)}'
+        )
     return text
 
 

@@ -15,6 +15,7 @@ the other. ``PREFIX.idx`` holds, little-endian::
 ``PREFIX.bin`` is the tokens of every sequence back to back. Both files are memory-mapped;
 nothing is unpickled.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,16 @@ import numpy as np
 HEADER = b"MMIDIDX\x00\x00"
 VERSION = 1
 # Megatron-LM's DType codes; the numbering is part of the file format.
-DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
-               6: np.float64, 7: np.float32, 8: np.uint16}
+DTYPE_CODES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 _CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 _FIXED_SIZE = len(HEADER) + 8 + 1 + 8 + 8
 
@@ -49,8 +58,9 @@ def _format_error(path: str, what: str) -> ValueError:
     return ValueError(f"{path}: not a valid Megatron indexed dataset: {what}")
 
 
-def _check_index(idx_path: str, lengths: np.ndarray, pointers: np.ndarray, documents: np.ndarray,
-                 itemsize: int) -> None:
+def _check_index(
+    idx_path: str, lengths: np.ndarray, pointers: np.ndarray, documents: np.ndarray, itemsize: int
+) -> None:
     """Sequences lie back to back (as every writer lays them out) and documents are ordered: a
     corrupted length or pointer would otherwise read other sequences' tokens without an error."""
     if len(lengths) and lengths.min() < 0:
@@ -60,8 +70,11 @@ def _check_index(idx_path: str, lengths: np.ndarray, pointers: np.ndarray, docum
     bad = np.flatnonzero(pointers != expected)
     if len(bad):
         i = int(bad[0])
-        raise _format_error(idx_path, f"sequence {i} starts at byte {int(pointers[i])}, expected {int(expected[i])} "
-                                      "(sequences must follow each other; corrupted index?)")
+        raise _format_error(
+            idx_path,
+            f"sequence {i} starts at byte {int(pointers[i])}, expected {int(expected[i])} "
+            "(sequences must follow each other; corrupted index?)",
+        )
     if len(documents) > 1 and np.any(np.diff(documents) < 0):
         raise _format_error(idx_path, "document index is not non-decreasing")
 
@@ -97,8 +110,11 @@ class IndexedDataset:
         self.dtype = np.dtype(DTYPE_CODES[code])
         expected = _FIXED_SIZE + seq_count * (4 + 8) + doc_count * 8
         if idx_size != expected:
-            raise _format_error(idx_path, f"{idx_size} bytes, expected {expected} for {seq_count} "
-                                          f"sequences and {doc_count} document-index entries (truncated?)")
+            raise _format_error(
+                idx_path,
+                f"{idx_size} bytes, expected {expected} for {seq_count} "
+                f"sequences and {doc_count} document-index entries (truncated?)",
+            )
         idx = np.memmap(idx_path, mode="r", dtype=np.uint8)
         offset = _FIXED_SIZE
         self.sequence_lengths = np.frombuffer(idx, np.int32, seq_count, offset)
@@ -108,17 +124,21 @@ class IndexedDataset:
         self.document_indices = np.frombuffer(idx, np.int64, doc_count, offset)
         if doc_count == 0 or self.document_indices[0] != 0 or self.document_indices[-1] != seq_count:
             first_last = (self.document_indices[0], self.document_indices[-1]) if doc_count else "empty"
-            raise _format_error(idx_path, f"document index must run from 0 to the sequence count "
-                                          f"{seq_count}, got {first_last}")
-        _check_index(idx_path, self.sequence_lengths, self.sequence_pointers, self.document_indices,
-                     self.dtype.itemsize)
+            raise _format_error(
+                idx_path, f"document index must run from 0 to the sequence count {seq_count}, got {first_last}"
+            )
+        _check_index(
+            idx_path, self.sequence_lengths, self.sequence_pointers, self.document_indices, self.dtype.itemsize
+        )
         bin_size = os.path.getsize(bin_path)
         needed = 0
         if seq_count:
             needed = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
         if bin_size != needed:
-            raise ValueError(f"{bin_path}: {bin_size} bytes, but {idx_path} describes {needed} bytes of "
-                             f"{self.dtype.name} tokens (the .bin and .idx do not belong together, or one is truncated)")
+            raise ValueError(
+                f"{bin_path}: {bin_size} bytes, but {idx_path} describes {needed} bytes of "
+                f"{self.dtype.name} tokens (the .bin and .idx do not belong together, or one is truncated)"
+            )
         self._bin = np.memmap(bin_path, mode="r", dtype=np.uint8) if bin_size else np.zeros(0, np.uint8)
 
     def __len__(self) -> int:
@@ -139,7 +159,7 @@ class IndexedDataset:
             return np.array([0, -1], np.int64)
         lo, hi = tokens[0], tokens[0]
         for start in range(0, len(tokens), chunk):
-            part = tokens[start:start + chunk]
+            part = tokens[start : start + chunk]
             lo, hi = min(lo, part.min()), max(hi, part.max())
         return np.array([lo, hi], np.int64)
 
@@ -189,8 +209,9 @@ class IndexedDatasetBuilder:
 
     def finalize(self, idx_path: str) -> None:
         self._file.close()
-        write_index(idx_path, self.dtype, np.asarray(self._lengths, np.int32),
-                    np.asarray(self._document_indices, np.int64))
+        write_index(
+            idx_path, self.dtype, np.asarray(self._lengths, np.int32), np.asarray(self._document_indices, np.int64)
+        )
 
 
 def write_index(idx_path: str, dtype, lengths: np.ndarray, document_indices: np.ndarray) -> None:

@@ -5,6 +5,7 @@ small step, drawn from a generator seeded by (seed, index): deterministic, indep
 the order samples are read in, and learnable (after two tokens the rest follows), so a
 falling loss on mock data shows the model and optimiser work.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,8 +16,10 @@ MAX_STEP = 8
 class MockGPTDataset:
     def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int):
         if num_samples < 1 or seq_length < 1 or vocab_size < 2:
-            raise ValueError(f"need num_samples >= 1, seq_length >= 1, vocab_size >= 2; "
-                             f"got {num_samples}, {seq_length}, {vocab_size}")
+            raise ValueError(
+                f"need num_samples >= 1, seq_length >= 1, vocab_size >= 2; "
+                f"got {num_samples}, {seq_length}, {vocab_size}"
+            )
         self.num_samples, self.seq_length, self.vocab_size, self.seed = num_samples, seq_length, vocab_size, seed
         self._positions = np.arange(seq_length + 1, dtype=np.int64)
 

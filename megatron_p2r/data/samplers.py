@@ -4,21 +4,30 @@ Megatron-LM's MegatronPretrainingSampler: the samples are consumed in order, ``m
 step, rank r taking ``[r*mb, (r+1)*mb)`` of each step. Position is just ``consumed_samples``,
 so a run resumed from a checkpoint continues with exactly the samples it would have seen.
 """
+
 from __future__ import annotations
 
 from typing import Iterator, List
 
 
 class PretrainingSampler:
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True):
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        drop_last: bool = True,
+    ):
         if total_samples <= 0:
             raise ValueError(f"no sample to consume: total_samples = {total_samples}")
         if not 0 <= consumed_samples < total_samples:
             raise ValueError(f"consumed_samples {consumed_samples} must lie in [0, total_samples {total_samples})")
         if micro_batch_size <= 0 or data_parallel_size <= 0:
-            raise ValueError(f"micro_batch_size ({micro_batch_size}) and data_parallel_size "
-                             f"({data_parallel_size}) must be positive")
+            raise ValueError(
+                f"micro_batch_size ({micro_batch_size}) and data_parallel_size ({data_parallel_size}) must be positive"
+            )
         if not 0 <= data_parallel_rank < data_parallel_size:
             raise ValueError(f"data_parallel_rank {data_parallel_rank} must lie in [0, {data_parallel_size})")
         self.total_samples = total_samples

@@ -15,6 +15,7 @@ Megatron-LM's names mean what they mean in Megatron-LM (docs/data.md says which 
 ``special_tokens_in_text`` says what a special token's literal text inside a document becomes:
 ``"id"`` that token's id (Hugging Face's rule), ``"text"`` ordinary text (SentencePiece's).
 """
+
 from __future__ import annotations
 
 import os
@@ -48,7 +49,7 @@ class SpecialTokens:
         ids: List[int] = []
         start = 0
         for match in self._pattern.finditer(text):
-            ids += encode_plain(text[start:match.start()])
+            ids += encode_plain(text[start : match.start()])
             ids.append(self.ids[match.group()])
             start = match.end()
         return ids + encode_plain(text[start:])
@@ -88,13 +89,20 @@ class SentencePieceTokenizer:
         self.vocab_size = self._sp.GetPieceSize()
         self.eod = self._sp.eos_id()
         if self.eod < 0:
-            raise ConfigError(f"--tokenizer-model {model_file}: the model has no end-of-sentence piece "
-                              "(train it with an eos_id, as tools/train_tokenizer.py does)")
+            raise ConfigError(
+                f"--tokenizer-model {model_file}: the model has no end-of-sentence piece "
+                "(train it with an eos_id, as tools/train_tokenizer.py does)"
+            )
         self.pad = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eod
         self._specials = None
         if special_tokens_in_text == "id":
-            self._specials = SpecialTokens({self._sp.IdToPiece(i): i for i in range(self.vocab_size)
-                                            if self._sp.IsControl(i) or self._sp.IsUnknown(i)})
+            self._specials = SpecialTokens(
+                {
+                    self._sp.IdToPiece(i): i
+                    for i in range(self.vocab_size)
+                    if self._sp.IsControl(i) or self._sp.IsUnknown(i)
+                }
+            )
 
     def encode(self, text: str) -> List[int]:
         if self._specials:
@@ -118,8 +126,10 @@ class Llama2Tokenizer(SentencePieceTokenizer):
         super().__init__(model_file, special_tokens_in_text)
         self.bos = self._sp.bos_id()
         if self.bos < 0:
-            raise ConfigError(f"--tokenizer-model {model_file}: Llama2Tokenizer needs a model with a "
-                              "beginning-of-sentence piece (<s>); this one has none")
+            raise ConfigError(
+                f"--tokenizer-model {model_file}: Llama2Tokenizer needs a model with a "
+                "beginning-of-sentence piece (<s>); this one has none"
+            )
 
     def encode(self, text: str) -> List[int]:
         return [self.bos] + super().encode(text)
@@ -144,8 +154,9 @@ class NullTokenizer:
         try:
             ids = [int(piece) for piece in text.split(" ")]
         except ValueError:
-            raise TextEncodingError("NullTokenizer expects integers separated by single spaces, got "
-                                    f"{text[:40]!r}") from None
+            raise TextEncodingError(
+                f"NullTokenizer expects integers separated by single spaces, got {text[:40]!r}"
+            ) from None
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
         if bad is not None:
             raise TextEncodingError(f"token id {bad} is outside [0, {self.vocab_size}) (--vocab-size)")
@@ -284,15 +295,25 @@ def _require_file(flag: str, path: Optional[str], tokenizer_type: str) -> str:
 
 
 # What a special token written in the text becomes by default: Megatron-LM's behaviour for the type.
-DEFAULT_SPECIAL_TOKENS_IN_TEXT = {"GPT2BPETokenizer": "id", "HuggingFaceTokenizer": "id",
-                                  "TikTokenizer": "id",
-                                  "SentencePieceTokenizer": "text", "GPTSentencePieceTokenizer": "text",
-                                  "Llama2Tokenizer": "text", "NullTokenizer": "text", "ByteTokenizer": "text"}
+DEFAULT_SPECIAL_TOKENS_IN_TEXT = {
+    "GPT2BPETokenizer": "id",
+    "HuggingFaceTokenizer": "id",
+    "TikTokenizer": "id",
+    "SentencePieceTokenizer": "text",
+    "GPTSentencePieceTokenizer": "text",
+    "Llama2Tokenizer": "text",
+    "NullTokenizer": "text",
+    "ByteTokenizer": "text",
+}
 TOKENIZER_TYPES = tuple(DEFAULT_SPECIAL_TOKENS_IN_TEXT)
 
 
-def build_tokenizer(data_cfg: DataConfig, vocab_size: Optional[int] = None,
-                    special_tokens_in_text: Optional[str] = None, hf_add_special_tokens: bool = True):
+def build_tokenizer(
+    data_cfg: DataConfig,
+    vocab_size: Optional[int] = None,
+    special_tokens_in_text: Optional[str] = None,
+    hf_add_special_tokens: bool = True,
+):
     """The tokenizer ``data_cfg`` names; missing or unreadable files are ConfigErrors naming the flag.
 
     ``vocab_size`` is ``--vocab-size`` (NullTokenizer's only input; TikTokenizer's total). ``special_tokens_in_text``
@@ -304,8 +325,9 @@ def build_tokenizer(data_cfg: DataConfig, vocab_size: Optional[int] = None,
         raise ConfigError(f"--tokenizer-type must be one of {', '.join(TOKENIZER_TYPES)}; got {kind!r}")
     specials = special_tokens_in_text or DEFAULT_SPECIAL_TOKENS_IN_TEXT[kind]
     if specials not in SPECIAL_TOKENS_IN_TEXT:
-        raise ConfigError(f"--special-tokens-in-text must be one of {', '.join(SPECIAL_TOKENS_IN_TEXT)}; "
-                          f"got {specials!r}")
+        raise ConfigError(
+            f"--special-tokens-in-text must be one of {', '.join(SPECIAL_TOKENS_IN_TEXT)}; got {specials!r}"
+        )
     if kind == "ByteTokenizer":
         return ByteTokenizer()
     if kind == "NullTokenizer":
@@ -313,16 +335,25 @@ def build_tokenizer(data_cfg: DataConfig, vocab_size: Optional[int] = None,
             raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size)
     if kind == "GPT2BPETokenizer":
-        return GPT2BPETokenizer(_require_file("--vocab-file", data_cfg.vocab_file, kind),
-                                _require_file("--merge-file", data_cfg.merge_file, kind), specials)
+        return GPT2BPETokenizer(
+            _require_file("--vocab-file", data_cfg.vocab_file, kind),
+            _require_file("--merge-file", data_cfg.merge_file, kind),
+            specials,
+        )
     if not data_cfg.tokenizer_model:
         raise ConfigError(f"--tokenizer-type {kind} needs --tokenizer-model")
     if kind == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(data_cfg.tokenizer_model, specials, hf_add_special_tokens)
     model = _require_file("--tokenizer-model", data_cfg.tokenizer_model, kind)
     if kind == "TikTokenizer":
-        return TikTokenizer(model, data_cfg.tiktoken_pattern, vocab_size, data_cfg.tiktoken_num_special_tokens,
-                            data_cfg.tiktoken_special_tokens, specials)
+        return TikTokenizer(
+            model,
+            data_cfg.tiktoken_pattern,
+            vocab_size,
+            data_cfg.tiktoken_num_special_tokens,
+            data_cfg.tiktoken_special_tokens,
+            specials,
+        )
     if kind == "Llama2Tokenizer":
         return Llama2Tokenizer(model, specials)
     return SentencePieceTokenizer(model, specials)

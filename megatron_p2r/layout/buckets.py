@@ -15,15 +15,16 @@ and the planner all read the same one:
   parameter start is aligned to 64 elements (Megatron-LM's padding); a parameter may thus
   straddle several members' shards.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-PARAM_ALIGN = 64        # elements; a parameter's start under the distributed optimizer
-BUCKET_ALIGN = 128      # a sharded bucket's size is a multiple of lcm(members, BUCKET_ALIGN)
-BUCKET_FLOOR, BUCKET_PER_DP = 40_000_000, 1_000_000   # Megatron's default bucket size
+PARAM_ALIGN = 64  # elements; a parameter's start under the distributed optimizer
+BUCKET_ALIGN = 128  # a sharded bucket's size is a multiple of lcm(members, BUCKET_ALIGN)
+BUCKET_FLOOR, BUCKET_PER_DP = 40_000_000, 1_000_000  # Megatron's default bucket size
 
 
 def default_bucket_size(dp: int, overlap_grad_reduce: bool, requested: Optional[int]) -> Optional[int]:
@@ -40,21 +41,21 @@ def _round_up(n: int, multiple: int) -> int:
 
 @dataclass(frozen=True)
 class Bucket:
-    start: int                  # [start, end) in the buffer, padding included
+    start: int  # [start, end) in the buffer, padding included
     end: int
-    params: Tuple[int, ...]     # positions (in the buffer's order) of its parameters
+    params: Tuple[int, ...]  # positions (in the buffer's order) of its parameters
 
 
 @dataclass(frozen=True)
 class GradBuffer:
     """One reduction group's buffer on one stage."""
 
-    over: str                           # dp | expert_dp
-    stages: Tuple[int, ...]             # the cross-stage group's stages (empty: this stage alone)
-    tp_block: int                       # consecutive TP ranks summing partial gradients (1: none)
-    members: int                        # ranks the gradients are reduced over
-    sharded: bool                       # distributed optimizer: each member steps its shard only
-    names: Tuple[str, ...]              # module paths, in buffer order
+    over: str  # dp | expert_dp
+    stages: Tuple[int, ...]  # the cross-stage group's stages (empty: this stage alone)
+    tp_block: int  # consecutive TP ranks summing partial gradients (1: none)
+    members: int  # ranks the gradients are reduced over
+    sharded: bool  # distributed optimizer: each member steps its shard only
+    names: Tuple[str, ...]  # module paths, in buffer order
     modules: Tuple[Optional[int], ...]  # the layer module (key K of ``layers.K.``) of each, or None
     ranges: Tuple[Tuple[int, int], ...]
     buckets: Tuple[Bucket, ...]
@@ -111,9 +112,18 @@ class GradBuffer:
         return out
 
 
-def layout_buffer(over: str, stages: Tuple[int, ...], tp_block: int, members: int, sharded: bool, names: Sequence[str],
-                  numels: Sequence[int], modules: Sequence[Optional[int]], bucket_size: Optional[int],
-                  break_at_modules: bool) -> GradBuffer:
+def layout_buffer(
+    over: str,
+    stages: Tuple[int, ...],
+    tp_block: int,
+    members: int,
+    sharded: bool,
+    names: Sequence[str],
+    numels: Sequence[int],
+    modules: Sequence[Optional[int]],
+    bucket_size: Optional[int],
+    break_at_modules: bool,
+) -> GradBuffer:
     """Lay ``names`` (already in buffer order) out in buckets; see the module docstring."""
     ranges: List[Tuple[int, int]] = []
     buckets: List[Bucket] = []
@@ -133,8 +143,17 @@ def layout_buffer(over: str, stages: Tuple[int, ...], tp_block: int, members: in
             start, current = cursor, []
     if current:
         _close(buckets, start, cursor, current, members, sharded)
-    return GradBuffer(over=over, stages=tuple(stages), tp_block=tp_block, members=members, sharded=sharded, names=tuple(names),
-                      modules=tuple(modules), ranges=tuple(ranges), buckets=tuple(buckets))
+    return GradBuffer(
+        over=over,
+        stages=tuple(stages),
+        tp_block=tp_block,
+        members=members,
+        sharded=sharded,
+        names=tuple(names),
+        modules=tuple(modules),
+        ranges=tuple(ranges),
+        buckets=tuple(buckets),
+    )
 
 
 def _close(buckets: List[Bucket], start: int, cursor: int, params: List[int], members: int, sharded: bool) -> int:

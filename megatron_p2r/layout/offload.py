@@ -7,24 +7,41 @@ a list of global layer indices, or ``auto`` with ``--device-memory-budget`` (the
 layers, last ones of the stage first, whose offload makes the stage's accounted device bytes
 fit). A pseudo-phase slot is one module and is offloaded (and accounted) once.
 """
+
 from __future__ import annotations
 
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_p2r.config import (FULL, OPTIMIZERS, WHAT_ITEMS, ConfigError, LayerSpec, OffloadConfig,
-                                 parse_layer_spec, parse_memory_size, parse_offload_what)
+from megatron_p2r.config import (
+    FULL,
+    OPTIMIZERS,
+    WHAT_ITEMS,
+    ConfigError,
+    LayerSpec,
+    OffloadConfig,
+    parse_layer_spec,
+    parse_memory_size,
+    parse_offload_what,
+)
 from megatron_p2r.config.optimizers import FACTOR_DTYPE
 
-PARAM_BYTES, GRAD_BYTES, ADAM_BYTES, MASTER_BYTES = 4, 4, 8, 4   # fp32 weight, fp32 grad, 2 moments, fp32 main
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}   # per element of a dtype flag (moments, main grads and params)
-FACTOR_BYTES = DTYPE_BYTES[FACTOR_DTYPE]           # a factored statistic (Adafactor's)
-CATEGORIES = WHAT_ITEMS                          # the accounted categories are what can be offloaded
+PARAM_BYTES, GRAD_BYTES, ADAM_BYTES, MASTER_BYTES = 4, 4, 8, 4  # fp32 weight, fp32 grad, 2 moments, fp32 main
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # per element of a dtype flag (moments, main grads and params)
+FACTOR_BYTES = DTYPE_BYTES[FACTOR_DTYPE]  # a factored statistic (Adafactor's)
+CATEGORIES = WHAT_ITEMS  # the accounted categories are what can be offloaded
 
 
-def state_bytes(numel: int, param_bytes: int = PARAM_BYTES, owned: Optional[int] = None,
-                moment_bytes: int = ADAM_BYTES, shape: Optional[Sequence[int]] = None,
-                optimizer: str = "adam", grad_bytes: int = GRAD_BYTES, master_bytes: Optional[int] = None) -> Dict[str, int]:
+def state_bytes(
+    numel: int,
+    param_bytes: int = PARAM_BYTES,
+    owned: Optional[int] = None,
+    moment_bytes: int = ADAM_BYTES,
+    shape: Optional[Sequence[int]] = None,
+    optimizer: str = "adam",
+    grad_bytes: int = GRAD_BYTES,
+    master_bytes: Optional[int] = None,
+) -> Dict[str, int]:
     """Bytes of ``numel`` buffer elements (a parameter of ``shape``): weights of ``param_bytes``
     each, gradients of ``grad_bytes`` (``--main-grads-dtype``), and the optimizer state of the
     ``owned`` (default all) of them this rank steps (``optimizer_state_bytes``), plus main copies
@@ -35,8 +52,13 @@ def state_bytes(numel: int, param_bytes: int = PARAM_BYTES, owned: Optional[int]
         master_bytes = MASTER_BYTES if param_bytes != PARAM_BYTES else 0
     masters = master_bytes * owned
     moments = optimizer_state_bytes(optimizer, moment_bytes, shape or (numel,), owned)
-    return {"params": param_bytes * numel, "grads": grad_bytes * numel, "optimizer": moments + masters,
-            "masters": masters, "stepped": owned}
+    return {
+        "params": param_bytes * numel,
+        "grads": grad_bytes * numel,
+        "optimizer": moments + masters,
+        "masters": masters,
+        "stepped": owned,
+    }
 
 
 def optimizer_state_bytes(optimizer: str, moment_bytes: int, shape: Sequence[int], owned: int) -> int:
@@ -73,12 +95,17 @@ def select_modules(spec: LayerSpec, layer_keys: Sequence[int], layer_range: Sequ
         return [k for k in dict.fromkeys(layer_keys) if k in wanted]
     else:
         raise ValueError(f"select_modules does not handle {spec.kind!r}")
-    chosen = set(layer_keys[len(layer_keys) - n:]) if n else set()
+    chosen = set(layer_keys[len(layer_keys) - n :]) if n else set()
     return [k for k in dict.fromkeys(layer_keys) if k in chosen]
 
 
-def memory_plan(total: Dict[str, int], module_bytes: Dict[int, Dict[str, int]], offloaded: Sequence[int],
-                prefetch: int, what: frozenset = FULL) -> Dict[str, Dict[str, int]]:
+def memory_plan(
+    total: Dict[str, int],
+    module_bytes: Dict[int, Dict[str, int]],
+    offloaded: Sequence[int],
+    prefetch: int,
+    what: frozenset = FULL,
+) -> Dict[str, Dict[str, int]]:
     """Accounted bytes on device and host when the ``what`` categories of ``offloaded`` modules
     live on host (with only the optimizer offloaded, the fp32 masters of 16-bit weights stay
     with the weights on the device: ``StagedOptimizer`` moves the moments).
@@ -96,8 +123,9 @@ def memory_plan(total: Dict[str, int], module_bytes: Dict[int, Dict[str, int]], 
     return {"device": device, "host": host}
 
 
-def nvme_split(host: Dict[str, int], module_bytes: Dict[int, Dict[str, int]],
-               offloaded: Sequence[int]) -> Tuple[Dict[str, int], int]:
+def nvme_split(
+    host: Dict[str, int], module_bytes: Dict[int, Dict[str, int]], offloaded: Sequence[int]
+) -> Tuple[Dict[str, int], int]:
     """(``host``, ``memory_plan``'s, with its optimizer bytes on local NVMe instead, those bytes)
     under --cpu-offload-optimizer-nvme-path: the host keeps the page cache of the layer stepping
     and the one read ahead (``nvme_window``: twice the largest layer's optimizer bytes;
@@ -121,8 +149,16 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def choose_auto(total: Dict[str, int], module_bytes: Dict[int, Dict[str, int]], candidates: Sequence[int],
-                prefetch: int, budget: int, where: str, budget_text: str, what: frozenset = FULL) -> List[int]:
+def choose_auto(
+    total: Dict[str, int],
+    module_bytes: Dict[int, Dict[str, int]],
+    candidates: Sequence[int],
+    prefetch: int,
+    budget: int,
+    where: str,
+    budget_text: str,
+    what: frozenset = FULL,
+) -> List[int]:
     """The fewest ``candidates`` (taken in order) whose offload makes the device bytes fit ``budget``."""
     best = None
     for k in range(len(candidates) + 1):
@@ -131,23 +167,39 @@ def choose_auto(total: Dict[str, int], module_bytes: Dict[int, Dict[str, int]], 
         if need <= budget:
             return list(candidates[:k])
         best = need if best is None else min(best, need)
-    raise ConfigError(f"--device-memory-budget {budget_text} ({format_bytes(budget)}) cannot be met on {where}: "
-                      f"even with all its {len(candidates)} layer modules offloaded it needs {format_bytes(best)} "
-                      f"of parameters, gradients and optimizer state on the device (--cpu-offload-what "
-                      f"{','.join(sorted(what))}; embedding, output layer and final norm stay, and with weights on "
-                      f"host the fetch window of --offload-prefetch {prefetch} + 2 layers); raise the budget or use "
-                      f"more pipeline/tensor parallelism")
+    raise ConfigError(
+        f"--device-memory-budget {budget_text} ({format_bytes(budget)}) cannot be met on {where}: "
+        f"even with all its {len(candidates)} layer modules offloaded it needs {format_bytes(best)} "
+        f"of parameters, gradients and optimizer state on the device (--cpu-offload-what "
+        f"{','.join(sorted(what))}; embedding, output layer and final norm stay, and with weights on "
+        f"host the fetch window of --offload-prefetch {prefetch} + 2 layers); raise the budget or use "
+        f"more pipeline/tensor parallelism"
+    )
 
 
-def choose_offloaded(o: OffloadConfig, num_layers: int, layer_keys: Sequence[int], layer_range: Sequence[int],
-                     total: Dict[str, int], module_bytes: Dict[int, Dict[str, int]], where: str) -> List[int]:
+def choose_offloaded(
+    o: OffloadConfig,
+    num_layers: int,
+    layer_keys: Sequence[int],
+    layer_range: Sequence[int],
+    total: Dict[str, int],
+    module_bytes: Dict[int, Dict[str, int]],
+    where: str,
+) -> List[int]:
     """The module keys of one stage that ``--cpu-offload-layers`` puts on host (in order of use)."""
     if o.cpu_offload_layers is None:
         return []
     spec = parse_layer_spec(o.cpu_offload_layers, num_layers)
     if spec.kind != "auto":
         return select_modules(spec, layer_keys, layer_range)
-    picked = choose_auto(total, module_bytes, last_first(layer_keys), o.offload_prefetch,
-                         parse_memory_size(o.device_memory_budget), where, o.device_memory_budget,
-                         parse_offload_what(o.cpu_offload_what))
+    picked = choose_auto(
+        total,
+        module_bytes,
+        last_first(layer_keys),
+        o.offload_prefetch,
+        parse_memory_size(o.device_memory_budget),
+        where,
+        o.device_memory_budget,
+        parse_offload_what(o.cpu_offload_what),
+    )
     return [k for k in dict.fromkeys(layer_keys) if k in picked]

@@ -26,6 +26,7 @@ rank of a 512-GPU layout is planned in one process. It holds:
 The model, initialisation, process-group creation, gradient sync, checkpoints and the planner
 read it; none of them derives these facts again.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,12 +65,12 @@ class Reduction:
 class ChunkPlan:
     """One virtual pipeline stage: model chunk ``chunk`` of its pipeline stage."""
 
-    index: int                     # virtual stage: chunk * P + pipeline stage
+    index: int  # virtual stage: chunk * P + pipeline stage
     chunk: int
-    layers: range                  # global layer indices
-    layer_keys: Tuple[int, ...]    # the module key each of those layers calls
-    first: bool                    # virtual stage 0: the embedding
-    last: bool                     # the last virtual stage: final norm, output layer, loss
+    layers: range  # global layer indices
+    layer_keys: Tuple[int, ...]  # the module key each of those layers calls
+    first: bool  # virtual stage 0: the embedding
+    last: bool  # the last virtual stage: final norm, output layer, loss
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class StagePlan:
 
     index: int
     chunks: Tuple[ChunkPlan, ...]
-    offloaded: Tuple[int, ...] = ()   # module keys whose weights (or moments) live on host
+    offloaded: Tuple[int, ...] = ()  # module keys whose weights (or moments) live on host
 
     @property
     def layers(self) -> Tuple[int, ...]:
@@ -127,7 +128,7 @@ class BufferSettings:
     bucket_size: Optional[int] = None
     distributed: bool = False
     break_at_modules: bool = False
-    params_dtype: str = "fp32"          # the weights': fp32, bf16 (--bf16) or fp16 (--fp16)
+    params_dtype: str = "fp32"  # the weights': fp32, bf16 (--bf16) or fp16 (--fp16)
     moment_bytes: int = offload_choice.ADAM_BYTES
     optimizer: str = "adam"
     main_grads_dtype: str = "fp32"
@@ -174,13 +175,13 @@ class ParallelPlan:
     layout: Layout
     model: ModelConfig
     phase: str
-    share_pattern: str             # effective pattern: ``none`` in the real phase
-    layer_keys: Tuple[int, ...]    # module key of every global layer
+    share_pattern: str  # effective pattern: ``none`` in the real phase
+    layer_keys: Tuple[int, ...]  # module key of every global layer
     stages: Tuple[StagePlan, ...]  # one per pipeline rank
-    replicas: Tuple[Tuple[str, Tuple[int, ...]], ...]   # (logical name prefix, stages holding it)
-    schedule: SchedulePlan         # the pipeline schedule of a training step (config/schedule.py)
+    replicas: Tuple[Tuple[str, Tuple[int, ...]], ...]  # (logical name prefix, stages holding it)
+    schedule: SchedulePlan  # the pipeline schedule of a training step (config/schedule.py)
     buffers: BufferSettings = BufferSettings()
-    tp_blocks: Tuple[Tuple[str, int], ...] = ()   # (logical name, TP ranks summing its partial gradients)
+    tp_blocks: Tuple[Tuple[str, int], ...] = ()  # (logical name, TP ranks summing its partial gradients)
     sequence_parallel: bool = False  # --sequence-parallel with TP > 1
 
     @classmethod
@@ -191,23 +192,44 @@ class ParallelPlan:
         keys = tuple(layer_module_keys(pattern, m.num_layers, [m.is_moe_layer(i) for i in range(m.num_layers)]))
         pp = p.pipeline_model_parallel_size
         ranges = stage_layer_ranges(m.num_layers, pp, p.pipeline_layer_split, p.num_model_chunks(m.num_layers))
-        chunks = [ChunkPlan(index=v, chunk=v // pp, layers=r, layer_keys=tuple(keys[i] for i in r), first=v == 0,
-                            last=v == len(ranges) - 1) for v, r in enumerate(ranges)]
+        chunks = [
+            ChunkPlan(
+                index=v,
+                chunk=v // pp,
+                layers=r,
+                layer_keys=tuple(keys[i] for i in r),
+                first=v == 0,
+                last=v == len(ranges) - 1,
+            )
+            for v, r in enumerate(ranges)
+        ]
         stages = tuple(StagePlan(index=s, chunks=tuple(chunks[s::pp])) for s in range(pp))
-        users = stages_using_slot(keys, [st.layers for st in stages])   # in pipeline ranks
+        users = stages_using_slot(keys, [st.layers for st in stages])  # in pipeline ranks
         replicas = [(f"layers.{k}", tuple(st)) for k, st in users.items() if len(st) > 1]
         if not m.untie_embeddings_and_output_weights and pp > 1:
             replicas.append((WORD_EMBEDDING, (0, pp - 1)))
-        buffers = BufferSettings(bucket_size=default_bucket_size(layout.dp, p.overlap_grad_reduce, p.ddp_bucket_size),
-                                 distributed=p.use_distributed_optimizer,
-                                 break_at_modules=cfg.offload.cpu_offload_layers is not None,
-                                 params_dtype="bf16" if cfg.train.bf16 else "fp16" if cfg.train.fp16 else "fp32",
-                                 moment_bytes=_moment_bytes(cfg), optimizer=cfg.train.optimizer,
-                                 main_grads_dtype=cfg.train.main_grads_dtype,
-                                 main_params_dtype=cfg.train.main_params_dtype)
-        plan = cls(layout=layout, model=m, phase=cfg.p2r.p2r_phase, share_pattern=pattern, layer_keys=keys,
-                   stages=stages, replicas=tuple(replicas), schedule=schedule_plan(cfg),
-                   buffers=buffers, sequence_parallel=p.sequence_parallel and layout.tp > 1)
+        buffers = BufferSettings(
+            bucket_size=default_bucket_size(layout.dp, p.overlap_grad_reduce, p.ddp_bucket_size),
+            distributed=p.use_distributed_optimizer,
+            break_at_modules=cfg.offload.cpu_offload_layers is not None,
+            params_dtype="bf16" if cfg.train.bf16 else "fp16" if cfg.train.fp16 else "fp32",
+            moment_bytes=_moment_bytes(cfg),
+            optimizer=cfg.train.optimizer,
+            main_grads_dtype=cfg.train.main_grads_dtype,
+            main_params_dtype=cfg.train.main_params_dtype,
+        )
+        plan = cls(
+            layout=layout,
+            model=m,
+            phase=cfg.p2r.p2r_phase,
+            share_pattern=pattern,
+            layer_keys=keys,
+            stages=stages,
+            replicas=tuple(replicas),
+            schedule=schedule_plan(cfg),
+            buffers=buffers,
+            sequence_parallel=p.sequence_parallel and layout.tp > 1,
+        )
         plan = dataclasses.replace(plan, tp_blocks=_tp_blocks(plan))
         if cfg.offload.cpu_offload_layers is None:
             return plan
@@ -216,8 +238,12 @@ class ParallelPlan:
     @classmethod
     def for_world(cls, cfg: Config, world_size: int) -> "ParallelPlan":
         p = cfg.parallel
-        return cls.build(cfg, Layout.from_world(world_size, p.tensor_model_parallel_size,
-                                                p.pipeline_model_parallel_size, p.expert_model_parallel_size))
+        return cls.build(
+            cfg,
+            Layout.from_world(
+                world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+            ),
+        )
 
     @classmethod
     def model_parallel(cls, cfg: Config) -> "ParallelPlan":
@@ -225,8 +251,7 @@ class ParallelPlan:
         checkpoint's files and tensors depend on, whatever the run's DP size."""
         p = cfg.parallel
         ep = p.expert_model_parallel_size
-        return cls.build(cfg, Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                                         dp=ep, ep=ep))
+        return cls.build(cfg, Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, dp=ep, ep=ep))
 
     # -- stages and tensors
     def stage(self, pp_rank: int) -> StagePlan:
@@ -245,8 +270,9 @@ class ParallelPlan:
     def tensors(self, stage: int) -> List[TensorSpec]:
         """Every parameter a rank of ``stage`` holds (local shapes), in the model's order."""
         st = self.stages[stage]
-        return stage_tensors(self.model, self.layout.tp, self.layout.ep, st.modules, st.first, st.last,
-                             self.sequence_parallel)
+        return stage_tensors(
+            self.model, self.layout.tp, self.layout.ep, st.modules, st.first, st.last, self.sequence_parallel
+        )
 
     def module_numel(self, stage: int) -> Dict[int, int]:
         """Parameters per module key of ``stage`` on one rank."""
@@ -298,7 +324,7 @@ class ParallelPlan:
         replicas on their first stage, data-parallel replicas on DP (or expert-DP) rank 0; a
         distributed-optimizer shard is owned by one member of its reduction group already.
         """
-        if sharded:   # one member of the reduction group (TP block x stages x DP) owns each element
+        if sharded:  # one member of the reduction group (TP block x stages x DP) owns each element
             return tp_dim is not None or coords.tp == 0 or self.tp_block(logical) > 1
         if (tp_dim is None and coords.tp != 0) or coords.tp % self.tp_block(logical):
             return False
@@ -327,10 +353,20 @@ class ParallelPlan:
             reference = [s.logical for s in self.tensors(min(stages))] if stages else [s.logical for s in specs]
             ordered = sorted(members, key=lambda s: reference.index(s.logical), reverse=True)
             size = self.group_members(over, stages, block)
-            out.append(layout_buffer(over, stages, block, size, self.buffers.distributed and size > 1,
-                                     [s.name for s in ordered], [s.numel for s in ordered],
-                                     [s.module_key for s in ordered],
-                                     self.buffers.bucket_size, self.buffers.break_at_modules))
+            out.append(
+                layout_buffer(
+                    over,
+                    stages,
+                    block,
+                    size,
+                    self.buffers.distributed and size > 1,
+                    [s.name for s in ordered],
+                    [s.numel for s in ordered],
+                    [s.module_key for s in ordered],
+                    self.buffers.bucket_size,
+                    self.buffers.break_at_modules,
+                )
+            )
         return tuple(out)
 
     def buffer_member(self, buffer: GradBuffer, coords: Coords) -> int:
@@ -360,8 +396,16 @@ class ParallelPlan:
             owned = {i: end - start for i, start, end in buf.owned(member)}
             for i, footprint in enumerate(buf.footprints()):
                 b = self.buffers
-                add = offload_choice.state_bytes(footprint, b.param_bytes, owned.get(i, 0), b.moment_bytes,
-                                                 shapes[buf.names[i]], b.optimizer, b.grad_bytes, b.master_bytes)
+                add = offload_choice.state_bytes(
+                    footprint,
+                    b.param_bytes,
+                    owned.get(i, 0),
+                    b.moment_bytes,
+                    shapes[buf.names[i]],
+                    b.optimizer,
+                    b.grad_bytes,
+                    b.master_bytes,
+                )
                 out[buf.modules[i]] = offload_choice.add_bytes(out.get(buf.modules[i], {}), add)
         return out
 
@@ -379,6 +423,7 @@ def _with_offload(plan: ParallelPlan, st: StagePlan, cfg: Config) -> StagePlan:
     for part in per_module.values():
         total = offload_choice.add_bytes(total, part)
     per_module.pop(None, None)
-    chosen = offload_choice.choose_offloaded(cfg.offload, cfg.model.num_layers, st.layer_keys, st.layers, total,
-                                             per_module, f"stage {st.index}")
+    chosen = offload_choice.choose_offloaded(
+        cfg.offload, cfg.model.num_layers, st.layer_keys, st.layers, total, per_module, f"stage {st.index}"
+    )
     return dataclasses.replace(st, offloaded=tuple(chosen))

@@ -5,6 +5,7 @@ are neighbours (same node) and pipeline stages are far apart. EP divides DP:
 ``ep_rank = dp % EP`` and ``expert_dp_rank = dp // EP``. A 512-rank layout is computed in
 microseconds, which is what lets the planner and the tests reason about any rank in one process.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -69,11 +70,9 @@ class Layout:
         if kind == "pp":
             return [[r(t, d, p) for p in range(P)] for d in range(D) for t in range(T)]
         if kind == "ep":
-            return [[r(t, x * E + e, p) for e in range(E)]
-                    for p in range(P) for x in range(D // E) for t in range(T)]
+            return [[r(t, x * E + e, p) for e in range(E)] for p in range(P) for x in range(D // E) for t in range(T)]
         if kind == "expert_dp":
-            return [[r(t, x * E + e, p) for x in range(D // E)]
-                    for p in range(P) for e in range(E) for t in range(T)]
+            return [[r(t, x * E + e, p) for x in range(D // E)] for p in range(P) for e in range(E) for t in range(T)]
         raise ValueError(f"unknown group kind {kind!r}; known: {GROUP_KINDS}")
 
     def group_of(self, kind: str, rank: int) -> List[int]:
@@ -93,7 +92,6 @@ class Layout:
         raise ValueError(f"unknown group kind {kind!r}; known: {GROUP_KINDS}")
 
 
-
 def stage_set_groups(layout: Layout, stages, over: str, tp_block: int = 1) -> List[List[int]]:
     """All groups "``tp_block`` consecutive TP ranks x pipeline stages ``stages`` x ``over``
     (dp | expert_dp)" of ``layout``."""
@@ -105,5 +103,8 @@ def stage_set_groups(layout: Layout, stages, over: str, tp_block: int = 1) -> Li
     else:
         raise ValueError(f"unknown reduction {over!r}")
     blocks = [range(b, b + tp_block) for b in range(0, T, tp_block)]
-    return [sorted(layout.rank(t, d, p) for p in stages for d in members for t in block)
-            for members in dps for block in blocks]
+    return [
+        sorted(layout.rank(t, d, p) for p in stages for d in members for t in block)
+        for members in dps
+        for block in blocks
+    ]

@@ -8,6 +8,7 @@ groups, the checkpoint metadata and the delinking tool all agree without process
     cycle:K   slot = i mod K          (K slots used round-robin)
     block:K   slot = i // (L / K)     (K contiguous blocks of L/K layers)
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Sequence

@@ -7,6 +7,7 @@ Names, local shapes and sharding attributes exactly as ``model.m6.build_model`` 
 (global pieces and the files holding them), the offload choice and the planner read shapes from
 here, so none of them needs a model to reason about memory or files.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,10 +22,18 @@ OUTPUT_WEIGHT = "output_layer.weight"
 # Parameters a sequence-parallel rank applies to its sequence shard only, so each TP rank holds a
 # partial gradient (model/block.py, attention.py's and mlp.py's row-parallel biases,
 # moe/router.py, m6.py's embedding).
-SEQUENCE_PARALLEL_PARTIAL = ("input_norm.weight", "input_norm.bias", "post_attention_norm.weight",
-                             "post_attention_norm.bias", "final_norm.weight", "final_norm.bias",
-                             "attention.proj.bias", "mlp.fc2.bias", "mlp.router.weight",
-                             "embedding.position_embeddings.weight")
+SEQUENCE_PARALLEL_PARTIAL = (
+    "input_norm.weight",
+    "input_norm.bias",
+    "post_attention_norm.weight",
+    "post_attention_norm.bias",
+    "final_norm.weight",
+    "final_norm.bias",
+    "attention.proj.bias",
+    "mlp.fc2.bias",
+    "mlp.router.weight",
+    "embedding.position_embeddings.weight",
+)
 
 
 @dataclass(frozen=True)
@@ -54,8 +63,9 @@ class HeadRows:
 
     @classmethod
     def from_json(cls, d: dict) -> "HeadRows":
-        return cls(groups=int(d["groups"]), per_group=tuple(str(x) for x in d["per_group"]),
-                   head_dim=int(d["head_dim"]))
+        return cls(
+            groups=int(d["groups"]), per_group=tuple(str(x) for x in d["per_group"]), head_dim=int(d["head_dim"])
+        )
 
 
 def attention_rows(m: ModelConfig) -> Dict[str, HeadRows]:
@@ -70,15 +80,15 @@ def attention_rows(m: ModelConfig) -> Dict[str, HeadRows]:
 class TensorSpec:
     """One parameter of one rank, as ``build_model`` creates it."""
 
-    name: str                       # module path (the global name)
-    shape: Tuple[int, ...]          # local shape on this rank
+    name: str  # module path (the global name)
+    shape: Tuple[int, ...]  # local shape on this rank
     tp_dim: Optional[int] = None
     expert: bool = False
-    shared_name: Optional[str] = None   # the logical tensor this one replicates (tied output layer)
-    tp_replicas: int = 1            # consecutive TP ranks holding the same shard (key/value heads, TP > groups)
-    tp_partial: bool = False        # each TP copy gets a partial gradient, summed over the copies (plan.py)
-    rows: Optional[HeadRows] = None     # dim 0 of an attention projection
-    module_key: Optional[int] = None    # K of a parameter of transformer module ``layers.K`` (else None)
+    shared_name: Optional[str] = None  # the logical tensor this one replicates (tied output layer)
+    tp_replicas: int = 1  # consecutive TP ranks holding the same shard (key/value heads, TP > groups)
+    tp_partial: bool = False  # each TP copy gets a partial gradient, summed over the copies (plan.py)
+    rows: Optional[HeadRows] = None  # dim 0 of an attention projection
+    module_key: Optional[int] = None  # K of a parameter of transformer module ``layers.K`` (else None)
 
     @property
     def numel(self) -> int:
@@ -135,7 +145,7 @@ def attention_tensors(m: ModelConfig, prefix: str, tp: int) -> List[TensorSpec]:
     """The parameters of one ``model/attention.py`` module."""
     h = m.hidden_size
     specs: List[TensorSpec] = []
-    if m.softmax_type == "learnable":   # the module's own parameter comes before its submodules'
+    if m.softmax_type == "learnable":  # the module's own parameter comes before its submodules'
         specs.append(TensorSpec(f"{prefix}.softmax_offset", (m.num_attention_heads // tp,), tp_dim=0))
     for name, rows in attention_rows(m).items():
         specs += _heads(f"{prefix}.{name}", rows, h, tp, m.qkv_bias)
@@ -167,8 +177,15 @@ def layer_tensors(m: ModelConfig, key: int, tp: int, ep: int) -> List[TensorSpec
     return [dataclasses.replace(s, module_key=key) for s in specs]
 
 
-def stage_tensors(m: ModelConfig, tp: int, ep: int, module_keys: Sequence[int], first: bool,
-                  last: bool, sequence_parallel: bool = False) -> List[TensorSpec]:
+def stage_tensors(
+    m: ModelConfig,
+    tp: int,
+    ep: int,
+    module_keys: Sequence[int],
+    first: bool,
+    last: bool,
+    sequence_parallel: bool = False,
+) -> List[TensorSpec]:
     """Every parameter of a stage that builds ``module_keys``, in ``named_parameters`` order;
     under ``sequence_parallel`` those applied to sequence shards hold partial gradients."""
     specs: List[TensorSpec] = []
@@ -182,9 +199,16 @@ def stage_tensors(m: ModelConfig, tp: int, ep: int, module_keys: Sequence[int], 
         specs += _norm("final_norm", m)
         tied = not m.untie_embeddings_and_output_weights
         if not (tied and first):
-            specs.append(TensorSpec(OUTPUT_WEIGHT, (m.padded_vocab_size // tp, m.hidden_size), tp_dim=0,
-                                    shared_name=WORD_EMBEDDING if tied else None))
+            specs.append(
+                TensorSpec(
+                    OUTPUT_WEIGHT,
+                    (m.padded_vocab_size // tp, m.hidden_size),
+                    tp_dim=0,
+                    shared_name=WORD_EMBEDDING if tied else None,
+                )
+            )
     if sequence_parallel:
-        specs = [dataclasses.replace(s, tp_partial=True) if s.name.endswith(SEQUENCE_PARALLEL_PARTIAL) else s
-                 for s in specs]
+        specs = [
+            dataclasses.replace(s, tp_partial=True) if s.name.endswith(SEQUENCE_PARALLEL_PARTIAL) else s for s in specs
+        ]
     return specs

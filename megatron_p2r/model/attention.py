@@ -7,6 +7,7 @@ head whose value is 0 and whose logit is the head's offset, given as an additive
 SDPA has no sink argument, and with a float mask torch runs its math kernel on CPU (s x s
 tensors) and the memory-efficient one on CUDA.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,13 @@ from megatron_p2r.parallel.sharding import make_param
 from megatron_p2r.parallel.state import ParallelState
 
 
-def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
-                  original_context: int = 8192) -> torch.Tensor:
+def llama3_scaled(
+    inv_freq: torch.Tensor,
+    factor: float,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_context: int = 8192,
+) -> torch.Tensor:
     """Llama 3.1's rotary frequency scaling as megatron-core computes it (RotaryEmbedding._apply_scaling):
     wavelengths beyond the original context / low_freq_factor are slowed by ``factor``, those
     below context / high_freq_factor kept, the band between blended smoothly."""
@@ -40,8 +46,14 @@ def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float 
     return torch.where(medium, smoothed, scaled)
 
 
-def rotary_tables(seq_len: int, rotary_dim: int, base: float, device, rope_scaling_factor: Optional[float] = None,
-                  seq_len_interpolation_factor: Optional[float] = None) -> tuple:
+def rotary_tables(
+    seq_len: int,
+    rotary_dim: int,
+    base: float,
+    device,
+    rope_scaling_factor: Optional[float] = None,
+    seq_len_interpolation_factor: Optional[float] = None,
+) -> tuple:
     """cos, sin [seq, rotary_dim] in the rotate-half convention (as Llama in transformers), with
     megatron-core's optional Llama 3.1 scaling (``rope_scaling_factor``) and linear position
     interpolation (positions times 1 / ``seq_len_interpolation_factor``)."""
@@ -58,8 +70,14 @@ def rotary_tables(seq_len: int, rotary_dim: int, base: float, device, rope_scali
 
 def model_rotary_tables(m: ModelConfig, seq_len: int, device) -> tuple:
     """``rotary_tables`` for a model's config (its base, rotated dimensions and scaling flags)."""
-    return rotary_tables(seq_len, m.rotary_dim, m.rotary_base, device, m.rope_scaling_factor if m.use_rope_scaling
-                         else None, m.rotary_seq_len_interpolation_factor)
+    return rotary_tables(
+        seq_len,
+        m.rotary_dim,
+        m.rotary_base,
+        device,
+        m.rope_scaling_factor if m.use_rope_scaling else None,
+        m.rotary_seq_len_interpolation_factor,
+    )
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -109,8 +127,16 @@ class Attention(nn.Module):
     the ParallelPlan sums over those ranks (``layout.tensor_specs.HeadRows``, docs/architecture.md).
     """
 
-    def __init__(self, cfg: ModelConfig, ps: ParallelState, device=None, *, sequence_parallel: bool = False,
-                 recompute_core: bool = False, window: Optional[int] = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ps: ParallelState,
+        device=None,
+        *,
+        sequence_parallel: bool = False,
+        recompute_core: bool = False,
+        window: Optional[int] = None,
+    ):
         super().__init__()
         h, d, tp = cfg.hidden_size, cfg.head_dim, ps.tp_size
         heads, groups = cfg.num_attention_heads, cfg.query_groups
@@ -120,27 +146,34 @@ class Attention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.device = ps.device
         self.recompute_core = recompute_core
-        self.window = window   # keys before the query this layer sees (ModelConfig.attention_window)
+        self.window = window  # keys before the query this layer sees (ModelConfig.attention_window)
         # Megatron-LM's softmax offsets: learned per head (normal init, no weight decay), or 0 for off-by-one.
         self.softmax_type = cfg.softmax_type
         self.softmax_offset = None
         if cfg.softmax_type == "learnable":
-            self.softmax_offset = make_param((self.local_heads,), tp_dim=0, init=("normal", cfg.init_method_std),
-                                             no_wd=True, device=device)
-        projection = dict(bias=cfg.qkv_bias, init_std=cfg.init_method_std, sequence_parallel=sequence_parallel,
-                          device=device)
+            self.softmax_offset = make_param(
+                (self.local_heads,), tp_dim=0, init=("normal", cfg.init_method_std), no_wd=True, device=device
+            )
+        projection = dict(
+            bias=cfg.qkv_bias, init_std=cfg.init_method_std, sequence_parallel=sequence_parallel, device=device
+        )
         self.qkv = self.query = self.key_value = None
         if cfg.group_query_attention:
             self.query = ColumnParallelLinear(h, heads * d, ps, **projection)
-            self.key_value = ColumnParallelLinear(h, 2 * groups * d, ps, tp_replicas=max(tp // groups, 1),
-                                                  **projection)
+            self.key_value = ColumnParallelLinear(h, 2 * groups * d, ps, tp_replicas=max(tp // groups, 1), **projection)
         else:
             self.qkv = ColumnParallelLinear(h, 3 * heads * d, ps, **projection)
         self.q_layernorm = make_norm(cfg, device, d) if cfg.qk_layernorm else None
         self.k_layernorm = make_norm(cfg, device, d) if cfg.qk_layernorm else None
-        self.proj = RowParallelLinear(heads * d, h, ps, bias=cfg.add_bias,
-                                      init_std=cfg.init_method_std / math.sqrt(2 * cfg.num_layers),
-                                      sequence_parallel=sequence_parallel, device=device)
+        self.proj = RowParallelLinear(
+            heads * d,
+            h,
+            ps,
+            bias=cfg.add_bias,
+            init_std=cfg.init_method_std / math.sqrt(2 * cfg.num_layers),
+            sequence_parallel=sequence_parallel,
+            device=device,
+        )
 
     def _project(self, x: torch.Tensor) -> tuple:
         """q [b, local heads, s, d]; k, v [b, local key/value heads, s, d], s the whole sequence
@@ -157,7 +190,7 @@ class Attention(nn.Module):
         return q, k, v
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
-        q, k, v = self._project(x)   # the whole sequence, also when x is a sequence shard
+        q, k, v = self._project(x)  # the whole sequence, also when x is a sequence shard
         b, s = q.shape[0], q.shape[2]
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
@@ -184,5 +217,12 @@ class Attention(nn.Module):
             k, v, mask = with_sink(k, v, mask, offsets)
         # Heads are split over TP, so their dropout masks must differ between TP ranks.
         with tp_random.get_rng_tracker(self.device).fork() if p > 0 else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
-                                                  enable_gqa=self.local_groups != self.local_heads)
+            return F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=p,
+                is_causal=mask is None,
+                enable_gqa=self.local_groups != self.local_heads,
+            )

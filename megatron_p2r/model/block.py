@@ -6,6 +6,7 @@ the overlapped expert schedule runs the same nodes one graph each (``nodes()``).
 Under sequence parallelism ``x`` is this rank's sequence shard: the norms, dropouts and
 residual adds run on 1/TP of the tokens, and the residual dropout draws from the
 model-parallel RNG stream (``random.dropout_rng``)."""
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -28,14 +29,24 @@ class TransformerLayer(nn.Module):
     """``recompute_core``: selective recomputation of the attention core (model/attention.py);
     ``window``: this layer's sliding window (``ModelConfig.attention_window``)."""
 
-    def __init__(self, cfg: ModelConfig, ps: ParallelState, moe: bool, device=None, *,
-                 sequence_parallel: bool = False, recompute_core: bool = False, window: Optional[int] = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ps: ParallelState,
+        moe: bool,
+        device=None,
+        *,
+        sequence_parallel: bool = False,
+        recompute_core: bool = False,
+        window: Optional[int] = None,
+    ):
         super().__init__()
         self.hidden_dropout = cfg.hidden_dropout
         self.device, self.sequence_parallel = ps.device, sequence_parallel
         self.input_norm = make_norm(cfg, device)
-        self.attention = Attention(cfg, ps, device, sequence_parallel=sequence_parallel, recompute_core=recompute_core,
-                                   window=window)
+        self.attention = Attention(
+            cfg, ps, device, sequence_parallel=sequence_parallel, recompute_core=recompute_core, window=window
+        )
         self.post_attention_norm = make_norm(cfg, device)
         if moe:
             self.mlp = MoELayer(cfg, ps, device, sequence_parallel=sequence_parallel)
@@ -43,7 +54,7 @@ class TransformerLayer(nn.Module):
             self.mlp = MLP(cfg, ps, device=device, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
-        if isinstance(self.mlp, MoELayer):   # its nodes in sequence, the all-to-alls blocking
+        if isinstance(self.mlp, MoELayer):  # its nodes in sequence, the all-to-alls blocking
             residual, routed = self.pre(x, rope)
             return self.post(self.mlp.expert_rows(routed), residual, routed.weights, routed)
         x = self.attend(x, rope)
@@ -53,8 +64,13 @@ class TransformerLayer(nn.Module):
         """This layer cut at its expert all-to-alls (``moe.nodes``); None without any (dense, EP=1)."""
         if not isinstance(self.mlp, MoELayer) or self.mlp.dispatcher.group is None:
             return None
-        return LayerNodes(pre=self.pre, experts=self.mlp.compute, post=self.post, exchange=self.mlp.exchange,
-                          group=self.mlp.dispatcher.group)
+        return LayerNodes(
+            pre=self.pre,
+            experts=self.mlp.compute,
+            post=self.post,
+            exchange=self.mlp.exchange,
+            group=self.mlp.dispatcher.group,
+        )
 
     def pre(self, x: torch.Tensor, rope=None) -> Tuple[torch.Tensor, Routed]:
         """A MoE layer up to its dispatch: attention, router, permute."""

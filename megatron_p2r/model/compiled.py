@@ -17,6 +17,7 @@ once. (``--overlap-param-gather`` waits before a compiled layer, outside its gra
 with inductor's generator, seeded from torch's default one: the masks differ from eager ones
 (same distribution; TP peers still drop replicated activations alike).
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,7 +31,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 logger = logging.getLogger(__name__)
 
-BACKEND = "inductor"   # torch.compile's default (the tests swap in aot_eager where codegen adds only time)
+BACKEND = "inductor"  # torch.compile's default (the tests swap in aot_eager where codegen adds only time)
 
 # What one graph cannot hold: a graph break, or a Python value read from a tensor (``.tolist()``).
 _GRAPH_BREAKS = (torch._dynamo.exc.Unsupported, GuardOnDataDependentSymNode)
@@ -51,9 +52,13 @@ class CompiledForward:
             return self.pieces(*args, **kwargs)
         try:
             return self.whole(*args, **kwargs)
-        except _GRAPH_BREAKS as exc:   # raised while tracing, before anything ran
-            logger.warning("--compile: layer %s does not trace as one graph (%s); it and the layers like it are "
-                           "compiled in pieces around the graph breaks", self.name, graph_break_reason(exc))
+        except _GRAPH_BREAKS as exc:  # raised while tracing, before anything ran
+            logger.warning(
+                "--compile: layer %s does not trace as one graph (%s); it and the layers like it are "
+                "compiled in pieces around the graph breaks",
+                self.name,
+                graph_break_reason(exc),
+            )
             self.pieces = torch.compile(self.forward, backend=self.backend)
             return self.pieces(*args, **kwargs)
 

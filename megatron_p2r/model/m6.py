@@ -19,6 +19,7 @@ Recomputation (Megatron-LM's flags): ``selective`` recomputes each layer's atten
 chunk, as Megatron-LM applies them to each virtual stage's block). Offloaded layers recompute
 themselves and stay outside the units.
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,16 +50,22 @@ class Embedding(nn.Module):
     def __init__(self, cfg: Config, ps: ParallelState, device=None, *, sequence_parallel: bool = False):
         super().__init__()
         m = cfg.model
-        self.word_embeddings = VocabParallelEmbedding(m.padded_vocab_size, m.hidden_size, ps,
-                                                      init_std=m.init_method_std,
-                                                      sequence_parallel=sequence_parallel, device=device)
+        self.word_embeddings = VocabParallelEmbedding(
+            m.padded_vocab_size,
+            m.hidden_size,
+            ps,
+            init_std=m.init_method_std,
+            sequence_parallel=sequence_parallel,
+            device=device,
+        )
         self.sequence_parallel, self.tp_rank, self.device = sequence_parallel, ps.tp_rank, ps.device
         self.position_embeddings = None
         if m.position_embedding_type == "learned_absolute":
             # _weight skips nn.Embedding's own normal_ init (init_parameters draws it; on the meta
             # device that init would import torch._dynamo, seconds per process)
-            self.position_embeddings = nn.Embedding(m.max_positions, m.hidden_size,
-                                                    _weight=torch.empty(m.max_positions, m.hidden_size, device=device))
+            self.position_embeddings = nn.Embedding(
+                m.max_positions, m.hidden_size, _weight=torch.empty(m.max_positions, m.hidden_size, device=device)
+            )
             p = self.position_embeddings.weight
             p.tp_dim, p.expert, p.no_wd, p.init = None, False, False, ("normal", m.init_method_std)
         self.dropout = m.hidden_dropout
@@ -73,8 +80,14 @@ class Embedding(nn.Module):
             return nn.functional.dropout(x, p)
 
 
-def logits_or_loss(x: torch.Tensor, weight: torch.Tensor, labels: Optional[torch.Tensor],
-                   loss_mask: Optional[torch.Tensor], group, sequence_parallel: bool) -> torch.Tensor:
+def logits_or_loss(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    labels: Optional[torch.Tensor],
+    loss_mask: Optional[torch.Tensor],
+    group,
+    sequence_parallel: bool,
+) -> torch.Tensor:
     """Logits ``[b, s, V/TP]``, or with ``labels`` the loss fused with the output layer."""
     if labels is None:
         return column_parallel_linear(x, weight, None, group, sequence_parallel)
@@ -86,8 +99,9 @@ class OutputLayer(ColumnParallelLinear):
     forward, never directly by the model: module hooks run before it is read (the overlapped
     parameter all-gather waits in one, ``parallel/ddp.py``)."""
 
-    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         return logits_or_loss(x, self.weight, labels, loss_mask, self.group, self.sequence_parallel)
 
 
@@ -113,23 +127,41 @@ class M6Model(nn.Module):
         starts = [0]
         for chunk in stage.chunks:
             starts.append(starts[-1] + len(chunk.layer_keys))
-        self._chunk_calls = [range(a, b) for a, b in zip(starts, starts[1:], strict=False)]   # positions in layer_calls
+        self._chunk_calls = [range(a, b) for a, b in zip(starts, starts[1:], strict=False)]  # positions in layer_calls
         selective = cfg.train.recompute == "selective"
-        self.layers = nn.ModuleDict({str(k): TransformerLayer(m, ps, m.is_moe_layer(k), device, sequence_parallel=sp,
-                                                              recompute_core=selective, window=m.attention_window(k))
-                                     for k in stage.modules})
+        self.layers = nn.ModuleDict(
+            {
+                str(k): TransformerLayer(
+                    m,
+                    ps,
+                    m.is_moe_layer(k),
+                    device,
+                    sequence_parallel=sp,
+                    recompute_core=selective,
+                    window=m.attention_window(k),
+                )
+                for k in stage.modules
+            }
+        )
         self.embedding = Embedding(cfg, ps, device, sequence_parallel=sp) if stage.first else None
         self.final_norm = make_norm(m, device) if stage.last else None
         self.output_layer = None
         tied = not m.untie_embeddings_and_output_weights
         if stage.last and not (tied and stage.first):
-            self.output_layer = OutputLayer(m.hidden_size, m.padded_vocab_size, ps, bias=False,
-                                            init_std=m.init_method_std, sequence_parallel=sp, device=device)
+            self.output_layer = OutputLayer(
+                m.hidden_size,
+                m.padded_vocab_size,
+                ps,
+                bias=False,
+                init_std=m.init_method_std,
+                sequence_parallel=sp,
+                device=device,
+            )
             if tied:  # a replica of the first stage's embedding; gradients summed over the embedding group
                 self.output_layer.weight.shared_name = WORD_EMBEDDING
         self.rope_base = m.rotary_base if m.position_embedding_type == "rope" else None
         self.layer_calls: List[Callable] = [self.layers[str(k)] for k in self.layer_keys]
-        self.standalone: Set[int] = set()   # layers whose calls recompute themselves
+        self.standalone: Set[int] = set()  # layers whose calls recompute themselves
         self.recompute_units = self._recompute_units()
 
     def _recompute_units(self) -> List[List[Tuple[List[int], bool]]]:
@@ -193,17 +225,24 @@ class M6Model(nn.Module):
         s = s // self.ps.tp_size if self.sequence_parallel else s
         return (b, s, self.cfg.model.hidden_size), next(self.parameters()).dtype
 
-    def chunk_input(self, chunk: int, tokens: Optional[torch.Tensor] = None,
-                    hidden: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[tuple]]:
+    def chunk_input(
+        self, chunk: int, tokens: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, Optional[tuple]]:
         """Model chunk ``chunk``'s input: the embedded ``tokens`` on the first virtual stage, else
         ``hidden``; and the rotary tables its layers read."""
         x = self.embedding(tokens) if self.stage.chunks[chunk].first else hidden
         seq_length = x.shape[1] * (self.ps.tp_size if self.sequence_parallel else 1)
         return x, self.rope(seq_length, x.device)
 
-    def forward(self, tokens: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None,
-                chunk: int = 0, head_only: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: Optional[torch.Tensor] = None,
+        hidden: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        loss_mask: Optional[torch.Tensor] = None,
+        chunk: int = 0,
+        head_only: bool = False,
+    ) -> torch.Tensor:
         """Hidden states of model chunk ``chunk``; on the last virtual stage logits ``[b, s, V/TP]``,
         or with ``labels`` per-token losses ``[b, s]`` — with ``loss_mask`` too, the scalar sum of
         loss x mask (the schedules' objective; its gradient computed with the loss: the output
@@ -228,8 +267,9 @@ class M6Model(nn.Module):
         if self.output_layer is not None:
             return self.output_layer(x, labels, loss_mask)
         # tied weights on a single stage: the input embedding's, already gathered by its forward
-        return logits_or_loss(x, self.embedding.word_embeddings.weight, labels, loss_mask, self.ps.group("tp"),
-                              self.sequence_parallel)
+        return logits_or_loss(
+            x, self.embedding.word_embeddings.weight, labels, loss_mask, self.ps.group("tp"), self.sequence_parallel
+        )
 
     def _run_layers(self, positions: Iterable[int], x: torch.Tensor, rope) -> torch.Tensor:
         for position in positions:
@@ -242,8 +282,14 @@ def params_dtype(cfg: Config) -> torch.dtype:
     return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32
 
 
-def build_model(cfg: Config, ps: ParallelState, plan: Optional[ParallelPlan] = None, *,
-                meta: bool = False, device: Optional[torch.device] = None) -> M6Model:
+def build_model(
+    cfg: Config,
+    ps: ParallelState,
+    plan: Optional[ParallelPlan] = None,
+    *,
+    meta: bool = False,
+    device: Optional[torch.device] = None,
+) -> M6Model:
     """Build this rank's stage of ``plan`` (default: the plan of ``cfg`` on ``ps.layout``) on
     ``device`` (default ``ps.device``), weights in ``params_dtype(cfg)`` (initialised in fp32,
     then rounded); on ``meta`` nothing is allocated or initialised."""
@@ -253,4 +299,3 @@ def build_model(cfg: Config, ps: ParallelState, plan: Optional[ParallelPlan] = N
     if not meta:
         model.init_weights(cfg.train.seed)
     return model.to(params_dtype(cfg))
-

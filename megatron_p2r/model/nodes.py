@@ -2,6 +2,7 @@
 ``pipeline/a2a_overlap.py``) needs of the model besides each layer's nodes (``moe/nodes.py``):
 a node's inputs are fresh leaves, its backward is autograd's from its outputs, and the weights
 several nodes read have their gradients summed before they are accumulated (``SharedWeights``)."""
+
 from __future__ import annotations
 
 import collections
@@ -36,10 +37,14 @@ class SharedWeights:
     def __init__(self, model):
         uses = collections.Counter(id(call) for call in model.layer_calls)
         shared = {id(c): c for c in model.layer_calls if uses[id(c)] > 1 and isinstance(c, nn.Module)}
-        self.slots = [(m, name, p) for module in shared.values() for m in module.modules()
-                      for name, p in m.named_parameters(recurse=False)]
+        self.slots = [
+            (m, name, p)
+            for module in shared.values()
+            for m in module.modules()
+            for name, p in m.named_parameters(recurse=False)
+        ]
         if model.embedding is not None and model.final_norm is not None and model.output_layer is None:
-            word = model.embedding.word_embeddings   # tied: the output layer reads the embedding's matrix
+            word = model.embedding.word_embeddings  # tied: the output layer reads the embedding's matrix
             self.slots.append((word, "weight", word.weight))
 
     def aliases(self) -> List[torch.Tensor]:

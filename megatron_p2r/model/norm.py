@@ -1,6 +1,7 @@
 """Normalisation layers: torch's LayerNorm / RMSNorm over the hidden size (the layer norms) or
 over one head's dimension (--qk-layernorm). NVIDIA apex's fused kernels are not needed for
 these sizes."""
+
 from __future__ import annotations
 
 from typing import Optional

@@ -1,5 +1,6 @@
 """The MLP's activation, shared by the dense MLP (model/mlp.py) and the experts (moe/experts.py);
 it lives here because ``model`` sits above ``moe``."""
+
 from __future__ import annotations
 
 import torch

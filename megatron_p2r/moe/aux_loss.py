@@ -14,6 +14,7 @@ capacity and each expert's load (assignments routed to it / the balanced share, 
 Recomputation records a forward twice; the figures are a ratio, a min and a max, so that
 changes nothing.
 """
+
 from __future__ import annotations
 
 import math
@@ -86,5 +87,8 @@ def pop_routing_stats(device: torch.device) -> Optional[dict]:
     dropped, assigned = sums.tolist()
     if assigned == 0:
         return None
-    return {"moe_dropped_fraction": dropped / assigned, "moe_min_load": -extremes[0].item(),
-            "moe_max_load": extremes[1].item()}
+    return {
+        "moe_dropped_fraction": dropped / assigned,
+        "moe_min_load": -extremes[0].item(),
+        "moe_max_load": extremes[1].item(),
+    }

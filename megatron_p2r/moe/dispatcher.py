@@ -15,6 +15,7 @@
 Both all-to-alls are ``parallel.mappings.all_to_all`` (differentiable; on gloo it is built from
 batched isend/irecv since gloo has no all_to_all). With EP=1 no communication happens.
 """
+
 from __future__ import annotations
 
 import math
@@ -72,14 +73,14 @@ class _WeightedUnpermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, weights, order):
         slots, tokens = weights.shape
-        if rows.shape[0] == slots * tokens:   # nothing dropped: ``order`` is a permutation, gather by its inverse
+        if rows.shape[0] == slots * tokens:  # nothing dropped: ``order`` is a permutation, gather by its inverse
             inverse = torch.empty_like(order)
             inverse[order] = torch.arange(order.numel(), device=order.device)
             per_slot = rows.index_select(0, inverse)
-        else:                                 # dropped slots stay zero rows
+        else:  # dropped slots stay zero rows
             per_slot = rows.new_zeros((slots * tokens, rows.shape[1])).index_copy_(0, order, rows)
         per_slot = per_slot.view(slots, tokens, -1)
-        out = per_slot[0] * weights[0].unsqueeze(-1)          # fp32 (type promotion), no fp32 copy of the rows
+        out = per_slot[0] * weights[0].unsqueeze(-1)  # fp32 (type promotion), no fp32 copy of the rows
         for s in range(1, slots):
             out.addcmul_(per_slot[s], weights[s].unsqueeze(-1))
         ctx.save_for_backward(per_slot, weights, order)
@@ -113,10 +114,10 @@ def expert_capacity(num_tokens: int, slots: int, num_experts: int, factor: Optio
 
 @dataclass
 class Plan:
-    order: torch.Tensor      # kept assignments (indices into the slot-major flat list), sorted by expert
-    tokens: torch.Tensor     # token index of each kept assignment
-    counts: List[int]        # kept assignments per global expert
-    routed: List[int]        # assignments per global expert before drops
+    order: torch.Tensor  # kept assignments (indices into the slot-major flat list), sorted by expert
+    tokens: torch.Tensor  # token index of each kept assignment
+    counts: List[int]  # kept assignments per global expert
+    routed: List[int]  # assignments per global expert before drops
 
     @property
     def dropped(self) -> int:
@@ -126,7 +127,7 @@ class Plan:
 def plan(indices: torch.Tensor, num_experts: int, capacity: Optional[int]) -> Plan:
     """Which assignments ``indices`` [T, slots] are kept, sorted by expert (see module doc)."""
     tokens, slots = indices.shape
-    flat = indices.t().reshape(-1)                       # slot-major
+    flat = indices.t().reshape(-1)  # slot-major
     order = torch.argsort(flat, stable=True)
     routed_t = torch.bincount(flat, minlength=num_experts)
     if capacity is not None:
@@ -136,16 +137,17 @@ def plan(indices: torch.Tensor, num_experts: int, capacity: Optional[int]) -> Pl
         kept_t = routed_t.clamp(max=capacity)
     else:
         kept_t = routed_t
-    both = torch.stack([routed_t, kept_t]).tolist()      # one host sync for both lists
+    both = torch.stack([routed_t, kept_t]).tolist()  # one host sync for both lists
     return Plan(order=order, tokens=order % tokens, counts=both[1], routed=both[0])
 
 
 @dataclass
 class Exchange:
     """Who sends how many rows to whom in one MoE layer call (agreed before the rows move)."""
+
     send_splits: List[int]
     recv_splits: List[int]
-    perm: torch.Tensor       # received (source, expert) order -> (expert, source) order
+    perm: torch.Tensor  # received (source, expert) order -> (expert, source) order
     local_counts: List[int]  # received rows per local expert
 
     @property
@@ -179,10 +181,12 @@ class Dispatcher:
         received = all_to_all(sent, [E_l] * P, [E_l] * P, self.group).view(P, E_l)  # [source, local expert]
         recv_counts = received.tolist()
         expert_of_row = torch.arange(E_l, device=device).repeat(P).repeat_interleave(received.reshape(-1))
-        return Exchange(send_splits=[sum(counts[r * E_l:(r + 1) * E_l]) for r in range(P)],
-                        recv_splits=[sum(row) for row in recv_counts],
-                        perm=torch.argsort(expert_of_row, stable=True),
-                        local_counts=[sum(recv_counts[r][e] for r in range(P)) for e in range(E_l)])
+        return Exchange(
+            send_splits=[sum(counts[r * E_l : (r + 1) * E_l]) for r in range(P)],
+            recv_splits=[sum(row) for row in recv_counts],
+            perm=torch.argsort(expert_of_row, stable=True),
+            local_counts=[sum(recv_counts[r][e] for r in range(P)) for e in range(E_l)],
+        )
 
     @staticmethod
     def sorted_by_expert(received: torch.Tensor, handle: Exchange) -> torch.Tensor:

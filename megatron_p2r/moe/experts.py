@@ -26,6 +26,7 @@ take ``moe.grouped_swiglu``, one autograd function with a hand-written backward;
 activations and biases compose autograd ops. grouped_mm is not an autocast op: its weights are cast to
 the rows' dtype, which is what autocast does for ``bmm``.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,14 +55,19 @@ class Experts(nn.Module):
         h, ffn = cfg.hidden_size, cfg.expert_ffn_size // ps.tp_size
         fc1 = ffn * (2 if cfg.gated_linear_unit else 1)
         std = cfg.init_method_std
-        self.weight1 = make_param((self.num_local, fc1, h), tp_dim=1, expert=True, init=("normal", std),
-                                  device=device)
-        self.weight2 = make_param((self.num_local, h, ffn), tp_dim=2, expert=True,
-                                  init=("normal", std / math.sqrt(2 * cfg.num_layers)), device=device)
+        self.weight1 = make_param((self.num_local, fc1, h), tp_dim=1, expert=True, init=("normal", std), device=device)
+        self.weight2 = make_param(
+            (self.num_local, h, ffn),
+            tp_dim=2,
+            expert=True,
+            init=("normal", std / math.sqrt(2 * cfg.num_layers)),
+            device=device,
+        )
         self.bias1 = self.bias2 = None
         if cfg.add_bias:
-            self.bias1 = make_param((self.num_local, fc1), tp_dim=1, expert=True, init=("zeros",), no_wd=True,
-                                    device=device)
+            self.bias1 = make_param(
+                (self.num_local, fc1), tp_dim=1, expert=True, init=("zeros",), no_wd=True, device=device
+            )
             self.bias2 = make_param((self.num_local, h), expert=True, init=("zeros",), no_wd=True, device=device)
 
     def _activation(self, fc1) -> torch.Tensor:
@@ -72,8 +78,9 @@ class Experts(nn.Module):
             return self.activation.gated_unit(fc1(0, 2), fc1(1, 2))
         return self.activation(fc1(0, 1))
 
-    def _padded(self, x: torch.Tensor, counts: List[int], counts_t: torch.Tensor,
-                expert_of_row: torch.Tensor) -> torch.Tensor:
+    def _padded(
+        self, x: torch.Tensor, counts: List[int], counts_t: torch.Tensor, expert_of_row: torch.Tensor
+    ) -> torch.Tensor:
         """Rows padded to the busiest expert's count, batched matmuls, padding rows dropped."""
         E, h, n = self.num_local, x.shape[-1], x.shape[0]
         width = max(counts)
@@ -107,14 +114,16 @@ class Experts(nn.Module):
         return grouped_matmul(y, expert_weights(self.weight2, x.dtype), ends)
 
     def _use_grouped(self, x: torch.Tensor) -> bool:
-        return self.grouped_gemm and grouped_mm_runs(x.device, x.dtype, x.shape[-1], self.weight2.shape[-1],
-                                                     2 if self.activation.gated else 1)
+        return self.grouped_gemm and grouped_mm_runs(
+            x.device, x.dtype, x.shape[-1], self.weight2.shape[-1], 2 if self.activation.gated else 1
+        )
 
     def forward(self, x: torch.Tensor, counts: List[int]) -> torch.Tensor:
         """``x`` [N, h] grouped by local expert (``counts`` rows each) -> [N, h] partial over TP."""
         counts_t = torch.tensor(counts, device=x.device)
-        expert_of_row = torch.repeat_interleave(torch.arange(self.num_local, device=x.device), counts_t,
-                                                output_size=x.shape[0])
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(self.num_local, device=x.device), counts_t, output_size=x.shape[0]
+        )
         if self._use_grouped(x):
             y = self._grouped(x, counts_t, expert_of_row)
         else:

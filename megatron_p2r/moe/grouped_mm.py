@@ -8,6 +8,7 @@ strides of ``sum()``'s gradient). So each (device, dtype, widths) is tried once 
 laid out as the experts lay theirs out, forward and backward, and the answer is kept; the
 experts fall back to padded ``bmm`` where it fails, saying why once.
 """
+
 from __future__ import annotations
 
 import functools
@@ -67,7 +68,14 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype, hidden: int, ffn: 
             grouped_matmul(y[:, :ffn].contiguous(), expert_weights(w2, dtype), ends).sum().backward()
     except (RuntimeError, NotImplementedError, AttributeError) as exc:  # AttributeError: a torch without it
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        logger.warning("--moe-grouped-gemm: torch's grouped_mm cannot run the experts in %s on %s (hidden %d, "
-                       "expert FFN %d per rank): %s; they use padded bmm", dtype, device, hidden, ffn, reason)
+        logger.warning(
+            "--moe-grouped-gemm: torch's grouped_mm cannot run the experts in %s on %s (hidden %d, "
+            "expert FFN %d per rank): %s; they use padded bmm",
+            dtype,
+            device,
+            hidden,
+            ffn,
+            reason,
+        )
         return False
     return True

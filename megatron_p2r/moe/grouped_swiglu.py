@@ -10,6 +10,7 @@ the composed path, fewer passes over memory (a tenth of the layer's time under b
 ``weight1`` is saved, not its [gates; ups] copy, which backward makes again: the copy would be
 held per layer and micro-batch in flight (an expert's whole fc1, ~235 MB at Mixtral's size).
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,8 @@ from megatron_p2r.moe.grouped_mm import expert_weights
 class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight1, weight2, ends):
-        w1 = expert_weights(weight1, x.dtype, gated=True)          # [E, h, 2F]: gates then ups
-        w2 = expert_weights(weight2, x.dtype)                      # [E, F, h]
+        w1 = expert_weights(weight1, x.dtype, gated=True)  # [E, h, 2F]: gates then ups
+        w2 = expert_weights(weight2, x.dtype)  # [E, F, h]
         gate_up = F.grouped_mm(x, w1, offs=ends)
         gate, up = gate_up.chunk(2, dim=-1)
         activated = F.silu(gate)
@@ -44,7 +45,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         torch.ops.aten.silu_backward.grad_input(grad_y * up, gate, grad_input=grad_gate)
         w1 = expert_weights(weight1, x.dtype, gated=True)
         grad_x = F.grouped_mm(grad_gate_up, w1.transpose(1, 2), offs=ends)
-        grad_weight1 = F.grouped_mm(grad_gate_up.t(), x, offs=ends)   # [E, 2F, h], gates then ups
+        grad_weight1 = F.grouped_mm(grad_gate_up.t(), x, offs=ends)  # [E, 2F, h], gates then ups
         grad_weight1 = grad_weight1.unflatten(1, (2, -1)).transpose(1, 2)
         grad_weight1 = grad_weight1.to(ctx.dtypes[0], memory_format=torch.contiguous_format).flatten(1, 2)
         return grad_x, grad_weight1, grad_weight2, None

@@ -21,6 +21,7 @@ all-gathered along the sequence into the TP region (backward: reduce-scatter, wh
 partial gradients as ``copy_to_region`` does); capacity is decided on the gathered sequence,
 exactly as without sequence parallelism. The output is reduce-scattered back to the shard.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,8 +36,14 @@ from megatron_p2r.moe.dispatcher import Dispatcher, Exchange, expert_capacity, g
 from megatron_p2r.moe.experts import Experts
 from megatron_p2r.moe.router import Router
 from megatron_p2r.parallel.layers import to_compute_dtype
-from megatron_p2r.parallel.mappings import (all_gather_sequence, all_to_all, copy_to_region, gather_from_sequence_region,
-                                            reduce_from_region, reduce_scatter_to_sequence_region)
+from megatron_p2r.parallel.mappings import (
+    all_gather_sequence,
+    all_to_all,
+    copy_to_region,
+    gather_from_sequence_region,
+    reduce_from_region,
+    reduce_scatter_to_sequence_region,
+)
 from megatron_p2r.parallel.state import ParallelState
 
 
@@ -80,7 +87,7 @@ class MoELayer(nn.Module):
         """Routing and the rows to dispatch, sorted by global expert (the router's aux loss rides
         on them into backward)."""
         routing = self.router(x.reshape(-1, x.shape[-1]))
-        x, indices, weights = to_compute_dtype(x), routing.indices, routing.weights   # send and compute in it
+        x, indices, weights = to_compute_dtype(x), routing.indices, routing.weights  # send and compute in it
         if self.sequence_group is not None:  # the TP ranks' shards: the whole sequence, as without SP
             b, group = x.shape[0], self.sequence_group
             x = gather_from_sequence_region(x, group)
@@ -111,8 +118,8 @@ class MoELayer(nn.Module):
 
 @dataclass
 class Routed:
-    rows: torch.Tensor       # kept assignments' token rows, sorted by global expert
-    counts: List[int]        # of them, per global expert
-    order: torch.Tensor      # their indices into the slot-major assignment list
-    weights: torch.Tensor    # [slots, T] combine weights (in the TP region)
-    shape: torch.Size        # of the layer's (gathered) input
+    rows: torch.Tensor  # kept assignments' token rows, sorted by global expert
+    counts: List[int]  # of them, per global expert
+    order: torch.Tensor  # their indices into the slot-major assignment list
+    weights: torch.Tensor  # [slots, T] combine weights (in the TP region)
+    shape: torch.Size  # of the layer's (gathered) input

@@ -9,6 +9,7 @@ autograd graph. ``--overlap-moe-expert-parallel-comm`` (``pipeline/a2a_overlap.p
 same nodes, each its own graph, with the all-to-alls in flight while another micro-batch
 computes: what a node computes is decided by the layer, when it runs by the schedule.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,11 +28,12 @@ from megatron_p2r.parallel import random as tp_random
 class LayerNodes:
     """One MoE layer's nodes and what its all-to-alls need. ``recomputed``: each node keeps only
     its inputs and recomputes its activations in its backward (``recompute``)."""
-    pre: Callable[..., Tuple[torch.Tensor, Routed]]   # (x, rope) -> (residual stream, routing)
-    experts: Callable[[torch.Tensor, Exchange], torch.Tensor]   # (received rows, exchange) -> rows to send back
-    post: Callable[..., torch.Tensor]   # (combined rows, residual, combine weights, routing) -> the layer's output
-    exchange: Callable[[Routed], Exchange]   # the splits of both all-to-alls (a small all-to-all of counts)
-    group: Optional[dist.ProcessGroup]   # the all-to-alls' (the EP group)
+
+    pre: Callable[..., Tuple[torch.Tensor, Routed]]  # (x, rope) -> (residual stream, routing)
+    experts: Callable[[torch.Tensor, Exchange], torch.Tensor]  # (received rows, exchange) -> rows to send back
+    post: Callable[..., torch.Tensor]  # (combined rows, residual, combine weights, routing) -> the layer's output
+    exchange: Callable[[Routed], Exchange]  # the splits of both all-to-alls (a small all-to-all of counts)
+    group: Optional[dist.ProcessGroup]  # the all-to-alls' (the EP group)
     recomputed: bool = False
 
     def recompute(self, device: torch.device) -> "LayerNodes":
@@ -39,7 +41,14 @@ class LayerNodes:
         RNG streams replay): the serial recomputation of the layer cut at its all-to-alls. What
         the cut needs is kept instead: the nodes' inputs, the all-to-alls' results among them,
         so a backward re-communicates nothing (the serial recomputation runs them again)."""
+
         def recomputed(node: Callable) -> Callable:
             return functools.partial(tp_random.checkpoint, node, device=device)
-        return dataclasses.replace(self, pre=recomputed(self.pre), experts=recomputed(self.experts),
-                                   post=recomputed(self.post), recomputed=True)
+
+        return dataclasses.replace(
+            self,
+            pre=recomputed(self.pre),
+            experts=recomputed(self.experts),
+            post=recomputed(self.post),
+            recomputed=True,
+        )

@@ -24,6 +24,7 @@ the tokens of all the shards (``sequence_group``): counts and probability sums a
 (the sums with ``reduce_from_region``, whose identity backward gives each rank's probabilities
 their own gradient), so the loss equals the one without sequence parallelism.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,11 +42,11 @@ from megatron_p2r.parallel.sharding import make_param
 
 @dataclass
 class Routing:
-    indices: torch.Tensor        # [T, slots] int64 global expert ids
-    weights: torch.Tensor        # [T, slots] fp32 combine weights
-    probs: torch.Tensor          # [T, groups, E/groups] fp32 router probabilities
-    logits: torch.Tensor         # [T, groups, E/groups] fp32
-    aux_loss: Optional[torch.Tensor] = None   # coefficient-weighted sum of both losses
+    indices: torch.Tensor  # [T, slots] int64 global expert ids
+    weights: torch.Tensor  # [T, slots] fp32 combine weights
+    probs: torch.Tensor  # [T, groups, E/groups] fp32 router probabilities
+    logits: torch.Tensor  # [T, groups, E/groups] fp32
+    aux_loss: Optional[torch.Tensor] = None  # coefficient-weighted sum of both losses
 
 
 def load_balancing_loss(probs: torch.Tensor, indices: torch.Tensor, sequence_group=None) -> torch.Tensor:
@@ -54,11 +55,11 @@ def load_balancing_loss(probs: torch.Tensor, indices: torch.Tensor, sequence_gro
     tokens, groups, n = probs.shape
     counts = torch.bincount(indices.reshape(-1), minlength=groups * n).view(groups, n).to(probs.dtype)
     if sequence_group is None:
-        mean_prob = probs.mean(0)                              # P_e, [G, n]
+        mean_prob = probs.mean(0)  # P_e, [G, n]
     else:
         dist.all_reduce(counts, group=sequence_group)
         mean_prob = reduce_from_region(probs.sum(0), sequence_group) / (tokens * dist.get_world_size(sequence_group))
-    fraction = counts / counts.sum(-1, keepdim=True)          # f_e per group
+    fraction = counts / counts.sum(-1, keepdim=True)  # f_e per group
     return (n * (fraction * mean_prob).sum(-1)).mean()
 
 
@@ -81,8 +82,9 @@ class Router(nn.Module):
         self.renormalize = not cfg.moe_router_pre_softmax
         self.jitter = cfg.moe_input_jitter_eps
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
-        self.weight = make_param((cfg.num_experts, cfg.hidden_size), init=("normal", cfg.init_method_std),
-                                 device=device)
+        self.weight = make_param(
+            (cfg.num_experts, cfg.hidden_size), init=("normal", cfg.init_method_std), device=device
+        )
 
     @property
     def slots(self) -> int:
@@ -96,7 +98,7 @@ class Router(nn.Module):
                 x = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
             logits = F.linear(x, self.weight.float()).view(x.shape[0], self.groups, -1)
             probs = logits.softmax(dim=-1)
-            weights, local = probs.topk(self.topk, dim=-1)                # [T, G, k]
+            weights, local = probs.topk(self.topk, dim=-1)  # [T, G, k]
             if self.renormalize:
                 weights = weights / weights.sum(-1, keepdim=True)
             per_group = self.num_experts // self.groups

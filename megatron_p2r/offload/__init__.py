@@ -8,6 +8,7 @@ part to the device, pins the offloaded weights and makes the model call offloade
 through the fetch runtime (``runtime``); ``optimizer.optimizer_placement`` tells the optimizer
 to step the offloaded parameters on host. See docs/offload.md.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional, Sequence
@@ -28,9 +29,15 @@ def build_device(o: OffloadConfig, ps: ParallelState) -> torch.device:
     return ps.device
 
 
-def apply_offload(model: torch.nn.Module, keys: Sequence[int], o: OffloadConfig, ps: ParallelState,
-                  module_bytes: Dict[Optional[int], Dict[str, int]], delayed_update: bool = False,
-                  host_step: Optional[HostStepLink] = None) -> OffloadManager:
+def apply_offload(
+    model: torch.nn.Module,
+    keys: Sequence[int],
+    o: OffloadConfig,
+    ps: ParallelState,
+    module_bytes: Dict[Optional[int], Dict[str, int]],
+    delayed_update: bool = False,
+    host_step: Optional[HostStepLink] = None,
+) -> OffloadManager:
     """Put the modules ``keys`` of ``model`` (built on ``build_device``) on host, the rest on the
     device; ``module_bytes`` is this rank's accounting (``ParallelPlan.module_state_bytes``);
     ``delayed_update``: the step plan's host step is delayed (config/step_plan.py); ``host_step``:

@@ -23,6 +23,7 @@ reclaimed by the kernel under memory pressure, not by this code. Checkpoints rea
 through the mapping, in the same format as with the state in RAM, so a run may switch between
 the two across a restart.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -43,7 +44,7 @@ from megatron_p2r.layout.offload import format_bytes
 FLAG = "--cpu-offload-optimizer-nvme-path"
 STATE_FILE = "optimizer-state-rank{rank:05d}.bin"
 LOCK_FILE = "optimizer-state-rank{rank:05d}.lock"
-ALIGN = 64            # bytes: each tensor in the file starts on a cache line
+ALIGN = 64  # bytes: each tensor in the file starts on a cache line
 TENSORS_PER_MAIN = 3  # a main and at most two state tensors (AdamW's moments; Adafactor's row/column)
 
 
@@ -58,13 +59,18 @@ def _lock(directory: str, rank: int) -> DirectoryLock:
     where = f"{FLAG} {directory!r}"
     if not os.path.isdir(directory):
         raise ConfigError(f"{where}: not an existing directory (create it on the local NVMe disk)")
-    lock = DirectoryLock(directory, f"training run (optimizer state of rank {rank})", LOCK_FILE.format(rank=rank),
-                         guards=os.path.join(directory, STATE_FILE.format(rank=rank)))
+    lock = DirectoryLock(
+        directory,
+        f"training run (optimizer state of rank {rank})",
+        LOCK_FILE.format(rank=rank),
+        guards=os.path.join(directory, STATE_FILE.format(rank=rank)),
+    )
     try:
         lock.acquire()
     except DirectoryLocked as exc:
-        raise ConfigError(f"{where}: {exc}; two runs never share optimizer-state files: give each run its own "
-                          "directory") from None
+        raise ConfigError(
+            f"{where}: {exc}; two runs never share optimizer-state files: give each run its own directory"
+        ) from None
     except CheckpointError as exc:
         raise ConfigError(f"{where}: {exc}: the directory must be writable") from None
     for note in lock.notes:
@@ -82,8 +88,10 @@ def _reserve(directory: str, path: str, nbytes: int) -> None:
         raise ConfigError(f"{where}: cannot create {path} ({e.strerror}): the directory must be writable") from None
     try:
         free = shutil.disk_usage(directory).free + old
-        lacking = (f"{where}: this rank's optimizer state needs {format_bytes(nbytes)} ({nbytes} bytes) in {path}, "
-                   f"the disk has {format_bytes(free)} free")
+        lacking = (
+            f"{where}: this rank's optimizer state needs {format_bytes(nbytes)} ({nbytes} bytes) in {path}, "
+            f"the disk has {format_bytes(free)} free"
+        )
         if free < nbytes:
             raise ConfigError(lacking)
         try:
@@ -95,9 +103,9 @@ def _reserve(directory: str, path: str, nbytes: int) -> None:
         os.close(fd)
 
 
-_LIBC = ctypes.CDLL(None, use_errno=True)   # its calls release the GIL: the reader thread blocks alone
+_LIBC = ctypes.CDLL(None, use_errno=True)  # its calls release the GIL: the reader thread blocks alone
 _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-MADV_POPULATE_WRITE = 23   # Linux 5.14+: fault the pages in, read from disk and writable (no fault in the step)
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the pages in, read from disk and writable (no fault in the step)
 
 
 def _populate(mapped: torch.Tensor, start: int, length: int) -> None:
@@ -114,14 +122,14 @@ class NvmeStateFile:
 
     def __init__(self, directory: str, rank: int, regions: Dict[int, int]):
         self.path = os.path.join(directory, STATE_FILE.format(rank=rank))
-        self.regions: Dict[int, List[int]] = {}   # key -> [start, end, next free byte]
+        self.regions: Dict[int, List[int]] = {}  # key -> [start, end, next free byte]
         offset = 0
         for key, size in regions.items():
             self.regions[key] = [offset, offset + size, offset]
             offset += size
-        self.nbytes = max(offset, mmap.PAGESIZE)   # a mapping is never empty
+        self.nbytes = max(offset, mmap.PAGESIZE)  # a mapping is never empty
         self.lock = _lock(directory, rank)
-        self._release = weakref.finalize(self, self.lock.release)   # at exit, or once the state is dropped
+        self._release = weakref.finalize(self, self.lock.release)  # at exit, or once the state is dropped
         _reserve(directory, self.path, self.nbytes)
         fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
         try:
@@ -130,15 +138,17 @@ class NvmeStateFile:
             os.close(fd)
         self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvme-read-ahead")
-        self.prefetch_enabled = True   # off only to measure what the prefetch buys (benchmarks/nvme_offload.py)
+        self.prefetch_enabled = True  # off only to measure what the prefetch buys (benchmarks/nvme_offload.py)
 
     def allocate(self, key: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         region = self.regions[key]
         start = -(-region[2] // ALIGN) * ALIGN
         end = start + numel * dtype.itemsize
         if end > region[1]:
-            raise RuntimeError(f"{self.path}: layer {key}'s region ({region[1] - region[0]} bytes) is too small for "
-                               "its optimizer state; the plan's optimizer bytes disagree with the optimizer")
+            raise RuntimeError(
+                f"{self.path}: layer {key}'s region ({region[1] - region[0]} bytes) is too small for "
+                "its optimizer state; the plan's optimizer bytes disagree with the optimizer"
+            )
         region[2] = end
         return self.bytes[start:end].view(dtype)
 
@@ -177,8 +187,14 @@ class NvmeOptimizerState:
     one is prefetched). Works through the step hooks of ``stepping`` (the optimizers that step
     the layers, ``optim/host_step.layer_optimizers``) and ``inner``'s load hook."""
 
-    def __init__(self, file: NvmeStateFile, inner: torch.optim.Optimizer, layers: Dict[int, list],
-                 order: Sequence[int], stepping: Sequence[torch.optim.Optimizer]):
+    def __init__(
+        self,
+        file: NvmeStateFile,
+        inner: torch.optim.Optimizer,
+        layers: Dict[int, list],
+        order: Sequence[int],
+        stepping: Sequence[torch.optim.Optimizer],
+    ):
         self.file, self.inner, self.layers = file, inner, layers
         self.key_of = {id(ms.main): key for key, shards in layers.items() for ms in shards}
         self.next = dict(zip(order, [*order[1:], None], strict=True))
@@ -186,7 +202,7 @@ class NvmeOptimizerState:
         with torch.no_grad():
             for key, shards in layers.items():
                 for ms in shards:
-                    if not ms.aliases_param:   # an fp32 copy of a 16-bit weight: into the file
+                    if not ms.aliases_param:  # an fp32 copy of a 16-bit weight: into the file
                         ms.main.data = self._slot(key, ms.main, "main").copy_(ms.main.reshape(-1)).view(ms.main.shape)
         for optimizer in stepping:
             optimizer.register_step_pre_hook(self._before_step)

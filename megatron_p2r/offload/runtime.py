@@ -14,6 +14,7 @@ For an offloaded layer (weights on host, ``--cpu-offload-what params,grads,optim
 - ``_Fetch.backward`` sends the weights' gradients to host as soon as the layer's backward has
   produced them, where autograd accumulates them into the host ``.grad`` over micro-batches.
 """
+
 from __future__ import annotations
 
 import functools
@@ -65,9 +66,17 @@ class OffloadManager:
     """This stage's offloaded modules: runs them with fetched weights (when their weights live on
     host) and reports what lives where."""
 
-    def __init__(self, model: nn.Module, keys: Sequence[int], ps: ParallelState, prefetch: int,
-                 what: frozenset, module_bytes: Dict[Optional[int], Dict[str, int]], delayed_update: bool = False,
-                 host_step: Optional[HostStepLink] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        keys: Sequence[int],
+        ps: ParallelState,
+        prefetch: int,
+        what: frozenset,
+        module_bytes: Dict[Optional[int], Dict[str, int]],
+        delayed_update: bool = False,
+        host_step: Optional[HostStepLink] = None,
+    ):
         self.model, self.prefetch, self.what, self.module_bytes = model, prefetch, what, module_bytes
         self.device = ps.device
         self.keys = list(keys)
@@ -77,8 +86,8 @@ class OffloadManager:
         self.order = {"forward": positions, "backward": positions[::-1]}
         self.index = {phase: {pos: i for i, pos in enumerate(seq)} for phase, seq in self.order.items()}
         self.pending: "OrderedDict[tuple, tuple]" = OrderedDict()
-        self.host_step = host_step or HostStepLink()   # a layer's fetch waits for its overlapped host step
-        self.delayed_update = delayed_update   # the step plan's delayed host step: a second gradient buffer on host
+        self.host_step = host_step or HostStepLink()  # a layer's fetch waits for its overlapped host step
+        self.delayed_update = delayed_update  # the step plan's delayed host step: a second gradient buffer on host
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # live: fetched layers whose device copies still exist; peak_live per pass (instrumentation)
         self.stats = {"live": 0, "peak_live": {"forward": 0, "backward": 0}, "fetches": {"forward": 0, "backward": 0}}
@@ -123,7 +132,7 @@ class OffloadManager:
         this pass and drop prefetches the pass no longer needs (at most prefetch + 1 live)."""
         seq, i = self.order[phase], self.index[phase][position]
         entry = self.pending.pop((phase, position), None) or self._copy(position)
-        ahead = [(phase, q) for q in seq[i + 1:i + 1 + self.prefetch]]
+        ahead = [(phase, q) for q in seq[i + 1 : i + 1 + self.prefetch]]
         for stale in [k for k in self.pending if k not in ahead]:
             del self.pending[stale]
         for k in ahead:
@@ -189,22 +198,36 @@ class OffloadManager:
             total = add_bytes(total, part)
         per_module = {k: v for k, v in self.module_bytes.items() if k is not None}
         plan = memory_plan(total, per_module, self.keys, self.prefetch, self.what)
-        if self.nvme is not None:   # --cpu-offload-optimizer-nvme-path: the host optimizer's bytes in the file
+        if self.nvme is not None:  # --cpu-offload-optimizer-nvme-path: the host optimizer's bytes in the file
             plan["host"], plan["nvme"] = nvme_split(plan["host"], per_module, self.keys)
             plan["nvme_file"] = self.nvme.file.path
         if self.delayed_update:
             plan["host"]["grads_delayed"] = delayed_grads_bytes(per_module, self.keys)
-        layers = [i for i, k in zip(self.model.stage.layers, self.model.layer_keys, strict=True) if k in self.module_params]
-        return {**plan, "modules": list(self.keys), "layers": layers, "stage_layers": len(self.model.layer_keys),
-                "prefetch": self.prefetch, "what": ",".join(c for c in WHAT_ITEMS if c in self.what)}
+        layers = [
+            i for i, k in zip(self.model.stage.layers, self.model.layer_keys, strict=True) if k in self.module_params
+        ]
+        return {
+            **plan,
+            "modules": list(self.keys),
+            "layers": layers,
+            "stage_layers": len(self.model.layer_keys),
+            "prefetch": self.prefetch,
+            "what": ",".join(c for c in WHAT_ITEMS if c in self.what),
+        }
 
 
 def format_report(rank: int, report: dict) -> str:
     mib, d, h = format_bytes, report["device"], report["host"]
-    return (f"[rank {rank}] offload: {report['what']} of {len(report['layers'])} of {report['stage_layers']} "
-            f"layers on host (layers {report['layers']}, modules {report['modules']}, prefetch {report['prefetch']}); "
-            f"device: params {mib(d['params'])}, grads {mib(d['grads'])}, optimizer {mib(d['optimizer'])}, "
-            f"fetch window {mib(d['fetch_window'])}; host: params {mib(h['params'])}, grads {mib(h['grads'])}, "
-            f"optimizer {mib(h['optimizer'])}"
-            + (f", second grads (delayed update) {mib(h['grads_delayed'])}" if "grads_delayed" in h else "") + (f", NVMe page cache {mib(h['nvme_window'])}; NVMe: optimizer "
-                                                  f"{mib(report['nvme'])} in {report['nvme_file']}" if "nvme" in report else ""))
+    return (
+        f"[rank {rank}] offload: {report['what']} of {len(report['layers'])} of {report['stage_layers']} "
+        f"layers on host (layers {report['layers']}, modules {report['modules']}, prefetch {report['prefetch']}); "
+        f"device: params {mib(d['params'])}, grads {mib(d['grads'])}, optimizer {mib(d['optimizer'])}, "
+        f"fetch window {mib(d['fetch_window'])}; host: params {mib(h['params'])}, grads {mib(h['grads'])}, "
+        f"optimizer {mib(h['optimizer'])}"
+        + (f", second grads (delayed update) {mib(h['grads_delayed'])}" if "grads_delayed" in h else "")
+        + (
+            f", NVMe page cache {mib(h['nvme_window'])}; NVMe: optimizer {mib(report['nvme'])} in {report['nvme_file']}"
+            if "nvme" in report
+            else ""
+        )
+    )

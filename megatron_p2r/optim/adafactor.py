@@ -22,6 +22,7 @@ its own RMS and clipping (torch takes one RMS over the whole tensor), so the exp
 size does not change the arithmetic; under tensor parallelism each rank's shard of a split
 weight is factored as a matrix of its own.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -81,12 +82,12 @@ class Piece:
         if self.start == lo * c and self.end == hi * c:
             return flat.view(hi - lo, c)
         out = flat.new_zeros((hi - lo) * c)
-        out[self.start - lo * c:self.end - lo * c] = flat
+        out[self.start - lo * c : self.end - lo * c] = flat
         return out.view(hi - lo, c)
 
     def unpadded(self, rows: torch.Tensor) -> torch.Tensor:
         lo = self.start // self.cols
-        return rows.reshape(-1)[self.start - lo * self.cols:self.end - lo * self.cols]
+        return rows.reshape(-1)[self.start - lo * self.cols : self.end - lo * self.cols]
 
     def per_matrix(self, flat: torch.Tensor) -> torch.Tensor:
         """Sum of ``flat`` (this piece's elements) over each matrix: B values."""
@@ -112,7 +113,7 @@ class FactoredUpdate:
     floor: float
 
 
-Update = Union[torch.Tensor, FactoredUpdate]   # an update held (torch path) or described (kernels)
+Update = Union[torch.Tensor, FactoredUpdate]  # an update held (torch path) or described (kernels)
 
 
 @dataclass
@@ -139,10 +140,18 @@ class Adafactor(torch.optim.Optimizer):
     ``shared[id(main)]``: (its ``SharedPieces``, index) when other ranks step the rest of it.
     A rank sharing pieces steps even with no parameter of its own here (the sums are collective)."""
 
-    def __init__(self, groups: list, pieces: Dict[int, Piece], lr: float, beta2_decay: float = -0.8,
-                 eps: Tuple[Optional[float], float] = (None, 1e-3), d: float = 1.0, weight_decay: float = 0.0,
-                 shared: Optional[Dict[int, Tuple[SharedPieces, int]]] = None,
-                 channels: Tuple[SharedPieces, ...] = ()):
+    def __init__(
+        self,
+        groups: list,
+        pieces: Dict[int, Piece],
+        lr: float,
+        beta2_decay: float = -0.8,
+        eps: Tuple[Optional[float], float] = (None, 1e-3),
+        d: float = 1.0,
+        weight_decay: float = 0.0,
+        shared: Optional[Dict[int, Tuple[SharedPieces, int]]] = None,
+        channels: Tuple[SharedPieces, ...] = (),
+    ):
         super().__init__(groups, dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay))
         self.pieces, self.shared, self.channels = pieces, dict(shared or {}), channels
 
@@ -184,10 +193,10 @@ class Adafactor(torch.optim.Optimizer):
             values = torch.zeros(offsets[-1], dtype=torch.float32)
             held = [(p, self.shared[id(p)][1]) for p, _ in mine if self.shared[id(p)][0] is channel]
             for p, i in held:
-                values[offsets[i]:offsets[i + 1]] = local(p).cpu()
+                values[offsets[i] : offsets[i + 1]] = local(p).cpu()
             values = channel.all_reduce(values)
             for p, i in held:
-                out[id(p)] = values[offsets[i]:offsets[i + 1]].to(p.device)
+                out[id(p)] = values[offsets[i] : offsets[i + 1]].to(p.device)
         return out
 
     def _on_kernels(self, p: torch.Tensor) -> bool:
@@ -198,8 +207,9 @@ class Adafactor(torch.optim.Optimizer):
         (factored), the weight's sum of squares."""
         piece = self.pieces[id(p)]
         if self._on_kernels(p):
-            return host_kernels.adafactor_sums(piece.start, piece.rows, piece.cols, piece.batches,
-                                               p.grad.view(-1), p.view(-1))
+            return host_kernels.adafactor_sums(
+                piece.start, piece.rows, piece.cols, piece.batches, p.grad.view(-1), p.view(-1)
+            )
         grad, weight = p.grad.reshape(-1).float(), p.reshape(-1)
         weight_sq = piece.per_matrix(weight * weight)
         if not piece.factored:
@@ -218,8 +228,8 @@ class Adafactor(torch.optim.Optimizer):
         eps1 = group["eps"][0] if group["eps"][0] is not None else torch.finfo(p.dtype).eps
         if piece.factored:
             b, r, c = piece.batches, piece.rows, piece.cols
-            state["row_var"].lerp_(sums[:b * r] / c, beta)
-            state["col_var"].lerp_(sums[b * r:b * (r + c)] / r, beta)
+            state["row_var"].lerp_(sums[: b * r] / c, beta)
+            state["col_var"].lerp_(sums[b * r : b * (r + c)] / r, beta)
             mean = state["row_var"].view(b, r).mean(1).clamp_(min=eps1)
             if self._on_kernels(p):
                 return FactoredUpdate(state["row_var"], state["col_var"], mean, eps1 * eps1), sums
@@ -236,26 +246,43 @@ class Adafactor(torch.optim.Optimizer):
     def _update_sums(self, p: torch.Tensor, update: Update) -> torch.Tensor:
         piece = self.pieces[id(p)]
         if isinstance(update, FactoredUpdate):
-            return host_kernels.adafactor_update_sums(piece.start, piece.rows, piece.cols, piece.batches,
-                                                      p.grad.view(-1), update.row_var, update.col_var, update.mean,
-                                                      update.floor)
+            return host_kernels.adafactor_update_sums(
+                piece.start,
+                piece.rows,
+                piece.cols,
+                piece.batches,
+                p.grad.view(-1),
+                update.row_var,
+                update.col_var,
+                update.mean,
+                update.floor,
+            )
         return piece.per_matrix(update * update)
 
-    def _apply(self, p: torch.Tensor, group: dict, update: Update, sums: torch.Tensor,
-               update_sq: torch.Tensor) -> None:
+    def _apply(self, p: torch.Tensor, group: dict, update: Update, sums: torch.Tensor, update_sq: torch.Tensor) -> None:
         """w = w (1 - lr wd) - alpha / clip x update, per matrix: alpha = max(eps2, RMS(w)) x
         min(lr, 1/sqrt(t)), clip = max(1, RMS(update) / d)."""
         piece, step = self.pieces[id(p)], float(self.state[p]["step"])
         n = piece.rows * piece.cols
-        weight_sq = sums[-piece.batches:]
-        rho = min(group["lr"], 1 / step ** 0.5)
+        weight_sq = sums[-piece.batches :]
+        rho = min(group["lr"], 1 / step**0.5)
         alpha = (weight_sq / n).sqrt_().clamp_(min=group["eps"][1]) * rho
         clip = ((update_sq / n).sqrt_() / group["d"]).clamp_(min=1.0)
         if isinstance(update, FactoredUpdate):
             decay = 1 - group["lr"] * group["weight_decay"] if group["weight_decay"] else 1.0
-            host_kernels.adafactor_apply(piece.start, piece.rows, piece.cols, p.grad.view(-1), p.view(-1),
-                                         update.row_var, update.col_var, update.mean, update.floor, alpha / clip,
-                                         decay)
+            host_kernels.adafactor_apply(
+                piece.start,
+                piece.rows,
+                piece.cols,
+                p.grad.view(-1),
+                p.view(-1),
+                update.row_var,
+                update.col_var,
+                update.mean,
+                update.floor,
+                alpha / clip,
+                decay,
+            )
             return
         if group["weight_decay"]:
             p.mul_(1 - group["lr"] * group["weight_decay"])
@@ -276,8 +303,14 @@ def checkpoint_value(state: dict, piece: Piece, kind: str) -> torch.Tensor:
     return piece.unpadded(state["col_var"].view(piece.batches, piece.cols)[matrix])
 
 
-def take_checkpoint_value(kept: Dict[str, torch.Tensor], piece: Piece, kind: str, offset: int,
-                          flat: torch.Tensor, variance_kind: str = "col_var") -> None:
+def take_checkpoint_value(
+    kept: Dict[str, torch.Tensor],
+    piece: Piece,
+    kind: str,
+    offset: int,
+    flat: torch.Tensor,
+    variance_kind: str = "col_var",
+) -> None:
     """Fill ``kept`` (a main's state being loaded) from the elements [offset, offset + n) of
     statistic ``kind`` broadcast over a weight (``checkpoint_value``): the first column gives the
     row statistic, each matrix's first row its column statistic; a vector's range of
@@ -287,21 +320,20 @@ def take_checkpoint_value(kept: Dict[str, torch.Tensor], piece: Piece, kind: str
         if kind == variance_kind:
             lo, hi = max(piece.start, offset), min(piece.end, end)
             kept.setdefault("variance", torch.zeros(piece.end - piece.start))
-            kept["variance"][lo - piece.start:hi - piece.start] = flat[lo - offset:hi - offset]
+            kept["variance"][lo - piece.start : hi - piece.start] = flat[lo - offset : hi - offset]
         return
     b, r, c = piece.batches, piece.rows, piece.cols
     if kind == "row_var":
         var = kept.setdefault("row_var", torch.zeros(b * r))
         first, last = -(-offset // c), -(-end // c)
-        var[first:last] = flat[first * c - offset:last * c - offset:c]
+        var[first:last] = flat[first * c - offset : last * c - offset : c]
     else:
         var = kept.setdefault("col_var", torch.zeros(b * c))
         for m in range(-(-offset // (r * c)), -(-(end - c + 1) // (r * c))):
-            var[m * c:(m + 1) * c] = flat[m * r * c - offset:m * r * c - offset + c]
+            var[m * c : (m + 1) * c] = flat[m * r * c - offset : m * r * c - offset + c]
 
 
-def take_second_moment(kept: Dict[str, torch.Tensor], piece: Piece, kind: str, offset: int,
-                       flat: torch.Tensor) -> None:
+def take_second_moment(kept: Dict[str, torch.Tensor], piece: Piece, kind: str, offset: int, flat: torch.Tensor) -> None:
     """Fill ``kept`` from the elements [offset, offset + n) of a weight's AdamW second moment
     (``kind``: exp_avg_sq): the mean of each whole row (column) of a matrix in it is that row's
     (column's) statistic; a vector's range is its variance."""
@@ -314,6 +346,6 @@ def take_second_moment(kept: Dict[str, torch.Tensor], piece: Piece, kind: str, o
     cols = kept.setdefault("col_var", torch.zeros(b * c))
     first, last = -(-offset // c), end // c
     if first < last:
-        rows[first:last] = flat[first * c - offset:last * c - offset].view(-1, c).mean(1)
+        rows[first:last] = flat[first * c - offset : last * c - offset].view(-1, c).mean(1)
     for m in range(-(-offset // (r * c)), end // (r * c)):
-        cols[m * c:(m + 1) * c] = flat[m * r * c - offset:(m + 1) * r * c - offset].view(r, c).mean(0)
+        cols[m * c : (m + 1) * c] = flat[m * r * c - offset : (m + 1) * r * c - offset].view(r, c).mean(0)

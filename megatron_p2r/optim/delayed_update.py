@@ -27,6 +27,7 @@ The resident layers step as usual.
 - ``flush`` (a save, a load, the end of training) writes the pending update into the weights:
   a checkpoint holds a consistent state, and a run that saves continues as the resumed one does.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future
@@ -44,16 +45,23 @@ class DelayedHostStep(HostStep):
     optimizer's steps so far (skipped ones not counted); ``before_write``: waits for the fetches in
     flight (``OffloadManager.synchronize``)."""
 
-    def __init__(self, inner: torch.optim.Optimizer, by_layer: Dict[int, torch.optim.Optimizer],
-                 layers: Dict[int, list], buckets: Dict[int, list], warmup_steps: int,
-                 steps_taken: Callable[[], int], before_write: Optional[Callable[[], None]] = None):
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        by_layer: Dict[int, torch.optim.Optimizer],
+        layers: Dict[int, list],
+        buckets: Dict[int, list],
+        warmup_steps: int,
+        steps_taken: Callable[[], int],
+        before_write: Optional[Callable[[], None]] = None,
+    ):
         super().__init__(inner, by_layer, layers, early=False, buckets=buckets)
         self.warmup_steps, self.steps_taken, self.before_write = warmup_steps, steps_taken, before_write
         self._swapped = list({id(b): b for held in buckets.values() for b in held}.values())
         for bucket in self._swapped:
             bucket.add_second_grad()
-        self._computing: Dict[int, Future] = {}   # delayed steps, not yet written into the weights
-        self._unwritten = False                     # a delayed step was submitted since the last write
+        self._computing: Dict[int, Future] = {}  # delayed steps, not yet written into the weights
+        self._unwritten = False  # a delayed step was submitted since the last write
 
     def submit(self, coeff: float) -> None:
         """Start iteration t's step of every offloaded layer on the gradients accumulated so far,
@@ -61,12 +69,13 @@ class DelayedHostStep(HostStep):
         if self.steps_taken() < self.warmup_steps:
             super().submit(coeff)
             return
-        hyper = hyperparameters(self.param_groups)   # this step's rates, applied by its tasks (a layer's
-        set_hyperparameters(self.inner, hyper)       # last step may still be running)
+        hyper = hyperparameters(self.param_groups)  # this step's rates, applied by its tasks (a layer's
+        set_hyperparameters(self.inner, hyper)  # last step may still be running)
         for key, shards in self.layers.items():
             grads = [ms.grad for ms in shards]
-            self._computing[key] = self._pool.submit(self._delayed_step, self._running.get(key), key, coeff,
-                                                     grads, hyper)
+            self._computing[key] = self._pool.submit(
+                self._delayed_step, self._running.get(key), key, coeff, grads, hyper
+            )
         for bucket in self._swapped:
             bucket.swap_grads()
         for shards in self.layers.values():
@@ -74,8 +83,9 @@ class DelayedHostStep(HostStep):
                 ms.grad = grad_range(ms.param, ms.start, ms.end)
         self._unwritten = True
 
-    def _delayed_step(self, before: Optional[Future], key: int, coeff: float, grads: List[torch.Tensor],
-                      hyper: List[dict]) -> None:
+    def _delayed_step(
+        self, before: Optional[Future], key: int, coeff: float, grads: List[torch.Tensor], hyper: List[dict]
+    ) -> None:
         if before is not None:
             before.result()
         self._step_layer(key, coeff, apply=False, grads=grads, hyper=hyper)
@@ -85,7 +95,7 @@ class DelayedHostStep(HostStep):
         layer once its step ends (the next fetch of that layer waits for this write)."""
         if not self._unwritten:
             return
-        if self.before_write is not None:   # no fetch still reads the weights (CUDA: the copy stream)
+        if self.before_write is not None:  # no fetch still reads the weights (CUDA: the copy stream)
             self.before_write()
         for key in self.layers:
             self._running[key] = self._pool.submit(self._write, self._computing.pop(key), key)
@@ -97,7 +107,7 @@ class DelayedHostStep(HostStep):
 
     def wait(self, key=None) -> None:
         super().wait(key)
-        if key is None:   # the steps end; their writes stay pending (``flush`` writes them)
+        if key is None:  # the steps end; their writes stay pending (``flush`` writes them)
             for step in self._computing.values():
                 step.result()
 

@@ -23,6 +23,7 @@ Until issue 37 both were stored broadcast to the weight's shape (12 B per parame
 such checkpoints (metadata.json without ``factored_statistics``) still load and convert:
 ``entry_of`` takes their values from the broadcast tensors, as their loader always did.
 """
+
 from __future__ import annotations
 
 import math

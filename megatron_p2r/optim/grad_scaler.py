@@ -6,6 +6,7 @@ steps in a row (and after every further one until the scale grows again), double
 (``parallel.grads.grad_norm_and_non_finite``) is reduced over *all* ranks before anyone decides,
 so every rank skips the same steps.
 """
+
 from __future__ import annotations
 
 from megatron_p2r.config import TrainConfig
@@ -39,4 +40,3 @@ class LossScaler:
     def load_state_dict(self, state: dict) -> None:
         self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
         self.hysteresis_left = int(state["hysteresis_left"])
-

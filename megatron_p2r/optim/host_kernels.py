@@ -14,6 +14,7 @@ optimizers step with their torch reference arithmetic (same results, several tim
 after one warning. The calls release the GIL, so the overlapped host step's workers run them
 while Python runs the model.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,8 +31,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 SOURCE = Path(__file__).with_name("host_kernels.cpp")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC",
-         "-pthread")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _state = {"threads": 1, "library": None, "tried": False}
@@ -91,8 +91,12 @@ def library() -> Optional[ctypes.CDLL]:
             _state["library"] = _declare(ctypes.CDLL(str(_build(compiler))))
         except (OSError, subprocess.CalledProcessError) as e:
             detail = getattr(e, "stderr", None) or str(e)
-            warnings.warn(f"host optimizer kernels unavailable ({detail.strip()[:300]}): the host step uses "
-                          "torch's reference arithmetic (same results, slower)", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"host optimizer kernels unavailable ({detail.strip()[:300]}): the host step uses "
+                "torch's reference arithmetic (same results, slower)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     return _state["library"]
 
 
@@ -146,61 +150,190 @@ def lerp_weight(w: float):
     return float(w32), float(w32 - 1), int(abs(float(w32)) < 0.5)
 
 
-def adamw(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, step: float,
-          lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-          weight: Optional[torch.Tensor] = None) -> None:
+def adamw(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    weight: Optional[torch.Tensor] = None,
+) -> None:
     """One AdamW step (``step``: the count after it) of flat tensors, in place, as torch's fused
     kernel computes it in fp32; ``weight``: also written with the new parameter, rounded."""
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
     decay = 1 - lr * weight_decay if weight_decay != 0 else 1.0
     w, w1, small = lerp_weight(1 - beta1)
-    _call("adamw_step", (param, grad, exp_avg, exp_avg_sq), (param, exp_avg, exp_avg_sq, *_opt(weight)),
-          param.numel(), param.data_ptr(), _code(param), grad.data_ptr(), _code(grad), exp_avg.data_ptr(),
-          _code(exp_avg), exp_avg_sq.data_ptr(), _code(exp_avg_sq), _ptr(weight), _code(weight), decay, w, w1, small,
-          beta2, 1 - beta2, bias_correction2_sqrt, eps, -(lr / bias_correction1), threads())
+    _call(
+        "adamw_step",
+        (param, grad, exp_avg, exp_avg_sq),
+        (param, exp_avg, exp_avg_sq, *_opt(weight)),
+        param.numel(),
+        param.data_ptr(),
+        _code(param),
+        grad.data_ptr(),
+        _code(grad),
+        exp_avg.data_ptr(),
+        _code(exp_avg),
+        exp_avg_sq.data_ptr(),
+        _code(exp_avg_sq),
+        _ptr(weight),
+        _code(weight),
+        decay,
+        w,
+        w1,
+        small,
+        beta2,
+        1 - beta2,
+        bias_correction2_sqrt,
+        eps,
+        -(lr / bias_correction1),
+        threads(),
+    )
 
 
-def lion(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, *, lr: float, beta1: float, beta2: float,
-         weight_decay: float, weight: Optional[torch.Tensor] = None) -> None:
+def lion(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    weight: Optional[torch.Tensor] = None,
+) -> None:
     """One Lion step of flat tensors, in place (``optim/lion.py``'s arithmetic)."""
-    _call("lion_step", (param, grad, exp_avg), (param, exp_avg, *_opt(weight)),
-          param.numel(), param.data_ptr(), _code(param), grad.data_ptr(), _code(grad), exp_avg.data_ptr(),
-          _code(exp_avg), _ptr(weight), _code(weight), 1 - lr * weight_decay, int(weight_decay != 0), -lr,
-          *lerp_weight(1 - beta1), *lerp_weight(1 - beta2), threads())
+    _call(
+        "lion_step",
+        (param, grad, exp_avg),
+        (param, exp_avg, *_opt(weight)),
+        param.numel(),
+        param.data_ptr(),
+        _code(param),
+        grad.data_ptr(),
+        _code(grad),
+        exp_avg.data_ptr(),
+        _code(exp_avg),
+        _ptr(weight),
+        _code(weight),
+        1 - lr * weight_decay,
+        int(weight_decay != 0),
+        -lr,
+        *lerp_weight(1 - beta1),
+        *lerp_weight(1 - beta2),
+        threads(),
+    )
 
 
 def _opt(t: Optional[torch.Tensor]) -> tuple:
     return () if t is None else (t,)
 
 
-def adafactor_sums(start: int, rows: int, cols: int, batches: int, grad: torch.Tensor, main: torch.Tensor) -> torch.Tensor:
+def adafactor_sums(
+    start: int, rows: int, cols: int, batches: int, grad: torch.Tensor, main: torch.Tensor
+) -> torch.Tensor:
     """Pass 1 over a piece [start, start + n) of a (batches x rows) x cols weight: its row sums
     of g^2 (batches * rows), column sums (batches * cols) and the main's sum of squares per
     matrix (batches), laid out as ``Adafactor._sums``."""
     out = torch.zeros(batches * (rows + cols + 1), dtype=torch.float32)
     b, r = batches * rows, batches * (rows + cols)
-    _call("adafactor_sums", (grad, main), (), start, grad.numel(), rows, cols, grad.data_ptr(), _code(grad),
-          main.data_ptr(), _code(main), out.data_ptr(), out[b:].data_ptr(), out[r:].data_ptr(), threads())
+    _call(
+        "adafactor_sums",
+        (grad, main),
+        (),
+        start,
+        grad.numel(),
+        rows,
+        cols,
+        grad.data_ptr(),
+        _code(grad),
+        main.data_ptr(),
+        _code(main),
+        out.data_ptr(),
+        out[b:].data_ptr(),
+        out[r:].data_ptr(),
+        threads(),
+    )
     return out
 
 
-def adafactor_update_sums(start: int, rows: int, cols: int, batches: int, grad: torch.Tensor, row_var: torch.Tensor,
-                          col_var: torch.Tensor, mean: torch.Tensor, floor: float) -> torch.Tensor:
+def adafactor_update_sums(
+    start: int,
+    rows: int,
+    cols: int,
+    batches: int,
+    grad: torch.Tensor,
+    row_var: torch.Tensor,
+    col_var: torch.Tensor,
+    mean: torch.Tensor,
+    floor: float,
+) -> torch.Tensor:
     """Pass 2: each matrix's sum of the update's squares (batches values)."""
     out = torch.zeros(batches, dtype=torch.float32)
-    _call("adafactor_update_sums", (grad,), (), start, grad.numel(), rows, cols, grad.data_ptr(), _code(grad),
-          row_var.data_ptr(), col_var.data_ptr(), mean.data_ptr(), floor, out.data_ptr(), threads())
+    _call(
+        "adafactor_update_sums",
+        (grad,),
+        (),
+        start,
+        grad.numel(),
+        rows,
+        cols,
+        grad.data_ptr(),
+        _code(grad),
+        row_var.data_ptr(),
+        col_var.data_ptr(),
+        mean.data_ptr(),
+        floor,
+        out.data_ptr(),
+        threads(),
+    )
     return out
 
 
-def adafactor_apply(start: int, rows: int, cols: int, grad: torch.Tensor, main: torch.Tensor, row_var: torch.Tensor,
-                    col_var: torch.Tensor, mean: torch.Tensor, floor: float, scale: torch.Tensor, decay: float,
-                    weight: Optional[torch.Tensor] = None) -> None:
+def adafactor_apply(
+    start: int,
+    rows: int,
+    cols: int,
+    grad: torch.Tensor,
+    main: torch.Tensor,
+    row_var: torch.Tensor,
+    col_var: torch.Tensor,
+    mean: torch.Tensor,
+    floor: float,
+    scale: torch.Tensor,
+    decay: float,
+    weight: Optional[torch.Tensor] = None,
+) -> None:
     """Pass 3: main = main * decay - update * scale[matrix] (``weight`` as in ``adamw``)."""
-    _call("adafactor_apply", (grad, main), (main, *_opt(weight)), start, grad.numel(), rows, cols, grad.data_ptr(),
-          _code(grad), main.data_ptr(), _code(main), _ptr(weight), _code(weight), row_var.data_ptr(),
-          col_var.data_ptr(), mean.data_ptr(), floor, scale.data_ptr(), decay, threads())
+    _call(
+        "adafactor_apply",
+        (grad, main),
+        (main, *_opt(weight)),
+        start,
+        grad.numel(),
+        rows,
+        cols,
+        grad.data_ptr(),
+        _code(grad),
+        main.data_ptr(),
+        _code(main),
+        _ptr(weight),
+        _code(weight),
+        row_var.data_ptr(),
+        col_var.data_ptr(),
+        mean.data_ptr(),
+        floor,
+        scale.data_ptr(),
+        decay,
+        threads(),
+    )
 
 
 def triad(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, s: float) -> None:

@@ -25,6 +25,7 @@ nothing else touches it before the fetch, so the weights are bitwise those of th
 Each layer is stepped by its own optimizer over the shared state (``layer_optimizers``); torch's
 kernels and the host kernels release the GIL, so the worker computes while Python runs the model.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,7 +35,7 @@ import torch
 
 from megatron_p2r.optim.optimizer import WrappedOptimizer
 
-Build = Callable[[List[dict]], torch.optim.Optimizer]   # groups -> an optimizer of the run's kind
+Build = Callable[[List[dict]], torch.optim.Optimizer]  # groups -> an optimizer of the run's kind
 
 
 class HostStepper(Protocol):
@@ -45,8 +46,8 @@ class HostStepper(Protocol):
 
     param_groups: list
     defers: frozenset
-    inner: torch.optim.Optimizer                     # over all the host mains: their state, state dicts
-    by_layer: Dict[int, torch.optim.Optimizer]      # one per layer (``layer_optimizers``), when it steps by layer
+    inner: torch.optim.Optimizer  # over all the host mains: their state, state dicts
+    by_layer: Dict[int, torch.optim.Optimizer]  # one per layer (``layer_optimizers``), when it steps by layer
 
     def submit(self, coeff: float) -> None: ...
     def wait(self, key=None) -> None: ...
@@ -65,8 +66,11 @@ class HostStepLink:
     a layer's fetch waits on ``wait``. ``make_nvme``: (stepper, key -> its host ``MainShard``s)
     -> the state's NVMe file (``offload/nvme.py``), made on connecting; None: state in RAM."""
 
-    def __init__(self, starts_in_backward: bool = False,
-                 make_nvme: Optional[Callable[[HostStepper, Dict[int, list]], object]] = None):
+    def __init__(
+        self,
+        starts_in_backward: bool = False,
+        make_nvme: Optional[Callable[[HostStepper, Dict[int, list]], object]] = None,
+    ):
         self.starts_in_backward, self._make_nvme = starts_in_backward, make_nvme
         self.stepper: Optional[HostStepper] = None
         self.nvme = None
@@ -97,7 +101,9 @@ def set_hyperparameters(optimizer: torch.optim.Optimizer, hyper: List[dict]) -> 
         group.update(values)
 
 
-def layer_optimizers(build: Build, inner: torch.optim.Optimizer, layers: Dict[int, list]) -> Dict[int, torch.optim.Optimizer]:
+def layer_optimizers(
+    build: Build, inner: torch.optim.Optimizer, layers: Dict[int, list]
+) -> Dict[int, torch.optim.Optimizer]:
     """One optimizer of ``inner``'s kind per layer (``layers``: key -> its ``MainShard``s), over
     that layer's mains in ``inner``'s groups, keeping its state in ``inner``'s state dict (the
     one that checkpoints read and load): each steps one layer, so layers may step on several
@@ -105,8 +111,12 @@ def layer_optimizers(build: Build, inner: torch.optim.Optimizer, layers: Dict[in
     out = {}
     for key, shards in layers.items():
         mains = {id(ms.main) for ms in shards}
-        out[key] = build([{**values, "params": [p for p in g["params"] if id(p) in mains]}
-                          for g, values in zip(inner.param_groups, hyperparameters(inner.param_groups), strict=True)])
+        out[key] = build(
+            [
+                {**values, "params": [p for p in g["params"] if id(p) in mains]}
+                for g, values in zip(inner.param_groups, hyperparameters(inner.param_groups), strict=True)
+            ]
+        )
     relink(inner, out)
     return out
 
@@ -132,7 +142,7 @@ class SerialHostStep(WrappedOptimizer):
         if not self.by_layer:
             self.inner.step()
             return
-        hyper = hyperparameters(self.inner.param_groups)   # the groups' current rates
+        hyper = hyperparameters(self.inner.param_groups)  # the groups' current rates
         for optimizer in self.by_layer.values():
             set_hyperparameters(optimizer, hyper)
             optimizer.step()
@@ -165,9 +175,14 @@ class HostStep:
     reaches a step still running. ``buckets``: layer key -> the DDP buckets holding its gradients
     (needed when ``early``)."""
 
-    def __init__(self, inner: torch.optim.Optimizer, by_layer: Dict[int, torch.optim.Optimizer],
-                 layers: Dict[int, list], early: bool = False,
-                 buckets: Optional[Dict[int, list]] = None):
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        by_layer: Dict[int, torch.optim.Optimizer],
+        layers: Dict[int, list],
+        early: bool = False,
+        buckets: Optional[Dict[int, list]] = None,
+    ):
         self.inner, self.by_layer, self.layers, self.early = inner, by_layer, layers, early
         self.param_groups = [{k: v for k, v in g.items()} for g in inner.param_groups]
         self.buckets = buckets or {}
@@ -226,8 +241,11 @@ class HostStep:
         started, self._waiting = dict(self._running), None
         for key in self.layers:
             before = started.get(key)
-            self._running[key] = self._pool.submit(self._zero_after, before, key) if before is not None \
+            self._running[key] = (
+                self._pool.submit(self._zero_after, before, key)
+                if before is not None
                 else self._pool.submit(self._step_layer, key, coeff)
+            )
 
     def _zero_after(self, step: Future, key: int) -> None:
         """Every step task was queued before any of these, so the one awaited is running or done."""
@@ -235,8 +253,15 @@ class HostStep:
         for ms in self.layers[key]:
             ms.grad.zero_()
 
-    def _step_layer(self, key: int, coeff: float, zero: bool = True, apply: bool = True,
-                    grads: Optional[List[torch.Tensor]] = None, hyper: Optional[List[dict]] = None) -> None:
+    def _step_layer(
+        self,
+        key: int,
+        coeff: float,
+        zero: bool = True,
+        apply: bool = True,
+        grads: Optional[List[torch.Tensor]] = None,
+        hyper: Optional[List[dict]] = None,
+    ) -> None:
         """Step layer ``key`` on ``grads`` (default: its shards' gradients), with the rates
         ``hyper`` (default: those its optimizer holds); ``apply``: round the updated mains into the
         weights."""
@@ -262,7 +287,7 @@ class HostStep:
         with torch.no_grad():
             for ms in self.layers[key]:
                 if not ms.aliases_param:
-                    ms.param.data.view(-1)[ms.start:ms.end].copy_(ms.main.reshape(-1))
+                    ms.param.data.view(-1)[ms.start : ms.end].copy_(ms.main.reshape(-1))
 
     def backward_done(self) -> None:
         """The iteration no longer reads the weights (its backward is over); nothing to do here."""
@@ -276,9 +301,11 @@ class HostStep:
         started stepping during backward cannot be."""
         if found_inf and self.early:
             self.wait()
-            raise RuntimeError("a non-finite gradient in a step whose offloaded layers were already updated during "
-                               "backward (--overlap-cpu-optimizer-d2h-h2d with --clip-grad 0 and no fp16 loss "
-                               "scaling): resume from the last checkpoint, with --clip-grad > 0 to skip such steps")
+            raise RuntimeError(
+                "a non-finite gradient in a step whose offloaded layers were already updated during "
+                "backward (--overlap-cpu-optimizer-d2h-h2d with --clip-grad 0 and no fp16 loss "
+                "scaling): resume from the last checkpoint, with --clip-grad > 0 to skip such steps"
+            )
 
     def wait(self, key=None) -> None:
         """Until layer ``key``'s step (every layer's when None) is done; re-raises its error."""

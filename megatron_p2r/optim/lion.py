@@ -12,6 +12,7 @@ is ``exp_avg`` (AdamW's name for the same kind of average), so checkpoints share
 with AdamW's first moment. On CPU a step is one pass of the host kernel
 (``optim/host_kernels.py``), the same arithmetic.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,8 +24,14 @@ class Lion(torch.optim.Optimizer):
     """Lion over ``groups``; the moment is stored in ``moment_dtype`` (upcast to fp32 for the
     arithmetic, rounded to nearest when stored back)."""
 
-    def __init__(self, groups: list, lr: float, betas=(0.9, 0.99), weight_decay: float = 0.0,
-                 moment_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        groups: list,
+        lr: float,
+        betas=(0.9, 0.99),
+        weight_decay: float = 0.0,
+        moment_dtype: torch.dtype = torch.float32,
+    ):
         super().__init__(groups, dict(lr=lr, betas=betas, weight_decay=weight_decay))
         self.moment_dtype = moment_dtype
         self.register_load_state_dict_post_hook(Lion._store_loaded)
@@ -51,12 +58,19 @@ class Lion(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, dtype=self.moment_dtype)
                 stored = state["exp_avg"]
                 if host_kernels.steps(p, p.grad):
-                    host_kernels.lion(p.view(-1), p.grad.view(-1), stored.view(-1), lr=group["lr"], beta1=beta1,
-                                      beta2=beta2, weight_decay=group["weight_decay"])
+                    host_kernels.lion(
+                        p.view(-1),
+                        p.grad.view(-1),
+                        stored.view(-1),
+                        lr=group["lr"],
+                        beta1=beta1,
+                        beta2=beta2,
+                        weight_decay=group["weight_decay"],
+                    )
                     state["step"] += 1
                     continue
                 moment = stored if stored.dtype == torch.float32 else stored.float()
-                grad = p.grad.float()   # a bf16 main gradient (--main-grads-dtype bf16) upcast
+                grad = p.grad.float()  # a bf16 main gradient (--main-grads-dtype bf16) upcast
                 update = torch.lerp(moment, grad, 1 - beta1).sign_()
                 if group["weight_decay"]:
                     p.mul_(1 - group["lr"] * group["weight_decay"])

@@ -18,6 +18,7 @@ optimizer is ``--optimizer``'s (``optim/optimizer.py``); Adafactor's statistics 
 between ranks are summed over them (``shared_pieces``). Checkpoints see global tensors only
 (``optim/state_io.py``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,7 +39,7 @@ from megatron_p2r.parallel.grad_buffer import DTYPES, grad_range
 from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import ParallelState
 
-PLACEMENTS = ("device", "staged", "host")   # the order of their steps: the host step waits for fetches
+PLACEMENTS = ("device", "staged", "host")  # the order of their steps: the host step waits for fetches
 
 
 @dataclass(frozen=True)
@@ -65,11 +66,11 @@ class MainShard:
     name: str
     start: int
     end: int
-    main: torch.Tensor         # the parameter itself, a view of it, or a copy in --main-params-dtype
-    grad: torch.Tensor         # its range of ``param.main_grad``
+    main: torch.Tensor  # the parameter itself, a view of it, or a copy in --main-params-dtype
+    grad: torch.Tensor  # its range of ``param.main_grad``
     placement: str
-    in_norm: bool              # counts in the global gradient norm (each logical element once)
-    buffer: int                # the DDP buffer, bucket and position (in the buffer) of ``start``
+    in_norm: bool  # counts in the global gradient norm (each logical element once)
+    buffer: int  # the DDP buffer, bucket and position (in the buffer) of ``start``
     bucket: int
     position: int
 
@@ -99,8 +100,10 @@ def _takes_grad(main: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     gradients to Transformer Engine's FusedAdam as ``decoupled_grad`` instead."""
     if grad.dtype != main.dtype:
         if not hasattr(main, "grad_dtype"):
-            raise RuntimeError(f"--main-grads-dtype bf16 needs a torch whose tensors have grad_dtype (this is "
-                               f"{torch.__version__}): its main parameters are {main.dtype}")
+            raise RuntimeError(
+                f"--main-grads-dtype bf16 needs a torch whose tensors have grad_dtype (this is "
+                f"{torch.__version__}): its main parameters are {main.dtype}"
+            )
         main.grad_dtype = None
     return main
 
@@ -143,21 +146,30 @@ class MixedPrecisionOptimizer:
     (``HostStepSettings``; serial without). Each placement's optimizer is a typed field:
     ``device``, ``staged`` (``StagedOptimizer``) and ``host`` (a ``HostStepper``)."""
 
-    def __init__(self, shards: List[MainShard], t: TrainConfig, ddp: DistributedDataParallel,
-                 before_host_step: Optional[Callable[[], None]] = None,
-                 host_step: Optional[HostStepSettings] = None, shared: Optional[Dict[str, tuple]] = None):
+    def __init__(
+        self,
+        shards: List[MainShard],
+        t: TrainConfig,
+        ddp: DistributedDataParallel,
+        before_host_step: Optional[Callable[[], None]] = None,
+        host_step: Optional[HostStepSettings] = None,
+        shared: Optional[Dict[str, tuple]] = None,
+    ):
         self.shards, self.ddp, self.before_host_step = shards, ddp, before_host_step
         self.kind = t.optimizer
         groups = param_groups(ddp.model, t)
         factored = OPTIMIZERS[t.optimizer].factored
         pieces = {id(ms.main): Piece(tuple(ms.param.shape), ms.start, ms.end) for ms in shards}
         built: Dict[str, torch.optim.Optimizer] = {}
-        builds: Dict[str, Callable[[List[dict]], torch.optim.Optimizer]] = {}   # groups -> an optimizer there
+        builds: Dict[str, Callable[[List[dict]], torch.optim.Optimizer]] = {}  # groups -> an optimizer there
         for placement in PLACEMENTS:
-            mine = [g for g in (_group_of(g, [ms for ms in shards if ms.placement == placement]) for g in groups)
-                    if g["params"]]
+            mine = [
+                g
+                for g in (_group_of(g, [ms for ms in shards if ms.placement == placement]) for g in groups)
+                if g["params"]
+            ]
             channels, shared_here = (shared or {}).get(placement, ((), {}))
-            if mine or channels:   # a rank sharing pieces takes part in their sums, even with none of its own
+            if mine or channels:  # a rank sharing pieces takes part in their sums, even with none of its own
                 extra = dict(pieces=pieces, shared=shared_here, channels=channels) if factored else {}
                 builds[placement] = functools.partial(make_optimizer, t=t, **extra)
                 built[placement] = builds[placement](mine or [{"params": []}])
@@ -167,43 +179,58 @@ class MixedPrecisionOptimizer:
         if "host" in built:
             self.host = self._host_stepper(built["host"], builds["host"], host_step)
         deferred = self.host.defers if self.host is not None else frozenset()
-        self.deferred = [id(ms.param) in deferred for ms in shards]   # stepped, clipped, zeroed by the host step
+        self.deferred = [id(ms.param) in deferred for ms in shards]  # stepped, clipped, zeroed by the host step
         self._host_submitted = False
         self.whole_shards = {id(ms.param): ms for ms in shards if ms.whole}
         self.shards_of: Dict[int, List[MainShard]] = {}
         for ms in shards:
             self.shards_of.setdefault(id(ms.param), []).append(ms)
         self.state = ParamStates(self)
-        self.step_count = 0   # optimizer steps taken (skipped steps excluded): the state's ``step``
+        self.step_count = 0  # optimizer steps taken (skipped steps excluded): the state's ``step``
 
     def _host_stepper(self, inner: torch.optim.Optimizer, build, settings: Optional[HostStepSettings]) -> HostStepper:
         """The host placement's step as ``settings`` say (serial over ``inner`` without them),
         connected to their link (the DDP and the offload manager call it)."""
         if settings is None:
             return SerialHostStep(inner)
-        layers = {key: [ms for ms in self.shards if ms.placement == "host" and id(ms.param) in ids]
-                  for key, ids in settings.layers.items()}
+        layers = {
+            key: [ms for ms in self.shards if ms.placement == "host" and id(ms.param) in ids]
+            for key, ids in settings.layers.items()
+        }
         stepper = self._stepper_of(inner, build, settings, layers)
         settings.link.connect(stepper, layers)
         return stepper
 
-    def _stepper_of(self, inner: torch.optim.Optimizer, build, settings: HostStepSettings,
-                    layers: Dict[int, list]) -> HostStepper:
+    def _stepper_of(
+        self, inner: torch.optim.Optimizer, build, settings: HostStepSettings, layers: Dict[int, list]
+    ) -> HostStepper:
         if settings.how == "serial":
             return SerialHostStep(inner, layer_optimizers(build, inner, layers) if settings.by_layer else None)
         by_layer = layer_optimizers(build, inner, layers)
-        buckets = {key: list({id(b): b for b in (self.ddp.bucket_of[id(ms.param)] for ms in held)}.values())
-                   for key, held in layers.items()}
+        buckets = {
+            key: list({id(b): b for b in (self.ddp.bucket_of[id(ms.param)] for ms in held)}.values())
+            for key, held in layers.items()
+        }
         if settings.how == "delayed":
-            return DelayedHostStep(inner, by_layer, layers, buckets, settings.delay_after,
-                                   lambda: self.step_count, before_write=self.before_host_step)
+            return DelayedHostStep(
+                inner,
+                by_layer,
+                layers,
+                buckets,
+                settings.delay_after,
+                lambda: self.step_count,
+                before_write=self.before_host_step,
+            )
         return HostStep(inner, by_layer, layers, settings.how == "early", buckets)
 
     @property
     def inner(self) -> Dict[str, object]:
         """placement -> its optimizer (the host one: its ``HostStepper``), for reading state and groups."""
-        return {placement: o for placement, o in (("device", self.device), ("staged", self.staged),
-                                                  ("host", self.host)) if o is not None}
+        return {
+            placement: o
+            for placement, o in (("device", self.device), ("staged", self.staged), ("host", self.host))
+            if o is not None
+        }
 
     @property
     def param_groups(self) -> list:
@@ -276,21 +303,28 @@ class MixedPrecisionOptimizer:
         with torch.no_grad():
             for ms, deferred in zip(self.shards, self.deferred, strict=True):
                 if not ms.aliases_param and not deferred:
-                    ms.param.data.view(-1)[ms.start:ms.end].copy_(ms.main.reshape(-1))
+                    ms.param.data.view(-1)[ms.start : ms.end].copy_(ms.main.reshape(-1))
         self.ddp.start_param_sync()
 
 
 def _group_of(group: dict, shards: List[MainShard]) -> dict:
     """``group``'s hyperparameters over the mains of those ``shards`` whose weight is in it."""
     members = {id(p) for p in group["params"]}
-    return {**{k: v for k, v in group.items() if k != "params"},
-            "params": [ms.main for ms in shards if id(ms.param) in members]}
+    return {
+        **{k: v for k, v in group.items() if k != "params"},
+        "params": [ms.main for ms in shards if id(ms.param) in members],
+    }
 
 
-def build_mixed_precision_optimizer(ddp: DistributedDataParallel, plan: ParallelPlan, ps: ParallelState,
-                                    t: TrainConfig, placement: Optional[Dict[int, str]] = None,
-                                    before_host_step: Optional[Callable[[], None]] = None,
-                                    host_step: Optional[HostStepSettings] = None) -> MixedPrecisionOptimizer:
+def build_mixed_precision_optimizer(
+    ddp: DistributedDataParallel,
+    plan: ParallelPlan,
+    ps: ParallelState,
+    t: TrainConfig,
+    placement: Optional[Dict[int, str]] = None,
+    before_host_step: Optional[Callable[[], None]] = None,
+    host_step: Optional[HostStepSettings] = None,
+) -> MixedPrecisionOptimizer:
     """The optimizer of this rank's shards of ``ddp``'s buffers (all of them without the
     distributed optimizer); ``placement``: id(param) -> "host" | "staged" for offloaded layers;
     ``host_step``: how to overlap the host step."""
@@ -300,19 +334,36 @@ def build_mixed_precision_optimizer(ddp: DistributedDataParallel, plan: Parallel
         layout = buf.layout
         for index, start, end in layout.owned(buf.member):
             p, name = buf.params[index], layout.names[index]
-            in_norm = plan.counts_in_norm(logical_name(name, p), getattr(p, "tp_dim", None),
-                                          getattr(p, "expert", False), ps.coords, sharded=layout.sharded)
+            in_norm = plan.counts_in_norm(
+                logical_name(name, p),
+                getattr(p, "tp_dim", None),
+                getattr(p, "expert", False),
+                ps.coords,
+                sharded=layout.sharded,
+            )
             main = _takes_grad(_main_of(p, start, end, dtype), p.main_grad)
-            shards.append(MainShard(param=p, name=name, start=start, end=end, main=main,
-                                    grad=grad_range(p, start, end),
-                                    placement=placement.get(id(p), "device"), in_norm=in_norm, buffer=b,
-                                    bucket=layout.bucket_of(index), position=layout.ranges[index][0] + start))
+            shards.append(
+                MainShard(
+                    param=p,
+                    name=name,
+                    start=start,
+                    end=end,
+                    main=main,
+                    grad=grad_range(p, start, end),
+                    placement=placement.get(id(p), "device"),
+                    in_norm=in_norm,
+                    buffer=b,
+                    bucket=layout.bucket_of(index),
+                    position=layout.ranges[index][0] + start,
+                )
+            )
     shared = shared_pieces(ddp, shards, placement, ps.device) if OPTIMIZERS[t.optimizer].factored else None
     return MixedPrecisionOptimizer(shards, t, ddp, before_host_step, host_step, shared)
 
 
-def shared_pieces(ddp: DistributedDataParallel, shards: List[MainShard], placement: Dict[int, str],
-                  device: torch.device) -> Dict[str, tuple]:
+def shared_pieces(
+    ddp: DistributedDataParallel, shards: List[MainShard], placement: Dict[int, str], device: torch.device
+) -> Dict[str, tuple]:
     """placement -> (its ``SharedPieces``, one per sharded buffer with parameters cut between
     ranks; {id(main): (shared pieces, index)} of this rank's parts of them). Every rank of a
     buffer's group derives the same list from the layout, whether or not it holds a part."""

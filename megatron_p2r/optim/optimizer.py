@@ -8,6 +8,7 @@ weights, fp32 copies of 16-bit weights, or shards of either under the distribute
 is ``mixed_precision.py``'s concern: it steps, in each group, the main parameters of the
 group's weights.
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -40,8 +41,9 @@ def param_groups(model: nn.Module, t: TrainConfig) -> list:
         if (no_wd, decoupled) not in groups:
             groups[no_wd, decoupled] = {"params": [], "weight_decay": 0.0 if no_wd else t.weight_decay}
             if decoupled:
-                groups[no_wd, decoupled].update(max_lr=t.decoupled_lr, min_lr=t.decoupled_min_lr
-                                                if t.decoupled_min_lr is not None else t.min_lr)
+                groups[no_wd, decoupled].update(
+                    max_lr=t.decoupled_lr, min_lr=t.decoupled_min_lr if t.decoupled_min_lr is not None else t.min_lr
+                )
         groups[no_wd, decoupled]["params"].append(p)
     return [groups[key] for key in sorted(groups)]
 
@@ -57,8 +59,14 @@ def lion(groups: List[dict], t: TrainConfig) -> Lion:
 
 
 def adafactor(groups: List[dict], t: TrainConfig, **pieces) -> Adafactor:
-    return Adafactor(groups, lr=t.lr, beta2_decay=t.adafactor_beta2_decay, eps=(None, t.adafactor_eps2),
-                     d=t.adafactor_clip_threshold, **pieces)
+    return Adafactor(
+        groups,
+        lr=t.lr,
+        beta2_decay=t.adafactor_beta2_decay,
+        eps=(None, t.adafactor_eps2),
+        d=t.adafactor_clip_threshold,
+        **pieces,
+    )
 
 
 def adamw(groups: List[dict], t: TrainConfig) -> torch.optim.AdamW:

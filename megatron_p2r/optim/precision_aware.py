@@ -12,6 +12,7 @@ is memory (2 bytes per element per 16-bit tensor). On CPU the same arithmetic ru
 of the host kernel (``optim/host_kernels.py``) on all the rank's host threads, at the memory
 bound (``benchmarks/host_optimizer.py``); the chunked path is CUDA's, and CPU's without a compiler.
 """
+
 from __future__ import annotations
 
 from typing import Dict
@@ -24,8 +25,8 @@ from megatron_p2r.optim import host_kernels
 from megatron_p2r.parallel.grad_buffer import DTYPES
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-STEPPED = ("param", "grad") + MOMENTS   # the tensors a step reads; all but the gradient are written
-CHUNK = 1 << 18   # elements upcast at a time: their fp32 moments (2 MiB) stay in cache
+STEPPED = ("param", "grad") + MOMENTS  # the tensors a step reads; all but the gradient are written
+CHUNK = 1 << 18  # elements upcast at a time: their fp32 moments (2 MiB) stay in cache
 
 
 def moment_dtypes(t: TrainConfig) -> Dict[str, torch.dtype]:
@@ -79,9 +80,18 @@ class PrecisionAwareAdamW(torch.optim.AdamW):
         state = self._state_of(p)
         before, beta1, beta2 = state["step"], *group["betas"]
         if host_kernels.steps(p, p.grad):
-            host_kernels.adamw(p.view(-1), p.grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
-                               step=float(before) + 1, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                               weight_decay=group["weight_decay"])
+            host_kernels.adamw(
+                p.view(-1),
+                p.grad.view(-1),
+                state["exp_avg"].view(-1),
+                state["exp_avg_sq"].view(-1),
+                step=float(before) + 1,
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+            )
             state["step"] = before + 1
             return
         flat = {"param": p.view(-1), "grad": p.grad.view(-1), **{name: state[name].view(-1) for name in MOMENTS}}
@@ -91,11 +101,28 @@ class PrecisionAwareAdamW(torch.optim.AdamW):
                 scratch[name] = torch.empty(CHUNK, dtype=torch.float32, device=p.device)
         for start in range(0, p.numel(), CHUNK):
             end = min(start + CHUNK, p.numel())
-            part = {name: scratch[name][:end - start].copy_(flat[name][start:end]) if name in lowered
-                    else flat[name][start:end] for name in STEPPED}
-            torch_adamw.adamw([part["param"]], [part["grad"]], [part["exp_avg"]], [part["exp_avg_sq"]], [],
-                              [before.clone()], fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                              weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+            part = {
+                name: scratch[name][: end - start].copy_(flat[name][start:end])
+                if name in lowered
+                else flat[name][start:end]
+                for name in STEPPED
+            }
+            torch_adamw.adamw(
+                [part["param"]],
+                [part["grad"]],
+                [part["exp_avg"]],
+                [part["exp_avg_sq"]],
+                [],
+                [before.clone()],
+                fused=True,
+                amsgrad=False,
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=False,
+            )
             for name in lowered:
                 if name != "grad":
                     flat[name][start:end].copy_(part[name])

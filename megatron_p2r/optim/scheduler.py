@@ -13,6 +13,7 @@ so a model whose layers were just copied does not take full-size steps while its
 is re-forming. The converter records it in the checkpoint (``with_rewarmup``); a resume restores
 it with the counts, so a run saved in the middle of a re-warm-up continues exactly.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,8 +48,11 @@ def check_rewarmup(rewarmup: Optional[dict]) -> Optional[dict]:
     """``rewarmup`` when it is None or ``{"start": int >= 0, "iters": int >= 1}``, else ValueError."""
     if rewarmup is None:
         return None
-    ok = isinstance(rewarmup, dict) and set(rewarmup) == {"start", "iters"} and all(
-        isinstance(rewarmup[k], int) and not isinstance(rewarmup[k], bool) for k in rewarmup)
+    ok = (
+        isinstance(rewarmup, dict)
+        and set(rewarmup) == {"start", "iters"}
+        and all(isinstance(rewarmup[k], int) and not isinstance(rewarmup[k], bool) for k in rewarmup)
+    )
     if not ok or rewarmup["start"] < 0 or rewarmup["iters"] < 1:
         raise ValueError(f"rewarmup must be null or {{'start': int >= 0, 'iters': int >= 1}}, got {rewarmup!r}")
     return dict(rewarmup)

@@ -12,6 +12,7 @@ buffer, copied to host only on the ranks that write), ``StateLoader`` takes any 
 and keeps what this rank steps. So a checkpoint never depends on the DP size or on
 whether the distributed optimizer, 16-bit parameters or offload were on.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional
@@ -25,7 +26,7 @@ from megatron_p2r.optim.mixed_precision import MainShard, MixedPrecisionOptimize
 from megatron_p2r.optim.optimizer import OPTIMIZER_KINDS
 from megatron_p2r.parallel.grad_buffer import ParamAndGradBuffer, all_gather_chunks
 
-MOMENTS = ("exp_avg", "exp_avg_sq")   # elementwise state: any range of it is that range's state
+MOMENTS = ("exp_avg", "exp_avg_sq")  # elementwise state: any range of it is that range's state
 
 
 def state_kinds(opt: MixedPrecisionOptimizer) -> tuple:
@@ -51,8 +52,9 @@ def state_value(opt: MixedPrecisionOptimizer, ms: MainShard, kind: str) -> torch
     return stored_state(opt, ms, kind).float()
 
 
-def gather_state(opt: MixedPrecisionOptimizer,
-                 keep: Callable[[nn.Parameter], bool]) -> Dict[int, Dict[str, torch.Tensor]]:
+def gather_state(
+    opt: MixedPrecisionOptimizer, keep: Callable[[nn.Parameter], bool]
+) -> Dict[int, Dict[str, torch.Tensor]]:
     """Collective over the gradient buffers' groups: {id(param): {"model", state kinds: fp32
     tensors of the parameter's shape}} for every parameter ``keep`` accepts (state only after a
     step)."""
@@ -80,14 +82,16 @@ def _gather_sharded(opt: MixedPrecisionOptimizer, b: int, buf: ParamAndGradBuffe
         for kind in kinds:
             shard = torch.zeros(hi - lo, dtype=torch.float32, device=opt.ddp.ps.device)
             for ms in owned:
-                shard[ms.position - lo:ms.position - lo + ms.end - ms.start].copy_(state_value(opt, ms, kind).reshape(-1))
+                shard[ms.position - lo : ms.position - lo + ms.end - ms.start].copy_(
+                    state_value(opt, ms, kind).reshape(-1)
+                )
             full = torch.empty(bucket.end - bucket.start, dtype=torch.float32) if kept else None
             for start, end, block in all_gather_chunks(shard, members, staging, buf.group):
                 if full is not None:
                     full.view(members, -1)[:, start:end].copy_(block)
             for j in kept:
                 p, (a, z) = buf.params[j], layout.ranges[j]
-                out.setdefault(id(p), {})[kind] = full[a - bucket.start:z - bucket.start].view(p.shape)
+                out.setdefault(id(p), {})[kind] = full[a - bucket.start : z - bucket.start].view(p.shape)
 
 
 class StateLoader:
@@ -98,8 +102,9 @@ class StateLoader:
     means (a vector's: the moment itself), what Adafactor's statistics estimate. ``variance_kind``:
     the statistic holding a vector's variance (``row_var`` in broadcast checkpoints)."""
 
-    def __init__(self, opt: MixedPrecisionOptimizer, adam_beta2: Optional[float] = None,
-                 variance_kind: str = "col_var"):
+    def __init__(
+        self, opt: MixedPrecisionOptimizer, adam_beta2: Optional[float] = None, variance_kind: str = "col_var"
+    ):
         self.opt, self.adam_beta2, self.variance_kind = opt, adam_beta2, variance_kind
         self.moments: Dict[int, Dict[str, torch.Tensor]] = {}
         self.step: Optional[int] = None
@@ -128,26 +133,27 @@ class StateLoader:
         flat = value.reshape(-1)
         if kind in FACTOR_KINDS:
             for ms in self.opt.shards_of.get(id(p), []):
-                take_checkpoint_value(self.moments.setdefault(id(ms.main), {}), _piece(ms), kind, offset, flat,
-                                      self.variance_kind)
+                take_checkpoint_value(
+                    self.moments.setdefault(id(ms.main), {}), _piece(ms), kind, offset, flat, self.variance_kind
+                )
             return
         if kind == "exp_avg_sq" and self.adam_beta2 is not None:
             for ms in self.opt.shards_of.get(id(p), []):
                 take_second_moment(self.moments.setdefault(id(ms.main), {}), _piece(ms), kind, offset, flat)
             return
         with torch.no_grad():
-            if kind == "model":   # every rank holds the whole weight, in its own dtype
-                p.data.view(-1)[offset:offset + flat.numel()].copy_(flat)
+            if kind == "model":  # every rank holds the whole weight, in its own dtype
+                p.data.view(-1)[offset : offset + flat.numel()].copy_(flat)
             for ms, lo, hi in self._overlaps(p, offset, flat.numel()):
-                src = flat[lo - offset:hi - offset]
+                src = flat[lo - offset : hi - offset]
                 if kind == "model":
                     if not ms.aliases_param:
-                        ms.main.view(-1)[lo - ms.start:hi - ms.start].copy_(src)
+                        ms.main.view(-1)[lo - ms.start : hi - ms.start].copy_(src)
                     continue
                 kept = self.moments.setdefault(id(ms.main), {})
                 if kind not in kept:
                     kept[kind] = torch.zeros(ms.end - ms.start, dtype=torch.float32)
-                kept[kind][lo - ms.start:hi - ms.start].copy_(src)
+                kept[kind][lo - ms.start : hi - ms.start].copy_(src)
 
     def finish(self, moments: bool) -> None:
         """Install the state read (when ``moments``) with the step count read."""
@@ -155,15 +161,19 @@ class StateLoader:
             return
         if self.step is None:
             raise ValueError("optimizer state without a step count")
-        if self.adam_beta2 is not None:   # AdamW's bias correction, once the step count is read
+        if self.adam_beta2 is not None:  # AdamW's bias correction, once the step count is read
             for kept in self.moments.values():
                 for value in kept.values():
-                    value.div_(1 - self.adam_beta2 ** self.step)
+                    value.div_(1 - self.adam_beta2**self.step)
         for inner in self.opt.inner.values():
             sd = inner.state_dict()
             mains: List[torch.Tensor] = [m for g in inner.param_groups for m in g["params"]]
-            sd["state"] = {i: {"step": torch.tensor(float(self.step)),
-                               **{k: v.view(m.shape) if k in MOMENTS else v for k, v in self.moments[id(m)].items()}}
-                           for i, m in enumerate(mains)}
+            sd["state"] = {
+                i: {
+                    "step": torch.tensor(float(self.step)),
+                    **{k: v.view(m.shape) if k in MOMENTS else v for k, v in self.moments[id(m)].items()},
+                }
+                for i, m in enumerate(mains)
+            }
             inner.load_state_dict(sd)
         self.opt.step_count = self.step

@@ -6,6 +6,7 @@ the planner divides it by the host's bandwidth.
 
 Dtypes are the flags' names: "fp32", "bf16", "fp16".
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Optional
@@ -15,8 +16,9 @@ from megatron_p2r.config import OPTIMIZERS
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def kernel_bytes_per_element(optimizer: str, main: str, grad: str, moments: Mapping[str, str],
-                             weight: Optional[str]) -> int:
+def kernel_bytes_per_element(
+    optimizer: str, main: str, grad: str, moments: Mapping[str, str], weight: Optional[str]
+) -> int:
     """Bytes moved per element by one step of ``optimizer`` (a kind of config/optimizers.py: an
     elementwise one moves its moments, a factored one makes three passes).
 

@@ -27,6 +27,7 @@ most ``MAX_NOISE_STD``: 1 is already 50 times the scale of initialised weights (
 noise as large as the tensor itself; more only destroys the model (and overflows in float32
 well before float64 notices).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -68,9 +69,11 @@ def check_refinement(layer_sources: Sequence[int], target_keys: Sequence[int], s
     origin: Dict[int, int] = {}
     for layer, (src, dst) in enumerate(zip(layer_sources, target_keys, strict=True)):
         if origin.setdefault(dst, src) != src:
-            raise ConfigError(f"--target-share-pattern {target}: layers {dst} and {layer} share a module in the "
-                              f"target but come from different modules of the source ({source}); the target "
-                              "pattern must refine the source's (all -> cycle:K -> none)")
+            raise ConfigError(
+                f"--target-share-pattern {target}: layers {dst} and {layer} share a module in the "
+                f"target but come from different modules of the source ({source}); the target "
+                "pattern must refine the source's (all -> cycle:K -> none)"
+            )
 
 
 def target_uses(layer_sources: Sequence[int], target_keys: Sequence[int]) -> Dict[int, int]:
@@ -87,8 +90,8 @@ def delink_moment(kind: str, tensor: torch.Tensor, source_uses: int, target_uses
         return tensor
     if kind not in GRADIENT_POWER:
         raise ValueError(f"unknown optimizer state {kind!r}")
-    power = GRADIENT_POWER[kind]   # the optimizer specs' (config/optimizers.py)
-    return tensor * target_uses ** power / source_uses ** power
+    power = GRADIENT_POWER[kind]  # the optimizer specs' (config/optimizers.py)
+    return tensor * target_uses**power / source_uses**power
 
 
 def add_noise(tensor: torch.Tensor, target_key: str, std: float, seed: int, relative: bool = False) -> torch.Tensor:
@@ -100,6 +103,5 @@ def add_noise(tensor: torch.Tensor, target_key: str, std: float, seed: int, rela
         return tensor
     noisy = tensor + draw(f"delink-noise:{target_key}", tuple(tensor.shape), ("normal", std), seed).to(tensor.dtype)
     if not torch.isfinite(noisy).all():
-        raise ConfigError(f"--noise-std {std:g} makes {target_key} non-finite in {tensor.dtype}; "
-                          "nothing was written")
+        raise ConfigError(f"--noise-std {std:g} makes {target_key} non-finite in {tensor.dtype}; nothing was written")
     return noisy

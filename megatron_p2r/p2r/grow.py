@@ -13,6 +13,7 @@ Unlike delinking, growth is **not function-preserving**: the grown model applies
 times, so its loss right after growth differs from the source's. Its value is that the early
 phase trains a model k times shallower, which costs fewer FLOPs per token.
 """
+
 from __future__ import annotations
 
 from typing import List, Sequence
@@ -33,13 +34,16 @@ def grown_layers(num_source_layers: int, num_layers: int, method: str) -> List[i
     return [j % small if method == "stack" else j // k for j in range(num_layers)]
 
 
-def check_layer_kinds(source_layers: Sequence[int], source_moe: Sequence[bool], target_moe: Sequence[bool],
-                      method: str) -> None:
+def check_layer_kinds(
+    source_layers: Sequence[int], source_moe: Sequence[bool], target_moe: Sequence[bool], method: str
+) -> None:
     """A target layer must be of its source layer's kind (dense or MoE): with MoE in every
     other layer, ``interleave`` would put a dense layer's weights into an MoE layer."""
     kinds = ("dense", "MoE")
     for j, (src, moe) in enumerate(zip(source_layers, target_moe, strict=True)):
         if source_moe[src] != moe:
-            raise ConfigError(f"grow --method {method}: target layer {j} is {kinds[moe]} but its source layer "
-                              f"{src} is {kinds[source_moe[src]]}; choose a method or --num-layers that keeps "
-                              "every layer's kind (--moe-layer-freq)")
+            raise ConfigError(
+                f"grow --method {method}: target layer {j} is {kinds[moe]} but its source layer "
+                f"{src} is {kinds[source_moe[src]]}; choose a method or --num-layers that keeps "
+                "every layer's kind (--moe-layer-freq)"
+            )

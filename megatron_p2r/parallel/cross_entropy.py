@@ -23,6 +23,7 @@ Two ways to get the gradient, by what the caller asks for:
 fp32 throughout without autocast (``tests/parallel/test_cross_entropy.py`` compares both with
 a float64 reference on a padded vocabulary, TP 1/2/4, with and without sequence parallelism).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -32,7 +33,7 @@ import torch.distributed as dist
 
 from megatron_p2r.parallel.mappings import all_gather_sequence, copy_to_region, reduce_scatter_sequence
 
-CHUNK_ELEMENTS = 1 << 21   # logits per chunk (8 MiB in fp32)
+CHUNK_ELEMENTS = 1 << 21  # logits per chunk (8 MiB in fp32)
 
 
 def chunk_tokens(local_vocab: int) -> int:
@@ -55,7 +56,7 @@ def _softmax_statistics(logits: torch.Tensor, local_target: torch.Tensor, group)
     shift = logits.amax(dim=-1)
     local_lse = shift + logits.sub_(shift.unsqueeze(-1)).exp_().sum(dim=-1).log_()
     stats = torch.stack([local_lse, picked.masked_fill_(~inside, 0.0)], dim=-1)
-    if group is not None:   # the shards' log-sum-exps combine by a log-sum-exp, their target logits by a sum
+    if group is not None:  # the shards' log-sum-exps combine by a log-sum-exp, their target logits by a sum
         parts = stats.new_empty((dist.get_world_size(group) * stats.shape[0], 2))
         dist.all_gather_single(parts, stats, group=group)
         parts = parts.view(-1, *stats.shape)
@@ -63,9 +64,16 @@ def _softmax_statistics(logits: torch.Tensor, local_target: torch.Tensor, group)
     return stats[:, 0], stats[:, 1], shift
 
 
-def _accumulate_gradients(exp: torch.Tensor, softmax_scale: torch.Tensor, weights: torch.Tensor,
-                          local_target: torch.Tensor, w: torch.Tensor, inputs: torch.Tensor,
-                          grad_inputs: torch.Tensor, grad_w: torch.Tensor) -> None:
+def _accumulate_gradients(
+    exp: torch.Tensor,
+    softmax_scale: torch.Tensor,
+    weights: torch.Tensor,
+    local_target: torch.Tensor,
+    w: torch.Tensor,
+    inputs: torch.Tensor,
+    grad_inputs: torch.Tensor,
+    grad_w: torch.Tensor,
+) -> None:
     """One chunk: ``(softmax - onehot) x weights`` per token (the softmax is ``exp x
     softmax_scale``; formed in place on the fp32 ``exp``, then in the compute dtype), into the
     chunk's input-gradient rows and added to the weight gradient."""
@@ -77,8 +85,9 @@ def _accumulate_gradients(exp: torch.Tensor, softmax_scale: torch.Tensor, weight
     grad_w.add_(d.t() @ inputs)
 
 
-def _forward_chunk(inputs: torch.Tensor, w: torch.Tensor, local_target: torch.Tensor, group,
-                   gradients: Optional[tuple]) -> Tuple[torch.Tensor, torch.Tensor]:
+def _forward_chunk(
+    inputs: torch.Tensor, w: torch.Tensor, local_target: torch.Tensor, group, gradients: Optional[tuple]
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """A chunk of tokens' log-sum-exp and target logit; with ``gradients`` (per-token weights,
     the chunk's input-gradient rows, the weight gradient) their gradients too. Its logits die
     on return, before the next chunk's exist."""
@@ -90,8 +99,15 @@ def _forward_chunk(inputs: torch.Tensor, w: torch.Tensor, local_target: torch.Te
     return lse, target
 
 
-def _backward_chunk(inputs: torch.Tensor, w: torch.Tensor, lse: torch.Tensor, local_target: torch.Tensor,
-                    grad_loss: torch.Tensor, grad_inputs: torch.Tensor, grad_w: torch.Tensor) -> None:
+def _backward_chunk(
+    inputs: torch.Tensor,
+    w: torch.Tensor,
+    lse: torch.Tensor,
+    local_target: torch.Tensor,
+    grad_loss: torch.Tensor,
+    grad_inputs: torch.Tensor,
+    grad_w: torch.Tensor,
+) -> None:
     """A chunk's gradients from its recomputed logits and the saved log-sum-exp."""
     softmax = (inputs @ w.t()).float().sub_(lse.unsqueeze(-1)).exp_()
     _accumulate_gradients(softmax, torch.ones_like(lse), grad_loss, local_target, w, inputs, grad_inputs, grad_w)
@@ -102,7 +118,7 @@ class _OutputCrossEntropy(torch.autograd.Function):
     def forward(ctx, x, weight, target, loss_mask, group, gather_sequence, gradients):
         ctx.x_dtype, ctx.w_dtype, dtype = x.dtype, weight.dtype, _compute_dtype(x)
         ctx.group, ctx.gather_sequence, ctx.fused = group, gather_sequence, loss_mask is not None
-        x = x.to(dtype)   # what is gathered (and, per token, saved): the compute dtype's bytes
+        x = x.to(dtype)  # what is gathered (and, per token, saved): the compute dtype's bytes
         with torch.autocast(x.device.type, enabled=False):
             full = all_gather_sequence(x, group) if gather_sequence else x
             inputs, w = full.reshape(-1, full.shape[-1]), weight.to(dtype)
@@ -116,8 +132,13 @@ class _OutputCrossEntropy(torch.autograd.Function):
             step = chunk_tokens(w.shape[0])
             for start in range(0, inputs.shape[0], step):
                 rows = slice(start, start + step)
-                chunk_lse, chunk_target = _forward_chunk(inputs[rows], w, local_target[rows], group,
-                                                         (mask[rows], grad_inputs[rows], grad_w) if gradients else None)
+                chunk_lse, chunk_target = _forward_chunk(
+                    inputs[rows],
+                    w,
+                    local_target[rows],
+                    group,
+                    (mask[rows], grad_inputs[rows], grad_w) if gradients else None,
+                )
                 losses[rows] = chunk_lse - chunk_target
                 if lse is not None:
                     lse[rows] = chunk_lse
@@ -131,9 +152,17 @@ class _OutputCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        if ctx.fused:   # d(sum)/d(inputs) was computed in forward: scale it
+        if ctx.fused:  # d(sum)/d(inputs) was computed in forward: scale it
             grad_x, grad_w = ctx.saved_tensors
-            return (grad_x * grad_loss).to(ctx.x_dtype), (grad_w * grad_loss).to(ctx.w_dtype), None, None, None, None, None
+            return (
+                (grad_x * grad_loss).to(ctx.x_dtype),
+                (grad_w * grad_loss).to(ctx.w_dtype),
+                None,
+                None,
+                None,
+                None,
+                None,
+            )
         x, weight, local_target, lse = ctx.saved_tensors
         full = all_gather_sequence(x, ctx.group) if ctx.gather_sequence else x
         inputs, w = full.reshape(-1, full.shape[-1]), weight.to(x.dtype)
@@ -150,9 +179,14 @@ class _OutputCrossEntropy(torch.autograd.Function):
         return grad_x.to(ctx.x_dtype), grad_w.to(ctx.w_dtype), None, None, None, None, None
 
 
-def output_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                         group: Optional[dist.ProcessGroup], sequence_parallel: bool = False,
-                         loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def output_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    sequence_parallel: bool = False,
+    loss_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Cross entropy of hidden states ``x`` (``[b, s, h]``, or this rank's sequence shard
     ``[b, s/TP, h]`` under sequence parallelism) through the vocabulary-parallel output weight
     ``[V/TP, h]`` against int targets ``[b, s]`` (global vocabulary ids): per-token losses

@@ -26,6 +26,7 @@ attached to a built stage without wrapping its forward.
   (a compiled layer's forward for all of its buckets; buckets of layers whose weights are fetched
   from host are gathered before returning).
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,39 +43,56 @@ from megatron_p2r.parallel.state import ParallelState
 class DistributedDataParallel:
     """The gradient buffers of ``model`` (this rank's stage of ``plan``) and their reduction."""
 
-    def __init__(self, model: nn.Module, plan: ParallelPlan, ps: ParallelState, *, overlap_grad_reduce: bool = False,
-                 overlap_param_gather: bool = False, fetched: Iterable[int] = (), waits_whole: Iterable[nn.Module] = (),
-                 reduction_started: Optional[Callable[[BucketState], None]] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: ParallelPlan,
+        ps: ParallelState,
+        *,
+        overlap_grad_reduce: bool = False,
+        overlap_param_gather: bool = False,
+        fetched: Iterable[int] = (),
+        waits_whole: Iterable[nn.Module] = (),
+        reduction_started: Optional[Callable[[BucketState], None]] = None,
+    ):
         self.model, self.ps = model, ps
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
         self._staging: Dict[torch.dtype, torch.Tensor] = {}
         named = dict(model.named_parameters())
         module_keys = {s.name: s.module_key for s in plan.tensors(ps.pp_rank)}
         stage = plan.stage(ps.pp_rank)
-        self._final_chunk = {id(p): stage.final_chunk(name, module_keys.get(name))
-                             for name, p in named.items()}
+        self._final_chunk = {id(p): stage.final_chunk(name, module_keys.get(name)) for name, p in named.items()}
         self.buffers: List[ParamAndGradBuffer] = []
         for layout in plan.grad_buffers(ps.pp_rank):
             missing = [n for n in layout.names if n not in named]
             if missing:
                 raise ValueError(f"stage {ps.pp_rank} has no parameter {missing[0]!r} of the plan's gradient buffers")
-            group = ps.reduction_group(Reduction(kind=layout.over, over=layout.over, stages=layout.stages,
-                                                 tp_block=layout.tp_block))
-            self.buffers.append(ParamAndGradBuffer(
-                layout, [named.pop(n) for n in layout.names], member=plan.buffer_member(layout, ps.coords),
-                group=group, divisor=ps.dp_size, device=ps.device,
-                staged_everywhere=bool(layout.stages) and plan.buffers.break_at_modules, staging=self.staging,
-                grad_dtype=DTYPES[plan.buffers.main_grads_dtype]))
+            group = ps.reduction_group(
+                Reduction(kind=layout.over, over=layout.over, stages=layout.stages, tp_block=layout.tp_block)
+            )
+            self.buffers.append(
+                ParamAndGradBuffer(
+                    layout,
+                    [named.pop(n) for n in layout.names],
+                    member=plan.buffer_member(layout, ps.coords),
+                    group=group,
+                    divisor=ps.dp_size,
+                    device=ps.device,
+                    staged_everywhere=bool(layout.stages) and plan.buffers.break_at_modules,
+                    staging=self.staging,
+                    grad_dtype=DTYPES[plan.buffers.main_grads_dtype],
+                )
+            )
         if named:
             raise ValueError(f"parameters outside the plan's gradient buffers: {sorted(named)}")
         self.bucket_of = {id(p): b for buf in self.buffers for b in buf.buckets for p in b.params}
-        self._fetched = set(fetched)   # ids of parameters whose layers copy them from host before forward
+        self._fetched = set(fetched)  # ids of parameters whose layers copy them from host before forward
         self._issued = [0] * len(self.buffers)
         self._expected: Optional[int] = None
         self._backwards: Dict[int, int] = {}
         self._chunk, self._last_microbatch = 0, False
         self.reduction_started = reduction_started
-        self._tracks_buckets = overlap_grad_reduce or reduction_started is not None   # in the last backward
+        self._tracks_buckets = overlap_grad_reduce or reduction_started is not None  # in the last backward
         for p in self.model.parameters():
             p.register_post_accumulate_grad_hook(self._accumulate)
         model.register_forward_hook(self._mark_output, with_kwargs=True)
@@ -106,9 +124,11 @@ class DistributedDataParallel:
     def backward_started(self, chunk: int = 0) -> None:
         count = self._backwards[chunk] = self._backwards.get(chunk, 0) + 1
         if self._expected is not None and count > self._expected:
-            raise RuntimeError(f"backward pass {count} of model chunk {chunk} in a step prepared for "
-                               f"{self._expected} micro-batches: call zero_grad_buffer(num_microbatches) before "
-                               "each step")
+            raise RuntimeError(
+                f"backward pass {count} of model chunk {chunk} in a step prepared for "
+                f"{self._expected} micro-batches: call zero_grad_buffer(num_microbatches) before "
+                "each step"
+            )
         self._chunk, self._last_microbatch = chunk, count == self._expected
 
     def _accumulate(self, p: nn.Parameter) -> None:
@@ -118,8 +138,10 @@ class DistributedDataParallel:
             return
         bucket = self.bucket_of[id(p)]
         if id(p) not in bucket.pending:
-            raise RuntimeError("a gradient was accumulated twice in the last micro-batch's backward, after its "
-                               "bucket's reduction may have started")
+            raise RuntimeError(
+                "a gradient was accumulated twice in the last micro-batch's backward, after its "
+                "bucket's reduction may have started"
+            )
         bucket.pending.discard(id(p))
         if not bucket.pending:
             self._start_ready(self.buffers.index(bucket.buffer))
@@ -163,8 +185,11 @@ class DistributedDataParallel:
             if not buf.layout.sharded:
                 continue
             for bucket in reversed(buf.buckets):
-                overlap = self.overlap_param_gather and not bucket.staged and \
-                    not any(id(p) in self._fetched for p in bucket.params)
+                overlap = (
+                    self.overlap_param_gather
+                    and not bucket.staged
+                    and not any(id(p) in self._fetched for p in bucket.params)
+                )
                 buf.start_param_gather(bucket, async_op=overlap)
 
     def finish_param_sync(self) -> None:

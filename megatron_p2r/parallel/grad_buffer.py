@@ -11,6 +11,7 @@ bucket (on host while the collectives need device tensors, or one whose group me
 it in different places) goes through a bounded device staging buffer, chunk by chunk, in the same
 chunks on every member, never the whole buffer at once.
 """
+
 from __future__ import annotations
 
 import threading
@@ -22,8 +23,8 @@ from torch import nn
 
 from megatron_p2r.layout.buckets import GradBuffer
 
-STAGING_NUMEL = 1 << 24     # elements of the device staging buffer (64 MiB of fp32)
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}   # the dtype flags' names
+STAGING_NUMEL = 1 << 24  # elements of the device staging buffer (64 MiB of fp32)
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # the dtype flags' names
 # reduce_scatter_tensor / all_gather_into_tensor: the names every torch >= 2.4 (setup.py) has
 # (recent torch prefers the *_single aliases and warns once per call site).
 
@@ -38,22 +39,30 @@ class BucketState:
     """One bucket on this rank: its views, the parameters whose gradients it still waits for,
     and its collective in flight."""
 
-    def __init__(self, index: int, buffer: "ParamAndGradBuffer", params: List[nn.Parameter],
-                 grad: torch.Tensor, param: Optional[torch.Tensor], staged: bool):
+    def __init__(
+        self,
+        index: int,
+        buffer: "ParamAndGradBuffer",
+        params: List[nn.Parameter],
+        grad: torch.Tensor,
+        param: Optional[torch.Tensor],
+        staged: bool,
+    ):
         self.index, self.buffer, self.params = index, buffer, params
         self.grad, self.param, self.staged = grad, param, staged
-        self.second_grad: Optional[torch.Tensor] = None   # --cpu-offload-delayed-param-update: see swap_grads
+        self.second_grad: Optional[torch.Tensor] = None  # --cpu-offload-delayed-param-update: see swap_grads
         self.pending: set = set()
         self.grad_handle = self.param_handle = None
         self.started = self.reduced = False
-        self.lock = threading.Lock()   # the overlapped host step may finish the reduction on its thread
+        self.lock = threading.Lock()  # the overlapped host step may finish the reduction on its thread
 
     def add_second_grad(self) -> None:
         """A second gradient tensor of the bucket's size and place: the delayed host step reads one
         while the next iteration accumulates into the other (``swap_grads``)."""
         second = torch.zeros_like(self.grad)
-        self.second_grad = second.pin_memory() if second.device.type == "cpu" and self.buffer.device.type == "cuda" \
-            else second
+        self.second_grad = (
+            second.pin_memory() if second.device.type == "cpu" and self.buffer.device.type == "cuda" else second
+        )
 
     def swap_grads(self) -> None:
         """The parameters' ``main_grad`` (and the collectives) move to the other gradient tensor."""
@@ -64,15 +73,25 @@ class BucketState:
         """This member's shard of ``tensor`` (a view of the bucket)."""
         b = self.buffer.layout.buckets[self.index]
         lo, hi = self.buffer.layout.shard(self.index, self.buffer.member)
-        return tensor[lo - b.start:hi - b.start]
+        return tensor[lo - b.start : hi - b.start]
 
 
 class ParamAndGradBuffer:
     """The tensors of ``layout`` on this rank; ``params`` are the model's parameters in layout order."""
 
-    def __init__(self, layout: GradBuffer, params: List[nn.Parameter], *, member: int,
-                 group: Optional[dist.ProcessGroup], divisor: int, device: torch.device, staged_everywhere: bool,
-                 staging: Callable[[torch.dtype, int], torch.Tensor], grad_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        layout: GradBuffer,
+        params: List[nn.Parameter],
+        *,
+        member: int,
+        group: Optional[dist.ProcessGroup],
+        divisor: int,
+        device: torch.device,
+        staged_everywhere: bool,
+        staging: Callable[[torch.dtype, int], torch.Tensor],
+        grad_dtype: torch.dtype = torch.float32,
+    ):
         self.layout, self.member, self.group, self.divisor, self.device = layout, member, group, divisor, device
         self.params, self.staging = params, staging
         for name, p, (lo, hi) in zip(layout.names, params, layout.ranges, strict=True):
@@ -87,8 +106,8 @@ class ParamAndGradBuffer:
         self.param_data = self._allocate(sizes, params[0].dtype) if layout.sharded else None
         self.buckets: List[BucketState] = []
         for i, (b, where, offset) in enumerate(zip(layout.buckets, locations, offsets, strict=True)):
-            grad = self.grad_data[where][offset:offset + b.end - b.start]
-            param = self.param_data[where][offset:offset + b.end - b.start] if self.param_data else None
+            grad = self.grad_data[where][offset : offset + b.end - b.start]
+            param = self.param_data[where][offset : offset + b.end - b.start] if self.param_data else None
             staged = group is not None and (where != device or staged_everywhere)
             self.buckets.append(BucketState(i, self, [params[j] for j in b.params], grad, param, staged))
         largest = max(b.end - b.start for b in layout.buckets)
@@ -99,8 +118,10 @@ class ParamAndGradBuffer:
     def _location(self, indices) -> torch.device:
         where = {self.params[j].device for j in indices}
         if len(where) != 1:
-            raise ValueError(f"a gradient bucket of {self.layout.over} spans devices {sorted(map(str, where))}: "
-                             "buckets break at layer modules only when offload is configured")
+            raise ValueError(
+                f"a gradient bucket of {self.layout.over} spans devices {sorted(map(str, where))}: "
+                "buckets break at layer modules only when offload is configured"
+            )
         return where.pop()
 
     def _allocate(self, sizes: Dict[torch.device, int], dtype: torch.dtype) -> Dict[torch.device, torch.Tensor]:
@@ -116,7 +137,7 @@ class ParamAndGradBuffer:
         start = self.layout.buckets[bucket.index].start
         for j in self.layout.buckets[bucket.index].params:
             p, (lo, hi) = self.params[j], self.layout.ranges[j]
-            p.main_grad = bucket.grad[lo - start:hi - start].view(p.shape)
+            p.main_grad = bucket.grad[lo - start : hi - start].view(p.shape)
 
     def _bind_params(self) -> None:
         """``main_grad`` views; under the distributed optimizer the parameters move into ``param_data``."""
@@ -127,7 +148,7 @@ class ParamAndGradBuffer:
                 for j in self.layout.buckets[bucket.index].params:
                     p, (lo, hi) = self.params[j], self.layout.ranges[j]
                     if bucket.param is not None:
-                        view = bucket.param[lo - start:hi - start].view(p.shape)
+                        view = bucket.param[lo - start : hi - start].view(p.shape)
                         view.copy_(p.data)
                         p.data = view
 
@@ -159,8 +180,9 @@ class ParamAndGradBuffer:
             else:
                 staged_all_reduce(bucket.grad, staging, self.group)
         elif self.layout.sharded:
-            bucket.grad_handle = dist.reduce_scatter_tensor(bucket.shard(bucket.grad), bucket.grad,
-                                                            group=self.group, async_op=async_op)
+            bucket.grad_handle = dist.reduce_scatter_tensor(
+                bucket.shard(bucket.grad), bucket.grad, group=self.group, async_op=async_op
+            )
         else:
             bucket.grad_handle = dist.all_reduce(bucket.grad, group=self.group, async_op=async_op)
 
@@ -187,8 +209,9 @@ class ParamAndGradBuffer:
             staging = self.staging(bucket.param.dtype, self.staging_numel)
             staged_all_gather(bucket.param, self.member, self.layout.members, staging, self.group)
         else:
-            bucket.param_handle = dist.all_gather_into_tensor(bucket.param, bucket.shard(bucket.param),
-                                                              group=self.group, async_op=async_op)
+            bucket.param_handle = dist.all_gather_into_tensor(
+                bucket.param, bucket.shard(bucket.param), group=self.group, async_op=async_op
+            )
 
     def finish_param_gather(self, bucket: BucketState) -> None:
         if bucket.param_handle is not None:
@@ -205,7 +228,7 @@ def staged_all_reduce(data: torch.Tensor, staging: torch.Tensor, group) -> None:
     """All-reduce ``data`` (anywhere) through ``staging`` (on the collective's device), in chunks of
     ``staging``'s size: every member issues the same number of collectives."""
     for lo, hi in _chunks(data.numel(), staging.numel()):
-        part = staging[:hi - lo]
+        part = staging[: hi - lo]
         part.copy_(data[lo:hi])
         dist.all_reduce(part, group=group)
         data[lo:hi].copy_(part)
@@ -218,7 +241,7 @@ def staged_reduce_scatter(data: torch.Tensor, shard: torch.Tensor, members: int,
     width = max(staging.numel() // (members + 1), 1)
     for lo, hi in _chunks(rows.shape[1], width):
         n = hi - lo
-        block, out = staging[:members * n].view(members, n), staging[members * n:(members + 1) * n]
+        block, out = staging[: members * n].view(members, n), staging[members * n : (members + 1) * n]
         block.copy_(rows[:, lo:hi])
         dist.reduce_scatter_tensor(out, block.reshape(-1), group=group)
         shard[lo:hi].copy_(out)
@@ -230,7 +253,7 @@ def all_gather_chunks(shard: torch.Tensor, members: int, staging: torch.Tensor, 
     width = max(staging.numel() // (members + 1), 1)
     for lo, hi in _chunks(shard.numel(), width):
         n = hi - lo
-        block, mine = staging[:members * n].view(members, n), staging[members * n:(members + 1) * n]
+        block, mine = staging[: members * n].view(members, n), staging[members * n : (members + 1) * n]
         mine.copy_(shard[lo:hi])
         dist.all_gather_into_tensor(block.reshape(-1), mine, group=group)
         yield lo, hi, block

@@ -9,6 +9,7 @@ Training reduces gradients through ``parallel/ddp.py`` (buffers, buckets, overla
   the gradients its EP peers' tokens sent it, so the mean over all DP ranks' losses is
   (sum over expert-dp) / DP, not / expert-DP (docs/moe.md).
 """
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,9 @@ def reduction_of(plan: ParallelPlan, name: str, p: nn.Parameter) -> Reduction:
     return plan.reduction(logical_name(name, p), getattr(p, "expert", False))
 
 
-def grad_norm_and_non_finite(grads: Sequence[torch.Tensor], owned: Sequence[bool],
-                             ps: ParallelState) -> Tuple[float, bool]:
+def grad_norm_and_non_finite(
+    grads: Sequence[torch.Tensor], owned: Sequence[bool], ps: ParallelState
+) -> Tuple[float, bool]:
     """(global L2 norm of the gradient, whether any rank has an inf/nan in it).
 
     ``grads`` are the gradients this rank's optimizer steps (whole tensors, or shards under the

@@ -13,6 +13,7 @@ all-reducing it. The biases added after the reduce-scatter then see 1/TP of the 
 gradients are partial and are summed over TP with their data-parallel reduction
 (``layout.tensor_specs.SEQUENCE_PARALLEL_PARTIAL``, the plan's ``Reduction.tp_block``).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -22,9 +23,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_p2r.parallel.mappings import (all_gather_sequence, copy_to_region, gather_from_region,
-                                            reduce_from_region, reduce_scatter_sequence,
-                                            reduce_scatter_to_sequence_region)
+from megatron_p2r.parallel.mappings import (
+    all_gather_sequence,
+    copy_to_region,
+    gather_from_region,
+    reduce_from_region,
+    reduce_scatter_sequence,
+    reduce_scatter_to_sequence_region,
+)
 from megatron_p2r.parallel.sharding import make_param
 from megatron_p2r.parallel.state import ParallelState
 
@@ -58,8 +64,13 @@ class _GatheredLinear(torch.autograd.Function):
         return grad_x.to(x.dtype), grad_w, grad_b, None
 
 
-def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                           group: Optional[dist.ProcessGroup], sequence_parallel: bool) -> torch.Tensor:
+def column_parallel_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    group: Optional[dist.ProcessGroup],
+    sequence_parallel: bool,
+) -> torch.Tensor:
     """``x`` (replicated, or a sequence shard) times a weight split along its output rows."""
     if sequence_parallel and group is not None:
         return _GatheredLinear.apply(to_compute_dtype(x), weight, bias, group)
@@ -71,38 +82,63 @@ class ColumnParallelLinear(nn.Module):
     k, A splits into TP/k shards, each held by k consecutive TP ranks (grouped-query attention's
     key/value heads when TP exceeds their number)."""
 
-    def __init__(self, in_features: int, out_features: int, ps: ParallelState, *, bias: bool = True,
-                 init_std: float = 0.02, gather_output: bool = False, tp_replicas: int = 1,
-                 sequence_parallel: bool = False, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        ps: ParallelState,
+        *,
+        bias: bool = True,
+        init_std: float = 0.02,
+        gather_output: bool = False,
+        tp_replicas: int = 1,
+        sequence_parallel: bool = False,
+        device=None,
+    ):
         super().__init__()
         shards = ps.tp_size // tp_replicas
         if out_features % shards:
             raise ValueError(f"output size {out_features} not divisible into {shards} TP shards")
         self.group, self.gather_output, self.sequence_parallel = ps.group("tp"), gather_output, sequence_parallel
         local = out_features // shards
-        self.weight = make_param((local, in_features), tp_dim=0, init=("normal", init_std), tp_replicas=tp_replicas,
-                                 device=device)
-        self.bias = make_param((local,), tp_dim=0, init=("zeros",), no_wd=True, tp_replicas=tp_replicas,
-                               device=device) if bias else None
+        self.weight = make_param(
+            (local, in_features), tp_dim=0, init=("normal", init_std), tp_replicas=tp_replicas, device=device
+        )
+        self.bias = (
+            make_param((local,), tp_dim=0, init=("zeros",), no_wd=True, tp_replicas=tp_replicas, device=device)
+            if bias
+            else None
+        )
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        y = column_parallel_linear(x, self.weight if weight is None else weight, self.bias, self.group,
-                                   self.sequence_parallel)
+        y = column_parallel_linear(
+            x, self.weight if weight is None else weight, self.bias, self.group, self.sequence_parallel
+        )
         return gather_from_region(y, self.group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
     """y = x A^T + b with A split along its input columns: weight [out, in/TP]; input is split."""
 
-    def __init__(self, in_features: int, out_features: int, ps: ParallelState, *, bias: bool = True,
-                 init_std: float = 0.02, sequence_parallel: bool = False, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        ps: ParallelState,
+        *,
+        bias: bool = True,
+        init_std: float = 0.02,
+        sequence_parallel: bool = False,
+        device=None,
+    ):
         super().__init__()
         if in_features % ps.tp_size:
             raise ValueError(f"input size {in_features} not divisible by TP={ps.tp_size}")
         self.group = ps.group("tp")
         self.reduce = reduce_scatter_to_sequence_region if sequence_parallel else reduce_from_region
-        self.weight = make_param((out_features, in_features // ps.tp_size), tp_dim=1,
-                                 init=("normal", init_std), device=device)
+        self.weight = make_param(
+            (out_features, in_features // ps.tp_size), tp_dim=1, init=("normal", init_std), device=device
+        )
         self.bias = make_param((out_features,), init=("zeros",), no_wd=True, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,8 +151,16 @@ class VocabParallelEmbedding(nn.Module):
     The partial lookups are summed over TP, into this rank's sequence shard under sequence
     parallelism (one reduce-scatter instead of an all-reduce)."""
 
-    def __init__(self, num_embeddings: int, dim: int, ps: ParallelState, *, init_std: float = 0.02,
-                 sequence_parallel: bool = False, device=None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        dim: int,
+        ps: ParallelState,
+        *,
+        init_std: float = 0.02,
+        sequence_parallel: bool = False,
+        device=None,
+    ):
         super().__init__()
         if num_embeddings % ps.tp_size:
             raise ValueError(f"vocabulary {num_embeddings} not divisible by TP={ps.tp_size}")

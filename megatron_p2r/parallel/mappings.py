@@ -14,6 +14,7 @@ sequence of our batch-first ``[b, s, ...]`` tensors (docs/parallelism.md says wh
     gather_from_sequence_region        fwd: all-gather along s   bwd: reduce-scatter along s
     reduce_scatter_to_sequence_region  fwd: reduce-scatter along s   bwd: all-gather along s
 """
+
 from __future__ import annotations
 
 from typing import Callable, List, Optional, Tuple
@@ -123,7 +124,9 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Optional[dist.Proc
     return _SequenceCollective.apply(x, group, reduce_scatter_sequence, all_gather_sequence)
 
 
-def start_all_to_all(x: torch.Tensor, out_splits: List[int], in_splits: List[int], group) -> Tuple[torch.Tensor, Callable[[], None]]:
+def start_all_to_all(
+    x: torch.Tensor, out_splits: List[int], in_splits: List[int], group
+) -> Tuple[torch.Tensor, Callable[[], None]]:
     """Start the all-to-all of ``x``'s rows (split by ``in_splits``; ``out_splits`` rows come back):
     the output buffer and a ``wait`` that returns once it is filled. Overlapped schedules compute
     while it is in flight (``pipeline/a2a_overlap.py``).
@@ -153,6 +156,7 @@ def start_all_to_all(x: torch.Tensor, out_splits: List[int], in_splits: List[int
     def wait() -> None:
         for work in works:
             work.wait()
+
     return out, wait
 
 
@@ -174,7 +178,8 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all_single(g, in_splits, out_splits, ctx.group), None, None, None
 
 
-def all_to_all(x: torch.Tensor, out_splits: List[int], in_splits: List[int],
-               group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor, out_splits: List[int], in_splits: List[int], group: Optional[dist.ProcessGroup]
+) -> torch.Tensor:
     """Differentiable all-to-all along dim 0 with per-rank row counts."""
     return x if group is None else _AllToAll.apply(x, list(out_splits), list(in_splits), group)

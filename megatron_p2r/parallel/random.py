@@ -13,6 +13,7 @@ too, as in Megatron-LM: ``dropout_rng(device, sequence_parallel)`` picks the str
 Activation recomputation must replay the same masks: ``checkpoint`` records both streams at
 forward time and restores them during recomputation.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -119,7 +120,8 @@ def _replaying_checkpoint(fn: Callable, *args, device: torch.device):
             tracker.state = current
 
     return torch.utils.checkpoint.checkpoint(
-        fn, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), replay()))
+        fn, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), replay())
+    )
 
 
 # torch.compiler.disable imports torch._dynamo (seconds) when applied; this form, when first called

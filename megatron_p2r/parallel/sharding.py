@@ -16,6 +16,7 @@ holds. Initialisation draws each logical tensor whole — one expert at a time f
 from a generator seeded by (seed, name) and keeps this rank's slice: the same seed gives the
 same model for every layout. The checkpoint format uses the same functions.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,8 +26,17 @@ import torch
 from torch import nn
 
 
-def make_param(shape, *, tp_dim: Optional[int] = None, init=("normal", 0.02), expert: bool = False,
-               no_wd: bool = False, tp_replicas: int = 1, device=None, dtype=torch.float32) -> nn.Parameter:
+def make_param(
+    shape,
+    *,
+    tp_dim: Optional[int] = None,
+    init=("normal", 0.02),
+    expert: bool = False,
+    no_wd: bool = False,
+    tp_replicas: int = 1,
+    device=None,
+    dtype=torch.float32,
+) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
     p.tp_dim, p.init, p.expert, p.no_wd, p.tp_replicas = tp_dim, init, expert, no_wd, tp_replicas
     return p
@@ -53,8 +63,9 @@ def global_shape(param: torch.Tensor, tp_size: int, ep_size: int = 1) -> Tuple[i
     return tuple(shape)
 
 
-def tp_slice(full: torch.Tensor, tp_dim: Optional[int], tp_rank: int, tp_size: int,
-             tp_replicas: int = 1) -> torch.Tensor:
+def tp_slice(
+    full: torch.Tensor, tp_dim: Optional[int], tp_rank: int, tp_size: int, tp_replicas: int = 1
+) -> torch.Tensor:
     """TP rank ``tp_rank``'s shard of ``full``: one of TP/tp_replicas chunks along ``tp_dim``."""
     shards = tp_size // tp_replicas
     if tp_dim is None or shards == 1:
@@ -101,4 +112,3 @@ def init_parameters(module: nn.Module, seed: int, tp_rank: int, tp_size: int, ep
             else:
                 full = draw(key, global_shape(param, tp_size), param.init, seed)
                 param.copy_(tp_slice(full, tp_dim, tp_rank, tp_size, getattr(param, "tp_replicas", 1)))
-

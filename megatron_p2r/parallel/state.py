@@ -4,6 +4,7 @@ The rank arithmetic is pure and lives in ``layout.ranks`` (``Layout``); ``initia
 the groups a ``ParallelPlan`` needs. Modules receive a ``ParallelState`` explicitly, and
 ``ParallelState.single()`` is the one-process reference.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_p2r.layout.plan import ParallelPlan, Reduction
 from megatron_p2r.layout.ranks import GROUP_KINDS, Coords, Layout, stage_set_groups
+
 
 @dataclass
 class ParallelState:
@@ -76,9 +78,13 @@ class ParallelState:
         return self._subgroups[(reduction.stages, reduction.over, reduction.tp_block)]
 
 
-def initialize(layout: Layout, device: torch.device, stage_sets: Sequence[Tuple[int, ...]] = (),
-               timeout: Optional[datetime.timedelta] = None,
-               tp_blocks: Sequence[Tuple[Tuple[int, ...], int]] = ()) -> ParallelState:
+def initialize(
+    layout: Layout,
+    device: torch.device,
+    stage_sets: Sequence[Tuple[int, ...]] = (),
+    timeout: Optional[datetime.timedelta] = None,
+    tp_blocks: Sequence[Tuple[Tuple[int, ...], int]] = (),
+) -> ParallelState:
     """Create every group of ``layout`` (collectively, in the same order on all ranks).
 
     Each set in ``stage_sets`` — the pipeline stages holding replicas of one tensor, as
@@ -102,7 +108,7 @@ def initialize(layout: Layout, device: torch.device, stage_sets: Sequence[Tuple[
     keys = [(tuple(sorted(s)), 1) for s in stage_sets if len(set(s)) > 1] + [(tuple(s), k) for s, k in tp_blocks]
     for stages, block in sorted(set(keys)):
         for over in ("dp", "expert_dp"):
-            for one_stage in ([stages] if stages else [(p,) for p in range(layout.pp)]):
+            for one_stage in [stages] if stages else [(p,) for p in range(layout.pp)]:
                 for ranks in stage_set_groups(layout, one_stage, over, block):
                     group = dist.new_group(ranks, timeout=timeout)
                     if rank in ranks:
@@ -110,8 +116,9 @@ def initialize(layout: Layout, device: torch.device, stage_sets: Sequence[Tuple[
     return state
 
 
-def initialize_plan(plan: ParallelPlan, device: torch.device,
-                    timeout: Optional[datetime.timedelta] = None) -> ParallelState:
+def initialize_plan(
+    plan: ParallelPlan, device: torch.device, timeout: Optional[datetime.timedelta] = None
+) -> ParallelState:
     """Every group ``plan``'s parameters reduce over (its stage sets and TP blocks), so a caller
     cannot forget one."""
     return initialize(plan.layout, device, plan.stage_sets(), timeout=timeout, tp_blocks=plan.tp_block_sets())

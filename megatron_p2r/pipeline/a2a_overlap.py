@@ -36,6 +36,7 @@ Full recomputation (``--recompute-granularity full`` with one layer per recomput
 keeps the all-to-alls' results). The rows a node sent are freed once received: under
 recomputation nothing in its graph holds them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -63,7 +64,7 @@ class _Exchanged:
     def result(self) -> torch.Tensor:
         """The received rows, as a leaf whose gradient ``start_reverse`` sends back."""
         self._wait()
-        self._wait = None   # it references the sent rows: they may be freed now
+        self._wait = None  # it references the sent rows: they may be freed now
         self.received = leaf(self.received)
         return self.received
 
@@ -91,10 +92,17 @@ class MicroBatch:
     stage's activation, and leaves its gradient in ``input_grad``; a stage before the last ends
     at ``output``, and its backward starts from the next stage's gradient of it."""
 
-    def __init__(self, model, mb: dict, loss: Optional[TokenMeanLoss], shared: SharedWeights,
-                 received: Optional[torch.Tensor] = None, chunk: int = 0):
+    def __init__(
+        self,
+        model,
+        mb: dict,
+        loss: Optional[TokenMeanLoss],
+        shared: SharedWeights,
+        received: Optional[torch.Tensor] = None,
+        chunk: int = 0,
+    ):
         self.model, self.mb, self.loss, self.shared, self.received = model, mb, loss, shared, received
-        self.chunk = chunk   # the model chunk (virtual stage) it runs, with interleaving
+        self.chunk = chunk  # the model chunk (virtual stage) it runs, with interleaving
         self.aliases = shared.aliases()
         # per layer, in forward order: its backward (a pass), from the gradient of its output to its input's
         self.tape: List[Callable[[torch.Tensor], Pass]] = []
@@ -124,12 +132,13 @@ class MicroBatch:
         for position in model.layer_positions(self.chunk):
             x = yield from self._layer(position, leaf(x), rope)
         # through the model's forward, so that its hooks see where each backward starts
-        if not model.stage.chunks[self.chunk].last:   # its output goes to the next stage
+        if not model.stage.chunks[self.chunk].last:  # its output goes to the next stage
             self.output = model(hidden=x, head_only=True, chunk=self.chunk)
             return
         self.hidden = leaf(x)
-        self.loss_sum = self.loss.add(model(hidden=self.hidden, labels=mb["labels"], loss_mask=mb["loss_mask"],
-                                            head_only=True, chunk=self.chunk))
+        self.loss_sum = self.loss.add(
+            model(hidden=self.hidden, labels=mb["labels"], loss_mask=mb["loss_mask"], head_only=True, chunk=self.chunk)
+        )
 
     def backward(self, grad: Optional[torch.Tensor] = None) -> Pass:
         """From the loss, or from ``grad``, the next stage's gradient of ``output``."""
@@ -146,7 +155,7 @@ class MicroBatch:
 
     def _layer(self, position: int, x: torch.Tensor, rope):
         nodes = self.model.layer_nodes(position)
-        if nodes is None:   # no all-to-all: one node
+        if nodes is None:  # no all-to-all: one node
             out = self.model.layer_node(position)(x, rope)
             self.tape.append(functools.partial(self._dense_backward, x, out))
             return out
@@ -166,41 +175,48 @@ class MicroBatch:
         out = nodes.post(rows, residual_in, weights, routed)
         if not nodes.recomputed:
             _release(rows)
-        self.tape.append(functools.partial(self._moe_backward, _MoENodes(x, residual, routed, dispatched, expert_out,
-                                                                        combined, residual_in, weights, out)))
+        self.tape.append(
+            functools.partial(
+                self._moe_backward,
+                _MoENodes(x, residual, routed, dispatched, expert_out, combined, residual_in, weights, out),
+            )
+        )
         return out
 
     @staticmethod
     def _dense_backward(x: torch.Tensor, out: torch.Tensor, grad: torch.Tensor) -> Pass:
         node_backward([out], [grad])
         return x.grad
-        yield   # a generator that never hands the turn over: no communication here
+        yield  # a generator that never hands the turn over: no communication here
 
     @staticmethod
     def _moe_backward(n: "_MoENodes", grad: torch.Tensor) -> Pass:
-        node_backward([n.out], [grad])                                       # post
+        node_backward([n.out], [grad])  # post
         n.combined.start_reverse()
         yield
-        node_backward([n.expert_out], [n.combined.grad_of_sent()])          # experts
+        node_backward([n.expert_out], [n.combined.grad_of_sent()])  # experts
         n.dispatched.start_reverse()
         yield
-        node_backward([n.residual, n.routed.weights, n.routed.rows],         # pre
-                  [n.residual_in.grad, n.weights.grad, n.dispatched.grad_of_sent()])
+        node_backward(
+            [n.residual, n.routed.weights, n.routed.rows],  # pre
+            [n.residual_in.grad, n.weights.grad, n.dispatched.grad_of_sent()],
+        )
         return n.x.grad
 
 
 @dataclasses.dataclass
 class _MoENodes:
     """What a MoE layer's backward needs of its forward's nodes."""
-    x: torch.Tensor              # the layer's input (leaf)
-    residual: torch.Tensor       # pre's outputs: the residual stream after attention,
-    routed: "Routed"             # ... the routing (its rows and combine weights)
+
+    x: torch.Tensor  # the layer's input (leaf)
+    residual: torch.Tensor  # pre's outputs: the residual stream after attention,
+    routed: "Routed"  # ... the routing (its rows and combine weights)
     dispatched: _Exchanged
-    expert_out: torch.Tensor     # the experts' output, in the order it was received
+    expert_out: torch.Tensor  # the experts' output, in the order it was received
     combined: _Exchanged
-    residual_in: torch.Tensor    # post's inputs (leaves)
+    residual_in: torch.Tensor  # post's inputs (leaves)
     weights: torch.Tensor
-    out: torch.Tensor            # the layer's output
+    out: torch.Tensor  # the layer's output
 
 
 def take_turns(first: Pass, second: Pass) -> None:

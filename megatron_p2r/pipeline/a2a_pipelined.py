@@ -27,6 +27,7 @@ interleaved or not (``tests/moe/test_a2a_pipelined.py``).
 With P = 1 the order is F(0), F(i+1) with B(i), B(m-1), bitwise ``forward_backward_no_pipelining``
 (``tests/moe/test_a2a_overlap.py``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,8 +38,17 @@ import torch
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.model.nodes import SharedWeights
 from megatron_p2r.pipeline.a2a_overlap import MicroBatch, run_pass, take_turns
-from megatron_p2r.pipeline.order import (BACKWARD, FORWARD, Op, Step, combined_ops, combined_steps, input_of,
-                                         sent_by, step_ops)
+from megatron_p2r.pipeline.order import (
+    BACKWARD,
+    FORWARD,
+    Op,
+    Step,
+    combined_ops,
+    combined_steps,
+    input_of,
+    sent_by,
+    step_ops,
+)
 from megatron_p2r.pipeline.p2p import StageLink, deallocate_output
 from megatron_p2r.pipeline.token_loss import BackwardScaleHook, TokenMeanLoss, announce_backward_scale
 from megatron_p2r.pipeline.transfers import Transfers, transfers
@@ -53,11 +63,18 @@ def _rank_link(pp: int, chunks: int, microbatches: int, rank: int) -> Transfers:
 class _CombinedStage:
     """This rank's steps: the micro-batches awaiting their backward, the link to the neighbours."""
 
-    def __init__(self, model, microbatches: List[dict], ps: ParallelState, link: StageLink,
-                 loss: Optional[TokenMeanLoss], chunks: int):
+    def __init__(
+        self,
+        model,
+        microbatches: List[dict],
+        ps: ParallelState,
+        link: StageLink,
+        loss: Optional[TokenMeanLoss],
+        chunks: int,
+    ):
         self.model, self.microbatches, self.ps, self.link, self.loss = model, microbatches, ps, link, loss
         self.chunks, self.shared = chunks, SharedWeights(model)
-        self.held: Dict[Tuple[int, int], MicroBatch] = {}   # (micro-batch, chunk) -> awaiting its backward
+        self.held: Dict[Tuple[int, int], MicroBatch] = {}  # (micro-batch, chunk) -> awaiting its backward
 
     def run(self, step: Step) -> None:
         """Receive the step's inputs, run its passes taking turns (the forward first), send what
@@ -67,14 +84,20 @@ class _CombinedStage:
         forward, backward = step
         passes = []
         if forward is not None:
-            current = MicroBatch(self.model, self.microbatches[forward.microbatch], self.loss, self.shared,
-                                  received=received[FORWARD], chunk=forward.chunk)
+            current = MicroBatch(
+                self.model,
+                self.microbatches[forward.microbatch],
+                self.loss,
+                self.shared,
+                received=received[FORWARD],
+                chunk=forward.chunk,
+            )
             self.held[forward.microbatch, forward.chunk] = current
             passes.append(current.forward())
         if backward is not None:
             grad, done = received[BACKWARD], self.held.pop((backward.microbatch, backward.chunk))
             if grad is not None:
-                done.output.data = grad   # a stand-in for the freed output's data: only its shape is checked
+                done.output.data = grad  # a stand-in for the freed output's data: only its shape is checked
             passes.append(done.backward(grad))
         if len(passes) == 2:
             take_turns(*passes)
@@ -92,8 +115,14 @@ class _CombinedStage:
         return None if wanted is None else self.link.recv(*wanted)
 
 
-def forward_backward_combined_1f1b(model, microbatches: List[dict], ps: ParallelState, *, loss_scale: float = 1.0,
-                                   on_backward_scale: BackwardScaleHook = None) -> Optional[torch.Tensor]:
+def forward_backward_combined_1f1b(
+    model,
+    microbatches: List[dict],
+    ps: ParallelState,
+    *,
+    loss_scale: float = 1.0,
+    on_backward_scale: BackwardScaleHook = None,
+) -> Optional[torch.Tensor]:
     """A training step's micro-batches through this rank's stage in the combined 1F1B order
     (training only: evaluation has no backward to overlap with); returns on the last stage
     this DP rank's share of the token mean, None elsewhere (as the serial schedules)."""

@@ -34,6 +34,7 @@ model chunk; chunk c of pipeline rank p is virtual stage c*P + p (v = 1: chunk 0
 Every schedule back-propagates each chunk's micro-batches in micro-batch order, so a parameter
 accumulates its gradient in the same order under all of them.
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,7 +44,7 @@ FORWARD, BACKWARD = "F", "B"
 
 
 class Op(NamedTuple):
-    kind: str          # FORWARD or BACKWARD
+    kind: str  # FORWARD or BACKWARD
     microbatch: int
     chunk: int = 0
 
@@ -74,12 +75,13 @@ def warmup_forwards(schedule: str, pp: int, chunks: int, microbatches: int, rank
         return microbatches
     if chunks == 1:
         return min(pp - rank - 1, microbatches)
-    group = max(len(g) for g in microbatch_groups(microbatches, pp))   # P unless the remainder joined
+    group = max(len(g) for g in microbatch_groups(microbatches, pp))  # P unless the remainder joined
     return min(2 * (pp - rank - 1) + (chunks - 1) * group, microbatches * chunks)
 
 
-def pipeline_ops(schedule: str, pp: int, chunks: int, microbatches: int, rank: int,
-                 forward_only: bool = False) -> List[Op]:
+def pipeline_ops(
+    schedule: str, pp: int, chunks: int, microbatches: int, rank: int, forward_only: bool = False
+) -> List[Op]:
     """Every op of ``rank`` for one step, in order; ``schedule``: "gpipe" or "1f1b" (``SchedulePlan.order``)."""
     table = forward_table(microbatches, pp, chunks)
     forwards = [Op(FORWARD, mb, c) for mb, c in table]
@@ -90,7 +92,7 @@ def pipeline_ops(schedule: str, pp: int, chunks: int, microbatches: int, rank: i
     ops = forwards[:warmup]
     for k in range(warmup, len(table)):
         ops += [forwards[k], backwards[k - warmup]]
-    return ops + backwards[len(table) - warmup:]
+    return ops + backwards[len(table) - warmup :]
 
 
 def sent_by(op: Op, pp: int, chunks: int, rank: int) -> List[Tuple[int, Message]]:
@@ -128,8 +130,9 @@ def causal_order(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int) -> List[
             while done[r] < len(all_ops[r]):
                 op = all_ops[r][done[r]]
                 wanted = input_of(op, pp, chunks, r)
-                if (op.kind == BACKWARD and Op(FORWARD, op.microbatch, op.chunk) not in ran[r]) or \
-                        (wanted is not None and wanted[0] not in sent):
+                if (op.kind == BACKWARD and Op(FORWARD, op.microbatch, op.chunk) not in ran[r]) or (
+                    wanted is not None and wanted[0] not in sent
+                ):
                     break
                 order.append((r, done[r]))
                 ran[r].add(op)
@@ -138,13 +141,16 @@ def causal_order(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int) -> List[
                 progressed = True
     stuck = [r for r in range(pp) if done[r] < len(all_ops[r])]
     if stuck:
-        raise RuntimeError(f"the schedule with P={pp}, v={chunks} deadlocks: ranks {stuck} wait at ops "
-                           f"{[all_ops[r][done[r]] for r in stuck]}")
+        raise RuntimeError(
+            f"the schedule with P={pp}, v={chunks} deadlocks: ranks {stuck} wait at ops "
+            f"{[all_ops[r][done[r]] for r in stuck]}"
+        )
     return order
 
 
-def max_outstanding(ops: Sequence[Op], weight: Callable[[int], float] = lambda chunk: 1,
-                    extra: Optional[Sequence[float]] = None) -> float:
+def max_outstanding(
+    ops: Sequence[Op], weight: Callable[[int], float] = lambda chunk: 1, extra: Optional[Sequence[float]] = None
+) -> float:
     """The most forwards awaiting their backward at once, each counted ``weight(chunk)``, plus
     ``extra[i]`` while op i runs."""
     held = peak = 0
@@ -157,8 +163,9 @@ def max_outstanding(ops: Sequence[Op], weight: Callable[[int], float] = lambda c
     return peak
 
 
-def simulate(schedule: str, pp: int, chunks: int, microbatches: int, forward_time: float = 1.0,
-             backward_time: float = 2.0) -> List[List[Tuple[Op, float, float]]]:
+def simulate(
+    schedule: str, pp: int, chunks: int, microbatches: int, forward_time: float = 1.0, backward_time: float = 2.0
+) -> List[List[Tuple[Op, float, float]]]:
     """(op, start, end) of every op of every rank when each op waits only for its input
     (transfers take no time) and a chunk's forward takes ``forward_time / chunks``.
     Raises RuntimeError when the schedule deadlocks (``causal_order``)."""
@@ -228,8 +235,9 @@ def combined_ops(pp: int, chunks: int, microbatches: int, rank: int) -> List[Op]
     return [op for step in combined_steps(pp, chunks, microbatches, rank) for op in step_ops(step)]
 
 
-def simulate_combined(pp: int, chunks: int, microbatches: int, forward_time: float = 1.0,
-                      backward_time: float = 2.0) -> List[List[Tuple[Step, float, float]]]:
+def simulate_combined(
+    pp: int, chunks: int, microbatches: int, forward_time: float = 1.0, backward_time: float = 2.0
+) -> List[List[Tuple[Step, float, float]]]:
     """(step, start, end) of every combined step of every rank, each starting once its rank's
     previous step ended and its inputs were sent (at the end of the neighbours' steps), and
     lasting its forward plus its backward (the all-to-alls hide, the compute does not; a chunk's
@@ -268,7 +276,7 @@ def combined_step_slots(pp: int, chunks: int, microbatches: int) -> float:
     return max(end for rank in timeline for _, _, end in rank)
 
 
-@functools.lru_cache(maxsize=8)   # the planner's phases share it; P=64 x m=512 walks 65,536 ops
+@functools.lru_cache(maxsize=8)  # the planner's phases share it; P=64 x m=512 walks 65,536 ops
 def step_slots(schedule: str, pp: int, chunks: int, microbatches: int) -> float:
     """A step's time in units of one micro-batch's forward + backward on one rank (uniform
     stages, backward = 2 x forward, free transfers): m + P - 1 for GPipe and 1F1B,

@@ -34,6 +34,7 @@ schedule needs them, a schedule that is deadlock-free on its data dependencies
 a send with a receive in one batched operation (``batch_isend_irecv`` has hung on gloo). Peers are pipeline ranks with this rank's tp and dp coordinates (``ps.peer``).
 Works with gloo (CPU tensors) and NCCL (device tensors).
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -53,8 +54,10 @@ Spec = Tuple[Tuple[int, ...], torch.dtype]
 def check_spec(t: torch.Tensor, spec: Spec, what: str) -> None:
     shape, dtype = spec
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-        raise RuntimeError(f"pipeline p2p: the {what} is {t.dtype} {tuple(t.shape)}, but the peer stage "
-                           f"allocates {dtype} {tuple(shape)} (model.hidden_spec) to receive it")
+        raise RuntimeError(
+            f"pipeline p2p: the {what} is {t.dtype} {tuple(t.shape)}, but the peer stage "
+            f"allocates {dtype} {tuple(shape)} (model.hidden_spec) to receive it"
+        )
 
 
 def deallocate_output(out: torch.Tensor) -> None:
@@ -136,8 +139,10 @@ class StageLink:
         return torch.empty(shape, dtype=dtype, device=self.ps.device)
 
     def _never_sent(self, message: Message, src: int) -> RuntimeError:
-        return RuntimeError(f"pipeline p2p: pipeline rank {self.ps.pp_rank} waits for {message} from pipeline "
-                            f"rank {src}, whose schedule does not send it")
+        return RuntimeError(
+            f"pipeline p2p: pipeline rank {self.ps.pp_rank} waits for {message} from pipeline "
+            f"rank {src}, whose schedule does not send it"
+        )
 
     def _release(self, received: Sequence[Message]) -> None:
         """Complete the sends the peer has received and drop their buffers (their memory is free)."""

@@ -28,6 +28,7 @@ backward inside the model (MoE router losses) are averaged over micro-batches wi
 Megatron-LM. ``get_forward_backward_func`` gives the function of the schedule the config chose
 (``config/schedule.py``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,6 +45,7 @@ from megatron_p2r.pipeline.order import FORWARD, Op, input_of, pipeline_ops, sen
 from megatron_p2r.pipeline.p2p import StageLink, deallocate_output
 from megatron_p2r.pipeline.token_loss import BackwardScaleHook, TokenMeanLoss, announce_backward_scale
 from megatron_p2r.pipeline.transfers import Transfers, transfers
+
 
 class _BusyTimer:
     """Wall time spent computing (not waiting on neighbours); only when stats are asked for."""
@@ -73,10 +75,16 @@ class _BusyTimer:
             self.stats["peak_inflight"] = max(self.stats["peak_inflight"], count)
 
 
-def forward_backward_no_pipelining(model, microbatches: List[dict], ps: ParallelState, *,
-                                   loss_scale: float = 1.0,
-                                   forward_only: bool = False, stats: Optional[dict] = None,
-                                   on_backward_scale: BackwardScaleHook = None) -> torch.Tensor:
+def forward_backward_no_pipelining(
+    model,
+    microbatches: List[dict],
+    ps: ParallelState,
+    *,
+    loss_scale: float = 1.0,
+    forward_only: bool = False,
+    stats: Optional[dict] = None,
+    on_backward_scale: BackwardScaleHook = None,
+) -> torch.Tensor:
     """Gradient accumulation on one stage; returns this DP rank's share of the token mean
     (detached). ``stats`` (optional dict, every schedule) receives busy_s and peak_inflight."""
     announce_backward_scale(on_backward_scale, loss_scale, len(microbatches), forward_only)
@@ -97,16 +105,31 @@ def backward_from(out: torch.Tensor, grad: torch.Tensor) -> None:
     engine is called on the output's grad_fn directly, as ``torch.autograd.backward`` would
     after checking ``grad``'s shape against the (now one-element) data."""
     torch.autograd.Variable._execution_engine.run_backward(  # the engine behind torch.autograd.backward
-        tensors=(out,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=(),
-        allow_unreachable=True, accumulate_grad=True)
+        tensors=(out,),
+        grad_tensors=(grad,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
 
 
 class _StageSteps:
     """Runs one op — the forward or backward of a (micro-batch, model chunk) — on this rank,
     with the transfers ``order.input_of`` and ``order.sent_by`` name for it."""
 
-    def __init__(self, model, microbatches: List[dict], ps: ParallelState, chunks: int, link: StageLink,
-                 loss: Optional[TokenMeanLoss], timer: _BusyTimer, forward_only: bool):
+    def __init__(
+        self,
+        model,
+        microbatches: List[dict],
+        ps: ParallelState,
+        chunks: int,
+        link: StageLink,
+        loss: Optional[TokenMeanLoss],
+        timer: _BusyTimer,
+        forward_only: bool,
+    ):
         self.model, self.microbatches, self.ps, self.link, self.loss = model, microbatches, ps, link, loss
         self.timer, self.forward_only, self.chunks = timer, forward_only, chunks
         self.inflight = {}  # (micro-batch, chunk) -> (received input, output) awaiting backward
@@ -155,17 +178,28 @@ class _StageSteps:
 
 
 @functools.lru_cache(maxsize=8)
-def _rank_schedule(schedule: str, pp: int, chunks: int, microbatches: int, rank: int,
-                   forward_only: bool) -> Tuple[Tuple[Op, ...], Transfers]:
+def _rank_schedule(
+    schedule: str, pp: int, chunks: int, microbatches: int, rank: int, forward_only: bool
+) -> Tuple[Tuple[Op, ...], Transfers]:
     """This rank's ops and what its link knows of the step; every step of a run (and every
     evaluation) has the same, so it is worked out once (seconds at P=16, v=4, m=256)."""
     all_ops = [pipeline_ops(schedule, pp, chunks, microbatches, r, forward_only) for r in range(pp)]
     return tuple(all_ops[rank]), transfers(all_ops, pp, chunks, rank)
 
 
-def _pipelined(model, microbatches: List[dict], ps: ParallelState, *, schedule: str, chunks: int,
-               overlap_p2p_comm: bool, loss_scale: float = 1.0, forward_only: bool = False,
-               stats: Optional[dict] = None, on_backward_scale: BackwardScaleHook = None) -> Optional[torch.Tensor]:
+def _pipelined(
+    model,
+    microbatches: List[dict],
+    ps: ParallelState,
+    *,
+    schedule: str,
+    chunks: int,
+    overlap_p2p_comm: bool,
+    loss_scale: float = 1.0,
+    forward_only: bool = False,
+    stats: Optional[dict] = None,
+    on_backward_scale: BackwardScaleHook = None,
+) -> Optional[torch.Tensor]:
     """Run this rank's ops of ``schedule`` (``order.pipeline_ops``) over ``chunks`` model chunks;
     with ``overlap_p2p_comm`` each op's receives are posted while the op before it computes."""
     n = len(microbatches)
@@ -173,8 +207,10 @@ def _pipelined(model, microbatches: List[dict], ps: ParallelState, *, schedule: 
         raise ValueError("a pipelined step needs at least one micro-batch")
     held = getattr(model, "num_model_chunks", 1)
     if held != chunks:
-        raise ValueError(f"the model holds {held} model chunks per pipeline rank, the schedule runs {chunks}: "
-                         "build the schedule from the model's plan (ParallelPlan.schedule)")
+        raise ValueError(
+            f"the model holds {held} model chunks per pipeline rank, the schedule runs {chunks}: "
+            "build the schedule from the model's plan (ParallelPlan.schedule)"
+        )
     announce_backward_scale(on_backward_scale, loss_scale, n, forward_only)
     ops, known = _rank_schedule(schedule, ps.pp_size, chunks, n, ps.pp_rank, forward_only)
     specs = [model.hidden_spec(tuple(mb["tokens"].shape)) for mb in microbatches]
@@ -187,8 +223,6 @@ def _pipelined(model, microbatches: List[dict], ps: ParallelState, *, schedule: 
     return None if loss is None else loss.share()
 
 
-
-
 def get_forward_backward_func(schedule: SchedulePlan) -> Callable:
     """The forward/backward function of ``schedule`` (``ParallelPlan.schedule``, or its
     ``serial`` one for forward-only steps): called as ``fn(model, microbatches, ps, *, loss_scale,
@@ -197,5 +231,6 @@ def get_forward_backward_func(schedule: SchedulePlan) -> Callable:
         return forward_backward_no_pipelining
     if schedule.kind == COMBINED:
         return forward_backward_combined_1f1b
-    return functools.partial(_pipelined, schedule=schedule.order, chunks=schedule.chunks,
-                             overlap_p2p_comm=schedule.posts_receives_ahead)
+    return functools.partial(
+        _pipelined, schedule=schedule.order, chunks=schedule.chunks, overlap_p2p_comm=schedule.posts_receives_ahead
+    )

@@ -12,6 +12,7 @@ the data-parallel reduction (``parallel/ddp.py``) then averages over DP (and sum
 held by several stages), so the gradient is that of the global token mean whatever the masks
 and micro-batch shapes.
 """
+
 from __future__ import annotations
 
 from typing import Callable, List, Optional
@@ -56,8 +57,6 @@ class TokenMeanLoss:
 
     def share(self) -> torch.Tensor:
         return (self.total / self.tokens).float()
-
-
 
 
 def announce_backward_scale(hook: BackwardScaleHook, loss_scale: float, n: int, forward_only: bool) -> None:

@@ -14,6 +14,7 @@
   them arrived, but waiting for them cannot wait on this rank, so the link keeps one send to
   such a peer in flight and waits for it before the next.
 """
+
 from __future__ import annotations
 
 from typing import Dict, FrozenSet, List, NamedTuple, Sequence, Tuple
@@ -22,13 +23,14 @@ from megatron_p2r.pipeline.order import Message, Op, causal_order, input_of, sen
 
 
 class Transfers(NamedTuple):
-    incoming: Dict[int, List[Message]]          # neighbour -> the messages it sends here, in its order
+    incoming: Dict[int, List[Message]]  # neighbour -> the messages it sends here, in its order
     acknowledges: Dict[Message, List[Message]]  # an arriving message -> this rank's sends it proves received
-    downstream: FrozenSet[int]                  # neighbours sent to that never send here, even through others
+    downstream: FrozenSet[int]  # neighbours sent to that never send here, even through others
 
 
-def _send_clocks(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int,
-                 watched: Sequence[int]) -> Dict[Message, Tuple[int, ...]]:
+def _send_clocks(
+    all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, watched: Sequence[int]
+) -> Dict[Message, Tuple[int, ...]]:
     """For every message: per rank in ``watched``, the index of its last op that happened
     before the send (a vector clock; each entry propagates on its own, so only those kept)."""
     slot = {q: j for j, q in enumerate(watched)}
@@ -46,8 +48,9 @@ def _send_clocks(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int,
     return stamps
 
 
-def pulls(ops: Sequence[Op], pp: int, chunks: int, rank: int,
-          incoming: Dict[int, List[Message]]) -> List[List[Message]]:
+def pulls(
+    ops: Sequence[Op], pp: int, chunks: int, rank: int, incoming: Dict[int, List[Message]]
+) -> List[List[Message]]:
     """For each op of ``rank``, the messages its link takes off the wire during it: the
     sender's messages in order, up to the one the op needs (earlier ones are kept)."""
     queues = {q: list(reversed(msgs)) for q, msgs in incoming.items()}
@@ -78,15 +81,17 @@ def _reaches(edges: Dict[int, set], start: int) -> set:
 class _Step(NamedTuple):
     """What every rank's link knowledge derives from: computed once when all ranks' are wanted."""
 
-    sent: List[List[Tuple[int, int, Message]]]      # per rank: (op index, destination, message)
-    stamps: Dict[Message, Tuple[int, ...]]          # per message: clock entries of ``watched``
-    watched: Dict[int, int]                         # rank -> its entry in the clocks
-    edges: Dict[int, set]                           # rank -> the ranks it sends to
+    sent: List[List[Tuple[int, int, Message]]]  # per rank: (op index, destination, message)
+    stamps: Dict[Message, Tuple[int, ...]]  # per message: clock entries of ``watched``
+    watched: Dict[int, int]  # rank -> its entry in the clocks
+    edges: Dict[int, set]  # rank -> the ranks it sends to
 
 
 def _sent(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int) -> List[List[Tuple[int, int, Message]]]:
-    return [[(i, dst, msg) for i, op in enumerate(ops) for dst, msg in sent_by(op, pp, chunks, q)]
-            for q, ops in enumerate(all_ops)]
+    return [
+        [(i, dst, msg) for i, op in enumerate(ops) for dst, msg in sent_by(op, pp, chunks, q)]
+        for q, ops in enumerate(all_ops)
+    ]
 
 
 def _step(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, sent, watched: Sequence[int]) -> _Step:
@@ -99,7 +104,7 @@ def _step(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, sent, watched: 
 def transfers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int) -> Transfers:
     """The link's knowledge for ``rank`` (``all_ops[q]`` is rank q's order)."""
     sent = _sent(all_ops, pp, chunks)
-    destinations = sorted({dst for _, dst, _ in sent[rank]})   # the clock entries this rank needs
+    destinations = sorted({dst for _, dst, _ in sent[rank]})  # the clock entries this rank needs
     return _transfers(all_ops, pp, chunks, rank, _step(all_ops, pp, chunks, sent, destinations))
 
 
@@ -111,8 +116,10 @@ def _transfers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int,
     unproven: Dict[int, List[Tuple[int, Message]]] = {}
     for dst in sorted({dst for _, dst, _ in sent[rank]}):
         position = {op: i for i, op in enumerate(all_ops[dst])}
-        unproven[dst] = sorted(((position[Op(msg.kind, msg.microbatch, msg.stage // pp)], msg)
-                                for _, to, msg in sent[rank] if to == dst), reverse=True)
+        unproven[dst] = sorted(
+            ((position[Op(msg.kind, msg.microbatch, msg.stage // pp)], msg) for _, to, msg in sent[rank] if to == dst),
+            reverse=True,
+        )
     acknowledges: Dict[Message, List[Message]] = {}
     for arrived in (msg for taken in pulls(all_ops[rank], pp, chunks, rank, incoming) for msg in taken):
         proven = []
@@ -126,28 +133,30 @@ def _transfers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int,
     return Transfers(incoming, acknowledges, downstream)
 
 
-def link_buffers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int,
-                 posted_ahead: bool = False) -> List[int]:
+def link_buffers(
+    all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int, posted_ahead: bool = False
+) -> List[int]:
     """Transfer buffers the link of ``rank`` holds while each of its ops runs: its sends not yet
     known received, messages that arrived before they were needed and, with ``posted_ahead``
     (--overlap-p2p-communication), the next op's receives, posted before this op computes."""
     return _buffers(all_ops, pp, chunks, rank, transfers(all_ops, pp, chunks, rank), posted_ahead)
 
 
-def every_link_buffers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int,
-                       posted_ahead: bool = False) -> List[List[int]]:
+def every_link_buffers(
+    all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, posted_ahead: bool = False
+) -> List[List[int]]:
     """``link_buffers`` of every rank, walking the step's causal order once for all of them
     (full vector clocks) instead of once per rank: the planner asks for every stage, and
     per rank the walk costs as much as the whole step (P x 2m ops)."""
     sent = _sent(all_ops, pp, chunks)
     step = _step(all_ops, pp, chunks, sent, range(pp))
-    return [_buffers(all_ops, pp, chunks, r, _transfers(all_ops, pp, chunks, r, step), posted_ahead)
-            for r in range(pp)]
+    return [_buffers(all_ops, pp, chunks, r, _transfers(all_ops, pp, chunks, r, step), posted_ahead) for r in range(pp)]
 
 
-def _buffers(all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int, t: Transfers,
-             posted_ahead: bool) -> List[int]:
-    pending: Dict[Message, int] = {}   # send -> its destination
+def _buffers(
+    all_ops: Sequence[Sequence[Op]], pp: int, chunks: int, rank: int, t: Transfers, posted_ahead: bool
+) -> List[int]:
+    pending: Dict[Message, int] = {}  # send -> its destination
     early: set = set()
     out = []
     taken_by = pulls(all_ops[rank], pp, chunks, rank, t.incoming)

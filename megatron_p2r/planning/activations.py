@@ -11,6 +11,7 @@ attention without s x s tensors); ``device_type="cpu"`` gives the CPU variant th
 measure against. See docs/scale.md for the assumptions and for the comparison with
 Korthikanti et al. 2022 (``korthikanti_layer_bytes``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,9 +30,9 @@ from megatron_p2r.pipeline.transfers import every_link_buffers
 
 @dataclass
 class LayerActivations:
-    held: int           # bytes autograd keeps for backward
-    work: int           # activation gradients alive at once in the MLP's backward
-    backward: int = 0   # the MLP backward's peak on top of ``held`` (gradients minus what it freed)
+    held: int  # bytes autograd keeps for backward
+    work: int  # activation gradients alive at once in the MLP's backward
+    backward: int = 0  # the MLP backward's peak on top of ``held`` (gradients minus what it freed)
 
 
 def compute_bytes(cfg: Config) -> int:
@@ -72,7 +73,7 @@ def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int, device_type: 
     m = cfg.model
     heads, d = m.num_attention_heads // tp, m.head_dim
     q, kv = n * heads * d, n * max(m.query_groups // tp, 1) * d
-    selective = cfg.train.recompute == "selective"   # the recompute checkpoint saves q, k, v as a kernel would
+    selective = cfg.train.recompute == "selective"  # the recompute checkpoint saves q, k, v as a kernel would
     unfused = math_attention(cfg, device_type) and not selective
     norm_keeps_input = m.qk_layernorm and not (m.normalization == "RMSNorm" and a != 4)
     # the projections' outputs: all of q, k, v when fused (v keeps the QKV tensor alive); a
@@ -82,7 +83,7 @@ def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int, device_type: 
     if unfused:
         if norm_keeps_input:
             projected = q + 2 * kv
-        elif _math_value_is_view(cfg, tp, a):   # v's tensor: the fused QKV, or the separate key/value
+        elif _math_value_is_view(cfg, tp, a):  # v's tensor: the fused QKV, or the separate key/value
             projected = 2 * kv if m.group_query_attention else q + 2 * kv
         else:
             projected = 0
@@ -94,12 +95,12 @@ def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int, device_type: 
     held = ns * m.hidden_size * a + projected * a + q * a
     if not selective:
         held += attention_core_bytes(cfg, tp, device_type)
-        if m.softmax_type != "vanilla":   # k and v with the sink slot, the float mask (CUDA's kernel keeps them)
+        if m.softmax_type != "vanilla":  # k and v with the sink slot, the float mask (CUDA's kernel keeps them)
             held += (2 * (kv + kv // m.seq_length) + heads * m.seq_length * (m.seq_length + 1)) * a
     if m.qk_layernorm:
         held += _qk_norm_held(m, q, kv, d, a, kernel_saves_outputs=not unfused)
     if m.position_embedding_type == "rope" and not unfused:
-        held += (q + kv) * a                                      # rotated q and k
+        held += (q + kv) * a  # rotated q and k
     return held
 
 
@@ -109,13 +110,13 @@ def _qk_norm_held(m, q: int, kv: int, d: int, a: int, kernel_saves_outputs: bool
     weights its fp32 copy of the input) and, when a fused kernel saves it and rotary does not
     replace it, its output; that output is contiguous per head, so the fused kernel's output
     (saved) needs a copy for the output projection."""
-    held = q * a if kernel_saves_outputs else 0                   # the kernel's output beside the copy
+    held = q * a if kernel_saves_outputs else 0  # the kernel's output beside the copy
     for elements in (q, kv):
         rows = elements // d
         if m.normalization == "LayerNorm":
             held += 2 * rows * 4
         else:
-            held += rows * 4 + elements * 4 + (elements * 4 if a != 4 else 0)   # 16-bit input upcast
+            held += rows * 4 + elements * 4 + (elements * 4 if a != 4 else 0)  # 16-bit input upcast
         if m.position_embedding_type != "rope" and kernel_saves_outputs:
             held += elements * a
     return held
@@ -181,15 +182,15 @@ def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[
     glu = 2 if m.gated_linear_unit else 1
     act_saved = activation_saved(m)
     f, e_local = m.expert_ffn_size // tp, m.num_experts // ep
-    held = ns * m.hidden_size * 4 + ns * m.num_experts * 4 + ns * slots * 8   # fp32 router input, probs, top-k ids
-    if a != 4:                                               # the router's weight cast to fp32
+    held = ns * m.hidden_size * 4 + ns * m.num_experts * 4 + ns * slots * 8  # fp32 router input, probs, top-k ids
+    if a != 4:  # the router's weight cast to fp32
         held += m.num_experts * m.hidden_size * 4
-    if m.moe_z_loss_coeff:                                   # logsumexp's input (the logits) and output
+    if m.moe_z_loss_coeff:  # logsumexp's input (the logits) and output
         held += ns * m.num_experts * 4 + ns * m.moe_num_prototypes * 4
-    held += rows * 8 * (1 + (ep > 1) + m.add_bias)          # order, [EP permutation], [expert ids for biases]
-    held += rows * m.hidden_size * a                         # expert input rows
-    held += rows * glu * f * a + rows * act_saved * f * a    # fc1 out, activation outputs
-    if m.moe_grouped_gemm and m.gated_linear_unit and not _grouped_swiglu(m):   # weight1 as [gates; ups], a copy
+    held += rows * 8 * (1 + (ep > 1) + m.add_bias)  # order, [EP permutation], [expert ids for biases]
+    held += rows * m.hidden_size * a  # expert input rows
+    held += rows * glu * f * a + rows * act_saved * f * a  # fc1 out, activation outputs
+    if m.moe_grouped_gemm and m.gated_linear_unit and not _grouped_swiglu(m):  # weight1 as [gates; ups], a copy
         held += e_local * glu * f * m.hidden_size * a
     # the combine (dispatcher.weighted_unpermute) keeps every slot's row of the n tokens (a dropped
     # slot's is zeros) in the rows' dtype and the fp32 [slots, n] weights, not the expert output
@@ -212,8 +213,12 @@ def cut_moe_layer_kept(cfg: Config, ns: int, n: int) -> int:
     rank receives as many rows as it sends."""
     m = cfg.model
     slots, rows = moe_rows(cfg, n)
-    return ns * m.hidden_size * compute_bytes(cfg) + rows * 8 * 2 + slots * n * 4 + \
-        2 * rows * m.hidden_size * compute_bytes(cfg)
+    return (
+        ns * m.hidden_size * compute_bytes(cfg)
+        + rows * 8 * 2
+        + slots * n * 4
+        + 2 * rows * m.hidden_size * compute_bytes(cfg)
+    )
 
 
 def sinks_unmodelled(m, device_type: str) -> bool:
@@ -240,8 +245,9 @@ def token_bytes(cfg: Config) -> int:
     return cfg.model.hidden_size * compute_bytes(cfg)
 
 
-def layer_activations(cfg: Config, key: int, tp: int, ep: int, *, device_type: str = "cuda",
-                      sequence_parallel: bool = False) -> LayerActivations:
+def layer_activations(
+    cfg: Config, key: int, tp: int, ep: int, *, device_type: str = "cuda", sequence_parallel: bool = False
+) -> LayerActivations:
     """What one transformer layer (module ``key``) saves for backward, per micro-batch.
 
     Counted from the ops of model/block.py: everything computes in the weights' dtype (``a``:
@@ -253,11 +259,13 @@ def layer_activations(cfg: Config, key: int, tp: int, ep: int, *, device_type: s
     m, t = cfg.model, cfg.train
     a = compute_bytes(cfg)
     n, h = t.micro_batch_size * m.seq_length, m.hidden_size
-    ns = n // tp if sequence_parallel else n    # tokens outside the TP regions
+    ns = n // tp if sequence_parallel else n  # tokens outside the TP regions
     held = 2 * norm_held(m, ns, h, a) + _attention_held(cfg, n, ns, tp, a, device_type)
     if sinks_unmodelled(m, device_type):
-        raise ValueError("softmax offsets (--softmax-type) on CPU run the math attention kernel with a float mask, "
-                         "which the planner does not model; plan with device_type='cuda'")
+        raise ValueError(
+            "softmax offsets (--softmax-type) on CPU run the math attention kernel with a float mask, "
+            "which the planner does not model; plan with device_type='cuda'"
+        )
     if m.hidden_dropout:
         held += 2 * ns * h * (1 if device_type == "cuda" else a)
     glu = 2 if m.gated_linear_unit else 1
@@ -270,8 +278,8 @@ def layer_activations(cfg: Config, key: int, tp: int, ep: int, *, device_type: s
         mlp_held = ns * h * a + n * glu * f * a + n * act_saved * f * a
         held += mlp_held
         work = n * f * a * glu
-        backward = work + h * f * a                              # fc2's weight gradient
-        if sequence_parallel:   # fc1's backward: its input gathered again, the input's gradient
+        backward = work + h * f * a  # fc2's weight gradient
+        if sequence_parallel:  # fc1's backward: its input gathered again, the input's gradient
             backward = max(backward, work + 2 * n * h * a)
     if math_attention(cfg, device_type):
         backward = max(backward, _math_attention_backward(cfg, tp, device_type) - mlp_held - norm_held(m, ns, h, a))
@@ -282,11 +290,11 @@ def layer_activations(cfg: Config, key: int, tp: int, ep: int, *, device_type: s
 class StageActivations:
     """Per micro-batch, for one model chunk of a pipeline stage (the whole stage without interleaving)."""
 
-    held: int              # no recomputation: everything autograd saves
-    head: int              # of which the final norm, output layer and loss (last stage)
-    layers: Dict[int, LayerActivations] = field(default_factory=dict)   # per module key, per call
-    head_fwd: int = 0      # the loss's forward: a chunk of logits and its gradients
-    head_bwd: int = 0      # the loss's backward: a chunk of logit gradients, input and weight gradients
+    held: int  # no recomputation: everything autograd saves
+    head: int  # of which the final norm, output layer and loss (last stage)
+    layers: Dict[int, LayerActivations] = field(default_factory=dict)  # per module key, per call
+    head_fwd: int = 0  # the loss's forward: a chunk of logits and its gradients
+    head_bwd: int = 0  # the loss's backward: a chunk of logit gradients, input and weight gradients
     shared_grads: int = 0  # gradient buffers of weights used several times in one forward
 
 
@@ -297,7 +305,7 @@ def _embedding_bytes(cfg: Config, tp: int, ns: int, device_type: str) -> int:
     if m.position_embedding_type == "learned_absolute":
         out += ns // cfg.train.micro_batch_size * 8
     if tp > 1:
-        out += cfg.train.micro_batch_size * s * 9                 # masked local ids (int64) + mask
+        out += cfg.train.micro_batch_size * s * 9  # masked local ids (int64) + mask
     if m.hidden_dropout:
         out += ns * m.hidden_size * (1 if device_type == "cuda" else compute_bytes(cfg))
     return out
@@ -323,8 +331,9 @@ def _head(cfg: Config, tp: int, ns: int, sequence_parallel: bool) -> Tuple[int, 
     return held, fwd, ns * h * 4 + v * h * 4
 
 
-def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, chunk: int = 0, *,
-                      device_type: str = "cuda") -> StageActivations:
+def stage_activations(
+    cfg: Config, plan: ParallelPlan, stage: int, chunk: int = 0, *, device_type: str = "cuda"
+) -> StageActivations:
     """Per micro-batch, for model chunk ``chunk`` of ``stage`` (the whole stage without interleaving)."""
     m, t = cfg.model, cfg.train
     tp, ep, sp = plan.layout.tp, plan.layout.ep, plan.sequence_parallel
@@ -347,19 +356,28 @@ def stage_activations(cfg: Config, plan: ParallelPlan, stage: int, chunk: int = 
         head, head_fwd, head_bwd = _head(cfg, tp, ns, sp)
     # A weight called several times in one forward gets one gradient buffer (its dtype) that
     # autograd accumulates into until its last use's backward (the tied embedding too).
-    shared = sum(s_.numel * a for s_ in plan.tensors(stage)
-                 if s_.module_key is not None and calls[s_.module_key] > 1)
+    shared = sum(s_.numel * a for s_ in plan.tensors(stage) if s_.module_key is not None and calls[s_.module_key] > 1)
     if part.first and part.last and not m.untie_embeddings_and_output_weights:
         shared += a * (m.padded_vocab_size // tp) * m.hidden_size
-    return StageActivations(held=common + head + sum(per[k].held * c for k, c in calls.items()), head=head,
-                            layers=per, head_fwd=head_fwd, head_bwd=head_bwd, shared_grads=shared)
+    return StageActivations(
+        held=common + head + sum(per[k].held * c for k, c in calls.items()),
+        head=head,
+        layers=per,
+        head_fwd=head_fwd,
+        head_bwd=head_bwd,
+        shared_grads=shared,
+    )
 
 
 def with_recompute(cfg: Config, granularity: Optional[str]) -> Config:
     """``cfg`` without recomputation (None), with selective, or with every layer recomputed."""
     full = granularity == "full"
-    return cfg.replace(recompute_activations=False, recompute_granularity=granularity,
-                       recompute_method="uniform" if full else None, recompute_num_layers=1 if full else None)
+    return cfg.replace(
+        recompute_activations=False,
+        recompute_granularity=granularity,
+        recompute_method="uniform" if full else None,
+        recompute_num_layers=1 if full else None,
+    )
 
 
 def recomputed_positions(cfg: Config, stage: StagePlan, offloaded: Sequence[int] = ()) -> set:
@@ -418,21 +436,28 @@ def _embedding_backward(cfg: Config, plan: ParallelPlan, stage: int) -> int:
     return table * (3 if st.last and not cfg.model.untie_embeddings_and_output_weights else 1)
 
 
-def _chunk_memory(cfg: Config, plan: ParallelPlan, stage: int, chunk: int, offloaded: Sequence[int],
-                  hidden_bytes: int, device_type: str) -> Tuple[int, int]:
+def _chunk_memory(
+    cfg: Config,
+    plan: ParallelPlan,
+    stage: int,
+    chunk: int,
+    offloaded: Sequence[int],
+    hidden_bytes: int,
+    device_type: str,
+) -> Tuple[int, int]:
     """(held per micro-batch, the transient working set) of one model chunk."""
     st = stage_activations(cfg, plan, stage, chunk, device_type=device_type)
     keys = plan.stage(stage).chunks[chunk].layer_keys
     units, standalone, light = _units(cfg, keys, offloaded)
     kept_inputs = sum(1 for unit, recomputed in units if recomputed) + len(standalone)
     held = st.held - sum(st.layers[keys[p]].held for p in light) + kept_inputs * hidden_bytes
-    if cfg.parallel.overlap_moe_expert_parallel_comm:   # MoE layers cut at their all-to-alls
+    if cfg.parallel.overlap_moe_expert_parallel_comm:  # MoE layers cut at their all-to-alls
         ns, n = hidden_bytes // token_bytes(cfg), cfg.train.micro_batch_size * cfg.model.seq_length
         moe = {p for p in range(len(keys)) if cfg.model.is_moe_layer(keys[p])}
         # recomputed node by node; one not recomputed holds what the serial layer holds
         held += cut_moe_layer_kept(cfg, ns, n) * len(moe & (light - standalone))
     fwd = st.head_fwd
-    if light:   # a recomputed layer's no-grad forward
+    if light:  # a recomputed layer's no-grad forward
         fwd = max(fwd, 2 * max(st.layers[keys[p]].work for p in light))
     embedding = _embedding_backward(cfg, plan, stage) if plan.stage(stage).chunks[chunk].first else 0
     return held, max(fwd, st.head_bwd, _backward_peak(st, keys, units, standalone, hidden_bytes), embedding - held)
@@ -444,13 +469,15 @@ def stage_schedule(cfg: Config, plan: ParallelPlan, stage: int) -> Tuple[Tuple[O
     config chose (``plan.schedule``). Under --overlap-moe-expert-parallel-comm the combined 1F1B
     steps (a forward and a backward in flight together: ``order.combined_ops``)."""
     s = plan.schedule
-    return _schedules(s.kind, s.order, s.stages, s.chunks, num_microbatches(cfg, plan.layout.world_size),
-                      s.posts_receives_ahead)[stage]
+    return _schedules(
+        s.kind, s.order, s.stages, s.chunks, num_microbatches(cfg, plan.layout.world_size), s.posts_receives_ahead
+    )[stage]
 
 
 @functools.lru_cache(maxsize=8)
-def _schedules(kind: str, order: str, pp: int, chunks: int, microbatches: int,
-               posted_ahead: bool) -> Tuple[Tuple[Tuple[Op, ...], Tuple[int, ...]], ...]:
+def _schedules(
+    kind: str, order: str, pp: int, chunks: int, microbatches: int, posted_ahead: bool
+) -> Tuple[Tuple[Tuple[Op, ...], Tuple[int, ...]], ...]:
     """Every stage's ops and link buffers, computed together (each stage's depends on all)."""
     if kind == COMBINED:
         all_ops = [combined_ops(pp, chunks, microbatches, r) for r in range(pp)]
@@ -460,8 +487,9 @@ def _schedules(kind: str, order: str, pp: int, chunks: int, microbatches: int,
     return tuple((tuple(ops), tuple(b)) for ops, b in zip(all_ops, buffers, strict=True))
 
 
-def activation_memory(cfg: Config, plan: ParallelPlan, stage: int, *, offloaded: Sequence[int] = (),
-                      device_type: str = "cuda") -> Dict[str, int]:
+def activation_memory(
+    cfg: Config, plan: ParallelPlan, stage: int, *, offloaded: Sequence[int] = (), device_type: str = "cuda"
+) -> Dict[str, int]:
     """Peak activation bytes of a rank of ``stage`` under ``cfg``'s recomputation.
 
     ``activations``: what the micro-batches in flight keep for backward (a recomputed unit or an
@@ -479,18 +507,22 @@ def activation_memory(cfg: Config, plan: ParallelPlan, stage: int, *, offloaded:
     (``megatron_p2r.offload``) always run recomputed with fetched weights.
     """
     ns = cfg.train.micro_batch_size * cfg.model.seq_length // (plan.layout.tp if plan.sequence_parallel else 1)
-    hidden_bytes = ns * token_bytes(cfg)     # one micro-batch's hidden state: a chunk's input, a p2p message
-    chunks = [_chunk_memory(cfg, plan, stage, c, offloaded, hidden_bytes, device_type)
-              for c in range(plan.num_model_chunks)]
+    hidden_bytes = ns * token_bytes(cfg)  # one micro-batch's hidden state: a chunk's input, a p2p message
+    chunks = [
+        _chunk_memory(cfg, plan, stage, c, offloaded, hidden_bytes, device_type) for c in range(plan.num_model_chunks)
+    ]
     ops, buffers = stage_schedule(cfg, plan, stage)
-    return {"held_per_microbatch": sum(held for held, _ in chunks),
-            "in_flight": int(max_outstanding(ops)),
-            "activations": int(max_outstanding(ops, lambda c: chunks[c][0], [hidden_bytes * b for b in buffers])),
-            "transient": max(transient for _, transient in chunks)}
+    return {
+        "held_per_microbatch": sum(held for held, _ in chunks),
+        "in_flight": int(max_outstanding(ops)),
+        "activations": int(max_outstanding(ops, lambda c: chunks[c][0], [hidden_bytes * b for b in buffers])),
+        "transient": max(transient for _, transient in chunks),
+    }
 
 
-def korthikanti_layer_bytes(s: int, b: int, h: int, heads: int, t: int = 1, *, sequence_parallel: bool = False,
-                            selective: bool = False) -> int:
+def korthikanti_layer_bytes(
+    s: int, b: int, h: int, heads: int, t: int = 1, *, sequence_parallel: bool = False, selective: bool = False
+) -> int:
     """Activation bytes per transformer layer by Korthikanti et al. 2022, Table 2 (16-bit
     activations, 1-byte dropout masks, unfused attention): 34sbh + 5as^2b without parallelism;
     with TP t: sbh(10 + 24/t + 5as/(ht)); with sequence parallelism everything / t; selective

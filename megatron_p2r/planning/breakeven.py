@@ -13,6 +13,7 @@ D is what the convergence study measures (``p2r-study``, ``tools/p2r_study``); r
 planner estimates for a cluster (``tools/plan.py``) or a timing run measures. Given both, the
 planner says whether P2R or growth (from its measured FLOPs ratio) pays.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,9 +40,15 @@ def p2r_break_even(real_step_s: float, pseudo_step_s: float, switch_iters: int, 
     delinks after ``switch_iters`` of ``total_iters`` may need to break even."""
     r = cost_ratio(real_step_s, pseudo_step_s)
     extra = break_even_extra_steps([(switch_iters, r)])
-    return {"r": r, "real_step_s": real_step_s, "pseudo_step_s": pseudo_step_s, "switch_iters": switch_iters,
-            "total_iters": total_iters, "break_even_extra_steps": extra,
-            "break_even_fraction": extra / total_iters if total_iters else None}
+    return {
+        "r": r,
+        "real_step_s": real_step_s,
+        "pseudo_step_s": pseudo_step_s,
+        "switch_iters": switch_iters,
+        "total_iters": total_iters,
+        "break_even_extra_steps": extra,
+        "break_even_fraction": extra / total_iters if total_iters else None,
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,18 +113,24 @@ METHODS = {"p2r": "Pseudo-to-Real", "growth": "depth growth"}
 def format_p2r(summary: dict) -> str:
     """r and the break-even; the measured verdict below them when figures were given."""
     r, extra = summary["r"], summary["break_even_extra_steps"]
-    lines = [f"== Pseudo-to-Real: step time real {summary['real_step_s']:.3g} s / pseudo "
-             f"{summary['pseudo_step_s']:.3g} s: r = {r:.3f}",
-             f"   delinking after {summary['switch_iters']:,} of {summary['total_iters']:,} steps "
-             f"(--p2r-switch-iters): break-even s(1 - 1/r) = {extra:,.0f} steps "
-             f"({summary['break_even_fraction']:.2%} of the run)"]
+    lines = [
+        f"== Pseudo-to-Real: step time real {summary['real_step_s']:.3g} s / pseudo "
+        f"{summary['pseudo_step_s']:.3g} s: r = {r:.3f}",
+        f"   delinking after {summary['switch_iters']:,} of {summary['total_iters']:,} steps "
+        f"(--p2r-switch-iters): break-even s(1 - 1/r) = {extra:,.0f} steps "
+        f"({summary['break_even_fraction']:.2%} of the run)",
+    ]
     if extra > 0:
-        lines.append("   P2R finishes no later than real-from-scratch if, after delinking, it reaches the same loss "
-                     f"with at most {extra:,.0f} more steps in total")
+        lines.append(
+            "   P2R finishes no later than real-from-scratch if, after delinking, it reaches the same loss "
+            f"with at most {extra:,.0f} more steps in total"
+        )
     else:
-        lines.append("   r <= 1: the pseudo phase is not cheaper per step here, so P2R pays in time only if it "
-                     "reaches the loss in fewer steps than real-from-scratch (docs/results.md: at small scale it "
-                     "needed more)")
+        lines.append(
+            "   r <= 1: the pseudo phase is not cheaper per step here, so P2R pays in time only if it "
+            "reaches the loss in fewer steps than real-from-scratch (docs/results.md: at small scale it "
+            "needed more)"
+        )
     return "\n".join(lines + measured_lines(summary))
 
 
@@ -129,15 +142,21 @@ def measured_lines(summary: dict) -> List[str]:
     lines = []
     p2r = measured.get("p2r")
     if p2r is not None and p2r["time_ratio"] is None:
-        lines.append("   measured gap: never (P2R did not reach real-from-scratch's loss): P2R does not pay in time here")
+        lines.append(
+            "   measured gap: never (P2R did not reach real-from-scratch's loss): P2R does not pay in time here"
+        )
     elif p2r is not None:
-        lines.append(f"   measured gap: {p2r['extra_steps']:,.0f} extra steps (break-even "
-                     f"{summary['break_even_extra_steps']:,.0f}): P2R takes {p2r['time_ratio']:.3f}x real-from-scratch's time to its loss, so it "
-                     f"{'pays' if p2r['pays'] else 'does not pay'} on this cluster")
+        lines.append(
+            f"   measured gap: {p2r['extra_steps']:,.0f} extra steps (break-even "
+            f"{summary['break_even_extra_steps']:,.0f}): P2R takes {p2r['time_ratio']:.3f}x real-from-scratch's time to its loss, so it "
+            f"{'pays' if p2r['pays'] else 'does not pay'} on this cluster"
+        )
     growth = measured.get("growth")
     if growth is not None:
-        lines.append(f"   depth growth: {growth['time_ratio']:.3f}x real-from-scratch's FLOPs to its loss (wall time "
-                     f"taken as proportional): it {'pays' if growth['pays'] else 'does not pay'}")
+        lines.append(
+            f"   depth growth: {growth['time_ratio']:.3f}x real-from-scratch's FLOPs to its loss (wall time "
+            f"taken as proportional): it {'pays' if growth['pays'] else 'does not pay'}"
+        )
     best = measured["best"]
     if best is None:
         lines.append("   verdict: neither pays on this cluster")

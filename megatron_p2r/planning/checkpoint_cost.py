@@ -13,6 +13,7 @@ the shard's flat state (1/expert-DP for experts; the estimate ignores bucket pad
 it the pieces ``parallel_save.assign_writers`` gives it (exact; the equal expert pieces of a
 stacked parameter counted as shared evenly).
 """
+
 from __future__ import annotations
 
 import math
@@ -114,7 +115,7 @@ def _add_experts(cfg: Config, layout: Layout, mode: str, tally: _Tally, host_cop
             if not spec.expert or spec.logical in seen:
                 continue
             seen.add(spec.logical)
-            one = tuple(spec.shape[1:])   # an expert's piece on its TP rank
+            one = tuple(spec.shape[1:])  # an expert's piece on its TP rank
             size = piece_bytes(cfg, one, host_copy) * spec.shape[0]
             for e in range(layout.ep):
                 dps = _owners(layout, "distributed" if mode != "single" else mode, e, True)
@@ -150,10 +151,17 @@ def checkpoint_cost(cfg: Config, layout: Layout, gpus_per_node: int, bw: Bandwid
     copy = max(b for b, _ in rank_bytes(cfg, layout, host_copy=True).values())
     host = {"sync": staged if parallel else rank_max, "async": staged + copy}
     async_save: Optional[bool] = getattr(cfg.checkpoint, "async_save", None)
-    return {"writers": "fully_parallel" if parallel else "single_writer",
-            "total_bytes": total, "writing_ranks": len(per_rank), "rank_bytes_max": rank_max,
-            "nodes": -(-layout.world_size // gpus_per_node), "node_bytes_max": node_max,
-            "fs_write_bw": bw.fs_write, "fs_node_write_bw": bw.fs_node_write, "write_s": write,
-            "stall_s": {"sync": write, "async": copy / bw.host},
-            "host_bytes_during_save": host,
-            "async_save": async_save}
+    return {
+        "writers": "fully_parallel" if parallel else "single_writer",
+        "total_bytes": total,
+        "writing_ranks": len(per_rank),
+        "rank_bytes_max": rank_max,
+        "nodes": -(-layout.world_size // gpus_per_node),
+        "node_bytes_max": node_max,
+        "fs_write_bw": bw.fs_write,
+        "fs_node_write_bw": bw.fs_node_write,
+        "write_s": write,
+        "stall_s": {"sync": write, "async": copy / bw.host},
+        "host_bytes_during_save": host,
+        "async_save": async_save,
+    }

@@ -8,6 +8,7 @@ in its weights' dtype); gradients are reduced in fp32 — one all-reduce, or und
 optimizer a reduce-scatter of the fp32 gradients plus an all-gather of the updated weights.
 Partial gradients over TP (sequence parallelism's norms and biases, replicated key/value heads)
 are reduced with their data-parallel copies (``tp_partial``: TP block x DP)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,9 +31,9 @@ class GroupTraffic:
 
     bytes: float = 0.0
     size: int = 1
-    nodes: int = 1          # nodes the group spans (1: NVLink only)
-    offnode_fraction: float = 0.0   # of the bytes, the part that leaves the node (all-to-all)
-    per_node: int = 1       # members of the group on one node (ring collectives share the node's network)
+    nodes: int = 1  # nodes the group spans (1: NVLink only)
+    offnode_fraction: float = 0.0  # of the bytes, the part that leaves the node (all-to-all)
+    per_node: int = 1  # members of the group on one node (ring collectives share the node's network)
 
 
 def _nodes(ranks: Sequence[int], per_node: int) -> int:
@@ -60,24 +61,25 @@ def _tp_layer_bytes(cfg: Config, moe: bool, forwards: int, n: int, T: int, sp: b
     m, a, h = cfg.model, compute_bytes(cfg), cfg.model.hidden_size
     columns = (2 if m.group_query_attention else 1) + 1
     if not sp:
-        out = forwards * 2 * _ring(n * h * a, T)                          # attention proj + MLP reduce
-        out += columns * _ring(n * h * a, T)                              # backward of the copies
+        out = forwards * 2 * _ring(n * h * a, T)  # attention proj + MLP reduce
+        out += columns * _ring(n * h * a, T)  # backward of the copies
         if moe:
-            out += _ring(moe_rows(cfg, n)[1] * 4, T)                      # combine weights' copy (fp32)
+            out += _ring(moe_rows(cfg, n)[1] * 4, T)  # combine weights' copy (fp32)
         return out
     # all-gather before each column-parallel projection (again in backward for the weight
     # gradients), reduce-scatter after proj and fc2; backward: reduce-scatter of the input
     # gradients, all-gather of the output's
     out = forwards * (columns + 2) * _gather(n * h * a, T) + (2 * columns + 2) * _gather(n * h * a, T)
-    if moe:   # routing ids and combine weights gathered too, their gradient reduce-scattered; the
+    if moe:  # routing ids and combine weights gathered too, their gradient reduce-scattered; the
         # tokens are not gathered again in backward (the experts keep their rows)
         slots = moe_rows(cfg, n)[0]
         out += forwards * _gather(n * slots * 12, T) + _gather(n * slots * 4, T) - _gather(n * h * a, T)
     return out
 
 
-def communication(cfg: Config, plan: ParallelPlan, stage: int, gpus_per_node: int = 8,
-                  offloaded: Sequence[int] = ()) -> Dict[str, GroupTraffic]:
+def communication(
+    cfg: Config, plan: ParallelPlan, stage: int, gpus_per_node: int = 8, offloaded: Sequence[int] = ()
+) -> Dict[str, GroupTraffic]:
     """Per-step bytes a rank of ``stage`` sends over each group (tp, ep, pp, dp, expert_dp,
     embedding, sharing, tp_partial), following the collectives the code issues (see docs/scale.md)."""
     m, t, layout = cfg.model, cfg.train, plan.layout
@@ -91,7 +93,7 @@ def communication(cfg: Config, plan: ParallelPlan, stage: int, gpus_per_node: in
     out: Dict[str, GroupTraffic] = {}
 
     twice = recomputed_positions(cfg, st, offloaded)
-    cut = cut_positions(cfg, st, offloaded)   # recomputed without their all-to-alls
+    cut = cut_positions(cfg, st, offloaded)  # recomputed without their all-to-alls
     tp_bytes = ep_bytes = 0.0
     for position, key in enumerate(st.layer_keys):
         forwards = 2 if position in twice else 1
@@ -100,20 +102,23 @@ def communication(cfg: Config, plan: ParallelPlan, stage: int, gpus_per_node: in
         if moe:
             _, rows = moe_rows(cfg, n)
             if m.add_bias:
-                tp_bytes += _ring(m.num_experts // E * h * a, T)          # bias2's copy
-            ep_bytes += ((1 if position in cut else forwards) + 1) * 2 * rows * h * a * (E - 1) / E   # dispatch + combine
-    if first:   # vocab-parallel embedding: all-reduce, or reduce-scatter (and all-gather back)
+                tp_bytes += _ring(m.num_experts // E * h * a, T)  # bias2's copy
+            ep_bytes += (
+                ((1 if position in cut else forwards) + 1) * 2 * rows * h * a * (E - 1) / E
+            )  # dispatch + combine
+    if first:  # vocab-parallel embedding: all-reduce, or reduce-scatter (and all-gather back)
         tp_bytes += 2 * _gather(n * h * a, T) if sp else _ring(n * h * a, T)
-    if last:    # the output layer's input (gathered twice and its gradient reduce-scattered under SP, or
+    if last:  # the output layer's input (gathered twice and its gradient reduce-scattered under SP, or
         # the copy's all-reduce), and the cross entropy's all-gather of two fp32 numbers per token
         tp_bytes += (3 * _gather(n * h * a, T) if sp else _ring(n * h * a, T)) + _gather(T * n * 8, T)
     tp_ranks = layout.group_of("tp", rank)
     out["tp"] = GroupTraffic(mbs * tp_bytes, T, _nodes(tp_ranks, gpus_per_node))
     ep_ranks = layout.group_of("ep", rank)
     same_node = sum(1 for r in ep_ranks if r // gpus_per_node == rank // gpus_per_node) - 1
-    out["ep"] = GroupTraffic(mbs * ep_bytes, E, _nodes(ep_ranks, gpus_per_node),
-                             1.0 - same_node / (E - 1) if E > 1 else 0.0)
-    chunks = plan.num_model_chunks   # every chunk boundary is a transfer each way
+    out["ep"] = GroupTraffic(
+        mbs * ep_bytes, E, _nodes(ep_ranks, gpus_per_node), 1.0 - same_node / (E - 1) if E > 1 else 0.0
+    )
+    chunks = plan.num_model_chunks  # every chunk boundary is a transfer each way
     sends = (chunks - (1 if last else 0)) + (chunks - (1 if first else 0))
     pp_nodes = 1
     if layout.pp > 1:
@@ -133,7 +138,7 @@ def gradient_traffic(plan: ParallelPlan, stage: int, gpus_per_node: int = 8) -> 
     layout = plan.layout
     rank = layout.rank(0, 0, stage)
     out = {kind: GroupTraffic() for kind in ("dp", "expert_dp", "embedding", "sharing", "tp_partial")}
-    groups: Dict[Tuple[Tuple[int, ...], str, int], List[int]] = {}   # a stage's tensors share a few groups
+    groups: Dict[Tuple[Tuple[int, ...], str, int], List[int]] = {}  # a stage's tensors share a few groups
     for s_ in plan.tensors(stage):
         red = plan.reduction(s_.logical, s_.expert)
         size = plan.group_members(red.over, red.stages, red.tp_block)

@@ -1,5 +1,6 @@
 """The planner's estimate of a whole run: per-stage memory, communication and time, whether it
 fits, and days for a token budget (``tools/plan.py`` prints it)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,13 @@ from megatron_p2r.planning.checkpoint_cost import FS_WRITE_BW, Bandwidths, async
 from megatron_p2r.planning.communication import communication
 from megatron_p2r.planning.hardware import GPU_HOSTS, HOST_PRESETS, NVME_PRESETS, GiB, GPUSpec, HostSpec, NvmeSpec
 from megatron_p2r.planning.host_step import host_bandwidth, setting_bytes, step_setting, threads_per_rank
-from megatron_p2r.planning.memory import (expert_parameter_count, logical_parameter_count,
-                                          offload_plan, stage_state_bytes, stepped_elements)
+from megatron_p2r.planning.memory import (
+    expert_parameter_count,
+    logical_parameter_count,
+    offload_plan,
+    stage_state_bytes,
+    stepped_elements,
+)
 from megatron_p2r.planning.timing import link_time, stage_flops_per_microbatch
 from megatron_p2r.planning.verdict import TierVerdict, gpu_tier, host_problem, host_tier, node_tier, nvme_problem
 
@@ -50,9 +56,9 @@ class StageEstimate:
     device_total: int = 0
     fits: bool = True
     overflow: Optional[str] = None
-    nvme: int = 0   # bytes of optimizer state on local NVMe (--cpu-offload-optimizer-nvme-path)
-    host_step: Optional[dict] = None   # the host step's bandwidth and its inputs (planning/host_step.py)
-    warning: Optional[str] = None      # a host-step variant that makes the step slower
+    nvme: int = 0  # bytes of optimizer state on local NVMe (--cpu-offload-optimizer-nvme-path)
+    host_step: Optional[dict] = None  # the host step's bandwidth and its inputs (planning/host_step.py)
+    warning: Optional[str] = None  # a host-step variant that makes the step slower
 
 
 @dataclass
@@ -69,19 +75,19 @@ class Plan:
     stages: List[StageEstimate]
     step_time_s: float
     step_breakdown_s: Dict[str, float]
-    pipeline_bubble: float      # idle time of the pipeline over its busy time: (P-1)/m, (P-1)/(v m) interleaved
+    pipeline_bubble: float  # idle time of the pipeline over its busy time: (P-1)/m, (P-1)/(v m) interleaved
     model_flops_per_step: float
     mfu: float
     days: Optional[float]
     token_budget: Optional[float]
     host_per_node: int
     host_capacity_per_node: int
-    tiers: Dict[str, TierVerdict]   # "gpu", "host": need, capacity and overflow of each memory tier
+    tiers: Dict[str, TierVerdict]  # "gpu", "host": need, capacity and overflow of each memory tier
     fits: bool
     problems: List[str]
-    checkpoint: Optional[dict] = None   # planning/checkpoint_cost.py
-    nvme: Optional[dict] = None         # the node's local NVMe (per_node, bw) with --cpu-offload-optimizer-nvme-path
-    warnings: List[str] = dataclasses.field(default_factory=list)   # what does not stop it, but costs time
+    checkpoint: Optional[dict] = None  # planning/checkpoint_cost.py
+    nvme: Optional[dict] = None  # the node's local NVMe (per_node, bw) with --cpu-offload-optimizer-nvme-path
+    warnings: List[str] = dataclasses.field(default_factory=list)  # what does not stop it, but costs time
 
     def to_dict(self) -> dict:
         """As a dict; ``nvme`` (the plan's, a stage's) only when something is on NVMe, a stage's
@@ -110,7 +116,7 @@ class Assumptions:
     gpu: GPUSpec
     host: HostSpec
     efficiency: float = 0.4
-    host_optimizer_bw: Optional[float] = None   # --host-optimizer-bw: replaces the host model's bandwidth
+    host_optimizer_bw: Optional[float] = None  # --host-optimizer-bw: replaces the host model's bandwidth
     reserve: int = GiB
     nvme: Optional[NvmeSpec] = None
 
@@ -155,8 +161,7 @@ def exposed_p2p(p2p: float, compute: float) -> float:
     return max(p2p / 2 - compute / 3, 0.0) + max(p2p / 2 - 2 * compute / 3, 0.0)
 
 
-def exposed_ep(ep: float, compute: float, microbatches: int, unpaired: float = 1,
-               recomputed: float = 0.0) -> float:
+def exposed_ep(ep: float, compute: float, microbatches: int, unpaired: float = 1, recomputed: float = 0.0) -> float:
     """The part of a micro-batch's expert all-to-alls (``ep`` seconds, half in its forward, half
     in its backward) a step waits for, per micro-batch, when the forward of one micro-batch runs
     with the backward of another (--overlap-moe-expert-parallel-comm): the forward's all-to-alls
@@ -172,8 +177,14 @@ def exposed_ep(ep: float, compute: float, microbatches: int, unpaired: float = 1
     return (unpaired * ep + (microbatches - unpaired) * paired) / microbatches
 
 
-def overlapped_optimizer_time(device_step: float, host_step: float, layer_keys: Sequence[int],
-                              offloaded: Sequence[int], layer_forward: float, early: bool = False) -> float:
+def overlapped_optimizer_time(
+    device_step: float,
+    host_step: float,
+    layer_keys: Sequence[int],
+    offloaded: Sequence[int],
+    layer_forward: float,
+    early: bool = False,
+) -> float:
     """The optimizer's share of a step when the host step overlaps what follows it
     (--overlap-cpu-optimizer-d2h-h2d): by how long the next step's first micro-batch forward ends
     later than it would with no optimizer at all, counted from the end of backward.
@@ -196,7 +207,7 @@ def overlapped_optimizer_time(device_step: float, host_step: float, layer_keys: 
                 worker = step_end[key] = max(worker, ready) + per_layer
     else:
         worker = 0.0
-        for key in dict.fromkeys(k for k in layer_keys if k in offloaded):   # a pseudo slot: once, before first use
+        for key in dict.fromkeys(k for k in layer_keys if k in offloaded):  # a pseudo slot: once, before first use
             worker = step_end[key] = worker + per_layer
     now = device_step
     for key in layer_keys:
@@ -204,8 +215,15 @@ def overlapped_optimizer_time(device_step: float, host_step: float, layer_keys: 
     return now - layer_forward * len(layer_keys)
 
 
-def delayed_update_time(device_step: float, host_step: float, write: float, window: float,
-                        layer_keys: Sequence[int], offloaded: Sequence[int], layer_forward: float) -> float:
+def delayed_update_time(
+    device_step: float,
+    host_step: float,
+    write: float,
+    window: float,
+    layer_keys: Sequence[int],
+    offloaded: Sequence[int],
+    layer_forward: float,
+) -> float:
     """The optimizer's share of a step with --cpu-offload-delayed-param-update
     (``optim/delayed_update.py``): the host step of iteration t runs during iteration t+1,
     after the write of iteration t-1's update (``write``: rounding the mains into the weights),
@@ -216,8 +234,17 @@ def delayed_update_time(device_step: float, host_step: float, write: float, wind
     return excess + overlapped_optimizer_time(device_step, write, layer_keys, offloaded, layer_forward)
 
 
-def _overlapped_optimizer(plan: ParallelPlan, stage: int, off: dict, steps: Tuple[float, float], microbatch: float,
-                          window: float, bw: float, early: bool, delayed: bool) -> Tuple[float, Dict[str, float]]:
+def _overlapped_optimizer(
+    plan: ParallelPlan,
+    stage: int,
+    off: dict,
+    steps: Tuple[float, float],
+    microbatch: float,
+    window: float,
+    bw: float,
+    early: bool,
+    delayed: bool,
+) -> Tuple[float, Dict[str, float]]:
     """(the optimizer's share of a step, its named parts) with --overlap-cpu-optimizer-d2h-h2d:
     ``steps``: the device and host steps' times; ``microbatch``: a micro-batch's forward and
     backward; ``window``: the stage's compute in an iteration; ``bw``: the host step's bytes/s;
@@ -246,8 +273,9 @@ def nvme_step_time(host_step: float, nvme_bytes: int, layers: int, nvme_bw: floa
     return disk / 2 + layers * max(step, disk)
 
 
-def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
-                    peak: float) -> Tuple[StageEstimate, float]:
+def _stage_estimate(
+    cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions, peak: float
+) -> Tuple[StageEstimate, float]:
     """(the stage's estimate, its time per micro-batch)."""
     gpu, layout = a.gpu, plan.layout
     mbs = num_microbatches(cfg, layout.world_size)
@@ -263,45 +291,78 @@ def _stage_estimate(cfg: Config, plan: ParallelPlan, stage: int, a: Assumptions,
     tp_t, ep_t, pp_t = (link_time(comm[k], gpu) / mbs for k in ("tp", "ep", "pp"))
     transfer = off["moved_per_microbatch"] / gpu.host_bw
     overlap_p2p, overlap_ep = plan.schedule.posts_receives_ahead, plan.schedule.kind == COMBINED
-    if overlap_ep:   # the combined warm-up's chunk forwards, in micro-batches
+    if overlap_ep:  # the combined warm-up's chunk forwards, in micro-batches
         unpaired = combined_warmup(layout.pp, plan.num_model_chunks, mbs, stage) / plan.num_model_chunks
-        recomputed = len(recomputed_positions(cfg, plan.stage(stage), off["recomputed"])) / len(plan.stage(stage).layer_keys)
+        recomputed = len(recomputed_positions(cfg, plan.stage(stage), off["recomputed"])) / len(
+            plan.stage(stage).layer_keys
+        )
         ep_exposed = exposed_ep(ep_t, compute + tp_t, mbs, unpaired, recomputed)
     else:
         ep_exposed = ep_t
     pp_exposed = exposed_p2p(pp_t, compute + tp_t + ep_exposed) if overlap_p2p else pp_t
     mb_time = max(compute + tp_t + ep_exposed, transfer) + pp_exposed
-    sync = _exposed_sync(cfg, plan, stage, sum(link_time(comm[k], gpu) for k in ("dp", "expert_dp", "embedding",
-                                                                                  "sharing", "tp_partial")), compute)
+    sync = _exposed_sync(
+        cfg,
+        plan,
+        stage,
+        sum(link_time(comm[k], gpu) for k in ("dp", "expert_dp", "embedding", "sharing", "tp_partial")),
+        compute,
+    )
     hosted = off["host_optimizer_params"]
     per_element = step_bytes_per_element(cfg, plan)
     state = stage_state_bytes(plan, stage)
     stepped = stepped_elements(state)
-    save_copy = round(max((b for r, b in async_save_host_bytes(cfg, layout).items() if layout.coords(r).pp == stage),
-                          default=0))   # the stage's rank that copies the most
+    save_copy = round(
+        max((b for r, b in async_save_host_bytes(cfg, layout).items() if layout.coords(r).pp == stage), default=0)
+    )  # the stage's rank that copies the most
     device_step = per_element * (stepped - hosted) / gpu.hbm_bw
-    opt, times, host, warning = _optimizer_time(cfg, plan, stage, off, a, (device_step, per_element * hosted),
-                                                (mbs, compute + tp_t + ep_exposed, mbs * mb_time))
+    opt, times, host, warning = _optimizer_time(
+        cfg, plan, stage, off, a, (device_step, per_element * hosted), (mbs, compute + tp_t + ep_exposed, mbs * mb_time)
+    )
     est = StageEstimate(
-        stage=stage, ranks=_rank_ranges(layout, stage), parameters=sum(s.numel for s in specs),
-        tensors=len(specs), device=device,
-        host={**off["host"], **({"async_save_copy": save_copy} if save_copy else {})}, offloaded_layers=off["layers"],
+        stage=stage,
+        ranks=_rank_ranges(layout, stage),
+        parameters=sum(s.numel for s in specs),
+        tensors=len(specs),
+        device=device,
+        host={**off["host"], **({"async_save_copy": save_copy} if save_copy else {})},
+        offloaded_layers=off["layers"],
         offloaded_what=off["what"],
         activations_no_recompute=act_no["activations"] + act_no["transient"],
         activations_recompute=act_rc["activations"] + act_rc["transient"],
-        in_flight=act["in_flight"], comm_bytes={k: v.bytes for k, v in comm.items()},
-        time_s={"compute_per_microbatch": compute, "tp_per_microbatch": tp_t, "ep_per_microbatch": ep_t,
-                "pp_per_microbatch": pp_t, "offload_transfer_per_microbatch": transfer,
-                "grad_sync": sync, "optimizer": opt, **times,
-                **({"pp_hidden_per_microbatch": pp_t - pp_exposed} if overlap_p2p else {}),
-                **({"ep_hidden_per_microbatch": ep_t - ep_exposed} if overlap_ep else {})},
-        device_total=sum(device.values()), fits=overflow is None, overflow=overflow, nvme=off["nvme"],
-        host_step=host, warning=warning)
+        in_flight=act["in_flight"],
+        comm_bytes={k: v.bytes for k, v in comm.items()},
+        time_s={
+            "compute_per_microbatch": compute,
+            "tp_per_microbatch": tp_t,
+            "ep_per_microbatch": ep_t,
+            "pp_per_microbatch": pp_t,
+            "offload_transfer_per_microbatch": transfer,
+            "grad_sync": sync,
+            "optimizer": opt,
+            **times,
+            **({"pp_hidden_per_microbatch": pp_t - pp_exposed} if overlap_p2p else {}),
+            **({"ep_hidden_per_microbatch": ep_t - ep_exposed} if overlap_ep else {}),
+        },
+        device_total=sum(device.values()),
+        fits=overflow is None,
+        overflow=overflow,
+        nvme=off["nvme"],
+        host_step=host,
+        warning=warning,
+    )
     return est, mb_time
 
 
-def _optimizer_time(cfg: Config, plan: ParallelPlan, stage: int, off: dict, a: Assumptions,
-                    work: Tuple[float, float], timing: Tuple[int, float, float]):
+def _optimizer_time(
+    cfg: Config,
+    plan: ParallelPlan,
+    stage: int,
+    off: dict,
+    a: Assumptions,
+    work: Tuple[float, float],
+    timing: Tuple[int, float, float],
+):
     """(the optimizer's share of a step, its named times, the host step's bandwidth and inputs,
     a warning or None). ``work``: the device step's seconds and the host step's bytes;
     ``timing``: micro-batches, a micro-batch's compute, the iteration's compute. The host step
@@ -322,16 +383,27 @@ def _optimizer_time(cfg: Config, plan: ParallelPlan, stage: int, off: dict, a: A
             t += step_bytes / host["bw"]
         times = {"host_optimizer_step": t} if step_bytes else {}
         if off["nvme"]:
-            times.update(host_optimizer_from_ram=t, host_optimizer_from_nvme=nvme_step_time(
-                t, off["nvme"], len(off["modules"]), a.nvme.bw))
+            times.update(
+                host_optimizer_from_ram=t,
+                host_optimizer_from_nvme=nvme_step_time(t, off["nvme"], len(off["modules"]), a.nvme.bw),
+            )
         return times.get("host_optimizer_from_nvme", t), times, host
 
     def optimizer(variant: str):
         host_step, times, host = host_time(variant)
         if variant == "serial":
             return max(device_step, host_step), times, host
-        opt, more = _overlapped_optimizer(plan, stage, off, (device_step, host_step), microbatch, window,
-                                          host["bw"] if host else math.inf, early, variant == "delayed")
+        opt, more = _overlapped_optimizer(
+            plan,
+            stage,
+            off,
+            (device_step, host_step),
+            microbatch,
+            window,
+            host["bw"] if host else math.inf,
+            early,
+            variant == "delayed",
+        )
         return opt, {**times, **more}, host
 
     variant = "delayed" if delayed else "overlapped" if overlap else "serial"
@@ -344,33 +416,109 @@ def _optimizer_time(cfg: Config, plan: ParallelPlan, stage: int, off: dict, a: A
         return opt, times, host, None
     times["host_optimizer_variant_cost"] = cost
     flag = "--cpu-offload-delayed-param-update" if delayed else "--overlap-cpu-optimizer-d2h-h2d"
-    return opt, times, host, (f"stage {stage}: {flag} makes the optimizer step {cost:.3g} s slower than the "
-                              f"{'undelayed overlapped' if delayed else 'serial'} step (the host step shares the "
-                              f"DRAM with the offload copies beside it, or outlasts the iteration): leave it off")
+    return (
+        opt,
+        times,
+        host,
+        (
+            f"stage {stage}: {flag} makes the optimizer step {cost:.3g} s slower than the "
+            f"{'undelayed overlapped' if delayed else 'serial'} step (the host step shares the "
+            f"DRAM with the offload copies beside it, or outlasts the iteration): leave it off"
+        ),
+    )
 
 
-def _host_bandwidth(cfg: Config, plan: ParallelPlan, off: dict, step_bytes: float, copies: float,
-                    a: Assumptions) -> dict:
+def _host_bandwidth(
+    cfg: Config, plan: ParallelPlan, off: dict, step_bytes: float, copies: float, a: Assumptions
+) -> dict:
     """``host_step.host_bandwidth`` for a stage's host step beside ``copies`` bytes of offload
     copies and its NVMe reads and writes."""
     ranks = a.gpu.gpus_per_node
     other = copies + 2 * off["nvme"]
-    return host_bandwidth(step_setting(cfg, plan), a.host, threads_per_rank(cfg.offload.host_optimizer_threads, a.host,
-                                                                            ranks),
-                          ranks, step_bytes, other, a.host_optimizer_bw)
+    return host_bandwidth(
+        step_setting(cfg, plan),
+        a.host,
+        threads_per_rank(cfg.offload.host_optimizer_threads, a.host, ranks),
+        ranks,
+        step_bytes,
+        other,
+        a.host_optimizer_bw,
+    )
 
 
 def _overflow_problem(est: StageEstimate, layout: Layout, gpu: GPUSpec) -> str:
     worst = max(est.device, key=est.device.get)
-    return (f"does not fit: rank {layout.rank(0, 0, est.stage)} (stage {est.stage}, ranks {est.ranks}) needs "
-            f"{est.device_total / GiB:.2f} GiB of {gpu.memory / GiB:.2f} GiB on {gpu.name}; it overflows at "
-            f"'{est.overflow}' (largest category: '{worst}', {est.device[worst] / GiB:.2f} GiB)")
+    return (
+        f"does not fit: rank {layout.rank(0, 0, est.stage)} (stage {est.stage}, ranks {est.ranks}) needs "
+        f"{est.device_total / GiB:.2f} GiB of {gpu.memory / GiB:.2f} GiB on {gpu.name}; it overflows at "
+        f"'{est.overflow}' (largest category: '{worst}', {est.device[worst] / GiB:.2f} GiB)"
+    )
 
 
-def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float = 0.4,
-              host: Optional[HostSpec] = None, host_optimizer_bw: Optional[float] = None,
-              token_budget: Optional[float] = None, reserve: int = GiB, fs_write_bw: float = FS_WRITE_BW,
-              fs_node_write_bw: Optional[float] = None, nvme: Optional[NvmeSpec] = None) -> Plan:
+def _assumptions(
+    cfg: Config,
+    gpu: GPUSpec,
+    efficiency: float,
+    host: Optional[HostSpec],
+    host_optimizer_bw: Optional[float],
+    reserve: int,
+    nvme: Optional[NvmeSpec],
+) -> Assumptions:
+    """``make_plan``'s inputs, the presets' where not given; refuses a plan missing a host or NVMe figure."""
+    if host is None and gpu.name not in GPU_HOSTS:
+        raise ConfigError(f"no host node for {gpu.name}: give --host-node or --host-calibration")
+    a = Assumptions(
+        gpu=gpu,
+        host=host or HOST_PRESETS[GPU_HOSTS[gpu.name]],
+        efficiency=efficiency,
+        host_optimizer_bw=host_optimizer_bw,
+        reserve=reserve,
+        nvme=nvme or NVME_PRESETS.get(gpu.name),
+    )
+    if cfg.offload.cpu_offload_optimizer_nvme_path is not None and a.nvme is None:
+        raise ConfigError(
+            f"--cpu-offload-optimizer-nvme-path: no NVMe figures for {gpu.name}: give --nvme-per-node and --nvme-bw"
+        )
+    return a
+
+
+def _step_slots(plan: ParallelPlan, microbatches: int) -> float:
+    """A step in micro-batch slots under the schedule the config chose (``plan.schedule``)."""
+    if plan.schedule.kind == COMBINED:
+        return combined_step_slots(plan.layout.pp, plan.num_model_chunks, microbatches)
+    return step_slots(plan.schedule.order, plan.layout.pp, plan.num_model_chunks, microbatches)
+
+
+def _tiers(stages: List[StageEstimate], layout: Layout, a: Assumptions, problems: List[str]) -> Dict[str, TierVerdict]:
+    """Whether the GPUs, each node's host memory and (when used) its NVMe fit; each overflow's
+    problem appended to ``problems``."""
+    gpu = a.gpu
+    tiers = {
+        "gpu": gpu_tier([s.device_total for s in stages], layout, gpu),
+        "host": host_tier([sum(s.host.values()) for s in stages], layout, gpu),
+    }
+    if not tiers["host"].fits:
+        problems.append(host_problem(tiers["host"]))
+    if any(s.nvme for s in stages):
+        tiers["nvme"] = node_tier("NVMe", [s.nvme for s in stages], layout, gpu.gpus_per_node, a.nvme.per_node)
+        problems += [] if tiers["nvme"].fits else [nvme_problem(tiers["nvme"])]
+    return tiers
+
+
+def make_plan(
+    cfg: Config,
+    world_size: int,
+    gpu: GPUSpec,
+    *,
+    efficiency: float = 0.4,
+    host: Optional[HostSpec] = None,
+    host_optimizer_bw: Optional[float] = None,
+    token_budget: Optional[float] = None,
+    reserve: int = GiB,
+    fs_write_bw: float = FS_WRITE_BW,
+    fs_node_write_bw: Optional[float] = None,
+    nvme: Optional[NvmeSpec] = None,
+) -> Plan:
     """Plan every rank of ``cfg`` on ``world_size`` GPUs of kind ``gpu``.
 
     ``efficiency``: fraction of the GPU's peak FLOP/s the matmuls reach; ``host``: the node's
@@ -384,14 +532,7 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
     """
     plan = ParallelPlan.for_world(cfg, world_size)
     layout, m = plan.layout, cfg.model
-    if host is None and gpu.name not in GPU_HOSTS:
-        raise ConfigError(f"no host node for {gpu.name}: give --host-node or --host-calibration")
-    a = Assumptions(gpu=gpu, host=host or HOST_PRESETS[GPU_HOSTS[gpu.name]], efficiency=efficiency,
-                    host_optimizer_bw=host_optimizer_bw, reserve=reserve,
-                    nvme=nvme or NVME_PRESETS.get(gpu.name))
-    if cfg.offload.cpu_offload_optimizer_nvme_path is not None and a.nvme is None:
-        raise ConfigError(f"--cpu-offload-optimizer-nvme-path: no NVMe figures for {gpu.name}: give --nvme-per-node "
-                          "and --nvme-bw")
+    a = _assumptions(cfg, gpu, efficiency, host, host_optimizer_bw, reserve, nvme)
     problems: List[str] = []
     peak = _peak_flops(cfg, gpu, problems)
     estimates = [_stage_estimate(cfg, plan, stage, a, peak) for stage in range(layout.pp)]
@@ -399,35 +540,43 @@ def make_plan(cfg: Config, world_size: int, gpu: GPUSpec, *, efficiency: float =
     problems += [_overflow_problem(est, layout, gpu) for est in stages if est.overflow]
     warnings = [est.warning for est in stages if est.warning]
     mbs, gbs = num_microbatches(cfg, world_size), global_batch_size(cfg, world_size)
-    if plan.schedule.kind == COMBINED:
-        slots = combined_step_slots(layout.pp, plan.num_model_chunks, mbs)
-    else:
-        slots = step_slots(plan.schedule.order, layout.pp, plan.num_model_chunks, mbs)
-    breakdown = {"pipeline": slots * max(t for _, t in estimates),
-                 "grad_sync": max(s.time_s["grad_sync"] for s in stages),
-                 "optimizer": max(s.time_s["optimizer"] for s in stages)}
+    slots = _step_slots(plan, mbs)
+    breakdown = {
+        "pipeline": slots * max(t for _, t in estimates),
+        "grad_sync": max(s.time_s["grad_sync"] for s in stages),
+        "optimizer": max(s.time_s["optimizer"] for s in stages),
+    }
     step = sum(breakdown.values())
     tokens = gbs * m.seq_length
     model_flops = model_flops_per_token(m) * tokens
-    tiers = {"gpu": gpu_tier([s.device_total for s in stages], layout, gpu),
-             "host": host_tier([sum(s.host.values()) for s in stages], layout, gpu)}
-    if not tiers["host"].fits:
-        problems.append(host_problem(tiers["host"]))
-    if any(s.nvme for s in stages):
-        tiers["nvme"] = node_tier("NVMe", [s.nvme for s in stages], layout, gpu.gpus_per_node, a.nvme.per_node)
-        problems += [] if tiers["nvme"].fits else [nvme_problem(tiers["nvme"])]
+    tiers = _tiers(stages, layout, a, problems)
     on_nvme = dataclasses.asdict(a.nvme) if "nvme" in tiers else None
-    return Plan(phase=cfg.p2r.p2r_phase, world_size=world_size,
-                layout={"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "ep": layout.ep,
-                        "expert_dp": layout.expert_dp},
-                gpu=dataclasses.asdict(gpu), logical_parameters=logical_parameter_count(plan),
-                expert_parameters=expert_parameter_count(plan), microbatches=mbs, global_batch=gbs,
-                tokens_per_step=tokens, stages=stages, step_time_s=step, step_breakdown_s=breakdown,
-                pipeline_bubble=slots / mbs - 1, model_flops_per_step=model_flops,
-                mfu=model_flops / (step * world_size * peak),
-                days=token_budget / tokens * step / 86400 if token_budget else None, token_budget=token_budget,
-                host_per_node=tiers["host"].need, host_capacity_per_node=tiers["host"].capacity, tiers=tiers,
-                fits=all(t.fits for t in tiers.values()), problems=problems,
-                checkpoint=checkpoint_cost(cfg, layout, gpu.gpus_per_node, Bandwidths(
-                    fs_write=fs_write_bw, fs_node_write=fs_node_write_bw or gpu.inter_node_bw * gpu.gpus_per_node,
-                    host=gpu.host_bw)), nvme=on_nvme, warnings=warnings)
+    node_write = fs_node_write_bw or gpu.inter_node_bw * gpu.gpus_per_node
+    bandwidths = Bandwidths(fs_write=fs_write_bw, fs_node_write=node_write, host=gpu.host_bw)
+    return Plan(
+        phase=cfg.p2r.p2r_phase,
+        world_size=world_size,
+        layout={"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "ep": layout.ep, "expert_dp": layout.expert_dp},
+        gpu=dataclasses.asdict(gpu),
+        logical_parameters=logical_parameter_count(plan),
+        expert_parameters=expert_parameter_count(plan),
+        microbatches=mbs,
+        global_batch=gbs,
+        tokens_per_step=tokens,
+        stages=stages,
+        step_time_s=step,
+        step_breakdown_s=breakdown,
+        pipeline_bubble=slots / mbs - 1,
+        model_flops_per_step=model_flops,
+        mfu=model_flops / (step * world_size * peak),
+        days=token_budget / tokens * step / 86400 if token_budget else None,
+        token_budget=token_budget,
+        host_per_node=tiers["host"].need,
+        host_capacity_per_node=tiers["host"].capacity,
+        tiers=tiers,
+        fits=all(t.fits for t in tiers.values()),
+        problems=problems,
+        checkpoint=checkpoint_cost(cfg, layout, gpu.gpus_per_node, bandwidths),
+        nvme=on_nvme,
+        warnings=warnings,
+    )

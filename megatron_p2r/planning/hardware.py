@@ -1,14 +1,15 @@
 """The accelerators the planner knows: memory, peak FLOP/s and link bandwidths of each preset,
 and the node it sits in (GPUs per node, host memory per node: offloaded state lives there; local
 NVMe per node: the optimizer state of offloaded layers with --cpu-offload-optimizer-nvme-path)."""
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-GiB = 2 ** 30
-TiB = 2 ** 40
+GiB = 2**30
+TiB = 2**40
 
 
 @dataclass(frozen=True)
@@ -16,22 +17,26 @@ class GPUSpec:
     """One accelerator, its links and its node. Bandwidths are per GPU and per direction, in bytes/s."""
 
     name: str
-    memory: int              # bytes usable by the process (as nvidia-smi reports the total)
-    flops16: float           # dense bf16/fp16 tensor-core FLOP/s
-    flops32: float           # dense fp32 FLOP/s (TF32 off)
-    hbm_bw: float            # device memory bandwidth (the optimizer step is bound by it)
-    intra_node_bw: float     # NVLink, per GPU
-    inter_node_bw: float     # network, per GPU (node NIC bandwidth / GPUs per node)
-    host_bw: float           # PCIe host <-> device, per GPU
+    memory: int  # bytes usable by the process (as nvidia-smi reports the total)
+    flops16: float  # dense bf16/fp16 tensor-core FLOP/s
+    flops32: float  # dense fp32 FLOP/s (TF32 off)
+    hbm_bw: float  # device memory bandwidth (the optimizer step is bound by it)
+    intra_node_bw: float  # NVLink, per GPU
+    inter_node_bw: float  # network, per GPU (node NIC bandwidth / GPUs per node)
+    host_bw: float  # PCIe host <-> device, per GPU
     host_memory_per_node: int  # host DRAM of one node, shared by its GPUs' offloaded state
     gpus_per_node: int = 8
-    bf16: bool = True        # V100 has fp16 tensor cores but no bf16
+    bf16: bool = True  # V100 has fp16 tensor cores but no bf16
 
     def replace(self, **changes) -> "GPUSpec":
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
-    def with_node(self, gpus_per_node: Optional[int] = None, host_memory_per_gpu: Optional[int] = None,
-                  host_memory_per_node: Optional[int] = None) -> "GPUSpec":
+    def with_node(
+        self,
+        gpus_per_node: Optional[int] = None,
+        host_memory_per_gpu: Optional[int] = None,
+        host_memory_per_node: Optional[int] = None,
+    ) -> "GPUSpec":
         """This GPU in another node. Host memory given per node is taken as is, per GPU times the
         GPUs per node; given neither, each GPU keeps the preset's share (a 16-GPU V100 node then
         has twice the 8-GPU node's memory, as a DGX-2 has)."""
@@ -51,16 +56,29 @@ class GPUSpec:
 # figure, which most 8 x A100 servers reach. H100 and H200: DGX H100 and DGX H200 have 2 TiB.
 GPU_PRESETS: Dict[str, GPUSpec] = {
     # DGX-1V: NVLink2 6 x 25 GB/s, 4 x 100 Gb/s IB per 8 GPUs, PCIe gen3 x16.
-    "V100-32GB": GPUSpec("V100-32GB", 32510 * 2**20, 125e12, 15.7e12, 900e9, 150e9, 6.25e9, 12e9,
-                         host_memory_per_node=768 * GiB, bf16=False),
+    "V100-32GB": GPUSpec(
+        "V100-32GB",
+        32510 * 2**20,
+        125e12,
+        15.7e12,
+        900e9,
+        150e9,
+        6.25e9,
+        12e9,
+        host_memory_per_node=768 * GiB,
+        bf16=False,
+    ),
     # DGX A100: NVLink3 300 GB/s, 8 x 200 Gb/s HDR, PCIe gen4.
-    "A100-80GB": GPUSpec("A100-80GB", 81920 * 2**20, 312e12, 19.5e12, 2039e9, 300e9, 25e9, 25e9,
-                         host_memory_per_node=TiB),
+    "A100-80GB": GPUSpec(
+        "A100-80GB", 81920 * 2**20, 312e12, 19.5e12, 2039e9, 300e9, 25e9, 25e9, host_memory_per_node=TiB
+    ),
     # DGX H100: NVLink4 450 GB/s, 8 x 400 Gb/s NDR, PCIe gen5.
-    "H100-80GB": GPUSpec("H100-80GB", 81559 * 2**20, 989e12, 67e12, 3350e9, 450e9, 50e9, 50e9,
-                         host_memory_per_node=2 * TiB),
-    "H200-141GB": GPUSpec("H200-141GB", 143771 * 2**20, 989e12, 67e12, 4800e9, 450e9, 50e9, 50e9,
-                          host_memory_per_node=2 * TiB),
+    "H100-80GB": GPUSpec(
+        "H100-80GB", 81559 * 2**20, 989e12, 67e12, 3350e9, 450e9, 50e9, 50e9, host_memory_per_node=2 * TiB
+    ),
+    "H200-141GB": GPUSpec(
+        "H200-141GB", 143771 * 2**20, 989e12, 67e12, 4800e9, 450e9, 50e9, 50e9, host_memory_per_node=2 * TiB
+    ),
 }
 
 
@@ -108,10 +126,10 @@ class HostSpec:
     thread_bw: float
     dram_peak: Optional[float] = None
     sources: Dict[str, str] = dataclasses.field(default_factory=dict)
-    setting_bw: Dict[tuple, float] = dataclasses.field(default_factory=dict)   # measured per kernel setting
+    setting_bw: Dict[tuple, float] = dataclasses.field(default_factory=dict)  # measured per kernel setting
 
 
-SUSTAINED_FRACTION = 0.65   # assumed: STREAM triad on 2-socket Xeon/EPYC servers reaches ~60-75% of peak
+SUSTAINED_FRACTION = 0.65  # assumed: STREAM triad on 2-socket Xeon/EPYC servers reaches ~60-75% of peak
 
 
 def _channels(sockets: int, channels: int, mt_per_s: int) -> float:
@@ -119,14 +137,23 @@ def _channels(sockets: int, channels: int, mt_per_s: int) -> float:
     return sockets * channels * mt_per_s * 1e6 * 8
 
 
-def _node(name: str, cpu: str, cores: int, sockets: int, channels: int, mt_per_s: int, thread_bw: float,
-          thread_why: str) -> HostSpec:
+def _node(
+    name: str, cpu: str, cores: int, sockets: int, channels: int, mt_per_s: int, thread_bw: float, thread_why: str
+) -> HostSpec:
     peak = _channels(sockets, channels, mt_per_s)
-    return HostSpec(name, cores, peak * SUSTAINED_FRACTION, thread_bw, peak, {
-        "cores": f"sourced: {cpu} (NVIDIA {name} datasheet; vendor CPU specifications)",
-        "dram_bw": f"assumed: {SUSTAINED_FRACTION:.0%} sustained (STREAM-class triad) of the sourced peak, {sockets} "
-                   f"sockets x {channels} DDR channels x {mt_per_s} MT/s x 8 B = {peak / 1e9:.1f} GB/s",
-        "thread_bw": f"assumed: {thread_bw / 1e9:.0f} GB/s per thread, {thread_why}; not measured on this node"})
+    return HostSpec(
+        name,
+        cores,
+        peak * SUSTAINED_FRACTION,
+        thread_bw,
+        peak,
+        {
+            "cores": f"sourced: {cpu} (NVIDIA {name} datasheet; vendor CPU specifications)",
+            "dram_bw": f"assumed: {SUSTAINED_FRACTION:.0%} sustained (STREAM-class triad) of the sourced peak, {sockets} "
+            f"sockets x {channels} DDR channels x {mt_per_s} MT/s x 8 B = {peak / 1e9:.1f} GB/s",
+            "thread_bw": f"assumed: {thread_bw / 1e9:.0f} GB/s per thread, {thread_why}; not measured on this node",
+        },
+    )
 
 
 # The CPUs of the nodes the GPU presets stand for (NVIDIA DGX datasheets; Intel ARK / AMD product
@@ -134,18 +161,62 @@ def _node(name: str, cpu: str, cores: int, sockets: int, channels: int, mt_per_s
 # one core's STREAM triad reaches on that class of CPU (the host kernels run at the memory bound,
 # benchmarks/host_optimizer.py): measure yours with --host-calibration.
 HOST_PRESETS: Dict[str, HostSpec] = {
-    "DGX-1V": _node("DGX-1V", "2 x Xeon E5-2698 v4 (Broadwell, 20 cores each)", 40, 2, 4, 2400, 10e9,
-                    "a Broadwell core's single-thread triad"),
-    "DGX-2": _node("DGX-2", "2 x Xeon Platinum 8168 (Skylake-SP, 24 cores each)", 48, 2, 6, 2666, 11e9,
-                   "a Skylake-SP core's single-thread triad"),
-    "DGX-A100": _node("DGX-A100", "2 x AMD EPYC 7742 (Rome, 64 cores each)", 128, 2, 8, 3200, 20e9,
-                      "a Rome core's single-thread triad"),
-    "DGX-H100": _node("DGX-H100", "2 x Xeon Platinum 8480C (Sapphire Rapids, 56 cores each)", 112, 2, 8, 4800,
-                      12e9, "a Sapphire Rapids core's single-thread triad"),
-    "DGX-H200": _node("DGX-H200", "2 x Xeon Platinum 8480C (Sapphire Rapids, 56 cores each)", 112, 2, 8, 4800,
-                      12e9, "a Sapphire Rapids core's single-thread triad"),
+    "DGX-1V": _node(
+        "DGX-1V",
+        "2 x Xeon E5-2698 v4 (Broadwell, 20 cores each)",
+        40,
+        2,
+        4,
+        2400,
+        10e9,
+        "a Broadwell core's single-thread triad",
+    ),
+    "DGX-2": _node(
+        "DGX-2",
+        "2 x Xeon Platinum 8168 (Skylake-SP, 24 cores each)",
+        48,
+        2,
+        6,
+        2666,
+        11e9,
+        "a Skylake-SP core's single-thread triad",
+    ),
+    "DGX-A100": _node(
+        "DGX-A100",
+        "2 x AMD EPYC 7742 (Rome, 64 cores each)",
+        128,
+        2,
+        8,
+        3200,
+        20e9,
+        "a Rome core's single-thread triad",
+    ),
+    "DGX-H100": _node(
+        "DGX-H100",
+        "2 x Xeon Platinum 8480C (Sapphire Rapids, 56 cores each)",
+        112,
+        2,
+        8,
+        4800,
+        12e9,
+        "a Sapphire Rapids core's single-thread triad",
+    ),
+    "DGX-H200": _node(
+        "DGX-H200",
+        "2 x Xeon Platinum 8480C (Sapphire Rapids, 56 cores each)",
+        112,
+        2,
+        8,
+        4800,
+        12e9,
+        "a Sapphire Rapids core's single-thread triad",
+    ),
 }
 # The node each GPU preset's host figures come from (V100-32GB: the DGX-1V's CPUs, whatever its
 # host memory; a DGX-2-class V100 node is --host-node DGX-2 --gpus-per-node 16).
-GPU_HOSTS: Dict[str, str] = {"V100-32GB": "DGX-1V", "A100-80GB": "DGX-A100", "H100-80GB": "DGX-H100",
-                             "H200-141GB": "DGX-H200"}
+GPU_HOSTS: Dict[str, str] = {
+    "V100-32GB": "DGX-1V",
+    "A100-80GB": "DGX-A100",
+    "H100-80GB": "DGX-H100",
+    "H200-141GB": "DGX-H200",
+}

@@ -12,6 +12,7 @@ kills anything, so the inactive file pages (``memory.stat``) are not counted as 
 own cgroup as the root without a cgroup namespace) is walked from its deepest existing
 directory. Both roots are parameters, so tests read a fake tree.
 """
+
 from __future__ import annotations
 
 import os

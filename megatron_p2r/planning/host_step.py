@@ -4,6 +4,7 @@ bandwidth over its ranks, shared with the offload copies and NVMe traffic of the
 iteration). The node's figures come from a GPU preset's node (``hardware.HOST_PRESETS``: sourced
 and assumed) or from ``benchmarks/host_optimizer.py --json`` run on the user's own host
 (``load_calibration``: measured); each figure keeps its provenance for the plan's output."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,13 @@ def step_setting(cfg: Config, plan: ParallelPlan) -> Setting:
     the same pass unless the main is the weight itself (fp32 weights; fp16 weights as their own mains)."""
     b = plan.buffers
     moments = tuple(zip(MOMENT_NAMES[cfg.train.optimizer], cfg.train.moment_dtypes, strict=True))
-    return (cfg.train.optimizer, b.main_params_dtype, b.main_grads_dtype, moments,
-            b.params_dtype if b.master_bytes else None)
+    return (
+        cfg.train.optimizer,
+        b.main_params_dtype,
+        b.main_grads_dtype,
+        moments,
+        b.params_dtype if b.master_bytes else None,
+    )
 
 
 def setting_bytes(setting: Setting) -> int:
@@ -50,16 +56,19 @@ def _field(data: dict, key: str, kind, path: str, where: str = ""):
     if ok and isinstance(value, (int, float)):
         ok = math.isfinite(value) and value > 0
     if not ok:
-        raise ConfigError(f"--host-calibration {path}: '{where}{key}' must be a positive {kind.__name__ if isinstance(kind, type) else 'number'}, "
-                          f"got {value!r}")
+        raise ConfigError(
+            f"--host-calibration {path}: '{where}{key}' must be a positive {kind.__name__ if isinstance(kind, type) else 'number'}, "
+            f"got {value!r}"
+        )
     return value
 
 
 def _row_setting(row: dict, path: str, where: str) -> Setting:
     optimizer = _field(row, "optimizer", str, path, where)
     if optimizer not in MOMENT_NAMES:
-        raise ConfigError(f"--host-calibration {path}: '{where}optimizer' must be adam, lion or adafactor, "
-                          f"got {optimizer!r}")
+        raise ConfigError(
+            f"--host-calibration {path}: '{where}optimizer' must be adam, lion or adafactor, got {optimizer!r}"
+        )
     dtypes = [_field(row, k, str, path, where) for k in ("main", "grad")]
     moments = row.get("moments") or {}
     weight = row.get("weight")
@@ -102,16 +111,25 @@ def load_calibration(path: str) -> HostSpec:
         setting = _row_setting(row, path, where)
         rates[setting] = setting_bytes(setting) / _field(row, "ns_per_element", (int, float), path, where) * 1e9
     cpu = data.get("cpu", "?")
-    return HostSpec(f"calibration {path}", cores, threads[most] * 1e9, threads[1] * 1e9, setting_bw=rates, sources={
-        "cores": f"measured: {path} ({cpu})",
-        "dram_bw": f"measured: {path}, triad at {most} threads",
-        "setting_bw": f"measured: {path}, its 1-thread row",
-        "thread_bw": f"measured: {path}, 1-thread triad (for a setting without a 1-thread row: the kernel "
-                     f"assumed at its memory bound)"})
+    return HostSpec(
+        f"calibration {path}",
+        cores,
+        threads[most] * 1e9,
+        threads[1] * 1e9,
+        setting_bw=rates,
+        sources={
+            "cores": f"measured: {path} ({cpu})",
+            "dram_bw": f"measured: {path}, triad at {most} threads",
+            "setting_bw": f"measured: {path}, its 1-thread row",
+            "thread_bw": f"measured: {path}, 1-thread triad (for a setting without a 1-thread row: the kernel "
+            f"assumed at its memory bound)",
+        },
+    )
 
 
-def with_overrides(host: HostSpec, cores: Optional[int] = None, dram_bw: Optional[float] = None,
-                   thread_bw: Optional[float] = None) -> HostSpec:
+def with_overrides(
+    host: HostSpec, cores: Optional[int] = None, dram_bw: Optional[float] = None, thread_bw: Optional[float] = None
+) -> HostSpec:
     """``host`` with the figures given on the command line (--host-cores, --host-dram-bw,
     --host-thread-bw), each marked as given; a given thread rate applies to every setting."""
     given = {k: v for k, v in (("cores", cores), ("dram_bw", dram_bw), ("thread_bw", thread_bw)) if v is not None}
@@ -135,8 +153,15 @@ def threads_per_rank(configured: Union[int, str, None], host: HostSpec, ranks_pe
     return float(configured), f"--host-optimizer-threads {configured}"
 
 
-def host_bandwidth(setting: Setting, host: HostSpec, threads: Tuple[float, str], ranks_per_node: int,
-                   step_bytes: float, other_bytes: float, given_bw: Optional[float] = None) -> dict:
+def host_bandwidth(
+    setting: Setting,
+    host: HostSpec,
+    threads: Tuple[float, str],
+    ranks_per_node: int,
+    step_bytes: float,
+    other_bytes: float,
+    given_bw: Optional[float] = None,
+) -> dict:
     """The bytes/s one rank's host step streams, with its inputs and their provenance:
     min(threads x one thread's rate for ``setting``, the rank's share of the node's DRAM left by
     ``other_bytes``). The DRAM carries, while the step runs, the step's ``step_bytes`` and the
@@ -153,8 +178,21 @@ def host_bandwidth(setting: Setting, host: HostSpec, threads: Tuple[float, str],
     bw, limit = min(n * rate, dram), ("threads" if n * rate <= dram else "dram")
     if given_bw is not None:
         bw, limit = given_bw, "given: --host-optimizer-bw"
-    return {"bw": bw, "limit": limit, "setting": describe_setting(setting), "bytes_per_element": setting_bytes(setting),
-            "threads": n, "threads_source": why, "thread_bw": rate, "thread_bw_source": rate_source,
-            "node": host.name, "cores": host.cores, "cores_source": host.sources.get("cores", "assumed"),
-            "dram_bw": host.dram_bw, "dram_bw_source": host.sources.get("dram_bw", "assumed"),
-            "ranks_per_node": ranks_per_node, "dram_share": dram, "other_dram_bytes": other_bytes}
+    return {
+        "bw": bw,
+        "limit": limit,
+        "setting": describe_setting(setting),
+        "bytes_per_element": setting_bytes(setting),
+        "threads": n,
+        "threads_source": why,
+        "thread_bw": rate,
+        "thread_bw_source": rate_source,
+        "node": host.name,
+        "cores": host.cores,
+        "cores_source": host.sources.get("cores", "assumed"),
+        "dram_bw": host.dram_bw,
+        "dram_bw_source": host.sources.get("dram_bw", "assumed"),
+        "ranks_per_node": ranks_per_node,
+        "dram_share": dram,
+        "other_dram_bytes": other_bytes,
+    }

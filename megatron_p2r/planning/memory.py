@@ -6,13 +6,13 @@ included), and the optimizer state of what the rank steps — AdamW moments (8 B
 16-bit moments under --use-precision-aware-optimizer) plus fp32 mains
 of 16-bit weights (4 B); under the distributed optimizer only the rank's shard of each buffer.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional
 
 from megatron_p2r.config import Config, build_step_plan, parse_offload_what
-from megatron_p2r.layout.offload import (CATEGORIES, add_bytes, delayed_grads_bytes, memory_plan,
-                                         nvme_split)
+from megatron_p2r.layout.offload import CATEGORIES, add_bytes, delayed_grads_bytes, memory_plan, nvme_split
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Coords
 
@@ -83,8 +83,15 @@ def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, objec
         host, nvme = nvme_split(host, per_module, chosen)
     if steps.delayed and chosen:
         host = {**host, "grads_delayed": delayed_grads_bytes(per_module, chosen)}
-    return {"modules": chosen, "layers": layers, "device": placed["device"], "host": host, "nvme": nvme,
-            "what": ",".join(sorted(what)), "recomputed": chosen if on_host else [],
-            "host_optimizer_params": stepped,
-            "moved_per_microbatch": 3 * weights if on_host else 0,
-            "moved_per_step": 0 if on_host else (2 * plan.buffers.main_bytes + plan.buffers.grad_bytes) * stepped}
+    return {
+        "modules": chosen,
+        "layers": layers,
+        "device": placed["device"],
+        "host": host,
+        "nvme": nvme,
+        "what": ",".join(sorted(what)),
+        "recomputed": chosen if on_host else [],
+        "host_optimizer_params": stepped,
+        "moved_per_microbatch": 3 * weights if on_host else 0,
+        "moved_per_step": 0 if on_host else (2 * plan.buffers.main_bytes + plan.buffers.grad_bytes) * stepped,
+    }

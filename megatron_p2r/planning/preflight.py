@@ -15,6 +15,7 @@ anonymous memory a run takes after the check (docs/reliability.md has the table 
 command). ``P2R_SKIP_MEMORY_CHECK=1`` skips the check (an estimate that is wrong for some model
 should never block a run).
 """
+
 from __future__ import annotations
 
 import os
@@ -29,12 +30,12 @@ from megatron_p2r.planning.memory import offload_plan
 
 SKIP_ENV = "P2R_SKIP_MEMORY_CHECK"
 INDEX_BYTES_PER_SAMPLE = 20  # sample_idx (2 x int32 or int64) + shuffle_idx + a share of doc_idx
-BATCH_BYTES_PER_TOKEN = 12   # int64 token (inputs and labels are views of it) + fp32 loss mask
+BATCH_BYTES_PER_TOKEN = 12  # int64 token (inputs and labels are views of it) + fp32 loss mask
 # What a process still allocates after the check whatever the model: torch 2.13's first AdamW
 # imports torch._dynamo (~70 MiB of Python objects), and kernels set up buffers on first use.
 # Measured: the peak of ``benchmarks/preflight_memory.py --seq 64`` exceeds the rest of the
 # estimate by 70-76 MiB.
-RUNTIME_BYTES = 80 * 2 ** 20
+RUNTIME_BYTES = 80 * 2**20
 
 
 def batch_bytes(cfg: Config, world_size: int) -> int:
@@ -42,8 +43,13 @@ def batch_bytes(cfg: Config, world_size: int) -> int:
     evaluation's (``--eval-iters`` steps' worth) when the run evaluates."""
     m, t = cfg.model, cfg.train
     steps = cfg.logging.eval_iters if (cfg.logging.evaluates or cfg.logging.eval_only) else 1
-    return num_microbatches(cfg, world_size) * t.micro_batch_size * (m.seq_length + 1) * BATCH_BYTES_PER_TOKEN * \
-        max(steps, 1)
+    return (
+        num_microbatches(cfg, world_size)
+        * t.micro_batch_size
+        * (m.seq_length + 1)
+        * BATCH_BYTES_PER_TOKEN
+        * max(steps, 1)
+    )
 
 
 def rank_memory(cfg: Config, plan: ParallelPlan, stage: int, device_type: str) -> Dict[str, int]:
@@ -52,22 +58,30 @@ def rank_memory(cfg: Config, plan: ParallelPlan, stage: int, device_type: str) -
     # The CPU estimate does not model attention sinks' math kernel; the CUDA one is a lower bound.
     kind = "cuda" if sinks_unmodelled(cfg.model, device_type) else device_type
     act = activation_memory(cfg, plan, stage, offloaded=off["recomputed"], device_type=kind)
-    device = sum(off["device"].values()) + act["activations"] + act["transient"] + \
-        batch_bytes(cfg, plan.layout.world_size)
+    device = (
+        sum(off["device"].values()) + act["activations"] + act["transient"] + batch_bytes(cfg, plan.layout.world_size)
+    )
     host = sum(off["host"].values()) + RUNTIME_BYTES
     if not cfg.data.mock_data:
         world = plan.layout.world_size
-        host += INDEX_BYTES_PER_SAMPLE * (train_samples(cfg, world) + global_batch_size(cfg, world) *
-                                          cfg.logging.eval_iters)
+        host += INDEX_BYTES_PER_SAMPLE * (
+            train_samples(cfg, world) + global_batch_size(cfg, world) * cfg.logging.eval_iters
+        )
     return {"device": device, "host": host} if device_type == "cuda" else {"device": 0, "host": host + device}
 
 
 def _size(n: int) -> str:
-    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2 ** 20:.1f} MiB"
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
 
 
-def check_memory(cfg: Config, plan: ParallelPlan, rank: int, device_type: str,
-                 device_free: Optional[int] = None, host_available: Optional[int] = None) -> None:
+def check_memory(
+    cfg: Config,
+    plan: ParallelPlan,
+    rank: int,
+    device_type: str,
+    device_free: Optional[int] = None,
+    host_available: Optional[int] = None,
+) -> None:
     """ConfigError when the ranks on this host (torchrun's LOCAL_WORLD_SIZE, consecutive ranks)
     need more host memory than it has, or this rank more device memory than is free."""
     if os.environ.get(SKIP_ENV) == "1":
@@ -82,11 +96,15 @@ def check_memory(cfg: Config, plan: ParallelPlan, rank: int, device_type: str,
     hint = f" (set {SKIP_ENV}=1 to skip this estimate)"
     if available is not None and host_need > available:
         who = f"its {len(host_ranks)} ranks on this host need" if len(host_ranks) > 1 else "it needs"
-        raise ConfigError(f"this run does not fit in memory: {who} at least {_size(host_need)} of host memory "
-                          "(parameters, gradients, optimizer state, activations, micro-batches, data indices, runtime), the "
-                          f"machine has {_size(available)} available; reduce the model, --seq-length, "
-                          f"--micro-batch-size or --global-batch-size, or use more ranks{hint}")
+        raise ConfigError(
+            f"this run does not fit in memory: {who} at least {_size(host_need)} of host memory "
+            "(parameters, gradients, optimizer state, activations, micro-batches, data indices, runtime), the "
+            f"machine has {_size(available)} available; reduce the model, --seq-length, "
+            f"--micro-batch-size or --global-batch-size, or use more ranks{hint}"
+        )
     device_need = needs[layout.coords(rank).pp]["device"]
     if device_free is not None and device_need > device_free:
-        raise ConfigError(f"this run does not fit on the device: rank {rank} needs at least {_size(device_need)}, "
-                          f"{_size(device_free)} of device memory is free{hint}")
+        raise ConfigError(
+            f"this run does not fit on the device: rank {rank} needs at least {_size(device_need)}, "
+            f"{_size(device_free)} of device memory is free{hint}"
+        )

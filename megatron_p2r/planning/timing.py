@@ -1,4 +1,5 @@
 """Time on paper: FLOPs per micro-batch of a stage and the time a link takes for a volume."""
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -22,8 +23,8 @@ def stage_flops_per_microbatch(cfg: Config, plan: ParallelPlan, stage: int, offl
     n, h, T = t.micro_batch_size * m.seq_length, m.hidden_size, plan.layout.tp
     st = plan.stage(stage)
     glu = 2 if m.gated_linear_unit else 1
-    heads = m.num_attention_heads * m.head_dim / T               # query (and output) rows on a rank
-    kv = 2 * m.query_groups * m.head_dim / min(T, m.query_groups)   # key/value rows on a rank
+    heads = m.num_attention_heads * m.head_dim / T  # query (and output) rows on a rank
+    kv = 2 * m.query_groups * m.head_dim / min(T, m.query_groups)  # key/value rows on a rank
     twice = recomputed_positions(cfg, st, offloaded)
     core = 4 * n * m.seq_length * heads
     total = 0.0
@@ -49,8 +50,9 @@ def link_time(traffic: GroupTraffic, gpu: GPUSpec) -> float:
     if traffic.bytes == 0:
         return 0.0
     if traffic.offnode_fraction:
-        return traffic.bytes * (traffic.offnode_fraction / gpu.inter_node_bw
-                                + (1 - traffic.offnode_fraction) / gpu.intra_node_bw)
+        return traffic.bytes * (
+            traffic.offnode_fraction / gpu.inter_node_bw + (1 - traffic.offnode_fraction) / gpu.intra_node_bw
+        )
     if traffic.nodes == 1:
         return traffic.bytes / gpu.intra_node_bw
     return traffic.bytes / min(gpu.intra_node_bw, traffic.per_node * gpu.inter_node_bw)

@@ -3,6 +3,7 @@ host (the node whose GPUs keep the most offloaded state in its memory) and, with
 --cpu-offload-optimizer-nvme-path, the NVMe (the node whose GPUs keep the most optimizer state
 on its local disks). A plan fits only when every tier does; the verdict names each tier that
 overflows and by how much."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,18 +17,25 @@ from megatron_p2r.planning.hardware import GiB, GPUSpec
 class TierVerdict:
     """One memory tier: what its most loaded unit (a rank, a node) needs against its capacity."""
 
-    tier: str       # "GPU", "host" or "NVMe"
-    unit: str       # what one capacity belongs to: "rank" or "node"
-    where: str      # the most loaded unit
-    need: int       # bytes
-    capacity: int   # bytes
-    over: int       # bytes beyond the capacity (0 when it fits)
+    tier: str  # "GPU", "host" or "NVMe"
+    unit: str  # what one capacity belongs to: "rank" or "node"
+    where: str  # the most loaded unit
+    need: int  # bytes
+    capacity: int  # bytes
+    over: int  # bytes beyond the capacity (0 when it fits)
     fits: bool
 
 
 def _tier(tier: str, unit: str, where: str, need: int, capacity: int) -> TierVerdict:
-    return TierVerdict(tier=tier, unit=unit, where=where, need=need, capacity=capacity,
-                       over=max(need - capacity, 0), fits=need <= capacity)
+    return TierVerdict(
+        tier=tier,
+        unit=unit,
+        where=where,
+        need=need,
+        capacity=capacity,
+        over=max(need - capacity, 0),
+        fits=need <= capacity,
+    )
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:
@@ -60,20 +68,26 @@ def node_tier(tier: str, per_rank: List[int], layout: Layout, gpus_per_node: int
 
 
 def host_problem(host: TierVerdict) -> str:
-    return (f"does not fit on host: {host.where} holds {host.need / GiB:.1f} GiB of offloaded state, "
-            f"{host.over / GiB:.1f} GiB more than its {host.capacity / GiB:.1f} GiB of host memory "
-            "(--host-memory per GPU or --host-memory-per-node sets it)")
+    return (
+        f"does not fit on host: {host.where} holds {host.need / GiB:.1f} GiB of offloaded state, "
+        f"{host.over / GiB:.1f} GiB more than its {host.capacity / GiB:.1f} GiB of host memory "
+        "(--host-memory per GPU or --host-memory-per-node sets it)"
+    )
 
 
 def nvme_problem(nvme: TierVerdict) -> str:
-    return (f"does not fit on NVMe: {nvme.where} keeps {nvme.need / GiB:.1f} GiB of optimizer state on local disk, "
-            f"{nvme.over / GiB:.1f} GiB more than its {nvme.capacity / GiB:.1f} GiB (--nvme-per-node sets it)")
+    return (
+        f"does not fit on NVMe: {nvme.where} keeps {nvme.need / GiB:.1f} GiB of optimizer state on local disk, "
+        f"{nvme.over / GiB:.1f} GiB more than its {nvme.capacity / GiB:.1f} GiB (--nvme-per-node sets it)"
+    )
 
 
 def verdict_line(tiers: Dict[str, TierVerdict]) -> str:
     """'FITS' or 'DOES NOT FIT', then each tier (overflowing ones first): by how much it
     overflows, which rank or node needs the most, and of what capacity."""
-    parts = [f"{t.tier} {'fits' if t.fits else f'overflows by {t.over / GiB:.2f} GiB'}: {t.where} needs "
-             f"{t.need / GiB:.2f} of {t.capacity / GiB:.2f} GiB"
-             for t in sorted(tiers.values(), key=lambda t: t.fits)]
+    parts = [
+        f"{t.tier} {'fits' if t.fits else f'overflows by {t.over / GiB:.2f} GiB'}: {t.where} needs "
+        f"{t.need / GiB:.2f} of {t.capacity / GiB:.2f} GiB"
+        for t in sorted(tiers.values(), key=lambda t: t.fits)
+    ]
     return ("FITS" if all(t.fits for t in tiers.values()) else "DOES NOT FIT") + ": " + "; ".join(parts)

@@ -1,4 +1,5 @@
 """The data a run reads: its datasets and this data-parallel rank's micro-batches."""
+
 from __future__ import annotations
 
 from typing import Iterator, List
@@ -21,25 +22,33 @@ def build_datasets(cfg: Config, ps: ParallelState, iteration: int = 0, consumed_
     samples = 0 if cfg.logging.eval_only else train_samples(cfg, ps.layout.world_size, iteration, consumed_samples)
     if cfg.data.mock_data:
         from megatron_p2r.data.mock import MockGPTDataset
+
         m = cfg.model
-        return (MockGPTDataset(samples, m.seq_length, m.vocab_size, cfg.train.seed) if samples else None,
-                MockGPTDataset(eval_samples, m.seq_length, m.vocab_size, cfg.train.seed + 1) if eval_samples else None)
+        return (
+            MockGPTDataset(samples, m.seq_length, m.vocab_size, cfg.train.seed) if samples else None,
+            MockGPTDataset(eval_samples, m.seq_length, m.vocab_size, cfg.train.seed + 1) if eval_samples else None,
+        )
     from megatron_p2r.data.builder import build_train_valid_test_datasets
-    train, valid, _ = build_train_valid_test_datasets(cfg.data, cfg.model.seq_length, cfg.train.seed,
-                                                      (samples, eval_samples, 0), cfg.model.vocab_size)
+
+    train, valid, _ = build_train_valid_test_datasets(
+        cfg.data, cfg.model.seq_length, cfg.train.seed, (samples, eval_samples, 0), cfg.model.vocab_size
+    )
     return train, valid
 
 
 def microbatch_iterator(dataset, consumed_samples: int, cfg: Config, ps: ParallelState) -> Iterator[dict]:
     """This data-parallel rank's micro-batches, continuing after ``consumed_samples``."""
     from megatron_p2r.data.samplers import PretrainingSampler
-    sampler = PretrainingSampler(len(dataset), consumed_samples, cfg.train.micro_batch_size,
-                                 ps.dp_rank, ps.dp_size)
+
+    sampler = PretrainingSampler(len(dataset), consumed_samples, cfg.train.micro_batch_size, ps.dp_rank, ps.dp_size)
     for indices in sampler:
         sample = torch.from_numpy(np.stack([np.asarray(dataset[i], dtype=np.int64) for i in indices]))
         sample = sample.to(ps.device)
-        yield {"tokens": sample[:, :-1], "labels": sample[:, 1:],
-               "loss_mask": torch.ones_like(sample[:, 1:], dtype=torch.float32)}
+        yield {
+            "tokens": sample[:, :-1],
+            "labels": sample[:, 1:],
+            "loss_mask": torch.ones_like(sample[:, 1:], dtype=torch.float32),
+        }
 
 
 def take(iterator: Iterator[dict], n: int, what: str) -> List[dict]:

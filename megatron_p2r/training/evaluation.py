@@ -1,4 +1,5 @@
 """The validation loss, on a fixed set, and its log record."""
+
 from __future__ import annotations
 
 import torch
@@ -29,7 +30,13 @@ def evaluate_and_log(state: TrainState, valid_ds, logger: TrainingLogger) -> flo
     """Evaluate and log the validation loss (a record of the loop's log)."""
     cfg = state.cfg
     loss = evaluate(state, valid_ds)
-    logger.log({"iteration": state.iteration, "eval_loss": loss, "phase": cfg.p2r.p2r_phase,
-                "tokens": state.consumed_samples * cfg.model.seq_length},
-               f"validation loss at iteration {state.iteration}: {loss:.6f}")
+    logger.log(
+        {
+            "iteration": state.iteration,
+            "eval_loss": loss,
+            "phase": cfg.p2r.p2r_phase,
+            "tokens": state.consumed_samples * cfg.model.seq_length,
+        },
+        f"validation loss at iteration {state.iteration}: {loss:.6f}",
+    )
     return loss

@@ -1,5 +1,6 @@
 """A run's start: the device, the process group torchrun started, the validated config and its
 ParallelPlan, the process groups and the seeds."""
+
 from __future__ import annotations
 
 import datetime
@@ -52,11 +53,17 @@ def init_distributed(cfg: Config, device: torch.device) -> None:
         # attempt the new ranks connect to dead processes ("Connection refused" at init, torch 2.13).
         store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend, store=dist.PrefixStore(f"p2r_attempt_{attempt}/", store), rank=rank,
-                                world_size=world, timeout=timeout)
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"p2r_attempt_{attempt}/", store),
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+        )
     else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
-                                rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, timeout=timeout
+        )
 
 
 def setup_parallel(cfg: Config, device: torch.device) -> Tuple[ParallelState, ParallelPlan]:
@@ -75,5 +82,6 @@ def resolve_vocab(cfg: Config) -> Config:
     if cfg.data.tokenizer_type is None:
         return cfg
     from megatron_p2r.data.tokenizers import build_tokenizer
+
     tokenizer = build_tokenizer(cfg.data, vocab_size=cfg.model.vocab_size)  # NullTokenizer's size
     return cfg.replace(vocab_size=tokenizer.vocab_size)

@@ -1,6 +1,7 @@
 """The training loop: ``pretrain`` (what ``pretrain_m6.py`` runs under torchrun) sets up, resumes,
 trains and evaluates; ``train`` steps until the end, logging, evaluating, saving and exiting on
 their intervals."""
+
 from __future__ import annotations
 
 import time
@@ -56,13 +57,20 @@ def pretrain(cfg: Config) -> dict:
 def _run(cfg: Config, ps: ParallelState, plan: ParallelPlan, started: float) -> dict:
     state = build_train_state(cfg, ps, plan)
     logs = ps.rank == log_rank(ps)
-    logger = TrainingLogger(cfg.logging.log_file, cfg.logging.tensorboard_dir, enabled=logs,
-                            wandb=WandbWriter.open(cfg, plan, ps.device.type) if logs else None)
+    logger = TrainingLogger(
+        cfg.logging.log_file,
+        cfg.logging.tensorboard_dir,
+        enabled=logs,
+        wandb=WandbWriter.open(cfg, plan, ps.device.type) if logs else None,
+    )
     mem = describe_memory(state)
-    optimizer_bytes = stage_state_bytes(plan, ps.pp_rank, ps.coords)["optimizer"]   # the optimizer allocates at step 1
-    print(f"[rank {ps.rank}] stage {ps.pp_rank} tp {ps.tp_rank} dp {ps.dp_rank} ep {ps.ep_rank}: "
-          f"{mem['parameters']:,} parameters, {mem['param_bytes'] / 2**20:.1f} MiB params, "
-          f"{mem['grad_bytes'] / 2**20:.1f} MiB grads, {optimizer_bytes / 2**20:.1f} MiB optimizer", flush=True)
+    optimizer_bytes = stage_state_bytes(plan, ps.pp_rank, ps.coords)["optimizer"]  # the optimizer allocates at step 1
+    print(
+        f"[rank {ps.rank}] stage {ps.pp_rank} tp {ps.tp_rank} dp {ps.dp_rank} ep {ps.ep_rank}: "
+        f"{mem['parameters']:,} parameters, {mem['param_bytes'] / 2**20:.1f} MiB params, "
+        f"{mem['grad_bytes'] / 2**20:.1f} MiB grads, {optimizer_bytes / 2**20:.1f} MiB optimizer",
+        flush=True,
+    )
     if state.offload is not None:
         print(format_report(ps.rank, state.offload.describe()), flush=True)
     resume_checkpoint(state)
@@ -70,13 +78,16 @@ def _run(cfg: Config, ps: ParallelState, plan: ParallelPlan, started: float) -> 
     result = {"rank": ps.rank, "losses": [], "memory": mem}
     if cfg.logging.eval_only:
         result["eval_loss"] = evaluate(state, valid_ds)
-        logger.log({"iteration": state.iteration, "eval_loss": result["eval_loss"]},
-                   f"validation loss at iteration {state.iteration}: {result['eval_loss']:.6f}")
+        logger.log(
+            {"iteration": state.iteration, "eval_loss": result["eval_loss"]},
+            f"validation loss at iteration {state.iteration}: {result['eval_loss']:.6f}",
+        )
         logger.close()
         return result
     result.update(train(state, train_ds, valid_ds, logger, started))
     from megatron_p2r.checkpoint.async_save import finish_pending
-    finish_pending(ps)   # the last asynchronous save is written and published before exit
+
+    finish_pending(ps)  # the last asynchronous save is written and published before exit
     state.optimizer.finish_host_step()
     state.ddp.finish_param_sync()  # the last step's overlapped all-gather is not left pending at shutdown
     logger.close()
@@ -115,7 +126,7 @@ def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger, started
         window.steps += 1
         _stop_after_skipped_steps(state, out, logger)
         if state.iteration % cfg.logging.log_interval == 0:
-            record = _training_record(state, out, lr, losses[-window.steps:], window)
+            record = _training_record(state, out, lr, losses[-window.steps :], window)
             logger.log(record, format_line(record))
             window.reset(state.consumed_samples)
         if cfg.logging.evaluates and state.iteration % cfg.logging.eval_interval == 0:
@@ -133,17 +144,20 @@ def _stop_after_skipped_steps(state: TrainState, out: dict, logger: TrainingLogg
     counted = not t.fp16 or state.scaler.scale <= state.scaler.min_scale
     if not (out["skipped"] and counted):
         return
-    logger.info(f"warning: iteration {state.iteration} skipped: non-finite loss or gradients on at least one "
-                f"rank ({state.skipped_in_a_row} in a row; --max-skipped-steps {t.max_skipped_steps})")
+    logger.info(
+        f"warning: iteration {state.iteration} skipped: non-finite loss or gradients on at least one "
+        f"rank ({state.skipped_in_a_row} in a row; --max-skipped-steps {t.max_skipped_steps})"
+    )
     if state.skipped_in_a_row >= t.max_skipped_steps:
         save(state, logger, reason="stopping on non-finite values")
         saved = f"the last good state is saved in {ck.save}" if ck.save else "nothing was saved (no --save)"
-        raise TrainingStopped(f"{state.skipped_in_a_row} consecutive steps had non-finite loss or gradients "
-                              f"(--max-skipped-steps {t.max_skipped_steps}); {saved}")
+        raise TrainingStopped(
+            f"{state.skipped_in_a_row} consecutive steps had non-finite loss or gradients "
+            f"(--max-skipped-steps {t.max_skipped_steps}); {saved}"
+        )
 
 
-def _training_record(state: TrainState, out: dict, lr: float, window_losses: List[float],
-                     window: _LogWindow) -> dict:
+def _training_record(state: TrainState, out: dict, lr: float, window_losses: List[float], window: _LogWindow) -> dict:
     """The log record of an interval (Megatron's log line): mean loss, throughput, memory.
     With MoE this is a collective (the interval's dropped fraction and min/max expert load)."""
     cfg, ps = state.cfg, state.ps
@@ -151,16 +165,24 @@ def _training_record(state: TrainState, out: dict, lr: float, window_losses: Lis
     flops_per_token = model_flops_per_token(cfg.model, cfg.train.recompute == "full")
     elapsed = time.perf_counter() - window.start
     tokens_per_s = (state.consumed_samples - window.consumed_samples) * seq / elapsed
-    record = {"iteration": state.iteration, "train_iters": train_iters(cfg, world),
-              "consumed_samples": state.consumed_samples, "global_batch_size": out["global_batch_size"],
-              "phase": cfg.p2r.p2r_phase,
-              "tokens": state.consumed_samples * seq, "flops": state.consumed_samples * seq * flops_per_token,
-              "lm_loss": sum(window_losses) / len(window_losses), "lr": lr,
-              "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_s,
-              "tflops": tokens_per_s * flops_per_token / world / 1e12,
-              "ms_per_iter": 1000 * elapsed / window.steps,
-              "peak_memory_gib": peak_memory_bytes(ps.device) / 2**30,
-              "loss_scale": state.scaler.scale, "skipped": int(out["skipped"])}
+    record = {
+        "iteration": state.iteration,
+        "train_iters": train_iters(cfg, world),
+        "consumed_samples": state.consumed_samples,
+        "global_batch_size": out["global_batch_size"],
+        "phase": cfg.p2r.p2r_phase,
+        "tokens": state.consumed_samples * seq,
+        "flops": state.consumed_samples * seq * flops_per_token,
+        "lm_loss": sum(window_losses) / len(window_losses),
+        "lr": lr,
+        "grad_norm": out["grad_norm"],
+        "tokens_per_s": tokens_per_s,
+        "tflops": tokens_per_s * flops_per_token / world / 1e12,
+        "ms_per_iter": 1000 * elapsed / window.steps,
+        "peak_memory_gib": peak_memory_bytes(ps.device) / 2**30,
+        "loss_scale": state.scaler.scale,
+        "skipped": int(out["skipped"]),
+    }
     if out["moe_aux_loss"] is not None:
         record["moe_aux_loss"] = out["moe_aux_loss"]
     if cfg.model.num_experts:

@@ -1,5 +1,6 @@
 """The loop's checkpoint hooks: a save on --save-interval, a save and an exit on --exit-interval,
 --exit-duration-in-mins or a signal (``ExitSignal``), and a save at the end."""
+
 from __future__ import annotations
 
 import signal
@@ -18,8 +19,13 @@ class ExitSignal:
     """Turns --exit-signal (SIGTERM; --exit-signal-handler) and the end of --exit-duration-in-mins,
     counted from ``started``, into a flag the loop checks after each step (then saves and exits)."""
 
-    def __init__(self, enabled: bool, duration_mins: Optional[int] = None, started: Optional[float] = None,
-                 signal_name: str = "SIGTERM"):
+    def __init__(
+        self,
+        enabled: bool,
+        duration_mins: Optional[int] = None,
+        started: Optional[float] = None,
+        signal_name: str = "SIGTERM",
+    ):
         self.enabled, self.received = enabled or duration_mins is not None, False
         started = time.monotonic() if started is None else started
         self.deadline = None if duration_mins is None else started + 60.0 * duration_mins
@@ -67,5 +73,6 @@ def save(state: TrainState, logger: TrainingLogger, reason: str = "") -> None:
     if not state.cfg.checkpoint.save:
         return
     from megatron_p2r.checkpoint.async_save import save_checkpoint
-    path = save_checkpoint(state.cfg.checkpoint.save, state, wait=bool(reason))   # an exit waits for it
+
+    path = save_checkpoint(state.cfg.checkpoint.save, state, wait=bool(reason))  # an exit waits for it
     logger.info(f"saved checkpoint {path}" + (f" ({reason})" if reason else ""))

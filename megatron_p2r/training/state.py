@@ -1,5 +1,6 @@
 """What a run holds (``TrainState``: what a checkpoint saves and a resume restores), built in
 dependency order: the model, its offload, the gradient buffers, the optimizer per placement."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +33,7 @@ class TrainState:
     ps: ParallelState
     plan: ParallelPlan
     model: M6Model
-    ddp: DistributedDataParallel        # gradient buffers and their reduction
+    ddp: DistributedDataParallel  # gradient buffers and their reduction
     optimizer: MixedPrecisionOptimizer
     scheduler: LRScheduler
     scaler: LossScaler
@@ -51,29 +52,56 @@ def build_train_state(cfg: Config, ps: ParallelState, plan: Optional[ParallelPla
     plan = plan or ParallelPlan.build(cfg, ps.layout)
     model = build_model(cfg, ps, plan, device=offload.build_device(cfg.offload, ps))
     if cfg.train.compile:
-        from megatron_p2r.model.compiled import compile_layers   # imports torch._dynamo: seconds, only when asked
+        from megatron_p2r.model.compiled import compile_layers  # imports torch._dynamo: seconds, only when asked
+
         compile_layers(model.layers)
-    manager, link, steps = None, None, build_step_plan(cfg)   # steps: how each placement's optimizer steps
+    manager, link, steps = None, None, build_step_plan(cfg)  # steps: how each placement's optimizer steps
     if cfg.offload.cpu_offload_layers is not None:  # chosen layers' weights, grads and optimizer state on host
         module_bytes = plan.module_state_bytes(ps.pp_rank, ps.coords)
         # fetches wait for the host step and an early one hears of buckets: through a link the optimizer connects
         link = host_step_link(model, steps, module_bytes, ps.rank)
-        manager = offload.apply_offload(model, plan.stage(ps.pp_rank).offloaded, cfg.offload, ps, module_bytes,
-                                        delayed_update=steps.delayed, host_step=link)
+        manager = offload.apply_offload(
+            model,
+            plan.stage(ps.pp_rank).offloaded,
+            cfg.offload,
+            ps,
+            module_bytes,
+            delayed_update=steps.delayed,
+            host_step=link,
+        )
     p = cfg.parallel
-    ddp = DistributedDataParallel(model, plan, ps, overlap_grad_reduce=p.overlap_grad_reduce,
-                                  overlap_param_gather=p.overlap_param_gather,
-                                  fetched=manager.fetched_param_ids if manager else (),
-                                  waits_whole=model.layers.values() if cfg.train.compile else (),
-                                  reduction_started=link.reduction_started if link and link.starts_in_backward else None)
+    ddp = DistributedDataParallel(
+        model,
+        plan,
+        ps,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_param_gather=p.overlap_param_gather,
+        fetched=manager.fetched_param_ids if manager else (),
+        waits_whole=model.layers.values() if cfg.train.compile else (),
+        reduction_started=link.reduction_started if link and link.starts_in_backward else None,
+    )
     host_step = host_step_settings(manager, steps) if manager else None
     host_kernels.set_threads(steps.threads)
-    optimizer = build_mixed_precision_optimizer(ddp, plan, ps, cfg.train,
-                                                optimizer_placement(manager) if manager else None,
-                                                manager.synchronize if manager else None, host_step)
-    return TrainState(cfg=cfg, ps=ps, plan=plan, model=model, ddp=ddp, optimizer=optimizer,
-                      scheduler=LRScheduler(optimizer, cfg, ps.layout.world_size),
-                      scaler=LossScaler(cfg.train), offload=manager)
+    optimizer = build_mixed_precision_optimizer(
+        ddp,
+        plan,
+        ps,
+        cfg.train,
+        optimizer_placement(manager) if manager else None,
+        manager.synchronize if manager else None,
+        host_step,
+    )
+    return TrainState(
+        cfg=cfg,
+        ps=ps,
+        plan=plan,
+        model=model,
+        ddp=ddp,
+        optimizer=optimizer,
+        scheduler=LRScheduler(optimizer, cfg, ps.layout.world_size),
+        scaler=LossScaler(cfg.train),
+        offload=manager,
+    )
 
 
 def _storage_bytes(tensors) -> int:
@@ -93,6 +121,10 @@ def describe_memory(state: TrainState) -> dict:
     opt = state.optimizer
     mains = [ms.main for ms in opt.shards if not ms.aliases_param]
     moments = [v for inner in opt.inner.values() for s in inner.state.values() for k, v in s.items() if k != "step"]
-    return {"rank": state.ps.rank, "parameters": sum(p.numel() for p in params),
-            "param_bytes": _storage_bytes(params), "grad_bytes": _storage_bytes(state.ddp.buffer_tensors("grads")),
-            "optimizer_bytes": _storage_bytes(mains) + _storage_bytes(moments)}
+    return {
+        "rank": state.ps.rank,
+        "parameters": sum(p.numel() for p in params),
+        "param_bytes": _storage_bytes(params),
+        "grad_bytes": _storage_bytes(state.ddp.buffer_tensors("grads")),
+        "optimizer_bytes": _storage_bytes(mains) + _storage_bytes(moments),
+    }

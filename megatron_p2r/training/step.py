@@ -1,5 +1,6 @@
 """One optimizer step: the schedule's forward and backward, the gradients' reduction, norm and
 skip decision, clipping, the step of every placement, the LR schedule."""
+
 from __future__ import annotations
 
 from typing import List, Optional
@@ -41,8 +42,9 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
     state.ddp.zero_grad_buffer(len(microbatches), keep=optimizer.grads_zeroed_by_host_step())
     forward_backward = get_forward_backward_func(state.plan.schedule)
     scale = state.scaler.scale
-    loss = forward_backward(state.model, microbatches, ps, loss_scale=scale,
-                            on_backward_scale=aux_loss.set_backward_scale)
+    loss = forward_backward(
+        state.model, microbatches, ps, loss_scale=scale, on_backward_scale=aux_loss.set_backward_scale
+    )
     state.ddp.finish_grad_sync()
     optimizer.prepare_grads()
     reliability.on_gradients(state.iteration + 1, ps.rank, [ms.main for ms in optimizer.shards])
@@ -61,5 +63,10 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
     state.iteration += 1
     state.consumed_samples += samples
     aux = aux_loss.pop_recorded()
-    return {"lm_loss": reduce_loss(loss, ps), "grad_norm": grad_norm, "skipped": bool(found_inf),
-            "global_batch_size": samples, "moe_aux_loss": float(torch.stack(aux).sum()) if aux else None}
+    return {
+        "lm_loss": reduce_loss(loss, ps),
+        "grad_norm": grad_norm,
+        "skipped": bool(found_inf),
+        "global_batch_size": samples,
+        "moe_aux_loss": float(torch.stack(aux).sum()) if aux else None,
+    }

@@ -1,4 +1,5 @@
 """benchmarks/host_optimizer.py --quick writes the JSON the planner's --host-calibration reads."""
+
 import json
 import os
 import subprocess
@@ -9,17 +10,32 @@ import pytest
 from megatron_p2r.optim import host_kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RESULT_KEYS = {"name": str, "optimizer": str, "main": str, "grad": str, "moments": dict, "weight": (str, type(None)),
-               "threads": int, "ns_per_element": float, "bytes_per_element": int, "gbs": float,
-               "ratio_to_triad": float}
+RESULT_KEYS = {
+    "name": str,
+    "optimizer": str,
+    "main": str,
+    "grad": str,
+    "moments": dict,
+    "weight": (str, type(None)),
+    "threads": int,
+    "ns_per_element": float,
+    "bytes_per_element": int,
+    "gbs": float,
+    "ratio_to_triad": float,
+}
 
 
 @pytest.mark.skipif(not host_kernels.available(), reason="no C++ compiler for the host kernels")
 def test_quick_run_writes_the_calibration_schema(tmp_path):
     path = tmp_path / "host.json"
-    out = subprocess.run([sys.executable, "benchmarks/host_optimizer.py", "--quick", "--json", str(path)], cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "benchmarks/host_optimizer.py", "--quick", "--json", str(path)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "targets (issue 37):" in out.stdout
     report = json.loads(path.read_text())

@@ -1,5 +1,6 @@
 """What each spawned rank runs for the asynchronous save tests (no pytest import: ranks start
 faster). DP2 with the distributed optimizer and dropout on."""
+
 from __future__ import annotations
 
 import os
@@ -27,6 +28,7 @@ def slow_writer(started: threading.Event, release: threading.Event, delay: float
         release.wait()
         threading.Event().wait(delay)
         write(tmp, fragments)
+
     return slow
 
 
@@ -45,13 +47,16 @@ def async_save_and_resume(rank: int, world: int, root: str) -> dict:
         host = copy(fragments)
         out["host_copy_bytes"] = sum(t.numel() * t.element_size() for _, _, t in host)
         return host
+
     async_save.host_copy = counted_copy
 
     def save_after_2(state) -> None:
         if state.iteration == 2:
             save_now(os.path.join(root, "sync"), state)
             async_save.save_checkpoint(os.path.join(root, "async"), state)
-            out["latest_while_writing"] = os.path.exists(os.path.join(root, "async", "latest_checkpointed_iteration.txt"))
+            out["latest_while_writing"] = os.path.exists(
+                os.path.join(root, "async", "latest_checkpointed_iteration.txt")
+            )
         if state.iteration == 4:
             release.set()
             async_save.finish_pending(state.ps)

@@ -1,4 +1,5 @@
 """Helpers of the checkpoint tests (importable by spawned ranks)."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,17 @@ from tests.helpers import tiny_config
 
 # Exercises everything a resume must restore: LR warm-up + cosine decay, clipping, weight
 # decay, and dropout (RNG streams) on residual branches and attention probabilities.
-RESUME = dict(train_iters=4, lr_warmup_iters=1, lr_decay_style="cosine", clip_grad=1.0, weight_decay=0.01,
-              hidden_dropout=0.1, attention_dropout=0.1, device="cpu", log_interval=100)
+RESUME = dict(
+    train_iters=4,
+    lr_warmup_iters=1,
+    lr_decay_style="cosine",
+    clip_grad=1.0,
+    weight_decay=0.01,
+    hidden_dropout=0.1,
+    attention_dropout=0.1,
+    device="cpu",
+    log_interval=100,
+)
 
 
 def cfg_of(**values) -> Config:
@@ -65,8 +75,14 @@ def streaming_rss_growth(module: str, function: str, statement: str) -> int:
     """How many bytes the peak RSS of a fresh process grows by while ``module.function`` runs,
     when the Python ``statement`` calls it (the converters' streaming loops)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, "-c", _PEAK_RSS, module, function, statement], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PEAK_RSS, module, function, statement],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     before, peak = map(int, proc.stdout.split("STREAM")[1].split())
     return peak - before

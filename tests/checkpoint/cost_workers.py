@@ -1,6 +1,7 @@
 """What each spawned rank runs for the checkpoint-cost test (no pytest import: ranks start
 faster): one step, then the same state saved fully parallel and with one writer, and the host
 copy an asynchronous save would take of it."""
+
 from __future__ import annotations
 
 import os

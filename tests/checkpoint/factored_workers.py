@@ -1,6 +1,7 @@
 """What each spawned rank runs for the factored-statistics tests (no pytest import: ranks start
 faster): Adafactor on TP2 and on DP2 with the distributed optimizer (matrices cut between the
 ranks' shards), saved fully parallel and with one writer, then loaded into a fresh state."""
+
 from __future__ import annotations
 
 import os
@@ -12,16 +13,20 @@ from megatron_p2r.training import build_train_state, setup_parallel
 from tests.checkpoint.common import cfg_of
 from tests.helpers import run_steps
 
-CASES = {"tp2": dict(tensor_model_parallel_size=2),
-         "dp2-distopt": dict(use_distributed_optimizer=True, global_batch_size=8)}
+CASES = {
+    "tp2": dict(tensor_model_parallel_size=2),
+    "dp2-distopt": dict(use_distributed_optimizer=True, global_batch_size=8),
+}
 FLAGS = dict(optimizer="adafactor")
 
 
 def _statistics(state) -> dict:
     """(parameter, first element stepped) -> this rank's optimizer state of that range."""
     opt = state.optimizer
-    return {(ms.name, ms.start): {k: v.clone() for k, v in opt.inner[ms.placement].state[ms.main].items()}
-            for ms in opt.shards}
+    return {
+        (ms.name, ms.start): {k: v.clone() for k, v in opt.inner[ms.placement].state[ms.main].items()}
+        for ms in opt.shards
+    }
 
 
 def save_and_load(rank: int, world: int, root: str) -> dict:
@@ -51,7 +56,8 @@ def save_and_load(rank: int, world: int, root: str) -> dict:
             loaded = _statistics(fresh)
             same[how] = loaded.keys() == saved.keys() and all(
                 loaded[k].keys() == saved[k].keys() and all(torch.equal(loaded[k][s], saved[k][s]) for s in saved[k])
-                for k in saved)
+                for k in saved
+            )
         resumed, _ = run_steps(c, ps, 2, load=os.path.join(root, name, "par"))
         out[name] = {"same": same, "cut": cut, "straight": straight, "resumed": resumed}
     return out

@@ -1,5 +1,6 @@
 """What each spawned rank runs for the fully parallel save tests (no pytest import: ranks start
 faster). DP2 with dropout on, with and without the distributed optimizer."""
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,9 @@ class MaterialisedBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
                 nbytes = t.untyped_storage().nbytes()
@@ -55,6 +57,7 @@ def _reads(into: list):
     def read(self, name, out=None):
         into.append((os.path.basename(self.path), name))
         return original(self, name, out)
+
     safetensors_io.ShardReader.read = read
     return original
 
@@ -89,8 +92,9 @@ def save_and_resume(rank: int, world: int, root: str, flags: dict) -> dict:
     reads: list = []
     original = _reads(reads)
     try:
-        out["parallel_load"], _ = run_steps(cfg_of(global_batch_size=8, ckpt_fully_parallel_load=True, **flags),
-                                            ps, 2, load=par)
+        out["parallel_load"], _ = run_steps(
+            cfg_of(global_batch_size=8, ckpt_fully_parallel_load=True, **flags), ps, 2, load=par
+        )
     finally:
         safetensors_io.ShardReader.read = original
     out["moment_reads"] = sorted({f for f, name in reads if name.startswith("optimizer.exp_avg")})

@@ -1,6 +1,7 @@
 """Asynchronous save (--async-save): the checkpoint holds the state at the save although training
 updates it while the writer writes; it is published only once every rank's writer finished; an
 exit waits for it; and it needs the fully parallel save."""
+
 from __future__ import annotations
 
 import os
@@ -46,6 +47,7 @@ def test_the_planner_counts_the_host_copy(tmp_path):
     from megatron_p2r.planning.checkpoint_cost import async_save_host_bytes
     from megatron_p2r.planning.estimate import make_plan
     from megatron_p2r.planning.hardware import GPU_PRESETS
+
     copied = [r["host_copy_bytes"] for r in run_distributed(async_save_and_resume, 2, str(tmp_path))]
     c = cfg_of(async_save=True, **FLAGS)
     planned = async_save_host_bytes(c, Layout(dp=2))
@@ -60,6 +62,7 @@ def test_exit_right_after_an_async_save_waits_and_publishes(tmp_path, monkeypatc
     """The last save of a run (and the one at --exit-interval) is written and published before
     pretrain returns, although its writer is slow."""
     from megatron_p2r.training import pretrain
+
     release = threading.Event()
     release.set()
     monkeypatch.setattr(async_save, "write_parts", slow_writer(threading.Event(), release, delay=1.0))

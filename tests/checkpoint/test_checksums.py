@@ -2,6 +2,7 @@
 on every read: a flipped bit in a shard's data region is an error naming the file and the
 tensor, in a load, a conversion and ``inspect --verify``; metadata.json carries the CRC-32 of its
 own bytes, so an edit of it is refused too; checkpoints without checksums load, saying so."""
+
 import json
 import os
 import re
@@ -63,8 +64,11 @@ def test_every_tensor_of_every_shard_has_its_checksum(saved):
 
 def test_a_flipped_bit_fails_the_load_naming_file_and_tensor(ckpt):
     _flip_a_bit(ckpt)
-    with pytest.raises(CheckpointError, match=rf"corrupt shard .*{SHARD}: tensor '{TENSOR}' has CRC-32 [0-9a-f]{{8}}, "
-                                              "metadata.json records"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"corrupt shard .*{SHARD}: tensor '{TENSOR}' has CRC-32 [0-9a-f]{{8}}, "
+        "metadata.json records",
+    ):
         load_checkpoint(str(ckpt), build_train_state(cfg_of(), ParallelState.single()))
 
 
@@ -75,8 +79,13 @@ def test_a_flipped_bit_in_an_rng_file_fails_the_load_unless_rng_is_not_loaded(ck
     load_checkpoint(str(ckpt), build_train_state(cfg_of(no_load_rng=True), ParallelState.single()))
 
 
-@pytest.mark.parametrize("argv", [["inspect", "{ck}", "--verify"], ["reshard", "{ck}", "{out}", "--no-progress",
-                                                                     "--target-tensor-parallel-size", "2"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["inspect", "{ck}", "--verify"],
+        ["reshard", "{ck}", "{out}", "--no-progress", "--target-tensor-parallel-size", "2"],
+    ],
+)
 def test_a_flipped_bit_is_found_by_inspect_verify_and_the_converter(ckpt, tmp_path, capsys, argv):
     _flip_a_bit(ckpt, "optimizer.exp_avg_sq.layers.1.attention.proj.weight")
     assert main(["inspect", str(ckpt)]) == 0  # headers only: the data is not read
@@ -90,8 +99,10 @@ def test_a_flipped_bit_is_found_by_inspect_verify_and_the_converter(ckpt, tmp_pa
 def test_converters_record_checksums_that_verify(saved, tmp_path, capsys):
     out, same = tmp_path / "out", tmp_path / "same"
     assert main(["reshard", str(saved), str(out), "--target-tensor-parallel-size", "2", "--no-progress"]) == 0
-    assert set(metadata(str(out / "iter_0000002"))["crc32"]) == {"mp_rank_00_000_000.safetensors",
-                                                                 "mp_rank_01_000_000.safetensors"}
+    assert set(metadata(str(out / "iter_0000002"))["crc32"]) == {
+        "mp_rank_00_000_000.safetensors",
+        "mp_rank_01_000_000.safetensors",
+    }
     assert main(["reshard", str(saved), str(same), "--no-progress"]) == 0  # the RNG files are copied, and theirs
     assert set(metadata(str(same / "iter_0000002"))["crc32"]) == {SHARD, RNG}
     for converted in (out, same):
@@ -102,7 +113,7 @@ def test_converters_record_checksums_that_verify(saved, tmp_path, capsys):
 def test_a_checkpoint_without_checksums_still_loads(ckpt, capsys):
     path = ckpt / "iter_0000002" / "metadata.json"
     meta = json.loads(path.read_text())
-    del meta["crc32"], meta[SELF_CHECKSUM]   # as written before either was
+    del meta["crc32"], meta[SELF_CHECKSUM]  # as written before either was
     path.write_text(json.dumps(meta))
     load_checkpoint(str(ckpt), build_train_state(cfg_of(), ParallelState.single()))
     assert "no checksums recorded (a checkpoint written before they were)" in capsys.readouterr().out
@@ -118,9 +129,14 @@ def _edit_text(ckpt, old: str, new: str) -> None:
     path.write_text(text.replace(old, new))
 
 
-@pytest.mark.parametrize("old, new", [('"consumed_samples": 4', '"consumed_samples": 5'),
-                                      ('"iteration": 2', '"iteration": 2 '),
-                                      ('"crc32": {', '"crc32": null, "x": {')])
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ('"consumed_samples": 4', '"consumed_samples": 5'),
+        ('"iteration": 2', '"iteration": 2 '),
+        ('"crc32": {', '"crc32": null, "x": {'),
+    ],
+)
 def test_an_edited_metadata_json_is_refused_by_load_and_inspect(ckpt, capsys, old, new):
     """metadata.json's own bytes are checksummed: a shifted data position, a whitespace edit, or
     its tensor checksums removed (then a flipped bit in a shard would load) are refused."""
@@ -145,11 +161,14 @@ def test_a_checkpoint_with_both_checksums_says_so_and_one_saved_in_parts_cannot_
     assert "field 'crc32' is missing, but a checkpoint saved in parts" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda crc: crc[SHARD].pop(TENSOR), f"crc32\\['{SHARD}'\\] has no value for tensor '{TENSOR}'"),
-    (lambda crc: crc[SHARD].update(extra=1), f"crc32\\['{SHARD}'\\] lists tensor 'extra'"),
-    (lambda crc: crc[SHARD].update({TENSOR: -1}), "field 'crc32' must be an object of file names"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda crc: crc[SHARD].pop(TENSOR), f"crc32\\['{SHARD}'\\] has no value for tensor '{TENSOR}'"),
+        (lambda crc: crc[SHARD].update(extra=1), f"crc32\\['{SHARD}'\\] lists tensor 'extra'"),
+        (lambda crc: crc[SHARD].update({TENSOR: -1}), "field 'crc32' must be an object of file names"),
+    ],
+)
 def test_a_checksum_table_that_does_not_cover_the_files_is_refused(ckpt, capsys, edit, message):
     path = ckpt / "iter_0000002" / "metadata.json"
     meta = json.loads(path.read_text())

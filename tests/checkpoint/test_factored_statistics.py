@@ -3,6 +3,7 @@ rows' or the columns' shape; the state comes back bitwise through a save and a l
 each rank's own statistics; DP2 with the distributed optimizer, matrices cut between the ranks;
 fully parallel and with one writer), through a reshard TP1 -> TP2 -> TP1, and from a checkpoint
 of the broadcast form written before it (tests/fixtures/adafactor_broadcast)."""
+
 from __future__ import annotations
 
 import math
@@ -46,8 +47,11 @@ def _entries(path: str) -> dict:
     iter_dir = resolve_iteration_dir(path)
     meta = read_metadata(iter_dir)
     readers = check_files(iter_dir, meta)
-    return {(name, e): readers(name).read(e) for name in ShardLayout.of(metadata_config(meta)).files()
-            for e in readers(name).names()}
+    return {
+        (name, e): readers(name).read(e)
+        for name in ShardLayout.of(metadata_config(meta)).files()
+        for e in readers(name).names()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -82,15 +86,17 @@ def test_reshard_tp1_tp2_tp1_is_bitwise_and_resumes_bitwise(saved):
     original, back = _entries(str(root / "tp1")), _entries(str(root / "back"))
     assert original.keys() == back.keys()
     assert all(torch.equal(original[k], back[k]) for k in original)
-    tp2 = _entries(str(root / "tp2"))   # a row-parallel weight's row statistic: each TP rank its own copy
+    tp2 = _entries(str(root / "tp2"))  # a row-parallel weight's row statistic: each TP rank its own copy
     key = entry_name("row_var", "layers.0.mlp.fc2.weight")
     assert torch.equal(tp2[("mp_rank_00_000_000.safetensors", key)], tp2[("mp_rank_01_000_000.safetensors", key)])
     c = cfg_of(**FLAGS)
     fresh = build_train_state(c, ParallelState.single())
     load_checkpoint(str(root / "back"), fresh)
     assert _same(_statistics(fresh), _statistics(state))
-    assert run_steps(c, ParallelState.single(), 2, load=str(root / "back"))[0] == \
-        run_steps(c, ParallelState.single(), 2, load=str(root / "tp1"))[0]
+    assert (
+        run_steps(c, ParallelState.single(), 2, load=str(root / "back"))[0]
+        == run_steps(c, ParallelState.single(), 2, load=str(root / "tp1"))[0]
+    )
 
 
 def test_an_older_broadcast_checkpoint_loads_and_converts(tmp_path):
@@ -116,7 +122,7 @@ def test_tp2_and_cut_matrices_save_and_load_bitwise(tmp_path):
         for r in results:
             assert r[case]["same"] == {"par": True, "single": True}, case
             assert r[case]["resumed"] == r[case]["straight"][2:], case
-    assert any(r["dp2-distopt"]["cut"] for r in results)   # a matrix is cut between the two ranks' shards
+    assert any(r["dp2-distopt"]["cut"] for r in results)  # a matrix is cut between the two ranks' shards
 
 
 def test_a_tp2_checkpoint_merges_each_ranks_statistics_by_their_mean(tmp_path):
@@ -131,4 +137,6 @@ def test_a_tp2_checkpoint_merges_each_ranks_statistics_by_their_mean(tmp_path):
         ranks = [tp2[(f"mp_rank_0{t}_000_000.safetensors", key)] for t in range(2)]
         assert not torch.equal(*ranks)
         assert torch.equal(tp1[("mp_rank_00_000_000.safetensors", key)], torch.stack(ranks).mean(0))
-    assert math.isfinite(float(tp1[("mp_rank_00_000_000.safetensors", entry_name("col_var", "final_norm.weight"))].sum()))
+    assert math.isfinite(
+        float(tp1[("mp_rank_00_000_000.safetensors", entry_name("col_var", "final_norm.weight"))].sum())
+    )

@@ -4,6 +4,7 @@ bitwise reshard round trips, and eval-loss preservation through reshard and deli
 
 Tolerance: fp32 eval losses rel 1e-5 (a change of layout changes only the order of reductions).
 """
+
 import json
 import os
 
@@ -22,9 +23,21 @@ from tests.harness import run_distributed
 from tests.checkpoint.common import metadata, same_bytes, shard_files
 from tests.helpers import run_steps, tiny_config
 
-GQA = dict(group_query_attention=True, num_query_groups=2, qk_layernorm=True, position_embedding_type="rope",
-           normalization="RMSNorm", swiglu=True, disable_bias_linear=True, add_qkv_bias=True, num_layers=4,
-           global_batch_size=8, eval_iters=2, device="cpu", log_interval=100)
+GQA = dict(
+    group_query_attention=True,
+    num_query_groups=2,
+    qk_layernorm=True,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    disable_bias_linear=True,
+    add_qkv_bias=True,
+    num_layers=4,
+    global_batch_size=8,
+    eval_iters=2,
+    device="cpu",
+    log_interval=100,
+)
 KV = "layers.1.attention.key_value.weight"
 
 
@@ -58,25 +71,37 @@ def test_round_trip_with_replicated_key_value_heads_is_bitwise(source, tmp_path)
     full = load_file(str(source / "iter_0000002" / "mp_rank_00_000_000.safetensors"))
     for t in range(4):
         part = load_file(str(b / "iter_0000002" / f"mp_rank_0{t}_000_000.safetensors"))
-        assert torch.equal(part["layers.0.attention.query.weight"], full["layers.0.attention.query.weight"][8 * t:8 * t + 8])
-        assert ("layers.0.attention.key_value.weight" in part) == (t in (0, 2))   # one copy per replica block
+        assert torch.equal(
+            part["layers.0.attention.query.weight"], full["layers.0.attention.query.weight"][8 * t : 8 * t + 8]
+        )
+        assert ("layers.0.attention.key_value.weight" in part) == (t in (0, 2))  # one copy per replica block
         if t in (0, 2):
-            for name in ("layers.0.attention.key_value.weight", "layers.0.attention.key_value.bias",
-                         "optimizer.exp_avg.layers.0.attention.key_value.weight"):
-                assert torch.equal(part[name], full[name][8 * t:8 * t + 16]), (t, name)
+            for name in (
+                "layers.0.attention.key_value.weight",
+                "layers.0.attention.key_value.bias",
+                "optimizer.exp_avg.layers.0.attention.key_value.weight",
+            ):
+                assert torch.equal(part[name], full[name][8 * t : 8 * t + 16]), (t, name)
         assert ("layers.0.attention.q_layernorm.weight" in part) == (t == 0)
-    src_file, back = source / "iter_0000002" / "mp_rank_00_000_000.safetensors", a2 / "iter_0000002" / "mp_rank_00_000_000.safetensors"
+    src_file, back = (
+        source / "iter_0000002" / "mp_rank_00_000_000.safetensors",
+        a2 / "iter_0000002" / "mp_rank_00_000_000.safetensors",
+    )
     assert shard_files(str(a2 / "iter_0000002")) == ["mp_rank_00_000_000.safetensors"]
     assert same_bytes(src_file, back)
-    assert metadata(str(b / "iter_0000002"))["tensors"][KV]["rows"] == {"groups": 2, "per_group": ["k", "v"],
-                                                                         "head_dim": 8}
+    assert metadata(str(b / "iter_0000002"))["tensors"][KV]["rows"] == {
+        "groups": 2,
+        "per_group": ["k", "v"],
+        "head_dim": 8,
+    }
 
 
 def test_reshard_refuses_tp_that_splits_groups_and_a_changed_layout(source, tmp_path):
     """TP 6 over 4 groups (12 heads) neither divides nor is divided by them; a table whose
     recorded rows differ from the model's is refused, naming the field."""
-    twelve = tiny_config(**dict(GQA, num_query_groups=4), num_attention_heads=12, hidden_size=48,
-                         make_vocab_size_divisible_by=48)
+    twelve = tiny_config(
+        **dict(GQA, num_query_groups=4), num_attention_heads=12, hidden_size=48, make_vocab_size_divisible_by=48
+    )
     with pytest.raises(ConfigError, match="--target-tensor-parallel-size 6 and the model's --num-query-groups"):
         target_config(twelve, Target(6), delink=False)
     path = source / "iter_0000002" / "metadata.json"
@@ -93,15 +118,23 @@ def test_reshard_refuses_tp_that_splits_groups_and_a_changed_layout(source, tmp_
 
 # ----------------------------------------------------------------------------- across layouts
 
+
 def _across_layouts(rank, world, root):
     """Train a real model under TP4 (2 groups: replicated over 2 ranks each) and a pseudo one
     under TP2 x PP2 (1 group: replicated over both TP ranks), saving both; reshard / delink
     them into other layouts; evaluate every copy on these 4 ranks."""
     import torch.distributed as dist
     from megatron_p2r.training import pretrain
+
     real = dict(GQA, tensor_model_parallel_size=4)
-    pseudo = dict(GQA, num_query_groups=1, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                  p2r_phase="pseudo", share_pattern="cycle:2")
+    pseudo = dict(
+        GQA,
+        num_query_groups=1,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        p2r_phase="pseudo",
+        share_pattern="cycle:2",
+    )
     paths = {n: os.path.join(root, n) for n in ("real", "pseudo", "tp1", "tp2", "delink_tp4", "delink_tp1pp2")}
     pretrain(tiny_config(**real, train_iters=2, save=paths["real"]))
     pretrain(tiny_config(**pseudo, train_iters=2, save=paths["pseudo"]))
@@ -112,12 +145,18 @@ def _across_layouts(rank, world, root):
         convert(paths["pseudo"], paths["delink_tp1pp2"], Target(1, 2), DelinkOptions(), progress=False)
     dist.barrier()
     as_real = dict(pseudo, p2r_phase="real")
-    runs = {"real": real, "tp1": dict(real, tensor_model_parallel_size=1),
-            "tp2": dict(real, tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
-            "pseudo": pseudo, "delink_tp4": dict(as_real, tensor_model_parallel_size=4, pipeline_model_parallel_size=1),
-            "delink_tp1pp2": dict(as_real, tensor_model_parallel_size=1)}
-    return {name: pretrain(tiny_config(**values, load=paths[name], eval_only=True))["eval_loss"]
-            for name, values in runs.items()}
+    runs = {
+        "real": real,
+        "tp1": dict(real, tensor_model_parallel_size=1),
+        "tp2": dict(real, tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+        "pseudo": pseudo,
+        "delink_tp4": dict(as_real, tensor_model_parallel_size=4, pipeline_model_parallel_size=1),
+        "delink_tp1pp2": dict(as_real, tensor_model_parallel_size=1),
+    }
+    return {
+        name: pretrain(tiny_config(**values, load=paths[name], eval_only=True))["eval_loss"]
+        for name, values in runs.items()
+    }
 
 
 def test_reshard_and_delink_preserve_the_eval_loss(tmp_path):

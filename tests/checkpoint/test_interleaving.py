@@ -1,5 +1,6 @@
 """A run can change the interleaving: checkpoints follow the physical pipeline stages, and a
 run with the same TP, PP and EP reads each piece from the file the checkpoint's table names."""
+
 import os
 
 from megatron_p2r.convert.reshard import Target, convert
@@ -18,12 +19,18 @@ def _runs(rank, world, root):
     """4 steps with v=1; 2 steps with v=2, resumed with v=1; 2 steps with v=1, resumed with v=2;
     the first again under the distributed optimizer."""
     from megatron_p2r.training import pretrain
+
     out = {"straight": pretrain(cfg_of(save=os.path.join(root, "a"), **BASE))["losses"]}
-    for name, first, second in (("v2_then_v1", V2, {}), ("v1_then_v2", {}, V2),
-                                ("v2_then_v1_distopt", {**V2, **DISTOPT}, DISTOPT)):
+    for name, first, second in (
+        ("v2_then_v1", V2, {}),
+        ("v1_then_v2", {}, V2),
+        ("v2_then_v1_distopt", {**V2, **DISTOPT}, DISTOPT),
+    ):
         d = os.path.join(root, name)
-        out[name] = (pretrain(cfg_of(save=d, exit_interval=2, **BASE, **first))["losses"]
-                     + pretrain(cfg_of(load=d, save=d, **BASE, **second))["losses"])
+        out[name] = (
+            pretrain(cfg_of(save=d, exit_interval=2, **BASE, **first))["losses"]
+            + pretrain(cfg_of(load=d, save=d, **BASE, **second))["losses"]
+        )
     return out
 
 
@@ -47,9 +54,17 @@ def test_save_interleaved_load_plain_and_back(tmp_path):
     assert saved_v1["tensors"]["layers.2.input_norm.weight"]["stage"] == 1
     # the converter reads interleaved files too; to another PP it writes the plain split
     # (convert verifies every written tensor against the source before publishing)
-    out = convert(str(tmp_path / "v2_then_v1" / "iter_0000002"), str(tmp_path / "pp1"),
-                  Target(pipeline_parallel_size=1), progress=False)
+    out = convert(
+        str(tmp_path / "v2_then_v1" / "iter_0000002"),
+        str(tmp_path / "pp1"),
+        Target(pipeline_parallel_size=1),
+        progress=False,
+    )
     assert metadata(out)["layout"] == {"tp": 1, "pp": 1, "ep": 1, "stage_layers": [[0, 4]]}
-    tp2 = convert(str(tmp_path / "v2_then_v1" / "iter_0000002"), str(tmp_path / "tp2"),
-                  Target(tensor_parallel_size=2), progress=False)
-    assert metadata(tp2)["layout"]["stage_layers"] == [[0, 1], [1, 2], [2, 3], [3, 4]]   # PP kept: so is v
+    tp2 = convert(
+        str(tmp_path / "v2_then_v1" / "iter_0000002"),
+        str(tmp_path / "tp2"),
+        Target(tensor_parallel_size=2),
+        progress=False,
+    )
+    assert metadata(tp2)["layout"]["stage_layers"] == [[0, 1], [1, 2], [2, 3], [3, 4]]  # PP kept: so is v

@@ -1,4 +1,5 @@
 """Save/load on one process: exact restore, load options, and a clear error for each bad input."""
+
 import json
 import os
 import shutil
@@ -113,11 +114,11 @@ def test_metadata_and_shard_disagree(ckpt):
     shard = ckpt / SHARD
     data = shard.read_bytes()
     n = int.from_bytes(data[:8], "little")
-    header = data[8:8 + n].decode()
+    header = data[8 : 8 + n].decode()
     i = header.index('"layers.0.attention.qkv.weight":')
     j = header.index('"shape":[96,32]', i)
-    header = header[:j] + '"shape":[32,96]' + header[j + len('"shape":[96,32]'):]
-    shard.write_bytes(data[:8] + header.encode() + data[8 + n:])
+    header = header[:j] + '"shape":[32,96]' + header[j + len('"shape":[96,32]') :]
+    shard.write_bytes(data[:8] + header.encode() + data[8 + n :])
     msg = _error(ckpt)
     assert str(shard) in msg and "'layers.0.attention.qkv.weight' has shape [32, 96], expected [96, 32]" in msg
     # Bytes appended to a shard: the safetensors library refuses a data region it does not cover.
@@ -136,8 +137,10 @@ def test_other_layout_says_how_to_reshard(ckpt, tmp_path):
     convert(str(ckpt), str(other), Target(tensor_parallel_size=2, pipeline_parallel_size=2), progress=False)
     msg = _error(other)
     assert "saved with TP=2, PP=2 (layers per stage [1, 1]), EP=1; this run uses TP=1, PP=1" in msg
-    assert (f"p2r-convert-checkpoint reshard {other} {other}_tp1_pp1_ep1 --target-tensor-parallel-size 1 "
-            "--target-pipeline-parallel-size 1 --target-expert-parallel-size 1") in msg
+    assert (
+        f"p2r-convert-checkpoint reshard {other} {other}_tp1_pp1_ep1 --target-tensor-parallel-size 1 "
+        "--target-pipeline-parallel-size 1 --target-expert-parallel-size 1"
+    ) in msg
 
 
 def test_pseudo_checkpoint_into_real_run_says_delink(tmp_path):
@@ -181,18 +184,45 @@ def test_sigterm_saves_and_a_kill_while_saving_keeps_latest(tmp_path):
     """SIGTERM with --exit-signal-handler saves iteration 2 and returns 0; a run killed while
     writing iteration 3 leaves latest at 2 (and a .tmp directory), and iteration 2 loads."""
     save = tmp_path / "ck"
-    argv = ["--mock-data", "--vocab-size", "200", "--make-vocab-size-divisible-by", "16", "--num-layers", "2",
-            "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-            "--train-iters", "6", "--seed", "7", "--device", "cpu", "--save", str(save)]
+    argv = [
+        "--mock-data",
+        "--vocab-size",
+        "200",
+        "--make-vocab-size-divisible-by",
+        "16",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--train-iters",
+        "6",
+        "--seed",
+        "7",
+        "--device",
+        "cpu",
+        "--save",
+        str(save),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, "-c", KILLED_RUN, *argv], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_RUN, *argv], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert "SIGTERM run returned 0" in proc.stdout, proc.stdout + proc.stderr
     assert proc.returncode == -9, proc.stdout + proc.stderr
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
     # the killed run's lock stays (its flock died with it; the next run takes it over)
-    assert sorted(os.listdir(save)) == [".p2r_lock", "iter_0000002", "iter_0000003.tmp",
-                                        "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(save)) == [
+        ".p2r_lock",
+        "iter_0000002",
+        "iter_0000003.tmp",
+        "latest_checkpointed_iteration.txt",
+    ]
     state = build_train_state(cfg_of(), ParallelState.single())
     assert load_checkpoint(str(save), state).endswith("iter_0000002") and state.iteration == 2
     partial = [f for f in os.listdir(save / "iter_0000003.tmp") if f.endswith(".safetensors")]
@@ -204,6 +234,7 @@ def test_sigterm_saves_and_a_kill_while_saving_keeps_latest(tmp_path):
 def test_exit_interval_on_a_save_interval_saves_once(tmp_path, monkeypatch):
     from megatron_p2r.checkpoint import io
     from megatron_p2r.training import pretrain
+
     saves = []
     monkeypatch.setattr(io, "save_checkpoint", lambda d, state: saves.append(state.iteration) or d)
     result = pretrain(cfg_of(save=str(tmp_path), save_interval=1, exit_interval=2))
@@ -214,6 +245,7 @@ def test_load_same_as_save_starts_fresh_then_resumes(tmp_path):
     """A job launched with --save D --load D: the first launch finds nothing and starts from
     scratch; the relaunch resumes. A --load elsewhere without a checkpoint stays an error."""
     from megatron_p2r.training import pretrain
+
     d = str(tmp_path / "ck")
     assert len(pretrain(cfg_of(save=d, load=d, train_iters=1, lr_decay_iters=3))["losses"]) == 1  # warm-up 1 < 3
     assert len(pretrain(cfg_of(save=d, load=d, train_iters=3))["losses"]) == 2

@@ -1,4 +1,5 @@
 """The directory lock: one holder at a time, who holds it said, stale locks handled."""
+
 import errno
 import json
 import os
@@ -15,7 +16,7 @@ from megatron_p2r.checkpoint.lock import LOCK_FILE, DirectoryLock, DirectoryLock
 
 
 def _dead_pid() -> int:
-    pid = 2 ** 22 - 1
+    pid = 2**22 - 1
     while True:
         try:
             os.kill(pid, 0)
@@ -38,8 +39,9 @@ def test_a_held_lock_refuses_a_second_holder_and_names_the_first(tmp_path):
 
 
 def test_the_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path):
-    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": _dead_pid(),
-                                                  "purpose": "training run"}))
+    (tmp_path / LOCK_FILE).write_text(
+        json.dumps({"host": socket.gethostname(), "pid": _dead_pid(), "purpose": "training run"})
+    )
     lock = DirectoryLock(str(tmp_path), "training run")
     lock.acquire()
     assert "no longer running" in lock.notes[0]
@@ -56,8 +58,10 @@ def test_a_free_lock_naming_another_host_is_reported_with_the_command_that_clear
 @pytest.fixture
 def no_flock(monkeypatch):
     """A filesystem without flock (Lustre -o noflock): flock fails with ENOLCK."""
+
     def flock(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
+
     monkeypatch.setattr(lock_module.fcntl, "flock", flock)
 
 
@@ -147,7 +151,7 @@ def _paused_holder(directory, tmp_path, host=None):
     pid = os.fork()
     if pid == 0:
         try:
-            sys.stderr = open(stderr, "w")   # (pytest captures the parent's)
+            sys.stderr = open(stderr, "w")  # (pytest captures the parent's)
             lock_module.HEARTBEAT_S = 0.05
             if host is not None:
                 lock_module.socket.gethostname = lambda: host
@@ -160,7 +164,7 @@ def _paused_holder(directory, tmp_path, host=None):
     assert os.read(ready_r, 1) == b"1"
     os.close(ready_r), os.close(ready_w)
     os.kill(pid, signal.SIGSTOP)
-    old = time.time() - lock_module.STALE_AFTER_S - 60   # as if paused for longer than a stale heartbeat
+    old = time.time() - lock_module.STALE_AFTER_S - 60  # as if paused for longer than a stale heartbeat
     os.utime(directory / LOCK_FILE, (old, old))
     return pid, stderr
 
@@ -185,7 +189,7 @@ def test_without_flock_a_paused_holder_elsewhere_that_was_taken_over_stops_when_
     with DirectoryLock(str(tmp_path / "d"), "training run") as lock:
         assert "heartbeat stopped" in lock.notes[0]
         os.kill(pid, signal.SIGCONT)
-        for _ in range(2000):   # its next heartbeat is 0.05 s away
+        for _ in range(2000):  # its next heartbeat is 0.05 s away
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 break
@@ -196,8 +200,11 @@ def test_without_flock_a_paused_holder_elsewhere_that_was_taken_over_stops_when_
             pytest.fail("the resumed holder kept running without its lock")
         assert os.waitstatus_to_exitcode(status) == 2
         err = stderr.read_text()
-        assert re.fullmatch(rf"error: lost the lock on {tmp_path / 'd'}: .* was taken over while this process did "
-                            r"not refresh it .*\n", err), err
+        assert re.fullmatch(
+            rf"error: lost the lock on {tmp_path / 'd'}: .* was taken over while this process did "
+            r"not refresh it .*\n",
+            err,
+        ), err
         assert json.loads((tmp_path / "d" / LOCK_FILE).read_text())["pid"] == os.getpid()
 
 
@@ -207,8 +214,9 @@ def test_release_in_a_directory_made_read_only_leaves_the_file_for_the_next_hold
 
     def read_only(path, *args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied", path)
+
     with monkeypatch.context() as m:
         m.setattr(lock_module.os, "unlink", read_only)
-        lock.release()   # no traceback at the end of a run
+        lock.release()  # no traceback at the end of a run
     with DirectoryLock(str(tmp_path), "training run") as again:
-        assert "no longer running" in again.notes[0] or not again.notes   # flock free: taken over
+        assert "no longer running" in again.notes[0] or not again.notes  # flock free: taken over

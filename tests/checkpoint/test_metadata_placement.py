@@ -1,6 +1,7 @@
 """A tensor's placement in metadata.json (its stage, its expert index) and the latest file are
 checked before they name a file: a forged value is one ``error:`` line of ``inspect`` and
 ``reshard``, never a ZeroDivisionError, a KeyError or a file read outside the checkpoint."""
+
 import json
 import os
 import re
@@ -29,17 +30,23 @@ def _edited(saved, tmp_path, edit):
     path = ck / "iter_0000001" / "metadata.json"
     meta = json.loads(path.read_text())
     edit(meta["tensors"]["layers.0.mlp.fc1.weight"])
-    write_metadata(str(ck / "iter_0000001"), meta)   # re-sealed: the edit reaches the checks
+    write_metadata(str(ck / "iter_0000001"), meta)  # re-sealed: the edit reaches the checks
     return ck
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda t: t.update(expert=0, ep_dim=0), r"tensors\['layers.0.mlp.fc1.weight'\] has expert 0, but the config "
-                                             r"has no experts"),
-    (lambda t: t.update(expert=0), "has expert 0, but the config has no experts"),
-    (lambda t: t.update(ep_dim=0), "has expert None and ep_dim 0"),
-    (lambda t: t.update(stage=99), r"has stage 99, but the config has 1 pipeline stage\(s\) \(0..0\)"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda t: t.update(expert=0, ep_dim=0),
+            r"tensors\['layers.0.mlp.fc1.weight'\] has expert 0, but the config "
+            r"has no experts",
+        ),
+        (lambda t: t.update(expert=0), "has expert 0, but the config has no experts"),
+        (lambda t: t.update(ep_dim=0), "has expert None and ep_dim 0"),
+        (lambda t: t.update(stage=99), r"has stage 99, but the config has 1 pipeline stage\(s\) \(0..0\)"),
+    ],
+)
 @pytest.mark.parametrize("command", ["inspect", "reshard"])
 def test_a_forged_placement_is_an_error_line(saved, tmp_path, capsys, edit, message, command):
     ck = _edited(saved, tmp_path, edit)

@@ -3,6 +3,7 @@ DP2 with dropout on, with and without the distributed optimizer. The parallel ch
 the same tensors as a single-writer save of the same state, resumes bitwise, loads on one
 process and into the converter; a save materialises no more than a bounded buffer; a piece
 written twice or never is refused."""
+
 from __future__ import annotations
 
 import os
@@ -24,10 +25,17 @@ from tests.checkpoint.common import cfg_of
 from tests.checkpoint.parallel_workers import each_case, save_and_resume
 from tests.helpers import run_steps
 
-CASES = {"distopt": dict(use_distributed_optimizer=True), "replicated": {},
-         # 16-bit moments, widened to the checkpoint's fp32 one tensor at a time
-         "lean-moments": dict(use_distributed_optimizer=True, use_precision_aware_optimizer=True,
-                              exp_avg_dtype="fp16", exp_avg_sq_dtype="bf16")}
+CASES = {
+    "distopt": dict(use_distributed_optimizer=True),
+    "replicated": {},
+    # 16-bit moments, widened to the checkpoint's fp32 one tensor at a time
+    "lean-moments": dict(
+        use_distributed_optimizer=True,
+        use_precision_aware_optimizer=True,
+        exp_avg_dtype="fp16",
+        exp_avg_sq_dtype="bf16",
+    ),
+}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -52,23 +60,29 @@ def _tensors(path: str) -> dict:
 def test_parallel_save_holds_the_single_writers_tensors(dp2_run):
     _, root, _ = dp2_run
     meta = read_metadata(resolve_iteration_dir(os.path.join(root, "par")))
-    assert meta["parts"] == {"mp_rank_00_000_000.safetensors": ["mp_rank_00_000_000.rank_00000.safetensors",
-                                                                "mp_rank_00_000_000.rank_00001.safetensors"]}
+    assert meta["parts"] == {
+        "mp_rank_00_000_000.safetensors": [
+            "mp_rank_00_000_000.rank_00000.safetensors",
+            "mp_rank_00_000_000.rank_00001.safetensors",
+        ]
+    }
     assert "parts" not in read_metadata(resolve_iteration_dir(os.path.join(root, "single")))
     par, single = _tensors(os.path.join(root, "par")), _tensors(os.path.join(root, "single"))
     assert par.keys() == single.keys() and any("exp_avg_sq" in e for _, e in par)
     for key, value in single.items():
         assert torch.equal(par[key], value), key
-    sizes = [os.path.getsize(os.path.join(resolve_iteration_dir(os.path.join(root, "par")), f))
-             for f in meta["parts"]["mp_rank_00_000_000.safetensors"]]
-    assert max(sizes) < 0.75 * sum(sizes), sizes   # the two writers share the work
+    sizes = [
+        os.path.getsize(os.path.join(resolve_iteration_dir(os.path.join(root, "par")), f))
+        for f in meta["parts"]["mp_rank_00_000_000.safetensors"]
+    ]
+    assert max(sizes) < 0.75 * sum(sizes), sizes  # the two writers share the work
 
 
 def test_resume_from_a_parallel_save_is_bitwise(dp2_run):
     _, _, results = dp2_run
     for r in results:
         assert r["resumed"] == r["straight"][2:]
-        assert r["from_single"] == r["straight"][2:]        # the single-writer (older) format
+        assert r["from_single"] == r["straight"][2:]  # the single-writer (older) format
         assert r["parallel_load"] == r["straight"][2:]
 
 
@@ -141,10 +155,25 @@ def test_a_fragment_offset_that_is_not_ascii_digits_is_refused(tmp_path, offset)
 
 def test_the_megatron_flags():
     from megatron_p2r.arguments import parse_args
-    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-            "--max-position-embeddings", "16", "--micro-batch-size", "1", "--vocab-size", "64"]
+
+    base = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--max-position-embeddings",
+        "16",
+        "--micro-batch-size",
+        "1",
+        "--vocab-size",
+        "64",
+    ]
     default = parse_args(base).checkpoint
-    assert default.ckpt_fully_parallel_save and not default.ckpt_fully_parallel_load   # Megatron-LM's defaults
+    assert default.ckpt_fully_parallel_save and not default.ckpt_fully_parallel_load  # Megatron-LM's defaults
     flipped = parse_args(base + ["--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-load"]).checkpoint
     assert not flipped.ckpt_fully_parallel_save and flipped.ckpt_fully_parallel_load
 
@@ -165,12 +194,23 @@ def test_bad_parts_are_named(dp2_run, tmp_path):
         check_files(str(bad), read_metadata(str(bad)))
 
 
-FOUR_RANKS = {   # the distributed optimizer on 4 ranks: sharding groups across stages, experts and TP
-    "pp2-dp2-pseudo": dict(use_distributed_optimizer=True, pipeline_model_parallel_size=2, num_layers=4,
-                           p2r_phase="pseudo", share_pattern="cycle:2"),   # pseudo slots + tied embedding
-    "ep2-expert-dp2-moe": dict(use_distributed_optimizer=True, expert_model_parallel_size=2, num_layers=4,
-                               num_experts=4, moe_layer_freq=2, moe_ffn_hidden_size=24),
-    "tp2-dp2": dict(use_distributed_optimizer=True, tensor_model_parallel_size=2),   # norms: one copy per TP rank
+FOUR_RANKS = {  # the distributed optimizer on 4 ranks: sharding groups across stages, experts and TP
+    "pp2-dp2-pseudo": dict(
+        use_distributed_optimizer=True,
+        pipeline_model_parallel_size=2,
+        num_layers=4,
+        p2r_phase="pseudo",
+        share_pattern="cycle:2",
+    ),  # pseudo slots + tied embedding
+    "ep2-expert-dp2-moe": dict(
+        use_distributed_optimizer=True,
+        expert_model_parallel_size=2,
+        num_layers=4,
+        num_experts=4,
+        moe_layer_freq=2,
+        moe_ffn_hidden_size=24,
+    ),
+    "tp2-dp2": dict(use_distributed_optimizer=True, tensor_model_parallel_size=2),  # norms: one copy per TP rank
     "tp2-dp2-sp": dict(use_distributed_optimizer=True, tensor_model_parallel_size=2, sequence_parallel=True),
 }
 

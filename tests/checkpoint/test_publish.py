@@ -1,6 +1,7 @@
 """A --force conversion killed at any rename of its publish: DST is at every moment the old
 checkpoint, the new one, or not loadable with an error that says why, and the next holder of
 its lock finishes the move (the new checkpoint) or clears the unfinished output (the old one)."""
+
 import os
 
 import pytest
@@ -43,6 +44,7 @@ def _convert_killed_before_rename(src, dst, k: int) -> None:
             if count[0] == k:
                 os._exit(9)
             real(a, b, **kw)
+
         os.rename = rename
         with staged_output(str(src), str(src), str(dst), force=True) as tmp:
             _checkpoint(tmp, "new")
@@ -71,6 +73,7 @@ def test_a_publish_killed_before_each_rename_is_finished_by_the_next_holder(tmp_
 
 def test_a_training_run_on_dst_finishes_the_move_too(tmp_path):
     from megatron_p2r.checkpoint.recovery import recover_save_dir
+
     src, dst = tmp_path / "src", tmp_path / "dst"
     src.mkdir()
     _checkpoint(dst, "old")

@@ -1,4 +1,5 @@
 """Crash recovery of a save directory: what a kill while saving or pruning leaves, repaired."""
+
 import os
 
 from megatron_p2r.checkpoint.recovery import recover_save_dir
@@ -14,10 +15,10 @@ def _iteration(root, name, complete=True):
 
 def test_recover_save_dir_repairs_each_leftover(tmp_path):
     _iteration(tmp_path, "iter_0000002")
-    _iteration(tmp_path, "iter_0000004.old")          # killed between the two renames of a re-save of 4
-    _iteration(tmp_path, "iter_0000002.old")          # killed after the second rename: iter_2 is there
+    _iteration(tmp_path, "iter_0000004.old")  # killed between the two renames of a re-save of 4
+    _iteration(tmp_path, "iter_0000002.old")  # killed after the second rename: iter_2 is there
     _iteration(tmp_path, "iter_0000006.tmp", complete=False)
-    _iteration(tmp_path, "iter_0000001.del")          # killed while --keep-last deleted it
+    _iteration(tmp_path, "iter_0000001.del")  # killed while --keep-last deleted it
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")
     (tmp_path / "latest_checkpointed_iteration.txt.tmp.123").write_text("6")
     actions = recover_save_dir(str(tmp_path))

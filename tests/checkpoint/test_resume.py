@@ -1,5 +1,6 @@
 """Resume is bitwise: N steps + save + resume + N steps == 2N steps (CPU, fp32, dropout on); a
 checkpoint resumes with or without --moe-grouped-gemm whichever it was saved with."""
+
 import os
 
 import pytest
@@ -11,6 +12,7 @@ from tests.checkpoint.common import cfg_of, metadata, same_bytes, shard_files
 def _straight_and_resumed(rank, world, root, cases):
     """For each case: 4 steps straight; 2 steps + exit (saves); resume + 2 steps."""
     from megatron_p2r.training import pretrain
+
     out = {}
     for name, values in cases.items():
         a, b = os.path.join(root, name, "a"), os.path.join(root, name, "b")
@@ -22,10 +24,16 @@ def _straight_and_resumed(rank, world, root, cases):
 
 
 DENSE = {"tp2": dict(tensor_model_parallel_size=2), "dp2": dict(global_batch_size=8)}
-MOE = dict(num_layers=4, num_experts=4, moe_layer_freq=2, moe_ffn_hidden_size=24, moe_aux_loss_coeff=0.01,
-           moe_input_jitter_eps=0.01, global_batch_size=4)
-MOE_CASES = {"moe_pp2": dict(MOE, pipeline_model_parallel_size=2),
-             "moe_ep2": dict(MOE, expert_model_parallel_size=2)}
+MOE = dict(
+    num_layers=4,
+    num_experts=4,
+    moe_layer_freq=2,
+    moe_ffn_hidden_size=24,
+    moe_aux_loss_coeff=0.01,
+    moe_input_jitter_eps=0.01,
+    global_batch_size=4,
+)
+MOE_CASES = {"moe_pp2": dict(MOE, pipeline_model_parallel_size=2), "moe_ep2": dict(MOE, expert_model_parallel_size=2)}
 
 
 def _check(results, tmp_path, cases) -> dict:
@@ -64,15 +72,18 @@ def test_moe_resume_is_bitwise(tmp_path):
     layouts = _check(results, tmp_path, MOE_CASES)
     assert layouts["moe_pp2"] == ["mp_rank_00_000_000.safetensors", "mp_rank_00_001_000.safetensors"]
     # DP2: the dense pieces of shard 000 split between both ranks; the experts of EP rank 1 on rank 1
-    assert layouts["moe_ep2"] == ["mp_rank_00_000_000.rank_00000.safetensors",
-                                  "mp_rank_00_000_000.rank_00001.safetensors",
-                                  "mp_rank_00_000_001.rank_00001.safetensors"]
+    assert layouts["moe_ep2"] == [
+        "mp_rank_00_000_000.rank_00000.safetensors",
+        "mp_rank_00_000_000.rank_00001.safetensors",
+        "mp_rank_00_000_001.rank_00001.safetensors",
+    ]
 
 
 def _across_grouped_gemm(rank, world, root):
     """4 steps with the padded experts; 2 steps + save with grouped_mm experts, resumed without
     them for 2 more; and the other way round."""
     from megatron_p2r.training import pretrain
+
     out = {"straight": pretrain(cfg_of(**MOE))["losses"]}
     for saved_grouped in (True, False):
         path = os.path.join(root, f"saved_grouped_{saved_grouped}")

@@ -1,6 +1,7 @@
 """Issue 38 bug 9: with rank 1's RNG file corrupt and 2 ranks loading, rank 1 named the file but
 rank 0, already training, reported only that a peer rank died. Now every rank raises the failing
 rank's error, so the first error a user reads (rank 0's) names the file."""
+
 import json
 import os
 import struct
@@ -24,6 +25,7 @@ def _save_then_load_with_rank1s_rng_corrupt(rank, world, root):
     import torch.distributed as dist
     from megatron_p2r.checkpoint.errors import CheckpointError
     from megatron_p2r.training import pretrain
+
     ck = os.path.join(root, "ck")
     pretrain(cfg_of(save=ck, train_iters=2, global_batch_size=8))
     dist.barrier()

@@ -1,4 +1,5 @@
 """The streaming safetensors writer and reader of the shard files."""
+
 import struct
 
 import pytest
@@ -8,14 +9,28 @@ from safetensors import safe_open
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.safetensors_io import ShardReader, ShardWriter
 
-TENSORS = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64), "c": torch.tensor(2.5),
-           "d": torch.randn(4, 2).to(torch.bfloat16), "e": torch.randint(0, 255, (9,), dtype=torch.uint8)}
+TENSORS = {
+    "a": torch.randn(3, 5),
+    "b": torch.arange(7, dtype=torch.int64),
+    "c": torch.tensor(2.5),
+    "d": torch.randn(4, 2).to(torch.bfloat16),
+    "e": torch.randint(0, 255, (9,), dtype=torch.uint8),
+}
 
 
 def _write(path, tensors=TENSORS):
-    w = ShardWriter(str(path), [(k, {torch.float32: "F32", torch.int64: "I64", torch.bfloat16: "BF16",
-                                     torch.uint8: "U8"}[v.dtype], tuple(v.shape)) for k, v in tensors.items()],
-                    {"tp": 0})
+    w = ShardWriter(
+        str(path),
+        [
+            (
+                k,
+                {torch.float32: "F32", torch.int64: "I64", torch.bfloat16: "BF16", torch.uint8: "U8"}[v.dtype],
+                tuple(v.shape),
+            )
+            for k, v in tensors.items()
+        ],
+        {"tp": 0},
+    )
     for k, v in tensors.items():
         w.write(k, v)
     w.close()

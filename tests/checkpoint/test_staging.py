@@ -1,6 +1,7 @@
 """Converter output is staged inside DST, on DST's filesystem, and moved in whole or not at all:
 nothing the converter did not create is deleted, DST is locked from the start, a directory a
 live run holds is never replaced, and DST itself is never renamed (it may be a mount point)."""
+
 import errno
 import os
 
@@ -90,8 +91,11 @@ def test_force_never_replaces_a_directory_a_live_run_writes_into(tmp_path):
     src, dst = _dirs(tmp_path)
     (dst / "run" / "iter_0000005").mkdir(parents=True)
     with DirectoryLock(str(dst / "run"), "training run"):
-        with pytest.raises(CheckpointError, match=rf"{dst / 'run'} is in use by training run .*a --force "
-                                                  rf"conversion into {dst} would remove it"):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"{dst / 'run'} is in use by training run .*a --force "
+            rf"conversion into {dst} would remove it",
+        ):
             with staged_output(str(src), str(src), str(dst), force=True):
                 raise AssertionError("nothing may be written")
         assert sorted(os.listdir(dst / "run")) == [LOCK_FILE, "iter_0000005"]
@@ -121,6 +125,7 @@ def test_a_mount_point_dst_is_filled_without_being_renamed(tmp_path, monkeypatch
         if str(dst) in (os.path.abspath(a), os.path.abspath(b)):
             raise OSError(errno.EBUSY, "Device or resource busy", str(a))
         return real_rename(a, b, **kw)
+
     monkeypatch.setattr(os, "rename", rename)
     with staged_output(str(src), str(src), str(dst), force=True) as tmp:
         open(os.path.join(tmp, "new"), "w").close()

@@ -1,4 +1,5 @@
 """The tensor table that places every piece, and the file entries it gives for a layout."""
+
 import json
 
 from megatron_p2r.checkpoint.naming import entry_name
@@ -15,8 +16,14 @@ def test_table_is_layout_invariant_and_stores_replicas_once():
     """Keys, global shapes and split dims do not depend on TP/PP; the tied output weight and a
     pseudo slot used on both stages are one piece, held by the first stage that has it."""
     base = tiny_config(num_layers=4, p2r_phase="pseudo", share_pattern="cycle:2")
-    other = tiny_config(num_layers=4, p2r_phase="pseudo", share_pattern="cycle:2", tensor_model_parallel_size=2,
-                        pipeline_model_parallel_size=2, pipeline_layer_split="1,3")
+    other = tiny_config(
+        num_layers=4,
+        p2r_phase="pseudo",
+        share_pattern="cycle:2",
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        pipeline_layer_split="1,3",
+    )
     assert _pieces(base) == _pieces(other)
     table = tensor_table(other)
     assert "output_layer.weight" not in table and table[WORD_EMBEDDING].stage == 0
@@ -28,8 +35,12 @@ def test_table_is_layout_invariant_and_stores_replicas_once():
 
 
 def test_file_entries_place_each_shard_exactly_once():
-    cfg = tiny_config(num_layers=3, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                      untie_embeddings_and_output_weights=True)
+    cfg = tiny_config(
+        num_layers=3,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        untie_embeddings_and_output_weights=True,
+    )
     table, layout = tensor_table(cfg), ShardLayout.of(cfg)
     entries = file_entries(table, layout, ("model", "exp_avg"))
     assert sorted(entries) == sorted(layout.files()) and len(entries) == 4
@@ -44,13 +55,16 @@ def test_file_entries_place_each_shard_exactly_once():
 
 
 def test_experts_are_pieces_under_their_global_index():
-    cfg = tiny_config(num_layers=2, num_experts=4, moe_ffn_hidden_size=24, tensor_model_parallel_size=2,
-                      expert_model_parallel_size=2)
+    cfg = tiny_config(
+        num_layers=2, num_experts=4, moe_ffn_hidden_size=24, tensor_model_parallel_size=2, expert_model_parallel_size=2
+    )
     table, layout = tensor_table(cfg), ShardLayout.of(cfg)
     w1 = [table[f"layers.1.mlp.experts.{e}.weight1"] for e in range(4)]
-    assert [(i.expert, i.shape, i.tp_dim, i.param) for i in w1] == \
-        [(e, (24, 32), 0, "layers.1.mlp.experts.weight1") for e in range(4)]
+    assert [(i.expert, i.shape, i.tp_dim, i.param) for i in w1] == [
+        (e, (24, 32), 0, "layers.1.mlp.experts.weight1") for e in range(4)
+    ]
     assert table["layers.1.mlp.experts.2.weight2"].tp_dim == 1 and table["layers.1.mlp.experts.2.bias2"].tp_dim is None
-    assert [layout.file_of(i, 1) for i in w1] == ["mp_rank_01_000_000.safetensors"] * 2 + \
-        ["mp_rank_01_000_001.safetensors"] * 2
+    assert [layout.file_of(i, 1) for i in w1] == ["mp_rank_01_000_000.safetensors"] * 2 + [
+        "mp_rank_01_000_001.safetensors"
+    ] * 2
     assert tensor_table(tiny_config(num_layers=2, num_experts=4, moe_ffn_hidden_size=24)).keys() == table.keys()

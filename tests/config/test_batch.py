@@ -4,6 +4,7 @@ The references below are Megatron-LM's own calculators, reduced to their arithme
 ``RampupBatchsizeNumMicroBatchesCalculator.update`` and ``update_train_iters`` of core_v0.17
 (the last release with the ramp-up), and the step-schedule loop of main at d98e8a64.
 """
+
 import json
 import re
 
@@ -36,8 +37,13 @@ def megatron_rampup_iters(train, start, increment, samples, final):
 
 @pytest.mark.parametrize("start, increment, samples, final", [(4, 2, 37, 12), (16, 16, 5859, 1536), (2, 1, 5, 3)])
 def test_rampup_is_megatrons(start, increment, samples, final):
-    cfg = tiny_config(train_iters=None, train_samples=samples * 3, rampup_batch_size=[start, increment, samples],
-                      global_batch_size=final, micro_batch_size=1)
+    cfg = tiny_config(
+        train_iters=None,
+        train_samples=samples * 3,
+        rampup_batch_size=[start, increment, samples],
+        global_batch_size=final,
+        micro_batch_size=1,
+    )
     for consumed in range(0, samples + 2 * final):
         assert global_batch_size(cfg, 1, consumed) == megatron_rampup_batch(consumed, start, increment, samples, final)
     for train in (1, samples // 2, samples, samples + 1, 3 * samples + final - 1):
@@ -46,19 +52,28 @@ def test_rampup_is_megatrons(start, increment, samples, final):
 
 
 def test_step_schedule_thresholds_are_tokens():
-    assert parse_step_schedule(["0:16", "2.4B:320", "12B:1536"], 2048) == [(0, 16), (1171875, 320),
-                                                                          (5859375, 1536)]
+    assert parse_step_schedule(["0:16", "2.4B:320", "12B:1536"], 2048) == [(0, 16), (1171875, 320), (5859375, 1536)]
     assert parse_step_schedule(["0:8,1K:16"], 10) == [(0, 8), (100, 16)]  # one argument, commas as spaces
     assert parse_step_schedule(["0:8", "50:4"], 10) == [(0, 8), (5, 4)]  # shrinking is allowed, as in Megatron
-    for bad, message in [(["16"], "THRESHOLD:BATCH_SIZE"), (["10:16"], "threshold 0"), (["0:8", "9:16"], "strictly"),
-                         (["0:x"], "not a number"), (["0:0"], "every batch size must be >= 1")]:
+    for bad, message in [
+        (["16"], "THRESHOLD:BATCH_SIZE"),
+        (["10:16"], "threshold 0"),
+        (["0:8", "9:16"], "strictly"),
+        (["0:x"], "not a number"),
+        (["0:0"], "every batch size must be >= 1"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             parse_step_schedule(bad, 10)
 
 
 def test_step_schedule_train_iters_follow_megatron():
-    cfg = tiny_config(train_iters=None, train_samples=50, step_batch_size_schedule=["0:4", "160:8", "400:12"],
-                      seq_length=16, micro_batch_size=2)  # thresholds 10 and 25 samples
+    cfg = tiny_config(
+        train_iters=None,
+        train_samples=50,
+        step_batch_size_schedule=["0:4", "160:8", "400:12"],
+        seq_length=16,
+        micro_batch_size=2,
+    )  # thresholds 10 and 25 samples
     consumed, iterations, sizes = 0, 0, []
     while consumed < 50:  # Megatron-LM's update_train_iters with a step schedule
         sizes.append(global_batch_size(cfg, 1, consumed))
@@ -96,20 +111,27 @@ def test_lr_lengths_in_samples():
     assert lr_lengths(samples.replace(lr_decay_samples=20), 1) == (3, 20)
 
 
-@pytest.mark.parametrize("values, message", [
-    (dict(train_samples=8), "--train-iters and --train-samples are mutually exclusive"),
-    (dict(lr_decay_samples=8), "--lr-decay-samples / --lr-warmup-samples need --train-samples"),
-    (dict(train_iters=None, train_samples=8, lr_warmup_iters=1), "--lr-decay-iters / --lr-warmup-iters need"),
-    (dict(lr_warmup_iters=1, lr_warmup_fraction=0.1), "--lr-warmup-fraction and --lr-warmup-iters"),
-    (dict(rampup_batch_size=[2, 2, 8], global_batch_size=4), "--rampup-batch-size needs sample-based training"),
-    (dict(train_iters=None, train_samples=8, rampup_batch_size=[2, 2, 8], step_batch_size_schedule=["0:2"]),
-     "mutually exclusive"),
-    (dict(train_iters=None, train_samples=8, rampup_batch_size=[2, 3, 8], global_batch_size=4),
-     "positive multiple of the increment"),
-    (dict(step_batch_size_schedule=["0:2", "64:4"], global_batch_size=8), "differs from the last batch size"),
-    (dict(lr_warmup_iters=10), "warm-up (20 samples) must end before the decay length (20 samples"),
-    (dict(decoupled_min_lr=1e-3), "--decoupled-min-lr needs --decoupled-lr"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (dict(train_samples=8), "--train-iters and --train-samples are mutually exclusive"),
+        (dict(lr_decay_samples=8), "--lr-decay-samples / --lr-warmup-samples need --train-samples"),
+        (dict(train_iters=None, train_samples=8, lr_warmup_iters=1), "--lr-decay-iters / --lr-warmup-iters need"),
+        (dict(lr_warmup_iters=1, lr_warmup_fraction=0.1), "--lr-warmup-fraction and --lr-warmup-iters"),
+        (dict(rampup_batch_size=[2, 2, 8], global_batch_size=4), "--rampup-batch-size needs sample-based training"),
+        (
+            dict(train_iters=None, train_samples=8, rampup_batch_size=[2, 2, 8], step_batch_size_schedule=["0:2"]),
+            "mutually exclusive",
+        ),
+        (
+            dict(train_iters=None, train_samples=8, rampup_batch_size=[2, 3, 8], global_batch_size=4),
+            "positive multiple of the increment",
+        ),
+        (dict(step_batch_size_schedule=["0:2", "64:4"], global_batch_size=8), "differs from the last batch size"),
+        (dict(lr_warmup_iters=10), "warm-up (20 samples) must end before the decay length (20 samples"),
+        (dict(decoupled_min_lr=1e-3), "--decoupled-min-lr needs --decoupled-lr"),
+    ],
+)
 def test_schedule_rules(values, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(tiny_config(**values), 1)
@@ -126,9 +148,19 @@ def test_scheduled_batch_must_split_into_micro_batches():
 
 
 def _run(tmp_path, save: str, log: str, **values) -> list:
-    cfg = tiny_config(train_iters=None, train_samples=40, rampup_batch_size=[2, 2, 20], global_batch_size=8,
-                      micro_batch_size=2, lr_decay_style="cosine", lr_warmup_samples=6, save=str(tmp_path / save),
-                      hidden_dropout=0.1, log_file=str(tmp_path / log), **values)
+    cfg = tiny_config(
+        train_iters=None,
+        train_samples=40,
+        rampup_batch_size=[2, 2, 20],
+        global_batch_size=8,
+        micro_batch_size=2,
+        lr_decay_style="cosine",
+        lr_warmup_samples=6,
+        save=str(tmp_path / save),
+        hidden_dropout=0.1,
+        log_file=str(tmp_path / log),
+        **values,
+    )
     pretrain(cfg)
     return [json.loads(line) for line in open(tmp_path / log) if "lm_loss" in line]
 

@@ -1,4 +1,5 @@
 """Every configuration rule fails at start with its own message; YAML and flags agree."""
+
 import dataclasses
 import json
 import math
@@ -15,12 +16,32 @@ BASE = dict(mock_data=True, vocab_size=100, num_layers=4, hidden_size=64, num_at
 
 CASES = [
     (dict(num_attention_heads=6), 1, "--hidden-size (64) must be divisible by --num-attention-heads (6)"),
-    (dict(tensor_model_parallel_size=3), 3, "--num-attention-heads (8) must be divisible by --tensor-model-parallel-size (3)"),
-    (dict(tensor_model_parallel_size=2), 3, "world size 3 must be divisible by --tensor-model-parallel-size (2) x --pipeline-model-parallel-size (1)"),
-    (dict(global_batch_size=6, micro_batch_size=4), 1, "--global-batch-size (6) must be divisible by --micro-batch-size (4) x data-parallel size (1)"),
+    (
+        dict(tensor_model_parallel_size=3),
+        3,
+        "--num-attention-heads (8) must be divisible by --tensor-model-parallel-size (3)",
+    ),
+    (
+        dict(tensor_model_parallel_size=2),
+        3,
+        "world size 3 must be divisible by --tensor-model-parallel-size (2) x --pipeline-model-parallel-size (1)",
+    ),
+    (
+        dict(global_batch_size=6, micro_batch_size=4),
+        1,
+        "--global-batch-size (6) must be divisible by --micro-batch-size (4) x data-parallel size (1)",
+    ),
     (dict(pipeline_model_parallel_size=8), 8, "--pipeline-model-parallel-size (8) exceeds --num-layers (4)"),
-    (dict(num_experts=6, expert_model_parallel_size=3), 4, "--expert-model-parallel-size (3) must divide the data-parallel size"),
-    (dict(num_experts=6, expert_model_parallel_size=4), 4, "--num-experts (6) must be divisible by --expert-model-parallel-size (4)"),
+    (
+        dict(num_experts=6, expert_model_parallel_size=3),
+        4,
+        "--expert-model-parallel-size (3) must divide the data-parallel size",
+    ),
+    (
+        dict(num_experts=6, expert_model_parallel_size=4),
+        4,
+        "--num-experts (6) must be divisible by --expert-model-parallel-size (4)",
+    ),
     (dict(expert_model_parallel_size=2), 2, "--expert-model-parallel-size > 1 needs --num-experts"),
     (dict(bf16=True, fp16=True), 1, "--bf16 and --fp16 are mutually exclusive"),
     (dict(mock_data=False), 1, "no training data"),
@@ -29,11 +50,17 @@ CASES = [
     (dict(share_pattern="block:3", p2r_phase="pseudo"), 1, "K (3) must divide --num-layers (4)"),
     (dict(pipeline_model_parallel_size=2, pipeline_layer_split="1,2"), 2, "adds up to 3, but --num-layers is 4"),
     (dict(pipeline_model_parallel_size=2, pipeline_layer_split="4,0"), 2, "every stage needs at least one layer"),
-    (dict(tensor_model_parallel_size=2, make_vocab_size_divisible_by=3, num_attention_heads=8), 2,
-     "--make-vocab-size-divisible-by (3) must be divisible by --tensor-model-parallel-size (2)"),
+    (
+        dict(tensor_model_parallel_size=2, make_vocab_size_divisible_by=3, num_attention_heads=8),
+        2,
+        "--make-vocab-size-divisible-by (3) must be divisible by --tensor-model-parallel-size (2)",
+    ),
     (dict(num_experts=8, moe_num_prototypes=3), 1, "--num-experts (8) must be divisible by --moe-num-prototypes (3)"),
-    (dict(overlap_param_gather=True, use_distributed_optimizer=True), 1,
-     "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"),
+    (
+        dict(overlap_param_gather=True, use_distributed_optimizer=True),
+        1,
+        "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce",
+    ),
     # checked with --mock-data too (BASE), which never splits anything
     (dict(split="80,20,x"), 1, "--split must be comma-separated numbers like 969,30,1, got '80,20,x'"),
     (dict(split="1,nan"), 1, "--split takes up to 3 finite non-negative numbers"),
@@ -49,8 +76,16 @@ def test_each_rule_has_its_message(overrides, world, message):
 
 
 def test_valid_config_passes():
-    cfg = config_from_values(dict(BASE, tensor_model_parallel_size=2, num_experts=4, expert_model_parallel_size=2,
-                                  global_batch_size=8, micro_batch_size=2))
+    cfg = config_from_values(
+        dict(
+            BASE,
+            tensor_model_parallel_size=2,
+            num_experts=4,
+            expert_model_parallel_size=2,
+            global_batch_size=8,
+            micro_batch_size=2,
+        )
+    )
     validate(cfg, 8)
     assert (data_parallel_size(cfg, 8), num_microbatches(cfg, 8)) == (4, 1)
 
@@ -77,15 +112,18 @@ def test_yaml_unknown_key_suggests_the_right_one(tmp_path):
         load_yaml(str(path))
 
 
-@pytest.mark.parametrize("text, what", [
-    ("split: !!set {969: null}", r"got \{969\} \(a !!set\)"),
-    ("tokenizer-model: !!binary aGVsbG8=", r"got b'hello' \(!!binary\); quote it to give text"),
-    ("data-cache-path: 2024-01-02", r"got datetime.date\(2024, 1, 2\) \(a date\); quote it"),
-    ("data-cache-path: 2024-01-02 10:00:00", r"got datetime.datetime\(.*\) \(a timestamp\); quote it"),
-    ("split: yes", r"got True \(a boolean\); quote it"),
-    ("share-pattern: {all: 1}", r"got \{'all': 1\} \(a mapping\)"),
-    ("data-path: [A, [B]]", r"got \['B'\] \(a list\)"),
-])
+@pytest.mark.parametrize(
+    "text, what",
+    [
+        ("split: !!set {969: null}", r"got \{969\} \(a !!set\)"),
+        ("tokenizer-model: !!binary aGVsbG8=", r"got b'hello' \(!!binary\); quote it to give text"),
+        ("data-cache-path: 2024-01-02", r"got datetime.date\(2024, 1, 2\) \(a date\); quote it"),
+        ("data-cache-path: 2024-01-02 10:00:00", r"got datetime.datetime\(.*\) \(a timestamp\); quote it"),
+        ("split: yes", r"got True \(a boolean\); quote it"),
+        ("share-pattern: {all: 1}", r"got \{'all': 1\} \(a mapping\)"),
+        ("data-path: [A, [B]]", r"got \['B'\] \(a list\)"),
+    ],
+)
 def test_yaml_value_of_another_type_for_a_text_flag_is_refused(tmp_path, text, what):
     """str() of a set, bytes or a date would become a split, a path or a pattern nobody wrote."""
     path = tmp_path / "c.yaml"
@@ -138,9 +176,30 @@ def test_vocab_size_is_taken_from_the_tokenizer_before_validation(tmp_path):
     validate(resolved, 1)
     # the whole run: the embedding is built from the tokenizer's size (no --vocab-size given)
     log = tmp_path / "log.jsonl"
-    flags = ["--mock-data", "--tokenizer-type", "ByteTokenizer", "--make-vocab-size-divisible-by", "64",
-             "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
-             "--micro-batch-size", "1", "--train-iters", "1", "--log-interval", "1", "--device", "cpu",
-             "--log-file", str(log)]
+    flags = [
+        "--mock-data",
+        "--tokenizer-type",
+        "ByteTokenizer",
+        "--make-vocab-size-divisible-by",
+        "64",
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "16",
+        "--num-attention-heads",
+        "2",
+        "--seq-length",
+        "8",
+        "--micro-batch-size",
+        "1",
+        "--train-iters",
+        "1",
+        "--log-interval",
+        "1",
+        "--device",
+        "cpu",
+        "--log-file",
+        str(log),
+    ]
     assert pretrain_m6.main(flags) == 0
     assert math.isfinite(json.loads(log.read_text().splitlines()[-1])["lm_loss"])

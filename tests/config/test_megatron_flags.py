@@ -1,5 +1,6 @@
 """Megatron-LM's flags: same names, same defaults; the others accepted, reported or refused
 (config/megatron.py, arguments.py)."""
+
 import os
 import time
 
@@ -16,29 +17,82 @@ BASE = ["--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-siz
 # megatron/training/arguments.py at d98e8a64 (with its dataclass-generated flags): the default of
 # every flag whose name is one of our fields and that has a default there. Ours must be the same.
 MEGATRON_DEFAULTS = {
-    "make_vocab_size_divisible_by": 128, "normalization": "LayerNorm", "norm_epsilon": 1e-5, "swiglu": False,
+    "make_vocab_size_divisible_by": 128,
+    "normalization": "LayerNorm",
+    "norm_epsilon": 1e-5,
+    "swiglu": False,
     "bias_gelu_fusion": True,
-    "position_embedding_type": "learned_absolute", "rotary_base": 10000, "untie_embeddings_and_output_weights": False,
-    "disable_bias_linear": False, "hidden_dropout": 0.1, "attention_dropout": 0.1, "init_method_std": 0.02,
-    "moe_layer_freq": 1, "moe_router_topk": 2, "moe_router_pre_softmax": False, "moe_aux_loss_coeff": 0.0,
-    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1,
-    "distributed_timeout_minutes": 10, "min_lr": 0.0, "lr_warmup_iters": 0, "lr_warmup_samples": 0,
-    "lr_decay_style": "linear", "optimizer": "adam", "weight_decay": 0.01, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-8,
-    "clip_grad": 1.0, "seed": 1234, "bf16": False, "fp16": False, "initial_loss_scale": 2.0 ** 32,
-    "min_loss_scale": 1.0, "loss_scale_window": 1000, "hysteresis": 2, "recompute_activations": False,
-    "exit_signal_handler": False, "mock_data": False, "finetune": False, "log_interval": 100, "eval_iters": 100,
+    "position_embedding_type": "learned_absolute",
+    "rotary_base": 10000,
+    "untie_embeddings_and_output_weights": False,
+    "disable_bias_linear": False,
+    "hidden_dropout": 0.1,
+    "attention_dropout": 0.1,
+    "init_method_std": 0.02,
+    "moe_layer_freq": 1,
+    "moe_router_topk": 2,
+    "moe_router_pre_softmax": False,
+    "moe_aux_loss_coeff": 0.0,
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "expert_model_parallel_size": 1,
+    "distributed_timeout_minutes": 10,
+    "min_lr": 0.0,
+    "lr_warmup_iters": 0,
+    "lr_warmup_samples": 0,
+    "lr_decay_style": "linear",
+    "optimizer": "adam",
+    "weight_decay": 0.01,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.999,
+    "adam_eps": 1e-8,
+    "clip_grad": 1.0,
+    "seed": 1234,
+    "bf16": False,
+    "fp16": False,
+    "initial_loss_scale": 2.0**32,
+    "min_loss_scale": 1.0,
+    "loss_scale_window": 1000,
+    "hysteresis": 2,
+    "recompute_activations": False,
+    "exit_signal_handler": False,
+    "mock_data": False,
+    "finetune": False,
+    "log_interval": 100,
+    "eval_iters": 100,
     # None there and here: unset
-    "train_iters": None, "train_samples": None, "lr_decay_iters": None, "lr_decay_samples": None,
-    "lr_warmup_fraction": None, "decoupled_lr": None, "decoupled_min_lr": None, "rampup_batch_size": None,
-    "step_batch_size_schedule": None, "global_batch_size": None, "exit_interval": None,
-    "exit_duration_in_mins": None, "eval_interval": None, "num_experts": None, "moe_ffn_hidden_size": None,
-    "ffn_hidden_size": None, "max_position_embeddings": None, "vocab_size": None, "tokenizer_type": None,
+    "train_iters": None,
+    "train_samples": None,
+    "lr_decay_iters": None,
+    "lr_decay_samples": None,
+    "lr_warmup_fraction": None,
+    "decoupled_lr": None,
+    "decoupled_min_lr": None,
+    "rampup_batch_size": None,
+    "step_batch_size_schedule": None,
+    "global_batch_size": None,
+    "exit_interval": None,
+    "exit_duration_in_mins": None,
+    "eval_interval": None,
+    "num_experts": None,
+    "moe_ffn_hidden_size": None,
+    "ffn_hidden_size": None,
+    "max_position_embeddings": None,
+    "vocab_size": None,
+    "tokenizer_type": None,
     # gpt-oss's options (megatron-core's TransformerConfig)
-    "softmax_type": "vanilla", "quick_geglu": False, "glu_linear_offset": 0.0, "window_size": None,
-    "window_attn_skip_freq": None, "activation_func_clamp_value": None,
+    "softmax_type": "vanilla",
+    "quick_geglu": False,
+    "glu_linear_offset": 0.0,
+    "window_size": None,
+    "window_attn_skip_freq": None,
+    "activation_func_clamp_value": None,
     # the precision-aware optimizer (megatron-core's OptimizerConfig)
-    "use_precision_aware_optimizer": False, "main_grads_dtype": "fp32", "main_params_dtype": "fp32",
-    "exp_avg_dtype": "fp32", "exp_avg_sq_dtype": "fp32",
+    "use_precision_aware_optimizer": False,
+    "main_grads_dtype": "fp32",
+    "main_params_dtype": "fp32",
+    "exp_avg_dtype": "fp32",
+    "exp_avg_sq_dtype": "fp32",
 }
 
 
@@ -48,11 +102,24 @@ def test_defaults_are_megatrons():
 
 
 def test_no_effect_flags_are_reported_and_refused_flags_named():
-    cfg, no_effect = parse_launch(BASE + ["--use-flash-attn", "--attention-backend", "flash",
-                                          "--context-parallel-size", "1", "--moe-token-dispatcher-type", "allgather",
-                                          "--calculate-per-token-loss"])
-    assert [item.split(" (")[0] for item in no_effect] == ["--use-flash-attn", "--attention-backend",
-                                                           "--moe-token-dispatcher-type"]
+    cfg, no_effect = parse_launch(
+        BASE
+        + [
+            "--use-flash-attn",
+            "--attention-backend",
+            "flash",
+            "--context-parallel-size",
+            "1",
+            "--moe-token-dispatcher-type",
+            "allgather",
+            "--calculate-per-token-loss",
+        ]
+    )
+    assert [item.split(" (")[0] for item in no_effect] == [
+        "--use-flash-attn",
+        "--attention-backend",
+        "--moe-token-dispatcher-type",
+    ]
     assert cfg == parse_launch(BASE)[0]  # none of them changes the config
     with pytest.raises(ConfigError) as err:
         parse_launch(BASE + ["--context-parallel-size", "2", "--rotary-interleaved", "--use-flash-attn"])
@@ -71,9 +138,11 @@ def test_value_dependent_statuses():
     assert parse_launch(BASE + ["--enable-gpt-oss"])[1][0].startswith("--enable-gpt-oss (a ModelOpt flag")
     with pytest.raises(ConfigError) as err:
         parse_launch(BASE + ["--rope-type", "yarn", "--moe-router-dtype", "fp64", "--enable-gpt-oss", "--load", "x"])
-    for refused in ("--rope-type yarn: YaRN rotary scaling is not implemented",
-                    "--moe-router-dtype fp64: fp64 routing is not implemented",
-                    "--enable-gpt-oss: with a loaded ModelOpt checkpoint"):
+    for refused in (
+        "--rope-type yarn: YaRN rotary scaling is not implemented",
+        "--moe-router-dtype fp64: fp64 routing is not implemented",
+        "--enable-gpt-oss: with a loaded ModelOpt checkpoint",
+    ):
         assert refused in str(err.value)
 
 
@@ -81,8 +150,14 @@ def test_overlap_p2p_communication_is_on_by_default_as_in_megatron(tmp_path):
     """Megatron-LM (core_v0.16.1) has only --no-overlap-p2p-communication (store_false, dest
     overlap_p2p_comm): the overlap is on unless turned off. --overlap-p2p-communication, as older
     versions spell it, turns it back on; the last flag wins, and the command line wins over YAML."""
-    interleaved = BASE + ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
-                          "--num-layers-per-virtual-pipeline-stage", "1"]
+    interleaved = BASE + [
+        "--num-layers",
+        "4",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+    ]
     cfg, no_effect = parse_launch(interleaved)
     assert cfg.parallel.overlap_p2p_communication and schedule_plan(cfg).posts_receives_ahead
     assert no_effect == []
@@ -106,15 +181,20 @@ def test_overlap_p2p_communication_acts_only_with_interleaving():
     assert no_effect == ["--overlap-p2p-communication (without interleaved 1F1B (Megatron-LM turns it off too))"]
     assert parse_launch(pipeline + ["--no-overlap-p2p-communication"])[1] == []
     assert parse_launch(pipeline + ["--overlap-p2p-communication-warmup-flush"])[0] == cfg
-    with pytest.raises(ConfigError, match="--overlap-p2p-communication-warmup-flush: needs the p2p overlap, which "
-                                          "--no-overlap-p2p-communication turns off"):
+    with pytest.raises(
+        ConfigError,
+        match="--overlap-p2p-communication-warmup-flush: needs the p2p overlap, which "
+        "--no-overlap-p2p-communication turns off",
+    ):
         parse_launch(pipeline + ["--no-overlap-p2p-communication", "--overlap-p2p-communication-warmup-flush"])
 
 
 def test_yaml_takes_the_same_flags(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("use-mcore-models: true\nmanual-gc: false\nempty-unused-memory-level: 1\n"
-                    "step-batch-size-schedule: 0:16 1K:32\nrampup-batch-size: [2, 2, 8]\n")
+    path.write_text(
+        "use-mcore-models: true\nmanual-gc: false\nempty-unused-memory-level: 1\n"
+        "step-batch-size-schedule: 0:16 1K:32\nrampup-batch-size: [2, 2, 8]\n"
+    )
     cfg, no_effect = parse_launch(BASE + ["--config", str(path)])
     assert [item.split(" (")[0] for item in no_effect] == ["--use-mcore-models", "--empty-unused-memory-level"]
     assert cfg.train.step_batch_size_schedule == ["0:16", "1K:32"] and cfg.train.rampup_batch_size == [2, 2, 8]
@@ -161,6 +241,7 @@ def test_exit_duration_counts_from_the_start():
 def test_exit_signal_is_caught_by_name(tmp_path):
     """--exit-signal SIGUSR1 (Megatron-LM's enum, by name): the handler catches that signal."""
     import signal
+
     cfg, _ = parse_launch(BASE + ["--exit-signal-handler", "--exit-signal", "SIGUSR1", "--save", str(tmp_path)])
     assert cfg.train.exit_signal == "SIGUSR1" and parse_launch(BASE)[0].train.exit_signal == "SIGTERM"
     previous = signal.getsignal(signal.SIGUSR1)
@@ -178,8 +259,10 @@ def test_exit_on_missing_checkpoint(tmp_path, capsys):
     there with status 0 before training (Megatron-LM's sys.exit())."""
     from megatron_p2r.training import pretrain
     from tests.helpers import tiny_config
-    cfg = tiny_config(train_iters=1, global_batch_size=2, save=str(tmp_path), load=str(tmp_path),
-                      exit_on_missing_checkpoint=True)
+
+    cfg = tiny_config(
+        train_iters=1, global_batch_size=2, save=str(tmp_path), load=str(tmp_path), exit_on_missing_checkpoint=True
+    )
     with pytest.raises(SystemExit) as stop:
         pretrain(cfg)
     assert stop.value.code == 0 and os.listdir(tmp_path) == []

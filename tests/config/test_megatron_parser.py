@@ -4,6 +4,7 @@
 core_v0.16.1 written down by ``tools/megatron_parser.py`` (run with megatron-core installed); the
 tests need only the committed table.
 """
+
 import json
 import os
 
@@ -23,10 +24,17 @@ PARSER = build_parser()
 MEGATRON = [flag for action in TABLE["actions"] for flag in action["flags"]]
 # Config fields whose default is not Megatron-LM's, on purpose: Megatron requires the sizes (None
 # there) where a bare `pretrain_m6.py` trains a small demo; the backend follows the device.
-DEVIATIONS = {"--num-layers": 4, "--hidden-size": 256, "--num-attention-heads": 4, "--seq-length": 256,
-              "--micro-batch-size": 4, "--lr": 3e-4, "--distributed-backend": "auto",
-              "--moe-z-loss-coeff": 0.0,  # None there: no z-loss, as 0.0 here
-              "--split": "969,30,1"}      # None there, set to "969, 30, 1" by validate_args without per-split paths
+DEVIATIONS = {
+    "--num-layers": 4,
+    "--hidden-size": 256,
+    "--num-attention-heads": 4,
+    "--seq-length": 256,
+    "--micro-batch-size": 4,
+    "--lr": 3e-4,
+    "--distributed-backend": "auto",
+    "--moe-z-loss-coeff": 0.0,  # None there: no z-loss, as 0.0 here
+    "--split": "969,30,1",
+}  # None there, set to "969, 30, 1" by validate_args without per-split paths
 
 
 def test_the_table_is_megatrons_parser_at_the_followed_revision():
@@ -97,7 +105,9 @@ def test_a_refused_flag_at_megatrons_default_asks_for_nothing():
 def test_megatrons_other_spellings_set_the_same_field():
     assert parse_launch(BASE + ["--persistent-save-interval", "7"])[0].checkpoint.save_interval == 7
     cfg = parse_launch(BASE + ["--disable-ckpt-fully-parallel-save"])[0]
-    assert cfg == parse_launch(BASE + ["--no-ckpt-fully-parallel-save"])[0] and not cfg.checkpoint.ckpt_fully_parallel_save
+    assert (
+        cfg == parse_launch(BASE + ["--no-ckpt-fully-parallel-save"])[0] and not cfg.checkpoint.ckpt_fully_parallel_save
+    )
 
 
 def test_config_fields_have_megatrons_defaults():
@@ -115,7 +125,6 @@ def test_config_fields_have_megatrons_defaults():
         elif action["default"] != f.default and not (action["default"] is None and f.default is False):
             differ[field_flags(f)[0]] = f.default
     assert differ == DEVIATIONS
-
 
 
 # Flags newer than the parser table, with Megatron-LM's defaults at the revision its example
@@ -155,8 +164,10 @@ def test_the_fsdp_scripts_other_branches_parse():
 
 def test_extract_runs_through_uv_and_nsys(tmp_path):
     script = tmp_path / "train.sh"
-    script.write_text('#!/bin/bash\nuv run nsys profile --sample=none -o "$1" python -m torch.distributed.run '
-                      '--nproc_per_node 8 pretrain_gpt.py --num-layers 2 --profile\n')
+    script.write_text(
+        '#!/bin/bash\nuv run nsys profile --sample=none -o "$1" python -m torch.distributed.run '
+        "--nproc_per_node 8 pretrain_gpt.py --num-layers 2 --profile\n"
+    )
     assert megatron_flags.extract(str(script), ["prof"], {}) == ["--num-layers", "2", "--profile"]
 
 

@@ -1,5 +1,6 @@
 """The optimizer specs: one row per --optimizer kind, read by validation, the kernels' builder,
 the byte accounting and the checkpoint."""
+
 from __future__ import annotations
 
 from megatron_p2r.config import OPTIMIZERS
@@ -12,14 +13,18 @@ def test_every_spec_has_a_kernel_and_the_flag_offers_every_spec():
     assert set(BUILDERS) == set(OPTIMIZERS)
     from megatron_p2r.config.train import TrainConfig
     from dataclasses import fields
+
     choices = next(f for f in fields(TrainConfig) if f.name == "optimizer").metadata.get("choices")
     assert choices == list(OPTIMIZERS)
 
 
 def test_checkpoint_entries_keep_their_names():
     """Checkpoints written before the specs existed name these entries (optimizer.<kind>.<entry>)."""
-    assert OPTIMIZER_KINDS == {"adam": ("exp_avg", "exp_avg_sq", "step"), "lion": ("exp_avg", "step"),
-                               "adafactor": ("row_var", "col_var", "step")}
+    assert OPTIMIZER_KINDS == {
+        "adam": ("exp_avg", "exp_avg_sq", "step"),
+        "lion": ("exp_avg", "step"),
+        "adafactor": ("row_var", "col_var", "step"),
+    }
 
 
 def test_moment_dtypes_come_from_the_spec():
@@ -39,6 +44,7 @@ def test_kernel_traffic_follows_the_spec():
 def test_every_entry_has_one_delink_rule():
     """Each checkpoint entry but the step count says how delinking rescales it, the same in every kind."""
     from megatron_p2r.config.optimizers import GRADIENT_POWER
+
     for spec in OPTIMIZERS.values():
         powers = dict(spec.gradient_power)
         assert set(powers) == set(spec.checkpoint_entries) - {"step"}, spec.name

@@ -1,5 +1,6 @@
 """The schedule plan: every combination of stages, --pipeline-schedule, model chunks and the two
 overlap flags either chooses one schedule or is refused, here and nowhere else."""
+
 from __future__ import annotations
 
 import itertools
@@ -7,8 +8,16 @@ import itertools
 import pytest
 
 from megatron_p2r.config import ConfigError, validate
-from megatron_p2r.config.schedule import (COMBINED, GPIPE, INTERLEAVED, NO_PIPELINING, ONE_F_ONE_B, SchedulePlan,
-                                          choose_schedule, schedule_plan)
+from megatron_p2r.config.schedule import (
+    COMBINED,
+    GPIPE,
+    INTERLEAVED,
+    NO_PIPELINING,
+    ONE_F_ONE_B,
+    SchedulePlan,
+    choose_schedule,
+    schedule_plan,
+)
 from tests.helpers import tiny_config
 
 REFUSED = "refused"
@@ -27,8 +36,11 @@ def expected(stages: int, schedule: str, chunks: int, overlap_p2p: bool, overlap
     return SchedulePlan(ONE_F_ONE_B, stages, 1)
 
 
-CASES = [case for case in itertools.product((1, 2, 4), ("1f1b", "gpipe"), (1, 2), (False, True), (False, True))
-         if case[0] > 1 or case[2] == 1]   # one stage has one chunk (config/parallel.py refuses more)
+CASES = [
+    case
+    for case in itertools.product((1, 2, 4), ("1f1b", "gpipe"), (1, 2), (False, True), (False, True))
+    if case[0] > 1 or case[2] == 1
+]  # one stage has one chunk (config/parallel.py refuses more)
 
 
 @pytest.mark.parametrize("stages,schedule,chunks,overlap_p2p,overlap_moe", CASES)
@@ -53,15 +65,20 @@ def test_the_serial_schedule_of_the_combined_one():
 MOE = dict(num_experts=4, expert_model_parallel_size=2, overlap_moe_expert_parallel_comm=True)
 
 
-@pytest.mark.parametrize("flags,message", [
-    (dict(num_layers_per_virtual_pipeline_stage=1, pipeline_schedule="gpipe"), "interleaving is a 1F1B schedule"),
-    (dict(pipeline_schedule="gpipe", **MOE), "needs --pipeline-schedule 1f1b"),
-    (dict(num_layers_per_virtual_pipeline_stage=1, **MOE), "pass --no-overlap-p2p-communication"),
-    (dict(overlap_moe_expert_parallel_comm=True), r"needs --num-experts and --expert-model-parallel-size > 1"),
-    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2, **MOE),
-     "--recompute-num-layers 1"),
-    (dict(compile=True, **MOE), "conflicts with --compile"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (dict(num_layers_per_virtual_pipeline_stage=1, pipeline_schedule="gpipe"), "interleaving is a 1F1B schedule"),
+        (dict(pipeline_schedule="gpipe", **MOE), "needs --pipeline-schedule 1f1b"),
+        (dict(num_layers_per_virtual_pipeline_stage=1, **MOE), "pass --no-overlap-p2p-communication"),
+        (dict(overlap_moe_expert_parallel_comm=True), r"needs --num-experts and --expert-model-parallel-size > 1"),
+        (
+            dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2, **MOE),
+            "--recompute-num-layers 1",
+        ),
+        (dict(compile=True, **MOE), "conflicts with --compile"),
+    ],
+)
 def test_validation_refuses_through_the_schedule_plan(flags, message):
     cfg = tiny_config(**{"num_layers": 4, "pipeline_model_parallel_size": 2, **flags})
     with pytest.raises(ConfigError, match=message):

@@ -6,6 +6,7 @@ the error ``validate`` raised before the step plan existed (commit cb81f46, wher
 were spread over config/offload.py, config/validation.py and config/train.py); it was written by
 ``python -m tests.config.test_step_refusals --record`` on that commit.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -23,32 +24,47 @@ from tests.helpers import tiny_config
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "old_step_refusals.json")
 
-PLACEMENTS = {"device": {}, "host": dict(cpu_offload_layers="1"),
-              "staged": dict(cpu_offload_layers="1", cpu_offload_what="optimizer")}
-PRECISIONS = {"fp32": {}, "bf16": dict(bf16=True), "fp16": dict(fp16=True),
-              "bf16-fp16-mains": dict(bf16=True, main_params_dtype="fp16"),
-              "fp16-fp16-mains": dict(fp16=True, main_params_dtype="fp16"),
-              "fp32-fp16-mains": dict(main_params_dtype="fp16")}
+PLACEMENTS = {
+    "device": {},
+    "host": dict(cpu_offload_layers="1"),
+    "staged": dict(cpu_offload_layers="1", cpu_offload_what="optimizer"),
+}
+PRECISIONS = {
+    "fp32": {},
+    "bf16": dict(bf16=True),
+    "fp16": dict(fp16=True),
+    "bf16-fp16-mains": dict(bf16=True, main_params_dtype="fp16"),
+    "fp16-fp16-mains": dict(fp16=True, main_params_dtype="fp16"),
+    "fp32-fp16-mains": dict(main_params_dtype="fp16"),
+}
 MOMENTS = {"fp32": {}, "exp_avg-bf16": dict(exp_avg_dtype="bf16"), "exp_avg_sq-bf16": dict(exp_avg_sq_dtype="bf16")}
 SWITCHES = ("overlap", "delayed", "nvme", "threads", "distributed")
 # Errors whose wording improved since the recording (same meaning): the old text -> the new one's pattern.
-IMPROVED = {"--exp-avg-dtype / --exp-avg-sq-dtype: --optimizer adafactor keeps no moments of the weights' size (its "
-            "factored statistics are fp32); leave them fp32":
-            r"(--exp-avg-dtype bf16|--exp-avg-sq-dtype bf16): --optimizer adafactor keeps no moments of the weights' "
-            r"size \(its factored statistics are fp32\); leave them fp32"}
+IMPROVED = {
+    "--exp-avg-dtype / --exp-avg-sq-dtype: --optimizer adafactor keeps no moments of the weights' size (its "
+    "factored statistics are fp32); leave them fp32": r"(--exp-avg-dtype bf16|--exp-avg-sq-dtype bf16): --optimizer adafactor keeps no moments of the weights' "
+    r"size \(its factored statistics are fp32\); leave them fp32"
+}
 
 
 def combinations() -> Iterator[Tuple[str, dict]]:
     """(a name, the flags) of every combination of placement, host-step variant, precision,
     optimizer kind and moment dtypes."""
     for place, precision, kind, moments, *switches in itertools.product(
-            PLACEMENTS, PRECISIONS, ("adam", "lion", "adafactor"), MOMENTS, *[(False, True)] * len(SWITCHES)):
+        PLACEMENTS, PRECISIONS, ("adam", "lion", "adafactor"), MOMENTS, *[(False, True)] * len(SWITCHES)
+    ):
         on = dict(zip(SWITCHES, switches, strict=True))
-        flags = {**PLACEMENTS[place], **PRECISIONS[precision], **MOMENTS[moments], "optimizer": kind,
-                 "overlap_cpu_optimizer_d2h_h2d": on["overlap"], "cpu_offload_delayed_param_update": on["delayed"],
-                 "cpu_offload_optimizer_nvme_path": "/nvme" if on["nvme"] else None,
-                 "host_optimizer_threads": 2 if on["threads"] else 1,
-                 "use_distributed_optimizer": on["distributed"]}
+        flags = {
+            **PLACEMENTS[place],
+            **PRECISIONS[precision],
+            **MOMENTS[moments],
+            "optimizer": kind,
+            "overlap_cpu_optimizer_d2h_h2d": on["overlap"],
+            "cpu_offload_delayed_param_update": on["delayed"],
+            "cpu_offload_optimizer_nvme_path": "/nvme" if on["nvme"] else None,
+            "host_optimizer_threads": 2 if on["threads"] else 1,
+            "use_distributed_optimizer": on["distributed"],
+        }
         if precision != "fp32" and "mains" in precision or moments != "fp32":
             flags["use_precision_aware_optimizer"] = True
         name = "/".join([place, precision, kind, moments] + [s for s in SWITCHES if on[s]])
@@ -72,8 +88,9 @@ def _recorded() -> Dict[str, str]:
 
 # Refusals lifted since the recording: --host-optimizer-threads sets the host kernels' threads of
 # every host step, serial too (issue 37), so those combinations give what they give with one thread.
-LIFTED = ("--host-optimizer-threads sets the threads of the overlapped host step: it needs "
-          "--overlap-cpu-optimizer-d2h-h2d")
+LIFTED = (
+    "--host-optimizer-threads sets the threads of the overlapped host step: it needs --overlap-cpu-optimizer-d2h-h2d"
+)
 
 
 def _expected(name: str, recorded: Dict[str, str]) -> Optional[str]:
@@ -89,9 +106,12 @@ def _same(old: Optional[str], new: Optional[str]) -> bool:
 
 def _differences() -> Dict[str, tuple]:
     recorded = _recorded()
-    assert len(recorded) > 1000   # the fixture is the enumeration, not a sample of it
-    return {name: (_expected(name, recorded), got) for name, flags in combinations()
-            if not _same(_expected(name, recorded), got := verdict(flags))}
+    assert len(recorded) > 1000  # the fixture is the enumeration, not a sample of it
+    return {
+        name: (_expected(name, recorded), got)
+        for name, flags in combinations()
+        if not _same(_expected(name, recorded), got := verdict(flags))
+    }
 
 
 def test_the_step_plan_refuses_what_the_old_code_refused_and_nothing_more():

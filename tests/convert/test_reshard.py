@@ -1,4 +1,5 @@
 """Resharding: bitwise round trips, eval-loss preservation, safety checks, bounded memory."""
+
 import os
 import shutil
 
@@ -19,8 +20,14 @@ from megatron_p2r.training import build_train_state
 from tests.checkpoint.common import metadata, same_bytes, shard_files, streaming_rss_growth
 from tests.helpers import run_steps, tiny_config
 
-MODEL = dict(num_layers=4, untie_embeddings_and_output_weights=True, global_batch_size=4, eval_iters=2,
-             device="cpu", log_interval=100)
+MODEL = dict(
+    num_layers=4,
+    untie_embeddings_and_output_weights=True,
+    global_batch_size=4,
+    eval_iters=2,
+    device="cpu",
+    log_interval=100,
+)
 MOE = dict(MODEL, num_experts=4, moe_layer_freq=2, moe_ffn_hidden_size=24)
 
 
@@ -44,8 +51,13 @@ def _expected_entries(global_tensors: dict, model: dict, layout: Layout, split, 
     """Entry name -> what file (tp t, stage s, ep e) of ``layout`` may hold: cut here from the
     one-file source's global tensors, along each parameter's tp_dim as the model built for
     that rank declares it (not the checkpoint's own table), with ``narrow``."""
-    cfg = tiny_config(**model, tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-                      pipeline_layer_split=split, expert_model_parallel_size=layout.ep)
+    cfg = tiny_config(
+        **model,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        pipeline_layer_split=split,
+        expert_model_parallel_size=layout.ep,
+    )
     stage = build_model(cfg, ParallelState(layout=layout, rank=layout.rank(t, e, s)), meta=True)
     out = {}
     for name, param in stage.named_parameters():
@@ -99,16 +111,19 @@ def test_round_trip_is_bitwise(source, moe_source, tmp_path, moe):
     convert(str(b), str(c), Target(4, 1, None, ep(4)), progress=False)
     convert(str(c), str(a2), Target(1, 1, None, ep(1)), progress=False)
     model = MOE if moe else MODEL
-    dims = _check_shards_against_global(src / "iter_0000002", b / "iter_0000002", model,
-                                        Layout(tp=2, pp=2, dp=ep(2) or 1, ep=ep(2) or 1), "1,3")
-    dims |= _check_shards_against_global(src / "iter_0000002", c / "iter_0000002", model,
-                                         Layout(tp=4, dp=ep(4) or 1, ep=ep(4) or 1), None)
+    dims = _check_shards_against_global(
+        src / "iter_0000002", b / "iter_0000002", model, Layout(tp=2, pp=2, dp=ep(2) or 1, ep=ep(2) or 1), "1,3"
+    )
+    dims |= _check_shards_against_global(
+        src / "iter_0000002", c / "iter_0000002", model, Layout(tp=4, dp=ep(4) or 1, ep=ep(4) or 1), None
+    )
     assert dims == {0, 1}  # column- and row-parallel splits both met
     mb = metadata(str(b / "iter_0000002"))
     assert mb["layout"] == {"tp": 2, "pp": 2, "ep": 2 if moe else 1, "stage_layers": [[0, 1], [1, 4]]}
     assert len([f for f in shard_files(str(b / "iter_0000002")) if f.startswith("mp_rank")]) == (8 if moe else 4)
     if moe:  # expert 3 of layer 3 (stage 1) lives in EP rank 1's files, split over TP
         from megatron_p2r.checkpoint.safetensors_io import ShardReader
+
         for tp in (0, 1):
             names = ShardReader(str(b / "iter_0000002" / f"mp_rank_0{tp}_001_001.safetensors")).names()
             assert "layers.3.mlp.experts.3.weight1" in names and "layers.3.mlp.experts.1.weight1" not in names
@@ -120,14 +135,17 @@ def test_round_trip_is_bitwise(source, moe_source, tmp_path, moe):
     assert [h["op"] for h in ma2.pop("history")] == ["reshard"] * 3 and ma.pop("history") == []
     assert ma2.pop("rng") is None and ma.pop("rng")["world_size"] == 1
     ma["crc32"] = {f: sums for f, sums in ma["crc32"].items() if not f.startswith("rng_and_data/")}
-    ma.pop("metadata_crc32"), ma2.pop("metadata_crc32")   # each file's own: they differ where history and rng do
+    ma.pop("metadata_crc32"), ma2.pop("metadata_crc32")  # each file's own: they differ where history and rng do
     assert ma == ma2
 
 
 def _evaluate(rank, world, cases):
     from megatron_p2r.training import pretrain
-    return {name: pretrain(tiny_config(**model, load=path, eval_only=True))["eval_loss"]
-            for name, (path, model) in cases.items()}
+
+    return {
+        name: pretrain(tiny_config(**model, load=path, eval_only=True))["eval_loss"]
+        for name, (path, model) in cases.items()
+    }
 
 
 def test_reshard_preserves_eval_loss(source, moe_source, tmp_path):
@@ -136,10 +154,13 @@ def test_reshard_preserves_eval_loss(source, moe_source, tmp_path):
     convert(str(source), str(tmp_path / "tp2"), Target(tensor_parallel_size=2), progress=False)
     convert(str(source), str(tmp_path / "pp2"), Target(pipeline_parallel_size=2), progress=False)
     convert(str(moe_source), str(tmp_path / "ep2"), Target(expert_parallel_size=2), progress=False)
-    cases = {"tp1": (str(source), MODEL), "tp2": (str(tmp_path / "tp2"), dict(MODEL, tensor_model_parallel_size=2)),
-             "pp2": (str(tmp_path / "pp2"), dict(MODEL, pipeline_model_parallel_size=2)),
-             "moe ep1": (str(moe_source), MOE),
-             "moe ep2": (str(tmp_path / "ep2"), dict(MOE, expert_model_parallel_size=2))}
+    cases = {
+        "tp1": (str(source), MODEL),
+        "tp2": (str(tmp_path / "tp2"), dict(MODEL, tensor_model_parallel_size=2)),
+        "pp2": (str(tmp_path / "pp2"), dict(MODEL, pipeline_model_parallel_size=2)),
+        "moe ep1": (str(moe_source), MOE),
+        "moe ep2": (str(tmp_path / "ep2"), dict(MOE, expert_model_parallel_size=2)),
+    }
     losses = run_distributed(_evaluate, 2, cases)[0]
     assert losses["tp2"] == pytest.approx(losses["tp1"], rel=1e-5)
     assert losses["pp2"] == pytest.approx(losses["tp1"], rel=1e-5)
@@ -197,12 +218,17 @@ def test_conversion_memory_is_bounded_by_the_largest_tensor(tmp_path):
     save_checkpoint(str(tmp_path / "big"), state)
     table = metadata_table(read_metadata(str(tmp_path / "big" / "iter_0000000")))
     largest = max(i.nbytes for i in table.values())
-    total = sum(os.path.getsize(tmp_path / "big" / "iter_0000000" / f) for f in
-                shard_files(str(tmp_path / "big" / "iter_0000000")))
+    total = sum(
+        os.path.getsize(tmp_path / "big" / "iter_0000000" / f)
+        for f in shard_files(str(tmp_path / "big" / "iter_0000000"))
+    )
     bound = 12 * 2**20 + 4 * largest
     assert total > 4 * bound  # the checkpoint is many times the bound
-    growth = streaming_rss_growth("megatron_p2r.convert.reshard", "_write_tensors",
-                                  f"from megatron_p2r.convert import reshard; reshard.convert("
-                                  f"{str(tmp_path / 'big')!r}, {str(tmp_path / 'out')!r}, reshard.Target(2, 2), "
-                                  "progress=False)")
+    growth = streaming_rss_growth(
+        "megatron_p2r.convert.reshard",
+        "_write_tensors",
+        f"from megatron_p2r.convert import reshard; reshard.convert("
+        f"{str(tmp_path / 'big')!r}, {str(tmp_path / 'out')!r}, reshard.Target(2, 2), "
+        "progress=False)",
+    )
     assert growth < bound, f"streaming grew RSS by {growth / 2**20:.1f} MiB"

@@ -10,6 +10,7 @@ Tolerances (relative L2 error of each first-step gradient tensor, relative error
   matmul weights' gradients are off by about 7e-3, the norm parameters' by 2e-2..7e-2 (their
   gradients are sums over every token of bf16 values), the losses by 2e-5.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
@@ -29,8 +30,12 @@ def train(cfg, ps, steps: int, outputs: list = None) -> Tuple[List[float], Dict[
 
     def keep_first(state):
         if not first:  # the reduced fp32 gradient: 16-bit weights have no .grad after the step
-            first.update({name: p.main_grad.detach().to("cpu", torch.float64, copy=True)
-                          for name, p in state.model.named_parameters()})
+            first.update(
+                {
+                    name: p.main_grad.detach().to("cpu", torch.float64, copy=True)
+                    for name, p in state.model.named_parameters()
+                }
+            )
 
     losses, state = run_steps(cfg, ps, steps, after_step=keep_first, outputs=outputs)
     return losses, first, state
@@ -44,8 +49,10 @@ def cpu_run(values: dict, steps: int, outputs: list = None, **precision):
 
 def grad_errors(grads: dict, reference: dict) -> dict:
     """{name: ||grad - reference|| / ||reference||} over every parameter."""
-    return {name: ((g - reference[name]).norm() / reference[name].norm().clamp(min=1e-30)).item()
-            for name, g in grads.items()}
+    return {
+        name: ((g - reference[name]).norm() / reference[name].norm().clamp(min=1e-30)).item()
+        for name, g in grads.items()
+    }
 
 
 def relative(a: list, b: list) -> list:
@@ -78,8 +85,9 @@ def assert_16bit_close(record_property, values: dict, steps: int, losses, grads,
     grad_err, cpu_err = grad_errors(grads, ref_grads), grad_errors({n: cpu_grads[n] for n in grads}, ref_grads)
     record_property("loss_rel_err_vs_cpu_16bit", [round(e, 8) for e in loss_err])
     record_property("grad_rel_err_vs_fp32_worst", {"device": worst(grad_err), "cpu": worst(cpu_err)})
-    over = {n: (e, cpu_err[n]) for n, e in grad_err.items()
-            if e >= max(GRAD_16BIT_FACTOR * cpu_err[n], GRAD_16BIT_FLOOR)}
+    over = {
+        n: (e, cpu_err[n]) for n, e in grad_err.items() if e >= max(GRAD_16BIT_FACTOR * cpu_err[n], GRAD_16BIT_FLOOR)
+    }
     assert not over, f"gradients further from fp32 than {GRAD_16BIT_FACTOR}x 16 bits on CPU: {over}"
     assert max(loss_err) < LOSS_16BIT, (losses, cpu_losses)
 

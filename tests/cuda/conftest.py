@@ -1,5 +1,6 @@
 """Fixtures of the GPU lane (tests/cuda). Nothing heavy is imported here at collection: the
 test modules skip themselves first (``probe.skip_without_cuda``) when there is no GPU."""
+
 import os
 
 import pytest
@@ -15,6 +16,6 @@ def lane():
     (``tests/conftest.py``) requires that no process group outlives a test, and the groups a
     test makes (the MoE test's ep group) go with the job."""
     from tests.cuda.lane import open_lane
+
     with open_lane() as opened:
         yield opened
-

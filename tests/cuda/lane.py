@@ -5,6 +5,7 @@ for it, and the allocator statistics the memory tests read.
 In a dry run (``probe.dry_run()``) the same object stands for the CPU with gloo and the
 tests' CPU sizes; what only CUDA can measure skips there (``needs_cuda``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -68,6 +69,7 @@ class Lane:
     def release(self) -> None:
         """Return cached blocks so the next measurement starts from what is really alive."""
         import gc
+
         gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()

@@ -8,6 +8,7 @@ module is reported as skipped with the reason).
 parts that need CUDA (allocator statistics, the profiler's streams, the NCCL path) skip one by
 one, everything else runs — how the lane itself is checked on a machine without a GPU.
 """
+
 from __future__ import annotations
 
 import glob
@@ -29,6 +30,7 @@ def no_cuda_reason() -> str | None:
         return "no CUDA device (no /dev/nvidia*)"
     import torch
     import torch.distributed as dist
+
     if not torch.cuda.is_available():
         return f"no CUDA device visible to torch {torch.__version__}"
     if not dist.is_available() or not dist.is_nccl_available():
@@ -42,5 +44,7 @@ def skip_without_cuda() -> None:
         return
     reason = no_cuda_reason()
     if reason:
-        pytest.skip(f"{reason}; the GPU lane needs one CUDA GPU with NCCL "
-                    f"({DRY_RUN_ENV}=1 runs it on CPU)", allow_module_level=True)
+        pytest.skip(
+            f"{reason}; the GPU lane needs one CUDA GPU with NCCL ({DRY_RUN_ENV}=1 runs it on CPU)",
+            allow_module_level=True,
+        )

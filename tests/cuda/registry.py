@@ -10,16 +10,17 @@ line whose construct the scan no longer finds, or whose test does not exist, fai
 ``BEHAVIOURS`` holds what differs on CUDA without a construct the scan can see (code that only
 handles CUDA tensors made elsewhere): checked for its anchor still existing and its test.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
 
 
 class E(NamedTuple):
-    file: str        # under megatron_p2r/
-    anchor: str      # qualified name of the enclosing function or class
-    construct: str   # as tests/cuda/scan.py names it (BEHAVIOURS: what is CUDA-specific)
-    test: str        # the lane test that runs it on CUDA: tests/cuda/<module>.py::<test>[<param id>]
+    file: str  # under megatron_p2r/
+    anchor: str  # qualified name of the enclosing function or class
+    construct: str  # as tests/cuda/scan.py names it (BEHAVIOURS: what is CUDA-specific)
+    test: str  # the lane test that runs it on CUDA: tests/cuda/<module>.py::<test>[<param id>]
 
 
 NUMERICS = "tests/cuda/test_numerics.py::test_training_step_matches_cpu_fp32_reference[bf16]"
@@ -111,16 +112,38 @@ CUDA_ONLY = [
 
 BEHAVIOURS = [
     E("parallel/grads.py", "grad_norm_and_non_finite", "fp16 infs and NaNs produced by CUDA kernels", FP16),
-    E("optim/host_step.py", "HostStep", "host step started in backward while CUDA computes the layers below", HOST_EARLY),
+    E(
+        "optim/host_step.py",
+        "HostStep",
+        "host step started in backward while CUDA computes the layers below",
+        HOST_EARLY,
+    ),
     E("optim/delayed_update.py", "DelayedHostStep", "delayed host step reading a pinned gradient buffer", DELAYED),
     E("offload/nvme.py", "NvmeOptimizerState", "NVMe-mapped host state behind CUDA device weights", NVME),
-    E("parallel/ddp.py", "DistributedDataParallel", "gradient buckets all-reduced as CUDA tensors over gloo", GLOO_CUDA),
-    E("pipeline/a2a_overlap.py", "take_turns", "--overlap-moe-expert-parallel-comm: NCCL all-to-alls in flight "
-      "while CUDA computes", NCCL_2GPU + "[ep2-overlap-moe-comm]"),
-    E("parallel/grad_buffer.py", "ParamAndGradBuffer.start_grad_reduce", "the distributed optimizer's "
-      "reduce-scatter (and all-gather) of CUDA buckets on NCCL", NCCL_2GPU + "[dp2-distributed-optimizer]"),
-    E("parallel/mappings.py", "reduce_scatter_to_sequence_region", "tensor- and sequence-parallel collectives "
-      "on NCCL", NCCL_2GPU + "[tp2-sequence-parallel]"),
+    E(
+        "parallel/ddp.py",
+        "DistributedDataParallel",
+        "gradient buckets all-reduced as CUDA tensors over gloo",
+        GLOO_CUDA,
+    ),
+    E(
+        "pipeline/a2a_overlap.py",
+        "take_turns",
+        "--overlap-moe-expert-parallel-comm: NCCL all-to-alls in flight while CUDA computes",
+        NCCL_2GPU + "[ep2-overlap-moe-comm]",
+    ),
+    E(
+        "parallel/grad_buffer.py",
+        "ParamAndGradBuffer.start_grad_reduce",
+        "the distributed optimizer's reduce-scatter (and all-gather) of CUDA buckets on NCCL",
+        NCCL_2GPU + "[dp2-distributed-optimizer]",
+    ),
+    E(
+        "parallel/mappings.py",
+        "reduce_scatter_to_sequence_region",
+        "tensor- and sequence-parallel collectives on NCCL",
+        NCCL_2GPU + "[tp2-sequence-parallel]",
+    ),
 ]
 
 
@@ -128,10 +151,13 @@ def main() -> int:
     """``python -m tests.cuda.registry``: the inventory (every construct the scan finds and the
     lane test that runs it, then the behaviours) and the audit's problems; exit 1 on any."""
     from tests.cuda.scan import audit, scan_package
+
     found = scan_package()
     tests = {(e.file, e.anchor, e.construct): e.test for e in CUDA_ONLY}
-    print(f"{len(found)} CUDA-only constructs in megatron_p2r/ ({len({c.file for c in found})} files), "
-          f"{len(BEHAVIOURS)} behaviours; {len({*tests.values(), *(b.test for b in BEHAVIOURS)})} lane tests name them")
+    print(
+        f"{len(found)} CUDA-only constructs in megatron_p2r/ ({len({c.file for c in found})} files), "
+        f"{len(BEHAVIOURS)} behaviours; {len({*tests.values(), *(b.test for b in BEHAVIOURS)})} lane tests name them"
+    )
     print("| file | anchor | construct | lane test |\n|---|---|---|---|")
     for c in found:
         print(f"| {c.file} | {c.anchor} | `{c.construct}` | {tests.get(c.key, '**unregistered**')} |")

@@ -19,6 +19,7 @@ What counts (the construct's name is what the registry, ``tests/cuda/registry.py
 
 Standard library only, so the CPU test (tests/test_cuda_registry.py) costs milliseconds.
 """
+
 from __future__ import annotations
 
 import ast
@@ -31,8 +32,15 @@ PACKAGE = "megatron_p2r"
 
 DEVICE_NAMES = ("cuda", "cpu")
 BACKEND_NAMES = ("nccl", "gloo")
-METHODS = {"pin_memory": ".pin_memory()", "is_pinned": ".is_pinned()", "record_stream": ".record_stream()",
-           "wait_event": ".wait_event()", "wait_stream": ".wait_stream()", "cuda": ".cuda()", "cpu": ".cpu()"}
+METHODS = {
+    "pin_memory": ".pin_memory()",
+    "is_pinned": ".is_pinned()",
+    "record_stream": ".record_stream()",
+    "wait_event": ".wait_event()",
+    "wait_stream": ".wait_stream()",
+    "cuda": ".cuda()",
+    "cpu": ".cpu()",
+}
 KEYWORDS = {"pin_memory": "pin_memory=True", "non_blocking": "non_blocking=True", "fused": "fused=True"}
 KERNELS = ("grouped_mm", "scaled_dot_product_attention")
 OPERATORS = {ast.Eq: "==", ast.Is: "==", ast.NotEq: "!=", ast.IsNot: "!=", ast.In: "in", ast.NotIn: "not in"}
@@ -40,10 +48,10 @@ OPERATORS = {ast.Eq: "==", ast.Is: "==", ast.NotEq: "!=", ast.IsNot: "!=", ast.I
 
 @dataclass(frozen=True, order=True)
 class Construct:
-    file: str        # under megatron_p2r/, e.g. "parallel/grad_buffer.py"
-    anchor: str      # the enclosing function's qualified name ("<module>" at top level)
-    construct: str   # e.g. "torch.cuda.synchronize", "device == \"cuda\"", ".pin_memory()"
-    line: int = 0    # where it was seen first (for the message only; not part of the key)
+    file: str  # under megatron_p2r/, e.g. "parallel/grad_buffer.py"
+    anchor: str  # the enclosing function's qualified name ("<module>" at top level)
+    construct: str  # e.g. "torch.cuda.synchronize", "device == \"cuda\"", ".pin_memory()"
+    line: int = 0  # where it was seen first (for the message only; not part of the key)
 
     @property
     def key(self) -> Tuple[str, str, str]:
@@ -196,13 +204,17 @@ def test_functions(root: str = ROOT) -> Dict[str, Set[str]]:
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
                 names.add(node.name)
             if isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
-                names |= {f"{node.name}::{n.name}" for n in node.body
-                          if isinstance(n, ast.FunctionDef) and n.name.startswith("test")}
+                names |= {
+                    f"{node.name}::{n.name}"
+                    for n in node.body
+                    if isinstance(n, ast.FunctionDef) and n.name.startswith("test")
+                }
         out[f"tests/cuda/{f}"] = names
     return out
 
 
 # ----------------------------------------------------------------------------- the audit
+
 
 def entry_line(file: str, anchor: str, construct: str, test: str) -> str:
     """The registry line for one construct, as it is written in tests/cuda/registry.py."""
@@ -236,14 +248,18 @@ def audit(found: List[Construct], registry: list, behaviours: list, root: str = 
         if c.key not in registered:
             test = by_anchor.get((c.file, c.anchor), '"tests/cuda/<module>.py::<the test that runs it on CUDA>"')
             test = test if test.startswith('"') or not test else f'"{test}"'
-            problems.append(f"unregistered: megatron_p2r/{c.file}:{c.line} ({c.anchor}) uses {c.construct}; add to "
-                            f"CUDA_ONLY in tests/cuda/registry.py (sorted by file):\n{entry_line(*c.key, test)}")
+            problems.append(
+                f"unregistered: megatron_p2r/{c.file}:{c.line} ({c.anchor}) uses {c.construct}; add to "
+                f"CUDA_ONLY in tests/cuda/registry.py (sorted by file):\n{entry_line(*c.key, test)}"
+            )
     seen = {c.key for c in found}
     for key, e in registered.items():
         if key not in seen:
-            problems.append(f"stale: the scan no longer finds {e.construct} in megatron_p2r/{e.file} ({e.anchor}); "
-                            f"remove (or re-anchor) this line of tests/cuda/registry.py:\n"
-                            f"{entry_line(e.file, e.anchor, e.construct, repr(e.test))}")
+            problems.append(
+                f"stale: the scan no longer finds {e.construct} in megatron_p2r/{e.file} ({e.anchor}); "
+                f"remove (or re-anchor) this line of tests/cuda/registry.py:\n"
+                f"{entry_line(e.file, e.anchor, e.construct, repr(e.test))}"
+            )
     anchors: Dict[str, Set[str]] = {}
     for e in behaviours:
         path = os.path.join(root, PACKAGE, e.file)
@@ -253,10 +269,14 @@ def audit(found: List[Construct], registry: list, behaviours: list, root: str = 
                 with open(path, encoding="utf-8") as fh:
                     anchors[e.file] = anchors_of(fh.read())
         if e.anchor not in anchors[e.file]:
-            problems.append(f"stale behaviour: megatron_p2r/{e.file} has no {e.anchor} any more ({e.construct}); "
-                            "re-anchor it in BEHAVIOURS of tests/cuda/registry.py")
+            problems.append(
+                f"stale behaviour: megatron_p2r/{e.file} has no {e.anchor} any more ({e.construct}); "
+                "re-anchor it in BEHAVIOURS of tests/cuda/registry.py"
+            )
     for e in [*registry, *behaviours]:
         if not _test_exists(e.test, tests, sources):
-            problems.append(f"no such lane test: {e.test} (named for {e.construct} in megatron_p2r/{e.file}, "
-                            f"{e.anchor}); lane tests live in tests/cuda/test_*.py, marked cuda")
+            problems.append(
+                f"no such lane test: {e.test} (named for {e.construct} in megatron_p2r/{e.file}, "
+                f"{e.anchor}); lane tests live in tests/cuda/test_*.py, marked cuda"
+            )
     return problems

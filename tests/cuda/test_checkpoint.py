@@ -2,6 +2,7 @@
 device-to-host copy (training goes on while a thread writes the copy), loading it back onto the
 device with the CUDA RNG state, and the start-up memory preflight reading the device's free
 memory (``torch.cuda.mem_get_info``)."""
+
 from tests.cuda.probe import skip_without_cuda
 
 skip_without_cuda()
@@ -47,9 +48,9 @@ def save_step_reload(cfg, ps, directory: str, monkeypatch):
     _, state = run_steps(cfg, ps, 2)
     trained, write = threading.Event(), async_save.write_parts
     monkeypatch.setattr(async_save, "write_parts", lambda *args: (trained.wait(120), write(*args)))
-    async_save.save_checkpoint(directory, state)   # returns once the host copy is taken
+    async_save.save_checkpoint(directory, state)  # returns once the host copy is taken
     saved = {n: p.detach().clone() for n, p in state.model.named_parameters()}
-    third = next_step(state)                        # updates the weights in place meanwhile
+    third = next_step(state)  # updates the weights in place meanwhile
     trained.set()
     async_save.finish_pending(ps)
     loaded = build_train_state(cfg, ps)
@@ -64,8 +65,9 @@ def test_async_save_copies_to_host_before_training_goes_on(lane, record_property
     states included, dropout on) it trains the 3rd step bitwise as the uninterrupted run did,
     and that loss follows the same run on CPU (other dropout masks: ``DROPOUT_LOSS``)."""
     cfg = lane.config({**SAVE, "async_save": True})
-    saved, third, loaded, resumed_third = save_step_reload(cfg, lane.parallel(cfg), str(tmp_path / "device"),
-                                                           monkeypatch)
+    saved, third, loaded, resumed_third = save_step_reload(
+        cfg, lane.parallel(cfg), str(tmp_path / "device"), monkeypatch
+    )
     differ = [n for n, w in saved.items() if not torch.equal(w.cpu(), loaded[n].cpu())]
     record_property("third_loss", {"uninterrupted": third, "resumed": resumed_third})
     assert not differ, f"weights in the checkpoint differ from those at save time: {differ}"

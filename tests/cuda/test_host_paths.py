@@ -5,6 +5,7 @@ buffer pinned on host, the NVMe tier, and optimizer-only offload (``--cpu-offloa
 optimizer``: the device weights' state stepped on host). Each against the same run on CPU
 (``tests/cuda/compare.py``) and, where two settings must agree exactly, bitwise on the device.
 """
+
 from tests.cuda.probe import skip_without_cuda
 
 skip_without_cuda()
@@ -18,9 +19,21 @@ from tests.cuda.compare import assert_16bit_close, assert_fp32_close, count_call
 pytestmark = pytest.mark.cuda
 
 # Layers 0 and 2 of 4 on host; the learning rate changes every step.
-HOST = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=512, micro_batch_size=2,
-            global_batch_size=4, lr=1e-3, lr_warmup_iters=2, lr_decay_style="cosine", weight_decay=0.1,
-            cpu_offload_layers="0,2", bf16=True)
+HOST = dict(
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    seq_length=64,
+    vocab_size=512,
+    micro_batch_size=2,
+    global_batch_size=4,
+    lr=1e-3,
+    lr_warmup_iters=2,
+    lr_decay_style="cosine",
+    weight_decay=0.1,
+    cpu_offload_layers="0,2",
+    bf16=True,
+)
 OVERLAP = dict(overlap_cpu_optimizer_d2h_h2d=True)
 STEPS = 3
 
@@ -60,8 +73,12 @@ def test_offloaded_bf16_gradients_go_to_pinned_host_buffers(lane, record_propert
     """``OffloadManager.to_host``: each offloaded layer's gradients leave the device in bf16 (the
     weights' dtype: half the PCIe bytes of fp32) into pinned buffers; the host gradient buckets
     they are reduced into are pinned too (``ParamAndGradBuffer._allocate``)."""
-    copies = count_calls(monkeypatch, OffloadManager, "to_host",
-                         keep=lambda args, out: [(t.dtype, t.device.type, lane.cuda and t.is_pinned()) for t in out])
+    copies = count_calls(
+        monkeypatch,
+        OffloadManager,
+        "to_host",
+        keep=lambda args, out: [(t.dtype, t.device.type, lane.cuda and t.is_pinned()) for t in out],
+    )
     losses, grads, state = settled(lane, HOST)
     seen = {c for call in copies for c in call}
     record_property("host_gradient_copies", sorted(map(str, seen)))
@@ -87,8 +104,13 @@ def test_delayed_update_second_gradient_buffer_is_pinned(lane, record_property):
     """``--cpu-offload-delayed-param-update``: the host step of iteration t reads one gradient
     buffer while iteration t+1 accumulates into the other (``BucketState.add_second_grad``),
     both pinned host memory on CUDA; the losses follow the same delayed run on CPU."""
-    values = {**HOST, **OVERLAP, "cpu_offload_delayed_param_update": True,
-              "cpu_offload_delayed_param_update_warmup_steps": 0, "clip_grad": 1.0}
+    values = {
+        **HOST,
+        **OVERLAP,
+        "cpu_offload_delayed_param_update": True,
+        "cpu_offload_delayed_param_update_warmup_steps": 0,
+        "clip_grad": 1.0,
+    }
     run = losses, _, state = settled(lane, values, 4)
     second = [b.second_grad for buf in state.ddp.buffers for b in buf.buckets if b.second_grad is not None]
     record_property("second_gradient_buckets", len(second))

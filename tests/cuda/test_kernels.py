@@ -2,6 +2,7 @@
 flash and memory-efficient kernels with attention dropout, fp16 dynamic loss scaling fed by the
 infs of CUDA kernels, the precision-aware AdamW's fused kernel on bf16 moments, and ``--compile``
 through inductor's CUDA code generation (last: its compilation is the slowest part of the lane)."""
+
 from tests.cuda.probe import skip_without_cuda
 
 skip_without_cuda()
@@ -50,14 +51,14 @@ def test_fp16_loss_scaling_skips_on_cuda_infs_and_trains_after(lane, record_prop
     """``--fp16``: a loss scale of 2^30 overflows fp16 gradients by a wide margin, so the CUDA
     kernels' infs must make every step skip and halve the scale, as on CPU; at Megatron's 2^16
     nothing overflows and the run follows the CPU fp16 run."""
-    overflow = {**FP16, "initial_loss_scale": 2.0 ** 30, "hysteresis": 1}
+    overflow = {**FP16, "initial_loss_scale": 2.0**30, "hysteresis": 1}
     outputs, cpu_outputs = [], []
     cfg = lane.config(overflow)
     _, _, state = train(cfg, lane.parallel(cfg), 2, outputs)
     cpu_run(overflow, 2, cpu_outputs)
     record_property("skipped", {"device": [o["skipped"] for o in outputs], "cpu": [o["skipped"] for o in cpu_outputs]})
     assert [o["skipped"] for o in outputs] == [o["skipped"] for o in cpu_outputs] == [True] * 2
-    assert all(math.isnan(o["grad_norm"]) for o in outputs) and state.scaler.scale == 2.0 ** 28
+    assert all(math.isnan(o["grad_norm"]) for o in outputs) and state.scaler.scale == 2.0**28
     finite = FP16
     outputs.clear()
     losses, grads, _ = train(lane.config(finite), lane.parallel(lane.config(finite)), 2, outputs)
@@ -68,8 +69,13 @@ def test_fp16_loss_scaling_skips_on_cuda_infs_and_trains_after(lane, record_prop
 def test_precision_aware_adamw_fused_kernel_on_bf16_moments(lane, record_property):
     """``--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``: torch's
     fused AdamW kernel on fp32 chunks of bf16 moments, on the device."""
-    values = {**SHAPE, "bf16": True, "use_precision_aware_optimizer": True, "exp_avg_dtype": "bf16",
-              "exp_avg_sq_dtype": "bf16"}
+    values = {
+        **SHAPE,
+        "bf16": True,
+        "use_precision_aware_optimizer": True,
+        "exp_avg_dtype": "bf16",
+        "exp_avg_sq_dtype": "bf16",
+    }
     cfg = lane.config(values)
     losses, grads, state = train(cfg, lane.parallel(cfg), 3)
     inner = state.optimizer.inner["device"]

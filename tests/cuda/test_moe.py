@@ -1,6 +1,7 @@
 """MoE on CUDA: the dispatcher's all-to-alls through NCCL (a one-rank ep group), and the experts
 through ``grouped_mm`` (``--moe-grouped-gemm``), each against the same run on CPU.
 Tolerances: ``tests/cuda/compare.py``."""
+
 from tests.cuda.probe import skip_without_cuda
 
 skip_without_cuda()
@@ -12,8 +13,14 @@ import torch.distributed as dist  # noqa: E402
 from megatron_p2r.moe import grouped_mm  # noqa: E402
 from megatron_p2r.parallel import mappings  # noqa: E402
 from megatron_p2r.parallel.state import ParallelState  # noqa: E402
-from tests.cuda.compare import (assert_16bit_close, count_calls, cpu_run, grad_errors, relative,  # noqa: E402
-                                train)
+from tests.cuda.compare import (
+    assert_16bit_close,
+    count_calls,
+    cpu_run,
+    grad_errors,
+    relative,  # noqa: E402
+    train,
+)
 from tests.cuda.test_numerics import SHAPE  # noqa: E402
 
 pytestmark = pytest.mark.cuda
@@ -31,13 +38,16 @@ def test_moe_forward_backward_through_nccl_all_to_all(lane, record_property, mon
     the CPU fp32 reference within fp32 tolerance."""
     values = {**SHAPE, **MOE}
     cfg = lane.config(values)
-    dispatched, native = count_calls(monkeypatch, mappings, "_all_to_all_single"), count_calls(
-        monkeypatch, dist, "all_to_all_single", keep=lambda args, work: work)
+    dispatched, native = (
+        count_calls(monkeypatch, mappings, "_all_to_all_single"),
+        count_calls(monkeypatch, dist, "all_to_all_single", keep=lambda args, work: work),
+    )
     plain_losses, plain_grads, _ = train(cfg, lane.parallel(cfg), 2)
     assert not dispatched, "the group-less run (EP=1) must not communicate"
     ps = lane.parallel(cfg)
-    with_group = ParallelState(layout=ps.layout, rank=ps.rank, device=ps.device,
-                               groups={**ps.groups, "ep": dist.new_group([0])})
+    with_group = ParallelState(
+        layout=ps.layout, rank=ps.rank, device=ps.device, groups={**ps.groups, "ep": dist.new_group([0])}
+    )
     losses, grads, _ = train(cfg, with_group, 2)
     ref_losses, ref_grads, _ = cpu_run(values, 2)
     record_property("backend", dist.get_backend(with_group.groups["ep"]))
@@ -64,8 +74,9 @@ def test_grouped_gemm_experts_match_padded_bmm_and_cpu(lane, record_property, ex
     values = {**SHAPE, **MOE, **kind, "bf16": True}
     cfg = lane.config({**values, "moe_grouped_gemm": True})
     losses, grads, _ = train(cfg, lane.parallel(cfg), 2)
-    ran = grouped_mm.grouped_mm_runs(lane.device, torch.bfloat16, cfg.model.hidden_size,
-                                     cfg.model.expert_ffn_size, 2 if experts == "swiglu" else 1)
+    ran = grouped_mm.grouped_mm_runs(
+        lane.device, torch.bfloat16, cfg.model.hidden_size, cfg.model.expert_ffn_size, 2 if experts == "swiglu" else 1
+    )
     record_property("grouped_mm_runs", ran)
     bmm_losses, bmm_grads, _ = train(lane.config(values), lane.parallel(cfg), 2)
     record_property("loss_rel_err_vs_bmm", [round(e, 8) for e in relative(losses, bmm_losses)])

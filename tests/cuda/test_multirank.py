@@ -10,6 +10,7 @@ all-to-alls (gloo's path here is send/recv), tensor-parallel collectives under N
 needs NCCL and one GPU per rank: the ``nccl`` cases skip below 2 GPUs and run with
 ``python -m pytest tests/cuda/test_multirank.py -k nccl`` on a node with two or more.
 """
+
 from tests.cuda.probe import dry_run, skip_without_cuda
 
 skip_without_cuda()
@@ -26,8 +27,18 @@ from tests.helpers import TINY  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
-DP = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=512, micro_batch_size=2,
-          global_batch_size=8, lr=1e-3, clip_grad=1.0, weight_decay=0.01)
+DP = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    seq_length=64,
+    vocab_size=512,
+    micro_batch_size=2,
+    global_batch_size=8,
+    lr=1e-3,
+    clip_grad=1.0,
+    weight_decay=0.01,
+)
 MOE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01)
 # case: (the layout's flags, the model's and optimizer's flags, which the one-process reference shares)
 NCCL_CASES = {
@@ -65,8 +76,10 @@ def test_nccl_two_gpus(record_property, case):
     ref_losses, _, _ = cpu_run({**DP, **model}, STEPS)
     gpus = 0 if dry_run() else torch.cuda.device_count()
     if gpus < 2:
-        pytest.skip(f"needs 2 CUDA GPUs (have {gpus}): run `python -m pytest tests/cuda/test_multirank.py -k nccl` "
-                    "on a node with two or more")
+        pytest.skip(
+            f"needs 2 CUDA GPUs (have {gpus}): run `python -m pytest tests/cuda/test_multirank.py -k nccl` "
+            "on a node with two or more"
+        )
     ranks = run_distributed(train_rank, 2, values, STEPS, False, timeout=240, backend="nccl")
     losses = ranks[0]["losses"]
     record_property("loss_rel_err", relative(losses, ref_losses))

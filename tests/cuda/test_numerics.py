@@ -1,6 +1,7 @@
 """One-rank training on CUDA against the CPU fp32 reference (same weights, same data): what a
 user runs first — ``--bf16`` with the default flags (fused AdamW, the fused SDPA kernels, the
 CUDA RNG streams), then fp32. Tolerances: ``tests/cuda/compare.py``."""
+
 from tests.cuda.probe import skip_without_cuda
 
 skip_without_cuda()
@@ -11,15 +12,34 @@ import torch  # noqa: E402
 from megatron_p2r.metrics import peak_memory_bytes  # noqa: E402
 from megatron_p2r.model.m6 import build_model  # noqa: E402
 from megatron_p2r.pipeline.schedules import forward_backward_no_pipelining  # noqa: E402
-from tests.cuda.compare import (GRAD_16BIT_FACTOR, GRAD_16BIT_FLOOR, LOSS_16BIT, assert_fp32_close,  # noqa: E402
-                                cpu_run, grad_errors, relative, train, worst)
+from tests.cuda.compare import (
+    GRAD_16BIT_FACTOR,
+    GRAD_16BIT_FLOOR,
+    LOSS_16BIT,
+    assert_fp32_close,  # noqa: E402
+    cpu_run,
+    grad_errors,
+    relative,
+    train,
+    worst,
+)
 from tests.helpers import random_microbatches  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
 # Small enough for the CPU reference and the dry run; head_dim 32 takes the fused SDPA kernels.
-SHAPE = dict(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=1000,
-             micro_batch_size=4, global_batch_size=8, clip_grad=1.0, weight_decay=0.01, lr=1e-3)
+SHAPE = dict(
+    num_layers=2,
+    hidden_size=128,
+    num_attention_heads=4,
+    seq_length=128,
+    vocab_size=1000,
+    micro_batch_size=4,
+    global_batch_size=8,
+    clip_grad=1.0,
+    weight_decay=0.01,
+    lr=1e-3,
+)
 
 
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
@@ -43,8 +63,9 @@ def test_training_step_matches_cpu_fp32_reference(lane, record_property, bf16):
     _, cpu_bf16_grads, _ = cpu_run(values, 1, bf16=True)
     cpu_err = grad_errors(cpu_bf16_grads, ref_grads)
     record_property("cpu_bf16_grad_rel_err_worst", worst(cpu_err))
-    over = {n: (e, cpu_err[n]) for n, e in grad_err.items()
-            if e >= max(GRAD_16BIT_FACTOR * cpu_err[n], GRAD_16BIT_FLOOR)}
+    over = {
+        n: (e, cpu_err[n]) for n, e in grad_err.items() if e >= max(GRAD_16BIT_FACTOR * cpu_err[n], GRAD_16BIT_FLOOR)
+    }
     assert not over, f"gradients further from fp32 than 3x bf16 on CPU: {over}"
     assert max(loss_err) < LOSS_16BIT, (losses, ref_losses)
 

@@ -11,6 +11,7 @@ while the real peak comes at the optimizer step, when activations and fetched co
 with activations and the fetch window a few percent of the offloaded state the two drops
 agree within 10% (docs/gpu.md).
 """
+
 from tests.cuda.probe import skip_without_cuda
 
 skip_without_cuda()
@@ -30,14 +31,36 @@ from tests.helpers import random_microbatches, run_steps  # noqa: E402
 pytestmark = pytest.mark.cuda
 
 TRAIN = dict(lr=1e-3, clip_grad=1.0, weight_decay=0.01, lr_decay_style="constant", offload_prefetch=1)
-MEMORY_GPU = dict(num_layers=32, hidden_size=1024, num_attention_heads=16, seq_length=64, vocab_size=8192,
-                  micro_batch_size=1, global_batch_size=2)
-MEMORY_CPU = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=200,
-                  micro_batch_size=2, global_batch_size=4)
+MEMORY_GPU = dict(
+    num_layers=32,
+    hidden_size=1024,
+    num_attention_heads=16,
+    seq_length=64,
+    vocab_size=8192,
+    micro_batch_size=1,
+    global_batch_size=2,
+)
+MEMORY_CPU = dict(
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    seq_length=16,
+    vocab_size=200,
+    micro_batch_size=2,
+    global_batch_size=4,
+)
 # Compute-heavy layers (16k tokens per micro-batch): a layer's forward takes about as long as
 # copying its fp32 weights over PCIe, so a working prefetch hides most of the copy time.
-OVERLAP_GPU = dict(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=2048, vocab_size=8192,
-                   micro_batch_size=8, global_batch_size=8, bf16=True)
+OVERLAP_GPU = dict(
+    num_layers=4,
+    hidden_size=1024,
+    num_attention_heads=16,
+    seq_length=2048,
+    vocab_size=8192,
+    micro_batch_size=8,
+    global_batch_size=8,
+    bf16=True,
+)
 
 
 def train_measured(lane, cfg, steps: int):
@@ -62,7 +85,7 @@ def test_offload_half_the_layers_same_losses_and_planned_memory_drop(lane, recor
     assert len(layers) == plain_cfg.model.num_layers // 2
     assert off_losses == pytest.approx(plain_losses, rel=1e-5)  # host AdamW vs fused device AdamW: rounding
     host_params = [p for p in off.model.parameters() if p.device.type == "cpu"]
-    assert host_params and all(p.main_grad.device.type == "cpu" for p in host_params)   # host gradient buckets
+    assert host_params and all(p.main_grad.device.type == "cpu" for p in host_params)  # host gradient buckets
     plain_plan, off_plan = planned_stage(plain_cfg), planned_stage(off_cfg)
     planned_drop = plain_plan["device_total"] - off_plan["device_total"]
     planned_state = sum(off_plan["host"].values())  # params + grads + AdamW moments that moved to host
@@ -71,10 +94,14 @@ def test_offload_half_the_layers_same_losses_and_planned_memory_drop(lane, recor
     measured_drop = plain_mem["peak"] - off_mem["peak"]
     resident_drop = plain_mem["resident"] - off_mem["resident"]
     record_property("peak_bytes", {"resident": plain_mem["peak"], "offload_50%": off_mem["peak"]})
-    record_property("peak_drop", {"measured": measured_drop, "planned": planned_drop,
-                                  "ratio": round(measured_drop / planned_drop, 4)})
-    record_property("resident_drop", {"measured": resident_drop, "planned_state": planned_state,
-                                      "ratio": round(resident_drop / planned_state, 4)})
+    record_property(
+        "peak_drop",
+        {"measured": measured_drop, "planned": planned_drop, "ratio": round(measured_drop / planned_drop, 4)},
+    )
+    record_property(
+        "resident_drop",
+        {"measured": resident_drop, "planned_state": planned_state, "ratio": round(resident_drop / planned_state, 4)},
+    )
     assert abs(resident_drop / planned_state - 1) < 0.02, (resident_drop, planned_state)
     assert abs(measured_drop / planned_drop - 1) < 0.10, (measured_drop, planned_drop)
 
@@ -86,8 +113,9 @@ def test_offload_prefetch_copies_overlap_compute(lane, tmp_path, record_property
     # a dry run builds and steps the bf16 offload at the tiny shape, then skips where CUDA is needed
     cfg = lane.config({**TRAIN, "cpu_offload_layers": "0.5"}, gpu=OVERLAP_GPU, cpu={"bf16": True})
     _, state = run_steps(cfg, lane.parallel(cfg), 1)  # warm-up: allocator, cuBLAS, AdamW state
-    batches = [{k: v.to(lane.device) for k, v in mb.items()}
-               for mb in random_microbatches(cfg, 1, cfg.train.micro_batch_size)]
+    batches = [
+        {k: v.to(lane.device) for k, v in mb.items()} for mb in random_microbatches(cfg, 1, cfg.train.micro_batch_size)
+    ]
     lane.needs_cuda("a CUDA profiler trace with streams")
     torch.cuda.synchronize(lane.device)
     # device activity only: kernels and copies are all the analysis reads, and the trace stays small

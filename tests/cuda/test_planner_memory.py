@@ -8,6 +8,7 @@ of the forward (run as training runs it: in the weights' dtype, no autocast), ``
 maximum over forward and backward, both beyond the mark. Both within 10% of the planner's
 ``activations`` and ``activations + transient``.
 """
+
 from tests.cuda.probe import skip_without_cuda
 
 skip_without_cuda()
@@ -20,19 +21,26 @@ from tests.helpers import random_microbatches  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
-GPU = dict(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=1024, vocab_size=32000,
-           micro_batch_size=4)
+GPU = dict(
+    num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=1024, vocab_size=32000, micro_batch_size=4
+)
 CPU = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=256, micro_batch_size=2)
 CASES = {
     "fp32": dict(),
     "bf16": dict(bf16=True),
     "bf16_recompute": dict(bf16=True, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-    "bf16_swiglu_rope_rmsnorm_untied": dict(bf16=True, swiglu=True, position_embedding_type="rope",
-                                            normalization="RMSNorm", untie_embeddings_and_output_weights=True),
+    "bf16_swiglu_rope_rmsnorm_untied": dict(
+        bf16=True,
+        swiglu=True,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        untie_embeddings_and_output_weights=True,
+    ),
     "bf16_dropout": dict(bf16=True, hidden_dropout=0.1, attention_dropout=0.1),
     # capacity 0.5 fills every expert (the planner assumes balanced routing)
-    "bf16_moe_top2": dict(bf16=True, num_experts=8, moe_router_topk=2, moe_capacity_factor=0.5, moe_layer_freq=2,
-                          moe_z_loss_coeff=0.01),
+    "bf16_moe_top2": dict(
+        bf16=True, num_experts=8, moe_router_topk=2, moe_capacity_factor=0.5, moe_layer_freq=2, moe_z_loss_coeff=0.01
+    ),
 }
 
 

@@ -8,6 +8,7 @@ and attention backward otherwise accumulate with atomics); when the comparison f
 straight run says whether CUDA itself is non-deterministic here (then the failure is not a
 resume bug).
 """
+
 from tests.cuda.probe import skip_without_cuda
 
 skip_without_cuda()
@@ -22,10 +23,24 @@ from megatron_p2r.training import pretrain  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
-RESUME = dict(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=128, vocab_size=1000,
-              micro_batch_size=4, global_batch_size=8, train_iters=4, lr_warmup_iters=1,
-              lr_decay_style="cosine", clip_grad=1.0, weight_decay=0.01, hidden_dropout=0.1,
-              attention_dropout=0.1, log_interval=100, bf16=True)
+RESUME = dict(
+    num_layers=2,
+    hidden_size=128,
+    num_attention_heads=4,
+    seq_length=128,
+    vocab_size=1000,
+    micro_batch_size=4,
+    global_batch_size=8,
+    train_iters=4,
+    lr_warmup_iters=1,
+    lr_decay_style="cosine",
+    clip_grad=1.0,
+    weight_decay=0.01,
+    hidden_dropout=0.1,
+    attention_dropout=0.1,
+    log_interval=100,
+    bf16=True,
+)
 
 
 def tensor_files(iter_dir: str) -> dict:
@@ -63,12 +78,18 @@ def test_resume_is_bitwise_with_cuda_rng_and_dropout(lane, tmp_path, record_prop
     files = differing(final["straight"], final["resumed"])
     if first + second != straight or files:
         again = pretrain(lane.config({**RESUME, "save": run["again"]}))["losses"]
-        repeatable = again == straight and not differing(final["straight"],
-                                                          tensor_files(os.path.join(run["again"], "iter_0000004")))
-        cause = ("a resume bug: two straight runs agree" if repeatable else
-                 "CUDA non-determinism here: two straight runs differ too (not a resume bug)")
-        pytest.fail(f"resumed run differs from the straight run ({cause}); losses {straight} vs {first + second}; "
-                    f"files that differ: {files}")
+        repeatable = again == straight and not differing(
+            final["straight"], tensor_files(os.path.join(run["again"], "iter_0000004"))
+        )
+        cause = (
+            "a resume bug: two straight runs agree"
+            if repeatable
+            else "CUDA non-determinism here: two straight runs differ too (not a resume bug)"
+        )
+        pytest.fail(
+            f"resumed run differs from the straight run ({cause}); losses {straight} vs {first + second}; "
+            f"files that differ: {files}"
+        )
     rng_files = [k for k in final["straight"] if "rng" in k]
     assert len(final["straight"]) >= 2 and rng_files, sorted(final["straight"])  # shard(s) and the RNG file
     lane.needs_cuda("a CUDA RNG state in the checkpoint")

@@ -6,6 +6,7 @@ start ``ts`` and a ``dur`` in microseconds, kernels in category ``kernel`` and c
 in ``args.stream``. A copy overlaps compute for the part of its interval covered by kernels
 running on *other* streams — what a side-stream prefetch is for.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -46,11 +47,18 @@ def stream_overlap(trace: dict) -> Dict[str, object]:
             kernels.setdefault(stream, []).append(interval)
         elif cat == "gpu_memcpy" and "htod" in str(e.get("name", "")).lower():
             copies.append((stream, interval))
-    compute_elsewhere = {s: _union([i for other, ivs in kernels.items() if other != s for i in ivs])
-                         for s in {stream for stream, _ in copies}}
+    compute_elsewhere = {
+        s: _union([i for other, ivs in kernels.items() if other != s for i in ivs])
+        for s in {stream for stream, _ in copies}
+    }
     copy_us = sum(b - a for _, (a, b) in copies)
     overlap_us = sum(_covered(interval, compute_elsewhere[stream]) for stream, interval in copies)
-    return {"h2d_copies": len(copies), "h2d_us": copy_us, "overlap_us": overlap_us,
-            "overlap_fraction": overlap_us / copy_us if copy_us else 0.0,
-            "copy_streams": _streams(s for s, _ in copies), "kernel_streams": _streams(kernels),
-            "categories": dict(Counter(str(e.get("cat")) for e in events))}
+    return {
+        "h2d_copies": len(copies),
+        "h2d_us": copy_us,
+        "overlap_us": overlap_us,
+        "overlap_fraction": overlap_us / copy_us if copy_us else 0.0,
+        "copy_streams": _streams(s for s, _ in copies),
+        "kernel_streams": _streams(kernels),
+        "categories": dict(Counter(str(e.get("cat")) for e in events)),
+    }

@@ -1,5 +1,6 @@
 """The ranks of the lane's multi-rank tests (tests/cuda/test_multirank.py), in a module of their
 own: a spawned rank imports it without the test module's skip."""
+
 from __future__ import annotations
 
 import os
@@ -22,5 +23,9 @@ def train_rank(rank: int, world: int, values: dict, steps: int, one_gpu: bool) -
     ps, _ = setup_parallel(cfg, device)
     grads: dict = {}
     losses, _ = run_steps(cfg, ps, steps, after_step=keep_first_step_grads(grads))
-    return {"losses": losses, "grads": {n: g.to("cpu", torch.float64) for n, g in grads.items()},
-            "device": str(device), "backend": torch.distributed.get_backend()}
+    return {
+        "losses": losses,
+        "grads": {n: g.to("cpu", torch.float64) for n, g in grads.items()},
+        "device": str(device),
+        "backend": torch.distributed.get_backend(),
+    }

@@ -26,8 +26,11 @@ def test_parsers():
     assert parse_split("1") == [1.0, 0.0, 0.0]
     assert parse_split("'99,1,0'") == parse_split("99,1,0")  # quotes a bash array leaves in argv
     assert split_ranges(parse_split("969,30,1"), 1000) == [(0, 969), (969, 999), (999, 1000)]
-    for bad, message in [(["A", "B"], "expected a weight before B"), (["0.3", "A", "B"], "weight/prefix pairs"),
-                         (["0", "A", "1", "B"], "must be positive")]:
+    for bad, message in [
+        (["A", "B"], "expected a weight before B"),
+        (["0.3", "A", "B"], "weight/prefix pairs"),
+        (["0", "A", "1", "B"], "must be positive"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             parse_data_path(bad)
     for bad in ["a,b", "1,2,3,4", "0,0,0", "-1,2", "nan,1", "inf,1,0", "1e308,1e308"]:

@@ -105,7 +105,7 @@ def test_samples_cross_documents(tmp_path):
         sample = data[idx]
         assert sample.dtype == np.int64 and sample.shape == (7,)
         start = int(order[idx]) * 6
-        np.testing.assert_array_equal(sample, stream[start:start + 7])
+        np.testing.assert_array_equal(sample, stream[start : start + 7])
     with pytest.raises(IndexError):
         data[len(data)]
 

@@ -1,5 +1,6 @@
 """HuggingFaceTokenizer (megatron_p2r/data/hf_tokenizer.py): a local tokenizer.json through
 `tokenizers`, with the special-token roles transformers gives it (docs/data.md)."""
+
 import json
 
 import pytest
@@ -21,12 +22,17 @@ def write_tokenizer(directory, config=None, bos_template=True):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=[BOS, EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=[BOS, EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(TEXTS, trainer)
     if bos_template:
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, tok.token_to_id(BOS))])
+            single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, tok.token_to_id(BOS))]
+        )
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
     if config is not None:
@@ -34,8 +40,12 @@ def write_tokenizer(directory, config=None, bos_template=True):
     return directory
 
 
-LLAMA3_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
-                 "pad_token": PAD}  # the pad token is not in tokenizer.json: it is added
+LLAMA3_CONFIG = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "bos_token": BOS,
+    "eos_token": EOS,
+    "pad_token": PAD,
+}  # the pad token is not in tokenizer.json: it is added
 
 
 def test_encodes_as_tokenizers_with_transformers_roles(tmp_path):
@@ -80,8 +90,9 @@ def test_special_tokens_map_and_fallbacks(tmp_path):
     """Roles from the legacy special_tokens_map.json (AddedToken objects) when the config has no
     added_tokens_decoder; eos falls back to sep and bos to cls, as in Megatron-LM."""
     directory = write_tokenizer(tmp_path / "tok", {"unk_token": "<unk>"}, bos_template=False)
-    (directory / "special_tokens_map.json").write_text(json.dumps(
-        {"sep_token": {"content": EOS, "lstrip": False}, "cls_token": BOS}))
+    (directory / "special_tokens_map.json").write_text(
+        json.dumps({"sep_token": {"content": EOS, "lstrip": False}, "cls_token": BOS})
+    )
     tok = HuggingFaceTokenizer(str(directory))
     assert (tok.eod, tok.bos) == (tok._tokenizer.token_to_id(EOS), tok._tokenizer.token_to_id(BOS))
     assert tok.encode("") == [] and tok.encode("the")[0] != tok.bos
@@ -117,7 +128,7 @@ def test_lone_surrogate_is_a_unicode_error(tmp_path):
         tok.encode_batch(["fine", "bad \ud800"])
 
 
-DEEP = "[" * 100_000 + "]" * 100_000   # json's recursive decoder gives up long before this depth
+DEEP = "[" * 100_000 + "]" * 100_000  # json's recursive decoder gives up long before this depth
 
 
 @pytest.mark.parametrize("name", ["tokenizer_config.json", "special_tokens_map.json"])
@@ -134,9 +145,29 @@ def test_deeply_nested_side_files_are_an_error_not_a_recursion(tmp_path, capsys,
         HuggingFaceTokenizer(str(directory))
     found, note = find_tokenizer(str(directory))
     assert found is None and "nested too deeply" in note, note
-    rc = pretrain_m6.main(["--mock-data", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-                           "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1", "--device", "cpu",
-                           "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(directory)])
+    rc = pretrain_m6.main(
+        [
+            "--mock-data",
+            "--num-layers",
+            "1",
+            "--hidden-size",
+            "32",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "16",
+            "--micro-batch-size",
+            "2",
+            "--train-iters",
+            "1",
+            "--device",
+            "cpu",
+            "--tokenizer-type",
+            "HuggingFaceTokenizer",
+            "--tokenizer-model",
+            str(directory),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc in (1, 2) and "error:" in err and "nested too deeply" in err and "Traceback" not in err, err
 
@@ -144,6 +175,14 @@ def test_deeply_nested_side_files_are_an_error_not_a_recursion(tmp_path, capsys,
 def test_deeply_nested_gpt2_vocabulary_is_an_error(tmp_path):
     (tmp_path / "vocab.json").write_text(DEEP)
     (tmp_path / "merges.txt").write_text("#version: 0.2\n")
-    with pytest.raises(ConfigError, match=r"--vocab-file .*vocab\.json: cannot read a JSON vocabulary \(not valid JSON \(nested too deeply"):
-        build_tokenizer(DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"),
-                                   merge_file=str(tmp_path / "merges.txt")))
+    with pytest.raises(
+        ConfigError,
+        match=r"--vocab-file .*vocab\.json: cannot read a JSON vocabulary \(not valid JSON \(nested too deeply",
+    ):
+        build_tokenizer(
+            DataConfig(
+                tokenizer_type="GPT2BPETokenizer",
+                vocab_file=str(tmp_path / "vocab.json"),
+                merge_file=str(tmp_path / "merges.txt"),
+            )
+        )

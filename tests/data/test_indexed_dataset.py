@@ -53,10 +53,16 @@ def test_builder_rejects_ids_that_do_not_fit(tmp_path):
 
 def megatron_bytes(code, lengths, pointers, doc_index):
     """A .idx laid out from the Megatron-LM format description, independently of our writer."""
-    return (b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", code)
-            + struct.pack("<Q", len(lengths)) + struct.pack("<Q", len(doc_index))
-            + struct.pack(f"<{len(lengths)}i", *lengths) + struct.pack(f"<{len(pointers)}q", *pointers)
-            + struct.pack(f"<{len(doc_index)}q", *doc_index))
+    return (
+        b"MMIDIDX\x00\x00"
+        + struct.pack("<Q", 1)
+        + struct.pack("<B", code)
+        + struct.pack("<Q", len(lengths))
+        + struct.pack("<Q", len(doc_index))
+        + struct.pack(f"<{len(lengths)}i", *lengths)
+        + struct.pack(f"<{len(pointers)}q", *pointers)
+        + struct.pack(f"<{len(doc_index)}q", *doc_index)
+    )
 
 
 def test_hand_written_megatron_files_read_and_match_writer(tmp_path):
@@ -100,17 +106,20 @@ def good(tmp_path):
 
 def corrupt(path, offset, data):
     raw = bytearray(path.read_bytes())
-    raw[offset:offset + len(data)] = data
+    raw[offset : offset + len(data)] = data
     path.write_bytes(bytes(raw))
 
 
-@pytest.mark.parametrize("offset,data,message", [
-    (0, b"XXIDIDX", r"g\.idx.*header b'XXIDIDX"),
-    (9, struct.pack("<Q", 2), r"g\.idx.*version 2, expected 1"),
-    (17, b"\x63", r"g\.idx.*dtype code 99"),
-    (18, struct.pack("<Q", 3), r"g\.idx.*expected \d+ for 3 sequences"),
-    (len(megatron_bytes(4, [3, 2], [0, 12], [0, 1, 2])) - 8, struct.pack("<q", 1), r"g\.idx.*document index"),
-])
+@pytest.mark.parametrize(
+    "offset,data,message",
+    [
+        (0, b"XXIDIDX", r"g\.idx.*header b'XXIDIDX"),
+        (9, struct.pack("<Q", 2), r"g\.idx.*version 2, expected 1"),
+        (17, b"\x63", r"g\.idx.*dtype code 99"),
+        (18, struct.pack("<Q", 3), r"g\.idx.*expected \d+ for 3 sequences"),
+        (len(megatron_bytes(4, [3, 2], [0, 12], [0, 1, 2])) - 8, struct.pack("<q", 1), r"g\.idx.*document index"),
+    ],
+)
 def test_corrupt_index(good, offset, data, message):
     corrupt(good.with_suffix(".idx"), offset, data)
     with pytest.raises(ValueError, match=message):

@@ -20,8 +20,9 @@ def megatron_sampler(total, consumed, mb, rank, dp, drop_last=True):
         yield batch[start:end]
 
 
-@pytest.mark.parametrize("total,consumed,mb,dp", [(50, 0, 2, 3), (50, 7, 2, 3), (17, 0, 4, 1), (9, 8, 1, 2),
-                                                  (64, 32, 8, 4)])
+@pytest.mark.parametrize(
+    "total,consumed,mb,dp", [(50, 0, 2, 3), (50, 7, 2, 3), (17, 0, 4, 1), (9, 8, 1, 2), (64, 32, 8, 4)]
+)
 @pytest.mark.parametrize("drop_last", [True, False])
 def test_matches_megatron(total, consumed, mb, dp, drop_last):
     for rank in range(dp):
@@ -50,10 +51,15 @@ def test_resume_continues_exactly():
                 assert all(np.array_equal(data[i], data[j]) for i, j in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("args,message", [
-    ((0, 0, 1, 0, 1), "total_samples"), ((10, 10, 1, 0, 1), "consumed_samples"),
-    ((10, 0, 0, 0, 1), "micro_batch_size"), ((10, 0, 1, 2, 2), "data_parallel_rank"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ((0, 0, 1, 0, 1), "total_samples"),
+        ((10, 10, 1, 0, 1), "consumed_samples"),
+        ((10, 0, 0, 0, 1), "micro_batch_size"),
+        ((10, 0, 1, 2, 2), "data_parallel_rank"),
+    ],
+)
 def test_errors(args, message):
     with pytest.raises(ValueError, match=message):
         PretrainingSampler(*args)

@@ -1,6 +1,7 @@
 """Token ids are checked against the vocabulary before training: the range of a dataset is one
 pass over its .bin, cached beside the sample indices; an id past the vocabulary is one error
 line on every layout instead of an IndexError (TP1) or training on another shard's rows (TP2)."""
+
 import os
 
 import numpy as np
@@ -44,6 +45,7 @@ def test_chunks_cover_the_whole_file(tmp_path):
 
 def test_an_id_past_the_vocabulary_is_an_error_with_tp1(tmp_path, capsys):
     import pretrain_m6
+
     prefix = _dataset(tmp_path / "ds", high=200)  # vocabulary 200: ids 0..199
     assert pretrain_m6.main(TRAIN + ["--data-path", prefix]) == 2
     err = capsys.readouterr().err

@@ -4,9 +4,17 @@ import json
 import pytest
 
 from megatron_p2r.config import ConfigError, DataConfig
-from megatron_p2r.data.tokenizers import (TOKENIZER_TYPES, ByteTokenizer, GPT2BPETokenizer, Llama2Tokenizer,
-                                          NullTokenizer, SentencePieceTokenizer, SpecialTokens, TextEncodingError,
-                                          build_tokenizer)
+from megatron_p2r.data.tokenizers import (
+    TOKENIZER_TYPES,
+    ByteTokenizer,
+    GPT2BPETokenizer,
+    Llama2Tokenizer,
+    NullTokenizer,
+    SentencePieceTokenizer,
+    SpecialTokens,
+    TextEncodingError,
+    build_tokenizer,
+)
 
 SAMPLES = {
     "ascii": "The quick brown fox jumps over the lazy dog. def f(x): return x + 1",
@@ -30,8 +38,9 @@ def bpe_files(tmp_path_factory):
 
     directory = tmp_path_factory.mktemp("bpe")
     hf = ByteLevelBPETokenizer()
-    hf.train_from_iterator(TRAIN_TEXTS, vocab_size=400, min_frequency=2,
-                           special_tokens=["<|endoftext|>"], show_progress=False)
+    hf.train_from_iterator(
+        TRAIN_TEXTS, vocab_size=400, min_frequency=2, special_tokens=["<|endoftext|>"], show_progress=False
+    )
     hf.save_model(str(directory))
     return str(directory / "vocab.json"), str(directory / "merges.txt")
 
@@ -59,8 +68,14 @@ def test_gpt2_bpe_specials_and_batch(bpe_files):
     assert tok.encode("") == []
 
 
-EOD_TEXTS = ["a<|endoftext|>b", "<|endoftext|>", " hello<|endoftext|> world", "x <|endoftext|><|endoftext|>y",
-             "<|endoftext|<|endoftext|>>", "no special token here"]
+EOD_TEXTS = [
+    "a<|endoftext|>b",
+    "<|endoftext|>",
+    " hello<|endoftext|> world",
+    "x <|endoftext|><|endoftext|>y",
+    "<|endoftext|<|endoftext|>>",
+    "no special token here",
+]
 
 
 def test_gpt2_bpe_special_token_in_text(bpe_files):
@@ -72,8 +87,9 @@ def test_gpt2_bpe_special_token_in_text(bpe_files):
     directory = bpe_files[0].rsplit("/", 1)[0]
     megatron_main = GPT2TokenizerFast.from_pretrained(directory, local_files_only=True)
     as_text = ByteLevelBPETokenizer(*bpe_files)
-    ours = build_tokenizer(DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=bpe_files[0],
-                                      merge_file=bpe_files[1]))
+    ours = build_tokenizer(
+        DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=bpe_files[0], merge_file=bpe_files[1])
+    )
     plain = GPT2BPETokenizer(*bpe_files, special_tokens_in_text="text")
     for text in EOD_TEXTS:
         assert ours.encode(text) == megatron_main(text).input_ids
@@ -121,9 +137,21 @@ def sp_model(tmp_path_factory):
     prefix = tmp_path_factory.mktemp("sp") / "m"
     lines = [line for text in TRAIN_TEXTS for line in text.split("\n") if line.strip()]
     sentencepiece.SentencePieceTrainer.Train(
-        sentence_iterator=iter(lines), model_prefix=str(prefix), vocab_size=400, model_type="bpe",
-        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
-        character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=3, minloglevel=2, num_threads=1)
+        sentence_iterator=iter(lines),
+        model_prefix=str(prefix),
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        character_coverage=1.0,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=3,
+        minloglevel=2,
+        num_threads=1,
+    )
     return str(prefix) + ".model"
 
 
@@ -142,7 +170,9 @@ def test_sentencepiece_round_trip(sp_model):
 
 def test_sentencepiece_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"--tokenizer-model .*nope\.model: no such file"):
-        build_tokenizer(DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(tmp_path / "nope.model")))
+        build_tokenizer(
+            DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(tmp_path / "nope.model"))
+        )
     garbage = tmp_path / "garbage.model"
     garbage.write_bytes(b"\x00not a model")
     with pytest.raises(ConfigError, match=r"--tokenizer-model .*garbage\.model"):
@@ -161,7 +191,9 @@ def test_special_tokens_split_as_hugging_face_does():
     reference.add_special_tokens(specials)
     ours = SpecialTokens({t: reference.token_to_id(t) for t in specials})
     for text in ["x<a><b>y", "x<a>y", "<a><b><c", "<a>b><c", "", "<a><a><b>b><c<", "plain"]:
-        assert ours.encode(text, lambda s: [chars.index(c) if c in chars else 0 for c in s]) == reference.encode(text).ids
+        assert (
+            ours.encode(text, lambda s: [chars.index(c) if c in chars else 0 for c in s]) == reference.encode(text).ids
+        )
 
 
 def test_sentencepiece_special_tokens_in_text(sp_model):
@@ -204,8 +236,13 @@ def test_llama2_tokenizer_conventions(sp_model, tmp_path):
     assert tok.decode(tok.encode("the cat")) == "the cat"
     lines = [line for text in TRAIN_TEXTS for line in text.split("\n") if line.strip()]
     sentencepiece.SentencePieceTrainer.Train(
-        sentence_iterator=iter(lines), model_prefix=str(tmp_path / "nobos"), vocab_size=100, bos_id=-1,
-        minloglevel=2, num_threads=1)
+        sentence_iterator=iter(lines),
+        model_prefix=str(tmp_path / "nobos"),
+        vocab_size=100,
+        bos_id=-1,
+        minloglevel=2,
+        num_threads=1,
+    )
     with pytest.raises(ConfigError, match=r"--tokenizer-model .*nobos\.model: Llama2Tokenizer needs .*<s>"):
         Llama2Tokenizer(str(tmp_path / "nobos.model"))
 
@@ -220,8 +257,12 @@ def test_null_tokenizer():
     assert tok.encode("") == []
     assert tok.decode([5, 0, 99]) == "5 0 99"
     assert tok.encode_batch(["1 2", "3"]) == [[1, 2], [3]]
-    for bad, message in [("1  2", "single spaces"), ("1 x", "single spaces"), ("1 100", r"100 is outside \[0, 100\)"),
-                         ("-1", "outside")]:
+    for bad, message in [
+        ("1  2", "single spaces"),
+        ("1 x", "single spaces"),
+        ("1 100", r"100 is outside \[0, 100\)"),
+        ("-1", "outside"),
+    ]:
         with pytest.raises(TextEncodingError, match=message):
             tok.encode(bad)
     with pytest.raises(ConfigError, match="NullTokenizer needs --vocab-size"):

@@ -1,5 +1,6 @@
 """The ParallelPlan, checked without processes: stage ranges, module keys, replicas, reductions,
 the norm's owners, the offload choice, and that the model built from it is what it says."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,9 +16,17 @@ from megatron_p2r.parallel.state import ParallelState
 from tests.helpers import tiny_config
 
 
-@pytest.mark.parametrize("layers,pp,split,counts", [
-    (4, 1, None, [4]), (4, 4, None, [1, 1, 1, 1]), (10, 4, None, [3, 3, 2, 2]), (7, 2, None, [4, 3]),
-    (16, 4, "3,5,5,3", [3, 5, 5, 3]), (4, 2, "1,3", [1, 3])])
+@pytest.mark.parametrize(
+    "layers,pp,split,counts",
+    [
+        (4, 1, None, [4]),
+        (4, 4, None, [1, 1, 1, 1]),
+        (10, 4, None, [3, 3, 2, 2]),
+        (7, 2, None, [4, 3]),
+        (16, 4, "3,5,5,3", [3, 5, 5, 3]),
+        (4, 2, "1,3", [1, 3]),
+    ],
+)
 def test_stage_layer_counts(layers, pp, split, counts):
     assert stage_layer_counts(layers, pp, split) == counts
     ranges = stage_layer_ranges(layers, pp, split)
@@ -25,20 +34,35 @@ def test_stage_layer_counts(layers, pp, split, counts):
     assert [i for r in ranges for i in r] == list(range(layers))  # contiguous, in order, complete
 
 
-@pytest.mark.parametrize("layers,pp,split,message", [
-    (16, 4, "3,5,5", "has 3 entries but --pipeline-model-parallel-size is 4"),
-    (16, 4, "3,5,5,4", "adds up to 17, but --num-layers is 16"),
-    (16, 4, "3,0,8,5", "every stage needs at least one layer"),
-    (16, 4, "3,5,x,3", "expected comma-separated integers"),
-    (3, 4, None, r"--pipeline-model-parallel-size \(4\) exceeds --num-layers \(3\)")])
+@pytest.mark.parametrize(
+    "layers,pp,split,message",
+    [
+        (16, 4, "3,5,5", "has 3 entries but --pipeline-model-parallel-size is 4"),
+        (16, 4, "3,5,5,4", "adds up to 17, but --num-layers is 16"),
+        (16, 4, "3,0,8,5", "every stage needs at least one layer"),
+        (16, 4, "3,5,x,3", "expected comma-separated integers"),
+        (3, 4, None, r"--pipeline-model-parallel-size \(4\) exceeds --num-layers \(3\)"),
+    ],
+)
 def test_bad_splits_are_clear_errors(layers, pp, split, message):
     with pytest.raises(ConfigError, match=message):
         stage_layer_counts(layers, pp, split)
 
 
 def test_validate_checks_the_split_flag():
-    cfg = parse_args(["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--pipeline-layer-split", "3,4",
-                      "--vocab-size", "200", "--mock-data"])
+    cfg = parse_args(
+        [
+            "--num-layers",
+            "8",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--pipeline-layer-split",
+            "3,4",
+            "--vocab-size",
+            "200",
+            "--mock-data",
+        ]
+    )
     with pytest.raises(ConfigError, match="--pipeline-layer-split '3,4' adds up to 7"):
         validate(cfg, world_size=2)
     with pytest.raises(SystemExit):
@@ -61,8 +85,14 @@ def test_pseudo_slots_on_several_stages_are_replicas_reduced_over_those_stages_a
 
 
 def test_block_sharing_keeps_each_slot_on_one_stage_and_real_phase_shares_nothing():
-    block = _plan(2, num_layers=4, pipeline_model_parallel_size=2, p2r_phase="pseudo", share_pattern="block:2",
-                  untie_embeddings_and_output_weights=True)
+    block = _plan(
+        2,
+        num_layers=4,
+        pipeline_model_parallel_size=2,
+        p2r_phase="pseudo",
+        share_pattern="block:2",
+        untie_embeddings_and_output_weights=True,
+    )
     assert [st.layer_keys for st in block.stages] == [(0, 0), (2, 2)]
     assert block.replicas == () and block.stage_sets() == ()
     real = _plan(2, num_layers=4, pipeline_model_parallel_size=2, p2r_phase="real", share_pattern="all")
@@ -77,8 +107,15 @@ def test_experts_reduce_over_expert_dp():
 
 def test_each_logical_element_counts_once_in_the_norm():
     """Over every rank of a TP2 x PP2 x DP2 layout, each (tensor, TP slice) is counted once."""
-    cfg = tiny_config(num_layers=4, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                      global_batch_size=8, num_experts=4, moe_layer_freq=2, expert_model_parallel_size=2)
+    cfg = tiny_config(
+        num_layers=4,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        global_batch_size=8,
+        num_experts=4,
+        moe_layer_freq=2,
+        expert_model_parallel_size=2,
+    )
     plan = ParallelPlan.for_world(cfg, 8)
     counted = {}
     for rank in range(8):
@@ -98,13 +135,17 @@ def test_offload_choice_is_made_per_stage_in_the_plan():
     listed = _plan(2, num_layers=6, pipeline_model_parallel_size=2, cpu_offload_layers="0,4")
     assert [st.offloaded for st in listed.stages] == [(0,), (4,)]
     pseudo = _plan(1, num_layers=4, p2r_phase="pseudo", share_pattern="cycle:2", cpu_offload_layers="1")
-    assert pseudo.stage(0).offloaded == (1,)   # slot 1 serves layers 1 and 3: offloaded once
+    assert pseudo.stage(0).offloaded == (1,)  # slot 1 serves layers 1 and 3: offloaded once
 
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_model_stages_hold_what_the_plan_says(tied):
-    cfg = tiny_config(num_layers=5, pipeline_model_parallel_size=3, pipeline_layer_split="2,2,1",
-                      untie_embeddings_and_output_weights=not tied)
+    cfg = tiny_config(
+        num_layers=5,
+        pipeline_model_parallel_size=3,
+        pipeline_layer_split="2,2,1",
+        untie_embeddings_and_output_weights=not tied,
+    )
     plan = ParallelPlan.build(cfg, Layout(pp=3))
     stages = [build_model(cfg, ParallelState(layout=Layout(pp=3), rank=s), plan, meta=True) for s in range(3)]
     first, middle, last = stages
@@ -113,8 +154,10 @@ def test_model_stages_hold_what_the_plan_says(tied):
     assert middle.embedding is None and middle.final_norm is None and middle.output_layer is None
     assert last.embedding is None and last.final_norm is not None and last.output_layer is not None
     for s, model in enumerate(stages):  # names, local shapes and sharding: the plan's tensor specs
-        built = [(n, tuple(p.shape), getattr(p, "tp_dim", None), getattr(p, "shared_name", None))
-                 for n, p in model.named_parameters()]
+        built = [
+            (n, tuple(p.shape), getattr(p, "tp_dim", None), getattr(p, "shared_name", None))
+            for n, p in model.named_parameters()
+        ]
         assert built == [(t.name, t.shape, t.tp_dim, t.shared_name) for t in plan.tensors(s)]
     out_w = last.output_layer.weight
     if tied:  # one logical tensor, held by stages 0 and 2, gradients summed there
@@ -123,14 +166,16 @@ def test_model_stages_hold_what_the_plan_says(tied):
     else:
         assert plan.replicas == ()
     # Together the stages hold exactly the one-stage model's logical tensors.
-    single = build_model(tiny_config(num_layers=5, untie_embeddings_and_output_weights=not tied),
-                         ParallelState.single(), meta=True)
+    single = build_model(
+        tiny_config(num_layers=5, untie_embeddings_and_output_weights=not tied), ParallelState.single(), meta=True
+    )
     held = [logical_name(n, p) for m in stages for n, p in m.named_parameters()]
     assert len(held) == len(set(held)) + (1 if tied else 0)
     assert set(held) == {n for n, _ in single.named_parameters()}
 
 
 # ----------------------------------------------------------------------------- virtual stages
+
 
 def test_virtual_stages_follow_megatron():
     """--num-layers-per-virtual-pipeline-stage N: v = (L/P)/N chunks per rank, chunk c of rank p
@@ -143,21 +188,28 @@ def test_virtual_stages_follow_megatron():
     assert [c.index for c in plan.virtual_stages] == [0, 1, 2, 3]
     assert plan.stages[0].layers == (0, 1, 4, 5) and plan.stages[1].layer_keys == (2, 3, 6, 7)
     assert [(st.first, st.last) for st in plan.stages] == [(True, False), (False, True)]
-    assert [(c.first, c.last) for c in plan.virtual_stages] == [(True, False), (False, False), (False, False),
-                                                                 (False, True)]
+    assert [(c.first, c.last) for c in plan.virtual_stages] == [
+        (True, False),
+        (False, False),
+        (False, False),
+        (False, True),
+    ]
     same = _plan(2, num_layers=8, pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2)
     assert same.stages == plan.stages
-    assert _plan(2, num_layers=8, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=4
-                 ).num_model_chunks == 1
+    assert (
+        _plan(2, num_layers=8, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=4).num_model_chunks
+        == 1
+    )
 
 
 def test_virtual_stage_replicas_are_pipeline_ranks():
     """A slot called by two chunks of one rank is one module there (no replica); across ranks it
     joins the cross-stage group of those pipeline ranks; the tied embedding joins rank 0's first
     chunk and rank P-1's last."""
-    vpp = dict(num_layers=4, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1,
-               p2r_phase="pseudo")
-    cycle = _plan(2, share_pattern="cycle:2", **vpp)   # layers 0, 2 (slot 0) on rank 0; 1, 3 on rank 1
+    vpp = dict(
+        num_layers=4, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1, p2r_phase="pseudo"
+    )
+    cycle = _plan(2, share_pattern="cycle:2", **vpp)  # layers 0, 2 (slot 0) on rank 0; 1, 3 on rank 1
     assert [st.modules for st in cycle.stages] == [(0,), (1,)]
     assert cycle.replicas == ((WORD_EMBEDDING, (0, 1)),)
     every = _plan(2, share_pattern="all", **vpp)
@@ -167,18 +219,25 @@ def test_virtual_stage_replicas_are_pipeline_ranks():
     assert every.stage_sets() == ((0, 1),)
 
 
-@pytest.mark.parametrize("flags,message", [
-    (dict(num_layers_per_virtual_pipeline_stage=1, num_virtual_stages_per_pipeline_rank=2), "pass at most one"),
-    (dict(num_layers_per_virtual_pipeline_stage=3), "must divide the 4 layers of each pipeline stage"),
-    (dict(num_virtual_stages_per_pipeline_rank=3), "must divide the 4 layers of each pipeline stage"),
-    (dict(num_layers_per_virtual_pipeline_stage=1, pipeline_layer_split="3,5"),
-     "cannot be combined with --pipeline-layer-split"),
-    (dict(num_layers_per_virtual_pipeline_stage=1, pipeline_schedule="gpipe"), "interleaving is a 1F1B schedule"),
-    (dict(num_layers_per_virtual_pipeline_stage=1, pipeline_model_parallel_size=1),
-     "needs --pipeline-model-parallel-size > 1"),
-    (dict(num_virtual_stages_per_pipeline_rank=2, num_layers=6), "must divide the 3 layers of each pipeline stage"),
-    (dict(num_virtual_stages_per_pipeline_rank=2, num_layers=7), r"needs --num-layers \(7\) divisible by"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (dict(num_layers_per_virtual_pipeline_stage=1, num_virtual_stages_per_pipeline_rank=2), "pass at most one"),
+        (dict(num_layers_per_virtual_pipeline_stage=3), "must divide the 4 layers of each pipeline stage"),
+        (dict(num_virtual_stages_per_pipeline_rank=3), "must divide the 4 layers of each pipeline stage"),
+        (
+            dict(num_layers_per_virtual_pipeline_stage=1, pipeline_layer_split="3,5"),
+            "cannot be combined with --pipeline-layer-split",
+        ),
+        (dict(num_layers_per_virtual_pipeline_stage=1, pipeline_schedule="gpipe"), "interleaving is a 1F1B schedule"),
+        (
+            dict(num_layers_per_virtual_pipeline_stage=1, pipeline_model_parallel_size=1),
+            "needs --pipeline-model-parallel-size > 1",
+        ),
+        (dict(num_virtual_stages_per_pipeline_rank=2, num_layers=6), "must divide the 3 layers of each pipeline stage"),
+        (dict(num_virtual_stages_per_pipeline_rank=2, num_layers=7), r"needs --num-layers \(7\) divisible by"),
+    ],
+)
 def test_bad_interleaving_flags_are_clear_errors(flags, message):
     cfg = tiny_config(**{"num_layers": 8, "pipeline_model_parallel_size": 2, **flags})
     with pytest.raises(ConfigError, match=message):

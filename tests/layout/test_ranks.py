@@ -1,11 +1,13 @@
 """Rank arithmetic of layout/ranks.py, checked without processes for worlds 1..512."""
+
 import pytest
 
 from megatron_p2r.layout.ranks import GROUP_KINDS, Layout, stage_set_groups
 
 
-@pytest.mark.parametrize("world,tp,pp,ep", [(1, 1, 1, 1), (8, 2, 2, 1), (8, 2, 1, 2), (16, 2, 2, 2),
-                                            (512, 8, 4, 4), (512, 1, 64, 8)])
+@pytest.mark.parametrize(
+    "world,tp,pp,ep", [(1, 1, 1, 1), (8, 2, 2, 1), (8, 2, 1, 2), (16, 2, 2, 2), (512, 8, 4, 4), (512, 1, 64, 8)]
+)
 def test_groups_partition_the_world_and_match_coordinates(world, tp, pp, ep):
     layout = Layout.from_world(world, tp, pp, ep)
     assert layout.world_size == world
@@ -17,11 +19,10 @@ def test_groups_partition_the_world_and_match_coordinates(world, tp, pp, ep):
         groups = layout.groups(kind)
         members = sorted(r for g in groups for r in g)
         assert members == list(range(world)), kind  # a partition of the world
-    expected_sizes = {"tp": tp, "dp": world // (tp * pp), "pp": pp, "ep": ep,
-                      "expert_dp": world // (tp * pp * ep)}
+    expected_sizes = {"tp": tp, "dp": world // (tp * pp), "pp": pp, "ep": ep, "expert_dp": world // (tp * pp * ep)}
     for kind, size in expected_sizes.items():
         assert {len(g) for g in layout.groups(kind)} == {size}, kind
-    for kind in GROUP_KINDS:   # group_of computes from coordinates what a search of groups finds
+    for kind in GROUP_KINDS:  # group_of computes from coordinates what a search of groups finds
         for group in layout.groups(kind):
             for rank in group[:: max(1, len(group) // 3)]:
                 assert layout.group_of(kind, rank) == group, (kind, rank)
@@ -29,8 +30,13 @@ def test_groups_partition_the_world_and_match_coordinates(world, tp, pp, ep):
 
 def test_group_members_share_the_documented_coordinates():
     layout = Layout.from_world(16, tp=2, pp=2, ep=2)  # dp = 4
-    same = {"tp": ("dp", "pp"), "dp": ("tp", "pp"), "pp": ("tp", "dp"), "ep": ("tp", "pp", "expert_dp"),
-            "expert_dp": ("tp", "pp", "ep")}
+    same = {
+        "tp": ("dp", "pp"),
+        "dp": ("tp", "pp"),
+        "pp": ("tp", "dp"),
+        "ep": ("tp", "pp", "expert_dp"),
+        "expert_dp": ("tp", "pp", "ep"),
+    }
     for kind, fields in same.items():
         for group in layout.groups(kind):
             coords = [layout.coords(r) for r in group]

@@ -1,4 +1,5 @@
 """Share patterns (pure maps) and the one-process pseudo model against an explicit reference."""
+
 import copy
 
 import pytest
@@ -31,8 +32,15 @@ def test_module_keys_separate_dense_and_moe_layers():
     assert layer_module_keys("none", 4, moe_every_other) == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("pattern,message", [("cycle", "needs an integer K"), ("block:3", "must divide"),
-                                             ("cycle:9", "between 1 and"), ("every:2", "expected all, none")])
+@pytest.mark.parametrize(
+    "pattern,message",
+    [
+        ("cycle", "needs an integer K"),
+        ("block:3", "must divide"),
+        ("cycle:9", "between 1 and"),
+        ("every:2", "expected all, none"),
+    ],
+)
 def test_bad_patterns(pattern, message):
     with pytest.raises(ConfigError, match=message):
         parse_share_pattern(pattern, 4)
@@ -70,10 +78,15 @@ def test_parameter_count_matches_the_formula():
     per_layer = (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h  # qkv, proj, fc1, fc2, 2 norms
     shared = v * h + 16 * h + 2 * h  # word + position embeddings (seq 16) + final norm
     counts = {}
-    for phase, pattern, slots in [("real", "all", L), ("pseudo", "all", 1), ("pseudo", "cycle:2", 2),
-                                  ("pseudo", "block:2", 2)]:
-        model = build_model(tiny_config(num_layers=L, p2r_phase=phase, share_pattern=pattern),
-                            ParallelState.single(), meta=True)
+    for phase, pattern, slots in [
+        ("real", "all", L),
+        ("pseudo", "all", 1),
+        ("pseudo", "cycle:2", 2),
+        ("pseudo", "block:2", 2),
+    ]:
+        model = build_model(
+            tiny_config(num_layers=L, p2r_phase=phase, share_pattern=pattern), ParallelState.single(), meta=True
+        )
         counts[(phase, pattern)] = sum(p.numel() for p in model.parameters())
         assert counts[(phase, pattern)] == shared + slots * per_layer, (phase, pattern)
     real_layers = counts[("real", "all")] - shared

@@ -1,5 +1,6 @@
 """The layout's tensor specs against the model they describe: the transformer module each
 parameter belongs to is carried on its spec, so no reader parses it out of the name."""
+
 import pytest
 
 from megatron_p2r.layout.plan import ParallelPlan
@@ -9,11 +10,20 @@ from megatron_p2r.parallel.state import ParallelState
 from tests.helpers import tiny_config
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(num_layers=4, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1),
-    dict(num_layers=6, pipeline_model_parallel_size=2, p2r_phase="pseudo", share_pattern="cycle:2",
-         num_experts=4, moe_layer_freq=2),
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(num_layers=4, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1),
+        dict(
+            num_layers=6,
+            pipeline_model_parallel_size=2,
+            p2r_phase="pseudo",
+            share_pattern="cycle:2",
+            num_experts=4,
+            moe_layer_freq=2,
+        ),
+    ],
+)
 def test_each_spec_carries_the_module_that_holds_its_parameter(overrides):
     cfg = tiny_config(**overrides)
     layout = Layout(pp=cfg.parallel.pipeline_model_parallel_size)

@@ -13,6 +13,7 @@ the plan's reductions), and losses over 3 optimizer steps -- and the key/value r
 bitwise identical over their TP ranks. Tolerance as tests/parallel/test_layers.py: fp32, TP
 changes only the order of reductions (gradients 2e-5 absolute, losses 1e-5 relative).
 """
+
 import hashlib
 import math
 
@@ -35,23 +36,36 @@ GQA = dict(group_query_attention=True)
 # name: (TP, groups, model options); 4 heads, 4 ranks (DP fills the rest)
 CASES = {
     "tp4_g1": (4, 1, dict(ROPE, qk_layernorm=True, kv_channels=12, rotary_percent=0.5)),
-    "tp4_g2": (4, 2, {}),   # learned positions, LayerNorm, biases everywhere
+    "tp4_g2": (4, 2, {}),  # learned positions, LayerNorm, biases everywhere
     "tp4_g4": (4, 4, dict(ROPE, disable_bias_linear=True, add_qkv_bias=True)),
-    "tp2_g1": (2, 1, dict(qk_layernorm=True)),   # LayerNorm q/k norms: weight and bias
+    "tp2_g1": (2, 1, dict(qk_layernorm=True)),  # LayerNorm q/k norms: weight and bias
     "tp2_g2": (2, 2, dict(ROPE, rotary_percent=0.5)),
     "tp2_g4": (2, 4, dict(ROPE, kv_channels=16)),
     # gpt-oss: a window on layer 0, sinks split with the heads, quick-GeGLU clamped in the dense and expert MLPs
-    "tp2_g2_gpt_oss": (2, 2, dict(position_embedding_type="rope", normalization="RMSNorm", window_size="5,0",
-                                  window_attn_skip_freq=2, softmax_type="learnable", quick_geglu=True,
-                                  glu_linear_offset=1.0, activation_func_clamp_value=0.1, num_experts=4,
-                                  moe_layer_freq=2)),
+    "tp2_g2_gpt_oss": (
+        2,
+        2,
+        dict(
+            position_embedding_type="rope",
+            normalization="RMSNorm",
+            window_size="5,0",
+            window_attn_skip_freq=2,
+            softmax_type="learnable",
+            quick_geglu=True,
+            glu_linear_offset=1.0,
+            activation_func_clamp_value=0.1,
+            num_experts=4,
+            moe_layer_freq=2,
+        ),
+    ),
 }
-STEPPED = ("tp4_g1", "tp4_g2", "tp2_g1")   # key/value heads replicated: 3 optimizer steps
+STEPPED = ("tp4_g1", "tp4_g2", "tp2_g1")  # key/value heads replicated: 3 optimizer steps
 
 
 def _config(tp, groups, options, **more):
-    return tiny_config(**GQA, num_query_groups=groups, tensor_model_parallel_size=tp, global_batch_size=4,
-                       **options, **more)
+    return tiny_config(
+        **GQA, num_query_groups=groups, tensor_model_parallel_size=tp, global_batch_size=4, **options, **more
+    )
 
 
 def _replica_digests(model, ps):
@@ -90,12 +104,13 @@ def test_gqa_under_tp_reproduces_one_process_and_replicas_stay_identical():
                 assert res["losses"] == pytest.approx(res["ref_losses"], rel=1e-5), name
                 block = tp // min(tp, groups)
                 for tensor, copies in res["replicas"].items():
-                    for start in range(0, tp, block):   # one block of TP ranks per key/value head
-                        assert len(set(copies[start:start + block])) == 1, (name, tensor, copies)
-                    assert len(set(copies)) == min(tp, groups), (name, tensor)   # distinct heads differ
+                    for start in range(0, tp, block):  # one block of TP ranks per key/value head
+                        assert len(set(copies[start : start + block])) == 1, (name, tensor, copies)
+                    assert len(set(copies)) == min(tp, groups), (name, tensor)  # distinct heads differ
 
 
 # ----------------------------------------------------------------------------- one process
+
 
 def _by_hand(attn, cfg, x):
     """The attention module's output written out: separate projections, keys/values repeated
@@ -106,14 +121,14 @@ def _by_hand(attn, cfg, x):
     q = F.linear(x, attn.query.weight, attn.query.bias).view(b, s, heads, d)
     kv = F.linear(x, attn.key_value.weight, attn.key_value.bias).view(b, s, groups, 2, d)
     k, v = kv[..., 0, :], kv[..., 1, :]
-    k, v = (t.repeat_interleave(heads // groups, dim=2) for t in (k, v))   # query head i uses group i // (H/G)
+    k, v = (t.repeat_interleave(heads // groups, dim=2) for t in (k, v))  # query head i uses group i // (H/G)
     q, k = attn.q_layernorm(q), attn.k_layernorm(k)
     rot = m.rotary_dim
-    angle = torch.arange(s)[:, None] * m.rotary_base ** (-torch.arange(0, rot, 2) / rot)   # [s, rot/2]
+    angle = torch.arange(s)[:, None] * m.rotary_base ** (-torch.arange(0, rot, 2) / rot)  # [s, rot/2]
     cos, sin = angle.cos()[:, None], angle.sin()[:, None]
 
     def rotate(t):
-        a, c, rest = t[..., :rot // 2], t[..., rot // 2:rot], t[..., rot:]
+        a, c, rest = t[..., : rot // 2], t[..., rot // 2 : rot], t[..., rot:]
         return torch.cat([a * cos - c * sin, c * cos + a * sin, rest], dim=-1)
 
     q, k = rotate(q), rotate(k)
@@ -125,10 +140,11 @@ def _by_hand(attn, cfg, x):
 
 @pytest.mark.parametrize("groups", [1, 2])
 def test_attention_equals_the_written_out_computation(groups):
-    cfg = tiny_config(**ROPE, **GQA, num_query_groups=groups, kv_channels=12, qk_layernorm=True,
-                      rotary_percent=0.5, add_qkv_bias=True)
+    cfg = tiny_config(
+        **ROPE, **GQA, num_query_groups=groups, kv_channels=12, qk_layernorm=True, rotary_percent=0.5, add_qkv_bias=True
+    )
     model = build_model(cfg, ParallelState.single())
-    with torch.no_grad():   # q/k norm weights away from 1 so that they count
+    with torch.no_grad():  # q/k norm weights away from 1 so that they count
         for name, p in model.named_parameters():
             if "layernorm" in name or name.endswith("query.bias"):
                 p.uniform_(0.5, 1.5)
@@ -161,8 +177,14 @@ def test_groups_equal_to_heads_is_the_fused_multi_head_model():
 def test_plan_sums_partial_gradients_over_tp_blocks():
     """Key/value heads replicated over TP/G ranks, and q/k norm weights, are reduced over those
     TP ranks (x DP); each counts once in the gradient norm."""
-    cfg = tiny_config(**GQA, num_query_groups=2, qk_layernorm=True, tensor_model_parallel_size=8,
-                      num_attention_heads=8, global_batch_size=4)
+    cfg = tiny_config(
+        **GQA,
+        num_query_groups=2,
+        qk_layernorm=True,
+        tensor_model_parallel_size=8,
+        num_attention_heads=8,
+        global_batch_size=4,
+    )
     plan = ParallelPlan.for_world(cfg, 16)
     kv, q = "layers.0.attention.key_value.weight", "layers.0.attention.query.weight"
     assert plan.reduction(kv, False).tp_block == 4 and plan.reduction(kv, False).kind == "tp_partial"
@@ -173,21 +195,40 @@ def test_plan_sums_partial_gradients_over_tp_blocks():
     assert counted == [0, 4]
     specs = {s.name: s for s in plan.tensors(0)}
     assert specs[kv].shape == (2 * 4, 32) and specs[kv].tp_replicas == 4 and specs[q].shape == (4, 32)
-    pseudo = tiny_config(**GQA, num_query_groups=1, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                         num_layers=4, p2r_phase="pseudo", share_pattern="all", global_batch_size=4)
-    shared = ParallelPlan.for_world(pseudo, 4).reduction(kv, False)   # a slot on both stages, replicated over TP
+    pseudo = tiny_config(
+        **GQA,
+        num_query_groups=1,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        num_layers=4,
+        p2r_phase="pseudo",
+        share_pattern="all",
+        global_batch_size=4,
+    )
+    shared = ParallelPlan.for_world(pseudo, 4).reduction(kv, False)  # a slot on both stages, replicated over TP
     assert (shared.kind, shared.stages, shared.tp_block) == ("sharing", (0, 1), 2)
 
 
-@pytest.mark.parametrize("options, world, message", [
-    (dict(num_query_groups=3), 1, "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
-    (dict(num_query_groups=4, num_attention_heads=12, hidden_size=48, tensor_model_parallel_size=6,
-          make_vocab_size_divisible_by=48), 6,
-     "--num-query-groups (4) and --tensor-model-parallel-size (6) must divide one another"),
-    (dict(ROPE, rotary_percent=0.2), 1, "--rotary-percent 0.2 of head dimension 8 gives 1"),
-    (dict(rotary_percent=1.5), 1, "--rotary-percent must be <= 1, got 1.5 (range (0, 1])"),
-    (dict(num_attention_heads=6), 1, "(or set --kv-channels)"),
-])
+@pytest.mark.parametrize(
+    "options, world, message",
+    [
+        (dict(num_query_groups=3), 1, "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
+        (
+            dict(
+                num_query_groups=4,
+                num_attention_heads=12,
+                hidden_size=48,
+                tensor_model_parallel_size=6,
+                make_vocab_size_divisible_by=48,
+            ),
+            6,
+            "--num-query-groups (4) and --tensor-model-parallel-size (6) must divide one another",
+        ),
+        (dict(ROPE, rotary_percent=0.2), 1, "--rotary-percent 0.2 of head dimension 8 gives 1"),
+        (dict(rotary_percent=1.5), 1, "--rotary-percent must be <= 1, got 1.5 (range (0, 1])"),
+        (dict(num_attention_heads=6), 1, "(or set --kv-channels)"),
+    ],
+)
 def test_attention_options_are_checked(options, world, message):
     with pytest.raises(ConfigError) as err:
         validate(tiny_config(**GQA, global_batch_size=8, **options), world)
@@ -196,8 +237,9 @@ def test_attention_options_are_checked(options, world, message):
 
 def test_accepted_attention_options():
     """TP 8 over 2 groups (each replicated over 4 ranks); 6 heads of --kv-channels 8 in hidden 32."""
-    gqa = tiny_config(**GQA, num_query_groups=2, num_attention_heads=8, tensor_model_parallel_size=8,
-                      global_batch_size=8)
+    gqa = tiny_config(
+        **GQA, num_query_groups=2, num_attention_heads=8, tensor_model_parallel_size=8, global_batch_size=8
+    )
     validate(gqa, 8)
     rope = tiny_config(**ROPE, num_attention_heads=6, kv_channels=8, rotary_percent=0.5)
     validate(rope, 1)
@@ -208,9 +250,28 @@ def test_megatron_flag_names_and_defaults():
     """The flags parse under Megatron-LM's names; the defaults are Megatron-LM's (no GQA,
     --num-query-groups 1 ignored without it, head dim hidden/heads, whole-head rotary)."""
     from megatron_p2r.arguments import parse_args
-    m = parse_args(["--group-query-attention", "--num-query-groups", "2", "--kv-channels", "16", "--qk-layernorm",
-                    "--rotary-percent", "0.5", "--add-qkv-bias", "--hidden-size", "32"]).model
+
+    m = parse_args(
+        [
+            "--group-query-attention",
+            "--num-query-groups",
+            "2",
+            "--kv-channels",
+            "16",
+            "--qk-layernorm",
+            "--rotary-percent",
+            "0.5",
+            "--add-qkv-bias",
+            "--hidden-size",
+            "32",
+        ]
+    ).model
     assert (m.query_groups, m.head_dim, m.qk_layernorm, m.rotary_dim, m.add_qkv_bias) == (2, 16, True, 8, True)
     d = parse_args(["--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2"]).model
-    assert (d.group_query_attention, d.query_groups, d.kv_channels, d.head_dim, d.rotary_percent) == \
-        (False, 4, None, 8, 1.0)
+    assert (d.group_query_attention, d.query_groups, d.kv_channels, d.head_dim, d.rotary_percent) == (
+        False,
+        4,
+        None,
+        8,
+        1.0,
+    )

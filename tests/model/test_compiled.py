@@ -8,6 +8,7 @@ TP=2 with sequence parallelism and full recomputation, the gradients as training
 DP=2 with --overlap-param-gather (layers still one graph each). Compilation is slow on a small
 CPU, so the models are the tiniest and the cases few.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,7 +26,7 @@ from tests.harness import run_distributed
 from tests.helpers import max_grad_error, random_microbatches, reference_grads, run_steps, tiny_config
 from tests.pipeline.common import make_state, pipelined_step
 
-TOL = 2e-5   # fp32, as the TP tests
+TOL = 2e-5  # fp32, as the TP tests
 
 
 def _cfg(**overrides):
@@ -36,7 +37,7 @@ def _one_process_step(cfg, caplog):
     """(loss error, largest gradient error) of one compiled step against the eager model, and
     the compiled model's parameter names are the eager model's (checkpoints name these)."""
     mbs = random_microbatches(cfg, 2, 2)
-    ref_loss, ref = reference_grads(cfg, mbs)   # eager, nothing offloaded
+    ref_loss, ref = reference_grads(cfg, mbs)  # eager, nothing offloaded
     ps = ParallelState.single()
     with caplog.at_level(logging.WARNING, logger="megatron_p2r.model.compiled"):
         model, loss = pipelined_step(cfg, ps, mbs, "1f1b")
@@ -47,7 +48,7 @@ def _one_process_step(cfg, caplog):
 def test_one_process_selective_recompute_compiled_match_eager(caplog):
     loss_err, grad_err = _one_process_step(_cfg(recompute_activations=True), caplog)
     assert loss_err < 1e-5 and grad_err < TOL
-    assert "does not trace as one graph" not in caplog.text   # one graph per layer
+    assert "does not trace as one graph" not in caplog.text  # one graph per layer
 
 
 def test_offloaded_and_moe_layers_compiled_match_eager(caplog, monkeypatch):
@@ -81,16 +82,26 @@ def test_selective_recompute_with_dropout_replays_the_masks(monkeypatch):
 
 
 def _overlapped_param_gather(rank, world):
-    compiled.BACKEND = "aot_eager"   # a spawned rank: the test process's monkeypatch does not reach it
+    compiled.BACKEND = "aot_eager"  # a spawned rank: the test process's monkeypatch does not reach it
     ps = make_state(Layout(dp=2))
     runs = {}
     for compile_layers in (False, True):
-        cfg = tiny_config(compile=compile_layers, use_distributed_optimizer=True, overlap_param_gather=True,
-                          overlap_grad_reduce=True, ddp_bucket_size=1000, global_batch_size=8)
+        cfg = tiny_config(
+            compile=compile_layers,
+            use_distributed_optimizer=True,
+            overlap_param_gather=True,
+            overlap_grad_reduce=True,
+            ddp_bucket_size=1000,
+            global_batch_size=8,
+        )
         seed_everything(cfg.train.seed, 0, 0, ps.device)
-        runs[compile_layers] = run_steps(cfg, ps, 2)   # the second forward finds gathers pending
+        runs[compile_layers] = run_steps(cfg, ps, 2)  # the second forward finds gathers pending
     (eager, _), (losses, state) = runs[False], runs[True]
-    return {"losses": losses, "eager": eager, "whole": [layer.forward.pieces is None for layer in state.model.layers.values()]}
+    return {
+        "losses": losses,
+        "eager": eager,
+        "whole": [layer.forward.pieces is None for layer in state.model.layers.values()],
+    }
 
 
 def test_overlapped_param_gather_waits_before_each_compiled_layer():
@@ -102,8 +113,14 @@ def test_overlapped_param_gather_waits_before_each_compiled_layer():
 
 
 def _tp2(rank, world):
-    cfg = _cfg(num_layers=2, tensor_model_parallel_size=2, sequence_parallel=True, recompute_granularity="full",
-               recompute_method="uniform", recompute_num_layers=2)
+    cfg = _cfg(
+        num_layers=2,
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=2,
+    )
     mbs = random_microbatches(cfg, 2, 2)
     ps = make_state(Layout(tp=2))
     model, loss = pipelined_step(cfg, ps, mbs, "1f1b")

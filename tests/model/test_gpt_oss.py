@@ -9,6 +9,7 @@ in float64, except the rotary tables and the router, which are fp32 in both (so 
 missing option moves the logits by more than 1e-3). The clamp value is small enough that some
 gates and linear halves are clamped; the window is shorter than the sequence.
 """
+
 import pytest
 import torch
 
@@ -19,26 +20,58 @@ from tests.helpers import tiny_config
 transformers = pytest.importorskip("transformers")
 
 WINDOW, CLAMP, HEADS, GROUPS, D, H, F, E = 3, 0.5, 4, 2, 8, 32, 16, 4
-OURS = dict(num_layers=2, hidden_size=H, num_attention_heads=HEADS, group_query_attention=True,
-            num_query_groups=GROUPS, kv_channels=D, seq_length=12, vocab_size=208, make_vocab_size_divisible_by=16,
-            position_embedding_type="rope", normalization="RMSNorm", norm_epsilon=1e-5,
-            untie_embeddings_and_output_weights=True, window_size=f"{WINDOW},0", window_attn_skip_freq=2,
-            softmax_type="learnable", quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=CLAMP,
-            num_experts=E, moe_router_topk=2, moe_router_pre_softmax=False, moe_ffn_hidden_size=F)
+OURS = dict(
+    num_layers=2,
+    hidden_size=H,
+    num_attention_heads=HEADS,
+    group_query_attention=True,
+    num_query_groups=GROUPS,
+    kv_channels=D,
+    seq_length=12,
+    vocab_size=208,
+    make_vocab_size_divisible_by=16,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    norm_epsilon=1e-5,
+    untie_embeddings_and_output_weights=True,
+    window_size=f"{WINDOW},0",
+    window_attn_skip_freq=2,
+    softmax_type="learnable",
+    quick_geglu=True,
+    glu_linear_offset=1.0,
+    activation_func_clamp_value=CLAMP,
+    num_experts=E,
+    moe_router_topk=2,
+    moe_router_pre_softmax=False,
+    moe_ffn_hidden_size=F,
+)
 
 
 def reference_model():
     cfg = transformers.GptOssConfig(
-        num_hidden_layers=2, hidden_size=H, intermediate_size=F, num_attention_heads=HEADS,
-        num_key_value_heads=GROUPS, head_dim=D, vocab_size=208, num_local_experts=E, num_experts_per_tok=2,
-        sliding_window=WINDOW + 1, layer_types=["sliding_attention", "full_attention"], swiglu_limit=CLAMP,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-5,
-        max_position_embeddings=64, attn_implementation="eager", experts_implementation="eager")
+        num_hidden_layers=2,
+        hidden_size=H,
+        intermediate_size=F,
+        num_attention_heads=HEADS,
+        num_key_value_heads=GROUPS,
+        head_dim=D,
+        vocab_size=208,
+        num_local_experts=E,
+        num_experts_per_tok=2,
+        sliding_window=WINDOW + 1,
+        layer_types=["sliding_attention", "full_attention"],
+        swiglu_limit=CLAMP,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rms_norm_eps=1e-5,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+        experts_implementation="eager",
+    )
     torch.manual_seed(0)
     model = transformers.GptOssForCausalLM(cfg).double()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("router.bias"):   # ours has no router bias
+            if name.endswith("router.bias"):  # ours has no router bias
                 p.zero_()
             elif "norm" not in name:
                 p.normal_(0.0, 0.5 if p.dim() == 1 else 0.3)
@@ -63,11 +96,11 @@ def load_reference(ours, ref) -> None:
                 getattr(a.query, part).copy_(theirs[t + f"self_attn.q_proj.{part}"])
                 k, v = theirs[t + f"self_attn.k_proj.{part}"], theirs[t + f"self_attn.v_proj.{part}"]
                 kv = torch.stack([k.unflatten(0, (GROUPS, D)), v.unflatten(0, (GROUPS, D))], dim=1)
-                getattr(a.key_value, part).copy_(kv.flatten(0, 2))    # [groups, (k, v), d] rows
+                getattr(a.key_value, part).copy_(kv.flatten(0, 2))  # [groups, (k, v), d] rows
                 getattr(a.proj, part).copy_(theirs[t + f"self_attn.o_proj.{part}"])
             mlp = o.mlp
             mlp.router.weight.copy_(theirs[t + "mlp.router.weight"])
-            x = mlp.experts   # transformers' gate_up columns are interleaved (gate_j, up_j), as our rows
+            x = mlp.experts  # transformers' gate_up columns are interleaved (gate_j, up_j), as our rows
             x.weight1.copy_(theirs[t + "mlp.experts.gate_up_proj"].transpose(1, 2))
             x.bias1.copy_(theirs[t + "mlp.experts.gate_up_proj_bias"])
             x.weight2.copy_(theirs[t + "mlp.experts.down_proj"].transpose(1, 2))
@@ -90,15 +123,23 @@ def test_gpt_oss_layers_equal_transformers():
     theirs = dict(ref.named_parameters())
     for i in range(2):
         t, o = f"model.layers.{i}.", ours.layers[str(i)]
-        torch.testing.assert_close(o.attention.softmax_offset.grad, theirs[t + "self_attn.sinks"].grad,
-                                   atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(o.mlp.experts.weight1.grad, theirs[t + "mlp.experts.gate_up_proj"].grad.mT,
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            o.attention.softmax_offset.grad, theirs[t + "self_attn.sinks"].grad, atol=1e-5, rtol=1e-5
+        )
+        torch.testing.assert_close(
+            o.mlp.experts.weight1.grad, theirs[t + "mlp.experts.gate_up_proj"].grad.mT, atol=1e-5, rtol=1e-5
+        )
 
 
-@pytest.mark.parametrize("change", [dict(window_size=None, window_attn_skip_freq=None),
-                                    dict(activation_func_clamp_value=None), dict(glu_linear_offset=0.0),
-                                    dict(softmax_type="vanilla")])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(window_size=None, window_attn_skip_freq=None),
+        dict(activation_func_clamp_value=None),
+        dict(glu_linear_offset=0.0),
+        dict(softmax_type="vanilla"),
+    ],
+)
 def test_each_option_changes_the_logits(change):
     """Each option matters on this input, so the comparison above would see it missing."""
     ref = reference_model()
@@ -108,16 +149,20 @@ def test_each_option_changes_the_logits(change):
     assert (ours(tokens=tokens) - ref(input_ids=tokens).logits).abs().max().item() > 1e-3
 
 
-@pytest.mark.parametrize("options,message", [
-    (dict(window_size="128"), "--window-size must be two integers 'L,0'"),
-    (dict(window_size="128,4"), "--window-size 128,4: a causal model takes 'L,0'"),
-    (dict(window_attn_skip_freq=2), "--window-attn-skip-freq needs --window-size"),
-    (dict(swiglu=True, quick_geglu=True), "--swiglu and --quick-geglu are two activations"),
-    (dict(glu_linear_offset=1.0), "--glu-linear-offset applies to a gated MLP"),
-    (dict(activation_func_clamp_value=7.0), "--activation-func-clamp-value applies to a gated MLP"),
-])
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(window_size="128"), "--window-size must be two integers 'L,0'"),
+        (dict(window_size="128,4"), "--window-size 128,4: a causal model takes 'L,0'"),
+        (dict(window_attn_skip_freq=2), "--window-attn-skip-freq needs --window-size"),
+        (dict(swiglu=True, quick_geglu=True), "--swiglu and --quick-geglu are two activations"),
+        (dict(glu_linear_offset=1.0), "--glu-linear-offset applies to a gated MLP"),
+        (dict(activation_func_clamp_value=7.0), "--activation-func-clamp-value applies to a gated MLP"),
+    ],
+)
 def test_options_are_checked(options, message):
     from megatron_p2r.config import ConfigError
+
     with pytest.raises(ConfigError, match=message):
         tiny_config(**options).model.check()
 

@@ -3,6 +3,7 @@ GELU MLP with biases (--bias-gelu-fusion, the default), exact erf GELU with
 --no-bias-gelu-fusion or without biases; SwiGLU models have no GELU. The dense MLP and the MoE
 experts (Megatron's SequentialMLP experts are its MLP) compute what ``gelu_approximation`` says,
 checked against the formulas written out here."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,11 +15,11 @@ from megatron_p2r.parallel.state import ParallelState
 
 H, FFN = 8, 16
 CASES = [  # (model options, the GELU Megatron-LM computes)
-    ({}, "tanh"),                                                      # biases + bias-GELU fusion
-    ({"bias_gelu_fusion": False}, "none"),                             # --no-bias-gelu-fusion
-    ({"disable_bias_linear": True}, "none"),                           # no bias to fuse: F.gelu
+    ({}, "tanh"),  # biases + bias-GELU fusion
+    ({"bias_gelu_fusion": False}, "none"),  # --no-bias-gelu-fusion
+    ({"disable_bias_linear": True}, "none"),  # no bias to fuse: F.gelu
     ({"disable_bias_linear": True, "bias_gelu_fusion": False}, "none"),
-    ({"swiglu": True}, "none"),                                        # no GELU at all
+    ({"swiglu": True}, "none"),  # no GELU at all
 ]
 
 
@@ -28,7 +29,7 @@ def _tanh_gelu(y):
 
 
 def _erf_gelu(y):
-    return y * 0.5 * (1.0 + torch.erf(y / 2 ** 0.5))
+    return y * 0.5 * (1.0 + torch.erf(y / 2**0.5))
 
 
 def _filled(module):
@@ -68,4 +69,3 @@ def test_experts_compute_that_gelu(options, gelu):
         y = (_tanh_gelu if gelu == "tanh" else _erf_gelu)(F.linear(rows, experts.weight1[e], bias1))
         want.append(F.linear(y, experts.weight2[e], bias2))
     torch.testing.assert_close(experts(x, counts), torch.cat(want))
-

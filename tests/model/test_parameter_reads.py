@@ -3,6 +3,7 @@ parameter all-gather (``--overlap-param-gather``, parallel/ddp.py) waits for a m
 in that module's forward pre-hook, so a weight read from elsewhere (the tied output layer of the
 last pipeline stage was once read by the model directly) could be read before its gather landed:
 a race that showed as a rare 4e-4 loss difference in the PP2 x DP2 distributed-optimizer test."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,12 +17,19 @@ from tests.helpers import random_microbatches, tiny_config
 
 MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24)
 CASES = {
-    "tied": {}, "untied": dict(untie_embeddings_and_output_weights=True),
+    "tied": {},
+    "untied": dict(untie_embeddings_and_output_weights=True),
     "pp3-tied": dict(pipeline_model_parallel_size=3, num_layers=3),
     "pp3-untied": dict(pipeline_model_parallel_size=3, num_layers=3, untie_embeddings_and_output_weights=True),
-    "pp2-interleaved-pseudo": dict(pipeline_model_parallel_size=2, num_layers=4, num_layers_per_virtual_pipeline_stage=1,
-                                   p2r_phase="pseudo", share_pattern="cycle:2"),
-    "moe": MOE, "moe-grouped-gemm": dict(moe_grouped_gemm=True, **MOE),
+    "pp2-interleaved-pseudo": dict(
+        pipeline_model_parallel_size=2,
+        num_layers=4,
+        num_layers_per_virtual_pipeline_stage=1,
+        p2r_phase="pseudo",
+        share_pattern="cycle:2",
+    ),
+    "moe": MOE,
+    "moe-grouped-gemm": dict(moe_grouped_gemm=True, **MOE),
     "gqa-swiglu": dict(num_query_groups=2, group_query_attention=True, swiglu=True),
 }
 
@@ -38,8 +46,11 @@ def _poisoned_forward(model, real: dict, chunk: int, inputs: dict) -> torch.Tens
             for p in module.parameters(recurse=False):
                 p.copy_(real[p])
 
-    handles = [m.register_forward_pre_hook(restore, with_kwargs=True) for m in model.modules()
-               if next(m.parameters(recurse=False), None) is not None]
+    handles = [
+        m.register_forward_pre_hook(restore, with_kwargs=True)
+        for m in model.modules()
+        if next(m.parameters(recurse=False), None) is not None
+    ]
     try:
         return model(chunk=chunk, **inputs)
     finally:

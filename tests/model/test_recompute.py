@@ -6,6 +6,7 @@ every layer). Recomputed forwards replay both RNG streams, so the dropout masks,
 every gradient are the same bits. That they recompute at all is seen in what autograd keeps:
 fewer bytes selective, fewer still full. The units each method recomputes are pinned too.
 """
+
 import pytest
 import torch
 
@@ -25,12 +26,24 @@ RECOMPUTE = {
 }
 MODELS = {
     "dense": dict(),
-    "moe": dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_layer_freq=2,
-                moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001),
+    "moe": dict(
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=48,
+        moe_layer_freq=2,
+        moe_aux_loss_coeff=0.01,
+        moe_z_loss_coeff=0.001,
+    ),
     "pseudo-all": dict(p2r_phase="pseudo", share_pattern="all"),
     # a window on every other layer, learned sinks (recomputed with the core), clamped quick-GeGLU
-    "gpt-oss": dict(window_size="5,0", window_attn_skip_freq=2, softmax_type="learnable", quick_geglu=True,
-                    glu_linear_offset=1.0, activation_func_clamp_value=0.1),
+    "gpt-oss": dict(
+        window_size="5,0",
+        window_attn_skip_freq=2,
+        softmax_type="learnable",
+        quick_geglu=True,
+        glu_linear_offset=1.0,
+        activation_func_clamp_value=0.1,
+    ),
 }
 
 
@@ -76,9 +89,11 @@ def _saved_bytes(cfg) -> int:
 
 
 def test_recomputation_keeps_fewer_activations():
-    base = dict(num_layers=4, attention_dropout=0.3, seq_length=64)   # attention dropout: s x s on CPU
-    none, selective, full = (_saved_bytes(tiny_config(**base, **flags))
-                             for flags in ({}, RECOMPUTE["selective"], RECOMPUTE["full-uniform-1"]))
+    base = dict(num_layers=4, attention_dropout=0.3, seq_length=64)  # attention dropout: s x s on CPU
+    none, selective, full = (
+        _saved_bytes(tiny_config(**base, **flags))
+        for flags in ({}, RECOMPUTE["selective"], RECOMPUTE["full-uniform-1"])
+    )
     assert full < selective < none, (none, selective, full)
 
 
@@ -88,7 +103,7 @@ def test_recompute_units_follow_megatron_methods():
         return cfg.train.recompute_units(5)
 
     plain = [([i], False) for i in range(5)]
-    assert units() == units(recompute_activations=True) == plain     # selective: no whole layers
+    assert units() == units(recompute_activations=True) == plain  # selective: no whole layers
     assert units(**RECOMPUTE["full-uniform-3"]) == [([0, 1, 2], True), ([3, 4], True)]
     assert units(**RECOMPUTE["full-block-2"]) == [([0], True), ([1], True), ([2], False), ([3], False), ([4], False)]
     # offloaded layers (1, 3) recompute themselves: they leave their units
@@ -103,23 +118,40 @@ def test_recompute_units_are_per_model_chunk_with_interleaving():
     from megatron_p2r.layout.plan import ParallelPlan
     from megatron_p2r.parallel.state import Layout
     from megatron_p2r.planning.activations import recomputed_positions
-    cfg = tiny_config(num_layers=8, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2,
-                      recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
+
+    cfg = tiny_config(
+        num_layers=8,
+        pipeline_model_parallel_size=2,
+        num_layers_per_virtual_pipeline_stage=2,
+        recompute_granularity="full",
+        recompute_method="block",
+        recompute_num_layers=1,
+    )
     plan = ParallelPlan.build(cfg, Layout(pp=2))
     model = build_model(cfg, ParallelState(layout=Layout(pp=2), rank=0, device=torch.device("cpu")), plan, meta=True)
     assert model.recompute_units == [[([0], True), ([1], False)], [([2], True), ([3], False)]]
     assert recomputed_positions(cfg, plan.stage(0)) == {0, 2}
 
 
-@pytest.mark.parametrize("flags,message", [
-    (dict(recompute_granularity="full"), "needs --recompute-method"),
-    (dict(recompute_granularity="full", recompute_method="block"), "needs --recompute-method"),
-    (dict(recompute_granularity="selective", recompute_num_layers=2), "full only"),
-    (dict(recompute_method="uniform", recompute_num_layers=1), "full only"),
-    (dict(recompute_activations=True, recompute_granularity="full", recompute_method="uniform",
-          recompute_num_layers=1), "conflicts"),
-    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=0), "must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (dict(recompute_granularity="full"), "needs --recompute-method"),
+        (dict(recompute_granularity="full", recompute_method="block"), "needs --recompute-method"),
+        (dict(recompute_granularity="selective", recompute_num_layers=2), "full only"),
+        (dict(recompute_method="uniform", recompute_num_layers=1), "full only"),
+        (
+            dict(
+                recompute_activations=True,
+                recompute_granularity="full",
+                recompute_method="uniform",
+                recompute_num_layers=1,
+            ),
+            "conflicts",
+        ),
+        (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=0), "must be >= 1"),
+    ],
+)
 def test_recompute_flags_are_checked(flags, message):
     with pytest.raises(ConfigError, match=message):
         validate(tiny_config(**flags), 1)

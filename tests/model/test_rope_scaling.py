@@ -1,6 +1,7 @@
 """Rotary scaling with Megatron-LM's flags: --use-rope-scaling/--rope-scaling-factor (Llama 3.1)
 and --rotary-seq-len-interpolation-factor give the angles megatron-core 0.16.1's own
 RotaryEmbedding gives (tests/fixtures/megatron_rope, written by megatron-core)."""
+
 import json
 import os
 
@@ -15,8 +16,21 @@ from megatron_p2r.model.attention import model_rotary_tables
 HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "megatron_rope")
 with open(os.path.join(HERE, "rope.json"), encoding="utf-8") as fh:
     FIXTURE = json.load(fh)
-BASE = ["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--position-embedding-type", "rope", "--seq-length", str(FIXTURE["seq_length"])]
+BASE = [
+    "--mock-data",
+    "--vocab-size",
+    "64",
+    "--num-layers",
+    "1",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--position-embedding-type",
+    "rope",
+    "--seq-length",
+    str(FIXTURE["seq_length"]),
+]
 
 
 @pytest.mark.parametrize("case", FIXTURE["cases"], ids=lambda case: " ".join(case["flags"]))
@@ -36,8 +50,13 @@ def test_scaling_needs_rotary_positions():
             validate(cfg, 1)
 
 
-@pytest.mark.parametrize("flags, kind", [(["--use-rope-scaling", "--rope-scaling-factor", "32"], "llama3"),
-                                         (["--rotary-seq-len-interpolation-factor", "4"], "linear")])
+@pytest.mark.parametrize(
+    "flags, kind",
+    [
+        (["--use-rope-scaling", "--rope-scaling-factor", "32"], "llama3"),
+        (["--rotary-seq-len-interpolation-factor", "4"], "linear"),
+    ],
+)
 def test_hf_export_carries_the_scaling_and_import_reads_it(flags, kind):
     """The exported config.json gives transformers' Llama the same rotary tables (its own rope
     code), and importing it gives back the flags."""
@@ -46,8 +65,22 @@ def test_hf_export_carries_the_scaling_and_import_reads_it(flags, kind):
 
     from megatron_p2r.convert.hf.architecture import LLAMA
     from megatron_p2r.convert.hf.config_json import hf_config, model_values_from_hf
-    cfg = parse_args(BASE + ["--kv-channels", "64", "--rotary-base", "500000", "--normalization", "RMSNorm",
-                             "--swiglu", "--seq-length", "64"] + flags)
+
+    cfg = parse_args(
+        BASE
+        + [
+            "--kv-channels",
+            "64",
+            "--rotary-base",
+            "500000",
+            "--normalization",
+            "RMSNorm",
+            "--swiglu",
+            "--seq-length",
+            "64",
+        ]
+        + flags
+    )
     exported = hf_config(cfg.model, LLAMA, 64, "float32", {})
     assert exported["rope_parameters"]["rope_type"] == kind
     hf = LlamaConfig(**{k: v for k, v in exported.items() if k not in ("architectures", "model_type")})
@@ -58,9 +91,12 @@ def test_hf_export_carries_the_scaling_and_import_reads_it(flags, kind):
     torch.testing.assert_close(cos[0], ours[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(sin[0], ours[1], rtol=0, atol=1e-5)
     values = model_values_from_hf({**exported, "model_type": "llama"}, "config.json")[1]
-    back = {k: values.get(k) for k in ("use_rope_scaling", "rope_scaling_factor",
-                                       "rotary_seq_len_interpolation_factor")}
+    back = {
+        k: values.get(k) for k in ("use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor")
+    }
     m = cfg.model
-    assert back == {"use_rope_scaling": m.use_rope_scaling or None,
-                    "rope_scaling_factor": m.rope_scaling_factor if m.use_rope_scaling else None,
-                    "rotary_seq_len_interpolation_factor": m.rotary_seq_len_interpolation_factor}
+    assert back == {
+        "use_rope_scaling": m.use_rope_scaling or None,
+        "rope_scaling_factor": m.rope_scaling_factor if m.use_rope_scaling else None,
+        "rotary_seq_len_interpolation_factor": m.rotary_seq_len_interpolation_factor,
+    }

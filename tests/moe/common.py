@@ -3,6 +3,7 @@
 The per-token references are deliberately naive (Python loops over tokens, slots and experts,
 reading expert e's weights as ``weight1[e]``) so they share no code with the batched layer.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,9 +24,16 @@ HIDDEN = 32
 
 def layer_values(**overrides) -> dict:
     """The model fields of the tiny MoE layer."""
-    values = dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, num_experts=4, moe_ffn_hidden_size=24,
-                  init_method_std=0.2,  # large init: routing probabilities far from uniform
-                  moe_router_topk=1, moe_router_pre_softmax=True)
+    values = dict(
+        num_layers=2,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        num_experts=4,
+        moe_ffn_hidden_size=24,
+        init_method_std=0.2,  # large init: routing probabilities far from uniform
+        moe_router_topk=1,
+        moe_router_pre_softmax=True,
+    )
     return {**values, **overrides}
 
 
@@ -33,13 +41,21 @@ def layer_cfg(**overrides) -> ModelConfig:
     return ModelConfig(**layer_values(**overrides))
 
 
-def build_layer(cfg: ModelConfig, ps: ParallelState, seed: int = 3,
-                modify: Optional[Callable[[MoELayer, ParallelState], None]] = None) -> MoELayer:
+def build_layer(
+    cfg: ModelConfig,
+    ps: ParallelState,
+    seed: int = 3,
+    modify: Optional[Callable[[MoELayer, ParallelState], None]] = None,
+) -> MoELayer:
     return init_layer(MoELayer(cfg, ps), ps, seed, modify)
 
 
-def init_layer(layer: MoELayer, ps: ParallelState, seed: int = 3,
-               modify: Optional[Callable[[MoELayer, ParallelState], None]] = None) -> MoELayer:
+def init_layer(
+    layer: MoELayer,
+    ps: ParallelState,
+    seed: int = 3,
+    modify: Optional[Callable[[MoELayer, ParallelState], None]] = None,
+) -> MoELayer:
     init_parameters(layer, seed, ps.tp_rank, ps.tp_size, ps.ep_rank)
     layer.router.weight.data.mul_(5.0)  # decisive routing: no near-ties between experts
     if modify is not None:
@@ -76,22 +92,27 @@ def force_first_experts(x: torch.Tensor) -> torch.Tensor:
 
 def bias_router_towards(first: int) -> Callable:
     """A router bias through feature 0: experts < ``first`` win, the others get nothing."""
+
     def modify(layer: MoELayer, ps: ParallelState) -> None:
         w = layer.router.weight.data
         w[:, 0] = -20.0
         w[:first, 0] = 20.0
+
     return modify
 
 
-def layer_with_grad_buffers(overrides: dict, ps: ParallelState,
-                            modify: Optional[Callable[[MoELayer, ParallelState], None]] = None):
+def layer_with_grad_buffers(
+    overrides: dict, ps: ParallelState, modify: Optional[Callable[[MoELayer, ParallelState], None]] = None
+):
     """(layer, ddp, model config): the MoE layer of ``layer_values(**overrides)`` with the gradient buffers
     training gives it — layer 0's MLP of a whole model built by ``build_train_state``, whose
     DDP reduces the layer's gradients with the rest of the stage — initialised as
     ``build_layer`` initialises a bare one."""
     from megatron_p2r.training import build_train_state
-    cfg = tiny_config(**layer_values(**overrides), tensor_model_parallel_size=ps.tp_size,
-                      expert_model_parallel_size=ps.ep_size)
+
+    cfg = tiny_config(
+        **layer_values(**overrides), tensor_model_parallel_size=ps.tp_size, expert_model_parallel_size=ps.ep_size
+    )
     state = build_train_state(cfg, ps)
     return init_layer(state.model.layers["0"].mlp, ps, modify=modify), state.ddp, cfg.model
 
@@ -114,6 +135,7 @@ def layer_grads(layer: MoELayer) -> dict:
 
 # ----------------------------------------------------------------------------- references
 
+
 def reference_routing(layer: MoELayer, x: torch.Tensor):
     """Per token: [(expert, weight)] in slot order, straight from the router's definition.
     Weights are float64 tensors differentiable w.r.t. the router weight and ``x``."""
@@ -125,7 +147,7 @@ def reference_routing(layer: MoELayer, x: torch.Tensor):
         logits = W @ x[t].double()
         choices = []
         for grp in range(cfg_groups):
-            probs = torch.softmax(logits[grp * per_group:(grp + 1) * per_group], 0)
+            probs = torch.softmax(logits[grp * per_group : (grp + 1) * per_group], 0)
             ranked = sorted(range(per_group), key=lambda e: -probs[e].item())[:topk]
             weights = [probs[e] for e in ranked]
             if layer.router.renormalize:
@@ -141,7 +163,7 @@ def reference_expert(layer: MoELayer, e: int, v: torch.Tensor) -> torch.Tensor:
     y = ex.weight1[e].double() @ v.double()
     if ex.bias1 is not None:
         y = y + ex.bias1[e].double()
-    if ex.activation.gated:   # SwiGLU (gpt-oss's quick-GeGLU: tests/model/test_gpt_oss.py)
+    if ex.activation.gated:  # SwiGLU (gpt-oss's quick-GeGLU: tests/model/test_gpt_oss.py)
         assert ex.activation.gate_function is F.silu
         y = F.silu(y[0::2]) * y[1::2]
     else:

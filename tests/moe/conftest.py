@@ -1,4 +1,5 @@
 """One spawn per world size for all expert-parallel tests (a spawn costs seconds, a case far less)."""
+
 import pytest
 
 from tests.harness import run_distributed

@@ -1,5 +1,6 @@
 """What each spawned rank runs for ``test_a2a_overlap.py``: training steps with and without
 --overlap-moe-expert-parallel-comm on the same data, compared bitwise inside the rank."""
+
 from __future__ import annotations
 
 import torch
@@ -34,7 +35,9 @@ def _counting_all_to_alls(record: dict):
         def counted_wait():
             wait()
             record["now"] -= 1
+
         return out, counted_wait
+
     return start
 
 
@@ -57,11 +60,14 @@ def compare(cfg, ps) -> dict:
         o_losses, o_grads, o_weights = _steps(cfg.replace(overlap_moe_expert_parallel_comm=True), ps)
     finally:
         a2a_overlap.start_all_to_all = original
-    return {"losses": losses, "overlapped_losses": o_losses,
-            "grads_differ": sorted(n for n in grads if not torch.equal(grads[n], o_grads[n])),
-            "weights_differ": sorted(n for n in weights if not torch.equal(weights[n], o_weights[n])),
-            "moved": max((weights[n] - o_weights[n]).abs().max().item() for n in weights),
-            "most_in_flight": record["most"]}
+    return {
+        "losses": losses,
+        "overlapped_losses": o_losses,
+        "grads_differ": sorted(n for n in grads if not torch.equal(grads[n], o_grads[n])),
+        "weights_differ": sorted(n for n in weights if not torch.equal(weights[n], o_weights[n])),
+        "moved": max((weights[n] - o_weights[n]).abs().max().item() for n in weights),
+        "most_in_flight": record["most"],
+    }
 
 
 def world2(rank: int, world: int) -> dict:
@@ -69,14 +75,27 @@ def world2(rank: int, world: int) -> dict:
     common = dict(ep=2, global_batch_size=12)
     return {
         "dropless/tied": compare(moe_model(**common), ps),
-        "capacity-drops/overlap-grad-reduce": compare(moe_model(**common, moe_capacity_factor=0.5, swiglu=True,
-                                                                untie_embeddings_and_output_weights=True,
-                                                                overlap_grad_reduce=True, ddp_bucket_size=2000), ps),
-        "pseudo-shared/tied/overlap-grad-reduce": compare(moe_model(**common, p2r_phase="pseudo", share_pattern="all",
-                                                                    overlap_grad_reduce=True, ddp_bucket_size=2000), ps),
+        "capacity-drops/overlap-grad-reduce": compare(
+            moe_model(
+                **common,
+                moe_capacity_factor=0.5,
+                swiglu=True,
+                untie_embeddings_and_output_weights=True,
+                overlap_grad_reduce=True,
+                ddp_bucket_size=2000,
+            ),
+            ps,
+        ),
+        "pseudo-shared/tied/overlap-grad-reduce": compare(
+            moe_model(
+                **common, p2r_phase="pseudo", share_pattern="all", overlap_grad_reduce=True, ddp_bucket_size=2000
+            ),
+            ps,
+        ),
         "fp16/loss-scale": compare(moe_model(**common, fp16=True), ps),
-        "dense-and-moe/recompute-selective": compare(moe_model(**common, moe_layer_freq=2,
-                                                               recompute_activations=True), ps),
+        "dense-and-moe/recompute-selective": compare(
+            moe_model(**common, moe_layer_freq=2, recompute_activations=True), ps
+        ),
     }
 
 
@@ -86,8 +105,10 @@ def world4(rank: int, world: int) -> dict:
     stream (sequence-parallel dropout draws from it) replayed."""
     ps = make_state(Layout(tp=2, dp=2, ep=2))
     common = dict(tp=2, ep=2, global_batch_size=12, sequence_parallel=True, swiglu=True)
-    return {"tp2/sequence-parallel": compare(moe_model(**common), ps),
-            "tp2/sequence-parallel/full-recompute": compare(moe_model(**common, **FULL1, **DRAWS), ps)}
+    return {
+        "tp2/sequence-parallel": compare(moe_model(**common), ps),
+        "tp2/sequence-parallel/full-recompute": compare(moe_model(**common, **FULL1, **DRAWS), ps),
+    }
 
 
 def world2_recompute(rank: int, world: int) -> dict:
@@ -97,18 +118,39 @@ def world2_recompute(rank: int, world: int) -> dict:
     common = dict(ep=2, global_batch_size=12, **DRAWS)
     return {
         "full/dropless/tied": compare(moe_model(**common, **FULL1), ps),
-        "full/capacity-drops/swiglu": compare(moe_model(**common, **FULL1, moe_capacity_factor=0.5, swiglu=True,
-                                                        untie_embeddings_and_output_weights=True), ps),
-        "full/pseudo-shared/overlap-grad-reduce": compare(moe_model(**common, **FULL1, p2r_phase="pseudo",
-                                                                    share_pattern="all", overlap_grad_reduce=True,
-                                                                    ddp_bucket_size=2000), ps),
+        "full/capacity-drops/swiglu": compare(
+            moe_model(
+                **common, **FULL1, moe_capacity_factor=0.5, swiglu=True, untie_embeddings_and_output_weights=True
+            ),
+            ps,
+        ),
+        "full/pseudo-shared/overlap-grad-reduce": compare(
+            moe_model(
+                **common,
+                **FULL1,
+                p2r_phase="pseudo",
+                share_pattern="all",
+                overlap_grad_reduce=True,
+                ddp_bucket_size=2000,
+            ),
+            ps,
+        ),
         "full/fp16/loss-scale": compare(moe_model(**common, **FULL1, fp16=True), ps),
         # M6-10T's routing: expert prototypes, top-1 in each group
-        "full/prototypes": compare(moe_model(**common, **FULL1, num_experts=8, moe_num_prototypes=4,
-                                             moe_router_topk=1), ps),
+        "full/prototypes": compare(
+            moe_model(**common, **FULL1, num_experts=8, moe_num_prototypes=4, moe_router_topk=1), ps
+        ),
         # layers 0 (MoE) and 1 (dense) recomputed, 2 (MoE) and 3 (dense) not
-        "block-2/dense-and-moe": compare(moe_model(**common, moe_layer_freq=2, recompute_granularity="full",
-                                                   recompute_method="block", recompute_num_layers=2), ps),
+        "block-2/dense-and-moe": compare(
+            moe_model(
+                **common,
+                moe_layer_freq=2,
+                recompute_granularity="full",
+                recompute_method="block",
+                recompute_num_layers=2,
+            ),
+            ps,
+        ),
     }
 
 
@@ -118,11 +160,17 @@ def held_after_forward(rank: int, world: int) -> dict:
     ("full") and without recomputation ("none"), and the serial forward ("serial", the flag off);
     a capacity every expert fills, as the planner's balanced routing."""
     from tests.planning.test_planner import AllocTracker
+
     ps = make_state(Layout(dp=2, ep=2))
     out = {}
     for name, recompute, overlapped in (("full", FULL1, True), ("none", {}, True), ("serial", {}, False)):
-        cfg = moe_model(ep=2, global_batch_size=4, moe_capacity_factor=0.25,
-                        overlap_moe_expert_parallel_comm=overlapped, **recompute)
+        cfg = moe_model(
+            ep=2,
+            global_batch_size=4,
+            moe_capacity_factor=0.25,
+            overlap_moe_expert_parallel_comm=overlapped,
+            **recompute,
+        )
         seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, ps.device)
         model = build_model(cfg, ps)
         mb = random_microbatches(cfg, 1, cfg.train.micro_batch_size)[0]
@@ -134,7 +182,7 @@ def held_after_forward(rank: int, world: int) -> dict:
                 a2a_overlap.run_pass(one.forward())
             else:
                 loss_sum = loss.add(model(tokens=mb["tokens"], labels=mb["labels"], loss_mask=mb["loss_mask"]))
-            tracker.held()   # collects garbage, waits for gloo to drop its buffers
+            tracker.held()  # collects garbage, waits for gloo to drop its buffers
             # by the storages' sizes now: a released send buffer is alive, with no bytes
             held = sum(st.nbytes() for st, allocated in list(tracker.seen.items()) if allocated)
             if overlapped:
@@ -152,11 +200,18 @@ def pp2_held_after_forward(rank: int, world: int) -> dict:
     starts from the received activation, a stage before the last frees its sent output), with
     full recomputation and without, and the planner's count for the stage."""
     from tests.planning.test_planner import AllocTracker
+
     ps = make_state(Layout(pp=2, dp=2, ep=2))
     out = {}
     for name, recompute in (("full", FULL1), ("none", {})):
-        cfg = moe_model(pp=2, ep=2, global_batch_size=8, moe_capacity_factor=0.25,
-                        overlap_moe_expert_parallel_comm=True, **recompute)
+        cfg = moe_model(
+            pp=2,
+            ep=2,
+            global_batch_size=8,
+            moe_capacity_factor=0.25,
+            overlap_moe_expert_parallel_comm=True,
+            **recompute,
+        )
         seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, ps.device)
         model = build_model(cfg, ps)
         mb = random_microbatches(cfg, 1, cfg.train.micro_batch_size)[0]
@@ -164,10 +219,10 @@ def pp2_held_after_forward(rank: int, world: int) -> dict:
         loss = TokenMeanLoss([mb], ps, 1.0)
         tracker = AllocTracker([*model.parameters(), *mb.values()])
         with tracker:
-            received = torch.randn(shape, requires_grad=True) if ps.pp_rank > 0 else None   # the p2p buffer
+            received = torch.randn(shape, requires_grad=True) if ps.pp_rank > 0 else None  # the p2p buffer
             one = a2a_overlap.MicroBatch(model, mb, loss, a2a_overlap.SharedWeights(model), received=received)
             a2a_overlap.run_pass(one.forward())
-            if one.output is not None:   # sent to the next stage
+            if one.output is not None:  # sent to the next stage
                 deallocate_output(one.output)
             del received
             tracker.held()
@@ -190,19 +245,37 @@ def pp2_world4(rank: int, world: int) -> dict:
     return {
         "dropless/tied/dropout": compare(moe_model(**common, hidden_dropout=0.1), ps),
         "capacity-drops/untied/overlap-grad-reduce": compare(
-            moe_model(**common, moe_capacity_factor=0.5, swiglu=True, untie_embeddings_and_output_weights=True,
-                      overlap_grad_reduce=True, ddp_bucket_size=2000), ps),
+            moe_model(
+                **common,
+                moe_capacity_factor=0.5,
+                swiglu=True,
+                untie_embeddings_and_output_weights=True,
+                overlap_grad_reduce=True,
+                ddp_bucket_size=2000,
+            ),
+            ps,
+        ),
         "pseudo-shared/tied": compare(moe_model(**common, p2r_phase="pseudo", share_pattern="all"), ps),
         "fp16/loss-scale": compare(moe_model(**common, fp16=True), ps),
-        "dense-and-moe/recompute-selective": compare(moe_model(**common, moe_layer_freq=2,
-                                                               recompute_activations=True), ps),
-        "2-microbatches": compare(moe_model(**{**common, "global_batch_size": 8}), ps),   # below stage 0's warm-up
+        "dense-and-moe/recompute-selective": compare(
+            moe_model(**common, moe_layer_freq=2, recompute_activations=True), ps
+        ),
+        "2-microbatches": compare(moe_model(**{**common, "global_batch_size": 8}), ps),  # below stage 0's warm-up
         # full recomputation node by node (the serial 1F1B recomputes whole layers), every random draw on
         "full-recompute/dropless/tied/draws": compare(moe_model(**common, **FULL1, **DRAWS), ps),
         # v = 2 model chunks of one layer per rank, against the serial interleaved 1F1B
-        "interleaved/dropless/tied/dropout": compare(moe_model(**common, num_layers_per_virtual_pipeline_stage=1,
-                                                               hidden_dropout=0.1), ps),
+        "interleaved/dropless/tied/dropout": compare(
+            moe_model(**common, num_layers_per_virtual_pipeline_stage=1, hidden_dropout=0.1), ps
+        ),
         "interleaved/pseudo-shared/overlap-grad-reduce": compare(
-            moe_model(**common, num_layers_per_virtual_pipeline_stage=1, p2r_phase="pseudo", share_pattern="all",
-                      overlap_grad_reduce=True, ddp_bucket_size=2000), ps),
+            moe_model(
+                **common,
+                num_layers_per_virtual_pipeline_stage=1,
+                p2r_phase="pseudo",
+                share_pattern="all",
+                overlap_grad_reduce=True,
+                ddp_bucket_size=2000,
+            ),
+            ps,
+        ),
     }

@@ -9,6 +9,7 @@ replays; and TP=2 x EP=2 with sequence parallelism (4 ranks), also with full rec
 the all-to-alls do overlap: two are in flight at once. What a micro-batch holds, recomputed
 node by node or not (and in the serial schedule), is the planner's count. The flag's rules are checked on the config
 (pipeline parallelism: tests/moe/test_a2a_pipelined.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,8 +27,9 @@ def assert_bitwise(ranks, case):
         r = res[case]
         assert r["overlapped_losses"] == r["losses"], f"rank {rank}, {case}"
         assert not r["grads_differ"], f"rank {rank}, {case}: gradients differ: {r['grads_differ']}"
-        assert not r["weights_differ"], \
+        assert not r["weights_differ"], (
             f"rank {rank}, {case}: weights differ by up to {r['moved']}: {r['weights_differ']}"
+        )
         assert r["most_in_flight"] == 2, f"rank {rank}, {case}: {r['most_in_flight']} all-to-alls in flight at most"
 
 
@@ -36,9 +38,16 @@ def world2():
     return run_distributed(overlap_workers.world2, 2, timeout=300)
 
 
-@pytest.mark.parametrize("case", ["dropless/tied", "capacity-drops/overlap-grad-reduce",
-                                  "pseudo-shared/tied/overlap-grad-reduce", "fp16/loss-scale",
-                                  "dense-and-moe/recompute-selective"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "dropless/tied",
+        "capacity-drops/overlap-grad-reduce",
+        "pseudo-shared/tied/overlap-grad-reduce",
+        "fp16/loss-scale",
+        "dense-and-moe/recompute-selective",
+    ],
+)
 def test_overlapped_schedule_is_bitwise_the_serial_one(world2, case):
     assert_bitwise(world2, case)
 
@@ -48,9 +57,17 @@ def world2_recompute():
     return run_distributed(overlap_workers.world2_recompute, 2, timeout=300)
 
 
-@pytest.mark.parametrize("case", ["full/dropless/tied", "full/capacity-drops/swiglu",
-                                  "full/pseudo-shared/overlap-grad-reduce", "full/fp16/loss-scale",
-                                  "full/prototypes", "block-2/dense-and-moe"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "full/dropless/tied",
+        "full/capacity-drops/swiglu",
+        "full/pseudo-shared/overlap-grad-reduce",
+        "full/fp16/loss-scale",
+        "full/prototypes",
+        "block-2/dense-and-moe",
+    ],
+)
 def test_recomputed_node_by_node_is_bitwise_the_serial_full_recomputation(world2_recompute, case):
     """Dropout and router jitter on: each recomputed node replays the draws of its forward."""
     assert_bitwise(world2_recompute, case)
@@ -95,15 +112,22 @@ def test_overlapped_schedule_is_bitwise_the_serial_one_under_tp_and_sequence_par
         assert_bitwise(ranks, case)
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (dict(ep=1), "--expert-model-parallel-size > 1"),
-    (dict(ep=2, pp=2, pipeline_schedule="gpipe"), "--pipeline-schedule 1f1b"),
-    (dict(ep=2, pp=2, num_layers_per_virtual_pipeline_stage=1, overlap_p2p_communication=True),
-     "--no-overlap-p2p-communication"),
-    (dict(ep=2, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
-     "--recompute-method uniform --recompute-num-layers 1 or --recompute-method block"),
-    (dict(ep=2, compile=True), "--compile"),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (dict(ep=1), "--expert-model-parallel-size > 1"),
+        (dict(ep=2, pp=2, pipeline_schedule="gpipe"), "--pipeline-schedule 1f1b"),
+        (
+            dict(ep=2, pp=2, num_layers_per_virtual_pipeline_stage=1, overlap_p2p_communication=True),
+            "--no-overlap-p2p-communication",
+        ),
+        (
+            dict(ep=2, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+            "--recompute-method uniform --recompute-num-layers 1 or --recompute-method block",
+        ),
+        (dict(ep=2, compile=True), "--compile"),
+    ],
+)
 def test_flag_rules(overrides, expected):
     cfg = moe_model(**overrides)
     with pytest.raises(ConfigError, match=expected.replace("-", r"\-").replace(">", ".")):
@@ -112,10 +136,11 @@ def test_flag_rules(overrides, expected):
 
 @pytest.mark.parametrize("method, layers", [("uniform", 1), ("block", 2)])
 def test_full_recomputation_one_layer_per_unit_is_accepted(method, layers):
-    cfg = moe_model(ep=2, recompute_granularity="full", recompute_method=method,
-                    recompute_num_layers=layers).replace(overlap_moe_expert_parallel_comm=True)
+    cfg = moe_model(ep=2, recompute_granularity="full", recompute_method=method, recompute_num_layers=layers).replace(
+        overlap_moe_expert_parallel_comm=True
+    )
     validate(cfg, world_size=4)
-    assert schedule_plan(cfg).kind == COMBINED   # the overlapped schedule, recomputing node by node
+    assert schedule_plan(cfg).kind == COMBINED  # the overlapped schedule, recomputing node by node
 
 
 def test_gpipe_without_pipeline_parallelism_is_accepted_and_with_it_refused_under_ep2():
@@ -123,14 +148,19 @@ def test_gpipe_without_pipeline_parallelism_is_accepted_and_with_it_refused_unde
     schedule, as in Megatron-LM) gpipe changes nothing and the overlap runs; at PP = 2 it is refused."""
     validate(moe_model(ep=2, pipeline_schedule="gpipe").replace(overlap_moe_expert_parallel_comm=True), world_size=4)
     with pytest.raises(ConfigError, match=r"needs \-\-pipeline\-schedule 1f1b \(have gpipe\)"):
-        validate(moe_model(ep=2, pp=2, pipeline_schedule="gpipe").replace(overlap_moe_expert_parallel_comm=True),
-                 world_size=4)
+        validate(
+            moe_model(ep=2, pp=2, pipeline_schedule="gpipe").replace(overlap_moe_expert_parallel_comm=True),
+            world_size=4,
+        )
 
 
 def test_pipeline_parallelism_is_allowed_with_1f1b():
-    for cfg in (moe_model(ep=2, pp=2).replace(overlap_moe_expert_parallel_comm=True),
-                moe_model(ep=2, pp=2, num_layers_per_virtual_pipeline_stage=1, overlap_p2p_communication=False)
-                .replace(overlap_moe_expert_parallel_comm=True)):
+    for cfg in (
+        moe_model(ep=2, pp=2).replace(overlap_moe_expert_parallel_comm=True),
+        moe_model(ep=2, pp=2, num_layers_per_virtual_pipeline_stage=1, overlap_p2p_communication=False).replace(
+            overlap_moe_expert_parallel_comm=True
+        ),
+    ):
         validate(cfg, world_size=4)
         plan = schedule_plan(cfg)
         assert (plan.kind, plan.stages, plan.posts_receives_ahead) == (COMBINED, 2, False)

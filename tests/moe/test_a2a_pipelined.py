@@ -10,6 +10,7 @@ draw on, and 2 micro-batches (fewer than stage 0's 3 warm-up forwards). Every ra
 has paired steps has two all-to-alls in flight at once. What one micro-batch's forward holds on
 each stage, recomputed node by node or not, is the planner's count.
 (The order itself: tests/pipeline/test_combined_order.py.)"""
+
 from __future__ import annotations
 
 import pytest
@@ -23,11 +24,20 @@ def pp2_world4():
     return run_distributed(overlap_workers.pp2_world4, 4, timeout=600)
 
 
-@pytest.mark.parametrize("case", ["dropless/tied/dropout", "capacity-drops/untied/overlap-grad-reduce",
-                                  "pseudo-shared/tied", "fp16/loss-scale", "dense-and-moe/recompute-selective",
-                                  "2-microbatches", "full-recompute/dropless/tied/draws",
-                                  "interleaved/dropless/tied/dropout",
-                                  "interleaved/pseudo-shared/overlap-grad-reduce"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "dropless/tied/dropout",
+        "capacity-drops/untied/overlap-grad-reduce",
+        "pseudo-shared/tied",
+        "fp16/loss-scale",
+        "dense-and-moe/recompute-selective",
+        "2-microbatches",
+        "full-recompute/dropless/tied/draws",
+        "interleaved/dropless/tied/dropout",
+        "interleaved/pseudo-shared/overlap-grad-reduce",
+    ],
+)
 def test_combined_schedule_is_bitwise_the_serial_1f1b(pp2_world4, case):
     for rank, res in enumerate(pp2_world4):
         r = res[case]
@@ -37,7 +47,6 @@ def test_combined_schedule_is_bitwise_the_serial_1f1b(pp2_world4, case):
         # ranks 0 and 1 are stage 0: with 2 micro-batches its 3 warm-up forwards leave nothing to pair
         paired = case != "2-microbatches" or rank >= 2
         assert r["most_in_flight"] == (2 if paired else 1), f"rank {rank}: {r['most_in_flight']} in flight at most"
-
 
 
 @pytest.fixture(scope="module")

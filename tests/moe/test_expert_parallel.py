@@ -19,6 +19,7 @@ loss within 1e-5 (observed 4.8e-7), gradients within BF16_REL of each tensor's l
 reference element (observed 5.1e-3; the largest errors are all in expert weights: after the
 all-to-all the experts' bf16 matmuls see their rows in other groupings, so they round differently).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,12 +37,14 @@ def check_layer(results, label: str) -> None:
         r = res["layer"][label]
         assert r["out_err"] <= LAYER_TOL, f"{label} rank {rank}: output differs by {r['out_err']}"
         worst = max(r["grad_err"], key=r["grad_err"].get)
-        assert r["grad_err"][worst] <= LAYER_TOL, f"{label} rank {rank}: {worst} gradient differs by " \
-                                                  f"{r['grad_err'][worst]}"
+        assert r["grad_err"][worst] <= LAYER_TOL, (
+            f"{label} rank {rank}: {worst} gradient differs by {r['grad_err'][worst]}"
+        )
 
 
-def check_model(results, label: str, section: str = "model", tol: float = MODEL_TOL,
-                rel_tol: Optional[float] = None) -> None:
+def check_model(
+    results, label: str, section: str = "model", tol: float = MODEL_TOL, rel_tol: Optional[float] = None
+) -> None:
     """Loss and gradients within ``tol``; with ``rel_tol``, gradients within it relative to each
     tensor's largest reference element instead."""
     held = set()
@@ -116,8 +119,11 @@ def test_grouped_gemm_under_ep_and_tp_matches_padded_single_process(moe_world2, 
 def test_rank_whose_experts_get_no_tokens(moe_world2, moe_world4):
     """A router bias sends every token to EP rank 0's experts: the other ranks run forward and
     backward on zero rows, join every collective, and end with exactly zero expert gradients."""
-    for results, label in ((moe_world2, "ep2/zero-tokens"), (moe_world2, "ep2/grouped/zero-tokens"),
-                           (moe_world4, "ep4/zero-tokens")):
+    for results, label in (
+        (moe_world2, "ep2/zero-tokens"),
+        (moe_world2, "ep2/grouped/zero-tokens"),
+        (moe_world4, "ep4/zero-tokens"),
+    ):
         check_layer(results, label)
         assert results[0]["layer"][label]["received"] > 0
         for rank, res in enumerate(results[1:], start=1):
@@ -133,8 +139,11 @@ def test_expert_grads_reduced_over_expert_dp_divided_by_dp(moe_world2, moe_world
     check_layer(moe_world4, "ep2xedp2/top2/dropless")
     check_layer(moe_world4, "ep2xedp2/swiglu-bias")
     check_model(moe_world4, "ep2xedp2/dropless")
-    for results, label in ((moe_world4, "ep2xedp2/top2/dropless"), (moe_world2, "ep2/top2/dropless"),
-                           (moe_world4, "ep4/top2/dropless")):
+    for results, label in (
+        (moe_world4, "ep2xedp2/top2/dropless"),
+        (moe_world2, "ep2/top2/dropless"),
+        (moe_world4, "ep4/top2/dropless"),
+    ):
         for rank, res in enumerate(results):
             r = res["layer"][label]
             assert r["wrong_group_err"] > 100 * LAYER_TOL, f"{label} rank {rank}: dp-group average not detectable"

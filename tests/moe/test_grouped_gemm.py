@@ -11,6 +11,7 @@ weights: both paths within BF16_REL of each tensor's largest element (observed <
 both; with biases grouped_mm adds bias1 after rounding its product to bf16 where baddbmm adds it
 before, one more rounding: 6.7e-3 against padded's 5.7e-3).
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,10 +30,14 @@ from tests.moe.common import HIDDEN, layer_cfg
 FP32_REL = 1e-5
 BF16_REL = 2e-2
 COUNTS = {"jagged": [5, 0, 9, 2], "one-expert": [0, 0, 16, 0], "equal": [4, 4, 4, 4], "none": [0, 0, 0, 0]}
-VARIANTS = {"gelu": dict(disable_bias_linear=True), "gelu-bias": dict(),
-            "swiglu": dict(swiglu=True, disable_bias_linear=True), "swiglu-bias": dict(swiglu=True),
-            # gpt-oss's gate: quick-GELU, offset, clamp (clamped at 0.5: weights of std 0.3 reach it)
-            "geglu-clamp-bias": dict(quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=0.5)}
+VARIANTS = {
+    "gelu": dict(disable_bias_linear=True),
+    "gelu-bias": dict(),
+    "swiglu": dict(swiglu=True, disable_bias_linear=True),
+    "swiglu-bias": dict(swiglu=True),
+    # gpt-oss's gate: quick-GELU, offset, clamp (clamped at 0.5: weights of std 0.3 reach it)
+    "geglu-clamp-bias": dict(quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=0.5),
+}
 
 
 def expert_pair(dtype=torch.float32, **overrides):
@@ -97,10 +102,10 @@ def test_grouped_equals_padded_fp32(variant, counts, grouped_calls):
     x, g = rows(COUNTS[counts])
     want, want_grads = run(padded, x, g, COUNTS[counts])
     assert not grouped_calls
-    run(grouped, x, g, COUNTS[counts])   # the probe runs first
+    run(grouped, x, g, COUNTS[counts])  # the probe runs first
     grouped_calls.clear()
     out, grads = run(grouped, x, g, COUNTS[counts])
-    assert grouped_calls[:2] == [sum(COUNTS[counts])] * 2   # forward: fc1 (gated: gates and ups in one), fc2
+    assert grouped_calls[:2] == [sum(COUNTS[counts])] * 2  # forward: fc1 (gated: gates and ups in one), fc2
     assert out.shape == want.shape and worst(out, want) <= FP32_REL
     for name, want_grad in want_grads.items():
         assert worst(grads[name], want_grad) <= FP32_REL, name

@@ -2,6 +2,7 @@
 them, and the layer's ordinary forward (the same nodes in one graph) both compute the layer written
 plainly, x + attn(norm(x)) then + moe(norm(.)), bitwise: output, input gradient, weight gradients.
 One process: the all-to-alls go over an EP group of one rank (real all-to-alls, to itself)."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,11 +32,17 @@ def one_rank_group():
 
 
 def _layer(**overrides) -> TransformerLayer:
-    cfg = layer_cfg(hidden_dropout=0.1, attention_dropout=0.1, moe_input_jitter_eps=0.1, moe_router_topk=2,
-                    position_embedding_type="learned_absolute", **overrides)
+    cfg = layer_cfg(
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        moe_input_jitter_eps=0.1,
+        moe_router_topk=2,
+        position_embedding_type="learned_absolute",
+        **overrides,
+    )
     layer = TransformerLayer(cfg, ParallelState.single(), moe=True)
     init_parameters(layer, 3, 0, 1, 0)
-    layer.mlp.router.weight.data.mul_(5.0)   # decisive routing
+    layer.mlp.router.weight.data.mul_(5.0)  # decisive routing
     return layer
 
 
@@ -62,14 +69,16 @@ def _node_by_node(layer: TransformerLayer, x: torch.Tensor, grad: torch.Tensor, 
     out = nodes.post(rows, residual_in, weights, routed)
     node_backward([out], [grad])
     node_backward([expert_out], [all_to_all(rows.grad, *handle.dispatch_splits, nodes.group)])
-    node_backward([residual, routed.weights, routed.rows],
-                  [residual_in.grad, weights.grad, all_to_all(received.grad, *handle.combine_splits, nodes.group)])
+    node_backward(
+        [residual, routed.weights, routed.rows],
+        [residual_in.grad, weights.grad, all_to_all(received.grad, *handle.combine_splits, nodes.group)],
+    )
     return out
 
 
 def _run(layer: TransformerLayer, how: str, x: torch.Tensor, grad: torch.Tensor):
     layer.zero_grad(set_to_none=True)
-    seed_everything(7, 0, 0, CPU)   # every run draws the same dropout and jitter
+    seed_everything(7, 0, 0, CPU)  # every run draws the same dropout and jitter
     x = leaf(x)
     if how.startswith("nodes"):
         out = _node_by_node(layer, x, grad, recompute=how == "nodes/recomputed")
@@ -82,7 +91,7 @@ def _run(layer: TransformerLayer, how: str, x: torch.Tensor, grad: torch.Tensor)
 @pytest.mark.parametrize("overrides", [{}, dict(moe_capacity_factor=0.5, swiglu=True)], ids=["dropless", "drops"])
 def test_the_nodes_and_the_forward_are_the_layer_bitwise(one_rank_group, overrides):
     layer = _layer(**overrides)
-    layer.mlp.dispatcher = Dispatcher(layer.mlp.num_experts, 1, one_rank_group)   # EP over one rank
+    layer.mlp.dispatcher = Dispatcher(layer.mlp.num_experts, 1, one_rank_group)  # EP over one rank
     g = torch.Generator().manual_seed(0)
     x, grad = torch.randn(2, 8, 32, generator=g), torch.randn(2, 8, 32, generator=g)
     want = _run(layer, "plain", x, grad)
@@ -93,6 +102,6 @@ def test_the_nodes_and_the_forward_are_the_layer_bitwise(one_rank_group, overrid
 
 
 def test_a_layer_without_all_to_alls_has_no_nodes():
-    assert _layer().nodes() is None   # EP=1: it runs whole, one node
+    assert _layer().nodes() is None  # EP=1: it runs whole, one node
     dense = TransformerLayer(layer_cfg(), ParallelState.single(), moe=False)
     assert dense.nodes() is None

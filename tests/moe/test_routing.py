@@ -4,6 +4,7 @@ fp32 routing with bf16 weights, jitter, recorded statistics, recomputation.
 Tolerances: the layer runs in fp32 and the references in float64, so outputs agree to 1e-5
 (observed ~1e-7); the aux and z losses to 1e-6 relative. Routing decisions are compared exactly.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,15 @@ from megatron_p2r.moe import aux_loss
 from megatron_p2r.moe.dispatcher import expert_capacity, plan
 from megatron_p2r.moe.router import load_balancing_loss, z_loss
 from megatron_p2r.parallel.state import ParallelState
-from tests.moe.common import (build_layer, layer_cfg, layer_inputs, random_biases, reference_expert,
-                              reference_layer, reference_routing)
+from tests.moe.common import (
+    build_layer,
+    layer_cfg,
+    layer_inputs,
+    random_biases,
+    reference_expert,
+    reference_layer,
+    reference_routing,
+)
 
 SINGLE = ParallelState.single()
 OUT_TOL = 1e-5
@@ -43,7 +51,11 @@ def test_router_and_layer_match_per_token_reference(name):
         with torch.no_grad():
             want = reference_routing(layer, x2)
         assert routing.indices.tolist() == [[e for e, _ in c] for c in want]
-        assert torch.allclose(routing.weights.double(), torch.tensor([[float(w) for _, w in c] for c in want], dtype=torch.float64), atol=1e-6)
+        assert torch.allclose(
+            routing.weights.double(),
+            torch.tensor([[float(w) for _, w in c] for c in want], dtype=torch.float64),
+            atol=1e-6,
+        )
         with torch.no_grad():
             ref, kept, _ = reference_layer(layer, x)
         assert len(kept) == x2.shape[0] * routing.indices.shape[1]  # dropless: all kept
@@ -52,8 +64,16 @@ def test_router_and_layer_match_per_token_reference(name):
         assert (out.reshape(ref.shape).double() - ref).abs().max() < OUT_TOL
 
 
-@pytest.mark.parametrize("name,factor", [("top1", None), ("top2-renorm-swiglu", None), ("top3-of-8-nobias", None),
-                                         ("prototypes4x2-swiglu", None), ("top2", 0.5)])
+@pytest.mark.parametrize(
+    "name,factor",
+    [
+        ("top1", None),
+        ("top2-renorm-swiglu", None),
+        ("top3-of-8-nobias", None),
+        ("prototypes4x2-swiglu", None),
+        ("top2", 0.5),
+    ],
+)
 def test_gradients_match_per_token_reference(name, factor):
     """Backward of the batched layer (gathers, padding, all of it) against autograd through the
     float64 per-token reference: every parameter and the input (tolerance 1e-5, observed ~1e-7)."""
@@ -120,7 +140,7 @@ def test_aux_and_z_loss_hand_computed():
             counts = [0] * n
             prob_sum = [0.0] * n
             for t in range(T):
-                logits = W[grp * n:(grp + 1) * n] @ x[t].double()
+                logits = W[grp * n : (grp + 1) * n] @ x[t].double()
                 probs = torch.softmax(logits, 0)
                 zsum += torch.logsumexp(logits, 0).item() ** 2
                 for e in range(n):
@@ -189,8 +209,10 @@ def test_router_is_fp32_with_bf16_weights():
     assert _relative_error(out16, out32) <= BF16_REL
     (out16.float() * g).sum().backward()
     (out32 * g).sum().backward()
-    errors = {n: _relative_error(p16.grad, p32.grad)
-              for (n, p16), p32 in zip(layer.named_parameters(), fp32.parameters(), strict=True)}
+    errors = {
+        n: _relative_error(p16.grad, p32.grad)
+        for (n, p16), p32 in zip(layer.named_parameters(), fp32.parameters(), strict=True)
+    }
     assert max(errors.values()) <= BF16_REL, errors
 
 

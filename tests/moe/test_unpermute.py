@@ -2,6 +2,7 @@
 kept row times its weight scattered into a zeroed fp32 [slots * T, h] buffer, summed over slots,
 cast back. Outputs and both gradients, dropless (a permutation) and with dropped slots, fp32
 and bf16 rows."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,7 @@ def reference(rows, weights, order):
 
 def case(dropped: int, dtype):
     g = torch.Generator().manual_seed(dropped)
-    order = torch.randperm(SLOTS * TOKENS, generator=g)[:SLOTS * TOKENS - dropped]
+    order = torch.randperm(SLOTS * TOKENS, generator=g)[: SLOTS * TOKENS - dropped]
     rows = torch.randn(order.numel(), HIDDEN, generator=g).to(dtype)
     weights = torch.rand(SLOTS, TOKENS, generator=g)
     return rows, weights, order, torch.randn(TOKENS, HIDDEN, generator=g).to(dtype)
@@ -41,4 +42,4 @@ def test_weighted_unpermute_equals_scatter_and_sum(dropped, dtype, tol):
     for name, a, b in zip(("output", "rows' gradient", "weights' gradient"), got, want, strict=True):
         assert a.dtype == b.dtype and torch.allclose(a, b, rtol=tol, atol=tol), name
     if dropped:
-        assert torch.count_nonzero(got[2]) == order.numel()    # a dropped slot's weight gets no gradient
+        assert torch.count_nonzero(got[2]) == order.numel()  # a dropped slot's weight gets no gradient

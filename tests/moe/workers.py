@@ -9,6 +9,7 @@ is layout-invariant), loss = mean over all inputs of sum(out * g). The layer is 
 of a model built as training builds it, so its gradients are those the DDP reduces.
 Model cases: a whole M6 model step (``tests.pipeline.common.compare_case``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,17 @@ import torch.distributed as dist
 from megatron_p2r.parallel.state import Layout, ParallelState
 from megatron_p2r.training import pretrain
 from tests.helpers import expected_shard
-from tests.moe.common import (bias_router_towards, build_layer, force_first_experts, layer_cfg, layer_grads,
-                              layer_inputs, layer_with_grad_buffers, random_biases, run_layer)
+from tests.moe.common import (
+    bias_router_towards,
+    build_layer,
+    force_first_experts,
+    layer_cfg,
+    layer_grads,
+    layer_inputs,
+    layer_with_grad_buffers,
+    random_biases,
+    run_layer,
+)
 from tests.pipeline.common import make_cfg, make_state, reference
 from tests.pipeline.workers import equivalence_cases, train_replicas
 
@@ -33,6 +43,7 @@ def _both(*modifiers):
     def modify(layer, ps):
         for m in modifiers:
             m(layer, ps)
+
     return modify
 
 
@@ -60,8 +71,12 @@ def padded_reference(cfg, microbatches):
 def grouped_model_cases(ps: ParallelState, layout: Layout, cases) -> dict:
     """Model steps [(label, cfg, micro-batches)] with --moe-grouped-gemm against the one-process
     model with the padded experts."""
-    return equivalence_cases(ps, layout, [(label, cfg.replace(moe_grouped_gemm=True), "1f1b", n)
-                                          for label, cfg, n in cases], reference_fn=padded_reference)
+    return equivalence_cases(
+        ps,
+        layout,
+        [(label, cfg.replace(moe_grouped_gemm=True), "1f1b", n) for label, cfg, n in cases],
+        reference_fn=padded_reference,
+    )
 
 
 def layer_case(ps: ParallelState, overrides: dict, modify=None, transform=None, seed: int = 0) -> dict:
@@ -70,24 +85,29 @@ def layer_case(ps: ParallelState, overrides: dict, modify=None, transform=None, 
     inputs = layer_inputs(PER_RANK * ps.dp_size, seed)
     if transform is not None:
         inputs = [(transform(x), g) for x, g in inputs]
-    mine = inputs[ps.dp_rank * PER_RANK:(ps.dp_rank + 1) * PER_RANK]
+    mine = inputs[ps.dp_rank * PER_RANK : (ps.dp_rank + 1) * PER_RANK]
 
     layer, ddp, cfg = layer_with_grad_buffers(overrides, ps, modify)
     received = []
     layer.experts.register_forward_pre_hook(lambda mod, args: received.append(sum(args[1])))
     with counting_grouped_mm() as grouped_calls:
         outs = run_layer(layer, mine)
-    raw = layer_grads(layer)   # this rank's own sums, before the DDP reduces them
+    raw = layer_grads(layer)  # this rank's own sums, before the DDP reduces them
     ddp.finish_grad_sync()
 
     ref_layer = build_layer(dataclasses.replace(cfg, moe_grouped_gemm=False), ParallelState.single(), modify=modify)
     ref_outs = run_layer(ref_layer, inputs)
     ref_grads = layer_grads(ref_layer)
-    ref_mine = ref_outs[ps.dp_rank * PER_RANK:(ps.dp_rank + 1) * PER_RANK]
+    ref_mine = ref_outs[ps.dp_rank * PER_RANK : (ps.dp_rank + 1) * PER_RANK]
 
-    result = {"out_err": max((o - r).abs().max().item() for o, r in zip(outs, ref_mine, strict=True)),
-              "grad_err": {}, "received": sum(received), "grouped_mm_calls": len(grouped_calls),
-              "wrong_group_err": None, "wrong_divisor_err": None}
+    result = {
+        "out_err": max((o - r).abs().max().item() for o, r in zip(outs, ref_mine, strict=True)),
+        "grad_err": {},
+        "received": sum(received),
+        "grouped_mm_calls": len(grouped_calls),
+        "wrong_group_err": None,
+        "wrong_divisor_err": None,
+    }
     params = dict(layer.named_parameters())
     for n, p in params.items():
         want = expected_shard(ref_grads[n], p, ps)
@@ -112,12 +132,18 @@ LAYER_CASES = {
     "top2/dropless": (dict(moe_router_topk=2), None, None),
     "top1/capacity-no-drop": (dict(moe_router_topk=1, moe_capacity_factor=8.0), None, None),
     "top2/capacity-drops": (dict(moe_router_topk=2, moe_capacity_factor=0.5), None, None),
-    "prototypes": (dict(num_experts=8, moe_num_prototypes=2, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01),
-                   None, None),
+    "prototypes": (
+        dict(num_experts=8, moe_num_prototypes=2, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01),
+        None,
+        None,
+    ),
     "swiglu-bias": (dict(moe_router_topk=2, swiglu=True), random_biases, None),
     "grouped/top2/dropless": (dict(moe_router_topk=2, moe_grouped_gemm=True), None, None),
-    "grouped/top2/capacity-drops": (dict(moe_router_topk=2, moe_capacity_factor=0.5, moe_grouped_gemm=True), None,
-                                    None),
+    "grouped/top2/capacity-drops": (
+        dict(moe_router_topk=2, moe_capacity_factor=0.5, moe_grouped_gemm=True),
+        None,
+        None,
+    ),
     "grouped/swiglu-bias": (dict(moe_router_topk=2, swiglu=True, moe_grouped_gemm=True), random_biases, None),
 }
 
@@ -133,14 +159,19 @@ def layer_cases(ps: ParallelState, prefix: str, names=None) -> dict:
 def zero_token_case(ps: ParallelState, **overrides) -> dict:
     """Every token prefers the experts of EP rank 0: the other ranks' experts get no rows."""
     first = 4 // ps.ep_size
-    return layer_case(ps, dict(moe_router_topk=first, **overrides), _both(random_biases, bias_router_towards(first)),
-                      force_first_experts)
+    return layer_case(
+        ps,
+        dict(moe_router_topk=first, **overrides),
+        _both(random_biases, bias_router_towards(first)),
+        force_first_experts,
+    )
 
 
 def sent_dtypes_under_bf16(ps: ParallelState) -> list:
     """dtypes of the row tensors the all-to-alls carry, forward and backward, with bf16 weights
     and activations as --bf16 trains (split sizes are int64 and not counted)."""
     from megatron_p2r.parallel import mappings
+
     layer = build_layer(layer_cfg(moe_router_topk=2), ps).to(torch.bfloat16)
     x, g = layer_inputs(2)[ps.dp_rank]
     x = x.to(torch.bfloat16).requires_grad_()  # so the dispatch all-to-all has a backward too
@@ -160,8 +191,14 @@ def sent_dtypes_under_bf16(ps: ParallelState) -> list:
 
 
 def moe_model(tp: int = 1, pp: int = 1, ep: int = 1, **overrides):
-    values = dict(num_experts=4, expert_model_parallel_size=ep, moe_router_topk=2, moe_ffn_hidden_size=48,
-                  moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+    values = dict(
+        num_experts=4,
+        expert_model_parallel_size=ep,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=48,
+        moe_aux_loss_coeff=0.01,
+        moe_z_loss_coeff=0.001,
+    )
     values.update(overrides)
     return make_cfg(tp=tp, pp=pp, **values)
 
@@ -174,20 +211,37 @@ def world2(rank: int, world: int, log_file: str) -> dict:
     out["layer"]["ep2/zero-tokens"] = zero_token_case(ps)
     out["layer"]["ep2/grouped/zero-tokens"] = zero_token_case(ps, moe_grouped_gemm=True)
     out["bf16_rows"] = sent_dtypes_under_bf16(ps)
-    out["model"].update(equivalence_cases(ps, layout, [
-        ("ep2/dropless", moe_model(ep=2), "1f1b", 2),
-        ("ep2/capacity-no-drop", moe_model(ep=2, moe_capacity_factor=8.0, moe_router_topk=1), "1f1b", 2),
-        ("ep2/capacity-drops", moe_model(ep=2, moe_capacity_factor=0.5, swiglu=True), "1f1b", 1),
-        ("ep2/prototypes-recompute", moe_model(ep=2, num_experts=8, moe_num_prototypes=4, moe_router_topk=1,
-                                               recompute_activations=True), "1f1b", 2),
-    ]))
-    out["bf16"] = equivalence_cases(ps, layout, [
-        ("ep2/bf16-recompute", moe_model(ep=2, recompute_activations=True, bf16=True), "1f1b", 2)])
+    out["model"].update(
+        equivalence_cases(
+            ps,
+            layout,
+            [
+                ("ep2/dropless", moe_model(ep=2), "1f1b", 2),
+                ("ep2/capacity-no-drop", moe_model(ep=2, moe_capacity_factor=8.0, moe_router_topk=1), "1f1b", 2),
+                ("ep2/capacity-drops", moe_model(ep=2, moe_capacity_factor=0.5, swiglu=True), "1f1b", 1),
+                (
+                    "ep2/prototypes-recompute",
+                    moe_model(ep=2, num_experts=8, moe_num_prototypes=4, moe_router_topk=1, recompute_activations=True),
+                    "1f1b",
+                    2,
+                ),
+            ],
+        )
+    )
+    out["bf16"] = equivalence_cases(
+        ps, layout, [("ep2/bf16-recompute", moe_model(ep=2, recompute_activations=True, bf16=True), "1f1b", 2)]
+    )
     with counting_grouped_mm() as calls:
-        out["model"].update(grouped_model_cases(ps, layout, [
-            ("ep2/grouped/capacity-drops", moe_model(ep=2, moe_capacity_factor=0.5, swiglu=True), 1)]))
-        out["bf16"].update(grouped_model_cases(ps, layout, [
-            ("ep2/grouped/bf16-recompute", moe_model(ep=2, recompute_activations=True, bf16=True), 2)]))
+        out["model"].update(
+            grouped_model_cases(
+                ps, layout, [("ep2/grouped/capacity-drops", moe_model(ep=2, moe_capacity_factor=0.5, swiglu=True), 1)]
+            )
+        )
+        out["bf16"].update(
+            grouped_model_cases(
+                ps, layout, [("ep2/grouped/bf16-recompute", moe_model(ep=2, recompute_activations=True, bf16=True), 2)]
+            )
+        )
     out["grouped_model_calls"] = len(calls)
     out["train"] = train_replicas(moe_model(ep=2, global_batch_size=8, moe_capacity_factor=1.0), ps)
     pretrain(moe_model(ep=2, train_iters=2, moe_capacity_factor=0.5, log_file=log_file))
@@ -199,12 +253,18 @@ def world4(rank: int, world: int) -> dict:
     out = {"layer": {}, "model": {}}
     layout = Layout(dp=4, ep=4)
     ps = make_state(layout)
-    out["layer"].update(layer_cases(ps, "ep4", names=("top2/dropless", "top1/capacity-no-drop",
-                                                     "top2/capacity-drops")))
+    out["layer"].update(layer_cases(ps, "ep4", names=("top2/dropless", "top1/capacity-no-drop", "top2/capacity-drops")))
     out["layer"]["ep4/zero-tokens"] = zero_token_case(ps)
-    out["model"].update(equivalence_cases(ps, layout, [
-        ("ep4/dropless", moe_model(ep=4), "1f1b", 1),
-        ("ep4/capacity-no-drop", moe_model(ep=4, moe_capacity_factor=8.0), "1f1b", 1)]))
+    out["model"].update(
+        equivalence_cases(
+            ps,
+            layout,
+            [
+                ("ep4/dropless", moe_model(ep=4), "1f1b", 1),
+                ("ep4/capacity-no-drop", moe_model(ep=4, moe_capacity_factor=8.0), "1f1b", 1),
+            ],
+        )
+    )
 
     layout = Layout(dp=4, ep=2)
     ps = make_state(layout)
@@ -214,17 +274,32 @@ def world4(rank: int, world: int) -> dict:
     layout = Layout(tp=2, dp=2, ep=2)
     ps = make_state(layout)
     out["layer"].update(layer_cases(ps, "tp2ep2"))
-    out["model"].update(equivalence_cases(ps, layout, [
-        ("tp2ep2/dropless-swiglu", moe_model(tp=2, ep=2, swiglu=True), "1f1b", 1),
-        ("tp2ep2/capacity-drops", moe_model(tp=2, ep=2, moe_capacity_factor=0.5), "1f1b", 1)]))
+    out["model"].update(
+        equivalence_cases(
+            ps,
+            layout,
+            [
+                ("tp2ep2/dropless-swiglu", moe_model(tp=2, ep=2, swiglu=True), "1f1b", 1),
+                ("tp2ep2/capacity-drops", moe_model(tp=2, ep=2, moe_capacity_factor=0.5), "1f1b", 1),
+            ],
+        )
+    )
     with counting_grouped_mm() as calls:
-        out["model"].update(grouped_model_cases(ps, layout, [
-            ("tp2ep2/grouped/dropless-swiglu", moe_model(tp=2, ep=2, swiglu=True), 1)]))
+        out["model"].update(
+            grouped_model_cases(ps, layout, [("tp2ep2/grouped/dropless-swiglu", moe_model(tp=2, ep=2, swiglu=True), 1)])
+        )
     out["grouped_model_calls"] = len(calls)
 
     layout = Layout(pp=2, dp=2, ep=2)
     ps = make_state(layout)
-    out["model"].update(equivalence_cases(ps, layout, [
-        ("pp2ep2/dropless/1f1b", moe_model(pp=2, ep=2, moe_layer_freq=2), "1f1b", 2),
-        ("pp2ep2/capacity-drops/1f1b", moe_model(pp=2, ep=2, moe_capacity_factor=0.5), "1f1b", 2)]))
+    out["model"].update(
+        equivalence_cases(
+            ps,
+            layout,
+            [
+                ("pp2ep2/dropless/1f1b", moe_model(pp=2, ep=2, moe_layer_freq=2), "1f1b", 2),
+                ("pp2ep2/capacity-drops/1f1b", moe_model(pp=2, ep=2, moe_capacity_factor=0.5), "1f1b", 2),
+            ],
+        )
+    )
     return out

@@ -8,6 +8,7 @@ Clipping is on (every norm above CLIP) and the learning rate changes every step;
 loss scale that overflows skips steps. A slowed host step makes each delayed step run through
 the whole next iteration: no weight may change mid-iteration.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,17 +29,31 @@ from megatron_p2r.training import build_datasets, build_train_state, microbatch_
 from tests.helpers import run_steps, tiny_config
 
 CLIP = 0.5
-BASE = dict(num_layers=4, global_batch_size=4, clip_grad=CLIP, cpu_offload_layers="0,2", lr_warmup_iters=2,
-            lr_decay_style="cosine", weight_decay=0.1, bf16=True)
-DPU = dict(overlap_cpu_optimizer_d2h_h2d=True, cpu_offload_delayed_param_update=True,
-           cpu_offload_delayed_param_update_warmup_steps=0)
+BASE = dict(
+    num_layers=4,
+    global_batch_size=4,
+    clip_grad=CLIP,
+    cpu_offload_layers="0,2",
+    lr_warmup_iters=2,
+    lr_decay_style="cosine",
+    weight_decay=0.1,
+    bf16=True,
+)
+DPU = dict(
+    overlap_cpu_optimizer_d2h_h2d=True,
+    cpu_offload_delayed_param_update=True,
+    cpu_offload_delayed_param_update_warmup_steps=0,
+)
 FP16_SKIPS = dict(bf16=False, fp16=True, initial_loss_scale=2.0**19, hysteresis=1, loss_scale_window=1)
 
 
 def _result(state, losses, outs) -> dict:
     weights = {n: p.detach().clone() for n, p in state.model.named_parameters()}
-    moments = {n: {k: v.clone() for k, v in state.optimizer.state[p].items()}
-               for n, p in state.model.named_parameters() if p in state.optimizer.state}
+    moments = {
+        n: {k: v.clone() for k, v in state.optimizer.state[p].items()}
+        for n, p in state.model.named_parameters()
+        if p in state.optimizer.state
+    }
     return {"losses": losses, "norms": [o["grad_norm"] for o in outs], "weights": weights, "moments": moments}
 
 
@@ -77,14 +92,14 @@ def _oracle(ps: ParallelState, steps: int, **kw) -> dict:
         losses.append(out["lm_loss"])
         outs.append(out)
         stepped = not out["skipped"]
-        written, pending = pending, None        # written once this iteration's backward is over
-        if stepped and taken >= warmup:         # a delayed step: its weights wait for the next iteration
+        written, pending = pending, None  # written once this iteration's backward is over
+        if stepped and taken >= warmup:  # a delayed step: its weights wait for the next iteration
             pending = snapshot()
             restore(written or current)
         elif not stepped:
             restore(written or current)
         current, taken = snapshot(), taken + stepped
-    if pending is not None:                     # the end of training writes it
+    if pending is not None:  # the end of training writes it
         restore(pending)
     return _result(state, losses, outs)
 
@@ -99,16 +114,23 @@ def _bitwise(a: dict, b: dict) -> None:
             assert torch.equal(m, b["moments"][n][k]), (n, k)
 
 
-@pytest.mark.parametrize("kw", [
-    {}, dict(cpu_offload_delayed_param_update_warmup_steps=2), dict(host_optimizer_threads=2), FP16_SKIPS,
-    dict(use_precision_aware_optimizer=True, main_grads_dtype="bf16", optimizer="adafactor"),
-    dict(optimizer="lion"),
-], ids=["bf16", "warmup-2", "2-threads", "fp16-skips", "adafactor-bf16-grads", "lion"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        dict(cpu_offload_delayed_param_update_warmup_steps=2),
+        dict(host_optimizer_threads=2),
+        FP16_SKIPS,
+        dict(use_precision_aware_optimizer=True, main_grads_dtype="bf16", optimizer="adafactor"),
+        dict(optimizer="lion"),
+    ],
+    ids=["bf16", "warmup-2", "2-threads", "fp16-skips", "adafactor-bf16-grads", "lion"],
+)
 def test_delayed_update_is_the_serial_step_applied_one_iteration_late(kw):
     ps = ParallelState.single()
     steps = 7 if kw.get("fp16") else 5
     dpu, oracle = _dpu(ps, steps, **kw), _oracle(ps, steps, **kw)
-    if kw.get("fp16"):   # a skipped iteration right after a taken one, and taken ones after it
+    if kw.get("fp16"):  # a skipped iteration right after a taken one, and taken ones after it
         skipped = [not math.isfinite(n) for n in oracle["norms"]]
         assert any(skipped[i] and not skipped[i - 1] for i in range(1, steps - 1)), oracle["norms"]
     _bitwise(dpu, oracle)
@@ -132,6 +154,7 @@ def test_slow_host_step_changes_no_weight_mid_iteration():
     def slowed(self, key, coeff, **kw):
         time.sleep(0.3)
         real(self, key, coeff, **kw)
+
     HostStep._step_layer = slowed
     try:
         ps = ParallelState.single()
@@ -179,6 +202,7 @@ def test_resume_is_bitwise(tmp_path):
     def save_after_two(state):
         if state.iteration == 2:
             saved.append(save_checkpoint(str(tmp_path), state))
+
     seed_everything(cfg.train.seed, 0, 0, ps.device)
     straight, full = run_steps(cfg, ps, 4, after_step=save_after_two)
     second, resumed = run_steps(cfg, ps, 2, load=str(tmp_path))
@@ -189,8 +213,9 @@ def test_resume_is_bitwise(tmp_path):
         assert torch.equal(p, q), n
 
 
-@pytest.mark.parametrize("kw", [{}, dict(use_precision_aware_optimizer=True, main_grads_dtype="bf16")],
-                         ids=["fp32-grads", "bf16-grads"])
+@pytest.mark.parametrize(
+    "kw", [{}, dict(use_precision_aware_optimizer=True, main_grads_dtype="bf16")], ids=["fp32-grads", "bf16-grads"]
+)
 def test_planner_counts_the_second_gradient_buffer(kw):
     """The bytes of the second gradient tensors a rank allocates are the planner's grads_delayed,
     and the runtime's report says the same."""
@@ -205,14 +230,19 @@ def test_planner_counts_the_second_gradient_buffer(kw):
     assert "grads_delayed" not in offload_plan(tiny_config(**BASE), state.plan, 0)["host"]
 
 
-@pytest.mark.parametrize("kw,message", [
-    (dict(overlap_cpu_optimizer_d2h_h2d=False), "needs --overlap-cpu-optimizer-d2h-h2d"),
-    (dict(bf16=False), "needs 16-bit weights"),
-    (dict(bf16=False, fp16=True, main_params_dtype="fp16", use_precision_aware_optimizer=True),
-     "fp16 weights are then their own main parameters"),
-    (dict(cpu_offload_optimizer_nvme_path="/tmp/x"), "not supported with --cpu-offload-optimizer-nvme-path"),
-    (dict(use_distributed_optimizer=True), "not supported with --use-distributed-optimizer"),
-])
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (dict(overlap_cpu_optimizer_d2h_h2d=False), "needs --overlap-cpu-optimizer-d2h-h2d"),
+        (dict(bf16=False), "needs 16-bit weights"),
+        (
+            dict(bf16=False, fp16=True, main_params_dtype="fp16", use_precision_aware_optimizer=True),
+            "fp16 weights are then their own main parameters",
+        ),
+        (dict(cpu_offload_optimizer_nvme_path="/tmp/x"), "not supported with --cpu-offload-optimizer-nvme-path"),
+        (dict(use_distributed_optimizer=True), "not supported with --use-distributed-optimizer"),
+    ],
+)
 def test_flag_errors(kw, message):
     with pytest.raises(ConfigError, match=message):
         validate(tiny_config(**{**BASE, **DPU, **kw}), 1)

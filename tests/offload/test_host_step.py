@@ -5,6 +5,7 @@ is above CLIP, so the clip coefficient matters), one process and DP=2.
 A slowed host step forces the next forward to reach an offloaded layer while its step still
 runs: that layer's fetch must wait for it.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,11 +22,18 @@ from tests.harness import run_distributed
 from megatron_p2r.training import setup_parallel
 from tests.helpers import run_steps, tiny_config
 
-CLIP = 0.5   # below every step's gradient norm
+CLIP = 0.5  # below every step's gradient norm
 # The learning rate changes every step (warm-up, then cosine) and weight decay is on: the worker
 # must step with the rate of its step, not the one the scheduler sets while it runs.
-BASE = dict(num_layers=4, global_batch_size=4, clip_grad=CLIP, cpu_offload_layers="0,2", lr_warmup_iters=2,
-            lr_decay_style="cosine", weight_decay=0.1)
+BASE = dict(
+    num_layers=4,
+    global_batch_size=4,
+    clip_grad=CLIP,
+    cpu_offload_layers="0,2",
+    lr_warmup_iters=2,
+    lr_decay_style="cosine",
+    weight_decay=0.1,
+)
 
 
 def _train(ps: ParallelState, overlap: bool, steps: int = 3, slow: float = 0.0, **kw):
@@ -38,6 +46,7 @@ def _train(ps: ParallelState, overlap: bool, steps: int = 3, slow: float = 0.0, 
         def slowed(self, shards, coeff):
             time.sleep(slow)
             real(self, shards, coeff)
+
         HostStep._step_layer = slowed
     try:
         losses, state = run_steps(cfg, ps, steps, outputs=outs)
@@ -46,14 +55,22 @@ def _train(ps: ParallelState, overlap: bool, steps: int = 3, slow: float = 0.0, 
             HostStep._step_layer = real
     state.optimizer.finish_host_step()
     weights = {n: p.detach().clone() for n, p in state.model.named_parameters()}
-    moments = {n: {k: v.clone() for k, v in state.optimizer.state[p].items()}   # AdamW's, Lion's or Adafactor's
-               for n, p in state.model.named_parameters() if p in state.optimizer.state}   # none before a step
-    return {"losses": losses, "norms": [o["grad_norm"] for o in outs], "weights": weights, "moments": moments,
-            "overlapped": isinstance(state.optimizer.inner.get("host"), HostStep)}
+    moments = {
+        n: {k: v.clone() for k, v in state.optimizer.state[p].items()}  # AdamW's, Lion's or Adafactor's
+        for n, p in state.model.named_parameters()
+        if p in state.optimizer.state
+    }  # none before a step
+    return {
+        "losses": losses,
+        "norms": [o["grad_norm"] for o in outs],
+        "weights": weights,
+        "moments": moments,
+        "overlapped": isinstance(state.optimizer.inner.get("host"), HostStep),
+    }
 
 
 def _bitwise(a: dict, b: dict) -> None:
-    assert a["losses"] == b["losses"] and str(a["norms"]) == str(b["norms"])   # nan: a skipped step
+    assert a["losses"] == b["losses"] and str(a["norms"]) == str(b["norms"])  # nan: a skipped step
     assert min(n for n in a["norms"] if math.isfinite(n)) > CLIP
     assert a["moments"].keys() == b["moments"].keys()
     for n, w in a["weights"].items():
@@ -62,11 +79,18 @@ def _bitwise(a: dict, b: dict) -> None:
             assert torch.equal(m, b["moments"][n][k]), (n, k)
 
 
-@pytest.mark.parametrize("kw", [
-    {}, dict(bf16=True), dict(fp16=True, initial_loss_scale=2.0**19, hysteresis=1, loss_scale_window=1),
-    dict(bf16=True, use_precision_aware_optimizer=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
-    dict(bf16=True, optimizer="lion"), dict(optimizer="adafactor"),
-], ids=["fp32", "bf16", "fp16-skips", "bf16-moments", "lion-bf16", "adafactor"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        dict(bf16=True),
+        dict(fp16=True, initial_loss_scale=2.0**19, hysteresis=1, loss_scale_window=1),
+        dict(bf16=True, use_precision_aware_optimizer=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
+        dict(bf16=True, optimizer="lion"),
+        dict(optimizer="adafactor"),
+    ],
+    ids=["fp32", "bf16", "fp16-skips", "bf16-moments", "lion-bf16", "adafactor"],
+)
 def test_overlapped_host_step_is_bitwise_the_serial_one(kw):
     """fp16: the scale overflows, halves, grows back after each finite step and overflows again,
     so steps are skipped (no host step submitted) after taken ones: the DDP must zero the host
@@ -99,11 +123,17 @@ def test_dp2_overlapped_host_step_is_bitwise_the_serial_one():
     assert losses[0] == losses[1]
 
 
-@pytest.mark.parametrize("kw,message", [
-    (dict(cpu_offload_layers="0,2", cpu_offload_what="optimizer"), "needs --cpu-offload-layers"),
-    (dict(cpu_offload_layers=None), "needs --cpu-offload-layers"),
-    (dict(cpu_offload_layers="0,2", use_distributed_optimizer=True), "not supported with --use-distributed-optimizer"),
-])
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (dict(cpu_offload_layers="0,2", cpu_offload_what="optimizer"), "needs --cpu-offload-layers"),
+        (dict(cpu_offload_layers=None), "needs --cpu-offload-layers"),
+        (
+            dict(cpu_offload_layers="0,2", use_distributed_optimizer=True),
+            "not supported with --use-distributed-optimizer",
+        ),
+    ],
+)
 def test_flag_errors(kw, message):
     with pytest.raises(ConfigError, match=message):
         validate(tiny_config(**{**BASE, **kw}, overlap_cpu_optimizer_d2h_h2d=True), 1)

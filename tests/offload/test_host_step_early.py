@@ -4,6 +4,7 @@ DP reduction), on one or two worker threads, and gives bitwise the weights, opti
 losses and gradient norms of the serial step — AdamW, Lion and Adafactor, fp32 and bf16, one
 process, DP=2 with and without --overlap-grad-reduce, PP=2 — and resumes bitwise.
 """
+
 from __future__ import annotations
 
 import time
@@ -20,8 +21,15 @@ from megatron_p2r.training import setup_parallel
 from tests.helpers import run_steps, tiny_config
 
 # The learning rate changes every step and weight decay is on: a step must use its own rate.
-BASE = dict(num_layers=4, global_batch_size=4, clip_grad=0.0, cpu_offload_layers="0,2", lr_warmup_iters=2,
-            lr_decay_style="cosine", weight_decay=0.1)
+BASE = dict(
+    num_layers=4,
+    global_batch_size=4,
+    clip_grad=0.0,
+    cpu_offload_layers="0,2",
+    lr_warmup_iters=2,
+    lr_decay_style="cosine",
+    weight_decay=0.1,
+)
 
 
 def _train(ps: ParallelState, overlap: bool, steps: int = 3, slow: float = 0.0, pause: float = 0.05, **kw) -> dict:
@@ -29,7 +37,7 @@ def _train(ps: ParallelState, overlap: bool, steps: int = 3, slow: float = 0.0, 
     ``pause``: the main thread waits that long after backward, so the early steps are done before
     the gradient norm reads the gradients they stepped on; ``slow``: each layer's step takes that
     much longer."""
-    serial = {} if overlap else dict(host_optimizer_threads=1)   # threads are the overlapped step's (refused without)
+    serial = {} if overlap else dict(host_optimizer_threads=1)  # threads are the overlapped step's (refused without)
     cfg = tiny_config(**{**BASE, **kw, **serial}, overlap_cpu_optimizer_d2h_h2d=overlap)
     seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, ps.device)
     started, outs = [], []
@@ -44,6 +52,7 @@ def _train(ps: ParallelState, overlap: bool, steps: int = 3, slow: float = 0.0, 
     def slowed(self, *args, **kwargs):
         time.sleep(slow)
         real_step(self, *args, **kwargs)
+
     ddp_module.DistributedDataParallel.finish_grad_sync = finish
     HostStep._step_layer = slowed
     try:
@@ -52,10 +61,18 @@ def _train(ps: ParallelState, overlap: bool, steps: int = 3, slow: float = 0.0, 
         ddp_module.DistributedDataParallel.finish_grad_sync, HostStep._step_layer = real_finish, real_step
     state.optimizer.finish_host_step()
     weights = {n: p.detach().clone() for n, p in state.model.named_parameters()}
-    moments = {n: {k: v.clone() for k, v in state.optimizer.state[p].items()}
-               for n, p in state.model.named_parameters() if p in state.optimizer.state}
-    return {"losses": losses, "norms": [o["grad_norm"] for o in outs], "weights": weights, "moments": moments,
-            "started": started}
+    moments = {
+        n: {k: v.clone() for k, v in state.optimizer.state[p].items()}
+        for n, p in state.model.named_parameters()
+        if p in state.optimizer.state
+    }
+    return {
+        "losses": losses,
+        "norms": [o["grad_norm"] for o in outs],
+        "weights": weights,
+        "moments": moments,
+        "started": started,
+    }
 
 
 def _bitwise(a: dict, b: dict) -> None:
@@ -67,14 +84,21 @@ def _bitwise(a: dict, b: dict) -> None:
             assert torch.equal(m, b["moments"][n][k]), (n, k)
 
 
-@pytest.mark.parametrize("kw", [
-    {}, dict(bf16=True), dict(bf16=True, optimizer="lion"), dict(optimizer="adafactor"),
-    dict(bf16=True, host_optimizer_threads=2),
-], ids=["fp32-adamw", "bf16-adamw", "bf16-lion", "fp32-adafactor", "bf16-2-threads"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        dict(bf16=True),
+        dict(bf16=True, optimizer="lion"),
+        dict(optimizer="adafactor"),
+        dict(bf16=True, host_optimizer_threads=2),
+    ],
+    ids=["fp32-adamw", "bf16-adamw", "bf16-lion", "fp32-adafactor", "bf16-2-threads"],
+)
 def test_early_host_step_is_bitwise_the_serial_one(kw):
     ps = ParallelState.single()
     serial, early = _train(ps, False, **kw), _train(ps, True, **kw)
-    assert early["started"] == [2, 2, 2]   # both offloaded layers started before backward ended
+    assert early["started"] == [2, 2, 2]  # both offloaded layers started before backward ended
     _bitwise(serial, early)
 
 
@@ -88,12 +112,13 @@ def test_next_forward_waits_for_each_early_step():
 @pytest.mark.parametrize("kw", [dict(clip_grad=1.0), dict(fp16=True), dict(bf16=True, clip_grad=0.5)])
 def test_after_the_norm_when_something_global_gates_the_update(kw):
     ps = ParallelState.single()
-    assert _train(ps, True, steps=1, **kw)["started"] == []   # the DDP reports nothing: no early start
+    assert _train(ps, True, steps=1, **kw)["started"] == []  # the DDP reports nothing: no early start
 
 
 def test_non_finite_gradient_is_an_error(monkeypatch):
     """The serial step would be skipped; the early one cannot be."""
     from megatron_p2r.training import step as training
+
     real = training.grad_norm_and_non_finite
     monkeypatch.setattr(training, "grad_norm_and_non_finite", lambda *a: (real(*a)[0], True))
     with pytest.raises(RuntimeError, match="non-finite gradient in a step whose offloaded layers were already"):
@@ -103,8 +128,10 @@ def test_non_finite_gradient_is_an_error(monkeypatch):
 def _dp2(rank, world):
     ps, _ = setup_parallel(tiny_config(**BASE), torch.device("cpu"))
     started = {}
-    for label, kw in [("overlap-grad-reduce", dict(overlap_grad_reduce=True)),
-                      ("bf16-2-threads", dict(bf16=True, host_optimizer_threads=2))]:
+    for label, kw in [
+        ("overlap-grad-reduce", dict(overlap_grad_reduce=True)),
+        ("bf16-2-threads", dict(bf16=True, host_optimizer_threads=2)),
+    ]:
         serial, early = _train(ps, False, **kw), _train(ps, True, **kw)
         _bitwise(serial, early)
         started[label] = early["started"]
@@ -136,6 +163,7 @@ def test_host_optimizer_threads_auto_is_the_ranks_share_of_the_cores(monkeypatch
     takes them too (no --overlap needed); anything else is one error naming the flag."""
     from megatron_p2r.config import ConfigError, validate
     from megatron_p2r.config.offload import host_optimizer_threads
+
     assert host_optimizer_threads("auto", cores=16, local_ranks=8) == 2
     assert host_optimizer_threads("auto", cores=4, local_ranks=8) == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
@@ -150,6 +178,7 @@ def test_host_optimizer_threads_auto_is_the_ranks_share_of_the_cores(monkeypatch
 def test_resume_is_bitwise(tmp_path):
     """3 steps straight, or 2, save, load into a fresh run (the layer optimizers over the loaded state) and 1 more."""
     from megatron_p2r.checkpoint.io import save_checkpoint
+
     cfg = tiny_config(**BASE, bf16=True, overlap_cpu_optimizer_d2h_h2d=True, host_optimizer_threads=2)
     ps = ParallelState.single()
     seed_everything(cfg.train.seed, 0, 0, ps.device)

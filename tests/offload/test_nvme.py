@@ -6,6 +6,7 @@ every main and state tensor of the host step lives in the file, and the rank's o
 drops by exactly the bytes moved, which are the plan's; checkpoints go between the two both ways
 and resume bitwise; a bad directory is a clear error.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,14 @@ from megatron_p2r.training import setup_parallel
 from tests.helpers import run_steps, tiny_config
 
 # The learning rate changes every step and weight decay is on; layers 0 and 2 of 4 on host.
-BASE = dict(num_layers=4, global_batch_size=4, cpu_offload_layers="0,2", lr_warmup_iters=2,
-            lr_decay_style="cosine", weight_decay=0.1)
+BASE = dict(
+    num_layers=4,
+    global_batch_size=4,
+    cpu_offload_layers="0,2",
+    lr_warmup_iters=2,
+    lr_decay_style="cosine",
+    weight_decay=0.1,
+)
 OVERLAP = dict(overlap_cpu_optimizer_d2h_h2d=True)
 
 
@@ -38,12 +45,18 @@ def _train(ps: ParallelState, directory, steps: int = 3, load=None, **kw) -> dic
     state.optimizer.finish_host_step()
     opt = state.optimizer
     host = [ms for ms in opt.shards if ms.placement == "host"]
-    return {"losses": losses, "norms": [o["grad_norm"] for o in outs], "state": state,
-            "weights": {n: p.detach().clone() for n, p in state.model.named_parameters()},
-            "mains": {(ms.name, ms.start): ms.main.detach().clone() for ms in opt.shards},
-            "moments": {(ms.name, ms.start): {k: v.clone() for k, v in opt.inner[ms.placement].state[ms.main].items()}
-                        for ms in opt.shards},
-            "host": [(ms, opt.inner["host"].state[ms.main]) for ms in host]}
+    return {
+        "losses": losses,
+        "norms": [o["grad_norm"] for o in outs],
+        "state": state,
+        "weights": {n: p.detach().clone() for n, p in state.model.named_parameters()},
+        "mains": {(ms.name, ms.start): ms.main.detach().clone() for ms in opt.shards},
+        "moments": {
+            (ms.name, ms.start): {k: v.clone() for k, v in opt.inner[ms.placement].state[ms.main].items()}
+            for ms in opt.shards
+        },
+        "host": [(ms, opt.inner["host"].state[ms.main]) for ms in host],
+    }
 
 
 def _bitwise(a: dict, b: dict) -> None:
@@ -70,12 +83,19 @@ def _in_file(run: dict) -> None:
         assert not file.holds(p)
 
 
-CASES = [({}, "fp32-adamw"), (dict(bf16=True), "bf16-adamw"), (dict(bf16=True, optimizer="lion"), "bf16-lion"),
-         (dict(optimizer="adafactor"), "fp32-adafactor"), (dict(bf16=True, optimizer="adafactor"), "bf16-adafactor"),
-         (dict(bf16=True, use_precision_aware_optimizer=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
-          "bf16-moments"),
-         (dict(bf16=True, **OVERLAP), "bf16-overlapped"),
-         (dict(bf16=True, clip_grad=0.0, host_optimizer_threads=2, **OVERLAP), "bf16-in-backward-2-threads")]
+CASES = [
+    ({}, "fp32-adamw"),
+    (dict(bf16=True), "bf16-adamw"),
+    (dict(bf16=True, optimizer="lion"), "bf16-lion"),
+    (dict(optimizer="adafactor"), "fp32-adafactor"),
+    (dict(bf16=True, optimizer="adafactor"), "bf16-adafactor"),
+    (
+        dict(bf16=True, use_precision_aware_optimizer=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
+        "bf16-moments",
+    ),
+    (dict(bf16=True, **OVERLAP), "bf16-overlapped"),
+    (dict(bf16=True, clip_grad=0.0, host_optimizer_threads=2, **OVERLAP), "bf16-in-backward-2-threads"),
+]
 
 
 @pytest.mark.parametrize("kw", [c for c, _ in CASES], ids=[i for _, i in CASES])
@@ -91,7 +111,7 @@ def _dp2(rank, world, directory):
     ranks; Adafactor sums the statistics of a cut matrix over both) in its own file."""
     kw = dict(use_distributed_optimizer=True, bf16=True)
     ps, _ = setup_parallel(tiny_config(**{**BASE, **kw}), torch.device("cpu"))
-    for optimizer in ("adam", "adafactor"):   # a directory per run: a run holds its files while it lives
+    for optimizer in ("adam", "adafactor"):  # a directory per run: a run holds its files while it lives
         os.makedirs(os.path.join(directory, optimizer), exist_ok=True)
         ram = _train(ps, None, optimizer=optimizer, **kw)
         disk = _train(ps, os.path.join(directory, optimizer), optimizer=optimizer, **kw)
@@ -122,21 +142,32 @@ def _ram_bytes(run: dict) -> int:
     mains and optimizer state (step counts aside, as ``training.describe_memory``)."""
     state, nvme_state = run["state"], run["state"].offload.nvme
     opt = state.optimizer
-    tensors = [*state.model.parameters(), *state.ddp.buffer_tensors("grads"), *(ms.main for ms in opt.shards),
-               *(v for inner in opt.inner.values() for s in inner.state.values() for k, v in s.items() if k != "step")]
-    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
-            if nvme_state is None or not nvme_state.file.holds(t)}
+    tensors = [
+        *state.model.parameters(),
+        *state.ddp.buffer_tensors("grads"),
+        *(ms.main for ms in opt.shards),
+        *(v for inner in opt.inner.values() for s in inner.state.values() for k, v in s.items() if k != "step"),
+    ]
+    seen = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in tensors
+        if nvme_state is None or not nvme_state.file.holds(t)
+    }
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("kw", [dict(bf16=True), dict(bf16=True, optimizer="adafactor"), {}],
-                         ids=["bf16-adamw", "bf16-adafactor", "fp32-adamw"])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(bf16=True), dict(bf16=True, optimizer="adafactor"), {}],
+    ids=["bf16-adamw", "bf16-adafactor", "fp32-adamw"],
+)
 def test_ram_drops_by_the_bytes_moved_which_the_plan_counts(tmp_path, kw):
     ps = ParallelState.single()
     ram, disk = _train(ps, None, steps=1, **kw), _train(ps, tmp_path, steps=1, **kw)
     file = disk["state"].offload.nvme.file
-    moved = sum(ms.main.numel() * 4 for ms, _ in disk["host"] if file.holds(ms.main)) + \
-        sum(v.numel() * v.element_size() for _, s in disk["host"] for k, v in s.items() if k != "step")
+    moved = sum(ms.main.numel() * 4 for ms, _ in disk["host"] if file.holds(ms.main)) + sum(
+        v.numel() * v.element_size() for _, s in disk["host"] for k, v in s.items() if k != "step"
+    )
     report, before = disk["state"].offload.describe(), ram["state"].offload.describe()
     assert moved == report["nvme"] == before["host"]["optimizer"] > 0 and report["host"]["optimizer"] == 0
     assert f"NVMe: optimizer {format_bytes(moved)} in {file.path}" in format_report(0, report)
@@ -155,15 +186,19 @@ def test_checkpoint_switches_between_nvme_and_ram_and_resumes_bitwise(tmp_path, 
             return None
         (tmp_path / run).mkdir()
         return tmp_path / run
-    kw = {("nvme", "ram"): dict(bf16=True, optimizer="adafactor"), ("ram", "nvme"): dict(bf16=True),
-          ("nvme", "nvme"): dict(bf16=True, clip_grad=0.0, **OVERLAP)}[saved_on, loaded_on]
+
+    kw = {
+        ("nvme", "ram"): dict(bf16=True, optimizer="adafactor"),
+        ("ram", "nvme"): dict(bf16=True),
+        ("nvme", "nvme"): dict(bf16=True, clip_grad=0.0, **OVERLAP),
+    }[saved_on, loaded_on]
     straight = _train(ps, where(loaded_on, "straight"), steps=3, **kw)
     first = _train(ps, where(saved_on, "first"), steps=2, **kw)
     save_checkpoint(str(tmp_path / "ckpt"), first["state"])
     resumed = _train(ps, where(loaded_on, "resumed"), steps=1, load=str(tmp_path / "ckpt"), **kw)
     assert first["losses"] + resumed["losses"] == straight["losses"]
     _bitwise({**straight, "losses": [], "norms": []}, {**resumed, "losses": [], "norms": []})
-    if loaded_on == "nvme":   # in the file from the load on, not only after the next step
+    if loaded_on == "nvme":  # in the file from the load on, not only after the next step
         _in_file(_train(ps, where(loaded_on, "loaded"), steps=0, load=str(tmp_path / "ckpt"), **kw))
 
 
@@ -171,7 +206,7 @@ def test_prefetch_asks_for_the_next_layer_in_step_order(tmp_path, monkeypatch):
     """Serial: forward order; steps started in backward: backward order."""
     asked = []
     monkeypatch.setattr(nvme.NvmeStateFile, "prefetch", lambda self, key: asked.append(key))
-    (tmp_path / "serial").mkdir(), (tmp_path / "overlapped").mkdir()   # a directory per run (each holds its files)
+    (tmp_path / "serial").mkdir(), (tmp_path / "overlapped").mkdir()  # a directory per run (each holds its files)
     _train(ParallelState.single(), tmp_path / "serial", steps=1, bf16=True)
     assert asked == [0, 2, 2, None]
     asked.clear()
@@ -191,15 +226,20 @@ def test_bad_directory_is_a_clear_error(tmp_path, monkeypatch):
 
     class Full:
         free = 4096
+
     monkeypatch.setattr(nvme.shutil, "disk_usage", lambda path: Full)
-    with pytest.raises(ConfigError, match=r"optimizer state needs .* \(\d+ bytes\) in .*rank00000.bin, the disk has "
-                                          r"4.00 KiB free"):
+    with pytest.raises(
+        ConfigError,
+        match=r"optimizer state needs .* \(\d+ bytes\) in .*rank00000.bin, the disk has "
+        r"4.00 KiB free",
+    ):
         _train(ps, tmp_path, steps=0)
 
 
 def test_nvme_path_needs_host_resident_weights():
-    with pytest.raises(ConfigError, match="--cpu-offload-optimizer-nvme-path .* needs --cpu-offload-what "
-                                          "params,grads,optimizer"):
+    with pytest.raises(
+        ConfigError, match="--cpu-offload-optimizer-nvme-path .* needs --cpu-offload-what params,grads,optimizer"
+    ):
         validate(tiny_config(**BASE, cpu_offload_what="optimizer", cpu_offload_optimizer_nvme_path="/tmp"), 1)
 
 
@@ -213,6 +253,7 @@ def _resident_pages(file: nvme.NvmeStateFile, key: int) -> int:
     """Pages of layer ``key``'s region in memory (mincore)."""
     import ctypes
     import mmap
+
     start, end, _ = file.regions[key]
     vec = (ctypes.c_ubyte * ((end - start) // mmap.PAGESIZE))()
     libc = ctypes.CDLL(None, use_errno=True)
@@ -228,5 +269,5 @@ def test_read_ahead_brings_a_layers_pages_in(tmp_path):
     file.evict()
     assert _resident_pages(file, 0) == _resident_pages(file, 1) == 0
     file.prefetch(1)
-    file._reader.submit(lambda: None).result()   # the read-ahead queued before it is done
+    file._reader.submit(lambda: None).result()  # the read-ahead queued before it is done
     assert _resident_pages(file, 1) == (1 << 20) // 4096

@@ -4,6 +4,7 @@ pid, before it resizes or writes a file the first has mapped (it used to shrink 
 run: a bus error, or the first run silently training on the second's moments). A run SIGKILLed
 with its state on NVMe leaves a lock the next run takes over, and resumes bitwise; a directory
 deleted under a running run changes nothing for that run."""
+
 from __future__ import annotations
 
 import fcntl
@@ -46,10 +47,14 @@ def test_a_second_run_on_the_same_directory_is_refused_naming_the_first(tmp_path
     """Run A (stalled 15 s before iteration 3) holds n/; run B, smaller (which used to shrink A's
     file), is refused with one error line naming A's pid; A's file is untouched and A finishes."""
     import pretrain_m6
+
     nvme_dir = tmp_path / "n"
     nvme_dir.mkdir()
-    a = _start(ARGV + ["--save", str(tmp_path / "a"), "--cpu-offload-optimizer-nvme-path", str(nvme_dir)],
-               {"P2R_FAULT": "stall:3:15"}, str(tmp_path / "a.log"))
+    a = _start(
+        ARGV + ["--save", str(tmp_path / "a"), "--cpu-offload-optimizer-nvme-path", str(nvme_dir)],
+        {"P2R_FAULT": "stall:3:15"},
+        str(tmp_path / "a.log"),
+    )
     try:
         state = nvme_dir / "optimizer-state-rank00000.bin"
         _wait_for(lambda: _saved(tmp_path / "a.log"), a)
@@ -58,10 +63,13 @@ def test_a_second_run_on_the_same_directory_is_refused_naming_the_first(tmp_path
         rc = pretrain_m6.main(small + ["--cpu-offload-optimizer-nvme-path", str(nvme_dir)])
         err = capsys.readouterr().err
         assert rc == 2 and "Traceback" not in err, err
-        assert re.fullmatch(rf"error: --cpu-offload-optimizer-nvme-path '{nvme_dir}': {state} is in use by training "
-                            rf"run \(optimizer state of rank 0\) \(pid {a.pid} on host .*\); one file takes one writer "
-                            r"at a time: .*two runs never share optimizer-state files: give each run its own "
-                            r"directory\n", err), err
+        assert re.fullmatch(
+            rf"error: --cpu-offload-optimizer-nvme-path '{nvme_dir}': {state} is in use by training "
+            rf"run \(optimizer state of rank 0\) \(pid {a.pid} on host .*\); one file takes one writer "
+            r"at a time: .*two runs never share optimizer-state files: give each run its own "
+            r"directory\n",
+            err,
+        ), err
         assert (state.stat().st_size, state.stat().st_mtime_ns, state.read_bytes()) == before
         assert a.is_alive()
         # the other ranks' files of the same directory are free (a job's ranks share one directory)
@@ -69,8 +77,8 @@ def test_a_second_run_on_the_same_directory_is_refused_naming_the_first(tmp_path
     finally:
         a.join(120)
     assert a.exitcode == 0, (tmp_path / "a.log").read_text()
-    with open(nvme_dir / "optimizer-state-rank00000.lock", "rb") as fh:   # the harness's os._exit leaves the
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)                      # file (atexit removes it): free
+    with open(nvme_dir / "optimizer-state-rank00000.lock", "rb") as fh:  # the harness's os._exit leaves the
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)  # file (atexit removes it): free
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +86,9 @@ def reference(tmp_path_factory):
     """The uninterrupted run with its state on NVMe: checkpoints at 2, 4, 6."""
     root = tmp_path_factory.mktemp("nvme_reference")
     (root / "n").mkdir()
-    results = launch(ARGV + ["--save", str(root / "ck"), "--cpu-offload-optimizer-nvme-path", str(root / "n")],
-                     out_dir=str(root))
+    results = launch(
+        ARGV + ["--save", str(root / "ck"), "--cpu-offload-optimizer-nvme-path", str(root / "n")], out_dir=str(root)
+    )
     assert [rc for rc, _ in results] == [0], results
     return root / "ck"
 
@@ -97,8 +106,11 @@ def test_a_run_sigkilled_with_its_state_on_nvme_resumes_bitwise(reference, tmp_p
     second = launch(argv, out_dir=str(tmp_path))
     assert second[0][0] == 0, second
     assert "optimizer-state-rank00000.bin: took over the lock" not in second[0][1]
-    assert re.search(r"--cpu-offload-optimizer-nvme-path .*: took over the lock of training run \(optimizer state "
-                     r"of rank 0\) \(pid \d+ .*\), which is no longer running", second[0][1]), second[0][1]
+    assert re.search(
+        r"--cpu-offload-optimizer-nvme-path .*: took over the lock of training run \(optimizer state "
+        r"of rank 0\) \(pid \d+ .*\), which is no longer running",
+        second[0][1],
+    ), second[0][1]
     assert f"loaded checkpoint {ck / 'iter_0000002'}" in second[0][1]
     assert checkpoint_tensor_files(str(ck / "iter_0000006")) == checkpoint_tensor_files(str(reference / "iter_0000006"))
 
@@ -108,8 +120,11 @@ def test_the_directory_deleted_under_a_run(reference, tmp_path):
     uninterrupted run's exact state (a directory made read-only: tests/checkpoint/test_lock.py)."""
     nvme_dir, ck = tmp_path / "n", tmp_path / "ck"
     nvme_dir.mkdir()
-    run = _start(ARGV + ["--save", str(ck), "--cpu-offload-optimizer-nvme-path", str(nvme_dir)],
-                 {"P2R_FAULT": "stall:3:5"}, str(tmp_path / "run.log"))
+    run = _start(
+        ARGV + ["--save", str(ck), "--cpu-offload-optimizer-nvme-path", str(nvme_dir)],
+        {"P2R_FAULT": "stall:3:5"},
+        str(tmp_path / "run.log"),
+    )
     try:
         _wait_for(lambda: _saved(tmp_path / "run.log"), run)
         for name in os.listdir(nvme_dir):

@@ -7,6 +7,7 @@ Tolerances are the existing DP tests' (tests/training/test_training.py): losses 
 1e-4 absolute after 3 steps at lr 1e-2 (the order of the reductions differs from one process;
 Adam divides by sqrt(v), so elements with tiny gradients amplify that rounding).
 """
+
 from __future__ import annotations
 
 import os
@@ -33,10 +34,11 @@ FOUR_RANKS = {
     "tp2-dp2": dict(tensor_model_parallel_size=2, **OVERLAP),
     # norms and biases on sequence shards: partial over TP, in their own "TP x DP" buffer
     "tp2-sp-dp2": dict(tensor_model_parallel_size=2, sequence_parallel=True, **OVERLAP),
-    "pp2-dp2-pseudo-cycle2": dict(pipeline_model_parallel_size=2, **PSEUDO, **OVERLAP),   # slots + tied embedding
+    "pp2-dp2-pseudo-cycle2": dict(pipeline_model_parallel_size=2, **PSEUDO, **OVERLAP),  # slots + tied embedding
     # interleaved 1F1B: each rank's two chunks call one pseudo slot, final in chunk 0's last backward
-    "pp2-dp2-interleaved-pseudo-cycle2": dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1,
-                                              **PSEUDO, **OVERLAP),
+    "pp2-dp2-interleaved-pseudo-cycle2": dict(
+        pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1, **PSEUDO, **OVERLAP
+    ),
     "ep2-expert-dp2-moe": dict(expert_model_parallel_size=2, **MOE, **OVERLAP),
     "dp4-offload": dict(cpu_offload_layers="1", **OVERLAP),
     "pp2-dp2-pseudo-offload": dict(pipeline_model_parallel_size=2, cpu_offload_layers="1", **PSEUDO, **OVERLAP),
@@ -45,21 +47,25 @@ FOUR_RANKS = {
     # on its own, docs/scale.md) and pipeline stages with offload. No linear biases for Lion: the
     # key bias's gradient is zero up to rounding, whose sign Lion steps by the full learning rate
     "tp2-dp2-lion": dict(tensor_model_parallel_size=2, optimizer="lion", disable_bias_linear=True, **OVERLAP),
-    "pp2-dp2-pseudo-offload-adafactor": dict(pipeline_model_parallel_size=2, cpu_offload_layers="1", optimizer="adafactor",
-                                             **PSEUDO, **OVERLAP),
+    "pp2-dp2-pseudo-offload-adafactor": dict(
+        pipeline_model_parallel_size=2, cpu_offload_layers="1", optimizer="adafactor", **PSEUDO, **OVERLAP
+    ),
 }
 TWO_RANKS = {
-    "dp2": DISTOPT, "dp2-overlap": OVERLAP,
+    "dp2": DISTOPT,
+    "dp2-overlap": OVERLAP,
     # the memory-lean optimizers: Adafactor's statistics of matrices cut between the ranks are summed
     # over both; with fp16 loss scaling and a host-resident layer (its optimizer steps on host).
     # Lion without linear biases (the key bias: "tp2-dp2-lion")
     "dp2-lion": dict(optimizer="lion", disable_bias_linear=True, **OVERLAP),
     "dp2-adafactor": dict(optimizer="adafactor", **OVERLAP),
-    "dp2-lion-fp16-offload": dict(optimizer="lion", fp16=True, cpu_offload_layers="1", disable_bias_linear=True,
-                                  **OVERLAP),
+    "dp2-lion-fp16-offload": dict(
+        optimizer="lion", fp16=True, cpu_offload_layers="1", disable_bias_linear=True, **OVERLAP
+    ),
     "dp2-adafactor-fp16-offload": dict(optimizer="adafactor", fp16=True, cpu_offload_layers="1", **OVERLAP),
-    "dp2-adafactor-offload-optimizer-only": dict(optimizer="adafactor", cpu_offload_layers="1",
-                                                 cpu_offload_what="optimizer", **OVERLAP),
+    "dp2-adafactor-offload-optimizer-only": dict(
+        optimizer="adafactor", cpu_offload_layers="1", cpu_offload_what="optimizer", **OVERLAP
+    ),
 }
 # Resume: warm-up, cosine decay, clipping (the norm over shards) and weight decay.
 RESUME = dict(lr_warmup_iters=1, lr_decay_style="cosine", clip_grad=1.0, weight_decay=0.01, train_iters=4)
@@ -91,8 +97,7 @@ def two_rank_run(tmp_path_factory):
             save_checkpoint(os.path.join(root, "dp1"), state)
 
     dp1, _ = run_steps(c, ParallelState.single(), 4, after_step=save_after_2)
-    results = run_distributed(two_ranks, 2, TWO_RANKS, root, {**RESUME, **OVERLAP}, {**PSEUDO, **OVERLAP},
-                              timeout=600)
+    results = run_distributed(two_ranks, 2, TWO_RANKS, root, {**RESUME, **OVERLAP}, {**PSEUDO, **OVERLAP}, timeout=600)
     return root, dp1, results
 
 
@@ -127,12 +132,14 @@ def test_lean_optimizers_resume_bitwise_and_on_one_process(two_rank_run):
     for optimizer in ("lion", "adafactor"):
         for r in (x["lean"][optimizer] for x in results):
             assert r["resumed"] == r["whole"][2:] and r["resumed_hash"] == r["whole_hash"], optimizer
-        continued, _ = run_steps(cfg(optimizer=optimizer, **RESUME), ParallelState.single(), 2,
-                                 load=os.path.join(root, optimizer))
+        continued, _ = run_steps(
+            cfg(optimizer=optimizer, **RESUME), ParallelState.single(), 2, load=os.path.join(root, optimizer)
+        )
         assert continued == pytest.approx(results[0]["lean"][optimizer]["whole"][2:], rel=1e-5), optimizer
-    from_adam, _ = run_steps(cfg(optimizer="adafactor", **RESUME), ParallelState.single(), 2,
-                             load=os.path.join(root, "dp1"))
-    for r in results:   # AdamW's checkpoint into Adafactor on DP2 with the distributed optimizer, as on one process
+    from_adam, _ = run_steps(
+        cfg(optimizer="adafactor", **RESUME), ParallelState.single(), 2, load=os.path.join(root, "dp1")
+    )
+    for r in results:  # AdamW's checkpoint into Adafactor on DP2 with the distributed optimizer, as on one process
         assert r["lean"]["adafactor"]["from_adam"] == pytest.approx(from_adam, rel=1e-5)
 
 
@@ -153,8 +160,13 @@ def test_delink_of_a_distributed_optimizer_checkpoint(two_rank_run, tmp_path):
     other: the real model on one process has the pseudo model's eval loss, and carries the
     moments (copied per slot)."""
     root, _, results = two_rank_run
-    convert(os.path.join(root, "pseudo"), str(tmp_path / "real"), Target(), DelinkOptions(optimizer_state="copy"),
-            progress=False)
+    convert(
+        os.path.join(root, "pseudo"),
+        str(tmp_path / "real"),
+        Target(),
+        DelinkOptions(optimizer_state="copy"),
+        progress=False,
+    )
     real_cfg = cfg(**{**PSEUDO, "p2r_phase": "real"})
     state = build_train_state(real_cfg, ParallelState.single())
     load_checkpoint(str(tmp_path / "real"), state)

@@ -2,6 +2,7 @@
 optimizer classes (the path CUDA and compiler-less hosts take): bitwise for AdamW and Lion in
 every dtype setting, within the stated bound for Adafactor (whose sums are taken in another
 order); the same bits at 1, 2 and 3 threads; exactly the traffic optim/traffic.py counts."""
+
 from __future__ import annotations
 
 import itertools
@@ -18,25 +19,30 @@ from megatron_p2r.optim.traffic import kernel_bytes_per_element
 pytestmark = pytest.mark.skipif(not host_kernels.available(), reason="no C++ compiler for the host kernels")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-ADAM_SETTINGS = list(itertools.product(("fp32", "fp16"), ("fp32", "bf16"),
-                                       (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32"))))
+ADAM_SETTINGS = list(
+    itertools.product(
+        ("fp32", "fp16"), ("fp32", "bf16"), (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32"))
+    )
+)
 LION_SETTINGS = list(itertools.product(("fp32", "fp16"), ("fp32", "bf16"), ("fp32", "bf16", "fp16")))
 
 
 @pytest.fixture
 def reference(monkeypatch):
     """Runs a function on the torch path (as without a compiler)."""
+
     def run(fn):
         with monkeypatch.context() as m:
             m.setattr(host_kernels, "available", lambda: False)
             return fn()
+
     return run
 
 
 def _main(n: int, dtype: str, grad: str, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     p = torch.randn(n, generator=g).to(DTYPES[dtype])
-    p.grad_dtype = None   # a bf16 gradient on an fp32 main, as --main-grads-dtype bf16 sets it
+    p.grad_dtype = None  # a bf16 gradient on an fp32 main, as --main-grads-dtype bf16 sets it
     p.grad = torch.randn(n, generator=g).to(DTYPES[grad])
     return p
 
@@ -55,8 +61,9 @@ def _steps(make, p0: torch.Tensor, steps: int = 3):
 def _adamw(main, grad, moments, wd=0.1):
     p0 = _main(1600, main, grad)
     dtypes = dict(zip(("exp_avg", "exp_avg_sq"), (DTYPES[m] for m in moments), strict=True))
-    return lambda: _steps(lambda ps: PrecisionAwareAdamW(ps, dtypes, lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
-                                                         weight_decay=wd), p0)
+    return lambda: _steps(
+        lambda ps: PrecisionAwareAdamW(ps, dtypes, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd), p0
+    )
 
 
 def _equal(got, want):
@@ -87,17 +94,18 @@ def test_adamw_tail_within_one_ulp(reference):
     the main by 1e-6 of the step."""
     p0 = _main(15 * 64, "fp32", "fp32")
     fp32 = {"exp_avg": torch.float32, "exp_avg_sq": torch.float32}
-    run = lambda: [_steps(lambda ps: PrecisionAwareAdamW(ps, fp32, lr=1e-2), _slice(p0, i))
-                   for i in range(0, p0.numel(), 15)]
+    run = lambda: [
+        _steps(lambda ps: PrecisionAwareAdamW(ps, fp32, lr=1e-2), _slice(p0, i)) for i in range(0, p0.numel(), 15)
+    ]
     for i, ((p, s), (p_ref, s_ref)) in enumerate(zip(run(), reference(run), strict=True)):
         assert _ulps(s["exp_avg_sq"], s_ref["exp_avg_sq"]) <= 1
-        assert _off_by(p, p_ref, p0[15 * i:15 * (i + 1)]) <= 1e-6
+        assert _off_by(p, p_ref, p0[15 * i : 15 * (i + 1)]) <= 1e-6
 
 
 def _slice(p0: torch.Tensor, i: int) -> torch.Tensor:
-    p = p0[i:i + 15].clone()
+    p = p0[i : i + 15].clone()
     p.grad_dtype = None
-    p.grad = p0.grad[i:i + 15].clone()
+    p.grad = p0.grad[i : i + 15].clone()
     return p
 
 
@@ -113,20 +121,29 @@ def test_adamw_writes_the_rounded_weight():
 @pytest.mark.parametrize("wd", [0.0, 0.1])
 def test_lion_is_the_reference_bitwise(reference, main, grad, moment, wd):
     p0 = _main(1600, main, grad)
-    run = lambda: _steps(lambda ps: Lion([{"params": ps, "weight_decay": wd}], lr=1e-3, moment_dtype=DTYPES[moment]),
-                         p0)
+    run = lambda: _steps(
+        lambda ps: Lion([{"params": ps, "weight_decay": wd}], lr=1e-3, moment_dtype=DTYPES[moment]), p0
+    )
     _equal(run(), reference(run))
 
 
 # (shape, [start, end)): whole matrices, stacked experts, pieces cut mid-row and mid-matrix
-PIECES = [((24, 40), (0, 960)), ((24, 40), (13, 517)), ((3, 9, 11), (0, 297)), ((3, 9, 11), (50, 250)),
-          ((70, 33), (33 * 5 + 7, 33 * 69))]
+PIECES = [
+    ((24, 40), (0, 960)),
+    ((24, 40), (13, 517)),
+    ((3, 9, 11), (0, 297)),
+    ((3, 9, 11), (50, 250)),
+    ((70, 33), (33 * 5 + 7, 33 * 69)),
+]
 
 
 def _adafactor(shape, start, end, grad="fp32", wd=0.0, steps=3):
     p0 = _main(end - start, "fp32", grad, seed=start)
-    return lambda: _steps(lambda ps: Adafactor([{"params": ps, "weight_decay": wd}],
-                                               {id(ps[0]): Piece(shape, start, end)}, lr=1e-2), p0, steps)
+    return lambda: _steps(
+        lambda ps: Adafactor([{"params": ps, "weight_decay": wd}], {id(ps[0]): Piece(shape, start, end)}, lr=1e-2),
+        p0,
+        steps,
+    )
 
 
 @pytest.mark.parametrize("shape,span", PIECES, ids=[f"{s}-{a}:{b}" for s, (a, b) in PIECES])
@@ -139,7 +156,7 @@ def test_adafactor_within_its_bound(reference, shape, span, grad):
     run = _adafactor(shape, *span, grad=grad, wd=0.1)
     (p, state), (p_ref, state_ref) = run(), reference(run)
     for name in ("row_var", "col_var"):
-        torch.testing.assert_close(state[name], state_ref[name], rtol=max(shape[-2:]) * 2 ** -24, atol=0)
+        torch.testing.assert_close(state[name], state_ref[name], rtol=max(shape[-2:]) * 2**-24, atol=0)
     assert _off_by(p, p_ref, _main(span[1] - span[0], "fp32", grad, seed=span[0])) <= 1e-5
 
 
@@ -150,18 +167,22 @@ def test_adafactor_sums_are_near_exact():
     shape = (3, 10, 11)
     sums = host_kernels.adafactor_sums(0, 10, 11, 3, p.grad, p)
     g2 = (p.grad * p.grad).double().view(30, 11)
-    want = torch.cat([g2.sum(1), g2.view(3, 10, 11).sum(1).reshape(-1),
-                      (p * p).double().view(3, -1).sum(1)]).float()
-    assert shape and torch.allclose(sums, want, rtol=2 ** -18, atol=0)
+    want = torch.cat([g2.sum(1), g2.view(3, 10, 11).sum(1).reshape(-1), (p * p).double().view(3, -1).sum(1)]).float()
+    assert shape and torch.allclose(sums, want, rtol=2**-18, atol=0)
 
 
 @pytest.mark.parametrize("threads", [2, 3])
 def test_threads_do_not_change_results(threads):
     def run_all():
-        out = [_steps(lambda ps: PrecisionAwareAdamW(ps, {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.float32},
-                                                     lr=1e-2), _main(200_003, "fp32", "bf16")),
-               _steps(lambda ps: Lion(ps, lr=1e-3, moment_dtype=torch.bfloat16), _main(200_003, "fp16", "bf16"))]
+        out = [
+            _steps(
+                lambda ps: PrecisionAwareAdamW(ps, {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.float32}, lr=1e-2),
+                _main(200_003, "fp32", "bf16"),
+            ),
+            _steps(lambda ps: Lion(ps, lr=1e-3, moment_dtype=torch.bfloat16), _main(200_003, "fp16", "bf16")),
+        ]
         return out + [_adafactor((4, 300, 170), 1000, 4 * 300 * 170 - 77)()]
+
     try:
         host_kernels.set_threads(1)
         one = run_all()
@@ -177,7 +198,8 @@ def _counted(run) -> int:
     """Bytes the kernel calls of ``run()`` read and write."""
     moved = []
     host_kernels.traffic_hook = lambda name, reads, writes: moved.append(
-        sum(t.numel() * t.element_size() for t in (*reads, *writes)))
+        sum(t.numel() * t.element_size() for t in (*reads, *writes))
+    )
     try:
         run()
     finally:
@@ -185,19 +207,24 @@ def _counted(run) -> int:
     return sum(moved)
 
 
-@pytest.mark.parametrize("main,grad,moments", ADAM_SETTINGS[:8], ids=["-".join([a, b, *c]) for a, b, c in ADAM_SETTINGS[:8]])
+@pytest.mark.parametrize(
+    "main,grad,moments", ADAM_SETTINGS[:8], ids=["-".join([a, b, *c]) for a, b, c in ADAM_SETTINGS[:8]]
+)
 @pytest.mark.parametrize("weight", [None, "bf16"])
 def test_traffic_is_what_traffic_py_counts(main, grad, moments, weight):
     n = 1024
     p = _main(n, main, grad)
     w = None if weight is None else torch.empty(n, dtype=DTYPES[weight])
     m, v = (torch.zeros(n, dtype=DTYPES[d]) for d in moments)
-    adam = _counted(lambda: host_kernels.adamw(p, p.grad, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8,
-                                               weight_decay=0.0, weight=w))
-    assert adam == n * kernel_bytes_per_element("adam", main, grad, dict(zip(("exp_avg", "exp_avg_sq"), moments, strict=True)),
-                                                weight)
-    lion = _counted(lambda: host_kernels.lion(p, p.grad, m, lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.0,
-                                              weight=w))
+    adam = _counted(
+        lambda: host_kernels.adamw(
+            p, p.grad, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, weight=w
+        )
+    )
+    assert adam == n * kernel_bytes_per_element(
+        "adam", main, grad, dict(zip(("exp_avg", "exp_avg_sq"), moments, strict=True)), weight
+    )
+    lion = _counted(lambda: host_kernels.lion(p, p.grad, m, lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.0, weight=w))
     assert lion == n * kernel_bytes_per_element("lion", main, grad, {"exp_avg": moments[0]}, weight)
 
 

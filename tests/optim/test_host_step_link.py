@@ -1,5 +1,6 @@
 """The host step's link (optim/host_step.py): what the DDP and the offload manager, built before
 the optimizer, call on the host step the optimizer builds later."""
+
 import pytest
 
 from megatron_p2r.optim.host_step import HostStepLink
@@ -18,8 +19,10 @@ class _Stepper:
 
 def test_the_link_forwards_to_the_stepper_it_is_connected_to_once():
     made = []
-    link = HostStepLink(starts_in_backward=True, make_nvme=lambda stepper, layers: made.append((stepper, layers)) or "file")
-    link.wait(3)   # a fetch before the optimizer exists waits for nothing
+    link = HostStepLink(
+        starts_in_backward=True, make_nvme=lambda stepper, layers: made.append((stepper, layers)) or "file"
+    )
+    link.wait(3)  # a fetch before the optimizer exists waits for nothing
     assert link.nvme is None
     stepper, layers = _Stepper(), {3: ["shard"]}
     link.connect(stepper, layers)

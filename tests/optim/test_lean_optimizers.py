@@ -2,6 +2,7 @@
 a matrix cut into two pieces (as the distributed optimizer cuts it) against the whole, the
 checkpoint form of its statistics, Lion against its update rule, conversions between
 optimizers' checkpoints, and the planner's bytes against what a rank allocates."""
+
 from __future__ import annotations
 
 import math
@@ -26,8 +27,9 @@ from tests.optim.common import cfg, fake_world
 
 def _adafactor(params, shared=None, channels=(), pieces=None, **kw):
     pieces = pieces or {id(p): af.Piece(tuple(p.shape), 0, p.numel()) for p in params}
-    return af.Adafactor([{"params": params, "weight_decay": 0.1}], pieces, lr=0.01, shared=shared,
-                        channels=channels, **kw)
+    return af.Adafactor(
+        [{"params": params, "weight_decay": 0.1}], pieces, lr=0.01, shared=shared, channels=channels, **kw
+    )
 
 
 def _grads(shapes, steps, seed=0):
@@ -61,14 +63,18 @@ def test_a_matrix_cut_between_ranks_steps_as_the_whole():
     shapes, cut = [(6, 5), (7,)], [13, 3]
     torch.manual_seed(0)
     whole = [torch.randn(s) for s in shapes]
-    parts = [[p.detach().clone().view(-1)[:c].clone() for p, c in zip(whole, cut, strict=True)],
-             [p.detach().clone().view(-1)[c:].clone() for p, c in zip(whole, cut, strict=True)]]
+    parts = [
+        [p.detach().clone().view(-1)[:c].clone() for p, c in zip(whole, cut, strict=True)],
+        [p.detach().clone().view(-1)[c:].clone() for p, c in zip(whole, cut, strict=True)],
+    ]
     ref = _adafactor(whole)
     sums = _pair(shapes)
     opts = []
     for r, mine in enumerate(parts):
-        pieces = {id(p): af.Piece(s, 0 if r == 0 else c, c if r == 0 else s[0] * (s[1] if len(s) > 1 else 1))
-                  for p, s, c in zip(mine, shapes, cut, strict=True)}
+        pieces = {
+            id(p): af.Piece(s, 0 if r == 0 else c, c if r == 0 else s[0] * (s[1] if len(s) > 1 else 1))
+            for p, s, c in zip(mine, shapes, cut, strict=True)
+        }
         shared = {id(p): (sums[r], i) for i, p in enumerate(mine)}
         opts.append(_adafactor(mine, shared, (sums[r],), pieces))
     for grads in _grads(shapes, 3):
@@ -98,7 +104,7 @@ class _SumPair(af.SharedPieces):
         self.posted = values
         self.barrier.wait()
         total = values + self.other.posted
-        self.barrier.wait()   # both have read before either posts again
+        self.barrier.wait()  # both have read before either posts again
         return total
 
 
@@ -133,8 +139,9 @@ def test_adafactor_statistics_round_trip_through_their_checkpoint_form():
         kept, stored = {}, 0
         for kind in FACTOR_KINDS:
             carrier = af.checkpoint_value(state, piece, kind)
-            entry = torch.cat([entry_of(carrier[lo:hi], p.shape, kind, lo).reshape(-1)
-                               for lo, hi in ((0, 11), (11, p.numel()))])
+            entry = torch.cat(
+                [entry_of(carrier[lo:hi], p.shape, kind, lo).reshape(-1) for lo, hi in ((0, 11), (11, p.numel()))]
+            )
             assert entry.numel() == math.prod(entry_shape(p.shape, kind))
             stored += entry.numel()
             af.take_checkpoint_value(kept, piece, kind, 0, carrier_of(entry, p.shape, kind).reshape(-1))
@@ -180,26 +187,34 @@ def test_checkpoints_between_optimizers(tmp_path):
     weight, bias = (saved["adam"].model.get_parameter(n) for n in ("layers.0.mlp.fc1.weight", "layers.0.mlp.fc1.bias"))
     lion = build_train_state(cfg(optimizer="lion"), ParallelState.single())
     load_checkpoint(str(tmp_path / "adam"), lion)
-    assert torch.equal(lion.optimizer.state[lion.model.get_parameter("layers.0.mlp.fc1.weight")]["exp_avg"],
-                       adam[weight]["exp_avg"])
+    assert torch.equal(
+        lion.optimizer.state[lion.model.get_parameter("layers.0.mlp.fc1.weight")]["exp_avg"], adam[weight]["exp_avg"]
+    )
     adafactor = build_train_state(cfg(optimizer="adafactor"), ParallelState.single())
     load_checkpoint(str(tmp_path / "adam"), adafactor)
     stats = adafactor.optimizer.state[adafactor.model.get_parameter("layers.0.mlp.fc1.weight")]
-    correction = 1 - cfg().train.adam_beta2 ** 2   # AdamW's bias correction after 2 steps
+    correction = 1 - cfg().train.adam_beta2 ** 2  # AdamW's bias correction after 2 steps
     second = adam[weight]["exp_avg_sq"] / correction
-    close = dict(rtol=1e-6, atol=0)   # the statistics are ~1e-6: relative only
+    close = dict(rtol=1e-6, atol=0)  # the statistics are ~1e-6: relative only
     torch.testing.assert_close(stats["row_var"], second.mean(1), **close)
     torch.testing.assert_close(stats["col_var"], second.mean(0), **close)
-    torch.testing.assert_close(adafactor.optimizer.state[adafactor.model.get_parameter("layers.0.mlp.fc1.bias")]
-                               ["variance"], adam[bias]["exp_avg_sq"] / correction, **close)
+    torch.testing.assert_close(
+        adafactor.optimizer.state[adafactor.model.get_parameter("layers.0.mlp.fc1.bias")]["variance"],
+        adam[bias]["exp_avg_sq"] / correction,
+        **close,
+    )
     assert stats["step"] == 2
     losses, _ = run_steps(cfg(optimizer="adafactor"), ParallelState.single(), 2, load=str(tmp_path / "adam"))
     assert all(math.isfinite(x) for x in losses)
-    for src, dst, missing in (("lion", "adam", "exp_avg_sq"), ("adafactor", "lion", "exp_avg"),
-                              ("adafactor", "adam", "exp_avg, exp_avg_sq")):
+    for src, dst, missing in (
+        ("lion", "adam", "exp_avg_sq"),
+        ("adafactor", "lion", "exp_avg"),
+        ("adafactor", "adam", "exp_avg, exp_avg_sq"),
+    ):
         state = build_train_state(cfg(optimizer=dst), ParallelState.single())
-        with pytest.raises(CheckpointError, match=f"holds {src} optimizer state .*--optimizer {dst} needs "
-                                                  f"{missing}.*--no-load-optim"):
+        with pytest.raises(
+            CheckpointError, match=f"holds {src} optimizer state .*--optimizer {dst} needs {missing}.*--no-load-optim"
+        ):
             load_checkpoint(str(tmp_path / src), state)
 
 
@@ -225,8 +240,13 @@ def test_delink_rescales_adafactor_statistics(tmp_path):
     pseudo = dict(num_layers=4, p2r_phase="pseudo", share_pattern="cycle:2", optimizer="adafactor")
     _, source = run_steps(cfg(**pseudo), ParallelState.single(), 2)
     save_checkpoint(str(tmp_path / "pseudo"), source)
-    convert(str(tmp_path / "pseudo"), str(tmp_path / "real"), Target(), DelinkOptions(optimizer_state="rescale"),
-            progress=False)
+    convert(
+        str(tmp_path / "pseudo"),
+        str(tmp_path / "real"),
+        Target(),
+        DelinkOptions(optimizer_state="rescale"),
+        progress=False,
+    )
     real = build_train_state(cfg(**{**pseudo, "p2r_phase": "real"}), ParallelState.single())
     load_checkpoint(str(tmp_path / "real"), real)
     slot = source.optimizer.state[source.model.get_parameter("layers.1.mlp.fc1.weight")]
@@ -235,18 +255,46 @@ def test_delink_rescales_adafactor_statistics(tmp_path):
         for name in ("row_var", "col_var"):
             torch.testing.assert_close(mine[name], slot[name] / 4, rtol=1e-6, atol=0)
     norm = source.optimizer.state[source.model.get_parameter("layers.1.input_norm.weight")]["variance"]
-    torch.testing.assert_close(real.optimizer.state[real.model.get_parameter("layers.3.input_norm.weight")]["variance"],
-                               norm / 4, rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        real.optimizer.state[real.model.get_parameter("layers.3.input_norm.weight")]["variance"],
+        norm / 4,
+        rtol=1e-6,
+        atol=0,
+    )
 
 
 MEASURED = [  # label, world, rank, flags
-    ("dp2-adafactor-distopt-bf16-offload", 2, 1, dict(optimizer="adafactor", bf16=True, use_distributed_optimizer=True,
-                                                      ddp_bucket_size=1500, cpu_offload_layers="1")),
-    ("dp2-lion-distopt-fp16", 2, 0, dict(optimizer="lion", fp16=True, use_distributed_optimizer=True,
-                                         ddp_bucket_size=1500)),
+    (
+        "dp2-adafactor-distopt-bf16-offload",
+        2,
+        1,
+        dict(
+            optimizer="adafactor",
+            bf16=True,
+            use_distributed_optimizer=True,
+            ddp_bucket_size=1500,
+            cpu_offload_layers="1",
+        ),
+    ),
+    (
+        "dp2-lion-distopt-fp16",
+        2,
+        0,
+        dict(optimizer="lion", fp16=True, use_distributed_optimizer=True, ddp_bucket_size=1500),
+    ),
     ("lion-bf16-moment", 1, 0, dict(optimizer="lion", use_precision_aware_optimizer=True, exp_avg_dtype="bf16")),
-    ("moe-ep2-adafactor", 2, 1, dict(optimizer="adafactor", expert_model_parallel_size=2, num_experts=4,
-                                     moe_ffn_hidden_size=24, use_distributed_optimizer=True)),
+    (
+        "moe-ep2-adafactor",
+        2,
+        1,
+        dict(
+            optimizer="adafactor",
+            expert_model_parallel_size=2,
+            num_experts=4,
+            moe_ffn_hidden_size=24,
+            use_distributed_optimizer=True,
+        ),
+    ),
 ]
 
 
@@ -259,8 +307,11 @@ def test_bytes_a_rank_holds_are_the_planners(label, world, rank, flags):
         ps, plan = setup_parallel(c, torch.device("cpu"))
         state = build_train_state(c, ps, plan)
         state.optimizer.prepare_grads()
-        state.optimizer.step()          # the optimizer allocates its state
+        state.optimizer.step()  # the optimizer allocates its state
         measured = describe_memory(state)
     planned = stage_state_bytes(plan, ps.pp_rank, ps.coords)
-    assert (measured["param_bytes"], measured["grad_bytes"], measured["optimizer_bytes"]) == \
-        (planned["params"], planned["grads"], planned["optimizer"])
+    assert (measured["param_bytes"], measured["grad_bytes"], measured["optimizer_bytes"]) == (
+        planned["params"],
+        planned["grads"],
+        planned["optimizer"],
+    )

@@ -2,6 +2,7 @@
 bit for bit; 16-bit weights with fp32 mains track fp32 and the former autocast path; no weight
 is cast in a 16-bit forward; a bucket's reduction starts only once its gradients are final; and
 the bytes a rank holds are the planner's, exactly."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,13 @@ from tests.optim.common import OVERLAP, cfg, fake_world
 def _plain_adamw(model, t):
     decay = [p for p in model.parameters() if not getattr(p, "no_wd", False)]
     rest = [p for p in model.parameters() if getattr(p, "no_wd", False)]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                             lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, fused=True)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=t.lr,
+        betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_eps,
+        fused=True,
+    )
 
 
 def _old_path(c, batches, dtype=None):
@@ -87,7 +93,7 @@ def test_bf16_weights_with_fp32_mains_track_fp32_and_the_autocast_path():
     assert all(ms.main.dtype == torch.float32 and ms.grad.dtype == torch.float32 for ms in state.optimizer.shards)
     assert bf16 == pytest.approx(fp32, rel=1e-3) and bf16 == pytest.approx(autocast, rel=1e-3)
     mains = {ms.name: ms.main for ms in state.optimizer.shards}
-    for n, main in mains.items():   # the weights are the rounded mains
+    for n, main in mains.items():  # the weights are the rounded mains
         assert torch.equal(state.model.get_parameter(n), main.to(torch.bfloat16)), n
     want = dict(ref.model.named_parameters())
     initial = dict(build_model(c32, ParallelState.single()).named_parameters())
@@ -103,8 +109,11 @@ class _WeightCasts(TorchDispatchMode):
         self.ptrs, self.casts = {w.untyped_storage().data_ptr() for w in weights}, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten._to_copy.default,) and isinstance(args[0], torch.Tensor) and \
-                args[0].untyped_storage().data_ptr() in self.ptrs:
+        if (
+            func in (torch.ops.aten._to_copy.default,)
+            and isinstance(args[0], torch.Tensor)
+            and args[0].untyped_storage().data_ptr() in self.ptrs
+        ):
             self.casts += 1
         return func(*args, **(kwargs or {}))
 
@@ -118,10 +127,11 @@ def test_a_16_bit_forward_casts_no_weight():
         with mode, torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
             model(tokens=mb["tokens"], labels=mb["labels"])
         counts[label] = mode.casts
-    assert counts["bf16 weights"] == 0 and counts["autocast"] > 0   # the detector sees the old path's casts
+    assert counts["bf16 weights"] == 0 and counts["autocast"] > 0  # the detector sees the old path's casts
 
 
 # ----------------------------------------------------------------------------- buckets start when final
+
 
 def _launches(c, monkeypatch, after_backward=False, rank=0, world=2):
     """One training step of ``c`` as rank ``rank`` of a fake DP world: every bucket reduction
@@ -162,7 +172,7 @@ def test_a_bucket_reduction_starts_only_when_its_gradients_are_final(monkeypatch
     keys = [k for k, _, _ in overlapped]
     assert len(keys) == len(set(keys)) == len(final) > 3
     early = [k for k, _, finishing in overlapped if not finishing]
-    assert len(early) >= len(keys) - 2, early            # all but the last buckets overlap backward
+    assert len(early) >= len(keys) - 2, early  # all but the last buckets overlap backward
     assert all(finishing for _, _, finishing in final)
     want = {k: g for k, g, _ in final}
     for k, g, _ in overlapped:
@@ -174,9 +184,20 @@ def test_a_bucket_reduction_starts_only_when_its_gradients_are_final(monkeypatch
 MEASURED = [  # label, world, rank, flags
     ("dp4-bf16-distopt", 4, 3, dict(bf16=True, use_distributed_optimizer=True)),
     ("tp2-dp2-fp32-distopt-buckets", 4, 1, dict(tensor_model_parallel_size=2, **OVERLAP)),
-    ("pp2-dp2-pseudo-bf16-distopt-offload", 4, 2, dict(bf16=True, pipeline_model_parallel_size=2, num_layers=4,
-                                                       p2r_phase="pseudo", share_pattern="cycle:2",
-                                                       cpu_offload_layers="1", **OVERLAP)),
+    (
+        "pp2-dp2-pseudo-bf16-distopt-offload",
+        4,
+        2,
+        dict(
+            bf16=True,
+            pipeline_model_parallel_size=2,
+            num_layers=4,
+            p2r_phase="pseudo",
+            share_pattern="cycle:2",
+            cpu_offload_layers="1",
+            **OVERLAP,
+        ),
+    ),
     ("dp2-fp16", 2, 1, dict(fp16=True)),
 ]
 
@@ -190,12 +211,15 @@ def test_bytes_a_rank_holds_are_the_planners(label, world, rank, flags):
         ps, plan = setup_parallel(c, torch.device("cpu"))
         state = build_train_state(c, ps, plan)
         state.optimizer.prepare_grads()
-        state.optimizer.step()          # AdamW allocates its moments
+        state.optimizer.step()  # AdamW allocates its moments
         measured = describe_memory(state)
     planned = stage_state_bytes(plan, ps.pp_rank, ps.coords)
-    assert (measured["param_bytes"], measured["grad_bytes"], measured["optimizer_bytes"]) == \
-        (planned["params"], planned["grads"], planned["optimizer"])
-    if c.parallel.use_distributed_optimizer:   # sharded: well under the replicated optimizer's 12 (8) B/param
+    assert (measured["param_bytes"], measured["grad_bytes"], measured["optimizer_bytes"]) == (
+        planned["params"],
+        planned["grads"],
+        planned["optimizer"],
+    )
+    if c.parallel.use_distributed_optimizer:  # sharded: well under the replicated optimizer's 12 (8) B/param
         n = measured["parameters"]
         assert planned["optimizer"] < (12 if c.train.bf16 else 8) * n / (ps.dp_size - 0.5)
 

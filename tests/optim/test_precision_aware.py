@@ -3,6 +3,7 @@ parameters): the flags' rules, state stored in its dtype, the same setting on DP
 optimizer, TP2, PP2 + offload and staged moments reproducing one process, fp16 loss scaling over
 bf16 gradients, checkpoints across settings, bitwise resume, and the planner's bytes equal to
 what a rank allocates."""
+
 from __future__ import annotations
 
 
@@ -26,18 +27,21 @@ from tests.optim.workers import equivalence_cases
 PA = dict(use_precision_aware_optimizer=True)
 LEAN = dict(exp_avg_dtype="fp16", exp_avg_sq_dtype="bf16", **PA)
 GRADS16 = dict(main_grads_dtype="bf16", **PA)
-MAINS16 = dict(main_params_dtype="fp16", **PA)   # needs 16-bit weights
+MAINS16 = dict(main_params_dtype="fp16", **PA)  # needs 16-bit weights
 PSEUDO = dict(num_layers=4, p2r_phase="pseudo", share_pattern="cycle:2")
 RESUME = dict(lr_warmup_iters=1, lr_decay_style="cosine", clip_grad=1.0, weight_decay=0.01, train_iters=4)
 
 
-@pytest.mark.parametrize("flags,message", [
-    (dict(exp_avg_dtype="bf16"), "--exp-avg-dtype bf16 needs --use-precision-aware-optimizer"),
-    (dict(use_precision_aware_optimizer=True, exp_avg_sq_dtype="fp8"), "--exp-avg-sq-dtype fp8 is not built"),
-    (dict(main_grads_dtype="bf16"), "--main-grads-dtype bf16 needs --use-precision-aware-optimizer"),
-    (MAINS16, "--main-params-dtype fp16 needs 16-bit weights"),
-    (dict(bf16=True, optimizer="lion", **MAINS16), "--main-params-dtype fp16 is built for --optimizer adam only"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (dict(exp_avg_dtype="bf16"), "--exp-avg-dtype bf16 needs --use-precision-aware-optimizer"),
+        (dict(use_precision_aware_optimizer=True, exp_avg_sq_dtype="fp8"), "--exp-avg-sq-dtype fp8 is not built"),
+        (dict(main_grads_dtype="bf16"), "--main-grads-dtype bf16 needs --use-precision-aware-optimizer"),
+        (MAINS16, "--main-params-dtype fp16 needs 16-bit weights"),
+        (dict(bf16=True, optimizer="lion", **MAINS16), "--main-params-dtype fp16 is built for --optimizer adam only"),
+    ],
+)
 def test_dtype_flags_are_refused_by_name(flags, message):
     with pytest.raises(ConfigError, match=message):
         cfg(**flags).train.check()
@@ -54,14 +58,23 @@ def test_moments_are_stored_in_their_dtype_and_track_fp32_adamw(weights):
     fp32, _ = run_steps(cfg(**weights), ParallelState.single(), 3)
     lean, state = run_steps(cfg(**weights, **LEAN), ParallelState.single(), 3)
     states = _moments(state)
-    assert states and all(s["exp_avg"].dtype == torch.float16 and s["exp_avg_sq"].dtype == torch.bfloat16
-                          for s in states)
+    assert states and all(
+        s["exp_avg"].dtype == torch.float16 and s["exp_avg_sq"].dtype == torch.bfloat16 for s in states
+    )
     assert lean == pytest.approx(fp32, rel=1e-4) and lean != fp32
 
 
-@pytest.mark.parametrize("weights,flags", [({}, GRADS16), (dict(bf16=True), GRADS16), (dict(fp16=True), GRADS16),
-                                           (dict(bf16=True), MAINS16), (dict(fp16=True), MAINS16)],
-                         ids=["fp32-grads16", "bf16-grads16", "fp16-grads16", "bf16-mains16", "fp16-mains16"])
+@pytest.mark.parametrize(
+    "weights,flags",
+    [
+        ({}, GRADS16),
+        (dict(bf16=True), GRADS16),
+        (dict(fp16=True), GRADS16),
+        (dict(bf16=True), MAINS16),
+        (dict(fp16=True), MAINS16),
+    ],
+    ids=["fp32-grads16", "bf16-grads16", "fp16-grads16", "bf16-mains16", "fp16-mains16"],
+)
 def test_main_grads_and_params_are_stored_in_their_dtype(weights, flags):
     """3 steps: bf16 gradient buffers (every main gradient a view of them), fp16 mains — copies
     of bf16 weights, the fp16 weights themselves (no second copy); the losses those of fp32
@@ -88,8 +101,9 @@ def test_fp16_loss_scaling_over_bf16_main_grads_skips_and_unscales_as_over_fp32(
     runs = {}
     for name, flags in (("fp32", {}), ("bf16", GRADS16)):
         outputs = []
-        _, state = run_steps(cfg(fp16=True, initial_loss_scale=2.0 ** 24, **flags), ParallelState.single(), 10,
-                             outputs=outputs)
+        _, state = run_steps(
+            cfg(fp16=True, initial_loss_scale=2.0**24, **flags), ParallelState.single(), 10, outputs=outputs
+        )
         runs[name] = ([o["skipped"] for o in outputs], [o["grad_norm"] for o in outputs], state.scaler.scale)
     (skipped, norms, scale), (skipped16, norms16, scale16) = runs["fp32"], runs["bf16"]
     assert skipped == skipped16 and scale == scale16
@@ -110,16 +124,20 @@ def _resume_and_cross_load(tmp_path, lean, plain) -> tuple:
     single = ParallelState.single()
     whole = {}
     for c, name in ((lean, "lean"), (plain, "plain")):
+
         def save_after_2(s, where=str(tmp_path / name)) -> None:
             if s.iteration == 2:
                 save_checkpoint(where, s)
+
         whole[name] = run_steps(c, single, 4, after_step=save_after_2)
     resumed, again = run_steps(lean, single, 2, load=str(tmp_path / "lean"))
     losses, state = whole["lean"]
     assert resumed == losses[2:]
     assert all(torch.equal(a, b) for a, b in zip(_weights(again), _weights(state), strict=True))
-    return tuple(run_steps(c, single, 0, load=str(tmp_path / saved))[1]
-                 for c, saved in ((lean, "lean"), (plain, "lean"), (lean, "plain"), (plain, "plain")))
+    return tuple(
+        run_steps(c, single, 0, load=str(tmp_path / saved))[1]
+        for c, saved in ((lean, "lean"), (plain, "lean"), (lean, "plain"), (plain, "plain"))
+    )
 
 
 def test_checkpoints_move_between_settings_and_resume_bitwise(tmp_path):
@@ -138,8 +156,11 @@ def _mains(state):
     return [ms.main.detach().clone() for ms in state.optimizer.shards]
 
 
-@pytest.mark.parametrize("weights,flags", [({}, GRADS16), (dict(bf16=True), MAINS16), (dict(fp16=True), MAINS16)],
-                         ids=["fp32-grads16", "bf16-mains16", "fp16-mains16"])
+@pytest.mark.parametrize(
+    "weights,flags",
+    [({}, GRADS16), (dict(bf16=True), MAINS16), (dict(fp16=True), MAINS16)],
+    ids=["fp32-grads16", "bf16-mains16", "fp16-mains16"],
+)
 def test_main_dtypes_move_between_settings_and_resume_bitwise(tmp_path, weights, flags):
     """Saved after 2 of 4 steps with bf16 main gradients or fp16 mains: resumed with the same
     setting, the last 2 losses and the weights are bitwise the uninterrupted run's. Loaded with
@@ -161,18 +182,23 @@ CASES = {
     "dp2-distopt-staged-moments": dict(cpu_offload_layers="1", cpu_offload_what="optimizer", **OVERLAP, **LEAN),
 }
 FP16_WEIGHTS = {"lean": dict(fp16=True, **DISTOPT, **LEAN), "fp32-moments": dict(fp16=True, **DISTOPT)}
-LAYOUTS = {"dp2-distopt": OVERLAP, "tp2": dict(tensor_model_parallel_size=2),
-           "pp2-pseudo-offload": dict(pipeline_model_parallel_size=2, cpu_offload_layers="1", **PSEUDO)}
+LAYOUTS = {
+    "dp2-distopt": OVERLAP,
+    "tp2": dict(tensor_model_parallel_size=2),
+    "pp2-pseudo-offload": dict(pipeline_model_parallel_size=2, cpu_offload_layers="1", **PSEUDO),
+}
 # bf16 main gradients (fp32 weights), fp16 mains (bf16 weights; fp16 weights: the mains are the weights)
-MAIN_DTYPES = {**{f"{k}-grads16": dict(**v, **GRADS16) for k, v in LAYOUTS.items()},
-               **{f"{k}-mains16": dict(bf16=True, **v, **MAINS16) for k, v in LAYOUTS.items()},
-               "dp2-distopt-staged-grads16": dict(cpu_offload_layers="1", cpu_offload_what="optimizer", **OVERLAP,
-                                                  **GRADS16),
-               # real_lean.yaml's kind: Adafactor, host-resident layers stepped by the overlapped host step
-               "dp2-adafactor-host-step-grads16": dict(optimizer="adafactor", cpu_offload_layers="1",
-                                                       overlap_cpu_optimizer_d2h_h2d=True, **GRADS16),
-               "dp2-distopt-fp16-weights-grads16": dict(fp16=True, **DISTOPT, **GRADS16),
-               "dp2-distopt-fp16-weights-mains16": dict(fp16=True, **DISTOPT, **MAINS16)}
+MAIN_DTYPES = {
+    **{f"{k}-grads16": dict(**v, **GRADS16) for k, v in LAYOUTS.items()},
+    **{f"{k}-mains16": dict(bf16=True, **v, **MAINS16) for k, v in LAYOUTS.items()},
+    "dp2-distopt-staged-grads16": dict(cpu_offload_layers="1", cpu_offload_what="optimizer", **OVERLAP, **GRADS16),
+    # real_lean.yaml's kind: Adafactor, host-resident layers stepped by the overlapped host step
+    "dp2-adafactor-host-step-grads16": dict(
+        optimizer="adafactor", cpu_offload_layers="1", overlap_cpu_optimizer_d2h_h2d=True, **GRADS16
+    ),
+    "dp2-distopt-fp16-weights-grads16": dict(fp16=True, **DISTOPT, **GRADS16),
+    "dp2-distopt-fp16-weights-mains16": dict(fp16=True, **DISTOPT, **MAINS16),
+}
 
 
 def test_each_layout_reproduces_one_process_with_the_same_setting():
@@ -208,16 +234,28 @@ def test_each_layout_reproduces_one_process_with_the_same_setting():
 
 
 MEASURED = [  # label, world, rank, flags
-    ("dp2-bf16-distopt-lean", 2, 1, dict(bf16=True, use_precision_aware_optimizer=True, exp_avg_dtype="bf16",
-                                         exp_avg_sq_dtype="bf16", **DISTOPT)),
+    (
+        "dp2-bf16-distopt-lean",
+        2,
+        1,
+        dict(bf16=True, use_precision_aware_optimizer=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16", **DISTOPT),
+    ),
     ("pp2-fp32-offload-lean", 2, 1, dict(pipeline_model_parallel_size=2, cpu_offload_layers="1", **PSEUDO, **LEAN)),
     ("fp16-one-moment-lean", 1, 0, dict(fp16=True, use_precision_aware_optimizer=True, exp_avg_dtype="fp16")),
     ("dp2-bf16-distopt-grads16-mains16", 2, 1, dict(bf16=True, **DISTOPT, **GRADS16, main_params_dtype="fp16")),
-    ("pp2-fp32-offload-grads16", 2, 1, dict(pipeline_model_parallel_size=2, cpu_offload_layers="1", **PSEUDO,
-                                            **GRADS16)),
+    (
+        "pp2-fp32-offload-grads16",
+        2,
+        1,
+        dict(pipeline_model_parallel_size=2, cpu_offload_layers="1", **PSEUDO, **GRADS16),
+    ),
     ("fp16-mains16-no-copy", 1, 0, dict(fp16=True, **MAINS16)),
-    ("lion-grads16-staged", 1, 0, dict(optimizer="lion", cpu_offload_layers="1", cpu_offload_what="optimizer",
-                                       **GRADS16)),
+    (
+        "lion-grads16-staged",
+        1,
+        0,
+        dict(optimizer="lion", cpu_offload_layers="1", cpu_offload_what="optimizer", **GRADS16),
+    ),
 ]
 
 
@@ -241,15 +279,23 @@ def test_planner_times_the_bytes_the_kernels_move():
     main): 28 B in fp32, 20 with both moments in bf16, 24 with one, 26 with a bf16 gradient;
     30 with a bf16 weight to write, 26 with fp16 mains, 24 when fp16 weights are their own mains."""
     gpu = GPU_PRESETS["A100-80GB"]
-    times = {name: make_plan(cfg(**flags), 1, gpu).step_breakdown_s["optimizer"]
-             for name, flags in (("fp32", {}), ("one", dict(use_precision_aware_optimizer=True, exp_avg_dtype="bf16")),
-                                 ("two", LEAN), ("grads16", GRADS16), ("bf16", dict(bf16=True)),
-                                 ("bf16-mains16", dict(bf16=True, **MAINS16)), ("fp16-mains16", dict(fp16=True, **MAINS16)))}
+    times = {
+        name: make_plan(cfg(**flags), 1, gpu).step_breakdown_s["optimizer"]
+        for name, flags in (
+            ("fp32", {}),
+            ("one", dict(use_precision_aware_optimizer=True, exp_avg_dtype="bf16")),
+            ("two", LEAN),
+            ("grads16", GRADS16),
+            ("bf16", dict(bf16=True)),
+            ("bf16-mains16", dict(bf16=True, **MAINS16)),
+            ("fp16-mains16", dict(fp16=True, **MAINS16)),
+        )
+    }
     assert times["two"] / times["fp32"] == pytest.approx(20 / 28)
     assert times["one"] / times["fp32"] == pytest.approx(24 / 28)
     assert times["grads16"] / times["fp32"] == pytest.approx(26 / 28)
     assert times["bf16-mains16"] / times["bf16"] == pytest.approx(26 / 30)
-    assert times["fp16-mains16"] / times["bf16"] == pytest.approx(24 / 30)   # no 16-bit weight written apart
+    assert times["fp16-mains16"] / times["bf16"] == pytest.approx(24 / 30)  # no 16-bit weight written apart
 
 
 def _adamw_steps(chunk, dtypes, monkeypatch, steps=3):

@@ -1,6 +1,7 @@
 """The LR schedule and the fp16 loss scale follow Megatron-LM (OptimizerParamScheduler,
 DynamicGradScaler at d98e8a64), in samples, with decoupled embedding/output LRs; the re-warm-up
 after a delink or growth: the pure factor, its checkpointed state, and a bitwise resume in its middle."""
+
 import math
 
 import pytest
@@ -44,8 +45,9 @@ def test_sample_flags_give_the_iteration_schedule():
     """With a constant batch, --train-samples/--lr-*-samples in samples = the iteration flags x batch."""
     for style in ("linear", "cosine", "constant"):
         by_iters = tiny_config(**BASE, train_iters=10, lr_warmup_iters=3, lr_decay_iters=8, lr_decay_style=style)
-        by_samples = tiny_config(**BASE, train_iters=None, train_samples=40, lr_warmup_samples=12,
-                                 lr_decay_samples=32, lr_decay_style=style)
+        by_samples = tiny_config(
+            **BASE, train_iters=None, train_samples=40, lr_warmup_samples=12, lr_decay_samples=32, lr_decay_style=style
+        )
         assert lrs(by_iters, 10) == lrs(by_samples, 10)
 
 
@@ -60,8 +62,14 @@ def test_cosine_and_warmup_fraction():
 
 
 def test_decoupled_lr_for_embedding_and_output():
-    cfg = tiny_config(**BASE, train_iters=10, lr_decay_style="linear", decoupled_lr=0.5, decoupled_min_lr=0.05,
-                      untie_embeddings_and_output_weights=True)
+    cfg = tiny_config(
+        **BASE,
+        train_iters=10,
+        lr_decay_style="linear",
+        decoupled_lr=0.5,
+        decoupled_min_lr=0.05,
+        untie_embeddings_and_output_weights=True,
+    )
     state = build_train_state(cfg, ParallelState.single())
     names = {id(p): n for n, p in state.model.named_parameters()}
     for _ in range(5):
@@ -102,8 +110,9 @@ def megatron_scales(found_infs, initial, window, hysteresis, min_scale=1.0):
 @pytest.mark.parametrize("hysteresis", [1, 2, 3])
 def test_loss_scale_hysteresis(hysteresis):
     pattern = [True, False, True, True, False, False, False, True, True, True, False, False, True]
-    scaler = LossScaler(tiny_config(fp16=True, initial_loss_scale=1024.0, loss_scale_window=3,
-                                    hysteresis=hysteresis).train)
+    scaler = LossScaler(
+        tiny_config(fp16=True, initial_loss_scale=1024.0, loss_scale_window=3, hysteresis=hysteresis).train
+    )
     got = []
     for found_inf in pattern:
         scaler.update(found_inf)
@@ -114,9 +123,20 @@ def test_loss_scale_hysteresis(hysteresis):
     assert restored.state_dict() == scaler.state_dict()
 
 
-PSEUDO = dict(num_layers=4, p2r_phase="pseudo", share_pattern="all", train_iters=12, global_batch_size=4,
-              lr_warmup_iters=1, lr_decay_style="cosine", weight_decay=0.01, clip_grad=1.0, hidden_dropout=0.1,
-              device="cpu", log_interval=100)
+PSEUDO = dict(
+    num_layers=4,
+    p2r_phase="pseudo",
+    share_pattern="all",
+    train_iters=12,
+    global_batch_size=4,
+    lr_warmup_iters=1,
+    lr_decay_style="cosine",
+    weight_decay=0.01,
+    clip_grad=1.0,
+    hidden_dropout=0.1,
+    device="cpu",
+    log_interval=100,
+)
 
 
 def scheduled(cfg, num_steps: int) -> float:
@@ -129,9 +149,19 @@ def test_rewarmup_factor_and_state():
     r = {"start": 5, "iters": 4}
     assert [rewarmup_factor(s, r) for s in range(4, 10)] == [1.0, 0.25, 0.5, 0.75, 1.0, 1.0]
     assert rewarmup_factor(7, None) == 1.0
-    assert with_rewarmup({"num_steps": 20, "updates": 5, "rewarmup": None}, 4) == {"num_steps": 20, "updates": 5, "rewarmup": r}
-    for bad in ({"start": 5}, {"start": -1, "iters": 2}, {"start": 1, "iters": 0}, {"start": 1.5, "iters": 2},
-                {"start": True, "iters": 2}, [5, 4]):
+    assert with_rewarmup({"num_steps": 20, "updates": 5, "rewarmup": None}, 4) == {
+        "num_steps": 20,
+        "updates": 5,
+        "rewarmup": r,
+    }
+    for bad in (
+        {"start": 5},
+        {"start": -1, "iters": 2},
+        {"start": 1, "iters": 0},
+        {"start": 1.5, "iters": 2},
+        {"start": True, "iters": 2},
+        [5, 4],
+    ):
         with pytest.raises(ValueError, match="rewarmup must be null or"):
             check_rewarmup(bad)
     with pytest.raises(ValueError, match="--lr-rewarmup-iters must be >= 1"):
@@ -151,14 +181,20 @@ def test_rewarmup_resumes_bitwise_across_a_save_in_its_middle(tmp_path):
     and the LR ramps as recorded. Dropout is on, so the resumed RNG streams count too."""
     _, pseudo = run_steps(tiny_config(**PSEUDO), ParallelState.single(), 2)
     save_checkpoint(str(tmp_path / "pseudo"), pseudo)
-    convert(str(tmp_path / "pseudo"), str(tmp_path / "real"), Target(), DelinkOptions(lr_rewarmup_iters=4),
-            progress=False)
+    convert(
+        str(tmp_path / "pseudo"), str(tmp_path / "real"), Target(), DelinkOptions(lr_rewarmup_iters=4), progress=False
+    )
     assert metadata(str(tmp_path / "real" / "iter_0000002"))["scheduler"]["rewarmup"] == {"start": 2, "iters": 4}
     cfg = tiny_config(**{**PSEUDO, "p2r_phase": "real"})
     lrs = []
     seed_everything(cfg.train.seed, 0, 0, torch.device("cpu"))  # the converted checkpoint has no RNG: a fresh run's
-    straight, full = run_steps(cfg, ParallelState.single(), 4, load=str(tmp_path / "real"),
-                               after_step=lambda s: lrs.append(s.optimizer.param_groups[0]["lr"]))
+    straight, full = run_steps(
+        cfg,
+        ParallelState.single(),
+        4,
+        load=str(tmp_path / "real"),
+        after_step=lambda s: lrs.append(s.optimizer.param_groups[0]["lr"]),
+    )
     assert lrs == [scheduled(cfg, 4 * s) * f for s, f in zip(range(3, 7), (0.5, 0.75, 1.0, 1.0), strict=True)]
     seed_everything(cfg.train.seed, 0, 0, torch.device("cpu"))
     first, half = run_steps(cfg, ParallelState.single(), 2, load=str(tmp_path / "real"))

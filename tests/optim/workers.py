@@ -1,6 +1,7 @@
 """What each spawned rank runs for the distributed-optimizer tests: one spawn per world size
 (2 and 4 ranks), many cases per spawn. Every case returns plain numbers (losses, errors, hashes);
 ``test_distributed_optimizer.py`` asserts on them. No pytest import here: ranks start faster."""
+
 from __future__ import annotations
 
 import hashlib
@@ -14,8 +15,14 @@ from megatron_p2r.checkpoint.io import save_checkpoint
 from megatron_p2r.config import num_microbatches
 from megatron_p2r.parallel import grad_buffer
 from megatron_p2r.parallel.state import ParallelState
-from megatron_p2r.training import (build_datasets, build_train_state, evaluate, microbatch_iterator, setup_parallel,
-                                   train_step)
+from megatron_p2r.training import (
+    build_datasets,
+    build_train_state,
+    evaluate,
+    microbatch_iterator,
+    setup_parallel,
+    train_step,
+)
 from tests.helpers import run_steps
 from tests.optim.common import cfg, one_process, weight_error
 
@@ -24,8 +31,9 @@ def _train(c, ps: ParallelState, steps: int):
     """``steps`` train_step calls on mock data: the losses, the gradient norms and the state."""
     state = build_train_state(c, ps)
     data = microbatch_iterator(build_datasets(c, ps)[0], 0, c, ps)
-    outs = [train_step(state, [next(data) for _ in range(num_microbatches(c, ps.layout.world_size))])
-            for _ in range(steps)]
+    outs = [
+        train_step(state, [next(data) for _ in range(num_microbatches(c, ps.layout.world_size))]) for _ in range(steps)
+    ]
     return [o["lm_loss"] for o in outs], [o["grad_norm"] for o in outs], state
 
 
@@ -40,9 +48,14 @@ def equivalence_cases(rank: int, world: int, cases: dict) -> dict:
         ps, _ = setup_parallel(c, torch.device("cpu"))
         losses, norms, state = _train(c, ps, 3)
         ref_losses, ref_norms, ref = _train(one_process(c), ParallelState.single(), 3)
-        out[label] = {"losses": losses, "ref": ref_losses, "norms": norms, "ref_norms": ref_norms,
-                      "weight_err": weight_error(state, ref, ps),
-                      "sharded": any(b.layout.sharded for b in state.ddp.buffers)}
+        out[label] = {
+            "losses": losses,
+            "ref": ref_losses,
+            "norms": norms,
+            "ref_norms": ref_norms,
+            "weight_err": weight_error(state, ref, ps),
+            "sharded": any(b.layout.sharded for b in state.ddp.buffers),
+        }
     return out
 
 
@@ -59,12 +72,15 @@ def staged_collectives(staging_numel: int = 7) -> dict:
     grad_buffer.staged_reduce_scatter(data.clone(), shard, members, staging, None)
     dist.reduce_scatter_tensor(want_shard, data.clone())
     gathered = data.clone()
-    gathered.view(members, -1)[1 - r] = -1.0   # the other member's shard, to be filled in
+    gathered.view(members, -1)[1 - r] = -1.0  # the other member's shard, to be filled in
     grad_buffer.staged_all_gather(gathered, r, members, staging, None)
     want_gather = torch.empty_like(data)
     dist.all_gather_into_tensor(want_gather, data.view(members, -1)[r].clone())
-    return {"all_reduce": torch.equal(reduced, want), "reduce_scatter": torch.equal(shard, want_shard),
-            "all_gather": torch.equal(gathered, want_gather)}
+    return {
+        "all_reduce": torch.equal(reduced, want),
+        "reduce_scatter": torch.equal(shard, want_shard),
+        "all_gather": torch.equal(gathered, want_gather),
+    }
 
 
 def _hash(state) -> str:
@@ -94,9 +110,15 @@ def checkpoints(rank: int, world: int, root: str, flags: dict, pseudo: dict) -> 
     _, pstate = run_steps(p, ps, 2)
     save_checkpoint(os.path.join(root, "pseudo"), pstate)
     _, valid = build_datasets(p, ps)
-    return {"whole": whole, "resumed": resumed, "from_dp1": from_dp1, "whole_hash": _hash(state),
-            "resumed_hash": _hash(again), "pseudo_eval": evaluate(pstate, valid),
-            "sharded": all(b.layout.sharded for b in state.ddp.buffers)}
+    return {
+        "whole": whole,
+        "resumed": resumed,
+        "from_dp1": from_dp1,
+        "whole_hash": _hash(state),
+        "resumed_hash": _hash(again),
+        "pseudo_eval": evaluate(pstate, valid),
+        "sharded": all(b.layout.sharded for b in state.ddp.buffers),
+    }
 
 
 def non_finite_skip(flags: dict) -> dict:
@@ -132,14 +154,18 @@ def lean_resume(root: str, flags: dict) -> dict:
 
         whole, state = run_steps(c, ps, 4, after_step=save_after_2)
         resumed, again = run_steps(c, ps, 2, load=saved)
-        out[optimizer] = {"whole": whole, "resumed": resumed, "whole_hash": _hash(state),
-                          "resumed_hash": _hash(again)}
-    out["adafactor"]["from_adam"] = run_steps(cfg(optimizer="adafactor", **flags), ps, 2,
-                                              load=os.path.join(root, "dp1"))[0]
+        out[optimizer] = {"whole": whole, "resumed": resumed, "whole_hash": _hash(state), "resumed_hash": _hash(again)}
+    out["adafactor"]["from_adam"] = run_steps(
+        cfg(optimizer="adafactor", **flags), ps, 2, load=os.path.join(root, "dp1")
+    )[0]
     return out
 
 
 def two_ranks(rank: int, world: int, cases: dict, root: str, flags: dict, pseudo: dict) -> dict:
-    return {"cases": equivalence_cases(rank, world, cases), "staged": staged_collectives(),
-            "checkpoints": checkpoints(rank, world, root, flags, pseudo), "skip": non_finite_skip(flags),
-            "lean": lean_resume(root, flags)}
+    return {
+        "cases": equivalence_cases(rank, world, cases),
+        "staged": staged_collectives(),
+        "checkpoints": checkpoints(rank, world, root, flags, pseudo),
+        "skip": non_finite_skip(flags),
+        "lean": lean_resume(root, flags),
+    }

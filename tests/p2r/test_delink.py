@@ -1,4 +1,5 @@
 """Delinking pseudo -> real: the tensor functions, the converter, and function preservation."""
+
 import os
 
 import pytest
@@ -16,9 +17,20 @@ from megatron_p2r.training import build_datasets, build_train_state, evaluate
 from tests.checkpoint.common import metadata
 from tests.helpers import expected_shard, reference_config, run_steps, tiny_config
 
-PSEUDO = dict(num_layers=4, p2r_phase="pseudo", share_pattern="cycle:2", train_iters=3, eval_iters=2,
-              global_batch_size=4, lr_warmup_iters=1, lr_decay_style="cosine", weight_decay=0.01, clip_grad=1.0,
-              device="cpu", log_interval=100)
+PSEUDO = dict(
+    num_layers=4,
+    p2r_phase="pseudo",
+    share_pattern="cycle:2",
+    train_iters=3,
+    eval_iters=2,
+    global_batch_size=4,
+    lr_warmup_iters=1,
+    lr_decay_style="cosine",
+    weight_decay=0.01,
+    clip_grad=1.0,
+    device="cpu",
+    log_interval=100,
+)
 
 
 def test_names_and_moment_rules():
@@ -32,7 +44,7 @@ def test_names_and_moment_rules():
     assert torch.equal(dl.delink_moment("exp_avg_sq", m, 3, 1, "rescale"), torch.full((3,), 6.0 / 9))
     assert torch.equal(dl.delink_moment("exp_avg", m, 6, 2, "rescale"), torch.full((3,), 2.0))  # all -> cycle
     assert torch.equal(dl.delink_moment("exp_avg_sq", m, 6, 2, "rescale"), torch.full((3,), 6.0 / 9))
-    for factor in ("row_var", "col_var"):   # Adafactor's statistics are means of g^2
+    for factor in ("row_var", "col_var"):  # Adafactor's statistics are means of g^2
         assert torch.equal(dl.delink_moment(factor, m, 3, 1, "rescale"), torch.full((3,), 6.0 / 9))
     assert dl.delink_moment("step", m, 3, 1, "rescale") is m and dl.delink_moment("exp_avg", m, 3, 1, "copy") is m
     with pytest.raises(ValueError):
@@ -103,17 +115,21 @@ def test_rescale_reset_and_noise(pseudo_ckpt, tmp_path):
     assert torch.equal(q["embedding.word_embeddings.weight"], p["embedding.word_embeddings.weight"])
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--noise-std", "1e39"], "--noise-std must be a number in [0, 1]"),
-    (["--noise-std", "1e30"], "--noise-std must be a number in [0, 1]"),
-    (["--noise-std", "2", "--noise-relative"], "--noise-std must be a number in [0, 1] of each tensor's own std"),
-    (["--noise-std", "nan"], "--noise-std must be a number in [0, 1]"),
-    (["--lr-rewarmup-iters", str(10 ** 21)], "--lr-rewarmup-iters must be in [0, 4611686018427387904]"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--noise-std", "1e39"], "--noise-std must be a number in [0, 1]"),
+        (["--noise-std", "1e30"], "--noise-std must be a number in [0, 1]"),
+        (["--noise-std", "2", "--noise-relative"], "--noise-std must be a number in [0, 1] of each tensor's own std"),
+        (["--noise-std", "nan"], "--noise-std must be a number in [0, 1]"),
+        (["--lr-rewarmup-iters", str(10**21)], "--lr-rewarmup-iters must be in [0, 4611686018427387904]"),
+    ],
+)
 def test_absurd_noise_or_rewarmup_is_refused_before_converting(pseudo_ckpt, tmp_path, capsys, flags, message):
     """Each would otherwise write a checkpoint that is inf (noise in float32) or that its own
     loader refuses (a re-warm-up longer than the metadata schema's counts)."""
     from tools import convert_checkpoint
+
     rc = convert_checkpoint.main(["delink", str(pseudo_ckpt[0]), str(tmp_path / "out"), "--no-progress", *flags])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and "Traceback" not in err, err
@@ -139,8 +155,11 @@ def test_delink_refuses_a_real_checkpoint(pseudo_ckpt, tmp_path):
 MOE = dict(num_experts=4, moe_layer_freq=2, moe_ffn_hidden_size=24, moe_aux_loss_coeff=0.01)
 CASES = {
     # name: (model, pseudo layout, real layout); 2 ranks each
-    "tp2pp1->tp1pp2": ({}, dict(tensor_model_parallel_size=2),
-                       dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)),
+    "tp2pp1->tp1pp2": (
+        {},
+        dict(tensor_model_parallel_size=2),
+        dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=2),
+    ),
     "moe ep2->ep1": (MOE, dict(expert_model_parallel_size=2), dict(expert_model_parallel_size=1)),
 }
 
@@ -152,6 +171,7 @@ def _across_layouts(rank, world, root, cases):
     the two real runs after their 2 steps."""
     import torch.distributed as dist
     from megatron_p2r.training import pretrain, setup_parallel
+
     out = {}
     for name, (model, src_layout, dst_layout) in cases.items():
         src, dst, one = (os.path.join(root, name, d) for d in ("pseudo", "real", "real-one-process"))
@@ -160,9 +180,18 @@ def _across_layouts(rank, world, root, cases):
         pseudo_eval = pretrain(tiny_config(**pseudo, load=src, eval_only=True))["eval_loss"]
         pseudo_next = pretrain(tiny_config(**pseudo, load=src))["losses"]
         if rank == 0:
-            convert(src, dst, Target(dst_layout.get("tensor_model_parallel_size"),
-                                     dst_layout.get("pipeline_model_parallel_size"), None,
-                                     dst_layout.get("expert_model_parallel_size")), DelinkOptions(), progress=False)
+            convert(
+                src,
+                dst,
+                Target(
+                    dst_layout.get("tensor_model_parallel_size"),
+                    dst_layout.get("pipeline_model_parallel_size"),
+                    None,
+                    dst_layout.get("expert_model_parallel_size"),
+                ),
+                DelinkOptions(),
+                progress=False,
+            )
             convert(src, one, Target(1, 1, None, 1), DelinkOptions(), progress=False)
         dist.barrier()
         real = {**PSEUDO, **model, "p2r_phase": "real", **dst_layout}
@@ -172,8 +201,10 @@ def _across_layouts(rank, world, root, cases):
         real_next, state = run_steps(real, ps, 2, load=dst)
         one_next, one_state = run_steps(reference_config(real), ParallelState.single(), 2, load=one)
         ref = dict(one_state.model.named_parameters())
-        weight_err = max((p.detach() - expected_shard(ref[logical_name(n, p)].detach(), p, ps)).abs().max().item()
-                         for n, p in state.model.named_parameters())
+        weight_err = max(
+            (p.detach() - expected_shard(ref[logical_name(n, p)].detach(), p, ps)).abs().max().item()
+            for n, p in state.model.named_parameters()
+        )
         out[name] = (pseudo_eval, real_eval, pseudo_next, real_next, one_next, weight_err)
     return out
 

@@ -1,5 +1,6 @@
 """Depth growth: layer maps, the streamed converter across layouts, and the grown model's loss
 against a model built by hand."""
+
 import os
 
 import pytest
@@ -20,8 +21,18 @@ from megatron_p2r.training import build_datasets, build_train_state, evaluate
 from tests.helpers import run_steps, tiny_config
 from tools.convert_checkpoint import main as convert_cli
 
-SMALL = dict(num_layers=2, train_iters=3, eval_iters=2, global_batch_size=4, lr_warmup_iters=1,
-             lr_decay_style="cosine", weight_decay=0.01, clip_grad=1.0, device="cpu", log_interval=100)
+SMALL = dict(
+    num_layers=2,
+    train_iters=3,
+    eval_iters=2,
+    global_batch_size=4,
+    lr_warmup_iters=1,
+    lr_decay_style="cosine",
+    weight_decay=0.01,
+    clip_grad=1.0,
+    device="cpu",
+    log_interval=100,
+)
 KINDS = ("model", "exp_avg", "exp_avg_sq", "step")
 
 
@@ -57,15 +68,23 @@ def _global(path: str):
     cfg = metadata_config(meta)
     layout, readers = ShardLayout.of(cfg), ReaderCache(iter_dir)
     kinds = KINDS if meta["optimizer"] else ("model",)
-    return cfg, {(k, kind): read_global(readers, layout, info, kind)
-                 for k, info in metadata_table(meta).items() for kind in kinds}
+    return cfg, {
+        (k, kind): read_global(readers, layout, info, kind)
+        for k, info in metadata_table(meta).items()
+        for kind in kinds
+    }
 
 
 @pytest.mark.parametrize("method", ["stack", "interleave"])
 def test_grow_tp2pp2_into_tp1pp4_copies_every_layer(source, tmp_path, method):
     root, _ = source
-    out = convert(str(root / "tp2pp2"), str(tmp_path / "grown"), Target(1, 4),
-                  GrowOptions(num_layers=4, method=method, optimizer_state="copy"), progress=False)
+    out = convert(
+        str(root / "tp2pp2"),
+        str(tmp_path / "grown"),
+        Target(1, 4),
+        GrowOptions(num_layers=4, method=method, optimizer_state="copy"),
+        progress=False,
+    )
     src_cfg, src = _global(str(root / "tp2pp2"))
     cfg, dst = _global(str(tmp_path / "grown"))
     assert (src_cfg.parallel.tensor_model_parallel_size, src_cfg.parallel.pipeline_model_parallel_size) == (2, 2)
@@ -104,9 +123,23 @@ def test_stack_grown_model_evaluates_like_a_model_built_by_hand(source, tmp_path
     """One process, the same layout as the reference: bitwise; the loss also moved (growth is
     not function-preserving), and the CLI says so."""
     root, state = source
-    assert convert_cli(["grow", str(root / "tp2pp2"), str(tmp_path / "grown"), "--num-layers", "4",
-                        "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1",
-                        "--no-progress"]) == 0
+    assert (
+        convert_cli(
+            [
+                "grow",
+                str(root / "tp2pp2"),
+                str(tmp_path / "grown"),
+                "--num-layers",
+                "4",
+                "--target-tensor-parallel-size",
+                "1",
+                "--target-pipeline-parallel-size",
+                "1",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     grown = build_train_state(tiny_config(**{**SMALL, "num_layers": 4}), ParallelState.single())
     load_checkpoint(str(tmp_path / "grown"), grown)
     _, valid = build_datasets(grown.cfg, grown.ps)
@@ -118,8 +151,21 @@ def test_stack_grown_model_evaluates_like_a_model_built_by_hand(source, tmp_path
 
 def test_grow_note_on_the_command_line(source, tmp_path, capsys):
     root, _ = source
-    assert convert_cli(["grow", str(root / "one"), str(tmp_path / "g"), "--num-layers", "4", "--method",
-                        "interleave", "--no-progress"]) == 0
+    assert (
+        convert_cli(
+            [
+                "grow",
+                str(root / "one"),
+                str(tmp_path / "g"),
+                "--num-layers",
+                "4",
+                "--method",
+                "interleave",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "growth is not function-preserving" in capsys.readouterr().out
     assert convert_cli(["grow", str(root / "one"), str(tmp_path / "bad"), "--num-layers", "3", "--no-progress"]) == 2
     assert "--num-layers 3 must be a multiple k >= 2 of the source's 2 layers" in capsys.readouterr().err
@@ -131,8 +177,13 @@ def test_grow_a_pseudo_model_gives_identical_layers(tmp_path):
     the one slot; optimizer 'rescale' divides the slot's moments by its 2 uses."""
     _, state = run_steps(tiny_config(**SMALL, p2r_phase="pseudo", share_pattern="all"), ParallelState.single(), 2)
     save_checkpoint(str(tmp_path / "pseudo"), state)
-    convert(str(tmp_path / "pseudo"), str(tmp_path / "grown"), Target(),
-            GrowOptions(num_layers=4, method="stack"), progress=False)
+    convert(
+        str(tmp_path / "pseudo"),
+        str(tmp_path / "grown"),
+        Target(),
+        GrowOptions(num_layers=4, method="stack"),
+        progress=False,
+    )
     _, src = _global(str(tmp_path / "pseudo"))
     _, dst = _global(str(tmp_path / "grown"))
     for j in range(4):
@@ -144,16 +195,17 @@ def test_grow_a_pseudo_model_gives_identical_layers(tmp_path):
 
 def _eval_tp1pp4(rank, world, path):
     from megatron_p2r.training import pretrain
-    return pretrain(tiny_config(**{**SMALL, "num_layers": 4, "pipeline_model_parallel_size": 4},
-                                load=path, eval_only=True))["eval_loss"]
+
+    return pretrain(
+        tiny_config(**{**SMALL, "num_layers": 4, "pipeline_model_parallel_size": 4}, load=path, eval_only=True)
+    )["eval_loss"]
 
 
 def test_grown_tp1pp4_eval_matches_the_hand_built_reference(source, tmp_path):
     """The grown TP1 x PP4 checkpoint, evaluated on 4 pipeline ranks, against the one-process
     model built by hand: the same up to fp32 rounding of the changed reduction order (rel 1e-5)."""
     root, state = source
-    convert(str(root / "tp2pp2"), str(tmp_path / "grown"), Target(1, 4), GrowOptions(num_layers=4),
-            progress=False)
+    convert(str(root / "tp2pp2"), str(tmp_path / "grown"), Target(1, 4), GrowOptions(num_layers=4), progress=False)
     losses = run_distributed(_eval_tp1pp4, 4, str(tmp_path / "grown"))
     expected = _hand_built(state, 4, [0, 1, 0, 1])
     assert losses == pytest.approx([expected] * 4, rel=1e-5)

@@ -1,4 +1,5 @@
 """Progressive delinking (all -> cycle:K -> none as a chain of delinks) and relative noise."""
+
 import pytest
 import torch
 
@@ -12,8 +13,18 @@ from megatron_p2r.training import build_datasets, evaluate
 from tests.checkpoint.common import metadata
 from tests.helpers import run_steps, tiny_config
 
-CHAIN = dict(num_layers=4, train_iters=8, eval_iters=2, global_batch_size=4, lr_warmup_iters=1,
-             lr_decay_style="cosine", weight_decay=0.01, clip_grad=1.0, device="cpu", log_interval=100)
+CHAIN = dict(
+    num_layers=4,
+    train_iters=8,
+    eval_iters=2,
+    global_batch_size=4,
+    lr_warmup_iters=1,
+    lr_decay_style="cosine",
+    weight_decay=0.01,
+    clip_grad=1.0,
+    device="cpu",
+    log_interval=100,
+)
 
 
 def _eval(state) -> float:
@@ -22,8 +33,9 @@ def _eval(state) -> float:
 
 
 def _phase(pattern: str) -> dict:
-    return dict(CHAIN, p2r_phase="real") if pattern == "none" else dict(CHAIN, p2r_phase="pseudo",
-                                                                         share_pattern=pattern)
+    return (
+        dict(CHAIN, p2r_phase="real") if pattern == "none" else dict(CHAIN, p2r_phase="pseudo", share_pattern=pattern)
+    )
 
 
 def test_chain_all_cycle2_none_preserves_eval_loss_at_each_link(tmp_path):
@@ -33,14 +45,21 @@ def test_chain_all_cycle2_none_preserves_eval_loss_at_each_link(tmp_path):
     before = _eval(state)
     save_checkpoint(str(tmp_path / "all"), state)
     for i, pattern in enumerate(["cycle:2", "none"]):
-        convert(str(tmp_path / ("all" if i == 0 else "trained0")), str(tmp_path / f"link{i}"), Target(),
-                DelinkOptions(share_pattern=pattern), progress=False)
-        losses, state = run_steps(tiny_config(**_phase(pattern)), ParallelState.single(), 0,
-                                  load=str(tmp_path / f"link{i}"))
+        convert(
+            str(tmp_path / ("all" if i == 0 else "trained0")),
+            str(tmp_path / f"link{i}"),
+            Target(),
+            DelinkOptions(share_pattern=pattern),
+            progress=False,
+        )
+        losses, state = run_steps(
+            tiny_config(**_phase(pattern)), ParallelState.single(), 0, load=str(tmp_path / f"link{i}")
+        )
         assert _eval(state) == before, pattern
         assert state.iteration == 2 + 2 * i
-        losses, state = run_steps(tiny_config(**_phase(pattern)), ParallelState.single(), 2,
-                                  load=str(tmp_path / f"link{i}"))
+        losses, state = run_steps(
+            tiny_config(**_phase(pattern)), ParallelState.single(), 2, load=str(tmp_path / f"link{i}")
+        )
         before = _eval(state)
         save_checkpoint(str(tmp_path / f"trained{i}"), state)
     meta = metadata(str(tmp_path / "link1" / "iter_0000004"))
@@ -53,8 +72,9 @@ def test_finer_pseudo_pattern_moments_and_tensors(tmp_path):
     'rescale' multiplies the first moment by 2/4 and the second by (2/4)^2."""
     _, state = run_steps(tiny_config(**_phase("all")), ParallelState.single(), 2)
     save_checkpoint(str(tmp_path / "all"), state)
-    convert(str(tmp_path / "all"), str(tmp_path / "cycle"), Target(), DelinkOptions(share_pattern="cycle:2"),
-            progress=False)
+    convert(
+        str(tmp_path / "all"), str(tmp_path / "cycle"), Target(), DelinkOptions(share_pattern="cycle:2"), progress=False
+    )
     _, cyc = run_steps(tiny_config(**_phase("cycle:2")), ParallelState.single(), 0, load=str(tmp_path / "cycle"))
     src = dict(state.model.named_parameters())
     for name, q in cyc.model.named_parameters():
@@ -69,17 +89,35 @@ def test_finer_pseudo_pattern_moments_and_tensors(tmp_path):
 def test_target_pattern_must_refine_the_source(tmp_path):
     _, state = run_steps(tiny_config(**_phase("cycle:2")), ParallelState.single(), 1)
     save_checkpoint(str(tmp_path / "cycle"), state)
-    with pytest.raises(ConfigError, match=r"--target-share-pattern block:2: layers 0 and 1 share a module in the "
-                                          r"target but come from different modules of the source \(cycle:2\)"):
-        convert(str(tmp_path / "cycle"), str(tmp_path / "block"), Target(), DelinkOptions(share_pattern="block:2"),
-                progress=False)
+    with pytest.raises(
+        ConfigError,
+        match=r"--target-share-pattern block:2: layers 0 and 1 share a module in the "
+        r"target but come from different modules of the source \(cycle:2\)",
+    ):
+        convert(
+            str(tmp_path / "cycle"),
+            str(tmp_path / "block"),
+            Target(),
+            DelinkOptions(share_pattern="block:2"),
+            progress=False,
+        )
     with pytest.raises(ConfigError, match="--target-share-pattern 'cycle:9': K must be between 1 and --num-layers"):
-        convert(str(tmp_path / "cycle"), str(tmp_path / "bad"), Target(), DelinkOptions(share_pattern="cycle:9"),
-                progress=False)
+        convert(
+            str(tmp_path / "cycle"),
+            str(tmp_path / "bad"),
+            Target(),
+            DelinkOptions(share_pattern="cycle:9"),
+            progress=False,
+        )
     convert(str(tmp_path / "cycle"), str(tmp_path / "real"), Target(), DelinkOptions(), progress=False)
     with pytest.raises(CheckpointError, match="p2r.phase is 'real'; delink needs a pseudo-phase checkpoint"):
-        convert(str(tmp_path / "real"), str(tmp_path / "again"), Target(), DelinkOptions(share_pattern="cycle:2"),
-                progress=False)
+        convert(
+            str(tmp_path / "real"),
+            str(tmp_path / "again"),
+            Target(),
+            DelinkOptions(share_pattern="cycle:2"),
+            progress=False,
+        )
 
 
 def test_relative_noise_follows_each_tensors_std():

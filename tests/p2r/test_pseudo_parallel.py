@@ -6,6 +6,7 @@ pseudo run, and replicas stay bitwise identical step after step.
 Covers dense and MoE layers (experts under EP=2 and TP=2, share-pattern all giving one dense and
 one MoE module), and grouped-query attention with its one key/value head replicated over TP=2. Tolerance: fp32, 2e-5 absolute on gradients (reduction order only), 1e-5 on the loss.
 """
+
 import hashlib
 
 import torch
@@ -32,8 +33,11 @@ CASES = {  # name: (tp, pp, pattern, schedule, overrides) on 4 ranks (DP fills t
 
 
 def _checksums(model, plan) -> dict:
-    return {logical_name(n, p): hashlib.sha256(p.detach().numpy().tobytes()).hexdigest()
-            for n, p in model.named_parameters() if plan.replica_stages(logical_name(n, p))}
+    return {
+        logical_name(n, p): hashlib.sha256(p.detach().numpy().tobytes()).hexdigest()
+        for n, p in model.named_parameters()
+        if plan.replica_stages(logical_name(n, p))
+    }
 
 
 def _pseudo_rank(rank, world):
@@ -60,7 +64,9 @@ def test_pseudo_pipeline_reproduces_single_stage_and_replicas_stay_identical():
             assert r[name]["loss_err"] < 1e-5, name
             assert r[name]["grad_err"] < 2e-5, name
     # share-pattern all with MoE in every other layer: one dense and one MoE module (keys 0 and 1)
-    moe_modules = {n.split(".")[1] for r in results for n in r["moe_pp2_dp2_ep2_all"]["names"] if n.startswith("layers.")}
+    moe_modules = {
+        n.split(".")[1] for r in results for n in r["moe_pp2_dp2_ep2_all"]["names"] if n.startswith("layers.")
+    }
     assert moe_modules == {"0", "1"}
     assert any(".mlp.experts." in n for n in results[0]["moe_pp2_dp2_ep2_all"]["names"])
     replicas = results[0]["replicas"]

@@ -13,6 +13,7 @@ the gradients (largest deviation over largest entry: fp32 rounding of sums over 
 64 logits); bf16 autocast against float64 CE of the bf16 logits (the loss is taken in fp32
 from bf16 logits), 2e-3 relative.
 """
+
 import torch
 import torch.nn.functional as F
 
@@ -27,7 +28,7 @@ B, S, H, VOCAB, PADDED = 3, 8, 16, 50, 64
 def _inputs():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(B, S, H, generator=g)
-    weight = torch.randn(PADDED, H, generator=g) * 2.0   # large logits: the log-sum-exp must be stable
+    weight = torch.randn(PADDED, H, generator=g) * 2.0  # large logits: the log-sum-exp must be stable
     target = torch.randint(0, VOCAB, (B, S), generator=g)
     mask = (torch.rand(B, S, generator=g) > 0.3).float()
     return x, weight, target, mask
@@ -56,18 +57,22 @@ def _errors(ps: ParallelState, sequence_parallel: bool, fused: bool) -> dict:
         return (cross_entropy.output_cross_entropy(local_x, local_w, target, group, sequence_parallel) * mask).sum()
 
     total = masked_sum()
-    (total * 3.0).backward()   # a scalar gradient other than 1
+    (total * 3.0).backward()  # a scalar gradient other than 1
     want_gx = 3.0 * (tp_slice(ref_gx, 1, rank, tp) if sequence_parallel else ref_gx)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         bf16 = masked_sum()
     logits16 = (x.bfloat16() @ weight.bfloat16().t()).double()
-    ref16 = (F.cross_entropy(logits16.reshape(-1, PADDED), target.reshape(-1), reduction="none")
-             * mask.reshape(-1).double()).sum()
+    ref16 = (
+        F.cross_entropy(logits16.reshape(-1, PADDED), target.reshape(-1), reduction="none") * mask.reshape(-1).double()
+    ).sum()
     want_gw = 3.0 * tp_slice(ref_gw, 0, rank, tp)
-    return {"loss": abs(total.item() / ref_total.item() - 1),
-            "grad_x": ((local_x.grad.double() - want_gx).abs().max() / want_gx.abs().max()).item(),
-            "grad_w": ((local_w.grad.double() - want_gw).abs().max() / want_gw.abs().max()).item(),
-            "bf16_loss": abs(bf16.item() / ref16.item() - 1), "loss_dtype": str(bf16.dtype)}
+    return {
+        "loss": abs(total.item() / ref_total.item() - 1),
+        "grad_x": ((local_x.grad.double() - want_gx).abs().max() / want_gx.abs().max()).item(),
+        "grad_w": ((local_w.grad.double() - want_gw).abs().max() / want_gw.abs().max()).item(),
+        "bf16_loss": abs(bf16.item() / ref16.item() - 1),
+        "loss_dtype": str(bf16.dtype),
+    }
 
 
 def _cases(ps: ParallelState, modes=(False, True)) -> dict:
@@ -75,7 +80,7 @@ def _cases(ps: ParallelState, modes=(False, True)) -> dict:
 
 
 def _check_ranks(rank, world):
-    cross_entropy.CHUNK_ELEMENTS = 5 * PADDED // world   # 5 tokens per chunk of this rank's vocabulary
+    cross_entropy.CHUNK_ELEMENTS = 5 * PADDED // world  # 5 tokens per chunk of this rank's vocabulary
     return _cases(initialize(Layout.from_world(world, tp=world), torch.device("cpu")))
 
 
@@ -93,5 +98,12 @@ def test_chunked_cross_entropy_matches_float64_on_padded_vocab(monkeypatch):
     for world in (2, 4):
         for rank, by_case in enumerate(run_distributed(_check_ranks, world)):
             for (sp, fused), errors in by_case.items():
-                _assert_close(errors, (f"tp{world}", rank, "sequence-parallel" if sp else "replicated",
-                                       "masked sum" if fused else "per token"))
+                _assert_close(
+                    errors,
+                    (
+                        f"tp{world}",
+                        rank,
+                        "sequence-parallel" if sp else "replicated",
+                        "masked sum" if fused else "per token",
+                    ),
+                )

@@ -5,6 +5,7 @@ draws each rank's masks from its own TP stream.
 Tolerance: fp32; TP changes only the order of reductions, so gradients agree to 2e-5
 absolute (values are O(1e-2..1)) and losses to 1e-5 relative.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,8 +21,13 @@ from tests.helpers import max_grad_error, random_microbatches, reference_config,
 
 VARIANTS = {
     "gpt": {},
-    "llama": dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-                  untie_embeddings_and_output_weights=True, disable_bias_linear=True),
+    "llama": dict(
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding_type="rope",
+        untie_embeddings_and_output_weights=True,
+        disable_bias_linear=True,
+    ),
 }
 
 
@@ -96,9 +102,13 @@ def _dropout_streams(world):
     dist.all_gather(hidden, captured["x"], group=ps.group("tp"))
     first = [torch.empty_like(masks[0]) for _ in range(world)]
     dist.all_gather(first, masks[0], group=ps.group("tp"))
-    return {"same_hidden": all(torch.equal(hidden[0], h) for h in hidden[1:]), "kernel_err": kernel_err,
-            "calls": len(calls), "from_stream": all(torch.equal(m, r) for m, r in zip(masks, stream, strict=True)),
-            "differ_over_tp": all(not torch.equal(first[i], first[j]) for i in range(world) for j in range(i))}
+    return {
+        "same_hidden": all(torch.equal(hidden[0], h) for h in hidden[1:]),
+        "kernel_err": kernel_err,
+        "calls": len(calls),
+        "from_stream": all(torch.equal(m, r) for m, r in zip(masks, stream, strict=True)),
+        "differ_over_tp": all(not torch.equal(first[i], first[j]) for i in range(world) for j in range(i)),
+    }
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])

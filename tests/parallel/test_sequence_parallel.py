@@ -11,6 +11,7 @@ comparison fails), on micro-batches of different shapes with a loss mask
 on gradients (as the TP tests), 1e-5 on the loss.
 Recomputation with dropout under sequence parallelism is compared bitwise.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,22 +32,30 @@ from tests.pipeline.common import compare_case, make_cfg, make_state, pipelined_
 
 VARIANTS = {
     "gpt": {},
-    "llama": dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-                  untie_embeddings_and_output_weights=True, disable_bias_linear=True),
+    "llama": dict(
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding_type="rope",
+        untie_embeddings_and_output_weights=True,
+        disable_bias_linear=True,
+    ),
 }
 DROPOUT = 0.3
 
 
 def _compare(cfg, layout, ps, n_micro: int) -> dict:
     r = compare_case(cfg, layout, ps, "1f1b", n_micro)
-    r.pop("grads")   # numbers only travel back to the test process
+    r.pop("grads")  # numbers only travel back to the test process
     return r
 
 
 def _variant_cases(ps, layout, tp: int, pp: int = 1, n_micro: int = 2) -> dict:
-    return {f"tp{tp}pp{pp}/{name}": _compare(make_cfg(tp=tp, pp=pp, sequence_parallel=True, **overrides),
-                                             layout, ps, n_micro)
-            for name, overrides in VARIANTS.items()}
+    return {
+        f"tp{tp}pp{pp}/{name}": _compare(
+            make_cfg(tp=tp, pp=pp, sequence_parallel=True, **overrides), layout, ps, n_micro
+        )
+        for name, overrides in VARIANTS.items()
+    }
 
 
 class _Dropout:
@@ -86,7 +95,7 @@ def _dropout_case() -> dict:
     mbs = random_microbatches(cfg, 1, 2)
     recorder = _Dropout()
     model, loss = recorder.run(lambda: pipelined_step(cfg, ps, mbs, "1f1b"))
-    seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, ps.device)   # the streams as training starts them
+    seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, ps.device)  # the streams as training starts them
     with get_rng_tracker(ps.device).fork():
         drawn = [torch.empty(m.shape).bernoulli_(1 - DROPOUT) != 0 for m in recorder.masks]
     full = [all_gather_sequence(m.float(), ps.group("tp")) for m in recorder.masks]
@@ -96,14 +105,20 @@ def _dropout_case() -> dict:
     replay = _Dropout(replay=full)
     ref_loss = replay.run(lambda: forward_backward_no_pipelining(reference, mbs, ParallelState.single()).item())
     errors = max_grad_error(model, ps, {logical_name(n, p): p.grad for n, p in reference.named_parameters()})
-    return {"calls": len(recorder.masks), "replayed": len(replay.masks), "loss_err": abs(loss - ref_loss),
-            "grad_err": max(errors.values()),
-            "from_stream": all(torch.equal(m, d) for m, d in zip(recorder.masks, drawn, strict=True)),
-            "shards_differ": all(not torch.equal(a, b) for a, b in halves)}
+    return {
+        "calls": len(recorder.masks),
+        "replayed": len(replay.masks),
+        "loss_err": abs(loss - ref_loss),
+        "grad_err": max(errors.values()),
+        "from_stream": all(torch.equal(m, d) for m, d in zip(recorder.masks, drawn, strict=True)),
+        "shards_differ": all(not torch.equal(a, b) for a, b in halves),
+    }
 
 
-RECOMPUTE = {"selective": dict(recompute_activations=True),
-             "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)}
+RECOMPUTE = {
+    "selective": dict(recompute_activations=True),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+}
 
 
 def _recompute_case(ps) -> dict:
@@ -138,8 +153,7 @@ def _world4(rank, world):
     layout = Layout(tp=2, dp=2, ep=2)
     ps = make_state(layout)
     for name, overrides in {"dropless": {}, "capacity-drops": dict(moe_capacity_factor=0.5, swiglu=True)}.items():
-        out[f"tp2ep2/moe-{name}"] = _compare(moe_model(tp=2, ep=2, sequence_parallel=True, **overrides),
-                                             layout, ps, 1)
+        out[f"tp2ep2/moe-{name}"] = _compare(moe_model(tp=2, ep=2, sequence_parallel=True, **overrides), layout, ps, 1)
     return out
 
 
@@ -164,7 +178,7 @@ def test_sequence_parallel_dropout_draws_from_the_model_parallel_stream(world2):
     for out in world2:
         assert out["recompute_bitwise"] == {"selective": True, "full": True}, out["recompute_bitwise"]
         d = out["dropout"]
-        assert d["calls"] == d["replayed"] == 9, d   # the embedding and 2 in each of the 4 layers
+        assert d["calls"] == d["replayed"] == 9, d  # the embedding and 2 in each of the 4 layers
         assert d["from_stream"] and d["shards_differ"], d
         assert d["loss_err"] < 1e-5 and d["grad_err"] < 2e-5, d
 

@@ -4,6 +4,7 @@ The pattern (see ``tests/helpers.py``): inside a rank, run a pipelined step and 
 single-process reference (same seed -- initialisation is layout-invariant) on the same
 micro-batches, and measure how far this rank's loss and gradient shards are from it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,8 +31,15 @@ SHAPES = [(2, 16), (1, 12), (3, 16)]
 def make_cfg(tp: int = 1, pp: int = 1, **overrides):
     """A tiny pipeline config whose transfers are serial unless a case asks for
     --overlap-p2p-communication (on by default): the overlapped cases are compared with these."""
-    return tiny_config(**{"num_layers": 4, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                          "overlap_p2p_communication": False, **overrides})
+    return tiny_config(
+        **{
+            "num_layers": 4,
+            "tensor_model_parallel_size": tp,
+            "pipeline_model_parallel_size": pp,
+            "overlap_p2p_communication": False,
+            **overrides,
+        }
+    )
 
 
 # Fraction of valid tokens of successive micro-batches in the token-weighting cases: far
@@ -57,8 +65,9 @@ def make_state(layout: Layout) -> ParallelState:
     groups of the tied embedding and of a pseudo slot on every stage, and those of gradients
     partial over the whole TP group (sequence parallelism's norms and biases)."""
     tp_blocks = (((), layout.tp),) if layout.tp > 1 else ()
-    return initialize(layout, torch.device("cpu"), stage_sets=((0, layout.pp - 1), tuple(range(layout.pp))),
-                      tp_blocks=tp_blocks)
+    return initialize(
+        layout, torch.device("cpu"), stage_sets=((0, layout.pp - 1), tuple(range(layout.pp))), tp_blocks=tp_blocks
+    )
 
 
 def reference(cfg, microbatches: List[dict]):
@@ -110,8 +119,9 @@ def pipelined_step(cfg, ps: ParallelState, microbatches: List[dict], schedule: s
     ``main_grad``, what the optimizer steps on."""
     state = build_train_state(cfg, ps)
     state.ddp.zero_grad_buffer(len(microbatches))
-    fb = get_forward_backward_func(schedule_of(schedule, ps.pp_size, state.plan.num_model_chunks,
-                                               cfg.parallel.overlap_p2p_communication))
+    fb = get_forward_backward_func(
+        schedule_of(schedule, ps.pp_size, state.plan.num_model_chunks, cfg.parallel.overlap_p2p_communication)
+    )
     loss = fb(state.model, microbatches, ps, loss_scale=1.0, stats=stats, on_backward_scale=aux_loss.set_backward_scale)
     if ps.is_last_stage and loss is None:
         raise AssertionError("the last stage must return the loss")
@@ -119,26 +129,41 @@ def pipelined_step(cfg, ps: ParallelState, microbatches: List[dict], schedule: s
     return state.model, reduce_loss(loss, ps)
 
 
-def compare_case(cfg, layout: Layout, ps: ParallelState, schedule: str, n_micro: int, data_seed: int = 0,
-                 keep: Sequence[float] = (0.8,), reference_fn: Callable = reference) -> dict:
+def compare_case(
+    cfg,
+    layout: Layout,
+    ps: ParallelState,
+    schedule: str,
+    n_micro: int,
+    data_seed: int = 0,
+    keep: Sequence[float] = (0.8,),
+    reference_fn: Callable = reference,
+) -> dict:
     """One pipelined step (``n_micro`` micro-batches per DP rank) against ``reference_fn`` on
     all DP ranks' micro-batches: loss error, max gradient error (absolute, and relative to the
     largest reference element of each tensor), logical names compared, gradient hashes."""
     all_mb = make_microbatches(n_micro * layout.dp, cfg.model.vocab_size, data_seed, keep)
-    mine = all_mb[ps.dp_rank * n_micro:(ps.dp_rank + 1) * n_micro]
+    mine = all_mb[ps.dp_rank * n_micro : (ps.dp_rank + 1) * n_micro]
     model, loss = pipelined_step(cfg, ps, mine, schedule)
     ref_loss, ref_grads = reference_fn(cfg, all_mb)
     errors = max_grad_error(model, ps, ref_grads)
     relative = max_grad_error(model, ps, ref_grads, relative=True)
-    return {"loss": loss, "loss_err": abs(loss - ref_loss), "grad_err": max(errors.values()), "grad_rel_err": max(relative.values()),
-            "names": sorted(logical_name(n, p) for n, p in model.named_parameters()),
-            "ref_names": sorted(ref_grads),
-            "grads": {n: p.main_grad.clone() for n, p in model.named_parameters()},
-            "hashes": gradient_hashes(model, ps)}
+    return {
+        "loss": loss,
+        "loss_err": abs(loss - ref_loss),
+        "grad_err": max(errors.values()),
+        "grad_rel_err": max(relative.values()),
+        "names": sorted(logical_name(n, p) for n, p in model.named_parameters()),
+        "ref_names": sorted(ref_grads),
+        "grads": {n: p.main_grad.clone() for n, p in model.named_parameters()},
+        "hashes": gradient_hashes(model, ps),
+    }
 
 
 def gradient_hashes(model, ps: ParallelState) -> dict:
     """{logical name @ tp rank, ep rank: sha256 of this rank's gradient}: merged over ranks, two
     layouts of one model can be compared bitwise whichever ranks hold which layers."""
-    return {f"{logical_name(n, p)}@{ps.tp_rank},{ps.ep_rank}": hashlib.sha256(p.main_grad.numpy().tobytes()).hexdigest()
-            for n, p in model.named_parameters()}
+    return {
+        f"{logical_name(n, p)}@{ps.tp_rank},{ps.ep_rank}": hashlib.sha256(p.main_grad.numpy().tobytes()).hexdigest()
+        for n, p in model.named_parameters()
+    }

@@ -1,4 +1,5 @@
 """One spawn per world size for all pipeline tests (a spawn costs seconds, a case milliseconds)."""
+
 import pytest
 
 from tests.harness import run_distributed

@@ -3,17 +3,30 @@
 micro-batch order, each step's inputs sent at an earlier tick by the neighbours (the one-step
 lag that keeps the stages from serializing), no deadlock, the in-flight count per stage, the
 bubble, and P = 1 being the one-stage overlap; with interleaving (v chunks per rank) too."""
+
 from __future__ import annotations
 
 import pytest
 
-from megatron_p2r.pipeline.order import (BACKWARD, FORWARD, Op, causal_order, combined_ops, combined_step_slots,
-                                         combined_steps, combined_ticks, combined_warmup, input_of,
-                                         max_outstanding, sent_by, step_ops, step_slots)
+from megatron_p2r.pipeline.order import (
+    BACKWARD,
+    FORWARD,
+    Op,
+    causal_order,
+    combined_ops,
+    combined_step_slots,
+    combined_steps,
+    combined_ticks,
+    combined_warmup,
+    input_of,
+    max_outstanding,
+    sent_by,
+    step_ops,
+    step_slots,
+)
 from megatron_p2r.pipeline.transfers import link_buffers
 
-GRID = [(pp, v, m) for pp in (1, 2, 3, 4, 8) for v in ((1,) if pp == 1 else (1, 2, 3))
-        for m in range(1, 3 * pp + 3)]
+GRID = [(pp, v, m) for pp in (1, 2, 3, 4, 8) for v in ((1,) if pp == 1 else (1, 2, 3)) for m in range(1, 3 * pp + 3)]
 
 
 @pytest.mark.parametrize("pp,v,m", GRID)
@@ -46,7 +59,7 @@ def test_each_step_receives_what_the_neighbours_sent_a_tick_before(pp, v, m):
             for _, msg in sent_by(op, pp, v, r):
                 sent_at[msg] = tick
     assert late == 0 or (v > 1 and m < pp), (pp, v, m, late)
-    causal_order([combined_ops(pp, v, m, r) for r in range(pp)], pp, v)   # and p2p's own check: no deadlock
+    causal_order([combined_ops(pp, v, m, r) for r in range(pp)], pp, v)  # and p2p's own check: no deadlock
 
 
 def test_warmup_and_in_flight():
@@ -61,15 +74,26 @@ def test_warmup_and_in_flight():
             assert max_outstanding(combined_ops(pp, v, m, p)) == combined_warmup(pp, v, m, p), (pp, v, m, p)
     f, b = (lambda mb, c=0: Op(FORWARD, mb, c)), (lambda mb, c=0: Op(BACKWARD, mb, c))
     assert combined_steps(2, 1, 4, 1) == [(f(0), None), (f(1), b(0)), (f(2), b(1)), (f(3), b(2)), (None, b(3))]
-    assert combined_steps(2, 1, 4, 0) == [(f(0), None), (f(1), None), (f(2), None), (f(3), b(0)), (None, b(1)),
-                                          (None, b(2)), (None, b(3))]
+    assert combined_steps(2, 1, 4, 0) == [
+        (f(0), None),
+        (f(1), None),
+        (f(2), None),
+        (f(3), b(0)),
+        (None, b(1)),
+        (None, b(2)),
+        (None, b(3)),
+    ]
     assert combined_steps(2, 2, 2, 1)[:4] == [(f(0), None), (f(1), None), (f(0, 1), None), (f(1, 1), b(0, 1))]
 
 
 def test_one_stage_is_the_single_stage_overlap():
     """P = 1: F(0), then F(i+1) with B(i), then B(m-1)."""
-    assert combined_steps(1, 1, 3, 0) == [(Op(FORWARD, 0), None), (Op(FORWARD, 1), Op(BACKWARD, 0)),
-                                          (Op(FORWARD, 2), Op(BACKWARD, 1)), (None, Op(BACKWARD, 2))]
+    assert combined_steps(1, 1, 3, 0) == [
+        (Op(FORWARD, 0), None),
+        (Op(FORWARD, 1), Op(BACKWARD, 0)),
+        (Op(FORWARD, 2), Op(BACKWARD, 1)),
+        (None, Op(BACKWARD, 2)),
+    ]
 
 
 def test_bubble_is_that_of_1f1b():
@@ -82,6 +106,8 @@ def test_bubble_is_that_of_1f1b():
 
 def test_link_buffers_are_bounded():
     for pp, v in ((2, 1), (4, 1), (2, 2), (4, 2)):
-        peaks = [max(max(link_buffers([combined_ops(pp, v, m, r) for r in range(pp)], pp, v, r)) for r in range(pp))
-                 for m in (2 * pp, 4 * pp, 8 * pp)]
+        peaks = [
+            max(max(link_buffers([combined_ops(pp, v, m, r) for r in range(pp)], pp, v, r)) for r in range(pp))
+            for m in (2 * pp, 4 * pp, 8 * pp)
+        ]
         assert peaks[0] == peaks[1] == peaks[2] <= 2 * pp, (pp, v, peaks)

@@ -6,6 +6,7 @@ gradients -- must be released as the schedule goes. Peak live bytes are measured
 planner tests' allocation tracker (``tests/planning/test_planner.py``: every storage an op creates,
 until its last reference dies), beyond the parameters and their gradients.
 """
+
 from __future__ import annotations
 
 

@@ -1,12 +1,23 @@
 """The order of forwards and backwards on each rank (``pipeline/order.py``), without processes:
 Megatron-LM's interleaved table, no deadlock for any m, the bubble, in-flight counts, and the
 p2p bookkeeping derived from it."""
+
 from __future__ import annotations
 
 import pytest
 
-from megatron_p2r.pipeline.order import (BACKWARD, FORWARD, Message, Op, forward_table, max_outstanding, pipeline_ops,
-                                         simulate, step_slots, warmup_forwards)
+from megatron_p2r.pipeline.order import (
+    BACKWARD,
+    FORWARD,
+    Message,
+    Op,
+    forward_table,
+    max_outstanding,
+    pipeline_ops,
+    simulate,
+    step_slots,
+    warmup_forwards,
+)
 from megatron_p2r.pipeline.transfers import link_buffers, transfers
 
 GRID = [(pp, v, m) for pp in (2, 3, 4, 8) for v in (1, 2, 3) for m in range(1, 3 * pp + 2)]
@@ -16,8 +27,7 @@ def test_interleaved_table_follows_megatron():
     """Groups of P micro-batches, chunk by chunk (Megatron's get_schedule_table with
     microbatch_group_size_per_vp_stage = P); m mod P joins the last group."""
     assert forward_table(4, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
-    assert forward_table(5, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (4, 0), (2, 1), (3, 1),
-                                      (4, 1)]
+    assert forward_table(5, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (4, 0), (2, 1), (3, 1), (4, 1)]
     # Megatron's warm-up: 2(P-p-1) + (v-1)P on rank p, for m a multiple of P
     assert [warmup_forwards("1f1b", 4, 2, 8, p) for p in range(4)] == [10, 8, 6, 4]
     ops = pipeline_ops("1f1b", 2, 2, 4, rank=1)
@@ -30,8 +40,7 @@ def test_every_schedule_runs_each_op_once_and_never_deadlocks(pp, v, m):
         timeline = simulate(schedule, pp, v, m)  # raises on a deadlock
         for rank in timeline:
             ops = [op for op, _, _ in rank]
-            assert sorted(ops) == sorted(Op(k, mb, c) for k in (FORWARD, BACKWARD) for mb in range(m)
-                                         for c in range(v))
+            assert sorted(ops) == sorted(Op(k, mb, c) for k in (FORWARD, BACKWARD) for mb in range(m) for c in range(v))
             for c in range(v):  # each chunk back-propagates its micro-batches in order
                 assert [op.microbatch for op in ops if op.kind == BACKWARD and op.chunk == c] == list(range(m))
 
@@ -117,7 +126,7 @@ def test_receives_posted_ahead_are_held_one_op_longer():
         for r in range(pp):
             serial, ahead = link_buffers(all_ops, pp, v, r), link_buffers(all_ops, pp, v, r, posted_ahead=True)
             received = sum(len(msgs) for msgs in transfers(all_ops, pp, v, r).incoming.values())
-            first_op_takes = 1 if r > 0 else 0   # rank 0's first op reads tokens, the others' an activation
+            first_op_takes = 1 if r > 0 else 0  # rank 0's first op reads tokens, the others' an activation
             assert all(a >= s for a, s in zip(ahead, serial, strict=True)) and ahead[-1] == serial[-1], (pp, v, r)
             assert sum(ahead) - sum(serial) == received - first_op_takes, (pp, v, r)
 

@@ -1,6 +1,7 @@
 """Point-to-point between stages: one message per tensor (the receiver allocates from the
 shape both ends know), both directions, right peers under data parallelism, and sends never
 wait for the receiver."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,21 +20,33 @@ NOTHING = Transfers({}, {}, frozenset())
 def test_send_checks_the_spec():
     """A stage that produced something other than what its peer allocates fails before sending."""
     link = StageLink(ParallelState(layout=Layout(pp=2), rank=0), NOTHING, lambda msg: ((2, 3), torch.bfloat16))
-    with pytest.raises(RuntimeError, match=r"activation to send forward \(micro-batch 0, virtual stage 1\) is "
-                                           r"torch.float32 \(2, 3\), but the peer stage allocates torch.bfloat16"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"activation to send forward \(micro-batch 0, virtual stage 1\) is "
+        r"torch.float32 \(2, 3\), but the peer stage allocates torch.bfloat16",
+    ):
         link.send(Message(FORWARD, 0, 1), torch.zeros(2, 3), 1)
     link = StageLink(ParallelState(layout=Layout(pp=2), rank=1), NOTHING, lambda msg: ((3, 2), torch.float32))
-    with pytest.raises(RuntimeError, match=r"gradient to send backward \(micro-batch 4, virtual stage 0\) is "
-                                           r"torch.float32 \(2, 3\), but the peer stage allocates "
-                                           r"torch.float32 \(3, 2\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"gradient to send backward \(micro-batch 4, virtual stage 0\) is "
+        r"torch.float32 \(2, 3\), but the peer stage allocates "
+        r"torch.float32 \(3, 2\)",
+    ):
         link.send(Message(BACKWARD, 4, 0), torch.zeros(2, 3), 0)
 
 
 def test_a_message_the_peer_never_sends_fails_instead_of_hanging():
-    link = StageLink(ParallelState(layout=Layout(pp=2), rank=1), Transfers({0: []}, {}, frozenset()),
-                     lambda msg: ((2,), torch.float32))
-    with pytest.raises(RuntimeError, match=r"pipeline rank 1 waits for .* from pipeline rank 0, whose schedule "
-                                           r"does not send it"):
+    link = StageLink(
+        ParallelState(layout=Layout(pp=2), rank=1),
+        Transfers({0: []}, {}, frozenset()),
+        lambda msg: ((2,), torch.float32),
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"pipeline rank 1 waits for .* from pipeline rank 0, whose schedule "
+        r"does not send it",
+    ):
         link.recv(Message(FORWARD, 0, 1), 0)
 
 

@@ -17,6 +17,7 @@ as on one process, only the fp32 sums are ordered differently). Tied: within BF1
 2.9e-3 on the embedding only: one process adds the embedding's two uses in bf16 inside autograd,
 PP=2 adds the two stages' fp32 gradients; every other tensor within 3e-8).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -82,8 +83,10 @@ def test_tp2_pp2_dp2_on_8_ranks(world8):
 def same_as_twin(results: list, label: str) -> bool:
     """Whether the gradients of interleaved case ``label``, merged over all ranks, are bitwise
     those of its plain 1F1B twin (which holds each layer on another rank)."""
+
     def merged(case):
         return {k: h for r in results for k, h in r["equiv"][case]["hashes"].items()}
+
     return merged(label) == merged(label.replace("/interleaved", "/1f1b"))
 
 
@@ -104,15 +107,19 @@ def test_overlapped_reduction_inside_the_pipelined_backward(world4):
     bucket's all-reduce starts in the last micro-batch's backward of the chunk it belongs to;
     the gradients are the one-process ones and bitwise those reduced after the backward."""
     assert check_equivalence(world4, "pp2dp2v2/overlap/") == 1
-    merged = {label: {k: h for r in world4 for k, h in r["equiv"][label]["hashes"].items()}
-              for label in ("pp2dp2v2/overlap/m3/interleaved", "pp2dp2v2/tied/m3/interleaved")}
+    merged = {
+        label: {k: h for r in world4 for k, h in r["equiv"][label]["hashes"].items()}
+        for label in ("pp2dp2v2/overlap/m3/interleaved", "pp2dp2v2/tied/m3/interleaved")
+    }
     assert merged["pp2dp2v2/overlap/m3/interleaved"] == merged["pp2dp2v2/tied/m3/interleaved"]
 
 
 def _same_as_serial(results: list, overlapped: str, serial: str) -> bool:
     """Whether case ``overlapped`` has, on every rank, the loss and the main_grads of ``serial``, bitwise."""
+
     def merged(case):
         return {k: h for r in results for k, h in r["equiv"][case]["hashes"].items()}
+
     same_loss = all(r["equiv"][overlapped]["loss"] == r["equiv"][serial]["loss"] for r in results)
     return same_loss and merged(overlapped) == merged(serial)
 
@@ -122,10 +129,15 @@ def test_overlapped_p2p_reproduces_the_serial_schedules_bitwise(world4):
     interleaved P=2 x DP=2 with m=5 (rank 0 takes rank 1's messages out of the order it needs
     them), the same model under plain 1F1B and GPipe, and P=2 x EP=2 MoE interleaved: the loss
     and every main_grad bitwise those of the schedule that receives when it needs the input."""
-    assert check_equivalence(world4, "pp2dp2v2/p2p-overlap/") == 2 and check_equivalence(world4, "pp2dp2/p2p-overlap/") == 1
-    for overlapped, serial in (("pp2dp2v2/p2p-overlap/m5/interleaved", "pp2dp2v2/untied/m5/interleaved"),
-                               ("pp2dp2v2/p2p-overlap/m5/1f1b", "pp2dp2v2/untied/m5/1f1b"),
-                               ("pp2dp2/p2p-overlap/m3/gpipe", "pp2dp2/tied/m3/gpipe")):
+    assert (
+        check_equivalence(world4, "pp2dp2v2/p2p-overlap/") == 2
+        and check_equivalence(world4, "pp2dp2/p2p-overlap/") == 1
+    )
+    for overlapped, serial in (
+        ("pp2dp2v2/p2p-overlap/m5/interleaved", "pp2dp2v2/untied/m5/interleaved"),
+        ("pp2dp2v2/p2p-overlap/m5/1f1b", "pp2dp2v2/untied/m5/1f1b"),
+        ("pp2dp2/p2p-overlap/m3/gpipe", "pp2dp2/tied/m3/gpipe"),
+    ):
         assert _same_as_serial(world4, overlapped, serial), (overlapped, serial)
     assert all(isinstance(r["moe"], dict) for r in world4), [r["moe"] for r in world4]
     moe = [{"equiv": r["moe"]} for r in world4]
@@ -257,4 +269,6 @@ def test_a_chunked_model_under_a_plain_schedule_fails():
     pp2 = ParallelState(layout=Layout(pp=2), rank=0)
     model = build_model(cfg, pp2, meta=True)
     with pytest.raises(ValueError, match="holds 2 model chunks per pipeline rank, the schedule runs 1"):
-        get_forward_backward_func(SchedulePlan(ONE_F_ONE_B, 2, 1))(model, make_microbatches(2, cfg.model.vocab_size), pp2)
+        get_forward_backward_func(SchedulePlan(ONE_F_ONE_B, 2, 1))(
+            model, make_microbatches(2, cfg.model.vocab_size), pp2
+        )

@@ -5,6 +5,7 @@ Every case returns plain numbers (errors against the one-process reference, peak
 hashes); the tests in ``test_schedules.py`` / ``test_p2p.py`` assert on them, so each
 property fails under its own test name. No pytest import here: ranks start faster.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,8 +24,16 @@ from megatron_p2r.pipeline.transfers import Transfers
 from megatron_p2r.pipeline import schedules
 from megatron_p2r.training import reduce_loss
 from tests.helpers import expected_shard, keep_first_step_grads, random_microbatches, reference_config, run_steps
-from tests.pipeline.common import (UNEVEN_KEEP, compare_case, make_cfg, make_microbatches, make_state, pipelined_step,
-                                   schedule_of, token_mean_reference)
+from tests.pipeline.common import (
+    UNEVEN_KEEP,
+    compare_case,
+    make_cfg,
+    make_microbatches,
+    make_state,
+    pipelined_step,
+    schedule_of,
+    token_mean_reference,
+)
 
 P2P_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
 P2P_SHAPES = ((2, 16, 32), (1, 12, 32), (5,), (3, 1, 2, 2))
@@ -80,6 +89,7 @@ def count_messages(cfg, ps: ParallelState, microbatches, schedule: str) -> dict:
         def wrapper(t, peer, *args, **kwargs):
             calls.append(tuple(t.shape))
             return call(t, peer, *args, **kwargs)
+
         return wrapper
 
     dist.isend, dist.recv, dist.irecv = counted(sent, isend), counted(received, recv), counted(posted, irecv)
@@ -114,16 +124,27 @@ def train_replicas(cfg, ps: ParallelState, steps: int = 3) -> dict:
     init = {n: p.detach().clone() for n, p in build_model(cfg, ps).named_parameters()}
     grads, ref_grads = {}, {}
     losses, state = run_steps(cfg, ps, steps, after_step=keep_first_step_grads(grads))
-    ref_losses, ref_state = run_steps(reference_config(cfg), ParallelState.single(), steps,
-                                      after_step=keep_first_step_grads(ref_grads))
+    ref_losses, ref_state = run_steps(
+        reference_config(cfg), ParallelState.single(), steps, after_step=keep_first_step_grads(ref_grads)
+    )
     ref = {n: p.detach() for n, p in ref_state.model.named_parameters()}
-    out = {"losses": losses, "ref_losses": ref_losses, "replica": None, "grad_err": 0.0, "param_errs": [],
-           "moved": 0.0, "stage": ps.pp_rank, "dp": ps.dp_rank}
+    out = {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "replica": None,
+        "grad_err": 0.0,
+        "param_errs": [],
+        "moved": 0.0,
+        "stage": ps.pp_rank,
+        "dp": ps.dp_rank,
+    }
     for name, p in state.model.named_parameters():
         logical = logical_name(name, p)
         want = expected_shard(ref[logical], p, ps)
         out["param_errs"] += (p.detach() - want).abs().flatten().tolist()
-        out["grad_err"] = max(out["grad_err"], (grads[name] - expected_shard(ref_grads[logical], p, ps)).abs().max().item())
+        out["grad_err"] = max(
+            out["grad_err"], (grads[name] - expected_shard(ref_grads[logical], p, ps)).abs().max().item()
+        )
         out["moved"] = max(out["moved"], (p.detach() - init[name]).abs().max().item())
         if logical == WORD_EMBEDDING:
             out["replica"] = hashlib.sha256(p.detach().numpy().tobytes()).hexdigest()
@@ -160,25 +181,40 @@ def stage_peak_bytes(ps: ParallelState) -> dict:
     interleaved 1F1B training (8 layers, v = 2) for m = 8, 16, 24 (from m = 2P on, the warm-up is
     not cut short by m); one hidden tensor's bytes; 1F1B with sent outputs kept (m = 16)."""
     from tests.planning.test_planner import measure_step  # the planner tests' allocation tracker
+
     cfg = make_cfg(pp=ps.pp_size)
     b = cfg.train.micro_batch_size
     out = {"stage": ps.pp_rank, "hidden_bytes": b * cfg.model.seq_length * cfg.model.hidden_size * 4}
-    runs = {"1f1b": (cfg, {}, (4, 8, 16)), "eval": (cfg, dict(forward_only=True), (4, 8, 16)),
-            "interleaved": (cfg.replace(num_layers=8, num_layers_per_virtual_pipeline_stage=1), {}, (8, 16, 24)),
-            "overlapped": (cfg.replace(num_layers=8, num_layers_per_virtual_pipeline_stage=1,
-                                       overlap_p2p_communication=True), {}, (8, 16, 24))}
+    runs = {
+        "1f1b": (cfg, {}, (4, 8, 16)),
+        "eval": (cfg, dict(forward_only=True), (4, 8, 16)),
+        "interleaved": (cfg.replace(num_layers=8, num_layers_per_virtual_pipeline_stage=1), {}, (8, 16, 24)),
+        "overlapped": (
+            cfg.replace(num_layers=8, num_layers_per_virtual_pipeline_stage=1, overlap_p2p_communication=True),
+            {},
+            (8, 16, 24),
+        ),
+    }
     for name, (run_cfg, kwargs, counts) in runs.items():
         model, out[name] = build_model(run_cfg, ps), {}
-        step = schedules.get_forward_backward_func(schedule_of("1f1b", ps.pp_size, model.num_model_chunks,
-                                                               run_cfg.parallel.overlap_p2p_communication))
+        step = schedules.get_forward_backward_func(
+            schedule_of("1f1b", ps.pp_size, model.num_model_chunks, run_cfg.parallel.overlap_p2p_communication)
+        )
         for m in counts:
             mbs = random_microbatches(run_cfg, m, b, seed=m)
             _, out[name][m] = measure_step(model, run_cfg, lambda tracker: step(model, mbs, ps, **kwargs), mbs)
     keep = schedules.deallocate_output
-    schedules.deallocate_output = lambda output: None   # sent outputs kept until their backward
+    schedules.deallocate_output = lambda output: None  # sent outputs kept until their backward
     try:
         model, mbs = build_model(cfg, ps), random_microbatches(cfg, 16, b, seed=16)
-        _, out["outputs_kept"] = measure_step(model, cfg, lambda tracker: schedules.get_forward_backward_func(schedule_of("1f1b", ps.pp_size, 1, False))(model, mbs, ps), mbs)
+        _, out["outputs_kept"] = measure_step(
+            model,
+            cfg,
+            lambda tracker: schedules.get_forward_backward_func(schedule_of("1f1b", ps.pp_size, 1, False))(
+                model, mbs, ps
+            ),
+            mbs,
+        )
     finally:
         schedules.deallocate_output = keep
     return out
@@ -186,23 +222,32 @@ def stage_peak_bytes(ps: ParallelState) -> dict:
 
 def _tie_schedule_cases(prefix: str, pp: int, n_micro: int) -> list:
     """Tied and untied embeddings, each with 1F1B and GPipe."""
-    return [(f"{prefix}/{tie}/m{n_micro}/{schedule}",
-             make_cfg(pp=pp, untie_embeddings_and_output_weights=tie == "untied"), schedule, n_micro)
-            for tie in ("tied", "untied") for schedule in ("1f1b", "gpipe")]
+    return [
+        (
+            f"{prefix}/{tie}/m{n_micro}/{schedule}",
+            make_cfg(pp=pp, untie_embeddings_and_output_weights=tie == "untied"),
+            schedule,
+            n_micro,
+        )
+        for tie in ("tied", "untied")
+        for schedule in ("1f1b", "gpipe")
+    ]
 
 
 def _fewer_microbatches_cases(prefix: str, pp: int, n_micro: int) -> list:
     """Fewer micro-batches than stages, with both schedules."""
-    return [(f"{prefix}/tied/m{n_micro}/{schedule}", make_cfg(pp=pp), schedule, n_micro)
-            for schedule in ("1f1b", "gpipe")]
+    return [
+        (f"{prefix}/tied/m{n_micro}/{schedule}", make_cfg(pp=pp), schedule, n_micro) for schedule in ("1f1b", "gpipe")
+    ]
 
 
 def _interleaved_cases(prefix: str, pp: int, n_micro: int, twin: bool = True, **overrides) -> list:
     """Interleaved 1F1B with two chunks per rank (one layer each) and, with ``twin``, the same
     model under plain 1F1B (label ``.../1f1b``: its gradients must be bitwise the same)."""
     cfg = make_cfg(pp=pp, num_layers=2 * pp, **overrides)
-    cases = [(f"{prefix}/m{n_micro}/interleaved", cfg.replace(num_layers_per_virtual_pipeline_stage=1), "1f1b",
-              n_micro)]
+    cases = [
+        (f"{prefix}/m{n_micro}/interleaved", cfg.replace(num_layers_per_virtual_pipeline_stage=1), "1f1b", n_micro)
+    ]
     return cases + ([(f"{prefix}/m{n_micro}/1f1b", cfg, "1f1b", n_micro)] if twin else [])
 
 
@@ -213,12 +258,12 @@ def world4(rank: int, world: int) -> dict:
     ps = make_state(pp4)
     out["p2p/pp4"] = p2p_checks(ps)
     cases = _tie_schedule_cases("pp4", pp=4, n_micro=5) + _fewer_microbatches_cases("pp4", pp=4, n_micro=2)
-    cases.append(("pp4/split2,1,1,1/1f1b", make_cfg(pp=4, num_layers=5, pipeline_layer_split="2,1,1,1"),
-                  "1f1b", 3))
+    cases.append(("pp4/split2,1,1,1/1f1b", make_cfg(pp=4, num_layers=5, pipeline_layer_split="2,1,1,1"), "1f1b", 3))
     cases += _interleaved_cases("pp4v2/tied", pp=4, n_micro=5)
     cases += _interleaved_cases("pp4v2/untied", pp=4, n_micro=3, untie_embeddings_and_output_weights=True)
-    cases += _interleaved_cases("pp4v2/pseudo-all", pp=4, n_micro=4, twin=False, p2r_phase="pseudo",
-                                share_pattern="all")
+    cases += _interleaved_cases(
+        "pp4v2/pseudo-all", pp=4, n_micro=4, twin=False, p2r_phase="pseudo", share_pattern="all"
+    )
     out["equiv"] = equivalence_cases(ps, pp4, cases)
     # In-flight activations on a P=4 pipeline with m=6 micro-batches.
     cfg = make_cfg(pp=4)
@@ -229,21 +274,30 @@ def world4(rank: int, world: int) -> dict:
         pipelined_step(cfg, ps, mbs, schedule, stats=stats)
         out["peak"][schedule] = stats["peak_inflight"]
     out["peak_bytes"] = stage_peak_bytes(ps)
-    out["messages"] = {"fixed": count_messages(cfg, ps, [make_microbatches(1, cfg.model.vocab_size, seed=i)[0]
-                                                         for i in range(3)], "1f1b"),
-                       "varying": count_messages(cfg, ps, mbs[:3], "1f1b")}
+    out["messages"] = {
+        "fixed": count_messages(
+            cfg, ps, [make_microbatches(1, cfg.model.vocab_size, seed=i)[0] for i in range(3)], "1f1b"
+        ),
+        "varying": count_messages(cfg, ps, mbs[:3], "1f1b"),
+    }
     interleaved = make_cfg(pp=4, num_layers=8, num_layers_per_virtual_pipeline_stage=1)
     out["messages"]["interleaved"] = count_messages(interleaved, ps, mbs, "1f1b")
-    out["messages"]["overlapped"] = count_messages(interleaved.replace(overlap_p2p_communication=True), ps, mbs,
-                                                   "1f1b")
+    out["messages"]["overlapped"] = count_messages(interleaved.replace(overlap_p2p_communication=True), ps, mbs, "1f1b")
 
     tp2pp2 = Layout(tp=2, pp=2)
     ps = make_state(tp2pp2)
-    out["equiv"].update(equivalence_cases(ps, tp2pp2, [
-        ("tp2pp2/tied/1f1b", make_cfg(tp=2, pp=2), "1f1b", 3),
-        ("tp2pp2/tied/gpipe", make_cfg(tp=2, pp=2), "gpipe", 3),
-        ("tp2pp2/untied/1f1b", make_cfg(tp=2, pp=2, untie_embeddings_and_output_weights=True), "1f1b", 3)]
-        + _interleaved_cases("tp2pp2v2/tied", pp=2, n_micro=3, tp=2)))
+    out["equiv"].update(
+        equivalence_cases(
+            ps,
+            tp2pp2,
+            [
+                ("tp2pp2/tied/1f1b", make_cfg(tp=2, pp=2), "1f1b", 3),
+                ("tp2pp2/tied/gpipe", make_cfg(tp=2, pp=2), "gpipe", 3),
+                ("tp2pp2/untied/1f1b", make_cfg(tp=2, pp=2, untie_embeddings_and_output_weights=True), "1f1b", 3),
+            ]
+            + _interleaved_cases("tp2pp2v2/tied", pp=2, n_micro=3, tp=2),
+        )
+    )
 
     pp2dp2 = Layout(pp=2, dp=2)
     ps = make_state(pp2dp2)
@@ -255,38 +309,64 @@ def world4(rank: int, world: int) -> dict:
     cases += _interleaved_cases("pp2dp2v2/tied", pp=2, n_micro=3)
     cases += _interleaved_cases("pp2dp2v2/untied", pp=2, n_micro=5, untie_embeddings_and_output_weights=True)
     # receives posted one op ahead (--overlap-p2p-communication), interleaved and plain 1F1B
-    cases += _interleaved_cases("pp2dp2v2/p2p-overlap", pp=2, n_micro=5, untie_embeddings_and_output_weights=True,
-                                overlap_p2p_communication=True)
+    cases += _interleaved_cases(
+        "pp2dp2v2/p2p-overlap",
+        pp=2,
+        n_micro=5,
+        untie_embeddings_and_output_weights=True,
+        overlap_p2p_communication=True,
+    )
     cases.append(("pp2dp2/p2p-overlap/m3/gpipe", make_cfg(pp=2, overlap_p2p_communication=True), "gpipe", 3))
     # the same with --overlap-grad-reduce and small buckets: reductions start inside the backward
-    cases += _interleaved_cases("pp2dp2v2/overlap", pp=2, n_micro=3, twin=False, overlap_grad_reduce=True,
-                                ddp_bucket_size=1500)
-    cases += _interleaved_cases("pp2dp2v2/pseudo-all", pp=2, n_micro=3, twin=False, p2r_phase="pseudo",
-                                share_pattern="all")
+    cases += _interleaved_cases(
+        "pp2dp2v2/overlap", pp=2, n_micro=3, twin=False, overlap_grad_reduce=True, ddp_bucket_size=1500
+    )
+    cases += _interleaved_cases(
+        "pp2dp2v2/pseudo-all", pp=2, n_micro=3, twin=False, p2r_phase="pseudo", share_pattern="all"
+    )
     out["equiv"].update(equivalence_cases(ps, pp2dp2, cases))
     bf16 = dict(pp=2, recompute_activations=True, bf16=True)
-    out["bf16"] = equivalence_cases(ps, pp2dp2, [
-        ("bf16/untied", make_cfg(**bf16, untie_embeddings_and_output_weights=True), "1f1b", 2),
-        ("bf16/tied", make_cfg(**bf16), "1f1b", 2)])
+    out["bf16"] = equivalence_cases(
+        ps,
+        pp2dp2,
+        [
+            ("bf16/untied", make_cfg(**bf16, untie_embeddings_and_output_weights=True), "1f1b", 2),
+            ("bf16/tied", make_cfg(**bf16), "1f1b", 2),
+        ],
+    )
 
-    out["tokens"] = equivalence_cases(ps, pp2dp2, [("pp2dp2/tokens/1f1b", make_cfg(pp=2), "1f1b", 3)],
-                                      keep=UNEVEN_KEEP, reference_fn=token_mean_reference)
+    out["tokens"] = equivalence_cases(
+        ps,
+        pp2dp2,
+        [("pp2dp2/tokens/1f1b", make_cfg(pp=2), "1f1b", 3)],
+        keep=UNEVEN_KEEP,
+        reference_fn=token_mean_reference,
+    )
 
     # forward_only (evaluation): the token-mean loss, and no gradient anywhere.
     cfg = make_cfg(pp=2)
     all_mb = make_microbatches(4, cfg.model.vocab_size, seed=5, keep=UNEVEN_KEEP)
     model = build_model(cfg, ps)
-    loss = reduce_loss(schedules.get_forward_backward_func(schedule_of("1f1b", ps.pp_size, 1, False))(model, all_mb[2 * ps.dp_rank:2 * ps.dp_rank + 2], ps,
-                                             forward_only=True), ps)
-    out["eval"] = {"loss_err": abs(loss - token_mean_reference(cfg, all_mb, forward_only=True)[0]),
-                   "no_grads": all(p.grad is None for p in model.parameters())}
+    loss = reduce_loss(
+        schedules.get_forward_backward_func(schedule_of("1f1b", ps.pp_size, 1, False))(
+            model, all_mb[2 * ps.dp_rank : 2 * ps.dp_rank + 2], ps, forward_only=True
+        ),
+        ps,
+    )
+    out["eval"] = {
+        "loss_err": abs(loss - token_mean_reference(cfg, all_mb, forward_only=True)[0]),
+        "no_grads": all(p.grad is None for p in model.parameters()),
+    }
     out["train"] = train_replicas(make_cfg(pp=2, global_batch_size=8), ps)
     out["train_overlap"] = train_overlapped(ps)
 
     dp4 = Layout(dp=4)
     ps = make_state(dp4)
-    out["tokens"].update(equivalence_cases(ps, dp4, [("dp4/tokens", make_cfg(), "1f1b", 2)],
-                                           keep=UNEVEN_KEEP, reference_fn=token_mean_reference))
+    out["tokens"].update(
+        equivalence_cases(
+            ps, dp4, [("dp4/tokens", make_cfg(), "1f1b", 2)], keep=UNEVEN_KEEP, reference_fn=token_mean_reference
+        )
+    )
 
     # MoE layers with experts over EP=2, router aux and z losses (their backward scale is set
     # by the schedule); errors are reported, not raised, so they fail only test_moe_*.
@@ -294,11 +374,15 @@ def world4(rank: int, world: int) -> dict:
     ps = make_state(pp2ep2)
     moe = dict(pp=2, num_experts=4, moe_ffn_hidden_size=24, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
     try:
-        out["moe"] = equivalence_cases(ps, pp2ep2, [("pp2ep2/moe/1f1b", make_cfg(**moe), "1f1b", 2),
-                                                    ("pp2ep2/moe/gpipe", make_cfg(**moe), "gpipe", 2)]
-                                       + _interleaved_cases("pp2ep2v2/moe", n_micro=3, **moe)
-                                       + _interleaved_cases("pp2ep2v2/moe-p2p-overlap", n_micro=3, twin=False,
-                                                            overlap_p2p_communication=True, **moe))
+        out["moe"] = equivalence_cases(
+            ps,
+            pp2ep2,
+            [("pp2ep2/moe/1f1b", make_cfg(**moe), "1f1b", 2), ("pp2ep2/moe/gpipe", make_cfg(**moe), "gpipe", 2)]
+            + _interleaved_cases("pp2ep2v2/moe", n_micro=3, **moe)
+            + _interleaved_cases(
+                "pp2ep2v2/moe-p2p-overlap", n_micro=3, twin=False, overlap_p2p_communication=True, **moe
+            ),
+        )
     except Exception:  # noqa: BLE001 -- reported to the test as the traceback
         out["moe"] = traceback.format_exc()
     return out
@@ -308,6 +392,13 @@ def world8(rank: int, world: int) -> dict:
     """TP=2 x PP=2 x DP=2."""
     layout = Layout(tp=2, pp=2, dp=2)
     ps = make_state(layout)
-    return {"equiv": equivalence_cases(ps, layout, [
-        ("tp2pp2dp2/tied/1f1b", make_cfg(tp=2, pp=2), "1f1b", 2),
-        ("tp2pp2dp2/untied/gpipe", make_cfg(tp=2, pp=2, untie_embeddings_and_output_weights=True), "gpipe", 2)])}
+    return {
+        "equiv": equivalence_cases(
+            ps,
+            layout,
+            [
+                ("tp2pp2dp2/tied/1f1b", make_cfg(tp=2, pp=2), "1f1b", 2),
+                ("tp2pp2dp2/untied/gpipe", make_cfg(tp=2, pp=2, untie_embeddings_and_output_weights=True), "gpipe", 2),
+            ],
+        )
+    }

@@ -1,5 +1,6 @@
 """The planner's measured verdict: Pseudo-to-Real's time ratio from r and a measured gap, and
 which of P2R and depth growth pays, on cases computed by hand."""
+
 import pytest
 
 from megatron_p2r.planning.breakeven import Gap, measured_verdict, p2r_break_even, p2r_time_ratio, parse_gap
@@ -21,9 +22,9 @@ def test_parse_gap():
 def test_p2r_time_ratio_by_hand():
     assert SUMMARY["break_even_extra_steps"] == 50
     # (s/r + N + D - s) / N
-    assert p2r_time_ratio(2.0, 100, 1000, 50) == pytest.approx(1.0)      # exactly the break-even: a tie
+    assert p2r_time_ratio(2.0, 100, 1000, 50) == pytest.approx(1.0)  # exactly the break-even: a tie
     assert p2r_time_ratio(2.0, 100, 1000, 20) == pytest.approx(0.97)
-    assert p2r_time_ratio(2.0, 100, 1000, -100) == pytest.approx(0.85)   # fewer steps than scratch
+    assert p2r_time_ratio(2.0, 100, 1000, -100) == pytest.approx(0.85)  # fewer steps than scratch
     assert p2r_time_ratio(2.0, 100, 1000, None) is None
 
 
@@ -34,16 +35,20 @@ def test_measured_verdict_by_hand():
     never = measured_verdict(SUMMARY, Gap(None), growth_flops_ratio=0.75)
     assert never["p2r"]["pays"] is False and never["growth"]["pays"] and never["best"] == "growth"
     both = measured_verdict(SUMMARY, Gap(20), growth_flops_ratio=0.75)
-    assert both["p2r"]["pays"] and both["best"] == "growth"          # 0.75 < 0.97
-    assert measured_verdict(SUMMARY, Gap(-100), growth_flops_ratio=0.9)["best"] == "p2r"   # 0.85 < 0.9
-    assert measured_verdict(SUMMARY, growth_flops_ratio=1.1) == {"growth": {"time_ratio": 1.1, "pays": False},
-                                                                 "best": None}
+    assert both["p2r"]["pays"] and both["best"] == "growth"  # 0.75 < 0.97
+    assert measured_verdict(SUMMARY, Gap(-100), growth_flops_ratio=0.9)["best"] == "p2r"  # 0.85 < 0.9
+    assert measured_verdict(SUMMARY, growth_flops_ratio=1.1) == {
+        "growth": {"time_ratio": 1.1, "pays": False},
+        "best": None,
+    }
 
 
 def test_report_lines():
     text = format_p2r(dict(SUMMARY, measured=measured_verdict(SUMMARY, Gap(20), growth_flops_ratio=0.75)))
-    assert "measured gap: 20 extra steps (break-even 50): P2R takes 0.970x real-from-scratch's time to its loss, " \
-           "so it pays on this cluster" in text
+    assert (
+        "measured gap: 20 extra steps (break-even 50): P2R takes 0.970x real-from-scratch's time to its loss, "
+        "so it pays on this cluster" in text
+    )
     assert "depth growth: 0.750x real-from-scratch's FLOPs to its loss" in text
     assert text.endswith("verdict: depth growth pays (the lower time ratio of the two)")
     text = format_p2r(dict(SUMMARY, measured=measured_verdict(SUMMARY, Gap(None))))

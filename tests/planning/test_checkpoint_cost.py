@@ -2,6 +2,7 @@
 EP2), fully parallel and with one writer, with and without the distributed optimizer (file sizes
 without their safetensors headers; the RNG files are not counted); and its host bytes of
 ``--async-save``'s copy are what that copy holds (tensor accounting)."""
+
 from __future__ import annotations
 
 import json
@@ -20,13 +21,19 @@ from tests.checkpoint.cost_workers import save_both_ways
 from tools.plan import main
 
 MOE = dict(num_layers=4, num_experts=4, moe_layer_freq=2, moe_ffn_hidden_size=24, expert_model_parallel_size=2)
-CASES = {"distopt": dict(use_distributed_optimizer=True), "replicated": {},
-         "moe-ep2-distopt": dict(MOE, use_distributed_optimizer=True), "moe-ep2": MOE,
-         # Lion stores one moment per weight, Adafactor its two statistics broadcast to the weight's shape
-         "lion-distopt": dict(optimizer="lion", use_distributed_optimizer=True), "adafactor": dict(optimizer="adafactor"),
-         # 16-bit weights, fp32 mains and bf16 moments: the async host copy keeps each in its own dtype
-         "moe-ep2-bf16-moments": dict(MOE, bf16=True, use_precision_aware_optimizer=True, exp_avg_dtype="bf16",
-                                      exp_avg_sq_dtype="bf16")}
+CASES = {
+    "distopt": dict(use_distributed_optimizer=True),
+    "replicated": {},
+    "moe-ep2-distopt": dict(MOE, use_distributed_optimizer=True),
+    "moe-ep2": MOE,
+    # Lion stores one moment per weight, Adafactor its two statistics broadcast to the weight's shape
+    "lion-distopt": dict(optimizer="lion", use_distributed_optimizer=True),
+    "adafactor": dict(optimizer="adafactor"),
+    # 16-bit weights, fp32 mains and bf16 moments: the async host copy keeps each in its own dtype
+    "moe-ep2-bf16-moments": dict(
+        MOE, bf16=True, use_precision_aware_optimizer=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +81,9 @@ def test_fully_parallel_bytes_equal_the_planners(saved, case):
     written = written_by_rank(os.path.join(saved, case, "par"))
     assert set(written) == set(planned) == {0, 1}
     assert sum(written.values()) == round(sum(planned.values()))
-    if "distopt" not in case:   # whole pieces, assigned as the save assigns them: exact
+    if "distopt" not in case:  # whole pieces, assigned as the save assigns them: exact
         assert written == {r: round(b) for r, b in planned.items()}
-    else:                      # 1/DP of the shard each: off by bucket padding and the step counts only
+    else:  # 1/DP of the shard each: off by bucket padding and the step counts only
         for r, b in written.items():
             assert abs(b - planned[r]) <= 0.02 * planned[r], (r, b, planned[r])
 
@@ -99,9 +106,27 @@ def test_the_async_copy_bytes_equal_the_planners(run, case):
     assert async_save_host_bytes(cfg_of(global_batch_size=8, **CASES[case]), _layout(cfg)) == {}
 
 
-SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--vocab-size", "256", "--p2r-phase", "real", "--world-size", "16", "--gpus-per-node", "4",
-         "--use-distributed-optimizer", "--gpu", "H100-80GB"]
+SMALL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--vocab-size",
+    "256",
+    "--p2r-phase",
+    "real",
+    "--world-size",
+    "16",
+    "--gpus-per-node",
+    "4",
+    "--use-distributed-optimizer",
+    "--gpu",
+    "H100-80GB",
+]
 
 
 def _checkpoint(capsys, argv) -> dict:
@@ -124,7 +149,7 @@ def test_write_time_follows_the_bandwidth_that_binds(capsys):
 
 def test_async_stall_is_the_copy_to_host(capsys):
     c = _checkpoint(capsys, ["--host-bw", "1e9"])
-    host = c["host_bytes_during_save"]   # fp32 state: the host copy is what the rank writes
+    host = c["host_bytes_during_save"]  # fp32 state: the host copy is what the rank writes
     assert c["stall_s"]["async"] == c["rank_bytes_max"] / 1e9
     assert host["async"] == host["sync"] + c["rank_bytes_max"]
 

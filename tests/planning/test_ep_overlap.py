@@ -3,6 +3,7 @@ micro-batch i+1 runs with the backward of micro-batch i, so each micro-batch's a
 travel under the other's compute and a step waits only for what outlasts it, plus the first
 forward's and the last backward's, which have nothing to hide under
 (``planning.estimate.exposed_ep``). (The runtime's overlap: tests/moe/test_a2a_overlap.py.)"""
+
 from __future__ import annotations
 
 import pytest
@@ -14,9 +15,21 @@ from megatron_p2r.planning import estimate, hardware
 from megatron_p2r.planning.activations import activation_memory
 
 GPU = hardware.GPU_PRESETS["A100-80GB"]
-MOE = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=64, vocab_size=1000,
-           micro_batch_size=1, global_batch_size=64, mock_data=True, bf16=True, num_experts=16,
-           moe_ffn_hidden_size=512, moe_router_topk=2, expert_model_parallel_size=16)
+MOE = dict(
+    num_layers=4,
+    hidden_size=256,
+    num_attention_heads=4,
+    seq_length=64,
+    vocab_size=1000,
+    micro_batch_size=1,
+    global_batch_size=64,
+    mock_data=True,
+    bf16=True,
+    num_experts=16,
+    moe_ffn_hidden_size=512,
+    moe_router_topk=2,
+    expert_model_parallel_size=16,
+)
 
 
 def test_exposed_ep_is_what_outlasts_the_other_microbatch_plus_the_ends():
@@ -26,13 +39,15 @@ def test_exposed_ep_is_what_outlasts_the_other_microbatch_plus_the_ends():
     # 6 s: 3 under a backward of 2 (1 exposed) and 3 under a forward of 1 (2 exposed) per pair;
     # (6 + 2 x 3) / 3 micro-batches
     assert estimate.exposed_ep(6.0, 3.0, 3) == pytest.approx(4.0)
-    assert estimate.exposed_ep(5.0, 3.0, 1) == 5.0                  # one micro-batch: nothing to pair with
+    assert estimate.exposed_ep(5.0, 3.0, 1) == 5.0  # one micro-batch: nothing to pair with
     assert estimate.exposed_ep(0.0, 3.0, 8) == 0.0
 
 
 def test_overlap_hides_the_expert_all_to_alls_in_the_step():
-    off, on = (estimate.make_plan(config_from_values({**MOE, "overlap_moe_expert_parallel_comm": flag}), 16, GPU)
-               for flag in (False, True))
+    off, on = (
+        estimate.make_plan(config_from_values({**MOE, "overlap_moe_expert_parallel_comm": flag}), 16, GPU)
+        for flag in (False, True)
+    )
     (before,), (after,) = off.stages, on.stages
     t = before.time_s
     assert t["ep_per_microbatch"] > 0 and "ep_hidden_per_microbatch" not in t
@@ -57,10 +72,13 @@ def test_overlap_with_full_recomputation_communicates_no_all_to_all_again():
     """The serial schedule recomputes a layer with its all-to-alls (three passes of them); the
     overlapped one recomputes it node by node and keeps their results (two passes)."""
     # experts wide enough that half the all-to-alls outlast a forward but not a backward
-    full = dict(MOE, moe_ffn_hidden_size=1024, recompute_granularity="full", recompute_method="uniform",
-                recompute_num_layers=1)
-    off, on = (estimate.make_plan(config_from_values({**full, "overlap_moe_expert_parallel_comm": flag}), 16, GPU)
-               for flag in (False, True))
+    full = dict(
+        MOE, moe_ffn_hidden_size=1024, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    )
+    off, on = (
+        estimate.make_plan(config_from_values({**full, "overlap_moe_expert_parallel_comm": flag}), 16, GPU)
+        for flag in (False, True)
+    )
     (before,), (after,) = off.stages, on.stages
     assert after.comm_bytes["ep"] == pytest.approx(before.comm_bytes["ep"] * 2 / 3)
     t = after.time_s
@@ -86,27 +104,37 @@ def test_under_pipeline_parallelism_the_combined_warmup_is_held_and_exposed():
         t = off.stages[stage].time_s
         window = t["compute_per_microbatch"] + t["tp_per_microbatch"]
         unpaired = combined_warmup(2, 1, off.microbatches, stage)
-        hidden = t["ep_per_microbatch"] - estimate.exposed_ep(t["ep_per_microbatch"], window, off.microbatches, unpaired)
+        hidden = t["ep_per_microbatch"] - estimate.exposed_ep(
+            t["ep_per_microbatch"], window, off.microbatches, unpaired
+        )
         assert on.stages[stage].time_s["ep_hidden_per_microbatch"] == pytest.approx(hidden) and hidden > 0
     assert on.stages[0].device["activations"] > off.stages[0].device["activations"]
     assert [combined_warmup(2, 1, off.microbatches, s) for s in range(2)] == [3, 1]
     assert on.pipeline_bubble == pytest.approx(off.pipeline_bubble)
-    assert estimate.exposed_ep(1.0, 3.0, 4, unpaired=3) == pytest.approx(0.75)   # 3 unpaired pairs' worth of 1 s
+    assert estimate.exposed_ep(1.0, 3.0, 4, unpaired=3) == pytest.approx(0.75)  # 3 unpaired pairs' worth of 1 s
 
 
 def test_interleaved_holds_and_exposes_the_combined_warmup_in_chunk_forwards():
     """v = 2: rank p warms up with 2(P-p-1) + (v-1)P + 1 chunk forwards, held in flight (each
     half the stage's layers) and unpaired (half a micro-batch's all-to-alls each)."""
-    values = {**MOE, "pipeline_model_parallel_size": 2, "expert_model_parallel_size": 8,
-              "num_layers_per_virtual_pipeline_stage": 1, "overlap_p2p_communication": False}
-    off, on = (estimate.make_plan(config_from_values({**values, "overlap_moe_expert_parallel_comm": flag}), 16, GPU)
-               for flag in (False, True))
+    values = {
+        **MOE,
+        "pipeline_model_parallel_size": 2,
+        "expert_model_parallel_size": 8,
+        "num_layers_per_virtual_pipeline_stage": 1,
+        "overlap_p2p_communication": False,
+    }
+    off, on = (
+        estimate.make_plan(config_from_values({**values, "overlap_moe_expert_parallel_comm": flag}), 16, GPU)
+        for flag in (False, True)
+    )
     warmups = [combined_warmup(2, 2, off.microbatches, s) for s in range(2)]
     assert warmups == [5, 3] and [s.in_flight for s in on.stages] == warmups
     for stage in range(2):
         t = off.stages[stage].time_s
         window = t["compute_per_microbatch"] + t["tp_per_microbatch"]
-        hidden = t["ep_per_microbatch"] - estimate.exposed_ep(t["ep_per_microbatch"], window, off.microbatches,
-                                                              warmups[stage] / 2)
+        hidden = t["ep_per_microbatch"] - estimate.exposed_ep(
+            t["ep_per_microbatch"], window, off.microbatches, warmups[stage] / 2
+        )
         assert on.stages[stage].time_s["ep_hidden_per_microbatch"] == pytest.approx(hidden) and hidden > 0
     assert on.pipeline_bubble == pytest.approx(off.pipeline_bubble)

@@ -13,6 +13,7 @@ When the planner's JSON gains keys or its verdict changes (what fits where: ``fi
 
 which reruns every case and refuses to write if any other value changed: the numbers stay pinned.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,8 +29,13 @@ from tools.plan import main
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "fixtures", "planner_golden.json")
 # What --update may change in a case: the verdict, not the numbers behind it.
 VERDICT = ("exit", "fits", "problems", "tiers", "host_capacity_per_node", "host_memory_per_node")
-CHEAP = ["pseudo_pp4_fp32_full_recompute", "moe_gqa_tp2_pp2_ep2_sp_interleaved_offload", "m6_10t", "m6_1t",
-         "dense_175b_interleaved_sp"]
+CHEAP = [
+    "pseudo_pp4_fp32_full_recompute",
+    "moe_gqa_tp2_pp2_ep2_sp_interleaved_offload",
+    "m6_10t",
+    "m6_1t",
+    "dense_175b_interleaved_sp",
+]
 
 
 def golden() -> dict:
@@ -40,8 +46,9 @@ def golden() -> dict:
 def differences(got, want, path: str = "") -> list:
     """Paths where two JSON values differ (a readable failure instead of a 200-line diff)."""
     if isinstance(want, dict) and isinstance(got, dict):
-        out = [f"{path}.{k}: missing" for k in want if k not in got] + \
-              [f"{path}.{k}: unexpected" for k in got if k not in want]
+        out = [f"{path}.{k}: missing" for k in want if k not in got] + [
+            f"{path}.{k}: unexpected" for k in got if k not in want
+        ]
         for k in want:
             if k in got:
                 out += differences(got[k], want[k], f"{path}.{k}")
@@ -66,8 +73,15 @@ def test_golden_covers_what_it_claims():
     cases = golden()["cases"]
     assert set(CHEAP) < set(cases) and "narayanan_1t" in cases
     argv = " ".join(" ".join(cases[n]["argv"]) for n in CHEAP)
-    for flag in ("--num-layers-per-virtual-pipeline-stage", "--expert-model-parallel-size", "--cpu-offload-layers",
-                 "--sequence-parallel", "--bf16", "--recompute-granularity full", "--share-pattern cycle:2"):
+    for flag in (
+        "--num-layers-per-virtual-pipeline-stage",
+        "--expert-model-parallel-size",
+        "--cpu-offload-layers",
+        "--sequence-parallel",
+        "--bf16",
+        "--recompute-granularity full",
+        "--share-pattern cycle:2",
+    ):
         assert flag in argv, flag
     assert all(set(cases[n]["plans"]) == {"pseudo", "real"} for n in cases)
 
@@ -90,8 +104,11 @@ def update() -> int:
     changed = []
     for name, case in data["cases"].items():
         fresh = _run(case["argv"])
-        changed += [f"{name}{d}" for d in differences(fresh, case)
-                    if not d.endswith(": unexpected") and not _is_verdict(d.split(": ")[0])]
+        changed += [
+            f"{name}{d}"
+            for d in differences(fresh, case)
+            if not d.endswith(": unexpected") and not _is_verdict(d.split(": ")[0])
+        ]
         data["cases"][name] = fresh
     if changed:
         print("error: numbers differ from the golden file, not written:\n" + "\n".join(changed[:40]), file=sys.stderr)

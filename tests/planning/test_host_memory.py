@@ -1,6 +1,7 @@
 """The memory the preflight compares against, read from a fake /proc and /sys/fs/cgroup: cgroup
 v2 at the mount root and nested (a SLURM step, a systemd scope), cgroup v1's memory hierarchy,
 and the tightest limit along the path."""
+
 import pytest
 
 from megatron_p2r.config import ConfigError
@@ -9,8 +10,8 @@ from megatron_p2r.planning import preflight
 from megatron_p2r.planning.host_memory import available_host_memory, cgroup_headroom
 from tests.helpers import tiny_config
 
-GiB = 2 ** 30
-MEMINFO = "MemTotal:       25165824 kB\nMemFree:         1000000 kB\nMemAvailable:   20971520 kB\n"   # 20 GiB
+GiB = 2**30
+MEMINFO = "MemTotal:       25165824 kB\nMemFree:         1000000 kB\nMemAvailable:   20971520 kB\n"  # 20 GiB
 
 
 def fake_host(tmp_path, cgroup_lines, files):
@@ -41,13 +42,20 @@ def test_v2_nested_takes_the_tightest_level_and_discounts_inactive_cache(tmp_pat
     """A SLURM step three levels down: the job's limit (2 GiB, 1.5 GiB used of which 0.5 GiB
     inactive page cache) binds, not the step's own (4 GiB) nor the root's (none)."""
     step = "system.slice/slurmstepd.scope/job_42/step_0"
-    proc, cgroup = fake_host(tmp_path, [f"0::/{step}"], {
-        "memory.max": "max\n",
-        "system.slice/memory.max": "max\n", "system.slice/memory.current": f"{5 * GiB}\n",
-        "system.slice/slurmstepd.scope/job_42/memory.max": f"{2 * GiB}\n",
-        "system.slice/slurmstepd.scope/job_42/memory.current": f"{3 * GiB // 2}\n",
-        "system.slice/slurmstepd.scope/job_42/memory.stat": f"anon 1\ninactive_file {GiB // 2}\nactive_file 7\n",
-        f"{step}/memory.max": f"{4 * GiB}\n", f"{step}/memory.current": f"{GiB}\n"})
+    proc, cgroup = fake_host(
+        tmp_path,
+        [f"0::/{step}"],
+        {
+            "memory.max": "max\n",
+            "system.slice/memory.max": "max\n",
+            "system.slice/memory.current": f"{5 * GiB}\n",
+            "system.slice/slurmstepd.scope/job_42/memory.max": f"{2 * GiB}\n",
+            "system.slice/slurmstepd.scope/job_42/memory.current": f"{3 * GiB // 2}\n",
+            "system.slice/slurmstepd.scope/job_42/memory.stat": f"anon 1\ninactive_file {GiB // 2}\nactive_file 7\n",
+            f"{step}/memory.max": f"{4 * GiB}\n",
+            f"{step}/memory.current": f"{GiB}\n",
+        },
+    )
     assert available_host_memory(proc, cgroup) == GiB
     # without the step directory (a container that sees its cgroup from outside): the levels that exist
     proc, cgroup = fake_host(tmp_path / "x", ["0::/docker/abc"], {"memory.max": f"{GiB}\n", "memory.current": "0\n"})
@@ -57,13 +65,19 @@ def test_v2_nested_takes_the_tightest_level_and_discounts_inactive_cache(tmp_pat
 def test_v1_memory_hierarchy(tmp_path):
     """cgroup v1 (this machine's kind): the memory controller's own line and mount; an unlimited
     level reads as 2^63 - 4096 and does not bind."""
-    proc, cgroup = fake_host(tmp_path, ["12:pids:/", "4:memory:/process_api/abc", "1:cpu,cpuacct:/", "0::/"], {
-        "memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/memory.usage_in_bytes": f"{GiB}\n",
-        "memory/process_api/memory.limit_in_bytes": f"{3 * GiB}\n",
-        "memory/process_api/memory.usage_in_bytes": f"{GiB}\n",
-        "memory/process_api/abc/memory.limit_in_bytes": "9223372036854771712\n",
-        "memory/process_api/abc/memory.usage_in_bytes": f"{GiB // 2}\n",
-        "memory/process_api/abc/memory.stat": f"total_inactive_file {GiB // 4}\n"})
+    proc, cgroup = fake_host(
+        tmp_path,
+        ["12:pids:/", "4:memory:/process_api/abc", "1:cpu,cpuacct:/", "0::/"],
+        {
+            "memory/memory.limit_in_bytes": "9223372036854771712\n",
+            "memory/memory.usage_in_bytes": f"{GiB}\n",
+            "memory/process_api/memory.limit_in_bytes": f"{3 * GiB}\n",
+            "memory/process_api/memory.usage_in_bytes": f"{GiB}\n",
+            "memory/process_api/abc/memory.limit_in_bytes": "9223372036854771712\n",
+            "memory/process_api/abc/memory.usage_in_bytes": f"{GiB // 2}\n",
+            "memory/process_api/abc/memory.stat": f"total_inactive_file {GiB // 4}\n",
+        },
+    )
     assert available_host_memory(proc, cgroup) == 2 * GiB
 
 
@@ -75,8 +89,7 @@ def test_unreadable_files_are_no_limit(tmp_path):
 
 def test_a_nested_limit_refuses_a_run_with_an_error(tmp_path, monkeypatch):
     """What the preflight does with it: the run's estimate against the tightest level."""
-    proc, cgroup = fake_host(tmp_path, ["0::/job/step"], {"job/memory.max": f"{2 ** 16}\n",
-                                                          "job/memory.current": "0\n"})
+    proc, cgroup = fake_host(tmp_path, ["0::/job/step"], {"job/memory.max": f"{2**16}\n", "job/memory.current": "0\n"})
     monkeypatch.setattr(preflight, "available_host_memory", lambda: available_host_memory(proc, cgroup))
     cfg = tiny_config()
     with pytest.raises(ConfigError, match=r"this run does not fit in memory: .* the machine has 0.1 MiB available"):

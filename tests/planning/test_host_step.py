@@ -2,6 +2,7 @@
 kernels' traffic contract, min(threads x one thread's rate, the node's DRAM shared with the
 offload copies), the node figures of each preset with their sources, a user's own host from
 ``benchmarks/host_optimizer.py --json`` (--host-calibration), and what the plan says about them."""
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,29 @@ from tools.plan import check, main
 CALIBRATION = "tests/fixtures/host_calibration.json"
 ADAM_FP16 = ("adam", "fp32", "fp32", (("exp_avg", "fp32"), ("exp_avg_sq", "fp32")), "fp16")
 # Two pipeline stages, each offloading a layer (fp16 weights: AdamW steps fp32 mains, rounds fp16 weights)
-SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--vocab-size", "256", "--p2r-phase", "real", "--cpu-offload-layers", "2", "--fp16",
-         "--pipeline-model-parallel-size", "2", "--world-size", "12", "--gpu", "V100-32GB"]
+SMALL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--vocab-size",
+    "256",
+    "--p2r-phase",
+    "real",
+    "--cpu-offload-layers",
+    "2",
+    "--fp16",
+    "--pipeline-model-parallel-size",
+    "2",
+    "--world-size",
+    "12",
+    "--gpu",
+    "V100-32GB",
+]
 DELAYED = ["--overlap-cpu-optimizer-d2h-h2d", "--cpu-offload-delayed-param-update"]
 
 
@@ -37,8 +58,10 @@ def test_calibration_round_trip():
     rate from its 1-thread row (bytes per element / ns per element); the 16-thread row is not one."""
     host = load_calibration(CALIBRATION)
     assert (host.cores, host.dram_bw, host.thread_bw) == (16, 96e9, 12e9)
-    assert host.setting_bw == {ADAM_FP16: pytest.approx(30 / 3.0e-9),
-                               ("adafactor", "fp32", "bf16", (), "fp16"): pytest.approx(20 / 4.0e-9)}
+    assert host.setting_bw == {
+        ADAM_FP16: pytest.approx(30 / 3.0e-9),
+        ("adafactor", "fp32", "bf16", (), "fp16"): pytest.approx(20 / 4.0e-9),
+    }
     assert all(source.startswith("measured: ") for source in host.sources.values())
 
 
@@ -55,12 +78,19 @@ def test_the_plan_reads_the_calibration(capsys):
     assert "per thread: measured: tests/fixtures/host_calibration.json, its 1-thread row" in text
 
 
-@pytest.mark.parametrize("content,says", [
-    ("{", "not JSON"), ('{"triad_gbs": {"1": 10}}', "'cores' missing"),
-    ('{"cores": 8, "triad_gbs": {"8": 10}}', "needs the 1-thread triad"),
-    ('{"cores": 8, "triad_gbs": {"1": 0}}', "'triad_gbs.1' must be a positive number"),
-    ('{"cores": 8, "triad_gbs": {"1": 5}, "results": [{"optimizer": "sgd", "threads": 1}]}',
-     "'results[0].optimizer' must be adam, lion or adafactor")])
+@pytest.mark.parametrize(
+    "content,says",
+    [
+        ("{", "not JSON"),
+        ('{"triad_gbs": {"1": 10}}', "'cores' missing"),
+        ('{"cores": 8, "triad_gbs": {"8": 10}}', "needs the 1-thread triad"),
+        ('{"cores": 8, "triad_gbs": {"1": 0}}', "'triad_gbs.1' must be a positive number"),
+        (
+            '{"cores": 8, "triad_gbs": {"1": 5}, "results": [{"optimizer": "sgd", "threads": 1}]}',
+            "'results[0].optimizer' must be adam, lion or adafactor",
+        ),
+    ],
+)
 def test_a_bad_calibration_is_one_error_line(tmp_path, capsys, content, says):
     path = tmp_path / "host.json"
     path.write_text(content)
@@ -84,21 +114,44 @@ def test_threads_per_rank():
     host = HostSpec("h", cores=40, dram_bw=1.0, thread_bw=1.0)
     assert threads_per_rank("auto", host, 8)[0] == 5 and threads_per_rank(None, host, 16)[0] == 2.5
     assert threads_per_rank(3, host, 8) == (3.0, "--host-optimizer-threads 3")
-    assert threads_per_rank(16, host, 8)[0] == 5   # no more than the rank's cores
+    assert threads_per_rank(16, host, 8)[0] == 5  # no more than the rank's cores
 
 
-@pytest.mark.parametrize("flags,args", [
-    ([], ("adam", "fp32", "fp32", {"a": "fp32", "b": "fp32"}, None)),
-    (["--fp16"], ("adam", "fp32", "fp32", {"a": "fp32", "b": "fp32"}, "fp16")),
-    (["--bf16", "--optimizer", "adafactor", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"],
-     ("adafactor", "fp32", "bf16", {}, "bf16")),
-    (["--bf16", "--optimizer", "lion", "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16"],
-     ("lion", "fp32", "fp32", {"a": "bf16"}, "bf16")),
-    (["--fp16", "--use-precision-aware-optimizer", "--main-params-dtype", "fp16", "--exp-avg-sq-dtype", "fp16"],
-     ("adam", "fp16", "fp32", {"a": "fp32", "b": "fp16"}, None))])
+@pytest.mark.parametrize(
+    "flags,args",
+    [
+        ([], ("adam", "fp32", "fp32", {"a": "fp32", "b": "fp32"}, None)),
+        (["--fp16"], ("adam", "fp32", "fp32", {"a": "fp32", "b": "fp32"}, "fp16")),
+        (
+            ["--bf16", "--optimizer", "adafactor", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"],
+            ("adafactor", "fp32", "bf16", {}, "bf16"),
+        ),
+        (
+            ["--bf16", "--optimizer", "lion", "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16"],
+            ("lion", "fp32", "fp32", {"a": "bf16"}, "bf16"),
+        ),
+        (
+            ["--fp16", "--use-precision-aware-optimizer", "--main-params-dtype", "fp16", "--exp-avg-sq-dtype", "fp16"],
+            ("adam", "fp16", "fp32", {"a": "fp32", "b": "fp16"}, None),
+        ),
+    ],
+)
 def test_bytes_per_element_are_the_kernels(flags, args):
-    cfg = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-                      "--vocab-size", "256", *flags])
+    cfg = parse_args(
+        [
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "32",
+            "--vocab-size",
+            "256",
+            *flags,
+        ]
+    )
     assert step_bytes_per_element(cfg, ParallelPlan.for_world(cfg, 1)) == kernel_bytes_per_element(*args)
 
 
@@ -108,16 +161,19 @@ def test_presets_have_sources():
     assert set(GPU_HOSTS) == set(GPU_PRESETS) and set(GPU_HOSTS.values()) <= set(HOST_PRESETS)
     for host in HOST_PRESETS.values():
         assert host.sources["cores"].startswith("sourced: ") and str(host.cores // 2) in host.sources["cores"]
-        assert host.sources["dram_bw"].startswith("assumed: ") and f"{host.dram_peak / 1e9:.1f} GB/s" in \
-            host.sources["dram_bw"]
+        assert (
+            host.sources["dram_bw"].startswith("assumed: ")
+            and f"{host.dram_peak / 1e9:.1f} GB/s" in host.sources["dram_bw"]
+        )
         assert host.sources["thread_bw"].startswith("assumed: ")
         assert host.dram_bw == pytest.approx(host.dram_peak * SUSTAINED_FRACTION)
     assert HOST_PRESETS["DGX-1V"].dram_peak == 2 * 4 * 2400e6 * 8 and HOST_PRESETS["DGX-1V"].cores == 40
 
 
 def test_given_figures_override_and_say_so(capsys):
-    _, out = plan_json(SMALL + ["--host-calibration", CALIBRATION, "--host-thread-bw", "1e9", "--host-cores", "8"],
-                       capsys)
+    _, out = plan_json(
+        SMALL + ["--host-calibration", CALIBRATION, "--host-thread-bw", "1e9", "--host-cores", "8"], capsys
+    )
     h = out["plans"]["real"]["stages"][0]["host_step"]
     assert (h["thread_bw"], h["cores"], h["dram_bw"]) == (1e9, 8, 96e9)
     assert h["thread_bw_source"] == "given: --host-thread-bw" and h["dram_bw_source"].startswith("measured: ")
@@ -130,44 +186,82 @@ def test_a_delayed_update_that_costs_time_warns_and_hides_nothing_negative(capsy
     plan warns and its hidden time is 0, not negative."""
     status, out = plan_json(SMALL + DELAYED + ["--host-optimizer-bw", "1e3"], capsys)
     real = out["plans"]["real"]
-    assert real["warnings"] and all("--cpu-offload-delayed-param-update makes the optimizer step" in w
-                                    for w in real["warnings"])
+    assert real["warnings"] and all(
+        "--cpu-offload-delayed-param-update makes the optimizer step" in w for w in real["warnings"]
+    )
     for st in real["stages"]:
         t = st["time_s"]
         assert t["host_optimizer_hidden"] == 0.0 and t["host_optimizer_variant_cost"] > 0
     main(SMALL + DELAYED + ["--host-optimizer-bw", "1e3"])
     assert "   warning: stage 0: --cpu-offload-delayed-param-update makes" in capsys.readouterr().out
-    _, out = plan_json(SMALL + DELAYED + ["--host-optimizer-bw", "1e14"], capsys)   # a fast host: no warning
+    _, out = plan_json(SMALL + DELAYED + ["--host-optimizer-bw", "1e14"], capsys)  # a fast host: no warning
     assert "warnings" not in out["plans"]["real"]
     assert all("host_optimizer_variant_cost" not in st["time_s"] for st in out["plans"]["real"]["stages"])
 
 
 def test_device_memory_budget_on_the_command_line(capsys):
     """It reaches the phase that chooses its layers and is left out of the pseudo phase."""
-    ten_t = ["--config", "examples/m6_10t/model.yaml", "--pseudo-config", "examples/m6_10t/pseudo.yaml",
-             "--real-config", "examples/m6_10t/real.yaml", "--world-size", "512", "--gpu", "V100-32GB"]
+    ten_t = [
+        "--config",
+        "examples/m6_10t/model.yaml",
+        "--pseudo-config",
+        "examples/m6_10t/pseudo.yaml",
+        "--real-config",
+        "examples/m6_10t/real.yaml",
+        "--world-size",
+        "512",
+        "--gpu",
+        "V100-32GB",
+    ]
     _, base = plan_json(ten_t, capsys)
     status, more = plan_json(ten_t + ["--device-memory-budget", "24GiB"], capsys)
     assert status == 1 and more["plans"]["pseudo"] == base["plans"]["pseudo"]
-    assert len(more["plans"]["real"]["stages"][0]["offloaded_layers"]) < \
-        len(base["plans"]["real"]["stages"][0]["offloaded_layers"])
+    assert len(more["plans"]["real"]["stages"][0]["offloaded_layers"]) < len(
+        base["plans"]["real"]["stages"][0]["offloaded_layers"]
+    )
     with pytest.raises(ConfigError, match="--device-memory-budget is used only with --cpu-offload-layers auto"):
         check(parse_args(SMALL[:-6] + ["--device-memory-budget", "1GiB"]), 1)
 
 
 def test_the_lines_docs_offload_quotes_are_what_the_planner_prints(capsys):
     """docs/offload.md quotes the 10T README command's host-step lines and the delayed update's."""
-    ten_t = ["--config", "examples/m6_10t/model.yaml", "--pseudo-config", "examples/m6_10t/pseudo.yaml",
-             "--world-size", "512", "--gpu", "V100-32GB", "--token-budget", "50B"]
+    ten_t = [
+        "--config",
+        "examples/m6_10t/model.yaml",
+        "--pseudo-config",
+        "examples/m6_10t/pseudo.yaml",
+        "--world-size",
+        "512",
+        "--gpu",
+        "V100-32GB",
+        "--token-budget",
+        "50B",
+    ]
     main(ten_t + ["--real-config", "examples/m6_10t/real.yaml"])
     printed = set(capsys.readouterr().out.splitlines())
-    main(ten_t + ["--real-config", "examples/m6_10t/real_lean.yaml", "--host-memory", "192GiB",
-                  "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16", "--cpu-offload-delayed-param-update"])
+    main(
+        ten_t
+        + [
+            "--real-config",
+            "examples/m6_10t/real_lean.yaml",
+            "--host-memory",
+            "192GiB",
+            "--use-precision-aware-optimizer",
+            "--main-grads-dtype",
+            "bf16",
+            "--cpu-offload-delayed-param-update",
+        ]
+    )
     printed |= set(capsys.readouterr().out.splitlines())
     with open("docs/offload.md", encoding="utf-8") as fh:
         doc = fh.read().splitlines()
-    quoted = [line for line in doc if line.startswith(("   host step (", "     threads: ", "   step ",
-                                                       "   delayed parameter update (", "== Pseudo-to-Real"))]
+    quoted = [
+        line
+        for line in doc
+        if line.startswith(
+            ("   host step (", "     threads: ", "   step ", "   delayed parameter update (", "== Pseudo-to-Real")
+        )
+    ]
     assert len(quoted) >= 5 and [line for line in quoted if line not in printed] == []
 
 
@@ -175,9 +269,23 @@ def test_the_10t_delayed_update_on_h200_nodes_warns(capsys):
     """Issue 37's case (one host thread per rank, as it was measured): on H200 nodes the iteration
     is short, so the delayed step and its write outlast it and the delay costs more than it hides;
     the plan says so, and hides nothing negative."""
-    argv = ["--config", "examples/m6_10t/model.yaml", "--pseudo-config", "examples/m6_10t/pseudo.yaml",
-            "--real-config", "examples/m6_10t/real_lean.yaml", "--world-size", "512", "--gpu", "H200-141GB",
-            "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16", "--host-optimizer-threads", "1"]
+    argv = [
+        "--config",
+        "examples/m6_10t/model.yaml",
+        "--pseudo-config",
+        "examples/m6_10t/pseudo.yaml",
+        "--real-config",
+        "examples/m6_10t/real_lean.yaml",
+        "--world-size",
+        "512",
+        "--gpu",
+        "H200-141GB",
+        "--use-precision-aware-optimizer",
+        "--main-grads-dtype",
+        "bf16",
+        "--host-optimizer-threads",
+        "1",
+    ]
     _, delayed = plan_json(argv + ["--cpu-offload-delayed-param-update"], capsys)
     _, undelayed = plan_json(argv, capsys)
     d, u = delayed["plans"]["real"], undelayed["plans"]["real"]

@@ -2,6 +2,7 @@
 moves off the host are the bytes training puts in the file, the host keeps the page cache of two
 layers, the verdict names the NVMe tier when it overflows, and the host step streams the state at
 --nvme-bw, each layer's disk traffic overlapping the step of the layer before."""
+
 from __future__ import annotations
 
 import json
@@ -18,10 +19,31 @@ from tests.helpers import run_steps, tiny_config
 from tools.plan import main
 
 BASE = dict(num_layers=4, global_batch_size=4, cpu_offload_layers="0,2", bf16=True)
-SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--vocab-size", "256", "--p2r-phase", "real", "--cpu-offload-layers", "2", "--fp16",
-         "--pipeline-model-parallel-size", "2", "--world-size", "12", "--gpu", "V100-32GB",
-         "--cpu-offload-optimizer-nvme-path", "/local/nvme"]
+SMALL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--vocab-size",
+    "256",
+    "--p2r-phase",
+    "real",
+    "--cpu-offload-layers",
+    "2",
+    "--fp16",
+    "--pipeline-model-parallel-size",
+    "2",
+    "--world-size",
+    "12",
+    "--gpu",
+    "V100-32GB",
+    "--cpu-offload-optimizer-nvme-path",
+    "/local/nvme",
+]
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "adafactor"])
@@ -32,19 +54,25 @@ def test_planned_nvme_bytes_are_what_training_moves(tmp_path, optimizer):
     _, state = run_steps(cfg, ps, 1)
     opt, file = state.optimizer, state.offload.nvme.file
     host = [ms for ms in opt.shards if ms.placement == "host"]
-    moved = sum(ms.main.numel() * 4 for ms in host if file.holds(ms.main)) + \
-        sum(v.numel() * v.element_size() for ms in host for k, v in opt.inner["host"].state[ms.main].items()
-            if k != "step" and file.holds(v))
+    moved = sum(ms.main.numel() * 4 for ms in host if file.holds(ms.main)) + sum(
+        v.numel() * v.element_size()
+        for ms in host
+        for k, v in opt.inner["host"].state[ms.main].items()
+        if k != "step" and file.holds(v)
+    )
     plan = ParallelPlan.build(cfg, Layout())
-    off, ram = memory.offload_plan(cfg, plan, 0), memory.offload_plan(cfg.replace(cpu_offload_optimizer_nvme_path=None),
-                                                                      plan, 0)
+    off, ram = (
+        memory.offload_plan(cfg, plan, 0),
+        memory.offload_plan(cfg.replace(cpu_offload_optimizer_nvme_path=None), plan, 0),
+    )
     per_layer = plan.module_state_bytes(0)
     assert off["nvme"] == moved == ram["host"]["optimizer"] > 0
     assert off["host"]["optimizer"] == 0
     assert off["host"]["nvme_window"] == 2 * max(per_layer[k]["optimizer"] for k in (0, 2))
-    assert {k: v for k, v in off["host"].items() if k not in ("optimizer", "nvme_window")} == \
-        {k: v for k, v in ram["host"].items() if k != "optimizer"}
-    report = state.offload.describe()   # what the rank logs at start
+    assert {k: v for k, v in off["host"].items() if k not in ("optimizer", "nvme_window")} == {
+        k: v for k, v in ram["host"].items() if k != "optimizer"
+    }
+    report = state.offload.describe()  # what the rank logs at start
     assert report["host"] == off["host"] and report["nvme"] == off["nvme"] and report["device"] == off["device"]
 
 
@@ -105,12 +133,27 @@ def test_every_preset_has_its_nodes_nvme():
 def test_the_10t_lines_the_docs_quote_are_what_the_planner_prints(capsys):
     """docs/scale.md quotes the real phase at 96 GiB per GPU with the state on NVMe
     (examples/m6_10t/README.md's verdict: tests/tools/test_plan_host.py)."""
-    argv = ["--config", "examples/m6_10t/model.yaml", "--pseudo-config", "examples/m6_10t/pseudo.yaml",
-            "--real-config", "examples/m6_10t/real_lean.yaml", "--world-size", "512", "--gpu", "V100-32GB",
-            "--token-budget", "50B", "--host-memory", "96GiB", "--cpu-offload-optimizer-nvme-path", "/local/nvme"]
+    argv = [
+        "--config",
+        "examples/m6_10t/model.yaml",
+        "--pseudo-config",
+        "examples/m6_10t/pseudo.yaml",
+        "--real-config",
+        "examples/m6_10t/real_lean.yaml",
+        "--world-size",
+        "512",
+        "--gpu",
+        "V100-32GB",
+        "--token-budget",
+        "50B",
+        "--host-memory",
+        "96GiB",
+        "--cpu-offload-optimizer-nvme-path",
+        "/local/nvme",
+    ]
     assert main(argv) == 1
     printed = capsys.readouterr().out.splitlines()
     with open("docs/scale.md", encoding="utf-8") as fh:
         scale = fh.read()
-    quoted = scale[scale.index("**At 96 GiB of host per GPU"):].split("```")[1].strip("\n").splitlines()
+    quoted = scale[scale.index("**At 96 GiB of host per GPU") :].split("```")[1].strip("\n").splitlines()
     assert len(quoted) == 3 and all(line in printed for line in quoted)

@@ -2,6 +2,7 @@
 receives while the op before it computes, so a step waits only for the part of a transfer that
 outlasts that op (``planning.estimate.exposed_p2p``); as in Megatron-LM, only interleaved 1F1B
 overlaps. (The runtime's overlap: tests/pipeline/test_schedules.py and test_p2p.py.)"""
+
 from __future__ import annotations
 
 import pytest
@@ -10,21 +11,33 @@ from megatron_p2r.arguments import config_from_values
 from megatron_p2r.planning import estimate, hardware
 
 GPU = hardware.GPU_PRESETS["A100-80GB"]
-PIPELINE = dict(num_layers=8, hidden_size=256, num_attention_heads=4, seq_length=64, vocab_size=1000,
-                micro_batch_size=1, global_batch_size=16, mock_data=True, bf16=True, pipeline_model_parallel_size=4)
+PIPELINE = dict(
+    num_layers=8,
+    hidden_size=256,
+    num_attention_heads=4,
+    seq_length=64,
+    vocab_size=1000,
+    micro_batch_size=1,
+    global_batch_size=16,
+    mock_data=True,
+    bf16=True,
+    pipeline_model_parallel_size=4,
+)
 
 
 def plans(**kw):
     """(plan without, plan with --overlap-p2p-communication) on 8 GPUs."""
-    return tuple(estimate.make_plan(config_from_values({**PIPELINE, **kw, "overlap_p2p_communication": on}), 8, GPU)
-                 for on in (False, True))
+    return tuple(
+        estimate.make_plan(config_from_values({**PIPELINE, **kw, "overlap_p2p_communication": on}), 8, GPU)
+        for on in (False, True)
+    )
 
 
 def test_exposed_p2p_is_what_outlasts_the_op_it_travels_under():
     """Half the transfers travel under a forward (1/3 of the compute), half under a backward (2/3)."""
-    assert estimate.exposed_p2p(1.0, 3.0) == 0.0                    # 0.5 under 1 and 0.5 under 2: hidden
-    assert estimate.exposed_p2p(4.0, 3.0) == pytest.approx(1.0)     # 2 under a forward of 1: 1 exposed
-    assert estimate.exposed_p2p(6.0, 3.0) == pytest.approx(3.0)     # 3 - 1 and 3 - 2
+    assert estimate.exposed_p2p(1.0, 3.0) == 0.0  # 0.5 under 1 and 0.5 under 2: hidden
+    assert estimate.exposed_p2p(4.0, 3.0) == pytest.approx(1.0)  # 2 under a forward of 1: 1 exposed
+    assert estimate.exposed_p2p(6.0, 3.0) == pytest.approx(3.0)  # 3 - 1 and 3 - 2
     assert estimate.exposed_p2p(0.0, 3.0) == 0.0
 
 

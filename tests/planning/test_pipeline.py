@@ -1,6 +1,7 @@
 """The planner on pipeline schedules: activation memory of 1F1B and interleaved 1F1B against
 what a step allocates on CPU, the bubble, the p2p volume, and interleaved plans against
 meta-device builds. (The planner's other checks: ``tests/planning/test_planner.py``.)"""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,11 @@ from tests.planning.test_planner import ACT_SHAPES, measure_step, small
 from tools.plan import verify_all_ranks
 
 # (name, flags, micro-batches): 1F1B; interleaved with m a multiple of P and not one
-CASES = [("1f1b-m3", dict(), 3), ("v2-m4", dict(num_layers_per_virtual_pipeline_stage=1), 4),
-         ("v2-m3", dict(num_layers_per_virtual_pipeline_stage=1), 3)]
+CASES = [
+    ("1f1b-m3", dict(), 3),
+    ("v2-m4", dict(num_layers_per_virtual_pipeline_stage=1), 4),
+    ("v2-m3", dict(num_layers_per_virtual_pipeline_stage=1), 3),
+]
 
 
 def measured_pipeline_worker(rank, world):
@@ -25,17 +29,23 @@ def measured_pipeline_worker(rank, world):
     from megatron_p2r.parallel.state import initialize
     from megatron_p2r.pipeline.schedules import get_forward_backward_func
     from tests.helpers import random_microbatches
+
     out = {}
     for name, flags, m in CASES:
-        cfg = small(**ACT_SHAPES, bf16=True, pipeline_model_parallel_size=2,
-                    global_batch_size=m * ACT_SHAPES["micro_batch_size"], **flags)
+        cfg = small(
+            **ACT_SHAPES,
+            bf16=True,
+            pipeline_model_parallel_size=2,
+            global_batch_size=m * ACT_SHAPES["micro_batch_size"],
+            **flags,
+        )
         plan = ParallelPlan.for_world(cfg, world)
         ps = initialize(plan.layout, torch.device("cpu"), plan.stage_sets())
         seed_everything(3, ps.tp_rank, ps.pp_rank, ps.device)
         model = build_model(cfg, ps, plan)
         mbs = random_microbatches(cfg, m, cfg.train.micro_batch_size)
         step = get_forward_backward_func(plan.schedule)
-        _, peak = measure_step(model, cfg, lambda tracker: step(model, mbs, ps), mbs)   # as training runs: no autocast
+        _, peak = measure_step(model, cfg, lambda tracker: step(model, mbs, ps), mbs)  # as training runs: no autocast
         out[name] = dict(peak=peak, est=activation_memory(cfg, plan, ps.pp_rank, device_type="cpu"))
     return out
 
@@ -73,22 +83,42 @@ def test_bubble_and_p2p_volume_of_interleaving():
     assert communication.communication(cfg, plan, 1)["pp"].bytes == 4 * n_bytes
 
 
-@pytest.mark.parametrize("flags,world", [
-    (dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1, tensor_model_parallel_size=2), 4),
-    (dict(pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2, p2r_phase="pseudo",
-          share_pattern="all", num_experts=4, moe_ffn_hidden_size=96, moe_layer_freq=2,
-          expert_model_parallel_size=2), 4)])
+@pytest.mark.parametrize(
+    "flags,world",
+    [
+        (
+            dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1, tensor_model_parallel_size=2),
+            4,
+        ),
+        (
+            dict(
+                pipeline_model_parallel_size=2,
+                num_virtual_stages_per_pipeline_rank=2,
+                p2r_phase="pseudo",
+                share_pattern="all",
+                num_experts=4,
+                moe_ffn_hidden_size=96,
+                moe_layer_freq=2,
+                expert_model_parallel_size=2,
+            ),
+            4,
+        ),
+    ],
+)
 def test_interleaved_plan_equals_meta_build(flags, world):
     out = verify_all_ranks(small(**flags), world)
     assert out["problems"] == [] and out["logical_parameters"] == out["expected"]
 
 
-@pytest.mark.parametrize("schedule,pp,chunks,m", [("1f1b", 4, 1, 6), ("1f1b", 4, 2, 8), ("1f1b", 3, 2, 5),
-                                                  ("gpipe", 3, 1, 4), ("1f1b", 1, 1, 3)])
+@pytest.mark.parametrize(
+    "schedule,pp,chunks,m",
+    [("1f1b", 4, 1, 6), ("1f1b", 4, 2, 8), ("1f1b", 3, 2, 5), ("gpipe", 3, 1, 4), ("1f1b", 1, 1, 3)],
+)
 def test_every_link_buffers_equals_each_rank_alone(schedule, pp, chunks, m):
     """The planner computes the link buffers of all stages in one walk (full vector clocks);
     each rank's must be what the rank's own link computes (two-entry clocks)."""
     from megatron_p2r.pipeline.order import pipeline_ops
     from megatron_p2r.pipeline.transfers import every_link_buffers, link_buffers
+
     all_ops = [pipeline_ops(schedule, pp, chunks, m, r) for r in range(pp)]
     assert every_link_buffers(all_ops, pp, chunks) == [link_buffers(all_ops, pp, chunks, r) for r in range(pp)]

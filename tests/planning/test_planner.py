@@ -2,6 +2,7 @@
 fake process group), activation estimates against what a step really allocates on CPU, the
 10T example's size, the offload and communication accounting, and a plan that does not fit.
 """
+
 from __future__ import annotations
 
 import gc
@@ -26,9 +27,20 @@ from megatron_p2r.parallel.state import Layout, ParallelState
 from tests.harness import run_distributed
 from tools.plan import verify_all_ranks, verify_rank
 
-SMALL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=250,
-             make_vocab_size_divisible_by=16, micro_batch_size=2, mock_data=True, hidden_dropout=0.0,
-             attention_dropout=0.0, moe_router_topk=1, moe_router_pre_softmax=True)
+SMALL = dict(
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    seq_length=32,
+    vocab_size=250,
+    make_vocab_size_divisible_by=16,
+    micro_batch_size=2,
+    mock_data=True,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    moe_router_topk=1,
+    moe_router_pre_softmax=True,
+)
 MOE = dict(num_experts=4, moe_ffn_hidden_size=96)
 
 
@@ -38,13 +50,14 @@ def small(**overrides):
 
 # ----------------------------------------------------------------------------- 10T
 
+
 def test_10t_example_is_ten_trillion_parameters():
     cfg = parse_args(["--config", "examples/m6_10t/model.yaml", "examples/m6_10t/real.yaml"])
     total = memory.logical_parameter_count(ParallelPlan.for_world(cfg, 512))
     assert abs(total / 10e12 - 1) < 0.01, total
     experts = memory.expert_parameter_count(ParallelPlan.for_world(cfg, 512))
     weights = 2 * 1024 * 9984 * 10240 * 48
-    assert experts == weights + (9984 + 1024) * 10240 * 48          # weights + both expert biases
+    assert experts == weights + (9984 + 1024) * 10240 * 48  # weights + both expert biases
     # the pseudo phase holds one layer's worth: a 48th of the experts
     pseudo = parse_args(["--config", "examples/m6_10t/model.yaml", "examples/m6_10t/pseudo.yaml"])
     assert memory.expert_parameter_count(ParallelPlan.for_world(pseudo, 512)) * 48 == experts
@@ -65,28 +78,107 @@ def test_10t_layouts_fit_512_v100s_devices_and_the_real_phase_overflows_their_ho
 LAYOUTS = [
     ("tp2", dict(tensor_model_parallel_size=2), 4),
     ("pp2-tied", dict(pipeline_model_parallel_size=2), 4),
-    ("tp2-pp2-ep2-moe", dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                             expert_model_parallel_size=2, moe_layer_freq=2, **MOE), 8),
-    ("pseudo-all-pp2-moe", dict(p2r_phase="pseudo", share_pattern="all", pipeline_model_parallel_size=2,
-                                expert_model_parallel_size=2, moe_layer_freq=2, **MOE), 4),
-    ("pseudo-cycle2-pp4-tp2-untied", dict(p2r_phase="pseudo", share_pattern="cycle:2", pipeline_model_parallel_size=4,
-                                          tensor_model_parallel_size=2, untie_embeddings_and_output_weights=True), 8),
-    ("tp2-sp-pp2-ep2-moe", dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2,
-                                expert_model_parallel_size=2, moe_layer_freq=2, **MOE), 8),
+    (
+        "tp2-pp2-ep2-moe",
+        dict(
+            tensor_model_parallel_size=2,
+            pipeline_model_parallel_size=2,
+            expert_model_parallel_size=2,
+            moe_layer_freq=2,
+            **MOE,
+        ),
+        8,
+    ),
+    (
+        "pseudo-all-pp2-moe",
+        dict(
+            p2r_phase="pseudo",
+            share_pattern="all",
+            pipeline_model_parallel_size=2,
+            expert_model_parallel_size=2,
+            moe_layer_freq=2,
+            **MOE,
+        ),
+        4,
+    ),
+    (
+        "pseudo-cycle2-pp4-tp2-untied",
+        dict(
+            p2r_phase="pseudo",
+            share_pattern="cycle:2",
+            pipeline_model_parallel_size=4,
+            tensor_model_parallel_size=2,
+            untie_embeddings_and_output_weights=True,
+        ),
+        8,
+    ),
+    (
+        "tp2-sp-pp2-ep2-moe",
+        dict(
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            pipeline_model_parallel_size=2,
+            expert_model_parallel_size=2,
+            moe_layer_freq=2,
+            **MOE,
+        ),
+        8,
+    ),
     # SP with grouped-query attention (a key/value head replicated on both TP ranks), interleaved 1F1B
-    ("tp2-sp-gqa-pp2-v2", dict(tensor_model_parallel_size=2, sequence_parallel=True, group_query_attention=True,
-                               num_query_groups=1, pipeline_model_parallel_size=2,
-                               num_layers_per_virtual_pipeline_stage=1), 4),
-    ("real-ep4-swiglu-rope-rms-nobias", dict(expert_model_parallel_size=4, swiglu=True, position_embedding_type="rope",
-                                             normalization="RMSNorm", disable_bias_linear=True,
-                                             pipeline_layer_split="3,1", pipeline_model_parallel_size=2, **MOE), 8),
+    (
+        "tp2-sp-gqa-pp2-v2",
+        dict(
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            group_query_attention=True,
+            num_query_groups=1,
+            pipeline_model_parallel_size=2,
+            num_layers_per_virtual_pipeline_stage=1,
+        ),
+        4,
+    ),
+    (
+        "real-ep4-swiglu-rope-rms-nobias",
+        dict(
+            expert_model_parallel_size=4,
+            swiglu=True,
+            position_embedding_type="rope",
+            normalization="RMSNorm",
+            disable_bias_linear=True,
+            pipeline_layer_split="3,1",
+            pipeline_model_parallel_size=2,
+            **MOE,
+        ),
+        8,
+    ),
     # key/value heads replicated over TP 4 (2 groups), q/k norms summed over TP, a pseudo slot on both stages
-    ("gqa-tp4-g2-pseudo-pp2", dict(group_query_attention=True, num_query_groups=2, qk_layernorm=True, kv_channels=8,
-                                   tensor_model_parallel_size=4, pipeline_model_parallel_size=2,
-                                   p2r_phase="pseudo", share_pattern="all"), 8),
+    (
+        "gqa-tp4-g2-pseudo-pp2",
+        dict(
+            group_query_attention=True,
+            num_query_groups=2,
+            qk_layernorm=True,
+            kv_channels=8,
+            tensor_model_parallel_size=4,
+            pipeline_model_parallel_size=2,
+            p2r_phase="pseudo",
+            share_pattern="all",
+        ),
+        8,
+    ),
     # gpt-oss: learned sink logits split with the heads, quick-GeGLU's fc1 as wide as SwiGLU's
-    ("gpt-oss-tp2-pp2", dict(softmax_type="learnable", quick_geglu=True, tensor_model_parallel_size=2,
-                             pipeline_model_parallel_size=2, moe_layer_freq=2, **MOE), 4),
+    (
+        "gpt-oss-tp2-pp2",
+        dict(
+            softmax_type="learnable",
+            quick_geglu=True,
+            tensor_model_parallel_size=2,
+            pipeline_model_parallel_size=2,
+            moe_layer_freq=2,
+            **MOE,
+        ),
+        4,
+    ),
 ]
 
 
@@ -95,14 +187,25 @@ def test_planner_equals_meta_build(name, overrides, world):
     cfg = small(**overrides)
     out = verify_all_ranks(cfg, world)
     assert out["problems"] == []
-    assert out["logical_parameters"] == out["expected"] == memory.logical_parameter_count(
-        ParallelPlan.for_world(cfg, world))
+    assert (
+        out["logical_parameters"]
+        == out["expected"]
+        == memory.logical_parameter_count(ParallelPlan.for_world(cfg, world))
+    )
     # the same logical count from the layout-free one-process model
-    parallel = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-                "pipeline_layer_split", "num_layers_per_virtual_pipeline_stage"}
+    parallel = {
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "expert_model_parallel_size",
+        "pipeline_layer_split",
+        "num_layers_per_virtual_pipeline_stage",
+    }
     ref = small(**{k: v for k, v in overrides.items() if k not in parallel})
-    assert sum(p.numel() for p in build_model(ref, ParallelState.single(), meta=True).parameters()) == \
-        memory.logical_parameter_count(ParallelPlan.for_world(ref, 1)) == out["expected"]
+    assert (
+        sum(p.numel() for p in build_model(ref, ParallelState.single(), meta=True).parameters())
+        == memory.logical_parameter_count(ParallelPlan.for_world(ref, 1))
+        == out["expected"]
+    )
     for rank in (0, world - 1):
         r = verify_rank(cfg, world, rank)
         assert r["problems"] == []
@@ -117,8 +220,10 @@ def test_verification_catches_a_wrong_plan(monkeypatch):
     real = tensor_specs.layer_tensors
 
     def one_expert_too_many(m, key, tp, ep):
-        return [s.__class__(**{**s.__dict__, "shape": (s.shape[0] + 1, *s.shape[1:])}) if s.expert else s
-                for s in real(m, key, tp, ep)]
+        return [
+            s.__class__(**{**s.__dict__, "shape": (s.shape[0] + 1, *s.shape[1:])}) if s.expert else s
+            for s in real(m, key, tp, ep)
+        ]
 
     monkeypatch.setattr(tensor_specs, "layer_tensors", one_expert_too_many)
     problems = verify_rank(cfg, 2, 1)["problems"]
@@ -126,6 +231,7 @@ def test_verification_catches_a_wrong_plan(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- activations
+
 
 class AllocTracker(TorchDispatchMode):
     """Bytes of tensor storages created by ops and still alive (peak and current): every
@@ -186,7 +292,7 @@ def one_process_step(cfg):
     tokens = torch.randint(0, m.vocab_size, (cfg.train.micro_batch_size, m.seq_length), generator=g)
     labels = torch.randint(0, m.vocab_size, tokens.shape, generator=g)
 
-    def step(tracker):   # as training runs: in the weights' dtype (16-bit with --bf16), no autocast;
+    def step(tracker):  # as training runs: in the weights' dtype (16-bit with --bf16), no autocast;
         # the loss as the schedules run it
         loss = model(tokens=tokens, labels=labels, loss_mask=torch.ones(tokens.shape))
         held = tracker.held()
@@ -202,10 +308,12 @@ BLOCK1 = dict(recompute_granularity="full", recompute_method="block", recompute_
 ACTIVATION_CASES = [
     dict(),
     dict(bf16=True),
-    dict(recompute_activations=True),     # selective: the attention core
+    dict(recompute_activations=True),  # selective: the attention core
     dict(bf16=True, **FULL1),
     dict(bf16=True, **BLOCK1),
-    dict(swiglu=True, position_embedding_type="rope", normalization="RMSNorm", untie_embeddings_and_output_weights=True),
+    dict(
+        swiglu=True, position_embedding_type="rope", normalization="RMSNorm", untie_embeddings_and_output_weights=True
+    ),
     dict(bf16=True, hidden_dropout=0.1),
     dict(bf16=True, normalization="RMSNorm", swiglu=True, position_embedding_type="rope"),
     dict(bf16=True, p2r_phase="pseudo", share_pattern="all"),
@@ -218,16 +326,30 @@ ACTIVATION_CASES = [
     dict(moe_grouped_gemm=True, swiglu=True, moe_capacity_factor=0.5, moe_router_topk=2, **MOE),
     # grouped-query attention, its norms and head sizes
     dict(group_query_attention=True, num_query_groups=2, kv_channels=16, qk_layernorm=True),
-    dict(bf16=True, group_query_attention=True, num_query_groups=1, qk_layernorm=True, normalization="RMSNorm",
-         position_embedding_type="rope", rotary_percent=0.5),
+    dict(
+        bf16=True,
+        group_query_attention=True,
+        num_query_groups=1,
+        qk_layernorm=True,
+        normalization="RMSNorm",
+        position_embedding_type="rope",
+        rotary_percent=0.5,
+    ),
     dict(group_query_attention=True, num_query_groups=2, qk_layernorm=True, normalization="RMSNorm"),
     dict(bf16=True, group_query_attention=True, num_query_groups=2, position_embedding_type="rope"),
     # a vocabulary the loss walks in 4 chunks (tied: the embedding's gradient meets the output layer's)
     dict(vocab_size=16384, **FULL1),
     dict(bf16=True, vocab_size=16384, untie_embeddings_and_output_weights=True),
     # gpt-oss's activation (a clamp and an offset make new tensors of fc2's width) and sliding windows
-    dict(quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=0.1, window_size="15,0",
-         window_attn_skip_freq=2, position_embedding_type="rope", normalization="RMSNorm"),
+    dict(
+        quick_geglu=True,
+        glu_linear_offset=1.0,
+        activation_func_clamp_value=0.1,
+        window_size="15,0",
+        window_attn_skip_freq=2,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+    ),
     dict(bf16=True, swiglu=True, activation_func_clamp_value=0.1),
     dict(bf16=True, quick_geglu=True, moe_capacity_factor=0.5, **MOE),
     # attention dropout: CPU runs SDPA's math kernel (s x s probabilities, mask, dropped, in fp32)
@@ -236,16 +358,26 @@ ACTIVATION_CASES = [
     dict(attention_dropout=0.1, recompute_activations=True),
     dict(bf16=True, attention_dropout=0.1, **FULL1),
     dict(attention_dropout=0.1, group_query_attention=True, num_query_groups=2, qk_layernorm=True),
-    dict(bf16=True, attention_dropout=0.1, group_query_attention=True, num_query_groups=1, qk_layernorm=True,
-         normalization="RMSNorm", position_embedding_type="rope"),
+    dict(
+        bf16=True,
+        attention_dropout=0.1,
+        group_query_attention=True,
+        num_query_groups=1,
+        qk_layernorm=True,
+        normalization="RMSNorm",
+        position_embedding_type="rope",
+    ),
     dict(attention_dropout=0.1, qk_layernorm=True, normalization="RMSNorm", position_embedding_type="rope"),
     dict(bf16=True, attention_dropout=0.1, seq_length=256, micro_batch_size=1),
 ]
-ACT_SHAPES = dict(num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=64, vocab_size=512,
-                  micro_batch_size=4)
+ACT_SHAPES = dict(
+    num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=64, vocab_size=512, micro_batch_size=4
+)
 
 
-@pytest.mark.parametrize("overrides", ACTIVATION_CASES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "fp32")
+@pytest.mark.parametrize(
+    "overrides", ACTIVATION_CASES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "fp32"
+)
 def test_activation_estimate_matches_measured_step(overrides):
     """Held bytes: exact by construction (1% allowed); peak: within 10% (the transient
     working set of backward is modelled, not replayed)."""
@@ -272,6 +404,7 @@ def test_moe_layer_saves_what_the_planner_counts(overrides, monkeypatch):
     the byte but for tiny int32 and scalar tensors (the group ends, the z-loss). A layer's MoE
     part is its nodes from ``route`` to ``finish`` (moe/nodes.py), counted between the two."""
     from megatron_p2r.moe.layer import MoELayer
+
     cfg = small(**ACT_SHAPES, **MOE, moe_grouped_gemm=True, **overrides)
     route, finish, saved, open_counts = MoELayer.route, MoELayer.finish, [], []
 
@@ -283,6 +416,7 @@ def test_moe_layer_saves_what_the_planner_counts(overrides, monkeypatch):
             if storage.data_ptr() not in skip:
                 seen[storage.data_ptr()] = storage.nbytes()
             return t
+
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
         hooks.__enter__()
         open_counts.append((hooks, seen))
@@ -300,7 +434,7 @@ def test_moe_layer_saves_what_the_planner_counts(overrides, monkeypatch):
     one_process_step(cfg)
     a, n = activations.compute_bytes(cfg), cfg.train.micro_batch_size * cfg.model.seq_length
     held, _, _ = activations._moe_layer(cfg, n, n, 1, 1, a)
-    if a == 4:   # the router's input is the layer's input itself (in 16-bit: its fp32 copy)
+    if a == 4:  # the router's input is the layer's input itself (in 16-bit: its fp32 copy)
         held -= n * cfg.model.hidden_size * 4
     assert len(saved) == cfg.model.num_layers
     assert all(0 <= got - held <= 64 for got in saved), (held, saved)
@@ -343,14 +477,21 @@ def distributed_activation_worker(rank, world):
     from megatron_p2r.parallel.state import initialize_plan
     from megatron_p2r.pipeline.schedules import get_forward_backward_func
     from tests.helpers import random_microbatches
+
     out = {}
-    for name, overrides in (("tp2", dict(tensor_model_parallel_size=2)),
-                            ("tp2-sp", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
-                            ("tp2-sp-full", dict(tensor_model_parallel_size=2, sequence_parallel=True, **FULL1)),
-                            # capacity 0.25: every expert fills it (the planner assumes balanced routing)
-                            ("tp2-sp-moe", dict(tensor_model_parallel_size=2, sequence_parallel=True,
-                                                moe_capacity_factor=0.25, moe_layer_freq=2, **MOE)),
-                            ("pp2", dict(pipeline_model_parallel_size=2, global_batch_size=12))):
+    for name, overrides in (
+        ("tp2", dict(tensor_model_parallel_size=2)),
+        ("tp2-sp", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+        ("tp2-sp-full", dict(tensor_model_parallel_size=2, sequence_parallel=True, **FULL1)),
+        # capacity 0.25: every expert fills it (the planner assumes balanced routing)
+        (
+            "tp2-sp-moe",
+            dict(
+                tensor_model_parallel_size=2, sequence_parallel=True, moe_capacity_factor=0.25, moe_layer_freq=2, **MOE
+            ),
+        ),
+        ("pp2", dict(pipeline_model_parallel_size=2, global_batch_size=12)),
+    ):
         cfg = small(**ACT_SHAPES, bf16=True, **overrides)
         plan = ParallelPlan.for_world(cfg, world)
         ps = initialize_plan(plan, torch.device("cpu"))
@@ -390,8 +531,9 @@ def test_activation_estimate_tp2_and_1f1b_in_flight():
 
 
 def _benchmark(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks",
-                                                                     f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", f"{name}.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -414,10 +556,16 @@ def test_layer_activations_against_korthikanti_table2():
 
 # ----------------------------------------------------------------------------- offload, comm, flops
 
+
 def test_offload_plan_equals_offload_manager():
     from megatron_p2r.training import build_train_state
-    for spec, extra in (("2", {}), ("auto", dict(device_memory_budget="1500KiB")), ("1,3", {}),
-                        ("0.5", dict(cpu_offload_what="optimizer"))):
+
+    for spec, extra in (
+        ("2", {}),
+        ("auto", dict(device_memory_budget="1500KiB")),
+        ("1,3", {}),
+        ("0.5", dict(cpu_offload_what="optimizer")),
+    ):
         cfg = small(**MOE, moe_layer_freq=2, cpu_offload_layers=spec, **extra)
         got = build_train_state(cfg, ParallelState.single()).offload.describe()
         plan = memory.offload_plan(cfg, ParallelPlan.build(cfg, Layout()), 0)
@@ -427,26 +575,36 @@ def test_offload_plan_equals_offload_manager():
 
 def test_stage_flops_add_up_to_model_flops():
     from megatron_p2r.metrics import model_flops_per_token
+
     cfg = small(pipeline_model_parallel_size=2, swiglu=True, moe_layer_freq=2, **MOE)
     plan = ParallelPlan.for_world(cfg, 2)
     tokens = cfg.train.micro_batch_size * cfg.model.seq_length
     total = sum(timing.stage_flops_per_microbatch(cfg, plan, s) for s in range(2))
-    logits_again = 2 * tokens * cfg.model.padded_vocab_size * cfg.model.hidden_size   # the loss's backward
+    logits_again = 2 * tokens * cfg.model.padded_vocab_size * cfg.model.hidden_size  # the loss's backward
     assert math.isclose(total, model_flops_per_token(cfg.model) * tokens + logits_again, rel_tol=1e-12)
     # full recomputation adds one forward of every layer, selective one attention core
     core = 4 * tokens * cfg.model.seq_length * cfg.model.hidden_size
-    for flags, extra in ((dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
-                          (model_flops_per_token(cfg.model, True) - model_flops_per_token(cfg.model)) * tokens
-                          - 2 * tokens * cfg.model.padded_vocab_size * cfg.model.hidden_size),
-                         (dict(recompute_activations=True), core * cfg.model.num_layers)):
+    for flags, extra in (
+        (
+            dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+            (model_flops_per_token(cfg.model, True) - model_flops_per_token(cfg.model)) * tokens
+            - 2 * tokens * cfg.model.padded_vocab_size * cfg.model.hidden_size,
+        ),
+        (dict(recompute_activations=True), core * cfg.model.num_layers),
+    ):
         rc = small(pipeline_model_parallel_size=2, swiglu=True, moe_layer_freq=2, **MOE, **flags)
         got = sum(timing.stage_flops_per_microbatch(rc, ParallelPlan.for_world(rc, 2), s) for s in range(2))
         assert math.isclose(got, total + extra, rel_tol=1e-12), flags
 
 
 def test_communication_volumes():
-    cfg = small(**MOE, expert_model_parallel_size=4, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                global_batch_size=16)
+    cfg = small(
+        **MOE,
+        expert_model_parallel_size=4,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        global_batch_size=16,
+    )
     plan = ParallelPlan.for_world(cfg, 16)
     layout = plan.layout
     c0 = communication.communication(cfg, plan, 0, gpus_per_node=8)
@@ -479,25 +637,39 @@ def test_sequence_parallel_communication():
     assert c_on["pp"].bytes * 2 == c_off["pp"].bytes
     partial = [s_ for s_ in plans[True].tensors(0) if plans[True].reduction(s_.logical, s_.expert).tp_block == 2]
     names = {s_.name.split(".", 2)[-1] if s_.name.startswith("layers.") else s_.name for s_ in partial}
-    assert names == {"input_norm.weight", "input_norm.bias", "post_attention_norm.weight", "post_attention_norm.bias",
-                     "attention.proj.bias", "mlp.fc2.bias", "embedding.position_embeddings.weight"}, names
+    assert names == {
+        "input_norm.weight",
+        "input_norm.bias",
+        "post_attention_norm.weight",
+        "post_attention_norm.bias",
+        "attention.proj.bias",
+        "mlp.fc2.bias",
+        "embedding.position_embeddings.weight",
+    }, names
     assert not any(plans[False].reduction(s_.logical, s_.expert).tp_block > 1 for s_ in plans[False].tensors(0))
-    assert c_off["tp_partial"].bytes == 0 and c_on["tp_partial"].size == 2   # TP 2 x DP 1
+    assert c_off["tp_partial"].bytes == 0 and c_on["tp_partial"].size == 2  # TP 2 x DP 1
     assert c_on["tp_partial"].bytes == pytest.approx(2 * 1 / 2 * sum(s_.numel for s_ in partial) * 4)
 
 
 # ----------------------------------------------------------------------------- not fitting
 
+
 def test_plan_that_does_not_fit_names_rank_and_category():
-    cfg = parse_args(["--config", "examples/m6_10t/model.yaml", "examples/m6_10t/real.yaml",
-                      "--cpu-offload-layers", "0"])
+    cfg = parse_args(
+        ["--config", "examples/m6_10t/model.yaml", "examples/m6_10t/real.yaml", "--cpu-offload-layers", "0"]
+    )
     plan = estimate.make_plan(cfg, 512, hardware.GPU_PRESETS["V100-32GB"])
     assert not plan.fits and not plan.stages[0].fits
     assert plan.stages[0].overflow == "params"
     assert any("rank 0 (stage 0" in p and "overflows at 'params'" in p for p in plan.problems)
     # only the last pipeline stage overflows: a huge vocabulary's loss (a chunk of logits at a
     # time, far less than the [tokens, V] fp32 logits, but the output weight's 16-bit copy and gradient)
-    cfg = small(pipeline_model_parallel_size=2, vocab_size=200_000, micro_batch_size=16, untie_embeddings_and_output_weights=True)
+    cfg = small(
+        pipeline_model_parallel_size=2,
+        vocab_size=200_000,
+        micro_batch_size=16,
+        untie_embeddings_and_output_weights=True,
+    )
     gpu = hardware.GPU_PRESETS["H100-80GB"].replace(memory=1300 * 2**20)
     plan = estimate.make_plan(cfg, 8, gpu)
     assert [st.fits for st in plan.stages] == [True, False]
@@ -511,24 +683,37 @@ def test_grouped_query_attention_flops_and_gradient_traffic():
     (groups x kv-channels); with TP > groups each rank also computes its replicated key/value
     head. The replicas' and q/k norms' partial gradients are all-reduced over (TP block) x DP."""
     from megatron_p2r.metrics import model_flops_per_token
-    gqa = dict(group_query_attention=True, num_query_groups=2, kv_channels=8, qk_layernorm=True,
-               tensor_model_parallel_size=4, global_batch_size=8, disable_bias_linear=True)
+
+    gqa = dict(
+        group_query_attention=True,
+        num_query_groups=2,
+        kv_channels=8,
+        qk_layernorm=True,
+        tensor_model_parallel_size=4,
+        global_batch_size=8,
+        disable_bias_linear=True,
+    )
     cfg = small(**gqa)
     m, (heads, groups, d, h, s) = cfg.model, (4, 2, 8, 64, 32)
     dense = small(**{**gqa, "num_query_groups": 4})
-    per_layer = 2 * h * (heads * d + 2 * groups * d + heads * d)     # query, key/value, output projections
-    delta = 3 * m.num_layers * 2 * h * 2 * (4 - groups) * d          # 2 fewer key/value heads, training
+    per_layer = 2 * h * (heads * d + 2 * groups * d + heads * d)  # query, key/value, output projections
+    delta = 3 * m.num_layers * 2 * h * 2 * (4 - groups) * d  # 2 fewer key/value heads, training
     assert model_flops_per_token(dense.model) - model_flops_per_token(m) == delta
     # doubling d doubles every attention term: projections and scores
-    assert model_flops_per_token(small(**{**gqa, "kv_channels": 16}).model) - model_flops_per_token(m) == \
-        3 * m.num_layers * (per_layer + 4 * s * heads * d)
-    plan = ParallelPlan.for_world(cfg, 8)   # TP 4 x DP 2: each key/value head on 2 TP ranks
+    assert model_flops_per_token(small(**{**gqa, "kv_channels": 16}).model) - model_flops_per_token(
+        m
+    ) == 3 * m.num_layers * (per_layer + 4 * s * heads * d)
+    plan = ParallelPlan.for_world(cfg, 8)  # TP 4 x DP 2: each key/value head on 2 TP ranks
     n = cfg.train.micro_batch_size * s
     ranks_total = 4 * timing.stage_flops_per_microbatch(cfg, plan, 0)
-    logits_again = 2 * n * m.padded_vocab_size * h      # the loss recomputes its logits in backward
-    assert math.isclose(ranks_total - model_flops_per_token(m) * n - logits_again,
-                        3 * m.num_layers * 2 * n * h * 2 * groups * d, rel_tol=1e-12)   # the replicated key/value projection, computed twice
+    logits_again = 2 * n * m.padded_vocab_size * h  # the loss recomputes its logits in backward
+    assert math.isclose(
+        ranks_total - model_flops_per_token(m) * n - logits_again,
+        3 * m.num_layers * 2 * n * h * 2 * groups * d,
+        rel_tol=1e-12,
+    )  # the replicated key/value projection, computed twice
     traffic = communication.gradient_traffic(plan, 0)["tp_partial"]
-    kv, norms = 2 * groups * d * h // 2, 4 * d      # per rank and layer: kv shard; q and k norms (LayerNorm weight, bias)
+    kv, norms = 2 * groups * d * h // 2, 4 * d  # per rank and layer: kv shard; q and k norms (LayerNorm weight, bias)
     assert traffic.size == 8 and traffic.bytes == pytest.approx(
-        m.num_layers * (2 * 3 / 4 * kv * 4 + 2 * 7 / 8 * norms * 4))
+        m.num_layers * (2 * 3 / 4 * kv * 4 + 2 * 7 / 8 * norms * 4)
+    )

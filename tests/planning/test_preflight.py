@@ -1,6 +1,7 @@
 """The pre-flight memory check (planning/preflight.py) counts the dataset's sample indices of a
 run of any length: --train-iters, or Megatron-LM's --train-samples (no --train-iters at all);
 its CPU estimate against the peak a real run reaches, and a run too large for its cgroup."""
+
 import importlib.util
 import os
 
@@ -28,12 +29,13 @@ def test_a_sample_based_run_counts_its_samples():
 def test_a_sample_based_run_that_does_not_fit_is_refused():
     cfg = tiny_config(**DATA, train_iters=None, train_samples=8000)
     with pytest.raises(ConfigError, match="this run does not fit in memory"):
-        check_memory(cfg, ParallelPlan.for_world(cfg, 1), 0, "cpu", host_available=2 ** 16)
+        check_memory(cfg, ParallelPlan.for_world(cfg, 1), 0, "cpu", host_available=2**16)
 
 
 def _benchmark():
     spec = importlib.util.spec_from_file_location(
-        "preflight_memory", os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "preflight_memory.py"))
+        "preflight_memory", os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "preflight_memory.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -62,8 +64,9 @@ def test_a_run_too_large_for_its_cgroup_ends_with_an_error_line(tmp_path, monkey
     from megatron_p2r.planning.host_memory import available_host_memory
     from tests.planning.test_host_memory import fake_host
 
-    proc, cgroup = fake_host(tmp_path, ["0::/job/step"], {"job/memory.max": f"{180 * 2 ** 20}\n",
-                                                          "job/memory.current": "0\n"})
+    proc, cgroup = fake_host(
+        tmp_path, ["0::/job/step"], {"job/memory.max": f"{180 * 2**20}\n", "job/memory.current": "0\n"}
+    )
     monkeypatch.setattr(preflight, "available_host_memory", lambda: available_host_memory(proc, cgroup))
     monkeypatch.delenv(preflight.SKIP_ENV, raising=False)
     rc = pretrain_m6.main(_benchmark().case_flags(1024, 0.1, layers=1, hidden=256, heads=8))

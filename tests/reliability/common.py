@@ -6,6 +6,7 @@ has torch imported already: a process that can be SIGKILLed costs a fork, not a 
 Each rank's stdout and stderr go to a file; a Python exception escaping ``main`` is recorded as
 exit code ``TRACEBACK`` so tests can tell a clear error from a crash.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -21,10 +22,37 @@ from tests.harness import PRELOAD, free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRACEBACK = 99
 # A tiny model; dropout makes a bitwise resume depend on the restored RNG streams.
-FLAGS = ["--mock-data", "--vocab-size", "200", "--make-vocab-size-divisible-by", "16", "--num-layers", "2",
-         "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-         "--lr", "1e-2", "--lr-warmup-iters", "1", "--hidden-dropout", "0.1", "--seed", "7", "--device", "cpu",
-         "--log-interval", "100", "--lr-decay-iters", "16"]  # a warm-up ends before the decay, also in 1-step runs
+FLAGS = [
+    "--mock-data",
+    "--vocab-size",
+    "200",
+    "--make-vocab-size-divisible-by",
+    "16",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--lr",
+    "1e-2",
+    "--lr-warmup-iters",
+    "1",
+    "--hidden-dropout",
+    "0.1",
+    "--seed",
+    "7",
+    "--device",
+    "cpu",
+    "--log-interval",
+    "100",
+    "--lr-decay-iters",
+    "16",
+]  # a warm-up ends before the decay, also in 1-step runs
 
 
 def _rank_main(argv: Sequence[str], env: Dict[str, str], out_path: str) -> None:
@@ -33,9 +61,11 @@ def _rank_main(argv: Sequence[str], env: Dict[str, str], out_path: str) -> None:
     os.dup2(fd, 2)
     os.environ.update(env)
     import torch
+
     torch.set_num_threads(1)
     sys.path.insert(0, ROOT)
     import pretrain_m6
+
     try:
         rc = pretrain_m6.main(list(argv))
     except BaseException:
@@ -46,8 +76,13 @@ def _rank_main(argv: Sequence[str], env: Dict[str, str], out_path: str) -> None:
     os._exit(rc)
 
 
-def launch(argv: Sequence[str], nproc: int = 1, env: Optional[Dict[str, str]] = None, out_dir: str = ".",
-           timeout: float = 120.0) -> List[Tuple[int, str]]:
+def launch(
+    argv: Sequence[str],
+    nproc: int = 1,
+    env: Optional[Dict[str, str]] = None,
+    out_dir: str = ".",
+    timeout: float = 120.0,
+) -> List[Tuple[int, str]]:
     """(exit code, output) of each rank; -9 is SIGKILL. Fails if a rank is still running after ``timeout``."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
@@ -56,8 +91,13 @@ def launch(argv: Sequence[str], nproc: int = 1, env: Optional[Dict[str, str]] = 
     for rank in range(nproc):
         rank_env = dict(env or {}, OMP_NUM_THREADS="1")
         if nproc > 1:
-            rank_env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            rank_env.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(nproc),
+                LOCAL_RANK=str(rank),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
         out = os.path.join(out_dir, f"rank{rank}.{free_port()}.log")
         p = ctx.Process(target=_rank_main, args=(list(argv), rank_env, out))
         p.start()
@@ -70,7 +110,9 @@ def launch(argv: Sequence[str], nproc: int = 1, env: Optional[Dict[str, str]] = 
         if p.is_alive():
             p.kill()
             p.join()
-    results = [(p.exitcode, open(o, encoding="utf-8", errors="replace").read()) for p, o in zip(procs, outs, strict=True)]
+    results = [
+        (p.exitcode, open(o, encoding="utf-8", errors="replace").read()) for p, o in zip(procs, outs, strict=True)
+    ]
     for o in outs:
         os.unlink(o)
     assert not alive, f"ranks {alive} still running after {timeout}s (hang): {results}"

@@ -8,6 +8,7 @@ the process's peak RSS under ``RSS_BOUND``; and without opening any file outside
 other than the interpreter's and the project's own modules and /proc, /sys (a ``sys.addaudithook``
 sees every open, mkdir, rename and removal), or writing anything outside it.
 """
+
 from __future__ import annotations
 
 import collections
@@ -26,17 +27,38 @@ from typing import Callable, Dict, List, Sequence
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TIME_LIMIT = 20            # seconds per case (a success trains one tiny step in ~30 ms)
+TIME_LIMIT = 20  # seconds per case (a success trains one tiny step in ~30 ms)
 RSS_MARGIN = 1024 * 2**20  # the peak RSS may grow by at most this over the fuzz
 CATEGORIES = ("generated", "succeeded", "clear error", "other")
 TALLY: Dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 # category -> error messages, their paths and numbers blanked (how varied the refusals are)
 MESSAGES: Dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-_READ_ONLY_ROOTS = tuple(os.path.realpath(p) + os.sep for p in
-                         {sys.prefix, sys.base_prefix, sysconfig.get_paths()["stdlib"], ROOT, "/proc", "/sys",
-                          os.path.dirname(torch.__file__)})
-_WRITE_EVENTS = {"os.mkdir", "os.rename", "os.replace", "os.remove", "os.rmdir", "os.unlink", "shutil.rmtree",
-                 "os.symlink", "os.link", "os.truncate", "os.chmod", "os.mkfifo"}
+_READ_ONLY_ROOTS = tuple(
+    os.path.realpath(p) + os.sep
+    for p in {
+        sys.prefix,
+        sys.base_prefix,
+        sysconfig.get_paths()["stdlib"],
+        ROOT,
+        "/proc",
+        "/sys",
+        os.path.dirname(torch.__file__),
+    }
+)
+_WRITE_EVENTS = {
+    "os.mkdir",
+    "os.rename",
+    "os.replace",
+    "os.remove",
+    "os.rmdir",
+    "os.unlink",
+    "shutil.rmtree",
+    "os.symlink",
+    "os.link",
+    "os.truncate",
+    "os.chmod",
+    "os.mkfifo",
+}
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
@@ -71,8 +93,11 @@ def _audit(event: str, args) -> None:
         path = os.path.realpath(os.fsdecode(raw))
         if _inside(path, case_dir):
             continue
-        writing = event != "open" or (isinstance(args[1], str) and any(c in args[1] for c in "wax+")) or \
-            (args[1] is None and isinstance(args[2], int) and args[2] & _WRITE_FLAGS)
+        writing = (
+            event != "open"
+            or (isinstance(args[1], str) and any(c in args[1] for c in "wax+"))
+            or (args[1] is None and isinstance(args[2], int) and args[2] & _WRITE_FLAGS)
+        )
         if writing or not path.startswith(_READ_ONLY_ROOTS):
             _Watch.violations.append(f"{event} {path}" + (" (write)" if writing else ""))
 
@@ -89,8 +114,9 @@ def _on_alarm(signum, frame):
     raise CaseTimeout(f"the case ran past {TIME_LIMIT} s")
 
 
-def run_case(category: str, case_dir: str, entry: Callable[[Sequence[str]], int], argv: Sequence,
-             rss_bound: int) -> str:
+def run_case(
+    category: str, case_dir: str, entry: Callable[[Sequence[str]], int], argv: Sequence, rss_bound: int
+) -> str:
     """Run ``entry(argv)`` as one case of ``category`` in ``case_dir``; tally and return its outcome
     ("succeeded" or "clear error"); any other outcome fails the test with the case's details."""
     argv = [str(a) for a in argv]
@@ -118,10 +144,12 @@ def run_case(category: str, case_dir: str, entry: Callable[[Sequence[str]], int]
         MESSAGES[category][re.sub(r"(/[^\s:,']+)+|-?\d[\d.e+-]*", "#", line.split("error:", 1)[1])[:90]] += 1
     TALLY[category]["generated"] += 1
     TALLY[category][outcome] += 1
-    problems = list(_Watch.violations) + ([f"peak RSS {_peak_rss() >> 20} MiB > bound {rss_bound >> 20} MiB"]
-                                          if _peak_rss() > rss_bound else [])
-    assert outcome != "other" and not problems, (f"{category} case {argv}: exit {rc}, {problems}\n"
-                                                 f"{err.getvalue()[-3000:]}")
+    problems = list(_Watch.violations) + (
+        [f"peak RSS {_peak_rss() >> 20} MiB > bound {rss_bound >> 20} MiB"] if _peak_rss() > rss_bound else []
+    )
+    assert outcome != "other" and not problems, (
+        f"{category} case {argv}: exit {rc}, {problems}\n{err.getvalue()[-3000:]}"
+    )
     return outcome
 
 
@@ -155,6 +183,8 @@ def report(rss_bound: int, seconds: float) -> str:
         total.update(counts)
     rows.append(f"{'total':<22}" + "".join(f"{total[c]:>13}" for c in CATEGORIES))
     rows.append("distinct error messages: " + ", ".join(f"{c} {len(m)}" for c, m in MESSAGES.items()))
-    rows.append(f"wall time {seconds:.1f} s; peak RSS {_peak_rss() >> 20} MiB, bound {rss_bound >> 20} MiB; "
-                f"time limit {TIME_LIMIT} s per case")
+    rows.append(
+        f"wall time {seconds:.1f} s; peak RSS {_peak_rss() >> 20} MiB, bound {rss_bound >> 20} MiB; "
+        f"time limit {TIME_LIMIT} s per case"
+    )
     return "\n".join(rows)

@@ -2,6 +2,7 @@
 indexed datasets, jsonl corpora. Every case must end in a clear error (one message naming the
 flag/file/field, exit code 1 or 2) or, for skippable bad lines, a correct output; never a
 traceback from deep inside, a hang, or a partially written output."""
+
 import contextlib
 import gzip
 import io
@@ -98,10 +99,21 @@ def _mutations(w):
         (["--num-experts", "4", "--moe-capacity-factor", "-1"], "--moe-capacity-factor must be > 0"),
         (["--cpu-offload-layers", "banana"], "--cpu-offload-layers 'banana'"),
         (["--data-path", w / "missing"], "--mock-data and --data-path are mutually exclusive"),
-        (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", w / "garbage.model"],
-         "not a SentencePiece model"),
-        (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", w / "vocab.json", "--merge-file",
-          w / "merges.txt"], "cannot read a JSON vocabulary"),
+        (
+            ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", w / "garbage.model"],
+            "not a SentencePiece model",
+        ),
+        (
+            [
+                "--tokenizer-type",
+                "GPT2BPETokenizer",
+                "--vocab-file",
+                w / "vocab.json",
+                "--merge-file",
+                w / "merges.txt",
+            ],
+            "cannot read a JSON vocabulary",
+        ),
         (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", w / "nope.model"], "no such file"),
         (["--config", w / "unknown.yaml"], "unknown key 'hiden-size'; did you mean 'hidden-size'?"),
         (["--config", w / "wrongtype.yaml"], "key 'num-layers' expects int, got 'two'"),
@@ -149,17 +161,22 @@ def test_random_bad_flag_combinations(workspace):
 
 # ----------------------------------------------------------------------------- checkpoints
 
+
 def _corruptions(rng):
     """Seeded corruption functions of a checkpoint directory: headers and metadata (a flipped bit in
     a tensor data region fails its checksum: tests/checkpoint/test_checksums.py)."""
     it = "iter_0000001"
-    shard, rngf, meta = f"{it}/mp_rank_00_000_000.safetensors", f"{it}/rng_and_data/rank_00000.safetensors", \
-        f"{it}/metadata.json"
+    shard, rngf, meta = (
+        f"{it}/mp_rank_00_000_000.safetensors",
+        f"{it}/rng_and_data/rank_00000.safetensors",
+        f"{it}/metadata.json",
+    )
 
     def truncate(rel):
         def go(d):
             data = (d / rel).read_bytes()
-            (d / rel).write_bytes(data[:rng.randrange(len(data))])
+            (d / rel).write_bytes(data[: rng.randrange(len(data))])
+
         return go
 
     def flip_header(rel):
@@ -169,12 +186,27 @@ def _corruptions(rng):
             for _ in range(rng.randint(1, 4)):
                 data[rng.randrange(8 + n)] = rng.randrange(256)
             (d / rel).write_bytes(bytes(data))
+
         return go
 
     def edit_meta(d):
         m = json.loads((d / meta).read_text())
-        field = rng.choice(["iteration", "consumed_samples", "config", "layout", "p2r", "optimizer", "tensors",
-                            "files", "scheduler", "scaler", "rng", "format_version"])
+        field = rng.choice(
+            [
+                "iteration",
+                "consumed_samples",
+                "config",
+                "layout",
+                "p2r",
+                "optimizer",
+                "tensors",
+                "files",
+                "scheduler",
+                "scaler",
+                "rng",
+                "format_version",
+            ]
+        )
         junk = rng.choice([None, "x", -3, 1.5, [], {}, {"a": 1}, True])
         if field == "rng" and junk is None:
             junk = "x"
@@ -184,8 +216,13 @@ def _corruptions(rng):
     def edit_model(d):
         m = json.loads((d / meta).read_text())
         key = rng.choice(["num_layers", "hidden_size", "num_attention_heads", "vocab_size", "swiglu"])
-        m["config"]["model"][key] = {"num_layers": 5, "hidden_size": 48, "num_attention_heads": 8,
-                                     "vocab_size": 999, "swiglu": True}[key]
+        m["config"]["model"][key] = {
+            "num_layers": 5,
+            "hidden_size": 48,
+            "num_attention_heads": 8,
+            "vocab_size": 999,
+            "swiglu": True,
+        }[key]
         (d / meta).write_text(json.dumps(m))
 
     def pickled(rel):
@@ -194,8 +231,18 @@ def _corruptions(rng):
     def latest_junk(d):
         (d / "latest_checkpointed_iteration.txt").write_bytes(rng.choice([b"", b"abc", b"\xff\xfe", b"-4", b"7"]))
 
-    return [truncate(shard), truncate(rngf), truncate(meta), flip_header(shard), flip_header(rngf), edit_meta,
-            edit_model, pickled(shard), latest_junk, lambda d: (d / shard).unlink()]
+    return [
+        truncate(shard),
+        truncate(rngf),
+        truncate(meta),
+        flip_header(shard),
+        flip_header(rngf),
+        edit_meta,
+        edit_model,
+        pickled(shard),
+        latest_junk,
+        lambda d: (d / shard).unlink(),
+    ]
 
 
 def test_corrupted_checkpoints_fail_with_checkpoint_error(workspace, tmp_path):
@@ -226,6 +273,7 @@ def test_corrupted_checkpoints_fail_with_checkpoint_error(workspace, tmp_path):
 
 # ----------------------------------------------------------------------------- datasets
 
+
 def test_truncated_or_corrupted_indexed_datasets(workspace, tmp_path):
     idx, binary = (workspace / "ds.idx").read_bytes(), (workspace / "ds.bin").read_bytes()
     n_seq = 30
@@ -235,9 +283,9 @@ def test_truncated_or_corrupted_indexed_datasets(workspace, tmp_path):
         i, b = bytearray(idx), bytearray(binary)
         kind = case % 3
         if kind == 0:
-            i = i[:rng.randrange(len(i))]
+            i = i[: rng.randrange(len(i))]
         elif kind == 1:
-            b = b[:rng.randrange(len(b))]
+            b = b[: rng.randrange(len(b))]
         else:
             pos = rng.randrange(end_of_pointers)
             i[pos] ^= 1 << rng.randrange(8)
@@ -253,15 +301,18 @@ def test_truncated_or_corrupted_indexed_datasets(workspace, tmp_path):
 
 
 def _bad_line(rng):
-    return rng.choice([
-        lambda: bytes(rng.randrange(256) for _ in range(rng.randint(1, 40))),
-        lambda: json.dumps(rng.choice([[1, 2], "str", 3, None, {"text": 5}, {"other": "x"},
-                                       {"text": ["a"]}])).encode(),
-        lambda: b"[" * 50000 + b"]" * 50000,
-        lambda: b'{"text": "bad \\ud800 surrogate"}',
-        lambda: b'{"text": "unterminated',
-        lambda: '{"text": "caf\u00e9"}'.encode("latin-1"),
-    ])()
+    return rng.choice(
+        [
+            lambda: bytes(rng.randrange(256) for _ in range(rng.randint(1, 40))),
+            lambda: json.dumps(
+                rng.choice([[1, 2], "str", 3, None, {"text": 5}, {"other": "x"}, {"text": ["a"]}])
+            ).encode(),
+            lambda: b"[" * 50000 + b"]" * 50000,
+            lambda: b'{"text": "bad \\ud800 surrogate"}',
+            lambda: b'{"text": "unterminated',
+            lambda: '{"text": "caf\u00e9"}'.encode("latin-1"),
+        ]
+    )()
 
 
 def test_malformed_jsonl_is_reported_and_never_half_written(tmp_path):
@@ -291,8 +342,13 @@ def test_malformed_jsonl_is_reported_and_never_half_written(tmp_path):
             strict = tmp_path / f"strict{case}"
             err = io.StringIO()
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                assert preprocess_data.main(argv[:2] + ["--output-prefix", str(strict / "c"), "--tokenizer-type",
-                                                        "ByteTokenizer", "--strict"]) == 2
+                assert (
+                    preprocess_data.main(
+                        argv[:2]
+                        + ["--output-prefix", str(strict / "c"), "--tokenizer-type", "ByteTokenizer", "--strict"]
+                    )
+                    == 2
+                )
             assert re.search(rf"error: {path}:\d+: ", err.getvalue())
             assert not os.listdir(strict)
         _count("malformed jsonl files")
@@ -302,8 +358,19 @@ def test_malformed_jsonl_is_reported_and_never_half_written(tmp_path):
         out = tmp_path / f"out_{name}"
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
-            assert preprocess_data.main(["--input", str(tmp_path / name), "--output-prefix", str(out / "c"),
-                                         "--tokenizer-type", "ByteTokenizer"]) == 2
+            assert (
+                preprocess_data.main(
+                    [
+                        "--input",
+                        str(tmp_path / name),
+                        "--output-prefix",
+                        str(out / "c"),
+                        "--tokenizer-type",
+                        "ByteTokenizer",
+                    ]
+                )
+                == 2
+            )
         assert "cannot decompress it" in err.getvalue()
         assert not out.exists() or not os.listdir(out)  # no output, no temporary files
         _count("malformed jsonl files")

@@ -2,6 +2,7 @@
 the RNG directory, an HF index's weight_map, an HF tokenizer, the dataset index cache -- with a
 link out of its directory, a FIFO or a traversal name in place: a clear error (or, for a cache, a
 rebuild), never a hang, never a file outside the directory opened or written."""
+
 import contextlib
 import json
 import os
@@ -40,6 +41,7 @@ def confined_to(root, seconds=20):
             path = os.path.realpath(os.fsdecode(args[0]))
             if path.startswith(parent + os.sep) and not path.startswith(inside):
                 outside.append(path)
+
     watching = True
     sys.addaudithook(hook) if not getattr(confined_to, "installed", False) else None
     confined_to.installed, confined_to.hook = True, hook
@@ -92,8 +94,14 @@ CHECKPOINT_CASES = {
     "rng file is a FIFO": (lambda ck, out: _fifo(ck, f"{RNG}/rank_00000.safetensors"), "is a FIFO"),
     "metadata.json is a FIFO": (lambda ck, out: _fifo(ck, f"{IT}/metadata.json"), "is a FIFO"),
     "latest is a FIFO": (lambda ck, out: _fifo(ck, "latest_checkpointed_iteration.txt"), "is a FIFO"),
-    "files names ../": (lambda ck, out: _rename_file_entry(ck, "../../outside/" + SHARD), "does not list the config.s layout.s 1 shard files"),
-    "files names an absolute path": (lambda ck, out: _rename_file_entry(ck, str(out / SHARD)), "does not list the config.s layout.s 1 shard files"),
+    "files names ../": (
+        lambda ck, out: _rename_file_entry(ck, "../../outside/" + SHARD),
+        "does not list the config.s layout.s 1 shard files",
+    ),
+    "files names an absolute path": (
+        lambda ck, out: _rename_file_entry(ck, str(out / SHARD)),
+        "does not list the config.s layout.s 1 shard files",
+    ),
 }
 
 
@@ -169,6 +177,7 @@ def test_an_hf_tokenizer_file_linked_out_is_not_copied(hf_dir, tmp_path):
 def test_links_and_fifos_in_the_dataset_index_cache_are_replaced_not_followed(tmp_path):
     from megatron_p2r.data.gpt_dataset import cached_arrays
     import numpy as np
+
     cache, outside = tmp_path / "cache", tmp_path / "outside"
     outside.mkdir()
     (outside / "precious").write_text("keep")

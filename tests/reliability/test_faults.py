@@ -1,4 +1,5 @@
 """Bad numbers and hangs on 2 ranks: a NaN in one rank's gradient, a rank that stalls."""
+
 import json
 import os
 
@@ -14,12 +15,18 @@ def test_nan_in_one_ranks_gradient_is_skipped_by_all_and_stops_with_a_checkpoint
     code 1 and a message, after saving a checkpoint whose weights and AdamW state are bitwise those
     after iteration 2 (the reference run exits at iteration 2)."""
     ck, ref, log = tmp_path / "ck", tmp_path / "ref", tmp_path / "log.jsonl"
-    results = launch(ARGV + ["--save", str(ck), "--max-skipped-steps", "2", "--log-file", str(log)], 2,
-                     env={"P2R_FAULT": "nan_grad:3+@rank1"}, out_dir=str(tmp_path))
+    results = launch(
+        ARGV + ["--save", str(ck), "--max-skipped-steps", "2", "--log-file", str(log)],
+        2,
+        env={"P2R_FAULT": "nan_grad:3+@rank1"},
+        out_dir=str(tmp_path),
+    )
     for rank, (rc, out) in enumerate(results):
         assert rc == 1, (rank, out)
-        assert (f"error: rank {rank}: training stopped: 2 consecutive steps had non-finite loss or gradients "
-                f"(--max-skipped-steps 2); the last good state is saved in {ck}") in out, out
+        assert (
+            f"error: rank {rank}: training stopped: 2 consecutive steps had non-finite loss or gradients "
+            f"(--max-skipped-steps 2); the last good state is saved in {ck}"
+        ) in out, out
     out0 = results[0][1]
     assert "warning: iteration 3 skipped" in out0 and "warning: iteration 4 skipped" in out0
     records = [json.loads(line) for line in open(log) if "lm_loss" in line]
@@ -34,8 +41,13 @@ def test_nan_in_one_ranks_gradient_is_skipped_by_all_and_stops_with_a_checkpoint
 def test_a_stalled_rank_fails_the_job_with_a_message_naming_the_collective(tmp_path):
     """Rank 1 sleeps 8 s before iteration 2; with --distributed-timeout-minutes 0.05 (3 s) rank 0's
     collective times out: both ranks exit 1 with an error line naming the operation (no hang)."""
-    results = launch(ARGV + ["--distributed-timeout-minutes", "0.05"], 2, env={"P2R_FAULT": "stall:2:8@rank1"},
-                     out_dir=str(tmp_path), timeout=90)
+    results = launch(
+        ARGV + ["--distributed-timeout-minutes", "0.05"],
+        2,
+        env={"P2R_FAULT": "stall:2:8@rank1"},
+        out_dir=str(tmp_path),
+        timeout=90,
+    )
     (rc0, out0), (rc1, out1) = results
     assert rc0 == 1 and rc1 == 1 and TRACEBACK not in (rc0, rc1), results
     assert "Traceback" not in out0 + out1

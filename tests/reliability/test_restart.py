@@ -1,5 +1,6 @@
 """Crashes: a rank SIGKILLed mid-run under torchrun --max-restarts, and SIGKILL at every point of
 a save. After recovery the run's final checkpoint is bitwise the uninterrupted run's."""
+
 import json
 import os
 import subprocess
@@ -45,11 +46,28 @@ def test_torchrun_restarts_a_killed_rank_and_finishes_bitwise(reference, tmp_pat
     """torchrun --max-restarts 1: rank 1 is SIGKILLed after iteration 3 (checkpoint at 2); the
     restarted job resumes from iteration 2 and ends with the uninterrupted run's exact state."""
     ck, events = tmp_path / "ck", tmp_path / "events.jsonl"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, P2R_FAULT="kill_after_iter:3@rank1",
-               P2R_EVENT_LOG=str(events))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-           "--monitor-interval", "0.1", "--master-port", str(free_port()), "pretrain_m6.py", *ARGV,
-           "--save", str(ck), "--load", str(ck)]
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, P2R_FAULT="kill_after_iter:3@rank1", P2R_EVENT_LOG=str(events)
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.1",
+        "--master-port",
+        str(free_port()),
+        "pretrain_m6.py",
+        *ARGV,
+        "--save",
+        str(ck),
+        "--load",
+        str(ck),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -63,8 +81,10 @@ def test_torchrun_restarts_a_killed_rank_and_finishes_bitwise(reference, tmp_pat
     assert sorted({e["iteration"] for e in after}) == [3, 4, 5, 6]
     _same_final_state(ck, reference)
     first = min(e["time"] for e in after if e["iteration"] == 3 and e["rank"] == 0)
-    print(f"\nrestart cost: {first - fault[0]['time']:.1f} s from SIGKILL to the next completed iteration "
-          f"(1 iteration of work redone)")
+    print(
+        f"\nrestart cost: {first - fault[0]['time']:.1f} s from SIGKILL to the next completed iteration "
+        f"(1 iteration of work redone)"
+    )
 
 
 @pytest.mark.parametrize("point", SAVE_POINTS)

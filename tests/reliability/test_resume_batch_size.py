@@ -1,5 +1,6 @@
 """Resuming with another --global-batch-size: the consumed samples carry over (Megatron-LM's
 rule) and the run continues on the samples after them, instead of running out of data."""
+
 from megatron_p2r.checkpoint.metadata import read_metadata
 from megatron_p2r.checkpoint.naming import resolve_iteration_dir
 from megatron_p2r.training import pretrain

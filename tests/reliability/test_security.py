@@ -1,4 +1,5 @@
 """No file this project reads can run code; its writers never write through a planted link."""
+
 import os
 import pickle
 import re
@@ -35,10 +36,12 @@ def checkpoint(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("victim", ["iter_0000000/mp_rank_00_000_000.safetensors",
-                                    "iter_0000000/rng_and_data/rank_00000.safetensors"])
+@pytest.mark.parametrize(
+    "victim", ["iter_0000000/mp_rank_00_000_000.safetensors", "iter_0000000/rng_and_data/rank_00000.safetensors"]
+)
 def test_a_pickle_in_a_checkpoint_is_refused_not_executed(checkpoint, tmp_path, victim):
     import shutil
+
     ck, marker = tmp_path / "ck", tmp_path / "pwned"
     shutil.copytree(checkpoint, ck)
     for protocol in (2, pickle.HIGHEST_PROTOCOL):
@@ -52,6 +55,7 @@ def test_a_pickled_index_cache_is_not_executed(tmp_path):
     """The GPT dataset's .npy index caches are loaded with allow_pickle=False: a cache replaced by
     an object array holding the payload is rebuilt with a warning, never run."""
     from megatron_p2r.data.gpt_dataset import cached_arrays
+
     marker = tmp_path / "pwned"
     build = lambda: (np.arange(5, dtype=np.int64),)
     cached_arrays(str(tmp_path), "stem", ("a",), {"k": 1}, build)
@@ -69,13 +73,18 @@ def test_a_pickled_index_cache_is_not_executed(tmp_path):
 
 def test_no_code_path_unpickles():
     """Static guard: no pickle/torch.load without weights_only/np.load with allow_pickle=True."""
-    pattern = re.compile(r"pickle\.loads?\(|torch\.load\((?![^)]*weights_only=True)|allow_pickle=True|"
-                         r"dill|cloudpickle|yaml\.load\((?![^)]*SafeLoader)|yaml\.unsafe_load")
+    pattern = re.compile(
+        r"pickle\.loads?\(|torch\.load\((?![^)]*weights_only=True)|allow_pickle=True|"
+        r"dill|cloudpickle|yaml\.load\((?![^)]*SafeLoader)|yaml\.unsafe_load"
+    )
     hits = []
     for top in ("megatron_p2r", "tools", "pretrain_m6.py"):
         base = os.path.join(ROOT, top)
-        files = [base] if base.endswith(".py") else [os.path.join(r, f) for r, _, fs in os.walk(base)
-                                                     for f in fs if f.endswith(".py")]
+        files = (
+            [base]
+            if base.endswith(".py")
+            else [os.path.join(r, f) for r, _, fs in os.walk(base) for f in fs if f.endswith(".py")]
+        )
         for path in files:
             for n, line in enumerate(open(path, encoding="utf-8"), 1):
                 if pattern.search(line) and not line.lstrip().startswith("#"):

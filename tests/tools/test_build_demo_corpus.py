@@ -38,9 +38,10 @@ def test_docs_source_is_english_text_not_code(tmp_path):
     assert build_demo_corpus.main(["--output", str(out), "--source", "docs", "--max-bytes", "3000000"]) == 0
     docs = read(out)
     from pydoc_data.topics import topics
-    assert [d["path"] for d in docs[:len(topics)]] == [f"pydoc_data/topics/{n}" for n in sorted(topics)]
+
+    assert [d["path"] for d in docs[: len(topics)]] == [f"pydoc_data/topics/{n}" for n in sorted(topics)]
     assert docs[0]["text"] == topics[sorted(topics)[0]]
-    modules = docs[len(topics):]
+    modules = docs[len(topics) :]
     paths = [d["path"] for d in modules]
     assert paths == sorted(paths) and not any("/test/" in p or p.startswith("test/") for p in paths)
     json_doc = next(d["text"] for d in modules if d["path"] == "json/__init__.py")

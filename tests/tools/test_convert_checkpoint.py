@@ -1,4 +1,5 @@
 """The p2r-convert-checkpoint command line: inspect, reshard, delink, and its error exits."""
+
 import os
 
 import pytest
@@ -32,27 +33,53 @@ def test_inspect_prints_metadata_tensors_and_files(pseudo, capsys):
 
 def test_delink_and_reshard_commands(pseudo, tmp_path, capsys):
     real = tmp_path / "real"
-    assert main(["delink", str(pseudo), str(real), "--optimizer-state", "rescale",
-                 "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "delink",
+                str(pseudo),
+                str(real),
+                "--optimizer-state",
+                "rescale",
+                "--target-tensor-parallel-size",
+                "2",
+                "--target-pipeline-parallel-size",
+                "2",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert f"load it with --load {real}" in capsys.readouterr().out
     meta = metadata(str(real / "iter_0000001"))
     assert meta["p2r"]["layer_module_keys"] == [0, 1, 2, 3] and meta["layout"]["tp"] == 2
     assert meta["history"][-1]["optimizer_state"] == "rescale"
-    assert main(["reshard", str(real), str(tmp_path / "split"), "--target-pipeline-layer-split", "3,1",
-                 "--no-progress"]) == 0
+    assert (
+        main(["reshard", str(real), str(tmp_path / "split"), "--target-pipeline-layer-split", "3,1", "--no-progress"])
+        == 0
+    )
     assert metadata(str(tmp_path / "split" / "iter_0000001"))["layout"]["stage_layers"] == [[0, 3], [3, 4]]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["reshard", "{src}", "{dst}", "--target-tensor-parallel-size", "3"],
-     "--target-tensor-parallel-size 3 does not divide the model's --num-attention-heads (4)"),
-    (["reshard", "{src}", "{dst}", "--target-pipeline-layer-split", "1,1"],
-     "--target-pipeline-layer-split '1,1' adds up to 2, but --num-layers is 4"),
-    (["reshard", "{src}", "{dst}", "--target-expert-parallel-size", "2"],
-     "--target-expert-parallel-size 2 needs an MoE model"),
-    (["reshard", "{missing}", "{dst}"], "the directory does not exist"),
-    (["delink", "{src}", "{src}"], "overlaps SRC"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["reshard", "{src}", "{dst}", "--target-tensor-parallel-size", "3"],
+            "--target-tensor-parallel-size 3 does not divide the model's --num-attention-heads (4)",
+        ),
+        (
+            ["reshard", "{src}", "{dst}", "--target-pipeline-layer-split", "1,1"],
+            "--target-pipeline-layer-split '1,1' adds up to 2, but --num-layers is 4",
+        ),
+        (
+            ["reshard", "{src}", "{dst}", "--target-expert-parallel-size", "2"],
+            "--target-expert-parallel-size 2 needs an MoE model",
+        ),
+        (["reshard", "{missing}", "{dst}"], "the directory does not exist"),
+        (["delink", "{src}", "{src}"], "overlaps SRC"),
+    ],
+)
 def test_errors_exit_2_with_a_message(pseudo, tmp_path, capsys, argv, message):
     argv = [a.format(src=pseudo, dst=tmp_path / "out", missing=tmp_path / "none") for a in argv]
     assert main(argv) == 2
@@ -67,10 +94,19 @@ def test_the_converter_never_touches_its_source(pseudo, tmp_path, capsys, relati
     --force on a DST holding SRC would have deleted it."""
     import shutil
     from tests.reliability.common import tree_digest
-    src = {"src is dst.tmp": tmp_path / "x.tmp", "src inside dst": tmp_path / "outer" / "src",
-           "dst inside src": tmp_path / "src", "same": tmp_path / "src"}[relation]
-    dst = {"src is dst.tmp": tmp_path / "x", "src inside dst": tmp_path / "outer", "dst inside src": src / "dst",
-           "same": src}[relation]
+
+    src = {
+        "src is dst.tmp": tmp_path / "x.tmp",
+        "src inside dst": tmp_path / "outer" / "src",
+        "dst inside src": tmp_path / "src",
+        "same": tmp_path / "src",
+    }[relation]
+    dst = {
+        "src is dst.tmp": tmp_path / "x",
+        "src inside dst": tmp_path / "outer",
+        "dst inside src": src / "dst",
+        "same": src,
+    }[relation]
     shutil.copytree(pseudo, src)
     before = tree_digest(str(src))
     rc = main(["reshard", str(src), str(dst), "--target-tensor-parallel-size", "2", "--no-progress", "--force"])
@@ -87,6 +123,7 @@ def test_force_into_the_parent_of_a_live_runs_save_is_refused(pseudo, tmp_path, 
     import shutil
     from megatron_p2r.checkpoint.lock import DirectoryLock
     from tests.reliability.common import tree_digest
+
     parent = tmp_path / "p"
     shutil.copytree(pseudo, parent / "run")
     with DirectoryLock(str(parent / "run"), "training run"):  # the live run's lock on its --save
@@ -103,6 +140,7 @@ def test_a_run_cannot_start_on_a_dst_being_converted_into(pseudo, tmp_path, monk
     from megatron_p2r.convert import reshard
     from megatron_p2r.checkpoint.errors import CheckpointError
     from megatron_p2r.lifecycle import lock_save_dir
+
     dst, refused = tmp_path / "new", []
     verify = reshard.verify
 
@@ -112,6 +150,7 @@ def test_a_run_cannot_start_on_a_dst_being_converted_into(pseudo, tmp_path, monk
             lock_save_dir(cfg, ParallelState.single())
         refused.append(True)
         return verify(*args, **kwargs)
+
     monkeypatch.setattr(reshard, "verify", start_a_run_meanwhile)
     assert main(["reshard", str(pseudo), str(dst), "--no-progress"]) == 0
     assert refused and (dst / "latest_checkpointed_iteration.txt").is_file()
@@ -123,6 +162,7 @@ def test_a_source_pruned_underneath_the_converter_is_said_so(pseudo, tmp_path, c
     file that disappeared (it said 'corrupt shard' and exit 2)."""
     import shutil
     from megatron_p2r.checkpoint import safetensors_io
+
     src = tmp_path / "src"
     shutil.copytree(pseudo, src)
     target = (safetensors_io.ShardReader, "__init__" if when == "checking headers" else "read")
@@ -133,10 +173,16 @@ def test_a_source_pruned_underneath_the_converter_is_said_so(pseudo, tmp_path, c
             os.rename(src / "iter_0000001", src / "iter_0000001.del")
             shutil.rmtree(src / "iter_0000001.del")
         return inner(*args, **kwargs)
+
     monkeypatch.setattr(*target, pruning)
-    assert main(["reshard", str(src), str(tmp_path / "out"), "--target-tensor-parallel-size", "2",
-                 "--no-progress"]) == 1
+    assert (
+        main(["reshard", str(src), str(tmp_path / "out"), "--target-tensor-parallel-size", "2", "--no-progress"]) == 1
+    )
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {src / 'iter_0000001'}/mp_rank_00_000_000.safetensors disappeared while it was "
-                          "being read") and len(err.splitlines()) == 1
+    assert (
+        err.startswith(
+            f"error: {src / 'iter_0000001'}/mp_rank_00_000_000.safetensors disappeared while it was being read"
+        )
+        and len(err.splitlines()) == 1
+    )
     assert not (tmp_path / "out").exists()

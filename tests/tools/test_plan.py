@@ -1,5 +1,6 @@
 """p2r-plan end to end (in-process): the 10T example side by side, JSON, meta verification of
 a 512-rank layout, a plan that does not fit, and bad flags."""
+
 from __future__ import annotations
 
 import json
@@ -8,14 +9,25 @@ import pytest
 
 from tools.plan import main, parse_count
 
-TEN_T = ["--config", "examples/m6_10t/model.yaml", "--pseudo-config", "examples/m6_10t/pseudo.yaml",
-         "--real-config", "examples/m6_10t/real.yaml", "--world-size", "512", "--gpu", "V100-32GB"]
+TEN_T = [
+    "--config",
+    "examples/m6_10t/model.yaml",
+    "--pseudo-config",
+    "examples/m6_10t/pseudo.yaml",
+    "--real-config",
+    "examples/m6_10t/real.yaml",
+    "--world-size",
+    "512",
+    "--gpu",
+    "V100-32GB",
+]
 
 
 def test_10t_plan_table_and_verification(capsys):
     # exit 1: the real phase's offloaded state does not fit the V100 node's host memory
-    assert main(TEN_T + ["--token-budget", "50B", "--verify-rank", "0", "--verify-rank", "511",
-                         "--verify-all-ranks"]) == 1
+    assert (
+        main(TEN_T + ["--token-budget", "50B", "--verify-rank", "0", "--verify-rank", "511", "--verify-all-ranks"]) == 1
+    )
     out = capsys.readouterr().out
     assert "== pseudo phase: 512 x V100-32GB" in out and "== real phase: 512 x V100-32GB" in out
     assert "10,056,361,445,376 parameters" in out and "offloaded to host: 47 layers" in out
@@ -30,8 +42,15 @@ def test_json_has_both_phases_and_every_category(capsys):
     assert data["ok"] is False and set(data["plans"]) == {"pseudo", "real"}
     assert data["plans"]["pseudo"]["fits"] and not data["plans"]["real"]["fits"]
     real = data["plans"]["real"]["stages"][0]
-    assert set(real["device"]) == {"reserve", "params", "grads", "optimizer", "fetch_window", "activations",
-                                   "transient"}
+    assert set(real["device"]) == {
+        "reserve",
+        "params",
+        "grads",
+        "optimizer",
+        "fetch_window",
+        "activations",
+        "transient",
+    }
     # fp16 weights (2 B) on host with their fp32 mains and moments (12 B)
     assert real["host"]["optimizer"] == 6 * real["host"]["params"] > 0
     assert set(real["comm_bytes"]) == {"tp", "dp", "ep", "expert_dp", "pp", "embedding", "sharing", "tp_partial"}
@@ -40,15 +59,36 @@ def test_json_has_both_phases_and_every_category(capsys):
 
 
 def test_without_phase_files_plans_the_other_phase_too(capsys):
-    argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-            "--vocab-size", "256", "--p2r-phase", "pseudo", "--share-pattern", "all",
-            "--pipeline-model-parallel-size", "2", "--world-size", "4", "--gpu", "H100-80GB"]
+    argv = [
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--vocab-size",
+        "256",
+        "--p2r-phase",
+        "pseudo",
+        "--share-pattern",
+        "all",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--world-size",
+        "4",
+        "--gpu",
+        "H100-80GB",
+    ]
     assert main(argv + ["--json"]) == 0
     plans = json.loads(capsys.readouterr().out)["plans"]
     assert list(plans) == ["pseudo", "real"]
     assert plans["pseudo"]["logical_parameters"] < plans["real"]["logical_parameters"]
     # the pseudo slot lives on both stages: its gradient goes over the "sharing" group
-    assert plans["pseudo"]["stages"][0]["comm_bytes"]["sharing"] > 0 == plans["real"]["stages"][0]["comm_bytes"]["sharing"]
+    assert (
+        plans["pseudo"]["stages"][0]["comm_bytes"]["sharing"] > 0 == plans["real"]["stages"][0]["comm_bytes"]["sharing"]
+    )
 
 
 def test_does_not_fit_exit_status_and_message(capsys):
@@ -66,8 +106,18 @@ def test_bad_input(capsys):
     assert "outside the world of 512 ranks" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("text,value", [("50e9", 5e10), ("5E10", 5e10), ("1.5e+10", 1.5e10), ("2.5E-3T", 2.5e9),
-                                        ("50B", 5e10), ("1.2T", 1.2e12), (".5k", 500.0)])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("50e9", 5e10),
+        ("5E10", 5e10),
+        ("1.5e+10", 1.5e10),
+        ("2.5E-3T", 2.5e9),
+        ("50B", 5e10),
+        ("1.2T", 1.2e12),
+        (".5k", 500.0),
+    ],
+)
 def test_token_budget_formats(text, value):
     assert parse_count(text) == pytest.approx(value)
 
@@ -75,17 +125,21 @@ def test_token_budget_formats(text, value):
 def test_p2r_cost_ratio_and_break_even(capsys):
     """r is the real plan's step time over the pseudo plan's; the break-even is s(1 - 1/r) with
     s = 10% of the run (--token-budget / tokens per step) unless --p2r-switch-iters says."""
-    assert main(TEN_T + ["--token-budget", "50B", "--json"]) == 1   # the real phase overflows the host
+    assert main(TEN_T + ["--token-budget", "50B", "--json"]) == 1  # the real phase overflows the host
     data = json.loads(capsys.readouterr().out)
     real, pseudo, p2r = data["plans"]["real"], data["plans"]["pseudo"], data["p2r"]
     assert p2r["r"] == real["step_time_s"] / pseudo["step_time_s"] > 1  # the 10T real phase offloads
-    assert p2r["total_iters"] == round(50e9 / real["tokens_per_step"]) and p2r["switch_iters"] == p2r["total_iters"] // 10
+    assert (
+        p2r["total_iters"] == round(50e9 / real["tokens_per_step"]) and p2r["switch_iters"] == p2r["total_iters"] // 10
+    )
     assert p2r["break_even_extra_steps"] == p2r["switch_iters"] * (1 - 1 / p2r["r"])
     assert main(TEN_T + ["--token-budget", "50B", "--p2r-switch-iters", "1000"]) == 1
     out = capsys.readouterr().out
     assert f"r = {p2r['r']:.3f}" in out
-    assert f"delinking after 1,000 of {p2r['total_iters']:,} steps (--p2r-switch-iters): break-even s(1 - 1/r) = " \
-           f"{1000 * (1 - 1 / p2r['r']):,.0f} steps" in out
+    assert (
+        f"delinking after 1,000 of {p2r['total_iters']:,} steps (--p2r-switch-iters): break-even s(1 - 1/r) = "
+        f"{1000 * (1 - 1 / p2r['r']):,.0f} steps" in out
+    )
     assert main(TEN_T + ["--p2r-switch-iters", "0"]) == 2
     assert "--p2r-switch-iters must be >= 1" in capsys.readouterr().err
     assert main(TEN_T + ["--train-iters", "1000", "--p2r-switch-iters", "1001"]) == 2

@@ -1,6 +1,7 @@
 """Host memory is a tier of the verdict: each GPU preset carries its node's host memory, the
 per-GPU and per-node overrides set it, and a plan whose offloaded state overflows a node does
 not fit, with the tier and the excess named in the text and in ``--json``."""
+
 from __future__ import annotations
 
 import json
@@ -12,12 +13,42 @@ from megatron_p2r.planning.hardware import GPU_PRESETS, GiB, TiB
 from megatron_p2r.planning.verdict import host_tier
 from tools.plan import main
 
-TEN_T = ["--config", "examples/m6_10t/model.yaml", "--pseudo-config", "examples/m6_10t/pseudo.yaml",
-         "--real-config", "examples/m6_10t/real.yaml", "--world-size", "512", "--gpu", "V100-32GB"]
+TEN_T = [
+    "--config",
+    "examples/m6_10t/model.yaml",
+    "--pseudo-config",
+    "examples/m6_10t/pseudo.yaml",
+    "--real-config",
+    "examples/m6_10t/real.yaml",
+    "--world-size",
+    "512",
+    "--gpu",
+    "V100-32GB",
+]
 # Two pipeline stages, each offloading a layer, on 12 GPUs: a full node of 8 and a node of 4.
-SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--vocab-size", "256", "--p2r-phase", "real", "--cpu-offload-layers", "2", "--fp16",
-         "--pipeline-model-parallel-size", "2", "--world-size", "12", "--gpu", "V100-32GB"]
+SMALL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--vocab-size",
+    "256",
+    "--p2r-phase",
+    "real",
+    "--cpu-offload-layers",
+    "2",
+    "--fp16",
+    "--pipeline-model-parallel-size",
+    "2",
+    "--world-size",
+    "12",
+    "--gpu",
+    "V100-32GB",
+]
 
 
 def plan_json(argv, capsys) -> tuple:
@@ -27,7 +58,11 @@ def plan_json(argv, capsys) -> tuple:
 
 def test_presets_carry_their_node():
     assert {name: (g.gpus_per_node, g.host_memory_per_node) for name, g in GPU_PRESETS.items()} == {
-        "V100-32GB": (8, 768 * GiB), "A100-80GB": (8, TiB), "H100-80GB": (8, 2 * TiB), "H200-141GB": (8, 2 * TiB)}
+        "V100-32GB": (8, 768 * GiB),
+        "A100-80GB": (8, TiB),
+        "H100-80GB": (8, 2 * TiB),
+        "H200-141GB": (8, 2 * TiB),
+    }
 
 
 @pytest.mark.parametrize("preset,fits", [("V100-32GB", False), ("A100-80GB", True), ("H100-80GB", True)])
@@ -50,8 +85,10 @@ def test_the_10t_real_phase_overflows_the_v100_node(capsys):
     assert gpu["fits"] and gpu["over"] == 0 and gpu["capacity"] == GPU_PRESETS["V100-32GB"].memory
     assert main(TEN_T) == 1
     out = capsys.readouterr().out
-    assert f"DOES NOT FIT: host overflows by {host['over'] / GiB:.2f} GiB: node 0 (ranks 0-7) needs " \
-           f"{host['need'] / GiB:.2f} of 768.00 GiB; GPU fits: rank 0 (stage 0) needs" in out
+    assert (
+        f"DOES NOT FIT: host overflows by {host['over'] / GiB:.2f} GiB: node 0 (ranks 0-7) needs "
+        f"{host['need'] / GiB:.2f} of 768.00 GiB; GPU fits: rank 0 (stage 0) needs" in out
+    )
     assert "does not fit on host: node 0 (ranks 0-7) holds" in out
 
 
@@ -92,16 +129,25 @@ def test_host_flags_are_exclusive(capsys):
 # example -> (real-phase file, extra flags, exit status) of each command its README shows, in order;
 # the README shows both phases' verdicts of the first and the real phase's of the others
 BF16_GRADS = ["--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"]
-README_COMMANDS = {"m6_10t": [("real.yaml", [], 1), ("real_lean.yaml", ["--host-memory", "192GiB"], 0),
-                              ("real_lean.yaml", ["--host-memory", "96GiB", "--cpu-offload-optimizer-nvme-path",
-                                                  "/local/nvme"], 1),
-                              ("real_lean.yaml", ["--host-memory", "96GiB", "--cpu-offload-optimizer-nvme-path",
-                                                  "/local/nvme", *BF16_GRADS], 0),
-                              ("real_lean.yaml", ["--host-memory", "192GiB", *BF16_GRADS,
-                                                  "--cpu-offload-delayed-param-update"], 0),
-                              ("real_lean.yaml", ["--host-node", "DGX-2", "--gpus-per-node", "16", *BF16_GRADS,
-                                                  "--cpu-offload-delayed-param-update"], 1)],
-                   "m6_1t": [("real.yaml", [], 0)]}
+README_COMMANDS = {
+    "m6_10t": [
+        ("real.yaml", [], 1),
+        ("real_lean.yaml", ["--host-memory", "192GiB"], 0),
+        ("real_lean.yaml", ["--host-memory", "96GiB", "--cpu-offload-optimizer-nvme-path", "/local/nvme"], 1),
+        (
+            "real_lean.yaml",
+            ["--host-memory", "96GiB", "--cpu-offload-optimizer-nvme-path", "/local/nvme", *BF16_GRADS],
+            0,
+        ),
+        ("real_lean.yaml", ["--host-memory", "192GiB", *BF16_GRADS, "--cpu-offload-delayed-param-update"], 0),
+        (
+            "real_lean.yaml",
+            ["--host-node", "DGX-2", "--gpus-per-node", "16", *BF16_GRADS, "--cpu-offload-delayed-param-update"],
+            1,
+        ),
+    ],
+    "m6_1t": [("real.yaml", [], 0)],
+}
 
 
 # the other printed lines a README quotes (each must be one of its commands' lines)
@@ -115,9 +161,21 @@ def test_example_readmes_show_the_verdicts_their_command_prints(example, capsys)
     shown = [line for line in readme if line.strip().startswith(("FITS: ", "DOES NOT FIT: "))]
     printed, lines = [], set()
     for i, (real, extra, status) in enumerate(README_COMMANDS[example]):
-        argv = ["--config", f"examples/{example}/model.yaml", "--pseudo-config", f"examples/{example}/pseudo.yaml",
-                "--real-config", f"examples/{example}/{real}", "--world-size", "512", "--gpu", "V100-32GB",
-                "--token-budget", "50B", *extra]
+        argv = [
+            "--config",
+            f"examples/{example}/model.yaml",
+            "--pseudo-config",
+            f"examples/{example}/pseudo.yaml",
+            "--real-config",
+            f"examples/{example}/{real}",
+            "--world-size",
+            "512",
+            "--gpu",
+            "V100-32GB",
+            "--token-budget",
+            "50B",
+            *extra,
+        ]
         assert main(argv) == status
         out = capsys.readouterr().out.splitlines()
         lines.update(out)

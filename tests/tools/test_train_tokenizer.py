@@ -33,9 +33,24 @@ def corpus(tmp_path_factory):
 @pytest.mark.parametrize("model_type", ["bpe", "unigram"])
 def test_train_load_round_trip(corpus, tmp_path, model_type, capsys):
     prefix = tmp_path / "tok" / "m"
-    assert train_tokenizer.main(["--input", str(corpus / "a.jsonl"), str(corpus / "b.txt.gz"),
-                                 "--model-prefix", str(prefix), "--vocab-size", "400",
-                                 "--model-type", model_type, "--num-threads", "1"]) == 0
+    assert (
+        train_tokenizer.main(
+            [
+                "--input",
+                str(corpus / "a.jsonl"),
+                str(corpus / "b.txt.gz"),
+                "--model-prefix",
+                str(prefix),
+                "--vocab-size",
+                "400",
+                "--model-type",
+                model_type,
+                "--num-threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     assert "a.jsonl:61" in err and "a.jsonl:62" in err and "skipped 2 bad jsonl line(s)" in err
     tok = build_tokenizer(DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=f"{prefix}.model"))
@@ -47,11 +62,20 @@ def test_train_load_round_trip(corpus, tmp_path, model_type, capsys):
 
 
 def test_refuses_to_overwrite(corpus, tmp_path, capsys):
-    argv = ["--input", str(corpus / "b.txt.gz"), "--model-prefix", str(tmp_path / "m"), "--vocab-size", "300",
-            "--num-threads", "1"]
+    argv = [
+        "--input",
+        str(corpus / "b.txt.gz"),
+        "--model-prefix",
+        str(tmp_path / "m"),
+        "--vocab-size",
+        "300",
+        "--num-threads",
+        "1",
+    ]
     (tmp_path / "m.model").write_bytes(b"keep me")
     assert "m.model already exists" in bad_input_error(train_tokenizer.main, argv, capsys)
     assert (tmp_path / "m.model").read_bytes() == b"keep me"
-    line = bad_input_error(train_tokenizer.main,
-                           ["--input", tmp_path / "missing.txt", "--model-prefix", tmp_path / "x"], capsys)
+    line = bad_input_error(
+        train_tokenizer.main, ["--input", tmp_path / "missing.txt", "--model-prefix", tmp_path / "x"], capsys
+    )
     assert re.search(r"--input .*missing\.txt: no such file", line)

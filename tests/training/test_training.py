@@ -1,4 +1,5 @@
 """The training loop: DP=2 and TP=2 x DP=2 reproduce one process; fp16 loss scaling; logging."""
+
 import json
 
 import pytest
@@ -9,10 +10,16 @@ from megatron_p2r.optim.grad_scaler import LossScaler
 from megatron_p2r.parallel.state import Layout, ParallelState
 from tests.harness import run_distributed
 from megatron_p2r.training import ExitSignal, build_train_state, setup_parallel, train_step
-from tests.helpers import (expected_shard, keep_first_step_grads, random_microbatches, reference_config, run_steps,
-                           tiny_config)
+from tests.helpers import (
+    expected_shard,
+    keep_first_step_grads,
+    random_microbatches,
+    reference_config,
+    run_steps,
+    tiny_config,
+)
 
-CLIP = 0.5   # --clip-grad below every step's gradient norm
+CLIP = 0.5  # --clip-grad below every step's gradient norm
 
 
 def _data_parallel(rank, world, tp):
@@ -20,15 +27,25 @@ def _data_parallel(rank, world, tp):
     ps, _ = setup_parallel(cfg, torch.device("cpu"))
     grads, ref_grads, outs, ref_outs = {}, {}, [], []
     losses, state = run_steps(cfg, ps, 3, after_step=keep_first_step_grads(grads), outputs=outs)
-    ref_losses, ref_state = run_steps(reference_config(cfg), ParallelState.single(), 3,
-                                      after_step=keep_first_step_grads(ref_grads), outputs=ref_outs)
+    ref_losses, ref_state = run_steps(
+        reference_config(cfg), ParallelState.single(), 3, after_step=keep_first_step_grads(ref_grads), outputs=ref_outs
+    )
     ref_params = dict(ref_state.model.named_parameters())
-    weight_err = max((p.detach() - expected_shard(ref_params[n].detach(), p, ps)).abs().max().item()
-                     for n, p in state.model.named_parameters())
-    grad_err = max((grads[n] - expected_shard(ref_grads[n], p, ps)).abs().max().item()
-                   for n, p in state.model.named_parameters())
-    return {"losses": losses, "ref_losses": ref_losses, "weight_err": weight_err, "grad_err": grad_err,
-            "norms": [o["grad_norm"] for o in outs], "ref_norms": [o["grad_norm"] for o in ref_outs]}
+    weight_err = max(
+        (p.detach() - expected_shard(ref_params[n].detach(), p, ps)).abs().max().item()
+        for n, p in state.model.named_parameters()
+    )
+    grad_err = max(
+        (grads[n] - expected_shard(ref_grads[n], p, ps)).abs().max().item() for n, p in state.model.named_parameters()
+    )
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "weight_err": weight_err,
+        "grad_err": grad_err,
+        "norms": [o["grad_norm"] for o in outs],
+        "ref_norms": [o["grad_norm"] for o in ref_outs],
+    }
 
 
 @pytest.mark.parametrize("world,tp", [(2, 1), (4, 2)])
@@ -41,7 +58,7 @@ def test_data_parallel_reproduces_single_process(world, tp):
     for r in run_distributed(_data_parallel, world, tp):
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
         assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5)
-        assert min(r["ref_norms"]) > CLIP     # every step clips: the clipping path is exercised
+        assert min(r["ref_norms"]) > CLIP  # every step clips: the clipping path is exercised
         assert r["grad_err"] < 1e-6, r["grad_err"]
         assert r["weight_err"] < 1e-4  # Adam divides by sqrt(v): tiny-gradient elements amplify rounding
 
@@ -62,8 +79,9 @@ def test_train_step_gives_moe_router_losses_the_schedules_backward_scale(monkeyp
     must receive loss scale / micro-batches (router losses averaged over micro-batches)."""
     calls = []
     monkeypatch.setattr(aux_loss, "set_backward_scale", calls.append)
-    cfg = tiny_config(fp16=True, initial_loss_scale=1024.0, num_experts=4, moe_ffn_hidden_size=24,
-                      moe_aux_loss_coeff=0.01)
+    cfg = tiny_config(
+        fp16=True, initial_loss_scale=1024.0, num_experts=4, moe_ffn_hidden_size=24, moe_aux_loss_coeff=0.01
+    )
     train_step(build_train_state(cfg, ParallelState.single()), random_microbatches(cfg, 4, 2))
     assert calls == [1024.0 / 4]
 
@@ -88,9 +106,17 @@ def test_loss_scaler_grows_after_window():
 
 def test_single_process_pretrain_logs_jsonl(tmp_path):
     from megatron_p2r.training import pretrain
+
     log = tmp_path / "m.jsonl"
-    cfg = tiny_config(train_iters=4, log_interval=2, log_file=str(log), eval_interval=4, eval_iters=1,
-                      tensorboard_dir=str(tmp_path / "tb"), global_batch_size=4)
+    cfg = tiny_config(
+        train_iters=4,
+        log_interval=2,
+        log_file=str(log),
+        eval_interval=4,
+        eval_iters=1,
+        tensorboard_dir=str(tmp_path / "tb"),
+        global_batch_size=4,
+    )
     result = pretrain(cfg)
     records = [json.loads(line) for line in log.read_text().splitlines()]
     train_records = [r for r in records if "lm_loss" in r]
@@ -98,8 +124,9 @@ def test_single_process_pretrain_logs_jsonl(tmp_path):
     for key in ("iteration", "lm_loss", "lr", "grad_norm", "tokens_per_s", "tflops"):
         assert key in train_records[0]
     losses = result["losses"]  # a record averages the losses of its log interval, as Megatron's line does
-    assert [r["lm_loss"] for r in train_records] == pytest.approx([(losses[0] + losses[1]) / 2,
-                                                                   (losses[2] + losses[3]) / 2])
+    assert [r["lm_loss"] for r in train_records] == pytest.approx(
+        [(losses[0] + losses[1]) / 2, (losses[2] + losses[3]) / 2]
+    )
     assert any("eval_loss" in r for r in records)
     assert list((tmp_path / "tb").iterdir())  # TensorBoard event file written
 
@@ -108,9 +135,11 @@ def test_single_process_pretrain_logs_jsonl(tmp_path):
 def test_eval_iters_0_trains_without_validation(tmp_path, data):
     """Megatron-LM's --eval-iters 0: no validation set is built and --eval-interval evaluates nothing."""
     from megatron_p2r.training import build_datasets, pretrain
+
     cfg = tiny_config(train_iters=2, eval_interval=1, eval_iters=0, global_batch_size=2)
     if data == "indexed":
         from tests.data.test_gpt_dataset import make_dataset
+
         make_dataset(tmp_path / "corpus", [40] * 20)
         cfg = cfg.replace(mock_data=False, data_path=[str(tmp_path / "corpus")], split="90,10,0", vocab_size=1000)
     assert build_datasets(cfg, ParallelState.single())[1] is None
@@ -121,5 +150,6 @@ def test_eval_iters_0_trains_without_validation(tmp_path, data):
 def test_eval_only_with_eval_iters_0_is_refused():
     from megatron_p2r.config import ConfigError
     from megatron_p2r.config.validation import validate
+
     with pytest.raises(ConfigError, match="--eval-only evaluates --eval-iters batches: 0 evaluates nothing"):
         validate(tiny_config(eval_only=True, eval_iters=0), 1)

@@ -13,6 +13,7 @@ Comparisons are *paired*: each seed's target is the final held-out loss of real-
 with that seed (same initialisation seed, same data order, same held-out set), and an arm's
 cost to reach it is divided by that scratch run's own cost to reach it.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -21,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from tools.p2r_study.heldout import clustered_se, paired_se
 from megatron_p2r.planning.breakeven import break_even_extra_steps
 
-BUDGET = "@budget"   # a kind's suffix: the same phase run under --device-memory-budget
+BUDGET = "@budget"  # a kind's suffix: the same phase run under --device-memory-budget
 
 
 def crossing_step(points: Sequence[Sequence[float]], target: float) -> Optional[float]:
@@ -80,8 +81,13 @@ def early_phases(run: dict, timing: Dict[str, float], real_kind: str, suffix: st
     return [(p["end"] - p["start"], real / timing[p["kind"] + suffix]) for p in run["phases"][:-1]]
 
 
-def paired(runs: Sequence[dict], timing: Dict[str, float], tokens_per_step: Dict[str, int],
-           scratch_arm: str, documents: Optional[Sequence[int]] = None) -> Dict[tuple, dict]:
+def paired(
+    runs: Sequence[dict],
+    timing: Dict[str, float],
+    tokens_per_step: Dict[str, int],
+    scratch_arm: str,
+    documents: Optional[Sequence[int]] = None,
+) -> Dict[tuple, dict]:
     """(model, arm) -> per-seed figures against that seed's scratch run: final loss, its standard
     error on the held-out set, its difference from scratch's and that difference's paired standard
     error (and document-clustered, given each held-out sample's ``documents``); cost-to-target ratios (None where the target is not reached) and the FLOPs ratio a
@@ -96,9 +102,21 @@ def paired(runs: Sequence[dict], timing: Dict[str, float], tokens_per_step: Dict
         base_cost = costs_to(crossing_step(base["points"], target), base["phases"], tps, timing)
         step = crossing_step(run["points"], target)
         cost = costs_to(step, run["phases"], tps, timing) if step is not None else None
-        entry = out.setdefault((run["model"], run["arm"]), {"seeds": [], "final": [], "se": [], "delta": [],
-                                                             "delta_se": [], "delta_dse": [], "ratios": {},
-                                                             "last_step_flops": [], "allowed": [], "extra": []})
+        entry = out.setdefault(
+            (run["model"], run["arm"]),
+            {
+                "seeds": [],
+                "final": [],
+                "se": [],
+                "delta": [],
+                "delta_se": [],
+                "delta_dse": [],
+                "ratios": {},
+                "last_step_flops": [],
+                "allowed": [],
+                "extra": [],
+            },
+        )
         entry["seeds"].append(run["seed"])
         entry["final"].append(run["points"][-1][1])
         entry["se"].append(run["points"][-1][2])
@@ -116,8 +134,9 @@ def paired(runs: Sequence[dict], timing: Dict[str, float], tokens_per_step: Dict
     return out
 
 
-def matched(runs: Sequence[dict], control_of: Callable[[str], Optional[str]],
-            documents: Optional[Sequence[int]] = None) -> Dict[tuple, dict]:
+def matched(
+    runs: Sequence[dict], control_of: Callable[[str], Optional[str]], documents: Optional[Sequence[int]] = None
+) -> Dict[tuple, dict]:
     """(model, arm) -> the arm's final loss minus that of its compute-matched control (the run
     ``control_of(arm)`` names), per seed, with the paired (and document-clustered) standard error."""
     by_key = {(r["model"], r["arm"], r["seed"]): r for r in runs}
@@ -126,8 +145,7 @@ def matched(runs: Sequence[dict], control_of: Callable[[str], Optional[str]],
         control = by_key.get((run["model"], control_of(run["arm"]), run["seed"]))
         if control is None:
             continue
-        entry = out.setdefault((run["model"], run["arm"]), {"seeds": [], "delta": [], "delta_se": [],
-                                                             "delta_dse": []})
+        entry = out.setdefault((run["model"], run["arm"]), {"seeds": [], "delta": [], "delta_se": [], "delta_dse": []})
         entry["seeds"].append(run["seed"])
         entry["delta"].append(run["points"][-1][1] - control["points"][-1][1])
         entry["delta_se"].append(paired_se(run["final_losses"], control["final_losses"]))
@@ -151,6 +169,7 @@ def difference_curve(run: dict, scratch: dict) -> tuple:
     """(steps, the run's held-out loss minus scratch's at each of its evaluations): scratch's curve
     is linear between its evaluations, so a conversion's extra point is compared too."""
     import numpy as np
+
     steps = [p[0] for p in run["points"]]
     base = np.interp(steps, [p[0] for p in scratch["points"]], [p[1] for p in scratch["points"]])
     return steps, [p[1] - b for p, b in zip(run["points"], base, strict=True)]

@@ -7,6 +7,7 @@ the noisy delink and growth x2, each switch at 10% (P2R) and 25% (growth). Every
 gets a compute-matched control: real from scratch whose schedule ends and decays at the
 growth arm's training FLOPs, so a growth win is not just a shorter schedule decayed sooner.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,9 +41,9 @@ class Shape:
 class Phase:
     """One training phase of an arm and the conversion into the next one."""
 
-    until: float                  # fraction of --iters at which it ends
-    shallower: int = 1            # the model's layers / this phase's layers (growth)
-    pattern: str = "none"         # share pattern; none: the real model
+    until: float  # fraction of --iters at which it ends
+    shallower: int = 1  # the model's layers / this phase's layers (growth)
+    pattern: str = "none"  # share pattern; none: the real model
     convert: Tuple[str, ...] = ()  # converter command and options into the next phase
 
 
@@ -56,8 +57,10 @@ def parse_shape(text: str) -> Tuple[str, Shape]:
         raise ArmError(f"--model {text!r}: expected NAME=LAYERSxHIDDEN[@BUDGET], e.g. deep=24x64@12MiB")
     layers, hidden = int(m.group(2)), int(m.group(3))
     if layers < 1 or hidden < HEADS or hidden % HEADS:
-        raise ArmError(f"--model {text!r}: needs at least one layer and a hidden size that is a multiple of "
-                         f"the {HEADS} attention heads")
+        raise ArmError(
+            f"--model {text!r}: needs at least one layer and a hidden size that is a multiple of "
+            f"the {HEADS} attention heads"
+        )
     return m.group(1), Shape(layers, hidden, m.group(4))
 
 
@@ -70,19 +73,26 @@ def p2r_arms(kinds: Sequence[str], at: float) -> Dict[str, List[Phase]]:
     if "p2r" in kinds:
         out[f"P2R at {_pct(at)}"] = [Phase(at, pattern="all", convert=("delink",)), Phase(1.0)]
     if "p2r-noise" in kinds:
-        out[f"P2R at {_pct(at)}, noise + re-warm-up"] = [Phase(at, pattern="all", convert=("delink", *SYMMETRY)),
-                                                       Phase(1.0)]
+        out[f"P2R at {_pct(at)}, noise + re-warm-up"] = [
+            Phase(at, pattern="all", convert=("delink", *SYMMETRY)),
+            Phase(1.0),
+        ]
     if "progressive" in kinds:
         first, second = at / 2, at * 1.5
         name = "progressive all→cycle:4→none" + ("" if at == 0.1 else f" at {_pct(first)}/{_pct(second)}")
-        out[name] = [Phase(first, pattern="all", convert=("delink", "--target-share-pattern", "cycle:4")),
-                     Phase(second, pattern="cycle:4", convert=("delink", *SYMMETRY)), Phase(1.0)]
+        out[name] = [
+            Phase(first, pattern="all", convert=("delink", "--target-share-pattern", "cycle:4")),
+            Phase(second, pattern="cycle:4", convert=("delink", *SYMMETRY)),
+            Phase(1.0),
+        ]
     return out
 
 
 def grow_arm(factor: int, at: float) -> Tuple[str, List[Phase]]:
-    return (f"grow ×{factor} (stack) at {_pct(at)}",
-            [Phase(at, shallower=factor, convert=("grow", "--lr-rewarmup-iters", "{rewarmup}")), Phase(1.0)])
+    return (
+        f"grow ×{factor} (stack) at {_pct(at)}",
+        [Phase(at, shallower=factor, convert=("grow", "--lr-rewarmup-iters", "{rewarmup}")), Phase(1.0)],
+    )
 
 
 def flops_fraction(plan: Sequence[Phase], flops_per_token: Callable[[int], float], layers: int) -> float:
@@ -94,8 +104,14 @@ def flops_fraction(plan: Sequence[Phase], flops_per_token: Callable[[int], float
     return total / flops_per_token(layers)
 
 
-def build_arms(shape: Shape, kinds: Sequence[str], p2r_at: Sequence[float], grow_at: Sequence[float],
-               grow_factors: Sequence[int], flops_per_token: Callable[[int], float]) -> Dict[str, List[Phase]]:
+def build_arms(
+    shape: Shape,
+    kinds: Sequence[str],
+    p2r_at: Sequence[float],
+    grow_at: Sequence[float],
+    grow_factors: Sequence[int],
+    flops_per_token: Callable[[int], float],
+) -> Dict[str, List[Phase]]:
     """Arm name -> phases for one model, real from scratch first (the reference of every other arm);
     growth factors that do not divide its layers are refused."""
     unknown = sorted(set(kinds) - set(ARM_KINDS))
@@ -111,8 +127,9 @@ def build_arms(shape: Shape, kinds: Sequence[str], p2r_at: Sequence[float], grow
     if "grow" in kinds or "matched" in kinds:
         for factor in grow_factors:
             if factor < 2 or shape.layers % factor:
-                raise ArmError(f"--grow-factors {factor}: must be at least 2 and divide the model's "
-                                 f"{shape.layers} layers")
+                raise ArmError(
+                    f"--grow-factors {factor}: must be at least 2 and divide the model's {shape.layers} layers"
+                )
             grown.update(grow_arm(factor, at) for at in grow_at)
     if "grow" in kinds:
         arms.update(grown)
@@ -124,4 +141,3 @@ def build_arms(shape: Shape, kinds: Sequence[str], p2r_at: Sequence[float], grow
 
 def is_control(arm: str) -> bool:
     return arm.startswith(CONTROL_PREFIX)
-

@@ -28,6 +28,7 @@ continues where it stopped) and ``--out`` (default ``WORK/report``): ``<out>/<na
 records the data given and its SHA-256: a ``--work`` built from other data or settings is
 refused, and so is a report that would replace one this ``--work`` did not write.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,25 +54,45 @@ class StudyError(ValueError):
 def add_corpus_options(p: argparse.ArgumentParser) -> None:
     """The corpus and its held-out set (shared with benchmarks/lean_optimizers.py)."""
     data = p.add_argument_group("corpus")
-    data.add_argument("--data-path", help="Megatron .bin/.idx prefix, or a .jsonl(.gz) to preprocess (default: "
-                                          "the demo corpus)")
-    data.add_argument("--tokenizer-type", help="as pretrain_m6.py's (default for a jsonl: a 4000-piece "
-                                               "SentencePiece BPE trained on it)")
+    data.add_argument(
+        "--data-path", help="Megatron .bin/.idx prefix, or a .jsonl(.gz) to preprocess (default: the demo corpus)"
+    )
+    data.add_argument(
+        "--tokenizer-type",
+        help="as pretrain_m6.py's (default for a jsonl: a 4000-piece SentencePiece BPE trained on it)",
+    )
     data.add_argument("--tokenizer-model", help="as pretrain_m6.py's")
-    data.add_argument("--valid-data-path", help="held-out prefix or jsonl (default: --valid-fraction of "
-                                                "--data-path's documents)")
-    data.add_argument("--valid-fraction", type=float, default=0.05,
-                      help="documents held out from --data-path when there is no --valid-data-path")
-    data.add_argument("--held-out", choices=p2r_corpus.HELD_OUT_MODES, default="documents",
-                      help="which documents: a seeded random sample (the rest is trained on, both copied under "
-                           "--work), or the last ones (Megatron-LM's --split rule; risky for a sorted corpus)")
+    data.add_argument(
+        "--valid-data-path", help="held-out prefix or jsonl (default: --valid-fraction of --data-path's documents)"
+    )
+    data.add_argument(
+        "--valid-fraction",
+        type=float,
+        default=0.05,
+        help="documents held out from --data-path when there is no --valid-data-path",
+    )
+    data.add_argument(
+        "--held-out",
+        choices=p2r_corpus.HELD_OUT_MODES,
+        default="documents",
+        help="which documents: a seeded random sample (the rest is trained on, both copied under "
+        "--work), or the last ones (Megatron-LM's --split rule; risky for a sorted corpus)",
+    )
     data.add_argument("--held-out-seed", type=int, default=1234, help="the seed of --held-out documents")
-    data.add_argument("--eval-samples", type=int, default=256,
-                      help="held-out samples every checkpoint is evaluated on (sets the standard error)")
+    data.add_argument(
+        "--eval-samples",
+        type=int,
+        default=256,
+        help="held-out samples every checkpoint is evaluated on (sets the standard error)",
+    )
     data.add_argument("--corpus-bytes", type=int, default=6_000_000, help="size of the demo corpus")
-    data.add_argument("--demo-source", choices=sorted(p2r_corpus.DEMO_NAMES), default="code",
-                      help="the demo corpus without --data-path: the stdlib's code, or its documentation in English "
-                           "(tools/build_demo_corpus.py --source)")
+    data.add_argument(
+        "--demo-source",
+        choices=sorted(p2r_corpus.DEMO_NAMES),
+        default="code",
+        help="the demo corpus without --data-path: the stdlib's code, or its documentation in English "
+        "(tools/build_demo_corpus.py --source)",
+    )
 
 
 def add_training_options(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -89,17 +110,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="p2r-study", description=__doc__.splitlines()[0], allow_abbrev=False)
     add_corpus_options(p)
     arms = p.add_argument_group("arms")
-    arms.add_argument("--model", action="append", metavar="NAME=LAYERSxHIDDEN[@BUDGET]",
-                      help=f"a model shape, repeatable (default {' '.join(p2r_arms.DEFAULT_SHAPES)}); @BUDGET "
-                           "adds the memory-budget scenario to the timing run")
+    arms.add_argument(
+        "--model",
+        action="append",
+        metavar="NAME=LAYERSxHIDDEN[@BUDGET]",
+        help=f"a model shape, repeatable (default {' '.join(p2r_arms.DEFAULT_SHAPES)}); @BUDGET "
+        "adds the memory-budget scenario to the timing run",
+    )
     arms.add_argument("--models", nargs="+", help="which of the shapes to run (default all)")
-    arms.add_argument("--arms", nargs="+", choices=p2r_arms.ARM_KINDS, dest="arm_kinds",
-                      help="arm kinds besides real from scratch (default: deep all, other shapes p2r-noise grow "
-                           "matched)")
+    arms.add_argument(
+        "--arms",
+        nargs="+",
+        choices=p2r_arms.ARM_KINDS,
+        dest="arm_kinds",
+        help="arm kinds besides real from scratch (default: deep all, other shapes p2r-noise grow matched)",
+    )
     arms.add_argument("--p2r-at", type=float, nargs="+", default=[0.1], help="delink points, fractions of --iters")
     arms.add_argument("--grow-at", type=float, nargs="+", default=[0.25], help="growth points, fractions of --iters")
-    arms.add_argument("--grow-factors", type=int, nargs="+",
-                      help="growth depth factors (default: deep 4, other shapes 2)")
+    arms.add_argument(
+        "--grow-factors", type=int, nargs="+", help="growth depth factors (default: deep 4, other shapes 2)"
+    )
     arms.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     train = add_training_options(p)
     train.add_argument("--jobs", type=int, default=2, help="Runs in parallel (one thread each).")
@@ -125,9 +155,14 @@ def resolve_shapes(args) -> None:
     unknown = [m for m in args.models if m not in args.shapes]
     if unknown:
         raise StudyError(f"--models {' '.join(unknown)}: no such shape; the shapes are {', '.join(args.shapes)}")
-    for name, value in (("--iters", args.iters), ("--eval-interval", args.eval_interval), ("--seq", args.seq),
-                        ("--micro-batch", args.micro_batch), ("--eval-samples", args.eval_samples),
-                        ("--jobs", args.jobs)):
+    for name, value in (
+        ("--iters", args.iters),
+        ("--eval-interval", args.eval_interval),
+        ("--seq", args.seq),
+        ("--micro-batch", args.micro_batch),
+        ("--eval-samples", args.eval_samples),
+        ("--jobs", args.jobs),
+    ):
         if value < 1:
             raise StudyError(f"{name} must be at least 1, got {value}")
 
@@ -140,13 +175,20 @@ def resolve_arms(args) -> None:
     for model in args.models:
         kinds = args.arm_kinds or p2r_arms.DEFAULT_ARMS.get(model, p2r_arms.DEFAULT_ARMS["wide"])
         factors = args.grow_factors or p2r_arms.DEFAULT_GROW_FACTORS.get(model, (2,))
-        args.arms[model] = p2r_arms.build_arms(shapes[model], kinds, args.p2r_at, args.grow_at, factors,
-                                               lambda layers, m=model: _flops_per_token(args, m, layers))
+        args.arms[model] = p2r_arms.build_arms(
+            shapes[model],
+            kinds,
+            args.p2r_at,
+            args.grow_at,
+            factors,
+            lambda layers, m=model: _flops_per_token(args, m, layers),
+        )
 
 
 def _flops_per_token(args, model: str, layers: int) -> float:
     from megatron_p2r.arguments import config_from_values
     from megatron_p2r.metrics import model_flops_per_token
+
     values = dict(phase_values(args, model, p2r_arms.Phase(1.0), seed=1), num_layers=layers)
     return model_flops_per_token(config_from_values(model_values(values, args.vocab_size)).model)
 
@@ -154,6 +196,7 @@ def _flops_per_token(args, model: str, layers: int) -> float:
 def _vocab_size(corpus) -> int:
     from megatron_p2r.config import DataConfig
     from megatron_p2r.data.tokenizers import build_tokenizer
+
     data = DataConfig(tokenizer_type=corpus.tokenizer_type, tokenizer_model=corpus.tokenizer_model)
     return build_tokenizer(data).vocab_size
 
@@ -182,22 +225,33 @@ def check_report_target(args) -> None:
         if not os.path.exists(path):
             continue
         page = os.path.join(args.out, args.name + ".md")
-        ours = os.path.exists(page) and p2r_report.MARKER.format(key=args.study_key) in open(page, encoding="utf-8",
-                                                                                             errors="replace").read()
+        ours = (
+            os.path.exists(page)
+            and p2r_report.MARKER.format(key=args.study_key) in open(page, encoding="utf-8", errors="replace").read()
+        )
         if not ours:
-            raise StudyError(f"{path} exists and was not written by the study in --work {args.work}: give another "
-                             "--out or --name (or remove it)")
+            raise StudyError(
+                f"{path} exists and was not written by the study in --work {args.work}: give another "
+                "--out or --name (or remove it)"
+            )
 
 
 def launch_workers(args) -> None:
     """One subprocess per (model, seed), --jobs at a time, each on one thread; a line per finished run."""
     todo = [(m, a, s) for m in args.models for s in args.seeds for a in args.arms[m]]
     done = lambda: [t for t in todo if os.path.exists(record_path(args, *t))]  # noqa: E731
-    pending = [(m, s) for m in args.models for s in args.seeds
-               if not all(os.path.exists(record_path(args, m, a, s)) for a in args.arms[m])]
+    pending = [
+        (m, s)
+        for m in args.models
+        for s in args.seeds
+        if not all(os.path.exists(record_path(args, m, a, s)) for a in args.arms[m])
+    ]
     reported, started = set(done()), time.monotonic()
-    print(f"{len(todo)} runs ({len(args.models)} models x arms x {len(args.seeds)} seeds), {len(reported)} done "
-          f"before; logs in {args.work}/logs", flush=True)
+    print(
+        f"{len(todo)} runs ({len(args.models)} models x arms x {len(args.seeds)} seeds), {len(reported)} done "
+        f"before; logs in {args.work}/logs",
+        flush=True,
+    )
     running = []
     env = dict(p2r_corpus.tool_env(), OMP_NUM_THREADS="1")
     os.makedirs(os.path.join(args.work, "logs"), exist_ok=True)
@@ -210,8 +264,11 @@ def launch_workers(args) -> None:
         time.sleep(1)
         for model, arm, seed in [t for t in done() if t not in reported]:
             reported.add((model, arm, seed))
-            print(f"[{len(reported)}/{len(todo)}] {model} seed {seed}: {arm} "
-                  f"({(time.monotonic() - started) / 60:.1f} min)", flush=True)
+            print(
+                f"[{len(reported)}/{len(todo)}] {model} seed {seed}: {arm} "
+                f"({(time.monotonic() - started) / 60:.1f} min)",
+                flush=True,
+            )
         for entry in [r for r in running if r[0].poll() is not None]:
             running.remove(entry)
             proc, model, seed = entry
@@ -227,8 +284,10 @@ def load_records(args) -> list:
     scratch = {(r["model"], r["seed"]) for r in records if r["arm"] == p2r_arms.SCRATCH}
     records = [r for r in records if (r["model"], r["seed"]) in scratch]
     if not records:
-        raise StudyError(f"no finished run in --work {args.work} for these models, arms and seeds (real from scratch "
-                         "with at least one seed is needed): run the study without --report-only first")
+        raise StudyError(
+            f"no finished run in --work {args.work} for these models, arms and seeds (real from scratch "
+            "with at least one seed is needed): run the study without --report-only first"
+        )
     return records
 
 
@@ -236,10 +295,10 @@ def run_study(args, argv) -> None:
     args.passthrough = [a for a in argv if a not in ("--report-only", "--timing-only")]
     if "--note" in args.passthrough:
         i = args.passthrough.index("--note")
-        del args.passthrough[i:i + 2]
+        del args.passthrough[i : i + 2]
     resolve_shapes(args)
     resolve_paths(args)
-    if args.worker:   # started by the study, which checked the data and wrote study.json
+    if args.worker:  # started by the study, which checked the data and wrote study.json
         args.study_key = identity.identity_key(read_json(os.path.join(args.work, "study.json")))
     else:
         study = identity.study_identity(args)
@@ -248,19 +307,22 @@ def run_study(args, argv) -> None:
         args.study_key = identity.identity_key(study)
         check_report_target(args)
         if args.report_only and not glob.glob(os.path.join(args.work, "records", "*.json")):
-            raise StudyError(f"--report-only: no finished run in --work {args.work} yet; run the study without "
-                             "--report-only first")
+            raise StudyError(
+                f"--report-only: no finished run in --work {args.work} yet; run the study without --report-only first"
+            )
     args.corpus = p2r_corpus.prepare(args, os.path.join(args.work, "corpus"))
     args.vocab_size = _vocab_size(args.corpus)
     resolve_arms(args)
     if args.worker:
         import torch
+
         torch.set_num_threads(1)
         model, seed = args.worker.split(":")
         worker(args, model, int(seed))
         return
-    held_out = held_out_set(args.corpus.valid_prefix, args.corpus.valid_docs, args.eval_samples, args.seq,
-                            cache_dir(args.work))
+    held_out = held_out_set(
+        args.corpus.valid_prefix, args.corpus.valid_docs, args.eval_samples, args.seq, cache_dir(args.work)
+    )
     timing_file = os.path.join(args.work, "timing.json")
     if not args.report_only:
         if not args.timing_only:
@@ -269,10 +331,12 @@ def run_study(args, argv) -> None:
             if os.environ.get("OMP_NUM_THREADS") != "1":
                 raise StudyError("run the timing with OMP_NUM_THREADS=1 (the training runs use one thread each)")
             from tools.p2r_study.timing import timing_run
+
             write_json(timing_file, timing_run(args))
     timing = read_json(timing_file) if args.timing_rounds and os.path.exists(timing_file) else None
-    p2r_report.write(load_records(args), timing, args, args.out, sample_documents(held_out, args.eval_samples),
-                     args.study_key)
+    p2r_report.write(
+        load_records(args), timing, args, args.out, sample_documents(held_out, args.eval_samples), args.study_key
+    )
 
 
 def main(argv=None) -> int:

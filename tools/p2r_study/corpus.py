@@ -12,6 +12,7 @@ not hold out only its last topic; ``--held-out tail`` keeps Megatron-LM's ``--sp
 Every helper tool runs in the caller's directory with absolute paths: the study writes only
 under ``--work``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 DEMO_VOCAB = 4000
 HELD_OUT_MODES = ("documents", "tail")
-DEMO_NAMES = {"code": "the Python standard library's source code",
-              "docs": "the Python reference topics and standard-library docstrings (English prose)"}
+DEMO_NAMES = {
+    "code": "the Python standard library's source code",
+    "docs": "the Python reference topics and standard-library docstrings (English prose)",
+}
 
 
 class CorpusError(ValueError):
@@ -36,14 +39,14 @@ class CorpusError(ValueError):
 class Corpus:
     """Where the study trains and evaluates, and with which tokenizer."""
 
-    name: str                      # for the report: the demo corpus's description or the data file's name
+    name: str  # for the report: the demo corpus's description or the data file's name
     tokenizer_type: str
     tokenizer_model: Optional[str]
     train_prefix: str
-    split: str                     # --split of the training runs
+    split: str  # --split of the training runs
     valid_prefix: str
-    valid_docs: Tuple[int, int]    # [begin, end) documents of valid_prefix held out
-    held_out: str = "documents"    # how they were chosen: HELD_OUT_MODES or "given" (--valid-data-path)
+    valid_docs: Tuple[int, int]  # [begin, end) documents of valid_prefix held out
+    held_out: str = "documents"  # how they were chosen: HELD_OUT_MODES or "given" (--valid-data-path)
 
 
 def tool_env() -> dict:
@@ -63,6 +66,7 @@ def _run_tool(module: str, *options: str) -> None:
 def open_indexed(prefix: str):
     """The IndexedDataset of ``prefix``; a missing or damaged file is a CorpusError naming it."""
     from megatron_p2r.data.indexed_dataset import IndexedDataset
+
     try:
         return IndexedDataset(prefix)
     except (ValueError, FileNotFoundError) as exc:
@@ -72,8 +76,19 @@ def open_indexed(prefix: str):
 def _train_tokenizer(corpus: str, model_prefix: str) -> str:
     """A SentencePiece BPE of DEMO_VOCAB pieces on ``corpus`` (what the demo corpus uses)."""
     if not os.path.exists(model_prefix + ".model"):
-        _run_tool("tools.train_tokenizer", "--input", corpus, "--model-prefix", model_prefix, "--vocab-size",
-                  str(DEMO_VOCAB), "--model-type", "bpe", "--input-sentence-size", "200000")
+        _run_tool(
+            "tools.train_tokenizer",
+            "--input",
+            corpus,
+            "--model-prefix",
+            model_prefix,
+            "--vocab-size",
+            str(DEMO_VOCAB),
+            "--model-type",
+            "bpe",
+            "--input-sentence-size",
+            "200000",
+        )
     return model_prefix + ".model"
 
 
@@ -82,16 +97,18 @@ def _indexed(path: str, out_prefix: str, tokenizer_type: str, tokenizer_model: O
     if not path.endswith(JSONL_SUFFIXES):
         for suffix in (".bin", ".idx"):
             if not os.path.isfile(path + suffix):
-                raise CorpusError(f"{path}{suffix} not found: a data path is a .bin/.idx prefix or a "
-                                  f"{'/'.join(JSONL_SUFFIXES)} file")
+                raise CorpusError(
+                    f"{path}{suffix} not found: a data path is a .bin/.idx prefix or a {'/'.join(JSONL_SUFFIXES)} file"
+                )
         return path
     if not os.path.isfile(path):
         raise CorpusError(f"{path} not found")
     prefix = out_prefix + "_text_document"
     if not os.path.exists(prefix + ".idx"):
         options = ["--input", path, "--output-prefix", out_prefix, "--tokenizer-type", tokenizer_type, "--append-eod"]
-        _run_tool("tools.preprocess_data", *options, *(["--tokenizer-model", tokenizer_model]
-                                                       if tokenizer_model else []))
+        _run_tool(
+            "tools.preprocess_data", *options, *(["--tokenizer-model", tokenizer_model] if tokenizer_model else [])
+        )
     return prefix
 
 
@@ -112,8 +129,9 @@ def prepare(args, work: str) -> Corpus:
     tok_type, tok_model = args.tokenizer_type, args.tokenizer_model
     if tok_type is None:
         if not data.endswith(JSONL_SUFFIXES):
-            raise CorpusError(f"--data-path {data} is tokenised already: give its --tokenizer-type (and "
-                              "--tokenizer-model)")
+            raise CorpusError(
+                f"--data-path {data} is tokenised already: give its --tokenizer-type (and --tokenizer-model)"
+            )
         tok_type, tok_model = "SentencePieceTokenizer", _train_tokenizer(data, os.path.join(work, "tokenizer"))
     train = _indexed(data, os.path.join(work, "train"), tok_type, tok_model)
     documents = len(open_indexed(train))
@@ -125,12 +143,13 @@ def prepare(args, work: str) -> Corpus:
     held_out = getattr(args, "held_out", "documents")
     if held_out == "tail":
         split = f"{1 - args.valid_fraction:.6g},{args.valid_fraction:.6g},0"
-        return Corpus(name, tok_type, tok_model, train, split, train, _held_out_range(train, split, documents),
-                      "tail")
+        return Corpus(name, tok_type, tok_model, train, split, train, _held_out_range(train, split, documents), "tail")
     count = round(args.valid_fraction * documents)
     if count < 1:
-        raise CorpusError(f"--valid-fraction {args.valid_fraction:g} of {train}'s {documents} documents is no "
-                          "document: raise it or give --valid-data-path")
+        raise CorpusError(
+            f"--valid-fraction {args.valid_fraction:g} of {train}'s {documents} documents is no "
+            "document: raise it or give --valid-data-path"
+        )
     split_dir = os.path.join(work, f"split_{args.valid_fraction:g}_seed{args.held_out_seed}")
     kept, held = seeded_split(train, count, args.held_out_seed, split_dir)
     return Corpus(name, tok_type, tok_model, kept, "100,0,0", held, (0, count), "documents")
@@ -139,6 +158,7 @@ def prepare(args, work: str) -> Corpus:
 def held_out_documents(documents: int, count: int, seed: int):
     """The sorted ids of ``count`` of ``documents`` documents drawn without replacement with ``seed``."""
     import numpy as np
+
     return np.sort(np.random.default_rng(seed).choice(documents, size=count, replace=False))
 
 
@@ -149,6 +169,7 @@ def seeded_split(prefix: str, count: int, seed: int, out_dir: str) -> Tuple[str,
     import numpy as np
 
     from megatron_p2r.data.indexed_dataset import IndexedDatasetBuilder
+
     kept, held = os.path.join(out_dir, "train"), os.path.join(out_dir, "heldout")
     if os.path.exists(kept + ".idx") and os.path.exists(held + ".idx"):
         return kept, held
@@ -170,8 +191,11 @@ def _held_out_range(prefix: str, split: str, documents: int) -> Tuple[int, int]:
     """The documents the training runs' ``--split`` leaves to validation."""
     from megatron_p2r.config.data import parse_split
     from megatron_p2r.data.builder import split_ranges
+
     begin, end = split_ranges(parse_split(split), documents)[1]
     if begin == end:
-        raise CorpusError(f"--valid-fraction {split.split(',')[1]} of {prefix}'s {documents} documents is "
-                          "no document: raise it or give --valid-data-path")
+        raise CorpusError(
+            f"--valid-fraction {split.split(',')[1]} of {prefix}'s {documents} documents is "
+            "no document: raise it or give --valid-data-path"
+        )
     return begin, end

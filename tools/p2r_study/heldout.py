@@ -8,6 +8,7 @@ differences. That SE holds the trained models fixed: samples cut from one docume
 independent (``clustered_se`` counts documents instead), and another seed trains other models
 (the report's seed-to-seed SE).
 """
+
 from __future__ import annotations
 
 import math
@@ -29,14 +30,17 @@ def held_out_set(prefix: str, docs: Tuple[int, int], samples: int, seq_length: i
 
     from megatron_p2r.data.gpt_dataset import GPTDataset
     from megatron_p2r.data.indexed_dataset import IndexedDataset
+
     ds = IndexedDataset(prefix)
     begin, end = docs
     tokens = int(ds.sequence_lengths[begin:end].sum(dtype=np.int64))
     available = (tokens - 1) // seq_length
     if samples > available:
-        raise HeldOutTooSmall(f"--eval-samples {samples}: the held-out documents {begin}..{end - 1} of {prefix} "
-                              f"hold {tokens:,} tokens, {available} samples of {seq_length} tokens; ask for fewer or "
-                              "hold out more (--valid-fraction, --valid-data-path)")
+        raise HeldOutTooSmall(
+            f"--eval-samples {samples}: the held-out documents {begin}..{end - 1} of {prefix} "
+            f"hold {tokens:,} tokens, {available} samples of {seq_length} tokens; ask for fewer or "
+            "hold out more (--valid-fraction, --valid-data-path)"
+        )
     return GPTDataset(ds, np.arange(begin, end), samples, seq_length, EVAL_SEED, cache_dir, "held-out")
 
 
@@ -44,6 +48,7 @@ def per_sample_losses(model, dataset, samples: int, batch: int) -> List[float]:
     """Each sample's mean next-token loss under ``model`` (one process, no pipeline)."""
     import numpy as np
     import torch
+
     out: List[float] = []
     model.eval()
     with torch.no_grad():

@@ -8,6 +8,7 @@ A jsonl is read here in fixed-size chunks, and a line longer than ``MAX_LINE_BYT
 before any tool reads the file line by line (a 200 MB single-line file would otherwise be held
 whole in memory, several times over, by the tokenizer and the preprocessor).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -18,7 +19,7 @@ from typing import Optional
 
 from tools.p2r_study.corpus import JSONL_SUFFIXES
 
-FORMAT = 2                 # study.json's layout; an older one is refused
+FORMAT = 2  # study.json's layout; an older one is refused
 CHUNK_BYTES = 1 << 22
 MAX_LINE_BYTES = 64 << 20  # tools/preprocess_data.py's --max-line-bytes default
 
@@ -30,8 +31,9 @@ class IdentityError(ValueError):
 def _longest_line(path: str) -> tuple:
     """(bytes, 1-based number) of the longest line of a (gzipped) jsonl, read in chunks (bounded memory)."""
     import numpy as np
+
     opener = gzip.open if path.endswith(".gz") else open
-    longest, number, run, seen = 0, 1, 0, 0   # seen: newlines before this chunk
+    longest, number, run, seen = 0, 1, 0, 0  # seen: newlines before this chunk
     with opener(path, "rb") as fh:
         while chunk := fh.read(CHUNK_BYTES):
             ends = np.flatnonzero(np.frombuffer(chunk, np.uint8) == ord("\n"))
@@ -39,8 +41,10 @@ def _longest_line(path: str) -> tuple:
                 run += len(chunk)
                 continue
             lengths = np.diff(ends) - 1
-            for length, line in ((run + int(ends[0]), seen + 1),
-                                 *(((int(lengths.max()), seen + 2 + int(lengths.argmax())),) if len(lengths) else ())):
+            for length, line in (
+                (run + int(ends[0]), seen + 1),
+                *(((int(lengths.max()), seen + 2 + int(lengths.argmax())),) if len(lengths) else ()),
+            ):
                 if length > longest:
                     longest, number = length, line
             seen += len(ends)
@@ -67,15 +71,18 @@ def fingerprint(path: Optional[str], flag: str) -> Optional[dict]:
             raise IdentityError(f"{flag} {path}: no such file")
         longest, line = _longest_line(path)
         if longest > MAX_LINE_BYTES:
-            raise IdentityError(f"{flag} {path}: line {line} holds {longest:,} bytes; the study reads one document "
-                                f"per line of at most {MAX_LINE_BYTES:,} bytes: split it into documents")
+            raise IdentityError(
+                f"{flag} {path}: line {line} holds {longest:,} bytes; the study reads one document "
+                f"per line of at most {MAX_LINE_BYTES:,} bytes: split it into documents"
+            )
         files = [path]
     else:
         files = [path + ".bin", path + ".idx"]
         missing = [f for f in files if not os.path.isfile(f)]
         if missing:
-            raise IdentityError(f"{flag} {missing[0]} not found: a data path is a .bin/.idx prefix or a "
-                                f"{'/'.join(JSONL_SUFFIXES)} file")
+            raise IdentityError(
+                f"{flag} {missing[0]} not found: a data path is a .bin/.idx prefix or a {'/'.join(JSONL_SUFFIXES)} file"
+            )
     return {"path": path, "sha256": _sha256(files)}
 
 
@@ -85,11 +92,19 @@ def study_identity(args) -> dict:
     if tokenizer_model and os.path.isfile(tokenizer_model):
         tokenizer_model = {"path": tokenizer_model, "sha256": _sha256([tokenizer_model])}
     data = fingerprint(args.data_path, "--data-path") or {"demo": args.demo_source, "bytes": args.corpus_bytes}
-    return {"format": FORMAT, "data": data, "valid_data": fingerprint(args.valid_data_path, "--valid-data-path"),
-            "tokenizer": [args.tokenizer_type, tokenizer_model],
-            "held_out": None if args.valid_data_path else [args.held_out, args.valid_fraction, args.held_out_seed],
-            "eval_samples": args.eval_samples, "iters": args.iters, "seq": args.seq,
-            "micro_batch": args.micro_batch, "lr": args.lr, "eval_interval": args.eval_interval}
+    return {
+        "format": FORMAT,
+        "data": data,
+        "valid_data": fingerprint(args.valid_data_path, "--valid-data-path"),
+        "tokenizer": [args.tokenizer_type, tokenizer_model],
+        "held_out": None if args.valid_data_path else [args.held_out, args.valid_fraction, args.held_out_seed],
+        "eval_samples": args.eval_samples,
+        "iters": args.iters,
+        "seq": args.seq,
+        "micro_batch": args.micro_batch,
+        "lr": args.lr,
+        "eval_interval": args.eval_interval,
+    }
 
 
 def identity_key(identity: dict) -> str:
@@ -99,12 +114,16 @@ def identity_key(identity: dict) -> str:
 def _data_mismatch(work: str, flag: str, old: Optional[dict], new: Optional[dict]) -> Optional[str]:
     if old == new:
         return None
-    describe = lambda d: ("the demo corpus" if d is None or "demo" in d else f"{d['path']} (sha256 {d['sha256'][:12]})")  # noqa: E731
+    describe = lambda d: "the demo corpus" if d is None or "demo" in d else f"{d['path']} (sha256 {d['sha256'][:12]})"  # noqa: E731
     if old and new and old.get("path") == new.get("path"):
-        return (f"--work {work} was built from {flag} {old['path']}, whose content has changed since "
-                f"(sha256 {old['sha256'][:12]} -> {new['sha256'][:12]}); give another --work")
-    return (f"--work {work} was built from {describe(old)}, not from {flag} {describe(new)}: give another --work, "
-            "or the data it was built from")
+        return (
+            f"--work {work} was built from {flag} {old['path']}, whose content has changed since "
+            f"(sha256 {old['sha256'][:12]} -> {new['sha256'][:12]}); give another --work"
+        )
+    return (
+        f"--work {work} was built from {describe(old)}, not from {flag} {describe(new)}: give another --work, "
+        "or the data it was built from"
+    )
 
 
 def check(work: str, identity: dict, write_json, read_json) -> None:
@@ -115,13 +134,17 @@ def check(work: str, identity: dict, write_json, read_json) -> None:
         return
     old = read_json(path)
     if not isinstance(old, dict) or old.get("format") != FORMAT:
-        raise IdentityError(f"--work {work} holds a study written by an older version of the study (no data "
-                            "fingerprint in its study.json); give another --work")
+        raise IdentityError(
+            f"--work {work} holds a study written by an older version of the study (no data "
+            "fingerprint in its study.json); give another --work"
+        )
     for key, flag in (("data", "--data-path"), ("valid_data", "--valid-data-path")):
         message = _data_mismatch(work, flag, old[key], identity[key])
         if message:
             raise IdentityError(message)
     changed = [f"{k} {old.get(k)!r} -> {v!r}" for k, v in identity.items() if old.get(k) != v]
     if changed:
-        raise IdentityError(f"--work {work} holds a study with other settings ({'; '.join(changed)}); "
-                            "give another --work or the same settings")
+        raise IdentityError(
+            f"--work {work} holds a study with other settings ({'; '.join(changed)}); "
+            "give another --work or the same settings"
+        )

@@ -2,6 +2,7 @@
 three standard errors, ratios, timing, break-even, one verdict line per claim) and the plot of
 paired differences, written from the saved records and timing by ``p2r-study`` (also with
 ``--report-only``)."""
+
 from __future__ import annotations
 
 import os
@@ -12,14 +13,19 @@ from tools.p2r_study.arms import CONTROL_PREFIX, SCRATCH, is_control
 from tools.p2r_study.plot import CAPTION, plot
 
 MARKER = "<!-- written by p2r-study from the --work with key {key} -->"
-SE_RULE = ("**Which SE the verdict uses.** A seed counts for a claim when its difference exceeds 2 of its "
-           "document-clustered SEs (held-out samples cut from one document are not independent, so it is usually "
-           "the larger of a seed's two SEs); each claim's figure is the mean over seeds ± the seed-to-seed SE, "
-           "which is what another set of seeds could change.")
+SE_RULE = (
+    "**Which SE the verdict uses.** A seed counts for a claim when its difference exceeds 2 of its "
+    "document-clustered SEs (held-out samples cut from one document are not independent, so it is usually "
+    "the larger of a seed's two SEs); each claim's figure is the mean over seeds ± the seed-to-seed SE, "
+    "which is what another set of seeds could change."
+)
 
 TARGET_RATIO = 0.8
-SCENARIOS = (("flops", "training FLOPs"), ("wall", "wall time, real model fits"),
-             ("wall_budget", "wall time, real model under the memory budget"))
+SCENARIOS = (
+    ("flops", "training FLOPs"),
+    ("wall", "wall time, real model fits"),
+    ("wall_budget", "wall time, real model under the memory budget"),
+)
 
 
 def _arms_in_order(records: List[dict], arms: dict, model: str) -> List[str]:
@@ -47,34 +53,54 @@ SE_HEADS = ["SE of Δ: held-out samples", "SE of Δ: documents", "SE of Δ: seed
 
 def _results_table(stats: Dict[tuple, dict], model: str, order: List[str], walls: List[str]) -> List[str]:
     wall_heads = {"wall": "wall to target (fits)", "wall_budget": "wall to target (budget)"}
-    heads = ["arm", "seeds", "final held-out loss", "its SE", "Δ vs scratch (paired)", *SE_HEADS, "steps to target",
-             "FLOPs to target", "FLOPs of a last-step crossing", *(wall_heads[w] for w in walls)]
+    heads = [
+        "arm",
+        "seeds",
+        "final held-out loss",
+        "its SE",
+        "Δ vs scratch (paired)",
+        *SE_HEADS,
+        "steps to target",
+        "FLOPs to target",
+        "FLOPs of a last-step crossing",
+        *(wall_heads[w] for w in walls),
+    ]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for arm in order:
         e = stats[(model, arm)]
         r = e["ratios"]
         delta = ["-"] * 4 if arm == SCRATCH else [fmt(e["delta"]), *_se_cells(e)]
-        if is_control(arm):   # it stops at the growth arm's FLOPs by design: its cost to the target says nothing
+        if is_control(arm):  # it stops at the growth arm's FLOPs by design: its cost to the target says nothing
             costs = ["(a control)"] * (3 + len(walls))
         else:
-            costs = [ratio_cell(r["steps"]), ratio_cell(r["flops"]), fmt(e["last_step_flops"], 2),
-                     *(ratio_cell(r[w]) for w in walls)]
-        lines.append("| " + " | ".join([arm, str(len(e["seeds"])), fmt(e["final"]), _worst(e["se"]), *delta, *costs])
-                     + " |")
+            costs = [
+                ratio_cell(r["steps"]),
+                ratio_cell(r["flops"]),
+                fmt(e["last_step_flops"], 2),
+                *(ratio_cell(r[w]) for w in walls),
+            ]
+        lines.append(
+            "| " + " | ".join([arm, str(len(e["seeds"])), fmt(e["final"]), _worst(e["se"]), *delta, *costs]) + " |"
+        )
     return lines
 
 
 def _beyond(e: dict, sign: int = -1) -> int:
     """Seeds whose difference lies more than 2 document-clustered SEs (the held-out SE without
     documents) below 0 (``sign`` -1) or above it (+1)."""
-    return sum(sign * d > 2 * (dse if dse is not None else se)
-               for d, se, dse in zip(e["delta"], e["delta_se"], e["delta_dse"], strict=True))
+    return sum(
+        sign * d > 2 * (dse if dse is not None else se)
+        for d, se, dse in zip(e["delta"], e["delta_se"], e["delta_dse"], strict=True)
+    )
 
 
 def _control_table(controls: Dict[tuple, dict], model: str, order: List[str]) -> List[str]:
-    lines = ["| growth arm | its final loss − its control's (paired, mean ± std over seeds) | "
-             + " | ".join(SE_HEADS) + " | seeds lower than its control by more than 2 document SEs |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| growth arm | its final loss − its control's (paired, mean ± std over seeds) | "
+        + " | ".join(SE_HEADS)
+        + " | seeds lower than its control by more than 2 document SEs |",
+        "|---|---|---|---|---|---|",
+    ]
     for arm in order:
         e = controls.get((model, arm))
         if e is None:
@@ -85,8 +111,11 @@ def _control_table(controls: Dict[tuple, dict], model: str, order: List[str]) ->
 
 def _timing_table(timing: dict, shapes: dict, kinds: List[str]) -> List[str]:
     med = timing["median_s"]
-    lines = ["| phase kind (model/layers/share pattern) | ms per step | ms per step under the budget "
-             "(layers offloaded) | real ÷ this | real ÷ this, under the budget |", "|---|---|---|---|---|"]
+    lines = [
+        "| phase kind (model/layers/share pattern) | ms per step | ms per step under the budget "
+        "(layers offloaded) | real ÷ this | real ÷ this, under the budget |",
+        "|---|---|---|---|---|",
+    ]
     for kind in kinds:
         model = kind.split("/")[0]
         real = f"{model}/{shapes[model].layers}L/none"
@@ -99,8 +128,11 @@ def _timing_table(timing: dict, shapes: dict, kinds: List[str]) -> List[str]:
 
 
 def _break_even_table(stats: Dict[tuple, dict], model: str, order: List[str]) -> List[str]:
-    lines = ["| arm | extra steps it may need and still break even (Δ*) | extra steps it needed (D) | "
-             "pays under the budget in every seed |", "|---|---|---|---|"]
+    lines = [
+        "| arm | extra steps it may need and still break even (Δ*) | extra steps it needed (D) | "
+        "pays under the budget in every seed |",
+        "|---|---|---|---|",
+    ]
     for arm in order:
         if arm == SCRATCH or is_control(arm):
             continue
@@ -118,15 +150,17 @@ def _claim(e: dict, what: str) -> str:
     n, lower = len(e["delta"]), sum(d < 0 for d in e["delta"])
     mean = sum(e["delta"]) / n
     se = seed_se(e["delta"])
-    figure = f"{mean:+.3f}" + ("" if se is None else " (equal in every seed)" if f"{se:.3f}" == "0.000"
-                               else f" ± {se:.3f} (seed SE)")
+    figure = f"{mean:+.3f}" + (
+        "" if se is None else " (equal in every seed)" if f"{se:.3f}" == "0.000" else f" ± {se:.3f} (seed SE)"
+    )
     sign = -1 if mean < 0 else 1
     side = f"lower in {lower} of {n} seeds" if sign < 0 else f"higher in {n - lower} of {n} seeds"
     return f"{what}: final held-out loss {figure}; {side}, by more than 2 document SEs in {_beyond(e, sign)} of {n}."
 
 
-def verdicts(stats: Dict[tuple, dict], controls: Dict[tuple, dict], models: List[str],
-             order: Dict[str, List[str]]) -> List[str]:
+def verdicts(
+    stats: Dict[tuple, dict], controls: Dict[tuple, dict], models: List[str], order: Dict[str, List[str]]
+) -> List[str]:
     """One line per claim: per scenario, which arm reaches scratch's final loss with <= 0.8x its
     cost in every seed (or the best figure; controls are not candidates); then each arm's final
     gap to scratch, and each growth arm's to its compute-matched control, with seed counts."""
@@ -138,21 +172,27 @@ def verdicts(stats: Dict[tuple, dict], controls: Dict[tuple, dict], models: List
                 continue
             winners = [a for a in candidates if wins(stats[(model, a)]["ratios"][key], TARGET_RATIO)]
             if winners:
-                lines.append(f"- **{model}, {what}: target met** by {', '.join(winners)} "
-                             f"(≤ {TARGET_RATIO}x of scratch's cost in every seed).")
+                lines.append(
+                    f"- **{model}, {what}: target met** by {', '.join(winners)} "
+                    f"(≤ {TARGET_RATIO}x of scratch's cost in every seed)."
+                )
                 continue
             if all(r is None for a in candidates for r in stats[(model, a)]["ratios"][key]):
-                lines.append(f"- {model}, {what}: target **not met**; no arm reaches real-from-scratch's final loss "
-                             "in any seed.")
+                lines.append(
+                    f"- {model}, {what}: target **not met**; no arm reaches real-from-scratch's final loss in any seed."
+                )
                 continue
             best = min(candidates, key=lambda a: _rank(stats[(model, a)]["ratios"][key]))
-            lines.append(f"- {model}, {what}: target **not met**; the best arm, {best}, "
-                         f"{_describe(stats[(model, best)]['ratios'][key])}.")
+            lines.append(
+                f"- {model}, {what}: target **not met**; the best arm, {best}, "
+                f"{_describe(stats[(model, best)]['ratios'][key])}."
+            )
         for arm in candidates:
             lines.append("- " + _claim(stats[(model, arm)], f"{model}, **{arm}** against real from scratch"))
             if (model, arm) in controls:
-                lines.append("- " + _claim(controls[(model, arm)],
-                                           f"{model}, **{arm}** against its compute-matched control"))
+                lines.append(
+                    "- " + _claim(controls[(model, arm)], f"{model}, **{arm}** against its compute-matched control")
+                )
     return lines
 
 
@@ -196,10 +236,11 @@ def _reproducing(argv: List[str]) -> List[str]:
 
 def _held_out_words(c) -> str:
     docs = f"{c.valid_docs[1] - c.valid_docs[0]} documents"
-    return {"given": f"the {docs} of the --valid-data-path, `{os.path.basename(c.valid_prefix)}`",
-            "documents": f"{docs} drawn at random (seeded) from the corpus and never trained on",
-            "tail": f"documents {c.valid_docs[0]}..{c.valid_docs[1] - 1}, the corpus's last {docs}, never trained "
-                    "on"}[c.held_out]
+    return {
+        "given": f"the {docs} of the --valid-data-path, `{os.path.basename(c.valid_prefix)}`",
+        "documents": f"{docs} drawn at random (seeded) from the corpus and never trained on",
+        "tail": f"documents {c.valid_docs[0]}..{c.valid_docs[1] - 1}, the corpus's last {docs}, never trained on",
+    }[c.held_out]
 
 
 def _header(args, timing: Optional[dict], present: List[str], seeds: List[int]) -> List[str]:
@@ -212,7 +253,8 @@ def _header(args, timing: Optional[dict], present: List[str], seeds: List[int]) 
         f"{args.lr / 10:g} over all {args.iters} steps (one schedule for every phase of a run). Models: "
         + "; ".join(f"**{m}** {shapes[m].layers} layers x hidden {shapes[m].hidden}" for m in present)
         + ". Every training run on one thread; the runs' records are kept under `--work`, and `--report-only` "
-        "rebuilds this page and the plot from them.", "",
+        "rebuilds this page and the plot from them.",
+        "",
         "**How it is measured.** Each arm runs with every seed; a seed fixes initialisation and data order, "
         "so comparisons are paired: seed s's *target* is the final held-out loss of real-from-scratch with "
         f"seed s, and an arm's cost to reach it (linear between evaluations every {args.eval_interval} steps) is "
@@ -227,30 +269,47 @@ def _header(args, timing: Optional[dict], present: List[str], seeds: List[int]) 
         "step: what its cheaper early phase alone gives; the measured ratio below it is what the model learns "
         f"after the switch. Each growth arm has a control, *{CONTROL_PREFIX}...*: real from scratch whose LR "
         "schedule ends and decays at that arm's training FLOPs; it stops short of scratch's budget by design, so "
-        "its cost to the target is not a finding."]
+        "its cost to the target is not a finding.",
+    ]
     if timing:
-        lines[-1] += (" **Wall time is not the runs' own** (the machine is shared): each phase kind's step time was "
-                      f"measured in a separate timing run, {timing['rounds']} interleaved rounds of {timing['steps']} "
-                      f"steps after {timing['warmup']} warm-up steps, median; wall time to a target is steps x that "
-                      "step time, with the real model fitting and, where a budget is given ("
-                      + ", ".join(f"{m} {b}" for m, b in timing["budget"].items())
-                      + "), with it under `--device-memory-budget` (granular offload with recomputation, while the "
-                      "pseudo model and the shallow model of growth fit). On GPUs r comes from `tools/plan.py`.")
+        lines[-1] += (
+            " **Wall time is not the runs' own** (the machine is shared): each phase kind's step time was "
+            f"measured in a separate timing run, {timing['rounds']} interleaved rounds of {timing['steps']} "
+            f"steps after {timing['warmup']} warm-up steps, median; wall time to a target is steps x that "
+            "step time, with the real model fitting and, where a budget is given ("
+            + ", ".join(f"{m} {b}" for m, b in timing["budget"].items())
+            + "), with it under `--device-memory-budget` (granular offload with recomputation, while the "
+            "pseudo model and the shallow model of growth fit). On GPUs r comes from `tools/plan.py`."
+        )
     return lines + [""]
 
 
 def _model_section(stats, controls, model: str, args, order: List[str], walls: List[str]) -> List[str]:
     shape = args.shapes[model]
-    lines = [f"## {model}: {shape.layers} layers x hidden {shape.hidden}", "",
-             "Ratios are the arm's cost to reach the target over scratch's, mean ± std over seeds (lower is better; "
-             f"the target is ≤ {TARGET_RATIO}). SE columns: the largest over seeds.", ""]
+    lines = [
+        f"## {model}: {shape.layers} layers x hidden {shape.hidden}",
+        "",
+        "Ratios are the arm's cost to reach the target over scratch's, mean ± std over seeds (lower is better; "
+        f"the target is ≤ {TARGET_RATIO}). SE columns: the largest over seeds.",
+        "",
+    ]
     lines += _results_table(stats, model, order, walls) + [""]
     if any((model, a) in controls for a in order):
-        lines += ["Compute-matched controls: a growth arm against real from scratch given the same training FLOPs "
-                  "(its schedule decayed by then).", ""] + _control_table(controls, model, order) + [""]
+        lines += (
+            [
+                "Compute-matched controls: a growth arm against real from scratch given the same training FLOPs "
+                "(its schedule decayed by then).",
+                "",
+            ]
+            + _control_table(controls, model, order)
+            + [""]
+        )
     if "wall_budget" in walls:
-        lines += ["Break-even under the memory budget: P2R may need Δ* = Σ early steps x (1 − 1/r) more "
-                  "steps than scratch and still finish no later (`megatron_p2r/planning/breakeven.py`).", ""]
+        lines += [
+            "Break-even under the memory budget: P2R may need Δ* = Σ early steps x (1 − 1/r) more "
+            "steps than scratch and still finish no later (`megatron_p2r/planning/breakeven.py`).",
+            "",
+        ]
         lines += _break_even_table(stats, model, order) + [""]
     return lines
 
@@ -264,8 +323,9 @@ def write(records: List[dict], timing: Optional[dict], args, out: str, documents
     controls = matched(records, lambda arm: CONTROL_PREFIX + arm, documents)
     order = {m: _arms_in_order(records, args.arms, m) for m in present}
     seeds = sorted({r["seed"] for r in records})
-    lines = ["# Pseudo-to-Real and depth growth at small scale: does it pay?", ""] + _header(args, timing, present,
-                                                                                             seeds)
+    lines = ["# Pseudo-to-Real and depth growth at small scale: does it pay?", ""] + _header(
+        args, timing, present, seeds
+    )
     for model in present:
         walls = [w for w in ("wall", "wall_budget") if w in stats[(model, SCRATCH)]["ratios"]]
         lines += _model_section(stats, controls, model, args, order[model], walls)
@@ -275,8 +335,14 @@ def write(records: List[dict], timing: Optional[dict], args, out: str, documents
     lines += ["## Verdict", "", SE_RULE, ""] + verdicts(stats, controls, present, order) + [""]
     if args.note:
         lines += [args.note, ""]
-    lines += [f"![held-out loss minus real from scratch's, per family of arms]({args.name}.png)", "", CAPTION, "",
-              MARKER.format(key=key), ""]
+    lines += [
+        f"![held-out loss minus real from scratch's, per family of arms]({args.name}.png)",
+        "",
+        CAPTION,
+        "",
+        MARKER.format(key=key),
+        "",
+    ]
     os.makedirs(out, exist_ok=True)
     plot(records, present, order, os.path.join(out, args.name + ".png"))
     path = os.path.join(out, args.name + ".md")

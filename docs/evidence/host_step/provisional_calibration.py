@@ -7,6 +7,7 @@ time over the thread count: what the threads reach while they run).
 
     PYTHONPATH=$PWD python docs/evidence/host_step/provisional_calibration.py OUT.json
 """
+
 import json
 import os
 import platform
@@ -43,17 +44,36 @@ def triad_gbs(threads: int) -> float:
 
 def adam_row() -> dict:
     torch.set_num_threads(1)
-    cfg = config_from_values(dict(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=256,
-                                  mock_data=True, weight_decay=0.01))
+    cfg = config_from_values(
+        dict(
+            num_layers=1,
+            hidden_size=64,
+            num_attention_heads=4,
+            seq_length=32,
+            vocab_size=256,
+            mock_data=True,
+            weight_decay=0.01,
+        )
+    )
     p = torch.nn.Parameter(torch.rand(N))
     p.grad = torch.rand(N)
     opt = make_optimizer([{"params": [p]}], cfg.train)
     ns = median_seconds(opt.step, time.process_time) / N * 1e9
     moments = {"exp_avg": "fp32", "exp_avg_sq": "fp32"}
     bpe = kernel_bytes_per_element("adam", "fp32", "fp32", moments, None)
-    return {"name": f"adam fp32 ({type(opt).__name__})", "optimizer": "adam", "main": "fp32", "grad": "fp32",
-            "moments": moments, "weight": None, "threads": 1, "ns_per_element": ns, "bytes_per_element": bpe,
-            "gbs": bpe / ns, "ratio_to_triad": None}
+    return {
+        "name": f"adam fp32 ({type(opt).__name__})",
+        "optimizer": "adam",
+        "main": "fp32",
+        "grad": "fp32",
+        "moments": moments,
+        "weight": None,
+        "threads": 1,
+        "ns_per_element": ns,
+        "bytes_per_element": bpe,
+        "gbs": bpe / ns,
+        "ratio_to_triad": None,
+    }
 
 
 if __name__ == "__main__":

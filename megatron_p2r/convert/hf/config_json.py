@@ -1,5 +1,6 @@
 """config.json: written for an exported model of ours, read back into our model options on import
 (every HF option without an equivalent here is an error naming the field)."""
+
 from __future__ import annotations
 
 import math
@@ -11,48 +12,102 @@ from megatron_p2r.config import ModelConfig
 
 # GPT2's activation_function: transformers' names for GELU's tanh formula and for exact (erf) GELU,
 # as ModelConfig.gelu_approximation. Export writes gelu_new (GPT-2's own) or gelu.
-_GPT2_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu_accurate": "tanh",
-              "gelu_python_tanh": "tanh", "gelu": "none", "gelu_python": "none"}
+_GPT2_GELU = {
+    "gelu_new": "tanh",
+    "gelu_pytorch_tanh": "tanh",
+    "gelu_fast": "tanh",
+    "gelu_accurate": "tanh",
+    "gelu_python_tanh": "tanh",
+    "gelu": "none",
+    "gelu_python": "none",
+}
 
 
 def hf_config(m: ModelConfig, arch: str, hf_vocab: int, dtype: str, special: Dict[str, Optional[int]]) -> dict:
     """config.json for ``m`` (a plain dict: writing it needs no transformers)."""
-    common = {"architectures": [arch], "model_type": MODEL_TYPES[arch], "vocab_size": hf_vocab,
-              "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
-              "initializer_range": m.init_method_std, "use_cache": True, "dtype": dtype,
-              "bos_token_id": special.get("bos"), "eos_token_id": special.get("eos"),
-              "pad_token_id": special.get("pad")}
+    common = {
+        "architectures": [arch],
+        "model_type": MODEL_TYPES[arch],
+        "vocab_size": hf_vocab,
+        "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
+        "initializer_range": m.init_method_std,
+        "use_cache": True,
+        "dtype": dtype,
+        "bos_token_id": special.get("bos"),
+        "eos_token_id": special.get("eos"),
+        "pad_token_id": special.get("pad"),
+    }
     if arch == GPT2:
-        return {**common, "n_embd": m.hidden_size, "n_layer": m.num_layers, "n_head": m.num_attention_heads,
-                "n_inner": m.ffn_size, "n_positions": m.max_positions,
-                "activation_function": "gelu_new" if m.gelu_approximation == "tanh" else "gelu",
-                "layer_norm_epsilon": m.norm_epsilon, "resid_pdrop": m.hidden_dropout,
-                "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout, "scale_attn_weights": True,
-                "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
-    cfg = {**common, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
-           "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.query_groups,
-           "head_dim": m.head_dim, "hidden_act": "silu", "max_position_embeddings": m.max_positions,
-           "rms_norm_eps": m.norm_epsilon, "attention_dropout": m.attention_dropout,
-           # transformers 5 reads rope_parameters; 4.x reads rope_theta
-           "rope_parameters": _rope_parameters(m), "rope_theta": m.rotary_base}
+        return {**common, **_gpt2_fields(m)}
+    cfg = {
+        **common,
+        "hidden_size": m.hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.query_groups,
+        "head_dim": m.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": m.max_positions,
+        "rms_norm_eps": m.norm_epsilon,
+        "attention_dropout": m.attention_dropout,
+        # transformers 5 reads rope_parameters; 4.x reads rope_theta
+        "rope_parameters": _rope_parameters(m),
+        "rope_theta": m.rotary_base,
+    }
     if m.use_rope_scaling or m.rotary_seq_len_interpolation_factor is not None:
         cfg["rope_scaling"] = cfg["rope_parameters"]  # transformers 4.x's name
     if arch == LLAMA:
-        return {**cfg, "intermediate_size": m.ffn_size, "attention_bias": m.add_bias, "mlp_bias": m.add_bias,
-                "pretraining_tp": 1}
+        return {
+            **cfg,
+            "intermediate_size": m.ffn_size,
+            "attention_bias": m.add_bias,
+            "mlp_bias": m.add_bias,
+            "pretraining_tp": 1,
+        }
     window = _hf_window(m)
     if arch == MISTRAL:
         return {**cfg, "intermediate_size": m.ffn_size, "sliding_window": window}
     if arch == QWEN2:
-        types = ["full_attention" if m.attention_window(i) is None else "sliding_attention"
-                 for i in range(m.num_layers)]
-        return {**cfg, "intermediate_size": m.ffn_size, "use_sliding_window": window is not None,
-                "sliding_window": window, "max_window_layers": m.num_layers if window is None else 0,
-                "layer_types": types}
-    return {**cfg, "intermediate_size": m.expert_ffn_size, "num_local_experts": m.num_experts,
-            "num_experts_per_tok": m.moe_router_topk, "router_aux_loss_coef": m.moe_aux_loss_coeff,
-            "router_jitter_noise": m.moe_input_jitter_eps or 0.0, "output_router_logits": False,
-            "sliding_window": window}
+        types = [
+            "full_attention" if m.attention_window(i) is None else "sliding_attention" for i in range(m.num_layers)
+        ]
+        return {
+            **cfg,
+            "intermediate_size": m.ffn_size,
+            "use_sliding_window": window is not None,
+            "sliding_window": window,
+            "max_window_layers": m.num_layers if window is None else 0,
+            "layer_types": types,
+        }
+    return {
+        **cfg,
+        "intermediate_size": m.expert_ffn_size,
+        "num_local_experts": m.num_experts,
+        "num_experts_per_tok": m.moe_router_topk,
+        "router_aux_loss_coef": m.moe_aux_loss_coeff,
+        "router_jitter_noise": m.moe_input_jitter_eps or 0.0,
+        "output_router_logits": False,
+        "sliding_window": window,
+    }
+
+
+def _gpt2_fields(m: ModelConfig) -> dict:
+    """GPT2Config's own names for ``m``'s shape, activation, norm and dropouts."""
+    return {
+        "n_embd": m.hidden_size,
+        "n_layer": m.num_layers,
+        "n_head": m.num_attention_heads,
+        "n_inner": m.ffn_size,
+        "n_positions": m.max_positions,
+        "activation_function": "gelu_new" if m.gelu_approximation == "tanh" else "gelu",
+        "layer_norm_epsilon": m.norm_epsilon,
+        "resid_pdrop": m.hidden_dropout,
+        "embd_pdrop": m.hidden_dropout,
+        "attn_pdrop": m.attention_dropout,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+    }
 
 
 # megatron-core's fixed Llama 3.1 scaling parameters (RotaryEmbedding._apply_scaling)
@@ -65,8 +120,11 @@ def _rope_parameters(m: ModelConfig) -> dict:
     if m.use_rope_scaling:
         return {"rope_type": "llama3", "rope_theta": m.rotary_base, "factor": m.rope_scaling_factor, **LLAMA3_ROPE}
     if m.rotary_seq_len_interpolation_factor is not None:
-        return {"rope_type": "linear", "rope_theta": m.rotary_base,
-                "factor": float(m.rotary_seq_len_interpolation_factor)}
+        return {
+            "rope_type": "linear",
+            "rope_theta": m.rotary_base,
+            "factor": float(m.rotary_seq_len_interpolation_factor),
+        }
     return {"rope_type": "default", "rope_theta": m.rotary_base}
 
 
@@ -89,8 +147,9 @@ def model_values_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
     model_type = hf.get("model_type")
     arch = {v: k for k, v in MODEL_TYPES.items()}.get(model_type)
     if arch is None:
-        raise HFConversionError(f"{where}: model_type {model_type!r} is not supported; "
-                                f"import reads {sorted(MODEL_TYPES.values())}")
+        raise HFConversionError(
+            f"{where}: model_type {model_type!r} is not supported; import reads {sorted(MODEL_TYPES.values())}"
+        )
     if arch == GPT2:
         return arch, _gpt2_values(hf, where)
     return arch, _rotary_values(hf, where, arch)
@@ -101,22 +160,35 @@ def _gpt2_values(hf: dict, where: str) -> dict:
     tied = bool(hf.get("tie_word_embeddings", True))
     act = hf.get("activation_function", "gelu_new")
     if act not in _GPT2_GELU:
-        raise HFConversionError(f"{where}: activation_function {act!r} has no equivalent here "
-                                f"(GELU: one of {sorted(_GPT2_GELU)})")
-    for key, want in [("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False),
-                      ("scale_attn_weights", True), ("add_cross_attention", False)]:
+        raise HFConversionError(
+            f"{where}: activation_function {act!r} has no equivalent here (GELU: one of {sorted(_GPT2_GELU)})"
+        )
+    for key, want in [
+        ("scale_attn_by_inverse_layer_idx", False),
+        ("reorder_and_upcast_attn", False),
+        ("scale_attn_weights", True),
+        ("add_cross_attention", False),
+    ]:
         if hf.get(key, want) != want:
             raise HFConversionError(f"{where}: {key} = {hf[key]!r} has no equivalent here (need {want})")
     h = required_field(hf, "n_embd", where)
     return dict(
-        num_layers=required_field(hf, "n_layer", where), hidden_size=h,
-        num_attention_heads=required_field(hf, "n_head", where), ffn_hidden_size=hf.get("n_inner") or 4 * h,
-        max_position_embeddings=required_field(hf, "n_positions", where), normalization="LayerNorm",
-        norm_epsilon=hf.get("layer_norm_epsilon", 1e-5), swiglu=False, position_embedding_type="learned_absolute",
-        untie_embeddings_and_output_weights=not tied, disable_bias_linear=False,
+        num_layers=required_field(hf, "n_layer", where),
+        hidden_size=h,
+        num_attention_heads=required_field(hf, "n_head", where),
+        ffn_hidden_size=hf.get("n_inner") or 4 * h,
+        max_position_embeddings=required_field(hf, "n_positions", where),
+        normalization="LayerNorm",
+        norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+        swiglu=False,
+        position_embedding_type="learned_absolute",
+        untie_embeddings_and_output_weights=not tied,
+        disable_bias_linear=False,
         bias_gelu_fusion=_GPT2_GELU[act] == "tanh",
-        hidden_dropout=hf.get("resid_pdrop", 0.0), attention_dropout=hf.get("attn_pdrop", 0.0),
-        init_method_std=hf.get("initializer_range", 0.02))
+        hidden_dropout=hf.get("resid_pdrop", 0.0),
+        attention_dropout=hf.get("attn_pdrop", 0.0),
+        init_method_std=hf.get("initializer_range", 0.02),
+    )
 
 
 def sliding_window(hf: dict) -> Optional[int]:
@@ -153,8 +225,10 @@ def _window_values(hf: dict, where: str, layers: int) -> dict:
         if windowed == [(i + 1) % n != 0 for i in range(layers)]:
             return {**values, "window_attn_skip_freq": n}
     shown = "".join("s" if w else "f" for w in windowed)
-    raise HFConversionError(f"{where}: sliding-window layers {shown} (s: sliding, f: full) have no equivalent here: "
-                            "every layer windowed, or every N-th full (--window-attn-skip-freq N)")
+    raise HFConversionError(
+        f"{where}: sliding-window layers {shown} (s: sliding, f: full) have no equivalent here: "
+        "every layer windowed, or every N-th full (--window-attn-skip-freq N)"
+    )
 
 
 def _attention_values(hf: dict, where: str, h: int, heads: int) -> dict:
@@ -172,8 +246,10 @@ def _attention_values(hf: dict, where: str, h: int, heads: int) -> dict:
     values.update(_rope_scaling_values(rope, kind, where))
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
-        raise HFConversionError(f"{where}: partial_rotary_factor {partial}: {hf.get('model_type')} in transformers "
-                                "rotates whole heads, so such a config does not run there")
+        raise HFConversionError(
+            f"{where}: partial_rotary_factor {partial}: {hf.get('model_type')} in transformers "
+            "rotates whole heads, so such a config does not run there"
+        )
     values["rotary_base"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     return values
 
@@ -186,8 +262,10 @@ def _rope_scaling_values(rope: dict, kind: str, where: str) -> dict:
     if kind == "linear" and float(rope.get("factor", 0)).is_integer() and rope["factor"] > 0:
         return dict(rotary_seq_len_interpolation_factor=int(rope["factor"]))
     if kind != "default":
-        raise HFConversionError(f"{where}: rope type {kind!r} with {rope} has no equivalent here (Llama 3.1's "
-                                f"with {LLAMA3_ROPE}, and linear with an integer factor, have)")
+        raise HFConversionError(
+            f"{where}: rope type {kind!r} with {rope} has no equivalent here (Llama 3.1's "
+            f"with {LLAMA3_ROPE}, and linear with an integer factor, have)"
+        )
     return {}
 
 
@@ -200,8 +278,10 @@ def _bias_values(hf: dict, where: str, arch: str) -> dict:
         return dict(disable_bias_linear=True)
     bias = bool(hf.get("attention_bias", False))
     if bool(hf.get("mlp_bias", False)) != bias:
-        raise HFConversionError(f"{where}: attention_bias {bias} with mlp_bias {hf.get('mlp_bias')}; "
-                                "--disable-bias-linear removes both or neither")
+        raise HFConversionError(
+            f"{where}: attention_bias {bias} with mlp_bias {hf.get('mlp_bias')}; "
+            "--disable-bias-linear removes both or neither"
+        )
     return dict(disable_bias_linear=not bias)
 
 
@@ -216,26 +296,39 @@ def _rotary_values(hf: dict, where: str, arch: str) -> dict:
         raise HFConversionError(f"{where}: hidden_act {hf['hidden_act']!r}; only SwiGLU (silu) is supported")
     max_pos = hf.get("max_position_embeddings", 4096)
     layers = required_field(hf, "num_hidden_layers", where)
-    values = dict(num_layers=layers, hidden_size=h,
-                  ffn_hidden_size=required_field(hf, "intermediate_size", where),
-                  normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True,
-                  position_embedding_type="rope", max_position_embeddings=max_pos,
-                  untie_embeddings_and_output_weights=not tied,
-                  hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0),
-                  init_method_std=hf.get("initializer_range", 0.02))
-    values.update(_attention_values(hf, where, h, heads), **_bias_values(hf, where, arch),
-                  **_window_values(hf, where, layers))
+    values = dict(
+        num_layers=layers,
+        hidden_size=h,
+        ffn_hidden_size=required_field(hf, "intermediate_size", where),
+        normalization="RMSNorm",
+        norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        swiglu=True,
+        position_embedding_type="rope",
+        max_position_embeddings=max_pos,
+        untie_embeddings_and_output_weights=not tied,
+        hidden_dropout=0.0,
+        attention_dropout=hf.get("attention_dropout", 0.0),
+        init_method_std=hf.get("initializer_range", 0.02),
+    )
+    values.update(
+        _attention_values(hf, where, h, heads), **_bias_values(hf, where, arch), **_window_values(hf, where, layers)
+    )
     if arch == MIXTRAL:
-        values.update(num_experts=required_field(hf, "num_local_experts", where),
-                      moe_router_topk=required_field(hf, "num_experts_per_tok", where), moe_layer_freq=1,
-                      moe_ffn_hidden_size=values["ffn_hidden_size"], moe_router_pre_softmax=False,
-                      moe_aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0),
-                      moe_input_jitter_eps=hf.get("router_jitter_noise") or None)
+        values.update(
+            num_experts=required_field(hf, "num_local_experts", where),
+            moe_router_topk=required_field(hf, "num_experts_per_tok", where),
+            moe_layer_freq=1,
+            moe_ffn_hidden_size=values["ffn_hidden_size"],
+            moe_router_pre_softmax=False,
+            moe_aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0),
+            moe_input_jitter_eps=hf.get("router_jitter_noise") or None,
+        )
     return values
 
 
-def import_vocab_divisor(rows: int, tp: int, requested: Optional[int] = None,
-                         tokens: Optional[int] = None) -> Optional[int]:
+def import_vocab_divisor(
+    rows: int, tp: int, requested: Optional[int] = None, tokens: Optional[int] = None
+) -> Optional[int]:
     """``--make-vocab-size-divisible-by`` for an imported embedding of ``rows`` rows: the largest
     power of two (<= 128) that divides it and is a multiple of TP, so nothing is padded; else
     128 (or TP). With ``tokens`` (a tokenizer's vocabulary, from which training takes
@@ -243,8 +336,9 @@ def import_vocab_divisor(rows: int, tp: int, requested: Optional[int] = None,
     TP (powers of two first), or None when there is none."""
     if requested is not None:
         if requested < 1 or requested % tp:
-            raise HFConversionError(f"--make-vocab-size-divisible-by {requested} must be >= 1 and divisible "
-                                    f"by the target TP ({tp})")
+            raise HFConversionError(
+                f"--make-vocab-size-divisible-by {requested} must be >= 1 and divisible by the target TP ({tp})"
+            )
         return requested if tokens is None or -(-tokens // requested) * requested == rows else None
     if tokens is None:
         tokens = rows

@@ -2,6 +2,7 @@
 ``config_json.model_values_from_hf`` uses, so a hand-edited or crafted file fails naming the
 field (``n_embd: expected an integer in [1, 262144], got "abc"``) instead of deep inside the
 conversion or in a runaway allocation. Absent fields and nulls take transformers' defaults."""
+
 from __future__ import annotations
 
 import math
@@ -11,37 +12,64 @@ from megatron_p2r.convert.hf.architecture import HFConversionError
 from megatron_p2r.config.ranges import LAYERS, Range, at_least, fraction, positive
 
 _INT, _FLOAT, _BOOL, _STR, _DICT, _LIST = "an integer", "a number", "true or false", "a string", "an object", "a list"
-_SIZE = at_least(1, 2 ** 20)
+_SIZE = at_least(1, 2**20)
 _ROTARY_FRACTION = Range(0.0, 1.0, low_open=True)
 
 # field -> (kind, range or None); every field is optional here (``required_field`` asks for the needed ones).
 HF_FIELDS: Dict[str, Tuple[str, object]] = {
-    "model_type": (_STR, None), "architectures": (_LIST, None), "vocab_size": (_INT, at_least(2, 2 ** 31 - 1)),
-    "tie_word_embeddings": (_BOOL, None), "initializer_range": (_FLOAT, positive()),
+    "model_type": (_STR, None),
+    "architectures": (_LIST, None),
+    "vocab_size": (_INT, at_least(2, 2**31 - 1)),
+    "tie_word_embeddings": (_BOOL, None),
+    "initializer_range": (_FLOAT, positive()),
     # GPT2
-    "n_embd": (_INT, at_least(1, 2 ** 18)), "n_layer": (_INT, at_least(1, LAYERS)),
+    "n_embd": (_INT, at_least(1, 2**18)),
+    "n_layer": (_INT, at_least(1, LAYERS)),
     "n_head": (_INT, at_least(1, LAYERS)),
-    "n_inner": (_INT, _SIZE), "n_positions": (_INT, at_least(1, 2 ** 24)), "activation_function": (_STR, None),
-    "layer_norm_epsilon": (_FLOAT, positive(1.0)), "resid_pdrop": (_FLOAT, fraction()),
-    "embd_pdrop": (_FLOAT, fraction()), "attn_pdrop": (_FLOAT, fraction()),
-    "scale_attn_by_inverse_layer_idx": (_BOOL, None), "reorder_and_upcast_attn": (_BOOL, None),
-    "scale_attn_weights": (_BOOL, None), "add_cross_attention": (_BOOL, None),
+    "n_inner": (_INT, _SIZE),
+    "n_positions": (_INT, at_least(1, 2**24)),
+    "activation_function": (_STR, None),
+    "layer_norm_epsilon": (_FLOAT, positive(1.0)),
+    "resid_pdrop": (_FLOAT, fraction()),
+    "embd_pdrop": (_FLOAT, fraction()),
+    "attn_pdrop": (_FLOAT, fraction()),
+    "scale_attn_by_inverse_layer_idx": (_BOOL, None),
+    "reorder_and_upcast_attn": (_BOOL, None),
+    "scale_attn_weights": (_BOOL, None),
+    "add_cross_attention": (_BOOL, None),
     # Llama / Mixtral
-    "hidden_size": (_INT, at_least(1, 2 ** 18)), "num_hidden_layers": (_INT, at_least(1, LAYERS)),
-    "num_attention_heads": (_INT, at_least(1, LAYERS)), "num_key_value_heads": (_INT, at_least(1, LAYERS)),
-    "head_dim": (_INT, at_least(1, 2 ** 18)), "intermediate_size": (_INT, _SIZE), "hidden_act": (_STR, None),
-    "max_position_embeddings": (_INT, at_least(1, 2 ** 24)), "rms_norm_eps": (_FLOAT, positive(1.0)),
-    "attention_dropout": (_FLOAT, fraction()), "rope_theta": (_FLOAT, positive()),
-    "rope_parameters": (_DICT, None), "rope_scaling": (_DICT, None), "attention_bias": (_BOOL, None),
-    "mlp_bias": (_BOOL, None), "num_local_experts": (_INT, at_least(1, 2 ** 16)),
-    "num_experts_per_tok": (_INT, at_least(1, 2 ** 16)), "router_aux_loss_coef": (_FLOAT, Range(0.0)),
-    "router_jitter_noise": (_FLOAT, fraction()), "partial_rotary_factor": (_FLOAT, _ROTARY_FRACTION),
+    "hidden_size": (_INT, at_least(1, 2**18)),
+    "num_hidden_layers": (_INT, at_least(1, LAYERS)),
+    "num_attention_heads": (_INT, at_least(1, LAYERS)),
+    "num_key_value_heads": (_INT, at_least(1, LAYERS)),
+    "head_dim": (_INT, at_least(1, 2**18)),
+    "intermediate_size": (_INT, _SIZE),
+    "hidden_act": (_STR, None),
+    "max_position_embeddings": (_INT, at_least(1, 2**24)),
+    "rms_norm_eps": (_FLOAT, positive(1.0)),
+    "attention_dropout": (_FLOAT, fraction()),
+    "rope_theta": (_FLOAT, positive()),
+    "rope_parameters": (_DICT, None),
+    "rope_scaling": (_DICT, None),
+    "attention_bias": (_BOOL, None),
+    "mlp_bias": (_BOOL, None),
+    "num_local_experts": (_INT, at_least(1, 2**16)),
+    "num_experts_per_tok": (_INT, at_least(1, 2**16)),
+    "router_aux_loss_coef": (_FLOAT, Range(0.0)),
+    "router_jitter_noise": (_FLOAT, fraction()),
+    "partial_rotary_factor": (_FLOAT, _ROTARY_FRACTION),
     # Mistral / Mixtral / Qwen2 sliding-window attention
-    "sliding_window": (_INT, at_least(1, 2 ** 24)), "use_sliding_window": (_BOOL, None), "layer_types": (_LIST, None),
-    "max_window_layers": (_INT, at_least(0, 2 ** 24)),
+    "sliding_window": (_INT, at_least(1, 2**24)),
+    "use_sliding_window": (_BOOL, None),
+    "layer_types": (_LIST, None),
+    "max_window_layers": (_INT, at_least(0, 2**24)),
 }
-_ROPE_FIELDS = {"rope_type": (_STR, None), "type": (_STR, None), "rope_theta": (_FLOAT, positive()),
-                "partial_rotary_factor": (_FLOAT, _ROTARY_FRACTION)}
+_ROPE_FIELDS = {
+    "rope_type": (_STR, None),
+    "type": (_STR, None),
+    "rope_theta": (_FLOAT, positive()),
+    "partial_rotary_factor": (_FLOAT, _ROTARY_FRACTION),
+}
 
 
 def _matches(kind: str, value) -> bool:

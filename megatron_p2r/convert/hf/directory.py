@@ -1,5 +1,6 @@
 """The files of a Hugging Face model directory: weights in one safetensors file or in shards with
 an index, and JSON files (config.json, tokenizer_config.json)."""
+
 from __future__ import annotations
 
 import json
@@ -22,9 +23,18 @@ def parse_size(text: str) -> int:
     if not match:
         raise HFConversionError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MiB or 1000000")
     number, unit = float(match.group(1)), (match.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
-    if not 1 <= number * scale <= 2 ** 50:
+    scale = {
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }[unit]
+    if not 1 <= number * scale <= 2**50:
         raise HFConversionError(f"--max-shard-size {text!r}: expected a size between 1 byte and 1 PiB")
     return int(number * scale)
 
@@ -91,9 +101,10 @@ class HFDirectory:
             self.weight_map = {n: SINGLE_FILE for n in self.readers(SINGLE_FILE).names()}
         else:
             found = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth"))]
-            raise HFConversionError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}"
-                                    + (f" (found {found[0]}: only safetensors are read, never pickles)"
-                                       if found else ""))
+            raise HFConversionError(
+                f"{path}: no {SINGLE_FILE} or {INDEX_FILE}"
+                + (f" (found {found[0]}: only safetensors are read, never pickles)" if found else "")
+            )
 
     def resolve(self, name: str) -> Optional[str]:
         """The stored name of ``name``, also when the file omits the base prefix (original GPT2: ``h.0.``)."""
@@ -105,8 +116,9 @@ class HFDirectory:
     def entry(self, stored: str) -> dict:
         reader = self.readers(self.weight_map[stored])
         if stored not in reader.entries:
-            raise HFConversionError(f"{self.path}: {INDEX_FILE} puts {stored!r} in {self.weight_map[stored]}, "
-                                    "which has no such tensor")
+            raise HFConversionError(
+                f"{self.path}: {INDEX_FILE} puts {stored!r} in {self.weight_map[stored]}, which has no such tensor"
+            )
         return reader.entries[stored]
 
     def read(self, stored: str) -> torch.Tensor:

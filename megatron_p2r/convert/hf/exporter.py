@@ -1,5 +1,6 @@
 """export-hf: write a checkpoint of ours (any layout, real or pseudo) as an HF model directory,
 streaming one piece at a time into safetensors shards planned from shapes alone."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,9 +33,17 @@ class ExportResult:
     notes: List[str]
 
 
-def export_hf(src: str, dst: str, *, trim_vocab: bool = False, dtype: str = "float32",
-              max_shard_size: str = "5GB", architecture: Optional[str] = None, force: bool = False,
-              progress: bool = True) -> ExportResult:
+def export_hf(
+    src: str,
+    dst: str,
+    *,
+    trim_vocab: bool = False,
+    dtype: str = "float32",
+    max_shard_size: str = "5GB",
+    architecture: Optional[str] = None,
+    force: bool = False,
+    progress: bool = True,
+) -> ExportResult:
     """Write SRC (any layout, real or pseudo) as an HF model directory DST, streaming; as
     ``architecture`` (an HF class name) when given, else the one the model's options point to."""
     if dtype not in EXPORT_DTYPES:
@@ -56,8 +65,10 @@ def export_hf(src: str, dst: str, *, trim_vocab: bool = False, dtype: str = "flo
         write_json(os.path.join(tmp, "config.json"), hf_config(m, arch, hf_vocab, dtype, special))
     notes = _notes(note, source, m, hf_vocab)
     if arch == QWEN2 and source.cfg.data.tokenizer_type == "HuggingFaceTokenizer":
-        notes.append("transformers 5 loads a Qwen2 directory's tokenizer.json with Qwen2Tokenizer, which imposes "
-                     "Qwen2's pre-tokenizer: a tokenizer.json with another one encodes differently there")
+        notes.append(
+            "transformers 5 loads a Qwen2 directory's tokenizer.json with Qwen2Tokenizer, which imposes "
+            "Qwen2's pre-tokenizer: a tokenizer.json with another one encodes differently there"
+        )
     return ExportResult(dst, arch, names, hf_vocab, notes)
 
 
@@ -65,8 +76,10 @@ def _output_groups(plan: List[Rule], table: Dict[str, TensorInfo], st_dtype: str
     """[(HF name, dtype, shape)] of each rule's outputs, from shapes alone (meta tensors)."""
     covered = {r.ours for r in plan if r.ours}
     if covered != set(table):  # the mapping must account for every weight, no more, no less
-        raise HFConversionError(f"internal: {arch} mapping misses {sorted(set(table) - covered)[:3]} "
-                                f"or invents {sorted(covered - set(table))[:3]}")
+        raise HFConversionError(
+            f"internal: {arch} mapping misses {sorted(set(table) - covered)[:3]} "
+            f"or invents {sorted(covered - set(table))[:3]}"
+        )
     groups = []
     for r in plan:
         if r.ours is None:
@@ -77,8 +90,15 @@ def _output_groups(plan: List[Rule], table: Dict[str, TensorInfo], st_dtype: str
     return groups
 
 
-def _write_weights(out: str, source: SourceCheckpoint, plan: List[Rule], groups: List[list],
-                   files: Dict[str, Sequence[int]], torch_dtype: torch.dtype, progress: bool) -> None:
+def _write_weights(
+    out: str,
+    source: SourceCheckpoint,
+    plan: List[Rule],
+    groups: List[list],
+    files: Dict[str, Sequence[int]],
+    torch_dtype: torch.dtype,
+    progress: bool,
+) -> None:
     """Each weight file (name -> the rules it holds), one piece converted at a time; the index
     when there are several files."""
     total = sum(nbytes(d, s) for g in groups for _, d, s in g)

@@ -1,5 +1,6 @@
 """import-hf: write an HF model directory as a checkpoint of ours (real phase, iteration 0, no
 optimizer state) in any layout, every needed tensor checked before anything is written."""
+
 from __future__ import annotations
 
 import os
@@ -9,8 +10,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron_p2r.convert.hf.architecture import HFConversionError
-from megatron_p2r.convert.hf.config_json import (import_vocab_divisor, model_values_from_hf, required_field,
-                                                    sliding_window)
+from megatron_p2r.convert.hf.config_json import (
+    import_vocab_divisor,
+    model_values_from_hf,
+    required_field,
+    sliding_window,
+)
 from megatron_p2r.convert.hf.directory import HFDirectory, read_hf_config
 from megatron_p2r.convert.hf.rules import Rule, rules
 from megatron_p2r.convert.hf.tokenizer import HFTokenizerFiles, copy_tokenizer, find_tokenizer
@@ -23,8 +28,15 @@ from megatron_p2r.config import Config, ModelConfig
 _IGNORED = re.compile(r"(\.attn\.(masked_)?bias$|rotary_emb\.inv_freq$)")
 
 
-def import_hf(src: str, dst: str, target: Target, *, make_vocab_size_divisible_by: Optional[int] = None,
-              force: bool = False, progress: bool = True) -> Tuple[str, List[str]]:
+def import_hf(
+    src: str,
+    dst: str,
+    target: Target,
+    *,
+    make_vocab_size_divisible_by: Optional[int] = None,
+    force: bool = False,
+    progress: bool = True,
+) -> Tuple[str, List[str]]:
     """Write the HF model SRC as a checkpoint of ours (real phase, iteration 0, no optimizer
     state) in the ``target`` layout. Returns (iteration directory, notes)."""
     hf_cfg = read_hf_config(src)
@@ -46,9 +58,18 @@ def import_hf(src: str, dst: str, target: Target, *, make_vocab_size_divisible_b
         notes["tokenizer"], flags = copy_tokenizer(found, src, staging, dst)
         return flags
 
-    out = write_imported(src, src, dst, cfg, table, lambda info, kind: _read_piece(hf, plan[info.key]),
-                         history={"op": "import-hf", "source": os.path.abspath(src), "source_layout": f"hf:{arch}"},
-                         force=force, progress=progress, extras=copy_tokenizer_files)
+    out = write_imported(
+        src,
+        src,
+        dst,
+        cfg,
+        table,
+        lambda info, kind: _read_piece(hf, plan[info.key]),
+        history={"op": "import-hf", "source": os.path.abspath(src), "source_layout": f"hf:{arch}"},
+        force=force,
+        progress=progress,
+        extras=copy_tokenizer_files,
+    )
     return out, _notes(notes["tokenizer"], cfg, hf_cfg, hf_vocab, dst)
 
 
@@ -56,20 +77,25 @@ def _notes(tokenizer_note: str, cfg: Config, hf_cfg: dict, hf_vocab: int, dst: s
     m = cfg.model
     notes = [tokenizer_note]
     if m.padded_vocab_size != hf_vocab:
-        notes.append(f"vocabulary padded from {hf_vocab} to {m.padded_vocab_size} rows with zeros "
-                     f"(TP {cfg.parallel.tensor_model_parallel_size} does not divide {hf_vocab}); their logits (0) "
-                     "enter our softmax")
+        notes.append(
+            f"vocabulary padded from {hf_vocab} to {m.padded_vocab_size} rows with zeros "
+            f"(TP {cfg.parallel.tensor_model_parallel_size} does not divide {hf_vocab}); their logits (0) "
+            "enter our softmax"
+        )
     if m.window_size is not None:
         skip = f", every {m.window_attn_skip_freq}th layer full" if m.window_attn_skip_freq else ""
         notes.append(f"sliding_window {sliding_window(hf_cfg)}: --window-size {m.window_size}{skip}")
     yaml_path = os.path.join(dst, "model.yaml")
-    notes.append(f"model and layout flags in {yaml_path}: train with --config {yaml_path} --load {dst} "
-                 "--finetune plus data and training flags")
+    notes.append(
+        f"model and layout flags in {yaml_path}: train with --config {yaml_path} --load {dst} "
+        "--finetune plus data and training flags"
+    )
     return notes
 
 
-def _imported_config(values: dict, hf_vocab: int, target: Target, divisible_by: Optional[int],
-                     tokenizer: Optional[HFTokenizerFiles]) -> Tuple[Config, str]:
+def _imported_config(
+    values: dict, hf_vocab: int, target: Target, divisible_by: Optional[int], tokenizer: Optional[HFTokenizerFiles]
+) -> Tuple[Config, str]:
     """Our config for the HF model's ``values`` in the ``target`` layout (unset sizes: 1), and why
     the tokenizer is not configured (empty when it is).
 
@@ -80,21 +106,33 @@ def _imported_config(values: dict, hf_vocab: int, target: Target, divisible_by: 
     if tokenizer is not None and tokenizer.vocab_size != hf_vocab:
         fitted = import_vocab_divisor(hf_vocab, tp, divisible_by, tokenizer.vocab_size)
         if fitted is None:
-            why = (f"tokenizer not copied: its {tokenizer.vocab_size} tokens cannot be padded to the model's "
-                   f"{hf_vocab} embedding rows under TP {tp} (--make-vocab-size-divisible-by); pass a tokenizer "
-                   "with --tokenizer-type yourself")
+            why = (
+                f"tokenizer not copied: its {tokenizer.vocab_size} tokens cannot be padded to the model's "
+                f"{hf_vocab} embedding rows under TP {tp} (--make-vocab-size-divisible-by); pass a tokenizer "
+                "with --tokenizer-type yourself"
+            )
         else:
             vocab, divisor = tokenizer.vocab_size, fitted
-    values.update(vocab_size=vocab, make_vocab_size_divisible_by=divisor,
-                  seq_length=min(values["max_position_embeddings"], 4096))
+    values.update(
+        vocab_size=vocab, make_vocab_size_divisible_by=divisor, seq_length=min(values["max_position_embeddings"], 4096)
+    )
     base = Config.from_dict({"model": values})
-    cfg = target_config(base, Target(target.tensor_parallel_size or 1, target.pipeline_parallel_size or 1,
-                                     target.pipeline_layer_split, target.expert_parallel_size), delink=False)
+    cfg = target_config(
+        base,
+        Target(
+            target.tensor_parallel_size or 1,
+            target.pipeline_parallel_size or 1,
+            target.pipeline_layer_split,
+            target.expert_parallel_size,
+        ),
+        delink=False,
+    )
     return cfg, why
 
 
-def _check_hf_tensors(src: str, hf: HFDirectory, plan: Dict[str, Rule], table: Dict[str, TensorInfo],
-                      m: ModelConfig) -> None:
+def _check_hf_tensors(
+    src: str, hf: HFDirectory, plan: Dict[str, Rule], table: Dict[str, TensorInfo], m: ModelConfig
+) -> None:
     """Every tensor our model needs is there with the shape config.json implies, and every HF
     weight has a place in our model (none is silently dropped)."""
     used = set()
@@ -106,14 +144,21 @@ def _check_hf_tensors(src: str, hf: HFDirectory, plan: Dict[str, Rule], table: D
             if stored is None:
                 raise HFConversionError(f"{src}: the weights have no tensor {name!r} (needed for our {key!r})")
             if tuple(hf.entry(stored)["shape"]) != shape:
-                raise HFConversionError(f"{src}: tensor {stored!r} has shape {hf.entry(stored)['shape']}, "
-                                        f"config.json implies {list(shape)}")
+                raise HFConversionError(
+                    f"{src}: tensor {stored!r} has shape {hf.entry(stored)['shape']}, config.json implies {list(shape)}"
+                )
             used.add(stored)
-    unused = sorted(n for n in hf.weight_map if n not in used and not _IGNORED.search(n)
-                    and not (n == "lm_head.weight" and not m.untie_embeddings_and_output_weights))
+    unused = sorted(
+        n
+        for n in hf.weight_map
+        if n not in used
+        and not _IGNORED.search(n)
+        and not (n == "lm_head.weight" and not m.untie_embeddings_and_output_weights)
+    )
     if unused:
-        raise HFConversionError(f"{src}: {len(unused)} tensors have no place in our model, e.g. {unused[0]!r}; "
-                                "refusing to drop weights")
+        raise HFConversionError(
+            f"{src}: {len(unused)} tensors have no place in our model, e.g. {unused[0]!r}; refusing to drop weights"
+        )
 
 
 def _read_piece(hf: HFDirectory, rule: Rule) -> torch.Tensor:

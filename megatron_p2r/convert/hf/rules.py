@@ -9,6 +9,7 @@ key/value head i // (heads/groups), as ours); our interleaved SwiGLU rows ``(gat
 <-> ``gate_proj/up_proj`` (Mixtral: ``w1/w3``); GPT2's Conv1D weights are our Linear weights
 transposed. Rotary embeddings need no permutation: ours are rotate-half, as HF Llama's.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -96,23 +97,38 @@ def _glu(ours: str, gate: str, up: str) -> Rule:
 
 def _gpt2_layer(m: ModelConfig, o: str, t: str) -> List[Rule]:
     rows = attention_rows(m)["qkv"]
-    out = [_same(o + "input_norm.weight", t + "ln_1.weight"), _same(o + "input_norm.bias", t + "ln_1.bias"),
-           Rule(o + "attention.qkv.weight", (t + "attn.c_attn.weight",),
-                lambda w: [torch.cat(split_heads(w, rows)).t()], lambda x: merge_heads(x[0].t().chunk(3), rows)),
-           _transposed(o + "attention.proj.weight", t + "attn.c_proj.weight"),
-           _same(o + "post_attention_norm.weight", t + "ln_2.weight"),
-           _same(o + "post_attention_norm.bias", t + "ln_2.bias"),
-           _transposed(o + "mlp.fc1.weight", t + "mlp.c_fc.weight"),
-           _transposed(o + "mlp.fc2.weight", t + "mlp.c_proj.weight")]
+    out = [
+        _same(o + "input_norm.weight", t + "ln_1.weight"),
+        _same(o + "input_norm.bias", t + "ln_1.bias"),
+        Rule(
+            o + "attention.qkv.weight",
+            (t + "attn.c_attn.weight",),
+            lambda w: [torch.cat(split_heads(w, rows)).t()],
+            lambda x: merge_heads(x[0].t().chunk(3), rows),
+        ),
+        _transposed(o + "attention.proj.weight", t + "attn.c_proj.weight"),
+        _same(o + "post_attention_norm.weight", t + "ln_2.weight"),
+        _same(o + "post_attention_norm.bias", t + "ln_2.bias"),
+        _transposed(o + "mlp.fc1.weight", t + "mlp.c_fc.weight"),
+        _transposed(o + "mlp.fc2.weight", t + "mlp.c_proj.weight"),
+    ]
     h = m.hidden_size
     if m.qkv_bias:
-        out.append(Rule(o + "attention.qkv.bias", (t + "attn.c_attn.bias",), lambda b: [torch.cat(split_heads(b, rows))],
-                        lambda x: merge_heads(x[0].chunk(3), rows)))
+        out.append(
+            Rule(
+                o + "attention.qkv.bias",
+                (t + "attn.c_attn.bias",),
+                lambda b: [torch.cat(split_heads(b, rows))],
+                lambda x: merge_heads(x[0].chunk(3), rows),
+            )
+        )
     else:  # GPT2 always has biases: a bias-free model exports zeros
         out.append(Rule(None, (t + "attn.c_attn.bias",), None, None, (3 * h,)))
-    for ours, hf, size in [(o + "attention.proj.bias", t + "attn.c_proj.bias", h),
-                           (o + "mlp.fc1.bias", t + "mlp.c_fc.bias", m.ffn_size),
-                           (o + "mlp.fc2.bias", t + "mlp.c_proj.bias", h)]:
+    for ours, hf, size in [
+        (o + "attention.proj.bias", t + "attn.c_proj.bias", h),
+        (o + "mlp.fc1.bias", t + "mlp.c_fc.bias", m.ffn_size),
+        (o + "mlp.fc2.bias", t + "mlp.c_proj.bias", h),
+    ]:
         out.append(_same(ours, hf) if m.add_bias else Rule(None, (hf,), None, None, (size,)))
     return out
 
@@ -134,18 +150,24 @@ def _rotary_layer(m: ModelConfig, arch: str, o: str, t: str) -> List[Rule]:
     out = [_same(o + "input_norm.weight", t + "input_layernorm.weight")] + _attention(m, o, t + "self_attn.")
     out.append(_same(o + "post_attention_norm.weight", t + "post_attention_layernorm.weight"))
     if arch != MIXTRAL:
-        out += [_glu(o + "mlp.fc1.weight", t + "mlp.gate_proj.weight", t + "mlp.up_proj.weight"),
-                _same(o + "mlp.fc2.weight", t + "mlp.down_proj.weight")]
+        out += [
+            _glu(o + "mlp.fc1.weight", t + "mlp.gate_proj.weight", t + "mlp.up_proj.weight"),
+            _same(o + "mlp.fc2.weight", t + "mlp.down_proj.weight"),
+        ]
         if m.add_bias:
-            out += [_glu(o + "mlp.fc1.bias", t + "mlp.gate_proj.bias", t + "mlp.up_proj.bias"),
-                    _same(o + "mlp.fc2.bias", t + "mlp.down_proj.bias")]
+            out += [
+                _glu(o + "mlp.fc1.bias", t + "mlp.gate_proj.bias", t + "mlp.up_proj.bias"),
+                _same(o + "mlp.fc2.bias", t + "mlp.down_proj.bias"),
+            ]
         return out
     moe = t + "block_sparse_moe."
     out.append(_same(o + "mlp.router.weight", moe + "gate.weight"))
     for e in range(m.num_experts):
         x = f"{moe}experts.{e}."
-        out += [_glu(f"{o}mlp.experts.{e}.weight1", x + "w1.weight", x + "w3.weight"),
-                _same(f"{o}mlp.experts.{e}.weight2", x + "w2.weight")]
+        out += [
+            _glu(f"{o}mlp.experts.{e}.weight1", x + "w1.weight", x + "w3.weight"),
+            _same(f"{o}mlp.experts.{e}.weight2", x + "w2.weight"),
+        ]
     return out
 
 
@@ -154,15 +176,16 @@ def rules(m: ModelConfig, arch: str, hf_vocab: int) -> List[Rule]:
     out: List[Rule] = []
     if arch == GPT2:
         p = "transformer."
-        out += [_vocab("embedding.word_embeddings.weight", p + "wte.weight", hf_vocab, m.padded_vocab_size),
-                _same("embedding.position_embeddings.weight", p + "wpe.weight")]
+        out += [
+            _vocab("embedding.word_embeddings.weight", p + "wte.weight", hf_vocab, m.padded_vocab_size),
+            _same("embedding.position_embeddings.weight", p + "wpe.weight"),
+        ]
         for i in range(m.num_layers):
             out += _gpt2_layer(m, f"layers.{i}.", f"{p}h.{i}.")
         out += [_same("final_norm.weight", p + "ln_f.weight"), _same("final_norm.bias", p + "ln_f.bias")]
     else:
         p = "model."
-        out.append(_vocab("embedding.word_embeddings.weight", p + "embed_tokens.weight", hf_vocab,
-                          m.padded_vocab_size))
+        out.append(_vocab("embedding.word_embeddings.weight", p + "embed_tokens.weight", hf_vocab, m.padded_vocab_size))
         for i in range(m.num_layers):
             out += _rotary_layer(m, arch, f"layers.{i}.", f"{p}layers.{i}.")
         out.append(_same("final_norm.weight", p + "norm.weight"))

@@ -1,5 +1,6 @@
 """A checkpoint of ours, in any layout and either phase, read as the global pieces of the real
 model: what export and the reference model for verification both read."""
+
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@
 The converter reads a ``.tiktoken`` file and appends special tokens after the vocabulary;
 Megatron's ids put the special tokens first (0..N-1) and shift every rank by N, so the ranks are
 handed over in memory and the special tokens enter the vocabulary at their own ids."""
+
 from __future__ import annotations
 
 from transformers.convert_slow_tokenizer import TikTokenConverter

@@ -1,5 +1,6 @@
 """Tokenizer files between our runs and HF directories: export copies the run's tokenizer with a
 tokenizer_config.json when HF can express it; import copies an HF tokenizer our data tools read."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,9 +33,17 @@ def export_tokenizer(cfg: Config, dst: str) -> Tuple[str, Dict[str, Optional[int
             eod = json.load(fh)[GPT2_EOD]
         shutil.copyfile(d.vocab_file, os.path.join(dst, "vocab.json"))
         shutil.copyfile(d.merge_file, os.path.join(dst, "merges.txt"))
-        write_json(os.path.join(dst, "tokenizer_config.json"), {
-            "tokenizer_class": "GPT2Tokenizer", "bos_token": GPT2_EOD, "eos_token": GPT2_EOD,
-            "unk_token": GPT2_EOD, "add_prefix_space": False, "model_max_length": cfg.model.max_positions})
+        write_json(
+            os.path.join(dst, "tokenizer_config.json"),
+            {
+                "tokenizer_class": "GPT2Tokenizer",
+                "bos_token": GPT2_EOD,
+                "eos_token": GPT2_EOD,
+                "unk_token": GPT2_EOD,
+                "add_prefix_space": False,
+                "model_max_length": cfg.model.max_positions,
+            },
+        )
         return "tokenizer: GPT2Tokenizer (vocab.json, merges.txt)", {"bos": eod, "eos": eod}
     if kind == "SentencePieceTokenizer":
         return _export_sentencepiece(cfg, dst)
@@ -43,8 +52,10 @@ def export_tokenizer(cfg: Config, dst: str) -> Tuple[str, Dict[str, Optional[int
     if kind == "TikTokenizer":
         return _export_tiktoken(cfg, dst)
     if kind == "ByteTokenizer":
-        return ("tokenizer not copied: ByteTokenizer (ids = bytes, 256 = end of document) has no Hugging Face "
-                "equivalent; encode text as UTF-8 bytes yourself"), {"eos": 256}
+        return (
+            "tokenizer not copied: ByteTokenizer (ids = bytes, 256 = end of document) has no Hugging Face "
+            "equivalent; encode text as UTF-8 bytes yourself"
+        ), {"eos": 256}
     if kind is None:
         return "tokenizer not copied: the checkpoint records no --tokenizer-type", {}
     return f"tokenizer not copied: --tokenizer-type {kind} is not exported (docs/hf.md)", {}
@@ -55,13 +66,20 @@ def _export_sentencepiece(cfg: Config, dst: str) -> Tuple[str, Dict[str, Optiona
     if not d.tokenizer_model or not os.path.isfile(d.tokenizer_model):
         return f"tokenizer not copied: SentencePiece model {d.tokenizer_model} is not readable here", {}
     import sentencepiece
+
     sp = sentencepiece.SentencePieceProcessor(model_file=d.tokenizer_model)
     ids = {"bos": sp.bos_id(), "eos": sp.eos_id(), "pad": sp.pad_id(), "unk": sp.unk_id()}
     ids = {k: (v if v >= 0 else None) for k, v in ids.items()}
     shutil.copyfile(d.tokenizer_model, os.path.join(dst, "tokenizer.model"))
     # LlamaTokenizer reads a SentencePiece model; no BOS/EOS added, SentencePiece's dummy prefix kept.
-    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False,
-              "add_prefix_space": True, "legacy": False, "model_max_length": cfg.model.max_positions}
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "add_prefix_space": True,
+        "legacy": False,
+        "model_max_length": cfg.model.max_positions,
+    }
     for k, v in ids.items():
         if v is not None:
             config[f"{k}_token"] = sp.id_to_piece(v)
@@ -85,8 +103,10 @@ def _export_hf_tokenizer(cfg: Config, dst: str) -> Tuple[str, Dict[str, Optional
             shutil.copyfile(path, os.path.join(dst, name))
             copied.append(name)
     if "tokenizer_config.json" not in copied:
-        write_json(os.path.join(dst, "tokenizer_config.json"), {
-            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.model.max_positions})
+        write_json(
+            os.path.join(dst, "tokenizer_config.json"),
+            {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.model.max_positions},
+        )
     return f"tokenizer: PreTrainedTokenizerFast ({', '.join(copied)})", {"bos": tokenizer.bos, "eos": tokenizer.eod}
 
 
@@ -101,11 +121,21 @@ def _export_tiktoken(cfg: Config, dst: str) -> Tuple[str, Dict[str, Optional[int
     from megatron_p2r.convert.hf.tiktoken_export import tiktoken_to_tokenizers
 
     tiktoken_to_tokenizers(tokenizer).save(os.path.join(dst, "tokenizer.json"))
-    write_json(os.path.join(dst, "tokenizer_config.json"), {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
-        "unk_token": "<unk>", "model_max_length": cfg.model.max_positions})
-    return ("tokenizer: PreTrainedTokenizerFast (tokenizer.json from the TikTokenizer vocabulary)",
-            {"bos": tokenizer.bos, "eos": tokenizer.eod, "pad": tokenizer.pad})
+    write_json(
+        os.path.join(dst, "tokenizer_config.json"),
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "pad_token": "<pad>",
+            "unk_token": "<unk>",
+            "model_max_length": cfg.model.max_positions,
+        },
+    )
+    return (
+        "tokenizer: PreTrainedTokenizerFast (tokenizer.json from the TikTokenizer vocabulary)",
+        {"bos": tokenizer.bos, "eos": tokenizer.eod, "pad": tokenizer.pad},
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,19 +145,26 @@ class HFTokenizerFiles:
 
     kind: str
     files: Tuple[str, ...]
-    flags: Tuple[Tuple[str, str], ...]   # (DataConfig field, file name or "" for the directory)
+    flags: Tuple[Tuple[str, str], ...]  # (DataConfig field, file name or "" for the directory)
     vocab_size: int
 
 
 # In the order transformers' AutoTokenizer prefers them (a fast tokenizer.json first).
-_HF_TOKENIZERS = [(("tokenizer.json",), HF_TOKENIZER_CONFIGS, "HuggingFaceTokenizer", (("tokenizer_model", ""),)),
-                  (("vocab.json", "merges.txt"), (), "GPT2BPETokenizer",
-                   (("vocab_file", "vocab.json"), ("merge_file", "merges.txt"))),
-                  (("tokenizer.model",), (), "SentencePieceTokenizer", (("tokenizer_model", "tokenizer.model"),))]
+_HF_TOKENIZERS = [
+    (("tokenizer.json",), HF_TOKENIZER_CONFIGS, "HuggingFaceTokenizer", (("tokenizer_model", ""),)),
+    (
+        ("vocab.json", "merges.txt"),
+        (),
+        "GPT2BPETokenizer",
+        (("vocab_file", "vocab.json"), ("merge_file", "merges.txt")),
+    ),
+    (("tokenizer.model",), (), "SentencePieceTokenizer", (("tokenizer_model", "tokenizer.model"),)),
+]
 
 
 def find_tokenizer(src: str) -> Tuple[Optional[HFTokenizerFiles], str]:
     """The tokenizer of the HF directory SRC our data tools read (None and why when there is none)."""
+
     def present(name: str) -> bool:  # a regular file inside SRC (a link out of it is an error)
         return os.path.isfile(confined(src, name, HFConversionError, "tokenizer file"))
 
@@ -140,8 +177,7 @@ def find_tokenizer(src: str) -> Tuple[Optional[HFTokenizerFiles], str]:
                 return None, f"tokenizer not copied: {exc}"
             files = required + tuple(f for f in optional if present(f))
             return HFTokenizerFiles(kind, files, flags, tokenizer.vocab_size), ""
-    return None, ("tokenizer not copied: no tokenizer.json, vocab.json+merges.txt or tokenizer.model in the "
-                  "source")
+    return None, ("tokenizer not copied: no tokenizer.json, vocab.json+merges.txt or tokenizer.model in the source")
 
 
 def copy_tokenizer(found: HFTokenizerFiles, src: str, out: str, final: str) -> Tuple[str, dict]:
@@ -151,6 +187,8 @@ def copy_tokenizer(found: HFTokenizerFiles, src: str, out: str, final: str) -> T
     for name in found.files:
         shutil.copyfile(os.path.join(src, name), os.path.join(out, "tokenizer", name))
     directory = os.path.abspath(os.path.join(final, "tokenizer"))
-    flags = {"tokenizer_type": found.kind, **{field: os.path.join(directory, name) if name else directory
-                                              for field, name in found.flags}}
+    flags = {
+        "tokenizer_type": found.kind,
+        **{field: os.path.join(directory, name) if name else directory for field, name in found.flags},
+    }
     return f"tokenizer: {found.kind} ({', '.join(found.files)}) copied to {directory}", flags

@@ -1,5 +1,6 @@
 """Does transformers compute what we compute? Our one-process model built from a checkpoint,
 compared on random ids with the exported directory loaded by transformers."""
+
 from __future__ import annotations
 
 import json
@@ -43,15 +44,21 @@ def verify_export(src: str, dst: str, *, batch: int = 2, seq: int = 16, seed: in
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
-        raise HFConversionError("verification needs transformers: pip install 'megatron_p2r[hf]' "
-                                "(the exported files are written and usable without it)") from None
+        raise HFConversionError(
+            "verification needs transformers: pip install 'megatron_p2r[hf]' "
+            "(the exported files are written and usable without it)"
+        ) from None
     with open(os.path.join(dst, "config.json"), encoding="utf-8") as fh:
         dtype = EXPORT_DTYPES[json.load(fh)["dtype"]]
     hf = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
     ours, cfg = load_reference_model(src, dtype)
-    ids = torch.randint(0, cfg.model.vocab_size, (batch, min(seq, cfg.model.max_positions)),
-                        generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(
+        0,
+        cfg.model.vocab_size,
+        (batch, min(seq, cfg.model.max_positions)),
+        generator=torch.Generator().manual_seed(seed),
+    )
     with torch.no_grad():
         a = ours(tokens=ids)
         b = hf(input_ids=ids).logits
-    return (a[..., :b.shape[-1]] - b).abs().max().item()
+    return (a[..., : b.shape[-1]] - b).abs().max().item()

@@ -7,6 +7,7 @@ Megatron default. Options that only pick kernels or change training but not the 
 (fusions other than bias-GELU, dispatcher, recompute, dtypes) are not read, nor is
 ``openai_gelu``, which megatron-core never reads.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,21 +56,55 @@ _NEUTRAL = [
 
 # What each arg read here must be when present (None: Megatron's "unset"); checked before any is
 # used, so a wrongly typed value is an error naming it, not a traceback or a misleading comparison.
-_SIZE_LIMIT = 2 ** 31 - 1   # a count of heads, rows ...: larger is no model (and no allocation)
-_LIMITS = {"num_layers": 2 ** 16, "num_experts": 2 ** 16, "num_moe_experts": 2 ** 16}   # looped over per layer/expert
-_POSITIVE_INTS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
-                  "num_query_groups", "max_position_embeddings", "seq_length", "padded_vocab_size", "vocab_size",
-                  "make_vocab_size_divisible_by", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                  "expert_model_parallel_size", "expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size",
-                  "data_parallel_size", "ddp_bucket_size", "num_experts", "num_moe_experts", "moe_router_topk",
-                  "moe_ffn_hidden_size")
-_REALS = ("rotary_base", "rotary_percent", "layernorm_epsilon", "norm_epsilon", "attention_dropout", "hidden_dropout",
-          "init_method_std", "glu_linear_offset", "activation_func_clamp_value", "moe_z_loss_coeff",
-          "moe_input_jitter_eps")
+_SIZE_LIMIT = 2**31 - 1  # a count of heads, rows ...: larger is no model (and no allocation)
+_LIMITS = {"num_layers": 2**16, "num_experts": 2**16, "num_moe_experts": 2**16}  # looped over per layer/expert
+_POSITIVE_INTS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "kv_channels",
+    "num_query_groups",
+    "max_position_embeddings",
+    "seq_length",
+    "padded_vocab_size",
+    "vocab_size",
+    "make_vocab_size_divisible_by",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "data_parallel_size",
+    "ddp_bucket_size",
+    "num_experts",
+    "num_moe_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+)
+_REALS = (
+    "rotary_base",
+    "rotary_percent",
+    "layernorm_epsilon",
+    "norm_epsilon",
+    "attention_dropout",
+    "hidden_dropout",
+    "init_method_std",
+    "glu_linear_offset",
+    "activation_func_clamp_value",
+    "moe_z_loss_coeff",
+    "moe_input_jitter_eps",
+)
 _STRINGS = ("position_embedding_type", "normalization", "softmax_type", "tokenizer_type")
 # an arg Megatron also accepts per layer (a list): one value, or a flat list of such values
-_PER_LAYER = {"moe_layer_freq": "int", "window_attn_skip_freq": "int", "moe_router_load_balancing_type": "str",
-              "moe_aux_loss_coeff": "real"}
+_PER_LAYER = {
+    "moe_layer_freq": "int",
+    "window_attn_skip_freq": "int",
+    "moe_router_load_balancing_type": "str",
+    "moe_aux_loss_coeff": "real",
+}
+
+
 def _is_int(value, low: int = 1, high: int = _SIZE_LIMIT) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
@@ -78,16 +113,26 @@ def _is_real(value) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
-_KIND = {"int": (_is_int, "an integer >= 1"), "real": (_is_real, "a finite number"),
-         "str": (lambda v: isinstance(v, str), "a string")}
+_KIND = {
+    "int": (_is_int, "an integer >= 1"),
+    "real": (_is_real, "a finite number"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+}
 
 
 def _type_problem(name: str, value) -> Optional[str]:
     """What is wrong with the saved arg ``name`` = ``value`` (None when nothing)."""
     if value is None:
         return None
-    kind = ("int" if name in _POSITIVE_INTS else "real" if name in _REALS else "str" if name in _STRINGS
-            else _PER_LAYER.get(name))
+    kind = (
+        "int"
+        if name in _POSITIVE_INTS
+        else "real"
+        if name in _REALS
+        else "str"
+        if name in _STRINGS
+        else _PER_LAYER.get(name)
+    )
     if name == "window_size":
         ok = isinstance(value, (list, tuple)) and len(value) == 2 and all(_is_int(x, 0) for x in value)
         return None if ok else "a pair of integers (L, R) >= 0"
@@ -113,14 +158,16 @@ class SavedArgs:
     @classmethod
     def of(cls, namespace: Any, where: str) -> "SavedArgs":
         if not isinstance(namespace, argparse.Namespace):
-            raise CheckpointError(f"{where}: 'args' is {type(namespace).__name__}, expected Megatron's saved "
-                                  "argparse.Namespace")
+            raise CheckpointError(
+                f"{where}: 'args' is {type(namespace).__name__}, expected Megatron's saved argparse.Namespace"
+            )
         values = vars(namespace)
         for name, value in values.items():
             problem = _type_problem(name, value) if isinstance(name, str) else None
             if problem:
-                raise CheckpointError(f"{where}: args.{name} is {shown(value)} ({type(value).__name__}), expected "
-                                      f"{problem}")
+                raise CheckpointError(
+                    f"{where}: args.{name} is {shown(value)} ({type(value).__name__}), expected {problem}"
+                )
         return cls(values, where)
 
     def get(self, *names: str, default=None):
@@ -168,13 +215,18 @@ def _attention_values(a: SavedArgs, blockers: List[str]) -> dict:
     if position not in ("learned_absolute", "rope"):
         blockers.append(f"--position-embedding-type {position}")
     max_pos = a.get("max_position_embeddings") or a.required("seq_length")
-    values = dict(hidden_size=h, num_attention_heads=heads, position_embedding_type=position,
-                  rotary_base=float(a.get("rotary_base", default=10000)),
-                  rotary_percent=float(a.get("rotary_percent", default=1.0)), max_position_embeddings=max_pos,
-                  seq_length=min(a.get("seq_length") or max_pos, max_pos),
-                  attention_dropout=a.get("attention_dropout", default=0.1),
-                  qk_layernorm=bool(a.get("qk_layernorm")),
-                  add_qkv_bias=bool(a.get("add_qkv_bias")) and not a.get("add_bias_linear", default=True))
+    values = dict(
+        hidden_size=h,
+        num_attention_heads=heads,
+        position_embedding_type=position,
+        rotary_base=float(a.get("rotary_base", default=10000)),
+        rotary_percent=float(a.get("rotary_percent", default=1.0)),
+        max_position_embeddings=max_pos,
+        seq_length=min(a.get("seq_length") or max_pos, max_pos),
+        attention_dropout=a.get("attention_dropout", default=0.1),
+        qk_layernorm=bool(a.get("qk_layernorm")),
+        add_qkv_bias=bool(a.get("add_qkv_bias")) and not a.get("add_bias_linear", default=True),
+    )
     if a.get("use_rope_scaling"):
         values.update(use_rope_scaling=True, rope_scaling_factor=float(a.get("rope_scaling_factor") or 8.0))
     if a.get("rotary_seq_len_interpolation_factor") is not None:
@@ -222,12 +274,18 @@ def _mlp_values(a: SavedArgs) -> dict:
     """The MLP, its GELU included: ``ModelConfig.gelu_approximation`` applies Megatron's rule to
     the same three args (tanh with biases and the bias-GELU fusion, Megatron's default). The GLU
     offset and clamp are read only with a gated MLP: Megatron's other MLPs ignore them."""
-    values = dict(ffn_hidden_size=a.get("ffn_hidden_size"), swiglu=bool(a.get("swiglu")),
-                  quick_geglu=bool(a.get("quick_geglu")), disable_bias_linear=not a.get("add_bias_linear", default=True),
-                  bias_gelu_fusion=bool(a.get("bias_gelu_fusion", default=True)))
+    values = dict(
+        ffn_hidden_size=a.get("ffn_hidden_size"),
+        swiglu=bool(a.get("swiglu")),
+        quick_geglu=bool(a.get("quick_geglu")),
+        disable_bias_linear=not a.get("add_bias_linear", default=True),
+        bias_gelu_fusion=bool(a.get("bias_gelu_fusion", default=True)),
+    )
     if values["swiglu"] or values["quick_geglu"]:
-        values.update(glu_linear_offset=float(a.get("glu_linear_offset") or 0.0),
-                      activation_func_clamp_value=a.get("activation_func_clamp_value"))
+        values.update(
+            glu_linear_offset=float(a.get("glu_linear_offset") or 0.0),
+            activation_func_clamp_value=a.get("activation_func_clamp_value"),
+        )
     return values
 
 
@@ -239,19 +297,26 @@ def _moe_values(a: SavedArgs, blockers: List[str]) -> dict:
     layers = a.required("num_layers")
     pattern = list(freq) if isinstance(freq, (list, tuple)) else [int(i % freq == 0) for i in range(layers)]
     if not all(pattern):
-        blockers.append(f"--moe-layer-freq {shown(freq)} (Megatron's MoE layers {shown(pattern)}; here MoE layers are every "
-                        "k-th from layer k-1, so only an MoE in every layer maps)")
-    balancing = _single(a.get("moe_router_load_balancing_type", default="aux_loss"),
-                        "--moe-router-load-balancing-type", blockers)
+        blockers.append(
+            f"--moe-layer-freq {shown(freq)} (Megatron's MoE layers {shown(pattern)}; here MoE layers are every "
+            "k-th from layer k-1, so only an MoE in every layer maps)"
+        )
+    balancing = _single(
+        a.get("moe_router_load_balancing_type", default="aux_loss"), "--moe-router-load-balancing-type", blockers
+    )
     if balancing not in ("aux_loss", "none"):
         blockers.append(f"--moe-router-load-balancing-type {balancing} (ours is the Switch aux loss)")
     coeff = _single(a.get("moe_aux_loss_coeff", default=0.0), "--moe-aux-loss-coeff", blockers)
-    return dict(num_experts=experts, moe_router_topk=a.get("moe_router_topk", default=2), moe_layer_freq=1,
-                moe_ffn_hidden_size=a.get("moe_ffn_hidden_size"),
-                moe_router_pre_softmax=bool(a.get("moe_router_pre_softmax")),
-                moe_aux_loss_coeff=float(coeff or 0.0) if balancing == "aux_loss" else 0.0,
-                moe_z_loss_coeff=float(a.get("moe_z_loss_coeff") or 0.0),
-                moe_input_jitter_eps=a.get("moe_input_jitter_eps"))
+    return dict(
+        num_experts=experts,
+        moe_router_topk=a.get("moe_router_topk", default=2),
+        moe_layer_freq=1,
+        moe_ffn_hidden_size=a.get("moe_ffn_hidden_size"),
+        moe_router_pre_softmax=bool(a.get("moe_router_pre_softmax")),
+        moe_aux_loss_coeff=float(coeff or 0.0) if balancing == "aux_loss" else 0.0,
+        moe_z_loss_coeff=float(a.get("moe_z_loss_coeff") or 0.0),
+        moe_input_jitter_eps=a.get("moe_input_jitter_eps"),
+    )
 
 
 def model_values(a: SavedArgs) -> Tuple[dict, bool, List[str]]:
@@ -266,11 +331,14 @@ def model_values(a: SavedArgs) -> Tuple[dict, bool, List[str]]:
     normalization = a.get("normalization", default="LayerNorm")
     if normalization not in ("LayerNorm", "RMSNorm"):
         blockers.append(f"--normalization {normalization}")
-    values = dict(num_layers=a.required("num_layers"), normalization=normalization,
-                  norm_epsilon=float(a.get("layernorm_epsilon", "norm_epsilon", default=1e-5)),
-                  untie_embeddings_and_output_weights=bool(a.get("untie_embeddings_and_output_weights")),
-                  hidden_dropout=a.get("hidden_dropout", default=0.1),
-                  init_method_std=a.get("init_method_std", default=0.02))
+    values = dict(
+        num_layers=a.required("num_layers"),
+        normalization=normalization,
+        norm_epsilon=float(a.get("layernorm_epsilon", "norm_epsilon", default=1e-5)),
+        untie_embeddings_and_output_weights=bool(a.get("untie_embeddings_and_output_weights")),
+        hidden_dropout=a.get("hidden_dropout", default=0.1),
+        init_method_std=a.get("init_method_std", default=0.02),
+    )
     values.update(_attention_values(a, blockers))
     values.update(_window_values(a, blockers))
     values.update(_mlp_values(a))
@@ -300,6 +368,8 @@ def vocab_values(a: SavedArgs, target_tp: int) -> Tuple[int, int, Optional[str]]
     padded = -(-vocab // divisor) * divisor
     note = None
     if padded != rows:
-        note = (f"vocabulary padded from Megatron's {rows} rows to {padded} with zeros (TP {target_tp} needs "
-                f"--make-vocab-size-divisible-by {divisor}); their logits (0) enter our softmax")
+        note = (
+            f"vocabulary padded from Megatron's {rows} rows to {padded} with zeros (TP {target_tp} needs "
+            f"--make-vocab-size-divisible-by {divisor}); their logits (0) enter our softmax"
+        )
     return vocab, divisor, note

@@ -9,6 +9,7 @@ Each bucket's end is then padded to a multiple of lcm(DP, 128); that padding is 
 Neither checkpoint layout says where a parameter lies, so the layout is replayed and checked
 against the sizes the checkpoint does record.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,9 +24,10 @@ PARAM_ALIGNMENT = 64  # elements: every parameter starts 128-byte aligned
 @dataclasses.dataclass(frozen=True)
 class Param:
     """A parameter of one rank's module, as its buffer sees it."""
-    key: str                  # the name the caller knows it by
-    shape: Tuple[int, ...]    # the rank's local shape (its TP shard)
-    expert: bool              # in the experts' buffer (Megatron's ``allreduce=False``)
+
+    key: str  # the name the caller knows it by
+    shape: Tuple[int, ...]  # the rank's local shape (its TP shard)
+    expert: bool  # in the experts' buffer (Megatron's ``allreduce=False``)
     own_bucket: bool = False  # a pipeline-tied embedding (``shared_embedding``): a bucket of its own
 
 

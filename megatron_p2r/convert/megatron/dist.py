@@ -19,6 +19,7 @@ non-distributed optimizer, and the distributed one's ``fully_reshardable`` shard
 distributed optimizer's buckets (``dp_reshardable``, its default: ``dp_reshardable.py``). Other
 byte objects (RNG state, ``_extra_state``) are not read.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,8 +41,11 @@ _NOT_MODEL = ("optimizer.", "chained_", "rng_state", "rerun_state_machine")
 # The non-distributed optimizer's state, keyed like the model (``optim_state_to_sharding_state``):
 # Adam's moments, and under --bf16/--fp16 the fp32 main copy of each weight.
 # The distributed optimizer's ``fully_reshardable`` state is keyed the same way, its mains as ``param``.
-OPTIMIZER_KEYS = {"exp_avg": ("optimizer.state.exp_avg.",), "exp_avg_sq": ("optimizer.state.exp_avg_sq.",),
-                  "main": ("optimizer.state.fp32_param.", "optimizer.state.param.")}
+OPTIMIZER_KEYS = {
+    "exp_avg": ("optimizer.state.exp_avg.",),
+    "exp_avg_sq": ("optimizer.state.exp_avg_sq.",),
+    "main": ("optimizer.state.fp32_param.", "optimizer.state.param."),
+}
 # the distributed optimizer's sharding types whose state is read (common.pt's
 # ``optimizer.param_state_sharding_type``); the optimizer's own buckets, or keyed like the model
 READ_SHARDING_TYPES = (dp_reshardable.SHARDING_TYPE, "fully_reshardable")
@@ -90,8 +94,11 @@ def _count(record, name: str, where: str, default: Optional[int] = None) -> int:
 def _counts(record, name: str, where: str) -> Tuple[int, ...]:
     """A tensor's shape or offsets: at most 8 integers >= 0."""
     value = _field(record, name, where)
-    if not isinstance(value, (list, tuple, torch.Size)) or len(value) > 8 or \
-            not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value):
+    if (
+        not isinstance(value, (list, tuple, torch.Size))
+        or len(value) > 8
+        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)
+    ):
         raise CheckpointError(f"{where}: field {name} is {shown(value)}, expected a list of at most 8 integers >= 0")
     return tuple(value)
 
@@ -135,8 +142,10 @@ class DistCheckpoint:
         self.iter_dir = iter_dir
         backend = read_backend(iter_dir)
         if backend != "torch_dist":
-            raise CheckpointError(f"{os.path.join(iter_dir, CONFIG_FILE)}: sharded_backend {backend!r}; only "
-                                  "torch_dist is read (convert others with Megatron's dist_checkpointing first)")
+            raise CheckpointError(
+                f"{os.path.join(iter_dir, CONFIG_FILE)}: sharded_backend {backend!r}; only "
+                "torch_dist is read (convert others with Megatron's dist_checkpointing first)"
+            )
         common = TorchArchive(os.path.join(iter_dir, COMMON_FILE), Kind.MEGATRON).obj
         if not isinstance(common, dict) or "args" not in common:
             raise CheckpointError(f"{os.path.join(iter_dir, COMMON_FILE)}: no 'args' in the saved dict")
@@ -147,14 +156,17 @@ class DistCheckpoint:
         self.sizes: Dict[str, Tuple[int, ...]] = {}
         self.chunks: Dict[str, List[_Chunk]] = {}
         self.objects: Dict[str, _Chunk] = {}  # pickled objects (megatron-core's ShardedObject) by key
-        self._index(_field(metadata, "state_dict_metadata", self.where, dict, "a dict"),
-                    _field(metadata, "storage_data", self.where, dict, "a dict"))
+        self._index(
+            _field(metadata, "state_dict_metadata", self.where, dict, "a dict"),
+            _field(metadata, "storage_data", self.where, dict, "a dict"),
+        )
         self._check_files()
         self.names: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
         self.optimizer: Dict[str, Dict[str, Tuple[str, Tuple[int, ...]]]] = {kind: {} for kind in OPTIMIZER_KEYS}
         for key, size in self.sizes.items():
-            kind, rest = next(((k, key[len(p):]) for k, ps in OPTIMIZER_KEYS.items() for p in ps if key.startswith(p)),
-                              (None, key))
+            kind, rest = next(
+                ((k, key[len(p) :]) for k, ps in OPTIMIZER_KEYS.items() for p in ps if key.startswith(p)), (None, key)
+            )
             if kind is None and key.startswith(_NOT_MODEL):
                 continue
             names = self.names if kind is None else self.optimizer[kind]
@@ -168,30 +180,39 @@ class DistCheckpoint:
         """Adam's step, or None: weights only. The distributed optimizer's buckets are replayed
         (``dp_reshardable``); a sharding type not read leaves the optimizer state out and says why."""
         chained = _chained(optimizer)
-        shardings = {o.get("param_state_sharding_type") if isinstance(o, dict) else None
-                     for o in (optimizer.values() if chained else [optimizer])}
+        shardings = {
+            o.get("param_state_sharding_type") if isinstance(o, dict) else None
+            for o in (optimizer.values() if chained else [optimizer])
+        }
         if len(shardings) != 1:
-            raise CheckpointError(f"{self.saved_path}: the chained optimizers' sharding types differ: "
-                                  f"{sorted(shardings, key=str)}")
+            raise CheckpointError(
+                f"{self.saved_path}: the chained optimizers' sharding types differ: {sorted(shardings, key=str)}"
+            )
         sharding = shardings.pop()
         if sharding is None or sharding == "fully_reshardable":
             return _adam_step(optimizer, self.saved_path)
         self.optimizer = {kind: {} for kind in OPTIMIZER_KEYS}
         if sharding not in READ_SHARDING_TYPES:
-            self.optimizer_not_read = (f"{self.saved_path}: the distributed optimizer's state is saved with sharding "
-                                       f"type {sharding!r}; only {' and '.join(READ_SHARDING_TYPES)} are read")
+            self.optimizer_not_read = (
+                f"{self.saved_path}: the distributed optimizer's state is saved with sharding "
+                f"type {sharding!r}; only {' and '.join(READ_SHARDING_TYPES)} are read"
+            )
             return None
         try:
-            self.buckets = dp_reshardable.DpReshardable(self.args, {n: self.shape(n) for n in self.names},
-                                                        self.sizes, self._read_range, self.where)
+            self.buckets = dp_reshardable.DpReshardable(
+                self.args, {n: self.shape(n) for n in self.names}, self.sizes, self._read_range, self.where
+            )
         except dp_reshardable.NotReplayed as why:
-            self.optimizer_not_read = f"{self.where}: the distributed optimizer's state of sharding type {sharding!r}: {why}"
+            self.optimizer_not_read = (
+                f"{self.where}: the distributed optimizer's state of sharding type {sharding!r}: {why}"
+            )
             return None
         self.optimizer = self.buckets.names
         steps = {self._param_groups_step(key) for key in self.buckets.param_group_keys}
         if len(steps) != 1:
-            raise CheckpointError(f"{self.where}: the distributed optimizer's param groups give Adam steps "
-                                  f"{sorted(steps)}, expected one")
+            raise CheckpointError(
+                f"{self.where}: the distributed optimizer's param groups give Adam steps {sorted(steps)}, expected one"
+            )
         return steps.pop()
 
     def _param_groups_step(self, key: str) -> float:
@@ -216,24 +237,42 @@ class DistCheckpoint:
                 self.sizes[key] = _counts(entry, "size", self.where)
                 self.chunks[key] = []
         self._index_objects(storage_data)
-        sizes = {(key, _counts(c, "offsets", self.where)): _counts(c, "sizes", self.where)
-                 for key, entry in state_dict_metadata.items() if key in self.sizes
-                 for c in _field(entry, "chunks", self.where, list, "a list")}
+        sizes = {
+            (key, _counts(c, "offsets", self.where)): _counts(c, "sizes", self.where)
+            for key, entry in state_dict_metadata.items()
+            if key in self.sizes
+            for c in _field(entry, "chunks", self.where, list, "a list")
+        }
         for index, info in storage_data.items():
             key = _field(index, "fqn", self.where, str, "a string")
             if key not in self.sizes:
                 continue
             offsets = _counts(index, "offset", self.where)
             if info.field("transform_descriptors"):
-                raise CheckpointError(f"{self.where}: chunk {offsets} of {key!r} is stored with transforms "
-                                      f"{info.field('transform_descriptors')}; only plain torch.save chunks are read")
+                raise CheckpointError(
+                    f"{self.where}: chunk {offsets} of {key!r} is stored with transforms "
+                    f"{info.field('transform_descriptors')}; only plain torch.save chunks are read"
+                )
             if (key, offsets) not in sizes:
-                raise CheckpointError(f"{self.where}: storage_data has a chunk at {offsets} of {key!r} that "
-                                      "state_dict_metadata does not list")
-            path = confined(self.iter_dir, _field(info, "relative_path", self.where, str, "a string"), CheckpointError,
-                            f"{self.where}: relative_path of {key!r}")  # a name read from a file stays inside
-            self.chunks[key].append(_Chunk(offsets, sizes[(key, offsets)], path, _count(info, "offset", self.where, 0),
-                                           _count(info, "length", self.where)))
+                raise CheckpointError(
+                    f"{self.where}: storage_data has a chunk at {offsets} of {key!r} that "
+                    "state_dict_metadata does not list"
+                )
+            path = confined(
+                self.iter_dir,
+                _field(info, "relative_path", self.where, str, "a string"),
+                CheckpointError,
+                f"{self.where}: relative_path of {key!r}",
+            )  # a name read from a file stays inside
+            self.chunks[key].append(
+                _Chunk(
+                    offsets,
+                    sizes[(key, offsets)],
+                    path,
+                    _count(info, "offset", self.where, 0),
+                    _count(info, "length", self.where),
+                )
+            )
 
     def _index_objects(self, storage_data: dict) -> None:
         """Where each pickled object (``key/shard_...``) is; its first copy."""
@@ -242,10 +281,15 @@ class DistCheckpoint:
             if fqn in self.sizes or "/shard_" not in fqn:
                 continue
             key = fqn.rpartition("/shard_")[0]
-            path = confined(self.iter_dir, _field(info, "relative_path", self.where, str, "a string"), CheckpointError,
-                            f"{self.where}: relative_path of {fqn!r}")
-            self.objects.setdefault(key, _Chunk((), (), path, _count(info, "offset", self.where, 0),
-                                                _count(info, "length", self.where)))
+            path = confined(
+                self.iter_dir,
+                _field(info, "relative_path", self.where, str, "a string"),
+                CheckpointError,
+                f"{self.where}: relative_path of {fqn!r}",
+            )
+            self.objects.setdefault(
+                key, _Chunk((), (), path, _count(info, "offset", self.where, 0), _count(info, "length", self.where))
+            )
 
     def _check_files(self) -> None:
         """Every chunk's file exists and is long enough (before anything is read or written)."""
@@ -257,8 +301,10 @@ class DistCheckpoint:
             if not os.path.isfile(path):
                 raise CheckpointError(f"missing file {path} ({self.where} places chunks of {key!r} there)")
             if os.path.getsize(path) < end:
-                raise CheckpointError(f"{path}: truncated: {os.path.getsize(path)} bytes, {self.where} places a "
-                                      f"chunk of {key!r} up to byte {end}")
+                raise CheckpointError(
+                    f"{path}: truncated: {os.path.getsize(path)} bytes, {self.where} places a "
+                    f"chunk of {key!r} up to byte {end}"
+                )
 
     def _canonical(self, key: str, size: Tuple[int, ...]) -> List[Tuple[str, Tuple[int, ...]]]:
         """(canonical name, index on the key's leading dimensions) of every tensor in ``key``."""
@@ -270,8 +316,8 @@ class DistCheckpoint:
         out = []
         for (i,), prefix in layers:
             if rest.startswith("mlp.experts.") and not rest.split(".")[2].isdecimal():
-                leaf = rest[len("mlp.experts."):]
-                leaf = leaf[len("experts."):] if leaf.startswith("experts.") else leaf
+                leaf = rest[len("mlp.experts.") :]
+                leaf = leaf[len("experts.") :] if leaf.startswith("experts.") else leaf
                 out += [(layer_name(i, expert_rest(e, leaf)), prefix + (e,)) for e in range(size[len(prefix)])]
             else:
                 out.append((layer_name(i, rest), prefix))
@@ -284,7 +330,7 @@ class DistCheckpoint:
         if kind != "model" and self.buckets is not None:
             return self.buckets.shape(name)
         key, prefix = (self.names if kind == "model" else self.optimizer[kind])[name]
-        return self.sizes[key][len(prefix):]
+        return self.sizes[key][len(prefix) :]
 
     def read(self, name: str, kind: str = "model") -> torch.Tensor:
         """The global tensor (or its optimizer state ``kind``), assembled from the chunks of its key
@@ -300,12 +346,13 @@ class DistCheckpoint:
             data = data[tuple(i - o for i, o in zip(prefix, chunk.offsets, strict=False))]
             if out is None:
                 out = torch.empty(self.shape(name, kind), dtype=data.dtype)
-            rest = chunk.offsets[len(prefix):]
+            rest = chunk.offsets[len(prefix) :]
             out[tuple(slice(o, o + s) for o, s in zip(rest, data.shape, strict=True))] = data
             filled += data.numel()
         if out is None or filled != out.numel():
-            raise CheckpointError(f"{self.where}: the chunks of {key!r} cover {filled} elements of {name} "
-                                  f"{list(self.shape(name, kind))}")
+            raise CheckpointError(
+                f"{self.where}: the chunks of {key!r} cover {filled} elements of {name} {list(self.shape(name, kind))}"
+            )
         return out
 
     def _read_range(self, key: str, start: int, stop: int) -> torch.Tensor:
@@ -318,7 +365,7 @@ class DistCheckpoint:
             data = self._read_chunk(key, chunk)
             if out is None:
                 out = torch.empty(stop - start, dtype=data.dtype)
-            out[lo - start:hi - start] = data[lo - chunk.offsets[0]:hi - chunk.offsets[0]]
+            out[lo - start : hi - start] = data[lo - chunk.offsets[0] : hi - chunk.offsets[0]]
             filled += hi - lo
         if out is None or filled != stop - start:
             raise CheckpointError(f"{self.where}: the chunks of {key!r} cover {filled} of its elements {start}..{stop}")
@@ -330,7 +377,8 @@ class DistCheckpoint:
         if not isinstance(tensor, LazyTensor):
             raise CheckpointError(f"{where}: holds {type(tensor).__name__}, expected a tensor")
         if torch.Size(tensor.shape).numel() != torch.Size(chunk.sizes).numel():
-            raise CheckpointError(f"{where}: holds a tensor of shape {list(tensor.shape)}, expected "
-                                  f"{list(chunk.sizes)}")
+            raise CheckpointError(
+                f"{where}: holds a tensor of shape {list(tensor.shape)}, expected {list(chunk.sizes)}"
+            )
         data = tensor.read()
         return data.reshape(chunk.sizes)

@@ -17,6 +17,7 @@ keeps each bucket's elements and drops only the padding at bucket ends. We repla
 and check it against ``numel_unpadded`` before a value is read; each parameter's state is then a
 view of the flat tensor, read on demand.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,34 +41,42 @@ def flat_offsets(params: List[Param], size: Optional[int]) -> Tuple[Dict[str, in
     return {key: bases[b] + rel for key, (b, rel) in starts.items()}, sum(lengths)
 
 
-def state_views(state: object, buffers: List[Tuple[List[Param], Optional[int]]],
-                path: str) -> List[Dict[str, Dict[str, LazyTensor]]]:
+def state_views(
+    state: object, buffers: List[Tuple[List[Param], Optional[int]]], path: str
+) -> List[Dict[str, Dict[str, LazyTensor]]]:
     """For each of the rank's grad buffers (its parameters, its bucket size; one per model chunk),
     kind -> local key -> a view of that parameter's state in ``distrib_optim.pt`` (``state``, its
     unpickled dict)."""
     if not isinstance(state, dict) or state.get("buckets_coalesced") is not True:
-        raise CheckpointError(f"{path}: not the distributed optimizer state Megatron-LM writes since core 0.8 "
-                              "(a dict with buckets_coalesced: True); older per-bucket files are not read")
+        raise CheckpointError(
+            f"{path}: not the distributed optimizer state Megatron-LM writes since core 0.8 "
+            "(a dict with buckets_coalesced: True); older per-bucket files are not read"
+        )
     saved = sorted(k for k in state if k != "buckets_coalesced")
     if saved != list(range(len(buffers))):
-        raise CheckpointError(f"{path}: holds grad buffers {saved}, the model's parameters fill {len(buffers)} "
-                              "(one per model chunk)")
+        raise CheckpointError(
+            f"{path}: holds grad buffers {saved}, the model's parameters fill {len(buffers)} (one per model chunk)"
+        )
     out = []
     for index, (params, size) in enumerate(buffers):
         flat = _single_dtype(state[index], f"{path}: buffer {index}")
         starts, total = flat_offsets(params, size)
         if flat.get("numel_unpadded") != total:
-            raise CheckpointError(f"{path}: buffer {index} holds {flat.get('numel_unpadded')} elements, the layout of "
-                                  f"the model's {len(params)} parameters in Megatron's buffer has {total}")
+            raise CheckpointError(
+                f"{path}: buffer {index} holds {flat.get('numel_unpadded')} elements, the layout of "
+                f"the model's {len(params)} parameters in Megatron's buffer has {total}"
+            )
         views: Dict[str, Dict[str, LazyTensor]] = {kind: {} for kind in STATES}
         for kind, name in STATES.items():
             tensor = flat.get(name)
             if not isinstance(tensor, LazyTensor) or tensor.shape != (total,) or tensor.stride != (1,):
-                raise CheckpointError(f"{path}: buffer {index}[{name!r}] is {tensor!r}, expected a flat tensor of "
-                                      f"{total} elements")
+                raise CheckpointError(
+                    f"{path}: buffer {index}[{name!r}] is {tensor!r}, expected a flat tensor of {total} elements"
+                )
             for p in params:
-                views[kind][p.key] = dataclasses.replace(tensor, offset=tensor.offset + starts[p.key], shape=p.shape,
-                                                         stride=_contiguous(p.shape))
+                views[kind][p.key] = dataclasses.replace(
+                    tensor, offset=tensor.offset + starts[p.key], shape=p.shape, stride=_contiguous(p.shape)
+                )
         out.append(views)
     return out
 
@@ -91,4 +100,4 @@ def _single_dtype(buffer: object, where: str) -> dict:
 
 
 def _contiguous(shape: Tuple[int, ...]) -> Tuple[int, ...]:
-    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))

@@ -22,6 +22,7 @@ replayed (the import is then of weights only, and says why): Transformer Engine'
 outside expert parallelism (in the dense buffer), experts with biases or their own TP size, and
 uneven pipeline splits.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,25 +35,47 @@ import torch
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.convert.megatron.args import SavedArgs
 from megatron_p2r.convert.megatron.buffer_layout import Param, bucket_layout, bucket_size
-from megatron_p2r.convert.megatron.names import (FINAL_NORM, LAYERS, OUTPUT_LAYER, POSITION_EMBEDDINGS,
-                                                    WORD_EMBEDDINGS, join_tp_shards, split_layer_key, tp_dim)
+from megatron_p2r.convert.megatron.names import (
+    FINAL_NORM,
+    LAYERS,
+    OUTPUT_LAYER,
+    POSITION_EMBEDDINGS,
+    WORD_EMBEDDINGS,
+    join_tp_shards,
+    split_layer_key,
+    tp_dim,
+)
 
 SHARDING_TYPE = "dp_reshardable"
 # our optimizer-state kind -> Megatron's state name in the bucket keys
 STATES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "main": "param"}
-_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(\(.*\))\.bucket_idx_(\d+)\."
-                  r"(param|exp_avg|exp_avg_sq)")
+_KEY = re.compile(
+    r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(\(.*\))\.bucket_idx_(\d+)\."
+    r"(param|exp_avg|exp_avg_sq)"
+)
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(linear_fc[12])\.weight")
 DENSE, EXPERTS = "chained_0.", "chained_1."  # a ChainedOptimizer's keys: the dense optimizer's, the experts'
 # a layer's modules in the order megatron-core's local-spec TransformerLayer registers them
 # (Attention builds linear_proj before SelfAttention adds linear_qkv and the q/k norms; MoELayer
 # its router before its experts)
-_LAYER_MODULES = ("input_layernorm", "self_attention.linear_proj", "self_attention.linear_qkv",
-                  "self_attention.q_layernorm", "self_attention.k_layernorm", "pre_mlp_layernorm",
-                  "mlp.router", "mlp.linear_fc1", "mlp.linear_fc2")
-_UNEVEN_SPLITS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                  "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
-                  "account_for_loss_in_pipeline_split")
+_LAYER_MODULES = (
+    "input_layernorm",
+    "self_attention.linear_proj",
+    "self_attention.linear_qkv",
+    "self_attention.q_layernorm",
+    "self_attention.k_layernorm",
+    "pre_mlp_layernorm",
+    "mlp.router",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
+_UNEVEN_SPLITS = (
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "pipeline_model_parallel_layout",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+)
 
 
 class NotReplayed(Exception):
@@ -63,6 +86,7 @@ class NotReplayed(Exception):
 class _Place:
     """Where one TP shard of a weight's state lies: a bucket's elements ``start`` on, ``shape``
     as the rank holds it (``transposed``: [in, out], a GroupedMLP expert's block)."""
+
     bucket: str
     start: int
     shape: Tuple[int, ...]
@@ -95,8 +119,14 @@ class DpReshardable:
     """Each weight's optimizer state, from the bucket tensors of every (TP rank, stage) and, with
     experts, every (TP rank, EP rank, stage)."""
 
-    def __init__(self, args: SavedArgs, shapes: Dict[str, Tuple[int, ...]], sizes: Dict[str, Tuple[int, ...]],
-                 read_range: Callable[[str, int, int], torch.Tensor], where: str):
+    def __init__(
+        self,
+        args: SavedArgs,
+        shapes: Dict[str, Tuple[int, ...]],
+        sizes: Dict[str, Tuple[int, ...]],
+        read_range: Callable[[str, int, int], torch.Tensor],
+        where: str,
+    ):
         """``shapes``: the global shape of every weight; ``sizes``: the global shape of every key
         of the checkpoint; ``read_range(key, start, stop)``: elements of a flat key."""
         chained = _check_replayable(args, shapes, sizes)
@@ -119,11 +149,17 @@ class DpReshardable:
     def _buckets(self, prefix: str, ranks: int) -> Dict[Tuple[int, int], Tuple[str, List[int]]]:
         """(dp_group_idx, gbuf_idx: the model chunk) -> (its buffer's key prefix, its buckets'
         lengths) of one optimizer."""
-        found = _bucket_keys({k[len(prefix):]: v for k, v in self._sizes.items() if k.startswith(prefix)}, ranks,
-                             self._chunks, f"{self.where} ({prefix[:-1] or 'the optimizer'})")
+        found = _bucket_keys(
+            {k[len(prefix) :]: v for k, v in self._sizes.items() if k.startswith(prefix)},
+            ranks,
+            self._chunks,
+            f"{self.where} ({prefix[:-1] or 'the optimizer'})",
+        )
         self.param_group_keys += [f"{prefix}optimizer.distributed.dp_group_idx_{i}.optimizer" for i in range(ranks)]
-        return {(i, g): (f"{prefix}optimizer.distributed.dp_group_idx_{i}.gbuf_idx_{g}.dtype_{dtype}", lengths)
-                for (i, g), (dtype, lengths) in found.items()}
+        return {
+            (i, g): (f"{prefix}optimizer.distributed.dp_group_idx_{i}.gbuf_idx_{g}.dtype_{dtype}", lengths)
+            for (i, g), (dtype, lengths) in found.items()
+        }
 
     def _virtual_stage(self, chunk: int, stage: int) -> Tuple[int, int]:
         """(virtual stage, their count) of model chunk ``chunk`` of pipeline rank ``stage``."""
@@ -132,19 +168,34 @@ class DpReshardable:
     def _place_dense(self, buckets, chunk: int, stage: int, t: int) -> None:
         """Where TP rank ``t`` of pipeline rank ``stage`` keeps the dense state of model chunk ``chunk``."""
         virtual, count = self._virtual_stage(chunk, stage)
-        names = [n for n in self._shapes
-                 if _on_stage(n, virtual, count, self.args.required("num_layers")) and not is_expert(n)]
+        names = [
+            n
+            for n in self._shapes
+            if _on_stage(n, virtual, count, self.args.required("num_layers")) and not is_expert(n)
+        ]
         params = self._stage_params(names, virtual == count - 1)
         where = f"TP rank {t}, stage {stage}" + (f", model chunk {chunk}" if self._chunks > 1 else "")
-        bucket, starts = self._replay(buckets, (stage * self.args.tp + t, chunk), params,
-                                      bucket_size(self.args, stage) if chunk == 0 else None, where)
+        bucket, starts = self._replay(
+            buckets,
+            (stage * self.args.tp + t, chunk),
+            params,
+            bucket_size(self.args, stage) if chunk == 0 else None,
+            where,
+        )
         for p in params:
             if p.key in self._shapes:
-                self.places.setdefault(p.key, {})[t] = _Place(bucket(starts[p.key][0]), starts[p.key][1],
-                                                              self._local_shape(p.key))
+                self.places.setdefault(p.key, {})[t] = _Place(
+                    bucket(starts[p.key][0]), starts[p.key][1], self._local_shape(p.key)
+                )
 
-    def _replay(self, buckets: Dict[Tuple[int, int], Tuple[str, List[int]]], index: Tuple[int, int],
-                params: List[Param], size: Optional[int], rank: str) -> Tuple[Callable[[int], str], Dict[str, Tuple[int, int]]]:
+    def _replay(
+        self,
+        buckets: Dict[Tuple[int, int], Tuple[str, List[int]]],
+        index: Tuple[int, int],
+        params: List[Param],
+        size: Optional[int],
+        rank: str,
+    ) -> Tuple[Callable[[int], str], Dict[str, Tuple[int, int]]]:
         """The layout of one rank's buffer of ``params`` (buckets of ``size``), checked against its
         saved buckets: (bucket number -> its key without the state, each parameter's (bucket, start))."""
         prefix, lengths = buckets[index]
@@ -152,8 +203,10 @@ class DpReshardable:
         if replayed != lengths:
             group = prefix.partition(".dtype_")[0].replace("optimizer.distributed.", "")
             group = group if self._chunks > 1 else group.partition(".gbuf_idx")[0]
-            raise CheckpointError(f"{self.where}: the buckets of {group} ({rank}) hold {lengths} elements, the layout "
-                                  f"of the stage's {len(params)} parameters in Megatron's buffer has {replayed}")
+            raise CheckpointError(
+                f"{self.where}: the buckets of {group} ({rank}) hold {lengths} elements, the layout "
+                f"of the stage's {len(params)} parameters in Megatron's buffer has {replayed}"
+            )
         return (lambda b: f"{prefix}.bucket_idx_{b}"), starts
 
     def _place_experts(self, buckets, chunk: int, stage: int, ep: int, t: int) -> None:
@@ -161,8 +214,13 @@ class DpReshardable:
         of the (virtual) stage: SequentialMLP's weights, or GroupedMLP's blocks of them."""
         args, local = self.args, self.args.required("num_experts") // self.args.ep
         virtual, count = self._virtual_stage(chunk, stage)
-        moe_layers = sorted({split_layer_key(n)[0] for n in self._shapes if is_expert(n)
-                             and _on_stage(n, virtual, count, args.required("num_layers"))})
+        moe_layers = sorted(
+            {
+                split_layer_key(n)[0]
+                for n in self._shapes
+                if is_expert(n) and _on_stage(n, virtual, count, args.required("num_layers"))
+            }
+        )
         params, blocks = [], []
         for layer in moe_layers:
             experts = self._grouped_experts if args.get("moe_grouped_gemm") else self._sequential_experts
@@ -170,8 +228,9 @@ class DpReshardable:
             params, blocks = params + layer_params, blocks + layer_blocks
         index = (stage * args.ep + ep) * args.tp + t
         where = f"TP rank {t}, EP rank {ep}, stage {stage}" + (f", model chunk {chunk}" if self._chunks > 1 else "")
-        bucket, starts = self._replay(buckets, (index, chunk), params,
-                                      bucket_size(args, stage) if chunk == 0 else None, where)
+        bucket, starts = self._replay(
+            buckets, (index, chunk), params, bucket_size(args, stage) if chunk == 0 else None, where
+        )
         for key, name, offset, shape, transposed in blocks:
             b, start = starts[key]
             self.places.setdefault(name, {})[t] = _Place(bucket(b), start + offset, shape, transposed)
@@ -200,8 +259,10 @@ class DpReshardable:
             local_shape = (in_, local * out) if weight == "weight1" else (local * in_, out)
             key = f"{LAYERS}{layer}.mlp.experts.{weight}"
             params.append(Param(key, local_shape, True))
-            blocks += [(key, f"{LAYERS}{layer}.mlp.experts.{ep * local + i}.{fc}.weight", i * math.prod(block), block,
-                        True) for i in range(local)]
+            blocks += [
+                (key, f"{LAYERS}{layer}.mlp.experts.{ep * local + i}.{fc}.weight", i * math.prod(block), block, True)
+                for i in range(local)
+            ]
         return params, blocks
 
     def _stage_params(self, names: List[str], last: bool) -> List[Param]:
@@ -210,8 +271,10 @@ class DpReshardable:
         stage's embedding are each a bucket of their own."""
         tied = not self.args.get("untie_embeddings_and_output_weights") and self.args.pp > 1
         names = names + ([OUTPUT_LAYER] if tied and last else [])
-        return [Param(n, self._local_shape(n), False, tied and n in (WORD_EMBEDDINGS, OUTPUT_LAYER))
-                for n in sorted(names, key=module_order)]
+        return [
+            Param(n, self._local_shape(n), False, tied and n in (WORD_EMBEDDINGS, OUTPUT_LAYER))
+            for n in sorted(names, key=module_order)
+        ]
 
     def _local_shape(self, name: str) -> Tuple[int, ...]:
         """The TP shard's shape (a tied embedding's last-stage copy: the embedding's)."""
@@ -220,9 +283,11 @@ class DpReshardable:
         if dim is None:
             return shape
         if shape[dim] % self.args.tp:
-            raise CheckpointError(f"{self.where}: {name} has {shape[dim]} rows on its TP dimension, not divisible by "
-                                  f"args.tensor_model_parallel_size {self.args.tp}")
-        return shape[:dim] + (shape[dim] // self.args.tp,) + shape[dim + 1:]
+            raise CheckpointError(
+                f"{self.where}: {name} has {shape[dim]} rows on its TP dimension, not divisible by "
+                f"args.tensor_model_parallel_size {self.args.tp}"
+            )
+        return shape[:dim] + (shape[dim] // self.args.tp,) + shape[dim + 1 :]
 
     def shape(self, name: str) -> Tuple[int, ...]:
         return self._shapes[name]
@@ -233,8 +298,9 @@ class DpReshardable:
         parts = []
         for t in range(self.args.tp):
             place = self.places[name][t]
-            part = self._read_range(f"{place.bucket}.{STATES[kind]}", place.start,
-                                    place.start + math.prod(place.shape)).reshape(place.shape)
+            part = self._read_range(
+                f"{place.bucket}.{STATES[kind]}", place.start, place.start + math.prod(place.shape)
+            ).reshape(place.shape)
             parts.append(part.t().contiguous() if place.transposed else part)
         return join_tp_shards(name, parts, bool(self.args.get("swiglu")))
 
@@ -242,20 +308,27 @@ class DpReshardable:
 def _check_replayable(args: SavedArgs, shapes: Dict[str, Tuple[int, ...]], sizes: Dict[str, Tuple[int, ...]]) -> bool:
     """Whether the optimizer is chained (dense, experts); NotReplayed where the buffers are not."""
     if args.get("transformer_impl", default="transformer_engine") != "local":
-        raise NotReplayed("the order of Transformer Engine's modules in the distributed optimizer's buffers is not "
-                          "replayed yet (only --transformer-impl local)")
+        raise NotReplayed(
+            "the order of Transformer Engine's modules in the distributed optimizer's buffers is not "
+            "replayed yet (only --transformer-impl local)"
+        )
     chained = any(k.startswith(DENSE) for k in sizes)
     experts = [n for n in shapes if is_expert(n)]
     if experts and not chained:
-        raise NotReplayed("an MoE model's experts outside expert parallelism (EP 1: in the dense optimizer's "
-                          "buffers) are not replayed yet")
-    if experts and (args.get("expert_tensor_parallel_size") not in (None, args.tp)
-                    or any(not _EXPERT.fullmatch(split_layer_key(n)[1]) for n in experts)):
+        raise NotReplayed(
+            "an MoE model's experts outside expert parallelism (EP 1: in the dense optimizer's "
+            "buffers) are not replayed yet"
+        )
+    if experts and (
+        args.get("expert_tensor_parallel_size") not in (None, args.tp)
+        or any(not _EXPERT.fullmatch(split_layer_key(n)[1]) for n in experts)
+    ):
         raise NotReplayed("the buffers of experts with their own TP size or with biases are not replayed yet")
     uneven = [f"--{a.replace('_', '-')}" for a in _UNEVEN_SPLITS if args.get(a)]
     if uneven or args.required("num_layers") % (args.pp * _model_chunks(args)):
-        raise NotReplayed(f"the buffers of an uneven pipeline split ({', '.join(uneven) or 'num_layers % PP'}) "
-                          "are not replayed yet")
+        raise NotReplayed(
+            f"the buffers of an uneven pipeline split ({', '.join(uneven) or 'num_layers % PP'}) are not replayed yet"
+        )
     return chained
 
 
@@ -264,8 +337,9 @@ def _model_chunks(args: SavedArgs) -> int:
     return int(args.get("virtual_pipeline_model_parallel_size") or 1) if args.pp > 1 else 1
 
 
-def _bucket_keys(sizes: Dict[str, Tuple[int, ...]], ranks: int, chunks: int,
-                 where: str) -> Dict[Tuple[int, int], Tuple[str, List[int]]]:
+def _bucket_keys(
+    sizes: Dict[str, Tuple[int, ...]], ranks: int, chunks: int, where: str
+) -> Dict[Tuple[int, int], Tuple[str, List[int]]]:
     """(dp_group_idx, gbuf_idx) -> (its buffer's dtype pair, its buckets' lengths), from the saved keys."""
     found: Dict[int, Dict[Tuple[int, str, int, str], int]] = {}
     for key, size in sizes.items():
@@ -273,22 +347,28 @@ def _bucket_keys(sizes: Dict[str, Tuple[int, ...]], ranks: int, chunks: int,
         if m:
             found.setdefault(int(m.group(1)), {})[(int(m.group(2)), m.group(3), int(m.group(4)), m.group(5))] = size[0]
     if sorted(found) != list(range(ranks)):
-        raise CheckpointError(f"{where}: holds the distributed optimizer's buckets of dp_group_idx {sorted(found)}, "
-                              f"expected 0..{ranks - 1} (one per model-parallel rank)")
+        raise CheckpointError(
+            f"{where}: holds the distributed optimizer's buckets of dp_group_idx {sorted(found)}, "
+            f"expected 0..{ranks - 1} (one per model-parallel rank)"
+        )
     out = {}
     for index, buckets in found.items():
         buffers = sorted({(gbuf, dtype) for gbuf, dtype, _, _ in buckets})
         if [gbuf for gbuf, _ in buffers] != list(range(chunks)):
-            raise NotReplayed(f"dp_group_idx_{index} holds grad buffers {buffers}; one per model chunk "
-                              f"(gbuf_idx_0..{chunks - 1}, of one dtype each) is replayed")
+            raise NotReplayed(
+                f"dp_group_idx_{index} holds grad buffers {buffers}; one per model chunk "
+                f"(gbuf_idx_0..{chunks - 1}, of one dtype each) is replayed"
+            )
         for gbuf, dtype in buffers:
             count = 1 + max(b for g, _, b, _ in buckets if g == gbuf)
             lengths = []
             for b in range(count):
                 per_state = {buckets.get((gbuf, dtype, b, s)) for s in STATES.values()}
                 if len(per_state) != 1 or None in per_state:
-                    raise CheckpointError(f"{where}: bucket {b} of dp_group_idx_{index} gbuf_idx_{gbuf} has states of "
-                                          f"lengths {per_state}, expected {sorted(STATES.values())} of one length")
+                    raise CheckpointError(
+                        f"{where}: bucket {b} of dp_group_idx_{index} gbuf_idx_{gbuf} has states of "
+                        f"lengths {per_state}, expected {sorted(STATES.values())} of one length"
+                    )
                 lengths.append(per_state.pop())
             out[(index, gbuf)] = (dtype, lengths)
     return out

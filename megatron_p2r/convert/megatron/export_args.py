@@ -9,6 +9,7 @@ or RNG state to load. Only str, int, float, bool, None, lists and tuples are wri
 allow-list (and ours). The args are checked by reading them back with the importer's own
 reader (args.py): an option it would not map back to ours exactly is refused by name.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,13 +38,17 @@ def check_expressible(m: ModelConfig) -> None:
     """Refuse, naming each, the options of ours that Megatron-LM's GPT model cannot express."""
     blockers = []
     if m.num_experts and m.moe_layer_freq != 1:
-        blockers.append(f"--moe-layer-freq {m.moe_layer_freq} (ours puts MoE in layers k-1, 2k-1, ...; Megatron's "
-                        "integer frequency in layers 0, k, ...)")
+        blockers.append(
+            f"--moe-layer-freq {m.moe_layer_freq} (ours puts MoE in layers k-1, 2k-1, ...; Megatron's "
+            "integer frequency in layers 0, k, ...)"
+        )
     if m.num_experts and m.moe_num_prototypes != 1:
         blockers.append(f"--moe-num-prototypes {m.moe_num_prototypes} (expert prototyping)")
     if m.num_experts and m.moe_capacity_factor is not None:
-        blockers.append(f"--moe-capacity-factor {m.moe_capacity_factor} (ours drops tokens by position, Megatron's "
-                        "capacity factor differently)")
+        blockers.append(
+            f"--moe-capacity-factor {m.moe_capacity_factor} (ours drops tokens by position, Megatron's "
+            "capacity factor differently)"
+        )
     if blockers:
         raise MegatronConversionError("cannot express this model in Megatron-LM: " + "; ".join(blockers))
 
@@ -55,51 +60,85 @@ def megatron_vocab(m: ModelConfig, tp: int) -> Tuple[int, int]:
     if divisor % tp == 0:
         return m.vocab_size, divisor // tp
     if rows % tp:
-        raise MegatronConversionError(f"the padded vocabulary ({rows} rows) does not split over Megatron's "
-                                      f"tensor-parallel size {tp}")
+        raise MegatronConversionError(
+            f"the padded vocabulary ({rows} rows) does not split over Megatron's tensor-parallel size {tp}"
+        )
     return m.vocab_size, rows // tp
 
 
 def _model_args(m: ModelConfig) -> dict:
     return dict(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_size,
-        num_attention_heads=m.num_attention_heads, kv_channels=m.head_dim,
-        group_query_attention=m.group_query_attention, num_query_groups=m.query_groups,
-        seq_length=m.seq_length, max_position_embeddings=m.max_positions,
-        position_embedding_type=m.position_embedding_type, add_position_embedding=True,
-        use_rotary_position_embeddings=False, rotary_base=m.rotary_base, rotary_percent=m.rotary_percent,
-        use_rope_scaling=m.use_rope_scaling, rope_scaling_factor=m.rope_scaling_factor,
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_size,
+        num_attention_heads=m.num_attention_heads,
+        kv_channels=m.head_dim,
+        group_query_attention=m.group_query_attention,
+        num_query_groups=m.query_groups,
+        seq_length=m.seq_length,
+        max_position_embeddings=m.max_positions,
+        position_embedding_type=m.position_embedding_type,
+        add_position_embedding=True,
+        use_rotary_position_embeddings=False,
+        rotary_base=m.rotary_base,
+        rotary_percent=m.rotary_percent,
+        use_rope_scaling=m.use_rope_scaling,
+        rope_scaling_factor=m.rope_scaling_factor,
         rotary_seq_len_interpolation_factor=m.rotary_seq_len_interpolation_factor,
-        rotary_interleaved=False, normalization=m.normalization, norm_epsilon=m.norm_epsilon,
-        apply_layernorm_1p=False, swiglu=m.swiglu, squared_relu=False, add_bias_linear=m.add_bias,
+        rotary_interleaved=False,
+        normalization=m.normalization,
+        norm_epsilon=m.norm_epsilon,
+        apply_layernorm_1p=False,
+        swiglu=m.swiglu,
+        squared_relu=False,
+        add_bias_linear=m.add_bias,
         # Megatron's dense MLP has no fused quick-GeGLU kernel: it needs the fusion off
-        add_qkv_bias=m.add_qkv_bias, bias_gelu_fusion=m.bias_gelu_fusion and not m.quick_geglu,
+        add_qkv_bias=m.add_qkv_bias,
+        bias_gelu_fusion=m.bias_gelu_fusion and not m.quick_geglu,
         qk_layernorm=m.qk_layernorm,
         untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
-        apply_residual_connection_post_layernorm=False, hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout, init_method_std=m.init_method_std, **_gpt_oss_args(m))
+        apply_residual_connection_post_layernorm=False,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        **_gpt_oss_args(m),
+    )
 
 
 def _gpt_oss_args(m: ModelConfig) -> dict:
     """Windows, sinks and the gated MLP's options as Megatron saves them (``--window-size`` as the
     tuple (L, 0))."""
     window = tuple(int(x) for x in m.window_size.strip("()").split(",")) if m.window_size else None
-    return dict(window_size=window, window_attn_skip_freq=m.window_attn_skip_freq if window else None,
-                softmax_type=m.softmax_type, quick_geglu=m.quick_geglu, glu_linear_offset=m.glu_linear_offset,
-                activation_func_clamp_value=m.activation_func_clamp_value)
+    return dict(
+        window_size=window,
+        window_attn_skip_freq=m.window_attn_skip_freq if window else None,
+        softmax_type=m.softmax_type,
+        quick_geglu=m.quick_geglu,
+        glu_linear_offset=m.glu_linear_offset,
+        activation_func_clamp_value=m.activation_func_clamp_value,
+    )
 
 
 def _moe_args(m: ModelConfig) -> dict:
     if not m.num_experts:
         return dict(num_experts=None)
-    return dict(num_experts=m.num_experts, moe_layer_freq=1, moe_router_topk=m.moe_router_topk,
-                moe_ffn_hidden_size=m.expert_ffn_size, moe_router_pre_softmax=m.moe_router_pre_softmax,
-                moe_router_load_balancing_type="aux_loss" if m.moe_aux_loss_coeff else "none",
-                moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_z_loss_coeff=m.moe_z_loss_coeff or None,
-                moe_input_jitter_eps=m.moe_input_jitter_eps, moe_grouped_gemm=False,
-                moe_router_score_function="softmax", moe_token_dispatcher_type="allgather",
-                moe_shared_expert_intermediate_size=None, moe_router_enable_expert_bias=False,
-                moe_router_topk_scaling_factor=None)
+    return dict(
+        num_experts=m.num_experts,
+        moe_layer_freq=1,
+        moe_router_topk=m.moe_router_topk,
+        moe_ffn_hidden_size=m.expert_ffn_size,
+        moe_router_pre_softmax=m.moe_router_pre_softmax,
+        moe_router_load_balancing_type="aux_loss" if m.moe_aux_loss_coeff else "none",
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_z_loss_coeff=m.moe_z_loss_coeff or None,
+        moe_input_jitter_eps=m.moe_input_jitter_eps,
+        moe_grouped_gemm=False,
+        moe_router_score_function="softmax",
+        moe_token_dispatcher_type="allgather",
+        moe_shared_expert_intermediate_size=None,
+        moe_router_enable_expert_bias=False,
+        moe_router_topk_scaling_factor=None,
+    )
 
 
 def flags_to_pass(args: argparse.Namespace) -> List[str]:
@@ -139,8 +178,9 @@ def _gpt_oss_flags(args: argparse.Namespace) -> List[str]:
     return flags
 
 
-def megatron_args(cfg: Config, layout: MegatronLayout, *, iteration: int, consumed_samples: int,
-                  dtype: str, optimizer: bool = False) -> argparse.Namespace:
+def megatron_args(
+    cfg: Config, layout: MegatronLayout, *, iteration: int, consumed_samples: int, dtype: str, optimizer: bool = False
+) -> argparse.Namespace:
     """The args of a checkpoint of the real model ``cfg`` written for ``layout`` (with the
     optimizer state or not), checked by reading them back."""
     m = cfg.model
@@ -149,26 +189,47 @@ def megatron_args(cfg: Config, layout: MegatronLayout, *, iteration: int, consum
     values = _model_args(m)
     values.update(_moe_args(m))
     values.update(
-        vocab_size=vocab, make_vocab_size_divisible_by=divisor, padded_vocab_size=m.padded_vocab_size,
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.tp,
-        virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
-        ckpt_format=layout.ckpt_format, use_dist_ckpt=layout.ckpt_format != "torch",
-        no_save_optim=not optimizer, no_save_rng=True, iteration=iteration, consumed_train_samples=consumed_samples,
-        consumed_valid_samples=0, skipped_train_samples=0, bf16=dtype == "bfloat16", fp16=dtype == "float16",
-        tokenizer_type=cfg.data.tokenizer_type, tokenizer_model=cfg.data.tokenizer_model,
-        vocab_file=cfg.data.vocab_file, merge_file=cfg.data.merge_file, tiktoken_pattern=cfg.data.tiktoken_pattern,
+        vocab_size=vocab,
+        make_vocab_size_divisible_by=divisor,
+        padded_vocab_size=m.padded_vocab_size,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.tp,
+        virtual_pipeline_model_parallel_size=None,
+        num_layers_per_virtual_pipeline_stage=None,
+        ckpt_format=layout.ckpt_format,
+        use_dist_ckpt=layout.ckpt_format != "torch",
+        no_save_optim=not optimizer,
+        no_save_rng=True,
+        iteration=iteration,
+        consumed_train_samples=consumed_samples,
+        consumed_valid_samples=0,
+        skipped_train_samples=0,
+        bf16=dtype == "bfloat16",
+        fp16=dtype == "float16",
+        tokenizer_type=cfg.data.tokenizer_type,
+        tokenizer_model=cfg.data.tokenizer_model,
+        vocab_file=cfg.data.vocab_file,
+        merge_file=cfg.data.merge_file,
+        tiktoken_pattern=cfg.data.tiktoken_pattern,
         tiktoken_num_special_tokens=cfg.data.tiktoken_num_special_tokens,
-        tokenizer_special_tokens=cfg.data.tiktoken_special_tokens)
+        tokenizer_special_tokens=cfg.data.tiktoken_special_tokens,
+    )
     args = argparse.Namespace(**values)
     _check_round_trip(args, m)
     return args
 
 
 # Fields whose unset value means a default: compared through the value the model uses.
-_DERIVED = {"ffn_hidden_size": "ffn_size", "moe_ffn_hidden_size": "expert_ffn_size", "kv_channels": "head_dim",
-            "max_position_embeddings": "max_positions", "num_query_groups": "query_groups",
-            "bias_gelu_fusion": "gelu_approximation"}
+_DERIVED = {
+    "ffn_hidden_size": "ffn_size",
+    "moe_ffn_hidden_size": "expert_ffn_size",
+    "kv_channels": "head_dim",
+    "max_position_embeddings": "max_positions",
+    "num_query_groups": "query_groups",
+    "bias_gelu_fusion": "gelu_approximation",
+}
 
 
 def _effective(m: ModelConfig, name: str):
@@ -180,15 +241,19 @@ def model_differences(ours: ModelConfig, theirs: ModelConfig) -> List[str]:
     """The options on which two models differ as functions (an unset default equals its value;
     MoE options count only in an MoE model), each as ``--option ours (theirs)``."""
     names = [f.name for f in dataclasses.fields(ModelConfig) if ours.num_experts or not f.name.startswith("moe_")]
-    return [f"--{name.replace('_', '-')} {_effective(ours, name)!r} (reads back as {_effective(theirs, name)!r})"
-            for name in names if _effective(theirs, name) != _effective(ours, name)]
+    return [
+        f"--{name.replace('_', '-')} {_effective(ours, name)!r} (reads back as {_effective(theirs, name)!r})"
+        for name in names
+        if _effective(theirs, name) != _effective(ours, name)
+    ]
 
 
 def _check_round_trip(args: argparse.Namespace, m: ModelConfig) -> None:
     """The importer reads ``args`` back as exactly our model, or the export is refused."""
     read, zero_centered, _ = model_values(SavedArgs.of(args, "the exported args"))
-    theirs = Config.from_dict({"model": {**read, "vocab_size": m.vocab_size,
-                                         "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by}}).model
+    theirs = Config.from_dict(
+        {"model": {**read, "vocab_size": m.vocab_size, "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by}}
+    ).model
     differ = model_differences(m, theirs)
     if differ or zero_centered:
         raise MegatronConversionError("cannot express this model in Megatron-LM's args: " + "; ".join(differ))

@@ -18,6 +18,7 @@ decay (biases and 1-D parameters, ``wd_mult`` 0), the experts' apart under EP > 
 matching the saved groups by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr), so the
 groups' number and keys must be Megatron's.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,8 +36,16 @@ from megatron_p2r.optim.scheduler import learning_rate
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # torch.optim.AdamW's group options as megatron-core builds it (Transformer Engine's and Apex's
 # FusedAdam read ``bias_correction`` too)
-_ADAM_OPTIONS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
-                     fused=None, decoupled_weight_decay=True, bias_correction=True)
+_ADAM_OPTIONS = dict(
+    amsgrad=False,
+    maximize=False,
+    foreach=None,
+    capturable=False,
+    differentiable=False,
+    fused=None,
+    decoupled_weight_decay=True,
+    bias_correction=True,
+)
 Inverses = Dict[str, Inverse]  # canonical Megatron tensor -> (our pieces, the function that makes it)
 
 
@@ -45,21 +54,25 @@ class OptimizerExport:
     """What the optimizer adds to a torch_dist checkpoint."""
 
     tensors: Dict[str, Dict[str, torch.Tensor]]  # kind (exp_avg, exp_avg_sq, main) -> canonical name -> tensor
-    optimizer: dict                               # common.pt's "optimizer"
-    scheduler: dict                               # common.pt's "opt_param_scheduler"
+    optimizer: dict  # common.pt's "optimizer"
+    scheduler: dict  # common.pt's "opt_param_scheduler"
 
 
 def not_exported(source: SourceCheckpoint, ckpt_format: str, dtype: str) -> Optional[str]:
     """Why the optimizer state of ``source`` is not written (weights only), or None."""
     t = source.real_cfg.train
-    reasons = [(not source.meta["optimizer"], "the checkpoint has no optimizer state"),
-               (ckpt_format != "torch_dist", "the optimizer state is written in torch_dist only"),
-               (source.pseudo, "a pseudo-phase checkpoint's optimizer state is not delinked"),
-               (dtype == "float16", "--dtype float16 needs Megatron's loss scaler state, not written"),
-               (t.decoupled_lr is not None, "--decoupled-lr gives Megatron other parameter groups"),
-               (t.apply_wd_to_qk_layernorm and source.real_cfg.model.qk_layernorm,
-                "--apply-wd-to-qk-layernorm moves the query/key norms to Megatron's weight-decay group, not laid out"),
-               (t.optimizer != "adam", f"--optimizer {t.optimizer}'s state has no Megatron-LM counterpart")]
+    reasons = [
+        (not source.meta["optimizer"], "the checkpoint has no optimizer state"),
+        (ckpt_format != "torch_dist", "the optimizer state is written in torch_dist only"),
+        (source.pseudo, "a pseudo-phase checkpoint's optimizer state is not delinked"),
+        (dtype == "float16", "--dtype float16 needs Megatron's loss scaler state, not written"),
+        (t.decoupled_lr is not None, "--decoupled-lr gives Megatron other parameter groups"),
+        (
+            t.apply_wd_to_qk_layernorm and source.real_cfg.model.qk_layernorm,
+            "--apply-wd-to-qk-layernorm moves the query/key norms to Megatron's weight-decay group, not laid out",
+        ),
+        (t.optimizer != "adam", f"--optimizer {t.optimizer}'s state has no Megatron-LM counterpart"),
+    ]
     return next((why for failed, why in reasons if failed), None)
 
 
@@ -75,11 +88,23 @@ def scheduler_state(cfg: Config, num_steps: int, world_size: int) -> dict:
     (``get_optimizer_param_scheduler``'s lengths; weight decay constant, as ours)."""
     t = cfg.train
     warmup, decay = lr_lengths(cfg, world_size)
-    samples = t.train_samples if t.train_samples is not None else \
-        train_iters(cfg, world_size) * global_batch_size(cfg, world_size)
-    return {"max_lr": t.lr, "lr_warmup_steps": warmup, "num_steps": num_steps, "lr_decay_style": t.lr_decay_style,
-            "lr_decay_steps": decay, "min_lr": t.min_lr, "start_wd": t.weight_decay, "end_wd": t.weight_decay,
-            "wd_incr_style": "constant", "wd_incr_steps": samples}
+    samples = (
+        t.train_samples
+        if t.train_samples is not None
+        else train_iters(cfg, world_size) * global_batch_size(cfg, world_size)
+    )
+    return {
+        "max_lr": t.lr,
+        "lr_warmup_steps": warmup,
+        "num_steps": num_steps,
+        "lr_decay_style": t.lr_decay_style,
+        "lr_decay_steps": decay,
+        "min_lr": t.min_lr,
+        "start_wd": t.weight_decay,
+        "end_wd": t.weight_decay,
+        "wd_incr_style": "constant",
+        "wd_incr_steps": samples,
+    }
 
 
 def scheduler_flags(cfg: Config, world_size: int) -> List[str]:
@@ -88,21 +113,34 @@ def scheduler_flags(cfg: Config, world_size: int) -> List[str]:
     decay, its increment style and length) and aborts on a difference. The lengths in the form the
     run gave them: samples, or iterations with the global batch size Megatron multiplies them by."""
     t = cfg.train
-    flags = ["--lr", str(t.lr), "--min-lr", str(t.min_lr), "--lr-decay-style", t.lr_decay_style,
-             "--weight-decay", str(t.weight_decay), "--weight-decay-incr-style", "constant"]
+    flags = [
+        "--lr",
+        str(t.lr),
+        "--min-lr",
+        str(t.min_lr),
+        "--lr-decay-style",
+        t.lr_decay_style,
+        "--weight-decay",
+        str(t.weight_decay),
+        "--weight-decay-incr-style",
+        "constant",
+    ]
     if t.train_samples is not None:
         flags += ["--train-samples", str(t.train_samples)]
         if t.lr_decay_samples is not None:
             flags += ["--lr-decay-samples", str(t.lr_decay_samples)]
         warmup = ["--lr-warmup-samples", str(t.lr_warmup_samples)]
     else:
-        flags += ["--train-iters", str(train_iters(cfg, world_size)),
-                  "--global-batch-size", str(global_batch_size(cfg, world_size))]
+        flags += [
+            "--train-iters",
+            str(train_iters(cfg, world_size)),
+            "--global-batch-size",
+            str(global_batch_size(cfg, world_size)),
+        ]
         if t.lr_decay_iters is not None:
             flags += ["--lr-decay-iters", str(t.lr_decay_iters)]
         warmup = ["--lr-warmup-iters", str(t.lr_warmup_iters)]
-    return flags + (["--lr-warmup-fraction", str(t.lr_warmup_fraction)] if t.lr_warmup_fraction is not None
-                    else warmup)
+    return flags + (["--lr-warmup-fraction", str(t.lr_warmup_fraction)] if t.lr_warmup_fraction is not None else warmup)
 
 
 def param_groups(cfg: Config, lr: float, experts: bool) -> List[dict]:
@@ -111,10 +149,23 @@ def param_groups(cfg: Config, lr: float, experts: bool) -> List[dict]:
     biases)."""
     t = cfg.train
     wd_mults = (1.0, 0.0) if not experts or cfg.model.add_bias else (1.0,)
-    return [{"is_expert_parallel": experts, "default_config": True, "wd_mult": wd_mult, "lr_mult": 1.0,
-             "is_decoupled_lr": False, "max_lr": t.lr, "min_lr": t.min_lr, "lr": lr,
-             "betas": (t.adam_beta1, t.adam_beta2), "eps": t.adam_eps, "weight_decay": t.weight_decay * wd_mult,
-             **_ADAM_OPTIONS} for wd_mult in wd_mults]
+    return [
+        {
+            "is_expert_parallel": experts,
+            "default_config": True,
+            "wd_mult": wd_mult,
+            "lr_mult": 1.0,
+            "is_decoupled_lr": False,
+            "max_lr": t.lr,
+            "min_lr": t.min_lr,
+            "lr": lr,
+            "betas": (t.adam_beta1, t.adam_beta2),
+            "eps": t.adam_eps,
+            "weight_decay": t.weight_decay * wd_mult,
+            **_ADAM_OPTIONS,
+        }
+        for wd_mult in wd_mults
+    ]
 
 
 def _common_state(cfg: Config, step: float, lr: float, dtype: str, expert_parallel: bool) -> dict:
@@ -122,7 +173,7 @@ def _common_state(cfg: Config, step: float, lr: float, dtype: str, expert_parall
     expert parallelism (EP > 1: only then are the experts' parameters ``allreduce=False``) a
     ``ChainedOptimizer`` of it and the experts' ({0: dense, 1: experts})."""
     optimizers = []
-    for experts in (False, True)[:1 + expert_parallel]:
+    for experts in (False, True)[: 1 + expert_parallel]:
         state = {"state": {"common_step": torch.tensor(step)}, "param_groups": param_groups(cfg, lr, experts)}
         # Float16OptimizerWithFloat16Params nests torch's state dict
         optimizers.append({"optimizer": state} if dtype == "bfloat16" else state)
@@ -142,10 +193,17 @@ def optimizer_export(source: SourceCheckpoint, plan: Inverses, dtype: str, ep: i
             tensors[kind][name] = fn(pieces).contiguous()
         steps.update(float(source.read(k, "step")) for k in keys)
     if len(steps) != 1:
-        raise CheckpointError(f"{source.iter_dir}: Adam steps {sorted(steps)} differ between parameters; Megatron keeps "
-                              "one common step")
+        raise CheckpointError(
+            f"{source.iter_dir}: Adam steps {sorted(steps)} differ between parameters; Megatron keeps one common step"
+        )
     scheduler = scheduler_state(cfg, int(source.meta["scheduler"]["num_steps"]), world_size_of(source))
-    lr = learning_rate(scheduler["num_steps"], scheduler["lr_warmup_steps"], scheduler["lr_decay_steps"],
-                       cfg.train.lr_decay_style, cfg.train.lr, cfg.train.min_lr)
+    lr = learning_rate(
+        scheduler["num_steps"],
+        scheduler["lr_warmup_steps"],
+        scheduler["lr_decay_steps"],
+        cfg.train.lr_decay_style,
+        cfg.train.lr,
+        cfg.train.min_lr,
+    )
     expert_parallel = bool(cfg.model.num_experts) and ep > 1
     return OptimizerExport(tensors, _common_state(cfg, steps.pop(), lr, dtype, expert_parallel), scheduler)

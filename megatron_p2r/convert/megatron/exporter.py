@@ -2,6 +2,7 @@
 directory, torch_dist or legacy, for a Megatron run of a given TP/PP/EP: weights and the args
 Megatron needs, and in torch_dist the optimizer state where ours has it (export_optim.py); no
 RNG state (the args say so, and Megatron skips it)."""
+
 from __future__ import annotations
 
 import os
@@ -15,10 +16,21 @@ from megatron_p2r.checkpoint.staging import staged_output
 from megatron_p2r.checkpoint.tensor_table import tensor_table
 from megatron_p2r.config import ConfigError
 from megatron_p2r.convert.hf.source import SourceCheckpoint
-from megatron_p2r.convert.megatron.export_args import (CHECKPOINT_VERSION, CONTENT_METADATA, MegatronLayout,
-                                                          flags_to_pass, megatron_args)
-from megatron_p2r.convert.megatron.export_optim import (Inverses, not_exported, optimizer_export,
-                                                        scheduler_flags, scheduler_state, world_size_of)
+from megatron_p2r.convert.megatron.export_args import (
+    CHECKPOINT_VERSION,
+    CONTENT_METADATA,
+    MegatronLayout,
+    flags_to_pass,
+    megatron_args,
+)
+from megatron_p2r.convert.megatron.export_optim import (
+    Inverses,
+    not_exported,
+    optimizer_export,
+    scheduler_flags,
+    scheduler_state,
+    world_size_of,
+)
 from megatron_p2r.convert.megatron.rules import to_megatron
 from megatron_p2r.convert.megatron.source import TRACKER_FILE
 from megatron_p2r.convert.megatron.writer import write_dist, write_legacy
@@ -28,21 +40,29 @@ CKPT_FORMATS = ("torch_dist", "torch")
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _layout(source: SourceCheckpoint, ckpt_format: str, tp: Optional[int], pp: Optional[int],
-            ep: Optional[int]) -> MegatronLayout:
+def _layout(
+    source: SourceCheckpoint, ckpt_format: str, tp: Optional[int], pp: Optional[int], ep: Optional[int]
+) -> MegatronLayout:
     """The Megatron layout asked for (unset sizes: the source's), checked as a layout of ours."""
     par = source.cfg.parallel
-    layout = MegatronLayout(tp or par.tensor_model_parallel_size, pp or par.pipeline_model_parallel_size,
-                            ep or par.expert_model_parallel_size, ckpt_format)
+    layout = MegatronLayout(
+        tp or par.tensor_model_parallel_size,
+        pp or par.pipeline_model_parallel_size,
+        ep or par.expert_model_parallel_size,
+        ckpt_format,
+    )
     target_config(source.real_cfg, Target(layout.tp, layout.pp, None, layout.ep), delink=False)
     if source.real_cfg.model.num_layers % layout.pp:
-        raise ConfigError(f"--target-pipeline-parallel-size {layout.pp} does not divide the "
-                          f"{source.real_cfg.model.num_layers} layers (Megatron splits them evenly)")
+        raise ConfigError(
+            f"--target-pipeline-parallel-size {layout.pp} does not divide the "
+            f"{source.real_cfg.model.num_layers} layers (Megatron splits them evenly)"
+        )
     return layout
 
 
-def _megatron_tensors(source: SourceCheckpoint, plan: Inverses, dtype: torch.dtype,
-                      progress: bool) -> Dict[str, torch.Tensor]:
+def _megatron_tensors(
+    source: SourceCheckpoint, plan: Inverses, dtype: torch.dtype, progress: bool
+) -> Dict[str, torch.Tensor]:
     """Every canonical Megatron tensor, made from our global pieces (names.py, rules.py)."""
     out = {}
     for name, (keys, fn) in tqdm(plan.items(), desc="export-megatron", disable=not progress):
@@ -50,9 +70,19 @@ def _megatron_tensors(source: SourceCheckpoint, plan: Inverses, dtype: torch.dty
     return out
 
 
-def export_megatron(src: str, dst: str, *, ckpt_format: str = "torch_dist", tp: Optional[int] = None,
-                    pp: Optional[int] = None, ep: Optional[int] = None, dtype: str = "float32",
-                    save_optim: bool = True, force: bool = False, progress: bool = True) -> Tuple[str, List[str]]:
+def export_megatron(
+    src: str,
+    dst: str,
+    *,
+    ckpt_format: str = "torch_dist",
+    tp: Optional[int] = None,
+    pp: Optional[int] = None,
+    ep: Optional[int] = None,
+    dtype: str = "float32",
+    save_optim: bool = True,
+    force: bool = False,
+    progress: bool = True,
+) -> Tuple[str, List[str]]:
     """Write SRC as Megatron-LM's ``--save`` directory DST (the weights and optimizer state are
     held in memory while written: DCP saves one state dict). Returns (iteration directory, notes)."""
     if ckpt_format not in CKPT_FORMATS:
@@ -64,13 +94,23 @@ def export_megatron(src: str, dst: str, *, ckpt_format: str = "torch_dist", tp: 
     layout = _layout(source, ckpt_format, tp, pp, ep)
     iteration = int(source.meta["iteration"])
     skipped = "--no-save-optim" if not save_optim else not_exported(source, ckpt_format, dtype)
-    args = megatron_args(cfg, layout, iteration=iteration, consumed_samples=int(source.meta["consumed_samples"]),
-                         dtype=dtype, optimizer=skipped is None)
+    args = megatron_args(
+        cfg,
+        layout,
+        iteration=iteration,
+        consumed_samples=int(source.meta["consumed_samples"]),
+        dtype=dtype,
+        optimizer=skipped is None,
+    )
     plan = to_megatron(list(tensor_table(cfg)), cfg.model)
     optim = None if skipped else optimizer_export(source, plan, dtype, layout.ep)
     tensors = _megatron_tensors(source, plan, EXPORT_DTYPES[dtype], progress)
-    header = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-              "num_floating_point_operations_so_far": 0}
+    header = {
+        "args": args,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        "num_floating_point_operations_so_far": 0,
+    }
     name = f"iter_{iteration:07d}"
     with staged_output(src, source.iter_dir, dst, force) as tmp:
         iter_dir = os.path.join(tmp, name)
@@ -89,10 +129,13 @@ def export_megatron(src: str, dst: str, *, ckpt_format: str = "torch_dist", tp: 
 
 def _notes(source: SourceCheckpoint, layout: MegatronLayout, args, skipped: Optional[str]) -> List[str]:
     m = source.real_cfg.model
-    notes = [f"for Megatron-LM with --tensor-model-parallel-size {layout.tp} --pipeline-model-parallel-size "
-             f"{layout.pp}" + (f" --expert-model-parallel-size {layout.ep}" if m.num_experts else "")
-             + f" --ckpt-format {layout.ckpt_format} (the model flags are in the checkpoint's args: "
-             "--use-checkpoint-args reads them)"]
+    notes = [
+        f"for Megatron-LM with --tensor-model-parallel-size {layout.tp} --pipeline-model-parallel-size "
+        f"{layout.pp}"
+        + (f" --expert-model-parallel-size {layout.ep}" if m.num_experts else "")
+        + f" --ckpt-format {layout.ckpt_format} (the model flags are in the checkpoint's args: "
+        "--use-checkpoint-args reads them)"
+    ]
     extra = flags_to_pass(args)
     if extra:
         notes.append(f"with --use-checkpoint-args also pass {' '.join(extra)} (flags it does not restore)")
@@ -101,16 +144,22 @@ def _notes(source: SourceCheckpoint, layout: MegatronLayout, args, skipped: Opti
     if layout.ckpt_format == "torch":
         notes.append(f"weights only ({skipped}): load with --finetune, or --no-load-optim --no-load-rng")
     elif skipped:
-        notes.append(f"weights only ({skipped}): the args say no_save_optim and no_save_rng, so Megatron loads no "
-                     "optimizer or RNG state")
+        notes.append(
+            f"weights only ({skipped}): the args say no_save_optim and no_save_rng, so Megatron loads no "
+            "optimizer or RNG state"
+        )
     else:
         world = world_size_of(source)
         saved = scheduler_state(source.real_cfg, 0, world)
-        notes.append(f"optimizer: Adam's moments and step {'and fp32 mains (a --bf16 run) ' if args.bf16 else ''}for megatron-core's "
-                     f"non-distributed optimizer (no --use-distributed-optimizer), iteration {args.iteration}, "
-                     f"{args.consumed_train_samples} consumed samples; no RNG state (the args say no_save_rng)")
-        notes.append(f"Megatron-LM checks the saved LR and weight-decay schedule on resume and stops at a difference: "
-                     f"pass {' '.join(scheduler_flags(source.real_cfg, world))} (warm-up {saved['lr_warmup_steps']}, "
-                     f"decay {saved['lr_decay_steps']} and weight-decay length {saved['wd_incr_steps']} samples), or "
-                     "--override-opt-param-scheduler to keep your own flags' schedule at this position")
+        notes.append(
+            f"optimizer: Adam's moments and step {'and fp32 mains (a --bf16 run) ' if args.bf16 else ''}for megatron-core's "
+            f"non-distributed optimizer (no --use-distributed-optimizer), iteration {args.iteration}, "
+            f"{args.consumed_train_samples} consumed samples; no RNG state (the args say no_save_rng)"
+        )
+        notes.append(
+            f"Megatron-LM checks the saved LR and weight-decay schedule on resume and stops at a difference: "
+            f"pass {' '.join(scheduler_flags(source.real_cfg, world))} (warm-up {saved['lr_warmup_steps']}, "
+            f"decay {saved['lr_decay_steps']} and weight-decay length {saved['wd_incr_steps']} samples), or "
+            "--override-opt-param-scheduler to keep your own flags' schedule at this position"
+        )
     return notes

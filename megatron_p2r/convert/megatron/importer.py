@@ -4,6 +4,7 @@ where the checkpoint holds Adam's state (torch_dist optimizer keys or distribute
 buckets, the legacy layout's state lists or distrib_optim.pt), its moments, step and fp32 main
 weights; every tensor is planned and its shape checked before anything is written, then
 streamed one piece at a time."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,8 +27,9 @@ Plan = Dict[str, Tuple[str, Callable[[torch.Tensor], torch.Tensor]]]
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def import_megatron(src: str, dst: str, target: Target, *, force: bool = False,
-                    progress: bool = True) -> Tuple[str, List[str]]:
+def import_megatron(
+    src: str, dst: str, target: Target, *, force: bool = False, progress: bool = True
+) -> Tuple[str, List[str]]:
     """Write the Megatron-LM checkpoint SRC as a checkpoint of ours in the ``target`` layout (unset
     sizes: 1). Returns (iteration directory, notes)."""
     source = open_megatron(src)
@@ -37,28 +39,49 @@ def import_megatron(src: str, dst: str, target: Target, *, force: bool = False,
     table = tensor_table(cfg)
     plan = _plan(source, table, cfg.model, zero_centered, a.required("padded_vocab_size"))
     flags, tokenizer_note = _tokenizer_flags(a)
-    history = {"op": "import-megatron", "source": os.path.abspath(source.iter_dir),
-               "source_layout": f"megatron {source.format}: TP={a.tp} PP={a.pp} EP={a.ep}"}
+    history = {
+        "op": "import-megatron",
+        "source": os.path.abspath(source.iter_dir),
+        "source_layout": f"megatron {source.format}: TP={a.tp} PP={a.pp} EP={a.ep}",
+    }
     moments = _moments_plan(source, plan, cfg.model)
     kinds = ("model",) + (MOMENTS + ("step",) if moments else ())
     where = _run_position(source) if moments else RunPosition()
-    out = write_imported(src, source.iter_dir, dst, cfg, table, _producer(source, plan, moments), history=history,
-                         force=force, progress=progress, extras=lambda staging: flags, kinds=kinds, position=where)
+    out = write_imported(
+        src,
+        source.iter_dir,
+        dst,
+        cfg,
+        table,
+        _producer(source, plan, moments),
+        history=history,
+        force=force,
+        progress=progress,
+        extras=lambda staging: flags,
+        kinds=kinds,
+        position=where,
+    )
     yaml_path = os.path.join(dst, MODEL_YAML)
     notes += [n for n in (vocab_note, tokenizer_note) if n]
     if moments:
         mains = "its fp32 main weights, " if source.optimizer["main"] else ""
-        notes.append(f"optimizer: Adam's moments, {mains}step {source.adam_step:g} imported, and Megatron's iteration "
-                     f"{where.iteration}, {where.consumed_samples} consumed samples and LR-schedule position "
-                     f"{where.scheduler_steps} (--load continues them with your --lr and schedule flags); "
-                     "Megatron's RNG states are not")
+        notes.append(
+            f"optimizer: Adam's moments, {mains}step {source.adam_step:g} imported, and Megatron's iteration "
+            f"{where.iteration}, {where.consumed_samples} consumed samples and LR-schedule position "
+            f"{where.scheduler_steps} (--load continues them with your --lr and schedule flags); "
+            "Megatron's RNG states are not"
+        )
     else:
         why = f" ({source.optimizer_not_read})" if source.optimizer_not_read else ""
-        notes.append(f"weights only: Megatron's optimizer state, iteration and RNG states are not imported{why} (a "
-                     "fresh optimizer starts, as with --finetune)")
+        notes.append(
+            f"weights only: Megatron's optimizer state, iteration and RNG states are not imported{why} (a "
+            "fresh optimizer starts, as with --finetune)"
+        )
     finetune = "" if moments else " --finetune"
-    notes.append(f"model and layout flags in {yaml_path}: train with --config {yaml_path} --load {dst}"
-                 f"{finetune} plus data and training flags")
+    notes.append(
+        f"model and layout flags in {yaml_path}: train with --config {yaml_path} --load {dst}"
+        f"{finetune} plus data and training flags"
+    )
     return out, notes
 
 
@@ -67,12 +90,17 @@ def _run_position(source: MegatronCheckpoint) -> RunPosition:
     (samples, as its train loop counts them) from the file that holds the args."""
     saved, where = source.saved, source.saved_path
     scheduler = saved.get("opt_param_scheduler")
-    values = {"iteration": saved.get("iteration"), "consumed_train_samples": source.args.get("consumed_train_samples"),
-              "opt_param_scheduler.num_steps": scheduler.get("num_steps") if isinstance(scheduler, dict) else None}
+    values = {
+        "iteration": saved.get("iteration"),
+        "consumed_train_samples": source.args.get("consumed_train_samples"),
+        "opt_param_scheduler.num_steps": scheduler.get("num_steps") if isinstance(scheduler, dict) else None,
+    }
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise CheckpointError(f"{where}: {name} is {value!r}, expected an integer >= 0 (the saved run's position, "
-                                  "needed to continue it with its optimizer state)")
+            raise CheckpointError(
+                f"{where}: {name} is {value!r}, expected an integer >= 0 (the saved run's position, "
+                "needed to continue it with its optimizer state)"
+            )
     return RunPosition(*values.values())
 
 
@@ -83,13 +111,17 @@ def _imported_config(values: dict, a: SavedArgs, target: Target) -> Tuple[Config
     vocab, divisor, note = vocab_values(a, tp)
     values.update(vocab_size=vocab, make_vocab_size_divisible_by=divisor)
     base = Config.from_dict({"model": values})
-    cfg = target_config(base, Target(tp, target.pipeline_parallel_size or 1, target.pipeline_layer_split,
-                                     target.expert_parallel_size), delink=False)
+    cfg = target_config(
+        base,
+        Target(tp, target.pipeline_parallel_size or 1, target.pipeline_layer_split, target.expert_parallel_size),
+        delink=False,
+    )
     return cfg, note
 
 
-def _plan(source: MegatronCheckpoint, table: Dict[str, TensorInfo], m: ModelConfig, zero_centered: bool,
-          vocab_rows: int) -> Plan:
+def _plan(
+    source: MegatronCheckpoint, table: Dict[str, TensorInfo], m: ModelConfig, zero_centered: bool, vocab_rows: int
+) -> Plan:
     """Our piece -> (Megatron tensor, transform), every shape checked, and every Megatron tensor
     used: none is silently dropped."""
     plan: Plan = {}
@@ -99,16 +131,20 @@ def _plan(source: MegatronCheckpoint, table: Dict[str, TensorInfo], m: ModelConf
             raise CheckpointError(f"{source.iter_dir}: the checkpoint has no tensor {name} (needed for our {key})")
         want = megatron_shape(key, info.shape, m, vocab_rows)
         if source.shape(name) != want:
-            raise CheckpointError(f"{source.location(name)}: {name} has shape {list(source.shape(name))}, the saved "
-                                  f"args imply {list(want)}")
+            raise CheckpointError(
+                f"{source.location(name)}: {name} has shape {list(source.shape(name))}, the saved "
+                f"args imply {list(want)}"
+            )
         plan[key] = (name, transform(key, m, zero_centered))
     used = {name for name, _ in plan.values()}
     if not m.untie_embeddings_and_output_weights:
         used.add(OUTPUT_LAYER)  # the last stage's replica of the tied embedding (legacy layout, PP > 1)
     unused = sorted(set(source.names) - used)
     if unused:
-        raise CheckpointError(f"{source.location(unused[0])}: {len(unused)} tensors have no place in our model, "
-                              f"e.g. {unused[0]}; refusing to drop weights")
+        raise CheckpointError(
+            f"{source.location(unused[0])}: {len(unused)} tensors have no place in our model, "
+            f"e.g. {unused[0]}; refusing to drop weights"
+        )
     return plan
 
 
@@ -123,13 +159,16 @@ def _moments_plan(source: MegatronCheckpoint, plan: Plan, m: ModelConfig) -> Opt
             if name not in source.optimizer[kind]:
                 raise CheckpointError(f"{source.location(name)}: the optimizer state has no {kind} of {name}")
             if source.shape(name, kind) != source.shape(name):
-                raise CheckpointError(f"{source.location(name)}: the {kind} of {name} has shape "
-                                      f"{list(source.shape(name, kind))}, the weight {list(source.shape(name))}")
+                raise CheckpointError(
+                    f"{source.location(name)}: the {kind} of {name} has shape "
+                    f"{list(source.shape(name, kind))}, the weight {list(source.shape(name))}"
+                )
     return {key: (name, transform(key, m, False)) for key, (name, _) in plan.items()}
 
 
 def _producer(source: MegatronCheckpoint, plan: Plan, moments: Optional[Plan]):
     """(our piece, kind) -> its tensor: the weight (the fp32 main when saved), a moment, or the step."""
+
     def produce(info: TensorInfo, kind: str) -> torch.Tensor:
         if kind == "step":
             return torch.tensor(source.adam_step, dtype=torch.float32).reshape(())
@@ -139,6 +178,7 @@ def _producer(source: MegatronCheckpoint, plan: Plan, moments: Optional[Plan]):
         else:
             tensor = source.read(name, "main" if kind == "model" else kind)
         return fn(tensor.to(torch.float32)).contiguous()
+
     return produce
 
 
@@ -165,6 +205,9 @@ def _tiktoken_flags(a: SavedArgs, kind: str) -> dict:
     if kind != "TikTokenizer":
         return {}
     specials = a.get("tokenizer_special_tokens") or a.get("tiktoken_special_tokens")
-    values = {"tiktoken_pattern": a.get("tiktoken_pattern"), "tiktoken_special_tokens": specials,
-              "tiktoken_num_special_tokens": a.get("tiktoken_num_special_tokens")}
+    values = {
+        "tiktoken_pattern": a.get("tiktoken_pattern"),
+        "tiktoken_special_tokens": specials,
+        "tiktoken_num_special_tokens": a.get("tiktoken_num_special_tokens"),
+    }
     return {key: value for key, value in values.items() if value is not None}

@@ -15,6 +15,7 @@ they were saved); expert ``l`` of EP
 rank ``r`` is global expert ``r * E / EP + l``. Dense tensors are replicated on every EP rank
 and TP-unsplit ones on every TP rank: the copy of EP rank 0 / TP rank 0 is read.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,15 @@ from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.convert.megatron import distrib_optim, optim_lists
 from megatron_p2r.convert.megatron.buffer_layout import Param, bucket_size
 from megatron_p2r.convert.megatron.args import SavedArgs
-from megatron_p2r.convert.megatron.names import (IGNORED, expert_rest, join_tp_shards, layer_name, split_layer_key,
-                                                    split_local_expert, tp_dim)
+from megatron_p2r.convert.megatron.names import (
+    IGNORED,
+    expert_rest,
+    join_tp_shards,
+    layer_name,
+    split_layer_key,
+    split_local_expert,
+    tp_dim,
+)
 from megatron_p2r.convert.megatron.unpickler import Kind, LazyTensor, TorchArchive
 
 MODEL_FILE = "model_optim_rng.pt"
@@ -60,12 +68,15 @@ class LegacyCheckpoint:
         self._check_header(first)
         a = self.args
         self.layout = (a.tp, a.pp, a.ep)
-        expected = {(t, p, e): rank_dir(t, p, e, self.layout) for p in range(a.pp) for e in range(a.ep)
-                    for t in range(a.tp)}
+        expected = {
+            (t, p, e): rank_dir(t, p, e, self.layout) for p in range(a.pp) for e in range(a.ep) for t in range(a.tp)
+        }
         unexpected = sorted(set(dirs) - set(expected.values()))
         if unexpected:
-            raise CheckpointError(f"{os.path.join(iter_dir, unexpected[0])}: not a rank of the saved layout "
-                                  f"(args: TP={a.tp}, PP={a.pp}, EP={a.ep}, so {len(expected)} mp_rank directories)")
+            raise CheckpointError(
+                f"{os.path.join(iter_dir, unexpected[0])}: not a rank of the saved layout "
+                f"(args: TP={a.tp}, PP={a.pp}, EP={a.ep}, so {len(expected)} mp_rank directories)"
+            )
         self.chunks = int(a.get("virtual_pipeline_model_parallel_size") or 1) if a.pp > 1 else 1
         self.optimizer_not_read = None  # why the optimizer state that is there is skipped
         self.glu = bool(a.get("swiglu") or a.get("quick_geglu"))
@@ -79,8 +90,11 @@ class LegacyCheckpoint:
         offset = 0
         for virtual in range(a.pp * self.chunks):  # in the order of the layers
             c, p = divmod(virtual, a.pp)
-            counts = {self._add(archives[(t, p, e)], c, t, e, offset, chunks[(t, p, e)])
-                      for e in range(a.ep) for t in range(a.tp)}
+            counts = {
+                self._add(archives[(t, p, e)], c, t, e, offset, chunks[(t, p, e)])
+                for e in range(a.ep)
+                for t in range(a.tp)
+            }
             if len(counts) != 1:
                 stage = f"stage {p}" + (f" model{c}" if self.chunks > 1 else "")
                 raise CheckpointError(f"{iter_dir}: the files of {stage} hold different numbers of layers {counts}")
@@ -89,8 +103,9 @@ class LegacyCheckpoint:
             if self.optimizer_not_read is None:
                 self._add_optimizer_state(archives[(t, p, e)], rank_chunks, t, p)
         if offset != a.required("num_layers"):
-            raise CheckpointError(f"{iter_dir}: the stages hold {offset} layers, args.num_layers is "
-                                  f"{a.values['num_layers']}")
+            raise CheckpointError(
+                f"{iter_dir}: the stages hold {offset} layers, args.num_layers is {a.values['num_layers']}"
+            )
         if len(self._steps) > 1:
             raise CheckpointError(f"{iter_dir}: the rank files' optimizer states give Adam steps {sorted(self._steps)}")
         self.adam_step = self._steps.pop() if self._steps and self.optimizer["exp_avg"] else None
@@ -101,20 +116,26 @@ class LegacyCheckpoint:
             raise CheckpointError(f"missing file {path} (each mp_rank directory holds a {MODEL_FILE})")
         archive = TorchArchive(path, Kind.MEGATRON)
         if not isinstance(archive.obj, dict):
-            raise CheckpointError(f"{path}: holds a {type(archive.obj).__name__}, expected Megatron's saved dict "
-                                  "(args, checkpoint_version, model, ...)")
+            raise CheckpointError(
+                f"{path}: holds a {type(archive.obj).__name__}, expected Megatron's saved dict "
+                "(args, checkpoint_version, model, ...)"
+            )
         return archive
 
     def _check_header(self, first: TorchArchive) -> None:
         version = first.obj.get("checkpoint_version", 0)
         if not isinstance(version, (int, float)) or version < 3.0:
-            raise CheckpointError(f"{first.path}: checkpoint_version {version!r}; Megatron-LM checkpoints before "
-                                  "version 3.0 order QKV differently and are not read")
+            raise CheckpointError(
+                f"{first.path}: checkpoint_version {version!r}; Megatron-LM checkpoints before "
+                "version 3.0 order QKV differently and are not read"
+            )
         experts, etp = self.args.get("num_experts"), self.args.get("expert_tensor_parallel_size")
         if experts and etp not in (None, self.args.tp):
-            raise CheckpointError(f"{first.path}: args.expert_tensor_parallel_size {etp} differs from "
-                                  f"args.tensor_model_parallel_size {self.args.tp}; the legacy layout of such "
-                                  "experts is not read (save with --ckpt-format torch_dist)")
+            raise CheckpointError(
+                f"{first.path}: args.expert_tensor_parallel_size {etp} differs from "
+                f"args.tensor_model_parallel_size {self.args.tp}; the legacy layout of such "
+                "experts is not read (save with --ckpt-format torch_dist)"
+            )
 
     def _model(self, archive: TorchArchive, chunk: int) -> dict:
         """The state dict of model chunk ``chunk`` of a rank file (``model``, or ``model{chunk}``
@@ -122,8 +143,11 @@ class LegacyCheckpoint:
         key = f"model{chunk}" if self.chunks > 1 else "model"
         if key not in archive.obj:
             keys = sorted(k for k in archive.obj if isinstance(k, str))
-            saved = (f"args.virtual_pipeline_model_parallel_size is {self.chunks}, so model0..model{self.chunks - 1}"
-                     if self.chunks > 1 else "args.virtual_pipeline_model_parallel_size is not set, so 'model'")
+            saved = (
+                f"args.virtual_pipeline_model_parallel_size is {self.chunks}, so model0..model{self.chunks - 1}"
+                if self.chunks > 1
+                else "args.virtual_pipeline_model_parallel_size is not set, so 'model'"
+            )
             raise CheckpointError(f"{archive.path}: no {key!r} in the saved dict (keys {keys}; {saved})")
         model = archive.obj[key]
         if not isinstance(model, dict):
@@ -162,20 +186,30 @@ class LegacyCheckpoint:
             views = self._distrib_optim_views(archive, path, chunks, stage)
         elif self.args.get("use_distributed_optimizer"):  # its parameter state is distrib_optim.pt alone
             if saved is not None:
-                self.optimizer_not_read = f"{archive.path}: the distributed optimizer's {distrib_optim.FILE} is not " \
-                                          "beside it"
+                self.optimizer_not_read = (
+                    f"{archive.path}: the distributed optimizer's {distrib_optim.FILE} is not beside it"
+                )
             return
         elif saved is not None and (self.chunks > 1 or any(model is not raw for model, raw, _ in chunks)):
-            self.optimizer_not_read = f"{archive.path}: the non-distributed optimizer's state lists of " + \
-                ("virtual pipeline model chunks" if self.chunks > 1 else "GroupedMLP experts (mlp.experts.weight1, "
-                                                                          "weight2)") + " are not read yet"
+            self.optimizer_not_read = (
+                f"{archive.path}: the non-distributed optimizer's state lists of "
+                + (
+                    "virtual pipeline model chunks"
+                    if self.chunks > 1
+                    else "GroupedMLP experts (mlp.experts.weight1, weight2)"
+                )
+                + " are not read yet"
+            )
             return
         else:
-            (model, _, canonical), = chunks
+            ((model, _, canonical),) = chunks
             # experts are a parameter group of their own under expert parallelism only (allreduce False)
             expert_parallel = self.layout[2] > 1
-            found = optim_lists.state_views(saved, [(key, tuple(model[key].shape), _is_expert(key) and expert_parallel)
-                                                    for key in canonical], archive.path)
+            found = optim_lists.state_views(
+                saved,
+                [(key, tuple(model[key].shape), _is_expert(key) and expert_parallel) for key in canonical],
+                archive.path,
+            )
             if found is None:
                 if saved is not None:
                     self.optimizer_not_read = optim_lists.not_read(saved, archive.path)
@@ -201,30 +235,48 @@ class LegacyCheckpoint:
         optimizers = [(state, lambda key: True)]
         if expert_parallel:
             if not isinstance(state, list) or len(state) != 2:
-                raise CheckpointError(f"{path}: holds {type(state).__name__}, expected a list of the states of "
-                                      "megatron-core's two chained optimizers (dense, experts) of an MoE model under "
-                                      f"expert parallelism (args.expert_model_parallel_size {self.layout[2]})")
+                raise CheckpointError(
+                    f"{path}: holds {type(state).__name__}, expected a list of the states of "
+                    "megatron-core's two chained optimizers (dense, experts) of an MoE model under "
+                    f"expert parallelism (args.expert_model_parallel_size {self.layout[2]})"
+                )
             optimizers = [(state[0], lambda key: not _is_expert(key)), (state[1], _is_expert)]
         views: list = [{kind: {} for kind in distrib_optim.STATES} for _ in chunks]
         for saved, mine in optimizers:
             if saved is None:  # kept by another rank's file
                 continue
-            buffers = [([Param(key, tuple(raw[key].shape), expert_parallel and _is_expert(key),
-                               tied and key in ("embedding.word_embeddings.weight", "output_layer.weight"))
-                         for key in raw if not IGNORED.search(key) and mine(key)],
-                        bucket_size(self.args, stage) if c == 0 else None) for c, (_, raw, _) in enumerate(chunks)]
+            buffers = [
+                (
+                    [
+                        Param(
+                            key,
+                            tuple(raw[key].shape),
+                            expert_parallel and _is_expert(key),
+                            tied and key in ("embedding.word_embeddings.weight", "output_layer.weight"),
+                        )
+                        for key in raw
+                        if not IGNORED.search(key) and mine(key)
+                    ],
+                    bucket_size(self.args, stage) if c == 0 else None,
+                )
+                for c, (_, raw, _) in enumerate(chunks)
+            ]
             for chunk_views, found in zip(views, distrib_optim.state_views(saved, buffers, path), strict=True):
                 for kind, by_key in found.items():
                     chunk_views[kind].update(by_key)
         self._steps.add(_adam_step(archive))
-        return [{kind: _grouped_experts(by_key, self.local_experts, path) or by_key for kind, by_key in v.items()}
-                for v in views]
+        return [
+            {kind: _grouped_experts(by_key, self.local_experts, path) or by_key for kind, by_key in v.items()}
+            for v in views
+        ]
 
     def _canonical(self, key: str, e: int, offset: int, layers: set, path: str):
         """The canonical name of a local key of EP rank ``e`` (None: a replica of EP rank 0's)."""
         if key.startswith("language_model."):
-            raise CheckpointError(f"{path}: {key!r} is the naming of Megatron's legacy (non-core) models; "
-                                  "only megatron-core GPT models (decoder.layers.*) are read")
+            raise CheckpointError(
+                f"{path}: {key!r} is the naming of Megatron's legacy (non-core) models; "
+                "only megatron-core GPT models (decoder.layers.*) are read"
+            )
         split = split_layer_key(key)
         if split is None or split[0] is None:
             return key if e == 0 else None
@@ -245,15 +297,16 @@ class LegacyCheckpoint:
         (no data read)."""
         shards, dim = self._shards(name, kind), tp_dim(name)
         if sorted(shards) != list(range(self.layout[0])):
-            raise CheckpointError(f"{self.files[name]}: {name} is stored by TP ranks {sorted(shards)}, "
-                                  f"expected 0..{self.layout[0] - 1}")
+            raise CheckpointError(
+                f"{self.files[name]}: {name} is stored by TP ranks {sorted(shards)}, expected 0..{self.layout[0] - 1}"
+            )
         shapes = [shards[t].shape for t in range(self.layout[0])]
-        rest = {s[:dim] + s[dim + 1:] if dim is not None else s for s in shapes}
+        rest = {s[:dim] + s[dim + 1 :] if dim is not None else s for s in shapes}
         if len(rest) != 1:
             raise CheckpointError(f"{self.files[name]}: the TP shards of {name} have shapes {shapes}")
         if dim is None:
             return shapes[0]
-        return shapes[0][:dim] + (sum(s[dim] for s in shapes),) + shapes[0][dim + 1:]
+        return shapes[0][:dim] + (sum(s[dim] for s in shapes),) + shapes[0][dim + 1 :]
 
     def read(self, name: str, kind: str = "model") -> torch.Tensor:
         """The global tensor (or its optimizer state ``kind``): TP shards joined along Megatron's
@@ -279,14 +332,22 @@ def _grouped_experts(model: dict, local: int, path: str) -> Dict[str, LazyTensor
             out[key] = tensor
             continue
         shape, split = getattr(tensor, "shape", ()), 1 if m.group(2) == "1" else 0  # the dim holding the experts
-        if not isinstance(tensor, LazyTensor) or len(shape) != 2 or tensor.stride != (shape[1], 1) or not local \
-                or shape[split] % local:
-            raise CheckpointError(f"{path}: model[{key!r}] is {tensor!r}, expected GroupedMLP's contiguous 2-D weight "
-                                  f"with its {local} local experts' blocks")
+        if (
+            not isinstance(tensor, LazyTensor)
+            or len(shape) != 2
+            or tensor.stride != (shape[1], 1)
+            or not local
+            or shape[split] % local
+        ):
+            raise CheckpointError(
+                f"{path}: model[{key!r}] is {tensor!r}, expected GroupedMLP's contiguous 2-D weight "
+                f"with its {local} local experts' blocks"
+            )
         rows, cols = (shape[0], shape[1] // local) if m.group(2) == "1" else (shape[0] // local, shape[1])
         for i in range(local):
             out[f"{m.group(1)}local_experts.{i}.linear_fc{m.group(2)}.weight"] = dataclasses.replace(
-                tensor, offset=tensor.offset + i * rows * cols, shape=(cols, rows), stride=(1, cols))
+                tensor, offset=tensor.offset + i * rows * cols, shape=(cols, rows), stride=(1, cols)
+            )
     return out
 
 
@@ -304,8 +365,11 @@ def _adam_step(archive: TorchArchive) -> float:
     steps = set()
     for i, entry in enumerate(entries):
         groups = entry.get("optimizer", {}).get("param_groups") if isinstance(entry, dict) else None
-        where = f"optimizer[{i}].optimizer.param_groups" if isinstance(optimizer, list) else \
-            "optimizer.optimizer.param_groups"
+        where = (
+            f"optimizer[{i}].optimizer.param_groups"
+            if isinstance(optimizer, list)
+            else "optimizer.optimizer.param_groups"
+        )
         steps.add(distrib_optim.groups_step(groups, f"{archive.path}: {where}"))
     if len(steps) != 1:
         raise CheckpointError(f"{archive.path}: the chained optimizers give Adam steps {sorted(steps)}, expected one")

@@ -19,6 +19,7 @@ tensor: per layer with its global index, per expert with its global index.
 A canonical gated ``linear_fc1`` is the global [gate rows; up rows] that torch_dist stores
 (``mlp.apply_swiglu_sharded_factory``); each TP shard of a legacy file is [its gate; its up].
 """
+
 from __future__ import annotations
 
 import re
@@ -34,14 +35,18 @@ LAYERS = "decoder.layers."
 
 # Transformer Engine fuses the norms into the next linear layer; the local spec keeps them apart
 # (torch_dist renames both to the TE names: gpt_layer_specs' sharded_state_dict_keys_map).
-_NORM_ALIASES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-                 "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-                 "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-                 "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
+_NORM_ALIASES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
 # Entries that are not weights: Transformer Engine's FP8 metadata, rotary frequency buffers.
 IGNORED = re.compile(r"(\._extra_state$|\.inv_freq$)")
-_LEGACY_EXPERT = re.compile(r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))"
-                            r"|(linear_fc[12]\.(?:weight|bias))(\d+))")
+_LEGACY_EXPERT = re.compile(
+    r"mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))"
+    r"|(linear_fc[12]\.(?:weight|bias))(\d+))"
+)
 _LAYER_KEY = re.compile(r"decoder\.layers\.(?:(\d+)\.)?(.+)")
 
 

@@ -8,6 +8,7 @@ indices numbered group after group. A group holds the parameters of one key of M
 experts apart (``is_expert_parallel``), each in ``named_parameters`` order (the rank's ``model``
 state dict order). Each moment's shape is checked against its parameter's before it is used.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
@@ -25,12 +26,15 @@ def _group_key(key: str, shape: Tuple[int, ...], expert: bool) -> Tuple[bool, bo
 def not_read(optimizer: object, path: str) -> str:
     """Why an ``optimizer`` entry that is not torch Adam's plain state dict is not read."""
     what = f"a dict of {sorted(map(str, optimizer))}" if isinstance(optimizer, dict) else type(optimizer).__name__
-    return (f"{path}: optimizer is {what}, not torch Adam's state dict (state, param_groups); the --bf16/--fp16 "
-            "optimizer's (with fp32_from_fp16_params) and MoE's chained optimizers' are not read yet")
+    return (
+        f"{path}: optimizer is {what}, not torch Adam's state dict (state, param_groups); the --bf16/--fp16 "
+        "optimizer's (with fp32_from_fp16_params) and MoE's chained optimizers' are not read yet"
+    )
 
 
-def state_views(optimizer: object, params: List[Tuple[str, Tuple[int, ...], bool]],
-                path: str) -> Optional[Tuple[Dict[str, Dict[str, LazyTensor]], float]]:
+def state_views(
+    optimizer: object, params: List[Tuple[str, Tuple[int, ...], bool]], path: str
+) -> Optional[Tuple[Dict[str, Dict[str, LazyTensor]], float]]:
     """(kind -> local key -> the moment, Adam's step) of the rank's ``params`` (local key, shape,
     expert) in state-dict order; None when ``optimizer`` is not a plain Adam state dict (the
     fp16/bf16 optimizer's nested one is not read)."""
@@ -48,16 +52,20 @@ def state_views(optimizer: object, params: List[Tuple[str, Tuple[int, ...], bool
             raise CheckpointError(f"{where} is not a param group with a list of params")
         mine = members.pop((group.get("wd_mult", 1.0) == 0.0, bool(group.get("is_expert_parallel"))), [])
         if len(mine) != len(group["params"]):
-            raise CheckpointError(f"{where} holds {len(group['params'])} parameters, the model's "
-                                  f"{'no-' if group.get('wd_mult') == 0.0 else ''}weight-decay group has {len(mine)}")
+            raise CheckpointError(
+                f"{where} holds {len(group['params'])} parameters, the model's "
+                f"{'no-' if group.get('wd_mult') == 0.0 else ''}weight-decay group has {len(mine)}"
+            )
         for index, (key, shape) in zip(group["params"], mine, strict=True):
             entry = state.get(index) if isinstance(state, dict) else None
             for kind in MOMENTS:
                 tensor = entry.get(kind) if isinstance(entry, dict) else None
                 if not isinstance(tensor, LazyTensor) or tuple(tensor.shape) != shape:
                     got = f"of shape {list(tensor.shape)}" if isinstance(tensor, LazyTensor) else repr(tensor)
-                    raise CheckpointError(f"{path}: optimizer.state[{index}][{kind!r}] is {got}, expected a tensor "
-                                          f"of {key}'s shape {list(shape)}")
+                    raise CheckpointError(
+                        f"{path}: optimizer.state[{index}][{kind!r}] is {got}, expected a tensor "
+                        f"of {key}'s shape {list(shape)}"
+                    )
                 views[kind][key] = tensor
             step = entry.get("step")
             steps.add(float(step.read().reshape(())) if isinstance(step, LazyTensor) else step)

@@ -11,6 +11,7 @@ A gated MLP's (SwiGLU, quick-GeGLU) ``linear_fc1`` is [gate; up], ours interleav
 matrices keep Megatron's padded rows (zero rows are added when our padding needs more).
 ``--apply-layernorm-1p`` stores norm weights as gamma - 1; ours hold gamma.
 """
+
 from __future__ import annotations
 
 import re
@@ -19,29 +20,51 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 
 from megatron_p2r.convert.hf.rules import merge_glu, merge_heads, resize_rows, split_glu, split_heads
-from megatron_p2r.convert.megatron.names import (FINAL_NORM, OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS,
-                                                    expert_rest, layer_name)
+from megatron_p2r.convert.megatron.names import (
+    FINAL_NORM,
+    OUTPUT_LAYER,
+    POSITION_EMBEDDINGS,
+    WORD_EMBEDDINGS,
+    expert_rest,
+    layer_name,
+)
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.layout.tensor_specs import HeadRows, attention_rows
 
-_TOP = {"embedding.word_embeddings.weight": WORD_EMBEDDINGS,
-        "embedding.position_embeddings.weight": POSITION_EMBEDDINGS,
-        "final_norm.weight": FINAL_NORM + "weight", "final_norm.bias": FINAL_NORM + "bias",
-        "output_layer.weight": OUTPUT_LAYER}
-_LAYER_MODULES = {"input_norm": "input_layernorm", "attention.qkv": "self_attention.linear_qkv",
-                  "attention.query": "self_attention.linear_qkv", "attention.key_value": "self_attention.linear_qkv",
-                  "attention.q_layernorm": "self_attention.q_layernorm",
-                  "attention.k_layernorm": "self_attention.k_layernorm",
-                  "attention.proj": "self_attention.linear_proj", "post_attention_norm": "pre_mlp_layernorm",
-                  "mlp.fc1": "mlp.linear_fc1", "mlp.fc2": "mlp.linear_fc2", "mlp.router": "mlp.router",
-                  "attention": "self_attention.core_attention"}  # attention.softmax_offset: the sinks
-_EXPERT_LEAVES = {"weight1": "linear_fc1.weight", "bias1": "linear_fc1.bias", "weight2": "linear_fc2.weight",
-                  "bias2": "linear_fc2.bias"}
+_TOP = {
+    "embedding.word_embeddings.weight": WORD_EMBEDDINGS,
+    "embedding.position_embeddings.weight": POSITION_EMBEDDINGS,
+    "final_norm.weight": FINAL_NORM + "weight",
+    "final_norm.bias": FINAL_NORM + "bias",
+    "output_layer.weight": OUTPUT_LAYER,
+}
+_LAYER_MODULES = {
+    "input_norm": "input_layernorm",
+    "attention.qkv": "self_attention.linear_qkv",
+    "attention.query": "self_attention.linear_qkv",
+    "attention.key_value": "self_attention.linear_qkv",
+    "attention.q_layernorm": "self_attention.q_layernorm",
+    "attention.k_layernorm": "self_attention.k_layernorm",
+    "attention.proj": "self_attention.linear_proj",
+    "post_attention_norm": "pre_mlp_layernorm",
+    "mlp.fc1": "mlp.linear_fc1",
+    "mlp.fc2": "mlp.linear_fc2",
+    "mlp.router": "mlp.router",
+    "attention": "self_attention.core_attention",
+}  # attention.softmax_offset: the sinks
+_EXPERT_LEAVES = {
+    "weight1": "linear_fc1.weight",
+    "bias1": "linear_fc1.bias",
+    "weight2": "linear_fc2.weight",
+    "bias2": "linear_fc2.bias",
+}
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _EXPERT_KEY = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)")
 _LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias|softmax_offset)")
-_NORM_WEIGHT = re.compile(r"(layers\.\d+\.(input_norm|post_attention_norm|attention\.[qk]_layernorm)"
-                          r"|final_norm)\.weight")
+_NORM_WEIGHT = re.compile(
+    r"(layers\.\d+\.(input_norm|post_attention_norm|attention\.[qk]_layernorm)"
+    r"|final_norm)\.weight"
+)
 _ATTENTION = re.compile(r"layers\.\d+\.attention\.(qkv|query|key_value)\.(weight|bias)")
 _GLU = re.compile(r"layers\.\d+\.mlp\.(fc1\.(weight|bias)|experts\.\d+\.(weight1|bias1))")
 
@@ -93,6 +116,7 @@ def _regroup(ours: HeadRows, m: ModelConfig) -> Callable[[torch.Tensor], torch.T
     def regroup(w: torch.Tensor) -> torch.Tensor:
         parts = dict(zip("qkv", split_heads(w, theirs), strict=True))
         return merge_heads([parts[kind] for kind in kinds], ours)
+
     return regroup
 
 
@@ -125,6 +149,7 @@ def _inverse(keys: List[str], m: ModelConfig) -> Callable[[List[torch.Tensor]], 
             for w, ours in zip(pieces, rows, strict=True):
                 parts.update(zip(dict.fromkeys(ours.per_group), split_heads(w, ours), strict=True))
             return merge_heads([parts[kind] for kind in "qkv"], _theirs(m))
+
         return fuse
     if m.gated_linear_unit and _GLU.fullmatch(keys[0]):
         return lambda pieces: torch.cat(split_glu(pieces[0]))

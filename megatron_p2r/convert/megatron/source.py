@@ -4,6 +4,7 @@ SRC is a ``--save`` directory (``latest_checkpointed_iteration.txt`` names an it
 ``release``) or one iteration directory. An iteration directory with a dist_checkpointing
 ``metadata.json`` is torch_dist; one with ``mp_rank_*`` directories is the legacy layout.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,9 +19,11 @@ MegatronCheckpoint = Union[LegacyCheckpoint, DistCheckpoint]
 
 
 def _is_iteration_dir(path: str) -> bool:
-    return os.path.isdir(path) and (os.path.isfile(os.path.join(path, CONFIG_FILE))
-                                    or os.path.isfile(os.path.join(path, DCP_METADATA))
-                                    or any(RANK_DIR.fullmatch(d) for d in os.listdir(path)))
+    return os.path.isdir(path) and (
+        os.path.isfile(os.path.join(path, CONFIG_FILE))
+        or os.path.isfile(os.path.join(path, DCP_METADATA))
+        or any(RANK_DIR.fullmatch(d) for d in os.listdir(path))
+    )
 
 
 def megatron_iteration_dir(path: str) -> str:
@@ -31,8 +34,10 @@ def megatron_iteration_dir(path: str) -> str:
     if not os.path.isfile(tracker):
         if not os.path.isdir(path):
             raise CheckpointError(f"no checkpoint at {path}: the directory does not exist")
-        raise CheckpointError(f"{path} is not a Megatron-LM checkpoint: it has no {TRACKER_FILE}, no mp_rank_* "
-                              f"directories and no {CONFIG_FILE}")
+        raise CheckpointError(
+            f"{path} is not a Megatron-LM checkpoint: it has no {TRACKER_FILE}, no mp_rank_* "
+            f"directories and no {CONFIG_FILE}"
+        )
     with open(tracker, "rb") as fh:
         text = fh.read(64).decode("utf-8", "replace").strip()
     if text == "release":
@@ -42,8 +47,10 @@ def megatron_iteration_dir(path: str) -> str:
     else:
         raise CheckpointError(f"{tracker}: expected an iteration number or 'release', found {text!r}")
     if not _is_iteration_dir(found):
-        raise CheckpointError(f"{tracker} names {os.path.basename(found)}, but {found} holds no mp_rank_* "
-                              f"directories and no {CONFIG_FILE}")
+        raise CheckpointError(
+            f"{tracker} names {os.path.basename(found)}, but {found} holds no mp_rank_* "
+            f"directories and no {CONFIG_FILE}"
+        )
     return found
 
 
@@ -53,6 +60,8 @@ def open_megatron(path: str) -> MegatronCheckpoint:
     if os.path.isfile(os.path.join(iter_dir, CONFIG_FILE)):
         return DistCheckpoint(iter_dir)
     if os.path.isfile(os.path.join(iter_dir, DCP_METADATA)):
-        raise CheckpointError(f"{iter_dir}: a {DCP_METADATA} without {CONFIG_FILE} (--ckpt-format torch_dcp or "
-                              "fsdp_dtensor) is not read; save with --ckpt-format torch_dist or torch")
+        raise CheckpointError(
+            f"{iter_dir}: a {DCP_METADATA} without {CONFIG_FILE} (--ckpt-format torch_dcp or "
+            "fsdp_dtensor) is not read; save with --ckpt-format torch_dist or torch"
+        )
     return LegacyCheckpoint(iter_dir)

@@ -33,6 +33,7 @@ or ``common.pt`` (argparse.Namespace, numpy) nor ``.metadata`` (not a ``torch.sa
 for the chunks it admits more globals than ``TENSORS`` does; so these allow-lists are used for
 every file. They also stream: a tensor's bytes are read from its zip record on demand.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,15 +64,28 @@ class UnpicklingRefused(CheckpointError):
     """A pickle asked for a class or function outside its allow-list (nothing was run)."""
 
 
-_STORAGE_DTYPES = {"FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
-                   "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-                   "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
-                   "BoolStorage": torch.bool}
+_STORAGE_DTYPES = {
+    "FloatStorage": torch.float32,
+    "DoubleStorage": torch.float64,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+}
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
 _SIGNALS = {("signal", "Signals"), ("signal", "Handlers")}  # args.exit_signal (signal.SIGTERM by default)
-_NUMPY = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-          ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
-          ("numpy._core.multiarray", "scalar")}
+_NUMPY = {
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"),
+}
 
 
 _SHOWN = reprlib.Repr()
@@ -152,14 +166,18 @@ class LazyTensor:
         where, key = self.storage.archive.where, self.storage.key
         dims = (self.offset, *self.shape, *self.stride)
         if len(self.shape) != len(self.stride) or not all(isinstance(n, int) and n >= 0 for n in dims):
-            raise CheckpointError(f"{where}: a tensor view of data/{key} has offset {self.offset}, shape "
-                                  f"{list(self.shape)}, strides {list(self.stride)}; expected integers >= 0")
+            raise CheckpointError(
+                f"{where}: a tensor view of data/{key} has offset {self.offset}, shape "
+                f"{list(self.shape)}, strides {list(self.stride)}; expected integers >= 0"
+            )
         held = min(self.storage.numel, self.storage.archive.record_size(key) // self.dtype.itemsize)
         numel = math.prod(self.shape)
         span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True)) if numel else 0
         if self.offset + span > held or numel > held:
-            raise CheckpointError(f"{where}: a tensor view of shape {list(self.shape)}, strides {list(self.stride)} "
-                                  f"reaches past its storage record data/{key} ({held} elements of {self.dtype})")
+            raise CheckpointError(
+                f"{where}: a tensor view of shape {list(self.shape)}, strides {list(self.stride)} "
+                f"reaches past its storage record data/{key} ({held} elements of {self.dtype})"
+            )
         flat = torch.empty(span, dtype=self.dtype)
         self.storage.archive.read_record(key, self.offset * flat.element_size(), flat)
         return flat.as_strided(self.shape, self.stride).contiguous()
@@ -188,11 +206,18 @@ def _empty_bytes(*args) -> bytes:
 
 
 _TENSOR_GLOBALS: Dict[Tuple[str, str], Callable] = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor, ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("collections", "OrderedDict"): collections.OrderedDict}
-_MEGATRON_GLOBALS = {**_TENSOR_GLOBALS, ("argparse", "Namespace"): argparse.Namespace, ("torch", "Size"): tuple,
-                     ("_codecs", "encode"): _latin1_bytes, ("__builtin__", "bytes"): _empty_bytes,
-                     ("builtins", "bytes"): _empty_bytes}
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+}
+_MEGATRON_GLOBALS = {
+    **_TENSOR_GLOBALS,
+    ("argparse", "Namespace"): argparse.Namespace,
+    ("torch", "Size"): tuple,
+    ("_codecs", "encode"): _latin1_bytes,
+    ("__builtin__", "bytes"): _empty_bytes,
+    ("builtins", "bytes"): _empty_bytes,
+}
 _DCP_GLOBALS = {("collections", "OrderedDict"): collections.OrderedDict, ("torch", "Size"): tuple}
 
 
@@ -207,11 +232,19 @@ def _admitted(kind: Kind, module: str, name: str) -> Optional[Any]:
         return getattr(torch, name)
     inert = module.split(".")[0] == "megatron"
     if kind == Kind.MEGATRON:
-        inert = (inert or (module, name) in _NUMPY or (module in ("_io", "io") and name == "BytesIO")
-                 or (module, name) in _SIGNALS)
+        inert = (
+            inert
+            or (module, name) in _NUMPY
+            or (module in ("_io", "io") and name == "BytesIO")
+            or (module, name) in _SIGNALS
+        )
     elif kind == Kind.DCP_METADATA:
-        inert = (inert or module.startswith("torch.distributed.checkpoint") or module == "pathlib"
-                 or (module, name) == ("torch.serialization", "_get_layout"))
+        inert = (
+            inert
+            or module.startswith("torch.distributed.checkpoint")
+            or module == "pathlib"
+            or (module, name) == ("torch.serialization", "_get_layout")
+        )
     return opaque_class(module, name) if inert else None
 
 
@@ -225,7 +258,8 @@ class _Unpickler(pickle.Unpickler):
         if found is None:
             raise UnpicklingRefused(
                 f"{self.where}: refusing to unpickle {module}.{name}: a {self.kind.value} file may hold only "
-                "tensors, plain containers and the values listed in docs/megatron.md (nothing was executed)")
+                "tensors, plain containers and the values listed in docs/megatron.md (nothing was executed)"
+            )
         return found
 
     def persistent_load(self, pid):
@@ -301,16 +335,20 @@ class TorchArchive:
                 with zipfile.ZipFile(_Window(fh, start, size)) as zf:
                     self._refuse_compressed(zf)
                     pickle_name = self._pickle_name(zf)
-                    prefix = pickle_name[:-len("data.pkl")]
-                    self.records = {i.filename[len(prefix) + 5:]: self._data_span(fh, i)
-                                    for i in zf.infolist() if i.filename.startswith(prefix + "data/")}
+                    prefix = pickle_name[: -len("data.pkl")]
+                    self.records = {
+                        i.filename[len(prefix) + 5 :]: self._data_span(fh, i)
+                        for i in zf.infolist()
+                        if i.filename.startswith(prefix + "data/")
+                    }
                     order = zf.read(prefix + "byteorder") if prefix + "byteorder" in zf.namelist() else b"little"
                     data = zf.read(pickle_name)
         except FileNotFoundError:
             raise CheckpointError(f"missing file {path}") from None
         except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError) as exc:
-            raise CheckpointError(f"{self.where}: not a zip archive written by torch.save (PyTorch >= 1.6) or "
-                                  f"truncated ({exc})") from None
+            raise CheckpointError(
+                f"{self.where}: not a zip archive written by torch.save (PyTorch >= 1.6) or truncated ({exc})"
+            ) from None
         if order.strip() != b"little":
             raise CheckpointError(f"{self.where}: byteorder {order!r}; only little-endian files are read")
         self.obj = _unpickle(data, kind, self.where, self)
@@ -326,9 +364,11 @@ class TorchArchive:
         a few MiB can inflate to GiB) is refused before anything is inflated."""
         for info in zf.infolist():
             if info.compress_type != zipfile.ZIP_STORED:
-                raise CheckpointError(f"{self.where}: record {info.filename} is compressed ({info.file_size:,} bytes "
-                                      f"inflated from {info.compress_size:,}); torch.save stores its records "
-                                      "uncompressed, so this is not a file it wrote")
+                raise CheckpointError(
+                    f"{self.where}: record {info.filename} is compressed ({info.file_size:,} bytes "
+                    f"inflated from {info.compress_size:,}); torch.save stores its records "
+                    "uncompressed, so this is not a file it wrote"
+                )
 
     def _data_span(self, fh, info: zipfile.ZipInfo) -> Tuple[int, int]:
         """(absolute file offset, size) of a stored record's bytes, from its local header."""
@@ -351,11 +391,13 @@ class TorchArchive:
         start = self.records[key][0]
         raw = out.view(-1).view(torch.uint8)
         if byte_offset + raw.numel() > size:
-            raise CheckpointError(f"{self.where}: storage record data/{key} has {size} bytes, a tensor needs "
-                                  f"{byte_offset + raw.numel()}")
+            raise CheckpointError(
+                f"{self.where}: storage record data/{key} has {size} bytes, a tensor needs {byte_offset + raw.numel()}"
+            )
         with open(self.path, "rb") as fh:
             fh.seek(start + byte_offset)
             got = fh.readinto(memoryview(raw.numpy()))
         if got != raw.numel():
-            raise CheckpointError(f"{self.where}: truncated: storage record data/{key} ends after {got} of "
-                                  f"{raw.numel()} bytes")
+            raise CheckpointError(
+                f"{self.where}: truncated: storage record data/{key} ends after {got} of {raw.numel()} bytes"
+            )

@@ -13,6 +13,7 @@ the layout, that rank's state dict under local names (layers from 0 on every sta
 from 0 on every EP rank, TP shards; SwiGLU fc1 shards are [their gate; their up]) with each
 linear layer's ``_extra_state`` None, as ``load_state_dict(strict=True)`` expects.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,11 +28,21 @@ import torch.distributed.checkpoint as dcp
 from megatron_p2r.convert.megatron.dist import COMMON_FILE, CONFIG_FILE, OPTIMIZER_KEYS
 from megatron_p2r.convert.megatron.export_args import MegatronLayout
 from megatron_p2r.convert.megatron.legacy import MODEL_FILE, rank_dir
-from megatron_p2r.convert.megatron.names import (OUTPUT_LAYER, WORD_EMBEDDINGS, dist_key, is_glu_fc1,
-                                                    split_layer_key, tp_dim)
+from megatron_p2r.convert.megatron.names import (
+    OUTPUT_LAYER,
+    WORD_EMBEDDINGS,
+    dist_key,
+    is_glu_fc1,
+    split_layer_key,
+    tp_dim,
+)
 
-DIST_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-               "common_backend_version": 1}
+DIST_CONFIG = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
 _LINEAR_WEIGHT = re.compile(r"(.*\.(?:linear_qkv|linear_proj|linear_fc1|linear_fc2))\.weight")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(.+)")
 
@@ -59,8 +70,12 @@ def _stacked(tensors: Dict[str, torch.Tensor], prefix: str = "") -> dict:
     return state
 
 
-def write_dist(iter_dir: str, tensors: Dict[str, torch.Tensor], common: dict,
-               optimizer: Optional[Dict[str, Dict[str, torch.Tensor]]] = None) -> None:
+def write_dist(
+    iter_dir: str,
+    tensors: Dict[str, torch.Tensor],
+    common: dict,
+    optimizer: Optional[Dict[str, Dict[str, torch.Tensor]]] = None,
+) -> None:
     """The torch_dist iteration directory of ``tensors`` (canonical name -> global tensor) and
     the ``optimizer`` state (kind -> canonical name -> tensor, under the non-distributed
     optimizer's prefix of ``OPTIMIZER_KEYS``, the first),
@@ -106,8 +121,14 @@ def _local_name(name: str, p: int, e: int, layout: MegatronLayout, num_layers: i
     return f"decoder.layers.{layer % per_stage}.{rest}"
 
 
-def _rank_model(tensors: Dict[str, torch.Tensor], rank: Tuple[int, int, int], layout: MegatronLayout,
-                num_layers: int, experts: int, glu: bool) -> dict:
+def _rank_model(
+    tensors: Dict[str, torch.Tensor],
+    rank: Tuple[int, int, int],
+    layout: MegatronLayout,
+    num_layers: int,
+    experts: int,
+    glu: bool,
+) -> dict:
     t, p, e = rank
     model: dict = {}
     for name, tensor in tensors.items():
@@ -125,8 +146,15 @@ def _rank_model(tensors: Dict[str, torch.Tensor], rank: Tuple[int, int, int], la
     return model
 
 
-def write_legacy(iter_dir: str, tensors: Dict[str, torch.Tensor], header: dict, layout: MegatronLayout,
-                 num_layers: int, experts: int, glu: bool) -> None:
+def write_legacy(
+    iter_dir: str,
+    tensors: Dict[str, torch.Tensor],
+    header: dict,
+    layout: MegatronLayout,
+    num_layers: int,
+    experts: int,
+    glu: bool,
+) -> None:
     """The mp_rank_* files of every rank of ``layout``."""
     shape = (layout.tp, layout.pp, layout.ep)
     for p in range(layout.pp):

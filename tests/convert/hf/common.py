@@ -1,5 +1,6 @@
 """Helpers of the Hugging Face tests: our reference model, built without convert/hf, and the
 comparison of two models as functions."""
+
 import torch
 import transformers
 
@@ -9,7 +10,7 @@ from megatron_p2r.checkpoint.naming import resolve_iteration_dir
 from megatron_p2r.convert.reshard import DelinkOptions, Target, convert
 from megatron_p2r.parallel.state import ParallelState
 
-TOL = dict(rtol=1e-5, atol=1e-5)   # fp32 logits, same weights: reduction order only
+TOL = dict(rtol=1e-5, atol=1e-5)  # fp32 logits, same weights: reduction order only
 ROPE = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope")
 GQA = dict(group_query_attention=True)
 
@@ -17,6 +18,7 @@ GQA = dict(group_query_attention=True)
 def reference_model(src, tmp):
     """Our one-process model with SRC's weights, via reshard/delink + load_checkpoint (not convert/hf)."""
     from megatron_p2r.training import build_train_state
+
     meta = read_metadata(resolve_iteration_dir(src))
     pseudo = meta["p2r"]["phase"] == "pseudo"
     convert(src, tmp, Target(1, 1, None, 1), DelinkOptions() if pseudo else None, progress=False)
@@ -36,8 +38,9 @@ def greedy(model, prompt, steps=10):
 
 
 def load_hf(directory):
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
-                                                                    output_loading_info=True)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, output_loading_info=True
+    )
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     model.generation_config.eos_token_id = None  # generate exactly 10 tokens, as our loop does
     model.generation_config.pad_token_id = 0
@@ -51,7 +54,7 @@ def check_same_function(ours, theirs, vocab, seq, seed=0, generate=True):
     with torch.no_grad():
         a, b = ours(tokens=ids), theirs(input_ids=ids).logits
     assert a.abs().max() > 0.5  # trained enough for the comparison to mean something
-    torch.testing.assert_close(b, a[..., :b.shape[-1]], **TOL)
+    torch.testing.assert_close(b, a[..., : b.shape[-1]], **TOL)
     if not generate:
         return
     prompt = ids[:, :6]

@@ -22,6 +22,7 @@ its sources, independently of megatron_p2r/convert/megatron:
   at chunk TP + t; gpt_layer_specs' ``sharded_state_dict_keys_map`` gives dense layers the TE
   norm names; a tied output layer is not saved.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,8 @@ class Spec:
     layers: int = 4
     hidden: int = 32
     heads: int = 4
-    groups: int = 0          # key/value heads under --group-query-attention (0: one per query head)
-    kv_channels: int = 8     # head dimension
+    groups: int = 0  # key/value heads under --group-query-attention (0: one per query head)
+    kv_channels: int = 8  # head dimension
     rotary_percent: float = 1.0
     qk_layernorm: bool = False
     ffn: int = 48
@@ -80,7 +81,7 @@ class Spec:
         return self.family == "gpt"
 
     def padded_vocab(self, tp: int) -> int:
-        multiple = self.divisible_by * tp   # megatron/training/tokenizer: _vocab_size_with_padding
+        multiple = self.divisible_by * tp  # megatron/training/tokenizer: _vocab_size_with_padding
         return -(-self.vocab // multiple) * multiple
 
 
@@ -94,28 +95,62 @@ MIXTRAL = Spec("mixtral", ffn=24, experts=4, groups=1)
 
 def megatron_args(spec: Spec, tp: int, pp: int, ep: int, **overrides) -> argparse.Namespace:
     """The args Megatron saves (its own names; a few Megatron-only options for realism)."""
-    values = dict(num_layers=spec.layers, hidden_size=spec.hidden, ffn_hidden_size=spec.ffn,
-                  num_attention_heads=spec.heads, kv_channels=spec.kv_channels,
-                  group_query_attention=bool(spec.groups), num_query_groups=spec.groups or 1, seq_length=spec.seq,
-                  max_position_embeddings=spec.seq,
-                  position_embedding_type="learned_absolute" if spec.family == "gpt" else "rope",
-                  rotary_base=10000, rotary_percent=spec.rotary_percent, rotary_interleaved=False,
-                  normalization="LayerNorm" if spec.family == "gpt" else "RMSNorm", layernorm_epsilon=1e-5,
-                  layernorm_zero_centered_gamma=spec.layernorm_1p, swiglu=spec.glu, add_bias_linear=spec.bias,
-                  add_qkv_bias=spec.bias, bias_gelu_fusion=spec.bias, openai_gelu=False, qk_layernorm=spec.qk_layernorm,
-                  untie_embeddings_and_output_weights=spec.untied, hidden_dropout=0.0, attention_dropout=0.0,
-                  init_method_std=0.02, apply_residual_connection_post_layernorm=False,
-                  tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-                  virtual_pipeline_model_parallel_size=None, make_vocab_size_divisible_by=spec.divisible_by,
-                  padded_vocab_size=spec.padded_vocab(tp), vocab_size=spec.vocab, tokenizer_type="NullTokenizer",
-                  params_dtype=spec.dtype, bf16=spec.dtype == torch.bfloat16, transformer_impl="transformer_engine",
-                  moe_grouped_gemm=False, ckpt_format="torch_dist", use_distributed_optimizer=True)
+    values = dict(
+        num_layers=spec.layers,
+        hidden_size=spec.hidden,
+        ffn_hidden_size=spec.ffn,
+        num_attention_heads=spec.heads,
+        kv_channels=spec.kv_channels,
+        group_query_attention=bool(spec.groups),
+        num_query_groups=spec.groups or 1,
+        seq_length=spec.seq,
+        max_position_embeddings=spec.seq,
+        position_embedding_type="learned_absolute" if spec.family == "gpt" else "rope",
+        rotary_base=10000,
+        rotary_percent=spec.rotary_percent,
+        rotary_interleaved=False,
+        normalization="LayerNorm" if spec.family == "gpt" else "RMSNorm",
+        layernorm_epsilon=1e-5,
+        layernorm_zero_centered_gamma=spec.layernorm_1p,
+        swiglu=spec.glu,
+        add_bias_linear=spec.bias,
+        add_qkv_bias=spec.bias,
+        bias_gelu_fusion=spec.bias,
+        openai_gelu=False,
+        qk_layernorm=spec.qk_layernorm,
+        untie_embeddings_and_output_weights=spec.untied,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        apply_residual_connection_post_layernorm=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        virtual_pipeline_model_parallel_size=None,
+        make_vocab_size_divisible_by=spec.divisible_by,
+        padded_vocab_size=spec.padded_vocab(tp),
+        vocab_size=spec.vocab,
+        tokenizer_type="NullTokenizer",
+        params_dtype=spec.dtype,
+        bf16=spec.dtype == torch.bfloat16,
+        transformer_impl="transformer_engine",
+        moe_grouped_gemm=False,
+        ckpt_format="torch_dist",
+        use_distributed_optimizer=True,
+    )
     if spec.experts:
-        values.update(num_experts=spec.experts, moe_router_topk=spec.topk, moe_layer_freq=1,
-                      moe_ffn_hidden_size=spec.ffn,
-                      moe_router_pre_softmax=False, moe_router_score_function="softmax",
-                      moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
-                      moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=None)
+        values.update(
+            num_experts=spec.experts,
+            moe_router_topk=spec.topk,
+            moe_layer_freq=1,
+            moe_ffn_hidden_size=spec.ffn,
+            moe_router_pre_softmax=False,
+            moe_router_score_function="softmax",
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=1e-2,
+            moe_token_dispatcher_type="alltoall",
+            moe_expert_capacity_factor=None,
+        )
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -173,6 +208,7 @@ def make_weights(spec: Spec, tp: int, seed: int = 0) -> Dict[str, torch.Tensor]:
 
 # --- how Megatron splits a global tensor over TP ---------------------------------------------
 
+
 def _split_dim(name: str) -> Optional[int]:
     module, kind = name.rsplit(".", 2)[-2:]
     if name.startswith(("embedding.word_embeddings", "output_layer")) or module in ("linear_qkv", "linear_fc1"):
@@ -198,6 +234,7 @@ def stage_ranges(layers: int, pp: int, split: Optional[List[int]] = None) -> Lis
 
 
 # --- legacy layout ------------------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def megatron_enums():
@@ -225,24 +262,34 @@ def fixture_globals(backend) -> list:
     for re-reading the tests' own files with ``torch.load(weights_only=True)``."""
     import argparse
     import numpy as np
-    return [argparse.Namespace, backend, np._core.multiarray._reconstruct, np.ndarray, np.dtype,
-            type(np.dtype(np.uint32))]
+
+    return [
+        argparse.Namespace,
+        backend,
+        np._core.multiarray._reconstruct,
+        np.ndarray,
+        np.dtype,
+        type(np.dtype(np.uint32)),
+    ]
 
 
-_TE_NORMS = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
-             ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
+_TE_NORMS = (
+    ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+)
 
 
 def _fused_norm_name(rest: str, moe: bool) -> str:
     """Transformer Engine's name of a norm (an MoE layer keeps its own pre_mlp_layernorm)."""
     for norm, fused in _TE_NORMS[:1] if moe else _TE_NORMS:
         if rest.startswith(norm):
-            return fused + rest[len(norm):]
+            return fused + rest[len(norm) :]
     return rest
 
 
-def legacy_state(spec: Spec, weights: Dict[str, torch.Tensor], t: int, p: int, e: int, layout, stages,
-                 te: bool, grouped: bool) -> Dict[str, torch.Tensor]:
+def legacy_state(
+    spec: Spec, weights: Dict[str, torch.Tensor], t: int, p: int, e: int, layout, stages, te: bool, grouped: bool
+) -> Dict[str, torch.Tensor]:
     """The ``model`` state dict of rank (t, p, e)."""
     tp, pp, ep = layout
     local_experts = spec.experts // ep if spec.experts else 0
@@ -267,8 +314,9 @@ def legacy_state(spec: Spec, weights: Dict[str, torch.Tensor], t: int, p: int, e
             continue
         sd[key] = tp_local(name, tensor, t, tp, spec.glu).clone()
     if p == pp - 1 and not spec.untied and pp > 1:  # the last stage's replica of the tied embedding
-        sd["output_layer.weight"] = tp_local("output_layer.weight", weights["embedding.word_embeddings.weight"],
-                                             t, tp, spec.glu).clone()
+        sd["output_layer.weight"] = tp_local(
+            "output_layer.weight", weights["embedding.word_embeddings.weight"], t, tp, spec.glu
+        ).clone()
     if te:
         for key in [k for k in sd if k.endswith(("linear_qkv.weight", "linear_proj.weight"))]:
             sd[key.rsplit(".", 1)[0] + "._extra_state"] = io.BytesIO()
@@ -290,15 +338,26 @@ def write_legacy(root: str, spec: Spec, weights, args, layout, split=None, te=Fa
             for e in range(ep):
                 for t in range(tp):
                     sd = legacy_state(spec, weights, t, p, e, layout, stages, te, grouped)
-                    state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": sd,
-                             "optimizer": {"state": {0: {"exp_avg": torch.zeros(3), "step": 7}},
-                                           "param_groups": [{"lr": 1e-4, "params": [0]}]},
-                             "opt_param_scheduler": {"max_lr": 1e-4, "num_steps": ITERATION},
-                             "rng_state": [{"random_rng_state": random.getstate(),
-                                            "np_rng_state": np.random.get_state(),
-                                            "torch_rng_state": torch.get_rng_state(),
-                                            "rng_tracker_states": {"model-parallel-rng": torch.get_rng_state()}}],
-                             "num_floating_point_operations_so_far": 1.5e12}
+                    state = {
+                        "args": args,
+                        "checkpoint_version": 3.0,
+                        "iteration": ITERATION,
+                        "model": sd,
+                        "optimizer": {
+                            "state": {0: {"exp_avg": torch.zeros(3), "step": 7}},
+                            "param_groups": [{"lr": 1e-4, "params": [0]}],
+                        },
+                        "opt_param_scheduler": {"max_lr": 1e-4, "num_steps": ITERATION},
+                        "rng_state": [
+                            {
+                                "random_rng_state": random.getstate(),
+                                "np_rng_state": np.random.get_state(),
+                                "torch_rng_state": torch.get_rng_state(),
+                                "rng_tracker_states": {"model-parallel-rng": torch.get_rng_state()},
+                            }
+                        ],
+                        "num_floating_point_operations_so_far": 1.5e12,
+                    }
                     path = os.path.join(iter_dir, legacy_rank_dir(t, p, e, layout), "model_optim_rng.pt")
                     os.makedirs(os.path.dirname(path), exist_ok=True)
                     torch.save(state, path)
@@ -308,6 +367,7 @@ def write_legacy(root: str, spec: Spec, weights, args, layout, split=None, te=Fa
 
 
 # --- torch_dist ---------------------------------------------------------------------------------
+
 
 def _dcp_chunks_class():
     """A tensor that DCP saves as the given chunks of a global shape (megatron-core's
@@ -325,11 +385,18 @@ def _dcp_chunks_class():
             self.chunks = [(torch.Size(o), t) for o, t in chunks]
 
         def __create_write_items__(self, fqn, obj):
-            return [WriteItem(index=MetadataIndex(fqn, o, i), type=WriteItemType.SHARD,
-                              tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=o, sizes=t.shape),
-                                                          properties=TensorProperties.create_from_tensor(t),
-                                                          size=self.global_shape))
-                    for i, (o, t) in enumerate(self.chunks)]
+            return [
+                WriteItem(
+                    index=MetadataIndex(fqn, o, i),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=o, sizes=t.shape),
+                        properties=TensorProperties.create_from_tensor(t),
+                        size=self.global_shape,
+                    ),
+                )
+                for i, (o, t) in enumerate(self.chunks)
+            ]
 
         def __create_chunk_list__(self):
             return [ChunkStorageMetadata(offsets=o, sizes=t.shape) for o, t in self.chunks]
@@ -354,12 +421,14 @@ def _tp_chunks(name: str, tensor: torch.Tensor, tp: int, glu: bool) -> List[Tupl
         out = []
         for t in range(tp):  # apply_swiglu_sharded_factory: gate at chunk t, up at chunk tp + t of 2*tp
             for start in (0, half):
-                piece = tensor[start:start + half].chunk(tp)[t]
+                piece = tensor[start : start + half].chunk(tp)[t]
                 out.append(((start + t * piece.shape[0],) + (0,) * (tensor.dim() - 1), piece))
         return out
     size = tensor.shape[dim] // tp
-    return [(tuple(t * size if d == dim else 0 for d in range(tensor.dim())), piece)
-            for t, piece in enumerate(tensor.chunk(tp, dim))]
+    return [
+        (tuple(t * size if d == dim else 0 for d in range(tensor.dim())), piece)
+        for t, piece in enumerate(tensor.chunk(tp, dim))
+    ]
 
 
 def dist_state(spec: Spec, weights: Dict[str, torch.Tensor], tp: int, stacked: bool) -> dict:
@@ -380,33 +449,50 @@ def dist_state(spec: Spec, weights: Dict[str, torch.Tensor], tp: int, stacked: b
         else:
             key = layer_prefix + _fused_norm_name(rest, bool(spec.experts))
         shape, chunks = out.setdefault(key, (lead + tuple(tensor.shape), []))
-        chunks += [(index + o, c.reshape((1,) * len(index) + tuple(c.shape)))
-                   for o, c in _tp_chunks(name, tensor, tp, spec.glu)]
+        chunks += [
+            (index + o, c.reshape((1,) * len(index) + tuple(c.shape)))
+            for o, c in _tp_chunks(name, tensor, tp, spec.glu)
+        ]
     return out
 
 
 def write_torch_dist(root: str, spec: Spec, weights, args, layout, stacked: bool = True) -> str:
     """``root/iter_0000007/`` as megatron-core's torch_dist strategy writes it, and the tracker."""
     import torch.distributed.checkpoint as dcp
+
     chunks_class = _dcp_chunks_class()
     iter_dir = os.path.join(root, f"iter_{ITERATION:07d}")
     os.makedirs(iter_dir)
-    state = {key: chunks_class(shape, [(o, c.clone()) for o, c in chunks])
-             for key, (shape, chunks) in dist_state(spec, weights, layout[0], stacked).items()}
-    state["optimizer.state.exp_avg.embedding.word_embeddings.weight"] = torch.zeros(2, 3)   # not read
+    state = {
+        key: chunks_class(shape, [(o, c.clone()) for o, c in chunks])
+        for key, (shape, chunks) in dist_state(spec, weights, layout[0], stacked).items()
+    }
+    state["optimizer.state.exp_avg.embedding.word_embeddings.weight"] = torch.zeros(2, 3)  # not read
     state["rng_state"] = io.BytesIO(b"rng")
     state["decoder.layers.self_attention.linear_qkv._extra_state/shard_0_4"] = io.BytesIO(b"")
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(iter_dir, thread_count=2), no_dist=True)
     with megatron_enums() as backend:
-        torch.save({"args": argparse.Namespace(**vars(args), attention_backend=backend.auto),
-                    "checkpoint_version": 3.0, "iteration": ITERATION,
-                    "opt_param_scheduler": {"max_lr": 1e-4, "num_steps": ITERATION}},
-                   os.path.join(iter_dir, "common.pt"))
+        torch.save(
+            {
+                "args": argparse.Namespace(**vars(args), attention_backend=backend.auto),
+                "checkpoint_version": 3.0,
+                "iteration": ITERATION,
+                "opt_param_scheduler": {"max_lr": 1e-4, "num_steps": ITERATION},
+            },
+            os.path.join(iter_dir, "common.pt"),
+        )
     with open(os.path.join(iter_dir, "metadata.json"), "w") as fh:
-        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-                   "common_backend_version": 1}, fh)
+        json.dump(
+            {
+                "sharded_backend": "torch_dist",
+                "sharded_backend_version": 1,
+                "common_backend": "torch",
+                "common_backend_version": 1,
+            },
+            fh,
+        )
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as fh:
         fh.write(str(ITERATION))
     return iter_dir

@@ -28,6 +28,7 @@ CUDA type name while the optimizer sorts parameters into fp32 / fp16 / bf16 by i
 for the optimizer's scalars) place on CPU; ``moe_utils.te_general_gemm``
 (undefined without Transformer Engine) is None so the router takes its ``torch.mm`` path.
 """
+
 import contextlib
 import functools
 import itertools
@@ -41,16 +42,34 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-CPU_FLAGS = ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
-             "--use-cpu-initialization", "--distributed-backend", "gloo", "--transformer-impl", "local",
-             "--tokenizer-type", "NullTokenizer", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
-             "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm"]
+CPU_FLAGS = [
+    "--micro-batch-size",
+    "1",
+    "--train-iters",
+    "1",
+    "--lr",
+    "1e-3",
+    "--use-cpu-initialization",
+    "--distributed-backend",
+    "gloo",
+    "--transformer-impl",
+    "local",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-rope-fusion",
+    "--no-persist-layer-norm",
+]
 
 
 def _work_around_cuda() -> None:
     from megatron.core import tensor_parallel
     from megatron.core.transformer.moe import moe_utils
     from megatron.training import arguments, checkpointing
+
     arguments.get_device_arch_version = lambda: 10
     moe_utils.te_general_gemm = None
     torch.cuda.current_device = lambda: "cpu"
@@ -67,6 +86,7 @@ def _work_around_cuda() -> None:
             return read_metadata(tracker)
         finally:
             dist.is_initialized = initialized
+
     checkpointing.read_metadata = read_alone
 
 
@@ -80,8 +100,21 @@ def _args(ckpt: str, tp: int, ep: int, extra):
     from megatron.training.checkpointing import load_args_from_checkpoint
     from megatron.training.global_vars import set_global_variables
     from megatron.training.tokenizer.tokenizer import _vocab_size_with_padding
-    sys.argv = ["pretrain_gpt.py", "--use-checkpoint-args", "--load", ckpt, "--tensor-model-parallel-size", str(tp),
-                "--expert-model-parallel-size", str(ep), *CPU_FLAGS, "--global-batch-size", str(ep), *extra]
+
+    sys.argv = [
+        "pretrain_gpt.py",
+        "--use-checkpoint-args",
+        "--load",
+        ckpt,
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--expert-model-parallel-size",
+        str(ep),
+        *CPU_FLAGS,
+        "--global-batch-size",
+        str(ep),
+        *extra,
+    ]
     args = parse_args()
     args, _ = load_args_from_checkpoint(args)
     validate_args(args)
@@ -96,20 +129,30 @@ def _model(args):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.training.arguments import core_transformer_config_from_args
+
     config = core_transformer_config_from_args(args)
-    spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
-                                    normalization=args.normalization)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-                    max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
-                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                    position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-                    rotary_base=args.rotary_base)
+    spec = get_gpt_layer_local_spec(
+        args.num_experts, args.moe_grouped_gemm, args.qk_layernorm, normalization=args.normalization
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+    )
 
 
 def _sharded_keys(model, args) -> dict:
     """{sharded key: global shape or None (an object)} of what load_checkpoint asks for."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+
     state = model.sharded_state_dict(metadata={"singleton_local_shards": False, "chained_optim_avoid_prefix": True})
     apply_factories(state)
     keys = {}
@@ -134,13 +177,15 @@ def _resume(model, args, batch, state_out=None) -> None:
     from megatron.core.transformer.module import Float16Module
     from megatron.training.checkpointing import load_checkpoint
     from megatron.training.training import get_megatron_optimizer_config, get_optimizer_param_scheduler
+
     module = Float16Module(model.config, model) if args.bf16 else model
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32)
     ddp = DistributedDataParallel(model.config, ddp_config, module)
     config, overrides = get_megatron_optimizer_config(args)
     cpu_type = torch.Tensor.type  # the optimizer sorts parameters by their CUDA type name
-    torch.Tensor.type = lambda self, *a, **k: (cpu_type(self, *a, **k) if a or k
-                                               else cpu_type(self).replace("torch.", "torch.cuda.", 1))
+    torch.Tensor.type = lambda self, *a, **k: (
+        cpu_type(self, *a, **k) if a or k else cpu_type(self).replace("torch.", "torch.cuda.", 1)
+    )
     try:
         optimizer = get_megatron_optimizer(config, [ddp], config_overrides=overrides)
     finally:
@@ -150,7 +195,7 @@ def _resume(model, args, batch, state_out=None) -> None:
     if state_out and dist.get_rank() == 0:
         torch.save(_loaded_state(optimizer, ddp), state_out)
     micro = args.micro_batch_size  # each data-parallel rank takes its own micro-batch of the batch
-    batch = batch[mpu.get_data_parallel_rank() * micro:][:micro]
+    batch = batch[mpu.get_data_parallel_rank() * micro :][:micro]
     seq = batch.shape[1] - 1
     positions = torch.arange(seq).unsqueeze(0).expand(batch.shape[0], seq)
     mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)
@@ -171,23 +216,33 @@ def _loaded_state(optimizer, ddp) -> dict:
     for chained in optimizer.chained_optimizers:
         pairs = [(p, p) for group in chained.optimizer.param_groups for p in group["params"]]
         if hasattr(chained, "float16_groups"):  # Float16OptimizerWithFloat16Params: (bf16 param, fp32 main)
-            pairs = list(zip(itertools.chain(*chained.float16_groups), itertools.chain(*chained.fp32_from_float16_groups),
-                             strict=True)) + [(p, p) for p in itertools.chain(*chained.fp32_from_fp32_groups)]
+            pairs = list(
+                zip(
+                    itertools.chain(*chained.float16_groups),
+                    itertools.chain(*chained.fp32_from_float16_groups),
+                    strict=True,
+                )
+            ) + [(p, p) for p in itertools.chain(*chained.fp32_from_fp32_groups)]
         for param, main in pairs:
             state = chained.optimizer.state[main]
-            out[names[id(param)]] = {"main": main.detach().clone(), "exp_avg": state["exp_avg"].clone(),
-                                     "exp_avg_sq": state["exp_avg_sq"].clone()}
+            out[names[id(param)]] = {
+                "main": main.detach().clone(),
+                "exp_avg": state["exp_avg"].clone(),
+                "exp_avg_sq": state["exp_avg_sq"].clone(),
+            }
     return out
 
 
 def _rank(rank: int, world: int, port: int, ckpt: str, tokens_path: str, out: str, tp: int, ep: int, extra) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     from megatron.training.checkpointing import load_checkpoint
+
     _work_around_cuda()
     args = _args(ckpt, tp, ep, extra)
     mpu.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
@@ -222,8 +277,9 @@ def main(argv) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     world = int(tp) * int(ep)
-    mp.start_processes(_rank, args=(world, port, ckpt, tokens, out, int(tp), int(ep), extra), nprocs=world,
-                       start_method="spawn")
+    mp.start_processes(
+        _rank, args=(world, port, ckpt, tokens, out, int(tp), int(ep), extra), nprocs=world, start_method="spawn"
+    )
 
 
 if __name__ == "__main__":

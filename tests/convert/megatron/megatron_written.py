@@ -1,4 +1,5 @@
 """The Megatron-written fixtures (tests/fixtures/megatron) and our logits of an imported one."""
+
 import os
 from functools import lru_cache
 from typing import Dict, Optional, Tuple
@@ -25,9 +26,11 @@ def loaded(ckpt: str, batch: int, world: Optional[int], **flags):
     from megatron_p2r.layout.plan import ParallelPlan
     from megatron_p2r.parallel.state import ParallelState, initialize_plan
     from megatron_p2r.training import build_train_state
+
     values = load_yaml(os.path.join(ckpt, "model.yaml"))
-    cfg = config_from_values({**values, "mock_data": True, "micro_batch_size": batch, "global_batch_size": batch,
-                              "device": "cpu", **flags})
+    cfg = config_from_values(
+        {**values, "mock_data": True, "micro_batch_size": batch, "global_batch_size": batch, "device": "cpu", **flags}
+    )
     plan, ps = None, ParallelState.single()
     if world is not None:
         plan = ParallelPlan.for_world(cfg, world)
@@ -41,9 +44,18 @@ def continued_logits(ckpt: str, batch: torch.Tensor, tokens: torch.Tensor, **fla
     """Logits on ``tokens`` after one training step of ours on ``batch`` [b, s + 1] from the imported
     checkpoint (one process)."""
     from megatron_p2r.training import train_step
+
     state = loaded(ckpt, batch.shape[0], None, **flags)
-    train_step(state, [{"tokens": batch[:, :-1], "labels": batch[:, 1:],
-                        "loss_mask": torch.ones(batch[:, 1:].shape, dtype=torch.float32)}])
+    train_step(
+        state,
+        [
+            {
+                "tokens": batch[:, :-1],
+                "labels": batch[:, 1:],
+                "loss_mask": torch.ones(batch[:, 1:].shape, dtype=torch.float32),
+            }
+        ],
+    )
     with torch.no_grad():
         return state.model.eval()(tokens=tokens).float()
 
@@ -65,14 +77,16 @@ def our_logits(ckpt: str, tokens: torch.Tensor, world: Optional[int] = None) -> 
 def logits_error(ours: torch.Tensor, megatron: torch.Tensor) -> Tuple[float, float]:
     """(max |ours - Megatron's|, that over max |Megatron's|) on Megatron's padded vocabulary (ours
     may pad further with zero rows)."""
-    diff = (ours[..., :megatron.shape[-1]] - megatron).abs().max().item()
+    diff = (ours[..., : megatron.shape[-1]] - megatron).abs().max().item()
     return diff, diff / megatron.abs().max().item()
 
 
 def _tp2_errors(rank: int, world: int, runs: dict) -> dict:
     """(max abs, rel) per fixture on this rank: numbers, not tensors, cross the process boundary."""
-    return {name: logits_error(our_logits(ckpt, fixture_logits(name)[1], world=world), fixture_logits(name)[2])
-            for name, ckpt in runs.items()}
+    return {
+        name: logits_error(our_logits(ckpt, fixture_logits(name)[1], world=world), fixture_logits(name)[2])
+        for name, ckpt in runs.items()
+    }
 
 
 def imported_errors(root: str) -> Dict[Tuple[str, int], Tuple[float, float]]:
@@ -80,15 +94,28 @@ def imported_errors(root: str) -> Dict[Tuple[str, int], Tuple[float, float]]:
     under ``root``; TP2 evaluated on 2 gloo ranks (one launch for all)."""
     from tests.harness import run_distributed
     from tools.convert_checkpoint import main
+
     out, runs = {}, {}
     for name in FIXTURES:
         for tp in (1, 2):
             dst = os.path.join(root, f"{name}_tp{tp}")
-            if main(["import-megatron", fixture_logits(name)[0], dst, "--target-tensor-parallel-size", str(tp),
-                     "--no-progress"]) != 0:
+            if (
+                main(
+                    [
+                        "import-megatron",
+                        fixture_logits(name)[0],
+                        dst,
+                        "--target-tensor-parallel-size",
+                        str(tp),
+                        "--no-progress",
+                    ]
+                )
+                != 0
+            ):
                 raise RuntimeError(f"import-megatron failed on {name} (target TP{tp})")
-        out[(name, 1)] = logits_error(our_logits(os.path.join(root, f"{name}_tp1"), fixture_logits(name)[1]),
-                                      fixture_logits(name)[2])
+        out[(name, 1)] = logits_error(
+            our_logits(os.path.join(root, f"{name}_tp1"), fixture_logits(name)[1]), fixture_logits(name)[2]
+        )
         runs[name] = os.path.join(root, f"{name}_tp2")
     rank0 = run_distributed(_tp2_errors, 2, runs, timeout=300)[0]
     out.update({(name, 2): err for name, err in rank0.items()})
@@ -99,6 +126,7 @@ if __name__ == "__main__":
     import contextlib
     import io
     import tempfile
+
     with tempfile.TemporaryDirectory() as tmp:
         with contextlib.redirect_stdout(io.StringIO()):
             errors = imported_errors(tmp)

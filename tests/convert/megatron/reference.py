@@ -10,6 +10,7 @@ top-k logits and a softmax over them (moe/moe_utils.py ``topk_softmax_with_capac
 off) and weights each expert's output; the loss is the mean cross entropy over the padded
 vocabulary.
 """
+
 from __future__ import annotations
 
 import math
@@ -93,9 +94,9 @@ def _moe(x, w, p, spec: Spec):
 
 def megatron_loss(spec: Spec, w, tokens: torch.Tensor, labels: torch.Tensor) -> float:
     """Mean next-token loss of the Megatron model ``w`` on ``tokens`` [b, s] (fp32)."""
-    x = w["embedding.word_embeddings.weight"].float()[tokens.t()]              # [s, b, h]
+    x = w["embedding.word_embeddings.weight"].float()[tokens.t()]  # [s, b, h]
     if spec.family == "gpt":
-        x = x + w["embedding.position_embeddings.weight"].float()[:tokens.shape[1], None]
+        x = x + w["embedding.position_embeddings.weight"].float()[: tokens.shape[1], None]
     for i in range(spec.layers):
         p = f"decoder.layers.{i}."
         x = x + _attention(_norm(x, w, p + "input_layernorm.", spec), w, p, spec)
@@ -103,5 +104,5 @@ def megatron_loss(spec: Spec, w, tokens: torch.Tensor, labels: torch.Tensor) -> 
         x = x + (_moe(h, w, p, spec) if spec.experts else _mlp(h, w, p + "mlp.", spec))
     x = _norm(x, w, "decoder.final_layernorm.", spec)
     out = w["output_layer.weight" if spec.untied else "embedding.word_embeddings.weight"].float()
-    logits = F.linear(x, out)                                                    # [s, b, padded vocab]
+    logits = F.linear(x, out)  # [s, b, padded vocab]
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.t().reshape(-1)).item()

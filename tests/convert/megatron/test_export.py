@@ -6,6 +6,7 @@ torch_dist keys and shapes are exactly those megatron-core 0.16.1's GPTModel ask
 (megatron_core_keys.json, written by megatron-core itself). The written files are
 read back with the importer's allow-listed reader (no code is unpickled); the args are checked
 to load with ``torch.load(weights_only=True)``, as Megatron loads them under its allow-list."""
+
 import argparse
 import json
 import os
@@ -32,19 +33,50 @@ from tools.convert_checkpoint import main
 
 MODELS = {
     "gpt": {},
-    "llama": dict(ROPE, **GQA, num_query_groups=2, untie_embeddings_and_output_weights=True,
-                  disable_bias_linear=True),
-    "moe": dict(ROPE, **GQA, num_query_groups=2, untie_embeddings_and_output_weights=True, disable_bias_linear=True,
-                num_experts=4, moe_router_topk=2, moe_router_pre_softmax=False, moe_ffn_hidden_size=24),
+    "llama": dict(ROPE, **GQA, num_query_groups=2, untie_embeddings_and_output_weights=True, disable_bias_linear=True),
+    "moe": dict(
+        ROPE,
+        **GQA,
+        num_query_groups=2,
+        untie_embeddings_and_output_weights=True,
+        disable_bias_linear=True,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_router_pre_softmax=False,
+        moe_ffn_hidden_size=24,
+    ),
     # head dim 16 in hidden 32, rotary on half of it, q/k norms, QKV-only biases, norm epsilon 1e-6
-    "qwen": dict(ROPE, **GQA, num_query_groups=2, kv_channels=16, rotary_percent=0.5, qk_layernorm=True,
-                 norm_epsilon=1e-6, disable_bias_linear=True, add_qkv_bias=True,
-                 untie_embeddings_and_output_weights=True),
+    "qwen": dict(
+        ROPE,
+        **GQA,
+        num_query_groups=2,
+        kv_channels=16,
+        rotary_percent=0.5,
+        qk_layernorm=True,
+        norm_epsilon=1e-6,
+        disable_bias_linear=True,
+        add_qkv_bias=True,
+        untie_embeddings_and_output_weights=True,
+    ),
     # gpt-oss's options: windows in layer 0 (layer 1 full), sinks, clamped quick-GeGLU experts
-    "gptoss": dict(ROPE, **GQA, swiglu=False, quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=0.5,
-                   softmax_type="learnable", window_size="3,0", window_attn_skip_freq=2, num_query_groups=2,
-                   untie_embeddings_and_output_weights=True, disable_bias_linear=True, num_experts=4,
-                   moe_router_topk=2, moe_router_pre_softmax=False, moe_ffn_hidden_size=24),
+    "gptoss": dict(
+        ROPE,
+        **GQA,
+        swiglu=False,
+        quick_geglu=True,
+        glu_linear_offset=1.0,
+        activation_func_clamp_value=0.5,
+        softmax_type="learnable",
+        window_size="3,0",
+        window_attn_skip_freq=2,
+        num_query_groups=2,
+        untie_embeddings_and_output_weights=True,
+        disable_bias_linear=True,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_router_pre_softmax=False,
+        moe_ffn_hidden_size=24,
+    ),
 }
 FORMATS = ("torch_dist", "torch")
 # per model: {sharded key: global shape, or null for an object} that megatron-core asks for
@@ -92,8 +124,12 @@ def test_round_trip_is_bitwise(sources, model, tp, fmt, tmp_path):
     assert os.path.basename(out) == "iter_0000000"
     with open(tmp_path / "megatron" / "latest_checkpointed_iteration.txt") as fh:
         assert fh.read() == "0"
-    import_megatron(str(tmp_path / "megatron"), str(tmp_path / "back"),
-                    Target(par.tensor_model_parallel_size, 1, None, par.expert_model_parallel_size), progress=False)
+    import_megatron(
+        str(tmp_path / "megatron"),
+        str(tmp_path / "back"),
+        Target(par.tensor_model_parallel_size, 1, None, par.expert_model_parallel_size),
+        progress=False,
+    )
     _same_weights(src, str(tmp_path / "back"))
 
 
@@ -103,8 +139,10 @@ def test_torch_dist_keys_are_megatron_cores(sources, model, tmp_path):
     allow-listed reader) is one megatron-core's model asks for, and none is missing."""
     out, _ = export_megatron(sources[(model, 1)], str(tmp_path / "m"), progress=False)
     metadata = load_pickle(os.path.join(out, ".metadata"), Kind.DCP_METADATA)
-    written = {key: list(entry.field("size")) if entry.qualname.endswith("TensorStorageMetadata") else None
-               for key, entry in metadata.field("state_dict_metadata").items()}
+    written = {
+        key: list(entry.field("size")) if entry.qualname.endswith("TensorStorageMetadata") else None
+        for key, entry in metadata.field("state_dict_metadata").items()
+    }
     with open(EXPECTED_KEYS) as fh:
         assert written == json.load(fh)[model]
 
@@ -140,17 +178,22 @@ def test_legacy_ranks_pipeline_and_tied_output(sources, tmp_path):
 
 
 def test_cli(sources, tmp_path, capsys):
-    assert main(["export-megatron", sources[("llama", 2)], str(tmp_path / "m"), "--ckpt-format", "torch",
-                 "--no-progress"]) == 0
+    assert (
+        main(["export-megatron", sources[("llama", 2)], str(tmp_path / "m"), "--ckpt-format", "torch", "--no-progress"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "--tensor-model-parallel-size 2" in out and "--finetune" in out
     assert sorted(os.listdir(tmp_path / "m" / "iter_0000000")) == ["mp_rank_00", "mp_rank_01"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--target-pipeline-parallel-size", "3"], "a stage would be empty"),
-    (["--target-tensor-parallel-size", "3"], "error:"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--target-pipeline-parallel-size", "3"], "a stage would be empty"),
+        (["--target-tensor-parallel-size", "3"], "error:"),
+    ],
+)
 def test_bad_layout_is_refused(sources, tmp_path, capsys, argv, message):
     assert main(["export-megatron", sources[("gpt", 1)], str(tmp_path / "m"), "--no-progress", *argv]) == 2
     err = capsys.readouterr().err
@@ -158,10 +201,13 @@ def test_bad_layout_is_refused(sources, tmp_path, capsys, argv, message):
     assert not os.path.exists(tmp_path / "m")
 
 
-@pytest.mark.parametrize("options, argv, message", [
-    (dict(num_experts=4, moe_layer_freq=2), [], "--moe-layer-freq 2"),
-    (dict(num_layers=3), ["--target-pipeline-parallel-size", "2"], "does not divide the 3 layers"),
-])
+@pytest.mark.parametrize(
+    "options, argv, message",
+    [
+        (dict(num_experts=4, moe_layer_freq=2), [], "--moe-layer-freq 2"),
+        (dict(num_layers=3), ["--target-pipeline-parallel-size", "2"], "does not divide the 3 layers"),
+    ],
+)
 def test_inexpressible_model_is_refused(tmp_path, capsys, options, argv, message):
     save_checkpoint(str(tmp_path / "ckpt"), _perturbed_state(options))
     assert main(["export-megatron", str(tmp_path / "ckpt"), str(tmp_path / "m"), "--no-progress", *argv]) == 2
@@ -175,8 +221,9 @@ def test_bf16_export(sources, tmp_path, fmt):
     src = sources[("llama", 1)]
     export_megatron(src, str(tmp_path / "m"), ckpt_format=fmt, dtype="bfloat16", progress=False)
     iter_dir = tmp_path / "m" / "iter_0000000"
-    header = TorchArchive(str(iter_dir / ("common.pt" if fmt == "torch_dist" else "mp_rank_00/model_optim_rng.pt")),
-                          Kind.MEGATRON).obj
+    header = TorchArchive(
+        str(iter_dir / ("common.pt" if fmt == "torch_dist" else "mp_rank_00/model_optim_rng.pt")), Kind.MEGATRON
+    ).obj
     assert header["args"].bf16 and not header["args"].fp16
     import_megatron(str(tmp_path / "m"), str(tmp_path / "back"), Target(1, 1, None, 1), progress=False)
     ours, back = SourceCheckpoint(src), SourceCheckpoint(str(tmp_path / "back"))
@@ -202,18 +249,32 @@ def test_missing_source_is_an_error_line(tmp_path, capsys):
 
 def test_note_lists_the_flags_checkpoint_args_do_not_restore(tmp_path, capsys):
     """Megatron's --use-checkpoint-args leaves these to the command line: the note names them."""
-    save_checkpoint(str(tmp_path / "ckpt"), _perturbed_state(dict(qk_layernorm=True, norm_epsilon=1e-6,
-                                                                   bias_gelu_fusion=False)))
-    assert main(["export-megatron", str(tmp_path / "ckpt"), str(tmp_path / "m"), "--no-progress",
-                 "--target-tensor-parallel-size", "2"]) == 0
+    save_checkpoint(
+        str(tmp_path / "ckpt"), _perturbed_state(dict(qk_layernorm=True, norm_epsilon=1e-6, bias_gelu_fusion=False))
+    )
+    assert (
+        main(
+            [
+                "export-megatron",
+                str(tmp_path / "ckpt"),
+                str(tmp_path / "m"),
+                "--no-progress",
+                "--target-tensor-parallel-size",
+                "2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    assert ("also pass --make-vocab-size-divisible-by 8 --norm-epsilon 1e-06 --qk-layernorm --no-bias-gelu-fusion "
-            "(flags it does not restore)") in out
+    assert (
+        "also pass --make-vocab-size-divisible-by 8 --norm-epsilon 1e-06 --qk-layernorm --no-bias-gelu-fusion "
+        "(flags it does not restore)"
+    ) in out
 
 
 def test_megatron_vocabulary_pads_to_our_rows():
     """Megatron pads to a multiple of divisor x TP: the divisor written gives our padded rows."""
-    m = ModelConfig(vocab_size=200, make_vocab_size_divisible_by=16)   # 208 rows
+    m = ModelConfig(vocab_size=200, make_vocab_size_divisible_by=16)  # 208 rows
     for tp, divisor in [(1, 16), (2, 8), (16, 1), (13, 16)]:
         assert megatron_vocab(m, tp) == (200, divisor)
         assert -(-200 // (divisor * tp)) * divisor * tp == m.padded_vocab_size

@@ -4,6 +4,7 @@ schedule's position bit for bit, through the weights' own reorderings (tied voca
 grouped-query QKV, gated fc1 rows, sinks) and under --bf16 (the fp32 mains beside bf16 weights);
 the common state is what megatron-core's non-distributed optimizer and scheduler load. Megatron
 loading it and taking its next step: test_export_megatron_core.py."""
+
 import argparse
 import os
 
@@ -43,8 +44,15 @@ def _same_state(a: str, b: str) -> None:
             assert torch.equal(back.read(key, kind), ours.read(key, kind)), (key, kind)
 
 
-@pytest.mark.parametrize("model, dtype, tp, ep", [("gpt", "float32", 1, 1), ("llama", "bfloat16", 1, 1),
-                                                  ("gpt_oss_dense", "float32", 2, 1), ("gptoss", "float32", 1, 2)])
+@pytest.mark.parametrize(
+    "model, dtype, tp, ep",
+    [
+        ("gpt", "float32", 1, 1),
+        ("llama", "bfloat16", 1, 1),
+        ("gpt_oss_dense", "float32", 2, 1),
+        ("gptoss", "float32", 1, 2),
+    ],
+)
 def test_optimizer_state_round_trip_is_bitwise(tmp_path, model, dtype, tp, ep):
     options = DENSE_GPT_OSS if model == "gpt_oss_dense" else MODELS[model]
     src = trained(str(tmp_path / "ours"), dict(options, bf16=dtype == "bfloat16"))
@@ -70,9 +78,18 @@ def test_common_state_is_megatrons(tmp_path):
     assert [g["weight_decay"] for g in optimizer["param_groups"]] == [0.1, 0.0]
     assert all(g["betas"] == (0.9, 0.95) and g["eps"] == 1e-8 and "params" not in g for g in optimizer["param_groups"])
     # micro-batch 2 on one rank: warm-up 5 x 2 samples, decay and weight-decay length 10 iterations x 2
-    assert scheduler == {"max_lr": 1e-2, "lr_warmup_steps": 10, "num_steps": 6, "lr_decay_style": "cosine",
-                         "lr_decay_steps": 20, "min_lr": 0.0, "start_wd": 0.1, "end_wd": 0.1,
-                         "wd_incr_style": "constant", "wd_incr_steps": 20}
+    assert scheduler == {
+        "max_lr": 1e-2,
+        "lr_warmup_steps": 10,
+        "num_steps": 6,
+        "lr_decay_style": "cosine",
+        "lr_decay_steps": 20,
+        "min_lr": 0.0,
+        "start_wd": 0.1,
+        "end_wd": 0.1,
+        "wd_incr_style": "constant",
+        "wd_incr_steps": 20,
+    }
     assert optimizer["param_groups"][0]["lr"] == pytest.approx(1e-2 * 6 / 10)
     args = common["args"]
     assert (args.no_save_optim, args.no_save_rng, args.iteration, args.consumed_train_samples) == (False, True, 3, 6)
@@ -83,53 +100,68 @@ def test_experts_have_their_own_chained_optimizer(tmp_path, biases, expert_group
     """Under EP > 1 megatron-core chains a second optimizer for the experts: common.pt's optimizer
     is {0: dense, 1: experts}, the experts' no-weight-decay group only with expert biases; under
     EP 1 the experts are dense parameters, in one optimizer."""
-    src = trained(str(tmp_path / "ours"), dict(num_experts=4, moe_router_topk=2, moe_router_pre_softmax=False,
-                                               disable_bias_linear=not biases), steps=1)
+    src = trained(
+        str(tmp_path / "ours"),
+        dict(num_experts=4, moe_router_topk=2, moe_router_pre_softmax=False, disable_bias_linear=not biases),
+        steps=1,
+    )
     out, _ = export_megatron(src, str(tmp_path / "ep1"), progress=False)
     single = TorchArchive(os.path.join(out, "common.pt"), Kind.MEGATRON).obj["optimizer"]
     assert [g["wd_mult"] for g in single["param_groups"]] == [1.0, 0.0]
     out, _ = export_megatron(src, str(tmp_path / "m"), ep=2, progress=False)
     optimizer = TorchArchive(os.path.join(out, "common.pt"), Kind.MEGATRON).obj["optimizer"]
     assert sorted(optimizer) == [0, 1]
-    assert [(g["is_expert_parallel"], g["wd_mult"]) for g in optimizer[0]["param_groups"]] == [(False, 1.0),
-                                                                                             (False, 0.0)]
-    assert [(g["is_expert_parallel"], g["wd_mult"]) for g in optimizer[1]["param_groups"]] == \
-        [(True, wd) for wd in expert_groups]
+    assert [(g["is_expert_parallel"], g["wd_mult"]) for g in optimizer[0]["param_groups"]] == [
+        (False, 1.0),
+        (False, 0.0),
+    ]
+    assert [(g["is_expert_parallel"], g["wd_mult"]) for g in optimizer[1]["param_groups"]] == [
+        (True, wd) for wd in expert_groups
+    ]
     assert optimizer[0]["state"]["common_step"].read().item() == optimizer[1]["state"]["common_step"].read().item() == 1
 
 
-@pytest.mark.parametrize("options, argv, why", [
-    ({}, ["--no-save-optim"], "--no-save-optim"),
-    ({}, ["--ckpt-format", "torch"], "the optimizer state is written in torch_dist only"),
-    ({}, ["--dtype", "float16"], "loss scaler"),
-    (dict(optimizer="lion"), [], "--optimizer lion's state has no Megatron-LM counterpart"),
-    (dict(qk_layernorm=True, apply_wd_to_qk_layernorm=True), [], "--apply-wd-to-qk-layernorm moves the query/key"),
-])
+@pytest.mark.parametrize(
+    "options, argv, why",
+    [
+        ({}, ["--no-save-optim"], "--no-save-optim"),
+        ({}, ["--ckpt-format", "torch"], "the optimizer state is written in torch_dist only"),
+        ({}, ["--dtype", "float16"], "loss scaler"),
+        (dict(optimizer="lion"), [], "--optimizer lion's state has no Megatron-LM counterpart"),
+        (dict(qk_layernorm=True, apply_wd_to_qk_layernorm=True), [], "--apply-wd-to-qk-layernorm moves the query/key"),
+    ],
+)
 def test_weights_only_says_why(tmp_path, capsys, options, argv, why):
     from tools.convert_checkpoint import main
+
     src = trained(str(tmp_path / "ours"), options, steps=1)
     assert main(["export-megatron", src, str(tmp_path / "m"), "--no-progress", *argv]) == 0
     out = capsys.readouterr().out
     assert "weights only (" in out and why in out, out
     iter_dir = tmp_path / "m" / "iter_0000001"
-    header = iter_dir / "common.pt" if (iter_dir / "common.pt").exists() else iter_dir / "mp_rank_00" / \
-        "model_optim_rng.pt"
+    header = (
+        iter_dir / "common.pt" if (iter_dir / "common.pt").exists() else iter_dir / "mp_rank_00" / "model_optim_rng.pt"
+    )
     saved = TorchArchive(str(header), Kind.MEGATRON).obj
     assert saved["args"].no_save_optim and "optimizer" not in saved
 
 
-@pytest.mark.parametrize("values", [
-    dict(train_iters=10, global_batch_size=4, lr_warmup_iters=2, lr_decay_iters=8),
-    dict(train_iters=10, global_batch_size=4, lr_warmup_fraction=0.25),
-    dict(train_samples=64, global_batch_size=4, lr_warmup_samples=8, lr_decay_samples=48, lr_decay_style="cosine"),
-    dict(train_samples=64, global_batch_size=4, lr_warmup_samples=8, weight_decay=0.05, min_lr=1e-4),
-])
+@pytest.mark.parametrize(
+    "values",
+    [
+        dict(train_iters=10, global_batch_size=4, lr_warmup_iters=2, lr_decay_iters=8),
+        dict(train_iters=10, global_batch_size=4, lr_warmup_fraction=0.25),
+        dict(train_samples=64, global_batch_size=4, lr_warmup_samples=8, lr_decay_samples=48, lr_decay_style="cosine"),
+        dict(train_samples=64, global_batch_size=4, lr_warmup_samples=8, weight_decay=0.05, min_lr=1e-4),
+    ],
+)
 def test_the_notes_schedule_flags_give_the_saved_schedule(values):
     """The flags the export's note says to pass, given to Megatron's parser (ours has its
     meanings), make the same OptimizerParamScheduler state as the one exported: what Megatron
     compares on resume, the weight-decay length included."""
     from megatron_p2r.arguments import parse_args
     from megatron_p2r.convert.megatron.export_optim import scheduler_flags, scheduler_state
+
     cfg = tiny_config(**values)
     flags = scheduler_flags(cfg, 1)
     again = parse_args(["--mock-data", "--vocab-size", "64", "--micro-batch-size", "2"] + flags)

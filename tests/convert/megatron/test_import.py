@@ -7,6 +7,7 @@ Mixtral saved under TP=2 x PP=2 (x EP=2), in the legacy and the torch_dist layou
 TP=1 and TP=4 as the same function: the eval loss of our model equals the fixture model's own
 forward (reference.py, fp32, rel 1e-5). (The imitated tied GPT went: Megatron-written GPT
 fixtures, tied under PP=2 and TP=2, replace it.)"""
+
 import os
 
 import pytest
@@ -16,8 +17,15 @@ from megatron_p2r.convert.megatron.importer import import_megatron
 from megatron_p2r.checkpoint.metadata import read_metadata
 from megatron_p2r.convert.reshard import Target
 from tests.harness import run_distributed
-from tests.convert.megatron.fixtures import (GPT, LLAMA, MIXTRAL, make_weights, megatron_args, write_legacy,
-                                                write_torch_dist)
+from tests.convert.megatron.fixtures import (
+    GPT,
+    LLAMA,
+    MIXTRAL,
+    make_weights,
+    megatron_args,
+    write_legacy,
+    write_torch_dist,
+)
 from tests.checkpoint.common import streaming_rss_growth
 from tests.convert.megatron.megatron_written import loaded
 from tests.convert.megatron.reference import megatron_loss
@@ -107,16 +115,33 @@ def test_layout_variants(variant, tmp_path):
     weights = make_weights(spec, layout[0], seed=3)
     write(str(tmp_path / "src"), spec, weights, megatron_args(spec, *layout), layout, **options)
     import_megatron(str(tmp_path / "src"), str(tmp_path / "ours"), Target(1), progress=False)
-    assert our_loss(str(tmp_path / "ours"), *batch(spec)) == pytest.approx(megatron_loss(spec, weights, *batch(spec)),
-                                                                          rel=1e-5)
+    assert our_loss(str(tmp_path / "ours"), *batch(spec)) == pytest.approx(
+        megatron_loss(spec, weights, *batch(spec)), rel=1e-5
+    )
 
 
 def test_cli(sources, tmp_path, capsys):
     from tools.convert_checkpoint import main
+
     src = sources[("mixtral", "torch_dist")][0]
     dst = str(tmp_path / "ours")
-    assert main(["import-megatron", src, dst, "--target-tensor-parallel-size", "2", "--target-expert-parallel-size",
-                 "2", "--target-pipeline-parallel-size", "2", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "import-megatron",
+                src,
+                dst,
+                "--target-tensor-parallel-size",
+                "2",
+                "--target-expert-parallel-size",
+                "2",
+                "--target-pipeline-parallel-size",
+                "2",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"wrote {dst}/iter_0000000" in out and f"--config {dst}/model.yaml" in out
     assert main(["inspect", dst]) == 0
@@ -135,16 +160,20 @@ def test_import_memory_is_bounded_by_the_largest_tensor(fmt, tmp_path):
     loop (a subprocess, peak RSS over its starting RSS) stays under 12 MiB + 4x the largest
     imported tensor (1.4 MiB): it holds one tensor's shards at a time, not the model."""
     from dataclasses import replace
+
     spec = replace(LLAMA, layers=32, hidden=256, heads=8, ffn=704, vocab=1000, divisible_by=64)
     layout = (2, 2, 1)
     WRITERS[fmt](str(tmp_path / "src"), spec, make_weights(spec, 2), megatron_args(spec, *layout), layout)
     largest = 2 * spec.ffn * spec.hidden * 4
-    imported = 4 * spec.layers * (4 * spec.hidden ** 2 + 3 * spec.ffn * spec.hidden)
+    imported = 4 * spec.layers * (4 * spec.hidden**2 + 3 * spec.ffn * spec.hidden)
     bound = 16 * 2**20 + 4 * largest  # fixed part: allocator arenas of a fresh venv measured up to 14 MiB
     assert imported > 4 * bound  # a loop that kept the model would exceed the bound many times
-    growth = streaming_rss_growth("megatron_p2r.convert.imported", "write_pieces",
-                                  "from megatron_p2r.convert.megatron.importer import import_megatron; "
-                                  "from megatron_p2r.convert.reshard import Target; "
-                                  f"import_megatron({str(tmp_path / 'src')!r}, {str(tmp_path / 'out')!r}, Target(2), "
-                                  "progress=False)")
+    growth = streaming_rss_growth(
+        "megatron_p2r.convert.imported",
+        "write_pieces",
+        "from megatron_p2r.convert.megatron.importer import import_megatron; "
+        "from megatron_p2r.convert.reshard import Target; "
+        f"import_megatron({str(tmp_path / 'src')!r}, {str(tmp_path / 'out')!r}, Target(2), "
+        "progress=False)",
+    )
     assert growth < bound, f"streaming grew RSS by {growth / 2**20:.1f} MiB"

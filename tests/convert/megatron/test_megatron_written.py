@@ -2,6 +2,7 @@
 made by make_fixtures.py with megatron-core 0.16.1): each imports with the CLI into TP=1 and
 TP=2 and gives the logits Megatron computed on the same tokens (rel 1e-5). megatron-core is not
 needed: the checkpoints and Megatron's logits are committed files."""
+
 import os
 
 import pytest
@@ -33,8 +34,9 @@ def test_the_fixtures_cover_megatrons_layouts():
     assert any("_vp2" in name for name in FIXTURES)
     assert any(os.path.isfile(os.path.join(ROOT, name, "adam_state.pt")) for name in FIXTURES)
     assert fixture_logits(FIXTURES[0])[2].dtype == torch.float32
-    flags = {name: set(torch.load(os.path.join(ROOT, name, "logits.pt"), weights_only=True)["flags"])
-             for name in FIXTURES}
+    flags = {
+        name: set(torch.load(os.path.join(ROOT, name, "logits.pt"), weights_only=True)["flags"]) for name in FIXTURES
+    }
     assert all(any({"--moe-grouped-gemm", fmt} <= f for f in flags.values()) for fmt in ("torch", "torch_dist"))
     gpt_oss = {name: f for name, f in flags.items() if name.startswith("gptoss")}
     assert {"torch", "torch_dist"} <= set.union(*gpt_oss.values())
@@ -46,8 +48,14 @@ def test_the_fixtures_cover_megatrons_layouts():
 # lists); the distributed optimizer over 2 DP ranks in torch_dist (dp_reshardable: each DP rank's
 # slice of its buckets; fully_reshardable: keyed like the model) and in legacy (distrib_optim.pt:
 # flat buffers gathered on DP rank 0), in fp32 and in --bf16 (bf16 weights, fp32 mains)
-WITH_OPTIMIZER = ("gpt_dist_tp1_adam", "gpt_legacy_tp1_adam", "gpt_dist_dp2_distopt", "gpt_dist_dp2_distopt_full",
-                  "gpt_legacy_dp2_distopt", "gpt_legacy_dp2_distopt_bf16")
+WITH_OPTIMIZER = (
+    "gpt_dist_tp1_adam",
+    "gpt_legacy_tp1_adam",
+    "gpt_dist_dp2_distopt",
+    "gpt_dist_dp2_distopt_full",
+    "gpt_legacy_dp2_distopt",
+    "gpt_legacy_dp2_distopt_bf16",
+)
 # the distributed optimizer in torch_dist (dp_reshardable) under TP2 (each TP rank's buckets) and
 # of an MoE model under EP2 (megatron-core's two chained optimizers: the dense parameters' buckets,
 # and each EP rank's experts', GroupedMLP's and SequentialMLP's); no adam_state.pt, which
@@ -56,17 +64,25 @@ WITH_OPTIMIZER = ("gpt_dist_tp1_adam", "gpt_legacy_tp1_adam", "gpt_dist_dp2_dist
 # and in legacy (distrib_optim.pt: one flat buffer per chunk); and GroupedMLP experts over 2 DP
 # ranks in legacy (weight1/weight2 in the dense buffer under EP1); and the SequentialMLP run under
 # EP2 in legacy (distrib_optim.pt: a list of the two chained optimizers' states)
-WITHOUT_ADAM_STATE = ("llama_dist_tp2_distopt", "mixtral_dist_ep2_grouped_distopt", "mixtral_dist_ep2_distopt",
-                      "gpt_dist_pp2_vp2_distopt", "gpt_legacy_pp2_vp2_distopt", "mixtral_legacy_dp2_grouped_distopt",
-                      "mixtral_legacy_ep2_distopt")
+WITHOUT_ADAM_STATE = (
+    "llama_dist_tp2_distopt",
+    "mixtral_dist_ep2_grouped_distopt",
+    "mixtral_dist_ep2_distopt",
+    "gpt_dist_pp2_vp2_distopt",
+    "gpt_legacy_pp2_vp2_distopt",
+    "mixtral_legacy_dp2_grouped_distopt",
+    "mixtral_legacy_ep2_distopt",
+)
 # Megatron's 4th step of the --bf16 run computed in bf16: an fp32 step of ours differs by bf16's
 # rounding (rel 1e-2), so the continued step is compared on the fp32 runs
 CONTINUED_IN_FP32 = WITH_OPTIMIZER[:5] + WITHOUT_ADAM_STATE
 # fixtures that are another's run saved another way (make_fixtures' same_run_as): that one's
 # adam_state.pt and continued.pt hold what Megatron's optimizer had and did next
-SAME_RUN_AS = {"gpt_dist_dp2_distopt_full": "gpt_dist_dp2_distopt",
-               "gpt_legacy_pp2_vp2_distopt": "gpt_dist_pp2_vp2_distopt",
-               "mixtral_legacy_ep2_distopt": "mixtral_dist_ep2_distopt"}
+SAME_RUN_AS = {
+    "gpt_dist_dp2_distopt_full": "gpt_dist_dp2_distopt",
+    "gpt_legacy_pp2_vp2_distopt": "gpt_dist_pp2_vp2_distopt",
+    "mixtral_legacy_ep2_distopt": "mixtral_dist_ep2_distopt",
+}
 
 
 def run_file(name: str, file: str) -> str:
@@ -86,6 +102,7 @@ def test_adam_state_is_megatrons(tmp_path, name):
 
     from megatron_p2r.convert.megatron.rules import megatron_name
     from tools.convert_checkpoint import main
+
     assert main(["import-megatron", fixture_logits(name)[0], str(tmp_path / "ours"), "--no-progress"]) == 0
     ours = load_file(str(tmp_path / "ours" / "iter_0000003" / "mp_rank_00_000_000.safetensors"))
     megatron = torch.load(run_file(name, "adam_state.pt"), weights_only=True)
@@ -107,6 +124,7 @@ def test_the_distributed_optimizers_mains_are_megatrons_weights(name):
     from the same places), so every TP rank's bucket layout is replayed right; fully_reshardable:
     under ``optimizer.state.param.<key>``; legacy: from each model chunk's flat buffer."""
     from megatron_p2r.convert.megatron.source import open_megatron
+
     source = open_megatron(fixture_logits(name)[0])
     assert source.adam_step == 3.0
     assert getattr(source, "buckets", None) is None if "_legacy_" in name or name.endswith("_full") else source.buckets
@@ -124,12 +142,14 @@ def test_the_import_continues_at_megatrons_iteration(tmp_path, name):
     from megatron_p2r.convert.megatron.importer import import_megatron
     from megatron_p2r.convert.reshard import Target
     from tests.convert.megatron.megatron_written import loaded
+
     out, _ = import_megatron(fixture_logits(name)[0], str(tmp_path / "ours"), Target(1), progress=False)
     megatron = torch.load(run_file(name, "continued.pt"), weights_only=True)["position"]
     assert os.path.basename(out) == "iter_0000003"
     batch = megatron["consumed_train_samples"] // megatron["iteration"]
-    state = loaded(str(tmp_path / "ours"), batch, None, lr=1e-3, lr_warmup_iters=5, lr_decay_style="constant",
-                   train_iters=10)
+    state = loaded(
+        str(tmp_path / "ours"), batch, None, lr=1e-3, lr_warmup_iters=5, lr_decay_style="constant", train_iters=10
+    )
     assert (state.iteration, state.consumed_samples) == (3, megatron["consumed_train_samples"])
     assert state.scheduler.num_steps == megatron["scheduler_steps"]
     assert state.scheduler.lr == pytest.approx(megatron["lr"], rel=1e-6) and megatron["lr"] > 0
@@ -144,13 +164,15 @@ def test_a_megatron_run_continues_here(tmp_path, name):
     from megatron_p2r.convert.megatron.importer import import_megatron
     from megatron_p2r.convert.reshard import Target
     from tests.convert.megatron.megatron_written import continued_logits, logits_error
+
     import_megatron(fixture_logits(name)[0], str(tmp_path / "ours"), Target(1), progress=False)
     megatron = torch.load(run_file(name, "continued.pt"), weights_only=True)
     position, batch = megatron["position"], megatron["batch"]
     replicas = position["consumed_train_samples"] // position["iteration"] // batch.shape[0]
     batch = torch.cat([batch] * replicas)
-    flags = dict(lr=1e-3, lr_warmup_iters=5, lr_decay_style="constant", clip_grad=0.0, weight_decay=0.01,
-                 train_iters=10)
+    flags = dict(
+        lr=1e-3, lr_warmup_iters=5, lr_decay_style="constant", clip_grad=0.0, weight_decay=0.01, train_iters=10
+    )
     ours = continued_logits(str(tmp_path / "ours"), batch, megatron["tokens"], **flags)
     assert logits_error(ours, megatron["logits"])[1] <= 1e-5, logits_error(ours, megatron["logits"])
     fresh = continued_logits(str(tmp_path / "ours"), batch, megatron["tokens"], no_load_optim=True, **flags)
@@ -166,12 +188,15 @@ def test_virtual_pipeline_optimizer_state_lists_are_named_as_not_read(tmp_path):
     from megatron_p2r.convert.megatron.importer import import_megatron
     from megatron_p2r.convert.reshard import Target
     from tests.convert.megatron.test_errors import edit_rank_file
+
     src = shutil.copytree(fixture_logits("gpt_legacy_pp2_vp2_distopt")[0], tmp_path / "src")
     for rank in ("mp_rank_00_000", "mp_rank_00_001"):
         (src / "iter_0000003" / rank / "distrib_optim.pt").unlink()
         with torch.serialization.safe_globals([signal.Signals]):
-            edit_rank_file(str(src / "iter_0000003" / rank / "model_optim_rng.pt"),
-                           lambda state: vars(state["args"]).update(use_distributed_optimizer=False))
+            edit_rank_file(
+                str(src / "iter_0000003" / rank / "model_optim_rng.pt"),
+                lambda state: vars(state["args"]).update(use_distributed_optimizer=False),
+            )
     out, notes = import_megatron(str(src), str(tmp_path / "ours"), Target(1), progress=False)
     note = next(n for n in notes if n.startswith("weights only"))
     assert "optimizer's state lists of virtual pipeline model chunks are not read yet" in note, note

@@ -1,6 +1,7 @@
 """The allow-list unpickler: crafted payloads in each of Megatron's pickled files are refused
 before anything runs, naming the file and the class; what Megatron's files need is admitted;
 tensors are read lazily and exactly (views, offsets, dtypes)."""
+
 import argparse
 import io
 import os
@@ -16,8 +17,16 @@ from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.convert.megatron.importer import import_megatron
 from megatron_p2r.convert.megatron.unpickler import Kind, TorchArchive, UnpicklingRefused, load_pickle
 from megatron_p2r.convert.reshard import Target
-from tests.convert.megatron.fixtures import (GPT, LLAMA, fixture_globals, make_weights, megatron_args, megatron_enums, write_legacy,
-                                                write_torch_dist)
+from tests.convert.megatron.fixtures import (
+    GPT,
+    LLAMA,
+    fixture_globals,
+    make_weights,
+    megatron_args,
+    megatron_enums,
+    write_legacy,
+    write_torch_dist,
+)
 
 
 class Payload:
@@ -31,8 +40,11 @@ class Payload:
 
 
 def payloads(marker):
-    return [Payload(os.system, f"touch {marker}"), Payload(subprocess.call, ["touch", str(marker)]),
-            Payload(eval, f"open({str(marker)!r}, 'w')")]
+    return [
+        Payload(os.system, f"touch {marker}"),
+        Payload(subprocess.call, ["touch", str(marker)]),
+        Payload(eval, f"open({str(marker)!r}, 'w')"),
+    ]
 
 
 def _legacy(root):
@@ -48,7 +60,10 @@ def _dist(root):
 
 def _plant_in_legacy(root, payload):
     path = _legacy(root)
-    with megatron_enums() as backend, torch.serialization.safe_globals(fixture_globals(backend)):  # the test's own trusted file (torch.load imports the classes it names)
+    with (
+        megatron_enums() as backend,
+        torch.serialization.safe_globals(fixture_globals(backend)),
+    ):  # the test's own trusted file (torch.load imports the classes it names)
         state = torch.load(path, weights_only=True)
         state["model"]["decoder.layers.0.self_attention.linear_qkv.weight"] = payload
         torch.save(state, path)
@@ -104,12 +119,20 @@ def test_crafted_payloads_are_refused_without_running(plant, tmp_path):
 def test_what_megatron_files_hold_is_admitted_and_tensors_read_exactly(tmp_path):
     base = torch.arange(40, dtype=torch.float32).to(torch.bfloat16)
     with megatron_enums() as backend:
-        state = {"args": argparse.Namespace(num_layers=2, params_dtype=torch.bfloat16, attention_backend=backend.auto,
-                                            shape=torch.Size([2, 3])),
-                 "model": {"view": base[3:9].view(2, 3), "transposed": base[:20].view(4, 5).t(),
-                           "shared": base, "empty": torch.zeros(0, 3), "param": torch.nn.Parameter(torch.ones(2)),
-                           "te._extra_state": io.BytesIO(b"fp8")},
-                 "rng_state": [{"np_rng_state": np.random.get_state(), "bytes": b"\x00\xff"}]}
+        state = {
+            "args": argparse.Namespace(
+                num_layers=2, params_dtype=torch.bfloat16, attention_backend=backend.auto, shape=torch.Size([2, 3])
+            ),
+            "model": {
+                "view": base[3:9].view(2, 3),
+                "transposed": base[:20].view(4, 5).t(),
+                "shared": base,
+                "empty": torch.zeros(0, 3),
+                "param": torch.nn.Parameter(torch.ones(2)),
+                "te._extra_state": io.BytesIO(b"fp8"),
+            },
+            "rng_state": [{"np_rng_state": np.random.get_state(), "bytes": b"\x00\xff"}],
+        }
         torch.save(state, tmp_path / "x.pt")
     obj = TorchArchive(str(tmp_path / "x.pt"), Kind.MEGATRON).obj
     args = obj["args"]

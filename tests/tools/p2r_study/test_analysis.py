@@ -1,4 +1,5 @@
 """The study's analysis on synthetic curves whose answers are known by hand."""
+
 import pytest
 
 from tools.p2r_study import analysis as an
@@ -8,26 +9,47 @@ from megatron_p2r.planning.breakeven import break_even_extra_steps, cost_ratio
 
 TPS = {"m": 100}
 F = 1000.0  # FLOPs per token of the real model
-TIMING = {"m/real": 1.0, "m/real@budget": 2.0, "m/small": 0.25, "m/small@budget": 0.25,
-          "m/pseudo": 1.0, "m/pseudo@budget": 1.0}
+TIMING = {
+    "m/real": 1.0,
+    "m/real@budget": 2.0,
+    "m/small": 0.25,
+    "m/small@budget": 0.25,
+    "m/pseudo": 1.0,
+    "m/pseudo@budget": 1.0,
+}
 REAL = {"kind": "m/real", "start": 0, "end": 400, "flops_per_token": F}
 
 
 def _run(arm, seed, phases, points, spread=(-0.2, 0.0, 0.2)):
     """A run whose points carry an SE of 0.01 and whose final per-sample losses lie ``spread``
     around its last loss (equal spreads: paired differences with an SE of 0)."""
-    return {"model": "m", "arm": arm, "seed": seed, "phases": phases, "points": [(*p, 0.01) for p in points],
-            "final_losses": [points[-1][1] + d for d in spread] if points else [], "tokens_per_step": 100}
+    return {
+        "model": "m",
+        "arm": arm,
+        "seed": seed,
+        "phases": phases,
+        "points": [(*p, 0.01) for p in points],
+        "final_losses": [points[-1][1] + d for d in spread] if points else [],
+        "tokens_per_step": 100,
+    }
 
 
 def _grow(seed, points):
-    return _run("grow", seed, [{"kind": "m/small", "start": 0, "end": 100, "flops_per_token": F / 4},
-                               dict(REAL, start=100)], points)
+    return _run(
+        "grow",
+        seed,
+        [{"kind": "m/small", "start": 0, "end": 100, "flops_per_token": F / 4}, dict(REAL, start=100)],
+        points,
+    )
 
 
 def _p2r(seed, points, end=400):
-    return _run("p2r", seed, [{"kind": "m/pseudo", "start": 0, "end": 100, "flops_per_token": F},
-                              dict(REAL, start=100, end=end)], points)
+    return _run(
+        "p2r",
+        seed,
+        [{"kind": "m/pseudo", "start": 0, "end": 100, "flops_per_token": F}, dict(REAL, start=100, end=end)],
+        points,
+    )
 
 
 SCRATCH = [(0, 10.0), (100, 6.0), (200, 5.0), (300, 4.5), (400, 4.0)]
@@ -41,8 +63,12 @@ def test_crossing_and_costs():
     assert an.crossing_step([(100, 7.0), (100, 5.0), (200, 4.0)], 6.0) == 100
     phases = _grow(1, [])["phases"]
     c = an.costs_to(300, phases, 100, TIMING)
-    assert c == {"steps": 300, "flops": 100 * 100 * F / 4 + 200 * 100 * F, "wall": 100 * 0.25 + 200 * 1.0,
-                 "wall_budget": 100 * 0.25 + 200 * 2.0}
+    assert c == {
+        "steps": 300,
+        "flops": 100 * 100 * F / 4 + 200 * 100 * F,
+        "wall": 100 * 0.25 + 200 * 1.0,
+        "wall_budget": 100 * 0.25 + 200 * 2.0,
+    }
 
 
 def test_paired_ratios_break_even_and_verdict():
@@ -50,12 +76,14 @@ def test_paired_ratios_break_even_and_verdict():
     budget). Grow (seed 1) reaches 4.0 at step 300: FLOPs (25 + 200)/400 = 0.5625, wall
     (25 + 200)/400, under the budget (25 + 400)/800. P2R (seed 1) reaches it at 450 of a
     longer curve: 50 extra steps, where 100 pseudo steps at r = 2 allow 100*(1 - 1/2) = 50."""
-    runs = [_run("real from scratch", 1, [REAL], SCRATCH),
-            _run("real from scratch", 2, [REAL], [(0, 10.0), (200, 5.0), (400, 4.2)]),
-            _grow(1, [(100, 7.0), (100, 6.5), (200, 4.5), (300, 4.0), (400, 3.8)]),
-            _grow(2, [(100, 7.0), (100, 6.5), (200, 4.6), (300, 4.2), (400, 4.0)]),
-            _p2r(1, [(100, 6.5), (300, 4.3), (500, 3.9)], end=500),
-            _p2r(2, [(100, 6.5), (300, 4.5), (400, 4.3)])]
+    runs = [
+        _run("real from scratch", 1, [REAL], SCRATCH),
+        _run("real from scratch", 2, [REAL], [(0, 10.0), (200, 5.0), (400, 4.2)]),
+        _grow(1, [(100, 7.0), (100, 6.5), (200, 4.5), (300, 4.0), (400, 3.8)]),
+        _grow(2, [(100, 7.0), (100, 6.5), (200, 4.6), (300, 4.2), (400, 4.0)]),
+        _p2r(1, [(100, 6.5), (300, 4.3), (500, 3.9)], end=500),
+        _p2r(2, [(100, 6.5), (300, 4.5), (400, 4.3)]),
+    ]
     stats = an.paired(runs, TIMING, TPS, "real from scratch")
     g = stats[("m", "grow")]
     assert g["ratios"]["flops"] == pytest.approx([0.5625, 0.5625])
@@ -74,12 +102,15 @@ def test_paired_ratios_break_even_and_verdict():
     lines = verdicts(stats, {}, ["m"], {"m": ["real from scratch", "p2r", "grow"]})
     assert lines[0].startswith("- **m, training FLOPs: target met** by grow")
     lines = verdicts(stats, {}, ["m"], {"m": ["real from scratch", "p2r"]})
-    assert lines[0] == ("- m, training FLOPs: target **not met**; the best arm, p2r, never reaches the target in 1 of "
-                        "2 seeds; where it does, it needs up to 1.12x of scratch's cost.")
-    assert an.ratio_cell(p["ratios"]["steps"]) == "1.12 (1/2 seeds never reach it)"   # one seed: no ± 0.00
+    assert lines[0] == (
+        "- m, training FLOPs: target **not met**; the best arm, p2r, never reaches the target in 1 of "
+        "2 seeds; where it does, it needs up to 1.12x of scratch's cost."
+    )
+    assert an.ratio_cell(p["ratios"]["steps"]) == "1.12 (1/2 seeds never reach it)"  # one seed: no ± 0.00
     stats = an.paired([r for r in runs if r["seed"] == 2], TIMING, TPS, "real from scratch")
     assert verdicts(stats, {}, ["m"], {"m": ["real from scratch", "p2r"]})[0] == (
-        "- m, training FLOPs: target **not met**; no arm reaches real-from-scratch's final loss in any seed.")
+        "- m, training FLOPs: target **not met**; no arm reaches real-from-scratch's final loss in any seed."
+    )
 
 
 def test_break_even_formula_and_bands():
@@ -90,25 +121,29 @@ def test_break_even_formula_and_bands():
     with pytest.raises(ValueError):
         cost_ratio(1.0, 0.0)
     steps, mean, std = an.band([([1, 2], [2.0, 4.0]), ([1, 2], [4.0, 4.0])], "a")
-    assert steps == [1, 2] and mean == [3.0, 4.0] and std[1] == 0 and std[0] == pytest.approx(2 ** 0.5)
+    assert steps == [1, 2] and mean == [3.0, 4.0] and std[1] == 0 and std[0] == pytest.approx(2**0.5)
     with pytest.raises(ValueError, match="evaluated at different steps"):
         an.band([([1], [2.0]), ([2], [2.0])], "a")
 
 
 def test_standard_errors_by_hand():
     mean, se = mean_se([1.0, 2.0, 3.0, 4.0])
-    assert mean == 2.5 and se == pytest.approx((5 / 3) ** 0.5 / 2)   # sample std sqrt(5/3), n = 4
+    assert mean == 2.5 and se == pytest.approx((5 / 3) ** 0.5 / 2)  # sample std sqrt(5/3), n = 4
     assert mean_se([3.0]) == (3.0, 0.0)
-    assert paired_se([1.0, 2.0, 3.0], [1.0, 1.0, 1.0]) == pytest.approx(1 / 3 ** 0.5)   # differences 0, 1, 2
-    assert paired_se([1.0, 5.0, 9.0], [0.5, 4.5, 8.5]) == 0.0   # a constant shift is measured exactly
+    assert paired_se([1.0, 2.0, 3.0], [1.0, 1.0, 1.0]) == pytest.approx(1 / 3**0.5)  # differences 0, 1, 2
+    assert paired_se([1.0, 5.0, 9.0], [0.5, 4.5, 8.5]) == 0.0  # a constant shift is measured exactly
     with pytest.raises(ValueError, match="differ in number"):
         paired_se([1.0], [1.0, 2.0])
 
 
 def test_compute_matched_controls():
     """Growth's final loss against its control's, per seed, with the paired SE."""
-    runs = [_grow(1, [(100, 7.0), (400, 3.8)]), _run("ctl", 1, [REAL], [(300, 4.0)], spread=(0.0, 0.0, 0.3)),
-            _grow(2, [(100, 7.0), (400, 4.0)]), _run("ctl", 2, [REAL], [(300, 3.9)])]
+    runs = [
+        _grow(1, [(100, 7.0), (400, 3.8)]),
+        _run("ctl", 1, [REAL], [(300, 4.0)], spread=(0.0, 0.0, 0.3)),
+        _grow(2, [(100, 7.0), (400, 4.0)]),
+        _run("ctl", 2, [REAL], [(300, 3.9)]),
+    ]
     out = an.matched(runs, lambda arm: "ctl" if arm == "grow" else None)
     assert list(out) == [("m", "grow")]
     e = out[("m", "grow")]
@@ -123,7 +158,7 @@ def test_document_and_seed_standard_errors_by_hand():
     assert clustered_se([1.0, 2.0, 3.0, 4.0], [0.0] * 4, [0, 0, 1, 1]) == pytest.approx(1.0)
     # one sample per document: CR1 is the plain paired SE
     assert clustered_se([1.0, 2.0, 3.0], [0.0] * 3, [5, 6, 7]) == pytest.approx(paired_se([1.0, 2.0, 3.0], [0.0] * 3))
-    assert clustered_se([1.0, 2.0], [0.0, 0.0], [3, 3]) is None   # one document: no estimate
+    assert clustered_se([1.0, 2.0], [0.0, 0.0], [3, 3]) is None  # one document: no estimate
     assert an.seed_se([0.1, 0.3]) == pytest.approx(0.1) and an.seed_se([0.1]) is None
     assert an.fmt([0.8125, 0.8125]) == "0.812" and an.fmt([0.1, 0.3]) == "0.200 ± 0.141"
 
@@ -131,31 +166,60 @@ def test_document_and_seed_standard_errors_by_hand():
 def test_one_verdict_line_per_claim_with_its_seed_count():
     """Issue 38: the 0.8 bar, each arm's gap to scratch and growth's gap to its control, each with
     its figure (mean ± seed SE) and in how many seeds it holds."""
-    runs = [_run("real from scratch", 1, [REAL], SCRATCH),
-            _run("real from scratch", 2, [REAL], [(0, 10.0), (200, 5.0), (400, 4.2)]),
-            _grow(1, [(100, 7.0), (100, 6.5), (200, 4.5), (300, 4.0), (400, 3.8)]),
-            _grow(2, [(100, 7.0), (100, 6.5), (200, 4.6), (300, 4.2), (400, 4.0)]),
-            _run("ctl", 1, [REAL], [(300, 3.9)]), _run("ctl", 2, [REAL], [(300, 4.3)])]
+    runs = [
+        _run("real from scratch", 1, [REAL], SCRATCH),
+        _run("real from scratch", 2, [REAL], [(0, 10.0), (200, 5.0), (400, 4.2)]),
+        _grow(1, [(100, 7.0), (100, 6.5), (200, 4.5), (300, 4.0), (400, 3.8)]),
+        _grow(2, [(100, 7.0), (100, 6.5), (200, 4.6), (300, 4.2), (400, 4.0)]),
+        _run("ctl", 1, [REAL], [(300, 3.9)]),
+        _run("ctl", 2, [REAL], [(300, 4.3)]),
+    ]
     stats = an.paired(runs, TIMING, TPS, "real from scratch", documents=[0, 1, 1])
     controls = an.matched(runs, lambda arm: "ctl" if arm == "grow" else None, documents=[0, 1, 1])
     lines = verdicts(stats, controls, ["m"], {"m": ["real from scratch", "grow"]})
     assert lines[0].startswith("- **m, training FLOPs: target met** by grow")
-    assert lines[-2] == ("- m, **grow** against real from scratch: final held-out loss -0.200 (equal in every seed); "
-                         "lower in 2 of 2 seeds, by more than 2 document SEs in 2 of 2.")
+    assert lines[-2] == (
+        "- m, **grow** against real from scratch: final held-out loss -0.200 (equal in every seed); "
+        "lower in 2 of 2 seeds, by more than 2 document SEs in 2 of 2."
+    )
     # growth against its control: -0.1 and -0.3, seed SE 0.1
-    assert lines[-1] == ("- m, **grow** against its compute-matched control: final held-out loss -0.200 ± 0.100 (seed "
-                         "SE); lower in 2 of 2 seeds, by more than 2 document SEs in 2 of 2.")
+    assert lines[-1] == (
+        "- m, **grow** against its compute-matched control: final held-out loss -0.200 ± 0.100 (seed "
+        "SE); lower in 2 of 2 seeds, by more than 2 document SEs in 2 of 2."
+    )
 
 
 def test_difference_curve_is_paired_against_scratchs_curve():
     grow = _grow(1, [(100, 7.0), (100, 6.5), (250, 4.5)])
     steps, diff = an.difference_curve(grow, _run("real from scratch", 1, [REAL], SCRATCH))
-    assert steps == [100, 100, 250] and diff == pytest.approx([1.0, 0.5, -0.25])   # scratch at 250: 4.75
+    assert steps == [100, 100, 250] and diff == pytest.approx([1.0, 0.5, -0.25])  # scratch at 250: 4.75
 
 
 def test_the_reproducing_command_carries_no_path_of_this_machine():
     from tools.p2r_study.report import _reproducing
-    argv = ["--work", "/a/w", "--data-path", "/x/y.jsonl", "--out=/o", "--jobs", "2", "--tokenizer-model=/m/t.model",
-            "--iters", "8", "--name", "n", "--valid-data-path", "v/held.jsonl"]
-    assert _reproducing(argv) == ["--data-path", "y.jsonl", "--tokenizer-model=t.model", "--iters", "8",
-                                  "--valid-data-path", "held.jsonl"]
+
+    argv = [
+        "--work",
+        "/a/w",
+        "--data-path",
+        "/x/y.jsonl",
+        "--out=/o",
+        "--jobs",
+        "2",
+        "--tokenizer-model=/m/t.model",
+        "--iters",
+        "8",
+        "--name",
+        "n",
+        "--valid-data-path",
+        "v/held.jsonl",
+    ]
+    assert _reproducing(argv) == [
+        "--data-path",
+        "y.jsonl",
+        "--tokenizer-model=t.model",
+        "--iters",
+        "8",
+        "--valid-data-path",
+        "held.jsonl",
+    ]

@@ -5,6 +5,7 @@ options"). Each case already holds a finished-looking ``--work`` (a stray record
 options are carried through the corpus step, the tokenizer and the held-out set, not refused at
 ``--report-only``'s first check; no case trains.
 """
+
 import json
 import os
 import shutil
@@ -22,14 +23,30 @@ CATEGORY = "p2r-study options"
 PATHS = ["ds", "c.jsonl", "missing", "", ".", "c.jsonl/x", "sub", "ds.bin", "~", "w"]
 NUMBERS = ["0", "-1", "1", "2", "3", "1e9", "0.5", "nan", "x", "4x"]
 OPTIONS = {
-    "--data-path": PATHS, "--valid-data-path": PATHS, "--tokenizer-model": PATHS,
+    "--data-path": PATHS,
+    "--valid-data-path": PATHS,
+    "--tokenizer-model": PATHS,
     "--tokenizer-type": ["ByteTokenizer", "NullTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer", "x"],
-    "--valid-fraction": NUMBERS, "--held-out": ["documents", "tail", "x"], "--held-out-seed": NUMBERS,
-    "--eval-samples": NUMBERS, "--seq": NUMBERS, "--micro-batch": NUMBERS, "--iters": NUMBERS,
-    "--eval-interval": NUMBERS, "--lr": NUMBERS, "--jobs": NUMBERS, "--seeds": NUMBERS,
-    "--model": ["t=2x16", "t=0x16", "t=2x10", "x", "t=2x16@1MiB", "t=4x16"], "--models": ["t", "deep", "x"],
-    "--arms": ["p2r", "grow", "matched", "x"], "--p2r-at": NUMBERS, "--grow-at": NUMBERS,
-    "--grow-factors": NUMBERS, "--out": PATHS, "--name": ["r", "", "../r", "a/b"], "--work": PATHS,
+    "--valid-fraction": NUMBERS,
+    "--held-out": ["documents", "tail", "x"],
+    "--held-out-seed": NUMBERS,
+    "--eval-samples": NUMBERS,
+    "--seq": NUMBERS,
+    "--micro-batch": NUMBERS,
+    "--iters": NUMBERS,
+    "--eval-interval": NUMBERS,
+    "--lr": NUMBERS,
+    "--jobs": NUMBERS,
+    "--seeds": NUMBERS,
+    "--model": ["t=2x16", "t=0x16", "t=2x10", "x", "t=2x16@1MiB", "t=4x16"],
+    "--models": ["t", "deep", "x"],
+    "--arms": ["p2r", "grow", "matched", "x"],
+    "--p2r-at": NUMBERS,
+    "--grow-at": NUMBERS,
+    "--grow-factors": NUMBERS,
+    "--out": PATHS,
+    "--name": ["r", "", "../r", "a/b"],
+    "--work": PATHS,
 }
 
 
@@ -57,8 +74,23 @@ def template(tmp_path_factory):
 @given(data=st.data())
 def test_fuzz_study_options(template, data):
     case = fz.fresh_dir(template["root"], CATEGORY, template["case"])
-    argv = ["--work", "w", "--report-only", "--timing-rounds", "0", "--data-path", "ds", "--tokenizer-type",
-            "ByteTokenizer", "--model", "t=2x16", "--seq", "16", "--eval-samples", "4"]
+    argv = [
+        "--work",
+        "w",
+        "--report-only",
+        "--timing-rounds",
+        "0",
+        "--data-path",
+        "ds",
+        "--tokenizer-type",
+        "ByteTokenizer",
+        "--model",
+        "t=2x16",
+        "--seq",
+        "16",
+        "--eval-samples",
+        "4",
+    ]
     for option in data.draw(st.lists(st.sampled_from(sorted(OPTIONS)), min_size=1, max_size=3)):
         argv += [option, data.draw(st.sampled_from(OPTIONS[option]))]
     fz.run_case(CATEGORY, case, cli.main, argv, template["rss_bound"])

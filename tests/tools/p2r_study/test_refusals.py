@@ -1,5 +1,6 @@
 """What the study refuses, each with one ``error:`` line and no traceback (issue 38, bugs 2 and 4,
 a single-line jsonl too long to read whole, and the shipped reports in docs/)."""
+
 import json
 import os
 
@@ -10,8 +11,17 @@ from tools.p2r_study import cli, corpus, identity
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 # the issue's command, less --data-path and --work
-ISSUE = ["--tokenizer-type", "ByteTokenizer", "--report-only", "--timing-rounds", "0", "--seq", "32",
-         "--eval-samples", "4"]
+ISSUE = [
+    "--tokenizer-type",
+    "ByteTokenizer",
+    "--report-only",
+    "--timing-rounds",
+    "0",
+    "--seq",
+    "32",
+    "--eval-samples",
+    "4",
+]
 
 
 def _docs(path, count, words=30):
@@ -41,7 +51,7 @@ def test_a_work_built_from_other_data_is_refused(tmp_path, capsys, monkeypatch):
     _docs(tmp_path / "c1.jsonl", 301)
     assert cli.main([*ISSUE, "--data-path", "c1.jsonl", "--work", "sw"]) == 2
     assert f"was built from --data-path {c1}, whose content has changed since" in _error(capsys)
-    assert not os.path.exists(tmp_path / "sw" / "corpus")   # nothing of c2 was prepared
+    assert not os.path.exists(tmp_path / "sw" / "corpus")  # nothing of c2 was prepared
     args = cli.build_parser().parse_args([*ISSUE, "--data-path", c1, "--work", "x"])
     keys = {identity.identity_key(identity.study_identity(args))}
     args.data_path = c2
@@ -73,8 +83,21 @@ def test_a_truncated_index_names_the_file(tmp_path, capsys):
     builder.finalize(prefix + ".idx")
     with open(prefix + ".idx", "r+b") as fh:
         fh.truncate(100)
-    assert cli.main(["--tokenizer-type", "ByteTokenizer", "--data-path", prefix, "--work", str(tmp_path / "w"),
-                     "--timing-rounds", "0"]) == 2
+    assert (
+        cli.main(
+            [
+                "--tokenizer-type",
+                "ByteTokenizer",
+                "--data-path",
+                prefix,
+                "--work",
+                str(tmp_path / "w"),
+                "--timing-rounds",
+                "0",
+            ]
+        )
+        == 2
+    )
     assert f"{prefix}.idx: not a valid Megatron indexed dataset: 100 bytes, expected" in _error(capsys)
 
 
@@ -88,9 +111,10 @@ def test_the_shipped_reports_are_never_replaced(tmp_path, capsys):
     """Bug 3's default wrote into docs/: now only a report this --work wrote is replaced."""
     shipped = os.path.join(ROOT, "docs", "p2r_convergence.png")
     before = open(shipped, "rb").read()
-    for name in ("p2r_convergence", "p2r_study"):   # the shipped figure; this tool's guide, docs/p2r_study.md
-        assert cli.main([*ISSUE, "--work", str(tmp_path / name), "--out", os.path.join(ROOT, "docs"),
-                         "--name", name]) == 2
+    for name in ("p2r_convergence", "p2r_study"):  # the shipped figure; this tool's guide, docs/p2r_study.md
+        assert (
+            cli.main([*ISSUE, "--work", str(tmp_path / name), "--out", os.path.join(ROOT, "docs"), "--name", name]) == 2
+        )
         assert "was not written by the study in --work" in _error(capsys)
     assert open(shipped, "rb").read() == before
 
@@ -102,12 +126,11 @@ def test_a_line_too_long_to_read_whole(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(identity, "CHUNK_BYTES", 64)
     data = tmp_path / "one.jsonl"
     data.write_text('{"text": "short"}\n' + json.dumps({"text": "x" * 5000}) + "\n")
-    assert cli.main(["--tokenizer-type", "ByteTokenizer", "--data-path", str(data), "--work",
-                     str(tmp_path / "w")]) == 2
+    assert cli.main(["--tokenizer-type", "ByteTokenizer", "--data-path", str(data), "--work", str(tmp_path / "w")]) == 2
     assert f"--data-path {data}: line 2 holds 5,012 bytes" in _error(capsys)
     assert not os.path.exists(tmp_path / "w")
     lines = [b"a" * 10, b"", b"b" * 130, b"c" * 63, b"d" * 64, b"e" * 3]
-    (tmp_path / "l.jsonl").write_bytes(b"\n".join(lines))   # no final newline: the last line counts too
+    (tmp_path / "l.jsonl").write_bytes(b"\n".join(lines))  # no final newline: the last line counts too
     assert identity._longest_line(str(tmp_path / "l.jsonl")) == (130, 3)
     (tmp_path / "l.jsonl").write_bytes(b"\n".join(lines + [b"f" * 200]))
     assert identity._longest_line(str(tmp_path / "l.jsonl")) == (200, 7)

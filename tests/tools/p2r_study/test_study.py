@@ -1,5 +1,6 @@
 """The study on a user's corpus: options, data from a jsonl and from .bin/.idx, the held-out set
 and its per-sample losses, and a tiny study that resumes without retraining."""
+
 import argparse
 import glob
 import json
@@ -12,9 +13,34 @@ from tools.p2r_study.heldout import HeldOutTooSmall, held_out_set, mean_se, per_
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly box jugs of liquid".split()
-TINY = ["--tokenizer-type", "ByteTokenizer", "--model", "t=2x16", "--iters", "8", "--eval-interval", "4",
-        "--seq", "16", "--micro-batch", "2", "--eval-samples", "8", "--seeds", "1", "--grow-factors", "2",
-        "--grow-at", "0.5", "--p2r-at", "0.5", "--timing-rounds", "0", "--jobs", "1"]
+TINY = [
+    "--tokenizer-type",
+    "ByteTokenizer",
+    "--model",
+    "t=2x16",
+    "--iters",
+    "8",
+    "--eval-interval",
+    "4",
+    "--seq",
+    "16",
+    "--micro-batch",
+    "2",
+    "--eval-samples",
+    "8",
+    "--seeds",
+    "1",
+    "--grow-factors",
+    "2",
+    "--grow-at",
+    "0.5",
+    "--p2r-at",
+    "0.5",
+    "--timing-rounds",
+    "0",
+    "--jobs",
+    "1",
+]
 
 
 def _jsonl(path, docs=40, words=60):
@@ -25,36 +51,55 @@ def _jsonl(path, docs=40, words=60):
 
 
 def _corpus_args(**values):
-    base = dict(data_path=None, tokenizer_type="ByteTokenizer", tokenizer_model=None, valid_data_path=None,
-                valid_fraction=0.1, corpus_bytes=0, demo_source="code", held_out="tail", held_out_seed=1234)
+    base = dict(
+        data_path=None,
+        tokenizer_type="ByteTokenizer",
+        tokenizer_model=None,
+        valid_data_path=None,
+        valid_fraction=0.1,
+        corpus_bytes=0,
+        demo_source="code",
+        held_out="tail",
+        held_out_seed=1234,
+    )
     return argparse.Namespace(**dict(base, **values))
 
 
 def test_default_arms_are_todays_plus_controls():
-    deep = p2r_arms.build_arms(p2r_arms.Shape(24, 64), p2r_arms.DEFAULT_ARMS["deep"], [0.1], [0.25], [4],
-                               flops_per_token=float)   # FLOPs proportional to layers
-    assert list(deep) == ["real from scratch", "P2R at 10%", "P2R at 10%, noise + re-warm-up",
-                          "progressive all→cycle:4→none", "grow ×4 (stack) at 25%",
-                          "scratch decayed at the FLOPs of grow ×4 (stack) at 25%"]
+    deep = p2r_arms.build_arms(
+        p2r_arms.Shape(24, 64), p2r_arms.DEFAULT_ARMS["deep"], [0.1], [0.25], [4], flops_per_token=float
+    )  # FLOPs proportional to layers
+    assert list(deep) == [
+        "real from scratch",
+        "P2R at 10%",
+        "P2R at 10%, noise + re-warm-up",
+        "progressive all→cycle:4→none",
+        "grow ×4 (stack) at 25%",
+        "scratch decayed at the FLOPs of grow ×4 (stack) at 25%",
+    ]
     # 25% of the run at 6 of 24 layers, 75% at 24: 0.25 / 4 + 0.75 of scratch's FLOPs
     assert deep["scratch decayed at the FLOPs of grow ×4 (stack) at 25%"] == [p2r_arms.Phase(0.8125)]
-    wide = p2r_arms.build_arms(p2r_arms.Shape(8, 128), p2r_arms.DEFAULT_ARMS["wide"], [0.1], [0.1, 0.25, 0.5], [2, 4],
-                               flops_per_token=float)
+    wide = p2r_arms.build_arms(
+        p2r_arms.Shape(8, 128), p2r_arms.DEFAULT_ARMS["wide"], [0.1], [0.1, 0.25, 0.5], [2, 4], flops_per_token=float
+    )
     assert "grow ×4 (stack) at 10%" in wide and "grow ×2 (stack) at 50%" in wide and len(wide) == 2 + 6 + 6
     assert p2r_arms.parse_shape("deep=24x64@12MiB") == ("deep", p2r_arms.Shape(24, 64, "12MiB"))
 
 
-@pytest.mark.parametrize("options, message", [
-    (["--model", "t=3x10"], "--model 't=3x10': needs at least one layer and a hidden size that is a multiple"),
-    (["--model", "t:3x16"], "expected NAME=LAYERSxHIDDEN[@BUDGET]"),
-    (["--models", "huge"], "--models huge: no such shape; the shapes are deep, wide"),
-    (["--iters", "0"], "--iters must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--model", "t=3x10"], "--model 't=3x10': needs at least one layer and a hidden size that is a multiple"),
+        (["--model", "t:3x16"], "expected NAME=LAYERSxHIDDEN[@BUDGET]"),
+        (["--models", "huge"], "--models huge: no such shape; the shapes are deep, wide"),
+        (["--iters", "0"], "--iters must be at least 1"),
+    ],
+)
 def test_bad_options_are_one_error_line(tmp_path, capsys, options, message):
     assert cli.main(["--work", str(tmp_path), *options]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
-    assert not os.listdir(tmp_path)   # refused before any data is prepared
+    assert not os.listdir(tmp_path)  # refused before any data is prepared
 
 
 def test_corpus_from_jsonl_and_from_prefix(tmp_path):
@@ -64,9 +109,10 @@ def test_corpus_from_jsonl_and_from_prefix(tmp_path):
     assert corpus.valid_prefix == corpus.train_prefix and corpus.valid_docs == (36, 40)  # the last 10% of 40
     again = p2r_corpus.prepare(_corpus_args(data_path=corpus.train_prefix), str(tmp_path / "w2"))
     assert again.train_prefix == corpus.train_prefix and not os.path.exists(tmp_path / "w2" / "train_text_document.idx")
-    held = p2r_corpus.prepare(_corpus_args(data_path=corpus.train_prefix, valid_data_path=_jsonl(tmp_path / "v.jsonl",
-                                                                                                 docs=5)),
-                              str(tmp_path / "w3"))
+    held = p2r_corpus.prepare(
+        _corpus_args(data_path=corpus.train_prefix, valid_data_path=_jsonl(tmp_path / "v.jsonl", docs=5)),
+        str(tmp_path / "w3"),
+    )
     assert held.split == "100,0,0" and held.valid_prefix.endswith("valid_text_document") and held.valid_docs == (0, 5)
     with pytest.raises(p2r_corpus.CorpusError, match="missing.bin not found: a data path is a .bin/.idx prefix"):
         p2r_corpus.prepare(_corpus_args(data_path=str(tmp_path / "missing")), str(tmp_path / "w4"))
@@ -83,11 +129,23 @@ def test_per_sample_losses_average_to_the_trainers_eval_loss(tmp_path):
     from megatron_p2r.arguments import config_from_values
     from megatron_p2r.parallel.state import ParallelState
     from megatron_p2r.training import build_train_state, evaluate, resolve_vocab
+
     corpus = p2r_corpus.prepare(_corpus_args(data_path=_jsonl(tmp_path / "c.jsonl")), str(tmp_path / "w"))
     held = held_out_set(corpus.train_prefix, corpus.valid_docs, 6, 16, str(tmp_path / "cache"))
-    cfg = resolve_vocab(config_from_values(dict(num_layers=1, hidden_size=16, num_attention_heads=4, seq_length=16,
-                                                micro_batch_size=2, eval_iters=3, tokenizer_type="ByteTokenizer",
-                                                data_path=[corpus.train_prefix])))
+    cfg = resolve_vocab(
+        config_from_values(
+            dict(
+                num_layers=1,
+                hidden_size=16,
+                num_attention_heads=4,
+                seq_length=16,
+                micro_batch_size=2,
+                eval_iters=3,
+                tokenizer_type="ByteTokenizer",
+                data_path=[corpus.train_prefix],
+            )
+        )
+    )
     state = build_train_state(cfg, ParallelState.single())
     losses = per_sample_losses(state.model, held, 6, batch=4)
     assert len(losses) == 6 and len(set(losses)) == 6
@@ -96,15 +154,18 @@ def test_per_sample_losses_average_to_the_trainers_eval_loss(tmp_path):
 
 def _trained(work):
     """Each finished phase's and conversion's result file, with its modification time."""
-    files = glob.glob(f"{work}/runs/**/evals.json", recursive=True) + glob.glob(f"{work}/runs/**/after.json",
-                                                                                recursive=True)
+    files = glob.glob(f"{work}/runs/**/evals.json", recursive=True) + glob.glob(
+        f"{work}/runs/**/after.json", recursive=True
+    )
     return {f: os.stat(f).st_mtime_ns for f in files}
 
 
 def _checkout():
     """The checkout's top level and docs/, with modification times: a study must leave them alone."""
-    return {p: os.stat(p).st_mtime_ns for p in glob.glob(os.path.join(ROOT, "*")) + glob.glob(os.path.join(ROOT,
-                                                                                                        "docs", "*"))}
+    return {
+        p: os.stat(p).st_mtime_ns
+        for p in glob.glob(os.path.join(ROOT, "*")) + glob.glob(os.path.join(ROOT, "docs", "*"))
+    }
 
 
 def test_tiny_study_from_another_directory_resumes_and_writes_only_under_work(tmp_path, capsys, monkeypatch):
@@ -118,26 +179,29 @@ def test_tiny_study_from_another_directory_resumes_and_writes_only_under_work(tm
     # a study stopped after its P2R arms ...
     assert cli.main(study + ["--arms", "p2r"]) == 0
     first = _trained(work)
-    assert len(glob.glob(f"{work}/records/*.json")) == 2 and len(first) == 4   # scratch; pseudo, delink, real
+    assert len(glob.glob(f"{work}/records/*.json")) == 2 and len(first) == 4  # scratch; pseudo, delink, real
     # ... continues with the growth arm and its control, retraining nothing it finished
     assert cli.main(study + ["--arms", "p2r", "grow", "matched"]) == 0
     second = _trained(work)
-    assert {f: second[f] for f in first} == first and len(second) == len(first) + 4   # small, growth, real; control
+    assert {f: second[f] for f in first} == first and len(second) == len(first) + 4  # small, growth, real; control
     assert "4 runs (1 models x arms x 1 seeds), 2 done before" in capsys.readouterr().out
     records = {json.load(open(p))["arm"]: json.load(open(p)) for p in glob.glob(f"{work}/records/*.json")}
     control = records["scratch decayed at the FLOPs of grow ×2 (stack) at 50%"]
-    assert control["phases"][0]["end"] == 7 and all(len(p) == 3 for p in control["points"])   # [step, loss, SE]
+    assert control["phases"][0]["end"] == 7 and all(len(p) == 3 for p in control["points"])  # [step, loss, SE]
     assert len(control["final_losses"]) == 8
     # killed after a run's phases but before its record: run again, nothing is trained, the record is rebuilt
-    grow_record = [p for p in glob.glob(f"{work}/records/*.json") if "grow" in json.load(open(p))["arm"]
-                   and "scratch" not in json.load(open(p))["arm"]]
+    grow_record = [
+        p
+        for p in glob.glob(f"{work}/records/*.json")
+        if "grow" in json.load(open(p))["arm"] and "scratch" not in json.load(open(p))["arm"]
+    ]
     os.remove(grow_record[0])
     assert cli.main(study + ["--arms", "p2r", "grow", "matched"]) == 0
     assert _trained(work) == second and os.path.exists(grow_record[0])
     report = open(os.path.join(out, "p2r_study.md")).read()
     assert "| grow ×2 (stack) at 50% | 1 |" in report and "FLOPs of a last-step crossing" in report
     assert "8 samples of 16 tokens from 8 documents drawn at random (seeded)" in report
-    command = report.split("`")[1]   # reproducible anywhere: no --work, --out or --jobs of this machine
+    command = report.split("`")[1]  # reproducible anywhere: no --work, --out or --jobs of this machine
     assert command.startswith("p2r-study --data-path c.jsonl ") and "--iters 8" in command
     assert not any(flag in command for flag in ("--work", "--out", "--jobs"))
     # the same --work with other training settings is refused, naming what changed
