@@ -48,6 +48,7 @@ import torch.distributed as dist  # noqa: E402
 from measure import random_microbatches, synchronize, timed, write_json  # noqa: E402
 from megatron_p2r.arguments import config_from_values  # noqa: E402
 from megatron_p2r.layout.offload import format_bytes, memory_plan  # noqa: E402
+from megatron_p2r.optim import host_kernels  # noqa: E402
 from megatron_p2r.parallel.state import ParallelState  # noqa: E402
 from megatron_p2r.planning.estimate import make_plan  # noqa: E402
 from megatron_p2r.planning.hardware import GPU_PRESETS  # noqa: E402
@@ -202,7 +203,10 @@ def predict_host_step(args, device, mbs, calibration: str) -> dict:
         train_step(state, mbs)
     measured = statistics.median(times[2:])
     gpu = GPU_PRESETS["V100-32GB"].replace(host_bw=1e30).with_node(gpus_per_node=1)
-    plan = make_plan(state.cfg, 1, gpu, host=load_calibration(calibration))
+    # planned on the threads the measured step ran on: all-fp32 AdamW is torch's fused kernel, on
+    # torch's threads; every other setting the host kernels', on theirs (optim/host_kernels.py)
+    used = torch.get_num_threads() if type(state.optimizer.host.inner) is torch.optim.AdamW else host_kernels.threads()
+    plan = make_plan(state.cfg.replace(host_optimizer_threads=str(used)), 1, gpu, host=load_calibration(calibration))
     st = plan.stages[0]
     predicted, h = st.time_s["host_optimizer_step"], st.host_step
     print(
