@@ -3,15 +3,17 @@ bandwidth, the training stall per save with and without ``--async-save``, and ho
 during the save (``async_save_host_bytes``: the asynchronous save's host copy, per rank).
 
 The bytes are the format's (docs/checkpoint.md): every logical tensor's TP shard once, by the
-rank ``layout/ownership.py`` says stores it (which the checkpoint's tensor table reads too), as fp32 weight, the optimizer's state entries (AdamW's two moments and Lion's
-one of the weight's shape, Adafactor's factored statistics: a row and a column value per
-matrix row and column) and a 4-byte step count, whatever dtypes training keeps (safetensors headers, a few KiB per file, are not counted). Who writes follows
+ranks ``layout/ownership.py`` says store it (the description the checkpoint's tensor table and
+parallel save read too), as fp32 weight, the optimizer's state entries (AdamW's two moments
+and Lion's one of the weight's shape, Adafactor's factored statistics: a row and a column
+value per matrix row and column) and a 4-byte step count, whatever dtypes training keeps
+(safetensors headers, a few KiB per file, are not counted). Who writes follows
 ``checkpoint/io.py``: with one data-parallel rank or ``--no-ckpt-fully-parallel-save`` the
 rank of expert-data-parallel index 0 writes each shard whole, having gathered it into host
 memory; otherwise every rank writes what it owns — under the distributed optimizer its 1/DP of
 the shard's flat state (1/expert-DP for experts; the estimate ignores bucket padding), without
-it the pieces ``ownership.assign_writers`` gives it, as the save does (exact; the equal expert pieces of a
-stacked parameter counted as shared evenly).
+it the pieces ``ownership.assign_writers`` gives it, as in the save (exact; the equal expert
+pieces of a stacked parameter counted as shared evenly).
 """
 
 from __future__ import annotations
