@@ -119,6 +119,12 @@ def test_the_checkpoint_format_sits_below_conversion():
     assert f"{PKG}.checkpoint" in import_graph()[f"{PKG}.convert"]
 
 
+def test_the_planner_reads_checkpoint_ownership_from_the_plan_not_the_format():
+    """planning counts what a save writes from layout.ownership, which the checkpoint's tensor
+    table and parallel save read too, so the planner does not depend on the on-disk format."""
+    assert f"{PKG}.checkpoint" not in import_graph()[f"{PKG}.planning"]
+
+
 SUBPACKAGES = sorted(
     {
         _unit(os.path.relpath(os.path.join(folder, name), ROOT)[:-3].replace(os.sep, "."))

@@ -5,7 +5,8 @@ What a rank owns of a piece (weights and AdamW state of one logical tensor's TP 
 - under the distributed optimizer, the flat ranges its optimizer steps (``MainShard``s that
   count in the gradient norm: one member of a reduction group owns each element);
 - otherwise, the whole piece when the piece's greedy byte-balanced assignment over the
-  data-parallel (expert-data-parallel for experts) replicas names this rank.
+  data-parallel (expert-data-parallel for experts) replicas names this rank
+  (``layout.ownership.assign_writers``, which the planner reads too).
 
 ``owned_fragments`` lists (part file, fragment name, tensor) as views of the rank's state —
 no copy, so the only extra memory while writing is the one tensor a writer stages (on the
@@ -26,6 +27,7 @@ from megatron_p2r.checkpoint.naming import entry_name, shard_header_metadata
 from megatron_p2r.checkpoint.parts import fragment_name, part_file
 from megatron_p2r.checkpoint.safetensors_io import ShardWriter
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo
+from megatron_p2r.layout.ownership import WrittenPiece, assign_writers
 from megatron_p2r.optim.factored_form import FACTOR_KINDS, anchored_range, entry_of, entry_shape
 from megatron_p2r.optim.state_io import stored_state
 
@@ -33,20 +35,6 @@ CHECKSUMS_SUFFIX = ".crc32.json"  # a file's checksums, beside it until metadata
 
 # (part file, fragment name, tensor): what a rank writes
 Fragment = Tuple[str, str, torch.Tensor]
-
-
-def assign_writers(table: Dict[str, TensorInfo], layout: ShardLayout, dp: int, expert_dp: int) -> Dict[str, int]:
-    """Piece key -> the data-parallel index that writes it when every replica holds it whole:
-    greedy by bytes within each file, so the replicas of a shard write about as much each."""
-    load: Dict[Tuple[str, bool], List[int]] = {}
-    out = {}
-    for info in table.values():
-        expert = info.expert is not None
-        loads = load.setdefault((layout.file_of(info, 0), expert), [0] * (expert_dp if expert else dp))
-        writer = loads.index(min(loads))
-        loads[writer] += info.nbytes
-        out[info.key] = writer
-    return out
 
 
 def owned_fragments(
@@ -59,7 +47,10 @@ def owned_fragments(
     """Everything this rank writes: its fragments of each piece in ``pieces`` (this rank's
     pieces, ``io.rank_pieces``), as views of its own optimizer state."""
     opt, ps, c = state.optimizer, state.ps, state.ps.coords
-    writers = assign_writers(table, layout, ps.dp_size, ps.expert_dp_size)
+    written = [
+        WrittenPiece(i.key, i.stage, layout.ep_rank_of(i), i.expert is not None, i.nbytes) for i in table.values()
+    ]
+    writers = assign_writers(written, ps.dp_size, ps.expert_dp_size)
     out: List[Fragment] = []
     for info, param, j in pieces:
         local = param[0].numel() if j is not None else param.numel()

@@ -7,7 +7,7 @@ one expert of a stacked expert parameter under its **global** index
 file of its first pipeline stage (a pipeline rank: with interleaving, the stage whose model
 chunk holds the layer) (replicas on later stages — the tied output weight, a pseudo
 slot used by several stages — are not written again), of TP rank 0 when it is not split over
-TP, and of the EP rank that holds it. Data-parallel replicas therefore write once, and the
+TP, and of the EP rank that holds it (the rule: ``layout/ownership.py``). Data-parallel replicas therefore write once, and the
 same table says where every piece is for any layout, which is what lets ``reshard`` and
 ``delink`` stream tensor by tensor.
 
@@ -26,6 +26,7 @@ from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.naming import METADATA_FILE, entry_name, shard_file
 from megatron_p2r.checkpoint.safetensors_io import nbytes
 from megatron_p2r.config import Config
+from megatron_p2r.layout.ownership import stored_tensors, storing_tp_ranks
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.sharing import slot_to_layers
 from megatron_p2r.layout.tensor_specs import HeadRows
@@ -138,7 +139,7 @@ class ShardLayout:
 
     def tp_ranks_of(self, info: TensorInfo) -> range:
         """The TP ranks whose files store the piece: the first rank of each shard's replicas."""
-        return range(0, self.tp, self.tp // self.tp_shards(info)) if info.tp_dim is not None else range(1)
+        return storing_tp_ranks(self.tp, self.tp // self.tp_shards(info) if info.tp_dim is not None else None)
 
     def file_of(self, info: TensorInfo, tp_rank: int) -> str:
         """The file holding the shard TP rank ``tp_rank`` uses (shard 0 for unsplit pieces)."""
@@ -171,46 +172,32 @@ class ShardLayout:
 
 def tensor_table(cfg: Config, experts: bool = True) -> Dict[str, TensorInfo]:
     """Every piece of the model ``cfg`` describes, in file order (stage by stage), from the
-    ParallelPlan's tensor specs (checked against meta-device builds of the model). Without
+    tensors the ParallelPlan's checkpoint ownership stores (``layout.ownership``; checked against meta-device builds of the model). Without
     ``experts``, the expert pieces are left out (a 10T model has millions of them, which the
     planner counts per stacked parameter instead)."""
     plan = ParallelPlan.model_parallel(cfg)
     tp, ep = plan.layout.tp, plan.layout.ep
     users = slot_to_layers(plan.layer_keys)
     table: Dict[str, TensorInfo] = {}
-    for stage in range(len(plan.stages)):
-        for spec in plan.tensors(stage):
-            logical = spec.logical
-            mk = spec.module_key
-            common = dict(
-                param=logical,
-                dtype="F32",
-                stage=stage,
-                module_key=mk,
-                layers=tuple(users.get(mk, ())) if mk is not None else (),
-            )
-            shape = list(spec.shape)
-            if spec.tp_dim is not None:
-                shape[spec.tp_dim] *= tp
-            if spec.expert and not experts:
-                continue
-            if spec.expert:
-                for e in range(shape[0] * ep):
-                    key = expert_key(logical, e)
-                    if key not in table:
-                        table[key] = TensorInfo(
-                            key=key,
-                            shape=tuple(shape[1:]),
-                            expert=e,
-                            tp_dim=None if spec.tp_dim is None else spec.tp_dim - 1,
-                            **common,
-                        )
-            elif logical not in table:
-                if spec.tp_dim is not None:
-                    shape[spec.tp_dim] //= spec.tp_replicas
-                table[logical] = TensorInfo(
-                    key=logical, shape=tuple(shape), expert=None, tp_dim=spec.tp_dim, rows=spec.rows, **common
-                )
+    for stored in stored_tensors(plan):
+        spec, logical, mk = stored.spec, stored.logical, stored.spec.module_key
+        if spec.expert and not experts:
+            continue
+        common = dict(
+            param=logical,
+            dtype="F32",
+            stage=stored.stage,
+            module_key=mk,
+            layers=tuple(users.get(mk, ())) if mk is not None else (),
+            shape=stored.piece_shape(tp),
+        )
+        if spec.expert:
+            tp_dim = None if spec.tp_dim is None else spec.tp_dim - 1
+            for e in range(spec.shape[0] * ep):
+                key = expert_key(logical, e)
+                table[key] = TensorInfo(key=key, expert=e, tp_dim=tp_dim, **common)
+        else:
+            table[logical] = TensorInfo(key=logical, expert=None, tp_dim=spec.tp_dim, rows=spec.rows, **common)
     return table
 
 

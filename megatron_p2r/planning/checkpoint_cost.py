@@ -2,16 +2,18 @@
 bandwidth, the training stall per save with and without ``--async-save``, and host memory
 during the save (``async_save_host_bytes``: the asynchronous save's host copy, per rank).
 
-The bytes are the format's (``checkpoint/tensor_table.py``, docs/checkpoint.md): every piece's
-TP shard once, as fp32 weight, the optimizer's state entries (AdamW's two moments and Lion's
-one of the weight's shape, Adafactor's factored statistics: a row and a column value per
-matrix row and column) and a 4-byte step count, whatever dtypes training keeps (safetensors headers, a few KiB per file, are not counted). Who writes follows
+The bytes are the format's (docs/checkpoint.md): every logical tensor's TP shard once, by the
+ranks ``layout/ownership.py`` says store it (the description the checkpoint's tensor table and
+parallel save read too), as fp32 weight, the optimizer's state entries (AdamW's two moments
+and Lion's one of the weight's shape, Adafactor's factored statistics: a row and a column
+value per matrix row and column) and a 4-byte step count, whatever dtypes training keeps
+(safetensors headers, a few KiB per file, are not counted). Who writes follows
 ``checkpoint/io.py``: with one data-parallel rank or ``--no-ckpt-fully-parallel-save`` the
 rank of expert-data-parallel index 0 writes each shard whole, having gathered it into host
 memory; otherwise every rank writes what it owns — under the distributed optimizer its 1/DP of
 the shard's flat state (1/expert-DP for experts; the estimate ignores bucket padding), without
-it the pieces ``parallel_save.assign_writers`` gives it (exact; the equal expert pieces of a
-stacked parameter counted as shared evenly).
+it the pieces ``ownership.assign_writers`` gives it, as in the save (exact; the equal expert
+pieces of a stacked parameter counted as shared evenly).
 """
 
 from __future__ import annotations
@@ -21,11 +23,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_p2r.checkpoint.parallel_save import assign_writers
-from megatron_p2r.checkpoint.tensor_table import ShardLayout, tensor_table
 from megatron_p2r.config import Config
-from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.offload import DTYPE_BYTES
+from megatron_p2r.layout.ownership import StoredTensor, WrittenPiece, assign_writers, stored_tensors
+from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Layout
 from megatron_p2r.optim.factored_form import matrix_view
 
@@ -66,7 +67,7 @@ def piece_bytes(cfg: Config, shape: Sequence[int], host_copy: bool = False) -> i
 def _owners(layout: Layout, mode: str, e: int, expert: bool, writer: int = 0) -> List[int]:
     """The data-parallel indices of the ranks writing a piece of EP file ``e``: the single
     writer (expert-data-parallel index 0), every replica (``distributed``: each its 1/DP), or
-    the one ``parallel_save.assign_writers`` names (``writer``)."""
+    the one ``ownership.assign_writers`` names (``writer``)."""
     index = {"single": [0], "distributed": range(layout.expert_dp if expert else layout.dp), "assigned": [writer]}
     return [e + layout.ep * i if expert else i for i in index[mode]]
 
@@ -91,36 +92,35 @@ def rank_bytes(cfg: Config, layout: Layout, host_copy: bool = False) -> Dict[int
     on ``layout``; ranks that write nothing are absent. With ``host_copy``: the bytes of
     ``--async-save``'s host copy of what it writes (``piece_bytes``), which always takes the
     fully parallel save's share, with one data-parallel rank too."""
-    table, shards = tensor_table(cfg, experts=False), ShardLayout.of(cfg)
+    stored, tp = stored_tensors(ParallelPlan.model_parallel(cfg)), layout.tp
+    dense = [st for st in stored if not st.spec.expert]
     parallel = host_copy or (cfg.checkpoint.ckpt_fully_parallel_save and layout.dp > 1)
     mode = ("distributed" if cfg.parallel.use_distributed_optimizer else "assigned") if parallel else "single"
-    writers = assign_writers(table, shards, layout.dp, layout.expert_dp) if mode == "assigned" else {}
+    written = [WrittenPiece(st.logical, st.stage, 0, False, FP32 * math.prod(st.piece_shape(tp))) for st in dense]
+    writers = assign_writers(written, layout.dp, layout.expert_dp) if mode == "assigned" else {}
     tally = _Tally(layout)
-    for info in table.values():
-        local = shards.local_shape(info)
-        dps = _owners(layout, mode, 0, False, writers.get(info.key, 0))
-        for t in shards.tp_ranks_of(info):
-            tally.add(t, info.stage, dps, piece_bytes(cfg, local, host_copy) / len(dps), FP32 * math.prod(local))
-    _add_experts(cfg, layout, mode, tally, host_copy)
+    for st in dense:
+        local = st.spec.shape
+        dps = _owners(layout, mode, 0, False, writers.get(st.logical, 0))
+        for t in st.tp_ranks(tp):
+            tally.add(t, st.stage, dps, piece_bytes(cfg, local, host_copy) / len(dps), FP32 * math.prod(local))
+    _add_experts(cfg, layout, mode, tally, host_copy, [st for st in stored if st.spec.expert])
     return {r: (b, tally.largest[r]) for r, b in tally.bytes.items()}
 
 
-def _add_experts(cfg: Config, layout: Layout, mode: str, tally: _Tally, host_copy: bool) -> None:
+def _add_experts(
+    cfg: Config, layout: Layout, mode: str, tally: _Tally, host_copy: bool, experts: List[StoredTensor]
+) -> None:
     """Expert pieces, per stacked parameter (in the file of its first stage, of each EP rank):
     its local experts are equal pieces, which the writers of a fully parallel save share evenly
     over the expert-data-parallel replicas (each writes all of them with expert-DP 1)."""
-    plan, seen = ParallelPlan.model_parallel(cfg), set()
-    for stage in range(len(plan.stages)):
-        for spec in plan.tensors(stage):
-            if not spec.expert or spec.logical in seen:
-                continue
-            seen.add(spec.logical)
-            one = tuple(spec.shape[1:])  # an expert's piece on its TP rank
-            size = piece_bytes(cfg, one, host_copy) * spec.shape[0]
-            for e in range(layout.ep):
-                dps = _owners(layout, "distributed" if mode != "single" else mode, e, True)
-                for t in range(layout.tp) if spec.tp_dim is not None else range(1):
-                    tally.add(t, stage, dps, size / len(dps), FP32 * math.prod(one))
+    for st in experts:
+        one = tuple(st.spec.shape[1:])  # an expert's piece on its TP rank
+        size = piece_bytes(cfg, one, host_copy) * st.spec.shape[0]
+        for e in range(layout.ep):
+            dps = _owners(layout, "distributed" if mode != "single" else mode, e, True)
+            for t in st.tp_ranks(layout.tp):
+                tally.add(t, st.stage, dps, size / len(dps), FP32 * math.prod(one))
 
 
 def async_save_host_bytes(cfg: Config, layout: Layout) -> Dict[int, float]:
