@@ -114,6 +114,7 @@ def _differences() -> Dict[str, tuple]:
     }
 
 
+@pytest.mark.slow
 def test_the_step_plan_refuses_what_the_old_code_refused_and_nothing_more():
     wrong = _differences()
     assert not wrong, f"{len(wrong)} combinations differ (old, new), e.g. {dict(itertools.islice(wrong.items(), 3))}"

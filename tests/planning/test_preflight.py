@@ -41,6 +41,7 @@ def _benchmark():
     return module
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention_dropout", [0.0, 0.1])
 def test_cpu_estimate_is_within_25_percent_of_the_measured_peak(attention_dropout):
     """A real run (seq 1024, one layer, hidden 256, 8 heads) in a process of its own: the

@@ -1,3 +1,4 @@
+import pytest
 import json
 import sysconfig
 
@@ -32,6 +33,7 @@ def test_max_bytes_and_no_overwrite(tmp_path, capsys):
     assert read(out) == docs
 
 
+@pytest.mark.slow
 def test_docs_source_is_english_text_not_code(tmp_path):
     """--source docs: the reference topics, then per module its longer docstrings, without the code."""
     out = tmp_path / "d.jsonl"

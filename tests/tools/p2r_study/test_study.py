@@ -168,6 +168,7 @@ def _checkout():
     }
 
 
+@pytest.mark.slow
 def test_tiny_study_from_another_directory_resumes_and_writes_only_under_work(tmp_path, capsys, monkeypatch):
     """Issue 38, bug 3: relative paths are the caller's, the helper tools and workers run in the
     caller's directory, and the report goes under --work, never into the checkout's docs/."""
