@@ -409,12 +409,14 @@ def test_moe_layer_saves_what_the_planner_counts(overrides, monkeypatch):
     route, finish, saved, open_counts = MoELayer.route, MoELayer.finish, [], []
 
     def counted_route(layer, x):
-        seen, skip = {}, {t.untyped_storage().data_ptr() for t in (x, *layer.parameters())}
+        # storages by identity, each kept alive while counted: between route and finish a freed
+        # buffer's address is reused (the dispatch's rows), which a key by address would merge
+        seen, skip = {}, {t.untyped_storage()._cdata for t in (x, *layer.parameters())}
 
         def pack(t):
             storage = t.untyped_storage()
-            if storage.data_ptr() not in skip:
-                seen[storage.data_ptr()] = storage.nbytes()
+            if storage._cdata not in skip:
+                seen[storage._cdata] = (storage.nbytes(), storage)
             return t
 
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
@@ -426,7 +428,7 @@ def test_moe_layer_saves_what_the_planner_counts(overrides, monkeypatch):
         out = finish(layer, rows, weights, routed)
         hooks, seen = open_counts.pop()
         hooks.__exit__(None, None, None)
-        saved.append(sum(seen.values()))
+        saved.append(sum(nbytes for nbytes, _ in seen.values()))
         return out
 
     monkeypatch.setattr(MoELayer, "route", counted_route)
