@@ -19,6 +19,7 @@ from tests.harness import run_distributed
 from tests.checkpoint.common import cfg_of
 from tests.checkpoint.cost_workers import save_both_ways
 from tools.plan import main
+from tests.planning.plan_argv import SHAPE
 
 MOE = dict(num_layers=4, num_experts=4, moe_layer_freq=2, moe_ffn_hidden_size=24, expert_model_parallel_size=2)
 CASES = {
@@ -106,27 +107,7 @@ def test_the_async_copy_bytes_equal_the_planners(run, case):
     assert async_save_host_bytes(cfg_of(global_batch_size=8, **CASES[case]), _layout(cfg)) == {}
 
 
-SMALL = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--vocab-size",
-    "256",
-    "--p2r-phase",
-    "real",
-    "--world-size",
-    "16",
-    "--gpus-per-node",
-    "4",
-    "--use-distributed-optimizer",
-    "--gpu",
-    "H100-80GB",
-]
+SMALL = SHAPE + ["--world-size", "16", "--gpus-per-node", "4", "--use-distributed-optimizer", "--gpu", "H100-80GB"]
 
 
 def _checkpoint(capsys, argv) -> dict:

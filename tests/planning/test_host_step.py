@@ -17,33 +17,11 @@ from megatron_p2r.planning.estimate import step_bytes_per_element
 from megatron_p2r.planning.hardware import GPU_HOSTS, GPU_PRESETS, HOST_PRESETS, SUSTAINED_FRACTION, HostSpec
 from megatron_p2r.planning.host_step import host_bandwidth, load_calibration, threads_per_rank
 from tools.plan import check, main
+from tests.planning.plan_argv import OFFLOADED
 
 CALIBRATION = "tests/fixtures/host_calibration.json"
 ADAM_FP16 = ("adam", "fp32", "fp32", (("exp_avg", "fp32"), ("exp_avg_sq", "fp32")), "fp16")
-# Two pipeline stages, each offloading a layer (fp16 weights: AdamW steps fp32 mains, rounds fp16 weights)
-SMALL = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--vocab-size",
-    "256",
-    "--p2r-phase",
-    "real",
-    "--cpu-offload-layers",
-    "2",
-    "--fp16",
-    "--pipeline-model-parallel-size",
-    "2",
-    "--world-size",
-    "12",
-    "--gpu",
-    "V100-32GB",
-]
+SMALL = OFFLOADED
 DELAYED = ["--overlap-cpu-optimizer-d2h-h2d", "--cpu-offload-delayed-param-update"]
 
 

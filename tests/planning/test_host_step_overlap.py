@@ -10,22 +10,9 @@ import pytest
 
 from megatron_p2r.planning.estimate import overlapped_optimizer_time
 from tools.plan import main
+from tests.planning.plan_argv import TEN_T as TEN_T_BASE
 
-TEN_T = [
-    "--config",
-    "examples/m6_10t/model.yaml",
-    "--pseudo-config",
-    "examples/m6_10t/pseudo.yaml",
-    "--real-config",
-    "examples/m6_10t/real.yaml",
-    "--world-size",
-    "512",
-    "--gpu",
-    "V100-32GB",
-    "--token-budget",
-    "50B",
-    "--json",
-]
+TEN_T = TEN_T_BASE + ["--token-budget", "50B", "--json"]
 
 
 @pytest.mark.parametrize(

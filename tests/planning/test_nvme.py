@@ -17,33 +17,10 @@ from megatron_p2r.planning import estimate, memory
 from megatron_p2r.planning.hardware import GPU_PRESETS, NVME_PRESETS
 from tests.helpers import run_steps, tiny_config
 from tools.plan import main
+from tests.planning.plan_argv import OFFLOADED
 
 BASE = dict(num_layers=4, global_batch_size=4, cpu_offload_layers="0,2", bf16=True)
-SMALL = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--vocab-size",
-    "256",
-    "--p2r-phase",
-    "real",
-    "--cpu-offload-layers",
-    "2",
-    "--fp16",
-    "--pipeline-model-parallel-size",
-    "2",
-    "--world-size",
-    "12",
-    "--gpu",
-    "V100-32GB",
-    "--cpu-offload-optimizer-nvme-path",
-    "/local/nvme",
-]
+SMALL = OFFLOADED + ["--cpu-offload-optimizer-nvme-path", "/local/nvme"]
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "adafactor"])

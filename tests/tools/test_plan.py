@@ -8,19 +8,7 @@ import json
 import pytest
 
 from tools.plan import main, parse_count
-
-TEN_T = [
-    "--config",
-    "examples/m6_10t/model.yaml",
-    "--pseudo-config",
-    "examples/m6_10t/pseudo.yaml",
-    "--real-config",
-    "examples/m6_10t/real.yaml",
-    "--world-size",
-    "512",
-    "--gpu",
-    "V100-32GB",
-]
+from tests.planning.plan_argv import TEN_T
 
 
 def test_10t_plan_table_and_verification(capsys):

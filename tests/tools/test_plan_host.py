@@ -12,43 +12,11 @@ from megatron_p2r.layout.ranks import Layout
 from megatron_p2r.planning.hardware import GPU_PRESETS, GiB, TiB
 from megatron_p2r.planning.verdict import host_tier
 from tools.plan import main
+from tests.planning.plan_argv import OFFLOADED, TEN_T
 
-TEN_T = [
-    "--config",
-    "examples/m6_10t/model.yaml",
-    "--pseudo-config",
-    "examples/m6_10t/pseudo.yaml",
-    "--real-config",
-    "examples/m6_10t/real.yaml",
-    "--world-size",
-    "512",
-    "--gpu",
-    "V100-32GB",
-]
+
 # Two pipeline stages, each offloading a layer, on 12 GPUs: a full node of 8 and a node of 4.
-SMALL = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--vocab-size",
-    "256",
-    "--p2r-phase",
-    "real",
-    "--cpu-offload-layers",
-    "2",
-    "--fp16",
-    "--pipeline-model-parallel-size",
-    "2",
-    "--world-size",
-    "12",
-    "--gpu",
-    "V100-32GB",
-]
+SMALL = OFFLOADED
 
 
 def plan_json(argv, capsys) -> tuple:
