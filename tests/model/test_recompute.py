@@ -72,10 +72,11 @@ def test_recomputation_reproduces_no_recomputation_bitwise(model):
 def _saved_bytes(cfg) -> int:
     """Bytes of the distinct storages autograd keeps for backward outside recomputed regions
     (checkpointed regions keep their own, which are dropped after the forward)."""
-    storages = {}
+    storages = {}  # by address, each kept alive while counted: a freed one's address is reused
 
     def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage
         return t
 
     ps = ParallelState.single()
@@ -85,7 +86,7 @@ def _saved_bytes(cfg) -> int:
     mb = random_microbatches(cfg, 1, 2)[0]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(tokens=mb["tokens"], labels=mb["labels"])
-    return sum(n for ptr, n in storages.items() if ptr not in params)
+    return sum(storage.nbytes() for ptr, storage in storages.items() if ptr not in params)
 
 
 def test_recomputation_keeps_fewer_activations():

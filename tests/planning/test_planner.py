@@ -409,9 +409,11 @@ def test_moe_layer_saves_what_the_planner_counts(overrides, monkeypatch):
     route, finish, saved, open_counts = MoELayer.route, MoELayer.finish, [], []
 
     def counted_route(layer, x):
-        # storages by identity, each kept alive while counted: between route and finish a freed
-        # buffer's address is reused (the dispatch's rows), which a key by address would merge
-        seen, skip = {}, {t.untyped_storage()._cdata for t in (x, *layer.parameters())}
+        # storages by identity, each kept alive while counted (the skipped ones too): between
+        # route and finish a freed buffer's address is reused (the dispatch's rows; the layer's
+        # input once route no longer needs it), which a key by address would merge
+        kept = [t.untyped_storage() for t in (x, *layer.parameters())]
+        seen, skip = {}, {storage._cdata: storage for storage in kept}
 
         def pack(t):
             storage = t.untyped_storage()
