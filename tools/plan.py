@@ -51,13 +51,14 @@ Exit status: 0 when every phase fits and every check passes, 1 otherwise, 2 for 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
 import sys
 import time
 from collections import defaultdict
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from megatron_p2r.arguments import build_parser, parse_args
 from megatron_p2r.config import Config, ConfigError, parse_memory_size, validate
@@ -70,6 +71,7 @@ from megatron_p2r.planning.checkpoint_cost import FS_WRITE_BW
 from megatron_p2r.planning.estimate import Plan, make_plan
 from megatron_p2r.planning.hardware import GPU_HOSTS, GPU_PRESETS, HOST_PRESETS, NVME_PRESETS, GiB, HostSpec
 from megatron_p2r.planning.host_step import load_calibration, with_overrides
+from megatron_p2r.planning.longest_sequence import LongestSequence, longest_sequence, plan_verdict, sequence_step
 from megatron_p2r.planning.memory import logical_parameter_count
 from megatron_p2r.planning.verdict import verdict_line
 
@@ -99,7 +101,9 @@ def gap_argument(text: str):
 
 
 def planner_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
+    # no abbreviations: the flags it does not know are the training parser's (--seq-length is
+    # not an abbreviation of --seq-length-granularity)
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     g = p.add_argument_group("planner")
     g.add_argument("--world-size", type=int, required=True, help="GPUs of the run.")
     g.add_argument("--gpu", default="V100-32GB", choices=sorted(GPU_PRESETS), help="GPU preset.")
@@ -202,6 +206,17 @@ def planner_parser() -> argparse.ArgumentParser:
     g.add_argument("--real-config", help="YAML applied on top of --config for the real phase.")
     g.add_argument("--json", action="store_true", help="Print the plans as JSON.")
     g.add_argument(
+        "--max-seq-length",
+        action="store_true",
+        help="Also search each phase's longest --seq-length that fits (the planner's verdict at growing lengths).",
+    )
+    g.add_argument(
+        "--seq-length-granularity",
+        type=int,
+        default=512,
+        help="--max-seq-length asks lengths that are multiples of this (and of what the layout needs).",
+    )
+    g.add_argument(
         "--verify-rank",
         type=int,
         action="append",
@@ -238,6 +253,7 @@ _PLANNER_RANGES = [
     ("reserve", at_least(0, 2**60)),
     ("p2r_switch_iters", at_least(1)),
     ("growth_flops_ratio", positive()),
+    ("seq_length_granularity", at_least(1, 2**24)),
 ]
 
 
@@ -617,6 +633,37 @@ def p2r_summary(plans: Dict[str, Plan], configs: Dict[str, Config], args: argpar
     return summary
 
 
+def planner(args: argparse.Namespace, gpu, host: HostSpec) -> Callable[[Config], Plan]:
+    """A phase's configuration to its plan on the command line's cluster (checked first)."""
+
+    def plan_of(cfg: Config) -> Plan:
+        check(cfg, args.world_size)
+        return make_plan(
+            cfg,
+            args.world_size,
+            gpu,
+            efficiency=args.compute_efficiency,
+            host=host,
+            host_optimizer_bw=args.host_optimizer_bw,
+            token_budget=args.token_budget,
+            reserve=args.reserve,
+            fs_write_bw=args.fs_write_bw,
+            fs_node_write_bw=args.fs_node_write_bw,
+            nvme=NVME_PRESETS[args.gpu].replace(per_node=args.nvme_per_node, bw=args.nvme_bw),
+        )
+
+    return plan_of
+
+
+def longest_sequence_line(phase: str, found: LongestSequence) -> str:
+    if found.tokens is None:
+        return f"longest sequence {phase}: none fits, not even {found.step:,} tokens ({found.limit})"
+    return (
+        f"longest sequence {phase}: {found.tokens:,} tokens fit (lengths in steps of {found.step:,}, "
+        f"{len(found.tried)} plans); the next does not fit: {found.limit}"
+    )
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -642,24 +689,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 args.gpus_per_node, host_memory_per_gpu=args.host_memory, host_memory_per_node=args.host_memory_per_node
             )
         )
-        for cfg in configs.values():
-            check(cfg, args.world_size)
-        host = planned_host(args)
-        plans = {
-            phase: make_plan(
-                cfg,
-                args.world_size,
-                gpu,
-                efficiency=args.compute_efficiency,
-                host=host,
-                host_optimizer_bw=args.host_optimizer_bw,
-                token_budget=args.token_budget,
-                reserve=args.reserve,
-                fs_write_bw=args.fs_write_bw,
-                fs_node_write_bw=args.fs_node_write_bw,
-                nvme=NVME_PRESETS[args.gpu].replace(per_node=args.nvme_per_node, bw=args.nvme_bw),
-            )
+        plan_of = planner(args, gpu, planned_host(args))
+        plans = {phase: plan_of(cfg) for phase, cfg in configs.items()}
+        longest = {
+            phase: longest_sequence(plan_verdict(cfg, plan_of), sequence_step(cfg, args.seq_length_granularity))
             for phase, cfg in configs.items()
+            if args.max_seq_length
         }
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -692,6 +727,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "plans": {k: v.to_dict() for k, v in plans.items()},
                     "p2r": p2r,
                     "verification": verification,
+                    "longest_sequence": {k: dataclasses.asdict(v) for k, v in longest.items()},
                     "ok": ok,
                 },
                 indent=1,
@@ -699,6 +735,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
         return 0 if ok else 1
     print(format_plans(plans))
+    for phase, found in longest.items():
+        print(longest_sequence_line(phase, found))
     if p2r is not None:
         print(format_p2r(p2r))
     for phase, checks in verification.items():
