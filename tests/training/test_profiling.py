@@ -63,6 +63,26 @@ def test_trace_holds_megatrons_window_only(tmp_path, start, end):
     assert train_steps_traced(events) == end - max(start, 1)
 
 
+def test_a_resumed_run_counts_the_steps_of_this_run(tmp_path):
+    """As Megatron-LM's torch profiler, whose schedule starts at 0 in every run: resumed at
+    iteration 3, --profile-step-start 1 --profile-step-end 3 traces this run's steps 1 and 2
+    (iterations 4 and 5), not iterations 1 and 2."""
+    save = str(tmp_path / "ckpt")
+    pretrain(profiled(profile=False, train_iters=3, save=save))
+    pretrain(
+        profiled(
+            train_iters=6,
+            load=save,
+            use_pytorch_profiler=True,
+            profile_step_start=1,
+            profile_step_end=3,
+            tensorboard_dir=str(tmp_path / "tb"),
+        )
+    )
+    events = trace_events(tmp_path / "tb")
+    assert profiler_steps(events) == [1, 2] and train_steps_traced(events) == 2
+
+
 def test_without_tensorboard_dir_the_trace_goes_to_torch_profile(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     pretrain(profiled(use_pytorch_profiler=True, profile_step_start=1, profile_step_end=2))
