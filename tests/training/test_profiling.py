@@ -48,19 +48,21 @@ def train_steps_traced(events) -> int:
     )
 
 
-@pytest.mark.parametrize("start, end", [(2, 4), (0, 2), (1, 5)])
+@pytest.mark.parametrize("start, end", [(2, 4), (0, 2), (1, 5), (3, 9)])
 def test_trace_holds_megatrons_window_only(tmp_path, start, end):
     """Megatron-LM's schedule (wait = start - 1, warmup 1, active = end - start, stepped at the top
     of each pass): ProfilerStep#start .. #end-1, each wrapping the step that makes that iteration;
-    with start 0 the window opens before the first step (#0 holds no step)."""
+    with start 0 the window opens before the first step (#0 holds no step). A run of 5 steps that
+    ends inside the window (3, 9) writes the steps it made: #3 .. #5."""
     pretrain(
         profiled(
             use_pytorch_profiler=True, profile_step_start=start, profile_step_end=end, tensorboard_dir=str(tmp_path)
         )
     )
     events = trace_events(tmp_path)
-    assert profiler_steps(events) == list(range(start, end))
-    assert train_steps_traced(events) == end - max(start, 1)
+    last = min(end, 6)  # train_iters 5: the run's last step is ProfilerStep#5
+    assert profiler_steps(events) == list(range(start, last))
+    assert train_steps_traced(events) == last - max(start, 1)
 
 
 def test_a_resumed_run_counts_the_steps_of_this_run(tmp_path):
