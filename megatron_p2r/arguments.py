@@ -32,6 +32,7 @@ from megatron_p2r.config.megatron import (
     parsed_flags,
     unbuilt_values,
 )
+from megatron_p2r.config.fields import field_default
 from megatron_p2r.config.ranges import field_kind
 from megatron_p2r.files import MiB, read_bounded
 
@@ -353,7 +354,7 @@ def to_argv(cfg: Config) -> list:
     argv = []
     for section, f in all_fields():
         value = getattr(getattr(cfg, section), f.name)
-        if value == f.default or value is None:
+        if value == field_default(f) or value is None:
             continue
         if isinstance(value, bool):
             argv.append(field_flag(f))

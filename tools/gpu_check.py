@@ -74,8 +74,9 @@ STEPS = [
         "train",
         70,
         25,
-        ("test_numerics.py", "test_multirank.py"),
-        what="one rank, --bf16 with the default flags then fp32, vs CPU; 2 ranks with gloo over CUDA tensors",
+        ("test_numerics.py", "test_multirank.py", "test_profiling.py"),
+        what="one rank, --bf16 with the default flags then fp32, vs CPU; 2 ranks with gloo over CUDA tensors; "
+        "the profiler flags (CUDA kernels in the trace, the nsys range, the memory snapshot)",
     ),
     Plan(
         "offload",

@@ -24,6 +24,7 @@ from megatron_p2r.config.offload import (
 )
 from megatron_p2r.config.optimizers import OPTIMIZERS, OptimizerSpec
 from megatron_p2r.config.p2r import P2RConfig, parse_share_pattern
+from megatron_p2r.config.profiling import ProfilingConfig
 from megatron_p2r.config.parallel import ParallelConfig, stage_layer_counts
 from megatron_p2r.config.batch import (
     data_parallel_size,
@@ -48,6 +49,7 @@ __all__ = [
     "CheckpointConfig",
     "LoggingConfig",
     "OffloadConfig",
+    "ProfilingConfig",
     "SECTIONS",
     "validate",
     "check_values",

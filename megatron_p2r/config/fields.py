@@ -3,13 +3,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import field
 
 
 def opt(default, help: str, **kwargs):
     """A dataclass field that is also a CLI flag (``choices``, ``nargs`` go to argparse; ``on_flag``:
-    a switch on by default also takes --NAME, see ``arguments.field_flags``)."""
-    return field(default=default, metadata={"help": help, **kwargs})
+    a switch on by default also takes --NAME, see ``arguments.field_flags``). A list default
+    (Megatron-LM's ``--profile-ranks 0``) is copied into each config."""
+    metadata = {"help": help, **kwargs}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def field_default(f: dataclasses.Field):
+    """The default of a field made by ``opt``, a list default included."""
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 class ConfigError(ValueError):

@@ -262,19 +262,6 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
     ),
     (
         NO_EFFECT,
-        "Megatron-LM's profiler hook is not integrated",
-        (
-            "--profile",
-            "--profile-step-start",
-            "--profile-step-end",
-            "--use-pytorch-profiler",
-            "--profile-ranks",
-            "--record-memory-history",
-            "--memory-snapshot-path",
-        ),
-    ),
-    (
-        NO_EFFECT,
         _RESILIENCE,
         (
             "--inprocess-restart",

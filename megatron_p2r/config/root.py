@@ -1,4 +1,4 @@
-"""``Config``: the eight sections together, frozen once built (the batch arithmetic is ``batch.py``).
+"""``Config``: the nine sections together, frozen once built (the batch arithmetic is ``batch.py``).
 
 A config is never changed in place: ``cfg.replace(vocab_size=..., p2r_phase=...)`` returns a
 new one, so a value checked by ``validate`` is the value every module reads.
@@ -16,6 +16,7 @@ from megatron_p2r.config.logging import LoggingConfig
 from megatron_p2r.config.model import ModelConfig
 from megatron_p2r.config.offload import OffloadConfig
 from megatron_p2r.config.p2r import P2RConfig
+from megatron_p2r.config.profiling import ProfilingConfig
 from megatron_p2r.config.parallel import ParallelConfig
 from megatron_p2r.config.train import TrainConfig
 
@@ -30,6 +31,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

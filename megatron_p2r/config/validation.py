@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_p2r.config import checkpoint, data, logging, model, offload, p2r, parallel, train
+from megatron_p2r.config import checkpoint, data, logging, model, offload, p2r, parallel, profiling, train
 from megatron_p2r.config.batch import (
     data_parallel_size,
     global_batch_size,
@@ -29,6 +29,7 @@ RANGE_TABLES = {
     "checkpoint": checkpoint.RANGES,
     "logging": logging.RANGES,
     "offload": offload.RANGES,
+    "profiling": profiling.RANGES,
 }
 
 
@@ -50,6 +51,7 @@ def validate(cfg: Config, world_size: int) -> None:
     cfg.train.check()
     cfg.data.check()
     cfg.logging.check(cfg.checkpoint.save)
+    cfg.profiling.check(world_size)
     _check_batch(cfg, world_size)
     _check_length(cfg, world_size)
     _check_inputs(cfg)

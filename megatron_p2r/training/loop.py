@@ -19,6 +19,7 @@ from megatron_p2r.planning.memory import stage_state_bytes
 from megatron_p2r.training.data import build_datasets, microbatch_iterator, take
 from megatron_p2r.training.evaluation import evaluate, evaluate_and_log
 from megatron_p2r.training.launch import init_distributed, resolve_device, resolve_vocab, setup_parallel
+from megatron_p2r.training.profiling import StepProfiler, start_memory_history
 from megatron_p2r.training.saving import ExitSignal, save, save_and_check_exit, save_at_end
 from megatron_p2r.training.state import TrainingStopped, TrainState, build_train_state, describe_memory
 from megatron_p2r.training.step import train_step
@@ -55,6 +56,7 @@ def pretrain(cfg: Config) -> dict:
 
 
 def _run(cfg: Config, ps: ParallelState, plan: ParallelPlan, started: float) -> dict:
+    start_memory_history(cfg, ps)  # before the model is built: its allocations are history too
     state = build_train_state(cfg, ps, plan)
     logs = ps.rank == log_rank(ps)
     logger = TrainingLogger(
@@ -116,23 +118,29 @@ def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger, started
     window = _LogWindow(state.consumed_samples)
     first_iteration, last_iteration = state.iteration, train_iters(cfg, world)
     state.model.train()
-    while state.iteration < last_iteration:
-        lr = state.scheduler.lr
-        reliability.before_step(state.iteration + 1, ps.rank)
-        n_mb = num_microbatches(cfg, world, state.consumed_samples)
-        out = train_step(state, take(data, n_mb, "training"))
-        reliability.after_step(state.iteration, ps.rank)
-        losses.append(out["lm_loss"])
-        window.steps += 1
-        _stop_after_skipped_steps(state, out, logger)
-        if state.iteration % cfg.logging.log_interval == 0:
-            record = _training_record(state, out, lr, losses[-window.steps :], window)
-            logger.log(record, format_line(record))
-            window.reset(state.consumed_samples)
-        if cfg.logging.evaluates and state.iteration % cfg.logging.eval_interval == 0:
-            eval_losses.append(evaluate_and_log(state, valid_ds, logger))
-        if save_and_check_exit(state, logger, exit_signal):
-            return {"losses": losses, "eval_losses": eval_losses, "exited_early": True}
+    profiler = StepProfiler(cfg, ps, first_iteration)
+    try:
+        while state.iteration < last_iteration:
+            profiler.before_step(state.iteration)
+            lr = state.scheduler.lr
+            reliability.before_step(state.iteration + 1, ps.rank)
+            n_mb = num_microbatches(cfg, world, state.consumed_samples)
+            out = train_step(state, take(data, n_mb, "training"))
+            reliability.after_step(state.iteration, ps.rank)
+            profiler.after_step(state.iteration)
+            losses.append(out["lm_loss"])
+            window.steps += 1
+            _stop_after_skipped_steps(state, out, logger)
+            if state.iteration % cfg.logging.log_interval == 0:
+                record = _training_record(state, out, lr, losses[-window.steps :], window)
+                logger.log(record, format_line(record))
+                window.reset(state.consumed_samples)
+            if cfg.logging.evaluates and state.iteration % cfg.logging.eval_interval == 0:
+                eval_losses.append(evaluate_and_log(state, valid_ds, logger))
+            if save_and_check_exit(state, logger, exit_signal):
+                return {"losses": losses, "eval_losses": eval_losses, "exited_early": True}
+    finally:
+        profiler.close()  # a window the run did not finish is written with the steps it has
     save_at_end(state, logger, first_iteration)
     return {"losses": losses, "eval_losses": eval_losses}
 

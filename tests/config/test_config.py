@@ -155,7 +155,17 @@ def test_expert_prototypes_must_be_at_least_one():
 
 def test_config_is_frozen_and_replace_returns_a_new_one():
     cfg = config_from_values(BASE)
-    for section in (cfg.model, cfg.parallel, cfg.train, cfg.p2r, cfg.data, cfg.checkpoint, cfg.logging, cfg.offload):
+    for section in (
+        cfg.model,
+        cfg.parallel,
+        cfg.train,
+        cfg.p2r,
+        cfg.data,
+        cfg.checkpoint,
+        cfg.logging,
+        cfg.offload,
+        cfg.profiling,
+    ):
         name = dataclasses.fields(section)[0].name
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(section, name, getattr(section, name))

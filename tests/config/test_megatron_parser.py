@@ -12,6 +12,7 @@ import pytest
 
 from megatron_p2r.arguments import all_fields, build_parser, field_flags, flag_statuses, parse_launch
 from megatron_p2r.config import ConfigError
+from megatron_p2r.config.fields import field_default
 from megatron_p2r.config.megatron import MEGATRON_FLAGS, STATUSES, UNBUILT_VALUES, megatron_parser
 from megatron_p2r.config.megatron_families import FAMILIES
 from tools import megatron_flags
@@ -122,8 +123,8 @@ def test_config_fields_have_megatrons_defaults():
         if action["action"] in ("store_true", "store_false"):
             if f.default not in (False, True):
                 differ[field_flags(f)[0]] = f.default
-        elif action["default"] != f.default and not (action["default"] is None and f.default is False):
-            differ[field_flags(f)[0]] = f.default
+        elif action["default"] != field_default(f) and not (action["default"] is None and f.default is False):
+            differ[field_flags(f)[0]] = field_default(f)
     assert differ == DEVIATIONS
 
 

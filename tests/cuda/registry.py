@@ -44,6 +44,9 @@ COMPILE = "tests/cuda/test_kernels.py::test_compile_inductor_cuda_codegen_matche
 PLANNER = "tests/cuda/test_planner_memory.py::test_activation_estimate_matches_cuda_allocator"
 GLOO_CUDA = "tests/cuda/test_multirank.py::test_dp2_gloo_over_cuda_tensors_on_one_gpu"
 NCCL_2GPU = "tests/cuda/test_multirank.py::test_nccl_two_gpus"
+PROFILER_TRACE = "tests/cuda/test_profiling.py::test_pytorch_profiler_traces_cuda_kernels_of_the_chosen_steps"
+NSYS_RANGE = "tests/cuda/test_profiling.py::test_nsys_range_brackets_steps_after_start_to_end"
+MEMORY_SNAPSHOT = "tests/cuda/test_profiling.py::test_memory_snapshot_holds_the_allocators_history"
 
 CUDA_ONLY = [
     E("checkpoint/async_save.py", "host_copy", '.to("cpu")', ASYNC_SAVE),
@@ -108,6 +111,12 @@ CUDA_ONLY = [
     E("training/launch.py", "resolve_device", "torch.cuda.is_available", NUMERICS),
     E("training/launch.py", "resolve_device", "torch.cuda.set_device", NUMERICS),
     E("training/launch.py", "resolve_device", 'torch.device("cuda")', NUMERICS),
+    E("training/profiling.py", "StepProfiler.__init__", 'device == "cuda"', PROFILER_TRACE),
+    E("training/profiling.py", "StepProfiler._stop", "torch.cuda.profiler", NSYS_RANGE),
+    E("training/profiling.py", "StepProfiler.before_step", "torch.cuda.profiler", NSYS_RANGE),
+    E("training/profiling.py", "dump_memory_snapshot", "torch.cuda.memory", MEMORY_SNAPSHOT),
+    E("training/profiling.py", "start_memory_history", 'device != "cuda"', MEMORY_SNAPSHOT),
+    E("training/profiling.py", "start_memory_history", "torch.cuda.memory", MEMORY_SNAPSHOT),
 ]
 
 BEHAVIOURS = [
