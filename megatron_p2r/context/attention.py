@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_p2r.context.blocks import allowed, token_positions
+from megatron_p2r.context.ring import ring_attention
 from megatron_p2r.parallel.mappings import all_to_all, gather_from_sequence_region
 
 COMM_TYPES = ("p2p", "allgather", "a2a")
@@ -144,4 +145,4 @@ def context_parallel_attention(
         return _allgather_attention(q, k, v, group, window, sink_logits, dropout_p, enable_gqa)
     if comm_type == "a2a":
         return _a2a_attention(q, k, v, group, window, sink_logits, dropout_p, enable_gqa)
-    raise NotImplementedError("--cp-comm-type p2p: ring attention is being built; use allgather or a2a")
+    return ring_attention(q, k, v, group, window, sink_logits, dropout_p)

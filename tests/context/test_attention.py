@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_p2r.context import kernels
 from megatron_p2r.context.attention import check_comm_type, context_parallel_attention
 from megatron_p2r.context.blocks import token_positions
 from megatron_p2r.model.attention import window_mask, with_sink
@@ -84,17 +85,65 @@ def _check_case(rank, size, comm_type, case, dtype):
     return (out.float() - want[0]).abs().max().item()
 
 
-def _worker(rank, size, comm_type):
+def _worker(rank, size, comm_type, math_kernel=False):
+    if math_kernel:  # the ring's blocks on the math kernel (what dropout and CUDA use) instead of CPU flash
+        kernels._uses_flash = lambda q, p: False
     for case in CASES:
         _check_case(rank, size, comm_type, case, torch.float32)
     return _check_case(rank, size, comm_type, CASES[-1], torch.bfloat16)
 
 
 @pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("comm_type", ["allgather", "a2a"])
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather", "a2a"])
 def test_matches_one_process_attention(comm_type, size):
     bf16_errors = run_distributed(_worker, size, comm_type)
     assert max(bf16_errors) <= BF16_BOUND, bf16_errors
+
+
+def test_ring_on_the_math_kernel_matches_one_process_attention():
+    run_distributed(_worker, 2, "p2p", True)
+
+
+def _global_loss(q, k, v, w, sink, seed, window):
+    torch.manual_seed(seed)  # the same dropout masks for every evaluation of this rank's blocks
+    out = context_parallel_attention(
+        q,
+        k,
+        v,
+        group=dist.group.WORLD,
+        comm_type="p2p",
+        window=window,
+        sink_logits=sink,
+        dropout_p=0.3,
+        enable_gqa=True,
+    )
+    loss = (out * w).sum()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return loss, total
+
+
+def _dropout_gradient_is_the_forwards(rank, size):
+    """With dropout the ring's backward must use the masks its forward drew: the gradient's
+    projection on a random direction equals the loss's central difference along it."""
+    q, k, v, w, logits = _inputs(8, 4, 2 * size * CHUNK, True)
+    mine = token_positions(rank, size, 2 * CHUNK)
+    leaves = [t[:, :, mine].detach().requires_grad_() for t in (q, k, v)] + [logits.detach().requires_grad_()]
+    w = w[:, :, mine]
+    loss, _ = _global_loss(*leaves[:3], w, leaves[3], 100 + rank, 5)
+    grads = torch.autograd.grad(loss, leaves)
+    direction = [torch.randn_like(t, generator=torch.Generator().manual_seed(rank)) for t in leaves[:3]]
+    direction.append(torch.randn_like(logits, generator=torch.Generator().manual_seed(99)) / size)
+    projected = sum((g * d).sum() for g, d in zip(grads, direction, strict=True)).detach()
+    dist.all_reduce(projected)
+    eps = 1e-2
+    moved = [[(t + sign * eps * d).detach() for t, d in zip(leaves, direction, strict=True)] for sign in (1, -1)]
+    plus, minus = (_global_loss(*m[:3], w, m[3], 100 + rank, 5)[1] for m in moved)
+    assert torch.allclose(projected, (plus - minus) / (2 * eps), rtol=2e-3, atol=2e-3), (projected, plus, minus)
+
+
+def test_ring_dropout_backward_uses_the_forward_masks():
+    run_distributed(_dropout_gradient_is_the_forwards, 2)
 
 
 def _refuses_indivisible_heads(rank, size):
