@@ -137,6 +137,8 @@ def context_parallel_attention(
     [b, heads, s_local, d]. Dropout draws from the caller's RNG state (each rank its own masks).
     """
     check_comm_type(comm_type)
+    if q.shape[2] % 2:
+        raise ValueError(f"context parallelism: {q.shape[2]} local tokens are not this rank's two equal chunks")
     if group is None or dist.get_world_size(group) == 1:
         positions = torch.arange(q.shape[2], device=q.device)
         visible = None if window is None else allowed(positions, positions, window)
