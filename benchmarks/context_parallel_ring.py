@@ -8,11 +8,15 @@ Two gloo processes, one thread each. Each round (medians over rounds, after one 
 interleaved in the same processes:
   CP1          rank 0 alone: the one-process core (SDPA, causal) over the whole sequence
   CP2 <type>   both ranks: ``context_parallel_attention`` for p2p, allgather and a2a
-  p2p compute  both ranks: the ring's blocks with its sends and receives replaced by nothing
+  p2p blocked  both ranks: the time p2p spends blocked in its waits (a run of its own)
+  p2p compute  both ranks: the ring's blocks with its sends and receives replaced by nothing;
+               "alone": one rank at a time, the other idle (the work, without the two ranks
+               competing for the cores)
   p2p comm     both ranks: the ring's sends alone (N-1 KV hops forward, N-1 KV and N fp32 dK/dV
                hops backward), no computation
 The ring's exposed communication is ``p2p - p2p compute``; the share hidden is
-``1 - exposed / comm``. On one host a send is a copy through loopback TCP.
+``1 - exposed / comm``. "Blocked" is the exposed communication plus the waits for the slower
+rank at each step. On one host a send is a copy through loopback TCP.
 """
 
 from __future__ import annotations
@@ -34,6 +38,23 @@ from megatron_p2r.context import ring  # noqa: E402
 from megatron_p2r.context.attention import context_parallel_attention  # noqa: E402
 from megatron_p2r.context.blocks import token_positions  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
+
+
+@contextlib.contextmanager
+def _waits_timed(waited: list):
+    """The ring as it is, with the time spent blocked in its waits added to ``waited[0]``."""
+    wait = ring._Ring.wait
+
+    def timed(works):
+        begin = time.perf_counter()
+        wait(works)
+        waited[0] += time.perf_counter() - begin
+
+    ring._Ring.wait = staticmethod(timed)
+    try:
+        yield
+    finally:
+        ring._Ring.wait = staticmethod(wait)
 
 
 @contextlib.contextmanager
@@ -96,8 +117,17 @@ def _rank(rank, size, args):
             dist.barrier()
             row[f"CP2 {comm_type}"] = _fwd_bwd(cp(comm_type), *local)
         dist.barrier()
+        waited = [0.0]
+        with _waits_timed(waited):
+            _fwd_bwd(cp("p2p"), *local)
+        row["CP2 p2p blocked"] = waited[0]
+        dist.barrier()
         with _no_communication():
             row["CP2 p2p compute"] = _fwd_bwd(cp("p2p"), *local)
+            for turn in range(size):  # each rank's blocks while the other one idles
+                dist.barrier()
+                if rank == turn:
+                    row["CP2 p2p compute alone"] = _fwd_bwd(cp("p2p"), *local)
         dist.barrier()
         row["CP2 p2p comm"] = _comm_only(local[1], local[2], group)
         if rnd:  # round 0 warms up
@@ -131,7 +161,8 @@ def main(argv=None) -> None:
     comm = slowest["CP2 p2p comm"]
     print(
         f"  ring communication {comm * 1e3:.1f} ms, exposed {exposed * 1e3:.1f} ms "
-        f"(p2p - p2p compute): {max(0.0, 1 - exposed / comm) * 100:.0f}% hidden behind the blocks"
+        f"(p2p - p2p compute): {min(1.0, max(0.0, 1 - exposed / comm)) * 100:.0f}% hidden behind the blocks; "
+        f"blocked in waits {slowest['CP2 p2p blocked'] * 1e3:.1f} ms"
     )
 
 
