@@ -6,7 +6,8 @@ total tokens, and how much of the ring's communication the block computation hid
 
 Two gloo processes, one thread each. Each round (medians over rounds, after one warm-up round),
 interleaved in the same processes:
-  CP1          rank 0 alone: the one-process core (SDPA, causal) over the whole sequence
+  CP1          rank 0 alone: the one-process core (SDPA: is_causal, or the window's mask) over the
+               whole sequence
   CP2 <type>   both ranks: ``context_parallel_attention`` for p2p, allgather and a2a
   p2p blocked  both ranks: the time p2p spends blocked in its waits (a run of its own)
   p2p compute  both ranks: the ring's blocks with its sends and receives replaced by nothing;
@@ -32,7 +33,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from megatron_p2r.context import ring  # noqa: E402
 from megatron_p2r.context.attention import context_parallel_attention  # noqa: E402
@@ -103,14 +103,14 @@ def _rank(rank, size, args):
             *t, group=group, comm_type=comm_type, window=args.window, enable_gqa=gqa
         )
 
-    def one_process(*t):
-        return F.scaled_dot_product_attention(*t, is_causal=True, enable_gqa=gqa)
+    def one_process(*t):  # no group: the one-process core (SDPA; is_causal without a window)
+        return context_parallel_attention(*t, group=None, comm_type="p2p", window=args.window, enable_gqa=gqa)
 
     times = {}
     for rnd in range(args.rounds + 1):
         row = {}
         dist.barrier()
-        if rank == 0 and args.window is None:
+        if rank == 0:
             row["CP1 (one process)"] = _fwd_bwd(one_process, q, k, v)
         dist.barrier()
         for comm_type in ("p2p", "allgather", "a2a"):
@@ -142,7 +142,7 @@ def main(argv=None) -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--window", type=int, default=None, help="sliding window (CP1 is then not timed)")
+    parser.add_argument("--window", type=int, default=None, help="sliding window (keys before the query)")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
     if args.seq % 4:
