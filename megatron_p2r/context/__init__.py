@@ -1,0 +1,1 @@
+"""Context parallelism: the sequence of each micro-batch split over the ranks of a CP group."""
