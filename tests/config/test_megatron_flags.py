@@ -139,7 +139,7 @@ def test_value_dependent_statuses():
     with pytest.raises(ConfigError) as err:
         parse_launch(BASE + ["--rope-type", "yarn", "--moe-router-dtype", "fp64", "--enable-gpt-oss", "--load", "x"])
     for refused in (
-        "--rope-type yarn: YaRN rotary scaling is not implemented",
+        "--rope-type yarn: YaRN rotary scaling is built for --multi-latent-attention only",
         "--moe-router-dtype fp64: fp64 routing is not implemented",
         "--enable-gpt-oss: with a loaded ModelOpt checkpoint",
     ):
