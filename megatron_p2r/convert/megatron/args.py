@@ -31,7 +31,7 @@ class MegatronConversionError(ConfigError):
 # Options that change the forward pass and have no equivalent here: (arg, its neutral value, why).
 _NEUTRAL = [
     ("apply_residual_connection_post_layernorm", False, "post-norm residuals (ours are pre-norm)"),
-    ("multi_latent_attention", False, "multi-latent attention"),
+    ("multi_latent_attention", False, "multi-latent attention (its Megatron-LM tensors are not read yet)"),
     ("mtp_num_layers", None, "multi-token prediction layers"),
     ("softmax_scale", None, "a custom attention softmax scale"),
     ("attention_output_gate", False, "gated attention output"),
