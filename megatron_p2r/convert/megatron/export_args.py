@@ -39,8 +39,8 @@ def check_expressible(m: ModelConfig) -> None:
     blockers = []
     if m.multi_latent_attention:
         blockers.append(
-            "--multi-latent-attention (Megatron-LM's MLA tensors are not written yet; export-hf writes "
-            "DeepseekV3ForCausalLM)"
+            "--multi-latent-attention (export to Megatron-LM's MLA tensors is not built yet; import-megatron "
+            "reads them, export-hf writes DeepseekV3ForCausalLM)"
         )
     if m.num_experts and m.moe_layer_freq != 1:
         blockers.append(
