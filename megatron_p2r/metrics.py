@@ -24,6 +24,15 @@ def model_flops_per_token(m: ModelConfig, recompute: bool = False) -> float:
     h, L = m.hidden_size, m.num_layers
     ffn_mult = 3 if m.gated_linear_unit else 2
     attention = 2 * h * (m.num_attention_heads + m.query_groups) * m.head_dim
+    core = 4 * m.seq_length * m.num_attention_heads * m.head_dim
+    if m.multi_latent_attention:  # down-, up- and output projections; scores over q/k, values over v dims
+        heads = m.num_attention_heads
+        query = heads * m.q_head_dim * (h if m.q_lora_rank is None else m.q_lora_rank) + h * (m.q_lora_rank or 0)
+        keys_values = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank * heads * (
+            m.qk_head_dim + m.v_head_dim
+        )
+        attention = query + keys_values + heads * m.v_head_dim * h
+        core = 2 * m.seq_length * heads * (m.q_head_dim + m.v_head_dim)
     dense = ffn_mult * h * m.ffn_size
     expert = (
         ffn_mult * h * m.expert_ffn_size * (m.moe_num_prototypes if m.moe_num_prototypes > 1 else m.moe_router_topk)
@@ -31,7 +40,7 @@ def model_flops_per_token(m: ModelConfig, recompute: bool = False) -> float:
     router = h * (m.num_experts or 0)
     per_layer = [attention + ((expert + router) if m.is_moe_layer(i) else dense) for i in range(L)]
     vocab = m.padded_vocab_size if m.vocab_size else 0
-    forward = 2 * (sum(per_layer) + h * vocab) + 4 * m.seq_length * m.num_attention_heads * m.head_dim * L
+    forward = 2 * (sum(per_layer) + h * vocab) + core * L
     return forward * (4 if recompute else 3)
 
 

@@ -281,8 +281,15 @@ def _memory_per_rank(argv):
     memory_per_rank.main(argv)
 
 
+def _attention_shapes(argv):
+    from benchmarks import attention_shapes
+
+    attention_shapes.main(argv)
+
+
 # (doc, the command written beside a table in it, its main, its arguments): commands of seconds
 DOCUMENTED_OUTPUTS = [
+    ("docs/attention.md", "python benchmarks/attention_shapes.py", _attention_shapes, []),
     ("docs/scale.md", "python benchmarks/korthikanti_table.py", _korthikanti_table, []),
     ("docs/scale.md", "python benchmarks/korthikanti_table.py --fits", _korthikanti_table, ["--fits"]),
     ("docs/scale.md", "python benchmarks/memory_per_rank.py --tables", _memory_per_rank, ["--tables"]),

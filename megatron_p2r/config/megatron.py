@@ -213,10 +213,18 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
     ),
     "--rope-type": MegatronFlag(
         MEANING,
-        "rotary embeddings as --position-embedding-type rope",
+        "rotary embeddings as --position-embedding-type rope; under --multi-latent-attention YaRN "
+        "(Megatron-LM's default there), or rope when --rotary-scaling-factor is 1 (then the same tables)",
         _value(str, ["rope", "yarn"]),
-        keeps=lambda value, cfg: value == "rope",
-        otherwise=(REFUSED, "YaRN rotary scaling is not implemented"),
+        keeps=lambda value, cfg: (
+            (value == "yarn" if cfg.model.multi_latent_attention and cfg.model.rotary_scaling_factor != 1.0 else True)
+            and (value == "rope" or cfg.model.multi_latent_attention)
+        ),
+        otherwise=(
+            REFUSED,
+            "YaRN rotary scaling is built for --multi-latent-attention only, where plain rope is built "
+            "with --rotary-scaling-factor 1",
+        ),
     ),
     "--moe-router-dtype": MegatronFlag(
         MEANING,

@@ -37,7 +37,6 @@ _NOT_LOGGED = (
     "not logged here: the log line and TensorBoard hold the loss, LR, grad norm, loss scale, "
     "tokens/s, TFLOP/s and memory (docs/training.md)"
 )
-_MLA = "DeepSeek-V3's multi-latent attention is not built (another issue)"
 _HYBRID = "hybrid Mamba models are not built here"
 _MUON = "read only with --optimizer muon/dist_muon/adaptive_muon, which are not built"
 
@@ -484,18 +483,8 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
     ),
     (
         NO_EFFECT,
-        _MLA + ": read only with --multi-latent-attention",
-        (
-            "--q-lora-rank",
-            "--kv-lora-rank",
-            "--qk-head-dim",
-            "--qk-pos-emb-head-dim",
-            "--v-head-dim",
-            "--rotary-scaling-factor",
-            "--mscale",
-            "--mscale-all-dim",
-            "--cache-mla-latents",
-        ),
+        "caches MLA's latents in Megatron-LM's inference engine (FlashMLA decoding): training computes the same",
+        ("--cache-mla-latents",),
     ),
     (
         NO_EFFECT,
@@ -533,7 +522,6 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
     ),
     # Not built: the math or the run would differ.
     (REFUSED, "DeepSeek-V3's multi-token prediction is not built (another issue)", ("--mtp-num-layers",)),
-    (REFUSED, _MLA, ("--multi-latent-attention",)),
     (
         REFUSED,
         "DeepSeek-V3's routing (shared experts, expert bias, group-limited and scaled top-k) is not built "

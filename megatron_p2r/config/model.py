@@ -47,6 +47,24 @@ class ModelConfig:
         "exp(a_h) with a learned logit a_h per head (attention sinks, gpt-oss).",
         choices=["vanilla", "off-by-one", "learnable"],
     )
+    # DeepSeek-V3's multi-latent attention (model/latent_attention.py), Megatron-LM's flags and defaults.
+    multi_latent_attention: bool = opt(
+        False,
+        "Multi-latent attention: queries (optionally) and keys/values projected through low-rank "
+        "latents, plus a decoupled rotary part of each query head and one rotary key shared by all heads.",
+    )
+    q_lora_rank: Optional[int] = opt(
+        None, "MLA: rank of the query latent; unset: queries projected directly from the hidden state."
+    )
+    kv_lora_rank: int = opt(32, "MLA: rank of the key/value latent.")
+    qk_head_dim: int = opt(128, "MLA: query/key dimensions per head without rotary embedding.")
+    qk_pos_emb_head_dim: int = opt(64, "MLA: query/key dimensions per head with rotary embedding (YaRN).")
+    v_head_dim: int = opt(128, "MLA: value dimensions per head.")
+    rotary_scaling_factor: float = opt(1.0, "MLA: YaRN's context extension factor (1: plain rotary).")
+    mscale: float = opt(1.0, "MLA: YaRN's mscale (the rotary tables are scaled by mscale / mscale-all-dim).")
+    mscale_all_dim: float = opt(
+        0.0, "MLA: YaRN's mscale_all_dim (also scales the softmax by its square, as DeepSeek-V3)."
+    )
     seq_length: int = opt(256, "Sequence length of a training sample.")
     max_position_embeddings: Optional[int] = opt(None, "Learned positions table size (default seq-length).")
     vocab_size: Optional[int] = opt(
@@ -140,6 +158,11 @@ class ModelConfig:
         return int(self.head_dim * self.rotary_percent)
 
     @property
+    def q_head_dim(self) -> int:
+        """MLA: query/key dimensions per head, the rotary part last."""
+        return self.qk_head_dim + self.qk_pos_emb_head_dim
+
+    @property
     def qkv_bias(self) -> bool:
         return self.add_bias or self.add_qkv_bias
 
@@ -182,6 +205,8 @@ class ModelConfig:
         """The rules between the model's fields (each field's range: ``RANGES``; the parallel split:
         ``check_split``)."""
         self._check_attention()
+        if self.multi_latent_attention:
+            self._check_latent_attention()
         if self.max_positions < self.seq_length:
             raise ConfigError(
                 f"--max-position-embeddings ({self.max_positions}) must be >= --seq-length ({self.seq_length})"
@@ -225,12 +250,38 @@ class ModelConfig:
         ]
         if scaled and self.position_embedding_type != "rope":
             raise ConfigError(f"{scaled[0]} scales rotary embeddings: it needs --position-embedding-type rope")
-        if self.position_embedding_type == "rope" and (self.rotary_dim % 2 or not self.rotary_dim):
+        if (
+            self.position_embedding_type == "rope"
+            and not self.multi_latent_attention
+            and (self.rotary_dim % 2 or not self.rotary_dim)
+        ):
             raise ConfigError(
                 f"rotary embeddings need an even, non-zero number of rotated dimensions: "
                 f"--rotary-percent {self.rotary_percent} of head dimension {self.head_dim} "
                 f"gives {self.rotary_dim}"
             )
+
+    def _check_latent_attention(self) -> None:
+        """What multi-latent attention (Megatron-LM's MLASelfAttention) does not combine with."""
+        if self.qk_pos_emb_head_dim % 2:
+            raise ConfigError(
+                f"--qk-pos-emb-head-dim ({self.qk_pos_emb_head_dim}) must be even: rotary embeddings rotate pairs"
+            )
+        unbuilt = [
+            ("--group-query-attention", self.group_query_attention, "mutually exclusive, as in Megatron-LM"),
+            ("--softmax-type", self.softmax_type != "vanilla", "attention sinks are built for standard attention"),
+            ("--window-size", self.window_size is not None, "sliding windows are built for standard attention"),
+            ("--add-qkv-bias", self.add_qkv_bias, "MLA's projections have no bias, as in Megatron-LM"),
+            ("--use-rope-scaling", self.use_rope_scaling, "MLA's rotary part scales with YaRN"),
+            (
+                "--rotary-seq-len-interpolation-factor",
+                self.rotary_seq_len_interpolation_factor is not None,
+                "MLA's rotary part scales with YaRN",
+            ),
+        ]
+        for flag, given, why in unbuilt:
+            if given:
+                raise ConfigError(f"{flag} is refused with --multi-latent-attention: {why}")
 
     def _check_experts(self) -> None:
         if self.num_experts % self.moe_num_prototypes:
@@ -323,5 +374,13 @@ RANGES = {
     "moe_input_jitter_eps": fraction(),
     "window_attn_skip_freq": at_least(1, LAYERS),
     "glu_linear_offset": Range(-1e6, 1e6),
+    "q_lora_rank": at_least(1, 2**18),
+    "kv_lora_rank": at_least(1, 2**18),
+    "qk_head_dim": at_least(1, 2**16),
+    "qk_pos_emb_head_dim": at_least(2, 2**16),
+    "v_head_dim": at_least(1, 2**16),
+    "rotary_scaling_factor": positive(),
+    "mscale": Range(0.0, 1e6),
+    "mscale_all_dim": Range(0.0, 1e6),
     "activation_func_clamp_value": positive(),
 }

@@ -30,6 +30,13 @@ SEQUENCE_PARALLEL_PARTIAL = (
     "final_norm.weight",
     "final_norm.bias",
     "attention.proj.bias",
+    # multi-latent attention's replicated down-projections and latent norms (model/latent_attention.py)
+    "attention.q_down_proj.weight",
+    "attention.kv_down_proj.weight",
+    "attention.q_layernorm.weight",
+    "attention.q_layernorm.bias",
+    "attention.kv_layernorm.weight",
+    "attention.kv_layernorm.bias",
     "mlp.fc2.bias",
     "mlp.router.weight",
     "embedding.position_embeddings.weight",
@@ -69,7 +76,10 @@ class HeadRows:
 
 
 def attention_rows(m: ModelConfig) -> Dict[str, HeadRows]:
-    """Module name under ``attention.`` -> the row layout of its weight and bias."""
+    """Module name under ``attention.`` -> the row layout of its weight and bias (none under
+    --multi-latent-attention: its up-projections split by plain row blocks, whole heads)."""
+    if m.multi_latent_attention:
+        return {}
     d = m.head_dim
     if not m.group_query_attention:
         return {"qkv": HeadRows(m.num_attention_heads, ("q", "k", "v"), d)}
@@ -141,8 +151,29 @@ def _heads(prefix: str, rows: HeadRows, in_features: int, tp: int, bias: bool) -
     return specs
 
 
+def latent_attention_tensors(m: ModelConfig, prefix: str, tp: int) -> List[TensorSpec]:
+    """The parameters of one ``model/latent_attention.py`` module: down-projections and latent norms
+    whole on every TP rank (their gradients are whole too, but partial under sequence
+    parallelism), up-projections column-parallel over heads, the output row-parallel."""
+    h, heads = m.hidden_size, m.num_attention_heads
+    if m.q_lora_rank is None:
+        specs = _column(f"{prefix}.q_proj", heads * m.q_head_dim, h, tp, False)
+    else:
+        specs = [TensorSpec(f"{prefix}.q_down_proj.weight", (m.q_lora_rank, h))]
+        if m.qk_layernorm:
+            specs += _norm(f"{prefix}.q_layernorm", m, m.q_lora_rank)
+        specs += _column(f"{prefix}.q_up_proj", heads * m.q_head_dim, m.q_lora_rank, tp, False)
+    specs.append(TensorSpec(f"{prefix}.kv_down_proj.weight", (m.kv_lora_rank + m.qk_pos_emb_head_dim, h)))
+    if m.qk_layernorm:
+        specs += _norm(f"{prefix}.kv_layernorm", m, m.kv_lora_rank)
+    specs += _column(f"{prefix}.kv_up_proj", heads * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank, tp, False)
+    return specs + _row(f"{prefix}.proj", h, heads * m.v_head_dim, tp, m.add_bias)
+
+
 def attention_tensors(m: ModelConfig, prefix: str, tp: int) -> List[TensorSpec]:
-    """The parameters of one ``model/attention.py`` module."""
+    """The parameters of one ``model/attention.py`` (or ``model/latent_attention.py``) module."""
+    if m.multi_latent_attention:
+        return latent_attention_tensors(m, prefix, tp)
     h = m.hidden_size
     specs: List[TensorSpec] = []
     if m.softmax_type == "learnable":  # the module's own parameter comes before its submodules'

@@ -80,7 +80,7 @@ def model_rotary_tables(m: ModelConfig, seq_len: int, device) -> tuple:
     )
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 
@@ -90,9 +90,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     below 1) passed through, as Megatron-LM and transformers' partial rotary do."""
     rot = cos.shape[-1]
     if rot == x.shape[-1]:
-        return (x * cos + _rotate_half(x) * sin).to(x.dtype)
+        return (x * cos + rotate_half(x) * sin).to(x.dtype)
     x_rot = x[..., :rot]
-    return torch.cat([(x_rot * cos + _rotate_half(x_rot) * sin).to(x.dtype), x[..., rot:]], dim=-1)
+    return torch.cat([(x_rot * cos + rotate_half(x_rot) * sin).to(x.dtype), x[..., rot:]], dim=-1)
 
 
 @functools.lru_cache(maxsize=8)

@@ -17,6 +17,7 @@ from torch import nn
 
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.model.attention import Attention
+from megatron_p2r.model.latent_attention import LatentAttention
 from megatron_p2r.model.mlp import MLP
 from megatron_p2r.model.norm import make_norm
 from megatron_p2r.moe.layer import MoELayer, Routed
@@ -26,7 +27,8 @@ from megatron_p2r.parallel.state import ParallelState
 
 
 class TransformerLayer(nn.Module):
-    """``recompute_core``: selective recomputation of the attention core (model/attention.py);
+    """``recompute_core``: selective recomputation of the attention core (model/attention.py, or
+    model/latent_attention.py under --multi-latent-attention);
     ``window``: this layer's sliding window (``ModelConfig.attention_window``)."""
 
     def __init__(
@@ -44,9 +46,14 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = cfg.hidden_dropout
         self.device, self.sequence_parallel = ps.device, sequence_parallel
         self.input_norm = make_norm(cfg, device)
-        self.attention = Attention(
-            cfg, ps, device, sequence_parallel=sequence_parallel, recompute_core=recompute_core, window=window
-        )
+        if cfg.multi_latent_attention:
+            self.attention = LatentAttention(
+                cfg, ps, device, sequence_parallel=sequence_parallel, recompute_core=recompute_core
+            )
+        else:
+            self.attention = Attention(
+                cfg, ps, device, sequence_parallel=sequence_parallel, recompute_core=recompute_core, window=window
+            )
         self.post_attention_norm = make_norm(cfg, device)
         if moe:
             self.mlp = MoELayer(cfg, ps, device, sequence_parallel=sequence_parallel)

@@ -32,6 +32,7 @@ from megatron_p2r.config import Config
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.tensor_specs import WORD_EMBEDDING
 from megatron_p2r.model.attention import model_rotary_tables
+from megatron_p2r.model.latent_attention import latent_rotary_tables
 from megatron_p2r.model.block import TransformerLayer
 from megatron_p2r.model.norm import make_norm
 from megatron_p2r.moe.nodes import LayerNodes
@@ -159,7 +160,7 @@ class M6Model(nn.Module):
             )
             if tied:  # a replica of the first stage's embedding; gradients summed over the embedding group
                 self.output_layer.weight.shared_name = WORD_EMBEDDING
-        self.rope_base = m.rotary_base if m.position_embedding_type == "rope" else None
+        self.rope_base = m.rotary_base if m.position_embedding_type == "rope" or m.multi_latent_attention else None
         self.layer_calls: List[Callable] = [self.layers[str(k)] for k in self.layer_keys]
         self.standalone: Set[int] = set()  # layers whose calls recompute themselves
         self.recompute_units = self._recompute_units()
@@ -214,6 +215,8 @@ class M6Model(nn.Module):
         """The rotary tables every layer of a forward reads (None without rotary positions)."""
         if self.rope_base is None:
             return None
+        if self.cfg.model.multi_latent_attention:  # MLA rotates its own part, YaRN-scaled
+            return latent_rotary_tables(self.cfg.model, seq_len, device)
         return model_rotary_tables(self.cfg.model, seq_len, device)
 
     def hidden_spec(self, tokens_shape: Tuple[int, ...]) -> Tuple[Tuple[int, ...], torch.dtype]:

@@ -64,6 +64,41 @@ def math_attention(cfg: Config, device_type: str) -> bool:
     return device_type != "cuda" and cfg.model.attention_dropout > 0
 
 
+def latent_math_attention(cfg: Config, device_type: str) -> bool:
+    """Whether multi-latent attention's SDPA call runs the math kernel: on CPU with dropout, as
+    ``math_attention``, and also whenever the value heads are narrower or wider than the query/key
+    heads (CPU's flash kernel needs one head dimension; CUDA's memory-efficient kernel does not)."""
+    m = cfg.model
+    return device_type != "cuda" and (m.attention_dropout > 0 or m.v_head_dim != m.q_head_dim)
+
+
+def _latent_attention_held(cfg: Config, n: int, ns: int, tp: int, a: int, device_type: str) -> int:
+    """What model/latent_attention.py saves: the input of the down-projections (one tensor, this
+    rank's sequence shard under sequence parallelism), the latents the up-projections read (the
+    key/value one a view of the down-projection's output beside the rotary key) and their norms,
+    the output projection's input; the kernel's q, k (concatenated from the non-rotary and rotated
+    parts) and v (a view of the key/value up-projection's output), its output and log-sum-exp;
+    or, with the math kernel (``latent_math_attention``), its fp32 copies of q, k, v and the
+    probabilities (with dropout also the mask and the dropped probabilities)."""
+    m, t = cfg.model, cfg.train
+    heads, rotary = m.num_attention_heads // tp, m.qk_pos_emb_head_dim
+    q, v, kv_up = (n * heads * d for d in (m.q_head_dim, m.v_head_dim, m.qk_head_dim + m.v_head_dim))
+    held = ns * m.hidden_size * a + v * a
+    if m.q_lora_rank is not None:
+        held += ns * m.q_lora_rank * a + (norm_held(m, ns, m.q_lora_rank, a) if m.qk_layernorm else 0)
+    if m.qk_layernorm:  # the norm's input is a view: it keeps the rotary key beside it, unless upcast
+        whole = m.normalization == "LayerNorm" or a == 4
+        held += ns * m.kv_lora_rank * a + norm_held(m, ns, m.kv_lora_rank, a) + (ns * rotary * a if whole else 0)
+    else:
+        held += ns * (m.kv_lora_rank + rotary) * a
+    selective = t.recompute == "selective"  # the recompute checkpoint saves q, k, v as a fused kernel would
+    rows = t.micro_batch_size * heads * m.seq_length
+    if selective or not latent_math_attention(cfg, device_type):
+        return held + (2 * q + kv_up) * a + (0 if selective else v * a + rows * 4)
+    probabilities = 3 if m.attention_dropout > 0 else 1
+    return held + (2 * q + v) * 4 + probabilities * rows * m.seq_length * 4
+
+
 def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int, device_type: str = "cuda") -> int:
     """What attention saves: the projections' input (this rank's sequence shard under sequence
     parallelism; one tensor shared by the query and key/value projections), q and the key/value
@@ -71,6 +106,8 @@ def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int, device_type: 
     the output and, unless selective recomputation recomputes the core, its log-sum-exp; or, with
     the math kernel (``math_attention``), what it keeps instead of q, k, v and the log-sum-exp."""
     m = cfg.model
+    if m.multi_latent_attention:
+        return _latent_attention_held(cfg, n, ns, tp, a, device_type)
     heads, d = m.num_attention_heads // tp, m.head_dim
     q, kv = n * heads * d, n * max(m.query_groups // tp, 1) * d
     selective = cfg.train.recompute == "selective"  # the recompute checkpoint saves q, k, v as a kernel would
@@ -281,7 +318,7 @@ def layer_activations(
         backward = work + h * f * a  # fc2's weight gradient
         if sequence_parallel:  # fc1's backward: its input gathered again, the input's gradient
             backward = max(backward, work + 2 * n * h * a)
-    if math_attention(cfg, device_type):
+    if math_attention(cfg, device_type) and not m.multi_latent_attention:
         backward = max(backward, _math_attention_backward(cfg, tp, device_type) - mlp_held - norm_held(m, ns, h, a))
     return LayerActivations(held=held, work=work, backward=backward)
 
@@ -347,7 +384,9 @@ def stage_activations(
     # frees it once sent (pipeline.p2p.deallocate_output); on the last stage it is the
     # final norm's saved input, counted in ``head``.
     common = 0
-    if m.position_embedding_type == "rope":
+    if m.multi_latent_attention:  # its YaRN tables, whatever --position-embedding-type
+        common += 2 * m.seq_length * m.qk_pos_emb_head_dim * 4
+    elif m.position_embedding_type == "rope":
         common += 2 * m.seq_length * m.head_dim * 4
     if part.first:
         common += _embedding_bytes(cfg, tp, ns, device_type)

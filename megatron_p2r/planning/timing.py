@@ -23,13 +23,16 @@ def stage_flops_per_microbatch(cfg: Config, plan: ParallelPlan, stage: int, offl
     n, h, T = t.micro_batch_size * m.seq_length, m.hidden_size, plan.layout.tp
     st = plan.stage(stage)
     glu = 2 if m.gated_linear_unit else 1
-    heads = m.num_attention_heads * m.head_dim / T  # query (and output) rows on a rank
-    kv = 2 * m.query_groups * m.head_dim / min(T, m.query_groups)  # key/value rows on a rank
+    if m.multi_latent_attention:
+        projections, core = _latent_attention_flops(cfg, n, T, plan.sequence_parallel)
+    else:
+        heads = m.num_attention_heads * m.head_dim / T  # query (and output) rows on a rank
+        kv = 2 * m.query_groups * m.head_dim / min(T, m.query_groups)  # key/value rows on a rank
+        projections, core = 2 * n * h * (2 * heads + kv), 4 * n * m.seq_length * heads
     twice = recomputed_positions(cfg, st, offloaded)
-    core = 4 * n * m.seq_length * heads
     total = 0.0
     for position, key in enumerate(st.layer_keys):
-        fwd = 2 * n * h * (2 * heads + kv) + core
+        fwd = projections + core
         if m.is_moe_layer(key):
             _, rows = moe_rows(cfg, n)
             router = 2 * n * m.num_experts * h / (T if plan.sequence_parallel else 1)
@@ -40,6 +43,25 @@ def stage_flops_per_microbatch(cfg: Config, plan: ParallelPlan, stage: int, offl
     if st.last:
         total += 4 * 2 * n * m.padded_vocab_size * h / T
     return total
+
+
+def _latent_attention_flops(cfg: Config, n: int, T: int, sequence_parallel: bool) -> tuple:
+    """(projections, core) forward FLOPs of one multi-latent attention layer on a rank: the
+    replicated down-projections on every token of the rank (1/TP of them under sequence
+    parallelism), the up- and output projections over its heads; scores over the query/key head
+    dimension, values over the value head dimension."""
+    m = cfg.model
+    h, heads = m.hidden_size, m.num_attention_heads / T
+    down_tokens = n / T if sequence_parallel else n
+    down = m.kv_lora_rank + m.qk_pos_emb_head_dim
+    if m.q_lora_rank is None:
+        query = n * h * heads * m.q_head_dim
+    else:
+        down += m.q_lora_rank
+        query = n * m.q_lora_rank * heads * m.q_head_dim
+    up = query + n * m.kv_lora_rank * heads * (m.qk_head_dim + m.v_head_dim) + n * heads * m.v_head_dim * h
+    core = 2 * n * m.seq_length * heads * (m.q_head_dim + m.v_head_dim)
+    return 2 * (down_tokens * h * down + up), core
 
 
 def link_time(traffic: GroupTraffic, gpu: GPUSpec) -> float:

@@ -136,10 +136,16 @@ def test_value_dependent_statuses():
     # the gpt-oss script's: plain rope and fp32 routing are ours; ModelOpt's YaRN switch only acts on a load
     assert parse_launch(BASE + ["--rope-type", "rope", "--moe-router-dtype", "fp32"])[1] == []
     assert parse_launch(BASE + ["--enable-gpt-oss"])[1][0].startswith("--enable-gpt-oss (a ModelOpt flag")
+    # multi-latent attention: YaRN (its default), or plain rope where YaRN's factor is 1 (the same tables)
+    mla = BASE + ["--multi-latent-attention", "--rotary-scaling-factor", "4"]
+    assert parse_launch(mla + ["--rope-type", "yarn"])[0].model.multi_latent_attention
+    with pytest.raises(ConfigError, match="--rope-type rope: YaRN rotary scaling is built for"):
+        parse_launch(mla + ["--rope-type", "rope"])
+    assert parse_launch(BASE + ["--multi-latent-attention", "--rope-type", "rope"])[1] == []
     with pytest.raises(ConfigError) as err:
         parse_launch(BASE + ["--rope-type", "yarn", "--moe-router-dtype", "fp64", "--enable-gpt-oss", "--load", "x"])
     for refused in (
-        "--rope-type yarn: YaRN rotary scaling is not implemented",
+        "--rope-type yarn: YaRN rotary scaling is built for --multi-latent-attention only",
         "--moe-router-dtype fp64: fp64 routing is not implemented",
         "--enable-gpt-oss: with a loaded ModelOpt checkpoint",
     ):

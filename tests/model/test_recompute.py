@@ -35,6 +35,16 @@ MODELS = {
         moe_z_loss_coeff=0.001,
     ),
     "pseudo-all": dict(p2r_phase="pseudo", share_pattern="all"),
+    # multi-latent attention: its core (value heads narrower than query/key heads) recomputed
+    "mla": dict(
+        multi_latent_attention=True,
+        q_lora_rank=12,
+        kv_lora_rank=8,
+        qk_head_dim=6,
+        qk_pos_emb_head_dim=4,
+        v_head_dim=5,
+        qk_layernorm=True,
+    ),
     # a window on every other layer, learned sinks (recomputed with the core), clamped quick-GeGLU
     "gpt-oss": dict(
         window_size="5,0",

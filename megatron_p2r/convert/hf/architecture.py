@@ -13,7 +13,15 @@ GPT2, LLAMA, MISTRAL, MIXTRAL, QWEN2 = (
     "MixtralForCausalLM",
     "Qwen2ForCausalLM",
 )
-MODEL_TYPES = {GPT2: "gpt2", LLAMA: "llama", MISTRAL: "mistral", MIXTRAL: "mixtral", QWEN2: "qwen2"}
+DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
+MODEL_TYPES = {
+    GPT2: "gpt2",
+    LLAMA: "llama",
+    MISTRAL: "mistral",
+    MIXTRAL: "mixtral",
+    QWEN2: "qwen2",
+    DEEPSEEK_V3: "deepseek_v3",
+}
 ROTARY = (LLAMA, MISTRAL, MIXTRAL, QWEN2)
 
 
@@ -23,6 +31,8 @@ class HFConversionError(ConfigError):
 
 def _default(m: ModelConfig) -> Tuple[str, str]:
     """(architecture, why) chosen by the options when none is requested."""
+    if m.multi_latent_attention:
+        return DEEPSEEK_V3, "--multi-latent-attention"
     if m.num_experts:
         return MIXTRAL, "--num-experts is set"
     if m.position_embedding_type == "learned_absolute":
@@ -53,6 +63,22 @@ def _rotary_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
     ]
 
 
+def _latent_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
+    """Multi-latent attention is DeepSeek-V3's only; DeepSeek-V3's layers are written here dense."""
+    name = arch.replace("ForCausalLM", "").replace("LMHeadModel", "")
+    if arch != DEEPSEEK_V3:
+        return [(m.multi_latent_attention, f"--multi-latent-attention ({name} has standard attention)")]
+    return [
+        (not m.multi_latent_attention, "no --multi-latent-attention (DeepseekV3's attention is latent)"),
+        (not m.qk_layernorm, "no --qk-layernorm (DeepseekV3 always normalises its latents)"),
+        (m.position_embedding_type != "rope", "--position-embedding-type learned_absolute (DeepseekV3 has none)"),
+        (m.normalization != "RMSNorm", f"--normalization {m.normalization} (DeepseekV3 uses RMSNorm)"),
+        (not m.swiglu, "no --swiglu (DeepseekV3's MLP is SwiGLU)"),
+        (m.add_bias, "biases in linear layers (DeepseekV3's attention_bias would bias its down-projections too)"),
+        (bool(m.num_experts), "--num-experts (DeepSeek's routed and shared experts are not exported yet)"),
+    ]
+
+
 def _nowhere(m: ModelConfig) -> List[Tuple[bool, str]]:
     """gpt-oss's options, which none of the exported architectures has."""
     return [
@@ -66,7 +92,7 @@ def _nowhere(m: ModelConfig) -> List[Tuple[bool, str]]:
 def _windows(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
     """Mistral and Mixtral window every layer; Qwen2 takes any pattern (layer_types)."""
     name = arch.replace("ForCausalLM", "")
-    if arch in (GPT2, LLAMA):
+    if arch in (GPT2, LLAMA, DEEPSEEK_V3):
         return [
             (
                 m.window_size is not None,
@@ -107,10 +133,12 @@ def _biases(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
 
 
 def _blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
-    return _nowhere(m) + _windows(m, arch) + _architecture_blockers(m, arch)
+    return _nowhere(m) + _windows(m, arch) + _latent_blockers(m, arch) + _architecture_blockers(m, arch)
 
 
 def _architecture_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
+    if arch == DEEPSEEK_V3:
+        return []
     if arch == GPT2:
         return [
             (

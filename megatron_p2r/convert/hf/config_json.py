@@ -6,8 +6,18 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional, Tuple
 
-from megatron_p2r.convert.hf.architecture import GPT2, LLAMA, MISTRAL, MIXTRAL, MODEL_TYPES, QWEN2, HFConversionError
-from megatron_p2r.convert.hf.config_schema import check_hf_config
+from megatron_p2r.convert.hf.architecture import (
+    DEEPSEEK_V3,
+    GPT2,
+    LLAMA,
+    MISTRAL,
+    MIXTRAL,
+    MODEL_TYPES,
+    QWEN2,
+    HFConversionError,
+)
+from megatron_p2r.convert.hf.config_schema import check_hf_config, required_field
+from megatron_p2r.convert.hf.deepseek_v3 import latent_fields, latent_values
 from megatron_p2r.config import ModelConfig
 
 # GPT2's activation_function: transformers' names for GELU's tanh formula and for exact (erf) GELU,
@@ -39,6 +49,8 @@ def hf_config(m: ModelConfig, arch: str, hf_vocab: int, dtype: str, special: Dic
     }
     if arch == GPT2:
         return {**common, **_gpt2_fields(m)}
+    if arch == DEEPSEEK_V3:
+        return {**common, **latent_fields(m)}
     cfg = {
         **common,
         "hidden_size": m.hidden_size,
@@ -134,13 +146,6 @@ def _hf_window(m: ModelConfig) -> Optional[int]:
     return windows.pop() + 1 if windows else None
 
 
-def required_field(hf: dict, key: str, where: str):
-    """``hf[key]``, or an error naming the field of ``where`` (a config.json path)."""
-    if key in hf and hf[key] is not None:
-        return hf[key]
-    raise HFConversionError(f"{where}: required field {key!r} is missing")
-
-
 def model_values_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
     """(architecture, {ModelConfig field: value}) for an HF config.json, or an error naming the field."""
     check_hf_config(hf, where)
@@ -152,6 +157,8 @@ def model_values_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
         )
     if arch == GPT2:
         return arch, _gpt2_values(hf, where)
+    if arch == DEEPSEEK_V3:
+        return arch, latent_values(hf, where)
     return arch, _rotary_values(hf, where, arch)
 
 

@@ -63,12 +63,26 @@ HF_FIELDS: Dict[str, Tuple[str, object]] = {
     "use_sliding_window": (_BOOL, None),
     "layer_types": (_LIST, None),
     "max_window_layers": (_INT, at_least(0, 2**24)),
+    # DeepSeek-V3's multi-latent attention and dense-layer count
+    "q_lora_rank": (_INT, at_least(1, 2**18)),
+    "kv_lora_rank": (_INT, at_least(1, 2**18)),
+    "qk_nope_head_dim": (_INT, at_least(1, 2**16)),
+    "qk_rope_head_dim": (_INT, at_least(2, 2**16)),
+    "v_head_dim": (_INT, at_least(1, 2**16)),
+    "first_k_dense_replace": (_INT, at_least(0, LAYERS)),
+    "rope_interleave": (_BOOL, None),
 }
 _ROPE_FIELDS = {
     "rope_type": (_STR, None),
     "type": (_STR, None),
     "rope_theta": (_FLOAT, positive()),
     "partial_rotary_factor": (_FLOAT, _ROTARY_FRACTION),
+    "factor": (_FLOAT, positive()),
+    "mscale": (_FLOAT, Range(0.0, 1e6)),
+    "mscale_all_dim": (_FLOAT, Range(0.0, 1e6)),
+    "original_max_position_embeddings": (_INT, at_least(1, 2**24)),
+    "beta_fast": (_FLOAT, positive()),
+    "beta_slow": (_FLOAT, positive()),
 }
 
 
@@ -100,3 +114,10 @@ def check_hf_config(hf, where: str) -> None:
     for key in ("rope_parameters", "rope_scaling"):
         if isinstance(hf.get(key), dict):
             _check(_ROPE_FIELDS, hf[key], where, f"{key}.")
+
+
+def required_field(hf: dict, key: str, where: str):
+    """``hf[key]``, or an error naming the field of ``where`` (a config.json path)."""
+    if key in hf and hf[key] is not None:
+        return hf[key]
+    raise HFConversionError(f"{where}: required field {key!r} is missing")

@@ -13,9 +13,9 @@ from megatron_p2r.convert.hf.architecture import HFConversionError
 from megatron_p2r.convert.hf.config_json import (
     import_vocab_divisor,
     model_values_from_hf,
-    required_field,
     sliding_window,
 )
+from megatron_p2r.convert.hf.config_schema import required_field
 from megatron_p2r.convert.hf.directory import HFDirectory, read_hf_config
 from megatron_p2r.convert.hf.rules import Rule, rules
 from megatron_p2r.convert.hf.tokenizer import HFTokenizerFiles, copy_tokenizer, find_tokenizer

@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_p2r.convert.hf.architecture import GPT2, MIXTRAL
+from megatron_p2r.convert.hf.architecture import DEEPSEEK_V3, GPT2, MIXTRAL
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.layout.tensor_specs import HeadRows, attention_rows
 
@@ -146,8 +146,26 @@ def _attention(m: ModelConfig, o: str, a: str) -> List[Rule]:
     return out
 
 
+def _latent_attention(m: ModelConfig, o: str, a: str) -> List[Rule]:
+    """DeepSeek-V3's projections are ours under other names, rows in the same order (the rotary
+    dimensions in DeepSeek's interleaved pairs on both sides: megatron-core's layout)."""
+    names = {
+        "kv_down_proj": "kv_a_proj_with_mqa",
+        "kv_layernorm": "kv_a_layernorm",
+        "kv_up_proj": "kv_b_proj",
+        "proj": "o_proj",
+        **(
+            {"q_proj": "q_proj"}
+            if m.q_lora_rank is None
+            else {"q_down_proj": "q_a_proj", "q_layernorm": "q_a_layernorm", "q_up_proj": "q_b_proj"}
+        ),
+    }
+    return [_same(f"{o}attention.{ours}.weight", f"{a}{hf}.weight") for ours, hf in names.items()]
+
+
 def _rotary_layer(m: ModelConfig, arch: str, o: str, t: str) -> List[Rule]:
-    out = [_same(o + "input_norm.weight", t + "input_layernorm.weight")] + _attention(m, o, t + "self_attn.")
+    attention = _latent_attention if arch == DEEPSEEK_V3 else _attention
+    out = [_same(o + "input_norm.weight", t + "input_layernorm.weight")] + attention(m, o, t + "self_attn.")
     out.append(_same(o + "post_attention_norm.weight", t + "post_attention_layernorm.weight"))
     if arch != MIXTRAL:
         out += [

@@ -31,7 +31,6 @@ class MegatronConversionError(ConfigError):
 # Options that change the forward pass and have no equivalent here: (arg, its neutral value, why).
 _NEUTRAL = [
     ("apply_residual_connection_post_layernorm", False, "post-norm residuals (ours are pre-norm)"),
-    ("multi_latent_attention", False, "multi-latent attention"),
     ("mtp_num_layers", None, "multi-token prediction layers"),
     ("softmax_scale", None, "a custom attention softmax scale"),
     ("attention_output_gate", False, "gated attention output"),
@@ -231,11 +230,32 @@ def _attention_values(a: SavedArgs, blockers: List[str]) -> dict:
         values.update(use_rope_scaling=True, rope_scaling_factor=float(a.get("rope_scaling_factor") or 8.0))
     if a.get("rotary_seq_len_interpolation_factor") is not None:
         values["rotary_seq_len_interpolation_factor"] = a.get("rotary_seq_len_interpolation_factor")
-    if a.get("kv_channels") not in (None, h // heads):
+    if a.get("multi_latent_attention"):
+        values.update(_latent_values(a, blockers))
+    elif a.get("kv_channels") not in (None, h // heads):
         values["kv_channels"] = a.get("kv_channels")
     if a.get("group_query_attention"):
         values.update(group_query_attention=True, num_query_groups=a.get("num_query_groups") or 1)
     return values
+
+
+def _latent_values(a: SavedArgs, blockers: List[str]) -> dict:
+    """Multi-latent attention's args (Megatron-LM's defaults where missing); MLA's --rope-type
+    defaults to YaRN, and plain rope is the same tables only with --rotary-scaling-factor 1."""
+    factor = float(a.get("rotary_scaling_factor", default=1.0))
+    if a.get("rope_type") == "rope" and factor != 1.0:
+        blockers.append(f"--rope-type rope with --rotary-scaling-factor {factor} (MLA's rope here is YaRN)")
+    return dict(
+        multi_latent_attention=True,
+        q_lora_rank=a.get("q_lora_rank"),
+        kv_lora_rank=a.get("kv_lora_rank", default=32),
+        qk_head_dim=a.get("qk_head_dim", default=128),
+        qk_pos_emb_head_dim=a.get("qk_pos_emb_head_dim", default=64),
+        v_head_dim=a.get("v_head_dim", default=128),
+        rotary_scaling_factor=factor,
+        mscale=float(a.get("mscale", default=1.0)),
+        mscale_all_dim=float(a.get("mscale_all_dim", default=0.0)),
+    )
 
 
 def _skip_freq(pattern: list, layers: int, blockers: List[str]) -> Optional[int]:

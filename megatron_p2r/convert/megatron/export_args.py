@@ -37,6 +37,11 @@ class MegatronLayout:
 def check_expressible(m: ModelConfig) -> None:
     """Refuse, naming each, the options of ours that Megatron-LM's GPT model cannot express."""
     blockers = []
+    if m.multi_latent_attention:
+        blockers.append(
+            "--multi-latent-attention (export to Megatron-LM's MLA tensors is not built yet; import-megatron "
+            "reads them, export-hf writes DeepseekV3ForCausalLM)"
+        )
     if m.num_experts and m.moe_layer_freq != 1:
         blockers.append(
             f"--moe-layer-freq {m.moe_layer_freq} (ours puts MoE in layers k-1, 2k-1, ...; Megatron's "

@@ -8,6 +8,8 @@ tensor: per layer with its global index, per expert with its global index.
     decoder.layers.N.self_attention.linear_qkv.{weight,bias}            column-parallel (dim 0)
     decoder.layers.N.self_attention.linear_proj.{weight,bias}           row-parallel (weight dim 1)
     decoder.layers.N.self_attention.core_attention.softmax_offset [heads]  --softmax-type learnable, split over TP
+    decoder.layers.N.self_attention.linear_{q,kv}_{down,up}_proj.weight, linear_q_proj.weight,
+        {q,kv}_layernorm.weight                                         --multi-latent-attention (local spec)
     decoder.layers.N.pre_mlp_layernorm.{weight,bias}                    TE: mlp.linear_fc1.layer_norm_*
     decoder.layers.N.mlp.linear_fc1.{weight,bias}                       column-parallel; gated (SwiGLU, quick-GeGLU): [gate; up]
     decoder.layers.N.mlp.linear_fc2.{weight,bias}                       row-parallel
@@ -93,6 +95,17 @@ def split_local_expert(rest: str) -> Optional[Tuple[int, str]]:
     return (int(m.group(1)), m.group(2)) if m.group(1) is not None else (int(m.group(4)), m.group(3))
 
 
+# Multi-latent attention's column-parallel projections; the local spec's down-projections too
+# (ColumnParallelLinear, gathered after), where Transformer Engine's are whole on every rank.
+_LATENT_COLUMNS = (
+    "linear_q_proj",
+    "linear_q_down_proj",
+    "linear_q_up_proj",
+    "linear_kv_down_proj",
+    "linear_kv_up_proj",
+)
+
+
 def tp_dim(name: str) -> Optional[int]:
     """The dimension Megatron splits ``name`` over TP (column-parallel 0, row-parallel weight 1)."""
     if name in (WORD_EMBEDDINGS, OUTPUT_LAYER):
@@ -101,7 +114,7 @@ def tp_dim(name: str) -> Optional[int]:
     module = module.rpartition(".")[2]
     if kind == "softmax_offset":  # one per head: the heads are split over TP
         return 0
-    if module in ("linear_qkv", "linear_fc1"):
+    if module in ("linear_qkv", "linear_fc1", *_LATENT_COLUMNS):
         return 0
     return 1 if module in ("linear_proj", "linear_fc2") and kind == "weight" else None
 

@@ -6,6 +6,8 @@ group per head is exactly our ``attention.qkv`` layout ``[heads, (q, k, v), head
 --group-query-attention our ``attention.query`` ``[heads, head_dim]`` and
 ``attention.key_value`` ``[groups, (k, v), head_dim]`` are both regrouped from it (query head i
 is in group i // (heads/groups) in both).
+Multi-latent attention's tensors are ours under Megatron's names, rows unchanged (the
+rotary dimensions in interleaved pairs on both sides).
 A gated MLP's (SwiGLU, quick-GeGLU) ``linear_fc1`` is [gate; up], ours interleaves the rows
 (gate_j, up_j). The vocabulary
 matrices keep Megatron's padded rows (zero rows are added when our padding needs more).
@@ -46,6 +48,13 @@ _LAYER_MODULES = {
     "attention.q_layernorm": "self_attention.q_layernorm",
     "attention.k_layernorm": "self_attention.k_layernorm",
     "attention.proj": "self_attention.linear_proj",
+    # multi-latent attention (megatron-core's MLASelfAttention)
+    "attention.q_proj": "self_attention.linear_q_proj",
+    "attention.q_down_proj": "self_attention.linear_q_down_proj",
+    "attention.q_up_proj": "self_attention.linear_q_up_proj",
+    "attention.kv_down_proj": "self_attention.linear_kv_down_proj",
+    "attention.kv_up_proj": "self_attention.linear_kv_up_proj",
+    "attention.kv_layernorm": "self_attention.kv_layernorm",
     "post_attention_norm": "pre_mlp_layernorm",
     "mlp.fc1": "mlp.linear_fc1",
     "mlp.fc2": "mlp.linear_fc2",
@@ -62,7 +71,7 @@ _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _EXPERT_KEY = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)")
 _LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias|softmax_offset)")
 _NORM_WEIGHT = re.compile(
-    r"(layers\.\d+\.(input_norm|post_attention_norm|attention\.[qk]_layernorm)"
+    r"(layers\.\d+\.(input_norm|post_attention_norm|attention\.(?:[qk]|kv)_layernorm)"
     r"|final_norm)\.weight"
 )
 _ATTENTION = re.compile(r"layers\.\d+\.attention\.(qkv|query|key_value)\.(weight|bias)")

@@ -24,12 +24,13 @@ def test_import_gives_megatrons_logits(errors, name, tp):
 
 def test_the_fixtures_cover_megatrons_layouts():
     """Both formats, TP > 1, PP > 1 (also with virtual pipeline chunks), EP > 1, bf16, optimizer
-    state, the three model kinds, grouped-GEMM experts (GroupedMLP) and gpt-oss's options
-    (windows, sinks split over TP, clamped quick-GeGLU: dense and experts) are among the fixtures."""
+    state, the three model kinds, grouped-GEMM experts (GroupedMLP), gpt-oss's options
+    (windows, sinks split over TP, clamped quick-GeGLU: dense and experts) and multi-latent
+    attention (both formats, TP2) are among the fixtures."""
     files = {name: os.listdir(os.path.join(fixture_logits(name)[0], "iter_0000003")) for name in FIXTURES}
     assert any("common.pt" in f for f in files.values()) and any("mp_rank_01" in f for f in files.values())
     assert any("mp_rank_00_001" in f for f in files.values())
-    assert {"gpt", "llama", "mixtral", "gptoss"} == {name.split("_")[0] for name in FIXTURES}
+    assert {"gpt", "llama", "mixtral", "gptoss", "mla"} == {name.split("_")[0] for name in FIXTURES}
     assert any("bf16" in name for name in FIXTURES) and any("_pp2" in name for name in FIXTURES)
     assert any("_vp2" in name for name in FIXTURES)
     assert any(os.path.isfile(os.path.join(ROOT, name, "adam_state.pt")) for name in FIXTURES)
