@@ -98,8 +98,9 @@ STEPS = [
         "kernels",
         90,
         60,
-        ("test_kernels.py",),
-        what="SDPA flash/efficient with dropout, fp16 loss scaling, precision-aware fused AdamW, --compile",
+        ("test_kernels.py", "test_context.py"),
+        what="SDPA flash/efficient with dropout, fp16 loss scaling, precision-aware fused AdamW, multi-latent "
+        "attention, context parallelism's block kernel and sink-aware SDPA, --compile",
     ),
     Plan("planner", 50, 20, ("test_planner_memory.py",), what="the planner's activations vs the CUDA allocator"),
     Plan("mfu", 75, 60, bench="mfu.py", what="MFU of a 1B-class bf16 model at seq 4096"),

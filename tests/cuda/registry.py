@@ -47,6 +47,9 @@ NCCL_2GPU = "tests/cuda/test_multirank.py::test_nccl_two_gpus"
 PROFILER_TRACE = "tests/cuda/test_profiling.py::test_pytorch_profiler_traces_cuda_kernels_of_the_chosen_steps"
 NSYS_RANGE = "tests/cuda/test_profiling.py::test_nsys_range_brackets_steps_after_start_to_end"
 MEMORY_SNAPSHOT = "tests/cuda/test_profiling.py::test_memory_snapshot_holds_the_allocators_history"
+MLA = "tests/cuda/test_kernels.py::test_latent_attention_trains_like_cpu"
+CP_BLOCK = "tests/cuda/test_context.py::test_ring_block_kernel_matches_sdpa_on_the_block"
+CP_SINKS = "tests/cuda/test_context.py::test_sink_aware_sdpa_matches_the_cpu"
 
 CUDA_ONLY = [
     E("checkpoint/async_save.py", "host_copy", '.to("cpu")', ASYNC_SAVE),
@@ -55,11 +58,14 @@ CUDA_ONLY = [
     E("checkpoint/io.py", "_rng_tensors", 'device == "cuda"', RESUME),
     E("checkpoint/io.py", "_rng_tensors", "torch.cuda.get_rng_state", RESUME),
     E("checkpoint/safetensors_io.py", "ShardWriter.write", '.to("cpu")', RESUME),
+    E("context/attention.py", "sdpa_with_sinks", "scaled_dot_product_attention", CP_SINKS),
+    E("context/kernels.py", "_uses_flash", 'device == "cpu"', CP_BLOCK),
     E("lifecycle.py", "check_run_fits", 'device == "cuda"', PREFLIGHT),
     E("lifecycle.py", "check_run_fits", "torch.cuda.mem_get_info", PREFLIGHT),
     E("metrics.py", "peak_memory_bytes", 'device == "cuda"', NUMERICS),
     E("metrics.py", "peak_memory_bytes", "torch.cuda.max_memory_allocated", NUMERICS),
     E("model/attention.py", "Attention.core", "scaled_dot_product_attention", SDPA),
+    E("model/latent_attention.py", "LatentAttention.core", "scaled_dot_product_attention", MLA),
     E("model/compiled.py", "CompiledForward.__call__", "torch.compile", COMPILE),
     E("model/compiled.py", "CompiledForward.__init__", "torch.compile", COMPILE),
     E("moe/grouped_mm.py", "grouped_matmul", "grouped_mm", GROUPED + "[gelu]"),
@@ -101,6 +107,7 @@ CUDA_ONLY = [
     E("pipeline/schedules.py", "_BusyTimer._sync", "torch.cuda.synchronize", BUSY),
     E("planning/activations.py", "_embedding_bytes", 'device == "cuda"', PLANNER + "[bf16]"),
     E("planning/activations.py", "layer_activations", 'device == "cuda"', PLANNER + "[bf16]"),
+    E("planning/activations.py", "latent_math_attention", 'device != "cuda"', PLANNER + "[bf16_mla]"),
     E("planning/activations.py", "math_attention", 'device != "cuda"', PLANNER + "[bf16_dropout]"),
     E("planning/activations.py", "sinks_unmodelled", 'device != "cuda"', PLANNER + "[bf16]"),
     E("planning/preflight.py", "rank_memory", 'device == "cuda"', PREFLIGHT),

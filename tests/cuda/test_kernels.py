@@ -1,6 +1,7 @@
 """Kernels only CUDA selects, each against the same run on CPU (``tests/cuda/compare.py``): SDPA's
 flash and memory-efficient kernels with attention dropout, fp16 dynamic loss scaling fed by the
-infs of CUDA kernels, the precision-aware AdamW's fused kernel on bf16 moments, and ``--compile``
+infs of CUDA kernels, the precision-aware AdamW's fused kernel on bf16 moments, multi-latent
+attention's SDPA (value heads narrower than the keys'), and ``--compile``
 through inductor's CUDA code generation (last: its compilation is the slowest part of the lane)."""
 
 from tests.cuda.probe import skip_without_cuda
@@ -16,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from megatron_p2r.model.compiled import CompiledForward  # noqa: E402
 from megatron_p2r.optim.precision_aware import PrecisionAwareAdamW  # noqa: E402
-from tests.cuda.compare import assert_16bit_close, cpu_run, grad_errors, relative, train  # noqa: E402
+from tests.cuda.compare import assert_16bit_close, assert_fp32_close, cpu_run, grad_errors, relative, train  # noqa: E402
 from tests.cuda.test_checkpoint import DROPOUT_LOSS  # noqa: E402
 from tests.cuda.test_numerics import SHAPE  # noqa: E402
 
@@ -83,6 +84,31 @@ def test_precision_aware_adamw_fused_kernel_on_bf16_moments(lane, record_propert
     moments = {v.dtype for s in inner.state.values() for k, v in s.items() if k.startswith("exp_avg")}
     assert moments == {torch.bfloat16}, moments
     assert_16bit_close(record_property, values, 3, losses, grads, bf16=True)
+
+
+MLA = dict(
+    multi_latent_attention=True,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_head_dim=32,
+    qk_pos_emb_head_dim=16,
+    v_head_dim=32,
+    qk_layernorm=True,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    rotary_scaling_factor=4.0,
+    mscale_all_dim=0.8,
+)
+
+
+def test_latent_attention_trains_like_cpu(lane, record_property):
+    """``--multi-latent-attention`` in fp32: SDPA with value heads narrower than the query/key
+    heads and the YaRN-scaled softmax on CUDA's kernels, 3 steps against the CPU run."""
+    values = {**SHAPE, **MLA}
+    cfg = lane.config(values)
+    losses, grads, _ = train(cfg, lane.parallel(cfg), 3)
+    ref_losses, ref_grads, _ = cpu_run(values, 3, bf16=False)
+    assert_fp32_close(record_property, losses, grads, ref_losses, ref_grads)
 
 
 def test_compile_inductor_cuda_codegen_matches_eager(lane, record_property):

@@ -1,5 +1,5 @@
 """The planner's activation model (its CUDA variant, as ``tools/plan.py --json`` reports it for
-one stage with one micro-batch in flight) against the CUDA caching allocator, for 6 shapes:
+one stage with one micro-batch in flight) against the CUDA caching allocator, for 7 shapes:
 one forward + backward of one micro-batch.
 
 Measured after a warm-up step, so the gradients already exist (backward accumulates into them)
@@ -37,6 +37,16 @@ CASES = {
         untie_embeddings_and_output_weights=True,
     ),
     "bf16_dropout": dict(bf16=True, hidden_dropout=0.1, attention_dropout=0.1),
+    "bf16_mla": dict(
+        bf16=True,
+        multi_latent_attention=True,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_head_dim=16,
+        qk_pos_emb_head_dim=8,
+        v_head_dim=16,
+        position_embedding_type="rope",
+    ),
     # capacity 0.5 fills every expert (the planner assumes balanced routing)
     "bf16_moe_top2": dict(
         bf16=True, num_experts=8, moe_router_topk=2, moe_capacity_factor=0.5, moe_layer_freq=2, moe_z_loss_coeff=0.01
