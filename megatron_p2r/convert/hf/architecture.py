@@ -6,15 +6,48 @@ from typing import List, Optional, Tuple
 
 from megatron_p2r.config import ConfigError, ModelConfig
 
-GPT2, LLAMA, MISTRAL, MIXTRAL, QWEN2 = (
+GPT2, LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE = (
     "GPT2LMHeadModel",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
-MODEL_TYPES = {GPT2: "gpt2", LLAMA: "llama", MISTRAL: "mistral", MIXTRAL: "mixtral", QWEN2: "qwen2"}
-ROTARY = (LLAMA, MISTRAL, MIXTRAL, QWEN2)
+MODEL_TYPES = {
+    GPT2: "gpt2",
+    LLAMA: "llama",
+    MISTRAL: "mistral",
+    MIXTRAL: "mixtral",
+    QWEN2: "qwen2",
+    QWEN3: "qwen3",
+    QWEN3_MOE: "qwen3_moe",
+}
+ROTARY = (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE)
+QK_NORMED = (QWEN3, QWEN3_MOE)  # RMSNorm on every query and key head before rotary (--qk-layernorm)
+MOE = (MIXTRAL, QWEN3_MOE)
+# Windows: Mistral, Mixtral and Qwen3-MoE on every layer; Qwen2 and Qwen3 per layer (layer_types).
+EVERY_LAYER_WINDOWED = (MISTRAL, MIXTRAL, QWEN3_MOE)
+
+# Families import reads by name but refuses, and why (what the model here lacks).
+REFUSED = {
+    "gemma2": "Gemma 2 needs attention and final-logit soft-capping, (1 + w) RMSNorm weights, the "
+    "embedding scaled by sqrt(hidden_size), norms after attention and the MLP as well as before, "
+    "query_pre_attn_scalar as the attention scale and a tanh-GELU GeGLU MLP; the model here builds none of these",
+    "gemma3_text": "Gemma 3 needs (1 + w) RMSNorm weights (also on its query/key norms), the embedding "
+    "scaled by sqrt(hidden_size), norms after attention and the MLP as well as before, "
+    "query_pre_attn_scalar as the attention scale, a tanh-GELU GeGLU MLP and a rotary base per "
+    "layer type (local and global); the model here builds none of these",
+    "olmo2": "OLMo 2 normalises the outputs of attention and the MLP instead of their inputs, and "
+    "its query/key norms run over the whole projection (all heads together), not per head; "
+    "the model here builds neither",
+    "gpt_oss": "gpt-oss's router has a bias (megatron-core's router bias under --add-bias-linear "
+    "is not built here) and its rotary scaling is YaRN (rope_type yarn), which the model here lacks",
+    "granitemoe": "Granite MoE scales the embedding (embedding_multiplier), the residual branches "
+    "(residual_multiplier), the attention scores (attention_multiplier) and the logits "
+    "(logits_scaling); the model here has no such multipliers",
+}
 
 
 class HFConversionError(ConfigError):
@@ -24,9 +57,13 @@ class HFConversionError(ConfigError):
 def _default(m: ModelConfig) -> Tuple[str, str]:
     """(architecture, why) chosen by the options when none is requested."""
     if m.num_experts:
+        if m.qk_layernorm:
+            return QWEN3_MOE, "--num-experts with --qk-layernorm"
         return MIXTRAL, "--num-experts is set"
     if m.position_embedding_type == "learned_absolute":
         return GPT2, "--position-embedding-type learned_absolute"
+    if m.qk_layernorm:
+        return QWEN3, "--qk-layernorm"
     if m.add_qkv_bias and not m.add_bias:
         return QWEN2, "--add-qkv-bias with --disable-bias-linear"
     if m.window_size is not None:
@@ -45,7 +82,12 @@ def _rotary_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
         (m.normalization != "RMSNorm", f"--normalization {m.normalization} ({name} uses RMSNorm)"),
         (not m.swiglu, f"no --swiglu ({name}'s MLP is SwiGLU)"),
         (m.rotary_percent != 1.0, f"--rotary-percent {m.rotary_percent} ({name} rotates whole heads)"),
-        (m.qk_layernorm, f"--qk-layernorm ({name} has no query/key norms)"),
+        (
+            m.qk_layernorm != (arch in QK_NORMED),
+            f"no --qk-layernorm ({name} normalises every query and key head)"
+            if arch in QK_NORMED
+            else f"--qk-layernorm ({name} has no query/key norms; Qwen3 has them)",
+        ),
         (
             m.use_rope_scaling and m.rotary_seq_len_interpolation_factor is not None,
             "--use-rope-scaling with --rotary-seq-len-interpolation-factor (transformers takes one rope type)",
@@ -64,7 +106,7 @@ def _nowhere(m: ModelConfig) -> List[Tuple[bool, str]]:
 
 
 def _windows(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
-    """Mistral and Mixtral window every layer; Qwen2 takes any pattern (layer_types)."""
+    """Mistral, Mixtral and Qwen3-MoE window every layer; Qwen2 and Qwen3 take any pattern (layer_types)."""
     name = arch.replace("ForCausalLM", "")
     if arch in (GPT2, LLAMA):
         return [
@@ -73,7 +115,7 @@ def _windows(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
                 f"--window-size {m.window_size} ({name} has no sliding window; Mistral and Qwen2 have one)",
             )
         ]
-    if arch in (MISTRAL, MIXTRAL):
+    if arch in EVERY_LAYER_WINDOWED:
         return [
             (
                 m.window_size is not None and m.window_attn_skip_freq is not None,
@@ -128,35 +170,41 @@ def _architecture_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
             (bool(m.num_experts), "--num-experts (GPT2 is dense)"),
         ]
     blockers = _rotary_blockers(m, arch) + _biases(m, arch)
-    if arch == MIXTRAL:
-        return blockers + [
-            (not m.num_experts, "no --num-experts (Mixtral's MLPs are top-k experts)"),
-            (
-                m.moe_layer_freq != 1,
-                f"--moe-layer-freq {m.moe_layer_freq} (Mixtral has MoE in every layer; "
-                "dense layers in between have no HF equivalent)",
-            ),
-            (
-                m.moe_num_prototypes != 1,
-                f"--moe-num-prototypes {m.moe_num_prototypes} (Mixtral routes top-k "
-                "over all experts, not top-1 per prototype group)",
-            ),
-            (
-                m.moe_router_pre_softmax,
-                "--moe-router-pre-softmax (Mixtral always renormalises the top-k routing weights to sum to 1)",
-            ),
-            (
-                m.moe_capacity_factor is not None,
-                f"--moe-capacity-factor {m.moe_capacity_factor} (Mixtral is dropless; ours drops tokens over capacity)",
-            ),
-        ]
     name = arch.replace("ForCausalLM", "")
-    return blockers + [(bool(m.num_experts), f"--num-experts ({name} is dense; Mixtral has experts)")]
+    if arch in MOE:
+        return blockers + _moe_blockers(m, name)
+    return blockers + [(bool(m.num_experts), f"--num-experts ({name} is dense; Mixtral and Qwen3Moe have experts)")]
+
+
+def _moe_blockers(m: ModelConfig, name: str) -> List[Tuple[bool, str]]:
+    """Mixtral: top-k renormalised, every layer; Qwen3-MoE also takes dense layers between
+    (decoder_sparse_step) and the top-k probabilities as they are (norm_topk_prob false)."""
+    mixtral = name == "Mixtral"
+    return [
+        (not m.num_experts, f"no --num-experts ({name}'s MLPs are top-k experts)"),
+        (
+            mixtral and m.moe_layer_freq != 1,
+            f"--moe-layer-freq {m.moe_layer_freq} (Mixtral has MoE in every layer; Qwen3Moe expresses this)",
+        ),
+        (
+            m.moe_num_prototypes != 1,
+            f"--moe-num-prototypes {m.moe_num_prototypes} ({name} routes top-k "
+            "over all experts, not top-1 per prototype group)",
+        ),
+        (
+            mixtral and m.moe_router_pre_softmax,
+            "--moe-router-pre-softmax (Mixtral always renormalises the top-k routing weights to sum to 1)",
+        ),
+        (
+            m.moe_capacity_factor is not None,
+            f"--moe-capacity-factor {m.moe_capacity_factor} ({name} is dropless; ours drops tokens over capacity)",
+        ),
+    ]
 
 
 def hf_architecture(m: ModelConfig, requested: Optional[str] = None) -> str:
     """The HF class that expresses ``m`` exactly (``requested``, or the one its options point to:
-    GPT2, Llama, Qwen2 or Mixtral; Mistral only on request, since Llama expresses the same
+    GPT2, Llama, Qwen2, Qwen3, Mixtral or Qwen3Moe; Mistral only on request, since Llama expresses the same
     models), or an error listing every option that blocks it."""
     if requested is None:
         arch, why = _default(m)

@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_p2r.convert.hf.architecture import GPT2, MIXTRAL
+from megatron_p2r.convert.hf.architecture import GPT2, MIXTRAL, QWEN3_MOE
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.layout.tensor_specs import HeadRows, attention_rows
 
@@ -143,13 +143,23 @@ def _attention(m: ModelConfig, o: str, a: str) -> List[Rule]:
     out.append(_same(o + "attention.proj.weight", a + "o_proj.weight"))
     if m.add_bias:
         out.append(_same(o + "attention.proj.bias", a + "o_proj.bias"))
+    if m.qk_layernorm:  # Qwen3: RMSNorm over each head's dimensions
+        out += [_same(o + "attention.q_layernorm.weight", a + "q_norm.weight")]
+        out += [_same(o + "attention.k_layernorm.weight", a + "k_norm.weight")]
     return out
 
 
-def _rotary_layer(m: ModelConfig, arch: str, o: str, t: str) -> List[Rule]:
+# Each MoE architecture's names: (block, router, expert's gate, up, down)
+EXPERT_NAMES = {
+    MIXTRAL: ("block_sparse_moe.", "gate", "w1", "w3", "w2"),
+    QWEN3_MOE: ("mlp.", "gate", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def _rotary_layer(m: ModelConfig, arch: str, o: str, t: str, moe: bool) -> List[Rule]:
     out = [_same(o + "input_norm.weight", t + "input_layernorm.weight")] + _attention(m, o, t + "self_attn.")
     out.append(_same(o + "post_attention_norm.weight", t + "post_attention_layernorm.weight"))
-    if arch != MIXTRAL:
+    if not moe:
         out += [
             _glu(o + "mlp.fc1.weight", t + "mlp.gate_proj.weight", t + "mlp.up_proj.weight"),
             _same(o + "mlp.fc2.weight", t + "mlp.down_proj.weight"),
@@ -160,13 +170,13 @@ def _rotary_layer(m: ModelConfig, arch: str, o: str, t: str) -> List[Rule]:
                 _same(o + "mlp.fc2.bias", t + "mlp.down_proj.bias"),
             ]
         return out
-    moe = t + "block_sparse_moe."
-    out.append(_same(o + "mlp.router.weight", moe + "gate.weight"))
+    block, router, gate, up, down = EXPERT_NAMES[arch]
+    out.append(_same(o + "mlp.router.weight", f"{t}{block}{router}.weight"))
     for e in range(m.num_experts):
-        x = f"{moe}experts.{e}."
+        x = f"{t}{block}experts.{e}."
         out += [
-            _glu(f"{o}mlp.experts.{e}.weight1", x + "w1.weight", x + "w3.weight"),
-            _same(f"{o}mlp.experts.{e}.weight2", x + "w2.weight"),
+            _glu(f"{o}mlp.experts.{e}.weight1", f"{x}{gate}.weight", f"{x}{up}.weight"),
+            _same(f"{o}mlp.experts.{e}.weight2", f"{x}{down}.weight"),
         ]
     return out
 
@@ -187,7 +197,7 @@ def rules(m: ModelConfig, arch: str, hf_vocab: int) -> List[Rule]:
         p = "model."
         out.append(_vocab("embedding.word_embeddings.weight", p + "embed_tokens.weight", hf_vocab, m.padded_vocab_size))
         for i in range(m.num_layers):
-            out += _rotary_layer(m, arch, f"layers.{i}.", f"{p}layers.{i}.")
+            out += _rotary_layer(m, arch, f"layers.{i}.", f"{p}layers.{i}.", m.is_moe_layer(i))
         out.append(_same("final_norm.weight", p + "norm.weight"))
     if not m.untie_embeddings_and_output_weights:
         return out
