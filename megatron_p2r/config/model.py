@@ -47,6 +47,22 @@ class ModelConfig:
         "exp(a_h) with a learned logit a_h per head (attention sinks, gpt-oss).",
         choices=["vanilla", "off-by-one", "learnable"],
     )
+    softmax_scale: Optional[float] = opt(
+        None,
+        "Attention scores are q.k times this (megatron-core's TransformerConfig.softmax_scale, "
+        "which Megatron-LM sets from no flag; Granite's attention_multiplier). Unset: 1/sqrt(head dimension).",
+    )
+    embedding_multiplier: float = opt(
+        1.0, "The word embeddings are multiplied by this (Granite's embedding_multiplier; no Megatron-LM flag)."
+    )
+    residual_multiplier: float = opt(
+        1.0,
+        "The attention and MLP outputs are multiplied by this before each residual add "
+        "(Granite's residual_multiplier; no Megatron-LM flag).",
+    )
+    logits_scaling: float = opt(
+        1.0, "The output logits are divided by this (Granite's logits_scaling; no Megatron-LM flag)."
+    )
     seq_length: int = opt(256, "Sequence length of a training sample.")
     max_position_embeddings: Optional[int] = opt(None, "Learned positions table size (default seq-length).")
     vocab_size: Optional[int] = opt(
@@ -324,4 +340,8 @@ RANGES = {
     "window_attn_skip_freq": at_least(1, LAYERS),
     "glu_linear_offset": Range(-1e6, 1e6),
     "activation_func_clamp_value": positive(),
+    "softmax_scale": positive(),
+    "embedding_multiplier": positive(),
+    "residual_multiplier": positive(),
+    "logits_scaling": positive(),
 }

@@ -147,6 +147,7 @@ class Attention(nn.Module):
         self.device = ps.device
         self.recompute_core = recompute_core
         self.window = window  # keys before the query this layer sees (ModelConfig.attention_window)
+        self.softmax_scale = cfg.softmax_scale  # None: SDPA's 1/sqrt(d)
         # Megatron-LM's softmax offsets: learned per head (normal init, no weight decay), or 0 for off-by-one.
         self.softmax_type = cfg.softmax_type
         self.softmax_offset = None
@@ -204,7 +205,7 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(QK^T / sqrt(d)) V with attention dropout: what selective recomputation
+        """softmax(QK^T / sqrt(d)) V (or --softmax-scale instead of 1/sqrt(d)) with attention dropout: what selective recomputation
         (``recompute_core``, Megatron's "core_attn") recomputes in backward."""
         p = self.dropout if self.training else 0.0
         sinks = self.softmax_type != "vanilla"
@@ -224,5 +225,6 @@ class Attention(nn.Module):
                 attn_mask=mask,
                 dropout_p=p,
                 is_causal=mask is None,
+                scale=self.softmax_scale,
                 enable_gqa=self.local_groups != self.local_heads,
             )

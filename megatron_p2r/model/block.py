@@ -1,4 +1,5 @@
-"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)) (dense or MoE).
+"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)) (dense or MoE); each
+branch times --residual-multiplier when set (Granite).
 
 A MoE layer's forward is its nodes in sequence (``pre``, the experts, ``post``; ``moe/nodes.py``):
 the overlapped expert schedule runs the same nodes one graph each (``nodes()``).
@@ -42,6 +43,7 @@ class TransformerLayer(nn.Module):
     ):
         super().__init__()
         self.hidden_dropout = cfg.hidden_dropout
+        self.residual_multiplier = cfg.residual_multiplier
         self.device, self.sequence_parallel = ps.device, sequence_parallel
         self.input_norm = make_norm(cfg, device)
         self.attention = Attention(
@@ -84,12 +86,16 @@ class TransformerLayer(nn.Module):
 
     def attend(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         """The residual stream after attention (the MLP's input is its norm)."""
-        p = self.hidden_dropout if self.training else 0.0
-        attention = self.attention(self.input_norm(x), rope)
-        with dropout_rng(self.device, self.sequence_parallel and p > 0):
-            return x + F.dropout(attention, p)
+        return self._add(x, self.attention(self.input_norm(x), rope))
 
     def add_mlp(self, x: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
+        return self._add(x, mlp)
+
+    def _add(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        """The residual add of a branch: dropout, then --residual-multiplier (when not 1)."""
         p = self.hidden_dropout if self.training else 0.0
         with dropout_rng(self.device, self.sequence_parallel and p > 0):
-            return x + F.dropout(mlp, p)
+            branch = F.dropout(branch, p)
+        if self.residual_multiplier != 1.0:
+            branch = branch * self.residual_multiplier
+        return x + branch

@@ -6,7 +6,7 @@ from typing import List, Optional, Tuple
 
 from megatron_p2r.config import ConfigError, ModelConfig
 
-GPT2, LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE = (
+GPT2, LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GRANITE, GRANITE_MOE = (
     "GPT2LMHeadModel",
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -14,6 +14,8 @@ GPT2, LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "GraniteForCausalLM",
+    "GraniteMoeForCausalLM",
 )
 MODEL_TYPES = {
     GPT2: "gpt2",
@@ -23,10 +25,13 @@ MODEL_TYPES = {
     QWEN2: "qwen2",
     QWEN3: "qwen3",
     QWEN3_MOE: "qwen3_moe",
+    GRANITE: "granite",
+    GRANITE_MOE: "granitemoe",
 }
-ROTARY = (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE)
+ROTARY = (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GRANITE, GRANITE_MOE)
+GRANITES = (GRANITE, GRANITE_MOE)  # Llama / Mixtral with multipliers (embedding, residual, attention, logits)
 QK_NORMED = (QWEN3, QWEN3_MOE)  # RMSNorm on every query and key head before rotary (--qk-layernorm)
-MOE = (MIXTRAL, QWEN3_MOE)
+MOE = (MIXTRAL, QWEN3_MOE, GRANITE_MOE)
 # Windows: Mistral, Mixtral and Qwen3-MoE on every layer; Qwen2 and Qwen3 per layer (layer_types).
 EVERY_LAYER_WINDOWED = (MISTRAL, MIXTRAL, QWEN3_MOE)
 
@@ -44,9 +49,6 @@ REFUSED = {
     "the model here builds neither",
     "gpt_oss": "gpt-oss's router has a bias (megatron-core's router bias under --add-bias-linear "
     "is not built here) and its rotary scaling is YaRN (rope_type yarn), which the model here lacks",
-    "granitemoe": "Granite MoE scales the embedding (embedding_multiplier), the residual branches "
-    "(residual_multiplier), the attention scores (attention_multiplier) and the logits "
-    "(logits_scaling); the model here has no such multipliers",
 }
 
 
@@ -57,11 +59,15 @@ class HFConversionError(ConfigError):
 def _default(m: ModelConfig) -> Tuple[str, str]:
     """(architecture, why) chosen by the options when none is requested."""
     if m.num_experts:
+        if _scaled(m):
+            return GRANITE_MOE, "--num-experts with " + _scaled(m)[0]
         if m.qk_layernorm:
             return QWEN3_MOE, "--num-experts with --qk-layernorm"
         return MIXTRAL, "--num-experts is set"
     if m.position_embedding_type == "learned_absolute":
         return GPT2, "--position-embedding-type learned_absolute"
+    if _scaled(m):
+        return GRANITE, _scaled(m)[0]
     if m.qk_layernorm:
         return QWEN3, "--qk-layernorm"
     if m.add_qkv_bias and not m.add_bias:
@@ -69,6 +75,20 @@ def _default(m: ModelConfig) -> Tuple[str, str]:
     if m.window_size is not None:
         return MISTRAL, "--window-size (Llama has no sliding window)"
     return LLAMA, "--position-embedding-type rope"
+
+
+def _scaled(m: ModelConfig) -> List[str]:
+    """Granite's multipliers that ``m`` sets."""
+    return [
+        flag
+        for flag, on in (
+            ("--softmax-scale", m.softmax_scale is not None),
+            ("--embedding-multiplier", m.embedding_multiplier != 1.0),
+            ("--residual-multiplier", m.residual_multiplier != 1.0),
+            ("--logits-scaling", m.logits_scaling != 1.0),
+        )
+        if on
+    ]
 
 
 def _rotary_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
@@ -108,7 +128,7 @@ def _nowhere(m: ModelConfig) -> List[Tuple[bool, str]]:
 def _windows(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
     """Mistral, Mixtral and Qwen3-MoE window every layer; Qwen2 and Qwen3 take any pattern (layer_types)."""
     name = arch.replace("ForCausalLM", "")
-    if arch in (GPT2, LLAMA):
+    if arch in (GPT2, LLAMA) + GRANITES:
         return [
             (
                 m.window_size is not None,
@@ -126,11 +146,11 @@ def _windows(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
 
 
 def _biases(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
-    if arch == LLAMA:  # attention_bias: q, k, v and o; mlp_bias: the MLP
+    if arch in (LLAMA, GRANITE):  # attention_bias: q, k, v and o; mlp_bias: the MLP
         return [
             (
                 m.add_qkv_bias and not m.add_bias,
-                "--add-qkv-bias without the other biases (Llama's "
+                f"--add-qkv-bias without the other biases ({arch.replace('ForCausalLM', '')}'s "
                 "attention_bias also biases the output projection; Qwen2 "
                 "expresses this)",
             )
@@ -149,7 +169,8 @@ def _biases(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
 
 
 def _blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
-    return _nowhere(m) + _windows(m, arch) + _architecture_blockers(m, arch)
+    scaled = [] if arch in GRANITES else [(True, f"{flag} (Granite has it)") for flag in _scaled(m)]
+    return _nowhere(m) + scaled + _windows(m, arch) + _architecture_blockers(m, arch)
 
 
 def _architecture_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
@@ -177,14 +198,14 @@ def _architecture_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
 
 
 def _moe_blockers(m: ModelConfig, name: str) -> List[Tuple[bool, str]]:
-    """Mixtral: top-k renormalised, every layer; Qwen3-MoE also takes dense layers between
-    (decoder_sparse_step) and the top-k probabilities as they are (norm_topk_prob false)."""
-    mixtral = name == "Mixtral"
+    """Mixtral and Granite-MoE: top-k renormalised, every layer; Qwen3-MoE also takes dense layers
+    between (decoder_sparse_step) and the top-k probabilities as they are (norm_topk_prob false)."""
+    mixtral = name != "Qwen3Moe"
     return [
         (not m.num_experts, f"no --num-experts ({name}'s MLPs are top-k experts)"),
         (
             mixtral and m.moe_layer_freq != 1,
-            f"--moe-layer-freq {m.moe_layer_freq} (Mixtral has MoE in every layer; Qwen3Moe expresses this)",
+            f"--moe-layer-freq {m.moe_layer_freq} ({name} has MoE in every layer; Qwen3Moe expresses this)",
         ),
         (
             m.moe_num_prototypes != 1,
@@ -193,7 +214,7 @@ def _moe_blockers(m: ModelConfig, name: str) -> List[Tuple[bool, str]]:
         ),
         (
             mixtral and m.moe_router_pre_softmax,
-            "--moe-router-pre-softmax (Mixtral always renormalises the top-k routing weights to sum to 1)",
+            f"--moe-router-pre-softmax ({name} always renormalises the top-k routing weights to sum to 1)",
         ),
         (
             m.moe_capacity_factor is not None,
@@ -204,7 +225,7 @@ def _moe_blockers(m: ModelConfig, name: str) -> List[Tuple[bool, str]]:
 
 def hf_architecture(m: ModelConfig, requested: Optional[str] = None) -> str:
     """The HF class that expresses ``m`` exactly (``requested``, or the one its options point to:
-    GPT2, Llama, Qwen2, Qwen3, Mixtral or Qwen3Moe; Mistral only on request, since Llama expresses the same
+    GPT2, Llama, Qwen2, Qwen3, Granite, Mixtral, Qwen3Moe or GraniteMoe; Mistral only on request, since Llama expresses the same
     models), or an error listing every option that blocks it."""
     if requested is None:
         arch, why = _default(m)

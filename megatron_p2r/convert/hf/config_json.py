@@ -9,6 +9,9 @@ from typing import Dict, List, Optional, Tuple
 from megatron_p2r.convert.hf.architecture import (
     EVERY_LAYER_WINDOWED,
     GPT2,
+    GRANITE,
+    GRANITE_MOE,
+    GRANITES,
     LLAMA,
     MISTRAL,
     MIXTRAL,
@@ -68,7 +71,9 @@ def hf_config(m: ModelConfig, arch: str, hf_vocab: int, dtype: str, special: Dic
     }
     if m.use_rope_scaling or m.rotary_seq_len_interpolation_factor is not None:
         cfg["rope_scaling"] = cfg["rope_parameters"]  # transformers 4.x's name
-    if arch == LLAMA:
+    if arch in GRANITES:
+        cfg.update(_granite_fields(m))
+    if arch in (LLAMA, GRANITE):
         return {
             **cfg,
             "intermediate_size": m.ffn_size,
@@ -95,8 +100,18 @@ def hf_config(m: ModelConfig, arch: str, hf_vocab: int, dtype: str, special: Dic
     return {**cfg, **_moe_fields(m, arch), "sliding_window": window}
 
 
+def _granite_fields(m: ModelConfig) -> dict:
+    """Granite's multipliers (attention_multiplier: the softmax scale, always given)."""
+    return {
+        "embedding_multiplier": m.embedding_multiplier,
+        "residual_multiplier": m.residual_multiplier,
+        "attention_multiplier": m.softmax_scale if m.softmax_scale is not None else m.head_dim**-0.5,
+        "logits_scaling": m.logits_scaling,
+    }
+
+
 def _moe_fields(m: ModelConfig, arch: str) -> dict:
-    """Mixtral's and Qwen3-MoE's expert fields."""
+    """Mixtral's, Qwen3-MoE's and Granite-MoE's expert fields."""
     if arch == QWEN3_MOE:
         return {
             "intermediate_size": m.ffn_size,
@@ -111,14 +126,16 @@ def _moe_fields(m: ModelConfig, arch: str) -> dict:
             "attention_bias": False,
             "use_sliding_window": m.window_size is not None,
         }
-    return {
+    mixtral = {
         "intermediate_size": m.expert_ffn_size,
         "num_local_experts": m.num_experts,
         "num_experts_per_tok": m.moe_router_topk,
         "router_aux_loss_coef": m.moe_aux_loss_coeff,
-        "router_jitter_noise": m.moe_input_jitter_eps or 0.0,
         "output_router_logits": False,
     }
+    if arch == GRANITE_MOE:
+        return {**mixtral, "attention_bias": False}
+    return {**mixtral, "router_jitter_noise": m.moe_input_jitter_eps or 0.0}
 
 
 def _gpt2_fields(m: ModelConfig) -> dict:
@@ -303,16 +320,16 @@ def _rope_scaling_values(rope: dict, kind: str, where: str) -> dict:
 
 def _bias_values(hf: dict, where: str, arch: str) -> dict:
     """--disable-bias-linear / --add-qkv-bias: Llama's attention_bias and mlp_bias, Qwen2's
-    query/key/value biases; Mistral, Mixtral and Qwen3 have none (Qwen3's attention_bias would
+    query/key/value biases (Granite: Llama's); Mistral, Mixtral, Qwen3 and Granite-MoE have none (their attention_bias would
     bias the output projection too but not the MLP, which no flag here expresses)."""
     if arch == QWEN2:
         return dict(disable_bias_linear=True, add_qkv_bias=True)
-    if arch in (QWEN3, QWEN3_MOE) and hf.get("attention_bias", False):
+    if arch in (QWEN3, QWEN3_MOE, GRANITE_MOE) and hf.get("attention_bias", False):
         raise HFConversionError(
             f"{where}: attention_bias true (query/key/value and output biases without MLP biases) "
             "has no equivalent here"
         )
-    if arch != LLAMA:
+    if arch not in (LLAMA, GRANITE):
         return dict(disable_bias_linear=True)
     bias = bool(hf.get("attention_bias", False))
     if bool(hf.get("mlp_bias", False)) != bias:
@@ -355,7 +372,14 @@ def _rotary_values(hf: dict, where: str, arch: str) -> dict:
         values["qk_layernorm"] = True
     if arch == QWEN3_MOE:
         values.update(_qwen3_moe_values(hf, where, layers))
-    if arch == MIXTRAL:
+    if arch in GRANITES:
+        values.update(
+            embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
+            softmax_scale=float(hf.get("attention_multiplier", 1.0)),
+            logits_scaling=float(hf.get("logits_scaling", 1.0)),
+        )
+    if arch in (MIXTRAL, GRANITE_MOE):
         values.update(
             num_experts=required_field(hf, "num_local_experts", where),
             moe_router_topk=required_field(hf, "num_experts_per_tok", where),

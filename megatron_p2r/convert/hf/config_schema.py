@@ -64,6 +64,11 @@ HF_FIELDS: Dict[str, Tuple[str, object]] = {
     "decoder_sparse_step": (_INT, at_least(1, LAYERS)),
     "mlp_only_layers": (_LIST, None),
     "norm_topk_prob": (_BOOL, None),
+    # Granite
+    "embedding_multiplier": (_FLOAT, positive()),
+    "residual_multiplier": (_FLOAT, positive()),
+    "attention_multiplier": (_FLOAT, positive()),
+    "logits_scaling": (_FLOAT, positive()),
     # Mistral / Mixtral / Qwen2 sliding-window attention
     "sliding_window": (_INT, at_least(1, 2**24)),
     "use_sliding_window": (_BOOL, None),

@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_p2r.convert.hf.architecture import GPT2, MIXTRAL, QWEN3_MOE
+from megatron_p2r.convert.hf.architecture import GPT2, GRANITE_MOE, MIXTRAL, QWEN3_MOE
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.layout.tensor_specs import HeadRows, attention_rows
 
@@ -66,13 +66,21 @@ def resize_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """One piece of ours <-> the HF tensors it becomes. ``ours`` None: an HF tensor we do not have
-    (GPT2 biases of a bias-free model), exported as zeros of ``zero_shape``."""
+    (GPT2 biases of a bias-free model), exported as zeros of ``zero_shape``; or, with ``stack``,
+    experts whose HF tensors hold them all (Granite): ``stack`` names our pieces, one per expert,
+    each mapped by ``to_hf``/``from_hf``, stacked along a new first dimension of every HF tensor."""
 
     ours: Optional[str]
     hf: Tuple[str, ...]
     to_hf: Callable[[torch.Tensor], List[torch.Tensor]]
     from_hf: Callable[[List[torch.Tensor]], torch.Tensor]
     zero_shape: Tuple[int, ...] = ()
+    stack: Tuple[str, ...] = ()
+
+    @property
+    def pieces(self) -> Tuple[str, ...]:
+        """Our pieces this rule maps."""
+        return self.stack or ((self.ours,) if self.ours else ())
 
 
 def _same(ours: str, hf: str) -> Rule:
@@ -156,6 +164,29 @@ EXPERT_NAMES = {
 }
 
 
+def _granite_experts(m: ModelConfig, o: str, moe: str) -> List[Rule]:
+    """Granite's experts stacked: input_linear ``[E, (gate | up), h]`` (the gate rows first, then
+    the up rows), output_linear ``[E, h, ffn]``; its router ``router.layer``."""
+    keys = [f"{o}mlp.experts.{e}." for e in range(m.num_experts)]
+    return [
+        _same(o + "mlp.router.weight", moe + "router.layer.weight"),
+        Rule(
+            None,
+            (moe + "input_linear.weight",),
+            lambda w: [torch.cat(split_glu(w))],
+            lambda t: merge_glu(*t[0].chunk(2)),
+            stack=tuple(k + "weight1" for k in keys),
+        ),
+        Rule(
+            None,
+            (moe + "output_linear.weight",),
+            lambda w: [w],
+            lambda t: t[0],
+            stack=tuple(k + "weight2" for k in keys),
+        ),
+    ]
+
+
 def _rotary_layer(m: ModelConfig, arch: str, o: str, t: str, moe: bool) -> List[Rule]:
     out = [_same(o + "input_norm.weight", t + "input_layernorm.weight")] + _attention(m, o, t + "self_attn.")
     out.append(_same(o + "post_attention_norm.weight", t + "post_attention_layernorm.weight"))
@@ -170,6 +201,8 @@ def _rotary_layer(m: ModelConfig, arch: str, o: str, t: str, moe: bool) -> List[
                 _same(o + "mlp.fc2.bias", t + "mlp.down_proj.bias"),
             ]
         return out
+    if arch == GRANITE_MOE:
+        return out + _granite_experts(m, o, t + "block_sparse_moe.")
     block, router, gate, up, down = EXPERT_NAMES[arch]
     out.append(_same(o + "mlp.router.weight", f"{t}{block}{router}.weight"))
     for e in range(m.num_experts):

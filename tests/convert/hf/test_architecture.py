@@ -120,8 +120,8 @@ def test_attention_options_and_requested_architectures(values, requested, arch, 
 
 
 def test_architecture_choice():
-    """Options pick GPT2, Llama, Qwen2, Qwen3, Mixtral or Qwen3Moe; Mistral expresses Llama's
-    bias-free models on request."""
+    """Options pick GPT2, Llama, Qwen2, Qwen3, Granite, Mixtral, Qwen3Moe or GraniteMoe; Mistral
+    expresses Llama's bias-free models on request."""
     rope = dict(ROPE, **GQA, disable_bias_linear=True)
     assert hf_architecture(ModelConfig(**rope)) == "LlamaForCausalLM"
     assert hf_architecture(ModelConfig(**rope), "MistralForCausalLM") == "MistralForCausalLM"
@@ -131,5 +131,10 @@ def test_architecture_choice():
     # Qwen3-MoE: dense layers between (decoder_sparse_step), top-k probabilities kept (norm_topk_prob false)
     moe = dict(rope, qk_layernorm=True, num_experts=4, moe_layer_freq=2, moe_router_pre_softmax=True)
     assert hf_architecture(ModelConfig(**moe)) == "Qwen3MoeForCausalLM"
+    # Granite: Llama or Mixtral with multipliers, which no other architecture has
+    assert hf_architecture(ModelConfig(**rope, logits_scaling=2.0)) == "GraniteForCausalLM"
+    assert hf_architecture(ModelConfig(**rope, num_experts=4, softmax_scale=0.1)) == "GraniteMoeForCausalLM"
+    with pytest.raises(HFConversionError, match=r"--residual-multiplier \(Granite has it\)"):
+        hf_architecture(ModelConfig(**rope, residual_multiplier=0.5), "LlamaForCausalLM")
     with pytest.raises(HFConversionError, match="--hf-architecture must be one of"):
         hf_architecture(ModelConfig(**rope), "Gemma2ForCausalLM")

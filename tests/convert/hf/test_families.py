@@ -14,7 +14,7 @@ import os
 import pytest
 
 from megatron_p2r.arguments import config_from_values, load_yaml
-from megatron_p2r.convert.hf.architecture import QWEN3, QWEN3_MOE, HFConversionError
+from megatron_p2r.convert.hf.architecture import GRANITE, GRANITE_MOE, QWEN3, QWEN3_MOE, HFConversionError
 from megatron_p2r.convert.hf.exporter import export_hf
 from megatron_p2r.convert.hf.importer import import_hf
 from megatron_p2r.convert.reshard import Target
@@ -22,6 +22,7 @@ from tests.convert.hf.common import check_same_function, load_hf, reference_mode
 from tests.harness import run_distributed
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "hf_families")
+SCALES = dict(embedding_multiplier=3.0, residual_multiplier=0.5, softmax_scale=0.25, logits_scaling=2.0)
 # family -> (HF class, target layout, what the import must have set)
 FAMILIES = {
     "qwen3": (QWEN3, Target(2), dict(qk_layernorm=True, window_size="4,0", window_attn_skip_freq=2)),
@@ -30,8 +31,10 @@ FAMILIES = {
         Target(1, 1, None, 2),
         dict(qk_layernorm=True, num_experts=4, moe_layer_freq=2, moe_router_pre_softmax=True, moe_ffn_hidden_size=24),
     ),
+    "granite": (GRANITE, Target(2), dict(SCALES, disable_bias_linear=False)),
+    "granitemoe": (GRANITE_MOE, Target(1, 1, None, 2), dict(SCALES, num_experts=4, moe_router_pre_softmax=False)),
 }
-REFUSED = ["gemma2", "gemma3_text", "olmo2", "gpt_oss", "granitemoe"]
+REFUSED = ["gemma2", "gemma3_text", "olmo2", "gpt_oss"]
 
 
 def _fixture(family):
