@@ -37,13 +37,16 @@ EVERY_LAYER_WINDOWED = (MISTRAL, MIXTRAL, QWEN3_MOE)
 
 # Families import reads by name but refuses, and why (what the model here lacks).
 REFUSED = {
-    "gemma2": "Gemma 2 needs attention and final-logit soft-capping, (1 + w) RMSNorm weights, the "
-    "embedding scaled by sqrt(hidden_size), norms after attention and the MLP as well as before, "
-    "query_pre_attn_scalar as the attention scale and a tanh-GELU GeGLU MLP; the model here builds none of these",
-    "gemma3_text": "Gemma 3 needs (1 + w) RMSNorm weights (also on its query/key norms), the embedding "
-    "scaled by sqrt(hidden_size), norms after attention and the MLP as well as before, "
-    "query_pre_attn_scalar as the attention scale, a tanh-GELU GeGLU MLP and a rotary base per "
-    "layer type (local and global); the model here builds none of these",
+    "gemma2": "Gemma 2 needs attention and final-logit soft-capping (attn_logit_softcapping, "
+    "final_logit_softcapping), norms on the outputs of attention and the MLP besides their inputs "
+    "(4 per layer) and a tanh-GELU GeGLU MLP, which the model here does not build (its embedding "
+    "scale and query_pre_attn_scalar would be --embedding-multiplier and --softmax-scale, its (1 + w) "
+    "norm weights 1 + w)",
+    "gemma3_text": "Gemma 3 needs norms on the outputs of attention and the MLP besides their inputs "
+    "(4 per layer), a tanh-GELU GeGLU MLP and a rotary base per layer type (rope_parameters for "
+    "sliding and full layers), which the model here does not build (its embedding scale and "
+    "query_pre_attn_scalar would be --embedding-multiplier and --softmax-scale, its (1 + w) norm "
+    "weights 1 + w, its per-head q/k norms --qk-layernorm)",
     "olmo2": "OLMo 2 normalises the outputs of attention and the MLP instead of their inputs, and "
     "its query/key norms run over the whole projection (all heads together), not per head; "
     "the model here builds neither",

@@ -10,6 +10,8 @@ written by transformers' own classes (tests/fixtures/hf_families/make_fixtures.p
 
 import json
 import os
+import re
+import shutil
 
 import pytest
 
@@ -104,3 +106,37 @@ def test_refused_by_name(family, tmp_path):
     json.dump({"model_type": family, "vocab_size": 101}, open(tmp_path / "hf" / "config.json", "w"))
     with pytest.raises(HFConversionError, match=f"model_type '{family}' is not supported: "):
         import_hf(str(tmp_path / "hf"), str(tmp_path / "ours"), Target(), progress=False)
+
+
+@pytest.mark.parametrize(
+    "family, change, message",
+    [
+        ("qwen3", {"attention_bias": True}, "attention_bias true (query/key/value and output biases without MLP"),
+        ("granitemoe", {"attention_bias": True}, "attention_bias true"),
+        ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers [1] makes MoE layers dense"),
+        ("qwen3_moe", {"mlp_only_layers": [0]}, None),  # layer 0 is dense already: imports
+    ],
+)
+def test_family_fields_without_equivalent_are_refused(family, change, message, tmp_path):
+    shutil.copytree(_fixture(family), tmp_path / "hf")
+    config = json.load(open(tmp_path / "hf" / "config.json"))
+    json.dump({**config, **change}, open(tmp_path / "hf" / "config.json", "w"))
+    if message is None:
+        import_hf(str(tmp_path / "hf"), str(tmp_path / "ours"), Target(), progress=False)
+        return
+    with pytest.raises(HFConversionError, match="config.json: " + re.escape(message)):
+        import_hf(str(tmp_path / "hf"), str(tmp_path / "ours"), Target(), progress=False)
+
+
+def test_granite_options_block_megatron_export():
+    """Megatron-LM has no flags for Granite's multipliers: export to Megatron names each."""
+    from megatron_p2r.convert.megatron.args import MegatronConversionError
+    from megatron_p2r.convert.megatron.export_args import MegatronLayout, megatron_args
+    from tests.convert.hf.common import ROPE
+    from tests.helpers import tiny_config
+
+    cfg = tiny_config(**ROPE, embedding_multiplier=3.0, residual_multiplier=0.5, softmax_scale=0.25, logits_scaling=2.0)
+    with pytest.raises(MegatronConversionError, match="cannot express this model in Megatron-LM's args") as exc:
+        megatron_args(cfg, MegatronLayout(1, 1, 1, "torch_dist"), iteration=0, consumed_samples=0, dtype="float32")
+    for flag in ("--embedding-multiplier 3.0", "--residual-multiplier 0.5", "--softmax-scale 0.25", "--logits-scaling"):
+        assert flag in str(exc.value)
