@@ -369,6 +369,8 @@ ACTIVATION_CASES = [
     ),
     dict(attention_dropout=0.1, qk_layernorm=True, normalization="RMSNorm", position_embedding_type="rope"),
     dict(bf16=True, attention_dropout=0.1, seq_length=256, micro_batch_size=1),
+    # Granite's multipliers: elementwise by a constant, nothing more saved
+    dict(embedding_multiplier=3.0, residual_multiplier=0.5, softmax_scale=0.25, logits_scaling=2.0, bf16=True),
 ]
 ACT_SHAPES = dict(
     num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=64, vocab_size=512, micro_batch_size=4
