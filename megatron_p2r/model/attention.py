@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_p2r.config import ModelConfig
-from megatron_p2r.model.norm import make_norm
+from megatron_p2r.model.norm import HeadsRMSNorm, make_norm
 from megatron_p2r.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.sharding import make_param
@@ -164,8 +164,13 @@ class Attention(nn.Module):
             self.key_value = ColumnParallelLinear(h, 2 * groups * d, ps, tp_replicas=max(tp // groups, 1), **projection)
         else:
             self.qkv = ColumnParallelLinear(h, 3 * heads * d, ps, **projection)
-        self.q_layernorm = make_norm(cfg, device, d) if cfg.qk_layernorm else None
-        self.k_layernorm = make_norm(cfg, device, d) if cfg.qk_layernorm else None
+        self.q_layernorm = self.k_layernorm = None
+        if cfg.qk_layernorm and cfg.qk_layernorm_over_heads:
+            group, replicas = ps.group("tp"), max(tp // groups, 1)
+            self.q_layernorm = HeadsRMSNorm(self.local_heads, d, cfg.norm_epsilon, group, tp, 1, device)
+            self.k_layernorm = HeadsRMSNorm(self.local_groups, d, cfg.norm_epsilon, group, tp, replicas, device)
+        elif cfg.qk_layernorm:
+            self.q_layernorm, self.k_layernorm = make_norm(cfg, device, d), make_norm(cfg, device, d)
         self.proj = RowParallelLinear(
             heads * d,
             h,

@@ -6,7 +6,7 @@ from typing import List, Optional, Tuple
 
 from megatron_p2r.config import ConfigError, ModelConfig
 
-GPT2, LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GRANITE, GRANITE_MOE = (
+GPT2, LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GRANITE, GRANITE_MOE, OLMO2 = (
     "GPT2LMHeadModel",
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -16,6 +16,7 @@ GPT2, LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GRANITE, GRANITE_MOE = (
     "Qwen3MoeForCausalLM",
     "GraniteForCausalLM",
     "GraniteMoeForCausalLM",
+    "Olmo2ForCausalLM",
 )
 MODEL_TYPES = {
     GPT2: "gpt2",
@@ -27,10 +28,11 @@ MODEL_TYPES = {
     QWEN3_MOE: "qwen3_moe",
     GRANITE: "granite",
     GRANITE_MOE: "granitemoe",
+    OLMO2: "olmo2",
 }
-ROTARY = (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GRANITE, GRANITE_MOE)
+ROTARY = (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GRANITE, GRANITE_MOE, OLMO2)
 GRANITES = (GRANITE, GRANITE_MOE)  # Llama / Mixtral with multipliers (embedding, residual, attention, logits)
-QK_NORMED = (QWEN3, QWEN3_MOE)  # RMSNorm on every query and key head before rotary (--qk-layernorm)
+QK_NORMED = (QWEN3, QWEN3_MOE, OLMO2)  # query/key RMSNorms before rotary (--qk-layernorm)
 MOE = (MIXTRAL, QWEN3_MOE, GRANITE_MOE)
 # Windows: Mistral, Mixtral and Qwen3-MoE on every layer; Qwen2 and Qwen3 per layer (layer_types).
 EVERY_LAYER_WINDOWED = (MISTRAL, MIXTRAL, QWEN3_MOE)
@@ -38,18 +40,14 @@ EVERY_LAYER_WINDOWED = (MISTRAL, MIXTRAL, QWEN3_MOE)
 # Families import reads by name but refuses, and why (what the model here lacks).
 REFUSED = {
     "gemma2": "Gemma 2 needs attention and final-logit soft-capping (attn_logit_softcapping, "
-    "final_logit_softcapping), norms on the outputs of attention and the MLP besides their inputs "
-    "(4 per layer) and a tanh-GELU GeGLU MLP, which the model here does not build (its embedding "
-    "scale and query_pre_attn_scalar would be --embedding-multiplier and --softmax-scale, its (1 + w) "
-    "norm weights 1 + w)",
-    "gemma3_text": "Gemma 3 needs norms on the outputs of attention and the MLP besides their inputs "
-    "(4 per layer), a tanh-GELU GeGLU MLP and a rotary base per layer type (rope_parameters for "
-    "sliding and full layers), which the model here does not build (its embedding scale and "
-    "query_pre_attn_scalar would be --embedding-multiplier and --softmax-scale, its (1 + w) norm "
-    "weights 1 + w, its per-head q/k norms --qk-layernorm)",
-    "olmo2": "OLMo 2 normalises the outputs of attention and the MLP instead of their inputs, and "
-    "its query/key norms run over the whole projection (all heads together), not per head; "
-    "the model here builds neither",
+    "final_logit_softcapping) and a tanh-GELU GeGLU MLP, which the model here does not build (its "
+    "4 norms a layer would be --layer-norms both, its embedding scale and query_pre_attn_scalar "
+    "--embedding-multiplier and --softmax-scale, its (1 + w) norm weights 1 + w)",
+    "gemma3_text": "Gemma 3 needs a tanh-GELU GeGLU MLP and a rotary base per layer type "
+    "(rope_parameters for sliding and full layers), which the model here does not build (its 4 "
+    "norms a layer would be --layer-norms both, its embedding scale and query_pre_attn_scalar "
+    "--embedding-multiplier and --softmax-scale, its (1 + w) norm weights 1 + w, its per-head q/k "
+    "norms --qk-layernorm)",
     "gpt_oss": "gpt-oss's router has a bias (megatron-core's router bias under --add-bias-linear "
     "is not built here) and its rotary scaling is YaRN (rope_type yarn), which the model here lacks",
 }
@@ -71,6 +69,8 @@ def _default(m: ModelConfig) -> Tuple[str, str]:
         return GPT2, "--position-embedding-type learned_absolute"
     if _scaled(m):
         return GRANITE, _scaled(m)[0]
+    if m.layer_norms == "output":
+        return OLMO2, "--layer-norms output"
     if m.qk_layernorm:
         return QWEN3, "--qk-layernorm"
     if m.add_qkv_bias and not m.add_bias:
@@ -131,7 +131,7 @@ def _nowhere(m: ModelConfig) -> List[Tuple[bool, str]]:
 def _windows(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
     """Mistral, Mixtral and Qwen3-MoE window every layer; Qwen2 and Qwen3 take any pattern (layer_types)."""
     name = arch.replace("ForCausalLM", "")
-    if arch in (GPT2, LLAMA) + GRANITES:
+    if arch in (GPT2, LLAMA, OLMO2) + GRANITES:
         return [
             (
                 m.window_size is not None,
@@ -173,7 +173,26 @@ def _biases(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
 
 def _blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
     scaled = [] if arch in GRANITES else [(True, f"{flag} (Granite has it)") for flag in _scaled(m)]
-    return _nowhere(m) + scaled + _windows(m, arch) + _architecture_blockers(m, arch)
+    return _nowhere(m) + scaled + _norm_blockers(m, arch) + _windows(m, arch) + _architecture_blockers(m, arch)
+
+
+def _norm_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
+    """OLMo 2 normalises the outputs of attention and the MLP (not their inputs) and its query/key
+    norms span all heads; every other architecture the inputs, per head."""
+    name, olmo = arch.replace("ForCausalLM", "").replace("LMHeadModel", ""), arch == OLMO2
+    where = "outputs" if olmo else "inputs"
+    return [
+        (
+            m.layer_norms != ("output" if olmo else "input"),
+            f"--layer-norms {m.layer_norms} ({name} normalises the {where} of attention and the MLP)",
+        ),
+        (
+            m.qk_layernorm and m.qk_layernorm_over_heads != olmo,
+            "no --qk-layernorm-over-heads (Olmo2's query/key norms span all heads)"
+            if olmo
+            else f"--qk-layernorm-over-heads ({name}'s query/key norms, if any, are per head; Olmo2's span all heads)",
+        ),
+    ]
 
 
 def _architecture_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
@@ -228,7 +247,7 @@ def _moe_blockers(m: ModelConfig, name: str) -> List[Tuple[bool, str]]:
 
 def hf_architecture(m: ModelConfig, requested: Optional[str] = None) -> str:
     """The HF class that expresses ``m`` exactly (``requested``, or the one its options point to:
-    GPT2, Llama, Qwen2, Qwen3, Granite, Mixtral, Qwen3Moe or GraniteMoe; Mistral only on request, since Llama expresses the same
+    GPT2, Llama, Qwen2, Qwen3, Granite, Olmo2, Mixtral, Qwen3Moe or GraniteMoe; Mistral only on request, since Llama expresses the same
     models), or an error listing every option that blocks it."""
     if requested is None:
         arch, why = _default(m)

@@ -16,6 +16,7 @@ from megatron_p2r.convert.hf.architecture import (
     MISTRAL,
     MIXTRAL,
     MODEL_TYPES,
+    OLMO2,
     QWEN2,
     QWEN3,
     QWEN3_MOE,
@@ -81,6 +82,8 @@ def hf_config(m: ModelConfig, arch: str, hf_vocab: int, dtype: str, special: Dic
             "mlp_bias": m.add_bias,
             "pretraining_tp": 1,
         }
+    if arch == OLMO2:
+        return {**cfg, "intermediate_size": m.ffn_size, "attention_bias": False}
     window = _hf_window(m)
     if arch == MISTRAL:
         return {**cfg, "intermediate_size": m.ffn_size, "sliding_window": window}
@@ -324,7 +327,7 @@ def _bias_values(hf: dict, where: str, arch: str) -> dict:
     bias the output projection too but not the MLP, which no flag here expresses)."""
     if arch == QWEN2:
         return dict(disable_bias_linear=True, add_qkv_bias=True)
-    if arch in (QWEN3, QWEN3_MOE, GRANITE_MOE) and hf.get("attention_bias", False):
+    if arch in (QWEN3, QWEN3_MOE, GRANITE_MOE, OLMO2) and hf.get("attention_bias", False):
         raise HFConversionError(
             f"{where}: attention_bias true (query/key/value and output biases without MLP biases) "
             "has no equivalent here"
@@ -370,6 +373,8 @@ def _rotary_values(hf: dict, where: str, arch: str) -> dict:
     )
     if arch in (QWEN3, QWEN3_MOE):
         values["qk_layernorm"] = True
+    if arch == OLMO2:  # norms on the outputs; query/key norms over all heads
+        values.update(layer_norms="output", qk_layernorm=True, qk_layernorm_over_heads=True)
     if arch == QWEN3_MOE:
         values.update(_qwen3_moe_values(hf, where, layers))
     if arch in GRANITES:

@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_p2r.convert.hf.architecture import GPT2, GRANITE_MOE, MIXTRAL, QWEN3_MOE
+from megatron_p2r.convert.hf.architecture import GPT2, GRANITE_MOE, MIXTRAL, OLMO2, QWEN3_MOE
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.layout.tensor_specs import HeadRows, attention_rows
 
@@ -151,7 +151,7 @@ def _attention(m: ModelConfig, o: str, a: str) -> List[Rule]:
     out.append(_same(o + "attention.proj.weight", a + "o_proj.weight"))
     if m.add_bias:
         out.append(_same(o + "attention.proj.bias", a + "o_proj.bias"))
-    if m.qk_layernorm:  # Qwen3: RMSNorm over each head's dimensions
+    if m.qk_layernorm:  # Qwen3: RMSNorm over each head's dimensions; OLMo 2: over all heads
         out += [_same(o + "attention.q_layernorm.weight", a + "q_norm.weight")]
         out += [_same(o + "attention.k_layernorm.weight", a + "k_norm.weight")]
     return out
@@ -187,9 +187,17 @@ def _granite_experts(m: ModelConfig, o: str, moe: str) -> List[Rule]:
     ]
 
 
+# Each architecture's layer norms: ours -> its (OLMo 2's post_attention_layernorm is on attention's output)
+LAYER_NORM_NAMES = {
+    OLMO2: {"attention_output_norm": "post_attention_layernorm", "mlp_output_norm": "post_feedforward_layernorm"},
+}
+PRE_NORM_NAMES = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}
+
+
 def _rotary_layer(m: ModelConfig, arch: str, o: str, t: str, moe: bool) -> List[Rule]:
-    out = [_same(o + "input_norm.weight", t + "input_layernorm.weight")] + _attention(m, o, t + "self_attn.")
-    out.append(_same(o + "post_attention_norm.weight", t + "post_attention_layernorm.weight"))
+    norms = LAYER_NORM_NAMES.get(arch, PRE_NORM_NAMES).items()
+    out = [_same(f"{o}{ours}.weight", f"{t}{theirs}.weight") for ours, theirs in norms]
+    out += _attention(m, o, t + "self_attn.")
     if not moe:
         out += [
             _glu(o + "mlp.fc1.weight", t + "mlp.gate_proj.weight", t + "mlp.up_proj.weight"),

@@ -131,6 +131,15 @@ def test_architecture_choice():
     # Qwen3-MoE: dense layers between (decoder_sparse_step), top-k probabilities kept (norm_topk_prob false)
     moe = dict(rope, qk_layernorm=True, num_experts=4, moe_layer_freq=2, moe_router_pre_softmax=True)
     assert hf_architecture(ModelConfig(**moe)) == "Qwen3MoeForCausalLM"
+    # OLMo 2: norms on the outputs, q/k norms over all heads; either alone is blocked elsewhere
+    olmo = dict(rope, layer_norms="output", qk_layernorm=True, qk_layernorm_over_heads=True)
+    assert hf_architecture(ModelConfig(**olmo)) == "Olmo2ForCausalLM"
+    with pytest.raises(HFConversionError, match="no --qk-layernorm-over-heads"):
+        hf_architecture(ModelConfig(**dict(olmo, qk_layernorm_over_heads=False)))
+    with pytest.raises(HFConversionError, match=r"--layer-norms both \(Llama normalises the inputs"):
+        hf_architecture(ModelConfig(**rope, layer_norms="both"))
+    with pytest.raises(HFConversionError, match=r"--qk-layernorm-over-heads \(Qwen3's query/key norms"):
+        hf_architecture(ModelConfig(**rope, qk_layernorm=True, qk_layernorm_over_heads=True))
     # Granite: Llama or Mixtral with multipliers, which no other architecture has
     assert hf_architecture(ModelConfig(**rope, logits_scaling=2.0)) == "GraniteForCausalLM"
     assert hf_architecture(ModelConfig(**rope, num_experts=4, softmax_scale=0.1)) == "GraniteMoeForCausalLM"

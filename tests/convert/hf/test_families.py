@@ -16,7 +16,7 @@ import shutil
 import pytest
 
 from megatron_p2r.arguments import config_from_values, load_yaml
-from megatron_p2r.convert.hf.architecture import GRANITE, GRANITE_MOE, QWEN3, QWEN3_MOE, HFConversionError
+from megatron_p2r.convert.hf.architecture import GRANITE, GRANITE_MOE, OLMO2, QWEN3, QWEN3_MOE, HFConversionError
 from megatron_p2r.convert.hf.exporter import export_hf
 from megatron_p2r.convert.hf.importer import import_hf
 from megatron_p2r.convert.reshard import Target
@@ -33,10 +33,11 @@ FAMILIES = {
         Target(1, 1, None, 2),
         dict(qk_layernorm=True, num_experts=4, moe_layer_freq=2, moe_router_pre_softmax=True, moe_ffn_hidden_size=24),
     ),
+    "olmo2": (OLMO2, Target(2), dict(layer_norms="output", qk_layernorm=True, qk_layernorm_over_heads=True)),
     "granite": (GRANITE, Target(2), dict(SCALES, disable_bias_linear=False)),
     "granitemoe": (GRANITE_MOE, Target(1, 1, None, 2), dict(SCALES, num_experts=4, moe_router_pre_softmax=False)),
 }
-REFUSED = ["gemma2", "gemma3_text", "olmo2", "gpt_oss"]
+REFUSED = ["gemma2", "gemma3_text", "gpt_oss"]
 
 
 def _fixture(family):
@@ -128,15 +129,31 @@ def test_family_fields_without_equivalent_are_refused(family, change, message, t
         import_hf(str(tmp_path / "hf"), str(tmp_path / "ours"), Target(), progress=False)
 
 
-def test_granite_options_block_megatron_export():
-    """Megatron-LM has no flags for Granite's multipliers: export to Megatron names each."""
+def test_family_options_block_megatron_export():
+    """Megatron-LM has no flags for Granite's multipliers or OLMo 2's norms: export to Megatron names each."""
     from megatron_p2r.convert.megatron.args import MegatronConversionError
     from megatron_p2r.convert.megatron.export_args import MegatronLayout, megatron_args
     from tests.convert.hf.common import ROPE
     from tests.helpers import tiny_config
 
-    cfg = tiny_config(**ROPE, embedding_multiplier=3.0, residual_multiplier=0.5, softmax_scale=0.25, logits_scaling=2.0)
+    cfg = tiny_config(
+        **ROPE,
+        embedding_multiplier=3.0,
+        residual_multiplier=0.5,
+        softmax_scale=0.25,
+        logits_scaling=2.0,
+        layer_norms="output",
+        qk_layernorm=True,
+        qk_layernorm_over_heads=True,
+    )
     with pytest.raises(MegatronConversionError, match="cannot express this model in Megatron-LM's args") as exc:
         megatron_args(cfg, MegatronLayout(1, 1, 1, "torch_dist"), iteration=0, consumed_samples=0, dtype="float32")
-    for flag in ("--embedding-multiplier 3.0", "--residual-multiplier 0.5", "--softmax-scale 0.25", "--logits-scaling"):
+    for flag in (
+        "--embedding-multiplier 3.0",
+        "--residual-multiplier 0.5",
+        "--softmax-scale 0.25",
+        "--logits-scaling",
+        "--layer-norms 'output'",
+        "--qk-layernorm-over-heads True",
+    ):
         assert flag in str(exc.value)
