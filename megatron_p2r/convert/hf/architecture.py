@@ -95,7 +95,7 @@ def _scaled(m: ModelConfig) -> List[str]:
 
 
 def _rotary_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
-    """What none of the rotary architectures (Llama, Mistral, Mixtral, Qwen2) can represent."""
+    """What the rotary architectures (all but GPT2) cannot represent."""
     name = arch.replace("ForCausalLM", "")
     return [
         (
@@ -107,7 +107,7 @@ def _rotary_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
         (m.rotary_percent != 1.0, f"--rotary-percent {m.rotary_percent} ({name} rotates whole heads)"),
         (
             m.qk_layernorm != (arch in QK_NORMED),
-            f"no --qk-layernorm ({name} normalises every query and key head)"
+            f"no --qk-layernorm ({name} normalises queries and keys)"
             if arch in QK_NORMED
             else f"--qk-layernorm ({name} has no query/key norms; Qwen3 has them)",
         ),

@@ -152,8 +152,10 @@ def _attention(m: ModelConfig, o: str, a: str) -> List[Rule]:
     if m.add_bias:
         out.append(_same(o + "attention.proj.bias", a + "o_proj.bias"))
     if m.qk_layernorm:  # Qwen3: RMSNorm over each head's dimensions; OLMo 2: over all heads
-        out += [_same(o + "attention.q_layernorm.weight", a + "q_norm.weight")]
-        out += [_same(o + "attention.k_layernorm.weight", a + "k_norm.weight")]
+        out += [
+            _same(o + "attention.q_layernorm.weight", a + "q_norm.weight"),
+            _same(o + "attention.k_layernorm.weight", a + "k_norm.weight"),
+        ]
     return out
 
 

@@ -68,7 +68,7 @@ GQA = dict(group_query_attention=True, num_query_groups=2)
             dict(ROPE, **GQA, disable_bias_linear=True),
             "Qwen3ForCausalLM",
             "Qwen3ForCausalLM",
-            "no --qk-layernorm (Qwen3 normalises every query and key head)",
+            "no --qk-layernorm (Qwen3 normalises queries and keys)",
         ),
         (
             dict(ROPE, **GQA, disable_bias_linear=True, qk_layernorm=True, num_experts=4, moe_capacity_factor=1.0),
