@@ -29,6 +29,12 @@ class ModelConfig:
     qk_layernorm: bool = opt(
         False, "Normalise every query and key head (--normalization over the head dimension) before rotary embeddings."
     )
+    qk_layernorm_over_heads: bool = opt(
+        False,
+        "With --qk-layernorm: one RMSNorm over the whole query (and the whole key) projection, all "
+        "heads together, with a weight per row (OLMo 2), instead of one per head; under TP its mean "
+        "square is all-reduced. No Megatron-LM flag.",
+    )
     add_qkv_bias: bool = opt(False, "Bias in the query/key/value projection even with --disable-bias-linear (Qwen2).")
     window_size: Optional[str] = opt(
         None,
@@ -65,6 +71,22 @@ class ModelConfig:
     mscale_all_dim: float = opt(
         0.0, "MLA: YaRN's mscale_all_dim (also scales the softmax by its square, as DeepSeek-V3)."
     )
+    softmax_scale: Optional[float] = opt(
+        None,
+        "Attention scores are q.k times this (megatron-core's TransformerConfig.softmax_scale, "
+        "which Megatron-LM sets from no flag; Granite's attention_multiplier). Unset: 1/sqrt(head dimension).",
+    )
+    embedding_multiplier: float = opt(
+        1.0, "The word embeddings are multiplied by this (Granite's embedding_multiplier; no Megatron-LM flag)."
+    )
+    residual_multiplier: float = opt(
+        1.0,
+        "The attention and MLP outputs are multiplied by this before each residual add "
+        "(Granite's residual_multiplier; no Megatron-LM flag).",
+    )
+    logits_scaling: float = opt(
+        1.0, "The output logits are divided by this (Granite's logits_scaling; no Megatron-LM flag)."
+    )
     seq_length: int = opt(256, "Sequence length of a training sample.")
     max_position_embeddings: Optional[int] = opt(None, "Learned positions table size (default seq-length).")
     vocab_size: Optional[int] = opt(
@@ -72,6 +94,13 @@ class ModelConfig:
     )
     make_vocab_size_divisible_by: int = opt(128, "Pad the vocabulary to a multiple of this (must be divisible by TP).")
     normalization: str = opt("LayerNorm", "Normalisation layer.", choices=["LayerNorm", "RMSNorm"])
+    layer_norms: str = opt(
+        "input",
+        "Where each layer's norms sit: on the inputs of attention and the MLP ('input', pre-norm, "
+        "Megatron-LM's), on their outputs before each residual add ('output', OLMo 2), or both "
+        "('both'). No Megatron-LM flag.",
+        choices=["input", "output", "both"],
+    )
     norm_epsilon: float = opt(1e-5, "Epsilon of the normalisation layers.")
     swiglu: bool = opt(False, "Use SwiGLU in the MLP instead of GELU.")
     bias_gelu_fusion: bool = opt(
@@ -162,6 +191,15 @@ class ModelConfig:
         """MLA: query/key dimensions per head, the rotary part last."""
         return self.qk_head_dim + self.qk_pos_emb_head_dim
 
+    def input_norms(self) -> bool:
+        """Norms on the inputs of attention and the MLP (``input_norm``, ``post_attention_norm``)."""
+        return self.layer_norms != "output"
+
+    @property
+    def output_norms(self) -> bool:
+        """Norms on the outputs of attention and the MLP (``attention_output_norm``, ``mlp_output_norm``)."""
+        return self.layer_norms != "input"
+
     @property
     def qkv_bias(self) -> bool:
         return self.add_bias or self.add_qkv_bias
@@ -236,6 +274,8 @@ class ModelConfig:
                 f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
                 f"--num-query-groups ({self.num_query_groups})"
             )
+        if self.qk_layernorm_over_heads and not (self.qk_layernorm and self.normalization == "RMSNorm"):
+            raise ConfigError("--qk-layernorm-over-heads needs --qk-layernorm and --normalization RMSNorm")
         if self.window_size is not None:
             _window(self.window_size)
         elif self.window_attn_skip_freq is not None:
@@ -383,4 +423,8 @@ RANGES = {
     "mscale": Range(0.0, 1e6),
     "mscale_all_dim": Range(0.0, 1e6),
     "activation_func_clamp_value": positive(),
+    "softmax_scale": positive(),
+    "embedding_multiplier": positive(),
+    "residual_multiplier": positive(),
+    "logits_scaling": positive(),
 }

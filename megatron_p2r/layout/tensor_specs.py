@@ -29,6 +29,10 @@ SEQUENCE_PARALLEL_PARTIAL = (
     "post_attention_norm.bias",
     "final_norm.weight",
     "final_norm.bias",
+    "attention_output_norm.weight",
+    "attention_output_norm.bias",
+    "mlp_output_norm.weight",
+    "mlp_output_norm.bias",
     "attention.proj.bias",
     # multi-latent attention's replicated down-projections and latent norms (model/latent_attention.py)
     "attention.q_down_proj.weight",
@@ -180,7 +184,24 @@ def attention_tensors(m: ModelConfig, prefix: str, tp: int) -> List[TensorSpec]:
         specs.append(TensorSpec(f"{prefix}.softmax_offset", (m.num_attention_heads // tp,), tp_dim=0))
     for name, rows in attention_rows(m).items():
         specs += _heads(f"{prefix}.{name}", rows, h, tp, m.qkv_bias)
-    if m.qk_layernorm:  # one norm over head_dim, applied to each rank's own heads: partial gradients
+    if m.qk_layernorm and m.qk_layernorm_over_heads:  # a weight per row, split as the heads
+        for name, rows in (
+            ("q_layernorm", HeadRows(m.num_attention_heads, ("q",), m.head_dim)),
+            ("k_layernorm", HeadRows(m.query_groups, ("k",), m.head_dim)),
+        ):
+            replicas = rows.tp_replicas(tp)
+            local = rows.groups * rows.head_dim // rows.tp_shards(tp)
+            specs.append(
+                TensorSpec(
+                    f"{prefix}.{name}.weight",
+                    (local,),
+                    tp_dim=0,
+                    tp_replicas=replicas,
+                    tp_partial=replicas > 1,
+                    rows=rows,
+                )
+            )
+    elif m.qk_layernorm:  # one norm over head_dim, applied to each rank's own heads: partial gradients
         specs += _norm(f"{prefix}.q_layernorm", m, m.head_dim, tp_partial=True)
         specs += _norm(f"{prefix}.k_layernorm", m, m.head_dim, tp_partial=True)
     return specs + _row(f"{prefix}.proj", h, m.num_attention_heads * m.head_dim, tp, m.add_bias)
@@ -190,9 +211,9 @@ def layer_tensors(m: ModelConfig, key: int, tp: int, ep: int) -> List[TensorSpec
     """The parameters of transformer module ``layers.{key}`` (model/block.py, attention.py,
     mlp.py, moe/router.py, moe/experts.py)."""
     h, bias, p = m.hidden_size, m.add_bias, f"layers.{key}"
-    specs = _norm(f"{p}.input_norm", m)
+    specs = _norm(f"{p}.input_norm", m) if m.input_norms else []
     specs += attention_tensors(m, f"{p}.attention", tp)
-    specs += _norm(f"{p}.post_attention_norm", m)
+    specs += _norm(f"{p}.post_attention_norm", m) if m.input_norms else []
     glu = 2 if m.gated_linear_unit else 1
     if m.is_moe_layer(key):
         e, f = m.num_experts // ep, m.expert_ffn_size // tp
@@ -205,6 +226,8 @@ def layer_tensors(m: ModelConfig, key: int, tp: int, ep: int) -> List[TensorSpec
             specs.append(TensorSpec(f"{x}.bias2", (e, h), expert=True))
     else:
         specs += _column(f"{p}.mlp.fc1", glu * m.ffn_size, h, tp, bias) + _row(f"{p}.mlp.fc2", h, m.ffn_size, tp, bias)
+    if m.output_norms:
+        specs += _norm(f"{p}.attention_output_norm", m) + _norm(f"{p}.mlp_output_norm", m)
     return [dataclasses.replace(s, module_key=key) for s in specs]
 
 

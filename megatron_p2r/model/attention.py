@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_p2r.config import ModelConfig
-from megatron_p2r.model.norm import make_norm
+from megatron_p2r.model.norm import HeadsRMSNorm, make_norm
 from megatron_p2r.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.sharding import make_param
@@ -147,6 +147,7 @@ class Attention(nn.Module):
         self.device = ps.device
         self.recompute_core = recompute_core
         self.window = window  # keys before the query this layer sees (ModelConfig.attention_window)
+        self.softmax_scale = cfg.softmax_scale  # None: SDPA's 1/sqrt(d)
         # Megatron-LM's softmax offsets: learned per head (normal init, no weight decay), or 0 for off-by-one.
         self.softmax_type = cfg.softmax_type
         self.softmax_offset = None
@@ -163,8 +164,13 @@ class Attention(nn.Module):
             self.key_value = ColumnParallelLinear(h, 2 * groups * d, ps, tp_replicas=max(tp // groups, 1), **projection)
         else:
             self.qkv = ColumnParallelLinear(h, 3 * heads * d, ps, **projection)
-        self.q_layernorm = make_norm(cfg, device, d) if cfg.qk_layernorm else None
-        self.k_layernorm = make_norm(cfg, device, d) if cfg.qk_layernorm else None
+        self.q_layernorm = self.k_layernorm = None
+        if cfg.qk_layernorm and cfg.qk_layernorm_over_heads:
+            group, replicas = ps.group("tp"), max(tp // groups, 1)
+            self.q_layernorm = HeadsRMSNorm(self.local_heads, d, cfg.norm_epsilon, group, tp, 1, device)
+            self.k_layernorm = HeadsRMSNorm(self.local_groups, d, cfg.norm_epsilon, group, tp, replicas, device)
+        elif cfg.qk_layernorm:
+            self.q_layernorm, self.k_layernorm = make_norm(cfg, device, d), make_norm(cfg, device, d)
         self.proj = RowParallelLinear(
             heads * d,
             h,
@@ -204,7 +210,7 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(QK^T / sqrt(d)) V with attention dropout: what selective recomputation
+        """softmax(QK^T / sqrt(d)) V (or --softmax-scale instead of 1/sqrt(d)) with attention dropout: what selective recomputation
         (``recompute_core``, Megatron's "core_attn") recomputes in backward."""
         p = self.dropout if self.training else 0.0
         sinks = self.softmax_type != "vanilla"
@@ -224,5 +230,6 @@ class Attention(nn.Module):
                 attn_mask=mask,
                 dropout_p=p,
                 is_causal=mask is None,
+                scale=self.softmax_scale,
                 enable_gqa=self.local_groups != self.local_heads,
             )

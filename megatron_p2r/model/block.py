@@ -1,4 +1,6 @@
-"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)) (dense or MoE).
+"""One transformer layer: x + attn(norm(x)), then x + mlp(norm(x)) (dense or MoE); with
+--layer-norms output x + norm(attn(x)), then x + norm(mlp(x)) (OLMo 2), with both
+x + norm(attn(norm(x))) ... (Gemma); each branch times --residual-multiplier when set (Granite).
 
 A MoE layer's forward is its nodes in sequence (``pre``, the experts, ``post``; ``moe/nodes.py``):
 the overlapped expert schedule runs the same nodes one graph each (``nodes()``).
@@ -26,6 +28,11 @@ from megatron_p2r.parallel.random import dropout_rng
 from megatron_p2r.parallel.state import ParallelState
 
 
+def _norm(norm: Optional[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)``, or ``x`` where --layer-norms puts no norm."""
+    return x if norm is None else norm(x)
+
+
 class TransformerLayer(nn.Module):
     """``recompute_core``: selective recomputation of the attention core (model/attention.py, or
     model/latent_attention.py under --multi-latent-attention);
@@ -44,8 +51,9 @@ class TransformerLayer(nn.Module):
     ):
         super().__init__()
         self.hidden_dropout = cfg.hidden_dropout
+        self.residual_multiplier = cfg.residual_multiplier
         self.device, self.sequence_parallel = ps.device, sequence_parallel
-        self.input_norm = make_norm(cfg, device)
+        self.input_norm = make_norm(cfg, device) if cfg.input_norms else None
         if cfg.multi_latent_attention:
             self.attention = LatentAttention(
                 cfg, ps, device, sequence_parallel=sequence_parallel, recompute_core=recompute_core
@@ -54,18 +62,20 @@ class TransformerLayer(nn.Module):
             self.attention = Attention(
                 cfg, ps, device, sequence_parallel=sequence_parallel, recompute_core=recompute_core, window=window
             )
-        self.post_attention_norm = make_norm(cfg, device)
+        self.post_attention_norm = make_norm(cfg, device) if cfg.input_norms else None
         if moe:
             self.mlp = MoELayer(cfg, ps, device, sequence_parallel=sequence_parallel)
         else:
             self.mlp = MLP(cfg, ps, device=device, sequence_parallel=sequence_parallel)
+        self.attention_output_norm = make_norm(cfg, device) if cfg.output_norms else None
+        self.mlp_output_norm = make_norm(cfg, device) if cfg.output_norms else None
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         if isinstance(self.mlp, MoELayer):  # its nodes in sequence, the all-to-alls blocking
             residual, routed = self.pre(x, rope)
             return self.post(self.mlp.expert_rows(routed), residual, routed.weights, routed)
         x = self.attend(x, rope)
-        return self.add_mlp(x, self.mlp(self.post_attention_norm(x)))
+        return self.add_mlp(x, self.mlp(_norm(self.post_attention_norm, x)))
 
     def nodes(self) -> Optional[LayerNodes]:
         """This layer cut at its expert all-to-alls (``moe.nodes``); None without any (dense, EP=1)."""
@@ -82,7 +92,7 @@ class TransformerLayer(nn.Module):
     def pre(self, x: torch.Tensor, rope=None) -> Tuple[torch.Tensor, Routed]:
         """A MoE layer up to its dispatch: attention, router, permute."""
         residual = self.attend(x, rope)
-        return residual, self.mlp.route(self.post_attention_norm(residual))
+        return residual, self.mlp.route(_norm(self.post_attention_norm, residual))
 
     def post(self, rows: torch.Tensor, residual: torch.Tensor, weights: torch.Tensor, routed: Routed) -> torch.Tensor:
         """A MoE layer after its combine: unpermute, weight (``weights``: ``routed``'s, or their
@@ -91,12 +101,16 @@ class TransformerLayer(nn.Module):
 
     def attend(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         """The residual stream after attention (the MLP's input is its norm)."""
-        p = self.hidden_dropout if self.training else 0.0
-        attention = self.attention(self.input_norm(x), rope)
-        with dropout_rng(self.device, self.sequence_parallel and p > 0):
-            return x + F.dropout(attention, p)
+        return self._add(x, _norm(self.attention_output_norm, self.attention(_norm(self.input_norm, x), rope)))
 
     def add_mlp(self, x: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
+        return self._add(x, _norm(self.mlp_output_norm, mlp))
+
+    def _add(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        """The residual add of a branch: dropout, then --residual-multiplier (when not 1)."""
         p = self.hidden_dropout if self.training else 0.0
         with dropout_rng(self.device, self.sequence_parallel and p > 0):
-            return x + F.dropout(mlp, p)
+            branch = F.dropout(branch, p)
+        if self.residual_multiplier != 1.0:
+            branch = branch * self.residual_multiplier
+        return x + branch

@@ -45,7 +45,7 @@ from megatron_p2r.parallel.state import ParallelState
 
 
 class Embedding(nn.Module):
-    """Word (+ learned position) embeddings and dropout; under sequence parallelism the output is
+    """Word embeddings (times --embedding-multiplier) (+ learned positions) and dropout; under sequence parallelism the output is
     this rank's sequence shard, its positions those of the shard."""
 
     def __init__(self, cfg: Config, ps: ParallelState, device=None, *, sequence_parallel: bool = False):
@@ -70,9 +70,12 @@ class Embedding(nn.Module):
             p = self.position_embeddings.weight
             p.tp_dim, p.expert, p.no_wd, p.init = None, False, False, ("normal", m.init_method_std)
         self.dropout = m.hidden_dropout
+        self.multiplier = m.embedding_multiplier
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens)
+        if self.multiplier != 1.0:
+            x = x * self.multiplier
         if self.position_embeddings is not None:
             start = self.tp_rank * x.shape[1] if self.sequence_parallel else 0
             x = x + self.position_embeddings(torch.arange(start, start + x.shape[1], device=tokens.device))
@@ -267,6 +270,8 @@ class M6Model(nn.Module):
 
     def _head(self, x: torch.Tensor, labels: Optional[torch.Tensor], loss_mask: Optional[torch.Tensor]) -> torch.Tensor:
         x = self.final_norm(x)
+        if self.cfg.model.logits_scaling != 1.0:  # logits / s, as the output layer's input / s
+            x = x / self.cfg.model.logits_scaling
         if self.output_layer is not None:
             return self.output_layer(x, labels, loss_mask)
         # tied weights on a single stage: the input embedding's, already gathered by its forward

@@ -135,21 +135,22 @@ def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int, device_type: 
         if m.softmax_type != "vanilla":  # k and v with the sink slot, the float mask (CUDA's kernel keeps them)
             held += (2 * (kv + kv // m.seq_length) + heads * m.seq_length * (m.seq_length + 1)) * a
     if m.qk_layernorm:
-        held += _qk_norm_held(m, q, kv, d, a, kernel_saves_outputs=not unfused)
+        held += _qk_norm_held(m, q, kv, d, a, kernel_saves_outputs=not unfused, tokens=n)
     if m.position_embedding_type == "rope" and not unfused:
         held += (q + kv) * a  # rotated q and k
     return held
 
 
-def _qk_norm_held(m, q: int, kv: int, d: int, a: int, kernel_saves_outputs: bool = True) -> int:
+def _qk_norm_held(m, q: int, kv: int, d: int, a: int, kernel_saves_outputs: bool = True, tokens: int = 0) -> int:
     """--qk-layernorm over q (``q`` elements) and the local keys (``kv``): each norm keeps its
     statistics (LayerNorm mean and rstd, RMSNorm rstd and x * rstd in fp32, and with 16-bit
     weights its fp32 copy of the input) and, when a fused kernel saves it and rotary does not
     replace it, its output; that output is contiguous per head, so the fused kernel's output
-    (saved) needs a copy for the output projection."""
+    (saved) needs a copy for the output projection. Statistics are per head, or per token
+    (``tokens``) with --qk-layernorm-over-heads."""
     held = q * a if kernel_saves_outputs else 0  # the kernel's output beside the copy
     for elements in (q, kv):
-        rows = elements // d
+        rows = tokens if m.qk_layernorm_over_heads else elements // d
         if m.normalization == "LayerNorm":
             held += 2 * rows * 4
         else:
@@ -297,7 +298,8 @@ def layer_activations(
     a = compute_bytes(cfg)
     n, h = t.micro_batch_size * m.seq_length, m.hidden_size
     ns = n // tp if sequence_parallel else n  # tokens outside the TP regions
-    held = 2 * norm_held(m, ns, h, a) + _attention_held(cfg, n, ns, tp, a, device_type)
+    norms = 2 * (m.input_norms + m.output_norms)  # --layer-norms: on the branches' inputs, outputs or both
+    held = norms * norm_held(m, ns, h, a) + _attention_held(cfg, n, ns, tp, a, device_type)
     if sinks_unmodelled(m, device_type):
         raise ValueError(
             "softmax offsets (--softmax-type) on CPU run the math attention kernel with a float mask, "

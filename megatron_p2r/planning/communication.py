@@ -60,8 +60,10 @@ def _tp_layer_bytes(cfg: Config, moe: bool, forwards: int, n: int, T: int, sp: b
     all-gather under SP)."""
     m, a, h = cfg.model, compute_bytes(cfg), cfg.model.hidden_size
     columns = (2 if m.group_query_attention else 1) + 1
+    # --qk-layernorm-over-heads: the q and k norms all-reduce a fp32 sum of squares per token, and its gradient
+    stats = (forwards + 1) * 2 * _ring(n * 4, T) if m.qk_layernorm_over_heads else 0.0
     if not sp:
-        out = forwards * 2 * _ring(n * h * a, T)  # attention proj + MLP reduce
+        out = stats + forwards * 2 * _ring(n * h * a, T)  # attention proj + MLP reduce
         out += columns * _ring(n * h * a, T)  # backward of the copies
         if moe:
             out += _ring(moe_rows(cfg, n)[1] * 4, T)  # combine weights' copy (fp32)
@@ -69,7 +71,7 @@ def _tp_layer_bytes(cfg: Config, moe: bool, forwards: int, n: int, T: int, sp: b
     # all-gather before each column-parallel projection (again in backward for the weight
     # gradients), reduce-scatter after proj and fc2; backward: reduce-scatter of the input
     # gradients, all-gather of the output's
-    out = forwards * (columns + 2) * _gather(n * h * a, T) + (2 * columns + 2) * _gather(n * h * a, T)
+    out = stats + forwards * (columns + 2) * _gather(n * h * a, T) + (2 * columns + 2) * _gather(n * h * a, T)
     if moe:  # routing ids and combine weights gathered too, their gradient reduce-scattered; the
         # tokens are not gathered again in backward (the experts keep their rows)
         slots = moe_rows(cfg, n)[0]

@@ -58,8 +58,15 @@ CASES = {
             moe_layer_freq=2,
         ),
     ),
+    # OLMo 2: norms on the branch outputs (sequence shards), q/k norms over all heads (key heads replicated)
+    "tp4_g2_olmo2": (
+        4,
+        2,
+        dict(ROPE, layer_norms="output", qk_layernorm=True, qk_layernorm_over_heads=True, sequence_parallel=True),
+    ),
+    "tp2_g2_both_norms": (2, 2, dict(ROPE, layer_norms="both")),
 }
-STEPPED = ("tp4_g1", "tp4_g2", "tp2_g1")  # key/value heads replicated: 3 optimizer steps
+STEPPED = ("tp4_g1", "tp4_g2", "tp2_g1", "tp4_g2_olmo2")  # key/value heads replicated: 3 optimizer steps
 
 
 def _config(tp, groups, options, **more):
@@ -86,7 +93,12 @@ def _gqa_rank(rank, world):
         cfg = _config(tp, groups, options)
         ps, _ = setup_parallel(cfg, torch.device("cpu"))
         case = compare_case(cfg, ps.layout, ps, "1f1b", n_micro=2)
-        out[name] = {"loss_err": case["loss_err"], "grad_err": case["grad_err"], "tp_rank": ps.tp_rank}
+        out[name] = {
+            "loss_err": case["loss_err"],
+            "grad_err": case["grad_err"],
+            "tp_rank": ps.tp_rank,
+            "grad_rel_err": case["grad_rel_err"],
+        }
         if name in STEPPED:
             losses, state = run_steps(cfg, ps, 3)
             ref_losses, _ = run_steps(reference_config(cfg), ParallelState.single(), 3)
@@ -99,7 +111,8 @@ def test_gqa_under_tp_reproduces_one_process_and_replicas_stay_identical():
     for r in results:
         for name, (tp, groups, _) in CASES.items():
             res = r[name]
-            assert res["loss_err"] < 1e-5 and res["grad_err"] < 2e-5, (name, res)
+            # (OLMo 2's gradients reach ~80, with norms on the branches and none on the stream: relative)
+            assert res["loss_err"] < 1e-5 and (res["grad_err"] < 2e-5 or res["grad_rel_err"] < 2e-6), (name, res)
             if name in STEPPED:
                 assert res["losses"] == pytest.approx(res["ref_losses"], rel=1e-5), name
                 block = tp // min(tp, groups)

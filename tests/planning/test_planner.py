@@ -166,6 +166,22 @@ LAYOUTS = [
         ),
         8,
     ),
+    # OLMo 2: output norms on sequence shards, q/k norm weights split as the heads (key heads replicated)
+    (
+        "olmo2-tp4-g2-sp-pp2",
+        dict(
+            layer_norms="output",
+            qk_layernorm=True,
+            qk_layernorm_over_heads=True,
+            normalization="RMSNorm",
+            group_query_attention=True,
+            num_query_groups=2,
+            sequence_parallel=True,
+            tensor_model_parallel_size=4,
+            pipeline_model_parallel_size=2,
+        ),
+        8,
+    ),
     # gpt-oss: learned sink logits split with the heads, quick-GeGLU's fc1 as wide as SwiGLU's
     (
         "gpt-oss-tp2-pp2",
@@ -369,6 +385,21 @@ ACTIVATION_CASES = [
     ),
     dict(attention_dropout=0.1, qk_layernorm=True, normalization="RMSNorm", position_embedding_type="rope"),
     dict(bf16=True, attention_dropout=0.1, seq_length=256, micro_batch_size=1),
+    # OLMo 2: norms on the branch outputs, query/key norms over all heads; Gemma's norms on both
+    dict(
+        layer_norms="output",
+        qk_layernorm=True,
+        qk_layernorm_over_heads=True,
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding_type="rope",
+        group_query_attention=True,
+        num_query_groups=2,
+    ),
+    dict(bf16=True, layer_norms="output", qk_layernorm=True, qk_layernorm_over_heads=True, normalization="RMSNorm"),
+    dict(bf16=True, layer_norms="both", normalization="RMSNorm", **FULL1),
+    # Granite's multipliers: elementwise by a constant, nothing more saved
+    dict(embedding_multiplier=3.0, residual_multiplier=0.5, softmax_scale=0.25, logits_scaling=2.0, bf16=True),
 ]
 ACT_SHAPES = dict(
     num_layers=4, hidden_size=128, num_attention_heads=4, seq_length=64, vocab_size=512, micro_batch_size=4
@@ -628,6 +659,18 @@ def test_communication_volumes():
     dense = sum(s.numel for s in plan.tensors(0) if not s.expert and not plan.replica_stages(s.logical))
     assert c0["dp"].bytes == 2 * 3 / 4 * dense * 4
     assert c0["expert_dp"].bytes == 0  # EP = DP: every expert has one replica
+
+
+def test_qk_norm_over_heads_communication():
+    """--qk-layernorm-over-heads: per layer and micro-batch, the q and k norms each all-reduce one
+    fp32 number per token over TP, and its gradient in backward."""
+    base = dict(tensor_model_parallel_size=2, global_batch_size=8, qk_layernorm=True, normalization="RMSNorm")
+    per_head, over = small(**base), small(**base, qk_layernorm_over_heads=True)
+    plan = ParallelPlan.for_world(per_head, 2)
+    tp = [communication.communication(cfg, plan, 0)["tp"].bytes for cfg in (per_head, over)]
+    m, n = per_head.model, per_head.train.micro_batch_size * per_head.model.seq_length
+    mbs = 8 // per_head.train.micro_batch_size
+    assert tp[1] - tp[0] == mbs * m.num_layers * 2 * 2 * (n * 4) * 2 * 1 / 2  # ring all-reduce: 2 (T-1)/T
 
 
 def test_sequence_parallel_communication():

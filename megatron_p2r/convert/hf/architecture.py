@@ -6,12 +6,17 @@ from typing import List, Optional, Tuple
 
 from megatron_p2r.config import ConfigError, ModelConfig
 
-GPT2, LLAMA, MISTRAL, MIXTRAL, QWEN2 = (
+GPT2, LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GRANITE, GRANITE_MOE, OLMO2 = (
     "GPT2LMHeadModel",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "GraniteForCausalLM",
+    "GraniteMoeForCausalLM",
+    "Olmo2ForCausalLM",
 )
 DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 MODEL_TYPES = {
@@ -21,8 +26,33 @@ MODEL_TYPES = {
     MIXTRAL: "mixtral",
     QWEN2: "qwen2",
     DEEPSEEK_V3: "deepseek_v3",
+    QWEN3: "qwen3",
+    QWEN3_MOE: "qwen3_moe",
+    GRANITE: "granite",
+    GRANITE_MOE: "granitemoe",
+    OLMO2: "olmo2",
 }
-ROTARY = (LLAMA, MISTRAL, MIXTRAL, QWEN2)
+ROTARY = (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GRANITE, GRANITE_MOE, OLMO2)
+GRANITES = (GRANITE, GRANITE_MOE)  # Llama / Mixtral with multipliers (embedding, residual, attention, logits)
+QK_NORMED = (QWEN3, QWEN3_MOE, OLMO2)  # query/key RMSNorms before rotary (--qk-layernorm)
+MOE = (MIXTRAL, QWEN3_MOE, GRANITE_MOE)
+# Windows: Mistral, Mixtral and Qwen3-MoE on every layer; Qwen2 and Qwen3 per layer (layer_types).
+EVERY_LAYER_WINDOWED = (MISTRAL, MIXTRAL, QWEN3_MOE)
+
+# Families import reads by name but refuses, and why (what the model here lacks).
+REFUSED = {
+    "gemma2": "Gemma 2 needs attention and final-logit soft-capping (attn_logit_softcapping, "
+    "final_logit_softcapping) and a tanh-GELU GeGLU MLP, which the model here does not build (its "
+    "4 norms a layer would be --layer-norms both, its embedding scale and query_pre_attn_scalar "
+    "--embedding-multiplier and --softmax-scale, its (1 + w) norm weights 1 + w)",
+    "gemma3_text": "Gemma 3 needs a tanh-GELU GeGLU MLP and a rotary base per layer type "
+    "(rope_parameters for sliding and full layers), which the model here does not build (its 4 "
+    "norms a layer would be --layer-norms both, its embedding scale and query_pre_attn_scalar "
+    "--embedding-multiplier and --softmax-scale, its (1 + w) norm weights 1 + w, its per-head q/k "
+    "norms --qk-layernorm)",
+    "gpt_oss": "gpt-oss's router has a bias (megatron-core's router bias under --add-bias-linear "
+    "is not built here) and its rotary scaling is YaRN (rope_type yarn), which the model here lacks",
+}
 
 
 class HFConversionError(ConfigError):
@@ -34,9 +64,19 @@ def _default(m: ModelConfig) -> Tuple[str, str]:
     if m.multi_latent_attention:
         return DEEPSEEK_V3, "--multi-latent-attention"
     if m.num_experts:
+        if _scaled(m):
+            return GRANITE_MOE, "--num-experts with " + _scaled(m)[0]
+        if m.qk_layernorm:
+            return QWEN3_MOE, "--num-experts with --qk-layernorm"
         return MIXTRAL, "--num-experts is set"
     if m.position_embedding_type == "learned_absolute":
         return GPT2, "--position-embedding-type learned_absolute"
+    if _scaled(m):
+        return GRANITE, _scaled(m)[0]
+    if m.layer_norms == "output":
+        return OLMO2, "--layer-norms output"
+    if m.qk_layernorm:
+        return QWEN3, "--qk-layernorm"
     if m.add_qkv_bias and not m.add_bias:
         return QWEN2, "--add-qkv-bias with --disable-bias-linear"
     if m.window_size is not None:
@@ -44,8 +84,22 @@ def _default(m: ModelConfig) -> Tuple[str, str]:
     return LLAMA, "--position-embedding-type rope"
 
 
+def _scaled(m: ModelConfig) -> List[str]:
+    """Granite's multipliers that ``m`` sets."""
+    return [
+        flag
+        for flag, on in (
+            ("--softmax-scale", m.softmax_scale is not None),
+            ("--embedding-multiplier", m.embedding_multiplier != 1.0),
+            ("--residual-multiplier", m.residual_multiplier != 1.0),
+            ("--logits-scaling", m.logits_scaling != 1.0),
+        )
+        if on
+    ]
+
+
 def _rotary_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
-    """What none of the rotary architectures (Llama, Mistral, Mixtral, Qwen2) can represent."""
+    """What the rotary architectures (all but GPT2) cannot represent."""
     name = arch.replace("ForCausalLM", "")
     return [
         (
@@ -55,7 +109,12 @@ def _rotary_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
         (m.normalization != "RMSNorm", f"--normalization {m.normalization} ({name} uses RMSNorm)"),
         (not m.swiglu, f"no --swiglu ({name}'s MLP is SwiGLU)"),
         (m.rotary_percent != 1.0, f"--rotary-percent {m.rotary_percent} ({name} rotates whole heads)"),
-        (m.qk_layernorm, f"--qk-layernorm ({name} has no query/key norms)"),
+        (
+            m.qk_layernorm != (arch in QK_NORMED),
+            f"no --qk-layernorm ({name} normalises queries and keys)"
+            if arch in QK_NORMED
+            else f"--qk-layernorm ({name} has no query/key norms; Qwen3 has them)",
+        ),
         (
             m.use_rope_scaling and m.rotary_seq_len_interpolation_factor is not None,
             "--use-rope-scaling with --rotary-seq-len-interpolation-factor (transformers takes one rope type)",
@@ -90,16 +149,16 @@ def _nowhere(m: ModelConfig) -> List[Tuple[bool, str]]:
 
 
 def _windows(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
-    """Mistral and Mixtral window every layer; Qwen2 takes any pattern (layer_types)."""
+    """Mistral, Mixtral and Qwen3-MoE window every layer; Qwen2 and Qwen3 take any pattern (layer_types)."""
     name = arch.replace("ForCausalLM", "")
-    if arch in (GPT2, LLAMA, DEEPSEEK_V3):
+    if arch in (GPT2, LLAMA, OLMO2, DEEPSEEK_V3) + GRANITES:
         return [
             (
                 m.window_size is not None,
                 f"--window-size {m.window_size} ({name} has no sliding window; Mistral and Qwen2 have one)",
             )
         ]
-    if arch in (MISTRAL, MIXTRAL):
+    if arch in EVERY_LAYER_WINDOWED:
         return [
             (
                 m.window_size is not None and m.window_attn_skip_freq is not None,
@@ -110,11 +169,11 @@ def _windows(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
 
 
 def _biases(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
-    if arch == LLAMA:  # attention_bias: q, k, v and o; mlp_bias: the MLP
+    if arch in (LLAMA, GRANITE):  # attention_bias: q, k, v and o; mlp_bias: the MLP
         return [
             (
                 m.add_qkv_bias and not m.add_bias,
-                "--add-qkv-bias without the other biases (Llama's "
+                f"--add-qkv-bias without the other biases ({arch.replace('ForCausalLM', '')}'s "
                 "attention_bias also biases the output projection; Qwen2 "
                 "expresses this)",
             )
@@ -133,7 +192,34 @@ def _biases(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
 
 
 def _blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
-    return _nowhere(m) + _windows(m, arch) + _latent_blockers(m, arch) + _architecture_blockers(m, arch)
+    scaled = [] if arch in GRANITES else [(True, f"{flag} (Granite has it)") for flag in _scaled(m)]
+    return (
+        _nowhere(m)
+        + scaled
+        + _norm_blockers(m, arch)
+        + _windows(m, arch)
+        + _latent_blockers(m, arch)
+        + _architecture_blockers(m, arch)
+    )
+
+
+def _norm_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
+    """OLMo 2 normalises the outputs of attention and the MLP (not their inputs) and its query/key
+    norms span all heads; every other architecture the inputs, per head."""
+    name, olmo = arch.replace("ForCausalLM", "").replace("LMHeadModel", ""), arch == OLMO2
+    where = "outputs" if olmo else "inputs"
+    return [
+        (
+            m.layer_norms != ("output" if olmo else "input"),
+            f"--layer-norms {m.layer_norms} ({name} normalises the {where} of attention and the MLP)",
+        ),
+        (
+            m.qk_layernorm and m.qk_layernorm_over_heads != olmo,
+            "no --qk-layernorm-over-heads (Olmo2's query/key norms span all heads)"
+            if olmo
+            else f"--qk-layernorm-over-heads ({name}'s query/key norms, if any, are per head; Olmo2's span all heads)",
+        ),
+    ]
 
 
 def _architecture_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
@@ -156,35 +242,41 @@ def _architecture_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
             (bool(m.num_experts), "--num-experts (GPT2 is dense)"),
         ]
     blockers = _rotary_blockers(m, arch) + _biases(m, arch)
-    if arch == MIXTRAL:
-        return blockers + [
-            (not m.num_experts, "no --num-experts (Mixtral's MLPs are top-k experts)"),
-            (
-                m.moe_layer_freq != 1,
-                f"--moe-layer-freq {m.moe_layer_freq} (Mixtral has MoE in every layer; "
-                "dense layers in between have no HF equivalent)",
-            ),
-            (
-                m.moe_num_prototypes != 1,
-                f"--moe-num-prototypes {m.moe_num_prototypes} (Mixtral routes top-k "
-                "over all experts, not top-1 per prototype group)",
-            ),
-            (
-                m.moe_router_pre_softmax,
-                "--moe-router-pre-softmax (Mixtral always renormalises the top-k routing weights to sum to 1)",
-            ),
-            (
-                m.moe_capacity_factor is not None,
-                f"--moe-capacity-factor {m.moe_capacity_factor} (Mixtral is dropless; ours drops tokens over capacity)",
-            ),
-        ]
     name = arch.replace("ForCausalLM", "")
-    return blockers + [(bool(m.num_experts), f"--num-experts ({name} is dense; Mixtral has experts)")]
+    if arch in MOE:
+        return blockers + _moe_blockers(m, name)
+    return blockers + [(bool(m.num_experts), f"--num-experts ({name} is dense; Mixtral and Qwen3Moe have experts)")]
+
+
+def _moe_blockers(m: ModelConfig, name: str) -> List[Tuple[bool, str]]:
+    """Mixtral and Granite-MoE: top-k renormalised, every layer; Qwen3-MoE also takes dense layers
+    between (decoder_sparse_step) and the top-k probabilities as they are (norm_topk_prob false)."""
+    mixtral = name != "Qwen3Moe"
+    return [
+        (not m.num_experts, f"no --num-experts ({name}'s MLPs are top-k experts)"),
+        (
+            mixtral and m.moe_layer_freq != 1,
+            f"--moe-layer-freq {m.moe_layer_freq} ({name} has MoE in every layer; Qwen3Moe expresses this)",
+        ),
+        (
+            m.moe_num_prototypes != 1,
+            f"--moe-num-prototypes {m.moe_num_prototypes} ({name} routes top-k "
+            "over all experts, not top-1 per prototype group)",
+        ),
+        (
+            mixtral and m.moe_router_pre_softmax,
+            f"--moe-router-pre-softmax ({name} always renormalises the top-k routing weights to sum to 1)",
+        ),
+        (
+            m.moe_capacity_factor is not None,
+            f"--moe-capacity-factor {m.moe_capacity_factor} ({name} is dropless; ours drops tokens over capacity)",
+        ),
+    ]
 
 
 def hf_architecture(m: ModelConfig, requested: Optional[str] = None) -> str:
     """The HF class that expresses ``m`` exactly (``requested``, or the one its options point to:
-    GPT2, Llama, Qwen2 or Mixtral; Mistral only on request, since Llama expresses the same
+    GPT2, Llama, Qwen2, Qwen3, Granite, Olmo2, Mixtral, Qwen3Moe or GraniteMoe; Mistral only on request, since Llama expresses the same
     models), or an error listing every option that blocks it."""
     if requested is None:
         arch, why = _default(m)

@@ -8,12 +8,20 @@ from typing import Dict, List, Optional, Tuple
 
 from megatron_p2r.convert.hf.architecture import (
     DEEPSEEK_V3,
+    EVERY_LAYER_WINDOWED,
     GPT2,
+    GRANITE,
+    GRANITE_MOE,
+    GRANITES,
     LLAMA,
     MISTRAL,
     MIXTRAL,
     MODEL_TYPES,
+    OLMO2,
     QWEN2,
+    QWEN3,
+    QWEN3_MOE,
+    REFUSED,
     HFConversionError,
 )
 from megatron_p2r.convert.hf.config_schema import check_hf_config, required_field
@@ -68,7 +76,9 @@ def hf_config(m: ModelConfig, arch: str, hf_vocab: int, dtype: str, special: Dic
     }
     if m.use_rope_scaling or m.rotary_seq_len_interpolation_factor is not None:
         cfg["rope_scaling"] = cfg["rope_parameters"]  # transformers 4.x's name
-    if arch == LLAMA:
+    if arch in GRANITES:
+        cfg.update(_granite_fields(m))
+    if arch in (LLAMA, GRANITE):
         return {
             **cfg,
             "intermediate_size": m.ffn_size,
@@ -76,10 +86,12 @@ def hf_config(m: ModelConfig, arch: str, hf_vocab: int, dtype: str, special: Dic
             "mlp_bias": m.add_bias,
             "pretraining_tp": 1,
         }
+    if arch == OLMO2:
+        return {**cfg, "intermediate_size": m.ffn_size, "attention_bias": False}
     window = _hf_window(m)
     if arch == MISTRAL:
         return {**cfg, "intermediate_size": m.ffn_size, "sliding_window": window}
-    if arch == QWEN2:
+    if arch in (QWEN2, QWEN3):
         types = [
             "full_attention" if m.attention_window(i) is None else "sliding_attention" for i in range(m.num_layers)
         ]
@@ -90,17 +102,47 @@ def hf_config(m: ModelConfig, arch: str, hf_vocab: int, dtype: str, special: Dic
             "sliding_window": window,
             "max_window_layers": m.num_layers if window is None else 0,
             "layer_types": types,
+            **({"attention_bias": False} if arch == QWEN3 else {}),
         }
+    return {**cfg, **_moe_fields(m, arch), "sliding_window": window}
+
+
+def _granite_fields(m: ModelConfig) -> dict:
+    """Granite's multipliers (attention_multiplier: the softmax scale, always given)."""
     return {
-        **cfg,
+        "embedding_multiplier": m.embedding_multiplier,
+        "residual_multiplier": m.residual_multiplier,
+        "attention_multiplier": m.softmax_scale if m.softmax_scale is not None else m.head_dim**-0.5,
+        "logits_scaling": m.logits_scaling,
+    }
+
+
+def _moe_fields(m: ModelConfig, arch: str) -> dict:
+    """Mixtral's, Qwen3-MoE's and Granite-MoE's expert fields."""
+    if arch == QWEN3_MOE:
+        return {
+            "intermediate_size": m.ffn_size,
+            "moe_intermediate_size": m.expert_ffn_size,
+            "num_experts": m.num_experts,
+            "num_experts_per_tok": m.moe_router_topk,
+            "norm_topk_prob": not m.moe_router_pre_softmax,
+            "decoder_sparse_step": m.moe_layer_freq,
+            "mlp_only_layers": [],
+            "router_aux_loss_coef": m.moe_aux_loss_coeff,
+            "output_router_logits": False,
+            "attention_bias": False,
+            "use_sliding_window": m.window_size is not None,
+        }
+    mixtral = {
         "intermediate_size": m.expert_ffn_size,
         "num_local_experts": m.num_experts,
         "num_experts_per_tok": m.moe_router_topk,
         "router_aux_loss_coef": m.moe_aux_loss_coeff,
-        "router_jitter_noise": m.moe_input_jitter_eps or 0.0,
         "output_router_logits": False,
-        "sliding_window": window,
     }
+    if arch == GRANITE_MOE:
+        return {**mixtral, "attention_bias": False}
+    return {**mixtral, "router_jitter_noise": m.moe_input_jitter_eps or 0.0}
 
 
 def _gpt2_fields(m: ModelConfig) -> dict:
@@ -151,6 +193,8 @@ def model_values_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
     check_hf_config(hf, where)
     model_type = hf.get("model_type")
     arch = {v: k for k, v in MODEL_TYPES.items()}.get(model_type)
+    if model_type in REFUSED:
+        raise HFConversionError(f"{where}: model_type {model_type!r} is not supported: {REFUSED[model_type]}")
     if arch is None:
         raise HFConversionError(
             f"{where}: model_type {model_type!r} is not supported; import reads {sorted(MODEL_TYPES.values())}"
@@ -199,17 +243,17 @@ def _gpt2_values(hf: dict, where: str) -> dict:
 
 
 def sliding_window(hf: dict) -> Optional[int]:
-    """The attention window of a Mistral, Mixtral or Qwen2 config.json (tokens a query sees,
+    """The attention window of a Mistral, Mixtral or Qwen config.json (tokens a query sees,
     itself included), or None (full causal)."""
-    if hf.get("model_type") == "qwen2" and not hf.get("use_sliding_window", False):
+    if hf.get("model_type") in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
         return None
     return hf.get("sliding_window")
 
 
 def _windowed_layers(hf: dict, where: str, layers: int) -> List[bool]:
-    """Which layers transformers gives the window: Qwen2 those of ``layer_types`` (default: from
-    layer max_window_layers on), Mistral and Mixtral every layer."""
-    if hf.get("model_type") != "qwen2":
+    """Which layers transformers gives the window: Qwen2 and Qwen3 those of ``layer_types``
+    (default: from layer max_window_layers on), Mistral, Mixtral and Qwen3-MoE every layer."""
+    if hf.get("model_type") in (MODEL_TYPES[a] for a in EVERY_LAYER_WINDOWED):
         return [True] * layers
     kinds = ("sliding_attention", "full_attention")
     types = hf.get("layer_types") or [kinds[i < hf.get("max_window_layers", 28)] for i in range(layers)]
@@ -278,10 +322,16 @@ def _rope_scaling_values(rope: dict, kind: str, where: str) -> dict:
 
 def _bias_values(hf: dict, where: str, arch: str) -> dict:
     """--disable-bias-linear / --add-qkv-bias: Llama's attention_bias and mlp_bias, Qwen2's
-    query/key/value biases; Mistral and Mixtral have none."""
+    query/key/value biases (Granite: Llama's); Mistral, Mixtral, Qwen3 and Granite-MoE have none (their attention_bias would
+    bias the output projection too but not the MLP, which no flag here expresses)."""
     if arch == QWEN2:
         return dict(disable_bias_linear=True, add_qkv_bias=True)
-    if arch != LLAMA:
+    if arch in (QWEN3, QWEN3_MOE, GRANITE_MOE, OLMO2) and hf.get("attention_bias", False):
+        raise HFConversionError(
+            f"{where}: attention_bias true (query/key/value and output biases without MLP biases) "
+            "has no equivalent here"
+        )
+    if arch not in (LLAMA, GRANITE):
         return dict(disable_bias_linear=True)
     bias = bool(hf.get("attention_bias", False))
     if bool(hf.get("mlp_bias", False)) != bias:
@@ -320,7 +370,20 @@ def _rotary_values(hf: dict, where: str, arch: str) -> dict:
     values.update(
         _attention_values(hf, where, h, heads), **_bias_values(hf, where, arch), **_window_values(hf, where, layers)
     )
-    if arch == MIXTRAL:
+    if arch in (QWEN3, QWEN3_MOE):
+        values["qk_layernorm"] = True
+    if arch == OLMO2:  # norms on the outputs; query/key norms over all heads
+        values.update(layer_norms="output", qk_layernorm=True, qk_layernorm_over_heads=True)
+    if arch == QWEN3_MOE:
+        values.update(_qwen3_moe_values(hf, where, layers))
+    if arch in GRANITES:
+        values.update(
+            embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
+            softmax_scale=float(hf.get("attention_multiplier", 1.0)),
+            logits_scaling=float(hf.get("logits_scaling", 1.0)),
+        )
+    if arch in (MIXTRAL, GRANITE_MOE):
         values.update(
             num_experts=required_field(hf, "num_local_experts", where),
             moe_router_topk=required_field(hf, "num_experts_per_tok", where),
@@ -331,6 +394,28 @@ def _rotary_values(hf: dict, where: str, arch: str) -> dict:
             moe_input_jitter_eps=hf.get("router_jitter_noise") or None,
         )
     return values
+
+
+def _qwen3_moe_values(hf: dict, where: str, layers: int) -> dict:
+    """Qwen3-MoE: softmax over all experts, top-k, renormalised when norm_topk_prob (our default)
+    or kept as probabilities (--moe-router-pre-softmax); MoE on layers decoder_sparse_step-1,
+    2*decoder_sparse_step-1, ... (--moe-layer-freq), dense layers of intermediate_size between."""
+    step = hf.get("decoder_sparse_step", 1)
+    dense_only = set(hf.get("mlp_only_layers") or [])
+    if any((i + 1) % step == 0 for i in dense_only if 0 <= i < layers):
+        raise HFConversionError(
+            f"{where}: mlp_only_layers {sorted(dense_only)} makes MoE layers dense that decoder_sparse_step "
+            f"{step} does not; --moe-layer-freq N only expresses every N-th layer MoE"
+        )
+    return dict(
+        # the hub's files say num_experts; transformers 5 writes num_local_experts
+        num_experts=hf.get("num_experts") or required_field(hf, "num_local_experts", where),
+        moe_router_topk=required_field(hf, "num_experts_per_tok", where),
+        moe_layer_freq=step,
+        moe_ffn_hidden_size=required_field(hf, "moe_intermediate_size", where),
+        moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+        moe_aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0),
+    )
 
 
 def import_vocab_divisor(

@@ -58,6 +58,17 @@ HF_FIELDS: Dict[str, Tuple[str, object]] = {
     "router_aux_loss_coef": (_FLOAT, Range(0.0)),
     "router_jitter_noise": (_FLOAT, fraction()),
     "partial_rotary_factor": (_FLOAT, _ROTARY_FRACTION),
+    # Qwen3-MoE
+    "num_experts": (_INT, at_least(1, 2**16)),
+    "moe_intermediate_size": (_INT, _SIZE),
+    "decoder_sparse_step": (_INT, at_least(1, LAYERS)),
+    "mlp_only_layers": (_LIST, None),
+    "norm_topk_prob": (_BOOL, None),
+    # Granite
+    "embedding_multiplier": (_FLOAT, positive()),
+    "residual_multiplier": (_FLOAT, positive()),
+    "attention_multiplier": (_FLOAT, positive()),
+    "logits_scaling": (_FLOAT, positive()),
     # Mistral / Mixtral / Qwen2 sliding-window attention
     "sliding_window": (_INT, at_least(1, 2**24)),
     "use_sliding_window": (_BOOL, None),

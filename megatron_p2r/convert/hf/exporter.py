@@ -74,7 +74,7 @@ def export_hf(
 
 def _output_groups(plan: List[Rule], table: Dict[str, TensorInfo], st_dtype: str, arch: str) -> List[list]:
     """[(HF name, dtype, shape)] of each rule's outputs, from shapes alone (meta tensors)."""
-    covered = {r.ours for r in plan if r.ours}
+    covered = {key for r in plan for key in r.pieces}
     if covered != set(table):  # the mapping must account for every weight, no more, no less
         raise HFConversionError(
             f"internal: {arch} mapping misses {sorted(set(table) - covered)[:3]} "
@@ -82,10 +82,12 @@ def _output_groups(plan: List[Rule], table: Dict[str, TensorInfo], st_dtype: str
         )
     groups = []
     for r in plan:
-        if r.ours is None:
+        if not r.pieces:
             shapes = [r.zero_shape]
         else:
-            shapes = [tuple(t.shape) for t in r.to_hf(torch.empty(table[r.ours].shape, device="meta"))]
+            stacked = (len(r.stack),) if r.stack else ()
+            piece = torch.empty(table[r.pieces[0]].shape, device="meta")
+            shapes = [stacked + tuple(t.shape) for t in r.to_hf(piece)]
         groups.append([(name, st_dtype, s) for name, s in zip(r.hf, shapes, strict=True)])
     return groups
 
@@ -108,11 +110,7 @@ def _write_weights(
         entries = [e for i in members for e in groups[i]]
         writer = ShardWriter(os.path.join(out, name), entries, {"format": "pt"})
         for i in members:
-            r = plan[i]
-            if r.ours is None:
-                outs = [torch.zeros(r.zero_shape, dtype=torch_dtype)]
-            else:
-                outs = r.to_hf(source.read(r.ours).to(torch_dtype))
+            outs = _hf_tensors(source, plan[i], torch_dtype)
             for (hf_name, _, _), t in zip(groups[i], outs, strict=True):
                 writer.write(hf_name, t)
                 weight_map[hf_name] = name
@@ -121,6 +119,16 @@ def _write_weights(
     bar.close()
     if len(files) > 1:
         write_json(os.path.join(out, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _hf_tensors(source: SourceCheckpoint, r: Rule, torch_dtype: torch.dtype) -> List[torch.Tensor]:
+    """The HF tensors of rule ``r``: zeros, its piece's, or its experts' stacked."""
+    if not r.pieces:
+        return [torch.zeros(r.zero_shape, dtype=torch_dtype)]
+    if not r.stack:
+        return r.to_hf(source.read(r.ours).to(torch_dtype))
+    per_expert = [r.to_hf(source.read(key).to(torch_dtype)) for key in r.stack]
+    return [torch.stack(parts) for parts in zip(*per_expert, strict=True)]
 
 
 def _notes(tokenizer_note: str, source: SourceCheckpoint, m: ModelConfig, hf_vocab: int) -> List[str]:

@@ -47,7 +47,7 @@ def import_hf(
     found, note = find_tokenizer(src)
     cfg, tokenizer_note = _imported_config(values, hf_vocab, target, make_vocab_size_divisible_by, found)
     m = cfg.model
-    plan = {r.ours: r for r in rules(m, arch, hf_vocab)}
+    plan = {key: (r, e) for r in rules(m, arch, hf_vocab) for e, key in enumerate(r.pieces)}
     table = tensor_table(cfg)
     _check_hf_tensors(src, hf, plan, table, m)
     notes = {"tokenizer": note or tokenizer_note}
@@ -64,7 +64,7 @@ def import_hf(
         dst,
         cfg,
         table,
-        lambda info, kind: _read_piece(hf, plan[info.key]),
+        lambda info, kind: _read_piece(hf, *plan[info.key]),
         history={"op": "import-hf", "source": os.path.abspath(src), "source_layout": f"hf:{arch}"},
         force=force,
         progress=progress,
@@ -131,14 +131,15 @@ def _imported_config(
 
 
 def _check_hf_tensors(
-    src: str, hf: HFDirectory, plan: Dict[str, Rule], table: Dict[str, TensorInfo], m: ModelConfig
+    src: str, hf: HFDirectory, plan: Dict[str, Tuple[Rule, int]], table: Dict[str, TensorInfo], m: ModelConfig
 ) -> None:
     """Every tensor our model needs is there with the shape config.json implies, and every HF
     weight has a place in our model (none is silently dropped)."""
     used = set()
     for key, info in table.items():
-        r = plan[key]
-        shapes = [tuple(t.shape) for t in r.to_hf(torch.empty(info.shape, device="meta"))]
+        r, _ = plan[key]
+        stacked = (len(r.stack),) if r.stack else ()
+        shapes = [stacked + tuple(t.shape) for t in r.to_hf(torch.empty(info.shape, device="meta"))]
         for name, shape in zip(r.hf, shapes, strict=True):
             stored = hf.resolve(name)
             if stored is None:
@@ -161,6 +162,9 @@ def _check_hf_tensors(
         )
 
 
-def _read_piece(hf: HFDirectory, rule: Rule) -> torch.Tensor:
-    """Our global piece, made from its HF tensors (fp32, contiguous)."""
-    return rule.from_hf([hf.read(hf.resolve(n)).float() for n in rule.hf]).to(torch.float32).contiguous()
+def _read_piece(hf: HFDirectory, rule: Rule, index: int) -> torch.Tensor:
+    """Our global piece (the ``index``-th of the rule's), made from its HF tensors (fp32, contiguous)."""
+    tensors = [hf.read(hf.resolve(n)) for n in rule.hf]
+    if rule.stack:
+        tensors = [t[index] for t in tensors]
+    return rule.from_hf([t.float() for t in tensors]).to(torch.float32).contiguous()

@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_p2r.convert.hf.architecture import DEEPSEEK_V3, GPT2, MIXTRAL
+from megatron_p2r.convert.hf.architecture import DEEPSEEK_V3, GPT2, GRANITE_MOE, MIXTRAL, OLMO2, QWEN3_MOE
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.layout.tensor_specs import HeadRows, attention_rows
 
@@ -66,13 +66,21 @@ def resize_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """One piece of ours <-> the HF tensors it becomes. ``ours`` None: an HF tensor we do not have
-    (GPT2 biases of a bias-free model), exported as zeros of ``zero_shape``."""
+    (GPT2 biases of a bias-free model), exported as zeros of ``zero_shape``; or, with ``stack``,
+    experts whose HF tensors hold them all (Granite): ``stack`` names our pieces, one per expert,
+    each mapped by ``to_hf``/``from_hf``, stacked along a new first dimension of every HF tensor."""
 
     ours: Optional[str]
     hf: Tuple[str, ...]
     to_hf: Callable[[torch.Tensor], List[torch.Tensor]]
     from_hf: Callable[[List[torch.Tensor]], torch.Tensor]
     zero_shape: Tuple[int, ...] = ()
+    stack: Tuple[str, ...] = ()
+
+    @property
+    def pieces(self) -> Tuple[str, ...]:
+        """Our pieces this rule maps."""
+        return self.stack or ((self.ours,) if self.ours else ())
 
 
 def _same(ours: str, hf: str) -> Rule:
@@ -143,6 +151,11 @@ def _attention(m: ModelConfig, o: str, a: str) -> List[Rule]:
     out.append(_same(o + "attention.proj.weight", a + "o_proj.weight"))
     if m.add_bias:
         out.append(_same(o + "attention.proj.bias", a + "o_proj.bias"))
+    if m.qk_layernorm:  # Qwen3: RMSNorm over each head's dimensions; OLMo 2: over all heads
+        out += [
+            _same(o + "attention.q_layernorm.weight", a + "q_norm.weight"),
+            _same(o + "attention.k_layernorm.weight", a + "k_norm.weight"),
+        ]
     return out
 
 
@@ -163,11 +176,48 @@ def _latent_attention(m: ModelConfig, o: str, a: str) -> List[Rule]:
     return [_same(f"{o}attention.{ours}.weight", f"{a}{hf}.weight") for ours, hf in names.items()]
 
 
-def _rotary_layer(m: ModelConfig, arch: str, o: str, t: str) -> List[Rule]:
-    attention = _latent_attention if arch == DEEPSEEK_V3 else _attention
-    out = [_same(o + "input_norm.weight", t + "input_layernorm.weight")] + attention(m, o, t + "self_attn.")
-    out.append(_same(o + "post_attention_norm.weight", t + "post_attention_layernorm.weight"))
-    if arch != MIXTRAL:
+# Each MoE architecture's names: (block, router, expert's gate, up, down)
+EXPERT_NAMES = {
+    MIXTRAL: ("block_sparse_moe.", "gate", "w1", "w3", "w2"),
+    QWEN3_MOE: ("mlp.", "gate", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def _granite_experts(m: ModelConfig, o: str, moe: str) -> List[Rule]:
+    """Granite's experts stacked: input_linear ``[E, (gate | up), h]`` (the gate rows first, then
+    the up rows), output_linear ``[E, h, ffn]``; its router ``router.layer``."""
+    keys = [f"{o}mlp.experts.{e}." for e in range(m.num_experts)]
+    return [
+        _same(o + "mlp.router.weight", moe + "router.layer.weight"),
+        Rule(
+            None,
+            (moe + "input_linear.weight",),
+            lambda w: [torch.cat(split_glu(w))],
+            lambda t: merge_glu(*t[0].chunk(2)),
+            stack=tuple(k + "weight1" for k in keys),
+        ),
+        Rule(
+            None,
+            (moe + "output_linear.weight",),
+            lambda w: [w],
+            lambda t: t[0],
+            stack=tuple(k + "weight2" for k in keys),
+        ),
+    ]
+
+
+# Each architecture's layer norms: ours -> its (OLMo 2's post_attention_layernorm is on attention's output)
+LAYER_NORM_NAMES = {
+    OLMO2: {"attention_output_norm": "post_attention_layernorm", "mlp_output_norm": "post_feedforward_layernorm"},
+}
+PRE_NORM_NAMES = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}
+
+
+def _rotary_layer(m: ModelConfig, arch: str, o: str, t: str, moe: bool) -> List[Rule]:
+    norms = LAYER_NORM_NAMES.get(arch, PRE_NORM_NAMES).items()
+    out = [_same(f"{o}{ours}.weight", f"{t}{theirs}.weight") for ours, theirs in norms]
+    out += (_latent_attention if arch == DEEPSEEK_V3 else _attention)(m, o, t + "self_attn.")
+    if not moe:
         out += [
             _glu(o + "mlp.fc1.weight", t + "mlp.gate_proj.weight", t + "mlp.up_proj.weight"),
             _same(o + "mlp.fc2.weight", t + "mlp.down_proj.weight"),
@@ -178,13 +228,15 @@ def _rotary_layer(m: ModelConfig, arch: str, o: str, t: str) -> List[Rule]:
                 _same(o + "mlp.fc2.bias", t + "mlp.down_proj.bias"),
             ]
         return out
-    moe = t + "block_sparse_moe."
-    out.append(_same(o + "mlp.router.weight", moe + "gate.weight"))
+    if arch == GRANITE_MOE:
+        return out + _granite_experts(m, o, t + "block_sparse_moe.")
+    block, router, gate, up, down = EXPERT_NAMES[arch]
+    out.append(_same(o + "mlp.router.weight", f"{t}{block}{router}.weight"))
     for e in range(m.num_experts):
-        x = f"{moe}experts.{e}."
+        x = f"{t}{block}experts.{e}."
         out += [
-            _glu(f"{o}mlp.experts.{e}.weight1", x + "w1.weight", x + "w3.weight"),
-            _same(f"{o}mlp.experts.{e}.weight2", x + "w2.weight"),
+            _glu(f"{o}mlp.experts.{e}.weight1", f"{x}{gate}.weight", f"{x}{up}.weight"),
+            _same(f"{o}mlp.experts.{e}.weight2", f"{x}{down}.weight"),
         ]
     return out
 
@@ -205,7 +257,7 @@ def rules(m: ModelConfig, arch: str, hf_vocab: int) -> List[Rule]:
         p = "model."
         out.append(_vocab("embedding.word_embeddings.weight", p + "embed_tokens.weight", hf_vocab, m.padded_vocab_size))
         for i in range(m.num_layers):
-            out += _rotary_layer(m, arch, f"layers.{i}.", f"{p}layers.{i}.")
+            out += _rotary_layer(m, arch, f"layers.{i}.", f"{p}layers.{i}.", m.is_moe_layer(i))
         out.append(_same("final_norm.weight", p + "norm.weight"))
     if not m.untie_embeddings_and_output_weights:
         return out

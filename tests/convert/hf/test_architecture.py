@@ -57,7 +57,25 @@ GQA = dict(group_query_attention=True, num_query_groups=2)
         (GQA, None, "GPT2LMHeadModel", "--group-query-attention (GPT2 has one key/value head per query head)"),
         (dict(kv_channels=16), None, "GPT2LMHeadModel", "--kv-channels 16"),
         (dict(ROPE, rotary_percent=0.5), None, "LlamaForCausalLM", "--rotary-percent 0.5 (Llama rotates whole heads)"),
-        (dict(ROPE, **GQA, qk_layernorm=True), None, "LlamaForCausalLM", "--qk-layernorm"),
+        (
+            dict(ROPE, **GQA, qk_layernorm=True),
+            "LlamaForCausalLM",
+            "LlamaForCausalLM",
+            "--qk-layernorm (Llama has no query/key norms; Qwen3 has them)",
+        ),
+        (dict(ROPE, **GQA, qk_layernorm=True), None, "Qwen3ForCausalLM", "biases in linear layers (Qwen3 has none"),
+        (
+            dict(ROPE, **GQA, disable_bias_linear=True),
+            "Qwen3ForCausalLM",
+            "Qwen3ForCausalLM",
+            "no --qk-layernorm (Qwen3 normalises queries and keys)",
+        ),
+        (
+            dict(ROPE, **GQA, disable_bias_linear=True, qk_layernorm=True, num_experts=4, moe_capacity_factor=1.0),
+            None,
+            "Qwen3MoeForCausalLM",
+            "--moe-capacity-factor 1.0 (Qwen3Moe is dropless",
+        ),
         (dict(ROPE, **GQA), "MistralForCausalLM", "MistralForCausalLM", "biases in linear layers (Mistral has none"),
         (dict(ROPE, **GQA, disable_bias_linear=True), "Qwen2ForCausalLM", "Qwen2ForCausalLM", "no --add-qkv-bias"),
         (dict(ROPE, add_qkv_bias=True), "Qwen2ForCausalLM", "Qwen2ForCausalLM", "biases outside the query/key/value"),
@@ -102,11 +120,30 @@ def test_attention_options_and_requested_architectures(values, requested, arch, 
 
 
 def test_architecture_choice():
-    """Options pick GPT2, Llama, Qwen2 or Mixtral; Mistral expresses Llama's bias-free models on request."""
+    """Options pick GPT2, Llama, Qwen2, Qwen3, Granite, Mixtral, Qwen3Moe or GraniteMoe; Mistral
+    expresses Llama's bias-free models on request."""
     rope = dict(ROPE, **GQA, disable_bias_linear=True)
     assert hf_architecture(ModelConfig(**rope)) == "LlamaForCausalLM"
     assert hf_architecture(ModelConfig(**rope), "MistralForCausalLM") == "MistralForCausalLM"
     assert hf_architecture(ModelConfig(**rope, add_qkv_bias=True)) == "Qwen2ForCausalLM"
     assert hf_architecture(ModelConfig(**rope, window_size="7,0")) == "MistralForCausalLM"  # Llama has no window
+    assert hf_architecture(ModelConfig(**rope, qk_layernorm=True, window_size="7,0")) == "Qwen3ForCausalLM"
+    # Qwen3-MoE: dense layers between (decoder_sparse_step), top-k probabilities kept (norm_topk_prob false)
+    moe = dict(rope, qk_layernorm=True, num_experts=4, moe_layer_freq=2, moe_router_pre_softmax=True)
+    assert hf_architecture(ModelConfig(**moe)) == "Qwen3MoeForCausalLM"
+    # OLMo 2: norms on the outputs, q/k norms over all heads; either alone is blocked elsewhere
+    olmo = dict(rope, layer_norms="output", qk_layernorm=True, qk_layernorm_over_heads=True)
+    assert hf_architecture(ModelConfig(**olmo)) == "Olmo2ForCausalLM"
+    with pytest.raises(HFConversionError, match="no --qk-layernorm-over-heads"):
+        hf_architecture(ModelConfig(**dict(olmo, qk_layernorm_over_heads=False)))
+    with pytest.raises(HFConversionError, match=r"--layer-norms both \(Llama normalises the inputs"):
+        hf_architecture(ModelConfig(**rope, layer_norms="both"))
+    with pytest.raises(HFConversionError, match=r"--qk-layernorm-over-heads \(Qwen3's query/key norms"):
+        hf_architecture(ModelConfig(**rope, qk_layernorm=True, qk_layernorm_over_heads=True))
+    # Granite: Llama or Mixtral with multipliers, which no other architecture has
+    assert hf_architecture(ModelConfig(**rope, logits_scaling=2.0)) == "GraniteForCausalLM"
+    assert hf_architecture(ModelConfig(**rope, num_experts=4, softmax_scale=0.1)) == "GraniteMoeForCausalLM"
+    with pytest.raises(HFConversionError, match=r"--residual-multiplier \(Granite has it\)"):
+        hf_architecture(ModelConfig(**rope, residual_multiplier=0.5), "LlamaForCausalLM")
     with pytest.raises(HFConversionError, match="--hf-architecture must be one of"):
-        hf_architecture(ModelConfig(**rope), "Qwen3ForCausalLM")
+        hf_architecture(ModelConfig(**rope), "Gemma2ForCausalLM")

@@ -143,8 +143,8 @@ def test_import_original_gpt2_layout_and_refusals(tmp_path):
     with pytest.raises(HFConversionError, match="partial_rotary_factor 0.5"):
         import_hf(str(tmp_path / "partial"), str(tmp_path / "d"), Target(), progress=False)
     config = json.load(open(tmp_path / "partial" / "config.json"))
-    json.dump({**config, "model_type": "qwen3"}, open(tmp_path / "partial" / "config.json", "w"))
-    with pytest.raises(HFConversionError, match="model_type 'qwen3' is not supported"):
+    json.dump({**config, "model_type": "falcon"}, open(tmp_path / "partial" / "config.json", "w"))
+    with pytest.raises(HFConversionError, match="model_type 'falcon' is not supported; import reads"):
         import_hf(str(tmp_path / "partial"), str(tmp_path / "e"), Target(), progress=False)
 
 
