@@ -191,6 +191,7 @@ class ModelConfig:
         """MLA: query/key dimensions per head, the rotary part last."""
         return self.qk_head_dim + self.qk_pos_emb_head_dim
 
+    @property
     def input_norms(self) -> bool:
         """Norms on the inputs of attention and the MLP (``input_norm``, ``post_attention_norm``)."""
         return self.layer_norms != "output"
