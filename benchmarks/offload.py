@@ -188,7 +188,10 @@ def predict_host_step(args, device, mbs, calibration: str) -> dict:
     """The 50% setting's host step measured and predicted (``--predict-host-step``). On one rank
     (a node of one GPU), with PCIe taken as free: on CPU the copies are memory copies, which the
     planner counts in the DRAM's share."""
-    state = build(next(s for s in SETTINGS if s[0] == "50%"), args, device)
+    label, spec, recompute, what, flags = next(s for s in SETTINGS if s[0] == "50%")
+    if args.threads:  # the host kernels on --threads as well (default: --host-optimizer-threads auto)
+        flags = {**flags, "host_optimizer_threads": args.threads}
+    state = build((label, spec, recompute, what, flags), args, device)
     host, times = state.optimizer.host, []  # the serial host step (optim/host_step.py)
     step = host.submit
 
