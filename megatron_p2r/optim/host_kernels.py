@@ -63,20 +63,20 @@ def _cache_dir() -> Path:
 
 def _build(compiler: str) -> Path:
     """The cached library for this source, compiler, flags and CPU, compiled when missing (written
-    to a temporary name and renamed, so concurrent ranks never load a half-written file)."""
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    to a temporary name and renamed, so concurrent ranks never load a half-written file). The
+    compiler reads the very text the key was made of (a copy), so a source edited meanwhile
+    never lands under the old text's key."""
+    text = SOURCE.read_text()
+    key = hashlib.sha256("\0".join([text, compiler, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"host_kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as work:
+        source, tmp = Path(work) / SOURCE.name, Path(work) / out.name
+        source.write_text(text)
+        subprocess.run([compiler, *FLAGS, str(source), "-o", str(tmp)], check=True, capture_output=True, text=True)
         os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return out
 
 

@@ -347,3 +347,22 @@ def test_without_a_compiler_the_torch_path_steps_after_one_warning(monkeypatch, 
     run = _adamw("fp32", "bf16", ("bf16", "bf16"))
     _equal(run(), reference(run))
     assert not any(tmp_path.iterdir())
+
+
+def test_the_library_is_compiled_from_the_text_its_key_names(monkeypatch, tmp_path):
+    """A source edited between hashing and compiling (another checkout, an editor) must not land
+    in the cache under the key of the text it no longer is: the compiler reads the hashed text."""
+    source = tmp_path / "kernels.cpp"
+    source.write_text("// the text hashed")
+    monkeypatch.setattr(host_kernels, "SOURCE", source)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    compiled = []
+
+    def compile_while_edited(args, **kwargs):
+        source.write_text("// edited meanwhile")
+        compiled.append(open(args[-3]).read())
+        open(args[-1], "wb").close()
+
+    monkeypatch.setattr(host_kernels.subprocess, "run", compile_while_edited)
+    host_kernels._build("g++")
+    assert compiled == ["// the text hashed"]
