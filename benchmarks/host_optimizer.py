@@ -5,8 +5,9 @@ measured in the same run.
     python benchmarks/host_optimizer.py [--elements 8388608] [--repeats 7] [--quick] [--json FILE]
 
 Each setting steps a flat fp32/16-bit shard of ``--elements`` elements (Adafactor: one factored
-matrix of that size, 2048 columns) with the project's host kernels (``optim/host_kernels.py``)
-or, for fp32 AdamW, torch's fused kernel (the one the optimizer uses there). Bytes per element
+matrix of that size, 2048 columns) with the project's host kernels (``optim/host_kernels.py``;
+"adam fused fp32" is the kernel that is bitwise torch's fused AdamW, the one all-fp32 AdamW
+steps with on the host). Bytes per element
 are ``optim/traffic.py``'s count (what the kernel reads and writes); the bound is those bytes at
 the triad's bandwidth (a = b + s c over fp32 arrays: 12 bytes per element, STREAM's count), and
 ``ratio_to_triad`` is the measured time over that bound (1.0 = at the bound). Timing: the
@@ -91,23 +92,6 @@ def step_function(s: Setting, n: int) -> Callable[[], None]:
     main, grad = _tensor(n, s.main), _tensor(n, s.grad)
     weight = None if s.weight is None else _tensor(n, s.weight, -1)
     moments = {name: _tensor(n, d, 1.0).abs_() for name, d in s.moments.items()}
-    if s.name == "adam fused fp32":
-        step = torch.zeros(())
-        return lambda: torch._fused_adamw_(
-            [main],
-            [grad],
-            [moments["exp_avg"]],
-            [moments["exp_avg_sq"]],
-            [],
-            [step],
-            lr=1e-3,
-            beta1=0.9,
-            beta2=0.95,
-            weight_decay=0.1,
-            eps=1e-8,
-            amsgrad=False,
-            maximize=False,
-        )
     if s.optimizer == "adam":
         return lambda: host_kernels.adamw(
             main,

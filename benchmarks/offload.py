@@ -188,7 +188,10 @@ def predict_host_step(args, device, mbs, calibration: str) -> dict:
     """The 50% setting's host step measured and predicted (``--predict-host-step``). On one rank
     (a node of one GPU), with PCIe taken as free: on CPU the copies are memory copies, which the
     planner counts in the DRAM's share."""
-    state = build(next(s for s in SETTINGS if s[0] == "50%"), args, device)
+    label, spec, recompute, what, flags = next(s for s in SETTINGS if s[0] == "50%")
+    if args.threads:  # the host kernels on --threads as well (default: --host-optimizer-threads auto)
+        flags = {**flags, "host_optimizer_threads": args.threads}
+    state = build((label, spec, recompute, what, flags), args, device)
     host, times = state.optimizer.host, []  # the serial host step (optim/host_step.py)
     step = host.submit
 
@@ -203,9 +206,8 @@ def predict_host_step(args, device, mbs, calibration: str) -> dict:
         train_step(state, mbs)
     measured = statistics.median(times[2:])
     gpu = GPU_PRESETS["V100-32GB"].replace(host_bw=1e30).with_node(gpus_per_node=1)
-    # planned on the threads the measured step ran on: all-fp32 AdamW is torch's fused kernel, on
-    # torch's threads; every other setting the host kernels', on theirs (optim/host_kernels.py)
-    used = torch.get_num_threads() if type(state.optimizer.host.inner) is torch.optim.AdamW else host_kernels.threads()
+    # planned on the threads the measured step ran on: the host kernels' (optim/host_kernels.py)
+    used = host_kernels.threads()
     plan = make_plan(state.cfg.replace(host_optimizer_threads=str(used)), 1, gpu, host=load_calibration(calibration))
     st = plan.stages[0]
     predicted, h = st.time_s["host_optimizer_step"], st.host_step

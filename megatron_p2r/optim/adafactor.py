@@ -15,7 +15,10 @@ On CPU a factored piece with fp32 mains is stepped by the host kernels (``optim/
 in three passes over memory — the sums, the update's sum of squares, the update — without ever
 holding the update: the same arithmetic element by element, with the sums taken in double in a
 fixed order (the only difference from the torch path; the bound is tested in
-tests/optim/test_host_kernels.py).
+tests/optim/test_host_kernels.py). The update's pass also sums the new main's squares, in pass
+1's order, so the next step's pass 1 reads the gradient alone; that sum is used only while the
+main is untouched since (same address, same version counter; a state dict load forgets it),
+else pass 1 reads the main again.
 
 Where this differs from torch: a stacked parameter (experts: E x R x C) is E matrices, each with
 its own RMS and clipping (torch takes one RMS over the whole tensor), so the expert-parallel
@@ -154,6 +157,9 @@ class Adafactor(torch.optim.Optimizer):
     ):
         super().__init__(groups, dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay))
         self.pieces, self.shared, self.channels = pieces, dict(shared or {}), channels
+        # id(main) -> (its per-matrix sum of squares, as pass 3 left it; (address, version) then)
+        self._weight_sq: Dict[int, Tuple[torch.Tensor, Tuple[int, int]]] = {}
+        self.register_load_state_dict_post_hook(lambda opt: opt._weight_sq.clear())
 
     def _state_of(self, p: torch.Tensor) -> dict:
         state, piece = self.state[p], self.pieces[id(p)]
@@ -207,9 +213,14 @@ class Adafactor(torch.optim.Optimizer):
         (factored), the weight's sum of squares."""
         piece = self.pieces[id(p)]
         if self._on_kernels(p):
-            return host_kernels.adafactor_sums(
-                piece.start, piece.rows, piece.cols, piece.batches, p.grad.view(-1), p.view(-1)
+            known = self._weight_sq.get(id(p))
+            fresh = known is not None and known[1] == (p.data_ptr(), p._version)
+            sums = host_kernels.adafactor_sums(
+                piece.start, piece.rows, piece.cols, piece.batches, p.grad.view(-1), None if fresh else p.view(-1)
             )
+            if fresh:
+                sums[-piece.batches :] = known[0]
+            return sums
         grad, weight = p.grad.reshape(-1).float(), p.reshape(-1)
         weight_sq = piece.per_matrix(weight * weight)
         if not piece.factored:
@@ -270,7 +281,7 @@ class Adafactor(torch.optim.Optimizer):
         clip = ((update_sq / n).sqrt_() / group["d"]).clamp_(min=1.0)
         if isinstance(update, FactoredUpdate):
             decay = 1 - group["lr"] * group["weight_decay"] if group["weight_decay"] else 1.0
-            host_kernels.adafactor_apply(
+            weight_sq = host_kernels.adafactor_apply(
                 piece.start,
                 piece.rows,
                 piece.cols,
@@ -283,6 +294,7 @@ class Adafactor(torch.optim.Optimizer):
                 alpha / clip,
                 decay,
             )
+            self._weight_sq[id(p)] = (weight_sq, (p.data_ptr(), p._version))
             return
         if group["weight_decay"]:
             p.mul_(1 - group["lr"] * group["weight_decay"])

@@ -1,7 +1,8 @@
 // The host optimizer steps on flat shards, one pass over memory (AdamW, Lion) or three (a
-// factored Adafactor matrix), built and loaded by host_kernels.py. Every element's arithmetic is
-// the reference's (torch's fused CPU AdamW, optim/lion.py, optim/adafactor.py), operation by
-// operation in fp32, with fmaf exactly where torch's vectorized kernels use fmadd; the file is
+// factored Adafactor matrix: only the last reads the main, and it leaves the main's sum of
+// squares for the next step's first), built and loaded by host_kernels.py. Every element's
+// update is the reference's (torch's fused CPU AdamW, optim/lion.py, optim/adafactor.py),
+// operation by operation in fp32, with fmaf exactly where torch's kernels use one; the file is
 // compiled with -ffp-contract=off so the compiler adds no other fusion. Tensors of any of the
 // dtypes fp32 (0), bf16 (1), fp16 (2) are converted to fp32 a block at a time in L1-resident
 // buffers and rounded back to nearest-even. Work is split over `threads` std::threads in ranges
@@ -80,15 +81,23 @@ inline void store(void* dst, int dtype, int64_t off, int64_t n, const float* val
 }
 
 // Runs f(begin, end) over [0, n) split into `threads` ranges aligned to 64 elements.
+// The most threads one kernel call on this (calling) thread ran on since it was last read
+// (peak_threads): what the tests compare with the planner's --host-optimizer-threads.
+thread_local int peak = 0;
+
+inline void ran_on(int threads) { peak = std::max(peak, threads); }
+
 template <class F>
 void parallel(int64_t n, int threads, F f) {
   if (threads <= 1 || n < SERIAL_BELOW) {
+    ran_on(1);
     f(0, n);
     return;
   }
   int64_t per = ((n + threads - 1) / threads + 63) / 64 * 64;
   std::vector<std::thread> pool;
   for (int t = 1; t < threads && t * per < n; ++t) pool.emplace_back(f, t * per, std::min(n, (t + 1) * per));
+  ran_on(static_cast<int>(pool.size()) + 1);
   f(0, std::min(n, per));
   for (auto& th : pool) th.join();
 }
@@ -102,6 +111,7 @@ void parallel_units(int64_t units, int threads, F f) {
   };
   std::vector<std::thread> pool;
   for (int t = 1; t < threads && t < units; ++t) pool.emplace_back(work);
+  ran_on(static_cast<int>(pool.size()) + 1);
   work();
   for (auto& th : pool) th.join();
 }
@@ -176,7 +186,33 @@ void sums_block(int64_t len, const float* g, const float* p, float* col, float* 
   }
 }
 
-// Pass 2's lanes: u^2 of one block of a row.
+// Pass 1 without the main: g^2 into the row's lanes and the column sums.
+void grad_sums_block(int64_t len, const float* g, float* col, float* row_lanes) {
+  lanes_t rl = load_lanes(row_lanes);
+  int64_t i = 0;
+  for (; i + LANES <= len; i += LANES) {
+    lanes_t gv = load_lanes(g + i), x = gv * gv;
+    rl += x;
+    store_lanes(col + i, load_lanes(col + i) + x);
+  }
+  store_lanes(row_lanes, rl);
+  for (int l = 0; i < len; ++i, ++l) {
+    float x = g[i] * g[i];
+    row_lanes[l] += x;
+    col[i] += x;
+  }
+}
+
+// Pass 2's lanes: the sum of one block of a row.
+void add_block(int64_t len, const float* x, float* lanes) {
+  lanes_t acc = load_lanes(lanes);
+  int64_t i = 0;
+  for (; i + LANES <= len; i += LANES) acc += load_lanes(x + i);
+  store_lanes(lanes, acc);
+  for (int l = 0; i < len; ++i, ++l) lanes[l] += x[i];
+}
+
+// Pass 3's lanes, of the new main: u^2 of one block of a row.
 void squares_block(int64_t len, const float* u, float* lanes) {
   lanes_t acc = load_lanes(lanes);
   int64_t i = 0;
@@ -212,20 +248,31 @@ struct AdamScalars {
   bool small;
 };
 
-// One block of AdamW in fp32. An output may be its input (an fp32 tensor updated in place):
-// element i reads and writes index i only, which ivdep tells the vectorizer.
-void adam_math(int64_t k, const float* pi, const float* g, const float* mi, const float* vi, float* po, float* mo,
-               float* vo, const AdamScalars a) {
+// One element of AdamW in fp32, as torch's fused CPU kernel computes it. Its second moment is
+// rounded one way in the kernel's vector loops, fma(c2 g, g, beta2 v), and another in its scalar
+// loop over a tensor's last n % 8 elements (the loop after the 16-wide body and the compiler's
+// 8-wide remainder), fma(v, beta2, c2 g g): `scalar` selects the latter.
+template <bool scalar>
+inline void adam_element(int64_t i, const float* pi, const float* g, const float* mi, const float* vi, float* po,
+                         float* mo, float* vo, const AdamScalars& a) {
+  float p = pi[i] * a.decay;
+  float m = lerp(mi[i], g[i], a.w, a.w1, a.small);
+  float v = scalar ? std::fmaf(vi[i], a.beta2, a.sq_coeff * g[i] * g[i])
+                   : std::fmaf(a.sq_coeff * g[i], g[i], vi[i] * a.beta2);
+  float denom = std::sqrt(v) / a.bc2_sqrt + a.eps;
+  mo[i] = m;
+  vo[i] = v;
+  po[i] = p + a.neg_step_size * m / denom;
+}
+
+// One block of AdamW in fp32: elements [0, vector_end) as torch's vector loops, the rest as its
+// scalar tail. An output may be its input (an fp32 tensor updated in place): element i reads
+// and writes index i only, which ivdep tells the vectorizer.
+void adam_math(int64_t k, int64_t vector_end, const float* pi, const float* g, const float* mi, const float* vi,
+               float* po, float* mo, float* vo, const AdamScalars a) {
 #pragma GCC ivdep
-  for (int64_t i = 0; i < k; ++i) {
-    float p = pi[i] * a.decay;
-    float m = lerp(mi[i], g[i], a.w, a.w1, a.small);
-    float v = std::fmaf(a.sq_coeff * g[i], g[i], vi[i] * a.beta2);
-    float denom = std::sqrt(v) / a.bc2_sqrt + a.eps;
-    mo[i] = m;
-    vo[i] = v;
-    po[i] = p + a.neg_step_size * m / denom;
-  }
+  for (int64_t i = 0; i < vector_end; ++i) adam_element<false>(i, pi, g, mi, vi, po, mo, vo, a);
+  for (int64_t i = vector_end; i < k; ++i) adam_element<true>(i, pi, g, mi, vi, po, mo, vo, a);
 }
 
 struct LionScalars {
@@ -252,21 +299,21 @@ void lion_math(int64_t k, const float* pi, const float* g, const float* mi, floa
 
 extern "C" {
 
-// AdamW (torch's fused CPU kernel, ADAMW mode) on n elements; `weight` (dtype wdt) receives the
-// updated parameter rounded to 16 bits when not null. The second moment is fma(c2 g, g, beta2 v),
-// as torch's vectorized body computes it; torch's scalar loop over the last n % 16 elements of
-// a tensor rounds it otherwise (within 1 ulp, tests/optim/test_host_kernels.py).
+// AdamW (torch's fused CPU kernel, ADAMW mode, bitwise: tests/optim/test_host_kernels.py) on
+// the n elements of one tensor; `weight` (dtype wdt) receives the updated parameter rounded to
+// 16 bits when not null.
 void adamw_step(int64_t n, void* param, int pdt, const void* grad, int gdt, void* exp_avg, int mdt,
                 void* exp_avg_sq, int vdt, void* weight, int wdt, float decay, float lerp_w, float lerp_w1,
                 int small, float beta2, float sq_coeff, float bc2_sqrt, float eps, float neg_step_size,
                 int threads) {
   const AdamScalars a{decay, lerp_w, lerp_w1, beta2, sq_coeff, bc2_sqrt, eps, neg_step_size, small != 0};
+  const int64_t tail = n - n % 8;  // where torch's scalar loop starts
   parallel(n, threads, [=](int64_t begin, int64_t end) {
     float pb[BLOCK], gb[BLOCK], mb[BLOCK], vb[BLOCK];
     for (int64_t off = begin; off < end; off += BLOCK) {
-      int64_t k = std::min(BLOCK, end - off);
+      int64_t k = std::min(BLOCK, end - off), vector_end = std::clamp<int64_t>(tail - off, 0, k);
       float *po = target(param, pdt, off, pb), *mo = target(exp_avg, mdt, off, mb), *vo = target(exp_avg_sq, vdt, off, vb);
-      adam_math(k, load(param, pdt, off, k, pb), load(grad, gdt, off, k, gb), load(exp_avg, mdt, off, k, mb),
+      adam_math(k, vector_end, load(param, pdt, off, k, pb), load(grad, gdt, off, k, gb), load(exp_avg, mdt, off, k, mb),
                 load(exp_avg_sq, vdt, off, k, vb), po, mo, vo, a);
       store(exp_avg, mdt, off, k, mo);
       store(exp_avg_sq, vdt, off, k, vo);
@@ -305,8 +352,10 @@ void lion_step(int64_t n, void* param, int pdt, const void* grad, int gdt, void*
 }
 
 // Adafactor pass 1 over the piece [start, start + n) of a (batches * rows) x cols matrix: row
-// sums and per-matrix column sums of g^2, per-matrix sum of the main's squares. Outputs are
-// written for the rows and matrices the piece touches (callers zero them first).
+// sums and per-matrix column sums of g^2 and, when `param` is not null, the per-matrix sum of
+// the main's squares (null: the caller has it from the last pass 3, which summed the same
+// values in the same order). Outputs are written for the rows and matrices the piece touches
+// (callers zero them first).
 void adafactor_sums(int64_t start, int64_t n, int64_t rows, int64_t cols, const void* grad, int gdt,
                     const void* param, int pdt, float* row_sums, float* col_sums, float* weight_sq, int threads) {
   Units u(start, n, rows, cols);
@@ -321,8 +370,11 @@ void adafactor_sums(int64_t start, int64_t n, int64_t rows, int64_t cols, const 
         int64_t len = std::min(BLOCK, u.row_end(r) - b);
         float* c = col.data() + (b - r * cols);
         const float* g = load(grad, gdt, b - start, len, gb);
-        const float* p = load(param, pdt, b - start, len, pb);
-        sums_block(len, g, p, c, row.lane, sq.lane);
+        if (param) {
+          sums_block(len, g, load(param, pdt, b - start, len, pb), c, row.lane, sq.lane);
+        } else {
+          grad_sums_block(len, g, c, row.lane);
+        }
       }
       row_sums[r] = static_cast<float>(row.total());
       w += sq.total();
@@ -331,7 +383,7 @@ void adafactor_sums(int64_t start, int64_t n, int64_t rows, int64_t cols, const 
     wsq[k] = w;
   });
   reduce_units(u, colp, cols, col_sums, cols);
-  reduce_units(u, wsq, 1, weight_sq, 1);
+  if (param) reduce_units(u, wsq, 1, weight_sq, 1);
 }
 
 // The update of element (r, c) of matrix b: g * rsqrt(max(row_var[r] * col_var[b, c] / mean[b], floor)).
@@ -346,7 +398,21 @@ void adafactor_sums(int64_t start, int64_t n, int64_t rows, int64_t cols, const 
     }                                                                                                  \
   }
 
-// Adafactor pass 2: the per-matrix sum of the update's squares (for the clipping).
+// The square of element (r, c)'s update without its square root: g^2 / max(row_var[r] *
+// col_var[b, c] / mean[b], floor) (a division where the update takes a root and a division).
+#define ADAFACTOR_UPDATE_SQUARED(out, g, r, c0, len, matrix)                                           \
+  {                                                                                                    \
+    const float rv = row_var[r], mn = mean[matrix];                                                    \
+    const float* cv = col_var + (matrix) * cols + (c0);                                                \
+    for (int64_t i = 0; i < (len); ++i) {                                                              \
+      float x = rv * cv[i] / mn;                                                                       \
+      x = x < floor ? floor : x;                                                                       \
+      (out)[i] = (g)[i] * (g)[i] / x;                                                                  \
+    }                                                                                                  \
+  }
+
+// Adafactor pass 2: the per-matrix sum of the update's squares (for the clipping), each square
+// as ADAFACTOR_UPDATE_SQUARED computes it (within 2 ulps of the rounded update's square).
 void adafactor_update_sums(int64_t start, int64_t n, int64_t rows, int64_t cols, const void* grad, int gdt,
                            const float* row_var, const float* col_var, const float* mean, float floor,
                            float* update_sq, int threads) {
@@ -360,8 +426,8 @@ void adafactor_update_sums(int64_t start, int64_t n, int64_t rows, int64_t cols,
       for (int64_t b = u.row_begin(r); b < u.row_end(r); b += BLOCK) {
         int64_t len = std::min(BLOCK, u.row_end(r) - b), c0 = b - r * cols;
         const float* g = load(grad, gdt, b - start, len, gb);
-        ADAFACTOR_UPDATE(up, g, r, c0, len, r / rows)
-        squares_block(len, up, sq.lane);
+        ADAFACTOR_UPDATE_SQUARED(up, g, r, c0, len, r / rows)
+        add_block(len, up, sq.lane);
       }
       total += sq.total();
     }
@@ -370,14 +436,19 @@ void adafactor_update_sums(int64_t start, int64_t n, int64_t rows, int64_t cols,
   reduce_units(u, part, 1, update_sq, 1);
 }
 
-// Adafactor pass 3: main = main * decay - update * scale[matrix]; `weight` as in adamw_step.
+// Adafactor pass 3: main = main * decay - update * scale[matrix]; `weight` as in adamw_step;
+// `weight_sq` (zeroed by the caller): the new main's per-matrix sum of squares, added exactly as
+// pass 1 adds the main's, so that the next pass 1 need not read the main.
 void adafactor_apply(int64_t start, int64_t n, int64_t rows, int64_t cols, const void* grad, int gdt, void* param,
                      int pdt, void* weight, int wdt, const float* row_var, const float* col_var, const float* mean,
-                     float floor, const float* scale, float decay, int threads) {
+                     float floor, const float* scale, float decay, float* weight_sq, int threads) {
   Units u(start, n, rows, cols);
+  std::vector<double> wsq(u.count(), 0.0);
   parallel_units(u.count(), n < SERIAL_BELOW ? 1 : threads, [&](int64_t k) {
     float gb[BLOCK], pb[BLOCK], up[BLOCK];
+    double w = 0;
     for (int64_t r = u.row0[k]; r < u.row0[k + 1]; ++r) {
+      Lanes sq;
       for (int64_t b = u.row_begin(r); b < u.row_end(r); b += BLOCK) {
         int64_t len = std::min(BLOCK, u.row_end(r) - b), c0 = b - r * cols, matrix = r / rows;
         const float* g = load(grad, gdt, b - start, len, gb);
@@ -386,11 +457,22 @@ void adafactor_apply(int64_t start, int64_t n, int64_t rows, int64_t cols, const
         ADAFACTOR_UPDATE(up, g, r, c0, len, matrix)
         const float s = scale[matrix];
         for (int64_t i = 0; i < len; ++i) po[i] = pi[i] * decay - up[i] * s;
+        squares_block(len, po, sq.lane);
         store(param, pdt, b - start, len, po);
         if (weight) store(weight, wdt, b - start, len, po);
       }
+      w += sq.total();
     }
+    wsq[k] = w;
   });
+  reduce_units(u, wsq, 1, weight_sq, 1);
+}
+
+// The most threads a kernel call on the calling thread ran on since the last read (0: none ran).
+int peak_threads() {
+  int out = peak;
+  peak = 0;
+  return out;
 }
 
 // A STREAM triad a = b + s * c over n floats (the benchmark's memory bound).

@@ -63,20 +63,20 @@ def _cache_dir() -> Path:
 
 def _build(compiler: str) -> Path:
     """The cached library for this source, compiler, flags and CPU, compiled when missing (written
-    to a temporary name and renamed, so concurrent ranks never load a half-written file)."""
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    to a temporary name and renamed, so concurrent ranks never load a half-written file). The
+    compiler reads the very text the key was made of (a copy), so a source edited meanwhile
+    never lands under the old text's key."""
+    text = SOURCE.read_text()
+    key = hashlib.sha256("\0".join([text, compiler, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"host_kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as work:
+        source, tmp = Path(work) / SOURCE.name, Path(work) / out.name
+        source.write_text(text)
+        subprocess.run([compiler, *FLAGS, str(source), "-o", str(tmp)], check=True, capture_output=True, text=True)
         os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return out
 
 
@@ -115,8 +115,9 @@ SIGNATURES = {
     "lion_step": [I64, PTR, INT, PTR, INT, PTR, INT, PTR, INT, FLT, INT, FLT, FLT, FLT, INT, FLT, FLT, INT, INT],
     "adafactor_sums": [I64, I64, I64, I64, PTR, INT, PTR, INT, PTR, PTR, PTR, INT],
     "adafactor_update_sums": [I64, I64, I64, I64, PTR, INT, PTR, PTR, PTR, FLT, PTR, INT],
-    "adafactor_apply": [I64, I64, I64, I64, PTR, INT, PTR, INT, PTR, INT, PTR, PTR, PTR, FLT, PTR, FLT, INT],
+    "adafactor_apply": [I64, I64, I64, I64, PTR, INT, PTR, INT, PTR, INT, PTR, PTR, PTR, FLT, PTR, FLT, PTR, INT],
     "triad": [I64, PTR, PTR, PTR, FLT, INT],
+    "peak_threads": [],
 }
 
 
@@ -124,6 +125,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
+    lib.peak_threads.restype = ctypes.c_int
     return lib
 
 
@@ -237,16 +239,17 @@ def _opt(t: Optional[torch.Tensor]) -> tuple:
 
 
 def adafactor_sums(
-    start: int, rows: int, cols: int, batches: int, grad: torch.Tensor, main: torch.Tensor
+    start: int, rows: int, cols: int, batches: int, grad: torch.Tensor, main: Optional[torch.Tensor]
 ) -> torch.Tensor:
     """Pass 1 over a piece [start, start + n) of a (batches x rows) x cols weight: its row sums
     of g^2 (batches * rows), column sums (batches * cols) and the main's sum of squares per
-    matrix (batches), laid out as ``Adafactor._sums``."""
+    matrix (batches; left zero when ``main`` is None: the last ``adafactor_apply`` returned
+    it), laid out as ``Adafactor._sums``."""
     out = torch.zeros(batches * (rows + cols + 1), dtype=torch.float32)
     b, r = batches * rows, batches * (rows + cols)
     _call(
         "adafactor_sums",
-        (grad, main),
+        (grad, *_opt(main)),
         (),
         start,
         grad.numel(),
@@ -254,7 +257,7 @@ def adafactor_sums(
         cols,
         grad.data_ptr(),
         _code(grad),
-        main.data_ptr(),
+        _ptr(main),
         _code(main),
         out.data_ptr(),
         out[b:].data_ptr(),
@@ -310,8 +313,10 @@ def adafactor_apply(
     scale: torch.Tensor,
     decay: float,
     weight: Optional[torch.Tensor] = None,
-) -> None:
-    """Pass 3: main = main * decay - update * scale[matrix] (``weight`` as in ``adamw``)."""
+) -> torch.Tensor:
+    """Pass 3: main = main * decay - update * scale[matrix] (``weight`` as in ``adamw``); returns
+    the new main's sum of squares per matrix, as the next pass 1 would add it up."""
+    weight_sq = torch.zeros(scale.numel(), dtype=torch.float32)
     _call(
         "adafactor_apply",
         (grad, main),
@@ -332,8 +337,16 @@ def adafactor_apply(
         floor,
         scale.data_ptr(),
         decay,
+        weight_sq.data_ptr(),
         threads(),
     )
+    return weight_sq
+
+
+def peak_threads() -> int:
+    """The most threads any kernel call made on the calling thread ran on since the last call of
+    this (0: none ran): what the rank's host step really used, against the planner's threads."""
+    return library().peak_threads()
 
 
 def triad(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, s: float) -> None:

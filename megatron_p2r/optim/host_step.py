@@ -1,8 +1,8 @@
 """The host optimizer step of offloaded layers, overlapped with what follows it
 (``--overlap-cpu-optimizer-d2h-h2d``), on one worker thread: layers are stepped one after
 another, each by the host kernels on the rank's ``--host-optimizer-threads`` threads
-(``optim/host_kernels.py``), so the cores are used without oversubscribing them. (All-fp32
-AdamW steps with torch's fused kernel, on torch's intra-op threads: OMP_NUM_THREADS.)
+(``optim/host_kernels.py``; all-fp32 AdamW too, bitwise torch's fused kernel), so the cores are
+used without oversubscribing them, whatever OMP_NUM_THREADS says.
 
 **When a layer's step starts.** With gradient clipping (``--clip-grad`` > 0) or fp16 loss
 scaling, not before the global gradient norm is known: the clipping coefficient and the skip

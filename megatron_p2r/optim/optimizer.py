@@ -69,18 +69,11 @@ def adafactor(groups: List[dict], t: TrainConfig, **pieces) -> Adafactor:
     )
 
 
-def adamw(groups: List[dict], t: TrainConfig) -> torch.optim.AdamW:
-    """torch's fused AdamW (foreach where fused is unavailable) over ``groups``; with moments,
-    main parameters or gradients below fp32, ``PrecisionAwareAdamW``."""
-    kwargs = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
-    dtypes = moment_dtypes(t)
-    lowered = (t.exp_avg_dtype, t.exp_avg_sq_dtype, t.main_grads_dtype, t.main_params_dtype)
-    if any(d != "fp32" for d in lowered):
-        return PrecisionAwareAdamW(groups, dtypes, **kwargs)
-    try:
-        return torch.optim.AdamW(groups, fused=True, **kwargs)
-    except (RuntimeError, TypeError):
-        return torch.optim.AdamW(groups, foreach=True, **kwargs)
+def adamw(groups: List[dict], t: TrainConfig) -> PrecisionAwareAdamW:
+    """AdamW over ``groups``, its moments in their flags' dtypes: on CPU the host kernel on the
+    rank's ``--host-optimizer-threads`` (all-fp32 included: bitwise torch's fused kernel), on a
+    device torch's fused kernel (``PrecisionAwareAdamW``)."""
+    return PrecisionAwareAdamW(groups, moment_dtypes(t), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
 
 
 # The kernel of each spec of config/optimizers.py, built from the config.

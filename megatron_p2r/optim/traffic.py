@@ -28,14 +28,16 @@ def kernel_bytes_per_element(
     into in the same pass, None when the main is the weight itself.
 
     A factored Adafactor matrix keeps statistics per row and column (negligible traffic) and
-    needs three passes: the gradient's squared row/column sums with the weight's sum of squares
-    (reads gradient and main), the update's sum of squares for clipping (reads the gradient), and
-    the update (reads gradient and main, writes main).
+    needs three passes: the gradient's squared row/column sums (reads the gradient), the update's
+    sum of squares for clipping (reads the gradient), and the update (reads gradient and main,
+    writes main, and sums the new main's squares for the next step's relative step size). A
+    step's first pass reads the main too when that sum is not known (the first step, or after
+    the main was written elsewhere): ``m`` more bytes, once.
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
     m, g = BYTES[main], BYTES[grad]
     w = BYTES[weight] if weight is not None else 0
     if OPTIMIZERS[optimizer].factored:
-        return 3 * g + 3 * m + w
+        return 3 * g + 2 * m + w
     return 2 * m + g + sum(2 * BYTES[d] for d in moments.values()) + w

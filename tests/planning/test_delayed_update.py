@@ -71,7 +71,7 @@ def test_10t_real_lean_fits_192gib_with_r_below_1_3(capsys):
     excess = t["host_optimizer_delayed_write"] + t["host_optimizer_step"] - window
     assert 0 < excess < t["optimizer"] < u["stages"][0]["time_s"]["optimizer"]
     assert t["host_optimizer_hidden"] == pytest.approx(t["host_optimizer_step"] - t["optimizer"])
-    assert delayed["p2r"]["r"] < 1.3 < undelayed["p2r"]["r"]
+    assert delayed["p2r"]["r"] < undelayed["p2r"]["r"] < 1.3
     assert {k: v for k, v in d["step_breakdown_s"].items() if k != "optimizer"} == {
         k: v for k, v in u["step_breakdown_s"].items() if k != "optimizer"
     }
@@ -81,10 +81,10 @@ def test_the_plan_prints_the_delayed_update(capsys):
     main([a for a in LEAN_10T if a != "--json"] + DPU)
     out = capsys.readouterr().out
     assert (
-        "delayed parameter update (stage 0): optimizer step 68.74 s and weight write 20.62 s under the next "
-        "iteration, 22.46 s exposed; second gradient buffer 36.32 GiB per rank"
+        "delayed parameter update (stage 0): optimizer step 62.49 s and weight write 23.43 s under the next "
+        "iteration, 21.84 s exposed; second gradient buffer 36.32 GiB per rank"
     ) in out
-    assert "r = 1.273" in out
+    assert "r = 1.265" in out
 
 
 def test_the_flag_does_nothing_in_a_phase_without_offload(capsys):

@@ -12,11 +12,15 @@ import pytest
 from megatron_p2r.arguments import parse_args
 from megatron_p2r.config import ConfigError
 from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.optim import host_kernels
 from megatron_p2r.optim.traffic import kernel_bytes_per_element
-from megatron_p2r.planning.estimate import step_bytes_per_element
+from megatron_p2r.parallel.state import ParallelState
+from megatron_p2r.planning.estimate import make_plan, step_bytes_per_element
 from megatron_p2r.planning.hardware import GPU_HOSTS, GPU_PRESETS, HOST_PRESETS, SUSTAINED_FRACTION, HostSpec
 from megatron_p2r.planning.host_step import host_bandwidth, load_calibration, threads_per_rank
+from megatron_p2r.training import build_train_state, train_step
 from tools.plan import check, main
+from tests.helpers import random_microbatches, tiny_config
 from tests.planning.plan_argv import OFFLOADED
 
 CALIBRATION = "tests/fixtures/host_calibration.json"
@@ -38,7 +42,7 @@ def test_calibration_round_trip():
     assert (host.cores, host.dram_bw, host.thread_bw) == (16, 96e9, 12e9)
     assert host.setting_bw == {
         ADAM_FP16: pytest.approx(30 / 3.0e-9),
-        ("adafactor", "fp32", "bf16", (), "fp16"): pytest.approx(20 / 4.0e-9),
+        ("adafactor", "fp32", "bf16", (), "fp16"): pytest.approx(16 / 4.0e-9),
     }
     assert all(source.startswith("measured: ") for source in host.sources.values())
 
@@ -298,3 +302,29 @@ def test_an_overlap_that_costs_time_warns(capsys):
         t = st["time_s"]
         assert t["optimizer"] == pytest.approx(ser["time_s"]["optimizer"] + t["host_optimizer_variant_cost"])
         assert st["host_step"]["limit"] == "dram" and st["host_step"]["other_dram_bytes"] > 0
+
+
+@pytest.mark.skipif(not host_kernels.available(), reason="no C++ compiler for the host kernels")
+@pytest.mark.parametrize("optimizer", ["adam", "adafactor"])
+def test_the_host_step_runs_on_the_threads_the_planner_plans(optimizer):
+    """An fp32 run offloading its layers with --host-optimizer-threads 2 (all-fp32 AdamW: torch's
+    arithmetic, the host kernel's threads): the host step's kernel calls ran on 2 threads, by the
+    kernels' own count (``peak_threads``, read around the host step only), and the planner plans 2."""
+    c = tiny_config(hidden_size=256, ffn_hidden_size=1024, cpu_offload_layers="2", host_optimizer_threads="2")
+    c = c.replace(optimizer=optimizer, global_batch_size=1, micro_batch_size=1)
+    state = build_train_state(c, ParallelState.single())
+    host, ran = state.optimizer.host, []
+    submit = host.submit
+
+    def counted(*args, **kwargs):
+        host_kernels.peak_threads()
+        submit(*args, **kwargs)
+        ran.append(host_kernels.peak_threads())
+
+    host.submit = counted
+    try:
+        train_step(state, random_microbatches(c, 1, 1))
+    finally:
+        host_kernels.set_threads(1)
+    planned = make_plan(c, 1, GPU_PRESETS["V100-32GB"].with_node(gpus_per_node=1)).stages[0].host_step
+    assert ran == [2] and planned["threads"] == 2

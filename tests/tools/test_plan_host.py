@@ -107,6 +107,7 @@ README_COMMANDS = {
             ["--host-memory", "96GiB", "--cpu-offload-optimizer-nvme-path", "/local/nvme", *BF16_GRADS],
             0,
         ),
+        ("real_lean.yaml", ["--host-memory", "192GiB", *BF16_GRADS], 0),
         ("real_lean.yaml", ["--host-memory", "192GiB", *BF16_GRADS, "--cpu-offload-delayed-param-update"], 0),
         (
             "real_lean.yaml",
