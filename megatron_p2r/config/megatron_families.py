@@ -35,7 +35,7 @@ _RESILIENCE = (
 )
 _NOT_LOGGED = (
     "not logged here: the log line and TensorBoard hold the loss, LR, grad norm, loss scale, "
-    "tokens/s, TFLOP/s and memory (docs/training.md)"
+    "tokens/s, TFLOP/s and memory, and what the logging flags add (docs/monitoring.md)"
 )
 _MLA = "DeepSeek-V3's multi-latent attention is not built (another issue)"
 _HYBRID = "hybrid Mamba models are not built here"
@@ -244,13 +244,6 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
             "--no-barrier-with-level-1-timing",
             "--log-world-size-to-tensorboard",
             "--log-energy",
-            "--log-params-norm",
-            "--log-num-zeros-in-grad",
-            "--tensorboard-log-interval",
-            "--log-memory-to-tensorboard",
-            "--log-timers-to-tensorboard",
-            "--log-validation-ppl-to-tensorboard",
-            "--timing-log-level",
             "--no-one-logger",
             "--one-logger-project",
             "--one-logger-run-name",
