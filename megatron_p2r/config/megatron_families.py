@@ -578,7 +578,6 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
         REFUSED,
         "not built: an attention or layer variant",
         (
-            "--qk-l2-norm",
             "--qk-clip",
             "--attention-output-gate",
             "--experimental-attention-variant",

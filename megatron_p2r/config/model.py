@@ -29,6 +29,11 @@ class ModelConfig:
     qk_layernorm: bool = opt(
         False, "Normalise every query and key head (--normalization over the head dimension) before rotary embeddings."
     )
+    qk_l2_norm: bool = opt(
+        False,
+        "L2-normalise every query and key head before rotary embeddings, no weights (Llama 4's, "
+        "megatron-core's L2Norm: x / sqrt(mean(x^2) + --norm-epsilon), in fp32).",
+    )
     add_qkv_bias: bool = opt(False, "Bias in the query/key/value projection even with --disable-bias-linear (Qwen2).")
     window_size: Optional[str] = opt(
         None,
@@ -140,6 +145,13 @@ class ModelConfig:
         return int(self.head_dim * self.rotary_percent)
 
     @property
+    def qk_norm(self) -> Optional[str]:
+        """The query/key heads' norm: "L2" (--qk-l2-norm), --normalization's (--qk-layernorm) or None."""
+        if self.qk_l2_norm:
+            return "L2"
+        return self.normalization if self.qk_layernorm else None
+
+    @property
     def qkv_bias(self) -> bool:
         return self.add_bias or self.add_qkv_bias
 
@@ -210,6 +222,11 @@ class ModelConfig:
             raise ConfigError(
                 f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
                 f"--num-query-groups ({self.num_query_groups})"
+            )
+        if self.qk_l2_norm and self.qk_layernorm:
+            raise ConfigError(
+                "--qk-l2-norm and --qk-layernorm are two query/key norms: give one (megatron-core builds "
+                "only the L2 norm when both are given, and the --qk-layernorm weights are then not there)"
             )
         if self.window_size is not None:
             _window(self.window_size)

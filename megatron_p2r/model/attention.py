@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_p2r.config import ModelConfig
-from megatron_p2r.model.norm import make_norm
+from megatron_p2r.model.norm import make_qk_norm
 from megatron_p2r.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.sharding import make_param
@@ -163,8 +163,7 @@ class Attention(nn.Module):
             self.key_value = ColumnParallelLinear(h, 2 * groups * d, ps, tp_replicas=max(tp // groups, 1), **projection)
         else:
             self.qkv = ColumnParallelLinear(h, 3 * heads * d, ps, **projection)
-        self.q_layernorm = make_norm(cfg, device, d) if cfg.qk_layernorm else None
-        self.k_layernorm = make_norm(cfg, device, d) if cfg.qk_layernorm else None
+        self.q_layernorm, self.k_layernorm = make_qk_norm(cfg, device), make_qk_norm(cfg, device)
         self.proj = RowParallelLinear(
             heads * d,
             h,

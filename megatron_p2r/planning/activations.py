@@ -75,7 +75,7 @@ def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int, device_type: 
     q, kv = n * heads * d, n * max(m.query_groups // tp, 1) * d
     selective = cfg.train.recompute == "selective"  # the recompute checkpoint saves q, k, v as a kernel would
     unfused = math_attention(cfg, device_type) and not selective
-    norm_keeps_input = m.qk_layernorm and not (m.normalization == "RMSNorm" and a != 4)
+    norm_keeps_input = m.qk_norm is not None and not (m.qk_norm != "LayerNorm" and a != 4)
     # the projections' outputs: all of q, k, v when fused (v keeps the QKV tensor alive); a
     # separate query's only while an op saves it: the q norm (not a 16-bit RMSNorm, which saves
     # its fp32 upcast), or attention itself when neither the norm nor rotary replaces it; the math
@@ -87,7 +87,7 @@ def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int, device_type: 
             projected = 2 * kv if m.group_query_attention else q + 2 * kv
         else:
             projected = 0
-    elif m.qk_layernorm:
+    elif m.qk_norm:
         projected = q + 2 * kv if norm_keeps_input or not m.group_query_attention else 2 * kv
     else:
         query_saved = m.position_embedding_type != "rope"
@@ -97,7 +97,7 @@ def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int, device_type: 
         held += attention_core_bytes(cfg, tp, device_type)
         if m.softmax_type != "vanilla":  # k and v with the sink slot, the float mask (CUDA's kernel keeps them)
             held += (2 * (kv + kv // m.seq_length) + heads * m.seq_length * (m.seq_length + 1)) * a
-    if m.qk_layernorm:
+    if m.qk_norm:
         held += _qk_norm_held(m, q, kv, d, a, kernel_saves_outputs=not unfused)
     if m.position_embedding_type == "rope" and not unfused:
         held += (q + kv) * a  # rotated q and k
@@ -105,18 +105,18 @@ def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int, device_type: 
 
 
 def _qk_norm_held(m, q: int, kv: int, d: int, a: int, kernel_saves_outputs: bool = True) -> int:
-    """--qk-layernorm over q (``q`` elements) and the local keys (``kv``): each norm keeps its
-    statistics (LayerNorm mean and rstd, RMSNorm rstd and x * rstd in fp32, and with 16-bit
-    weights its fp32 copy of the input) and, when a fused kernel saves it and rotary does not
+    """--qk-layernorm or --qk-l2-norm over q (``q`` elements) and the local keys (``kv``): each norm
+    keeps its statistics (LayerNorm mean and rstd, RMSNorm rstd and x * rstd in fp32, the L2 norm
+    rstd, and with 16-bit weights their fp32 copy of the input) and, when a fused kernel saves it and rotary does not
     replace it, its output; that output is contiguous per head, so the fused kernel's output
     (saved) needs a copy for the output projection."""
     held = q * a if kernel_saves_outputs else 0  # the kernel's output beside the copy
     for elements in (q, kv):
         rows = elements // d
-        if m.normalization == "LayerNorm":
+        if m.qk_norm == "LayerNorm":
             held += 2 * rows * 4
-        else:
-            held += rows * 4 + elements * 4 + (elements * 4 if a != 4 else 0)  # 16-bit input upcast
+        else:  # RMSNorm's x * rstd is kept for its weight's gradient; the L2 norm has no weight
+            held += rows * 4 + (elements * 4 if m.qk_norm == "RMSNorm" else 0) + (elements * 4 if a != 4 else 0)
         if m.position_embedding_type != "rope" and kernel_saves_outputs:
             held += elements * a
     return held

@@ -336,6 +336,9 @@ ACTIVATION_CASES = [
         rotary_percent=0.5,
     ),
     dict(group_query_attention=True, num_query_groups=2, qk_layernorm=True, normalization="RMSNorm"),
+    dict(group_query_attention=True, num_query_groups=2, qk_l2_norm=True, position_embedding_type="rope"),
+    dict(bf16=True, qk_l2_norm=True, position_embedding_type="rope"),
+    dict(qk_l2_norm=True),
     dict(bf16=True, group_query_attention=True, num_query_groups=2, position_embedding_type="rope"),
     # a vocabulary the loss walks in 4 chunks (tied: the embedding's gradient meets the output layer's)
     dict(vocab_size=16384, **FULL1),

@@ -35,7 +35,6 @@ _NEUTRAL = [
     ("mtp_num_layers", None, "multi-token prediction layers"),
     ("softmax_scale", None, "a custom attention softmax scale"),
     ("attention_output_gate", False, "gated attention output"),
-    ("qk_l2_norm", False, "L2-normalised queries and keys"),
     ("no_rope_freq", None, "layers without rotary embeddings"),
     ("experimental_attention_variant", None, "an experimental attention variant"),
     ("linear_attention_freq", None, "linear-attention layers"),
@@ -224,7 +223,8 @@ def _attention_values(a: SavedArgs, blockers: List[str]) -> dict:
         max_position_embeddings=max_pos,
         seq_length=min(a.get("seq_length") or max_pos, max_pos),
         attention_dropout=a.get("attention_dropout", default=0.1),
-        qk_layernorm=bool(a.get("qk_layernorm")),
+        qk_layernorm=bool(a.get("qk_layernorm")) and not a.get("qk_l2_norm"),  # megatron-core builds only the L2 norm
+        qk_l2_norm=bool(a.get("qk_l2_norm")),
         add_qkv_bias=bool(a.get("add_qkv_bias")) and not a.get("add_bias_linear", default=True),
     )
     if a.get("use_rope_scaling"):

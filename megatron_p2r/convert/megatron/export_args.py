@@ -96,6 +96,7 @@ def _model_args(m: ModelConfig) -> dict:
         add_qkv_bias=m.add_qkv_bias,
         bias_gelu_fusion=m.bias_gelu_fusion and not m.quick_geglu,
         qk_layernorm=m.qk_layernorm,
+        qk_l2_norm=m.qk_l2_norm,
         untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
         apply_residual_connection_post_layernorm=False,
         hidden_dropout=m.hidden_dropout,
@@ -152,6 +153,8 @@ def flags_to_pass(args: argparse.Namespace) -> List[str]:
         flags += ["--norm-epsilon", repr(args.norm_epsilon)]
     if args.qk_layernorm:
         flags.append("--qk-layernorm")
+    if args.qk_l2_norm:
+        flags.append("--qk-l2-norm")
     if not args.bias_gelu_fusion and args.add_bias_linear and not args.swiglu:
         flags.append("--no-bias-gelu-fusion")
     if args.num_experts and args.moe_aux_loss_coeff:

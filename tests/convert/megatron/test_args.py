@@ -37,6 +37,7 @@ def test_families_map_to_our_options():
         attention_dropout=0.0,
         init_method_std=0.02,
         qk_layernorm=False,
+        qk_l2_norm=False,
         add_qkv_bias=False,
         bias_gelu_fusion=True,
         softmax_type="vanilla",
