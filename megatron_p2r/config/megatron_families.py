@@ -555,16 +555,6 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
     ),
     (
         REFUSED,
-        "not built: Megatron's capacity drops tokens by router probability by default "
-        "(--moe-token-drop-policy probs); this framework's --moe-capacity-factor drops by position",
-        (
-            "--moe-expert-capacity-factor",
-            "--moe-pad-expert-input-to-capacity",
-            "--moe-token-drop-policy",
-        ),
-    ),
-    (
-        REFUSED,
         "not built: a change of the MoE math",
         (
             "--moe-router-force-load-balancing",

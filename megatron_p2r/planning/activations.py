@@ -15,7 +15,6 @@ Korthikanti et al. 2022 (``korthikanti_layer_bytes``).
 from __future__ import annotations
 
 import functools
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple
@@ -46,12 +45,20 @@ def moe_rows(cfg: Config, tokens: int) -> Tuple[int, int]:
     the routing; the padded experts (the default) pad every local expert to the fullest one's
     count, which balanced routing does not have and imbalanced routing adds on top."""
     m = cfg.model
-    slots = m.moe_num_prototypes if m.moe_num_prototypes > 1 else m.moe_router_topk
+    slots = m.moe_slots
     rows = tokens * slots
-    if m.moe_capacity_factor is not None:
-        capacity = math.ceil(m.moe_capacity_factor * tokens * slots / m.num_experts)
+    capacity = m.expert_capacity(tokens)
+    if capacity is not None:
         rows = min(rows, capacity * m.num_experts)
     return slots, rows
+
+
+def expert_rows(cfg: Config, tokens: int) -> int:
+    """Rows the experts compute and the all-to-alls move: the kept assignments, or with
+    --moe-pad-expert-input-to-capacity every expert's padded count (the same under balanced
+    routing when the capacity is full, more when it is not)."""
+    per_expert = cfg.model.padded_expert_rows(tokens)
+    return moe_rows(cfg, tokens)[1] if per_expert is None else per_expert * cfg.model.num_experts
 
 
 def math_attention(cfg: Config, device_type: str) -> bool:
@@ -178,7 +185,7 @@ def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[
     this rank (a sequence shard under sequence parallelism), experts on the ``n`` tokens of the
     TP region."""
     m = cfg.model
-    slots, rows = moe_rows(cfg, n)
+    (slots, kept), rows = moe_rows(cfg, n), expert_rows(cfg, n)
     glu = 2 if m.gated_linear_unit else 1
     act_saved = activation_saved(m)
     f, e_local = m.expert_ffn_size // tp, m.num_experts // ep
@@ -187,7 +194,9 @@ def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[
         held += m.num_experts * m.hidden_size * 4
     if m.moe_z_loss_coeff:  # logsumexp's input (the logits) and output
         held += ns * m.num_experts * 4 + ns * m.moe_num_prototypes * 4
-    held += rows * 8 * (1 + (ep > 1) + m.add_bias)  # order, [EP permutation], [expert ids for biases]
+    held += kept * 8 + rows * 8 * ((ep > 1) + m.add_bias)  # order, [EP permutation], [expert ids for biases]
+    if m.moe_pad_expert_input_to_capacity:
+        held += kept * 8  # the padded rows' places of the kept ones
     held += rows * m.hidden_size * a  # expert input rows
     held += rows * glu * f * a + rows * act_saved * f * a  # fc1 out, activation outputs
     if m.moe_grouped_gemm and m.gated_linear_unit and not _grouped_swiglu(m):  # weight1 as [gates; ups], a copy
@@ -212,10 +221,12 @@ def cut_moe_layer_kept(cfg: Config, ns: int, n: int) -> int:
     both all-to-alls' results (the rows it sent are freed once received). Balanced routing: a
     rank receives as many rows as it sends."""
     m = cfg.model
-    slots, rows = moe_rows(cfg, n)
+    (slots, kept), rows = moe_rows(cfg, n), expert_rows(cfg, n)
     return (
         ns * m.hidden_size * compute_bytes(cfg)
-        + rows * 8 * 2
+        + kept * 8
+        + rows * 8
+        + (kept * 8 if m.moe_pad_expert_input_to_capacity else 0)
         + slots * n * 4
         + 2 * rows * m.hidden_size * compute_bytes(cfg)
     )

@@ -95,9 +95,9 @@ def test_each_flag_parses_as_megatrons_and_has_a_status(action):
 
 
 def test_a_refused_flag_at_megatrons_default_asks_for_nothing():
-    assert parse_launch(BASE + ["--moe-token-drop-policy", "probs"])[1] == []
-    with pytest.raises(ConfigError, match="--moe-token-drop-policy position: not built"):
-        parse_launch(BASE + ["--moe-token-drop-policy", "position"])
+    assert parse_launch(BASE + ["--weight-decay-incr-style", "constant"])[1] == []
+    with pytest.raises(ConfigError, match="--weight-decay-incr-style linear: "):
+        parse_launch(BASE + ["--weight-decay-incr-style", "linear"])
     with pytest.raises(ConfigError, match="--mtp-num-layers 1: DeepSeek-V3's multi-token prediction"):
         parse_launch(BASE + ["--mtp-num-layers", "1"])
 

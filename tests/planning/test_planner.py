@@ -324,6 +324,9 @@ ACTIVATION_CASES = [
     dict(bf16=True, moe_capacity_factor=0.5, **MOE, **FULL1),
     dict(bf16=True, p2r_phase="pseudo", share_pattern="all", moe_capacity_factor=0.5, **MOE),
     dict(moe_grouped_gemm=True, swiglu=True, moe_capacity_factor=0.5, moe_router_topk=2, **MOE),
+    # padded to a capacity above the balanced share: every expert computes its capacity's rows
+    dict(moe_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True, **MOE),
+    dict(bf16=True, moe_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True, swiglu=True, **MOE, **FULL1),
     # grouped-query attention, its norms and head sizes
     dict(group_query_attention=True, num_query_groups=2, kv_channels=16, qk_layernorm=True),
     dict(
