@@ -104,6 +104,8 @@ def test_a_refused_flag_at_megatrons_default_asks_for_nothing():
 
 def test_megatrons_other_spellings_set_the_same_field():
     assert parse_launch(BASE + ["--persistent-save-interval", "7"])[0].checkpoint.save_interval == 7
+    capacity = ["--num-experts", "4", "--moe-expert-capacity-factor", "0.5"]  # a field named here first
+    assert parse_launch(BASE + capacity)[0].model.moe_capacity_factor == 0.5
     cfg = parse_launch(BASE + ["--disable-ckpt-fully-parallel-save"])[0]
     assert (
         cfg == parse_launch(BASE + ["--no-ckpt-fully-parallel-save"])[0] and not cfg.checkpoint.ckpt_fully_parallel_save

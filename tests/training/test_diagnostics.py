@@ -127,3 +127,30 @@ def test_timers_record_their_level_only():
     assert Timers(0, torch.device("cpu")).report(steps=1) == {}
     assert "forward-backward" in format_timers(report)
     assert set(timer_scalars(report, 0.5)) == {"iteration-time", *(f"{n}-time" for n in report)}
+
+
+def _pretrain_pp2(rank, world, log_file, tb_dir):
+    from megatron_p2r.training import pretrain
+
+    cfg = tiny_config(
+        pipeline_model_parallel_size=2,
+        train_iters=2,
+        global_batch_size=4,
+        log_interval=2,
+        log_file=log_file,
+        tensorboard_dir=tb_dir,
+        log_params_norm=True,
+        log_num_zeros_in_grad=True,
+        log_timers_to_tensorboard=True,
+        timing_log_level=1,
+    )
+    return pretrain(cfg)["losses"]
+
+
+def test_every_rank_joins_the_collectives_under_pp2(tmp_path):
+    """The norm, the zeros and the timers' report are collectives of every rank: under PP 2 the
+    run finishes and the last stage logs the record with them."""
+    log = tmp_path / "m.jsonl"
+    run_distributed(_pretrain_pp2, 2, str(log), str(tmp_path / "tb"))
+    (record,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert record["iteration"] == 2 and record["params_norm"] > 0 and record["optimizer-time"] > 0
