@@ -77,6 +77,7 @@ class LoggingConfig:
 RANGES = {
     "log_interval": at_least(1),
     "tensorboard_log_interval": at_least(1),
+    "timing_log_level": at_least(0, 2),
     "eval_interval": at_least(1),
     "eval_iters": at_least(0, 2**24),
 }
