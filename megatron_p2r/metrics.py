@@ -89,6 +89,16 @@ class TrainingLogger:
         if self.wandb is not None:
             self.wandb.log(record)
 
+    def scalars(self, values: dict, iteration: int, consumed_samples: int) -> None:
+        """TensorBoard points under Megatron-LM's tags, each but the memory ones also against the
+        consumed samples ("TAG vs samples"), as Megatron's ``training_log`` writes them."""
+        if self.writer is None:
+            return
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, iteration)
+            if not tag.startswith("mem-"):
+                self.writer.add_scalar(f"{tag} vs samples", value, consumed_samples)
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
@@ -109,6 +119,10 @@ def format_line(r: dict) -> str:
         f"TFLOP/s per rank {r['tflops']:.3f}",
         f"peak mem {r['peak_memory_gib']:.2f} GiB",
     ]
+    if r.get("num_zeros_in_grad") is not None:
+        parts.append(f"num zeros {r['num_zeros_in_grad']}")
+    if r.get("params_norm") is not None:
+        parts.append(f"params norm {r['params_norm']:.3f}")
     if r.get("loss_scale", 1.0) != 1.0:
         parts.append(f"loss scale {r['loss_scale']:.1f}")
     if r.get("skipped"):

@@ -27,6 +27,27 @@ class LoggingConfig:
     wandb_exp_name: Optional[str] = opt(None, "Weights & Biases run name (needed with --wandb-project).")
     wandb_save_dir: Optional[str] = opt(None, "Where the W&B run's files go (default SAVE/wandb).")
     wandb_entity: Optional[str] = opt(None, "Weights & Biases team or user (default: the account's).")
+    log_params_norm: bool = opt(
+        False,
+        "Log the L2 norm of all parameters (fp32 mains, each shared or replicated one once) (docs/monitoring.md).",
+    )
+    log_num_zeros_in_grad: bool = opt(False, "Log how many gradient elements are zero, over all ranks.")
+    tensorboard_log_interval: int = opt(
+        1, "Write the step's scalars to TensorBoard under Megatron-LM's names every N iterations."
+    )
+    log_memory_to_tensorboard: bool = opt(
+        False, "Memory scalars to TensorBoard (CUDA allocator statistics; on CPU the process's resident memory)."
+    )
+    log_timers_to_tensorboard: bool = opt(
+        False, "Iteration time, throughput and the --timing-log-level timers in the log records."
+    )
+    log_validation_ppl_to_tensorboard: bool = opt(False, "Log the validation perplexity exp(min(20, loss)) too.")
+    timing_log_level: int = opt(
+        0,
+        "0: iteration time only; 1: also once-per-step phases (forward-backward, gradient sync, "
+        "optimizer); 2: also the batch generator (docs/monitoring.md).",
+        choices=[0, 1, 2],
+    )
 
     def check(self, save: Optional[str]) -> None:
         """Megatron's W&B rules, on every rank before anything is built: a run name, a directory
@@ -53,4 +74,10 @@ class LoggingConfig:
 
 
 # Type and range of every numeric field (config/ranges.py).
-RANGES = {"log_interval": at_least(1), "eval_interval": at_least(1), "eval_iters": at_least(0, 2**24)}
+RANGES = {
+    "log_interval": at_least(1),
+    "tensorboard_log_interval": at_least(1),
+    "timing_log_level": at_least(0, 2),
+    "eval_interval": at_least(1),
+    "eval_iters": at_least(0, 2**24),
+}

@@ -386,15 +386,23 @@ def _family_entries() -> Dict[str, MegatronFlag]:
     return entries
 
 
+# Config fields this framework named before it took Megatron-LM's flag: Megatron's name sets the
+# same field (checkpoints' saved configs keep the field's name).
+MEGATRON_NAMES = {"--moe-capacity-factor": ["--moe-expert-capacity-factor"]}
+
+
 def megatron_aliases() -> Dict[str, List[str]]:
     """Megatron's other spellings of a flag this table or a config field has under its first name
-    (--persistent-save-interval for --save-interval): {first flag: [the others]}."""
+    (--persistent-save-interval for --save-interval, and MEGATRON_NAMES): {first flag: [the others]}."""
     return {
-        action["flags"][0]: action["flags"][1:]
-        for action in megatron_parser()["actions"]
-        if len(action["flags"]) > 1
-        and action["action"] != "boolean_optional"
-        and action["flags"][0] not in MEGATRON_FLAGS
+        **{
+            action["flags"][0]: action["flags"][1:]
+            for action in megatron_parser()["actions"]
+            if len(action["flags"]) > 1
+            and action["action"] != "boolean_optional"
+            and action["flags"][0] not in MEGATRON_FLAGS
+        },
+        **MEGATRON_NAMES,
     }
 
 

@@ -35,7 +35,7 @@ _RESILIENCE = (
 )
 _NOT_LOGGED = (
     "not logged here: the log line and TensorBoard hold the loss, LR, grad norm, loss scale, "
-    "tokens/s, TFLOP/s and memory (docs/training.md)"
+    "tokens/s, TFLOP/s and memory, and what the logging flags add (docs/monitoring.md)"
 )
 _HYBRID = "hybrid Mamba models are not built here"
 _MUON = "read only with --optimizer muon/dist_muon/adaptive_muon, which are not built"
@@ -243,13 +243,6 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
             "--no-barrier-with-level-1-timing",
             "--log-world-size-to-tensorboard",
             "--log-energy",
-            "--log-params-norm",
-            "--log-num-zeros-in-grad",
-            "--tensorboard-log-interval",
-            "--log-memory-to-tensorboard",
-            "--log-timers-to-tensorboard",
-            "--log-validation-ppl-to-tensorboard",
-            "--timing-log-level",
             "--no-one-logger",
             "--one-logger-project",
             "--one-logger-run-name",
@@ -537,16 +530,6 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
     ),
     (
         REFUSED,
-        "not built: Megatron's capacity drops tokens by router probability by default "
-        "(--moe-token-drop-policy probs); this framework's --moe-capacity-factor drops by position",
-        (
-            "--moe-expert-capacity-factor",
-            "--moe-pad-expert-input-to-capacity",
-            "--moe-token-drop-policy",
-        ),
-    ),
-    (
-        REFUSED,
         "not built: a change of the MoE math",
         (
             "--moe-router-force-load-balancing",
@@ -560,7 +543,6 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
         REFUSED,
         "not built: an attention or layer variant",
         (
-            "--qk-l2-norm",
             "--qk-clip",
             "--attention-output-gate",
             "--experimental-attention-variant",

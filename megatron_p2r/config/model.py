@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,6 +35,11 @@ class ModelConfig:
         "With --qk-layernorm: one RMSNorm over the whole query (and the whole key) projection, all "
         "heads together, with a weight per row (OLMo 2), instead of one per head; under TP its mean "
         "square is all-reduced. No Megatron-LM flag.",
+    )
+    qk_l2_norm: bool = opt(
+        False,
+        "L2-normalise every query and key head before rotary embeddings, no weights (Llama 4's, "
+        "megatron-core's L2Norm: x / sqrt(mean(x^2) + --norm-epsilon), in fp32).",
     )
     add_qkv_bias: bool = opt(False, "Bias in the query/key/value projection even with --disable-bias-linear (Qwen2).")
     window_size: Optional[str] = opt(
@@ -152,13 +158,45 @@ class ModelConfig:
     moe_num_prototypes: int = opt(1, "Expert prototyping (M6-T): K groups, top-1 in each, outputs summed.")
     moe_aux_loss_coeff: float = opt(0.0, "Load-balancing loss coefficient (Switch formulation).")
     moe_z_loss_coeff: float = opt(0.0, "Router z-loss coefficient.")
-    moe_capacity_factor: Optional[float] = opt(None, "Expert capacity factor; unset means dropless.")
+    moe_capacity_factor: Optional[float] = opt(
+        None,
+        "Expert capacity factor, also spelled --moe-expert-capacity-factor (Megatron-LM's name): an expert "
+        "takes at most ceil(tokens * slots / experts * factor) of a micro-batch's assignments; unset: dropless.",
+    )
+    moe_token_drop_policy: str = opt(
+        "probs",
+        "Which assignments an expert over capacity keeps: probs, those of the highest router "
+        "probabilities; position, those of the earliest tokens.",
+        choices=["probs", "position"],
+    )
+    moe_pad_expert_input_to_capacity: bool = opt(
+        False, "Pad every expert's rows to its capacity with zero rows: fixed shapes, the same math (docs/moe.md)."
+    )
     moe_input_jitter_eps: Optional[float] = opt(None, "Multiplicative router input jitter (training only).")
     moe_grouped_gemm: bool = opt(
         False,
         "Experts through torch's grouped_mm, one jagged group of rows per expert, "
         "no padded rows (where the device and dtype support it; else padded bmm, logged).",
     )
+
+    @property
+    def moe_slots(self) -> int:
+        """Assignments per token: top-k, or one per prototype group."""
+        return self.moe_num_prototypes if self.moe_num_prototypes > 1 else self.moe_router_topk
+
+    def expert_capacity(self, tokens: int) -> Optional[int]:
+        """Assignments one expert keeps of ``tokens`` tokens (megatron-core's ``get_capacity``, in
+        its order of operations); None is dropless."""
+        if self.moe_capacity_factor is None:
+            return None
+        return math.ceil((tokens * self.moe_slots / self.num_experts) * self.moe_capacity_factor)
+
+    def padded_expert_rows(self, tokens: int) -> Optional[int]:
+        """Rows every expert gets with --moe-pad-expert-input-to-capacity: its capacity, but at
+        most every token (a token goes to an expert once; megatron-core's mask keeps them all)."""
+        if not self.moe_pad_expert_input_to_capacity:
+            return None
+        return min(self.expert_capacity(tokens), tokens)
 
     @property
     def ffn_size(self) -> int:
@@ -200,6 +238,13 @@ class ModelConfig:
     def output_norms(self) -> bool:
         """Norms on the outputs of attention and the MLP (``attention_output_norm``, ``mlp_output_norm``)."""
         return self.layer_norms != "input"
+
+    @property
+    def qk_norm(self) -> Optional[str]:
+        """The query/key heads' norm: "L2" (--qk-l2-norm), --normalization's (--qk-layernorm) or None."""
+        if self.qk_l2_norm:
+            return "L2"
+        return self.normalization if self.qk_layernorm else None
 
     @property
     def qkv_bias(self) -> bool:
@@ -277,6 +322,11 @@ class ModelConfig:
             )
         if self.qk_layernorm_over_heads and not (self.qk_layernorm and self.normalization == "RMSNorm"):
             raise ConfigError("--qk-layernorm-over-heads needs --qk-layernorm and --normalization RMSNorm")
+        if self.qk_l2_norm and self.qk_layernorm:
+            raise ConfigError(
+                "--qk-l2-norm and --qk-layernorm are two query/key norms: give one (megatron-core builds "
+                "only the L2 norm when both are given, and the --qk-layernorm weights are then not there)"
+            )
         if self.window_size is not None:
             _window(self.window_size)
         elif self.window_attn_skip_freq is not None:
@@ -329,6 +379,10 @@ class ModelConfig:
             raise ConfigError(
                 f"--num-experts ({self.num_experts}) must be divisible by "
                 f"--moe-num-prototypes ({self.moe_num_prototypes})"
+            )
+        if self.moe_pad_expert_input_to_capacity and self.moe_capacity_factor is None:
+            raise ConfigError(
+                "--moe-pad-expert-input-to-capacity pads to a capacity: it needs --moe-expert-capacity-factor"
             )
         if self.moe_num_prototypes > 1 and self.moe_router_topk != 1:
             raise ConfigError(

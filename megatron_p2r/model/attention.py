@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_p2r.config import ModelConfig
-from megatron_p2r.model.norm import HeadsRMSNorm, make_norm
+from megatron_p2r.model.norm import HeadsRMSNorm, make_qk_norm
 from megatron_p2r.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.sharding import make_param
@@ -169,8 +169,8 @@ class Attention(nn.Module):
             group, replicas = ps.group("tp"), max(tp // groups, 1)
             self.q_layernorm = HeadsRMSNorm(self.local_heads, d, cfg.norm_epsilon, group, tp, 1, device)
             self.k_layernorm = HeadsRMSNorm(self.local_groups, d, cfg.norm_epsilon, group, tp, replicas, device)
-        elif cfg.qk_layernorm:
-            self.q_layernorm, self.k_layernorm = make_norm(cfg, device, d), make_norm(cfg, device, d)
+        else:
+            self.q_layernorm, self.k_layernorm = make_qk_norm(cfg, device), make_qk_norm(cfg, device)
         self.proj = RowParallelLinear(
             heads * d,
             h,

@@ -1,5 +1,5 @@
 """Normalisation layers: torch's LayerNorm / RMSNorm over the hidden size (the layer norms) or
-over one head's dimension (--qk-layernorm); an RMSNorm over all heads of a projection
+over one head's dimension (--qk-layernorm, --qk-l2-norm); an RMSNorm over all heads of a projection
 (--qk-layernorm-over-heads, OLMo 2). NVIDIA apex's fused kernels are not needed for these sizes."""
 
 from __future__ import annotations
@@ -49,3 +49,12 @@ class HeadsRMSNorm(nn.Module):
         rstd = torch.rsqrt(square_sum / (x.shape[1] * x.shape[3] * self.tp_size) + self.eps)
         # contiguous per head, as torch's RMSNorm leaves a per-head norm's output (planning.activations)
         return (x32 * rstd * self.weight.view(self.heads, -1)).to(x.dtype).transpose(1, 2).contiguous()
+
+
+def make_qk_norm(cfg: ModelConfig, device=None) -> Optional[nn.Module]:
+    """The query/key heads' norm: --qk-layernorm's (weights over the head dimension), --qk-l2-norm's
+    (an RMSNorm without weights: x / sqrt(mean(x^2) + eps), which torch computes in fp32 for 16-bit
+    inputs, as megatron-core's L2Norm does), or None."""
+    if cfg.qk_l2_norm:
+        return nn.RMSNorm(cfg.head_dim, eps=cfg.norm_epsilon, elementwise_affine=False, device=device)
+    return make_norm(cfg, device, cfg.head_dim) if cfg.qk_layernorm else None

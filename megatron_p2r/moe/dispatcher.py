@@ -1,10 +1,15 @@
 """Token dispatch: capacity drops, sorting by expert, and the expert-parallel all-to-all.
 
 1. ``plan`` (local, no communication): the T x slots assignments of this rank's tokens are
-   ordered slot-major (every token's first choice before any second choice, tokens in order
-   within a slot — GShard/Switch priority), stably sorted by expert, and cut at the expert
-   capacity ``ceil(capacity_factor * T * slots / E)`` when a capacity factor is set. Drops are
-   decided on the source rank from its own tokens only, so they do not depend on EP.
+   listed slot-major (every token's first choice, then every second choice) and stably sorted by
+   expert. With a capacity factor each expert keeps at most its capacity
+   ``ceil(T * slots / E * factor)`` (``ModelConfig.expert_capacity``, megatron-core's formula) of
+   them, chosen as megatron-core's ``--moe-token-drop-policy`` says: ``probs``, those of the
+   highest combine weights (the router's probabilities of the kept top-k); ``position``, those of
+   the earliest tokens. Drops are decided on the source rank from its own tokens only, so they
+   do not depend on EP. With ``--moe-pad-expert-input-to-capacity`` each expert's rows are then
+   padded with zero rows to the same count (``pad_rows``), and the padding is dropped before the
+   combine: its outputs weigh nothing, as megatron-core's zero-probability padding.
 2. dispatch: the kept rows, grouped by global expert (so by destination EP rank, since
    rank r holds experts [r*E_local, (r+1)*E_local)), go to their rank with one all-to-all over
    the ep group. Row counts are exchanged first with a small all-to-all of per-expert counts
@@ -18,7 +23,6 @@ batched isend/irecv since gloo has no all_to_all). With EP=1 no communication ha
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -52,21 +56,35 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, repeats: int = 1) -> tor
 
 class _ScatterRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, index):
+    def forward(ctx, rows, index, total):
         ctx.save_for_backward(index)
-        return torch.empty_like(rows).index_copy_(0, index, rows)
+        if total == rows.shape[0]:
+            return torch.empty_like(rows).index_copy_(0, index, rows)
+        return rows.new_zeros((total,) + tuple(rows.shape[1:])).index_copy_(0, index, rows)
 
     @staticmethod
     def backward(ctx, grad):
         (index,) = ctx.saved_tensors
-        return grad.index_select(0, index), None
+        return grad.index_select(0, index), None, None
 
 
-def scatter_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Row i of ``rows`` to row ``index[i]`` (``index`` a permutation): the inverse of
-    ``gather_rows``. Backward needs only ``index``; autograd's ``index_copy`` keeps ``rows`` too (a
-    rows x h copy per MoE layer until backward)."""
-    return _ScatterRows.apply(rows, index)
+def scatter_rows(rows: torch.Tensor, index: torch.Tensor, total: Optional[int] = None) -> torch.Tensor:
+    """Row i of ``rows`` to row ``index[i]`` of ``total`` rows (default: as many, ``index`` a
+    permutation: the inverse of ``gather_rows``); the rows no index names are zeros. Backward needs
+    only ``index``; autograd's ``index_copy`` keeps ``rows`` too (a rows x h copy per MoE layer
+    until backward)."""
+    return _ScatterRows.apply(rows, index, rows.shape[0] if total is None else total)
+
+
+def pad_rows(rows: torch.Tensor, counts: List[int], per_expert: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(``rows``, grouped by expert with ``counts``, each group padded with zero rows to
+    ``per_expert``; the padded rows' positions of the given ones). ``gather_rows(padded,
+    positions)`` takes them back out."""
+    counts_t = torch.tensor(counts, device=rows.device)
+    expert = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), counts_t)
+    starts = torch.cumsum(counts_t, 0) - counts_t
+    positions = expert * per_expert + torch.arange(rows.shape[0], device=rows.device) - starts[expert]
+    return scatter_rows(rows, positions, per_expert * len(counts)), positions
 
 
 class _WeightedUnpermute(torch.autograd.Function):
@@ -105,13 +123,6 @@ def weighted_unpermute(rows: torch.Tensor, weights: torch.Tensor, order: torch.T
     return _WeightedUnpermute.apply(rows, weights, order)
 
 
-def expert_capacity(num_tokens: int, slots: int, num_experts: int, factor: Optional[float]) -> Optional[int]:
-    """Assignments one expert accepts from this rank's tokens; None is dropless."""
-    if factor is None:
-        return None
-    return math.ceil(factor * num_tokens * slots / num_experts)
-
-
 @dataclass
 class Plan:
     order: torch.Tensor  # kept assignments (indices into the slot-major flat list), sorted by expert
@@ -124,21 +135,48 @@ class Plan:
         return sum(self.routed) - sum(self.counts)
 
 
-def plan(indices: torch.Tensor, num_experts: int, capacity: Optional[int]) -> Plan:
-    """Which assignments ``indices`` [T, slots] are kept, sorted by expert (see module doc)."""
+def plan(
+    indices: torch.Tensor,
+    num_experts: int,
+    capacity: Optional[int] = None,
+    weights: Optional[torch.Tensor] = None,
+    policy: str = "probs",
+) -> Plan:
+    """Which assignments ``indices`` [T, slots] are kept, sorted by expert (see module doc);
+    ``weights`` [T, slots] rank them under the ``probs`` policy."""
     tokens, slots = indices.shape
     flat = indices.t().reshape(-1)  # slot-major
     order = torch.argsort(flat, stable=True)
     routed_t = torch.bincount(flat, minlength=num_experts)
     if capacity is not None:
-        starts = torch.cumsum(routed_t, 0) - routed_t
-        position = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
-        order = order[position < capacity]
+        order = order[
+            _rank_in_expert(flat, routed_t, _priority(weights, tokens, slots, policy, flat.device))[order] < capacity
+        ]
         kept_t = routed_t.clamp(max=capacity)
     else:
         kept_t = routed_t
     both = torch.stack([routed_t, kept_t]).tolist()  # one host sync for both lists
     return Plan(order=order, tokens=order % tokens, counts=both[1], routed=both[0])
+
+
+def _priority(weights: Optional[torch.Tensor], tokens: int, slots: int, policy: str, device) -> torch.Tensor:
+    """Of the slot-major assignments, a key whose smallest values an expert keeps first: the
+    token's position, or the negated combine weight (equal weights: the earlier assignment)."""
+    if policy == "position":
+        return torch.arange(tokens, device=device).repeat(slots)
+    if policy != "probs":
+        raise ValueError(f"unknown token drop policy {policy!r}")
+    return -weights.detach().t().reshape(-1)
+
+
+def _rank_in_expert(flat: torch.Tensor, routed: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Each assignment's place among its expert's assignments ordered by ``key`` (0 first)."""
+    by_key = torch.argsort(key, stable=True)
+    ranked = by_key[torch.argsort(flat[by_key], stable=True)]  # by expert, then by key
+    starts = torch.cumsum(routed, 0) - routed
+    rank = torch.empty_like(flat)
+    rank[ranked] = torch.arange(flat.numel(), device=flat.device) - starts[flat[ranked]]
+    return rank
 
 
 @dataclass

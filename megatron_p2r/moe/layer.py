@@ -25,14 +25,14 @@ exactly as without sequence parallelism. The output is reduce-scattered back to 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch import nn
 
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.moe import aux_loss
-from megatron_p2r.moe.dispatcher import Dispatcher, Exchange, expert_capacity, gather_rows, plan, weighted_unpermute
+from megatron_p2r.moe.dispatcher import Dispatcher, Exchange, gather_rows, pad_rows, plan, weighted_unpermute
 from megatron_p2r.moe.experts import Experts
 from megatron_p2r.moe.router import Router
 from megatron_p2r.parallel.layers import to_compute_dtype
@@ -51,7 +51,7 @@ class MoELayer(nn.Module):
     def __init__(self, cfg: ModelConfig, ps: ParallelState, device=None, *, sequence_parallel: bool = False):
         super().__init__()
         self.num_experts = cfg.num_experts
-        self.capacity_factor = cfg.moe_capacity_factor
+        self.cfg = cfg  # its capacity, drop policy and padding
         self.tp_group = ps.group("tp")
         self.sequence_group = self.tp_group if sequence_parallel else None
         self.router = Router(cfg, device, sequence_group=self.sequence_group)
@@ -95,21 +95,29 @@ class MoELayer(nn.Module):
             weights = gather_from_sequence_region(weights.view(b, -1, weights.shape[-1]), group).flatten(0, 1)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        capacity = expert_capacity(x.shape[0], self.router.slots, self.num_experts, self.capacity_factor)
-        p = plan(indices, self.num_experts, capacity)
+        m = self.cfg
+        p = plan(indices, self.num_experts, m.expert_capacity(x.shape[0]), weights, m.moe_token_drop_policy)
         if self.training:
             aux_loss.record_routing(p.dropped, p.routed)
         slots = indices.shape[1]
         tp_region = (lambda t: t) if self.sequence_group is not None else (lambda t: copy_to_region(t, self.tp_group))
         # p.order indexes the slot-major assignment list [slots * T]: token = order % T
-        rows = gather_rows(tp_region(x), p.order, repeats=slots)
+        rows, counts, padding = gather_rows(tp_region(x), p.order, repeats=slots), p.counts, None
+        per_expert = m.padded_expert_rows(x.shape[0])
+        if per_expert is not None:
+            rows, padding = pad_rows(rows, counts, per_expert)
+            counts = [per_expert] * self.num_experts
         if routing.aux_loss is not None:
             rows = aux_loss.attach(rows, routing.aux_loss)
-        return Routed(rows=rows, counts=p.counts, order=p.order, weights=tp_region(weights.t()), shape=shape)
+        return Routed(
+            rows=rows, counts=counts, order=p.order, weights=tp_region(weights.t()), shape=shape, padding=padding
+        )
 
     def finish(self, rows: torch.Tensor, weights: torch.Tensor, routed: "Routed") -> torch.Tensor:
-        """The combined expert outputs ``rows`` weighted back into their tokens (dropped
-        assignments add nothing), summed over TP."""
+        """The combined expert outputs ``rows`` (less any padding) weighted back into their tokens
+        (dropped assignments add nothing), summed over TP."""
+        if routed.padding is not None:
+            rows = gather_rows(rows, routed.padding)
         out = weighted_unpermute(rows, weights, routed.order).view(routed.shape)
         if self.sequence_group is not None:
             return reduce_scatter_to_sequence_region(out, self.sequence_group)
@@ -123,3 +131,4 @@ class Routed:
     order: torch.Tensor  # their indices into the slot-major assignment list
     weights: torch.Tensor  # [slots, T] combine weights (in the TP region)
     shape: torch.Size  # of the layer's (gathered) input
+    padding: Optional[torch.Tensor] = None  # --moe-pad-expert-input-to-capacity: the given rows' places in ``rows``

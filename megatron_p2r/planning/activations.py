@@ -15,7 +15,6 @@ Korthikanti et al. 2022 (``korthikanti_layer_bytes``).
 from __future__ import annotations
 
 import functools
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple
@@ -46,12 +45,20 @@ def moe_rows(cfg: Config, tokens: int) -> Tuple[int, int]:
     the routing; the padded experts (the default) pad every local expert to the fullest one's
     count, which balanced routing does not have and imbalanced routing adds on top."""
     m = cfg.model
-    slots = m.moe_num_prototypes if m.moe_num_prototypes > 1 else m.moe_router_topk
+    slots = m.moe_slots
     rows = tokens * slots
-    if m.moe_capacity_factor is not None:
-        capacity = math.ceil(m.moe_capacity_factor * tokens * slots / m.num_experts)
+    capacity = m.expert_capacity(tokens)
+    if capacity is not None:
         rows = min(rows, capacity * m.num_experts)
     return slots, rows
+
+
+def expert_rows(cfg: Config, tokens: int) -> int:
+    """Rows the experts compute and the all-to-alls move: the kept assignments, or with
+    --moe-pad-expert-input-to-capacity every expert's padded count (the same under balanced
+    routing when the capacity is full, more when it is not)."""
+    per_expert = cfg.model.padded_expert_rows(tokens)
+    return moe_rows(cfg, tokens)[1] if per_expert is None else per_expert * cfg.model.num_experts
 
 
 def math_attention(cfg: Config, device_type: str) -> bool:
@@ -112,7 +119,7 @@ def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int, device_type: 
     q, kv = n * heads * d, n * max(m.query_groups // tp, 1) * d
     selective = cfg.train.recompute == "selective"  # the recompute checkpoint saves q, k, v as a kernel would
     unfused = math_attention(cfg, device_type) and not selective
-    norm_keeps_input = m.qk_layernorm and not (m.normalization == "RMSNorm" and a != 4)
+    norm_keeps_input = m.qk_norm is not None and not (m.qk_norm != "LayerNorm" and a != 4)
     # the projections' outputs: all of q, k, v when fused (v keeps the QKV tensor alive); a
     # separate query's only while an op saves it: the q norm (not a 16-bit RMSNorm, which saves
     # its fp32 upcast), or attention itself when neither the norm nor rotary replaces it; the math
@@ -124,7 +131,7 @@ def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int, device_type: 
             projected = 2 * kv if m.group_query_attention else q + 2 * kv
         else:
             projected = 0
-    elif m.qk_layernorm:
+    elif m.qk_norm:
         projected = q + 2 * kv if norm_keeps_input or not m.group_query_attention else 2 * kv
     else:
         query_saved = m.position_embedding_type != "rope"
@@ -134,7 +141,7 @@ def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int, device_type: 
         held += attention_core_bytes(cfg, tp, device_type)
         if m.softmax_type != "vanilla":  # k and v with the sink slot, the float mask (CUDA's kernel keeps them)
             held += (2 * (kv + kv // m.seq_length) + heads * m.seq_length * (m.seq_length + 1)) * a
-    if m.qk_layernorm:
+    if m.qk_norm:
         held += _qk_norm_held(m, q, kv, d, a, kernel_saves_outputs=not unfused, tokens=n)
     if m.position_embedding_type == "rope" and not unfused:
         held += (q + kv) * a  # rotated q and k
@@ -142,19 +149,19 @@ def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int, device_type: 
 
 
 def _qk_norm_held(m, q: int, kv: int, d: int, a: int, kernel_saves_outputs: bool = True, tokens: int = 0) -> int:
-    """--qk-layernorm over q (``q`` elements) and the local keys (``kv``): each norm keeps its
-    statistics (LayerNorm mean and rstd, RMSNorm rstd and x * rstd in fp32, and with 16-bit
-    weights its fp32 copy of the input) and, when a fused kernel saves it and rotary does not
+    """--qk-layernorm or --qk-l2-norm over q (``q`` elements) and the local keys (``kv``): each norm
+    keeps its statistics (LayerNorm mean and rstd, RMSNorm rstd and x * rstd in fp32, the L2 norm
+    rstd, and with 16-bit weights their fp32 copy of the input) and, when a fused kernel saves it and rotary does not
     replace it, its output; that output is contiguous per head, so the fused kernel's output
     (saved) needs a copy for the output projection. Statistics are per head, or per token
     (``tokens``) with --qk-layernorm-over-heads."""
     held = q * a if kernel_saves_outputs else 0  # the kernel's output beside the copy
     for elements in (q, kv):
         rows = tokens if m.qk_layernorm_over_heads else elements // d
-        if m.normalization == "LayerNorm":
+        if m.qk_norm == "LayerNorm":
             held += 2 * rows * 4
-        else:
-            held += rows * 4 + elements * 4 + (elements * 4 if a != 4 else 0)  # 16-bit input upcast
+        else:  # RMSNorm's x * rstd is kept for its weight's gradient; the L2 norm has no weight
+            held += rows * 4 + (elements * 4 if m.qk_norm == "RMSNorm" else 0) + (elements * 4 if a != 4 else 0)
         if m.position_embedding_type != "rope" and kernel_saves_outputs:
             held += elements * a
     return held
@@ -216,7 +223,7 @@ def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[
     this rank (a sequence shard under sequence parallelism), experts on the ``n`` tokens of the
     TP region."""
     m = cfg.model
-    slots, rows = moe_rows(cfg, n)
+    (slots, kept), rows = moe_rows(cfg, n), expert_rows(cfg, n)
     glu = 2 if m.gated_linear_unit else 1
     act_saved = activation_saved(m)
     f, e_local = m.expert_ffn_size // tp, m.num_experts // ep
@@ -225,7 +232,9 @@ def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[
         held += m.num_experts * m.hidden_size * 4
     if m.moe_z_loss_coeff:  # logsumexp's input (the logits) and output
         held += ns * m.num_experts * 4 + ns * m.moe_num_prototypes * 4
-    held += rows * 8 * (1 + (ep > 1) + m.add_bias)  # order, [EP permutation], [expert ids for biases]
+    held += kept * 8 + rows * 8 * ((ep > 1) + m.add_bias)  # order, [EP permutation], [expert ids for biases]
+    if m.moe_pad_expert_input_to_capacity:
+        held += kept * 8  # the padded rows' places of the kept ones
     held += rows * m.hidden_size * a  # expert input rows
     held += rows * glu * f * a + rows * act_saved * f * a  # fc1 out, activation outputs
     if m.moe_grouped_gemm and m.gated_linear_unit and not _grouped_swiglu(m):  # weight1 as [gates; ups], a copy
@@ -250,10 +259,12 @@ def cut_moe_layer_kept(cfg: Config, ns: int, n: int) -> int:
     both all-to-alls' results (the rows it sent are freed once received). Balanced routing: a
     rank receives as many rows as it sends."""
     m = cfg.model
-    slots, rows = moe_rows(cfg, n)
+    (slots, kept), rows = moe_rows(cfg, n), expert_rows(cfg, n)
     return (
         ns * m.hidden_size * compute_bytes(cfg)
-        + rows * 8 * 2
+        + kept * 8
+        + rows * 8
+        + (kept * 8 if m.moe_pad_expert_input_to_capacity else 0)
         + slots * n * 4
         + 2 * rows * m.hidden_size * compute_bytes(cfg)
     )

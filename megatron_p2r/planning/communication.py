@@ -17,7 +17,7 @@ from typing import Dict, List, Sequence, Tuple
 from megatron_p2r.config import Config, num_microbatches
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import stage_set_groups
-from megatron_p2r.planning.activations import compute_bytes, cut_positions, moe_rows, recomputed_positions
+from megatron_p2r.planning.activations import compute_bytes, cut_positions, expert_rows, moe_rows, recomputed_positions
 
 
 def _ring(nbytes: float, n: int) -> float:
@@ -102,7 +102,7 @@ def communication(
         moe = m.is_moe_layer(key)
         tp_bytes += _tp_layer_bytes(cfg, moe, forwards, n, T, sp)
         if moe:
-            _, rows = moe_rows(cfg, n)
+            rows = expert_rows(cfg, n)
             if m.add_bias:
                 tp_bytes += _ring(m.num_experts // E * h * a, T)  # bias2's copy
             ep_bytes += (

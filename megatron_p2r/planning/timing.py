@@ -6,7 +6,7 @@ from typing import Sequence
 
 from megatron_p2r.config import Config
 from megatron_p2r.layout.plan import ParallelPlan
-from megatron_p2r.planning.activations import moe_rows, recomputed_positions
+from megatron_p2r.planning.activations import expert_rows, recomputed_positions
 from megatron_p2r.planning.communication import GroupTraffic
 from megatron_p2r.planning.hardware import GPUSpec
 
@@ -17,7 +17,7 @@ def stage_flops_per_microbatch(cfg: Config, plan: ParallelPlan, stage: int, offl
     recomputation), the same convention as ``metrics.model_flops_per_token``; the loss
     recomputes its logits in backward (``parallel/cross_entropy.py``): 4x the output layer.
     Key/value heads replicated over TP (TP > query groups) are computed on every replica. Experts
-    multiply the kept rows of balanced routing (``moe_rows``: exact with --moe-grouped-gemm,
+    multiply the rows of balanced routing (``expert_rows``: exact with --moe-grouped-gemm,
     dropless; the padded experts multiply padding rows too when routing is imbalanced)."""
     m, t = cfg.model, cfg.train
     n, h, T = t.micro_batch_size * m.seq_length, m.hidden_size, plan.layout.tp
@@ -34,7 +34,7 @@ def stage_flops_per_microbatch(cfg: Config, plan: ParallelPlan, stage: int, offl
     for position, key in enumerate(st.layer_keys):
         fwd = projections + core
         if m.is_moe_layer(key):
-            _, rows = moe_rows(cfg, n)
+            rows = expert_rows(cfg, n)
             router = 2 * n * m.num_experts * h / (T if plan.sequence_parallel else 1)
             fwd += router + 2 * rows * (glu + 1) * m.expert_ffn_size * h / T
         else:

@@ -7,6 +7,7 @@ import torch
 from megatron_p2r.config import num_microbatches
 from megatron_p2r.metrics import TrainingLogger
 from megatron_p2r.pipeline.schedules import get_forward_backward_func
+from megatron_p2r.training.diagnostics import validation_ppl
 from megatron_p2r.training.data import microbatch_iterator, take
 from megatron_p2r.training.state import TrainState
 from megatron_p2r.training.step import reduce_loss
@@ -30,13 +31,15 @@ def evaluate_and_log(state: TrainState, valid_ds, logger: TrainingLogger) -> flo
     """Evaluate and log the validation loss (a record of the loop's log)."""
     cfg = state.cfg
     loss = evaluate(state, valid_ds)
-    logger.log(
-        {
-            "iteration": state.iteration,
-            "eval_loss": loss,
-            "phase": cfg.p2r.p2r_phase,
-            "tokens": state.consumed_samples * cfg.model.seq_length,
-        },
-        f"validation loss at iteration {state.iteration}: {loss:.6f}",
-    )
+    record = {
+        "iteration": state.iteration,
+        "eval_loss": loss,
+        "phase": cfg.p2r.p2r_phase,
+        "tokens": state.consumed_samples * cfg.model.seq_length,
+    }
+    points = {"lm loss validation": loss}  # Megatron-LM's TensorBoard tags
+    if cfg.logging.log_validation_ppl_to_tensorboard:
+        record["eval_ppl"] = points["lm loss validation ppl"] = validation_ppl(loss)
+    logger.log(record, f"validation loss at iteration {state.iteration}: {loss:.6f}")
+    logger.scalars(points, state.iteration, state.consumed_samples)
     return loss

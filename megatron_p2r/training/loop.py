@@ -22,7 +22,9 @@ from megatron_p2r.training.launch import init_distributed, resolve_device, resol
 from megatron_p2r.training.profiling import StepProfiler, start_memory_history
 from megatron_p2r.training.saving import ExitSignal, save, save_and_check_exit, save_at_end
 from megatron_p2r.training.state import TrainingStopped, TrainState, build_train_state, describe_memory
+from megatron_p2r.training import diagnostics
 from megatron_p2r.training.step import train_step
+from megatron_p2r.training.timers import format_timers, timer_scalars
 from megatron_p2r.wandb_writer import WandbWriter
 
 
@@ -125,15 +127,21 @@ def train(state: TrainState, train_ds, valid_ds, logger: TrainingLogger, started
             lr = state.scheduler.lr
             reliability.before_step(state.iteration + 1, ps.rank)
             n_mb = num_microbatches(cfg, world, state.consumed_samples)
-            out = train_step(state, take(data, n_mb, "training"))
+            with state.timers("batch-generator"):
+                microbatches = take(data, n_mb, "training")
+            out = train_step(state, microbatches)
             reliability.after_step(state.iteration, ps.rank)
             profiler.after_step(state.iteration)
             losses.append(out["lm_loss"])
             window.steps += 1
             _stop_after_skipped_steps(state, out, logger)
+            out["params_norm"] = diagnostics.after_step(state, out, lr, logger)
             if state.iteration % cfg.logging.log_interval == 0:
                 record = _training_record(state, out, lr, losses[-window.steps :], window)
-                logger.log(record, format_line(record))
+                timed = state.timers.report(window.steps)  # a collective of every rank, as the MoE figures
+                if cfg.logging.log_timers_to_tensorboard:
+                    record.update(timer_scalars(timed, record["ms_per_iter"] / 1000))
+                logger.log(record, "\n".join([format_line(record), *([format_timers(timed)] if timed else [])]))
                 window.reset(state.consumed_samples)
             if cfg.logging.evaluates and state.iteration % cfg.logging.eval_interval == 0:
                 eval_losses.append(evaluate_and_log(state, valid_ds, logger))
@@ -193,6 +201,9 @@ def _training_record(state: TrainState, out: dict, lr: float, window_losses: Lis
     }
     if out["moe_aux_loss"] is not None:
         record["moe_aux_loss"] = out["moe_aux_loss"]
+    for key in ("num_zeros_in_grad", "params_norm"):  # this step's, as Megatron-LM logs them
+        if out.get(key) is not None:
+            record[key] = out[key]
     if cfg.model.num_experts:
         record.update(aux_loss.pop_routing_stats(ps.device) or {})
     return record

@@ -19,6 +19,7 @@ from megatron_p2r.optim.mixed_precision import MixedPrecisionOptimizer, build_mi
 from megatron_p2r.optim.scheduler import LRScheduler
 from megatron_p2r.parallel.ddp import DistributedDataParallel
 from megatron_p2r.parallel.state import ParallelState
+from megatron_p2r.training.timers import Timers
 
 
 class TrainingStopped(RuntimeError):
@@ -41,6 +42,7 @@ class TrainState:
     consumed_samples: int = 0
     skipped_in_a_row: int = 0
     offload: Optional[offload.OffloadManager] = None  # when --cpu-offload-layers is set
+    timers: Timers = dataclasses.field(default_factory=lambda: Timers(0, torch.device("cpu")))  # --timing-log-level
 
     @property
     def params(self) -> List[torch.nn.Parameter]:
@@ -101,6 +103,7 @@ def build_train_state(cfg: Config, ps: ParallelState, plan: Optional[ParallelPla
         scheduler=LRScheduler(optimizer, cfg, ps.layout.world_size),
         scaler=LossScaler(cfg.train),
         offload=manager,
+        timers=Timers(cfg.logging.timing_log_level, ps.device),
     )
 
 

@@ -14,6 +14,7 @@ from megatron_p2r.moe import aux_loss
 from megatron_p2r.parallel.grads import clip_coefficient, grad_norm_and_non_finite, unscale_and_clip
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.pipeline.schedules import get_forward_backward_func
+from megatron_p2r.training.diagnostics import num_zeros_in_grad
 from megatron_p2r.training.state import TrainState
 
 
@@ -41,25 +42,34 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
     optimizer.zero_grad()
     state.ddp.zero_grad_buffer(len(microbatches), keep=optimizer.grads_zeroed_by_host_step())
     forward_backward = get_forward_backward_func(state.plan.schedule)
-    scale = state.scaler.scale
-    loss = forward_backward(
-        state.model, microbatches, ps, loss_scale=scale, on_backward_scale=aux_loss.set_backward_scale
-    )
-    state.ddp.finish_grad_sync()
-    optimizer.prepare_grads()
-    reliability.on_gradients(state.iteration + 1, ps.rank, [ms.main for ms in optimizer.shards])
-    scaled_norm, found_inf = grad_norm_and_non_finite(optimizer.main_grads, optimizer.norm_mask, ps)
-    state.scaler.update(found_inf)
-    optimizer.check_finite(found_inf)
-    grad_norm = float("nan")
-    if not found_inf:
-        grad_norm = scaled_norm / scale
-        unscale_and_clip(optimizer.grads_to_unscale, scaled_norm, scale, cfg.train.clip_grad)
-        optimizer.step(clip_coefficient(scaled_norm, scale, cfg.train.clip_grad))
-        state.scheduler.step(samples)
-        state.skipped_in_a_row = 0
-    else:
-        state.skipped_in_a_row += 1
+    scale, timers = state.scaler.scale, state.timers
+    with timers("forward-backward"):
+        loss = forward_backward(
+            state.model, microbatches, ps, loss_scale=scale, on_backward_scale=aux_loss.set_backward_scale
+        )
+        with timers("all-grads-sync"):
+            state.ddp.finish_grad_sync()
+    with timers("optimizer"):
+        optimizer.prepare_grads()
+        reliability.on_gradients(state.iteration + 1, ps.rank, [ms.main for ms in optimizer.shards])
+        with timers("optimizer-clip-main-grad"):
+            scaled_norm, found_inf = grad_norm_and_non_finite(optimizer.main_grads, optimizer.norm_mask, ps)
+        state.scaler.update(found_inf)
+        optimizer.check_finite(found_inf)
+        grad_norm, zeros = float("nan"), None
+        if not found_inf:
+            grad_norm = scaled_norm / scale
+            if cfg.logging.log_num_zeros_in_grad:  # before the host step may zero its layers' gradients
+                with timers("optimizer-count-zeros"):
+                    zeros = num_zeros_in_grad(optimizer, ps)
+            with timers("optimizer-clip-main-grad"):
+                unscale_and_clip(optimizer.grads_to_unscale, scaled_norm, scale, cfg.train.clip_grad)
+            with timers("optimizer-inner-step"):
+                optimizer.step(clip_coefficient(scaled_norm, scale, cfg.train.clip_grad))
+            state.scheduler.step(samples)
+            state.skipped_in_a_row = 0
+        else:
+            state.skipped_in_a_row += 1
     state.iteration += 1
     state.consumed_samples += samples
     aux = aux_loss.pop_recorded()
@@ -69,4 +79,5 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
         "skipped": bool(found_inf),
         "global_batch_size": samples,
         "moe_aux_loss": float(torch.stack(aux).sum()) if aux else None,
+        "num_zeros_in_grad": zeros,  # with --log-num-zeros-in-grad, None on a skipped step as in Megatron-LM
     }

@@ -96,15 +96,17 @@ def test_each_flag_parses_as_megatrons_and_has_a_status(action):
 
 
 def test_a_refused_flag_at_megatrons_default_asks_for_nothing():
-    assert parse_launch(BASE + ["--moe-token-drop-policy", "probs"])[1] == []
-    with pytest.raises(ConfigError, match="--moe-token-drop-policy position: not built"):
-        parse_launch(BASE + ["--moe-token-drop-policy", "position"])
+    assert parse_launch(BASE + ["--weight-decay-incr-style", "constant"])[1] == []
+    with pytest.raises(ConfigError, match="--weight-decay-incr-style linear: "):
+        parse_launch(BASE + ["--weight-decay-incr-style", "linear"])
     with pytest.raises(ConfigError, match="--mtp-num-layers 1: DeepSeek-V3's multi-token prediction"):
         parse_launch(BASE + ["--mtp-num-layers", "1"])
 
 
 def test_megatrons_other_spellings_set_the_same_field():
     assert parse_launch(BASE + ["--persistent-save-interval", "7"])[0].checkpoint.save_interval == 7
+    capacity = ["--num-experts", "4", "--moe-expert-capacity-factor", "0.5"]  # a field named here first
+    assert parse_launch(BASE + capacity)[0].model.moe_capacity_factor == 0.5
     cfg = parse_launch(BASE + ["--disable-ckpt-fully-parallel-save"])[0]
     assert (
         cfg == parse_launch(BASE + ["--no-ckpt-fully-parallel-save"])[0] and not cfg.checkpoint.ckpt_fully_parallel_save

@@ -40,7 +40,7 @@ CASES = {
     "tp4_g4": (4, 4, dict(ROPE, disable_bias_linear=True, add_qkv_bias=True)),
     "tp2_g1": (2, 1, dict(qk_layernorm=True)),  # LayerNorm q/k norms: weight and bias
     "tp2_g2": (2, 2, dict(ROPE, rotary_percent=0.5)),
-    "tp2_g4": (2, 4, dict(ROPE, kv_channels=16)),
+    "tp2_g4": (2, 4, dict(ROPE, kv_channels=16, qk_l2_norm=True)),  # each rank's heads L2-normalised
     # gpt-oss: a window on layer 0, sinks split with the heads, quick-GeGLU clamped in the dense and expert MLPs
     "tp2_g2_gpt_oss": (
         2,

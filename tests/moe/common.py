@@ -174,28 +174,33 @@ def reference_expert(layer: MoELayer, e: int, v: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def reference_kept(routing, num_experts: int, capacity: Optional[int]):
-    """Which (token, slot) assignments survive: slots in order, tokens in order within a slot,
-    each expert accepting its first ``capacity``."""
-    taken = [0] * num_experts
+def reference_kept(routing, num_experts: int, capacity: Optional[int], policy: str = "probs"):
+    """Which (token, slot) assignments survive: each expert keeps ``capacity`` of those routed to
+    it, megatron-core's way -- ``probs``: the largest weights; ``position``: the earliest tokens."""
+    if capacity is None:
+        return {(t, slot) for t, choices in enumerate(routing) for slot in range(len(choices))}
+    by_expert = {}
+    for t, choices in enumerate(routing):
+        for slot, (e, w) in enumerate(choices):
+            by_expert.setdefault(e, []).append((t, slot, float(torch.as_tensor(w).detach())))
     kept = set()
-    for slot in range(len(routing[0])):
-        for t, choices in enumerate(routing):
-            e = choices[slot][0]
-            if capacity is None or taken[e] < capacity:
-                taken[e] += 1
-                kept.add((t, slot))
+    for assignments in by_expert.values():
+        if policy == "probs":
+            assignments = sorted(assignments, key=lambda a: -a[2])
+        kept.update((t, slot) for t, slot, _ in assignments[:capacity])
     return kept
 
 
-def reference_layer(layer: MoELayer, x: torch.Tensor, capacity_factor: Optional[float] = None):
+def reference_layer(layer: MoELayer, x: torch.Tensor, capacity_factor: Optional[float] = None, policy: str = "probs"):
     """(output [T, h] float64, kept set, routing) by the per-token definition; the output is
     differentiable w.r.t. the layer's parameters and ``x`` (an independent backward)."""
     x = x.reshape(-1, x.shape[-1])
     routing = reference_routing(layer, x)
     slots = len(routing[0])
-    capacity = None if capacity_factor is None else math.ceil(capacity_factor * x.shape[0] * slots / layer.num_experts)
-    kept = reference_kept(routing, layer.num_experts, capacity)
+    capacity = None  # megatron-core's get_capacity(T * topk, E, factor)
+    if capacity_factor is not None:
+        capacity = math.ceil((x.shape[0] * slots / layer.num_experts) * capacity_factor)
+    kept = reference_kept(routing, layer.num_experts, capacity, policy)
     rows = []
     for t, choices in enumerate(routing):
         row = torch.zeros(x.shape[1], dtype=torch.float64)

@@ -59,7 +59,15 @@ def check_model(
     assert any(".mlp.experts." in n for n in held) and any(".mlp.router." in n for n in held)
 
 
-LAYER_CASES = ("top2/dropless", "top1/capacity-no-drop", "top2/capacity-drops", "prototypes", "swiglu-bias")
+LAYER_CASES = (
+    "top2/dropless",
+    "top1/capacity-no-drop",
+    "top2/capacity-drops",
+    "top2/capacity-drops/position",
+    "top2/capacity-padded",
+    "prototypes",
+    "swiglu-bias",
+)
 GROUPED_LAYER_CASES = ("grouped/top2/dropless", "grouped/top2/capacity-drops", "grouped/swiglu-bias")
 
 

@@ -12,8 +12,9 @@ import math
 import pytest
 import torch
 
+from megatron_p2r.config import ConfigError
 from megatron_p2r.moe import aux_loss
-from megatron_p2r.moe.dispatcher import expert_capacity, plan
+from megatron_p2r.moe.dispatcher import plan
 from megatron_p2r.moe.router import load_balancing_loss, z_loss
 from megatron_p2r.parallel.state import ParallelState
 from tests.moe.common import (
@@ -97,19 +98,20 @@ def test_gradients_match_per_token_reference(name, factor):
     assert (got_x.double() - x.grad.double()).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("policy", ["probs", "position"])
 @pytest.mark.parametrize("routing", ["top1", "top2", "prototypes2x3"])
 @pytest.mark.parametrize("factor", [0.5, 1.0, 1.25])
-def test_capacity_drops_exactly_the_reference_tokens(routing, factor):
-    cfg = layer_cfg(moe_capacity_factor=factor, **ROUTERS[routing])
+def test_capacity_drops_exactly_the_reference_tokens(routing, factor, policy):
+    cfg = layer_cfg(moe_capacity_factor=factor, moe_token_drop_policy=policy, **ROUTERS[routing])
     layer = build_layer(cfg, SINGLE)
     random_biases(layer, SINGLE)
     x = layer_inputs(1, seed=4, shapes=((4, 8),))[0][0]
     x2 = x.reshape(-1, x.shape[-1])
     with torch.no_grad():
-        ref, kept, _ = reference_layer(layer, x, factor)
+        ref, kept, _ = reference_layer(layer, x, factor, policy)
     r = layer.router(x2)
-    capacity = expert_capacity(x2.shape[0], r.indices.shape[1], cfg.num_experts, factor)
-    p = plan(r.indices, cfg.num_experts, capacity)
+    capacity = cfg.expert_capacity(x2.shape[0])
+    p = plan(r.indices, cfg.num_experts, capacity, r.weights, policy)
     T = x2.shape[0]
     got = {(i % T, i // T) for i in p.order.tolist()}
     assert got == kept
@@ -285,3 +287,51 @@ def test_direct_expert_formula_uses_interleaved_swiglu():
     want = layer.experts.weight2[0].detach() @ (torch.nn.functional.silu(gate) * up) + layer.experts.bias2[0].detach()
     with torch.no_grad():
         assert torch.allclose(reference_expert(layer, 0, v).float(), want, atol=1e-5)
+
+
+def test_drop_policies_on_a_hand_worked_example():
+    """4 tokens, top-1 of 2 experts, --moe-expert-capacity-factor 0.5: capacity ceil(4 * 1 / 2 *
+    0.5) = 1. Expert 0 gets tokens 0, 1, 3 (weights .6, .9, .8), expert 1 token 2: ``probs`` keeps
+    token 1 (the largest weight), ``position`` token 0 (the earliest); expert 1 keeps token 2."""
+    cfg = layer_cfg(num_experts=2, moe_router_topk=1, moe_capacity_factor=0.5)
+    assert cfg.expert_capacity(4) == 1
+    indices = torch.tensor([[0], [0], [1], [0]])
+    weights = torch.tensor([[0.6], [0.9], [0.7], [0.8]])
+    probs = plan(indices, 2, 1, weights, "probs")
+    assert (probs.tokens.tolist(), probs.counts, probs.routed, probs.dropped) == ([1, 2], [1, 1], [3, 1], 2)
+    assert plan(indices, 2, 1, weights, "position").tokens.tolist() == [0, 2]
+    # top-2 over 3 tokens, capacity 2: expert 0 holds token 0's second choice (.3) and tokens
+    # 1, 2's first (.5, .4): probs keeps tokens 1 and 2, position tokens 0 and 1
+    indices = torch.tensor([[1, 0], [0, 1], [0, 2]])
+    weights = torch.tensor([[0.7, 0.3], [0.5, 0.5], [0.4, 0.35]])
+    keep = {policy: plan(indices, 3, 2, weights, policy) for policy in ("probs", "position")}
+    assert sorted(keep["probs"].tokens[:2].tolist()) == [1, 2] and keep["probs"].counts == [2, 2, 1]
+    assert sorted(keep["position"].tokens[:2].tolist()) == [0, 1]
+
+
+@pytest.mark.parametrize("factor", [0.5, 2.0])
+def test_padding_to_capacity_is_the_same_math(factor):
+    """--moe-pad-expert-input-to-capacity: every expert computes min(capacity, tokens) rows, the
+    padding zero rows; the output and every gradient equal the unpadded layer's."""
+    base = dict(moe_router_topk=2, moe_capacity_factor=factor, swiglu=True)
+    outs = []
+    for pad in (False, True):
+        cfg = layer_cfg(moe_pad_expert_input_to_capacity=pad, **base)
+        layer = build_layer(cfg, SINGLE)
+        random_biases(layer, SINGLE)
+        x, g = layer_inputs(1, seed=12)[0]
+        x.requires_grad_()
+        routed = layer.route(x)
+        T = x.shape[0] * x.shape[1]
+        if pad:
+            assert routed.counts == [min(cfg.expert_capacity(T), T)] * cfg.num_experts
+            assert routed.rows.shape[0] == sum(routed.counts) >= routed.order.numel()
+        (layer.finish(layer.expert_rows(routed), routed.weights, routed) * g).sum().backward()
+        outs.append([x.grad, *(p.grad for p in layer.parameters())])
+    for unpadded, padded in zip(*outs, strict=True):
+        torch.testing.assert_close(padded, unpadded, rtol=1e-6, atol=1e-7)
+
+
+def test_padding_needs_a_capacity():
+    with pytest.raises(ConfigError, match="--moe-pad-expert-input-to-capacity pads to a capacity"):
+        layer_cfg(moe_pad_expert_input_to_capacity=True).check()

@@ -81,7 +81,8 @@ def grouped_model_cases(ps: ParallelState, layout: Layout, cases) -> dict:
 
 def layer_case(ps: ParallelState, overrides: dict, modify=None, transform=None, seed: int = 0) -> dict:
     """The reference layer always has the padded experts: the grouped/ cases compare grouped_mm
-    under EP/TP with padded bmm on one process."""
+    under EP/TP with padded bmm on one process; and never pads to capacity: a padded case is
+    compared with the unpadded layer (the same math)."""
     inputs = layer_inputs(PER_RANK * ps.dp_size, seed)
     if transform is not None:
         inputs = [(transform(x), g) for x, g in inputs]
@@ -95,7 +96,8 @@ def layer_case(ps: ParallelState, overrides: dict, modify=None, transform=None, 
     raw = layer_grads(layer)  # this rank's own sums, before the DDP reduces them
     ddp.finish_grad_sync()
 
-    ref_layer = build_layer(dataclasses.replace(cfg, moe_grouped_gemm=False), ParallelState.single(), modify=modify)
+    unpadded = dataclasses.replace(cfg, moe_grouped_gemm=False, moe_pad_expert_input_to_capacity=False)
+    ref_layer = build_layer(unpadded, ParallelState.single(), modify=modify)
     ref_outs = run_layer(ref_layer, inputs)
     ref_grads = layer_grads(ref_layer)
     ref_mine = ref_outs[ps.dp_rank * PER_RANK : (ps.dp_rank + 1) * PER_RANK]
@@ -132,6 +134,16 @@ LAYER_CASES = {
     "top2/dropless": (dict(moe_router_topk=2), None, None),
     "top1/capacity-no-drop": (dict(moe_router_topk=1, moe_capacity_factor=8.0), None, None),
     "top2/capacity-drops": (dict(moe_router_topk=2, moe_capacity_factor=0.5), None, None),
+    "top2/capacity-drops/position": (
+        dict(moe_router_topk=2, moe_capacity_factor=0.5, moe_token_drop_policy="position"),
+        None,
+        None,
+    ),
+    "top2/capacity-padded": (  # zero rows to capacity cross the all-to-alls and come back
+        dict(moe_router_topk=2, moe_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True),
+        random_biases,
+        None,
+    ),
     "prototypes": (
         dict(num_experts=8, moe_num_prototypes=2, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01),
         None,

@@ -340,6 +340,9 @@ ACTIVATION_CASES = [
     dict(bf16=True, moe_capacity_factor=0.5, **MOE, **FULL1),
     dict(bf16=True, p2r_phase="pseudo", share_pattern="all", moe_capacity_factor=0.5, **MOE),
     dict(moe_grouped_gemm=True, swiglu=True, moe_capacity_factor=0.5, moe_router_topk=2, **MOE),
+    # padded to a capacity above the balanced share: every expert computes its capacity's rows
+    dict(moe_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True, **MOE),
+    dict(bf16=True, moe_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True, swiglu=True, **MOE, **FULL1),
     # grouped-query attention, its norms and head sizes
     dict(group_query_attention=True, num_query_groups=2, kv_channels=16, qk_layernorm=True),
     dict(
@@ -352,6 +355,9 @@ ACTIVATION_CASES = [
         rotary_percent=0.5,
     ),
     dict(group_query_attention=True, num_query_groups=2, qk_layernorm=True, normalization="RMSNorm"),
+    dict(group_query_attention=True, num_query_groups=2, qk_l2_norm=True, position_embedding_type="rope"),
+    dict(bf16=True, qk_l2_norm=True, position_embedding_type="rope"),
+    dict(qk_l2_norm=True),
     dict(bf16=True, group_query_attention=True, num_query_groups=2, position_embedding_type="rope"),
     # a vocabulary the loss walks in 4 chunks (tied: the embedding's gradient meets the output layer's)
     dict(vocab_size=16384, **FULL1),

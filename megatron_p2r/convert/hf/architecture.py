@@ -115,6 +115,7 @@ def _rotary_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
             if arch in QK_NORMED
             else f"--qk-layernorm ({name} has no query/key norms; Qwen3 has them)",
         ),
+        (m.qk_l2_norm, f"--qk-l2-norm ({name} has no query/key L2 norm)"),
         (
             m.use_rope_scaling and m.rotary_seq_len_interpolation_factor is not None,
             "--use-rope-scaling with --rotary-seq-len-interpolation-factor (transformers takes one rope type)",
@@ -239,6 +240,7 @@ def _architecture_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
                 f"--kv-channels {m.kv_channels} (GPT2's heads split the hidden size)",
             ),
             (m.qk_layernorm, "--qk-layernorm (GPT2 has no query/key norms)"),
+            (m.qk_l2_norm, "--qk-l2-norm (GPT2 has no query/key norms)"),
             (bool(m.num_experts), "--num-experts (GPT2 is dense)"),
         ]
     blockers = _rotary_blockers(m, arch) + _biases(m, arch)

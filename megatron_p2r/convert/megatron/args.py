@@ -34,7 +34,6 @@ _NEUTRAL = [
     ("mtp_num_layers", None, "multi-token prediction layers"),
     ("softmax_scale", None, "a custom attention softmax scale"),
     ("attention_output_gate", False, "gated attention output"),
-    ("qk_l2_norm", False, "L2-normalised queries and keys"),
     ("no_rope_freq", None, "layers without rotary embeddings"),
     ("experimental_attention_variant", None, "an experimental attention variant"),
     ("linear_attention_freq", None, "linear-attention layers"),
@@ -46,7 +45,6 @@ _NEUTRAL = [
     ("moe_router_topk_scaling_factor", None, "scaled top-k routing weights"),
     ("moe_router_num_groups", None, "group-limited routing"),
     ("moe_router_enable_expert_bias", False, "expert-bias (aux-loss-free) routing"),
-    ("moe_expert_capacity_factor", None, "Megatron's capacity dropping (ours drops by position)"),
     ("moe_latent_size", None, "latent MoE projections"),
     ("moe_apply_probs_on_input", False, "routing weights applied to expert inputs"),
     ("use_mup", False, "muP scaling"),
@@ -93,8 +91,9 @@ _REALS = (
     "activation_func_clamp_value",
     "moe_z_loss_coeff",
     "moe_input_jitter_eps",
+    "moe_expert_capacity_factor",
 )
-_STRINGS = ("position_embedding_type", "normalization", "softmax_type", "tokenizer_type")
+_STRINGS = ("position_embedding_type", "normalization", "softmax_type", "tokenizer_type", "moe_token_drop_policy")
 # an arg Megatron also accepts per layer (a list): one value, or a flat list of such values
 _PER_LAYER = {
     "moe_layer_freq": "int",
@@ -223,7 +222,8 @@ def _attention_values(a: SavedArgs, blockers: List[str]) -> dict:
         max_position_embeddings=max_pos,
         seq_length=min(a.get("seq_length") or max_pos, max_pos),
         attention_dropout=a.get("attention_dropout", default=0.1),
-        qk_layernorm=bool(a.get("qk_layernorm")),
+        qk_layernorm=bool(a.get("qk_layernorm")) and not a.get("qk_l2_norm"),  # megatron-core builds only the L2 norm
+        qk_l2_norm=bool(a.get("qk_l2_norm")),
         add_qkv_bias=bool(a.get("add_qkv_bias")) and not a.get("add_bias_linear", default=True),
     )
     if a.get("use_rope_scaling"):
@@ -336,6 +336,22 @@ def _moe_values(a: SavedArgs, blockers: List[str]) -> dict:
         moe_aux_loss_coeff=float(coeff or 0.0) if balancing == "aux_loss" else 0.0,
         moe_z_loss_coeff=float(a.get("moe_z_loss_coeff") or 0.0),
         moe_input_jitter_eps=a.get("moe_input_jitter_eps"),
+        **_capacity_values(a, blockers),
+    )
+
+
+def _capacity_values(a: SavedArgs, blockers: List[str]) -> dict:
+    """Megatron's capacity: a negative factor is dropless there (TransformerConfig sets it None)."""
+    factor = a.get("moe_expert_capacity_factor")
+    if factor is None or factor < 0:
+        return {}
+    policy = a.get("moe_token_drop_policy", default="probs")
+    if policy not in ("probs", "position"):
+        blockers.append(f"--moe-token-drop-policy {policy} (probs or position)")
+    return dict(
+        moe_capacity_factor=float(factor),
+        moe_token_drop_policy=policy,
+        moe_pad_expert_input_to_capacity=bool(a.get("moe_pad_expert_input_to_capacity")),
     )
 
 

@@ -49,11 +49,6 @@ def check_expressible(m: ModelConfig) -> None:
         )
     if m.num_experts and m.moe_num_prototypes != 1:
         blockers.append(f"--moe-num-prototypes {m.moe_num_prototypes} (expert prototyping)")
-    if m.num_experts and m.moe_capacity_factor is not None:
-        blockers.append(
-            f"--moe-capacity-factor {m.moe_capacity_factor} (ours drops tokens by position, Megatron's "
-            "capacity factor differently)"
-        )
     if blockers:
         raise MegatronConversionError("cannot express this model in Megatron-LM: " + "; ".join(blockers))
 
@@ -101,6 +96,7 @@ def _model_args(m: ModelConfig) -> dict:
         add_qkv_bias=m.add_qkv_bias,
         bias_gelu_fusion=m.bias_gelu_fusion and not m.quick_geglu,
         qk_layernorm=m.qk_layernorm,
+        qk_l2_norm=m.qk_l2_norm,
         untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
         apply_residual_connection_post_layernorm=False,
         hidden_dropout=m.hidden_dropout,
@@ -143,6 +139,9 @@ def _moe_args(m: ModelConfig) -> dict:
         moe_shared_expert_intermediate_size=None,
         moe_router_enable_expert_bias=False,
         moe_router_topk_scaling_factor=None,
+        moe_expert_capacity_factor=m.moe_capacity_factor,
+        moe_token_drop_policy=m.moe_token_drop_policy,
+        moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
     )
 
 
@@ -157,12 +156,18 @@ def flags_to_pass(args: argparse.Namespace) -> List[str]:
         flags += ["--norm-epsilon", repr(args.norm_epsilon)]
     if args.qk_layernorm:
         flags.append("--qk-layernorm")
+    if args.qk_l2_norm:
+        flags.append("--qk-l2-norm")
     if not args.bias_gelu_fusion and args.add_bias_linear and not args.swiglu:
         flags.append("--no-bias-gelu-fusion")
     if args.num_experts and args.moe_aux_loss_coeff:
         flags += ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", repr(args.moe_aux_loss_coeff)]
     if args.num_experts and args.moe_z_loss_coeff:
         flags += ["--moe-z-loss-coeff", repr(args.moe_z_loss_coeff)]
+    if args.num_experts and args.moe_expert_capacity_factor is not None:
+        flags += ["--moe-expert-capacity-factor", repr(args.moe_expert_capacity_factor)]
+        flags += ["--moe-token-drop-policy", args.moe_token_drop_policy]
+        flags += ["--moe-pad-expert-input-to-capacity"] if args.moe_pad_expert_input_to_capacity else []
     return flags + _gpt_oss_flags(args)
 
 

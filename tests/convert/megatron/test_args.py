@@ -37,6 +37,7 @@ def test_families_map_to_our_options():
         attention_dropout=0.0,
         init_method_std=0.02,
         qk_layernorm=False,
+        qk_l2_norm=False,
         add_qkv_bias=False,
         bias_gelu_fusion=True,
         softmax_type="vanilla",
@@ -332,3 +333,46 @@ def test_a_huge_padded_vocab_size_costs_no_memory():
     finally:
         tracemalloc.stop()
     assert (vocab, divisor) == (3_000_001, 1) and peak < 2**20, peak
+
+
+@pytest.mark.parametrize(
+    "capacity",
+    [
+        dict(moe_expert_capacity_factor=1.25),  # Megatron's default policy: probs
+        dict(moe_expert_capacity_factor=0.5, moe_token_drop_policy="position", moe_pad_expert_input_to_capacity=True),
+        dict(moe_expert_capacity_factor=-1.0),  # dropless there (TransformerConfig sets it None)
+    ],
+)
+def test_capacity_is_carried_both_ways(capacity):
+    """Megatron's capacity args import as the same field, policy and padding; an export writes
+    them back (read back equal, or it is refused) and names them to pass with --use-checkpoint-args."""
+    from megatron_p2r.convert.megatron.export_args import MegatronLayout, flags_to_pass
+    from megatron_p2r.convert.megatron.export_args import megatron_args as export_args
+    from tests.helpers import tiny_config
+
+    moe, _, _ = model_values(saved(MIXTRAL, ep=2, **capacity))
+    factor = capacity["moe_expert_capacity_factor"]
+    if factor < 0:
+        assert "moe_capacity_factor" not in moe
+        return
+    policy = capacity.get("moe_token_drop_policy", "probs")
+    pad = capacity.get("moe_pad_expert_input_to_capacity", False)
+    assert (moe["moe_capacity_factor"], moe["moe_token_drop_policy"], moe["moe_pad_expert_input_to_capacity"]) == (
+        factor,
+        policy,
+        pad,
+    )
+    ours = {k: v for k, v in moe.items() if k.startswith("moe_") or k == "num_experts"}
+    cfg = tiny_config(
+        position_embedding_type="rope", normalization="RMSNorm", swiglu=True, disable_bias_linear=True, **ours
+    )
+    args = export_args(cfg, MegatronLayout(1, 1, 2, "torch_dist"), iteration=1, consumed_samples=0, dtype="float32")
+    flags = flags_to_pass(args)
+    assert flags[flags.index("--moe-expert-capacity-factor") + 1] == repr(factor)
+    assert flags[flags.index("--moe-token-drop-policy") + 1] == policy
+    assert ("--moe-pad-expert-input-to-capacity" in flags) == pad
+
+
+def test_an_unknown_drop_policy_is_named():
+    with pytest.raises(MegatronConversionError, match="--moe-token-drop-policy random"):
+        model_values(saved(MIXTRAL, moe_expert_capacity_factor=1.0, moe_token_drop_policy="random"))
