@@ -38,7 +38,7 @@ def test_kernel_traffic_follows_the_spec():
     fp32 = dict(main="fp32", grad="fp32", weight=None)
     assert kernel_bytes_per_element("adam", moments={"exp_avg": "fp32", "exp_avg_sq": "fp32"}, **fp32) == 28
     assert kernel_bytes_per_element("lion", moments={"exp_avg": "fp32"}, **fp32) == 20
-    assert kernel_bytes_per_element("adafactor", moments={}, **fp32) == 24
+    assert kernel_bytes_per_element("adafactor", moments={}, **fp32) == 20  # 3 gradient reads, main read + written
 
 
 def test_every_entry_has_one_delink_rule():
