@@ -48,6 +48,7 @@ PROFILER_TRACE = "tests/cuda/test_profiling.py::test_pytorch_profiler_traces_cud
 NSYS_RANGE = "tests/cuda/test_profiling.py::test_nsys_range_brackets_steps_after_start_to_end"
 MEMORY_SNAPSHOT = "tests/cuda/test_profiling.py::test_memory_snapshot_holds_the_allocators_history"
 MLA = "tests/cuda/test_kernels.py::test_latent_attention_trains_like_cpu"
+LOGGING = "tests/cuda/test_numerics.py::test_logging_reads_the_allocator_and_times_whole_kernels"
 CP_BLOCK = "tests/cuda/test_context.py::test_ring_block_kernel_matches_sdpa_on_the_block"
 CP_SINKS = "tests/cuda/test_context.py::test_sink_aware_sdpa_matches_the_cpu"
 
@@ -111,6 +112,8 @@ CUDA_ONLY = [
     E("planning/activations.py", "math_attention", 'device != "cuda"', PLANNER + "[bf16_dropout]"),
     E("planning/activations.py", "sinks_unmodelled", 'device != "cuda"', PLANNER + "[bf16]"),
     E("planning/preflight.py", "rank_memory", 'device == "cuda"', PREFLIGHT),
+    E("training/diagnostics.py", "memory_scalars", 'device == "cuda"', LOGGING),
+    E("training/diagnostics.py", "memory_scalars", "torch.cuda.memory_stats", LOGGING),
     E("training/launch.py", "init_distributed", 'backend == "nccl"', NUMERICS),
     E("training/launch.py", "init_distributed", 'device != "cuda"', NUMERICS),
     E("training/launch.py", "init_distributed", 'device == "cuda"', NUMERICS),
@@ -124,6 +127,9 @@ CUDA_ONLY = [
     E("training/profiling.py", "dump_memory_snapshot", "torch.cuda.memory", MEMORY_SNAPSHOT),
     E("training/profiling.py", "start_memory_history", 'device != "cuda"', MEMORY_SNAPSHOT),
     E("training/profiling.py", "start_memory_history", "torch.cuda.memory", MEMORY_SNAPSHOT),
+    E("training/timers.py", "Timers._sync", 'device == "cuda"', LOGGING),
+    E("training/timers.py", "Timers._sync", "torch.cuda.synchronize", LOGGING),
+    E("training/timers.py", "Timers.report", ".cpu()", LOGGING),
 ]
 
 BEHAVIOURS = [

@@ -83,3 +83,33 @@ def test_busy_timer_synchronizes_and_changes_nothing(lane, record_property):
     timed = forward_backward_no_pipelining(model, batches, lane.parallel(cfg), forward_only=True, stats=stats)
     record_property("stats", stats)
     assert torch.equal(plain, timed) and stats["busy_s"] > 0, (plain, timed, stats)
+
+
+def test_logging_reads_the_allocator_and_times_whole_kernels(lane, record_property):
+    """--log-memory-to-tensorboard's Megatron tags from the CUDA allocator (the CPU reports resident
+    memory instead), and --timing-log-level's timers synchronize the device around a timed block
+    (a kernel launched inside is counted until it ends)."""
+    from megatron_p2r.training.diagnostics import memory_scalars
+    from megatron_p2r.training.timers import Timers
+
+    x = torch.randn(512, 512, device=lane.device)
+    scalars = memory_scalars(lane.device)
+    record_property("memory_scalars", scalars)
+    if lane.cuda:
+        assert set(scalars) == {
+            "mem-reserved-bytes",
+            "mem-allocated-bytes",
+            "mem-max-allocated-bytes",
+            "mem-allocated-count",
+        }
+        assert scalars["mem-allocated-bytes"] >= x.numel() * 4
+        assert scalars["mem-allocated-bytes"] == torch.cuda.memory_stats(lane.device)["allocated_bytes.all.current"]
+    else:
+        assert scalars["mem-max-rss-bytes"] > 0
+    timers = Timers(2, lane.device)
+    with timers("forward-backward"):
+        for _ in range(20):
+            x = x @ x / 512
+    report = timers.report(1)
+    record_property("timed_seconds", report["forward-backward"])
+    assert report["forward-backward"][0] > 0
