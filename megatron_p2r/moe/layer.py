@@ -25,7 +25,7 @@ exactly as without sequence parallelism. The output is reduce-scattered back to 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ from torch import nn
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.moe import aux_loss
 from megatron_p2r.moe.dispatcher import Dispatcher, Exchange, expert_capacity, gather_rows, plan, weighted_unpermute
+from megatron_p2r.moe.expert_bias import count_on_backward
 from megatron_p2r.moe.experts import Experts
 from megatron_p2r.moe.router import Router
 from megatron_p2r.parallel.layers import to_compute_dtype
@@ -43,12 +44,21 @@ from megatron_p2r.parallel.mappings import (
     gather_from_sequence_region,
     reduce_from_region,
     reduce_scatter_to_sequence_region,
+    started_all_to_all,
 )
 from megatron_p2r.parallel.state import ParallelState
 
 
 class MoELayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ps: ParallelState, device=None, *, sequence_parallel: bool = False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ps: ParallelState,
+        device=None,
+        *,
+        sequence_parallel: bool = False,
+        shared_experts: Optional[nn.Module] = None,
+    ):
         super().__init__()
         self.num_experts = cfg.num_experts
         self.capacity_factor = cfg.moe_capacity_factor
@@ -56,6 +66,8 @@ class MoELayer(nn.Module):
         self.sequence_group = self.tp_group if sequence_parallel else None
         self.router = Router(cfg, device, sequence_group=self.sequence_group)
         self.experts = Experts(cfg, ps, device)
+        self.shared_experts = shared_experts
+        self.shared_expert_overlap = cfg.moe_shared_expert_overlap
         self.dispatcher = Dispatcher(cfg.num_experts, ps.ep_size, ps.group("ep"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,13 +77,26 @@ class MoELayer(nn.Module):
     def expert_rows(self, routed: "Routed") -> torch.Tensor:
         """The routed rows through their experts and back, in ``routed.rows``' order: the
         dispatch all-to-all, the experts node (``compute``), the combine all-to-all, each
-        blocking and differentiable (the serial path; ``moe.nodes`` cuts here); no moves at EP=1."""
+        blocking and differentiable (the serial path; ``moe.nodes`` cuts here); no moves at EP=1.
+        The shared experts run first, or with ``--moe-shared-expert-overlap`` while the dispatch
+        is in flight (its backward stays blocking); their output waits in ``routed.shared``."""
         d = self.dispatcher
         if d.group is None:
+            self.run_shared_experts(routed)
             return self.experts(routed.rows, routed.counts)
         handle = self.exchange(routed)
-        received = all_to_all(routed.rows, *handle.dispatch_splits, d.group)
+        if self.shared_experts is not None and self.shared_expert_overlap:
+            received, wait = started_all_to_all(routed.rows, *handle.dispatch_splits, d.group)
+            self.run_shared_experts(routed)
+            wait()
+        else:
+            self.run_shared_experts(routed)
+            received = all_to_all(routed.rows, *handle.dispatch_splits, d.group)
         return all_to_all(self.compute(received, handle), *handle.combine_splits, d.group)
+
+    def run_shared_experts(self, routed: "Routed") -> None:
+        if self.shared_experts is not None:
+            routed.shared = self.shared_experts(routed.shared_input)
 
     def exchange(self, routed: "Routed") -> Exchange:
         """Agree with the other EP ranks on who sends how many rows (a small all-to-all of counts)."""
@@ -86,7 +111,8 @@ class MoELayer(nn.Module):
     def route(self, x: torch.Tensor) -> "Routed":
         """Routing and the rows to dispatch, sorted by global expert (the router's aux loss rides
         on them into backward)."""
-        routing = self.router(x.reshape(-1, x.shape[-1]))
+        routing = self.router(x.reshape(-1, x.shape[-1]), batch=x.shape[0])
+        shared_input = x if self.shared_experts is not None else None  # this rank's shard under SP
         x, indices, weights = to_compute_dtype(x), routing.indices, routing.weights  # send and compute in it
         if self.sequence_group is not None:  # the TP ranks' shards: the whole sequence, as without SP
             b, group = x.shape[0], self.sequence_group
@@ -105,15 +131,26 @@ class MoELayer(nn.Module):
         rows = gather_rows(tp_region(x), p.order, repeats=slots)
         if routing.aux_loss is not None:
             rows = aux_loss.attach(rows, routing.aux_loss)
-        return Routed(rows=rows, counts=p.counts, order=p.order, weights=tp_region(weights.t()), shape=shape)
+        if self.training:
+            rows = count_on_backward(rows, p.counts, self.router)
+        return Routed(
+            rows=rows,
+            counts=p.counts,
+            order=p.order,
+            weights=tp_region(weights.t()),
+            shape=shape,
+            shared_input=shared_input,
+        )
 
     def finish(self, rows: torch.Tensor, weights: torch.Tensor, routed: "Routed") -> torch.Tensor:
         """The combined expert outputs ``rows`` weighted back into their tokens (dropped
         assignments add nothing), summed over TP."""
         out = weighted_unpermute(rows, weights, routed.order).view(routed.shape)
         if self.sequence_group is not None:
-            return reduce_scatter_to_sequence_region(out, self.sequence_group)
-        return reduce_from_region(out, self.tp_group)
+            out = reduce_scatter_to_sequence_region(out, self.sequence_group)
+        else:
+            out = reduce_from_region(out, self.tp_group)
+        return out if routed.shared is None else out + routed.shared
 
 
 @dataclass
@@ -123,3 +160,5 @@ class Routed:
     order: torch.Tensor  # their indices into the slot-major assignment list
     weights: torch.Tensor  # [slots, T] combine weights (in the TP region)
     shape: torch.Size  # of the layer's (gathered) input
+    shared_input: Optional[torch.Tensor] = None  # the layer's input, for the shared experts
+    shared: Optional[torch.Tensor] = None  # the shared experts' output, once they ran
