@@ -8,6 +8,11 @@ Data flow for this rank's T = b*s tokens (hidden states are replicated over TP h
     experts    -> partial rows (ffn sharded over TP)
     combine    -> rows back home; y[t] = sum_slots weight * row; dropped slots add nothing
     reduce     -> sum over TP (one all-reduce of [T, h])
+    shared     -> + the shared experts (model/mlp.py SharedExperts: a dense MLP on every token, with
+                  its own TP reductions; run before the dispatch, or while it is in flight)
+
+With ``--moe-router-enable-expert-bias`` the routed rows carry the assignments per expert into
+backward, where the router's ``tokens_per_expert`` counts them (``moe/expert_bias.py``).
 
 With TP the expert path must not double-count: ``x`` enters it through ``copy_to_region`` (its
 gradient is the sum of the TP ranks' partial gradients) and so do the combine weights (their

@@ -12,7 +12,8 @@ decides when each node runs and keeps each micro-batch's books. A node's inputs 
 leaves detached from the previous node's outputs (``model.nodes.leaf``); its backward is
 ``torch.autograd.backward(outputs, grads)``, which leaves the gradients of its inputs on those
 leaves for the node before it. An all-to-all is started asynchronously (``start_all_to_all``)
-and waited on just before its result is needed; after starting one, a pass hands the turn to the
+and waited on just before its result is needed (a layer's shared experts are a node of their own,
+run once its dispatch is started; their backward once the combine's reverse is); after starting one, a pass hands the turn to the
 other (each pass is a generator that yields there).
 
 The math is that of the serial schedule: the nodes compute what the one graph computes (an

@@ -213,3 +213,36 @@ def test_shared_experts_add_their_gated_mlp_beside_the_routed_experts():
     mlp = (torch.nn.functional.silu(gate_up[..., 0::2]) * gate_up[..., 1::2]) @ shared.fc2.weight.t()
     want = routed_only + torch.sigmoid(x @ shared.gate_weight.t()) * mlp
     assert torch.allclose(out, want, atol=1e-5)
+
+
+def _three_steps(**overrides):
+    from megatron_p2r.moe.expert_bias import biased_routers
+    from megatron_p2r.parallel.state import ParallelState
+    from tests.helpers import run_steps, tiny_config
+
+    values = dict(DEEPSEEK, moe_router_topk=4, moe_router_bias_update_rate=1e-2, init_method_std=0.2)
+    cfg = tiny_config(**values, **overrides)
+    losses, state = run_steps(cfg, ParallelState.single(), 3)
+    return losses, {k: r.expert_bias.clone() for k, r in biased_routers(state.model).items()}
+
+
+@pytest.mark.parametrize(
+    "overrides", [dict(cpu_offload_layers="0"), dict(recompute_activations=True)], ids=["offload", "recompute"]
+)
+def test_offload_and_recomputation_train_the_same(overrides):
+    """Layer 0 offloaded (its router's bias stays with the model), or recomputed in full: the
+    same losses and expert biases after 3 steps, bitwise."""
+    losses, biases = _three_steps()
+    other_losses, other_biases = _three_steps(**overrides)
+    assert other_losses == losses
+    assert all(torch.equal(other_biases[k], b) for k, b in biases.items()) and any(
+        b.abs().sum() for b in biases.values()
+    )
+
+
+def test_compile_is_refused_by_name():
+    from megatron_p2r.config.validation import validate
+    from tests.helpers import tiny_config
+
+    with pytest.raises(ConfigError, match="--compile with --moe-router-enable-expert-bias"):
+        validate(tiny_config(**DEEPSEEK, compile=True), 1)
