@@ -29,6 +29,8 @@ def bias_name(module_key: int) -> str:
 def collect_expert_biases(model: torch.nn.Module, ps) -> Optional[Dict[str, List[float]]]:
     """Every router's bias of the whole model, on rank 0 (None elsewhere, and on rank 0 when the
     model has none). Collective when there are several ranks: each stage holds its own layers'."""
+    if not model.cfg.model.moe_router_enable_expert_bias:  # the same on every rank: no collective
+        return None
     mine = {bias_name(k): r.expert_bias.detach().cpu().tolist() for k, r in biased_routers(model).items()}
     if ps.layout.world_size == 1:
         return mine or None

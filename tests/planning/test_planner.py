@@ -406,6 +406,8 @@ MOE_LAYER_CASES = [
     dict(bf16=True, swiglu=True, moe_router_topk=2),
     dict(bf16=True, quick_geglu=True, moe_z_loss_coeff=0.01),
     dict(swiglu=True, moe_num_prototypes=2, disable_bias_linear=True),
+    # Megatron-LM's default top-k weights: renormalised over the chosen k (the chosen and their sum kept)
+    dict(moe_router_topk=2, moe_router_pre_softmax=False),
     # DeepSeek-style: sigmoid, group-limited, the expert bias, gated shared experts (fp32 and bf16)
     dict(swiglu=True, disable_bias_linear=True, moe_router_topk=2, **DEEPSEEK),
     dict(bf16=True, swiglu=True, disable_bias_linear=True, moe_router_topk=2, **DEEPSEEK),
@@ -425,8 +427,11 @@ def test_moe_layer_saves_what_the_planner_counts(overrides, monkeypatch):
 
     def counted_route(layer, x):
         # storages by identity, each kept alive while counted: between route and finish a freed
-        # buffer's address is reused (the dispatch's rows), which a key by address would merge
-        seen, skip = {}, {t.untyped_storage()._cdata for t in (x, *layer.parameters())}
+        # buffer's address is reused (the dispatch's rows), which a key by address would merge;
+        # the skipped ones too (in 16-bit nothing keeps the input x: a later tensor could take
+        # its storage's address and be skipped as x)
+        kept = [t.untyped_storage() for t in (x, *layer.parameters())]
+        seen, skip = {"kept": (0, kept)}, {storage._cdata for storage in kept}
 
         def pack(t):
             storage = t.untyped_storage()
