@@ -40,6 +40,7 @@ from megatron_p2r import reliability
 from megatron_p2r.checkpoint.atomic import fsync_dir, write_text_atomic
 from megatron_p2r.checkpoint.compatibility import check_compatible, check_tables
 from megatron_p2r.checkpoint.errors import CheckpointError
+from megatron_p2r.checkpoint.expert_bias import collect_expert_biases, restore_expert_biases
 from megatron_p2r.checkpoint.integrity import check_recorded_size
 from megatron_p2r.checkpoint.metadata import (
     SELF_CHECKSUM,
@@ -121,14 +122,17 @@ class SavedProgress:
     consumed_samples: int
     scheduler: dict
     scaler: dict
+    expert_bias: Optional[dict] = None  # the routers' biases, on rank 0 (a collective gathers them)
 
     @classmethod
     def of(cls, state) -> "SavedProgress":
+        """Collective: every rank calls it when a save starts."""
         return cls(
             state.iteration,
             state.consumed_samples,
             copy.deepcopy(state.scheduler.state_dict()),
             copy.deepcopy(state.scaler.state_dict()),
+            collect_expert_biases(state.model, state.ps),
         )
 
 
@@ -257,6 +261,7 @@ def _publish_checkpoint(
             parts=parts,
             rng=rng,
             history=[],
+            expert_bias=progress.expert_bias,
             checksums=_collect_checksums(tmp, list(files) + [rng_file(r) for r in range(ps.layout.world_size)]),
         ),
     )
@@ -355,6 +360,7 @@ def load_checkpoint(load_dir: str, state, finetune: bool = False) -> Optional[st
         "row_var" if broadcast_statistics(meta) else "col_var",
     )
     _load_pieces(iter_dir, meta, table, state, ("model",) + kinds, loader)
+    restore_expert_biases(state.model, meta, os.path.join(iter_dir, METADATA_FILE))
     loader.finish(moments=load_optim)
     if not finetune:
         _load_progress(iter_dir, meta, state)

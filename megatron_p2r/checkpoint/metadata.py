@@ -17,6 +17,8 @@ import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_p2r.checkpoint.errors import CheckpointError
+from megatron_p2r.checkpoint.expert_bias import FIELD as EXPERT_BIAS
+from megatron_p2r.checkpoint.expert_bias import valid_field as valid_expert_biases
 from megatron_p2r.checkpoint.naming import FORMAT_VERSION, METADATA_FILE
 from megatron_p2r.checkpoint.safetensors_io import TORCH_DTYPE
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo
@@ -58,12 +60,15 @@ def build_metadata(
     checksums: Dict[str, Dict[str, int]],
     parts: Optional[Dict[str, List[str]]] = None,
     optimizer_kinds: Sequence[str] = OPTIMIZER_KINDS["adam"],
+    expert_bias: Optional[Dict[str, List[float]]] = None,
 ) -> dict:
     """The metadata.json contents (shared by training saves and the converters); ``checksums``:
     file -> tensor entry -> CRC-32 of its bytes (``ShardWriter.checksums``); ``parts``: the part
-    files of each shard written in parts (``parts.py``), whose names ``files`` lists instead."""
+    files of each shard written in parts (``parts.py``), whose names ``files`` lists instead;
+    ``expert_bias``: the routers' biases (``expert_bias.py``)."""
     return {
         **({"parts": parts} if parts else {}),
+        **({EXPERT_BIAS: expert_bias} if expert_bias else {}),
         "format_version": FORMAT_VERSION,
         "iteration": iteration,
         "consumed_samples": consumed_samples,
@@ -240,6 +245,7 @@ _SCHEMA = {
         "an object of file names to objects of tensor names to CRC-32 values (0 <= c < 2^32)",
     ),
     SELF_CHECKSUM: (_int(0, 2**32 - 1), "a CRC-32 (0 <= c < 2^32)"),
+    EXPERT_BIAS: (valid_expert_biases, "an object of expert-bias names to lists of numbers"),
     "history": (
         lambda v: (
             isinstance(v, list)

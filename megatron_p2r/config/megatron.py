@@ -186,22 +186,6 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
         keeps=lambda value, cfg: value == "alltoall",
         otherwise=(NO_EFFECT, "a communication pattern: tokens go by all-to-all here, with the same result"),
     ),
-    "--moe-router-load-balancing-type": MegatronFlag(
-        MEANING,
-        "the Switch/GShard loss, weighted by --moe-aux-loss-coeff",
-        _value(
-            str, ["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none"], nargs="+"
-        ),
-        keeps=lambda value, cfg: list(value) == ["aux_loss"],
-        otherwise=(REFUSED, "only aux_loss is implemented"),
-    ),
-    "--moe-router-score-function": MegatronFlag(
-        MEANING,
-        "softmax router",
-        _value(str, ["softmax", "sigmoid", "sqrtsoftplus"]),
-        keeps=lambda value, cfg: value == "softmax",
-        otherwise=(REFUSED, "only the softmax router is implemented"),
-    ),
     "--accumulate-allreduce-grads-in-fp32": MegatronFlag(
         MEANING, "gradients are always accumulated and reduced in fp32", _switch()
     ),
@@ -315,6 +299,14 @@ UNBUILT_VALUES: Dict[str, Dict[str, str]] = {
         "mrope": "multimodal rotary sections are not built",
         "relative": "T5's relative position buckets are not built",
         "none": "a model without position embeddings is not built",
+    },
+    "--moe-router-score-function": {
+        "sqrtsoftplus": "the sqrt(softplus) score function is not built (softmax and sigmoid are)",
+    },
+    "--moe-router-load-balancing-type": {
+        "global_aux_loss": "the global-batch auxiliary loss is not built (aux_loss and seq_aux_loss are)",
+        "sinkhorn": "Sinkhorn routing is not built",
+        "quantile_balancing": "quantile balancing is not built (--moe-router-enable-expert-bias balances without a loss)",
     },
     "--lr-decay-style": {
         "inverse-square-root": "the inverse-square-root decay is not built",

@@ -441,8 +441,6 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
         (
             "--mtp-standalone",
             "--mtp-loss-scaling-factor",
-            "--moe-shared-expert-overlap",
-            "--moe-router-bias-update-rate",
             "--moe-upcycling-granularity",
             "--qk-clip-alpha",
             "--qk-clip-threshold",
@@ -515,19 +513,6 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
     ),
     # Not built: the math or the run would differ.
     (REFUSED, "DeepSeek-V3's multi-token prediction is not built (another issue)", ("--mtp-num-layers",)),
-    (
-        REFUSED,
-        "DeepSeek-V3's routing (shared experts, expert bias, group-limited and scaled top-k) is not built "
-        "(another issue)",
-        (
-            "--moe-shared-expert-intermediate-size",
-            "--moe-shared-expert-gate",
-            "--moe-router-num-groups",
-            "--moe-router-group-topk",
-            "--moe-router-topk-scaling-factor",
-            "--moe-router-enable-expert-bias",
-        ),
-    ),
     (
         REFUSED,
         "not built: a change of the MoE math",

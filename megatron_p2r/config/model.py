@@ -156,6 +156,47 @@ class ModelConfig:
     )
     moe_ffn_hidden_size: Optional[int] = opt(None, "Expert FFN hidden size (default ffn-hidden-size).")
     moe_num_prototypes: int = opt(1, "Expert prototyping (M6-T): K groups, top-1 in each, outputs summed.")
+    moe_router_score_function: str = opt(
+        "softmax",
+        "Router scores: softmax over the experts, or sigmoid per expert (DeepSeek-V3; the k chosen "
+        "scores are normalised to sum 1).",
+        choices=["softmax", "sigmoid"],
+    )
+    moe_router_topk_scaling_factor: Optional[float] = opt(
+        None, "Multiply the top-k combine weights by this (DeepSeek-V3: 2.5); unset: no scaling."
+    )
+    moe_router_num_groups: Optional[int] = opt(
+        None, "Group-limited routing: the experts form this many groups of consecutive experts."
+    )
+    moe_router_group_topk: Optional[int] = opt(
+        None,
+        "Group-limited routing: each token chooses its experts within this many groups, those with "
+        "the largest sums of their top-(topk/group-topk) scores; unset: no group limit.",
+    )
+    moe_router_enable_expert_bias: bool = opt(
+        False,
+        "Auxiliary-loss-free balancing: a per-expert bias added to the sigmoid scores to choose the "
+        "experts (never to their weights), moved after each step by --moe-router-bias-update-rate "
+        "towards balance by the sign of each expert's load error.",
+    )
+    moe_router_bias_update_rate: float = opt(1e-3, "Step of the expert bias update (DeepSeek-V3: 1e-3).")
+    moe_router_load_balancing_type: str = opt(
+        "aux_loss",
+        "Load-balancing loss weighted by --moe-aux-loss-coeff: aux_loss (Switch, over the "
+        "micro-batch), seq_aux_loss (DeepSeek: per sequence, averaged) or none.",
+        choices=["aux_loss", "seq_aux_loss", "none"],
+    )
+    moe_shared_expert_intermediate_size: Optional[int] = opt(
+        None,
+        "Shared experts: an always-on MLP of this FFN size (all shared experts together) beside "
+        "the routed experts, TP-split like the dense MLP; unset: none.",
+    )
+    moe_shared_expert_gate: bool = opt(False, "Scale the shared experts' output by sigmoid(w . x), w learned [1, h].")
+    moe_shared_expert_overlap: bool = opt(
+        False,
+        "Compute the shared experts while the routed rows' dispatch all-to-all is in flight (EP > 1; "
+        "otherwise there is nothing to overlap with).",
+    )
     moe_aux_loss_coeff: float = opt(0.0, "Load-balancing loss coefficient (Switch formulation).")
     moe_z_loss_coeff: float = opt(0.0, "Router z-loss coefficient.")
     moe_capacity_factor: Optional[float] = opt(
@@ -205,6 +246,11 @@ class ModelConfig:
     @property
     def expert_ffn_size(self) -> int:
         return self.moe_ffn_hidden_size or self.ffn_size
+
+    @property
+    def shared_expert_ffn_size(self) -> int:
+        """FFN size of the shared experts (0: none)."""
+        return self.moe_shared_expert_intermediate_size or 0
 
     @property
     def max_positions(self) -> int:
@@ -389,7 +435,11 @@ class ModelConfig:
                 "expert prototyping (--moe-num-prototypes > 1) takes top-1 in each group: "
                 f"--moe-router-topk must be 1, got {self.moe_router_topk}"
             )
-        if self.moe_router_topk == 1 and not self.moe_router_pre_softmax:
+        if (
+            self.moe_router_topk == 1
+            and not self.moe_router_pre_softmax
+            and self.moe_router_score_function == "softmax"
+        ):
             raise ConfigError(
                 "top-1 routing needs --moe-router-pre-softmax (a softmax over one selected logit is 1: "
                 "the router would get no gradient), as in Megatron-LM"
@@ -399,12 +449,62 @@ class ModelConfig:
             raise ConfigError(
                 f"--moe-router-topk ({self.moe_router_topk}) must be between 1 and --num-experts ({per_group})"
             )
+        self._check_deepseek_routing()
+
+    def _check_deepseek_routing(self) -> None:
+        """Sigmoid scores, group-limited top-k, the expert bias, the per-sequence loss and the shared
+        experts: Megatron-LM's rules, and what is not built with expert prototyping."""
+        given = [
+            flag
+            for flag, on in (
+                ("--moe-router-score-function sigmoid", self.moe_router_score_function == "sigmoid"),
+                ("--moe-router-group-topk", self.moe_router_group_topk is not None),
+                (
+                    "--moe-router-load-balancing-type seq_aux_loss",
+                    self.moe_router_load_balancing_type == "seq_aux_loss",
+                ),
+                ("--moe-router-topk-scaling-factor", self.moe_router_topk_scaling_factor is not None),
+            )
+            if on
+        ]
+        if given and self.moe_num_prototypes > 1:
+            raise ConfigError(f"{given[0]} is top-k routing: it does not combine with --moe-num-prototypes")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ConfigError(
+                "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as in Megatron-LM)"
+            )
+        if self.moe_router_group_topk is not None:
+            self._check_groups()
+        if self.moe_shared_expert_intermediate_size is not None and self.add_bias:
+            raise ConfigError(
+                "--moe-shared-expert-intermediate-size: shared experts have no biases (as in Megatron-LM): "
+                "add --disable-bias-linear"
+            )
+
+    def _check_groups(self) -> None:
+        groups, chosen, k = self.moe_router_num_groups, self.moe_router_group_topk, self.moe_router_topk
+        if groups is None:
+            raise ConfigError("--moe-router-group-topk needs --moe-router-num-groups (as in Megatron-LM)")
+        if self.num_experts % groups:
+            raise ConfigError(
+                f"--num-experts ({self.num_experts}) must be divisible by --moe-router-num-groups ({groups})"
+            )
+        if chosen > groups:
+            raise ConfigError(f"--moe-router-group-topk ({chosen}) must be at most --moe-router-num-groups ({groups})")
+        if k < chosen or k > chosen * (self.num_experts // groups):
+            raise ConfigError(
+                f"--moe-router-topk ({k}) must be between --moe-router-group-topk ({chosen}) (each chosen group "
+                f"is scored by its top-(topk/group-topk) experts) and the experts of the chosen groups "
+                f"({chosen * (self.num_experts // groups)})"
+            )
 
     def check_split(self, tp: int, ep: int) -> None:
         """Every matrix TP splits, and the experts EP spreads, divide evenly."""
         sizes = [("--num-attention-heads", self.num_attention_heads), ("--ffn-hidden-size", self.ffn_size)]
         if self.num_experts:
             sizes.append(("--moe-ffn-hidden-size", self.expert_ffn_size))
+            if self.shared_expert_ffn_size:
+                sizes.append(("--moe-shared-expert-intermediate-size", self.shared_expert_ffn_size))
         for name, size in sizes:
             if size % tp:
                 raise ConfigError(f"{name} ({size}) must be divisible by --tensor-model-parallel-size ({tp})")
@@ -464,6 +564,11 @@ RANGES = {
     "moe_ffn_hidden_size": at_least(1, 2**20),
     "moe_num_prototypes": at_least(1, 2**16),
     "moe_aux_loss_coeff": Range(0.0),
+    "moe_router_topk_scaling_factor": positive(),
+    "moe_router_num_groups": at_least(1, 2**16),
+    "moe_router_group_topk": at_least(1, 2**16),
+    "moe_router_bias_update_rate": Range(0.0),
+    "moe_shared_expert_intermediate_size": at_least(1, 2**20),
     "moe_z_loss_coeff": Range(0.0),
     "moe_capacity_factor": positive(),
     "moe_input_jitter_eps": fraction(),

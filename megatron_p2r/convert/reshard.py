@@ -32,6 +32,8 @@ import torch
 from megatron_p2r.checkpoint.atomic import write_text_atomic
 from megatron_p2r.checkpoint.compatibility import check_piece
 from megatron_p2r.checkpoint.errors import CheckpointError
+from megatron_p2r.checkpoint.expert_bias import FIELD as EXPERT_BIAS
+from megatron_p2r.checkpoint.expert_bias import bias_name
 from megatron_p2r.checkpoint.integrity import check_files, verify
 from megatron_p2r.checkpoint.metadata import (
     MAX_COUNT,
@@ -321,6 +323,7 @@ def convert(
             rng=rng,
             history=list(meta.get("history", [])) + [step],
             checksums=checksums,
+            expert_bias=_expert_biases(meta, dst_cfg, layer_map),
         )
         write_metadata(out_iter, new_meta)
         verify(
@@ -328,6 +331,16 @@ def convert(
         )
         write_text_atomic(os.path.join(tmp, LATEST_FILE), str(iteration))
     return os.path.join(dst, iteration_dir_name(iteration))
+
+
+def _expert_biases(meta: dict, dst_cfg, layer_map: _LayerMap) -> Optional[dict]:
+    """The target's routers' biases: each module's from the source module whose weights it copies
+    (the same module when resharding; the slot a layer used when delinking or growing)."""
+    saved = meta.get(EXPERT_BIAS)
+    if not saved or not dst_cfg.model.moe_router_enable_expert_bias:
+        return None
+    keys = sorted({k for k in ParallelPlan.model_parallel(dst_cfg).layer_keys if dst_cfg.model.is_moe_layer(k)})
+    return {bias_name(k): saved[dl.source_key(bias_name(k), layer_map.layer_sources)] for k in keys}
 
 
 def _scheduler(meta: dict, options: Optional[DelinkOptions]) -> Optional[dict]:

@@ -43,6 +43,7 @@ SEQUENCE_PARALLEL_PARTIAL = (
     "attention.kv_layernorm.bias",
     "mlp.fc2.bias",
     "mlp.router.weight",
+    "mlp.shared_experts.gate_weight",
     "embedding.position_embeddings.weight",
 )
 
@@ -209,7 +210,7 @@ def attention_tensors(m: ModelConfig, prefix: str, tp: int) -> List[TensorSpec]:
 
 def layer_tensors(m: ModelConfig, key: int, tp: int, ep: int) -> List[TensorSpec]:
     """The parameters of transformer module ``layers.{key}`` (model/block.py, attention.py,
-    mlp.py, moe/router.py, moe/experts.py)."""
+    mlp.py, moe/router.py, moe/experts.py; a MoE layer's shared experts: model/mlp.py)."""
     h, bias, p = m.hidden_size, m.add_bias, f"layers.{key}"
     specs = _norm(f"{p}.input_norm", m) if m.input_norms else []
     specs += attention_tensors(m, f"{p}.attention", tp)
@@ -224,6 +225,11 @@ def layer_tensors(m: ModelConfig, key: int, tp: int, ep: int) -> List[TensorSpec
         if bias:
             specs.append(TensorSpec(f"{x}.bias1", (e, glu * f), tp_dim=1, expert=True))
             specs.append(TensorSpec(f"{x}.bias2", (e, h), expert=True))
+        if m.shared_expert_ffn_size:  # model/mlp.py's SharedExperts: a dense MLP without biases
+            s, f = f"{p}.mlp.shared_experts", m.shared_expert_ffn_size
+            if m.moe_shared_expert_gate:  # the module's own parameter: before its linears'
+                specs.append(TensorSpec(f"{s}.gate_weight", (1, h)))
+            specs += _column(f"{s}.fc1", glu * f, h, tp, False) + _row(f"{s}.fc2", h, f, tp, False)
     else:
         specs += _column(f"{p}.mlp.fc1", glu * m.ffn_size, h, tp, bias) + _row(f"{p}.mlp.fc2", h, m.ffn_size, tp, bias)
     if m.output_norms:

@@ -20,7 +20,7 @@ from torch import nn
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.model.attention import Attention
 from megatron_p2r.model.latent_attention import LatentAttention
-from megatron_p2r.model.mlp import MLP
+from megatron_p2r.model.mlp import MLP, SharedExperts
 from megatron_p2r.model.norm import make_norm
 from megatron_p2r.moe.layer import MoELayer, Routed
 from megatron_p2r.moe.nodes import LayerNodes
@@ -64,7 +64,10 @@ class TransformerLayer(nn.Module):
             )
         self.post_attention_norm = make_norm(cfg, device) if cfg.input_norms else None
         if moe:
-            self.mlp = MoELayer(cfg, ps, device, sequence_parallel=sequence_parallel)
+            shared = None
+            if cfg.shared_expert_ffn_size:
+                shared = SharedExperts(cfg, ps, device, sequence_parallel=sequence_parallel)
+            self.mlp = MoELayer(cfg, ps, device, sequence_parallel=sequence_parallel, shared_experts=shared)
         else:
             self.mlp = MLP(cfg, ps, device=device, sequence_parallel=sequence_parallel)
         self.attention_output_norm = make_norm(cfg, device) if cfg.output_norms else None
@@ -87,6 +90,7 @@ class TransformerLayer(nn.Module):
             post=self.post,
             exchange=self.mlp.exchange,
             group=self.mlp.dispatcher.group,
+            shared=self.mlp.shared_experts,
         )
 
     def pre(self, x: torch.Tensor, rope=None) -> Tuple[torch.Tensor, Routed]:

@@ -2,6 +2,7 @@
 runs (megatron-core keeps the same split beside its model, ``fine_grained_callables.py``):
 
     pre (attention, router, permute) | dispatch a2a | experts | combine a2a | post (unpermute, residual)
+                                       shared experts (while the dispatch is in flight)
 
 The layer's ordinary forward (``model.block.TransformerLayer.forward``) is these nodes in this
 order with blocking, differentiable all-to-alls between them (``MoELayer.expert_rows``): one
@@ -34,6 +35,7 @@ class LayerNodes:
     post: Callable[..., torch.Tensor]  # (combined rows, residual, combine weights, routing) -> the layer's output
     exchange: Callable[[Routed], Exchange]  # the splits of both all-to-alls (a small all-to-all of counts)
     group: Optional[dist.ProcessGroup]  # the all-to-alls' (the EP group)
+    shared: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # the shared experts, on the layer's input
     recomputed: bool = False
 
     def recompute(self, device: torch.device) -> "LayerNodes":
@@ -50,5 +52,6 @@ class LayerNodes:
             pre=recomputed(self.pre),
             experts=recomputed(self.experts),
             post=recomputed(self.post),
+            shared=None if self.shared is None else recomputed(self.shared),
             recomputed=True,
         )

@@ -178,6 +178,31 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all_single(g, in_splits, out_splits, ctx.group), None, None, None
 
 
+class _StartedAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, waits):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out, wait = start_all_to_all(x, out_splits, in_splits, group)
+        waits.append(wait)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all_single(g, in_splits, out_splits, ctx.group), None, None, None, None
+
+
+def started_all_to_all(
+    x: torch.Tensor, out_splits: List[int], in_splits: List[int], group: dist.ProcessGroup
+) -> Tuple[torch.Tensor, Callable[[], None]]:
+    """``all_to_all`` started, not finished: the output (filled only once ``wait()`` returns;
+    read nothing of it before) and ``wait``, so that work that does not read it runs while the
+    rows are in flight. Its backward is the blocking reverse all-to-all."""
+    waits: List[Callable[[], None]] = []
+    out = _StartedAllToAll.apply(x, list(out_splits), list(in_splits), group, waits)
+    return out, waits[0]
+
+
 def all_to_all(
     x: torch.Tensor, out_splits: List[int], in_splits: List[int], group: Optional[dist.ProcessGroup]
 ) -> torch.Tensor:

@@ -12,7 +12,8 @@ decides when each node runs and keeps each micro-batch's books. A node's inputs 
 leaves detached from the previous node's outputs (``model.nodes.leaf``); its backward is
 ``torch.autograd.backward(outputs, grads)``, which leaves the gradients of its inputs on those
 leaves for the node before it. An all-to-all is started asynchronously (``start_all_to_all``)
-and waited on just before its result is needed; after starting one, a pass hands the turn to the
+and waited on just before its result is needed (a layer's shared experts are a node of their own,
+run once its dispatch is started; their backward once the combine's reverse is); after starting one, a pass hands the turn to the
 other (each pass is a generator that yields there).
 
 The math is that of the serial schedule: the nodes compute what the one graph computes (an
@@ -162,6 +163,9 @@ class MicroBatch:
         residual, routed = nodes.pre(x, rope)
         handle = nodes.exchange(routed)
         dispatched = _Exchanged(routed.rows, *handle.dispatch_splits, nodes.group)
+        shared = _shared_node(nodes, routed)  # computed while the dispatch is in flight
+        if shared is not None:
+            routed = dataclasses.replace(routed, shared=shared.output_leaf)
         yield
         received = dispatched.result()
         _release(routed.rows)
@@ -178,7 +182,7 @@ class MicroBatch:
         self.tape.append(
             functools.partial(
                 self._moe_backward,
-                _MoENodes(x, residual, routed, dispatched, expert_out, combined, residual_in, weights, out),
+                _MoENodes(x, residual, routed, dispatched, expert_out, combined, residual_in, weights, out, shared),
             )
         )
         return out
@@ -193,13 +197,17 @@ class MicroBatch:
     def _moe_backward(n: "_MoENodes", grad: torch.Tensor) -> Pass:
         node_backward([n.out], [grad])  # post
         n.combined.start_reverse()
+        shared_grad = []
+        if n.shared is not None:  # while the combine's gradient is in flight
+            node_backward([n.shared.output], [n.shared.output_leaf.grad])
+            shared_grad = [n.shared.input.grad]
         yield
         node_backward([n.expert_out], [n.combined.grad_of_sent()])  # experts
         n.dispatched.start_reverse()
         yield
         node_backward(
-            [n.residual, n.routed.weights, n.routed.rows],  # pre
-            [n.residual_in.grad, n.weights.grad, n.dispatched.grad_of_sent()],
+            [n.residual, n.routed.weights, n.routed.rows] + ([n.routed.shared_input] if shared_grad else []),  # pre
+            [n.residual_in.grad, n.weights.grad, n.dispatched.grad_of_sent()] + shared_grad,
         )
         return n.x.grad
 
@@ -217,6 +225,25 @@ class _MoENodes:
     residual_in: torch.Tensor  # post's inputs (leaves)
     weights: torch.Tensor
     out: torch.Tensor  # the layer's output
+    shared: Optional["_SharedNode"]  # the shared experts' node, if any
+
+
+@dataclasses.dataclass
+class _SharedNode:
+    """The shared experts as a node of their own: the layer's input (a leaf) to their output,
+    handed to post as a leaf."""
+
+    input: torch.Tensor
+    output: torch.Tensor
+    output_leaf: torch.Tensor
+
+
+def _shared_node(nodes, routed: Routed) -> Optional[_SharedNode]:
+    if nodes.shared is None:
+        return None
+    x = leaf(routed.shared_input)
+    out = nodes.shared(x)
+    return _SharedNode(x, out, leaf(out))
 
 
 def take_turns(first: Pass, second: Pass) -> None:

@@ -218,6 +218,21 @@ def _grouped_swiglu(m) -> bool:
     return m.swiglu and m.activation_func_clamp_value is None and not m.glu_linear_offset and not m.add_bias
 
 
+def _shared_experts_held(m, ns: int, n: int, tp: int, a: int) -> int:
+    """What a MoE layer's shared experts (model/mlp.py ``SharedExperts``) save: a dense MLP's fc1
+    output and activation tensors on the ``n`` tokens of the TP region; their input is the
+    router's (in 16-bit the router keeps an fp32 copy, so the 16-bit input is held too); the gate
+    keeps the MLP's output and its sigmoid, on the ``ns`` tokens of this rank."""
+    f = m.shared_expert_ffn_size // tp
+    if not f:
+        return 0
+    glu = 2 if m.gated_linear_unit else 1
+    held = n * glu * f * a + n * activation_saved(m) * f * a + (ns * m.hidden_size * a if a != 4 else 0)
+    if m.moe_shared_expert_gate:
+        held += ns * m.hidden_size * a + ns * a
+    return held
+
+
 def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[int, int, int]:
     """(held, work, backward) of the MoE MLP: the router on the ``ns`` tokens of
     this rank (a sequence shard under sequence parallelism), experts on the ``n`` tokens of the
@@ -228,6 +243,11 @@ def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[
     act_saved = activation_saved(m)
     f, e_local = m.expert_ffn_size // tp, m.num_experts // ep
     held = ns * m.hidden_size * 4 + ns * m.num_experts * 4 + ns * slots * 8  # fp32 router input, probs, top-k ids
+    sigmoid = m.moe_router_score_function == "sigmoid"
+    if (sigmoid and m.moe_router_topk > 1) or (
+        not sigmoid and m.moe_num_prototypes == 1 and not m.moe_router_pre_softmax
+    ):
+        held += ns * slots * 4 + ns * 4  # the weights normalised over the chosen k: the chosen and their sum
     if a != 4:  # the router's weight cast to fp32
         held += m.num_experts * m.hidden_size * 4
     if m.moe_z_loss_coeff:  # logsumexp's input (the logits) and output
@@ -242,7 +262,7 @@ def _moe_layer(cfg: Config, ns: int, n: int, tp: int, ep: int, a: int) -> Tuple[
     # the combine (dispatcher.weighted_unpermute) keeps every slot's row of the n tokens (a dropped
     # slot's is zeros) in the rows' dtype and the fp32 [slots, n] weights, not the expert output
     combine = slots * n * m.hidden_size * a + slots * n * 4
-    held += combine
+    held += combine + _shared_experts_held(m, ns, n, tp, a)
     work = rows * f * a * glu
     # at the expert matmuls' backward the combine side is freed; both stacked weight
     # gradients are alive (autograd accumulates them after the expert block)

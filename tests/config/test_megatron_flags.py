@@ -131,8 +131,10 @@ def test_value_dependent_statuses():
     with pytest.raises(ConfigError, match="--no-position-embedding: without --position-embedding-type rope"):
         parse_launch(BASE + ["--no-position-embedding"])
     assert parse_launch(BASE + ["--no-position-embedding", "--position-embedding-type", "rope"])[1] == []
-    with pytest.raises(ConfigError, match="--moe-router-load-balancing-type aux_loss sinkhorn: only aux_loss"):
-        parse_launch(BASE + ["--moe-router-load-balancing-type", "aux_loss", "sinkhorn"])
+    with pytest.raises(ConfigError, match="--moe-router-load-balancing-type sinkhorn: Sinkhorn routing is not built"):
+        parse_launch(BASE + ["--moe-router-load-balancing-type", "sinkhorn"])
+    with pytest.raises(ConfigError, match="--moe-router-score-function sqrtsoftplus: the sqrt"):
+        parse_launch(BASE + ["--moe-router-score-function", "sqrtsoftplus"])
     # the gpt-oss script's: plain rope and fp32 routing are ours; ModelOpt's YaRN switch only acts on a load
     assert parse_launch(BASE + ["--rope-type", "rope", "--moe-router-dtype", "fp32"])[1] == []
     assert parse_launch(BASE + ["--enable-gpt-oss"])[1][0].startswith("--enable-gpt-oss (a ModelOpt flag")

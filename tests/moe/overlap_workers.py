@@ -96,6 +96,25 @@ def world2(rank: int, world: int) -> dict:
         "dense-and-moe/recompute-selective": compare(
             moe_model(**common, moe_layer_freq=2, recompute_activations=True), ps
         ),
+        # DeepSeek-style: the shared experts a node of their own, run while the dispatch is in flight
+        "deepseek/shared-experts": compare(
+            moe_model(
+                **common,
+                num_experts=8,
+                moe_router_topk=4,
+                moe_router_score_function="sigmoid",
+                moe_router_num_groups=4,
+                moe_router_group_topk=2,
+                moe_router_enable_expert_bias=True,
+                moe_router_load_balancing_type="seq_aux_loss",
+                moe_shared_expert_intermediate_size=32,
+                moe_shared_expert_gate=True,
+                moe_shared_expert_overlap=True,
+                disable_bias_linear=True,
+                swiglu=True,
+            ),
+            ps,
+        ),
     }
 
 

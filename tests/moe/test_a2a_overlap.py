@@ -3,7 +3,8 @@ bitwise under EP=2 (2 gloo ranks, 3 micro-batches per rank, 2 optimizer steps): 
 first step's reduced gradients and the weights after the steps; dropless and capacity with
 drops, --overlap-grad-reduce with several buckets, tied embeddings and the pseudo phase's shared
 layers (weights read by several nodes), fp16 weights with the loss scale, dense layers between
-MoE ones, selective recomputation; full recomputation (whole layers in the serial schedule, node
+MoE ones, selective recomputation, DeepSeek-style routing with gated shared experts (a node of
+their own, run while the dispatch is in flight); full recomputation (whole layers in the serial schedule, node
 by node in the overlapped one) with dropout and router jitter, whose draws each recomputed node
 replays; and TP=2 x EP=2 with sequence parallelism (4 ranks), also with full recomputation. And
 the all-to-alls do overlap: two are in flight at once. What a micro-batch holds, recomputed
@@ -46,6 +47,7 @@ def world2():
         "pseudo-shared/tied/overlap-grad-reduce",
         "fp16/loss-scale",
         "dense-and-moe/recompute-selective",
+        "deepseek/shared-experts",
     ],
 )
 def test_overlapped_schedule_is_bitwise_the_serial_one(world2, case):

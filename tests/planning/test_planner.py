@@ -42,6 +42,15 @@ SMALL = dict(
     moe_router_pre_softmax=True,
 )
 MOE = dict(num_experts=4, moe_ffn_hidden_size=96)
+# DeepSeek-style routing (sigmoid, group-limited, the expert bias) with gated shared experts
+DEEPSEEK = dict(
+    moe_router_score_function="sigmoid",
+    moe_router_num_groups=2,
+    moe_router_group_topk=1,
+    moe_router_enable_expert_bias=True,
+    moe_shared_expert_intermediate_size=64,
+    moe_shared_expert_gate=True,
+)
 
 
 def small(**overrides):
@@ -343,6 +352,9 @@ ACTIVATION_CASES = [
     # padded to a capacity above the balanced share: every expert computes its capacity's rows
     dict(moe_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True, **MOE),
     dict(bf16=True, moe_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True, swiglu=True, **MOE, **FULL1),
+    dict(
+        bf16=True, swiglu=True, disable_bias_linear=True, moe_capacity_factor=0.5, moe_router_topk=2, **MOE, **DEEPSEEK
+    ),
     # grouped-query attention, its norms and head sizes
     dict(group_query_attention=True, num_query_groups=2, kv_channels=16, qk_layernorm=True),
     dict(
@@ -431,6 +443,11 @@ MOE_LAYER_CASES = [
     dict(bf16=True, swiglu=True, moe_router_topk=2),
     dict(bf16=True, quick_geglu=True, moe_z_loss_coeff=0.01),
     dict(swiglu=True, moe_num_prototypes=2, disable_bias_linear=True),
+    # Megatron-LM's default top-k weights: renormalised over the chosen k (the chosen and their sum kept)
+    dict(moe_router_topk=2, moe_router_pre_softmax=False),
+    # DeepSeek-style: sigmoid, group-limited, the expert bias, gated shared experts (fp32 and bf16)
+    dict(swiglu=True, disable_bias_linear=True, moe_router_topk=2, **DEEPSEEK),
+    dict(bf16=True, swiglu=True, disable_bias_linear=True, moe_router_topk=2, **DEEPSEEK),
 ]
 
 
@@ -477,6 +494,8 @@ def test_moe_layer_saves_what_the_planner_counts(overrides, monkeypatch):
     held, _, _ = activations._moe_layer(cfg, n, n, 1, 1, a)
     if a == 4:  # the router's input is the layer's input itself (in 16-bit: its fp32 copy)
         held -= n * cfg.model.hidden_size * 4
+    elif cfg.model.shared_expert_ffn_size:  # the shared experts keep the 16-bit input itself
+        held -= n * cfg.model.hidden_size * a
     assert len(saved) == cfg.model.num_layers
     assert all(0 <= got - held <= 64 for got in saved), (held, saved)
 

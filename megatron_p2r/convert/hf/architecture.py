@@ -223,6 +223,17 @@ def _norm_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
     ]
 
 
+def deepseek_routing_blockers(m: ModelConfig) -> List[Tuple[bool, str]]:
+    """DeepSeek-style MoE options (docs/moe.md) that the exporters do not write yet."""
+    return [
+        (m.moe_router_score_function != "softmax", f"--moe-router-score-function {m.moe_router_score_function}"),
+        (m.moe_router_topk_scaling_factor is not None, "--moe-router-topk-scaling-factor"),
+        (m.moe_router_group_topk is not None, "--moe-router-group-topk (group-limited routing)"),
+        (m.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias"),
+        (m.moe_shared_expert_intermediate_size is not None, "--moe-shared-expert-intermediate-size (shared experts)"),
+    ]
+
+
 def _architecture_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
     if arch == DEEPSEEK_V3:
         return []
@@ -243,7 +254,7 @@ def _architecture_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
             (m.qk_l2_norm, "--qk-l2-norm (GPT2 has no query/key norms)"),
             (bool(m.num_experts), "--num-experts (GPT2 is dense)"),
         ]
-    blockers = _rotary_blockers(m, arch) + _biases(m, arch)
+    blockers = _rotary_blockers(m, arch) + _biases(m, arch) + deepseek_routing_blockers(m)
     name = arch.replace("ForCausalLM", "")
     if arch in MOE:
         return blockers + _moe_blockers(m, name)

@@ -17,6 +17,7 @@ import dataclasses
 from typing import List, Tuple
 
 from megatron_p2r.config import Config, ModelConfig
+from megatron_p2r.convert.hf.architecture import deepseek_routing_blockers
 from megatron_p2r.convert.megatron.args import MegatronConversionError, SavedArgs, model_values
 
 CHECKPOINT_VERSION = 3.0
@@ -49,6 +50,7 @@ def check_expressible(m: ModelConfig) -> None:
         )
     if m.num_experts and m.moe_num_prototypes != 1:
         blockers.append(f"--moe-num-prototypes {m.moe_num_prototypes} (expert prototyping)")
+    blockers += [f"{what} (not exported yet)" for blocked, what in deepseek_routing_blockers(m) if blocked]
     if blockers:
         raise MegatronConversionError("cannot express this model in Megatron-LM: " + "; ".join(blockers))
 

@@ -31,6 +31,16 @@ from tests.convert.hf.common import ROPE
         ),
         (dict(ROPE, num_experts=4), "MixtralForCausalLM", "biases in linear layers"),
         (
+            dict(ROPE, num_experts=4, disable_bias_linear=True, moe_shared_expert_intermediate_size=8),
+            "MixtralForCausalLM",
+            "--moe-shared-expert-intermediate-size (shared experts)",
+        ),
+        (
+            dict(ROPE, num_experts=4, disable_bias_linear=True, moe_router_score_function="sigmoid"),
+            "MixtralForCausalLM",
+            "--moe-router-score-function sigmoid",
+        ),
+        (
             dict(ROPE, num_experts=4, disable_bias_linear=True, moe_capacity_factor=1.0),
             "MixtralForCausalLM",
             "--moe-capacity-factor 1.0",

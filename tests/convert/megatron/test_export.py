@@ -205,6 +205,11 @@ def test_bad_layout_is_refused(sources, tmp_path, capsys, argv, message):
     "options, argv, message",
     [
         (dict(num_experts=4, moe_layer_freq=2), [], "--moe-layer-freq 2"),
+        (
+            dict(num_experts=4, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
+            [],
+            "--moe-router-enable-expert-bias (not exported yet)",
+        ),
         (dict(num_layers=3), ["--target-pipeline-parallel-size", "2"], "does not divide the 3 layers"),
     ],
 )
