@@ -93,7 +93,13 @@ STEPS = [
         ("test_resume.py", "test_checkpoint.py"),
         what="bitwise resume with the CUDA RNG, --async-save's D2H copy, the memory preflight",
     ),
-    Plan("moe", 45, 10, ("test_moe.py",), what="NCCL all-to-all dispatch, --moe-grouped-gemm"),
+    Plan(
+        "moe",
+        45,
+        10,
+        ("test_moe.py",),
+        what="NCCL all-to-all dispatch, --moe-grouped-gemm, the expert bias and shared experts",
+    ),
     Plan(
         "kernels",
         90,

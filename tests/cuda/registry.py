@@ -48,12 +48,14 @@ PROFILER_TRACE = "tests/cuda/test_profiling.py::test_pytorch_profiler_traces_cud
 NSYS_RANGE = "tests/cuda/test_profiling.py::test_nsys_range_brackets_steps_after_start_to_end"
 MEMORY_SNAPSHOT = "tests/cuda/test_profiling.py::test_memory_snapshot_holds_the_allocators_history"
 MLA = "tests/cuda/test_kernels.py::test_latent_attention_trains_like_cpu"
+EXPERT_BIAS = "tests/cuda/test_moe.py::test_expert_bias_updates_on_cuda_as_on_cpu"
 LOGGING = "tests/cuda/test_numerics.py::test_logging_reads_the_allocator_and_times_whole_kernels"
 CP_BLOCK = "tests/cuda/test_context.py::test_ring_block_kernel_matches_sdpa_on_the_block"
 CP_SINKS = "tests/cuda/test_context.py::test_sink_aware_sdpa_matches_the_cpu"
 
 CUDA_ONLY = [
     E("checkpoint/async_save.py", "host_copy", '.to("cpu")', ASYNC_SAVE),
+    E("checkpoint/expert_bias.py", "collect_expert_biases", ".cpu()", EXPERT_BIAS),
     E("checkpoint/io.py", "_load_rng", 'device == "cuda"', RESUME),
     E("checkpoint/io.py", "_load_rng", "torch.cuda.set_rng_state", RESUME),
     E("checkpoint/io.py", "_rng_tensors", 'device == "cuda"', RESUME),

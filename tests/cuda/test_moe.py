@@ -83,3 +83,38 @@ def test_grouped_gemm_experts_match_padded_bmm_and_cpu(lane, record_property, ex
     assert ran, "grouped_mm refused the experts here (the log says why); CUDA SM80+ with bf16 must run it"
     assert max(relative(losses, bmm_losses)) < 2e-3, (losses, bmm_losses)
     assert_16bit_close(record_property, {**values, "moe_grouped_gemm": True}, 2, losses, grads, bf16=True)
+
+
+DEEPSEEK = dict(
+    moe_router_score_function="sigmoid",
+    moe_router_num_groups=2,
+    moe_router_group_topk=1,
+    moe_router_enable_expert_bias=True,
+    moe_shared_expert_intermediate_size=64,
+    moe_shared_expert_gate=True,
+    disable_bias_linear=True,
+    swiglu=True,
+)
+
+
+def test_expert_bias_updates_on_cuda_as_on_cpu(lane, record_property):
+    """DeepSeek-style routing (sigmoid, group-limited top-k, shared experts) with the
+    auxiliary-loss-free expert bias in fp32 on CUDA: 3 steps' losses against the CPU run, and
+    the biases the checkpoint collects (a device-to-host copy) equal to the CPU run's."""
+    from megatron_p2r.checkpoint.expert_bias import collect_expert_biases
+
+    values = {**SHAPE, **MOE, **DEEPSEEK}
+    cfg = lane.config(values)
+    losses, _, state = train(cfg, lane.parallel(cfg), 3)
+    biases = collect_expert_biases(state.model, state.ps)
+    ref_losses, _, ref_state = cpu_run(values, 3, bf16=False)
+    ref_biases = collect_expert_biases(ref_state.model, ref_state.ps)
+    record_property("loss_rel_err", [round(e, 8) for e in relative(losses, ref_losses)])
+    record_property("biases", biases)
+    assert biases is not None and set(biases) == set(ref_biases)
+    assert max(relative(losses, ref_losses)) < 1e-4, (losses, ref_losses)
+    # a bias moves by sign steps of the update rate: equal unless a load tie broke differently
+    assert all(max(abs(a - b) for a, b in zip(biases[k], ref_biases[k], strict=True)) < 1e-6 for k in biases), (
+        biases,
+        ref_biases,
+    )
