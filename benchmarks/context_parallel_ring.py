@@ -6,13 +6,18 @@ total tokens, and how much of the ring's communication the block computation hid
 
 Two gloo processes, one thread each. Each round (medians over rounds, after one warm-up round),
 interleaved in the same processes:
-  CP1          rank 0 alone: the one-process core (SDPA, causal) over the whole sequence
+  CP1          rank 0 alone: the one-process core (SDPA: is_causal, or the window's mask) over the
+               whole sequence
   CP2 <type>   both ranks: ``context_parallel_attention`` for p2p, allgather and a2a
-  p2p compute  both ranks: the ring's blocks with its sends and receives replaced by nothing
+  p2p blocked  both ranks: the time p2p spends blocked in its waits (a run of its own)
+  p2p compute  both ranks: the ring's blocks with its sends and receives replaced by nothing;
+               "alone": one rank at a time, the other idle (the work, without the two ranks
+               competing for the cores)
   p2p comm     both ranks: the ring's sends alone (N-1 KV hops forward, N-1 KV and N fp32 dK/dV
                hops backward), no computation
 The ring's exposed communication is ``p2p - p2p compute``; the share hidden is
-``1 - exposed / comm``. On one host a send is a copy through loopback TCP.
+``1 - exposed / comm``. "Blocked" is the exposed communication plus the waits for the slower
+rank at each step. On one host a send is a copy through loopback TCP.
 """
 
 from __future__ import annotations
@@ -28,12 +33,28 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from megatron_p2r.context import ring  # noqa: E402
 from megatron_p2r.context.attention import context_parallel_attention  # noqa: E402
 from megatron_p2r.context.blocks import token_positions  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
+
+
+@contextlib.contextmanager
+def _waits_timed(waited: list):
+    """The ring as it is, with the time spent blocked in its waits added to ``waited[0]``."""
+    wait = ring._Ring.wait
+
+    def timed(works):
+        begin = time.perf_counter()
+        wait(works)
+        waited[0] += time.perf_counter() - begin
+
+    ring._Ring.wait = staticmethod(timed)
+    try:
+        yield
+    finally:
+        ring._Ring.wait = staticmethod(wait)
 
 
 @contextlib.contextmanager
@@ -82,22 +103,31 @@ def _rank(rank, size, args):
             *t, group=group, comm_type=comm_type, window=args.window, enable_gqa=gqa
         )
 
-    def one_process(*t):
-        return F.scaled_dot_product_attention(*t, is_causal=True, enable_gqa=gqa)
+    def one_process(*t):  # no group: the one-process core (SDPA; is_causal without a window)
+        return context_parallel_attention(*t, group=None, comm_type="p2p", window=args.window, enable_gqa=gqa)
 
     times = {}
     for rnd in range(args.rounds + 1):
         row = {}
         dist.barrier()
-        if rank == 0 and args.window is None:
+        if rank == 0:
             row["CP1 (one process)"] = _fwd_bwd(one_process, q, k, v)
         dist.barrier()
         for comm_type in ("p2p", "allgather", "a2a"):
             dist.barrier()
             row[f"CP2 {comm_type}"] = _fwd_bwd(cp(comm_type), *local)
         dist.barrier()
+        waited = [0.0]
+        with _waits_timed(waited):
+            _fwd_bwd(cp("p2p"), *local)
+        row["CP2 p2p blocked"] = waited[0]
+        dist.barrier()
         with _no_communication():
             row["CP2 p2p compute"] = _fwd_bwd(cp("p2p"), *local)
+            for turn in range(size):  # each rank's blocks while the other one idles
+                dist.barrier()
+                if rank == turn:
+                    row["CP2 p2p compute alone"] = _fwd_bwd(cp("p2p"), *local)
         dist.barrier()
         row["CP2 p2p comm"] = _comm_only(local[1], local[2], group)
         if rnd:  # round 0 warms up
@@ -112,7 +142,7 @@ def main(argv=None) -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--window", type=int, default=None, help="sliding window (CP1 is then not timed)")
+    parser.add_argument("--window", type=int, default=None, help="sliding window (keys before the query)")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
     if args.seq % 4:
@@ -131,7 +161,8 @@ def main(argv=None) -> None:
     comm = slowest["CP2 p2p comm"]
     print(
         f"  ring communication {comm * 1e3:.1f} ms, exposed {exposed * 1e3:.1f} ms "
-        f"(p2p - p2p compute): {max(0.0, 1 - exposed / comm) * 100:.0f}% hidden behind the blocks"
+        f"(p2p - p2p compute): {min(1.0, max(0.0, 1 - exposed / comm)) * 100:.0f}% hidden behind the blocks; "
+        f"blocked in waits {slowest['CP2 p2p blocked'] * 1e3:.1f} ms"
     )
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_p2r.context.blocks import allowed, token_positions
+from megatron_p2r.context.blocks import allowed, rank_chunks, token_positions
 from megatron_p2r.context.ring import ring_attention
 from megatron_p2r.parallel.mappings import all_to_all, gather_from_sequence_region
 
@@ -63,15 +63,22 @@ def sdpa_with_sinks(
 
 
 def _allgather_attention(q, k, v, group, window, sink_logits, dropout_p, enable_gqa):
-    """KV of every rank gathered along the sequence (rank order: the keys are not in sequence
-    order, so the mask is built from their positions); the backward reduce-scatters dK, dV."""
+    """KV of every rank gathered along the sequence (the backward reduce-scatters dK, dV) and put
+    in sequence order; each query chunk then attends only to the keys up to its end (and from its
+    window's start), so no rank computes the blocks above the diagonal."""
     size, rank, local = dist.get_world_size(group), dist.get_rank(group), q.shape[2]
     kv = torch.cat([k, v], dim=-1).transpose(1, 2)  # [b, s_local, kv heads, 2d]: one collective
     kv = gather_from_sequence_region(kv, group).transpose(1, 2)
-    k_all, v_all = kv.split(k.shape[-1], dim=-1)
-    positions = [token_positions(r, size, local, q.device) for r in range(size)]
-    visible = allowed(positions[rank], torch.cat(positions), window)
-    return sdpa_with_sinks(q, k_all, v_all, visible, sink_logits, dropout_p, enable_gqa)
+    order = torch.argsort(torch.cat([token_positions(r, size, local, q.device) for r in range(size)]))
+    k_all, v_all = kv.index_select(2, order).split(k.shape[-1], dim=-1)
+    chunk, outs = local // 2, []
+    for c, q_chunk in zip(rank_chunks(rank, size), q.chunk(2, dim=2), strict=True):
+        start, end = 0 if window is None else max(0, c * chunk - window), (c + 1) * chunk
+        positions = torch.arange(end, device=q.device)
+        visible = allowed(positions[c * chunk :], positions[start:], window)
+        keys, values = k_all[:, :, start:end], v_all[:, :, start:end]
+        outs.append(sdpa_with_sinks(q_chunk, keys, values, visible, sink_logits, dropout_p, enable_gqa))
+    return torch.cat(outs, dim=2)
 
 
 def _heads_to_sequence(x: torch.Tensor, group, order: torch.Tensor) -> torch.Tensor:

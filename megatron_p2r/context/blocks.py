@@ -53,6 +53,19 @@ def block_kind(q_start: int, k_start: int, length: int, window: Optional[int] = 
     return Block.MASKED
 
 
+def step_blocks(rank: int, size: int, step: int, chunk: int, window: Optional[int] = None) -> list:
+    """The blocks ring attention computes on CP rank ``rank`` at ``step`` (when it holds the KV of
+    rank ``rank - step``): (query half, key half, kind) for each pair of its two query chunks and
+    the two KV chunks that is not skipped. ``chunk``: tokens per chunk."""
+    source = (rank - step) % size
+    pairs = (
+        (x, y, block_kind(q * chunk, k * chunk, chunk, window))
+        for x, q in enumerate(rank_chunks(rank, size))
+        for y, k in enumerate(rank_chunks(source, size))
+    )
+    return [(x, y, kind) for x, y, kind in pairs if kind is not Block.SKIP]
+
+
 def allowed(q_positions: torch.Tensor, k_positions: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
     """[queries, keys] bool, True where the query sees the key (the dense rule every block obeys)."""
     behind = q_positions[:, None] - k_positions[None, :]

@@ -18,7 +18,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_p2r.context.blocks import Block, allowed, block_kind, rank_chunks
+from megatron_p2r.context.blocks import Block, allowed, rank_chunks, step_blocks
 from megatron_p2r.context.kernels import block_backward, block_forward
 
 
@@ -48,19 +48,16 @@ class _Ring:
 
 
 def _blocks(ring: _Ring, step: int, chunk: int, window: Optional[int], device) -> list:
-    """The blocks to compute at ``step``: (query half, key half, kind, mask or None)."""
+    """``blocks.step_blocks`` with each MASKED block's mask: (query half, key half, kind, mask)."""
     source = (ring.rank - step) % ring.size
     todo = []
-    for x, q_chunk in enumerate(rank_chunks(ring.rank, ring.size)):
-        for y, k_chunk in enumerate(rank_chunks(source, ring.size)):
-            kind = block_kind(q_chunk * chunk, k_chunk * chunk, chunk, window)
-            if kind is Block.SKIP:
-                continue
-            visible = None
-            if kind is Block.MASKED:
-                positions = torch.arange(chunk, device=device)
-                visible = allowed(q_chunk * chunk + positions, k_chunk * chunk + positions, window)
-            todo.append((x, y, kind, visible))
+    for x, y, kind in step_blocks(ring.rank, ring.size, step, chunk, window):
+        visible = None
+        if kind is Block.MASKED:
+            positions = torch.arange(chunk, device=device)
+            q_start, k_start = rank_chunks(ring.rank, ring.size)[x] * chunk, rank_chunks(source, ring.size)[y] * chunk
+            visible = allowed(q_start + positions, k_start + positions, window)
+        todo.append((x, y, kind, visible))
     return todo
 
 

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from megatron_p2r.context.blocks import Block, allowed, block_kind, rank_chunks, token_positions
+from megatron_p2r.context.blocks import Block, allowed, block_kind, rank_chunks, step_blocks, token_positions
 from megatron_p2r.model.attention import window_mask
 
 
@@ -48,3 +48,37 @@ def test_ranks_hold_load_balanced_chunks_covering_the_sequence(size):
     positions = torch.cat([token_positions(r, size, 6) for r in range(size)])
     assert sorted(positions.tolist()) == list(range(6 * size))
     assert token_positions(1, 2, 6).tolist() == [3, 4, 5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("window", [None, 3, 6])
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_the_ring_visits_every_visible_block_once(size, window):
+    """Over its N steps each rank computes each (its query chunk, any key chunk) pair the mask
+    does not skip exactly once."""
+    chunk = 4
+    for rank in range(size):
+        seen = []
+        for step in range(size):
+            source = rank_chunks((rank - step) % size, size)
+            seen += [
+                (rank_chunks(rank, size)[x], source[y]) for x, y, _ in step_blocks(rank, size, step, chunk, window)
+            ]
+        visible = [
+            (q, k)
+            for q in rank_chunks(rank, size)
+            for k in range(2 * size)
+            if block_kind(q * chunk, k * chunk, chunk, window) is not Block.SKIP
+        ]
+        assert sorted(seen) == sorted(visible), (rank, window)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_every_rank_does_the_same_causal_work(size):
+    """In chunk x chunk units (a causal diagonal block is half): 2N per rank, the 2N^2 of the
+    whole causal square shared evenly."""
+    cost = {Block.FULL: 1.0, Block.CAUSAL: 0.5}
+    work = [
+        sum(cost[kind] for step in range(size) for _, _, kind in step_blocks(rank, size, step, 4))
+        for rank in range(size)
+    ]
+    assert work == [2.0 * size] * size
