@@ -96,13 +96,16 @@ class _RingAttention(torch.autograd.Function):
             with_sink = torch.logaddexp(lse, sinks.float().view(1, -1, 1))
             out, lse = out * torch.exp(lse - with_sink).unsqueeze(-1), with_sink
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.ring, ctx.window, ctx.dropout_p, ctx.keeps = ring, window, dropout_p, keeps
+        drawn = [key for key, keep in keeps.items() if keep is not None]
+        # the dropout masks saved like the rest, so saved-tensor hooks (offloading) see them
+        ctx.save_for_backward(q, k, v, out, lse, sinks, *(keeps[key] for key in drawn))
+        ctx.ring, ctx.window, ctx.dropout_p, ctx.drawn = ring, window, dropout_p, drawn
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
+        q, k, v, out, lse, sinks, *masks = ctx.saved_tensors
+        keeps = dict(zip(ctx.drawn, masks, strict=True))
         ring, window, dropout_p = ctx.ring, ctx.window, ctx.dropout_p
         chunk, scale = q.shape[2] // 2, 1.0 / math.sqrt(q.shape[-1])
         grad_out = grad_out.contiguous()
@@ -118,7 +121,7 @@ class _RingAttention(torch.autograd.Function):
             mine = torch.zeros_like(kv, dtype=torch.float32)  # this step's share of the held KV's grad
             for x, y, kind, visible in _blocks(ring, step, chunk, window, q.device):
                 k_blk, v_blk = (t[:, :, y * chunk : (y + 1) * chunk].contiguous() for t in kv)
-                keep = ctx.keeps[step, x, y]
+                keep = keeps.get((step, x, y))
                 args = (out_h[x], lse_h[x], delta_h[x], kind, visible, scale, dropout_p, keep)
                 dq_b, dk_b, dv_b = block_backward(go_h[x], q_h[x], k_blk, v_blk, *args)
                 dq[x] += dq_b
