@@ -1,5 +1,5 @@
-"""Checkpoints stay layout-free under context parallelism: a CP2 run's checkpoint resumes on one
-process (CP1) and a CP1 checkpoint resumes under CP2, each continuing the uninterrupted one-process
+"""Checkpoints stay layout-free under context parallelism: a CP2 run's checkpoint (its optimizer
+state sharded over DP x CP) resumes on one process (CP1) and a CP1 checkpoint resumes under CP2, each continuing the uninterrupted one-process
 run (fp32: the next step's loss rel 1e-5, the weights after it abs 1e-3 as in
 tests/context/test_equivalence.py: only the order of the CP sums differs)."""
 
@@ -12,7 +12,8 @@ from tests.context.test_equivalence import BASE
 from tests.harness import run_distributed
 from tests.helpers import reference_config, run_steps, tiny_config
 
-CP2 = tiny_config(**BASE, context_parallel_size=2, save_interval=None)
+# the distributed optimizer: each CP rank writes the optimizer state of its shard (over DP x CP)
+CP2 = tiny_config(**BASE, context_parallel_size=2, use_distributed_optimizer=True)
 
 
 def _cp2(rank, world, save, load):

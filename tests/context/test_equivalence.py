@@ -33,6 +33,7 @@ CASES = {  # name: (world, overrides)
             num_query_groups=2,
             use_distributed_optimizer=True,
             overlap_grad_reduce=True,
+            overlap_param_gather=True,
         ),
     ),
     "cp2-pseudo": (2, dict(context_parallel_size=2, num_layers=3, p2r_phase="pseudo", share_pattern="all")),
