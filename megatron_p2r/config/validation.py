@@ -98,18 +98,19 @@ def _check_sequence_parallel(cfg: Config) -> None:
 def _check_context_parallel(cfg: Config) -> None:
     """Each CP rank holds two of 2CP equal chunks of every sequence (Megatron-LM's rule); the
     compositions not built with CP are refused by name (docs/context_parallel.md)."""
-    p, m, seq = cfg.parallel, cfg.model, cfg.model.seq_length
+    p, seq = cfg.parallel, cfg.model.seq_length
     cp = p.context_parallel_size
     if cp == 1:
         return
-    if seq % (2 * cp * (p.tensor_model_parallel_size if p.sequence_parallel else 1)):
-        sp = " x --tensor-model-parallel-size (--sequence-parallel)" if p.sequence_parallel else ""
-        raise ConfigError(f"--context-parallel-size {cp}: --seq-length ({seq}) must be a multiple of 2 x CP{sp}")
+    if seq % (2 * cp):
+        raise ConfigError(f"--context-parallel-size {cp}: --seq-length ({seq}) must be a multiple of 2 x CP")
+    tp = p.tensor_model_parallel_size
+    if p.sequence_parallel and (seq // cp) % tp:
+        raise ConfigError(
+            f"--context-parallel-size {cp} with --sequence-parallel: a CP rank's {seq // cp} tokens "
+            f"(--seq-length / CP) must split evenly over --tensor-model-parallel-size ({tp})"
+        )
     refused = [
-        (
-            bool(m.num_experts) and p.sequence_parallel and p.tensor_model_parallel_size > 1,
-            "MoE layers under --sequence-parallel (the router's losses would need a TP x CP group)",
-        ),
         (p.overlap_moe_expert_parallel_comm, "--overlap-moe-expert-parallel-comm"),
         (cfg.train.compile, "--compile"),
     ]

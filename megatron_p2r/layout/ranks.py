@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import List
 
 # The groups every rank joins; replicated tensors reduce over the stage-set groups below.
-GROUP_KINDS = ("tp", "cp", "dp", "pp", "ep", "expert_dp")
+GROUP_KINDS = ("tp", "cp", "tp_cp", "dp", "pp", "ep", "expert_dp")
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,8 @@ class Layout:
             return [[r(t, x, p) for t in range(T)] for p in range(P) for x in range(X)]
         if kind == "cp":
             return [[r(t, d * C + c, p) for c in range(C)] for p in range(P) for d in range(self.dp) for t in range(T)]
+        if kind == "tp_cp":  # the ranks sharing one sequence's tokens under SP and CP (Megatron's tp-cp group)
+            return [[r(t, d * C + c, p) for c in range(C) for t in range(T)] for p in range(P) for d in range(self.dp)]
         if kind == "dp":
             return [[r(t, x, p) for x in range(X)] for p in range(P) for t in range(T)]
         if kind == "pp":
@@ -103,6 +105,8 @@ class Layout:
             return [r(t, c.dp_cp, c.pp) for t in range(self.tp)]
         if kind == "cp":
             return [r(c.tp, c.dp * C + k, c.pp) for k in range(C)]
+        if kind == "tp_cp":
+            return [r(t, c.dp * C + k, c.pp) for k in range(C) for t in range(self.tp)]
         if kind == "dp":
             return [r(c.tp, x, c.pp) for x in range(self.dp_cp)]
         if kind == "pp":

@@ -103,6 +103,9 @@ def initialize(
         raise ValueError(f"layout {layout} needs {layout.world_size} ranks, the job has {world}")
     state = ParallelState(layout=layout, rank=rank, device=device)
     for kind in GROUP_KINDS:
+        if kind == "tp_cp" and layout.cp == 1:  # the tp group itself: no second group of the same ranks
+            state.groups[kind] = state.groups.get("tp")
+            continue
         for ranks in layout.groups(kind):
             group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if rank in ranks:

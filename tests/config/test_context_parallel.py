@@ -19,16 +19,12 @@ def test_cp_takes_ranks_from_data_parallelism():
     [
         (dict(context_parallel_size=3), 3, r"--seq-length \(16\) must be a multiple of 2 x CP"),
         (
-            dict(context_parallel_size=2, tensor_model_parallel_size=4, sequence_parallel=True, seq_length=8),
+            dict(context_parallel_size=2, tensor_model_parallel_size=4, sequence_parallel=True, seq_length=12),
             8,
-            r"multiple of 2 x CP x --tensor-model-parallel-size",
+            r"a CP rank's 6 tokens \(--seq-length / CP\) must split evenly over --tensor-model-parallel-size \(4\)",
         ),
         (dict(context_parallel_size=2), 3, r"divisible by .* x --context-parallel-size \(2\) = 2"),
-        (
-            dict(context_parallel_size=2, num_experts=4, tensor_model_parallel_size=2, sequence_parallel=True),
-            4,
-            "not built with MoE layers under --sequence-parallel",
-        ),
+        (dict(context_parallel_size=2, overlap_moe_expert_parallel_comm=True), 2, "not built with --overlap-moe"),
         (dict(context_parallel_size=2, compile=True), 2, "not built with --compile"),
     ],
 )

@@ -56,6 +56,8 @@ CASES = {  # name: (world, overrides)
     # DP x CP ranks (Megatron's expert grid), EP 2 x expert-DP 2 on 4 ranks
     "cp2-ep2-moe": (2, dict(context_parallel_size=2, expert_model_parallel_size=2, **MOE)),
     "cp2-dp2-ep2-moe": (4, dict(context_parallel_size=2, expert_model_parallel_size=2, **MOE)),
+    # under SP each TP rank routes a shard of its CP rank's chunks: the statistics over TP x CP
+    "cp2-tp2-sp-moe": (4, dict(context_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True, **MOE)),
     "cp2-pp2": (4, dict(context_parallel_size=2, pipeline_model_parallel_size=2, num_layers=4)),
     # interleaved 1F1B, the pseudo phase's slot called by both stages (a cross-stage x DP x CP group)
     "cp2-pp2-interleaved-pseudo": (

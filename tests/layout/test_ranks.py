@@ -79,7 +79,7 @@ def test_context_parallel_groups(world, tp, pp, ep, cp):
         c = layout.coords(rank)
         assert layout.rank(c.tp, c.dp, c.pp, c.cp) == rank == c.tp + tp * (c.cp + cp * (c.dp + dp * c.pp))
         assert c.dp_cp == c.cp + cp * c.dp and (c.ep, c.expert_dp) == (c.dp_cp % ep, c.dp_cp // ep)
-    sizes = {"tp": tp, "cp": cp, "dp": dp * cp, "pp": pp, "ep": ep, "expert_dp": dp * cp // ep}
+    sizes = {"tp": tp, "cp": cp, "tp_cp": tp * cp, "dp": dp * cp, "pp": pp, "ep": ep, "expert_dp": dp * cp // ep}
     for kind in GROUP_KINDS:
         groups = layout.groups(kind)
         assert sorted(r for g in groups for r in g) == list(range(world)), kind
@@ -99,6 +99,7 @@ def test_context_parallel_rank_order_is_megatrons():
     megatron = {
         "tp": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
         "cp": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
+        "tp_cp": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
         "dp": [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]],
         "pp": [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]],
         "ep": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
