@@ -48,6 +48,7 @@ class TransformerLayer(nn.Module):
         sequence_parallel: bool = False,
         recompute_core: bool = False,
         window: Optional[int] = None,
+        cp_comm_type: str = "p2p",
     ):
         super().__init__()
         self.hidden_dropout = cfg.hidden_dropout
@@ -60,7 +61,13 @@ class TransformerLayer(nn.Module):
             )
         else:
             self.attention = Attention(
-                cfg, ps, device, sequence_parallel=sequence_parallel, recompute_core=recompute_core, window=window
+                cfg,
+                ps,
+                device,
+                sequence_parallel=sequence_parallel,
+                recompute_core=recompute_core,
+                window=window,
+                cp_comm_type=cp_comm_type,
             )
         self.post_attention_norm = make_norm(cfg, device) if cfg.input_norms else None
         if moe:

@@ -69,7 +69,13 @@ class MoELayer(nn.Module):
         self.cfg = cfg  # its capacity, drop policy and padding
         self.tp_group = ps.group("tp")
         self.sequence_group = self.tp_group if sequence_parallel else None
-        self.router = Router(cfg, device, sequence_group=self.sequence_group)
+        # the router's losses are taken over the whole sequence: under context parallelism each CP
+        # rank routes its chunks (each TP rank its shard of them under SP), so their statistics are
+        # summed over the ranks sharing the sequence, as over SP's TP ranks
+        statistics_group = self.sequence_group
+        if ps.cp_size > 1:
+            statistics_group = ps.group("tp_cp") if sequence_parallel else ps.group("cp")
+        self.router = Router(cfg, device, sequence_group=statistics_group)
         self.experts = Experts(cfg, ps, device)
         self.shared_experts = shared_experts
         self.shared_expert_overlap = cfg.moe_shared_expert_overlap
