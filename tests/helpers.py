@@ -48,9 +48,10 @@ def tiny_config(**overrides) -> Config:
 
 
 def reference_config(cfg: Config) -> Config:
-    """The same model on one process (no TP/PP/EP, no interleaving; same global batch)."""
+    """The same model on one process (no TP/PP/EP/CP, no interleaving; same global batch)."""
     return cfg.replace(
         tensor_model_parallel_size=1,
+        context_parallel_size=1,
         pipeline_model_parallel_size=1,
         expert_model_parallel_size=1,
         pipeline_layer_split=None,

@@ -174,7 +174,14 @@ def write_rng_file(tmp: str, state) -> None:
         save_tensors(
             os.path.join(tmp, rng_file(ps.rank)),
             _rng_tensors(ps.device),
-            {"rank": ps.rank, "tp": c.tp, "dp": c.dp, "pp": c.pp, "consumed_samples": state.consumed_samples},
+            {
+                "rank": ps.rank,
+                "tp": c.tp,
+                "dp": c.dp,
+                "pp": c.pp,
+                "cp": c.cp,
+                "consumed_samples": state.consumed_samples,
+            },
         ),
     )
 
@@ -183,7 +190,7 @@ def _write_shards(tmp: str, state, table: Dict[str, TensorInfo], layout: ShardLa
     """What this rank writes of the shards: its own fragments (fully parallel save), or its whole
     shard when it is the one data-parallel replica that writes it."""
     pieces = list(rank_pieces(state.model, state.ps, table))
-    if state.cfg.checkpoint.ckpt_fully_parallel_save and state.ps.dp_size > 1:  # with DP 1, one writer anyway
+    if state.cfg.checkpoint.ckpt_fully_parallel_save and state.ps.layout.dp_cp > 1:  # one replica: one writer anyway
         write_parts(tmp, owned_fragments(state, table, pieces, layout, kinds))
     else:
         _write_whole_shard(tmp, state, table, layout, kinds, pieces)
@@ -241,7 +248,7 @@ def _publish_checkpoint(
     reliability.save_point("metadata", iteration, ps.rank)
     kinds = OPTIMIZER_KINDS[cfg.train.optimizer] if optimizer else ()
     files, parts = _stored_files(tmp, table, layout, kinds)
-    rng = {"world_size": ps.layout.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size}
+    rng = {"world_size": ps.layout.world_size, "tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size, "cp": ps.cp_size}
     write_metadata(
         tmp,
         build_metadata(
@@ -476,16 +483,18 @@ def _on_every_rank(load) -> None:
 
 
 def _load_rng(iter_dir: str, meta: dict, ps: ParallelState) -> None:
-    """Restore this rank's RNG streams. They are seeded by (tp, pp) only, so with a different DP
-    the state of data-parallel rank 0 at the same (tp, pp) is the right one."""
+    """Restore this rank's RNG streams. They are seeded by (tp, pp, cp) only, so with a different DP
+    the state of data-parallel rank 0 at the same (tp, pp, cp) is the right one; with a different CP
+    size, that of CP rank 0 (a CP rank's dropout masks differ from the one-process run's anyway)."""
     info = meta.get("rng")
     if not info:
         if ps.rank == 0:
             print(f"{iter_dir}: no RNG states (converted checkpoint); continuing with this run's seeds", flush=True)
         return
-    saved = Layout(tp=info["tp"], pp=info["pp"], dp=info["dp"])
+    saved = Layout(tp=info["tp"], pp=info["pp"], dp=info["dp"], cp=info.get("cp", 1))
     c = ps.coords
-    rank = saved.rank(c.tp, c.dp if saved.dp == ps.dp_size else 0, c.pp)
+    same_cp = saved.cp == ps.cp_size
+    rank = saved.rank(c.tp, c.dp if saved.dp == ps.dp_size and same_cp else 0, c.pp, c.cp if same_cp else 0)
     reader = ReaderCache(iter_dir, meta.get("crc32"))(rng_file(rank))
     torch.set_rng_state(reader.read("cpu_rng_state").clone())
     tp_random.get_rng_tracker(ps.device).state = reader.read("model_parallel_rng_state").clone()

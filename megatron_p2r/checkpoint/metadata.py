@@ -280,8 +280,8 @@ def _check_schema(meta: dict, path: str) -> None:
             "always records its checksums"
         )
     rng = meta.get("rng")
-    if rng and rng["world_size"] != rng["tp"] * rng["pp"] * rng["dp"]:
-        raise CheckpointError(f"{path}: field 'rng' has world_size {rng['world_size']} != tp x pp x dp")
+    if rng and rng["world_size"] != rng["tp"] * rng["pp"] * rng["dp"] * rng.get("cp", 1):
+        raise CheckpointError(f"{path}: field 'rng' has world_size {rng['world_size']} != tp x pp x dp x cp")
     for key, entry in meta["tensors"].items():
         bad = [
             f for f, ok in _TENSOR_FIELDS.items() if not isinstance(entry, dict) or f not in entry or not ok(entry[f])

@@ -50,7 +50,7 @@ def owned_fragments(
     written = [
         WrittenPiece(i.key, i.stage, layout.ep_rank_of(i), i.expert is not None, i.nbytes) for i in table.values()
     ]
-    writers = assign_writers(written, ps.dp_size, ps.expert_dp_size)
+    writers = assign_writers(written, ps.layout.dp_cp, ps.expert_dp_size)
     out: List[Fragment] = []
     for info, param, j in pieces:
         local = param[0].numel() if j is not None else param.numel()
@@ -68,7 +68,7 @@ def owned_fragments(
 def _owns(opt, ms, info: TensorInfo, layout: ShardLayout, c, writers: Dict[str, int]) -> bool:
     if opt.ddp.buffers[ms.buffer].layout.sharded:
         return ms.in_norm
-    index = c.expert_dp if info.expert is not None else c.dp
+    index = c.expert_dp if info.expert is not None else c.dp_cp
     return info.stage == c.pp and c.tp in layout.tp_ranks_of(info) and writers[info.key] == index
 
 

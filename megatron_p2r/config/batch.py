@@ -85,8 +85,10 @@ def batch_steps(cfg: "Config", world_size: int) -> BatchSteps:
 
 
 def data_parallel_size(cfg: "Config", world_size: int) -> int:
+    """Ranks reading different samples: the world over TP x PP x CP (the CP ranks of a sample read
+    its chunks)."""
     p = cfg.parallel
-    return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size)
 
 
 def global_batch_size(cfg: "Config", world_size: int, consumed_samples: Optional[int] = None) -> int:

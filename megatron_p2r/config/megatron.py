@@ -14,7 +14,7 @@ Every other flag of Megatron-LM's parser (``megatron_parser.json``, generated fr
 ``add_megatron_arguments`` by ``tools/megatron_parser.py``) has the status of its family in
 ``config/megatron_families.py`` and is parsed as Megatron-LM parses it.
 
-Some depend on the value: ``--context-parallel-size 1`` means what it says; 2 is refused. A config
+Some depend on the value: ``--moe-token-dispatcher-type alltoall`` means what it says; another value has no effect. A config
 field is here only when some of its values need saying (``config_field``): ``--sequence-parallel``
 with one tensor-parallel rank has no effect, as in Megatron-LM. The module imports nothing else of
 megatron_p2r, so the table can be read without building anything.
@@ -172,13 +172,6 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
         keeps=lambda value, cfg: cfg.model.position_embedding_type == "rope",
         otherwise=(REFUSED, "without --position-embedding-type rope (Megatron-LM refuses it too)"),
     ),
-    "--context-parallel-size": MegatronFlag(
-        MEANING,
-        "no context parallelism",
-        _value(int),
-        keeps=lambda value, cfg: value == 1,
-        otherwise=(REFUSED, "context parallelism is not implemented"),
-    ),
     "--moe-token-dispatcher-type": MegatronFlag(
         MEANING,
         "tokens go to their experts by all-to-all over the EP group",
@@ -296,6 +289,7 @@ _BERT = "read by Megatron's BERT scripts only"
 # Values of a config field's flag that Megatron-LM takes and this framework does not build: the
 # parser takes them too, to refuse them by name.
 UNBUILT_VALUES: Dict[str, Dict[str, str]] = {
+    "--cp-comm-type": {"a2a+p2p": "hierarchical context parallelism (a2a inside, p2p across) is not built"},
     "--optimizer": {
         "sgd": "SGD with momentum is not built (adam, lion and adafactor are)",
         "muon": "Muon is not built",

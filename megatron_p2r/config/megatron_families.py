@@ -21,7 +21,7 @@ MEANING, NO_EFFECT, REFUSED = "meaning", "no effect", "refused"
 STATUSES = (MEANING, NO_EFFECT, REFUSED)
 
 _FP8 = "fp8 needs Transformer Engine: the compute stays in --bf16/--fp16/fp32"
-_CP = "context parallelism's options (--context-parallel-size above 1 is refused here)"
+_CP = "hierarchical and hybrid context parallelism are not built (one --cp-comm-type for every layer)"
 _RL = "reinforcement learning (--perform-rl-step, refused here): read only by its loop"
 _INFERENCE = "an inference-engine option: pretrain_gpt.py trains, it serves no requests"
 _OTHER_MODELS = "read only by Megatron-LM's BERT, T5, ICT/retriever and vision scripts, not pretrain_gpt.py"
@@ -178,7 +178,7 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
             "--fake-process-group",
         ),
     ),
-    (NO_EFFECT, _CP, ("--hierarchical-context-parallel-sizes", "--max-seqlen-per-dp-cp-rank", "--cp-comm-type")),
+    (NO_EFFECT, "sequence packing across DP x CP ranks (dynamic CP) is not built", ("--max-seqlen-per-dp-cp-rank",)),
     (
         NO_EFFECT,
         "Python garbage-collection and host-device synchronisation timing",
@@ -599,7 +599,7 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
             "--pipeline-model-parallel-layout",
         ),
     ),
-    (REFUSED, "context parallelism is not implemented", ("--hybrid-context-parallel",)),
+    (REFUSED, _CP, ("--hierarchical-context-parallel-sizes", "--hybrid-context-parallel")),
     (
         REFUSED,
         "expert tensor parallelism is not built: experts are split by --tensor-model-parallel-size",

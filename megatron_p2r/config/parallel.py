@@ -1,4 +1,4 @@
-"""The parallel section: TP/PP/EP sizes, the pipeline split, data-parallel gradient reduction and
+"""The parallel section: TP/PP/EP/CP sizes, the pipeline split, data-parallel gradient reduction and
 the distributed optimizer (Megatron-LM's flags and defaults), backend and device."""
 
 from __future__ import annotations
@@ -15,6 +15,16 @@ class ParallelConfig:
     tensor_model_parallel_size: int = opt(1, "TP: shards of every layer's matrices.")
     pipeline_model_parallel_size: int = opt(1, "PP: pipeline stages.")
     expert_model_parallel_size: int = opt(1, "EP: ranks the experts are spread over (divides DP).")
+    context_parallel_size: int = opt(
+        1,
+        "CP: ranks each micro-batch's sequence is split over (load-balanced for the causal mask: a rank "
+        "holds chunks i and 2CP-1-i of 2CP); --seq-length must be a multiple of 2CP.",
+    )
+    cp_comm_type: str = opt(
+        "p2p",
+        "How attention exchanges keys and values over the CP ranks: p2p (a ring), a2a (Ulysses), allgather.",
+        choices=["p2p", "a2a", "allgather"],
+    )
     pipeline_layer_split: Optional[str] = opt(None, "Layers per stage, e.g. 3,5,5,3 (default even).")
     pipeline_schedule: str = opt("1f1b", "Pipeline schedule.", choices=["1f1b", "gpipe"])
     sequence_parallel: bool = opt(
@@ -146,6 +156,7 @@ RANGES = {
     "tensor_model_parallel_size": at_least(1, 2**13),
     "pipeline_model_parallel_size": at_least(1, 2**13),
     "expert_model_parallel_size": at_least(1, 2**13),
+    "context_parallel_size": at_least(1, 2**13),
     "ddp_bucket_size": at_least(1),  # elements: a threshold where a bucket closes, never allocated as such
     # below a second nothing completes (even the rendezvous); a datetime.timedelta overflows near 10^12
     "distributed_timeout_minutes": at_least(0.01, 10**6),

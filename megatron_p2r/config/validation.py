@@ -48,6 +48,7 @@ def validate(cfg: Config, world_size: int) -> None:
     m.check_split(p.tensor_model_parallel_size, p.expert_model_parallel_size)
     _check_world(cfg, world_size)
     _check_sequence_parallel(cfg)
+    _check_context_parallel(cfg)
     cfg.train.check()
     cfg.data.check()
     cfg.logging.check(cfg.checkpoint.save)
@@ -69,19 +70,20 @@ def validate(cfg: Config, world_size: int) -> None:
 
 
 def _check_world(cfg: Config, world_size: int) -> None:
-    """The world splits into TP x PP x DP, and EP divides DP."""
+    """The world splits into TP x CP x DP x PP, and EP divides DP x CP (Megatron's expert grid)."""
     p = cfg.parallel
     tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
-    if world_size % (tp * pp):
+    cp = p.context_parallel_size
+    if world_size % (tp * pp * cp):
         raise ConfigError(
             f"world size {world_size} must be divisible by --tensor-model-parallel-size ({tp}) "
-            f"x --pipeline-model-parallel-size ({pp}) = {tp * pp}"
+            f"x --pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}) = {tp * pp * cp}"
         )
     dp = data_parallel_size(cfg, world_size)
-    if dp % ep:
+    if (dp * cp) % ep:
         raise ConfigError(
-            f"--expert-model-parallel-size ({ep}) must divide the data-parallel size ({dp} = "
-            f"world {world_size} / (TP {tp} x PP {pp}))"
+            f"--expert-model-parallel-size ({ep}) must divide the data-parallel size x --context-parallel-size "
+            f"({dp * cp} = world {world_size} / (TP {tp} x PP {pp}))"
         )
 
 
@@ -93,6 +95,26 @@ def _check_sequence_parallel(cfg: Config) -> None:
             f"--sequence-parallel: --seq-length ({seq}) must be divisible by "
             f"--tensor-model-parallel-size ({p.tensor_model_parallel_size})"
         )
+
+
+def _check_context_parallel(cfg: Config) -> None:
+    """Each CP rank holds two of 2CP equal chunks of every sequence (Megatron-LM's rule); the
+    compositions not built with CP are refused by name (docs/context_parallel.md)."""
+    p, m, seq = cfg.parallel, cfg.model, cfg.model.seq_length
+    cp = p.context_parallel_size
+    if cp == 1:
+        return
+    if seq % (2 * cp * (p.tensor_model_parallel_size if p.sequence_parallel else 1)):
+        sp = " x --tensor-model-parallel-size (--sequence-parallel)" if p.sequence_parallel else ""
+        raise ConfigError(f"--context-parallel-size {cp}: --seq-length ({seq}) must be a multiple of 2 x CP{sp}")
+    refused = [
+        (p.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size above 1"),
+        (bool(m.num_experts), "MoE layers (--num-experts)"),
+        (cfg.train.compile, "--compile"),
+    ]
+    for given, what in refused:
+        if given:
+            raise ConfigError(f"--context-parallel-size {cp} is not built with {what}; use --context-parallel-size 1")
 
 
 def _check_batch(cfg: Config, world_size: int) -> None:

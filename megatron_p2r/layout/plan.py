@@ -11,7 +11,8 @@ rank of a 512-GPU layout is planned in one process. It holds:
   stage, a pseudo-phase module called on several stages — and the stages holding them. These
   are pipeline ranks: a module two chunks of one rank call is one module there, which
   accumulates both gradients locally before the cross-stage reduction;
-- each parameter's gradient reduction: over DP or expert-DP, fused with the sum over the
+- each parameter's gradient reduction: over its data-parallel replicas (DP x CP ranks: every
+  context-parallel rank holds the whole model) or expert-DP, fused with the sum over the
   stages that hold replicas of it (one all-reduce over "those stages x DP"), and with the sum
   over the TP ranks whose copies hold partial gradients (grouped-query attention's replicated
   key/value heads, --qk-layernorm weights, and under sequence parallelism the parameters
@@ -183,6 +184,7 @@ class ParallelPlan:
     buffers: BufferSettings = BufferSettings()
     tp_blocks: Tuple[Tuple[str, int], ...] = ()  # (logical name, TP ranks summing its partial gradients)
     sequence_parallel: bool = False  # --sequence-parallel with TP > 1
+    cp_comm_type: str = "p2p"  # how attention talks across the CP ranks (layout.cp > 1)
 
     @classmethod
     def build(cls, cfg: Config, layout: Layout) -> "ParallelPlan":
@@ -209,7 +211,7 @@ class ParallelPlan:
         if not m.untie_embeddings_and_output_weights and pp > 1:
             replicas.append((WORD_EMBEDDING, (0, pp - 1)))
         buffers = BufferSettings(
-            bucket_size=default_bucket_size(layout.dp, p.overlap_grad_reduce, p.ddp_bucket_size),
+            bucket_size=default_bucket_size(layout.dp_cp, p.overlap_grad_reduce, p.ddp_bucket_size),
             distributed=p.use_distributed_optimizer,
             break_at_modules=cfg.offload.cpu_offload_layers is not None,
             params_dtype="bf16" if cfg.train.bf16 else "fp16" if cfg.train.fp16 else "fp32",
@@ -229,6 +231,7 @@ class ParallelPlan:
             schedule=schedule_plan(cfg),
             buffers=buffers,
             sequence_parallel=p.sequence_parallel and layout.tp > 1,
+            cp_comm_type=p.cp_comm_type,
         )
         plan = dataclasses.replace(plan, tp_blocks=_tp_blocks(plan))
         if cfg.offload.cpu_offload_layers is None:
@@ -241,7 +244,11 @@ class ParallelPlan:
         return cls.build(
             cfg,
             Layout.from_world(
-                world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+                world_size,
+                p.tensor_model_parallel_size,
+                p.pipeline_model_parallel_size,
+                p.expert_model_parallel_size,
+                p.context_parallel_size,
             ),
         )
 
@@ -331,12 +338,12 @@ class ParallelPlan:
         stages = self.replica_stages(logical)
         if stages and coords.pp != min(stages):
             return False
-        return (coords.expert_dp if expert else coords.dp) == 0
+        return (coords.expert_dp if expert else coords.dp_cp) == 0
 
     # -- gradient buffers and optimizer shards
     def group_members(self, over: str, stages: Tuple[int, ...], tp_block: int = 1) -> int:
         """Ranks in the reduction group "TP block x stages x over" (one stage when ``stages`` is empty)."""
-        size = self.layout.expert_dp if over == "expert_dp" else self.layout.dp
+        size = self.layout.expert_dp if over == "expert_dp" else self.layout.dp_cp
         return size * max(len(stages), 1) * tp_block
 
     def grad_buffers(self, stage: int) -> Tuple[GradBuffer, ...]:
@@ -372,7 +379,7 @@ class ParallelPlan:
     def buffer_member(self, buffer: GradBuffer, coords: Coords) -> int:
         """This rank's index in ``buffer``'s reduction group (its process-group rank: ranks in order)."""
         expert = buffer.over == "expert_dp"
-        index, size = (coords.expert_dp, self.layout.expert_dp) if expert else (coords.dp, self.layout.dp)
+        index, size = (coords.expert_dp, self.layout.expert_dp) if expert else (coords.dp_cp, self.layout.dp_cp)
         stage = sorted(buffer.stages).index(coords.pp) if buffer.stages else 0
         return (stage * size + index) * buffer.tp_block + coords.tp % buffer.tp_block
 

@@ -6,6 +6,10 @@ computed all the same). Attention sinks (--softmax-type learnable / off-by-one) 
 head whose value is 0 and whose logit is the head's offset, given as an additive float mask:
 SDPA has no sink argument, and with a float mask torch runs its math kernel on CPU (s x s
 tensors) and the memory-efficient one on CUDA.
+
+Under context parallelism (CP > 1) q, k and v hold this rank's two chunks of the sequence
+(``context.chunks``) and the core is ``context.attention.context_parallel_attention`` over the
+CP group (``--cp-comm-type``); the projections and everything else run unchanged on the chunks.
 """
 
 from __future__ import annotations
@@ -136,9 +140,12 @@ class Attention(nn.Module):
         sequence_parallel: bool = False,
         recompute_core: bool = False,
         window: Optional[int] = None,
+        cp_comm_type: str = "p2p",
     ):
         super().__init__()
         h, d, tp = cfg.hidden_size, cfg.head_dim, ps.tp_size
+        self.cp_group = ps.group("cp") if ps.cp_size > 1 else None
+        self.cp_comm_type = cp_comm_type
         heads, groups = cfg.num_attention_heads, cfg.query_groups
         self.head_dim = d
         self.local_heads = heads // tp
@@ -203,20 +210,39 @@ class Attention(nn.Module):
             y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
+    def _context_parallel_core(self, q, k, v, offsets: Optional[torch.Tensor], p: float) -> torch.Tensor:
+        """The core over the whole sequence, from this rank's chunks (``--cp-comm-type``)."""
+        from megatron_p2r.context.attention import context_parallel_attention
+
+        return context_parallel_attention(
+            q,
+            k,
+            v,
+            group=self.cp_group,
+            comm_type=self.cp_comm_type,
+            window=self.window,
+            sink_logits=offsets,
+            dropout_p=p,
+            enable_gqa=self.local_groups != self.local_heads,
+        )
+
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(QK^T / sqrt(d)) V with attention dropout: what selective recomputation
         (``recompute_core``, Megatron's "core_attn") recomputes in backward."""
         p = self.dropout if self.training else 0.0
-        sinks = self.softmax_type != "vanilla"
-        mask = None
-        if self.window is not None or sinks:
-            s = q.shape[2]
-            mask = window_mask(s, s if self.window is None else self.window, q.device)
-        if sinks:
+        offsets = None
+        if self.softmax_type != "vanilla":
             offsets = self.softmax_offset if self.softmax_offset is not None else q.new_zeros(self.local_heads)
-            k, v, mask = with_sink(k, v, mask, offsets)
-        # Heads are split over TP, so their dropout masks must differ between TP ranks.
+        # Heads are split over TP (and tokens over CP), so their dropout masks must differ between those ranks.
         with tp_random.get_rng_tracker(self.device).fork() if p > 0 else contextlib.nullcontext():
+            if self.cp_group is not None:
+                return self._context_parallel_core(q, k, v, offsets, p)
+            mask = None
+            if self.window is not None or offsets is not None:
+                s = q.shape[2]
+                mask = window_mask(s, s if self.window is None else self.window, q.device)
+            if offsets is not None:
+                k, v, mask = with_sink(k, v, mask, offsets)
             return F.scaled_dot_product_attention(
                 q,
                 k,

@@ -39,13 +39,20 @@ class TransformerLayer(nn.Module):
         sequence_parallel: bool = False,
         recompute_core: bool = False,
         window: Optional[int] = None,
+        cp_comm_type: str = "p2p",
     ):
         super().__init__()
         self.hidden_dropout = cfg.hidden_dropout
         self.device, self.sequence_parallel = ps.device, sequence_parallel
         self.input_norm = make_norm(cfg, device)
         self.attention = Attention(
-            cfg, ps, device, sequence_parallel=sequence_parallel, recompute_core=recompute_core, window=window
+            cfg,
+            ps,
+            device,
+            sequence_parallel=sequence_parallel,
+            recompute_core=recompute_core,
+            window=window,
+            cp_comm_type=cp_comm_type,
         )
         self.post_attention_norm = make_norm(cfg, device)
         if moe:

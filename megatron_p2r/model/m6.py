@@ -13,6 +13,10 @@ Sequence parallelism (``plan.sequence_parallel``): the embedding reduce-scatters
 rank's sequence shard ``[b, s/TP, h]``, the layers and the final norm run on the shard,
 stages exchange the shard, and the output layer gathers the sequence again.
 
+Context parallelism (``ps.cp_size`` > 1): tokens are this CP rank's two chunks of each sequence
+(``context.chunks``); learned and rotary positions are the chunks' true positions, attention
+talks across the CP group (model/attention.py), every other module runs on the chunks unchanged.
+
 Recomputation (Megatron-LM's flags): ``selective`` recomputes each layer's attention core
 (``Attention.core``); ``full`` recomputes units of layers of each model chunk
 (``TrainConfig.recompute_units``: uniform chunks of N layers, or the first N layers of the
@@ -29,6 +33,7 @@ import torch
 from torch import nn
 
 from megatron_p2r.config import Config
+from megatron_p2r.context.chunks import chunk_positions
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.tensor_specs import WORD_EMBEDDING
 from megatron_p2r.model.attention import model_rotary_tables
@@ -59,6 +64,7 @@ class Embedding(nn.Module):
             device=device,
         )
         self.sequence_parallel, self.tp_rank, self.device = sequence_parallel, ps.tp_rank, ps.device
+        self.ps = ps
         self.position_embeddings = None
         if m.position_embedding_type == "learned_absolute":
             # _weight skips nn.Embedding's own normal_ init (init_parameters draws it; on the meta
@@ -73,11 +79,20 @@ class Embedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
+            positions = token_positions(self.ps, tokens.shape[1], tokens.device)
             start = self.tp_rank * x.shape[1] if self.sequence_parallel else 0
-            x = x + self.position_embeddings(torch.arange(start, start + x.shape[1], device=tokens.device))
+            x = x + self.position_embeddings(positions[start : start + x.shape[1]])
         p = self.dropout if self.training else 0.0
         with dropout_rng(self.device, self.sequence_parallel and p > 0):
             return nn.functional.dropout(x, p)
+
+
+def token_positions(ps: ParallelState, seq_len: int, device) -> torch.Tensor:
+    """The positions in the whole sequence of this rank's ``seq_len`` tokens: 0..seq_len-1, or
+    under context parallelism its two chunks' (``context.chunks``)."""
+    if ps.cp_size == 1:
+        return torch.arange(seq_len, device=device)
+    return chunk_positions(seq_len * ps.cp_size, ps.cp_size, ps.cp_rank, device)
 
 
 def logits_or_loss(
@@ -139,6 +154,7 @@ class M6Model(nn.Module):
                     sequence_parallel=sp,
                     recompute_core=selective,
                     window=m.attention_window(k),
+                    cp_comm_type=plan.cp_comm_type,
                 )
                 for k in stage.modules
             }
@@ -211,10 +227,16 @@ class M6Model(nn.Module):
         init_parameters(self, seed, self.ps.tp_rank, self.ps.tp_size, self.ps.ep_rank)
 
     def rope(self, seq_len: int, device) -> Optional[tuple]:
-        """The rotary tables every layer of a forward reads (None without rotary positions)."""
+        """The rotary tables every layer of a forward reads, at the positions of this rank's
+        ``seq_len`` tokens (None without rotary positions)."""
         if self.rope_base is None:
             return None
-        return model_rotary_tables(self.cfg.model, seq_len, device)
+        cp = self.ps.cp_size
+        cos, sin = model_rotary_tables(self.cfg.model, seq_len * cp, device)
+        if cp == 1:
+            return cos, sin
+        positions = token_positions(self.ps, seq_len, device)
+        return cos[positions], sin[positions]
 
     def hidden_spec(self, tokens_shape: Tuple[int, ...]) -> Tuple[Tuple[int, ...], torch.dtype]:
         """(shape, dtype) of the hidden states between stages for a micro-batch of

@@ -24,6 +24,7 @@ import torch.utils.checkpoint
 
 _MODEL_PARALLEL_OFFSET = 2718
 _PIPELINE_OFFSET = 100
+_CONTEXT_PARALLEL_OFFSET = 7919  # a prime: no CP rank's seeds meet another stage's or TP rank's
 
 
 class RNGStatesTracker:
@@ -86,10 +87,13 @@ def get_rng_tracker(device: torch.device) -> RNGStatesTracker:
     return _TRACKERS[key]
 
 
-def seed_everything(seed: int, tp_rank: int, pp_rank: int, device: torch.device) -> None:
-    """Default stream: seed + 100*pp_rank; model-parallel stream: seed + 2718 + tp_rank."""
-    gen_seed(device, seed + _PIPELINE_OFFSET * pp_rank)
-    get_rng_tracker(device).seed(seed + _MODEL_PARALLEL_OFFSET + tp_rank)
+def seed_everything(seed: int, tp_rank: int, pp_rank: int, device: torch.device, cp_rank: int = 0) -> None:
+    """Default stream: seed + 100*pp_rank; model-parallel stream: seed + 2718 + tp_rank; both
+    + 7919*cp_rank, so the CP ranks of a sequence, which hold different tokens, draw different
+    dropout masks (CP rank 0's streams are the one-process run's)."""
+    cp = _CONTEXT_PARALLEL_OFFSET * cp_rank
+    gen_seed(device, seed + _PIPELINE_OFFSET * pp_rank + cp)
+    get_rng_tracker(device).seed(seed + _MODEL_PARALLEL_OFFSET + tp_rank + cp)
 
 
 def checkpoint(fn: Callable, *args, device: torch.device, draws: bool = True):

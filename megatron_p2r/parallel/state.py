@@ -40,10 +40,12 @@ class ParallelState:
     tp_size = property(lambda self: self.layout.tp)
     pp_size = property(lambda self: self.layout.pp)
     dp_size = property(lambda self: self.layout.dp)
+    cp_size = property(lambda self: self.layout.cp)
     ep_size = property(lambda self: self.layout.ep)
     expert_dp_size = property(lambda self: self.layout.expert_dp)
     tp_rank = property(lambda self: self.coords.tp)
     pp_rank = property(lambda self: self.coords.pp)
+    cp_rank = property(lambda self: self.coords.cp)
     dp_rank = property(lambda self: self.coords.dp)
     ep_rank = property(lambda self: self.coords.ep)
     expert_dp_rank = property(lambda self: self.coords.expert_dp)
@@ -60,9 +62,9 @@ class ParallelState:
         return self.groups.get(kind)
 
     def peer(self, pp_rank: int) -> int:
-        """Global rank of the stage ``pp_rank`` with this rank's tp and dp coordinates."""
+        """Global rank of the stage ``pp_rank`` with this rank's tp, cp and dp coordinates."""
         c = self.coords
-        return self.layout.rank(c.tp, c.dp, pp_rank)
+        return self.layout.replica_rank(c.tp, c.dp_cp, pp_rank)
 
     def drop_groups(self) -> List[dist.ProcessGroup]:
         """Forget every group of this state and return them, each once (to be destroyed)."""

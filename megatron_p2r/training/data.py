@@ -37,18 +37,22 @@ def build_datasets(cfg: Config, ps: ParallelState, iteration: int = 0, consumed_
 
 
 def microbatch_iterator(dataset, consumed_samples: int, cfg: Config, ps: ParallelState) -> Iterator[dict]:
-    """This data-parallel rank's micro-batches, continuing after ``consumed_samples``."""
+    """This data-parallel rank's micro-batches, continuing after ``consumed_samples``; under
+    context parallelism the CP ranks of a DP rank read the same samples and each keeps its two
+    chunks of every sequence (``context.chunks``)."""
+    from megatron_p2r.context.chunks import split_batch
     from megatron_p2r.data.samplers import PretrainingSampler
 
     sampler = PretrainingSampler(len(dataset), consumed_samples, cfg.train.micro_batch_size, ps.dp_rank, ps.dp_size)
     for indices in sampler:
         sample = torch.from_numpy(np.stack([np.asarray(dataset[i], dtype=np.int64) for i in indices]))
         sample = sample.to(ps.device)
-        yield {
+        batch = {
             "tokens": sample[:, :-1],
             "labels": sample[:, 1:],
             "loss_mask": torch.ones_like(sample[:, 1:], dtype=torch.float32),
         }
+        yield split_batch(batch, ps.cp_size, ps.cp_rank)
 
 
 def take(iterator: Iterator[dict], n: int, what: str) -> List[dict]:

@@ -72,7 +72,7 @@ def setup_parallel(cfg: Config, device: torch.device) -> Tuple[ParallelState, Pa
     plan = ParallelPlan.for_world(cfg, world)
     check_run_fits(cfg, plan, device)
     ps = initialize_plan(plan, device, timeout=datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
-    seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, device)
+    seed_everything(cfg.train.seed, ps.tp_rank, ps.pp_rank, device, ps.cp_rank)
     return ps, plan
 
 

@@ -93,6 +93,8 @@ MEGATRON_DEFAULTS = {
     "main_params_dtype": "fp32",
     "exp_avg_dtype": "fp32",
     "exp_avg_sq_dtype": "fp32",
+    "context_parallel_size": 1,
+    "cp_comm_type": "p2p",
 }
 
 
@@ -122,8 +124,8 @@ def test_no_effect_flags_are_reported_and_refused_flags_named():
     ]
     assert cfg == parse_launch(BASE)[0]  # none of them changes the config
     with pytest.raises(ConfigError) as err:
-        parse_launch(BASE + ["--context-parallel-size", "2", "--rotary-interleaved", "--use-flash-attn"])
-    assert "--context-parallel-size 2: context parallelism is not implemented" in str(err.value)
+        parse_launch(BASE + ["--hybrid-context-parallel", "--rotary-interleaved", "--use-flash-attn"])
+    assert "--hybrid-context-parallel: hierarchical and hybrid context parallelism are not built" in str(err.value)
     assert "--rotary-interleaved: interleaved" in str(err.value) and "--use-flash-attn" not in str(err.value)
 
 

@@ -35,6 +35,7 @@ DEVIATIONS = {
     "--distributed-backend": "auto",
     "--moe-z-loss-coeff": 0.0,  # None there: no z-loss, as 0.0 here
     "--split": "969,30,1",
+    "--cp-comm-type": "p2p",  # ["p2p"] there: one type per layer; one for every layer here
 }  # None there, set to "969, 30, 1" by validate_args without per-split paths
 
 

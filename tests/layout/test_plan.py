@@ -271,3 +271,18 @@ def test_a_parameter_is_final_in_the_lowest_chunk_that_uses_it():
     assert pseudo.final_chunk("layers.0.mlp.fc1.weight", 0) == 0
     cycle = _plan(2, p2r_phase="pseudo", share_pattern="cycle:4", **vpp).stage(1)
     assert [c.layer_keys for c in cycle.chunks] == [(2, 3), (2, 3)] and cycle.final_chunk("x", 3) == 0
+
+
+def test_context_parallel_replicas_reduce_and_shard_over_dp_x_cp():
+    """CP2 x DP2: every parameter's replicas are the 4 DP x CP ranks: its gradient buffer's group
+    has 4 members, the distributed optimizer cuts it in 4 shards, one rank's copy counts in the norm."""
+    cfg = tiny_config(context_parallel_size=2, global_batch_size=4, use_distributed_optimizer=True)
+    plan = ParallelPlan.for_world(cfg, 4)
+    assert (plan.layout.cp, plan.layout.dp, plan.layout.dp_cp) == (2, 2, 4)
+    (buf,) = plan.grad_buffers(0)
+    assert buf.over == "dp" and buf.members == 4 and buf.sharded
+    members = sorted(plan.buffer_member(buf, plan.layout.coords(r)) for r in range(4))
+    assert members == [0, 1, 2, 3]
+    spec = plan.tensors(0)[0]
+    counted = [r for r in range(4) if plan.counts_in_norm(spec.logical, None, False, plan.layout.coords(r))]
+    assert counted == [0]
