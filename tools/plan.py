@@ -333,11 +333,6 @@ def check(cfg: Config, world_size: int) -> None:
         cfg = cfg.replace(mock_data=True)
     if cfg.model.vocab_size is None:
         raise ConfigError("the planner needs --vocab-size (the embedding's size)")
-    if cfg.parallel.context_parallel_size > 1:
-        raise ConfigError(
-            "--context-parallel-size above 1: the planner does not model context parallelism yet "
-            "(its activations and ring traffic); plan the layout with --context-parallel-size 1"
-        )
     validate(cfg, world_size)
 
 
