@@ -4,13 +4,17 @@ the ring's traffic and exposure, the sequence-length step, and meta builds of CP
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from megatron_p2r.config import ConfigError
 from megatron_p2r.context.chunks import split_batch
 from megatron_p2r.layout.plan import ParallelPlan
-from megatron_p2r.planning import activations
+from megatron_p2r.planning import activations, communication, memory, timing
+from megatron_p2r.planning.longest_sequence import sequence_step
 from tests.harness import run_distributed
-from tests.planning.test_planner import ACT_SHAPES, measure_step, small
+from tests.planning.test_planner import ACT_SHAPES, MOE, measure_step, small
+from tools.plan import check, verify_all_ranks, verify_rank
 
 ROPE_GQA = dict(
     position_embedding_type="rope", group_query_attention=True, num_query_groups=2, normalization="RMSNorm", swiglu=True
@@ -59,3 +63,66 @@ def test_cp_rank_holds_what_the_planner_counts():
             est = r["est"]
             assert abs(est["activations"] / r["held"] - 1) < 0.01, (name, rank, est["activations"], r["held"])
             assert abs((est["activations"] + est["transient"]) / r["peak"] - 1) < 0.10, (name, rank, est, r["peak"])
+
+
+GQA = dict(group_query_attention=True, num_query_groups=2, position_embedding_type="rope", bf16=True)
+
+
+def test_ring_traffic_moves_only_the_key_value_heads():
+    """p2p on CP2 x TP2, 4 query and 2 KV heads: each layer sends this TP rank's one KV head of its
+    s/CP tokens, K and V, N-1 hops forward (16-bit) and N-1 hops of KV plus N of fp32 dK, dV back."""
+    cfg = small(seq_length=64, context_parallel_size=2, tensor_model_parallel_size=2, **GQA)
+    plan = ParallelPlan.for_world(cfg, 4)
+    traffic = communication.communication(cfg, plan, 0)["cp"]
+    b, local, d, kv_heads, n = 2, 32, 16, 1, 2
+    kv = 2 * b * kv_heads * local * d
+    per_layer = (n - 1) * kv * 2 + (n - 1) * kv * 2 + n * kv * 4
+    mbs = cfg.train.global_batch_size // b if cfg.train.global_batch_size else 1
+    assert traffic.bytes == mbs * cfg.model.num_layers * per_layer
+    assert traffic.size == 2 and traffic.nodes == 1  # CP ranks next to the TP ranks: one node
+
+
+def test_gradients_and_optimizer_shard_over_dp_times_cp_and_flops_split_over_cp():
+    """CP2 x DP2 reduces gradients and shards the distributed optimizer over 4 replicas, as DP4
+    does; a CP2 rank computes half a CP1 rank's FLOPs (matmuls on s/2 tokens, the balanced half
+    of the causal core)."""
+    base = dict(seq_length=64, use_distributed_optimizer=True, global_batch_size=8)
+    cp = ParallelPlan.for_world(small(context_parallel_size=2, **base), 4)
+    dp = ParallelPlan.for_world(small(**base), 4)
+    assert memory.stage_state_bytes(cp, 0) == memory.stage_state_bytes(dp, 0)
+    assert communication.gradient_traffic(cp, 0)["dp"].size == 4
+    one = ParallelPlan.for_world(small(**base), 1)
+    flops = timing.stage_flops_per_microbatch
+    cp_cfg = small(context_parallel_size=2, **base)
+    assert flops(cp_cfg, cp, 0) == flops(small(**base), one, 0) / 2
+
+
+def test_p2p_hides_behind_the_blocks_and_allgather_does_not():
+    cfg = small(seq_length=64, context_parallel_size=4)
+    plan = ParallelPlan.for_world(cfg, 4)
+    assert timing.exposed_context(cfg, plan, 1.0, 2.0) == 0.0
+    assert timing.exposed_context(cfg, plan, 1.0, 0.8) == 1.0 - 0.8 * 3 / 4
+    ag = cfg.replace(cp_comm_type="allgather")
+    assert timing.exposed_context(ag, ParallelPlan.for_world(ag, 4), 1.0, 2.0) == 1.0
+
+
+def test_length_step_is_2cp_chunks_and_tp_under_sequence_parallelism():
+    cfg = small(context_parallel_size=4)
+    assert sequence_step(cfg, 256) == 256 and sequence_step(cfg, 1) == 8
+    assert sequence_step(cfg.replace(tensor_model_parallel_size=2, sequence_parallel=True), 1) == 16
+
+
+def test_cp_layouts_verify_on_meta_builds():
+    """Parameters are replicated over CP as over DP: every rank of CP2 x TP2 (and CP2 x DP2) builds
+    what the planner lists."""
+    for world, overrides in ((4, dict(tensor_model_parallel_size=2, sequence_parallel=True)), (4, {})):
+        cfg = small(seq_length=64, context_parallel_size=2, **GQA, **overrides)
+        assert verify_all_ranks(cfg, world)["problems"] == []
+        assert verify_rank(cfg, world, world - 1)["problems"] == []
+
+
+def test_planner_refuses_what_cp_does_not_compose_with():
+    with pytest.raises(ConfigError, match="--context-parallel-size 2 is not built with --pipeline"):
+        check(small(seq_length=64, context_parallel_size=2, pipeline_model_parallel_size=2), 4)
+    with pytest.raises(ConfigError, match="MoE layers"):
+        check(small(seq_length=64, context_parallel_size=2, **MOE), 2)

@@ -41,7 +41,7 @@ def test_json_has_both_phases_and_every_category(capsys):
     }
     # fp16 weights (2 B) on host with their fp32 mains and moments (12 B)
     assert real["host"]["optimizer"] == 6 * real["host"]["params"] > 0
-    assert set(real["comm_bytes"]) == {"tp", "dp", "ep", "expert_dp", "pp", "embedding", "sharing", "tp_partial"}
+    assert set(real["comm_bytes"]) == {"tp", "cp", "dp", "ep", "expert_dp", "pp", "embedding", "sharing", "tp_partial"}
     check = data["verification"]["real"][0]
     assert check["rank"] == 3 and check["problems"] == [] and check["parameters"] == real["parameters"]
 
