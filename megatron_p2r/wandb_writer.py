@@ -26,6 +26,7 @@ def planner_summary(cfg: Config, plan: ParallelPlan, device_type: str) -> dict:
         "world_size": layout.world_size,
         "tp": layout.tp,
         "pp": layout.pp,
+        "cp": layout.cp,
         "dp": layout.dp,
         "ep": layout.ep,
         "phase": plan.phase,

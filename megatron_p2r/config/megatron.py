@@ -289,7 +289,7 @@ _BERT = "read by Megatron's BERT scripts only"
 # Values of a config field's flag that Megatron-LM takes and this framework does not build: the
 # parser takes them too, to refuse them by name.
 UNBUILT_VALUES: Dict[str, Dict[str, str]] = {
-    "--cp-comm-type": {"a2a+p2p": "hierarchical context parallelism (a2a inside, p2p across) is not built"},
+    "--cp-comm-type": {"a2a+p2p": "hierarchical a2a+p2p is not implemented"},
     "--optimizer": {
         "sgd": "SGD with momentum is not built (adam, lion and adafactor are)",
         "muon": "Muon is not built",

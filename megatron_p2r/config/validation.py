@@ -108,8 +108,11 @@ def _check_context_parallel(cfg: Config) -> None:
         sp = " x --tensor-model-parallel-size (--sequence-parallel)" if p.sequence_parallel else ""
         raise ConfigError(f"--context-parallel-size {cp}: --seq-length ({seq}) must be a multiple of 2 x CP{sp}")
     refused = [
-        (p.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size above 1"),
-        (bool(m.num_experts), "MoE layers (--num-experts)"),
+        (
+            bool(m.num_experts) and p.sequence_parallel and p.tensor_model_parallel_size > 1,
+            "MoE layers under --sequence-parallel (the router's losses would need a TP x CP group)",
+        ),
+        (p.overlap_moe_expert_parallel_comm, "--overlap-moe-expert-parallel-comm"),
         (cfg.train.compile, "--compile"),
     ]
     for given, what in refused:

@@ -54,7 +54,10 @@ class MoELayer(nn.Module):
         self.capacity_factor = cfg.moe_capacity_factor
         self.tp_group = ps.group("tp")
         self.sequence_group = self.tp_group if sequence_parallel else None
-        self.router = Router(cfg, device, sequence_group=self.sequence_group)
+        # the router's losses are taken over the whole sequence: under context parallelism each CP
+        # rank routes its chunks, so their statistics are summed over the CP group, as over SP's TP ranks
+        statistics_group = ps.group("cp") if ps.cp_size > 1 else self.sequence_group
+        self.router = Router(cfg, device, sequence_group=statistics_group)
         self.experts = Experts(cfg, ps, device)
         self.dispatcher = Dispatcher(cfg.num_experts, ps.ep_size, ps.group("ep"))
 

@@ -68,7 +68,7 @@ def _run(cfg: Config, ps: ParallelState, plan: ParallelPlan, started: float) -> 
     mem = describe_memory(state)
     optimizer_bytes = stage_state_bytes(plan, ps.pp_rank, ps.coords)["optimizer"]  # the optimizer allocates at step 1
     print(
-        f"[rank {ps.rank}] stage {ps.pp_rank} tp {ps.tp_rank} dp {ps.dp_rank} ep {ps.ep_rank}: "
+        f"[rank {ps.rank}] stage {ps.pp_rank} tp {ps.tp_rank} cp {ps.cp_rank} dp {ps.dp_rank} ep {ps.ep_rank}: "
         f"{mem['parameters']:,} parameters, {mem['param_bytes'] / 2**20:.1f} MiB params, "
         f"{mem['grad_bytes'] / 2**20:.1f} MiB grads, {optimizer_bytes / 2**20:.1f} MiB optimizer",
         flush=True,

@@ -24,8 +24,11 @@ def test_cp_takes_ranks_from_data_parallelism():
             r"multiple of 2 x CP x --tensor-model-parallel-size",
         ),
         (dict(context_parallel_size=2), 3, r"divisible by .* x --context-parallel-size \(2\) = 2"),
-        (dict(context_parallel_size=2, pipeline_model_parallel_size=2), 4, "not built with --pipeline-model-parallel"),
-        (dict(context_parallel_size=2, num_experts=4), 2, r"not built with MoE layers \(--num-experts\)"),
+        (
+            dict(context_parallel_size=2, num_experts=4, tensor_model_parallel_size=2, sequence_parallel=True),
+            4,
+            "not built with MoE layers under --sequence-parallel",
+        ),
         (dict(context_parallel_size=2, compile=True), 2, "not built with --compile"),
     ],
 )

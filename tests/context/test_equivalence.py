@@ -1,6 +1,7 @@
 """Context parallelism against the one-process model on the same weights and data: losses,
 gradient norms, the first step's reduced gradients and the weights after 2 steps of training
-(mock data, AdamW), for CP alone and composed with DP, TP + SP, the distributed optimizer, GQA,
+(mock data, AdamW), for CP alone and composed with DP, TP + SP, PP (interleaved too), MoE with EP,
+the distributed optimizer, GQA,
 learned positions, sliding windows and attention sinks, selective and full recomputation, every
 --cp-comm-type, the pseudo phase's shared layers and --bf16. Several layouts share one spawn
 (one process group per world size): spawning dominates on 2 cores."""
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from megatron_p2r.model.m6 import build_model
+from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.training import setup_parallel
 from tests.harness import run_distributed
@@ -16,6 +18,7 @@ from tests.helpers import expected_shard, keep_first_step_grads, reference_confi
 
 CLIP = 0.5  # below every step's gradient norm: the clipping path, which reads the global norm, runs
 BASE = dict(num_experts=None, seq_length=16, global_batch_size=4, clip_grad=CLIP, position_embedding_type="rope")
+MOE = dict(num_experts=4, moe_layer_freq=2, moe_ffn_hidden_size=24, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3)
 CASES = {  # name: (world, overrides)
     "cp2": (2, dict(context_parallel_size=2)),
     "cp2-allgather-learned": (
@@ -47,6 +50,24 @@ CASES = {  # name: (world, overrides)
     "cp4": (4, dict(context_parallel_size=4)),
     "cp2-tp2-sp": (4, dict(context_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)),
     "cp2-dp2-distopt": (4, dict(context_parallel_size=2, use_distributed_optimizer=True)),
+    # MoE: the router's load-balancing and z losses over the whole sequence; experts over EP 2 of the
+    # DP x CP ranks (Megatron's expert grid), EP 2 x expert-DP 2 on 4 ranks
+    "cp2-ep2-moe": (2, dict(context_parallel_size=2, expert_model_parallel_size=2, **MOE)),
+    "cp2-dp2-ep2-moe": (4, dict(context_parallel_size=2, expert_model_parallel_size=2, **MOE)),
+    "cp2-pp2": (4, dict(context_parallel_size=2, pipeline_model_parallel_size=2, num_layers=4)),
+    # interleaved 1F1B, the pseudo phase's slot called by both stages (a cross-stage x DP x CP group)
+    "cp2-pp2-interleaved-pseudo": (
+        4,
+        dict(
+            context_parallel_size=2,
+            pipeline_model_parallel_size=2,
+            num_layers=4,
+            num_layers_per_virtual_pipeline_stage=1,
+            p2r_phase="pseudo",
+            share_pattern="cycle:2",
+            global_batch_size=8,
+        ),
+    ),
 }
 # fp32: losses and norms rel 1e-5, gradients abs 1e-6 (observed <= 2e-8); weights abs 1e-3 after two
 # AdamW steps of lr 1e-2: the CP ranks' partial gradients are summed in another order than one
@@ -75,8 +96,8 @@ def _one(name, overrides):
     named = list(state.model.named_parameters())
     initial = dict(build_model(reference_config(cfg), ParallelState.single()).named_parameters())
     mine = {n: p.detach() for n, p in named}
-    want = {n: expected_shard(ref_params[n].detach(), p, ps) for n, p in named}
-    start = {n: expected_shard(initial[n].detach(), p, ps) for n, p in named}
+    want = {n: expected_shard(ref_params[logical_name(n, p)].detach(), p, ps) for n, p in named}
+    start = {n: expected_shard(initial[logical_name(n, p)].detach(), p, ps) for n, p in named}
     for group in ps.drop_groups():
         torch.distributed.destroy_process_group(group)
     return {
@@ -88,7 +109,9 @@ def _one(name, overrides):
         # the distributed optimizer reduces each rank's shard of main_grad only: its norm and steps are checked
         "grad_err": 0.0
         if cfg.parallel.use_distributed_optimizer
-        else max((grads[n] - expected_shard(ref_grads[n], p, ps)).abs().max().item() for n, p in named),
+        else max(
+            (grads[n] - expected_shard(ref_grads[logical_name(n, p)], p, ps)).abs().max().item() for n, p in named
+        ),
         "weight_err": max(((mine[n].float() - want[n].float()).abs().max().item(), n) for n in mine),
         "weight_rms_ratio": _rms(mine, want) / _rms(want, start),
     }

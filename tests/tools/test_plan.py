@@ -8,7 +8,8 @@ import json
 import pytest
 
 from tools.plan import main, parse_count
-from tests.planning.plan_argv import TEN_T
+from tests.helpers import bad_input_error
+from tests.planning.plan_argv import SHAPE, TEN_T
 
 
 def test_10t_plan_table_and_verification(capsys):
@@ -151,3 +152,8 @@ def test_measured_gap_says_which_method_pays(capsys):
     assert exit_.value.code == 2 and "--p2r-gap: expected extra steps (120)" in capsys.readouterr().err
     assert main(TEN_T + ["--growth-flops-ratio", "0"]) == 2
     assert "--growth-flops-ratio must be > 0" in capsys.readouterr().err
+
+
+def test_context_parallelism_is_refused_until_the_planner_models_it(capsys):
+    line = bad_input_error(main, SHAPE + ["--world-size", "2", "--context-parallel-size", "2"], capsys)
+    assert "--context-parallel-size above 1: the planner does not model context parallelism yet" in line
