@@ -57,8 +57,8 @@ def table() -> List[str]:
     ]
     for tokens in LENGTHS:
         lines += [row("Llama-3-8B-like, TP 8 + SP", L3, tokens, cp) for cp in (1, 2, 4, 8)]
-    lines += [row("M6-10T real, EP 512", M6, tokens, 1) for tokens in LENGTHS]
-    lines.append(row("M6-10T real, EP 512", M6, LENGTHS[0], 2))
+    for tokens in LENGTHS:
+        lines += [row("M6-10T real, EP 512", M6, tokens, cp) for cp in (1, 2, 4, 8)]
     return lines
 
 

@@ -24,6 +24,8 @@ CP_CASES = {
     "allgather": dict(cp_comm_type="allgather"),
     "allgather-rope-gqa": dict(cp_comm_type="allgather", **ROPE_GQA),
     "a2a-rope-gqa": dict(cp_comm_type="a2a", **ROPE_GQA),
+    # MoE on the rank's tokens, experts over DP x CP (capacity 0.25: every expert fills it)
+    "p2p-moe-ep2": dict(moe_capacity_factor=0.25, moe_layer_freq=2, expert_model_parallel_size=2, **MOE),
 }
 
 
@@ -122,7 +124,31 @@ def test_cp_layouts_verify_on_meta_builds():
 
 
 def test_planner_refuses_what_cp_does_not_compose_with():
-    with pytest.raises(ConfigError, match="--context-parallel-size 2 is not built with --pipeline"):
-        check(small(seq_length=64, context_parallel_size=2, pipeline_model_parallel_size=2), 4)
-    with pytest.raises(ConfigError, match="MoE layers"):
-        check(small(seq_length=64, context_parallel_size=2, **MOE), 2)
+    """The training's refusals (config.validate), by name: MoE under SP with TP above 1."""
+    moe_sp = dict(tensor_model_parallel_size=2, sequence_parallel=True, **MOE)
+    with pytest.raises(ConfigError, match="MoE layers under --sequence-parallel"):
+        check(small(seq_length=64, context_parallel_size=2, **moe_sp), 4)
+
+
+@pytest.mark.slow
+def test_the_guide_shows_what_the_planner_prints(capsys):
+    """docs/scale.md's "Context parallelism in the plan": the table is what
+    benchmarks/context_parallel_plan.py prints, the longest-sequence line what its command prints."""
+    import importlib.util
+
+    from tools.plan import main
+
+    with open("docs/scale.md", encoding="utf-8") as fh:
+        text = fh.read()
+    shape = text.split('L3="', 1)[1].split('"', 1)[0].split()
+    section = text[text.index("## Context parallelism in the plan") : text.index("## What it refuses")]
+    spec = importlib.util.spec_from_file_location("cp_table", "benchmarks/context_parallel_plan.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    assert rows == bench.table()
+    command = next(line.split()[2:] for line in section.splitlines() if line.startswith("p2r-plan $L3 "))
+    quoted = [line for line in section.splitlines() if line.startswith("longest sequence ")]
+    capsys.readouterr()
+    assert main(shape + command) == 0 and len(quoted) == 1
+    assert quoted[0] in capsys.readouterr().out.splitlines()
