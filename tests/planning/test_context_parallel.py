@@ -115,9 +115,14 @@ def test_length_step_is_2cp_chunks_and_tp_under_sequence_parallelism():
 
 
 def test_cp_layouts_verify_on_meta_builds():
-    """Parameters are replicated over CP as over DP: every rank of CP2 x TP2 (and CP2 x DP2) builds
-    what the planner lists."""
-    for world, overrides in ((4, dict(tensor_model_parallel_size=2, sequence_parallel=True)), (4, {})):
+    """Parameters are replicated over CP as over DP: every rank class of CP2 x TP2, CP2 x DP2 and
+    CP2 x PP2 builds what the planner lists."""
+    layouts = (
+        (4, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+        (4, {}),
+        (4, dict(pipeline_model_parallel_size=2, num_layers=4)),
+    )
+    for world, overrides in layouts:
         cfg = small(seq_length=64, context_parallel_size=2, **GQA, **overrides)
         assert verify_all_ranks(cfg, world)["problems"] == []
         assert verify_rank(cfg, world, world - 1)["problems"] == []
