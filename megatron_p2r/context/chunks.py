@@ -46,8 +46,3 @@ def split_batch(batch: Dict[str, torch.Tensor], cp_size: int, cp_rank: int) -> D
     ``cp_rank`` reads it: its chunks of each, the loss mask kept token by token, so the
     rank's masked sum is its share of the sequence's."""
     return {k: split_sequence(v, cp_size, cp_rank) if k in SEQUENCE_KEYS else v for k, v in batch.items()}
-
-
-def causal_work(positions: torch.Tensor) -> int:
-    """Query-key pairs a causal attention computes for queries at ``positions``: sum of p + 1."""
-    return int((positions + 1).sum())

@@ -79,7 +79,7 @@ class Embedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
-            positions = token_positions(self.ps, tokens.shape[1], tokens.device)
+            positions = sequence_positions(self.ps, tokens.shape[1], tokens.device)
             start = self.tp_rank * x.shape[1] if self.sequence_parallel else 0
             x = x + self.position_embeddings(positions[start : start + x.shape[1]])
         p = self.dropout if self.training else 0.0
@@ -87,7 +87,7 @@ class Embedding(nn.Module):
             return nn.functional.dropout(x, p)
 
 
-def token_positions(ps: ParallelState, seq_len: int, device) -> torch.Tensor:
+def sequence_positions(ps: ParallelState, seq_len: int, device) -> torch.Tensor:
     """The positions in the whole sequence of this rank's ``seq_len`` tokens: 0..seq_len-1, or
     under context parallelism its two chunks' (``context.chunks``)."""
     if ps.cp_size == 1:
@@ -235,7 +235,7 @@ class M6Model(nn.Module):
         cos, sin = model_rotary_tables(self.cfg.model, seq_len * cp, device)
         if cp == 1:
             return cos, sin
-        positions = token_positions(self.ps, seq_len, device)
+        positions = sequence_positions(self.ps, seq_len, device)
         return cos[positions], sin[positions]
 
     def hidden_spec(self, tokens_shape: Tuple[int, ...]) -> Tuple[Tuple[int, ...], torch.dtype]:

@@ -24,7 +24,7 @@ import torch.utils.checkpoint
 
 _MODEL_PARALLEL_OFFSET = 2718
 _PIPELINE_OFFSET = 100
-_CONTEXT_PARALLEL_OFFSET = 7919  # a prime: no CP rank's seeds meet another stage's or TP rank's
+_CONTEXT_PARALLEL_OFFSET = 7919  # beyond 100 x PP and 2718 + TP of practical layouts: CP ranks' seeds stay apart
 
 
 class RNGStatesTracker:

@@ -5,7 +5,7 @@ loss mask, and the loss put back together exactly."""
 import pytest
 import torch
 
-from megatron_p2r.context.chunks import causal_work, chunk_positions, split_batch, split_sequence
+from megatron_p2r.context.chunks import chunk_positions, split_batch, split_sequence
 from megatron_p2r.data.mock import MockGPTDataset
 from megatron_p2r.layout.ranks import Layout
 from megatron_p2r.model.m6 import build_model
@@ -22,6 +22,11 @@ def test_each_rank_holds_chunks_i_and_its_mirror(cp):
     c = seq // (2 * cp)
     for r, positions in enumerate(held):
         assert positions.tolist() == [*range(r * c, (r + 1) * c), *range((2 * cp - 1 - r) * c, (2 * cp - r) * c)]
+
+
+def causal_work(positions: torch.Tensor) -> int:
+    """Query-key pairs a causal attention computes for queries at ``positions``: sum of p + 1."""
+    return int((positions + 1).sum())
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4, 8])
