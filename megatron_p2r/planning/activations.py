@@ -116,16 +116,20 @@ def local_sequence(cfg: Config) -> Config:
 def context_core_bytes(cfg: Config, q: int, kv: int, projected: int, selective: bool, a: int) -> int:
     """What context_parallel_attention (``megatron_p2r.context``) keeps beyond the one-process
     kernel on the rank's ``q`` query and ``kv`` key (= value) elements, counted from its ops
-    (measured on CP2, tests/planning/test_context_parallel.py). Every comm type returns its
-    output contiguous as [b, heads, s, d] (a fused kernel's is [b, s, heads, d]), so the output
-    projection's input is a copy (``q``). Unless the core is recomputed (selective): p2p saves
-    its inputs, merged output and log-sum-exp as the kernel does; allgather saves the gathered
-    K/V of the whole sequence (2·kv·CP) and its two chunks' [chunk, keys] float masks (2CP+1
-    squares of a chunk) instead of the local K/V, and the int64 order of the sequence; a2a saves the all-to-all's q, k, v
-    (q + 2·kv) instead of the local ones, and two int64 orders of the sequence."""
+    (measured on CP2, tests/planning/test_context_parallel.py). Under selective recomputation
+    nothing: the checkpoint keeps only q, k, v. Otherwise every comm type saves its output
+    contiguous as [b, heads, s, d] (a fused kernel's is [b, s, heads, d]), so the output
+    projection's input is one more copy (``q``); p2p saves its inputs, merged output and
+    log-sum-exp as the kernel does; allgather saves the gathered K/V of the whole sequence
+    (2·kv·CP), its two chunks' [chunk, keys] float masks (2CP+1 squares of a chunk; fewer under
+    a sliding window: an upper bound) and the int64 order of the sequence instead of the local
+    K/V; a2a saves the all-to-all's q, k, v (q + 2·kv) and two int64 orders instead of the local
+    q, k, v."""
     m, cp, comm = cfg.model, cfg.parallel.context_parallel_size, cfg.parallel.cp_comm_type
+    if selective:
+        return 0
     held = q * a
-    if selective or comm == "p2p":
+    if comm == "p2p":
         return held
     rope = m.position_embedding_type == "rope"
     # the local tensors held only because the kernel saved them: the rotated q, k (rope) and the

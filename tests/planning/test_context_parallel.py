@@ -24,6 +24,7 @@ CP_CASES = {
     "allgather": dict(cp_comm_type="allgather"),
     "allgather-rope-gqa": dict(cp_comm_type="allgather", **ROPE_GQA),
     "a2a-rope-gqa": dict(cp_comm_type="a2a", **ROPE_GQA),
+    "allgather-selective": dict(cp_comm_type="allgather", recompute_granularity="selective", **ROPE_GQA),
     # MoE on the rank's tokens, experts over DP x CP (capacity 0.25: every expert fills it)
     "p2p-moe-ep2": dict(moe_capacity_factor=0.25, moe_layer_freq=2, expert_model_parallel_size=2, **MOE),
 }
