@@ -83,6 +83,8 @@ def test_ring_traffic_moves_only_the_key_value_heads():
     mbs = cfg.train.global_batch_size // b if cfg.train.global_batch_size else 1
     assert traffic.bytes == mbs * cfg.model.num_layers * per_layer
     assert traffic.size == 2 and traffic.nodes == 1  # CP ranks next to the TP ranks: one node
+    tp8 = small(seq_length=64, context_parallel_size=2, tensor_model_parallel_size=8, num_attention_heads=8, **GQA)
+    assert communication.communication(tp8, ParallelPlan.for_world(tp8, 16), 0)["cp"].nodes == 2  # over the network
 
 
 def test_gradients_and_optimizer_shard_over_dp_times_cp_and_flops_split_over_cp():
@@ -134,6 +136,11 @@ def test_planner_refuses_what_cp_does_not_compose_with():
     moe_sp = dict(tensor_model_parallel_size=2, sequence_parallel=True, **MOE)
     with pytest.raises(ConfigError, match="MoE layers under --sequence-parallel"):
         check(small(seq_length=64, context_parallel_size=2, **moe_sp), 4)
+    # and what the attention refuses at its first forward: a2a over heads the CP size does not divide
+    a2a = small(seq_length=64, context_parallel_size=4, cp_comm_type="a2a", **GQA)  # 2 KV heads over 4
+    with pytest.raises(ConfigError, match="--cp-comm-type a2a: 4 local attention heads and 2 local key/value"):
+        check(a2a, 4)
+    check(a2a.replace(cp_comm_type="p2p"), 4)
 
 
 @pytest.mark.slow
