@@ -68,6 +68,7 @@ from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.planning.breakeven import measured_verdict, p2r_break_even, parse_gap
 from megatron_p2r.planning.breakeven import format_p2r
 from megatron_p2r.planning.checkpoint_cost import FS_WRITE_BW
+from megatron_p2r.planning.communication import check_a2a_heads
 from megatron_p2r.planning.estimate import Plan, make_plan
 from megatron_p2r.planning.hardware import GPU_HOSTS, GPU_PRESETS, HOST_PRESETS, NVME_PRESETS, GiB, HostSpec
 from megatron_p2r.planning.host_step import load_calibration, with_overrides
@@ -314,6 +315,13 @@ def phase_configs(args: argparse.Namespace, rest: List[str]) -> Dict[str, Config
     return dict(sorted(out.items(), key=lambda kv: kv[0] != "pseudo"))
 
 
+def _cp_line(t0: dict) -> str:
+    """The ring's time per micro-batch and what of it the block computation does not hide."""
+    if not t0["cp_per_microbatch"]:
+        return ""
+    return f", cp {t0['cp_per_microbatch']:.3f} ({t0['cp_exposed_per_microbatch']:.3f} exposed)"
+
+
 def planned_host(args: argparse.Namespace) -> HostSpec:
     """The node's CPUs and DRAM: --host-calibration's (measured), else --host-node's or the GPU
     preset's node (sourced and assumed), with --host-cores / --host-dram-bw / --host-thread-bw on top."""
@@ -333,11 +341,7 @@ def check(cfg: Config, world_size: int) -> None:
         cfg = cfg.replace(mock_data=True)
     if cfg.model.vocab_size is None:
         raise ConfigError("the planner needs --vocab-size (the embedding's size)")
-    if cfg.parallel.context_parallel_size > 1:
-        raise ConfigError(
-            "--context-parallel-size above 1: the planner does not model context parallelism yet "
-            "(its activations and ring traffic); plan the layout with --context-parallel-size 1"
-        )
+    check_a2a_heads(cfg)
     validate(cfg, world_size)
 
 
@@ -397,7 +401,6 @@ def verify_rank(cfg: Config, world_size: int, rank: int) -> dict:
         if dist.is_initialized():
             dist.destroy_process_group()
     seconds = time.perf_counter() - start
-    layout = ps.layout
     specs = plan.tensors(coords.pp)
     planned = {s.name: (s.name, s.shape, s.tp_dim, s.expert, s.shared_name, s.tp_replicas) for s in specs}
     problems = []
@@ -415,7 +418,7 @@ def verify_rank(cfg: Config, world_size: int, rank: int) -> dict:
     planned_buckets = defaultdict(int)
     for s in specs:
         reduction = plan.reduction(s.logical, s.expert)
-        if _group_size(reduction, layout) > 1:
+        if plan.group_members(reduction.over, reduction.stages, reduction.tp_block) > 1:
             planned_buckets[reduction.kind] += s.numel * 4
     if dict(buckets) != dict(planned_buckets):
         problems.append(
@@ -436,11 +439,6 @@ def verify_rank(cfg: Config, world_size: int, rank: int) -> dict:
     }
 
 
-def _group_size(reduction, layout) -> int:
-    over = layout.expert_dp if reduction.over == "expert_dp" else layout.dp
-    return over * max(len(reduction.stages), 1) * reduction.tp_block
-
-
 def verify_all_ranks(cfg: Config, world_size: int) -> dict:
     """Verify one rank per pipeline stage (and a second rank of the stage with other TP/DP
     coordinates: same shapes), then add up the logical slices every rank holds."""
@@ -449,7 +447,7 @@ def verify_all_ranks(cfg: Config, world_size: int) -> dict:
     results, problems, covered = [], [], {}
     for stage in range(layout.pp):
         first = verify_rank(cfg, world_size, layout.rank(0, 0, stage))
-        other = verify_rank(cfg, world_size, layout.rank(layout.tp - 1, layout.dp - 1, stage))
+        other = verify_rank(cfg, world_size, layout.rank(layout.tp - 1, layout.dp - 1, stage, layout.cp - 1))
         problems += first["problems"] + other["problems"]
         if first["specs"] != other["specs"]:
             problems.append(f"stage {stage}: ranks {first['rank']} and {other['rank']} hold different shapes")
@@ -492,7 +490,7 @@ def format_plans(plans: Dict[str, Plan]) -> str:
         lay = pl.layout
         gpu = pl.gpu
         lines.append(
-            f"== {phase} phase: {pl.world_size} x {gpu['name']} | TP {lay['tp']} PP {lay['pp']} "
+            f"== {phase} phase: {pl.world_size} x {gpu['name']} | TP {lay['tp']} CP {lay['cp']} PP {lay['pp']} "
             f"DP {lay['dp']} EP {lay['ep']} (expert-DP {lay['expert_dp']}) | "
             f"{pl.logical_parameters:,} parameters ({pl.logical_parameters:.3e}; experts "
             f"{pl.expert_parameters:.3e})"
@@ -536,7 +534,7 @@ def format_plans(plans: Dict[str, Plan]) -> str:
             f"+ optimizer {b['optimizer']:.2f} (per micro-batch, stage 0: compute "
             f"{t0['compute_per_microbatch']:.3f}, tp {t0['tp_per_microbatch']:.3f}, ep "
             f"{t0['ep_per_microbatch']:.3f}, pp {t0['pp_per_microbatch']:.3f}{hidden}, offload transfer "
-            f"{t0['offload_transfer_per_microbatch']:.3f}); MFU {pl.mfu:.1%}; "
+            f"{t0['offload_transfer_per_microbatch']:.3f}{_cp_line(t0)}); MFU {pl.mfu:.1%}; "
             f"{pl.tokens_per_step / pl.step_time_s:,.0f} tokens/s"
         )
         if "nvme" in pl.tiers:

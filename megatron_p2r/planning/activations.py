@@ -137,6 +137,8 @@ def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int, device_type: 
         query_saved = m.position_embedding_type != "rope"
         projected = q + 2 * kv if query_saved or not m.group_query_attention else 2 * kv
     held = ns * m.hidden_size * a + projected * a + q * a
+    if cfg.parallel.context_parallel_size > 1:
+        held += context_core_bytes(cfg, q, kv, projected, selective, a)
     if not selective:
         held += attention_core_bytes(cfg, tp, device_type)
         if m.softmax_type != "vanilla":  # k and v with the sink slot, the float mask (CUDA's kernel keeps them)
@@ -146,6 +148,47 @@ def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int, device_type: 
     if m.position_embedding_type == "rope" and not unfused:
         held += (q + kv) * a  # rotated q and k
     return held
+
+
+def local_sequence(cfg: Config) -> Config:
+    """``cfg`` as one CP rank sees it: every module runs on its s/CP tokens (its two chunks),
+    the attention core's extra bytes are ``context_core_bytes``."""
+    cp = cfg.parallel.context_parallel_size
+    return cfg if cp == 1 else cfg.replace(seq_length=cfg.model.seq_length // cp)
+
+
+def context_core_bytes(cfg: Config, q: int, kv: int, projected: int, selective: bool, a: int) -> int:
+    """What context_parallel_attention (``megatron_p2r.context``) keeps beyond the one-process
+    kernel on the rank's ``q`` query and ``kv`` key (= value) elements, counted from its ops
+    (measured on CP2, tests/planning/test_context_parallel.py). Under selective recomputation
+    nothing: the checkpoint keeps only q, k, v. Otherwise every comm type saves its output
+    contiguous as [b, heads, s, d] (a fused kernel's is [b, s, heads, d]), so the output
+    projection's input is one more copy (``q``); p2p saves its inputs, merged output and
+    log-sum-exp as the kernel does; allgather saves the gathered K/V of the whole sequence
+    (2·kv·CP), its two chunks' [chunk, keys] float masks (2CP+1 squares of a chunk; fewer under
+    a sliding window: an upper bound) and the int64 order of the sequence instead of the local
+    K/V; a2a saves the all-to-all's q, k, v (q + 2·kv) and two int64 orders instead of the local
+    q, k, v."""
+    m, cp, comm = cfg.model, cfg.parallel.context_parallel_size, cfg.parallel.cp_comm_type
+    if selective:
+        return 0
+    held = q * a
+    if comm == "p2p":
+        return held
+    rope = m.position_embedding_type == "rope"
+    # the local tensors held only because the kernel saved them: the rotated q, k (rope) and the
+    # projection outputs q, k, v are views of (``projected``) once nothing else keeps them; with
+    # --qk-layernorm the norms keep their own (not subtracted: an upper bound)
+    if m.qk_norm:
+        freed_kv = freed_qkv = 0
+    elif rope:
+        freed_kv, freed_qkv = kv + projected, q + kv + projected
+    else:  # allgather still saves q: a fused QKV output stays, a separate query's projection too
+        freed_kv, freed_qkv = (projected - q if m.group_query_attention else 0), projected
+    if comm == "allgather":
+        chunk = m.seq_length // 2
+        return held + (2 * kv * cp + (2 * cp + 1) * chunk * chunk - freed_kv) * a + 8 * m.seq_length * cp
+    return held + (q + 2 * kv - freed_qkv) * a + 2 * 8 * m.seq_length * cp
 
 
 def _qk_norm_held(m, q: int, kv: int, d: int, a: int, kernel_saves_outputs: bool = True, tokens: int = 0) -> int:
@@ -578,6 +621,7 @@ def activation_memory(
     once (pseudo slots, tied embedding); (d) the word embedding's gradient. Offloaded modules
     (``megatron_p2r.offload``) always run recomputed with fetched weights.
     """
+    cfg = local_sequence(cfg)
     ns = cfg.train.micro_batch_size * cfg.model.seq_length // (plan.layout.tp if plan.sequence_parallel else 1)
     hidden_bytes = ns * token_bytes(cfg)  # one micro-batch's hidden state: a chunk's input, a p2p message
     chunks = [

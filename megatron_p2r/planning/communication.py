@@ -1,4 +1,4 @@
-"""Communication volume per step of each group a rank is in (tp, ep, pp, dp, expert_dp,
+"""Communication volume per step of each group a rank is in (tp, cp, ep, pp, dp, expert_dp,
 embedding, sharing, tp_partial), following the collectives the code issues (see docs/scale.md):
 with sequence parallelism, all-gathers and reduce-scatters along the sequence instead of TP
 all-reduces, 1/TP of the activation between stages.
@@ -14,10 +14,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
-from megatron_p2r.config import Config, num_microbatches
+from megatron_p2r.config import Config, ConfigError, num_microbatches
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import stage_set_groups
-from megatron_p2r.planning.activations import compute_bytes, cut_positions, expert_rows, moe_rows, recomputed_positions
+from megatron_p2r.context.traffic import sent_bytes
+from megatron_p2r.planning.activations import (
+    compute_bytes,
+    cut_positions,
+    expert_rows,
+    local_sequence,
+    moe_rows,
+    recomputed_positions,
+)
 
 
 def _ring(nbytes: float, n: int) -> float:
@@ -79,11 +87,45 @@ def _tp_layer_bytes(cfg: Config, moe: bool, forwards: int, n: int, T: int, sp: b
     return out
 
 
+def check_a2a_heads(cfg: Config) -> None:
+    """--cp-comm-type a2a scatters a rank's heads over the CP ranks: refused as the attention
+    refuses it at its first forward (``context.attention``), before a plan counts it."""
+    m, p = cfg.model, cfg.parallel
+    cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
+    heads, kv_heads = m.num_attention_heads // tp, max(m.query_groups // tp, 1)
+    if cp > 1 and p.cp_comm_type == "a2a" and (heads % cp or kv_heads % cp):
+        raise ConfigError(
+            f"--cp-comm-type a2a: {heads} local attention heads and {kv_heads} local key/value heads "
+            f"must both be divisible by the context-parallel size {cp}; use p2p or allgather"
+        )
+
+
+def context_layer_bytes(cfg: Config, T: int, forwards: int) -> float:
+    """Bytes a CP rank sends for one layer and micro-batch (``cfg`` at its local length):
+    ``context.traffic.sent_bytes`` (what the collectives are handed) for this TP rank's heads and
+    key/value heads, ``forwards`` times the forward's (recomputation repeats it) and one backward."""
+    m, p = cfg.model, cfg.parallel
+    if p.context_parallel_size == 1:
+        return 0.0
+    fwd, bwd = sent_bytes(
+        p.cp_comm_type,
+        p.context_parallel_size,
+        cfg.train.micro_batch_size,
+        m.num_attention_heads // T,
+        max(m.query_groups // T, 1),
+        m.seq_length,
+        m.head_dim,
+        compute_bytes(cfg),
+    )
+    return forwards * fwd + bwd
+
+
 def communication(
     cfg: Config, plan: ParallelPlan, stage: int, gpus_per_node: int = 8, offloaded: Sequence[int] = ()
 ) -> Dict[str, GroupTraffic]:
-    """Per-step bytes a rank of ``stage`` sends over each group (tp, ep, pp, dp, expert_dp,
+    """Per-step bytes a rank of ``stage`` sends over each group (tp, cp, ep, pp, dp, expert_dp,
     embedding, sharing, tp_partial), following the collectives the code issues (see docs/scale.md)."""
+    cfg = local_sequence(cfg)  # a CP rank's tokens: every module but attention's core runs on them
     m, t, layout = cfg.model, cfg.train, plan.layout
     a = compute_bytes(cfg)
     n, h = t.micro_batch_size * m.seq_length, m.hidden_size
@@ -96,9 +138,10 @@ def communication(
 
     twice = recomputed_positions(cfg, st, offloaded)
     cut = cut_positions(cfg, st, offloaded)  # recomputed without their all-to-alls
-    tp_bytes = ep_bytes = 0.0
+    tp_bytes = ep_bytes = cp_bytes = 0.0
     for position, key in enumerate(st.layer_keys):
         forwards = 2 if position in twice else 1
+        cp_bytes += context_layer_bytes(cfg, T, forwards + (1 if t.recompute == "selective" else 0))
         moe = m.is_moe_layer(key)
         tp_bytes += _tp_layer_bytes(cfg, moe, forwards, n, T, sp)
         if moe:
@@ -113,6 +156,7 @@ def communication(
     if last:  # the output layer's input (gathered twice and its gradient reduce-scattered under SP, or
         # the copy's all-reduce), and the cross entropy's all-gather of two fp32 numbers per token
         tp_bytes += (3 * _gather(n * h * a, T) if sp else _ring(n * h * a, T)) + _gather(T * n * 8, T)
+    out["cp"] = GroupTraffic(mbs * cp_bytes, layout.cp, _nodes(layout.group_of("cp", rank), gpus_per_node))
     tp_ranks = layout.group_of("tp", rank)
     out["tp"] = GroupTraffic(mbs * tp_bytes, T, _nodes(tp_ranks, gpus_per_node))
     ep_ranks = layout.group_of("ep", rank)

@@ -26,7 +26,7 @@ from megatron_p2r.planning.memory import (
     stage_state_bytes,
     stepped_elements,
 )
-from megatron_p2r.planning.timing import link_time, stage_flops_per_microbatch
+from megatron_p2r.planning.timing import link_time, microbatch_link_times, stage_flops_per_microbatch
 from megatron_p2r.planning.verdict import TierVerdict, gpu_tier, host_problem, host_tier, node_tier, nvme_problem
 
 DEVICE_ORDER = ("reserve", "params", "optimizer", "grads", "fetch_window", "activations", "transient")
@@ -104,7 +104,7 @@ class Plan:
 
 
 def _rank_ranges(layout: Layout, stage: int) -> str:
-    ranks = [layout.rank(t, d, stage) for d in range(layout.dp) for t in range(layout.tp)]
+    ranks = [layout.replica_rank(t, d, stage) for d in range(layout.dp_cp) for t in range(layout.tp)]
     lo, hi = min(ranks), max(ranks)
     return f"{lo}-{hi}" if hi - lo + 1 == len(ranks) else ",".join(map(str, sorted(ranks)))
 
@@ -288,7 +288,7 @@ def _stage_estimate(
     overflow = _overflow(device, gpu.memory)
     comm = communication(cfg, plan, stage, gpu.gpus_per_node, off["recomputed"])
     compute = stage_flops_per_microbatch(cfg, plan, stage, off["recomputed"]) / (peak * a.efficiency)
-    tp_t, ep_t, pp_t = (link_time(comm[k], gpu) / mbs for k in ("tp", "ep", "pp"))
+    tp_t, ep_t, pp_t, cp = microbatch_link_times(cfg, plan, stage, comm, gpu, peak * a.efficiency)
     transfer = off["moved_per_microbatch"] / gpu.host_bw
     overlap_p2p, overlap_ep = plan.schedule.posts_receives_ahead, plan.schedule.kind == COMBINED
     if overlap_ep:  # the combined warm-up's chunk forwards, in micro-batches
@@ -334,9 +334,10 @@ def _stage_estimate(
         comm_bytes={k: v.bytes for k, v in comm.items()},
         time_s={
             "compute_per_microbatch": compute,
-            "tp_per_microbatch": tp_t,
+            "tp_per_microbatch": tp_t - cp["cp_exposed_per_microbatch"],
             "ep_per_microbatch": ep_t,
             "pp_per_microbatch": pp_t,
+            **cp,
             "offload_transfer_per_microbatch": transfer,
             "grad_sync": sync,
             "optimizer": opt,
@@ -556,7 +557,7 @@ def make_plan(
     return Plan(
         phase=cfg.p2r.p2r_phase,
         world_size=world_size,
-        layout={"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "ep": layout.ep, "expert_dp": layout.expert_dp},
+        layout={k: getattr(layout, k) for k in ("tp", "cp", "pp", "dp", "ep", "expert_dp")},
         gpu=dataclasses.asdict(gpu),
         logical_parameters=logical_parameter_count(plan),
         expert_parameters=expert_parameter_count(plan),

@@ -29,9 +29,12 @@ class LongestSequence:
 
 
 def sequence_step(cfg: Config, granularity: int) -> int:
-    """The multiple every length is asked at: ``granularity`` and what the layout requires."""
+    """The multiple every length is asked at: ``granularity`` and what the layout requires (TP
+    under sequence parallelism; 2 x CP equal chunks, Megatron-LM's rule, under context parallelism)."""
     p = cfg.parallel
     required = p.tensor_model_parallel_size if p.sequence_parallel else 1
+    if p.context_parallel_size > 1:
+        required *= 2 * p.context_parallel_size
     return math.lcm(granularity, required)
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Dict, Sequence, Tuple
 
-from megatron_p2r.config import Config
+from megatron_p2r.config import Config, num_microbatches
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.planning.activations import expert_rows, recomputed_positions
 from megatron_p2r.planning.communication import GroupTraffic
@@ -18,9 +18,11 @@ def stage_flops_per_microbatch(cfg: Config, plan: ParallelPlan, stage: int, offl
     recomputes its logits in backward (``parallel/cross_entropy.py``): 4x the output layer.
     Key/value heads replicated over TP (TP > query groups) are computed on every replica. Experts
     multiply the rows of balanced routing (``expert_rows``: exact with --moe-grouped-gemm,
-    dropless; the padded experts multiply padding rows too when routing is imbalanced)."""
+    dropless; the padded experts multiply padding rows too when routing is imbalanced). A CP
+    rank runs every matmul on its s/CP tokens and 1/CP of the attention core: the load-balanced
+    chunks give every rank the same causal work (``context.chunks``)."""
     m, t = cfg.model, cfg.train
-    n, h, T = t.micro_batch_size * m.seq_length, m.hidden_size, plan.layout.tp
+    n, h, T = t.micro_batch_size * m.seq_length // plan.layout.cp, m.hidden_size, plan.layout.tp
     st = plan.stage(stage)
     glu = 2 if m.gated_linear_unit else 1
     if m.multi_latent_attention:
@@ -62,6 +64,39 @@ def _latent_attention_flops(cfg: Config, n: int, T: int, sequence_parallel: bool
     up = query + n * m.kv_lora_rank * heads * (m.qk_head_dim + m.v_head_dim) + n * heads * m.v_head_dim * h
     core = 2 * n * m.seq_length * heads * (m.q_head_dim + m.v_head_dim)
     return 2 * (down_tokens * h * down + up), core
+
+
+def attention_core_flops(cfg: Config, plan: ParallelPlan) -> float:
+    """Forward FLOPs of one layer's attention core on a rank (QK^T and PV over the whole
+    sequence for its s/CP queries and heads/TP heads, the same convention as the model FLOPs)."""
+    m = cfg.model
+    n = cfg.train.micro_batch_size * m.seq_length // plan.layout.cp
+    return 4 * n * m.seq_length * m.num_attention_heads * m.head_dim / plan.layout.tp
+
+
+def exposed_context(cfg: Config, plan: ParallelPlan, cp_time: float, core_time: float) -> float:
+    """Seconds of the CP attention's communication (``cp_time`` per micro-batch) not hidden: p2p
+    sends each of the N-1 hops (forward and backward) while the blocks of a step compute, so it
+    hides behind (N-1)/N of the core's time (``core_time``, forward and backward); allgather and
+    a2a wait for their collective before computing: all of it is exposed."""
+    cp = plan.layout.cp
+    if cp == 1 or cfg.parallel.cp_comm_type != "p2p":
+        return cp_time
+    return max(0.0, cp_time - core_time * (cp - 1) / cp)
+
+
+def microbatch_link_times(
+    cfg: Config, plan: ParallelPlan, stage: int, comm: Dict[str, GroupTraffic], gpu: GPUSpec, flops_per_s: float
+) -> Tuple[float, float, float, Dict[str, float]]:
+    """Seconds per micro-batch of the tp (with the CP attention's exposed part: it waits on the
+    critical path like a TP collective), ep and pp traffic, and {cp_per_microbatch,
+    cp_exposed_per_microbatch}: p2p hides behind the core of every layer of ``stage``, forward
+    and backward (3x the forward)."""
+    mbs = num_microbatches(cfg, plan.layout.world_size)
+    tp, ep, pp, cp = (link_time(comm[k], gpu) / mbs for k in ("tp", "ep", "pp", "cp"))
+    core = 3 * len(plan.stage(stage).layer_keys) * attention_core_flops(cfg, plan) / flops_per_s
+    exposed = exposed_context(cfg, plan, cp, core)
+    return tp + exposed, ep, pp, {"cp_per_microbatch": cp, "cp_exposed_per_microbatch": exposed}
 
 
 def link_time(traffic: GroupTraffic, gpu: GPUSpec) -> float:

@@ -83,7 +83,8 @@ def test_the_guide_shows_what_its_commands_print(capsys):
     """docs/scale.md's Llama-3-8B-shaped example: each quoted line is printed by its commands."""
     with open("docs/scale.md", encoding="utf-8") as fh:
         text = fh.read()
-    section = text[text.index("## The longest sequence that fits") : text.index("## What it refuses")]
+    start = text.index("## The longest sequence that fits")
+    section = text[start : text.index("\n## ", start)]  # to the next section
     shape = section.split('L3="', 1)[1].split('"', 1)[0].split()
     commands = [line.split()[2:] for line in section.splitlines() if line.startswith("p2r-plan $L3 ")]
     quoted = [line for line in section.splitlines() if line.startswith("longest sequence ")]

@@ -8,7 +8,6 @@ import json
 import pytest
 
 from tools.plan import main, parse_count
-from tests.helpers import bad_input_error
 from tests.planning.plan_argv import SHAPE, TEN_T
 
 
@@ -42,7 +41,7 @@ def test_json_has_both_phases_and_every_category(capsys):
     }
     # fp16 weights (2 B) on host with their fp32 mains and moments (12 B)
     assert real["host"]["optimizer"] == 6 * real["host"]["params"] > 0
-    assert set(real["comm_bytes"]) == {"tp", "dp", "ep", "expert_dp", "pp", "embedding", "sharing", "tp_partial"}
+    assert set(real["comm_bytes"]) == {"tp", "cp", "dp", "ep", "expert_dp", "pp", "embedding", "sharing", "tp_partial"}
     check = data["verification"]["real"][0]
     assert check["rank"] == 3 and check["problems"] == [] and check["parameters"] == real["parameters"]
 
@@ -154,6 +153,8 @@ def test_measured_gap_says_which_method_pays(capsys):
     assert "--growth-flops-ratio must be > 0" in capsys.readouterr().err
 
 
-def test_context_parallelism_is_refused_until_the_planner_models_it(capsys):
-    line = bad_input_error(main, SHAPE + ["--world-size", "2", "--context-parallel-size", "2"], capsys)
-    assert "--context-parallel-size above 1: the planner does not model context parallelism yet" in line
+def test_context_parallelism_is_planned(capsys):
+    """CP in the layout line, the ring's traffic and its exposed part in the step line."""
+    assert main(SHAPE + ["--world-size", "2", "--context-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "TP 1 CP 2 PP 1 DP 1" in out and "cp 0" in out and " exposed)" in out
