@@ -104,6 +104,7 @@ def format_line(r: dict) -> str:
         parts.append(f"loss scale {r['loss_scale']:.1f}")
     if r.get("skipped"):
         parts.append(f"skipped {r['skipped']}")
+    parts += [f"{key} {r[key]:.4E}" for key in sorted(r) if key.startswith("mtp_") and key.endswith(" loss")]
     for key in ("moe_dropped_fraction", "moe_min_load", "moe_max_load"):
         if key in r:
             parts.append(f"{key.replace('_', ' ')} {r[key]:.3f}")

@@ -448,7 +448,6 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
         "read only with a refused flag of its family (named in the same row of docs/megatron.md)",
         (
             "--mtp-standalone",
-            "--mtp-loss-scaling-factor",
             "--moe-shared-expert-overlap",
             "--moe-router-bias-update-rate",
             "--moe-upcycling-granularity",
@@ -532,7 +531,6 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
         ("--override-opt-param-scheduler",),
     ),
     # Not built: the math or the run would differ.
-    (REFUSED, "DeepSeek-V3's multi-token prediction is not built (another issue)", ("--mtp-num-layers",)),
     (REFUSED, _MLA, ("--multi-latent-attention",)),
     (
         REFUSED,

@@ -107,6 +107,11 @@ class ModelConfig:
     moe_z_loss_coeff: float = opt(0.0, "Router z-loss coefficient.")
     moe_capacity_factor: Optional[float] = opt(None, "Expert capacity factor; unset means dropless.")
     moe_input_jitter_eps: Optional[float] = opt(None, "Multiplicative router input jitter (training only).")
+    # Multi-token prediction (DeepSeek-V3; docs/mtp.md).
+    mtp_num_layers: Optional[int] = opt(
+        None, "Multi-token prediction depths: depth k predicts the token k+1 ahead (unset: none)."
+    )
+    mtp_loss_scaling_factor: float = opt(0.1, "Weight of the mean of the MTP depths' losses in the objective.")
     moe_grouped_gemm: bool = opt(
         False,
         "Experts through torch's grouped_mm, one jagged group of rows per expert, "
@@ -322,6 +327,8 @@ RANGES = {
     "moe_capacity_factor": positive(),
     "moe_input_jitter_eps": fraction(),
     "window_attn_skip_freq": at_least(1, LAYERS),
+    "mtp_num_layers": at_least(1, LAYERS),
+    "mtp_loss_scaling_factor": Range(0.0),
     "glu_linear_offset": Range(-1e6, 1e6),
     "activation_func_clamp_value": positive(),
 }

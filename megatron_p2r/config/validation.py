@@ -48,6 +48,7 @@ def validate(cfg: Config, world_size: int) -> None:
     m.check_split(p.tensor_model_parallel_size, p.expert_model_parallel_size)
     _check_world(cfg, world_size)
     _check_sequence_parallel(cfg)
+    _check_mtp(cfg)
     cfg.train.check()
     cfg.data.check()
     cfg.logging.check(cfg.checkpoint.save)
@@ -83,6 +84,26 @@ def _check_world(cfg: Config, world_size: int) -> None:
             f"--expert-model-parallel-size ({ep}) must divide the data-parallel size ({dp} = "
             f"world {world_size} / (TP {tp} x PP {pp}))"
         )
+
+
+def _check_mtp(cfg: Config) -> None:
+    """Multi-token prediction runs on the last stage, which needs the input embedding there
+    (docs/mtp.md)."""
+    m, pp = cfg.model, cfg.parallel.pipeline_model_parallel_size
+    if not m.mtp_num_layers:
+        return
+    if pp > 1 and m.untie_embeddings_and_output_weights:
+        raise ConfigError(
+            "--mtp-num-layers with --untie-embeddings-and-output-weights and PP > 1: the last stage holds no "
+            "replica of the input embedding (only a tied one is replicated there); tie the weights or use PP 1"
+        )
+    if pp > 1 and m.position_embedding_type == "learned_absolute":
+        raise ConfigError(
+            "--mtp-num-layers with learned absolute positions and PP > 1: the position embedding is not "
+            "replicated on the last stage; use --position-embedding-type rope or PP 1"
+        )
+    if m.window_size is not None:
+        raise ConfigError("--mtp-num-layers with --window-size: the MTP layers' windows are not built")
 
 
 def _check_sequence_parallel(cfg: Config) -> None:

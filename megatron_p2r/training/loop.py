@@ -193,6 +193,8 @@ def _training_record(state: TrainState, out: dict, lr: float, window_losses: Lis
     }
     if out["moe_aux_loss"] is not None:
         record["moe_aux_loss"] = out["moe_aux_loss"]
+    for depth, value in enumerate(out.get("mtp_losses") or [], start=1):
+        record[f"mtp_{depth} loss"] = value  # Megatron-LM's names (the last step's, as moe_aux_loss)
     if cfg.model.num_experts:
         record.update(aux_loss.pop_routing_stats(ps.device) or {})
     return record
