@@ -447,7 +447,6 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
         NO_EFFECT,
         "read only with a refused flag of its family (named in the same row of docs/megatron.md)",
         (
-            "--mtp-standalone",
             "--moe-shared-expert-overlap",
             "--moe-router-bias-update-rate",
             "--moe-upcycling-granularity",
@@ -524,6 +523,12 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
         ),
     ),
     (NO_EFFECT, "read only with --optimizer sgd, which is not built", ("--sgd-momentum",)),
+    (
+        NO_EFFECT,
+        "Megatron-LM's placement of the MTP depths in a pipeline stage of their own: here they are always on "
+        "the last stage, the same math (docs/mtp.md)",
+        ("--mtp-standalone",),
+    ),
     (
         MEANING,
         "the LR schedule on resume is always the one the command line gives (the checkpoint's iteration "
