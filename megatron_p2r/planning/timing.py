@@ -18,28 +18,37 @@ def stage_flops_per_microbatch(cfg: Config, plan: ParallelPlan, stage: int, offl
     recomputes its logits in backward (``parallel/cross_entropy.py``): 4x the output layer.
     Key/value heads replicated over TP (TP > query groups) are computed on every replica. Experts
     multiply the kept rows of balanced routing (``moe_rows``: exact with --moe-grouped-gemm,
-    dropless; the padded experts multiply padding rows too when routing is imbalanced)."""
+    dropless; the padded experts multiply padding rows too when routing is imbalanced). The last
+    stage's MTP depths: a layer of the last layer's kind, the 2h -> h projection and the output
+    layer each."""
     m, t = cfg.model, cfg.train
     n, h, T = t.micro_batch_size * m.seq_length, m.hidden_size, plan.layout.tp
     st = plan.stage(stage)
+    twice = recomputed_positions(cfg, st, offloaded)
+    core = 4 * n * m.seq_length * m.num_attention_heads * m.head_dim / T
+    total = 0.0
+    for position, key in enumerate(st.layer_keys):
+        fwd = _layer_forward_flops(cfg, plan, key, n)
+        total += fwd * (4 if position in twice else 3) + (core if t.recompute == "selective" else 0)
+    if st.last:
+        depths = m.mtp_num_layers or 0  # multi-token prediction (model/mtp.py): never recomputed
+        total += 4 * 2 * n * m.padded_vocab_size * h / T * (1 + depths)
+        total += depths * 3 * (_layer_forward_flops(cfg, plan, m.num_layers - 1, n) + 2 * n * 2 * h * h / T)
+    return total
+
+
+def _layer_forward_flops(cfg: Config, plan: ParallelPlan, key: int, n: int) -> float:
+    """The forward FLOPs of transformer layer ``key`` (its kind) on ``n`` tokens, one TP rank's."""
+    m, h, T = cfg.model, cfg.model.hidden_size, plan.layout.tp
     glu = 2 if m.gated_linear_unit else 1
     heads = m.num_attention_heads * m.head_dim / T  # query (and output) rows on a rank
     kv = 2 * m.query_groups * m.head_dim / min(T, m.query_groups)  # key/value rows on a rank
-    twice = recomputed_positions(cfg, st, offloaded)
-    core = 4 * n * m.seq_length * heads
-    total = 0.0
-    for position, key in enumerate(st.layer_keys):
-        fwd = 2 * n * h * (2 * heads + kv) + core
-        if m.is_moe_layer(key):
-            _, rows = moe_rows(cfg, n)
-            router = 2 * n * m.num_experts * h / (T if plan.sequence_parallel else 1)
-            fwd += router + 2 * rows * (glu + 1) * m.expert_ffn_size * h / T
-        else:
-            fwd += 2 * n * (glu + 1) * m.ffn_size * h / T
-        total += fwd * (4 if position in twice else 3) + (core if t.recompute == "selective" else 0)
-    if st.last:
-        total += 4 * 2 * n * m.padded_vocab_size * h / T
-    return total
+    fwd = 2 * n * h * (2 * heads + kv) + 4 * n * m.seq_length * heads
+    if m.is_moe_layer(key):
+        _, rows = moe_rows(cfg, n)
+        router = 2 * n * m.num_experts * h / (T if plan.sequence_parallel else 1)
+        return fwd + router + 2 * rows * (glu + 1) * m.expert_ffn_size * h / T
+    return fwd + 2 * n * (glu + 1) * m.ffn_size * h / T
 
 
 def link_time(traffic: GroupTraffic, gpu: GPUSpec) -> float:
