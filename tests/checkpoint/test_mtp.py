@@ -1,5 +1,5 @@
-"""Checkpoints of models with multi-token prediction (model/mtp.py): resume, TP/PP reshard, and
-delinking (the depths are no layer module: copied as they are).
+"""Checkpoints of models with multi-token prediction (model/mtp.py): resume, TP/PP reshard,
+delinking and depth growth (the depths are no layer module: copied as they are).
 
 Tolerance: the resumed and resharded runs' losses rel 1e-5 (fp32; a change of layout changes the
 order of reductions only); reshard round trips and delinked MTP pieces are compared bitwise.
@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_p2r.checkpoint.io import save_checkpoint
-from megatron_p2r.convert.reshard import DelinkOptions, Target, convert
+from megatron_p2r.convert.reshard import DelinkOptions, GrowOptions, Target, convert
 from megatron_p2r.parallel.state import ParallelState
 from tests.checkpoint.common import cfg_of, same_bytes, shard_files
 from tests.harness import run_distributed
@@ -97,3 +97,16 @@ def test_delinking_copies_the_depths_as_they_are(tmp_path):
     assert len(depths) > 20 and all(torch.equal(before[k], after[k]) for k in depths)
     assert not torch.equal(before["layers.0.attention.qkv.weight"], after["layers.3.attention.qkv.weight"])
     assert os.path.exists(real / "iter_0000002" / "metadata.json")
+
+
+def test_growth_copies_the_depths_as_they_are(source, tmp_path):
+    """4 -> 8 layers: the depths (a layer of the last layer's kind, which growth keeps) unchanged."""
+    grown = tmp_path / "grown"
+    convert(str(source), str(grown), Target(1, 1), GrowOptions(num_layers=8), progress=False)
+    before = load_file(str(source / "iter_0000002" / "mp_rank_00_000_000.safetensors"))
+    after = load_file(str(grown / "iter_0000002" / "mp_rank_00_000_000.safetensors"))
+    depths = [k for k in before if "mtp." in k]
+    assert len(depths) > 20 and all(torch.equal(before[k], after[k]) for k in depths)
+    assert torch.equal(after["layers.7.attention.qkv.weight"], before["layers.3.attention.qkv.weight"])
+    losses, _ = run_steps(cfg_of(**{**MTP, "num_layers": 8}), ParallelState.single(), 1, load=str(grown))
+    assert 3.0 < losses[0] < 8.0
