@@ -102,6 +102,9 @@ def test_what_the_last_stage_cannot_embed_is_refused(options, message):
 LAYOUTS = {
     "tp2_sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
     "pp2": dict(pipeline_model_parallel_size=2),
+    "pp2_interleaved": dict(pipeline_model_parallel_size=2, num_layers=4, num_layers_per_virtual_pipeline_stage=1),
+    "ep2_moe": dict(expert_model_parallel_size=2, num_experts=4, moe_ffn_hidden_size=48),
+    "pseudo_pp2": dict(pipeline_model_parallel_size=2, num_layers=4, p2r_phase="pseudo", share_pattern="all"),
 }
 STEPS = 2
 
@@ -126,7 +129,7 @@ def _rank(rank, world, overrides):
     ps = initialize_plan(ParallelPlan.for_world(cfg, world), torch.device("cpu"))
     losses, norms, mtp, grads, weights = _train(cfg, ps)
     as_numpy = lambda d: {n: t.numpy() for n, t in d.items()}  # noqa: E731 (tensors pickle by value so)
-    return ps.tp_rank, ps.tp_size, (losses, norms, mtp, as_numpy(grads), as_numpy(weights))
+    return (ps.tp_rank, ps.tp_size, ps.ep_rank, ps.layout.ep), (losses, norms, mtp, as_numpy(grads), as_numpy(weights))
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -136,14 +139,14 @@ def test_layouts_equal_one_process(layout):
     model = build_model(reference_config(cfg), ParallelState.single(), meta=True)
     params = dict(model.named_parameters())
     seen = set()
-    for tp_rank, tp_size, got in run_distributed(_rank, 2, LAYOUTS[layout]):
+    for ranks, got in run_distributed(_rank, 2, LAYOUTS[layout]):
         torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=0)  # lm loss
         torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=0)  # grad norm
         torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=0)  # per-depth losses
         for which in (3, 4):  # first step's gradients, weights after the steps
             for name, value in got[which].items():
                 name = WORD_EMBEDDING if name == OUTPUT_WEIGHT else name  # the last stage's replica
-                want = _shard(ref[which][name], params[name], tp_rank, tp_size)
+                want = _shard(ref[which][name], params[name], *ranks)
                 # gradients: 1e-5 of the tensor's scale (measured 6e-7); weights: 1e-5, a thousandth of an
                 # AdamW step (lr 1e-2) that amplifies rounding in the gradients it normalises (measured 4e-6)
                 atol = 1e-5 * want.abs().max().item() if which == 3 else 1e-5
@@ -152,7 +155,11 @@ def test_layouts_equal_one_process(layout):
     assert any(n.startswith("mtp.layers.1.") for n in seen)
 
 
-def _shard(full, param, tp_rank, tp_size):
+def _shard(full, param, tp_rank, tp_size, ep_rank, ep_size):
+    """This rank's slice of a one-process tensor (its experts, its TP shard)."""
     from megatron_p2r.parallel.sharding import tp_slice
 
+    if getattr(param, "expert", False):
+        n = full.shape[0] // ep_size
+        full = full[ep_rank * n : (ep_rank + 1) * n]
     return tp_slice(full, getattr(param, "tp_dim", None), tp_rank, tp_size, getattr(param, "tp_replicas", 1))
