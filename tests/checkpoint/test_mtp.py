@@ -110,3 +110,15 @@ def test_growth_copies_the_depths_as_they_are(source, tmp_path):
     assert torch.equal(after["layers.7.attention.qkv.weight"], before["layers.3.attention.qkv.weight"])
     losses, _ = run_steps(cfg_of(**{**MTP, "num_layers": 8}), ParallelState.single(), 1, load=str(grown))
     assert 3.0 < losses[0] < 8.0
+
+
+def test_exports_refuse_the_depths_by_name(source, tmp_path):
+    """Neither transformers' Llama nor Megatron-LM's args written here carry MTP layers."""
+    from megatron_p2r.config import ConfigError
+    from megatron_p2r.convert.hf.exporter import export_hf
+    from megatron_p2r.convert.megatron.exporter import export_megatron
+
+    with pytest.raises(ConfigError, match="--mtp-num-layers 2 \\(multi-token prediction\\)"):
+        export_hf(str(source), str(tmp_path / "hf"), progress=False)
+    with pytest.raises(ConfigError, match="--mtp-num-layers 2"):
+        export_megatron(str(source), str(tmp_path / "megatron"), progress=False)
