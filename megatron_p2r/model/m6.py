@@ -3,11 +3,12 @@
 A stage holds the layers of its model chunks (from the ``ParallelPlan``: one chunk, or v with
 interleaving, each a virtual stage with a global layer range); the first chunk of the first
 stage adds the embedding, the last chunk of the last stage the final norm, the output layer,
-the loss and the multi-token prediction depths (``model/mtp.py``). ``forward(..., chunk=c)`` runs chunk c. Layers are kept in
-``self.layers`` keyed by the global index of the module they call (``layout.sharing``), so
-module paths are global names: ``layers.5.attention.qkv.weight`` means the same tensor on
-every layout, and in the pseudo phase several layers call one key — also across the chunks of
-a stage, which then share one module and accumulate its gradient locally.
+the loss and the multi-token prediction depths (``model/mtp.py``). ``forward(..., chunk=c)``
+runs chunk c. Layers are kept in ``self.layers`` keyed by the global index of the module they
+call (``layout.sharing``), so module paths are global names: ``layers.5.attention.qkv.weight``
+means the same tensor on every layout, and in the pseudo phase several layers call one key —
+also across the chunks of a stage, which then share one module and accumulate its gradient
+locally.
 
 Sequence parallelism (``plan.sequence_parallel``): the embedding reduce-scatters into this
 rank's sequence shard ``[b, s/TP, h]``, the layers and the final norm run on the shard,
