@@ -104,6 +104,9 @@ LAYOUTS = {
     "pp2": dict(pipeline_model_parallel_size=2),
     "pp2_interleaved": dict(pipeline_model_parallel_size=2, num_layers=4, num_layers_per_virtual_pipeline_stage=1),
     "ep2_moe": dict(expert_model_parallel_size=2, num_experts=4, moe_ffn_hidden_size=48),
+    "ep2_a2a_overlap": dict(
+        expert_model_parallel_size=2, num_experts=4, moe_ffn_hidden_size=48, overlap_moe_expert_parallel_comm=True
+    ),
     "pseudo_pp2": dict(pipeline_model_parallel_size=2, num_layers=4, p2r_phase="pseudo", share_pattern="all"),
 }
 STEPS = 2
@@ -135,8 +138,9 @@ def _rank(rank, world, overrides):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_layouts_equal_one_process(layout):
     cfg = tiny_config(**MTP, global_batch_size=4, **LAYOUTS[layout])
-    ref = _train(reference_config(cfg).replace(sequence_parallel=False), ParallelState.single())
-    model = build_model(reference_config(cfg), ParallelState.single(), meta=True)
+    one = reference_config(cfg).replace(sequence_parallel=False, overlap_moe_expert_parallel_comm=False)
+    ref = _train(one, ParallelState.single())
+    model = build_model(one, ParallelState.single(), meta=True)
     params = dict(model.named_parameters())
     seen = set()
     for ranks, got in run_distributed(_rank, 2, LAYOUTS[layout]):
