@@ -83,6 +83,13 @@ def test_the_losses_are_logged_per_depth():
     assert out[0]["mtp_losses"] != [out[0]["lm_loss"]] * 2
 
 
+def test_offloading_a_layer_leaves_the_run_unchanged():
+    """The depths stay on the device (they are no layer); the offloaded layer is bitwise the same."""
+    kept, _ = run_steps(tiny_config(**MTP, global_batch_size=2), ParallelState.single(), 2)
+    offloaded, _ = run_steps(tiny_config(**MTP, global_batch_size=2, cpu_offload_layers="1"), ParallelState.single(), 2)
+    assert offloaded == kept
+
+
 @pytest.mark.parametrize(
     "options,message",
     [
