@@ -333,16 +333,15 @@ def _head(cfg: Config, tp: int, ns: int, sequence_parallel: bool) -> Tuple[int, 
 
 def _mtp_depth(cfg: Config, tp: int, ep: int, ns: int, sequence_parallel: bool, device_type: str) -> LayerActivations:
     """What one multi-token prediction depth (model/mtp.py) saves besides its loss (which saves
-    what the main loss does, ``_head``): the shifted ids' lookup (its ids; TP masks, dropout
-    mask), the two input norms and the concatenation the 2h -> h projection saves (the sequence
+    what the main loss does, ``_head``): the shifted ids and what the embedding keeps of their
+    lookup, the two input norms and the concatenation the 2h -> h projection saves (the sequence
     shard under sequence parallelism), a layer of the last layer's kind, its final norm."""
     m = cfg.model
     a, h, b = compute_bytes(cfg), m.hidden_size, cfg.train.micro_batch_size
     layer = layer_activations(
         cfg, m.num_layers - 1, tp, ep, device_type=device_type, sequence_parallel=sequence_parallel
     )
-    dropout = ns * h * (1 if device_type == "cuda" else a) if m.hidden_dropout else 0
-    lookup = b * m.seq_length * (8 + (9 if tp > 1 else 0)) + dropout
+    lookup = b * m.seq_length * 8 + _embedding_bytes(cfg, tp, ns, device_type)  # the shifted ids, as the embedding's
     held = lookup + 3 * norm_held(m, ns, h, a) + ns * 2 * h * a + layer.held
     return LayerActivations(held=held, work=layer.work, backward=layer.backward)
 
