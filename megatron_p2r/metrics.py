@@ -19,7 +19,9 @@ def model_flops_per_token(m: ModelConfig, recompute: bool = False) -> float:
     Forward = 2 x (matmul parameters a token touches: attention -- query, key/value (heads
     and query groups of --kv-channels each) and output projections --, dense or its top-k
     experts, the output layer) + causal attention scores and values, 2 x 2 x seq x (heads x
-    kv-channels) per layer (counted over the full square, as Megatron does).
+    kv-channels) per layer (counted over the full square, as Megatron does). Multi-token
+    prediction adds per depth a layer of the last layer's kind, its 2h -> h projection and the
+    output layer (Megatron-LM counts the same, and its norms).
     """
     h, L = m.hidden_size, m.num_layers
     ffn_mult = 3 if m.gated_linear_unit else 2
@@ -41,7 +43,9 @@ def model_flops_per_token(m: ModelConfig, recompute: bool = False) -> float:
     per_layer = [attention + ((expert + router) if m.is_moe_layer(i) else dense) for i in range(L)]
     vocab = m.padded_vocab_size if m.vocab_size else 0
     forward = 2 * (sum(per_layer) + h * vocab) + core * L
-    return forward * (4 if recompute else 3)
+    depths = m.mtp_num_layers or 0  # each: a layer of the last one's kind, 2h -> h, the output layer
+    mtp = depths * (2 * (per_layer[-1] + 2 * h * h + h * vocab) + core)
+    return forward * (4 if recompute else 3) + 3 * mtp  # the MTP depths are never recomputed
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -127,6 +131,7 @@ def format_line(r: dict) -> str:
         parts.append(f"loss scale {r['loss_scale']:.1f}")
     if r.get("skipped"):
         parts.append(f"skipped {r['skipped']}")
+    parts += [f"{key} {r[key]:.4E}" for key in sorted(r) if key.startswith("mtp_") and key.endswith(" loss")]
     for key in ("moe_dropped_fraction", "moe_min_load", "moe_max_load"):
         if key in r:
             parts.append(f"{key.replace('_', ' ')} {r[key]:.3f}")

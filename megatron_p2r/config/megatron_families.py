@@ -439,8 +439,6 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
         NO_EFFECT,
         "read only with a refused flag of its family (named in the same row of docs/megatron.md)",
         (
-            "--mtp-standalone",
-            "--mtp-loss-scaling-factor",
             "--moe-upcycling-granularity",
             "--qk-clip-alpha",
             "--qk-clip-threshold",
@@ -506,13 +504,18 @@ FAMILIES: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
     ),
     (NO_EFFECT, "read only with --optimizer sgd, which is not built", ("--sgd-momentum",)),
     (
+        NO_EFFECT,
+        "Megatron-LM's placement of the MTP depths in a pipeline stage of their own: here they are always on "
+        "the last stage, the same math (docs/mtp.md)",
+        ("--mtp-standalone",),
+    ),
+    (
         MEANING,
         "the LR schedule on resume is always the one the command line gives (the checkpoint's iteration "
         "and samples place the run on it)",
         ("--override-opt-param-scheduler",),
     ),
     # Not built: the math or the run would differ.
-    (REFUSED, "DeepSeek-V3's multi-token prediction is not built (another issue)", ("--mtp-num-layers",)),
     (
         REFUSED,
         "not built: a change of the MoE math",

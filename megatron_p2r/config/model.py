@@ -214,6 +214,11 @@ class ModelConfig:
         False, "Pad every expert's rows to its capacity with zero rows: fixed shapes, the same math (docs/moe.md)."
     )
     moe_input_jitter_eps: Optional[float] = opt(None, "Multiplicative router input jitter (training only).")
+    # Multi-token prediction (DeepSeek-V3; docs/mtp.md).
+    mtp_num_layers: Optional[int] = opt(
+        None, "Multi-token prediction depths: depth k predicts the token k+1 ahead (unset: none)."
+    )
+    mtp_loss_scaling_factor: float = opt(0.1, "Weight of the mean of the MTP depths' losses in the objective.")
     moe_grouped_gemm: bool = opt(
         False,
         "Experts through torch's grouped_mm, one jagged group of rows per expert, "
@@ -573,6 +578,8 @@ RANGES = {
     "moe_capacity_factor": positive(),
     "moe_input_jitter_eps": fraction(),
     "window_attn_skip_freq": at_least(1, LAYERS),
+    "mtp_num_layers": at_least(1, LAYERS),
+    "mtp_loss_scaling_factor": Range(0.0),
     "glu_linear_offset": Range(-1e6, 1e6),
     "q_lora_rank": at_least(1, 2**18),
     "kv_lora_rank": at_least(1, 2**18),

@@ -49,6 +49,7 @@ def validate(cfg: Config, world_size: int) -> None:
     _check_world(cfg, world_size)
     _check_sequence_parallel(cfg)
     _check_context_parallel(cfg)
+    _check_mtp(cfg)
     cfg.train.check()
     cfg.data.check()
     cfg.logging.check(cfg.checkpoint.save)
@@ -92,6 +93,26 @@ def _check_world(cfg: Config, world_size: int) -> None:
         )
 
 
+def _check_mtp(cfg: Config) -> None:
+    """Multi-token prediction runs on the last stage, which needs the input embedding there
+    (docs/mtp.md)."""
+    m, pp = cfg.model, cfg.parallel.pipeline_model_parallel_size
+    if not m.mtp_num_layers:
+        return
+    if pp > 1 and m.untie_embeddings_and_output_weights:
+        raise ConfigError(
+            "--mtp-num-layers with --untie-embeddings-and-output-weights and PP > 1: the last stage holds no "
+            "replica of the input embedding (only a tied one is replicated there); tie the weights or use PP 1"
+        )
+    if pp > 1 and m.position_embedding_type == "learned_absolute":
+        raise ConfigError(
+            "--mtp-num-layers with learned absolute positions and PP > 1: the position embedding is not "
+            "replicated on the last stage; use --position-embedding-type rope or PP 1"
+        )
+    if m.window_size is not None:
+        raise ConfigError("--mtp-num-layers with --window-size: the MTP layers' windows are not built")
+
+
 def _check_sequence_parallel(cfg: Config) -> None:
     """Sequence parallelism splits every sample's sequence evenly over the TP ranks."""
     p, seq = cfg.parallel, cfg.model.seq_length
@@ -122,6 +143,7 @@ def _check_context_parallel(cfg: Config) -> None:
         (cfg.train.compile, "--compile"),
         (cfg.model.multi_latent_attention, "--multi-latent-attention"),
         (cfg.model.moe_router_load_balancing_type == "seq_aux_loss", "--moe-router-load-balancing-type seq_aux_loss"),
+        (bool(cfg.model.mtp_num_layers), "--mtp-num-layers"),
     ]
     for given, what in refused:
         if given:

@@ -45,6 +45,10 @@ SEQUENCE_PARALLEL_PARTIAL = (
     "mlp.router.weight",
     "mlp.shared_experts.gate_weight",
     "embedding.position_embeddings.weight",
+    "enorm.weight",
+    "enorm.bias",
+    "hnorm.weight",
+    "hnorm.bias",
 )
 
 
@@ -267,8 +271,28 @@ def stage_tensors(
                     shared_name=WORD_EMBEDDING if tied else None,
                 )
             )
+    if last and m.mtp_num_layers:
+        specs += mtp_tensors(m, tp, ep)
     if sequence_parallel:
         specs = [
             dataclasses.replace(s, tp_partial=True) if s.name.endswith(SEQUENCE_PARALLEL_PARTIAL) else s for s in specs
         ]
+    return specs
+
+
+def mtp_tensors(m: ModelConfig, tp: int, ep: int) -> List[TensorSpec]:
+    """The parameters of ``model/mtp.py``'s depths (the last stage's): two norms, the
+    column-parallel 2h -> h projection, a transformer layer of the last layer's kind (its names
+    under ``.layer``, part of no layer module: not shared, ``module_key`` None), a final norm."""
+    last = m.num_layers - 1
+    specs: List[TensorSpec] = []
+    for depth in range(m.mtp_num_layers):
+        p = f"mtp.layers.{depth}"
+        specs += _norm(f"{p}.enorm", m) + _norm(f"{p}.hnorm", m)
+        specs += _column(f"{p}.eh_proj", m.hidden_size, 2 * m.hidden_size, tp, bias=False)
+        specs += [
+            dataclasses.replace(s, name=f"{p}.layer." + s.name.split(".", 2)[2], module_key=None)
+            for s in layer_tensors(m, last, tp, ep)
+        ]
+        specs += _norm(f"{p}.final_norm", m)
     return specs

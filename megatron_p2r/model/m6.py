@@ -2,12 +2,13 @@
 
 A stage holds the layers of its model chunks (from the ``ParallelPlan``: one chunk, or v with
 interleaving, each a virtual stage with a global layer range); the first chunk of the first
-stage adds the embedding, the last chunk of the last stage the final norm, the output layer
-and the loss. ``forward(..., chunk=c)`` runs chunk c. Layers are kept in
-``self.layers`` keyed by the global index of the module they call (``layout.sharing``), so
-module paths are global names: ``layers.5.attention.qkv.weight`` means the same tensor on
-every layout, and in the pseudo phase several layers call one key — also across the chunks of
-a stage, which then share one module and accumulate its gradient locally.
+stage adds the embedding, the last chunk of the last stage the final norm, the output layer,
+the loss and the multi-token prediction depths (``model/mtp.py``). ``forward(..., chunk=c)``
+runs chunk c. Layers are kept in ``self.layers`` keyed by the global index of the module they
+call (``layout.sharing``), so module paths are global names: ``layers.5.attention.qkv.weight``
+means the same tensor on every layout, and in the pseudo phase several layers call one key —
+also across the chunks of a stage, which then share one module and accumulate its gradient
+locally.
 
 Sequence parallelism (``plan.sequence_parallel``): the embedding reduce-scatters into this
 rank's sequence shard ``[b, s/TP, h]``, the layers and the final norm run on the shard,
@@ -39,11 +40,18 @@ from megatron_p2r.layout.tensor_specs import WORD_EMBEDDING
 from megatron_p2r.model.attention import model_rotary_tables
 from megatron_p2r.model.latent_attention import latent_rotary_tables
 from megatron_p2r.model.block import TransformerLayer
+from megatron_p2r.model.mtp import MultiTokenPrediction, attach
 from megatron_p2r.model.norm import make_norm
 from megatron_p2r.moe.nodes import LayerNodes
 from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.cross_entropy import output_cross_entropy
-from megatron_p2r.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear
+from megatron_p2r.parallel.layers import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    column_parallel_linear,
+    vocab_parallel_lookup,
+)
+from megatron_p2r.parallel.mappings import reduce_from_region, reduce_scatter_to_sequence_region
 from megatron_p2r.parallel.random import dropout_rng
 from megatron_p2r.parallel.sharding import init_parameters
 from megatron_p2r.parallel.state import ParallelState
@@ -78,17 +86,23 @@ class Embedding(nn.Module):
         self.dropout = m.hidden_dropout
         self.multiplier = m.embedding_multiplier
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``positions``: of every token of the sequence (default 0, 1, ...)."""
         x = self.word_embeddings(tokens)
         if self.multiplier != 1.0:
             x = x * self.multiplier
         if self.position_embeddings is not None:
-            positions = sequence_positions(self.ps, tokens.shape[1], tokens.device)
+            if positions is None:  # this rank's tokens' places in the sequence (its chunks under CP)
+                positions = sequence_positions(self.ps, tokens.shape[1], tokens.device)
             start = self.tp_rank * x.shape[1] if self.sequence_parallel else 0
             x = x + self.position_embeddings(positions[start : start + x.shape[1]])
-        p = self.dropout if self.training else 0.0
-        with dropout_rng(self.device, self.sequence_parallel and p > 0):
-            return nn.functional.dropout(x, p)
+        return embedding_dropout(x, self.dropout if self.training else 0.0, self.device, self.sequence_parallel)
+
+
+def embedding_dropout(x: torch.Tensor, p: float, device, sequence_parallel: bool) -> torch.Tensor:
+    """The embedding's dropout; on sequence shards from the model-parallel RNG stream."""
+    with dropout_rng(device, sequence_parallel and p > 0):
+        return nn.functional.dropout(x, p)
 
 
 def sequence_positions(ps: ParallelState, seq_len: int, device) -> torch.Tensor:
@@ -179,6 +193,9 @@ class M6Model(nn.Module):
             )
             if tied:  # a replica of the first stage's embedding; gradients summed over the embedding group
                 self.output_layer.weight.shared_name = WORD_EMBEDDING
+        self.mtp = None  # multi-token prediction (model/mtp.py): after every other parameter
+        if stage.last and m.mtp_num_layers:
+            self.mtp = MultiTokenPrediction(m, ps, device, sequence_parallel=sp)
         self.rope_base = m.rotary_base if m.position_embedding_type == "rope" or m.multi_latent_attention else None
         self.layer_calls: List[Callable] = [self.layers[str(k)] for k in self.layer_keys]
         self.standalone: Set[int] = set()  # layers whose calls recompute themselves
@@ -291,6 +308,14 @@ class M6Model(nn.Module):
 
     def _head(self, x: torch.Tensor, labels: Optional[torch.Tensor], loss_mask: Optional[torch.Tensor]) -> torch.Tensor:
         x = self.final_norm(x)
+        out = self._output(x, labels, loss_mask)
+        if self.mtp is None or loss_mask is None or labels is None or not torch.is_grad_enabled():
+            return out
+        seq_length = x.shape[1] * (self.ps.tp_size if self.sequence_parallel else 1)
+        extra = self.mtp.loss(x, labels, loss_mask, self.rope(seq_length, x.device), self._mtp_embed, self._output)
+        return attach(out, extra)
+
+    def _output(self, x: torch.Tensor, labels: Optional[torch.Tensor], loss_mask: Optional[torch.Tensor]):
         if self.cfg.model.logits_scaling != 1.0:  # logits / s, as the output layer's input / s
             x = x / self.cfg.model.logits_scaling
         if self.output_layer is not None:
@@ -299,6 +324,20 @@ class M6Model(nn.Module):
         return logits_or_loss(
             x, self.embedding.word_embeddings.weight, labels, loss_mask, self.ps.group("tp"), self.sequence_parallel
         )
+
+    def _mtp_embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The input embedding of shifted ``ids`` at shifted ``positions`` (Megatron-LM rolls
+        both) for multi-token prediction: the embedding module on a single stage, else a lookup
+        in the last stage's replica of the tied table (read after the output layer's forward)."""
+        if self.embedding is not None:
+            return self.embedding(ids, positions)
+        word = self.output_layer.weight
+        reduce = reduce_scatter_to_sequence_region if self.sequence_parallel else reduce_from_region
+        x = vocab_parallel_lookup(ids, word, self.ps.tp_rank * word.shape[0], self.ps.group("tp"), reduce)
+        if self.cfg.model.embedding_multiplier != 1.0:  # as the embedding module's (Granite)
+            x = x * self.cfg.model.embedding_multiplier
+        p = self.cfg.model.hidden_dropout if self.training else 0.0
+        return embedding_dropout(x, p, self.ps.device, self.sequence_parallel)
 
     def _run_layers(self, positions: Iterable[int], x: torch.Tensor, rope) -> torch.Tensor:
         for position in positions:

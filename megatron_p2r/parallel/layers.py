@@ -16,7 +16,7 @@ gradients are partial and are summed over TP with their data-parallel reduction
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -171,10 +171,17 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = make_param((local, dim), tp_dim=0, init=("normal", init_std), device=device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.group is None:
-            return F.embedding(ids, self.weight)
-        local_ids = ids - self.start
-        outside = (local_ids < 0) | (local_ids >= self.weight.shape[0])
-        out = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return self.reduce(out, self.group)
+        return vocab_parallel_lookup(ids, self.weight, self.start, self.group, self.reduce)
+
+
+def vocab_parallel_lookup(ids: torch.Tensor, weight: torch.Tensor, start: int, group, reduce: Callable) -> torch.Tensor:
+    """Rows ``ids`` of a table split along the vocabulary (this rank's rows from ``start``), the
+    partial lookups combined by ``reduce`` (all-reduce, or reduce-scatter into a sequence shard).
+    Also the lookup of a replica of the table (multi-token prediction on the last stage)."""
+    if group is None:
+        return F.embedding(ids, weight)
+    local_ids = ids - start
+    outside = (local_ids < 0) | (local_ids >= weight.shape[0])
+    out = F.embedding(local_ids.masked_fill(outside, 0), weight)
+    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+    return reduce(out, group)

@@ -117,6 +117,19 @@ def gather_from_sequence_region(x: torch.Tensor, group: Optional[dist.ProcessGro
     return x if group is None else _SequenceCollective.apply(x, group, all_gather_sequence, reduce_scatter_sequence)
 
 
+def _sequence_shard(x: torch.Tensor, group) -> torch.Tensor:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if x.shape[SEQUENCE_DIM] % size:
+        raise ValueError(f"sequence parallelism: sequence length {x.shape[SEQUENCE_DIM]} not divisible by TP={size}")
+    return x.chunk(size, dim=SEQUENCE_DIM)[rank].contiguous()
+
+
+def scatter_to_sequence_region(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Leave a TP region whose output every rank holds whole: keep this rank's sequence shard
+    (the gradient is all-gathered back)."""
+    return x if group is None else _SequenceCollective.apply(x, group, _sequence_shard, all_gather_sequence)
+
+
 def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Leave a TP region: sum the ranks' partial outputs, keep this rank's sequence shard."""
     if group is None:

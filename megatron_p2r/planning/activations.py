@@ -444,6 +444,21 @@ def _head(cfg: Config, tp: int, ns: int, sequence_parallel: bool) -> Tuple[int, 
     return held, fwd, ns * h * 4 + v * h * 4
 
 
+def _mtp_depth(cfg: Config, tp: int, ep: int, ns: int, sequence_parallel: bool, device_type: str) -> LayerActivations:
+    """What one multi-token prediction depth (model/mtp.py) saves besides its loss (which saves
+    what the main loss does, ``_head``): the shifted ids and what the embedding keeps of their
+    lookup, the two input norms and the concatenation the 2h -> h projection saves (the sequence
+    shard under sequence parallelism), a layer of the last layer's kind, its final norm."""
+    m = cfg.model
+    a, h, b = compute_bytes(cfg), m.hidden_size, cfg.train.micro_batch_size
+    layer = layer_activations(
+        cfg, m.num_layers - 1, tp, ep, device_type=device_type, sequence_parallel=sequence_parallel
+    )
+    lookup = b * m.seq_length * 8 + _embedding_bytes(cfg, tp, ns, device_type)  # the shifted ids, as the embedding's
+    held = lookup + 3 * norm_held(m, ns, h, a) + ns * 2 * h * a + layer.held
+    return LayerActivations(held=held, work=layer.work, backward=layer.backward)
+
+
 def stage_activations(
     cfg: Config, plan: ParallelPlan, stage: int, chunk: int = 0, *, device_type: str = "cuda"
 ) -> StageActivations:
@@ -469,6 +484,10 @@ def stage_activations(
     head = head_fwd = head_bwd = 0
     if part.last:
         head, head_fwd, head_bwd = _head(cfg, tp, ns, sp)
+        if m.mtp_num_layers:  # each depth: its layers (``_mtp_depth``) and a loss as the main one
+            depth = _mtp_depth(cfg, tp, ep, ns, sp, device_type)
+            head += m.mtp_num_layers * (depth.held + head - norm_held(m, ns, m.hidden_size, a))
+            head_bwd = max(head_bwd, depth.backward + ns * m.hidden_size * a)
     # A weight called several times in one forward gets one gradient buffer (its dtype) that
     # autograd accumulates into until its last use's backward (the tied embedding too).
     shared = sum(s_.numel * a for s_ in plan.tensors(stage) if s_.module_key is not None and calls[s_.module_key] > 1)

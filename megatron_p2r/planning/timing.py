@@ -20,31 +20,45 @@ def stage_flops_per_microbatch(cfg: Config, plan: ParallelPlan, stage: int, offl
     multiply the rows of balanced routing (``expert_rows``: exact with --moe-grouped-gemm,
     dropless; the padded experts multiply padding rows too when routing is imbalanced). A CP
     rank runs every matmul on its s/CP tokens and 1/CP of the attention core: the load-balanced
-    chunks give every rank the same causal work (``context.chunks``)."""
+    chunks give every rank the same causal work (``context.chunks``). The last stage's MTP
+    depths: a layer of the last layer's kind, the 2h -> h projection and the output layer each."""
     m, t = cfg.model, cfg.train
     n, h, T = t.micro_batch_size * m.seq_length // plan.layout.cp, m.hidden_size, plan.layout.tp
     st = plan.stage(stage)
-    glu = 2 if m.gated_linear_unit else 1
-    if m.multi_latent_attention:
-        projections, core = _latent_attention_flops(cfg, n, T, plan.sequence_parallel)
-    else:
-        heads = m.num_attention_heads * m.head_dim / T  # query (and output) rows on a rank
-        kv = 2 * m.query_groups * m.head_dim / min(T, m.query_groups)  # key/value rows on a rank
-        projections, core = 2 * n * h * (2 * heads + kv), 4 * n * m.seq_length * heads
     twice = recomputed_positions(cfg, st, offloaded)
+    _, core = _attention_flops(cfg, n, T, plan.sequence_parallel)
     total = 0.0
     for position, key in enumerate(st.layer_keys):
-        fwd = projections + core
-        if m.is_moe_layer(key):
-            rows = expert_rows(cfg, n)
-            router = 2 * n * m.num_experts * h / (T if plan.sequence_parallel else 1)
-            fwd += router + 2 * rows * (glu + 1) * m.expert_ffn_size * h / T
-        else:
-            fwd += 2 * n * (glu + 1) * m.ffn_size * h / T
+        fwd = _layer_forward_flops(cfg, plan, key, n)
         total += fwd * (4 if position in twice else 3) + (core if t.recompute == "selective" else 0)
     if st.last:
-        total += 4 * 2 * n * m.padded_vocab_size * h / T
+        depths = m.mtp_num_layers or 0  # multi-token prediction (model/mtp.py): never recomputed
+        total += 4 * 2 * n * m.padded_vocab_size * h / T * (1 + depths)
+        total += depths * 3 * (_layer_forward_flops(cfg, plan, m.num_layers - 1, n) + 2 * n * 2 * h * h / T)
     return total
+
+
+def _attention_flops(cfg: Config, n: int, T: int, sequence_parallel: bool) -> tuple:
+    """(projections, core) forward FLOPs of one attention layer on a rank of ``n`` tokens."""
+    m = cfg.model
+    if m.multi_latent_attention:
+        return _latent_attention_flops(cfg, n, T, sequence_parallel)
+    heads = m.num_attention_heads * m.head_dim / T  # query (and output) rows on a rank
+    kv = 2 * m.query_groups * m.head_dim / min(T, m.query_groups)  # key/value rows on a rank
+    return 2 * n * m.hidden_size * (2 * heads + kv), 4 * n * m.seq_length * heads
+
+
+def _layer_forward_flops(cfg: Config, plan: ParallelPlan, key: int, n: int) -> float:
+    """Forward FLOPs of layer ``key`` on a rank of ``n`` tokens: attention, then its MLP or experts."""
+    m, h, T = cfg.model, cfg.model.hidden_size, plan.layout.tp
+    glu = 2 if m.gated_linear_unit else 1
+    projections, core = _attention_flops(cfg, n, T, plan.sequence_parallel)
+    fwd = projections + core
+    if m.is_moe_layer(key):
+        rows = expert_rows(cfg, n)
+        router = 2 * n * m.num_experts * h / (T if plan.sequence_parallel else 1)
+        return fwd + router + 2 * rows * (glu + 1) * m.expert_ffn_size * h / T
+    return fwd + 2 * n * (glu + 1) * m.ffn_size * h / T
 
 
 def _latent_attention_flops(cfg: Config, n: int, T: int, sequence_parallel: bool) -> tuple:

@@ -204,6 +204,8 @@ def _training_record(state: TrainState, out: dict, lr: float, window_losses: Lis
     for key in ("num_zeros_in_grad", "params_norm"):  # this step's, as Megatron-LM logs them
         if out.get(key) is not None:
             record[key] = out[key]
+    for depth, value in enumerate(out.get("mtp_losses") or [], start=1):
+        record[f"mtp_{depth} loss"] = value  # Megatron-LM's names (the last step's, as moe_aux_loss)
     if cfg.model.num_experts:
         record.update(aux_loss.pop_routing_stats(ps.device) or {})
     return record

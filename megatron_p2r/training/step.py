@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from megatron_p2r import reliability
 from megatron_p2r.config import global_batch_size
+from megatron_p2r.model import mtp
 from megatron_p2r.moe import aux_loss
 from megatron_p2r.moe.expert_bias import update_expert_biases
 from megatron_p2r.parallel.grads import clip_coefficient, grad_norm_and_non_finite, unscale_and_clip
@@ -84,4 +85,5 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
         "global_batch_size": samples,
         "moe_aux_loss": float(torch.stack(aux).sum()) if aux else None,
         "num_zeros_in_grad": zeros,  # with --log-num-zeros-in-grad, None on a skipped step as in Megatron-LM
+        "mtp_losses": mtp.pop_losses(cfg.model.mtp_num_layers, ps.device, (ps.group("pp"), ps.group("dp"))),
     }

@@ -51,6 +51,7 @@ def test_cp_takes_ranks_from_data_parallelism():
             2,
             "not built with --moe-router-load-balancing-type seq_aux_loss",
         ),
+        (dict(context_parallel_size=2, mtp_num_layers=1), 2, "not built with --mtp-num-layers"),
     ],
 )
 def test_what_cp_cannot_do_is_refused_by_name(flags, world, message):

@@ -140,8 +140,9 @@ def _latent_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
 
 
 def _nowhere(m: ModelConfig) -> List[Tuple[bool, str]]:
-    """gpt-oss's options, which none of the exported architectures has."""
+    """Options none of the exported architectures has: gpt-oss's, multi-token prediction."""
     return [
+        (bool(m.mtp_num_layers), f"--mtp-num-layers {m.mtp_num_layers} (multi-token prediction)"),
         (m.softmax_type != "vanilla", f"--softmax-type {m.softmax_type} (attention sinks)"),
         (m.quick_geglu, "--quick-geglu"),
         (m.glu_linear_offset != 0.0, f"--glu-linear-offset {m.glu_linear_offset}"),

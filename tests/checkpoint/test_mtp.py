@@ -1,0 +1,124 @@
+"""Checkpoints of models with multi-token prediction (model/mtp.py): resume, TP/PP reshard,
+delinking and depth growth (the depths are no layer module: copied as they are).
+
+Tolerance: the resumed and resharded runs' losses rel 1e-5 (fp32; a change of layout changes the
+order of reductions only); reshard round trips and delinked MTP pieces are compared bitwise.
+"""
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_p2r.checkpoint.io import save_checkpoint
+from megatron_p2r.convert.reshard import DelinkOptions, GrowOptions, Target, convert
+from megatron_p2r.parallel.state import ParallelState
+from tests.checkpoint.common import cfg_of, same_bytes, shard_files
+from tests.harness import run_distributed
+from tests.helpers import run_steps
+
+MTP = dict(
+    mtp_num_layers=2,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    disable_bias_linear=True,
+    num_layers=4,
+    global_batch_size=4,
+    hidden_dropout=0.0,  # run_steps does not restore the RNG streams a resume restores
+    attention_dropout=0.0,
+)
+EH = "mtp.layers.1.eh_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtp") / "a"
+    _, state = run_steps(cfg_of(**MTP), ParallelState.single(), 2)
+    save_checkpoint(str(root), state)
+    return root
+
+
+def test_resume_continues_the_uninterrupted_run(source):
+    straight, _ = run_steps(cfg_of(**MTP), ParallelState.single(), 3)
+    resumed, _ = run_steps(cfg_of(**MTP), ParallelState.single(), 1, load=str(source))
+    assert resumed[0] == straight[2]
+
+
+def test_reshard_round_trip_is_bitwise_and_splits_the_projection(source, tmp_path):
+    b, a2 = tmp_path / "b", tmp_path / "a2"
+    convert(str(source), str(b), Target(2, 2), progress=False)
+    convert(str(b), str(a2), Target(1, 1), progress=False)
+    full = load_file(str(source / "iter_0000002" / "mp_rank_00_000_000.safetensors"))
+    assert full[EH].shape == (32, 64)
+    for t in range(2):  # the last stage's files hold the depths, eh_proj split along its rows
+        part = load_file(str(b / "iter_0000002" / f"mp_rank_0{t}_001_000.safetensors"))
+        assert torch.equal(part[EH], full[EH][16 * t : 16 * t + 16])
+        assert torch.equal(part["optimizer.exp_avg." + EH], full["optimizer.exp_avg." + EH][16 * t : 16 * t + 16])
+        assert not any("mtp." in k for k in load_file(str(b / "iter_0000002" / f"mp_rank_0{t}_000_000.safetensors")))
+    assert shard_files(str(a2 / "iter_0000002")) == ["mp_rank_00_000_000.safetensors"]
+    assert same_bytes(
+        source / "iter_0000002" / "mp_rank_00_000_000.safetensors",
+        a2 / "iter_0000002" / "mp_rank_00_000_000.safetensors",
+    )
+
+
+def _resume(rank, world, path, overrides):
+    losses, _ = run_steps(cfg_of(**MTP, **overrides), _initialized(cfg_of(**MTP, **overrides), world), 1, load=path)
+    return losses
+
+
+def _initialized(cfg, world):
+    from megatron_p2r.layout.plan import ParallelPlan
+    from megatron_p2r.parallel.state import initialize_plan
+
+    return initialize_plan(ParallelPlan.for_world(cfg, world), torch.device("cpu"))
+
+
+def test_a_tp2_reshard_resumes_at_the_one_process_loss(source, tmp_path):
+    tp2 = tmp_path / "tp2"
+    convert(str(source), str(tp2), Target(2, 1), progress=False)
+    want, _ = run_steps(cfg_of(**MTP), ParallelState.single(), 1, load=str(source))
+    for got in run_distributed(_resume, 2, str(tp2), dict(tensor_model_parallel_size=2)):
+        assert got[0] == pytest.approx(want[0], rel=1e-5)
+
+
+def test_delinking_copies_the_depths_as_they_are(tmp_path):
+    pseudo = tmp_path / "pseudo"
+    cfg = cfg_of(**MTP, p2r_phase="pseudo", share_pattern="all")
+    _, state = run_steps(cfg, ParallelState.single(), 2)
+    save_checkpoint(str(pseudo), state)
+    real = tmp_path / "real"
+    convert(str(pseudo), str(real), Target(1, 1), DelinkOptions(noise_std=0.01), progress=False)
+    before = load_file(str(pseudo / "iter_0000002" / "mp_rank_00_000_000.safetensors"))
+    after = load_file(str(real / "iter_0000002" / "mp_rank_00_000_000.safetensors"))
+    depths = [k for k in before if "mtp." in k]
+    assert len(depths) > 20 and all(torch.equal(before[k], after[k]) for k in depths)
+    assert not torch.equal(before["layers.0.attention.qkv.weight"], after["layers.3.attention.qkv.weight"])
+    assert os.path.exists(real / "iter_0000002" / "metadata.json")
+
+
+def test_growth_copies_the_depths_as_they_are(source, tmp_path):
+    """4 -> 8 layers: the depths (a layer of the last layer's kind, which growth keeps) unchanged."""
+    grown = tmp_path / "grown"
+    convert(str(source), str(grown), Target(1, 1), GrowOptions(num_layers=8), progress=False)
+    before = load_file(str(source / "iter_0000002" / "mp_rank_00_000_000.safetensors"))
+    after = load_file(str(grown / "iter_0000002" / "mp_rank_00_000_000.safetensors"))
+    depths = [k for k in before if "mtp." in k]
+    assert len(depths) > 20 and all(torch.equal(before[k], after[k]) for k in depths)
+    assert torch.equal(after["layers.7.attention.qkv.weight"], before["layers.3.attention.qkv.weight"])
+    losses, _ = run_steps(cfg_of(**{**MTP, "num_layers": 8}), ParallelState.single(), 1, load=str(grown))
+    assert 3.0 < losses[0] < 8.0
+
+
+def test_exports_refuse_the_depths_by_name(source, tmp_path):
+    """Neither transformers' Llama nor Megatron-LM's args written here carry MTP layers."""
+    from megatron_p2r.config import ConfigError
+    from megatron_p2r.convert.hf.exporter import export_hf
+    from megatron_p2r.convert.megatron.exporter import export_megatron
+
+    with pytest.raises(ConfigError, match="--mtp-num-layers 2 \\(multi-token prediction\\)"):
+        export_hf(str(source), str(tmp_path / "hf"), progress=False)
+    with pytest.raises(ConfigError, match="--mtp-num-layers 2"):
+        export_megatron(str(source), str(tmp_path / "megatron"), progress=False)
