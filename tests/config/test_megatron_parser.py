@@ -175,7 +175,7 @@ def test_extract_runs_through_uv_and_nsys(tmp_path):
 
 def test_one_message_names_every_refusal():
     with pytest.raises(ConfigError) as err:
-        parse_launch(BASE + ["--optimizer", "muon", "--moe-token-drop-policy", "position"])
-    assert "--optimizer muon: Muon is not built" in str(err.value) and "--moe-token-drop-policy position:" in str(
+        parse_launch(BASE + ["--optimizer", "muon", "--weight-decay-incr-style", "linear"])
+    assert "--optimizer muon: Muon is not built" in str(err.value) and "--weight-decay-incr-style linear:" in str(
         err.value
     )
