@@ -36,7 +36,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron_p2r.context import ring  # noqa: E402
 from megatron_p2r.context.attention import context_parallel_attention  # noqa: E402
-from megatron_p2r.context.blocks import token_positions  # noqa: E402
+from megatron_p2r.context.chunks import chunk_positions  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
 
 
@@ -94,7 +94,7 @@ def _rank(rank, size, args):
     shape = (1, args.heads, args.seq, args.head_dim)
     q = torch.randn(shape, generator=g)
     k, v = (torch.randn(1, args.kv_heads, args.seq, args.head_dim, generator=g) for _ in range(2))
-    mine = token_positions(rank, size, args.seq // size)
+    mine = chunk_positions(args.seq, size, rank)
     local = [t[:, :, mine].contiguous() for t in (q, k, v)]
     group, gqa = dist.group.WORLD, args.heads != args.kv_heads
 

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_p2r.context.blocks import allowed, rank_chunks, token_positions
+from megatron_p2r.context.blocks import allowed, rank_chunks
+from megatron_p2r.context.chunks import chunk_positions
 from megatron_p2r.context.ring import ring_attention
 from megatron_p2r.parallel.mappings import all_to_all, gather_from_sequence_region
 
@@ -69,7 +70,7 @@ def _allgather_attention(q, k, v, group, window, sink_logits, dropout_p, enable_
     size, rank, local = dist.get_world_size(group), dist.get_rank(group), q.shape[2]
     kv = torch.cat([k, v], dim=-1).transpose(1, 2)  # [b, s_local, kv heads, 2d]: one collective
     kv = gather_from_sequence_region(kv, group).transpose(1, 2)
-    order = torch.argsort(torch.cat([token_positions(r, size, local, q.device) for r in range(size)]))
+    order = torch.argsort(torch.cat([chunk_positions(local * size, size, r, q.device) for r in range(size)]))
     k_all, v_all = kv.index_select(2, order).split(k.shape[-1], dim=-1)
     chunk, outs = local // 2, []
     for c, q_chunk in zip(rank_chunks(rank, size), q.chunk(2, dim=2), strict=True):
@@ -112,7 +113,7 @@ def _a2a_attention(q, k, v, group, window, sink_logits, dropout_p, enable_gqa):
             f"--cp-comm-type a2a: {q.shape[1]} local attention heads and {k.shape[1]} local key/value heads "
             f"must both be divisible by the context-parallel size {size}; use p2p or allgather"
         )
-    order = torch.argsort(torch.cat([token_positions(r, size, local, q.device) for r in range(size)]))
+    order = torch.argsort(torch.cat([chunk_positions(local * size, size, r, q.device) for r in range(size)]))
     q_s, k_s, v_s = (_heads_to_sequence(t, group, order) for t in (q, k, v))
     visible = None
     if window is not None:

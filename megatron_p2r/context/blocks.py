@@ -30,14 +30,6 @@ def rank_chunks(rank: int, size: int) -> tuple:
     return rank, 2 * size - 1 - rank
 
 
-def token_positions(rank: int, size: int, local_len: int, device=None) -> torch.Tensor:
-    """[local_len] positions in the whole sequence of the tokens CP rank ``rank`` holds."""
-    if local_len % 2:
-        raise ValueError(f"context parallelism: local sequence length {local_len} is not two equal chunks")
-    chunk = local_len // 2
-    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in rank_chunks(rank, size)])
-
-
 def block_kind(q_start: int, k_start: int, length: int, window: Optional[int] = None) -> Block:
     """How the block of ``length`` queries from position ``q_start`` against ``length`` keys from
     ``k_start`` is computed (``window``: keys before the query a query sees; None: all)."""

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from megatron_p2r.context import kernels
 from megatron_p2r.context.attention import check_comm_type, context_parallel_attention
-from megatron_p2r.context.blocks import token_positions
+from megatron_p2r.context.chunks import chunk_positions
 from megatron_p2r.model.attention import window_mask, with_sink
 from tests.harness import run_distributed
 
@@ -59,7 +59,7 @@ def _check_case(rank, size, comm_type, case, dtype):
     ref = one_process(*leaves[:3], window, leaves[3] if sinks else None)
     ref_grads = torch.autograd.grad((ref * w).sum(), leaves)
 
-    mine = token_positions(rank, size, 2 * CHUNK)
+    mine = chunk_positions(2 * CHUNK * size, size, rank)
     local = [t[:, :, mine].to(dtype).detach().requires_grad_() for t in (q, k, v)]
     sink = logits.to(dtype).detach().requires_grad_() if sinks else None
     out = context_parallel_attention(
@@ -128,7 +128,7 @@ def _dropout_gradient_is_the_forwards(rank, size):
     """With dropout the ring's backward must use the masks its forward drew: the gradient's
     projection on a random direction equals the loss's central difference along it."""
     q, k, v, w, logits = _inputs(8, 4, 2 * size * CHUNK, True)
-    mine = token_positions(rank, size, 2 * CHUNK)
+    mine = chunk_positions(2 * CHUNK * size, size, rank)
     leaves = [t[:, :, mine].detach().requires_grad_() for t in (q, k, v)] + [logits.detach().requires_grad_()]
     w = w[:, :, mine]
     loss, _ = _global_loss(*leaves[:3], w, leaves[3], 100 + rank, 5)

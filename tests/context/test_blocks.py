@@ -7,7 +7,8 @@ import itertools
 import pytest
 import torch
 
-from megatron_p2r.context.blocks import Block, allowed, block_kind, rank_chunks, step_blocks, token_positions
+from megatron_p2r.context.blocks import Block, allowed, block_kind, rank_chunks, step_blocks
+from megatron_p2r.context.chunks import chunk_positions
 from megatron_p2r.model.attention import window_mask
 
 
@@ -45,9 +46,10 @@ def test_ranks_hold_load_balanced_chunks_covering_the_sequence(size):
     chunks = [rank_chunks(r, size) for r in range(size)]
     assert sorted(c for pair in chunks for c in pair) == list(range(2 * size))
     assert {a + b for a, b in chunks} == {2 * size - 1}
-    positions = torch.cat([token_positions(r, size, 6) for r in range(size)])
-    assert sorted(positions.tolist()) == list(range(6 * size))
-    assert token_positions(1, 2, 6).tolist() == [3, 4, 5, 6, 7, 8]
+    # the ring's chunks are the ones the data loader hands each rank (context.chunks)
+    for r, (first, second) in enumerate(chunks):
+        expected = list(range(3 * first, 3 * first + 3)) + list(range(3 * second, 3 * second + 3))
+        assert chunk_positions(6 * size, size, r).tolist() == expected
 
 
 @pytest.mark.parametrize("window", [None, 3, 6])
