@@ -24,6 +24,7 @@ from megatron_p2r.model.mlp import MLP, SharedExperts
 from megatron_p2r.model.norm import make_norm
 from megatron_p2r.moe.layer import MoELayer, Routed
 from megatron_p2r.moe.nodes import LayerNodes
+from megatron_p2r.context.dropout import sequence_dropout
 from megatron_p2r.parallel.random import dropout_rng
 from megatron_p2r.parallel.state import ParallelState
 
@@ -54,6 +55,7 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = cfg.hidden_dropout
         self.residual_multiplier = cfg.residual_multiplier
         self.device, self.sequence_parallel = ps.device, sequence_parallel
+        self.context = (ps.cp_size, ps.cp_rank)
         self.input_norm = make_norm(cfg, device) if cfg.input_norms else None
         if cfg.multi_latent_attention:
             self.attention = LatentAttention(
@@ -120,8 +122,11 @@ class TransformerLayer(nn.Module):
     def _add(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
         """The residual add of a branch: dropout, then --residual-multiplier (when not 1)."""
         p = self.hidden_dropout if self.training else 0.0
-        with dropout_rng(self.device, self.sequence_parallel and p > 0):
-            branch = F.dropout(branch, p)
+        if self.sequence_parallel:
+            with dropout_rng(self.device, p > 0):
+                branch = F.dropout(branch, p)
+        else:  # under CP the one-process run's masks (context/dropout.py)
+            branch = sequence_dropout(branch, p, *self.context)
         if self.residual_multiplier != 1.0:
             branch = branch * self.residual_multiplier
         return x + branch

@@ -52,6 +52,7 @@ from megatron_p2r.parallel.layers import (
     vocab_parallel_lookup,
 )
 from megatron_p2r.parallel.mappings import reduce_from_region, reduce_scatter_to_sequence_region
+from megatron_p2r.context.dropout import sequence_dropout
 from megatron_p2r.parallel.random import dropout_rng
 from megatron_p2r.parallel.sharding import init_parameters
 from megatron_p2r.parallel.state import ParallelState
@@ -96,12 +97,15 @@ class Embedding(nn.Module):
                 positions = sequence_positions(self.ps, tokens.shape[1], tokens.device)
             start = self.tp_rank * x.shape[1] if self.sequence_parallel else 0
             x = x + self.position_embeddings(positions[start : start + x.shape[1]])
-        return embedding_dropout(x, self.dropout if self.training else 0.0, self.device, self.sequence_parallel)
+        return embedding_dropout(x, self.dropout if self.training else 0.0, self.ps, self.sequence_parallel)
 
 
-def embedding_dropout(x: torch.Tensor, p: float, device, sequence_parallel: bool) -> torch.Tensor:
-    """The embedding's dropout; on sequence shards from the model-parallel RNG stream."""
-    with dropout_rng(device, sequence_parallel and p > 0):
+def embedding_dropout(x: torch.Tensor, p: float, ps: ParallelState, sequence_parallel: bool) -> torch.Tensor:
+    """The embedding's dropout; on sequence shards from the model-parallel RNG stream, else under
+    CP with the one-process run's masks (context/dropout.py)."""
+    if not sequence_parallel:
+        return sequence_dropout(x, p, ps.cp_size, ps.cp_rank)
+    with dropout_rng(ps.device, p > 0):
         return nn.functional.dropout(x, p)
 
 
@@ -337,7 +341,7 @@ class M6Model(nn.Module):
         if self.cfg.model.embedding_multiplier != 1.0:  # as the embedding module's (Granite)
             x = x * self.cfg.model.embedding_multiplier
         p = self.cfg.model.hidden_dropout if self.training else 0.0
-        return embedding_dropout(x, p, self.ps.device, self.sequence_parallel)
+        return embedding_dropout(x, p, self.ps, self.sequence_parallel)
 
     def _run_layers(self, positions: Iterable[int], x: torch.Tensor, rope) -> torch.Tensor:
         for position in positions:

@@ -88,12 +88,13 @@ def get_rng_tracker(device: torch.device) -> RNGStatesTracker:
 
 
 def seed_everything(seed: int, tp_rank: int, pp_rank: int, device: torch.device, cp_rank: int = 0) -> None:
-    """Default stream: seed + 100*pp_rank; model-parallel stream: seed + 2718 + tp_rank; both
-    + 7919*cp_rank, so the CP ranks of a sequence, which hold different tokens, draw different
-    dropout masks (CP rank 0's streams are the one-process run's)."""
-    cp = _CONTEXT_PARALLEL_OFFSET * cp_rank
-    gen_seed(device, seed + _PIPELINE_OFFSET * pp_rank + cp)
-    get_rng_tracker(device).seed(seed + _MODEL_PARALLEL_OFFSET + tp_rank + cp)
+    """Default stream: seed + 100*pp_rank, the same on the CP ranks of a sequence (they draw the
+    whole sequence's residual dropout mask and keep their chunks: ``context.dropout``);
+    model-parallel stream: seed + 2718 + tp_rank + 7919*cp_rank, so the CP ranks, which hold
+    different tokens, draw their own attention-dropout and sequence-parallel masks. CP rank 0's
+    streams are the one-process run's."""
+    gen_seed(device, seed + _PIPELINE_OFFSET * pp_rank)
+    get_rng_tracker(device).seed(seed + _MODEL_PARALLEL_OFFSET + tp_rank + _CONTEXT_PARALLEL_OFFSET * cp_rank)
 
 
 def checkpoint(fn: Callable, *args, device: torch.device, draws: bool = True):

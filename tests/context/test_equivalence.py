@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_p2r.model.m6 import build_model
+from megatron_p2r.parallel.random import seed_everything
 from megatron_p2r.parallel.sharding import logical_name
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.training import setup_parallel
@@ -49,7 +50,9 @@ CASES = {  # name: (world, overrides)
         2,
         dict(context_parallel_size=2, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
     ),
-    "cp4": (4, dict(context_parallel_size=4)),
+    # residual and embedding dropout on: each CP rank keeps its tokens of the one-process run's masks
+    "cp2-hidden-dropout": (2, dict(context_parallel_size=2, hidden_dropout=0.2)),
+    "cp4": (4, dict(context_parallel_size=4, hidden_dropout=0.2)),
     "cp2-tp2-sp": (4, dict(context_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)),
     "cp2-dp2-distopt": (4, dict(context_parallel_size=2, use_distributed_optimizer=True)),
     # MoE: the router's load-balancing and z losses over the whole sequence; experts over EP 2 of the
@@ -94,6 +97,7 @@ def _one(name, overrides):
     ps, _ = setup_parallel(cfg, torch.device("cpu"))
     grads, ref_grads, outs, ref_outs = {}, {}, [], []
     losses, state = run_steps(cfg, ps, 2, after_step=keep_first_step_grads(grads), outputs=outs)
+    seed_everything(cfg.train.seed, 0, 0, torch.device("cpu"))  # as setup_parallel seeded the CP run
     ref_losses, ref_state = run_steps(
         reference_config(cfg), ParallelState.single(), 2, after_step=keep_first_step_grads(ref_grads), outputs=ref_outs
     )
