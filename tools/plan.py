@@ -68,7 +68,6 @@ from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.planning.breakeven import measured_verdict, p2r_break_even, parse_gap
 from megatron_p2r.planning.breakeven import format_p2r
 from megatron_p2r.planning.checkpoint_cost import FS_WRITE_BW
-from megatron_p2r.planning.communication import check_a2a_heads
 from megatron_p2r.planning.estimate import Plan, make_plan
 from megatron_p2r.planning.hardware import GPU_HOSTS, GPU_PRESETS, HOST_PRESETS, NVME_PRESETS, GiB, HostSpec
 from megatron_p2r.planning.host_step import load_calibration, with_overrides
@@ -341,7 +340,6 @@ def check(cfg: Config, world_size: int) -> None:
         cfg = cfg.replace(mock_data=True)
     if cfg.model.vocab_size is None:
         raise ConfigError("the planner needs --vocab-size (the embedding's size)")
-    check_a2a_heads(cfg)
     validate(cfg, world_size)
 
 

@@ -138,6 +138,13 @@ def _check_context_parallel(cfg: Config) -> None:
             f"--context-parallel-size {cp} with --sequence-parallel: a CP rank's {seq // cp} tokens "
             f"(--seq-length / CP) must split evenly over --tensor-model-parallel-size ({tp})"
         )
+    m = cfg.model
+    heads, kv_heads = m.num_attention_heads // tp, max(m.query_groups // tp, 1)  # a rank's
+    if p.cp_comm_type == "a2a" and (heads % cp or kv_heads % cp):  # a2a scatters them over CP
+        raise ConfigError(
+            f"--cp-comm-type a2a: {heads} local attention heads and {kv_heads} local key/value heads "
+            f"must both be divisible by the context-parallel size {cp}; use p2p or allgather"
+        )
     refused = [
         (p.overlap_moe_expert_parallel_comm, "--overlap-moe-expert-parallel-comm"),
         (cfg.train.compile, "--compile"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
-from megatron_p2r.config import Config, ConfigError, num_microbatches
+from megatron_p2r.config import Config, num_microbatches
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import stage_set_groups
 from megatron_p2r.context.traffic import sent_bytes
@@ -85,19 +85,6 @@ def _tp_layer_bytes(cfg: Config, moe: bool, forwards: int, n: int, T: int, sp: b
         slots = moe_rows(cfg, n)[0]
         out += forwards * _gather(n * slots * 12, T) + _gather(n * slots * 4, T) - _gather(n * h * a, T)
     return out
-
-
-def check_a2a_heads(cfg: Config) -> None:
-    """--cp-comm-type a2a scatters a rank's heads over the CP ranks: refused as the attention
-    refuses it at its first forward (``context.attention``), before a plan counts it."""
-    m, p = cfg.model, cfg.parallel
-    cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
-    heads, kv_heads = m.num_attention_heads // tp, max(m.query_groups // tp, 1)
-    if cp > 1 and p.cp_comm_type == "a2a" and (heads % cp or kv_heads % cp):
-        raise ConfigError(
-            f"--cp-comm-type a2a: {heads} local attention heads and {kv_heads} local key/value heads "
-            f"must both be divisible by the context-parallel size {cp}; use p2p or allgather"
-        )
 
 
 def context_layer_bytes(cfg: Config, T: int, forwards: int) -> float:
