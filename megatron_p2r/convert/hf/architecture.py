@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 from megatron_p2r.config import ConfigError, ModelConfig
+from megatron_p2r.convert.unexported import deepseek_routing_blockers
 
 GPT2, LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GRANITE, GRANITE_MOE, OLMO2 = (
     "GPT2LMHeadModel",
@@ -221,17 +222,6 @@ def _norm_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
             if olmo
             else f"--qk-layernorm-over-heads ({name}'s query/key norms, if any, are per head; Olmo2's span all heads)",
         ),
-    ]
-
-
-def deepseek_routing_blockers(m: ModelConfig) -> List[Tuple[bool, str]]:
-    """DeepSeek-style MoE options (docs/moe.md) that the exporters do not write yet."""
-    return [
-        (m.moe_router_score_function != "softmax", f"--moe-router-score-function {m.moe_router_score_function}"),
-        (m.moe_router_topk_scaling_factor is not None, "--moe-router-topk-scaling-factor"),
-        (m.moe_router_group_topk is not None, "--moe-router-group-topk (group-limited routing)"),
-        (m.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias"),
-        (m.moe_shared_expert_intermediate_size is not None, "--moe-shared-expert-intermediate-size (shared experts)"),
     ]
 
 

@@ -17,7 +17,7 @@ import dataclasses
 from typing import List, Tuple
 
 from megatron_p2r.config import Config, ModelConfig
-from megatron_p2r.convert.hf.architecture import deepseek_routing_blockers
+from megatron_p2r.convert.unexported import deepseek_routing_blockers
 from megatron_p2r.convert.megatron.args import MegatronConversionError, SavedArgs, model_values
 
 CHECKPOINT_VERSION = 3.0
