@@ -164,3 +164,29 @@ def test_gemma3_default_layer_types_are_every_sixth_full():
         config = {k: v for k, v in config.items() if k not in ("layer_types", "sliding_window_pattern")}
         _, values = model_values_from_hf({**config, "num_hidden_layers": 12}, "config.json")
         assert (values["window_size"], values["window_attn_skip_freq"]) == ("4,0", every), family
+
+
+def test_gemma_options_block_megatron_export():
+    """Megatron-LM has no flags for Gemma's four options: export to Megatron names each."""
+    from megatron_p2r.convert.megatron.args import MegatronConversionError
+    from megatron_p2r.convert.megatron.export_args import MegatronLayout, megatron_args
+    from tests.convert.hf.common import ROPE
+    from tests.helpers import tiny_config
+
+    options = dict(
+        geglu=True,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        window_size="4,0",
+        rotary_base_local=100.0,
+    )
+    cfg = tiny_config(**dict(ROPE, swiglu=False), **options)
+    with pytest.raises(MegatronConversionError, match="cannot express this model in Megatron-LM's args") as exc:
+        megatron_args(cfg, MegatronLayout(1, 1, 1, "torch_dist"), iteration=0, consumed_samples=0, dtype="float32")
+    for flag in (
+        "--geglu True",
+        "--attn-logit-softcapping 50.0",
+        "--final-logit-softcapping 30.0",
+        "--rotary-base-local",
+    ):
+        assert flag in str(exc.value)
