@@ -86,8 +86,8 @@ def test_one_plus_w_norm_weights_are_bitwise(tmp_path):
 
 
 def test_imported_gemmas_train_as_one_process(tmp_path):
-    """2 training steps under TP 2 (Gemma 2 also PP 2: the final soft-cap on the last stage) equal
-    the one-process import's."""
+    """2 training steps under TP 2 (Gemma 2 with sequence parallelism, and under PP 2: the final
+    soft-cap on the last stage) equal the one-process import's."""
     layouts = {
         "gemma2_tp2": ("gemma2", Target(2)),
         "gemma2_pp2": ("gemma2", Target(1, 2)),
@@ -97,6 +97,8 @@ def test_imported_gemmas_train_as_one_process(tmp_path):
     for name, (family, target) in layouts.items():
         import_hf(_fixture(family), str(tmp_path / name), target, make_vocab_size_divisible_by=8, progress=False)
         runs[name] = _train_values(str(tmp_path / name))
+        if name == "gemma2_tp2":  # the soft-capped loss on sequence shards too
+            runs[name]["sequence_parallel"] = True
         if family not in single:
             import_hf(
                 _fixture(family), str(tmp_path / family), Target(1), make_vocab_size_divisible_by=8, progress=False
@@ -190,3 +192,28 @@ def test_gemma_options_block_megatron_export():
         "--rotary-base-local",
     ):
         assert flag in str(exc.value)
+
+
+def test_embedding_multiplier_is_sqrt_hidden_in_the_weights_dtype():
+    """transformers multiplies by sqrt(hidden) rounded to the weights' dtype (Gemma's 55.4256 -> 55.5 in bf16)."""
+    from megatron_p2r.convert.hf.config_json import model_values_from_hf
+
+    config = json.load(open(os.path.join(_fixture("gemma2"), "config.json")))
+    for dtype, want in (("float32", float(torch.tensor(3072**0.5))), ("bfloat16", 55.5)):
+        _, values = model_values_from_hf({**config, "hidden_size": 3072, "dtype": dtype}, "config.json")
+        assert values["embedding_multiplier"] == want, dtype
+
+
+def test_gemma_without_windows_round_trips(tmp_path):
+    """Every layer full: imported without --window-size, exported with every layer full_attention."""
+    shutil.copytree(_fixture("gemma2"), tmp_path / "hf")
+    config = json.load(open(tmp_path / "hf" / "config.json"))
+    json.dump({**config, "layer_types": ["full_attention"] * 2}, open(tmp_path / "hf" / "config.json", "w"))
+    theirs = load_hf(str(tmp_path / "hf"))
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ours"), Target(1), make_vocab_size_divisible_by=8, progress=False)
+    ours, cfg = reference_model(str(tmp_path / "ours"), str(tmp_path / "single"))
+    assert cfg.model.window_size is None
+    check_same_function(ours, theirs, 101, 16, generate=False)
+    export_hf(str(tmp_path / "ours"), str(tmp_path / "back"), trim_vocab=True, progress=False)
+    assert json.load(open(tmp_path / "back" / "config.json"))["layer_types"] == ["full_attention"] * 2
+    check_same_function(ours, load_hf(str(tmp_path / "back")), 101, 16)
