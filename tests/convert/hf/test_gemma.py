@@ -68,7 +68,9 @@ def test_import_export_same_logits(family, tmp_path):
 
 def test_one_plus_w_norm_weights_are_bitwise(tmp_path):
     """Our norm weight is transformers' factor ``1.0 + w.float()`` bit for bit, and so is the
-    factor of the exported weight."""
+    factor of the exported weight; our norms' outputs are Gemma3RMSNorm's bit for bit (fp32)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
     import_hf(_fixture("gemma3_text"), str(tmp_path / "ours"), Target(1), progress=False)
     ours, _ = reference_model(str(tmp_path / "ours"), str(tmp_path / "single"))
     export_hf(str(tmp_path / "ours"), str(tmp_path / "back"), progress=False)
@@ -79,10 +81,17 @@ def test_one_plus_w_norm_weights_are_bitwise(tmp_path):
         "layers.2.attention.k_layernorm.weight": "model.layers.2.self_attn.k_norm.weight",
         "final_norm.weight": "model.norm.weight",
     }
-    params = dict(ours.named_parameters())
+    params, modules = dict(ours.named_parameters()), dict(ours.named_modules())
+    x = torch.randn(2, 16, 32) * 3
     for mine, theirs in pairs.items():
         assert torch.equal(params[mine].detach(), 1.0 + hf.read(theirs).float()), mine
         assert torch.equal(params[mine].detach(), 1.0 + back.read(theirs).float()), mine
+        # and the norms compute transformers' x * rsqrt(mean(x^2) + eps) * (1.0 + w.float()) bit for bit
+        reference = Gemma3RMSNorm(hf.read(theirs).shape[0], eps=1e-6)
+        reference.weight.data = hf.read(theirs).float()
+        rows = x.reshape(-1, reference.weight.shape[0])
+        with torch.no_grad():
+            assert torch.equal(modules[mine.removesuffix(".weight")](rows), reference(rows)), mine
 
 
 def test_imported_gemmas_train_as_one_process(tmp_path):
