@@ -224,7 +224,12 @@ def _gemma_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
         (m.rotary_percent != 1.0, f"--rotary-percent {m.rotary_percent} ({name} rotates whole heads)"),
         (m.use_rope_scaling, f"--use-rope-scaling ({name} is exported with default rotary only)"),
         (m.rotary_seq_len_interpolation_factor is not None, "--rotary-seq-len-interpolation-factor (not exported)"),
-        (m.qk_layernorm != gemma3, f"{'no ' if gemma3 else ''}--qk-layernorm ({name})"),
+        (
+            m.qk_layernorm != gemma3,
+            "no --qk-layernorm (Gemma3 normalises each query and key head)"
+            if gemma3
+            else "--qk-layernorm (Gemma2 has no query/key norms; Gemma3 has them)",
+        ),
         (m.qk_layernorm_over_heads, f"--qk-layernorm-over-heads ({name}'s q/k norms are per head)"),
         (m.qk_l2_norm, f"--qk-l2-norm ({name} has no query/key L2 norm)"),
         (not gemma3 and m.rotary_base_local is not None, "--rotary-base-local (Gemma2 has one rotary base)"),
