@@ -222,8 +222,7 @@ def _gemma_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
         (not m.geglu, f"no --geglu ({name}'s MLP is GeGLU with tanh GELU)"),
         (m.layer_norms != "both", f"--layer-norms {m.layer_norms} ({name} normalises inputs and outputs: both)"),
         (m.rotary_percent != 1.0, f"--rotary-percent {m.rotary_percent} ({name} rotates whole heads)"),
-        (m.use_rope_scaling, f"--use-rope-scaling ({name} is exported with default rotary only)"),
-        (m.rotary_seq_len_interpolation_factor is not None, "--rotary-seq-len-interpolation-factor (not exported)"),
+        (m.use_rope_scaling, f"--use-rope-scaling ({name} is exported with default or linear rotary only)"),
         (
             m.qk_layernorm != gemma3,
             "no --qk-layernorm (Gemma3 normalises each query and key head)"
