@@ -50,6 +50,9 @@ EVERY_LAYER_WINDOWED = (MISTRAL, MIXTRAL, QWEN3_MOE)
 REFUSED = {
     "gpt_oss": "gpt-oss's router has a bias (megatron-core's router bias under --add-bias-linear "
     "is not built here) and its rotary scaling is YaRN (rope_type yarn), which the model here lacks",
+    "gemma3": "this is Gemma 3's multimodal Gemma3ForConditionalGeneration (4B-27B as released: a vision "
+    "tower and projector beside the language model); import reads its language model saved on its own "
+    "as Gemma3ForCausalLM (model_type gemma3_text; docs/hf.md shows how)",
 }
 
 

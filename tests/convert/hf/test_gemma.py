@@ -317,3 +317,52 @@ def test_gemma_without_windows_round_trips(tmp_path):
     export_hf(str(tmp_path / "ours"), str(tmp_path / "back"), trim_vocab=True, progress=False)
     assert json.load(open(tmp_path / "back" / "config.json"))["layer_types"] == ["full_attention"] * 2
     check_same_function(ours, load_hf(str(tmp_path / "back")), 101, 16)
+
+
+def test_released_multimodal_gemma3_imports_through_its_language_model(tmp_path):
+    """Gemma 3 4B-27B are released as Gemma3ForConditionalGeneration (model_type gemma3, refused by
+    name); docs/hf.md's recipe saves its language model as Gemma3ForCausalLM, which imports with
+    the multimodal model's text logits (a tiny one written by transformers around the gemma3_linear
+    fixture's language model)."""
+    import transformers as t
+
+    text = json.load(open(os.path.join(_fixture("gemma3_linear"), "config.json")))
+    vision = t.SiglipVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    torch.manual_seed(0)
+    released = t.Gemma3ForConditionalGeneration(
+        t.Gemma3Config(
+            text_config={k: v for k, v in text.items() if k not in ("architectures", "transformers_version")},
+            vision_config=vision.to_dict(),
+            mm_tokens_per_image=4,
+            image_token_index=100,
+            boi_token_index=98,
+            eoi_token_index=99,
+        )
+    ).eval()
+    released.model.language_model.load_state_dict(load_hf(_fixture("gemma3_linear")).model.state_dict())
+    released.save_pretrained(tmp_path / "released")
+    with pytest.raises(HFConversionError, match="model_type 'gemma3' is not supported: this is Gemma 3's multimodal"):
+        import_hf(str(tmp_path / "released"), str(tmp_path / "refused"), Target(), progress=False)
+    # docs/hf.md's recipe
+    released = t.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "released")
+    text_only = t.Gemma3ForCausalLM(released.config.text_config)
+    text_only.model.load_state_dict(released.model.language_model.state_dict())
+    text_only.lm_head.load_state_dict(released.lm_head.state_dict())
+    text_only.save_pretrained(tmp_path / "text")
+    import_hf(str(tmp_path / "text"), str(tmp_path / "ours"), Target(1), make_vocab_size_divisible_by=8, progress=False)
+    ours, cfg = reference_model(str(tmp_path / "ours"), str(tmp_path / "single"))
+    assert (cfg.model.rotary_seq_len_interpolation_factor, cfg.model.rotary_base_local) == (8, 1e4)
+    check_same_function(ours, _TextLogits(released), 98, 64, generate=False)
+
+
+class _TextLogits(torch.nn.Module):
+    """The multimodal model's forward on text ids, as check_same_function calls transformers'."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids)
