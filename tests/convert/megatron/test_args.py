@@ -114,7 +114,7 @@ def test_every_blocking_option_is_named():
         rotary_interleaved=True,
         position_embedding_type="yarn",
         apply_residual_connection_post_layernorm=True,
-        moe_router_score_function="sigmoid",
+        moe_latent_size=8,
     )
     with pytest.raises(MegatronConversionError) as err:
         model_values(a)
@@ -124,7 +124,7 @@ def test_every_blocking_option_is_named():
         "--rotary-interleaved True (interleaved rotary embeddings",
         "--position-embedding-type yarn",
         "--apply-residual-connection-post-layernorm True",
-        "--moe-router-score-function 'sigmoid'",
+        "--moe-latent-size 8 (latent MoE projections)",
     ):
         assert part in message
     with pytest.raises(MegatronConversionError, match=r"--moe-layer-freq 2 \(Megatron's MoE layers \[1, 0, 1, 0\]"):
