@@ -266,18 +266,6 @@ def _latent_values(a: SavedArgs, blockers: List[str]) -> dict:
     )
 
 
-def _skip_freq(pattern: list, layers: int, blockers: List[str]) -> Optional[int]:
-    """Megatron's per-layer window pattern (1: windowed) as our frequency N (layers N-1, 2N-1, ...
-    full), None when every layer is windowed; a pattern no N gives blocks the import."""
-    if all(pattern):
-        return None
-    for n in range(1, layers + 1):
-        if pattern == [int((i + 1) % n != 0) for i in range(layers)]:
-            return n
-    blockers.append(f"--window-attn-skip-freq {shown(pattern)} (here every N-th layer is full: a pattern of that form)")
-    return None
-
-
 def _window_values(a: SavedArgs, blockers: List[str]) -> dict:
     """Sliding windows (Megatron saves ``--window-size`` as the tuple (L, R)) and attention sinks."""
     values = {}
@@ -293,8 +281,8 @@ def _window_values(a: SavedArgs, blockers: List[str]) -> dict:
         blockers.append(f"--window-size {shown(window)} (a causal window (L, 0) with L >= 0 here)")
         return values
     freq = a.get("window_attn_skip_freq")
-    if isinstance(freq, (tuple, list)):
-        freq = _skip_freq([int(bool(x)) for x in freq], a.required("num_layers"), blockers)
+    if isinstance(freq, (tuple, list)):  # Megatron's per-layer form (1: windowed), read as is
+        freq = None if all(freq) else [int(bool(x)) for x in freq]
     return dict(values, window_size=f"{window[0]},0", window_attn_skip_freq=freq)
 
 
@@ -330,7 +318,7 @@ def _moe_values(a: SavedArgs, blockers: List[str]) -> dict:
     return dict(
         num_experts=experts,
         moe_router_topk=a.get("moe_router_topk", default=2),
-        moe_layer_freq=_layer_freq(a, blockers),
+        moe_layer_freq=_layer_freq(a),
         moe_ffn_hidden_size=a.get("moe_ffn_hidden_size"),
         moe_router_pre_softmax=bool(a.get("moe_router_pre_softmax")),
         moe_router_load_balancing_type="seq_aux_loss" if balancing == "seq_aux_loss" else None,
@@ -342,20 +330,11 @@ def _moe_values(a: SavedArgs, blockers: List[str]) -> dict:
     )
 
 
-def _layer_freq(a: SavedArgs, blockers: List[str]) -> int:
-    """Megatron's MoE layers (an int k: layers 0, k, 2k, ...; or a per-layer list) as our
-    frequency k (layers k-1, 2k-1, ...); a pattern no k gives blocks the import."""
+def _layer_freq(a: SavedArgs):
+    """Megatron's MoE layers as they are (``--moe-layer-freq`` has Megatron-LM's meaning here): an
+    int N (layers 0, N, 2N, ...) or the per-layer list."""
     freq = a.get("moe_layer_freq", default=1)
-    layers = a.required("num_layers")
-    pattern = list(freq) if isinstance(freq, (list, tuple)) else [int(i % freq == 0) for i in range(layers)]
-    for k in range(1, layers + 1):
-        if pattern == [int((i + 1) % k == 0) for i in range(layers)]:
-            return k
-    blockers.append(
-        f"--moe-layer-freq {shown(freq)} (Megatron's MoE layers {shown(pattern)}; here MoE layers are every "
-        "k-th from layer k-1)"
-    )
-    return 1
+    return list(freq) if isinstance(freq, (list, tuple)) else freq
 
 
 def _deepseek_values(a: SavedArgs, blockers: List[str]) -> dict:

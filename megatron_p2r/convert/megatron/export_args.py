@@ -17,6 +17,7 @@ import dataclasses
 from typing import List, Tuple
 
 from megatron_p2r.config import Config, ModelConfig
+from megatron_p2r.config.layer_pattern import layer_pattern_text
 from megatron_p2r.convert.megatron.args import MegatronConversionError, SavedArgs, model_values
 
 CHECKPOINT_VERSION = 3.0
@@ -137,8 +138,7 @@ def _moe_args(m: ModelConfig) -> dict:
     balancing = m.moe_router_load_balancing_type if m.moe_aux_loss_coeff else "none"
     return dict(
         num_experts=m.num_experts,
-        # Megatron's per-layer list where ours is not an MoE in every layer (its int k means layers 0, k, ...)
-        moe_layer_freq=1 if m.moe_layer_freq == 1 else [int(m.is_moe_layer(i)) for i in range(m.num_layers)],
+        moe_layer_freq=m.moe_layer_freq,
         moe_router_topk=m.moe_router_topk,
         moe_ffn_hidden_size=m.expert_ffn_size,
         moe_router_pre_softmax=m.moe_router_pre_softmax,
@@ -221,7 +221,8 @@ def _gpt_oss_flags(args: argparse.Namespace) -> List[str]:
     if args.window_size:
         flags += ["--window-size", ",".join(map(str, args.window_size))]
     if args.window_attn_skip_freq:
-        flags += ["--window-attn-skip-freq", str(args.window_attn_skip_freq)]
+        freq = args.window_attn_skip_freq
+        flags += ["--window-attn-skip-freq", layer_pattern_text(freq) if isinstance(freq, list) else str(freq)]
     if args.softmax_type != "vanilla":
         flags += ["--softmax-type", args.softmax_type]
     if args.quick_geglu:

@@ -91,6 +91,12 @@ def _expert_biases(source: SourceCheckpoint) -> Dict[str, torch.Tensor]:
     return out
 
 
+def _dist_naming(m) -> DistNaming:
+    """Per-layer keys where megatron-core's ``TransformerBlock`` writes them (--moe-layer-freq a
+    list or an int N > 1), the local spec's norm names with multi-latent attention."""
+    return DistNaming(per_layer=bool(m.num_experts) and m.moe_layer_freq != 1, te_norms=not m.multi_latent_attention)
+
+
 def export_megatron(
     src: str,
     dst: str,
@@ -141,11 +147,7 @@ def export_megatron(
             common = {**header, "content_metadata": dict(CONTENT_METADATA)}
             if optim:
                 common.update(optimizer=optim.optimizer, opt_param_scheduler=optim.scheduler)
-            m = cfg.model
-            naming = DistNaming(
-                per_layer=bool(m.num_experts) and m.moe_layer_freq != 1, te_norms=not m.multi_latent_attention
-            )
-            write_dist(iter_dir, tensors, common, optim.tensors if optim else None, naming)
+            write_dist(iter_dir, tensors, common, optim.tensors if optim else None, _dist_naming(cfg.model))
         else:
             m = cfg.model
             write_legacy(iter_dir, tensors, header, layout, m.num_layers, m.num_experts or 0, m.gated_linear_unit)

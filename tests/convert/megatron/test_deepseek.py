@@ -33,7 +33,7 @@ def imported(tmp_path_factory):
 
 def test_megatrons_deepseek_args_are_ours():
     values, _, _ = model_values(open_megatron(fixture_logits(NAME)[0]).args)
-    assert values["moe_layer_freq"] == 2  # Megatron's [0, 1]: layer 0 dense, layer 1 MoE
+    assert values["moe_layer_freq"] == [0, 1]  # layer 0 dense, layer 1 MoE
     assert (values["moe_router_score_function"], values["moe_router_topk_scaling_factor"]) == ("sigmoid", 2.5)
     assert (values["moe_router_num_groups"], values["moe_router_group_topk"]) == (2, 1)
     assert values["moe_router_enable_expert_bias"] and values["moe_router_bias_update_rate"] == 0.01
