@@ -16,7 +16,11 @@ With OUT.json instead, it writes the keys megatron-core's model asks a torch_dis
 Megatron takes the model from the checkpoint (``--use-checkpoint-args``, so the exported args
 are what builds it), builds GPTModel with the local (non-Transformer-Engine) layer spec on CPU
 ranks over gloo, loads the checkpoint with ``megatron.training.checkpointing.load_checkpoint``
-(strict) and runs the forward pass in eval mode; rank 0 saves the logits, gathered over TP.
+(strict) and runs the forward pass in eval mode; rank 0 saves the logits, gathered over TP, and
+with expert biases the routers' loaded ``expert_bias`` beside them (``OUT.pt.expert_bias``). The
+model is built as make_fixtures builds it (its ``_layer_specs``: the decoder block and MTP specs of
+``gpt_builders.gpt_builder`` where the args ask for them; MLA's local-attention fix); with MTP
+layers the logits are the output layer's last call (the model runs only with labels then).
 
 CUDA-only calls on that path, answered on CPU without touching Megatron's math:
 ``get_device_arch_version`` (a warning under TP > 1) answers 10; ``read_metadata`` all-reduces
