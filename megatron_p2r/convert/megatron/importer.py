@@ -67,7 +67,7 @@ def import_megatron(
         expert_bias={bias_name(layer): source.read(name).tolist() for name, layer in biases.items()} or None,
     )
     yaml_path = os.path.join(dst, MODEL_YAML)
-    notes += [n for n in (vocab_note, tokenizer_note) if n] + list(bias_notes.values())
+    notes += [n for n in (vocab_note, tokenizer_note, *bias_notes.values()) if n]
     if biases:
         notes.append(f"expert biases: Megatron's routers' expert_bias of {len(biases)} MoE layers, exact")
     if moments:
@@ -138,10 +138,12 @@ def _expert_biases(source: MegatronCheckpoint, m: ModelConfig) -> Tuple[Dict[str
         split = split_layer_key(name)
         if split is not None and split[0] is not None and split[1] == EXPERT_BIAS:
             layers[name] = split[0]
-        else:
+        else:  # ours is 0: nothing is lost where Megatron's is too
+            values = source.read(name).tolist()
             notes[name] = (
-                f"{name} (values {source.read(name).tolist()}) is not imported: our MTP layers' routers keep no "
-                "expert bias (it starts at 0)"
+                ""
+                if not any(values)
+                else f"{name} (values {values}) is not imported: our MTP layers' routers keep no expert bias (it is 0)"
             )
     for layer in range(m.num_layers):
         if m.is_moe_layer(layer) and layer not in layers.values():
