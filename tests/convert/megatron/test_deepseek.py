@@ -111,3 +111,25 @@ def test_the_import_reshards_into_ep2(tmp_path):
     import_megatron(fixture_logits(NAME)[0], out, Target(1, expert_parallel_size=2), progress=False)
     for error in run_distributed(_ep2_error, 2, out, timeout=300):
         assert error[1] <= 1e-5, error
+
+
+def test_a_missing_expert_bias_is_an_error_line(tmp_path, capsys):
+    """Args with --moe-router-enable-expert-bias and no router bias in the files: one error line
+    naming the layer, nothing written (the untrained legacy fixture, its bias cut from both ranks)."""
+    import shutil
+    import signal
+
+    from tests.convert.megatron.test_errors import edit_rank_file
+    from tools.convert_checkpoint import main
+
+    src = shutil.copytree(fixture_logits("deepseek_legacy_tp2")[0], tmp_path / "src")
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        with torch.serialization.safe_globals([signal.Signals]):  # the saved args' exit signal
+            edit_rank_file(
+                str(src / "iter_0000003" / rank / "model_optim_rng.pt"),
+                lambda state: state["model"].pop("decoder.layers.1.mlp.router.expert_bias"),
+            )
+    assert main(["import-megatron", str(src), str(tmp_path / "ours"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "no expert_bias of layer 1's router" in err and "Traceback" not in err
+    assert not os.path.exists(tmp_path / "ours")
