@@ -1,5 +1,5 @@
-"""Model options no exporter writes yet (export-hf and export-megatron both refuse them, naming
-each): one list, so the two exporters cannot disagree."""
+"""Model options export-hf refuses (naming each) where the Hugging Face architecture cannot
+express them; export-megatron writes them all (docs/megatron.md, "DeepSeek-V3's pieces")."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from megatron_p2r.config import ModelConfig
 
 
 def deepseek_routing_blockers(m: ModelConfig) -> List[Tuple[bool, str]]:
-    """DeepSeek-style MoE options (docs/moe.md) that the exporters do not write yet."""
+    """DeepSeek-style MoE options (docs/moe.md) that export-hf does not write."""
     return [
         (m.moe_router_score_function != "softmax", f"--moe-router-score-function {m.moe_router_score_function}"),
         (m.moe_router_topk_scaling_factor is not None, "--moe-router-topk-scaling-factor"),
