@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, Dict, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import yaml
 
@@ -50,10 +50,12 @@ def write_imported(
     extras: Callable[[str], dict] = lambda staging: {},
     kinds: Sequence[str] = ("model",),
     position: RunPosition = RunPosition(),
+    expert_bias: Optional[Dict[str, List[float]]] = None,
 ) -> str:
     """Write every piece of ``table`` (each of ``kinds``, as ``produce`` makes it) as DST;
     ``extras(staging)`` may add files beside the checkpoint and returns the data flags model.yaml
-    gets. Returns the iteration directory."""
+    gets; ``expert_bias``: the routers' biases (``checkpoint/expert_bias.py``). Returns the
+    iteration directory."""
     layout = ShardLayout.of(cfg)
     with staged_output(src, src_iter, dst, force) as tmp:
         out_iter = os.path.join(tmp, iteration_dir_name(position.iteration))
@@ -72,6 +74,7 @@ def write_imported(
             rng=None,
             history=[history],
             checksums=checksums,
+            expert_bias=expert_bias,
         )
         write_metadata(out_iter, meta)
         verify(out_iter, meta, expected_params=sum(i.numel for i in table.values()))

@@ -1,5 +1,6 @@
-"""Model options no exporter writes yet (export-hf and export-megatron both refuse them, naming
-each): one list, so the two exporters cannot disagree."""
+"""Model options export-megatron does not write yet (refused, naming each); export-hf writes them
+as DeepseekV3ForCausalLM only (``convert/hf/deepseek_v3.py``) and refuses them, with this list,
+for every other architecture."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from megatron_p2r.config import ModelConfig
 
 
 def deepseek_routing_blockers(m: ModelConfig) -> List[Tuple[bool, str]]:
-    """DeepSeek-style MoE options (docs/moe.md) that the exporters do not write yet."""
+    """DeepSeek-style MoE options (docs/moe.md) that export-megatron does not write yet."""
     return [
         (m.moe_router_score_function != "softmax", f"--moe-router-score-function {m.moe_router_score_function}"),
         (m.moe_router_topk_scaling_factor is not None, "--moe-router-topk-scaling-factor"),

@@ -4,11 +4,13 @@ model: what export and the reference model for verification both read."""
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
 from megatron_p2r.checkpoint.compatibility import check_tables
 from megatron_p2r.checkpoint.errors import CheckpointError
+from megatron_p2r.checkpoint.expert_bias import FIELD as EXPERT_BIAS
 from megatron_p2r.checkpoint.integrity import check_files
 from megatron_p2r.checkpoint.metadata import broadcast_statistics, metadata_config, metadata_table, read_metadata
 from megatron_p2r.checkpoint.naming import METADATA_FILE, resolve_iteration_dir
@@ -48,3 +50,9 @@ class SourceCheckpoint:
         if info is None:
             raise CheckpointError(f"{os.path.join(self.iter_dir, METADATA_FILE)}: tensors has no {skey!r}")
         return read_global(self.readers, self.layout, info, kind, broadcast_statistics(self.meta))
+
+    def expert_bias(self, name: str) -> Optional[torch.Tensor]:
+        """The real model's router bias ``name`` (``checkpoint/expert_bias.py``), fp32; None when the
+        checkpoint holds none (a run without --moe-router-enable-expert-bias: no bias is a zero one)."""
+        values = (self.meta.get(EXPERT_BIAS) or {}).get(dl.source_key(name, self.layer_keys) if self.pseudo else name)
+        return None if values is None else torch.tensor(values, dtype=torch.float32)
