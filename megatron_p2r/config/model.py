@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_p2r.config.fields import ConfigError, opt
+from megatron_p2r.config.layer_pattern import LayerPattern, expand_layer_pattern
 from megatron_p2r.config.ranges import LAYERS, Range, at_least, fraction, positive
 
 
@@ -48,10 +49,21 @@ class ModelConfig:
         "it (Megatron-LM's form; Hugging Face's sliding_window is L+1). Unset: full "
         "causal attention.",
     )
-    window_attn_skip_freq: Optional[int] = opt(
+    window_attn_skip_freq: Optional[LayerPattern] = opt(
         None,
-        "With --window-size, every N-th layer (layers N-1, 2N-1, ... "
-        "counting from 0) has full attention; unset: every layer is windowed.",
+        "With --window-size, every N-th layer (layers N-1, 2N-1, ... counting from 0) has full "
+        "attention, or a list expression of one 0/1 a layer (1: windowed), e.g. '([1]*5+[0])*2'; "
+        "unset: every layer is windowed.",
+    )
+    attn_logit_softcapping: Optional[float] = opt(
+        None,
+        "Soft-cap the attention scores at C: C * tanh(scores / C) before the mask and softmax (Gemma 2's "
+        "attn_logit_softcapping; an attention core of ours, SDPA has none). No Megatron-LM flag.",
+    )
+    final_logit_softcapping: Optional[float] = opt(
+        None,
+        "Soft-cap the output logits at C: C * tanh(logits / C), before the loss (Gemma 2's "
+        "final_logit_softcapping). No Megatron-LM flag.",
     )
     softmax_type: str = opt(
         "vanilla",
@@ -116,6 +128,11 @@ class ModelConfig:
         "exact erf GELU, as without biases).",
     )
     quick_geglu: bool = opt(False, "Gated MLP with quick-GELU, x * sigmoid(1.702 x), on the gate (gpt-oss).")
+    geglu: bool = opt(
+        False,
+        "Gated MLP with GELU's tanh approximation on the gate, gelu_tanh(gate) * up (Gemma's "
+        "gelu_pytorch_tanh; megatron-core's gated_linear_unit with a tanh GELU). No Megatron-LM flag.",
+    )
     glu_linear_offset: float = opt(0.0, "Gated MLPs compute act(gate) * (up + offset) (gpt-oss: 1).")
     activation_func_clamp_value: Optional[float] = opt(
         None,
@@ -123,6 +140,11 @@ class ModelConfig:
     )
     position_embedding_type: str = opt("learned_absolute", "Position encoding.", choices=["learned_absolute", "rope"])
     rotary_base: float = opt(10000.0, "Base of the rotary embedding frequencies.")
+    rotary_base_local: Optional[float] = opt(
+        None,
+        "Base of the rotary frequencies of the sliding-window layers (Gemma 3's local base, "
+        "rope_parameters.sliding_attention.rope_theta); unset: --rotary-base. No Megatron-LM flag.",
+    )
     rotary_percent: float = opt(
         1.0, "Fraction of each head's dimensions that rotary embeddings rotate (the rest pass through unchanged)."
     )
@@ -146,7 +168,11 @@ class ModelConfig:
     )
     # Mixture of experts.
     num_experts: Optional[int] = opt(None, "Number of experts E (MoE MLP); unset or 0 means dense.")
-    moe_layer_freq: int = opt(1, "Every k-th layer is MoE (layers k-1, 2k-1, ...; 1 means all).")
+    moe_layer_freq: LayerPattern = opt(
+        1,
+        "Which layers are MoE: N puts one at layers 0, N, 2N, ... (1: every layer); or one 0/1 a "
+        "layer as a list expression, e.g. '([0]*3+[1]*58)' (DeepSeek-V3's 3 dense first layers).",
+    )
     moe_router_topk: int = opt(2, "Experts per token (top-1 Switch, top-2 GShard).")
     moe_router_pre_softmax: bool = opt(
         False,
@@ -303,15 +329,16 @@ class ModelConfig:
 
     @property
     def gated_linear_unit(self) -> bool:
-        """fc1 has a gate and a linear half (rows interleaved as (gate_j, up_j)): SwiGLU or quick-GeGLU."""
-        return self.swiglu or self.quick_geglu
+        """fc1 has a gate and a linear half (rows interleaved as (gate_j, up_j)): SwiGLU, GeGLU or quick-GeGLU."""
+        return self.swiglu or self.geglu or self.quick_geglu
 
     def attention_window(self, layer: int) -> Optional[int]:
         """Keys before the query that layer ``layer`` (from 0) attends to; None: all of them.
         Megatron-LM's rule (``is_layer_window_attention``, layers counted from 1 there)."""
         if self.window_size is None:
             return None
-        if self.window_attn_skip_freq and (layer + 1) % self.window_attn_skip_freq == 0:
+        freq = self.window_attn_skip_freq
+        if isinstance(freq, list) and not freq[layer] or isinstance(freq, int) and (layer + 1) % freq == 0:
             return None
         return _window(self.window_size)[0]
 
@@ -327,7 +354,12 @@ class ModelConfig:
         return "tanh" if self.add_bias and self.bias_gelu_fusion and not self.gated_linear_unit else "none"
 
     def is_moe_layer(self, layer: int) -> bool:
-        return bool(self.num_experts) and (layer + 1) % self.moe_layer_freq == 0
+        """Megatron-LM's ``moe_layer_freq`` rule (``gpt_layer_specs``): layers 0, N, 2N, ... or the list's 1s."""
+        return bool(self.num_experts) and expand_layer_pattern(self.moe_layer_freq, layer + 1)[layer] == 1
+
+    @property
+    def all_layers_moe(self) -> bool:
+        return all(self.is_moe_layer(layer) for layer in range(self.num_layers))
 
     @property
     def padded_vocab_size(self) -> int:
@@ -351,14 +383,19 @@ class ModelConfig:
         self._check_activation()
 
     def _check_activation(self) -> None:
-        if self.swiglu and self.quick_geglu:
-            raise ConfigError("--swiglu and --quick-geglu are two activations: give one")
+        given = [
+            flag
+            for flag, on in (("--swiglu", self.swiglu), ("--geglu", self.geglu), ("--quick-geglu", self.quick_geglu))
+            if on
+        ]
+        if len(given) > 1:
+            raise ConfigError(f"{' and '.join(given)} are {('two', 'three')[len(given) - 2]} activations: give one")
         for flag, given in (
             ("--glu-linear-offset", self.glu_linear_offset != 0.0),
             ("--activation-func-clamp-value", self.activation_func_clamp_value is not None),
         ):
             if given and not self.gated_linear_unit:
-                raise ConfigError(f"{flag} applies to a gated MLP: add --swiglu or --quick-geglu")
+                raise ConfigError(f"{flag} applies to a gated MLP: add --swiglu, --geglu or --quick-geglu")
 
     def _check_attention(self) -> None:
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
@@ -378,10 +415,16 @@ class ModelConfig:
                 "--qk-l2-norm and --qk-layernorm are two query/key norms: give one (megatron-core builds "
                 "only the L2 norm when both are given, and the --qk-layernorm weights are then not there)"
             )
+        if isinstance(self.window_attn_skip_freq, list) and len(self.window_attn_skip_freq) != self.num_layers:
+            raise ConfigError(
+                f"--window-attn-skip-freq lists {len(self.window_attn_skip_freq)} layers, expected one 0/1 "
+                f"for each of the {self.num_layers} layers (--num-layers)"
+            )
         if self.window_size is not None:
             _window(self.window_size)
         elif self.window_attn_skip_freq is not None:
             raise ConfigError("--window-attn-skip-freq needs --window-size")
+        self._check_gemma_attention()
         scaled = [
             flag
             for flag, on in (
@@ -403,6 +446,19 @@ class ModelConfig:
                 f"gives {self.rotary_dim}"
             )
 
+    def _check_gemma_attention(self) -> None:
+        """Soft-capping runs in our own attention core (model/attention.py): what it is not built with;
+        a local rotary base needs rotary windowed layers to apply to."""
+        if self.attn_logit_softcapping is not None and self.softmax_type != "vanilla":
+            raise ConfigError(
+                "--attn-logit-softcapping with --softmax-type: the soft-capped core has no attention sinks"
+            )
+        if self.rotary_base_local is not None and (self.window_size is None or self.position_embedding_type != "rope"):
+            raise ConfigError(
+                "--rotary-base-local is the rotary base of the sliding-window layers: it needs --window-size "
+                "and --position-embedding-type rope"
+            )
+
     def _check_latent_attention(self) -> None:
         """What multi-latent attention (Megatron-LM's MLASelfAttention) does not combine with."""
         if self.qk_pos_emb_head_dim % 2:
@@ -413,6 +469,11 @@ class ModelConfig:
             ("--group-query-attention", self.group_query_attention, "mutually exclusive, as in Megatron-LM"),
             ("--softmax-type", self.softmax_type != "vanilla", "attention sinks are built for standard attention"),
             ("--window-size", self.window_size is not None, "sliding windows are built for standard attention"),
+            (
+                "--attn-logit-softcapping",
+                self.attn_logit_softcapping is not None,
+                "soft-capping is built for standard attention",
+            ),
             ("--add-qkv-bias", self.add_qkv_bias, "MLA's projections have no bias, as in Megatron-LM"),
             ("--use-rope-scaling", self.use_rope_scaling, "MLA's rotary part scales with YaRN"),
             (
@@ -426,6 +487,11 @@ class ModelConfig:
                 raise ConfigError(f"{flag} is refused with --multi-latent-attention: {why}")
 
     def _check_experts(self) -> None:
+        if isinstance(self.moe_layer_freq, list) and len(self.moe_layer_freq) != self.num_layers:
+            raise ConfigError(
+                f"--moe-layer-freq lists {len(self.moe_layer_freq)} layers, expected one 0/1 for each of "
+                f"the {self.num_layers} layers (--num-layers)"
+            )
         if self.num_experts % self.moe_num_prototypes:
             raise ConfigError(
                 f"--num-experts ({self.num_experts}) must be divisible by "
@@ -557,6 +623,9 @@ RANGES = {
     "make_vocab_size_divisible_by": at_least(1, 2**16),
     "norm_epsilon": positive(1.0),
     "rotary_base": positive(),
+    "rotary_base_local": positive(),
+    "attn_logit_softcapping": positive(),
+    "final_logit_softcapping": positive(),
     "rotary_percent": Range(0.0, 1.0, low_open=True),
     "rope_scaling_factor": positive(),
     "rotary_seq_len_interpolation_factor": positive(),
@@ -564,7 +633,6 @@ RANGES = {
     "attention_dropout": fraction(),
     "init_method_std": positive(),
     "num_experts": at_least(0, 2**16),
-    "moe_layer_freq": at_least(1, LAYERS),
     "moe_router_topk": at_least(1, 2**16),
     "moe_ffn_hidden_size": at_least(1, 2**20),
     "moe_num_prototypes": at_least(1, 2**16),
@@ -577,7 +645,6 @@ RANGES = {
     "moe_z_loss_coeff": Range(0.0),
     "moe_capacity_factor": positive(),
     "moe_input_jitter_eps": fraction(),
-    "window_attn_skip_freq": at_least(1, LAYERS),
     "mtp_num_layers": at_least(1, LAYERS),
     "mtp_loss_scaling_factor": Range(0.0),
     "glu_linear_offset": Range(-1e6, 1e6),

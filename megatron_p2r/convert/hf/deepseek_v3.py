@@ -128,19 +128,6 @@ def latent_values(hf: dict, where: str) -> dict:
     )
 
 
-def moe_layer_freq(dense: int, layers: int):
-    """--moe-layer-freq for ``dense`` dense layers, then MoE: Megatron's list form once it lands;
-    today's every-k-th form says it only for no dense layer (1) or one of two (2)."""
-    if dense == 0:
-        return 1
-    if (dense, layers) == (1, 2):
-        return 2
-    raise HFConversionError(
-        f"first_k_dense_replace {dense} of {layers} layers: --moe-layer-freq cannot say it yet "
-        "(only every k-th layer MoE)"
-    )
-
-
 def _moe_values(hf: dict, where: str, layers: int) -> dict:
     """The routing options of DeepSeek's MoE layers (none when every layer is dense)."""
     dense = hf.get("first_k_dense_replace", 3)
@@ -176,7 +163,7 @@ def _moe_values(hf: dict, where: str, layers: int) -> dict:
     scaling = float(hf.get("routed_scaling_factor", 2.5))
     return dict(
         num_experts=experts,
-        moe_layer_freq=moe_layer_freq(dense, layers),
+        moe_layer_freq=1 if dense == 0 else [0] * dense + [1] * (layers - dense),  # Megatron's list form
         moe_router_topk=k,
         moe_ffn_hidden_size=ffn,
         moe_shared_expert_intermediate_size=shared * ffn,

@@ -28,6 +28,7 @@ from megatron_p2r.checkpoint.metadata import read_metadata
 from megatron_p2r.checkpoint.naming import resolve_iteration_dir
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.convert.hf.architecture import DEEPSEEK_V3, HFConversionError, hf_architecture
+from megatron_p2r.convert.hf.deepseek_v3 import latent_fields, latent_values
 from megatron_p2r.convert.hf.directory import SINGLE_FILE
 from megatron_p2r.convert.hf.exporter import export_hf
 from megatron_p2r.convert.hf.importer import import_hf
@@ -274,3 +275,13 @@ def test_imported_model_trains_under_ep2_and_tp2_as_one_process(tmp_path):
     for name, (run_losses, run_biases) in parallel.items():
         assert run_losses == pytest.approx(losses, rel=1e-5), name
         assert run_biases == biases, name
+
+
+def test_dense_first_layers_are_megatrons_list_form_both_ways():
+    """first_k_dense_replace k of L layers is --moe-layer-freq ([0]*k+[1]*(L-k)), and back."""
+    config = json.load(open(os.path.join(FIXTURE, "config.json")))
+    values = latent_values({**config, "num_hidden_layers": 5, "first_k_dense_replace": 3}, "config.json")
+    assert values["moe_layer_freq"] == [0, 0, 0, 1, 1]
+    m = ModelConfig(**{**DEEPSEEK, "num_layers": 5, "moe_layer_freq": values["moe_layer_freq"]})
+    assert latent_fields(m)["first_k_dense_replace"] == 3
+    assert latent_values({**config, "first_k_dense_replace": 0}, "config.json")["moe_layer_freq"] == 1
