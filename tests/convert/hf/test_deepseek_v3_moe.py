@@ -153,12 +153,24 @@ def test_prediction_layer_exports_in_deepseek_layout_and_imports_back_bit_exact(
         torch.testing.assert_close(theirs(input_ids=ids).logits, logits[..., :201], **TOL)
     torch.testing.assert_close(_their_prediction(str(tmp_path / "hf"), ids), predicted[..., :201], **TOL)
 
-    import_hf(str(tmp_path / "hf"), str(tmp_path / "back"), Target(1), make_vocab_size_divisible_by=8, progress=False)
+    # imported under TP 2 x EP 2 (eh_proj split by rows, the depth's experts over EP)
+    back = Target(2, 1, None, 2)
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "back"), back, make_vocab_size_divisible_by=8, progress=False)
     a, b = SourceCheckpoint(str(tmp_path / "mtp")), SourceCheckpoint(str(tmp_path / "back"))
     assert b.real_cfg.model.mtp_num_layers == 1 and a.table.keys() == b.table.keys()
     for key in a.table:
         assert torch.equal(a.read(key), b.read(key)), key
     assert a.meta[EXPERT_BIAS] == b.meta[EXPERT_BIAS]
+
+
+def test_bf16_export_keeps_the_expert_bias_in_fp32(tmp_path):
+    """transformers keeps e_score_correction_bias in fp32 whatever the dtype: so does the export."""
+    import_hf(FIXTURE, str(tmp_path / "ours"), Target(1), make_vocab_size_divisible_by=8, progress=False)
+    export_hf(str(tmp_path / "ours"), str(tmp_path / "hf"), trim_vocab=True, dtype="bfloat16", progress=False)
+    exported, fixture = load_file(str(tmp_path / "hf" / SINGLE_FILE)), load_file(os.path.join(FIXTURE, SINGLE_FILE))
+    assert exported[BIAS].dtype == torch.float32 and torch.equal(exported[BIAS], fixture[BIAS])
+    assert exported["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    assert load_hf(str(tmp_path / "hf")).model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
 
 
 def _hf_with(tmp_path, change):
