@@ -22,6 +22,7 @@ GPT2, LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GRANITE, GRANITE_MOE, OL
     "Olmo2ForCausalLM",
 )
 DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
+LATENT_NORM_EPSILON = 1e-6  # transformers' DeepseekV3 q_a_layernorm / kv_a_layernorm: fixed
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 GEMMAS = (GEMMA2, GEMMA3)
 MODEL_TYPES = {
@@ -142,6 +143,11 @@ def _latent_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
         (m.normalization != "RMSNorm", f"--normalization {m.normalization} (DeepseekV3 uses RMSNorm)"),
         (not m.swiglu, "no --swiglu (DeepseekV3's MLP is SwiGLU)"),
         (m.add_bias, "biases in linear layers (DeepseekV3's attention_bias would bias its down-projections too)"),
+        (
+            m.norm_epsilon != LATENT_NORM_EPSILON,
+            f"--norm-epsilon {m.norm_epsilon} (transformers' DeepseekV3 normalises its latents with eps "
+            f"{LATENT_NORM_EPSILON} whatever rms_norm_eps says; ours with --norm-epsilon)",
+        ),
     ] + _deepseek_moe_blockers(m)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from megatron_p2r.convert.hf.architecture import HFConversionError, dense_first_layers
+from megatron_p2r.convert.hf.architecture import LATENT_NORM_EPSILON, HFConversionError, dense_first_layers
 from megatron_p2r.convert.hf.config_schema import required_field
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.model.latent_attention import YARN_BETA_FAST, YARN_BETA_SLOW, YARN_ORIGINAL_CONTEXT
@@ -96,6 +96,11 @@ def latent_values(hf: dict, where: str) -> dict:
         (hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r}: only SwiGLU (silu)"),
         (bool(hf.get("attention_bias", False)), "attention_bias true: our latent projections have no bias"),
         (not hf.get("rope_interleave", True), "rope_interleave false: megatron-core's MLA rotates interleaved pairs"),
+        (
+            hf.get("rms_norm_eps", 1e-6) != LATENT_NORM_EPSILON,
+            f"rms_norm_eps {hf.get('rms_norm_eps')}: transformers normalises the latents with eps "
+            f"{LATENT_NORM_EPSILON} whatever it says, our --norm-epsilon every norm",
+        ),
     ]
     for bad, why in refused:
         if bad:

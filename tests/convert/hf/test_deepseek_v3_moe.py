@@ -189,6 +189,7 @@ def _hf_with(tmp_path, change):
         ({"scoring_func": "softmax"}, "scoring_func 'softmax': only sigmoid"),
         ({"n_shared_experts": 0}, "n_shared_experts 0"),
         ({"topk_method": "greedy"}, "topk_method 'greedy': transformers' DeepseekV3 routes as noaux_tc"),
+        ({"rms_norm_eps": 1e-5}, "rms_norm_eps 1e-05: transformers normalises the latents with eps 1e-06"),
     ],
 )
 def test_what_is_not_read_is_refused_by_field(tmp_path, change, message):
@@ -208,6 +209,7 @@ DEEPSEEK = dict(
     swiglu=True,
     position_embedding_type="rope",
     disable_bias_linear=True,
+    norm_epsilon=1e-6,
     num_experts=8,
     moe_ffn_hidden_size=32,
     moe_router_topk=4,
@@ -225,6 +227,7 @@ DEEPSEEK = dict(
         (dict(moe_shared_expert_intermediate_size=None), "no --moe-shared-expert-intermediate-size"),
         (dict(moe_shared_expert_intermediate_size=40), "--moe-shared-expert-intermediate-size 40"),
         (dict(moe_layer_freq=2, num_layers=4), "--moe-layer-freq 2 (DeepseekV3's MoE layers"),
+        (dict(norm_epsilon=1e-5), "--norm-epsilon 1e-05 (transformers' DeepseekV3 normalises its latents"),
     ],
 )
 def test_what_deepseek_v3_cannot_say_is_refused_on_export(change, message):
@@ -297,3 +300,37 @@ def test_dense_first_layers_are_megatrons_list_form_both_ways():
     m = ModelConfig(**{**DEEPSEEK, "num_layers": 5, "moe_layer_freq": values["moe_layer_freq"]})
     assert latent_fields(m)["first_k_dense_replace"] == 3
     assert latent_values({**config, "first_k_dense_replace": 0}, "config.json")["moe_layer_freq"] == 1
+
+
+def test_pseudo_phase_exports_each_layer_with_its_slots_bias(tmp_path):
+    """A pseudo-phase model (one slot called by both layers, one prediction depth) trained 3 steps
+    exports delinked: each layer's e_score_correction_bias is the slot's (non-zero after the
+    updates), and transformers' logits equal our delinked model's."""
+    from tests.helpers import run_steps, tiny_config
+
+    options = dict(
+        DEEPSEEK,
+        qk_head_dim=6,
+        qk_pos_emb_head_dim=4,
+        v_head_dim=8,
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=0.05,
+        moe_router_num_groups=4,
+        moe_router_group_topk=2,
+        moe_router_topk_scaling_factor=1.5,
+        mtp_num_layers=1,
+        untie_embeddings_and_output_weights=True,
+        init_method_std=0.2,
+        p2r_phase="pseudo",
+        share_pattern="all",
+    )
+    _, state = run_steps(tiny_config(**options), ParallelState.single(), 3)
+    save_checkpoint(str(tmp_path / "pseudo"), state)
+    slot = state.model.layers["0"].mlp.router.expert_bias
+    assert slot.abs().sum() > 0
+    export_hf(str(tmp_path / "pseudo"), str(tmp_path / "hf"), progress=False)
+    exported = load_file(str(tmp_path / "hf" / SINGLE_FILE))
+    for layer in range(2):
+        assert torch.equal(exported[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"], slot), layer
+    ours, _ = reference_model(str(tmp_path / "pseudo"), str(tmp_path / "real"))
+    check_same_function(ours, load_hf(str(tmp_path / "hf"), unexpected=r"model\.layers\.2\."), 64, 16)
