@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from megatron_p2r.arguments import config_from_values, load_yaml
 from megatron_p2r.checkpoint.expert_bias import FIELD as EXPERT_BIAS
@@ -161,6 +161,18 @@ def test_prediction_layer_exports_in_deepseek_layout_and_imports_back_bit_exact(
     for key in a.table:
         assert torch.equal(a.read(key), b.read(key)), key
     assert a.meta[EXPERT_BIAS] == b.meta[EXPERT_BIAS]
+
+    # what our model cannot hold is refused: a depth's own embedding copy, a non-zero depth bias
+    tensors = load_file(str(tmp_path / "hf" / SINGLE_FILE))
+    for name, message in (
+        ("model.layers.2.embed_tokens.weight", "differs from 'model.embed_tokens.weight'; our model shares one"),
+        ("model.layers.2.mlp.gate.e_score_correction_bias", "is not zero; our model has no such tensor"),
+    ):
+        changed = str(tmp_path / name)
+        shutil.copytree(tmp_path / "hf", changed)
+        save_file({**tensors, name: tensors[name] + 0.5}, os.path.join(changed, SINGLE_FILE), metadata={"format": "pt"})
+        with pytest.raises(HFConversionError, match=message):
+            import_hf(changed, str(tmp_path / "refused"), Target(1), progress=False)
 
 
 def test_bf16_export_keeps_the_expert_bias_in_fp32(tmp_path):
