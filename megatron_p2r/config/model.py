@@ -332,6 +332,11 @@ class ModelConfig:
         """fc1 has a gate and a linear half (rows interleaved as (gate_j, up_j)): SwiGLU, GeGLU or quick-GeGLU."""
         return self.swiglu or self.geglu or self.quick_geglu
 
+    def __hash__(self) -> int:
+        """Hashable with a per-layer list field (--moe-layer-freq '([0]*3+[1]*58)'), as caches keyed by the model's
+        shape need; equal configs hash alike (dataclass's own __hash__ would raise on the list)."""
+        return hash(tuple(tuple(v) if isinstance(v, list) else v for v in vars(self).values()))
+
     def attention_window(self, layer: int) -> Optional[int]:
         """Keys before the query that layer ``layer`` (from 0) attends to; None: all of them.
         Megatron-LM's rule (``is_layer_window_attention``, layers counted from 1 there)."""
