@@ -33,6 +33,7 @@ from megatron_p2r.convert.hf.directory import SINGLE_FILE
 from megatron_p2r.convert.hf.exporter import export_hf
 from megatron_p2r.convert.hf.importer import import_hf
 from megatron_p2r.convert.hf.source import SourceCheckpoint
+from megatron_p2r.convert.hf.verify import verify_export
 from megatron_p2r.convert.reshard import Target
 from megatron_p2r.model.mtp import roll_left
 from megatron_p2r.training import build_train_state
@@ -84,6 +85,7 @@ def test_fixture_imports_at_transformers_logits_and_exports_back_unchanged(tmp_p
         0,
     )
     check_same_function(ours, load_hf(str(tmp_path / "back")), 201, 16)
+    assert verify_export(str(tmp_path / "ours"), str(tmp_path / "back")) < 1e-4  # export-hf --verify
 
 
 def _with_prediction_layer(tmp_path):
