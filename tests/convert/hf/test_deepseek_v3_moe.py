@@ -42,11 +42,12 @@ from tests.convert.hf.common import TOL, check_same_function, load_hf, reference
 from tests.harness import run_distributed
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "hf_deepseek_v3", "tiny_moe")
+DENSE_FIXTURE = os.path.join(os.path.dirname(FIXTURE), "tiny")
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
 
 
-def _imported(tmp_path, target=Target(1)):
-    import_hf(FIXTURE, str(tmp_path / "ours"), target, make_vocab_size_divisible_by=8, progress=False)
+def _imported(tmp_path, target=Target(1), fixture=FIXTURE):
+    import_hf(fixture, str(tmp_path / "ours"), target, make_vocab_size_divisible_by=8, progress=False)
     return reference_model(str(tmp_path / "ours"), str(tmp_path / "single"))
 
 
@@ -88,9 +89,9 @@ def test_fixture_imports_at_transformers_logits_and_exports_back_unchanged(tmp_p
     assert verify_export(str(tmp_path / "ours"), str(tmp_path / "back")) < 1e-4  # export-hf --verify
 
 
-def _with_prediction_layer(tmp_path):
+def _with_prediction_layer(tmp_path, fixture):
     """Our checkpoint of the imported model plus one prediction depth of seeded noise."""
-    imported, cfg = _imported(tmp_path)
+    imported, cfg = _imported(tmp_path, fixture=fixture)
     state = build_train_state(cfg.replace(mtp_num_layers=1), ParallelState.single())
     missing, unexpected = state.model.load_state_dict(imported.state_dict(), strict=False)
     assert not unexpected and missing and all(k.startswith("mtp.") for k in missing)
@@ -144,10 +145,14 @@ def _our_prediction(model, ids):
         return logits, model._output(x, None, None)
 
 
-def test_prediction_layer_exports_in_deepseek_layout_and_imports_back_bit_exact(tmp_path):
-    ours = _with_prediction_layer(tmp_path)
+@pytest.mark.parametrize("moe", [True, False])
+def test_prediction_layer_exports_in_deepseek_layout_and_imports_back_bit_exact(tmp_path, moe):
+    """The MoE fixture's depth is an MoE layer; the dense fixture's (tiny/) a dense one, which
+    first_k_dense_replace = layers + depths tells readers."""
+    ours = _with_prediction_layer(tmp_path, FIXTURE if moe else DENSE_FIXTURE)
     export_hf(str(tmp_path / "mtp"), str(tmp_path / "hf"), trim_vocab=True, progress=False)
-    assert json.load(open(tmp_path / "hf" / "config.json"))["num_nextn_predict_layers"] == 1
+    config = json.load(open(tmp_path / "hf" / "config.json"))
+    assert (config["num_nextn_predict_layers"], config["first_k_dense_replace"]) == (1, 1 if moe else 3)
     ids = torch.randint(0, 201, (2, 16), generator=torch.Generator().manual_seed(1))
     logits, predicted = _our_prediction(ours, ids)
     theirs = load_hf(str(tmp_path / "hf"), unexpected=r"model\.layers\.2\.")  # transformers skips the layer
@@ -155,21 +160,21 @@ def test_prediction_layer_exports_in_deepseek_layout_and_imports_back_bit_exact(
         torch.testing.assert_close(theirs(input_ids=ids).logits, logits[..., :201], **TOL)
     torch.testing.assert_close(_their_prediction(str(tmp_path / "hf"), ids), predicted[..., :201], **TOL)
 
-    # imported under TP 2 x EP 2 (eh_proj split by rows, the depth's experts over EP)
-    back = Target(2, 1, None, 2)
+    # imported under TP 2 (x EP 2: the depth's experts split too; eh_proj split by rows)
+    back = Target(2, 1, None, 2 if moe else 1)
     import_hf(str(tmp_path / "hf"), str(tmp_path / "back"), back, make_vocab_size_divisible_by=8, progress=False)
     a, b = SourceCheckpoint(str(tmp_path / "mtp")), SourceCheckpoint(str(tmp_path / "back"))
     assert b.real_cfg.model.mtp_num_layers == 1 and a.table.keys() == b.table.keys()
     for key in a.table:
         assert torch.equal(a.read(key), b.read(key)), key
-    assert a.meta[EXPERT_BIAS] == b.meta[EXPERT_BIAS]
+    assert a.meta.get(EXPERT_BIAS) == b.meta.get(EXPERT_BIAS)
 
     # what our model cannot hold is refused: a depth's own embedding copy, a non-zero depth bias
     tensors = load_file(str(tmp_path / "hf" / SINGLE_FILE))
     for name, message in (
         ("model.layers.2.embed_tokens.weight", "differs from 'model.embed_tokens.weight'; our model shares one"),
         ("model.layers.2.mlp.gate.e_score_correction_bias", "is not zero; our model has no such tensor"),
-    ):
+    )[: 2 if moe else 1]:
         changed = str(tmp_path / name)
         shutil.copytree(tmp_path / "hf", changed)
         save_file({**tensors, name: tensors[name] + 0.5}, os.path.join(changed, SINGLE_FILE), metadata={"format": "pt"})
