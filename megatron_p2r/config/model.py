@@ -143,7 +143,9 @@ class ModelConfig:
     rotary_base_local: Optional[float] = opt(
         None,
         "Base of the rotary frequencies of the sliding-window layers (Gemma 3's local base, "
-        "rope_parameters.sliding_attention.rope_theta); unset: --rotary-base. No Megatron-LM flag.",
+        "rope_parameters.sliding_attention.rope_theta), whose rotary is then unscaled: "
+        "--use-rope-scaling and --rotary-seq-len-interpolation-factor scale the other layers' "
+        "(Gemma 3's full layers, linearly by 8). Unset: --rotary-base for every layer. No Megatron-LM flag.",
     )
     rotary_percent: float = opt(
         1.0, "Fraction of each head's dimensions that rotary embeddings rotate (the rest pass through unchanged)."

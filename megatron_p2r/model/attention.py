@@ -79,21 +79,21 @@ def rotary_tables(
 
 def model_rotary_tables(m: ModelConfig, seq_len: int, device) -> tuple:
     """``rotary_tables`` for a model's config (its base, rotated dimensions and scaling flags);
-    with --rotary-base-local the sliding-window layers' tables follow: (cos, sin, cos_local,
-    sin_local), which ``layer_rotary_tables`` picks from."""
-    tables = [
-        rotary_tables(
-            seq_len,
-            m.rotary_dim,
-            base,
-            device,
-            m.rope_scaling_factor if m.use_rope_scaling else None,
-            m.rotary_seq_len_interpolation_factor,
-        )
-        for base in (m.rotary_base, m.rotary_base_local)
-        if base is not None
-    ]
-    return sum(tables, ())
+    with --rotary-base-local the sliding-window layers' own tables follow, unscaled: (cos, sin,
+    cos_local, sin_local), which ``layer_rotary_tables`` picks from. Unscaled because that is Gemma
+    3's rotary (its full layers scaled, e.g. linearly by 8; its sliding ones default with the local
+    base), and the one model with a local base."""
+    scaled = rotary_tables(
+        seq_len,
+        m.rotary_dim,
+        m.rotary_base,
+        device,
+        m.rope_scaling_factor if m.use_rope_scaling else None,
+        m.rotary_seq_len_interpolation_factor,
+    )
+    if m.rotary_base_local is None:
+        return scaled
+    return scaled + rotary_tables(seq_len, m.rotary_dim, m.rotary_base_local, device)
 
 
 def layer_rotary_tables(rope: tuple, windowed: bool) -> tuple:

@@ -100,3 +100,26 @@ def test_hf_export_carries_the_scaling_and_import_reads_it(flags, kind):
         "rope_scaling_factor": m.rope_scaling_factor if m.use_rope_scaling else None,
         "rotary_seq_len_interpolation_factor": m.rotary_seq_len_interpolation_factor,
     }
+
+
+def test_local_base_tables_are_unscaled_as_gemma3s_sliding_layers():
+    """With --rotary-base-local the scaling flags reach the full layers' tables only: the full
+    tables are transformers' Gemma 3 full_attention (linear by 8 over 10^6), the local ones its
+    default sliding_attention (10^4), as every released Gemma 3 from 4B up."""
+    from transformers import Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    flags = ["--rotary-base", "1000000", "--rotary-base-local", "10000", "--rotary-seq-len-interpolation-factor", "8"]
+    cfg = parse_args(BASE[:-2] + ["--seq-length", "64", "--window-size", "4,0"] + flags)
+    validate(cfg, 1)
+    rope = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    hf = Gemma3TextConfig(hidden_size=64, num_attention_heads=4, head_dim=16, rope_parameters=rope)
+    theirs = Gemma3RotaryEmbedding(hf)
+    ours = model_rotary_tables(cfg.model, 64, "cpu")
+    for kind, (cos, sin) in (("full_attention", ours[:2]), ("sliding_attention", ours[2:])):
+        want_cos, want_sin = theirs(torch.zeros(1, 64, 16), torch.arange(64)[None], kind)
+        torch.testing.assert_close(cos, want_cos[0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(sin, want_sin[0], rtol=0, atol=1e-6)

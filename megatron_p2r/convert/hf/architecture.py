@@ -51,6 +51,9 @@ EVERY_LAYER_WINDOWED = (MISTRAL, MIXTRAL, QWEN3_MOE)
 REFUSED = {
     "gpt_oss": "gpt-oss's router has a bias (megatron-core's router bias under --add-bias-linear "
     "is not built here) and its rotary scaling is YaRN (rope_type yarn), which the model here lacks",
+    "gemma3": "this is Gemma 3's multimodal Gemma3ForConditionalGeneration (4B-27B as released: a vision "
+    "tower and projector beside the language model); import reads its language model saved on its own "
+    "as Gemma3ForCausalLM (model_type gemma3_text; docs/hf.md shows how)",
 }
 
 
@@ -278,8 +281,7 @@ def _gemma_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
         (not m.geglu, f"no --geglu ({name}'s MLP is GeGLU with tanh GELU)"),
         (m.layer_norms != "both", f"--layer-norms {m.layer_norms} ({name} normalises inputs and outputs: both)"),
         (m.rotary_percent != 1.0, f"--rotary-percent {m.rotary_percent} ({name} rotates whole heads)"),
-        (m.use_rope_scaling, f"--use-rope-scaling ({name} is exported with default rotary only)"),
-        (m.rotary_seq_len_interpolation_factor is not None, "--rotary-seq-len-interpolation-factor (not exported)"),
+        (m.use_rope_scaling, f"--use-rope-scaling ({name} is exported with default or linear rotary only)"),
         (
             m.qk_layernorm != gemma3,
             "no --qk-layernorm (Gemma3 normalises each query and key head)"

@@ -28,6 +28,7 @@ from megatron_p2r.convert.hf.architecture import (
 from megatron_p2r.convert.hf.config_schema import check_hf_config, required_field
 from megatron_p2r.convert.hf.deepseek_v3 import latent_fields, latent_values
 from megatron_p2r.convert.hf.gemma import gemma_config, gemma_fields, gemma_values
+from megatron_p2r.convert.hf.rope import rope_parameters, rope_scaling_values
 from megatron_p2r.config import ModelConfig
 
 # GPT2's activation_function: transformers' names for GELU's tanh formula and for exact (erf) GELU,
@@ -75,7 +76,7 @@ def hf_config(m: ModelConfig, arch: str, hf_vocab: int, dtype: str, special: Dic
         "rms_norm_eps": m.norm_epsilon,
         "attention_dropout": m.attention_dropout,
         # transformers 5 reads rope_parameters; 4.x reads rope_theta
-        "rope_parameters": _rope_parameters(m),
+        "rope_parameters": rope_parameters(m),
         "rope_theta": m.rotary_base,
     }
     if m.use_rope_scaling or m.rotary_seq_len_interpolation_factor is not None:
@@ -166,24 +167,6 @@ def _gpt2_fields(m: ModelConfig) -> dict:
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
     }
-
-
-# megatron-core's fixed Llama 3.1 scaling parameters (RotaryEmbedding._apply_scaling)
-LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
-def _rope_parameters(m: ModelConfig) -> dict:
-    """transformers' rope_parameters: default, Llama 3.1's scaling ("llama3") or linear position
-    interpolation ("linear"); both at once is an export blocker (architecture.py)."""
-    if m.use_rope_scaling:
-        return {"rope_type": "llama3", "rope_theta": m.rotary_base, "factor": m.rope_scaling_factor, **LLAMA3_ROPE}
-    if m.rotary_seq_len_interpolation_factor is not None:
-        return {
-            "rope_type": "linear",
-            "rope_theta": m.rotary_base,
-            "factor": float(m.rotary_seq_len_interpolation_factor),
-        }
-    return {"rope_type": "default", "rope_theta": m.rotary_base}
 
 
 def _hf_window(m: ModelConfig) -> Optional[int]:
@@ -296,8 +279,7 @@ def _attention_values(hf: dict, where: str, h: int, heads: int) -> dict:
     if hf.get("head_dim") not in (None, h // heads) or h % heads:
         values["kv_channels"] = required_field(hf, "head_dim", where)
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    values.update(_rope_scaling_values(rope, kind, where))
+    values.update(rope_scaling_values(rope, where))
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise HFConversionError(
@@ -306,21 +288,6 @@ def _attention_values(hf: dict, where: str, h: int, heads: int) -> dict:
         )
     values["rotary_base"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     return values
-
-
-def _rope_scaling_values(rope: dict, kind: str, where: str) -> dict:
-    """--use-rope-scaling / --rotary-seq-len-interpolation-factor for transformers' "llama3" (with
-    megatron-core's fixed parameters) and "linear" (an integer factor, Megatron-LM's type)."""
-    if kind == "llama3" and all(float(rope.get(k, -1)) == v for k, v in LLAMA3_ROPE.items()):
-        return dict(use_rope_scaling=True, rope_scaling_factor=float(rope["factor"]))
-    if kind == "linear" and float(rope.get("factor", 0)).is_integer() and rope["factor"] > 0:
-        return dict(rotary_seq_len_interpolation_factor=int(rope["factor"]))
-    if kind != "default":
-        raise HFConversionError(
-            f"{where}: rope type {kind!r} with {rope} has no equivalent here (Llama 3.1's "
-            f"with {LLAMA3_ROPE}, and linear with an integer factor, have)"
-        )
-    return {}
 
 
 def _bias_values(hf: dict, where: str, arch: str) -> dict:

@@ -31,7 +31,6 @@ class MegatronConversionError(ConfigError):
 # Options that change the forward pass and have no equivalent here: (arg, its neutral value, why).
 _NEUTRAL = [
     ("apply_residual_connection_post_layernorm", False, "post-norm residuals (ours are pre-norm)"),
-    ("mtp_num_layers", None, "multi-token prediction layers"),
     ("softmax_scale", None, "a custom attention softmax scale"),
     ("attention_output_gate", False, "gated attention output"),
     ("no_rope_freq", None, "layers without rotary embeddings"),
@@ -40,11 +39,6 @@ _NEUTRAL = [
     ("heterogeneous_layers_config_path", None, "heterogeneous layers"),
     ("rotary_interleaved", False, "interleaved rotary embeddings (ours rotate halves)"),
     ("squared_relu", False, "squared-ReLU MLP"),
-    ("moe_shared_expert_intermediate_size", None, "shared experts"),
-    ("moe_router_score_function", "softmax", "a router score function other than softmax"),
-    ("moe_router_topk_scaling_factor", None, "scaled top-k routing weights"),
-    ("moe_router_num_groups", None, "group-limited routing"),
-    ("moe_router_enable_expert_bias", False, "expert-bias (aux-loss-free) routing"),
     ("moe_latent_size", None, "latent MoE projections"),
     ("moe_apply_probs_on_input", False, "routing weights applied to expert inputs"),
     ("use_mup", False, "muP scaling"),
@@ -78,6 +72,10 @@ _POSITIVE_INTS = (
     "num_moe_experts",
     "moe_router_topk",
     "moe_ffn_hidden_size",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_shared_expert_intermediate_size",
+    "mtp_num_layers",
 )
 _REALS = (
     "rotary_base",
@@ -92,8 +90,18 @@ _REALS = (
     "moe_z_loss_coeff",
     "moe_input_jitter_eps",
     "moe_expert_capacity_factor",
+    "moe_router_topk_scaling_factor",
+    "moe_router_bias_update_rate",
+    "mtp_loss_scaling_factor",
 )
-_STRINGS = ("position_embedding_type", "normalization", "softmax_type", "tokenizer_type", "moe_token_drop_policy")
+_STRINGS = (
+    "position_embedding_type",
+    "normalization",
+    "softmax_type",
+    "tokenizer_type",
+    "moe_token_drop_policy",
+    "moe_router_score_function",
+)
 # an arg Megatron also accepts per layer (a list): one value, or a flat list of such values
 _PER_LAYER = {
     "moe_layer_freq": "int",
@@ -301,30 +309,54 @@ def _moe_values(a: SavedArgs, blockers: List[str]) -> dict:
     experts = a.get("num_experts", "num_moe_experts")
     if not experts:
         return {}
-    freq = a.get("moe_layer_freq", default=1)
-    layers = a.required("num_layers")
-    pattern = list(freq) if isinstance(freq, (list, tuple)) else [int(i % freq == 0) for i in range(layers)]
-    if not all(pattern):
-        blockers.append(
-            f"--moe-layer-freq {shown(freq)} (MoE layers {shown(pattern)}: reading a checkpoint with dense and "
-            "MoE layers mixed is not built yet; only an MoE in every layer maps)"
-        )
     balancing = _single(
         a.get("moe_router_load_balancing_type", default="aux_loss"), "--moe-router-load-balancing-type", blockers
     )
-    if balancing not in ("aux_loss", "none"):
-        blockers.append(f"--moe-router-load-balancing-type {balancing} (ours is the Switch aux loss)")
+    if balancing not in ("aux_loss", "seq_aux_loss", "none"):
+        blockers.append(f"--moe-router-load-balancing-type {balancing} (aux_loss, seq_aux_loss or none here)")
     coeff = _single(a.get("moe_aux_loss_coeff", default=0.0), "--moe-aux-loss-coeff", blockers)
     return dict(
         num_experts=experts,
         moe_router_topk=a.get("moe_router_topk", default=2),
-        moe_layer_freq=1,
+        moe_layer_freq=_layer_freq(a),
         moe_ffn_hidden_size=a.get("moe_ffn_hidden_size"),
         moe_router_pre_softmax=bool(a.get("moe_router_pre_softmax")),
-        moe_aux_loss_coeff=float(coeff or 0.0) if balancing == "aux_loss" else 0.0,
+        moe_router_load_balancing_type="seq_aux_loss" if balancing == "seq_aux_loss" else None,
+        moe_aux_loss_coeff=float(coeff or 0.0) if balancing != "none" else 0.0,
         moe_z_loss_coeff=float(a.get("moe_z_loss_coeff") or 0.0),
         moe_input_jitter_eps=a.get("moe_input_jitter_eps"),
         **_capacity_values(a, blockers),
+        **_deepseek_values(a, blockers),
+    )
+
+
+def _layer_freq(a: SavedArgs):
+    """Megatron's MoE layers as they are (``--moe-layer-freq`` has Megatron-LM's meaning here): an
+    int N (layers 0, N, 2N, ...) or the per-layer list."""
+    freq = a.get("moe_layer_freq", default=1)
+    return list(freq) if isinstance(freq, (list, tuple)) else freq
+
+
+def _deepseek_values(a: SavedArgs, blockers: List[str]) -> dict:
+    """DeepSeek-V3's routing, shared experts and multi-token prediction (Megatron-LM's names and
+    defaults; ``--moe-shared-expert-overlap`` only schedules the same math)."""
+    score = a.get("moe_router_score_function", default="softmax")
+    if score not in ("softmax", "sigmoid"):
+        blockers.append(f"--moe-router-score-function {score} (softmax or sigmoid here)")
+    groups, group_topk = a.get("moe_router_num_groups"), a.get("moe_router_group_topk")
+    if groups and not group_topk:
+        blockers.append(f"--moe-router-num-groups {groups} without --moe-router-group-topk")
+    bias = bool(a.get("moe_router_enable_expert_bias"))
+    return dict(
+        moe_router_score_function=score,
+        moe_router_topk_scaling_factor=a.get("moe_router_topk_scaling_factor"),
+        moe_router_num_groups=groups if group_topk else None,
+        moe_router_group_topk=group_topk if groups else None,
+        moe_router_enable_expert_bias=bias,
+        moe_router_bias_update_rate=float(a.get("moe_router_bias_update_rate", default=1e-3)) if bias else None,
+        moe_shared_expert_intermediate_size=a.get("moe_shared_expert_intermediate_size"),
+        moe_shared_expert_gate=bool(a.get("moe_shared_expert_gate")),
+        moe_shared_expert_overlap=bool(a.get("moe_shared_expert_overlap")),
     )
 
 
@@ -367,6 +399,11 @@ def model_values(a: SavedArgs) -> Tuple[dict, bool, List[str]]:
     values.update(_window_values(a, blockers))
     values.update(_mlp_values(a))
     values.update(_moe_values(a, blockers))
+    if a.get("mtp_num_layers"):
+        values.update(
+            mtp_num_layers=a.get("mtp_num_layers"),
+            mtp_loss_scaling_factor=float(a.get("mtp_loss_scaling_factor", default=0.1)),
+        )
     if blockers:
         raise MegatronConversionError(f"{a.where}: cannot express this Megatron-LM model here: " + "; ".join(blockers))
     zero_centered = bool(a.get("layernorm_zero_centered_gamma", "apply_layernorm_1p"))

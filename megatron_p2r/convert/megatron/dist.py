@@ -23,6 +23,7 @@ byte objects (RNG state, ``_extra_state``) are not read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Dict, List, Optional, Tuple
 
@@ -32,7 +33,7 @@ from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.convert.megatron import dp_reshardable
 from megatron_p2r.convert.megatron.args import SavedArgs
 from megatron_p2r.convert.megatron.distrib_optim import groups_step
-from megatron_p2r.convert.megatron.names import expert_rest, layer_name, split_layer_key
+from megatron_p2r.convert.megatron.names import MTP_LAYER, expert_rest, layer_name, mtp_layer_name, split_layer_key
 from megatron_p2r.convert.megatron.unpickler import Kind, LazyTensor, Opaque, TorchArchive, load_pickle, shown
 from megatron_p2r.files import MiB, confined, read_json
 
@@ -307,20 +308,26 @@ class DistCheckpoint:
                 )
 
     def _canonical(self, key: str, size: Tuple[int, ...]) -> List[Tuple[str, Tuple[int, ...]]]:
-        """(canonical name, index on the key's leading dimensions) of every tensor in ``key``."""
+        """(canonical name, index on the key's leading dimensions) of every tensor in ``key``
+        (an MTP layer's key is a layer's of its own)."""
+        mtp = MTP_LAYER.fullmatch(key)
         split = split_layer_key(key)
-        if split is None:
+        if mtp is not None:
+            layers = [(functools.partial(mtp_layer_name, mtp.group(1)), mtp.group(2), ())]
+        elif split is None:
             return [(key, ())]
-        layer, rest = split
-        layers = [((layer,), ())] if layer is not None else [((i,), (i,)) for i in range(size[0])]
+        else:
+            layer, rest = split
+            at = [(layer, ())] if layer is not None else [(i, (i,)) for i in range(size[0])]
+            layers = [(functools.partial(layer_name, i), rest, prefix) for i, prefix in at]
         out = []
-        for (i,), prefix in layers:
+        for name, rest, prefix in layers:
             if rest.startswith("mlp.experts.") and not rest.split(".")[2].isdecimal():
                 leaf = rest[len("mlp.experts.") :]
                 leaf = leaf[len("experts.") :] if leaf.startswith("experts.") else leaf
-                out += [(layer_name(i, expert_rest(e, leaf)), prefix + (e,)) for e in range(size[len(prefix)])]
+                out += [(name(expert_rest(e, leaf)), prefix + (e,)) for e in range(size[len(prefix)])]
             else:
-                out.append((layer_name(i, rest), prefix))
+                out.append((name(rest), prefix))
         return out
 
     def location(self, name: str) -> str:

@@ -37,11 +37,13 @@ from megatron_p2r.convert.megatron.args import SavedArgs
 from megatron_p2r.convert.megatron.buffer_layout import Param, bucket_layout, bucket_size
 from megatron_p2r.convert.megatron.names import (
     FINAL_NORM,
-    LAYERS,
+    MTP_LAYER,
     OUTPUT_LAYER,
+    is_buffer,
     POSITION_EMBEDDINGS,
     WORD_EMBEDDINGS,
     join_tp_shards,
+    split_any_layer,
     split_layer_key,
     tp_dim,
 )
@@ -62,13 +64,25 @@ _LAYER_MODULES = (
     "input_layernorm",
     "self_attention.linear_proj",
     "self_attention.linear_qkv",
+    "self_attention.linear_q_proj",
+    "self_attention.linear_q_down_proj",
+    "self_attention.linear_q_up_proj",
+    "self_attention.linear_kv_down_proj",
+    "self_attention.linear_kv_up_proj",
     "self_attention.q_layernorm",
     "self_attention.k_layernorm",
+    "self_attention.kv_layernorm",
     "pre_mlp_layernorm",
     "mlp.router",
+    "mlp.shared_experts",  # gate_weight
+    "mlp.shared_experts.linear_fc1",
+    "mlp.shared_experts.linear_fc2",
     "mlp.linear_fc1",
     "mlp.linear_fc2",
 )
+# an MTP depth's modules in registration order (its transformer layer's in _LAYER_MODULES order)
+_MTP_MODULES = ("enorm", "hnorm", "eh_proj", "transformer_layer", "final_layernorm")
+_MTP_OWN = re.compile(r"mtp\.layers\.(\d+)\.(enorm|hnorm|eh_proj|final_layernorm)\.weight")
 _UNEVEN_SPLITS = (
     "decoder_first_pipeline_num_layers",
     "decoder_last_pipeline_num_layers",
@@ -96,7 +110,7 @@ class _Place:
 def module_order(name: str) -> Tuple[int, ...]:
     """Where a canonical weight comes in megatron-core's ``named_parameters`` (local layer spec)."""
     module, _, leaf = name.rpartition(".")
-    split = split_layer_key(name)
+    split, mtp, own = split_layer_key(name), MTP_LAYER.fullmatch(name), _MTP_OWN.fullmatch(name)
     if name == WORD_EMBEDDINGS:
         return (0,)
     if name == POSITION_EMBEDDINGS:
@@ -105,13 +119,23 @@ def module_order(name: str) -> Tuple[int, ...]:
         return (2, split[0], _LAYER_MODULES.index(split[1].rpartition(".")[0]), leaf != "weight")
     if name.startswith(FINAL_NORM):
         return (3, leaf != "weight")
+    if own:  # after the decoder, as GPTModel builds its MultiTokenPredictionBlock
+        return (4, int(own.group(1)), _MTP_MODULES.index(own.group(2)))
+    if mtp and mtp.group(2).rpartition(".")[0] in _LAYER_MODULES:
+        depth = int(mtp.group(1).split(".")[2])
+        return (
+            4,
+            depth,
+            _MTP_MODULES.index("transformer_layer"),
+            _LAYER_MODULES.index(mtp.group(2).rpartition(".")[0]),
+        )
     if name == OUTPUT_LAYER:
-        return (4,)
+        return (5,)
     raise NotReplayed(f"where megatron-core registers {module} is not known here")
 
 
 def is_expert(name: str) -> bool:
-    split = split_layer_key(name)
+    split = split_any_layer(name)
     return split is not None and split[1].startswith("mlp.experts.")
 
 
@@ -129,6 +153,7 @@ class DpReshardable:
     ):
         """``shapes``: the global shape of every weight; ``sizes``: the global shape of every key
         of the checkpoint; ``read_range(key, start, stop)``: elements of a flat key."""
+        shapes = {n: shape for n, shape in shapes.items() if not is_buffer(n)}  # the routers' expert biases
         chained = _check_replayable(args, shapes, sizes)
         self.args, self.where, self._read_range = args, where, read_range
         self._shapes, self._sizes = shapes, sizes
@@ -216,10 +241,11 @@ class DpReshardable:
         virtual, count = self._virtual_stage(chunk, stage)
         moe_layers = sorted(
             {
-                split_layer_key(n)[0]
+                split_any_layer(n)[0]
                 for n in self._shapes
                 if is_expert(n) and _on_stage(n, virtual, count, args.required("num_layers"))
-            }
+            },
+            key=lambda prefix: module_order(prefix + "input_layernorm.weight"),
         )
         params, blocks = [], []
         for layer in moe_layers:
@@ -235,32 +261,34 @@ class DpReshardable:
             b, start = starts[key]
             self.places.setdefault(name, {})[t] = _Place(bucket(b), start + offset, shape, transposed)
 
-    def _sequential_experts(self, layer: int, ep: int, local: int) -> Tuple[List[Param], List[tuple]]:
-        """SequentialMLP's parameters of one MoE layer on EP rank ``ep`` (``local_experts.i.linear_fc1``,
-        ``linear_fc2`` of each local expert in turn, as its ModuleList registers them), and where
-        each canonical expert weight lies in them: (parameter, name, offset, shape, transposed)."""
+    def _sequential_experts(self, layer: str, ep: int, local: int) -> Tuple[List[Param], List[tuple]]:
+        """SequentialMLP's parameters of one MoE layer (``layer``: its prefix) on EP rank ``ep``
+        (``local_experts.i.linear_fc1``, ``linear_fc2`` of each local expert in turn, as its
+        ModuleList registers them), and where each canonical expert weight lies in them:
+        (parameter, name, offset, shape, transposed)."""
         params, blocks = [], []
         for i in range(local):
             for fc in ("linear_fc1", "linear_fc2"):
-                name = f"{LAYERS}{layer}.mlp.experts.{ep * local + i}.{fc}.weight"
-                key, shape = f"{LAYERS}{layer}.mlp.experts.local_experts.{i}.{fc}.weight", self._local_shape(name)
+                name = f"{layer}mlp.experts.{ep * local + i}.{fc}.weight"
+                key, shape = f"{layer}mlp.experts.local_experts.{i}.{fc}.weight", self._local_shape(name)
                 params.append(Param(key, shape, True))
                 blocks.append((key, name, 0, shape, False))
         return params, blocks
 
-    def _grouped_experts(self, layer: int, ep: int, local: int) -> Tuple[List[Param], List[tuple]]:
-        """GroupedMLP's ``weight1`` and ``weight2`` of one MoE layer on EP rank ``ep``, and where
-        each local expert's block lies in them (the linear layer's weight transposed)."""
+    def _grouped_experts(self, layer: str, ep: int, local: int) -> Tuple[List[Param], List[tuple]]:
+        """GroupedMLP's ``weight1`` and ``weight2`` of one MoE layer (``layer``: its prefix) on EP
+        rank ``ep``, and where each local expert's block lies in them (the linear layer's weight
+        transposed)."""
         params, blocks = [], []
         for fc, weight in (("linear_fc1", "weight1"), ("linear_fc2", "weight2")):
-            out, in_ = self._local_shape(f"{LAYERS}{layer}.mlp.experts.0.{fc}.weight")
+            out, in_ = self._local_shape(f"{layer}mlp.experts.0.{fc}.weight")
             block = (in_, out)  # GroupedMLP's expert weight is the linear layer's transposed
             # weight1 [h, experts x out]: viewed as [experts, h, out]; weight2 [experts x in, h]
             local_shape = (in_, local * out) if weight == "weight1" else (local * in_, out)
-            key = f"{LAYERS}{layer}.mlp.experts.{weight}"
+            key = f"{layer}mlp.experts.{weight}"
             params.append(Param(key, local_shape, True))
             blocks += [
-                (key, f"{LAYERS}{layer}.mlp.experts.{ep * local + i}.{fc}.weight", i * math.prod(block), block, True)
+                (key, f"{layer}mlp.experts.{ep * local + i}.{fc}.weight", i * math.prod(block), block, True)
                 for i in range(local)
             ]
         return params, blocks
@@ -321,7 +349,7 @@ def _check_replayable(args: SavedArgs, shapes: Dict[str, Tuple[int, ...]], sizes
         )
     if experts and (
         args.get("expert_tensor_parallel_size") not in (None, args.tp)
-        or any(not _EXPERT.fullmatch(split_layer_key(n)[1]) for n in experts)
+        or any(not _EXPERT.fullmatch(split_any_layer(n)[1]) for n in experts)
     ):
         raise NotReplayed("the buffers of experts with their own TP size or with biases are not replayed yet")
     uneven = [f"--{a.replace('_', '-')}" for a in _UNEVEN_SPLITS if args.get(a)]

@@ -18,7 +18,6 @@ from typing import List, Tuple
 
 from megatron_p2r.config import Config, ModelConfig
 from megatron_p2r.config.layer_pattern import layer_pattern_text
-from megatron_p2r.convert.unexported import deepseek_routing_blockers
 from megatron_p2r.convert.megatron.args import MegatronConversionError, SavedArgs, model_values
 
 CHECKPOINT_VERSION = 3.0
@@ -39,19 +38,8 @@ class MegatronLayout:
 def check_expressible(m: ModelConfig) -> None:
     """Refuse, naming each, the options of ours that Megatron-LM's GPT model cannot express."""
     blockers = []
-    if m.multi_latent_attention:
-        blockers.append(
-            "--multi-latent-attention (export to Megatron-LM's MLA tensors is not built yet; import-megatron "
-            "reads them, export-hf writes DeepseekV3ForCausalLM)"
-        )
-    if m.num_experts and not m.all_layers_moe:
-        blockers.append(
-            f"--moe-layer-freq {m.moe_layer_freq} (writing dense and MoE layers mixed is not built yet; "
-            "only an MoE in every layer maps)"
-        )
     if m.num_experts and m.moe_num_prototypes != 1:
         blockers.append(f"--moe-num-prototypes {m.moe_num_prototypes} (expert prototyping)")
-    blockers += [f"{what} (not exported yet)" for blocked, what in deepseek_routing_blockers(m) if blocked]
     if blockers:
         raise MegatronConversionError("cannot express this model in Megatron-LM: " + "; ".join(blockers))
 
@@ -105,7 +93,28 @@ def _model_args(m: ModelConfig) -> dict:
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
+        mtp_num_layers=m.mtp_num_layers,
+        mtp_loss_scaling_factor=m.mtp_loss_scaling_factor if m.mtp_num_layers else None,
         **_gpt_oss_args(m),
+        **_latent_args(m),
+    )
+
+
+def _latent_args(m: ModelConfig) -> dict:
+    """Multi-latent attention's args (MLA's rope is YaRN in Megatron-LM: --rope-type yarn)."""
+    if not m.multi_latent_attention:
+        return dict(multi_latent_attention=False)
+    return dict(
+        multi_latent_attention=True,
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_head_dim,
+        qk_pos_emb_head_dim=m.qk_pos_emb_head_dim,
+        v_head_dim=m.v_head_dim,
+        rope_type="yarn",
+        rotary_scaling_factor=m.rotary_scaling_factor,
+        mscale=m.mscale,
+        mscale_all_dim=m.mscale_all_dim,
     )
 
 
@@ -126,22 +135,28 @@ def _gpt_oss_args(m: ModelConfig) -> dict:
 def _moe_args(m: ModelConfig) -> dict:
     if not m.num_experts:
         return dict(num_experts=None)
+    balancing = m.moe_router_load_balancing_type if m.moe_aux_loss_coeff else "none"
     return dict(
         num_experts=m.num_experts,
-        moe_layer_freq=1,
+        moe_layer_freq=m.moe_layer_freq,
         moe_router_topk=m.moe_router_topk,
         moe_ffn_hidden_size=m.expert_ffn_size,
         moe_router_pre_softmax=m.moe_router_pre_softmax,
-        moe_router_load_balancing_type="aux_loss" if m.moe_aux_loss_coeff else "none",
+        moe_router_load_balancing_type=balancing,
         moe_aux_loss_coeff=m.moe_aux_loss_coeff,
         moe_z_loss_coeff=m.moe_z_loss_coeff or None,
         moe_input_jitter_eps=m.moe_input_jitter_eps,
         moe_grouped_gemm=False,
-        moe_router_score_function="softmax",
+        moe_router_score_function=m.moe_router_score_function,
         moe_token_dispatcher_type="allgather",
-        moe_shared_expert_intermediate_size=None,
-        moe_router_enable_expert_bias=False,
-        moe_router_topk_scaling_factor=None,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=m.moe_shared_expert_gate,
+        moe_shared_expert_overlap=m.moe_shared_expert_overlap,
+        moe_router_num_groups=m.moe_router_num_groups,
+        moe_router_group_topk=m.moe_router_group_topk,
+        moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+        moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
         moe_expert_capacity_factor=m.moe_capacity_factor,
         moe_token_drop_policy=m.moe_token_drop_policy,
         moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
@@ -164,14 +179,41 @@ def flags_to_pass(args: argparse.Namespace) -> List[str]:
     if not args.bias_gelu_fusion and args.add_bias_linear and not args.swiglu:
         flags.append("--no-bias-gelu-fusion")
     if args.num_experts and args.moe_aux_loss_coeff:
-        flags += ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", repr(args.moe_aux_loss_coeff)]
+        balancing = args.moe_router_load_balancing_type
+        flags += ["--moe-router-load-balancing-type", balancing, "--moe-aux-loss-coeff", repr(args.moe_aux_loss_coeff)]
     if args.num_experts and args.moe_z_loss_coeff:
         flags += ["--moe-z-loss-coeff", repr(args.moe_z_loss_coeff)]
     if args.num_experts and args.moe_expert_capacity_factor is not None:
         flags += ["--moe-expert-capacity-factor", repr(args.moe_expert_capacity_factor)]
         flags += ["--moe-token-drop-policy", args.moe_token_drop_policy]
         flags += ["--moe-pad-expert-input-to-capacity"] if args.moe_pad_expert_input_to_capacity else []
-    return flags + _gpt_oss_flags(args)
+    return flags + _gpt_oss_flags(args) + _deepseek_flags(args)
+
+
+def _deepseek_flags(args: argparse.Namespace) -> List[str]:
+    """MLA's, the group-limited routing's, the bias update rate's, the shared-expert gate's and
+    MTP's flags (not restored by --use-checkpoint-args; the routing's score function, scaling,
+    expert bias and shared experts are)."""
+    flags = []
+    if args.multi_latent_attention:
+        flags.append("--multi-latent-attention")
+        if args.q_lora_rank is not None:
+            flags += ["--q-lora-rank", str(args.q_lora_rank)]
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type"):
+            flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+        for name in ("rotary_scaling_factor", "mscale", "mscale_all_dim"):
+            flags += [f"--{name.replace('_', '-')}", repr(getattr(args, name))]
+    if args.num_experts and args.moe_router_group_topk:
+        flags += ["--moe-router-num-groups", str(args.moe_router_num_groups)]
+        flags += ["--moe-router-group-topk", str(args.moe_router_group_topk)]
+    if args.num_experts and args.moe_router_enable_expert_bias:
+        flags += ["--moe-router-bias-update-rate", repr(args.moe_router_bias_update_rate)]
+    if args.num_experts and args.moe_shared_expert_gate:
+        flags.append("--moe-shared-expert-gate")
+    if args.mtp_num_layers:
+        flags += ["--mtp-num-layers", str(args.mtp_num_layers)]
+        flags += ["--mtp-loss-scaling-factor", repr(args.mtp_loss_scaling_factor)]
+    return flags
 
 
 def _gpt_oss_flags(args: argparse.Namespace) -> List[str]:

@@ -31,6 +31,8 @@ from megatron_p2r.convert.megatron.export_optim import (
     scheduler_state,
     world_size_of,
 )
+from megatron_p2r.checkpoint.expert_bias import bias_name
+from megatron_p2r.convert.megatron.names import EXPERT_BIAS, DistNaming, layer_name
 from megatron_p2r.convert.megatron.rules import to_megatron
 from megatron_p2r.convert.megatron.source import TRACKER_FILE
 from megatron_p2r.convert.megatron.writer import write_dist, write_legacy
@@ -70,6 +72,31 @@ def _megatron_tensors(
     return out
 
 
+def _expert_biases(source: SourceCheckpoint) -> Dict[str, torch.Tensor]:
+    """Every MoE router's ``expert_bias`` buffer (--moe-router-enable-expert-bias), fp32 as
+    megatron-core keeps it: ours from metadata.json (zero where the checkpoint has none), and zero
+    for the MTP layers' routers, whose bias ours neither keeps nor moves (docs/mtp.md)."""
+    m = source.real_cfg.model
+    if not m.moe_router_enable_expert_bias:
+        return {}
+    zero = torch.zeros(m.num_experts, dtype=torch.float32)
+    out = {}
+    for layer in range(m.num_layers):
+        if m.is_moe_layer(layer):
+            bias = source.expert_bias(bias_name(layer))
+            out[layer_name(layer, EXPERT_BIAS)] = zero if bias is None else bias
+    if m.is_moe_layer(m.num_layers - 1):  # an MTP layer is of the last layer's kind
+        for depth in range(m.mtp_num_layers or 0):
+            out[f"mtp.layers.{depth}.transformer_layer.{EXPERT_BIAS}"] = zero
+    return out
+
+
+def _dist_naming(m) -> DistNaming:
+    """Per-layer keys where megatron-core's ``TransformerBlock`` writes them (--moe-layer-freq a
+    list or an int N > 1), the local spec's norm names with multi-latent attention."""
+    return DistNaming(per_layer=bool(m.num_experts) and m.moe_layer_freq != 1, te_norms=not m.multi_latent_attention)
+
+
 def export_megatron(
     src: str,
     dst: str,
@@ -105,6 +132,7 @@ def export_megatron(
     plan = to_megatron(list(tensor_table(cfg)), cfg.model)
     optim = None if skipped else optimizer_export(source, plan, dtype, layout.ep)
     tensors = _megatron_tensors(source, plan, EXPORT_DTYPES[dtype], progress)
+    tensors.update(_expert_biases(source))
     header = {
         "args": args,
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -119,7 +147,7 @@ def export_megatron(
             common = {**header, "content_metadata": dict(CONTENT_METADATA)}
             if optim:
                 common.update(optimizer=optim.optimizer, opt_param_scheduler=optim.scheduler)
-            write_dist(iter_dir, tensors, common, optim.tensors if optim else None)
+            write_dist(iter_dir, tensors, common, optim.tensors if optim else None, _dist_naming(cfg.model))
         else:
             m = cfg.model
             write_legacy(iter_dir, tensors, header, layout, m.num_layers, m.num_experts or 0, m.gated_linear_unit)

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.convert.imported import MODEL_YAML, RunPosition, write_imported
 from megatron_p2r.convert.megatron.args import SavedArgs, model_values, vocab_values
-from megatron_p2r.convert.megatron.names import OUTPUT_LAYER
+from megatron_p2r.checkpoint.expert_bias import bias_name
+from megatron_p2r.convert.megatron.names import EXPERT_BIAS, OUTPUT_LAYER, is_buffer, split_layer_key
 from megatron_p2r.convert.megatron.rules import megatron_name, megatron_shape, transform
 from megatron_p2r.convert.megatron.source import MegatronCheckpoint, open_megatron
 from megatron_p2r.convert.reshard import Target, target_config
@@ -37,7 +38,10 @@ def import_megatron(
     values, zero_centered, notes = model_values(a)
     cfg, vocab_note = _imported_config(values, a, target)
     table = tensor_table(cfg)
-    plan = _plan(source, table, cfg.model, zero_centered, a.required("padded_vocab_size"))
+    biases, bias_notes = _expert_biases(source, cfg.model)
+    plan = _plan(
+        source, table, cfg.model, zero_centered, a.required("padded_vocab_size"), set(biases) | set(bias_notes)
+    )
     flags, tokenizer_note = _tokenizer_flags(a)
     history = {
         "op": "import-megatron",
@@ -60,9 +64,12 @@ def import_megatron(
         extras=lambda staging: flags,
         kinds=kinds,
         position=where,
+        expert_bias={bias_name(layer): source.read(name).tolist() for name, layer in biases.items()} or None,
     )
     yaml_path = os.path.join(dst, MODEL_YAML)
-    notes += [n for n in (vocab_note, tokenizer_note) if n]
+    notes += [n for n in (vocab_note, tokenizer_note, *bias_notes.values()) if n]
+    if biases:
+        notes.append(f"expert biases: Megatron's routers' expert_bias of {len(biases)} MoE layers, exact")
     if moments:
         mains = "its fp32 main weights, " if source.optimizer["main"] else ""
         notes.append(
@@ -119,11 +126,44 @@ def _imported_config(values: dict, a: SavedArgs, target: Target) -> Tuple[Config
     return cfg, note
 
 
+def _expert_biases(source: MegatronCheckpoint, m: ModelConfig) -> Tuple[Dict[str, int], Dict[str, str]]:
+    """Megatron's router buffers ``expert_bias`` (--moe-router-enable-expert-bias): {name: the
+    layer whose router holds it} for metadata.json's ``expert_bias`` (checkpoint/expert_bias.py),
+    and {name: note} for the MTP layers' routers', which our model does not keep (docs/mtp.md)."""
+    names = sorted(n for n in source.names if is_buffer(n))
+    if not m.moe_router_enable_expert_bias:
+        return {}, {}
+    layers, notes = {}, {}
+    for name in names:
+        split = split_layer_key(name)
+        if split is not None and split[0] is not None and split[1] == EXPERT_BIAS:
+            layers[name] = split[0]
+        else:  # ours is 0: nothing is lost where Megatron's is too
+            values = source.read(name).tolist()
+            notes[name] = (
+                ""
+                if not any(values)
+                else f"{name} (values {values}) is not imported: our MTP layers' routers keep no expert bias (it is 0)"
+            )
+    for layer in range(m.num_layers):
+        if m.is_moe_layer(layer) and layer not in layers.values():
+            raise CheckpointError(
+                f"{source.iter_dir}: the args say --moe-router-enable-expert-bias, but the checkpoint has no "
+                f"expert_bias of layer {layer}'s router"
+            )
+    return layers, notes
+
+
 def _plan(
-    source: MegatronCheckpoint, table: Dict[str, TensorInfo], m: ModelConfig, zero_centered: bool, vocab_rows: int
+    source: MegatronCheckpoint,
+    table: Dict[str, TensorInfo],
+    m: ModelConfig,
+    zero_centered: bool,
+    vocab_rows: int,
+    not_tensors: Set[str] = frozenset(),
 ) -> Plan:
     """Our piece -> (Megatron tensor, transform), every shape checked, and every Megatron tensor
-    used: none is silently dropped."""
+    used (or in ``not_tensors``, the expert biases, which go elsewhere): none is silently dropped."""
     plan: Plan = {}
     for key, info in table.items():
         name = megatron_name(key)
@@ -136,7 +176,7 @@ def _plan(
                 f"args imply {list(want)}"
             )
         plan[key] = (name, transform(key, m, zero_centered))
-    used = {name for name, _ in plan.values()}
+    used = {name for name, _ in plan.values()} | set(not_tensors)
     if not m.untie_embeddings_and_output_weights:
         used.add(OUTPUT_LAYER)  # the last stage's replica of the tied embedding (legacy layout, PP > 1)
     unused = sorted(set(source.names) - used)

@@ -31,9 +31,12 @@ from megatron_p2r.convert.megatron.buffer_layout import Param, bucket_size
 from megatron_p2r.convert.megatron.args import SavedArgs
 from megatron_p2r.convert.megatron.names import (
     IGNORED,
+    MTP_LAYER,
     expert_rest,
     join_tp_shards,
     layer_name,
+    mtp_layer_name,
+    split_any_layer,
     split_layer_key,
     split_local_expert,
     tp_dim,
@@ -277,7 +280,12 @@ class LegacyCheckpoint:
                 f"{path}: {key!r} is the naming of Megatron's legacy (non-core) models; "
                 "only megatron-core GPT models (decoder.layers.*) are read"
             )
-        split = split_layer_key(key)
+        split, mtp = split_layer_key(key), MTP_LAYER.fullmatch(key)
+        if mtp:  # an MTP layer's, as a layer's of its own (on the last stage)
+            expert = split_local_expert(mtp.group(2))
+            if expert is None:
+                return mtp_layer_name(mtp.group(1), mtp.group(2)) if e == 0 else None
+            return mtp_layer_name(mtp.group(1), expert_rest(e * self.local_experts + expert[0], expert[1]))
         if split is None or split[0] is None:
             return key if e == 0 else None
         layers.add(split[0])
@@ -352,7 +360,7 @@ def _grouped_experts(model: dict, local: int, path: str) -> Dict[str, LazyTensor
 
 
 def _is_expert(key: str) -> bool:
-    split = split_layer_key(key)
+    split = split_any_layer(key)
     return split is not None and split_local_expert(split[1]) is not None
 
 

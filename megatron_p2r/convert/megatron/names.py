@@ -14,9 +14,14 @@ tensor: per layer with its global index, per expert with its global index.
     decoder.layers.N.mlp.linear_fc1.{weight,bias}                       column-parallel; gated (SwiGLU, quick-GeGLU): [gate; up]
     decoder.layers.N.mlp.linear_fc2.{weight,bias}                       row-parallel
     decoder.layers.N.mlp.router.weight           [experts, h]
+    decoder.layers.N.mlp.router.expert_bias      [experts]              --moe-router-enable-expert-bias (a buffer)
     decoder.layers.N.mlp.experts.E.linear_fc{1,2}.{weight,bias}        as the dense MLP, per expert
+    decoder.layers.N.mlp.shared_experts.linear_fc{1,2}.weight           as the dense MLP
+    decoder.layers.N.mlp.shared_experts.gate_weight [1, h]              --moe-shared-expert-gate
     decoder.final_layernorm.{weight,bias}
     output_layer.weight                          [padded vocab, h]      (untied only)
+    mtp.layers.D.{enorm,hnorm,final_layernorm}.weight, mtp.layers.D.eh_proj.weight [h, 2h]
+    mtp.layers.D.transformer_layer.REST          a layer's tensors (REST as above) --mtp-num-layers
 
 A canonical gated ``linear_fc1`` is the global [gate rows; up rows] that torch_dist stores
 (``mlp.apply_swiglu_sharded_factory``); each TP shard of a legacy file is [its gate; its up].
@@ -24,6 +29,7 @@ A canonical gated ``linear_fc1`` is the global [gate rows; up rows] that torch_d
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import List, Optional, Tuple
 
@@ -50,6 +56,16 @@ _LEGACY_EXPERT = re.compile(
     r"|(linear_fc[12]\.(?:weight|bias))(\d+))"
 )
 _LAYER_KEY = re.compile(r"decoder\.layers\.(?:(\d+)\.)?(.+)")
+MTP_LAYER = re.compile(r"(mtp\.layers\.\d+\.transformer_layer\.)(.+)")
+
+
+# a router's buffer (--moe-router-enable-expert-bias): a tensor of the checkpoint, no parameter
+EXPERT_BIAS = "mlp.router.expert_bias"
+
+
+def is_buffer(name: str) -> bool:
+    """Whether canonical ``name`` is a module buffer (no parameter, no optimizer state)."""
+    return name.endswith("." + EXPERT_BIAS)
 
 
 def layer_name(layer: int, rest: str) -> str:
@@ -60,22 +76,42 @@ def expert_rest(expert: int, leaf: str) -> str:
     return f"mlp.experts.{expert}.{leaf}"
 
 
+def mtp_layer_name(prefix: str, rest: str) -> str:
+    """The canonical name of an MTP layer's tensor (``prefix``: ``mtp.layers.D.transformer_layer.``)."""
+    return prefix + _NORM_ALIASES.get(rest, rest)
+
+
 _TE_NAMES = {local: te for te, local in _NORM_ALIASES.items()}
 _EXPERT_REST = re.compile(r"mlp\.experts\.(\d+)\.(.+)")
 
 
-def dist_key(name: str) -> Tuple[str, Tuple[int, ...]]:
+@dataclasses.dataclass(frozen=True)
+class DistNaming:
+    """How megatron-core's sharded state dict names a model's layers: stacked [L, ...] (the same
+    layer everywhere) or one key per layer (``per_layer``: --moe-layer-freq other than 1, as
+    ``TransformerBlock.sharded_state_dict`` decides), and the norms under the Transformer-Engine
+    names (``te_norms``: the local spec maps them so, except with multi-latent attention)."""
+
+    per_layer: bool = False
+    te_norms: bool = True
+
+
+def dist_key(name: str, naming: DistNaming = DistNaming()) -> Tuple[str, Tuple[int, ...]]:
     """A canonical name -> (its torch_dist key, its index on the key's leading dimensions):
-    layers stacked as ``decoder.layers.rest`` [L, ...] under the TE norm names, experts as
-    ``decoder.layers.mlp.experts.experts.leaf`` [L, E, ...] (megatron-core's sharded keys)."""
+    layers stacked as ``decoder.layers.rest`` [L, ...] (or ``decoder.layers.N.rest``), experts as
+    ``decoder.layers.mlp.experts.experts.leaf`` [L, E, ...] (megatron-core's sharded keys); an
+    MTP layer's as a layer of its own (``mtp.layers.D.transformer_layer.rest``)."""
+    mtp = MTP_LAYER.fullmatch(name)
     split = split_layer_key(name)
-    if split is None or split[0] is None:
+    if mtp is None and (split is None or split[0] is None):
         return name, ()
-    layer, rest = split
+    prefix, rest, index = (mtp.group(1), mtp.group(2), ()) if mtp else (LAYERS, split[1], (split[0],))
+    if naming.per_layer and not mtp:
+        prefix, index = f"{LAYERS}{split[0]}.", ()
     expert = _EXPERT_REST.fullmatch(rest)
     if expert:
-        return f"{LAYERS}mlp.experts.experts.{expert.group(2)}", (layer, int(expert.group(1)))
-    return LAYERS + _TE_NAMES.get(rest, rest), (layer,)
+        return f"{prefix}mlp.experts.experts.{expert.group(2)}", index + (int(expert.group(1)),)
+    return prefix + (_TE_NAMES.get(rest, rest) if naming.te_norms else rest), index
 
 
 def split_layer_key(key: str) -> Optional[Tuple[Optional[int], str]]:
@@ -83,6 +119,18 @@ def split_layer_key(key: str) -> Optional[Tuple[Optional[int], str]]:
     (None, rest); other keys -> None."""
     m = _LAYER_KEY.fullmatch(key)
     return None if m is None else (None if m.group(1) is None else int(m.group(1)), m.group(2))
+
+
+def split_any_layer(name: str) -> Optional[Tuple[str, str]]:
+    """A canonical name of a decoder layer's or an MTP layer's tensor -> (the layer's prefix,
+    ``decoder.layers.N.`` or ``mtp.layers.D.transformer_layer.``, and the rest); else None."""
+    mtp = MTP_LAYER.fullmatch(name)
+    if mtp:
+        return mtp.group(1), mtp.group(2)
+    split = split_layer_key(name)
+    if split is None or split[0] is None:
+        return None
+    return f"{LAYERS}{split[0]}.", split[1]
 
 
 def split_local_expert(rest: str) -> Optional[Tuple[int, str]]:
@@ -104,6 +152,8 @@ _LATENT_COLUMNS = (
     "linear_kv_down_proj",
     "linear_kv_up_proj",
 )
+# MTP's projection of [embedding, hidden] (column-parallel, gathered after)
+_COLUMNS = ("linear_qkv", "linear_fc1", "eh_proj", *_LATENT_COLUMNS)
 
 
 def tp_dim(name: str) -> Optional[int]:
@@ -114,7 +164,7 @@ def tp_dim(name: str) -> Optional[int]:
     module = module.rpartition(".")[2]
     if kind == "softmax_offset":  # one per head: the heads are split over TP
         return 0
-    if module in ("linear_qkv", "linear_fc1", *_LATENT_COLUMNS):
+    if module in _COLUMNS:
         return 0
     return 1 if module in ("linear_proj", "linear_fc2") and kind == "weight" else None
 

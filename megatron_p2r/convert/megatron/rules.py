@@ -7,7 +7,9 @@ group per head is exactly our ``attention.qkv`` layout ``[heads, (q, k, v), head
 ``attention.key_value`` ``[groups, (k, v), head_dim]`` are both regrouped from it (query head i
 is in group i // (heads/groups) in both).
 Multi-latent attention's tensors are ours under Megatron's names, rows unchanged (the
-rotary dimensions in interleaved pairs on both sides).
+rotary dimensions in interleaved pairs on both sides), and so are the shared experts' (their
+``linear_fc1`` a gated MLP's), the shared-expert gate and an MTP depth's tensors (its transformer
+layer's as a layer's, under ``mtp.layers.D.transformer_layer.``).
 A gated MLP's (SwiGLU, quick-GeGLU) ``linear_fc1`` is [gate; up], ours interleaves the rows
 (gate_j, up_j). The vocabulary
 matrices keep Megatron's padded rows (zero rows are added when our padding needs more).
@@ -59,6 +61,9 @@ _LAYER_MODULES = {
     "mlp.fc1": "mlp.linear_fc1",
     "mlp.fc2": "mlp.linear_fc2",
     "mlp.router": "mlp.router",
+    "mlp.shared_experts.fc1": "mlp.shared_experts.linear_fc1",
+    "mlp.shared_experts.fc2": "mlp.shared_experts.linear_fc2",
+    "mlp.shared_experts": "mlp.shared_experts",  # gate_weight
     "attention": "self_attention.core_attention",
 }  # attention.softmax_offset: the sinks
 _EXPERT_LEAVES = {
@@ -69,19 +74,30 @@ _EXPERT_LEAVES = {
 }
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _EXPERT_KEY = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)")
-_LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias|softmax_offset)")
+_LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias|softmax_offset|gate_weight)")
+# an MTP depth's own tensors, and its transformer layer (a layer's pieces under the prefix)
+_MTP_OWN = re.compile(r"mtp\.layers\.(\d+)\.(enorm|hnorm|eh_proj|final_norm)\.weight")
+_MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.layer\.(.+)")
+_ANY_LAYER = r"(?:layers\.\d+|mtp\.layers\.\d+\.layer)"
 _NORM_WEIGHT = re.compile(
-    r"(layers\.\d+\.(input_norm|post_attention_norm|attention\.(?:[qk]|kv)_layernorm)"
-    r"|final_norm)\.weight"
+    rf"({_ANY_LAYER}\.(input_norm|post_attention_norm|attention\.(?:[qk]|kv)_layernorm)"
+    r"|final_norm|mtp\.layers\.\d+\.(?:enorm|hnorm|final_norm))\.weight"
 )
-_ATTENTION = re.compile(r"layers\.\d+\.attention\.(qkv|query|key_value)\.(weight|bias)")
-_GLU = re.compile(r"layers\.\d+\.mlp\.(fc1\.(weight|bias)|experts\.\d+\.(weight1|bias1))")
+_ATTENTION = re.compile(rf"{_ANY_LAYER}\.attention\.(qkv|query|key_value)\.(weight|bias)")
+_GLU = re.compile(rf"{_ANY_LAYER}\.mlp\.(fc1\.(weight|bias)|shared_experts\.fc1\.weight|experts\.\d+\.(weight1|bias1))")
 
 
 def megatron_name(key: str) -> str:
     """The canonical Megatron tensor our piece ``key`` is made from."""
     if key in _TOP:
         return _TOP[key]
+    m = _MTP_OWN.fullmatch(key)
+    if m:
+        return f"mtp.layers.{m.group(1)}.{'final_layernorm' if m.group(2) == 'final_norm' else m.group(2)}.weight"
+    m = _MTP_LAYER.fullmatch(key)
+    if m:  # Megatron's name of the piece in a layer 0, under the depth's prefix
+        inner = megatron_name(f"layers.0.{m.group(2)}")
+        return f"mtp.layers.{m.group(1)}.transformer_layer.{inner[len(layer_name(0, '')) :]}"
     m = _EXPERT_KEY.fullmatch(key)
     if m:
         return layer_name(int(m.group(1)), expert_rest(int(m.group(2)), _EXPERT_LEAVES[m.group(3)]))

@@ -29,8 +29,10 @@ from megatron_p2r.convert.megatron.dist import COMMON_FILE, CONFIG_FILE, OPTIMIZ
 from megatron_p2r.convert.megatron.export_args import MegatronLayout
 from megatron_p2r.convert.megatron.legacy import MODEL_FILE, rank_dir
 from megatron_p2r.convert.megatron.names import (
+    MTP_LAYER,
     OUTPUT_LAYER,
     WORD_EMBEDDINGS,
+    DistNaming,
     dist_key,
     is_glu_fc1,
     split_layer_key,
@@ -43,29 +45,34 @@ DIST_CONFIG = {
     "common_backend": "torch",
     "common_backend_version": 1,
 }
-_LINEAR_WEIGHT = re.compile(r"(.*\.(?:linear_qkv|linear_proj|linear_fc1|linear_fc2))\.weight")
+# the linear layers of a layer (or MTP depth): megatron-core asks for an _extra_state object of each
+_LINEAR_WEIGHT = re.compile(
+    r"((?:decoder|mtp)\.layers\..*\.(?:linear_qkv|linear_proj|linear_fc1|linear_fc2|linear_q_proj"
+    r"|linear_q_down_proj|linear_q_up_proj|linear_kv_down_proj|linear_kv_up_proj|eh_proj))\.weight"
+)
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(.+)")
 
 
-def _stacked(tensors: Dict[str, torch.Tensor], prefix: str = "") -> dict:
-    """megatron-core's sharded keys (``prefix`` + key) of ``tensors`` (canonical name -> global
-    tensor), which it empties as it stacks them, with the ``_extra_state`` objects of the model's
-    linear layers (``prefix`` empty)."""
+def _stacked(tensors: Dict[str, torch.Tensor], naming: DistNaming, prefix: str = "") -> dict:
+    """megatron-core's sharded keys (``prefix`` + key, as ``naming`` says) of ``tensors``
+    (canonical name -> global tensor), which it empties as it stacks them, with the
+    ``_extra_state`` objects of the model's linear layers (``prefix`` empty)."""
     keys: Dict[str, Dict[Tuple[int, ...], str]] = {}
     for name in list(tensors):
-        key, index = dist_key(name)
+        key, index = dist_key(name, naming)
         keys.setdefault(key, {})[index] = name
     state: dict = {}
     for key, names in keys.items():
         if list(names) == [()]:
             state[prefix + key] = tensors.pop(names[()])
-            continue
-        shape = tuple(max(i[d] for i in names) + 1 for d in range(len(next(iter(names)))))
-        state[prefix + key] = torch.stack([tensors.pop(names[i]) for i in sorted(names)]).unflatten(0, shape)
+            shape = (1,)  # one shard of one: a layer's own key
+        else:
+            shape = tuple(max(i[d] for i in names) + 1 for d in range(len(next(iter(names)))))
+            state[prefix + key] = torch.stack([tensors.pop(names[i]) for i in sorted(names)]).unflatten(0, shape)
         module = _LINEAR_WEIGHT.fullmatch(key)
         if module and not prefix:
             for index in sorted(names):
-                shard = f"{'.'.join(map(str, index))}_{'.'.join(map(str, shape))}"
+                shard = f"{'.'.join(map(str, index or (0,)))}_{'.'.join(map(str, shape))}"
                 state[f"{module.group(1)}._extra_state/shard_{shard}"] = [None]  # DCP torch.saves an object
     return state
 
@@ -75,14 +82,15 @@ def write_dist(
     tensors: Dict[str, torch.Tensor],
     common: dict,
     optimizer: Optional[Dict[str, Dict[str, torch.Tensor]]] = None,
+    naming: DistNaming = DistNaming(),
 ) -> None:
     """The torch_dist iteration directory of ``tensors`` (canonical name -> global tensor) and
     the ``optimizer`` state (kind -> canonical name -> tensor, under the non-distributed
-    optimizer's prefix of ``OPTIMIZER_KEYS``, the first),
+    optimizer's prefix of ``OPTIMIZER_KEYS``, the first), keyed as ``naming`` says,
     emptied as they are stacked: at most one stacked key more than they hold is in memory."""
-    state = _stacked(tensors)
+    state = _stacked(tensors, naming)
     for kind, kind_tensors in (optimizer or {}).items():
-        state.update(_stacked(kind_tensors, OPTIMIZER_KEYS[kind][0]))
+        state.update(_stacked(kind_tensors, naming, OPTIMIZER_KEYS[kind][0]))
     with warnings.catch_warnings():  # one writer by design, not a missing process group
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(iter_dir), no_dist=True)
@@ -104,13 +112,13 @@ def _shard(name: str, tensor: torch.Tensor, t: int, tp: int, glu: bool) -> torch
 
 def _local_name(name: str, p: int, e: int, layout: MegatronLayout, num_layers: int, experts: int):
     """The name rank (stage ``p``, EP rank ``e``) stores ``name`` under, or None if it does not hold it."""
-    split = split_layer_key(name)
-    if split is None or split[0] is None:
+    split, mtp = split_layer_key(name), MTP_LAYER.fullmatch(name)
+    if mtp is None and (split is None or split[0] is None):
         first = name.startswith("embedding.")
         return name if (p == 0 if first else p == layout.pp - 1) else None
     per_stage = num_layers // layout.pp
-    layer, rest = split
-    if layer // per_stage != p:
+    prefix, rest = (mtp.group(1), mtp.group(2)) if mtp else (None, split[1])
+    if (p != layout.pp - 1) if mtp else (split[0] // per_stage != p):  # MTP layers: on the last stage
         return None
     expert = _EXPERT.fullmatch(rest)
     if expert:
@@ -118,7 +126,7 @@ def _local_name(name: str, p: int, e: int, layout: MegatronLayout, num_layers: i
         if int(expert.group(1)) // local != e:
             return None
         rest = f"mlp.experts.local_experts.{int(expert.group(1)) % local}.{expert.group(2)}"
-    return f"decoder.layers.{layer % per_stage}.{rest}"
+    return f"{prefix or f'decoder.layers.{split[0] % per_stage}.'}{rest}"
 
 
 def _rank_model(

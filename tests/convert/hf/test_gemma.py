@@ -43,6 +43,18 @@ FAMILIES = {
         GEMMA3,
         dict(GEMMA, window_attn_skip_freq=3, qk_layernorm=True, rotary_base=1e6, rotary_base_local=1e4),
     ),
+    # the full layer's rotary linear by 8, the sliding layers' unscaled; logits over 64 positions
+    "gemma3_linear": (
+        GEMMA3,
+        dict(
+            GEMMA,
+            window_attn_skip_freq=3,
+            qk_layernorm=True,
+            rotary_base=1e6,
+            rotary_base_local=1e4,
+            rotary_seq_len_interpolation_factor=8,
+        ),
+    ),
 }
 
 
@@ -58,12 +70,14 @@ def test_import_export_same_logits(family, tmp_path):
     ours, cfg = reference_model(str(tmp_path / "ours"), str(tmp_path / "single"))
     m = cfg.model
     assert {k: getattr(m, k) for k in expected} == expected
-    check_same_function(ours, theirs, 101, 16, generate=False)
+    positions = theirs.config.max_position_embeddings
+    check_same_function(ours, theirs, 101, positions, generate=False)
     result = export_hf(str(tmp_path / "ours"), str(tmp_path / "back"), trim_vocab=True, progress=False)
     assert result.architecture == arch
     back = load_hf(str(tmp_path / "back"))
     assert type(back).__name__ == arch
-    check_same_function(ours, back, 101, 16)
+    assert back.config.rope_parameters == theirs.config.rope_parameters
+    check_same_function(ours, back, 101, positions)
 
 
 def test_one_plus_w_norm_weights_are_bitwise(tmp_path):
@@ -126,20 +140,99 @@ def test_imported_gemmas_train_as_one_process(tmp_path):
         ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation 'gelu': the gated GELU here is the tanh one"),
         ("gemma2", {"attention_bias": True}, "attention_bias true"),
         ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention true"),
+        ("gemma2", {"attn_logit_softcapping": -1.0}, "attn_logit_softcapping must be a number"),
         (
             "gemma3_text",
-            {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0}}},
-            "rope_parameters.full_attention.rope_type 'linear'",
+            {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 8.0}}},
+            "rope_parameters.full_attention.rope_type 'yarn': Gemma's rotary here is default or linear",
         ),
-        ("gemma2", {"attn_logit_softcapping": -1.0}, "attn_logit_softcapping must be a number"),
+        ("gemma3_text", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type 'dynamic'"),
+        ("gemma2", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_parameters.rope_type 'dynamic'"),
+        (
+            "gemma3_text",
+            {"rope_scaling": {"type": "linear", "factor": 8.0}},
+            "rope_scaling.type 'linear' with rope_type 'default': transformers 5 rotates",
+        ),
+        (
+            "gemma3_linear",
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "linear", "factor": 8.0},
+                    "sliding_attention": {"rope_type": "linear", "factor": 2.0},
+                }
+            },
+            "rope_parameters.sliding_attention.rope_type 'linear' with full layers' 'linear'",
+        ),
+        (
+            "gemma3_linear",
+            {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.5}}},
+            "rope type 'linear' with",
+        ),
+        (
+            "gemma3_text",
+            {"rope_parameters": {"rope_type": "linear", "factor": 8.0}},
+            "rope_parameters has ['factor', 'rope_type']: Gemma 3's is keyed by layer type",
+        ),
     ],
 )
 def test_gemma_fields_without_equivalent_are_refused(family, change, message, tmp_path):
-    shutil.copytree(_fixture(family), tmp_path / "hf")
-    config = json.load(open(tmp_path / "hf" / "config.json"))
-    json.dump({**config, **change}, open(tmp_path / "hf" / "config.json", "w"))
     with pytest.raises(HFConversionError, match="config.json: " + re.escape(message)):
-        import_hf(str(tmp_path / "hf"), str(tmp_path / "ours"), Target(), progress=False)
+        import_hf(_edited(family, change, tmp_path), str(tmp_path / "ours"), Target(), progress=False)
+
+
+def _edited(family, change, tmp_path):
+    """A copy of a fixture whose config.json is updated with ``change`` (None values removed)."""
+    shutil.copytree(_fixture(family), tmp_path / "hf")
+    config = {**json.load(open(tmp_path / "hf" / "config.json")), **change}
+    json.dump({k: v for k, v in config.items() if v is not None}, open(tmp_path / "hf" / "config.json", "w"))
+    return str(tmp_path / "hf")
+
+
+def test_gemma3_older_rope_fields_read_as_transformers_reads_them():
+    """Released Gemma 3 4B-27B write ``rope_scaling`` (linear 8: the full layers'), ``rope_theta`` and
+    ``rope_local_base_freq``: transformers' Gemma3TextConfig makes of them the per-layer-type
+    rope_parameters of the gemma3_linear fixture, and import reads both alike; a sliding base
+    given in rope_parameters is --rotary-base-local."""
+    from transformers import Gemma3TextConfig
+
+    from megatron_p2r.convert.hf.config_json import model_values_from_hf
+
+    config = json.load(open(os.path.join(_fixture("gemma3_linear"), "config.json")))
+    released = {k: v for k, v in config.items() if k != "rope_parameters"}
+    released.update(rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_theta=1e6, rope_local_base_freq=1e4)
+    assert Gemma3TextConfig.from_dict(released).rope_parameters == config["rope_parameters"]
+    assert model_values_from_hf(released, "config.json") == model_values_from_hf(config, "config.json")
+    config["rope_parameters"]["sliding_attention"]["rope_theta"] = 2e4
+    assert model_values_from_hf(config, "config.json")[1]["rotary_base_local"] == 2e4
+
+
+LINEAR_8 = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e4}
+
+
+@pytest.mark.parametrize(
+    "family, rope, factor",
+    [
+        # Gemma 3 with one rotary for every layer, linear on the sliding layers too: no local base
+        ("gemma3_linear", {"full_attention": LINEAR_8, "sliding_attention": LINEAR_8}, 8),
+        # Gemma 2's one rotary, linear by 8
+        ("gemma2", LINEAR_8, 8),
+    ],
+)
+def test_one_scaled_rotary_for_every_layer_round_trips(family, rope, factor, tmp_path):
+    """Linear scaling on every layer (no --rotary-base-local) imports as
+    --rotary-seq-len-interpolation-factor alone and exports as the same rope_parameters; logits
+    equal transformers' over the fixture's positions (64 for gemma3_linear)."""
+    hf = _edited(family, {"rope_parameters": rope}, tmp_path)
+    theirs = load_hf(hf)
+    import_hf(hf, str(tmp_path / "ours"), Target(1), make_vocab_size_divisible_by=8, progress=False)
+    ours, cfg = reference_model(str(tmp_path / "ours"), str(tmp_path / "single"))
+    assert (cfg.model.rotary_base_local, cfg.model.rotary_seq_len_interpolation_factor) == (None, factor)
+    positions = theirs.config.max_position_embeddings
+    check_same_function(ours, theirs, 101, positions, generate=False)
+    export_hf(str(tmp_path / "ours"), str(tmp_path / "back"), trim_vocab=True, progress=False)
+    back = load_hf(str(tmp_path / "back"))
+    assert back.config.rope_parameters == theirs.config.rope_parameters
+    check_same_function(ours, back, 101, positions, generate=False)
 
 
 def test_gemma_options_are_refused_elsewhere_and_checked_on_gemma():
@@ -215,14 +308,61 @@ def test_embedding_multiplier_is_sqrt_hidden_in_the_weights_dtype():
 
 def test_gemma_without_windows_round_trips(tmp_path):
     """Every layer full: imported without --window-size, exported with every layer full_attention."""
-    shutil.copytree(_fixture("gemma2"), tmp_path / "hf")
-    config = json.load(open(tmp_path / "hf" / "config.json"))
-    json.dump({**config, "layer_types": ["full_attention"] * 2}, open(tmp_path / "hf" / "config.json", "w"))
-    theirs = load_hf(str(tmp_path / "hf"))
-    import_hf(str(tmp_path / "hf"), str(tmp_path / "ours"), Target(1), make_vocab_size_divisible_by=8, progress=False)
+    hf = _edited("gemma2", {"layer_types": ["full_attention"] * 2}, tmp_path)
+    theirs = load_hf(hf)
+    import_hf(hf, str(tmp_path / "ours"), Target(1), make_vocab_size_divisible_by=8, progress=False)
     ours, cfg = reference_model(str(tmp_path / "ours"), str(tmp_path / "single"))
     assert cfg.model.window_size is None
     check_same_function(ours, theirs, 101, 16, generate=False)
     export_hf(str(tmp_path / "ours"), str(tmp_path / "back"), trim_vocab=True, progress=False)
     assert json.load(open(tmp_path / "back" / "config.json"))["layer_types"] == ["full_attention"] * 2
     check_same_function(ours, load_hf(str(tmp_path / "back")), 101, 16)
+
+
+def test_released_multimodal_gemma3_imports_through_its_language_model(tmp_path):
+    """Gemma 3 4B-27B are released as Gemma3ForConditionalGeneration (model_type gemma3, refused by
+    name); docs/hf.md's recipe saves its language model as Gemma3ForCausalLM, which imports with
+    the multimodal model's text logits (a tiny one written by transformers around the gemma3_linear
+    fixture's language model)."""
+    import transformers as t
+
+    text = json.load(open(os.path.join(_fixture("gemma3_linear"), "config.json")))
+    vision = t.SiglipVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    torch.manual_seed(0)
+    released = t.Gemma3ForConditionalGeneration(
+        t.Gemma3Config(
+            text_config={k: v for k, v in text.items() if k not in ("architectures", "transformers_version")},
+            vision_config=vision.to_dict(),
+            mm_tokens_per_image=4,
+            image_token_index=100,
+            boi_token_index=98,
+            eoi_token_index=99,
+        )
+    ).eval()
+    released.model.language_model.load_state_dict(load_hf(_fixture("gemma3_linear")).model.state_dict())
+    released.save_pretrained(tmp_path / "released")
+    with pytest.raises(HFConversionError, match="model_type 'gemma3' is not supported: this is Gemma 3's multimodal"):
+        import_hf(str(tmp_path / "released"), str(tmp_path / "refused"), Target(), progress=False)
+    # docs/hf.md's recipe
+    released = t.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "released")
+    text_only = t.Gemma3ForCausalLM(released.config.text_config)
+    text_only.model.load_state_dict(released.model.language_model.state_dict())
+    text_only.lm_head.load_state_dict(released.lm_head.state_dict())
+    text_only.save_pretrained(tmp_path / "text")
+    import_hf(str(tmp_path / "text"), str(tmp_path / "ours"), Target(1), make_vocab_size_divisible_by=8, progress=False)
+    ours, cfg = reference_model(str(tmp_path / "ours"), str(tmp_path / "single"))
+    assert (cfg.model.rotary_seq_len_interpolation_factor, cfg.model.rotary_base_local) == (8, 1e4)
+    check_same_function(ours, _TextLogits(released), 98, 64, generate=False)
+
+
+class _TextLogits(torch.nn.Module):
+    """The multimodal model's forward on text ids, as check_same_function calls transformers'."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids)

@@ -16,7 +16,11 @@ With OUT.json instead, it writes the keys megatron-core's model asks a torch_dis
 Megatron takes the model from the checkpoint (``--use-checkpoint-args``, so the exported args
 are what builds it), builds GPTModel with the local (non-Transformer-Engine) layer spec on CPU
 ranks over gloo, loads the checkpoint with ``megatron.training.checkpointing.load_checkpoint``
-(strict) and runs the forward pass in eval mode; rank 0 saves the logits, gathered over TP.
+(strict) and runs the forward pass in eval mode; rank 0 saves the logits, gathered over TP, and
+with expert biases the routers' loaded ``expert_bias`` beside them (``OUT.pt.expert_bias``). The
+model is built as make_fixtures builds it (its ``_layer_specs``: the decoder block and MTP specs of
+``gpt_builders.gpt_builder`` where the args ask for them; MLA's local-attention fix); with MTP
+layers the logits are the output layer's last call (the model runs only with labels then).
 
 CUDA-only calls on that path, answered on CPU without touching Megatron's math:
 ``get_device_arch_version`` (a warning under TP > 1) answers 10; ``read_metadata`` all-reduces
@@ -41,6 +45,9 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "fixtures", "megatron"))
+import make_fixtures  # noqa: E402  (its layer specs and MLA's local-attention fix; Megatron's own code)
 
 CPU_FLAGS = [
     "--micro-batch-size",
@@ -126,17 +133,17 @@ def _args(ckpt: str, tp: int, ep: int, extra):
 
 
 def _model(args):
+    """GPTModel with the local spec, as make_fixtures builds it (``_layer_specs``: the decoder
+    block spec and the MTP block's with --moe-layer-freq's list form or MTP layers)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.training.arguments import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(args)
-    spec = get_gpt_layer_local_spec(
-        args.num_experts, args.moe_grouped_gemm, args.qk_layernorm, normalization=args.normalization
-    )
+    spec, mtp_spec = make_fixtures._layer_specs(args, config, None)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
+        mtp_block_spec=mtp_spec,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=True,
@@ -244,6 +251,7 @@ def _rank(rank: int, world: int, port: int, ckpt: str, tokens_path: str, out: st
     from megatron.training.checkpointing import load_checkpoint
 
     _work_around_cuda()
+    make_fixtures._local_attention_takes_latent_heads()
     args = _args(ckpt, tp, ep, extra)
     mpu.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
     model = _model(args)
@@ -264,11 +272,31 @@ def _rank(rank: int, world: int, port: int, ckpt: str, tokens_path: str, out: st
     mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)  # True: masked out
     model.eval()
     with torch.no_grad():
-        logits = gather_from_tensor_model_parallel_region(model(tokens, positions, mask)).float()
+        logits = gather_from_tensor_model_parallel_region(_logits(model, tokens, positions, mask)).float()
     if rank == 0:
         torch.save(logits, out)
+        biases = {
+            n: m.expert_bias.clone() for n, m in model.named_modules() if getattr(m, "expert_bias", None) is not None
+        }
+        if biases:  # the routers' loaded expert biases, beside the logits
+            torch.save(biases, out + ".expert_bias")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _logits(model, tokens, positions, mask):
+    """The model's logits [b, s, v / TP]; a GPTModel with MTP layers runs only with labels (any:
+    the tokens), its main logits are then the output layer's last call [s, b, v / TP], copied
+    before the cross entropy overwrites them in place."""
+    if model.config.mtp_num_layers is None:
+        return model(tokens, positions, mask)
+    seen = []
+    handle = model.output_layer.register_forward_hook(lambda module, inputs, out: seen.append(out[0].clone()))
+    try:
+        model(tokens, positions, mask, labels=tokens)
+    finally:
+        handle.remove()
+    return seen[-1].transpose(0, 1)
 
 
 def main(argv) -> None:

@@ -114,7 +114,7 @@ def test_every_blocking_option_is_named():
         rotary_interleaved=True,
         position_embedding_type="yarn",
         apply_residual_connection_post_layernorm=True,
-        moe_router_score_function="sigmoid",
+        moe_latent_size=8,
     )
     with pytest.raises(MegatronConversionError) as err:
         model_values(a)
@@ -124,13 +124,12 @@ def test_every_blocking_option_is_named():
         "--rotary-interleaved True (interleaved rotary embeddings",
         "--position-embedding-type yarn",
         "--apply-residual-connection-post-layernorm True",
-        "--moe-router-score-function 'sigmoid'",
+        "--moe-latent-size 8 (latent MoE projections)",
     ):
         assert part in message
-    with pytest.raises(
-        MegatronConversionError, match=r"--moe-layer-freq 2 \(MoE layers \[1, 0, 1, 0\]: reading .* mixed"
-    ):
-        model_values(saved(MIXTRAL, moe_layer_freq=2))
+    # dense and MoE layers mixed import as they are (Megatron's meaning: layers 0, 2 MoE; or its list)
+    assert model_values(saved(MIXTRAL, moe_layer_freq=2))[0]["moe_layer_freq"] == 2
+    assert model_values(saved(MIXTRAL, moe_layer_freq=[0, 1, 1, 1]))[0]["moe_layer_freq"] == [0, 1, 1, 1]
     with pytest.raises(MegatronConversionError, match="--moe-router-load-balancing-type sinkhorn"):
         model_values(saved(MIXTRAL, moe_router_load_balancing_type="sinkhorn"))
 

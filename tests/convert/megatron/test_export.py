@@ -1,7 +1,10 @@
 """export-megatron: ours -> Megatron-LM's format -> ours (import-megatron) gives back every weight
 bit for bit, for a GPT (learned positions, LayerNorm, GELU, biases, tied), a Llama with
 grouped-query attention (rope, RMSNorm, SwiGLU, untied), a Mixtral-style MoE, a Qwen-like
-model and gpt-oss's options (sliding windows, learnable softmax offsets, clamped quick-GeGLU), from TP=1 and TP=2 checkpoints (EP=2 for the MoE), in torch_dist and in legacy files; the
+model, gpt-oss's options (sliding windows, learnable softmax offsets, clamped quick-GeGLU) and
+DeepSeek-V3's pieces (MLA, a dense first layer, sigmoid group-limited routing, the expert bias, a
+gated shared expert, an MTP layer), from TP=1 and TP=2 checkpoints (EP=2 for the MoEs), in
+torch_dist and in legacy files; the
 torch_dist keys and shapes are exactly those megatron-core 0.16.1's GPTModel asks for
 (megatron_core_keys.json, written by megatron-core itself). The written files are
 read back with the importer's allow-listed reader (no code is unpickled); the args are checked
@@ -29,6 +32,7 @@ from megatron_p2r.convert.reshard import Target, convert
 from megatron_p2r.parallel.state import ParallelState
 from tests.convert.hf.common import GQA, ROPE
 from tests.helpers import run_steps, tiny_config
+from tests.model.test_latent_attention import MLA
 from tools.convert_checkpoint import main
 
 MODELS = {
@@ -77,6 +81,27 @@ MODELS = {
         moe_router_pre_softmax=False,
         moe_ffn_hidden_size=24,
     ),
+    # DeepSeek-V3's pieces: MLA, a dense first layer, sigmoid group-limited top-k scaled, the
+    # expert bias, a gated shared expert, one MTP layer (an MoE layer, as the last)
+    "deepseek": dict(
+        ROPE,
+        **MLA,
+        untie_embeddings_and_output_weights=True,
+        disable_bias_linear=True,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_router_pre_softmax=False,
+        moe_ffn_hidden_size=24,
+        moe_layer_freq=[0, 1],
+        moe_router_score_function="sigmoid",
+        moe_router_num_groups=2,
+        moe_router_group_topk=1,
+        moe_router_topk_scaling_factor=2.5,
+        moe_router_enable_expert_bias=True,
+        moe_shared_expert_intermediate_size=16,
+        moe_shared_expert_gate=True,
+        mtp_num_layers=1,
+    ),
 }
 FORMATS = ("torch_dist", "torch")
 # per model: {sharded key: global shape, or null for an object} that megatron-core asks for
@@ -84,12 +109,16 @@ EXPECTED_KEYS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatr
 
 
 def _perturbed_state(options):
-    """A one-process model whose every weight is seeded noise (norms and biases not 1 and 0)."""
+    """A one-process model whose every weight is seeded noise (norms and biases not 1 and 0), and
+    every expert bias our checkpoint keeps (the decoder's routers')."""
     _, state = run_steps(tiny_config(**options), ParallelState.single(), 0)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in state.model.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=g))
+        for name, bias in state.model.named_buffers():
+            if name.startswith("layers.") and name.endswith(".expert_bias"):
+                bias.add_(0.01 * torch.randn(bias.shape, generator=g))
     return state
 
 
@@ -110,6 +139,7 @@ def sources(tmp_path_factory):
 def _same_weights(a, b):
     src, back = SourceCheckpoint(a), SourceCheckpoint(b)
     assert model_differences(src.real_cfg.model, back.real_cfg.model) == []
+    assert back.meta.get("expert_bias") == src.meta.get("expert_bias")  # exact: JSON doubles of fp32 values
     for key in tensor_table(src.real_cfg):
         assert torch.equal(back.read(key), src.read(key)), key
 
@@ -204,12 +234,7 @@ def test_bad_layout_is_refused(sources, tmp_path, capsys, argv, message):
 @pytest.mark.parametrize(
     "options, argv, message",
     [
-        (dict(num_experts=4, moe_layer_freq=2), [], "--moe-layer-freq 2"),
-        (
-            dict(num_experts=4, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
-            [],
-            "--moe-router-enable-expert-bias (not exported yet)",
-        ),
+        (dict(num_experts=4, moe_num_prototypes=2, moe_router_topk=1), [], "--moe-num-prototypes 2"),
         (dict(num_layers=3), ["--target-pipeline-parallel-size", "2"], "does not divide the 3 layers"),
     ],
 )

@@ -48,6 +48,8 @@ CASES = [
     ("qwen", "torch_dist", 2, 1),
     ("gptoss", "torch_dist", 2, 1),
     ("gptoss", "torch", 1, 2),
+    ("deepseek", "torch_dist", 1, 2),
+    ("deepseek", "torch", 2, 1),
 ]
 
 
@@ -92,9 +94,15 @@ def test_megatron_loads_export_with_our_logits(model, fmt, tp, ep, tmp_path):
         f"{logits.abs().max().item():.2g}), argmax agreement {(theirs.argmax(-1) == logits.argmax(-1)).float().mean():.0%}"
     )
     torch.testing.assert_close(theirs, logits, rtol=1e-5, atol=1e-5)
+    if m.moe_router_enable_expert_bias:  # Megatron's routers hold our biases, bit for bit
+        loaded = torch.load(f"{tmp_path / 'logits.pt'}.expert_bias", weights_only=True)
+        ours = {n: b for n, b in reference.named_buffers() if n.startswith("layers.") and n.endswith(".expert_bias")}
+        assert ours and all(b.abs().min() > 0 for b in ours.values())
+        for name, bias in ours.items():
+            assert torch.equal(loaded["decoder." + name.removesuffix(".expert_bias")], bias), name
 
 
-@pytest.mark.parametrize("model, ep", [("gpt", 1), ("gptoss", 1), ("gptoss", 2)])
+@pytest.mark.parametrize("model, ep", [("gpt", 1), ("gptoss", 1), ("gptoss", 2), ("deepseek", 2)])
 def test_megatron_resumes_from_export_with_our_next_step(tmp_path, model, ep):
     """Our run after 3 AdamW steps (cosine warm-up, weight decay, beta2 0.95) exported with its
     optimizer state: Megatron loads model, optimizer and scheduler with its own load_checkpoint
