@@ -307,9 +307,14 @@ def _gemma_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
     ]
 
 
+def _deepseek_only(m: ModelConfig) -> List[Tuple[bool, str]]:
+    """DeepSeek's routing options, for the architectures that lack them."""
+    return [(bad, f"{flag} (DeepseekV3 expresses it)") for bad, flag in deepseek_routing_blockers(m)]
+
+
 def _blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
     if arch in GEMMAS:
-        return _nowhere(m) + _gemma_blockers(m, arch) + _latent_blockers(m, arch) + deepseek_routing_blockers(m)
+        return _nowhere(m) + _gemma_blockers(m, arch) + _latent_blockers(m, arch) + _deepseek_only(m)
     scaled = [] if arch in GRANITES else [(True, f"{flag} (Granite has it)") for flag in _scaled(m)]
     return (
         _nowhere(m)
@@ -361,8 +366,7 @@ def _architecture_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
             (m.qk_l2_norm, "--qk-l2-norm (GPT2 has no query/key norms)"),
             (bool(m.num_experts), "--num-experts (GPT2 is dense)"),
         ]
-    deepseek = [(bad, f"{flag} (DeepseekV3 expresses it)") for bad, flag in deepseek_routing_blockers(m)]
-    blockers = _rotary_blockers(m, arch) + _biases(m, arch) + deepseek
+    blockers = _rotary_blockers(m, arch) + _biases(m, arch) + _deepseek_only(m)
     name = arch.replace("ForCausalLM", "")
     if arch in MOE:
         return blockers + _moe_blockers(m, name)
