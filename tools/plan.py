@@ -482,6 +482,14 @@ def _gib(n) -> str:
     return f"{n / GiB:.2f}"
 
 
+def _active_and_mtp(pl: Plan) -> str:
+    """'; active ... per token' for a MoE model, '; MTP ...' with multi-token prediction."""
+    out = f"; active {pl.active_parameters:.3e} per token" if pl.expert_parameters else ""
+    if pl.mtp_parameters:
+        out += f"; MTP {pl.mtp_parameters:.3e} of them, outside the active count"
+    return out
+
+
 def format_plans(plans: Dict[str, Plan]) -> str:
     lines = []
     for phase, pl in plans.items():
@@ -491,7 +499,7 @@ def format_plans(plans: Dict[str, Plan]) -> str:
             f"== {phase} phase: {pl.world_size} x {gpu['name']} | TP {lay['tp']} CP {lay['cp']} PP {lay['pp']} "
             f"DP {lay['dp']} EP {lay['ep']} (expert-DP {lay['expert_dp']}) | "
             f"{pl.logical_parameters:,} parameters ({pl.logical_parameters:.3e}; experts "
-            f"{pl.expert_parameters:.3e})"
+            f"{pl.expert_parameters:.3e}{_active_and_mtp(pl)})"
         )
         lines.append(
             f"   global batch {pl.global_batch} sequences = {pl.tokens_per_step:,} tokens, "
@@ -552,7 +560,11 @@ def format_plans(plans: Dict[str, Plan]) -> str:
                 f"exposed; second gradient buffer {_gib(pl.stages[0].host['grads_delayed'])} GiB per rank"
             )
         if pl.days is not None:
-            lines.append(f"   {pl.token_budget:.3g} tokens: {pl.days:.1f} days")
+            hours = pl.days * 24 * pl.world_size  # GPU hours, as published runs count their cost
+            lines.append(
+                f"   {pl.token_budget:.3g} tokens: {pl.days:.1f} days, {hours:,.0f} GPU hours "
+                f"({hours / (pl.token_budget / 1e12):,.0f} per trillion tokens)"
+            )
         lines += _checkpoint_lines(pl.checkpoint)
         for problem in pl.problems:
             lines.append(f"   ! {problem}")
