@@ -44,7 +44,7 @@ def _config(phase: str, layers: int):
             seq_length=64,
             vocab_size=1000,
             num_experts=4,
-            moe_layer_freq=2,
+            moe_layer_freq=[0, 1] * (layers // 2),  # the odd layers MoE, as the figures were taken
             moe_router_topk=2,
             moe_router_pre_softmax=True,
             moe_ffn_hidden_size=256,

@@ -33,10 +33,20 @@ from megatron_p2r.config.megatron import (
     unbuilt_values,
 )
 from megatron_p2r.config.fields import field_default
+from megatron_p2r.config.layer_pattern import layer_pattern_text, parse_layer_pattern
 from megatron_p2r.config.ranges import field_kind
 from megatron_p2r.files import MiB, read_bounded
 
-_TYPES = {"int": int, "float": float, "str": str}
+
+def _layer_pattern(value):
+    """``parse_layer_pattern`` with its message shown by argparse (``--moe-layer-freq``)."""
+    try:
+        return parse_layer_pattern(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+_TYPES = {"int": int, "float": float, "str": str, "LayerPattern": _layer_pattern}
 YAML_LIMIT = 16 * MiB  # a config file is a few KiB
 YAML_DEPTH = 32  # flag values are scalars or lists of them
 
@@ -212,7 +222,7 @@ def _coerce(value, kind: str, metadata: dict, source: str, key: str):
         if kind == "str" and (isinstance(value, bool) or not isinstance(value, (str, int, float))):
             raise TypeError  # a set, bytes, a date, a mapping: str() of it would be a path or a name nobody wrote
         converted = _TYPES[kind](value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, argparse.ArgumentTypeError):
         quote = "; quote it to give text" if kind == "str" and not isinstance(value, (dict, list, set)) else ""
         raise ConfigError(
             f"{source}: key '{key}' expects {kind}, got {_short(value)} ({_yaml_kind(value)}){quote}"
@@ -358,6 +368,8 @@ def to_argv(cfg: Config) -> list:
             continue
         if isinstance(value, bool):
             argv.append(field_flag(f))
+        elif isinstance(value, list) and _field_type(f) == "LayerPattern":
+            argv += [_flag(f.name), layer_pattern_text(value)]
         elif isinstance(value, list):
             argv += [_flag(f.name), *map(str, value)]
         else:

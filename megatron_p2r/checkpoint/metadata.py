@@ -27,6 +27,10 @@ from megatron_p2r.files import JSON_LIMIT, parse_json, read_bounded
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.optim.optimizer import OPTIMIZER_KINDS
 
+# Written since --moe-layer-freq took Megatron-LM's meaning; before, an integer N made layers N-1, 2N-1, ... MoE.
+MOE_LAYERS_FROM_0 = "moe_layer_freq_from_layer_0"
+
+
 REQUIRED_FIELDS = (
     "format_version",
     "iteration",
@@ -85,6 +89,7 @@ def build_metadata(
         "crc32": checksums,
         "tensors": {k: v.to_json() for k, v in table.items()},
         "factored_statistics": True,
+        MOE_LAYERS_FROM_0: True,
     }
 
 
@@ -210,6 +215,7 @@ _SCHEMA = {
     ),
     "tensors": (lambda v: isinstance(v, dict), "a JSON object"),
     "factored_statistics": (lambda v: v is True, "true (Adafactor's statistics stored factored)"),
+    MOE_LAYERS_FROM_0: (lambda v: v is True, "true (an integer --moe-layer-freq N counts layers 0, N, ...)"),
     "files": (
         lambda v: isinstance(v, dict) and all(_int()(x) for x in v.values()),
         "an object of file names to sizes in bytes",
@@ -302,12 +308,26 @@ def metadata_table(meta: dict) -> Dict[str, TensorInfo]:
     return {k: TensorInfo.from_json(k, v) for k, v in meta["tensors"].items()}
 
 
+def _older_moe_layers(config: dict, meta: dict) -> dict:
+    """A config written before ``MOE_LAYERS_FROM_0`` with its integer frequency as the list it meant."""
+    model = config.get("model") if isinstance(config, dict) else None
+    freq = model.get("moe_layer_freq") if isinstance(model, dict) else None
+    if MOE_LAYERS_FROM_0 in meta or not isinstance(model, dict) or not model.get("num_experts"):
+        return config
+    if type(freq) is not int or freq <= 1:
+        return config
+    layers = model.get("num_layers")
+    if type(layers) is not int or not 0 < layers <= 1 << 16:
+        return config  # the range check names it
+    return {**config, "model": {**model, "moe_layer_freq": [int((i + 1) % freq == 0) for i in range(layers)]}}
+
+
 def metadata_config(meta: dict) -> Config:
     """The checkpoint's Config: every value of its type and range, the model and its split
     consistent, and no bigger than the tensors and files the metadata lists (so an edited config
     cannot make a reader build a table of a billion files)."""
     try:
-        cfg = Config.from_dict(meta["config"])
+        cfg = Config.from_dict(_older_moe_layers(meta["config"], meta))
         check_values(cfg)
         m, p = cfg.model, cfg.parallel
         m.check()

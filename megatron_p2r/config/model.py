@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_p2r.config.fields import ConfigError, opt
+from megatron_p2r.config.layer_pattern import LayerPattern, expand_layer_pattern
 from megatron_p2r.config.ranges import LAYERS, Range, at_least, fraction, positive
 
 
@@ -48,10 +49,11 @@ class ModelConfig:
         "it (Megatron-LM's form; Hugging Face's sliding_window is L+1). Unset: full "
         "causal attention.",
     )
-    window_attn_skip_freq: Optional[int] = opt(
+    window_attn_skip_freq: Optional[LayerPattern] = opt(
         None,
-        "With --window-size, every N-th layer (layers N-1, 2N-1, ... "
-        "counting from 0) has full attention; unset: every layer is windowed.",
+        "With --window-size, every N-th layer (layers N-1, 2N-1, ... counting from 0) has full "
+        "attention, or a list expression of one 0/1 a layer (1: windowed), e.g. '([1]*5+[0])*2'; "
+        "unset: every layer is windowed.",
     )
     softmax_type: str = opt(
         "vanilla",
@@ -146,7 +148,11 @@ class ModelConfig:
     )
     # Mixture of experts.
     num_experts: Optional[int] = opt(None, "Number of experts E (MoE MLP); unset or 0 means dense.")
-    moe_layer_freq: int = opt(1, "Every k-th layer is MoE (layers k-1, 2k-1, ...; 1 means all).")
+    moe_layer_freq: LayerPattern = opt(
+        1,
+        "Which layers are MoE: N puts one at layers 0, N, 2N, ... (1: every layer); or one 0/1 a "
+        "layer as a list expression, e.g. '([0]*3+[1]*58)' (DeepSeek-V3's 3 dense first layers).",
+    )
     moe_router_topk: int = opt(2, "Experts per token (top-1 Switch, top-2 GShard).")
     moe_router_pre_softmax: bool = opt(
         False,
@@ -311,7 +317,8 @@ class ModelConfig:
         Megatron-LM's rule (``is_layer_window_attention``, layers counted from 1 there)."""
         if self.window_size is None:
             return None
-        if self.window_attn_skip_freq and (layer + 1) % self.window_attn_skip_freq == 0:
+        freq = self.window_attn_skip_freq
+        if isinstance(freq, list) and not freq[layer] or isinstance(freq, int) and (layer + 1) % freq == 0:
             return None
         return _window(self.window_size)[0]
 
@@ -327,7 +334,12 @@ class ModelConfig:
         return "tanh" if self.add_bias and self.bias_gelu_fusion and not self.gated_linear_unit else "none"
 
     def is_moe_layer(self, layer: int) -> bool:
-        return bool(self.num_experts) and (layer + 1) % self.moe_layer_freq == 0
+        """Megatron-LM's ``moe_layer_freq`` rule (``gpt_layer_specs``): layers 0, N, 2N, ... or the list's 1s."""
+        return bool(self.num_experts) and expand_layer_pattern(self.moe_layer_freq, layer + 1)[layer] == 1
+
+    @property
+    def all_layers_moe(self) -> bool:
+        return all(self.is_moe_layer(layer) for layer in range(self.num_layers))
 
     @property
     def padded_vocab_size(self) -> int:
@@ -378,6 +390,11 @@ class ModelConfig:
                 "--qk-l2-norm and --qk-layernorm are two query/key norms: give one (megatron-core builds "
                 "only the L2 norm when both are given, and the --qk-layernorm weights are then not there)"
             )
+        if isinstance(self.window_attn_skip_freq, list) and len(self.window_attn_skip_freq) != self.num_layers:
+            raise ConfigError(
+                f"--window-attn-skip-freq lists {len(self.window_attn_skip_freq)} layers, expected one 0/1 "
+                f"for each of the {self.num_layers} layers (--num-layers)"
+            )
         if self.window_size is not None:
             _window(self.window_size)
         elif self.window_attn_skip_freq is not None:
@@ -426,6 +443,11 @@ class ModelConfig:
                 raise ConfigError(f"{flag} is refused with --multi-latent-attention: {why}")
 
     def _check_experts(self) -> None:
+        if isinstance(self.moe_layer_freq, list) and len(self.moe_layer_freq) != self.num_layers:
+            raise ConfigError(
+                f"--moe-layer-freq lists {len(self.moe_layer_freq)} layers, expected one 0/1 for each of "
+                f"the {self.num_layers} layers (--num-layers)"
+            )
         if self.num_experts % self.moe_num_prototypes:
             raise ConfigError(
                 f"--num-experts ({self.num_experts}) must be divisible by "
@@ -564,7 +586,6 @@ RANGES = {
     "attention_dropout": fraction(),
     "init_method_std": positive(),
     "num_experts": at_least(0, 2**16),
-    "moe_layer_freq": at_least(1, LAYERS),
     "moe_router_topk": at_least(1, 2**16),
     "moe_ffn_hidden_size": at_least(1, 2**20),
     "moe_num_prototypes": at_least(1, 2**16),
@@ -577,7 +598,6 @@ RANGES = {
     "moe_z_loss_coeff": Range(0.0),
     "moe_capacity_factor": positive(),
     "moe_input_jitter_eps": fraction(),
-    "window_attn_skip_freq": at_least(1, LAYERS),
     "mtp_num_layers": at_least(1, LAYERS),
     "mtp_loss_scaling_factor": Range(0.0),
     "glu_linear_offset": Range(-1e6, 1e6),

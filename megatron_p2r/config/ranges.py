@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from megatron_p2r.config.fields import ConfigError
+from megatron_p2r.config.layer_pattern import parse_layer_pattern
 
 COUNT = 2**40  # iterations, samples: any run, with room
 LAYERS = 2**12  # layers, heads: 85x the 48 layers of M6-10T (the planner's estimate is linear in them)
@@ -96,6 +97,13 @@ def _check_scalar(name: str, kind: str, value) -> None:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if ok and not math.isfinite(value):
             raise ConfigError(f"{flag_name(name)} must be a finite number, got {value}")
+    elif kind == "LayerPattern":
+        try:
+            ok = parse_layer_pattern(value) == value
+        except ValueError as err:
+            raise ConfigError(f"{flag_name(name)}: {err}") from None
+        if not ok:
+            raise _type_error(name, "an integer >= 1 or a list of 0 and 1", value)
     else:  # str: also no NUL, which no path or name can hold
         ok = isinstance(value, str)
         if ok and "\x00" in value:

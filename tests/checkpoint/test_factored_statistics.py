@@ -30,7 +30,11 @@ from tests.helpers import run_steps
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "adafactor_broadcast")
 sys.path.insert(0, FIXTURE)
-from make_fixture import FLAGS  # noqa: E402  (the fixture's model)
+from make_fixture import FLAGS as FIXTURE_FLAGS  # noqa: E402  (the fixture's model)
+
+# the fixture's layers as its code built them: 0 dense, 1 MoE (an integer --moe-layer-freq N meant
+# layers N-1, 2N-1, ... then; its metadata.json, without the marker, is read so)
+FLAGS = {**FIXTURE_FLAGS, "moe_layer_freq": [0, 1]}
 
 sys.path.remove(FIXTURE)
 

@@ -56,7 +56,7 @@ def test_offloaded_and_moe_layers_compiled_match_eager(caplog, monkeypatch):
     breaks the graph (logged). What is traced is dynamo's business, not the backend's:
     aot_eager (no code generation) spares inductor's compile time."""
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    loss_err, grad_err = _one_process_step(_cfg(num_experts=2, moe_layer_freq=2, cpu_offload_layers="0"), caplog)
+    loss_err, grad_err = _one_process_step(_cfg(num_experts=2, moe_layer_freq=[0, 1], cpu_offload_layers="0"), caplog)
     assert loss_err < 1e-5 and grad_err < TOL
     assert "layer 1 does not trace as one graph" in caplog.text and "layer 0" not in caplog.text
 

@@ -121,7 +121,7 @@ def test_dense_specs_match_resident_training(spec, keys):
         ),  # 16-bit weights + replayed dropout
         (dict(p2r_phase="pseudo", share_pattern="cycle:2"), "1", [1]),  # slot 1 serves layers 1 and 3
         (dict(p2r_phase="pseudo", share_pattern="all"), "2", [0]),  # one slot, offloaded once
-        (dict(num_experts=4, moe_layer_freq=2, moe_aux_loss_coeff=0.01), "0.5", [2, 3]),  # layer 3 is MoE
+        (dict(num_experts=4, moe_layer_freq=2, moe_aux_loss_coeff=0.01), "0.5", [2, 3]),  # layer 2 is MoE
         (dict(recompute_activations=True, untie_embeddings_and_output_weights=True), "0,3", [0, 3]),
         # full recomputation in chunks of 2 layers; the offloaded layers 1 and 2 leave their chunks
         (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2), "1,2", [1, 2]),
@@ -136,7 +136,7 @@ def test_variants_match_resident_training(kw, spec, keys):
     "kw,spec,keys",
     [
         ({}, "0.5", [2, 3]),
-        (dict(num_experts=4, moe_layer_freq=2, moe_aux_loss_coeff=0.01), "1,3", [1, 3]),
+        (dict(num_experts=4, moe_layer_freq=[0, 1, 0, 1], moe_aux_loss_coeff=0.01), "1,3", [1, 3]),
         (dict(p2r_phase="pseudo", share_pattern="cycle:2"), "1", [1]),
     ],
 )

@@ -26,7 +26,7 @@ MTP_SHAPE = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu
     "overrides,world",
     [
         (dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True), 4),
-        (dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2, moe_layer_freq=2, **MOE), 4),
+        (dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2, moe_layer_freq=[0, 1, 0, 1], **MOE), 4),
     ],
 )
 def test_planner_counts_the_depths_the_last_stage_builds(overrides, world):
@@ -47,14 +47,16 @@ def test_planner_counts_the_depths_the_last_stage_builds(overrides, world):
 
 
 def test_stage_flops_add_up_to_model_flops():
-    cfg = small(pipeline_model_parallel_size=2, moe_layer_freq=2, **MOE, **MTP)
+    cfg = small(pipeline_model_parallel_size=2, moe_layer_freq=[0, 1, 0, 1], **MOE, **MTP)
     plan = ParallelPlan.for_world(cfg, 2)
     m, tokens = cfg.model, cfg.train.micro_batch_size * cfg.model.seq_length
     total = sum(timing.stage_flops_per_microbatch(cfg, plan, s) for s in range(2))
     logits_again = 3 * 2 * tokens * m.padded_vocab_size * m.hidden_size  # each loss's backward, 1 + 2 depths
     assert math.isclose(total, model_flops_per_token(m) * tokens + logits_again, rel_tol=1e-12)
     # the depths: 2 x (a MoE layer as the last one is, 2h -> h, the output layer), 3x their forward
-    plain = small(pipeline_model_parallel_size=2, moe_layer_freq=2, **MOE, **{**MTP, "mtp_num_layers": None}).model
+    plain = small(
+        pipeline_model_parallel_size=2, moe_layer_freq=[0, 1, 0, 1], **MOE, **{**MTP, "mtp_num_layers": None}
+    ).model
     h, heads, d = m.hidden_size, m.num_attention_heads, m.head_dim
     layer = 2 * h * 2 * heads * d + 3 * h * 96 + h * 4  # attention; top-1 SwiGLU expert; router
     forward = 2 * (layer + 2 * h * h + h * m.padded_vocab_size) + 4 * m.seq_length * heads * d

@@ -259,7 +259,7 @@ def _moe_blockers(m: ModelConfig, name: str) -> List[Tuple[bool, str]]:
     return [
         (not m.num_experts, f"no --num-experts ({name}'s MLPs are top-k experts)"),
         (
-            mixtral and m.moe_layer_freq != 1,
+            mixtral and not m.all_layers_moe,
             f"--moe-layer-freq {m.moe_layer_freq} ({name} has MoE in every layer; Qwen3Moe expresses this)",
         ),
         (

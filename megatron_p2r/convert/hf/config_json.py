@@ -126,8 +126,8 @@ def _moe_fields(m: ModelConfig, arch: str) -> dict:
             "num_experts": m.num_experts,
             "num_experts_per_tok": m.moe_router_topk,
             "norm_topk_prob": not m.moe_router_pre_softmax,
-            "decoder_sparse_step": m.moe_layer_freq,
-            "mlp_only_layers": [],
+            "decoder_sparse_step": 1,  # every layer MoE but the dense ones listed
+            "mlp_only_layers": [layer for layer in range(m.num_layers) if not m.is_moe_layer(layer)],
             "router_aux_loss_coef": m.moe_aux_loss_coeff,
             "output_router_logits": False,
             "attention_bias": False,
@@ -264,7 +264,7 @@ def _windowed_layers(hf: dict, where: str, layers: int) -> List[bool]:
 
 def _window_values(hf: dict, where: str, layers: int) -> dict:
     """--window-size W-1,0 for transformers' sliding_window W, and --window-attn-skip-freq N when
-    layers N-1, 2N-1, ... are the full ones; other patterns have no equivalent here."""
+    layers N-1, 2N-1, ... are the full ones, or the per-layer list (1: windowed) otherwise."""
     window = sliding_window(hf)
     windowed = _windowed_layers(hf, where, layers) if window is not None else []
     if not any(windowed):
@@ -275,11 +275,7 @@ def _window_values(hf: dict, where: str, layers: int) -> dict:
     for n in range(2, layers + 1):
         if windowed == [(i + 1) % n != 0 for i in range(layers)]:
             return {**values, "window_attn_skip_freq": n}
-    shown = "".join("s" if w else "f" for w in windowed)
-    raise HFConversionError(
-        f"{where}: sliding-window layers {shown} (s: sliding, f: full) have no equivalent here: "
-        "every layer windowed, or every N-th full (--window-attn-skip-freq N)"
-    )
+    return {**values, "window_attn_skip_freq": [int(w) for w in windowed]}
 
 
 def _attention_values(hf: dict, where: str, h: int, heads: int) -> dict:
@@ -398,20 +394,17 @@ def _rotary_values(hf: dict, where: str, arch: str) -> dict:
 
 def _qwen3_moe_values(hf: dict, where: str, layers: int) -> dict:
     """Qwen3-MoE: softmax over all experts, top-k, renormalised when norm_topk_prob (our default)
-    or kept as probabilities (--moe-router-pre-softmax); MoE on layers decoder_sparse_step-1,
-    2*decoder_sparse_step-1, ... (--moe-layer-freq), dense layers of intermediate_size between."""
+    or kept as probabilities (--moe-router-pre-softmax); layer i is MoE when (i + 1) is a multiple of
+    decoder_sparse_step and i is not in mlp_only_layers (--moe-layer-freq as a list unless every
+    layer is), the dense layers of intermediate_size."""
     step = hf.get("decoder_sparse_step", 1)
     dense_only = set(hf.get("mlp_only_layers") or [])
-    if any((i + 1) % step == 0 for i in dense_only if 0 <= i < layers):
-        raise HFConversionError(
-            f"{where}: mlp_only_layers {sorted(dense_only)} makes MoE layers dense that decoder_sparse_step "
-            f"{step} does not; --moe-layer-freq N only expresses every N-th layer MoE"
-        )
+    pattern = [int((i + 1) % step == 0 and i not in dense_only) for i in range(layers)]
     return dict(
         # the hub's files say num_experts; transformers 5 writes num_local_experts
         num_experts=hf.get("num_experts") or required_field(hf, "num_local_experts", where),
         moe_router_topk=required_field(hf, "num_experts_per_tok", where),
-        moe_layer_freq=step,
+        moe_layer_freq=1 if all(pattern) else pattern,
         moe_ffn_hidden_size=required_field(hf, "moe_intermediate_size", where),
         moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
         moe_aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0),

@@ -258,18 +258,6 @@ def _latent_values(a: SavedArgs, blockers: List[str]) -> dict:
     )
 
 
-def _skip_freq(pattern: list, layers: int, blockers: List[str]) -> Optional[int]:
-    """Megatron's per-layer window pattern (1: windowed) as our frequency N (layers N-1, 2N-1, ...
-    full), None when every layer is windowed; a pattern no N gives blocks the import."""
-    if all(pattern):
-        return None
-    for n in range(1, layers + 1):
-        if pattern == [int((i + 1) % n != 0) for i in range(layers)]:
-            return n
-    blockers.append(f"--window-attn-skip-freq {shown(pattern)} (here every N-th layer is full: a pattern of that form)")
-    return None
-
-
 def _window_values(a: SavedArgs, blockers: List[str]) -> dict:
     """Sliding windows (Megatron saves ``--window-size`` as the tuple (L, R)) and attention sinks."""
     values = {}
@@ -285,8 +273,8 @@ def _window_values(a: SavedArgs, blockers: List[str]) -> dict:
         blockers.append(f"--window-size {shown(window)} (a causal window (L, 0) with L >= 0 here)")
         return values
     freq = a.get("window_attn_skip_freq")
-    if isinstance(freq, (tuple, list)):
-        freq = _skip_freq([int(bool(x)) for x in freq], a.required("num_layers"), blockers)
+    if isinstance(freq, (tuple, list)):  # Megatron's per-layer form (1: windowed), read as is
+        freq = None if all(freq) else [int(bool(x)) for x in freq]
     return dict(values, window_size=f"{window[0]},0", window_attn_skip_freq=freq)
 
 
@@ -318,8 +306,8 @@ def _moe_values(a: SavedArgs, blockers: List[str]) -> dict:
     pattern = list(freq) if isinstance(freq, (list, tuple)) else [int(i % freq == 0) for i in range(layers)]
     if not all(pattern):
         blockers.append(
-            f"--moe-layer-freq {shown(freq)} (Megatron's MoE layers {shown(pattern)}; here MoE layers are every "
-            "k-th from layer k-1, so only an MoE in every layer maps)"
+            f"--moe-layer-freq {shown(freq)} (MoE layers {shown(pattern)}: reading a checkpoint with dense and "
+            "MoE layers mixed is not built yet; only an MoE in every layer maps)"
         )
     balancing = _single(
         a.get("moe_router_load_balancing_type", default="aux_loss"), "--moe-router-load-balancing-type", blockers

@@ -17,6 +17,7 @@ import dataclasses
 from typing import List, Tuple
 
 from megatron_p2r.config import Config, ModelConfig
+from megatron_p2r.config.layer_pattern import layer_pattern_text
 from megatron_p2r.convert.unexported import deepseek_routing_blockers
 from megatron_p2r.convert.megatron.args import MegatronConversionError, SavedArgs, model_values
 
@@ -43,10 +44,10 @@ def check_expressible(m: ModelConfig) -> None:
             "--multi-latent-attention (export to Megatron-LM's MLA tensors is not built yet; import-megatron "
             "reads them, export-hf writes DeepseekV3ForCausalLM)"
         )
-    if m.num_experts and m.moe_layer_freq != 1:
+    if m.num_experts and not m.all_layers_moe:
         blockers.append(
-            f"--moe-layer-freq {m.moe_layer_freq} (ours puts MoE in layers k-1, 2k-1, ...; Megatron's "
-            "integer frequency in layers 0, k, ...)"
+            f"--moe-layer-freq {m.moe_layer_freq} (writing dense and MoE layers mixed is not built yet; "
+            "only an MoE in every layer maps)"
         )
     if m.num_experts and m.moe_num_prototypes != 1:
         blockers.append(f"--moe-num-prototypes {m.moe_num_prototypes} (expert prototyping)")
@@ -178,7 +179,8 @@ def _gpt_oss_flags(args: argparse.Namespace) -> List[str]:
     if args.window_size:
         flags += ["--window-size", ",".join(map(str, args.window_size))]
     if args.window_attn_skip_freq:
-        flags += ["--window-attn-skip-freq", str(args.window_attn_skip_freq)]
+        freq = args.window_attn_skip_freq
+        flags += ["--window-attn-skip-freq", layer_pattern_text(freq) if isinstance(freq, list) else str(freq)]
     if args.softmax_type != "vanilla":
         flags += ["--softmax-type", args.softmax_type]
     if args.quick_geglu:
