@@ -42,7 +42,7 @@ TINY_V3 = dict(
     disable_bias_linear=True,
     untie_embeddings_and_output_weights=True,
     num_experts=8,
-    moe_layer_freq=1,
+    moe_layer_freq="([0]*1+[1]*3)",
     moe_ffn_hidden_size=16,
     moe_shared_expert_intermediate_size=16,
     moe_router_topk=4,
@@ -86,7 +86,8 @@ def test_logical_active_and_mtp_counts_are_the_models():
     m = cfg.model
     routed = [p.numel() for n, p in params.items() if ".experts." in n and not n.startswith("mtp.")]
     main = sum(p.numel() for p in params.values()) - mtp
-    assert sum(routed) == m.num_layers * 3 * m.hidden_size * m.expert_ffn_size * m.num_experts
+    moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_layers))
+    assert moe_layers == 3 and sum(routed) == moe_layers * 3 * m.hidden_size * m.expert_ffn_size * m.num_experts
     assert memory.active_parameter_count(plan) == main - sum(routed) + sum(routed) * 4 // 8
     assert memory.active_parameter_count(plan, with_mtp=True) == memory.active_parameter_count(plan) + mtp - (
         3 * m.hidden_size * m.expert_ffn_size * (8 - 4)
@@ -105,7 +106,8 @@ def test_activations_are_what_a_step_holds(bf16):
 @pytest.mark.parametrize("gate", [False, True])
 def test_flops_count_the_shared_experts(gate):
     """The stages' FLOPs add up to the model's, and the shared expert adds 3 x 2 x 3 h S per token
-    and MoE layer (a SwiGLU MLP of size S; its main layers and its MTP depth's), its gate 3 x 2 h."""
+    and MoE layer (a SwiGLU MLP of size S; the main MoE layers and the MTP depth, of the last
+    layer's kind), its gate 3 x 2 h."""
     cfg = tiny(pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=False, moe_shared_expert_gate=gate)
     plan = ParallelPlan.for_world(cfg, 2)
     m, tokens = cfg.model, cfg.train.micro_batch_size * cfg.model.seq_length
@@ -113,6 +115,6 @@ def test_flops_count_the_shared_experts(gate):
     logits_again = 2 * tokens * m.padded_vocab_size * m.hidden_size * (1 + m.mtp_num_layers)
     assert math.isclose(total, model_flops_per_token(m) * tokens + logits_again, rel_tol=1e-12)
     bare = tiny(moe_shared_expert_intermediate_size=None).model
-    moe_layers = m.num_layers + m.mtp_num_layers
+    moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_layers)) + m.mtp_num_layers  # the depth: MoE
     per_layer = 3 * 2 * (3 * m.hidden_size * m.shared_expert_ffn_size + (m.hidden_size if gate else 0))
     assert model_flops_per_token(m) - model_flops_per_token(bare) == pytest.approx(moe_layers * per_layer)
