@@ -80,6 +80,7 @@ class Plan:
     step_time_s: float
     step_breakdown_s: Dict[str, float]
     pipeline_bubble: float  # idle time of the pipeline over its busy time: (P-1)/m, (P-1)/(v m) interleaved
+    pipeline_stage: int  # the slowest stage per micro-batch, which sets the pipeline's time (the first of equals)
     model_flops_per_step: float
     mfu: float
     days: Optional[float]
@@ -574,6 +575,7 @@ def make_plan(
         step_time_s=step,
         step_breakdown_s=breakdown,
         pipeline_bubble=slots / mbs - 1,
+        pipeline_stage=max(range(len(estimates)), key=lambda stage: estimates[stage][1]),
         model_flops_per_step=model_flops,
         mfu=model_flops / (step * world_size * peak),
         days=token_budget / tokens * step / 86400 if token_budget else None,

@@ -15,9 +15,9 @@ from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.metrics import model_flops_per_token
 from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.state import Layout, ParallelState
-from megatron_p2r.planning import activations, memory, timing
+from megatron_p2r.planning import activations, estimate, hardware, memory, timing
 from tests.planning.test_planner import one_process_step, small
-from tools.plan import verify_all_ranks
+from tools.plan import format_plans, verify_all_ranks
 
 # examples/deepseek_v3/model.yaml at small sizes: the same flags, 8 experts in 4 groups, top-4 of 2 groups
 TINY_V3 = dict(
@@ -118,3 +118,15 @@ def test_flops_count_the_shared_experts(gate):
     moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_layers)) + m.mtp_num_layers  # the depth: MoE
     per_layer = 3 * 2 * (3 * m.hidden_size * m.shared_expert_ffn_size + (m.hidden_size if gate else 0))
     assert model_flops_per_token(m) - model_flops_per_token(bare) == pytest.approx(moe_layers * per_layer)
+
+
+def test_the_step_line_breaks_down_the_stage_that_sets_the_pipeline():
+    """Stage 0 holds the dense layer and a MoE layer, stage 1 two MoE layers, the MTP depth and the
+    head: stage 1 sets the pipeline's time, and the step line breaks down its micro-batch."""
+    cfg = tiny(**PP2_EP2)
+    plan = estimate.make_plan(cfg, 4, hardware.GPU_PRESETS["H800-80GB"])
+    assert plan.pipeline_stage == 1
+    t = [s.time_s for s in plan.stages]
+    assert t[1]["compute_per_microbatch"] > t[0]["compute_per_microbatch"]
+    text = format_plans({"real": plan})
+    assert f"(per micro-batch, stage 1: compute {t[1]['compute_per_microbatch']:.3f}," in text
