@@ -2,7 +2,9 @@
 attention, dense first layers then MoE layers with a shared expert, sigmoid group-limited routing
 with the expert bias, one MTP depth. Its tensors are what every rank builds (meta builds under
 the fake process group, real and pseudo phase, PP2 x EP2), its activations what a one-process
-step holds, its FLOPs count the shared experts, and its active and MTP counts are the model's.
+step holds, its FLOPs count the shared experts, its active and MTP counts are the model's, the
+step line breaks down the stage that sets the pipeline's time, and the last stage's all-to-all
+includes its MoE MTP depth's.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.metrics import model_flops_per_token
 from megatron_p2r.model.m6 import build_model
 from megatron_p2r.parallel.state import Layout, ParallelState
-from megatron_p2r.planning import activations, estimate, hardware, memory, timing
+from megatron_p2r.planning import activations, communication, estimate, hardware, memory, timing
 from tests.planning.test_planner import one_process_step, small
 from tools.plan import format_plans, verify_all_ranks
 
@@ -130,3 +132,17 @@ def test_the_step_line_breaks_down_the_stage_that_sets_the_pipeline():
     assert t[1]["compute_per_microbatch"] > t[0]["compute_per_microbatch"]
     text = format_plans({"real": plan})
     assert f"(per micro-batch, stage 1: compute {t[1]['compute_per_microbatch']:.3f}," in text
+
+
+def test_the_mtp_depths_all_to_all_is_the_last_stages():
+    """The last stage sends its MoE layers' and its MoE depth's rows: dispatch and combine, forward
+    and backward, (EP - 1) / EP of them off the rank (the depth is never recomputed)."""
+    cfg = tiny(**PP2_EP2, global_batch_size=8)
+    plan = ParallelPlan.for_world(cfg, 4)
+    m, n = cfg.model, cfg.train.micro_batch_size * cfg.model.seq_length
+    mbs = 8 // (cfg.train.micro_batch_size * plan.layout.dp)
+    per_layer = mbs * 4 * n * m.moe_router_topk * m.hidden_size * 4 / 2
+    moe = [sum(m.is_moe_layer(i) for i in plan.stage(s).layers) for s in (0, 1)]
+    assert moe == [1, 2]
+    assert communication.communication(cfg, plan, 0)["ep"].bytes == moe[0] * per_layer
+    assert communication.communication(cfg, plan, 1)["ep"].bytes == (moe[1] + m.mtp_num_layers) * per_layer
