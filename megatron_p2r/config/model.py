@@ -55,6 +55,16 @@ class ModelConfig:
         "attention, or a list expression of one 0/1 a layer (1: windowed), e.g. '([1]*5+[0])*2'; "
         "unset: every layer is windowed.",
     )
+    attn_logit_softcapping: Optional[float] = opt(
+        None,
+        "Soft-cap the attention scores at C: C * tanh(scores / C) before the mask and softmax (Gemma 2's "
+        "attn_logit_softcapping; an attention core of ours, SDPA has none). No Megatron-LM flag.",
+    )
+    final_logit_softcapping: Optional[float] = opt(
+        None,
+        "Soft-cap the output logits at C: C * tanh(logits / C), before the loss (Gemma 2's "
+        "final_logit_softcapping). No Megatron-LM flag.",
+    )
     softmax_type: str = opt(
         "vanilla",
         "Attention softmax: 'off-by-one' adds exp(0) to each denominator, 'learnable' "
@@ -118,6 +128,11 @@ class ModelConfig:
         "exact erf GELU, as without biases).",
     )
     quick_geglu: bool = opt(False, "Gated MLP with quick-GELU, x * sigmoid(1.702 x), on the gate (gpt-oss).")
+    geglu: bool = opt(
+        False,
+        "Gated MLP with GELU's tanh approximation on the gate, gelu_tanh(gate) * up (Gemma's "
+        "gelu_pytorch_tanh; megatron-core's gated_linear_unit with a tanh GELU). No Megatron-LM flag.",
+    )
     glu_linear_offset: float = opt(0.0, "Gated MLPs compute act(gate) * (up + offset) (gpt-oss: 1).")
     activation_func_clamp_value: Optional[float] = opt(
         None,
@@ -125,6 +140,11 @@ class ModelConfig:
     )
     position_embedding_type: str = opt("learned_absolute", "Position encoding.", choices=["learned_absolute", "rope"])
     rotary_base: float = opt(10000.0, "Base of the rotary embedding frequencies.")
+    rotary_base_local: Optional[float] = opt(
+        None,
+        "Base of the rotary frequencies of the sliding-window layers (Gemma 3's local base, "
+        "rope_parameters.sliding_attention.rope_theta); unset: --rotary-base. No Megatron-LM flag.",
+    )
     rotary_percent: float = opt(
         1.0, "Fraction of each head's dimensions that rotary embeddings rotate (the rest pass through unchanged)."
     )
@@ -309,8 +329,13 @@ class ModelConfig:
 
     @property
     def gated_linear_unit(self) -> bool:
-        """fc1 has a gate and a linear half (rows interleaved as (gate_j, up_j)): SwiGLU or quick-GeGLU."""
-        return self.swiglu or self.quick_geglu
+        """fc1 has a gate and a linear half (rows interleaved as (gate_j, up_j)): SwiGLU, GeGLU or quick-GeGLU."""
+        return self.swiglu or self.geglu or self.quick_geglu
+
+    def __hash__(self) -> int:
+        """Hashable with a per-layer list field (--moe-layer-freq '([0]*3+[1]*58)'), as caches keyed by the model's
+        shape need; equal configs hash alike (dataclass's own __hash__ would raise on the list)."""
+        return hash(tuple(tuple(v) if isinstance(v, list) else v for v in vars(self).values()))
 
     def attention_window(self, layer: int) -> Optional[int]:
         """Keys before the query that layer ``layer`` (from 0) attends to; None: all of them.
@@ -363,14 +388,19 @@ class ModelConfig:
         self._check_activation()
 
     def _check_activation(self) -> None:
-        if self.swiglu and self.quick_geglu:
-            raise ConfigError("--swiglu and --quick-geglu are two activations: give one")
+        given = [
+            flag
+            for flag, on in (("--swiglu", self.swiglu), ("--geglu", self.geglu), ("--quick-geglu", self.quick_geglu))
+            if on
+        ]
+        if len(given) > 1:
+            raise ConfigError(f"{' and '.join(given)} are {('two', 'three')[len(given) - 2]} activations: give one")
         for flag, given in (
             ("--glu-linear-offset", self.glu_linear_offset != 0.0),
             ("--activation-func-clamp-value", self.activation_func_clamp_value is not None),
         ):
             if given and not self.gated_linear_unit:
-                raise ConfigError(f"{flag} applies to a gated MLP: add --swiglu or --quick-geglu")
+                raise ConfigError(f"{flag} applies to a gated MLP: add --swiglu, --geglu or --quick-geglu")
 
     def _check_attention(self) -> None:
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
@@ -399,6 +429,7 @@ class ModelConfig:
             _window(self.window_size)
         elif self.window_attn_skip_freq is not None:
             raise ConfigError("--window-attn-skip-freq needs --window-size")
+        self._check_gemma_attention()
         scaled = [
             flag
             for flag, on in (
@@ -420,6 +451,19 @@ class ModelConfig:
                 f"gives {self.rotary_dim}"
             )
 
+    def _check_gemma_attention(self) -> None:
+        """Soft-capping runs in our own attention core (model/attention.py): what it is not built with;
+        a local rotary base needs rotary windowed layers to apply to."""
+        if self.attn_logit_softcapping is not None and self.softmax_type != "vanilla":
+            raise ConfigError(
+                "--attn-logit-softcapping with --softmax-type: the soft-capped core has no attention sinks"
+            )
+        if self.rotary_base_local is not None and (self.window_size is None or self.position_embedding_type != "rope"):
+            raise ConfigError(
+                "--rotary-base-local is the rotary base of the sliding-window layers: it needs --window-size "
+                "and --position-embedding-type rope"
+            )
+
     def _check_latent_attention(self) -> None:
         """What multi-latent attention (Megatron-LM's MLASelfAttention) does not combine with."""
         if self.qk_pos_emb_head_dim % 2:
@@ -430,6 +474,11 @@ class ModelConfig:
             ("--group-query-attention", self.group_query_attention, "mutually exclusive, as in Megatron-LM"),
             ("--softmax-type", self.softmax_type != "vanilla", "attention sinks are built for standard attention"),
             ("--window-size", self.window_size is not None, "sliding windows are built for standard attention"),
+            (
+                "--attn-logit-softcapping",
+                self.attn_logit_softcapping is not None,
+                "soft-capping is built for standard attention",
+            ),
             ("--add-qkv-bias", self.add_qkv_bias, "MLA's projections have no bias, as in Megatron-LM"),
             ("--use-rope-scaling", self.use_rope_scaling, "MLA's rotary part scales with YaRN"),
             (
@@ -579,6 +628,9 @@ RANGES = {
     "make_vocab_size_divisible_by": at_least(1, 2**16),
     "norm_epsilon": positive(1.0),
     "rotary_base": positive(),
+    "rotary_base_local": positive(),
+    "attn_logit_softcapping": positive(),
+    "final_logit_softcapping": positive(),
     "rotary_percent": Range(0.0, 1.0, low_open=True),
     "rope_scaling_factor": positive(),
     "rotary_seq_len_interpolation_factor": positive(),

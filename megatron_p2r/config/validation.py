@@ -151,6 +151,7 @@ def _check_context_parallel(cfg: Config) -> None:
         (cfg.model.multi_latent_attention, "--multi-latent-attention"),
         (cfg.model.moe_router_load_balancing_type == "seq_aux_loss", "--moe-router-load-balancing-type seq_aux_loss"),
         (bool(cfg.model.mtp_num_layers), "--mtp-num-layers"),
+        (cfg.model.attn_logit_softcapping is not None, "--attn-logit-softcapping"),
     ]
     for given, what in refused:
         if given:

@@ -5,7 +5,10 @@ passes a boolean mask (on CPU torch's fused flash kernel still runs; the masked 
 computed all the same). Attention sinks (--softmax-type learnable / off-by-one) add one key per
 head whose value is 0 and whose logit is the head's offset, given as an additive float mask:
 SDPA has no sink argument, and with a float mask torch runs its math kernel on CPU (s x s
-tensors) and the memory-efficient one on CUDA.
+tensors) and the memory-efficient one on CUDA. Soft-capped scores (--attn-logit-softcapping,
+Gemma 2) run the math kernel of ``context.kernels`` (SDPA cannot soft-cap) as one block of the
+whole sequence: it keeps q, k, v, its output and the log-sum-exp, as a fused kernel does, and
+recomputes the s x s scores in backward.
 
 Under context parallelism (CP > 1) q, k and v hold this rank's two chunks of the sequence
 (``context.chunks``) and the core is ``context.attention.context_parallel_attention`` over the
@@ -24,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_p2r.config import ModelConfig
+from megatron_p2r.context.blocks import Block
+from megatron_p2r.context.kernels import block_backward, block_forward
 from megatron_p2r.model.norm import HeadsRMSNorm, make_qk_norm
 from megatron_p2r.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_p2r.parallel import random as tp_random
@@ -73,15 +78,28 @@ def rotary_tables(
 
 
 def model_rotary_tables(m: ModelConfig, seq_len: int, device) -> tuple:
-    """``rotary_tables`` for a model's config (its base, rotated dimensions and scaling flags)."""
-    return rotary_tables(
-        seq_len,
-        m.rotary_dim,
-        m.rotary_base,
-        device,
-        m.rope_scaling_factor if m.use_rope_scaling else None,
-        m.rotary_seq_len_interpolation_factor,
-    )
+    """``rotary_tables`` for a model's config (its base, rotated dimensions and scaling flags);
+    with --rotary-base-local the sliding-window layers' tables follow: (cos, sin, cos_local,
+    sin_local), which ``layer_rotary_tables`` picks from."""
+    tables = [
+        rotary_tables(
+            seq_len,
+            m.rotary_dim,
+            base,
+            device,
+            m.rope_scaling_factor if m.use_rope_scaling else None,
+            m.rotary_seq_len_interpolation_factor,
+        )
+        for base in (m.rotary_base, m.rotary_base_local)
+        if base is not None
+    ]
+    return sum(tables, ())
+
+
+def layer_rotary_tables(rope: tuple, windowed: bool) -> tuple:
+    """(cos, sin) of a layer: the local ones (Gemma 3's sliding layers) when ``rope`` has them and
+    the layer is windowed, else the global ones."""
+    return rope[2:] if windowed and len(rope) == 4 else rope[:2]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -120,6 +138,36 @@ def with_sink(k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, logits: t
     return k, v, torch.cat([blocked.expand(heads, s, s), sink], dim=-1)
 
 
+class _SoftcappedAttention(torch.autograd.Function):
+    """Causal (or windowed) attention with soft-capped scores: the math block kernel over the whole
+    sequence, saving what a fused kernel saves (the dropout keep mask too, when drawn)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, window, scale, softcap, dropout_p):
+        s = q.shape[2]
+        kind, visible = (Block.CAUSAL, None) if window is None else (Block.MASKED, window_mask(s, window, q.device))
+        out, lse, keep = block_forward(q, k, v, kind, visible, scale, dropout_p, softcap)
+        ctx.save_for_backward(q, k, v, out, lse, *([] if keep is None else [keep]))
+        ctx.args = kind, visible, scale, dropout_p, softcap
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, *keep = ctx.saved_tensors
+        kind, visible, scale, dropout_p, softcap = ctx.args
+        delta = (grad_out.float() * out.float()).sum(-1)  # rowsum(dO * O) [b, heads, s]
+        dq, dk, dv = block_backward(
+            grad_out, q, k, v, out, lse, delta, kind, visible, scale, dropout_p, keep[0] if keep else None, softcap
+        )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def softcapped_attention(q, k, v, window: Optional[int], scale: float, softcap: float, dropout_p: float):
+    """softmax(C tanh(q.k * scale / C) + causal/window mask) v, q [b, heads, s, d], k and v
+    [b, key/value heads, s, d] (grouped-query attention: head i uses key/value head i // (heads/groups))."""
+    return _SoftcappedAttention.apply(q, k, v, window, scale, softcap, dropout_p)
+
+
 class Attention(nn.Module):
     """Query, key and value projections split over TP by whole heads; the output is row-parallel.
 
@@ -155,6 +203,7 @@ class Attention(nn.Module):
         self.recompute_core = recompute_core
         self.window = window  # keys before the query this layer sees (ModelConfig.attention_window)
         self.softmax_scale = cfg.softmax_scale  # None: SDPA's 1/sqrt(d)
+        self.softcap = cfg.attn_logit_softcapping
         # Megatron-LM's softmax offsets: learned per head (normal init, no weight decay), or 0 for off-by-one.
         self.softmax_type = cfg.softmax_type
         self.softmax_offset = None
@@ -208,7 +257,7 @@ class Attention(nn.Module):
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None:
-            cos, sin = rope
+            cos, sin = layer_rotary_tables(rope, self.window is not None)
             q, k = apply_rotary(q, cos[:s], sin[:s]), apply_rotary(k, cos[:s], sin[:s])
         if self.recompute_core and torch.is_grad_enabled():
             y = tp_random.checkpoint(self.core, q, k, v, device=self.device, draws=self.training and self.dropout > 0)
@@ -243,6 +292,9 @@ class Attention(nn.Module):
         with tp_random.get_rng_tracker(self.device).fork() if p > 0 else contextlib.nullcontext():
             if self.cp_group is not None:
                 return self._context_parallel_core(q, k, v, offsets, p)
+            if self.softcap is not None:
+                scale = self.softmax_scale if self.softmax_scale is not None else 1 / math.sqrt(self.head_dim)
+                return softcapped_attention(q, k, v, self.window, scale, self.softcap, p)
             mask = None
             if self.window is not None or offsets is not None:
                 s = q.shape[2]

@@ -44,7 +44,7 @@ from megatron_p2r.model.mtp import MultiTokenPrediction, attach
 from megatron_p2r.model.norm import make_norm
 from megatron_p2r.moe.nodes import LayerNodes
 from megatron_p2r.parallel import random as tp_random
-from megatron_p2r.parallel.cross_entropy import output_cross_entropy
+from megatron_p2r.parallel.cross_entropy import output_cross_entropy, soft_capped
 from megatron_p2r.parallel.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -124,11 +124,13 @@ def logits_or_loss(
     loss_mask: Optional[torch.Tensor],
     group,
     sequence_parallel: bool,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
-    """Logits ``[b, s, V/TP]``, or with ``labels`` the loss fused with the output layer."""
+    """Logits ``[b, s, V/TP]``, or with ``labels`` the loss fused with the output layer; the
+    logits soft-capped at ``softcap`` (--final-logit-softcapping) when given."""
     if labels is None:
-        return column_parallel_linear(x, weight, None, group, sequence_parallel)
-    return output_cross_entropy(x, weight, labels, group, sequence_parallel, loss_mask)
+        return soft_capped(column_parallel_linear(x, weight, None, group, sequence_parallel), softcap)[0]
+    return output_cross_entropy(x, weight, labels, group, sequence_parallel, loss_mask, softcap)
 
 
 class OutputLayer(ColumnParallelLinear):
@@ -136,10 +138,12 @@ class OutputLayer(ColumnParallelLinear):
     forward, never directly by the model: module hooks run before it is read (the overlapped
     parameter all-gather waits in one, ``parallel/ddp.py``)."""
 
+    softcap: Optional[float] = None  # --final-logit-softcapping
+
     def forward(
         self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
-        return logits_or_loss(x, self.weight, labels, loss_mask, self.group, self.sequence_parallel)
+        return logits_or_loss(x, self.weight, labels, loss_mask, self.group, self.sequence_parallel, self.softcap)
 
 
 class M6Model(nn.Module):
@@ -197,6 +201,7 @@ class M6Model(nn.Module):
             )
             if tied:  # a replica of the first stage's embedding; gradients summed over the embedding group
                 self.output_layer.weight.shared_name = WORD_EMBEDDING
+            self.output_layer.softcap = m.final_logit_softcapping
         self.mtp = None  # multi-token prediction (model/mtp.py): after every other parameter
         if stage.last and m.mtp_num_layers:
             self.mtp = MultiTokenPrediction(m, ps, device, sequence_parallel=sp)
@@ -258,11 +263,11 @@ class M6Model(nn.Module):
             return None
         m, cp = self.cfg.model, self.ps.cp_size
         tables = latent_rotary_tables if m.multi_latent_attention else model_rotary_tables  # MLA: its own part, YaRN
-        cos, sin = tables(m, seq_len * cp, device)
+        rope = tables(m, seq_len * cp, device)  # (cos, sin), or also the local ones (--rotary-base-local)
         if cp == 1:
-            return cos, sin
+            return rope
         positions = sequence_positions(self.ps, seq_len, device)
-        return cos[positions], sin[positions]
+        return tuple(t[positions] for t in rope)
 
     def hidden_spec(self, tokens_shape: Tuple[int, ...]) -> Tuple[Tuple[int, ...], torch.dtype]:
         """(shape, dtype) of the hidden states between stages for a micro-batch of
@@ -325,9 +330,9 @@ class M6Model(nn.Module):
         if self.output_layer is not None:
             return self.output_layer(x, labels, loss_mask)
         # tied weights on a single stage: the input embedding's, already gathered by its forward
-        return logits_or_loss(
-            x, self.embedding.word_embeddings.weight, labels, loss_mask, self.ps.group("tp"), self.sequence_parallel
-        )
+        word = self.embedding.word_embeddings.weight
+        group, softcap = self.ps.group("tp"), self.cfg.model.final_logit_softcapping
+        return logits_or_loss(x, word, labels, loss_mask, group, self.sequence_parallel, softcap)
 
     def _mtp_embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The input embedding of shifted ``ids`` at shifted ``positions`` (Megatron-LM rolls

@@ -14,15 +14,20 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
+def tanh_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation (Gemma's gate, transformers' gelu_pytorch_tanh)."""
+    return F.gelu(x, approximate="tanh")
+
+
 class Activation:
     """fc1's output -> fc2's input: GELU (exact or tanh: ``ModelConfig.gelu_approximation``), or a
-    gated unit act(gate) * (up + --glu-linear-offset) with SiLU (SwiGLU) or quick-GELU
-    (--quick-geglu), gate and up clamped first under --activation-func-clamp-value (Megatron-LM's
+    gated unit act(gate) * (up + --glu-linear-offset) with SiLU (SwiGLU), tanh GELU (--geglu) or
+    quick-GELU (--quick-geglu), gate and up clamped first under --activation-func-clamp-value (Megatron-LM's
     unfused ``glu``, as gpt-oss in transformers)."""
 
     def __init__(self, cfg: ModelConfig):
         self.gated, self.gelu_approximation = cfg.gated_linear_unit, cfg.gelu_approximation
-        self.gate_function = quick_gelu if cfg.quick_geglu else F.silu
+        self.gate_function = quick_gelu if cfg.quick_geglu else tanh_gelu if cfg.geglu else F.silu
         self.offset, self.clamp = cfg.glu_linear_offset, cfg.activation_func_clamp_value
 
     @property

@@ -20,6 +20,10 @@ Two ways to get the gradient, by what the caller asks for:
   input, each token's log-sum-exp and target, and backward recomputes each chunk's logits (one
   more ``tokens x h x V/TP`` matmul) to weight ``softmax - onehot`` by the per-token gradient.
 
+With ``softcap`` C (Gemma 2's final_logit_softcapping) each chunk's fp32 logits become
+C * tanh(logits / C) before the softmax, and the gradient is multiplied by 1 - tanh^2: elementwise
+on each rank's vocabulary slice, so TP changes nothing.
+
 fp32 throughout without autocast (``tests/parallel/test_cross_entropy.py`` compares both with
 a float64 reference on a padded vocabulary, TP 1/2/4, with and without sequence parallelism).
 """
@@ -73,29 +77,52 @@ def _accumulate_gradients(
     inputs: torch.Tensor,
     grad_inputs: torch.Tensor,
     grad_w: torch.Tensor,
+    capped: Optional[torch.Tensor] = None,
 ) -> None:
     """One chunk: ``(softmax - onehot) x weights`` per token (the softmax is ``exp x
-    softmax_scale``; formed in place on the fp32 ``exp``, then in the compute dtype), into the
-    chunk's input-gradient rows and added to the weight gradient."""
+    softmax_scale``; formed in place on the fp32 ``exp``, then in the compute dtype), times
+    1 - ``capped``^2 under a soft-cap (``capped``: tanh(logits / C)), into the chunk's
+    input-gradient rows and added to the weight gradient."""
     d = exp.mul_((softmax_scale * weights).unsqueeze(-1))
     rows = ((local_target >= 0) & (local_target < d.shape[-1])).nonzero().squeeze(-1)
     d[rows, local_target[rows]] -= weights[rows]
+    if capped is not None:
+        d.mul_(1 - capped * capped)
     d = d.to(w.dtype)
     grad_inputs.copy_(d @ w)
     grad_w.add_(d.t() @ inputs)
 
 
+def soft_capped(logits: torch.Tensor, softcap: Optional[float]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(C * tanh(logits / C), tanh(logits / C)), or (logits, None) without a soft-cap C."""
+    if softcap is None:
+        return logits, None
+    capped = torch.tanh(logits / softcap)
+    return capped * softcap, capped
+
+
+def _chunk_logits(inputs: torch.Tensor, w: torch.Tensor, softcap: Optional[float]) -> tuple:
+    """A chunk's fp32 logits (soft-capped) and tanh(logits / C) or None."""
+    return soft_capped((inputs @ w.t()).float(), softcap)
+
+
 def _forward_chunk(
-    inputs: torch.Tensor, w: torch.Tensor, local_target: torch.Tensor, group, gradients: Optional[tuple]
+    inputs: torch.Tensor,
+    w: torch.Tensor,
+    local_target: torch.Tensor,
+    group,
+    gradients: Optional[tuple],
+    softcap: Optional[float] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """A chunk of tokens' log-sum-exp and target logit; with ``gradients`` (per-token weights,
     the chunk's input-gradient rows, the weight gradient) their gradients too. Its logits die
     on return, before the next chunk's exist."""
-    exp = (inputs @ w.t()).float()
+    exp, capped = _chunk_logits(inputs, w, softcap)
     lse, target, shift = _softmax_statistics(exp, local_target, group)
     if gradients is not None:
         weights, grad_inputs, grad_w = gradients
-        _accumulate_gradients(exp, (shift - lse).exp_(), weights, local_target, w, inputs, grad_inputs, grad_w)
+        scale = (shift - lse).exp_()
+        _accumulate_gradients(exp, scale, weights, local_target, w, inputs, grad_inputs, grad_w, capped)
     return lse, target
 
 
@@ -107,15 +134,19 @@ def _backward_chunk(
     grad_loss: torch.Tensor,
     grad_inputs: torch.Tensor,
     grad_w: torch.Tensor,
+    softcap: Optional[float] = None,
 ) -> None:
     """A chunk's gradients from its recomputed logits and the saved log-sum-exp."""
-    softmax = (inputs @ w.t()).float().sub_(lse.unsqueeze(-1)).exp_()
-    _accumulate_gradients(softmax, torch.ones_like(lse), grad_loss, local_target, w, inputs, grad_inputs, grad_w)
+    logits, capped = _chunk_logits(inputs, w, softcap)
+    softmax = logits.sub_(lse.unsqueeze(-1)).exp_()
+    ones = torch.ones_like(lse)
+    _accumulate_gradients(softmax, ones, grad_loss, local_target, w, inputs, grad_inputs, grad_w, capped)
 
 
 class _OutputCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, target, loss_mask, group, gather_sequence, gradients):
+    def forward(ctx, x, weight, target, loss_mask, group, gather_sequence, gradients, softcap):
+        ctx.softcap = softcap
         ctx.x_dtype, ctx.w_dtype, dtype = x.dtype, weight.dtype, _compute_dtype(x)
         ctx.group, ctx.gather_sequence, ctx.fused = group, gather_sequence, loss_mask is not None
         x = x.to(dtype)  # what is gathered (and, per token, saved): the compute dtype's bytes
@@ -138,6 +169,7 @@ class _OutputCrossEntropy(torch.autograd.Function):
                     local_target[rows],
                     group,
                     (mask[rows], grad_inputs[rows], grad_w) if gradients else None,
+                    softcap,
                 )
                 losses[rows] = chunk_lse - chunk_target
                 if lse is not None:
@@ -162,6 +194,7 @@ class _OutputCrossEntropy(torch.autograd.Function):
                 None,
                 None,
                 None,
+                None,
             )
         x, weight, local_target, lse = ctx.saved_tensors
         full = all_gather_sequence(x, ctx.group) if ctx.gather_sequence else x
@@ -172,11 +205,12 @@ class _OutputCrossEntropy(torch.autograd.Function):
         step = chunk_tokens(w.shape[0])
         for start in range(0, inputs.shape[0], step):
             rows = slice(start, start + step)
-            _backward_chunk(inputs[rows], w, lse[rows], local_target[rows], grad_loss[rows], grad_inputs[rows], grad_w)
+            chunk = (inputs[rows], w, lse[rows], local_target[rows], grad_loss[rows], grad_inputs[rows], grad_w)
+            _backward_chunk(*chunk, ctx.softcap)
         grad_x = grad_inputs.view(full.shape)
         if ctx.gather_sequence:
             grad_x = reduce_scatter_sequence(grad_x, ctx.group)
-        return grad_x.to(ctx.x_dtype), grad_w.to(ctx.w_dtype), None, None, None, None, None
+        return grad_x.to(ctx.x_dtype), grad_w.to(ctx.w_dtype), None, None, None, None, None, None
 
 
 def output_cross_entropy(
@@ -186,13 +220,15 @@ def output_cross_entropy(
     group: Optional[dist.ProcessGroup],
     sequence_parallel: bool = False,
     loss_mask: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Cross entropy of hidden states ``x`` (``[b, s, h]``, or this rank's sequence shard
     ``[b, s/TP, h]`` under sequence parallelism) through the vocabulary-parallel output weight
     ``[V/TP, h]`` against int targets ``[b, s]`` (global vocabulary ids): per-token losses
     ``[b, s]``, or with ``loss_mask`` ``[b, s]`` the scalar sum of loss x mask (the gradient
-    then computed in the forward pass)."""
+    then computed in the forward pass); the logits soft-capped at ``softcap`` when given."""
     gradients = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if group is None or not sequence_parallel:
-        return _OutputCrossEntropy.apply(copy_to_region(x, group), weight, target, loss_mask, group, False, gradients)
-    return _OutputCrossEntropy.apply(x, weight, target, loss_mask, group, True, gradients)
+        x = copy_to_region(x, group)
+        return _OutputCrossEntropy.apply(x, weight, target, loss_mask, group, False, gradients, softcap)
+    return _OutputCrossEntropy.apply(x, weight, target, loss_mask, group, True, gradients, softcap)

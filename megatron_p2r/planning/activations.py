@@ -67,8 +67,10 @@ def math_attention(cfg: Config, device_type: str) -> bool:
     only a log-sum-exp (dropout replays its RNG), and so does the CPU flash kernel, which torch
     picks only without dropout: with --attention-dropout in training CPU runs the math kernel,
     which keeps the probabilities, the dropout mask and the dropped probabilities in fp32 (also
-    for 16-bit inputs) and fp32 copies of q, k and v."""
-    return device_type != "cuda" and cfg.model.attention_dropout > 0
+    for 16-bit inputs) and fp32 copies of q, k and v. Soft-capped attention never calls SDPA
+    (``softcapped_core_bytes``)."""
+    m = cfg.model
+    return device_type != "cuda" and m.attention_dropout > 0 and m.attn_logit_softcapping is None
 
 
 def latent_math_attention(cfg: Config, device_type: str) -> bool:
@@ -141,6 +143,7 @@ def _attention_held(cfg: Config, n: int, ns: int, tp: int, a: int, device_type: 
         held += context_core_bytes(cfg, q, kv, projected, selective, a)
     if not selective:
         held += attention_core_bytes(cfg, tp, device_type)
+        held += softcapped_core_bytes(cfg, q, a)
         if m.softmax_type != "vanilla":  # k and v with the sink slot, the float mask (CUDA's kernel keeps them)
             held += (2 * (kv + kv // m.seq_length) + heads * m.seq_length * (m.seq_length + 1)) * a
     if m.qk_norm:
@@ -231,6 +234,33 @@ def attention_core_bytes(cfg: Config, tp: int, device_type: str = "cuda") -> int
         copies = 2 if _math_value_is_view(cfg, tp, compute_bytes(cfg)) else 3
         return copies * rows * m.head_dim * 4 + 3 * rows * m.seq_length * 4
     return rows * 4
+
+
+def softcapped_core_bytes(cfg: Config, q: int, a: int) -> int:
+    """What soft-capped attention (--attn-logit-softcapping: ``model.attention.softcapped_attention``,
+    the math block kernel of ``context.kernels``) keeps beyond a fused kernel, which it otherwise
+    matches (q, k, v, the output, the fp32 log-sum-exp): its output is contiguous [b, heads, s, d],
+    so the output projection's input is a copy (``q`` elements; with q/k norms a fused kernel's
+    output is contiguous too, and ``_qk_norm_held`` counts the copy); in training with
+    --attention-dropout its bool keep mask [b, heads, s, s]."""
+    m = cfg.model
+    if m.attn_logit_softcapping is None:
+        return 0
+    keep = q // m.head_dim * m.seq_length if m.attention_dropout > 0 else 0
+    return (0 if m.qk_norm else q * a) + keep
+
+
+def _softcapped_backward(cfg: Config, tp: int) -> int:
+    """Soft-capped attention's backward on top of what the layer holds: the recomputed fp32 scores
+    [b, heads, s, s] and their tanh, the probabilities, their gradient and the score gradient, each
+    with a temporary, and the fp32 gradients of q, k, v; under selective recomputation also the
+    core it first recomputes (its output and log-sum-exp)."""
+    m, t = cfg.model, cfg.train
+    rows = t.micro_batch_size * (m.num_attention_heads // tp) * m.seq_length
+    extra = 6 * rows * m.seq_length * 4 + 3 * rows * m.head_dim * 4
+    if t.recompute == "selective":
+        extra += rows * m.head_dim * compute_bytes(cfg) + attention_core_bytes(cfg, tp)
+    return extra
 
 
 def _math_attention_backward(cfg: Config, tp: int, device_type: str) -> int:
@@ -396,6 +426,8 @@ def layer_activations(
             backward = max(backward, work + 2 * n * h * a)
     if math_attention(cfg, device_type) and not m.multi_latent_attention:
         backward = max(backward, _math_attention_backward(cfg, tp, device_type) - mlp_held - norm_held(m, ns, h, a))
+    if m.attn_logit_softcapping is not None:
+        backward = max(backward, _softcapped_backward(cfg, tp) - mlp_held - norm_held(m, ns, h, a))
     return LayerActivations(held=held, work=work, backward=backward)
 
 

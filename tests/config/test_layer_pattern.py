@@ -87,3 +87,14 @@ def test_window_layers_follow_megatrons_rule():
     assert [listed.attention_window(i) for i in range(4)] == [3, None, None, 3]
     with pytest.raises(ConfigError, match="--window-attn-skip-freq lists 3 layers"):
         ModelConfig(**window, window_attn_skip_freq=[1, 0, 1]).check()
+
+
+def test_a_model_with_a_listed_pattern_stays_hashable():
+    """Caches keyed by the model (MLA's rotary tables, on CUDA too) need a hash; a list field has none."""
+    listed = dict(num_layers=4, num_experts=4, moe_layer_freq=[0, 1, 1, 1], window_size="3,0")
+    a, b = (
+        ModelConfig(**listed, window_attn_skip_freq=[1, 0, 1, 1]),
+        ModelConfig(**listed, window_attn_skip_freq=[1, 0, 1, 1]),
+    )
+    assert a == b and hash(a) == hash(b) and {a: 1}[b] == 1
+    assert hash(a) != hash(ModelConfig(**{**listed, "moe_layer_freq": [1, 1, 1, 1]}))

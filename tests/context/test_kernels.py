@@ -29,7 +29,7 @@ def test_math_kernel_matches_the_flash_kernel(kind, monkeypatch):
         return out, lse, *grads
 
     flash = run()
-    monkeypatch.setattr(kernels, "_uses_flash", lambda q, p: False)
+    monkeypatch.setattr(kernels, "_uses_flash", lambda *args: False)
     math = run()
     if kind is Block.MASKED:
         assert flash[1][..., 1:].isneginf().all() and flash[1][..., 0].isfinite().all()

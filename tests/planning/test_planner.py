@@ -416,6 +416,20 @@ ACTIVATION_CASES = [
     ),
     dict(bf16=True, layer_norms="output", qk_layernorm=True, qk_layernorm_over_heads=True, normalization="RMSNorm"),
     dict(bf16=True, layer_norms="both", normalization="RMSNorm", **FULL1),
+    # Gemma: soft-capped attention (the math block kernel: q, k, v, its [b, heads, s, d] output and
+    # the log-sum-exp; with dropout the keep mask), soft-capped logits, tanh GeGLU
+    dict(
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+        geglu=True,
+        layer_norms="both",
+        normalization="RMSNorm",
+        position_embedding_type="rope",
+        attention_dropout=0.0,
+    ),
+    dict(bf16=True, attn_logit_softcapping=2.0, group_query_attention=True, num_query_groups=2, window_size="15,0"),
+    dict(attn_logit_softcapping=2.0, attention_dropout=0.1, qk_layernorm=True, normalization="RMSNorm"),
+    dict(bf16=True, attn_logit_softcapping=2.0, recompute_activations=True, geglu=True, **MOE, moe_capacity_factor=0.5),
     # Granite's multipliers: elementwise by a constant, nothing more saved
     dict(embedding_multiplier=3.0, residual_multiplier=0.5, softmax_scale=0.25, logits_scaling=2.0, bf16=True),
 ]

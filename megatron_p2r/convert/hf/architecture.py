@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
+import torch
+
 from megatron_p2r.config import ConfigError, ModelConfig
 from megatron_p2r.convert.unexported import deepseek_routing_blockers
 
@@ -20,6 +22,8 @@ GPT2, LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GRANITE, GRANITE_MOE, OL
     "Olmo2ForCausalLM",
 )
 DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
+GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
+GEMMAS = (GEMMA2, GEMMA3)
 MODEL_TYPES = {
     GPT2: "gpt2",
     LLAMA: "llama",
@@ -32,8 +36,10 @@ MODEL_TYPES = {
     GRANITE: "granite",
     GRANITE_MOE: "granitemoe",
     OLMO2: "olmo2",
+    GEMMA2: "gemma2",
+    GEMMA3: "gemma3_text",
 }
-ROTARY = (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GRANITE, GRANITE_MOE, OLMO2)
+ROTARY = (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GRANITE, GRANITE_MOE, OLMO2) + GEMMAS
 GRANITES = (GRANITE, GRANITE_MOE)  # Llama / Mixtral with multipliers (embedding, residual, attention, logits)
 QK_NORMED = (QWEN3, QWEN3_MOE, OLMO2)  # query/key RMSNorms before rotary (--qk-layernorm)
 MOE = (MIXTRAL, QWEN3_MOE, GRANITE_MOE)
@@ -42,15 +48,6 @@ EVERY_LAYER_WINDOWED = (MISTRAL, MIXTRAL, QWEN3_MOE)
 
 # Families import reads by name but refuses, and why (what the model here lacks).
 REFUSED = {
-    "gemma2": "Gemma 2 needs attention and final-logit soft-capping (attn_logit_softcapping, "
-    "final_logit_softcapping) and a tanh-GELU GeGLU MLP, which the model here does not build (its "
-    "4 norms a layer would be --layer-norms both, its embedding scale and query_pre_attn_scalar "
-    "--embedding-multiplier and --softmax-scale, its (1 + w) norm weights 1 + w)",
-    "gemma3_text": "Gemma 3 needs a tanh-GELU GeGLU MLP and a rotary base per layer type "
-    "(rope_parameters for sliding and full layers), which the model here does not build (its 4 "
-    "norms a layer would be --layer-norms both, its embedding scale and query_pre_attn_scalar "
-    "--embedding-multiplier and --softmax-scale, its (1 + w) norm weights 1 + w, its per-head q/k "
-    "norms --qk-layernorm)",
     "gpt_oss": "gpt-oss's router has a bias (megatron-core's router bias under --add-bias-linear "
     "is not built here) and its rotary scaling is YaRN (rope_type yarn), which the model here lacks",
 }
@@ -72,6 +69,9 @@ def _default(m: ModelConfig) -> Tuple[str, str]:
         return MIXTRAL, "--num-experts is set"
     if m.position_embedding_type == "learned_absolute":
         return GPT2, "--position-embedding-type learned_absolute"
+    if m.geglu or m.layer_norms == "both":
+        gemma = GEMMA3 if m.qk_layernorm or m.rotary_base_local is not None else GEMMA2
+        return gemma, "--geglu" if m.geglu else "--layer-norms both"
     if _scaled(m):
         return GRANITE, _scaled(m)[0]
     if m.layer_norms == "output":
@@ -194,7 +194,64 @@ def _biases(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
     return [(m.qkv_bias, f"biases in linear layers ({name} has none; pass --disable-bias-linear)")]
 
 
+def _gemma_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
+    """Gemma 2 and 3 (convert/hf/gemma.py): Llama's rotary attention without biases, a tanh-GeGLU
+    MLP, norms on both sides of attention and the MLP, the embedding times sqrt(hidden), any
+    --softmax-scale that is q**-0.5 for an integer q (query_pre_attn_scalar); Gemma 3 per-head
+    q/k norms and --rotary-base-local, Gemma 2 neither; every other architecture none of it."""
+    name = arch.replace("ForCausalLM", "").replace("LMHeadModel", "")
+    ours = [
+        (m.attn_logit_softcapping is not None, "--attn-logit-softcapping"),
+        (m.final_logit_softcapping is not None, "--final-logit-softcapping"),
+        (m.geglu, "--geglu"),
+        (m.rotary_base_local is not None, "--rotary-base-local"),
+    ]
+    if arch not in GEMMAS:
+        return [(on, f"{flag} ({name} has none; Gemma has it)") for on, flag in ours] + [
+            (m.layer_norms == "both", f"--layer-norms both ({name} has 2 norms a layer; Gemma has 4)")
+        ]
+    from_hidden = {float(torch.tensor(m.hidden_size**0.5, dtype=d)) for d in (torch.float32, torch.bfloat16)}
+    scale = m.softmax_scale if m.softmax_scale is not None else m.head_dim**-0.5
+    gemma3 = arch == GEMMA3
+    return [
+        (
+            m.position_embedding_type != "rope",
+            f"--position-embedding-type {m.position_embedding_type} ({name} uses rope)",
+        ),
+        (m.normalization != "RMSNorm", f"--normalization {m.normalization} ({name} uses RMSNorm)"),
+        (not m.geglu, f"no --geglu ({name}'s MLP is GeGLU with tanh GELU)"),
+        (m.layer_norms != "both", f"--layer-norms {m.layer_norms} ({name} normalises inputs and outputs: both)"),
+        (m.rotary_percent != 1.0, f"--rotary-percent {m.rotary_percent} ({name} rotates whole heads)"),
+        (m.use_rope_scaling, f"--use-rope-scaling ({name} is exported with default rotary only)"),
+        (m.rotary_seq_len_interpolation_factor is not None, "--rotary-seq-len-interpolation-factor (not exported)"),
+        (
+            m.qk_layernorm != gemma3,
+            "no --qk-layernorm (Gemma3 normalises each query and key head)"
+            if gemma3
+            else "--qk-layernorm (Gemma2 has no query/key norms; Gemma3 has them)",
+        ),
+        (m.qk_layernorm_over_heads, f"--qk-layernorm-over-heads ({name}'s q/k norms are per head)"),
+        (m.qk_l2_norm, f"--qk-l2-norm ({name} has no query/key L2 norm)"),
+        (not gemma3 and m.rotary_base_local is not None, "--rotary-base-local (Gemma2 has one rotary base)"),
+        (
+            m.embedding_multiplier not in from_hidden,
+            f"--embedding-multiplier {m.embedding_multiplier} ({name} scales by sqrt(hidden size) = "
+            f"{m.hidden_size**0.5})",
+        ),
+        (
+            round(scale**-2) ** -0.5 != scale,
+            f"--softmax-scale {scale} ({name}'s is query_pre_attn_scalar**-0.5 for an integer query_pre_attn_scalar)",
+        ),
+        (m.residual_multiplier != 1.0, f"--residual-multiplier ({name} has none; Granite has it)"),
+        (m.logits_scaling != 1.0, f"--logits-scaling ({name} has none; Granite has it)"),
+        (m.add_bias or m.add_qkv_bias, f"biases in linear layers ({name} has none; pass --disable-bias-linear)"),
+        (bool(m.num_experts), f"--num-experts ({name} is dense)"),
+    ]
+
+
 def _blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
+    if arch in GEMMAS:
+        return _nowhere(m) + _gemma_blockers(m, arch) + _latent_blockers(m, arch) + deepseek_routing_blockers(m)
     scaled = [] if arch in GRANITES else [(True, f"{flag} (Granite has it)") for flag in _scaled(m)]
     return (
         _nowhere(m)
@@ -203,6 +260,7 @@ def _blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
         + _windows(m, arch)
         + _latent_blockers(m, arch)
         + _architecture_blockers(m, arch)
+        + _gemma_blockers(m, arch)
     )
 
 
@@ -280,7 +338,7 @@ def _moe_blockers(m: ModelConfig, name: str) -> List[Tuple[bool, str]]:
 
 def hf_architecture(m: ModelConfig, requested: Optional[str] = None) -> str:
     """The HF class that expresses ``m`` exactly (``requested``, or the one its options point to:
-    GPT2, Llama, Qwen2, Qwen3, Granite, Olmo2, Mixtral, Qwen3Moe or GraniteMoe; Mistral only on request, since Llama expresses the same
+    GPT2, Llama, Qwen2, Qwen3, Granite, Olmo2, Gemma2, Gemma3, Mixtral, Qwen3Moe or GraniteMoe; Mistral only on request, since Llama expresses the same
     models), or an error listing every option that blocks it."""
     if requested is None:
         arch, why = _default(m)

@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Tuple
 from megatron_p2r.convert.hf.architecture import (
     DEEPSEEK_V3,
     EVERY_LAYER_WINDOWED,
+    GEMMAS,
     GPT2,
     GRANITE,
     GRANITE_MOE,
@@ -26,6 +27,7 @@ from megatron_p2r.convert.hf.architecture import (
 )
 from megatron_p2r.convert.hf.config_schema import check_hf_config, required_field
 from megatron_p2r.convert.hf.deepseek_v3 import latent_fields, latent_values
+from megatron_p2r.convert.hf.gemma import gemma_config, gemma_fields, gemma_values
 from megatron_p2r.config import ModelConfig
 
 # GPT2's activation_function: transformers' names for GELU's tanh formula and for exact (erf) GELU,
@@ -59,6 +61,8 @@ def hf_config(m: ModelConfig, arch: str, hf_vocab: int, dtype: str, special: Dic
         return {**common, **_gpt2_fields(m)}
     if arch == DEEPSEEK_V3:
         return {**common, **latent_fields(m)}
+    if arch in GEMMAS:
+        return {**common, **gemma_fields(m, arch, _hf_window(m))}
     cfg = {
         **common,
         "hidden_size": m.hidden_size,
@@ -203,6 +207,9 @@ def model_values_from_hf(hf: dict, where: str) -> Tuple[str, dict]:
         return arch, _gpt2_values(hf, where)
     if arch == DEEPSEEK_V3:
         return arch, latent_values(hf, where)
+    if arch in GEMMAS:
+        hf = gemma_config(hf, where, arch)
+        return arch, {**_rotary_values(hf, where, arch), **gemma_values(hf, where, arch)}
     return arch, _rotary_values(hf, where, arch)
 
 

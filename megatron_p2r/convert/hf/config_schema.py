@@ -82,6 +82,14 @@ HF_FIELDS: Dict[str, Tuple[str, object]] = {
     "v_head_dim": (_INT, at_least(1, 2**16)),
     "first_k_dense_replace": (_INT, at_least(0, LAYERS)),
     "rope_interleave": (_BOOL, None),
+    # Gemma 2 / 3
+    "hidden_activation": (_STR, None),
+    "query_pre_attn_scalar": (_FLOAT, positive()),
+    "attn_logit_softcapping": (_FLOAT, positive()),
+    "final_logit_softcapping": (_FLOAT, positive()),
+    "use_bidirectional_attention": (_BOOL, None),
+    "sliding_window_pattern": (_INT, at_least(1, LAYERS)),
+    "rope_local_base_freq": (_FLOAT, positive()),
 }
 _ROPE_FIELDS = {
     "rope_type": (_STR, None),
@@ -125,6 +133,9 @@ def check_hf_config(hf, where: str) -> None:
     for key in ("rope_parameters", "rope_scaling"):
         if isinstance(hf.get(key), dict):
             _check(_ROPE_FIELDS, hf[key], where, f"{key}.")
+            for kind in ("full_attention", "sliding_attention"):  # Gemma 3: one per layer type
+                if isinstance(hf[key].get(kind), dict):
+                    _check(_ROPE_FIELDS, hf[key][kind], where, f"{key}.{kind}.")
 
 
 def required_field(hf: dict, key: str, where: str):

@@ -17,7 +17,15 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_p2r.convert.hf.architecture import DEEPSEEK_V3, GPT2, GRANITE_MOE, MIXTRAL, OLMO2, QWEN3_MOE
+from megatron_p2r.convert.hf.architecture import (
+    DEEPSEEK_V3,
+    GEMMAS,
+    GPT2,
+    GRANITE_MOE,
+    MIXTRAL,
+    OLMO2,
+    QWEN3_MOE,
+)
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.layout.tensor_specs import HeadRows, attention_rows
 
@@ -207,9 +215,25 @@ def _granite_experts(m: ModelConfig, o: str, moe: str) -> List[Rule]:
 
 
 # Each architecture's layer norms: ours -> its (OLMo 2's post_attention_layernorm is on attention's output)
+GEMMA_NORM_NAMES = {
+    "input_norm": "input_layernorm",
+    "attention_output_norm": "post_attention_layernorm",
+    "post_attention_norm": "pre_feedforward_layernorm",
+    "mlp_output_norm": "post_feedforward_layernorm",
+}
 LAYER_NORM_NAMES = {
     OLMO2: {"attention_output_norm": "post_attention_layernorm", "mlp_output_norm": "post_feedforward_layernorm"},
+    **{arch: GEMMA_NORM_NAMES for arch in GEMMAS},
 }
+
+
+def _one_plus(r: Rule) -> Rule:
+    """Gemma's RMSNorm weights: HF stores w and multiplies by (1 + w) in fp32; ours store 1 + w
+    (computed in fp32 as transformers does, so our weight is bitwise its factor), exported as
+    ours - 1, whose 1 + w is ours again (bitwise for weights >= 0.5, where ours - 1 is exact)."""
+    return Rule(r.ours, r.hf, lambda w: [w - 1.0], lambda t: 1.0 + t[0].float())
+
+
 PRE_NORM_NAMES = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}
 
 
@@ -259,6 +283,8 @@ def rules(m: ModelConfig, arch: str, hf_vocab: int) -> List[Rule]:
         for i in range(m.num_layers):
             out += _rotary_layer(m, arch, f"layers.{i}.", f"{p}layers.{i}.", m.is_moe_layer(i))
         out.append(_same("final_norm.weight", p + "norm.weight"))
+    if arch in GEMMAS:  # every norm weight (the layers', the q/k norms', the final one) is 1 + w
+        out = [_one_plus(r) if r.ours is not None and r.ours.endswith("norm.weight") else r for r in out]
     if not m.untie_embeddings_and_output_weights:
         return out
     return out + [_vocab("output_layer.weight", "lm_head.weight", hf_vocab, m.padded_vocab_size)]

@@ -146,8 +146,10 @@ def test_architecture_choice():
     assert hf_architecture(ModelConfig(**olmo)) == "Olmo2ForCausalLM"
     with pytest.raises(HFConversionError, match="no --qk-layernorm-over-heads"):
         hf_architecture(ModelConfig(**dict(olmo, qk_layernorm_over_heads=False)))
-    with pytest.raises(HFConversionError, match=r"--layer-norms both \(Llama normalises the inputs"):
-        hf_architecture(ModelConfig(**rope, layer_norms="both"))
+    with pytest.raises(HFConversionError, match=r"it maps to Gemma2ForCausalLM \(because --layer-norms both\)"):
+        hf_architecture(ModelConfig(**rope, layer_norms="both"))  # Gemma has 4 norms a layer, and a GeGLU
+    with pytest.raises(HFConversionError, match=r"--layer-norms both \(Llama has 2 norms a layer; Gemma has 4\)"):
+        hf_architecture(ModelConfig(**rope, layer_norms="both"), "LlamaForCausalLM")
     with pytest.raises(HFConversionError, match=r"--qk-layernorm-over-heads \(Qwen3's query/key norms"):
         hf_architecture(ModelConfig(**rope, qk_layernorm=True, qk_layernorm_over_heads=True))
     # Granite: Llama or Mixtral with multipliers, which no other architecture has
@@ -156,4 +158,4 @@ def test_architecture_choice():
     with pytest.raises(HFConversionError, match=r"--residual-multiplier \(Granite has it\)"):
         hf_architecture(ModelConfig(**rope, residual_multiplier=0.5), "LlamaForCausalLM")
     with pytest.raises(HFConversionError, match="--hf-architecture must be one of"):
-        hf_architecture(ModelConfig(**rope), "Gemma2ForCausalLM")
+        hf_architecture(ModelConfig(**rope), "PhiForCausalLM")

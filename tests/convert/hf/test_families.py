@@ -39,7 +39,7 @@ FAMILIES = {
     "granite": (GRANITE, Target(2), dict(SCALES, disable_bias_linear=False)),
     "granitemoe": (GRANITE_MOE, Target(1, 1, None, 2), dict(SCALES, num_experts=4, moe_router_pre_softmax=False)),
 }
-REFUSED = ["gemma2", "gemma3_text", "gpt_oss"]
+REFUSED = ["gpt_oss"]
 
 
 def _fixture(family):
