@@ -77,22 +77,17 @@ def yarn_inv_freq(dim: int, base: float, factor: float, device=None) -> torch.Te
     return interpolated * (1 - keep) + extrapolated * keep
 
 
+@functools.lru_cache(maxsize=8)
 def latent_rotary_tables(m: ModelConfig, seq_len: int, device) -> tuple:
     """cos, sin [seq, qk_pos_emb_head_dim] for MLA's rotary part, YaRN's concentration factor
-    mscale(factor, mscale) / mscale(factor, mscale_all_dim) applied to both."""
-    return _latent_tables(
-        m.qk_pos_emb_head_dim, m.rotary_base, m.rotary_scaling_factor, m.mscale, m.mscale_all_dim, seq_len, device
-    )
-
-
-@functools.lru_cache(maxsize=8)
-def _latent_tables(dim: int, base: float, factor: float, mscale: float, mscale_all_dim: float, seq_len: int, device):
-    """Cached by the figures the tables depend on (every layer of a forward and every forward of a
-    run read the same), not by the config, which a list-valued field makes unhashable."""
-    inv_freq = yarn_inv_freq(dim, base, factor, device)
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) applied to both (cached: every layer
+    of a forward and every forward of a run read the same)."""
+    inv_freq = yarn_inv_freq(m.qk_pos_emb_head_dim, m.rotary_base, m.rotary_scaling_factor, device)
     freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
-    concentration = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    concentration = yarn_mscale(m.rotary_scaling_factor, m.mscale) / yarn_mscale(
+        m.rotary_scaling_factor, m.mscale_all_dim
+    )
     return emb.cos() * concentration, emb.sin() * concentration
 
 
