@@ -18,7 +18,7 @@ def model_flops_per_token(m: ModelConfig, recompute: bool = False) -> float:
 
     Forward = 2 x (matmul parameters a token touches: attention -- query, key/value (heads
     and query groups of --kv-channels each) and output projections --, dense or its top-k
-    experts, the output layer) + causal attention scores and values, 2 x 2 x seq x (heads x
+    experts and shared experts, the router (and the shared experts' gate), the output layer) + causal attention scores and values, 2 x 2 x seq x (heads x
     kv-channels) per layer (counted over the full square, as Megatron does). Multi-token
     prediction adds per depth a layer of the last layer's kind, its 2h -> h projection and the
     output layer (Megatron-LM counts the same, and its norms).
@@ -39,7 +39,8 @@ def model_flops_per_token(m: ModelConfig, recompute: bool = False) -> float:
     expert = (
         ffn_mult * h * m.expert_ffn_size * (m.moe_num_prototypes if m.moe_num_prototypes > 1 else m.moe_router_topk)
     )
-    router = h * (m.num_experts or 0)
+    expert += ffn_mult * h * m.shared_expert_ffn_size  # shared experts: every token
+    router = h * ((m.num_experts or 0) + (1 if m.moe_shared_expert_gate and m.shared_expert_ffn_size else 0))
     per_layer = [attention + ((expert + router) if m.is_moe_layer(i) else dense) for i in range(L)]
     vocab = m.padded_vocab_size if m.vocab_size else 0
     forward = 2 * (sum(per_layer) + h * vocab) + core * L

@@ -482,6 +482,17 @@ def _gib(n) -> str:
     return f"{n / GiB:.2f}"
 
 
+def _active_and_mtp(pl: Plan) -> str:
+    """'; active ... per token' for a MoE model; with multi-token prediction the depths' share and
+    the rest (what DeepSeek-V3 publishes as its size), the active count being of the rest."""
+    out = ""
+    if pl.mtp_parameters:
+        out += f"; MTP {pl.mtp_parameters:.3e}, the rest {pl.logical_parameters - pl.mtp_parameters:.3e}"
+    if pl.expert_parameters:
+        out += f"; active {pl.active_parameters:.3e} per token" + (" of the rest" if pl.mtp_parameters else "")
+    return out
+
+
 def format_plans(plans: Dict[str, Plan]) -> str:
     lines = []
     for phase, pl in plans.items():
@@ -491,7 +502,7 @@ def format_plans(plans: Dict[str, Plan]) -> str:
             f"== {phase} phase: {pl.world_size} x {gpu['name']} | TP {lay['tp']} CP {lay['cp']} PP {lay['pp']} "
             f"DP {lay['dp']} EP {lay['ep']} (expert-DP {lay['expert_dp']}) | "
             f"{pl.logical_parameters:,} parameters ({pl.logical_parameters:.3e}; experts "
-            f"{pl.expert_parameters:.3e})"
+            f"{pl.expert_parameters:.3e}{_active_and_mtp(pl)})"
         )
         lines.append(
             f"   global batch {pl.global_batch} sequences = {pl.tokens_per_step:,} tokens, "
@@ -516,23 +527,26 @@ def format_plans(plans: Dict[str, Plan]) -> str:
             )
             if st.offloaded_layers:
                 lines.append(f"         offloaded to host: {len(st.offloaded_layers)} layers {st.offloaded_layers}")
+        slowest = pl.pipeline_stage  # the stage whose micro-batch sets the pipeline's time
         lines.append(
             "   communication per step per rank (GB sent): "
-            + ", ".join(f"{k} {v / 1e9:.3g}" for k, v in pl.stages[0].comm_bytes.items())
-            + ("" if len(pl.stages) == 1 else " (stage 0)")
+            + ", ".join(f"{k} {v / 1e9:.3g}" for k, v in pl.stages[slowest].comm_bytes.items())
+            + ("" if len(pl.stages) == 1 else f" (stage {slowest})")
         )
         b = pl.step_breakdown_s
-        t0 = pl.stages[0].time_s
+        t0, t_slow = pl.stages[0].time_s, pl.stages[slowest].time_s
         hidden = (
-            f" ({t0['pp_hidden_per_microbatch']:.3f} hidden under compute)" if "pp_hidden_per_microbatch" in t0 else ""
+            f" ({t_slow['pp_hidden_per_microbatch']:.3f} hidden under compute)"
+            if "pp_hidden_per_microbatch" in t_slow
+            else ""
         )
         lines.append(
             f"   step {pl.step_time_s:.2f} s = pipeline {b['pipeline']:.2f} (bubble {pl.pipeline_bubble:.1%}) "
             f"+ grad sync {b['grad_sync']:.2f} "
-            f"+ optimizer {b['optimizer']:.2f} (per micro-batch, stage 0: compute "
-            f"{t0['compute_per_microbatch']:.3f}, tp {t0['tp_per_microbatch']:.3f}, ep "
-            f"{t0['ep_per_microbatch']:.3f}, pp {t0['pp_per_microbatch']:.3f}{hidden}, offload transfer "
-            f"{t0['offload_transfer_per_microbatch']:.3f}{_cp_line(t0)}); MFU {pl.mfu:.1%}; "
+            f"+ optimizer {b['optimizer']:.2f} (per micro-batch, stage {slowest}: compute "
+            f"{t_slow['compute_per_microbatch']:.3f}, tp {t_slow['tp_per_microbatch']:.3f}, ep "
+            f"{t_slow['ep_per_microbatch']:.3f}, pp {t_slow['pp_per_microbatch']:.3f}{hidden}, offload transfer "
+            f"{t_slow['offload_transfer_per_microbatch']:.3f}{_cp_line(t_slow)}); MFU {pl.mfu:.1%}; "
             f"{pl.tokens_per_step / pl.step_time_s:,.0f} tokens/s"
         )
         if "nvme" in pl.tiers:
@@ -552,7 +566,11 @@ def format_plans(plans: Dict[str, Plan]) -> str:
                 f"exposed; second gradient buffer {_gib(pl.stages[0].host['grads_delayed'])} GiB per rank"
             )
         if pl.days is not None:
-            lines.append(f"   {pl.token_budget:.3g} tokens: {pl.days:.1f} days")
+            hours = pl.days * 24 * pl.world_size  # GPU hours, as published runs count their cost
+            lines.append(
+                f"   {pl.token_budget:.3g} tokens: {pl.days:.1f} days, {hours:,.0f} GPU hours "
+                f"({hours / (pl.token_budget / 1e12):,.0f} per trillion tokens)"
+            )
         lines += _checkpoint_lines(pl.checkpoint)
         for problem in pl.problems:
             lines.append(f"   ! {problem}")

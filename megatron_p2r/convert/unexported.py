@@ -1,5 +1,6 @@
-"""Model options export-hf refuses (naming each) where the Hugging Face architecture cannot
-express them; export-megatron writes them all (docs/megatron.md, "DeepSeek-V3's pieces")."""
+"""Model options export-hf refuses (naming each) for every Hugging Face architecture but
+DeepseekV3ForCausalLM, which writes them (``convert/hf/deepseek_v3.py``); export-megatron
+writes them all (docs/megatron.md, "DeepSeek-V3's pieces")."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from megatron_p2r.config import ModelConfig
 
 
 def deepseek_routing_blockers(m: ModelConfig) -> List[Tuple[bool, str]]:
-    """DeepSeek-style MoE options (docs/moe.md) that export-hf does not write."""
+    """DeepSeek-style MoE options (docs/moe.md) that among the HF architectures only DeepseekV3 expresses."""
     return [
         (m.moe_router_score_function != "softmax", f"--moe-router-score-function {m.moe_router_score_function}"),
         (m.moe_router_topk_scaling_factor is not None, "--moe-router-topk-scaling-factor"),

@@ -138,6 +138,10 @@ def communication(
             ep_bytes += (
                 ((1 if position in cut else forwards) + 1) * 2 * rows * h * a * (E - 1) / E
             )  # dispatch + combine
+    if last and m.mtp_num_layers and m.is_moe_layer(m.num_layers - 1):
+        # each MTP depth's MoE layer (model/mtp.py: the last layer's kind), never recomputed: its
+        # dispatch and combine once forward, once backward. Its TP collectives are not counted yet.
+        ep_bytes += m.mtp_num_layers * 2 * 2 * expert_rows(cfg, n) * h * a * (E - 1) / E
     if first:  # vocab-parallel embedding: all-reduce, or reduce-scatter (and all-gather back)
         tp_bytes += 2 * _gather(n * h * a, T) if sp else _ring(n * h * a, T)
     if last:  # the output layer's input (gathered twice and its gradient reduce-scattered under SP, or

@@ -20,7 +20,9 @@ from megatron_p2r.planning.communication import communication
 from megatron_p2r.planning.hardware import GPU_HOSTS, HOST_PRESETS, NVME_PRESETS, GiB, GPUSpec, HostSpec, NvmeSpec
 from megatron_p2r.planning.host_step import host_bandwidth, setting_bytes, step_setting, threads_per_rank
 from megatron_p2r.planning.memory import (
+    active_parameter_count,
     expert_parameter_count,
+    mtp_parameter_count,
     logical_parameter_count,
     offload_plan,
     stage_state_bytes,
@@ -69,6 +71,8 @@ class Plan:
     gpu: Dict[str, object]
     logical_parameters: int
     expert_parameters: int
+    active_parameters: int  # what one token meets, the MTP depths aside (memory.active_parameter_count)
+    mtp_parameters: int
     microbatches: int
     global_batch: int
     tokens_per_step: int
@@ -76,6 +80,7 @@ class Plan:
     step_time_s: float
     step_breakdown_s: Dict[str, float]
     pipeline_bubble: float  # idle time of the pipeline over its busy time: (P-1)/m, (P-1)/(v m) interleaved
+    pipeline_stage: int  # the slowest stage per micro-batch, which sets the pipeline's time (the first of equals)
     model_flops_per_step: float
     mfu: float
     days: Optional[float]
@@ -561,6 +566,8 @@ def make_plan(
         gpu=dataclasses.asdict(gpu),
         logical_parameters=logical_parameter_count(plan),
         expert_parameters=expert_parameter_count(plan),
+        active_parameters=active_parameter_count(plan),
+        mtp_parameters=mtp_parameter_count(plan),
         microbatches=mbs,
         global_batch=gbs,
         tokens_per_step=tokens,
@@ -568,6 +575,7 @@ def make_plan(
         step_time_s=step,
         step_breakdown_s=breakdown,
         pipeline_bubble=slots / mbs - 1,
+        pipeline_stage=max(range(len(estimates)), key=lambda stage: estimates[stage][1]),
         model_flops_per_step=model_flops,
         mfu=model_flops / (step * world_size * peak),
         days=token_budget / tokens * step / 86400 if token_budget else None,

@@ -79,6 +79,14 @@ GPU_PRESETS: Dict[str, GPUSpec] = {
     "H200-141GB": GPUSpec(
         "H200-141GB", 143771 * 2**20, 989e12, 67e12, 4800e9, 450e9, 50e9, 50e9, host_memory_per_node=2 * TiB
     ),
+    # H800 SXM (NVIDIA's H800 datasheet: H100 SXM's compute, 80 GB HBM3 at 3.35 TB/s, NVLink 400 GB/s
+    # where H100's is 900, both counted in both directions: 200 GB/s each way, as H100's 450). The
+    # network is DeepSeek-V3's cluster (arXiv 2412.19437, sections 3.1 and 3.2.2: 8 GPUs per node,
+    # InfiniBand at 50 GB/s per GPU; it quotes 160 GB/s as NVLink's achievable rate). Host memory
+    # is not published: assumed a DGX H100's 2 TiB, as its CPUs (GPU_HOSTS) and disks (NVME_PRESETS).
+    "H800-80GB": GPUSpec(
+        "H800-80GB", 81559 * 2**20, 989e12, 67e12, 3350e9, 200e9, 50e9, 50e9, host_memory_per_node=2 * TiB
+    ),
 }
 
 
@@ -108,6 +116,7 @@ NVME_PRESETS: Dict[str, NvmeSpec] = {
     "A100-80GB": NvmeSpec(per_node=4 * 3840 * 10**9, bw=2.5e9),
     "H100-80GB": NvmeSpec(per_node=8 * 3840 * 10**9, bw=5e9),
     "H200-141GB": NvmeSpec(per_node=8 * 3840 * 10**9, bw=5e9),
+    "H800-80GB": NvmeSpec(per_node=8 * 3840 * 10**9, bw=5e9),  # assumed: a DGX H100's
 }
 
 
@@ -219,4 +228,5 @@ GPU_HOSTS: Dict[str, str] = {
     "A100-80GB": "DGX-A100",
     "H100-80GB": "DGX-H100",
     "H200-141GB": "DGX-H200",
+    "H800-80GB": "DGX-H100",  # assumed: DeepSeek's nodes' CPUs are not published
 }

@@ -28,14 +28,41 @@ def logical_parameter_count(plan: ParallelPlan) -> int:
     return sum(seen.values())
 
 
-def expert_parameter_count(plan: ParallelPlan) -> int:
-    """Logical parameters of the experts alone (weights and biases of every expert)."""
+def _logical_counts(plan: ParallelPlan, keep) -> int:
+    """Logical parameters of the tensors ``keep(spec)`` selects, each once."""
     seen: Dict[str, int] = {}
     for stage in range(len(plan.stages)):
         for s in plan.tensors(stage):
-            if s.expert:
+            if keep(s):
                 seen.setdefault(s.logical, s.global_numel(plan.layout.tp, plan.layout.ep))
     return sum(seen.values())
+
+
+def expert_parameter_count(plan: ParallelPlan) -> int:
+    """Logical parameters of the experts alone (weights and biases of every expert)."""
+    return _logical_counts(plan, lambda s: s.expert)
+
+
+def mtp_parameter_count(plan: ParallelPlan) -> int:
+    """Logical parameters of the multi-token prediction depths (model/mtp.py), which share the
+    embedding and output layer: DeepSeek-V3 publishes them apart from its 671B."""
+    return _logical_counts(plan, lambda s: s.name.startswith("mtp."))
+
+
+def active_parameter_count(plan: ParallelPlan, with_mtp: bool = False) -> int:
+    """Parameters one token's forward meets (DeepSeek-V3's "activated" count): every tensor but
+    the routed experts, of which a token meets ``moe_slots`` of ``num_experts`` in each MoE layer
+    (embedding and output layer included, as DeepSeek counts them); the MTP depths only with
+    ``with_mtp``. In the pseudo phase: of the slots it holds."""
+    m = plan.model
+    if with_mtp:
+        total, experts = logical_parameter_count(plan), expert_parameter_count(plan)
+    else:
+        total = logical_parameter_count(plan) - mtp_parameter_count(plan)
+        experts = _logical_counts(plan, lambda s: s.expert and not s.name.startswith("mtp."))
+    if not experts:
+        return total
+    return total - experts + experts * m.moe_slots // m.num_experts
 
 
 def stage_state_bytes(plan: ParallelPlan, stage: int, coords: Optional[Coords] = None) -> Dict[str, int]:

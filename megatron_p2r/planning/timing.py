@@ -56,8 +56,10 @@ def _layer_forward_flops(cfg: Config, plan: ParallelPlan, key: int, n: int) -> f
     fwd = projections + core
     if m.is_moe_layer(key):
         rows = expert_rows(cfg, n)
-        router = 2 * n * m.num_experts * h / (T if plan.sequence_parallel else 1)
-        return fwd + router + 2 * rows * (glu + 1) * m.expert_ffn_size * h / T
+        gates = m.num_experts + (1 if m.moe_shared_expert_gate and m.shared_expert_ffn_size else 0)
+        router = 2 * n * gates * h / (T if plan.sequence_parallel else 1)  # and the shared experts' gate
+        shared = 2 * n * (glu + 1) * m.shared_expert_ffn_size * h / T  # every token, TP-split as the MLP
+        return fwd + router + shared + 2 * rows * (glu + 1) * m.expert_ffn_size * h / T
     return fwd + 2 * n * (glu + 1) * m.ffn_size * h / T
 
 

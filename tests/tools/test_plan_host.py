@@ -30,6 +30,7 @@ def test_presets_carry_their_node():
         "A100-80GB": (8, TiB),
         "H100-80GB": (8, 2 * TiB),
         "H200-141GB": (8, 2 * TiB),
+        "H800-80GB": (8, 2 * TiB),
     }
 
 

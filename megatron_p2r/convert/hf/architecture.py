@@ -22,6 +22,7 @@ GPT2, LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GRANITE, GRANITE_MOE, OL
     "Olmo2ForCausalLM",
 )
 DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
+LATENT_NORM_EPSILON = 1e-6  # transformers' DeepseekV3 q_a_layernorm / kv_a_layernorm: fixed
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 GEMMAS = (GEMMA2, GEMMA3)
 MODEL_TYPES = {
@@ -128,10 +129,16 @@ def _rotary_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
 
 
 def _latent_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
-    """Multi-latent attention is DeepSeek-V3's only; DeepSeek-V3's layers are written here dense."""
+    """Multi-latent attention and multi-token prediction are DeepSeek-V3's only."""
     name = arch.replace("ForCausalLM", "").replace("LMHeadModel", "")
     if arch != DEEPSEEK_V3:
-        return [(m.multi_latent_attention, f"--multi-latent-attention ({name} has standard attention)")]
+        return [
+            (m.multi_latent_attention, f"--multi-latent-attention ({name} has standard attention)"),
+            (
+                bool(m.mtp_num_layers),
+                f"--mtp-num-layers {m.mtp_num_layers} (multi-token prediction: DeepseekV3's files hold it)",
+            ),
+        ]
     return [
         (not m.multi_latent_attention, "no --multi-latent-attention (DeepseekV3's attention is latent)"),
         (not m.qk_layernorm, "no --qk-layernorm (DeepseekV3 always normalises its latents)"),
@@ -139,14 +146,63 @@ def _latent_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
         (m.normalization != "RMSNorm", f"--normalization {m.normalization} (DeepseekV3 uses RMSNorm)"),
         (not m.swiglu, "no --swiglu (DeepseekV3's MLP is SwiGLU)"),
         (m.add_bias, "biases in linear layers (DeepseekV3's attention_bias would bias its down-projections too)"),
-        (bool(m.num_experts), "--num-experts (DeepSeek's routed and shared experts are not exported yet)"),
+        (
+            m.norm_epsilon != LATENT_NORM_EPSILON,
+            f"--norm-epsilon {m.norm_epsilon} (transformers' DeepseekV3 normalises its latents with eps "
+            f"{LATENT_NORM_EPSILON} whatever rms_norm_eps says; ours with --norm-epsilon)",
+        ),
+    ] + _deepseek_moe_blockers(m)
+
+
+def dense_first_layers(m: ModelConfig) -> Optional[int]:
+    """DeepSeek-V3's first_k_dense_replace for ``m``: the dense layers before the first MoE one, when
+    every layer after them is MoE (None otherwise: DeepseekV3 cannot say it)."""
+    moe = [m.is_moe_layer(i) for i in range(m.num_layers)]
+    first = moe.index(True) if True in moe else m.num_layers
+    return first if all(moe[first:]) else None
+
+
+def _deepseek_moe_blockers(m: ModelConfig) -> List[Tuple[bool, str]]:
+    """What DeepseekV3's MoE cannot say: it routes by sigmoid scores, always adds its expert bias
+    (e_score_correction_bias) to choose, scores a group by its top-2 scores, runs ungated shared
+    experts of n_shared_experts x moe_intermediate_size, drops no token."""
+    if not m.num_experts:
+        return []
+    k, g = m.moe_router_topk, m.moe_router_group_topk
+    shared, ffn = m.shared_expert_ffn_size, m.expert_ffn_size
+    return [
+        (
+            dense_first_layers(m) is None,
+            f"--moe-layer-freq {m.moe_layer_freq} (DeepseekV3's MoE layers are all those after its "
+            "first_k_dense_replace dense ones)",
+        ),
+        (
+            m.moe_router_score_function != "sigmoid",
+            f"--moe-router-score-function {m.moe_router_score_function} (DeepseekV3's router scores are sigmoid)",
+        ),
+        (
+            g is not None and k // g != 2,
+            f"--moe-router-topk {k} with --moe-router-group-topk {g} (Megatron scores a group by its "
+            f"top-{k // (g or 1)} scores, transformers' DeepseekV3 by its top-2)",
+        ),
+        (not shared, "no --moe-shared-expert-intermediate-size (DeepseekV3's MoE layers have shared experts)"),
+        (
+            shared % ffn != 0,
+            f"--moe-shared-expert-intermediate-size {shared} (DeepseekV3's is n_shared_experts x "
+            f"moe_intermediate_size {ffn})",
+        ),
+        (m.moe_shared_expert_gate, "--moe-shared-expert-gate (DeepseekV3's shared experts are not gated)"),
+        (m.moe_num_prototypes != 1, f"--moe-num-prototypes {m.moe_num_prototypes} (DeepseekV3 routes top-k)"),
+        (
+            m.moe_capacity_factor is not None,
+            f"--moe-capacity-factor {m.moe_capacity_factor} (DeepseekV3 is dropless; ours drops tokens over capacity)",
+        ),
     ]
 
 
 def _nowhere(m: ModelConfig) -> List[Tuple[bool, str]]:
-    """Options none of the exported architectures has: gpt-oss's, multi-token prediction."""
+    """Options none of the exported architectures has: gpt-oss's."""
     return [
-        (bool(m.mtp_num_layers), f"--mtp-num-layers {m.mtp_num_layers} (multi-token prediction)"),
         (m.softmax_type != "vanilla", f"--softmax-type {m.softmax_type} (attention sinks)"),
         (m.quick_geglu, "--quick-geglu"),
         (m.glu_linear_offset != 0.0, f"--glu-linear-offset {m.glu_linear_offset}"),
@@ -251,9 +307,14 @@ def _gemma_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
     ]
 
 
+def _deepseek_only(m: ModelConfig) -> List[Tuple[bool, str]]:
+    """DeepSeek's routing options, for the architectures that lack them."""
+    return [(bad, f"{flag} (DeepseekV3 expresses it)") for bad, flag in deepseek_routing_blockers(m)]
+
+
 def _blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
     if arch in GEMMAS:
-        return _nowhere(m) + _gemma_blockers(m, arch) + _latent_blockers(m, arch) + deepseek_routing_blockers(m)
+        return _nowhere(m) + _gemma_blockers(m, arch) + _latent_blockers(m, arch) + _deepseek_only(m)
     scaled = [] if arch in GRANITES else [(True, f"{flag} (Granite has it)") for flag in _scaled(m)]
     return (
         _nowhere(m)
@@ -305,7 +366,7 @@ def _architecture_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
             (m.qk_l2_norm, "--qk-l2-norm (GPT2 has no query/key norms)"),
             (bool(m.num_experts), "--num-experts (GPT2 is dense)"),
         ]
-    blockers = _rotary_blockers(m, arch) + _biases(m, arch) + deepseek_routing_blockers(m)
+    blockers = _rotary_blockers(m, arch) + _biases(m, arch) + _deepseek_only(m)
     name = arch.replace("ForCausalLM", "")
     if arch in MOE:
         return blockers + _moe_blockers(m, name)

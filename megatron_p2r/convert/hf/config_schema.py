@@ -82,6 +82,15 @@ HF_FIELDS: Dict[str, Tuple[str, object]] = {
     "v_head_dim": (_INT, at_least(1, 2**16)),
     "first_k_dense_replace": (_INT, at_least(0, LAYERS)),
     "rope_interleave": (_BOOL, None),
+    # DeepSeek-V3's MoE and multi-token prediction
+    "n_routed_experts": (_INT, at_least(1, 2**16)),
+    "n_shared_experts": (_INT, at_least(0, 2**16)),
+    "routed_scaling_factor": (_FLOAT, positive()),
+    "n_group": (_INT, at_least(1, 2**16)),
+    "topk_group": (_INT, at_least(1, 2**16)),
+    "scoring_func": (_STR, None),
+    "topk_method": (_STR, None),
+    "num_nextn_predict_layers": (_INT, at_least(0, LAYERS)),
     # Gemma 2 / 3
     "hidden_activation": (_STR, None),
     "query_pre_attn_scalar": (_FLOAT, positive()),

@@ -82,13 +82,14 @@ def _output_groups(plan: List[Rule], table: Dict[str, TensorInfo], st_dtype: str
         )
     groups = []
     for r in plan:
-        if not r.pieces:
-            shapes = [r.zero_shape]
-        else:
+        if r.kind == "copy" or r.pieces:
             stacked = (len(r.stack),) if r.stack else ()
-            piece = torch.empty(table[r.pieces[0]].shape, device="meta")
+            piece = torch.empty(table[r.stack[0] if r.stack else r.ours].shape, device="meta")
             shapes = [stacked + tuple(t.shape) for t in r.to_hf(piece)]
-        groups.append([(name, st_dtype, s) for name, s in zip(r.hf, shapes, strict=True)])
+        else:
+            shapes = [r.zero_shape]
+        dtype = SAFETENSORS_DTYPE[torch.float32] if r.kind == "expert_bias" else st_dtype  # as transformers keeps it
+        groups.append([(name, dtype, s) for name, s in zip(r.hf, shapes, strict=True)])
     return groups
 
 
@@ -122,11 +123,14 @@ def _write_weights(
 
 
 def _hf_tensors(source: SourceCheckpoint, r: Rule, torch_dtype: torch.dtype) -> List[torch.Tensor]:
-    """The HF tensors of rule ``r``: zeros, its piece's, or its experts' stacked."""
+    """The HF tensors of rule ``r``: zeros, its piece's, its experts' stacked, or an expert bias (fp32)."""
+    if r.kind == "expert_bias":
+        bias = source.expert_bias(r.ours)
+        return [torch.zeros(r.zero_shape) if bias is None else bias]
+    if r.kind == "copy" or (r.pieces and not r.stack):
+        return r.to_hf(source.read(r.ours).to(torch_dtype))
     if not r.pieces:
         return [torch.zeros(r.zero_shape, dtype=torch_dtype)]
-    if not r.stack:
-        return r.to_hf(source.read(r.ours).to(torch_dtype))
     per_expert = [r.to_hf(source.read(key).to(torch_dtype)) for key in r.stack]
     return [torch.stack(parts) for parts in zip(*per_expert, strict=True)]
 

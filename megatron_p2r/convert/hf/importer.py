@@ -9,13 +9,14 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megatron_p2r.convert.hf.architecture import HFConversionError
+from megatron_p2r.convert.hf.architecture import DEEPSEEK_V3, HFConversionError
 from megatron_p2r.convert.hf.config_json import (
     import_vocab_divisor,
     model_values_from_hf,
     sliding_window,
 )
 from megatron_p2r.convert.hf.config_schema import required_field
+from megatron_p2r.convert.hf.deepseek_v3 import mtp_depths
 from megatron_p2r.convert.hf.directory import HFDirectory, read_hf_config
 from megatron_p2r.convert.hf.rules import Rule, rules
 from megatron_p2r.convert.hf.tokenizer import HFTokenizerFiles, copy_tokenizer, find_tokenizer
@@ -44,12 +45,17 @@ def import_hf(
     arch, values = model_values_from_hf(hf_cfg, where)
     hf_vocab = required_field(hf_cfg, "vocab_size", where)
     hf = HFDirectory(src)
+    if arch == DEEPSEEK_V3:
+        values["mtp_num_layers"] = mtp_depths(hf_cfg, hf.weight_map, where) or None
     found, note = find_tokenizer(src)
     cfg, tokenizer_note = _imported_config(values, hf_vocab, target, make_vocab_size_divisible_by, found)
     m = cfg.model
-    plan = {key: (r, e) for r in rules(m, arch, hf_vocab) for e, key in enumerate(r.pieces)}
+    all_rules = rules(m, arch, hf_vocab)
+    plan = {key: (r, e) for r in all_rules for e, key in enumerate(r.pieces)}
     table = tensor_table(cfg)
-    _check_hf_tensors(src, hf, plan, table, m)
+    used = _check_pieces(src, hf, plan, table)
+    expert_bias = _check_others(src, hf, [r for r in all_rules if not r.pieces], plan, used)
+    _check_all_used(src, hf, used, m)
     notes = {"tokenizer": note or tokenizer_note}
 
     def copy_tokenizer_files(staging: str) -> dict:
@@ -69,6 +75,7 @@ def import_hf(
         force=force,
         progress=progress,
         extras=copy_tokenizer_files,
+        expert_bias=expert_bias or None,
     )
     return out, _notes(notes["tokenizer"], cfg, hf_cfg, hf_vocab, dst)
 
@@ -130,25 +137,54 @@ def _imported_config(
     return cfg, why
 
 
-def _check_hf_tensors(
-    src: str, hf: HFDirectory, plan: Dict[str, Tuple[Rule, int]], table: Dict[str, TensorInfo], m: ModelConfig
-) -> None:
-    """Every tensor our model needs is there with the shape config.json implies, and every HF
-    weight has a place in our model (none is silently dropped)."""
+def _stored(src: str, hf: HFDirectory, name: str, shape: tuple, key: str) -> str:
+    """The stored name of HF tensor ``name``, checked to have ``shape`` (for our ``key``)."""
+    stored = hf.resolve(name)
+    if stored is None:
+        raise HFConversionError(f"{src}: the weights have no tensor {name!r} (needed for our {key!r})")
+    if tuple(hf.entry(stored)["shape"]) != shape:
+        raise HFConversionError(
+            f"{src}: tensor {stored!r} has shape {hf.entry(stored)['shape']}, config.json implies {list(shape)}"
+        )
+    return stored
+
+
+def _check_pieces(src: str, hf: HFDirectory, plan: Dict[str, Tuple[Rule, int]], table: Dict[str, TensorInfo]) -> set:
+    """Every tensor our model needs is there with the shape config.json implies; returns their stored names."""
     used = set()
     for key, info in table.items():
         r, _ = plan[key]
         stacked = (len(r.stack),) if r.stack else ()
         shapes = [stacked + tuple(t.shape) for t in r.to_hf(torch.empty(info.shape, device="meta"))]
-        for name, shape in zip(r.hf, shapes, strict=True):
-            stored = hf.resolve(name)
-            if stored is None:
-                raise HFConversionError(f"{src}: the weights have no tensor {name!r} (needed for our {key!r})")
-            if tuple(hf.entry(stored)["shape"]) != shape:
-                raise HFConversionError(
-                    f"{src}: tensor {stored!r} has shape {hf.entry(stored)['shape']}, config.json implies {list(shape)}"
-                )
-            used.add(stored)
+        used.update(_stored(src, hf, name, shape, key) for name, shape in zip(r.hf, shapes, strict=True))
+    return used
+
+
+def _check_others(
+    src: str, hf: HFDirectory, others: List[Rule], plan: Dict[str, Tuple[Rule, int]], used: set
+) -> Dict[str, List[float]]:
+    """The HF tensors that are no piece of ours: copies equal to the tensor they repeat, tensors
+    we do not have all zeros; returns the expert biases ({our name: values})."""
+    biases = {}
+    for r in others:
+        if r.kind == "copy":
+            main = plan[r.ours][0].hf[0]
+            stored = _stored(src, hf, r.hf[0], tuple(hf.entry(hf.resolve(main))["shape"]), r.ours)
+            if not torch.equal(hf.read(stored), hf.read(hf.resolve(main))):
+                raise HFConversionError(f"{src}: {stored!r} differs from {main!r}; our model shares one tensor")
+        else:
+            stored = _stored(src, hf, r.hf[0], r.zero_shape, r.ours or r.hf[0])
+            values = hf.read(stored).float()
+            if r.kind == "expert_bias":
+                biases[r.ours] = values.tolist()
+            elif values.any():
+                raise HFConversionError(f"{src}: {stored!r} is not zero; our model has no such tensor")
+        used.add(stored)
+    return biases
+
+
+def _check_all_used(src: str, hf: HFDirectory, used: set, m: ModelConfig) -> None:
+    """Every HF weight has a place in our model (none is silently dropped)."""
     unused = sorted(
         n
         for n in hf.weight_map

@@ -17,6 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_p2r.checkpoint.expert_bias import bias_name, mtp_bias_name
 from megatron_p2r.convert.hf.architecture import (
     DEEPSEEK_V3,
     GEMMAS,
@@ -76,7 +77,11 @@ class Rule:
     """One piece of ours <-> the HF tensors it becomes. ``ours`` None: an HF tensor we do not have
     (GPT2 biases of a bias-free model), exported as zeros of ``zero_shape``; or, with ``stack``,
     experts whose HF tensors hold them all (Granite): ``stack`` names our pieces, one per expert,
-    each mapped by ``to_hf``/``from_hf``, stacked along a new first dimension of every HF tensor."""
+    each mapped by ``to_hf``/``from_hf``, stacked along a new first dimension of every HF tensor.
+    ``kind`` ``copy``: a second HF copy of a piece another rule maps (DeepSeek's prediction layers
+    repeat the embedding and the output head; import requires them equal); ``expert_bias``: ours
+    names a router's bias in metadata.json (``checkpoint/expert_bias.py``), not a piece, of
+    ``zero_shape``. Import requires a ``None`` rule's HF tensor to be zeros."""
 
     ours: Optional[str]
     hf: Tuple[str, ...]
@@ -84,10 +89,13 @@ class Rule:
     from_hf: Callable[[List[torch.Tensor]], torch.Tensor]
     zero_shape: Tuple[int, ...] = ()
     stack: Tuple[str, ...] = ()
+    kind: str = "piece"
 
     @property
     def pieces(self) -> Tuple[str, ...]:
-        """Our pieces this rule maps."""
+        """Our pieces this rule maps (none for a copy or an expert bias)."""
+        if self.kind != "piece":
+            return ()
         return self.stack or ((self.ours,) if self.ours else ())
 
 
@@ -188,7 +196,25 @@ def _latent_attention(m: ModelConfig, o: str, a: str) -> List[Rule]:
 EXPERT_NAMES = {
     MIXTRAL: ("block_sparse_moe.", "gate", "w1", "w3", "w2"),
     QWEN3_MOE: ("mlp.", "gate", "gate_proj", "up_proj", "down_proj"),
+    DEEPSEEK_V3: ("mlp.", "gate", "gate_proj", "up_proj", "down_proj"),
 }
+
+
+def _deepseek_moe(m: ModelConfig, o: str, x: str, bias_key: Optional[str]) -> List[Rule]:
+    """DeepSeek's shared experts and the router's e_score_correction_bias: the expert bias
+    ``bias_key`` in metadata.json (a decoder layer's or a prediction depth's router), or zeros."""
+    bias = x + "gate.e_score_correction_bias"
+    return [
+        _glu(
+            o + "mlp.shared_experts.fc1.weight",
+            x + "shared_experts.gate_proj.weight",
+            x + "shared_experts.up_proj.weight",
+        ),
+        _same(o + "mlp.shared_experts.fc2.weight", x + "shared_experts.down_proj.weight"),
+        Rule(bias_key, (bias,), lambda w: [w], lambda t: t[0], (m.num_experts,), kind="expert_bias")
+        if bias_key
+        else Rule(None, (bias,), None, None, (m.num_experts,)),
+    ]
 
 
 def _granite_experts(m: ModelConfig, o: str, moe: str) -> List[Rule]:
@@ -237,7 +263,7 @@ def _one_plus(r: Rule) -> Rule:
 PRE_NORM_NAMES = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}
 
 
-def _rotary_layer(m: ModelConfig, arch: str, o: str, t: str, moe: bool) -> List[Rule]:
+def _rotary_layer(m: ModelConfig, arch: str, o: str, t: str, moe: bool, bias_key: Optional[str] = None) -> List[Rule]:
     norms = LAYER_NORM_NAMES.get(arch, PRE_NORM_NAMES).items()
     out = [_same(f"{o}{ours}.weight", f"{t}{theirs}.weight") for ours, theirs in norms]
     out += (_latent_attention if arch == DEEPSEEK_V3 else _attention)(m, o, t + "self_attn.")
@@ -262,6 +288,30 @@ def _rotary_layer(m: ModelConfig, arch: str, o: str, t: str, moe: bool) -> List[
             _glu(f"{o}mlp.experts.{e}.weight1", f"{x}{gate}.weight", f"{x}{up}.weight"),
             _same(f"{o}mlp.experts.{e}.weight2", f"{x}{down}.weight"),
         ]
+    if arch == DEEPSEEK_V3:
+        out += _deepseek_moe(m, o, t + block, bias_key)
+    return out
+
+
+def _prediction_layers(m: ModelConfig, hf_vocab: int) -> List[Rule]:
+    """Our multi-token prediction depths as DeepSeek's files hold them: depth d is decoder layer
+    ``num_layers + d`` with its own copies of the embedding and the output head, ``enorm``,
+    ``hnorm``, ``eh_proj`` (ours: [embedding, hidden] columns, as vLLM reads it), the layer, and
+    ``shared_head.norm`` (our depth's final norm)."""
+    head = "output_layer.weight" if m.untie_embeddings_and_output_weights else "embedding.word_embeddings.weight"
+    out: List[Rule] = []
+    for d in range(m.mtp_num_layers or 0):
+        o, t = f"mtp.layers.{d}.", f"model.layers.{m.num_layers + d}."
+        copies = [
+            ("embedding.word_embeddings.weight", t + "embed_tokens.weight"),
+            (head, t + "shared_head.head.weight"),
+        ]
+        out += [
+            dataclasses.replace(_vocab(ours, hf, hf_vocab, m.padded_vocab_size), kind="copy") for ours, hf in copies
+        ]
+        out += [_same(f"{o}{name}.weight", f"{t}{name}.weight") for name in ("enorm", "hnorm", "eh_proj")]
+        out += _rotary_layer(m, DEEPSEEK_V3, o + "layer.", t, m.is_moe_layer(m.num_layers - 1), mtp_bias_name(d))
+        out.append(_same(o + "final_norm.weight", t + "shared_head.norm.weight"))
     return out
 
 
@@ -281,8 +331,9 @@ def rules(m: ModelConfig, arch: str, hf_vocab: int) -> List[Rule]:
         p = "model."
         out.append(_vocab("embedding.word_embeddings.weight", p + "embed_tokens.weight", hf_vocab, m.padded_vocab_size))
         for i in range(m.num_layers):
-            out += _rotary_layer(m, arch, f"layers.{i}.", f"{p}layers.{i}.", m.is_moe_layer(i))
+            out += _rotary_layer(m, arch, f"layers.{i}.", f"{p}layers.{i}.", m.is_moe_layer(i), bias_name(i))
         out.append(_same("final_norm.weight", p + "norm.weight"))
+        out += _prediction_layers(m, hf_vocab) if arch == DEEPSEEK_V3 else []
     if arch in GEMMAS:  # every norm weight (the layers', the q/k norms', the final one) is 1 + w
         out = [_one_plus(r) if r.ours is not None and r.ours.endswith("norm.weight") else r for r in out]
     if not m.untie_embeddings_and_output_weights:

@@ -12,6 +12,7 @@ from megatron_p2r.convert.hf.architecture import HFConversionError
 from megatron_p2r.convert.hf.exporter import EXPORT_DTYPES
 from megatron_p2r.convert.hf.source import SourceCheckpoint
 from megatron_p2r.model.m6 import build_model
+from megatron_p2r.moe.expert_bias import biased_routers
 from megatron_p2r.parallel.sharding import expert_key, logical_name
 from megatron_p2r.parallel.state import ParallelState
 
@@ -33,7 +34,18 @@ def load_reference_model(src: str, dtype: torch.dtype = torch.float32):
                     p[e].copy_(source.read(expert_key(key, e)).to(dtype))
             else:
                 p.copy_(source.read(key).to(dtype))
+        _restore_expert_biases(model, source)
     return model.eval(), source.real_cfg
+
+
+def _restore_expert_biases(model: torch.nn.Module, source: SourceCheckpoint) -> None:
+    """The routers' biases (``to_empty`` left them undefined): the checkpoint's, zeros where it has
+    none (a run without --moe-router-enable-expert-bias, a depth's in an older checkpoint)."""
+    for name, router in biased_routers(model).items():
+        router.expert_bias.zero_()
+        bias = source.expert_bias(name)
+        if bias is not None:
+            router.expert_bias.copy_(bias)
 
 
 def verify_export(src: str, dst: str, *, batch: int = 2, seq: int = 16, seed: int = 0) -> float:

@@ -1,6 +1,8 @@
 """Helpers of the Hugging Face tests: our reference model, built without convert/hf, and the
 comparison of two models as functions."""
 
+import re
+
 import torch
 import transformers
 
@@ -37,11 +39,15 @@ def greedy(model, prompt, steps=10):
     return ids
 
 
-def load_hf(directory):
+def load_hf(directory, unexpected=None):
+    """transformers' model of DIRECTORY, every tensor loaded; ``unexpected``: a pattern that some
+    tensors transformers skips must all match (DeepSeek's prediction layers)."""
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
         directory, dtype=torch.float32, output_loading_info=True
     )
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    skipped = info.pop("unexpected_keys")
+    assert not any(info[k] for k in ("missing_keys", "mismatched_keys")), info
+    assert (bool(skipped) and all(re.match(unexpected, k) for k in skipped)) if unexpected else not skipped, skipped
     model.generation_config.eos_token_id = None  # generate exactly 10 tokens, as our loop does
     model.generation_config.pad_token_id = 0
     return model.eval()

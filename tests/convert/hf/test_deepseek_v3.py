@@ -1,4 +1,5 @@
-"""DeepSeek-V3 (multi-latent attention, dense layers) through import-hf and export-hf.
+"""DeepSeek-V3 (multi-latent attention, dense layers) through import-hf and export-hf (its MoE
+layers and prediction layers: test_deepseek_v3_moe.py).
 
 The fixture tests/fixtures/hf_deepseek_v3/tiny was written by transformers' own
 DeepseekV3ForCausalLM (make_fixture.py beside it): query and key/value latents, YaRN factor 4 with
@@ -59,7 +60,6 @@ def test_model_without_query_latent_round_trips(tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"first_k_dense_replace": 1}, "first_k_dense_replace 1 < num_hidden_layers 2: DeepSeek's MoE layers"),
         ({"rope_interleave": False}, "rope_interleave false"),
         ({"attention_bias": True}, "attention_bias true"),
         (
