@@ -137,12 +137,13 @@ def test_aux_and_z_loss_hand_computed():
         T, G = x.shape[0], cfg.moe_num_prototypes
         n = cfg.num_experts // G
         W = layer.router.weight.detach().double()
+        b = layer.router.bias.detach().double()  # the router's bias (biases on: Megatron's default)
         balance, zsum = 0.0, 0.0
         for grp in range(G):
             counts = [0] * n
             prob_sum = [0.0] * n
             for t in range(T):
-                logits = W[grp * n : (grp + 1) * n] @ x[t].double()
+                logits = W[grp * n : (grp + 1) * n] @ x[t].double() + b[grp * n : (grp + 1) * n]
                 probs = torch.softmax(logits, 0)
                 zsum += torch.logsumexp(logits, 0).item() ** 2
                 for e in range(n):
