@@ -27,6 +27,7 @@ from megatron_p2r.config import ModelConfig
 from megatron_p2r.model.norm import HeadsRMSNorm, make_qk_norm
 from megatron_p2r.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_p2r.parallel import random as tp_random
+from megatron_p2r.model.yarn import yarn_concentration, yarn_inv_freq, yarn_tables
 from megatron_p2r.parallel.sharding import make_param
 from megatron_p2r.parallel.state import ParallelState
 
@@ -73,7 +74,20 @@ def rotary_tables(
 
 
 def model_rotary_tables(m: ModelConfig, seq_len: int, device) -> tuple:
-    """``rotary_tables`` for a model's config (its base, rotated dimensions and scaling flags)."""
+    """``rotary_tables`` for a model's config (its base, rotated dimensions and scaling flags), or
+    YaRN's under --rope-type yarn (megatron-core's YarnRotaryEmbedding: model/yarn.py)."""
+    if m.yarn:
+        inv_freq = yarn_inv_freq(
+            m.rotary_dim,
+            m.rotary_base,
+            m.rotary_scaling_factor,
+            m.yarn_original_max_position_embeddings,
+            m.yarn_beta_fast,
+            m.yarn_beta_slow,
+            m.yarn_correction_range_round_to_int,
+            device,
+        )
+        return yarn_tables(inv_freq, seq_len, yarn_concentration(m.rotary_scaling_factor, m.mscale, m.mscale_all_dim))
     return rotary_tables(
         seq_len,
         m.rotary_dim,

@@ -20,6 +20,7 @@ GPT2, LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GRANITE, GRANITE_MOE, OL
     "Olmo2ForCausalLM",
 )
 DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
+GPT_OSS = "GptOssForCausalLM"
 MODEL_TYPES = {
     GPT2: "gpt2",
     LLAMA: "llama",
@@ -32,6 +33,7 @@ MODEL_TYPES = {
     GRANITE: "granite",
     GRANITE_MOE: "granitemoe",
     OLMO2: "olmo2",
+    GPT_OSS: "gpt_oss",
 }
 ROTARY = (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GRANITE, GRANITE_MOE, OLMO2)
 GRANITES = (GRANITE, GRANITE_MOE)  # Llama / Mixtral with multipliers (embedding, residual, attention, logits)
@@ -51,8 +53,6 @@ REFUSED = {
     "norms a layer would be --layer-norms both, its embedding scale and query_pre_attn_scalar "
     "--embedding-multiplier and --softmax-scale, its (1 + w) norm weights 1 + w, its per-head q/k "
     "norms --qk-layernorm)",
-    "gpt_oss": "gpt-oss's router has a bias (megatron-core's router bias under --add-bias-linear "
-    "is not built here) and its rotary scaling is YaRN (rope_type yarn), which the model here lacks",
 }
 
 
@@ -65,6 +65,8 @@ def _default(m: ModelConfig) -> Tuple[str, str]:
     if m.multi_latent_attention:
         return DEEPSEEK_V3, "--multi-latent-attention"
     if m.num_experts:
+        if m.quick_geglu or m.softmax_type != "vanilla":
+            return GPT_OSS, "--num-experts with " + ("--quick-geglu" if m.quick_geglu else "--softmax-type")
         if _scaled(m):
             return GRANITE_MOE, "--num-experts with " + _scaled(m)[0]
         if m.qk_layernorm:
@@ -108,7 +110,9 @@ def _rotary_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
             f"--position-embedding-type {m.position_embedding_type} ({name} uses rotary: rope)",
         ),
         (m.normalization != "RMSNorm", f"--normalization {m.normalization} ({name} uses RMSNorm)"),
-        (not m.swiglu, f"no --swiglu ({name}'s MLP is SwiGLU)"),
+        (not m.swiglu, f"no --swiglu ({name}'s MLP is SwiGLU)")
+        if arch != GPT_OSS
+        else (not m.quick_geglu, "no --quick-geglu (GptOss's experts are quick-GeGLU)"),
         (m.rotary_percent != 1.0, f"--rotary-percent {m.rotary_percent} ({name} rotates whole heads)"),
         (
             m.qk_layernorm != (arch in QK_NORMED),
@@ -140,11 +144,14 @@ def _latent_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
     ]
 
 
-def _nowhere(m: ModelConfig) -> List[Tuple[bool, str]]:
-    """Options none of the exported architectures has: gpt-oss's, multi-token prediction."""
+def _nowhere(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
+    """Options none of the exported architectures has (multi-token prediction), and gpt-oss's
+    outside GptOss."""
+    if arch == GPT_OSS:
+        return [(bool(m.mtp_num_layers), f"--mtp-num-layers {m.mtp_num_layers} (multi-token prediction)")]
     return [
         (bool(m.mtp_num_layers), f"--mtp-num-layers {m.mtp_num_layers} (multi-token prediction)"),
-        (m.softmax_type != "vanilla", f"--softmax-type {m.softmax_type} (attention sinks)"),
+        (m.softmax_type != "vanilla", f"--softmax-type {m.softmax_type} (attention sinks: GptOss has them)"),
         (m.quick_geglu, "--quick-geglu"),
         (m.glu_linear_offset != 0.0, f"--glu-linear-offset {m.glu_linear_offset}"),
         (m.activation_func_clamp_value is not None, f"--activation-func-clamp-value {m.activation_func_clamp_value}"),
@@ -197,7 +204,7 @@ def _biases(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
 def _blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
     scaled = [] if arch in GRANITES else [(True, f"{flag} (Granite has it)") for flag in _scaled(m)]
     return (
-        _nowhere(m)
+        _nowhere(m, arch)
         + scaled
         + _norm_blockers(m, arch)
         + _windows(m, arch)
@@ -245,6 +252,8 @@ def _architecture_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
             (m.qk_l2_norm, "--qk-l2-norm (GPT2 has no query/key norms)"),
             (bool(m.num_experts), "--num-experts (GPT2 is dense)"),
         ]
+    if arch == GPT_OSS:
+        return _rotary_blockers(m, arch) + deepseek_routing_blockers(m) + _gpt_oss_blockers(m)
     blockers = _rotary_blockers(m, arch) + _biases(m, arch) + deepseek_routing_blockers(m)
     name = arch.replace("ForCausalLM", "")
     if arch in MOE:
@@ -252,10 +261,30 @@ def _architecture_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
     return blockers + [(bool(m.num_experts), f"--num-experts ({name} is dense; Mixtral and Qwen3Moe have experts)")]
 
 
+def _gpt_oss_blockers(m: ModelConfig) -> List[Tuple[bool, str]]:
+    """GptOss: sinks, clamped quick-GeGLU (x + 1 on the linear half) in top-k experts on every
+    layer, biases everywhere (attention, router, experts)."""
+    return _moe_blockers(m, "GptOss") + [
+        (
+            m.softmax_type != "learnable",
+            f"--softmax-type {m.softmax_type} (GptOss learns a sink per head: --softmax-type learnable)",
+        ),
+        (m.glu_linear_offset != 1.0, f"--glu-linear-offset {m.glu_linear_offset} (GptOss adds 1 to the linear half)"),
+        (
+            m.activation_func_clamp_value is None,
+            "no --activation-func-clamp-value (GptOss clamps its gated activation: swiglu_limit)",
+        ),
+        (
+            not m.add_bias,
+            "--disable-bias-linear (GptOss's router and experts always have biases; its attention_bias the rest)",
+        ),
+    ]
+
+
 def _moe_blockers(m: ModelConfig, name: str) -> List[Tuple[bool, str]]:
     """Mixtral and Granite-MoE: top-k renormalised, every layer; Qwen3-MoE also takes dense layers
     between (decoder_sparse_step) and the top-k probabilities as they are (norm_topk_prob false)."""
-    mixtral = name != "Qwen3Moe"
+    mixtral = name != "Qwen3Moe"  # GptOss too: MoE in every layer, top-k renormalised
     return [
         (not m.num_experts, f"no --num-experts ({name}'s MLPs are top-k experts)"),
         (
@@ -280,7 +309,7 @@ def _moe_blockers(m: ModelConfig, name: str) -> List[Tuple[bool, str]]:
 
 def hf_architecture(m: ModelConfig, requested: Optional[str] = None) -> str:
     """The HF class that expresses ``m`` exactly (``requested``, or the one its options point to:
-    GPT2, Llama, Qwen2, Qwen3, Granite, Olmo2, Mixtral, Qwen3Moe or GraniteMoe; Mistral only on request, since Llama expresses the same
+    GPT2, Llama, Qwen2, Qwen3, Granite, Olmo2, Mixtral, Qwen3Moe, GraniteMoe or GptOss; Mistral only on request, since Llama expresses the same
     models), or an error listing every option that blocks it."""
     if requested is None:
         arch, why = _default(m)

@@ -10,6 +10,7 @@ from megatron_p2r.convert.hf.architecture import (
     DEEPSEEK_V3,
     EVERY_LAYER_WINDOWED,
     GPT2,
+    GPT_OSS,
     GRANITE,
     GRANITE_MOE,
     GRANITES,
@@ -26,6 +27,8 @@ from megatron_p2r.convert.hf.architecture import (
 )
 from megatron_p2r.convert.hf.config_schema import check_hf_config, required_field
 from megatron_p2r.convert.hf.deepseek_v3 import latent_fields, latent_values
+from megatron_p2r.convert.hf.gpt_oss import gpt_oss_fields, gpt_oss_values
+from megatron_p2r.convert.hf.yarn import yarn_rope_parameters, yarn_values
 from megatron_p2r.config import ModelConfig
 
 # GPT2's activation_function: transformers' names for GELU's tanh formula and for exact (erf) GELU,
@@ -74,7 +77,7 @@ def hf_config(m: ModelConfig, arch: str, hf_vocab: int, dtype: str, special: Dic
         "rope_parameters": _rope_parameters(m),
         "rope_theta": m.rotary_base,
     }
-    if m.use_rope_scaling or m.rotary_seq_len_interpolation_factor is not None:
+    if m.use_rope_scaling or m.rotary_seq_len_interpolation_factor is not None or m.yarn:
         cfg["rope_scaling"] = cfg["rope_parameters"]  # transformers 4.x's name
     if arch in GRANITES:
         cfg.update(_granite_fields(m))
@@ -89,6 +92,8 @@ def hf_config(m: ModelConfig, arch: str, hf_vocab: int, dtype: str, special: Dic
     if arch == OLMO2:
         return {**cfg, "intermediate_size": m.ffn_size, "attention_bias": False}
     window = _hf_window(m)
+    if arch == GPT_OSS:
+        return {**cfg, **gpt_oss_fields(m, window)}
     if arch == MISTRAL:
         return {**cfg, "intermediate_size": m.ffn_size, "sliding_window": window}
     if arch in (QWEN2, QWEN3):
@@ -169,8 +174,10 @@ LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_po
 
 
 def _rope_parameters(m: ModelConfig) -> dict:
-    """transformers' rope_parameters: default, Llama 3.1's scaling ("llama3") or linear position
-    interpolation ("linear"); both at once is an export blocker (architecture.py)."""
+    """transformers' rope_parameters: default, Llama 3.1's scaling ("llama3"), linear position
+    interpolation ("linear") or YaRN ("yarn"); two at once are refused (config, architecture.py)."""
+    if m.yarn:
+        return yarn_rope_parameters(m)
     if m.use_rope_scaling:
         return {"rope_type": "llama3", "rope_theta": m.rotary_base, "factor": m.rope_scaling_factor, **LLAMA3_ROPE}
     if m.rotary_seq_len_interpolation_factor is not None:
@@ -294,7 +301,7 @@ def _attention_values(hf: dict, where: str, h: int, heads: int) -> dict:
         values["kv_channels"] = required_field(hf, "head_dim", where)
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    values.update(_rope_scaling_values(rope, kind, where))
+    values.update(_rope_scaling_values(rope, kind, hf.get("max_position_embeddings", 4096), where))
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise HFConversionError(
@@ -305,9 +312,12 @@ def _attention_values(hf: dict, where: str, h: int, heads: int) -> dict:
     return values
 
 
-def _rope_scaling_values(rope: dict, kind: str, where: str) -> dict:
+def _rope_scaling_values(rope: dict, kind: str, max_positions: int, where: str) -> dict:
     """--use-rope-scaling / --rotary-seq-len-interpolation-factor for transformers' "llama3" (with
-    megatron-core's fixed parameters) and "linear" (an integer factor, Megatron-LM's type)."""
+    megatron-core's fixed parameters) and "linear" (an integer factor, Megatron-LM's type);
+    --rope-type yarn and its options for "yarn"."""
+    if kind == "yarn":
+        return yarn_values(rope, max_positions, where)
     if kind == "llama3" and all(float(rope.get(k, -1)) == v for k, v in LLAMA3_ROPE.items()):
         return dict(use_rope_scaling=True, rope_scaling_factor=float(rope["factor"]))
     if kind == "linear" and float(rope.get("factor", 0)).is_integer() and rope["factor"] > 0:
@@ -315,7 +325,7 @@ def _rope_scaling_values(rope: dict, kind: str, where: str) -> dict:
     if kind != "default":
         raise HFConversionError(
             f"{where}: rope type {kind!r} with {rope} has no equivalent here (Llama 3.1's "
-            f"with {LLAMA3_ROPE}, and linear with an integer factor, have)"
+            f"with {LLAMA3_ROPE}, linear with an integer factor, and yarn have)"
         )
     return {}
 
@@ -376,6 +386,8 @@ def _rotary_values(hf: dict, where: str, arch: str) -> dict:
         values.update(layer_norms="output", qk_layernorm=True, qk_layernorm_over_heads=True)
     if arch == QWEN3_MOE:
         values.update(_qwen3_moe_values(hf, where, layers))
+    if arch == GPT_OSS:
+        values.update(gpt_oss_values(hf, where))
     if arch in GRANITES:
         values.update(
             embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),

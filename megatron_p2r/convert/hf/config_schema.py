@@ -82,6 +82,9 @@ HF_FIELDS: Dict[str, Tuple[str, object]] = {
     "v_head_dim": (_INT, at_least(1, 2**16)),
     "first_k_dense_replace": (_INT, at_least(0, LAYERS)),
     "rope_interleave": (_BOOL, None),
+    # gpt-oss's clamped quick-GeGLU
+    "swiglu_alpha": (_FLOAT, positive()),
+    "swiglu_limit": (_FLOAT, positive()),
 }
 _ROPE_FIELDS = {
     "rope_type": (_STR, None),
@@ -94,6 +97,8 @@ _ROPE_FIELDS = {
     "original_max_position_embeddings": (_INT, at_least(1, 2**24)),
     "beta_fast": (_FLOAT, positive()),
     "beta_slow": (_FLOAT, positive()),
+    "truncate": (_BOOL, None),
+    "attention_factor": (_FLOAT, positive()),
 }
 
 

@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_p2r.convert.hf.architecture import DEEPSEEK_V3, GPT2, GRANITE_MOE, MIXTRAL, OLMO2, QWEN3_MOE
+from megatron_p2r.convert.hf.architecture import DEEPSEEK_V3, GPT2, GPT_OSS, GRANITE_MOE, MIXTRAL, OLMO2, QWEN3_MOE
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.layout.tensor_specs import HeadRows, attention_rows
 
@@ -206,6 +206,23 @@ def _granite_experts(m: ModelConfig, o: str, moe: str) -> List[Rule]:
     ]
 
 
+def _gpt_oss_experts(m: ModelConfig, o: str, moe: str) -> List[Rule]:
+    """gpt-oss's router with its bias, and its experts stacked and transposed: gate_up_proj
+    ``[E, h, 2 ffn]`` whose columns interleave (gate_j, up_j) as our rows do, down_proj
+    ``[E, ffn, h]``, their biases ``[E, 2 ffn]`` and ``[E, h]``."""
+    keys = [f"{o}mlp.experts.{e}." for e in range(m.num_experts)]
+    out = [_same(o + "mlp.router.weight", moe + "router.weight"), _same(o + "mlp.router.bias", moe + "router.bias")]
+    for ours, theirs, transposed in (
+        ("weight1", "gate_up_proj", True),
+        ("bias1", "gate_up_proj_bias", False),
+        ("weight2", "down_proj", True),
+        ("bias2", "down_proj_bias", False),
+    ):
+        rule = _transposed(None, moe + "experts." + theirs) if transposed else _same(None, moe + "experts." + theirs)
+        out.append(dataclasses.replace(rule, stack=tuple(k + ours for k in keys)))
+    return out
+
+
 # Each architecture's layer norms: ours -> its (OLMo 2's post_attention_layernorm is on attention's output)
 LAYER_NORM_NAMES = {
     OLMO2: {"attention_output_norm": "post_attention_layernorm", "mlp_output_norm": "post_feedforward_layernorm"},
@@ -217,6 +234,8 @@ def _rotary_layer(m: ModelConfig, arch: str, o: str, t: str, moe: bool) -> List[
     norms = LAYER_NORM_NAMES.get(arch, PRE_NORM_NAMES).items()
     out = [_same(f"{o}{ours}.weight", f"{t}{theirs}.weight") for ours, theirs in norms]
     out += (_latent_attention if arch == DEEPSEEK_V3 else _attention)(m, o, t + "self_attn.")
+    if arch == GPT_OSS:  # learned sinks, [heads] as our softmax offsets
+        return out + [_same(o + "attention.softmax_offset", t + "self_attn.sinks")] + _gpt_oss_experts(m, o, t + "mlp.")
     if not moe:
         out += [
             _glu(o + "mlp.fc1.weight", t + "mlp.gate_proj.weight", t + "mlp.up_proj.weight"),

@@ -43,6 +43,11 @@ def check_expressible(m: ModelConfig) -> None:
             "--multi-latent-attention (export to Megatron-LM's MLA tensors is not built yet; import-megatron "
             "reads them, export-hf writes DeepseekV3ForCausalLM)"
         )
+    if m.yarn:
+        blockers.append(
+            "--rope-type yarn (Megatron-LM's command line builds YaRN for --multi-latent-attention only; "
+            "export-hf writes it)"
+        )
     if m.num_experts and m.moe_layer_freq != 1:
         blockers.append(
             f"--moe-layer-freq {m.moe_layer_freq} (ours puts MoE in layers k-1, 2k-1, ...; Megatron's "
