@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 from megatron_p2r.config.fields import ConfigError, opt
 from megatron_p2r.config.ranges import LAYERS, Range, at_least, fraction, positive
@@ -405,8 +405,10 @@ class ModelConfig:
             )
             if on
         ]
-        if self.rope_type == "yarn" and not self.multi_latent_attention:
+        if self.yarn:
             self._check_yarn(scaled)
+        elif self._yarn_options_set() and not self.multi_latent_attention:
+            raise ConfigError(f"{self._yarn_options_set()[0]} configures YaRN: it needs --rope-type yarn")
         if scaled and self.position_embedding_type != "rope":
             raise ConfigError(f"{scaled[0]} scales rotary embeddings: it needs --position-embedding-type rope")
         if (
@@ -421,9 +423,23 @@ class ModelConfig:
             )
 
     @property
+    def rotary_type(self) -> str:
+        """--rope-type with Megatron-LM's default when unset: yarn under MLA, rope otherwise."""
+        return self.rope_type or ("yarn" if self.multi_latent_attention else "rope")
+
+    @property
     def yarn(self) -> bool:
         """Standard attention's rotary tables are YaRN's (MLA's always are: model/latent_attention.py)."""
-        return self.rope_type == "yarn" and not self.multi_latent_attention
+        return self.rotary_type == "yarn" and not self.multi_latent_attention
+
+    def _yarn_options_set(self) -> List[str]:
+        """The --yarn-* options given other values than their defaults (standard attention's YaRN only)."""
+        fields = type(self).__dataclass_fields__
+        return [
+            ("--no-" if f.endswith("int") else "--") + f.replace("_", "-")
+            for f in _YARN_FIELDS
+            if getattr(self, f) != fields[f].default
+        ]
 
     def _check_yarn(self, scaled) -> None:
         """What standard attention's YaRN (megatron-core's YarnRotaryEmbedding) does not combine with."""
@@ -439,10 +455,10 @@ class ModelConfig:
             raise ConfigError(
                 f"--qk-pos-emb-head-dim ({self.qk_pos_emb_head_dim}) must be even: rotary embeddings rotate pairs"
             )
-        yarn_set = [f for f in _YARN_FIELDS if getattr(self, f) != ModelConfig.__dataclass_fields__[f].default]
+        yarn_set = self._yarn_options_set()
         unbuilt = [
             (
-                ("--no-" if yarn_set[0].endswith("int") else "--") + yarn_set[0].replace("_", "-") if yarn_set else "",
+                yarn_set[0] if yarn_set else "",
                 bool(yarn_set),
                 "megatron-core's MLA fixes YaRN's original context at 4096 and betas at 32, 1, rounded",
             ),

@@ -89,6 +89,12 @@ def test_yarn_refuses_what_it_does_not_combine_with(options, message):
         validate(cfg, 1)
 
 
+def test_yarn_options_need_yarn():
+    cfg = tiny_config(**ROPE, yarn_original_max_position_embeddings=8192)
+    with pytest.raises(ConfigError, match="--yarn-original-max-position-embeddings configures YaRN: it needs"):
+        validate(cfg, 1)
+
+
 def test_latent_attention_keeps_megatron_cores_fixed_yarn():
     """megatron-core's MLA reads none of the yarn_* fields: setting one with MLA is an error."""
     mla = dict(multi_latent_attention=True, position_embedding_type="rope", normalization="RMSNorm")

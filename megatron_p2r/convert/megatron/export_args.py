@@ -246,6 +246,7 @@ _DERIVED = {
     "max_position_embeddings": "max_positions",
     "num_query_groups": "query_groups",
     "bias_gelu_fusion": "gelu_approximation",
+    "rope_type": "rotary_type",  # unset is Megatron-LM's default kind
 }
 
 

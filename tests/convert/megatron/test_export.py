@@ -58,9 +58,11 @@ MODELS = {
         add_qkv_bias=True,
         untie_embeddings_and_output_weights=True,
     ),
-    # gpt-oss's options: windows in layer 0 (layer 1 full), sinks, clamped quick-GeGLU experts
+    # gpt-oss's options: windows in layer 0 (layer 1 full), sinks, clamped quick-GeGLU experts,
+    # --rope-type rope as its script passes it (Megatron's default kind: not written, read back unset)
     "gptoss": dict(
         ROPE,
+        rope_type="rope",
         **GQA,
         swiglu=False,
         quick_geglu=True,
