@@ -302,12 +302,21 @@ def metadata_table(meta: dict) -> Dict[str, TensorInfo]:
     return {k: TensorInfo.from_json(k, v) for k, v in meta["tensors"].items()}
 
 
+def _upgraded(config: dict) -> dict:
+    """A saved config as this code reads it: one saved before the router had a bias (no
+    ``moe_router_bias`` field; every field is saved since) describes a router without one."""
+    model = config.get("model") if isinstance(config, dict) else None
+    if not isinstance(model, dict) or "moe_router_bias" in model:
+        return config
+    return {**config, "model": {**model, "moe_router_bias": False}}
+
+
 def metadata_config(meta: dict) -> Config:
     """The checkpoint's Config: every value of its type and range, the model and its split
     consistent, and no bigger than the tensors and files the metadata lists (so an edited config
     cannot make a reader build a table of a billion files)."""
     try:
-        cfg = Config.from_dict(meta["config"])
+        cfg = Config.from_dict(_upgraded(meta["config"]))
         check_values(cfg)
         m, p = cfg.model, cfg.parallel
         m.check()

@@ -194,6 +194,12 @@ class ModelConfig:
         "experts (never to their weights), moved after each step by --moe-router-bias-update-rate "
         "towards balance by the sign of each expert's load error.",
     )
+    moe_router_bias: bool = opt(
+        True,
+        "With the linear layers' biases, a learned bias on the router's logits (megatron-core's Router "
+        "under --add-bias-linear, gpt-oss's); --no-moe-router-bias leaves it out, as in checkpoints "
+        "written before it existed here (they load so).",
+    )
     moe_router_bias_update_rate: float = opt(1e-3, "Step of the expert bias update (DeepSeek-V3: 1e-3).")
     moe_router_load_balancing_type: str = opt(
         "aux_loss",
@@ -421,6 +427,11 @@ class ModelConfig:
                 f"--rotary-percent {self.rotary_percent} of head dimension {self.head_dim} "
                 f"gives {self.rotary_dim}"
             )
+
+    @property
+    def router_bias(self) -> bool:
+        """The router has a learned bias (moe/router.py): megatron-core's under --add-bias-linear."""
+        return self.add_bias and self.moe_router_bias
 
     @property
     def rotary_type(self) -> str:

@@ -225,7 +225,7 @@ def layer_tensors(m: ModelConfig, key: int, tp: int, ep: int) -> List[TensorSpec
         e, f = m.num_experts // ep, m.expert_ffn_size // tp
         x = f"{p}.mlp.experts"
         specs.append(TensorSpec(f"{p}.mlp.router.weight", (m.num_experts, h)))
-        if bias:  # moe/router.py's bias on the logits (megatron-core's under --add-bias-linear)
+        if m.router_bias:  # moe/router.py's bias on the logits (megatron-core's under --add-bias-linear)
             specs.append(TensorSpec(f"{p}.mlp.router.bias", (m.num_experts,)))
         specs.append(TensorSpec(f"{x}.weight1", (e, glu * f, h), tp_dim=1, expert=True))
         specs.append(TensorSpec(f"{x}.weight2", (e, h, f), tp_dim=2, expert=True))

@@ -151,7 +151,7 @@ class Router(nn.Module):
         # megatron-core initialises it as the weight (its init_method); no weight decay, as every bias
         self.bias = (
             make_param((cfg.num_experts,), init=("normal", cfg.init_method_std), no_wd=True, device=device)
-            if cfg.add_bias
+            if cfg.router_bias
             else None
         )
         enabled = cfg.moe_router_enable_expert_bias

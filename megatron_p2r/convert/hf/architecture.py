@@ -278,6 +278,7 @@ def _gpt_oss_blockers(m: ModelConfig) -> List[Tuple[bool, str]]:
             not m.add_bias,
             "--disable-bias-linear (GptOss's router and experts always have biases; its attention_bias the rest)",
         ),
+        (m.add_bias and not m.router_bias, "--no-moe-router-bias (GptOss's router always has a bias)"),
     ]
 
 

@@ -53,6 +53,8 @@ def check_expressible(m: ModelConfig) -> None:
             f"--moe-layer-freq {m.moe_layer_freq} (ours puts MoE in layers k-1, 2k-1, ...; Megatron's "
             "integer frequency in layers 0, k, ...)"
         )
+    if m.num_experts and m.add_bias and not m.router_bias:
+        blockers.append("--no-moe-router-bias (megatron-core's router has a bias under --add-bias-linear)")
     if m.num_experts and m.moe_num_prototypes != 1:
         blockers.append(f"--moe-num-prototypes {m.moe_num_prototypes} (expert prototyping)")
     blockers += [f"{what} (not exported yet)" for blocked, what in deepseek_routing_blockers(m) if blocked]
