@@ -52,6 +52,7 @@ _STRUCTURE = [
     ),
     ("disable_bias_linear", "--disable-bias-linear", lambda m: m.disable_bias_linear),
     ("num_experts", "--num-experts", lambda m: m.num_experts),
+    ("moe_router_bias", "--no-moe-router-bias", lambda m: m.router_bias if m.num_experts else None),
     ("moe_layer_freq", "--moe-layer-freq", lambda m: m.moe_layer_freq if m.num_experts else None),
     ("moe_ffn_hidden_size", "--moe-ffn-hidden-size", lambda m: m.expert_ffn_size if m.num_experts else None),
     ("moe_num_prototypes", "--moe-num-prototypes", lambda m: m.moe_num_prototypes if m.num_experts else None),

@@ -322,12 +322,21 @@ def _older_moe_layers(config: dict, meta: dict) -> dict:
     return {**config, "model": {**model, "moe_layer_freq": [int((i + 1) % freq == 0) for i in range(layers)]}}
 
 
+def _upgraded(config: dict) -> dict:
+    """A saved config as this code reads it: one saved before the router had a bias (no
+    ``moe_router_bias`` field; every field is saved since) describes a router without one."""
+    model = config.get("model") if isinstance(config, dict) else None
+    if not isinstance(model, dict) or "moe_router_bias" in model:
+        return config
+    return {**config, "model": {**model, "moe_router_bias": False}}
+
+
 def metadata_config(meta: dict) -> Config:
     """The checkpoint's Config: every value of its type and range, the model and its split
     consistent, and no bigger than the tensors and files the metadata lists (so an edited config
     cannot make a reader build a table of a billion files)."""
     try:
-        cfg = Config.from_dict(_older_moe_layers(meta["config"], meta))
+        cfg = Config.from_dict(_upgraded(_older_moe_layers(meta["config"], meta)))
         check_values(cfg)
         m, p = cfg.model, cfg.parallel
         m.check()

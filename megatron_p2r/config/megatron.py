@@ -188,21 +188,6 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
         "(--max-skipped-steps in a row stop the run)",
         _switch(),
     ),
-    "--rope-type": MegatronFlag(
-        MEANING,
-        "rotary embeddings as --position-embedding-type rope; under --multi-latent-attention YaRN "
-        "(Megatron-LM's default there), or rope when --rotary-scaling-factor is 1 (then the same tables)",
-        _value(str, ["rope", "yarn"]),
-        keeps=lambda value, cfg: (
-            (value == "yarn" if cfg.model.multi_latent_attention and cfg.model.rotary_scaling_factor != 1.0 else True)
-            and (value == "rope" or cfg.model.multi_latent_attention)
-        ),
-        otherwise=(
-            REFUSED,
-            "YaRN rotary scaling is built for --multi-latent-attention only, where plain rope is built "
-            "with --rotary-scaling-factor 1",
-        ),
-    ),
     "--moe-router-dtype": MegatronFlag(
         MEANING,
         "the router's softmax and the weighted sum of expert outputs are fp32 here",
@@ -219,7 +204,8 @@ MEGATRON_FLAGS: Dict[str, MegatronFlag] = {
         otherwise=(
             REFUSED,
             "with a loaded ModelOpt checkpoint Megatron-LM switches to gpt-oss's YaRN rotary "
-            "scaling, which is not implemented",
+            "scaling with ModelOpt's fixed values, which a load does not do here: pass --rope-type "
+            "yarn with the --yarn-* options instead",
         ),
     ),
     "--use-megatron-fsdp": MegatronFlag(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 from megatron_p2r.config.fields import ConfigError, opt
 from megatron_p2r.config.layer_pattern import LayerPattern, expand_layer_pattern
@@ -84,10 +84,12 @@ class ModelConfig:
     qk_head_dim: int = opt(128, "MLA: query/key dimensions per head without rotary embedding.")
     qk_pos_emb_head_dim: int = opt(64, "MLA: query/key dimensions per head with rotary embedding (YaRN).")
     v_head_dim: int = opt(128, "MLA: value dimensions per head.")
-    rotary_scaling_factor: float = opt(1.0, "MLA: YaRN's context extension factor (1: plain rotary).")
-    mscale: float = opt(1.0, "MLA: YaRN's mscale (the rotary tables are scaled by mscale / mscale-all-dim).")
+    rotary_scaling_factor: float = opt(1.0, "YaRN's context extension factor (1: plain rotary).")
+    mscale: float = opt(
+        1.0, "YaRN's mscale (the rotary tables are scaled by mscale(factor, mscale) / mscale-all-dim's)."
+    )
     mscale_all_dim: float = opt(
-        0.0, "MLA: YaRN's mscale_all_dim (also scales the softmax by its square, as DeepSeek-V3)."
+        0.0, "YaRN's mscale_all_dim (MLA: also scales the softmax by its square, as DeepSeek-V3)."
     )
     softmax_scale: Optional[float] = opt(
         None,
@@ -159,6 +161,19 @@ class ModelConfig:
     rotary_seq_len_interpolation_factor: Optional[int] = opt(
         None, "Linear position interpolation: rotary positions are divided by it (Megatron-LM's type: an integer)."
     )
+    rope_type: Optional[str] = opt(
+        None,
+        "Rotary kind: rope, or yarn (YaRN: --rotary-scaling-factor, --mscale, --mscale-all-dim and the "
+        "--yarn-* options); unset: yarn under --multi-latent-attention, rope otherwise (Megatron-LM's defaults).",
+        choices=["rope", "yarn"],
+    )
+    # megatron-core's TransformerConfig.yarn_* fields (no Megatron-LM flags): standard attention's YaRN only
+    yarn_original_max_position_embeddings: int = opt(4096, "YaRN (standard attention): the original context.")
+    yarn_beta_fast: float = opt(32.0, "YaRN (standard attention): rotations bounding the kept fast dimensions.")
+    yarn_beta_slow: float = opt(1.0, "YaRN (standard attention): rotations bounding the interpolated slow ones.")
+    yarn_correction_range_round_to_int: bool = opt(
+        True, "YaRN (standard attention): round the blend's range to whole dimensions (gpt-oss: not)."
+    )
     untie_embeddings_and_output_weights: bool = opt(
         False, "Use a separate output matrix instead of the input embedding."
     )
@@ -206,6 +221,12 @@ class ModelConfig:
         "Auxiliary-loss-free balancing: a per-expert bias added to the sigmoid scores to choose the "
         "experts (never to their weights), moved after each step by --moe-router-bias-update-rate "
         "towards balance by the sign of each expert's load error.",
+    )
+    moe_router_bias: bool = opt(
+        True,
+        "With the linear layers' biases, a learned bias on the router's logits (megatron-core's Router "
+        "under --add-bias-linear, gpt-oss's); --no-moe-router-bias leaves it out, as in checkpoints "
+        "written before it existed here (they load so).",
     )
     moe_router_bias_update_rate: float = opt(1e-3, "Step of the expert bias update (DeepSeek-V3: 1e-3).")
     moe_router_load_balancing_type: str = opt(
@@ -440,6 +461,10 @@ class ModelConfig:
             )
             if on
         ]
+        if self.yarn:
+            self._check_yarn(scaled)
+        elif self._yarn_options_set() and not self.multi_latent_attention:
+            raise ConfigError(f"{self._yarn_options_set()[0]} configures YaRN: it needs --rope-type yarn")
         if scaled and self.position_embedding_type != "rope":
             raise ConfigError(f"{scaled[0]} scales rotary embeddings: it needs --position-embedding-type rope")
         if (
@@ -466,13 +491,56 @@ class ModelConfig:
                 "and --position-embedding-type rope"
             )
 
+    @property
+    def router_bias(self) -> bool:
+        """The router has a learned bias (moe/router.py): megatron-core's under --add-bias-linear."""
+        return self.add_bias and self.moe_router_bias
+
+    @property
+    def rotary_type(self) -> str:
+        """--rope-type with Megatron-LM's default when unset: yarn under MLA, rope otherwise."""
+        return self.rope_type or ("yarn" if self.multi_latent_attention else "rope")
+
+    @property
+    def yarn(self) -> bool:
+        """Standard attention's rotary tables are YaRN's (MLA's always are: model/latent_attention.py)."""
+        return self.rotary_type == "yarn" and not self.multi_latent_attention
+
+    def _yarn_options_set(self) -> List[str]:
+        """The --yarn-* options given other values than their defaults (standard attention's YaRN only)."""
+        fields = type(self).__dataclass_fields__
+        return [
+            ("--no-" if f.endswith("int") else "--") + f.replace("_", "-")
+            for f in _YARN_FIELDS
+            if getattr(self, f) != fields[f].default
+        ]
+
+    def _check_yarn(self, scaled) -> None:
+        """What standard attention's YaRN (megatron-core's YarnRotaryEmbedding) does not combine with."""
+        if self.position_embedding_type != "rope":
+            raise ConfigError("--rope-type yarn scales rotary embeddings: it needs --position-embedding-type rope")
+        if scaled or self.rotary_percent != 1.0:
+            flag = scaled[0] if scaled else f"--rotary-percent {self.rotary_percent}"
+            raise ConfigError(f"--rope-type yarn with {flag}: YaRN's tables rotate whole heads, alone")
+
     def _check_latent_attention(self) -> None:
         """What multi-latent attention (Megatron-LM's MLASelfAttention) does not combine with."""
         if self.qk_pos_emb_head_dim % 2:
             raise ConfigError(
                 f"--qk-pos-emb-head-dim ({self.qk_pos_emb_head_dim}) must be even: rotary embeddings rotate pairs"
             )
+        yarn_set = self._yarn_options_set()
         unbuilt = [
+            (
+                yarn_set[0] if yarn_set else "",
+                bool(yarn_set),
+                "megatron-core's MLA fixes YaRN's original context at 4096 and betas at 32, 1, rounded",
+            ),
+            (
+                "--rope-type rope",
+                self.rope_type == "rope" and self.rotary_scaling_factor != 1.0,
+                f"--rotary-scaling-factor {self.rotary_scaling_factor} needs YaRN (rope is built with factor 1)",
+            ),
             ("--group-query-attention", self.group_query_attention, "mutually exclusive, as in Megatron-LM"),
             ("--softmax-type", self.softmax_type != "vanilla", "attention sinks are built for standard attention"),
             ("--window-size", self.window_size is not None, "sliding windows are built for standard attention"),
@@ -617,6 +685,12 @@ def _window(text: str) -> tuple:
 
 
 # Type and range of every numeric field (config/ranges.py); the rules between fields are in ``check``.
+_YARN_FIELDS = (
+    "yarn_original_max_position_embeddings",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "yarn_correction_range_round_to_int",
+)
 RANGES = {
     "num_layers": at_least(1, LAYERS),
     "hidden_size": at_least(1, 2**18),
@@ -663,6 +737,9 @@ RANGES = {
     "rotary_scaling_factor": positive(),
     "mscale": Range(0.0, 1e6),
     "mscale_all_dim": Range(0.0, 1e6),
+    "yarn_original_max_position_embeddings": at_least(1, 2**24),
+    "yarn_beta_fast": positive(),
+    "yarn_beta_slow": positive(),
     "activation_func_clamp_value": positive(),
     "softmax_scale": positive(),
     "embedding_multiplier": positive(),

@@ -43,6 +43,7 @@ SEQUENCE_PARALLEL_PARTIAL = (
     "attention.kv_layernorm.bias",
     "mlp.fc2.bias",
     "mlp.router.weight",
+    "mlp.router.bias",
     "mlp.shared_experts.gate_weight",
     "embedding.position_embeddings.weight",
     "enorm.weight",
@@ -224,6 +225,8 @@ def layer_tensors(m: ModelConfig, key: int, tp: int, ep: int) -> List[TensorSpec
         e, f = m.num_experts // ep, m.expert_ffn_size // tp
         x = f"{p}.mlp.experts"
         specs.append(TensorSpec(f"{p}.mlp.router.weight", (m.num_experts, h)))
+        if m.router_bias:  # moe/router.py's bias on the logits (megatron-core's under --add-bias-linear)
+            specs.append(TensorSpec(f"{p}.mlp.router.bias", (m.num_experts,)))
         specs.append(TensorSpec(f"{x}.weight1", (e, glu * f, h), tp_dim=1, expert=True))
         specs.append(TensorSpec(f"{x}.weight2", (e, h, f), tp_dim=2, expert=True))
         if bias:

@@ -32,6 +32,7 @@ from megatron_p2r.context.kernels import block_backward, block_forward
 from megatron_p2r.model.norm import HeadsRMSNorm, make_qk_norm
 from megatron_p2r.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_p2r.parallel import random as tp_random
+from megatron_p2r.model.yarn import yarn_concentration, yarn_inv_freq, yarn_tables
 from megatron_p2r.parallel.sharding import make_param
 from megatron_p2r.parallel.state import ParallelState
 
@@ -78,19 +79,33 @@ def rotary_tables(
 
 
 def model_rotary_tables(m: ModelConfig, seq_len: int, device) -> tuple:
-    """``rotary_tables`` for a model's config (its base, rotated dimensions and scaling flags);
-    with --rotary-base-local the sliding-window layers' own tables follow, unscaled: (cos, sin,
+    """``rotary_tables`` for a model's config (its base, rotated dimensions and scaling flags), or
+    YaRN's under --rope-type yarn (megatron-core's YarnRotaryEmbedding: model/yarn.py); with
+    --rotary-base-local the sliding-window layers' own tables follow, unscaled: (cos, sin,
     cos_local, sin_local), which ``layer_rotary_tables`` picks from. Unscaled because that is Gemma
     3's rotary (its full layers scaled, e.g. linearly by 8; its sliding ones default with the local
     base), and the one model with a local base."""
-    scaled = rotary_tables(
-        seq_len,
-        m.rotary_dim,
-        m.rotary_base,
-        device,
-        m.rope_scaling_factor if m.use_rope_scaling else None,
-        m.rotary_seq_len_interpolation_factor,
-    )
+    if m.yarn:
+        inv_freq = yarn_inv_freq(
+            m.rotary_dim,
+            m.rotary_base,
+            m.rotary_scaling_factor,
+            m.yarn_original_max_position_embeddings,
+            m.yarn_beta_fast,
+            m.yarn_beta_slow,
+            m.yarn_correction_range_round_to_int,
+            device,
+        )
+        scaled = yarn_tables(inv_freq, seq_len, yarn_concentration(m.rotary_scaling_factor, m.mscale, m.mscale_all_dim))
+    else:
+        scaled = rotary_tables(
+            seq_len,
+            m.rotary_dim,
+            m.rotary_base,
+            device,
+            m.rope_scaling_factor if m.use_rope_scaling else None,
+            m.rotary_seq_len_interpolation_factor,
+        )
     if m.rotary_base_local is None:
         return scaled
     return scaled + rotary_tables(seq_len, m.rotary_dim, m.rotary_base_local, device)

@@ -37,6 +37,7 @@ from torch import nn
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.model.attention import rotate_half
 from megatron_p2r.model.norm import make_norm
+from megatron_p2r.model.yarn import yarn_concentration, yarn_inv_freq, yarn_mscale, yarn_tables
 from megatron_p2r.parallel import random as tp_random
 from megatron_p2r.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_p2r.parallel.mappings import copy_to_region, gather_from_sequence_region
@@ -49,32 +50,9 @@ YARN_ORIGINAL_CONTEXT = 4096
 YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
 
 
-def yarn_mscale(factor: float, mscale: float) -> float:
-    """YaRN's attention scaling ``0.1 * mscale * ln(factor) + 1`` (1 without extension)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
 def softmax_scale(m: ModelConfig) -> float:
     """DeepSeek-V3's softmax scale: 1/sqrt(query head dim) times mscale(factor, mscale_all_dim)^2."""
     return yarn_mscale(m.rotary_scaling_factor, m.mscale_all_dim) ** 2 / math.sqrt(m.q_head_dim)
-
-
-def yarn_inv_freq(dim: int, base: float, factor: float, device=None) -> torch.Tensor:
-    """YaRN's frequencies: the original ones for the fast dimensions (many rotations over the original
-    context), divided by ``factor`` for the slow ones, blended linearly between the correction range
-    (rounded to integers, megatron-core's and transformers' default)."""
-    extrapolated = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
-    interpolated = extrapolated / factor
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(YARN_ORIGINAL_CONTEXT / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(math.floor(correction_dim(YARN_BETA_FAST)), 0)
-    high = min(math.ceil(correction_dim(YARN_BETA_SLOW)), dim - 1)
-    span = (high - low) if high != low else 0.001
-    ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low) / span).clamp(0, 1)
-    keep = 1.0 - ramp  # 1: the original frequency, 0: the interpolated one
-    return interpolated * (1 - keep) + extrapolated * keep
 
 
 @functools.lru_cache(maxsize=8)
@@ -82,13 +60,17 @@ def latent_rotary_tables(m: ModelConfig, seq_len: int, device) -> tuple:
     """cos, sin [seq, qk_pos_emb_head_dim] for MLA's rotary part, YaRN's concentration factor
     mscale(factor, mscale) / mscale(factor, mscale_all_dim) applied to both (cached: every layer
     of a forward and every forward of a run read the same)."""
-    inv_freq = yarn_inv_freq(m.qk_pos_emb_head_dim, m.rotary_base, m.rotary_scaling_factor, device)
-    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    concentration = yarn_mscale(m.rotary_scaling_factor, m.mscale) / yarn_mscale(
-        m.rotary_scaling_factor, m.mscale_all_dim
+    inv_freq = yarn_inv_freq(
+        m.qk_pos_emb_head_dim,
+        m.rotary_base,
+        m.rotary_scaling_factor,
+        YARN_ORIGINAL_CONTEXT,
+        YARN_BETA_FAST,
+        YARN_BETA_SLOW,
+        True,
+        device,
     )
-    return emb.cos() * concentration, emb.sin() * concentration
+    return yarn_tables(inv_freq, seq_len, yarn_concentration(m.rotary_scaling_factor, m.mscale, m.mscale_all_dim))
 
 
 def apply_interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -123,7 +123,9 @@ def z_loss(logits: torch.Tensor, sequence_group=None) -> torch.Tensor:
 
 
 class Router(nn.Module):
-    """Linear router ``[E, h]``, replicated on every rank (a non-expert parameter); with
+    """Linear router ``[E, h]``, replicated on every rank (a non-expert parameter), with a learned
+    bias ``[E]`` on its logits when the linear layers have biases (megatron-core's router under
+    --add-bias-linear, gpt-oss's: it moves selection and weights alike, unlike the expert bias); with
     ``--moe-router-enable-expert-bias`` also the fp32 buffers ``expert_bias`` [E] (saved in
     checkpoints) and ``tokens_per_expert`` [E] (this step's assignments, counted in backward:
     ``moe/expert_bias.py``)."""
@@ -145,6 +147,12 @@ class Router(nn.Module):
             self.aux_coeff = 0.0
         self.weight = make_param(
             (cfg.num_experts, cfg.hidden_size), init=("normal", cfg.init_method_std), device=device
+        )
+        # megatron-core initialises it as the weight (its init_method); no weight decay, as every bias
+        self.bias = (
+            make_param((cfg.num_experts,), init=("normal", cfg.init_method_std), no_wd=True, device=device)
+            if cfg.router_bias
+            else None
         )
         enabled = cfg.moe_router_enable_expert_bias
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, device=device) if enabled else None)
@@ -174,7 +182,7 @@ class Router(nn.Module):
             x = x.float()
             if self.training and self.jitter:
                 x = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
-            logits = F.linear(x, self.weight.float())
+            logits = F.linear(x, self.weight.float(), None if self.bias is None else self.bias.float())
             if self.groups > 1:
                 routing, aux_indices = self._prototypes(logits.view(x.shape[0], self.groups, -1)), None
             else:

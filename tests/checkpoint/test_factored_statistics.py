@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.integrity import check_files
 from megatron_p2r.checkpoint.io import load_checkpoint, save_checkpoint
 from megatron_p2r.checkpoint.metadata import metadata_config, metadata_table, read_metadata
@@ -113,8 +114,11 @@ def test_an_older_broadcast_checkpoint_loads_and_converts(tmp_path):
     assert "factored_statistics" not in read_metadata(resolve_iteration_dir(ckpt))
     convert(ckpt, str(tmp_path / "tp2"), Target(tensor_parallel_size=2), None, progress=False)
     convert(str(tmp_path / "tp2"), str(tmp_path / "tp1"), Target(tensor_parallel_size=1), None, progress=False)
+    # written before the router had a bias: the run says so (the load's error names the flag)
+    with pytest.raises(CheckpointError, match=r"moe_router_bias = False, this run has True \(--no-moe-router-bias\)"):
+        load_checkpoint(ckpt, build_train_state(cfg_of(**FLAGS), ParallelState.single()))
     for path in (ckpt, str(tmp_path / "tp1")):
-        state = build_train_state(cfg_of(**FLAGS), ParallelState.single())
+        state = build_train_state(cfg_of(**FLAGS, moe_router_bias=False), ParallelState.single())
         load_checkpoint(path, state)
         assert _same(_statistics(state), want), path
     assert read_metadata(resolve_iteration_dir(str(tmp_path / "tp1")))["factored_statistics"] is True

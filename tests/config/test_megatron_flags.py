@@ -7,6 +7,7 @@ import time
 import pytest
 
 from megatron_p2r.arguments import parse_launch, to_argv
+from megatron_p2r.config.validation import validate
 from megatron_p2r.config import Config, ConfigError
 from megatron_p2r.config.schedule import schedule_plan
 from megatron_p2r.parallel.state import ParallelState
@@ -143,13 +144,12 @@ def test_value_dependent_statuses():
     # multi-latent attention: YaRN (its default), or plain rope where YaRN's factor is 1 (the same tables)
     mla = BASE + ["--multi-latent-attention", "--rotary-scaling-factor", "4"]
     assert parse_launch(mla + ["--rope-type", "yarn"])[0].model.multi_latent_attention
-    with pytest.raises(ConfigError, match="--rope-type rope: YaRN rotary scaling is built for"):
-        parse_launch(mla + ["--rope-type", "rope"])
+    with pytest.raises(ConfigError, match="--rope-type rope is refused with --multi-latent-attention"):
+        validate(parse_launch(mla + ["--rope-type", "rope"])[0], 1)  # a config field: checked with the others
     assert parse_launch(BASE + ["--multi-latent-attention", "--rope-type", "rope"])[1] == []
     with pytest.raises(ConfigError) as err:
-        parse_launch(BASE + ["--rope-type", "yarn", "--moe-router-dtype", "fp64", "--enable-gpt-oss", "--load", "x"])
+        parse_launch(BASE + ["--moe-router-dtype", "fp64", "--enable-gpt-oss", "--load", "x"])
     for refused in (
-        "--rope-type yarn: YaRN rotary scaling is built for --multi-latent-attention only",
         "--moe-router-dtype fp64: fp64 routing is not implemented",
         "--enable-gpt-oss: with a loaded ModelOpt checkpoint",
     ):

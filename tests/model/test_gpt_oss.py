@@ -4,7 +4,8 @@ Megatron-LM trains gpt-oss with --window-size L,0 --window-attn-skip-freq 2 (sli
 every other layer), --softmax-type learnable (a learned sink logit per head), --quick-geglu
 --glu-linear-offset 1 --activation-func-clamp-value C (its clamped gated activation) in top-k
 experts. A 2-layer model with those options and transformers' model with the same weights
-(eager attention) give the same logits and the same gradients of the sinks and expert weights:
+(eager attention) give the same logits and the same gradients of the sinks, expert weights and
+router bias (megatron-core's and transformers' bias on the router's logits):
 in float64, except the rotary tables and the router, which are fp32 in both (so 1e-5, where a
 missing option moves the logits by more than 1e-3). The clamp value is small enough that some
 gates and linear halves are clamped; the window is shorter than the sequence.
@@ -71,9 +72,7 @@ def reference_model():
     model = transformers.GptOssForCausalLM(cfg).double()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("router.bias"):  # ours has no router bias
-                p.zero_()
-            elif "norm" not in name:
+            if "norm" not in name:  # the router's bias too: ours under biases (moe/router.py)
                 p.normal_(0.0, 0.5 if p.dim() == 1 else 0.3)
     return model
 
@@ -100,6 +99,7 @@ def load_reference(ours, ref) -> None:
                 getattr(a.proj, part).copy_(theirs[t + f"self_attn.o_proj.{part}"])
             mlp = o.mlp
             mlp.router.weight.copy_(theirs[t + "mlp.router.weight"])
+            mlp.router.bias.copy_(theirs[t + "mlp.router.bias"])
             x = mlp.experts  # transformers' gate_up columns are interleaved (gate_j, up_j), as our rows
             x.weight1.copy_(theirs[t + "mlp.experts.gate_up_proj"].transpose(1, 2))
             x.bias1.copy_(theirs[t + "mlp.experts.gate_up_proj_bias"])
@@ -129,6 +129,7 @@ def test_gpt_oss_layers_equal_transformers():
         torch.testing.assert_close(
             o.mlp.experts.weight1.grad, theirs[t + "mlp.experts.gate_up_proj"].grad.mT, atol=1e-5, rtol=1e-5
         )
+        torch.testing.assert_close(o.mlp.router.bias.grad, theirs[t + "mlp.router.bias"].grad, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_p2r.config import ConfigError, validate
-from megatron_p2r.model.latent_attention import softmax_scale, yarn_inv_freq, yarn_mscale
+from megatron_p2r.model.latent_attention import softmax_scale
+from megatron_p2r.model.yarn import yarn_inv_freq, yarn_mscale
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.training import setup_parallel
 from tests.harness import run_distributed
@@ -106,8 +107,8 @@ def test_yarn_and_softmax_scale_follow_deepseek_v3():
     """factor 1 is plain rotary; the slow dimensions are divided by the factor, the fast kept; the
     softmax scale is mscale(factor, mscale_all_dim)^2 / sqrt(q head dim)."""
     plain = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
-    assert torch.allclose(yarn_inv_freq(64, 10000.0, 1.0), plain, rtol=1e-6, atol=0)
-    scaled = yarn_inv_freq(64, 10000.0, 40.0)
+    assert torch.allclose(yarn_inv_freq(64, 10000.0, 1.0, 4096, 32.0, 1.0, True), plain, rtol=1e-6, atol=0)
+    scaled = yarn_inv_freq(64, 10000.0, 40.0, 4096, 32.0, 1.0, True)
     assert torch.allclose(scaled[:5], plain[:5], rtol=1e-6, atol=0) and torch.allclose(scaled[-5:], plain[-5:] / 40)
     assert yarn_mscale(1.0, 5.0) == 1.0 and yarn_mscale(40.0, 1.0) == pytest.approx(1 + 0.1 * 3.6888794541139363)
     m = tiny_config(**MLA).model

@@ -77,7 +77,7 @@ def random_biases(layer: MoELayer, ps: ParallelState) -> None:
     """Zero-initialised biases would hide bias bugs: give them values (this rank's slice of a
     layout-independent draw)."""
     g = torch.Generator().manual_seed(11)
-    for b in (layer.experts.bias1, layer.experts.bias2):
+    for b in (layer.experts.bias1, layer.experts.bias2, layer.router.bias):
         if b is not None:
             full = torch.randn(global_shape(b, ps.tp_size, ps.ep_size), generator=g) * 0.3
             b.data.copy_(expected_shard(full, b, ps))
@@ -145,6 +145,8 @@ def reference_routing(layer: MoELayer, x: torch.Tensor):
     out = []
     for t in range(x.shape[0]):
         logits = W @ x[t].double()
+        if layer.router.bias is not None:  # megatron-core's (gpt-oss's) bias on the logits
+            logits = logits + layer.router.bias.double()
         choices = []
         for grp in range(cfg_groups):
             probs = torch.softmax(logits[grp * per_group : (grp + 1) * per_group], 0)

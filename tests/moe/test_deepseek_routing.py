@@ -54,6 +54,7 @@ def _router(**overrides) -> Router:
         num_experts=8,
         moe_router_topk=2,
         moe_router_score_function="sigmoid",
+        disable_bias_linear=True,  # DeepSeek-V3's router has no learned bias (gpt-oss's has: moe/router.py)
     )
     router = Router(ModelConfig(**{**values, **overrides}))
     torch.nn.init.normal_(router.weight, std=0.3, generator=torch.Generator().manual_seed(0))

@@ -137,12 +137,13 @@ def test_aux_and_z_loss_hand_computed():
         T, G = x.shape[0], cfg.moe_num_prototypes
         n = cfg.num_experts // G
         W = layer.router.weight.detach().double()
+        b = layer.router.bias.detach().double()  # the router's bias (biases on: Megatron's default)
         balance, zsum = 0.0, 0.0
         for grp in range(G):
             counts = [0] * n
             prob_sum = [0.0] * n
             for t in range(T):
-                logits = W[grp * n : (grp + 1) * n] @ x[t].double()
+                logits = W[grp * n : (grp + 1) * n] @ x[t].double() + b[grp * n : (grp + 1) * n]
                 probs = torch.softmax(logits, 0)
                 zsum += torch.logsumexp(logits, 0).item() ** 2
                 for e in range(n):
@@ -335,3 +336,17 @@ def test_padding_to_capacity_is_the_same_math(factor):
 def test_padding_needs_a_capacity():
     with pytest.raises(ConfigError, match="--moe-pad-expert-input-to-capacity pads to a capacity"):
         layer_cfg(moe_pad_expert_input_to_capacity=True).check()
+
+
+def test_router_bias_follows_the_linear_biases():
+    """megatron-core's rule: a learned router bias with --add-bias-linear (no weight decay, as
+    every bias), none with --disable-bias-linear or --no-moe-router-bias (how a checkpoint saved
+    before the bias existed reads: checkpoint/metadata.py)."""
+    from megatron_p2r.checkpoint.metadata import _upgraded
+
+    assert build_layer(layer_cfg(), SINGLE).router.bias.no_wd
+    assert build_layer(layer_cfg(disable_bias_linear=True), SINGLE).router.bias is None
+    assert build_layer(layer_cfg(moe_router_bias=False), SINGLE).router.bias is None
+    old = {"model": {"num_experts": 4}, "train": {}}
+    assert _upgraded(old)["model"]["moe_router_bias"] is False
+    assert _upgraded({"model": {"moe_router_bias": True}})["model"]["moe_router_bias"] is True

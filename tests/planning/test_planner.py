@@ -191,12 +191,14 @@ LAYOUTS = [
         ),
         8,
     ),
-    # gpt-oss: learned sink logits split with the heads, quick-GeGLU's fc1 as wide as SwiGLU's
+    # gpt-oss: learned sink logits split with the heads, quick-GeGLU's fc1 as wide as SwiGLU's, the
+    # router's bias replicated (partial gradients on sequence shards)
     (
-        "gpt-oss-tp2-pp2",
+        "gpt-oss-tp2-sp-pp2",
         dict(
             softmax_type="learnable",
             quick_geglu=True,
+            sequence_parallel=True,
             tensor_model_parallel_size=2,
             pipeline_model_parallel_size=2,
             moe_layer_freq=2,

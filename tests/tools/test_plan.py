@@ -18,10 +18,10 @@ def test_10t_plan_table_and_verification(capsys):
     )
     out = capsys.readouterr().out
     assert "== pseudo phase: 512 x V100-32GB" in out and "== real phase: 512 x V100-32GB" in out
-    assert "10,056,361,445,376 parameters" in out and "offloaded to host: 47 layers" in out
+    assert "10,056,361,936,896 parameters" in out and "offloaded to host: 47 layers" in out
     assert "5e+10 tokens:" in out and out.count("FITS: ") == 1 and out.count("DOES NOT FIT: host overflows") == 1
     assert out.count(": OK") == 6 and "MISMATCH" not in out
-    assert "logical parameters 10,056,361,445,376 (model 10,056,361,445,376)" in out
+    assert "logical parameters 10,056,361,936,896 (model 10,056,361,936,896)" in out
 
 
 def test_json_has_both_phases_and_every_category(capsys):

@@ -25,6 +25,7 @@ DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 LATENT_NORM_EPSILON = 1e-6  # transformers' DeepseekV3 q_a_layernorm / kv_a_layernorm: fixed
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 GEMMAS = (GEMMA2, GEMMA3)
+GPT_OSS = "GptOssForCausalLM"
 MODEL_TYPES = {
     GPT2: "gpt2",
     LLAMA: "llama",
@@ -39,6 +40,7 @@ MODEL_TYPES = {
     OLMO2: "olmo2",
     GEMMA2: "gemma2",
     GEMMA3: "gemma3_text",
+    GPT_OSS: "gpt_oss",
 }
 ROTARY = (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GRANITE, GRANITE_MOE, OLMO2) + GEMMAS
 GRANITES = (GRANITE, GRANITE_MOE)  # Llama / Mixtral with multipliers (embedding, residual, attention, logits)
@@ -49,8 +51,6 @@ EVERY_LAYER_WINDOWED = (MISTRAL, MIXTRAL, QWEN3_MOE)
 
 # Families import reads by name but refuses, and why (what the model here lacks).
 REFUSED = {
-    "gpt_oss": "gpt-oss's router has a bias (megatron-core's router bias under --add-bias-linear "
-    "is not built here) and its rotary scaling is YaRN (rope_type yarn), which the model here lacks",
     "gemma3": "this is Gemma 3's multimodal Gemma3ForConditionalGeneration (4B-27B as released: a vision "
     "tower and projector beside the language model); import reads its language model saved on its own "
     "as Gemma3ForCausalLM (model_type gemma3_text; docs/hf.md shows how)",
@@ -66,6 +66,8 @@ def _default(m: ModelConfig) -> Tuple[str, str]:
     if m.multi_latent_attention:
         return DEEPSEEK_V3, "--multi-latent-attention"
     if m.num_experts:
+        if m.quick_geglu or m.softmax_type != "vanilla":
+            return GPT_OSS, "--num-experts with " + ("--quick-geglu" if m.quick_geglu else "--softmax-type")
         if _scaled(m):
             return GRANITE_MOE, "--num-experts with " + _scaled(m)[0]
         if m.qk_layernorm:
@@ -112,7 +114,9 @@ def _rotary_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
             f"--position-embedding-type {m.position_embedding_type} ({name} uses rotary: rope)",
         ),
         (m.normalization != "RMSNorm", f"--normalization {m.normalization} ({name} uses RMSNorm)"),
-        (not m.swiglu, f"no --swiglu ({name}'s MLP is SwiGLU)"),
+        (not m.swiglu, f"no --swiglu ({name}'s MLP is SwiGLU)")
+        if arch != GPT_OSS
+        else (not m.quick_geglu, "no --quick-geglu (GptOss's experts are quick-GeGLU)"),
         (m.rotary_percent != 1.0, f"--rotary-percent {m.rotary_percent} ({name} rotates whole heads)"),
         (
             m.qk_layernorm != (arch in QK_NORMED),
@@ -200,10 +204,12 @@ def _deepseek_moe_blockers(m: ModelConfig) -> List[Tuple[bool, str]]:
     ]
 
 
-def _nowhere(m: ModelConfig) -> List[Tuple[bool, str]]:
-    """Options none of the exported architectures has: gpt-oss's."""
+def _nowhere(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
+    """gpt-oss's options, outside GptOss."""
+    if arch == GPT_OSS:
+        return []
     return [
-        (m.softmax_type != "vanilla", f"--softmax-type {m.softmax_type} (attention sinks)"),
+        (m.softmax_type != "vanilla", f"--softmax-type {m.softmax_type} (attention sinks: GptOss has them)"),
         (m.quick_geglu, "--quick-geglu"),
         (m.glu_linear_offset != 0.0, f"--glu-linear-offset {m.glu_linear_offset}"),
         (m.activation_func_clamp_value is not None, f"--activation-func-clamp-value {m.activation_func_clamp_value}"),
@@ -282,6 +288,7 @@ def _gemma_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
         (m.layer_norms != "both", f"--layer-norms {m.layer_norms} ({name} normalises inputs and outputs: both)"),
         (m.rotary_percent != 1.0, f"--rotary-percent {m.rotary_percent} ({name} rotates whole heads)"),
         (m.use_rope_scaling, f"--use-rope-scaling ({name} is exported with default or linear rotary only)"),
+        (m.yarn, f"--rope-type yarn ({name} is exported with default or linear rotary only)"),
         (
             m.qk_layernorm != gemma3,
             "no --qk-layernorm (Gemma3 normalises each query and key head)"
@@ -314,10 +321,10 @@ def _deepseek_only(m: ModelConfig) -> List[Tuple[bool, str]]:
 
 def _blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
     if arch in GEMMAS:
-        return _nowhere(m) + _gemma_blockers(m, arch) + _latent_blockers(m, arch) + _deepseek_only(m)
+        return _nowhere(m, arch) + _gemma_blockers(m, arch) + _latent_blockers(m, arch) + _deepseek_only(m)
     scaled = [] if arch in GRANITES else [(True, f"{flag} (Granite has it)") for flag in _scaled(m)]
     return (
-        _nowhere(m)
+        _nowhere(m, arch)
         + scaled
         + _norm_blockers(m, arch)
         + _windows(m, arch)
@@ -366,6 +373,8 @@ def _architecture_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
             (m.qk_l2_norm, "--qk-l2-norm (GPT2 has no query/key norms)"),
             (bool(m.num_experts), "--num-experts (GPT2 is dense)"),
         ]
+    if arch == GPT_OSS:
+        return _rotary_blockers(m, arch) + _deepseek_only(m) + _gpt_oss_blockers(m)
     blockers = _rotary_blockers(m, arch) + _biases(m, arch) + _deepseek_only(m)
     name = arch.replace("ForCausalLM", "")
     if arch in MOE:
@@ -373,10 +382,31 @@ def _architecture_blockers(m: ModelConfig, arch: str) -> List[Tuple[bool, str]]:
     return blockers + [(bool(m.num_experts), f"--num-experts ({name} is dense; Mixtral and Qwen3Moe have experts)")]
 
 
+def _gpt_oss_blockers(m: ModelConfig) -> List[Tuple[bool, str]]:
+    """GptOss: sinks, clamped quick-GeGLU (x + 1 on the linear half) in top-k experts on every
+    layer, biases everywhere (attention, router, experts)."""
+    return _moe_blockers(m, "GptOss") + [
+        (
+            m.softmax_type != "learnable",
+            f"--softmax-type {m.softmax_type} (GptOss learns a sink per head: --softmax-type learnable)",
+        ),
+        (m.glu_linear_offset != 1.0, f"--glu-linear-offset {m.glu_linear_offset} (GptOss adds 1 to the linear half)"),
+        (
+            m.activation_func_clamp_value is None,
+            "no --activation-func-clamp-value (GptOss clamps its gated activation: swiglu_limit)",
+        ),
+        (
+            not m.add_bias,
+            "--disable-bias-linear (GptOss's router and experts always have biases; its attention_bias the rest)",
+        ),
+        (m.add_bias and not m.router_bias, "--no-moe-router-bias (GptOss's router always has a bias)"),
+    ]
+
+
 def _moe_blockers(m: ModelConfig, name: str) -> List[Tuple[bool, str]]:
     """Mixtral and Granite-MoE: top-k renormalised, every layer; Qwen3-MoE also takes dense layers
     between (decoder_sparse_step) and the top-k probabilities as they are (norm_topk_prob false)."""
-    mixtral = name != "Qwen3Moe"
+    mixtral = name != "Qwen3Moe"  # GptOss too: MoE in every layer, top-k renormalised
     return [
         (not m.num_experts, f"no --num-experts ({name}'s MLPs are top-k experts)"),
         (
@@ -401,7 +431,7 @@ def _moe_blockers(m: ModelConfig, name: str) -> List[Tuple[bool, str]]:
 
 def hf_architecture(m: ModelConfig, requested: Optional[str] = None) -> str:
     """The HF class that expresses ``m`` exactly (``requested``, or the one its options point to:
-    GPT2, Llama, Qwen2, Qwen3, Granite, Olmo2, Gemma2, Gemma3, Mixtral, Qwen3Moe or GraniteMoe; Mistral only on request, since Llama expresses the same
+    GPT2, Llama, Qwen2, Qwen3, Granite, Olmo2, Gemma2, Gemma3, Mixtral, Qwen3Moe, GraniteMoe or GptOss; Mistral only on request, since Llama expresses the same
     models), or an error listing every option that blocks it."""
     if requested is None:
         arch, why = _default(m)

@@ -11,6 +11,7 @@ from megatron_p2r.convert.hf.architecture import (
     EVERY_LAYER_WINDOWED,
     GEMMAS,
     GPT2,
+    GPT_OSS,
     GRANITE,
     GRANITE_MOE,
     GRANITES,
@@ -28,6 +29,7 @@ from megatron_p2r.convert.hf.architecture import (
 from megatron_p2r.convert.hf.config_schema import check_hf_config, required_field
 from megatron_p2r.convert.hf.deepseek_v3 import latent_fields, latent_values
 from megatron_p2r.convert.hf.gemma import gemma_config, gemma_fields, gemma_values
+from megatron_p2r.convert.hf.gpt_oss import gpt_oss_fields, gpt_oss_values
 from megatron_p2r.convert.hf.rope import rope_parameters, rope_scaling_values
 from megatron_p2r.config import ModelConfig
 
@@ -79,7 +81,7 @@ def hf_config(m: ModelConfig, arch: str, hf_vocab: int, dtype: str, special: Dic
         "rope_parameters": rope_parameters(m),
         "rope_theta": m.rotary_base,
     }
-    if m.use_rope_scaling or m.rotary_seq_len_interpolation_factor is not None:
+    if m.use_rope_scaling or m.rotary_seq_len_interpolation_factor is not None or m.yarn:
         cfg["rope_scaling"] = cfg["rope_parameters"]  # transformers 4.x's name
     if arch in GRANITES:
         cfg.update(_granite_fields(m))
@@ -94,6 +96,8 @@ def hf_config(m: ModelConfig, arch: str, hf_vocab: int, dtype: str, special: Dic
     if arch == OLMO2:
         return {**cfg, "intermediate_size": m.ffn_size, "attention_bias": False}
     window = _hf_window(m)
+    if arch == GPT_OSS:
+        return {**cfg, **gpt_oss_fields(m, window)}
     if arch == MISTRAL:
         return {**cfg, "intermediate_size": m.ffn_size, "sliding_window": window}
     if arch in (QWEN2, QWEN3):
@@ -279,7 +283,7 @@ def _attention_values(hf: dict, where: str, h: int, heads: int) -> dict:
     if hf.get("head_dim") not in (None, h // heads) or h % heads:
         values["kv_channels"] = required_field(hf, "head_dim", where)
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    values.update(rope_scaling_values(rope, where))
+    values.update(rope_scaling_values(rope, where, hf.get("max_position_embeddings", 4096)))
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise HFConversionError(
@@ -346,6 +350,8 @@ def _rotary_values(hf: dict, where: str, arch: str) -> dict:
         values.update(layer_norms="output", qk_layernorm=True, qk_layernorm_over_heads=True)
     if arch == QWEN3_MOE:
         values.update(_qwen3_moe_values(hf, where, layers))
+    if arch == GPT_OSS:
+        values.update(gpt_oss_values(hf, where))
     if arch in GRANITES:
         values.update(
             embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),

@@ -99,6 +99,9 @@ HF_FIELDS: Dict[str, Tuple[str, object]] = {
     "use_bidirectional_attention": (_BOOL, None),
     "sliding_window_pattern": (_INT, at_least(1, LAYERS)),
     "rope_local_base_freq": (_FLOAT, positive()),
+    # gpt-oss's clamped quick-GeGLU
+    "swiglu_alpha": (_FLOAT, positive()),
+    "swiglu_limit": (_FLOAT, positive()),
 }
 _ROPE_FIELDS = {
     "rope_type": (_STR, None),
@@ -111,6 +114,8 @@ _ROPE_FIELDS = {
     "original_max_position_embeddings": (_INT, at_least(1, 2**24)),
     "beta_fast": (_FLOAT, positive()),
     "beta_slow": (_FLOAT, positive()),
+    "truncate": (_BOOL, None),
+    "attention_factor": (_FLOAT, positive()),
 }
 
 

@@ -22,6 +22,7 @@ from megatron_p2r.convert.hf.architecture import (
     DEEPSEEK_V3,
     GEMMAS,
     GPT2,
+    GPT_OSS,
     GRANITE_MOE,
     MIXTRAL,
     OLMO2,
@@ -240,6 +241,23 @@ def _granite_experts(m: ModelConfig, o: str, moe: str) -> List[Rule]:
     ]
 
 
+def _gpt_oss_experts(m: ModelConfig, o: str, moe: str) -> List[Rule]:
+    """gpt-oss's router with its bias, and its experts stacked and transposed: gate_up_proj
+    ``[E, h, 2 ffn]`` whose columns interleave (gate_j, up_j) as our rows do, down_proj
+    ``[E, ffn, h]``, their biases ``[E, 2 ffn]`` and ``[E, h]``."""
+    keys = [f"{o}mlp.experts.{e}." for e in range(m.num_experts)]
+    out = [_same(o + "mlp.router.weight", moe + "router.weight"), _same(o + "mlp.router.bias", moe + "router.bias")]
+    for ours, theirs, transposed in (
+        ("weight1", "gate_up_proj", True),
+        ("bias1", "gate_up_proj_bias", False),
+        ("weight2", "down_proj", True),
+        ("bias2", "down_proj_bias", False),
+    ):
+        rule = _transposed(None, moe + "experts." + theirs) if transposed else _same(None, moe + "experts." + theirs)
+        out.append(dataclasses.replace(rule, stack=tuple(k + ours for k in keys)))
+    return out
+
+
 # Each architecture's layer norms: ours -> its (OLMo 2's post_attention_layernorm is on attention's output)
 GEMMA_NORM_NAMES = {
     "input_norm": "input_layernorm",
@@ -267,6 +285,8 @@ def _rotary_layer(m: ModelConfig, arch: str, o: str, t: str, moe: bool, bias_key
     norms = LAYER_NORM_NAMES.get(arch, PRE_NORM_NAMES).items()
     out = [_same(f"{o}{ours}.weight", f"{t}{theirs}.weight") for ours, theirs in norms]
     out += (_latent_attention if arch == DEEPSEEK_V3 else _attention)(m, o, t + "self_attn.")
+    if arch == GPT_OSS:  # learned sinks, [heads] as our softmax offsets
+        return out + [_same(o + "attention.softmax_offset", t + "self_attn.sinks")] + _gpt_oss_experts(m, o, t + "mlp.")
     if not moe:
         out += [
             _glu(o + "mlp.fc1.weight", t + "mlp.gate_proj.weight", t + "mlp.up_proj.weight"),

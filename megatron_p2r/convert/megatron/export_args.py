@@ -38,6 +38,13 @@ class MegatronLayout:
 def check_expressible(m: ModelConfig) -> None:
     """Refuse, naming each, the options of ours that Megatron-LM's GPT model cannot express."""
     blockers = []
+    if m.yarn:
+        blockers.append(
+            "--rope-type yarn (Megatron-LM's command line builds YaRN for --multi-latent-attention only; "
+            "export-hf writes it)"
+        )
+    if m.num_experts and m.add_bias and not m.router_bias:
+        blockers.append("--no-moe-router-bias (megatron-core's router has a bias under --add-bias-linear)")
     if m.num_experts and m.moe_num_prototypes != 1:
         blockers.append(f"--moe-num-prototypes {m.moe_num_prototypes} (expert prototyping)")
     if blockers:
@@ -285,6 +292,7 @@ _DERIVED = {
     "max_position_embeddings": "max_positions",
     "num_query_groups": "query_groups",
     "bias_gelu_fusion": "gelu_approximation",
+    "rope_type": "rotary_type",  # unset is Megatron-LM's default kind
 }
 
 

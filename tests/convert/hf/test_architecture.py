@@ -96,12 +96,26 @@ GQA = dict(group_query_attention=True, num_query_groups=2)
             "--add-qkv-bias without the other biases",
         ),
         (dict(ROPE, disable_bias_linear=True), "MixtralForCausalLM", "MixtralForCausalLM", "no --num-experts"),
-        # gpt-oss's options have no exported architecture; Llama has no window, Mistral windows every layer
+        # gpt-oss's options need its experts; Llama has no window, Mistral windows every layer
         (
             dict(ROPE, disable_bias_linear=True, softmax_type="learnable"),
             None,
             "LlamaForCausalLM",
-            "--softmax-type learnable (attention sinks)",
+            "--softmax-type learnable (attention sinks: GptOss has them)",
+        ),
+        (
+            dict(ROPE, swiglu=False, quick_geglu=True, num_experts=4, disable_bias_linear=True),
+            None,
+            "GptOssForCausalLM",
+            "--softmax-type vanilla (GptOss learns a sink per head: --softmax-type learnable); --glu-linear-offset "
+            "0.0 (GptOss adds 1 to the linear half); no --activation-func-clamp-value (GptOss clamps its gated "
+            "activation: swiglu_limit); --disable-bias-linear (GptOss's router and experts always have biases",
+        ),
+        (
+            dict(ROPE, softmax_type="learnable", num_experts=4, moe_router_pre_softmax=True),
+            None,
+            "GptOssForCausalLM",
+            "no --quick-geglu (GptOss's experts are quick-GeGLU)",
         ),
         (
             dict(ROPE, swiglu=False, quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=7.0),

@@ -16,7 +16,15 @@ import shutil
 import pytest
 
 from megatron_p2r.arguments import config_from_values, load_yaml
-from megatron_p2r.convert.hf.architecture import GRANITE, GRANITE_MOE, OLMO2, QWEN3, QWEN3_MOE, HFConversionError
+from megatron_p2r.convert.hf.architecture import (
+    GPT_OSS,
+    GRANITE,
+    GRANITE_MOE,
+    OLMO2,
+    QWEN3,
+    QWEN3_MOE,
+    HFConversionError,
+)
 from megatron_p2r.convert.hf.exporter import export_hf
 from megatron_p2r.convert.hf.importer import import_hf
 from megatron_p2r.convert.reshard import Target
@@ -38,8 +46,25 @@ FAMILIES = {
     "olmo2": (OLMO2, Target(2), dict(layer_norms="output", qk_layernorm=True, qk_layernorm_over_heads=True)),
     "granite": (GRANITE, Target(2), dict(SCALES, disable_bias_linear=False)),
     "granitemoe": (GRANITE_MOE, Target(1, 1, None, 2), dict(SCALES, num_experts=4, moe_router_pre_softmax=False)),
+    "gpt_oss": (
+        GPT_OSS,
+        Target(1, 1, None, 2),
+        dict(
+            softmax_type="learnable",
+            quick_geglu=True,
+            glu_linear_offset=1.0,
+            activation_func_clamp_value=2.0,
+            window_size="4,0",
+            window_attn_skip_freq=2,
+            disable_bias_linear=False,
+            rope_type="yarn",
+            rotary_scaling_factor=8.0,
+            yarn_original_max_position_embeddings=2000,
+            yarn_correction_range_round_to_int=False,
+        ),
+    ),
 }
-REFUSED = ["gpt_oss", "gemma3"]
+REFUSED = ["gemma3"]
 
 
 def _fixture(family):
@@ -74,6 +99,7 @@ def _train_values(directory):
         "load": directory,
         "finetune": True,
         "vocab_size": 101,
+        "seq_length": 16,  # gpt-oss's YaRN context is 16000 positions: import would train on 4096
         "mock_data": True,
         "seed": 7,
         "micro_batch_size": 2,
@@ -101,6 +127,27 @@ def test_imported_families_train_as_one_process(tmp_path):
     for family in FAMILIES:
         assert len(reference[family]) == 2 and reference[family][0] != reference[family][1]
         assert parallel[family] == pytest.approx(reference[family], rel=1e-5), family
+
+
+def test_gpt_oss_trains_under_tp_pp_and_distributed_optimizer_as_one_process(tmp_path):
+    """gpt-oss (router bias, sinks, YaRN, expert biases) imported under TP 2 with sequence
+    parallelism (the router and its bias replicated, their gradients partial), PP 2, and EP 2 with
+    the distributed optimizer: 2 steps give the one-process import's losses."""
+    layouts = {
+        "tp2": (Target(2), dict(sequence_parallel=True)),
+        "pp2": (Target(1, 2), {}),
+        "ep2_distopt": (Target(1, 1, None, 2), dict(use_distributed_optimizer=True)),
+    }
+    runs = {}
+    for name, (layout, extra) in layouts.items():
+        import_hf(_fixture("gpt_oss"), str(tmp_path / name), layout, make_vocab_size_divisible_by=8, progress=False)
+        runs[name] = {**_train_values(str(tmp_path / name)), **extra}
+    import_hf(_fixture("gpt_oss"), str(tmp_path / "one"), Target(1), make_vocab_size_divisible_by=8, progress=False)
+    reference = _losses(0, 1, {"one": _train_values(str(tmp_path / "one"))})["one"]
+    parallel = run_distributed(_losses, 2, runs, timeout=300)[0]
+    assert len(reference) == 2 and reference[0] != reference[1]
+    for name in layouts:
+        assert parallel[name] == pytest.approx(reference, rel=1e-5), name
 
 
 @pytest.mark.parametrize("family", REFUSED)

@@ -62,9 +62,11 @@ MODELS = {
         add_qkv_bias=True,
         untie_embeddings_and_output_weights=True,
     ),
-    # gpt-oss's options: windows in layer 0 (layer 1 full), sinks, clamped quick-GeGLU experts
+    # gpt-oss's options: windows in layer 0 (layer 1 full), sinks, clamped quick-GeGLU experts,
+    # --rope-type rope as its script passes it (Megatron's default kind: not written, read back unset)
     "gptoss": dict(
         ROPE,
+        rope_type="rope",
         **GQA,
         swiglu=False,
         quick_geglu=True,
@@ -310,3 +312,18 @@ def test_megatron_vocabulary_pads_to_our_rows():
         assert -(-200 // (divisor * tp)) * divisor * tp == m.padded_vocab_size
     with pytest.raises(MegatronConversionError, match="208 rows"):
         megatron_vocab(m, 3)
+
+
+@pytest.mark.parametrize("fmt, layout", [("torch_dist", Target(2, 1, None, 2)), ("torch", Target(1))])
+def test_router_bias_round_trips(fmt, layout, tmp_path):
+    """A MoE with biases (gpt-oss's router bias, megatron-core's Router.bias under
+    --add-bias-linear) exports as ``decoder.layers.mlp.router.bias`` and comes back bit for bit."""
+    one, src = str(tmp_path / "one"), str(tmp_path / "src")
+    save_checkpoint(one, _perturbed_state(dict(MODELS["gptoss"], disable_bias_linear=False)))
+    convert(one, src, layout, progress=False)
+    out, _ = export_megatron(src, str(tmp_path / "megatron"), ckpt_format=fmt, progress=False)
+    if fmt == "torch_dist":
+        metadata = load_pickle(os.path.join(out, ".metadata"), Kind.DCP_METADATA)
+        assert list(metadata.field("state_dict_metadata")["decoder.layers.mlp.router.bias"].field("size")) == [2, 4]
+    import_megatron(str(tmp_path / "megatron"), str(tmp_path / "back"), layout, progress=False)
+    _same_weights(src, str(tmp_path / "back"))

@@ -51,10 +51,14 @@ def _same_state(a: str, b: str) -> None:
         ("llama", "bfloat16", 1, 1),
         ("gpt_oss_dense", "float32", 2, 1),
         ("gptoss", "float32", 1, 2),
+        ("gptoss_biases", "float32", 1, 2),  # biases everywhere, the router's included
     ],
 )
 def test_optimizer_state_round_trip_is_bitwise(tmp_path, model, dtype, tp, ep):
-    options = DENSE_GPT_OSS if model == "gpt_oss_dense" else MODELS[model]
+    options = {
+        "gpt_oss_dense": DENSE_GPT_OSS,
+        "gptoss_biases": dict(MODELS["gptoss"], disable_bias_linear=False),
+    }.get(model) or MODELS[model]
     src = trained(str(tmp_path / "ours"), dict(options, bf16=dtype == "bfloat16"))
     if tp > 1:
         src = os.path.dirname(convert(src, str(tmp_path / "tp2"), Target(tp), progress=False))
