@@ -111,9 +111,17 @@ def test_the_import_reshards_into_ep2(tmp_path):
         assert error[1] <= 1e-5, error
 
 
-def test_a_missing_expert_bias_is_an_error_line(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "cut, router",
+    [
+        ("decoder.layers.1.mlp.router.expert_bias", "layer 1's router"),
+        ("mtp.layers.0.transformer_layer.mlp.router.expert_bias", "MTP depth 0's router"),
+    ],
+)
+def test_a_missing_expert_bias_is_an_error_line(tmp_path, capsys, cut, router):
     """Args with --moe-router-enable-expert-bias and no router bias in the files: one error line
-    naming the layer, nothing written (the untrained legacy fixture, its bias cut from both ranks)."""
+    naming the layer or MTP depth, nothing written (the untrained legacy fixture, its bias cut from
+    both ranks)."""
     import shutil
     import signal
 
@@ -125,9 +133,9 @@ def test_a_missing_expert_bias_is_an_error_line(tmp_path, capsys):
         with torch.serialization.safe_globals([signal.Signals]):  # the saved args' exit signal
             edit_rank_file(
                 str(src / "iter_0000003" / rank / "model_optim_rng.pt"),
-                lambda state: state["model"].pop("decoder.layers.1.mlp.router.expert_bias"),
+                lambda state: state["model"].pop(cut),
             )
     assert main(["import-megatron", str(src), str(tmp_path / "ours"), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error:") and "no expert_bias of layer 1's router" in err and "Traceback" not in err
+    assert err.startswith("error:") and f"no expert_bias of {router}" in err and "Traceback" not in err
     assert not os.path.exists(tmp_path / "ours")
