@@ -33,7 +33,6 @@ from megatron_p2r.checkpoint.atomic import write_text_atomic
 from megatron_p2r.checkpoint.compatibility import check_piece
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.checkpoint.expert_bias import FIELD as EXPERT_BIAS
-from megatron_p2r.checkpoint.expert_bias import bias_name
 from megatron_p2r.checkpoint.integrity import check_files, verify
 from megatron_p2r.checkpoint.metadata import (
     MAX_COUNT,
@@ -58,6 +57,7 @@ from megatron_p2r.checkpoint.staging import staged_output
 from megatron_p2r.checkpoint.tensor_table import ShardLayout, TensorInfo, tensor_table
 from megatron_p2r.config import Config, ConfigError, check_values, stage_layer_counts
 from megatron_p2r.layout.plan import ParallelPlan
+from megatron_p2r.moe.expert_bias import expert_bias_names
 from megatron_p2r.optim.scheduler import with_rewarmup
 from megatron_p2r.p2r import delink as dl
 from megatron_p2r.p2r import grow as gr
@@ -335,12 +335,14 @@ def convert(
 
 def _expert_biases(meta: dict, dst_cfg, layer_map: _LayerMap) -> Optional[dict]:
     """The target's routers' biases: each module's from the source module whose weights it copies
-    (the same module when resharding; the slot a layer used when delinking or growing)."""
+    (the same module when resharding; the slot a layer used when delinking or growing); the MTP
+    depths' as they are (none in a checkpoint older than them: they start at 0)."""
     saved = meta.get(EXPERT_BIAS)
     if not saved or not dst_cfg.model.moe_router_enable_expert_bias:
         return None
-    keys = sorted({k for k in ParallelPlan.model_parallel(dst_cfg).layer_keys if dst_cfg.model.is_moe_layer(k)})
-    return {bias_name(k): saved[dl.source_key(bias_name(k), layer_map.layer_sources)] for k in keys}
+    names = expert_bias_names(dst_cfg.model, ParallelPlan.model_parallel(dst_cfg).layer_keys)
+    sources = {name: dl.source_key(name, layer_map.layer_sources) for name in names}
+    return {name: saved[src] for name, src in sources.items() if src in saved or not name.startswith("mtp.")}
 
 
 def _scheduler(meta: dict, options: Optional[DelinkOptions]) -> Optional[dict]:

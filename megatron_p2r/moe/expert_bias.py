@@ -4,7 +4,9 @@ Each MoE router holds a per-expert bias (fp32 buffer ``expert_bias``, no gradien
 state) that is added to the sigmoid scores to choose the experts, never to their weights
 (``moe/router.py``). After each step's backward every bias moves by ``--moe-router-bias-update-rate``
 towards balance: up for an expert that got fewer assignments than the mean, down for one that got
-more, by the *sign* of the error only.
+more, by the *sign* of the error only. The routers are the decoder's MoE layers' and, with
+``--mtp-num-layers``, those of MoE multi-token prediction depths (on the last stage), as Megatron-LM
+updates every router of the model.
 
 Counting: each MoE call adds its assignments per expert (kept ones, after capacity drops, as
 Megatron-LM counts them) to the router's ``tokens_per_expert`` when the backward of its routed
@@ -19,12 +21,35 @@ which changes no sign.
 
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron_p2r.config import ModelConfig
 from megatron_p2r.moe.router import Router
+
+BUFFER = "mlp.router.expert_bias"
+
+
+def bias_name(module_key: int) -> str:
+    """The bias of the decoder's MoE module ``module_key`` (its buffer's name in the model)."""
+    return f"layers.{module_key}.{BUFFER}"
+
+
+def mtp_bias_name(depth: int) -> str:
+    """The bias of multi-token prediction depth ``depth`` (0-based, as the model's ``mtp.layers``):
+    its buffer's name, under ``mtp.``, so it never collides with a layer's."""
+    return f"mtp.layers.{depth}.layer.{BUFFER}"
+
+
+def expert_bias_names(m: ModelConfig, module_keys: Sequence[int]) -> List[str]:
+    """Every bias of the whole model, in the same order on every rank: the MoE modules among
+    ``module_keys`` (the model's), then the MTP depths when they are MoE (the last layer's kind)."""
+    names = [bias_name(k) for k in sorted({k for k in module_keys if m.is_moe_layer(k)})]
+    if m.mtp_num_layers and m.is_moe_layer(m.num_layers - 1):
+        names += [mtp_bias_name(d) for d in range(m.mtp_num_layers)]
+    return names if m.moe_router_enable_expert_bias else []
 
 
 def updated_expert_bias(tokens_per_expert: torch.Tensor, bias: torch.Tensor, rate: float) -> torch.Tensor:
@@ -54,26 +79,26 @@ def count_on_backward(rows: torch.Tensor, counts: Sequence[int], router: Router)
     return _CountOnBackward.apply(rows, counts_t, router.tokens_per_expert)
 
 
-def biased_routers(model: torch.nn.Module) -> Dict[int, Router]:
-    """Module key -> its router, for this stage's routers with an expert bias (names
-    ``layers.K.mlp.router``)."""
+def biased_routers(model: torch.nn.Module) -> Dict[str, Router]:
+    """Bias name (``bias_name``, ``mtp_bias_name``) -> its router, for this stage's routers with
+    an expert bias."""
     return {
-        int(name.split(".")[1]): module
+        f"{name}.expert_bias": module
         for name, module in model.named_modules()
-        if isinstance(module, Router) and module.expert_bias is not None and name.startswith("layers.")
+        if isinstance(module, Router) and module.expert_bias is not None
     }
 
 
 def update_expert_biases(
-    model: torch.nn.Module, moe_keys: Sequence[int], num_experts: int, rate: float, device: torch.device
+    model: torch.nn.Module, names: Sequence[str], num_experts: int, rate: float, device: torch.device
 ) -> None:
     """After a step's backward (collective over all ranks when there are several, also those
-    whose stage has no MoE layer): each bias of ``model`` updated from its counts summed over
-    every rank, the counts zeroed. ``moe_keys``: the MoE module keys of the whole model, in the
-    same order on every rank."""
+    whose stage has no MoE router): each bias of ``model`` updated from its counts summed over
+    every rank, the counts zeroed. ``names``: every bias of the whole model (``expert_bias_names``),
+    in the same order on every rank."""
     routers = biased_routers(model)
-    row_of = {k: i for i, k in enumerate(moe_keys)}
-    table = torch.zeros(len(moe_keys), num_experts, device=device)
+    row_of = {k: i for i, k in enumerate(names)}
+    table = torch.zeros(len(names), num_experts, device=device)
     for key, router in routers.items():
         table[row_of[key]] = router.tokens_per_expert
     if dist.is_initialized() and dist.get_world_size() > 1:

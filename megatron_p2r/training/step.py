@@ -12,7 +12,7 @@ from megatron_p2r import reliability
 from megatron_p2r.config import global_batch_size
 from megatron_p2r.model import mtp
 from megatron_p2r.moe import aux_loss
-from megatron_p2r.moe.expert_bias import update_expert_biases
+from megatron_p2r.moe.expert_bias import expert_bias_names, update_expert_biases
 from megatron_p2r.parallel.grads import clip_coefficient, grad_norm_and_non_finite, unscale_and_clip
 from megatron_p2r.parallel.state import ParallelState
 from megatron_p2r.pipeline.schedules import get_forward_backward_func
@@ -52,8 +52,8 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
         with timers("all-grads-sync"):
             state.ddp.finish_grad_sync()
     if m.moe_router_enable_expert_bias:  # after every step's backward, skipped or not (Megatron-LM's place)
-        moe_keys = sorted({k for k in state.plan.layer_keys if m.is_moe_layer(k)})
-        update_expert_biases(state.model, moe_keys, m.num_experts, m.moe_router_bias_update_rate, ps.device)
+        names = expert_bias_names(m, state.plan.layer_keys)
+        update_expert_biases(state.model, names, m.num_experts, m.moe_router_bias_update_rate, ps.device)
     with timers("optimizer"):
         optimizer.prepare_grads()
         reliability.on_gradients(state.iteration + 1, ps.rank, [ms.main for ms in optimizer.shards])

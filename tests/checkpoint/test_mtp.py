@@ -112,13 +112,68 @@ def test_growth_copies_the_depths_as_they_are(source, tmp_path):
     assert 3.0 < losses[0] < 8.0
 
 
-def test_exports_refuse_the_depths_by_name(source, tmp_path):
-    """Neither transformers' Llama nor Megatron-LM's args written here carry MTP layers."""
+def test_export_hf_refuses_the_depths_by_name(source, tmp_path):
+    """transformers' Llama carries no MTP layers (export-megatron writes them: megatron-core's
+    ``mtp.layers.D``; export-hf a DeepseekV3ForCausalLM's, tests/convert/hf/test_deepseek_v3_moe.py)."""
     from megatron_p2r.config import ConfigError
     from megatron_p2r.convert.hf.exporter import export_hf
-    from megatron_p2r.convert.megatron.exporter import export_megatron
 
-    with pytest.raises(ConfigError, match="--mtp-num-layers 2 \\(multi-token prediction\\)"):
+    with pytest.raises(ConfigError, match="--mtp-num-layers 2 \\(multi-token prediction"):
         export_hf(str(source), str(tmp_path / "hf"), progress=False)
-    with pytest.raises(ConfigError, match="--mtp-num-layers 2"):
-        export_megatron(str(source), str(tmp_path / "megatron"), progress=False)
+
+
+def _biases(model) -> dict:
+    from megatron_p2r.moe.expert_bias import biased_routers
+
+    return {name: router.expert_bias.tolist() for name, router in biased_routers(model).items()}
+
+
+def test_the_depths_expert_bias_is_saved_grown_and_optional(tmp_path, capsys):
+    """An MoE depth's router bias (--moe-router-enable-expert-bias) after 2 steps: saved under its
+    own name beside the layers', loaded exactly, copied as it is by growth (the layers' from the
+    layers growth copies); a checkpoint without it (written before the depths' biases were kept)
+    loads with the depths' at 0, and says so."""
+    from megatron_p2r.checkpoint.expert_bias import FIELD, bias_name, mtp_bias_name
+    from megatron_p2r.checkpoint.metadata import read_metadata, write_metadata
+    from megatron_p2r.checkpoint.io import load_checkpoint
+    from megatron_p2r.training import build_train_state
+
+    moe = dict(
+        MTP,
+        num_layers=2,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=1e-2,
+        moe_ffn_hidden_size=16,
+        init_method_std=0.2,
+    )
+    _, state = run_steps(cfg_of(**moe), ParallelState.single(), 2)
+    save_checkpoint(str(tmp_path / "a"), state)
+    trained = _biases(state.model)
+    depths = [mtp_bias_name(0), mtp_bias_name(1)]
+    assert sorted(trained) == sorted([bias_name(0), bias_name(1), *depths])
+    assert all(any(trained[n]) for n in depths)
+    iter_dir = str(tmp_path / "a" / "iter_0000002")
+    assert read_metadata(iter_dir)[FIELD] == trained
+
+    def loaded(path, **values):
+        state = build_train_state(cfg_of(**{**moe, **values}), ParallelState.single())
+        load_checkpoint(path, state)
+        return _biases(state.model)
+
+    assert loaded(str(tmp_path / "a")) == trained
+    convert(str(tmp_path / "a"), str(tmp_path / "grown"), Target(1, 1), GrowOptions(num_layers=4), progress=False)
+    grown = read_metadata(str(tmp_path / "grown" / "iter_0000002"))[FIELD]
+    assert {n: grown[n] for n in depths} == {n: trained[n] for n in depths}
+    assert grown[bias_name(3)] == trained[bias_name(1)] and grown[bias_name(0)] == trained[bias_name(0)]
+    assert loaded(str(tmp_path / "grown"), num_layers=4) == grown
+
+    meta = read_metadata(iter_dir)
+    meta[FIELD] = {n: v for n, v in meta[FIELD].items() if not n.startswith("mtp.")}
+    write_metadata(iter_dir, meta)
+    capsys.readouterr()
+    older = loaded(str(tmp_path / "a"))
+    assert "no expert bias saved for the MTP depths' routers" in capsys.readouterr().out
+    assert all(not any(older[n]) for n in depths) and older[bias_name(1)] == trained[bias_name(1)]

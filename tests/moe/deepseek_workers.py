@@ -1,6 +1,7 @@
 """Ranks of tests/moe/test_deepseek_parallel.py: 3 training steps of a DeepSeek-style MoE
 (sigmoid routing, group-limited top-k, scaled weights, expert bias, seq_aux_loss, gated shared
-experts) under each layout, what the test compares with the one-process run."""
+experts, one MoE multi-token prediction depth with its own router and bias) under each layout,
+what the test compares with the one-process run."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ DEEPSEEK = dict(
     swiglu=True,
     init_method_std=0.2,  # decisive routing: no near-ties between experts
     global_batch_size=8,
+    position_embedding_type="rope",  # MTP under PP2 needs no position table on the last stage
+    mtp_num_layers=1,  # an MoE depth (the last layer's kind): its router's bias is updated too
 )
 
 # label -> the layout's flags (world 2)
@@ -133,8 +136,8 @@ def rows_through_all_to_all(ps) -> dict:
     return {"sent": sum(sent), "assignments": x.shape[0] * x.shape[1] * cfg.moe_router_topk}
 
 
-def world2(rank: int, world: int, references: dict, root: str) -> dict:
-    out = {}
+def world2(rank: int, world: int, references_path: str, root: str) -> dict:
+    references, out = torch.load(references_path, weights_only=True), {}
     for label in CASES:
         cfg = case_config(label)
         ps, _ = setup_parallel(cfg, torch.device("cpu"))

@@ -1,13 +1,15 @@
 """DeepSeek-style MoE (sigmoid scores, group-limited and scaled top-k, the expert bias, the
-per-sequence aux loss, gated shared experts) under EP2 (with the overlapped all-to-alls, the shared
+per-sequence aux loss, gated shared experts, an MoE multi-token prediction depth whose router's
+bias is updated as the decoder's) under EP2 (with the overlapped all-to-alls, the shared
 experts overlapped with the dispatch and --moe-grouped-gemm; and serial with the distributed
 optimizer), TP2 with sequence parallelism and PP2 in the pseudo phase (one slot, and its bias,
-shared by both stages), against the one-process run: 3 steps' losses and grad norms, the first
+shared by both stages; the MTP depth on the last stage only), against the one-process run: 3 steps' losses and grad norms, the first
 step's gradients, the weights after 3 steps, and the expert biases after 3 steps — bitwise equal
 (they are sums of +-rate steps: equal biases mean every routing decision and count agreed).
 
-Tolerances (fp32): losses, grad norms, gradients and weights within 1e-5 (observed: see
-docs/evidence/moe.md).
+Tolerances (fp32): losses, grad norms and gradients within 1e-5, weights after 3 steps within 5e-5
+(AdamW at lr 1e-2 normalises the gradients, amplifying their rounding: observed 2.6e-5 under TP2
+with the MTP depth; see docs/evidence/moe.md and docs/evidence/mtp.md).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 import torch
 
 from megatron_p2r.checkpoint.expert_bias import FIELD as EXPERT_BIAS
-from megatron_p2r.checkpoint.expert_bias import bias_name
+from megatron_p2r.checkpoint.expert_bias import bias_name, mtp_bias_name
 from megatron_p2r.checkpoint.io import load_checkpoint
 from megatron_p2r.checkpoint.metadata import read_metadata
 from megatron_p2r.checkpoint.naming import resolve_iteration_dir
@@ -31,6 +33,7 @@ from tests.helpers import keep_first_step_grads, random_microbatches, reference_
 from tests.moe.deepseek_workers import CASES, biases, case_config, world2
 
 TOL = 1e-5
+WEIGHT_TOL = 5e-5
 
 
 def _reference(label: str) -> dict:
@@ -52,22 +55,26 @@ def _reference(label: str) -> dict:
 def deepseek_world2(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("deepseek"))
     references = {label: _reference(label) for label in CASES}
-    return run_distributed(world2, 2, references, root, timeout=600), root, references
+    path = os.path.join(root, "references.pt")  # a file: passed as arguments, its tensors exceed the fds a fork sends
+    torch.save(references, path)
+    return run_distributed(world2, 2, path, root, timeout=600), root, references
 
 
 @pytest.mark.parametrize("label", list(CASES))
 def test_matches_one_process(deepseek_world2, label):
     results = deepseek_world2[0]
-    held = set()
+    held, biased = set(), set()
     for rank, res in enumerate(results):
         r = res[label]
         assert r["loss_err"] <= TOL, f"{label} rank {rank}: loss differs by {r['loss_err']}"
         assert r["norm_err"] <= TOL, f"{label} rank {rank}: grad norm differs by {r['norm_err']}"
         assert r["grad_err"] <= TOL, f"{label} rank {rank}: gradient differs by {r['grad_err']}"
-        assert r["weight_err"] <= TOL, f"{label} rank {rank}: weights differ by {r['weight_err']}"
-        assert r["bias_keys"] and r["bias_moved"], f"{label} rank {rank}: no expert bias moved"
+        assert r["weight_err"] <= WEIGHT_TOL, f"{label} rank {rank}: weights differ by {r['weight_err']}"
+        assert r["bias_moved"], f"{label} rank {rank}: an expert bias did not move"
         assert r["bias_equal"], f"{label} rank {rank}: expert bias differs from the one-process run's"
         held.update(r["names"])
+        biased.update(r["bias_keys"])
+    assert biased == {bias_name(0), bias_name(1), mtp_bias_name(0)} - ({bias_name(1)} if "pseudo" in label else set())
     assert any(".mlp.shared_experts.gate_weight" in n for n in held)
     assert any(".mlp.shared_experts.fc1.weight" in n for n in held)
 
@@ -92,11 +99,12 @@ def _loaded(cfg, path: str):
 
 
 def test_expert_bias_is_saved_resharded_and_loaded(deepseek_world2, tmp_path):
-    """The EP2 run's biases after 3 steps are in its checkpoint, survive EP2 -> EP1 -> EP2, and an
-    EP1 run loads them exactly."""
+    """The EP2 run's biases after 3 steps (the decoder's and the MTP depth's) are in its
+    checkpoint, survive EP2 -> EP1 -> EP2, and an EP1 run loads them exactly."""
     _, root, references = deepseek_world2
     label = "ep2-serial-distopt"
-    want = {bias_name(k): v.tolist() for k, v in references[label]["biases"].items()}
+    want = {name: v.tolist() for name, v in references[label]["biases"].items()}
+    assert mtp_bias_name(0) in want
     saved = _saved_biases(os.path.join(root, label))
     assert saved == want
     convert(os.path.join(root, label), str(tmp_path / "ep1"), Target(expert_parallel_size=1), progress=False)
@@ -109,17 +117,19 @@ def test_expert_bias_is_saved_resharded_and_loaded(deepseek_world2, tmp_path):
 
 
 def test_delinked_layers_each_get_the_slot_bias(deepseek_world2, tmp_path):
-    """A pseudo slot's bias goes to every real layer that called it, and the real model computes
-    the pseudo model's loss (routing included)."""
+    """A pseudo slot's bias goes to every real layer that called it, the MTP depth's (no shared
+    slot) is copied as it is, and the real model computes the pseudo model's loss (routing
+    included)."""
     _, root, references = deepseek_world2
     pseudo = os.path.join(root, "pp2-pseudo")
-    slot = references["pp2-pseudo"]["biases"][0]
+    slot, depth = (references["pp2-pseudo"]["biases"][n] for n in (bias_name(0), mtp_bias_name(0)))
     convert(pseudo, str(tmp_path / "real"), Target(pipeline_parallel_size=1), DelinkOptions(), progress=False)
-    assert _saved_biases(str(tmp_path / "real")) == {bias_name(k): slot.tolist() for k in (0, 1)}
+    want = {bias_name(0): slot.tolist(), bias_name(1): slot.tolist(), mtp_bias_name(0): depth.tolist()}
+    assert _saved_biases(str(tmp_path / "real")) == want
     convert(pseudo, str(tmp_path / "pp1"), Target(pipeline_parallel_size=1), progress=False)
     pseudo_cfg = reference_config(case_config("pp2-pseudo"))
     real = _loaded(pseudo_cfg.replace(p2r_phase="real", share_pattern="none"), str(tmp_path / "real"))
-    assert all(torch.equal(b, slot) for b in biases(real.model).values())
+    assert {n: b.tolist() for n, b in biases(real.model).items()} == want
     one = _loaded(pseudo_cfg, str(tmp_path / "pp1"))
     batch = random_microbatches(pseudo_cfg, 1, 2, seed=5)[0]
     with torch.no_grad():

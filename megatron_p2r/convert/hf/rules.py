@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_p2r.checkpoint.expert_bias import bias_name
+from megatron_p2r.checkpoint.expert_bias import bias_name, mtp_bias_name
 from megatron_p2r.convert.hf.architecture import (
     DEEPSEEK_V3,
     GEMMAS,
@@ -203,7 +203,7 @@ EXPERT_NAMES = {
 
 def _deepseek_moe(m: ModelConfig, o: str, x: str, bias_key: Optional[str]) -> List[Rule]:
     """DeepSeek's shared experts and the router's e_score_correction_bias: the expert bias
-    ``bias_key`` in metadata.json, or zeros (a prediction layer's router: its bias is not saved)."""
+    ``bias_key`` in metadata.json (a decoder layer's or a prediction depth's router), or zeros."""
     bias = x + "gate.e_score_correction_bias"
     return [
         _glu(
@@ -330,7 +330,7 @@ def _prediction_layers(m: ModelConfig, hf_vocab: int) -> List[Rule]:
             dataclasses.replace(_vocab(ours, hf, hf_vocab, m.padded_vocab_size), kind="copy") for ours, hf in copies
         ]
         out += [_same(f"{o}{name}.weight", f"{t}{name}.weight") for name in ("enorm", "hnorm", "eh_proj")]
-        out += _rotary_layer(m, DEEPSEEK_V3, o + "layer.", t, m.is_moe_layer(m.num_layers - 1))
+        out += _rotary_layer(m, DEEPSEEK_V3, o + "layer.", t, m.is_moe_layer(m.num_layers - 1), mtp_bias_name(d))
         out.append(_same(o + "final_norm.weight", t + "shared_head.norm.weight"))
     return out
 

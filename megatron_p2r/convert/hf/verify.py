@@ -8,13 +8,11 @@ import os
 
 import torch
 
-from megatron_p2r.checkpoint.expert_bias import bias_name
 from megatron_p2r.convert.hf.architecture import HFConversionError
 from megatron_p2r.convert.hf.exporter import EXPORT_DTYPES
 from megatron_p2r.convert.hf.source import SourceCheckpoint
 from megatron_p2r.model.m6 import build_model
 from megatron_p2r.moe.expert_bias import biased_routers
-from megatron_p2r.moe.router import Router
 from megatron_p2r.parallel.sharding import expert_key, logical_name
 from megatron_p2r.parallel.state import ParallelState
 
@@ -42,12 +40,10 @@ def load_reference_model(src: str, dtype: torch.dtype = torch.float32):
 
 def _restore_expert_biases(model: torch.nn.Module, source: SourceCheckpoint) -> None:
     """The routers' biases (``to_empty`` left them undefined): the checkpoint's, zeros where it has
-    none (a prediction depth's router, or a run without --moe-router-enable-expert-bias)."""
-    for module in model.modules():
-        if isinstance(module, Router) and module.expert_bias is not None:
-            module.expert_bias.zero_()
-    for key, router in biased_routers(model).items():
-        bias = source.expert_bias(bias_name(key))
+    none (a run without --moe-router-enable-expert-bias, a depth's in an older checkpoint)."""
+    for name, router in biased_routers(model).items():
+        router.expert_bias.zero_()
+        bias = source.expert_bias(name)
         if bias is not None:
             router.expert_bias.copy_(bias)
 

@@ -31,12 +31,12 @@ from megatron_p2r.convert.megatron.export_optim import (
     scheduler_state,
     world_size_of,
 )
-from megatron_p2r.checkpoint.expert_bias import bias_name
-from megatron_p2r.convert.megatron.names import EXPERT_BIAS, DistNaming, layer_name
+from megatron_p2r.convert.megatron.names import DistNaming, bias_megatron_name
 from megatron_p2r.convert.megatron.rules import to_megatron
 from megatron_p2r.convert.megatron.source import TRACKER_FILE
 from megatron_p2r.convert.megatron.writer import write_dist, write_legacy
 from megatron_p2r.convert.reshard import Target, target_config
+from megatron_p2r.moe.expert_bias import expert_bias_names
 
 CKPT_FORMATS = ("torch_dist", "torch")
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,21 +73,15 @@ def _megatron_tensors(
 
 
 def _expert_biases(source: SourceCheckpoint) -> Dict[str, torch.Tensor]:
-    """Every MoE router's ``expert_bias`` buffer (--moe-router-enable-expert-bias), fp32 as
-    megatron-core keeps it: ours from metadata.json (zero where the checkpoint has none), and zero
-    for the MTP layers' routers, whose bias ours neither keeps nor moves (docs/mtp.md)."""
+    """Every MoE router's ``expert_bias`` buffer (--moe-router-enable-expert-bias), the decoder's
+    and the MTP depths', fp32 as megatron-core keeps it: ours from metadata.json (zero where the
+    checkpoint has none)."""
     m = source.real_cfg.model
-    if not m.moe_router_enable_expert_bias:
-        return {}
-    zero = torch.zeros(m.num_experts, dtype=torch.float32)
+    zero = torch.zeros(m.num_experts or 0, dtype=torch.float32)
     out = {}
-    for layer in range(m.num_layers):
-        if m.is_moe_layer(layer):
-            bias = source.expert_bias(bias_name(layer))
-            out[layer_name(layer, EXPERT_BIAS)] = zero if bias is None else bias
-    if m.is_moe_layer(m.num_layers - 1):  # an MTP layer is of the last layer's kind
-        for depth in range(m.mtp_num_layers or 0):
-            out[f"mtp.layers.{depth}.transformer_layer.{EXPERT_BIAS}"] = zero
+    for name in expert_bias_names(m, range(m.num_layers)):
+        bias = source.expert_bias(name)
+        out[bias_megatron_name(name)] = zero if bias is None else bias
     return out
 
 

@@ -16,13 +16,13 @@ import torch
 from megatron_p2r.checkpoint.errors import CheckpointError
 from megatron_p2r.convert.imported import MODEL_YAML, RunPosition, write_imported
 from megatron_p2r.convert.megatron.args import SavedArgs, model_values, vocab_values
-from megatron_p2r.checkpoint.expert_bias import bias_name
-from megatron_p2r.convert.megatron.names import EXPERT_BIAS, OUTPUT_LAYER, is_buffer, split_layer_key
+from megatron_p2r.convert.megatron.names import OUTPUT_LAYER, bias_megatron_name, is_buffer
 from megatron_p2r.convert.megatron.rules import megatron_name, megatron_shape, transform
 from megatron_p2r.convert.megatron.source import MegatronCheckpoint, open_megatron
 from megatron_p2r.convert.reshard import Target, target_config
 from megatron_p2r.checkpoint.tensor_table import TensorInfo, tensor_table
 from megatron_p2r.config import Config, DataConfig, ModelConfig
+from megatron_p2r.moe.expert_bias import expert_bias_names
 
 Plan = Dict[str, Tuple[str, Callable[[torch.Tensor], torch.Tensor]]]
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -38,10 +38,9 @@ def import_megatron(
     values, zero_centered, notes = model_values(a)
     cfg, vocab_note = _imported_config(values, a, target)
     table = tensor_table(cfg)
-    biases, bias_notes = _expert_biases(source, cfg.model)
-    plan = _plan(
-        source, table, cfg.model, zero_centered, a.required("padded_vocab_size"), set(biases) | set(bias_notes)
-    )
+    biases = _expert_biases(source, cfg.model)
+    buffers = {n for n in source.names if is_buffer(n)}
+    plan = _plan(source, table, cfg.model, zero_centered, a.required("padded_vocab_size"), buffers)
     flags, tokenizer_note = _tokenizer_flags(a)
     history = {
         "op": "import-megatron",
@@ -64,10 +63,10 @@ def import_megatron(
         extras=lambda staging: flags,
         kinds=kinds,
         position=where,
-        expert_bias={bias_name(layer): source.read(name).tolist() for name, layer in biases.items()} or None,
+        expert_bias={ours: source.read(name).tolist() for name, ours in biases.items()} or None,
     )
     yaml_path = os.path.join(dst, MODEL_YAML)
-    notes += [n for n in (vocab_note, tokenizer_note, *bias_notes.values()) if n]
+    notes += [n for n in (vocab_note, tokenizer_note) if n]
     if biases:
         notes.append(f"expert biases: Megatron's routers' expert_bias of {len(biases)} MoE layers, exact")
     if moments:
@@ -126,32 +125,22 @@ def _imported_config(values: dict, a: SavedArgs, target: Target) -> Tuple[Config
     return cfg, note
 
 
-def _expert_biases(source: MegatronCheckpoint, m: ModelConfig) -> Tuple[Dict[str, int], Dict[str, str]]:
-    """Megatron's router buffers ``expert_bias`` (--moe-router-enable-expert-bias): {name: the
-    layer whose router holds it} for metadata.json's ``expert_bias`` (checkpoint/expert_bias.py),
-    and {name: note} for the MTP layers' routers', which our model does not keep (docs/mtp.md)."""
-    names = sorted(n for n in source.names if is_buffer(n))
-    if not m.moe_router_enable_expert_bias:
-        return {}, {}
-    layers, notes = {}, {}
-    for name in names:
-        split = split_layer_key(name)
-        if split is not None and split[0] is not None and split[1] == EXPERT_BIAS:
-            layers[name] = split[0]
-        else:  # ours is 0: nothing is lost where Megatron's is too
-            values = source.read(name).tolist()
-            notes[name] = (
-                ""
-                if not any(values)
-                else f"{name} (values {values}) is not imported: our MTP layers' routers keep no expert bias (it is 0)"
-            )
-    for layer in range(m.num_layers):
-        if m.is_moe_layer(layer) and layer not in layers.values():
+def _expert_biases(source: MegatronCheckpoint, m: ModelConfig) -> Dict[str, str]:
+    """Megatron's router buffers ``expert_bias`` (--moe-router-enable-expert-bias), the decoder's
+    MoE layers' and the MTP depths': {Megatron's name: ours} for metadata.json's ``expert_bias``
+    (checkpoint/expert_bias.py); every router's must be there."""
+    out = {}
+    for ours in expert_bias_names(m, range(m.num_layers)):
+        name = bias_megatron_name(ours)
+        if name not in source.names:
+            parts = ours.split(".")
+            router = f"layer {parts[1]}'s" if parts[0] == "layers" else f"MTP depth {parts[2]}'s"
             raise CheckpointError(
                 f"{source.iter_dir}: the args say --moe-router-enable-expert-bias, but the checkpoint has no "
-                f"expert_bias of layer {layer}'s router"
+                f"expert_bias of {router} router"
             )
-    return layers, notes
+        out[name] = ours
+    return out
 
 
 def _plan(

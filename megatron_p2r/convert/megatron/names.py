@@ -68,6 +68,12 @@ def is_buffer(name: str) -> bool:
     return name.endswith("." + EXPERT_BIAS)
 
 
+def bias_megatron_name(ours: str) -> str:
+    """Megatron's canonical name of our router bias ``ours`` (``layers.K.mlp.router.expert_bias``
+    or an MTP depth's ``mtp.layers.D.layer.mlp.router.expert_bias``: moe/expert_bias.py)."""
+    return f"decoder.{ours}" if ours.startswith("layers.") else ours.replace(".layer.", ".transformer_layer.", 1)
+
+
 def layer_name(layer: int, rest: str) -> str:
     return f"{LAYERS}{layer}.{_NORM_ALIASES.get(rest, rest)}"
 

@@ -9,7 +9,8 @@ every tensor is the fixture's bit for bit. The imported model trains under EP 2 
 process (losses, and the expert biases after 3 steps bitwise). transformers' model has no
 multi-token prediction: ours is exported as DeepSeek's files hold it (decoder layer
 num_hidden_layers), which transformers skips (same logits) and which our depth computes as a
-reader of that layout does; imported back, every piece is bit-exact.
+reader of that layout does, its router's non-zero expert bias included; imported back, every
+piece and bias is bit-exact.
 """
 
 import json
@@ -22,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron_p2r.arguments import config_from_values, load_yaml
 from megatron_p2r.checkpoint.expert_bias import FIELD as EXPERT_BIAS
-from megatron_p2r.checkpoint.expert_bias import bias_name
+from megatron_p2r.checkpoint.expert_bias import bias_name, mtp_bias_name
 from megatron_p2r.checkpoint.io import save_checkpoint
 from megatron_p2r.checkpoint.metadata import read_metadata
 from megatron_p2r.checkpoint.naming import resolve_iteration_dir
@@ -90,7 +91,8 @@ def test_fixture_imports_at_transformers_logits_and_exports_back_unchanged(tmp_p
 
 
 def _with_prediction_layer(tmp_path, fixture):
-    """Our checkpoint of the imported model plus one prediction depth of seeded noise."""
+    """Our checkpoint of the imported model plus one prediction depth of seeded noise (an MoE
+    depth's router bias too: non-zero, as DeepSeek-V3's published depth's)."""
     imported, cfg = _imported(tmp_path, fixture=fixture)
     state = build_train_state(cfg.replace(mtp_num_layers=1), ParallelState.single())
     missing, unexpected = state.model.load_state_dict(imported.state_dict(), strict=False)
@@ -100,6 +102,9 @@ def _with_prediction_layer(tmp_path, fixture):
         for name, p in state.model.named_parameters():
             if name.startswith("mtp."):
                 p.add_(0.3 * torch.randn(p.shape, generator=g))
+        for name, bias in state.model.named_buffers():
+            if name.startswith("mtp.") and name.endswith(".expert_bias"):
+                bias.add_(0.5 * torch.rand(bias.shape, generator=g) - 0.25)
     save_checkpoint(str(tmp_path / "mtp"), state)
     return state.model.eval()
 
@@ -168,18 +173,19 @@ def test_prediction_layer_exports_in_deepseek_layout_and_imports_back_bit_exact(
     for key in a.table:
         assert torch.equal(a.read(key), b.read(key)), key
     assert a.meta.get(EXPERT_BIAS) == b.meta.get(EXPERT_BIAS)
-
-    # what our model cannot hold is refused: a depth's own embedding copy, a non-zero depth bias
     tensors = load_file(str(tmp_path / "hf" / SINGLE_FILE))
-    for name, message in (
-        ("model.layers.2.embed_tokens.weight", "differs from 'model.embed_tokens.weight'; our model shares one"),
-        ("model.layers.2.mlp.gate.e_score_correction_bias", "is not zero; our model has no such tensor"),
-    )[: 2 if moe else 1]:
-        changed = str(tmp_path / name)
-        shutil.copytree(tmp_path / "hf", changed)
-        save_file({**tensors, name: tensors[name] + 0.5}, os.path.join(changed, SINGLE_FILE), metadata={"format": "pt"})
-        with pytest.raises(HFConversionError, match=message):
-            import_hf(changed, str(tmp_path / "refused"), Target(1), progress=False)
+    if moe:  # the depth's router bias: written (fp32, as transformers keeps it) and read back exactly
+        depth_bias = a.expert_bias(mtp_bias_name(0))
+        assert depth_bias.abs().min() > 0 and b.meta[EXPERT_BIAS][mtp_bias_name(0)] == depth_bias.tolist()
+        assert torch.equal(tensors["model.layers.2.mlp.gate.e_score_correction_bias"], depth_bias)
+
+    # what our model cannot hold is refused: a depth's own embedding copy
+    name = "model.layers.2.embed_tokens.weight"
+    changed = str(tmp_path / "changed")
+    shutil.copytree(tmp_path / "hf", changed)
+    save_file({**tensors, name: tensors[name] + 0.5}, os.path.join(changed, SINGLE_FILE), metadata={"format": "pt"})
+    with pytest.raises(HFConversionError, match="differs from 'model.embed_tokens.weight'; our model shares one"):
+        import_hf(changed, str(tmp_path / "refused"), Target(1), progress=False)
 
 
 def test_bf16_export_keeps_the_expert_bias_in_fp32(tmp_path):

@@ -2,8 +2,8 @@
 (tests/fixtures/megatron, written by megatron-core 0.16.1 after 3 training steps under EP2 with the
 distributed optimizer: multi-latent attention, a dense first layer, a gated shared expert, sigmoid
 group-limited top-k scaled by 2.5, the expert bias, one MTP layer). Its logits are compared in
-test_megatron_written.py with every fixture (into TP1 and TP2); here: the expert bias bit for bit,
-the MTP layer's loss, resharding into EP2, and one more training step of ours from the imported
+test_megatron_written.py with every fixture (into TP1 and TP2); here: the expert biases (layer 1's
+and the MTP layer's) bit for bit, the MTP layer's loss with the imported bias, resharding into EP2, and one more training step of ours from the imported
 optimizer state against Megatron's own 4th step."""
 
 import json
@@ -42,34 +42,32 @@ def test_megatrons_deepseek_args_are_ours():
 
 
 def test_the_expert_bias_is_megatrons_bit_for_bit(imported):
-    """metadata.json's expert_bias holds the trained router's buffer exactly (non-zero: Megatron
-    moved it 3 times), and a run loading the import routes with it."""
-    out, notes = imported
+    """metadata.json's expert_bias holds the trained routers' buffers exactly, layer 1's and the
+    MTP layer's (non-zero: Megatron moved them 3 times), and a run loading the import routes with
+    them."""
+    out, _ = imported
     with open(os.path.join(out, "iter_0000003", "metadata.json")) as fh:
         saved = json.load(fh)["expert_bias"]
-    theirs = MEGATRON["expert_bias"]["decoder.layers.1.mlp.router"]
-    assert theirs.abs().min() > 0
-    assert list(saved) == ["layers.1.mlp.router.expert_bias"]
-    assert torch.equal(torch.tensor(saved["layers.1.mlp.router.expert_bias"], dtype=torch.float32), theirs)
+    theirs = {
+        "layers.1.mlp.router.expert_bias": MEGATRON["expert_bias"]["decoder.layers.1.mlp.router"],
+        "mtp.layers.0.layer.mlp.router.expert_bias": MEGATRON["expert_bias"][
+            "mtp.layers.0.transformer_layer.mlp.router"
+        ],
+    }
+    assert all(bias.abs().min() > 0 for bias in theirs.values())
+    assert sorted(saved) == sorted(theirs)
+    for name, bias in theirs.items():
+        assert torch.equal(torch.tensor(saved[name], dtype=torch.float32), bias)
     state = loaded(out, 2, None)
-    assert torch.equal(state.model.layers["1"].mlp.router.expert_bias, theirs)
-    assert any("mtp.layers.0.transformer_layer.mlp.router.expert_bias" in n and "not imported" in n for n in notes)
-
-
-def _with_megatrons_mtp_bias(state):
-    """Our MTP layer's router keeps no expert bias (it is not saved nor updated here): Megatron's,
-    set by hand, so that the MTP layer routes as Megatron's did."""
-    with torch.no_grad():
-        state.model.mtp.layers[0].layer.mlp.router.expert_bias.copy_(
-            MEGATRON["expert_bias"]["mtp.layers.0.transformer_layer.mlp.router"]
-        )
-    return state
+    assert torch.equal(state.model.layers["1"].mlp.router.expert_bias, theirs["layers.1.mlp.router.expert_bias"])
+    mtp_bias = state.model.mtp.layers[0].layer.mlp.router.expert_bias
+    assert torch.equal(mtp_bias, theirs["mtp.layers.0.layer.mlp.router.expert_bias"])
 
 
 def test_the_mtp_loss_is_megatrons(imported):
-    """The MTP depth's loss on Megatron's tokens and labels: its token mean over the rolled loss
-    mask, as Megatron's tracker logged it."""
-    state = _with_megatrons_mtp_bias(loaded(imported[0], 2, None))
+    """The MTP depth's loss on Megatron's tokens and labels, its router's bias as imported: its
+    token mean over the rolled loss mask, as Megatron's tracker logged it."""
+    state = loaded(imported[0], 2, None)
     tokens, labels = MEGATRON["tokens"], MEGATRON["mtp_labels"]
     state.model.eval()(tokens=tokens, labels=labels, loss_mask=torch.ones(labels.shape))
     ours = mtp.pop_losses(1, torch.device("cpu"), ())
@@ -78,16 +76,16 @@ def test_the_mtp_loss_is_megatrons(imported):
 
 def test_a_megatron_run_continues_here_with_its_expert_bias(imported):
     """One training step of ours from the imported step-3 checkpoint (Adam's moments, mains, step
-    and schedule from the distributed optimizer's buckets, the expert bias) on Megatron's 4th batch
-    gives the logits Megatron's 4th step gave (each of its 2 ranks had the batch); with a fresh
-    AdamW it does not."""
+    and schedule from the distributed optimizer's buckets, the expert biases) on Megatron's 4th
+    batch gives the logits Megatron's 4th step gave (each of its 2 ranks had the batch); with a
+    fresh AdamW it does not."""
     from megatron_p2r.training import train_step
 
     continued = torch.load(os.path.join(ROOT, NAME, "continued.pt"), weights_only=True)
     batch = torch.cat([continued["batch"]] * 2)
     results = []
     for fresh in (False, True):
-        state = _with_megatrons_mtp_bias(loaded(imported[0], batch.shape[0], None, no_load_optim=fresh, **TRAIN))
+        state = loaded(imported[0], batch.shape[0], None, no_load_optim=fresh, **TRAIN)
         train_step(state, [{"tokens": batch[:, :-1], "labels": batch[:, 1:], "loss_mask": torch.ones(4, 16)}])
         with torch.no_grad():
             results.append(logits_error(state.model.eval()(tokens=continued["tokens"]).float(), continued["logits"]))
@@ -113,9 +111,17 @@ def test_the_import_reshards_into_ep2(tmp_path):
         assert error[1] <= 1e-5, error
 
 
-def test_a_missing_expert_bias_is_an_error_line(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "cut, router",
+    [
+        ("decoder.layers.1.mlp.router.expert_bias", "layer 1's router"),
+        ("mtp.layers.0.transformer_layer.mlp.router.expert_bias", "MTP depth 0's router"),
+    ],
+)
+def test_a_missing_expert_bias_is_an_error_line(tmp_path, capsys, cut, router):
     """Args with --moe-router-enable-expert-bias and no router bias in the files: one error line
-    naming the layer, nothing written (the untrained legacy fixture, its bias cut from both ranks)."""
+    naming the layer or MTP depth, nothing written (the untrained legacy fixture, its bias cut from
+    both ranks)."""
     import shutil
     import signal
 
@@ -127,9 +133,9 @@ def test_a_missing_expert_bias_is_an_error_line(tmp_path, capsys):
         with torch.serialization.safe_globals([signal.Signals]):  # the saved args' exit signal
             edit_rank_file(
                 str(src / "iter_0000003" / rank / "model_optim_rng.pt"),
-                lambda state: state["model"].pop("decoder.layers.1.mlp.router.expert_bias"),
+                lambda state: state["model"].pop(cut),
             )
     assert main(["import-megatron", str(src), str(tmp_path / "ours"), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error:") and "no expert_bias of layer 1's router" in err and "Traceback" not in err
+    assert err.startswith("error:") and f"no expert_bias of {router}" in err and "Traceback" not in err
     assert not os.path.exists(tmp_path / "ours")

@@ -112,14 +112,14 @@ EXPECTED_KEYS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatr
 
 def _perturbed_state(options):
     """A one-process model whose every weight is seeded noise (norms and biases not 1 and 0), and
-    every expert bias our checkpoint keeps (the decoder's routers')."""
+    every expert bias (the decoder's routers' and the MTP layer's)."""
     _, state = run_steps(tiny_config(**options), ParallelState.single(), 0)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in state.model.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=g))
         for name, bias in state.model.named_buffers():
-            if name.startswith("layers.") and name.endswith(".expert_bias"):
+            if name.endswith(".expert_bias"):
                 bias.add_(0.01 * torch.randn(bias.shape, generator=g))
     return state
 
