@@ -274,7 +274,9 @@ def stage_tensors(
             )
     if holds_embedding_replica(m, first, last):
         specs.append(
-            TensorSpec(EMBEDDING_REPLICA, (m.padded_vocab_size // tp, m.hidden_size), tp_dim=0, shared_name=WORD_EMBEDDING)
+            TensorSpec(
+                EMBEDDING_REPLICA, (m.padded_vocab_size // tp, m.hidden_size), tp_dim=0, shared_name=WORD_EMBEDDING
+            )
         )
     if last and m.mtp_num_layers:
         specs += mtp_tensors(m, tp, ep)

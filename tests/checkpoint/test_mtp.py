@@ -122,3 +122,30 @@ def test_exports_refuse_the_depths_by_name(source, tmp_path):
         export_hf(str(source), str(tmp_path / "hf"), progress=False)
     with pytest.raises(ConfigError, match="--mtp-num-layers 2"):
         export_megatron(str(source), str(tmp_path / "megatron"), progress=False)
+
+
+UNTIED_PP2 = {"untied_pp2": dict(MTP, pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=True)}
+
+
+def test_untied_pp2_resumes_bitwise_and_reshards_to_one_stage(tmp_path):
+    """The last stage's replica of the untied input embedding (for the depths' lookups) is not
+    stored: a PP2 checkpoint holds the embedding once (the first stage's), resumes bitwise (the
+    replica reloaded from it, the distributed optimizer's state too), and reshards to PP1 with
+    every tensor unchanged."""
+    from tests.checkpoint.test_resume import _check, _straight_and_resumed
+
+    cases = {k: dict(v, use_distributed_optimizer=True) for k, v in UNTIED_PP2.items()}
+    _check(run_distributed(_straight_and_resumed, 2, str(tmp_path), cases), tmp_path, cases)
+    pp2 = tmp_path / "untied_pp2" / "b"
+    stored = {}
+    for f in shard_files(str(pp2 / "iter_0000004")):
+        if f.startswith("mp_rank"):
+            part = load_file(str(pp2 / "iter_0000004" / f))
+            assert not any("embedding_replica" in k for k in part), f
+            assert ("embedding.word_embeddings.weight" in part) == f.startswith("mp_rank_00_000"), f
+            stored.update(part)
+    one = tmp_path / "one"
+    convert(str(pp2), str(one), Target(1, 1), progress=False)
+    merged = load_file(str(one / "iter_0000004" / "mp_rank_00_000_000.safetensors"))
+    assert merged.keys() == stored.keys()
+    assert all(torch.equal(merged[k], stored[k]) for k in merged)
