@@ -107,6 +107,16 @@ LAYOUTS = {
     "pp2_untied_distopt": dict(
         pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=True, use_distributed_optimizer=True
     ),
+    "pp2_untied_offload": dict(
+        pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=True, cpu_offload_layers="1"
+    ),
+    "pseudo_pp2_untied": dict(
+        pipeline_model_parallel_size=2,
+        num_layers=4,
+        p2r_phase="pseudo",
+        share_pattern="all",
+        untie_embeddings_and_output_weights=True,
+    ),
     "pp2_interleaved": dict(pipeline_model_parallel_size=2, num_layers=4, num_layers_per_virtual_pipeline_stage=1),
     "ep2_moe": dict(expert_model_parallel_size=2, num_experts=4, moe_ffn_hidden_size=48),
     "ep2_a2a_overlap": dict(
