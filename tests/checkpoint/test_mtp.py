@@ -112,16 +112,13 @@ def test_growth_copies_the_depths_as_they_are(source, tmp_path):
     assert 3.0 < losses[0] < 8.0
 
 
-def test_exports_refuse_the_depths_by_name(source, tmp_path):
-    """Neither transformers' Llama nor Megatron-LM's args written here carry MTP layers."""
+def test_export_hf_refuses_the_depths_by_name(source, tmp_path):
+    """transformers' Llama carries no MTP layers (export-megatron writes them: docs/megatron.md)."""
     from megatron_p2r.config import ConfigError
     from megatron_p2r.convert.hf.exporter import export_hf
-    from megatron_p2r.convert.megatron.exporter import export_megatron
 
     with pytest.raises(ConfigError, match="--mtp-num-layers 2 \\(multi-token prediction\\)"):
         export_hf(str(source), str(tmp_path / "hf"), progress=False)
-    with pytest.raises(ConfigError, match="--mtp-num-layers 2"):
-        export_megatron(str(source), str(tmp_path / "megatron"), progress=False)
 
 
 UNTIED_PP2 = {"untied_pp2": dict(MTP, pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=True)}
@@ -149,3 +146,21 @@ def test_untied_pp2_resumes_bitwise_and_reshards_to_one_stage(tmp_path):
     merged = load_file(str(one / "iter_0000004" / "mp_rank_00_000_000.safetensors"))
     assert merged.keys() == stored.keys()
     assert all(torch.equal(merged[k], stored[k]) for k in merged)
+
+
+def test_untied_delinking_into_pp2_resumes_at_the_one_stage_loss(tmp_path):
+    """A pseudo checkpoint delinked into PP2: the last stage's embedding replica is loaded from the
+    delinked embedding (nothing of it stored), so PP2 resumes at the loss PP1 resumes at."""
+    untied = dict(MTP, p2r_phase="pseudo", share_pattern="all", untie_embeddings_and_output_weights=True)
+    pseudo = tmp_path / "pseudo"
+    _, state = run_steps(cfg_of(**untied), ParallelState.single(), 2)
+    save_checkpoint(str(pseudo), state)
+    real = {"real": dict(untied, p2r_phase="real")}
+    for pp in (1, 2):
+        convert(str(pseudo), str(tmp_path / f"pp{pp}"), Target(1, pp), DelinkOptions(noise_std=0.01), progress=False)
+    for f in shard_files(str(tmp_path / "pp2" / "iter_0000002")):
+        assert not any("embedding_replica" in k for k in load_file(str(tmp_path / "pp2" / "iter_0000002" / f))), f
+    want, _ = run_steps(cfg_of(**real["real"]), ParallelState.single(), 1, load=str(tmp_path / "pp1"))
+    pp2 = dict(real["real"], pipeline_model_parallel_size=2)
+    for got in run_distributed(_resume, 2, str(tmp_path / "pp2"), {k: v for k, v in pp2.items() if k not in MTP}):
+        assert got[0] == pytest.approx(want[0], rel=1e-5)
