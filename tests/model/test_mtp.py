@@ -110,6 +110,12 @@ LAYOUTS = {
     "pp2_untied_offload": dict(
         pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=True, cpu_offload_layers="1"
     ),
+    "pp2_interleaved_untied": dict(
+        pipeline_model_parallel_size=2,
+        num_layers=4,
+        num_layers_per_virtual_pipeline_stage=1,
+        untie_embeddings_and_output_weights=True,
+    ),
     "pseudo_pp2_untied": dict(
         pipeline_model_parallel_size=2,
         num_layers=4,
