@@ -20,6 +20,17 @@ def no_process_group_outlives_its_test():
         dist.destroy_process_group()
 
 
+@pytest.fixture(autouse=True)
+def no_mtp_losses_outlive_their_test():
+    """A model's forward with gradients records its MTP depths' losses until a training step pops
+    them (model/mtp.py); a test that runs the model by hand leaves them for the next test's step,
+    which may have fewer depths. Drop them when each test ends."""
+    yield
+    from megatron_p2r.model import mtp
+
+    mtp.pop_losses(None, None, ())
+
+
 # What starts other processes (gloo ranks, torchrun, the CLI, tools): ``make test-fast`` leaves
 # those tests out. A test module spawns when its source, or a module under tests/ that it
 # imports, names one of these.

@@ -94,16 +94,11 @@ def _check_world(cfg: Config, world_size: int) -> None:
 
 
 def _check_mtp(cfg: Config) -> None:
-    """Multi-token prediction runs on the last stage, which needs the input embedding there
-    (docs/mtp.md)."""
+    """Multi-token prediction runs on the last stage, which needs the input embedding there: it
+    holds a replica of the word embedding (tied or not), not of learned positions (docs/mtp.md)."""
     m, pp = cfg.model, cfg.parallel.pipeline_model_parallel_size
     if not m.mtp_num_layers:
         return
-    if pp > 1 and m.untie_embeddings_and_output_weights:
-        raise ConfigError(
-            "--mtp-num-layers with --untie-embeddings-and-output-weights and PP > 1: the last stage holds no "
-            "replica of the input embedding (only a tied one is replicated there); tie the weights or use PP 1"
-        )
     if pp > 1 and m.position_embedding_type == "learned_absolute":
         raise ConfigError(
             "--mtp-num-layers with learned absolute positions and PP > 1: the position embedding is not "

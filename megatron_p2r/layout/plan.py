@@ -208,8 +208,8 @@ class ParallelPlan:
         stages = tuple(StagePlan(index=s, chunks=tuple(chunks[s::pp])) for s in range(pp))
         users = stages_using_slot(keys, [st.layers for st in stages])  # in pipeline ranks
         replicas = [(f"layers.{k}", tuple(st)) for k, st in users.items() if len(st) > 1]
-        if not m.untie_embeddings_and_output_weights and pp > 1:
-            replicas.append((WORD_EMBEDDING, (0, pp - 1)))
+        if pp > 1 and (not m.untie_embeddings_and_output_weights or m.mtp_num_layers):
+            replicas.append((WORD_EMBEDDING, (0, pp - 1)))  # tied output layer, or the MTP lookups' replica
         buffers = BufferSettings(
             bucket_size=default_bucket_size(layout.dp_cp, p.overlap_grad_reduce, p.ddp_bucket_size),
             distributed=p.use_distributed_optimizer,

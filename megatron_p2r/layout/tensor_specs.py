@@ -19,6 +19,7 @@ from megatron_p2r.config import ModelConfig
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_WEIGHT = "output_layer.weight"
+EMBEDDING_REPLICA = "embedding_replica.weight"
 # Parameters a sequence-parallel rank applies to its sequence shard only, so each TP rank holds a
 # partial gradient (model/block.py, attention.py's and mlp.py's row-parallel biases,
 # moe/router.py, m6.py's embedding).
@@ -274,6 +275,12 @@ def stage_tensors(
                     shared_name=WORD_EMBEDDING if tied else None,
                 )
             )
+    if holds_embedding_replica(m, first, last):
+        specs.append(
+            TensorSpec(
+                EMBEDDING_REPLICA, (m.padded_vocab_size // tp, m.hidden_size), tp_dim=0, shared_name=WORD_EMBEDDING
+            )
+        )
     if last and m.mtp_num_layers:
         specs += mtp_tensors(m, tp, ep)
     if sequence_parallel:
@@ -281,6 +288,14 @@ def stage_tensors(
             dataclasses.replace(s, tp_partial=True) if s.name.endswith(SEQUENCE_PARALLEL_PARTIAL) else s for s in specs
         ]
     return specs
+
+
+def holds_embedding_replica(m: ModelConfig, first: bool, last: bool) -> bool:
+    """Whether a stage holds ``EMBEDDING_REPLICA``: the last stage, when it is not the first, runs
+    multi-token prediction with untied weights and so looks tokens up in a replica of the input
+    embedding (as Megatron-LM builds the embedding on its MTP stage); tied, the output layer is
+    that replica already."""
+    return last and not first and bool(m.mtp_num_layers) and m.untie_embeddings_and_output_weights
 
 
 def mtp_tensors(m: ModelConfig, tp: int, ep: int) -> List[TensorSpec]:

@@ -36,7 +36,7 @@ from torch import nn
 from megatron_p2r.config import Config
 from megatron_p2r.context.chunks import chunk_positions
 from megatron_p2r.layout.plan import ParallelPlan
-from megatron_p2r.layout.tensor_specs import WORD_EMBEDDING
+from megatron_p2r.layout.tensor_specs import WORD_EMBEDDING, holds_embedding_replica
 from megatron_p2r.model.attention import model_rotary_tables
 from megatron_p2r.model.latent_attention import latent_rotary_tables
 from megatron_p2r.model.block import TransformerLayer
@@ -202,6 +202,12 @@ class M6Model(nn.Module):
             if tied:  # a replica of the first stage's embedding; gradients summed over the embedding group
                 self.output_layer.weight.shared_name = WORD_EMBEDDING
             self.output_layer.softcap = m.final_logit_softcapping
+        self.embedding_replica = None  # untied, for the MTP depths' lookups; gradients summed as the tied one's
+        if holds_embedding_replica(m, stage.first, stage.last):
+            self.embedding_replica = VocabParallelEmbedding(
+                m.padded_vocab_size, m.hidden_size, ps, init_std=m.init_method_std, sequence_parallel=sp, device=device
+            )
+            self.embedding_replica.weight.shared_name = WORD_EMBEDDING
         self.mtp = None  # multi-token prediction (model/mtp.py): after every other parameter
         if stage.last and m.mtp_num_layers:
             self.mtp = MultiTokenPrediction(m, ps, device, sequence_parallel=sp)
@@ -337,10 +343,11 @@ class M6Model(nn.Module):
     def _mtp_embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The input embedding of shifted ``ids`` at shifted ``positions`` (Megatron-LM rolls
         both) for multi-token prediction: the embedding module on a single stage, else a lookup
-        in the last stage's replica of the tied table (read after the output layer's forward)."""
+        in the last stage's replica of the input table: the tied output layer's weight (read
+        after the output layer's forward), or untied ``embedding_replica``."""
         if self.embedding is not None:
             return self.embedding(ids, positions)
-        word = self.output_layer.weight
+        word = (self.output_layer if self.embedding_replica is None else self.embedding_replica).weight
         reduce = reduce_scatter_to_sequence_region if self.sequence_parallel else reduce_from_region
         x = vocab_parallel_lookup(ids, word, self.ps.tp_rank * word.shape[0], self.ps.group("tp"), reduce)
         if self.cfg.model.embedding_multiplier != 1.0:  # as the embedding module's (Granite)

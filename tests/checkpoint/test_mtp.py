@@ -177,3 +177,48 @@ def test_the_depths_expert_bias_is_saved_grown_and_optional(tmp_path, capsys):
     older = loaded(str(tmp_path / "a"))
     assert "no expert bias saved for the MTP depths' routers" in capsys.readouterr().out
     assert all(not any(older[n]) for n in depths) and older[bias_name(1)] == trained[bias_name(1)]
+
+
+UNTIED_PP2 = {"untied_pp2": dict(MTP, pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=True)}
+
+
+def test_untied_pp2_resumes_bitwise_and_reshards_to_one_stage(tmp_path):
+    """The last stage's replica of the untied input embedding (for the depths' lookups) is not
+    stored: a PP2 checkpoint holds the embedding once (the first stage's), resumes bitwise (the
+    replica reloaded from it, the distributed optimizer's state too), and reshards to PP1 with
+    every tensor unchanged."""
+    from tests.checkpoint.test_resume import _check, _straight_and_resumed
+
+    cases = {k: dict(v, use_distributed_optimizer=True) for k, v in UNTIED_PP2.items()}
+    _check(run_distributed(_straight_and_resumed, 2, str(tmp_path), cases), tmp_path, cases)
+    pp2 = tmp_path / "untied_pp2" / "b"
+    stored = {}
+    for f in shard_files(str(pp2 / "iter_0000004")):
+        if f.startswith("mp_rank"):
+            part = load_file(str(pp2 / "iter_0000004" / f))
+            assert not any("embedding_replica" in k for k in part), f
+            assert ("embedding.word_embeddings.weight" in part) == f.startswith("mp_rank_00_000"), f
+            stored.update(part)
+    one = tmp_path / "one"
+    convert(str(pp2), str(one), Target(1, 1), progress=False)
+    merged = load_file(str(one / "iter_0000004" / "mp_rank_00_000_000.safetensors"))
+    assert merged.keys() == stored.keys()
+    assert all(torch.equal(merged[k], stored[k]) for k in merged)
+
+
+def test_untied_delinking_into_pp2_resumes_at_the_one_stage_loss(tmp_path):
+    """A pseudo checkpoint delinked into PP2: the last stage's embedding replica is loaded from the
+    delinked embedding (nothing of it stored), so PP2 resumes at the loss PP1 resumes at."""
+    untied = dict(MTP, p2r_phase="pseudo", share_pattern="all", untie_embeddings_and_output_weights=True)
+    pseudo = tmp_path / "pseudo"
+    _, state = run_steps(cfg_of(**untied), ParallelState.single(), 2)
+    save_checkpoint(str(pseudo), state)
+    real = {"real": dict(untied, p2r_phase="real")}
+    for pp in (1, 2):
+        convert(str(pseudo), str(tmp_path / f"pp{pp}"), Target(1, pp), DelinkOptions(noise_std=0.01), progress=False)
+    for f in shard_files(str(tmp_path / "pp2" / "iter_0000002")):
+        assert not any("embedding_replica" in k for k in load_file(str(tmp_path / "pp2" / "iter_0000002" / f))), f
+    want, _ = run_steps(cfg_of(**real["real"]), ParallelState.single(), 1, load=str(tmp_path / "pp1"))
+    pp2 = dict(real["real"], pipeline_model_parallel_size=2)
+    for got in run_distributed(_resume, 2, str(tmp_path / "pp2"), {k: v for k, v in pp2.items() if k not in MTP}):
+        assert got[0] == pytest.approx(want[0], rel=1e-5)

@@ -60,8 +60,8 @@ TINY_V3 = dict(
     mtp_num_layers=1,
     mtp_loss_scaling_factor=0.3,
 )
-# PP > 1 with MTP needs tied embeddings (docs/mtp.md), as the example's phase files
-PP2_EP2 = dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2, untie_embeddings_and_output_weights=False)
+# untied as the example's phase files: the last stage holds a replica of the input embedding (docs/mtp.md)
+PP2_EP2 = dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2)
 
 
 def tiny(**overrides):
@@ -110,7 +110,7 @@ def test_flops_count_the_shared_experts(gate):
     """The stages' FLOPs add up to the model's, and the shared expert adds 3 x 2 x 3 h S per token
     and MoE layer (a SwiGLU MLP of size S; the main MoE layers and the MTP depth, of the last
     layer's kind), its gate 3 x 2 h."""
-    cfg = tiny(pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=False, moe_shared_expert_gate=gate)
+    cfg = tiny(pipeline_model_parallel_size=2, moe_shared_expert_gate=gate)
     plan = ParallelPlan.for_world(cfg, 2)
     m, tokens = cfg.model, cfg.train.micro_batch_size * cfg.model.seq_length
     total = sum(timing.stage_flops_per_microbatch(cfg, plan, s) for s in range(2))

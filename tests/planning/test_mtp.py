@@ -27,13 +27,21 @@ MTP_SHAPE = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu
     [
         (dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True), 4),
         (dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2, moe_layer_freq=[0, 1, 0, 1], **MOE), 4),
+        (
+            dict(
+                tensor_model_parallel_size=2, pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=True
+            ),
+            4,
+        ),
     ],
+    ids=["tp2-pp2-sp", "ep2-pp2-moe", "tp2-pp2-untied"],
 )
 def test_planner_counts_the_depths_the_last_stage_builds(overrides, world):
     cfg = small(**MTP, **overrides)
     out = verify_all_ranks(cfg, world)
     assert out["problems"] == [] and out["logical_parameters"] == out["expected"]
-    model_only = {k: v for k, v in overrides.items() if k in ("moe_layer_freq", "num_experts", "moe_ffn_hidden_size")}
+    model_keys = ("moe_layer_freq", "num_experts", "moe_ffn_hidden_size", "untie_embeddings_and_output_weights")
+    model_only = {k: v for k, v in overrides.items() if k in model_keys}
     one = small(**MTP, **model_only)
     model = build_model(one, ParallelState.single(), meta=True)
     assert sum(p.numel() for p in model.parameters()) == memory.logical_parameter_count(ParallelPlan.for_world(one, 1))
@@ -86,3 +94,30 @@ def test_activation_estimate_matches_measured_step(overrides):
     assert est["activations"] > without["activations"]
     assert abs(est["activations"] / held - 1) < 0.01, (est["activations"], held)
     assert abs((est["activations"] + est["transient"]) / peak - 1) < 0.10, (est, peak)
+
+
+def test_the_untied_replica_and_its_all_reduce_are_planned_on_the_last_stage():
+    """Untied under PP2 the last stage holds a replica of the input embedding for the depths'
+    lookups: its weights, fp32 gradient and optimizer state in the stage's bytes, its gradient's
+    all-reduce with the first stage's in the embedding traffic; as built (``verify_rank``
+    compares weights and per-group gradient bytes with a meta build of that rank)."""
+    from megatron_p2r.planning.communication import gradient_traffic
+
+    untied = dict(**MTP, pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=True)
+    cfg, tied = small(**untied), small(**{**untied, "untie_embeddings_and_output_weights": False})
+    without = small(**{**untied, "mtp_num_layers": None})
+    r = verify_rank(cfg, 2, 1)
+    assert r["problems"] == []
+    m = cfg.model
+    table = m.padded_vocab_size * m.hidden_size
+    plans = {k: ParallelPlan.for_world(c, 2) for k, c in (("untied", cfg), ("tied", tied), ("without", without))}
+    state = {k: memory.stage_state_bytes(p, 1) for k, p in plans.items()}
+    # the depths and the replica: fp32 weights and two AdamW moments (no mains in fp32); the
+    # gradient buffer too, but with its bucket padding
+    depths = sum(s.numel for s in plans["untied"].tensors(1) if s.name.startswith("mtp."))
+    assert state["untied"]["params"] - state["without"]["params"] == (table + depths) * 4
+    assert state["untied"]["optimizer"] - state["without"]["optimizer"] == (table + depths) * 8
+    assert state["untied"]["params"] - state["tied"]["params"] == table * 4
+    traffic = {k: gradient_traffic(p, 1)["embedding"] for k, p in plans.items()}
+    assert traffic["without"].bytes == 0 and traffic["untied"].size == 2
+    assert traffic["untied"].bytes == traffic["tied"].bytes == table * 4  # a ring all-reduce over 2: 2 x 1/2
