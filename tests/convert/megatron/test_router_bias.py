@@ -113,12 +113,18 @@ def test_the_import_into_the_fixtures_ep2_gives_megatrons_logits(tmp_path):
 def test_a_megatron_run_continues_here_with_its_router_bias(imported):
     """The legacy save (its optimizer state is imported): one training step of ours on Megatron's
     4th batch (each of its 2 ranks had the batch) gives the logits Megatron's 4th step gave: the
-    router bias's Adam moments are Megatron's and, as in Megatron, it takes no weight decay."""
+    router bias's Adam moments are Megatron's. As in megatron-core (``_get_param_groups``: biases
+    and 1-D parameters), it takes no weight decay (at 0.01 x LR the step's difference is below the
+    logits' tolerance: the group is checked)."""
+    from megatron_p2r.optim.optimizer import param_groups
     from megatron_p2r.training import train_step
 
     continued = torch.load(os.path.join(ROOT, DIST, "continued.pt"), weights_only=True)
     batch = torch.cat([continued["batch"]] * 2)
     state = loaded(os.path.dirname(imported[LEGACY]), batch.shape[0], None, **TRAIN)
+    biases = {id(layer.mlp.router.bias) for layer in state.model.layers.values()}
+    groups = param_groups(state.model, state.cfg.train)
+    assert [g["weight_decay"] for g in groups if biases & {id(p) for p in g["params"]}] == [0.0]
     train_step(state, [{"tokens": batch[:, :-1], "labels": batch[:, 1:], "loss_mask": torch.ones(4, 16)}])
     with torch.no_grad():
         error = logits_error(state.model.eval()(tokens=continued["tokens"]).float(), continued["logits"])
