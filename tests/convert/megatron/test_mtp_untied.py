@@ -1,0 +1,78 @@
+"""MTP with untied embeddings under PP2 and Megatron-LM checkpoints: gpt_dist_pp2_mtp_untied_distopt
+(tests/fixtures/megatron, written by megatron-core 0.16.1 after 3 training steps under PP2 with the
+distributed optimizer; its last stage holds a replica of the input embedding for the MTP depth, a
+bucket of its own in that stage's grad buffer). test_megatron_written.py imports it into TP1 and
+TP2 at Megatron's logits, reads its mains from the replayed buckets and continues Megatron's run
+by one step of ours from the imported Adam state (PP1); here: into PP2 at Megatron's logits, the
+MTP depth's loss, and the export loaded by Megatron (skipped without megatron-core)."""
+
+import os
+
+import pytest
+import torch
+
+from megatron_p2r.convert.megatron.importer import import_megatron
+from megatron_p2r.convert.reshard import Target
+from megatron_p2r.model import mtp
+from tests.convert.megatron.megatron_written import ROOT, fixture_logits, loaded, logits_error, our_logits
+
+NAME = "gpt_dist_pp2_mtp_untied_distopt"
+MEGATRON = torch.load(os.path.join(ROOT, NAME, "logits.pt"), weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("mtp_untied") / "ours")
+    _, notes = import_megatron(fixture_logits(NAME)[0], out, Target(1), progress=False)
+    return out, notes
+
+
+def test_the_fixture_is_untied_mtp_under_pp2_with_the_distributed_optimizer(imported):
+    flags = MEGATRON["flags"]
+    assert {"--untie-embeddings-and-output-weights", "--use-distributed-optimizer", "torch_dist"} <= set(flags)
+    assert flags[flags.index("--mtp-num-layers") + 1] == "1"
+    assert flags[flags.index("--pipeline-model-parallel-size") + 1] == "2"
+    assert any(note.startswith("optimizer: Adam's moments") for note in imported[1]), imported[1]
+
+
+def test_the_import_gives_megatrons_logits_at_pp1(imported):
+    error = logits_error(our_logits(imported[0], fixture_logits(NAME)[1]), fixture_logits(NAME)[2])
+    assert error[1] <= 1e-5, error
+
+
+def _pp2_error(rank, world, ckpt):
+    """(max abs, rel) on the last stage: the first stage's hidden states sent on, the last stage's
+    logits; numbers, not tensors, cross the process boundary."""
+    import torch.distributed as dist
+
+    tokens, megatron = fixture_logits(NAME)[1], fixture_logits(NAME)[2]
+    state = loaded(ckpt, tokens.shape[0], world)
+    with torch.no_grad():
+        model = state.model.eval()
+        if rank == 0:
+            dist.send(model(tokens=tokens).contiguous(), dst=1)
+            return None
+        hidden = torch.empty(tokens.shape[0], tokens.shape[1], state.cfg.model.hidden_size)
+        dist.recv(hidden, src=0)
+        return logits_error(model(hidden=hidden).float(), megatron)
+
+
+def test_the_import_gives_megatrons_logits_at_pp2(tmp_path):
+    """Imported into PP2 (the MTP depth, the output layer and our replica of the embedding on the
+    last stage), two gloo ranks compute Megatron's logits."""
+    from tests.harness import run_distributed
+
+    out = str(tmp_path / "pp2")
+    import_megatron(fixture_logits(NAME)[0], out, Target(1, 2), progress=False)
+    error = run_distributed(_pp2_error, 2, out, timeout=300)[1]
+    assert error[1] <= 1e-5, error
+
+
+def test_the_mtp_loss_is_megatrons(imported):
+    """The MTP depth's loss on Megatron's tokens and labels (it reads the last stage's replica of
+    the embedding in Megatron, the embedding here): as Megatron's tracker logged it."""
+    state = loaded(imported[0], 2, None)
+    tokens, labels = MEGATRON["tokens"], MEGATRON["mtp_labels"]
+    state.model.eval()(tokens=tokens, labels=labels, loss_mask=torch.ones(labels.shape))
+    ours = mtp.pop_losses(1, torch.device("cpu"), ())
+    assert ours[0] == pytest.approx(MEGATRON["mtp_loss"][0].item(), rel=1e-5)
