@@ -76,3 +76,28 @@ def test_the_mtp_loss_is_megatrons(imported):
     state.model.eval()(tokens=tokens, labels=labels, loss_mask=torch.ones(labels.shape))
     ours = mtp.pop_losses(1, torch.device("cpu"), ())
     assert ours[0] == pytest.approx(MEGATRON["mtp_loss"][0].item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("pp", (1, 2))
+def test_megatron_loads_the_export_at_our_logits(imported, tmp_path, pp):
+    """The import exported back (torch_dist, written for PP1 and PP2: the embedding stored once,
+    the MTP stage's replica not) loads in megatron-core (one rank, its strict load_checkpoint)
+    and computes our logits (skipped without megatron-core, as test_export_megatron_core.py)."""
+    from megatron_p2r.convert.megatron.exporter import export_megatron
+    from tests.convert.megatron.test_export_megatron_core import _megatron_missing, _run_megatron
+
+    if _megatron_missing():
+        pytest.skip(
+            "megatron-core and Megatron-LM's training code are not importable (P2R_MEGATRON_PYTHON, P2R_MEGATRON_LM)"
+        )
+    out, _ = export_megatron(imported[0], str(tmp_path / "megatron"), pp=pp, progress=False)
+    tokens = fixture_logits(NAME)[1]
+    torch.save(tokens, tmp_path / "tokens.pt")
+    vocab = loaded(imported[0], 2, None).cfg.model.vocab_size
+    assert "successfully loaded checkpoint" in _run_megatron(
+        out, tmp_path / "tokens.pt", tmp_path / "logits.pt", "torch_dist", 1, 1, vocab
+    )
+    theirs = torch.load(tmp_path / "logits.pt", weights_only=True)
+    ours = our_logits(imported[0], tokens)
+    assert logits_error(ours, theirs)[1] <= 1e-5, logits_error(ours, theirs)
+    assert logits_error(theirs, fixture_logits(NAME)[2])[1] <= 1e-5
