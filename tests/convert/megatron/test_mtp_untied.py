@@ -37,6 +37,7 @@ def test_the_fixture_is_untied_mtp_under_pp2_with_the_distributed_optimizer(impo
 
 def test_the_import_gives_megatrons_logits_at_pp1(imported):
     error = logits_error(our_logits(imported[0], fixture_logits(NAME)[1]), fixture_logits(NAME)[2])
+    print(f"\nimported into PP1: max |logit difference| {error[0]:.1e}, rel {error[1]:.1e}")
     assert error[1] <= 1e-5, error
 
 
@@ -65,6 +66,7 @@ def test_the_import_gives_megatrons_logits_at_pp2(tmp_path):
     out = str(tmp_path / "pp2")
     import_megatron(fixture_logits(NAME)[0], out, Target(1, 2), progress=False)
     error = run_distributed(_pp2_error, 2, out, timeout=300)[1]
+    print(f"\nimported into PP2: max |logit difference| {error[0]:.1e}, rel {error[1]:.1e}")
     assert error[1] <= 1e-5, error
 
 
@@ -75,6 +77,7 @@ def test_the_mtp_loss_is_megatrons(imported):
     tokens, labels = MEGATRON["tokens"], MEGATRON["mtp_labels"]
     state.model.eval()(tokens=tokens, labels=labels, loss_mask=torch.ones(labels.shape))
     ours = mtp.pop_losses(1, torch.device("cpu"), ())
+    print(f"\nMTP loss: ours {float(ours[0]):.6f}, Megatron's {MEGATRON['mtp_loss'][0].item():.6f}")
     assert ours[0] == pytest.approx(MEGATRON["mtp_loss"][0].item(), rel=1e-5)
 
 
@@ -99,5 +102,6 @@ def test_megatron_loads_the_export_at_our_logits(imported, tmp_path, pp):
     )
     theirs = torch.load(tmp_path / "logits.pt", weights_only=True)
     ours = our_logits(imported[0], tokens)
+    print(f"\nexport for PP{pp} loaded by Megatron: max |logit difference| {logits_error(ours, theirs)[0]:.1e}")
     assert logits_error(ours, theirs)[1] <= 1e-5, logits_error(ours, theirs)
     assert logits_error(theirs, fixture_logits(NAME)[2])[1] <= 1e-5
