@@ -4,7 +4,8 @@ distributed optimizer; its last stage holds a replica of the input embedding for
 bucket of its own in that stage's grad buffer). test_megatron_written.py imports it into TP1 and
 TP2 at Megatron's logits, reads its mains from the replayed buckets and continues Megatron's run
 by one step of ours from the imported Adam state (PP1); here: into PP2 at Megatron's logits, the
-MTP depth's loss, and the export loaded by Megatron (skipped without megatron-core)."""
+MTP depth's loss, Megatron's 4th step continued under PP2, and the export loaded by Megatron
+(skipped without megatron-core)."""
 
 import os
 
@@ -105,3 +106,40 @@ def test_megatron_loads_the_export_at_our_logits(imported, tmp_path, pp):
     print(f"\nexport for PP{pp} loaded by Megatron: max |logit difference| {logits_error(ours, theirs)[0]:.1e}")
     assert logits_error(ours, theirs)[1] <= 1e-5, logits_error(ours, theirs)
     assert logits_error(theirs, fixture_logits(NAME)[2])[1] <= 1e-5
+
+
+def _pp2_continued_error(rank, world, ckpt, fresh):
+    """(max abs, rel) on the last stage after one training step of ours under PP2 from the
+    imported checkpoint (``fresh``: a new AdamW) on Megatron's 4th batch, against its logits."""
+    import torch.distributed as dist
+
+    from megatron_p2r.training import train_step
+
+    continued = torch.load(os.path.join(ROOT, NAME, "continued.pt"), weights_only=True)
+    batch, tokens = continued["batch"], continued["tokens"]
+    flags = dict(lr=1e-3, lr_warmup_iters=5, lr_decay_style="constant", clip_grad=0.0, weight_decay=0.01)
+    state = loaded(ckpt, batch.shape[0], world, no_load_optim=fresh, train_iters=10, **flags)
+    train_step(state, [{"tokens": batch[:, :-1], "labels": batch[:, 1:], "loss_mask": torch.ones(batch.shape[0], 16)}])
+    with torch.no_grad():
+        model = state.model.eval()
+        if rank == 0:
+            dist.send(model(tokens=tokens).contiguous(), dst=1)
+            return None
+        hidden = torch.empty(tokens.shape[0], tokens.shape[1], state.cfg.model.hidden_size)
+        dist.recv(hidden, src=0)
+        return logits_error(model(hidden=hidden).float(), continued["logits"])
+
+
+def test_a_megatron_run_continues_here_under_pp2(tmp_path):
+    """Imported into PP2 with Adam's state read from Megatron's buckets (each stage its own; our
+    last stage's replica of the embedding as Megatron's), one training step of ours on 2 gloo
+    ranks gives the logits Megatron's 4th step gave; with a fresh AdamW it does not."""
+    from tests.harness import run_distributed
+
+    out = str(tmp_path / "pp2")
+    import_megatron(fixture_logits(NAME)[0], out, Target(1, 2), progress=False)
+    resumed = run_distributed(_pp2_continued_error, 2, out, False, timeout=300)[1]
+    fresh = run_distributed(_pp2_continued_error, 2, out, True, timeout=300)[1]
+    print(f"\nMegatron's 4th step continued under PP2: rel {resumed[1]:.1e} (fresh AdamW: {fresh[1]:.1e})")
+    assert resumed[1] <= 1e-5, resumed
+    assert fresh[1] > 1e-3, fresh
