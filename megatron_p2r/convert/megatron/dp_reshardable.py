@@ -19,8 +19,10 @@ the saved tensors before a value is read. The experts are replayed as the local 
 expert, or ``--moe-grouped-gemm``'s ``GroupedMLP``: per layer ``weight1`` [h, local experts x fc1
 rows / TP] and ``weight2`` [local experts x ffn / TP, h], each expert's block transposed. Not
 replayed (the import is then of weights only, and says why): Transformer Engine's modules, experts
-outside expert parallelism (in the dense buffer), experts with biases or their own TP size, and
-uneven pipeline splits.
+outside expert parallelism (in the dense buffer), experts with biases or their own TP size,
+uneven pipeline splits, and MTP layers with a tied embedding under PP > 1. With MTP under PP > 1
+(untied) the last stage holds a replica of the embedding, a bucket of its own as the first
+stage's embedding is (megatron-core's ``shared_embedding``).
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ _LAYER_MODULES = (
 # an MTP depth's modules in registration order (its transformer layer's in _LAYER_MODULES order)
 _MTP_MODULES = ("enorm", "hnorm", "eh_proj", "transformer_layer", "final_layernorm")
 _MTP_OWN = re.compile(r"mtp\.layers\.(\d+)\.(enorm|hnorm|eh_proj|final_layernorm)\.weight")
+# the last stage's replica of the embedding under MTP (no weight of ours: its state is the first
+# stage's embedding's, kept equal by the embedding group's gradient all-reduce)
+_EMBEDDING_REPLICA = "embedding.word_embeddings.weight (the MTP stage's replica)"
 _UNEVEN_SPLITS = (
     "decoder_first_pipeline_num_layers",
     "decoder_last_pipeline_num_layers",
@@ -294,15 +299,25 @@ class DpReshardable:
         return params, blocks
 
     def _stage_params(self, names: List[str], last: bool) -> List[Param]:
-        """The (virtual) stage's dense parameters (TP shards) in ``named_parameters`` order; with a
-        tied embedding under PP > 1, the last stage's copy (``output_layer.weight``) and the first
-        stage's embedding are each a bucket of their own."""
-        tied = not self.args.get("untie_embeddings_and_output_weights") and self.args.pp > 1
-        names = names + ([OUTPUT_LAYER] if tied and last else [])
-        return [
-            Param(n, self._local_shape(n), False, tied and n in (WORD_EMBEDDINGS, OUTPUT_LAYER))
+        """The (virtual) stage's dense parameters (TP shards) in ``named_parameters`` order. Under
+        PP > 1 the last stage holds a replica of the embedding where the embedding is tied or the
+        model has MTP layers (megatron-core's ``shared_embedding``): the tied output layer's weight
+        (``output_layer.weight``, registered last) or, with MTP, the MTP depths' input embedding
+        (``embedding.word_embeddings.weight``, registered first, beside an untied output layer);
+        the replica and the first stage's embedding are each a bucket of their own (MTP with a
+        tied embedding under PP > 1: not replayed, ``_check_replayable``)."""
+        mtp = bool(self.args.get("mtp_num_layers"))
+        shared = self.args.pp > 1 and (mtp or not self.args.get("untie_embeddings_and_output_weights"))
+        params = [
+            Param(n, self._local_shape(n), False, shared and n == WORD_EMBEDDINGS)
             for n in sorted(names, key=module_order)
         ]
+        if not (shared and last):
+            return params
+        if not mtp:  # the tied output layer holds it: its state is the first stage's embedding's
+            return params + [Param(OUTPUT_LAYER, self._local_shape(OUTPUT_LAYER), False, True)]
+        replica = Param(_EMBEDDING_REPLICA, self._local_shape(WORD_EMBEDDINGS), False, True)
+        return [replica] + params
 
     def _local_shape(self, name: str) -> Tuple[int, ...]:
         """The TP shard's shape (a tied embedding's last-stage copy: the embedding's)."""
@@ -352,6 +367,11 @@ def _check_replayable(args: SavedArgs, shapes: Dict[str, Tuple[int, ...]], sizes
         or any(not _EXPERT.fullmatch(split_any_layer(n)[1]) for n in experts)
     ):
         raise NotReplayed("the buffers of experts with their own TP size or with biases are not replayed yet")
+    if args.pp > 1 and args.get("mtp_num_layers") and not args.get("untie_embeddings_and_output_weights"):
+        raise NotReplayed(
+            "the buffers of MTP layers with a tied embedding under PP > 1 are not replayed yet "
+            "(with --untie-embeddings-and-output-weights they are)"
+        )
     uneven = [f"--{a.replace('_', '-')}" for a in _UNEVEN_SPLITS if args.get(a)]
     if uneven or args.required("num_layers") % (args.pp * _model_chunks(args)):
         raise NotReplayed(

@@ -65,7 +65,8 @@ WITH_OPTIMIZER = (
 # per rank (one grad buffer per chunk), trained by Megatron's interleaved schedule, in torch_dist
 # and in legacy (distrib_optim.pt: one flat buffer per chunk); and GroupedMLP experts over 2 DP
 # ranks in legacy (weight1/weight2 in the dense buffer under EP1); and the SequentialMLP run under
-# EP2 in legacy (distrib_optim.pt: a list of the two chained optimizers' states)
+# EP2 in legacy (distrib_optim.pt: a list of the two chained optimizers' states); and MTP with an
+# untied embedding under PP2 (the last stage's replica of the embedding a bucket of its own)
 WITHOUT_ADAM_STATE = (
     "llama_dist_tp2_distopt",
     "mixtral_dist_ep2_grouped_distopt",
@@ -74,6 +75,7 @@ WITHOUT_ADAM_STATE = (
     "gpt_legacy_pp2_vp2_distopt",
     "mixtral_legacy_dp2_grouped_distopt",
     "mixtral_legacy_ep2_distopt",
+    "gpt_dist_pp2_mtp_untied_distopt",
 )
 # Megatron's 4th step of the --bf16 run computed in bf16: an fp32 step of ours differs by bf16's
 # rounding (rel 1e-2), so the continued step is compared on the fp32 runs
