@@ -11,8 +11,9 @@ counterpart (the same settings with the other ``--p2r-phase``) are planned side 
 
 ``--verify-rank R`` builds rank R's stage with ``model.m6.build_model(meta=True)`` under
 torch's fake process group of the plan's world size and checks that the planner's tensors
-(names, local shapes, TP/EP sharding, stage replicas), parameter count, parameter bytes and
-gradient-sync buckets per group equal the built model's exactly. ``--verify-all-ranks`` does
+(names, local shapes, TP/EP sharding, stage replicas), parameter count, parameter bytes,
+buffer bytes (the routers' expert biases) and gradient-sync buckets per group equal the built
+model's exactly. ``--verify-all-ranks`` does
 it for every rank class (ranks of one pipeline stage hold the same shapes; each stage is
 built once, and two of its ranks with different coordinates are compared) and checks that
 the slices all ranks hold cover the model's logical parameter count exactly once.
@@ -72,7 +73,7 @@ from megatron_p2r.planning.estimate import Plan, make_plan
 from megatron_p2r.planning.hardware import GPU_HOSTS, GPU_PRESETS, HOST_PRESETS, NVME_PRESETS, GiB, HostSpec
 from megatron_p2r.planning.host_step import load_calibration, with_overrides
 from megatron_p2r.planning.longest_sequence import LongestSequence, longest_sequence, plan_verdict, sequence_step
-from megatron_p2r.planning.memory import logical_parameter_count
+from megatron_p2r.planning.memory import expert_bias_bytes, logical_parameter_count
 from megatron_p2r.planning.verdict import verdict_line
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -389,6 +390,7 @@ def verify_rank(cfg: Config, world_size: int, rank: int) -> dict:
         model, ps = build_meta(cfg, plan, rank)
         built = {n: _spec_of(n, p) for n, p in model.named_parameters()}
         params = list(model.parameters())
+        buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
         buckets = defaultdict(int)
         for name, p in model.named_parameters():
             reduction = reduction_of(plan, name, p)
@@ -413,6 +415,9 @@ def verify_rank(cfg: Config, world_size: int, rank: int) -> dict:
         problems.append(
             f"rank {rank}: built {n_built} parameters / {bytes_built} B, planned {n_planned} / {bytes_planned} B"
         )
+    planned_buffers = expert_bias_bytes(plan, coords.pp)
+    if buffer_bytes != planned_buffers:
+        problems.append(f"rank {rank}: built {buffer_bytes} B of buffers, planned {planned_buffers} B")
     planned_buckets = defaultdict(int)
     for s in specs:
         reduction = plan.reduction(s.logical, s.expert)
@@ -430,6 +435,7 @@ def verify_rank(cfg: Config, world_size: int, rank: int) -> dict:
         "ep": coords.ep,
         "parameters": n_built,
         "param_bytes": bytes_built,
+        "buffer_bytes": buffer_bytes,
         "grad_sync_bytes": dict(buckets),
         "build_seconds": seconds,
         "problems": problems,

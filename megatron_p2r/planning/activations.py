@@ -222,6 +222,12 @@ def norm_held(m, rows: int, width: int, a: int) -> int:
     return 2 * rows * width * 4 + rows * 4
 
 
+def unsaved_norm_input(m, a: int) -> int:
+    """1 when a norm's input is not among what it keeps for backward (``norm_held``): RMSNorm
+    over 16-bit input keeps its fp32 upcast instead; else 0."""
+    return int(m.normalization != "LayerNorm" and a != 4)
+
+
 def attention_core_bytes(cfg: Config, tp: int, device_type: str = "cuda") -> int:
     """What the attention core keeps besides its inputs and output: a fused kernel its
     log-sum-exp (what selective recomputation saves with fused kernels); the math kernel
@@ -471,8 +477,11 @@ def _head(cfg: Config, tp: int, ns: int, sequence_parallel: bool) -> Tuple[int, 
     gathered = n * h * a if sequence_parallel else 0
     # the gathered input (SP), a chunk's fp32 logits (and their 16-bit matmul output / gradient),
     # one chunk's weight gradient before it is added, the full input gradient before its
-    # reduce-scatter (SP)
+    # reduce-scatter (SP); and while the loss runs the model's forward still holds the final
+    # norm's output (the loss's input) and its input, the last layer's output (saved by the norm
+    # when it keeps its input), freed when the forward returns
     fwd = gathered + chunk * v * (4 + (a if a != 4 else 0)) + v * h * a + (n - ns) * h * 4 + n * 16
+    fwd += (1 + unsaved_norm_input(m, a)) * ns * h * a
     return held, fwd, ns * h * 4 + v * h * 4
 
 
@@ -491,6 +500,16 @@ def _mtp_depth(cfg: Config, tp: int, ep: int, ns: int, sequence_parallel: bool, 
     return LayerActivations(held=held, work=layer.work, backward=layer.backward)
 
 
+def rope_table_bytes(m) -> int:
+    """The fp32 cos and sin tables of rotary positions (latent attention's YaRN tables, whatever
+    --position-embedding-type), made once per forward."""
+    if m.multi_latent_attention:
+        return 2 * m.seq_length * m.qk_pos_emb_head_dim * 4
+    if m.position_embedding_type == "rope":
+        return 2 * m.seq_length * m.head_dim * 4
+    return 0
+
+
 def stage_activations(
     cfg: Config, plan: ParallelPlan, stage: int, chunk: int = 0, *, device_type: str = "cuda"
 ) -> StageActivations:
@@ -506,11 +525,7 @@ def stage_activations(
     # Always kept: rope tables, the embedding's indices. Not the chunk's output: the schedule
     # frees it once sent (pipeline.p2p.deallocate_output); on the last stage it is the
     # final norm's saved input, counted in ``head``.
-    common = 0
-    if m.multi_latent_attention:  # its YaRN tables, whatever --position-embedding-type
-        common += 2 * m.seq_length * m.qk_pos_emb_head_dim * 4
-    elif m.position_embedding_type == "rope":
-        common += 2 * m.seq_length * m.head_dim * 4
+    common = rope_table_bytes(m)
     if part.first:
         common += _embedding_bytes(cfg, tp, ns, device_type)
     head = head_fwd = head_bwd = 0
@@ -520,6 +535,11 @@ def stage_activations(
             depth = _mtp_depth(cfg, tp, ep, ns, sp, device_type)
             head += m.mtp_num_layers * (depth.held + head - norm_held(m, ns, m.hidden_size, a))
             head_bwd = max(head_bwd, depth.backward + ns * m.hidden_size * a)
+            # a depth's loss runs while the main loss's input (the depths' input: saved by their
+            # norm when it keeps its input) is still held, beside the depths' shifted labels
+            # (int64), mask (fp32) and positions (int64) and the rope tables ``_head`` makes for them
+            b, s = t.micro_batch_size, m.seq_length
+            head_fwd += unsaved_norm_input(m, a) * ns * m.hidden_size * a + b * s * 12 + s * 8 + rope_table_bytes(m)
     # A weight called several times in one forward gets one gradient buffer (its dtype) that
     # autograd accumulates into until its last use's backward (the tied embedding too).
     shared = sum(s_.numel * a for s_ in plan.tensors(stage) if s_.module_key is not None and calls[s_.module_key] > 1)

@@ -7,7 +7,9 @@ Activations travel in the weights' dtype (fp32, or 16-bit with --bf16/--fp16: th
 in its weights' dtype); gradients are reduced in fp32 — one all-reduce, or under the distributed
 optimizer a reduce-scatter of the fp32 gradients plus an all-gather of the updated weights.
 Partial gradients over TP (sequence parallelism's norms and biases, replicated key/value heads)
-are reduced with their data-parallel copies (``tp_partial``: TP block x DP)."""
+are reduced with their data-parallel copies (``tp_partial``: TP block x DP). With
+--moe-router-enable-expert-bias every rank all-reduces the routers' counts after each step
+(``expert_bias``: one fp32 [biases, E] table over all ranks, moe/expert_bias.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from megatron_p2r.config import Config, num_microbatches
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import stage_set_groups
 from megatron_p2r.context.traffic import sent_bytes
+from megatron_p2r.moe.expert_bias import expert_bias_names
 from megatron_p2r.planning.activations import (
     compute_bytes,
     cut_positions,
@@ -111,7 +114,8 @@ def communication(
     cfg: Config, plan: ParallelPlan, stage: int, gpus_per_node: int = 8, offloaded: Sequence[int] = ()
 ) -> Dict[str, GroupTraffic]:
     """Per-step bytes a rank of ``stage`` sends over each group (tp, cp, ep, pp, dp, expert_dp,
-    embedding, sharing, tp_partial), following the collectives the code issues (see docs/scale.md)."""
+    embedding, sharing, tp_partial; expert_bias with the expert bias), following the collectives
+    the code issues (see docs/scale.md)."""
     cfg = local_sequence(cfg)  # a CP rank's tokens: every module but attention's core runs on them
     m, t, layout = cfg.model, cfg.train, plan.layout
     a = compute_bytes(cfg)
@@ -164,7 +168,27 @@ def communication(
     out["pp"] = GroupTraffic(mbs * sends * n // (T if sp else 1) * h * a, layout.pp, pp_nodes)
 
     out.update(gradient_traffic(plan, stage, gpus_per_node))
+    if m.moe_router_enable_expert_bias:
+        out["expert_bias"] = expert_bias_traffic(plan, gpus_per_node)
     return out
+
+
+def expert_bias_table_bytes(plan: ParallelPlan) -> int:
+    """Bytes of the table ``update_expert_biases`` all-reduces each step: fp32 [every bias of the
+    whole model, E], the same on every rank (also those whose stage has no router)."""
+    return len(expert_bias_names(plan.model, plan.layer_keys)) * plan.model.num_experts * 4
+
+
+def expert_bias_traffic(plan: ParallelPlan, gpus_per_node: int = 8) -> GroupTraffic:
+    """Per-step bytes a rank sends in the expert-bias counts' all-reduce over all ranks (a ring)."""
+    ranks = range(plan.layout.world_size)
+    size = len(ranks)
+    return GroupTraffic(
+        _ring(expert_bias_table_bytes(plan), size),
+        size,
+        _nodes(ranks, gpus_per_node),
+        per_node=_per_node(ranks, gpus_per_node),
+    )
 
 
 def gradient_traffic(plan: ParallelPlan, stage: int, gpus_per_node: int = 8) -> Dict[str, GroupTraffic]:

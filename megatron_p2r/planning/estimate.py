@@ -16,7 +16,7 @@ from megatron_p2r.metrics import model_flops_per_token
 from megatron_p2r.pipeline.order import combined_step_slots, combined_warmup, step_slots
 from megatron_p2r.planning.activations import activation_memory, recomputed_positions, with_recompute
 from megatron_p2r.planning.checkpoint_cost import FS_WRITE_BW, Bandwidths, async_save_host_bytes, checkpoint_cost
-from megatron_p2r.planning.communication import communication
+from megatron_p2r.planning.communication import GroupTraffic, communication
 from megatron_p2r.planning.hardware import GPU_HOSTS, HOST_PRESETS, NVME_PRESETS, GiB, GPUSpec, HostSpec, NvmeSpec
 from megatron_p2r.planning.host_step import host_bandwidth, setting_bytes, step_setting, threads_per_rank
 from megatron_p2r.planning.memory import (
@@ -31,7 +31,8 @@ from megatron_p2r.planning.memory import (
 from megatron_p2r.planning.timing import link_time, microbatch_link_times, stage_flops_per_microbatch
 from megatron_p2r.planning.verdict import TierVerdict, gpu_tier, host_problem, host_tier, node_tier, nvme_problem
 
-DEVICE_ORDER = ("reserve", "params", "optimizer", "grads", "fetch_window", "activations", "transient")
+# "buffers": the routers' expert-bias buffers, only with --moe-router-enable-expert-bias
+DEVICE_ORDER = ("reserve", "params", "buffers", "optimizer", "grads", "fetch_window", "activations", "transient")
 
 
 def step_bytes_per_element(cfg: Config, plan: ParallelPlan) -> int:
@@ -139,7 +140,7 @@ def _overflow(device: Dict[str, int], memory: int) -> Optional[str]:
     """The first category (in allocation order) at which the device's memory runs out."""
     running = 0
     for cat in DEVICE_ORDER:
-        running += device[cat]
+        running += device.get(cat, 0)
         if running > memory:
             return cat
     return None
@@ -156,6 +157,17 @@ def _exposed_sync(cfg: Config, plan: ParallelPlan, stage: int, sync: float, comp
     window = compute * (2 / 3 + (1 / 3 if p.overlap_param_gather else 0))
     last = max((b.buckets[-1].end - b.buckets[-1].start) / b.numel for b in plan.grad_buffers(stage) if b.numel)
     return max(sync - window, sync * last)
+
+
+def _sync_time(
+    cfg: Config, plan: ParallelPlan, stage: int, comm: Dict[str, GroupTraffic], gpu: GPUSpec, compute: float
+) -> float:
+    """What a step waits for between backward and the optimizer step: the exposed part of the
+    gradient reduction (``_exposed_sync``) and, with the expert bias, the all-reduce of the
+    routers' counts, which runs after it (``training/step.py``) and is never overlapped."""
+    grads = sum(link_time(comm[k], gpu) for k in ("dp", "expert_dp", "embedding", "sharing", "tp_partial"))
+    bias = link_time(comm["expert_bias"], gpu) if "expert_bias" in comm else 0.0
+    return _exposed_sync(cfg, plan, stage, grads, compute) + bias
 
 
 def exposed_p2p(p2p: float, compute: float) -> float:
@@ -306,13 +318,7 @@ def _stage_estimate(
         ep_exposed = ep_t
     pp_exposed = exposed_p2p(pp_t, compute + tp_t + ep_exposed) if overlap_p2p else pp_t
     mb_time = max(compute + tp_t + ep_exposed, transfer) + pp_exposed
-    sync = _exposed_sync(
-        cfg,
-        plan,
-        stage,
-        sum(link_time(comm[k], gpu) for k in ("dp", "expert_dp", "embedding", "sharing", "tp_partial")),
-        compute,
-    )
+    sync = _sync_time(cfg, plan, stage, comm, gpu, compute)
     hosted = off["host_optimizer_params"]
     per_element = step_bytes_per_element(cfg, plan)
     state = stage_state_bytes(plan, stage)

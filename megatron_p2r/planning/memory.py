@@ -5,16 +5,21 @@ their dtype (4 B, or 2 B with --bf16/--fp16), fp32 gradient buffers (4 B, bucket
 included), and the optimizer state of what the rank steps — AdamW moments (8 B; 4–6 B with
 16-bit moments under --use-precision-aware-optimizer) plus fp32 mains
 of 16-bit weights (4 B); under the distributed optimizer only the rank's shard of each buffer.
+With --moe-router-enable-expert-bias also the routers' fp32 buffers (``expert_bias_bytes``),
+which stay on the device whatever is offloaded.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from megatron_p2r.config import Config, build_step_plan, parse_offload_what
 from megatron_p2r.layout.offload import CATEGORIES, add_bytes, delayed_grads_bytes, memory_plan, nvme_split
 from megatron_p2r.layout.plan import ParallelPlan
 from megatron_p2r.layout.ranks import Coords
+from megatron_p2r.moe.expert_bias import expert_bias_names, mtp_bias_name
+
+EXPERT_BIAS_BUFFERS = 2  # a router's expert_bias and tokens_per_expert (moe/router.py)
 
 
 def logical_parameter_count(plan: ParallelPlan) -> int:
@@ -65,6 +70,23 @@ def active_parameter_count(plan: ParallelPlan, with_mtp: bool = False) -> int:
     return total - experts + experts * m.moe_slots // m.num_experts
 
 
+def stage_expert_biases(plan: ParallelPlan, stage: int) -> List[str]:
+    """The expert biases a rank of ``stage`` holds (``expert_bias_names``): one router per MoE
+    module the stage calls (a pseudo slot's once, however often the stage calls it), and on the
+    last stage the MoE multi-token prediction depths'. Every TP and EP rank of the stage holds
+    them all (the router is replicated)."""
+    st, m = plan.stage(stage), plan.model
+    depths = {mtp_bias_name(d) for d in range(m.mtp_num_layers or 0)}
+    return [n for n in expert_bias_names(m, st.layer_keys) if st.last or n not in depths]
+
+
+def expert_bias_bytes(plan: ParallelPlan, stage: int) -> int:
+    """Bytes of the routers' expert-bias buffers on a rank of ``stage``: [E] fp32 each, whatever
+    the weights' dtype (``Router._apply`` keeps them fp32)."""
+    routers = len(stage_expert_biases(plan, stage))
+    return routers * EXPERT_BIAS_BUFFERS * plan.model.num_experts * 4 if routers else 0
+
+
 def stage_state_bytes(plan: ParallelPlan, stage: int, coords: Optional[Coords] = None) -> Dict[str, int]:
     """Bytes of weights, gradients and optimizer state a rank of ``stage`` holds (``coords``: which
     rank; default the first of each reduction group, which owns the most)."""
@@ -81,7 +103,8 @@ def stepped_elements(state: Dict[str, int]) -> int:
 
 def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, object]:
     """What offload puts on host for a rank of ``stage``: the plan's choice, with the same
-    accounting as the runtime (``layout.offload.memory_plan``).
+    accounting as the runtime (``layout.offload.memory_plan``); ``device`` also has the expert-bias
+    buffers (``buffers``) when the model has them.
 
     ``recomputed``: modules whose weights live on host (run recomputed with fetched copies,
     moving 3 x their weights per micro-batch: fetch forward, fetch backward, gradient back);
@@ -110,10 +133,13 @@ def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, objec
         host, nvme = nvme_split(host, per_module, chosen)
     if steps.delayed and chosen:
         host = {**host, "grads_delayed": delayed_grads_bytes(per_module, chosen)}
+    device = placed["device"]
+    if plan.model.moe_router_enable_expert_bias:  # on the device whatever is offloaded (offload/__init__.py)
+        device = {**device, "buffers": expert_bias_bytes(plan, stage)}
     return {
         "modules": chosen,
         "layers": layers,
-        "device": placed["device"],
+        "device": device,
         "host": host,
         "nvme": nvme,
         "what": ",".join(sorted(what)),

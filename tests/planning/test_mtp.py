@@ -121,3 +121,17 @@ def test_the_untied_replica_and_its_all_reduce_are_planned_on_the_last_stage():
     traffic = {k: gradient_traffic(p, 1)["embedding"] for k, p in plans.items()}
     assert traffic["without"].bytes == 0 and traffic["untied"].size == 2
     assert traffic["untied"].bytes == traffic["tied"].bytes == table * 4  # a ring all-reduce over 2: 2 x 1/2
+
+
+@pytest.mark.parametrize("norm", ["RMSNorm", "LayerNorm"])
+@pytest.mark.parametrize("depths", [None, 1])
+def test_the_peak_is_the_losses_forward_to_half_a_percent(norm, depths):
+    """In bf16 a step peaks in a loss's forward: beside its working set the model's forward still
+    holds the final norm's output (the loss's input) and, when the norm keeps only its fp32 upcast
+    (RMSNorm), the last layer's output; a depth's loss also the main loss's input, the shifted
+    labels, mask and positions and their rope tables. Without them the peak was 1.4% (1.6% with a
+    depth) short under RMSNorm; measured now within 0.1%."""
+    cfg = small(**{**ACT_SHAPES, **MTP_SHAPE, "normalization": norm, "bf16": True, "mtp_num_layers": depths})
+    _, peak = one_process_step(cfg)
+    est = activations.activation_memory(cfg, ParallelPlan.build(cfg, Layout()), 0, device_type="cpu")
+    assert abs((est["activations"] + est["transient"]) / peak - 1) < 0.005, (est, peak)
