@@ -15,12 +15,13 @@ says where a parameter lies in its bucket; the DDP buffer's layout does (``buffe
 replayed here from the stage's parameters in the order megatron-core's GPTModel with the local
 layer spec registers them (``named_parameters``). The replayed bucket lengths are checked against
 the saved tensors before a value is read. The experts are replayed as the local spec holds them:
-``SequentialMLP``'s ``local_experts.i.linear_fc1.weight`` and ``linear_fc2.weight``, expert after
-expert, or ``--moe-grouped-gemm``'s ``GroupedMLP``: per layer ``weight1`` [h, local experts x fc1
-rows / TP] and ``weight2`` [local experts x ffn / TP, h], each expert's block transposed. Not
-replayed (the import is then of weights only, and says why): Transformer Engine's modules, experts
-outside expert parallelism (in the dense buffer), experts with biases or their own TP size,
-uneven pipeline splits, and MTP layers with a tied embedding under PP > 1. With MTP under PP > 1
+``SequentialMLP``'s ``local_experts.i.linear_fc1.weight`` (``.bias``) and ``linear_fc2.weight``
+(``.bias``), expert after expert, or ``--moe-grouped-gemm``'s ``GroupedMLP``: per layer
+``weight1`` [h, local experts x fc1 rows / TP] and ``weight2`` [local experts x ffn / TP, h], each
+expert's block transposed. Not replayed (the import is then of weights only, and says why):
+Transformer Engine's modules, experts outside expert parallelism (in the dense buffer), experts
+with their own TP size, grouped-GEMM experts with biases (megatron-core refuses them too), uneven
+pipeline splits, and MTP layers with a tied embedding under PP > 1. With MTP under PP > 1
 (untied) the last stage holds a replica of the embedding, a bucket of its own as the first
 stage's embedding is (megatron-core's ``shared_embedding``).
 """
@@ -57,7 +58,7 @@ _KEY = re.compile(
     r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(\(.*\))\.bucket_idx_(\d+)\."
     r"(param|exp_avg|exp_avg_sq)"
 )
-_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(linear_fc[12])\.weight")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(linear_fc[12])\.(weight|bias)")
 DENSE, EXPERTS = "chained_0.", "chained_1."  # a ChainedOptimizer's keys: the dense optimizer's, the experts'
 # a layer's modules in the order megatron-core's local-spec TransformerLayer registers them
 # (Attention builds linear_proj before SelfAttention adds linear_qkv and the q/k norms; MoELayer
@@ -269,15 +270,18 @@ class DpReshardable:
     def _sequential_experts(self, layer: str, ep: int, local: int) -> Tuple[List[Param], List[tuple]]:
         """SequentialMLP's parameters of one MoE layer (``layer``: its prefix) on EP rank ``ep``
         (``local_experts.i.linear_fc1``, ``linear_fc2`` of each local expert in turn, as its
-        ModuleList registers them), and where each canonical expert weight lies in them:
-        (parameter, name, offset, shape, transposed)."""
+        ModuleList registers them, each its weight then its bias), and where each canonical expert
+        weight lies in them: (parameter, name, offset, shape, transposed)."""
         params, blocks = [], []
         for i in range(local):
             for fc in ("linear_fc1", "linear_fc2"):
-                name = f"{layer}mlp.experts.{ep * local + i}.{fc}.weight"
-                key, shape = f"{layer}mlp.experts.local_experts.{i}.{fc}.weight", self._local_shape(name)
-                params.append(Param(key, shape, True))
-                blocks.append((key, name, 0, shape, False))
+                for leaf in ("weight", "bias"):  # a linear layer builds its weight, then its bias
+                    name = f"{layer}mlp.experts.{ep * local + i}.{fc}.{leaf}"
+                    if name not in self._shapes:
+                        continue
+                    key, shape = f"{layer}mlp.experts.local_experts.{i}.{fc}.{leaf}", self._local_shape(name)
+                    params.append(Param(key, shape, True))
+                    blocks.append((key, name, 0, shape, False))
         return params, blocks
 
     def _grouped_experts(self, layer: str, ep: int, local: int) -> Tuple[List[Param], List[tuple]]:
@@ -365,8 +369,11 @@ def _check_replayable(args: SavedArgs, shapes: Dict[str, Tuple[int, ...]], sizes
     if experts and (
         args.get("expert_tensor_parallel_size") not in (None, args.tp)
         or any(not _EXPERT.fullmatch(split_any_layer(n)[1]) for n in experts)
+        or (args.get("moe_grouped_gemm") and any(n.endswith(".bias") for n in experts))
     ):
-        raise NotReplayed("the buffers of experts with their own TP size or with biases are not replayed yet")
+        raise NotReplayed(
+            "the buffers of experts with their own TP size, or of grouped-GEMM experts with biases, are not replayed yet"
+        )
     if args.pp > 1 and args.get("mtp_num_layers") and not args.get("untie_embeddings_and_output_weights"):
         raise NotReplayed(
             "the buffers of MTP layers with a tied embedding under PP > 1 are not replayed yet "
