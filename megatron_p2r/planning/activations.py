@@ -637,6 +637,10 @@ def _chunk_memory(
     units, standalone, light = _units(cfg, keys, offloaded)
     kept_inputs = sum(1 for unit, recomputed in units if recomputed) + len(standalone)
     held = st.held - sum(st.layers[keys[p]].held for p in light) + kept_inputs * hidden_bytes
+    if not plan.stage(stage).chunks[chunk].first and 0 not in light:
+        # the received input stays until its backward (the schedule reads its gradient), its
+        # storage counted above only when the first norm keeps it (not RMSNorm over 16-bit)
+        held += unsaved_norm_input(cfg.model, compute_bytes(cfg)) * hidden_bytes
     if cfg.parallel.overlap_moe_expert_parallel_comm:  # MoE layers cut at their all-to-alls
         ns, n = hidden_bytes // token_bytes(cfg), cfg.train.micro_batch_size * cfg.model.seq_length
         moe = {p for p in range(len(keys)) if cfg.model.is_moe_layer(keys[p])}

@@ -24,6 +24,8 @@ CASES = [
     # last layer's output and the final norm's (and a depth's beside the main loss's input)
     ("1f1b-m3-rmsnorm", dict(RMS), 3),
     ("1f1b-m3-mtp", dict(RMS, mtp_num_layers=1), 3),
+    # no norm keeps a received chunk input, which the schedule holds until its backward
+    ("v2-m4-rmsnorm", dict(RMS, num_layers_per_virtual_pipeline_stage=1), 4),
 ]
 
 
@@ -61,7 +63,10 @@ def test_pipeline_activation_estimate_matches_measured_step():
     remainder joining the one group) and its p2p link holds up to 4 hidden-state buffers of
     sends not yet known received: without counting those the estimate was 7% short. With RMSNorm
     (and MTP) the last stage was 3.3% (3.0%) short before the loss's forward counted the hidden
-    states the model's forward still holds while it runs."""
+    states the model's forward still holds while it runs. Never short by more than 0.5%
+    (observed <= 0.1%): with RMSNorm over bf16 no norm keeps a received chunk input, which the
+    schedule holds until its backward reads its gradient; uncounted, the last stage was one hidden
+    state (1.2%, 0.7% with MTP, 1.6% interleaved) short."""
     results = run_distributed(measured_pipeline_worker, 2, timeout=240)
     want_in_flight = {
         "1f1b-m3": (2, 1),
@@ -69,6 +74,7 @@ def test_pipeline_activation_estimate_matches_measured_step():
         "v2-m3": (6, 4),
         "1f1b-m3-rmsnorm": (2, 1),
         "1f1b-m3-mtp": (2, 1),
+        "v2-m4-rmsnorm": (5, 3),
     }
     for rank, r in enumerate(results):
         for name, _, _ in CASES:
@@ -76,6 +82,7 @@ def test_pipeline_activation_estimate_matches_measured_step():
             assert est["in_flight"] == want_in_flight[name][rank], (rank, name, est)
             total = est["activations"] + est["transient"]
             assert abs(total / peak - 1) < 0.03, (rank, name, total, peak)
+            assert total >= 0.995 * peak, (rank, name, total, peak)  # a planner short is a device OOM
 
 
 def test_bubble_and_p2p_volume_of_interleaving():
