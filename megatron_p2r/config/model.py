@@ -386,6 +386,11 @@ class ModelConfig:
         return bool(self.num_experts) and expand_layer_pattern(self.moe_layer_freq, layer + 1)[layer] == 1
 
     @property
+    def expert_bias(self) -> bool:
+        """Routers keep an expert bias: --moe-router-enable-expert-bias with experts (without, the flag has nothing to bias)."""
+        return bool(self.num_experts) and self.moe_router_enable_expert_bias
+
+    @property
     def all_layers_moe(self) -> bool:
         return all(self.is_moe_layer(layer) for layer in range(self.num_layers))
 

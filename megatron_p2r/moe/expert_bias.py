@@ -49,7 +49,7 @@ def expert_bias_names(m: ModelConfig, module_keys: Sequence[int]) -> List[str]:
     names = [bias_name(k) for k in sorted({k for k in module_keys if m.is_moe_layer(k)})]
     if m.mtp_num_layers and m.is_moe_layer(m.num_layers - 1):
         names += [mtp_bias_name(d) for d in range(m.mtp_num_layers)]
-    return names if m.moe_router_enable_expert_bias else []
+    return names if m.expert_bias else []
 
 
 def updated_expert_bias(tokens_per_expert: torch.Tensor, bias: torch.Tensor, rate: float) -> torch.Tensor:

@@ -168,7 +168,7 @@ def communication(
     out["pp"] = GroupTraffic(mbs * sends * n // (T if sp else 1) * h * a, layout.pp, pp_nodes)
 
     out.update(gradient_traffic(plan, stage, gpus_per_node))
-    if m.moe_router_enable_expert_bias:
+    if m.expert_bias:
         out["expert_bias"] = expert_bias_traffic(plan, gpus_per_node)
     return out
 

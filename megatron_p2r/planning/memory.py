@@ -134,7 +134,7 @@ def offload_plan(cfg: Config, plan: ParallelPlan, stage: int) -> Dict[str, objec
     if steps.delayed and chosen:
         host = {**host, "grads_delayed": delayed_grads_bytes(per_module, chosen)}
     device = placed["device"]
-    if plan.model.moe_router_enable_expert_bias:  # on the device whatever is offloaded (offload/__init__.py)
+    if plan.model.expert_bias:  # on the device whatever is offloaded (offload/__init__.py)
         device = {**device, "buffers": expert_bias_bytes(plan, stage)}
     return {
         "modules": chosen,

@@ -51,8 +51,8 @@ def train_step(state: TrainState, microbatches: List[dict]) -> dict:
         )
         with timers("all-grads-sync"):
             state.ddp.finish_grad_sync()
-    if m.moe_router_enable_expert_bias:  # after every step's backward, skipped or not (Megatron-LM's place)
-        names = expert_bias_names(m, state.plan.layer_keys)
+    names = expert_bias_names(m, state.plan.layer_keys)  # none without MoE layers, whatever the flag says
+    if names:  # after every step's backward, skipped or not (Megatron-LM's place)
         update_expert_biases(state.model, names, m.num_experts, m.moe_router_bias_update_rate, ps.device)
     with timers("optimizer"):
         optimizer.prepare_grads()

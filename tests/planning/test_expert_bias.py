@@ -51,6 +51,19 @@ def test_no_expert_bias_no_buffers_and_no_all_reduce():
     assert verify_rank(cfg, WORLD, 3)["buffer_bytes"] == 0
 
 
+def test_the_flag_without_experts_biases_nothing():
+    """--moe-router-enable-expert-bias on a dense model (Megatron-LM ignores it there): no buffers,
+    no all-reduce, and a training step that updates nothing (it once crashed both)."""
+    from megatron_p2r.parallel.state import ParallelState
+    from tests.helpers import run_steps, tiny_config
+
+    cfg = tiny_config(moe_router_enable_expert_bias=True)
+    plan = estimate.make_plan(cfg, 1, hardware.GPU_PRESETS["H800-80GB"])
+    assert all("buffers" not in s.device and "expert_bias" not in s.comm_bytes for s in plan.stages)
+    losses, _ = run_steps(cfg, ParallelState.single(), 1)
+    assert len(losses) == 1
+
+
 @pytest.mark.parametrize("phase", ["real", "pseudo"])
 def test_the_all_reduce_is_what_update_expert_biases_sends(phase, monkeypatch):
     """Every rank (also one whose stage has fewer routers) all-reduces the same [biases, E] fp32
