@@ -308,27 +308,20 @@ def metadata_table(meta: dict) -> Dict[str, TensorInfo]:
     return {k: TensorInfo.from_json(k, v) for k, v in meta["tensors"].items()}
 
 
-def _older_moe_layers(config: dict, meta: dict) -> dict:
-    """A config written before ``MOE_LAYERS_FROM_0`` with its integer frequency as the list it meant."""
+def _upgraded(config: dict, meta: Optional[dict] = None) -> dict:
+    """A saved config as this code reads it, for what older code wrote otherwise: before
+    ``MOE_LAYERS_FROM_0`` (in ``meta``) an integer --moe-layer-freq N meant layers N-1, 2N-1, ...
+    (read as the list of them); before the router had a bias (no ``moe_router_bias`` field; every
+    field is saved since) the router had none."""
     model = config.get("model") if isinstance(config, dict) else None
-    freq = model.get("moe_layer_freq") if isinstance(model, dict) else None
-    if MOE_LAYERS_FROM_0 in meta or not isinstance(model, dict) or not model.get("num_experts"):
+    if not isinstance(model, dict):
         return config
-    if type(freq) is not int or freq <= 1:
-        return config
-    layers = model.get("num_layers")
-    if type(layers) is not int or not 0 < layers <= 1 << 16:
-        return config  # the range check names it
-    return {**config, "model": {**model, "moe_layer_freq": [int((i + 1) % freq == 0) for i in range(layers)]}}
-
-
-def _upgraded(config: dict) -> dict:
-    """A saved config as this code reads it: one saved before the router had a bias (no
-    ``moe_router_bias`` field; every field is saved since) describes a router without one."""
-    model = config.get("model") if isinstance(config, dict) else None
-    if not isinstance(model, dict) or "moe_router_bias" in model:
-        return config
-    return {**config, "model": {**model, "moe_router_bias": False}}
+    model = {"moe_router_bias": False, **model}
+    freq, layers = model.get("moe_layer_freq"), model.get("num_layers")
+    older_rule = MOE_LAYERS_FROM_0 not in (meta or {}) and model.get("num_experts")
+    if older_rule and type(freq) is int and freq > 1 and type(layers) is int and 0 < layers <= 1 << 16:
+        model["moe_layer_freq"] = [int((i + 1) % freq == 0) for i in range(layers)]  # bad values: the range check
+    return {**config, "model": model}
 
 
 def metadata_config(meta: dict) -> Config:
@@ -336,7 +329,7 @@ def metadata_config(meta: dict) -> Config:
     consistent, and no bigger than the tensors and files the metadata lists (so an edited config
     cannot make a reader build a table of a billion files)."""
     try:
-        cfg = Config.from_dict(_upgraded(_older_moe_layers(meta["config"], meta)))
+        cfg = Config.from_dict(_upgraded(meta["config"], meta))
         check_values(cfg)
         m, p = cfg.model, cfg.parallel
         m.check()

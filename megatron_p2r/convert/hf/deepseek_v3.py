@@ -23,6 +23,7 @@ from typing import Iterable
 
 from megatron_p2r.convert.hf.architecture import LATENT_NORM_EPSILON, HFConversionError, dense_first_layers
 from megatron_p2r.convert.hf.config_schema import required_field
+from megatron_p2r.convert.hf.rope import rope_type
 from megatron_p2r.config import ModelConfig
 from megatron_p2r.model.latent_attention import YARN_BETA_FAST, YARN_BETA_SLOW, YARN_ORIGINAL_CONTEXT
 
@@ -199,7 +200,7 @@ def mtp_depths(hf: dict, names: Iterable[str], where: str) -> int:
 
 def _yarn_values(rope: dict, where: str) -> dict:
     """--rotary-base, --rotary-scaling-factor, --mscale, --mscale-all-dim of ``rope_parameters``."""
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    kind = rope_type(rope)
     base = dict(rotary_base=float(rope.get("rope_theta", 10000.0)))
     if kind == "default":
         return base
